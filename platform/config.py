@@ -1,0 +1,145 @@
+"""Engine configuration: one frozen dataclass per concern, validated where declared.
+
+Torch-free: the router and the operator import these too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+from splitserve.platform.errors import ConfigError
+
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
+SUPPORTED_DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """Llama-3 style frequency scaling (`rope_type == "llama3"`); `linear` divides positions."""
+
+    rope_type: str = "llama3"
+    factor: float = 8.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+    def __post_init__(self) -> None:
+        if self.rope_type not in ("llama3", "linear"):
+            raise ConfigError(f"rope_scaling.rope_type={self.rope_type!r} is not supported; allowed: 'llama3', 'linear'")
+        if self.factor <= 0:
+            raise ConfigError(f"rope_scaling.factor must be > 0, got {self.factor}")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The shape of a decoder-only transformer, as read from GGUF metadata or config.json.
+
+    `model_id` names the weights (the alias or path the user gave); it seeds the block hashes
+    and the KV layout descriptor, so two workers only share KV when they run the same weights.
+    """
+
+    model_id: str
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # Qwen2 has q/k/v biases
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.architecture not in SUPPORTED_ARCHITECTURES:
+            raise ConfigError(
+                f"architecture {self.architecture!r} is not supported; allowed: {', '.join(SUPPORTED_ARCHITECTURES)}")
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                     "num_kv_heads", "head_dim", "max_position_embeddings"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"model {name} must be > 0, got {getattr(self, name)}")
+        if self.num_heads % self.num_kv_heads:
+            raise ConfigError(
+                f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
+
+    def replace(self, **changes) -> "ModelConfig":
+        return dataclasses.replace(self, **changes)
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """The paged KV cache.
+
+    `kv_cache_memory_bytes` is the budget for K and V of all layers; the number of blocks is
+    derived from it (or given directly with `num_blocks`, for tests).
+    """
+
+    block_size: int = 16
+    kv_cache_memory_bytes: int = 512 * 1024**2
+    num_blocks: int | None = None
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128, 256):
+            raise ConfigError(f"block_size must be a power of two in [1, 256], got {self.block_size}")
+        if self.kv_cache_memory_bytes <= 0:
+            raise ConfigError(f"kv_cache_memory_bytes must be > 0, got {self.kv_cache_memory_bytes}")
+        if self.num_blocks is not None and self.num_blocks < 1:
+            raise ConfigError(f"num_blocks must be >= 1, got {self.num_blocks}")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Continuous batching: how many sequences and tokens one step may carry.
+
+    `max_num_batched_tokens` is the per-step token budget; a prompt longer than what is left of
+    it is prefilled in chunks over several steps (chunked prefill), so decodes keep flowing.
+    """
+
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    enable_chunked_prefill: bool = True
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ConfigError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ConfigError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ConfigError(f"max_model_len must be >= 1, got {self.max_model_len}")
+
+
+@dataclass(frozen=True)
+class DeviceConfig:
+    """Where and in which precision the model runs; `num_threads` 0 keeps torch's default."""
+
+    device: str = "cpu"
+    dtype: str = "float32"
+    num_threads: int = 0
+
+    def __post_init__(self) -> None:
+        if self.dtype not in SUPPORTED_DTYPES:
+            raise ConfigError(f"dtype {self.dtype!r} is not supported; allowed: {', '.join(SUPPORTED_DTYPES)}")
+        if not (self.device == "cpu" or self.device.startswith("cuda")):
+            raise ConfigError(f"device {self.device!r} is not supported; allowed: 'cpu', 'cuda', 'cuda:N'")
+        if self.num_threads < 0:
+            raise ConfigError(f"num_threads must be >= 0, got {self.num_threads}")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything one engine instance needs; `model` is an alias, a path or `random:<preset>`."""
+
+    model: str = "smollm2-135m"
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    device: DeviceConfig = field(default_factory=DeviceConfig)
+    seed: int = 0

@@ -1,0 +1,22 @@
+"""The engine's typed errors.
+
+Three tiers (STYLE.md): `assert` for our own invariants; `InvalidRequestError` for a caller's
+mistake (one request is rejected, the engine keeps serving); `ConfigError` for an operator's
+mistake (the process refuses to start, with the numbers and the remedy).
+"""
+
+
+class SplitserveError(Exception):
+    """Base class of every error splitserve raises on purpose."""
+
+
+class InvalidRequestError(SplitserveError, ValueError):
+    """A request is malformed: says which value was wrong and what is allowed."""
+
+
+class ConfigError(SplitserveError, ValueError):
+    """A deployment setting cannot work: says the numbers and how to fix it."""
+
+
+class UnsupportedModelError(ConfigError):
+    """The weights use an architecture or tensor type the engine does not implement."""
