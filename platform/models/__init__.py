@@ -1,0 +1,12 @@
+"""Model families, by ModelConfig.architecture."""
+
+from splitserve.platform.config import ModelConfig
+from splitserve.platform.models.llama import LlamaForCausalLM
+from splitserve.platform.models.qwen2 import Qwen2ForCausalLM
+
+MODEL_CLASSES = {"llama": LlamaForCausalLM, "qwen2": Qwen2ForCausalLM}
+
+
+def build_model(config: ModelConfig) -> LlamaForCausalLM:
+    """An uninitialised model for `config` (weights come from load_weights)."""
+    return MODEL_CLASSES[config.architecture](config)

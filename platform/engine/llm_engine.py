@@ -1,0 +1,172 @@
+"""The engine: requests in, tokens and text out, one `step()` at a time.
+
+    step():  plan = scheduler.schedule()        # which tokens of which requests, no tensors
+             result = runner.execute(plan)      # model forward + sampling
+             updates = scheduler.update(plan, result)
+             outputs = detokenize + stop strings (may finish requests early)
+
+The engine is single-threaded: one caller drives add_request / abort / step (the async wrapper
+does that from its own thread). A bad request raises InvalidRequestError from add_request and
+never enters the scheduler, so the engine keeps serving the others.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from collections.abc import Sequence
+
+import torch
+
+from splitserve.platform.config import EngineConfig, ModelConfig
+from splitserve.platform.engine.output_processor import OutputProcessor
+from splitserve.platform.engine.outputs import RequestOutput
+from splitserve.platform.engine.runner import ModelRunner
+from splitserve.platform.errors import InvalidRequestError
+from splitserve.platform.hashing import BlockHasher
+from splitserve.platform.kv.block_pool import BlockPool
+from splitserve.platform.kv.cache import allocate_kv_cache, plan_num_blocks
+from splitserve.platform.kv.manager import KVCacheManager
+from splitserve.platform.model_source import resolve_model
+from splitserve.platform.models import build_model
+from splitserve.platform.sampling.params import SamplingParams
+from splitserve.platform.sampling.sampler import SamplingRow, make_generator
+from splitserve.platform.sched.request import Request, RequestStatus
+from splitserve.platform.sched.scheduler import Scheduler
+from splitserve.platform.tokenizer import load_tokenizer
+from splitserve.platform.weights import iter_weights, load_model_config
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        if config.device.num_threads:
+            torch.set_num_threads(config.device.num_threads)
+        self.device = torch.device(config.device.device)
+        self.dtype = DTYPES[config.device.dtype]
+        source = resolve_model(config.model)
+        self.model_config: ModelConfig = load_model_config(source)
+        self.tokenizer = load_tokenizer(config.model)
+        self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids if self.tokenizer is not None
+                                       else self.model_config.eos_token_ids)
+        t0 = time.perf_counter()
+        self.model = self._load_model(source)
+        log.info("loaded %s in %.1f s", config.model, time.perf_counter() - t0)
+        self.max_model_len = min(config.scheduler.max_model_len or self.model_config.max_position_embeddings,
+                                 self.model_config.max_position_embeddings)
+        block_size = config.cache.block_size
+        num_blocks = plan_num_blocks(config.cache, self.model_config, self.dtype, self.max_model_len, self.device)
+        self.pool = BlockPool(num_blocks, enable_caching=config.cache.enable_prefix_caching)
+        self.kv = KVCacheManager(self.pool, block_size)
+        self.hasher = BlockHasher(self.model_config.model_id, block_size)
+        self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len)
+        kv_caches = allocate_kv_cache(self.model_config, num_blocks, block_size, self.dtype, self.device)
+        self.runner = ModelRunner(self.model, kv_caches, block_size, self.device)
+        self.outputs = OutputProcessor(self.tokenizer)
+        self._generators: dict[str, torch.Generator | None] = {}
+        self._aborted: list[RequestOutput] = []
+        self._ids = itertools.count()
+
+    def _load_model(self, source):
+        with torch.device(self.device):
+            model = build_model(self.model_config).to(self.dtype)
+        model.load_weights(iter_weights(source, self.model_config, self.dtype, self.device))
+        return model.eval()
+
+    # -- requests --------------------------------------------------------------------------
+    def add_request(self, prompt: str | None = None, params: SamplingParams | None = None, *,
+                    prompt_token_ids: Sequence[int] | None = None, req_id: str | None = None,
+                    arrival_time: float | None = None) -> str:
+        """Validate and queue a request; returns its id. Raises InvalidRequestError."""
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise InvalidRequestError(f"params must be SamplingParams, got {type(params).__name__}")
+        req_id = req_id if req_id is not None else f"req-{next(self._ids)}"
+        if req_id in self.scheduler.requests:
+            raise InvalidRequestError(f"request id {req_id!r} is already in use")
+        token_ids = self._prompt_token_ids(prompt, prompt_token_ids)
+        req = Request(req_id, token_ids, params, self.hasher, self.eos_token_ids, arrival_time)
+        self._generators[req_id] = make_generator(params.seed, self.device)
+        self.outputs.add(req)
+        self.scheduler.add_request(req)
+        return req_id
+
+    def _prompt_token_ids(self, prompt: str | None, prompt_token_ids: Sequence[int] | None) -> list[int]:
+        if (prompt is None) == (prompt_token_ids is None):
+            raise InvalidRequestError("give exactly one of prompt (text) or prompt_token_ids")
+        if prompt is not None:
+            if not isinstance(prompt, str):
+                raise InvalidRequestError(f"prompt must be a string, got {type(prompt).__name__}")
+            if self.tokenizer is None:
+                raise InvalidRequestError(f"model {self.config.model!r} has no tokenizer; pass prompt_token_ids")
+            token_ids = self.tokenizer.encode(prompt)
+        else:
+            token_ids = list(prompt_token_ids)
+            vocab = self.model_config.vocab_size
+            bad = [t for t in token_ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab]
+            if bad:
+                raise InvalidRequestError(f"prompt_token_ids has invalid ids {bad[:5]}; allowed: integers in [0, {vocab})")
+        if not token_ids:
+            raise InvalidRequestError("the prompt is empty; allowed: at least 1 token")
+        if len(token_ids) >= self.max_model_len:
+            raise InvalidRequestError(
+                f"the prompt has {len(token_ids)} tokens but max_model_len is {self.max_model_len}; "
+                f"allowed: at most {self.max_model_len - 1} prompt tokens (one is needed to generate)")
+        return token_ids
+
+    def abort(self, req_id: str) -> bool:
+        """Stop a request now and free its KV blocks; its final output comes from the next step()."""
+        req = self.scheduler.finish_request(req_id, RequestStatus.FINISHED_ABORTED)
+        if req is None:
+            return False
+        self._generators.pop(req_id, None)
+        self._aborted.append(self.outputs.finish_aborted(req))
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.num_unfinished > 0 or bool(self._aborted)
+
+    # -- stepping --------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        outputs, self._aborted = self._aborted, []
+        plan = self.scheduler.schedule()
+        if plan.is_empty:
+            return outputs
+        rows = {s.req_id: self._sampling_row(s.req_id) for s in plan.seqs if s.do_sample}
+        result = self.runner.execute(plan, rows, self.eos_token_ids)
+        for update in self.scheduler.update(plan, result):
+            out = self.outputs.process(update, result)
+            if out.finished and update.finish_status is None:  # a stop string ended it
+                self.scheduler.finish_request(update.req_id, RequestStatus.FINISHED_STOPPED)
+            if out.finished:
+                self._generators.pop(update.req_id, None)
+            outputs.append(out)
+        return outputs
+
+    def _sampling_row(self, req_id: str) -> SamplingRow:
+        req = self.scheduler.requests[req_id]
+        return SamplingRow(req.params, req.prompt_token_ids, req.output_token_ids, self._generators[req_id])
+
+    # -- convenience -----------------------------------------------------------------------
+    def generate(self, prompts: Sequence[str | Sequence[int]],
+                 params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
+        """Run prompts to completion (offline batch); returns the final output of each, in order."""
+        if params is None or isinstance(params, SamplingParams):
+            params = [params or SamplingParams()] * len(prompts)
+        ids = []
+        for prompt, p in zip(prompts, params, strict=True):
+            if isinstance(prompt, str):
+                ids.append(self.add_request(prompt, p))
+            else:
+                ids.append(self.add_request(params=p, prompt_token_ids=prompt))
+        final: dict[str, RequestOutput] = {}
+        while self.has_unfinished_requests():
+            for out in self.step():
+                if out.finished:
+                    final[out.req_id] = out
+        return [final[i] for i in ids]

@@ -1,0 +1,96 @@
+"""The model runner: turns a SchedulerPlan into tensors, runs the model, samples.
+
+It owns the model, the KV cache tensors and the sampler, and touches no scheduler state:
+`execute(plan, rows)` reads the plan and returns a StepResult.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+
+import torch
+
+from splitserve.platform.models.attention import AttentionMetadata, PrefillChunk
+from splitserve.platform.sampling.sampler import Sampler, SamplingRow
+from splitserve.platform.sched.plan import SchedulerPlan, ScheduledSeq, StepResult
+
+
+class ModelRunner:
+    def __init__(self, model, kv_caches, block_size: int, device: torch.device):
+        self.model = model
+        self.kv_caches = kv_caches
+        self.block_size = block_size
+        self.device = device
+        self.sampler = Sampler()
+
+    @torch.inference_mode()
+    def execute(self, plan: SchedulerPlan, rows: dict[str, SamplingRow],
+                eos_token_ids: Collection[int]) -> StepResult:
+        seqs = _decodes_first(plan.seqs)
+        input_ids, positions, meta, sample_idx = self._prepare(seqs)
+        hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        sampling = [s for s in seqs if s.do_sample]
+        if not sampling:
+            return StepResult(sampled={})
+        logits = self.model.compute_logits(hidden[sample_idx])
+        out = self.sampler(logits, [rows[s.req_id] for s in sampling], eos_token_ids)
+        ids = [s.req_id for s in sampling]
+        return StepResult(
+            sampled=dict(zip(ids, out.token_ids)),
+            logprobs=dict(zip(ids, out.logprobs)) if out.logprobs is not None else None,
+            top_logprobs=dict(zip(ids, out.top_logprobs)) if out.top_logprobs is not None else None,
+        )
+
+    def _prepare(self, seqs: list[ScheduledSeq]):
+        bs = self.block_size
+        tokens, positions, slots, sample_idx = [], [], [], []
+        for seq in seqs:
+            start = len(tokens)
+            tokens.extend(seq.token_ids)
+            for pos in range(seq.start_pos, seq.context_len):
+                positions.append(pos)
+                slots.append(seq.block_ids[pos // bs] * bs + pos % bs)
+            if seq.do_sample:
+                sample_idx.append(start + seq.num_tokens - 1)
+        num_decodes = sum(1 for s in seqs if s.num_tokens == 1)
+        dev = self.device
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
+            num_decodes=num_decodes,
+            decode_block_table=None, decode_mask=None,
+            prefills=self._prefill_chunks(seqs[num_decodes:], num_decodes),
+        )
+        if num_decodes:
+            meta.decode_block_table, meta.decode_mask = self._decode_tables(seqs[:num_decodes])
+        return (torch.tensor(tokens, dtype=torch.long, device=dev),
+                torch.tensor(positions, dtype=torch.long, device=dev), meta,
+                torch.tensor(sample_idx, dtype=torch.long, device=dev))
+
+    def _decode_tables(self, seqs: list[ScheduledSeq]):
+        bs = self.block_size
+        num_blocks = [-(-s.context_len // bs) for s in seqs]
+        width = max(num_blocks)
+        table = [list(s.block_ids[:n]) + [0] * (width - n) for s, n in zip(seqs, num_blocks)]
+        ctx = torch.tensor([s.context_len for s in seqs], device=self.device)
+        mask = torch.arange(width * bs, device=self.device)[None, :] < ctx[:, None]
+        return torch.tensor(table, dtype=torch.long, device=self.device), mask
+
+    def _prefill_chunks(self, seqs: list[ScheduledSeq], offset: int) -> list[PrefillChunk]:
+        chunks = []
+        q_start = offset
+        for seq in seqs:
+            table = mask = None
+            if seq.start_pos > 0:
+                n_blocks = -(-seq.context_len // self.block_size)
+                table = torch.tensor(seq.block_ids[:n_blocks], dtype=torch.long, device=self.device)
+                # query i (absolute position start_pos + i) sees keys 0..start_pos + i
+                mask = torch.ones(seq.num_tokens, seq.context_len, dtype=torch.bool,
+                                  device=self.device).tril(seq.start_pos)
+            chunks.append(PrefillChunk(q_start, seq.num_tokens, seq.start_pos, table, mask))
+            q_start += seq.num_tokens
+        return chunks
+
+
+def _decodes_first(seqs) -> list[ScheduledSeq]:
+    """Single-token slices first (batched decode attention), then prefill chunks."""
+    return [s for s in seqs if s.num_tokens == 1] + [s for s in seqs if s.num_tokens != 1]

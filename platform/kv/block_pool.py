@@ -1,0 +1,185 @@
+"""The block pool: ref-counted KV blocks, an LRU free queue, and the prefix-cache map.
+
+Every block is in exactly one of two states:
+  * in use: ref_cnt > 0 (held by one or more requests; shared prefix blocks have ref_cnt > 1);
+  * free: ref_cnt == 0 and in the free queue. A free block may still carry a hash: its KV is
+    valid and a later request with the same prefix can revive it (a prefix-cache hit).
+
+Allocation pops from the head of the free queue (the least recently freed block) and, if that
+block still carries a hash, evicts it from the hash map first. Requests free their blocks
+tail-first, so within one chain the last block is evicted before the first: a chain keeps a
+usable prefix for as long as possible.
+
+Each change to the hash map is recorded as a KV event (BlockStored / BlockRemoved /
+AllCleared) for the router's prefix index; `take_events()` drains them.
+
+The pool is the only writer of ref counts, hashes and the free queue; callers hold Block
+handles and go through these methods. `check_invariants()` verifies the whole state.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from splitserve.platform.hashing import BlockHash
+
+
+@dataclass(eq=False)
+class Block:
+    block_id: int
+    ref_cnt: int = 0
+    block_hash: BlockHash | None = None
+
+
+@dataclass(frozen=True)
+class BlockStored:
+    block_hashes: tuple[BlockHash, ...]
+    parent_hash: BlockHash | None
+
+
+@dataclass(frozen=True)
+class BlockRemoved:
+    block_hashes: tuple[BlockHash, ...]
+
+
+@dataclass(frozen=True)
+class AllCleared:
+    pass
+
+
+KVEvent = BlockStored | BlockRemoved | AllCleared
+
+
+@dataclass
+class PoolStats:
+    """Counters for metrics and tests; monotonically increasing."""
+
+    num_queries: int = 0       # blocks looked up in the prefix cache
+    num_hits: int = 0          # of which were found
+    num_evictions: int = 0     # cached blocks reused for something else
+
+
+class BlockPool:
+    def __init__(self, num_blocks: int, enable_caching: bool = True):
+        assert num_blocks > 0
+        self.num_blocks = num_blocks
+        self.enable_caching = enable_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        # block_id -> Block, head = next to allocate (LRU order).
+        self._free: OrderedDict[int, Block] = OrderedDict((b.block_id, b) for b in self.blocks)
+        self._cached: dict[BlockHash, Block] = {}
+        self._events: list[KVEvent] = []
+        self.stats = PoolStats()
+
+    # -- queries ---------------------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    @property
+    def usage(self) -> float:
+        """Fraction of blocks in use (held by a request), 0..1."""
+        return 1.0 - len(self._free) / self.num_blocks
+
+    def lookup(self, block_hash: BlockHash) -> Block | None:
+        """The cached block with this hash, or None. Does not change any state but stats."""
+        self.stats.num_queries += 1
+        block = self._cached.get(block_hash)
+        if block is not None:
+            self.stats.num_hits += 1
+        return block
+
+    def cached_hashes(self) -> list[BlockHash]:
+        return list(self._cached)
+
+    # -- mutations -------------------------------------------------------------------------
+    def allocate(self, num_blocks: int) -> list[Block]:
+        """Take `num_blocks` blocks from the free queue head, evicting their cached KV."""
+        if num_blocks > len(self._free):
+            raise RuntimeError(f"asked for {num_blocks} blocks, {len(self._free)} free")
+        out = []
+        removed = []
+        for _ in range(num_blocks):
+            _, block = self._free.popitem(last=False)
+            if block.block_hash is not None:
+                removed.append(self._uncache(block))
+            block.ref_cnt = 1
+            out.append(block)
+        if removed:
+            self.stats.num_evictions += len(removed)
+            self._events.append(BlockRemoved(tuple(removed)))
+        return out
+
+    def touch(self, blocks: Iterable[Block]) -> None:
+        """Take one more reference on blocks (prefix-cache hits), reviving free ones."""
+        for block in blocks:
+            if block.ref_cnt == 0:
+                del self._free[block.block_id]
+            block.ref_cnt += 1
+
+    def free(self, blocks: Iterable[Block]) -> None:
+        """Drop one reference; blocks reaching zero join the free queue tail in the given order.
+
+        Callers pass a request's blocks tail-first (see the module docstring).
+        """
+        for block in blocks:
+            assert block.ref_cnt > 0, f"double free of block {block.block_id}"
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                self._free[block.block_id] = block
+
+    def cache_blocks(self, blocks: list[Block], hashes: list[BlockHash], parent_hash: BlockHash | None) -> None:
+        """Register full, computed blocks under their hashes (in chain order).
+
+        A hash that is already cached under another block keeps the older block: the new one
+        stays a private copy and is simply not shared.
+        """
+        if not self.enable_caching:
+            return
+        stored = []
+        for block, block_hash in zip(blocks, hashes, strict=True):
+            assert block.block_hash is None, f"block {block.block_id} is cached already"
+            if block_hash in self._cached:
+                continue
+            block.block_hash = block_hash
+            self._cached[block_hash] = block
+            stored.append(block_hash)
+        if stored:
+            self._events.append(BlockStored(tuple(stored), parent_hash))
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached hash; only possible when no block is in use."""
+        if len(self._free) != self.num_blocks:
+            return False
+        for block in self.blocks:
+            block.block_hash = None
+        self._cached.clear()
+        self._events.append(AllCleared())
+        return True
+
+    def take_events(self) -> list[KVEvent]:
+        events, self._events = self._events, []
+        return events
+
+    def _uncache(self, block: Block) -> BlockHash:
+        block_hash = block.block_hash
+        assert self._cached.get(block_hash) is block
+        del self._cached[block_hash]
+        block.block_hash = None
+        return block_hash
+
+    # -- invariants ------------------------------------------------------------------------
+    def check_invariants(self) -> None:
+        """Raise AssertionError if the pool's bookkeeping is inconsistent."""
+        for block in self.blocks:
+            assert block.ref_cnt >= 0, f"block {block.block_id} has ref_cnt {block.ref_cnt}"
+            in_free = block.block_id in self._free
+            assert in_free == (block.ref_cnt == 0), (
+                f"block {block.block_id}: ref_cnt {block.ref_cnt} but in_free_queue={in_free}")
+            if block.block_hash is not None:
+                assert self._cached.get(block.block_hash) is block, f"block {block.block_id} hash not mapped"
+        for block_hash, block in self._cached.items():
+            assert block.block_hash == block_hash, f"hash map points to block {block.block_id} with another hash"
+        assert all(self._free[i] is self.blocks[i] for i in self._free)

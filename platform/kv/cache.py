@@ -1,0 +1,62 @@
+"""KV cache tensors and their sizing from a memory budget.
+
+Per layer, K and V are each [num_blocks, block_size, num_kv_heads, head_dim]. The number of
+blocks comes from the budget (`CacheConfig.kv_cache_memory_bytes`) divided by the bytes one
+block takes across all layers. Two operator mistakes are caught before anything is
+allocated, with the numbers and the remedy: a budget larger than the free memory of the
+device, and a budget too small to hold even one sequence of max_model_len tokens.
+"""
+
+from __future__ import annotations
+
+import psutil
+import torch
+
+from splitserve.platform.config import CacheConfig, ModelConfig
+from splitserve.platform.errors import ConfigError
+
+GiB = 1024**3
+# Leave this share of free memory for activations, the allocator and everything else.
+MEMORY_HEADROOM = 0.9
+
+
+def bytes_per_block(model: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    elem = torch.empty((), dtype=dtype).element_size()
+    return 2 * model.num_layers * block_size * model.num_kv_heads * model.head_dim * elem
+
+
+def free_device_memory(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    return psutil.virtual_memory().available
+
+
+def plan_num_blocks(cache: CacheConfig, model: ModelConfig, dtype: torch.dtype, max_model_len: int,
+                    device: torch.device, free_bytes: int | None = None) -> int:
+    """How many KV blocks to allocate, or ConfigError with the numbers and the remedy."""
+    per_block = bytes_per_block(model, cache.block_size, dtype)
+    num_blocks = cache.num_blocks or cache.kv_cache_memory_bytes // per_block
+    want = num_blocks * per_block
+    free = free_device_memory(device) if free_bytes is None else free_bytes
+    if want > free * MEMORY_HEADROOM:
+        fits = int(free * MEMORY_HEADROOM) // per_block * per_block
+        raise ConfigError(
+            f"the KV cache needs {want / GiB:.2f} GiB ({num_blocks} blocks x {per_block} bytes) but "
+            f"{device} has {free / GiB:.2f} GiB free; lower --kv-cache-memory to at most "
+            f"{fits / GiB:.2f} GiB (or use a smaller dtype or model)")
+    need_blocks = -(-max_model_len // cache.block_size)
+    if num_blocks < need_blocks:
+        raise ConfigError(
+            f"the KV cache holds {num_blocks} blocks = {num_blocks * cache.block_size} tokens "
+            f"({want / GiB:.3f} GiB), fewer than one sequence of max_model_len={max_model_len} tokens needs "
+            f"({need_blocks} blocks, {need_blocks * per_block / GiB:.3f} GiB); raise --kv-cache-memory to at "
+            f"least {need_blocks * per_block / GiB:.3f} GiB or lower --max-model-len to "
+            f"{num_blocks * cache.block_size}")
+    return num_blocks
+
+
+def allocate_kv_cache(model: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
+                      device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    shape = (num_blocks, block_size, model.num_kv_heads, model.head_dim)
+    return [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+            for _ in range(model.num_layers)]

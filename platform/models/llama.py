@@ -1,0 +1,140 @@
+"""The Llama family: Llama 2/3 (incl. Llama-3 rope scaling), SmolLM2, Mistral; Qwen2 adds q/k/v bias.
+
+Decoder-only transformer with pre-norm residual blocks: RMSNorm -> attention (GQA, RoPE,
+paged KV) -> RMSNorm -> SwiGLU MLP. Activations are flat [num_tokens, hidden]: a step's
+sequences are concatenated and the attention metadata says where each one starts.
+Only the rows that sample run through the LM head.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from splitserve.platform.config import ModelConfig
+from splitserve.platform.models.attention import AttentionMetadata, paged_attention
+from splitserve.platform.models.layers import MergedLinear, RMSNorm, RotaryEmbedding, apply_rotary
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.num_heads = config.num_heads
+        self.num_kv_heads = config.num_kv_heads
+        self.head_dim = config.head_dim
+        self.scale = config.head_dim ** -0.5
+        q_size = config.num_heads * config.head_dim
+        kv_size = config.num_kv_heads * config.head_dim
+        self.qkv_proj = MergedLinear(config.hidden_size, {"q": q_size, "k": kv_size, "v": kv_size},
+                                     bias=config.attention_bias)
+        self.o_proj = nn.Linear(q_size, config.hidden_size, bias=False)
+        self.split = (q_size, kv_size, kv_size)
+
+    def forward(self, x, cos, sin, kv_cache, meta: AttentionMetadata):
+        n = x.shape[0]
+        q, k, v = self.qkv_proj(x).split(self.split, dim=-1)
+        q = apply_rotary(q.view(n, self.num_heads, self.head_dim), cos, sin)
+        k = apply_rotary(k.view(n, self.num_kv_heads, self.head_dim), cos, sin)
+        v = v.view(n, self.num_kv_heads, self.head_dim)
+        out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
+        return self.o_proj(out.reshape(n, -1))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.intermediate_size = config.intermediate_size
+        self.gate_up_proj = MergedLinear(config.hidden_size, {"gate": config.intermediate_size,
+                                                              "up": config.intermediate_size}, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x):
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(nn.functional.silu(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = LlamaAttention(config)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = LlamaMLP(config)
+
+    def forward(self, x, cos, sin, kv_cache, meta):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+# checkpoint name -> (module path, shard) for tensors that land in fused projections
+_FUSED = {
+    "q_proj": ("self_attn.qkv_proj", "q"), "k_proj": ("self_attn.qkv_proj", "k"),
+    "v_proj": ("self_attn.qkv_proj", "v"), "gate_proj": ("mlp.gate_up_proj", "gate"),
+    "up_proj": ("mlp.gate_up_proj", "up"),
+}
+_LAYER_NAME = re.compile(r"model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.(weight|bias)$")
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config) for _ in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope_theta,
+                                      config.rope_scaling)
+        if config.tie_word_embeddings:
+            self.lm_head = None
+        else:
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata) -> torch.Tensor:
+        """input_ids/positions [T] -> final hidden states [T, hidden] (normed)."""
+        x = self.embed_tokens(input_ids)
+        cos, sin = self.rotary.cos_sin(positions, x.dtype)
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            x = layer(x, cos, sin, kv_cache, meta)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return nn.functional.linear(hidden, weight)
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy Hugging Face-named tensors into this model; every parameter must be covered."""
+        params = dict(self.named_parameters())
+        loaded = {self._load_one(name, tensor, params) for name, tensor in weights}
+        missing = self._expected_keys(params) - loaded
+        if missing:
+            raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {sorted(missing)[:4]}")
+
+    def _expected_keys(self, params: dict[str, nn.Parameter]) -> set[str]:
+        keys = set()
+        for name in params:
+            module = self.get_submodule(name.rsplit(".", 1)[0])
+            if isinstance(module, MergedLinear):
+                keys.update(f"{name}#{shard}" for shard in module.shard_offsets)
+            else:
+                keys.add(name)
+        return keys
+
+    def _load_one(self, name: str, tensor: torch.Tensor, params: dict[str, nn.Parameter]) -> str:
+        m = _LAYER_NAME.match(name)
+        if m and m.group(3) in _FUSED:
+            layer, _, proj, kind = m.groups()
+            module_path, shard = _FUSED[proj]
+            module = self.layers[int(layer)].get_submodule(module_path)
+            module.load_weight(shard, kind, tensor)
+            return f"layers.{layer}.{module_path}.{kind}#{shard}"
+        own = name.removeprefix("model.")
+        if own not in params:
+            raise ValueError(f"unexpected checkpoint tensor {name!r}")
+        assert params[own].shape == tensor.shape, f"{name}: expected {tuple(params[own].shape)}, got {tuple(tensor.shape)}"
+        params[own].data.copy_(tensor)
+        return own

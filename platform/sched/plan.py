@@ -1,0 +1,53 @@
+"""The scheduler's output: an immutable plan of which tokens of which requests run this step."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ScheduledSeq:
+    """One request's slice of a step.
+
+    `token_ids` are the input tokens at positions [start_pos, start_pos + len(token_ids));
+    `block_ids` is the request's whole block table (covering start_pos + len(token_ids) tokens);
+    `do_sample` is True when this slice reaches the request's last known token, so its logits
+    pick the next token (a chunk in the middle of a prompt samples nothing).
+    """
+
+    req_id: str
+    token_ids: tuple[int, ...]
+    start_pos: int
+    block_ids: tuple[int, ...]
+    do_sample: bool
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def context_len(self) -> int:
+        return self.start_pos + len(self.token_ids)
+
+
+@dataclass(frozen=True)
+class SchedulerPlan:
+    seqs: tuple[ScheduledSeq, ...]
+    preempted_req_ids: tuple[str, ...] = ()
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.seqs)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.seqs
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """What the model runner returns: the sampled token (and logprobs) per sampling request."""
+
+    sampled: dict[str, int]
+    logprobs: dict[str, float] | None = None
+    top_logprobs: dict[str, list[tuple[int, float]]] | None = None
