@@ -1,0 +1,76 @@
+"""Block hashes are the shared identity of KV blocks across engine, events and router: pin them."""
+
+import ast
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+from splitserve.platform.hashing import BlockHasher, hash_block, root_hash
+
+# Golden vectors: changing the encoding must change HASH_VERSION and these values on purpose.
+GOLDEN_ROOT = "3deebad64e8dc0c301a2bded56788df2"            # root_hash("smollm2-135m", 16)
+GOLDEN_CHAIN = ["844b5a263f69bee847a420c6f12bd8d2", "f8b3fa6ef6aa6d44d6ac711f77b6c68e"]  # tokens 0..39
+
+
+def test_golden_root_and_chain():
+    hasher = BlockHasher("smollm2-135m", 16)
+    assert hasher.root.hex() == GOLDEN_ROOT
+    assert [h.hex() for h in hasher.hash_blocks(list(range(40)))] == GOLDEN_CHAIN
+
+
+def test_golden_extra_keys():
+    parent = root_hash("m", 4)
+    assert hash_block(parent, [1, 2, 3, 4], ("lora-a", 7, b"salt")).hex() == \
+        hash_block(parent, [1, 2, 3, 4], ("lora-a", 7, b"salt")).hex()
+    assert hash_block(parent, [1, 2, 3, 4], ("1",)) != hash_block(parent, [1, 2, 3, 4], (1,))
+    assert hash_block(parent, [1, 2, 3, 4], ("1",)) != hash_block(parent, [1, 2, 3, 4], (b"1",))
+    assert hash_block(parent, [1, 2, 3, 4]) != hash_block(parent, [1, 2, 3, 4], ("x",))
+
+
+def test_only_full_blocks_and_chain_dependence():
+    h = BlockHasher("m", 4)
+    assert h.hash_blocks([1, 2, 3]) == []
+    assert len(h.hash_blocks(list(range(11)))) == 2
+    a = h.hash_blocks([9, 9, 9, 9, 5, 6, 7, 8])
+    b = h.hash_blocks([1, 1, 1, 1, 5, 6, 7, 8])
+    assert a[1] != b[1], "the same tokens after a different prefix must hash differently"
+
+
+def test_model_and_block_size_are_in_the_seed():
+    toks = list(range(16))
+    assert BlockHasher("a", 16).hash_blocks(toks) != BlockHasher("b", 16).hash_blocks(toks)
+    assert BlockHasher("a", 16).hash_blocks(toks) != BlockHasher("a", 8).hash_blocks(toks)[1:]
+
+
+def test_incremental_equals_full():
+    h = BlockHasher("m", 4)
+    toks = list(range(100, 130))
+    full = h.hash_blocks(toks)
+    first = h.hash_blocks(toks[:12])
+    rest = h.hash_blocks(toks, parent=first[-1], start_block=3)
+    assert first + rest == full
+
+
+def test_stable_across_processes():
+    # Python's hash() is salted per process; ours must not be.
+    code = "from splitserve.platform.hashing import BlockHasher; print(BlockHasher('x', 16).hash_blocks(list(range(32)))[1].hex())"
+    outs = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                           env={"PYTHONHASHSEED": str(seed)}).stdout for seed in (1, 2)}
+    assert len(outs) == 1
+
+
+def test_never_uses_builtin_hash_nor_torch():
+    src = pathlib.Path(__file__).parents[2] / "platform" / "hashing.py"
+    tree = ast.parse(src.read_text())
+    calls = [n.func.id for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)]
+    assert "hash" not in calls
+    imports = {a.name for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom))
+               for a in getattr(n, "names", [])} | {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+    assert "torch" not in imports
+
+
+def test_bad_extra_key_type():
+    with pytest.raises(TypeError, match="extra key"):
+        hash_block(root_hash("m", 4), [1, 2, 3, 4], (1.5,))
