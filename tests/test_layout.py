@@ -1,0 +1,63 @@
+"""The repository layout: no stdlib shadowing, and the layering of DESIGN.md section 1."""
+
+import pathlib
+import subprocess
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def run_py(code: str) -> str:
+    return subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                          check=True).stdout
+
+
+def test_root_does_not_shadow_stdlib_platform_and_operator():
+    out = run_py("import platform, operator; print(platform.__file__); print(operator.__file__)")
+    for line in out.split():
+        assert str(ROOT) not in line, f"{line} resolves into the repository"
+        assert "lib/python3" in line
+    assert not (ROOT / "platform" / "__init__.py").exists()
+    assert not (ROOT / "operator" / "__init__.py").exists()
+    # ...and the stdlib modules still work while our package is importable from the root.
+    out = run_py("import platform, splitserve.platform.config as c, splitserve.operator.constants as k;"
+                 "print(platform.system(), c.__file__, k.API_GROUP)")
+    assert str(ROOT / "platform" / "config.py") in out
+    assert "serving.splitserve.io" in out
+
+
+def test_import_layering_contracts():
+    from layering import violations
+
+    assert violations() == []
+
+
+def test_layering_checker_catches_a_violation(tmp_path, monkeypatch):
+    import layering
+
+    bad = tmp_path / "router"
+    bad.mkdir()
+    (bad / "placement.py").write_text("from splitserve.platform import tokenizer\nimport splitserve.platform.kv.manager\n")
+    monkeypatch.setattr(layering, "ROOT", tmp_path)
+    monkeypatch.setattr(layering, "FOLDERS", {"router": "splitserve.router"})
+    assert layering.violations() == [
+        "router never imports torch nor the engine: splitserve.router.placement -> splitserve.platform.kv.manager"]
+
+
+def test_torch_free_modules_do_not_import_torch():
+    out = run_py("import sys, splitserve.platform.hashing, splitserve.platform.config, "
+                 "splitserve.platform.model_source, splitserve.platform.tokenizer, "
+                 "splitserve.platform.sampling.params; print('torch' in sys.modules)")
+    assert out.strip() == "False"
+
+
+def test_every_package_folder_is_declared_in_pyproject():
+    import tomllib
+    declared = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    folders = {"platform": "splitserve.platform", "workers": "splitserve.workers",
+               "router": "splitserve.router", "operator": "splitserve.operator"}
+    for folder, pkg in folders.items():
+        for init in (ROOT / folder).rglob("__init__.py"):
+            rel = init.parent.relative_to(ROOT / folder)
+            name = ".".join([pkg, *rel.parts]) if rel.parts else pkg
+            assert name in declared, f"{name} is missing from [tool.setuptools].packages"
