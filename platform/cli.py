@@ -1,0 +1,140 @@
+"""The `splitserve` command line.
+
+    splitserve generate --model smollm2-135m [--chat] [--max-tokens N] [--temperature T] [--seed S] "prompt"
+    splitserve chat --model smollm2-135m
+
+`generate` prints only the generated text on stdout (logs go to stderr); errors print one
+line saying what was wrong and exit with status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from splitserve.platform.errors import SplitserveError
+
+GiB = 1024**3
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="smollm2-135m", help="alias, .gguf path, HF folder or random:<preset>")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
+    p.add_argument("--kv-cache-memory", type=float, default=0.5, metavar="GIB",
+                   help="memory for the KV cache in GiB (default 0.5)")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-num-batched-tokens", type=int, default=512)
+    p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--no-chunked-prefill", action="store_true")
+
+
+def engine_config(args):
+    from splitserve.platform.config import CacheConfig, DeviceConfig, EngineConfig, SchedulerConfig
+
+    return EngineConfig(
+        model=args.model,
+        cache=CacheConfig(block_size=args.block_size, kv_cache_memory_bytes=int(args.kv_cache_memory * GiB),
+                          enable_prefix_caching=not args.no_prefix_caching),
+        scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                                  max_model_len=args.max_model_len, enable_chunked_prefill=not args.no_chunked_prefill),
+        device=DeviceConfig(device=args.device, dtype=args.dtype, num_threads=args.threads),
+    )
+
+
+def add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
+    p.add_argument("--max-tokens", type=int, default=max_tokens)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=None)
+
+
+def sampling_params(args):
+    from splitserve.platform.sampling.params import SamplingParams
+
+    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                          top_k=args.top_k, seed=args.seed)
+
+
+def cmd_generate(args) -> int:
+    from splitserve.platform.engine.llm_engine import LLMEngine
+
+    params = sampling_params(args)  # validate before loading the model
+    engine = LLMEngine(engine_config(args))
+    if args.chat:
+        token_ids = engine.tokenizer.encode_chat([{"role": "user", "content": args.prompt}])
+        engine.add_request(params=params, prompt_token_ids=token_ids)
+    else:
+        engine.add_request(args.prompt, params)
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            sys.stdout.write(out.new_text)
+            sys.stdout.flush()
+    sys.stdout.write("\n")
+    return 0
+
+
+def cmd_chat(args) -> int:
+    from splitserve.platform.engine.llm_engine import LLMEngine
+
+    params = sampling_params(args)
+    engine = LLMEngine(engine_config(args))
+    messages: list[dict] = []
+    interactive = sys.stdin.isatty()
+    if interactive:
+        print(f"splitserve chat with {args.model} — empty line or Ctrl-D to quit", file=sys.stderr)
+    while True:
+        if interactive:
+            print("> ", end="", file=sys.stderr, flush=True)
+        line = sys.stdin.readline()
+        if not line or not line.strip():
+            return 0
+        messages.append({"role": "user", "content": line.strip()})
+        engine.add_request(params=params, prompt_token_ids=engine.tokenizer.encode_chat(messages))
+        reply = ""
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                reply += out.new_text
+                sys.stdout.write(out.new_text)
+                sys.stdout.flush()
+        sys.stdout.write("\n")
+        messages.append({"role": "assistant", "content": reply})
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="splitserve", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--log-level", default="WARNING")
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser("generate", help="complete one prompt and print the text")
+    add_engine_args(gen)
+    add_sampling_args(gen, max_tokens=128)
+    gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    gen.add_argument("prompt")
+    gen.set_defaults(func=cmd_generate)
+    chat = sub.add_parser("chat", help="interactive chat in the terminal")
+    add_engine_args(chat)
+    add_sampling_args(chat, max_tokens=256)
+    chat.set_defaults(func=cmd_chat)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return args.func(args)
+    except SplitserveError as exc:
+        print(f"splitserve: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

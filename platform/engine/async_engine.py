@@ -1,0 +1,125 @@
+"""An asyncio front for the engine: `async for out in engine.generate(...)` streams outputs.
+
+The engine is driven by one background thread (torch releases the GIL inside ops, so the
+event loop stays responsive). Requests and aborts from the event loop are queued and applied
+by that thread between steps, so the engine keeps a single writer. Outputs are handed back to
+each request's asyncio.Queue with call_soon_threadsafe. Cancelling the consumer of
+`generate()` (a client that disconnects) aborts the request and frees its KV blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator, Sequence
+
+from splitserve.platform.config import EngineConfig
+from splitserve.platform.engine.llm_engine import LLMEngine
+from splitserve.platform.engine.outputs import RequestOutput
+from splitserve.platform.sampling.params import SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine):
+        self.engine = engine
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._wake = threading.Event()
+        self._stopped = False
+        self._ids = itertools.count()
+        self._thread = threading.Thread(target=self._loop, name="engine-loop", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> "AsyncEngine":
+        return cls(LLMEngine(config))
+
+    async def generate(self, prompt: str | None = None, params: SamplingParams | None = None, *,
+                       prompt_token_ids: Sequence[int] | None = None,
+                       req_id: str | None = None) -> AsyncIterator[RequestOutput]:
+        """Stream a request's outputs; raises InvalidRequestError before the first output."""
+        req_id = req_id or f"async-{next(self._ids)}"
+        loop = asyncio.get_running_loop()
+        stream: asyncio.Queue = asyncio.Queue()
+        done = loop.create_future()
+        self._streams[req_id] = (loop, stream)
+        self._commands.put(("add", req_id, prompt, params, prompt_token_ids, done))
+        self._wake.set()
+        finished = False
+        try:
+            await done  # re-raises the validation error, if any
+            while not finished:
+                out = await stream.get()
+                finished = out.finished
+                yield out
+        finally:
+            self._streams.pop(req_id, None)
+            if not finished:
+                self.abort(req_id)
+
+    def abort(self, req_id: str) -> None:
+        self._commands.put(("abort", req_id))
+        self._wake.set()
+
+    def shutdown(self) -> None:
+        self._stopped = True
+        self._wake.set()
+        self._thread.join(timeout=30)
+
+    # -- engine thread ---------------------------------------------------------------------
+    def _loop(self) -> None:
+        while not self._stopped:
+            self._apply_commands()
+            if not self.engine.has_unfinished_requests():
+                self._wake.wait(timeout=0.5)
+                self._wake.clear()
+                continue
+            try:
+                outputs = self.engine.step()
+            except Exception:  # a bug in a step must not hang every client: fail them all
+                log.exception("engine step failed; aborting all requests")
+                outputs = [self.engine.outputs.finish_aborted(r) for r in self._abort_all()]
+            for out in outputs:
+                self._deliver(out)
+
+    def _apply_commands(self) -> None:
+        while True:
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if cmd[0] == "abort":
+                self.engine.abort(cmd[1])
+                continue
+            _, req_id, prompt, params, token_ids, done = cmd
+            try:
+                self.engine.add_request(prompt, params, prompt_token_ids=token_ids, req_id=req_id)
+                error = None
+            except Exception as exc:  # validation errors go back to the caller
+                error = exc
+            self._resolve(req_id, done, error)
+
+    def _resolve(self, req_id, done, error) -> None:
+        entry = self._streams.get(req_id)
+        if entry is None:
+            if error is None:
+                self.engine.abort(req_id)
+            return
+        loop = entry[0]
+        loop.call_soon_threadsafe(lambda: done.done() or (done.set_exception(error) if error else done.set_result(None)))
+
+    def _abort_all(self):
+        reqs = list(self.engine.scheduler.requests.values())
+        for req in reqs:
+            self.engine.scheduler.finish_request(req.req_id, req.status.FINISHED_ABORTED)
+        return reqs
+
+    def _deliver(self, out: RequestOutput) -> None:
+        entry = self._streams.get(out.req_id)
+        if entry is not None:
+            entry[0].call_soon_threadsafe(entry[1].put_nowait, out)
