@@ -54,7 +54,7 @@ class OutputProcessor:
         text, stopped = st.stops.feed(delta)
         reason, stop_reason = (update.finish_status.value, token if ended_by_token else None) if finished else (None, None)
         if stopped:
-            finished, reason, stop_reason = True, "stop", self._matched_stop(st, text)
+            finished, reason, stop_reason = True, "stop", st.stops.matched_stop
         elif finished:
             text += st.stops.flush()
         st.text += text
@@ -67,10 +67,6 @@ class OutputProcessor:
         if finished:
             del self._states[req.req_id]
         return out
-
-    @staticmethod
-    def _matched_stop(st: _State, emitted: str) -> str | None:
-        return getattr(st.stops, "matched", None)
 
     def finish_aborted(self, req: Request) -> RequestOutput:
         st = self._states.pop(req.req_id, None)
