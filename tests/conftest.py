@@ -13,3 +13,43 @@ def smollm2_gguf_path() -> str:
     from splitserve.platform.model_source import resolve_model
 
     return resolve_model("smollm2-135m").path
+
+
+@pytest.fixture(scope="session")
+def smollm2_model():
+    """Our SmolLM2 model in fp32, loaded once and shared by the engines the tests build."""
+    import torch
+
+    from splitserve.platform.config import DeviceConfig, EngineConfig
+    from splitserve.platform.engine.llm_engine import LLMEngine
+
+    engine = LLMEngine(EngineConfig(model="smollm2-135m", device=DeviceConfig(dtype="float32")))
+    assert engine.model.embed_tokens.weight.dtype == torch.float32
+    return engine.model
+
+
+@pytest.fixture(scope="session")
+def make_engine(smollm2_model):
+    """Build a SmolLM2 engine with custom cache/scheduler settings, reusing the loaded weights."""
+    from splitserve.platform.config import CacheConfig, EngineConfig, SchedulerConfig
+    from splitserve.platform.engine.llm_engine import LLMEngine
+
+    def make(num_blocks=None, **sched):
+        cache = CacheConfig(num_blocks=num_blocks) if num_blocks else CacheConfig(kv_cache_memory_bytes=128 * 1024**2)
+        sched.setdefault("max_model_len", 2048)
+        return LLMEngine(EngineConfig(model="smollm2-135m", cache=cache, scheduler=SchedulerConfig(**sched)),
+                         model=smollm2_model)
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def hf_smollm2(smollm2_gguf_path):
+    """transformers' LlamaForCausalLM and tokenizer from the same GGUF: the reference implementation."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder, name = os.path.split(smollm2_gguf_path)
+    tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
+    return model, tok

@@ -43,7 +43,9 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, model: torch.nn.Module | None = None):
+        """Load the model named by `config` (or reuse `model`, already loaded for the same
+        config.model, dtype and device: tests and benchmarks share weights between engines)."""
         self.config = config
         if config.device.num_threads:
             torch.set_num_threads(config.device.num_threads)
@@ -55,7 +57,7 @@ class LLMEngine:
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids if self.tokenizer is not None
                                        else self.model_config.eos_token_ids)
         t0 = time.perf_counter()
-        self.model = self._load_model(source)
+        self.model = model if model is not None else self._load_model(source)
         log.info("loaded %s in %.1f s", config.model, time.perf_counter() - t0)
         self.max_model_len = min(config.scheduler.max_model_len or self.model_config.max_position_embeddings,
                                  self.model_config.max_position_embeddings)

@@ -1,0 +1,141 @@
+"""Llama, Mistral and Qwen2 models from a Hugging Face folder (config.json + *.safetensors).
+
+Config: config.json, as written by transformers 4.x (`rope_theta` + `rope_scaling`) or 5.x
+(`rope_parameters`). `eos_token_id` from config.json and generation_config.json together
+(Llama-3 instruct stops on several ids that only the latter lists). Rejected: other model
+types, activations other than SiLU, Llama's o_proj/MLP biases (`attention_bias` / `mlp_bias`),
+RoPE types other than default, linear and llama3.
+
+Sliding-window attention (Mistral v0.1, Qwen2 with `use_sliding_window`) is not implemented:
+`max_position_embeddings` is capped at the window, where full attention and sliding-window
+attention are identical, so results stay exact.
+
+Weights: `model.safetensors.index.json`'s weight map when present (sharded checkpoints), else
+every `*.safetensors` in the folder. Each tensor is read alone with `safe_open` and converted
+to the requested dtype and device before the next one is read. Names are already HF names;
+`rotary_emb.inv_freq` buffers (old checkpoints) and a stored `lm_head.weight` of a tied model
+are skipped.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+from typing import Any, Iterator
+
+import torch
+from safetensors import safe_open
+
+from splitserve.platform.config import ModelConfig, RopeScaling
+from splitserve.platform.errors import ConfigError, UnsupportedModelError
+
+SUPPORTED_MODEL_TYPES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2"}  # model_type -> architecture
+INDEX_FILE = "model.safetensors.index.json"
+
+
+def load_hf_config(folder: str, model_id: str) -> ModelConfig:
+    """Read the ModelConfig of the Hugging Face folder `folder` (config.json only)."""
+    raw = _read_json(os.path.join(folder, "config.json"))
+    model_type = raw.get("model_type")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise UnsupportedModelError(
+            f"{folder}: model_type {model_type!r} is not supported; supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
+    _check_supported_options(folder, raw)
+    num_heads = raw["num_attention_heads"]
+    rope_theta, rope_scaling = _rope(folder, raw)
+    return ModelConfig(
+        model_id=model_id, architecture=SUPPORTED_MODEL_TYPES[model_type],
+        vocab_size=raw["vocab_size"], hidden_size=raw["hidden_size"],
+        intermediate_size=raw["intermediate_size"], num_layers=raw["num_hidden_layers"],
+        num_heads=num_heads, num_kv_heads=raw.get("num_key_value_heads") or num_heads,
+        head_dim=raw.get("head_dim") or raw["hidden_size"] // num_heads,
+        rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)), rope_theta=rope_theta,
+        rope_scaling=rope_scaling, max_position_embeddings=_max_positions(raw),
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        attention_bias=model_type == "qwen2",
+        bos_token_id=raw.get("bos_token_id"), eos_token_ids=_eos_token_ids(folder, raw),
+    )
+
+
+def iter_hf_weights(folder: str, config: ModelConfig, dtype: torch.dtype,
+                    device: str | torch.device = "cpu") -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (HF name, tensor in `dtype` on `device`) for every weight, one at a time."""
+    for path, names in safetensors_files(folder).items():
+        with safe_open(path, framework="pt") as file:
+            for name in names:
+                if name.endswith("rotary_emb.inv_freq") or (name == "lm_head.weight" and config.tie_word_embeddings):
+                    continue
+                yield name, file.get_tensor(name).to(device=device, dtype=dtype)
+
+
+def safetensors_files(folder: str) -> dict[str, list[str]]:
+    """Shard path -> tensor names in it, from the index when sharded, else by listing the files."""
+    index_path = os.path.join(folder, INDEX_FILE)
+    if os.path.isfile(index_path):
+        shards: dict[str, list[str]] = {}
+        for name, shard in _read_json(index_path)["weight_map"].items():
+            shards.setdefault(os.path.join(folder, shard), []).append(name)
+        return shards
+    paths = sorted(glob.glob(os.path.join(folder, "*.safetensors")))
+    if not paths:
+        raise ConfigError(f"{folder}: no *.safetensors file; convert .bin checkpoints with transformers' save_pretrained")
+    shards = {}
+    for path in paths:
+        with safe_open(path, framework="pt") as file:
+            shards[path] = list(file.keys())
+    return shards
+
+
+def _read_json(path: str) -> dict[str, Any]:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ConfigError(f"cannot read {path}: {exc}") from exc
+
+
+def _check_supported_options(folder: str, raw: dict[str, Any]) -> None:
+    if raw.get("hidden_act", "silu") != "silu":
+        raise UnsupportedModelError(f"{folder}: hidden_act {raw['hidden_act']!r} is not supported; supported: 'silu'")
+    for flag in ("attention_bias", "mlp_bias"):
+        if raw.get("model_type") != "qwen2" and raw.get(flag):
+            raise UnsupportedModelError(f"{folder}: {flag}=true is not supported for {raw['model_type']}")
+
+
+def _rope(folder: str, raw: dict[str, Any]) -> tuple[float, RopeScaling | None]:
+    """(rope_theta, scaling) from transformers 5 `rope_parameters` or 4.x `rope_theta`/`rope_scaling`."""
+    params = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
+    rope_theta = float(params.get("rope_theta", raw.get("rope_theta", 10000.0)))
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type == "default":
+        return rope_theta, None
+    if rope_type == "linear":
+        return rope_theta, RopeScaling(rope_type="linear", factor=float(params["factor"]))
+    if rope_type == "llama3":
+        return rope_theta, RopeScaling(
+            rope_type="llama3", factor=float(params["factor"]),
+            low_freq_factor=float(params["low_freq_factor"]), high_freq_factor=float(params["high_freq_factor"]),
+            original_max_position_embeddings=int(params["original_max_position_embeddings"]))
+    raise UnsupportedModelError(
+        f"{folder}: RoPE type {rope_type!r} is not supported; supported: default, linear, llama3")
+
+
+def _max_positions(raw: dict[str, Any]) -> int:
+    """max_position_embeddings, capped at the sliding window where one applies (see docstring)."""
+    max_positions = raw.get("max_position_embeddings", 2048)
+    window = raw.get("sliding_window")
+    uses_window = raw.get("use_sliding_window", raw.get("model_type") == "mistral")
+    if uses_window and window:
+        return min(max_positions, window)
+    return max_positions
+
+
+def _eos_token_ids(folder: str, raw: dict[str, Any]) -> tuple[int, ...]:
+    ids: list[int] = []
+    generation_path = os.path.join(folder, "generation_config.json")
+    sources = [raw] + ([_read_json(generation_path)] if os.path.isfile(generation_path) else [])
+    for source in sources:
+        value = source.get("eos_token_id")
+        ids.extend(value if isinstance(value, list) else [] if value is None else [value])
+    return tuple(dict.fromkeys(ids))

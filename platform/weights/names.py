@@ -1,0 +1,75 @@
+"""The weights a model of a given ModelConfig has: Hugging Face names and [out, in] shapes.
+
+This is the contract between the loaders (GGUF, HF folder, random) and the model classes:
+every loader yields exactly `expected_weight_shapes(config)`, each name once, and
+`check_weights` enforces it while streaming, so a model never sees a missing, extra or
+misshapen tensor.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Iterator
+
+import torch
+
+from splitserve.platform.config import ModelConfig
+from splitserve.platform.errors import ConfigError, UnsupportedModelError
+
+
+def layer_weight_shapes(config: ModelConfig, layer: int) -> dict[str, tuple[int, ...]]:
+    """Name -> shape of the tensors of decoder layer `layer`."""
+    prefix = f"model.layers.{layer}."
+    q_size = config.num_heads * config.head_dim
+    kv_size = config.num_kv_heads * config.head_dim
+    shapes = {
+        "input_layernorm.weight": (config.hidden_size,),
+        "self_attn.q_proj.weight": (q_size, config.hidden_size),
+        "self_attn.k_proj.weight": (kv_size, config.hidden_size),
+        "self_attn.v_proj.weight": (kv_size, config.hidden_size),
+        "self_attn.o_proj.weight": (config.hidden_size, q_size),
+        "post_attention_layernorm.weight": (config.hidden_size,),
+        "mlp.gate_proj.weight": (config.intermediate_size, config.hidden_size),
+        "mlp.up_proj.weight": (config.intermediate_size, config.hidden_size),
+        "mlp.down_proj.weight": (config.hidden_size, config.intermediate_size),
+    }
+    if config.attention_bias:
+        shapes["self_attn.q_proj.bias"] = (q_size,)
+        shapes["self_attn.k_proj.bias"] = (kv_size,)
+        shapes["self_attn.v_proj.bias"] = (kv_size,)
+    return {prefix + name: shape for name, shape in shapes.items()}
+
+
+def expected_weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Name -> shape of every tensor `iter_weights` yields for `config`; nothing is allocated.
+
+    `lm_head.weight` is absent when `config.tie_word_embeddings` (the model reuses
+    `model.embed_tokens.weight`).
+    """
+    shapes = {"model.embed_tokens.weight": (config.vocab_size, config.hidden_size)}
+    for layer in range(config.num_layers):
+        shapes.update(layer_weight_shapes(config, layer))
+    shapes["model.norm.weight"] = (config.hidden_size,)
+    if not config.tie_word_embeddings:
+        shapes["lm_head.weight"] = (config.vocab_size, config.hidden_size)
+    return shapes
+
+
+def check_weights(named_tensors: Iterable[tuple[str, torch.Tensor]], config: ModelConfig,
+                  source: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """Pass the tensors through, raising as soon as one is unexpected, misshapen or repeated,
+    and at the end if any expected one never came. `source` names the file for the message."""
+    expected = expected_weight_shapes(config)
+    seen: set[str] = set()
+    for name, tensor in named_tensors:
+        if name not in expected:
+            raise UnsupportedModelError(f"{source}: unexpected tensor {name!r} for a {config.architecture} model")
+        if name in seen:
+            raise ConfigError(f"{source}: tensor {name!r} appears twice")
+        if tuple(tensor.shape) != expected[name]:
+            raise ConfigError(
+                f"{source}: tensor {name!r} has shape {tuple(tensor.shape)}, the config implies {expected[name]}")
+        seen.add(name)
+        yield name, tensor
+    missing = [name for name in expected if name not in seen]
+    if missing:
+        raise ConfigError(f"{source}: {len(missing)} weight(s) missing, first: {', '.join(missing[:5])}")
