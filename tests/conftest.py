@@ -34,8 +34,9 @@ def make_engine(smollm2_model):
     from splitserve.platform.config import CacheConfig, EngineConfig, SchedulerConfig
     from splitserve.platform.engine.llm_engine import LLMEngine
 
-    def make(num_blocks=None, **sched):
-        cache = CacheConfig(num_blocks=num_blocks) if num_blocks else CacheConfig(kv_cache_memory_bytes=128 * 1024**2)
+    def make(num_blocks=None, enable_prefix_caching=True, **sched):
+        cache = CacheConfig(num_blocks=num_blocks, kv_cache_memory_bytes=128 * 1024**2,
+                            enable_prefix_caching=enable_prefix_caching)
         sched.setdefault("max_model_len", 2048)
         return LLMEngine(EngineConfig(model="smollm2-135m", cache=cache, scheduler=SchedulerConfig(**sched)),
                          model=smollm2_model)

@@ -77,7 +77,7 @@ class LLMEngine:
     def _load_model(self, source):
         with torch.device(self.device):
             model = build_model(self.model_config).to(self.dtype)
-        model.load_weights(iter_weights(source, self.model_config, self.dtype, self.device))
+        model.load_weights(iter_weights(source, self.model_config, self.dtype, self.device, seed=self.config.seed))
         return model.eval()
 
     # -- requests --------------------------------------------------------------------------
