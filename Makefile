@@ -29,7 +29,7 @@ test: setup
 	$(PY) -m pytest -q
 
 bench: setup
-	$(PY) -m splitserve.platform.bench.engine_bench --write docs/benchmarks.md
+	$(PY) bench/engine_offline.py --write docs/benchmarks.md --threads 2
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -61,3 +61,13 @@ def test_every_package_folder_is_declared_in_pyproject():
             rel = init.parent.relative_to(ROOT / folder)
             name = ".".join([pkg, *rel.parts]) if rel.parts else pkg
             assert name in declared, f"{name} is missing from [tool.setuptools].packages"
+
+
+def test_architecture_doc_lists_every_module():
+    doc = (ROOT / "docs" / "architecture.md").read_text()
+    for folder in ("platform", "workers", "router", "operator"):
+        for path in (ROOT / folder).rglob("*.py"):
+            rel = path.relative_to(ROOT / folder).as_posix()
+            if path.name == "__init__.py" and path.stat().st_size == 0:
+                continue
+            assert f"`{rel}`" in doc, f"docs/architecture.md has no line for {folder}/{rel}"

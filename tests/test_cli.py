@@ -1,0 +1,41 @@
+"""The `splitserve` command as a user runs it: only generated text on stdout, clear errors."""
+
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+CLI = str(pathlib.Path(sys.executable).parent / "splitserve")
+
+
+def run(*args, stdin=None):
+    return subprocess.run([CLI, *args], capture_output=True, text=True, input=stdin, timeout=300)
+
+
+@pytest.mark.slow
+def test_generate_prints_only_the_text():
+    proc = run("generate", "--model", "smollm2-135m", "--max-tokens", "4", "--threads", "1", "The capital of France is")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == " Paris.\n\n\n"   # greedy: " Paris", ".", "\n", "\n" then the CLI's newline
+
+
+@pytest.mark.slow
+def test_chat_reads_turns_from_stdin():
+    proc = run("chat", "--model", "smollm2-135m", "--max-tokens", "16", "--threads", "1",
+               stdin="What is the capital of France?\n\n")
+    assert proc.returncode == 0, proc.stderr
+    assert "Paris" in proc.stdout
+
+
+@pytest.mark.parametrize("args, message", [
+    (["generate", "--temperature", "-1", "hi"], "temperature=-1.0 is invalid"),
+    (["generate", "--max-tokens", "0", "hi"], "max_tokens=0 is invalid"),
+    (["generate", "--model", "nope", "hi"], "unknown model 'nope'"),
+    (["generate", "--model", "random:huge", "hi"], "unknown random preset 'huge'; allowed: tiny"),
+])
+def test_bad_arguments_exit_2_with_a_message(args, message):
+    proc = run(*args)
+    assert proc.returncode == 2
+    assert message in proc.stderr
+    assert proc.stdout == ""
