@@ -22,6 +22,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from splitserve.platform.kernels.dispatch import triton_available
+
 
 @dataclass
 class PrefillChunk:
@@ -41,6 +43,20 @@ class AttentionMetadata:
     decode_block_table: torch.Tensor | None     # [num_decodes, max_blocks] long
     decode_mask: torch.Tensor | None            # [num_decodes, max_blocks * block_size] bool, True = attend
     prefills: list[PrefillChunk]
+    # The Triton kernels' view of the same step; None until the first CUDA layer derives it
+    # (build_triton_metadata), after which every other layer of the step reuses it.
+    triton: TritonAttentionMetadata | None = None
+
+
+@dataclass
+class TritonAttentionMetadata:
+    """AttentionMetadata laid out for the Triton kernels; prefill rows count from num_decodes."""
+
+    decode_context_lens: torch.Tensor | None    # [num_decodes] int32
+    cu_q_lens: torch.Tensor | None              # [S + 1] int32, chunk s is prefill rows cu[s] .. cu[s + 1]
+    start_pos: torch.Tensor | None              # [S] int32
+    prefill_block_tables: torch.Tensor | None   # [S, max_blocks] long, zero-padded
+    max_q_len: int                              # the longest chunk, to size the grid without a sync
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -87,8 +103,13 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                     v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """q [T, H, D], k/v [T, Hkv, D] for this step's tokens -> attention output [T, H, D]."""
+    """q [T, H, D], k/v [T, Hkv, D] for this step's tokens -> attention output [T, H, D].
+
+    On CUDA with triton installed the Triton kernels run; everywhere else the torch reference.
+    """
     write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+    if q.is_cuda and triton_available(q.device):
+        return _paged_attention_triton(q, k_cache, v_cache, meta, scale)
     out = torch.empty_like(q)
     nd = meta.num_decodes
     if nd:
@@ -105,3 +126,44 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
         values = gather_kv(v_cache, chunk.block_table)[:ctx]
         out[sl] = prefill_attention(q[sl], keys, values, scale, chunk.mask)
     return out
+
+
+def _paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                            meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """The Triton path of paged_attention, K/V already written; fills meta.triton on first use."""
+    from splitserve.platform.kernels.triton_attention import paged_decode_attention, paged_prefill_attention
+
+    if meta.triton is None:
+        meta.triton = build_triton_metadata(meta, k_cache.shape[1])
+    tm = meta.triton
+    out = torch.empty_like(q)
+    nd = meta.num_decodes
+    if nd:
+        paged_decode_attention(q[:nd], k_cache, v_cache, meta.decode_block_table, tm.decode_context_lens,
+                               scale, out=out[:nd])
+    if meta.prefills:
+        paged_prefill_attention(q[nd:], k_cache, v_cache, tm.cu_q_lens, tm.start_pos, tm.prefill_block_tables,
+                                scale, max_q_len=tm.max_q_len, out=out[nd:])
+    return out
+
+
+def build_triton_metadata(meta: AttentionMetadata, block_size: int) -> TritonAttentionMetadata:
+    """Derive the kernels' metadata from the torch path's: context lengths from the decode mask
+    (a prefix of True), one padded block table for all prefill chunks. A chunk without a prefix
+    has no block table; its block ids are read off its slot mapping (position p's slot is
+    block_ids[p // block_size] * block_size + p % block_size, so every block_size-th slot)."""
+    context_lens = meta.decode_mask.sum(-1, dtype=torch.int32) if meta.num_decodes else None
+    if not meta.prefills:
+        return TritonAttentionMetadata(context_lens, None, None, None, 0)
+    nd, dev = meta.num_decodes, meta.slot_mapping.device
+    tables = [c.block_table if c.block_table is not None
+              else meta.slot_mapping[c.q_start:c.q_start + c.q_len:block_size] // block_size
+              for c in meta.prefills]
+    ends = [c.q_start + c.q_len - nd for c in meta.prefills]
+    assert [c.q_start - nd for c in meta.prefills] == [0, *ends[:-1]], "prefill chunks must be back to back"
+    return TritonAttentionMetadata(
+        decode_context_lens=context_lens,
+        cu_q_lens=torch.tensor([0, *ends], dtype=torch.int32, device=dev),
+        start_pos=torch.tensor([c.start_pos for c in meta.prefills], dtype=torch.int32, device=dev),
+        prefill_block_tables=torch.nn.utils.rnn.pad_sequence(tables, batch_first=True),
+        max_q_len=max(c.q_len for c in meta.prefills))

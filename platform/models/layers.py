@@ -24,10 +24,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
+        normed = nn.functional.rms_norm(x.float(), (x.shape[-1],), None, self.eps)
+        return self.weight * normed.to(x.dtype)
 
 
 class MergedLinear(nn.Module):
