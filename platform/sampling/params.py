@@ -6,18 +6,23 @@ The OpenAI gateway maps its JSON onto this one dataclass; a bad value raises
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from splitserve.platform.errors import InvalidRequestError
 
 MAX_LOGPROBS = 20
+# A temperature below this is greedy (vLLM's _SAMPLING_EPS): dividing logits by it would
+# overflow float32 to inf and turn the probabilities into NaN.
+GREEDY_TEMPERATURE = 1e-5
 
 
 @dataclass(frozen=True)
 class SamplingParams:
     """How to pick each next token and when to stop.
 
-    temperature 0 is greedy. top_k 0 (or -1) disables top-k; top_p 1 and min_p 0 disable theirs.
+    temperature 0 (anything below 1e-5) is greedy. top_k 0 (or -1) disables top-k; top_p 1 and
+    min_p 0 disable theirs.
     repetition_penalty (1 = off) divides positive / multiplies negative logits of every token seen
     in the prompt or output; presence_penalty and frequency_penalty (0 = off) subtract from the
     logits of tokens in the output, once and per occurrence. `seed` makes sampling reproducible
@@ -54,12 +59,14 @@ class SamplingParams:
         self._validate()
 
     def _validate(self) -> None:
-        _check(self.temperature >= 0, "temperature", self.temperature, "a number >= 0 (0 is greedy)")
+        _check(0 <= self.temperature < math.inf, "temperature", self.temperature,
+               "a finite number >= 0 (below 1e-5 is greedy)")
         _check(0 < self.top_p <= 1, "top_p", self.top_p, "a number in (0, 1]")
         _check(isinstance(self.top_k, int) and self.top_k >= -1, "top_k", self.top_k,
                "an integer >= 1, or 0 / -1 to disable")
         _check(0 <= self.min_p <= 1, "min_p", self.min_p, "a number in [0, 1]")
-        _check(self.repetition_penalty > 0, "repetition_penalty", self.repetition_penalty, "a number > 0 (1 is off)")
+        _check(0 < self.repetition_penalty < math.inf, "repetition_penalty", self.repetition_penalty,
+               "a finite number > 0 (1 is off)")
         _check(-2 <= self.presence_penalty <= 2, "presence_penalty", self.presence_penalty, "a number in [-2, 2]")
         _check(-2 <= self.frequency_penalty <= 2, "frequency_penalty", self.frequency_penalty, "a number in [-2, 2]")
         _check(isinstance(self.max_tokens, int) and self.max_tokens >= 1, "max_tokens", self.max_tokens,
@@ -75,7 +82,7 @@ class SamplingParams:
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_TEMPERATURE
 
 
 def _check(ok: bool, name: str, value, allowed: str) -> None:
