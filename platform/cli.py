@@ -5,6 +5,10 @@
 
 `generate` prints only the generated text on stdout (logs go to stderr); errors print one
 line saying what was wrong and exit with status 2.
+
+Other parts of splitserve add their subcommands (`worker`, `router`, `operator`, ...) through
+the entry-point group `splitserve.commands` in pyproject.toml: each entry is a function
+`register(subparsers)`. The platform layer stays free of imports from the layers above it.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from importlib.metadata import entry_points
 
 from splitserve.platform.errors import SplitserveError
 
@@ -120,6 +125,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(chat)
     add_sampling_args(chat, max_tokens=256)
     chat.set_defaults(func=cmd_chat)
+    for entry in sorted(entry_points(group="splitserve.commands"), key=lambda e: e.name):
+        entry.load()(sub)
     return parser
 
 

@@ -40,15 +40,18 @@ class AsyncEngine:
         return cls(LLMEngine(config))
 
     async def generate(self, prompt: str | None = None, params: SamplingParams | None = None, *,
-                       prompt_token_ids: Sequence[int] | None = None,
-                       req_id: str | None = None) -> AsyncIterator[RequestOutput]:
-        """Stream a request's outputs; raises InvalidRequestError before the first output."""
+                       prompt_token_ids: Sequence[int] | None = None, req_id: str | None = None,
+                       **options) -> AsyncIterator[RequestOutput]:
+        """Stream a request's outputs; raises InvalidRequestError before the first output.
+
+        `options` go to LLMEngine.add_request (remote_prefill, kv_export).
+        """
         req_id = req_id or f"async-{next(self._ids)}"
         loop = asyncio.get_running_loop()
         stream: asyncio.Queue = asyncio.Queue()
         done = loop.create_future()
         self._streams[req_id] = (loop, stream)
-        self._commands.put(("add", req_id, prompt, params, prompt_token_ids, done))
+        self._commands.put(("add", req_id, prompt, params, prompt_token_ids, options, done))
         self._wake.set()
         finished = False
         try:
@@ -63,7 +66,17 @@ class AsyncEngine:
                 self.abort(req_id)
 
     def abort(self, req_id: str) -> None:
-        self._commands.put(("abort", req_id))
+        self._command("abort", req_id)
+
+    def complete_remote_prefill(self, req_id: str, first_token_id: int, logprob=None) -> None:
+        """The KV landed: the request starts decoding (its outputs arrive on its stream)."""
+        self._command("complete", req_id, first_token_id, logprob)
+
+    def fallback_to_local_prefill(self, req_id: str) -> None:
+        self._command("fallback", req_id)
+
+    def _command(self, *cmd) -> None:
+        self._commands.put(cmd)
         self._wake.set()
 
     def shutdown(self) -> None:
@@ -75,7 +88,7 @@ class AsyncEngine:
     def _loop(self) -> None:
         while not self._stopped:
             self._apply_commands()
-            if not self.engine.has_unfinished_requests():
+            if not self.engine.has_work():
                 self._wake.wait(timeout=0.5)
                 self._wake.clear()
                 continue
@@ -95,14 +108,22 @@ class AsyncEngine:
                 return
             if cmd[0] == "abort":
                 self.engine.abort(cmd[1])
-                continue
-            _, req_id, prompt, params, token_ids, done = cmd
-            try:
-                self.engine.add_request(prompt, params, prompt_token_ids=token_ids, req_id=req_id)
-                error = None
-            except Exception as exc:  # validation errors go back to the caller
-                error = exc
-            self._resolve(req_id, done, error)
+            elif cmd[0] == "complete":
+                out = self.engine.complete_remote_prefill(*cmd[1:])
+                if out is not None:
+                    self._deliver(out)
+            elif cmd[0] == "fallback":
+                self.engine.fallback_to_local_prefill(cmd[1])
+            else:
+                self._add(*cmd[1:])
+
+    def _add(self, req_id, prompt, params, token_ids, options, done) -> None:
+        try:
+            self.engine.add_request(prompt, params, prompt_token_ids=token_ids, req_id=req_id, **options)
+            error = None
+        except Exception as exc:  # validation errors go back to the caller
+            error = exc
+        self._resolve(req_id, done, error)
 
     def _resolve(self, req_id, done, error) -> None:
         entry = self._streams.get(req_id)

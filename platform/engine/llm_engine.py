@@ -20,8 +20,9 @@ from collections.abc import Sequence
 import torch
 
 from splitserve.platform.config import EngineConfig, ModelConfig
+from splitserve.platform.engine.kv_connector import KVExport, KVReady, export_layer, import_layer
 from splitserve.platform.engine.output_processor import OutputProcessor
-from splitserve.platform.engine.outputs import RequestOutput
+from splitserve.platform.engine.outputs import RequestOutput, TokenLogprob
 from splitserve.platform.engine.runner import ModelRunner
 from splitserve.platform.errors import InvalidRequestError
 from splitserve.platform.hashing import BlockHasher
@@ -32,6 +33,7 @@ from splitserve.platform.model_source import resolve_model
 from splitserve.platform.models import build_model
 from splitserve.platform.sampling.params import SamplingParams
 from splitserve.platform.sampling.sampler import SamplingRow, make_generator
+from splitserve.platform.sched.plan import StepResult
 from splitserve.platform.sched.request import Request, RequestStatus
 from splitserve.platform.sched.scheduler import Scheduler
 from splitserve.platform.tokenizer import load_tokenizer
@@ -72,6 +74,7 @@ class LLMEngine:
         self.outputs = OutputProcessor(self.tokenizer)
         self._generators: dict[str, torch.Generator | None] = {}
         self._aborted: list[RequestOutput] = []
+        self._exports: dict[str, KVExport] = {}
         self._ids = itertools.count()
 
     def _load_model(self, source):
@@ -83,8 +86,13 @@ class LLMEngine:
     # -- requests --------------------------------------------------------------------------
     def add_request(self, prompt: str | None = None, params: SamplingParams | None = None, *,
                     prompt_token_ids: Sequence[int] | None = None, req_id: str | None = None,
-                    arrival_time: float | None = None) -> str:
-        """Validate and queue a request; returns its id. Raises InvalidRequestError."""
+                    arrival_time: float | None = None, remote_prefill: bool = False,
+                    kv_export: KVExport | None = None) -> str:
+        """Validate and queue a request; returns its id. Raises InvalidRequestError.
+
+        `remote_prefill`: the prompt's KV will be written from outside (see kv_connector);
+        `kv_export`: export the prompt's KV layer by layer while it is computed.
+        """
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError(f"params must be SamplingParams, got {type(params).__name__}")
@@ -92,7 +100,15 @@ class LLMEngine:
         if req_id in self.scheduler.requests:
             raise InvalidRequestError(f"request id {req_id!r} is already in use")
         token_ids = self._prompt_token_ids(prompt, prompt_token_ids)
-        req = Request(req_id, token_ids, params, self.hasher, self.eos_token_ids, arrival_time)
+        req = Request(req_id, token_ids, params, self.hasher, self.eos_token_ids, arrival_time,
+                      remote_prefill=remote_prefill)
+        if kv_export is not None:
+            num_prompt_blocks = -(-len(token_ids) // self.config.cache.block_size)
+            if not 0 <= kv_export.start_block < num_prompt_blocks:
+                raise InvalidRequestError(
+                    f"skip_blocks={kv_export.start_block} is invalid for a prompt of {len(token_ids)} tokens; "
+                    f"allowed: 0 to {num_prompt_blocks - 1}")
+            self._exports[req_id] = kv_export
         self._generators[req_id] = make_generator(params.seed, self.device)
         self.outputs.add(req)
         self.scheduler.add_request(req)
@@ -126,29 +142,88 @@ class LLMEngine:
         req = self.scheduler.finish_request(req_id, RequestStatus.FINISHED_ABORTED)
         if req is None:
             return False
-        self._generators.pop(req_id, None)
+        self._forget(req_id)
         self._aborted.append(self.outputs.finish_aborted(req))
         return True
 
+    def _forget(self, req_id: str) -> None:
+        self._generators.pop(req_id, None)
+        self._exports.pop(req_id, None)
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.num_unfinished > 0 or bool(self._aborted)
+
+    def has_work(self) -> bool:
+        """Whether step() would do anything now (requests waiting for remote KV do not count)."""
+        return bool(self.scheduler.waiting or self.scheduler.running or self._aborted)
 
     # -- stepping --------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         outputs, self._aborted = self._aborted, []
         plan = self.scheduler.schedule()
+        outputs += [self.outputs.kv_ready(req, self._kv_ready(req)) for req in self.scheduler.take_kv_ready()]
         if plan.is_empty:
             return outputs
         rows = {s.req_id: self._sampling_row(s.req_id) for s in plan.seqs if s.do_sample}
-        result = self.runner.execute(plan, rows, self.eos_token_ids)
+        result = self.runner.execute(plan, rows, self.eos_token_ids, self._export_hook(plan))
         for update in self.scheduler.update(plan, result):
-            out = self.outputs.process(update, result)
-            if out.finished and update.finish_status is None:  # a stop string ended it
-                self.scheduler.finish_request(update.req_id, RequestStatus.FINISHED_STOPPED)
-            if out.finished:
-                self._generators.pop(update.req_id, None)
-            outputs.append(out)
+            outputs.append(self._emit(update, result))
         return outputs
+
+    def _emit(self, update, result) -> RequestOutput:
+        out = self.outputs.process(update, result)
+        if out.finished and update.finish_status is None:  # a stop string ended it
+            self.scheduler.finish_request(update.req_id, RequestStatus.FINISHED_STOPPED)
+        if out.finished:
+            self._forget(update.req_id)
+        return out
+
+    # -- disaggregation (see kv_connector) -------------------------------------------------
+    def _kv_ready(self, req: Request) -> KVReady:
+        return KVReady(tuple(self.kv.block_ids(req.req_id)), req.num_cached_tokens, self.config.cache.block_size)
+
+    def _export_hook(self, plan):
+        """A per-layer hook exporting KV of requests whose prompt completes in this step, or None."""
+        exports = []
+        for seq in plan.seqs:
+            spec = self._exports.get(seq.req_id)
+            if spec is not None and seq.do_sample:
+                num_blocks = -(-seq.context_len // self.config.cache.block_size)
+                ids = torch.tensor(seq.block_ids[spec.start_block:num_blocks], dtype=torch.long, device=self.device)
+                exports.append((spec.sink, ids))
+        if not exports:
+            return None
+
+        def hook(layer: int) -> None:
+            for sink, ids in exports:
+                sink(layer, export_layer(self.runner.kv_caches, layer, ids))
+        return hook
+
+    def write_kv_layer(self, block_ids: Sequence[int], layer: int, payload: torch.Tensor) -> None:
+        """Copy one received layer into a WAITING_FOR_KV request's blocks.
+
+        Safe from another thread: those blocks belong to a request no step touches until
+        complete_remote_prefill / fallback_to_local_prefill is called on the engine thread.
+        """
+        import_layer(self.runner.kv_caches, layer, torch.tensor(block_ids, dtype=torch.long, device=self.device),
+                     payload.to(self.device))
+
+    def complete_remote_prefill(self, req_id: str, first_token_id: int,
+                                logprob: TokenLogprob | None = None) -> RequestOutput | None:
+        """All KV landed and the prefill worker sampled the first token: start decoding."""
+        if not 0 <= first_token_id < self.model_config.vocab_size:
+            raise InvalidRequestError(f"first token id {first_token_id} is outside the vocabulary")
+        update = self.scheduler.complete_remote_prefill(req_id, first_token_id)
+        if update is None:
+            return None
+        result = StepResult(sampled={req_id: first_token_id},
+                            logprobs={req_id: logprob.logprob} if logprob else None,
+                            top_logprobs={req_id: list(logprob.top)} if logprob else None)
+        return self._emit(update, result)
+
+    def fallback_to_local_prefill(self, req_id: str) -> bool:
+        """The remote prefill failed: compute the rest of the prompt locally."""
+        return self.scheduler.fallback_to_local_prefill(req_id)
 
     def _sampling_row(self, req_id: str) -> SamplingRow:
         req = self.scheduler.requests[req_id]

@@ -68,6 +68,11 @@ class OutputProcessor:
             del self._states[req.req_id]
         return out
 
+    def kv_ready(self, req: Request, ready) -> RequestOutput:
+        return RequestOutput(
+            req_id=req.req_id, new_token_ids=[], new_text="", num_prompt_tokens=req.num_prompt_tokens,
+            num_cached_tokens=max(req.num_cached_tokens, 0), num_output_tokens=0, kv_ready=ready)
+
     def finish_aborted(self, req: Request) -> RequestOutput:
         st = self._states.pop(req.req_id, None)
         return RequestOutput(

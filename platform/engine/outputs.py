@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from splitserve.platform.engine.kv_connector import KVReady
 
 
 @dataclass(frozen=True)
@@ -33,3 +37,4 @@ class RequestOutput:
     new_logprobs: list[TokenLogprob] | None = None
     output_token_ids: list[int] = field(default_factory=list)
     text: str = ""
+    kv_ready: "KVReady | None" = None   # set once for a remote-prefill request: where its KV goes

@@ -6,7 +6,7 @@ It owns the model, the KV cache tensors and the sampler, and touches no schedule
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 
 import torch
 
@@ -24,11 +24,11 @@ class ModelRunner:
         self.sampler = Sampler()
 
     @torch.inference_mode()
-    def execute(self, plan: SchedulerPlan, rows: dict[str, SamplingRow],
-                eos_token_ids: Collection[int]) -> StepResult:
+    def execute(self, plan: SchedulerPlan, rows: dict[str, SamplingRow], eos_token_ids: Collection[int],
+                layer_hook: Callable[[int], None] | None = None) -> StepResult:
         seqs = _decodes_first(plan.seqs)
         input_ids, positions, meta, sample_idx = self._prepare(seqs)
-        hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        hidden = self.model(input_ids, positions, self.kv_caches, meta, layer_hook)
         sampling = [s for s in seqs if s.do_sample]
         if not sampling:
             return StepResult(sampled={})

@@ -9,7 +9,7 @@ Only the rows that sample run through the LM head.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
@@ -93,12 +93,18 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata) -> torch.Tensor:
-        """input_ids/positions [T] -> final hidden states [T, hidden] (normed)."""
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata,
+                layer_hook: Callable[[int], None] | None = None) -> torch.Tensor:
+        """input_ids/positions [T] -> final hidden states [T, hidden] (normed).
+
+        `layer_hook(i)` runs right after layer i has written its K/V (KV export per layer).
+        """
         x = self.embed_tokens(input_ids)
         cos, sin = self.rotary.cos_sin(positions, x.dtype)
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+        for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
             x = layer(x, cos, sin, kv_cache, meta)
+            if layer_hook is not None:
+                layer_hook(i)
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

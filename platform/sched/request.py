@@ -12,6 +12,7 @@ from splitserve.platform.sampling.params import SamplingParams
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
+    WAITING_FOR_KV = "waiting_for_kv"   # blocks allocated; the prompt's KV comes from a prefill worker
     RUNNING = "running"
     PREEMPTED = "preempted"
     FINISHED_STOPPED = "stop"
@@ -34,8 +35,9 @@ class Request:
 
     def __init__(self, req_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
                  hasher: BlockHasher, eos_token_ids: frozenset[int] = frozenset(),
-                 arrival_time: float | None = None):
+                 arrival_time: float | None = None, remote_prefill: bool = False):
         self.req_id = req_id
+        self.remote_prefill = remote_prefill  # prompt KV arrives from elsewhere (disaggregated decode)
         self.params = params
         self.prompt_token_ids = list(prompt_token_ids)
         self.output_token_ids: list[int] = []

@@ -14,6 +14,14 @@ uncomputed tokens, so "prefill", "chunked prefill" and "decode" are one mechanis
    immediately overtaken). A request's first scheduling reuses the longest cached prefix of
    its block hashes (never its last token: its logits are needed).
 
+A request whose prompt KV comes from a prefill worker (`remote_prefill`) is admitted without
+computing anything: it gets blocks for its whole prompt (after its own prefix-cache hits) and
+waits in WAITING_FOR_KV, outside the running batch, until the engine reports the KV landed
+(`complete_remote_prefill`, with the first token the prefill worker sampled) or failed
+(`fallback_to_local_prefill`, which makes it an ordinary running request that computes the
+rest of its prompt here). `take_kv_ready()` hands the engine the requests whose blocks are
+ready to be written.
+
 The scheduler never touches a tensor: `schedule()` returns an immutable SchedulerPlan, the
 model runner executes it, and `update(plan, result)` applies the sampled tokens.
 """
@@ -44,6 +52,7 @@ class SchedulerStats:
     num_prefix_hit_tokens: int = 0
     num_computed_tokens: int = 0   # tokens run through the model, all requests
     num_preemptions: int = 0
+    num_remote_prefill_tokens: int = 0  # prompt tokens whose KV came from a prefill worker
 
 
 class Scheduler:
@@ -54,6 +63,8 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.awaiting_kv: dict[str, Request] = {}
+        self._kv_ready: list[Request] = []
         self.stats = SchedulerStats()
 
     # -- intake ----------------------------------------------------------------------------
@@ -69,6 +80,8 @@ class Scheduler:
             return None
         if req.status == RequestStatus.RUNNING:
             self.running.remove(req)
+        elif req.status == RequestStatus.WAITING_FOR_KV:
+            del self.awaiting_kv[req_id]
         elif req in self.waiting:
             self.waiting.remove(req)
         req.status = status
@@ -128,6 +141,10 @@ class Scheduler:
             req = self.waiting[0]
             cached = self.kv.find_cached_prefix(req)
             num_hit_tokens = len(cached) * self.kv.block_size
+            if req.remote_prefill and req.num_cached_tokens < 0:
+                if not self._admit_remote(req, cached, num_hit_tokens):
+                    break
+                continue
             n = req.num_tokens - num_hit_tokens
             if n > budget and not self.config.enable_chunked_prefill:
                 break
@@ -139,6 +156,45 @@ class Scheduler:
             num_new[req.req_id] = n
             budget -= n
         return budget
+
+    def _admit_remote(self, req: Request, cached, num_hit_tokens: int) -> bool:
+        """Blocks for the whole prompt, no compute: the KV of the uncached part will arrive."""
+        if not self.kv.allocate(req, req.num_tokens - num_hit_tokens, cached):
+            return False
+        self.waiting.popleft()
+        req.num_cached_tokens = num_hit_tokens
+        req.first_scheduled_time = time.monotonic()
+        req.num_computed_tokens = num_hit_tokens
+        req.status = RequestStatus.WAITING_FOR_KV
+        self.stats.num_prefix_hit_tokens += num_hit_tokens
+        self.awaiting_kv[req.req_id] = req
+        self._kv_ready.append(req)
+        return True
+
+    def take_kv_ready(self) -> list[Request]:
+        """Requests admitted for remote prefill since the last call (their blocks are allocated)."""
+        ready, self._kv_ready = self._kv_ready, []
+        return [r for r in ready if r.status == RequestStatus.WAITING_FOR_KV]
+
+    def complete_remote_prefill(self, req_id: str, first_token_id: int) -> TokenUpdate | None:
+        """The prompt's KV has landed and the prefill worker sampled `first_token_id`."""
+        req = self.awaiting_kv.pop(req_id, None)
+        if req is None:
+            return None
+        req.num_computed_tokens = req.num_tokens
+        self.stats.num_remote_prefill_tokens += req.num_tokens - req.num_cached_tokens
+        req.status = RequestStatus.RUNNING
+        self.running.append(req)
+        return self._apply_token(req, first_token_id)
+
+    def fallback_to_local_prefill(self, req_id: str) -> bool:
+        """The remote prefill failed: compute the rest of the prompt here, in the blocks we hold."""
+        req = self.awaiting_kv.pop(req_id, None)
+        if req is None:
+            return False
+        req.status = RequestStatus.RUNNING
+        self.running.append(req)
+        return True
 
     def _start(self, req: Request, num_hit_tokens: int) -> None:
         if req.num_cached_tokens < 0:  # first time, not a resume after preemption
@@ -171,13 +227,15 @@ class Scheduler:
             if not seq.do_sample:
                 self.kv.register_computed_blocks(req)
                 continue
-            token_id = result.sampled[seq.req_id]
-            req.append_output_token(token_id)
-            self.kv.register_computed_blocks(req)
-            status = req.check_stop()
-            if status is None and req.num_tokens >= self.max_model_len:
-                status = RequestStatus.FINISHED_LENGTH
-            if status is not None:
-                self.finish_request(req.req_id, status)
-            updates.append(TokenUpdate(req.req_id, token_id, status))
+            updates.append(self._apply_token(req, result.sampled[seq.req_id]))
         return updates
+
+    def _apply_token(self, req: Request, token_id: int) -> TokenUpdate:
+        req.append_output_token(token_id)
+        self.kv.register_computed_blocks(req)
+        status = req.check_stop()
+        if status is None and req.num_tokens >= self.max_model_len:
+            status = RequestStatus.FINISHED_LENGTH
+        if status is not None:
+            self.finish_request(req.req_id, status)
+        return TokenUpdate(req.req_id, token_id, status)
