@@ -7,7 +7,7 @@ STAMP := $(VENV)/.splitserve-installed
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 
-.PHONY: setup run test bench clean
+.PHONY: setup run test bench bench-gpu clean
 
 setup: $(STAMP)
 
@@ -30,6 +30,10 @@ test: setup
 
 bench: setup
 	$(PY) bench/engine_offline.py --write docs/benchmarks.md --threads 2
+
+# On a machine with an NVIDIA GPU and a CUDA build of torch (issue 8); `--smoke` runs it on CPU.
+bench-gpu: setup
+	$(PY) bench/gpu_roofline.py --write docs/benchmarks.md
 
 clean:
 	rm -rf $(VENV) .pytest_cache
