@@ -14,7 +14,7 @@ import itertools
 import logging
 import queue
 import threading
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 
 from splitserve.platform.config import EngineConfig
 from splitserve.platform.engine.llm_engine import LLMEngine
@@ -32,6 +32,9 @@ class AsyncEngine:
         self._wake = threading.Event()
         self._stopped = False
         self._ids = itertools.count()
+        self.load = engine.load()       # refreshed by the engine thread after every step
+        # Called on the engine thread with each batch of KV events; must not block.
+        self.on_kv_events: Callable[[list], None] | None = None
         self._thread = threading.Thread(target=self._loop, name="engine-loop", daemon=True)
         self._thread.start()
 
@@ -88,6 +91,7 @@ class AsyncEngine:
     def _loop(self) -> None:
         while not self._stopped:
             self._apply_commands()
+            self._publish()
             if not self.engine.has_work():
                 self._wake.wait(timeout=0.5)
                 self._wake.clear()
@@ -99,6 +103,12 @@ class AsyncEngine:
                 outputs = [self.engine.outputs.finish_aborted(r) for r in self._abort_all()]
             for out in outputs:
                 self._deliver(out)
+
+    def _publish(self) -> None:
+        self.load = self.engine.load()
+        events = self.engine.take_kv_events()
+        if events and self.on_kv_events is not None:
+            self.on_kv_events(events)
 
     def _apply_commands(self) -> None:
         while True:

@@ -16,6 +16,7 @@ import itertools
 import logging
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -26,13 +27,13 @@ from splitserve.platform.engine.outputs import RequestOutput, TokenLogprob
 from splitserve.platform.engine.runner import ModelRunner
 from splitserve.platform.errors import InvalidRequestError
 from splitserve.platform.hashing import BlockHasher
-from splitserve.platform.kv.block_pool import BlockPool
+from splitserve.platform.kv.block_pool import BlockPool, KVEvent
 from splitserve.platform.kv.cache import allocate_kv_cache, plan_num_blocks
 from splitserve.platform.kv.manager import KVCacheManager
 from splitserve.platform.model_source import resolve_model
 from splitserve.platform.models import build_model
 from splitserve.platform.sampling.params import SamplingParams
-from splitserve.platform.sampling.sampler import SamplingRow, make_generator
+from splitserve.platform.sampling.sampler import SamplingRow, make_generator, skip_draw
 from splitserve.platform.sched.plan import StepResult
 from splitserve.platform.sched.request import Request, RequestStatus
 from splitserve.platform.sched.scheduler import Scheduler
@@ -40,6 +41,16 @@ from splitserve.platform.tokenizer import load_tokenizer
 from splitserve.platform.weights import iter_weights, load_model_config
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class LoadSnapshot:
+    num_waiting: int
+    num_running: int            # includes requests waiting for remote KV
+    kv_usage: float             # 0..1 of blocks in use
+    queued_prefill_tokens: int  # prompt tokens admitted or waiting but not yet computed
+    num_free_blocks: int
+    num_total_blocks: int
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -153,6 +164,32 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.num_unfinished > 0 or bool(self._aborted)
 
+    def load(self) -> LoadSnapshot:
+        """Queue depth and KV usage now (call on the engine thread; the snapshot is immutable)."""
+        sched = self.scheduler
+        queued = sum(r.num_tokens - r.num_computed_tokens for r in sched.waiting)
+        queued += sum(r.num_prompt_tokens - r.num_computed_tokens for r in sched.running
+                      if r.num_computed_tokens < r.num_prompt_tokens)
+        return LoadSnapshot(num_waiting=len(sched.waiting), num_running=len(sched.running) + len(sched.awaiting_kv),
+                            kv_usage=self.pool.usage, queued_prefill_tokens=queued,
+                            num_free_blocks=self.pool.num_free_blocks, num_total_blocks=self.pool.num_blocks)
+
+    def take_kv_events(self) -> list[KVEvent]:
+        """BlockStored / BlockRemoved / AllCleared since the last call, in order."""
+        return self.pool.take_events()
+
+    def num_cached_prefix_tokens(self, token_ids: Sequence[int]) -> int:
+        """How many leading tokens this engine's prefix cache holds (a read-only estimate)."""
+        if not self.pool.enable_caching:
+            return 0
+        n = 0
+        max_blocks = (len(token_ids) - 1) // self.config.cache.block_size
+        for block_hash in self.hasher.hash_blocks(token_ids)[:max_blocks]:
+            if not self.pool.peek(block_hash):
+                break
+            n += self.config.cache.block_size
+        return n
+
     def has_work(self) -> bool:
         """Whether step() would do anything now (requests waiting for remote KV do not count)."""
         return bool(self.scheduler.waiting or self.scheduler.running or self._aborted)
@@ -213,9 +250,11 @@ class LLMEngine:
         """All KV landed and the prefill worker sampled the first token: start decoding."""
         if not 0 <= first_token_id < self.model_config.vocab_size:
             raise InvalidRequestError(f"first token id {first_token_id} is outside the vocabulary")
-        update = self.scheduler.complete_remote_prefill(req_id, first_token_id)
-        if update is None:
+        req = self.scheduler.awaiting_kv.get(req_id)
+        if req is None:
             return None
+        skip_draw(req.params, self._generators.get(req_id))
+        update = self.scheduler.complete_remote_prefill(req_id, first_token_id)
         result = StepResult(sampled={req_id: first_token_id},
                             logprobs={req_id: logprob.logprob} if logprob else None,
                             top_logprobs={req_id: list(logprob.top)} if logprob else None)

@@ -91,6 +91,10 @@ class BlockPool:
             self.stats.num_hits += 1
         return block
 
+    def peek(self, block_hash: BlockHash) -> bool:
+        """Whether the hash is cached; no stats, no mutation (safe to call from another thread)."""
+        return block_hash in self._cached
+
     def cached_hashes(self) -> list[BlockHash]:
         return list(self._cached)
 

@@ -224,3 +224,13 @@ def _with_logprobs(token_ids: torch.Tensor, raw_logprobs: torch.Tensor,
     top_logprobs = [None if n is None else list(zip(top_ids[i][:n], top_values[i][:n]))
                     for i, n in enumerate(num_top)]
     return SamplerOutput(token_ids.tolist(), sampled.tolist(), top_logprobs)
+
+
+def skip_draw(params: SamplingParams, generator: torch.Generator | None) -> None:
+    """Advance a request's generator past one sampled token drawn elsewhere.
+
+    A decode worker continuing a request whose first token was sampled by a prefill worker
+    calls this, so a seeded request yields the same tokens disaggregated as colocated.
+    """
+    if generator is not None and not params.is_greedy:
+        torch.rand((), generator=generator, device=generator.device)
