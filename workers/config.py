@@ -1,0 +1,44 @@
+"""A worker process's settings (the engine's own are in platform/config.py)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from splitserve.platform.errors import ConfigError
+
+ROLES = ("prefill", "decode", "both")
+TRANSPORTS = ("ucx", "tcp", "inproc")
+MODES = ("conditional", "always", "never")
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    """`min_prefill_tokens`: in conditional mode a decode worker asks a prefill worker only when
+    at least this many prompt tokens are missing from its own prefix cache; below that, local
+    prefill is cheaper than the round trip. `transfer_deadline_s` bounds the whole remote
+    prefill (compute + transfer); after it the decode worker prefills locally."""
+
+    role: str = "both"
+    host: str = "127.0.0.1"
+    grpc_port: int = 50051
+    metrics_port: int = 9090
+    kv_transport: str = "ucx"
+    kv_port: int = 13337
+    disaggregation: str = "conditional"
+    min_prefill_tokens: int = 256
+    transfer_deadline_s: float = 30.0
+    drain_grace_s: float = 120.0
+    load_interval_s: float = 0.5
+
+    def __post_init__(self) -> None:
+        for name, value, allowed in (("role", self.role, ROLES), ("kv_transport", self.kv_transport, TRANSPORTS),
+                                     ("disaggregation", self.disaggregation, MODES)):
+            if value not in allowed:
+                raise ConfigError(f"{name}={value!r} is not supported; allowed: {', '.join(allowed)}")
+        for name in ("grpc_port", "metrics_port", "kv_port"):
+            if not 0 <= getattr(self, name) < 65536:
+                raise ConfigError(f"{name}={getattr(self, name)} is not a port; allowed: 0-65535 (0 picks a free one)")
+        if self.min_prefill_tokens < 0:
+            raise ConfigError(f"min_prefill_tokens must be >= 0, got {self.min_prefill_tokens}")
+        if self.transfer_deadline_s <= 0 or self.drain_grace_s < 0 or self.load_interval_s <= 0:
+            raise ConfigError("transfer_deadline_s and load_interval_s must be > 0 and drain_grace_s >= 0")

@@ -1,0 +1,130 @@
+"""The decode worker's side of a disaggregated request (DESIGN.md section 3).
+
+The engine has allocated blocks for the whole prompt and reused this worker's own prefix-cache
+hits (KVReady). For each prefill worker the router offered, in order:
+
+1. register the expected transfer with the KV receiver (layout, block count, a writer into
+   exactly the blocks that are missing here) and a deadline;
+2. call Prefill(skip_blocks = blocks cached here, our KV address, transfer id, layout);
+   the prefill worker pushes each layer as soon as it is computed and answers with the first
+   token only after our receiver acknowledged every layer;
+3. on success, hand the first token to the engine, which starts decoding.
+
+Any failure — the prefill worker unreachable, erroring, killed mid-transfer, silent past the
+deadline, or a layout mismatch — aborts that transfer (late bytes are discarded, never written)
+and moves on to the next prefill worker; when none is left the engine prefills locally in the
+blocks it already holds. A cancelled client request cancels the Prefill call (the prefill
+worker then frees its blocks) and aborts the transfer; the engine frees ours.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+
+import grpc
+
+from splitserve.platform.engine.async_engine import AsyncEngine
+from splitserve.platform.engine.kv_connector import KVReady
+from splitserve.platform.sampling.params import SamplingParams
+from splitserve.platform.wire import worker_pb2 as pb
+from splitserve.platform.wire import worker_pb2_grpc as pb_grpc
+from splitserve.workers import convert
+from splitserve.workers.transfer.base import KVLayout, KVReceiver, TransferError, TransferState
+
+log = logging.getLogger(__name__)
+
+
+class StubPool:
+    """One gRPC channel per prefill worker address, reused across requests."""
+
+    def __init__(self):
+        self._stubs: dict[str, pb_grpc.WorkerStub] = {}
+        self._channels: list[grpc.aio.Channel] = []
+
+    def get(self, address: str) -> pb_grpc.WorkerStub:
+        stub = self._stubs.get(address)
+        if stub is None:
+            channel = grpc.aio.insecure_channel(address, options=[("grpc.max_receive_message_length", 64 << 20)])
+            self._channels.append(channel)
+            stub = self._stubs[address] = pb_grpc.WorkerStub(channel)
+        return stub
+
+    async def close(self) -> None:
+        for channel in self._channels:
+            await channel.close()
+
+
+class RemotePrefill:
+    def __init__(self, engine: AsyncEngine, receiver: KVReceiver, layout: KVLayout, deadline_s: float,
+                 metrics=None):
+        self.engine = engine
+        self.receiver = receiver
+        self.layout = layout
+        self.deadline_s = deadline_s
+        self.metrics = metrics
+        self.stubs = StubPool()
+
+    async def run(self, req_id: str, token_ids: list[int], params: SamplingParams, ready: KVReady,
+                  prefill_workers: list[str]) -> str:
+        """Fill the request's missing KV from a prefill worker; returns its address, or "" if
+        the request fell back to local prefill."""
+        for address in prefill_workers:
+            if await self._attempt(address, req_id, token_ids, params, ready):
+                return address
+        self.engine.fallback_to_local_prefill(req_id)
+        self._count("local_fallback")
+        return ""
+
+    async def _attempt(self, address, req_id, token_ids, params, ready: KVReady) -> bool:
+        transfer_id = f"{req_id}/{uuid.uuid4().hex[:12]}"
+        dst = ready.block_ids[ready.start_block:]
+        write = self.engine.engine.write_kv_layer
+        self.receiver.expect(transfer_id, self.layout, len(dst), lambda layer, payload: write(dst, layer, payload),
+                             self.deadline_s)
+        t0 = time.monotonic()
+        try:
+            resp = await self.stubs.get(address).Prefill(pb.PrefillRequest(
+                request_id=req_id, prompt_token_ids=token_ids, params=convert.sampling_params_to_proto(params),
+                skip_blocks=ready.start_block, kv_address=self.receiver.address, transfer_id=transfer_id,
+                layout=self.layout_proto(), deadline_s=self.deadline_s), timeout=self.deadline_s)
+            status = await asyncio.wait_for(self.receiver.wait(transfer_id), timeout=self.deadline_s)
+            if status.state != TransferState.DONE:
+                raise TransferError(f"transfer ended {status.state.name}: {status.error}")
+        except (grpc.aio.AioRpcError, asyncio.TimeoutError, TransferError) as exc:
+            self.receiver.abort(transfer_id)
+            log.warning("request %s: remote prefill on %s failed (%s)", req_id, address, _describe(exc))
+            self._count("failed")
+            return False
+        except BaseException:  # cancelled by the client: stop the transfer, let the caller clean up
+            self.receiver.abort(transfer_id)
+            raise
+        finally:
+            self.receiver.release(transfer_id)
+        self._observe(status.num_bytes, time.monotonic() - t0)
+        logprob = convert.logprob_from_proto(resp.logprob) if resp.HasField("logprob") else None
+        self.engine.complete_remote_prefill(req_id, resp.first_token_id, logprob)
+        self._count("ok")
+        return True
+
+    def layout_proto(self) -> pb.KVLayout:
+        return pb.KVLayout(**self.layout.to_dict())
+
+    def _count(self, outcome: str) -> None:
+        if self.metrics is not None:
+            self.metrics.remote_prefills.labels(outcome=outcome).inc()
+
+    def _observe(self, num_bytes: int, seconds: float) -> None:
+        if self.metrics is not None:
+            self.metrics.kv_transfer_bytes.labels(direction="in").observe(num_bytes)
+            self.metrics.kv_transfer_seconds.labels(direction="in").observe(seconds)
+
+
+def _describe(exc: BaseException) -> str:
+    if isinstance(exc, grpc.aio.AioRpcError):
+        return f"{exc.code().name}: {exc.details()}"
+    if isinstance(exc, asyncio.TimeoutError):
+        return "deadline exceeded"
+    return str(exc)

@@ -1,0 +1,56 @@
+"""The worker's HTTP side port: /health (alive), /ready (model loaded, warmed up, not draining),
+/metrics (Prometheus text). A minimal asyncio server: GET only, one response per connection,
+so it needs no web framework in the worker image.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+
+CONTENT_TYPE_METRICS = "text/plain; version=0.0.4; charset=utf-8"
+
+
+class HealthServer:
+    def __init__(self, host: str, port: int, is_ready: Callable[[], tuple[bool, str]],
+                 render_metrics: Callable[[], bytes]):
+        self.host, self.port = host, port
+        self.is_ready = is_ready
+        self.render_metrics = render_metrics
+        self._server: asyncio.base_events.Server | None = None
+
+    async def start(self) -> None:
+        self._server = await asyncio.start_server(self._handle, self.host, self.port)
+
+    async def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            await self._server.wait_closed()
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            request_line = await asyncio.wait_for(reader.readline(), timeout=10)
+            while (await asyncio.wait_for(reader.readline(), timeout=10)) not in (b"\r\n", b"\n", b""):
+                pass
+            status, ctype, body = self._route(request_line.decode("latin-1").split())
+            head = (f"HTTP/1.1 {status}\r\nContent-Type: {ctype}\r\nContent-Length: {len(body)}\r\n"
+                    "Connection: close\r\n\r\n")
+            writer.write(head.encode() + body)
+            await writer.drain()
+        except (asyncio.TimeoutError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+    def _route(self, parts: list[str]) -> tuple[str, str, bytes]:
+        if len(parts) < 2 or parts[0] != "GET":
+            return "405 Method Not Allowed", "text/plain", b"only GET is supported\n"
+        path = parts[1].split("?", 1)[0]
+        if path == "/health":
+            return "200 OK", "text/plain", b"ok\n"
+        if path == "/ready":
+            ready, why = self.is_ready()
+            return ("200 OK" if ready else "503 Service Unavailable"), "text/plain", (why + "\n").encode()
+        if path == "/metrics":
+            return "200 OK", CONTENT_TYPE_METRICS, self.render_metrics()
+        return "404 Not Found", "text/plain", b"not found; try /health, /ready or /metrics\n"

@@ -1,0 +1,151 @@
+"""`splitserve worker`: one process = one engine behind the Worker gRPC service.
+
+    splitserve worker --role prefill|decode|both --model smollm2-135m --grpc-port 50051 \
+        --metrics-port 9090 --kv-transport ucx|tcp --kv-port 13337
+
+Lifecycle: load the model, warm it up with one tiny request, start the KV receiver (decode
+roles), the gRPC server, the health/metrics port; /ready turns 200. On SIGTERM (or SIGINT):
+/ready turns 503, new requests get UNAVAILABLE, requests in flight finish within
+--drain-grace seconds, then the process exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import uuid
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from splitserve.platform.cli import add_engine_args, engine_config
+from splitserve.platform.engine.async_engine import AsyncEngine
+from splitserve.platform.engine.llm_engine import LLMEngine
+from splitserve.platform.sampling.params import SamplingParams
+from splitserve.platform.wire import worker_pb2 as pb
+from splitserve.platform.wire import worker_pb2_grpc as pb_grpc
+from splitserve.workers.config import WorkerConfig
+from splitserve.workers.decode import RemotePrefill
+from splitserve.workers.events import EventHub
+from splitserve.workers.http import HealthServer
+from splitserve.workers.metrics import WorkerMetrics
+from splitserve.workers.service import WorkerService, publish_load
+from splitserve.workers.transfer import make_receiver, make_sender
+from splitserve.workers.transfer.base import KVLayout
+
+log = logging.getLogger("splitserve.worker")
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("worker", help="run a prefill / decode / colocated gRPC worker")
+    add_engine_args(p)
+    p.add_argument("--role", default="both", choices=["prefill", "decode", "both"])
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 in a pod)")
+    p.add_argument("--grpc-port", type=int, default=50051)
+    p.add_argument("--metrics-port", type=int, default=9090)
+    p.add_argument("--kv-transport", default="ucx", choices=["ucx", "tcp"])
+    p.add_argument("--kv-port", type=int, default=13337)
+    p.add_argument("--disaggregation", default="conditional", choices=["conditional", "always", "never"])
+    p.add_argument("--min-prefill-tokens", type=int, default=256,
+                   help="conditional mode: remote prefill only when at least this many prompt tokens are uncached")
+    p.add_argument("--transfer-deadline", type=float, default=30.0, help="seconds for a remote prefill")
+    p.add_argument("--drain-grace", type=float, default=120.0, help="seconds to finish in-flight work on SIGTERM")
+    p.set_defaults(func=cmd_worker)
+
+
+def cmd_worker(args) -> int:
+    config = WorkerConfig(role=args.role, host=args.host, grpc_port=args.grpc_port, metrics_port=args.metrics_port,
+                          kv_transport=args.kv_transport, kv_port=args.kv_port, disaggregation=args.disaggregation,
+                          min_prefill_tokens=args.min_prefill_tokens, transfer_deadline_s=args.transfer_deadline,
+                          drain_grace_s=args.drain_grace)
+    engine = LLMEngine(engine_config(args))
+    return asyncio.run(Worker(config, engine).run())
+
+
+def kv_layout(engine: LLMEngine) -> KVLayout:
+    m = engine.model_config
+    return KVLayout(model_id=m.model_id, dtype=engine.config.device.dtype, block_size=engine.config.cache.block_size,
+                    num_layers=m.num_layers, num_kv_heads=m.num_kv_heads, head_dim=m.head_dim)
+
+
+class Worker:
+    def __init__(self, config: WorkerConfig, engine: LLMEngine):
+        self.config = config
+        self.llm = engine
+        self.ready = False
+        self.stopping = asyncio.Event()
+
+    async def run(self) -> int:
+        cfg = self.config
+        loop = asyncio.get_running_loop()
+        engine = AsyncEngine(self.llm)
+        layout = kv_layout(self.llm)
+        metrics = WorkerMetrics(cfg.role, self.llm.config.model)
+        metrics.cache_info.labels(block_size=str(layout.block_size), num_gpu_blocks=str(self.llm.pool.num_blocks),
+                                  role=cfg.role).set(1)
+        receiver = make_receiver(cfg.kv_transport, cfg.host, cfg.kv_port) if cfg.role != "prefill" else None
+        sender = make_sender(cfg.kv_transport) if cfg.role != "decode" else None
+        if receiver is not None:
+            await receiver.start()
+        info = pb.WorkerInfo(worker_id=uuid.uuid4().hex, role=cfg.role, model_id=layout.model_id,
+                             layout=pb.KVLayout(**layout.to_dict()), kv_address=receiver.address if receiver else "",
+                             num_total_blocks=self.llm.pool.num_blocks)
+        hub = EventHub(loop, info)
+        engine.on_kv_events = hub.publish
+        remote = RemotePrefill(engine, receiver, layout, cfg.transfer_deadline_s, metrics) if receiver else None
+        service = WorkerService(cfg, engine, hub, remote, sender, layout, metrics)
+        server, health_servicer = await self._start_grpc(service)
+        http = HealthServer(cfg.host, cfg.metrics_port, lambda: self._readiness(service), metrics.render)
+        await http.start()
+        load_task = asyncio.create_task(publish_load(service, cfg.load_interval_s))
+        await self._warm_up(engine)
+        self.ready = True
+        await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self.stopping.set)
+        log.info("worker %s ready: grpc %s:%d, metrics %d, kv %s", cfg.role, cfg.host, cfg.grpc_port,
+                 cfg.metrics_port, info.kv_address or "-")
+        print(f"READY grpc={cfg.host}:{cfg.grpc_port} metrics={cfg.metrics_port} kv={info.kv_address}", flush=True)
+        await self.stopping.wait()
+        await self._drain(service, health_servicer)
+        load_task.cancel()
+        await server.stop(grace=1.0)
+        await http.close()
+        for closer in (remote.stubs.close() if remote else None, receiver.close() if receiver else None,
+                       sender.close() if sender else None):
+            if closer is not None:
+                await closer
+        engine.shutdown()
+        return 0
+
+    async def _start_grpc(self, service: WorkerService):
+        server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 << 20),
+                                          ("grpc.so_reuseport", 0)])
+        pb_grpc.add_WorkerServicer_to_server(service, server)
+        health_servicer = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+        await health_servicer.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
+        server.add_insecure_port(f"{self.config.host}:{self.config.grpc_port}")
+        await server.start()
+        return server, health_servicer
+
+    async def _warm_up(self, engine: AsyncEngine) -> None:
+        async for _ in engine.generate(prompt_token_ids=[1, 2, 3], params=SamplingParams(temperature=0, max_tokens=2),
+                                       req_id="warmup"):
+            pass
+
+    def _readiness(self, service: WorkerService) -> tuple[bool, str]:
+        if service.draining:
+            return False, "draining"
+        return (True, "ready") if self.ready else (False, "loading")
+
+    async def _drain(self, service: WorkerService, health_servicer) -> None:
+        service.draining = True
+        await health_servicer.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
+        log.info("draining: %d requests in flight, grace %.0f s", service.num_inflight, self.config.drain_grace_s)
+        try:
+            await asyncio.wait_for(service.idle.wait(), timeout=self.config.drain_grace_s)
+        except asyncio.TimeoutError:
+            log.warning("drain grace expired with %d requests in flight; aborting them", service.num_inflight)

@@ -1,0 +1,57 @@
+"""Prometheus metrics of a worker.
+
+Gauges use the names the Gateway API Inference Extension (and llm-d's scheduler) read from
+vLLM, so other routers can use our workers: vllm:num_requests_waiting,
+vllm:num_requests_running, vllm:kv_cache_usage_perc, vllm:cache_config_info. Our own
+histograms are splitserve_*. Each worker process has its own registry (tests run several).
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, generate_latest
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1.0, 2.5)
+BYTES_BUCKETS = tuple(2**i for i in range(10, 34, 2))
+
+
+class WorkerMetrics:
+    def __init__(self, role: str, model: str):
+        self.registry = r = CollectorRegistry()
+        labels = {"model_name": model}
+        self.waiting = Gauge("vllm:num_requests_waiting", "Requests waiting to be scheduled", ["model_name"],
+                             registry=r).labels(**labels)
+        self.running = Gauge("vllm:num_requests_running", "Requests in the running batch", ["model_name"],
+                             registry=r).labels(**labels)
+        self.kv_usage = Gauge("vllm:kv_cache_usage_perc", "Fraction of KV blocks in use (0-1)", ["model_name"],
+                              registry=r).labels(**labels)
+        self.cache_info = Gauge("vllm:cache_config_info", "KV cache configuration",
+                                ["block_size", "num_gpu_blocks", "role"], registry=r)
+        self.queued_prefill_tokens = Gauge("splitserve_queued_prefill_tokens", "Prompt tokens not yet computed",
+                                           registry=r)
+        self.ttft = Histogram("splitserve_time_to_first_token_seconds", "Time to first token", ["role"],
+                              buckets=LATENCY_BUCKETS, registry=r).labels(role=role)
+        self.itl = Histogram("splitserve_inter_token_latency_seconds", "Time between output tokens", ["role"],
+                             buckets=ITL_BUCKETS, registry=r).labels(role=role)
+        self.e2e = Histogram("splitserve_e2e_request_latency_seconds", "Request latency", ["role"],
+                             buckets=LATENCY_BUCKETS, registry=r).labels(role=role)
+        self.queue_time = Histogram("splitserve_request_queue_time_seconds", "Time until KV blocks were allocated",
+                                    ["role"], buckets=LATENCY_BUCKETS, registry=r).labels(role=role)
+        self.kv_transfer_bytes = Histogram("splitserve_kv_transfer_bytes", "KV bytes per transfer", ["direction"],
+                                           buckets=BYTES_BUCKETS, registry=r)
+        self.kv_transfer_seconds = Histogram("splitserve_kv_transfer_seconds", "KV transfer duration", ["direction"],
+                                             buckets=LATENCY_BUCKETS, registry=r)
+        self.remote_prefills = Counter("splitserve_remote_prefills", "Remote prefill attempts by outcome",
+                                       ["outcome"], registry=r)
+        self.requests = Counter("splitserve_requests", "Finished requests by finish reason", ["finish_reason"],
+                                registry=r)
+        Info("splitserve_worker", "Worker identity", registry=r).info({"role": role, "model": model})
+
+    def update_load(self, load) -> None:
+        self.waiting.set(load.num_waiting)
+        self.running.set(load.num_running)
+        self.kv_usage.set(load.kv_usage)
+        self.queued_prefill_tokens.set(load.queued_prefill_tokens)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

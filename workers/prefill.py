@@ -1,0 +1,81 @@
+"""The prefill worker's side of a disaggregated request.
+
+Prefill(prompt, skip_blocks, kv_address, transfer_id, layout) runs the prompt through this
+worker's engine — reusing its own prefix cache — as a one-token request whose KV export hook
+copies each layer's blocks [skip_blocks, n) the moment that layer is computed. A pump task
+sends those layer payloads over the KV transport while the next layers compute, so transfer
+overlaps compute. The answer (the first sampled token) goes back only after the decode
+worker acknowledged every layer; if the caller cancels, or anything fails, the transfer is
+aborted and the engine request freed, so no blocks stay held.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+
+from splitserve.platform.engine.async_engine import AsyncEngine
+from splitserve.platform.engine.kv_connector import KVExport
+from splitserve.platform.errors import InvalidRequestError
+from splitserve.platform.wire import worker_pb2 as pb
+from splitserve.workers import convert
+from splitserve.workers.transfer.base import KVLayout, KVSender
+
+
+async def serve_prefill(engine: AsyncEngine, sender: KVSender, layout: KVLayout, request: pb.PrefillRequest,
+                        metrics=None) -> pb.PrefillResponse:
+    """Raises InvalidRequestError (bad input), LayoutMismatchError, TransferError."""
+    eng = engine.engine
+    token_ids = convert.prompt_token_ids(request.request_id, request.prompt_token_ids,
+                                         eng.model_config.vocab_size, eng.max_model_len)
+    if not request.transfer_id or not request.kv_address:
+        raise InvalidRequestError("transfer_id and kv_address are required for Prefill")
+    layout.check_compatible(KVLayout.from_dict(dict(
+        model_id=request.layout.model_id, dtype=request.layout.dtype, block_size=request.layout.block_size,
+        num_layers=request.layout.num_layers, num_kv_heads=request.layout.num_kv_heads,
+        head_dim=request.layout.head_dim)))
+    params = convert.sampling_params(request.params)
+    # Only the first token is sampled here; stop strings and logprob width follow the request.
+    params = dataclasses.replace(params, max_tokens=1, min_tokens=min(params.min_tokens, 1), stop=())
+    num_blocks = -(-len(token_ids) // layout.block_size) - request.skip_blocks
+    if num_blocks <= 0 or request.skip_blocks < 0:
+        raise InvalidRequestError(f"skip_blocks={request.skip_blocks} is invalid for a prompt of {len(token_ids)} "
+                                  f"tokens; allowed: 0 to {-(-len(token_ids) // layout.block_size) - 1}")
+    t0 = time.monotonic()
+    handle = await sender.open(request.kv_address, request.transfer_id, layout, num_blocks)
+    loop = asyncio.get_running_loop()
+    layers: asyncio.Queue = asyncio.Queue()
+
+    def sink(layer, payload):  # engine thread
+        loop.call_soon_threadsafe(layers.put_nowait, (layer, payload))
+
+    async def pump():
+        for _ in range(layout.num_layers):
+            layer, payload = await layers.get()
+            await handle.send_layer(layer, payload)
+
+    pump_task = asyncio.create_task(pump())
+    final = None
+    try:
+        async for out in engine.generate(params=params, prompt_token_ids=token_ids,
+                                         req_id=f"prefill/{request.transfer_id}",
+                                         kv_export=KVExport(request.skip_blocks, sink)):
+            final = out
+        if final is None or not final.new_token_ids:
+            raise InvalidRequestError(f"prefill of {request.request_id} was aborted")
+        await asyncio.wait_for(pump_task, timeout=request.deadline_s or None)
+        await handle.finish()
+    except BaseException:
+        pump_task.cancel()
+        await handle.abort()
+        raise
+    seconds = time.monotonic() - t0
+    if metrics is not None:
+        metrics.kv_transfer_bytes.labels(direction="out").observe(handle.bytes_sent)
+        metrics.kv_transfer_seconds.labels(direction="out").observe(seconds)
+    resp = pb.PrefillResponse(first_token_id=final.new_token_ids[0], cached_tokens=final.num_cached_tokens,
+                              kv_bytes=handle.bytes_sent, prefill_s=seconds)
+    if final.new_logprobs:
+        resp.logprob.CopyFrom(convert.logprob_to_proto(final.new_logprobs[0]))
+    return resp

@@ -1,0 +1,156 @@
+"""The Worker gRPC service: Generate, Prefill, Abort, WatchEvents (proto/splitserve/v1).
+
+Bad input gets INVALID_ARGUMENT (or NOT_FOUND / FAILED_PRECONDITION) with a message, and the
+worker keeps serving. While draining, new work gets UNAVAILABLE so the router retries
+elsewhere; work already accepted finishes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import grpc
+
+from splitserve.platform.engine.async_engine import AsyncEngine
+from splitserve.platform.errors import InvalidRequestError
+from splitserve.platform.wire import worker_pb2 as pb
+from splitserve.platform.wire import worker_pb2_grpc as pb_grpc
+from splitserve.workers import convert
+from splitserve.workers.config import WorkerConfig
+from splitserve.workers.decode import RemotePrefill
+from splitserve.workers.events import EventHub
+from splitserve.workers.prefill import serve_prefill
+from splitserve.workers.transfer.base import KVLayout, KVSender, LayoutMismatchError, TransferError
+
+log = logging.getLogger(__name__)
+
+_MODES = {pb.DISAGGREGATION_MODE_CONDITIONAL: "conditional", pb.DISAGGREGATION_MODE_ALWAYS: "always",
+          pb.DISAGGREGATION_MODE_NEVER: "never"}
+
+
+class WorkerService(pb_grpc.WorkerServicer):
+    def __init__(self, config: WorkerConfig, engine: AsyncEngine, hub: EventHub, remote: RemotePrefill | None,
+                 sender: KVSender | None, layout: KVLayout, metrics):
+        self.config = config
+        self.engine = engine
+        self.hub = hub
+        self.remote = remote
+        self.sender = sender
+        self.layout = layout
+        self.metrics = metrics
+        self.draining = False
+        self.num_inflight = 0
+        self.idle = asyncio.Event()
+        self.idle.set()
+
+    # -- admission -------------------------------------------------------------------------
+    async def _admit(self, context, allowed_roles: tuple[str, ...], rpc: str) -> None:
+        if self.draining:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "worker is draining (shutting down); retry on another worker")
+        if self.config.role not in allowed_roles:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                f"{rpc} is not served by a {self.config.role} worker; allowed roles: {', '.join(allowed_roles)}")
+
+    def _enter(self) -> None:
+        self.num_inflight += 1
+        self.idle.clear()
+
+    def _leave(self) -> None:
+        self.num_inflight -= 1
+        if self.num_inflight == 0:
+            self.idle.set()
+
+    # -- Generate --------------------------------------------------------------------------
+    async def Generate(self, request: pb.GenerateRequest, context):
+        await self._admit(context, ("decode", "both"), "Generate")
+        eng = self.engine.engine
+        try:
+            token_ids = convert.prompt_token_ids(request.request_id, request.prompt_token_ids,
+                                                 eng.model_config.vocab_size, eng.max_model_len)
+            params = convert.sampling_params(request.params)
+        except InvalidRequestError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        remote = self._wants_remote(request, token_ids)
+        self._enter()
+        try:
+            async for msg in self._generate(request.request_id, token_ids, params, remote, list(request.prefill_workers)):
+                yield msg
+        except InvalidRequestError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        finally:
+            self._leave()
+
+    async def _generate(self, req_id, token_ids, params, remote: bool, prefill_workers: list[str]):
+        t0 = time.monotonic()
+        prefill_worker, last_token_t = "", None
+        async for out in self.engine.generate(prompt_token_ids=token_ids, params=params, req_id=req_id,
+                                              remote_prefill=remote):
+            if out.kv_ready is not None:
+                prefill_worker = await self.remote.run(req_id, token_ids, params, out.kv_ready, prefill_workers)
+                continue
+            msg = convert.generate_response(out, prefill_worker)
+            now = time.monotonic()
+            if last_token_t is None:
+                msg.timings.first_token_s = now - t0
+                self.metrics.ttft.observe(now - t0)
+            elif out.new_token_ids:
+                self.metrics.itl.observe(now - last_token_t)
+            last_token_t = now
+            if out.finished:
+                self.metrics.e2e.observe(now - t0)
+                self.metrics.requests.labels(finish_reason=out.finish_reason).inc()
+            yield msg
+
+    def _wants_remote(self, request: pb.GenerateRequest, token_ids: list[int]) -> bool:
+        if not request.prefill_workers or self.remote is None:
+            return False
+        mode = _MODES.get(request.disaggregation, self.config.disaggregation)
+        if mode == "never":
+            return False
+        if mode == "always":
+            return True
+        threshold = request.min_prefill_tokens if request.min_prefill_tokens >= 0 else self.config.min_prefill_tokens
+        uncached = len(token_ids) - self.engine.engine.num_cached_prefix_tokens(token_ids)
+        return uncached >= threshold
+
+    # -- Prefill ---------------------------------------------------------------------------
+    async def Prefill(self, request: pb.PrefillRequest, context):
+        await self._admit(context, ("prefill", "both"), "Prefill")
+        self._enter()
+        try:
+            return await serve_prefill(self.engine, self.sender, self.layout, request, self.metrics)
+        except InvalidRequestError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except LayoutMismatchError as exc:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"KV layout mismatch: {exc}")
+        except TransferError as exc:
+            code = grpc.StatusCode.NOT_FOUND if "unknown transfer id" in str(exc) else grpc.StatusCode.UNAVAILABLE
+            await context.abort(code, f"KV transfer failed: {exc}")
+        finally:
+            self._leave()
+
+    # -- Abort / WatchEvents -----------------------------------------------------------------
+    async def Abort(self, request: pb.AbortRequest, context):
+        found = request.request_id in self.engine.engine.scheduler.requests
+        if not found:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"no request with id {request.request_id!r} on this worker")
+        self.engine.abort(request.request_id)
+        return pb.AbortResponse(found=True)
+
+    async def WatchEvents(self, request: pb.WatchEventsRequest, context):
+        async for msg in self.hub.subscribe():
+            yield msg
+
+
+async def publish_load(service: WorkerService, interval_s: float) -> None:
+    """Every interval: refresh the gauges and send a LoadReport to subscribers."""
+    while True:
+        load = service.engine.load
+        service.metrics.update_load(load)
+        service.hub.send_load(pb.LoadReport(
+            num_waiting=load.num_waiting, num_running=load.num_running, kv_usage=load.kv_usage,
+            queued_prefill_tokens=load.queued_prefill_tokens, num_free_blocks=load.num_free_blocks,
+            draining=service.draining))
+        await asyncio.sleep(interval_s)

@@ -1,0 +1,218 @@
+"""The KV-transfer interface: what the decode worker (receiver) and prefill worker (sender) see.
+
+A transfer moves one request's prompt KV, layer by layer, from a prefill worker to a decode
+worker and is identified by a `transfer_id` the decode worker chooses. Its life on each side:
+
+* Receiver (decode worker, push target): `expect()` registers it (WAITING) with the layout the
+  decode worker's cache has, the number of blocks and a `write_layer` callback; the sender's
+  first message moves it to RECEIVING (or FAILED on a layout mismatch); each landed layer is
+  handed to `write_layer`; when every layer landed and the sender said it is finished it is
+  DONE and the sender gets its acknowledgement. `abort()` (client gone) makes it ABORTED; the
+  deadline makes it TIMED_OUT; a lost sender makes it FAILED. `poll()` never blocks, `wait()`
+  returns at a terminal state, `release()` forgets it.
+* Sender (prefill worker): `open()` gets a `SendHandle` on a pooled connection;
+  `send_layer()` queues each layer as soon as it is computed (so sending overlaps compute);
+  `finish()` returns once the receiver acknowledged that every layer was written, and is the
+  one place where a failure of the transfer (mismatch, unknown id, abort, timeout, lost
+  connection) surfaces, as `TransferError`.
+
+A transfer is a polled state machine with an abort, never a blocking call (STYLE.md).
+"""
+
+from __future__ import annotations
+
+import enum
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, fields
+
+import torch
+
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+class TransferError(Exception):
+    """A transfer did not complete: rejected, aborted, timed out, or its connection was lost."""
+
+
+class LayoutMismatchError(TransferError):
+    """The two sides' KV layouts differ. `mismatches` maps each field to (expected, got)."""
+
+    def __init__(self, message: str, mismatches: dict[str, tuple] | None = None):
+        super().__init__(message)
+        self.mismatches = mismatches or {}
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """How one layer's KV is shaped and typed; both sides must agree on every field."""
+
+    model_id: str
+    dtype: str  # one of DTYPES
+    block_size: int
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+
+    def __post_init__(self):
+        if self.dtype not in DTYPES:
+            raise ValueError(f"KVLayout.dtype {self.dtype!r} is not supported; allowed: {', '.join(DTYPES)}")
+        for name in ("block_size", "num_layers", "num_kv_heads", "head_dim"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"KVLayout.{name} must be a positive int, got {value!r}")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return getattr(torch, self.dtype)
+
+    def check_compatible(self, other: KVLayout) -> None:
+        """Raise LayoutMismatchError naming every differing field as `field: expected X, got Y`
+        (self is what this side expects, `other` what the peer has)."""
+        diff = {f.name: (getattr(self, f.name), getattr(other, f.name)) for f in fields(self)
+                if getattr(self, f.name) != getattr(other, f.name)}
+        if diff:
+            parts = "; ".join(f"{name}: expected {a!r}, got {b!r}" for name, (a, b) in diff.items())
+            raise LayoutMismatchError(f"KV layout mismatch: {parts}", diff)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> KVLayout:
+        """Build from `to_dict()` output; a missing or unknown key is a ValueError naming it."""
+        names = {f.name for f in fields(cls)}
+        missing, unknown = names - d.keys(), d.keys() - names
+        if missing or unknown:
+            raise ValueError(f"bad KV layout {d!r}: missing {sorted(missing)}, unknown {sorted(unknown)}")
+        return cls(**d)
+
+    def layer_payload_shape(self, num_blocks: int) -> tuple[int, int, int, int, int]:
+        """One layer's payload: K and V stacked, (2, num_blocks, block_size, num_kv_heads, head_dim)."""
+        return (2, num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+
+    def layer_payload_nbytes(self, num_blocks: int) -> int:
+        elem = torch.empty((), dtype=self.torch_dtype).element_size()
+        return 2 * num_blocks * self.block_size * self.num_kv_heads * self.head_dim * elem
+
+
+class TransferState(enum.Enum):
+    WAITING = "waiting"      # expected, nothing arrived yet
+    RECEIVING = "receiving"  # the sender opened it with a matching layout
+    DONE = "done"            # every layer written and acknowledged
+    FAILED = "failed"        # layout mismatch, protocol error, write_layer raised, sender lost
+    ABORTED = "aborted"      # abort() on the receiver
+    TIMED_OUT = "timed_out"  # deadline passed before DONE
+
+    @property
+    def is_terminal(self) -> bool:
+        return self not in (TransferState.WAITING, TransferState.RECEIVING)
+
+
+@dataclass(frozen=True)
+class TransferStatus:
+    """A snapshot; num_bytes counts payload bytes of the layers written (headers excluded)."""
+
+    state: TransferState
+    num_layers_done: int
+    num_bytes: int
+    error: str | None = None
+
+
+WriteLayer = Callable[[int, torch.Tensor], None]
+
+
+class KVReceiver(ABC):
+    """The decode worker's end. Lives in (and is only called from) one asyncio loop.
+
+    It owns the per-transfer state; the decode worker sees it only through these methods.
+    """
+
+    address: str  # "ucx://host:port", "tcp://host:port" or "inproc://name"; valid after start()
+
+    @abstractmethod
+    async def start(self) -> None:
+        """Start listening; sets `address` (a port of 0 picks a free one)."""
+
+    @abstractmethod
+    async def close(self) -> None:
+        """Stop listening, drop connections; transfers not yet terminal become FAILED."""
+
+    @abstractmethod
+    def expect(self, transfer_id: str, layout: KVLayout, num_blocks: int, write_layer: WriteLayer,
+               deadline_s: float) -> None:
+        """Register an incoming transfer (WAITING) before asking the sender to send it.
+
+        `write_layer(layer, payload)` is called in the loop as each layer lands, payload of
+        `layout.layer_payload_shape(num_blocks)` and `layout.dtype`; the payload is only valid
+        during the call (the receiver reuses its buffer): copy out of it. If it raises, the
+        transfer FAILS. `deadline_s` is seconds from now; at the deadline a transfer not yet
+        DONE becomes TIMED_OUT. A transfer_id already registered is a ValueError.
+        """
+
+    @abstractmethod
+    def poll(self, transfer_id: str) -> TransferStatus:
+        """Current status, never blocks; KeyError for an id not registered (or released)."""
+
+    @abstractmethod
+    def abort(self, transfer_id: str) -> None:
+        """Make a non-terminal transfer ABORTED: later data for it is discarded and the sender's
+        finish() raises TransferError. No-op on a terminal or unknown transfer."""
+
+    @abstractmethod
+    async def wait(self, transfer_id: str) -> TransferStatus:
+        """Return the status once terminal (DONE, FAILED, ABORTED or TIMED_OUT); the deadline
+        given to expect() bounds it. KeyError for an unknown id."""
+
+    @abstractmethod
+    def release(self, transfer_id: str) -> None:
+        """Forget a transfer (aborting it first if not terminal): afterwards the receiver holds
+        no state for it and a sender using the id is told "unknown transfer id". Idempotent."""
+
+    @property
+    @abstractmethod
+    def num_transfers(self) -> int:
+        """How many transfers are registered and not released (0 when nothing leaks)."""
+
+
+class SendHandle(ABC):
+    """One outgoing transfer, owned by the task that opened it.
+
+    `bytes_sent` counts payload bytes that went onto the wire (headers excluded); `error` is
+    the failure if one is already known (the receiver may reject or abort early), so a prefill
+    worker can stop sending; `finish()` raises it.
+    """
+
+    bytes_sent: int
+    error: TransferError | None
+
+    @abstractmethod
+    async def send_layer(self, layer: int, payload: torch.Tensor) -> None:
+        """Queue one layer: contiguous, `layout.layer_payload_shape(num_blocks)`, `layout.dtype`
+        (else ValueError). Returns without waiting for the wire; the handle keeps a reference to
+        `payload` until it is sent, so the caller must not modify it afterwards. Once the
+        transfer failed, layers are dropped silently (finish() reports the failure)."""
+
+    @abstractmethod
+    async def finish(self) -> None:
+        """Wait until every queued layer is sent and the receiver acknowledged writing all of
+        them. Raises TransferError (LayoutMismatchError for a mismatch) on any failure. The
+        connection goes back to the sender's pool on success."""
+
+    @abstractmethod
+    async def abort(self) -> None:
+        """Drop layers not yet sent and tell the receiver (its transfer becomes FAILED)."""
+
+
+class KVSender(ABC):
+    """The prefill worker's end. Lives in one asyncio loop; keeps a pool of idle connections
+    per receiver address, so consecutive transfers to one decode worker reuse a connection."""
+
+    @abstractmethod
+    async def open(self, address: str, transfer_id: str, layout: KVLayout, num_blocks: int) -> SendHandle:
+        """Start a transfer to `address`. Raises TransferError if the receiver is unreachable,
+        ValueError for an address of another transport."""
+
+    @abstractmethod
+    async def close(self) -> None:
+        """Close pooled connections (call when no transfer is in flight)."""

@@ -1,0 +1,83 @@
+"""The receiver half every transport shares: a TransferTable plus the connections it serves.
+
+A transport subclass only listens (`_listen`, `_stop_listening`) and hands each accepted
+connection, wrapped as a Channel, to `_serve`. The decode worker's calls go straight to the
+table, which is the one writer of transfer state.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from abc import abstractmethod
+
+from splitserve.workers.transfer.base import KVLayout, KVReceiver, TransferStatus, WriteLayer
+from splitserve.workers.transfer.stream import MAX_PAYLOAD_BYTES, Channel, serve_channel
+from splitserve.workers.transfer.table import TransferTable
+
+
+class ChannelReceiver(KVReceiver):
+    def __init__(self, max_payload_bytes: int = MAX_PAYLOAD_BYTES):
+        self.address = ""
+        self._table = TransferTable()
+        self._channels: set[Channel] = set()
+        self._max_payload_bytes = max_payload_bytes
+        self._is_closed = False
+
+    @abstractmethod
+    async def _listen(self) -> str:
+        """Start accepting connections; return the address."""
+
+    @abstractmethod
+    async def _stop_listening(self) -> None: ...
+
+    async def start(self) -> None:
+        self.address = await self._listen()
+
+    async def close(self) -> None:
+        if self._is_closed:
+            return
+        self._is_closed = True  # from here on, new connections are closed on arrival
+        for channel in list(self._channels):
+            with contextlib.suppress(Exception):
+                await channel.close()
+        for _ in range(200):  # let the serving loops see their channels close (UCX: ~ms)
+            if not self._channels:
+                break
+            await asyncio.sleep(0.01)
+        self._table.close_all("receiver closed")
+        await self._stop_listening()
+
+    async def _serve(self, channel: Channel) -> None:
+        if self._is_closed:
+            await channel.close()
+            return
+        self._channels.add(channel)
+        try:
+            await serve_channel(channel, self._table, self._max_payload_bytes)
+        finally:
+            self._channels.discard(channel)
+
+    @property
+    def num_connections(self) -> int:
+        return len(self._channels)
+
+    @property
+    def num_transfers(self) -> int:
+        return len(self._table)
+
+    def expect(self, transfer_id: str, layout: KVLayout, num_blocks: int, write_layer: WriteLayer,
+               deadline_s: float) -> None:
+        self._table.expect(transfer_id, layout, num_blocks, write_layer, deadline_s)
+
+    def poll(self, transfer_id: str) -> TransferStatus:
+        return self._table.poll(transfer_id)
+
+    def abort(self, transfer_id: str) -> None:
+        self._table.abort(transfer_id)
+
+    async def wait(self, transfer_id: str) -> TransferStatus:
+        return await self._table.wait(transfer_id)
+
+    def release(self, transfer_id: str) -> None:
+        self._table.release(transfer_id)

@@ -1,0 +1,205 @@
+"""The receiver's transfer table: the one writer of every incoming transfer's state.
+
+The public half (expect, poll, abort, wait, release) is what the decode worker calls; the
+connection half (bind, write, finish, disconnect) is what a connection's serving loop calls
+as messages arrive. Both run in the receiver's asyncio loop, so no locks.
+
+State machine (see base.TransferState): WAITING -bind-> RECEIVING -finish, all layers-> DONE.
+Any non-terminal state goes to ABORTED (abort), TIMED_OUT (the deadline timer armed by
+expect), or FAILED (layout mismatch at bind, a bad or duplicate layer, write_layer raising,
+the sender disconnecting or finishing with layers missing). A terminal state never changes.
+When a transfer bound to a connection fails early, `notify` sends the sender a "failed"
+event at once, so it can stop sending; the final reply to its "end" repeats the outcome.
+
+Replies are plain dicts (the stream module frames them): `{"transfer_id", "type": "failed" |
+"final", "ok", "state", "error", "error_kind": "layout" | "unknown" | "transfer",
+"mismatches"}`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from splitserve.workers.transfer.base import (KVLayout, LayoutMismatchError, TransferState, TransferStatus,
+                                              WriteLayer)
+
+Notify = Callable[[dict], None]
+
+
+@dataclass
+class _Transfer:
+    layout: KVLayout
+    num_blocks: int
+    write_layer: WriteLayer
+    deadline_s: float
+    state: TransferState = TransferState.WAITING
+    layers_done: set[int] = field(default_factory=set)
+    num_bytes: int = 0
+    error: str | None = None
+    error_kind: str = "transfer"
+    mismatches: dict | None = None
+    done: asyncio.Event = field(default_factory=asyncio.Event)
+    timer: asyncio.TimerHandle | None = None
+    notify: Notify | None = None
+
+
+class TransferTable:
+    def __init__(self):
+        self._transfers: dict[str, _Transfer] = {}
+
+    def __len__(self) -> int:
+        return len(self._transfers)
+
+    # -- the decode worker's side --------------------------------------------------------------
+    def expect(self, transfer_id: str, layout: KVLayout, num_blocks: int, write_layer: WriteLayer,
+               deadline_s: float) -> None:
+        if transfer_id in self._transfers:
+            raise ValueError(f"transfer id {transfer_id!r} is already registered")
+        if num_blocks <= 0:
+            raise ValueError(f"num_blocks must be positive, got {num_blocks}")
+        t = _Transfer(layout, num_blocks, write_layer, deadline_s)
+        t.timer = asyncio.get_running_loop().call_later(deadline_s, self._on_deadline, transfer_id)
+        self._transfers[transfer_id] = t
+
+    def poll(self, transfer_id: str) -> TransferStatus:
+        t = self._get(transfer_id)
+        return TransferStatus(t.state, len(t.layers_done), t.num_bytes, t.error)
+
+    def abort(self, transfer_id: str) -> None:
+        t = self._transfers.get(transfer_id)
+        if t is not None:
+            self._end(t, transfer_id, TransferState.ABORTED, "transfer aborted by the receiver")
+
+    async def wait(self, transfer_id: str) -> TransferStatus:
+        t = self._get(transfer_id)
+        # The timer ends it at the deadline; the margin only guards against a stalled loop.
+        if not t.done.is_set():
+            try:
+                await asyncio.wait_for(t.done.wait(), t.deadline_s + 1.0)
+            except TimeoutError:
+                self._on_deadline(transfer_id)
+        return self.poll(transfer_id)
+
+    def release(self, transfer_id: str) -> None:
+        t = self._transfers.get(transfer_id)
+        if t is not None:
+            self.abort(transfer_id)
+            del self._transfers[transfer_id]
+
+    def close_all(self, reason: str) -> None:
+        for tid, t in list(self._transfers.items()):
+            self._end(t, tid, TransferState.FAILED, reason)
+
+    # -- a connection's side ---------------------------------------------------------------
+    def bind(self, transfer_id: str, layout_dict: dict, num_blocks: int, notify: Notify) -> dict | None:
+        """The sender opened `transfer_id`: None if accepted, else the "failed" reply to send."""
+        t = self._transfers.get(transfer_id)
+        if t is None:
+            return self._unknown(transfer_id, "failed")
+        if t.state is not TransferState.WAITING:
+            if not t.state.is_terminal:  # RECEIVING from another connection: leave that one alone
+                return {"transfer_id": transfer_id, "type": "failed", "ok": False, "state": t.state.name,
+                        "error": f"transfer {transfer_id!r} is already being received", "error_kind": "transfer"}
+            return self._reply(transfer_id, t, "failed")
+        try:
+            got = KVLayout.from_dict(layout_dict)
+            t.layout.check_compatible(got)
+            if num_blocks != t.num_blocks:
+                raise ValueError(f"num_blocks: expected {t.num_blocks}, got {num_blocks}")
+        except LayoutMismatchError as e:
+            t.error_kind, t.mismatches = "layout", {k: list(v) for k, v in e.mismatches.items()}
+            self._end(t, transfer_id, TransferState.FAILED, f"receiver rejected {transfer_id!r}: {e}")
+            return self._reply(transfer_id, t, "failed")
+        except ValueError as e:
+            self._end(t, transfer_id, TransferState.FAILED, f"receiver rejected {transfer_id!r}: {e}")
+            return self._reply(transfer_id, t, "failed")
+        t.state, t.notify = TransferState.RECEIVING, notify
+        return None
+
+    def expected_nbytes(self, transfer_id: str) -> int | None:
+        t = self._transfers.get(transfer_id)
+        return None if t is None else t.layout.layer_payload_nbytes(t.num_blocks)
+
+    def write(self, transfer_id: str, layer: int, data: torch.Tensor) -> None:
+        """A layer's bytes (uint8, only valid during this call) arrived on a bound connection."""
+        t = self._transfers.get(transfer_id)
+        if t is None or t.state is not TransferState.RECEIVING:
+            return  # rejected, aborted, timed out or released: discard
+        expected = t.layout.layer_payload_nbytes(t.num_blocks)
+        if not 0 <= layer < t.layout.num_layers or layer in t.layers_done or data.numel() != expected:
+            self._end(t, transfer_id, TransferState.FAILED,
+                      f"protocol error: layer {layer} of {data.numel()} bytes (expected layers 0..."
+                      f"{t.layout.num_layers - 1} once each, {expected} bytes)")
+            return
+        payload = data.view(t.layout.torch_dtype).view(t.layout.layer_payload_shape(t.num_blocks))
+        try:
+            t.write_layer(layer, payload)
+        except Exception as e:  # the decode worker's callback: its failure fails this transfer only
+            self._end(t, transfer_id, TransferState.FAILED, f"write_layer({layer}) raised {e!r}")
+            return
+        t.layers_done.add(layer)
+        t.num_bytes += expected
+
+    def finish(self, transfer_id: str, aborted_by_sender: bool) -> dict:
+        """The sender's "end": settle the transfer and return the final reply."""
+        t = self._transfers.get(transfer_id)
+        if t is None:
+            return self._unknown(transfer_id, "final")
+        if t.state is TransferState.RECEIVING:
+            t.notify = None  # the final reply carries the outcome
+            if aborted_by_sender:
+                self._end(t, transfer_id, TransferState.FAILED, "transfer aborted by the sender")
+            elif len(t.layers_done) == t.layout.num_layers:
+                self._end(t, transfer_id, TransferState.DONE, None)
+            else:
+                self._end(t, transfer_id, TransferState.FAILED, f"sender finished after {len(t.layers_done)} "
+                          f"of {t.layout.num_layers} layers")
+        return self._reply(transfer_id, t, "final")
+
+    def disconnect(self, transfer_id: str) -> None:
+        t = self._transfers.get(transfer_id)
+        if t is not None and t.state is TransferState.RECEIVING:
+            t.notify = None
+            self._end(t, transfer_id, TransferState.FAILED, f"sender disconnected after "
+                      f"{len(t.layers_done)} of {t.layout.num_layers} layers")
+
+    # -- internals ---------------------------------------------------------------------
+    def _get(self, transfer_id: str) -> _Transfer:
+        t = self._transfers.get(transfer_id)
+        if t is None:
+            raise KeyError(f"unknown transfer id {transfer_id!r}")
+        return t
+
+    def _on_deadline(self, transfer_id: str) -> None:
+        t = self._transfers.get(transfer_id)
+        if t is not None:
+            self._end(t, transfer_id, TransferState.TIMED_OUT, f"transfer not complete within its deadline of "
+                      f"{t.deadline_s:g} s ({len(t.layers_done)} of {t.layout.num_layers} layers landed)")
+
+    def _end(self, t: _Transfer, transfer_id: str, state: TransferState, error: str | None) -> None:
+        if t.state.is_terminal:
+            return
+        t.state, t.error = state, error
+        if t.timer is not None:
+            t.timer.cancel()
+            t.timer = None
+        t.done.set()
+        notify, t.notify = t.notify, None
+        if notify is not None and state is not TransferState.DONE:
+            notify(self._reply(transfer_id, t, "failed"))
+
+    @staticmethod
+    def _reply(transfer_id: str, t: _Transfer, kind: str) -> dict:
+        ok = t.state is TransferState.DONE
+        return {"transfer_id": transfer_id, "type": kind, "ok": ok, "state": t.state.name,
+                "error": t.error, "error_kind": t.error_kind, "mismatches": t.mismatches}
+
+    @staticmethod
+    def _unknown(transfer_id: str, kind: str) -> dict:
+        return {"transfer_id": transfer_id, "type": kind, "ok": False, "state": None,
+                "error": f"unknown transfer id {transfer_id!r} (never expected by the receiver, or released)",
+                "error_kind": "unknown"}

@@ -1,0 +1,129 @@
+"""The `ucx` transport: the stream protocol (stream.py) over UCXX tagged messages.
+
+UCXX (PyPI `ucxx-cu12`) is the maintained successor of the ucx-py binding. Each connection is
+one UCX endpoint (a listener on the receiver, `create_endpoint` on the sender) and every
+message uses the endpoint's own tag, which UCX delivers in order. A header is one message
+(stream.encode_header: a length prefix then JSON) received into a fixed buffer of
+MAX_HEADER_BYTES, since a tagged receive may be larger than the message but does not report
+its length; a layer's payload is the next message, sent from a zero-copy view of the tensor
+and received straight into the receiver's scratch buffer (rendezvous protocol above 8 KiB).
+
+UCX closes an endpoint by resetting whatever is still in flight on it, so a connection is only
+closed after the peer's acknowledgement (the stream protocol's final reply) or on failure.
+A killed peer surfaces as a canceled receive within milliseconds (UCX's error handling is on).
+
+UCX reads its configuration from the environment when the first endpoint or listener is
+created; `configure_ucx_env` sets this project's defaults there without overriding the user's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+
+import numpy as np
+
+from splitserve.workers.transfer.receiver import ChannelReceiver
+from splitserve.workers.transfer.stream import MAX_HEADER_BYTES, Channel, ChannelClosed, ChannelSender, encode_header
+
+
+def configure_ucx_env(environ=os.environ, has_gpu: bool | None = None) -> dict[str, str]:
+    """Set UCX defaults in `environ` where unset; return the ones set.
+
+    Without a GPU, UCX_TLS=tcp,self: the data crosses the network stack even between two
+    processes of one host (what a multi-host deployment does), instead of shared memory.
+    With a GPU, UCX picks its transports itself (RDMA, NVLink, cuda_ipc). UCXX sets
+    UCX_MEMTYPE_CACHE, which this UCX no longer knows, so unused-variable warnings are off.
+    """
+    if has_gpu is None:
+        import torch
+        has_gpu = torch.cuda.is_available()
+    defaults = {"UCX_WARN_UNUSED_ENV_VARS": "n"}
+    if not has_gpu:
+        defaults["UCX_TLS"] = "tcp,self"
+    applied = {k: v for k, v in defaults.items() if k not in environ}
+    environ.update(applied)
+    return applied
+
+
+def _ucxx():
+    configure_ucx_env()
+    import ucxx
+    return ucxx
+
+
+class UcxChannel(Channel):
+    def __init__(self, endpoint):
+        self._ep = endpoint
+        self._header = np.empty(MAX_HEADER_BYTES, dtype=np.uint8)
+        self._lock = asyncio.Lock()
+        self._error_types = (_ucxx().exceptions.UCXError,)
+
+    async def send(self, header: dict, payload: np.ndarray | None = None) -> None:
+        data = np.frombuffer(encode_header(header), dtype=np.uint8)
+        async with self._lock:
+            try:
+                await self._ep.send(data)
+                if payload is not None:
+                    await self._ep.send(payload)
+            except self._error_types as e:
+                raise ChannelClosed(repr(e)) from e
+
+    async def recv(self) -> dict:
+        try:
+            await self._ep.recv(self._header)
+        except self._error_types as e:
+            raise ChannelClosed(repr(e)) from e
+        n = int.from_bytes(self._header[:4].tobytes(), "little")
+        return json.loads(self._header[4:4 + n].tobytes())
+
+    async def recv_payload(self, out: np.ndarray) -> None:
+        try:
+            await self._ep.recv(out)
+        except self._error_types as e:
+            raise ChannelClosed(repr(e)) from e
+
+    async def close(self) -> None:
+        if not self._ep.closed:
+            await self._ep.close()
+
+    @property
+    def is_alive(self) -> bool:
+        return not self._ep.closed
+
+
+class UcxReceiver(ChannelReceiver):
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, **kw):
+        super().__init__(**kw)
+        self._host, self._port = host, port
+        self._listener = None
+
+    async def _listen(self) -> str:
+        # UCX listens on every interface; `host` is what the address advertises.
+        self._listener = _ucxx().create_listener(self._on_endpoint, self._port)
+        return f"ucx://{self._host}:{self._listener.port}"
+
+    async def _on_endpoint(self, endpoint) -> None:  # a coroutine function, as UCXX requires
+        await self._serve(UcxChannel(endpoint))
+
+    async def _stop_listening(self) -> None:
+        if self._listener is not None:
+            self._listener.close()
+            self._listener = None
+
+
+class UcxSender(ChannelSender):
+    scheme = "ucx"
+
+    def __init__(self, ack_timeout_s: float = 30.0, connect_timeout_s: float = 5.0):
+        super().__init__(self._open_channel, ack_timeout_s)
+        self._connect_timeout_s = connect_timeout_s
+
+    async def _open_channel(self, hostport: str) -> Channel:
+        host, port = hostport.rsplit(":", 1)
+        ucxx = _ucxx()
+        endpoint = await asyncio.wait_for(
+            ucxx.create_endpoint(host, int(port), connect_timeout=self._connect_timeout_s),
+            self._connect_timeout_s + 1.0)
+        return UcxChannel(endpoint)
