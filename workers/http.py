@@ -1,20 +1,23 @@
 """The worker's HTTP side port: /health (alive), /ready (model loaded, warmed up, not draining),
-/metrics (Prometheus text). A minimal asyncio server: GET only, one response per connection,
+/metrics (Prometheus text), /debug/kv (block pool state and invariants, JSON; for tests and
+SREs — the port is cluster-internal). A minimal asyncio server: GET only, one response per connection,
 so it needs no web framework in the worker image.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+import json
+from collections.abc import Awaitable, Callable
 
 CONTENT_TYPE_METRICS = "text/plain; version=0.0.4; charset=utf-8"
 
 
 class HealthServer:
     def __init__(self, host: str, port: int, is_ready: Callable[[], tuple[bool, str]],
-                 render_metrics: Callable[[], bytes]):
+                 render_metrics: Callable[[], bytes], debug_kv: Callable[[], Awaitable[dict]] | None = None):
         self.host, self.port = host, port
+        self.debug_kv = debug_kv
         self.is_ready = is_ready
         self.render_metrics = render_metrics
         self._server: asyncio.base_events.Server | None = None
@@ -32,7 +35,11 @@ class HealthServer:
             request_line = await asyncio.wait_for(reader.readline(), timeout=10)
             while (await asyncio.wait_for(reader.readline(), timeout=10)) not in (b"\r\n", b"\n", b""):
                 pass
-            status, ctype, body = self._route(request_line.decode("latin-1").split())
+            parts = request_line.decode("latin-1").split()
+            if len(parts) >= 2 and parts[0] == "GET" and parts[1] == "/debug/kv" and self.debug_kv is not None:
+                status, ctype, body = "200 OK", "application/json", json.dumps(await self.debug_kv()).encode()
+            else:
+                status, ctype, body = self._route(parts)
             head = (f"HTTP/1.1 {status}\r\nContent-Type: {ctype}\r\nContent-Length: {len(body)}\r\n"
                     "Connection: close\r\n\r\n")
             writer.write(head.encode() + body)

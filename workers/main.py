@@ -70,6 +70,18 @@ def kv_layout(engine: LLMEngine) -> KVLayout:
                     num_layers=m.num_layers, num_kv_heads=m.num_kv_heads, head_dim=m.head_dim)
 
 
+def kv_state(engine: LLMEngine) -> dict:
+    """The block pool as /debug/kv reports it (runs on the engine thread)."""
+    try:
+        engine.kv.check_invariants()
+        error = ""
+    except AssertionError as exc:
+        error = str(exc) or "invariant violated"
+    return dict(num_blocks=engine.pool.num_blocks, num_free_blocks=engine.pool.num_free_blocks,
+                num_requests=engine.scheduler.num_unfinished, num_requests_holding_blocks=engine.kv.num_requests,
+                invariants_ok=not error, error=error)
+
+
 class Worker:
     def __init__(self, config: WorkerConfig, engine: LLMEngine):
         self.config = config
@@ -97,7 +109,8 @@ class Worker:
         remote = RemotePrefill(engine, receiver, layout, cfg.transfer_deadline_s, metrics) if receiver else None
         service = WorkerService(cfg, engine, hub, remote, sender, layout, metrics)
         server, health_servicer = await self._start_grpc(service)
-        http = HealthServer(cfg.host, cfg.metrics_port, lambda: self._readiness(service), metrics.render)
+        http = HealthServer(cfg.host, cfg.metrics_port, lambda: self._readiness(service), metrics.render,
+                            debug_kv=lambda: engine.call(kv_state))
         await http.start()
         load_task = asyncio.create_task(publish_load(service, cfg.load_interval_s))
         await self._warm_up(engine)

@@ -19,13 +19,15 @@ from splitserve.platform.engine.async_engine import AsyncEngine
 from splitserve.platform.engine.kv_connector import KVExport
 from splitserve.platform.errors import InvalidRequestError
 from splitserve.platform.wire import worker_pb2 as pb
-from splitserve.workers import convert
+from splitserve.workers import convert, faults
 from splitserve.workers.transfer.base import KVLayout, KVSender
 
 
 async def serve_prefill(engine: AsyncEngine, sender: KVSender, layout: KVLayout, request: pb.PrefillRequest,
                         metrics=None) -> pb.PrefillResponse:
     """Raises InvalidRequestError (bad input), LayoutMismatchError, TransferError."""
+    if faults.PREFILL_HANG:
+        await asyncio.Event().wait()
     eng = engine.engine
     token_ids = convert.prompt_token_ids(request.request_id, request.prompt_token_ids,
                                          eng.model_config.vocab_size, eng.max_model_len)
@@ -54,6 +56,7 @@ async def serve_prefill(engine: AsyncEngine, sender: KVSender, layout: KVLayout,
         for _ in range(layout.num_layers):
             layer, payload = await layers.get()
             await handle.send_layer(layer, payload)
+            faults.after_layer_sent(layer)
 
     pump_task = asyncio.create_task(pump())
     final = None

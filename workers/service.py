@@ -111,7 +111,8 @@ class WorkerService(pb_grpc.WorkerServicer):
             return False
         if mode == "always":
             return True
-        threshold = request.min_prefill_tokens if request.min_prefill_tokens >= 0 else self.config.min_prefill_tokens
+        threshold = (request.min_prefill_tokens if request.HasField("min_prefill_tokens")
+                     else self.config.min_prefill_tokens)
         uncached = len(token_ids) - self.engine.engine.num_cached_prefix_tokens(token_ids)
         return uncached >= threshold
 

@@ -78,6 +78,12 @@ class AsyncEngine:
     def fallback_to_local_prefill(self, req_id: str) -> None:
         self._command("fallback", req_id)
 
+    async def call(self, fn: Callable[[LLMEngine], object]):
+        """Run fn(engine) on the engine thread between steps and return its result."""
+        future = asyncio.get_running_loop().create_future()
+        self._command("call", fn, future)
+        return await future
+
     def _command(self, *cmd) -> None:
         self._commands.put(cmd)
         self._wake.set()
@@ -124,8 +130,19 @@ class AsyncEngine:
                     self._deliver(out)
             elif cmd[0] == "fallback":
                 self.engine.fallback_to_local_prefill(cmd[1])
+            elif cmd[0] == "call":
+                self._call(*cmd[1:])
             else:
                 self._add(*cmd[1:])
+
+    def _call(self, fn, future) -> None:
+        loop = future.get_loop()
+        try:
+            value = fn(self.engine)
+        except Exception as exc:  # handed back to the caller
+            loop.call_soon_threadsafe(lambda: future.done() or future.set_exception(exc))
+            return
+        loop.call_soon_threadsafe(lambda: future.done() or future.set_result(value))
 
     def _add(self, req_id, prompt, params, token_ids, options, done) -> None:
         try:

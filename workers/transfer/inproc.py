@@ -16,7 +16,8 @@ import json
 import numpy as np
 
 from splitserve.workers.transfer.receiver import ChannelReceiver
-from splitserve.workers.transfer.stream import Channel, ChannelClosed, ChannelSender
+from splitserve.workers.transfer.sender import ChannelSender
+from splitserve.workers.transfer.stream import Channel, ChannelClosed
 
 _RECEIVERS: dict[str, InprocReceiver] = {}
 _CLOSED = object()

@@ -1,19 +1,73 @@
 """The receiver half every transport shares: a TransferTable plus the connections it serves.
 
 A transport subclass only listens (`_listen`, `_stop_listening`) and hands each accepted
-connection, wrapped as a Channel, to `_serve`. The decode worker's calls go straight to the
-table, which is the one writer of transfer state.
+connection, wrapped as a Channel, to `_serve`, which runs `serve_channel`: read a header, act
+on it through the table, repeat (see stream.py for the messages). The decode worker's calls
+go straight to the table, which is the one writer of transfer state.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from abc import abstractmethod
 
+import torch
+
 from splitserve.workers.transfer.base import KVLayout, KVReceiver, TransferStatus, WriteLayer
-from splitserve.workers.transfer.stream import MAX_PAYLOAD_BYTES, Channel, serve_channel
+from splitserve.workers.transfer.stream import MAX_PAYLOAD_BYTES, Channel, ChannelClosed
 from splitserve.workers.transfer.table import TransferTable
+
+log = logging.getLogger(__name__)
+
+
+async def serve_channel(channel: Channel, table: TransferTable, max_payload_bytes: int = MAX_PAYLOAD_BYTES) -> None:
+    """Run one incoming connection until it closes; a bound transfer is failed if it drops."""
+    bound: str | None = None
+    scratch = torch.empty(0, dtype=torch.uint8)
+    background: set[asyncio.Task] = set()
+
+    async def send_quietly(reply: dict) -> None:
+        with contextlib.suppress(Exception):  # the peer is gone: the table already settled it
+            await channel.send(reply)
+
+    def notify(reply: dict) -> None:  # called by the table, possibly from another task
+        task = asyncio.ensure_future(send_quietly(reply))
+        background.add(task)
+        task.add_done_callback(background.discard)
+
+    try:
+        while True:
+            msg = await channel.recv()
+            op = msg.get("op")
+            if op == "open":
+                bound = msg["transfer_id"]
+                reply = table.bind(bound, msg["layout"], msg["num_blocks"], notify)
+                if reply is not None:
+                    await channel.send(reply)
+            elif op == "layer" and 0 <= msg["nbytes"] <= max_payload_bytes:
+                nbytes = msg["nbytes"]
+                if scratch.numel() < nbytes:
+                    scratch = torch.empty(nbytes, dtype=torch.uint8)
+                view = scratch[:nbytes]
+                await channel.recv_payload(view.numpy())
+                if msg["transfer_id"] == bound:  # else: not this connection's transfer, discard
+                    table.write(bound, msg["layer"], view)
+            elif op == "end":
+                await channel.send(table.finish(msg["transfer_id"], bool(msg.get("aborted"))))
+                bound = None
+            else:
+                raise ValueError(f"protocol error: unexpected header {msg!r}")
+    except (ChannelClosed, ConnectionError, asyncio.IncompleteReadError):
+        pass
+    except Exception as e:  # a malformed header, or the transport failing in its own way
+        log.warning("closing a KV transfer connection: %r", e)
+    finally:
+        if bound is not None:
+            table.disconnect(bound)
+        with contextlib.suppress(Exception):
+            await channel.close()
 
 
 class ChannelReceiver(KVReceiver):

@@ -120,10 +120,6 @@ class TransferTable:
         t.state, t.notify = TransferState.RECEIVING, notify
         return None
 
-    def expected_nbytes(self, transfer_id: str) -> int | None:
-        t = self._transfers.get(transfer_id)
-        return None if t is None else t.layout.layer_payload_nbytes(t.num_blocks)
-
     def write(self, transfer_id: str, layer: int, data: torch.Tensor) -> None:
         """A layer's bytes (uint8, only valid during this call) arrived on a bound connection."""
         t = self._transfers.get(transfer_id)

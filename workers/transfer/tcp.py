@@ -15,7 +15,8 @@ import json
 import numpy as np
 
 from splitserve.workers.transfer.receiver import ChannelReceiver
-from splitserve.workers.transfer.stream import MAX_HEADER_BYTES, Channel, ChannelClosed, ChannelSender, encode_header
+from splitserve.workers.transfer.sender import ChannelSender
+from splitserve.workers.transfer.stream import MAX_HEADER_BYTES, Channel, ChannelClosed, encode_header
 
 STREAM_LIMIT = 4 << 20  # the StreamReader's buffer: large enough not to stall a layer
 

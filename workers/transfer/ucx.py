@@ -25,7 +25,8 @@ import os
 import numpy as np
 
 from splitserve.workers.transfer.receiver import ChannelReceiver
-from splitserve.workers.transfer.stream import MAX_HEADER_BYTES, Channel, ChannelClosed, ChannelSender, encode_header
+from splitserve.workers.transfer.sender import ChannelSender
+from splitserve.workers.transfer.stream import MAX_HEADER_BYTES, Channel, ChannelClosed, encode_header
 
 
 def configure_ucx_env(environ=os.environ, has_gpu: bool | None = None) -> dict[str, str]:

@@ -1,0 +1,103 @@
+"""Worker processes for tests: real `splitserve worker` subprocesses on 127.0.0.1."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+
+CLI = str(pathlib.Path(sys.executable).parent / "splitserve")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class WorkerProc:
+    """One worker process; `start()` waits for its READY line."""
+
+    def __init__(self, role: str, transport: str = "tcp", *extra: str, env: dict | None = None,
+                 kv_cache_gib: float = 0.25, ports: tuple[int, int, int] | None = None):
+        self.role, self.transport = role, transport
+        self.grpc_port, self.metrics_port, self.kv_port = ports or (free_port(), free_port(), free_port())
+        self.args = [CLI, "--log-level", "INFO", "worker", "--role", role, "--model", "smollm2-135m",
+                     "--threads", "1", "--kv-transport", transport, "--grpc-port", str(self.grpc_port),
+                     "--metrics-port", str(self.metrics_port), "--kv-port", str(self.kv_port),
+                     "--kv-cache-memory", str(kv_cache_gib), "--max-model-len", "2048", *extra]
+        self.env = {**os.environ, **(env or {})}
+        self.proc: subprocess.Popen | None = None
+        self.lines: list[str] = []
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.grpc_port}"
+
+    def start(self, timeout: float = 180) -> "WorkerProc":
+        self.lines = []
+        self.proc = subprocess.Popen(self.args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                     env=self.env)
+        ready = threading.Event()
+        threading.Thread(target=self._pump, args=(self.proc, ready), daemon=True).start()
+        if not ready.wait(timeout):
+            self.kill()
+            raise RuntimeError(f"worker {self.role} did not become ready:\n" + "".join(self.lines[-30:]))
+        return self
+
+    def _pump(self, proc, ready) -> None:
+        for line in proc.stdout:
+            self.lines.append(line)
+            if line.startswith("READY"):
+                ready.set()
+
+    def log(self) -> str:
+        return "".join(self.lines)
+
+    def get(self, path: str) -> tuple[int, bytes]:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}{path}", timeout=30) as resp:
+                return resp.status, resp.read()
+        except urllib.error.HTTPError as err:
+            return err.code, err.read()
+
+    def kv_state(self) -> dict:
+        return json.loads(self.get("/debug/kv")[1])
+
+    def metric(self, name: str) -> float:
+        """Sum of all samples of a Prometheus metric line prefix, e.g. 'splitserve_kv_transfer_bytes_sum{direction="in"}'."""
+        text = self.get("/metrics")[1].decode()
+        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name))
+
+    def wait_idle(self, timeout: float = 30) -> dict:
+        """Wait until no request holds blocks; returns the final kv state."""
+        deadline = time.monotonic() + timeout
+        while True:
+            state = self.kv_state()
+            if state["num_requests_holding_blocks"] == 0 and state["num_requests"] == 0:
+                return state
+            if time.monotonic() > deadline:
+                return state
+            time.sleep(0.1)
+
+    def terminate(self, timeout: float = 60) -> int:
+        if self.proc is None or self.proc.poll() is not None:
+            return self.proc.returncode if self.proc else 0
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            return -9
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)

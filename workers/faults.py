@@ -1,0 +1,19 @@
+"""Fault injection for disruption tests; every switch is off unless its variable is set.
+
+SPLITSERVE_FAULT_KILL_AFTER_LAYERS=N  a prefill worker SIGKILLs itself right after sending
+                                      layer N-1 of a transfer (dies mid-transfer)
+SPLITSERVE_FAULT_PREFILL_HANG=1       a prefill worker accepts Prefill calls and never answers
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+KILL_AFTER_LAYERS = int(os.environ.get("SPLITSERVE_FAULT_KILL_AFTER_LAYERS", "0"))
+PREFILL_HANG = os.environ.get("SPLITSERVE_FAULT_PREFILL_HANG", "") == "1"
+
+
+def after_layer_sent(layer: int) -> None:
+    if KILL_AFTER_LAYERS and layer + 1 >= KILL_AFTER_LAYERS:
+        os.kill(os.getpid(), signal.SIGKILL)

@@ -1,0 +1,188 @@
+"""The sender half every transport shares: pooled connections and the per-transfer handle.
+
+Per connection (`_Conn`), a reader task routes the receiver's replies to the handle that holds
+the connection; per transfer (`ChannelSendHandle`), a pump task is the one writer of the
+channel: it sends "open", then each queued layer in order, dropping layers once the transfer
+is known to have failed. finish() queues the end of the pump, sends "end" and waits for the
+final reply (at most `ack_timeout_s`); only a connection that got its final reply goes back
+to the pool, any other is closed. See stream.py for the messages.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Awaitable, Callable
+
+import torch
+
+from splitserve.workers.transfer.base import KVLayout, KVSender, LayoutMismatchError, SendHandle, TransferError
+from splitserve.workers.transfer.stream import Channel, payload_bytes
+
+class _Conn:
+    """A pooled sender-side connection; its reader task routes replies to the current handle."""
+
+    def __init__(self, channel: Channel):
+        self.channel = channel
+        self.handle: ChannelSendHandle | None = None
+        self.is_dead = False
+        self.reader = asyncio.ensure_future(self._read())
+
+    async def _read(self) -> None:
+        try:
+            while True:
+                reply = await self.channel.recv()
+                h = self.handle
+                if h is not None and reply.get("transfer_id") == h.transfer_id:
+                    h._on_reply(reply)
+        except Exception as e:  # any way the channel ends
+            self.is_dead = True
+            if self.handle is not None:
+                self.handle._on_lost(e)
+
+    async def close(self) -> None:
+        self.is_dead = True
+        self.reader.cancel()
+        with contextlib.suppress(Exception):
+            await self.channel.close()
+
+
+def _error_from_reply(reply: dict) -> TransferError:
+    if reply.get("error_kind") == "layout":
+        mismatches = {k: tuple(v) for k, v in (reply.get("mismatches") or {}).items()}
+        return LayoutMismatchError(reply["error"], mismatches)
+    return TransferError(reply.get("error") or f"transfer failed ({reply.get('state')})")
+
+
+class ChannelSendHandle(SendHandle):
+    def __init__(self, sender: ChannelSender, conn: _Conn, address: str, transfer_id: str,
+                 layout: KVLayout, num_blocks: int):
+        self._sender, self._conn, self._address = sender, conn, address
+        self.transfer_id, self.layout, self.num_blocks = transfer_id, layout, num_blocks
+        self.bytes_sent = 0
+        self.error: TransferError | None = None
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self._final: asyncio.Future = asyncio.get_running_loop().create_future()
+        self._is_closed = False
+        conn.handle = self
+        self._pump = asyncio.ensure_future(self._send_all())
+
+    def _on_reply(self, reply: dict) -> None:
+        if not reply.get("ok") and self.error is None:
+            self.error = _error_from_reply(reply)
+        if reply.get("type") == "final" and not self._final.done():
+            self._final.set_result(reply)
+
+    def _on_lost(self, exc: Exception) -> None:
+        if self.error is None:
+            self.error = TransferError(f"connection to {self._address} lost: {exc!r}")
+        if not self._final.done():
+            self._final.set_result(None)  # no final reply: the channel is out of step
+
+    async def _send_all(self) -> None:
+        """The one writer of this channel while the transfer is open: layers in queue order."""
+        try:
+            await self._conn.channel.send({"op": "open", "transfer_id": self.transfer_id,
+                                           "layout": self.layout.to_dict(), "num_blocks": self.num_blocks})
+            while (item := await self._queue.get()) is not None:
+                layer, payload = item
+                if self.error is not None:
+                    continue  # the receiver gave up on it: drop
+                data = payload_bytes(payload)
+                await self._conn.channel.send({"op": "layer", "transfer_id": self.transfer_id,
+                                               "layer": layer, "nbytes": data.nbytes}, data)
+                self.bytes_sent += data.nbytes
+        except Exception as e:
+            self._conn.is_dead = True
+            self._on_lost(e)
+
+    async def send_layer(self, layer: int, payload: torch.Tensor) -> None:
+        shape = self.layout.layer_payload_shape(self.num_blocks)
+        if tuple(payload.shape) != shape or payload.dtype != self.layout.torch_dtype or not payload.is_contiguous():
+            raise ValueError(f"layer payload must be a contiguous {self.layout.dtype} tensor of shape {shape}, got "
+                             f"{payload.dtype} {tuple(payload.shape)} (contiguous={payload.is_contiguous()})")
+        if not 0 <= layer < self.layout.num_layers:
+            raise ValueError(f"layer {layer} is outside 0..{self.layout.num_layers - 1}")
+        if self._is_closed:
+            raise RuntimeError(f"send_layer after finish/abort of transfer {self.transfer_id!r}")
+        self._queue.put_nowait((layer, payload.cpu()))
+
+    async def finish(self) -> None:
+        await self._end(aborted=False, timeout_s=self._sender.ack_timeout_s)
+        if self.error is not None:
+            raise self.error
+
+    async def abort(self) -> None:
+        if self.error is None:
+            self.error = TransferError(f"transfer {self.transfer_id!r} aborted by the sender")
+        await self._end(aborted=True, timeout_s=min(5.0, self._sender.ack_timeout_s))
+
+    async def _end(self, aborted: bool, timeout_s: float) -> None:
+        if self._is_closed:
+            return
+        self._is_closed = True
+        if aborted:
+            while not self._queue.empty():
+                self._queue.get_nowait()
+        self._queue.put_nowait(None)
+        try:
+            await self._pump
+            if not self._conn.is_dead:
+                await self._conn.channel.send({"op": "end", "transfer_id": self.transfer_id, "aborted": aborted})
+            await asyncio.wait_for(asyncio.shield(self._final), timeout_s)
+        except TimeoutError:
+            self._on_lost(TimeoutError(f"no acknowledgement within {timeout_s:g} s"))
+        except Exception as e:
+            self._on_lost(e)
+        except asyncio.CancelledError:  # the caller gave up: the channel may be mid-message
+            self._on_lost(TransferError("finish() was cancelled"))
+            self._conn.handle = None
+            await self._conn.close()
+            raise
+        self._conn.handle = None
+        await self._sender._give_back(self._address, self._conn, reusable=self._final.result() is not None)
+
+
+class ChannelSender(KVSender):
+    """Pools connections per address; a transport supplies `scheme` and `connect()`."""
+
+    scheme: str
+
+    def __init__(self, connect: Callable[[str], Awaitable[Channel]], ack_timeout_s: float = 30.0):
+        self._connect = connect
+        self.ack_timeout_s = ack_timeout_s
+        self._idle: dict[str, list[_Conn]] = {}
+        self.num_connects = 0  # connections opened so far (pooling is visible in tests)
+
+    def num_idle(self, address: str) -> int:
+        return len(self._idle.get(address, []))
+
+    async def open(self, address: str, transfer_id: str, layout: KVLayout, num_blocks: int) -> SendHandle:
+        prefix = f"{self.scheme}://"
+        if not address.startswith(prefix):
+            raise ValueError(f"a {self.scheme} sender cannot send to {address!r} (expected {prefix}...)")
+        idle = self._idle.get(address, [])
+        while idle:
+            conn = idle.pop()
+            if not conn.is_dead and conn.channel.is_alive:
+                break
+            await conn.close()
+        else:
+            try:
+                conn = _Conn(await self._connect(address[len(prefix):]))
+            except Exception as e:
+                raise TransferError(f"cannot connect to {address}: {e!r}") from e
+            self.num_connects += 1
+        return ChannelSendHandle(self, conn, address, transfer_id, layout, num_blocks)
+
+    async def _give_back(self, address: str, conn: _Conn, reusable: bool) -> None:
+        if reusable and not conn.is_dead:
+            self._idle.setdefault(address, []).append(conn)
+        else:
+            await conn.close()
+
+    async def close(self) -> None:
+        conns = [c for lst in self._idle.values() for c in lst]
+        self._idle.clear()
+        for conn in conns:
+            await conn.close()
