@@ -68,17 +68,18 @@ class RemotePrefill:
         self.stubs = StubPool()
 
     async def run(self, req_id: str, token_ids: list[int], params: SamplingParams, ready: KVReady,
-                  prefill_workers: list[str]) -> str:
-        """Fill the request's missing KV from a prefill worker; returns its address, or "" if
-        the request fell back to local prefill."""
+                  prefill_workers: list[str]) -> tuple[str, pb.PrefillResponse | None]:
+        """Fill the request's missing KV from a prefill worker; returns its address and answer,
+        or ("", None) when the request fell back to local prefill."""
         for address in prefill_workers:
-            if await self._attempt(address, req_id, token_ids, params, ready):
-                return address
+            resp = await self._attempt(address, req_id, token_ids, params, ready)
+            if resp is not None:
+                return address, resp
         self.engine.fallback_to_local_prefill(req_id)
         self._count("local_fallback")
-        return ""
+        return "", None
 
-    async def _attempt(self, address, req_id, token_ids, params, ready: KVReady) -> bool:
+    async def _attempt(self, address, req_id, token_ids, params, ready: KVReady) -> pb.PrefillResponse | None:
         transfer_id = f"{req_id}/{uuid.uuid4().hex[:12]}"
         dst = ready.block_ids[ready.start_block:]
         write = self.engine.engine.write_kv_layer
@@ -97,7 +98,7 @@ class RemotePrefill:
             self.receiver.abort(transfer_id)
             log.warning("request %s: remote prefill on %s failed (%s)", req_id, address, _describe(exc))
             self._count("failed")
-            return False
+            return None
         except BaseException:  # cancelled by the client: stop the transfer, let the caller clean up
             self.receiver.abort(transfer_id)
             raise
@@ -107,7 +108,7 @@ class RemotePrefill:
         logprob = convert.logprob_from_proto(resp.logprob) if resp.HasField("logprob") else None
         self.engine.complete_remote_prefill(req_id, resp.first_token_id, logprob)
         self._count("ok")
-        return True
+        return resp
 
     def layout_proto(self) -> pb.KVLayout:
         return pb.KVLayout(**self.layout.to_dict())

@@ -52,6 +52,8 @@ def register(subparsers) -> None:
                    help="conditional mode: remote prefill only when at least this many prompt tokens are uncached")
     p.add_argument("--transfer-deadline", type=float, default=30.0, help="seconds for a remote prefill")
     p.add_argument("--drain-grace", type=float, default=120.0, help="seconds to finish in-flight work on SIGTERM")
+    p.add_argument("--no-kv-layer-streaming", action="store_true",
+                   help="prefill role: send the KV after the whole prompt is computed instead of per layer")
     p.set_defaults(func=cmd_worker)
 
 
@@ -59,7 +61,7 @@ def cmd_worker(args) -> int:
     config = WorkerConfig(role=args.role, host=args.host, grpc_port=args.grpc_port, metrics_port=args.metrics_port,
                           kv_transport=args.kv_transport, kv_port=args.kv_port, disaggregation=args.disaggregation,
                           min_prefill_tokens=args.min_prefill_tokens, transfer_deadline_s=args.transfer_deadline,
-                          drain_grace_s=args.drain_grace)
+                          drain_grace_s=args.drain_grace, kv_layer_streaming=not args.no_kv_layer_streaming)
     engine = LLMEngine(engine_config(args))
     return asyncio.run(Worker(config, engine).run())
 

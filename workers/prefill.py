@@ -24,8 +24,12 @@ from splitserve.workers.transfer.base import KVLayout, KVSender
 
 
 async def serve_prefill(engine: AsyncEngine, sender: KVSender, layout: KVLayout, request: pb.PrefillRequest,
-                        metrics=None) -> pb.PrefillResponse:
-    """Raises InvalidRequestError (bad input), LayoutMismatchError, TransferError."""
+                        metrics=None, streaming: bool = True) -> pb.PrefillResponse:
+    """Raises InvalidRequestError (bad input), LayoutMismatchError, TransferError.
+
+    `streaming=False` holds every layer until the prompt is computed (the baseline that
+    per-layer streaming is measured against).
+    """
     if faults.PREFILL_HANG:
         await asyncio.Event().wait()
     eng = engine.engine
@@ -58,7 +62,7 @@ async def serve_prefill(engine: AsyncEngine, sender: KVSender, layout: KVLayout,
             await handle.send_layer(layer, payload)
             faults.after_layer_sent(layer)
 
-    pump_task = asyncio.create_task(pump())
+    pump_task = asyncio.create_task(pump()) if streaming else asyncio.create_task(asyncio.sleep(0))
     final = None
     try:
         async for out in engine.generate(params=params, prompt_token_ids=token_ids,
@@ -67,18 +71,23 @@ async def serve_prefill(engine: AsyncEngine, sender: KVSender, layout: KVLayout,
             final = out
         if final is None or not final.new_token_ids:
             raise InvalidRequestError(f"prefill of {request.request_id} was aborted")
+        t_computed = time.monotonic()
+        if not streaming:  # the baseline: nothing leaves before the whole prompt is computed
+            pump_task = asyncio.create_task(pump())
         await asyncio.wait_for(pump_task, timeout=request.deadline_s or None)
         await handle.finish()
     except BaseException:
         pump_task.cancel()
         await handle.abort()
         raise
-    seconds = time.monotonic() - t0
+    t_acked = time.monotonic()
+    seconds = t_acked - t0
     if metrics is not None:
         metrics.kv_transfer_bytes.labels(direction="out").observe(handle.bytes_sent)
         metrics.kv_transfer_seconds.labels(direction="out").observe(seconds)
     resp = pb.PrefillResponse(first_token_id=final.new_token_ids[0], cached_tokens=final.num_cached_tokens,
-                              kv_bytes=handle.bytes_sent, prefill_s=seconds)
+                              kv_bytes=handle.bytes_sent, prefill_s=t_computed - t0,
+                              transfer_wait_s=t_acked - t_computed)
     if final.new_logprobs:
         resp.logprob.CopyFrom(convert.logprob_to_proto(final.new_logprobs[0]))
     return resp

@@ -85,15 +85,21 @@ class WorkerService(pb_grpc.WorkerServicer):
     async def _generate(self, req_id, token_ids, params, remote: bool, prefill_workers: list[str]):
         t0 = time.monotonic()
         prefill_worker, last_token_t = "", None
+        timings = pb.Timings()
         async for out in self.engine.generate(prompt_token_ids=token_ids, params=params, req_id=req_id,
                                               remote_prefill=remote):
             if out.kv_ready is not None:
-                prefill_worker = await self.remote.run(req_id, token_ids, params, out.kv_ready, prefill_workers)
+                timings.queue_s = time.monotonic() - t0
+                self.metrics.queue_time.observe(timings.queue_s)
+                prefill_worker, resp = await self.remote.run(req_id, token_ids, params, out.kv_ready, prefill_workers)
+                if resp is not None:
+                    timings.prefill_s, timings.transfer_wait_s = resp.prefill_s, resp.transfer_wait_s
                 continue
             msg = convert.generate_response(out, prefill_worker)
             now = time.monotonic()
             if last_token_t is None:
-                msg.timings.first_token_s = now - t0
+                timings.first_token_s = now - t0
+                msg.timings.CopyFrom(timings)
                 self.metrics.ttft.observe(now - t0)
             elif out.new_token_ids:
                 self.metrics.itl.observe(now - last_token_t)
@@ -121,7 +127,8 @@ class WorkerService(pb_grpc.WorkerServicer):
         await self._admit(context, ("prefill", "both"), "Prefill")
         self._enter()
         try:
-            return await serve_prefill(self.engine, self.sender, self.layout, request, self.metrics)
+            return await serve_prefill(self.engine, self.sender, self.layout, request, self.metrics,
+                                       streaming=self.config.kv_layer_streaming)
         except InvalidRequestError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except LayoutMismatchError as exc:
