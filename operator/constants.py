@@ -1,4 +1,50 @@
-"""Constants the control plane shares with the data plane (API group, version, ports)."""
+"""Constants the control plane shares with the data plane (API group, version, ports, labels).
+
+The worker and router command lines (issues 3 and 4) listen on these ports under these port
+names; the router's Kubernetes discovery finds the pool Services by these labels.
+"""
 
 API_GROUP = "serving.splitserve.io"
 API_VERSION = "v1alpha1"
+KIND = "InferenceService"
+PLURAL = "inferenceservices"
+SINGULAR = "inferenceservice"
+SHORT_NAMES = ("isvc", "ssvc")
+
+# Worker ports: gRPC (Generate / Prefill / KV events), Prometheus + /health + /ready, KV transfer.
+GRPC_PORT = 50051
+METRICS_PORT = 9090
+KV_PORT = 13337
+# Router (gateway) ports: the OpenAI API with /health and /ready, and Prometheus metrics.
+ROUTER_HTTP_PORT = 8000
+ROUTER_METRICS_PORT = 9090
+GRPC_PORT_NAME = "grpc"
+METRICS_PORT_NAME = "metrics"
+KV_PORT_NAME = "kv"
+HTTP_PORT_NAME = "http"
+
+ROUTER_CONFIG_DIR = "/etc/splitserve"
+ROUTER_CONFIG_FILE = "router.yaml"
+
+# Labels on every child (app.kubernetes.io/* are Kubernetes' recommended labels).
+LABEL_NAME = "app.kubernetes.io/name"
+LABEL_INSTANCE = "app.kubernetes.io/instance"
+LABEL_COMPONENT = "app.kubernetes.io/component"
+LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
+LABEL_ROLE = f"{API_GROUP}/role"
+APP_NAME = "splitserve"
+MANAGER = "splitserve-operator"
+# Set by Kubernetes' EndpointSlice controller on every slice of a Service.
+LABEL_SERVICE_NAME = "kubernetes.io/service-name"
+
+ANNOTATION_REPLICAS_OWNER = f"{API_GROUP}/replicas-owner"
+ANNOTATION_CONFIG_HASH = f"{API_GROUP}/config-hash"
+
+# The queue-depth metric the workers export (Gateway API Inference Extension name), and the
+# name prometheus-adapter gives it for the HPA's Pods metric (':' is not allowed there).
+QUEUE_METRIC = "vllm:num_requests_waiting"
+QUEUE_METRIC_ADAPTER = "vllm_num_requests_waiting"
+
+DEFAULT_IMAGE_REPOSITORY = "ghcr.io/splitserve/splitserve"
+CUDA_TAG_SUFFIX = "-cuda"
+RUN_AS_USER = 10001

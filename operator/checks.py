@@ -1,0 +1,88 @@
+"""Checks of an InferenceService that its CRD schema cannot express.
+
+The API server has already enforced types, ranges, enums and the CEL rules of spec.py. What
+remains needs knowledge the schema does not have:
+
+- the object's name must make valid child names: Services need a DNS-1035 label (a letter
+  first, no dots) and every child name plus its longest suffix must fit in 63 characters,
+  which is also the limit of the `app.kubernetes.io/instance` label value;
+- autoscaling after merging the chart's defaults (settings.py): minReplicas <= maxReplicas,
+  and no HPA with minReplicas 0;
+- quantity arithmetic: on a CPU pool (gpus 0) the KV cache lives in the container's memory,
+  so it must fit in the memory limit with room for the weights and the runtime (at least
+  256 MiB); on a GPU pool it lives in GPU memory and the limit does not bound it;
+- GPUs are requested through `gpus`, not a hand-written `nvidia.com/gpu` resource.
+
+All problems are collected into one message, each with the numbers and the remedy.
+"""
+
+from __future__ import annotations
+
+import re
+from decimal import Decimal
+
+from kubernetes.utils.quantity import parse_quantity
+
+from splitserve.operator.settings import OperatorSettings, effective_autoscaling
+from splitserve.operator.spec import InferenceServiceSpec, PoolSpec
+from splitserve.platform.errors import ConfigError
+
+DNS_1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
+LONGEST_SUFFIX = "-prefill"
+MAX_NAME_LENGTH = 63 - len(LONGEST_SUFFIX)
+GiB = Decimal(1024**3)
+MIN_HEADROOM = Decimal(256 * 1024**2)
+GPU_RESOURCE = "nvidia.com/gpu"
+
+
+class InvalidSpecError(ConfigError):
+    """The InferenceService cannot be served as written; the message says why and how to fix it."""
+
+
+def check_spec(spec: InferenceServiceSpec, name: str, settings: OperatorSettings) -> None:
+    problems = _name_problems(name)
+    for role in ("prefill", "decode") if spec.has_prefill_pool() else ("decode",):
+        pool: PoolSpec = getattr(spec, role)
+        problems += _autoscaling_problems(spec, role, settings)
+        problems += _memory_problems(pool, role, spec.engine.kv_cache_memory_gib)
+        if GPU_RESOURCE in pool.resources.limits or GPU_RESOURCE in pool.resources.requests:
+            problems.append(f"{role}.resources must not name {GPU_RESOURCE}: set {role}.gpus instead")
+    if problems:
+        raise InvalidSpecError("; ".join(problems))
+
+
+def _name_problems(name: str) -> list[str]:
+    if len(name) > MAX_NAME_LENGTH:
+        return [f"metadata.name {name!r} has {len(name)} characters; at most {MAX_NAME_LENGTH} leave room for "
+                f"child names like '{name[:8]}...{LONGEST_SUFFIX}' (63 characters at most): choose a shorter name"]
+    if not DNS_1035.match(name):
+        return [f"metadata.name {name!r} must be a DNS-1035 label (lower-case letters, digits and '-', starting "
+                "with a letter, no dots) because the operator names Services after it"]
+    return []
+
+
+def _autoscaling_problems(spec: InferenceServiceSpec, role: str, settings: OperatorSettings) -> list[str]:
+    auto = effective_autoscaling(getattr(spec, role).autoscaling, settings, role)
+    if not auto.enabled:
+        return []
+    problems = []
+    if auto.min_replicas > auto.max_replicas:
+        problems.append(f"{role}.autoscaling: minReplicas {auto.min_replicas} exceeds maxReplicas "
+                        f"{auto.max_replicas} (after the chart's defaults): set both in the InferenceService")
+    if auto.provider == "hpa" and auto.min_replicas < 1:
+        problems.append(f"{role}.autoscaling: an HPA cannot scale to zero (minReplicas 0): "
+                        "set minReplicas >= 1 or provider keda")
+    return problems
+
+
+def _memory_problems(pool: PoolSpec, role: str, kv_cache_gib: float) -> list[str]:
+    limit = pool.resources.limits.get("memory")
+    if limit is None or pool.gpus > 0:
+        return []
+    limit_bytes = parse_quantity(limit)
+    needed = Decimal(str(kv_cache_gib)) * GiB + MIN_HEADROOM
+    if needed <= limit_bytes:
+        return []
+    return [f"engine.kvCacheMemoryGiB={kv_cache_gib} plus 0.25 GiB for weights and runtime needs "
+            f"{needed / GiB:.2f} GiB but {role}.resources.limits.memory is {limit} ({limit_bytes / GiB:.2f} GiB): "
+            "raise the memory limit or lower kvCacheMemoryGiB"]

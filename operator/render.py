@@ -1,0 +1,42 @@
+"""`render(spec) -> manifests`: the pure half of the operator.
+
+Given a parsed InferenceService spec, its name, namespace and uid, and the chart's defaults,
+render returns every child object as a plain dict, in apply order (things a Pod mounts or
+uses before the Pods; autoscalers after the Deployments they scale). It reads no clock, no
+cluster and no environment, so the same input always gives the same output; apply.py makes
+the cluster match it.
+
+Children of an InferenceService `<name>` (pool = prefill, decode; no prefill pool when
+disaggregation.mode is never):
+
+    ConfigMap, ServiceAccount, Role, RoleBinding   <name>-router   router config, EndpointSlice read access
+    Service (headless)                             <name>-<pool>, <name>-router
+    Service (gateway)                              <name>
+    Deployment                                     <name>-<pool>, <name>-router
+    PodDisruptionBudget                            <name>-<pool>, <name>-router
+    ScaledObject (KEDA) or HorizontalPodAutoscaler <name>-<pool>   when the pool is autoscaled
+    ServiceMonitor                                 <name>          when monitoring.serviceMonitor.enabled
+
+Every child carries the common labels and a controller owner reference to the
+InferenceService, so Kubernetes' garbage collector deletes it with its owner.
+"""
+
+from __future__ import annotations
+
+from splitserve.operator import render_pods, render_scaling, render_services
+from splitserve.operator.context import Context, Manifest
+from splitserve.operator.settings import OperatorSettings
+from splitserve.operator.spec import InferenceServiceSpec
+
+
+def render(spec: InferenceServiceSpec, name: str, namespace: str, uid: str,
+           settings: OperatorSettings | None = None) -> list[Manifest]:
+    ctx = Context(spec, name, namespace, uid, settings or OperatorSettings())
+    out = [*render_services.router_access(ctx), *render_services.services(ctx)]
+    out += [render_pods.worker_deployment(ctx, pool) for pool in ctx.pools]
+    out.append(render_pods.router_deployment(ctx))
+    out += render_scaling.disruption_budgets(ctx)
+    out += [a for pool in ctx.pools if (a := render_scaling.autoscaler(ctx, pool)) is not None]
+    if spec.monitoring.service_monitor.enabled:
+        out.append(render_scaling.service_monitor(ctx))
+    return out

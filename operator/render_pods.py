@@ -1,0 +1,173 @@
+"""Builders for the three Deployments: the prefill and decode worker pools and the router.
+
+Every pod runs as a non-root user on a read-only root filesystem with all capabilities
+dropped; what must be writable is an emptyDir (/tmp, and /dev/shm in memory for torch and
+UCX). Probes: a startup probe on /health gives model loading up to ten minutes, then
+liveness on /health and readiness on /ready (a worker is ready once its model is loaded and
+warmed up, and stops being ready when it drains). SIGTERM drains a worker; the pod's
+terminationGracePeriodSeconds (from the spec) bounds the drain. Replicas of one pool prefer
+different nodes (soft anti-affinity).
+
+Replicas: a pool without autoscaling gets `spec.replicas`; an autoscaled pool gets
+`minReplicas` and the annotation `serving.splitserve.io/replicas-owner: keda|hpa`, which
+tells apply.py to set replicas only when it creates the Deployment and never afterwards.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from splitserve.operator import constants as C
+from splitserve.operator.context import Context, Manifest
+from splitserve.operator.render_services import config_hash
+from splitserve.operator.spec import EnvVar, PoolSpec, Resources, Toleration
+
+GPU_RESOURCE = "nvidia.com/gpu"
+STARTUP_SECONDS = 600
+
+
+def _field_env(name: str, path: str) -> dict[str, Any]:
+    return {"name": name, "valueFrom": {"fieldRef": {"fieldPath": path}}}
+
+
+def _env(base: list[dict[str, Any]], user: list[EnvVar]) -> list[dict[str, Any]]:
+    """Our variables, then the user's; a user variable replaces ours of the same name."""
+    names = {e.name for e in user}
+    return [e for e in base if e["name"] not in names] + [e.model_dump(by_alias=True, exclude_none=True) for e in user]
+
+
+def _resources(resources: Resources, gpus: int = 0) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    if resources.requests:
+        out["requests"] = dict(resources.requests)
+    if resources.limits or gpus:
+        out["limits"] = {**resources.limits, **({GPU_RESOURCE: gpus} if gpus else {})}
+    return out
+
+
+def _tolerations(tolerations: list[Toleration], gpus: int = 0) -> list[dict[str, Any]]:
+    out = [t.model_dump(by_alias=True, exclude_none=True) for t in tolerations]
+    if gpus and not any(t.get("key") == GPU_RESOURCE for t in out):
+        out.append({"key": GPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"})
+    return out
+
+
+def _probe(path: str, port: str, period: int, failures: int) -> dict[str, Any]:
+    return {"httpGet": {"path": path, "port": port}, "periodSeconds": period, "timeoutSeconds": 5,
+            "failureThreshold": failures}
+
+
+def _probes(port: str) -> dict[str, Any]:
+    return {"startupProbe": _probe("/health", port, 5, STARTUP_SECONDS // 5),
+            "livenessProbe": _probe("/health", port, 10, 3),
+            "readinessProbe": _probe("/ready", port, 5, 2)}
+
+
+def _volumes(ctx: Context) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    volumes = [{"name": "tmp", "emptyDir": {}}, {"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": "1Gi"}}]
+    mounts = [{"name": "tmp", "mountPath": "/tmp"}, {"name": "shm", "mountPath": "/dev/shm"}]
+    storage = ctx.spec.model.storage
+    if storage is not None:
+        volumes.append({"name": "model", "persistentVolumeClaim": {"claimName": storage.pvc_name, "readOnly": True}})
+        mounts.append({"name": "model", "mountPath": storage.mount_path, "readOnly": True})
+    return volumes, mounts
+
+
+CONTAINER_SECURITY = {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
+                      "runAsNonRoot": True, "capabilities": {"drop": ["ALL"]}}
+POD_SECURITY = {"runAsNonRoot": True, "runAsUser": C.RUN_AS_USER, "runAsGroup": C.RUN_AS_USER,
+                "fsGroup": C.RUN_AS_USER, "seccompProfile": {"type": "RuntimeDefault"}}
+BASE_ENV = [{"name": "HOME", "value": "/tmp"}, {"name": "XDG_CACHE_HOME", "value": "/tmp/.cache"},
+            {"name": "PYTHONUNBUFFERED", "value": "1"}, _field_env("POD_NAME", "metadata.name"),
+            _field_env("POD_NAMESPACE", "metadata.namespace"), _field_env("POD_IP", "status.podIP")]
+
+
+def worker_args(ctx: Context, pool: str) -> list[str]:
+    spec, pool_spec = ctx.spec, getattr(ctx.spec, pool)
+    args = ["worker", "--role", pool, "--model", spec.model.uri, "--dtype", spec.model.dtype,
+            "--max-model-len", str(spec.model.max_model_len), "--block-size", str(spec.engine.block_size),
+            "--max-num-seqs", str(spec.engine.max_num_seqs), "--kv-cache-memory", f"{spec.engine.kv_cache_memory_gib:g}",
+            "--grpc-port", str(C.GRPC_PORT), "--metrics-port", str(C.METRICS_PORT),
+            "--kv-transport", spec.kv_transfer.transport, "--kv-port", str(C.KV_PORT)]
+    return args + (["--device", "cuda"] if pool_spec.gpus > 0 else [])
+
+
+def _worker_env(ctx: Context, pool_spec: PoolSpec) -> list[dict[str, Any]]:
+    ucx = ctx.spec.kv_transfer.ucx
+    extra = []
+    if ucx is not None and ucx.tls:
+        extra.append({"name": "UCX_TLS", "value": ucx.tls})
+    if ucx is not None and ucx.net_devices:
+        extra.append({"name": "UCX_NET_DEVICES", "value": ucx.net_devices})
+    return _env(BASE_ENV + extra, pool_spec.env)
+
+
+def _anti_affinity(ctx: Context, component: str) -> dict[str, Any]:
+    term = {"labelSelector": {"matchLabels": ctx.selector(component)}, "topologyKey": "kubernetes.io/hostname"}
+    return {"podAntiAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": [
+        {"weight": 100, "podAffinityTerm": term}]}}
+
+
+def _deployment(ctx: Context, component: str, replicas: int, owner: str, pod: dict[str, Any],
+                pod_annotations: dict[str, str] | None = None) -> Manifest:
+    template_meta: dict[str, Any] = {"labels": ctx.labels(component)}
+    if pod_annotations:
+        template_meta["annotations"] = pod_annotations
+    return {"apiVersion": "apps/v1", "kind": "Deployment",
+            "metadata": ctx.meta(ctx.child(component), component, {C.ANNOTATION_REPLICAS_OWNER: owner}),
+            "spec": {"replicas": replicas, "revisionHistoryLimit": 3,
+                     "selector": {"matchLabels": ctx.selector(component)},
+                     "template": {"metadata": template_meta, "spec": pod}}}
+
+
+def worker_deployment(ctx: Context, pool: str) -> Manifest:
+    pool_spec: PoolSpec = getattr(ctx.spec, pool)
+    auto = ctx.autoscaling(pool)
+    volumes, mounts = _volumes(ctx)
+    container = {"name": "worker", "image": ctx.image(pool_spec.image, pool_spec.gpus),
+                 "imagePullPolicy": ctx.spec.image.pull_policy, "command": ["splitserve"],
+                 "args": worker_args(ctx, pool),
+                 "ports": [{"name": C.GRPC_PORT_NAME, "containerPort": C.GRPC_PORT, "protocol": "TCP"},
+                           {"name": C.METRICS_PORT_NAME, "containerPort": C.METRICS_PORT, "protocol": "TCP"},
+                           {"name": C.KV_PORT_NAME, "containerPort": C.KV_PORT, "protocol": "TCP"}],
+                 "env": _worker_env(ctx, pool_spec), "resources": _resources(pool_spec.resources, pool_spec.gpus),
+                 **_probes(C.METRICS_PORT_NAME), "securityContext": CONTAINER_SECURITY, "volumeMounts": mounts}
+    pod = {"automountServiceAccountToken": False, "enableServiceLinks": False,
+           "terminationGracePeriodSeconds": pool_spec.termination_grace_period_seconds,
+           "securityContext": POD_SECURITY, "affinity": _anti_affinity(ctx, pool),
+           "nodeSelector": dict(pool_spec.node_selector), "tolerations": _tolerations(pool_spec.tolerations, pool_spec.gpus),
+           "containers": [container], "volumes": volumes}
+    replicas, owner = (auto.min_replicas, auto.provider) if auto.enabled else (pool_spec.replicas, "operator")
+    return _deployment(ctx, pool, replicas, owner, _drop_empty(pod))
+
+
+def router_deployment(ctx: Context) -> Manifest:
+    router = ctx.spec.router
+    volumes, mounts = _volumes(ctx)
+    volumes.append({"name": "config", "configMap": {"name": ctx.child("router")}})
+    mounts.append({"name": "config", "mountPath": C.ROUTER_CONFIG_DIR, "readOnly": True})
+    env = list(BASE_ENV)
+    if router.redis is not None and router.redis.password_secret is not None:
+        ref = router.redis.password_secret
+        env.append({"name": "REDIS_PASSWORD", "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.key}}})
+    container = {"name": "router", "image": ctx.image(router.image, 0), "imagePullPolicy": ctx.spec.image.pull_policy,
+                 "command": ["splitserve"],
+                 "args": ["router", "--config", f"{C.ROUTER_CONFIG_DIR}/{C.ROUTER_CONFIG_FILE}",
+                          "--port", str(C.ROUTER_HTTP_PORT), "--metrics-port", str(C.ROUTER_METRICS_PORT)],
+                 "ports": [{"name": C.HTTP_PORT_NAME, "containerPort": C.ROUTER_HTTP_PORT, "protocol": "TCP"},
+                           {"name": C.METRICS_PORT_NAME, "containerPort": C.ROUTER_METRICS_PORT, "protocol": "TCP"}],
+                 "env": _env(env, router.env), "resources": _resources(router.resources),
+                 **_probes(C.HTTP_PORT_NAME), "securityContext": CONTAINER_SECURITY, "volumeMounts": mounts}
+    pod = {"serviceAccountName": ctx.child("router"), "enableServiceLinks": False,
+           "terminationGracePeriodSeconds": 30, "securityContext": POD_SECURITY,
+           "affinity": _anti_affinity(ctx, "router"), "nodeSelector": dict(router.node_selector),
+           "tolerations": _tolerations(router.tolerations), "containers": [container], "volumes": volumes}
+    return _deployment(ctx, "router", router.replicas, "operator", _drop_empty(pod),
+                       {C.ANNOTATION_CONFIG_HASH: config_hash(ctx)})
+
+
+def _drop_empty(pod: dict[str, Any]) -> dict[str, Any]:
+    """Leave out empty optional lists and maps (the API server drops them too)."""
+    pod = {k: v for k, v in pod.items() if v not in ({}, [])}
+    pod["containers"] = [{k: v for k, v in c.items() if v not in ({}, [])} for c in pod["containers"]]
+    return pod

@@ -1,0 +1,91 @@
+"""Builders for scaling and availability: PodDisruptionBudgets, per-pool autoscalers on queue
+depth, and the optional ServiceMonitor.
+
+Autoscaling signal: `vllm:num_requests_waiting`, the requests queued on a worker. Each pool
+scales on its own queue so that the replicas average `targetQueueDepth` waiting requests:
+
+- KEDA: a ScaledObject with a Prometheus trigger. The query sums the metric over the pool's
+  pods, `sum(vllm:num_requests_waiting{namespace="<ns>",pod=~"<name>-<pool>-<hash>-<id>"})`
+  (the regex matches exactly the pods of the Deployment `<name>-<pool>`), and
+  metricType AverageValue with threshold = targetQueueDepth makes KEDA's HPA aim for
+  ceil(sum / threshold) replicas. KEDA can scale to zero (minReplicas 0).
+- HPA: an autoscaling/v2 HPA with a Pods metric. prometheus-adapter must expose the metric
+  as `vllm_num_requests_waiting` (':' is not allowed in custom-metric names); the target is
+  AverageValue = targetQueueDepth. The cooldown becomes the scale-down stabilization window.
+
+PodDisruptionBudgets allow one voluntary disruption per pool at a time (maxUnavailable 1),
+so a node drain never takes a whole pool down while each drained worker finishes its work.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from splitserve.operator import constants as C
+from splitserve.operator.context import Context, Manifest
+from splitserve.operator.settings import Autoscaling
+
+
+def format_quantity(value: float) -> str:
+    """A Kubernetes quantity for a non-negative number: "8", or milli-units like "2500m"."""
+    return str(int(value)) if float(value).is_integer() else f"{round(value * 1000)}m"
+
+
+def format_threshold(value: float) -> str:
+    return str(int(value)) if float(value).is_integer() else repr(float(value))
+
+
+def queue_query(ctx: Context, pool: str) -> str:
+    pods = f"{ctx.child(pool)}-[a-z0-9]+-[a-z0-9]+"
+    return f'sum({C.QUEUE_METRIC}{{namespace="{ctx.namespace}",pod=~"{pods}"}})'
+
+
+def _target(ctx: Context, pool: str) -> dict[str, str]:
+    return {"apiVersion": "apps/v1", "kind": "Deployment", "name": ctx.child(pool)}
+
+
+def scaled_object(ctx: Context, pool: str, auto: Autoscaling) -> Manifest:
+    trigger = {"type": "prometheus", "metricType": "AverageValue",
+               "metadata": {"serverAddress": auto.prometheus_address, "query": queue_query(ctx, pool),
+                            "threshold": format_threshold(auto.target_queue_depth)}}
+    return {"apiVersion": "keda.sh/v1alpha1", "kind": "ScaledObject", "metadata": ctx.meta(ctx.child(pool), pool),
+            "spec": {"scaleTargetRef": _target(ctx, pool), "pollingInterval": auto.polling_interval,
+                     "cooldownPeriod": auto.cooldown_period, "minReplicaCount": auto.min_replicas,
+                     "maxReplicaCount": auto.max_replicas, "triggers": [trigger]}}
+
+
+def horizontal_pod_autoscaler(ctx: Context, pool: str, auto: Autoscaling) -> Manifest:
+    metric = {"type": "Pods", "pods": {"metric": {"name": C.QUEUE_METRIC_ADAPTER},
+                                       "target": {"type": "AverageValue",
+                                                  "averageValue": format_quantity(auto.target_queue_depth)}}}
+    return {"apiVersion": "autoscaling/v2", "kind": "HorizontalPodAutoscaler",
+            "metadata": ctx.meta(ctx.child(pool), pool),
+            "spec": {"scaleTargetRef": _target(ctx, pool), "minReplicas": auto.min_replicas,
+                     "maxReplicas": auto.max_replicas, "metrics": [metric],
+                     "behavior": {"scaleDown": {"stabilizationWindowSeconds": auto.cooldown_period}}}}
+
+
+def autoscaler(ctx: Context, pool: str) -> Manifest | None:
+    auto = ctx.autoscaling(pool)
+    if not auto.enabled:
+        return None
+    build = scaled_object if auto.provider == "keda" else horizontal_pod_autoscaler
+    return build(ctx, pool, auto)
+
+
+def disruption_budgets(ctx: Context) -> list[Manifest]:
+    return [{"apiVersion": "policy/v1", "kind": "PodDisruptionBudget",
+             "metadata": ctx.meta(ctx.child(component), component),
+             "spec": {"maxUnavailable": 1, "selector": {"matchLabels": ctx.selector(component)}}}
+            for component in (*ctx.pools, "router")]
+
+
+def service_monitor(ctx: Context) -> Manifest:
+    monitor = ctx.spec.monitoring.service_monitor
+    selector: dict[str, Any] = {
+        "matchLabels": {C.LABEL_NAME: C.APP_NAME, C.LABEL_INSTANCE: ctx.name},
+        "matchExpressions": [{"key": C.LABEL_COMPONENT, "operator": "In", "values": [*ctx.pools, "router"]}]}
+    return {"apiVersion": "monitoring.coreos.com/v1", "kind": "ServiceMonitor",
+            "metadata": ctx.meta(ctx.name, "monitoring"),
+            "spec": {"selector": selector, "namespaceSelector": {"matchNames": [ctx.namespace]},
+                     "endpoints": [{"port": C.METRICS_PORT_NAME, "path": "/metrics", "interval": monitor.interval}]}}

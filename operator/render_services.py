@@ -1,0 +1,104 @@
+"""Builders for what connects the pods: the router's config, identity and API access, and the
+Services.
+
+The pool Services are headless (`clusterIP: None`): the router talks to each worker
+directly, so it needs every endpoint, not a virtual IP. Kubernetes' EndpointSlice controller
+labels each slice of a Service with `kubernetes.io/service-name=<service>` and names its
+ports after the Service's port names; the router's discovery lists the slices by that label
+and takes the port named `grpc` (endpoints.py builds the same slices for tests). The router
+may list and watch EndpointSlices in its namespace and nothing else.
+
+The router config (router.yaml in the ConfigMap) is the router's whole view of the service:
+model, block size (for hashing), scorer weights, disaggregation policy, Redis, and where the
+two pools are. Its hash goes on the router pod template, so a config change rolls the router.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any
+
+import yaml
+
+from splitserve.operator import constants as C
+from splitserve.operator.context import Context, Manifest
+
+
+def pool_discovery(ctx: Context, pool: str) -> dict[str, str]:
+    service = ctx.child(pool)
+    return {"service": service, "label_selector": f"{C.LABEL_SERVICE_NAME}={service}"}
+
+
+def router_config(ctx: Context) -> dict[str, Any]:
+    """The content of router.yaml: what `splitserve router --config` reads."""
+    spec = ctx.spec
+    weights = spec.router.scorer_weights
+    return {
+        "model": spec.model.uri,
+        "served_model_name": spec.served_model_name,
+        "block_size": spec.engine.block_size,
+        "max_model_len": spec.model.max_model_len,
+        "scorer_weights": {"prefix": weights.prefix, "queue": weights.queue, "kv_usage": weights.kv_usage,
+                           "pending": weights.pending},
+        "disaggregation": {"mode": spec.disaggregation.mode,
+                           "min_prefill_tokens": spec.disaggregation.min_prefill_tokens},
+        "redis": {"url": spec.router.redis.url} if spec.router.redis else None,
+        "discovery": {
+            "kind": "kubernetes",
+            "namespace": ctx.namespace,
+            "port_name": C.GRPC_PORT_NAME,
+            "prefill": pool_discovery(ctx, "prefill") if spec.has_prefill_pool() else None,
+            "decode": pool_discovery(ctx, "decode"),
+        },
+    }
+
+
+def router_config_text(ctx: Context) -> str:
+    return yaml.safe_dump(router_config(ctx), sort_keys=False)
+
+
+def config_hash(ctx: Context) -> str:
+    return hashlib.sha256(router_config_text(ctx).encode()).hexdigest()[:16]
+
+
+def router_access(ctx: Context) -> list[Manifest]:
+    """ConfigMap, ServiceAccount, Role (EndpointSlices: list, watch) and RoleBinding of the router."""
+    name = ctx.child("router")
+    subject = {"kind": "ServiceAccount", "name": name, "namespace": ctx.namespace}
+    return [
+        {"apiVersion": "v1", "kind": "ConfigMap", "metadata": ctx.meta(name, "router"),
+         "data": {C.ROUTER_CONFIG_FILE: router_config_text(ctx)}},
+        {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": ctx.meta(name, "router"),
+         "automountServiceAccountToken": True},
+        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role", "metadata": ctx.meta(name, "router"),
+         "rules": [{"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"], "verbs": ["list", "watch"]}]},
+        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding", "metadata": ctx.meta(name, "router"),
+         "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name}, "subjects": [subject]},
+    ]
+
+
+def _port(name: str, port: int) -> dict[str, Any]:
+    return {"name": name, "port": port, "targetPort": name, "protocol": "TCP"}
+
+
+def worker_ports() -> list[dict[str, Any]]:
+    return [_port(C.GRPC_PORT_NAME, C.GRPC_PORT), _port(C.METRICS_PORT_NAME, C.METRICS_PORT),
+            _port(C.KV_PORT_NAME, C.KV_PORT)]
+
+
+def headless_service(ctx: Context, component: str, ports: list[dict[str, Any]]) -> Manifest:
+    return {"apiVersion": "v1", "kind": "Service", "metadata": ctx.meta(ctx.child(component), component),
+            "spec": {"clusterIP": "None", "selector": ctx.selector(component), "ports": ports}}
+
+
+def gateway_service(ctx: Context) -> Manifest:
+    service = ctx.spec.router.service
+    port = {**_port(C.HTTP_PORT_NAME, service.port), "targetPort": C.HTTP_PORT_NAME}
+    return {"apiVersion": "v1", "kind": "Service", "metadata": ctx.meta(ctx.name, "gateway"),
+            "spec": {"type": service.type, "selector": ctx.selector("router"), "ports": [port]}}
+
+
+def services(ctx: Context) -> list[Manifest]:
+    router_ports = [_port(C.HTTP_PORT_NAME, C.ROUTER_HTTP_PORT), _port(C.METRICS_PORT_NAME, C.ROUTER_METRICS_PORT)]
+    out = [headless_service(ctx, pool, worker_ports()) for pool in ctx.pools]
+    return [*out, headless_service(ctx, "router", router_ports), gateway_service(ctx)]

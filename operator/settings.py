@@ -1,0 +1,101 @@
+"""The operator's cluster-wide defaults: what SREs set through the Helm chart's values.
+
+The chart renders these values into a ConfigMap mounted at `--defaults`; the file has the
+same shape as the `defaults` block the chart builds (see helm/splitserve/templates/
+configmap.yaml). An InferenceService field always wins over the chart's value, which wins
+over the built-in value here:
+
+    effective = spec.<pool>.autoscaling.X  if set
+           else chart autoscaling.<pool>.X  (pool-level knobs: min/max replicas, target depth)
+           else chart autoscaling.X         (service-level knobs: enabled, provider, polling, cooldown)
+"""
+
+from __future__ import annotations
+
+import pathlib
+from dataclasses import dataclass
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field
+from pydantic.alias_generators import to_camel
+
+from splitserve.operator import constants as C
+from splitserve.operator.spec import AutoscalingSpec
+from splitserve.platform.__about__ import __version__
+
+
+class _Settings(BaseModel):
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="forbid", frozen=True)
+
+
+class PoolDefaults(_Settings):
+    min_replicas: int = Field(1, ge=0)
+    max_replicas: int = Field(4, ge=1)
+    target_queue_depth: float = Field(4.0, gt=0)
+
+
+class AutoscalingDefaults(_Settings):
+    enabled: bool = False
+    provider: str = Field("keda", pattern="^(keda|hpa)$")
+    prometheus_address: str = "http://prometheus-operated.monitoring.svc:9090"
+    polling_interval: int = Field(15, ge=1)
+    cooldown_period: int = Field(300, ge=0, le=3600)
+    prefill: PoolDefaults = PoolDefaults()
+    decode: PoolDefaults = PoolDefaults(max_replicas=8, target_queue_depth=8.0)
+
+
+class ImageDefaults(_Settings):
+    repository: str = C.DEFAULT_IMAGE_REPOSITORY
+    tag: str = __version__
+    cuda_suffix: str = C.CUDA_TAG_SUFFIX
+    pull_policy: str = "IfNotPresent"
+
+
+class ReconcileSettings(_Settings):
+    resync_seconds: float = Field(60.0, gt=0)
+    """Period of the timer that re-applies every InferenceService (a deleted child comes back)."""
+    not_ready_retry_seconds: float = Field(15.0, gt=0)
+    """Delay of kopf's TemporaryError while children are not ready."""
+
+
+class OperatorSettings(_Settings):
+    image: ImageDefaults = ImageDefaults()
+    autoscaling: AutoscalingDefaults = AutoscalingDefaults()
+    reconcile: ReconcileSettings = ReconcileSettings()
+
+
+def load_settings(path: str | None) -> OperatorSettings:
+    """Settings from the chart's defaults file (None: the built-in defaults)."""
+    if not path:
+        return OperatorSettings()
+    return OperatorSettings.model_validate(yaml.safe_load(pathlib.Path(path).read_text()) or {})
+
+
+@dataclass(frozen=True)
+class Autoscaling:
+    """One pool's autoscaling after merging spec, chart values and built-ins."""
+
+    enabled: bool
+    provider: str
+    min_replicas: int
+    max_replicas: int
+    target_queue_depth: float
+    polling_interval: int
+    cooldown_period: int
+    prometheus_address: str
+
+
+def effective_autoscaling(spec: AutoscalingSpec, settings: OperatorSettings, role: str) -> Autoscaling:
+    cluster = settings.autoscaling
+    pool = cluster.prefill if role == "prefill" else cluster.decode
+    pick = lambda value, default: default if value is None else value  # noqa: E731
+    return Autoscaling(
+        enabled=pick(spec.enabled, cluster.enabled),
+        provider=pick(spec.provider, cluster.provider),
+        min_replicas=pick(spec.min_replicas, pool.min_replicas),
+        max_replicas=pick(spec.max_replicas, pool.max_replicas),
+        target_queue_depth=pick(spec.target_queue_depth, pool.target_queue_depth),
+        polling_interval=pick(spec.polling_interval, cluster.polling_interval),
+        cooldown_period=pick(spec.cooldown_period, cluster.cooldown_period),
+        prometheus_address=cluster.prometheus_address,
+    )

@@ -1,0 +1,274 @@
+"""The InferenceService spec: the one source of the CRD schema (see crd.py) and of the operator's
+parsed view of an object.
+
+Each field's docstring becomes its `description` in the CRD (`kubectl explain`). Defaults
+declared here become schema defaults, applied by the API server. Fields the cluster's Helm
+values supply (the autoscaling knobs) have *no* default here: absent means "use the chart's
+value" (settings.py), so a schema default would hide the SRE's setting.
+
+Rules where one field depends on another are CEL `x-kubernetes-validations` on the object
+that holds both fields; the API server evaluates them. What no schema can know (the chart's
+defaults, quantity arithmetic, child-name lengths) is checked in checks.py.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, StringConstraints, WithJsonSchema
+from pydantic.alias_generators import to_camel
+
+# Kubernetes' resource.Quantity: an integer or a string like "500m", "16Gi", "1e3".
+QUANTITY_PATTERN = (r"^(\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))"
+                    r"(([KMGTPE]i)|[numkMGTPE]|([eE](\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?$")
+Quantity = Annotated[
+    StrictInt | Annotated[str, StringConstraints(pattern=QUANTITY_PATTERN)],
+    WithJsonSchema({"x-kubernetes-int-or-string": True, "anyOf": [{"type": "integer"}, {"type": "string"}],
+                    "pattern": QUANTITY_PATTERN}),
+]
+LABEL_VALUE = r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$"
+ENV_NAME = r"^[-._a-zA-Z][-._a-zA-Z0-9]*$"
+
+
+def rule(expr: str, message: str) -> dict[str, str]:
+    return {"rule": expr, "message": message}
+
+
+class _Spec(BaseModel):
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="forbid", frozen=True,
+                              use_attribute_docstrings=True)
+
+
+class ModelStorage(_Spec):
+    """A PersistentVolumeClaim holding the weights, mounted read-only into workers and router."""
+
+    pvc_name: str = Field(min_length=1, max_length=253)
+    """Name of the PersistentVolumeClaim in the InferenceService's namespace."""
+    mount_path: str = Field("/models", pattern=r"^/")
+    """Where the claim is mounted; `model.uri` usually points below it."""
+
+
+class ModelSpec(_Spec):
+    """The weights to serve and how."""
+
+    uri: str = Field(min_length=1, max_length=1024)
+    """An alias (`smollm2-135m`), a .gguf file, a Hugging Face folder, or `random:<preset>`. Never a hub: weights come with the image or from `storage`."""
+    name: str | None = Field(None, min_length=1, max_length=256)
+    """The model name clients send in OpenAI requests (default: the uri)."""
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """Weights and KV cache dtype; prefill and decode always share it (their KV layouts must match)."""
+    max_model_len: int = Field(4096, ge=16, le=1048576)
+    """Longest prompt plus completion, in tokens."""
+    storage: ModelStorage | None = None
+    """Where the weights live when they are not in the image."""
+
+
+class EngineSpec(_Spec):
+    """Engine settings shared by both pools (the router hashes blocks of the same size)."""
+
+    block_size: Literal[8, 16, 32, 64, 128] = 16
+    """Tokens per KV-cache block."""
+    max_num_seqs: int = Field(64, ge=1, le=4096)
+    """Most sequences one worker batches at a time."""
+    kv_cache_memory_gib: float = Field(0.5, alias="kvCacheMemoryGiB", gt=0, le=4096)
+    """Memory for the KV cache per worker, in GiB; must fit in the pool's memory limit."""
+
+
+class AutoscalingSpec(_Spec):
+    """Queue-depth autoscaling of one pool. Every unset field takes the cluster default from the Helm chart's `autoscaling.*` values."""
+
+    model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": [
+        rule("!has(self.minReplicas) || !has(self.maxReplicas) || self.minReplicas <= self.maxReplicas",
+             "autoscaling.minReplicas must not exceed autoscaling.maxReplicas"),
+        rule("!has(self.provider) || self.provider != 'hpa' || !has(self.minReplicas) || self.minReplicas >= 1",
+             "autoscaling.minReplicas 0 (scale to zero) needs provider keda; an HPA keeps at least 1 replica"),
+    ]})
+
+    enabled: bool | None = None
+    """Let an autoscaler own this pool's replicas (the operator then leaves `replicas` alone)."""
+    provider: Literal["keda", "hpa"] | None = None
+    """keda: a KEDA ScaledObject with a Prometheus trigger; hpa: an autoscaling/v2 HPA on a Pods metric served by prometheus-adapter."""
+    min_replicas: int | None = Field(None, ge=0, le=1000)
+    """Fewest replicas (0 scales to zero, keda only)."""
+    max_replicas: int | None = Field(None, ge=1, le=1000)
+    """Most replicas."""
+    target_queue_depth: float | None = Field(None, gt=0, le=100000)
+    """Waiting requests per replica (`vllm:num_requests_waiting`) the autoscaler aims for."""
+    polling_interval: int | None = Field(None, ge=1, le=3600)
+    """Seconds between KEDA's Prometheus queries."""
+    cooldown_period: int | None = Field(None, ge=0, le=3600)
+    """Seconds load must stay low before scaling down (KEDA cooldownPeriod, HPA scale-down stabilization)."""
+
+
+class Toleration(_Spec):
+    """A Kubernetes toleration."""
+
+    key: str | None = Field(None, max_length=316)
+    operator: Literal["Exists", "Equal"] | None = None
+    value: str | None = Field(None, max_length=63)
+    effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = None
+    toleration_seconds: int | None = None
+
+
+class EnvVar(_Spec):
+    """An environment variable: a literal value or a Kubernetes valueFrom source."""
+
+    model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": [
+        rule("!(has(self.value) && has(self.valueFrom))", "env: set value or valueFrom, not both")]})
+
+    name: str = Field(min_length=1, max_length=256, pattern=ENV_NAME)
+    value: str | None = None
+    value_from: dict[str, Any] | None = None
+    """As in a Pod spec (secretKeyRef, configMapKeyRef, fieldRef, resourceFieldRef)."""
+
+
+class Resources(_Spec):
+    """CPU and memory requests and limits of one container (GPUs: use `gpus`)."""
+
+    requests: dict[str, Quantity] = {}
+    limits: dict[str, Quantity] = {}
+
+
+class PoolSpec(_Spec):
+    """One worker pool (prefill or decode)."""
+
+    replicas: int = Field(1, ge=0, le=1000)
+    """Replicas when not autoscaled; with autoscaling the autoscaler owns the count."""
+    gpus: int = Field(0, ge=0, le=16)
+    """NVIDIA GPUs per worker; > 0 selects the CUDA image and adds the GPU toleration."""
+    resources: Resources = Resources()
+    node_selector: dict[str, Annotated[str, StringConstraints(max_length=63, pattern=LABEL_VALUE)]] = {}
+    tolerations: list[Toleration] = Field([], max_length=32)
+    env: list[EnvVar] = Field([], max_length=128)
+    """Extra environment variables for the worker container."""
+    image: str | None = Field(None, min_length=1, max_length=512)
+    """Overrides the image the operator picks (the chart's image, `-cuda` tag when gpus > 0)."""
+    termination_grace_period_seconds: int = Field(120, ge=0, le=3600)
+    """SIGTERM drains a worker: no new requests, in-flight ones finish within this time."""
+    autoscaling: AutoscalingSpec = AutoscalingSpec()
+
+
+class ScorerWeights(_Spec):
+    """Weights of the router's placement scorers (each scores in [0, 1]; the weighted sum picks)."""
+
+    prefix: float = Field(3.0, ge=0, le=1000)
+    """Prefix-cache overlap."""
+    queue: float = Field(2.0, ge=0, le=1000)
+    """Queue depth (fewer waiting requests score higher)."""
+    kv_usage: float = Field(2.0, ge=0, le=1000)
+    """Free KV cache."""
+    pending: float = Field(1.0, ge=0, le=1000)
+    """Requests the router just sent and the worker has not reported yet."""
+
+
+class SecretKeyRef(_Spec):
+    name: str = Field(min_length=1, max_length=253)
+    key: str = Field(min_length=1, max_length=253)
+
+
+class RedisSpec(_Spec):
+    """The Redis the router replicas share their prefix index and rate limits through."""
+
+    url: str = Field(pattern=r"^rediss?://", max_length=1024)
+    password_secret: SecretKeyRef | None = None
+    """A Secret key holding the password (passed as REDIS_PASSWORD)."""
+
+
+class GatewayService(_Spec):
+    type: Literal["ClusterIP", "NodePort", "LoadBalancer"] = "ClusterIP"
+    port: int = Field(8000, ge=1, le=65535)
+
+
+class RouterSpec(_Spec):
+    """The KV-cache-aware router and OpenAI gateway."""
+
+    model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": [
+        rule("self.replicas <= 1 || has(self.redis)",
+             "router.redis is required when router.replicas > 1: the replicas share one prefix index through Redis")]})
+
+    replicas: int = Field(1, ge=1, le=100)
+    scorer_weights: ScorerWeights = ScorerWeights()
+    redis: RedisSpec | None = None
+    resources: Resources = Resources()
+    node_selector: dict[str, Annotated[str, StringConstraints(max_length=63, pattern=LABEL_VALUE)]] = {}
+    tolerations: list[Toleration] = Field([], max_length=32)
+    env: list[EnvVar] = Field([], max_length=128)
+    image: str | None = Field(None, min_length=1, max_length=512)
+    service: GatewayService = GatewayService()
+    """The gateway Service clients call."""
+
+
+class UcxSpec(_Spec):
+    tls: str | None = Field(None, max_length=256, pattern=r"^[a-z_0-9,^]+$")
+    """UCX_TLS, e.g. `rc,cuda_copy,cuda_ipc` on RDMA clusters (default: UCX picks)."""
+    net_devices: str | None = Field(None, max_length=256)
+    """UCX_NET_DEVICES, e.g. `mlx5_0:1`."""
+
+
+class KvTransferSpec(_Spec):
+    """How prefill workers ship KV blocks to decode workers."""
+
+    model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": [
+        rule("self.transport == 'ucx' || !has(self.ucx)", "kvTransfer.ucx applies only to transport ucx")]})
+
+    transport: Literal["ucx", "tcp"] = "ucx"
+    ucx: UcxSpec | None = None
+
+
+class DisaggregationSpec(_Spec):
+    """When the router sends a prompt to a separate prefill worker."""
+
+    mode: Literal["always", "conditional", "never"] = "conditional"
+    """never: decode workers prefill locally and no prefill pool runs."""
+    min_prefill_tokens: int = Field(256, ge=0, le=1048576)
+    """conditional: prompts with fewer uncached tokens than this prefill on the decode worker."""
+
+
+class ServiceMonitorSpec(_Spec):
+    enabled: bool = False
+    """Create a Prometheus-operator ServiceMonitor for the workers and the router."""
+    interval: str = Field("15s", pattern=r"^[0-9]+(ms|s|m|h)$")
+
+
+class MonitoringSpec(_Spec):
+    service_monitor: ServiceMonitorSpec = ServiceMonitorSpec()
+
+
+class ImageSpec(_Spec):
+    repository: str | None = Field(None, min_length=1, max_length=512)
+    tag: str | None = Field(None, min_length=1, max_length=128)
+    pull_policy: Literal["Always", "IfNotPresent", "Never"] = "IfNotPresent"
+
+
+class InferenceServiceSpec(_Spec):
+    """A disaggregated LLM service: a prefill pool, a decode pool and a router in front."""
+
+    model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": [
+        rule("self.disaggregation.mode != 'always' || self.prefill.replicas >= 1 || "
+             "(has(self.prefill.autoscaling.enabled) && self.prefill.autoscaling.enabled)",
+             "disaggregation.mode always needs a prefill pool: set prefill.replicas >= 1 or enable its autoscaling"),
+        rule("self.decode.replicas >= 1 || (has(self.decode.autoscaling.enabled) && self.decode.autoscaling.enabled)",
+             "decode.replicas must be at least 1 unless an autoscaler owns the pool"),
+    ]})
+
+    model: ModelSpec
+    engine: EngineSpec = EngineSpec()
+    image: ImageSpec = ImageSpec()
+    prefill: PoolSpec = PoolSpec()
+    decode: PoolSpec = PoolSpec()
+    router: RouterSpec = RouterSpec()
+    kv_transfer: KvTransferSpec = KvTransferSpec()
+    disaggregation: DisaggregationSpec = DisaggregationSpec()
+    monitoring: MonitoringSpec = MonitoringSpec()
+
+    @property
+    def served_model_name(self) -> str:
+        return self.model.name or self.model.uri
+
+    def has_prefill_pool(self) -> bool:
+        return self.disaggregation.mode != "never"
+
+
+def parse_spec(raw: dict[str, Any]) -> InferenceServiceSpec:
+    """The spec of an InferenceService object (raises pydantic.ValidationError)."""
+    return InferenceServiceSpec.model_validate(raw)

@@ -1,0 +1,141 @@
+"""The InferenceService status: its schema (a pydantic model, rendered into the CRD) and the pure
+functions that compute it from the observed children.
+
+Algorithm: each pool's live Deployment is reduced to a PoolObservation (desired replicas as
+the Deployment says, which is the autoscaler's choice when one owns the pool; ready replicas;
+whether its controller has seen the latest template). A pool is ready when it exists, its
+controller observed the current generation, and at least `desired` replicas are ready (a
+pool scaled to zero by KEDA counts as ready). Ready is the conjunction of PrefillReady,
+DecodeReady and RouterReady. Every condition carries the InferenceService generation it was
+computed from (`observedGeneration`), and keeps its lastTransitionTime until its status flips.
+"""
+
+from __future__ import annotations
+
+import datetime
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+from pydantic.alias_generators import to_camel
+
+ROLES = ("prefill", "decode", "router")
+CONDITION_OF_ROLE = {"prefill": "PrefillReady", "decode": "DecodeReady", "router": "RouterReady"}
+CONDITION_TYPES = ("Ready", *CONDITION_OF_ROLE.values())
+
+
+class _Status(BaseModel):
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, use_attribute_docstrings=True)
+
+
+class Condition(_Status):
+    type: str
+    status: Literal["True", "False", "Unknown"]
+    reason: str = Field(max_length=1024)
+    message: str = Field(max_length=32768)
+    observed_generation: int | None = None
+    last_transition_time: str | None = Field(None, json_schema_extra={"format": "date-time"})
+
+
+class PoolStatus(_Status):
+    replicas: int
+    """Desired replicas (the autoscaler's choice when one owns the pool)."""
+    ready_replicas: int
+    ready: str
+    """ready/desired, for `kubectl get`."""
+
+
+class InferenceServiceStatus(_Status):
+    """What the operator last observed."""
+
+    observed_generation: int | None = None
+    url: str | None = None
+    """The OpenAI-compatible endpoint (in-cluster, or the load balancer's address)."""
+    prefill: PoolStatus | None = None
+    decode: PoolStatus | None = None
+    router: PoolStatus | None = None
+    conditions: list[Condition] = Field([], json_schema_extra={"x-kubernetes-list-type": "map",
+                                                               "x-kubernetes-list-map-keys": ["type"]})
+
+
+@dataclass(frozen=True)
+class PoolObservation:
+    """One pool as its live Deployment shows it (None: the Deployment does not exist)."""
+
+    exists: bool
+    desired: int = 0
+    ready: int = 0
+    rolled_out: bool = False
+
+
+def observe_deployment(live: dict[str, Any] | None) -> PoolObservation:
+    if live is None:
+        return PoolObservation(exists=False)
+    status = live.get("status") or {}
+    generation = live.get("metadata", {}).get("generation")
+    seen = status.get("observedGeneration")
+    rolled_out = generation is None or (seen is not None and seen >= generation)
+    return PoolObservation(exists=True, desired=int(live.get("spec", {}).get("replicas", 1)),
+                           ready=int(status.get("readyReplicas") or 0), rolled_out=rolled_out)
+
+
+def pool_condition(role: str, obs: PoolObservation | None) -> tuple[bool, str, str]:
+    """(ready, reason, message) of one pool; None means the pool is not part of this service."""
+    if obs is None:
+        return True, "NotRequired", f"no {role} pool: disaggregation.mode is never"
+    if not obs.exists:
+        return False, "Creating", f"the {role} Deployment does not exist yet"
+    if not obs.rolled_out:
+        return False, "RollingOut", f"the {role} Deployment has not observed its latest template yet"
+    if obs.desired == 0:
+        return True, "ScaledToZero", f"the {role} pool is scaled to zero"
+    if obs.ready < obs.desired:
+        return False, "PodsNotReady", f"{obs.ready} of {obs.desired} {role} replicas are ready"
+    return True, "Ready", f"{obs.ready} of {obs.desired} {role} replicas are ready"
+
+
+def _condition(ctype: str, ok: bool, reason: str, message: str, generation: int | None,
+               previous: dict[str, dict], now: str) -> dict[str, Any]:
+    status = "True" if ok else "False"
+    old = previous.get(ctype)
+    since = old.get("lastTransitionTime") if old and old.get("status") == status else None
+    return {"type": ctype, "status": status, "reason": reason, "message": message,
+            "observedGeneration": generation, "lastTransitionTime": since or now}
+
+
+def now_rfc3339() -> str:
+    return datetime.datetime.now(datetime.UTC).replace(microsecond=0).isoformat().replace("+00:00", "Z")
+
+
+def build_status(observations: dict[str, PoolObservation | None], generation: int | None, url: str,
+                 previous: dict[str, Any] | None, now: str) -> dict[str, Any]:
+    """The status of a valid spec from its pools (role -> observation; None = pool not wanted)."""
+    old = {c["type"]: c for c in (previous or {}).get("conditions", [])}
+    conditions, not_ready = [], []
+    for role in ROLES:
+        ok, reason, message = pool_condition(role, observations.get(role))
+        conditions.append(_condition(CONDITION_OF_ROLE[role], ok, reason, message, generation, old, now))
+        if not ok:
+            not_ready.append(f"{role}: {message}")
+    ready = _condition("Ready", not not_ready, "Ready" if not not_ready else "ComponentsNotReady",
+                       "; ".join(not_ready) or "all pools are ready", generation, old, now)
+    status: dict[str, Any] = {"observedGeneration": generation, "url": url, "conditions": [ready, *conditions]}
+    for role in ROLES:
+        obs = observations.get(role)
+        if obs is not None:
+            status[role] = {"replicas": obs.desired, "readyReplicas": obs.ready, "ready": f"{obs.ready}/{obs.desired}"}
+    return status
+
+
+def blocked_status(reason: str, message: str, generation: int | None, previous: dict[str, Any] | None,
+                   now: str) -> dict[str, Any]:
+    """Ready=False for a reason that stops the operator before it applies anything (InvalidSpec,
+    MissingAPI); the pool conditions and replica counts of the last good run are kept."""
+    old = {c["type"]: c for c in (previous or {}).get("conditions", [])}
+    ready = _condition("Ready", False, reason, message, generation, old, now)
+    kept = [c for c in (previous or {}).get("conditions", []) if c["type"] != "Ready"]
+    return {**(previous or {}), "observedGeneration": generation, "conditions": [ready, *kept]}
+
+
+def is_ready(status: dict[str, Any]) -> bool:
+    return any(c["type"] == "Ready" and c["status"] == "True" for c in status.get("conditions", []))

