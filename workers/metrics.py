@@ -27,6 +27,11 @@ class WorkerMetrics:
                               registry=r).labels(**labels)
         self.cache_info = Gauge("vllm:cache_config_info", "KV cache configuration",
                                 ["block_size", "num_gpu_blocks", "role"], registry=r)
+        self.prefix_queries = Counter("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
+                                      ["model_name"], registry=r).labels(**labels)
+        self.prefix_hits = Counter("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache",
+                                   ["model_name"], registry=r).labels(**labels)
+        self._seen_queries = self._seen_hits = 0
         self.queued_prefill_tokens = Gauge("splitserve_queued_prefill_tokens", "Prompt tokens not yet computed",
                                            registry=r)
         self.ttft = Histogram("splitserve_time_to_first_token_seconds", "Time to first token", ["role"],
@@ -52,6 +57,9 @@ class WorkerMetrics:
         self.running.set(load.num_running)
         self.kv_usage.set(load.kv_usage)
         self.queued_prefill_tokens.set(load.queued_prefill_tokens)
+        self.prefix_queries.inc(load.prefix_cache_queries - self._seen_queries)
+        self.prefix_hits.inc(load.prefix_cache_hits - self._seen_hits)
+        self._seen_queries, self._seen_hits = load.prefix_cache_queries, load.prefix_cache_hits
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

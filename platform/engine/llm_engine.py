@@ -51,6 +51,8 @@ class LoadSnapshot:
     queued_prefill_tokens: int  # prompt tokens admitted or waiting but not yet computed
     num_free_blocks: int
     num_total_blocks: int
+    prefix_cache_queries: int = 0   # tokens looked up in the prefix cache since start
+    prefix_cache_hits: int = 0      # of which were found
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -172,7 +174,9 @@ class LLMEngine:
                       if r.num_computed_tokens < r.num_prompt_tokens)
         return LoadSnapshot(num_waiting=len(sched.waiting), num_running=len(sched.running) + len(sched.awaiting_kv),
                             kv_usage=self.pool.usage, queued_prefill_tokens=queued,
-                            num_free_blocks=self.pool.num_free_blocks, num_total_blocks=self.pool.num_blocks)
+                            num_free_blocks=self.pool.num_free_blocks, num_total_blocks=self.pool.num_blocks,
+                            prefix_cache_queries=self.pool.stats.num_queries * self.config.cache.block_size,
+                            prefix_cache_hits=self.pool.stats.num_hits * self.config.cache.block_size)
 
     def take_kv_events(self) -> list[KVEvent]:
         """BlockStored / BlockRemoved / AllCleared since the last call, in order."""

@@ -112,3 +112,20 @@ def test_cancel_during_prefill_and_decode_frees_blocks_on_both(pair):
         state = w.wait_idle()
         assert state["invariants_ok"], state
         assert state["num_free_blocks"] == state["num_blocks"], state
+
+
+def test_health_ready_and_metrics_names(pair):
+    d, p = pair
+    run(generate(d.address, prompt(40, salt=6), mode=pb.DISAGGREGATION_MODE_NEVER))
+    for w in (d, p):
+        assert w.get("/health")[0] == 200 and w.get("/ready")[0] == 200
+        assert w.get("/nope")[0] == 404
+    text = d.get("/metrics")[1].decode()
+    for name in ("vllm:num_requests_waiting", "vllm:num_requests_running", "vllm:kv_cache_usage_perc",
+                 "vllm:cache_config_info", "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total"):
+        assert f"\n{name}{{" in text, name
+    assert d.metric("splitserve_time_to_first_token_seconds_count") >= 1
+    assert d.metric("splitserve_inter_token_latency_seconds_count") >= 1
+    assert d.metric("splitserve_e2e_request_latency_seconds_count") >= 1
+    assert d.metric('splitserve_kv_transfer_seconds_count{direction="in"}') >= 1
+    assert p.metric('splitserve_kv_transfer_bytes_count{direction="out"}') >= 1
