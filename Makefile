@@ -30,6 +30,8 @@ test: setup
 
 bench: setup
 	$(PY) bench/engine_offline.py --write docs/benchmarks.md --threads 2
+	$(PY) bench/kv_transfer.py --write docs/benchmarks.md
+	$(PY) bench/disagg_ttft.py --write docs/benchmarks.md
 
 # On a machine with an NVIDIA GPU and a CUDA build of torch (issue 8); `--smoke` runs it on CPU.
 bench-gpu: setup

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -27,30 +28,30 @@ _names = itertools.count()
 class InprocChannel(Channel):
     def __init__(self, inbox: asyncio.Queue, outbox: asyncio.Queue, state: dict):
         self._inbox, self._outbox, self._state = inbox, outbox, state  # state is shared by both ends
-        self._payload: np.ndarray | None = None
+        self._payloads: list[np.ndarray] = []
 
     @classmethod
     def pair(cls) -> tuple[InprocChannel, InprocChannel]:
         a, b, state = asyncio.Queue(), asyncio.Queue(), {"closed": False}
         return cls(a, b, state), cls(b, a, state)
 
-    async def send(self, header: dict, payload: np.ndarray | None = None) -> None:
+    async def send(self, header: dict, payloads: Sequence[np.ndarray] = ()) -> None:
         if self._state["closed"]:
             raise ChannelClosed("inproc channel closed")
-        copy = None if payload is None else np.array(payload, dtype=np.uint8, copy=True)
-        self._outbox.put_nowait((json.loads(json.dumps(header)), copy))
+        copies = [np.array(p, dtype=np.uint8, copy=True) for p in payloads]
+        self._outbox.put_nowait((json.loads(json.dumps(header)), copies))
 
     async def recv(self) -> dict:
         item = await self._inbox.get()
         if item is _CLOSED:
             raise ChannelClosed("inproc channel closed")
-        header, self._payload = item
+        header, self._payloads = item
         return header
 
-    async def recv_payload(self, out: np.ndarray) -> None:
-        assert self._payload is not None and self._payload.nbytes == out.nbytes, "payload does not match its header"
-        out[:] = self._payload
-        self._payload = None
+    async def recv_payload(self, out: np.ndarray, is_last: bool) -> None:
+        payload = self._payloads.pop(0)
+        assert payload.nbytes == out.nbytes and is_last == (not self._payloads), "payload does not match its header"
+        out[:] = payload
 
     async def close(self) -> None:
         if not self._state["closed"]:

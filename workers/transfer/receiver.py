@@ -16,7 +16,7 @@ from abc import abstractmethod
 import torch
 
 from splitserve.workers.transfer.base import KVLayout, KVReceiver, TransferStatus, WriteLayer
-from splitserve.workers.transfer.stream import MAX_PAYLOAD_BYTES, Channel, ChannelClosed
+from splitserve.workers.transfer.stream import MAX_LAYERS_PER_HEADER, MAX_PAYLOAD_BYTES, Channel, ChannelClosed
 from splitserve.workers.transfer.table import TransferTable
 
 log = logging.getLogger(__name__)
@@ -46,14 +46,16 @@ async def serve_channel(channel: Channel, table: TransferTable, max_payload_byte
                 reply = table.bind(bound, msg["layout"], msg["num_blocks"], notify)
                 if reply is not None:
                     await channel.send(reply)
-            elif op == "layer" and 0 <= msg["nbytes"] <= max_payload_bytes:
-                nbytes = msg["nbytes"]
+            elif op == "layers" and 0 <= msg["nbytes"] <= max_payload_bytes and \
+                    1 <= len(msg["layers"]) <= MAX_LAYERS_PER_HEADER:
+                nbytes, layers = msg["nbytes"], msg["layers"]
                 if scratch.numel() < nbytes:
                     scratch = torch.empty(nbytes, dtype=torch.uint8)
                 view = scratch[:nbytes]
-                await channel.recv_payload(view.numpy())
-                if msg["transfer_id"] == bound:  # else: not this connection's transfer, discard
-                    table.write(bound, msg["layer"], view)
+                for i, layer in enumerate(layers):
+                    await channel.recv_payload(view.numpy(), is_last=i == len(layers) - 1)
+                    if msg["transfer_id"] == bound:  # else: not this connection's transfer, discard
+                        table.write(bound, layer, view)
             elif op == "end":
                 await channel.send(table.finish(msg["transfer_id"], bool(msg.get("aborted"))))
                 bound = None

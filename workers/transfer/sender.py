@@ -2,10 +2,10 @@
 
 Per connection (`_Conn`), a reader task routes the receiver's replies to the handle that holds
 the connection; per transfer (`ChannelSendHandle`), a pump task is the one writer of the
-channel: it sends "open", then each queued layer in order, dropping layers once the transfer
-is known to have failed. finish() queues the end of the pump, sends "end" and waits for the
-final reply (at most `ack_timeout_s`); only a connection that got its final reply goes back
-to the pool, any other is closed. See stream.py for the messages.
+channel: it sends "open", then the queued layers (all that are queued, under one header),
+dropping layers once the transfer is known to have failed. finish() ends the pump, sends
+"end" and waits for the final reply (at most `ack_timeout_s`); only a connection that got its
+final reply goes back to the pool, any other is closed. See stream.py for the messages.
 """
 
 from __future__ import annotations
@@ -17,7 +17,8 @@ from collections.abc import Awaitable, Callable
 import torch
 
 from splitserve.workers.transfer.base import KVLayout, KVSender, LayoutMismatchError, SendHandle, TransferError
-from splitserve.workers.transfer.stream import Channel, payload_bytes
+from splitserve.workers.transfer.stream import MAX_LAYERS_PER_HEADER, Channel, payload_bytes
+
 
 class _Conn:
     """A pooled sender-side connection; its reader task routes replies to the current handle."""
@@ -80,18 +81,26 @@ class ChannelSendHandle(SendHandle):
             self._final.set_result(None)  # no final reply: the channel is out of step
 
     async def _send_all(self) -> None:
-        """The one writer of this channel while the transfer is open: layers in queue order."""
+        """The one writer of this channel while the transfer is open: "open", then whatever
+        layers are queued under one header each time, until the queue's end marker."""
         try:
             await self._conn.channel.send({"op": "open", "transfer_id": self.transfer_id,
                                            "layout": self.layout.to_dict(), "num_blocks": self.num_blocks})
-            while (item := await self._queue.get()) is not None:
-                layer, payload = item
-                if self.error is not None:
-                    continue  # the receiver gave up on it: drop
-                data = payload_bytes(payload)
-                await self._conn.channel.send({"op": "layer", "transfer_id": self.transfer_id,
-                                               "layer": layer, "nbytes": data.nbytes}, data)
-                self.bytes_sent += data.nbytes
+            is_ended = False
+            while not is_ended:
+                batch = [await self._queue.get()]
+                while batch[-1] is not None and not self._queue.empty() and len(batch) < MAX_LAYERS_PER_HEADER:
+                    batch.append(self._queue.get_nowait())
+                if batch[-1] is None:
+                    is_ended = True
+                    batch.pop()
+                if not batch or self.error is not None:  # nothing, or the receiver gave up: drop
+                    continue
+                data = [payload_bytes(payload) for _, payload in batch]
+                header = {"op": "layers", "transfer_id": self.transfer_id,
+                          "layers": [layer for layer, _ in batch], "nbytes": data[0].nbytes}
+                await self._conn.channel.send(header, data)
+                self.bytes_sent += sum(d.nbytes for d in data)
         except Exception as e:
             self._conn.is_dead = True
             self._on_lost(e)

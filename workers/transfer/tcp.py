@@ -1,7 +1,7 @@
 """The `tcp` transport: the stream protocol (stream.py) over asyncio TCP streams.
 
 Framing on the byte stream: each header is a 4-byte little-endian length plus JSON
-(stream.encode_header); a "layer" header is followed directly by its `nbytes` of payload.
+(stream.encode_header); a "layers" header is followed directly by its payloads' bytes.
 Payload bytes are written from a zero-copy view of the sender's tensor and read straight into
 the receiver's scratch buffer. Always available (no native dependency); UCX is the fast path.
 """
@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -26,12 +27,13 @@ class TcpChannel(Channel):
         self._reader, self._writer = reader, writer
         self._lock = asyncio.Lock()
 
-    async def send(self, header: dict, payload: np.ndarray | None = None) -> None:
-        async with self._lock:
+    async def send(self, header: dict, payloads: Sequence[np.ndarray] = ()) -> None:
+        async with self._lock:  # one message at a time, never interleaved
             try:
                 self._writer.write(encode_header(header))
-                if payload is not None:
+                for payload in payloads:  # drain each: what the socket does not take is copied
                     self._writer.write(memoryview(payload).cast("B"))
+                    await self._writer.drain()
                 await self._writer.drain()
             except (ConnectionError, RuntimeError) as e:
                 raise ChannelClosed(repr(e)) from e
@@ -45,7 +47,7 @@ class TcpChannel(Channel):
         except (asyncio.IncompleteReadError, ConnectionError) as e:
             raise ChannelClosed(repr(e)) from e
 
-    async def recv_payload(self, out: np.ndarray) -> None:
+    async def recv_payload(self, out: np.ndarray, is_last: bool) -> None:
         view, pos = memoryview(out).cast("B"), 0
         try:
             while pos < len(view):

@@ -5,8 +5,8 @@ one UCX endpoint (a listener on the receiver, `create_endpoint` on the sender) a
 message uses the endpoint's own tag, which UCX delivers in order. A header is one message
 (stream.encode_header: a length prefix then JSON) received into a fixed buffer of
 MAX_HEADER_BYTES, since a tagged receive may be larger than the message but does not report
-its length; a layer's payload is the next message, sent from a zero-copy view of the tensor
-and received straight into the receiver's scratch buffer (rendezvous protocol above 8 KiB).
+its length; each payload it announces is one further message, sent from a zero-copy view of
+the tensor and received straight into the receiver's scratch buffer (rendezvous above 8 KiB).
 
 UCX closes an endpoint by resetting whatever is still in flight on it, so a connection is only
 closed after the peer's acknowledgement (the stream protocol's final reply) or on failure.
@@ -23,6 +23,7 @@ import contextlib
 import json
 import os
 import threading
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -77,37 +78,55 @@ def _stop_notifier_thread() -> None:
 
 
 class UcxChannel(Channel):
+    """Sends are submitted to UCX in call order without a lock (each send() creates its UCXX
+    requests before its first await). While a payload is received, the next header's receive
+    is already posted, so the loop does not have to wake up between a payload and the header
+    after it."""
+
     def __init__(self, endpoint):
         self._ep = endpoint
-        self._header = np.empty(MAX_HEADER_BYTES, dtype=np.uint8)
-        self._lock = asyncio.Lock()
+        self._headers = [np.empty(MAX_HEADER_BYTES, dtype=np.uint8) for _ in range(2)]
+        self._next_header: tuple[asyncio.Future, np.ndarray] | None = None  # prefetched receive
+        self._turn = 0
         self._error_types = (_ucxx().exceptions.UCXError,)
 
-    async def send(self, header: dict, payload: np.ndarray | None = None) -> None:
+    async def send(self, header: dict, payloads: Sequence[np.ndarray] = ()) -> None:
         data = np.frombuffer(encode_header(header), dtype=np.uint8)
-        async with self._lock:
-            try:
-                await self._ep.send(data)
-                if payload is not None:
-                    await self._ep.send(payload)
-            except self._error_types as e:
-                raise ChannelClosed(repr(e)) from e
+        requests = [asyncio.ensure_future(self._ep.send(buf)) for buf in (data, *payloads)]
+        errors = [r for r in await asyncio.gather(*requests, return_exceptions=True) if isinstance(r, BaseException)]
+        if errors:
+            raise ChannelClosed(repr(errors[0])) from errors[0]
+
+    def _post_header_recv(self) -> tuple[asyncio.Future, np.ndarray]:
+        self._turn ^= 1
+        buf = self._headers[self._turn]
+        fut = asyncio.ensure_future(self._ep.recv(buf))
+        fut.add_done_callback(lambda f: f.cancelled() or f.exception())  # retrieved even if never awaited
+        return fut, buf
 
     async def recv(self) -> dict:
+        pending, self._next_header = self._next_header, None
+        fut, buf = pending if pending is not None else self._post_header_recv()
         try:
-            await self._ep.recv(self._header)
+            await fut
         except self._error_types as e:
             raise ChannelClosed(repr(e)) from e
-        n = int.from_bytes(self._header[:4].tobytes(), "little")
-        return json.loads(self._header[4:4 + n].tobytes())
+        n = int.from_bytes(buf[:4].tobytes(), "little")
+        return json.loads(buf[4:4 + n].tobytes())
 
-    async def recv_payload(self, out: np.ndarray) -> None:
+    async def recv_payload(self, out: np.ndarray, is_last: bool) -> None:
+        payload = asyncio.ensure_future(self._ep.recv(out))
+        if is_last:  # posted after the payload, so matched after it
+            self._next_header = self._post_header_recv()
         try:
-            await self._ep.recv(out)
+            await payload
         except self._error_types as e:
             raise ChannelClosed(repr(e)) from e
 
     async def close(self) -> None:
+        if self._next_header is not None:
+            self._next_header[0].cancel()
+            self._next_header = None
         if not self._ep.closed:
             await self._ep.close()
 
