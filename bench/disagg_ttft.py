@@ -18,10 +18,12 @@ import asyncio
 import json
 import pathlib
 import statistics
+import os
 import sys
 import time
 
 import grpc
+
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "tests"))
 from workerproc import WorkerProc  # noqa: E402
@@ -31,6 +33,9 @@ from splitserve.platform.wire import worker_pb2_grpc as pb_grpc  # noqa: E402
 
 PROMPT_LEN = 1500
 BEGIN, END = "<!-- disagg-ttft:begin -->", "<!-- disagg-ttft:end -->"
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from report import write_section  # noqa: E402
 
 
 def prompt(salt: int) -> list[int]:
@@ -70,14 +75,7 @@ def render(result: dict, rounds: int) -> str:
 
 
 def write(path: str, section: str) -> None:
-    p = pathlib.Path(path)
-    text = p.read_text() if p.exists() else "# Benchmarks\n"
-    if BEGIN in text:
-        text = text[:text.index(BEGIN)] + section + text[text.index(END) + len(END):]
-    else:
-        text = text.rstrip() + "\n\n" + section + "\n"
-    p.write_text(text)
-
+    write_section(path, "disagg-ttft", section)
 
 def main() -> int:
     ap = argparse.ArgumentParser()

@@ -28,6 +28,7 @@ import time
 
 import torch
 
+
 from splitserve.platform.config import CacheConfig, DeviceConfig, EngineConfig, SchedulerConfig
 from splitserve.platform.engine.llm_engine import LLMEngine
 from splitserve.platform.model_source import resolve_model
@@ -40,6 +41,9 @@ HF_REQUESTS = 4
 REPEATS = 2
 MARK_BEGIN = "<!-- engine-offline:begin -->"
 MARK_END = "<!-- engine-offline:end -->"
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from report import write_section  # noqa: E402
 
 
 def make_prompts(vocab: int, seed: int = 0) -> list[list[int]]:
@@ -147,13 +151,7 @@ def render(results: list[dict], cmd: str) -> str:
 
 
 def write(path: str, section: str) -> None:
-    text = open(path).read() if os.path.exists(path) else "# Benchmarks\n"
-    if MARK_BEGIN in text:
-        text = text[:text.index(MARK_BEGIN)] + section + text[text.index(MARK_END) + len(MARK_END):]
-    else:
-        text = text.rstrip() + "\n\n" + section + "\n"
-    open(path, "w").write(text)
-
+    write_section(path, "engine-offline", section)
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])

@@ -39,6 +39,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+
 from splitserve.platform.config import (CacheConfig, DeviceConfig, EngineConfig, ModelConfig,
                                         SchedulerConfig)
 from splitserve.platform.weights.names import layer_weight_shapes
@@ -71,6 +72,10 @@ SMOKE = Sizes("random:tiny", "cpu", "bfloat16", (1, 2), 32, 3, (16, 64), 16 * 10
 
 
 # -- floors (pure) ---------------------------------------------------------------------------
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from report import write_section  # noqa: E402
+
 
 def dtype_bytes(dtype: str) -> int:
     return {"float32": 4, "bfloat16": 2, "float16": 2}[dtype]
@@ -431,15 +436,7 @@ def _fmt_check(check) -> str:
 
 
 def write(path: str, section: str) -> None:
-    """Replace the gpu-roofline section of `path` (append it if absent), leaving the rest."""
-    text = open(path).read() if os.path.exists(path) else "# Benchmarks\n"
-    if MARK_BEGIN in text:
-        text = text[:text.index(MARK_BEGIN)] + section + text[text.index(MARK_END) + len(MARK_END):]
-    else:
-        text = text.rstrip() + "\n\n" + section + "\n"
-    with open(path, "w") as f:
-        f.write(text)
-
+    write_section(path, "gpu-roofline", section)
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])

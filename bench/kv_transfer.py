@@ -37,6 +37,7 @@ import time
 import numpy as np
 import torch
 
+
 from splitserve.workers.transfer import KVLayout, make_receiver, make_sender
 from splitserve.workers.transfer.ucx import configure_ucx_env
 
@@ -85,6 +86,9 @@ async def receive(conn) -> None:
     for r in receivers.values():
         await r.close()
     conn.send("bye")
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from report import write_section  # noqa: E402
 
 
 def receiver_main(conn) -> None:
@@ -192,13 +196,7 @@ def render(r: dict, cmd: str) -> str:
 
 
 def write(path: str, section: str) -> None:
-    text = open(path).read() if os.path.exists(path) else "# Benchmarks\n"
-    if MARK_BEGIN in text:
-        text = text[:text.index(MARK_BEGIN)] + section + text[text.index(MARK_END) + len(MARK_END):]
-    else:
-        text = text.rstrip() + "\n\n" + section + "\n"
-    open(path, "w").write(text)
-
+    write_section(path, "kv-transfer", section)
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])

@@ -10,7 +10,6 @@ import time
 import grpc
 import pytest
 
-from splitserve.platform.sampling.params import SamplingParams
 from splitserve.platform.wire import worker_pb2 as pb
 from splitserve.platform.wire import worker_pb2_grpc as pb_grpc
 from workerproc import WorkerProc
@@ -48,16 +47,6 @@ def pair(request):
     yield d, p
     for w in (d, p):
         w.terminate()
-
-
-@pytest.fixture(scope="module")
-def reference(make_engine):
-    engine = make_engine(max_model_len=2048)
-
-    def ref(token_ids, max_tokens=8):
-        [out] = engine.generate([token_ids], SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
-        return out.output_token_ids
-    return ref
 
 
 @pytest.mark.parametrize("n", [1, 15, 16, 17, 500, 1500])

@@ -30,18 +30,6 @@ def decode():
     d.terminate()
 
 
-@pytest.fixture(scope="module")
-def reference(make_engine):
-    from splitserve.platform.sampling.params import SamplingParams
-
-    engine = make_engine(max_model_len=2048)
-
-    def ref(token_ids, max_tokens=8):
-        [out] = engine.generate([token_ids], SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
-        return out.output_token_ids
-    return ref
-
-
 def assert_clean(*workers):
     for w in workers:
         state = w.wait_idle()

@@ -1,0 +1,16 @@
+"""Fixtures for worker-process tests."""
+
+import pytest
+
+
+@pytest.fixture(scope="module")
+def reference(make_engine):
+    """Greedy tokens from the engine in the test process (same weights): "the same answer"."""
+    from splitserve.platform.sampling.params import SamplingParams
+
+    engine = make_engine(max_model_len=2048)
+
+    def ref(token_ids, max_tokens=8):
+        [out] = engine.generate([token_ids], SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
+        return out.output_token_ids
+    return ref
