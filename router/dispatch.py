@@ -1,0 +1,215 @@
+"""Running one generation on the workers: place, call Generate, stream, retry, resume.
+
+    attempt 1: place(prompt) -> D (+ prefill list) -> D.Generate -> stream increments
+    D fails before its first token -> place again without D -> retry the same request
+    D fails after tokens were streamed -> place(prompt + tokens so far) without D and resume:
+        max_tokens and min_tokens shrink by what was already sent; the client's stream goes on
+
+"Fails" is a gRPC error other than INVALID_ARGUMENT (that one is the caller's: 400), a stream
+that ends without a finish reason or with ABORT, or the worker being marked down while the
+request runs on it (its event stream broke or went silent: the watcher calls `worker_down`,
+which cancels the calls in flight there). At most `max_attempts` attempts; then 503.
+
+Greedy requests resume exactly (the new worker computes the same next tokens from prompt +
+output). A seeded or penalised sampled request resumes with the new worker's RNG and with the
+old output counted as prompt, so its continuation differs from an undisturbed run. The first
+text after a resume is re-derived from the token ids (`_resumed_text`), so a character the old
+worker held back (half of a UTF-8 sequence) or a leading space a SentencePiece decoder strips
+from the new worker's first word is not lost.
+
+Closing the generator (the client went away) cancels the Generate call; the worker aborts the
+request and frees its blocks (and the prefill worker's).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import grpc
+
+from splitserve.platform.hashing import BlockHasher
+from splitserve.platform.sampling.params import SamplingParams
+from splitserve.platform.tokenizer import Tokenizer
+from splitserve.platform.wire import worker_pb2 as pb
+from splitserve.router import logctx
+from splitserve.router.errors import APIError, NoWorkerError
+from splitserve.router.placement import Decision, Placer
+from splitserve.router.pool import WorkerPool
+from splitserve.router.wire import generate_request
+
+log = logging.getLogger(__name__)
+
+_FINISH = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length"}
+
+
+@dataclass(frozen=True)
+class Job:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+
+
+@dataclass
+class Chunk:
+    """An increment for the client; `usage` totals are over the whole request so far."""
+
+    token_ids: list[int]
+    text: str
+    logprobs: list = field(default_factory=list)        # pb.TokenLogprob
+    finish_reason: str | None = None
+    num_prompt_tokens: int = 0
+    num_completion_tokens: int = 0
+    num_cached_tokens: int = 0
+    decode_worker: str = ""
+    prefill_worker: str = ""
+
+
+class WorkerLost(Exception):
+    """The attempt's worker failed; the dispatcher retries or resumes elsewhere."""
+
+
+@dataclass
+class _Progress:
+    """What the client has been sent so far (the state a resume continues from)."""
+
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    num_cached_tokens: int | None = None
+    is_resumed: bool = False
+
+
+class Dispatcher:
+    def __init__(self, pool: WorkerPool, placer: Placer, hasher: BlockHasher, tokenizer: Tokenizer | None,
+                 channels, max_attempts: int = 3, metrics=None):
+        self.pool = pool
+        self.placer = placer
+        self.hasher = hasher
+        self.tokenizer = tokenizer
+        self.channels = channels
+        self.max_attempts = max_attempts
+        self.metrics = metrics
+        self._calls: dict[str, dict[int, grpc.aio.Call]] = {}   # worker -> in-flight calls
+        self._lost: set[int] = set()                             # ids of calls cancelled by worker_down
+
+    def worker_down(self, address: str) -> None:
+        """Called when a worker is marked down: its in-flight calls fail over."""
+        for key, call in list(self._calls.get(address, {}).items()):
+            self._lost.add(key)
+            call.cancel()
+
+    async def generate(self, job: Job) -> AsyncIterator[Chunk]:
+        progress, excluded = _Progress(), set()
+        for attempt in range(1, self.max_attempts + 1):
+            remaining = job.params.max_tokens - len(progress.token_ids)
+            if remaining <= 0:
+                yield Chunk([], "", finish_reason="length", num_prompt_tokens=len(job.prompt_token_ids),
+                            num_completion_tokens=len(progress.token_ids),
+                            num_cached_tokens=progress.num_cached_tokens or 0)
+                return
+            decision = await self._place(job, progress, excluded, attempt)
+            try:
+                async for chunk in self._attempt(job, decision, progress):
+                    yield chunk
+                return
+            except WorkerLost as exc:
+                excluded.add(decision.decode)
+                progress.is_resumed = bool(progress.token_ids)
+                self.pool.report_failure(decision.decode, str(exc))
+                self._count("resumes" if progress.token_ids else "retries")
+                log.warning("%s: decode worker %s failed after %d tokens (%s); attempt %d of %d", job.request_id,
+                            decision.decode, len(progress.token_ids), exc, attempt, self.max_attempts)
+        raise NoWorkerError(f"request failed on {self.max_attempts} workers; last error above in the router log")
+
+    async def _place(self, job: Job, progress: _Progress, excluded: set[str], attempt: int) -> Decision:
+        token_ids = job.prompt_token_ids + progress.token_ids
+        t0 = time.perf_counter()
+        decision = await self.placer.place(len(token_ids), self.hasher.hash_blocks(token_ids), frozenset(excluded))
+        seconds = time.perf_counter() - t0
+        log.info("%s attempt %d: decode %s, prefill %s, %d cached blocks, %d uncached tokens", job.request_id,
+                 attempt, decision.decode, ",".join(decision.prefill) or "local", decision.num_cached_blocks,
+                 decision.num_uncached_tokens)
+        if self.metrics is not None:
+            self.metrics.observe_decision(decision, len(token_ids) // self.hasher.block_size, seconds)
+        return decision
+
+    async def _attempt(self, job: Job, decision: Decision, progress: _Progress) -> AsyncIterator[Chunk]:
+        request = generate_request(job.request_id, job.prompt_token_ids + progress.token_ids,
+                                   _remaining(job.params, len(progress.token_ids)), decision,
+                                   self.placer.config.disaggregation)
+        assignment = self.pool.assign(decision.decode, decision.prefill[0] if decision.prefill else "",
+                                      decision.num_uncached_tokens)
+        trace_id = logctx.request_id.get() or job.request_id
+        call = self.channels.stub(decision.decode).Generate(request, metadata=(("x-request-id", trace_id),))
+        key = id(call)
+        self._calls.setdefault(decision.decode, {})[key] = call
+        try:
+            async for msg in self._read(call, key):
+                self.pool.first_token(assignment)
+                chunk = self._chunk(job, decision, progress, msg)
+                if chunk.finish_reason is not None:
+                    self.pool.report_success(decision.decode)
+                yield chunk
+                if chunk.finish_reason is not None:
+                    return
+            raise WorkerLost("the stream ended without a finish reason")
+        finally:
+            call.cancel()
+            self._calls.get(decision.decode, {}).pop(key, None)
+            self._lost.discard(key)
+            self.pool.finish(assignment)
+
+    async def _read(self, call, key: int) -> AsyncIterator[pb.GenerateResponse]:
+        """The call's messages; WorkerLost for a worker failure, APIError(400) for bad input."""
+        try:
+            async for msg in call:
+                if msg.finish_reason == pb.FINISH_REASON_ABORT:
+                    raise WorkerLost("the worker aborted the request")
+                yield msg
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
+                raise APIError(400, exc.details() or "invalid request") from None
+            raise WorkerLost(f"{exc.code().name}: {exc.details()}") from None
+        except asyncio.CancelledError:
+            if key in self._lost and not asyncio.current_task().cancelling():
+                raise WorkerLost("the worker was marked down") from None
+            raise
+
+    def _chunk(self, job: Job, decision: Decision, progress: _Progress, msg: pb.GenerateResponse) -> Chunk:
+        new_ids = list(msg.token_ids)
+        text = self._resumed_text(job.params, progress, new_ids, msg.text) if progress.is_resumed else msg.text
+        if progress.num_cached_tokens is None:
+            progress.num_cached_tokens = msg.usage.cached_tokens
+        progress.token_ids += new_ids
+        progress.text += text
+        return Chunk(new_ids, text, list(msg.logprobs), _FINISH.get(msg.finish_reason),
+                     num_prompt_tokens=len(job.prompt_token_ids), num_completion_tokens=len(progress.token_ids),
+                     num_cached_tokens=progress.num_cached_tokens, decode_worker=decision.decode,
+                     prefill_worker=msg.prefill_worker)
+
+    def _resumed_text(self, params: SamplingParams, progress: _Progress, new_ids: list[int], text: str) -> str:
+        """The first text after a resume, from the token ids when they explain the worker's text."""
+        progress.is_resumed = False
+        if self.tokenizer is None:
+            return text
+        full = self.tokenizer.decode(progress.token_ids + new_ids, skip_special_tokens=params.skip_special_tokens)
+        if full.startswith(progress.text) and not full.endswith("\ufffd"):
+            derived = full[len(progress.text):]
+            if derived.endswith(text):
+                return derived
+        return text
+
+    def _count(self, what: str) -> None:
+        if self.metrics is not None:
+            self.metrics.count(what)
+
+
+def _remaining(params: SamplingParams, num_sent: int) -> SamplingParams:
+    if num_sent == 0:
+        return params
+    return dataclasses.replace(params, max_tokens=params.max_tokens - num_sent,
+                               min_tokens=max(params.min_tokens - num_sent, 0))

@@ -1,0 +1,70 @@
+"""Filters: drop workers that must not get the request, before any scoring.
+
+Each filter has a stable name (the config lists them in order), parses its params over its
+DEFAULTS from the profile's `filter_params[name]`, and keeps the workers that pass. When a
+filter leaves nobody, its `empty_status` says what the client hears: 503 (nothing can serve:
+no healthy worker, all draining) or 429 (workers exist but are saturated; retry later).
+"""
+
+from __future__ import annotations
+
+from splitserve.platform.errors import ConfigError
+from splitserve.router.pool import WorkerState
+from splitserve.router.scorers import parse_params
+
+
+class Filter:
+    name = ""
+    DEFAULTS: dict = {}
+    empty_status = 503
+    empty_reason = ""
+
+    def __init__(self, params: dict | None = None):
+        self.params = parse_params(f"filter {self.name}", self.DEFAULTS, params or {})
+
+    def keep(self, worker: WorkerState, now: float) -> bool:
+        raise NotImplementedError
+
+
+class Healthy(Filter):
+    """Event stream connected, same model and block size, no recent failed call."""
+
+    name = "healthy"
+    empty_reason = "no healthy worker"
+
+    def keep(self, worker, now):
+        return worker.is_healthy(now)
+
+
+class NotDraining(Filter):
+    """The worker's last load report does not say it is shutting down (no report: kept)."""
+
+    name = "not-draining"
+    empty_reason = "every worker is draining"
+
+    def keep(self, worker, now):
+        return worker.load is None or not worker.load.draining
+
+
+class NotSaturated(Filter):
+    """Fewer than `max_waiting` requests waiting and KV usage below `max_kv_usage`."""
+
+    name = "not-saturated"
+    DEFAULTS = {"max_waiting": 64, "max_kv_usage": 0.99}
+    empty_status = 429
+    empty_reason = "every worker is saturated"
+
+    def keep(self, worker, now):
+        load = worker.load
+        if load is None:
+            return True
+        return load.num_waiting < self.params["max_waiting"] and load.kv_usage < self.params["max_kv_usage"]
+
+
+FILTERS: dict[str, type[Filter]] = {cls.name: cls for cls in (Healthy, NotDraining, NotSaturated)}
+
+
+def make_filter(name: str, params: dict | None = None) -> Filter:
+    if name not in FILTERS:
+        raise ConfigError(f"unknown filter {name!r}; allowed: {', '.join(FILTERS)}")
+    return FILTERS[name](params)

@@ -1,0 +1,140 @@
+"""The prefix index: which KV blocks each worker holds, by block hash.
+
+Two kinds of entries per worker:
+
+- *stored*: fed by the worker's WatchEvents stream (BlockStored / BlockRemoved / AllCleared),
+  so it follows the worker's own cache and eviction. Bounded per worker: past
+  `max_blocks_per_worker` the least recently stored hashes are dropped, the tail of a chain
+  before its head (a block is useless without its parent), as the engine evicts. This is a
+  guard against missed removals; a worker's own pool is normally far smaller.
+- *speculative*: the full prompt blocks of a request just routed to the worker, valid for
+  `ttl_s`. They cover the gap between routing a request and its KV events arriving, so a burst
+  of requests sharing a prefix follows the first one instead of scattering.
+
+`match(workers, hashes)` returns, per worker, the number of *consecutive* blocks from block 0
+that the worker holds (stored or unexpired speculative): a block whose parent is missing cannot
+be reused by the engine, so a hole ends the match. The walk stops at the first miss, so a worker
+holding nothing costs one lookup.
+
+Backends: `InMemoryPrefixIndex` (one router) here, `RedisPrefixIndex` (router replicas share
+one view) in index_redis.py. Both are written only by the router's event watchers and the
+placement's speculative inserts; the methods are async because the Redis backend is.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from typing import Protocol
+
+from splitserve.platform.wire import worker_pb2 as pb
+
+
+class PrefixIndex(Protocol):
+    async def apply(self, worker: str, event: pb.KVEvent) -> None:
+        """Apply one KV event of `worker` (called by its watcher, in stream order)."""
+
+    async def clear(self, worker: str) -> None:
+        """Forget everything about `worker` (it restarted or left)."""
+
+    async def add_speculative(self, worker: str, hashes: list[bytes]) -> None:
+        """Count `hashes` as held by `worker` for the TTL (called when a request is routed)."""
+
+    async def match(self, workers: list[str], hashes: list[bytes]) -> dict[str, int]:
+        """Consecutive matched blocks from block 0, per worker in `workers`."""
+
+    async def num_blocks(self, worker: str) -> int:
+        """Stored (not speculative) entries of `worker`."""
+
+    async def close(self) -> None:
+        """Release connections."""
+
+
+class _WorkerEntries:
+    """One worker's hashes: stored (LRU order) and speculative (hash -> expiry time)."""
+
+    __slots__ = ("stored", "speculative")
+
+    def __init__(self):
+        self.stored: OrderedDict[bytes, None] = OrderedDict()
+        self.speculative: dict[bytes, float] = {}
+
+
+class InMemoryPrefixIndex:
+    def __init__(self, ttl_s: float = 10.0, max_blocks_per_worker: int = 262_144, clock=time.monotonic):
+        self.ttl_s = ttl_s
+        self.max_blocks_per_worker = max_blocks_per_worker
+        self.clock = clock
+        self._workers: dict[str, _WorkerEntries] = {}
+
+    def _entries(self, worker: str) -> _WorkerEntries:
+        entries = self._workers.get(worker)
+        if entries is None:
+            entries = self._workers[worker] = _WorkerEntries()
+        return entries
+
+    async def apply(self, worker: str, event: pb.KVEvent) -> None:
+        self.apply_now(worker, event)
+
+    def apply_now(self, worker: str, event: pb.KVEvent) -> None:
+        kind = event.WhichOneof("event")
+        entries = self._entries(worker)
+        if kind == "stored":
+            self._store(entries, event.stored.block_hashes)
+        elif kind == "removed":
+            for h in event.removed.block_hashes:
+                entries.stored.pop(h, None)
+        elif kind == "cleared":
+            entries.stored.clear()
+            entries.speculative.clear()
+
+    def _store(self, entries: _WorkerEntries, hashes) -> None:
+        stored = entries.stored
+        for h in reversed(hashes):   # a chain's head ends most recent: its tail is dropped first
+            stored[h] = None
+            stored.move_to_end(h)
+            entries.speculative.pop(h, None)   # confirmed
+        excess = len(stored) - self.max_blocks_per_worker
+        for _ in range(max(excess, 0)):
+            stored.popitem(last=False)
+
+    async def clear(self, worker: str) -> None:
+        self._workers.pop(worker, None)
+
+    async def add_speculative(self, worker: str, hashes: list[bytes]) -> None:
+        if self.ttl_s <= 0 or not hashes:
+            return
+        entries = self._entries(worker)
+        now = self.clock()
+        if len(entries.speculative) > self.max_blocks_per_worker:
+            entries.speculative = {h: t for h, t in entries.speculative.items() if t > now}
+        expiry = now + self.ttl_s
+        for h in hashes:
+            if h not in entries.stored:
+                entries.speculative[h] = expiry
+
+    async def match(self, workers: list[str], hashes: list[bytes]) -> dict[str, int]:
+        return self.match_now(workers, hashes)
+
+    def match_now(self, workers: list[str], hashes: list[bytes]) -> dict[str, int]:
+        now = self.clock()
+        out = {}
+        for worker in workers:
+            entries = self._workers.get(worker)
+            n = 0
+            if entries is not None:
+                stored, spec = entries.stored, entries.speculative
+                for h in hashes:
+                    if h not in stored and spec.get(h, 0.0) <= now:
+                        break
+                    n += 1
+            out[worker] = n
+        return out
+
+    async def num_blocks(self, worker: str) -> int:
+        entries = self._workers.get(worker)
+        return len(entries.stored) if entries else 0
+
+    async def close(self) -> None:
+        pass
+

@@ -1,0 +1,53 @@
+"""Prometheus metrics of one router (its own registry: tests run several routers in a process).
+
+splitserve_router_* names; the prefix hit ratio is matched_blocks / prompt_blocks of the
+decode placements.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+DECISION_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1)
+
+
+class RouterMetrics:
+    def __init__(self):
+        self.registry = r = CollectorRegistry()
+        self.requests = Counter("splitserve_router_requests", "Gateway requests by endpoint and status",
+                                ["endpoint", "status"], registry=r)
+        self.latency = Histogram("splitserve_router_request_latency_seconds", "Gateway request latency",
+                                 ["endpoint"], buckets=LATENCY_BUCKETS, registry=r)
+        self.ttft = Histogram("splitserve_router_time_to_first_token_seconds", "Time to the first streamed token",
+                              buckets=LATENCY_BUCKETS, registry=r)
+        self.decision = Histogram("splitserve_router_decision_seconds", "Placement time per attempt (hash + index "
+                                  "+ filters + scorers)", buckets=DECISION_BUCKETS, registry=r)
+        self.prompt_blocks = Counter("splitserve_router_prompt_blocks", "Full prompt blocks placed", registry=r)
+        self.matched_blocks = Counter("splitserve_router_matched_blocks",
+                                      "Prompt blocks the chosen decode worker held per the index", registry=r)
+        self.disaggregation = Counter("splitserve_router_disaggregation_decisions", "Prefill placement",
+                                      ["decision"], registry=r)
+        self.events = Counter("splitserve_router_failovers", "Retries before the first token and resumes after",
+                              ["kind"], registry=r)
+        self.rejected = Counter("splitserve_router_rejected", "Requests refused before placement", ["reason"],
+                                registry=r)
+        self.workers = Gauge("splitserve_router_workers", "Known workers by role and health", ["role", "state"],
+                             registry=r)
+
+    def observe_decision(self, decision, num_prompt_blocks: int, seconds: float | None = None) -> None:
+        self.prompt_blocks.inc(num_prompt_blocks)
+        self.matched_blocks.inc(decision.num_cached_blocks)
+        self.disaggregation.labels(decision="remote" if decision.prefill else "local").inc()
+        if seconds is not None:
+            self.decision.observe(seconds)
+
+    def count(self, what: str) -> None:
+        self.events.labels(kind=what).inc()
+
+    def render(self, pool) -> bytes:
+        now = pool.clock()
+        self.workers.clear()
+        for w in pool.workers.values():
+            self.workers.labels(role=w.role or "unknown", state="healthy" if w.is_healthy(now) else "down").inc()
+        return generate_latest(self.registry)

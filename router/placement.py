@@ -1,0 +1,123 @@
+"""Placement: which decode worker serves a request, and which prefill workers (if any) compute
+its prompt (DESIGN.md sections 3 and 4).
+
+    1. one index lookup: consecutive cached blocks of the prompt on every candidate worker;
+    2. decode profile: filters (healthy, not draining, not saturated) -> weighted scorers ->
+       the maximum, ties broken at random;
+    3. disaggregation decision on the chosen decode worker D: `never` -> local prefill;
+       `always` -> remote; `conditional` -> remote only if the tokens D would compute
+       (prompt - D's cached prefix) are at least `min_prefill_tokens`;
+    4. if remote: prefill profile over the prefill-capable workers other than D, best first,
+       the top `max_prefill_candidates` (D tries them in order and prefills locally if all fail);
+       if none passes the filters, D prefills locally;
+    5. speculative index entries for the prompt's blocks on D (and the first prefill worker).
+
+The planner reads the pool and the index and writes only speculative entries; the dispatcher
+records the assignment. Scores are kept in the Decision for logs and tests.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from dataclasses import dataclass, field
+
+from splitserve.router.config import PlacementConfig, ProfileConfig
+from splitserve.router.errors import NoWorkerError
+from splitserve.router.filters import make_filter
+from splitserve.router.index import PrefixIndex
+from splitserve.router.pool import WorkerPool, WorkerState
+from splitserve.router.scorers import ScoringContext, make_scorer
+
+log = logging.getLogger(__name__)
+
+TIE_DIGITS = 9   # scores equal to 9 decimals are a tie
+
+
+@dataclass(frozen=True)
+class Decision:
+    decode: str
+    prefill: tuple[str, ...] = ()
+    num_cached_blocks: int = 0           # the decode worker's matched prefix, per the index
+    num_uncached_tokens: int = 0
+    scores: dict = field(default_factory=dict)   # role -> {address: total}
+
+
+class Profile:
+    """Filters and weighted scorers of one role, built once from its ProfileConfig."""
+
+    def __init__(self, role: str, config: ProfileConfig):
+        self.role = role
+        self.filters = [make_filter(name, config.filter_params.get(name)) for name in config.filters]
+        self.scorers = [(make_scorer(s.name, s.params), float(s.weight)) for s in config.scorers if s.weight > 0]
+
+    def filter(self, workers: list[WorkerState], now: float) -> list[WorkerState]:
+        """Workers passing every filter; NoWorkerError naming the filter that left nobody."""
+        if not workers:
+            raise NoWorkerError(f"no {self.role} worker is known to the router")
+        for f in self.filters:
+            kept = [w for w in workers if f.keep(w, now)]
+            if not kept:
+                raise NoWorkerError(f"{f.empty_reason} ({self.role}, {len(workers)} considered)", f.empty_status)
+            workers = kept
+        return workers
+
+    def rank(self, ctx: ScoringContext, workers: list[WorkerState], rng: random.Random) -> list[tuple[str, float]]:
+        """(address, weighted score), best first; equal scores in random order."""
+        totals = dict.fromkeys((w.address for w in workers), 0.0)
+        for scorer, weight in self.scorers:
+            for address, value in scorer.score(ctx, workers).items():
+                assert 0.0 <= value <= 1.0, f"scorer {scorer.name} gave {value} for {address}"
+                totals[address] += weight * value
+        order = list(totals.items())
+        rng.shuffle(order)                      # random tie-break survives the stable sort
+        order.sort(key=lambda item: -round(item[1], TIE_DIGITS))
+        return order
+
+
+class Placer:
+    def __init__(self, config: PlacementConfig, pool: WorkerPool, index: PrefixIndex,
+                 rng: random.Random | None = None):
+        self.config = config
+        self.pool = pool
+        self.index = index
+        self.rng = rng or random.Random()
+        self.decode_profile = Profile("decode", config.decode)
+        self.prefill_profile = Profile("prefill", config.prefill)
+
+    async def place(self, num_tokens: int, hashes: list[bytes], exclude: frozenset[str] = frozenset()) -> Decision:
+        now = self.pool.clock()
+        decode = self.decode_profile.filter([w for w in self.pool.decode_workers() if w.address not in exclude], now)
+        prefill = [w for w in self.pool.prefill_workers() if w.address not in exclude]
+        addresses = list(dict.fromkeys([w.address for w in decode] + [w.address for w in prefill]))
+        ctx = ScoringContext(num_tokens, len(hashes), await self.index.match(addresses, hashes), now)
+        ranked = self.decode_profile.rank(ctx, decode, self.rng)
+        chosen = ranked[0][0]
+        cached = ctx.matched_blocks.get(chosen, 0)
+        uncached = max(num_tokens - cached * self.pool.block_size, 0)
+        scores = {"decode": dict(ranked)}
+        prefill_list = ()
+        if self._wants_remote(uncached, prefill):
+            prefill_list, scores["prefill"] = self._pick_prefill(ctx, prefill, chosen, now)
+        await self.index.add_speculative(chosen, hashes)
+        if prefill_list:
+            await self.index.add_speculative(prefill_list[0], hashes)
+        return Decision(chosen, prefill_list, cached, uncached, scores)
+
+    def _wants_remote(self, num_uncached: int, prefill: list[WorkerState]) -> bool:
+        mode = self.config.disaggregation.mode
+        if mode == "never" or not prefill:
+            return False
+        return mode == "always" or num_uncached >= self.config.disaggregation.min_prefill_tokens
+
+    def _pick_prefill(self, ctx: ScoringContext, prefill: list[WorkerState], decode: str, now: float):
+        candidates = [w for w in prefill if w.address != decode]
+        try:
+            kept = self.prefill_profile.filter(candidates, now)
+        except NoWorkerError as exc:
+            log.info("prefilling on the decode worker: %s", exc)
+            return (), {}
+        ranked = self.prefill_profile.rank(ctx, kept, self.rng)
+        top = tuple(address for address, _ in ranked[:self.config.disaggregation.max_prefill_candidates])
+        return top, dict(ranked)
+

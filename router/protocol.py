@@ -1,0 +1,122 @@
+"""The OpenAI request bodies the gateway accepts (pydantic: this is the JSON edge).
+
+Strict types: a string where a number belongs is a 400, not a silent conversion. Fields of the
+OpenAI API that change what the model must do and that splitserve does not implement (tools,
+JSON response formats, echo, suffix, best_of > n, logit_bias) are rejected with a 400 naming
+them rather than ignored. vLLM's sampling extensions (top_k, min_p, repetition_penalty,
+min_tokens, ignore_eos, stop_token_ids, skip_special_tokens, include_stop_str_in_output) are
+accepted; the openai client sends them through `extra_body`.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+MAX_N = 16
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    include_usage: bool = False
+
+
+class ContentPart(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow")
+    role: str = Field(min_length=1)
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+
+class SamplingFields(BaseModel):
+    """Fields both endpoints share."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    model: str
+    n: int = Field(1, ge=1, le=MAX_N)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    max_tokens: int | None = None
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    logit_bias: dict | None = None
+    user: str | None = None
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    tools: list | None = None
+    tool_choice: str | dict | None = None
+    response_format: dict | None = None
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict | None = None
+
+
+class CompletionRequest(SamplingFields):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+
+def unsupported_fields(req: SamplingFields) -> list[str]:
+    """Names of set fields that would change the answer in ways splitserve does not implement."""
+    bad = []
+    if req.logit_bias:
+        bad.append("logit_bias")
+    if isinstance(req, ChatCompletionRequest):
+        if req.tools:
+            bad.append("tools")
+        if req.tool_choice not in (None, "none", "auto"):
+            bad.append("tool_choice")
+        if req.response_format and req.response_format.get("type") not in (None, "text"):
+            bad.append("response_format")
+    else:
+        if req.echo:
+            bad.append("echo")
+        if req.suffix:
+            bad.append("suffix")
+        if req.best_of is not None and req.best_of != req.n:
+            bad.append("best_of")
+    return bad
+
+
+def message_dicts(messages: list[ChatMessage]) -> list[dict]:
+    """Messages as the chat template wants them: content parts of type text joined into one string."""
+    out = []
+    for message in messages:
+        data = message.model_dump(exclude_none=True)
+        content = message.content
+        if isinstance(content, list):
+            data["content"] = "".join(part.text or "" for part in content if part.type == "text")
+        elif content is None:
+            data["content"] = ""
+        out.append(data)
+    return out
+
+
+ObjectKind = Literal["chat.completion", "text_completion"]

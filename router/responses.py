@@ -1,0 +1,123 @@
+"""OpenAI response JSON: whole completions, stream chunks, usage, logprobs.
+
+`usage` counts each distinct prompt once (n choices of one prompt share it), sums completion
+tokens over choices, and reports `prompt_tokens_details.cached_tokens`: prompt tokens served
+from the decode worker's prefix cache.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import time
+
+from splitserve.platform.tokenizer import Tokenizer
+from splitserve.router.dispatch import Chunk
+from splitserve.router.prompts import Prepared
+
+
+class TokenText:
+    """Token id -> its text and bytes, for logprobs (cached per id)."""
+
+    def __init__(self, tokenizer: Tokenizer | None):
+        self.tokenizer = tokenizer
+
+    @functools.lru_cache(maxsize=65536)
+    def text(self, token_id: int) -> str:
+        if self.tokenizer is None:
+            return f"<{token_id}>"
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def chat_entry(self, lp) -> dict:
+        text = self.text(lp.token_id)
+        return {"token": text, "logprob": lp.logprob, "bytes": list(text.encode("utf-8")),
+                "top_logprobs": [{"token": self.text(t.token_id), "logprob": t.logprob,
+                                  "bytes": list(self.text(t.token_id).encode("utf-8"))} for t in lp.top]}
+
+
+class ChoiceState:
+    """Accumulates one choice for a non-streamed answer (and the final usage of a stream)."""
+
+    def __init__(self):
+        self.text = ""
+        self.logprobs: list = []
+        self.finish_reason: str | None = None
+        self.last: Chunk | None = None
+
+    def add(self, chunk: Chunk) -> None:
+        self.text += chunk.text
+        self.logprobs += chunk.logprobs
+        self.finish_reason = chunk.finish_reason or self.finish_reason
+        self.last = chunk
+
+
+def usage(prepared: Prepared, choices: list[ChoiceState]) -> dict:
+    completion = sum(c.last.num_completion_tokens for c in choices if c.last is not None)
+    cached = next((c.last.num_cached_tokens for c in choices if c.last is not None), 0)
+    return {"prompt_tokens": prepared.num_prompt_tokens, "completion_tokens": completion,
+            "total_tokens": prepared.num_prompt_tokens + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+class Formatter:
+    """Builds the JSON of one request's responses (chat or text completion)."""
+
+    def __init__(self, prepared: Prepared, is_chat: bool, tokens: TokenText):
+        self.prepared = prepared
+        self.is_chat = is_chat
+        self.tokens = tokens
+        self.created = int(time.time())
+
+    def _head(self, obj: str) -> dict:
+        return {"id": self.prepared.request_id, "object": obj, "created": self.created, "model": self.prepared.model}
+
+    def logprobs(self, entries: list) -> dict | None:
+        if self.prepared.logprobs is None:
+            return None
+        if self.is_chat:
+            return {"content": [self.tokens.chat_entry(lp) for lp in entries]}
+        texts = [self.tokens.text(lp.token_id) for lp in entries]
+        offsets, pos = [], 0
+        for text in texts:
+            offsets.append(pos)
+            pos += len(text)
+        return {"tokens": texts, "token_logprobs": [lp.logprob for lp in entries],
+                "top_logprobs": [{self.tokens.text(t.token_id): t.logprob for t in lp.top} for lp in entries],
+                "text_offset": offsets}
+
+    def complete(self, choices: list[ChoiceState]) -> dict:
+        out = self._head("chat.completion" if self.is_chat else "text_completion")
+        out["choices"] = [self._choice(i, c) for i, c in enumerate(choices)]
+        out["usage"] = usage(self.prepared, choices)
+        return out
+
+    def _choice(self, index: int, c: ChoiceState) -> dict:
+        body = {"message": {"role": "assistant", "content": c.text}} if self.is_chat else {"text": c.text}
+        return {"index": index, **body, "logprobs": self.logprobs(c.logprobs), "finish_reason": c.finish_reason}
+
+    def chunk(self, index: int, chunk: Chunk | None, role: bool = False) -> dict:
+        """One stream event for choice `index` (role=True: the chat stream's opening delta)."""
+        out = self._head("chat.completion.chunk" if self.is_chat else "text_completion")
+        text = chunk.text if chunk is not None else ""
+        if self.is_chat:
+            delta = {"role": "assistant", "content": ""} if role else {"content": text}
+            choice = {"index": index, "delta": delta}
+        else:
+            choice = {"index": index, "text": text}
+        choice["logprobs"] = self.logprobs(chunk.logprobs) if chunk is not None and chunk.logprobs else None
+        choice["finish_reason"] = chunk.finish_reason if chunk is not None else None
+        out["choices"] = [choice]
+        if self.prepared.include_usage:
+            out["usage"] = None
+        return out
+
+    def usage_chunk(self, choices: list[ChoiceState]) -> dict:
+        out = self._head("chat.completion.chunk" if self.is_chat else "text_completion")
+        out["choices"] = []
+        out["usage"] = usage(self.prepared, choices)
+        return out
+
+
+def sse(data: dict | str) -> bytes:
+    payload = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False, separators=(",", ":"))
+    return f"data: {payload}\n\n".encode("utf-8")

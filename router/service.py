@@ -1,0 +1,105 @@
+"""The router: the pieces assembled, and their lifecycle.
+
+    discovery -> addresses -> one WorkerWatcher each -> WorkerPool + PrefixIndex
+    gateway -> prompts (tokenize) -> Dispatcher -> Placer (pool + index) -> workers
+
+`start()` starts discovery (which starts the watchers); `stop()` cancels them and closes the
+channels and the index. Everything runs on one asyncio loop (uvicorn's).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+
+from splitserve.platform.hashing import BlockHasher
+from splitserve.platform.tokenizer import Tokenizer, load_tokenizer
+from splitserve.router.config import IndexConfig, RouterConfig
+from splitserve.router.discovery import Discovery, make_discovery
+from splitserve.router.dispatch import Dispatcher
+from splitserve.router.index import InMemoryPrefixIndex, PrefixIndex
+from splitserve.router.metrics import RouterMetrics
+from splitserve.router.placement import Placer
+from splitserve.router.pool import WorkerPool
+from splitserve.router.watcher import ChannelPool, WorkerWatcher
+
+log = logging.getLogger(__name__)
+
+
+def make_index(config: IndexConfig) -> PrefixIndex:
+    if config.backend == "redis":
+        from splitserve.router.index_redis import RedisPrefixIndex
+
+        return RedisPrefixIndex(config.redis_url, config.key_prefix, config.speculative_ttl_s,
+                                config.max_blocks_per_worker)
+    return InMemoryPrefixIndex(config.speculative_ttl_s, config.max_blocks_per_worker)
+
+
+class Router:
+    def __init__(self, config: RouterConfig, tokenizer: Tokenizer | None = None, index: PrefixIndex | None = None,
+                 discovery: Discovery | None = None, rng: random.Random | None = None):
+        self.config = config
+        self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(config.model)
+        self.hasher = BlockHasher(config.model, config.block_size)
+        self.pool = WorkerPool(config.model, config.block_size)
+        self.index = index if index is not None else make_index(config.index)
+        self.discovery = discovery if discovery is not None else make_discovery(config.discovery)
+        self.channels = ChannelPool()
+        self.metrics = RouterMetrics()
+        self.placer = Placer(config.placement, self.pool, self.index, rng)
+        self.dispatcher = Dispatcher(self.pool, self.placer, self.hasher, self.tokenizer, self.channels,
+                                     config.gateway.max_attempts, self.metrics)
+        self._watchers: dict[str, asyncio.Task] = {}
+        self._discovery_task: asyncio.Task | None = None
+
+    async def start(self) -> None:
+        self._discovery_task = asyncio.create_task(self.discovery.run(self._on_workers), name="discovery")
+
+    async def _on_workers(self, addresses: set[str]) -> None:
+        for address in sorted(addresses - set(self._watchers)):
+            self.pool.add(address)
+            watcher = WorkerWatcher(address, self.pool, self.index, self.channels, self.config.discovery,
+                                    on_down=self.dispatcher.worker_down)
+            self._watchers[address] = asyncio.create_task(watcher.run(), name=f"watch {address}")
+            log.info("watching worker %s", address)
+        for address in sorted(set(self._watchers) - addresses):
+            await self._forget(address)
+
+    async def _forget(self, address: str) -> None:
+        task = self._watchers.pop(address)
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        self.dispatcher.worker_down(address)
+        self.pool.remove(address)
+        await self.index.clear(address)
+        await self.channels.drop(address)
+        log.info("worker %s left", address)
+
+    async def stop(self) -> None:
+        tasks = [t for t in (self._discovery_task, *self._watchers.values()) if t is not None]
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        self._watchers.clear()
+        await self.channels.close()
+        await self.index.close()
+
+    @property
+    def is_ready(self) -> bool:
+        """At least one healthy worker can decode."""
+        return self.pool.num_healthy() > 0
+
+    async def wait_ready(self, timeout_s: float = 60.0, num_decode: int = 1, num_prefill: int = 0) -> None:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while (self.pool.num_healthy() < num_decode
+               or self.pool.num_healthy(lambda w: w.role == "prefill") < num_prefill):
+            if loop.time() > deadline:
+                raise TimeoutError(f"router: fewer than {num_decode} decode / {num_prefill} prefill workers "
+                                   f"healthy after {timeout_s:.0f} s")
+            await asyncio.sleep(0.05)

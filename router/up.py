@@ -1,0 +1,161 @@
+"""`splitserve up`: the embedded default — router + one prefill + one decode worker on loopback.
+
+    splitserve up [--port 8000] [--model smollm2-135m] [--kv-transport auto|ucx|tcp]
+
+Starts the two workers as subprocesses (`python -m splitserve.platform.cli worker ...`) on free
+ports, waits for their READY lines, runs the router and gateway in this process with the
+in-memory index, and prints the URL and a curl example. Ctrl-C (SIGINT) or SIGTERM stops the
+gateway, then the workers (SIGTERM, a short drain, SIGKILL after 15 s). A worker that fails to
+start stops everything with its last log lines.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import json
+import logging
+import signal
+import subprocess
+import sys
+import threading
+
+from splitserve.router import logctx
+from splitserve.router.main import add_router_args, bind, config_from_args, serve, url_host
+
+log = logging.getLogger("splitserve.up")
+
+READY_TIMEOUT_S = 300
+STOP_TIMEOUT_S = 15
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("up", help="router + one prefill + one decode worker on this machine")
+    p.add_argument("--config", default=None, help="router config file (docs/router.md)")
+    add_router_args(p)
+    p.add_argument("--kv-transport", default="auto", choices=["auto", "ucx", "tcp"],
+                   help="KV transport between the workers (auto: ucx if installed, else tcp)")
+    p.add_argument("--threads", type=int, default=1, help="torch threads per worker")
+    p.add_argument("--kv-cache-memory", type=float, default=0.25, metavar="GIB", help="KV cache per worker")
+    p.add_argument("--worker-arg", action="append", default=[], help="extra argument for both workers (repeatable)")
+    p.set_defaults(func=cmd_up)
+
+
+def kv_transport(choice: str) -> str:
+    if choice != "auto":
+        return choice
+    return "ucx" if importlib.util.find_spec("ucxx") is not None else "tcp"
+
+
+def curl_example(base_url: str, model: str, api_key: str | None = None) -> str:
+    body = json.dumps({"model": model, "messages": [{"role": "user", "content": "What is the capital of France?"}],
+                       "max_tokens": 32})
+    auth = f" -H 'Authorization: Bearer {api_key}'" if api_key else ""
+    return f"curl {base_url}/chat/completions -H 'Content-Type: application/json'{auth} -d '{body}'"
+
+
+class WorkerProcess:
+    """One `splitserve worker` subprocess; its output is forwarded to stderr with a role prefix."""
+
+    def __init__(self, role: str, args: list[str], log_level: str):
+        self.role = role
+        self.ports = [_free_port() for _ in range(3)]
+        grpc_port, metrics_port, kv_port = self.ports
+        self.address = f"127.0.0.1:{grpc_port}"
+        self.argv = [sys.executable, "-m", "splitserve.platform.cli", "--log-level", log_level, "worker",
+                     "--role", role, "--grpc-port", str(grpc_port), "--metrics-port", str(metrics_port),
+                     "--kv-port", str(kv_port), "--drain-grace", "5", *args]
+        self.proc: subprocess.Popen | None = None
+        self.ready = threading.Event()
+        self.tail: list[str] = []
+
+    def start(self) -> None:
+        # Own session: the terminal's Ctrl-C reaches only us, and we stop the workers in order.
+        # PDEATHSIG: if we are killed outright, the kernel sends the workers SIGTERM.
+        self.proc = subprocess.Popen(self.argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                     start_new_session=True, preexec_fn=_die_with_parent)
+        threading.Thread(target=self._pump, daemon=True).start()
+
+    def _pump(self) -> None:
+        for line in self.proc.stdout:
+            self.tail = (self.tail + [line])[-40:]
+            if line.startswith("READY"):
+                self.ready.set()
+            sys.stderr.write(f"[{self.role}] {line}")
+        self.ready.set()   # EOF: the process ended; wait_ready checks which
+
+    def wait_ready(self, timeout_s: float) -> None:
+        if not self.ready.wait(timeout_s) or self.proc.poll() is not None:
+            raise RuntimeError(f"the {self.role} worker did not start:\n" + "".join(self.tail[-20:]))
+
+    def stop(self) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(STOP_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(5)
+
+
+def cmd_up(args) -> int:
+    logctx.install()
+    config = config_from_args(args)
+    transport = kv_transport(args.kv_transport)
+    common = ["--model", config.model, "--threads", str(args.threads), "--kv-transport", transport,
+              "--kv-cache-memory", str(args.kv_cache_memory), "--max-model-len", str(config.max_model_len),
+              *args.worker_arg]
+    level = logging.getLevelName(logging.getLogger().level)
+    workers = [WorkerProcess("prefill", common, level), WorkerProcess("decode", common, level)]
+    sock = bind(config.gateway.host, config.gateway.port)   # fail now, not after loading two models
+    try:
+        for w in workers:
+            w.start()
+        print(f"splitserve up: starting 1 prefill + 1 decode worker for {config.model} (kv transport {transport})",
+              file=sys.stderr, flush=True)
+        for w in workers:
+            w.wait_ready(READY_TIMEOUT_S)
+        return _serve(config, workers, sock)
+    finally:
+        for w in workers:
+            w.stop()
+
+
+def _serve(config, workers: list[WorkerProcess], sock) -> int:
+    import dataclasses
+
+    from splitserve.router.service import Router
+
+    discovery = dataclasses.replace(config.discovery, workers=tuple(w.address for w in workers))
+    router = Router(dataclasses.replace(config, discovery=discovery))
+    base_url = f"http://{url_host(config.gateway.host)}:{sock.getsockname()[1]}/v1"
+    api_key = config.gateway.api_keys[0].key if config.gateway.api_keys else None
+
+    async def announce():
+        await router.wait_ready(60, num_decode=1, num_prefill=1)
+        print(f"splitserve up: serving {base_url} (model {config.served_model_names[0]})\n"
+              f"try:\n  {curl_example(base_url, config.served_model_names[0], api_key)}\n"
+              "Ctrl-C stops the router and both workers.", flush=True)
+
+    asyncio.run(serve(router, sock, on_started=announce))
+    print("splitserve up: stopping", file=sys.stderr, flush=True)
+    return 0
+
+
+def _die_with_parent() -> None:
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)   # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+

@@ -1,0 +1,255 @@
+"""Test kit for the router: an event loop in a thread, a router + gateway served on a free port,
+a fake worker that speaks the real Worker gRPC protocol, and a throwaway redis-server.
+
+The fake worker answers Generate with a deterministic continuation: output token i of a
+request depends only on the position (prompt length + i), so resuming from prompt + tokens
+already sent yields exactly the undisturbed answer, as greedy decoding does on a real worker.
+It publishes real KV events (BlockStored of the prompt's full blocks, hashed with
+platform.hashing) and load reports, records every request, its gRPC metadata and every
+cancellation, and can be told to fail, to crash after N tokens, or to stall.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import shutil
+import socket
+import subprocess
+import threading
+import time
+import uuid
+
+import grpc
+import redis
+
+from splitserve.platform.hashing import BlockHasher
+from splitserve.platform.wire import worker_pb2 as pb
+from splitserve.platform.wire import worker_pb2_grpc as pb_grpc
+from splitserve.router.config import RouterConfig
+from splitserve.router.main import bind, uvicorn_server
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class LoopThread:
+    """An asyncio loop in a daemon thread; `run(coro)` runs a coroutine there and returns its result."""
+
+    def __init__(self):
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+
+    def run(self, coro, timeout: float = 120):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def call(self, fn, *args):
+        async def wrapper():
+            return fn(*args)
+        return self.run(wrapper())
+
+    def stop(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+
+
+class RouterServer:
+    """A Router and its gateway (uvicorn) on 127.0.0.1:<free port>, inside a LoopThread."""
+
+    def __init__(self, loop: LoopThread, config: RouterConfig, tokenizer=None, index=None, discovery=None, rng=None):
+        self.loop = loop
+        self.config = config
+        self.kwargs = dict(tokenizer=tokenizer, index=index, discovery=discovery, rng=rng)
+        self.router = None
+        self.server = None
+        self.sock = bind("127.0.0.1", 0)
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+
+    def start(self, num_decode: int = 1, num_prefill: int = 0, timeout: float = 60) -> "RouterServer":
+        self.loop.run(self._start(num_decode, num_prefill, timeout), timeout + 30)
+        return self
+
+    async def _start(self, num_decode, num_prefill, timeout):
+        from splitserve.router.app import create_app
+        from splitserve.router.service import Router
+
+        self.router = Router(self.config, **self.kwargs)
+        self.server = uvicorn_server(create_app(self.router))
+        self.task = asyncio.get_running_loop().create_task(self.server.serve(sockets=[self.sock]))
+        while not self.server.started:
+            await asyncio.sleep(0.02)
+        if num_decode or num_prefill:
+            await self.router.wait_ready(timeout, num_decode, num_prefill)
+
+    def stop(self) -> None:
+        async def _stop():
+            self.server.should_exit = True
+            await asyncio.wait_for(self.task, 30)
+        self.loop.run(_stop(), 60)
+
+
+def router_config(workers=(), **sections) -> RouterConfig:
+    """RouterConfig with static workers; `sections` replace fields, e.g. gateway=GatewayConfig(...)."""
+    config = RouterConfig()
+    discovery = dataclasses.replace(config.discovery, workers=tuple(workers), backoff_initial_s=0.1,
+                                    backoff_max_s=0.5, stale_after_s=2.0)
+    return dataclasses.replace(config, discovery=discovery, **sections)
+
+
+# ---------------------------------------------------------------------------------------------
+class FakeWorker(pb_grpc.WorkerServicer):
+    """A Worker gRPC server in the test's LoopThread (see the module docstring)."""
+
+    def __init__(self, role: str = "decode", tokenizer=None, model_id: str = "smollm2-135m", block_size: int = 16,
+                 token_delay_s: float = 0.0, port: int | None = None):
+        self.role = role
+        self.tokenizer = tokenizer
+        self.model_id, self.block_size = model_id, block_size
+        self.hasher = BlockHasher(model_id, block_size)
+        self.token_delay_s = token_delay_s
+        self.port = port or free_port()
+        self.address = f"127.0.0.1:{self.port}"
+        self.requests: list[pb.GenerateRequest] = []
+        self.metadata: list[dict] = []
+        self.cancelled: list[str] = []
+        self.fail_next: list[grpc.StatusCode] = []     # codes for the next Generate calls, before any token
+        self.crash_after_tokens: int | None = None     # stop the server abruptly after this many tokens
+        self.stall_after_tokens: int | None = None     # go silent (no tokens, no events), as if SIGSTOPped
+        self.is_stalled = False
+        self.load = pb.LoadReport()
+        self.cached: dict[bytes, None] = {}
+        self.server = None
+        self.worker_id = ""
+        self._queues: set[asyncio.Queue] = set()
+
+    async def start(self) -> "FakeWorker":
+        self.worker_id = uuid.uuid4().hex
+        self.server = grpc.aio.server()
+        pb_grpc.add_WorkerServicer_to_server(self, self.server)
+        self.server.add_insecure_port(self.address)
+        await self.server.start()
+        return self
+
+    async def stop(self) -> None:
+        if self.server is not None:
+            await self.server.stop(0)
+            self.server = None
+
+    @staticmethod
+    def token_at(position: int) -> int:
+        return 200 + (position * 37) % 700
+
+    async def Generate(self, request, context):
+        self.requests.append(request)
+        self.metadata.append(dict(context.invocation_metadata()))
+        if self.role == "prefill":
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "Generate is not served by a prefill worker")
+        if self.fail_next:
+            await context.abort(self.fail_next.pop(0), "injected failure")
+        if request.params.HasField("temperature") and request.params.temperature < 0:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "temperature=-1 is invalid")
+        prompt = list(request.prompt_token_ids)
+        hashes = self.hasher.hash_blocks(prompt)
+        cached = next((i for i, h in enumerate(hashes) if h not in self.cached), len(hashes)) * self.block_size
+        self._publish(pb.KVEvent(stored=pb.BlockStored(block_hashes=hashes)), hashes)
+        try:
+            async for msg in self._stream(request, prompt, cached):
+                yield msg
+        except asyncio.CancelledError:
+            self.cancelled.append(request.request_id)
+            raise
+
+    async def _stream(self, request, prompt, cached):
+        max_tokens = request.params.max_tokens if request.params.HasField("max_tokens") else 16
+        out: list[int] = []
+        text = ""
+        for i in range(max_tokens):
+            if self.token_delay_s:
+                await asyncio.sleep(self.token_delay_s)
+            if self.crash_after_tokens is not None and len(out) >= self.crash_after_tokens:
+                self.crash_after_tokens = None
+                asyncio.get_running_loop().create_task(self.stop())
+                await asyncio.sleep(10)
+            if self.stall_after_tokens is not None and len(out) >= self.stall_after_tokens:
+                self.stall_after_tokens, self.is_stalled = None, True
+            while self.is_stalled:
+                await asyncio.sleep(0.05)
+            out.append(self.token_at(len(prompt) + i))
+            full = self.tokenizer.decode(out) if self.tokenizer else "".join(f" w{t}" for t in out)
+            delta, text = full[len(text):], full
+            finish = pb.FINISH_REASON_LENGTH if i == max_tokens - 1 else pb.FINISH_REASON_UNSPECIFIED
+            lps = [pb.TokenLogprob(token_id=out[-1], logprob=-0.5, top=[pb.TopLogprob(token_id=out[-1], logprob=-0.5)])] \
+                if request.params.HasField("logprobs") else []
+            yield pb.GenerateResponse(request_id=request.request_id, token_ids=[out[-1]], text=delta, logprobs=lps,
+                                      finish_reason=finish, usage=pb.Usage(prompt_tokens=len(prompt),
+                                                                           completion_tokens=len(out),
+                                                                           cached_tokens=cached),
+                                      prefill_worker=request.prefill_workers[0] if request.prefill_workers else "")
+
+    async def Abort(self, request, context):
+        return pb.AbortResponse(found=False)
+
+    async def WatchEvents(self, request, context):
+        queue: asyncio.Queue = asyncio.Queue()
+        self._queues.add(queue)
+        try:
+            yield pb.WorkerEvent(info=pb.WorkerInfo(worker_id=self.worker_id, role=self.role, model_id=self.model_id,
+                                                    layout=pb.KVLayout(model_id=self.model_id,
+                                                                       block_size=self.block_size)))
+            yield pb.WorkerEvent(kv=pb.KVEvent(cleared=pb.AllCleared()))
+            if self.cached:
+                yield pb.WorkerEvent(kv=pb.KVEvent(stored=pb.BlockStored(block_hashes=list(self.cached))))
+            while True:
+                try:
+                    event = await asyncio.wait_for(queue.get(), 0.1)
+                except asyncio.TimeoutError:
+                    event = pb.WorkerEvent(load=self.load)
+                while self.is_stalled:
+                    await asyncio.sleep(0.05)
+                yield event
+        finally:
+            self._queues.discard(queue)
+
+    def _publish(self, event: pb.KVEvent, hashes) -> None:
+        self.cached.update(dict.fromkeys(hashes))
+        for queue in self._queues:
+            queue.put_nowait(pb.WorkerEvent(kv=event))
+
+
+# ---------------------------------------------------------------------------------------------
+class RedisServer:
+    """redis-server on a free loopback port, no persistence; `stop()` ends it."""
+
+    def __init__(self):
+        binary = shutil.which("redis-server")
+        if binary is None:
+            raise RuntimeError("redis-server is not installed: apt-get install -y redis-server")
+        self.port = free_port()
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.proc = subprocess.Popen([binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+                                      "--appendonly", "no", "--daemonize", "no"],
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        client = redis.Redis(port=self.port)
+        deadline = time.monotonic() + 20
+        while True:
+            with contextlib.suppress(redis.exceptions.ConnectionError):
+                if client.ping():
+                    break
+            if time.monotonic() > deadline or self.proc.poll() is not None:
+                raise RuntimeError("redis-server did not start")
+            time.sleep(0.05)
+        client.close()
+
+    def flush(self) -> None:
+        client = redis.Redis(port=self.port)
+        client.flushall()
+        client.close()
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(10)

@@ -1,0 +1,114 @@
+"""The router config file: defaults, overrides, and errors that say what is allowed."""
+
+import pytest
+
+from splitserve.platform.errors import ConfigError
+from splitserve.platform.sampling.params import SamplingParams
+from splitserve.router.config import ApiKey, load_config
+from splitserve.router.placement import Decision
+from splitserve.router.wire import generate_request, sampling_params
+from splitserve.workers import convert
+
+FULL = """
+model: smollm2-135m
+max_model_len: 4096
+gateway:
+  port: 9000
+  served_model_names: [smol, smollm2-135m]
+  api_keys:
+    - sk-plain
+    - {key: sk-team, name: team, rate_per_s: 2, burst: 4}
+  rate_per_s: 10
+discovery:
+  workers: [127.0.0.1:50051, "127.0.0.1:50052"]
+index:
+  backend: redis
+  redis_url: redis://127.0.0.1:6379/0
+  speculative_ttl_s: 3
+placement:
+  decode:
+    scorers:
+      - {name: prefix-overlap, weight: 5}
+      - {name: queue-depth, weight: 1, params: {saturation: 16}}
+    filter_params:
+      not-saturated: {max_waiting: 8}
+  disaggregation: {mode: always, min_prefill_tokens: 64}
+"""
+
+
+def test_full_file(tmp_path):
+    path = tmp_path / "router.yaml"
+    path.write_text(FULL)
+    config = load_config(str(path), **{"gateway.port": 9001, "gateway.host": None})
+    assert config.max_model_len == 4096
+    assert config.gateway.port == 9001 and config.gateway.host == "127.0.0.1"
+    assert config.served_model_names == ("smol", "smollm2-135m")
+    assert config.gateway.api_keys == (ApiKey("sk-plain"), ApiKey("sk-team", "team", 2, 4))
+    assert config.discovery.workers == ("127.0.0.1:50051", "127.0.0.1:50052")
+    assert config.index.backend == "redis" and config.index.speculative_ttl_s == 3
+    decode = config.placement.decode
+    assert [(s.name, s.weight, s.params) for s in decode.scorers] == [
+        ("prefix-overlap", 5, {}), ("queue-depth", 1, {"saturation": 16})]
+    assert decode.filters == ("healthy", "not-draining", "not-saturated")
+    assert decode.filter_params == {"not-saturated": {"max_waiting": 8}}
+    assert config.placement.prefill.scorers[0].name == "prefix-overlap"     # default kept
+    assert config.placement.disaggregation.mode == "always"
+
+
+def test_defaults():
+    config = load_config(None)
+    assert config.model == "smollm2-135m" and config.gateway.port == 8000
+    assert {s.name: s.weight for s in config.placement.decode.scorers} == {
+        "prefix-overlap": 2.0, "queue-depth": 3.0, "kv-usage": 1.0, "pending-assignments": 1.0}
+    assert config.index.backend == "memory"
+
+
+@pytest.mark.parametrize("text,message", [
+    ("gatway: {}", "unknown key(s) ['gatway'] in the router config; allowed: model"),
+    ("gateway: {prot: 1}", "unknown key(s) ['prot'] in gateway; allowed: host, port"),
+    ("index: {backend: etcd}", "index.backend='etcd'; allowed: memory, redis"),
+    ("index: {backend: redis}", "needs index.redis_url"),
+    ("placement: {disaggregation: {mode: sometimes}}", "allowed: conditional, always, never"),
+    ("placement: {decode: {scorers: [{name: prefix-overlap, weight: -1}]}}", "weight=-1 is invalid"),
+    ("discovery: {workers: [nohost]}", "worker address 'nohost' is invalid; allowed: host:port"),
+    ("- a list", "must be a mapping"),
+])
+def test_errors_name_the_key_and_the_allowed_values(tmp_path, text, message):
+    path = tmp_path / "router.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as exc:
+        load_config(str(path))
+    assert message in str(exc.value)
+
+
+def test_unknown_scorer_fails_at_startup(tmp_path):
+    from splitserve.router.placement import Placer
+    from splitserve.router.pool import WorkerPool
+
+    path = tmp_path / "router.yaml"
+    path.write_text("placement: {prefill: {scorers: [{name: prefix-overlop}]}}")
+    config = load_config(str(path))
+    with pytest.raises(ConfigError, match="unknown scorer 'prefix-overlop'; allowed: prefix-overlap, queue-depth"):
+        Placer(config.placement, WorkerPool("m", 16), index=None)
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(),
+    SamplingParams(temperature=0.75, top_p=0.875, top_k=40, min_p=0.0625, repetition_penalty=1.125, presence_penalty=0.5,
+                   frequency_penalty=-0.5, seed=2**40, max_tokens=300, min_tokens=3, stop=("\n\n", "END"),
+                   stop_token_ids=(2, 7), ignore_eos=True, include_stop_str_in_output=True, logprobs=5,
+                   skip_special_tokens=False),
+])
+def test_wire_sampling_params_round_trip_through_the_workers_decoder(params):
+    """router/wire.py writes what workers/convert.py reads back, field for field (floats chosen
+    exact in float32, the wire type)."""
+    assert convert.sampling_params(sampling_params(params)) == params
+
+
+def test_generate_request_carries_the_disaggregation_decision():
+    config = load_config(None).placement.disaggregation
+    remote = generate_request("r1", [1, 2, 3], SamplingParams(), Decision("d", ("p1", "p2")), config)
+    assert list(remote.prefill_workers) == ["p1", "p2"]
+    assert remote.min_prefill_tokens == 256 and remote.disaggregation == 1    # CONDITIONAL
+    local = generate_request("r2", [1, 2, 3], SamplingParams(), Decision("d"), config)
+    assert list(local.prefill_workers) == [] and local.disaggregation == 3   # NEVER

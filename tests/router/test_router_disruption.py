@@ -1,0 +1,84 @@
+"""Disruption with real worker processes: a decode worker SIGKILLed mid-stream, every worker
+killed, a worker coming back. What the client sees is asserted, nothing else."""
+
+import json
+import time
+
+import httpx
+import pytest
+
+from routerkit import RouterServer, router_config
+from workerproc import WorkerProc
+
+pytestmark = pytest.mark.slow
+
+MODEL = "smollm2-135m"
+MESSAGES = [{"role": "user", "content": "Write a short story about a lighthouse keeper and a storm."}]
+
+
+@pytest.fixture(scope="module")
+def stack(loop, tokenizer):
+    workers = [WorkerProc("decode", "tcp") for _ in range(2)]
+    for w in workers:
+        w.start()
+    server = RouterServer(loop, router_config([w.address for w in workers]), tokenizer=tokenizer).start(num_decode=2)
+    client = httpx.Client(base_url=server.url, timeout=120)
+    yield server, workers, client
+    client.close()
+    server.stop()
+    for w in workers:
+        w.terminate()
+
+
+def body(**kw):
+    return {"model": MODEL, "messages": MESSAGES, "max_tokens": 40, "temperature": 0, "ignore_eos": True, **kw}
+
+
+def test_decode_worker_killed_mid_stream(stack):
+    server, workers, client = stack
+    undisturbed = client.post("/v1/chat/completions", json=body())
+    assert undisturbed.status_code == 200, undisturbed.text
+    expected = undisturbed.json()["choices"][0]["message"]["content"]
+    home = undisturbed.headers["x-splitserve-decode-worker"]
+    victim = next(w for w in workers if w.address == home)
+    text, finish, usage = "", None, None
+    with client.stream("POST", "/v1/chat/completions",
+                       json=body(stream=True, stream_options={"include_usage": True})) as r:
+        assert r.headers["x-splitserve-decode-worker"] == home          # the prompt is cached there
+        num_deltas = 0
+        for line in r.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            chunk = json.loads(line[6:])
+            assert "error" not in chunk, chunk
+            if chunk["choices"]:
+                text += chunk["choices"][0]["delta"].get("content", "")
+                finish = chunk["choices"][0]["finish_reason"] or finish
+                num_deltas += 1
+                if num_deltas == 6:
+                    victim.kill()                                          # SIGKILL mid-stream
+            else:
+                usage = chunk["usage"]
+    assert victim.proc.poll() is not None
+    assert text == expected
+    assert finish == "length" and usage["completion_tokens"] == 40
+
+
+def test_every_worker_killed_gives_503_quickly_then_recovers(stack):
+    server, workers, client = stack
+    for w in workers:
+        w.kill()                        # a no-op for one the previous test killed
+    t0 = time.monotonic()
+    r = client.post("/v1/chat/completions", json=body(max_tokens=4))
+    elapsed = time.monotonic() - t0
+    assert r.status_code == 503 and elapsed < 2.0, (r.status_code, elapsed)
+    assert r.json()["error"]["code"] == "no_worker_available" and int(r.headers["retry-after"]) >= 1
+    workers[0].start()                  # same ports: the router's watcher finds it again
+    deadline = time.monotonic() + 30
+    while True:
+        r = client.post("/v1/chat/completions", json=body(max_tokens=4))
+        if r.status_code == 200:
+            break
+        assert r.status_code == 503 and time.monotonic() < deadline, r.text
+        time.sleep(0.2)
+    assert r.headers["x-splitserve-decode-worker"] == workers[0].address

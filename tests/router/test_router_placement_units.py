@@ -1,0 +1,250 @@
+"""Scorers, filters and the placement pipeline, table-driven on plain objects (no network)."""
+
+import asyncio
+import random
+
+import pytest
+
+from splitserve.platform.errors import ConfigError
+from splitserve.platform.hashing import BlockHasher
+from splitserve.platform.wire import worker_pb2 as pb
+from splitserve.router.config import (DisaggregationConfig, PlacementConfig, ProfileConfig, ScorerSpec,
+                                      default_decode_profile)
+from splitserve.router.errors import NoWorkerError
+from splitserve.router.filters import FILTERS, make_filter
+from splitserve.router.index import InMemoryPrefixIndex
+from splitserve.router.placement import Placer, Profile
+from splitserve.router.pool import WorkerPool, WorkerState
+from splitserve.router.scorers import NEUTRAL, SCORERS, ScoringContext, make_scorer
+
+MODEL, BS = "smollm2-135m", 16
+
+
+def worker(address="w", role="decode", waiting=0, running=0, kv=0.0, queued=0, pending=0, pending_tokens=0,
+           draining=False, load=True, connected=True):
+    w = WorkerState(address, role=role, is_connected=connected, num_pending=pending,
+                    num_pending_prefill_tokens=pending_tokens)
+    if load:
+        w.load = pb.LoadReport(num_waiting=waiting, num_running=running, kv_usage=kv, queued_prefill_tokens=queued,
+                               draining=draining)
+    return w
+
+
+# ---- scorers: (scorer, params, worker kwargs, matched blocks, prompt blocks, expected score) ----------
+SCORER_CASES = [
+    ("prefix-overlap", {}, {}, 8, 8, 1.0),
+    ("prefix-overlap", {}, {}, 2, 8, 0.25),
+    ("prefix-overlap", {}, {}, 0, 8, 0.0),
+    ("prefix-overlap", {}, {}, 0, 0, NEUTRAL),           # nothing to reuse: neutral
+    ("queue-depth", {}, dict(waiting=0, running=0), 0, 1, 1.0),
+    ("queue-depth", {}, dict(waiting=2, running=2), 0, 1, 0.5),   # 4 of saturation 8
+    ("queue-depth", {}, dict(waiting=20), 0, 1, 0.0),
+    ("queue-depth", {"saturation": 4}, dict(running=1), 0, 1, 0.75),
+    ("queue-depth", {}, dict(load=False), 0, 1, NEUTRAL),          # no load report yet
+    ("kv-usage", {}, dict(kv=0.25), 0, 1, 0.75),
+    ("kv-usage", {}, dict(kv=1.0), 0, 1, 0.0),
+    ("kv-usage", {}, dict(load=False), 0, 1, NEUTRAL),
+    ("pending-assignments", {}, dict(pending=0), 0, 1, 1.0),
+    ("pending-assignments", {}, dict(pending=1), 0, 1, 0.75),
+    ("pending-assignments", {"saturation": 2}, dict(pending=5), 0, 1, 0.0),
+    ("queued-prefill-tokens", {}, dict(queued=2048, pending_tokens=2048), 0, 1, 0.5),
+    ("queued-prefill-tokens", {"saturation": 100}, dict(queued=500), 0, 1, 0.0),
+    ("queued-prefill-tokens", {}, dict(load=False), 0, 1, NEUTRAL),
+]
+
+
+@pytest.mark.parametrize("name,params,kw,matched,blocks,expected", SCORER_CASES)
+def test_scorer_table(name, params, kw, matched, blocks, expected):
+    w = worker(**kw)
+    ctx = ScoringContext(num_prompt_tokens=blocks * BS, num_prompt_blocks=blocks, matched_blocks={"w": matched})
+    assert make_scorer(name, params).score(ctx, [w]) == {"w": pytest.approx(expected)}
+
+
+def test_every_registered_scorer_has_a_case_and_stays_in_range():
+    assert {case[0] for case in SCORER_CASES} == set(SCORERS)
+    rng = random.Random(0)
+    for name in SCORERS:
+        for _ in range(50):
+            w = worker(waiting=rng.randint(0, 100), running=rng.randint(0, 100), kv=rng.random(),
+                       queued=rng.randint(0, 10**5), pending=rng.randint(0, 10), pending_tokens=rng.randint(0, 10**4))
+            blocks = rng.randint(0, 20)
+            ctx = ScoringContext(blocks * BS, blocks, {"w": rng.randint(0, blocks)})
+            assert 0.0 <= make_scorer(name).score(ctx, [w])["w"] <= 1.0
+
+
+@pytest.mark.parametrize("name,params,message", [
+    ("nope", {}, "unknown scorer 'nope'; allowed: prefix-overlap"),
+    ("queue-depth", {"saturatoin": 3}, "unknown parameter(s) ['saturatoin']; allowed: saturation"),
+    ("queue-depth", {"saturation": -1}, "saturation=-1 is invalid"),
+    ("kv-usage", {"x": 1}, "allowed: none"),
+])
+def test_scorer_params_are_checked(name, params, message):
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")
+                       .replace("]", r"\]")):
+        make_scorer(name, params)
+
+
+# ---- filters: (filter, params, worker kwargs, kept) ----------------------------------------------
+FILTER_CASES = [
+    ("healthy", {}, {}, True),
+    ("healthy", {}, dict(connected=False), False),
+    ("not-draining", {}, dict(draining=True), False),
+    ("not-draining", {}, dict(load=False), True),
+    ("not-saturated", {}, dict(waiting=63), True),
+    ("not-saturated", {}, dict(waiting=64), False),
+    ("not-saturated", {"max_waiting": 2}, dict(waiting=2), False),
+    ("not-saturated", {}, dict(kv=0.995), False),
+    ("not-saturated", {}, dict(load=False), True),
+]
+
+
+@pytest.mark.parametrize("name,params,kw,kept", FILTER_CASES)
+def test_filter_table(name, params, kw, kept):
+    assert make_filter(name, params).keep(worker(**kw), now=0.0) is kept
+
+
+def test_every_filter_has_a_case():
+    assert {case[0] for case in FILTER_CASES} == set(FILTERS)
+
+
+def test_unhealthy_reasons():
+    w = worker()
+    assert w.is_healthy(0.0)
+    w.incompatible = "it serves another model"
+    assert not w.is_healthy(0.0)
+    w.incompatible, w.down_until = "", 5.0
+    assert not w.is_healthy(4.9) and w.is_healthy(5.0)
+
+
+# ---- profile: weighted sum, pick, tie-break -------------------------------------------------------
+def profile(*scorers, filters=("healthy",)):
+    return Profile("decode", ProfileConfig(filters=filters, scorers=tuple(ScorerSpec(n, w) for n, w in scorers)))
+
+
+RANK_CASES = [
+    # prefix hit on a, equal load: a wins
+    (dict(a=dict(), b=dict()), dict(a=8, b=0), [("prefix-overlap", 2), ("queue-depth", 3)], "a"),
+    # prefix hit on a, but a's queue is saturated: load wins
+    (dict(a=dict(running=8), b=dict()), dict(a=8, b=0), [("prefix-overlap", 2), ("queue-depth", 3)], "b"),
+    # a moderately busier (2 of 8) still wins on its prefix hit
+    (dict(a=dict(running=2), b=dict()), dict(a=8, b=0), [("prefix-overlap", 2), ("queue-depth", 3)], "a"),
+    # a longer partial hit beats a shorter one
+    (dict(a=dict(), b=dict()), dict(a=2, b=5), [("prefix-overlap", 1)], "b"),
+    # kv usage breaks an otherwise even race
+    (dict(a=dict(kv=0.9), b=dict(kv=0.1)), dict(a=0, b=0), [("kv-usage", 1), ("queue-depth", 1)], "b"),
+    # router-side pending assignments steer away before any load report shows them
+    (dict(a=dict(pending=3), b=dict()), dict(a=0, b=0), [("pending-assignments", 1)], "b"),
+    # a weight of 0 turns a scorer off
+    (dict(a=dict(running=8), b=dict()), dict(a=8, b=0), [("prefix-overlap", 1), ("queue-depth", 0)], "a"),
+]
+
+
+@pytest.mark.parametrize("workers,matched,scorers,winner", RANK_CASES)
+def test_profile_rank_table(workers, matched, scorers, winner):
+    ws = [worker(address, **kw) for address, kw in workers.items()]
+    ctx = ScoringContext(8 * BS, 8, matched)
+    ranked = profile(*scorers).rank(ctx, ws, random.Random(0))
+    assert ranked[0][0] == winner, ranked
+
+
+def test_ties_are_broken_at_random():
+    ws = [worker(a) for a in "abcd"]
+    ctx = ScoringContext(8 * BS, 8, dict.fromkeys("abcd", 0))
+    rng = random.Random(1)
+    winners = {profile(("queue-depth", 1)).rank(ctx, ws, rng)[0][0] for _ in range(200)}
+    assert winners == set("abcd")
+
+
+@pytest.mark.parametrize("kw,status,reason", [
+    (dict(connected=False), 503, "no healthy worker"),
+    (dict(draining=True), 503, "every worker is draining"),
+    (dict(waiting=100), 429, "every worker is saturated"),
+])
+def test_profile_empty_after_filter(kw, status, reason):
+    p = profile(("queue-depth", 1), filters=("healthy", "not-draining", "not-saturated"))
+    with pytest.raises(NoWorkerError, match=reason) as exc:
+        p.filter([worker("a", **kw), worker("b", **kw)], 0.0)
+    assert exc.value.status == status
+
+
+# ---- the whole placer: decode, disaggregation decision, prefill --------------------------------------
+def placer(workers: list[WorkerState], mode="conditional", min_prefill=256, stored=None, ttl=10.0):
+    pool = WorkerPool(MODEL, BS, clock=lambda: 0.0)
+    for w in workers:
+        pool.workers[w.address] = w
+    index = InMemoryPrefixIndex(ttl_s=ttl, clock=lambda: 0.0)
+    for address, hashes in (stored or {}).items():
+        index.apply_now(address, pb.KVEvent(stored=pb.BlockStored(block_hashes=hashes)))
+    config = PlacementConfig(decode=default_decode_profile(),
+                             disaggregation=DisaggregationConfig(mode=mode, min_prefill_tokens=min_prefill))
+    return Placer(config, pool, index, random.Random(0)), index
+
+
+def tokens(n, salt=0):
+    return [(i * 31 + salt * 7) % 40000 + 5 for i in range(n)]
+
+
+HASHER = BlockHasher(MODEL, BS)
+
+
+def place(p, token_ids, exclude=frozenset()):
+    return asyncio.run(p.place(len(token_ids), HASHER.hash_blocks(token_ids), exclude))
+
+
+DISAGG_CASES = [
+    # (mode, prompt tokens, blocks cached on d1, expect remote)
+    ("conditional", 600, 0, True),
+    ("conditional", 600, 30, False),        # 600 - 480 = 120 uncached < 256
+    ("conditional", 200, 0, False),
+    ("always", 40, 0, True),
+    ("never", 1500, 0, False),
+]
+
+
+@pytest.mark.parametrize("mode,n,cached_blocks,remote", DISAGG_CASES)
+def test_disaggregation_decision(mode, n, cached_blocks, remote):
+    ids = tokens(n)
+    stored = {"d1": HASHER.hash_blocks(ids)[:cached_blocks]}
+    p, _ = placer([worker("d1"), worker("p1", role="prefill")], mode=mode, stored=stored)
+    decision = place(p, ids)
+    assert decision.decode == "d1"
+    assert decision.num_cached_blocks == cached_blocks
+    assert decision.num_uncached_tokens == n - cached_blocks * BS
+    assert decision.prefill == (("p1",) if remote else ())
+
+
+def test_prefill_choice_follows_its_prefix_and_lists_fallbacks():
+    ids = tokens(800, salt=3)
+    stored = {"p2": HASHER.hash_blocks(ids)[:40]}
+    ws = [worker("d1"), worker("p1", role="prefill"), worker("p2", role="prefill"), worker("p3", role="prefill")]
+    p, _ = placer(ws, stored=stored)
+    decision = place(p, ids)
+    assert decision.prefill[0] == "p2"
+    assert len(decision.prefill) == 2          # max_prefill_candidates
+
+
+def test_no_usable_prefill_worker_means_local_prefill():
+    p, _ = placer([worker("d1"), worker("p1", role="prefill", draining=True)])
+    assert place(p, tokens(800)).prefill == ()
+
+
+def test_a_both_worker_never_prefills_for_itself():
+    p, _ = placer([worker("b1", role="both")], mode="always")
+    decision = place(p, tokens(800))
+    assert decision.decode == "b1" and decision.prefill == ()
+
+
+def test_speculative_entries_pull_a_burst_onto_one_worker():
+    """Requests sharing a prefix, routed before any KV event: the first one's speculative
+    entries make the next ones follow it."""
+    p, index = placer([worker(a) for a in ("d1", "d2", "d3")], mode="never")
+    prefix = tokens(320, salt=9)
+    first = place(p, prefix + tokens(20, salt=1)).decode
+    assert [place(p, prefix + tokens(20, salt=i)).decode for i in range(2, 6)] == [first] * 4
+
+
+def test_excluded_workers_are_not_chosen():
+    p, _ = placer([worker("d1"), worker("d2")])
+    assert place(p, tokens(10), frozenset({"d1"})).decode == "d2"
+    with pytest.raises(NoWorkerError, match="no decode worker is known"):
+        place(p, tokens(10), frozenset({"d1", "d2"}))

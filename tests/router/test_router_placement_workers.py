@@ -1,0 +1,121 @@
+"""Placement against real worker processes (two decode, two prefill; the SmolLM2 model):
+requests sharing a long prefix land where it is cached — shown by the router's index and by
+the workers' own cached-token counts — and a much deeper queue outweighs the prefix hit."""
+
+import asyncio
+import threading
+import time
+
+import grpc
+import httpx
+import pytest
+
+from routerkit import RouterServer, router_config
+from splitserve.platform.hashing import BlockHasher
+from splitserve.platform.wire import worker_pb2 as pb
+from splitserve.platform.wire import worker_pb2_grpc as pb_grpc
+
+pytestmark = pytest.mark.slow
+
+MODEL = "smollm2-135m"
+HASHER = BlockHasher(MODEL, 16)
+
+
+def ids(n, salt):
+    return [(i * 7919 + salt * 104729) % 40000 + 100 for i in range(n)]
+
+
+@pytest.fixture(scope="module")
+def gateway(cluster, loop, tokenizer):
+    server = RouterServer(loop, router_config([w.address for w in cluster]), tokenizer=tokenizer)
+    server.start(num_decode=2, num_prefill=2, timeout=60)
+    client = httpx.Client(base_url=server.url, timeout=120)
+    yield server, client
+    client.close()
+    server.stop()
+
+
+def complete(client, prompt, max_tokens=2):
+    r = client.post("/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": max_tokens,
+                                             "temperature": 0, "ignore_eos": True})
+    assert r.status_code == 200, r.text
+    return r
+
+
+def wait_for_index(loop, server, address, hashes, expected, timeout=10):
+    deadline = time.monotonic() + timeout
+    while True:
+        matched = loop.run(server.router.index.match([address], hashes))[address]
+        if matched >= expected or time.monotonic() > deadline:
+            return matched
+        time.sleep(0.05)
+
+
+def test_shared_prefix_lands_where_it_is_cached(gateway, cluster, loop):
+    server, client = gateway
+    prefix = ids(600, salt=1)
+    blocks = HASHER.hash_blocks(prefix)                      # 37 full blocks
+    first = complete(client, prefix + ids(20, salt=100))
+    home = first.headers["x-splitserve-decode-worker"]
+    prefill = first.headers.get("x-splitserve-prefill-worker")
+    assert prefill, "620 uncached tokens >= 256: the prompt should have been prefilled remotely"
+    decode_addresses = [w.address for w in cluster if w.role == "decode"]
+    other = next(a for a in decode_addresses if a != home)
+    assert wait_for_index(loop, server, home, blocks, len(blocks)) == len(blocks)
+    assert wait_for_index(loop, server, prefill, blocks, len(blocks)) == len(blocks)
+    assert loop.run(server.router.index.match([other], blocks))[other] == 0
+    for salt in (101, 102, 103):
+        r = complete(client, prefix + ids(20, salt=salt))
+        assert r.headers["x-splitserve-decode-worker"] == home
+        usage = r.json()["usage"]
+        assert usage["prompt_tokens"] == 620
+        assert usage["prompt_tokens_details"]["cached_tokens"] >= len(blocks) * 16   # the worker's own count
+        assert "x-splitserve-prefill-worker" not in r.headers   # only 20-odd uncached tokens: local prefill
+
+
+def test_much_deeper_queue_outweighs_the_prefix_hit(gateway, cluster, loop):
+    server, client = gateway
+    prefix = ids(600, salt=2)
+    first = complete(client, prefix + ids(20, salt=200))
+    home = first.headers["x-splitserve-decode-worker"]
+    prefill_home = first.headers["x-splitserve-prefill-worker"]
+    busy = Background(home, num_requests=8)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            load = loop.call(lambda: server.router.pool.workers[home].load)
+            if load is not None and load.num_running + load.num_waiting >= 8:
+                break
+            assert time.monotonic() < deadline, f"the background requests did not show up in {home}'s load"
+            time.sleep(0.1)
+        r = complete(client, prefix + ids(20, salt=201))
+        assert r.headers["x-splitserve-decode-worker"] != home
+        # The other decode worker lacks the prefix, so it is prefilled remotely — on the prefill
+        # worker that caches it.
+        assert r.headers["x-splitserve-prefill-worker"] == prefill_home
+    finally:
+        busy.stop()
+
+
+class Background:
+    """Long generations sent straight to one worker over gRPC, until stop()."""
+
+    def __init__(self, address, num_requests):
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        self.tasks = [asyncio.run_coroutine_threadsafe(self._one(address, i), self.loop) for i in range(num_requests)]
+
+    async def _one(self, address, i):
+        async with grpc.aio.insecure_channel(address) as channel:
+            request = pb.GenerateRequest(request_id=f"busy-{i}-{time.monotonic_ns()}", prompt_token_ids=ids(20, 900 + i),
+                                         params=pb.SamplingParams(temperature=0, max_tokens=400, ignore_eos=True))
+            async for _ in pb_grpc.WorkerStub(channel).Generate(request):
+                pass
+
+    def stop(self):
+        for task in self.tasks:
+            task.cancel()
+        time.sleep(0.5)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
