@@ -87,6 +87,7 @@ def worker_args(ctx: Context, pool: str) -> list[str]:
     args = ["worker", "--role", pool, "--model", spec.model.uri, "--dtype", spec.model.dtype,
             "--max-model-len", str(spec.model.max_model_len), "--block-size", str(spec.engine.block_size),
             "--max-num-seqs", str(spec.engine.max_num_seqs), "--kv-cache-memory", f"{spec.engine.kv_cache_memory_gib:g}",
+            "--host", "0.0.0.0", "--advertise-host", "$(POD_IP)",
             "--grpc-port", str(C.GRPC_PORT), "--metrics-port", str(C.METRICS_PORT),
             "--kv-transport", spec.kv_transfer.transport, "--kv-port", str(C.KV_PORT)]
     return args + (["--device", "cuda"] if pool_spec.gpus > 0 else [])
@@ -152,7 +153,7 @@ def router_deployment(ctx: Context) -> Manifest:
         env.append({"name": "REDIS_PASSWORD", "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.key}}})
     container = {"name": "router", "image": ctx.image(router.image, 0), "imagePullPolicy": ctx.spec.image.pull_policy,
                  "command": ["splitserve"],
-                 "args": ["router", "--config", f"{C.ROUTER_CONFIG_DIR}/{C.ROUTER_CONFIG_FILE}",
+                 "args": ["router", "--config", f"{C.ROUTER_CONFIG_DIR}/{C.ROUTER_CONFIG_FILE}", "--host", "0.0.0.0",
                           "--port", str(C.ROUTER_HTTP_PORT), "--metrics-port", str(C.ROUTER_METRICS_PORT)],
                  "ports": [{"name": C.HTTP_PORT_NAME, "containerPort": C.ROUTER_HTTP_PORT, "protocol": "TCP"},
                            {"name": C.METRICS_PORT_NAME, "containerPort": C.ROUTER_METRICS_PORT, "protocol": "TCP"}],

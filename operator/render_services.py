@@ -24,33 +24,33 @@ from splitserve.operator import constants as C
 from splitserve.operator.context import Context, Manifest
 
 
-def pool_discovery(ctx: Context, pool: str) -> dict[str, str]:
-    service = ctx.child(pool)
-    return {"service": service, "label_selector": f"{C.LABEL_SERVICE_NAME}={service}"}
-
-
 def router_config(ctx: Context) -> dict[str, Any]:
-    """The content of router.yaml: what `splitserve router --config` reads."""
+    """The content of router.yaml, in the router's own format (router/config.py, docs/router.md):
+    what `splitserve router --config` reads. Discovery: the EndpointSlices of the pool Services
+    (label kubernetes.io/service-name), port `grpc`; `model` and `block_size` seed the block
+    hashes and must equal the workers'."""
     spec = ctx.spec
-    weights = spec.router.scorer_weights
-    return {
+    w = spec.router.scorer_weights
+    pools = [ctx.child(pool) for pool in ctx.pools]
+    config: dict[str, Any] = {
         "model": spec.model.uri,
-        "served_model_name": spec.served_model_name,
         "block_size": spec.engine.block_size,
         "max_model_len": spec.model.max_model_len,
-        "scorer_weights": {"prefix": weights.prefix, "queue": weights.queue, "kv_usage": weights.kv_usage,
-                           "pending": weights.pending},
-        "disaggregation": {"mode": spec.disaggregation.mode,
-                           "min_prefill_tokens": spec.disaggregation.min_prefill_tokens},
-        "redis": {"url": spec.router.redis.url} if spec.router.redis else None,
-        "discovery": {
-            "kind": "kubernetes",
-            "namespace": ctx.namespace,
-            "port_name": C.GRPC_PORT_NAME,
-            "prefill": pool_discovery(ctx, "prefill") if spec.has_prefill_pool() else None,
-            "decode": pool_discovery(ctx, "decode"),
+        "gateway": {"served_model_names": [spec.served_model_name]},
+        "discovery": {"k8s_namespace": ctx.namespace, "k8s_services": pools, "k8s_port_name": C.GRPC_PORT_NAME},
+        "index": {"backend": "redis", "redis_url": spec.router.redis.url} if spec.router.redis else {"backend": "memory"},
+        "placement": {
+            "disaggregation": {"mode": spec.disaggregation.mode,
+                               "min_prefill_tokens": spec.disaggregation.min_prefill_tokens},
+            "decode": {"scorers": [{"name": "prefix-overlap", "weight": w.prefix}, {"name": "queue-depth", "weight": w.queue},
+                                   {"name": "kv-usage", "weight": w.kv_usage},
+                                   {"name": "pending-assignments", "weight": w.pending}]},
+            "prefill": {"scorers": [{"name": "prefix-overlap", "weight": w.prefix},
+                                    {"name": "queued-prefill-tokens", "weight": w.queue},
+                                    {"name": "pending-assignments", "weight": w.pending}]},
         },
     }
+    return config
 
 
 def router_config_text(ctx: Context) -> str:

@@ -14,6 +14,7 @@ import logging
 import socket
 
 import uvicorn
+from prometheus_client import start_http_server
 
 from splitserve.platform.errors import ConfigError
 from splitserve.router import logctx
@@ -29,6 +30,8 @@ def register(subparsers) -> None:
     p.add_argument("--workers", default=None, help="comma-separated worker gRPC addresses host:port")
     p.add_argument("--k8s-namespace", default=None, help="discover workers from EndpointSlices in this namespace")
     p.add_argument("--k8s-services", default=None, help="comma-separated pool Service names")
+    p.add_argument("--metrics-port", type=int, default=None,
+                   help="also serve /metrics on this port (the gateway port always serves it)")
     p.set_defaults(func=cmd_router)
 
 
@@ -62,6 +65,9 @@ def cmd_router(args) -> int:
 
     router = Router(config)
     sock = bind(config.gateway.host, config.gateway.port)
+    if args.metrics_port:
+        # A scrape port apart from the gateway, as the operator's ServiceMonitor expects.
+        start_http_server(args.metrics_port, addr=config.gateway.host, registry=router.metrics.registry)
     print(f"splitserve router: serving http://{url_host(config.gateway.host)}:{sock.getsockname()[1]}/v1", flush=True)
     asyncio.run(serve(router, sock))
     return 0

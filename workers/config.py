@@ -20,6 +20,7 @@ class WorkerConfig:
 
     role: str = "both"
     host: str = "127.0.0.1"
+    advertise_host: str = ""          # what other workers dial (pod IP); "" = the bound address
     grpc_port: int = 50051
     metrics_port: int = 9090
     kv_transport: str = "ucx"

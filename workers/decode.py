@@ -59,9 +59,10 @@ class StubPool:
 
 class RemotePrefill:
     def __init__(self, engine: AsyncEngine, receiver: KVReceiver, layout: KVLayout, deadline_s: float,
-                 metrics=None):
+                 metrics=None, kv_address: str = ""):
         self.engine = engine
         self.receiver = receiver
+        self.kv_address = kv_address or receiver.address   # what the prefill worker dials
         self.layout = layout
         self.deadline_s = deadline_s
         self.metrics = metrics
@@ -89,7 +90,7 @@ class RemotePrefill:
         try:
             resp = await self.stubs.get(address).Prefill(pb.PrefillRequest(
                 request_id=req_id, prompt_token_ids=token_ids, params=convert.sampling_params_to_proto(params),
-                skip_blocks=ready.start_block, kv_address=self.receiver.address, transfer_id=transfer_id,
+                skip_blocks=ready.start_block, kv_address=self.kv_address, transfer_id=transfer_id,
                 layout=self.layout_proto(), deadline_s=self.deadline_s), timeout=self.deadline_s)
             status = await asyncio.wait_for(self.receiver.wait(transfer_id), timeout=self.deadline_s)
             if status.state != TransferState.DONE:

@@ -43,6 +43,8 @@ def register(subparsers) -> None:
     add_engine_args(p)
     p.add_argument("--role", default="both", choices=["prefill", "decode", "both"])
     p.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 in a pod)")
+    p.add_argument("--advertise-host", default=None,
+                   help="address other workers reach this one at (default: --host; in a pod, the pod IP)")
     p.add_argument("--grpc-port", type=int, default=50051)
     p.add_argument("--metrics-port", type=int, default=9090)
     p.add_argument("--kv-transport", default="ucx", choices=["ucx", "tcp"])
@@ -61,7 +63,8 @@ def cmd_worker(args) -> int:
     config = WorkerConfig(role=args.role, host=args.host, grpc_port=args.grpc_port, metrics_port=args.metrics_port,
                           kv_transport=args.kv_transport, kv_port=args.kv_port, disaggregation=args.disaggregation,
                           min_prefill_tokens=args.min_prefill_tokens, transfer_deadline_s=args.transfer_deadline,
-                          drain_grace_s=args.drain_grace, kv_layer_streaming=not args.no_kv_layer_streaming)
+                          drain_grace_s=args.drain_grace, kv_layer_streaming=not args.no_kv_layer_streaming,
+                          advertise_host=args.advertise_host or "")
     engine = LLMEngine(engine_config(args))
     return asyncio.run(Worker(config, engine).run())
 
@@ -70,6 +73,14 @@ def kv_layout(engine: LLMEngine) -> KVLayout:
     m = engine.model_config
     return KVLayout(model_id=m.model_id, dtype=engine.config.device.dtype, block_size=engine.config.cache.block_size,
                     num_layers=m.num_layers, num_kv_heads=m.num_kv_heads, head_dim=m.head_dim)
+
+
+def advertised(address: str, advertise_host: str) -> str:
+    """The receiver's `scheme://host:port` with the host others should dial."""
+    if not advertise_host:
+        return address
+    scheme, _, rest = address.partition("://")
+    return f"{scheme}://{advertise_host}:{rest.rsplit(':', 1)[1]}"
 
 
 def kv_state(engine: LLMEngine) -> dict:
@@ -103,12 +114,14 @@ class Worker:
         sender = make_sender(cfg.kv_transport) if cfg.role != "decode" else None
         if receiver is not None:
             await receiver.start()
+        kv_address = advertised(receiver.address, cfg.advertise_host) if receiver else ""
         info = pb.WorkerInfo(worker_id=uuid.uuid4().hex, role=cfg.role, model_id=layout.model_id,
-                             layout=pb.KVLayout(**layout.to_dict()), kv_address=receiver.address if receiver else "",
+                             layout=pb.KVLayout(**layout.to_dict()), kv_address=kv_address,
                              num_total_blocks=self.llm.pool.num_blocks)
         hub = EventHub(loop, info)
         engine.on_kv_events = hub.publish
-        remote = RemotePrefill(engine, receiver, layout, cfg.transfer_deadline_s, metrics) if receiver else None
+        remote = (RemotePrefill(engine, receiver, layout, cfg.transfer_deadline_s, metrics, kv_address=kv_address)
+                  if receiver else None)
         service = WorkerService(cfg, engine, hub, remote, sender, layout, metrics)
         server, health_servicer = await self._start_grpc(service)
         http = HealthServer(cfg.host, cfg.metrics_port, lambda: self._readiness(service), metrics.render,

@@ -13,6 +13,8 @@ from splitserve.operator import constants as C
 from splitserve.operator.endpoints import endpoint_slice, pods_of
 from splitserve.operator.render import render
 from splitserve.operator.spec import parse_spec
+from splitserve.router.config import from_dict
+from splitserve.router.discovery_k8s import SERVICE_LABEL, label_selector, slice_addresses
 
 SPEC = parse_spec({"model": {"uri": "smollm2-135m"}})
 IPS = {"prefill": ["10.1.0.1", "10.1.0.2"], "decode": ["10.2.0.1", "10.2.0.2", "10.2.0.3"], "router": ["10.3.0.1"]}
@@ -27,20 +29,16 @@ def cluster_view():
     return manifests, pods, slices
 
 
-def router_side_discovery(config: dict, slices: list[dict]) -> dict[str, list[str]]:
-    """What a router does with its config: per pool, list slices by label selector, take the
-    port named `port_name`, keep ready endpoints."""
-    found = {}
-    for pool in ("prefill", "decode"):
-        key, _, value = config["discovery"][pool]["label_selector"].partition("=")
-        addresses = []
-        for s in slices:
-            if s["metadata"]["labels"].get(key) != value:
-                continue
-            (port,) = [p["port"] for p in s["ports"] if p["name"] == config["discovery"]["port_name"]]
-            addresses += [f"{e['addresses'][0]}:{port}" for e in s["endpoints"] if e["conditions"]["ready"]]
-        found[pool] = sorted(addresses)
-    return found
+def router_side_discovery(config_text: str, slices: list[dict]) -> list[str]:
+    """What the router does with its router.yaml: its own config loader and its own EndpointSlice
+    reader (router/discovery_k8s.py), fed the slices Kubernetes would make."""
+    config = from_dict(yaml.safe_load(config_text))
+    wanted = set(config.discovery.k8s_services)
+    addresses = set()
+    for s in slices:
+        if s["metadata"]["labels"].get(SERVICE_LABEL) in wanted:
+            addresses |= slice_addresses(s, config.discovery.k8s_port_name)
+    return sorted(addresses)
 
 
 def test_endpoint_slices_are_valid_kubernetes_objects(cluster_view):
@@ -64,11 +62,12 @@ def test_pool_slices_carry_the_service_name_label_and_named_ports(cluster_view):
 
 def test_the_router_finds_each_pool_from_its_config_alone(cluster_view):
     manifests, _, slices = cluster_view
-    config = yaml.safe_load(manifests[("ConfigMap", "svc-router")]["data"]["router.yaml"])
-    assert config["discovery"]["namespace"] == "ns" and config["discovery"]["kind"] == "kubernetes"
-    assert router_side_discovery(config, slices) == {
-        "prefill": ["10.1.0.1:50051", "10.1.0.2:50051"],
-        "decode": ["10.2.0.1:50051", "10.2.0.2:50051", "10.2.0.3:50051"]}
+    text = manifests[("ConfigMap", "svc-router")]["data"]["router.yaml"]
+    assert from_dict(yaml.safe_load(text)).discovery.k8s_namespace == "ns"
+    assert label_selector(from_dict(yaml.safe_load(text)).discovery.k8s_services) == \
+        "kubernetes.io/service-name in (svc-decode,svc-prefill)"
+    assert router_side_discovery(text, slices) == [
+        "10.1.0.1:50051", "10.1.0.2:50051", "10.2.0.1:50051", "10.2.0.2:50051", "10.2.0.3:50051"]
 
 
 def test_the_router_role_allows_exactly_what_discovery_needs(cluster_view):
@@ -83,6 +82,6 @@ def test_unready_workers_are_not_routed_to():
     ready = pods_of(manifests[("Deployment", "svc-decode")], ["10.2.0.1"])
     starting = pods_of(manifests[("Deployment", "svc-decode")], ["10.2.0.1", "10.2.0.9"], ready=False)[1:]
     s = endpoint_slice(manifests[("Service", "svc-decode")], ready + starting)
-    config = yaml.safe_load(manifests[("ConfigMap", "svc-router")]["data"]["router.yaml"])
-    assert router_side_discovery(config, [s])["decode"] == ["10.2.0.1:50051"]
+    text = manifests[("ConfigMap", "svc-router")]["data"]["router.yaml"]
+    assert router_side_discovery(text, [s]) == ["10.2.0.1:50051"]
     assert [e["conditions"]["ready"] for e in s["endpoints"]] == [True, False]

@@ -98,7 +98,7 @@ def test_worker_container_follows_the_worker_contract():
     assert c["command"] == ["splitserve"]
     assert c["args"] == ["worker", "--role", "decode", "--model", "smollm2-135m", "--dtype", "float32",
                          "--max-model-len", "2048", "--block-size", "16", "--max-num-seqs", "32",
-                         "--kv-cache-memory", "0.5", "--grpc-port", "50051", "--metrics-port", "9090",
+                         "--kv-cache-memory", "0.5", "--host", "0.0.0.0", "--advertise-host", "$(POD_IP)", "--grpc-port", "50051", "--metrics-port", "9090",
                          "--kv-transport", "tcp", "--kv-port", "13337"]
     assert c["image"] == "ghcr.io/splitserve/splitserve:0.1.0"
     assert [(p["name"], p["containerPort"]) for p in c["ports"]] == [("grpc", 50051), ("metrics", 9090), ("kv", 13337)]
@@ -143,7 +143,8 @@ def test_router_container_and_config():
     deploy = manifests[("Deployment", "svc-router")]
     pod = deploy["spec"]["template"]["spec"]
     (c,) = pod["containers"]
-    assert c["args"] == ["router", "--config", "/etc/splitserve/router.yaml", "--port", "8000", "--metrics-port", "9090"]
+    assert c["args"] == ["router", "--config", "/etc/splitserve/router.yaml", "--host", "0.0.0.0", "--port", "8000",
+                         "--metrics-port", "9090"]
     assert [(p["name"], p["containerPort"]) for p in c["ports"]] == [("http", 8000), ("metrics", 9090)]
     assert c["readinessProbe"]["httpGet"] == {"path": "/ready", "port": "http"}
     assert c["livenessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
@@ -151,12 +152,22 @@ def test_router_container_and_config():
     assert {"name": "config", "configMap": {"name": "svc-router"}} in pod["volumes"]
     config = yaml.safe_load(manifests[("ConfigMap", "svc-router")]["data"]["router.yaml"])
     assert config == {
-        "model": "smollm2-135m", "served_model_name": "smollm2-135m", "block_size": 16, "max_model_len": 2048,
-        "scorer_weights": {"prefix": 3.0, "queue": 2.0, "kv_usage": 2.0, "pending": 1.0},
-        "disaggregation": {"mode": "conditional", "min_prefill_tokens": 64}, "redis": None,
-        "discovery": {"kind": "kubernetes", "namespace": "ns", "port_name": "grpc",
-                      "prefill": {"service": "svc-prefill", "label_selector": "kubernetes.io/service-name=svc-prefill"},
-                      "decode": {"service": "svc-decode", "label_selector": "kubernetes.io/service-name=svc-decode"}}}
+        "model": "smollm2-135m", "block_size": 16, "max_model_len": 2048,
+        "gateway": {"served_model_names": ["smollm2-135m"]},
+        "discovery": {"k8s_namespace": "ns", "k8s_services": ["svc-prefill", "svc-decode"], "k8s_port_name": "grpc"},
+        "index": {"backend": "memory"},
+        "placement": {
+            "disaggregation": {"mode": "conditional", "min_prefill_tokens": 64},
+            "decode": {"scorers": [{"name": "prefix-overlap", "weight": 3.0}, {"name": "queue-depth", "weight": 2.0},
+                                   {"name": "kv-usage", "weight": 2.0}, {"name": "pending-assignments", "weight": 1.0}]},
+            "prefill": {"scorers": [{"name": "prefix-overlap", "weight": 3.0},
+                                    {"name": "queued-prefill-tokens", "weight": 2.0},
+                                    {"name": "pending-assignments", "weight": 1.0}]}}}
+    # ...and the router itself accepts it.
+    from splitserve.router.config import from_dict
+    loaded = from_dict(config)
+    assert loaded.discovery.k8s_services == ("svc-prefill", "svc-decode")
+    assert loaded.placement.decode.scorers[1].name == "queue-depth"
     role = manifests[("Role", "svc-router")]
     assert role["rules"] == [{"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"],
                               "verbs": ["list", "watch"]}]
@@ -182,7 +193,8 @@ def test_disaggregation_never_renders_no_prefill_pool():
     manifests = rendered(CASES["no-disaggregation"][0])
     assert not [m for m in manifests if "prefill" in m["metadata"]["name"]]
     config = yaml.safe_load(by_key(manifests)[("ConfigMap", "svc-router")]["data"]["router.yaml"])
-    assert config["discovery"]["prefill"] is None and config["disaggregation"]["mode"] == "never"
+    assert config["discovery"]["k8s_services"] == ["svc-decode"]
+    assert config["placement"]["disaggregation"]["mode"] == "never"
 
 
 def test_replicas_static_vs_autoscaled():
@@ -261,7 +273,7 @@ def test_redis_password_comes_from_the_secret():
     env = router["spec"]["template"]["spec"]["containers"][0]["env"]
     assert {"name": "REDIS_PASSWORD", "valueFrom": {"secretKeyRef": {"name": "redis", "key": "password"}}} in env
     config = yaml.safe_load(manifests[("ConfigMap", "svc-router")]["data"]["router.yaml"])
-    assert config["redis"] == {"url": "redis://r:6379"}
+    assert config["index"] == {"backend": "redis", "redis_url": "redis://r:6379"}
 
 
 def test_service_monitor_selects_the_headless_services_only():
