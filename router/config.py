@@ -254,7 +254,20 @@ def _discovery(data) -> DiscoveryConfig:
 
 
 def _index(data) -> IndexConfig:
-    return IndexConfig(**_checked(data, IndexConfig, "index"))
+    data = dict(_checked(data, IndexConfig, "index"))
+    if data.get("redis_url"):
+        data["redis_url"] = with_password(data["redis_url"], os.environ.get("REDIS_PASSWORD", ""))
+    return IndexConfig(**data)
+
+
+def with_password(url: str, password: str) -> str:
+    """Put REDIS_PASSWORD (the operator mounts it from a Secret) into a redis URL that has none,
+    so the password never sits in the ConfigMap."""
+    scheme, sep, rest = url.partition("://")
+    if not password or not sep or "@" in rest:
+        return url
+    from urllib.parse import quote
+    return f"{scheme}://:{quote(password, safe='')}@{rest}"
 
 
 def _placement(data) -> PlacementConfig:

@@ -112,3 +112,13 @@ def test_generate_request_carries_the_disaggregation_decision():
     assert remote.min_prefill_tokens == 256 and remote.disaggregation == 1    # CONDITIONAL
     local = generate_request("r2", [1, 2, 3], SamplingParams(), Decision("d"), config)
     assert list(local.prefill_workers) == [] and local.disaggregation == 3   # NEVER
+
+
+def test_redis_password_from_the_environment_goes_into_the_url(monkeypatch):
+    from splitserve.router.config import from_dict
+
+    monkeypatch.setenv("REDIS_PASSWORD", "s3cr/t")
+    config = from_dict({"index": {"backend": "redis", "redis_url": "redis://r:6379/0"}})
+    assert config.index.redis_url == "redis://:s3cr%2Ft@r:6379/0"
+    kept = from_dict({"index": {"backend": "redis", "redis_url": "redis://u:own@r:6379"}})
+    assert kept.index.redis_url == "redis://u:own@r:6379"
