@@ -8,30 +8,14 @@ from __future__ import annotations
 
 from splitserve.platform.engine.outputs import RequestOutput, TokenLogprob
 from splitserve.platform.errors import InvalidRequestError
-from splitserve.platform.sampling.params import SamplingParams
+from splitserve.platform.wire import sampling as wire_sampling
 from splitserve.platform.wire import worker_pb2 as pb
 
 _FINISH = {None: pb.FINISH_REASON_UNSPECIFIED, "stop": pb.FINISH_REASON_STOP,
            "length": pb.FINISH_REASON_LENGTH, "abort": pb.FINISH_REASON_ABORT}
-_OPTIONAL = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
-             "frequency_penalty", "seed", "max_tokens", "min_tokens", "logprobs", "skip_special_tokens")
-
-
-def sampling_params(msg: pb.SamplingParams) -> SamplingParams:
-    kwargs = {name: getattr(msg, name) for name in _OPTIONAL if msg.HasField(name)}
-    kwargs.update(stop=tuple(msg.stop), stop_token_ids=tuple(msg.stop_token_ids), ignore_eos=msg.ignore_eos,
-                  include_stop_str_in_output=msg.include_stop_str_in_output)
-    return SamplingParams(**kwargs)
-
-
-def sampling_params_to_proto(params: SamplingParams) -> pb.SamplingParams:
-    msg = pb.SamplingParams(stop=list(params.stop), stop_token_ids=list(params.stop_token_ids),
-                            ignore_eos=params.ignore_eos, include_stop_str_in_output=params.include_stop_str_in_output)
-    for name in _OPTIONAL:
-        value = getattr(params, name)
-        if value is not None:
-            setattr(msg, name, value)
-    return msg
+# One mapping, shared with the router.
+sampling_params = wire_sampling.from_proto
+sampling_params_to_proto = wire_sampling.to_proto
 
 
 def prompt_token_ids(request_id: str, token_ids, vocab_size: int, max_model_len: int) -> list[int]:
