@@ -258,8 +258,13 @@ def test_decode_worker_crash_mid_stream_resumes_on_the_other(healthy, tokenizer,
     assert text == expected_text(tokenizer, prompt_ids, 12)
     other = next(w for w in workers if w is not crashed)
     resumed = other.requests[-1]
-    assert list(resumed.prompt_token_ids) == prompt_ids + [FakeWorker.token_at(len(prompt_ids) + i) for i in range(5)]
-    assert resumed.params.max_tokens == 7
+    # The worker sent 5 tokens then died; how many reached the router before the stream broke
+    # depends on timing (a broken HTTP/2 stream drops what was still buffered), so the
+    # invariant is: the resume carries exactly the tokens the client already got.
+    k = len(resumed.prompt_token_ids) - len(prompt_ids)
+    assert 1 <= k <= 5
+    assert list(resumed.prompt_token_ids) == prompt_ids + [FakeWorker.token_at(len(prompt_ids) + i) for i in range(k)]
+    assert resumed.params.max_tokens == 12 - k
     assert 'splitserve_router_failovers_total{kind="resumes"}' in client.get("/metrics").text
 
 
