@@ -77,6 +77,7 @@ def render(result: dict, rounds: int) -> str:
 def write(path: str, section: str) -> None:
     write_section(path, "disagg-ttft", section)
 
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=5)

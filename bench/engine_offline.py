@@ -153,6 +153,7 @@ def render(results: list[dict], cmd: str) -> str:
 def write(path: str, section: str) -> None:
     write_section(path, "engine-offline", section)
 
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--write", help="update this markdown file's engine-offline section")

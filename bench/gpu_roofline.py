@@ -438,6 +438,7 @@ def _fmt_check(check) -> str:
 def write(path: str, section: str) -> None:
     write_section(path, "gpu-roofline", section)
 
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--write", help="update this markdown file's gpu-roofline section")

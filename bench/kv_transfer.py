@@ -198,6 +198,7 @@ def render(r: dict, cmd: str) -> str:
 def write(path: str, section: str) -> None:
     write_section(path, "kv-transfer", section)
 
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--write", help="update this markdown file's kv-transfer section")
