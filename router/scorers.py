@@ -141,8 +141,26 @@ class QueuedPrefillTokens(Scorer):
         return out
 
 
-SCORERS: dict[str, type[Scorer]] = {cls.name: cls for cls in
-                                    (PrefixOverlap, QueueDepth, KVUsage, PendingAssignments, QueuedPrefillTokens)}
+class RoundRobin(Scorer):
+    """A baseline, not a policy: 1 for the next worker in address order, 0 for the others; each
+    placement moves the turn on. Used alone it is plain round-robin (the benchmarks' arm (a));
+    the cursor is per router replica."""
+
+    name = "round-robin"
+
+    def __init__(self, params: dict | None = None):
+        super().__init__(params)
+        self._turn = 0
+
+    def score(self, ctx, workers):
+        addresses = sorted(w.address for w in workers)
+        chosen = addresses[self._turn % len(addresses)] if addresses else None
+        self._turn += 1
+        return {a: 1.0 if a == chosen else 0.0 for a in addresses}
+
+
+SCORERS: dict[str, type[Scorer]] = {cls.name: cls for cls in (PrefixOverlap, QueueDepth, KVUsage, PendingAssignments,
+                                                              QueuedPrefillTokens, RoundRobin)}
 
 
 def make_scorer(name: str, params: dict | None = None) -> Scorer:

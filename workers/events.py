@@ -4,8 +4,9 @@ The engine thread hands batches of KV events to `publish()` (thread-safe); the h
 mirror of the hashes the worker currently caches. A new subscriber first gets WorkerInfo
 (with this process's worker_id), then AllCleared followed by one BlockStored of the whole
 mirror — a snapshot that replaces whatever the subscriber knew, which is also how a restarted
-worker (new worker_id, empty cache) tells routers to forget it — then live events and a load
-report every interval. A slow subscriber's queue is bounded; on overflow it is disconnected
+worker (new worker_id, empty cache) tells routers to forget it — and the latest load report
+(so a resubscribing router does not score the worker as unknown until the next interval),
+then live events and a load report every interval. A slow subscriber's queue is bounded; on overflow it is disconnected
 and must resubscribe (getting a fresh snapshot) rather than silently missing events.
 """
 
@@ -32,6 +33,7 @@ class EventHub:
         self._cached: dict[bytes, None] = {}     # insertion-ordered set
         self._subscribers: set[asyncio.Queue] = set()
         self._seq = itertools.count(1)
+        self._last_load: pb.LoadReport | None = None
 
     def publish(self, events: list[KVEvent]) -> None:
         """Called from the engine thread."""
@@ -61,14 +63,17 @@ class EventHub:
                 queue.put_nowait(msg)
 
     def send_load(self, load: pb.LoadReport) -> None:
+        self._last_load = load
         self._send(pb.WorkerEvent(load=load))
 
     async def subscribe(self):
-        """Yields WorkerEvents: info, snapshot, then live events until cancelled."""
+        """Yields WorkerEvents: info, snapshot, latest load, then live events until cancelled."""
         queue: asyncio.Queue = asyncio.Queue()
         first = [pb.WorkerEvent(info=self.info), pb.WorkerEvent(kv=pb.KVEvent(cleared=pb.AllCleared()))]
         if self._cached:
             first.append(pb.WorkerEvent(kv=pb.KVEvent(stored=pb.BlockStored(block_hashes=list(self._cached)))))
+        if self._last_load is not None:
+            first.append(pb.WorkerEvent(load=self._last_load))
         for msg in first:
             msg.seq, msg.timestamp = next(self._seq), time.time()
         self._subscribers.add(queue)

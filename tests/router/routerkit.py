@@ -204,6 +204,7 @@ class FakeWorker(pb_grpc.WorkerServicer):
             yield pb.WorkerEvent(kv=pb.KVEvent(cleared=pb.AllCleared()))
             if self.cached:
                 yield pb.WorkerEvent(kv=pb.KVEvent(stored=pb.BlockStored(block_hashes=list(self.cached))))
+            yield pb.WorkerEvent(load=self.load)        # as the real hub: the latest report with the snapshot
             while True:
                 try:
                     event = await asyncio.wait_for(queue.get(), 0.1)

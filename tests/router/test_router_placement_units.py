@@ -50,6 +50,7 @@ SCORER_CASES = [
     ("queued-prefill-tokens", {}, dict(queued=2048, pending_tokens=2048), 0, 1, 0.5),
     ("queued-prefill-tokens", {"saturation": 100}, dict(queued=500), 0, 1, 0.0),
     ("queued-prefill-tokens", {}, dict(load=False), 0, 1, NEUTRAL),
+    ("round-robin", {}, {}, 0, 1, 1.0),                  # a single worker always has the turn
 ]
 
 
@@ -70,6 +71,18 @@ def test_every_registered_scorer_has_a_case_and_stays_in_range():
             blocks = rng.randint(0, 20)
             ctx = ScoringContext(blocks * BS, blocks, {"w": rng.randint(0, blocks)})
             assert 0.0 <= make_scorer(name).score(ctx, [w])["w"] <= 1.0
+
+
+def test_round_robin_takes_turns_in_address_order_regardless_of_load_and_cache():
+    scorer = make_scorer("round-robin")
+    workers = [worker("b", waiting=9), worker("a"), worker("c", kv=0.9)]
+    ctx = ScoringContext(4 * BS, 4, {"a": 4, "b": 0, "c": 0})
+    picks = []
+    for _ in range(7):
+        scores = scorer.score(ctx, workers)
+        assert sorted(scores.values()) == [0.0, 0.0, 1.0]
+        picks.append(max(scores, key=scores.get))
+    assert picks == ["a", "b", "c", "a", "b", "c", "a"]
 
 
 @pytest.mark.parametrize("name,params,message", [
