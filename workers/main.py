@@ -101,11 +101,14 @@ class Worker:
         self.llm = engine
         self.ready = False
         self.stopping = asyncio.Event()
+        self.engine: AsyncEngine | None = None      # set by run(); its `load` is the queue depth
 
-    async def run(self) -> int:
+    async def run(self, handle_signals: bool = True) -> int:
+        """Serve until SIGTERM/SIGINT (or `stopping` is set by the owner when `handle_signals` is
+        False, as in a Ray Serve replica, whose event loop is not the main thread's)."""
         cfg = self.config
         loop = asyncio.get_running_loop()
-        engine = AsyncEngine(self.llm)
+        engine = self.engine = AsyncEngine(self.llm)
         layout = kv_layout(self.llm)
         metrics = WorkerMetrics(cfg.role, self.llm.config.model)
         metrics.cache_info.labels(block_size=str(layout.block_size), num_gpu_blocks=str(self.llm.pool.num_blocks),
@@ -131,7 +134,7 @@ class Worker:
         await self._warm_up(engine)
         self.ready = True
         await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
-        for sig in (signal.SIGTERM, signal.SIGINT):
+        for sig in (signal.SIGTERM, signal.SIGINT) if handle_signals else ():
             loop.add_signal_handler(sig, self.stopping.set)
         log.info("worker %s ready: grpc %s:%d, metrics %d, kv %s", cfg.role, cfg.host, cfg.grpc_port,
                  cfg.metrics_port, info.kv_address or "-")

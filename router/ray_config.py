@@ -1,0 +1,244 @@
+"""`splitserve serve --backend ray`: the config file, validated, and its rendering into a Ray Serve
+deploy config (the `applications:` document `serve run`/KubeRay's `serveConfigV2` take).
+
+    backend: ray
+    model: smollm2-135m
+    kv_transport: tcp                 # ucx | tcp: how KV blocks travel between replicas
+    worker_host: ""                   # "": replicas bind 0.0.0.0 and advertise their node IP
+    ray:      {address: local, num_cpus: 2, include_dashboard: false, temp_dir: ""}
+    router:   {gateway: {host: 127.0.0.1, port: 8000}, placement: ...}   # docs/router.md
+    engine:   {dtype: float32, device: cpu, threads: 1, kv_cache_memory_gib: 0.25, ...}
+    prefill:  {min_replicas: 1, max_replicas: 2, target_queue_depth: 4, ray_actor_options: {num_cpus: 1}}
+    decode:   {min_replicas: 1, max_replicas: 4, target_queue_depth: 8, ray_actor_options: {num_gpus: 1}}
+    autoscaling: {look_back_period_s: 10, upscale_delay_s: 5, downscale_delay_s: 60, metrics_interval_s: 1}
+
+Three Serve applications come out of `render()`, wired only by names (so neither layer imports
+the other, DESIGN.md section 1): `<name>` (the gateway ingress + the worker registry, routed at
+/), `<name>-prefill` and `<name>-decode` (one `WorkerReplica` deployment each, no HTTP route).
+Each pool autoscales on the engines' queue depth (workers/ray_autoscale.py, docs/ray.md).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+
+import yaml
+
+from splitserve.platform.config import CacheConfig, DeviceConfig, SchedulerConfig
+from splitserve.platform.errors import ConfigError
+from splitserve.router.config import RouterConfig, from_dict
+
+BACKENDS = ("ray",)
+TRANSPORTS = ("ucx", "tcp")
+ACTOR_OPTIONS = ("num_cpus", "num_gpus", "memory", "resources", "accelerator_type", "runtime_env")
+POLICY = "splitserve.workers.ray_autoscale:queue_depth_policy"
+GiB = 1024**3
+
+
+@dataclass(frozen=True)
+class RayClusterConfig:
+    """`address`: "local" starts a Ray instance owned by this process (stopped with it); "auto",
+    "host:port" or "ray://..." joins a running cluster (KubeRay). The rest applies to "local"."""
+
+    address: str = "local"
+    num_cpus: int | None = None
+    include_dashboard: bool = False
+    temp_dir: str = ""
+    namespace: str = "splitserve"
+
+    def __post_init__(self) -> None:
+        if self.num_cpus is not None and self.num_cpus < 1:
+            raise ConfigError(f"ray.num_cpus={self.num_cpus} must be >= 1 (or left out: all cores)")
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    """The engine flags of `splitserve worker`, shared by both pools; `threads` is torch threads
+    per replica (1 keeps replicas from fighting over cores)."""
+
+    dtype: str = "float32"
+    device: str = "cpu"
+    threads: int = 1
+    kv_cache_memory_gib: float = 0.25
+    block_size: int = 16
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    max_model_len: int = 2048
+
+    def __post_init__(self) -> None:
+        # The engine's own dataclasses check these (torch-free); the replicas build the same ones.
+        DeviceConfig(device=self.device, dtype=self.dtype, num_threads=self.threads)
+        CacheConfig(block_size=self.block_size, kv_cache_memory_bytes=int(self.kv_cache_memory_gib * GiB))
+        SchedulerConfig(max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
+                        max_model_len=self.max_model_len)
+        if self.kv_cache_memory_gib <= 0:
+            raise ConfigError(f"engine.kv_cache_memory_gib={self.kv_cache_memory_gib} must be > 0")
+
+
+@dataclass(frozen=True)
+class PoolConfig:
+    """One worker pool as a Serve deployment: replicas between `min_replicas` and `max_replicas`,
+    targeting `target_queue_depth` waiting+running requests per replica. `ray_actor_options`
+    are passed to Serve as they are (CPUs, GPUs, memory, custom resources, runtime_env)."""
+
+    min_replicas: int = 1
+    max_replicas: int = 1
+    target_queue_depth: float = 4.0
+    ray_actor_options: dict = field(default_factory=lambda: {"num_cpus": 1})
+
+    def check(self, role: str) -> None:
+        if self.min_replicas < 1:
+            raise ConfigError(f"{role}.min_replicas={self.min_replicas}: a pool needs at least 1 replica "
+                              "(the router cannot wake a pool from zero); allowed: >= 1")
+        if self.max_replicas < self.min_replicas:
+            raise ConfigError(f"{role}.max_replicas={self.max_replicas} is below {role}.min_replicas="
+                              f"{self.min_replicas}; allowed: max_replicas >= min_replicas")
+        if self.target_queue_depth <= 0:
+            raise ConfigError(f"{role}.target_queue_depth={self.target_queue_depth} must be > 0")
+        if not isinstance(self.ray_actor_options, dict):
+            raise ConfigError(f"{role}.ray_actor_options must be a mapping; allowed keys: {', '.join(ACTOR_OPTIONS)}")
+        unknown = sorted(set(self.ray_actor_options) - set(ACTOR_OPTIONS))
+        if unknown:
+            raise ConfigError(f"unknown key(s) {unknown} in {role}.ray_actor_options; allowed: {', '.join(ACTOR_OPTIONS)}")
+
+
+@dataclass(frozen=True)
+class AutoscalingTiming:
+    """How fast the pools react. `metrics_interval_s` is how often each replica reports its
+    queue depth to the Serve controller; the policy averages over `look_back_period_s`."""
+
+    look_back_period_s: float = 10.0
+    upscale_delay_s: float = 5.0
+    downscale_delay_s: float = 60.0
+    metrics_interval_s: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.look_back_period_s <= self.metrics_interval_s or self.metrics_interval_s <= 0:
+            raise ConfigError(f"autoscaling: need 0 < metrics_interval_s ({self.metrics_interval_s}) < "
+                              f"look_back_period_s ({self.look_back_period_s})")
+        if self.upscale_delay_s < 0 or self.downscale_delay_s < 0:
+            raise ConfigError("autoscaling: upscale_delay_s and downscale_delay_s must be >= 0")
+
+
+@dataclass(frozen=True)
+class RayServeConfig:
+    backend: str = "ray"
+    name: str = "splitserve"
+    model: str = "smollm2-135m"
+    kv_transport: str = "tcp"
+    worker_host: str = ""             # "" : bind all interfaces, advertise the replica's node IP
+    ray: RayClusterConfig = field(default_factory=RayClusterConfig)
+    router: dict = field(default_factory=dict)
+    engine: EngineSettings = field(default_factory=EngineSettings)
+    prefill: PoolConfig = field(default_factory=PoolConfig)
+    decode: PoolConfig = field(default_factory=PoolConfig)
+    autoscaling: AutoscalingTiming = field(default_factory=AutoscalingTiming)
+
+    def __post_init__(self) -> None:
+        if self.backend not in BACKENDS:
+            raise ConfigError(f"backend={self.backend!r} is not supported by `splitserve serve`; allowed: "
+                              f"{', '.join(BACKENDS)} (Kubernetes: the operator, docs/ray.md)")
+        if self.kv_transport not in TRANSPORTS:
+            raise ConfigError(f"kv_transport={self.kv_transport!r} is not supported; allowed: {', '.join(TRANSPORTS)}")
+        self.prefill.check("prefill")
+        self.decode.check("decode")
+        self.router_config()   # fail now on a bad router section
+
+    def router_config_dict(self) -> dict:
+        """The router section with what the engines decide (model, lengths, block size) on top."""
+        return {**self.router, "model": self.model, "max_model_len": self.engine.max_model_len,
+                "block_size": self.engine.block_size}
+
+    def router_config(self) -> RouterConfig:
+        return from_dict(self.router_config_dict())
+
+    @property
+    def gateway(self) -> tuple[str, int]:
+        gw = self.router_config().gateway
+        return gw.host, gw.port
+
+
+_SECTIONS = {"ray": RayClusterConfig, "engine": EngineSettings, "prefill": PoolConfig, "decode": PoolConfig,
+             "autoscaling": AutoscalingTiming}
+
+
+def load(path: str, **overrides) -> RayServeConfig:
+    """The file (YAML) with top-level `overrides` (None: keep the file's) applied."""
+    if not os.path.isfile(path):
+        raise ConfigError(f"config file {path} does not exist")
+    with open(path, encoding="utf-8") as f:
+        data = yaml.safe_load(f) or {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: the config must be a mapping, got {type(data).__name__}")
+    data.update({k: v for k, v in overrides.items() if v is not None})
+    return parse(data)
+
+
+def parse(data: dict) -> RayServeConfig:
+    kwargs = dict(_checked(data, RayServeConfig, "the config"))
+    for key, cls in _SECTIONS.items():
+        if key in kwargs:
+            kwargs[key] = cls(**_checked(kwargs[key], cls, key))
+    if "router" in kwargs and not isinstance(kwargs["router"], dict):
+        raise ConfigError(f"router must be a mapping (docs/router.md), got {type(kwargs['router']).__name__}")
+    try:
+        return RayServeConfig(**kwargs)
+    except TypeError as exc:   # a value of the wrong type that a comparison tripped over
+        raise ConfigError(f"bad value in the config: {exc}") from None
+
+
+def _checked(data, cls, where: str) -> dict:
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where} must be a mapping, got {type(data).__name__}")
+    allowed = [f.name for f in dataclasses.fields(cls)]
+    unknown = sorted(set(data) - set(allowed))
+    if unknown:
+        raise ConfigError(f"unknown key(s) {unknown} in {where}; allowed: {', '.join(allowed)}")
+    return data
+
+
+def registry_ref(config: RayServeConfig) -> dict:
+    return {"app": config.name, "deployment": "WorkerRegistry"}
+
+
+def render(config: RayServeConfig) -> dict:
+    """The Serve deploy config (ServeDeploySchema as a dict): what `serve run`, `serve deploy`
+    and a KubeRay RayService's `serveConfigV2` take. Pure: no Ray needed."""
+    host, port = config.gateway
+    apps = [{"name": config.name, "route_prefix": "/", "import_path": "splitserve.router.ray_ingress:build_gateway",
+             "args": {"router": config.router_config_dict(), "registry": registry_ref(config)}}]
+    for role in ("prefill", "decode"):
+        apps.append({"name": f"{config.name}-{role}", "route_prefix": None,
+                     "import_path": "splitserve.workers.ray_replica:build_pool",
+                     "args": {"role": role, "model": config.model, "kv_transport": config.kv_transport,
+                              "engine": dataclasses.asdict(config.engine), "registry": registry_ref(config),
+                              "host": config.worker_host},
+                     # Serve's own per-deployment overrides: what a RayService user tunes.
+                     "deployments": [deployment_options(config, role)]})
+    return {"proxy_location": "HeadOnly", "http_options": {"host": host, "port": port}, "applications": apps}
+
+
+def deployment_options(config: RayServeConfig, role: str) -> dict:
+    pool: PoolConfig = getattr(config, role)
+    timing = config.autoscaling
+    return {
+        "name": f"{role}",
+        "ray_actor_options": dict(pool.ray_actor_options),
+        "autoscaling_config": {
+            "min_replicas": pool.min_replicas, "max_replicas": pool.max_replicas,
+            "initial_replicas": pool.min_replicas, "target_ongoing_requests": pool.target_queue_depth,
+            "look_back_period_s": timing.look_back_period_s, "metrics_interval_s": timing.metrics_interval_s,
+            "upscale_delay_s": timing.upscale_delay_s,
+            "downscale_delay_s": timing.downscale_delay_s,
+            # target_ongoing_requests above is read by the policy as the target queue depth.
+            "policy": {"policy_function": POLICY},
+        },
+        # The router drives the replicas over gRPC, not through handles: no handle queueing.
+        "max_ongoing_requests": 1000,
+        "graceful_shutdown_timeout_s": 20,
+        "health_check_period_s": 2,
+        "health_check_timeout_s": 10,
+    }
+

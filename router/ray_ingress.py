@@ -1,0 +1,43 @@
+"""The gateway and router as the Ray Serve ingress deployment.
+
+`Gateway` is the same FastAPI app and `Router` as `splitserve router` (router/app.py,
+router/service.py), served by Serve's HTTP proxy; only discovery differs: `RayDiscovery` reads
+the worker registry deployment, which lives in the same Serve application. The router's lifespan
+(start/stop of discovery, watchers, channels) runs as the ingress replica starts and stops.
+
+`build_gateway(args)` is the Serve application builder named in the rendered config
+(router/ray_config.py `render`).
+"""
+
+from __future__ import annotations
+
+from ray import serve
+
+from splitserve.router.config import from_dict
+from splitserve.router.discovery_ray import RayDiscovery
+from splitserve.router.ray_registry import WorkerRegistry
+
+
+@serve.ingress()
+class Gateway:
+    def __init__(self, router: dict, registry):
+        from splitserve.router import logctx
+        from splitserve.router.service import Router
+
+        logctx.install()
+        self.registry = registry
+        self.router = Router(from_dict(router), discovery=RayDiscovery(lambda: registry.workers.remote()))
+
+    def __serve_build_asgi_app__(self):
+        from splitserve.router.app import create_app
+
+        return create_app(self.router)
+
+
+def build_gateway(args: dict):
+    """Serve application builder: the ingress and the worker registry it reads."""
+    registry = serve.deployment(WorkerRegistry).options(
+        name=args["registry"]["deployment"], num_replicas=1, ray_actor_options={"num_cpus": 0}).bind()
+    gateway = serve.deployment(Gateway).options(name="gateway", num_replicas=1, ray_actor_options={"num_cpus": 0},
+                                                max_ongoing_requests=1000)
+    return gateway.bind(args["router"], registry)

@@ -1,0 +1,37 @@
+"""Which worker replicas of a Ray Serve deployment are alive, and where they listen.
+
+A Serve deployment (one replica, no CPU) that the worker replicas heartbeat into every second
+through a DeploymentHandle (workers/ray_replica.py) and the gateway's `RayDiscovery` reads
+(router/discovery_ray.py). An entry is `{address, role, metrics, actor_name, replica_id}`; a
+replica that stops heartbeating for `stale_after_s` is dropped (it was killed, or its node was
+lost), one that stops gracefully unregisters itself. The registry keeps no other state: if Serve
+restarts it, the next round of heartbeats rebuilds it within a second.
+"""
+
+from __future__ import annotations
+
+import time
+
+STALE_AFTER_S = 3.0
+
+
+class WorkerRegistry:
+    def __init__(self, stale_after_s: float = STALE_AFTER_S, clock=time.monotonic):
+        self.stale_after_s = stale_after_s
+        self.clock = clock
+        self._entries: dict[str, tuple[dict, float]] = {}
+
+    def register(self, info: dict) -> None:
+        """A heartbeat: add or refresh the replica at `info["address"]`."""
+        self._entries[info["address"]] = (dict(info), self.clock())
+
+    def unregister(self, address: str) -> None:
+        self._entries.pop(address, None)
+
+    def workers(self) -> list[dict]:
+        """The live replicas, stale ones dropped first."""
+        now = self.clock()
+        for address, (_, seen) in list(self._entries.items()):
+            if now - seen > self.stale_after_s:
+                del self._entries[address]
+        return [info for info, _ in self._entries.values()]
