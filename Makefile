@@ -7,7 +7,16 @@ STAMP := $(VENV)/.splitserve-installed
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 
-.PHONY: setup run test bench bench-gpu clean
+PEER := .venv-peer
+PEER_STAMP := $(PEER)/.llama-cpp-installed
+# llama-cpp-python, the peer of the serving benchmark. Its default build crashes on this CPU (it
+# advertises AMX, which is unusable here): build without AMX and without -march=native
+# (DESIGN.md section 7). --no-cache-dir: pip would otherwise reuse a cached crashing wheel.
+LLAMA_CMAKE_ARGS := -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON \
+	-DGGML_BMI2=ON -DGGML_AVX_VNNI=ON -DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON \
+	-DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF
+
+.PHONY: setup run test bench bench-gpu peer clean
 
 setup: $(STAMP)
 
@@ -30,15 +39,28 @@ run: setup
 test: setup
 	$(PY) -m pytest -q
 
-bench: setup
+# The whole suite takes about an hour on the 2-core box (the serving suite most of it).
+bench: setup peer
+	$(PY) -c "import matplotlib" 2>/dev/null || $(PY) -m pip install -q -e '.[bench]'
 	$(PY) bench/engine_offline.py --write docs/benchmarks.md --threads 2
 	$(PY) bench/kv_transfer.py --write docs/benchmarks.md
 	$(PY) bench/disagg_ttft.py --write docs/benchmarks.md
 	$(PY) bench/router_bench.py --write docs/benchmarks.md
+	$(PY) bench/serving_suite.py --write docs/benchmarks.md --plots docs/bench --peer-python $(PEER)/bin/python
+
+peer: $(PEER_STAMP)
+
+$(PEER_STAMP):
+	test -x $(PEER)/bin/python || $(PYTHON) -m venv $(PEER)
+	ls $(PEER)/wheels/llama_cpp_python-0.3.36-*.whl >/dev/null 2>&1 || \
+		CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(PEER)/bin/pip wheel -q --no-cache-dir --no-deps \
+		llama-cpp-python==0.3.36 -w $(PEER)/wheels
+	$(PEER)/bin/pip install -q "$$(ls $(PEER)/wheels/llama_cpp_python-0.3.36-*.whl)[server]"
+	touch $(PEER_STAMP)
 
 # On a machine with an NVIDIA GPU and a CUDA build of torch (issue 8); `--smoke` runs it on CPU.
 bench-gpu: setup
 	$(PY) bench/gpu_roofline.py --write docs/benchmarks.md
 
 clean:
-	rm -rf $(VENV) .pytest_cache
+	rm -rf $(VENV) $(PEER) .pytest_cache

@@ -70,6 +70,22 @@ def _param(text: str) -> tuple[str, str]:
     return key.strip(), value.strip()
 
 
+def _extra_body(text: str) -> dict:
+    from splitserve.router.bench.client import RESERVED_FIELDS
+
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"must be a JSON object, e.g. '{{\"top_k\": 1}}' ({exc.msg})") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object, got {type(value).__name__}")
+    taken = sorted(set(value) & set(RESERVED_FIELDS))
+    if taken:
+        raise argparse.ArgumentTypeError(f"{taken} are set by the workload; allowed: any field but "
+                                         f"{', '.join(RESERVED_FIELDS)}")
+    return value
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--url", required=True, type=_url, help="base URL of the server, e.g. http://127.0.0.1:8000")
     p.add_argument("--model", default="smollm2-135m", help="the `model` field of every request")
@@ -87,6 +103,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--slo", type=_slo, default=None, metavar="ttft=S,tpot=S,e2e=S", help="goodput SLOs in seconds")
     p.add_argument("--workload-param", type=_param, action="append", default=[], metavar="KEY=VALUE",
                    help="override a workload parameter (repeatable), e.g. zipf=1.1")
+    p.add_argument("--extra-body", type=_extra_body, default={}, metavar="JSON",
+                   help="fields merged into every request, e.g. '{\"logit_bias\": {\"2\": -100}}' for a server "
+                        "without ignore_eos")
     p.add_argument("--output", default=None, help="write the JSON results here")
     p.add_argument("--request-timeout", type=_positive(" of seconds"), default=600.0, metavar="SECONDS")
     p.add_argument("--api-key", default=None, help="sent as Authorization: Bearer KEY")
@@ -112,7 +131,7 @@ def cmd_bench(args) -> int:
     cfg = runner.RunConfig(url=args.url, model=args.model, rate=args.rate, concurrency=args.concurrency,
                            burstiness=1.0 if args.burstiness is None else args.burstiness, seed=args.seed,
                            request_timeout_s=args.request_timeout, api_key=args.api_key,
-                           progress=not args.no_progress)
+                           progress=not args.no_progress, extra_body=args.extra_body)
     result = asyncio.run(runner.run(cfg, wl))
     doc = report.build_report(cfg, wl, result, args.slo)
     if args.output:

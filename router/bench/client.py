@@ -45,11 +45,15 @@ class RequestResult:
         return self.num_output_tokens if self.num_output_tokens is not None else 1 + len(self.itl_s)
 
 
-def encode_payload(model: str, req: BenchRequest) -> bytes:
+# Fields the harness owns: --extra-body may add or change any other.
+RESERVED_FIELDS = ("model", "prompt", "max_tokens", "stream", "stream_options")
+
+
+def encode_payload(model: str, req: BenchRequest, extra: dict | None = None) -> bytes:
     """The request body, built before the run so the client does no work at send time."""
-    return json.dumps({"model": model, "prompt": list(req.prompt_token_ids), "max_tokens": req.max_tokens,
-                       "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}},
-                      separators=(",", ":")).encode()
+    body = {"model": model, "prompt": list(req.prompt_token_ids), "max_tokens": req.max_tokens,
+            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    return json.dumps({**body, **(extra or {})}, separators=(",", ":")).encode()
 
 
 async def send(client: httpx.AsyncClient, url: str, body: bytes, out: RequestResult, t0: float) -> RequestResult:

@@ -42,6 +42,7 @@ class RunConfig:
     request_timeout_s: float = 600.0
     api_key: str | None = None
     progress: bool = True
+    extra_body: dict = field(default_factory=dict)   # merged into every request body
 
 
 @dataclass
@@ -102,7 +103,7 @@ async def _warmup(cfg: RunConfig, wl: Workload, client, url, limit) -> list[Requ
     progress = Progress(len(wl.warmup), "warm-up", cfg.progress)
     t0 = time.perf_counter()
     return list(await asyncio.gather(*[
-        _limited(limit, client, url, encode_payload(cfg.model, r), _record(i, r), t0, progress)
+        _limited(limit, client, url, encode_payload(cfg.model, r, cfg.extra_body), _record(i, r), t0, progress)
         for i, r in enumerate(wl.warmup)]))
 
 
@@ -111,7 +112,7 @@ async def run(cfg: RunConfig, wl: Workload) -> RunResult:
     limit = asyncio.Semaphore(cfg.concurrency) if cfg.concurrency else contextlib.nullcontext()
     offsets = (arrival_offsets(len(wl.sessions), cfg.rate, cfg.burstiness, np.random.default_rng([cfg.seed, 1]))
                if cfg.rate else [0.0] * len(wl.sessions))
-    bodies = [[encode_payload(cfg.model, r) for r in s] for s in wl.sessions]
+    bodies = [[encode_payload(cfg.model, r, cfg.extra_body) for r in s] for s in wl.sessions]
     async with _client(cfg) as client:
         warm = await _warmup(cfg, wl, client, url, limit)
         progress = Progress(wl.num_requests, "bench", cfg.progress)

@@ -12,6 +12,8 @@ max_tokens.
 - w1: `groups` system prompts of `system_len` tokens; a request is its group's system prompt
   plus a unique question of uniform [question_min, question_max] tokens; `per_group` requests
   per group, shuffled, or (zipf > 0) each request's group drawn with P(g) ∝ 1/(g+1)^zipf.
+  `warm_prefixes=1`: the warm-ups carry the groups' system prompts (with fresh questions), so
+  the measured phase sees a server in steady state instead of paying one cold miss per group.
 - w2: `sessions` chats of `turns` turns. Turn k's prompt = system + (user_1 + reply_1) + … +
   user_k. The replies are pre-drawn tokens standing for the assistant's answers (the client
   cannot know the ids the server generated; pre-drawing keeps every prompt fixed and seeded),
@@ -78,12 +80,14 @@ class W1Params:
     question_max: int = 48
     output_len: int = 16
     zipf: float = 0.0  # 0: every group gets per_group requests; > 0: Zipf(zipf) popularity
+    warm_prefixes: int = 0  # 1: warm-ups = each group's system prompt + a fresh question
 
     def __post_init__(self):
         _check(self.groups >= 1 and self.per_group >= 1, "w1", "groups and per_group must be >= 1")
         _check(self.system_len >= 1 and self.output_len >= 1, "w1", "system_len and output_len must be >= 1")
         _check_range("w1 question", self.question_min, self.question_max, low=0)
         _check(self.zipf >= 0, "w1", f"zipf must be >= 0, got {self.zipf}")
+        _check(self.warm_prefixes in (0, 1), "w1", f"warm_prefixes must be 0 or 1, got {self.warm_prefixes}")
 
     def default_num_requests(self) -> int:
         return self.groups * self.per_group
@@ -282,7 +286,12 @@ def build(name: str, overrides: dict[str, str] | None = None, num_requests: int 
                           f"({n}) is not a multiple of it; use {hint}")
     stream = zlib.crc32(name.encode())
     sessions = WORKLOADS[name][1](params, n, np.random.default_rng([seed, 0, stream]))
-    return Workload(name, params, sessions, _warmup(sessions, num_warmup, np.random.default_rng([seed, 2, stream])))
+    warm_rng = np.random.default_rng([seed, 2, stream])
+    if name == "w1" and params.warm_prefixes:
+        warmup = _w1_warmup(params, sessions, num_warmup, warm_rng)
+    else:
+        warmup = _warmup(sessions, num_warmup, warm_rng)
+    return Workload(name, params, sessions, warmup)
 
 
 def _warmup(sessions: list[Session], n: int, rng: np.random.Generator) -> list[BenchRequest]:
@@ -291,3 +300,14 @@ def _warmup(sessions: list[Session], n: int, rng: np.random.Generator) -> list[B
     flat = [r for s in sessions for r in s]
     return [BenchRequest(_tokens(rng, flat[i % len(flat)].num_prompt_tokens), flat[i % len(flat)].max_tokens,
                          category="warmup") for i in range(n)]
+
+
+def _w1_warmup(p: W1Params, sessions: list[Session], n: int, rng: np.random.Generator) -> list[BenchRequest]:
+    """Group g's system prompt + a fresh question, cycling through the groups the measured
+    requests use (in group order): the server's caches reach steady state before measuring."""
+    systems = {}
+    for (req,) in sessions:
+        systems.setdefault(req.tag, req.prompt_token_ids[:p.system_len])
+    tags = sorted(systems, key=lambda t: int(t.split("-")[1]))
+    return [BenchRequest(systems[tags[i % len(tags)]] + _tokens(rng, _uniform(rng, p.question_min, p.question_max)),
+                         p.output_len, category="warmup", tag=tags[i % len(tags)]) for i in range(n)]

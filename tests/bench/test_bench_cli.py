@@ -43,6 +43,9 @@ def run_main(capsys, *argv) -> tuple[int, str, str]:
     ([*W1, "--rate", "1", "--workload-param", "size=3"], "w1 has no parameter 'size'"),
     (["--url", "127.0.0.1:8000", "--workload", "w1", "--rate", "1"], "argument --url: must start with http://"),
     ([*W1, "--rate", "1", "--output", "/nonexistent/dir/r.json"], "does not exist"),
+    ([*W1, "--rate", "1", "--extra-body", "{top_k: 1}"], "argument --extra-body: must be a JSON object"),
+    ([*W1, "--rate", "1", "--extra-body", "[1]"], "must be a JSON object, got list"),
+    ([*W1, "--rate", "1", "--extra-body", '{"prompt": "hi"}'], "['prompt'] are set by the workload"),
 ])
 def test_invalid_arguments_exit_2_with_a_message(capsys, argv, message):
     code, out, err = run_main(capsys, *argv)
@@ -81,6 +84,24 @@ def test_installed_command_runs_a_workload_and_writes_json(server, tmp_path):
     assert "bench: 10/10 done, 0 failed" in proc.stderr        # the progress line
     for text in ("workload w3", "goodput:", "TTFT", "TPOT", "ITL", "E2E", "interactive", "long", "client CPU"):
         assert text in proc.stdout
+
+
+def test_extra_body_reaches_every_request(server, capsys):
+    """For a peer without `ignore_eos` (llama-cpp-python): ban its EOS through logit_bias."""
+    seen = []
+
+    def script(n, payload):
+        seen.append(payload)
+        return Script(0.001, (0.001,) * (payload["max_tokens"] - 1))
+    server.reset(script)
+    code, _, err = run_main(capsys, "--url", server.url, "--workload", "random", "--concurrency", "2",
+                            "--num-requests", "3", "--warmup", "1", "--no-progress", "--extra-body",
+                            '{"logit_bias": {"2": -100}, "ignore_eos": false}')
+    assert code == 0, err
+    assert len(seen) == 4
+    for payload in seen:
+        assert payload["logit_bias"] == {"2": -100} and payload["ignore_eos"] is False
+        assert payload["stream"] is True and len(payload["prompt"]) == 128
 
 
 def test_w2_reports_ttft_per_turn(server, capsys):

@@ -100,10 +100,23 @@ def test_warmup_requests_are_fresh_and_leave_measured_requests_unchanged():
     assert not measured_starts & {r.prompt_token_ids[:16] for r in with_warmup.warmup}
 
 
+def test_w1_warm_prefixes_warms_every_group_system_prompt_with_fresh_questions():
+    wl = workloads.build("w1", {"warm_prefixes": "1", "groups": "3", "per_group": "4"}, num_warmup=5)
+    assert flat(wl) == flat(workloads.build("w1", {"groups": "3", "per_group": "4"}))   # measured set unchanged
+    systems = {r.tag: r.prompt_token_ids[:384] for r in flat(wl)}
+    assert [w.tag for w in wl.warmup] == ["group-0", "group-1", "group-2", "group-0", "group-1"]
+    for w in wl.warmup:
+        assert w.prompt_token_ids[:384] == systems[w.tag] and w.category == "warmup"
+        assert 384 + 16 <= w.num_prompt_tokens <= 384 + 48
+    measured = {r.prompt_token_ids for r in flat(wl)}
+    assert not measured & {w.prompt_token_ids for w in wl.warmup}          # the questions are fresh
+
+
 @pytest.mark.parametrize("name, overrides, num_requests, message", [
     ("w1", {"zipff": "1"}, None, "w1 has no parameter 'zipff'; valid: groups, per_group"),
     ("w1", {"groups": "two"}, None, "w1 parameter groups='two' is not a int"),
     ("w1", {"zipf": "-1"}, None, "zipf must be >= 0"),
+    ("w1", {"warm_prefixes": "2"}, None, "warm_prefixes must be 0 or 1"),
     ("w1", {"question_min": "50"}, None, "needs 0 <= min <= max, got min=50, max=48"),
     ("w2", {}, 50, "not a multiple of it; use 48 or 54"),
     ("w3", {"long_fraction": "1.5"}, None, "long_fraction must be in [0, 1]"),

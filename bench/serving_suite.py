@@ -1,0 +1,581 @@
+"""The serving suite of `make bench` (issue 6): W1–W4 against splitserve's own baselines, and a
+peer (llama-cpp-python's OpenAI server) on the same machine, all through `splitserve bench`.
+
+    python bench/serving_suite.py --write docs/benchmarks.md [--plots docs/bench] [--quick]
+        [--only w1,w2,w3,w4,peer] [--peer-python .venv-peer/bin/python]
+
+Every arm has the same resources: two worker processes pinned to one core each (`taskset`, one
+torch thread), the same KV capacity per worker (`KV_BLOCKS` blocks, set through
+--kv-cache-memory and read back from each worker's /debug/kv), the same model and dtype. The
+router and the client are not pinned: they share the two cores with the workers, alike in every
+arm (the client's CPU time is in each result). Between arms every process is restarted, so no
+arm inherits another's prefix cache; the arms of one workload run back to back at each load
+point (interleaved), so drift of the machine hits them alike. Workload definitions, expected
+directions and falsifiers: docs/bench.md (written before any run).
+
+Arms
+- routing (W1, W2, W4): two colocated workers (`--role both`), the router's decode profile
+  set to `round-robin`; `least-queue` (queue-depth + pending-assignments); `prefix-only`
+  (prefix-overlap alone); `prefix+queue` (the default profile, ours); W1 also `no-cache`
+  (ours with the workers' prefix caching off: the floor).
+- disaggregation (W3, W4): `colocated` (two `both` workers, ours, no chunked prefill);
+  `colocated+chunked` (chunks of CHUNK tokens); `1P1D` (one prefill + one decode worker, every
+  prompt prefilled remotely, KV over UCX — TCP when ucxx is missing); `1P1D-conditional`
+  (remote only when at least COND_TOKENS tokens are uncached).
+
+Results: the section between <!-- serving:begin/end --> of --write, PNG plots in --plots, the
+summaries (no per-request records) in --plots/serving-summary.json, raw JSON in a temp folder.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import datetime
+import importlib.util
+import json
+import os
+import pathlib
+import platform as stdlib_platform
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+
+import yaml
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from report import markers, write_section  # noqa: E402
+
+MODEL = "smollm2-135m"
+KV_BLOCKS = 192                   # per worker: 3,072 tokens in 16-token blocks
+BLOCK_BYTES = 2 * 30 * 16 * 3 * 64 * 4   # K+V x 30 layers x 16 tokens x 3 KV heads x 64 dims x fp32
+CHUNK = 128                       # prefill chunk of the chunked arm (tokens per step)
+COND_TOKENS = 128                 # conditional disaggregation threshold
+SEED = 0
+
+
+# ---- arms ----------------------------------------------------------------------------------------
+SCORERS = {
+    "round-robin": [{"name": "round-robin", "weight": 1}],
+    "least-queue": [{"name": "queue-depth", "weight": 3}, {"name": "pending-assignments", "weight": 1}],
+    "prefix-only": [{"name": "prefix-overlap", "weight": 1}],
+    "prefix+queue": None,          # the default decode profile
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Arm:
+    name: str
+    roles: tuple[str, ...] = ("both", "both")
+    scorers: str = "prefix+queue"
+    mode: str = "never"            # the router's disaggregation mode
+    worker_args: tuple[str, ...] = ()
+    prefill_args: tuple[str, ...] = ()   # extra, prefill role only
+
+    def router_config(self, port: int, workers: list[str]) -> dict:
+        placement = {"disaggregation": {"mode": self.mode, "min_prefill_tokens": COND_TOKENS}}
+        if SCORERS[self.scorers] is not None:
+            placement["decode"] = {"scorers": SCORERS[self.scorers]}
+        return {"model": MODEL, "max_model_len": 2048,
+                "gateway": {"host": "127.0.0.1", "port": port, "max_concurrent_requests": 512,
+                            "max_queued_requests": 4096},
+                "discovery": {"workers": workers}, "placement": placement}
+
+
+ROUTING = [Arm(name, scorers=name) for name in SCORERS]
+NO_CACHE = Arm("no-cache", worker_args=("--no-prefix-caching",))
+DISAGG = [
+    Arm("colocated", worker_args=("--no-chunked-prefill",)),
+    Arm("colocated+chunked", worker_args=("--max-num-batched-tokens", str(CHUNK))),
+    Arm("1P1D", roles=("prefill", "decode"), mode="always", worker_args=("--disaggregation", "always")),
+    Arm("1P1D-conditional", roles=("prefill", "decode"), mode="conditional",
+        worker_args=("--disaggregation", "conditional", "--min-prefill-tokens", str(COND_TOKENS))),
+]
+
+
+@dataclasses.dataclass(frozen=True)
+class Run:
+    """One `splitserve bench` invocation against one arm."""
+
+    workload: str
+    arm: Arm
+    num_requests: int
+    rate: float | None = None
+    concurrency: int | None = None
+    warmup: int = 2
+    params: tuple[tuple[str, str], ...] = ()
+    extra_body: str = ""
+
+    @property
+    def load(self) -> str:
+        return f"rate {self.rate}/s" if self.rate else f"concurrency {self.concurrency}"
+
+    def bench_args(self, url: str, output: str) -> list[str]:
+        args = ["--url", url, "--model", MODEL, "--workload", self.workload, "--num-requests",
+                str(self.num_requests), "--warmup", str(self.warmup), "--seed", str(SEED), "--no-progress",
+                "--output", output, "--request-timeout", "900"]
+        args += ["--rate", str(self.rate)] if self.rate else ["--concurrency", str(self.concurrency)]
+        for key, value in self.params:
+            args += ["--workload-param", f"{key}={value}"]
+        if self.extra_body:
+            args += ["--extra-body", self.extra_body]
+        return args
+
+
+def plan(quick: bool) -> dict[str, list[list[Run]]]:
+    """Per workload, groups of runs; the runs of a group are the arms at one load point."""
+    q = quick
+    w1 = (("warm_prefixes", "1"), ("system_len", "256"), ("groups", "8"), ("per_group", "2" if q else "8"))
+    w1_n = 16 if q else 64
+    w1_rates = [0.6] if q else [0.6, 1.2]
+    w2 = (("sessions", "4" if q else "8"), ("turns", "6"), ("think_s", "1.0"))
+    w3_n = 20 if q else 50
+    w4 = (("output_min", "64"), ("output_max", "128"))
+    groups = {
+        "w1": [[Run("w1", arm, w1_n, rate=r, warmup=16, params=w1) for arm in ROUTING] for r in w1_rates]
+        + [[Run("w1", NO_CACHE, w1_n, rate=w1_rates[0], warmup=16, params=w1)]],
+        "w2": [[Run("w2", arm, 24 if q else 48, rate=0.5, warmup=2, params=w2)
+                for arm in (ROUTING[0], ROUTING[3], dataclasses.replace(NO_CACHE))]],
+        "w3": [[Run("w3", arm, w3_n, rate=0.8, warmup=2) for arm in DISAGG]],
+        "w4": [[Run("w4", arm, 8 if q else 24, concurrency=8, warmup=2, params=w4)
+                for arm in (ROUTING[0], ROUTING[3], DISAGG[2])]],
+    }
+    return groups
+
+
+# ---- processes -------------------------------------------------------------------------------------
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Proc:
+    """A child process whose output is kept (last lines) and watched for a ready line."""
+
+    def __init__(self, name: str, argv: list[str], ready_prefix: str | None = None, env: dict | None = None):
+        self.name, self.argv, self.ready_prefix = name, argv, ready_prefix
+        self.tail: list[str] = []
+        self.ready = threading.Event()
+        self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                     start_new_session=True, env=env)
+        threading.Thread(target=self._pump, daemon=True).start()
+
+    def _pump(self) -> None:
+        for line in self.proc.stdout:
+            self.tail = (self.tail + [line])[-30:]
+            if self.ready_prefix and line.startswith(self.ready_prefix):
+                self.ready.set()
+        self.ready.set()
+
+    def wait_ready(self, timeout_s: float) -> None:
+        if not self.ready.wait(timeout_s) or self.proc.poll() is not None:
+            raise RuntimeError(f"{self.name} did not start:\n" + "".join(self.tail[-20:]))
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(5)
+
+
+def http_get(url: str, timeout: float = 2.0) -> tuple[int, bytes]:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, b""
+    except OSError:
+        return 0, b""
+
+
+def wait_http(url: str, timeout_s: float, proc: Proc) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if http_get(url)[0] == 200:
+            return
+        if proc.proc.poll() is not None:
+            break
+        time.sleep(0.2)
+    raise RuntimeError(f"{proc.name}: {url} not ready:\n" + "".join(proc.tail[-20:]))
+
+
+def kv_transport() -> str:
+    return "ucx" if importlib.util.find_spec("ucxx") is not None else "tcp"
+
+
+class Cluster:
+    """Two pinned workers and a router, for one arm."""
+
+    def __init__(self, arm: Arm, workdir: pathlib.Path):
+        self.arm, self.procs, self.kv_blocks = arm, [], []
+        gib = (KV_BLOCKS * BLOCK_BYTES + BLOCK_BYTES // 2) / 2**30
+        addresses, metrics = [], []
+        cores = os.sched_getaffinity(0)
+        for i, role in enumerate(arm.roles):
+            grpc_port, metrics_port, kv_port = free_port(), free_port(), free_port()
+            core = sorted(cores)[i % len(cores)]
+            extra = arm.prefill_args if role == "prefill" else ()
+            argv = ["taskset", "-c", str(core), sys.executable, "-m", "splitserve.platform.cli", "--log-level",
+                    "WARNING", "worker", "--role", role, "--model", MODEL, "--threads", "1", "--kv-transport",
+                    kv_transport(), "--kv-cache-memory", f"{gib:.6f}", "--max-model-len", "2048",
+                    "--grpc-port", str(grpc_port), "--metrics-port", str(metrics_port), "--kv-port", str(kv_port),
+                    "--drain-grace", "2", *arm.worker_args, *extra]
+            self.procs.append(Proc(f"{role} worker {i}", argv, ready_prefix="READY"))
+            addresses.append(f"127.0.0.1:{grpc_port}")
+            metrics.append(metrics_port)
+        for p in self.procs:
+            p.wait_ready(300)
+        for port in metrics:
+            _, body = http_get(f"http://127.0.0.1:{port}/debug/kv")
+            self.kv_blocks.append(json.loads(body)["num_blocks"])
+        port = free_port()
+        config = workdir / f"router-{arm.name}.yaml"
+        config.write_text(yaml.safe_dump(arm.router_config(port, addresses)))
+        self.router = Proc("router", [sys.executable, "-m", "splitserve.platform.cli", "--log-level", "WARNING",
+                                      "router", "--config", str(config)], ready_prefix="splitserve router")
+        self.procs.append(self.router)
+        self.url = f"http://127.0.0.1:{port}"
+        wait_http(self.url + "/ready", 120, self.router)
+        self._wait_pool(len(arm.roles))
+
+    def _wait_pool(self, n: int) -> None:
+        """Until the router lists every worker as healthy (its /metrics pool gauge)."""
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            _, body = http_get(self.url + "/metrics")
+            healthy = sum(float(line.rsplit(" ", 1)[1]) for line in body.decode().splitlines()
+                          if line.startswith("splitserve_router_workers{") and 'state="healthy"' in line)
+            if healthy >= n:
+                return
+            time.sleep(0.2)
+        raise RuntimeError(f"the router did not see {n} healthy workers")
+
+    def stop(self) -> None:
+        for p in reversed(self.procs):
+            p.stop()
+
+
+def bench(run: Run, url: str, raw: pathlib.Path, tag: str) -> dict:
+    out = raw / f"{tag}.json"
+    argv = [sys.executable, "-m", "splitserve.router.bench.cli", *run.bench_args(url, str(out))]
+    t0 = time.monotonic()
+    proc = subprocess.run(argv, capture_output=True, text=True)
+    if proc.returncode != 0 or not out.exists():
+        raise RuntimeError(f"bench {tag} failed ({proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
+    doc = json.loads(out.read_text())
+    print(f"  {tag}: {time.monotonic() - t0:.0f} s\n" + proc.stdout, flush=True)
+    return doc
+
+
+def run_group(group: list[Run], raw: pathlib.Path, workdir: pathlib.Path) -> list[dict]:
+    results = []
+    for run in group:
+        tag = f"{run.workload}-{run.arm.name}-{(run.load).replace(' ', '').replace('/', '')}"
+        print(f"== {tag}", flush=True)
+        cluster = Cluster(run.arm, workdir)
+        try:
+            doc = bench(run, cluster.url, raw, tag)
+        finally:
+            cluster.stop()
+        doc["arm"], doc["kv_blocks"], doc["load"] = run.arm.name, cluster.kv_blocks, run.load
+        results.append(doc)
+    return results
+
+
+# ---- the peer ----------------------------------------------------------------------------------------
+PEER_CONCURRENCY = (1, 4, 16)
+# llama-cpp-python has no ignore_eos: ban SmolLM2's <|endoftext|> (0) and <|im_end|> (2) instead,
+# so it generates max_tokens as splitserve does (the report flags any length mismatch).
+PEER_NO_EOS = json.dumps({"logit_bias": {"0": -100, "2": -100}})
+
+
+def peer_runs(quick: bool) -> list[Run]:
+    sizes = {1: 4, 4: 8, 16: 16} if quick else {1: 8, 4: 16, 16: 48}
+    return [Run("random", ROUTING[3], sizes[c], concurrency=c, warmup=2,
+                params=(("input_len", "128"), ("output_len", "64"))) for c in PEER_CONCURRENCY]
+
+
+def gguf_path() -> str:
+    from splitserve.platform.model_source import resolve_model
+
+    return resolve_model(MODEL).path
+
+
+def run_peer(peer_python: str, quick: bool, raw: pathlib.Path, workdir: pathlib.Path) -> list[dict]:
+    """splitserve (two colocated workers, ours) and llama-cpp-python's server (2 threads), each
+    at concurrency 1, 4, 16, interleaved by concurrency."""
+    results = []
+    for run in peer_runs(quick):
+        for server in ("splitserve", "llama.cpp"):
+            tag = f"peer-{server}-c{run.concurrency}"
+            print(f"== {tag}", flush=True)
+            if server == "splitserve":
+                cluster = Cluster(run.arm, workdir)
+                url, stop = cluster.url, cluster.stop
+            else:
+                run = dataclasses.replace(run, extra_body=PEER_NO_EOS)
+                port = free_port()
+                proc = Proc("llama.cpp server", [peer_python, "-m", "llama_cpp.server", "--model", gguf_path(),
+                                                 "--host", "127.0.0.1", "--port", str(port), "--n_threads", "2",
+                                                 "--n_threads_batch", "2", "--n_ctx", "2048"])
+                url, stop = f"http://127.0.0.1:{port}", proc.stop
+                wait_http(url + "/v1/models", 120, proc)
+            try:
+                doc = bench(run, url, raw, tag)
+            finally:
+                stop()
+            doc["arm"], doc["load"], doc["server"] = server, run.load, server
+            results.append(doc)
+    return results
+
+
+# ---- report ------------------------------------------------------------------------------------------
+def _ms(stats: dict | None, key: str) -> str:
+    return "–" if not stats or stats.get(key) is None else f"{stats[key]:.0f}"
+
+
+def summary_row(doc: dict, category: str | None = None) -> str:
+    s = doc["categories"][category] if category else doc["summary"]
+    hit = doc["summary"]["prefix_cache_hit_rate"]
+    return (f"| {doc['arm']} | {doc['load']} | {s['completed']}/{s['completed'] + s['failed']} | "
+            f"{'–' if hit is None else f'{100 * hit:.0f} %'} | {_ms(s['ttft_ms'], 'p50')} | "
+            f"{_ms(s['ttft_ms'], 'p90')} | {_ms(s['ttft_ms'], 'p99')} | {_ms(s['itl_ms'], 'p50')} | "
+            f"{_ms(s['itl_ms'], 'p99')} | {_ms(s['tpot_ms'], 'p50')} | {s['output_throughput']:.1f} | "
+            f"{100 * doc['client_cpu_fraction']:.0f} % |")
+
+
+HEADER = ("| arm | load | done | prefix hit | TTFT p50 | TTFT p90 | TTFT p99 | ITL p50 | ITL p99 | TPOT p50 | "
+          "out tok/s | client CPU |\n|---|---|---|---|---|---|---|---|---|---|---|---|")
+
+
+def pick(docs: list[dict], arm: str, load: str | None = None) -> dict | None:
+    return next((d for d in docs if d["arm"] == arm and (load is None or d["load"] == load)), None)
+
+
+def ratio(a: float | None, b: float | None) -> str:
+    return "–" if not a or not b else f"{a / b:.2f}×"
+
+
+def stat(doc: dict | None, metric: str, key: str, category: str | None = None) -> float | None:
+    if doc is None:
+        return None
+    s = doc["categories"].get(category) if category else doc["summary"]
+    return None if not s or not s[metric] else s[metric].get(key)
+
+
+def render(results: dict[str, list[dict]], plots: dict[str, str], meta: dict) -> str:
+    begin, end = markers("serving")
+    out = [begin, "## Serving suite: W1–W4 and the peer (issue 6)", "",
+           f"Machine: {meta['machine']}. Run of {meta['date']}, {meta['minutes']:.0f} minutes, "
+           f"command: `{meta['command']}`.", "",
+           f"Every arm: 2 worker processes pinned to one core each (`taskset`, `--threads 1`), "
+           f"{KV_BLOCKS} KV blocks ({KV_BLOCKS * 16} tokens) per worker (read back from /debug/kv: "
+           f"{meta['kv_blocks']}), SmolLM2-135M Q4_1 dequantized to fp32, KV transfer over "
+           f"{kv_transport().upper()}; router and client unpinned on the same 2 cores. Workers and router "
+           "restarted for every arm; the arms of a load point run back to back. Latencies in ms; "
+           "`prefix hit` is the server-reported cached share of prompt tokens.", ""]
+    w1 = results.get("w1", [])
+    if w1:
+        out += ["### W1: shared system prompts, routing arms", "",
+                "8 groups × 256-token system prompt + a 16–48-token question, 16 output tokens; the warm-up "
+                "(16 requests) carries the groups' system prompts (`warm_prefixes=1`), so the measured "
+                "requests see a warm cluster.", "", HEADER]
+        out += [summary_row(d) for d in w1]
+        for load in dict.fromkeys(d["load"] for d in w1 if d["arm"] != "no-cache"):
+            rr, ours = pick(w1, "round-robin", load), pick(w1, "prefix+queue", load)
+            out.append(f"\n{load}: p90 TTFT round-robin ÷ prefix+queue = "
+                       f"**{ratio(stat(rr, 'ttft_ms', 'p90'), stat(ours, 'ttft_ms', 'p90'))}** (target ≥ 2×); "
+                       f"mean {ratio(stat(rr, 'ttft_ms', 'mean'), stat(ours, 'ttft_ms', 'mean'))}.")
+        out += ["", f"![W1 TTFT vs load]({plots['w1']})", ""]
+    w2 = results.get("w2", [])
+    if w2:
+        out += ["### W2: multi-turn sessions", "",
+                "8 sessions × 6 turns (prompts 160 … 480 tokens, each turn's prompt a prefix of the next), "
+                "32 output tokens, think time exp(1 s); sessions arrive at 0.5/s.", "", HEADER]
+        out += [summary_row(d) for d in w2]
+        turns = sorted({c for d in w2 for c in d["categories"]}, key=lambda c: int(c.split("-")[1]))
+        out += ["", "Mean TTFT per turn (ms):", "", "| arm | " + " | ".join(turns) + " |",
+                "|---|" + "---|" * len(turns)]
+        for d in w2:
+            out.append(f"| {d['arm']} | " + " | ".join(_ms(d["categories"][t]["ttft_ms"], "mean") for t in turns) + " |")
+        out += ["", f"![W2 TTFT per turn]({plots['w2']})", ""]
+    w3 = results.get("w3", [])
+    if w3:
+        out += ["### W3: long prompts beside interactive streams", "",
+                "20 % long requests (320–448-token prompts, 8 output tokens) among interactive ones "
+                "(32-token prompts, 64 output tokens), Poisson at 0.8 req/s. Interactive requests:", "", HEADER]
+        out += [summary_row(d, "interactive") for d in w3]
+        out += ["", "Long requests:", "", HEADER] + [summary_row(d, "long") for d in w3]
+        a, c = pick(w3, "colocated"), pick(w3, "1P1D")
+        b, dd = pick(w3, "colocated+chunked"), pick(w3, "1P1D-conditional")
+        itl = [stat(x, "itl_ms", "p99", "interactive") for x in (a, b, c, dd)]
+        out += ["", f"Interactive p99 ITL, colocated (no chunking) ÷ 1P1D = **{ratio(itl[0], itl[2])}** "
+                    f"(target ≥ 5×); ÷ 1P1D-conditional = {ratio(itl[0], itl[3])}; colocated+chunked ÷ 1P1D = "
+                    f"{ratio(itl[1], itl[2])}.", "", f"![W3 interactive ITL]({plots['w3']})", ""]
+    w4 = results.get("w4", [])
+    if w4:
+        out += ["### W4: short prompts, long outputs (negative control)", "",
+                "32–64-token prompts, 64–128 output tokens, concurrency 8.", "", HEADER]
+        out += [summary_row(d) for d in w4]
+        rr, ours, pd = pick(w4, "round-robin"), pick(w4, "prefix+queue"), pick(w4, "1P1D")
+        tput = lambda d: d and d["summary"]["output_throughput"]  # noqa: E731
+        out += ["", f"Output tok/s 1P1D ÷ colocated (prefix+queue) = {ratio(tput(pd), tput(ours))}; "
+                    f"prefix+queue ÷ round-robin = {ratio(tput(ours), tput(rr))}.", ""]
+    peer = results.get("peer", [])
+    if peer:
+        out += ["### Peer: llama-cpp-python's OpenAI server on the same GGUF", "",
+                "llama-cpp-python 0.3.36 built per DESIGN.md §7, `--n_threads 2 --n_threads_batch 2`, one "
+                "process on both cores; splitserve: two colocated workers (one core each, prefix+queue "
+                "routing). Workload `random`: 128-token prompts, 64 output tokens (`ignore_eos`; llama.cpp "
+                "gets its EOS tokens banned through `logit_bias` so it generates as many).", "",
+                "| server | load | done | TTFT p50 | TTFT p99 | TPOT p50 | single-stream decode tok/s | out tok/s |",
+                "|---|---|---|---|---|---|---|---|"]
+        for d in peer:
+            s = d["summary"]
+            tpot = stat(d, "tpot_ms", "p50")
+            decode = f"{1000 / tpot:.1f}" if tpot and d["load"] == "concurrency 1" else ""
+            out.append(f"| {d['server']} | {d['load']} | {s['completed']}/{s['completed'] + s['failed']} | "
+                       f"{_ms(s['ttft_ms'], 'p50')} | {_ms(s['ttft_ms'], 'p99')} | {_ms(s['tpot_ms'], 'p50')} | "
+                       f"{decode} | {s['output_throughput']:.1f} |")
+        ours, theirs = pick(peer, "splitserve", "concurrency 16"), pick(peer, "llama.cpp", "concurrency 16")
+        if ours and theirs:
+            out += ["", f"Output throughput at concurrency 16, splitserve ÷ llama.cpp = "
+                        f"**{ratio(ours['summary']['output_throughput'], theirs['summary']['output_throughput'])}** "
+                        "(target ≥ 1×).", "", f"![peer throughput]({plots['peer']})", ""]
+    out += [end]
+    return "\n".join(out)
+
+
+def make_plots(results: dict[str, list[dict]], folder: pathlib.Path, rel: str) -> dict[str, str]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    folder.mkdir(parents=True, exist_ok=True)
+    paths = {}
+
+    def save(fig, name):
+        fig.tight_layout()
+        fig.savefig(folder / name, dpi=110)
+        plt.close(fig)
+        paths[name.split("-")[0]] = f"{rel}/{name}"
+
+    if results.get("w1"):
+        fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+        for arm in dict.fromkeys(d["arm"] for d in results["w1"]):
+            docs = [d for d in results["w1"] if d["arm"] == arm]
+            rates = [d["config"]["rate"] for d in docs]
+            for ax, key in zip(axes, ("p50", "p90")):
+                ax.plot(rates, [d["summary"]["ttft_ms"][key] for d in docs], marker="o", label=arm)
+        for ax, key in zip(axes, ("p50", "p90")):
+            ax.set(xlabel="request rate (req/s)", ylabel=f"TTFT {key} (ms)", title=f"W1 TTFT {key} vs load")
+            ax.set_yscale("log")
+            ax.legend(fontsize=8)
+        save(fig, "w1-ttft-vs-load.png")
+    if results.get("w2"):
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for d in results["w2"]:
+            turns = sorted(d["categories"], key=lambda c: int(c.split("-")[1]))
+            ax.plot([int(t.split("-")[1]) for t in turns], [d["categories"][t]["ttft_ms"]["mean"] for t in turns],
+                    marker="o", label=d["arm"])
+        ax.set(xlabel="turn", ylabel="mean TTFT (ms)", title="W2 TTFT per turn")
+        ax.legend(fontsize=8)
+        save(fig, "w2-ttft-per-turn.png")
+    if results.get("w3"):
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for d in results["w3"]:
+            itl = sorted(x * 1000 for r in d["requests"] if r["category"] == "interactive" and r["success"]
+                         for x in r["itl_s"])
+            if itl:
+                ax.plot(itl, [(i + 1) / len(itl) for i in range(len(itl))], label=d["arm"])
+        ax.set(xscale="log", xlabel="inter-token latency (ms)", ylabel="CDF", title="W3 interactive ITL")
+        ax.legend(fontsize=8)
+        save(fig, "w3-itl-cdf.png")
+    if results.get("peer"):
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for server in ("splitserve", "llama.cpp"):
+            docs = [d for d in results["peer"] if d["server"] == server]
+            ax.plot([d["config"]["concurrency"] for d in docs], [d["summary"]["output_throughput"] for d in docs],
+                    marker="o", label=server)
+        ax.set(xscale="log", xlabel="concurrency", ylabel="output tok/s", title="Output throughput, 2 cores")
+        ax.set_xticks(list(PEER_CONCURRENCY), [str(c) for c in PEER_CONCURRENCY])
+        ax.legend()
+        save(fig, "peer-throughput.png")
+    return paths
+
+
+def machine() -> str:
+    model = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
+                 stdlib_platform.processor())
+    import torch
+
+    return (f"{len(os.sched_getaffinity(0))} vCPU {model}, {os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / 2**30:.0f} GiB, "
+            f"torch {torch.__version__}, Python {stdlib_platform.python_version()}")
+
+
+def strip(doc: dict) -> dict:
+    return {k: v for k, v in doc.items() if k != "requests"}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--write", help="the benchmarks file to write the section into")
+    ap.add_argument("--plots", default="docs/bench", help="folder for the PNG plots and the summary JSON")
+    ap.add_argument("--only", default="w1,w2,w3,w4,peer", help="comma-separated subset")
+    ap.add_argument("--quick", action="store_true", help="a few requests per arm (a smoke run, not a result)")
+    ap.add_argument("--peer-python", default=".venv-peer/bin/python",
+                    help="the Python with llama-cpp-python[server] installed (make bench builds it)")
+    args = ap.parse_args()
+    only = [x.strip() for x in args.only.split(",") if x.strip()]
+    unknown = sorted(set(only) - {"w1", "w2", "w3", "w4", "peer"})
+    if unknown:
+        ap.error(f"--only: unknown {unknown}; allowed: w1, w2, w3, w4, peer")
+    if shutil.which("taskset") is None:
+        ap.error("taskset (util-linux) is needed to pin each worker to one core")
+    if "peer" in only and not os.access(args.peer_python, os.X_OK):
+        ap.error(f"--peer-python {args.peer_python} is not executable; `make bench` builds it "
+                 "(or drop `peer` from --only)")
+    raw = pathlib.Path(tempfile.mkdtemp(prefix="splitserve-serving-"))
+    workdir = raw / "configs"
+    workdir.mkdir()
+    print(f"raw results in {raw}", flush=True)
+    t0 = time.monotonic()
+    results: dict[str, list[dict]] = {}
+    groups = plan(args.quick)
+    for name in only:
+        if name == "peer":
+            results["peer"] = run_peer(args.peer_python, args.quick, raw, workdir)
+        else:
+            results[name] = [doc for group in groups[name] for doc in run_group(group, raw, workdir)]
+    plots_dir = pathlib.Path(args.plots)
+    rel = os.path.relpath(plots_dir, pathlib.Path(args.write).parent) if args.write else str(plots_dir)
+    plots = make_plots(results, plots_dir, rel)
+    kv = sorted({b for docs in results.values() for d in docs for b in d.get("kv_blocks", [])})
+    meta = {"machine": machine(), "date": datetime.date.today().isoformat(), "minutes": (time.monotonic() - t0) / 60,
+            "command": "make bench  # = python bench/serving_suite.py --write docs/benchmarks.md"
+                       + (" --quick" if args.quick else ""),
+            "kv_blocks": ", ".join(map(str, kv)) or "–"}
+    (plots_dir / "serving-summary.json").write_text(
+        json.dumps({"meta": meta, "results": {k: [strip(d) for d in v] for k, v in results.items()}}, indent=1) + "\n")
+    section = render(results, plots, meta)
+    print(section)
+    if args.write:
+        write_section(args.write, "serving", section)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
