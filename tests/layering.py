@@ -31,6 +31,9 @@ CONTRACTS = [
                                         "splitserve.platform.config", "splitserve.platform.model_source",
                                         "splitserve.platform.detokenizer", "splitserve.platform.stop"],
      ["torch"]),
+    # The Serve controller imports the autoscaling policy; it must not load torch or the engine.
+    ("the Ray Serve autoscaling policy stays torch-free", ["splitserve.workers.ray_autoscale"],
+     ["torch", "splitserve.workers.main", *ENGINE]),
 ]
 
 

@@ -1,0 +1,152 @@
+"""`splitserve serve --backend ray` for real: a local Ray (2 CPUs, dashboard off, temp dir under
+the test's tmp path), Serve's proxy, the default model in one prefill and 1-2 decode replicas,
+real gRPC and KV over TCP between them, the official `openai` client in front.
+
+One Ray instance serves the whole module (starting one costs ~30 s here); the tests run in
+order: the answer, autoscaling up and back down, a killed replica, and shutdown last."""
+
+import threading
+import time
+import urllib.request
+
+import openai
+import pytest
+
+from raykit import free_port, local_config, num_target_replicas, ray_processes, wait_for
+
+pytestmark = pytest.mark.slow
+
+MODEL = "smollm2-135m"
+MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    from splitserve.router.ray_serve import RayServe
+
+    temp_dir = str(tmp_path_factory.mktemp("ray"))
+    started_at = time.time()
+    app = RayServe(local_config(temp_dir, free_port()))
+    app.start(timeout_s=300)
+    app.temp_dir, app.started_at = temp_dir, started_at
+    yield app
+    app.stop()
+
+
+@pytest.fixture(scope="module")
+def client(served):
+    return openai.OpenAI(base_url=served.url, api_key="unused", max_retries=0, timeout=120)
+
+
+def decode_metric(served, name: str) -> float:
+    total = 0.0
+    for worker in served.workers():
+        if worker["role"] == "decode":
+            text = urllib.request.urlopen(f"http://{worker['metrics']}/metrics", timeout=10).read().decode()
+            total += sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name))
+    return total
+
+
+def test_openai_client_gets_the_same_greedy_answer_as_splitserve_up(served, client, make_engine):
+    """The reference is the engine alone, which tests/router/test_router_up.py holds `splitserve
+    up` to as well; the decode replica got the prompt's KV from the prefill replica."""
+    from splitserve.platform.sampling.params import SamplingParams
+    from splitserve.platform.tokenizer import load_tokenizer
+
+    remote_before = decode_metric(served, 'splitserve_remote_prefills_total{outcome="ok"}')
+    out = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=24, temperature=0)
+    prompt_ids = load_tokenizer(MODEL).encode_chat(MESSAGES)
+    [ref] = make_engine().generate([prompt_ids], SamplingParams(temperature=0, max_tokens=24))
+    assert out.choices[0].message.content == ref.text
+    assert out.usage.prompt_tokens == len(prompt_ids)
+    assert out.usage.completion_tokens == len(ref.output_token_ids)
+    assert decode_metric(served, 'splitserve_remote_prefills_total{outcome="ok"}') == remote_before + 1
+    assert served.url.startswith("http://127.0.0.1:")
+    assert [m.id for m in client.models.list()] == [MODEL]
+
+
+def test_decode_pool_scales_up_on_queue_depth_and_back_down(served, client):
+    """A burst of concurrent long requests raises the decode engines' waiting+running count above
+    the target (2 per replica): Serve's target for the decode deployment rises above its minimum
+    (1); once the burst is over it returns to 1."""
+    assert num_target_replicas("splitserve-decode", "decode") == 1
+    stop = threading.Event()
+    errors: list[BaseException] = []
+
+    def load():
+        while not stop.is_set():
+            try:
+                client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=64, temperature=0,
+                                          extra_body={"ignore_eos": True})
+            except openai.APIError as exc:   # a draining replica's requests are retried by the router
+                errors.append(exc)
+
+    threads = [threading.Thread(target=load, daemon=True) for _ in range(8)]
+    for t in threads:
+        t.start()
+    try:
+        wait_for(lambda: num_target_replicas("splitserve-decode", "decode") > 1, 90, "the decode pool to scale up")
+        wait_for(lambda: sum(w["role"] == "decode" for w in served.workers()) == 2, 120,
+                 "the new decode replica to register with the router")
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(120)
+    wait_for(lambda: num_target_replicas("splitserve-decode", "decode") == 1, 90, "the decode pool to scale down")
+    wait_for(lambda: sum(w["role"] == "decode" for w in served.workers()) == 1, 60, "the registry to drop it")
+    assert not errors, errors[:3]
+
+
+def test_killed_decode_replica_is_replaced_and_the_stream_ends(served, client):
+    """ray.kill on the decode replica serving a stream: the stream ends — complete, or with a
+    clear retryable error — never hangs; Serve starts a new replica, which serves again."""
+    import ray
+
+    [victim] = [w for w in served.workers() if w["role"] == "decode"]
+    outcome: dict = {}
+    got_tokens = threading.Event()
+
+    def stream():
+        text = ""
+        try:
+            for chunk in client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=400,
+                                                   temperature=0, stream=True, extra_body={"ignore_eos": True}):
+                if chunk.choices:
+                    text += chunk.choices[0].text
+                    outcome["finish_reason"] = chunk.choices[0].finish_reason or outcome.get("finish_reason")
+                    if len(text) > 20:
+                        got_tokens.set()
+            outcome["text"] = text
+        except openai.APIError as exc:
+            outcome["error"] = exc
+        got_tokens.set()
+
+    reader = threading.Thread(target=stream, daemon=True)
+    reader.start()
+    assert got_tokens.wait(120)
+    ray.kill(ray.get_actor(victim["actor_name"], namespace="serve"), no_restart=True)
+    reader.join(180)
+    assert not reader.is_alive(), "the stream hung after its decode replica was killed"
+    if "error" in outcome:
+        error = outcome["error"]
+        assert isinstance(error, (openai.APIStatusError, openai.APIError))
+        assert getattr(error, "status_code", 503) in (502, 503, 504), error
+        assert "retry" in str(error).lower() or "unavailable" in str(error).lower() or "worker" in str(error).lower(), error
+    else:
+        assert outcome["finish_reason"] == "length", outcome
+
+    def replaced():
+        decode = [w for w in served.workers() if w["role"] == "decode"]
+        return decode and all(w["replica_id"] != victim["replica_id"] for w in decode)
+
+    wait_for(replaced, 180, "Serve to replace the killed decode replica")
+    wait_for(lambda: num_target_replicas("splitserve-decode", "decode") == 1, 60, "the decode deployment to settle")
+    out = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=8, temperature=0)
+    assert out.choices[0].message.content
+
+
+def test_shutdown_leaves_no_ray_process_behind(served):
+    """Last in the module: stop() ends Serve, the replicas and the local Ray instance."""
+    assert ray_processes(served.started_at, served.temp_dir)
+    served.stop()
+    wait_for(lambda: not ray_processes(served.started_at, served.temp_dir), 60, "every Ray process to exit")
