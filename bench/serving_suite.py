@@ -54,7 +54,11 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from report import markers, write_section  # noqa: E402
 
 MODEL = "smollm2-135m"
-KV_BLOCKS = 192                   # per worker: 3,072 tokens in 16-token blocks
+# Per worker: 2,048 tokens in 16-token blocks. W1's 8 system prompts (8 x 16 blocks) fill one
+# worker's pool with nothing left for the requests themselves, while 4 of them (one worker's share
+# under prefix routing) fit with room to spare; W2's 6 sessions (~30 blocks each at the last
+# turn) fit two workers, not one.
+KV_BLOCKS = 128
 BLOCK_BYTES = 2 * 30 * 16 * 3 * 64 * 4   # K+V x 30 layers x 16 tokens x 3 KV heads x 64 dims x fp32
 CHUNK = 128                       # prefill chunk of the chunked arm (tokens per step)
 COND_TOKENS = 128                 # conditional disaggregation threshold
@@ -112,6 +116,7 @@ class Run:
     warmup: int = 2
     params: tuple[tuple[str, str], ...] = ()
     extra_body: str = ""
+    text_prompts: bool = False
 
     @property
     def load(self) -> str:
@@ -126,6 +131,8 @@ class Run:
             args += ["--workload-param", f"{key}={value}"]
         if self.extra_body:
             args += ["--extra-body", self.extra_body]
+        if self.text_prompts:
+            args += ["--prompt-format", "text", "--tokenizer", MODEL]
         return args
 
 
@@ -135,13 +142,13 @@ def plan(quick: bool) -> dict[str, list[list[Run]]]:
     w1 = (("warm_prefixes", "1"), ("system_len", "256"), ("groups", "8"), ("per_group", "2" if q else "8"))
     w1_n = 16 if q else 64
     w1_rates = [0.6] if q else [0.6, 1.2]
-    w2 = (("sessions", "4" if q else "8"), ("turns", "6"), ("think_s", "1.0"))
+    w2 = (("sessions", "4" if q else "6"), ("turns", "6"), ("think_s", "1.0"))
     w3_n = 20 if q else 50
     w4 = (("output_min", "64"), ("output_max", "128"))
     groups = {
         "w1": [[Run("w1", arm, w1_n, rate=r, warmup=16, params=w1) for arm in ROUTING] for r in w1_rates]
         + [[Run("w1", NO_CACHE, w1_n, rate=w1_rates[0], warmup=16, params=w1)]],
-        "w2": [[Run("w2", arm, 24 if q else 48, rate=0.5, warmup=2, params=w2)
+        "w2": [[Run("w2", arm, 24 if q else 36, rate=0.5, warmup=2, params=w2)
                 for arm in (ROUTING[0], ROUTING[3], dataclasses.replace(NO_CACHE))]],
         "w3": [[Run("w3", arm, w3_n, rate=0.8, warmup=2) for arm in DISAGG]],
         "w4": [[Run("w4", arm, 8 if q else 24, concurrency=8, warmup=2, params=w4)
@@ -303,7 +310,7 @@ PEER_NO_EOS = json.dumps({"logit_bias": {"0": -100, "2": -100}})
 
 def peer_runs(quick: bool) -> list[Run]:
     sizes = {1: 4, 4: 8, 16: 16} if quick else {1: 8, 4: 16, 16: 48}
-    return [Run("random", ROUTING[3], sizes[c], concurrency=c, warmup=2,
+    return [Run("random", ROUTING[3], sizes[c], concurrency=c, warmup=2, text_prompts=True,
                 params=(("input_len", "128"), ("output_len", "64"))) for c in PEER_CONCURRENCY]
 
 
@@ -402,7 +409,7 @@ def render(results: dict[str, list[dict]], plots: dict[str, str], meta: dict) ->
     w2 = results.get("w2", [])
     if w2:
         out += ["### W2: multi-turn sessions", "",
-                "8 sessions × 6 turns (prompts 160 … 480 tokens, each turn's prompt a prefix of the next), "
+                "6 sessions × 6 turns (prompts 160 … 480 tokens, each turn's prompt a prefix of the next), "
                 "32 output tokens, think time exp(1 s); sessions arrive at 0.5/s.", "", HEADER]
         out += [summary_row(d) for d in w2]
         turns = sorted({c for d in w2 for c in d["categories"]}, key=lambda c: int(c.split("-")[1]))
@@ -438,8 +445,9 @@ def render(results: dict[str, list[dict]], plots: dict[str, str], meta: dict) ->
         out += ["### Peer: llama-cpp-python's OpenAI server on the same GGUF", "",
                 "llama-cpp-python 0.3.36 built per DESIGN.md §7, `--n_threads 2 --n_threads_batch 2`, one "
                 "process on both cores; splitserve: two colocated workers (one core each, prefix+queue "
-                "routing). Workload `random`: 128-token prompts, 64 output tokens (`ignore_eos`; llama.cpp "
-                "gets its EOS tokens banned through `logit_bias` so it generates as many).", "",
+                "routing). Workload `random`: 128-token prompts sent as text to both (llama.cpp takes no token "
+                "ids), 64 output tokens (`ignore_eos`; llama.cpp gets its EOS tokens banned through "
+                "`logit_bias` so it generates as many).", "",
                 "| server | load | done | TTFT p50 | TTFT p99 | TPOT p50 | single-stream decode tok/s | out tok/s |",
                 "|---|---|---|---|---|---|---|---|"]
         for d in peer:

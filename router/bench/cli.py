@@ -106,6 +106,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--extra-body", type=_extra_body, default={}, metavar="JSON",
                    help="fields merged into every request, e.g. '{\"logit_bias\": {\"2\": -100}}' for a server "
                         "without ignore_eos")
+    p.add_argument("--prompt-format", choices=["token-ids", "text"], default="token-ids",
+                   help="text: send each prompt as the text of its ids, for servers without token-id prompts")
+    p.add_argument("--tokenizer", default=None, help="with --prompt-format text: the model whose tokenizer "
+                                                     "turns ids into text (default: --model)")
     p.add_argument("--output", default=None, help="write the JSON results here")
     p.add_argument("--request-timeout", type=_positive(" of seconds"), default=600.0, metavar="SECONDS")
     p.add_argument("--api-key", default=None, help="sent as Authorization: Bearer KEY")
@@ -127,11 +131,25 @@ def cmd_bench(args) -> int:
     if args.output and not pathlib.Path(args.output).resolve().parent.is_dir():
         raise ConfigError(f"--output {args.output}: the folder {pathlib.Path(args.output).resolve().parent} "
                           "does not exist")
+    if args.tokenizer and args.prompt_format != "text":
+        raise ConfigError("--tokenizer is used only with --prompt-format text")
     wl = workloads.build(args.workload, dict(args.workload_param), args.num_requests, args.warmup, args.seed)
+    if args.prompt_format == "text":
+        from splitserve.platform.tokenizer import load_tokenizer
+
+        name = args.tokenizer or args.model
+        try:
+            tokenizer = load_tokenizer(name)
+        except ConfigError as exc:
+            raise ConfigError(f"--prompt-format text needs a tokenizer: {exc}; pass --tokenizer MODEL") from None
+        if tokenizer is None:
+            raise ConfigError(f"--prompt-format text: {name} has no tokenizer; pass --tokenizer MODEL")
+        wl = workloads.as_text(wl, tokenizer)
     cfg = runner.RunConfig(url=args.url, model=args.model, rate=args.rate, concurrency=args.concurrency,
                            burstiness=1.0 if args.burstiness is None else args.burstiness, seed=args.seed,
                            request_timeout_s=args.request_timeout, api_key=args.api_key,
-                           progress=not args.no_progress, extra_body=args.extra_body)
+                           progress=not args.no_progress, extra_body=args.extra_body,
+                           prompt_format=args.prompt_format)
     result = asyncio.run(runner.run(cfg, wl))
     doc = report.build_report(cfg, wl, result, args.slo)
     if args.output:

@@ -43,6 +43,7 @@ class RunConfig:
     api_key: str | None = None
     progress: bool = True
     extra_body: dict = field(default_factory=dict)   # merged into every request body
+    prompt_format: str = "token-ids"                  # or "text" (workloads.as_text)
 
 
 @dataclass

@@ -51,6 +51,7 @@ class BenchRequest:
     category: str = ""
     tag: str = ""
     think_s: float = 0.0  # wait after the previous turn of its session finished
+    prompt_text: str | None = None  # --prompt-format text: sent instead of the ids (see as_text)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -311,3 +312,16 @@ def _w1_warmup(p: W1Params, sessions: list[Session], n: int, rng: np.random.Gene
     tags = sorted(systems, key=lambda t: int(t.split("-")[1]))
     return [BenchRequest(systems[tags[i % len(tags)]] + _tokens(rng, _uniform(rng, p.question_min, p.question_max)),
                          p.output_len, category="warmup", tag=tags[i % len(tags)]) for i in range(n)]
+
+
+def as_text(wl: Workload, tokenizer) -> Workload:
+    """For servers that take no token-id prompts (llama-cpp-python): every prompt becomes the
+    text of its ids, and its ids become what the tokenizer makes of that text again, so lengths
+    are those the server sees (the round trip of random ids changes a few; vLLM's random dataset
+    has the same property)."""
+    def convert(req: BenchRequest) -> BenchRequest:
+        text = tokenizer.decode(list(req.prompt_token_ids))
+        ids = tuple(tokenizer.encode(text, add_special_tokens=False))
+        return dataclasses.replace(req, prompt_token_ids=ids, prompt_text=text)
+    return dataclasses.replace(wl, sessions=[tuple(convert(r) for r in s) for s in wl.sessions],
+                               warmup=[convert(r) for r in wl.warmup])

@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from benchkit import Script, retry_timing
-from splitserve.router.bench import cli
+from splitserve.router.bench import cli, workloads
 
 SPLITSERVE = str(pathlib.Path(sys.executable).parent / "splitserve")
 URL = ["--url", "http://127.0.0.1:9"]
@@ -46,6 +46,9 @@ def run_main(capsys, *argv) -> tuple[int, str, str]:
     ([*W1, "--rate", "1", "--extra-body", "{top_k: 1}"], "argument --extra-body: must be a JSON object"),
     ([*W1, "--rate", "1", "--extra-body", "[1]"], "must be a JSON object, got list"),
     ([*W1, "--rate", "1", "--extra-body", '{"prompt": "hi"}'], "['prompt'] are set by the workload"),
+    ([*W1, "--rate", "1", "--tokenizer", "smollm2-135m"], "--tokenizer is used only with --prompt-format text"),
+    ([*W1, "--rate", "1", "--prompt-format", "text", "--model", "random:tiny"], "random:tiny has no tokenizer"),
+    ([*W1, "--rate", "1", "--prompt-format", "text", "--model", "gpt-x"], "pass --tokenizer MODEL"),
 ])
 def test_invalid_arguments_exit_2_with_a_message(capsys, argv, message):
     code, out, err = run_main(capsys, *argv)
@@ -102,6 +105,32 @@ def test_extra_body_reaches_every_request(server, capsys):
     for payload in seen:
         assert payload["logit_bias"] == {"2": -100} and payload["ignore_eos"] is False
         assert payload["stream"] is True and len(payload["prompt"]) == 128
+
+
+def test_text_prompts_for_servers_without_token_ids(server, capsys, tmp_path):
+    """--prompt-format text sends the text of each prompt's ids; the lengths reported are those
+    of the text re-encoded, which is what the server sees."""
+    from splitserve.platform.tokenizer import load_tokenizer
+
+    seen = []
+
+    def script(n, payload):
+        seen.append(payload)
+        return Script(0.001, (0.001,) * (payload["max_tokens"] - 1))
+    server.reset(script)
+    out = tmp_path / "r.json"
+    code, _, err = run_main(capsys, "--url", server.url, "--workload", "random", "--concurrency", "2",
+                            "--num-requests", "3", "--no-progress", "--prompt-format", "text",
+                            "--model", "served-name", "--tokenizer", "smollm2-135m", "--output", str(out))
+    assert code == 0, err
+    tok = load_tokenizer("smollm2-135m")
+    ids = [r.prompt_token_ids for r in workloads.build("random", num_requests=3).sessions for r in r]
+    assert [p["prompt"] for p in seen] == [tok.decode(list(i)) for i in ids]
+    doc = json.loads(out.read_text())
+    assert doc["config"]["prompt_format"] == "text"
+    assert [r["prompt_tokens"] for r in doc["requests"]] == [len(tok.encode(p["prompt"], add_special_tokens=False))
+                                                             for p in seen]
+    assert all(abs(r["prompt_tokens"] - 128) <= 16 for r in doc["requests"])   # the round trip changes a few
 
 
 def test_w2_reports_ttft_per_turn(server, capsys):
