@@ -133,7 +133,7 @@ class RayServe:
             try:
                 counts = {role: sum(w["role"] == role for w in self.workers()) for role in need}
                 last = f"registered replicas {counts}, need {need}"
-                if all(counts[r] >= n for r, n in need.items()) and self._gateway_ready():
+                if all(counts[r] >= n for r, n in need.items()) and self.is_ready():
                     return
             except Exception as exc:   # noqa: BLE001 — the registry is not deployed yet
                 last = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
@@ -147,7 +147,8 @@ class RayServe:
         ref = ray_config.registry_ref(self.config)
         return serve.get_deployment_handle(ref["deployment"], ref["app"]).workers.remote().result(timeout_s=10)
 
-    def _gateway_ready(self) -> bool:
+    def is_ready(self) -> bool:
+        """The gateway answers /ready: the router watches a healthy decode replica."""
         try:
             with urllib.request.urlopen(self.url.removesuffix("/v1") + "/ready", timeout=5) as response:
                 return response.status == 200

@@ -131,7 +131,11 @@ def test_registry_drops_replicas_that_stop_heartbeating():
     now[0] = 4.0
     assert [w["address"] for w in registry.workers()] == ["a:1"]
     registry.unregister("a:1")
+    registry.register({"address": "a:1", "role": "decode"})   # a heartbeat sent before it stopped
     assert registry.workers() == []
+    now[0] = 8.0
+    registry.register({"address": "a:1", "role": "decode"})   # the port reused by a new replica later
+    assert [w["address"] for w in registry.workers()] == ["a:1"]
 
 
 def test_ray_discovery_reports_changes_and_survives_a_failed_poll():
