@@ -336,7 +336,9 @@ def run_peer(peer_python: str, quick: bool, raw: pathlib.Path, workdir: pathlib.
                 port = free_port()
                 proc = Proc("llama.cpp server", [peer_python, "-m", "llama_cpp.server", "--model", gguf_path(),
                                                  "--host", "127.0.0.1", "--port", str(port), "--n_threads", "2",
-                                                 "--n_threads_batch", "2", "--n_ctx", "2048"])
+                                                 "--n_threads_batch", "2", "--n_ctx", "2048",
+                                                 # default True: a new request cuts the one streaming
+                                                 "--interrupt_requests", "False"])
                 url, stop = f"http://127.0.0.1:{port}", proc.stop
                 wait_http(url + "/v1/models", 120, proc)
             try:
@@ -443,7 +445,8 @@ def render(results: dict[str, list[dict]], plots: dict[str, str], meta: dict) ->
     peer = results.get("peer", [])
     if peer:
         out += ["### Peer: llama-cpp-python's OpenAI server on the same GGUF", "",
-                "llama-cpp-python 0.3.36 built per DESIGN.md §7, `--n_threads 2 --n_threads_batch 2`, one "
+                "llama-cpp-python 0.3.36 built per DESIGN.md §7, `--n_threads 2 --n_threads_batch 2 "
+                "--interrupt_requests False` (by default a new request cuts the one streaming), one "
                 "process on both cores; splitserve: two colocated workers (one core each, prefix+queue "
                 "routing). Workload `random`: 128-token prompts sent as text to both (llama.cpp takes no token "
                 "ids), 64 output tokens (`ignore_eos`; llama.cpp gets its EOS tokens banned through "

@@ -79,6 +79,9 @@ async def send(client: httpx.AsyncClient, url: str, body: bytes, out: RequestRes
                 now = time.perf_counter()
                 event = json.loads(data)
                 if event.get("choices"):
+                    choice = event["choices"][0]
+                    if not choice.get("text") and choice.get("finish_reason") and out.success:
+                        continue  # a closing chunk (llama-cpp-python's): no token, so no ITL gap
                     if out.success:
                         out.itl_s.append(now - last)
                     else:

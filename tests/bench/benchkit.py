@@ -28,6 +28,7 @@ class Script:
     cached_tokens: int | None = None
     status: int = 200
     usage_delay_s: float = 0.0             # between the last token and the usage event
+    closing_chunk_s: float | None = None   # after the last token: a chunk with no text and a finish_reason
 
 
 @dataclass
@@ -141,6 +142,9 @@ class ScriptedServer:
             await asyncio.sleep(delay)
             await _event(writer, {"choices": [{"index": 0, "text": f"t{i}", "finish_reason": None}], "usage": None})
             served.sent.append(time.perf_counter())
+        if script.closing_chunk_s is not None:        # as llama-cpp-python's server ends a stream
+            await asyncio.sleep(script.closing_chunk_s)
+            await _event(writer, {"choices": [{"index": 0, "text": "", "finish_reason": "length"}]})
         await asyncio.sleep(script.usage_delay_s)
         if script.completion_tokens != -1:
             usage = {"prompt_tokens": len(served.payload["prompt"]),

@@ -174,3 +174,18 @@ def test_failures_missing_usage_and_cached_tokens(server):
     assert (s["completed"], s["failed"]) == (3, 1)
     assert s["request_goodput"] * result.duration_s == pytest.approx(3)   # a failed request is never good
     assert s["prefix_cache_hit_rate"] == pytest.approx((6 + 2) / (8 + 8))  # only requests that report it
+
+
+def test_a_closing_chunk_without_text_is_not_a_token(server):
+    """llama-cpp-python ends a stream with an empty-text chunk carrying finish_reason, and sends no
+    usage: it must count neither as a token nor as an inter-token gap (the 0.3 s before it would
+    otherwise be an ITL and stretch E2E)."""
+    def scenario():
+        server.reset(lambda n, p: Script(0.01, (0.02, 0.02), completion_tokens=-1, closing_chunk_s=0.3))
+        result = bench(server, hand_workload([3]))
+        (r,) = result.results
+        assert r.success and r.output_tokens == 3 and len(r.itl_s) == 2
+        assert max(r.itl_s) < 0.2 and r.e2e_s < 0.25
+        return result
+
+    retry_timing(scenario)
