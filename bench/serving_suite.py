@@ -141,16 +141,17 @@ def plan(quick: bool) -> dict[str, list[list[Run]]]:
     q = quick
     w1 = (("warm_prefixes", "1"), ("system_len", "256"), ("groups", "8"), ("per_group", "2" if q else "8"))
     w1_n = 16 if q else 64
-    w1_rates = [0.6] if q else [0.6, 1.2]
+    w1_rates = [0.7] if q else [0.7, 1.4]
     w2 = (("sessions", "4" if q else "6"), ("turns", "6"), ("think_s", "1.0"))
-    w3_n = 20 if q else 50
+    w3_n = 20 if q else 60
+    w3 = (("long_fraction", "0.3"), ("long_min", "512"), ("long_max", "768"))
     w4 = (("output_min", "64"), ("output_max", "128"))
     groups = {
         "w1": [[Run("w1", arm, w1_n, rate=r, warmup=16, params=w1) for arm in ROUTING] for r in w1_rates]
         + [[Run("w1", NO_CACHE, w1_n, rate=w1_rates[0], warmup=16, params=w1)]],
         "w2": [[Run("w2", arm, 24 if q else 36, rate=0.5, warmup=2, params=w2)
                 for arm in (ROUTING[0], ROUTING[3], dataclasses.replace(NO_CACHE))]],
-        "w3": [[Run("w3", arm, w3_n, rate=0.8, warmup=2) for arm in DISAGG]],
+        "w3": [[Run("w3", arm, w3_n, rate=0.8, warmup=2, params=w3) for arm in DISAGG]],
         "w4": [[Run("w4", arm, 8 if q else 24, concurrency=8, warmup=2, params=w4)
                 for arm in (ROUTING[0], ROUTING[3], DISAGG[2])]],
     }
@@ -423,7 +424,7 @@ def render(results: dict[str, list[dict]], plots: dict[str, str], meta: dict) ->
     w3 = results.get("w3", [])
     if w3:
         out += ["### W3: long prompts beside interactive streams", "",
-                "20 % long requests (320–448-token prompts, 8 output tokens) among interactive ones "
+                "30 % long requests (512–768-token prompts, 8 output tokens) among interactive ones "
                 "(32-token prompts, 64 output tokens), Poisson at 0.8 req/s. Interactive requests:", "", HEADER]
         out += [summary_row(d, "interactive") for d in w3]
         out += ["", "Long requests:", "", HEADER] + [summary_row(d, "long") for d in w3]
