@@ -287,18 +287,33 @@ def bench(run: Run, url: str, raw: pathlib.Path, tag: str) -> dict:
     return doc
 
 
+def reused(raw: pathlib.Path, tag: str) -> dict | None:
+    """A finished run's results from an interrupted suite (--raw DIR): the bench JSON plus the
+    arm's facts written beside it (`<tag>.arm.json`)."""
+    out, facts = raw / f"{tag}.json", raw / f"{tag}.arm.json"
+    if not (out.exists() and facts.exists()):
+        return None
+    print(f"== {tag}: reused from {raw}", flush=True)
+    return {**json.loads(out.read_text()), **json.loads(facts.read_text())}
+
+
 def run_group(group: list[Run], raw: pathlib.Path, workdir: pathlib.Path) -> list[dict]:
     results = []
     for run in group:
         tag = f"{run.workload}-{run.arm.name}-{(run.load).replace(' ', '').replace('/', '')}"
+        doc = reused(raw, tag)
+        if doc is not None:
+            results.append(doc)
+            continue
         print(f"== {tag}", flush=True)
         cluster = Cluster(run.arm, workdir)
         try:
             doc = bench(run, cluster.url, raw, tag)
         finally:
             cluster.stop()
-        doc["arm"], doc["kv_blocks"], doc["load"] = run.arm.name, cluster.kv_blocks, run.load
-        results.append(doc)
+        facts = {"arm": run.arm.name, "kv_blocks": cluster.kv_blocks, "load": run.load}
+        (raw / f"{tag}.arm.json").write_text(json.dumps(facts))
+        results.append({**doc, **facts})
     return results
 
 
@@ -328,6 +343,10 @@ def run_peer(peer_python: str, quick: bool, raw: pathlib.Path, workdir: pathlib.
     for run in peer_runs(quick):
         for server in ("splitserve", "llama.cpp"):
             tag = f"peer-{server}-c{run.concurrency}"
+            doc = reused(raw, tag)
+            if doc is not None:
+                results.append(doc)
+                continue
             print(f"== {tag}", flush=True)
             if server == "splitserve":
                 cluster = Cluster(run.arm, workdir)
@@ -346,8 +365,9 @@ def run_peer(peer_python: str, quick: bool, raw: pathlib.Path, workdir: pathlib.
                 doc = bench(run, url, raw, tag)
             finally:
                 stop()
-            doc["arm"], doc["load"], doc["server"] = server, run.load, server
-            results.append(doc)
+            facts = {"arm": server, "load": run.load, "server": server}
+            (raw / f"{tag}.arm.json").write_text(json.dumps(facts))
+            results.append({**doc, **facts})
     return results
 
 
@@ -548,6 +568,8 @@ def main() -> int:
     ap.add_argument("--plots", default="docs/bench", help="folder for the PNG plots and the summary JSON")
     ap.add_argument("--only", default="w1,w2,w3,w4,peer", help="comma-separated subset")
     ap.add_argument("--quick", action="store_true", help="a few requests per arm (a smoke run, not a result)")
+    ap.add_argument("--raw", default=None, help="folder for the raw JSON (default: a new temp folder); runs "
+                                                "already finished there are reused, so an interrupted suite resumes")
     ap.add_argument("--peer-python", default=".venv-peer/bin/python",
                     help="the Python with llama-cpp-python[server] installed (make bench builds it)")
     args = ap.parse_args()
@@ -560,9 +582,9 @@ def main() -> int:
     if "peer" in only and not os.access(args.peer_python, os.X_OK):
         ap.error(f"--peer-python {args.peer_python} is not executable; `make bench` builds it "
                  "(or drop `peer` from --only)")
-    raw = pathlib.Path(tempfile.mkdtemp(prefix="splitserve-serving-"))
+    raw = pathlib.Path(args.raw) if args.raw else pathlib.Path(tempfile.mkdtemp(prefix="splitserve-serving-"))
     workdir = raw / "configs"
-    workdir.mkdir()
+    workdir.mkdir(parents=True, exist_ok=True)
     print(f"raw results in {raw}", flush=True)
     t0 = time.monotonic()
     results: dict[str, list[dict]] = {}

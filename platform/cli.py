@@ -33,7 +33,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=64)
-    p.add_argument("--max-num-batched-tokens", type=int, default=512)
+    p.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="tokens per engine step (default 512; with --no-chunked-prefill, max_model_len)")
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--no-chunked-prefill", action="store_true")
 

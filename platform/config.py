@@ -101,20 +101,39 @@ class SchedulerConfig:
 
     `max_num_batched_tokens` is the per-step token budget; a prompt longer than what is left of
     it is prefilled in chunks over several steps (chunked prefill), so decodes keep flowing.
+    None: 512 with chunked prefill; without it, max_model_len, since then a whole prompt must fit
+    one step (the engine resolves it and rejects a smaller explicit budget, as vLLM does).
     """
 
     max_num_seqs: int = 64
-    max_num_batched_tokens: int = 512
+    max_num_batched_tokens: int | None = None
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     enable_chunked_prefill: bool = True
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
             raise ConfigError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
-        if self.max_num_batched_tokens < 1:
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
             raise ConfigError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ConfigError(f"max_model_len must be >= 1, got {self.max_model_len}")
+
+
+    def resolved(self, max_model_len: int) -> "SchedulerConfig":
+        """This config with the token budget decided for a model of `max_model_len`."""
+        budget = self.max_num_batched_tokens
+        if budget is None:
+            budget = DEFAULT_CHUNKED_BUDGET if self.enable_chunked_prefill else max_model_len
+        elif not self.enable_chunked_prefill and budget < max_model_len:
+            # Unchunked, a prompt longer than the budget could never be scheduled.
+            raise ConfigError(
+                f"max_num_batched_tokens={budget} is below max_model_len={max_model_len} with chunked prefill "
+                f"off, so longer prompts could never run; allowed: max_num_batched_tokens >= {max_model_len}, "
+                "a smaller max_model_len, or chunked prefill on")
+        return dataclasses.replace(self, max_num_batched_tokens=budget)
+
+
+DEFAULT_CHUNKED_BUDGET = 512
 
 
 @dataclass(frozen=True)

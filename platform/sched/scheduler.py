@@ -57,7 +57,7 @@ class SchedulerStats:
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int):
-        self.config = config
+        self.config = config.resolved(max_model_len)
         self.kv = kv
         self.max_model_len = max_model_len
         self.requests: dict[str, Request] = {}

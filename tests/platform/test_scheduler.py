@@ -5,6 +5,7 @@ import random
 import pytest
 
 from splitserve.platform.config import SchedulerConfig
+from splitserve.platform.errors import ConfigError
 from splitserve.platform.hashing import BlockHasher
 from splitserve.platform.kv.block_pool import BlockPool
 from splitserve.platform.kv.manager import KVCacheManager
@@ -63,7 +64,7 @@ def test_chunked_prefill_plan_and_decode():
 
 
 def test_without_chunking_a_long_prompt_waits_for_a_full_budget():
-    sched, _, _ = make(budget=8, chunked=False)
+    sched, _, _ = make(budget=8, chunked=False, max_model_len=8)
     sched.add_request(req("a", [5] * 6, max_tokens=3))
     sched.add_request(req("b", [6] * 7, max_tokens=3))
     plan, _ = run_step(sched)
@@ -155,3 +156,22 @@ def test_randomised_add_abort_finish_never_leaks(seed):
         kv.check_invariants()
     assert pool.num_free_blocks == 24
     assert kv.num_requests == 0
+
+
+def test_without_chunked_prefill_the_budget_defaults_to_max_model_len():
+    """Regression: unchunked, a prompt longer than the default 512-token budget was never admitted
+    and the engine loop spun at 100 % CPU with the request waiting forever."""
+    sched, _, _ = make(num_blocks=200, budget=None, chunked=False, max_model_len=600)
+    assert sched.config.max_num_batched_tokens == 600
+    sched.add_request(req("long", [7] * 550, max_tokens=2))
+    plan, _ = run_step(sched)
+    assert [(s.req_id, s.num_tokens) for s in plan.seqs] == [("long", 550)]
+
+
+def test_scheduler_budget_resolution_and_its_error():
+    assert SchedulerConfig().resolved(2048).max_num_batched_tokens == 512
+    assert SchedulerConfig(enable_chunked_prefill=False).resolved(2048).max_num_batched_tokens == 2048
+    assert SchedulerConfig(max_num_batched_tokens=64).resolved(2048).max_num_batched_tokens == 64
+    with pytest.raises(ConfigError, match=r"max_num_batched_tokens=512 is below max_model_len=2048 with chunked "
+                                          r"prefill off.*allowed: max_num_batched_tokens >= 2048"):
+        SchedulerConfig(max_num_batched_tokens=512, enable_chunked_prefill=False).resolved(2048)
