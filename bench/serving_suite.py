@@ -144,6 +144,7 @@ def plan(quick: bool) -> dict[str, list[list[Run]]]:
     w1_rates = [0.7] if q else [0.7, 1.4]
     w2 = (("sessions", "4" if q else "6"), ("turns", "6"), ("think_s", "1.0"))
     w3_n = 20 if q else 60
+    w3_rates = [0.8] if q else [0.8, 0.5]
     w3 = (("long_fraction", "0.3"), ("long_min", "512"), ("long_max", "768"))
     w4 = (("output_min", "64"), ("output_max", "128"))
     groups = {
@@ -151,7 +152,7 @@ def plan(quick: bool) -> dict[str, list[list[Run]]]:
         + [[Run("w1", NO_CACHE, w1_n, rate=w1_rates[0], warmup=16, params=w1)]],
         "w2": [[Run("w2", arm, 24 if q else 36, rate=0.5, warmup=2, params=w2)
                 for arm in (ROUTING[0], ROUTING[3], dataclasses.replace(NO_CACHE))]],
-        "w3": [[Run("w3", arm, w3_n, rate=0.8, warmup=2, params=w3) for arm in DISAGG]],
+        "w3": [[Run("w3", arm, w3_n, rate=r, warmup=2, params=w3) for arm in DISAGG] for r in w3_rates],
         "w4": [[Run("w4", arm, 8 if q else 24, concurrency=8, warmup=2, params=w4)
                 for arm in (ROUTING[0], ROUTING[3], DISAGG[2])]],
     }
@@ -445,15 +446,17 @@ def render(results: dict[str, list[dict]], plots: dict[str, str], meta: dict) ->
     if w3:
         out += ["### W3: long prompts beside interactive streams", "",
                 "30 % long requests (512–768-token prompts, 8 output tokens) among interactive ones "
-                "(32-token prompts, 64 output tokens), Poisson at 0.8 req/s. Interactive requests:", "", HEADER]
+                "(32-token prompts, 64 output tokens), Poisson at 0.8 and 0.5 req/s. Interactive requests:", "",
+                HEADER]
         out += [summary_row(d, "interactive") for d in w3]
         out += ["", "Long requests:", "", HEADER] + [summary_row(d, "long") for d in w3]
-        a, c = pick(w3, "colocated"), pick(w3, "1P1D")
-        b, dd = pick(w3, "colocated+chunked"), pick(w3, "1P1D-conditional")
-        itl = [stat(x, "itl_ms", "p99", "interactive") for x in (a, b, c, dd)]
-        out += ["", f"Interactive p99 ITL, colocated (no chunking) ÷ 1P1D = **{ratio(itl[0], itl[2])}** "
-                    f"(target ≥ 5×); ÷ 1P1D-conditional = {ratio(itl[0], itl[3])}; colocated+chunked ÷ 1P1D = "
-                    f"{ratio(itl[1], itl[2])}.", "", f"![W3 interactive ITL]({plots['w3']})", ""]
+        for load in dict.fromkeys(d["load"] for d in w3):
+            a, b, c, dd = (pick(w3, arm.name, load) for arm in DISAGG)
+            itl = [stat(x, "itl_ms", "p99", "interactive") for x in (a, b, c, dd)]
+            out.append(f"\n{load}: interactive p99 ITL, colocated (no chunking) ÷ 1P1D = **{ratio(itl[0], itl[2])}** "
+                       f"(target ≥ 5×); ÷ 1P1D-conditional = {ratio(itl[0], itl[3])}; colocated+chunked ÷ 1P1D = "
+                       f"{ratio(itl[1], itl[2])}.")
+        out += ["", f"![W3 interactive ITL]({plots['w3']})", ""]
     w4 = results.get("w4", [])
     if w4:
         out += ["### W4: short prompts, long outputs (negative control)", "",
@@ -532,7 +535,8 @@ def make_plots(results: dict[str, list[dict]], folder: pathlib.Path, rel: str) -
             itl = sorted(x * 1000 for r in d["requests"] if r["category"] == "interactive" and r["success"]
                          for x in r["itl_s"])
             if itl:
-                ax.plot(itl, [(i + 1) / len(itl) for i in range(len(itl))], label=d["arm"])
+                ax.plot(itl, [(i + 1) / len(itl) for i in range(len(itl))], label=f"{d['arm']}, {d['load']}",
+                        linestyle="-" if d["load"] == results["w3"][0]["load"] else "--")
         ax.set(xscale="log", xlabel="inter-token latency (ms)", ylabel="CDF", title="W3 interactive ITL")
         ax.legend(fontsize=8)
         save(fig, "w3-itl-cdf.png")
@@ -599,7 +603,7 @@ def main() -> int:
     plots = make_plots(results, plots_dir, rel)
     kv = sorted({b for docs in results.values() for d in docs for b in d.get("kv_blocks", [])})
     meta = {"machine": machine(), "date": datetime.date.today().isoformat(), "minutes": (time.monotonic() - t0) / 60,
-            "command": "make bench  # = python bench/serving_suite.py --write docs/benchmarks.md"
+            "command": "make bench  # = python bench/serving_suite.py --write docs/benchmarks.md --plots docs/bench"
                        + (" --quick" if args.quick else ""),
             "kv_blocks": ", ".join(map(str, kv)) or "–"}
     (plots_dir / "serving-summary.json").write_text(
