@@ -272,7 +272,10 @@ def test_silent_worker_is_marked_down_and_its_stream_moves(healthy, tokenizer):
     """A worker that stops answering (no tokens, no load reports: a SIGSTOPped process) is marked
     down after stale_after_s (2 s here); the stream in flight on it resumes elsewhere."""
     server, workers, client = healthy
-    prompt = "A silent worker should not hold a stream hostage, so the router moves it"
+    # Long enough for full blocks: the prefix scorer then sends the second request to the worker
+    # that served the first (a prompt under one block scores neutral everywhere: a coin flip).
+    prompt = ("A silent worker should not hold a stream hostage, so the router moves it to another worker "
+              "once the silent one has been quiet for longer than the staleness limit of the watcher")
     prompt_ids = tokenizer.encode(prompt)
     body = {"model": MODEL, "prompt": prompt, "max_tokens": 10}
     silent = worker_by_address(workers, client.post("/v1/completions", json=body).headers["x-splitserve-decode-worker"])
