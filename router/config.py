@@ -215,12 +215,14 @@ def load_config(path: str | None = None, **overrides) -> RouterConfig:
 def from_dict(data: dict) -> RouterConfig:
     sections = {"gateway": _gateway, "discovery": _discovery, "index": _index, "placement": _placement}
     kwargs = {}
-    for key, value in _checked(data, RouterConfig, "").items():
+    for key, value in checked_mapping(data, RouterConfig, "").items():
         kwargs[key] = sections[key](value) if key in sections else value
     return RouterConfig(**kwargs)
 
 
-def _checked(data, cls, where: str) -> dict:
+def checked_mapping(data, cls, where: str) -> dict:
+    """`data` if it is a mapping whose keys are all fields of the dataclass `cls`; otherwise a
+    ConfigError naming `where`, the unknown keys and the allowed ones. Also used by ray_config."""
     if not isinstance(data, dict):
         raise ConfigError(f"{where or 'router config'} must be a mapping, got {type(data).__name__}")
     allowed = [f.name for f in dataclasses.fields(cls)]
@@ -240,21 +242,22 @@ def _tuple_fields(data: dict, *names: str) -> dict:
 
 
 def _gateway(data) -> GatewayConfig:
-    data = _tuple_fields(_checked(data, GatewayConfig, "gateway"), "served_model_names")
+    data = _tuple_fields(checked_mapping(data, GatewayConfig, "gateway"), "served_model_names")
     keys = data.get("api_keys", ())
     if isinstance(keys, str):
         keys = [k for k in keys.split(",") if k]
-    data["api_keys"] = tuple(ApiKey(**_checked(k, ApiKey, "gateway.api_keys[]")) if isinstance(k, dict)
+    data["api_keys"] = tuple(ApiKey(**checked_mapping(k, ApiKey, "gateway.api_keys[]")) if isinstance(k, dict)
                              else ApiKey(key=str(k)) for k in keys)
     return GatewayConfig(**data)
 
 
 def _discovery(data) -> DiscoveryConfig:
-    return DiscoveryConfig(**_tuple_fields(_checked(data, DiscoveryConfig, "discovery"), "workers", "k8s_services"))
+    return DiscoveryConfig(**_tuple_fields(checked_mapping(data, DiscoveryConfig, "discovery"),
+                                           "workers", "k8s_services"))
 
 
 def _index(data) -> IndexConfig:
-    data = dict(_checked(data, IndexConfig, "index"))
+    data = dict(checked_mapping(data, IndexConfig, "index"))
     if data.get("redis_url"):
         data["redis_url"] = with_password(data["redis_url"], os.environ.get("REDIS_PASSWORD", ""))
     return IndexConfig(**data)
@@ -271,10 +274,10 @@ def with_password(url: str, password: str) -> str:
 
 
 def _placement(data) -> PlacementConfig:
-    data = _checked(data, PlacementConfig, "placement")
+    data = checked_mapping(data, PlacementConfig, "placement")
     kwargs = {}
     if "disaggregation" in data:
-        kwargs["disaggregation"] = DisaggregationConfig(**_checked(data["disaggregation"], DisaggregationConfig,
+        kwargs["disaggregation"] = DisaggregationConfig(**checked_mapping(data["disaggregation"], DisaggregationConfig,
                                                                    "placement.disaggregation"))
     for role, default in (("decode", default_decode_profile()), ("prefill", default_prefill_profile())):
         if role in data:
@@ -283,11 +286,11 @@ def _placement(data) -> PlacementConfig:
 
 
 def _profile(data, default: ProfileConfig, where: str) -> ProfileConfig:
-    data = _checked(data, ProfileConfig, where)
+    data = checked_mapping(data, ProfileConfig, where)
     scorers = default.scorers
     if "scorers" in data:
         if not isinstance(data["scorers"], list):
             raise ConfigError(f"{where}.scorers must be a list of {{name, weight, params}}")
-        scorers = tuple(ScorerSpec(**_checked(s, ScorerSpec, f"{where}.scorers[]")) for s in data["scorers"])
+        scorers = tuple(ScorerSpec(**checked_mapping(s, ScorerSpec, f"{where}.scorers[]")) for s in data["scorers"])
     return ProfileConfig(filters=tuple(data.get("filters", default.filters)), scorers=scorers,
                          filter_params=dict(data.get("filter_params", default.filter_params)))

@@ -28,7 +28,7 @@ import yaml
 
 from splitserve.platform.config import CacheConfig, DeviceConfig, SchedulerConfig
 from splitserve.platform.errors import ConfigError
-from splitserve.router.config import RouterConfig, from_dict
+from splitserve.router.config import RouterConfig, checked_mapping, from_dict
 
 BACKENDS = ("ray",)
 TRANSPORTS = ("ucx", "tcp")
@@ -177,26 +177,16 @@ def load(path: str, **overrides) -> RayServeConfig:
 
 
 def parse(data: dict) -> RayServeConfig:
-    kwargs = dict(_checked(data, RayServeConfig, "the config"))
+    kwargs = dict(checked_mapping(data, RayServeConfig, "the config"))
     for key, cls in _SECTIONS.items():
         if key in kwargs:
-            kwargs[key] = cls(**_checked(kwargs[key], cls, key))
+            kwargs[key] = cls(**checked_mapping(kwargs[key], cls, key))
     if "router" in kwargs and not isinstance(kwargs["router"], dict):
         raise ConfigError(f"router must be a mapping (docs/router.md), got {type(kwargs['router']).__name__}")
     try:
         return RayServeConfig(**kwargs)
     except TypeError as exc:   # a value of the wrong type that a comparison tripped over
         raise ConfigError(f"bad value in the config: {exc}") from None
-
-
-def _checked(data, cls, where: str) -> dict:
-    if not isinstance(data, dict):
-        raise ConfigError(f"{where} must be a mapping, got {type(data).__name__}")
-    allowed = [f.name for f in dataclasses.fields(cls)]
-    unknown = sorted(set(data) - set(allowed))
-    if unknown:
-        raise ConfigError(f"unknown key(s) {unknown} in {where}; allowed: {', '.join(allowed)}")
-    return data
 
 
 def registry_ref(config: RayServeConfig) -> dict:

@@ -81,7 +81,7 @@ class LLMEngine:
         self.pool = BlockPool(num_blocks, enable_caching=config.cache.enable_prefix_caching)
         self.kv = KVCacheManager(self.pool, block_size)
         self.hasher = BlockHasher(self.model_config.model_id, block_size)
-        self.scheduler = Scheduler(config.scheduler.resolved(self.max_model_len), self.kv, self.max_model_len)
+        self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len)
         kv_caches = allocate_kv_cache(self.model_config, num_blocks, block_size, self.dtype, self.device)
         self.runner = ModelRunner(self.model, kv_caches, block_size, self.device)
         self.outputs = OutputProcessor(self.tokenizer)
