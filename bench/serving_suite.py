@@ -229,6 +229,13 @@ class Cluster:
 
     def __init__(self, arm: Arm, workdir: pathlib.Path):
         self.arm, self.procs, self.kv_blocks = arm, [], []
+        try:
+            self._start(arm, workdir)
+        except BaseException:
+            self.stop()            # a process that failed to start must not leave the others running
+            raise
+
+    def _start(self, arm: Arm, workdir: pathlib.Path) -> None:
         gib = (KV_BLOCKS * BLOCK_BYTES + BLOCK_BYTES // 2) / 2**30
         addresses, metrics = [], []
         cores = os.sched_getaffinity(0)
@@ -361,8 +368,9 @@ def run_peer(peer_python: str, quick: bool, raw: pathlib.Path, workdir: pathlib.
                                                  # default True: a new request cuts the one streaming
                                                  "--interrupt_requests", "False"])
                 url, stop = f"http://127.0.0.1:{port}", proc.stop
-                wait_http(url + "/v1/models", 120, proc)
             try:
+                if server == "llama.cpp":
+                    wait_http(url + "/v1/models", 120, proc)
                 doc = bench(run, url, raw, tag)
             finally:
                 stop()
