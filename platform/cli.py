@@ -37,6 +37,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="tokens per engine step (default 512; with --no-chunked-prefill, max_model_len)")
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--no-chunked-prefill", action="store_true")
+    p.add_argument("--no-share-prefix-in-flight", action="store_true",
+                   help="compute a prefix again when another request is computing it in the same batch")
 
 
 def engine_config(args):
@@ -47,7 +49,8 @@ def engine_config(args):
         cache=CacheConfig(block_size=args.block_size, kv_cache_memory_bytes=int(args.kv_cache_memory * GiB),
                           enable_prefix_caching=not args.no_prefix_caching),
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                                  max_model_len=args.max_model_len, enable_chunked_prefill=not args.no_chunked_prefill),
+                                  max_model_len=args.max_model_len, enable_chunked_prefill=not args.no_chunked_prefill,
+                                  share_prefix_in_flight=not args.no_share_prefix_in_flight),
         device=DeviceConfig(device=args.device, dtype=args.dtype, num_threads=args.threads),
     )
 

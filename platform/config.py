@@ -109,6 +109,9 @@ class SchedulerConfig:
     max_num_batched_tokens: int | None = None
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     enable_chunked_prefill: bool = True
+    # A waiting request whose prefix another request is computing waits a step to reuse it
+    # (the scheduler's rule 3) instead of computing the same prefix twice.
+    share_prefix_in_flight: bool = True
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -117,7 +120,6 @@ class SchedulerConfig:
             raise ConfigError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ConfigError(f"max_model_len must be >= 1, got {self.max_model_len}")
-
 
     def resolved(self, max_model_len: int) -> "SchedulerConfig":
         """This config with the token budget decided for a model of `max_model_len`."""

@@ -13,6 +13,13 @@ uncomputed tokens, so "prefill", "chunked prefill" and "decode" are one mechanis
    pool allow, and only if nothing was preempted this step (so a preempted request is not
    immediately overtaken). A request's first scheduling reuses the longest cached prefix of
    its block hashes (never its last token: its logits are needed).
+3. In-flight prefix sharing: a waiting request whose next uncached prompt block is being
+   computed right now by another request (a prompt in prefill, or one waiting for its KV from a
+   prefill worker) is passed over for this step and keeps its place at the head of the queue,
+   so it reuses those blocks once they are registered instead of computing the same prefix a
+   second time in the same batch. A burst of requests sharing a system prompt then costs one
+   prefill of it, not one per request. (SGLang's scheduler does the same for requests with a
+   common prefix in one batch, its "in-batch prefix caching"; vLLM computes each copy.)
 
 A request whose prompt KV comes from a prefill worker (`remote_prefill`) is admitted without
 computing anything: it gets blocks for its whole prompt (after its own prefix-cache hits) and
@@ -53,6 +60,7 @@ class SchedulerStats:
     num_computed_tokens: int = 0   # tokens run through the model, all requests
     num_preemptions: int = 0
     num_remote_prefill_tokens: int = 0  # prompt tokens whose KV came from a prefill worker
+    num_prefix_waits: int = 0  # steps a waiting request sat out for a prefix in flight (rule 3)
 
 
 class Scheduler:
@@ -137,25 +145,51 @@ class Scheduler:
         self.waiting.appendleft(req)
 
     def _admit_waiting(self, budget: int, num_new: dict[str, int]) -> int:
+        in_flight = self._prompt_blocks_in_flight() if self.waiting else set()
+        passed_over: list[Request] = []
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
             cached = self.kv.find_cached_prefix(req)
+            if self._waits_for_prefix(req, cached, in_flight):
+                passed_over.append(self.waiting.popleft())
+                self.stats.num_prefix_waits += 1
+                continue
             num_hit_tokens = len(cached) * self.kv.block_size
             if req.remote_prefill and req.num_cached_tokens < 0:
                 if not self._admit_remote(req, cached, num_hit_tokens):
                     break
-                continue
-            n = req.num_tokens - num_hit_tokens
-            if n > budget and not self.config.enable_chunked_prefill:
-                break
-            n = min(n, budget)
-            if not self.kv.allocate(req, n, cached):
-                break
-            self.waiting.popleft()
-            self._start(req, num_hit_tokens)
-            num_new[req.req_id] = n
-            budget -= n
+            else:
+                n = req.num_tokens - num_hit_tokens
+                if n > budget and not self.config.enable_chunked_prefill:
+                    break
+                n = min(n, budget)
+                if not self.kv.allocate(req, n, cached):
+                    break
+                self.waiting.popleft()
+                self._start(req, num_hit_tokens)
+                num_new[req.req_id] = n
+                budget -= n
+            in_flight.update(self._uncomputed_prompt_blocks(req))
+        self.waiting.extendleft(reversed(passed_over))
         return budget
+
+    def _prompt_blocks_in_flight(self) -> set:
+        """Hashes of the full prompt blocks that running or KV-awaiting requests have yet to fill."""
+        in_flight = set()
+        for req in (*self.running, *self.awaiting_kv.values()):
+            in_flight.update(self._uncomputed_prompt_blocks(req))
+        return in_flight
+
+    def _uncomputed_prompt_blocks(self, req: Request) -> list:
+        bs = self.kv.block_size
+        return req.block_hashes[req.num_computed_tokens // bs:req.num_prompt_tokens // bs]
+
+    def _waits_for_prefix(self, req: Request, cached: list, in_flight: set) -> bool:
+        """Rule 3: the first block `req` would compute is being computed by another request."""
+        if not in_flight or not self.config.share_prefix_in_flight:
+            return False
+        reusable = (req.num_tokens - 1) // self.kv.block_size
+        return len(cached) < reusable and req.block_hashes[len(cached)] in in_flight
 
     def _admit_remote(self, req: Request, cached, num_hit_tokens: int) -> bool:
         """Blocks for the whole prompt, no compute: the KV of the uncached part will arrive."""

@@ -18,11 +18,11 @@ BS = 4
 HASHER = BlockHasher("test-model", BS)
 
 
-def make(num_blocks=64, max_num_seqs=8, budget=16, chunked=True, caching=True, max_model_len=256):
+def make(num_blocks=64, max_num_seqs=8, budget=16, chunked=True, caching=True, max_model_len=256, share=True):
     pool = BlockPool(num_blocks, enable_caching=caching)
     kv = KVCacheManager(pool, BS)
     cfg = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
-                          enable_chunked_prefill=chunked)
+                          enable_chunked_prefill=chunked, share_prefix_in_flight=share)
     return Scheduler(cfg, kv, max_model_len), pool, kv
 
 
@@ -175,3 +175,71 @@ def test_scheduler_budget_resolution_and_its_error():
     with pytest.raises(ConfigError, match=r"max_num_batched_tokens=512 is below max_model_len=2048 with chunked "
                                           r"prefill off.*allowed: max_num_batched_tokens >= 2048"):
         SchedulerConfig(max_num_batched_tokens=512, enable_chunked_prefill=False).resolved(2048)
+
+
+# -- in-flight prefix sharing (the scheduler's rule 3) ---------------------------------------
+
+SHARED = list(range(1, 17))  # four full blocks
+
+
+def test_a_burst_sharing_a_prefix_computes_it_once():
+    sched, pool, kv = make(budget=64)
+    sched.add_request(req("a", SHARED + [50, 51], max_tokens=1))
+    sched.add_request(req("b", SHARED + [60, 61, 62], max_tokens=1))
+    sched.add_request(req("c", [70] * 6, max_tokens=1))   # unrelated: not held back
+    plan, _ = run_step(sched)
+    assert [s.req_id for s in plan.seqs] == ["a", "c"]
+    assert sched.stats.num_prefix_waits == 1
+    plan, _ = run_step(sched)
+    (s,) = plan.seqs
+    assert (s.req_id, s.start_pos, s.num_tokens) == ("b", 16, 3)
+    assert sched.stats.num_prefix_hit_tokens == 16
+    assert sched.stats.num_computed_tokens == 18 + 6 + 3
+    kv.check_invariants()
+
+
+def test_without_sharing_the_burst_computes_the_prefix_twice():
+    sched, _, _ = make(budget=64, share=False)
+    sched.add_request(req("a", SHARED + [50, 51], max_tokens=1))
+    sched.add_request(req("b", SHARED + [60, 61, 62], max_tokens=1))
+    plan, _ = run_step(sched)
+    assert [(s.req_id, s.start_pos) for s in plan.seqs] == [("a", 0), ("b", 0)]
+    assert sched.stats.num_prefix_hit_tokens == 0
+
+
+def test_a_follower_waits_through_every_chunk_of_the_leaders_prefill():
+    sched, _, kv = make(budget=8)
+    sched.add_request(req("a", SHARED + [50], max_tokens=1))     # 17 tokens: chunks 8, 8, 1
+    sched.add_request(req("b", SHARED + [60], max_tokens=1))
+    steps = [[(s.req_id, s.start_pos) for s in run_step(sched)[0].seqs] for _ in range(3)]
+    # b sits out while a fills the shared blocks, and joins as soon as all four are cached.
+    assert steps == [[("a", 0)], [("a", 8)], [("a", 16), ("b", 16)]]
+    kv.check_invariants()
+
+
+def test_a_follower_is_freed_when_the_leader_is_aborted():
+    sched, pool, kv = make(budget=8)
+    sched.add_request(req("a", SHARED + [50], max_tokens=1))
+    sched.add_request(req("b", SHARED + [60], max_tokens=1))
+    run_step(sched)                       # a computes 8 tokens (2 blocks, cached); b waits
+    sched.finish_request("a", RequestStatus.FINISHED_ABORTED)
+    plan, _ = run_step(sched)
+    assert [(s.req_id, s.start_pos) for s in plan.seqs] == [("b", 8)]   # reuses what a finished
+    kv.check_invariants()
+
+
+def test_a_remote_follower_waits_for_the_leaders_kv_and_transfers_less():
+    sched, pool, kv = make(budget=64)
+    lead = Request("a", SHARED + [50], SamplingParams(max_tokens=2, ignore_eos=True), HASHER, remote_prefill=True)
+    follow = Request("b", SHARED + [60], SamplingParams(max_tokens=2, ignore_eos=True), HASHER, remote_prefill=True)
+    sched.add_request(lead)
+    sched.add_request(follow)
+    sched.schedule()
+    assert [r.req_id for r in sched.take_kv_ready()] == ["a"]
+    sched.schedule()
+    assert sched.take_kv_ready() == []      # b still waits: a's KV has not landed
+    sched.complete_remote_prefill("a", 7)
+    sched.schedule()
+    assert [r.req_id for r in sched.take_kv_ready()] == ["b"]
+    assert follow.num_cached_tokens == 16   # only its last block must travel
+    kv.check_invariants()

@@ -2,12 +2,13 @@
 reach the same prefix hit rate as one router, on real workers.
 
 Workload: groups of requests sharing a 320-token prefix (20 blocks) with distinct 24-token
-suffixes. Each group is a burst: its requests are sent 50 ms apart, all in flight together,
-alternating between the replicas, so the followers are placed while the first request is still
-being served and their placement rests on the index (speculative entries and KV events).
-Prefill is local (disaggregation `never`), so a follower that reaches the first request's
-decode worker is scheduled right after its prefill step and reuses the prefix: the hit rate
-measures placement alone. Hit rate = cached prompt tokens / prompt tokens, as the decode
+suffixes. Each group is a burst, all in flight together, alternating between the replicas: the
+followers are sent 200 ms after the first request (time for its router to publish where it went)
+and 50 ms apart, while the first request is still being served (each takes over a second), so
+their placement rests on the index (speculative entries and KV events). Prefill is local
+(disaggregation `never`), and a follower that reaches the first request's decode worker reuses
+the prefix even if it arrives while that prefix is still being computed (the scheduler holds it
+back a step rather than compute the prefix twice), so the hit rate measures placement alone. Hit rate = cached prompt tokens / prompt tokens, as the decode
 workers report them. (That one replica sees the other's speculative entries is asserted
 directly in test_router_index.py.)"""
 
@@ -44,7 +45,7 @@ def run_workload(urls, salt):
                 body = {"model": MODEL, "prompt": prefix + ids(24, salt * 1000 + 500 + group * 10 + k),
                         "max_tokens": 2, "temperature": 0, "ignore_eos": True}
                 futures.append(pool.submit(client.post, f"{urls[k % len(urls)]}/v1/completions", json=body))
-                time.sleep(0.05)
+                time.sleep(0.2 if k == 0 else 0.05)
             responses = [f.result() for f in futures]
             for r in responses:
                 assert r.status_code == 200, r.text
