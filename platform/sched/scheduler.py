@@ -13,13 +13,14 @@ uncomputed tokens, so "prefill", "chunked prefill" and "decode" are one mechanis
    pool allow, and only if nothing was preempted this step (so a preempted request is not
    immediately overtaken). A request's first scheduling reuses the longest cached prefix of
    its block hashes (never its last token: its logits are needed).
-3. In-flight prefix sharing: a waiting request whose next uncached prompt block is being
-   computed right now by another request (a prompt in prefill, or one waiting for its KV from a
-   prefill worker) is passed over for this step and keeps its place at the head of the queue,
-   so it reuses those blocks once they are registered instead of computing the same prefix a
-   second time in the same batch. A burst of requests sharing a system prompt then costs one
-   prefill of it, not one per request. (SGLang's scheduler does the same for requests with a
-   common prefix in one batch, its "in-batch prefix caching"; vLLM computes each copy.)
+3. In-flight prefix sharing: a waiting request whose next uncached prompt blocks (at least
+   MIN_SHARED_BLOCKS of them) are being computed right now by another request (a prompt in
+   prefill, or one waiting for its KV from a prefill worker) is passed over for this step and
+   keeps its place at the head of the queue, so it reuses those blocks once they are
+   registered instead of computing the same prefix a second time in the same batch. A burst
+   of requests sharing a system prompt then costs one prefill of it, not one per request.
+   (SGLang's scheduler does the same for requests with a common prefix in one batch, its
+   "in-batch prefix caching"; vLLM computes each copy.)
 
 A request whose prompt KV comes from a prefill worker (`remote_prefill`) is admitted without
 computing anything: it gets blocks for its whole prompt (after its own prefix-cache hits) and
@@ -43,6 +44,11 @@ from splitserve.platform.config import SchedulerConfig
 from splitserve.platform.kv.manager import KVCacheManager
 from splitserve.platform.sched.plan import SchedulerPlan, ScheduledSeq, StepResult
 from splitserve.platform.sched.request import Request, RequestStatus
+
+
+# Rule 3 holds a request back only for at least this many shared blocks in flight (SGLang's
+# in-batch prefix check uses a like threshold of 32 tokens, two of our default blocks).
+MIN_SHARED_BLOCKS = 2
 
 
 @dataclass(frozen=True)
@@ -185,11 +191,15 @@ class Scheduler:
         return req.block_hashes[req.num_computed_tokens // bs:req.num_prompt_tokens // bs]
 
     def _waits_for_prefix(self, req: Request, cached: list, in_flight: set) -> bool:
-        """Rule 3: the first block `req` would compute is being computed by another request."""
+        """Rule 3: the next MIN_SHARED_BLOCKS blocks `req` would compute are being computed by
+        another request. (Sharing a single block, typically a chat template's opening, is not
+        worth a step's delay.)"""
         if not in_flight or not self.config.share_prefix_in_flight:
             return False
+        start = len(cached)
         reusable = (req.num_tokens - 1) // self.kv.block_size
-        return len(cached) < reusable and req.block_hashes[len(cached)] in in_flight
+        upcoming = req.block_hashes[start:min(start + MIN_SHARED_BLOCKS, reusable)]
+        return len(upcoming) == MIN_SHARED_BLOCKS and all(h in in_flight for h in upcoming)
 
     def _admit_remote(self, req: Request, cached, num_hit_tokens: int) -> bool:
         """Blocks for the whole prompt, no compute: the KV of the uncached part will arrive."""

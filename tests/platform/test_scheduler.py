@@ -198,6 +198,15 @@ def test_a_burst_sharing_a_prefix_computes_it_once():
     kv.check_invariants()
 
 
+def test_one_shared_block_is_not_worth_a_wait():
+    sched, _, _ = make(budget=64)
+    sched.add_request(req("a", SHARED + [50, 51], max_tokens=1))
+    sched.add_request(req("b", SHARED[:4] + [60] * 14, max_tokens=1))   # shares only a's first block
+    plan, _ = run_step(sched)
+    assert [(s.req_id, s.start_pos) for s in plan.seqs] == [("a", 0), ("b", 0)]
+    assert sched.stats.num_prefix_waits == 0
+
+
 def test_without_sharing_the_burst_computes_the_prefix_twice():
     sched, _, _ = make(budget=64, share=False)
     sched.add_request(req("a", SHARED + [50, 51], max_tokens=1))
