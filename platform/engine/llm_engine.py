@@ -51,8 +51,8 @@ class LoadSnapshot:
     queued_prefill_tokens: int  # prompt tokens admitted or waiting but not yet computed
     num_free_blocks: int
     num_total_blocks: int
-    prefix_cache_queries: int = 0   # tokens looked up in the prefix cache since start
-    prefix_cache_hits: int = 0      # of which were found
+    prefix_cache_queries: int = 0   # prompt tokens looked up in the prefix cache since start
+    prefix_cache_hits: int = 0      # of which were found (counted once per request)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -175,8 +175,8 @@ class LLMEngine:
         return LoadSnapshot(num_waiting=len(sched.waiting), num_running=len(sched.running) + len(sched.awaiting_kv),
                             kv_usage=self.pool.usage, queued_prefill_tokens=queued,
                             num_free_blocks=self.pool.num_free_blocks, num_total_blocks=self.pool.num_blocks,
-                            prefix_cache_queries=self.pool.stats.num_queries * self.config.cache.block_size,
-                            prefix_cache_hits=self.pool.stats.num_hits * self.config.cache.block_size)
+                            prefix_cache_queries=sched.stats.num_prefix_query_tokens,
+                            prefix_cache_hits=sched.stats.num_prefix_hit_tokens)
 
     def take_kv_events(self) -> list[KVEvent]:
         """BlockStored / BlockRemoved / AllCleared since the last call, in order."""

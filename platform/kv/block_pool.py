@@ -56,8 +56,6 @@ KVEvent = BlockStored | BlockRemoved | AllCleared
 class PoolStats:
     """Counters for metrics and tests; monotonically increasing."""
 
-    num_queries: int = 0       # blocks looked up in the prefix cache
-    num_hits: int = 0          # of which were found
     num_evictions: int = 0     # cached blocks reused for something else
 
 
@@ -84,12 +82,8 @@ class BlockPool:
         return 1.0 - len(self._free) / self.num_blocks
 
     def lookup(self, block_hash: BlockHash) -> Block | None:
-        """The cached block with this hash, or None. Does not change any state but stats."""
-        self.stats.num_queries += 1
-        block = self._cached.get(block_hash)
-        if block is not None:
-            self.stats.num_hits += 1
-        return block
+        """The cached block with this hash, or None. Changes nothing."""
+        return self._cached.get(block_hash)
 
     def peek(self, block_hash: BlockHash) -> bool:
         """Whether the hash is cached; no stats, no mutation (safe to call from another thread)."""

@@ -62,6 +62,10 @@ class TokenUpdate:
 
 @dataclass
 class SchedulerStats:
+    # Prompt tokens looked up in the prefix cache and found there, once per request at its
+    # first scheduling (vLLM's prefix_cache_queries/hits): a request that waits and is looked
+    # up again on the next step is not counted twice.
+    num_prefix_query_tokens: int = 0
     num_prefix_hit_tokens: int = 0
     num_computed_tokens: int = 0   # tokens run through the model, all requests
     num_preemptions: int = 0
@@ -206,11 +210,9 @@ class Scheduler:
         if not self.kv.allocate(req, req.num_tokens - num_hit_tokens, cached):
             return False
         self.waiting.popleft()
-        req.num_cached_tokens = num_hit_tokens
-        req.first_scheduled_time = time.monotonic()
+        self._record_first_scheduling(req, num_hit_tokens)
         req.num_computed_tokens = num_hit_tokens
         req.status = RequestStatus.WAITING_FOR_KV
-        self.stats.num_prefix_hit_tokens += num_hit_tokens
         self.awaiting_kv[req.req_id] = req
         self._kv_ready.append(req)
         return True
@@ -242,11 +244,15 @@ class Scheduler:
 
     def _start(self, req: Request, num_hit_tokens: int) -> None:
         if req.num_cached_tokens < 0:  # first time, not a resume after preemption
-            req.num_cached_tokens = num_hit_tokens
-            req.first_scheduled_time = time.monotonic()
+            self._record_first_scheduling(req, num_hit_tokens)
         req.num_computed_tokens = num_hit_tokens
         req.status = RequestStatus.RUNNING
         self.running.append(req)
+
+    def _record_first_scheduling(self, req: Request, num_hit_tokens: int) -> None:
+        req.num_cached_tokens = num_hit_tokens
+        req.first_scheduled_time = time.monotonic()
+        self.stats.num_prefix_query_tokens += req.num_prompt_tokens
         self.stats.num_prefix_hit_tokens += num_hit_tokens
 
     def _seq(self, req: Request, n: int) -> ScheduledSeq:

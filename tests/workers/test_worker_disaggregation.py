@@ -105,7 +105,7 @@ def test_cancel_during_prefill_and_decode_frees_blocks_on_both(pair):
 
 def test_health_ready_and_metrics_names(pair):
     d, p = pair
-    run(generate(d.address, prompt(40, salt=6), mode=pb.DISAGGREGATION_MODE_NEVER))
+    run(generate(d.address, prompt(40, salt=6), [p.address]))   # one transfer, so the histograms have a sample
     for w in (d, p):
         assert w.get("/health")[0] == 200 and w.get("/ready")[0] == 200
         assert w.get("/nope")[0] == 404
@@ -118,3 +118,19 @@ def test_health_ready_and_metrics_names(pair):
     assert d.metric("splitserve_e2e_request_latency_seconds_count") >= 1
     assert d.metric('splitserve_kv_transfer_seconds_count{direction="in"}') >= 1
     assert p.metric('splitserve_kv_transfer_bytes_count{direction="out"}') >= 1
+
+
+def test_prefix_cache_metrics_count_each_request_once(pair):
+    """vllm:prefix_cache_queries/hits: prompt tokens looked up and found, once per request."""
+    d, _ = pair
+    ids = prompt(40, salt=7)
+    run(generate(d.address, ids, mode=pb.DISAGGREGATION_MODE_NEVER))
+    queries, hits = d.metric("vllm:prefix_cache_queries_total"), d.metric("vllm:prefix_cache_hits_total")
+    _, last = run(generate(d.address, ids, mode=pb.DISAGGREGATION_MODE_NEVER))
+    assert last.usage.cached_tokens == 32   # two full blocks of 40 tokens
+    deadline = time.monotonic() + 10        # the gauges follow the worker's load reports
+    while (d.metric("vllm:prefix_cache_queries_total") - queries, d.metric("vllm:prefix_cache_hits_total") - hits) \
+            != (40, 32):
+        assert time.monotonic() < deadline, (d.metric("vllm:prefix_cache_queries_total") - queries,
+                                             d.metric("vllm:prefix_cache_hits_total") - hits)
+        time.sleep(0.1)
