@@ -79,7 +79,7 @@ async def receive(conn) -> None:
     while (msg := await loop.run_in_executor(None, conn.recv))[0] == "expect":
         _, kind, tid = msg
         receiver = receivers[kind]
-        receiver.expect(tid, LAYOUT, NUM_BLOCKS, lambda layer, t: kv[layer].copy_(t), 60.0)
+        receiver.expect(tid, LAYOUT, NUM_BLOCKS, lambda layer, t, first: kv[layer].copy_(t), 60.0)
         tasks.add(asyncio.ensure_future(settle(receiver, tid)))
         conn.send("ok")
     await asyncio.gather(*tasks)

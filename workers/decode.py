@@ -84,7 +84,8 @@ class RemotePrefill:
         transfer_id = f"{req_id}/{uuid.uuid4().hex[:12]}"
         dst = ready.block_ids[ready.start_block:]
         write = self.engine.engine.write_kv_layer
-        self.receiver.expect(transfer_id, self.layout, len(dst), lambda layer, payload: write(dst, layer, payload),
+        self.receiver.expect(transfer_id, self.layout, len(dst),
+                             lambda layer, payload, first: write(dst[first:first + payload.shape[1]], layer, payload),
                              self.deadline_s)
         t0 = time.monotonic()
         try:

@@ -2,9 +2,9 @@
 
 Prefill(prompt, skip_blocks, kv_address, transfer_id, layout) runs the prompt through this
 worker's engine — reusing its own prefix cache — as a one-token request whose KV export hook
-copies each layer's blocks [skip_blocks, n) the moment that layer is computed. A pump task
-sends those layer payloads over the KV transport while the next layers compute, so transfer
-overlaps compute. The answer (the first sampled token) goes back only after the decode
+copies each layer's blocks [skip_blocks, n) the moment that layer is computed: with chunked
+prefill, each chunk's completed blocks. A pump task sends those payloads over the KV transport
+while the next layers (and chunks) compute, so transfer overlaps compute. The answer (the first sampled token) goes back only after the decode
 worker acknowledged every layer; if the caller cancels, or anything fails, the transfer is
 aborted and the engine request freed, so no blocks stay held.
 """
@@ -53,14 +53,17 @@ async def serve_prefill(engine: AsyncEngine, sender: KVSender, layout: KVLayout,
     loop = asyncio.get_running_loop()
     layers: asyncio.Queue = asyncio.Queue()
 
-    def sink(layer, payload):  # engine thread
-        loop.call_soon_threadsafe(layers.put_nowait, (layer, payload))
+    def sink(layer, payload, first_block):  # engine thread
+        loop.call_soon_threadsafe(layers.put_nowait, (layer, payload, first_block))
 
     async def pump():
-        for _ in range(layout.num_layers):
-            layer, payload = await layers.get()
-            await handle.send_layer(layer, payload)
-            faults.after_layer_sent(layer)
+        remaining = layout.num_layers * num_blocks   # (layer, block) pairs still to send
+        while remaining:
+            layer, payload, first_block = await layers.get()
+            await handle.send_layer(layer, payload, first_block)
+            remaining -= payload.shape[1]
+            if first_block + payload.shape[1] == num_blocks:
+                faults.after_layer_sent(layer)
 
     pump_task = asyncio.create_task(pump()) if streaming else asyncio.create_task(asyncio.sleep(0))
     final = None

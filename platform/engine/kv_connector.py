@@ -3,12 +3,14 @@
 Prefill/decode disaggregation splits into two halves that exchange only metadata (STYLE.md):
 the engine decides which blocks to export or to fill; the worker's transport moves bytes.
 
-* Export (prefill worker): a request added with a `KVExport` has, in the step that completes
-  its prompt, each layer's K and V of blocks [start_block, num_prompt_blocks) copied out right
-  after that layer is computed and handed to `sink(layer, payload)` — so the transport can send
-  layer i while layer i+1 computes. The payload ([2, num_blocks, block_size, kv_heads,
-  head_dim], K then V) is a fresh tensor the sink owns: the engine may free and reuse the
-  blocks as soon as the step ends.
+* Export (prefill worker): a request added with a `KVExport` has, in every step that computes
+  part of its prompt, each layer's K and V of the blocks that step completed copied out right
+  after that layer is computed and handed to `sink(layer, payload, first_block)` — so the
+  transport can send layer i while layer i+1 computes, and with chunked prefill one chunk's
+  blocks while the next chunk computes. Over the steps every block of [start_block,
+  num_prompt_blocks) goes exactly once per layer, in order; `first_block` counts from
+  start_block. The payload ([2, num_blocks, block_size, kv_heads, head_dim], K then V) is a
+  fresh tensor the sink owns: the engine may free and reuse the blocks as soon as the step ends.
 * Import (decode worker): a request added with `remote_prefill=True` gets blocks for its whole
   prompt and waits; its first output carries `KVReady` (block ids, tokens already cached
   locally), and `write_layer` copies each arriving layer's payload into those blocks.
@@ -26,11 +28,12 @@ import torch
 class KVExport:
     """Send this request's prompt KV from block `start_block` on, layer by layer, to `sink`.
 
-    `sink(layer, payload)` runs on the engine thread and must not block (queue the send).
+    `sink(layer, payload, first_block)` runs on the engine thread and must not block (queue the
+    send); `first_block` is the payload's first block counted from `start_block`.
     """
 
     start_block: int
-    sink: Callable[[int, torch.Tensor], None]
+    sink: Callable[[int, torch.Tensor, int], None]
 
 
 @dataclass(frozen=True)

@@ -88,6 +88,7 @@ class LLMEngine:
         self._generators: dict[str, torch.Generator | None] = {}
         self._aborted: list[RequestOutput] = []
         self._exports: dict[str, KVExport] = {}
+        self._exported: dict[str, int] = {}   # req_id -> prompt blocks exported so far
         self._ids = itertools.count()
 
     def _load_model(self, source):
@@ -122,6 +123,7 @@ class LLMEngine:
                     f"skip_blocks={kv_export.start_block} is invalid for a prompt of {len(token_ids)} tokens; "
                     f"allowed: 0 to {num_prompt_blocks - 1}")
             self._exports[req_id] = kv_export
+            self._exported[req_id] = kv_export.start_block
         self._generators[req_id] = make_generator(params.seed, self.device)
         self.outputs.add(req)
         self.scheduler.add_request(req)
@@ -162,6 +164,7 @@ class LLMEngine:
     def _forget(self, req_id: str) -> None:
         self._generators.pop(req_id, None)
         self._exports.pop(req_id, None)
+        self._exported.pop(req_id, None)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.num_unfinished > 0 or bool(self._aborted)
@@ -224,24 +227,36 @@ class LLMEngine:
         return KVReady(tuple(self.kv.block_ids(req.req_id)), req.num_cached_tokens, self.config.cache.block_size)
 
     def _export_hook(self, plan):
-        """A per-layer hook exporting KV of requests whose prompt completes in this step, or None."""
+        """A per-layer hook exporting the prompt blocks this step completes, or None.
+
+        A chunk that is not the prompt's last exports the blocks it filled (whole blocks only:
+        a block the chunk fills partly goes with the next chunk); the last chunk exports the
+        rest, its partial tail block included. So with chunked prefill the first chunks' KV
+        travels while later chunks compute.
+        """
+        bs = self.config.cache.block_size
         exports = []
         for seq in plan.seqs:
             spec = self._exports.get(seq.req_id)
-            if spec is not None and seq.do_sample:
-                num_blocks = -(-seq.context_len // self.config.cache.block_size)
-                ids = torch.tensor(seq.block_ids[spec.start_block:num_blocks], dtype=torch.long, device=self.device)
-                exports.append((spec.sink, ids))
+            if spec is None:
+                continue
+            first = self._exported[seq.req_id]
+            end = -(-seq.context_len // bs) if seq.do_sample else seq.context_len // bs
+            if end <= first:
+                continue
+            self._exported[seq.req_id] = end
+            ids = torch.tensor(seq.block_ids[first:end], dtype=torch.long, device=self.device)
+            exports.append((spec.sink, first - spec.start_block, ids))
         if not exports:
             return None
 
         def hook(layer: int) -> None:
-            for sink, ids in exports:
-                sink(layer, export_layer(self.runner.kv_caches, layer, ids))
+            for sink, first_block, ids in exports:
+                sink(layer, export_layer(self.runner.kv_caches, layer, ids), first_block)
         return hook
 
     def write_kv_layer(self, block_ids: Sequence[int], layer: int, payload: torch.Tensor) -> None:
-        """Copy one received layer into a WAITING_FOR_KV request's blocks.
+        """Copy one received layer (or piece of one) into a WAITING_FOR_KV request's blocks.
 
         Safe from another thread: those blocks belong to a request no step touches until
         complete_remote_prefill / fallback_to_local_prefill is called on the engine thread.

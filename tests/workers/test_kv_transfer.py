@@ -37,6 +37,14 @@ def bits(t: torch.Tensor) -> torch.Tensor:
 
 
 # -- the receiver side, in another process (or in this one for inproc) --------------------------
+def _append(layers: dict, layer: int, first: int, t: torch.Tensor) -> None:
+    """Assemble a layer from its pieces (the receiver hands them over in block order)."""
+    have = layers.get(layer)
+    assert first == (0 if have is None else have.shape[1]), (layer, first)
+    layers[layer] = t.clone() if have is None else torch.cat((have, t), dim=1)
+
+
+
 async def _serve_commands(kind: str, conn) -> None:
     receiver = make_receiver(kind, "127.0.0.1", 0)
     await receiver.start()
@@ -48,7 +56,7 @@ async def _serve_commands(kind: str, conn) -> None:
             tid, layout, num_blocks, deadline_s = args
             received[tid] = {}
             receiver.expect(tid, KVLayout.from_dict(layout), num_blocks,
-                            lambda layer, t: received[tid].__setitem__(layer, t.clone()), deadline_s)
+                            lambda layer, t, first: _append(received[tid], layer, first, t), deadline_s)
         elif cmd == "wait":
             t0 = time.monotonic()
             status = await receiver.wait(args[0])
@@ -183,6 +191,31 @@ def test_layers_arrive_bit_identical(remote, run, dtype):
         assert received[layer].dtype == p.dtype and received[layer].shape == p.shape
         assert torch.equal(bits(received[layer]), bits(p))
     assert num_transfers == 0
+
+
+def test_layers_in_pieces_arrive_bit_identical(remote, run):
+    """Chunked prefill sends each layer in pieces (here blocks 0-2, then 3-6), every layer's
+    first piece before any second one; the receiver assembles the same bytes."""
+    payloads = make_payloads(LAYOUT, NUM_BLOCKS, seed=2)
+
+    async def go():
+        sender = make_sender(remote.kind)
+        await remote("expect", "pc", LAYOUT.to_dict(), NUM_BLOCKS, 10.0)
+        handle = await sender.open(remote.address, "pc", LAYOUT, NUM_BLOCKS)
+        for first, end in ((0, 3), (3, NUM_BLOCKS)):
+            for layer, p in enumerate(payloads):
+                await handle.send_layer(layer, p[:, first:end].contiguous(), first)
+        await handle.finish()
+        status, _ = await remote("wait", "pc")
+        received = await remote("received", "pc")
+        await remote("release", "pc")
+        await sender.close()
+        return status, received
+
+    status, received = run(go())
+    assert (status.state, status.num_layers_done) == (TransferState.DONE, 4)
+    for layer, p in enumerate(payloads):
+        assert torch.equal(bits(received[layer]), bits(p))
 
 
 def test_layout_mismatch_is_rejected_with_both_values(remote, run):

@@ -74,7 +74,7 @@ async def setup(deadline_s=10.0, write_layer=None):
     receiver = make_receiver("inproc")
     await receiver.start()
     written = {}
-    receiver.expect("t", LAYOUT, NUM_BLOCKS, write_layer or (lambda i, t: written.__setitem__(i, t.clone())),
+    receiver.expect("t", LAYOUT, NUM_BLOCKS, write_layer or (lambda i, t, first: written.__setitem__(i, t.clone())),
                     deadline_s)
     sender = make_sender("inproc")
     handle = await sender.open(receiver.address, "t", LAYOUT, NUM_BLOCKS)
@@ -94,11 +94,15 @@ def test_send_layer_checks_its_arguments():
     async def go():
         receiver, sender, handle, _ = await setup()
         errors = []
-        for layer, p in [(0, payload()[:, :1]), (0, payload().to(torch.bfloat16)), (0, payload().transpose(3, 4)),
-                         (4, payload())]:
+        for layer, p, first in [(0, payload()[:, :1], 0), (0, payload().to(torch.bfloat16), 0),
+                                (0, payload().transpose(3, 4), 0), (4, payload(), 0), (1, payload(num_blocks=1), 1)]:
             with pytest.raises(ValueError) as err:
-                await handle.send_layer(layer, p)
+                await handle.send_layer(layer, p, first)
             errors.append(str(err.value))
+        await handle.send_layer(2, payload())
+        with pytest.raises(ValueError) as err:    # layer 2 is complete: nothing more of it
+            await handle.send_layer(2, payload(num_blocks=1), 2)
+        errors.append(str(err.value))
         await handle.abort()
         with pytest.raises(RuntimeError, match="send_layer after finish/abort of transfer 't'"):
             await handle.send_layer(0, payload())
@@ -107,16 +111,18 @@ def test_send_layer_checks_its_arguments():
         return errors, status
 
     errors, status = asyncio.run(go())
-    assert errors[0] == ("layer payload must be a contiguous float32 tensor of shape (2, 2, 16, 3, 64), got "
-                         "torch.float32 (2, 1, 16, 3, 64) (contiguous=False)")
+    assert errors[0] == ("layer payload must be a contiguous float32 tensor of shape (2, 2, 16, 3, 64) (or fewer "
+                         "blocks), got torch.float32 (2, 1, 16, 3, 64) (contiguous=False)")
     assert "got torch.bfloat16 (2, 2, 16, 3, 64) (contiguous=True)" in errors[1]
     assert "got torch.float32 (2, 2, 16, 64, 3) (contiguous=False)" in errors[2]
     assert errors[3] == "layer 4 is outside 0..3"
+    assert errors[4] == "layer 1: blocks 1..1 do not continue its 0 blocks queued so far within the transfer's 2"
+    assert errors[5] == "layer 2: blocks 2..2 do not continue its 2 blocks queued so far within the transfer's 2"
     assert (status.state, status.error) == (TransferState.FAILED, "transfer aborted by the sender")
 
 
 def test_write_layer_raising_fails_the_transfer():
-    def write_layer(layer, t):
+    def write_layer(layer, t, first):
         if layer == 1:
             raise RuntimeError("no free slot")
 
@@ -131,16 +137,39 @@ def test_write_layer_raising_fails_the_transfer():
     assert (status.state, status.num_layers_done) == (TransferState.FAILED, 1)
 
 
+def test_layers_in_pieces_land_in_order():
+    """With chunked prefill a layer goes in pieces, one per chunk: write_layer sees each piece
+    with its first block; the transfer is DONE once every block of every layer landed."""
+    async def go():
+        pieces = []
+        receiver, sender, handle, _ = await setup(
+            write_layer=lambda layer, t, first: pieces.append((layer, first, t[0, :, 0, 0, 0].tolist())))
+        for layer in range(4):
+            await handle.send_layer(layer, payload(num_blocks=1, value=1.0), 0)
+        for layer in range(4):
+            await handle.send_layer(layer, payload(num_blocks=1, value=2.0), 1)
+        await handle.finish()
+        status = await receiver.wait("t")
+        await receiver.close()
+        return pieces, status
+
+    pieces, status = asyncio.run(go())
+    assert pieces == [(layer, 0, [1.0]) for layer in range(4)] + [(layer, 1, [2.0]) for layer in range(4)]
+    assert (status.state, status.num_layers_done, status.num_bytes) == (TransferState.DONE, 4, 4 * 49152)
+
+
 def test_duplicate_layer_and_missing_layers_fail():
     async def go(layers):
         receiver, sender, handle, _ = await setup()
         for layer in layers:
-            await handle.send_layer(layer, payload())
+            # Past send_layer's own checks, as a faulty peer would send it.
+            handle._queue.put_nowait((layer, payload(), 0))
         return await outcome(receiver, handle)
 
     message, status = asyncio.run(go([0, 0]))
-    assert message == status.error == ("protocol error: layer 0 of 49152 bytes (expected layers 0...3 once each, "
-                                       "49152 bytes)")
+    assert message == status.error == (
+        "protocol error: layer 0, blocks from 0, 49152 bytes (expected layers 0...3, each layer's 2 blocks once and "
+        "in order in pieces of whole blocks of 24576 bytes; layer 0 has 2 so far)")
     message, status = asyncio.run(go([0, 2]))
     assert message == status.error == "sender finished after 2 of 4 layers"
     assert (status.state, status.num_layers_done, status.num_bytes) == (TransferState.FAILED, 2, 2 * 49152)
@@ -168,10 +197,10 @@ def test_receiver_bookkeeping():
     async def go():
         receiver, sender, handle, _ = await setup()
         with pytest.raises(ValueError, match="transfer id 't' is already registered"):
-            receiver.expect("t", LAYOUT, NUM_BLOCKS, lambda i, t: None, 1.0)
+            receiver.expect("t", LAYOUT, NUM_BLOCKS, lambda i, t, first: None, 1.0)
         receiver.abort("nobody")  # unknown: no-op
         receiver.release("nobody")
-        receiver.expect("w", LAYOUT, NUM_BLOCKS, lambda i, t: None, 10.0)
+        receiver.expect("w", LAYOUT, NUM_BLOCKS, lambda i, t, first: None, 10.0)
         await receiver.close()  # transfers not yet terminal fail
         w = receiver.poll("w")
         receiver.release("w")

@@ -5,13 +5,15 @@ worker and is identified by a `transfer_id` the decode worker chooses. Its life 
 
 * Receiver (decode worker, push target): `expect()` registers it (WAITING) with the layout the
   decode worker's cache has, the number of blocks and a `write_layer` callback; the sender's
-  first message moves it to RECEIVING (or FAILED on a layout mismatch); each landed layer is
-  handed to `write_layer`; when every layer landed and the sender said it is finished it is
-  DONE and the sender gets its acknowledgement. `abort()` (client gone) makes it ABORTED; the
+  first message moves it to RECEIVING (or FAILED on a layout mismatch); each landed piece of
+  a layer (a run of its blocks, see below) is handed to `write_layer`; when every block of
+  every layer landed and the sender said it is finished it is DONE and the sender gets its acknowledgement. `abort()` (client gone) makes it ABORTED; the
   deadline makes it TIMED_OUT; a lost sender makes it FAILED. `poll()` never blocks, `wait()`
   returns at a terminal state, `release()` forgets it.
 * Sender (prefill worker): `open()` gets a `SendHandle` on a pooled connection;
   `send_layer()` queues each layer as soon as it is computed (so sending overlaps compute);
+  a layer may go in pieces, each a run of consecutive blocks in order (`first_block`), so with
+  chunked prefill the blocks a chunk completed leave while the next chunk computes;
   `finish()` returns once the receiver acknowledged that every layer was written, and is the
   one place where a failure of the transfer (mismatch, unknown id, abort, timeout, lost
   connection) surfaces, as `TransferError`.
@@ -119,7 +121,9 @@ class TransferStatus:
     error: str | None = None
 
 
-WriteLayer = Callable[[int, torch.Tensor], None]
+# write_layer(layer, payload, first_block): `payload` holds blocks [first_block, first_block + n)
+# of the transfer (n = payload.shape[1]).
+WriteLayer = Callable[[int, torch.Tensor, int], None]
 
 
 class KVReceiver(ABC):
@@ -143,8 +147,9 @@ class KVReceiver(ABC):
                deadline_s: float) -> None:
         """Register an incoming transfer (WAITING) before asking the sender to send it.
 
-        `write_layer(layer, payload)` is called in the loop as each layer lands, payload of
-        `layout.layer_payload_shape(num_blocks)` and `layout.dtype`; the payload is only valid
+        `write_layer(layer, payload, first_block)` is called in the loop as each piece of a layer
+        lands, payload of `layout.layer_payload_shape(n)` (blocks first_block..first_block+n-1 of
+        the transfer) and `layout.dtype`; the payload is only valid
         during the call (the receiver reuses its buffer): copy out of it. If it raises, the
         transfer FAILS. `deadline_s` is seconds from now; at the deadline a transfer not yet
         DONE becomes TIMED_OUT. A transfer_id already registered is a ValueError.
@@ -187,9 +192,11 @@ class SendHandle(ABC):
     error: TransferError | None
 
     @abstractmethod
-    async def send_layer(self, layer: int, payload: torch.Tensor) -> None:
-        """Queue one layer: contiguous, `layout.layer_payload_shape(num_blocks)`, `layout.dtype`
-        (else ValueError). Returns without waiting for the wire; the handle keeps a reference to
+    async def send_layer(self, layer: int, payload: torch.Tensor, first_block: int = 0) -> None:
+        """Queue one layer, or the next piece of it: contiguous, `layout.dtype`,
+        `layout.layer_payload_shape(n)` for blocks [first_block, first_block + n) of the transfer,
+        where first_block is where the layer's previous piece ended (0 for its first); else
+        ValueError. Returns without waiting for the wire; the handle keeps a reference to
         `payload` until it is sent, so the caller must not modify it afterwards. Once the
         transfer failed, layers are dropped silently (finish() reports the failure)."""
 

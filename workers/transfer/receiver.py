@@ -55,7 +55,7 @@ async def serve_channel(channel: Channel, table: TransferTable, max_payload_byte
                 for i, layer in enumerate(layers):
                     await channel.recv_payload(view.numpy(), is_last=i == len(layers) - 1)
                     if msg["transfer_id"] == bound:  # else: not this connection's transfer, discard
-                        table.write(bound, layer, view)
+                        table.write(bound, layer, int(msg.get("first_block", 0)), view)
             elif op == "end":
                 await channel.send(table.finish(msg["transfer_id"], bool(msg.get("aborted"))))
                 bound = None

@@ -2,7 +2,8 @@
 
 Per connection (`_Conn`), a reader task routes the receiver's replies to the handle that holds
 the connection; per transfer (`ChannelSendHandle`), a pump task is the one writer of the
-channel: it sends "open", then the queued layers (all that are queued, under one header),
+channel: it sends "open", then the queued layers (all that are queued for the same blocks,
+under one header),
 dropping layers once the transfer is known to have failed. finish() ends the pump, sends
 "end" and waits for the final reply (at most `ack_timeout_s`); only a connection that got its
 final reply goes back to the pool, any other is closed. See stream.py for the messages.
@@ -63,6 +64,7 @@ class ChannelSendHandle(SendHandle):
         self.bytes_sent = 0
         self.error: TransferError | None = None
         self._queue: asyncio.Queue = asyncio.Queue()
+        self._blocks_queued: dict[int, int] = {}   # layer -> blocks queued so far
         self._final: asyncio.Future = asyncio.get_running_loop().create_future()
         self._is_closed = False
         conn.handle = self
@@ -82,39 +84,54 @@ class ChannelSendHandle(SendHandle):
 
     async def _send_all(self) -> None:
         """The one writer of this channel while the transfer is open: "open", then whatever
-        layers are queued under one header each time, until the queue's end marker."""
+        layers are queued for the same blocks under one header each time, until the queue's end
+        marker."""
         try:
             await self._conn.channel.send({"op": "open", "transfer_id": self.transfer_id,
                                            "layout": self.layout.to_dict(), "num_blocks": self.num_blocks})
             is_ended = False
+            held = None   # an item taken from the queue that belongs under the next header
             while not is_ended:
-                batch = [await self._queue.get()]
+                batch = [held if held is not None else await self._queue.get()]
+                held = None
                 while batch[-1] is not None and not self._queue.empty() and len(batch) < MAX_LAYERS_PER_HEADER:
-                    batch.append(self._queue.get_nowait())
+                    item = self._queue.get_nowait()
+                    if item is not None and (item[1].shape != batch[0][1].shape or item[2] != batch[0][2]):
+                        held = item   # another block range: its own header
+                        break
+                    batch.append(item)
                 if batch[-1] is None:
                     is_ended = True
                     batch.pop()
                 if not batch or self.error is not None:  # nothing, or the receiver gave up: drop
                     continue
-                data = [payload_bytes(payload) for _, payload in batch]
-                header = {"op": "layers", "transfer_id": self.transfer_id,
-                          "layers": [layer for layer, _ in batch], "nbytes": data[0].nbytes}
+                data = [payload_bytes(payload) for _, payload, _ in batch]
+                header = {"op": "layers", "transfer_id": self.transfer_id, "layers": [layer for layer, _, _ in batch],
+                          "first_block": batch[0][2], "nbytes": data[0].nbytes}
                 await self._conn.channel.send(header, data)
                 self.bytes_sent += sum(d.nbytes for d in data)
         except Exception as e:
             self._conn.is_dead = True
             self._on_lost(e)
 
-    async def send_layer(self, layer: int, payload: torch.Tensor) -> None:
-        shape = self.layout.layer_payload_shape(self.num_blocks)
-        if tuple(payload.shape) != shape or payload.dtype != self.layout.torch_dtype or not payload.is_contiguous():
-            raise ValueError(f"layer payload must be a contiguous {self.layout.dtype} tensor of shape {shape}, got "
-                             f"{payload.dtype} {tuple(payload.shape)} (contiguous={payload.is_contiguous()})")
+    async def send_layer(self, layer: int, payload: torch.Tensor, first_block: int = 0) -> None:
         if not 0 <= layer < self.layout.num_layers:
             raise ValueError(f"layer {layer} is outside 0..{self.layout.num_layers - 1}")
+        queued = self._blocks_queued.get(layer, 0)
+        n = payload.shape[1] if payload.dim() == 5 else 0
+        shape = self.layout.layer_payload_shape(n)
+        if n < 1 or tuple(payload.shape) != shape or payload.dtype != self.layout.torch_dtype \
+                or not payload.is_contiguous():
+            raise ValueError(f"layer payload must be a contiguous {self.layout.dtype} tensor of shape "
+                             f"{self.layout.layer_payload_shape(self.num_blocks - queued)} (or fewer blocks), got "
+                             f"{payload.dtype} {tuple(payload.shape)} (contiguous={payload.is_contiguous()})")
+        if first_block != queued or queued + n > self.num_blocks:
+            raise ValueError(f"layer {layer}: blocks {first_block}..{first_block + n - 1} do not continue its "
+                             f"{queued} blocks queued so far within the transfer's {self.num_blocks}")
         if self._is_closed:
             raise RuntimeError(f"send_layer after finish/abort of transfer {self.transfer_id!r}")
-        self._queue.put_nowait((layer, payload.cpu()))
+        self._blocks_queued[layer] = queued + n
+        self._queue.put_nowait((layer, payload.cpu(), first_block))
 
     async def finish(self) -> None:
         await self._end(aborted=False, timeout_s=self._sender.ack_timeout_s)

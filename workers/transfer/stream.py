@@ -4,18 +4,21 @@ A transport only supplies a `Channel`: an ordered, bidirectional pipe of small J
 each followed by the binary payloads it announces. On it:
 
     sender -> receiver   {"op": "open", "transfer_id", "layout": KVLayout.to_dict(), "num_blocks"}
-                         {"op": "layers", "transfer_id", "layers": [i, ...], "nbytes"}
-                             + one payload of nbytes per listed layer, in that order
-                         ... until every layer went, in any order ...
+                         {"op": "layers", "transfer_id", "layers": [i, ...], "first_block", "nbytes"}
+                             + one payload of nbytes per listed layer, in that order: blocks
+                             first_block... of each (as many as nbytes holds)
+                         ... until every block of every layer went: layers in any order,
+                         each layer's blocks in order (one piece per prefill chunk) ...
                          {"op": "end", "transfer_id", "aborted": bool}
     receiver -> sender   {"type": "failed", ...} at most once, as soon as the receiver rejects
                          (layout mismatch, unknown id) or abandons (abort, deadline) the transfer
                          {"type": "final", "ok", ...} exactly once, in reply to "end"
 
 The sender does not wait for the open to be accepted (no round trip before the first layer).
-A "layers" header lists every layer queued when the sender got to it: one while compute is
-the bottleneck (each layer goes as soon as it is computed), several when the wire is (then a
-header and its wake-ups are shared; at most MAX_LAYERS_PER_HEADER). The receiver always reads
+A "layers" header lists every layer queued when the sender got to it with the same block
+range: one while compute is the bottleneck (each layer goes as soon as it is computed),
+several when the wire is (then a header and its wake-ups are shared; at most
+MAX_LAYERS_PER_HEADER). "first_block" may be absent (0). The receiver always reads
 a payload, even one it discards, so the channel stays in step; a header it cannot accept
 (too many layers, payload above `max_payload_bytes`, unknown op) is a protocol error that
 closes the connection. A channel carries one transfer at a time: the sender leases it from a

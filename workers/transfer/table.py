@@ -4,9 +4,11 @@ The public half (expect, poll, abort, wait, release) is what the decode worker c
 connection half (bind, write, finish, disconnect) is what a connection's serving loop calls
 as messages arrive. Both run in the receiver's asyncio loop, so no locks.
 
-State machine (see base.TransferState): WAITING -bind-> RECEIVING -finish, all layers-> DONE.
-Any non-terminal state goes to ABORTED (abort), TIMED_OUT (the deadline timer armed by
-expect), or FAILED (layout mismatch at bind, a bad or duplicate layer, write_layer raising,
+State machine (see base.TransferState): WAITING -bind-> RECEIVING -finish, all blocks of all
+layers-> DONE. Each layer arrives as one or more pieces, runs of blocks in order; a piece that
+does not start where the layer's previous one ended is a protocol error. Any non-terminal
+state goes to ABORTED (abort), TIMED_OUT (the deadline timer armed by
+expect), or FAILED (layout mismatch at bind, a bad or out-of-order piece, write_layer raising,
 the sender disconnecting or finishing with layers missing). A terminal state never changes.
 When a transfer bound to a connection fails early, `notify` sends the sender a "failed"
 event at once, so it can stop sending; the final reply to its "end" repeats the outcome.
@@ -37,7 +39,7 @@ class _Transfer:
     write_layer: WriteLayer
     deadline_s: float
     state: TransferState = TransferState.WAITING
-    layers_done: set[int] = field(default_factory=set)
+    blocks_done: dict[int, int] = field(default_factory=dict)   # layer -> blocks landed
     num_bytes: int = 0
     error: str | None = None
     error_kind: str = "transfer"
@@ -67,7 +69,7 @@ class TransferTable:
 
     def poll(self, transfer_id: str) -> TransferStatus:
         t = self._get(transfer_id)
-        return TransferStatus(t.state, len(t.layers_done), t.num_bytes, t.error)
+        return TransferStatus(t.state, _layers_done(t), t.num_bytes, t.error)
 
     def abort(self, transfer_id: str) -> None:
         t = self._transfers.get(transfer_id)
@@ -120,25 +122,30 @@ class TransferTable:
         t.state, t.notify = TransferState.RECEIVING, notify
         return None
 
-    def write(self, transfer_id: str, layer: int, data: torch.Tensor) -> None:
-        """A layer's bytes (uint8, only valid during this call) arrived on a bound connection."""
+    def write(self, transfer_id: str, layer: int, first_block: int, data: torch.Tensor) -> None:
+        """A piece of a layer, blocks from `first_block` on (uint8, only valid during this call),
+        arrived on a bound connection."""
         t = self._transfers.get(transfer_id)
         if t is None or t.state is not TransferState.RECEIVING:
             return  # rejected, aborted, timed out or released: discard
-        expected = t.layout.layer_payload_nbytes(t.num_blocks)
-        if not 0 <= layer < t.layout.num_layers or layer in t.layers_done or data.numel() != expected:
+        block_nbytes = t.layout.layer_payload_nbytes(1)
+        num_blocks, rest = divmod(data.numel(), block_nbytes)
+        done = t.blocks_done.get(layer, 0)
+        if not 0 <= layer < t.layout.num_layers or rest or num_blocks < 1 or first_block != done \
+                or done + num_blocks > t.num_blocks:
             self._end(t, transfer_id, TransferState.FAILED,
-                      f"protocol error: layer {layer} of {data.numel()} bytes (expected layers 0..."
-                      f"{t.layout.num_layers - 1} once each, {expected} bytes)")
+                      f"protocol error: layer {layer}, blocks from {first_block}, {data.numel()} bytes (expected "
+                      f"layers 0...{t.layout.num_layers - 1}, each layer's {t.num_blocks} blocks once and in order "
+                      f"in pieces of whole blocks of {block_nbytes} bytes; layer {layer} has {done} so far)")
             return
-        payload = data.view(t.layout.torch_dtype).view(t.layout.layer_payload_shape(t.num_blocks))
+        payload = data.view(t.layout.torch_dtype).view(t.layout.layer_payload_shape(num_blocks))
         try:
-            t.write_layer(layer, payload)
+            t.write_layer(layer, payload, first_block)
         except Exception as e:  # the decode worker's callback: its failure fails this transfer only
             self._end(t, transfer_id, TransferState.FAILED, f"write_layer({layer}) raised {e!r}")
             return
-        t.layers_done.add(layer)
-        t.num_bytes += expected
+        t.blocks_done[layer] = done + num_blocks
+        t.num_bytes += data.numel()
 
     def finish(self, transfer_id: str, aborted_by_sender: bool) -> dict:
         """The sender's "end": settle the transfer and return the final reply."""
@@ -149,10 +156,10 @@ class TransferTable:
             t.notify = None  # the final reply carries the outcome
             if aborted_by_sender:
                 self._end(t, transfer_id, TransferState.FAILED, "transfer aborted by the sender")
-            elif len(t.layers_done) == t.layout.num_layers:
+            elif _layers_done(t) == t.layout.num_layers:
                 self._end(t, transfer_id, TransferState.DONE, None)
             else:
-                self._end(t, transfer_id, TransferState.FAILED, f"sender finished after {len(t.layers_done)} "
+                self._end(t, transfer_id, TransferState.FAILED, f"sender finished after {_layers_done(t)} "
                           f"of {t.layout.num_layers} layers")
         return self._reply(transfer_id, t, "final")
 
@@ -161,7 +168,7 @@ class TransferTable:
         if t is not None and t.state is TransferState.RECEIVING:
             t.notify = None
             self._end(t, transfer_id, TransferState.FAILED, f"sender disconnected after "
-                      f"{len(t.layers_done)} of {t.layout.num_layers} layers")
+                      f"{_layers_done(t)} of {t.layout.num_layers} layers")
 
     # -- internals ---------------------------------------------------------------------
     def _get(self, transfer_id: str) -> _Transfer:
@@ -174,7 +181,7 @@ class TransferTable:
         t = self._transfers.get(transfer_id)
         if t is not None:
             self._end(t, transfer_id, TransferState.TIMED_OUT, f"transfer not complete within its deadline of "
-                      f"{t.deadline_s:g} s ({len(t.layers_done)} of {t.layout.num_layers} layers landed)")
+                      f"{t.deadline_s:g} s ({_layers_done(t)} of {t.layout.num_layers} layers landed)")
 
     def _end(self, t: _Transfer, transfer_id: str, state: TransferState, error: str | None) -> None:
         if t.state.is_terminal:
@@ -199,3 +206,8 @@ class TransferTable:
         return {"transfer_id": transfer_id, "type": kind, "ok": False, "state": None,
                 "error": f"unknown transfer id {transfer_id!r} (never expected by the receiver, or released)",
                 "error_kind": "unknown"}
+
+
+def _layers_done(t: _Transfer) -> int:
+    """Layers whose every block landed."""
+    return sum(1 for n in t.blocks_done.values() if n == t.num_blocks)
