@@ -3,16 +3,18 @@
     attempt 1: place(prompt) -> D (+ prefill list) -> D.Generate -> stream increments
     D fails before its first token -> place again without D -> retry the same request
     D fails after tokens were streamed -> place(prompt + tokens so far) without D and resume:
-        max_tokens and min_tokens shrink by what was already sent; the client's stream goes on
+        the new D gets the prompt and the tokens already sent (`resume_output_token_ids`) and
+        continues after them; the client's stream goes on
 
 "Fails" is a gRPC error other than INVALID_ARGUMENT (that one is the caller's: 400), a stream
 that ends without a finish reason or with ABORT, or the worker being marked down while the
 request runs on it (its event stream broke or went silent: the watcher calls `worker_down`,
 which cancels the calls in flight there). At most `max_attempts` attempts; then 503.
 
-Greedy requests resume exactly (the new worker computes the same next tokens from prompt +
-output). A seeded or penalised sampled request resumes with the new worker's RNG and with the
-old output counted as prompt, so its continuation differs from an undisturbed run. The first
+A resumed request continues exactly as an undisturbed run would (up to floating-point
+differences between the two workers' computations): the new worker treats the tokens already
+sent as its own output, so max_tokens, min_tokens and the penalties count them, and a seeded
+sampler skips their draws. An unseeded sampled request continues validly from a fresh RNG. The first
 text after a resume is re-derived from the token ids (`_resumed_text`), so a character the old
 worker held back (half of a UTF-8 sequence) or a leading space a SentencePiece decoder strips
 from the new worker's first word is not lost.
@@ -24,7 +26,6 @@ request and frees its blocks (and the prefill worker's).
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -138,11 +139,10 @@ class Dispatcher:
         return decision
 
     async def _attempt(self, job: Job, decision: Decision, progress: _Progress) -> AsyncIterator[Chunk]:
-        request = generate_request(job.request_id, job.prompt_token_ids + progress.token_ids,
-                                   _remaining(job.params, len(progress.token_ids)), decision,
-                                   self.placer.config.disaggregation)
-        assignment = self.pool.assign(decision.decode, decision.prefill[0] if decision.prefill else "",
-                                      decision.num_uncached_tokens)
+        request = generate_request(job.request_id, job.prompt_token_ids, job.params, decision,
+                                   self.placer.config.disaggregation, resume_output_token_ids=progress.token_ids)
+        prefill = decision.prefill[0] if decision.prefill and not progress.token_ids else ""
+        assignment = self.pool.assign(decision.decode, prefill, decision.num_uncached_tokens)
         trace_id = logctx.request_id.get() or job.request_id
         call = self.channels.stub(decision.decode).Generate(request, metadata=(("x-request-id", trace_id),))
         key = id(call)
@@ -207,9 +207,3 @@ class Dispatcher:
         if self.metrics is not None:
             self.metrics.count(what)
 
-
-def _remaining(params: SamplingParams, num_sent: int) -> SamplingParams:
-    if num_sent == 0:
-        return params
-    return dataclasses.replace(params, max_tokens=params.max_tokens - num_sent,
-                               min_tokens=max(params.min_tokens - num_sent, 0))

@@ -72,22 +72,25 @@ class WorkerService(pb_grpc.WorkerServicer):
             params = convert.sampling_params(request.params)
         except InvalidRequestError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        remote = self._wants_remote(request, token_ids)
+        resumed = list(request.resume_output_token_ids)
+        remote = not resumed and self._wants_remote(request, token_ids)   # a resume prefills here
         self._enter()
         try:
-            async for msg in self._generate(request.request_id, token_ids, params, remote, list(request.prefill_workers)):
+            async for msg in self._generate(request.request_id, token_ids, params, remote, list(request.prefill_workers),
+                                            resumed):
                 yield msg
         except InvalidRequestError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         finally:
             self._leave()
 
-    async def _generate(self, req_id, token_ids, params, remote: bool, prefill_workers: list[str]):
+    async def _generate(self, req_id, token_ids, params, remote: bool, prefill_workers: list[str],
+                        resumed: list[int]):
         t0 = time.monotonic()
         prefill_worker, last_token_t = "", None
         timings = pb.Timings()
         async for out in self.engine.generate(prompt_token_ids=token_ids, params=params, req_id=req_id,
-                                              remote_prefill=remote):
+                                              remote_prefill=remote, resume_output_token_ids=resumed):
             if out.kv_ready is not None:
                 timings.queue_s = time.monotonic() - t0
                 self.metrics.queue_time.observe(timings.queue_s)

@@ -47,7 +47,7 @@ class AsyncEngine:
                        **options) -> AsyncIterator[RequestOutput]:
         """Stream a request's outputs; raises InvalidRequestError before the first output.
 
-        `options` go to LLMEngine.add_request (remote_prefill, kv_export).
+        `options` go to LLMEngine.add_request (remote_prefill, kv_export, resume_output_token_ids).
         """
         req_id = req_id or f"async-{next(self._ids)}"
         loop = asyncio.get_running_loop()

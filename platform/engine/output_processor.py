@@ -34,7 +34,8 @@ class OutputProcessor:
     def add(self, req: Request) -> None:
         detok = None
         if self.tokenizer is not None:
-            detok = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids,
+            # A resumed request's earlier output is context, like the prompt: text starts after it.
+            detok = IncrementalDetokenizer(self.tokenizer, list(req.all_token_ids),
                                            skip_special_tokens=req.params.skip_special_tokens)
         stops = StopStringMatcher(req.params.stop, req.params.include_stop_str_in_output)
         self._states[req.req_id] = _State(req, detok, stops)

@@ -66,20 +66,22 @@ class SamplingParams(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., seed: _Optional[int] = ..., max_tokens: _Optional[int] = ..., min_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., include_stop_str_in_output: _Optional[bool] = ..., logprobs: _Optional[int] = ..., skip_special_tokens: _Optional[bool] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "params", "prefill_workers", "disaggregation", "min_prefill_tokens")
+    __slots__ = ("request_id", "prompt_token_ids", "params", "prefill_workers", "disaggregation", "min_prefill_tokens", "resume_output_token_ids")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PARAMS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_WORKERS_FIELD_NUMBER: _ClassVar[int]
     DISAGGREGATION_FIELD_NUMBER: _ClassVar[int]
     MIN_PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    RESUME_OUTPUT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     params: SamplingParams
     prefill_workers: _containers.RepeatedScalarFieldContainer[str]
     disaggregation: DisaggregationMode
     min_prefill_tokens: int
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ..., prefill_workers: _Optional[_Iterable[str]] = ..., disaggregation: _Optional[_Union[DisaggregationMode, str]] = ..., min_prefill_tokens: _Optional[int] = ...) -> None: ...
+    resume_output_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ..., prefill_workers: _Optional[_Iterable[str]] = ..., disaggregation: _Optional[_Union[DisaggregationMode, str]] = ..., min_prefill_tokens: _Optional[int] = ..., resume_output_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class TopLogprob(_message.Message):
     __slots__ = ("token_id", "logprob")

@@ -214,3 +214,37 @@ def test_async_engine_streams_and_cancellation_aborts(make_engine):
         aeng.shutdown()
     assert text.startswith(" Paris")
     assert_no_leak(engine)
+
+
+def test_resumed_request_continues_exactly_as_if_undisturbed(make_engine):
+    """Resume (a router's failover mid-stream): a second engine given the prompt and the first
+    k generated tokens continues with the undisturbed run's tokens — seeded sampling with
+    penalties and min_tokens included — and reports only what it generated itself."""
+    params = SamplingParams(temperature=0.9, top_p=0.95, seed=11, max_tokens=24, min_tokens=16,
+                            presence_penalty=0.5, frequency_penalty=0.3, repetition_penalty=1.2)
+    prompt = [(i * 7919) % 40000 + 100 for i in range(37)]
+    first, second = make_engine(), make_engine()
+    [whole] = first.generate([prompt], params)
+    assert len(whole.output_token_ids) == 24
+    k = 9
+    rid = second.add_request(params=params, prompt_token_ids=prompt, resume_output_token_ids=whole.output_token_ids[:k])
+    outs = []
+    while second.has_unfinished_requests():
+        outs += [o for o in second.step() if o.req_id == rid]
+    assert [t for o in outs for t in o.new_token_ids] == whole.output_token_ids[k:]
+    assert outs[-1].output_token_ids == whole.output_token_ids and outs[-1].num_output_tokens == 24
+    assert outs[-1].finish_reason == "length"
+    assert "".join(o.new_text for o in outs) == second.tokenizer.decode(whole.output_token_ids)[
+        len(second.tokenizer.decode(whole.output_token_ids[:k])):]
+    second.kv.check_invariants()
+    assert second.pool.num_free_blocks == second.pool.num_blocks
+
+
+@pytest.mark.parametrize("resume, message", [
+    ([5] * 8, "8 resumed tokens leave nothing to generate under max_tokens=8; allowed: fewer than max_tokens"),
+    ([-1, 3], r"resume_output_token_ids has invalid ids \[-1\]; allowed: integers in \[0, 49152\)"),
+])
+def test_bad_resume_is_rejected(make_engine, resume, message):
+    with pytest.raises(InvalidRequestError, match=message):
+        make_engine().add_request(params=SamplingParams(max_tokens=8), prompt_token_ids=[1, 2, 3],
+                                  resume_output_token_ids=resume)

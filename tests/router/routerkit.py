@@ -153,7 +153,8 @@ class FakeWorker(pb_grpc.WorkerServicer):
             await context.abort(self.fail_next.pop(0), "injected failure")
         if request.params.HasField("temperature") and request.params.temperature < 0:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "temperature=-1 is invalid")
-        prompt = list(request.prompt_token_ids)
+        # A resume continues after the tokens already sent, as the real worker does.
+        prompt = list(request.prompt_token_ids) + list(request.resume_output_token_ids)
         hashes = self.hasher.hash_blocks(prompt)
         cached = next((i for i, h in enumerate(hashes) if h not in self.cached), len(hashes)) * self.block_size
         self._publish(pb.KVEvent(stored=pb.BlockStored(block_hashes=hashes)), hashes)
@@ -166,6 +167,7 @@ class FakeWorker(pb_grpc.WorkerServicer):
 
     async def _stream(self, request, prompt, cached):
         max_tokens = request.params.max_tokens if request.params.HasField("max_tokens") else 16
+        max_tokens -= len(request.resume_output_token_ids)
         out: list[int] = []
         text = ""
         for i in range(max_tokens):

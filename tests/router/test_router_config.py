@@ -112,6 +112,10 @@ def test_generate_request_carries_the_disaggregation_decision():
     assert remote.min_prefill_tokens == 256 and remote.disaggregation == 1    # CONDITIONAL
     local = generate_request("r2", [1, 2, 3], SamplingParams(), Decision("d"), config)
     assert list(local.prefill_workers) == [] and local.disaggregation == 3   # NEVER
+    resumed = generate_request("r3", [1, 2, 3], SamplingParams(), Decision("d", ("p1",)), config,
+                               resume_output_token_ids=[7, 8])
+    assert list(resumed.resume_output_token_ids) == [7, 8]
+    assert list(resumed.prefill_workers) == [] and resumed.disaggregation == 3   # a resume prefills locally
 
 
 def test_redis_password_from_the_environment_goes_into_the_url(monkeypatch):

@@ -34,16 +34,24 @@ def body(**kw):
     return {"model": MODEL, "messages": MESSAGES, "max_tokens": 40, "temperature": 0, "ignore_eos": True, **kw}
 
 
-def test_decode_worker_killed_mid_stream(stack):
+SEEDED = dict(temperature=0.8, top_p=0.95, seed=5, presence_penalty=0.4, frequency_penalty=0.3,
+              repetition_penalty=1.1)
+
+
+@pytest.mark.parametrize("sampling", [{}, SEEDED], ids=["greedy", "seeded-with-penalties"])
+def test_decode_worker_killed_mid_stream(stack, sampling):
+    """The stream resumes on the other worker and the client gets exactly the undisturbed
+    answer: the new worker continues after the tokens already sent as if it had made them
+    (penalties count them, a seeded sampler skips their draws)."""
     server, workers, client = stack
-    undisturbed = client.post("/v1/chat/completions", json=body())
+    undisturbed = client.post("/v1/chat/completions", json=body(**sampling))
     assert undisturbed.status_code == 200, undisturbed.text
     expected = undisturbed.json()["choices"][0]["message"]["content"]
     home = undisturbed.headers["x-splitserve-decode-worker"]
     victim = next(w for w in workers if w.address == home)
     text, finish, usage = "", None, None
     with client.stream("POST", "/v1/chat/completions",
-                       json=body(stream=True, stream_options={"include_usage": True})) as r:
+                       json=body(stream=True, stream_options={"include_usage": True}, **sampling)) as r:
         assert r.headers["x-splitserve-decode-worker"] == home          # the prompt is cached there
         num_deltas = 0
         for line in r.iter_lines():
@@ -62,6 +70,11 @@ def test_decode_worker_killed_mid_stream(stack):
     assert victim.proc.poll() is not None
     assert text == expected
     assert finish == "length" and usage["completion_tokens"] == 40
+    victim.start()                      # same ports: back for the next case
+    deadline = time.monotonic() + 60
+    while server.router.pool.num_healthy() < 2:
+        assert time.monotonic() < deadline, "the restarted worker did not rejoin"
+        time.sleep(0.2)
 
 
 def test_every_worker_killed_gives_503_quickly_then_recovers(stack):

@@ -261,10 +261,11 @@ def test_decode_worker_crash_mid_stream_resumes_on_the_other(healthy, tokenizer,
     # The worker sent 5 tokens then died; how many reached the router before the stream broke
     # depends on timing (a broken HTTP/2 stream drops what was still buffered), so the
     # invariant is: the resume carries exactly the tokens the client already got.
-    k = len(resumed.prompt_token_ids) - len(prompt_ids)
+    k = len(resumed.resume_output_token_ids)
     assert 1 <= k <= 5
-    assert list(resumed.prompt_token_ids) == prompt_ids + [FakeWorker.token_at(len(prompt_ids) + i) for i in range(k)]
-    assert resumed.params.max_tokens == 12 - k
+    assert list(resumed.prompt_token_ids) == prompt_ids
+    assert list(resumed.resume_output_token_ids) == [FakeWorker.token_at(len(prompt_ids) + i) for i in range(k)]
+    assert resumed.params.max_tokens == 12 and not resumed.prefill_workers   # the worker counts what was sent
     assert 'splitserve_router_failovers_total{kind="resumes"}' in client.get("/metrics").text
 
 
@@ -285,7 +286,8 @@ def test_silent_worker_is_marked_down_and_its_stream_moves(healthy, tokenizer):
     assert out.status_code == 200 and 1.5 < time.monotonic() - t0 < 10
     assert out.json()["choices"][0]["text"] == expected_text(tokenizer, prompt_ids, 10)
     other = next(w for w in workers if w is not silent)
-    assert len(other.requests[-1].prompt_token_ids) == len(prompt_ids) + 4
+    resumed = other.requests[-1]
+    assert list(resumed.prompt_token_ids) == prompt_ids and len(resumed.resume_output_token_ids) == 4
 
 
 def test_all_workers_down_gives_503_quickly_then_recovers(healthy, loop):

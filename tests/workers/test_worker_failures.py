@@ -101,6 +101,8 @@ def test_layout_mismatch_is_a_clear_error_and_falls_back(decode, reference):
      "the prompt has 2048 tokens but max_model_len is 2048"),
     (dict(request_id="d", prompt_token_ids=[5], params=pb.SamplingParams(top_p=0)), grpc.StatusCode.INVALID_ARGUMENT,
      "top_p=0.0 is invalid"),
+    (dict(request_id="e", prompt_token_ids=[5], params=pb.SamplingParams(max_tokens=2), resume_output_token_ids=[6, 7]),
+     grpc.StatusCode.INVALID_ARGUMENT, "2 resumed tokens leave nothing to generate under max_tokens=2"),
 ])
 def test_bad_generate_requests(decode, request_kwargs, code, message):
     async def call():
