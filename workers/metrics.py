@@ -31,7 +31,9 @@ class WorkerMetrics:
                                       ["model_name"], registry=r).labels(**labels)
         self.prefix_hits = Counter("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache",
                                    ["model_name"], registry=r).labels(**labels)
-        self._seen_queries = self._seen_hits = 0
+        self.prefix_waits = Counter("splitserve_prefix_waits", "Engine steps a waiting request sat out to reuse a "
+                                    "prefix another request was computing", registry=r)
+        self._seen_queries = self._seen_hits = self._seen_waits = 0
         self.queued_prefill_tokens = Gauge("splitserve_queued_prefill_tokens", "Prompt tokens not yet computed",
                                            registry=r)
         self.ttft = Histogram("splitserve_time_to_first_token_seconds", "Time to first token", ["role"],
@@ -59,7 +61,9 @@ class WorkerMetrics:
         self.queued_prefill_tokens.set(load.queued_prefill_tokens)
         self.prefix_queries.inc(load.prefix_cache_queries - self._seen_queries)
         self.prefix_hits.inc(load.prefix_cache_hits - self._seen_hits)
+        self.prefix_waits.inc(load.num_prefix_waits - self._seen_waits)
         self._seen_queries, self._seen_hits = load.prefix_cache_queries, load.prefix_cache_hits
+        self._seen_waits = load.num_prefix_waits
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

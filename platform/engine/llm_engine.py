@@ -53,6 +53,7 @@ class LoadSnapshot:
     num_total_blocks: int
     prefix_cache_queries: int = 0   # prompt tokens looked up in the prefix cache since start
     prefix_cache_hits: int = 0      # of which were found (counted once per request)
+    num_prefix_waits: int = 0       # steps requests sat out to reuse a prefix in flight (scheduler rule 3)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -206,7 +207,8 @@ class LLMEngine:
                             kv_usage=self.pool.usage, queued_prefill_tokens=queued,
                             num_free_blocks=self.pool.num_free_blocks, num_total_blocks=self.pool.num_blocks,
                             prefix_cache_queries=sched.stats.num_prefix_query_tokens,
-                            prefix_cache_hits=sched.stats.num_prefix_hit_tokens)
+                            prefix_cache_hits=sched.stats.num_prefix_hit_tokens,
+                            num_prefix_waits=sched.stats.num_prefix_waits)
 
     def take_kv_events(self) -> list[KVEvent]:
         """BlockStored / BlockRemoved / AllCleared since the last call, in order."""

@@ -134,3 +134,25 @@ def test_prefix_cache_metrics_count_each_request_once(pair):
         assert time.monotonic() < deadline, (d.metric("vllm:prefix_cache_queries_total") - queries,
                                              d.metric("vllm:prefix_cache_hits_total") - hits)
         time.sleep(0.1)
+
+
+def test_concurrent_requests_sharing_a_prompt_compute_it_once(pair, reference):
+    """Two requests with one 1,500-token prefix reach the decode worker together (cold cache):
+    the one that comes second waits for the first one's prefill instead of computing the same
+    prefix beside it, reuses every full block, and both answers are the colocated ones."""
+    d, _ = pair
+    shared = prompt(1500, salt=9)
+    prompts = [shared + prompt(7, salt=90), shared + prompt(7, salt=91)]
+    waits = d.metric("splitserve_prefix_waits_total")
+
+    async def both():
+        return await asyncio.gather(*(generate(d.address, p, mode=pb.DISAGGREGATION_MODE_NEVER) for p in prompts))
+
+    results = run(both())
+    for p, (tokens, last) in zip(prompts, results):
+        assert tokens == reference(p)
+    assert sorted(last.usage.cached_tokens for _, last in results) == [0, 1488]   # the 93 whole shared blocks
+    deadline = time.monotonic() + 10        # the counter follows the worker's load reports
+    while d.metric("splitserve_prefix_waits_total") - waits < 1:
+        assert time.monotonic() < deadline, "no prefix wait was counted"
+        time.sleep(0.1)
