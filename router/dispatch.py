@@ -141,7 +141,7 @@ class Dispatcher:
     async def _attempt(self, job: Job, decision: Decision, progress: _Progress) -> AsyncIterator[Chunk]:
         request = generate_request(job.request_id, job.prompt_token_ids, job.params, decision,
                                    self.placer.config.disaggregation, resume_output_token_ids=progress.token_ids)
-        prefill = decision.prefill[0] if decision.prefill and not progress.token_ids else ""
+        prefill = request.prefill_workers[0] if request.prefill_workers else ""   # none for a resume
         assignment = self.pool.assign(decision.decode, prefill, decision.num_uncached_tokens)
         trace_id = logctx.request_id.get() or job.request_id
         call = self.channels.stub(decision.decode).Generate(request, metadata=(("x-request-id", trace_id),))

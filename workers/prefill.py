@@ -4,9 +4,10 @@ Prefill(prompt, skip_blocks, kv_address, transfer_id, layout) runs the prompt th
 worker's engine — reusing its own prefix cache — as a one-token request whose KV export hook
 copies each layer's blocks [skip_blocks, n) the moment that layer is computed: with chunked
 prefill, each chunk's completed blocks. A pump task sends those payloads over the KV transport
-while the next layers (and chunks) compute, so transfer overlaps compute. The answer (the first sampled token) goes back only after the decode
-worker acknowledged every layer; if the caller cancels, or anything fails, the transfer is
-aborted and the engine request freed, so no blocks stay held.
+while the next layers (and chunks) compute, so transfer overlaps compute. The answer (the
+first sampled token) goes back only after the decode worker acknowledged every layer; if the
+caller cancels, or anything fails, the transfer is aborted and the engine request freed, so no
+blocks stay held.
 """
 
 from __future__ import annotations

@@ -149,11 +149,7 @@ class LLMEngine:
                 raise InvalidRequestError(f"model {self.config.model!r} has no tokenizer; pass prompt_token_ids")
             token_ids = self.tokenizer.encode(prompt)
         else:
-            token_ids = list(prompt_token_ids)
-            vocab = self.model_config.vocab_size
-            bad = [t for t in token_ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab]
-            if bad:
-                raise InvalidRequestError(f"prompt_token_ids has invalid ids {bad[:5]}; allowed: integers in [0, {vocab})")
+            token_ids = self._checked_ids("prompt_token_ids", prompt_token_ids)
         if not token_ids:
             raise InvalidRequestError("the prompt is empty; allowed: at least 1 token")
         if len(token_ids) >= self.max_model_len:
@@ -162,15 +158,18 @@ class LLMEngine:
                 f"allowed: at most {self.max_model_len - 1} prompt tokens (one is needed to generate)")
         return token_ids
 
-    def _resume_token_ids(self, token_ids: Sequence[int], params: SamplingParams, num_prompt: int) -> list[int]:
+    def _checked_ids(self, name: str, token_ids: Sequence[int]) -> list[int]:
         token_ids = list(token_ids)
-        if not token_ids:
-            return token_ids
         vocab = self.model_config.vocab_size
         bad = [t for t in token_ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab]
         if bad:
-            raise InvalidRequestError(f"resume_output_token_ids has invalid ids {bad[:5]}; "
-                                      f"allowed: integers in [0, {vocab})")
+            raise InvalidRequestError(f"{name} has invalid ids {bad[:5]}; allowed: integers in [0, {vocab})")
+        return token_ids
+
+    def _resume_token_ids(self, token_ids: Sequence[int], params: SamplingParams, num_prompt: int) -> list[int]:
+        token_ids = self._checked_ids("resume_output_token_ids", token_ids)
+        if not token_ids:
+            return token_ids
         if len(token_ids) >= params.max_tokens:
             raise InvalidRequestError(f"{len(token_ids)} resumed tokens leave nothing to generate under "
                                       f"max_tokens={params.max_tokens}; allowed: fewer than max_tokens")
