@@ -9,12 +9,20 @@ export TRANSFORMERS_OFFLINE := 1
 
 PEER := .venv-peer
 PEER_STAMP := $(PEER)/.llama-cpp-installed
-# llama-cpp-python, the peer of the serving benchmark. Its default build crashes on this CPU (it
-# advertises AMX, which is unusable here): build without AMX and without -march=native
-# (DESIGN.md section 7). --no-cache-dir: pip would otherwise reuse a cached crashing wheel.
-LLAMA_CMAKE_ARGS := -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON \
-	-DGGML_BMI2=ON -DGGML_AVX_VNNI=ON -DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON \
+# llama-cpp-python, the peer of the serving benchmark, built for this host's instruction set.
+# Its default build (-march=native) crashed on the AMX host, and a build with AVX-512 flags dies
+# with SIGILL on AVX2-only hosts (DESIGN.md section 7): so GGML_NATIVE=OFF, AMX always OFF, and
+# each ISA switch ON only when /proc/cpuinfo lists every flag it compiles for. The wheel goes
+# into a folder named after those switches, and pip's cache is bypassed (--no-cache-dir), so a
+# wheel built on another host is never reused.
+CPU_FLAGS := $(shell grep -m1 '^flags' /proc/cpuinfo 2>/dev/null | cut -d: -f2)
+isa = $(if $(strip $(foreach f,$(1),$(if $(filter $(f),$(CPU_FLAGS)),,missing))),OFF,ON)
+LLAMA_CMAKE_ARGS := -DGGML_NATIVE=OFF -DGGML_AVX=$(call isa,avx) -DGGML_AVX2=$(call isa,avx2) \
+	-DGGML_FMA=$(call isa,fma) -DGGML_F16C=$(call isa,f16c) -DGGML_BMI2=$(call isa,bmi2) \
+	-DGGML_AVX_VNNI=$(call isa,avx_vnni) -DGGML_AVX512=$(call isa,avx512f avx512cd avx512vl avx512dq avx512bw) \
+	-DGGML_AVX512_VNNI=$(call isa,avx512f avx512_vnni) -DGGML_AVX512_BF16=$(call isa,avx512f avx512_bf16) \
 	-DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF
+PEER_WHEELS := $(PEER)/wheels-$(shell echo '$(LLAMA_CMAKE_ARGS)' | md5sum | cut -c1-10)
 
 .PHONY: setup run test bench bench-gpu peer clean
 
@@ -53,10 +61,12 @@ peer: $(PEER_STAMP)
 
 $(PEER_STAMP):
 	test -x $(PEER)/bin/python || $(PYTHON) -m venv $(PEER)
-	ls $(PEER)/wheels/llama_cpp_python-0.3.36-*.whl >/dev/null 2>&1 || \
+	@echo "llama-cpp-python for this host: $(LLAMA_CMAKE_ARGS)"
+	ls $(PEER_WHEELS)/llama_cpp_python-0.3.36-*.whl >/dev/null 2>&1 || \
 		CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(PEER)/bin/pip wheel -q --no-cache-dir --no-deps \
-		llama-cpp-python==0.3.36 -w $(PEER)/wheels
-	$(PEER)/bin/pip install -q "$$(ls $(PEER)/wheels/llama_cpp_python-0.3.36-*.whl)[server]"
+		llama-cpp-python==0.3.36 -w $(PEER_WHEELS)
+	$(PEER)/bin/pip install -q --force-reinstall --no-deps "$$(ls $(PEER_WHEELS)/llama_cpp_python-0.3.36-*.whl)"
+	$(PEER)/bin/pip install -q "$$(ls $(PEER_WHEELS)/llama_cpp_python-0.3.36-*.whl)[server]"
 	touch $(PEER_STAMP)
 
 # On a machine with an NVIDIA GPU and a CUDA build of torch (issue 8); `--smoke` runs it on CPU.

@@ -9,6 +9,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from splitserve.platform.errors import ConfigError
+from splitserve.platform.quant import QUANTIZATION_MODES
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
 SUPPORTED_DTYPES = ("float32", "bfloat16", "float16")
@@ -140,13 +141,26 @@ DEFAULT_CHUNKED_BUDGET = 512
 
 @dataclass(frozen=True)
 class DeviceConfig:
-    """Where and in which precision the model runs; `num_threads` 0 keeps torch's default."""
+    """Where and in which precision the model runs; `num_threads` 0 keeps torch's default.
+
+    `quantization` (platform/quant): "none" dequantizes every weight to `dtype` (the reference);
+    "auto" serves each weight in the fast packed format nearest its stored type on a CPU with
+    AVX2 (elsewhere it means "none"); "int4", "int8", "fp16" force one format (CPU only).
+    `dtype` stays the activation, residual and KV-cache precision in every mode.
+    """
 
     device: str = "cpu"
     dtype: str = "float32"
     num_threads: int = 0
+    quantization: str = "none"
 
     def __post_init__(self) -> None:
+        if self.quantization not in QUANTIZATION_MODES:
+            raise ConfigError(f"quantization {self.quantization!r} is not supported; "
+                              f"allowed: {', '.join(QUANTIZATION_MODES)}")
+        if self.quantization not in ("none", "auto") and self.device != "cpu":
+            raise ConfigError(f"quantization {self.quantization!r} runs on the CPU only; on {self.device} "
+                              "allowed: none, auto")
         if self.dtype not in SUPPORTED_DTYPES:
             raise ConfigError(f"dtype {self.dtype!r} is not supported; allowed: {', '.join(SUPPORTED_DTYPES)}")
         if not (self.device == "cpu" or self.device.startswith("cuda")):

@@ -32,6 +32,8 @@ from splitserve.platform.kv.cache import allocate_kv_cache, plan_num_blocks
 from splitserve.platform.kv.manager import KVCacheManager
 from splitserve.platform.model_source import resolve_model
 from splitserve.platform.models import build_model
+from splitserve.platform.quant import resolve_quantization
+from splitserve.platform.quant.report import describe_kernels, weight_nbytes
 from splitserve.platform.sampling.params import SamplingParams
 from splitserve.platform.sampling.sampler import SamplingRow, make_generator, skip_draw
 from splitserve.platform.sched.plan import StepResult
@@ -67,6 +69,7 @@ class LLMEngine:
             torch.set_num_threads(config.device.num_threads)
         self.device = torch.device(config.device.device)
         self.dtype = DTYPES[config.device.dtype]
+        self.quantization = resolve_quantization(config.device.quantization, config.device.device)
         source = resolve_model(config.model)
         self.model_config: ModelConfig = load_model_config(source)
         self.tokenizer = load_tokenizer(config.model)
@@ -94,8 +97,12 @@ class LLMEngine:
 
     def _load_model(self, source):
         with torch.device(self.device):
-            model = build_model(self.model_config).to(self.dtype)
-        model.load_weights(iter_weights(source, self.model_config, self.dtype, self.device, seed=self.config.seed))
+            model = build_model(self.model_config, self.quantization).to(self.dtype)
+        model.load_weights(iter_weights(source, self.model_config, self.dtype, self.device, seed=self.config.seed,
+                                        keep_quantized=self.quantization != "none"))
+        if self.quantization != "none":
+            log.info("quantization %s: %s; weights resident %.0f MB", self.quantization,
+                     describe_kernels(model), weight_nbytes(model) / 1e6)
         return model.eval()
 
     # -- requests --------------------------------------------------------------------------

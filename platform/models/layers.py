@@ -3,16 +3,25 @@
 Fused projections (q|k|v and gate|up) turn three and two matmuls into one each; their
 `load_weight(shard, tensor)` copies a checkpoint tensor into its slice, so a layer owns the
 mapping from checkpoint names to its own parameters.
+
+Under a fast `--quantization` mode (platform/quant) a linear keeps no float weight: it collects
+its shards as they stream in (float tensors or GGUF blocks) and `finalize()` packs them, once,
+into the kernel of that mode. The embedding is then an int8 table with a scale per group of
+32 (GGUF Q8_0's own format) and the LM head a float16 prepacked kernel (float32 logits).
 """
 
 from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 from torch import nn
 
 from splitserve.platform.config import RopeScaling
+from splitserve.platform.quant import formats
+from splitserve.platform.quant.formats import RawQuant
+from splitserve.platform.quant.kernels import Fp16Kernel, build_kernel
 
 
 class RMSNorm(nn.Module):
@@ -29,27 +38,98 @@ class RMSNorm(nn.Module):
 
 
 class MergedLinear(nn.Module):
-    """One matmul for several projections of the same input; outputs are concatenated."""
+    """One matmul for several projections of the same input; outputs are concatenated.
 
-    def __init__(self, in_features: int, shard_sizes: dict[str, int], bias: bool):
+    `quantization` "none": a float `weight` parameter, shards copied into their rows. A fast
+    mode: shards are kept as they arrive until `finalize()` builds the packed kernel.
+    """
+
+    def __init__(self, in_features: int, shard_sizes: dict[str, int], bias: bool, quantization: str = "none"):
         super().__init__()
         self.shard_offsets: dict[str, tuple[int, int]] = {}
         offset = 0
         for name, size in shard_sizes.items():
             self.shard_offsets[name] = (offset, size)
             offset += size
-        self.weight = nn.Parameter(torch.empty(offset, in_features))
-        self.bias = nn.Parameter(torch.zeros(offset)) if bias else None
+        self.in_features, self.out_features = in_features, offset
+        self.quantization = quantization
+        self.has_bias = bias
+        self.kernel = None
+        self._pending: dict[tuple[str, str], torch.Tensor | RawQuant] = {}
+        if quantization == "none":
+            self.weight = nn.Parameter(torch.empty(offset, in_features))
+            self.bias = nn.Parameter(torch.zeros(offset)) if bias else None
+        else:
+            self.weight = self.bias = None  # the kernel owns the values after finalize()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernel is not None:
+            return self.kernel(x)
         return nn.functional.linear(x, self.weight, self.bias)
 
-    def load_weight(self, shard: str, kind: str, tensor: torch.Tensor) -> None:
+    def load_weight(self, shard: str, kind: str, tensor: torch.Tensor | RawQuant) -> None:
         start, size = self.shard_offsets[shard]
+        assert tensor.shape[0] == size, f"{shard}.{kind}: expected {size} rows, got {tuple(tensor.shape)}"
+        if self.quantization != "none":
+            assert kind == "weight" or self.has_bias, f"checkpoint has a {shard} bias but the layer has none"
+            self._pending[(shard, kind)] = tensor
+            return
         target = self.weight if kind == "weight" else self.bias
         assert target is not None, f"checkpoint has a {shard} bias but the layer has none"
-        assert tensor.shape[0] == size, f"{shard}.{kind}: expected {size} rows, got {tuple(tensor.shape)}"
         target.data[start:start + size].copy_(tensor)
+
+    def finalize(self, name: str, dtype: torch.dtype) -> None:
+        """Pack the collected shards into this layer's kernel (fast modes; no-op for "none")."""
+        if self.quantization == "none":
+            return
+        weight = _concat_rows([self._pending[(s, "weight")] for s in self.shard_offsets])
+        bias = None
+        if self.has_bias:
+            bias = torch.cat([formats.as_float(self._pending[(s, "bias")]) for s in self.shard_offsets])
+        self.kernel = build_kernel(self.quantization, name, weight, bias, dtype)
+        self._pending.clear()
+
+
+def _concat_rows(parts: list[torch.Tensor | RawQuant]) -> torch.Tensor | RawQuant:
+    """Stack shards row-wise, keeping GGUF blocks when every shard has the same stored type."""
+    if len(parts) == 1:
+        return parts[0]
+    first = parts[0]
+    if all(isinstance(p, RawQuant) and p.tensor_type == first.tensor_type for p in parts):
+        rows = sum(p.shape[0] for p in parts)
+        return RawQuant(first.tensor_type, np.concatenate([p.blocks for p in parts]), (rows, first.shape[1]))
+    return torch.cat([formats.as_float(p) for p in parts])
+
+
+class QuantizedEmbedding(nn.Module):
+    """The token embedding of a fast mode: int8 codes with a float scale per group of 32
+    (GGUF Q8_0 read exactly, anything else re-quantized); `lm_head_kernel()` gives the tied LM
+    head as a float16 prepacked kernel built from the same values."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int):
+        super().__init__()
+        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+        self.codes = self.scale = None
+        self._values: torch.Tensor | RawQuant | None = None
+
+    def load(self, tensor: torch.Tensor | RawQuant) -> None:
+        self._values = tensor
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        rows = self.codes.index_select(0, ids).view(ids.shape[0], -1, formats.GROUP).float()
+        return (rows * self.scale.index_select(0, ids)[..., None]).view(ids.shape[0], self.embedding_dim)
+
+    def finalize(self, tied: bool) -> Fp16Kernel | None:
+        """Build the int8 table (and the tied LM head when `tied`) and drop the loaded values."""
+        groups, _ = formats.int8_groups(self._values)
+        self.codes, self.scale = groups.codes, groups.scale
+        head = Fp16Kernel(self._values, None) if tied else None
+        self._values = None
+        return head
+
+    @property
+    def nbytes(self) -> int:
+        return self.codes.nbytes + self.scale.nbytes
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:

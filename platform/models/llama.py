@@ -16,11 +16,13 @@ from torch import nn
 
 from splitserve.platform.config import ModelConfig
 from splitserve.platform.models.attention import AttentionMetadata, paged_attention
-from splitserve.platform.models.layers import MergedLinear, RMSNorm, RotaryEmbedding, apply_rotary
+from splitserve.platform.models.layers import MergedLinear, QuantizedEmbedding, RMSNorm, RotaryEmbedding, apply_rotary
+from splitserve.platform.quant.formats import RawQuant
+from splitserve.platform.quant.kernels import Fp16Kernel
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, quantization: str = "none"):
         super().__init__()
         self.num_heads = config.num_heads
         self.num_kv_heads = config.num_kv_heads
@@ -29,8 +31,8 @@ class LlamaAttention(nn.Module):
         q_size = config.num_heads * config.head_dim
         kv_size = config.num_kv_heads * config.head_dim
         self.qkv_proj = MergedLinear(config.hidden_size, {"q": q_size, "k": kv_size, "v": kv_size},
-                                     bias=config.attention_bias)
-        self.o_proj = nn.Linear(q_size, config.hidden_size, bias=False)
+                                     bias=config.attention_bias, quantization=quantization)
+        self.o_proj = MergedLinear(q_size, {"o": config.hidden_size}, bias=False, quantization=quantization)
 
     def forward(self, x, cos, sin, kv_cache, meta: AttentionMetadata):
         n = x.shape[0]
@@ -44,12 +46,14 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, quantization: str = "none"):
         super().__init__()
         self.intermediate_size = config.intermediate_size
         self.gate_up_proj = MergedLinear(config.hidden_size, {"gate": config.intermediate_size,
-                                                              "up": config.intermediate_size}, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+                                                              "up": config.intermediate_size}, bias=False,
+                                         quantization=quantization)
+        self.down_proj = MergedLinear(config.intermediate_size, {"down": config.hidden_size}, bias=False,
+                                      quantization=quantization)
 
     def forward(self, x):
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
@@ -57,40 +61,52 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, quantization: str = "none"):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = LlamaAttention(config)
+        self.self_attn = LlamaAttention(config, quantization)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = LlamaMLP(config)
+        self.mlp = LlamaMLP(config, quantization)
 
     def forward(self, x, cos, sin, kv_cache, meta):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-# checkpoint name -> (module path, shard) for tensors that land in fused projections
+# checkpoint name -> (module path, shard) for tensors that land in (fused) MergedLinear projections
 _FUSED = {
     "q_proj": ("self_attn.qkv_proj", "q"), "k_proj": ("self_attn.qkv_proj", "k"),
-    "v_proj": ("self_attn.qkv_proj", "v"), "gate_proj": ("mlp.gate_up_proj", "gate"),
-    "up_proj": ("mlp.gate_up_proj", "up"),
+    "v_proj": ("self_attn.qkv_proj", "v"), "o_proj": ("self_attn.o_proj", "o"),
+    "gate_proj": ("mlp.gate_up_proj", "gate"), "up_proj": ("mlp.gate_up_proj", "up"),
+    "down_proj": ("mlp.down_proj", "down"),
 }
 _LAYER_NAME = re.compile(r"model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.(weight|bias)$")
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, quantization: str = "none"):
+        """`quantization`: "none" (float weights in the model dtype) or a fast mode of
+        platform/quant; a fast mode's weights exist only after load_weights()."""
         super().__init__()
         self.config = config
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config) for _ in range(config.num_layers))
+        self.quantization = quantization
+        if quantization == "none":
+            self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        else:
+            self.embed_tokens = QuantizedEmbedding(config.vocab_size, config.hidden_size)
+        self.lm_head_kernel: Fp16Kernel | None = None
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, quantization) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope_theta,
                                       config.rope_scaling)
         if config.tie_word_embeddings:
             self.lm_head = None
-        else:
+        elif quantization == "none":
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        else:
+            # the LM head stays float16 in every fast mode: sampling sees float32 logits
+            self.lm_head = MergedLinear(config.hidden_size, {"lm_head": config.vocab_size}, bias=False,
+                                        quantization="fp16")
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata,
@@ -108,29 +124,41 @@ class LlamaForCausalLM(nn.Module):
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.lm_head_kernel is not None:
+            return self.lm_head_kernel(hidden)
+        if isinstance(self.lm_head, MergedLinear):
+            return self.lm_head(hidden)
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return nn.functional.linear(hidden, weight)
 
     @torch.no_grad()
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy Hugging Face-named tensors into this model; every parameter must be covered."""
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | RawQuant]]) -> None:
+        """Copy Hugging Face-named tensors into this model; every parameter must be covered.
+        Under a fast mode, then pack every linear (MergedLinear.finalize)."""
         params = dict(self.named_parameters())
         loaded = {self._load_one(name, tensor, params) for name, tensor in weights}
         missing = self._expected_keys(params) - loaded
         if missing:
             raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {sorted(missing)[:4]}")
+        if self.quantization != "none":
+            dtype = self.norm.weight.dtype
+            for name, module in self.named_modules():
+                if isinstance(module, MergedLinear):
+                    module.finalize(name, dtype)
+            self.lm_head_kernel = self.embed_tokens.finalize(tied=self.lm_head is None)
 
     def _expected_keys(self, params: dict[str, nn.Parameter]) -> set[str]:
-        keys = set()
-        for name in params:
-            module = self.get_submodule(name.rsplit(".", 1)[0])
+        keys = {name for name in params if not isinstance(self.get_submodule(name.rsplit(".", 1)[0]), MergedLinear)}
+        for name, module in self.named_modules():
             if isinstance(module, MergedLinear):
-                keys.update(f"{name}#{shard}" for shard in module.shard_offsets)
-            else:
-                keys.add(name)
+                keys.update(f"{name}.weight#{shard}" for shard in module.shard_offsets)
+                if module.has_bias:
+                    keys.update(f"{name}.bias#{shard}" for shard in module.shard_offsets)
+        if isinstance(self.embed_tokens, QuantizedEmbedding):
+            keys.add("embed_tokens.weight")
         return keys
 
-    def _load_one(self, name: str, tensor: torch.Tensor, params: dict[str, nn.Parameter]) -> str:
+    def _load_one(self, name: str, tensor: torch.Tensor | RawQuant, params: dict[str, nn.Parameter]) -> str:
         m = _LAYER_NAME.match(name)
         if m and m.group(3) in _FUSED:
             layer, _, proj, kind = m.groups()
@@ -139,6 +167,14 @@ class LlamaForCausalLM(nn.Module):
             module.load_weight(shard, kind, tensor)
             return f"layers.{layer}.{module_path}.{kind}#{shard}"
         own = name.removeprefix("model.")
+        if own == "embed_tokens.weight" and isinstance(self.embed_tokens, QuantizedEmbedding):
+            self.embed_tokens.load(tensor)
+            return own
+        if own == "lm_head.weight" and isinstance(self.lm_head, MergedLinear):
+            self.lm_head.load_weight("lm_head", "weight", tensor)
+            return "lm_head.weight#lm_head"
+        if isinstance(tensor, RawQuant):
+            tensor = tensor.dequantize()
         if own not in params:
             raise ValueError(f"unexpected checkpoint tensor {name!r}")
         assert params[own].shape == tensor.shape, f"{name}: expected {tuple(params[own].shape)}, got {tuple(tensor.shape)}"

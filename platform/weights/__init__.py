@@ -40,15 +40,17 @@ def load_model_config(source: ModelSource) -> ModelConfig:
 
 
 def iter_weights(source: ModelSource, config: ModelConfig, dtype: torch.dtype,
-                 device: str | torch.device = "cpu", seed: int = 0) -> Iterator[tuple[str, torch.Tensor]]:
+                 device: str | torch.device = "cpu", seed: int = 0,
+                 keep_quantized: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (HF name, tensor) for every weight of `config`, one at a time, in `dtype` on `device`.
 
     `config` is what `load_model_config(source)` returned. `seed` only matters for random
     sources. Nothing is read until the iterator is advanced; each yielded tensor is new memory
-    the caller may keep or drop.
+    the caller may keep or drop. `keep_quantized` (GGUF only): quantized matrices come as
+    their stored blocks (quant.formats.RawQuant) for the fast kernels to pack.
     """
     if source.kind == "gguf":
-        tensors = iter_gguf_weights(source.path, config, dtype, device)
+        tensors = iter_gguf_weights(source.path, config, dtype, device, keep_quantized)
     elif source.kind == "hf":
         tensors = iter_hf_weights(source.path, config, dtype, device)
     elif source.kind == "random":

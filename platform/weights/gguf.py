@@ -36,6 +36,7 @@ from gguf.quants import dequantize
 
 from splitserve.platform.config import ModelConfig, RopeScaling
 from splitserve.platform.errors import ConfigError, UnsupportedModelError
+from splitserve.platform.quant.formats import RawQuant
 from splitserve.platform.weights.gguf_file import GGUFFile, TensorInfo
 from splitserve.platform.weights.rope_freqs import llama3_scaling_from_divisors
 
@@ -96,13 +97,25 @@ def config_from_gguf(file: GGUFFile, model_id: str) -> ModelConfig:
 
 
 def iter_gguf_weights(path: str, config: ModelConfig, dtype: torch.dtype,
-                      device: str | torch.device = "cpu") -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (HF name, tensor in `dtype` on `device`) for every weight, one at a time, file order."""
+                      device: str | torch.device = "cpu",
+                      keep_quantized: bool = False) -> Iterator[tuple[str, torch.Tensor | RawQuant]]:
+    """Yield (HF name, tensor in `dtype` on `device`) for every weight, one at a time, file order.
+
+    `keep_quantized`: a 2-D tensor stored in a quantized type comes as a RawQuant (its blocks,
+    rows already in HF order) for the fast kernels of platform/quant to pack as they are."""
     file = GGUFFile(path)
     for info in file.tensors.values():
         if info.name == _ROPE_FREQS:
             continue
         hf_name = hf_tensor_name(info.name)
+        if keep_quantized and len(info.shape) == 2 and info.tensor_type not in (Q.F32, Q.F16, Q.BF16):
+            _check_type(file, info)
+            raw = RawQuant(info.tensor_type, np.asarray(file.raw(info.name)), tuple(info.shape))
+            if config.architecture == "llama" and hf_name.endswith(("q_proj.weight", "k_proj.weight")):
+                num_heads = config.num_heads if ".q_proj." in hf_name else config.num_kv_heads
+                raw = raw.permute_rows(unpermute_qk(torch.arange(info.shape[0])[:, None], num_heads)[:, 0])
+            yield hf_name, raw
+            continue
         weight = torch.from_numpy(dequantize_tensor(file, info))
         if config.architecture == "llama" and hf_name.endswith(("q_proj.weight", "k_proj.weight")):
             num_heads = config.num_heads if ".q_proj." in hf_name else config.num_kv_heads
@@ -124,16 +137,20 @@ def hf_tensor_name(gguf_name: str) -> str:
 
 def dequantize_tensor(file: GGUFFile, info: TensorInfo) -> np.ndarray:
     """The float32 values of tensor `info` in numpy shape, in memory we own (not the mmap)."""
-    if info.tensor_type not in SUPPORTED_TENSOR_TYPES:
-        type_name = getattr(info.tensor_type, "name", f"unknown type id {info.tensor_type}")
-        raise UnsupportedModelError(
-            f"{file.path}: tensor {info.name!r} has type {type_name}; supported types: "
-            f"{', '.join(t.name for t in SUPPORTED_TENSOR_TYPES)}")
+    _check_type(file, info)
     values = dequantize(file.raw(info.name), info.tensor_type)
     if not values.flags.writeable:  # F32 comes back as a view of the read-only map
         values = values.copy()
     assert values.shape == info.shape, (info.name, values.shape, info.shape)
     return values
+
+
+def _check_type(file: GGUFFile, info: TensorInfo) -> None:
+    if info.tensor_type not in SUPPORTED_TENSOR_TYPES:
+        type_name = getattr(info.tensor_type, "name", f"unknown type id {info.tensor_type}")
+        raise UnsupportedModelError(
+            f"{file.path}: tensor {info.name!r} has type {type_name}; supported types: "
+            f"{', '.join(t.name for t in SUPPORTED_TENSOR_TYPES)}")
 
 
 def unpermute_qk(weight: torch.Tensor, num_heads: int) -> torch.Tensor:

@@ -1,0 +1,35 @@
+"""Weights kept in the form they are served in (`--quantization`).
+
+Modes (vLLM's flag name; the fast modes are ours):
+
+- `none`  dequantize every weight to the model dtype (float32 by default): the bit-faithful
+          reference every fidelity test compares against.
+- `int4`  every linear on packed 4-bit weights with one scale and zero per group of 32 inputs
+          (GGUF Q4_0/Q4_1 are that format exactly; other types are re-quantized), bfloat16
+          activations, torch's `_weight_int4pack_mm_for_cpu` (AVX-512/AVX2 dispatched inside).
+- `int8`  every linear on int8 weights with one scale per output row, bfloat16 activations,
+          `_weight_int8pack_mm`.
+- `fp16`  every linear on float16 weights prepacked for fbgemm (`linear_dynamic_fp16`), float32
+          activations and outputs.
+- `auto`  each linear in the fast format nearest its stored type (kernels.nearest_kernel):
+          Q4_x/Q3_K/Q2_K -> int4, Q5_x/Q6_K/Q8_0 -> int8, F16/BF16/F32 -> fp16; `none` where the
+          host lacks AVX2 or the device is not a CPU.
+
+In every fast mode the embedding table is int8 with a float scale per group of 32 (GGUF Q8_0
+exactly) and the LM head is float16 prepacked (float32 logits), so sampling sees full-precision
+logits. Each fast mode is held to the fidelity gates in tests/platform/test_quantization.py.
+"""
+
+from __future__ import annotations
+
+QUANTIZATION_MODES = ("none", "auto", "int4", "int8", "fp16")
+FAST_MODES = ("int4", "int8", "fp16")
+
+
+def resolve_quantization(requested: str, device: str) -> str:
+    """The mode a model is built with: "auto" becomes "none" off the CPU or without AVX2."""
+    if requested != "auto":
+        return requested
+    from splitserve.platform.quant.cpu import has_fast_quant_kernels
+
+    return "auto" if device == "cpu" and has_fast_quant_kernels() else "none"

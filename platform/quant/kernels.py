@@ -1,0 +1,142 @@
+"""Linear kernels, one per weight format; a layer holds one and calls it like F.linear.
+
+Each kernel is built once at load from the layer's full weight (a float tensor or the GGUF
+blocks, see formats.py) and prepacks it for its torch op; `nbytes` is what it keeps resident.
+`build_kernel` picks the kernel for a mode and a stored type, and falls back, with one log
+line, to the model-dtype dense kernel when a shape does not fit the packed format (int4 needs
+inputs in groups of 32 and outputs in multiples of 16): a model loads in every mode.
+
+Activations: int4 and int8 run in bfloat16 (the only fast activation type of those ops on CPU;
+float32 activations take a reference path ~10x slower) and hand float32 back; fp16 runs in
+float32 throughout. All three are weight-only, so a row's result never depends on the other
+rows of the batch (no per-tensor activation scale), which keeps outputs batch-invariant.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from gguf import GGMLQuantizationType as Q
+
+from splitserve.platform.quant import formats
+from splitserve.platform.quant.formats import RawQuant
+
+log = logging.getLogger(__name__)
+
+_INT4_TYPES = (Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q3_K, Q.Q2_K)
+_INT8_TYPES = (Q.Q5_0, Q.Q5_1, Q.Q5_K, Q.Q6_K, Q.Q8_0)
+
+
+class LinearKernel(Protocol):
+    name: str
+    nbytes: int
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor: ...
+
+
+class DenseKernel:
+    name = "dense"
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype):
+        self.weight = weight.to(dtype).contiguous()
+        self.bias = None if bias is None else bias.to(dtype)
+        self.nbytes = self.weight.nbytes
+
+    def __call__(self, x):
+        return F.linear(x, self.weight, self.bias)
+
+
+class Int4Kernel:
+    name = "int4"
+
+    def __init__(self, weight: torch.Tensor | RawQuant, bias: torch.Tensor | None):
+        groups, self.exact = formats.int4_groups(weight)
+        self.out_features = groups.codes.shape[0]
+        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(groups.codes.to(torch.int32), 8)
+        # [groups, out, 2]: the op's layout of per-group (scale, zero)
+        self.scales_zeros = torch.stack([groups.scale.t(), groups.zero.t()], dim=-1).to(torch.bfloat16).contiguous()
+        self.bias = None if bias is None else bias.float()
+        self.nbytes = self.packed.nbytes + self.scales_zeros.nbytes
+
+    @staticmethod
+    def fits(out_features: int, in_features: int) -> bool:
+        return in_features % formats.GROUP == 0 and out_features % 16 == 0
+
+    def __call__(self, x):
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16), self.packed, formats.GROUP,
+                                                      self.scales_zeros).to(x.dtype)
+        return y if self.bias is None else y + self.bias
+
+
+class Int8Kernel:
+    name = "int8"
+
+    def __init__(self, weight: torch.Tensor | RawQuant, bias: torch.Tensor | None):
+        self.exact = False
+        self.codes, scale = formats.int8_rows(formats.as_float(weight))
+        self.scale = scale.to(torch.bfloat16)
+        self.bias = None if bias is None else bias.float()
+        self.nbytes = self.codes.nbytes + self.scale.nbytes
+
+    @staticmethod
+    def fits(out_features: int, in_features: int) -> bool:
+        return True
+
+    def __call__(self, x):
+        y = torch._weight_int8pack_mm(x.to(torch.bfloat16), self.codes, self.scale).to(x.dtype)
+        return y if self.bias is None else y + self.bias
+
+
+class Fp16Kernel:
+    name = "fp16"
+
+    def __init__(self, weight: torch.Tensor | RawQuant, bias: torch.Tensor | None):
+        self.exact = False
+        w = formats.as_float(weight)
+        self.packed = torch.ops.quantized.linear_prepack_fp16(w, None if bias is None else bias.float())
+        self.nbytes = w.numel() * 2
+
+    @staticmethod
+    def fits(out_features: int, in_features: int) -> bool:
+        return True
+
+    def __call__(self, x):
+        return torch.ops.quantized.linear_dynamic_fp16(x.float(), self.packed).to(x.dtype)
+
+
+KERNELS = {"int4": Int4Kernel, "int8": Int8Kernel, "fp16": Fp16Kernel}
+
+
+def nearest_kernel(tensor_type: Q | None) -> str:
+    """The fast kernel whose format is nearest a stored GGUF type (None: a float tensor)."""
+    if tensor_type in _INT4_TYPES:
+        return "int4"
+    if tensor_type in _INT8_TYPES:
+        return "int8"
+    return "fp16"
+
+
+def kernel_for(mode: str, weight: torch.Tensor | RawQuant) -> str:
+    if mode == "auto":
+        return nearest_kernel(weight.tensor_type if isinstance(weight, RawQuant) else None)
+    return mode
+
+
+def build_kernel(mode: str, name: str, weight: torch.Tensor | RawQuant, bias: torch.Tensor | None,
+                 dtype: torch.dtype) -> LinearKernel:
+    """The kernel of `mode` (a fast mode or `auto`) for the linear `name`; dense if it cannot take it."""
+    kind = kernel_for(mode, weight)
+    out_features, in_features = weight.shape
+    kernel_cls = KERNELS[kind]
+    if not kernel_cls.fits(out_features, in_features):
+        log.warning("%s: %s weights need inputs in groups of %d and outputs in multiples of 16, got %dx%d; "
+                    "this layer runs dense in %s", name, kind, formats.GROUP, out_features, in_features,
+                    str(dtype).removeprefix("torch."))
+        return DenseKernel(formats.as_float(weight), bias, dtype)
+    kernel = kernel_cls(weight, bias)
+    if isinstance(weight, RawQuant) and not kernel.exact:
+        log.debug("%s: %s re-quantized to %s", name, weight.type_name, kind)
+    return kernel
