@@ -31,6 +31,7 @@ from splitserve.platform.kv.block_pool import BlockPool, KVEvent
 from splitserve.platform.kv.cache import allocate_kv_cache, plan_num_blocks
 from splitserve.platform.kv.manager import KVCacheManager
 from splitserve.platform.model_source import resolve_model
+from splitserve.platform.kernels.cpu_ops import fused_cpu_ops
 from splitserve.platform.models import build_model
 from splitserve.platform.quant import resolve_quantization
 from splitserve.platform.quant.report import describe_kernels, weight_nbytes
@@ -77,6 +78,9 @@ class LLMEngine:
                                        else self.model_config.eos_token_ids)
         t0 = time.perf_counter()
         self.model = model if model is not None else self._load_model(source)
+        if self.quantization != "none":
+            # The fast modes also take the fused CPU kernels; "none" stays the torch reference.
+            self.model.use_fused_ops(fused_cpu_ops(self.device, self.dtype))
         log.info("loaded %s in %.1f s", config.model, time.perf_counter() - t0)
         self.max_model_len = min(config.scheduler.max_model_len or self.model_config.max_position_embeddings,
                                  self.model_config.max_position_embeddings)

@@ -61,7 +61,7 @@ class ModelRunner:
             prefills=self._prefill_chunks(seqs[num_decodes:], num_decodes),
         )
         if num_decodes:
-            meta.decode_block_table, meta.decode_mask = self._decode_tables(seqs[:num_decodes])
+            meta.decode_block_table, meta.decode_mask, meta.decode_context_lens = self._decode_tables(seqs[:num_decodes])
         return (torch.tensor(tokens, dtype=torch.long, device=dev),
                 torch.tensor(positions, dtype=torch.long, device=dev), meta,
                 torch.tensor(sample_idx, dtype=torch.long, device=dev))
@@ -73,7 +73,7 @@ class ModelRunner:
         table = [list(s.block_ids[:n]) + [0] * (width - n) for s, n in zip(seqs, num_blocks)]
         ctx = torch.tensor([s.context_len for s in seqs], device=self.device)
         mask = torch.arange(width * bs, device=self.device)[None, :] < ctx[:, None]
-        return torch.tensor(table, dtype=torch.long, device=self.device), mask
+        return torch.tensor(table, dtype=torch.long, device=self.device), mask, ctx
 
     def _prefill_chunks(self, seqs: list[ScheduledSeq], offset: int) -> list[PrefillChunk]:
         chunks = []

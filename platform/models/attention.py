@@ -43,6 +43,7 @@ class AttentionMetadata:
     decode_block_table: torch.Tensor | None     # [num_decodes, max_blocks] long
     decode_mask: torch.Tensor | None            # [num_decodes, max_blocks * block_size] bool, True = attend
     prefills: list[PrefillChunk]
+    decode_context_lens: torch.Tensor | None = None  # [num_decodes] long, for the fused CPU kernel
     # The Triton kernels' view of the same step; None until the first CUDA layer derives it
     # (build_triton_metadata), after which every other layer of the step reuses it.
     triton: TritonAttentionMetadata | None = None
@@ -116,6 +117,30 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
         keys = gather_kv(k_cache, meta.decode_block_table)
         values = gather_kv(v_cache, meta.decode_block_table)
         out[:nd] = decode_attention(q[:nd], keys, values, scale, meta.decode_mask)
+    for chunk in meta.prefills:
+        sl = slice(chunk.q_start, chunk.q_start + chunk.q_len)
+        if chunk.block_table is None:
+            out[sl] = prefill_attention(q[sl], k[sl], v[sl], scale, None)
+            continue
+        ctx = chunk.start_pos + chunk.q_len
+        keys = gather_kv(k_cache, chunk.block_table)[:ctx]
+        values = gather_kv(v_cache, chunk.block_table)[:ctx]
+        out[sl] = prefill_attention(q[sl], keys, values, scale, chunk.mask)
+    return out
+
+
+def paged_attention_fused(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                          v_cache: torch.Tensor, meta: AttentionMetadata, scale: float, ops) -> torch.Tensor:
+    """paged_attention with K/V already written (CpuOps.rope_write_kv): decodes through the fused
+    CPU kernel, which reads the paged cache in place; prefill chunks as in the torch path."""
+    nd = meta.num_decodes
+    if nd and not meta.prefills:
+        return ops.decode_attention(q.contiguous(), k_cache, v_cache, meta.decode_block_table,
+                                    meta.decode_context_lens, scale)
+    out = torch.empty_like(q)
+    if nd:
+        out[:nd] = ops.decode_attention(q[:nd].contiguous(), k_cache, v_cache, meta.decode_block_table,
+                                        meta.decode_context_lens, scale)
     for chunk in meta.prefills:
         sl = slice(chunk.q_start, chunk.q_start + chunk.q_len)
         if chunk.block_table is None:

@@ -7,7 +7,8 @@ mapping from checkpoint names to its own parameters.
 Under a fast `--quantization` mode (platform/quant) a linear keeps no float weight: it collects
 its shards as they stream in (float tensors or GGUF blocks) and `finalize()` packs them, once,
 into the kernel of that mode. The embedding is then an int8 table with a scale per group of
-32 (GGUF Q8_0's own format) and the LM head a float16 prepacked kernel (float32 logits).
+32 (GGUF Q8_0's own format) and the LM head a 4-bit pass re-scored exactly at the top
+(quant.kernels.RescoredHead).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from torch import nn
 from splitserve.platform.config import RopeScaling
 from splitserve.platform.quant import formats
 from splitserve.platform.quant.formats import RawQuant
-from splitserve.platform.quant.kernels import Fp16Kernel, build_kernel
+from splitserve.platform.quant.kernels import RescoredHead, build_kernel
 
 
 class RMSNorm(nn.Module):
@@ -103,8 +104,8 @@ def _concat_rows(parts: list[torch.Tensor | RawQuant]) -> torch.Tensor | RawQuan
 
 class QuantizedEmbedding(nn.Module):
     """The token embedding of a fast mode: int8 codes with a float scale per group of 32
-    (GGUF Q8_0 read exactly, anything else re-quantized); `lm_head_kernel()` gives the tied LM
-    head as a float16 prepacked kernel built from the same values."""
+    (GGUF Q8_0 read exactly, anything else re-quantized); `finalize(tied=True)` also gives the
+    tied LM head (kernels.RescoredHead) over the same table."""
 
     def __init__(self, num_embeddings: int, embedding_dim: int):
         super().__init__()
@@ -119,13 +120,12 @@ class QuantizedEmbedding(nn.Module):
         rows = self.codes.index_select(0, ids).view(ids.shape[0], -1, formats.GROUP).float()
         return (rows * self.scale.index_select(0, ids)[..., None]).view(ids.shape[0], self.embedding_dim)
 
-    def finalize(self, tied: bool) -> Fp16Kernel | None:
+    def finalize(self, tied: bool) -> RescoredHead | None:
         """Build the int8 table (and the tied LM head when `tied`) and drop the loaded values."""
         groups, _ = formats.int8_groups(self._values)
         self.codes, self.scale = groups.codes, groups.scale
-        head = Fp16Kernel(self._values, None) if tied else None
         self._values = None
-        return head
+        return RescoredHead(self.codes, self.scale) if tied else None
 
     @property
     def nbytes(self) -> int:

@@ -15,10 +15,12 @@ import torch
 from torch import nn
 
 from splitserve.platform.config import ModelConfig
-from splitserve.platform.models.attention import AttentionMetadata, paged_attention
+from splitserve.platform.kernels.cpu_ops import CpuOps
+from splitserve.platform.models.attention import AttentionMetadata, paged_attention, paged_attention_fused
 from splitserve.platform.models.layers import MergedLinear, QuantizedEmbedding, RMSNorm, RotaryEmbedding, apply_rotary
 from splitserve.platform.quant.formats import RawQuant
-from splitserve.platform.quant.kernels import Fp16Kernel
+from splitserve.platform.quant import formats
+from splitserve.platform.quant.kernels import RescoredHead
 
 
 class LlamaAttention(nn.Module):
@@ -44,6 +46,17 @@ class LlamaAttention(nn.Module):
         out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
         return self.o_proj(out.reshape(n, -1))
 
+    def forward_fused(self, x, positions, rotary, kv_cache, meta: AttentionMetadata, ops: CpuOps):
+        """forward() with rotary, the KV write and decode attention in the fused CPU kernels."""
+        n = x.shape[0]
+        qkv = self.qkv_proj(x)
+        ops.rope_write_kv(qkv, positions, rotary.cos_cache, rotary.sin_cache, kv_cache[0], kv_cache[1],
+                          meta.slot_mapping, self.num_heads, self.num_kv_heads, self.head_dim)
+        qkv = qkv.view(n, -1, self.head_dim)
+        q, k, v = qkv.split((self.num_heads, self.num_kv_heads, self.num_kv_heads), dim=1)
+        out = paged_attention_fused(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, ops)
+        return self.o_proj(out.reshape(n, -1))
+
 
 class LlamaMLP(nn.Module):
     def __init__(self, config: ModelConfig, quantization: str = "none"):
@@ -58,6 +71,9 @@ class LlamaMLP(nn.Module):
     def forward(self, x):
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
         return self.down_proj(nn.functional.silu(gate) * up)
+
+    def forward_fused(self, x, ops: CpuOps):
+        return self.down_proj(ops.silu_mul(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -94,7 +110,9 @@ class LlamaForCausalLM(nn.Module):
             self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         else:
             self.embed_tokens = QuantizedEmbedding(config.vocab_size, config.hidden_size)
-        self.lm_head_kernel: Fp16Kernel | None = None
+        self.lm_head_kernel: RescoredHead | None = None
+        # The fused CPU kernels (kernels/cpu_ops.py), set by use_fused_ops(); None: the torch path.
+        self.fused_ops: CpuOps | None = None
         self.layers = nn.ModuleList(LlamaDecoderLayer(config, quantization) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope_theta,
@@ -104,9 +122,7 @@ class LlamaForCausalLM(nn.Module):
         elif quantization == "none":
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         else:
-            # the LM head stays float16 in every fast mode: sampling sees float32 logits
-            self.lm_head = MergedLinear(config.hidden_size, {"lm_head": config.vocab_size}, bias=False,
-                                        quantization="fp16")
+            self.lm_head = QuantizedEmbedding(config.vocab_size, config.hidden_size)  # its int8 table
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata,
@@ -116,6 +132,8 @@ class LlamaForCausalLM(nn.Module):
         `layer_hook(i)` runs right after layer i has written its K/V (KV export per layer).
         """
         x = self.embed_tokens(input_ids)
+        if self.fused_ops is not None:
+            return self._forward_fused(x, positions, kv_caches, meta, layer_hook)
         cos, sin = self.rotary.cos_sin(positions, x.dtype)
         for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
             x = layer(x, cos, sin, kv_cache, meta)
@@ -123,11 +141,30 @@ class LlamaForCausalLM(nn.Module):
                 layer_hook(i)
         return self.norm(x)
 
+    def use_fused_ops(self, ops: CpuOps | None) -> None:
+        """Run forward() through the fused CPU kernels (float32 on a CPU), or the torch path (None)."""
+        self.fused_ops = ops
+
+    def _forward_fused(self, x, positions, kv_caches, meta, layer_hook):
+        """The same graph as forward(), with each residual add fused into the next norm:
+        per layer qkv -> rope+KV write -> attention -> o -> add+norm -> gate_up -> silu*up -> down -> add+norm."""
+        ops = self.fused_ops
+        residual = x.contiguous()
+        h = ops.rms_norm(residual, self.layers[0].input_layernorm.weight, self.config.rms_norm_eps)
+        eps = self.config.rms_norm_eps
+        for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
+            attn = layer.self_attn.forward_fused(h, positions, self.rotary, kv_cache, meta, ops)
+            h = ops.add_rms_norm(attn, residual, layer.post_attention_layernorm.weight, eps)
+            if layer_hook is not None:
+                layer_hook(i)
+            mlp = layer.mlp.forward_fused(h, ops)
+            next_norm = self.layers[i + 1].input_layernorm if i + 1 < len(self.layers) else self.norm
+            h = ops.add_rms_norm(mlp, residual, next_norm.weight, eps)
+        return h
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.lm_head_kernel is not None:
             return self.lm_head_kernel(hidden)
-        if isinstance(self.lm_head, MergedLinear):
-            return self.lm_head(hidden)
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return nn.functional.linear(hidden, weight)
 
@@ -146,6 +183,9 @@ class LlamaForCausalLM(nn.Module):
                 if isinstance(module, MergedLinear):
                     module.finalize(name, dtype)
             self.lm_head_kernel = self.embed_tokens.finalize(tied=self.lm_head is None)
+            if self.lm_head is not None:
+                self.lm_head.finalize(tied=False)
+                self.lm_head_kernel = RescoredHead(self.lm_head.codes, self.lm_head.scale)
 
     def _expected_keys(self, params: dict[str, nn.Parameter]) -> set[str]:
         keys = {name for name in params if not isinstance(self.get_submodule(name.rsplit(".", 1)[0]), MergedLinear)}
@@ -156,6 +196,8 @@ class LlamaForCausalLM(nn.Module):
                     keys.update(f"{name}.bias#{shard}" for shard in module.shard_offsets)
         if isinstance(self.embed_tokens, QuantizedEmbedding):
             keys.add("embed_tokens.weight")
+        if isinstance(self.lm_head, QuantizedEmbedding):
+            keys.add("lm_head.weight")
         return keys
 
     def _load_one(self, name: str, tensor: torch.Tensor | RawQuant, params: dict[str, nn.Parameter]) -> str:
@@ -170,9 +212,9 @@ class LlamaForCausalLM(nn.Module):
         if own == "embed_tokens.weight" and isinstance(self.embed_tokens, QuantizedEmbedding):
             self.embed_tokens.load(tensor)
             return own
-        if own == "lm_head.weight" and isinstance(self.lm_head, MergedLinear):
-            self.lm_head.load_weight("lm_head", "weight", tensor)
-            return "lm_head.weight#lm_head"
+        if own == "lm_head.weight" and isinstance(self.lm_head, QuantizedEmbedding):
+            self.lm_head.load(tensor)
+            return own
         if isinstance(tensor, RawQuant):
             tensor = tensor.dequantize()
         if own not in params:

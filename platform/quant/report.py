@@ -32,5 +32,5 @@ def describe_kernels(model: nn.Module) -> str:
             kinds[module.kernel.name] += 1
             exact += bool(getattr(module.kernel, "exact", False))
     linears = ", ".join(f"{n} {k}" for k, n in kinds.most_common())
-    head = "lm_head fp16" if getattr(model, "lm_head_kernel", None) is not None else "lm_head untied"
-    return f"linears: {linears} ({exact} exact from the file); embedding int8; {head}"
+    head = getattr(model, "lm_head_kernel", None)
+    return f"linears: {linears} ({exact} exact from the file); embedding int8; lm_head {head.name if head else 'none'}"

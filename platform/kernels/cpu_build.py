@@ -1,0 +1,93 @@
+"""Build and load the fused CPU kernels (cpu_ops.c) for the host we run on.
+
+At first use the C file is compiled with the system C compiler (`$CC`, else gcc, else cc) at
+-O3 -march=native into `$SPLITSERVE_KERNEL_CACHE` (default ~/.cache/splitserve/kernels), under a
+name that hashes the source, the compiler and the CPU's flags: a cache carried to another host
+(an AVX2-only EPYC after an AMX Xeon) is never loaded there, it is rebuilt. The build takes about
+a second (no torch headers) and is written to a temporary file and renamed, so concurrent workers
+do not see a half-written library. Set SPLITSERVE_CPU_KERNELS=0 to never build or load it.
+
+`load()` returns the ctypes library, or None, with one log line, when building or loading
+fails: every caller keeps a pure-torch path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import pathlib
+import shutil
+import subprocess
+import tempfile
+
+from splitserve.platform.quant.cpu import cpu_flags
+
+log = logging.getLogger(__name__)
+
+SOURCE = pathlib.Path(__file__).with_name("cpu_ops.c")
+ENV_DISABLE = "SPLITSERVE_CPU_KERNELS"
+ENV_CACHE = "SPLITSERVE_KERNEL_CACHE"
+_I64, _F32P, _I64P, _F32, _INT = ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
+SIGNATURES = {
+    "ss_rms_norm": [_F32P, _F32P, _F32P, _I64, _I64, _F32, _INT],
+    "ss_add_rms_norm": [_F32P, _F32P, _F32P, _F32P, _I64, _I64, _F32, _INT],
+    "ss_rope_write_kv": [_F32P, _I64P, _F32P, _F32P, _F32P, _F32P, _I64P, _I64, _I64, _I64, _I64, _INT],
+    "ss_decode_attention": [_F32P, _F32P, _F32P, _I64P, _I64P, _F32P, _I64, _I64, _I64, _I64, _I64, _I64, _F32, _INT],
+    "ss_silu_mul": [_F32P, _F32P, _I64, _I64, _INT],
+}
+
+
+def _compiler() -> str | None:
+    for name in (os.environ.get("CC"), "gcc", "cc"):
+        if name and shutil.which(name):
+            return shutil.which(name)
+    return None
+
+
+def _cache_dir() -> pathlib.Path:
+    default = pathlib.Path.home() / ".cache" / "splitserve" / "kernels"
+    return pathlib.Path(os.environ.get(ENV_CACHE) or default)
+
+
+def _build(cc: str) -> pathlib.Path:
+    source = SOURCE.read_bytes()
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=False).stdout
+    key = hashlib.sha256(source + version.encode() + " ".join(sorted(cpu_flags())).encode()).hexdigest()[:16]
+    target = _cache_dir() / f"splitserve_cpu_ops-{key}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.NamedTemporaryFile(dir=target.parent, suffix=".so", delete=False) as tmp:
+        tmp_path = pathlib.Path(tmp.name)
+    cmd = [cc, "-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-o", str(tmp_path), str(SOURCE), "-lm"]
+    result = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    if result.returncode != 0:
+        tmp_path.unlink(missing_ok=True)
+        raise RuntimeError(f"{' '.join(cmd)} failed: {result.stderr.strip()[-400:]}")
+    os.replace(tmp_path, target)
+    log.info("built the CPU kernels for this host: %s", target)
+    return target
+
+
+@functools.cache
+def load() -> ctypes.CDLL | None:
+    """The fused CPU kernels for this host, or None (disabled, no compiler, or a failed build)."""
+    if os.environ.get(ENV_DISABLE, "1") == "0":
+        log.info("fused CPU kernels disabled by %s=0; using the torch path", ENV_DISABLE)
+        return None
+    cc = _compiler()
+    if cc is None:
+        log.warning("no C compiler (gcc/cc) found: the fused CPU kernels are off, using the torch path")
+        return None
+    try:
+        lib = ctypes.CDLL(str(_build(cc)))
+    except (OSError, RuntimeError) as e:
+        log.warning("the fused CPU kernels could not be built or loaded (%s); using the torch path", e)
+        return None
+    for name, argtypes in SIGNATURES.items():
+        fn = getattr(lib, name)
+        fn.argtypes, fn.restype = argtypes, None
+    return lib
