@@ -19,6 +19,7 @@ import sys
 from importlib.metadata import entry_points
 
 from splitserve.platform.errors import SplitserveError
+from splitserve.platform.quant import QUANTIZATION_MODES
 
 GiB = 1024**3
 
@@ -27,6 +28,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2-135m", help="alias, .gguf path, HF folder or random:<preset>")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+    p.add_argument("--quantization", default="auto", choices=list(QUANTIZATION_MODES),
+                   help="how weights are served: auto (default: each weight in the fast packed format nearest "
+                        "its stored type on an AVX2 CPU), none (dequantize to --dtype: the reference), or one "
+                        "format for all: int4, int8, fp16 (docs/engine.md)")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     p.add_argument("--kv-cache-memory", type=float, default=0.5, metavar="GIB",
                    help="memory for the KV cache in GiB (default 0.5)")
@@ -51,7 +56,8 @@ def engine_config(args):
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                                   max_model_len=args.max_model_len, enable_chunked_prefill=not args.no_chunked_prefill,
                                   share_prefix_in_flight=not args.no_share_prefix_in_flight),
-        device=DeviceConfig(device=args.device, dtype=args.dtype, num_threads=args.threads),
+        device=DeviceConfig(device=args.device, dtype=args.dtype, num_threads=args.threads,
+                            quantization=args.quantization),
     )
 
 

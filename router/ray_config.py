@@ -61,6 +61,7 @@ class EngineSettings:
     dtype: str = "float32"
     device: str = "cpu"
     threads: int = 1
+    quantization: str = "auto"    # as `splitserve worker --quantization` (platform/quant)
     kv_cache_memory_gib: float = 0.25
     block_size: int = 16
     max_num_seqs: int = 64
@@ -69,7 +70,7 @@ class EngineSettings:
 
     def __post_init__(self) -> None:
         # The engine's own dataclasses check these (torch-free); the replicas build the same ones.
-        DeviceConfig(device=self.device, dtype=self.dtype, num_threads=self.threads)
+        DeviceConfig(device=self.device, dtype=self.dtype, num_threads=self.threads, quantization=self.quantization)
         CacheConfig(block_size=self.block_size, kv_cache_memory_bytes=int(self.kv_cache_memory_gib * GiB))
         SchedulerConfig(max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
                         max_model_len=self.max_model_len)

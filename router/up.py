@@ -20,6 +20,7 @@ import subprocess
 import sys
 import threading
 
+from splitserve.platform.config import QUANTIZATION_MODES
 from splitserve.router import logctx
 from splitserve.router.main import add_router_args, bind, config_from_args, serve, url_host
 
@@ -36,6 +37,8 @@ def register(subparsers) -> None:
     p.add_argument("--kv-transport", default="auto", choices=["auto", "ucx", "tcp"],
                    help="KV transport between the workers (auto: ucx if installed, else tcp)")
     p.add_argument("--threads", type=int, default=1, help="torch threads per worker")
+    p.add_argument("--quantization", default="auto", choices=list(QUANTIZATION_MODES),
+                   help="how both workers serve the weights (default auto; none is the dequantized reference)")
     p.add_argument("--kv-cache-memory", type=float, default=0.25, metavar="GIB", help="KV cache per worker")
     p.add_argument("--worker-arg", action="append", default=[], help="extra argument for both workers (repeatable)")
     p.set_defaults(func=cmd_up)
@@ -103,7 +106,8 @@ def cmd_up(args) -> int:
     logctx.install()
     config = config_from_args(args)
     transport = kv_transport(args.kv_transport)
-    common = ["--model", config.model, "--threads", str(args.threads), "--kv-transport", transport,
+    common = ["--model", config.model, "--threads", str(args.threads), "--quantization", args.quantization,
+              "--kv-transport", transport,
               "--kv-cache-memory", str(args.kv_cache_memory), "--max-model-len", str(config.max_model_len),
               *args.worker_arg]
     level = logging.getLevelName(logging.getLogger().level)

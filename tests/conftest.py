@@ -29,17 +29,35 @@ def smollm2_model():
 
 
 @pytest.fixture(scope="session")
-def make_engine(smollm2_model):
-    """Build a SmolLM2 engine with custom cache/scheduler settings, reusing the loaded weights."""
-    from splitserve.platform.config import CacheConfig, EngineConfig, SchedulerConfig
+def smollm2_models(smollm2_model):
+    """The SmolLM2 model per --quantization mode, each loaded once on first use."""
+    from splitserve.platform.config import DeviceConfig, EngineConfig
     from splitserve.platform.engine.llm_engine import LLMEngine
 
-    def make(num_blocks=None, enable_prefix_caching=True, **sched):
+    models = {"none": smollm2_model}
+
+    def get(quantization: str):
+        if quantization not in models:
+            engine = LLMEngine(EngineConfig(model="smollm2-135m", device=DeviceConfig(quantization=quantization)))
+            models[quantization] = engine.model
+        return models[quantization]
+    return get
+
+
+@pytest.fixture(scope="session")
+def make_engine(smollm2_models):
+    """Build a SmolLM2 engine with custom cache/scheduler settings, reusing the loaded weights;
+    `quantization` as DeviceConfig's ("none", the reference, unless a test asks for another)."""
+    from splitserve.platform.config import CacheConfig, DeviceConfig, EngineConfig, SchedulerConfig
+    from splitserve.platform.engine.llm_engine import LLMEngine
+
+    def make(num_blocks=None, enable_prefix_caching=True, quantization="none", **sched):
         cache = CacheConfig(num_blocks=num_blocks, kv_cache_memory_bytes=128 * 1024**2,
                             enable_prefix_caching=enable_prefix_caching)
         sched.setdefault("max_model_len", 2048)
-        return LLMEngine(EngineConfig(model="smollm2-135m", cache=cache, scheduler=SchedulerConfig(**sched)),
-                         model=smollm2_model)
+        return LLMEngine(EngineConfig(model="smollm2-135m", cache=cache, scheduler=SchedulerConfig(**sched),
+                                      device=DeviceConfig(quantization=quantization)),
+                         model=smollm2_models(quantization))
 
     return make
 

@@ -14,6 +14,9 @@ import time
 import urllib.request
 
 CLI = str(pathlib.Path(sys.executable).parent / "splitserve")
+# What `splitserve worker` and `splitserve up` serve by default (their --quantization default):
+# tests that compare a worker's answer with an engine in the test process build that engine so.
+WORKER_QUANTIZATION = "auto"
 
 
 def free_port() -> int:

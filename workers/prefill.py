@@ -41,7 +41,7 @@ async def serve_prefill(engine: AsyncEngine, sender: KVSender, layout: KVLayout,
     layout.check_compatible(KVLayout.from_dict(dict(
         model_id=request.layout.model_id, dtype=request.layout.dtype, block_size=request.layout.block_size,
         num_layers=request.layout.num_layers, num_kv_heads=request.layout.num_kv_heads,
-        head_dim=request.layout.head_dim)))
+        head_dim=request.layout.head_dim, weights=request.layout.weights or "none")))
     params = convert.sampling_params(request.params)
     # Only the first token is sampled here; stop strings and logprob width follow the request.
     params = dataclasses.replace(params, max_tokens=1, min_tokens=min(params.min_tokens, 1), stop=())

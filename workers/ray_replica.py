@@ -59,7 +59,8 @@ class WorkerReplica:
             scheduler=SchedulerConfig(max_num_seqs=engine["max_num_seqs"],
                                       max_num_batched_tokens=engine["max_num_batched_tokens"],
                                       max_model_len=engine["max_model_len"]),
-            device=DeviceConfig(device=engine["device"], dtype=engine["dtype"], num_threads=engine["threads"]))
+            device=DeviceConfig(device=engine["device"], dtype=engine["dtype"], num_threads=engine["threads"],
+                                quantization=engine.get("quantization", "auto")))
         self.worker = Worker(config, LLMEngine(engine_config))
         self.task = asyncio.create_task(self.worker.run(handle_signals=False), name=f"{role} worker")
         await self._wait_ready()

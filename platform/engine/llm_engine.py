@@ -25,7 +25,7 @@ from splitserve.platform.engine.kv_connector import KVExport, KVReady, export_la
 from splitserve.platform.engine.output_processor import OutputProcessor
 from splitserve.platform.engine.outputs import RequestOutput, TokenLogprob
 from splitserve.platform.engine.runner import ModelRunner
-from splitserve.platform.errors import InvalidRequestError
+from splitserve.platform.errors import ConfigError, InvalidRequestError
 from splitserve.platform.hashing import BlockHasher
 from splitserve.platform.kv.block_pool import BlockPool, KVEvent
 from splitserve.platform.kv.cache import allocate_kv_cache, plan_num_blocks
@@ -77,6 +77,9 @@ class LLMEngine:
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids if self.tokenizer is not None
                                        else self.model_config.eos_token_ids)
         t0 = time.perf_counter()
+        if model is not None and getattr(model, "quantization", "none") != self.quantization:
+            raise ConfigError(f"the model passed in was built with quantization {model.quantization!r}, "
+                              f"this engine's config resolves to {self.quantization!r}")
         self.model = model if model is not None else self._load_model(source)
         if self.quantization != "none":
             # The fast modes also take the fused CPU kernels; "none" stays the torch reference.

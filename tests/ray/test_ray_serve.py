@@ -13,6 +13,7 @@ import openai
 import pytest
 
 from raykit import free_port, local_config, num_target_replicas, ray_processes, wait_for
+from workerproc import WORKER_QUANTIZATION
 
 pytestmark = pytest.mark.slow
 
@@ -56,7 +57,8 @@ def test_openai_client_gets_the_same_greedy_answer_as_splitserve_up(served, clie
     remote_before = decode_metric(served, 'splitserve_remote_prefills_total{outcome="ok"}')
     out = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=24, temperature=0)
     prompt_ids = load_tokenizer(MODEL).encode_chat(MESSAGES)
-    [ref] = make_engine().generate([prompt_ids], SamplingParams(temperature=0, max_tokens=24))
+    [ref] = make_engine(quantization=WORKER_QUANTIZATION).generate(
+        [prompt_ids], SamplingParams(temperature=0, max_tokens=24))
     assert out.choices[0].message.content == ref.text
     assert out.usage.prompt_tokens == len(prompt_ids)
     assert out.usage.completion_tokens == len(ref.output_token_ids)

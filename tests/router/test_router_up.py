@@ -14,6 +14,7 @@ import pytest
 
 from routerkit import free_port
 from workerproc import CLI
+from workerproc import WORKER_QUANTIZATION
 
 pytestmark = pytest.mark.slow
 
@@ -70,7 +71,8 @@ def test_openai_client_chat_completion_is_correct(client, tokenizer, make_engine
 
     out = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=24, temperature=0)
     prompt_ids = tokenizer.encode_chat(MESSAGES)
-    [ref] = make_engine().generate([prompt_ids], SamplingParams(temperature=0, max_tokens=24))
+    [ref] = make_engine(quantization=WORKER_QUANTIZATION).generate(
+        [prompt_ids], SamplingParams(temperature=0, max_tokens=24))
     assert out.choices[0].message.role == "assistant"
     assert out.choices[0].message.content == ref.text
     assert out.choices[0].finish_reason == ("length" if len(ref.output_token_ids) == 24 else "stop")

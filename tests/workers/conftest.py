@@ -5,10 +5,12 @@ import pytest
 
 @pytest.fixture(scope="module")
 def reference(make_engine):
-    """Greedy tokens from the engine in the test process (same weights): "the same answer"."""
+    """Greedy tokens from the engine in the test process (same weights, the workers' default
+    --quantization): "the same answer"."""
+    from workerproc import WORKER_QUANTIZATION
     from splitserve.platform.sampling.params import SamplingParams
 
-    engine = make_engine(max_model_len=2048)
+    engine = make_engine(max_model_len=2048, quantization=WORKER_QUANTIZATION)
 
     def ref(token_ids, max_tokens=8):
         [out] = engine.generate([token_ids], SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))

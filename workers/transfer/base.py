@@ -26,7 +26,7 @@ from __future__ import annotations
 import enum
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, fields
+from dataclasses import MISSING, asdict, dataclass, fields
 
 import torch
 
@@ -55,6 +55,9 @@ class KVLayout:
     num_layers: int
     num_kv_heads: int
     head_dim: int
+    # the resolved --quantization of the weights that compute this KV (platform/quant): a
+    # prefill in int4 and a decode in "none" would not give the colocated answer
+    weights: str = "none"
 
     def __post_init__(self):
         if self.dtype not in DTYPES:
@@ -84,7 +87,8 @@ class KVLayout:
     def from_dict(cls, d: dict) -> KVLayout:
         """Build from `to_dict()` output; a missing or unknown key is a ValueError naming it."""
         names = {f.name for f in fields(cls)}
-        missing, unknown = names - d.keys(), d.keys() - names
+        required = {f.name for f in fields(cls) if f.default is MISSING}
+        missing, unknown = required - d.keys(), d.keys() - names
         if missing or unknown:
             raise ValueError(f"bad KV layout {d!r}: missing {sorted(missing)}, unknown {sorted(unknown)}")
         return cls(**d)
