@@ -37,6 +37,8 @@ SIGNATURES = {
     "ss_rope_write_kv": [_F32P, _I64P, _F32P, _F32P, _F32P, _F32P, _I64P, _I64, _I64, _I64, _I64, _INT],
     "ss_decode_attention": [_F32P, _F32P, _F32P, _I64P, _I64P, _F32P, _I64, _I64, _I64, _I64, _I64, _I64, _F32, _INT],
     "ss_silu_mul": [_F32P, _F32P, _I64, _I64, _INT],
+    "ss_q4_linear": [_F32P, _I64, _I64, _F32P, _F32P, _F32P, _I64, _F32P, _INT],
+    "ss_q4_dequant": [_F32P, _F32P, _F32P, _I64, _I64, _F32P, _INT],
 }
 
 

@@ -13,6 +13,8 @@
  *                       through the block table (no gather, no copy); GQA by query groups per KV
  *                       head; scores, softmax and sums in float32
  *   ss_silu_mul         out[t] = silu(gate[t]) * up[t] for a fused gate|up row
+ *   ss_q4_linear        int4 weights (per-group scale and minimum) times float32 activations
+ *   ss_q4_dequant       the float32 weights of the same, for a GEMM over many rows (prefill)
  *
  * Batch invariance: every sum runs in an order fixed by the source (LANES partial sums combined
  * in a fixed tree), never by the vector width, the alignment or the thread count, so a row gets
@@ -163,4 +165,137 @@ void ss_silu_mul(const float *gate_up, float *out, int64_t t, int64_t inter, int
         float *o = out + r * inter;
         for (int64_t i = 0; i < inter; i++) o[i] = g[i] / (1.0f + fast_exp(-g[i])) * u[i];
     }
+}
+
+/* ---- int4 weights, float32 math --------------------------------------------------------------
+ *
+ *   ss_q4_linear   y[m, n] = sum_g ( d[n,g] * <q[n,g,:], x[m,g,:]> + mn[n,g] * sum(x[m,g,:]) )
+ *   ss_q4_dequant  w[n, :] = d * q + mn, for a GEMM when a step carries many rows (prefill)
+ *
+ * Weights: per row n and group g of 32 inputs, 16 bytes of 4-bit codes q in 0..15 in GGUF's order
+ * (byte j holds element j in its low nibble, element j + 16 in its high one), a scale d and a
+ * minimum mn: w = d * q + mn (Q4_1 exactly; Q4_0 is mn = -8 d). The codes are widened to float32
+ * in registers and the products summed in float32: the activations are never rounded, so the
+ * numbers are those of the float32 model on these weights (llama.cpp rounds activations to int8,
+ * torch's packed kernel to bfloat16). Rows of x are taken four at a time per unpacked group.
+ *
+ * Invariance: each y[m, n] is built by the same instructions in the same order (group after
+ * group, fixed lanes, one final reduction) whichever block or thread computes it, so a row's
+ * result does not depend on how many rows the call has.
+ */
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#endif
+
+#define Q4_ROWS 4
+#define Q4_PREFETCH 8
+
+/* Rows r of x against one weight row. Per group g: t = q . x (16 or 8 lanes), then
+ * acc += d * t and acc += mn * xpair, where xpair[j] = x[j] + x[j + 16] (or the 8-lane analogue)
+ * carries the minimum's term sum(x) into the same lanes; even and odd groups accumulate apart
+ * (two chains hide the FMA latency) and meet in one fixed reduction at the end. */
+static void q4_rows(const uint8_t *qs, const float *d, const float *mn, int64_t groups, const float *x, int64_t k,
+                    const float *xpair, int64_t pair_stride, int rows, float *y, int64_t ystride) {
+#if defined(__AVX512F__)
+    __m512 acc[Q4_ROWS][2];
+    for (int r = 0; r < rows; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+    const __m128i mask = _mm_set1_epi8(0x0F);
+    for (int64_t g = 0; g < groups; g++) {
+        __m128i b = _mm_loadu_si128((const __m128i *)(qs + g * 16));
+        __m512 qlo = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(b, mask)));
+        __m512 qhi = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(b, 4), mask)));
+        __m512 scale = _mm512_set1_ps(d[g]), low = _mm512_set1_ps(mn[g]);
+        for (int r = 0; r < rows; r++) {
+            const float *xg = x + r * k + g * 32;
+            __m512 t = _mm512_mul_ps(qlo, _mm512_loadu_ps(xg));
+            t = _mm512_fmadd_ps(qhi, _mm512_loadu_ps(xg + 16), t);
+            __m512 a = _mm512_fmadd_ps(t, scale, acc[r][g & 1]);
+            acc[r][g & 1] = _mm512_fmadd_ps(_mm512_loadu_ps(xpair + r * pair_stride + g * 16), low, a);
+        }
+    }
+    for (int r = 0; r < rows; r++) y[r * ystride] = _mm512_reduce_add_ps(_mm512_add_ps(acc[r][0], acc[r][1]));
+#elif defined(__AVX2__) && defined(__FMA__)
+    __m256 acc[Q4_ROWS][2];
+    for (int r = 0; r < rows; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+    const __m128i mask = _mm_set1_epi8(0x0F);
+    for (int64_t g = 0; g < groups; g++) {
+        __m128i b = _mm_loadu_si128((const __m128i *)(qs + g * 16));
+        __m128i lo = _mm_and_si128(b, mask), hi = _mm_and_si128(_mm_srli_epi16(b, 4), mask);
+        __m256 q0 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo));
+        __m256 q1 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)));
+        __m256 q2 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));
+        __m256 q3 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)));
+        __m256 scale = _mm256_set1_ps(d[g]), low = _mm256_set1_ps(mn[g]);
+        for (int r = 0; r < rows; r++) {
+            const float *xg = x + r * k + g * 32;
+            __m256 t = _mm256_mul_ps(q0, _mm256_loadu_ps(xg));
+            t = _mm256_fmadd_ps(q1, _mm256_loadu_ps(xg + 8), t);
+            t = _mm256_fmadd_ps(q2, _mm256_loadu_ps(xg + 16), t);
+            t = _mm256_fmadd_ps(q3, _mm256_loadu_ps(xg + 24), t);
+            __m256 a = _mm256_fmadd_ps(t, scale, acc[r][g & 1]);
+            acc[r][g & 1] = _mm256_fmadd_ps(_mm256_loadu_ps(xpair + r * pair_stride + g * 16), low, a);
+        }
+    }
+    for (int r = 0; r < rows; r++) {
+        __m256 a = _mm256_add_ps(acc[r][0], acc[r][1]);
+        __m128 h = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+        h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+        y[r * ystride] = _mm_cvtss_f32(_mm_add_ss(h, _mm_shuffle_ps(h, h, 1)));
+    }
+#else
+    for (int r = 0; r < rows; r++) {
+        float acc = 0.f;
+        for (int64_t g = 0; g < groups; g++) {
+            const float *xg = x + r * k + g * 32;
+            float t = 0.f;
+            for (int j = 0; j < 16; j++) t += (float)(qs[g * 16 + j] & 0x0F) * xg[j];
+            for (int j = 0; j < 16; j++) t += (float)(qs[g * 16 + j] >> 4) * xg[j + 16];
+            acc += t * d[g];
+            for (int j = 0; j < 16; j++) acc += mn[g] * xpair[r * pair_stride + g * 16 + j];
+        }
+        y[r * ystride] = acc;
+    }
+#endif
+}
+
+void ss_q4_linear(const float *x, int64_t m, int64_t k, const uint8_t *qs, const float *d, const float *mn,
+                  int64_t n, float *y, int threads) {
+    int64_t groups = k / 32, pair_stride = groups * 16;
+    float *xpair = malloc(sizeof(float) * (size_t)(m * pair_stride));
+    for (int64_t r = 0; r < m; r++)
+        for (int64_t g = 0; g < groups; g++)
+            for (int j = 0; j < 16; j++)
+                xpair[r * pair_stride + g * 16 + j] = x[r * k + g * 32 + j] + x[r * k + g * 32 + j + 16];
+#pragma omp parallel for num_threads(threads) schedule(static) if (n * k * m >= 32768)
+    for (int64_t row = 0; row < n; row++) {
+        /* the weights stream from memory once per call: ask for a row a few rows ahead */
+        if (row + Q4_PREFETCH < n) {
+            const char *next = (const char *)(qs + (row + Q4_PREFETCH) * groups * 16);
+            for (int64_t b = 0; b < groups * 16; b += 64) __builtin_prefetch(next + b);
+            for (int64_t b = 0; b < groups * 4; b += 64) {
+                __builtin_prefetch((const char *)(d + (row + Q4_PREFETCH) * groups) + b);
+                __builtin_prefetch((const char *)(mn + (row + Q4_PREFETCH) * groups) + b);
+            }
+        }
+        for (int64_t r0 = 0; r0 < m; r0 += Q4_ROWS) {
+            int rows = m - r0 < Q4_ROWS ? (int)(m - r0) : Q4_ROWS;
+            q4_rows(qs + row * groups * 16, d + row * groups, mn + row * groups, groups, x + r0 * k, k,
+                    xpair + r0 * pair_stride, pair_stride, rows, y + r0 * n + row, n);
+        }
+    }
+    free(xpair);
+}
+
+void ss_q4_dequant(const uint8_t *qs, const float *d, const float *mn, int64_t n, int64_t k, float *w, int threads) {
+    int64_t groups = k / 32;
+#pragma omp parallel for num_threads(threads) schedule(static) if (n * k >= 65536)
+    for (int64_t row = 0; row < n; row++)
+        for (int64_t g = 0; g < groups; g++) {
+            const uint8_t *q = qs + (row * groups + g) * 16;
+            float *o = w + row * k + g * 32, s = d[row * groups + g], b = mn[row * groups + g];
+            for (int j = 0; j < 16; j++) {
+                o[j] = s * (float)(q[j] & 0x0F) + b;
+                o[j + 16] = s * (float)(q[j] >> 4) + b;
+            }
+        }
 }

@@ -2,8 +2,11 @@
 
 `fused_cpu_ops(device, dtype)` returns a CpuOps when they apply (a CPU, float32 activations, the
 library built) and None otherwise; the model then runs its torch path. Every function takes and
-returns contiguous float32 CPU tensors; ids, positions and slots are int64. Threads: torch's
-intra-op count, so a worker's `--threads` governs these kernels too.
+returns contiguous float32 CPU tensors; ids, positions and slots are int64. The C side trusts
+its pointers and these run hundreds of times per step (a per-call check cost 1.3 ms of a 10 ms
+step), so the callers guarantee that layout by construction (llama.py, quant/kernels.py) and
+tests/platform/test_cpu_ops.py pins every op against its torch definition. Threads:
+torch's intra-op count, so a worker's `--threads` governs these kernels too.
 """
 
 from __future__ import annotations
@@ -18,34 +21,31 @@ from splitserve.platform.kernels import cpu_build
 def fused_cpu_ops(device: torch.device, dtype: torch.dtype) -> "CpuOps | None":
     if torch.device(device).type != "cpu" or dtype != torch.float32:
         return None
+    return cpu_ops()
+
+
+def cpu_ops() -> "CpuOps | None":
+    """The kernels of this host, whatever the model's dtype (None: not built here)."""
     lib = cpu_build.load()
     return None if lib is None else CpuOps(lib)
 
 
-def _ptr(t: torch.Tensor) -> int:
-    return t.data_ptr()
+_p = torch.Tensor.data_ptr  # a tensor's address, without a Python frame per call
 
 
 class CpuOps:
     def __init__(self, lib: ctypes.CDLL):
         self.lib = lib
 
-    @staticmethod
-    def _check(*tensors: torch.Tensor) -> None:
-        for t in tensors:
-            assert t.is_contiguous() and t.device.type == "cpu", (t.shape, t.stride(), t.device)
-
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        self._check(x, weight)
         out = torch.empty_like(x)
-        self.lib.ss_rms_norm(_ptr(x), _ptr(weight), _ptr(out), x.shape[0], x.shape[1], eps, torch.get_num_threads())
+        self.lib.ss_rms_norm(_p(x), _p(weight), _p(out), x.shape[0], x.shape[1], eps, torch.get_num_threads())
         return out
 
     def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """residual += x (in place); returns rms_norm(residual) * weight."""
-        self._check(x, residual, weight)
         out = torch.empty_like(x)
-        self.lib.ss_add_rms_norm(_ptr(x), _ptr(residual), _ptr(weight), _ptr(out), x.shape[0], x.shape[1], eps,
+        self.lib.ss_add_rms_norm(_p(x), _p(residual), _p(weight), _p(out), x.shape[0], x.shape[1], eps,
                                  torch.get_num_threads())
         return out
 
@@ -53,28 +53,38 @@ class CpuOps:
                       k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, num_heads: int,
                       num_kv_heads: int, head_dim: int) -> None:
         """Rotate the q and k heads of each fused qkv row in place; store k and v in their cache slots."""
-        self._check(qkv, positions, cos, sin, k_cache, v_cache, slots)
-        assert k_cache.dtype == v_cache.dtype == torch.float32 and positions.dtype == slots.dtype == torch.int64
-        self.lib.ss_rope_write_kv(_ptr(qkv), _ptr(positions), _ptr(cos), _ptr(sin), _ptr(k_cache), _ptr(v_cache),
-                                  _ptr(slots), qkv.shape[0], num_heads, num_kv_heads, head_dim,
+        self.lib.ss_rope_write_kv(_p(qkv), _p(positions), _p(cos), _p(sin), _p(k_cache), _p(v_cache),
+                                  _p(slots), qkv.shape[0], num_heads, num_kv_heads, head_dim,
                                   torch.get_num_threads())
 
     def decode_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                          block_table: torch.Tensor, context_lens: torch.Tensor, scale: float) -> torch.Tensor:
         """q [B, H, D] (one token per sequence) -> [B, H, D], K/V read in place through the block table."""
-        self._check(q, k_cache, v_cache, block_table, context_lens)
-        assert block_table.dtype == context_lens.dtype == torch.int64
         b, h, d = q.shape
         out = torch.empty_like(q)
-        self.lib.ss_decode_attention(_ptr(q), _ptr(k_cache), _ptr(v_cache), _ptr(block_table), _ptr(context_lens),
-                                     _ptr(out), b, h, k_cache.shape[2], d, k_cache.shape[1], block_table.shape[1],
+        self.lib.ss_decode_attention(_p(q), _p(k_cache), _p(v_cache), _p(block_table), _p(context_lens),
+                                     _p(out), b, h, k_cache.shape[2], d, k_cache.shape[1], block_table.shape[1],
                                      scale, torch.get_num_threads())
         return out
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """[T, 2I] fused gate|up -> silu(gate) * up [T, I]."""
-        self._check(gate_up)
         t, two_i = gate_up.shape
         out = gate_up.new_empty(t, two_i // 2)
-        self.lib.ss_silu_mul(_ptr(gate_up), _ptr(out), t, two_i // 2, torch.get_num_threads())
+        self.lib.ss_silu_mul(_p(gate_up), _p(out), t, two_i // 2, torch.get_num_threads())
         return out
+
+    def q4_linear(self, x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor, mn: torch.Tensor) -> torch.Tensor:
+        """x [M, K] float32 -> [M, N]: 4-bit weights (qs [N, K/2] uint8 in GGUF's nibble order, d and
+        mn [N, K/32] float32: w = d * q + mn) widened in registers, float32 math (cpu_ops.c)."""
+        m, k = x.shape
+        y = x.new_empty(m, qs.shape[0])
+        self.lib.ss_q4_linear(_p(x), m, k, _p(qs), _p(d), _p(mn), qs.shape[0], _p(y), torch.get_num_threads())
+        return y
+
+    def q4_dequant(self, qs: torch.Tensor, d: torch.Tensor, mn: torch.Tensor) -> torch.Tensor:
+        """The float32 weight [N, K] of the same layout (for a GEMM over many rows)."""
+        n, k = qs.shape[0], qs.shape[1] * 2
+        w = torch.empty(n, k)
+        self.lib.ss_q4_dequant(_p(qs), _p(d), _p(mn), n, k, _p(w), torch.get_num_threads())
+        return w

@@ -6,10 +6,11 @@ blocks, see formats.py) and prepacks it for its torch op; `nbytes` is what it ke
 line, to the model-dtype dense kernel when a shape does not fit the packed format (int4 needs
 inputs in groups of 32 and outputs in multiples of 16): a model loads in every mode.
 
-Activations: int4 and int8 run in bfloat16 (the only fast activation type of those ops on CPU;
-float32 activations take a reference path ~10x slower) and hand float32 back; fp16 runs in
-float32 throughout. All three are weight-only, so a row's result never depends on the other
-rows of the batch (no per-tensor activation scale), which keeps outputs batch-invariant.
+Activations: int4 runs float32 math where the fused CPU kernels are built (else torch's packed
+kernel in bfloat16); int8 runs in bfloat16 (the only fast activation type of its op on CPU;
+float32 takes a reference path ~10x slower) and hands float32 back; fp16 is float32 throughout.
+All are weight-only, so a row's result never depends on the other rows of the batch (no
+per-tensor activation scale).
 """
 
 from __future__ import annotations
@@ -50,15 +51,42 @@ class DenseKernel:
 
 
 class Int4Kernel:
+    """4-bit weights with a scale and a minimum per group of 32 inputs (Q4_0/Q4_1 exactly).
+
+    Where the fused CPU kernels are built (kernels/cpu_ops.c), the math is float32 throughout:
+    - fewer than GEMM_MIN_ROWS rows (decode steps): `ss_q4_linear` widens the codes in registers
+      and multiplies float32 activations, 4 rows per unpacked group;
+    - more rows (prefill, big batches): `ss_q4_dequant` unpacks the weights once and the float32
+      GEMM runs (1.7x the packed kernel at 512 rows; the unpacking costs ~0.4 ns per weight).
+    Both are float32 on the same weights, so which one a step takes moves the result only by
+    float32 rounding, as the GEMM's own blocking does in `--quantization none`: greedy outputs
+    stay the same whatever the batch or the chunking. (Rounding activations to bfloat16, as
+    torch's packed kernel does, turns such rounding noise into 0.4 % jumps that flip near-ties.)
+
+    Without the fused kernels: torch's `_weight_int4pack_mm_for_cpu`, bfloat16 activations.
+    """
+
     name = "int4"
+    GEMM_MIN_ROWS = 32
 
     def __init__(self, weight: torch.Tensor | RawQuant, bias: torch.Tensor | None):
+        from splitserve.platform.kernels.cpu_ops import cpu_ops
+
         groups, self.exact = formats.int4_groups(weight)
-        self.out_features = groups.codes.shape[0]
+        n, k = groups.codes.shape
+        self.out_features = n
+        self.bias = None if bias is None else bias.float()
+        self.ops = cpu_ops()
+        if self.ops is not None:  # GGUF's nibble order; w = d * q + mn
+            codes = groups.codes.view(n, k // formats.GROUP, formats.GROUP)
+            self.qs = (codes[..., :16] | (codes[..., 16:] << 4)).reshape(n, k // 2).contiguous()
+            self.d = groups.scale.contiguous()
+            self.mn = (groups.zero - 8 * groups.scale).contiguous()
+            self.nbytes = self.qs.nbytes + self.d.nbytes + self.mn.nbytes
+            return
         self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(groups.codes.to(torch.int32), 8)
         # [groups, out, 2]: the op's layout of per-group (scale, zero)
         self.scales_zeros = torch.stack([groups.scale.t(), groups.zero.t()], dim=-1).to(torch.bfloat16).contiguous()
-        self.bias = None if bias is None else bias.float()
         self.nbytes = self.packed.nbytes + self.scales_zeros.nbytes
 
     @staticmethod
@@ -66,8 +94,13 @@ class Int4Kernel:
         return in_features % formats.GROUP == 0 and out_features % 16 == 0
 
     def __call__(self, x):
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16), self.packed, formats.GROUP,
-                                                      self.scales_zeros).to(x.dtype)
+        if self.ops is None:
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16), self.packed, formats.GROUP,
+                                                          self.scales_zeros).to(x.dtype)
+        elif x.shape[0] >= self.GEMM_MIN_ROWS:
+            return F.linear(x.float(), self.ops.q4_dequant(self.qs, self.d, self.mn), self.bias).to(x.dtype)
+        else:
+            y = self.ops.q4_linear(x.float().contiguous(), self.qs, self.d, self.mn).to(x.dtype)
         return y if self.bias is None else y + self.bias
 
 

@@ -1,0 +1,311 @@
+"""Engine speed (issue 12): every --quantization mode beside this host's floors, and single-stream
+serving through `splitserve up` (what `make run` starts) against llama-cpp-python on the same
+GGUF and cores. One process, arms interleaved, so drifting machine load hits them alike.
+
+    python bench/engine_speed.py [--write docs/benchmarks.md] [--threads 2] [--peer-python .venv-peer/bin/python]
+
+1. Floors, measured here: read bandwidth (a 1 GiB float32 sum) and GEMM peak (float32 2048^3
+   matmul; bfloat16 too). A decode step cannot beat weight bytes / bandwidth nor FLOPs / peak.
+2. Decode step time per mode at batch 1, 2, 4, 8, 16, 32 with 256 tokens of context each:
+   the median of STEPS engine steps after every sequence is prefilled, modes interleaved per batch.
+3. Resident weight memory per mode against the GGUF file; greedy agreement with transformers
+   (the float32 reference, same GGUF) on the 8 prompts of the fidelity tests, 64 tokens each.
+4. Single stream: one chat request of 128 tokens (EOS banned on both servers) streamed at a
+   time, alternating between `splitserve up --threads 1`, `--threads 2` and llama-cpp-python's
+   server (2 threads); TTFT and decode tokens/s (tokens after the first over the time after it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+
+import torch
+
+from splitserve.platform.config import CacheConfig, DeviceConfig, EngineConfig, SchedulerConfig
+from splitserve.platform.engine.llm_engine import LLMEngine
+from splitserve.platform.model_source import resolve_model
+from splitserve.platform.quant.cpu import cpu_model, isa_summary
+from splitserve.platform.quant.report import describe_kernels, weight_nbytes
+from splitserve.platform.sampling.params import SamplingParams
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from report import write_section  # noqa: E402
+
+MODES = ("none", "int4", "int8", "fp16", "auto")
+BATCHES = (1, 2, 4, 8, 16, 32)
+CONTEXT = 256
+STEPS = 12
+STREAM_TOKENS = 128
+STREAM_ROUNDS = 3
+PROMPTS = [  # the fidelity tests' prompts (tests/platform/test_engine_vs_transformers.py)
+    "The capital of France is", "def fibonacci(n):", "Once upon a time, in a land far away,", "1, 2, 3, 4, 5,",
+    "The three primary colors are", "Translate to French: I love cheese.",
+    "Q: What is the boiling point of water?\nA:", "import numpy as np\nx = np.",
+]
+CHAT = [{"role": "user", "content": "Write a short story about a lighthouse keeper who finds a message in a bottle."}]
+
+
+# ---- floors ------------------------------------------------------------------------------------
+def timed(fn, repeat: int = 5) -> float:
+    fn()
+    best = float("inf")
+    for _ in range(repeat):
+        t = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+def floors() -> dict:
+    x = torch.ones(256 * 1024**2)  # 1 GiB
+    bandwidth = x.nbytes / timed(lambda: x.sum())
+    del x
+    a = torch.randn(2048, 2048)
+    fp32 = 2 * 2048**3 / timed(lambda: a @ a)
+    b = a.bfloat16()
+    bf16 = 2 * 2048**3 / timed(lambda: b @ b)
+    return {"read_gb_s": bandwidth / 1e9, "fp32_gflops": fp32 / 1e9, "bf16_gflops": bf16 / 1e9}
+
+
+# ---- engine arms -------------------------------------------------------------------------------
+def make_engine(mode: str) -> LLMEngine:
+    return LLMEngine(EngineConfig(
+        model="smollm2-135m", device=DeviceConfig(quantization=mode),
+        cache=CacheConfig(kv_cache_memory_bytes=512 * 1024**2),
+        scheduler=SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=2048, max_model_len=2048)))
+
+
+def step_ms(engine: LLMEngine, batch: int, seed: int) -> float:
+    import random
+
+    rng = random.Random(seed)
+    params = SamplingParams(temperature=0, max_tokens=STEPS + 8, ignore_eos=True)
+    ids = [engine.add_request(prompt_token_ids=[rng.randrange(100, 40000) for _ in range(CONTEXT)], params=params)
+           for _ in range(batch)]
+    while any(engine.scheduler.requests[i].num_output_tokens == 0 for i in ids):
+        engine.step()
+    times = []
+    for _ in range(STEPS):
+        t = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - t)
+    for i in ids:
+        engine.abort(i)
+    while engine.has_work():
+        engine.step()
+    engine.pool.reset_prefix_cache()
+    return statistics.median(times) * 1e3
+
+
+def step_bytes(engine: LLMEngine) -> int:
+    """Weight bytes one decode step reads: everything but the embedding table (a few rows)."""
+    model = engine.model
+    total = weight_nbytes(model)
+    if engine.quantization == "none":
+        tied = model.lm_head is None
+        return total - (0 if tied else model.embed_tokens.weight.nbytes)
+    return total - model.embed_tokens.nbytes
+
+
+def step_flops(engine: LLMEngine, batch: int) -> float:
+    c = engine.model_config
+    linear = c.num_layers * c.hidden_size * ((c.num_heads + 2 * c.num_kv_heads) * c.head_dim
+                                             + c.num_heads * c.head_dim + 3 * c.intermediate_size)
+    attention = c.num_layers * 4 * CONTEXT * c.num_heads * c.head_dim
+    return 2.0 * batch * (linear + c.vocab_size * c.hidden_size) + batch * attention
+
+
+def greedy_agreement(engines: dict[str, LLMEngine]) -> dict[str, int]:
+    from transformers import AutoModelForCausalLM
+
+    folder, name = os.path.split(resolve_model("smollm2-135m").path)
+    hf = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
+    tok = next(iter(engines.values())).tokenizer
+    prompt_ids = [tok.encode(p) for p in PROMPTS]
+    refs = []
+    with torch.inference_mode():
+        for ids in prompt_ids:
+            out, past, cur = [], None, torch.tensor([ids])
+            for _ in range(64):
+                step = hf(input_ids=cur, past_key_values=past, use_cache=True)
+                past = step.past_key_values
+                out.append(int(step.logits[0, -1].argmax()))
+                cur = torch.tensor([[out[-1]]])
+            refs.append(out)
+    params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
+    return {mode: sum(o.output_token_ids == r for o, r in zip(e.generate(prompt_ids, params), refs))
+            for mode, e in engines.items()}
+
+
+# ---- single stream through the servers ---------------------------------------------------------
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    def __init__(self, name: str, argv: list[str], url: str):
+        self.name, self.url = name, url
+        self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        self.lines: list[str] = []
+        threading.Thread(target=lambda: [self.lines.append(l) for l in self.proc.stdout], daemon=True).start()
+
+    def wait(self, timeout_s: float = 600) -> None:
+        import urllib.request
+
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.name} exited: {''.join(self.lines[-20:])}")
+            try:
+                with urllib.request.urlopen(self.url + "/v1/models", timeout=2) as r:
+                    if r.status == 200 and json.load(r)["data"]:
+                        return
+            except OSError:
+                pass
+            time.sleep(0.5)
+        raise RuntimeError(f"{self.name} not ready in {timeout_s} s")
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
+def stream_once(server: Server, extra_body: dict) -> tuple[float, float, int]:
+    import openai
+
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=300)
+    t = time.perf_counter()
+    first, n = None, 0
+    stream = client.chat.completions.create(model="smollm2-135m", messages=CHAT, max_tokens=STREAM_TOKENS,
+                                            temperature=0, stream=True, extra_body=extra_body)
+    for chunk in stream:
+        if chunk.choices and chunk.choices[0].delta.content:
+            n += 1
+            if first is None:
+                first = time.perf_counter()
+    end = time.perf_counter()
+    return (first - t) * 1e3, (n - 1) / (end - first), n
+
+
+def single_stream(peer_python: str | None) -> dict[str, dict]:
+    cli = os.path.join(os.path.dirname(sys.executable), "splitserve")
+    servers = []
+    for threads in (1, 2):
+        port = free_port()
+        servers.append((Server(f"splitserve up --threads {threads}",
+                               [cli, "up", "--port", str(port), "--threads", str(threads)],
+                               f"http://127.0.0.1:{port}"), {"ignore_eos": True}))
+    if peer_python:
+        port = free_port()
+        servers.append((Server("llama-cpp-python (2 threads)",
+                               [peer_python, "-m", "llama_cpp.server", "--model", resolve_model("smollm2-135m").path,
+                                "--host", "127.0.0.1", "--port", str(port), "--n_threads", "2",
+                                "--n_threads_batch", "2", "--n_ctx", "2048", "--interrupt_requests", "False"],
+                               f"http://127.0.0.1:{port}"),
+                        {"logit_bias": {"0": -100, "2": -100}}))
+    results: dict[str, dict] = {}
+    try:
+        for server, _ in servers:
+            server.wait()
+        for server, extra in servers:  # warm-up
+            stream_once(server, extra)
+        for _ in range(STREAM_ROUNDS):
+            for server, extra in servers:
+                ttft, rate, n = stream_once(server, extra)
+                r = results.setdefault(server.name, {"ttft_ms": [], "tok_s": [], "tokens": n})
+                r["ttft_ms"].append(ttft)
+                r["tok_s"].append(rate)
+                print(f"{server.name}: TTFT {ttft:.1f} ms, {rate:.1f} tok/s, {n} tokens", flush=True)
+    finally:
+        for server, _ in servers:
+            server.stop()
+    return {name: {"ttft_ms": statistics.median(r["ttft_ms"]), "tok_s": statistics.median(r["tok_s"]),
+                   "tokens": r["tokens"]} for name, r in results.items()}
+
+
+# ---- report ------------------------------------------------------------------------------------
+def render(fl: dict, steps: dict, engines: dict, agreement: dict, stream: dict, cmd: str, threads: int) -> str:
+    file_bytes = os.path.getsize(resolve_model("smollm2-135m").path)
+    out = ["<!-- engine-speed:begin -->", "## Engine speed: quantization modes, floors, single stream (issue 12)", "",
+           f"Host: {os.cpu_count()} vCPU {cpu_model()} ({isa_summary()}); torch {torch.__version__}, "
+           f"{threads} torch threads. Floors measured in the same run: read bandwidth "
+           f"{fl['read_gb_s']:.1f} GB/s, GEMM {fl['fp32_gflops']:.0f} GFLOP/s float32 and "
+           f"{fl['bf16_gflops']:.0f} GFLOP/s bfloat16.", "", f"Command: `{cmd}`", "",
+           "### Decode step (ms), 256 tokens of context per sequence", "",
+           "| mode | " + " | ".join(f"batch {b}" for b in BATCHES) + " | b8/b1 | b32/b1 | weight-read floor b1 | "
+           "FLOP floor b32 |", "|---" * (len(BATCHES) + 5) + "|"]
+    for mode in MODES:
+        e = engines[mode]
+        row = [f"{steps[(mode, b)]:.1f}" for b in BATCHES]
+        bw_floor = step_bytes(e) / (fl["read_gb_s"] * 1e9) * 1e3
+        flop_peak = fl["fp32_gflops"] if mode in ("none", "fp16") else fl["bf16_gflops"]
+        flop_floor = step_flops(e, 32) / (flop_peak * 1e9) * 1e3
+        out.append(f"| {mode} | " + " | ".join(row) + f" | {steps[(mode, 8)] / steps[(mode, 1)]:.2f}× "
+                   f"| {steps[(mode, 32)] / steps[(mode, 1)]:.2f}× | {bw_floor:.1f} ms "
+                   f"({steps[(mode, 1)] / bw_floor:.1f}× above) | {flop_floor:.1f} ms |")
+    out += ["", "### Weights per mode", "",
+            "| mode | kernels | resident weights (MB) | × GGUF file | greedy = transformers (8 prompts × 64 tokens) |",
+            "|---|---|---|---|---|"]
+    for mode in MODES:
+        e = engines[mode]
+        nbytes = weight_nbytes(e.model)
+        kernels = describe_kernels(e.model) if e.quantization != "none" else "float32 dense"
+        out.append(f"| {mode} | {kernels} | {nbytes / 1e6:.0f} | {nbytes / file_bytes:.2f}× | {agreement[mode]}/8 |")
+    if stream:
+        peer = next((v for k, v in stream.items() if k.startswith("llama")), None)
+        out += ["", f"### Single stream: one chat request, {STREAM_TOKENS} tokens, streamed (median of "
+                f"{STREAM_ROUNDS}, servers alternating)", "",
+                "| server | TTFT (ms) | decode tok/s | × llama-cpp-python |", "|---|---|---|---|"]
+        for name, r in stream.items():
+            ratio = f"{r['tok_s'] / peer['tok_s']:.2f}×" if peer else "—"
+            out.append(f"| {name} | {r['ttft_ms']:.1f} | {r['tok_s']:.1f} | {ratio} |")
+    out += ["", "<!-- engine-speed:end -->"]
+    return "\n".join(out)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--write", help="update this markdown file's engine-speed section")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--peer-python", default=".venv-peer/bin/python", help="llama-cpp-python's Python ('' to skip)")
+    ap.add_argument("--no-stream", action="store_true", help="skip the single-stream server comparison")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    fl = floors()
+    print(json.dumps(fl), flush=True)
+    engines = {mode: make_engine(mode) for mode in MODES}
+    torch.set_num_threads(args.threads)
+    for e in engines.values():
+        step_ms(e, 1, seed=0)  # warm-up
+    steps = {}
+    for b in BATCHES:
+        for mode in MODES:  # interleaved per batch size
+            steps[(mode, b)] = step_ms(engines[mode], b, seed=b)
+            print(f"{mode} batch {b}: {steps[(mode, b)]:.1f} ms", flush=True)
+    agreement = greedy_agreement(engines)
+    print(json.dumps(agreement), flush=True)
+    peer = args.peer_python if args.peer_python and os.access(args.peer_python, os.X_OK) else None
+    stream = {} if args.no_stream else single_stream(peer)
+    cmd = "make bench  # = python bench/engine_speed.py --write docs/benchmarks.md --threads 2"
+    section = render(fl, steps, engines, agreement, stream, cmd, args.threads)
+    print(section)
+    if args.write:
+        write_section(args.write, "engine-speed", section)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,104 @@
+"""The fused CPU kernels (platform/kernels/cpu_ops.c) against their torch definitions.
+
+They are built for this host at first use; where no C compiler works they are absent and the
+model keeps its torch path (that fallback is tested too). Every op is checked for values and
+for batch invariance (a row's bits do not depend on the other rows of the call).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from splitserve.platform.kernels import cpu_build
+from splitserve.platform.kernels.cpu_ops import cpu_ops
+from splitserve.platform.models.attention import decode_attention, gather_kv
+from splitserve.platform.models.layers import RotaryEmbedding, apply_rotary
+from splitserve.platform.quant import formats
+
+ops = cpu_ops()
+pytestmark = pytest.mark.skipif(ops is None, reason="no C compiler could build the fused CPU kernels here")
+NH, NKV, D, BS, NB = 9, 3, 64, 16, 40
+
+
+@pytest.fixture(autouse=True)
+def seeded():
+    torch.manual_seed(0)
+
+
+def test_rms_norm_and_residual_add():
+    x, w, res = torch.randn(5, 576), torch.rand(576), torch.randn(5, 576)
+    assert torch.allclose(ops.rms_norm(x, w, 1e-5), F.rms_norm(x, (576,), None, 1e-5) * w, atol=1e-5)
+    updated = res.clone()
+    out = ops.add_rms_norm(x, updated, w, 1e-5)
+    assert torch.equal(updated, res + x)
+    assert torch.allclose(out, F.rms_norm(res + x, (576,), None, 1e-5) * w, atol=1e-5)
+
+
+def test_silu_mul():
+    gate_up = torch.randn(5, 3072) * 4
+    assert torch.allclose(ops.silu_mul(gate_up), F.silu(gate_up[:, :1536]) * gate_up[:, 1536:], atol=1e-5, rtol=1e-5)
+
+
+def test_rope_rotates_q_and_k_in_place_and_writes_kv_slots():
+    k_cache, v_cache = torch.zeros(NB, BS, NKV, D), torch.zeros(NB, BS, NKV, D)
+    qkv = torch.randn(7, (NH + 2 * NKV) * D)
+    positions = torch.tensor([3, 100, 5, 17, 0, 31, 64])
+    slots = torch.tensor([1, 50, 33, 99, 200, 17, 300])
+    rotary = RotaryEmbedding(D, 2048, 10000.0, None)
+    heads = qkv.view(7, -1, D).clone()
+    ref = apply_rotary(heads[:, :NH + NKV], *rotary.cos_sin(positions, torch.float32))
+    ops.rope_write_kv(qkv, positions, rotary.cos_cache, rotary.sin_cache, k_cache, v_cache, slots, NH, NKV, D)
+    assert torch.allclose(qkv.view(7, -1, D)[:, :NH + NKV], ref, atol=1e-5)
+    assert torch.allclose(k_cache.view(-1, NKV, D)[slots], ref[:, NH:], atol=1e-5)
+    assert torch.equal(v_cache.view(-1, NKV, D)[slots], heads[:, NH + NKV:])
+
+
+def test_decode_attention_reads_the_paged_cache_in_place():
+    k_cache, v_cache = torch.randn(NB, BS, NKV, D), torch.randn(NB, BS, NKV, D)
+    context = torch.tensor([1, 17, 100, 256])
+    table = torch.stack([torch.randperm(NB)[:16] for _ in range(4)])
+    q = torch.randn(4, NH, D)
+    mask = torch.arange(16 * BS)[None] < context[:, None]
+    ref = decode_attention(q, gather_kv(k_cache, table), gather_kv(v_cache, table), D ** -0.5, mask)
+    got = ops.decode_attention(q, k_cache, v_cache, table, context, D ** -0.5)
+    assert torch.allclose(got, ref, atol=1e-5)
+    alone = ops.decode_attention(q[2:3].contiguous(), k_cache, v_cache, table[2:3].contiguous(),
+                                 context[2:3].contiguous(), D ** -0.5)
+    assert torch.equal(alone[0], got[2])
+
+
+@pytest.mark.parametrize("n,k", [(960, 576), (576, 1536), (64, 96)])
+def test_q4_linear_is_float32_math_on_the_int4_weights_and_batch_invariant(n, k):
+    groups = formats.quantize_int4(torch.randn(n, k) * 0.05)
+    codes = groups.codes.view(n, k // 32, 32)
+    qs = (codes[..., :16] | (codes[..., 16:] << 4)).reshape(n, k // 2).contiguous()
+    d, mn = groups.scale.contiguous(), (groups.zero - 8 * groups.scale).contiguous()
+    weight = groups.dequantize()
+    assert torch.allclose(ops.q4_dequant(qs, d, mn), weight, atol=1e-6)
+    x = torch.randn(7, k)
+    y = ops.q4_linear(x, qs, d, mn)
+    ref = x.double() @ weight.double().t()
+    assert ((y.double() - ref).norm() / ref.norm()).item() < 1e-5
+    for i in range(7):
+        assert torch.equal(ops.q4_linear(x[i:i + 1].contiguous(), qs, d, mn)[0], y[i])
+
+
+def test_disabled_kernels_leave_the_torch_path(monkeypatch):
+    monkeypatch.setenv(cpu_build.ENV_DISABLE, "0")
+    cpu_build.load.cache_clear()
+    try:
+        assert cpu_build.load() is None
+    finally:
+        monkeypatch.undo()
+        cpu_build.load.cache_clear()
+    assert cpu_build.load() is not None
+
+
+def test_the_build_is_cached_per_host(tmp_path, monkeypatch):
+    """A fresh cache directory gets one library named for the source, compiler and CPU flags."""
+    monkeypatch.setenv(cpu_build.ENV_CACHE, str(tmp_path))
+    path = cpu_build._build(cpu_build._compiler())
+    assert path.parent == tmp_path and path.name.startswith("splitserve_cpu_ops-") and path.exists()
+    assert cpu_build._build(cpu_build._compiler()) == path  # second call: reused, not rebuilt
