@@ -50,6 +50,7 @@ test: setup
 # The whole suite takes about an hour on the 2-core box (the serving suite most of it).
 bench: setup peer
 	$(PY) -c "import matplotlib" 2>/dev/null || $(PY) -m pip install -q -e '.[bench]'
+	$(PY) bench/engine_speed.py --write docs/benchmarks.md --threads 2 --peer-python $(PEER)/bin/python
 	$(PY) bench/engine_offline.py --write docs/benchmarks.md --threads 2
 	$(PY) bench/prefix_burst.py --write docs/benchmarks.md --threads 2
 	$(PY) bench/kv_transfer.py --write docs/benchmarks.md

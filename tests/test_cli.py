@@ -33,6 +33,12 @@ def test_chat_reads_turns_from_stdin():
     (["generate", "--max-tokens", "0", "hi"], "max_tokens=0 is invalid"),
     (["generate", "--model", "nope", "hi"], "unknown model 'nope'"),
     (["generate", "--model", "random:huge", "hi"], "unknown random preset 'huge'; allowed: tiny"),
+    (["generate", "--quantization", "q4_k_m", "hi"],
+     "invalid choice: 'q4_k_m' (choose from 'none', 'auto', 'int4', 'int8', 'fp16')"),
+    (["worker", "--quantization", "gptq"], "invalid choice: 'gptq' (choose from 'none', 'auto', 'int4', 'int8', 'fp16')"),
+    (["up", "--quantization", "awq"], "invalid choice: 'awq' (choose from 'none', 'auto', 'int4', 'int8', 'fp16')"),
+    (["generate", "--quantization", "int4", "--device", "cuda", "hi"],
+     "quantization 'int4' runs on the CPU only; on cuda allowed: none, auto"),
 ])
 def test_bad_arguments_exit_2_with_a_message(args, message):
     proc = run(*args)
