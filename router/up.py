@@ -11,10 +11,12 @@ start stops everything with its last log lines.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import importlib.util
 import json
 import logging
+import os
 import signal
 import subprocess
 import sys
@@ -36,12 +38,37 @@ def register(subparsers) -> None:
     add_router_args(p)
     p.add_argument("--kv-transport", default="auto", choices=["auto", "ucx", "tcp"],
                    help="KV transport between the workers (auto: ucx if installed, else tcp)")
-    p.add_argument("--threads", type=int, default=1, help="torch threads per worker")
+    p.add_argument("--threads", type=positive_int, default=None,
+                   help="torch threads for both workers (default: per role, see --decode-threads)")
+    p.add_argument("--decode-threads", type=positive_int, default=None,
+                   help="threads of the decode worker (default: every core; it runs every step of every stream)")
+    p.add_argument("--prefill-threads", type=positive_int, default=None,
+                   help="threads of the prefill worker (default: half the cores, at least 1)")
     p.add_argument("--quantization", default="auto", choices=list(QUANTIZATION_MODES),
                    help="how both workers serve the weights (default auto; none is the dequantized reference)")
     p.add_argument("--kv-cache-memory", type=float, default=0.25, metavar="GIB", help="KV cache per worker")
     p.add_argument("--worker-arg", action="append", default=[], help="extra argument for both workers (repeatable)")
     p.set_defaults(func=cmd_up)
+
+
+def role_threads(both: int | None, prefill: int | None, decode: int | None, cores: int) -> dict[str, int]:
+    """Torch threads per worker. The decode worker runs a step for every token of every stream,
+    so by default it gets every core; the prefill worker, busy only while a prompt is computed,
+    half of them. On 2 cores that is 2 + 1: a single stream decodes on both cores (docs/engine.md,
+    measured in docs/benchmarks.md), and while a prompt is computed beside running streams the
+    two pools share the cores. `--threads` sets both; a role's own flag wins."""
+    return {"prefill": prefill if prefill is not None else both if both is not None else max(1, cores // 2),
+            "decode": decode if decode is not None else both if both is not None else cores}
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer; allowed: an integer >= 1") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is too small; allowed: an integer >= 1")
+    return value
 
 
 def kv_transport(choice: str) -> str:
@@ -106,12 +133,12 @@ def cmd_up(args) -> int:
     logctx.install()
     config = config_from_args(args)
     transport = kv_transport(args.kv_transport)
-    common = ["--model", config.model, "--threads", str(args.threads), "--quantization", args.quantization,
-              "--kv-transport", transport,
+    common = ["--model", config.model, "--quantization", args.quantization, "--kv-transport", transport,
               "--kv-cache-memory", str(args.kv_cache_memory), "--max-model-len", str(config.max_model_len),
               *args.worker_arg]
     level = logging.getLevelName(logging.getLogger().level)
-    workers = [WorkerProcess("prefill", common, level), WorkerProcess("decode", common, level)]
+    threads = role_threads(args.threads, args.prefill_threads, args.decode_threads, os.cpu_count() or 1)
+    workers = [WorkerProcess(role, ["--threads", str(threads[role]), *common], level) for role in ("prefill", "decode")]
     sock = bind(config.gateway.host, config.gateway.port)   # fail now, not after loading two models
     try:
         for w in workers:

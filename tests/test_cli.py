@@ -37,6 +37,7 @@ def test_chat_reads_turns_from_stdin():
      "invalid choice: 'q4_k_m' (choose from 'none', 'auto', 'int4', 'int8', 'fp16')"),
     (["worker", "--quantization", "gptq"], "invalid choice: 'gptq' (choose from 'none', 'auto', 'int4', 'int8', 'fp16')"),
     (["up", "--quantization", "awq"], "invalid choice: 'awq' (choose from 'none', 'auto', 'int4', 'int8', 'fp16')"),
+    (["up", "--decode-threads", "0"], "argument --decode-threads: 0 is too small; allowed: an integer >= 1"),
     (["generate", "--quantization", "int4", "--device", "cuda", "hi"],
      "quantization 'int4' runs on the CPU only; on cuda allowed: none, auto"),
 ])
@@ -45,3 +46,12 @@ def test_bad_arguments_exit_2_with_a_message(args, message):
     assert proc.returncode == 2
     assert message in proc.stderr
     assert proc.stdout == ""
+
+
+def test_up_gives_the_decode_worker_every_core_by_default():
+    from splitserve.router.up import role_threads
+
+    assert role_threads(None, None, None, cores=2) == {"prefill": 1, "decode": 2}
+    assert role_threads(None, None, None, cores=16) == {"prefill": 8, "decode": 16}
+    assert role_threads(1, None, None, cores=2) == {"prefill": 1, "decode": 1}     # --threads sets both
+    assert role_threads(1, None, 2, cores=2) == {"prefill": 1, "decode": 2}        # a role's flag wins

@@ -169,7 +169,7 @@ void ss_silu_mul(const float *gate_up, float *out, int64_t t, int64_t inter, int
 
 /* ---- int4 weights, float32 math --------------------------------------------------------------
  *
- *   ss_q4_linear   y[m, n] = sum_g ( d[n,g] * <q[n,g,:], x[m,g,:]> + mn[n,g] * sum(x[m,g,:]) )
+ *   ss_q4_linear   y[m, n] = sum_g <d[n,g] * q[n,g,:] + mn[n,g], x[m,g,:]>
  *   ss_q4_dequant  w[n, :] = d * q + mn, for a GEMM when a step carries many rows (prefill)
  *
  * Weights: per row n and group g of 32 inputs, 16 bytes of 4-bit codes q in 0..15 in GGUF's order
@@ -177,7 +177,7 @@ void ss_silu_mul(const float *gate_up, float *out, int64_t t, int64_t inter, int
  * minimum mn: w = d * q + mn (Q4_1 exactly; Q4_0 is mn = -8 d). The codes are widened to float32
  * in registers and the products summed in float32: the activations are never rounded, so the
  * numbers are those of the float32 model on these weights (llama.cpp rounds activations to int8,
- * torch's packed kernel to bfloat16). Rows of x are taken four at a time per unpacked group.
+ * torch's packed kernel to bfloat16). Rows of x are taken Q4_ROWS at a time per unpacked group.
  *
  * Invariance: each y[m, n] is built by the same instructions in the same order (group after
  * group, fixed lanes, one final reduction) whichever block or thread computes it, so a row's
@@ -187,30 +187,33 @@ void ss_silu_mul(const float *gate_up, float *out, int64_t t, int64_t inter, int
 #include <immintrin.h>
 #endif
 
-#define Q4_ROWS 4
+#if defined(__AVX512F__)
+#define Q4_ROWS 8 /* 16 accumulators + 2 weight vectors of the 32 zmm registers */
+#else
+#define Q4_ROWS 4 /* 8 accumulators + 4 weight vectors of the 16 ymm registers */
+#endif
 #define Q4_PREFETCH 8
 
-/* Rows r of x against one weight row. Per group g: t = q . x (16 or 8 lanes), then
- * acc += d * t and acc += mn * xpair, where xpair[j] = x[j] + x[j + 16] (or the 8-lane analogue)
- * carries the minimum's term sum(x) into the same lanes; even and odd groups accumulate apart
- * (two chains hide the FMA latency) and meet in one fixed reduction at the end. */
+/* Rows r of x against one weight row. Per group g the codes are widened and turned into the
+ * float32 weights once, w = d * q + mn (one FMA per lane), then every row does two FMAs per 16
+ * (AVX-512) or four per 8 (AVX2) lanes: the fewest a float32 multiply-add can take. Low and high
+ * halves of a group accumulate apart and meet in one fixed reduction at the end. */
 static void q4_rows(const uint8_t *qs, const float *d, const float *mn, int64_t groups, const float *x, int64_t k,
-                    const float *xpair, int64_t pair_stride, int rows, float *y, int64_t ystride) {
+                    int rows, float *y, int64_t ystride) {
 #if defined(__AVX512F__)
     __m512 acc[Q4_ROWS][2];
     for (int r = 0; r < rows; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
     const __m128i mask = _mm_set1_epi8(0x0F);
     for (int64_t g = 0; g < groups; g++) {
         __m128i b = _mm_loadu_si128((const __m128i *)(qs + g * 16));
-        __m512 qlo = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(b, mask)));
-        __m512 qhi = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(b, 4), mask)));
         __m512 scale = _mm512_set1_ps(d[g]), low = _mm512_set1_ps(mn[g]);
+        __m512 wlo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(b, mask))), scale, low);
+        __m512 whi = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(b, 4), mask))),
+                                     scale, low);
         for (int r = 0; r < rows; r++) {
             const float *xg = x + r * k + g * 32;
-            __m512 t = _mm512_mul_ps(qlo, _mm512_loadu_ps(xg));
-            t = _mm512_fmadd_ps(qhi, _mm512_loadu_ps(xg + 16), t);
-            __m512 a = _mm512_fmadd_ps(t, scale, acc[r][g & 1]);
-            acc[r][g & 1] = _mm512_fmadd_ps(_mm512_loadu_ps(xpair + r * pair_stride + g * 16), low, a);
+            acc[r][0] = _mm512_fmadd_ps(wlo, _mm512_loadu_ps(xg), acc[r][0]);
+            acc[r][1] = _mm512_fmadd_ps(whi, _mm512_loadu_ps(xg + 16), acc[r][1]);
         }
     }
     for (int r = 0; r < rows; r++) y[r * ystride] = _mm512_reduce_add_ps(_mm512_add_ps(acc[r][0], acc[r][1]));
@@ -221,19 +224,17 @@ static void q4_rows(const uint8_t *qs, const float *d, const float *mn, int64_t 
     for (int64_t g = 0; g < groups; g++) {
         __m128i b = _mm_loadu_si128((const __m128i *)(qs + g * 16));
         __m128i lo = _mm_and_si128(b, mask), hi = _mm_and_si128(_mm_srli_epi16(b, 4), mask);
-        __m256 q0 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo));
-        __m256 q1 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)));
-        __m256 q2 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));
-        __m256 q3 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)));
         __m256 scale = _mm256_set1_ps(d[g]), low = _mm256_set1_ps(mn[g]);
+        __m256 w0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo)), scale, low);
+        __m256 w1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8))), scale, low);
+        __m256 w2 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi)), scale, low);
+        __m256 w3 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8))), scale, low);
         for (int r = 0; r < rows; r++) {
             const float *xg = x + r * k + g * 32;
-            __m256 t = _mm256_mul_ps(q0, _mm256_loadu_ps(xg));
-            t = _mm256_fmadd_ps(q1, _mm256_loadu_ps(xg + 8), t);
-            t = _mm256_fmadd_ps(q2, _mm256_loadu_ps(xg + 16), t);
-            t = _mm256_fmadd_ps(q3, _mm256_loadu_ps(xg + 24), t);
-            __m256 a = _mm256_fmadd_ps(t, scale, acc[r][g & 1]);
-            acc[r][g & 1] = _mm256_fmadd_ps(_mm256_loadu_ps(xpair + r * pair_stride + g * 16), low, a);
+            acc[r][0] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(xg), acc[r][0]);
+            acc[r][1] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xg + 8), acc[r][1]);
+            acc[r][0] = _mm256_fmadd_ps(w2, _mm256_loadu_ps(xg + 16), acc[r][0]);
+            acc[r][1] = _mm256_fmadd_ps(w3, _mm256_loadu_ps(xg + 24), acc[r][1]);
         }
     }
     for (int r = 0; r < rows; r++) {
@@ -247,11 +248,8 @@ static void q4_rows(const uint8_t *qs, const float *d, const float *mn, int64_t 
         float acc = 0.f;
         for (int64_t g = 0; g < groups; g++) {
             const float *xg = x + r * k + g * 32;
-            float t = 0.f;
-            for (int j = 0; j < 16; j++) t += (float)(qs[g * 16 + j] & 0x0F) * xg[j];
-            for (int j = 0; j < 16; j++) t += (float)(qs[g * 16 + j] >> 4) * xg[j + 16];
-            acc += t * d[g];
-            for (int j = 0; j < 16; j++) acc += mn[g] * xpair[r * pair_stride + g * 16 + j];
+            for (int j = 0; j < 16; j++) acc += ((float)(qs[g * 16 + j] & 0x0F) * d[g] + mn[g]) * xg[j];
+            for (int j = 0; j < 16; j++) acc += ((float)(qs[g * 16 + j] >> 4) * d[g] + mn[g]) * xg[j + 16];
         }
         y[r * ystride] = acc;
     }
@@ -260,12 +258,7 @@ static void q4_rows(const uint8_t *qs, const float *d, const float *mn, int64_t 
 
 void ss_q4_linear(const float *x, int64_t m, int64_t k, const uint8_t *qs, const float *d, const float *mn,
                   int64_t n, float *y, int threads) {
-    int64_t groups = k / 32, pair_stride = groups * 16;
-    float *xpair = malloc(sizeof(float) * (size_t)(m * pair_stride));
-    for (int64_t r = 0; r < m; r++)
-        for (int64_t g = 0; g < groups; g++)
-            for (int j = 0; j < 16; j++)
-                xpair[r * pair_stride + g * 16 + j] = x[r * k + g * 32 + j] + x[r * k + g * 32 + j + 16];
+    int64_t groups = k / 32;
 #pragma omp parallel for num_threads(threads) schedule(static) if (n * k * m >= 32768)
     for (int64_t row = 0; row < n; row++) {
         /* the weights stream from memory once per call: ask for a row a few rows ahead */
@@ -279,11 +272,10 @@ void ss_q4_linear(const float *x, int64_t m, int64_t k, const uint8_t *qs, const
         }
         for (int64_t r0 = 0; r0 < m; r0 += Q4_ROWS) {
             int rows = m - r0 < Q4_ROWS ? (int)(m - r0) : Q4_ROWS;
-            q4_rows(qs + row * groups * 16, d + row * groups, mn + row * groups, groups, x + r0 * k, k,
-                    xpair + r0 * pair_stride, pair_stride, rows, y + r0 * n + row, n);
+            q4_rows(qs + row * groups * 16, d + row * groups, mn + row * groups, groups, x + r0 * k, k, rows,
+                    y + r0 * n + row, n);
         }
     }
-    free(xpair);
 }
 
 void ss_q4_dequant(const uint8_t *qs, const float *d, const float *mn, int64_t n, int64_t k, float *w, int threads) {
