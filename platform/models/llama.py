@@ -19,7 +19,6 @@ from splitserve.platform.kernels.cpu_ops import CpuOps
 from splitserve.platform.models.attention import AttentionMetadata, paged_attention, paged_attention_fused
 from splitserve.platform.models.layers import MergedLinear, QuantizedEmbedding, RMSNorm, RotaryEmbedding, apply_rotary
 from splitserve.platform.quant.formats import RawQuant
-from splitserve.platform.quant import formats
 from splitserve.platform.quant.kernels import RescoredHead
 
 

@@ -25,7 +25,7 @@ import torch
 from test_disaggregation_engine import disaggregated
 from test_engine_vs_transformers import PROMPTS, prompt_logits
 
-from splitserve.platform.config import CacheConfig, DeviceConfig, EngineConfig, SchedulerConfig
+from splitserve.platform.config import CacheConfig, DeviceConfig, EngineConfig
 from splitserve.platform.engine.llm_engine import LLMEngine
 from splitserve.platform.errors import ConfigError
 from splitserve.platform.quant import formats
