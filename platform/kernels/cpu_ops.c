@@ -25,6 +25,9 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#endif
 
 #define LANES 16
 
@@ -37,11 +40,25 @@ static inline float sum_lanes(const float *p) {
 }
 
 static inline float dot(const float *a, const float *b, int64_t n) {
-    float acc[LANES] = {0};
     int64_t i = 0;
+#if defined(__AVX512F__)
+    /* one 16-lane FMA chain and one reduction: a horizontal sum per dot product is what decode
+     * attention pays for every key, so it must not go through memory */
+    __m512 acc = _mm512_setzero_ps();
+    for (; i + 16 <= n; i += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc);
+    float s = _mm512_reduce_add_ps(acc);
+#elif defined(__AVX2__) && defined(__FMA__)
+    __m256 acc = _mm256_setzero_ps();
+    for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+    __m128 h = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+    float s = _mm_cvtss_f32(_mm_add_ss(h, _mm_shuffle_ps(h, h, 1)));
+#else
+    float acc[LANES] = {0};
     for (; i + LANES <= n; i += LANES)
         for (int j = 0; j < LANES; j++) acc[j] += a[i + j] * b[i + j];
     float s = sum_lanes(acc);
+#endif
     for (; i < n; i++) s += a[i] * b[i];
     return s;
 }
@@ -110,10 +127,12 @@ static void attend_group(const float *q, const float *k_cache, const float *v_ca
                          int64_t ctx, float *out, int64_t group, int64_t nkv, int64_t g, int64_t d,
                          int64_t block_size, float scale, float *scores) {
     int64_t kv = nkv * d;
-    for (int64_t p = 0; p < ctx; p++) {
-        int64_t slot = table[p / block_size] * block_size + p % block_size;
-        const float *kp = k_cache + slot * kv + g * d;
-        for (int64_t j = 0; j < group; j++) scores[j * ctx + p] = dot(q + j * d, kp, d) * scale;
+    /* block by block: a position's slot is its block's id * block_size + its offset (no division) */
+    for (int64_t first = 0; first < ctx; first += block_size) {
+        const float *kb = k_cache + table[first / block_size] * block_size * kv + g * d;
+        int64_t n = ctx - first < block_size ? ctx - first : block_size;
+        for (int64_t o = 0; o < n; o++)
+            for (int64_t j = 0; j < group; j++) scores[j * ctx + first + o] = dot(q + j * d, kb + o * kv, d) * scale;
     }
     for (int64_t j = 0; j < group; j++) {
         float *sj = scores + j * ctx;
@@ -130,13 +149,15 @@ static void attend_group(const float *q, const float *k_cache, const float *v_ca
         for (int64_t q2 = 0; q2 < ctx; q2++) sj[q2] *= inv;
     }
     for (int64_t j = 0; j < group; j++) memset(out + j * d, 0, sizeof(float) * d);
-    for (int64_t p = 0; p < ctx; p++) {
-        int64_t slot = table[p / block_size] * block_size + p % block_size;
-        const float *vp = v_cache + slot * kv + g * d;
-        for (int64_t j = 0; j < group; j++) {
-            float w = scores[j * ctx + p], *o = out + j * d;
-            for (int64_t i = 0; i < d; i++) o[i] += w * vp[i];
-        }
+    for (int64_t first = 0; first < ctx; first += block_size) {
+        const float *vb = v_cache + table[first / block_size] * block_size * kv + g * d;
+        int64_t n = ctx - first < block_size ? ctx - first : block_size;
+        for (int64_t o = 0; o < n; o++)
+            for (int64_t j = 0; j < group; j++) {
+                float w = scores[j * ctx + first + o], *out_j = out + j * d;
+                const float *vp = vb + o * kv;
+                for (int64_t i = 0; i < d; i++) out_j[i] += w * vp[i];
+            }
     }
 }
 
@@ -183,10 +204,6 @@ void ss_silu_mul(const float *gate_up, float *out, int64_t t, int64_t inter, int
  * group, fixed lanes, one final reduction) whichever block or thread computes it, so a row's
  * result does not depend on how many rows the call has.
  */
-#if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
-#endif
-
 #if defined(__AVX512F__)
 #define Q4_ROWS 8 /* 16 accumulators + 2 weight vectors of the 32 zmm registers */
 #else
