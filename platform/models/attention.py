@@ -117,6 +117,13 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
         keys = gather_kv(k_cache, meta.decode_block_table)
         values = gather_kv(v_cache, meta.decode_block_table)
         out[:nd] = decode_attention(q[:nd], keys, values, scale, meta.decode_mask)
+    _prefill_chunks(q, k, v, k_cache, v_cache, meta, scale, out)
+    return out
+
+
+def _prefill_chunks(q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float, out: torch.Tensor) -> None:
+    """Each prefill chunk attends to its cached prefix plus itself (or, without a prefix, to its
+    own fresh K/V directly); results go into their rows of `out`."""
     for chunk in meta.prefills:
         sl = slice(chunk.q_start, chunk.q_start + chunk.q_len)
         if chunk.block_table is None:
@@ -126,7 +133,6 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
         keys = gather_kv(k_cache, chunk.block_table)[:ctx]
         values = gather_kv(v_cache, chunk.block_table)[:ctx]
         out[sl] = prefill_attention(q[sl], keys, values, scale, chunk.mask)
-    return out
 
 
 def paged_attention_fused(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
@@ -141,15 +147,7 @@ def paged_attention_fused(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_c
     if nd:
         out[:nd] = ops.decode_attention(q[:nd].contiguous(), k_cache, v_cache, meta.decode_block_table,
                                         meta.decode_context_lens, scale)
-    for chunk in meta.prefills:
-        sl = slice(chunk.q_start, chunk.q_start + chunk.q_len)
-        if chunk.block_table is None:
-            out[sl] = prefill_attention(q[sl], k[sl], v[sl], scale, None)
-            continue
-        ctx = chunk.start_pos + chunk.q_len
-        keys = gather_kv(k_cache, chunk.block_table)[:ctx]
-        values = gather_kv(v_cache, chunk.block_table)[:ctx]
-        out[sl] = prefill_attention(q[sl], keys, values, scale, chunk.mask)
+    _prefill_chunks(q, k, v, k_cache, v_cache, meta, scale, out)
     return out
 
 

@@ -74,26 +74,32 @@ def test_smollm2_greedy_64_tokens_match_transformers(make_engine, hf_smollm2):
         assert out.output_token_ids == hf_greedy(hf_model, ids, 64), f"diverged on {hf_tok.decode(ids)!r}"
 
 
-@pytest.fixture(scope="module")
-def qwen2_folder(tmp_path_factory, smollm2_gguf_path):
+def save_random_qwen2(folder, gguf_path: str, seed: int, init_std: float):
+    """A randomly initialised transformers Qwen2 (untied head, q/k/v biases that count) saved as a
+    Hugging Face folder with SmolLM2's tokenizer; returns the transformers model."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     from splitserve.platform.tokenizer import Tokenizer
 
-    folder = tmp_path_factory.mktemp("qwen2-random")
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     cfg = Qwen2Config(vocab_size=49152, hidden_size=128, intermediate_size=256, num_hidden_layers=3,
                       num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=1024,
-                      rope_theta=1000000.0, tie_word_embeddings=False, initializer_range=0.2,
+                      rope_theta=1000000.0, tie_word_embeddings=False, initializer_range=init_std,
                       bos_token_id=1, eos_token_id=2)
     model = Qwen2ForCausalLM(cfg).eval()
     with torch.no_grad():  # transformers initialises biases to zero: make them count
         for layer in model.model.layers:
             for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
-                proj.bias.normal_(0, 0.2)
+                proj.bias.normal_(0, init_std)
     model.save_pretrained(folder)
-    Tokenizer.from_gguf(smollm2_gguf_path).save_tokenizer_json(str(folder / "tokenizer.json"))
-    return folder, model
+    Tokenizer.from_gguf(gguf_path).save_tokenizer_json(str(folder / "tokenizer.json"))
+    return model
+
+
+@pytest.fixture(scope="module")
+def qwen2_folder(tmp_path_factory, smollm2_gguf_path):
+    folder = tmp_path_factory.mktemp("qwen2-random")
+    return folder, save_random_qwen2(folder, smollm2_gguf_path, seed=0, init_std=0.2)
 
 
 def test_random_qwen2_matches_transformers(qwen2_folder):

@@ -23,7 +23,7 @@ import logging
 import pytest
 import torch
 from test_disaggregation_engine import disaggregated
-from test_engine_vs_transformers import PROMPTS, prompt_logits
+from test_engine_vs_transformers import PROMPTS, prompt_logits, save_random_qwen2
 
 from splitserve.platform.config import CacheConfig, DeviceConfig, EngineConfig
 from splitserve.platform.engine.llm_engine import LLMEngine
@@ -89,22 +89,8 @@ def test_auto_packs_the_q4_1_layers_exactly_and_keeps_memory_near_the_file(smoll
 
 @pytest.fixture(scope="module")
 def random_qwen2_folder(tmp_path_factory, smollm2_gguf_path):
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    from splitserve.platform.tokenizer import Tokenizer
-
     folder = tmp_path_factory.mktemp("qwen2-random-quant")
-    torch.manual_seed(1)
-    cfg = Qwen2Config(vocab_size=49152, hidden_size=128, intermediate_size=256, num_hidden_layers=3,
-                      num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=1024,
-                      rope_theta=1000000.0, tie_word_embeddings=False, initializer_range=0.05)
-    model = Qwen2ForCausalLM(cfg).eval()
-    with torch.no_grad():
-        for layer in model.model.layers:
-            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
-                proj.bias.normal_(0, 0.2)
-    model.save_pretrained(folder)
-    Tokenizer.from_gguf(smollm2_gguf_path).save_tokenizer_json(str(folder / "tokenizer.json"))
+    save_random_qwen2(folder, smollm2_gguf_path, seed=1, init_std=0.05)
     return str(folder)
 
 
