@@ -1,7 +1,8 @@
 """Build and load the fused CPU kernels (cpu_ops.c) for the host we run on.
 
 At first use the C file is compiled with the system C compiler (`$CC`, else gcc, else cc) at
--O3 -march=native into `$SPLITSERVE_KERNEL_CACHE` (default ~/.cache/splitserve/kernels), under a
+-O3 -march=native into `$SPLITSERVE_KERNEL_CACHE` (default ~/.cache/splitserve/kernels, or the
+temporary folder where the home is read-only), under a
 name that hashes the source, the compiler and the CPU's flags: a cache carried to another host
 (an AVX2-only EPYC after an AMX Xeon) is never loaded there, it is rebuilt. The build takes about
 a second (no torch headers) and is written to a temporary file and renamed, so concurrent workers
@@ -50,8 +51,18 @@ def _compiler() -> str | None:
 
 
 def _cache_dir() -> pathlib.Path:
-    default = pathlib.Path.home() / ".cache" / "splitserve" / "kernels"
-    return pathlib.Path(os.environ.get(ENV_CACHE) or default)
+    """$SPLITSERVE_KERNEL_CACHE, else ~/.cache/splitserve/kernels, else (a read-only home, as in
+    the image's pods) the temporary folder."""
+    if os.environ.get(ENV_CACHE):
+        return pathlib.Path(os.environ[ENV_CACHE])
+    home = pathlib.Path.home() / ".cache" / "splitserve" / "kernels"
+    try:
+        home.mkdir(parents=True, exist_ok=True)
+        if os.access(home, os.W_OK):
+            return home
+    except OSError:
+        pass
+    return pathlib.Path(tempfile.gettempdir()) / "splitserve-kernels"
 
 
 def _build(cc: str) -> pathlib.Path:

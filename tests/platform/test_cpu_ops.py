@@ -102,3 +102,17 @@ def test_the_build_is_cached_per_host(tmp_path, monkeypatch):
     path = cpu_build._build(cpu_build._compiler())
     assert path.parent == tmp_path and path.name.startswith("splitserve_cpu_ops-") and path.exists()
     assert cpu_build._build(cpu_build._compiler()) == path  # second call: reused, not rebuilt
+
+
+def test_the_c_source_ships_in_the_wheel(tmp_path):
+    """Pods build the kernels from the installed package: cpu_ops.c must be package data."""
+    import pathlib
+    import subprocess
+    import sys
+    import zipfile
+
+    root = pathlib.Path(__file__).resolve().parents[2]
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w",
+                    str(tmp_path), str(root)], check=True, capture_output=True, timeout=300)
+    [wheel] = tmp_path.glob("splitserve-*.whl")
+    assert "splitserve/platform/kernels/cpu_ops.c" in zipfile.ZipFile(wheel).namelist()
