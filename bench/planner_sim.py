@@ -234,18 +234,24 @@ def fixed(p, d):
     return lambda sim, t: {"prefill": p, "decode": d}
 
 
-def planner_policy(cfg: PlannerConfig, profile: CapacityProfile, initial):
+def planner_policy(cfg: PlannerConfig, profile: CapacityProfile, initial, rate_window_s: float = 60.0):
+    """The planner fed like live: rates over the last `rate_window_s` (Prometheus rate[1m])."""
     planner = Planner(cfg, profile, initial={"prefill": initial[0], "decode": initial[1]})
     last = {"isl": 512.0, "osl": 128.0}
+    recent = deque()                              # (tick time, arrivals of that tick)
 
     def policy(sim: Sim, t: float):
-        reqs = [sim.trace[i] for i in sim.window]
+        recent.append((t, [sim.trace[i] for i in sim.window]))
+        while recent[0][0] <= t - rate_window_s:
+            recent.popleft()
+        span = min(rate_window_s, t)
+        reqs = [r for _, batch in recent for r in batch]
         if reqs:
             last["isl"] = sum(r.prompt_tokens for r in reqs) / len(reqs)
             last["osl"] = sum(r.output_tokens for r in reqs) / len(reqs)
         obs = Observation(
-            now=t, uncached_prompt_tokens_per_s=sum(r.prompt_tokens - r.cached_tokens for r in reqs) / sim.tick_s,
-            output_tokens_per_s=sum(r.output_tokens for r in reqs) / sim.tick_s,
+            now=t, uncached_prompt_tokens_per_s=sum(r.prompt_tokens - r.cached_tokens for r in reqs) / span,
+            output_tokens_per_s=sum(r.output_tokens for r in reqs) / span,
             prefill=sim.pool_obs("prefill", t), decode=sim.pool_obs("decode", t),
             mean_prompt_tokens=last["isl"], mean_output_tokens=last["osl"],
             inflight_decode_seqs=sum(len(r.seqs) for r in sim.pools["decode"]) + len(sim.dq),
