@@ -5,8 +5,8 @@ worker's, not the transport's):
 - prefill: for each prompt length L, one prompt of L random tokens with max_tokens=1 on an
   empty prefix cache; tokens/s = L / time to the first token (best of `repeats`);
 - decode: for each concurrency c, c prompts of `context` tokens are prefilled, then
-  `decode_steps` engine steps are timed; ITL p90 = the 90th percentile step time,
-  tokens/s = c / mean step time;
+  `decode_steps` engine steps are timed (the least disturbed of `repeats` runs); ITL p90 =
+  the 90th percentile step time, tokens/s = c / mean step time;
 - kv_tokens = KV blocks × block size.
 The result is planner/profile.py's CapacityProfile; the planner and bench/planner_sim.py read it.
 """
@@ -86,23 +86,8 @@ def measure(engine, prompt_lens, concurrencies, context, decode_steps, repeats=2
         prefill.append(PrefillPoint(n, round(best, 1)))
     decode = []
     for c in concurrencies:
-        engine.pool.reset_prefix_cache()
-        params = SamplingParams(temperature=0, max_tokens=decode_steps + 2, ignore_eos=True)
-        for _ in range(c):
-            engine.add_request(params=params, prompt_token_ids=tokens(context))
-        started: dict[str, int] = {}
-        while len(started) < c:                       # prefill all (and their first token)
-            for o in engine.step():
-                if o.new_token_ids:
-                    started[o.req_id] = 1
-        times = []
-        for _ in range(decode_steps):
-            t = time.perf_counter()
-            engine.step()
-            times.append(time.perf_counter() - t)
-        while engine.has_unfinished_requests():
-            engine.step()
-        times.sort()
+        runs = [_decode_steps(engine, tokens, c, context, decode_steps) for _ in range(repeats)]
+        times = min(runs, key=statistics.mean)        # least disturbed run, like prefill's best-of
         decode.append(DecodePoint(context, c, round(c / statistics.mean(times), 2),
                                   round(times[int(0.9 * (len(times) - 1))], 5)))
     cfg = engine.config
@@ -111,3 +96,24 @@ def measure(engine, prompt_lens, concurrencies, context, decode_steps, repeats=2
         notes=notes, meta={"model": cfg.model, "dtype": cfg.device.dtype, "threads": cfg.device.num_threads,
                            "cpu_count": os.cpu_count(), "machine": stdlib_platform.processor() or stdlib_platform.machine(),
                            "measured": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
+
+
+def _decode_steps(engine, tokens, c: int, context: int, steps: int) -> list[float]:
+    """Sorted step times of `steps` decode steps with c sequences of `context` tokens in flight."""
+    from splitserve.platform.sampling.params import SamplingParams
+
+    engine.pool.reset_prefix_cache()
+    params = SamplingParams(temperature=0, max_tokens=steps + 2, ignore_eos=True)
+    for _ in range(c):
+        engine.add_request(params=params, prompt_token_ids=tokens(context))
+    started: set[str] = set()
+    while len(started) < c:                           # prefill all (and their first token)
+        started.update(o.req_id for o in engine.step() if o.new_token_ids)
+    times = []
+    for _ in range(steps):
+        t = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - t)
+    while engine.has_unfinished_requests():
+        engine.step()
+    return sorted(times)
