@@ -86,7 +86,7 @@ class _Progress:
 
 class Dispatcher:
     def __init__(self, pool: WorkerPool, placer: Placer, hasher: BlockHasher, tokenizer: Tokenizer | None,
-                 channels, max_attempts: int = 3, metrics=None):
+                 channels, max_attempts: int = 3, metrics=None, hold=None):
         self.pool = pool
         self.placer = placer
         self.hasher = hasher
@@ -94,6 +94,7 @@ class Dispatcher:
         self.channels = channels
         self.max_attempts = max_attempts
         self.metrics = metrics
+        self.hold = hold                                         # router/hold.py, or None
         self._calls: dict[str, dict[int, grpc.aio.Call]] = {}   # worker -> in-flight calls
         self._lost: set[int] = set()                             # ids of calls cancelled by worker_down
 
@@ -128,6 +129,8 @@ class Dispatcher:
 
     async def _place(self, job: Job, progress: _Progress, excluded: set[str], attempt: int) -> Decision:
         token_ids = job.prompt_token_ids + progress.token_ids
+        if self.hold is not None:
+            await self.hold.wait(lambda: bool(self.pool.decode_workers()))
         t0 = time.perf_counter()
         decision = await self.placer.place(len(token_ids), self.hasher.hash_blocks(token_ids), frozenset(excluded))
         seconds = time.perf_counter() - t0

@@ -32,6 +32,8 @@ class RouterMetrics:
                               ["kind"], registry=r)
         self.rejected = Counter("splitserve_router_rejected", "Requests refused before placement", ["reason"],
                                 registry=r)
+        self.held = Gauge("splitserve_router_held_requests", "Requests waiting for a decode worker (scale from zero)",
+                          registry=r)
         self.workers = Gauge("splitserve_router_workers", "Known workers by role and health", ["role", "state"],
                              registry=r)
 
