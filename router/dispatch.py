@@ -185,8 +185,12 @@ class Dispatcher:
     def _chunk(self, job: Job, decision: Decision, progress: _Progress, msg: pb.GenerateResponse) -> Chunk:
         new_ids = list(msg.token_ids)
         text = self._resumed_text(job.params, progress, new_ids, msg.text) if progress.is_resumed else msg.text
-        if progress.num_cached_tokens is None:
+        is_first = progress.num_cached_tokens is None
+        if is_first:
             progress.num_cached_tokens = msg.usage.cached_tokens
+        if self.metrics is not None:
+            uncached = max(0, len(job.prompt_token_ids) - msg.usage.cached_tokens) if is_first else 0
+            self.metrics.count_tokens(uncached, len(new_ids), is_first)
         progress.token_ids += new_ids
         progress.text += text
         return Chunk(new_ids, text, list(msg.logprobs), _FINISH.get(msg.finish_reason),

@@ -32,6 +32,7 @@ class RouterMetrics:
                               ["kind"], registry=r)
         self.rejected = Counter("splitserve_router_rejected", "Requests refused before placement", ["reason"],
                                 registry=r)
+        self.num_uncached_prompt_tokens = self.num_output_tokens = self.num_planned_requests = 0
         self.held = Gauge("splitserve_router_held_requests", "Requests waiting for a decode worker (scale from zero)",
                           registry=r)
         self.workers = Gauge("splitserve_router_workers", "Known workers by role and health", ["role", "state"],
@@ -43,6 +44,12 @@ class RouterMetrics:
         self.disaggregation.labels(decision="remote" if decision.prefill else "local").inc()
         if seconds is not None:
             self.decision.observe(seconds)
+
+    def count_tokens(self, num_uncached_prompt: int, num_output: int, is_first: bool) -> None:
+        """Demand the planner reads (`splitserve up --planner`): called for every chunk."""
+        self.num_uncached_prompt_tokens += num_uncached_prompt
+        self.num_output_tokens += num_output
+        self.num_planned_requests += is_first
 
     def count(self, what: str) -> None:
         self.events.labels(kind=what).inc()
