@@ -59,3 +59,13 @@ async def test_hold_off_or_worker_present_returns_at_once():
 def test_bad_hold_settings_are_rejected():
     with pytest.raises(ConfigError, match="cold_start_hold_s=-1"):
         GatewayConfig(cold_start_hold_s=-1)
+
+
+def test_demand_tokens_are_counted_for_the_planner():
+    metrics = RouterMetrics()
+    metrics.count_tokens(1500, 1, True)
+    metrics.count_tokens(0, 3, False)
+    assert (metrics.num_uncached_prompt_tokens, metrics.num_output_tokens, metrics.num_planned_requests) == (1500, 4, 1)
+    text = generate_latest(metrics.registry).decode()
+    assert 'splitserve_router_demand_tokens_total{kind="uncached_prompt"} 1500.0' in text
+    assert 'splitserve_router_demand_tokens_total{kind="output"} 4.0' in text
