@@ -42,10 +42,11 @@ def test_planner_process_turns_router_counters_into_desired_replicas():
         # prefill: ceil(3,300 / 800) = 5, at most doubling from 1 → 2; decode: ceil(70.4 / 64) = 2.
         assert (body["prefill"], body["decode"]) == (2, 2)
         router_http.shutdown()
+        router_http.server_close()                        # connections are refused now
         proc.tick(20.0)                                   # the router cannot be read: hold
         assert store.desired("ns", "svc")["prefill"] == 2
         assert store.desired("ns", "svc")["reasons"]["prefill"] == "hold_missing_metrics"
     finally:
         planner_http.shutdown()
         planner_http.server_close()
-        router_http.server_close()
+        router_http.server_close()                        # idempotent
