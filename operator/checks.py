@@ -7,7 +7,8 @@ remains needs knowledge the schema does not have:
   first, no dots) and every child name plus its longest suffix must fit in 63 characters,
   which is also the limit of the `app.kubernetes.io/instance` label value;
 - autoscaling after merging the chart's defaults (settings.py): minReplicas <= maxReplicas,
-  and no HPA with minReplicas 0;
+  and no HPA with minReplicas 0; the planner sizes both pools together, so provider planner
+  (possibly the chart's default) needs spec.slo and must hold for every pool it applies to;
 - quantity arithmetic: on a CPU pool (gpus 0) the KV cache lives in the container's memory,
   so it must fit in the memory limit with room for the weights and the runtime (at least
   256 MiB); on a GPU pool it lives in GPU memory and the limit does not bound it;
@@ -47,8 +48,26 @@ def check_spec(spec: InferenceServiceSpec, name: str, settings: OperatorSettings
         problems += _memory_problems(pool, role, spec.engine.kv_cache_memory_gib)
         if GPU_RESOURCE in pool.resources.limits or GPU_RESOURCE in pool.resources.requests:
             problems.append(f"{role}.resources must not name {GPU_RESOURCE}: set {role}.gpus instead")
+    problems += _planner_problems(spec, settings)
     if problems:
         raise InvalidSpecError("; ".join(problems))
+
+
+def _planner_problems(spec: InferenceServiceSpec, settings: OperatorSettings) -> list[str]:
+    roles = ("prefill", "decode") if spec.has_prefill_pool() else ("decode",)
+    autos = {r: effective_autoscaling(getattr(spec, r).autoscaling, settings, r) for r in roles}
+    planned = [r for r, a in autos.items() if a.enabled and a.provider == "planner"]
+    if not planned:
+        return []
+    problems = []
+    if spec.slo is None:
+        problems.append("autoscaling provider planner (after the chart's defaults) needs spec.slo with "
+                        "ttftP90Ms and itlP90Ms")
+    if len(planned) != len(roles):
+        other = [r for r in roles if r not in planned]
+        problems.append(f"the planner sizes prefill and decode together: enable autoscaling with provider "
+                        f"planner on {', '.join(other)} too (now only {', '.join(planned)})")
+    return problems
 
 
 def _name_problems(name: str) -> list[str]:

@@ -13,6 +13,15 @@ scales on its own queue so that the replicas average `targetQueueDepth` waiting 
   as `vllm_num_requests_waiting` (':' is not allowed in custom-metric names); the target is
   AverageValue = targetQueueDepth. The cooldown becomes the scale-down stabilization window.
 
+- planner: the SLA planner (planner/, one per cluster) computes both pools' replicas for
+  spec.slo and serves them as JSON at `<plannerUrl>/v1/desired/<namespace>/<name>`
+  ({"prefill": 3, "decode": 2, ...}). Each pool gets a KEDA ScaledObject with a metrics-api
+  trigger reading its pool's number (valueLocation = the pool), metricType AverageValue with
+  targetValue 1: KEDA's HPA then aims for ceil(value / 1) = exactly the planner's count, and
+  the operator, as for any autoscaled pool, leaves the Deployment's replicas alone (one writer).
+  HPA's 10 % tolerance swallows a ±1 change once a pool has more than 10 replicas; that is
+  documented in docs/operator.md.
+
 PodDisruptionBudgets allow one voluntary disruption per pool at a time (maxUnavailable 1),
 so a node drain never takes a whole pool down while each drained worker finishes its work.
 """
@@ -54,6 +63,23 @@ def scaled_object(ctx: Context, pool: str, auto: Autoscaling) -> Manifest:
                      "maxReplicaCount": auto.max_replicas, "triggers": [trigger]}}
 
 
+def planner_url(ctx: Context, auto: Autoscaling) -> str:
+    return f"{auto.planner_url.rstrip('/')}/v1/desired/{ctx.namespace}/{ctx.name}"
+
+
+def planner_scaled_object(ctx: Context, pool: str, auto: Autoscaling) -> Manifest:
+    trigger = {"type": "metrics-api", "metricType": "AverageValue",
+               "metadata": {"url": planner_url(ctx, auto), "format": "json", "valueLocation": pool,
+                            "targetValue": "1", "activationTargetValue": "0"}}
+    return {"apiVersion": "keda.sh/v1alpha1", "kind": "ScaledObject", "metadata": ctx.meta(ctx.child(pool), pool),
+            "spec": {"scaleTargetRef": _target(ctx, pool), "pollingInterval": auto.polling_interval,
+                     "cooldownPeriod": auto.cooldown_period, "minReplicaCount": auto.min_replicas,
+                     "maxReplicaCount": auto.max_replicas, "triggers": [trigger],
+                     # the planner already waited out its own scale-down window
+                     "advanced": {"horizontalPodAutoscalerConfig": {"behavior": {
+                         "scaleDown": {"stabilizationWindowSeconds": 0}}}}}}
+
+
 def horizontal_pod_autoscaler(ctx: Context, pool: str, auto: Autoscaling) -> Manifest:
     metric = {"type": "Pods", "pods": {"metric": {"name": C.QUEUE_METRIC_ADAPTER},
                                        "target": {"type": "AverageValue",
@@ -69,7 +95,7 @@ def autoscaler(ctx: Context, pool: str) -> Manifest | None:
     auto = ctx.autoscaling(pool)
     if not auto.enabled:
         return None
-    build = scaled_object if auto.provider == "keda" else horizontal_pod_autoscaler
+    build = {"keda": scaled_object, "planner": planner_scaled_object}.get(auto.provider, horizontal_pod_autoscaler)
     return build(ctx, pool, auto)
 
 

@@ -36,8 +36,10 @@ class PoolDefaults(_Settings):
 
 class AutoscalingDefaults(_Settings):
     enabled: bool = False
-    provider: str = Field("keda", pattern="^(keda|hpa)$")
+    provider: str = Field("keda", pattern="^(keda|hpa|planner)$")
     prometheus_address: str = "http://prometheus-operated.monitoring.svc:9090"
+    planner_url: str = Field("http://splitserve-planner.splitserve-system.svc:8090", pattern="^https?://")
+    """Where the SLA planner serves desired replicas (KEDA's metrics-api trigger polls it)."""
     polling_interval: int = Field(15, ge=1)
     cooldown_period: int = Field(300, ge=0, le=3600)
     prefill: PoolDefaults = PoolDefaults()
@@ -83,6 +85,7 @@ class Autoscaling:
     polling_interval: int
     cooldown_period: int
     prometheus_address: str
+    planner_url: str = ""
 
 
 def effective_autoscaling(spec: AutoscalingSpec, settings: OperatorSettings, role: str) -> Autoscaling:
@@ -98,4 +101,5 @@ def effective_autoscaling(spec: AutoscalingSpec, settings: OperatorSettings, rol
         polling_interval=pick(spec.polling_interval, cluster.polling_interval),
         cooldown_period=pick(spec.cooldown_period, cluster.cooldown_period),
         prometheus_address=cluster.prometheus_address,
+        planner_url=cluster.planner_url,
     )

@@ -86,8 +86,8 @@ class AutoscalingSpec(_Spec):
 
     enabled: bool | None = None
     """Let an autoscaler own this pool's replicas (the operator then leaves `replicas` alone)."""
-    provider: Literal["keda", "hpa"] | None = None
-    """keda: a KEDA ScaledObject with a Prometheus trigger; hpa: an autoscaling/v2 HPA on a Pods metric served by prometheus-adapter."""
+    provider: Literal["keda", "hpa", "planner"] | None = None
+    """keda: a KEDA ScaledObject with a Prometheus trigger; hpa: an autoscaling/v2 HPA on a Pods metric served by prometheus-adapter; planner: the SLA planner sizes both pools for `spec.slo` (KEDA metrics-api trigger on the planner's JSON)."""
     min_replicas: int | None = Field(None, ge=0, le=1000)
     """Fewest replicas (0 scales to zero, keda only)."""
     max_replicas: int | None = Field(None, ge=1, le=1000)
@@ -98,6 +98,15 @@ class AutoscalingSpec(_Spec):
     """Seconds between KEDA's Prometheus queries."""
     cooldown_period: int | None = Field(None, ge=0, le=3600)
     """Seconds load must stay low before scaling down (KEDA cooldownPeriod, HPA scale-down stabilization)."""
+
+
+class SloSpec(_Spec):
+    """Latency targets the SLA planner sizes the pools for (autoscaling.provider planner)."""
+
+    ttft_p90_ms: int = Field(alias="ttftP90Ms", ge=10, le=600000)
+    """90th percentile time to first token, in milliseconds."""
+    itl_p90_ms: int = Field(alias="itlP90Ms", ge=1, le=60000)
+    """90th percentile inter-token latency, in milliseconds."""
 
 
 class Toleration(_Spec):
@@ -249,6 +258,9 @@ class InferenceServiceSpec(_Spec):
              "disaggregation.mode always needs a prefill pool: set prefill.replicas >= 1 or enable its autoscaling"),
         rule("self.decode.replicas >= 1 || (has(self.decode.autoscaling.enabled) && self.decode.autoscaling.enabled)",
              "decode.replicas must be at least 1 unless an autoscaler owns the pool"),
+        rule("has(self.slo) || !((has(self.prefill.autoscaling.provider) && self.prefill.autoscaling.provider == 'planner')"
+             " || (has(self.decode.autoscaling.provider) && self.decode.autoscaling.provider == 'planner'))",
+             "autoscaling.provider planner needs spec.slo (ttftP90Ms and itlP90Ms): the planner sizes the pools for them"),
     ]})
 
     model: ModelSpec
@@ -260,6 +272,8 @@ class InferenceServiceSpec(_Spec):
     kv_transfer: KvTransferSpec = KvTransferSpec()
     disaggregation: DisaggregationSpec = DisaggregationSpec()
     monitoring: MonitoringSpec = MonitoringSpec()
+    slo: SloSpec | None = None
+    """Latency targets; required when a pool's autoscaling provider is planner."""
 
     @property
     def served_model_name(self) -> str:

@@ -157,8 +157,13 @@ class GatewayConfig:
     burst: int = 0
     rate_limit_redis_url: str = ""
     max_attempts: int = 3
+    cold_start_hold_s: float = 0.0      # scale from zero: wait this long for a decode worker (0: off)
+    cold_start_max_held: int = 64       # ...with at most this many requests waiting (router/hold.py)
 
     def __post_init__(self) -> None:
+        if self.cold_start_hold_s < 0 or self.cold_start_max_held < 0:
+            raise ConfigError(f"gateway: cold_start_hold_s={self.cold_start_hold_s} and cold_start_max_held="
+                              f"{self.cold_start_max_held} must be >= 0 (0 s turns holding off)")
         if not 0 <= self.port < 65536:
             raise ConfigError(f"gateway.port={self.port} is not a port; allowed: 0-65535")
         if self.max_body_bytes < 1024 or self.max_concurrent_requests < 1 or self.max_queued_requests < 0:

@@ -86,7 +86,7 @@ class _Progress:
 
 class Dispatcher:
     def __init__(self, pool: WorkerPool, placer: Placer, hasher: BlockHasher, tokenizer: Tokenizer | None,
-                 channels, max_attempts: int = 3, metrics=None):
+                 channels, max_attempts: int = 3, metrics=None, hold=None):
         self.pool = pool
         self.placer = placer
         self.hasher = hasher
@@ -94,6 +94,7 @@ class Dispatcher:
         self.channels = channels
         self.max_attempts = max_attempts
         self.metrics = metrics
+        self.hold = hold                                         # router/hold.py, or None
         self._calls: dict[str, dict[int, grpc.aio.Call]] = {}   # worker -> in-flight calls
         self._lost: set[int] = set()                             # ids of calls cancelled by worker_down
 
@@ -128,6 +129,8 @@ class Dispatcher:
 
     async def _place(self, job: Job, progress: _Progress, excluded: set[str], attempt: int) -> Decision:
         token_ids = job.prompt_token_ids + progress.token_ids
+        if self.hold is not None:
+            await self.hold.wait(lambda: bool(self.pool.decode_workers()))
         t0 = time.perf_counter()
         decision = await self.placer.place(len(token_ids), self.hasher.hash_blocks(token_ids), frozenset(excluded))
         seconds = time.perf_counter() - t0
@@ -182,8 +185,12 @@ class Dispatcher:
     def _chunk(self, job: Job, decision: Decision, progress: _Progress, msg: pb.GenerateResponse) -> Chunk:
         new_ids = list(msg.token_ids)
         text = self._resumed_text(job.params, progress, new_ids, msg.text) if progress.is_resumed else msg.text
-        if progress.num_cached_tokens is None:
+        is_first = progress.num_cached_tokens is None
+        if is_first:
             progress.num_cached_tokens = msg.usage.cached_tokens
+        if self.metrics is not None:
+            uncached = max(0, len(job.prompt_token_ids) - msg.usage.cached_tokens) if is_first else 0
+            self.metrics.count_tokens(uncached, len(new_ids), is_first)
         progress.token_ids += new_ids
         progress.text += text
         return Chunk(new_ids, text, list(msg.logprobs), _FINISH.get(msg.finish_reason),

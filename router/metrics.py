@@ -32,6 +32,12 @@ class RouterMetrics:
                               ["kind"], registry=r)
         self.rejected = Counter("splitserve_router_rejected", "Requests refused before placement", ["reason"],
                                 registry=r)
+        self.num_uncached_prompt_tokens = self.num_output_tokens = self.num_planned_requests = 0
+        self.demand_tokens = Counter("splitserve_router_demand_tokens", "Tokens the planner sizes pools for: "
+                                     "uncached prompt tokens (prefill) and output tokens (decode)", ["kind"],
+                                     registry=r)
+        self.held = Gauge("splitserve_router_held_requests", "Requests waiting for a decode worker (scale from zero)",
+                          registry=r)
         self.workers = Gauge("splitserve_router_workers", "Known workers by role and health", ["role", "state"],
                              registry=r)
 
@@ -41,6 +47,16 @@ class RouterMetrics:
         self.disaggregation.labels(decision="remote" if decision.prefill else "local").inc()
         if seconds is not None:
             self.decision.observe(seconds)
+
+    def count_tokens(self, num_uncached_prompt: int, num_output: int, is_first: bool) -> None:
+        """Demand the planner reads (`splitserve up --planner`): called for every chunk."""
+        self.num_uncached_prompt_tokens += num_uncached_prompt
+        self.num_output_tokens += num_output
+        self.num_planned_requests += is_first
+        if num_uncached_prompt:
+            self.demand_tokens.labels(kind="uncached_prompt").inc(num_uncached_prompt)
+        if num_output:
+            self.demand_tokens.labels(kind="output").inc(num_output)
 
     def count(self, what: str) -> None:
         self.events.labels(kind=what).inc()

@@ -19,6 +19,7 @@ from splitserve.platform.tokenizer import Tokenizer, load_tokenizer
 from splitserve.router.config import IndexConfig, RouterConfig
 from splitserve.router.discovery import Discovery, make_discovery
 from splitserve.router.dispatch import Dispatcher
+from splitserve.router.hold import ColdStartHold
 from splitserve.router.index import InMemoryPrefixIndex, PrefixIndex
 from splitserve.router.metrics import RouterMetrics
 from splitserve.router.placement import Placer
@@ -50,7 +51,9 @@ class Router:
         self.metrics = RouterMetrics()
         self.placer = Placer(config.placement, self.pool, self.index, rng)
         self.dispatcher = Dispatcher(self.pool, self.placer, self.hasher, self.tokenizer, self.channels,
-                                     config.gateway.max_attempts, self.metrics)
+                                     config.gateway.max_attempts, self.metrics,
+                                     ColdStartHold(config.gateway.cold_start_hold_s, config.gateway.cold_start_max_held,
+                                                   self.metrics.held))
         self._watchers: dict[str, asyncio.Task] = {}
         self._discovery_task: asyncio.Task | None = None
 

@@ -48,6 +48,14 @@ def register(subparsers) -> None:
                    help="how both workers serve the weights (default auto; none is the dequantized reference)")
     p.add_argument("--kv-cache-memory", type=float, default=0.25, metavar="GIB", help="KV cache per worker")
     p.add_argument("--worker-arg", action="append", default=[], help="extra argument for both workers (repeatable)")
+    g = p.add_argument_group("SLA planner (router/up_planner.py)")
+    g.add_argument("--planner", action="store_true", help="start and stop workers from the planner's decisions")
+    g.add_argument("--max-workers", type=int, default=4, help="most prefill + decode workers together")
+    g.add_argument("--profile", default=None, help="capacity profile JSON (`splitserve profile`); needed with --planner")
+    g.add_argument("--ttft-slo-ms", type=int, default=5000)
+    g.add_argument("--itl-slo-ms", type=int, default=250)
+    g.add_argument("--planner-tick", type=float, default=5.0, metavar="S")
+    g.add_argument("--scale-down-window", type=float, default=60.0, metavar="S")
     p.set_defaults(func=cmd_up)
 
 
@@ -137,8 +145,13 @@ def cmd_up(args) -> int:
               "--kv-cache-memory", str(args.kv_cache_memory), "--max-model-len", str(config.max_model_len),
               *args.worker_arg]
     level = logging.getLevelName(logging.getLogger().level)
-    threads = role_threads(args.threads, args.prefill_threads, args.decode_threads, os.cpu_count() or 1)
-    workers = [WorkerProcess(role, ["--threads", str(threads[role]), *common], level) for role in ("prefill", "decode")]
+    planner = make_planner(args) if args.planner else None
+    # With the planner many workers share the cores: one thread each unless told otherwise.
+    threads = ({"prefill": args.prefill_threads or args.threads or 1, "decode": args.decode_threads or args.threads or 1}
+               if planner is not None else
+               role_threads(args.threads, args.prefill_threads, args.decode_threads, os.cpu_count() or 1))
+    role_args = {role: ["--threads", str(n), *common] for role, n in threads.items()}
+    workers = [WorkerProcess(role, role_args[role], level) for role in ("prefill", "decode")]
     sock = bind(config.gateway.host, config.gateway.port)   # fail now, not after loading two models
     try:
         for w in workers:
@@ -147,13 +160,38 @@ def cmd_up(args) -> int:
               file=sys.stderr, flush=True)
         for w in workers:
             w.wait_ready(READY_TIMEOUT_S)
-        return _serve(config, workers, sock)
+        return _serve(config, workers, sock, planner, spawn=lambda role: _spawn(role, role_args[role], level))
     finally:
         for w in workers:
             w.stop()
 
 
-def _serve(config, workers: list[WorkerProcess], sock) -> int:
+def make_planner(args):
+    """The planner of `up --planner` from its flags; SystemExit (usage error) for bad ones."""
+    import os
+
+    from splitserve.planner.config import PlannerConfig, PoolBounds
+    from splitserve.planner.law import Planner
+    from splitserve.planner.profile import CapacityProfile
+    from splitserve.platform.errors import ConfigError
+
+    cores = os.cpu_count() or 1
+    if not args.profile:
+        raise SystemExit("up --planner needs --profile PROFILE.json (measure one with `splitserve profile`)")
+    if not 2 <= args.max_workers <= max(2, 4 * cores):
+        raise SystemExit(f"--max-workers must be in 2..{max(2, 4 * cores)} on this machine ({cores} cores)")
+    try:
+        bounds = PoolBounds(1, args.max_workers - 1)
+        cfg = PlannerConfig(ttft_p90_s=args.ttft_slo_ms / 1000, itl_p90_s=args.itl_slo_ms / 1000,
+                            tick_s=args.planner_tick, scale_down_window_s=args.scale_down_window,
+                            peak_window_s=2 * args.planner_tick, warmup_s=0.0, pending_timeout_s=300.0,
+                            budget=args.max_workers, prefill=bounds, decode=bounds)
+        return Planner(cfg, CapacityProfile.load(args.profile))
+    except (ConfigError, OSError) as e:
+        raise SystemExit(f"up --planner: {e}") from None
+
+
+def _serve(config, workers: list[WorkerProcess], sock, planner=None, spawn=None) -> int:
     import dataclasses
 
     from splitserve.router.service import Router
@@ -163,15 +201,38 @@ def _serve(config, workers: list[WorkerProcess], sock) -> int:
     base_url = f"http://{url_host(config.gateway.host)}:{sock.getsockname()[1]}/v1"
     api_key = config.gateway.api_keys[0].key if config.gateway.api_keys else None
 
+    loop_holder = []
+
     async def announce():
         await router.wait_ready(60, num_decode=1, num_prefill=1)
+        if planner is not None:
+            from splitserve.router.up_planner import LocalPlannerLoop
+
+            pools = {"prefill": [w for w in workers if w.role == "prefill"],
+                     "decode": [w for w in workers if w.role == "decode"]}
+            local = LocalPlannerLoop(planner, router, spawn, pools, planner.cfg.tick_s)
+            loop_holder.append((local, asyncio.create_task(local.run(), name="planner")))
         print(f"splitserve up: serving {base_url} (model {config.served_model_names[0]})\n"
               f"try:\n  {curl_example(base_url, config.served_model_names[0], api_key)}\n"
               "Ctrl-C stops the router and both workers.", flush=True)
 
-    asyncio.run(serve(router, sock, on_started=announce))
+    try:
+        asyncio.run(serve(router, sock, on_started=announce))
+    finally:
+        for local, _ in loop_holder:
+            local.stop_all()
+            for ps in local.workers.values():
+                for w in ps:
+                    if w not in workers:
+                        workers.append(w)     # the caller stops them with the first two
     print("splitserve up: stopping", file=sys.stderr, flush=True)
     return 0
+
+
+def _spawn(role: str, common: list[str], level: str) -> WorkerProcess:
+    w = WorkerProcess(role, common, level)
+    w.start()
+    return w
 
 
 def _die_with_parent() -> None:

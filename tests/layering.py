@@ -13,7 +13,8 @@ import pathlib
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 FOLDERS = {"platform": "splitserve.platform", "workers": "splitserve.workers",
-           "router": "splitserve.router", "operator": "splitserve.operator"}
+           "router": "splitserve.router", "operator": "splitserve.operator",
+           "planner": "splitserve.planner"}
 
 # (source modules, forbidden modules): a forbidden module must not be reachable from a source.
 ENGINE = ["splitserve.platform.engine", "splitserve.platform.models", "splitserve.platform.kv",
@@ -31,6 +32,10 @@ CONTRACTS = [
                                         "splitserve.platform.config", "splitserve.platform.model_source",
                                         "splitserve.platform.detokenizer", "splitserve.platform.stop"],
      ["torch"]),
+    # The planner runs in its own small pod and inside `splitserve up`: control law only.
+    ("the planner imports only shared config", ["splitserve.planner"],
+     ["torch", "splitserve.workers", "splitserve.router", "splitserve.operator",
+      "splitserve.platform.tokenizer", *ENGINE]),
     # The Serve controller imports the autoscaling policy; it must not load torch or the engine.
     ("the Ray Serve autoscaling policy stays torch-free", ["splitserve.workers.ray_autoscale"],
      ["torch", "splitserve.workers.main", *ENGINE]),

@@ -55,7 +55,8 @@ def test_every_package_folder_is_declared_in_pyproject():
     import tomllib
     declared = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
     folders = {"platform": "splitserve.platform", "workers": "splitserve.workers",
-               "router": "splitserve.router", "operator": "splitserve.operator"}
+               "router": "splitserve.router", "operator": "splitserve.operator",
+               "planner": "splitserve.planner"}
     for folder, pkg in folders.items():
         for init in (ROOT / folder).rglob("__init__.py"):
             rel = init.parent.relative_to(ROOT / folder)
@@ -65,7 +66,7 @@ def test_every_package_folder_is_declared_in_pyproject():
 
 def test_architecture_doc_lists_every_module():
     doc = (ROOT / "docs" / "architecture.md").read_text()
-    for folder in ("platform", "workers", "router", "operator"):
+    for folder in ("platform", "workers", "router", "operator", "planner"):
         for path in (ROOT / folder).rglob("*.py"):
             rel = path.relative_to(ROOT / folder).as_posix()
             if path.name == "__init__.py" and path.stat().st_size == 0:

@@ -35,6 +35,9 @@ VALUES = {
                                "networkPolicy": {"enabled": True, "apiServerCIDRs": ["10.0.0.1/32"]},
                                "serviceAccount": {"name": "ops"}, "image": {"tag": "0.2.0"}},
     "external-service-account": {"serviceAccount": {"create": False, "name": "prebuilt"}, "rbac": {"create": False}},
+    "planner": {"autoscaling": {"enabled": True, "provider": "planner"},
+                "planner": {"enabled": True, "inferenceService": {"namespace": "llm", "name": "chat"},
+                            "profile": '{"prefill": [], "decode": [], "kv_tokens": 1}', "replicaBudget": 8}},
 }
 
 
@@ -202,8 +205,25 @@ def test_the_readme_explains_every_value():
     schema = json.loads((CHART / "values.schema.json").read_text())
     readme = (CHART / "README.md").read_text()
     leaves = [leaf.rstrip(".") for leaf in _schema_leaves(schema)]
-    assert len(leaves) == 32
+    assert len(leaves) == 49
     assert [leaf for leaf in leaves if f"`{leaf}`" not in readme] == []
     values = yaml.safe_load((CHART / "values.yaml").read_text())
     assert sorted(values) == sorted(schema["properties"])  # values.yaml and its schema list the same keys
 
+
+def test_planner_is_rendered_behind_its_value_where_the_scaled_objects_look(chart):
+    assert not [o for o in objects(chart, {}) if "planner" in o["metadata"]["name"]]
+    objs = objects(chart, VALUES["planner"])
+    (svc,) = find(objs, "Service", "splitserve-planner", "splitserve-system")
+    url = f"http://{svc['metadata']['name']}.{svc['metadata']['namespace']}.svc:{svc['spec']['ports'][0]['port']}"
+    assert url == OperatorSettings().autoscaling.planner_url          # the operator's default reaches it
+    (deploy,) = find(objs, "Deployment", "splitserve-planner")
+    args = deploy["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert args[:3] == ["planner", "--namespace=llm", "--name=chat"]
+    assert "--router-metrics=http://chat.llm.svc:8000/metrics" in args and "--budget=8" in args
+    assert deploy["spec"]["replicas"] == 1
+
+
+def test_planner_without_a_service_name_fails_to_render(chart):
+    with pytest.raises(Exception, match="planner.inferenceService.name is required"):
+        objects(chart, {"planner": {"enabled": True, "profile": "{}"}})

@@ -1,0 +1,115 @@
+"""`splitserve planner`: the SLA planner as a process, for one InferenceService.
+
+Every tick it scrapes the router's /metrics (`--router-metrics`, every router replica: their
+counters add up), turns `splitserve_router_demand_tokens_total` into rates and
+`splitserve_router_workers{role,state="healthy"}` into ready replicas, runs planner/law.py,
+and serves the decision at /v1/desired/<namespace>/<name> for KEDA's metrics-api trigger and
+on /metrics (planner/server.py). A scrape that fails is a missing sample: the planner holds.
+The Helm chart runs it when `planner.enabled` is set.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import time
+import urllib.request
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from splitserve.planner.config import PlannerConfig, PoolBounds
+from splitserve.planner.law import Observation, Planner, PoolObservation
+from splitserve.planner.profile import CapacityProfile
+from splitserve.planner.server import DesiredStore, serve
+
+log = logging.getLogger(__name__)
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("planner", help="the SLA planner for one InferenceService (serves KEDA's JSON)")
+    p.add_argument("--namespace", required=True)
+    p.add_argument("--name", required=True, help="the InferenceService")
+    p.add_argument("--router-metrics", action="append", required=True, metavar="URL",
+                   help="a router replica's /metrics URL (repeatable)")
+    p.add_argument("--profile", required=True, help="capacity profile JSON (`splitserve profile`)")
+    p.add_argument("--ttft-slo-ms", type=int, required=True)
+    p.add_argument("--itl-slo-ms", type=int, required=True)
+    p.add_argument("--tick", type=float, default=15.0)
+    p.add_argument("--headroom", type=float, default=0.1)
+    p.add_argument("--utilization", type=float, default=0.8)
+    p.add_argument("--down-threshold", type=float, default=0.7)
+    p.add_argument("--scale-down-window", type=float, default=300.0)
+    p.add_argument("--min-replicas", type=int, default=1)
+    p.add_argument("--max-replicas", type=int, default=8)
+    p.add_argument("--budget", type=int, default=0, help="most replicas of both pools (0: none)")
+    p.add_argument("--host", default="0.0.0.0")
+    p.add_argument("--port", type=int, default=8090)
+    p.set_defaults(func=cmd_planner)
+
+
+def config_from_args(args) -> PlannerConfig:
+    bounds = PoolBounds(args.min_replicas, args.max_replicas)
+    return PlannerConfig(ttft_p90_s=args.ttft_slo_ms / 1000, itl_p90_s=args.itl_slo_ms / 1000, tick_s=args.tick,
+                         headroom=args.headroom, utilization=args.utilization, down_threshold=args.down_threshold,
+                         scale_down_window_s=args.scale_down_window, peak_window_s=max(60.0, 4 * args.tick),
+                         budget=args.budget, prefill=bounds, decode=bounds)
+
+
+def scrape(urls: list[str]) -> dict | None:
+    """Summed router counters and healthy workers; None if any router could not be read."""
+    out = {"uncached_prompt": 0.0, "output": 0.0, "prefill": 0, "decode": 0}
+    for url in urls:
+        try:
+            text = urllib.request.urlopen(url, timeout=5).read().decode()
+        except OSError as e:
+            log.warning("planner: cannot read %s (%s); holding", url, e)
+            return None
+        for family in text_string_to_metric_families(text):
+            for s in family.samples:
+                if s.name == "splitserve_router_demand_tokens_total" and s.labels.get("kind") in out:
+                    out[s.labels["kind"]] += s.value
+                elif s.name == "splitserve_router_workers" and s.labels.get("state") == "healthy" \
+                        and s.labels.get("role") in ("prefill", "decode"):
+                    out[s.labels["role"]] += int(s.value)
+    return out
+
+
+class PlannerProcess:
+    """One tick = scrape, rates, decide, publish. `tick` is separate from the loop for tests."""
+
+    def __init__(self, planner: Planner, store: DesiredStore, namespace: str, name: str, urls: list[str]):
+        self.planner, self.store, self.namespace, self.name, self.urls = planner, store, namespace, name, urls
+        self.last: tuple[float, dict] | None = None
+
+    def tick(self, now: float) -> None:
+        sample = scrape(self.urls)
+        prompt_rate = output_rate = None
+        ready = {"prefill": 0, "decode": 0}
+        if sample is not None:
+            ready = {k: sample[k] for k in ready}
+            if self.last is not None and now > self.last[0]:
+                dt = now - self.last[0]
+                prompt_rate = max(0.0, sample["uncached_prompt"] - self.last[1]["uncached_prompt"]) / dt
+                output_rate = max(0.0, sample["output"] - self.last[1]["output"]) / dt
+            self.last = (now, sample)
+        current = self.planner.targets()
+        obs = Observation(now=now, uncached_prompt_tokens_per_s=prompt_rate, output_tokens_per_s=output_rate,
+                          prefill=PoolObservation(ready["prefill"], max(0, current["prefill"] - ready["prefill"])),
+                          decode=PoolObservation(ready["decode"], max(0, current["decode"] - ready["decode"])))
+        self.store.publish(self.namespace, self.name, self.planner.tick(obs))
+
+
+def cmd_planner(args) -> int:
+    planner = Planner(config_from_args(args), CapacityProfile.load(args.profile))
+    store = DesiredStore()
+    server = serve(store, args.host, args.port)
+    proc = PlannerProcess(planner, store, args.namespace, args.name, args.router_metrics)
+    print(f"splitserve planner: serving :{server.server_port}/v1/desired/{args.namespace}/{args.name}", flush=True)
+    try:
+        while True:
+            proc.tick(time.monotonic())
+            time.sleep(args.tick)
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        server.shutdown()
