@@ -16,6 +16,7 @@ disaggregation.mode is never):
     PodDisruptionBudget                            <name>-<pool>, <name>-router
     ScaledObject (KEDA) or HorizontalPodAutoscaler <name>-<pool>   when the pool is autoscaled
     ServiceMonitor                                 <name>          when monitoring.serviceMonitor.enabled
+    NetworkPolicy                                  <name>-workers, <name>-router   unless networkPolicy.enabled is false
 
 Every child carries the common labels and a controller owner reference to the
 InferenceService, so Kubernetes' garbage collector deletes it with its owner.
@@ -23,7 +24,7 @@ InferenceService, so Kubernetes' garbage collector deletes it with its owner.
 
 from __future__ import annotations
 
-from splitserve.operator import render_pods, render_scaling, render_services
+from splitserve.operator import render_network, render_pods, render_scaling, render_services
 from splitserve.operator.context import Context, Manifest
 from splitserve.operator.settings import OperatorSettings
 from splitserve.operator.spec import InferenceServiceSpec
@@ -39,4 +40,5 @@ def render(spec: InferenceServiceSpec, name: str, namespace: str, uid: str,
     out += [a for pool in ctx.pools if (a := render_scaling.autoscaler(ctx, pool)) is not None]
     if spec.monitoring.service_monitor.enabled:
         out.append(render_scaling.service_monitor(ctx))
+    out += render_network.network_policies(ctx)
     return out

@@ -234,6 +234,35 @@ class MonitoringSpec(_Spec):
     service_monitor: ServiceMonitorSpec = ServiceMonitorSpec()
 
 
+class PeerSpec(_Spec):
+    """One allowed source of traffic: pods matching `podLabels` in namespaces matching
+    `namespaceLabels` (either alone: any namespace's matching pods in this namespace / every pod of
+    the matching namespaces), or an address range `cidr`."""
+
+    model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": [
+        rule("has(self.cidr) != (has(self.namespaceLabels) || has(self.podLabels))",
+             "a peer is either a cidr or namespaceLabels/podLabels, not both and not neither")]})
+
+    namespace_labels: dict[str, Annotated[str, StringConstraints(max_length=63, pattern=LABEL_VALUE)]] | None = None
+    """Labels of the source namespaces ({} = every namespace)."""
+    pod_labels: dict[str, Annotated[str, StringConstraints(max_length=63, pattern=LABEL_VALUE)]] | None = None
+    """Labels of the source pods ({} = every pod)."""
+    cidr: str | None = Field(None, max_length=64, pattern=r"^[0-9a-fA-F.:]+/[0-9]{1,3}$")
+    """An address range, e.g. a load balancer's subnet."""
+
+
+class NetworkPolicySpec(_Spec):
+    """NetworkPolicies around this service's pods: worker gRPC and KV-transfer ports only from this
+    service's router and workers; metrics only from the monitoring namespace (chart value
+    `networkPolicy.workloads.monitoring`); the gateway port from `gatewayFrom`."""
+
+    enabled: bool = True
+    """Render the NetworkPolicies (needs a CNI that enforces them)."""
+    gateway_from: list[PeerSpec] | None = Field(None, max_length=32)
+    """Who may call the router's HTTP port (default: the chart's `networkPolicy.workloads.gatewayFrom`,
+    which is every pod of this namespace and the ingress controller's namespace)."""
+
+
 class ImageSpec(_Spec):
     repository: str | None = Field(None, min_length=1, max_length=512)
     tag: str | None = Field(None, min_length=1, max_length=128)
@@ -260,6 +289,7 @@ class InferenceServiceSpec(_Spec):
     kv_transfer: KvTransferSpec = KvTransferSpec()
     disaggregation: DisaggregationSpec = DisaggregationSpec()
     monitoring: MonitoringSpec = MonitoringSpec()
+    network_policy: NetworkPolicySpec = NetworkPolicySpec()
 
     @property
     def served_model_name(self) -> str:
