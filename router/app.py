@@ -47,6 +47,7 @@ def create_app(router: Router, manage_router: bool = True) -> FastAPI:
             if manage_router:
                 await router.stop()
             await gateway.limiter.buckets.close()
+            await gateway.quota.close()
 
     app = FastAPI(title="splitserve gateway", version="0.1.0", lifespan=lifespan,
                   description="OpenAI-compatible API in front of splitserve's prefill/decode workers")

@@ -131,12 +131,18 @@ class DiscoveryConfig:
 @dataclass(frozen=True)
 class ApiKey:
     """An accepted API key; `name` labels it in logs and metrics (never the key itself); a
-    `rate_per_s` / `burst` here override the global rate limit for this key."""
+    `rate_per_s` / `burst` here override the global rate limit for this key. `models` (None: all),
+    `rpm`, `tpm` and `monthly_tokens` scope and meter it (router/tenancy.py; keys from
+    `api_keys_file` come with key="" and their id as name)."""
 
     key: str
     name: str = ""
     rate_per_s: float | None = None
     burst: int | None = None
+    models: tuple[str, ...] | None = None
+    rpm: int | None = None
+    tpm: int | None = None
+    monthly_tokens: int | None = None
 
 
 @dataclass(frozen=True)
@@ -157,6 +163,10 @@ class GatewayConfig:
     burst: int = 0
     rate_limit_redis_url: str = ""
     max_attempts: int = 3
+    api_keys_file: str = ""
+    """A YAML key file (router/tenancy.py), reloaded on change; its keys add to `api_keys`."""
+    quota_window_s: float = 60.0
+    """The window of the per-key rpm / tpm limits (60: per minute, as OpenAI's)."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
@@ -166,6 +176,8 @@ class GatewayConfig:
                               "max_queued_requests >= 0")
         if self.rate_per_s < 0 or self.burst < 0 or self.max_attempts < 1:
             raise ConfigError("gateway: need rate_per_s >= 0, burst >= 0 and max_attempts >= 1")
+        if not 0.1 <= self.quota_window_s <= 86400:
+            raise ConfigError(f"gateway.quota_window_s={self.quota_window_s}: allowed 0.1-86400 seconds")
 
 
 @dataclass(frozen=True)
@@ -246,7 +258,8 @@ def _gateway(data) -> GatewayConfig:
     keys = data.get("api_keys", ())
     if isinstance(keys, str):
         keys = [k for k in keys.split(",") if k]
-    data["api_keys"] = tuple(ApiKey(**checked_mapping(k, ApiKey, "gateway.api_keys[]")) if isinstance(k, dict)
+    data["api_keys"] = tuple(ApiKey(**_tuple_fields(checked_mapping(k, ApiKey, "gateway.api_keys[]"), "models"))
+                             if isinstance(k, dict)
                              else ApiKey(key=str(k)) for k in keys)
     return GatewayConfig(**data)
 
