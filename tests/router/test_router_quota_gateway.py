@@ -199,6 +199,10 @@ def test_usage_equals_what_clients_received_including_cut_streams(routers, loop)
     assert "KEY_ID" in table and "usage" in table and "team" not in table.split("\n", 1)[0]
 
 
+def total_tokens(results) -> int:
+    return sum(tokens for _, _, tokens in results)
+
+
 def routers_redis(procs) -> str:
     return procs[0].args[procs[0].args.index("--redis-url") + 1]
 
@@ -249,8 +253,11 @@ def test_tokens_per_window_hold_across_replicas_when_one_dies(routers):
         windows.update(range(w0, w1 + 1))
         if w0 == w1:
             per_window[w0] += tokens
+    print(f"tokens per window (send and receive in one window): {dict(sorted(per_window.items()))}; "
+          f"total {total_tokens(results)} over {len(windows)} windows of {WINDOW_S} s, limit {TPM}; "
+          f"{len(results)} answered, {len(rejected)} got 429")
     assert rejected, "the limit never applied: the test sent too little"
     assert max(per_window.values()) <= TPM * 1.05, per_window
-    total = sum(tokens for _, _, tokens in results)
+    total = total_tokens(results)
     assert total <= TPM * len(windows) * 1.05, (total, len(windows))
     assert total >= TPM, "the run used less than one window's tokens"
