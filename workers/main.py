@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import signal
 import uuid
 
@@ -33,6 +34,7 @@ from splitserve.workers.http import HealthServer
 from splitserve.workers.metrics import WorkerMetrics
 from splitserve.workers.service import WorkerService, publish_load
 from splitserve.workers.transfer import make_receiver, make_sender
+from splitserve.workers.transfer.auth import load_key
 from splitserve.workers.transfer.base import KVLayout
 
 log = logging.getLogger("splitserve.worker")
@@ -49,6 +51,9 @@ def register(subparsers) -> None:
     p.add_argument("--metrics-port", type=int, default=9090)
     p.add_argument("--kv-transport", default="ucx", choices=["ucx", "tcp"])
     p.add_argument("--kv-port", type=int, default=13337)
+    p.add_argument("--kv-secret-file", default=os.environ.get("SPLITSERVE_KV_SECRET_FILE", ""),
+                   help="file holding the service's KV-transfer secret: peers must prove they hold it "
+                        "(default: $SPLITSERVE_KV_SECRET_FILE; empty: no KV authentication)")
     p.add_argument("--disaggregation", default="conditional", choices=["conditional", "always", "never"])
     p.add_argument("--min-prefill-tokens", type=int, default=256,
                    help="conditional mode: remote prefill only when at least this many prompt tokens are uncached")
@@ -64,7 +69,7 @@ def cmd_worker(args) -> int:
                           kv_transport=args.kv_transport, kv_port=args.kv_port, disaggregation=args.disaggregation,
                           min_prefill_tokens=args.min_prefill_tokens, transfer_deadline_s=args.transfer_deadline,
                           drain_grace_s=args.drain_grace, kv_layer_streaming=not args.no_kv_layer_streaming,
-                          advertise_host=args.advertise_host or "")
+                          advertise_host=args.advertise_host or "", kv_secret_file=args.kv_secret_file)
     engine = LLMEngine(engine_config(args))
     return asyncio.run(Worker(config, engine).run())
 
@@ -113,8 +118,10 @@ class Worker:
         metrics = WorkerMetrics(cfg.role, self.llm.config.model)
         metrics.cache_info.labels(block_size=str(layout.block_size), num_gpu_blocks=str(self.llm.pool.num_blocks),
                                   role=cfg.role).set(1)
-        receiver = make_receiver(cfg.kv_transport, cfg.host, cfg.kv_port) if cfg.role != "prefill" else None
-        sender = make_sender(cfg.kv_transport) if cfg.role != "decode" else None
+        auth_key = load_key(cfg.kv_secret_file) if cfg.kv_secret_file else None
+        receiver = (make_receiver(cfg.kv_transport, cfg.host, cfg.kv_port, auth_key=auth_key,
+                                  on_auth_failure=metrics.kv_auth_failures.inc) if cfg.role != "prefill" else None)
+        sender = make_sender(cfg.kv_transport, auth_key=auth_key) if cfg.role != "decode" else None
         if receiver is not None:
             await receiver.start()
         kv_address = advertised(receiver.address, cfg.advertise_host) if receiver else ""
