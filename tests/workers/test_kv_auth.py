@@ -19,6 +19,13 @@ SECRET = b"service-secret-0123456789abcdef"
 LAYOUT = KVLayout("smollm2-135m", "float32", block_size=16, num_layers=30, num_kv_heads=3, head_dim=64)
 
 
+@pytest.fixture(scope="module")
+def loop():
+    loop = asyncio.new_event_loop()  # one loop for the module: UCXX binds its context to it
+    yield loop
+    loop.close()
+
+
 @pytest.fixture(scope="module", params=["tcp", "ucx"])
 def pair(request, tmp_path_factory):
     secret = tmp_path_factory.mktemp("kv") / "secret"
@@ -50,31 +57,31 @@ async def _knock(kind: str, port: int, key: bytes | None) -> dict | None:
         await channel.close()
 
 
-def test_wrong_or_missing_token_is_refused_and_the_worker_keeps_serving(pair):
+def test_wrong_or_missing_token_is_refused_and_the_worker_keeps_serving(pair, loop):
     kind, d, p = pair
     before = d.metric("splitserve_kv_auth_failures_total")
-    assert asyncio.run(_knock(kind, d.kv_port, derive_key(b"another-service-secret-000"))) is None
-    assert asyncio.run(_knock(kind, d.kv_port, None)) is None
+    assert loop.run_until_complete(_knock(kind, d.kv_port, derive_key(b"another-service-secret-000"))) is None
+    assert loop.run_until_complete(_knock(kind, d.kv_port, None)) is None
     assert d.metric("splitserve_kv_auth_failures_total") - before == 2
     assert "rejected a KV transfer connection: wrong KV-transfer token" in d.log()
     # The right token gets through the handshake: the receiver answers the (unknown) transfer.
-    reply = asyncio.run(_knock(kind, d.kv_port, derive_key(SECRET)))
+    reply = loop.run_until_complete(_knock(kind, d.kv_port, derive_key(SECRET)))
     assert reply is not None and reply["type"] == "failed"
     assert d.metric("splitserve_kv_auth_failures_total") - before == 2
     # ... and the decode worker still takes KV from its own prefill worker.
-    tokens, last = asyncio.run(generate(d.address, prompt(40, salt=7), [p.address]))
+    tokens, last = loop.run_until_complete(generate(d.address, prompt(40, salt=7), [p.address]))
     assert len(tokens) == 8 and last.prefill_worker == p.address
     assert d.proc.poll() is None
 
 
-def test_a_prefill_worker_of_another_service_cannot_push(pair, tmp_path):
+def test_a_prefill_worker_of_another_service_cannot_push(pair, loop, tmp_path):
     kind, d, _ = pair
     other_secret = tmp_path / "other"
     other_secret.write_bytes(b"a-different-service-secret-42")
     intruder = WorkerProc("prefill", kind, "--kv-secret-file", str(other_secret)).start()
     try:
         before = d.metric("splitserve_kv_auth_failures_total")
-        tokens, last = asyncio.run(generate(d.address, prompt(40, salt=8), [intruder.address]))
+        tokens, last = loop.run_until_complete(generate(d.address, prompt(40, salt=8), [intruder.address]))
         # The decode worker refused the intruder's blocks and prefilled locally instead.
         assert len(tokens) == 8 and last.prefill_worker != intruder.address
         assert d.metric("splitserve_kv_auth_failures_total") - before >= 1
