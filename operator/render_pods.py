@@ -82,6 +82,9 @@ BASE_ENV = [{"name": "HOME", "value": "/tmp"}, {"name": "XDG_CACHE_HOME", "value
             _field_env("POD_NAMESPACE", "metadata.namespace"), _field_env("POD_IP", "status.podIP")]
 
 
+KV_SECRET_DIR = "/etc/splitserve/kv"
+
+
 def worker_args(ctx: Context, pool: str) -> list[str]:
     spec, pool_spec = ctx.spec, getattr(ctx.spec, pool)
     args = ["worker", "--role", pool, "--model", spec.model.uri, "--dtype", spec.model.dtype,
@@ -90,6 +93,8 @@ def worker_args(ctx: Context, pool: str) -> list[str]:
             "--host", "0.0.0.0", "--advertise-host", "$(POD_IP)",
             "--grpc-port", str(C.GRPC_PORT), "--metrics-port", str(C.METRICS_PORT),
             "--kv-transport", spec.kv_transfer.transport, "--kv-port", str(C.KV_PORT)]
+    if spec.kv_transfer.auth_secret is not None:
+        args += ["--kv-secret-file", f"{KV_SECRET_DIR}/secret"]
     return args + (["--device", "cuda"] if pool_spec.gpus > 0 else [])
 
 
@@ -125,6 +130,11 @@ def worker_deployment(ctx: Context, pool: str) -> Manifest:
     pool_spec: PoolSpec = getattr(ctx.spec, pool)
     auto = ctx.autoscaling(pool)
     volumes, mounts = _volumes(ctx)
+    auth = ctx.spec.kv_transfer.auth_secret
+    if auth is not None:
+        volumes.append({"name": "kv-secret", "secret": {"secretName": auth.name, "defaultMode": 0o440,
+                                                       "items": [{"key": auth.key, "path": "secret"}]}})
+        mounts.append({"name": "kv-secret", "mountPath": KV_SECRET_DIR, "readOnly": True})
     container = {"name": "worker", "image": ctx.image(pool_spec.image, pool_spec.gpus),
                  "imagePullPolicy": ctx.spec.image.pull_policy, "command": ["splitserve"],
                  "args": worker_args(ctx, pool),

@@ -213,6 +213,9 @@ class KvTransferSpec(_Spec):
 
     transport: Literal["ucx", "tcp"] = "ucx"
     ucx: UcxSpec | None = None
+    auth_secret: SecretKeyRef | None = None
+    """A Secret key holding this service's KV-transfer secret (at least 16 bytes, e.g. `openssl rand -hex 32`):
+    a decode worker then accepts blocks only from peers that prove they hold it (docs/security.md)."""
 
 
 class DisaggregationSpec(_Spec):

@@ -213,3 +213,20 @@ def test_a_peer_must_be_labels_or_a_cidr():
                        "metadata": {"name": "x", "namespace": "team"},
                        "spec": {"model": {"uri": "m"}, "networkPolicy": {"gatewayFrom": [{}]}}})
     assert any("either a cidr" in e for e in errors)
+
+
+def test_kv_auth_secret_is_mounted_and_passed_to_the_workers():
+    manifests = _render("b", {"model": {"uri": "m"}, "kvTransfer": {
+        "transport": "tcp", "authSecret": {"name": "b-kv", "key": "token"}}})
+    for m in manifests:
+        validate_manifest(m)
+    for pool in ("b-prefill", "b-decode"):
+        (dep,) = [m for m in manifests if m["kind"] == "Deployment" and m["metadata"]["name"] == pool]
+        pod = dep["spec"]["template"]["spec"]
+        (container,) = pod["containers"]
+        assert container["args"][-2:] == ["--kv-secret-file", "/etc/splitserve/kv/secret"]
+        assert {"name": "kv-secret", "mountPath": "/etc/splitserve/kv", "readOnly": True} in container["volumeMounts"]
+        (volume,) = [v for v in pod["volumes"] if v["name"] == "kv-secret"]
+        assert volume["secret"]["secretName"] == "b-kv" and volume["secret"]["items"] == [{"key": "token", "path": "secret"}]
+    (router,) = [m for m in manifests if m["kind"] == "Deployment" and m["metadata"]["name"] == "b-router"]
+    assert "kv-secret" not in str(router)
