@@ -116,6 +116,12 @@ class DiscoveryConfig:
     backoff_initial_s: float = 0.25
     backoff_max_s: float = 5.0
     stale_after_s: float = 5.0
+    tls_cert: str = ""
+    """mTLS to the workers (platform/grpc_tls.py): this router's certificate, key and the CA (all three or none)."""
+    tls_key: str = ""
+    tls_ca: str = ""
+    tls_server_name: str = ""
+    """The name the workers' certificates carry (default splitserve-worker)."""
 
     def __post_init__(self) -> None:
         for address in self.workers:
