@@ -149,6 +149,7 @@ class ApiKey:
     rpm: int | None = None
     tpm: int | None = None
     monthly_tokens: int | None = None
+    max_concurrent: int | None = None
 
 
 @dataclass(frozen=True)
@@ -173,6 +174,8 @@ class GatewayConfig:
     """A YAML key file (router/tenancy.py), reloaded on change; its keys add to `api_keys`."""
     quota_window_s: float = 60.0
     """The window of the per-key rpm / tpm limits (60: per minute, as OpenAI's)."""
+    max_concurrent_per_key: int = 0
+    """Requests one key may have in flight on one router (0: only max_concurrent_requests bounds them)."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
@@ -182,6 +185,8 @@ class GatewayConfig:
                               "max_queued_requests >= 0")
         if self.rate_per_s < 0 or self.burst < 0 or self.max_attempts < 1:
             raise ConfigError("gateway: need rate_per_s >= 0, burst >= 0 and max_attempts >= 1")
+        if self.max_concurrent_per_key < 0:
+            raise ConfigError(f"gateway.max_concurrent_per_key={self.max_concurrent_per_key}: need >= 0 (0 = off)")
         if not 0.1 <= self.quota_window_s <= 86400:
             raise ConfigError(f"gateway.quota_window_s={self.quota_window_s}: allowed 0.1-86400 seconds")
 

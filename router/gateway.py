@@ -26,7 +26,7 @@ from splitserve.router.config import ApiKey
 from splitserve.router.errors import APIError
 from splitserve.router.prompts import Prepared, prepare_chat, prepare_completion
 from splitserve.router.responses import ChoiceState, Formatter, TokenText, sse
-from splitserve.router.tenancy import Quota, check_scope
+from splitserve.router.tenancy import Concurrency, Quota, check_scope
 from splitserve.router.service import Router
 
 log = logging.getLogger(__name__)
@@ -40,6 +40,7 @@ class Gateway:
         self.router = router
         gateway = router.config.gateway
         self.auth = Authenticator(gateway.api_keys, gateway.api_keys_file)
+        self.concurrency = Concurrency(gateway.max_concurrent_per_key)
         self.quota = Quota(router.metrics.registry, gateway.rate_limit_redis_url, router.config.index.key_prefix,
                            gateway.quota_window_s)
         self.limiter = RateLimiter(gateway, router.config.index.key_prefix)
@@ -74,8 +75,15 @@ class Gateway:
         prepared = prepare(body, request_id, job_id, self.router.tokenizer, self.router.config.max_model_len)
         reserve = prepared.num_prompt_tokens + sum(job.params.max_tokens for job in prepared.jobs)
         try:
+            counted = self.concurrency.enter(key)
+        except APIError:
+            self.router.metrics.rejected.labels(reason="key_concurrency").inc()
+            raise
+        try:
             grant = await self.quota.admit(key, body.model, reserve)
         except APIError as exc:
+            if counted:
+                self.concurrency.leave(key)
             if exc.status == 429:
                 self.router.metrics.rejected.labels(reason="token_limit").inc()
             raise
@@ -84,10 +92,16 @@ class Gateway:
         except APIError:
             self.router.metrics.rejected.labels(reason="queue_full").inc()
             await self.quota.release(grant)
+            if counted:
+                self.concurrency.leave(key)
             raise
         events = merged([self.router.dispatcher.generate(job) for job in prepared.jobs])
         formatter = Formatter(prepared, is_chat, self.tokens)
-        cleanup = _Cleanup(events, self.admission, lambda choices: self.quota.finish(grant, prepared, choices))
+        async def settle(choices):
+            if counted:
+                self.concurrency.leave(key)
+            await self.quota.finish(grant, prepared, choices)
+        cleanup = _Cleanup(events, self.admission, settle)
         cleanup.quota_headers = grant.headers
         try:
             if prepared.stream:

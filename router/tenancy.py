@@ -10,6 +10,7 @@ Key file (YAML, `gateway.api_keys_file`, e.g. a mounted Secret), reloaded when i
         rpm: 60                   # requests per window (window: gateway.quota_window_s, 60 s)
         tpm: 20000                # prompt + completion tokens per window
         monthly_tokens: 5000000   # prompt + completion tokens per calendar month (UTC)
+        max_concurrent: 8         # requests (streams) of this key in flight at once, per router replica
 
 A presented key is hashed and compared with every digest by hmac.compare_digest.
 
@@ -48,7 +49,7 @@ from splitserve.router.errors import APIError
 from splitserve.router.responses import usage
 
 ID_PATTERN = re.compile(r"[A-Za-z0-9._-]{1,64}")
-KEY_FIELDS = {"id", "sha256", "key", "models", "rpm", "tpm", "monthly_tokens"}
+KEY_FIELDS = {"id", "sha256", "key", "models", "rpm", "tpm", "monthly_tokens", "max_concurrent"}
 
 
 def digest(key: str) -> str:
@@ -88,7 +89,8 @@ def parse_keys(data: Any, source: str) -> tuple[tuple[str, ApiKey], ...]:
             raise ConfigError(f"{where}.models: need a list of model names")
         out.append((hexdigest, ApiKey(key="", name=key_id, models=tuple(models) if models is not None else None,
                                       rpm=_positive(entry, "rpm", where), tpm=_positive(entry, "tpm", where),
-                                      monthly_tokens=_positive(entry, "monthly_tokens", where))))
+                                      monthly_tokens=_positive(entry, "monthly_tokens", where),
+                                      max_concurrent=_positive(entry, "max_concurrent", where))))
     return tuple(out)
 
 
@@ -290,6 +292,36 @@ class RedisQuotaStore:
 
     async def close(self) -> None:
         await self.redis.aclose()
+
+
+class Concurrency:
+    """Requests in flight per key id on this router replica; over the key's `max_concurrent`
+    (else the gateway's `max_concurrent_per_key`, 0 = unbounded): 429 at once."""
+
+    def __init__(self, default: int = 0):
+        self.default = default
+        self.in_flight: dict[str, int] = {}
+
+    def enter(self, key: ApiKey) -> bool:
+        """True when a slot was taken (call leave() once); False when unbounded."""
+        limit = key.max_concurrent or self.default
+        if not limit:
+            return False
+        label = key.name or "anonymous"
+        n = self.in_flight.get(label, 0)
+        if n >= limit:
+            raise APIError(429, f"{label} already has {n} requests in flight; the limit is {limit} at once",
+                           code="too_many_concurrent_requests", retry_after_s=1)
+        self.in_flight[label] = n + 1
+        return True
+
+    def leave(self, key: ApiKey) -> None:
+        label = key.name or "anonymous"
+        n = self.in_flight.get(label, 0) - 1
+        if n > 0:
+            self.in_flight[label] = n
+        else:
+            self.in_flight.pop(label, None)
 
 
 class Quota:

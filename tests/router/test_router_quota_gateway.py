@@ -261,3 +261,12 @@ def test_tokens_per_window_hold_across_replicas_when_one_dies(routers):
     total = total_tokens(results)
     assert total <= TPM * len(windows) * 1.05, (total, len(windows))
     assert total >= TPM, "the run used less than one window's tokens"
+
+
+def test_logs_hold_no_key_and_no_prompt(routers):
+    """Runs last: the routers' whole logs (INFO) after every test above."""
+    procs, _ = routers
+    logs = "".join(line for p in procs for line in p.lines)
+    assert "splitserve router: serving" in logs
+    for secret in ("sk-team", "sk-usage", "sk-headers", "sk-elsewhere", "sk-nobody", MESSAGES[0]["content"]):
+        assert secret not in logs, f"{secret!r} appears in the router logs"

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import time
 
 import pytest
 import yaml
@@ -165,3 +166,38 @@ def test_redis_quota_is_shared_between_replicas(redis_server):
     rows = asyncio.run(steps())
     assert [(r["key_id"], r["requests"], r["prompt_tokens"], r["completion_tokens"]) for r in rows] == [
         ("team-r", 2, 90, 10)]
+
+
+def test_concurrent_requests_per_key_are_bounded(loop, tokenizer, tmp_path):
+    """One key with max_concurrent 1 against a FakeWorker (routerkit; real gRPC): a second request
+    while a stream runs gets 429, another key is unaffected, and the slot comes back at the end."""
+    import httpx
+
+    from routerkit import FakeWorker, RouterServer, router_config
+    from splitserve.router.config import GatewayConfig
+
+    path = tmp_path / "keys.yaml"
+    write_keys(str(path), [{"id": "one", "key": "sk-one", "max_concurrent": 1}, {"id": "two", "key": "sk-two"}])
+    worker = loop.run(FakeWorker(tokenizer=tokenizer, token_delay_s=0.05).start())
+    server = RouterServer(loop, router_config([worker.address], gateway=GatewayConfig(api_keys_file=str(path))),
+                          tokenizer=tokenizer).start()
+    body = {"model": "smollm2-135m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    try:
+        with httpx.Client(base_url=server.url, timeout=30) as c:
+            one, two = {"Authorization": "Bearer sk-one"}, {"Authorization": "Bearer sk-two"}
+            with c.stream("POST", "/v1/chat/completions", headers=one,
+                          json={**body, "max_tokens": 30, "stream": True}) as r:
+                lines = r.iter_lines()
+                next(lines)
+                busy = c.post("/v1/chat/completions", headers=one, json=body)
+                assert busy.status_code == 429 and busy.json()["error"]["code"] == "too_many_concurrent_requests"
+                assert c.post("/v1/chat/completions", headers=two, json=body).status_code == 200
+                list(lines)
+            deadline = time.monotonic() + 10   # the slot is freed as the response ends, just after its last byte
+            while (status := c.post("/v1/chat/completions", headers=one, json=body).status_code) == 429:
+                assert time.monotonic() < deadline, "the key's slot never came back"
+                time.sleep(0.05)
+            assert status == 200
+    finally:
+        server.stop()
+        loop.run(worker.stop())
