@@ -201,3 +201,18 @@ def test_concurrent_requests_per_key_are_bounded(loop, tokenizer, tmp_path):
     finally:
         server.stop()
         loop.run(worker.stop())
+
+
+def test_oversized_headers_get_431(loop, tokenizer):
+    import httpx
+
+    from routerkit import RouterServer, router_config
+
+    server = RouterServer(loop, router_config([]), tokenizer=tokenizer).start(num_decode=0)
+    try:
+        with httpx.Client(base_url=server.url, timeout=30) as c:
+            r = c.get("/v1/models", headers={"x-padding": "a" * 20000})
+            assert r.status_code == 431 and r.json()["error"]["code"] == "headers_too_large"
+            assert c.get("/v1/models").status_code == 200
+    finally:
+        server.stop()
