@@ -254,6 +254,26 @@ class PeerSpec(_Spec):
     """An address range, e.g. a load balancer's subnet."""
 
 
+class IssuerRef(_Spec):
+    name: str = Field(min_length=1, max_length=253)
+    kind: Literal["Issuer", "ClusterIssuer"] = "ClusterIssuer"
+
+
+class TlsSpec(_Spec):
+    """Mutual TLS on the Worker gRPC API (router -> workers, decode -> prefill). The certificate, its
+    key and the CA come from a Secret with cert-manager's keys `tls.crt`, `tls.key`, `ca.crt`:
+    `secretName`, or the Secret of the cert-manager Certificate `<name>-tls` the operator renders
+    when `issuer` is set. The certificate must name `splitserve-worker` and allow server and client auth."""
+
+    model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": [
+        rule("has(self.secretName) != has(self.issuer)", "tls: set exactly one of secretName or issuer")]})
+
+    secret_name: str | None = Field(None, min_length=1, max_length=253)
+    """An existing Secret (tls.crt, tls.key, ca.crt)."""
+    issuer: IssuerRef | None = None
+    """A cert-manager issuer: the operator renders a Certificate `<name>-tls` signed by it."""
+
+
 class NetworkPolicySpec(_Spec):
     """NetworkPolicies around this service's pods: worker gRPC and KV-transfer ports only from this
     service's router and workers; metrics only from the monitoring namespace (chart value
@@ -293,6 +313,8 @@ class InferenceServiceSpec(_Spec):
     disaggregation: DisaggregationSpec = DisaggregationSpec()
     monitoring: MonitoringSpec = MonitoringSpec()
     network_policy: NetworkPolicySpec = NetworkPolicySpec()
+    tls: TlsSpec | None = None
+    """mTLS between router and workers (off when absent)."""
 
     @property
     def served_model_name(self) -> str:

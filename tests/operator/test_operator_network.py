@@ -230,3 +230,34 @@ def test_kv_auth_secret_is_mounted_and_passed_to_the_workers():
         assert volume["secret"]["secretName"] == "b-kv" and volume["secret"]["items"] == [{"key": "token", "path": "secret"}]
     (router,) = [m for m in manifests if m["kind"] == "Deployment" and m["metadata"]["name"] == "b-router"]
     assert "kv-secret" not in str(router)
+
+
+@pytest.mark.parametrize("tls,secret", [({"issuer": {"name": "internal-ca"}}, "b-tls"), ({"secretName": "mine"}, "mine")])
+def test_mtls_mounts_the_secret_into_router_and_workers(tls, secret):
+    manifests = _render("b", {"model": {"uri": "m"}, "tls": tls})
+    for m in manifests:
+        validate_manifest(m)
+    certs = [m for m in manifests if m["kind"] == "Certificate"]
+    if "issuer" in tls:
+        (cert,) = certs
+        assert cert["spec"]["secretName"] == "b-tls" and cert["spec"]["dnsNames"] == ["splitserve-worker"]
+        assert cert["spec"]["issuerRef"] == {"name": "internal-ca", "kind": "ClusterIssuer", "group": "cert-manager.io"}
+        assert set(cert["spec"]["usages"]) >= {"server auth", "client auth"}
+    else:
+        assert certs == []
+    for name in ("b-prefill", "b-decode", "b-router"):
+        (dep,) = [m for m in manifests if m["kind"] == "Deployment" and m["metadata"]["name"] == name]
+        pod = dep["spec"]["template"]["spec"]
+        (container,) = pod["containers"]
+        args = container["args"]
+        assert args[args.index("--tls-cert") + 1] == "/etc/splitserve/tls/tls.crt"
+        assert args[args.index("--tls-ca") + 1] == "/etc/splitserve/tls/ca.crt"
+        (volume,) = [v for v in pod["volumes"] if v["name"] == "tls"]
+        assert volume["secret"]["secretName"] == secret
+
+
+def test_tls_needs_exactly_one_source():
+    _, errors = admit({"apiVersion": "serving.splitserve.io/v1alpha1", "kind": "InferenceService",
+                       "metadata": {"name": "x", "namespace": "team"},
+                       "spec": {"model": {"uri": "m"}, "tls": {"secretName": "a", "issuer": {"name": "i"}}}})
+    assert any("exactly one of secretName or issuer" in e for e in errors)
