@@ -5,7 +5,8 @@ and a policy there adds breakage without protecting the workers):
 
     <name>-workers   pods: this service's prefill and decode workers
         grpc, kv      from this service's router pods and this service's worker pods
-                      (prefill pushes KV to decode; both reach each other's gRPC)
+                      (prefill pushes KV to decode; both reach each other's gRPC); with the
+                      ucx transport also UCX's TCP ports (constants.UCX_TCP_PORTS)
         metrics       from the monitoring peer (chart: networkPolicy.workloads.monitoring)
     <name>-router    pods: this service's router
         http          from spec.networkPolicy.gatewayFrom, else the chart's gatewayFrom
@@ -66,8 +67,11 @@ def network_policies(ctx: Context) -> list[Manifest]:
     sources = [_peer(p) for p in (gateway_from if gateway_from is not None else defaults.gateway_from)]
     # An empty `from` would allow everyone: gatewayFrom [] means no rule for the port at all.
     gateway = [{"from": sources, "ports": _ports(C.HTTP_PORT_NAME)}] if sources else []
+    worker_ports = _ports(C.GRPC_PORT_NAME, C.KV_PORT_NAME)
+    if ctx.spec.kv_transfer.transport == "ucx":   # UCX's TCP transport listens on its own ports (render_pods)
+        worker_ports.append({"port": C.UCX_TCP_PORTS[0], "endPort": C.UCX_TCP_PORTS[1], "protocol": "TCP"})
     return [
         _policy(ctx, "workers", _workers_selector(ctx), [
-            {"from": [router, workers], "ports": _ports(C.GRPC_PORT_NAME, C.KV_PORT_NAME)}, monitoring]),
+            {"from": [router, workers], "ports": worker_ports}, monitoring]),
         _policy(ctx, "router", {"matchLabels": ctx.selector("router")}, [*gateway, monitoring]),
     ]

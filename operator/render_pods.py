@@ -136,6 +136,8 @@ def worker_args(ctx: Context, pool: str) -> list[str]:
 def _worker_env(ctx: Context, pool_spec: PoolSpec) -> list[dict[str, Any]]:
     ucx = ctx.spec.kv_transfer.ucx
     extra = []
+    if ctx.spec.kv_transfer.transport == "ucx":
+        extra.append({"name": "UCX_TCP_PORT_RANGE", "value": "%d-%d" % C.UCX_TCP_PORTS})
     if ucx is not None and ucx.tls:
         extra.append({"name": "UCX_TLS", "value": ucx.tls})
     if ucx is not None and ucx.net_devices:

@@ -71,7 +71,9 @@ def _peer_matches(peer: dict[str, Any], policy_ns: str, src: Pod) -> bool:
 
 def _port_matches(rule_port: dict[str, Any], dst: Pod, port: int) -> bool:
     want = rule_port["port"]
-    return port == (dst.ports.get(want) if isinstance(want, str) else want)
+    if isinstance(want, str):
+        return port == dst.ports.get(want)
+    return want <= port <= rule_port.get("endPort", want)
 
 
 class Cluster:
@@ -107,6 +109,10 @@ def _pods_of(manifests: list[dict[str, Any]]) -> dict[str, Pod]:
         if m["kind"] == "Deployment":
             template = m["spec"]["template"]
             ports = {p["name"]: p["containerPort"] for c in template["spec"]["containers"] for p in c.get("ports", [])}
+            env = {e["name"]: e.get("value") for c in template["spec"]["containers"] for e in c.get("env", [])}
+            if "UCX_TCP_PORT_RANGE" in env:   # UCX's own TCP listeners: probe both ends of the range
+                low, high = map(int, env["UCX_TCP_PORT_RANGE"].split("-"))
+                ports.update({"ucx-low": low, "ucx-high": high})
             out[m["metadata"]["name"]] = Pod(m["metadata"]["name"], m["metadata"]["namespace"],
                                              template["metadata"]["labels"], ports)
     return out
@@ -166,6 +172,7 @@ def test_two_services_side_by_side_every_path():
     # The matrix really contains both kinds of path, for each port kind.
     assert got[("a-router", "a-decode", "grpc")] and not got[("b-router", "a-decode", "grpc")]
     assert got[("a-prefill", "a-decode", "kv")] and not got[("b-prefill", "a-decode", "kv")]
+    assert got[("a-prefill", "a-decode", "ucx-high")] and not got[("b-prefill", "a-decode", "ucx-low")]
     assert not got[("team-shell", "a-prefill", "grpc")] and not got[("other-shell", "b-decode", "kv")]
     assert got[("prometheus", "b-decode", "metrics")] and not got[("a-router", "b-decode", "metrics")]
     assert got[("ingress", "a-router", "http")] and got[("team-shell", "b-router", "http")]
