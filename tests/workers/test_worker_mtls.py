@@ -63,3 +63,19 @@ def test_right_certificate_is_served_and_others_are_refused(worker, pki):
     assert _refused(lambda: aio_channel(worker.address, other)) == grpc.StatusCode.UNAVAILABLE
     assert len(_generate(lambda: aio_channel(worker.address, tls))) == 3   # still serving
     assert worker.proc.poll() is None
+
+
+def test_splitserve_up_makes_throwaway_credentials(tmp_path):
+    import os
+    import stat
+
+    from splitserve.router.up import throwaway_security
+
+    overrides, args = throwaway_security(str(tmp_path))
+    assert set(overrides) == {"discovery.tls_cert", "discovery.tls_key", "discovery.tls_ca"}
+    flags = dict(zip(args[::2], args[1::2]))
+    assert set(flags) == {"--tls-cert", "--tls-key", "--tls-ca", "--kv-secret-file"}
+    for path in flags.values():
+        assert stat.S_IMODE(os.stat(path).st_mode) == 0o600, path
+    assert len(open(flags["--kv-secret-file"]).read()) == 64
+    assert overrides["discovery.tls_cert"] == flags["--tls-cert"]
