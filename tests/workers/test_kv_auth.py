@@ -6,6 +6,7 @@ in `splitserve_kv_auth_failures_total`, and the decode worker keeps serving."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
@@ -63,7 +64,10 @@ def test_wrong_or_missing_token_is_refused_and_the_worker_keeps_serving(pair, lo
     assert loop.run_until_complete(_knock(kind, d.kv_port, derive_key(b"another-service-secret-000"))) is None
     assert loop.run_until_complete(_knock(kind, d.kv_port, None)) is None
     assert d.metric("splitserve_kv_auth_failures_total") - before == 2
-    assert "rejected a KV transfer connection: wrong KV-transfer token" in d.log()
+    deadline = time.monotonic() + 30   # the log line reaches us through the process's stdout pipe
+    while "rejected a KV transfer connection: wrong KV-transfer token" not in d.log():
+        assert time.monotonic() < deadline, d.log()[-2000:]
+        time.sleep(0.05)
     # The right token gets through the handshake: the receiver answers the (unknown) transfer.
     reply = loop.run_until_complete(_knock(kind, d.kv_port, derive_key(SECRET)))
     assert reply is not None and reply["type"] == "failed"

@@ -122,10 +122,10 @@ class ChannelReceiver(KVReceiver):
                 try:
                     await auth.challenge(channel, self.auth_key)
                 except (auth.AuthError, ChannelClosed, ValueError) as e:
+                    log.warning("rejected a KV transfer connection: %s", e)
                     self.num_auth_failures += 1
                     if self.on_auth_failure is not None:
                         self.on_auth_failure()
-                    log.warning("rejected a KV transfer connection: %s", e)
                     with contextlib.suppress(Exception):
                         await channel.close()
                     return
