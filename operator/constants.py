@@ -15,6 +15,9 @@ SHORT_NAMES = ("isvc", "ssvc")
 GRPC_PORT = 50051
 METRICS_PORT = 9090
 KV_PORT = 13337
+# UCX's TCP transport listens on ports of its own beside KV_PORT (its connection manager's
+# port); the workers pin them to this range (UCX_TCP_PORT_RANGE) so the NetworkPolicy can allow them.
+UCX_TCP_PORTS = (13340, 13399)
 # Router (gateway) ports: the OpenAI API with /health and /ready, and Prometheus metrics.
 ROUTER_HTTP_PORT = 8000
 ROUTER_METRICS_PORT = 9090

@@ -39,6 +39,8 @@ KINDS = [KindInfo(*k) for k in [
     ("autoscaling/v2", "HorizontalPodAutoscaler", "horizontalpodautoscalers"),
     ("keda.sh/v1alpha1", "ScaledObject", "scaledobjects"),
     ("monitoring.coreos.com/v1", "ServiceMonitor", "servicemonitors"),
+    ("networking.k8s.io/v1", "NetworkPolicy", "networkpolicies"),
+    ("cert-manager.io/v1", "Certificate", "certificates"),
 ]]
 KIND_BY_NAME = {k.kind: k for k in KINDS}
 ISVC = KindInfo(f"{C.API_GROUP}/{C.API_VERSION}", C.KIND, C.PLURAL)

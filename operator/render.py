@@ -16,6 +16,8 @@ disaggregation.mode is never):
     PodDisruptionBudget                            <name>-<pool>, <name>-router
     ScaledObject (KEDA) or HorizontalPodAutoscaler <name>-<pool>   when the pool is autoscaled
     ServiceMonitor                                 <name>          when monitoring.serviceMonitor.enabled
+    NetworkPolicy                                  <name>-workers, <name>-router   unless networkPolicy.enabled is false
+    Certificate (cert-manager)                     <name>-tls      when tls.issuer is set (mTLS, see render_pods)
 
 Every child carries the common labels and a controller owner reference to the
 InferenceService, so Kubernetes' garbage collector deletes it with its owner.
@@ -23,7 +25,7 @@ InferenceService, so Kubernetes' garbage collector deletes it with its owner.
 
 from __future__ import annotations
 
-from splitserve.operator import render_pods, render_scaling, render_services
+from splitserve.operator import render_network, render_pods, render_scaling, render_services
 from splitserve.operator.context import Context, Manifest
 from splitserve.operator.settings import OperatorSettings
 from splitserve.operator.spec import InferenceServiceSpec
@@ -32,11 +34,15 @@ from splitserve.operator.spec import InferenceServiceSpec
 def render(spec: InferenceServiceSpec, name: str, namespace: str, uid: str,
            settings: OperatorSettings | None = None) -> list[Manifest]:
     ctx = Context(spec, name, namespace, uid, settings or OperatorSettings())
-    out = [*render_services.router_access(ctx), *render_services.services(ctx)]
+    out = [*render_services.router_access(ctx)]
+    if (cert := render_pods.certificate(ctx)) is not None:
+        out.append(cert)
+    out += render_services.services(ctx)
     out += [render_pods.worker_deployment(ctx, pool) for pool in ctx.pools]
     out.append(render_pods.router_deployment(ctx))
     out += render_scaling.disruption_budgets(ctx)
     out += [a for pool in ctx.pools if (a := render_scaling.autoscaler(ctx, pool)) is not None]
     if spec.monitoring.service_monitor.enabled:
         out.append(render_scaling.service_monitor(ctx))
+    out += render_network.network_policies(ctx)
     return out

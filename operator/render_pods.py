@@ -82,6 +82,43 @@ BASE_ENV = [{"name": "HOME", "value": "/tmp"}, {"name": "XDG_CACHE_HOME", "value
             _field_env("POD_NAMESPACE", "metadata.namespace"), _field_env("POD_IP", "status.podIP")]
 
 
+KV_SECRET_DIR = "/etc/splitserve/kv"
+TLS_DIR = "/etc/splitserve/tls"
+
+
+def tls_secret_name(ctx: Context) -> str | None:
+    tls = ctx.spec.tls
+    if tls is None:
+        return None
+    return tls.secret_name or ctx.child("tls")
+
+
+def tls_args(ctx: Context) -> list[str]:
+    if tls_secret_name(ctx) is None:
+        return []
+    return ["--tls-cert", f"{TLS_DIR}/tls.crt", "--tls-key", f"{TLS_DIR}/tls.key", "--tls-ca", f"{TLS_DIR}/ca.crt"]
+
+
+def _add_tls(ctx: Context, volumes: list[dict[str, Any]], mounts: list[dict[str, Any]]) -> None:
+    secret = tls_secret_name(ctx)
+    if secret is not None:
+        volumes.append({"name": "tls", "secret": {"secretName": secret, "defaultMode": 0o440}})
+        mounts.append({"name": "tls", "mountPath": TLS_DIR, "readOnly": True})
+
+
+def certificate(ctx: Context) -> Manifest | None:
+    """The cert-manager Certificate of the service's mTLS, when spec.tls.issuer names an issuer."""
+    tls = ctx.spec.tls
+    if tls is None or tls.issuer is None:
+        return None
+    return {"apiVersion": "cert-manager.io/v1", "kind": "Certificate", "metadata": ctx.meta(ctx.child("tls"), "tls"),
+            "spec": {"secretName": ctx.child("tls"), "commonName": "splitserve-worker", "dnsNames": ["splitserve-worker"],
+                     "usages": ["server auth", "client auth", "digital signature", "key encipherment"],
+                     "duration": "2160h", "renewBefore": "360h",
+                     "privateKey": {"algorithm": "ECDSA", "size": 256, "rotationPolicy": "Always"},
+                     "issuerRef": {"name": tls.issuer.name, "kind": tls.issuer.kind, "group": "cert-manager.io"}}}
+
+
 def worker_args(ctx: Context, pool: str) -> list[str]:
     spec, pool_spec = ctx.spec, getattr(ctx.spec, pool)
     args = ["worker", "--role", pool, "--model", spec.model.uri, "--dtype", spec.model.dtype,
@@ -90,12 +127,17 @@ def worker_args(ctx: Context, pool: str) -> list[str]:
             "--host", "0.0.0.0", "--advertise-host", "$(POD_IP)",
             "--grpc-port", str(C.GRPC_PORT), "--metrics-port", str(C.METRICS_PORT),
             "--kv-transport", spec.kv_transfer.transport, "--kv-port", str(C.KV_PORT)]
+    if spec.kv_transfer.auth_secret is not None:
+        args += ["--kv-secret-file", f"{KV_SECRET_DIR}/secret"]
+    args += tls_args(ctx)
     return args + (["--device", "cuda"] if pool_spec.gpus > 0 else [])
 
 
 def _worker_env(ctx: Context, pool_spec: PoolSpec) -> list[dict[str, Any]]:
     ucx = ctx.spec.kv_transfer.ucx
     extra = []
+    if ctx.spec.kv_transfer.transport == "ucx":
+        extra.append({"name": "UCX_TCP_PORT_RANGE", "value": "%d-%d" % C.UCX_TCP_PORTS})
     if ucx is not None and ucx.tls:
         extra.append({"name": "UCX_TLS", "value": ucx.tls})
     if ucx is not None and ucx.net_devices:
@@ -125,6 +167,12 @@ def worker_deployment(ctx: Context, pool: str) -> Manifest:
     pool_spec: PoolSpec = getattr(ctx.spec, pool)
     auto = ctx.autoscaling(pool)
     volumes, mounts = _volumes(ctx)
+    _add_tls(ctx, volumes, mounts)
+    auth = ctx.spec.kv_transfer.auth_secret
+    if auth is not None:
+        volumes.append({"name": "kv-secret", "secret": {"secretName": auth.name, "defaultMode": 0o440,
+                                                       "items": [{"key": auth.key, "path": "secret"}]}})
+        mounts.append({"name": "kv-secret", "mountPath": KV_SECRET_DIR, "readOnly": True})
     container = {"name": "worker", "image": ctx.image(pool_spec.image, pool_spec.gpus),
                  "imagePullPolicy": ctx.spec.image.pull_policy, "command": ["splitserve"],
                  "args": worker_args(ctx, pool),
@@ -147,6 +195,7 @@ def router_deployment(ctx: Context) -> Manifest:
     volumes, mounts = _volumes(ctx)
     volumes.append({"name": "config", "configMap": {"name": ctx.child("router")}})
     mounts.append({"name": "config", "mountPath": C.ROUTER_CONFIG_DIR, "readOnly": True})
+    _add_tls(ctx, volumes, mounts)
     env = list(BASE_ENV)
     if router.redis is not None and router.redis.password_secret is not None:
         ref = router.redis.password_secret
@@ -154,7 +203,8 @@ def router_deployment(ctx: Context) -> Manifest:
     container = {"name": "router", "image": ctx.image(router.image, 0), "imagePullPolicy": ctx.spec.image.pull_policy,
                  "command": ["splitserve"],
                  "args": ["router", "--config", f"{C.ROUTER_CONFIG_DIR}/{C.ROUTER_CONFIG_FILE}", "--host", "0.0.0.0",
-                          "--port", str(C.ROUTER_HTTP_PORT), "--metrics-port", str(C.ROUTER_METRICS_PORT)],
+                          "--port", str(C.ROUTER_HTTP_PORT), "--metrics-port", str(C.ROUTER_METRICS_PORT),
+                          *tls_args(ctx)],
                  "ports": [{"name": C.HTTP_PORT_NAME, "containerPort": C.ROUTER_HTTP_PORT, "protocol": "TCP"},
                            {"name": C.METRICS_PORT_NAME, "containerPort": C.ROUTER_METRICS_PORT, "protocol": "TCP"}],
                  "env": _env(env, router.env), "resources": _resources(router.resources),

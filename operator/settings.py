@@ -16,7 +16,7 @@ import pathlib
 from dataclasses import dataclass
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic.alias_generators import to_camel
 
 from splitserve.operator import constants as C
@@ -60,10 +60,40 @@ class ReconcileSettings(_Settings):
     """Delay of kopf's TemporaryError while children are not ready."""
 
 
+class Peer(_Settings):
+    """A source of traffic, as in spec.networkPolicy.gatewayFrom (namespaceLabels/podLabels or cidr)."""
+
+    namespace_labels: dict[str, str] | None = None
+    pod_labels: dict[str, str] | None = None
+    cidr: str | None = None
+
+    @model_validator(mode="after")
+    def _one_kind(self) -> "Peer":
+        if (self.cidr is not None) == (self.namespace_labels is not None or self.pod_labels is not None):
+            raise ValueError("a peer is either a cidr or namespaceLabels/podLabels, not both and not neither")
+        return self
+
+
+class WorkloadPolicies(_Settings):
+    """What the per-InferenceService NetworkPolicies let in (chart: networkPolicy.workloads)."""
+
+    monitoring: Peer = Peer(namespace_labels={"kubernetes.io/metadata.name": "monitoring"}, pod_labels={})
+    """Who may scrape the metrics ports (default: every pod of the namespace named monitoring)."""
+    gateway_from: list[Peer] = [Peer(pod_labels={}),
+                                Peer(namespace_labels={"kubernetes.io/metadata.name": "ingress-nginx"}, pod_labels={})]
+    """Who may call the router's HTTP port unless the InferenceService says (default: every pod of the
+    service's namespace, and the ingress controller's namespace)."""
+
+
+class NetworkPolicyDefaults(_Settings):
+    workloads: WorkloadPolicies = WorkloadPolicies()
+
+
 class OperatorSettings(_Settings):
     image: ImageDefaults = ImageDefaults()
     autoscaling: AutoscalingDefaults = AutoscalingDefaults()
     reconcile: ReconcileSettings = ReconcileSettings()
+    network_policy: NetworkPolicyDefaults = NetworkPolicyDefaults()
 
 
 def load_settings(path: str | None) -> OperatorSettings:

@@ -222,6 +222,9 @@ class KvTransferSpec(_Spec):
 
     transport: Literal["ucx", "tcp"] = "ucx"
     ucx: UcxSpec | None = None
+    auth_secret: SecretKeyRef | None = None
+    """A Secret key holding this service's KV-transfer secret (at least 16 bytes, e.g. `openssl rand -hex 32`):
+    a decode worker then accepts blocks only from peers that prove they hold it (docs/security.md)."""
 
 
 class DisaggregationSpec(_Spec):
@@ -241,6 +244,55 @@ class ServiceMonitorSpec(_Spec):
 
 class MonitoringSpec(_Spec):
     service_monitor: ServiceMonitorSpec = ServiceMonitorSpec()
+
+
+class PeerSpec(_Spec):
+    """One allowed source of traffic: pods matching `podLabels` in namespaces matching
+    `namespaceLabels` (either alone: any namespace's matching pods in this namespace / every pod of
+    the matching namespaces), or an address range `cidr`."""
+
+    model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": [
+        rule("has(self.cidr) != (has(self.namespaceLabels) || has(self.podLabels))",
+             "a peer is either a cidr or namespaceLabels/podLabels, not both and not neither")]})
+
+    namespace_labels: dict[str, Annotated[str, StringConstraints(max_length=63, pattern=LABEL_VALUE)]] | None = None
+    """Labels of the source namespaces ({} = every namespace)."""
+    pod_labels: dict[str, Annotated[str, StringConstraints(max_length=63, pattern=LABEL_VALUE)]] | None = None
+    """Labels of the source pods ({} = every pod)."""
+    cidr: str | None = Field(None, max_length=64, pattern=r"^[0-9a-fA-F.:]+/[0-9]{1,3}$")
+    """An address range, e.g. a load balancer's subnet."""
+
+
+class IssuerRef(_Spec):
+    name: str = Field(min_length=1, max_length=253)
+    kind: Literal["Issuer", "ClusterIssuer"] = "ClusterIssuer"
+
+
+class TlsSpec(_Spec):
+    """Mutual TLS on the Worker gRPC API (router -> workers, decode -> prefill). The certificate, its
+    key and the CA come from a Secret with cert-manager's keys `tls.crt`, `tls.key`, `ca.crt`:
+    `secretName`, or the Secret of the cert-manager Certificate `<name>-tls` the operator renders
+    when `issuer` is set. The certificate must name `splitserve-worker` and allow server and client auth."""
+
+    model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": [
+        rule("has(self.secretName) != has(self.issuer)", "tls: set exactly one of secretName or issuer")]})
+
+    secret_name: str | None = Field(None, min_length=1, max_length=253)
+    """An existing Secret (tls.crt, tls.key, ca.crt)."""
+    issuer: IssuerRef | None = None
+    """A cert-manager issuer: the operator renders a Certificate `<name>-tls` signed by it."""
+
+
+class NetworkPolicySpec(_Spec):
+    """NetworkPolicies around this service's pods: worker gRPC and KV-transfer ports only from this
+    service's router and workers; metrics only from the monitoring namespace (chart value
+    `networkPolicy.workloads.monitoring`); the gateway port from `gatewayFrom`."""
+
+    enabled: bool = True
+    """Render the NetworkPolicies (needs a CNI that enforces them)."""
+    gateway_from: list[PeerSpec] | None = Field(None, max_length=32)
+    """Who may call the router's HTTP port (default: the chart's `networkPolicy.workloads.gatewayFrom`,
+    which is every pod of this namespace and the ingress controller's namespace)."""
 
 
 class ImageSpec(_Spec):
@@ -274,6 +326,9 @@ class InferenceServiceSpec(_Spec):
     monitoring: MonitoringSpec = MonitoringSpec()
     slo: SloSpec | None = None
     """Latency targets; required when a pool's autoscaling provider is planner."""
+    network_policy: NetworkPolicySpec = NetworkPolicySpec()
+    tls: TlsSpec | None = None
+    """mTLS between router and workers (off when absent)."""
 
     @property
     def served_model_name(self) -> str:

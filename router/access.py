@@ -29,20 +29,29 @@ def key_label(key: ApiKey) -> str:
 
 
 class Authenticator:
-    def __init__(self, keys: tuple[ApiKey, ...]):
+    """Keys from the config (plain, `--api-key`) and from a key file (hashed, reloaded on change)."""
+
+    def __init__(self, keys: tuple[ApiKey, ...], key_file: str = ""):
+        from splitserve.router.tenancy import KeyFile
+
         self.keys = keys
+        self.key_file = KeyFile(key_file) if key_file else None
 
     def check(self, authorization: str | None) -> ApiKey:
-        if not self.keys:
+        if not self.keys and self.key_file is None:
             return ANONYMOUS
         if not authorization:
             raise APIError(401, "missing API key: send the header 'Authorization: Bearer YOUR_KEY'",
                            code="invalid_api_key")
         scheme, _, token = authorization.partition(" ")
         token = token.strip()
-        for key in self.keys:
-            if scheme.lower() == "bearer" and hmac.compare_digest(token.encode(), key.key.encode()):
-                return key
+        if scheme.lower() == "bearer":
+            for key in self.keys:
+                if hmac.compare_digest(token.encode(), key.key.encode()):
+                    return key
+            found = self.key_file.lookup(token) if self.key_file is not None and token else None
+            if found is not None:
+                return found
         raise APIError(401, "incorrect API key provided", code="invalid_api_key")
 
 

@@ -47,6 +47,7 @@ def create_app(router: Router, manage_router: bool = True) -> FastAPI:
             if manage_router:
                 await router.stop()
             await gateway.limiter.buckets.close()
+            await gateway.quota.close()
 
     app = FastAPI(title="splitserve gateway", version="0.1.0", lifespan=lifespan,
                   description="OpenAI-compatible API in front of splitserve's prefill/decode workers")
@@ -140,6 +141,9 @@ def describe_validation(errors) -> tuple[str, str | None]:
     return "invalid request: " + "; ".join(parts), next(iter(fields), None)
 
 
+MAX_HEADER_BYTES = 16 * 1024
+
+
 class EdgeMiddleware:
     """Request id (X-Request-Id in and out, on every log line), body size limit, request metrics."""
 
@@ -167,6 +171,12 @@ class EdgeMiddleware:
             await send(message)
 
         try:
+            header_bytes = sum(len(k) + len(v) for k, v in scope.get("headers") or [])
+            if header_bytes > MAX_HEADER_BYTES:   # whatever the HTTP parser allowed
+                response = JSONResponse(error_body(431, f"request headers too large: {header_bytes} bytes, the "
+                                                   f"limit is {MAX_HEADER_BYTES}", code="headers_too_large"), 431)
+                await response({"type": "http"}, receive, send_with_id)
+                return
             length = headers.get(b"content-length", b"")
             if length.isdigit() and int(length) > self.max_body_bytes:
                 await self._reject_oversized(receive, send_with_id, int(length))

@@ -116,6 +116,12 @@ class DiscoveryConfig:
     backoff_initial_s: float = 0.25
     backoff_max_s: float = 5.0
     stale_after_s: float = 5.0
+    tls_cert: str = ""
+    """mTLS to the workers (platform/grpc_tls.py): this router's certificate, key and the CA (all three or none)."""
+    tls_key: str = ""
+    tls_ca: str = ""
+    tls_server_name: str = ""
+    """The name the workers' certificates carry (default splitserve-worker)."""
 
     def __post_init__(self) -> None:
         for address in self.workers:
@@ -131,12 +137,19 @@ class DiscoveryConfig:
 @dataclass(frozen=True)
 class ApiKey:
     """An accepted API key; `name` labels it in logs and metrics (never the key itself); a
-    `rate_per_s` / `burst` here override the global rate limit for this key."""
+    `rate_per_s` / `burst` here override the global rate limit for this key. `models` (None: all),
+    `rpm`, `tpm` and `monthly_tokens` scope and meter it (router/tenancy.py; keys from
+    `api_keys_file` come with key="" and their id as name)."""
 
     key: str
     name: str = ""
     rate_per_s: float | None = None
     burst: int | None = None
+    models: tuple[str, ...] | None = None
+    rpm: int | None = None
+    tpm: int | None = None
+    monthly_tokens: int | None = None
+    max_concurrent: int | None = None
 
 
 @dataclass(frozen=True)
@@ -159,6 +172,12 @@ class GatewayConfig:
     max_attempts: int = 3
     cold_start_hold_s: float = 0.0      # scale from zero: wait this long for a decode worker (0: off)
     cold_start_max_held: int = 64       # ...with at most this many requests waiting (router/hold.py)
+    api_keys_file: str = ""
+    """A YAML key file (router/tenancy.py), reloaded on change; its keys add to `api_keys`."""
+    quota_window_s: float = 60.0
+    """The window of the per-key rpm / tpm limits (60: per minute, as OpenAI's)."""
+    max_concurrent_per_key: int = 0
+    """Requests one key may have in flight on one router (0: only max_concurrent_requests bounds them)."""
 
     def __post_init__(self) -> None:
         if self.cold_start_hold_s < 0 or self.cold_start_max_held < 0:
@@ -171,6 +190,10 @@ class GatewayConfig:
                               "max_queued_requests >= 0")
         if self.rate_per_s < 0 or self.burst < 0 or self.max_attempts < 1:
             raise ConfigError("gateway: need rate_per_s >= 0, burst >= 0 and max_attempts >= 1")
+        if self.max_concurrent_per_key < 0:
+            raise ConfigError(f"gateway.max_concurrent_per_key={self.max_concurrent_per_key}: need >= 0 (0 = off)")
+        if not 0.1 <= self.quota_window_s <= 86400:
+            raise ConfigError(f"gateway.quota_window_s={self.quota_window_s}: allowed 0.1-86400 seconds")
 
 
 @dataclass(frozen=True)
@@ -251,7 +274,8 @@ def _gateway(data) -> GatewayConfig:
     keys = data.get("api_keys", ())
     if isinstance(keys, str):
         keys = [k for k in keys.split(",") if k]
-    data["api_keys"] = tuple(ApiKey(**checked_mapping(k, ApiKey, "gateway.api_keys[]")) if isinstance(k, dict)
+    data["api_keys"] = tuple(ApiKey(**_tuple_fields(checked_mapping(k, ApiKey, "gateway.api_keys[]"), "models"))
+                             if isinstance(k, dict)
                              else ApiKey(key=str(k)) for k in keys)
     return GatewayConfig(**data)
 

@@ -19,8 +19,9 @@ class APIError(Exception):
     """An answer for the client: HTTP `status`, a message saying what was wrong and what is allowed."""
 
     def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
-                 retry_after_s: float | None = None):
+                 retry_after_s: float | None = None, headers: dict[str, str] | None = None):
         super().__init__(message)
+        self.extra_headers = headers or {}
         self.status = status
         self.message = message
         self.param = param
@@ -32,8 +33,8 @@ class APIError(Exception):
 
     def headers(self) -> dict[str, str]:
         if self.retry_after_s is None:
-            return {}
-        return {"Retry-After": str(max(1, math.ceil(self.retry_after_s)))}
+            return dict(self.extra_headers)
+        return {**self.extra_headers, "Retry-After": str(max(1, math.ceil(self.retry_after_s)))}
 
 
 def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:

@@ -21,11 +21,12 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from splitserve.router import logctx
-from splitserve.router.access import Admission, Authenticator, RateLimiter
+from splitserve.router.access import ANONYMOUS, Admission, Authenticator, RateLimiter
 from splitserve.router.config import ApiKey
 from splitserve.router.errors import APIError
 from splitserve.router.prompts import Prepared, prepare_chat, prepare_completion
 from splitserve.router.responses import ChoiceState, Formatter, TokenText, sse
+from splitserve.router.tenancy import Concurrency, Quota, check_scope
 from splitserve.router.service import Router
 
 log = logging.getLogger(__name__)
@@ -38,7 +39,10 @@ class Gateway:
     def __init__(self, router: Router):
         self.router = router
         gateway = router.config.gateway
-        self.auth = Authenticator(gateway.api_keys)
+        self.auth = Authenticator(gateway.api_keys, gateway.api_keys_file)
+        self.concurrency = Concurrency(gateway.max_concurrent_per_key)
+        self.quota = Quota(router.metrics.registry, gateway.rate_limit_redis_url, router.config.index.key_prefix,
+                           gateway.quota_window_s)
         self.limiter = RateLimiter(gateway, router.config.index.key_prefix)
         self.admission = Admission(gateway.max_concurrent_requests, gateway.max_queued_requests)
         self.tokens = TokenText(router.tokenizer)
@@ -51,6 +55,7 @@ class Gateway:
         except APIError:
             self.router.metrics.rejected.labels(reason="rate_limit").inc()
             raise
+        request.state.api_key = key
         return key
 
     def check_model(self, model: str) -> None:
@@ -61,19 +66,43 @@ class Gateway:
 
     async def serve(self, request: Request, body, is_chat: bool) -> Response:
         self.check_model(body.model)
+        key = getattr(request.state, "api_key", ANONYMOUS)
+        check_scope(key, body.model)
         request_id = logctx.request_id.get()
         # A client's X-Request-Id may repeat; the workers get it with a unique suffix.
         job_id = f"{request_id}-{uuid.uuid4().hex[:8]}" if request.state.is_client_request_id else request_id
         prepare = prepare_chat if is_chat else prepare_completion
         prepared = prepare(body, request_id, job_id, self.router.tokenizer, self.router.config.max_model_len)
+        reserve = prepared.num_prompt_tokens + sum(job.params.max_tokens for job in prepared.jobs)
+        try:
+            counted = self.concurrency.enter(key)
+        except APIError:
+            self.router.metrics.rejected.labels(reason="key_concurrency").inc()
+            raise
+        try:
+            grant = await self.quota.admit(key, body.model, reserve)
+        except APIError as exc:
+            if counted:
+                self.concurrency.leave(key)
+            if exc.status == 429:
+                self.router.metrics.rejected.labels(reason="token_limit").inc()
+            raise
         try:
             await self.admission.acquire()
         except APIError:
             self.router.metrics.rejected.labels(reason="queue_full").inc()
+            await self.quota.release(grant)
+            if counted:
+                self.concurrency.leave(key)
             raise
         events = merged([self.router.dispatcher.generate(job) for job in prepared.jobs])
         formatter = Formatter(prepared, is_chat, self.tokens)
-        cleanup = _Cleanup(events, self.admission)
+        async def settle(choices):
+            if counted:
+                self.concurrency.leave(key)
+            await self.quota.finish(grant, prepared, choices)
+        cleanup = _Cleanup(events, self.admission, settle)
+        cleanup.quota_headers = grant.headers
         try:
             if prepared.stream:
                 return await self._stream(prepared, formatter, events, cleanup)
@@ -86,7 +115,7 @@ class Gateway:
         t0 = time.monotonic()
         first = await events.__anext__()
         self.router.metrics.ttft.observe(time.monotonic() - t0)
-        choices = [ChoiceState() for _ in prepared.jobs]
+        choices = cleanup.choices = [ChoiceState() for _ in prepared.jobs]
 
         async def body() -> AsyncIterator[bytes]:
             if formatter.is_chat:
@@ -107,11 +136,11 @@ class Gateway:
             yield DONE
 
         return _CleanupStreamingResponse(body(), cleanup, media_type="text/event-stream",
-                                         headers=_worker_headers(first[1]))
+                                         headers={**_worker_headers(first[1]), **cleanup.headers()})
 
     async def _complete(self, request: Request, prepared: Prepared, formatter: Formatter, events,
                         cleanup) -> Response:
-        choices = [ChoiceState() for _ in prepared.jobs]
+        choices = cleanup.choices = [ChoiceState() for _ in prepared.jobs]
 
         async def collect():
             async for index, chunk in events:
@@ -132,7 +161,7 @@ class Gateway:
         await cleanup()
         task.result()   # raises the generation's APIError, if any
         last = next((c.last for c in choices if c.last is not None), None)
-        return JSONResponse(formatter.complete(choices), headers=_worker_headers(last))
+        return JSONResponse(formatter.complete(choices), headers={**_worker_headers(last), **cleanup.headers()})
 
 
 async def merged(gens: list) -> AsyncIterator[tuple[int, object]]:
@@ -174,12 +203,19 @@ async def merged(gens: list) -> AsyncIterator[tuple[int, object]]:
 
 
 class _Cleanup:
-    """Closes the generations and frees the admission slot, once."""
+    """Closes the generations, frees the admission slot and settles the key's quota with the
+    tokens the choices got (streamed so far, for a cut stream), once."""
 
-    def __init__(self, events, admission: Admission):
+    def __init__(self, events, admission: Admission, settle=None):
         self.events = events
         self.admission = admission
         self.is_done = False
+        self.settle = settle
+        self.choices: list[ChoiceState] = []
+        self.quota_headers: dict[str, str] = {}
+
+    def headers(self) -> dict[str, str]:
+        return self.quota_headers
 
     async def __call__(self) -> None:
         if self.is_done:
@@ -189,6 +225,8 @@ class _Cleanup:
             await self.events.aclose()
         finally:
             self.admission.release()
+            if self.settle is not None:
+                await self.settle(self.choices)
 
 
 class _CleanupStreamingResponse(StreamingResponse):

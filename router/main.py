@@ -45,12 +45,20 @@ def add_router_args(p) -> None:
     p.add_argument("--api-key", action="append", default=None, help="accepted API key (repeatable)")
     p.add_argument("--rate-limit", type=float, default=None, help="requests/s per API key (0: off)")
     p.add_argument("--redis-url", default=None, help="share the prefix index and rate limits through Redis")
+    p.add_argument("--tls-cert", default=None, help="mTLS to the workers: this router's certificate (PEM)")
+    p.add_argument("--tls-key", default=None, help="mTLS to the workers: this router's private key (PEM)")
+    p.add_argument("--tls-ca", default=None, help="mTLS to the workers: the CA that signed the workers' certificates")
+    p.add_argument("--api-keys-file", default=None, help="YAML key file: hashed keys, model scopes, rpm/tpm/monthly "
+                   "token limits (reloaded on change; see router/tenancy.py)")
 
 
 def config_from_args(args, **extra) -> RouterConfig:
     overrides = {"model": args.model, "max_model_len": args.max_model_len, "gateway.host": args.host,
                  "gateway.port": args.port, "gateway.served_model_names": args.served_model_name,
-                 "gateway.api_keys": args.api_key, "gateway.rate_per_s": args.rate_limit, **extra}
+                 "gateway.api_keys": args.api_key, "gateway.rate_per_s": args.rate_limit,
+                 "gateway.api_keys_file": getattr(args, "api_keys_file", None),
+                 "discovery.tls_cert": getattr(args, "tls_cert", None), "discovery.tls_key": getattr(args, "tls_key", None),
+                 "discovery.tls_ca": getattr(args, "tls_ca", None), **extra}
     if args.redis_url:
         overrides.update({"index.backend": "redis", "index.redis_url": args.redis_url,
                           "gateway.rate_limit_redis_url": args.redis_url})

@@ -14,6 +14,7 @@ import contextlib
 import logging
 import random
 
+from splitserve.platform.grpc_tls import tls_from
 from splitserve.platform.hashing import BlockHasher
 from splitserve.platform.tokenizer import Tokenizer, load_tokenizer
 from splitserve.router.config import IndexConfig, RouterConfig
@@ -47,7 +48,8 @@ class Router:
         self.pool = WorkerPool(config.model, config.block_size)
         self.index = index if index is not None else make_index(config.index)
         self.discovery = discovery if discovery is not None else make_discovery(config.discovery)
-        self.channels = ChannelPool()
+        d = config.discovery
+        self.channels = ChannelPool(tls_from(d.tls_cert, d.tls_key, d.tls_ca, d.tls_server_name))
         self.metrics = RouterMetrics()
         self.placer = Placer(config.placement, self.pool, self.index, rng)
         self.dispatcher = Dispatcher(self.pool, self.placer, self.hasher, self.tokenizer, self.channels,

@@ -56,6 +56,9 @@ def register(subparsers) -> None:
     g.add_argument("--itl-slo-ms", type=int, default=250)
     g.add_argument("--planner-tick", type=float, default=5.0, metavar="S")
     g.add_argument("--scale-down-window", type=float, default=60.0, metavar="S")
+    p.add_argument("--no-tls", action="store_true",
+                   help="plaintext gRPC and unauthenticated KV transfer (default: a throwaway CA and key pair for "
+                        "mTLS between router and workers, and a throwaway KV-transfer secret)")
     p.set_defaults(func=cmd_up)
 
 
@@ -137,13 +140,41 @@ class WorkerProcess:
             self.proc.wait(5)
 
 
+def throwaway_security(directory: str) -> tuple[dict[str, str], list[str]]:
+    """A throwaway CA + key pair (mTLS) and KV-transfer secret in `directory`: the router config
+    overrides and the worker arguments that turn them on."""
+    import os
+    import secrets
+
+    from splitserve.platform.grpc_tls import generate_dev_pki
+
+    tls = generate_dev_pki(directory)
+    secret = os.path.join(directory, "kv-secret")
+    fd = os.open(secret, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(secrets.token_hex(32))
+    overrides = {"discovery.tls_cert": tls.cert, "discovery.tls_key": tls.key, "discovery.tls_ca": tls.ca}
+    return overrides, ["--tls-cert", tls.cert, "--tls-key", tls.key, "--tls-ca", tls.ca, "--kv-secret-file", secret]
+
+
 def cmd_up(args) -> int:
+    import tempfile
+
     logctx.install()
-    config = config_from_args(args)
+    with tempfile.TemporaryDirectory(prefix="splitserve-up-") as tmp:
+        if args.tls_cert:   # the caller's own certificates: the workers use them too
+            overrides, secure_args = {}, ["--tls-cert", args.tls_cert, "--tls-key", args.tls_key or "",
+                                          "--tls-ca", args.tls_ca or ""]
+        else:
+            overrides, secure_args = ({}, []) if args.no_tls else throwaway_security(tmp)
+        return _up(args, config_from_args(args, **overrides), secure_args)
+
+
+def _up(args, config, secure_args: list[str]) -> int:
     transport = kv_transport(args.kv_transport)
     common = ["--model", config.model, "--quantization", args.quantization, "--kv-transport", transport,
               "--kv-cache-memory", str(args.kv_cache_memory), "--max-model-len", str(config.max_model_len),
-              *args.worker_arg]
+              *secure_args, *args.worker_arg]
     level = logging.getLevelName(logging.getLogger().level)
     planner = make_planner(args) if args.planner else None
     # With the planner many workers share the cores: one thread each unless told otherwise.

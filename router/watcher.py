@@ -18,6 +18,7 @@ import logging
 
 import grpc
 
+from splitserve.platform.grpc_tls import TlsFiles, aio_channel
 from splitserve.platform.wire import worker_pb2 as pb
 from splitserve.platform.wire import worker_pb2_grpc as pb_grpc
 from splitserve.router.config import DiscoveryConfig
@@ -39,14 +40,15 @@ CHANNEL_OPTIONS = [
 class ChannelPool:
     """One gRPC channel per worker address, shared by its watcher and the dispatcher."""
 
-    def __init__(self):
+    def __init__(self, tls: TlsFiles | None = None):
+        self.tls = tls   # mutual TLS to every worker when set
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._stubs: dict[str, pb_grpc.WorkerStub] = {}
 
     def stub(self, address: str) -> pb_grpc.WorkerStub:
         stub = self._stubs.get(address)
         if stub is None:
-            channel = self._channels[address] = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+            channel = self._channels[address] = aio_channel(address, self.tls, CHANNEL_OPTIONS)
             stub = self._stubs[address] = pb_grpc.WorkerStub(channel)
         return stub
 

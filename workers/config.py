@@ -31,6 +31,10 @@ class WorkerConfig:
     drain_grace_s: float = 120.0
     load_interval_s: float = 0.5
     kv_layer_streaming: bool = True   # send each layer as it is computed (False: after the whole prompt)
+    kv_secret_file: str = ""          # the service's KV-transfer secret (transfer/auth.py); "" = no auth
+    tls_cert: str = ""                # mTLS on the gRPC API (platform/grpc_tls.py): all three or none
+    tls_key: str = ""
+    tls_ca: str = ""
 
     def __post_init__(self) -> None:
         for name, value, allowed in (("role", self.role, ROLES), ("kv_transport", self.kv_transport, TRANSPORTS),

@@ -28,6 +28,7 @@ import grpc
 
 from splitserve.platform.engine.async_engine import AsyncEngine
 from splitserve.platform.engine.kv_connector import KVReady
+from splitserve.platform.grpc_tls import TlsFiles, aio_channel
 from splitserve.platform.sampling.params import SamplingParams
 from splitserve.platform.wire import worker_pb2 as pb
 from splitserve.platform.wire import worker_pb2_grpc as pb_grpc
@@ -40,14 +41,15 @@ log = logging.getLogger(__name__)
 class StubPool:
     """One gRPC channel per prefill worker address, reused across requests."""
 
-    def __init__(self):
+    def __init__(self, tls: TlsFiles | None = None):
+        self.tls = tls   # mutual TLS to the prefill workers when set
         self._stubs: dict[str, pb_grpc.WorkerStub] = {}
         self._channels: list[grpc.aio.Channel] = []
 
     def get(self, address: str) -> pb_grpc.WorkerStub:
         stub = self._stubs.get(address)
         if stub is None:
-            channel = grpc.aio.insecure_channel(address, options=[("grpc.max_receive_message_length", 64 << 20)])
+            channel = aio_channel(address, self.tls, [("grpc.max_receive_message_length", 64 << 20)])
             self._channels.append(channel)
             stub = self._stubs[address] = pb_grpc.WorkerStub(channel)
         return stub
@@ -59,14 +61,14 @@ class StubPool:
 
 class RemotePrefill:
     def __init__(self, engine: AsyncEngine, receiver: KVReceiver, layout: KVLayout, deadline_s: float,
-                 metrics=None, kv_address: str = ""):
+                 metrics=None, kv_address: str = "", tls: TlsFiles | None = None):
         self.engine = engine
         self.receiver = receiver
         self.kv_address = kv_address or receiver.address   # what the prefill worker dials
         self.layout = layout
         self.deadline_s = deadline_s
         self.metrics = metrics
-        self.stubs = StubPool()
+        self.stubs = StubPool(tls)
 
     async def run(self, req_id: str, token_ids: list[int], params: SamplingParams, ready: KVReady,
                   prefill_workers: list[str]) -> tuple[str, pb.PrefillResponse | None]:

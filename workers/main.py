@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import signal
 import uuid
 
@@ -23,6 +24,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from splitserve.platform.cli import add_engine_args, engine_config
 from splitserve.platform.engine.async_engine import AsyncEngine
 from splitserve.platform.engine.llm_engine import LLMEngine
+from splitserve.platform.grpc_tls import server_credentials, tls_from
 from splitserve.platform.sampling.params import SamplingParams
 from splitserve.platform.wire import worker_pb2 as pb
 from splitserve.platform.wire import worker_pb2_grpc as pb_grpc
@@ -33,6 +35,7 @@ from splitserve.workers.http import HealthServer
 from splitserve.workers.metrics import WorkerMetrics
 from splitserve.workers.service import WorkerService, publish_load
 from splitserve.workers.transfer import make_receiver, make_sender
+from splitserve.workers.transfer.auth import load_key
 from splitserve.workers.transfer.base import KVLayout
 
 log = logging.getLogger("splitserve.worker")
@@ -49,6 +52,14 @@ def register(subparsers) -> None:
     p.add_argument("--metrics-port", type=int, default=9090)
     p.add_argument("--kv-transport", default="ucx", choices=["ucx", "tcp"])
     p.add_argument("--kv-port", type=int, default=13337)
+    p.add_argument("--tls-cert", default=os.environ.get("SPLITSERVE_TLS_CERT", ""),
+                   help="serve gRPC over mutual TLS: this worker's certificate (PEM; also used to call prefill workers)")
+    p.add_argument("--tls-key", default=os.environ.get("SPLITSERVE_TLS_KEY", ""), help="its private key (PEM)")
+    p.add_argument("--tls-ca", default=os.environ.get("SPLITSERVE_TLS_CA", ""),
+                   help="the CA every client certificate must be signed by")
+    p.add_argument("--kv-secret-file", default=os.environ.get("SPLITSERVE_KV_SECRET_FILE", ""),
+                   help="file holding the service's KV-transfer secret: peers must prove they hold it "
+                        "(default: $SPLITSERVE_KV_SECRET_FILE; empty: no KV authentication)")
     p.add_argument("--disaggregation", default="conditional", choices=["conditional", "always", "never"])
     p.add_argument("--min-prefill-tokens", type=int, default=256,
                    help="conditional mode: remote prefill only when at least this many prompt tokens are uncached")
@@ -64,7 +75,8 @@ def cmd_worker(args) -> int:
                           kv_transport=args.kv_transport, kv_port=args.kv_port, disaggregation=args.disaggregation,
                           min_prefill_tokens=args.min_prefill_tokens, transfer_deadline_s=args.transfer_deadline,
                           drain_grace_s=args.drain_grace, kv_layer_streaming=not args.no_kv_layer_streaming,
-                          advertise_host=args.advertise_host or "")
+                          advertise_host=args.advertise_host or "", kv_secret_file=args.kv_secret_file,
+                          tls_cert=args.tls_cert, tls_key=args.tls_key, tls_ca=args.tls_ca)
     engine = LLMEngine(engine_config(args))
     return asyncio.run(Worker(config, engine).run())
 
@@ -114,8 +126,10 @@ class Worker:
         metrics = WorkerMetrics(cfg.role, self.llm.config.model)
         metrics.cache_info.labels(block_size=str(layout.block_size), num_gpu_blocks=str(self.llm.pool.num_blocks),
                                   role=cfg.role).set(1)
-        receiver = make_receiver(cfg.kv_transport, cfg.host, cfg.kv_port) if cfg.role != "prefill" else None
-        sender = make_sender(cfg.kv_transport) if cfg.role != "decode" else None
+        auth_key = load_key(cfg.kv_secret_file) if cfg.kv_secret_file else None
+        receiver = (make_receiver(cfg.kv_transport, cfg.host, cfg.kv_port, auth_key=auth_key,
+                                  on_auth_failure=metrics.kv_auth_failures.inc) if cfg.role != "prefill" else None)
+        sender = make_sender(cfg.kv_transport, auth_key=auth_key) if cfg.role != "decode" else None
         if receiver is not None:
             await receiver.start()
         kv_address = advertised(receiver.address, cfg.advertise_host) if receiver else ""
@@ -124,7 +138,9 @@ class Worker:
                              num_total_blocks=self.llm.pool.num_blocks)
         hub = EventHub(loop, info)
         engine.on_kv_events = hub.publish
-        remote = (RemotePrefill(engine, receiver, layout, cfg.transfer_deadline_s, metrics, kv_address=kv_address)
+        tls = tls_from(cfg.tls_cert, cfg.tls_key, cfg.tls_ca)
+        remote = (RemotePrefill(engine, receiver, layout, cfg.transfer_deadline_s, metrics, kv_address=kv_address,
+                                tls=tls)
                   if receiver else None)
         service = WorkerService(cfg, engine, hub, remote, sender, layout, metrics)
         server, health_servicer = await self._start_grpc(service)
@@ -159,7 +175,11 @@ class Worker:
         health_servicer = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
         await health_servicer.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
-        server.add_insecure_port(f"{self.config.host}:{self.config.grpc_port}")
+        tls = tls_from(self.config.tls_cert, self.config.tls_key, self.config.tls_ca)
+        if tls is None:
+            server.add_insecure_port(f"{self.config.host}:{self.config.grpc_port}")
+        else:   # mutual TLS: a caller without a certificate from our CA fails the handshake
+            server.add_secure_port(f"{self.config.host}:{self.config.grpc_port}", server_credentials(tls))
         await server.start()
         return server, health_servicer
 

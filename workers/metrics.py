@@ -52,6 +52,8 @@ class WorkerMetrics:
                                        ["outcome"], registry=r)
         self.requests = Counter("splitserve_requests", "Finished requests by finish reason", ["finish_reason"],
                                 registry=r)
+        self.kv_auth_failures = Counter("splitserve_kv_auth_failures", "KV-transfer connections rejected for a "
+                                        "wrong or missing token (transfer/auth.py)", registry=r)
         Info("splitserve_worker", "Worker identity", registry=r).info({"role": role, "model": model})
 
     def update_load(self, load) -> None:

@@ -38,6 +38,7 @@ BUILTIN = [("v1/namespaces", "Namespace", False), ("v1/events", "Event", True),
            ("rbac.authorization.k8s.io/v1/rolebindings", "RoleBinding", True),
            ("apps/v1/deployments", "Deployment", True), ("policy/v1/poddisruptionbudgets", "PodDisruptionBudget", True),
            ("autoscaling/v2/horizontalpodautoscalers", "HorizontalPodAutoscaler", True),
+           ("networking.k8s.io/v1/networkpolicies", "NetworkPolicy", True),
            ("serving.splitserve.io/v1alpha1/inferenceservices", "InferenceService", True)]
 KEDA = ("keda.sh/v1alpha1/scaledobjects", "ScaledObject", True)
 PROMETHEUS_OPERATOR = ("monitoring.coreos.com/v1/servicemonitors", "ServiceMonitor", True)

@@ -52,6 +52,19 @@ SUBSET_SCHEMAS = {
                 "metricType": {"enum": ["AverageValue", "Value", "Utilization"]},
                 "metadata": {"type": "object", "additionalProperties": {"type": "string"}}}, ["type", "metadata"])},
         }, ["scaleTargetRef", "triggers"])}, ["apiVersion", "kind", "metadata", "spec"]),
+    ("cert-manager.io/v1", "Certificate"): _closed({
+        "apiVersion": {"const": "cert-manager.io/v1"}, "kind": {"const": "Certificate"}, "metadata": META,
+        "spec": _closed({
+            "secretName": {"type": "string"}, "commonName": {"type": "string", "maxLength": 64},
+            "dnsNames": {"type": "array", "items": {"type": "string"}},
+            "usages": {"type": "array", "items": {"enum": ["server auth", "client auth", "digital signature",
+                                                           "key encipherment"]}},
+            "duration": {"type": "string"}, "renewBefore": {"type": "string"},
+            "privateKey": _closed({"algorithm": {"enum": ["RSA", "ECDSA", "Ed25519"]}, "size": {"type": "integer"},
+                                   "rotationPolicy": {"enum": ["Never", "Always"]}}, []),
+            "issuerRef": _closed({"name": {"type": "string"}, "kind": {"type": "string"},
+                                  "group": {"type": "string"}}, ["name"]),
+        }, ["secretName", "issuerRef"])}, ["apiVersion", "kind", "metadata", "spec"]),
     ("monitoring.coreos.com/v1", "ServiceMonitor"): _closed({
         "apiVersion": {"const": "monitoring.coreos.com/v1"}, "kind": {"const": "ServiceMonitor"}, "metadata": META,
         "spec": _closed({

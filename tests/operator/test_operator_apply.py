@@ -50,10 +50,10 @@ def test_is_subset(want, have, expected):
 
 def test_second_apply_makes_no_request_that_writes(cluster, kube, namespace):
     first, manifests = apply(kube, namespace, TINY)
-    assert len(first.created) == len(manifests) == 14 and not first.patched
+    assert len(first.created) == len(manifests) == 16 and not first.patched
     mark = len(cluster.cluster.writes)
     second, _ = apply(kube, namespace, TINY)
-    assert not second.changed and len(second.unchanged) == 14
+    assert not second.changed and len(second.unchanged) == 16
     assert cluster.writes_since(mark, namespace) == []
     for m in manifests:
         plural = K.KIND_BY_NAME[m["kind"]].plural
@@ -125,7 +125,7 @@ def test_switching_provider_prunes_only_our_old_autoscaler(cluster, kube, namesp
 def test_reconcile_sets_status_then_does_nothing(cluster, kube, namespace):
     obj = create_isvc(kube, "svc", namespace, TINY)
     outcome = reconcile(kube, SETTINGS, namespace, "svc")
-    assert outcome.waiting and len(outcome.result.created) == 14
+    assert outcome.waiting and len(outcome.result.created) == 16
     status = isvc(kube, namespace, "svc")["status"]
     assert condition({"status": status})["reason"] == "ComponentsNotReady"
     assert status["observedGeneration"] == obj["metadata"]["generation"] == 1

@@ -31,7 +31,7 @@ def test_print_crd(capsys):
 def test_render_prints_the_children_of_an_example(capsys):
     assert cli.run(parse("--render", str(ROOT / "deploy" / "examples" / "llama-3-8b-gpu.yaml"))) == 0
     docs = list(yaml.safe_load_all(capsys.readouterr().out))
-    assert len(docs) == 17  # the 14 children of every service, 2 ScaledObjects, 1 ServiceMonitor
+    assert len(docs) == 19  # the 16 children of every service, 2 ScaledObjects, 1 ServiceMonitor
     assert {d["metadata"]["namespace"] for d in docs} == {"llm"}
     assert [d["metadata"]["name"] for d in docs if d["kind"] == "ScaledObject"] == ["llama3-8b-prefill", "llama3-8b-decode"]
 

@@ -88,7 +88,7 @@ def test_children_of_the_tiny_example():
         ("RoleBinding", "svc-router"), ("Service", "svc-prefill"), ("Service", "svc-decode"),
         ("Service", "svc-router"), ("Service", "svc"), ("Deployment", "svc-prefill"), ("Deployment", "svc-decode"),
         ("Deployment", "svc-router"), ("PodDisruptionBudget", "svc-prefill"), ("PodDisruptionBudget", "svc-decode"),
-        ("PodDisruptionBudget", "svc-router")]
+        ("PodDisruptionBudget", "svc-router"), ("NetworkPolicy", "svc-workers"), ("NetworkPolicy", "svc-router")]
 
 
 def test_worker_container_follows_the_worker_contract():

@@ -15,6 +15,7 @@ from abc import abstractmethod
 
 import torch
 
+from splitserve.workers.transfer import auth
 from splitserve.workers.transfer.base import KVLayout, KVReceiver, TransferStatus, WriteLayer
 from splitserve.workers.transfer.stream import MAX_LAYERS_PER_HEADER, MAX_PAYLOAD_BYTES, Channel, ChannelClosed
 from splitserve.workers.transfer.table import TransferTable
@@ -73,7 +74,14 @@ async def serve_channel(channel: Channel, table: TransferTable, max_payload_byte
 
 
 class ChannelReceiver(KVReceiver):
-    def __init__(self, max_payload_bytes: int = MAX_PAYLOAD_BYTES):
+    """`auth_key` (auth.py): every connection must answer a challenge before its first header is
+    acted on; `on_auth_failure` is called once per rejected connection (the worker's metric)."""
+
+    def __init__(self, max_payload_bytes: int = MAX_PAYLOAD_BYTES, auth_key: bytes | None = None,
+                 on_auth_failure=None):
+        self.auth_key = auth_key
+        self.on_auth_failure = on_auth_failure
+        self.num_auth_failures = 0
         self.address = ""
         self._table = TransferTable()
         self._channels: set[Channel] = set()
@@ -110,6 +118,17 @@ class ChannelReceiver(KVReceiver):
             return
         self._channels.add(channel)
         try:
+            if self.auth_key is not None:
+                try:
+                    await auth.challenge(channel, self.auth_key)
+                except (auth.AuthError, ChannelClosed, ValueError) as e:
+                    log.warning("rejected a KV transfer connection: %s", e)
+                    self.num_auth_failures += 1
+                    if self.on_auth_failure is not None:
+                        self.on_auth_failure()
+                    with contextlib.suppress(Exception):
+                        await channel.close()
+                    return
             await serve_channel(channel, self._table, self._max_payload_bytes)
         finally:
             self._channels.discard(channel)

@@ -17,6 +17,7 @@ from collections.abc import Awaitable, Callable
 
 import torch
 
+from splitserve.workers.transfer import auth
 from splitserve.workers.transfer.base import KVLayout, KVSender, LayoutMismatchError, SendHandle, TransferError
 from splitserve.workers.transfer.stream import MAX_LAYERS_PER_HEADER, Channel, payload_bytes
 
@@ -174,7 +175,9 @@ class ChannelSender(KVSender):
 
     scheme: str
 
-    def __init__(self, connect: Callable[[str], Awaitable[Channel]], ack_timeout_s: float = 30.0):
+    def __init__(self, connect: Callable[[str], Awaitable[Channel]], ack_timeout_s: float = 30.0,
+                 auth_key: bytes | None = None):
+        self.auth_key = auth_key   # answer each new connection's challenge (auth.py)
         self._connect = connect
         self.ack_timeout_s = ack_timeout_s
         self._idle: dict[str, list[_Conn]] = {}
@@ -195,9 +198,16 @@ class ChannelSender(KVSender):
             await conn.close()
         else:
             try:
-                conn = _Conn(await self._connect(address[len(prefix):]))
+                channel = await self._connect(address[len(prefix):])
             except Exception as e:
                 raise TransferError(f"cannot connect to {address}: {e!r}") from e
+            if self.auth_key is not None:
+                try:
+                    await auth.answer(channel, self.auth_key)
+                except Exception as e:
+                    await channel.close()
+                    raise TransferError(f"KV-transfer handshake with {address} failed: {e}") from e
+            conn = _Conn(channel)
             self.num_connects += 1
         return ChannelSendHandle(self, conn, address, transfer_id, layout, num_blocks)
 

@@ -44,6 +44,9 @@ autoscaling:
 reconcile:
   resyncSeconds: {{ .Values.operator.resyncSeconds }}
   notReadyRetrySeconds: {{ .Values.operator.notReadyRetrySeconds }}
+networkPolicy:
+  workloads:
+{{ toYaml .Values.networkPolicy.workloads | indent 4 }}
 {{- end -}}
 
 {{/* What the operator may do to InferenceServices and their children (one list: ClusterRole or Roles). */}}
@@ -71,6 +74,12 @@ reconcile:
   verbs: ["get", "list", "create", "patch", "delete"]
 - apiGroups: ["monitoring.coreos.com"]
   resources: ["servicemonitors"]
+  verbs: ["get", "list", "create", "patch", "delete"]
+- apiGroups: ["networking.k8s.io"]
+  resources: ["networkpolicies"]
+  verbs: ["get", "list", "create", "patch", "delete"]
+- apiGroups: ["cert-manager.io"]
+  resources: ["certificates"]
   verbs: ["get", "list", "create", "patch", "delete"]
 - apiGroups: ["rbac.authorization.k8s.io"]
   resources: ["roles", "rolebindings"]

@@ -1,0 +1,77 @@
+"""NetworkPolicies of one InferenceService: only its router reaches its workers.
+
+Two Ingress policies (egress is left open: the router needs the API server, Redis and DNS,
+and a policy there adds breakage without protecting the workers):
+
+    <name>-workers   pods: this service's prefill and decode workers
+        grpc, kv      from this service's router pods and this service's worker pods
+                      (prefill pushes KV to decode; both reach each other's gRPC); with the
+                      ucx transport also UCX's TCP ports (constants.UCX_TCP_PORTS)
+        metrics       from the monitoring peer (chart: networkPolicy.workloads.monitoring)
+    <name>-router    pods: this service's router
+        http          from spec.networkPolicy.gatewayFrom, else the chart's gatewayFrom
+                      (default: every pod of the namespace and the ingress controller's namespace)
+        metrics       from the monitoring peer
+
+Peers name pods by the labels every child carries (app.kubernetes.io/name, instance,
+component), so the router of another InferenceService in the same namespace matches no
+rule: its instance label differs. Kubelet probes come from the node and are not subject to
+these policies on the common CNIs. A pod that can be created with this service's labels gets
+through; the KV-transfer token and mTLS (docs/security.md) are the layer behind this one.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from splitserve.operator import constants as C
+from splitserve.operator.context import Context, Manifest
+
+
+def _peer(peer: Any) -> dict[str, Any]:
+    """A NetworkPolicyPeer from a spec PeerSpec or a settings Peer (same fields)."""
+    if peer.cidr is not None:
+        return {"ipBlock": {"cidr": peer.cidr}}
+    out: dict[str, Any] = {}
+    if peer.namespace_labels is not None:
+        out["namespaceSelector"] = {"matchLabels": dict(peer.namespace_labels)} if peer.namespace_labels else {}
+    if peer.pod_labels is not None:
+        out["podSelector"] = {"matchLabels": dict(peer.pod_labels)} if peer.pod_labels else {}
+    return out
+
+
+def _workers_selector(ctx: Context) -> dict[str, Any]:
+    return {"matchLabels": {C.LABEL_NAME: C.APP_NAME, C.LABEL_INSTANCE: ctx.name},
+            "matchExpressions": [{"key": C.LABEL_COMPONENT, "operator": "In", "values": ["prefill", "decode"]}]}
+
+
+def _ports(*names: str) -> list[dict[str, Any]]:
+    return [{"port": name, "protocol": "TCP"} for name in names]
+
+
+def _policy(ctx: Context, component: str, pods: dict[str, Any], ingress: list[dict[str, Any]]) -> Manifest:
+    return {"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
+            "metadata": ctx.meta(ctx.child(component), component),
+            "spec": {"podSelector": pods, "policyTypes": ["Ingress"], "ingress": ingress}}
+
+
+def network_policies(ctx: Context) -> list[Manifest]:
+    """The two policies above; none when spec.networkPolicy.enabled is false."""
+    if not ctx.spec.network_policy.enabled:
+        return []
+    defaults = ctx.settings.network_policy.workloads
+    monitoring = {"from": [_peer(defaults.monitoring)], "ports": _ports(C.METRICS_PORT_NAME)}
+    router = {"podSelector": {"matchLabels": ctx.selector("router")}}
+    workers = {"podSelector": _workers_selector(ctx)}
+    gateway_from = ctx.spec.network_policy.gateway_from
+    sources = [_peer(p) for p in (gateway_from if gateway_from is not None else defaults.gateway_from)]
+    # An empty `from` would allow everyone: gatewayFrom [] means no rule for the port at all.
+    gateway = [{"from": sources, "ports": _ports(C.HTTP_PORT_NAME)}] if sources else []
+    worker_ports = _ports(C.GRPC_PORT_NAME, C.KV_PORT_NAME)
+    if ctx.spec.kv_transfer.transport == "ucx":   # UCX's TCP transport listens on its own ports (render_pods)
+        worker_ports.append({"port": C.UCX_TCP_PORTS[0], "endPort": C.UCX_TCP_PORTS[1], "protocol": "TCP"})
+    return [
+        _policy(ctx, "workers", _workers_selector(ctx), [
+            {"from": [router, workers], "ports": worker_ports}, monitoring]),
+        _policy(ctx, "router", {"matchLabels": ctx.selector("router")}, [*gateway, monitoring]),
+    ]
