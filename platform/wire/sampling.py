@@ -24,6 +24,7 @@ def to_proto(params: SamplingParams) -> pb.SamplingParams:
     if params.structured is not None:
         msg.structured.kind = params.structured.kind
         msg.structured.value = params.structured.value
+        msg.structured.field = params.structured.field
     msg.logit_bias.update(dict(params.logit_bias))
     return msg
 
@@ -33,5 +34,6 @@ def from_proto(msg: pb.SamplingParams) -> SamplingParams:
     kwargs.update(stop=tuple(msg.stop), stop_token_ids=tuple(msg.stop_token_ids), ignore_eos=msg.ignore_eos,
                   include_stop_str_in_output=msg.include_stop_str_in_output, logit_bias=dict(msg.logit_bias))
     if msg.HasField("structured"):
-        kwargs["structured"] = StructuredSpec(msg.structured.kind, msg.structured.value)
+        kwargs["structured"] = StructuredSpec(msg.structured.kind, msg.structured.value,
+                                              msg.structured.field or "structured_outputs")
     return SamplingParams(**kwargs)
