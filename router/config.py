@@ -157,6 +157,7 @@ class GatewayConfig:
     burst: int = 0
     rate_limit_redis_url: str = ""
     max_attempts: int = 3
+    tool_call_parser: str = "hermes"   # how `tool_choice: auto` answers are read: hermes | json
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
@@ -164,6 +165,8 @@ class GatewayConfig:
         if self.max_body_bytes < 1024 or self.max_concurrent_requests < 1 or self.max_queued_requests < 0:
             raise ConfigError("gateway: need max_body_bytes >= 1024, max_concurrent_requests >= 1, "
                               "max_queued_requests >= 0")
+        if self.tool_call_parser not in ("hermes", "json"):
+            raise ConfigError(f"gateway.tool_call_parser={self.tool_call_parser!r} is unknown; allowed: hermes, json")
         if self.rate_per_s < 0 or self.burst < 0 or self.max_attempts < 1:
             raise ConfigError("gateway: need rate_per_s >= 0, burst >= 0 and max_attempts >= 1")
 

@@ -45,12 +45,15 @@ def add_router_args(p) -> None:
     p.add_argument("--api-key", action="append", default=None, help="accepted API key (repeatable)")
     p.add_argument("--rate-limit", type=float, default=None, help="requests/s per API key (0: off)")
     p.add_argument("--redis-url", default=None, help="share the prefix index and rate limits through Redis")
+    p.add_argument("--tool-call-parser", default=None, choices=("hermes", "json"),
+                   help="how tool_choice=auto answers are read (default hermes)")
 
 
 def config_from_args(args, **extra) -> RouterConfig:
     overrides = {"model": args.model, "max_model_len": args.max_model_len, "gateway.host": args.host,
                  "gateway.port": args.port, "gateway.served_model_names": args.served_model_name,
-                 "gateway.api_keys": args.api_key, "gateway.rate_per_s": args.rate_limit, **extra}
+                 "gateway.api_keys": args.api_key, "gateway.rate_per_s": args.rate_limit,
+                 "gateway.tool_call_parser": args.tool_call_parser, **extra}
     if args.redis_url:
         overrides.update({"index.backend": "redis", "index.redis_url": args.redis_url,
                           "gateway.rate_limit_redis_url": args.redis_url})

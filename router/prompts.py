@@ -20,6 +20,7 @@ from splitserve.platform.tokenizer import Tokenizer
 from splitserve.router.dispatch import Job
 from splitserve.router.errors import APIError, bad_request
 from splitserve.router.structured import constraint_fields
+from splitserve.router.tools import ToolPlan, plan_tools, render_messages
 from splitserve.router.protocol import (ChatCompletionRequest, CompletionRequest, SamplingFields, message_dicts,
                                         unsupported_fields)
 
@@ -35,26 +36,36 @@ class Prepared:
     logprobs: int | None             # top-n alternatives per token, None: no logprobs
     stream: bool
     include_usage: bool
+    tools: ToolPlan | None = None    # chat with tools: how to read tool calls from the answer
 
 
 def prepare_chat(req: ChatCompletionRequest, request_id: str, job_id: str, tokenizer: Tokenizer | None,
-                 max_model_len: int) -> Prepared:
+                 max_model_len: int, tool_call_parser: str = "hermes") -> Prepared:
     """`request_id` names the response; `job_id` (unique) prefixes the workers' request ids."""
     _reject_unsupported(req)
     if tokenizer is None:
         raise bad_request("this model has no tokenizer; use /v1/completions with token ids", "messages")
     if req.top_logprobs is not None and not req.logprobs:
         raise bad_request("top_logprobs needs logprobs=true", "top_logprobs")
+    plan, forced = plan_tools(req, tool_call_parser)
+    messages, template_kwargs = message_dicts(req.messages), {}
+    if plan is not None:
+        messages, template_kwargs = render_messages(messages, req.tools, tokenizer.chat_template)
     try:
-        token_ids = tokenizer.encode_chat(message_dicts(req.messages), req.add_generation_prompt,
-                                          **(req.chat_template_kwargs or {}))
+        token_ids = tokenizer.encode_chat(messages, req.add_generation_prompt,
+                                          **{**(req.chat_template_kwargs or {}), **template_kwargs})
     except InvalidRequestError as exc:
         raise bad_request(str(exc), "messages") from None
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    jobs = _jobs(req, job_id, [token_ids], max_tokens, None, logprobs, max_model_len,
-                 constraint_fields(req, tokenizer.vocab_size))
-    return Prepared(request_id, req.model, jobs, len(token_ids), logprobs, req.stream, _include_usage(req))
+    constraints = constraint_fields(req, tokenizer.vocab_size)
+    if forced is not None:
+        if constraints["structured"] is not None:
+            raise bad_request("a forced tool_choice cannot be combined with response_format/structured_outputs",
+                              "tool_choice")
+        constraints["structured"] = forced
+    jobs = _jobs(req, job_id, [token_ids], max_tokens, None, logprobs, max_model_len, constraints)
+    return Prepared(request_id, req.model, jobs, len(token_ids), logprobs, req.stream, _include_usage(req), plan)
 
 
 def prepare_completion(req: CompletionRequest, request_id: str, job_id: str, tokenizer: Tokenizer | None,

@@ -1,8 +1,8 @@
 """The OpenAI request bodies the gateway accepts (pydantic: this is the JSON edge).
 
 Strict types: a string where a number belongs is a 400, not a silent conversion. Fields of the
-OpenAI API that change what the model must do and that splitserve does not implement (tools,
-echo, suffix, best_of > n) are rejected with a 400 naming
+OpenAI API that change what the model must do and that splitserve does not implement (echo,
+suffix, best_of > n) are rejected with a 400 naming
 them rather than ignored. vLLM's sampling extensions (top_k, min_p, repetition_penalty,
 min_tokens, ignore_eos, stop_token_ids, skip_special_tokens, include_stop_str_in_output) are
 accepted; the openai client sends them through `extra_body`.
@@ -72,6 +72,7 @@ class ChatCompletionRequest(SamplingFields):
     top_logprobs: int | None = None
     tools: list | None = None
     tool_choice: str | dict | None = None
+    parallel_tool_calls: bool | None = None
     add_generation_prompt: bool = True
     chat_template_kwargs: dict | None = None
 
@@ -87,12 +88,7 @@ class CompletionRequest(SamplingFields):
 def unsupported_fields(req: SamplingFields) -> list[str]:
     """Names of set fields that would change the answer in ways splitserve does not implement."""
     bad = []
-    if isinstance(req, ChatCompletionRequest):
-        if req.tools:
-            bad.append("tools")
-        if req.tool_choice not in (None, "none", "auto"):
-            bad.append("tool_choice")
-    else:
+    if not isinstance(req, ChatCompletionRequest):
         if req.echo:
             bad.append("echo")
         if req.suffix:

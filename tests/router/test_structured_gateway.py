@@ -102,3 +102,58 @@ def test_bad_input_is_a_400_naming_the_field_and_the_server_keeps_serving(client
     assert info.value.body["param"] == param, info.value.body
     text, finish = ask(client, chat=True, stream=False, temperature=0, max_tokens=4)
     assert finish == "length" and text
+
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
+                                                    "unit": {"enum": ["celsius", "fahrenheit"]}},
+                   "required": ["city", "unit"], "additionalProperties": False}}}
+CLOCK = {"type": "function", "function": {
+    "name": "get_time", "parameters": {"type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}},
+                                       "required": ["zone"], "additionalProperties": False}}}
+TOOL_ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+def streamed_tool_calls(stream):
+    """Reassemble OpenAI-style tool-call deltas (name first, arguments in pieces, by index)."""
+    calls, finish = {}, None
+    for chunk in stream:
+        for choice in chunk.choices:
+            finish = choice.finish_reason or finish
+            for delta in choice.delta.tool_calls or ():
+                call = calls.setdefault(delta.index, {"id": None, "name": None, "arguments": ""})
+                if delta.id:
+                    assert call["name"] is None, "the name comes once, first"
+                    call["id"], call["name"] = delta.id, delta.function.name
+                call["arguments"] += delta.function.arguments or ""
+    return [calls[i] for i in sorted(calls)], finish
+
+
+@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "get_weather"}}],
+                         ids=["required", "named"])
+def test_forced_tool_calls_validate_and_stream_the_same(client, tool_choice):
+    kw = dict(model=MODEL, messages=TOOL_ASK, tools=[WEATHER, CLOCK], tool_choice=tool_choice, temperature=0,
+              max_tokens=120, parallel_tool_calls=False)
+    message = client.chat.completions.create(**kw)
+    choice = message.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    [call] = choice.message.tool_calls
+    schema = {"get_weather": WEATHER, "get_time": CLOCK}[call.function.name]["function"]["parameters"]
+    jsonschema.validate(json.loads(call.function.arguments), schema)
+    assert call.id.startswith("call_") and call.type == "function"
+    if isinstance(tool_choice, dict):
+        assert call.function.name == "get_weather"
+    calls, finish = streamed_tool_calls(client.chat.completions.create(stream=True, **kw))
+    assert finish == "tool_calls"
+    assert [(c["name"], c["arguments"]) for c in calls] == [(call.function.name, call.function.arguments)]
+
+
+def test_tool_choice_errors_and_none(client):
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model=MODEL, messages=TOOL_ASK, tools=[WEATHER], max_tokens=5,
+                                       tool_choice={"type": "function", "function": {"name": "nope"}})
+    assert info.value.body["param"] == "tool_choice" and "not in tools" in info.value.body["message"]
+    plain = client.chat.completions.create(model=MODEL, messages=TOOL_ASK, tools=[WEATHER], tool_choice="none",
+                                           max_tokens=5, temperature=0)
+    assert plain.choices[0].message.tool_calls is None and plain.choices[0].message.content
