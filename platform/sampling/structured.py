@@ -38,6 +38,9 @@ from splitserve.platform.errors import InvalidRequestError
 from splitserve.platform.sampling.constraints import StructuredSpec, validate_logit_bias  # noqa: F401 (re-export)
 
 DEFAULT_COMPILE_TIMEOUT_S = 5.0
+# JSON is written on one line with ", " and ": " and no other whitespace: a small model given
+# free whitespace can fill max_tokens with newlines (seen with SmolLM2 on an off-topic prompt).
+JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
 def _llg():
@@ -49,9 +52,9 @@ def grammar_text(spec: StructuredSpec) -> str:
     """The llguidance grammar for a spec (not yet checked: compiling checks it)."""
     llg = _llg()
     if spec.kind == "json":
-        return llg.LLMatcher.grammar_from_json_schema(spec.value)
+        return llg.LLMatcher.grammar_from_json_schema(spec.value, defaults=JSON_OPTIONS)
     if spec.kind == "json_object":
-        return llg.LLMatcher.grammar_from_json_schema('{"type": "object"}')
+        return llg.LLMatcher.grammar_from_json_schema('{"type": "object"}', defaults=JSON_OPTIONS)
     if spec.kind == "regex":
         return llg.LLMatcher.grammar_from_regex(spec.value)
     if spec.kind == "choice":
