@@ -120,8 +120,8 @@ def test_constrained_stream_resumed_after_a_kill_is_valid_and_undisturbed(stack)
             if num_deltas == 6:
                 victim.kill()
     assert victim.proc.poll() is not None
-    assert text == expected and re.fullmatch(pattern + "?", text) or re.match(pattern, text)
-    assert re.fullmatch(r"[a-z ]*", text) and "  " not in text
+    assert text == expected
+    assert re.fullmatch(pattern + " ?", text), text   # cut by max_tokens, maybe right after a space
     victim.start()
     deadline = time.monotonic() + 60
     while server.router.pool.num_healthy() < 2:
