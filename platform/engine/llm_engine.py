@@ -105,6 +105,11 @@ class LLMEngine:
             self.runner.sampler.stats = self._grammars.stats
         return self._grammars
 
+    @property
+    def grammar_stats(self):
+        """The grammar backend's CompileStats, or None before the first constrained request."""
+        return None if self._grammars is None else self._grammars.stats
+
     def _load_model(self, source):
         with torch.device(self.device):
             model = build_model(self.model_config).to(self.dtype)

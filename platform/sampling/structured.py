@@ -29,7 +29,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -98,19 +98,25 @@ class Matcher:
 
 @dataclass
 class CompileStats:
-    """Counters the worker exports as metrics (read from any thread; ints/floats only)."""
+    """Running totals the worker exports as metrics (written on the engine and compile threads,
+    read by the metrics task; `take_compile_seconds` drains the durations not yet exported)."""
 
     compiles: int = 0
     cache_hits: int = 0
-    compile_seconds: list[float] | None = None   # recent compile durations (bounded)
+    compile_seconds: list[float] = field(default_factory=list)   # the last 1,024 compile durations
     mask_seconds: float = 0.0
     mask_rows: int = 0
+    requests: dict[str, int] = field(default_factory=dict)       # constrained requests by kind
+    _unexported: list[float] = field(default_factory=list)
 
     def record_compile(self, seconds: float) -> None:
         self.compiles += 1
-        durations = self.compile_seconds if self.compile_seconds is not None else []
-        durations.append(seconds)
-        self.compile_seconds = durations[-1024:]
+        self.compile_seconds = [*self.compile_seconds[-1023:], seconds]
+        self._unexported.append(seconds)
+
+    def take_compile_seconds(self) -> list[float]:
+        taken, self._unexported = self._unexported, []
+        return taken
 
 
 class GrammarBackend:
@@ -165,7 +171,9 @@ class GrammarBackend:
         return compiled
 
     def matcher(self, spec: StructuredSpec) -> Matcher:
-        return Matcher(self.compile(spec).deep_copy())
+        matcher = Matcher(self.compile(spec).deep_copy())
+        self.stats.requests[spec.kind] = self.stats.requests.get(spec.kind, 0) + 1
+        return matcher
 
     def _compile_now(self, spec: StructuredSpec, tokenizer):
         t0 = time.perf_counter()

@@ -132,3 +132,20 @@ def test_compile_timeout_refuses_at_once_and_is_remembered(engine):
         backend.compile(spec)   # refused at once, not compiled again
     release.set()
     backend.close()
+
+
+def test_worker_metrics_export_compile_time_mask_time_and_kinds(engine):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from splitserve.workers.metrics import WorkerMetrics
+
+    finish(engine, PROMPT, [SamplingParams(temperature=0, max_tokens=5,
+                                           structured=StructuredSpec("regex", "[a-z]{1,3}[0-9]{2}"))])
+    metrics = WorkerMetrics("decode", "smollm2-135m")
+    metrics.update_structured(engine.grammar_stats)
+    samples = {(s.name, s.labels.get("kind")): s.value
+               for family in text_string_to_metric_families(metrics.render().decode()) for s in family.samples}
+    assert samples[("splitserve_grammar_compile_seconds_count", None)] >= 1
+    assert samples[("splitserve_grammar_mask_rows_total", None)] >= 1
+    assert samples[("splitserve_grammar_mask_seconds_total", None)] > 0
+    assert samples[("splitserve_structured_requests_total", "regex")] >= 1
