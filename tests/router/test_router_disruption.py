@@ -102,6 +102,13 @@ def test_constrained_stream_resumed_after_a_kill_is_valid_and_undisturbed(stack)
     already sent into a fresh matcher, so the answer still matches and equals the undisturbed one."""
     import re
     server, workers, client = stack
+    for w in workers:                               # the test before leaves one worker down
+        if w.proc is None or w.proc.poll() is not None:
+            w.start()
+    deadline = time.monotonic() + 60
+    while server.router.pool.num_healthy() < 2:
+        assert time.monotonic() < deadline, "both decode workers should be healthy"
+        time.sleep(0.2)
     pattern = r"[a-z]{1,8}( [a-z]{1,8})*"
     request = body(structured_outputs={"regex": pattern}, max_tokens=30)
     undisturbed = client.post("/v1/chat/completions", json=request)
