@@ -178,6 +178,7 @@ class GatewayConfig:
     """The window of the per-key rpm / tpm limits (60: per minute, as OpenAI's)."""
     max_concurrent_per_key: int = 0
     """Requests one key may have in flight on one router (0: only max_concurrent_requests bounds them)."""
+    tool_call_parser: str = "hermes"   # how `tool_choice: auto` answers are read: hermes | json
 
     def __post_init__(self) -> None:
         if self.cold_start_hold_s < 0 or self.cold_start_max_held < 0:
@@ -188,6 +189,8 @@ class GatewayConfig:
         if self.max_body_bytes < 1024 or self.max_concurrent_requests < 1 or self.max_queued_requests < 0:
             raise ConfigError("gateway: need max_body_bytes >= 1024, max_concurrent_requests >= 1, "
                               "max_queued_requests >= 0")
+        if self.tool_call_parser not in ("hermes", "json"):
+            raise ConfigError(f"gateway.tool_call_parser={self.tool_call_parser!r} is unknown; allowed: hermes, json")
         if self.rate_per_s < 0 or self.burst < 0 or self.max_attempts < 1:
             raise ConfigError("gateway: need rate_per_s >= 0, burst >= 0 and max_attempts >= 1")
         if self.max_concurrent_per_key < 0:

@@ -175,7 +175,9 @@ class Dispatcher:
                 yield msg
         except grpc.aio.AioRpcError as exc:
             if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
-                raise APIError(400, exc.details() or "invalid request") from None
+                details = exc.details() or "invalid request"
+                field = details.split(":", 1)[0]  # constraint errors start with the API field's name
+                raise APIError(400, details, param=field if all(p.isidentifier() for p in field.split(".")) else None) from None
             raise WorkerLost(f"{exc.code().name}: {exc.details()}") from None
         except asyncio.CancelledError:
             if key in self._lost and not asyncio.current_task().cancelling():

@@ -72,7 +72,8 @@ class Gateway:
         # A client's X-Request-Id may repeat; the workers get it with a unique suffix.
         job_id = f"{request_id}-{uuid.uuid4().hex[:8]}" if request.state.is_client_request_id else request_id
         prepare = prepare_chat if is_chat else prepare_completion
-        prepared = prepare(body, request_id, job_id, self.router.tokenizer, self.router.config.max_model_len)
+        prepared = prepare(body, request_id, job_id, self.router.tokenizer, self.router.config.max_model_len,
+                           **({"tool_call_parser": self.router.config.gateway.tool_call_parser} if is_chat else {}))
         reserve = prepared.num_prompt_tokens + sum(job.params.max_tokens for job in prepared.jobs)
         try:
             counted = self.concurrency.enter(key)
@@ -126,7 +127,8 @@ class Gateway:
                 while item is not _END:
                     index, chunk = item
                     choices[index].add(chunk)
-                    yield sse(formatter.chunk(index, chunk))
+                    for data in formatter.stream(index, chunk, choices[index]):
+                        yield sse(data)
                     item = await anext(events, _END)
                 if prepared.include_usage:
                     yield sse(formatter.usage_chunk(choices))

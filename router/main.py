@@ -50,6 +50,8 @@ def add_router_args(p) -> None:
     p.add_argument("--tls-ca", default=None, help="mTLS to the workers: the CA that signed the workers' certificates")
     p.add_argument("--api-keys-file", default=None, help="YAML key file: hashed keys, model scopes, rpm/tpm/monthly "
                    "token limits (reloaded on change; see router/tenancy.py)")
+    p.add_argument("--tool-call-parser", default=None, choices=("hermes", "json"),
+                   help="how tool_choice=auto answers are read (default hermes)")
 
 
 def config_from_args(args, **extra) -> RouterConfig:
@@ -58,7 +60,8 @@ def config_from_args(args, **extra) -> RouterConfig:
                  "gateway.api_keys": args.api_key, "gateway.rate_per_s": args.rate_limit,
                  "gateway.api_keys_file": getattr(args, "api_keys_file", None),
                  "discovery.tls_cert": getattr(args, "tls_cert", None), "discovery.tls_key": getattr(args, "tls_key", None),
-                 "discovery.tls_ca": getattr(args, "tls_ca", None), **extra}
+                 "discovery.tls_ca": getattr(args, "tls_ca", None),
+                 "gateway.tool_call_parser": args.tool_call_parser, **extra}
     if args.redis_url:
         overrides.update({"index.backend": "redis", "index.redis_url": args.redis_url,
                           "gateway.rate_limit_redis_url": args.redis_url})

@@ -19,6 +19,8 @@ from splitserve.platform.sampling.params import MAX_LOGPROBS, SamplingParams
 from splitserve.platform.tokenizer import Tokenizer
 from splitserve.router.dispatch import Job
 from splitserve.router.errors import APIError, bad_request
+from splitserve.router.structured import constraint_fields
+from splitserve.router.tools import ToolPlan, plan_tools, render_messages
 from splitserve.router.protocol import (ChatCompletionRequest, CompletionRequest, SamplingFields, message_dicts,
                                         unsupported_fields)
 
@@ -34,32 +36,44 @@ class Prepared:
     logprobs: int | None             # top-n alternatives per token, None: no logprobs
     stream: bool
     include_usage: bool
+    tools: ToolPlan | None = None    # chat with tools: how to read tool calls from the answer
 
 
 def prepare_chat(req: ChatCompletionRequest, request_id: str, job_id: str, tokenizer: Tokenizer | None,
-                 max_model_len: int) -> Prepared:
+                 max_model_len: int, tool_call_parser: str = "hermes") -> Prepared:
     """`request_id` names the response; `job_id` (unique) prefixes the workers' request ids."""
     _reject_unsupported(req)
     if tokenizer is None:
         raise bad_request("this model has no tokenizer; use /v1/completions with token ids", "messages")
     if req.top_logprobs is not None and not req.logprobs:
         raise bad_request("top_logprobs needs logprobs=true", "top_logprobs")
+    plan, forced = plan_tools(req, tool_call_parser)
+    messages, template_kwargs = message_dicts(req.messages), {}
+    if plan is not None:
+        messages, template_kwargs = render_messages(messages, req.tools, tokenizer.chat_template)
     try:
-        token_ids = tokenizer.encode_chat(message_dicts(req.messages), req.add_generation_prompt,
-                                          **(req.chat_template_kwargs or {}))
+        token_ids = tokenizer.encode_chat(messages, req.add_generation_prompt,
+                                          **{**(req.chat_template_kwargs or {}), **template_kwargs})
     except InvalidRequestError as exc:
         raise bad_request(str(exc), "messages") from None
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    jobs = _jobs(req, job_id, [token_ids], max_tokens, None, logprobs, max_model_len)
-    return Prepared(request_id, req.model, jobs, len(token_ids), logprobs, req.stream, _include_usage(req))
+    constraints = constraint_fields(req, tokenizer.vocab_size)
+    if forced is not None:
+        if constraints["structured"] is not None:
+            raise bad_request("a forced tool_choice cannot be combined with response_format/structured_outputs",
+                              "tool_choice")
+        constraints["structured"] = forced
+    jobs = _jobs(req, job_id, [token_ids], max_tokens, None, logprobs, max_model_len, constraints)
+    return Prepared(request_id, req.model, jobs, len(token_ids), logprobs, req.stream, _include_usage(req), plan)
 
 
 def prepare_completion(req: CompletionRequest, request_id: str, job_id: str, tokenizer: Tokenizer | None,
                        max_model_len: int) -> Prepared:
     _reject_unsupported(req)
     prompts = _prompt_token_ids(req.prompt, tokenizer)
-    jobs = _jobs(req, job_id, prompts, req.max_tokens, COMPLETIONS_DEFAULT_MAX_TOKENS, req.logprobs, max_model_len)
+    jobs = _jobs(req, job_id, prompts, req.max_tokens, COMPLETIONS_DEFAULT_MAX_TOKENS, req.logprobs, max_model_len,
+                 constraint_fields(req, tokenizer.vocab_size if tokenizer is not None else None))
     return Prepared(request_id, req.model, jobs, sum(map(len, prompts)), req.logprobs, req.stream,
                     _include_usage(req))
 
@@ -95,7 +109,8 @@ def _prompt_token_ids(prompt, tokenizer: Tokenizer | None) -> list[list[int]]:
 
 
 def _jobs(req: SamplingFields, job_id: str, prompts: list[list[int]], max_tokens: int | None,
-          default_max_tokens: int | None, logprobs: int | None, max_model_len: int) -> list[Job]:
+          default_max_tokens: int | None, logprobs: int | None, max_model_len: int,
+          constraints: dict | None = None) -> list[Job]:
     if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
         raise bad_request(f"logprobs={logprobs} is invalid; allowed: an integer in [0, {MAX_LOGPROBS}]", "logprobs")
     jobs = []
@@ -105,7 +120,7 @@ def _jobs(req: SamplingFields, job_id: str, prompts: list[list[int]], max_tokens
             index = p * req.n + i
             seed = None if req.seed is None else req.seed + i
             name = job_id if len(prompts) * req.n == 1 else f"{job_id}-{index}"
-            jobs.append(Job(name, token_ids, sampling_params(req, budget, logprobs, seed)))
+            jobs.append(Job(name, token_ids, sampling_params(req, budget, logprobs, seed, constraints)))
     return jobs
 
 
@@ -123,7 +138,8 @@ def _max_tokens(num_prompt: int, requested: int | None, default: int | None, max
     return requested
 
 
-def sampling_params(req: SamplingFields, max_tokens: int, logprobs: int | None, seed: int | None) -> SamplingParams:
+def sampling_params(req: SamplingFields, max_tokens: int, logprobs: int | None, seed: int | None,
+                    constraints: dict | None = None) -> SamplingParams:
     """The engine's SamplingParams; its own validation errors become 400s naming the field."""
     optional = {name: getattr(req, name) for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty",
                                                        "frequency_penalty", "repetition_penalty")
@@ -134,7 +150,7 @@ def sampling_params(req: SamplingFields, max_tokens: int, logprobs: int | None, 
         return SamplingParams(**optional, seed=seed, max_tokens=max_tokens, min_tokens=req.min_tokens, stop=stop,
                               stop_token_ids=tuple(req.stop_token_ids or ()), ignore_eos=req.ignore_eos,
                               include_stop_str_in_output=req.include_stop_str_in_output, logprobs=logprobs,
-                              skip_special_tokens=req.skip_special_tokens)
+                              skip_special_tokens=req.skip_special_tokens, **(constraints or {}))
     except InvalidRequestError as exc:
         message = str(exc)
         raise APIError(400, message, param=message.split("=", 1)[0]) from None

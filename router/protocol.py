@@ -1,8 +1,8 @@
 """The OpenAI request bodies the gateway accepts (pydantic: this is the JSON edge).
 
 Strict types: a string where a number belongs is a 400, not a silent conversion. Fields of the
-OpenAI API that change what the model must do and that splitserve does not implement (tools,
-JSON response formats, echo, suffix, best_of > n, logit_bias) are rejected with a 400 naming
+OpenAI API that change what the model must do and that splitserve does not implement (echo,
+suffix, best_of > n) are rejected with a 400 naming
 them rather than ignored. vLLM's sampling extensions (top_k, min_p, repetition_penalty,
 min_tokens, ignore_eos, stop_token_ids, skip_special_tokens, include_stop_str_in_output) are
 accepted; the openai client sends them through `extra_body`.
@@ -61,6 +61,8 @@ class SamplingFields(BaseModel):
     include_stop_str_in_output: bool = False
     logit_bias: dict | None = None
     user: str | None = None
+    response_format: dict | None = None      # see router/structured.py
+    structured_outputs: dict | None = None   # vLLM's extension (extra_body)
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -70,7 +72,7 @@ class ChatCompletionRequest(SamplingFields):
     top_logprobs: int | None = None
     tools: list | None = None
     tool_choice: str | dict | None = None
-    response_format: dict | None = None
+    parallel_tool_calls: bool | None = None
     add_generation_prompt: bool = True
     chat_template_kwargs: dict | None = None
 
@@ -86,16 +88,7 @@ class CompletionRequest(SamplingFields):
 def unsupported_fields(req: SamplingFields) -> list[str]:
     """Names of set fields that would change the answer in ways splitserve does not implement."""
     bad = []
-    if req.logit_bias:
-        bad.append("logit_bias")
-    if isinstance(req, ChatCompletionRequest):
-        if req.tools:
-            bad.append("tools")
-        if req.tool_choice not in (None, "none", "auto"):
-            bad.append("tool_choice")
-        if req.response_format and req.response_format.get("type") not in (None, "text"):
-            bad.append("response_format")
-    else:
+    if not isinstance(req, ChatCompletionRequest):
         if req.echo:
             bad.append("echo")
         if req.suffix:

@@ -7,11 +7,13 @@ from the decode worker's prefix cache.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import time
 
 from splitserve.platform.tokenizer import Tokenizer
+from splitserve.router import tools
 from splitserve.router.dispatch import Chunk
 from splitserve.router.prompts import Prepared
 
@@ -93,7 +95,46 @@ class Formatter:
 
     def _choice(self, index: int, c: ChoiceState) -> dict:
         body = {"message": {"role": "assistant", "content": c.text}} if self.is_chat else {"text": c.text}
-        return {"index": index, **body, "logprobs": self.logprobs(c.logprobs), "finish_reason": c.finish_reason}
+        finish_reason = c.finish_reason
+        calls = self._tool_calls(c.text, c.finish_reason)
+        if calls:
+            body["message"] = {"role": "assistant", "content": calls[0], "tool_calls": calls[1]}
+            finish_reason = "tool_calls"
+        return {"index": index, **body, "logprobs": self.logprobs(c.logprobs), "finish_reason": finish_reason}
+
+    def _tool_calls(self, text: str, finish_reason: str | None) -> tuple[str | None, list[dict]] | None:
+        """(content, OpenAI tool_calls) when the answer holds tool calls, else None."""
+        if self.prepared.tools is None or finish_reason != "stop":
+            return None
+        try:
+            content, calls = tools.parse_calls(self.prepared.tools, text)
+        except ValueError:
+            return None
+        return (content, tools.openai_tool_calls(calls)) if calls else None
+
+    def stream(self, index: int, chunk: Chunk, state: ChoiceState) -> list[dict]:
+        """The stream events for one chunk (`state` already holds it). With tools the answer is
+        held back until it finishes, then sent as tool-call deltas or as content."""
+        if self.prepared.tools is None or not self.is_chat:
+            return [self.chunk(index, chunk)]
+        if chunk.finish_reason is None:
+            return []
+        calls = self._tool_calls(state.text, chunk.finish_reason)
+        if calls is None:
+            return [self.chunk(index, dataclasses.replace(chunk, text=state.text))]
+        events = []
+        if calls[0]:
+            events.append(self._delta(index, {"content": calls[0]}, None))
+        events += [self._delta(index, delta, None) for delta in tools.stream_deltas(calls[1])]
+        events.append(self._delta(index, {}, "tool_calls"))
+        return events
+
+    def _delta(self, index: int, delta: dict, finish_reason: str | None) -> dict:
+        out = self._head("chat.completion.chunk")
+        out["choices"] = [{"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]
+        if self.prepared.include_usage:
+            out["usage"] = None
+        return out
 
     def chunk(self, index: int, chunk: Chunk | None, role: bool = False) -> dict:
         """One stream event for choice `index` (role=True: the chat stream's opening delta)."""

@@ -13,6 +13,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1.0, 2.5)
 BYTES_BUCKETS = tuple(2**i for i in range(10, 34, 2))
+COMPILE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
 
 
 class WorkerMetrics:
@@ -54,6 +55,15 @@ class WorkerMetrics:
                                 registry=r)
         self.kv_auth_failures = Counter("splitserve_kv_auth_failures", "KV-transfer connections rejected for a "
                                         "wrong or missing token (transfer/auth.py)", registry=r)
+        self.grammar_compile = Histogram("splitserve_grammar_compile_seconds", "Grammar compile time (cache misses)",
+                                         buckets=COMPILE_BUCKETS, registry=r)
+        self.grammar_mask = Counter("splitserve_grammar_mask_seconds", "Time spent computing and applying grammar "
+                                    "masks (divide by _rows for the time per constrained row)", registry=r)
+        self.grammar_mask_rows = Counter("splitserve_grammar_mask_rows", "Constrained rows masked", registry=r)
+        self.structured_requests = Counter("splitserve_structured_requests", "Constrained requests by kind",
+                                           ["kind"], registry=r)
+        self._seen_mask = (0.0, 0)
+        self._seen_kinds: dict[str, int] = {}
         Info("splitserve_worker", "Worker identity", registry=r).info({"role": role, "model": model})
 
     def update_load(self, load) -> None:
@@ -66,6 +76,20 @@ class WorkerMetrics:
         self.prefix_waits.inc(load.num_prefix_waits - self._seen_waits)
         self._seen_queries, self._seen_hits = load.prefix_cache_queries, load.prefix_cache_hits
         self._seen_waits = load.num_prefix_waits
+
+    def update_structured(self, stats) -> None:
+        """Export the grammar backend's CompileStats (platform/sampling/structured.py), if any."""
+        if stats is None:
+            return
+        for seconds in stats.take_compile_seconds():
+            self.grammar_compile.observe(seconds)
+        mask, rows = stats.mask_seconds, stats.mask_rows
+        self.grammar_mask.inc(max(0.0, mask - self._seen_mask[0]))
+        self.grammar_mask_rows.inc(rows - self._seen_mask[1])
+        self._seen_mask = (mask, rows)
+        for kind, count in list(stats.requests.items()):
+            self.structured_requests.labels(kind=kind).inc(count - self._seen_kinds.get(kind, 0))
+            self._seen_kinds[kind] = count
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

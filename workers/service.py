@@ -160,6 +160,7 @@ async def publish_load(service: WorkerService, interval_s: float) -> None:
     while True:
         load = service.engine.load
         service.metrics.update_load(load)
+        service.metrics.update_structured(service.engine.engine.grammar_stats)
         service.hub.send_load(pb.LoadReport(
             num_waiting=load.num_waiting, num_running=load.num_running, kv_usage=load.kv_usage,
             queued_prefill_tokens=load.queued_prefill_tokens, num_free_blocks=load.num_free_blocks,

@@ -50,6 +50,8 @@ class AsyncEngine:
         `options` go to LLMEngine.add_request (remote_prefill, kv_export, resume_output_token_ids).
         """
         req_id = req_id or f"async-{next(self._ids)}"
+        if params is not None and params.structured is not None:  # compile off the engine thread (cached)
+            await asyncio.to_thread(self.engine.grammars.compile, params.structured)
         loop = asyncio.get_running_loop()
         stream: asyncio.Queue = asyncio.Queue()
         done = loop.create_future()

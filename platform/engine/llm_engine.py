@@ -37,6 +37,7 @@ from splitserve.platform.quant import resolve_quantization
 from splitserve.platform.quant.report import describe_kernels, weight_nbytes
 from splitserve.platform.sampling.params import SamplingParams
 from splitserve.platform.sampling.sampler import SamplingRow, make_generator, skip_draw
+from splitserve.platform.sampling.structured import GrammarBackend, Matcher
 from splitserve.platform.sched.plan import StepResult
 from splitserve.platform.sched.request import Request, RequestStatus
 from splitserve.platform.sched.scheduler import Scheduler
@@ -101,6 +102,23 @@ class LLMEngine:
         self._exports: dict[str, KVExport] = {}
         self._exported: dict[str, int] = {}   # req_id -> prompt blocks exported so far
         self._ids = itertools.count()
+        self._matchers: dict[str, Matcher] = {}
+        self._grammars: GrammarBackend | None = None
+
+    @property
+    def grammars(self) -> GrammarBackend:
+        """The grammar backend (built on first use; its compile() is safe from any thread)."""
+        if self._grammars is None:
+            if self.tokenizer is None:
+                raise InvalidRequestError(f"model {self.config.model!r} has no tokenizer; constraints need one")
+            self._grammars = GrammarBackend(self.tokenizer)
+            self.runner.sampler.stats = self._grammars.stats
+        return self._grammars
+
+    @property
+    def grammar_stats(self):
+        """The grammar backend's CompileStats, or None before the first constrained request."""
+        return None if self._grammars is None else self._grammars.stats
 
     def _load_model(self, source):
         with torch.device(self.device):
@@ -136,6 +154,8 @@ class LLMEngine:
         resumed = self._resume_token_ids(resume_output_token_ids, params, len(token_ids))
         if resumed and (remote_prefill or kv_export is not None):
             raise InvalidRequestError("a resumed request is prefilled locally; it cannot use remote prefill or export")
+        self._checked_ids("logit_bias", [t for t, _ in params.logit_bias])
+        matcher = self._matcher(params, resumed)
         req = Request(req_id, token_ids, params, self.hasher, self.eos_token_ids, arrival_time,
                       remote_prefill=remote_prefill, output_token_ids=resumed)
         if kv_export is not None:
@@ -149,9 +169,20 @@ class LLMEngine:
         self._generators[req_id] = make_generator(params.seed, self.device)
         for _ in resumed:
             skip_draw(params, self._generators[req_id])
+        if matcher is not None:
+            self._matchers[req_id] = matcher
         self.outputs.add(req)
         self.scheduler.add_request(req)
         return req_id
+
+    def _matcher(self, params: SamplingParams, resumed: Sequence[int]) -> Matcher | None:
+        """A fresh matcher for a constrained request, advanced past tokens it already generated."""
+        if params.structured is None:
+            return None
+        matcher = self.grammars.matcher(params.structured)
+        if not matcher.accept_all([t for t in resumed if t not in self.eos_token_ids]):
+            raise InvalidRequestError("resume_output_token_ids do not follow the request's output constraint")
+        return matcher
 
     def _prompt_token_ids(self, prompt: str | None, prompt_token_ids: Sequence[int] | None) -> list[int]:
         if (prompt is None) == (prompt_token_ids is None):
@@ -206,6 +237,14 @@ class LLMEngine:
         self._generators.pop(req_id, None)
         self._exports.pop(req_id, None)
         self._exported.pop(req_id, None)
+        self._matchers.pop(req_id, None)
+
+    def _advance_matchers(self, sampled: dict[str, int]) -> None:
+        """Feed each constrained request the token it just sampled (EOS ends it; not fed)."""
+        for req_id, token_id in sampled.items():
+            matcher = self._matchers.get(req_id)
+            if matcher is not None and token_id not in self.eos_token_ids and not matcher.accept(token_id):
+                log.warning("request %s: token %d rejected by its grammar (%s)", req_id, token_id, matcher.error)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.num_unfinished > 0 or bool(self._aborted)
@@ -252,6 +291,7 @@ class LLMEngine:
             return outputs
         rows = {s.req_id: self._sampling_row(s.req_id) for s in plan.seqs if s.do_sample}
         result = self.runner.execute(plan, rows, self.eos_token_ids, self._export_hook(plan))
+        self._advance_matchers(result.sampled)
         for update in self.scheduler.update(plan, result):
             outputs.append(self._emit(update, result))
         return outputs
@@ -315,6 +355,7 @@ class LLMEngine:
         if req is None:
             return None
         skip_draw(req.params, self._generators.get(req_id))
+        self._advance_matchers({req_id: first_token_id})
         update = self.scheduler.complete_remote_prefill(req_id, first_token_id)
         result = StepResult(sampled={req_id: first_token_id},
                             logprobs={req_id: logprob.logprob} if logprob else None,
@@ -327,7 +368,8 @@ class LLMEngine:
 
     def _sampling_row(self, req_id: str) -> SamplingRow:
         req = self.scheduler.requests[req_id]
-        return SamplingRow(req.params, req.prompt_token_ids, req.output_token_ids, self._generators[req_id])
+        return SamplingRow(req.params, req.prompt_token_ids, req.output_token_ids, self._generators[req_id],
+                           self._matchers.get(req_id))
 
     # -- convenience -----------------------------------------------------------------------
     def generate(self, prompts: Sequence[str | Sequence[int]],

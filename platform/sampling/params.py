@@ -10,6 +10,7 @@ import math
 from dataclasses import dataclass, field
 
 from splitserve.platform.errors import InvalidRequestError
+from splitserve.platform.sampling.constraints import StructuredSpec, validate_logit_bias
 
 MAX_LOGPROBS = 20
 # A temperature below this is greedy (vLLM's _SAMPLING_EPS): dividing logits by it would
@@ -31,6 +32,9 @@ class SamplingParams:
     (unless ignore_eos), at any of stop_token_ids, or when the text contains one of `stop`
     (the stop string is not included unless include_stop_str_in_output). EOS and stop tokens
     are suppressed until min_tokens tokens have been generated.
+    `structured` constrains the output to a grammar (JSON schema, regex, choice, Lark);
+    `logit_bias` ((token id, bias in [-100, 100]) pairs, or a dict) is added to the logits
+    (ids are checked against the vocabulary by the engine).
     """
 
     temperature: float = 1.0
@@ -49,6 +53,8 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    structured: StructuredSpec | None = None
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
         # Accept lists from JSON callers but store tuples so the params stay hashable/immutable.
@@ -56,6 +62,9 @@ class SamplingParams:
             object.__setattr__(self, "stop", (self.stop,))
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        object.__setattr__(self, "logit_bias", validate_logit_bias(self.logit_bias))
+        if self.structured is not None and not isinstance(self.structured, StructuredSpec):
+            raise InvalidRequestError(f"structured must be a StructuredSpec, got {type(self.structured).__name__}")
         self._validate()
 
     def _validate(self) -> None:

@@ -3,6 +3,8 @@
 Called by the engine once per step with the logits of the rows that sample. The definitions
 are vLLM's; the steps, in order:
 
+0. Constraints (`structured.apply_constraints`): each row's logit_bias is added and the tokens
+   its grammar forbids are set to -inf; everything below sees the constrained logits.
 1. Logprobs, if any row asked, are vLLM's default "raw logprobs": log_softmax in float32 of the
    logits as passed in, before min_tokens, penalties and temperature.
 2. min_tokens: while a row has generated fewer than min_tokens tokens, the logits of its
@@ -35,7 +37,7 @@ from dataclasses import dataclass
 
 import torch
 
-from splitserve.platform.sampling import logits_ops
+from splitserve.platform.sampling import logits_ops, structured
 from splitserve.platform.sampling.params import SamplingParams
 
 
@@ -48,6 +50,7 @@ class SamplingRow:
     prompt_token_ids: Sequence[int]
     output_token_ids: Sequence[int]  # tokens generated so far (for penalties and min_tokens)
     generator: torch.Generator | None  # from make_generator(params.seed); None = global RNG
+    matcher: structured.Matcher | None = None  # the request's grammar state, if constrained
 
 
 @dataclass
@@ -78,11 +81,13 @@ def _is_min_tokens_active(row: SamplingRow) -> bool:
 def _is_plain_greedy(row: SamplingRow) -> bool:
     params = row.params
     return (params.is_greedy and params.logprobs is None and not _has_penalties(params)
-            and not _is_min_tokens_active(row))
+            and not _is_min_tokens_active(row) and not structured.needs_constraints(row))
 
 
 class Sampler:
     """Stateless; one instance serves every step. See the module docstring for the algorithm."""
+
+    stats: structured.CompileStats | None = None  # set by the engine to count mask time
 
     def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRow],
                  eos_token_ids: Collection[int]) -> SamplerOutput:
@@ -90,7 +95,7 @@ class Sampler:
         assert logits.dim() == 2 and logits.shape[0] == len(rows), (tuple(logits.shape), len(rows))
         if all(_is_plain_greedy(row) for row in rows):
             return SamplerOutput(_argmax(logits).tolist(), None, None)
-        logits = logits.to(torch.float32)
+        logits = structured.apply_constraints(logits.to(torch.float32), rows, self.stats)
         wants_logprobs = any(row.params.logprobs is not None for row in rows)
         raw_logprobs = torch.log_softmax(logits, dim=-1) if wants_logprobs else None
         logits = _apply_min_tokens(logits, rows, eos_token_ids)

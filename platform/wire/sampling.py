@@ -6,6 +6,7 @@ Optional fields left unset on the wire take SamplingParams' defaults; decoding v
 
 from __future__ import annotations
 
+from splitserve.platform.sampling.constraints import StructuredSpec
 from splitserve.platform.sampling.params import SamplingParams
 from splitserve.platform.wire import worker_pb2 as pb
 
@@ -20,11 +21,19 @@ def to_proto(params: SamplingParams) -> pb.SamplingParams:
         value = getattr(params, name)
         if value is not None:
             setattr(msg, name, value)
+    if params.structured is not None:
+        msg.structured.kind = params.structured.kind
+        msg.structured.value = params.structured.value
+        msg.structured.field = params.structured.field
+    msg.logit_bias.update(dict(params.logit_bias))
     return msg
 
 
 def from_proto(msg: pb.SamplingParams) -> SamplingParams:
     kwargs = {name: getattr(msg, name) for name in OPTIONAL_FIELDS if msg.HasField(name)}
     kwargs.update(stop=tuple(msg.stop), stop_token_ids=tuple(msg.stop_token_ids), ignore_eos=msg.ignore_eos,
-                  include_stop_str_in_output=msg.include_stop_str_in_output)
+                  include_stop_str_in_output=msg.include_stop_str_in_output, logit_bias=dict(msg.logit_bias))
+    if msg.HasField("structured"):
+        kwargs["structured"] = StructuredSpec(msg.structured.kind, msg.structured.value,
+                                              msg.structured.field or "structured_outputs")
     return SamplingParams(**kwargs)

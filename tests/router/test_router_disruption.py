@@ -95,3 +95,42 @@ def test_every_worker_killed_gives_503_quickly_then_recovers(stack):
         assert r.status_code == 503 and time.monotonic() < deadline, r.text
         time.sleep(0.2)
     assert r.headers["x-splitserve-decode-worker"] == workers[0].address
+
+
+def test_constrained_stream_resumed_after_a_kill_is_valid_and_undisturbed(stack):
+    """A decode worker SIGKILLed mid-stream under a grammar: the new worker replays the tokens
+    already sent into a fresh matcher, so the answer still matches and equals the undisturbed one."""
+    import re
+    server, workers, client = stack
+    for w in workers:                               # the test before leaves one worker down
+        if w.proc is None or w.proc.poll() is not None:
+            w.start()
+    deadline = time.monotonic() + 60
+    while server.router.pool.num_healthy() < 2:
+        assert time.monotonic() < deadline, "both decode workers should be healthy"
+        time.sleep(0.2)
+    pattern = r"[a-z]{1,8}( [a-z]{1,8})*"
+    request = body(structured_outputs={"regex": pattern}, max_tokens=30)
+    undisturbed = client.post("/v1/chat/completions", json=request)
+    assert undisturbed.status_code == 200, undisturbed.text
+    expected = undisturbed.json()["choices"][0]["message"]["content"]
+    victim = next(w for w in workers if w.address == undisturbed.headers["x-splitserve-decode-worker"])
+    text, num_deltas = "", 0
+    with client.stream("POST", "/v1/chat/completions", json={**request, "stream": True}) as r:
+        for line in r.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            chunk = json.loads(line[6:])
+            assert "error" not in chunk, chunk
+            text += chunk["choices"][0]["delta"].get("content", "")
+            num_deltas += 1
+            if num_deltas == 6:
+                victim.kill()
+    assert victim.proc.poll() is not None
+    assert text == expected
+    assert re.fullmatch(pattern + " ?", text), text   # cut by max_tokens, maybe right after a space
+    victim.start()
+    deadline = time.monotonic() + 60
+    while server.router.pool.num_healthy() < 2:
+        assert time.monotonic() < deadline, "the restarted worker did not rejoin"
+        time.sleep(0.2)

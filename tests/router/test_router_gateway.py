@@ -187,7 +187,7 @@ BAD_INPUTS = [
      "2100 were requested (2000 in the prompt, 100 for the completion)"),
     ("token id outside the vocabulary", dict(path="/v1/completions", json={"model": MODEL, "prompt": [10**7]}),
      400, "outside the vocabulary"),
-    ("unsupported field", dict(json=chat_body(tools=[{"type": "function"}])), 400, "tools is not supported"),
+    ("malformed tool", dict(json=chat_body(tools=[{"type": "function"}])), 400, "tools[0] must be"),
     ("unknown model", dict(json={**chat_body(), "model": "gpt-9"}), 404, "the model 'gpt-9' does not exist"),
     ("20 MB body", dict(content=b'{"model": "' + b"x" * (20 << 20) + b'"}'), 413, "request body too large"),
     ("invalid UTF-8", dict(content=b'{"model": "smollm2-135m", "messages": [{"role": "user", "content": "\xff\xfe"}]}'),

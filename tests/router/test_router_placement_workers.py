@@ -119,3 +119,33 @@ class Background:
         time.sleep(0.5)
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(10)
+
+
+PD_SCHEMA = {"type": "object", "properties": {"id": {"type": "integer", "minimum": 1, "maximum": 999},
+                                              "tags": {"type": "array", "items": {"enum": ["x", "y", "z"]},
+                                                       "minItems": 1, "maxItems": 3}},
+             "required": ["id", "tags"], "additionalProperties": False}
+
+
+@pytest.mark.parametrize("sampling", [{"temperature": 0}, {"temperature": 1.0, "seed": 11}], ids=["greedy", "seeded"])
+def test_constrained_output_is_the_same_prefilled_remotely_or_locally(gateway, sampling):
+    """The prefill worker samples the first token under the request's grammar and the decode
+    worker continues the same matcher: the P/D answer parses, validates and equals the answer
+    of the same request prefilled locally (its second run, whose prompt is then cached)."""
+    import json
+
+    import jsonschema
+
+    _, client = gateway
+    body = {"model": MODEL, "prompt": ids(400, salt=17 + len(sampling)), "max_tokens": 80,
+            "structured_outputs": {"json": PD_SCHEMA}, **sampling}
+    remote = client.post("/v1/completions", json=body)
+    assert remote.status_code == 200, remote.text
+    assert remote.headers.get("x-splitserve-prefill-worker"), "400 uncached tokens: prefilled remotely"
+    local = client.post("/v1/completions", json=body)
+    assert "x-splitserve-prefill-worker" not in local.headers and local.json()["usage"]["prompt_tokens_details"][
+        "cached_tokens"] > 0
+    text = remote.json()["choices"][0]["text"]
+    assert remote.json()["choices"][0]["finish_reason"] == "stop"
+    jsonschema.validate(json.loads(text), PD_SCHEMA)
+    assert local.json()["choices"][0]["text"] == text
