@@ -16,6 +16,7 @@ import random
 
 from splitserve.platform.hashing import BlockHasher
 from splitserve.platform.tokenizer import Tokenizer, load_tokenizer
+from splitserve.router import readiness
 from splitserve.router.config import IndexConfig, RouterConfig
 from splitserve.router.discovery import Discovery, make_discovery
 from splitserve.router.dispatch import Dispatcher
@@ -50,7 +51,7 @@ class Router:
         self.metrics = RouterMetrics()
         self.placer = Placer(config.placement, self.pool, self.index, rng)
         self.dispatcher = Dispatcher(self.pool, self.placer, self.hasher, self.tokenizer, self.channels,
-                                     config.gateway.max_attempts, self.metrics)
+                                     config.gateway.max_attempts, self.metrics, config.gateway.worker_wait_s)
         self._watchers: dict[str, asyncio.Task] = {}
         self._discovery_task: asyncio.Task | None = None
 
@@ -91,8 +92,8 @@ class Router:
 
     @property
     def is_ready(self) -> bool:
-        """At least one healthy worker can decode."""
-        return self.pool.num_healthy() > 0
+        """The router can serve its model (router/readiness.py)."""
+        return not readiness.unready_reason(self)
 
     async def wait_ready(self, timeout_s: float = 60.0, num_decode: int = 1, num_prefill: int = 0) -> None:
         loop = asyncio.get_running_loop()
