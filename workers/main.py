@@ -127,7 +127,8 @@ class Worker:
                   if receiver else None)
         service = WorkerService(cfg, engine, hub, remote, sender, layout, metrics)
         server, health_servicer = await self._start_grpc(service)
-        http = HealthServer(cfg.host, cfg.metrics_port, lambda: self._readiness(service), metrics.render,
+        http = HealthServer(cfg.host, cfg.metrics_port, lambda: self._readiness(service),
+                            lambda: metrics.render(engine.load),
                             debug_kv=lambda: engine.call(kv_state))
         await http.start()
         load_task = asyncio.create_task(publish_load(service, cfg.load_interval_s))

@@ -17,10 +17,10 @@ MODEL = "smollm2-135m"
 BODY = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, "temperature": 0}
 
 
-def test_first_request_after_model_list_succeeds_during_a_cold_start(tmp_path):
+def test_first_request_after_model_list_succeeds_during_a_cold_start(tmp_path_factory):
     from splitserve.router.ray_serve import RayServe
 
-    app = RayServe(local_config(str(tmp_path), free_port()))
+    app = RayServe(local_config(str(tmp_path_factory.mktemp("ray")), free_port()))   # short: AF_UNIX paths
     errors = []
 
     def start():
