@@ -16,7 +16,7 @@ LLAMA_CMAKE_ARGS := -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON
 	-DGGML_BMI2=ON -DGGML_AVX_VNNI=ON -DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON \
 	-DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF
 
-.PHONY: setup run test bench bench-gpu peer clean
+.PHONY: setup run test bench bench-gpu peer clean chaos
 
 setup: $(STAMP)
 
@@ -38,6 +38,11 @@ run: setup
 
 test: setup
 	$(PY) -m pytest -q
+
+# The chaos soak (e2e/chaos.py): MINUTES of faults under load, every request accounted for.
+MINUTES ?= 30
+chaos: setup
+	$(PY) e2e/chaos.py --minutes $(MINUTES)
 
 # The whole suite takes about an hour on the 2-core box (the serving suite most of it).
 bench: setup peer

@@ -1,0 +1,27 @@
+"""The chaos soak's short form (e2e/chaos.py): 2 minutes of faults, every fault kind at least
+once, on the real stack (Redis, two router replicas, UCX and TCP prefill/decode workers of the
+real model). Fails on any wrong, hung or lost request, any leak, or a fault kind not injected."""
+
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+from chaos import Soak  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+
+def test_short_chaos_soak_accounts_for_every_request(tmp_path, capsys):
+    soak = Soak(minutes=2.0, seed=17, logdir=str(tmp_path), num_clients=2)
+    status = soak.run()
+    report = capsys.readouterr().out
+    print(report)
+    t = soak.tally
+    assert all(t.faults[k] >= 1 for k in ("worker_sigkill", "worker_sigstop", "router_sigkill", "redis_restart",
+                                         "client_disconnect", "layout_mismatch")), report
+    assert t.outcomes["ok"] > 0, report
+    assert t.outcomes["wrong"] == t.outcomes["hung"] == t.outcomes["lost"] == 0, report
+    assert status == 0, report
