@@ -11,7 +11,9 @@ every request is accounted for.
 
 Outcomes: `ok` (the answer equals, token for token, the one the same request got in the
 undisturbed warm-up), `error` (a documented status: 429/503 with an OpenAI error body, or a
-replica's connection refused), `disconnected` (the injector's own cut streams), `wrong`,
+replica's connection refused), `disconnected` (the injector's own cut streams),
+`cut_by_router_kill` (the connection dropped while the injector SIGKILLed a router replica:
+a killed gateway sends no status; the client retries), `wrong`,
 `hung` (no answer within the deadline), `lost` (an undocumented status or a broken stream).
 After quiescing: every worker's block pool holds no request (/debug/kv), every gateway's
 admission queue is empty, and each process' RSS grew at most MEMORY_BOUND_MIB. Exit status 1 on
@@ -130,6 +132,15 @@ class Worker(Proc):
                 str(self.metrics_port), "--kv-port", str(self.kv_port), "--kv-cache-memory", "0.25",
                 "--max-model-len", "2048"]
 
+    def start(self, argv: list[str] | None = None) -> Proc:
+        if self.proc is not None:
+            # a restart gets a fresh KV port (UCX keeps a killed listener's port busy for a while;
+            # the routers learn the new KV address from WorkerInfo); the gRPC port stays
+            self.kv_port = free_port()
+            argv = argv or self.argv_for(self.role, self.transport, MODEL)
+            argv[argv.index("--kv-port") + 1] = str(self.kv_port)
+        return super().start(argv)
+
     def kv_state(self) -> dict:
         status, body = http_get(f"http://127.0.0.1:{self.metrics_port}/debug/kv")
         return json.loads(body) if status == 200 else {}
@@ -226,6 +237,8 @@ def run_request(routers: list[RouterProc], spec: Spec, rng: random.Random, disco
             continue                                  # this replica is down: the other one
         except httpx.TimeoutException:
             return "hung", "no answer within the deadline", ""
+        except httpx.RemoteProtocolError as exc:
+            return "cut", f"{router.name}: {exc}", ""     # `cut_by_router_kill` if that replica was killed
         except (httpx.HTTPError, json.JSONDecodeError, KeyError) as exc:
             return "lost", f"{type(exc).__name__}: {exc}", ""
     return "error", f"every replica refused the connection ({last})", ""
@@ -267,6 +280,7 @@ class Soak:
         self.reference: dict[Spec, str] = {}
         self.tally = Tally()
         self.stop = threading.Event()
+        self.router_kills = 0
         self.redis = Redis(logdir)
         self.workers = [Worker(role, transport, logdir) for transport in ("ucx", "tcp")
                         for role in ("decode", "prefill")]
@@ -301,7 +315,10 @@ class Soak:
         rng = random.Random(self.seed * 100 + index)
         while not self.stop.is_set():
             spec = rng.choice(self.specs)
+            kills = self.router_kills
             outcome, detail, text = run_request(self.routers, spec, rng)
+            if outcome == "cut":     # the connection dropped: documented only if its replica was SIGKILLed
+                outcome = "cut_by_router_kill" if self.router_kills > kills else "lost"
             if outcome == "answer":
                 outcome = "ok" if text == self.reference[spec] else "wrong"
                 detail = f"{spec.prompt[-40:]!r}: got {text!r}, expected {self.reference[spec]!r}"
@@ -323,6 +340,7 @@ class Soak:
         elif kind == "router_sigkill":
             r = rng.choice(self.routers)
             r.kill()
+            self.router_kills += 1
             r.start().wait_ready(120)
         elif kind == "redis_restart":
             self.redis.kill()

@@ -32,9 +32,10 @@ log = logging.getLogger(__name__)
 def make_index(config: IndexConfig) -> PrefixIndex:
     if config.backend == "redis":
         from splitserve.router.index_redis import RedisPrefixIndex
+        from splitserve.router.index_resilient import ResilientIndex
 
-        return RedisPrefixIndex(config.redis_url, config.key_prefix, config.speculative_ttl_s,
-                                config.max_blocks_per_worker)
+        return ResilientIndex(RedisPrefixIndex(config.redis_url, config.key_prefix, config.speculative_ttl_s,
+                                               config.max_blocks_per_worker))
     return InMemoryPrefixIndex(config.speculative_ttl_s, config.max_blocks_per_worker)
 
 
