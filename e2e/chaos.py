@@ -360,7 +360,7 @@ class Soak:
     def injector(self, end: float) -> None:
         kinds = list(FAULT_KINDS)
         i = 0
-        while time.monotonic() < end and not self.stop.is_set():
+        while (time.monotonic() < end or i < len(kinds)) and not self.stop.is_set():   # every kind at least once
             kind = kinds[i % len(kinds)] if i < len(kinds) else self.rng.choice(kinds)   # each kind once first
             i += 1
             try:
