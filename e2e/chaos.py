@@ -339,8 +339,8 @@ class Soak:
             w.signal(signal.SIGCONT)
         elif kind == "router_sigkill":
             r = rng.choice(self.routers)
+            self.router_kills += 1          # before the kill: a client sees the cut only after it
             r.kill()
-            self.router_kills += 1
             r.start().wait_ready(120)
         elif kind == "redis_restart":
             self.redis.kill()
