@@ -7,7 +7,8 @@ every request is accounted for.
     long shared prefixes to either router (a refused connection fails over to the other)
     fault injector (seeded): SIGKILL a worker (restarted), SIGSTOP then SIGCONT a worker,
     SIGKILL a router replica (restarted), restart Redis, a client that disconnects mid-stream,
-    a worker restarted with a different model (layout mismatch; restarted right afterwards)
+    a worker restarted with a different model (layout mismatch; restarted right afterwards),
+    delay and drops on the KV transport (e2e/kvproxy.py between prefill-tcp and decode-tcp)
 
 Outcomes: `ok` (the answer equals, token for token, the one the same request got in the
 undisturbed warm-up), `error` (a documented status: 429/503 with an OpenAI error body, or a
@@ -41,12 +42,15 @@ from dataclasses import dataclass, field
 import httpx
 import psutil
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from kvproxy import KVProxy  # noqa: E402
+
 MODEL = "smollm2-135m"
 MEMORY_BOUND_MIB = 400           # RSS growth allowed per process over the soak (after warm-up)
 DEADLINE_S = 180                 # a request answered later than this is `hung`
 BIN = os.path.join(os.path.dirname(sys.executable), "splitserve")
 FAULT_KINDS = ("worker_sigkill", "worker_sigstop", "router_sigkill", "redis_restart", "client_disconnect",
-               "layout_mismatch")
+               "layout_mismatch", "kv_delay", "kv_drop")
 
 
 def free_port() -> int:
@@ -119,21 +123,24 @@ class Proc:
 
 
 class Worker(Proc):
-    def __init__(self, role: str, transport: str, logdir: str):
+    def __init__(self, role: str, transport: str, logdir: str, proxied: bool = False):
+        # a proxied worker binds 127.0.0.2 and advertises 127.0.0.1, where the KV proxy listens
+        self.host = "127.0.0.2" if proxied else "127.0.0.1"
+        self.proxied = proxied
         self.grpc_port, self.metrics_port, self.kv_port = free_port(), free_port(), free_port()
-        self.address = f"127.0.0.1:{self.grpc_port}"
-        super().__init__(f"{role}-{transport}", self.argv_for(role, transport, MODEL), logdir,
-                         ready=lambda: http_get(f"http://127.0.0.1:{self.metrics_port}/ready")[0] == 200)
+        self.address = f"{self.host}:{self.grpc_port}"
         self.role, self.transport = role, transport
+        super().__init__(f"{role}-{transport}", self.argv_for(role, transport, MODEL), logdir,
+                         ready=lambda: http_get(f"http://{self.host}:{self.metrics_port}/ready")[0] == 200)
 
     def argv_for(self, role, transport, model):
         return [BIN, "--log-level", "WARNING", "worker", "--role", role, "--model", model, "--threads", "1",
                 "--kv-transport", transport, "--grpc-port", str(self.grpc_port), "--metrics-port",
                 str(self.metrics_port), "--kv-port", str(self.kv_port), "--kv-cache-memory", "0.25",
-                "--max-model-len", "2048"]
+                "--max-model-len", "2048", "--host", self.host, "--advertise-host", "127.0.0.1"]
 
     def start(self, argv: list[str] | None = None) -> Proc:
-        if self.proc is not None:
+        if self.proc is not None and not self.proxied:   # the proxy listens on the proxied one's port
             # a restart gets a fresh KV port (UCX keeps a killed listener's port busy for a while;
             # the routers learn the new KV address from WorkerInfo); the gRPC port stays
             self.kv_port = free_port()
@@ -142,7 +149,7 @@ class Worker(Proc):
         return super().start(argv)
 
     def kv_state(self) -> dict:
-        status, body = http_get(f"http://127.0.0.1:{self.metrics_port}/debug/kv")
+        status, body = http_get(f"http://{self.host}:{self.metrics_port}/debug/kv")
         return json.loads(body) if status == 200 else {}
 
 
@@ -274,6 +281,7 @@ class Tally:
 class Soak:
     def __init__(self, minutes: float, seed: int, logdir: str, num_clients: int = 3, num_specs: int = 12):
         self.minutes, self.seed, self.logdir = minutes, seed, logdir
+        os.makedirs(logdir, exist_ok=True)
         self.rng = random.Random(seed)
         self.num_clients = num_clients
         self.specs = make_specs(random.Random(seed + 1), num_specs)
@@ -282,8 +290,9 @@ class Soak:
         self.stop = threading.Event()
         self.router_kills = 0
         self.redis = Redis(logdir)
-        self.workers = [Worker(role, transport, logdir) for transport in ("ucx", "tcp")
-                        for role in ("decode", "prefill")]
+        self.workers = [Worker(role, transport, logdir, proxied=(role, transport) == ("decode", "tcp"))
+                        for transport in ("ucx", "tcp") for role in ("decode", "prefill")]
+        self.proxy = KVProxy(next(w.kv_port for w in self.workers if w.proxied))
         url = f"redis://127.0.0.1:{self.redis.port}/0"
         self.routers = [RouterProc(f"router-{n}", self.workers, url, logdir) for n in "ab"]
 
@@ -291,6 +300,7 @@ class Soak:
         return [self.redis, *self.workers, *self.routers]
 
     def start(self) -> None:
+        self.proxy.start()
         self.redis.start().wait_ready(30)
         for w in self.workers:
             w.start()
@@ -349,6 +359,10 @@ class Soak:
             spec = rng.choice([s for s in self.specs if s.stream])
             outcome, detail, _ = run_request(self.routers, spec, rng, disconnect=True)
             self.tally.record("disconnected" if outcome in ("disconnected", "answer") else outcome, detail)
+        elif kind in ("kv_delay", "kv_drop"):     # on the TCP KV path into decode-tcp
+            self.proxy.set_mode(kind.removeprefix("kv_"))
+            self.stop.wait(rng.uniform(3, 8))
+            self.proxy.set_mode("pass")
         elif kind == "layout_mismatch":
             w = rng.choice([w for w in self.workers if w.role == "decode"])
             w.kill()
@@ -418,6 +432,7 @@ class Soak:
             self.stop.set()
             for p in reversed(self.procs()):
                 p.stop()
+            self.proxy.stop()
         return self.report(leaks, time.monotonic() - t0)
 
     def report(self, leaks: list[str], seconds: float) -> int:

@@ -9,7 +9,7 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from chaos import Soak  # noqa: E402
+from chaos import FAULT_KINDS, Soak  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -20,8 +20,7 @@ def test_short_chaos_soak_accounts_for_every_request(tmp_path, capsys):
     report = capsys.readouterr().out
     print(report)
     t = soak.tally
-    assert all(t.faults[k] >= 1 for k in ("worker_sigkill", "worker_sigstop", "router_sigkill", "redis_restart",
-                                         "client_disconnect", "layout_mismatch")), report
+    assert all(t.faults[k] >= 1 for k in FAULT_KINDS) and len(FAULT_KINDS) == 8, report
     assert t.outcomes["ok"] > 0, report
     assert t.outcomes["wrong"] == t.outcomes["hung"] == t.outcomes["lost"] == 0, report
     assert status == 0, report
