@@ -244,7 +244,7 @@ def run_request(routers: list[RouterProc], spec: Spec, rng: random.Random, disco
             continue                                  # this replica is down: the other one
         except httpx.TimeoutException:
             return "hung", "no answer within the deadline", ""
-        except httpx.RemoteProtocolError as exc:
+        except (httpx.RemoteProtocolError, httpx.ReadError) as exc:   # dropped or reset mid-answer
             return "cut", f"{router.name}: {exc}", ""     # `cut_by_router_kill` if that replica was killed
         except (httpx.HTTPError, json.JSONDecodeError, KeyError) as exc:
             return "lost", f"{type(exc).__name__}: {exc}", ""
