@@ -24,7 +24,7 @@ LLAMA_CMAKE_ARGS := -DGGML_NATIVE=OFF -DGGML_AVX=$(call isa,avx) -DGGML_AVX2=$(c
 	-DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF
 PEER_WHEELS := $(PEER)/wheels-$(shell echo '$(LLAMA_CMAKE_ARGS)' | md5sum | cut -c1-10)
 
-.PHONY: setup run test bench bench-gpu peer clean
+.PHONY: setup run test bench bench-gpu peer clean chaos
 
 setup: $(STAMP)
 
@@ -46,6 +46,11 @@ run: setup
 
 test: setup
 	$(PY) -m pytest -q
+
+# The chaos soak (e2e/chaos.py): MINUTES of faults under load, every request accounted for.
+MINUTES ?= 30
+chaos: setup
+	$(PY) e2e/chaos.py --minutes $(MINUTES)
 
 # The whole suite takes about an hour on the 2-core box (the serving suite most of it).
 bench: setup peer

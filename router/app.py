@@ -1,8 +1,9 @@
 """The FastAPI application of the gateway: routes, error handlers, the edge middleware.
 
 Routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models (these three need the
-API key when keys are configured), GET /health (the process is up), GET /ready (a decode
-worker is healthy), GET /metrics (Prometheus), GET /openapi.json and /docs.
+API key when keys are configured), GET /health (the process is up), GET /ready (the model
+can be served: router/readiness.py; until then /v1/models lists no model), GET /metrics
+(Prometheus), GET /openapi.json and /docs.
 
 Every error leaves as OpenAI's error JSON (errors.py): our APIErrors, FastAPI's validation
 errors and unparsable bodies (400), unknown paths (404), bodies over `max_body_bytes` (413,
@@ -22,7 +23,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from splitserve.router import logctx
+from splitserve.router import logctx, openapi, readiness
 from splitserve.router.errors import APIError, error_body
 from splitserve.router.gateway import Gateway
 from splitserve.router.protocol import ChatCompletionRequest, CompletionRequest
@@ -56,6 +57,7 @@ def create_app(router: Router, manage_router: bool = True) -> FastAPI:
     app.state.gateway = gateway
     _add_error_handlers(app)
     _add_routes(app, router, gateway)
+    openapi.install(app, router.config.served_model_names)
     app.add_middleware(EdgeMiddleware, max_body_bytes=router.config.gateway.max_body_bytes, metrics=router.metrics)
     return app
 
@@ -76,17 +78,17 @@ def _add_routes(app: FastAPI, router: Router, gateway: Gateway) -> None:
         created = int(time.time())
         return {"object": "list", "data": [{"id": name, "object": "model", "created": created, "owned_by": "splitserve",
                                             "max_model_len": router.config.max_model_len}
-                                           for name in router.config.served_model_names]}
+                                           for name in router.config.served_model_names if router.is_ready]}
 
     @app.get("/health", summary="Liveness: the gateway process serves")
     async def health():
         return {"status": "ok"}
 
-    @app.get("/ready", summary="Readiness: at least one decode worker is healthy")
+    @app.get("/ready", summary="Readiness: a healthy decode worker (and prefill worker where required)")
     async def ready():
-        healthy = router.pool.num_healthy()
-        if not healthy:
-            return JSONResponse(error_body(503, "no healthy decode worker", code="no_worker_available"), 503)
+        healthy, reason = router.pool.num_healthy(), readiness.unready_reason(router)
+        if reason:
+            return JSONResponse(error_body(503, reason, code="no_worker_available"), 503, headers={"Retry-After": "1"})
         return {"status": "ready", "healthy_decode_workers": healthy,
                 "healthy_prefill_workers": router.pool.num_healthy(lambda w: w.role == "prefill")}
 

@@ -157,7 +157,9 @@ class GatewayConfig:
     """The OpenAI gateway. `max_concurrent_requests` run at once, `max_queued_requests` more wait
     for a slot, anything beyond gets 429. Rate limits (token bucket, 0 = off) apply per API key
     (or to all callers together when no keys are configured), in Redis when `rate_limit_redis_url`
-    is set (shared by router replicas) and in memory otherwise."""
+    is set (shared by router replicas) and in memory otherwise. A request that finds no worker able
+    to take it waits up to `worker_wait_s` for one (startup, a pool momentarily empty) before its
+    503 with Retry-After (router/readiness.py)."""
 
     host: str = "127.0.0.1"
     port: int = 8000
@@ -179,11 +181,14 @@ class GatewayConfig:
     max_concurrent_per_key: int = 0
     """Requests one key may have in flight on one router (0: only max_concurrent_requests bounds them)."""
     tool_call_parser: str = "hermes"   # how `tool_choice: auto` answers are read: hermes | json
+    worker_wait_s: float = 1.0          # a request finding no worker waits this long for one, then 503
 
     def __post_init__(self) -> None:
         if self.cold_start_hold_s < 0 or self.cold_start_max_held < 0:
             raise ConfigError(f"gateway: cold_start_hold_s={self.cold_start_hold_s} and cold_start_max_held="
                               f"{self.cold_start_max_held} must be >= 0 (0 s turns holding off)")
+        if not isinstance(self.worker_wait_s, (int, float)) or not 0 <= self.worker_wait_s <= 600:
+            raise ConfigError(f"gateway.worker_wait_s={self.worker_wait_s!r} is invalid; allowed: 0 to 600 seconds")
         if not 0 <= self.port < 65536:
             raise ConfigError(f"gateway.port={self.port} is not a port; allowed: 0-65535")
         if self.max_body_bytes < 1024 or self.max_concurrent_requests < 1 or self.max_queued_requests < 0:

@@ -9,7 +9,9 @@
 "Fails" is a gRPC error other than INVALID_ARGUMENT (that one is the caller's: 400), a stream
 that ends without a finish reason or with ABORT, or the worker being marked down while the
 request runs on it (its event stream broke or went silent: the watcher calls `worker_down`,
-which cancels the calls in flight there). At most `max_attempts` attempts; then 503.
+which cancels the calls in flight there). At most `max_attempts` attempts; then 503. When no
+worker can take an attempt, placement is retried for up to `worker_wait_s` (counted from the
+request's start) before that 503 reaches the client (router/readiness.py).
 
 A resumed request continues exactly as an undisturbed run would (up to floating-point
 differences between the two workers' computations): the new worker treats the tokens already
@@ -37,7 +39,7 @@ from splitserve.platform.hashing import BlockHasher
 from splitserve.platform.sampling.params import SamplingParams
 from splitserve.platform.tokenizer import Tokenizer
 from splitserve.platform.wire import worker_pb2 as pb
-from splitserve.router import logctx
+from splitserve.router import logctx, readiness
 from splitserve.router.errors import APIError, NoWorkerError
 from splitserve.router.placement import Decision, Placer
 from splitserve.router.pool import WorkerPool
@@ -86,7 +88,7 @@ class _Progress:
 
 class Dispatcher:
     def __init__(self, pool: WorkerPool, placer: Placer, hasher: BlockHasher, tokenizer: Tokenizer | None,
-                 channels, max_attempts: int = 3, metrics=None, hold=None):
+                 channels, max_attempts: int = 3, metrics=None, hold=None, worker_wait_s: float = 0.0):
         self.pool = pool
         self.placer = placer
         self.hasher = hasher
@@ -95,6 +97,7 @@ class Dispatcher:
         self.max_attempts = max_attempts
         self.metrics = metrics
         self.hold = hold                                         # router/hold.py, or None
+        self.worker_wait_s = worker_wait_s                       # see _place_or_wait
         self._calls: dict[str, dict[int, grpc.aio.Call]] = {}   # worker -> in-flight calls
         self._lost: set[int] = set()                             # ids of calls cancelled by worker_down
 
@@ -106,6 +109,7 @@ class Dispatcher:
 
     async def generate(self, job: Job) -> AsyncIterator[Chunk]:
         progress, excluded = _Progress(), set()
+        wait_until = asyncio.get_running_loop().time() + self.worker_wait_s
         for attempt in range(1, self.max_attempts + 1):
             remaining = job.params.max_tokens - len(progress.token_ids)
             if remaining <= 0:
@@ -113,7 +117,7 @@ class Dispatcher:
                             num_completion_tokens=len(progress.token_ids),
                             num_cached_tokens=progress.num_cached_tokens or 0)
                 return
-            decision = await self._place(job, progress, excluded, attempt)
+            decision = await self._place_or_wait(job, progress, excluded, attempt, wait_until)
             try:
                 async for chunk in self._attempt(job, decision, progress):
                     yield chunk
@@ -126,6 +130,18 @@ class Dispatcher:
                 log.warning("%s: decode worker %s failed after %d tokens (%s); attempt %d of %d", job.request_id,
                             decision.decode, len(progress.token_ids), exc, attempt, self.max_attempts)
         raise NoWorkerError(f"request failed on {self.max_attempts} workers; last error above in the router log")
+
+    async def _place_or_wait(self, job: Job, progress: _Progress, excluded: set[str], attempt: int,
+                             wait_until: float) -> Decision:
+        """Place; while nothing can serve (503), retry every POLL_S until `wait_until`, then raise."""
+        loop = asyncio.get_running_loop()
+        while True:
+            try:
+                return await self._place(job, progress, excluded, attempt)
+            except NoWorkerError as exc:
+                if exc.status != 503 or loop.time() >= wait_until:
+                    raise
+            await asyncio.sleep(min(readiness.POLL_S, max(wait_until - loop.time(), 0.0)))
 
     async def _place(self, job: Job, progress: _Progress, excluded: set[str], attempt: int) -> Decision:
         token_ids = job.prompt_token_ids + progress.token_ids

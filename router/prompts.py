@@ -79,9 +79,27 @@ def prepare_completion(req: CompletionRequest, request_id: str, job_id: str, tok
 
 
 def _reject_unsupported(req: SamplingFields) -> None:
+    _reject_lone_surrogates(req.model_dump(), "")
     bad = unsupported_fields(req)
     if bad:
         raise bad_request(f"{', '.join(bad)} {'is' if len(bad) == 1 else 'are'} not supported by this server", bad[0])
+
+
+def _reject_lone_surrogates(value, where: str) -> None:
+    """JSON may escape a lone UTF-16 surrogate (\\ud800); it is no character and cannot be
+    tokenized or sent to a worker: a 400 naming the field, not a 500."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            raise bad_request(f"{where or 'body'}: a string holds a lone UTF-16 surrogate; allowed: valid Unicode",
+                              where or None) from None
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            _reject_lone_surrogates(item, f"{where}.{key}" if where else str(key))
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            _reject_lone_surrogates(item, f"{where}[{i}]")
 
 
 def _include_usage(req: SamplingFields) -> bool:

@@ -17,6 +17,7 @@ import random
 from splitserve.platform.grpc_tls import tls_from
 from splitserve.platform.hashing import BlockHasher
 from splitserve.platform.tokenizer import Tokenizer, load_tokenizer
+from splitserve.router import readiness
 from splitserve.router.config import IndexConfig, RouterConfig
 from splitserve.router.discovery import Discovery, make_discovery
 from splitserve.router.dispatch import Dispatcher
@@ -33,9 +34,10 @@ log = logging.getLogger(__name__)
 def make_index(config: IndexConfig) -> PrefixIndex:
     if config.backend == "redis":
         from splitserve.router.index_redis import RedisPrefixIndex
+        from splitserve.router.index_resilient import ResilientIndex
 
-        return RedisPrefixIndex(config.redis_url, config.key_prefix, config.speculative_ttl_s,
-                                config.max_blocks_per_worker)
+        return ResilientIndex(RedisPrefixIndex(config.redis_url, config.key_prefix, config.speculative_ttl_s,
+                                               config.max_blocks_per_worker))
     return InMemoryPrefixIndex(config.speculative_ttl_s, config.max_blocks_per_worker)
 
 
@@ -55,7 +57,8 @@ class Router:
         self.dispatcher = Dispatcher(self.pool, self.placer, self.hasher, self.tokenizer, self.channels,
                                      config.gateway.max_attempts, self.metrics,
                                      ColdStartHold(config.gateway.cold_start_hold_s, config.gateway.cold_start_max_held,
-                                                   self.metrics.held))
+                                                   self.metrics.held),
+                                     config.gateway.worker_wait_s)
         self._watchers: dict[str, asyncio.Task] = {}
         self._discovery_task: asyncio.Task | None = None
 
@@ -96,8 +99,8 @@ class Router:
 
     @property
     def is_ready(self) -> bool:
-        """At least one healthy worker can decode."""
-        return self.pool.num_healthy() > 0
+        """The router can serve its model (router/readiness.py)."""
+        return not readiness.unready_reason(self)
 
     async def wait_ready(self, timeout_s: float = 60.0, num_decode: int = 1, num_prefill: int = 0) -> None:
         loop = asyncio.get_running_loop()

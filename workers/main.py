@@ -27,11 +27,11 @@ from splitserve.platform.engine.llm_engine import LLMEngine
 from splitserve.platform.grpc_tls import server_credentials, tls_from
 from splitserve.platform.sampling.params import SamplingParams
 from splitserve.platform.wire import worker_pb2 as pb
-from splitserve.platform.wire import worker_pb2_grpc as pb_grpc
 from splitserve.workers.config import WorkerConfig
 from splitserve.workers.decode import RemotePrefill
 from splitserve.workers.events import EventHub
 from splitserve.workers.http import HealthServer
+from splitserve.workers.grpc_guard import add_worker_servicer
 from splitserve.workers.metrics import WorkerMetrics
 from splitserve.workers.service import WorkerService, publish_load
 from splitserve.workers.transfer import make_receiver, make_sender
@@ -144,7 +144,8 @@ class Worker:
                   if receiver else None)
         service = WorkerService(cfg, engine, hub, remote, sender, layout, metrics)
         server, health_servicer = await self._start_grpc(service)
-        http = HealthServer(cfg.host, cfg.metrics_port, lambda: self._readiness(service), metrics.render,
+        http = HealthServer(cfg.host, cfg.metrics_port, lambda: self._readiness(service),
+                            lambda: metrics.render(engine.load),
                             debug_kv=lambda: engine.call(kv_state))
         await http.start()
         load_task = asyncio.create_task(publish_load(service, cfg.load_interval_s))
@@ -171,7 +172,7 @@ class Worker:
     async def _start_grpc(self, service: WorkerService):
         server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 << 20),
                                           ("grpc.so_reuseport", 0)])
-        pb_grpc.add_WorkerServicer_to_server(service, server)
+        add_worker_servicer(service, server)   # malformed bytes: INVALID_ARGUMENT (workers/grpc_guard.py)
         health_servicer = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
         await health_servicer.set("", health_pb2.HealthCheckResponse.NOT_SERVING)

@@ -8,6 +8,8 @@ histograms are splitserve_*. Each worker process has its own registry (tests run
 
 from __future__ import annotations
 
+import threading
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, generate_latest
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
@@ -35,6 +37,7 @@ class WorkerMetrics:
         self.prefix_waits = Counter("splitserve_prefix_waits", "Engine steps a waiting request sat out to reuse a "
                                     "prefix another request was computing", registry=r)
         self._seen_queries = self._seen_hits = self._seen_waits = 0
+        self._update_lock = threading.Lock()
         self.queued_prefill_tokens = Gauge("splitserve_queued_prefill_tokens", "Prompt tokens not yet computed",
                                            registry=r)
         self.ttft = Histogram("splitserve_time_to_first_token_seconds", "Time to first token", ["role"],
@@ -67,6 +70,13 @@ class WorkerMetrics:
         Info("splitserve_worker", "Worker identity", registry=r).info({"role": role, "model": model})
 
     def update_load(self, load) -> None:
+        with self._update_lock:   # the counters advance by the difference to the last snapshot seen
+            self._update_load(load)
+
+    def _update_load(self, load) -> None:
+        if (load.prefix_cache_queries < self._seen_queries or load.prefix_cache_hits < self._seen_hits
+                or load.num_prefix_waits < self._seen_waits):   # older than a snapshot already counted
+            return
         self.waiting.set(load.num_waiting)
         self.running.set(load.num_running)
         self.kv_usage.set(load.kv_usage)
@@ -91,5 +101,10 @@ class WorkerMetrics:
             self.structured_requests.labels(kind=kind).inc(count - self._seen_kinds.get(kind, 0))
             self._seen_kinds[kind] = count
 
-    def render(self) -> bytes:
+    def render(self, load=None) -> bytes:
+        """The exposition; with `load` (the engine's latest snapshot) the load-derived gauges and
+        counters are brought up to date first, so a scrape never lags the periodic load report
+        (a stale prefix-cache counter read as a baseline double-counted the next request)."""
+        if load is not None:
+            self.update_load(load)
         return generate_latest(self.registry)

@@ -128,7 +128,7 @@ def test_prefix_cache_metrics_count_each_request_once(pair):
     queries, hits = d.metric("vllm:prefix_cache_queries_total"), d.metric("vllm:prefix_cache_hits_total")
     _, last = run(generate(d.address, ids, mode=pb.DISAGGREGATION_MODE_NEVER))
     assert last.usage.cached_tokens == 32   # two full blocks of 40 tokens
-    deadline = time.monotonic() + 10        # the gauges follow the worker's load reports
+    deadline = time.monotonic() + 10        # a scrape brings the counters up to date (test_worker_metrics_units)
     while (d.metric("vllm:prefix_cache_queries_total") - queries, d.metric("vllm:prefix_cache_hits_total") - hits) \
             != (40, 32):
         assert time.monotonic() < deadline, (d.metric("vllm:prefix_cache_queries_total") - queries,

@@ -189,7 +189,10 @@ class ChannelSender(KVSender):
     async def open(self, address: str, transfer_id: str, layout: KVLayout, num_blocks: int) -> SendHandle:
         prefix = f"{self.scheme}://"
         if not address.startswith(prefix):
-            raise ValueError(f"a {self.scheme} sender cannot send to {address!r} (expected {prefix}...)")
+            # the two workers use different KV transports: like a layout mismatch, FAILED_PRECONDITION
+            # to the decode worker, which tries its next prefill worker or prefills locally
+            raise LayoutMismatchError(f"a {self.scheme} sender cannot send to {address!r} (expected {prefix}...)",
+                                      {"kv_transport": (address.split("://", 1)[0], self.scheme)})
         idle = self._idle.get(address, [])
         while idle:
             conn = idle.pop()

@@ -1,0 +1,26 @@
+"""The chaos soak's short form (e2e/chaos.py): one minute of faults (each fault kind at least
+once, which can stretch it; about 3 minutes in all with start-up and quiescing), on the real stack (Redis, two router replicas, UCX and TCP prefill/decode workers of the
+real model). Fails on any wrong, hung or lost request, any leak, or a fault kind not injected."""
+
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+from chaos import FAULT_KINDS, Soak  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+
+def test_short_chaos_soak_accounts_for_every_request(tmp_path, capsys):
+    soak = Soak(minutes=1.0, seed=17, logdir=str(tmp_path), num_clients=2)
+    status = soak.run()
+    report = capsys.readouterr().out
+    print(report)
+    t = soak.tally
+    assert all(t.faults[k] >= 1 for k in FAULT_KINDS) and len(FAULT_KINDS) == 8, report
+    assert t.outcomes["ok"] > 0, report
+    assert t.outcomes["wrong"] == t.outcomes["hung"] == t.outcomes["lost"] == 0, report
+    assert status == 0, report

@@ -1,0 +1,125 @@
+"""The gateway's OpenAPI document as the server really answers (FastAPI's default lists only 200
+and 422; this server never sends 422).
+
+Starting from FastAPI's generated document it: declares OpenAI's error body (`ErrorResponse`)
+for every status an operation can answer with (400 invalid input, 401 bad API key, 404 unknown
+model, 413 body too large, 429 rate limit / queue full / saturated and 503 no worker, both with
+Retry-After, 500 a bug); gives the completion endpoints both `application/json` and
+`text/event-stream` 200 answers and /metrics its Prometheus text; and writes the bounds the
+engine checks (platform/sampling/params.py, router/prompts.py) into the request schemas, so a
+value outside them is schema-invalid and a value inside them is never refused for its range.
+Checked by schemathesis in tests/router/test_router_openapi.py.
+"""
+
+from __future__ import annotations
+
+from fastapi.openapi.utils import get_openapi
+
+from splitserve.platform.sampling.params import MAX_LOGPROBS
+
+INT32, INT64 = 2**31, 2**63
+
+ERROR_SCHEMA = {
+    "type": "object", "required": ["error"], "title": "ErrorResponse",
+    "properties": {"error": {
+        "type": "object", "required": ["message", "type", "param", "code"],
+        "properties": {"message": {"type": "string"}, "type": {"type": "string"},
+                       "param": {"type": ["string", "null"]}, "code": {"type": ["string", "null"]}}}},
+}
+_DESCRIPTIONS = {400: "Invalid request (OpenAI error body naming the field)", 401: "Missing or wrong API key",
+                 404: "Unknown model or path", 413: "Request body over gateway.max_body_bytes",
+                 429: "Rate limited, admission queue full, or every worker saturated",
+                 500: "Internal error", 503: "No worker can serve the request (after gateway.worker_wait_s)"}
+_RETRY_AFTER = {"Retry-After": {"description": "Seconds to wait before retrying", "schema": {"type": "string"}}}
+
+# property -> JSON-schema bounds, as the engine and the gateway enforce them
+BOUNDS = {
+    "temperature": {"minimum": 0}, "top_p": {"exclusiveMinimum": 0, "maximum": 1},
+    "min_p": {"minimum": 0, "maximum": 1}, "repetition_penalty": {"exclusiveMinimum": 0},
+    "presence_penalty": {"minimum": -2, "maximum": 2}, "frequency_penalty": {"minimum": -2, "maximum": 2},
+    "max_tokens": {"minimum": 1}, "max_completion_tokens": {"minimum": 1},
+    "min_tokens": {"minimum": 0, "maximum": INT32 - 1},
+    "seed": {"minimum": -INT64, "maximum": INT64 - 1}, "top_k": {"minimum": -1, "maximum": INT32 - 1},
+    "top_logprobs": {"minimum": 0, "maximum": MAX_LOGPROBS},
+}
+_ITEM_BOUNDS = {"stop_token_ids": {"minimum": 0, "maximum": INT32 - 1}}
+_COMPLETION_LOGPROBS = {"minimum": 0, "maximum": MAX_LOGPROBS}
+
+
+def build(app, model_names: tuple[str, ...]) -> dict:
+    """The document for `app` (cached on it by `install`)."""
+    doc = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
+    schemas = doc.setdefault("components", {}).setdefault("schemas", {})
+    schemas["ErrorResponse"] = ERROR_SCHEMA
+    for name in ("HTTPValidationError", "ValidationError"):
+        schemas.pop(name, None)
+    for name, schema in schemas.items():
+        _bound(name, schema, model_names)
+    for path, ops in doc.get("paths", {}).items():
+        for method, op in ops.items():
+            _responses(path, method, op)
+    return doc
+
+
+def install(app, model_names: tuple[str, ...]) -> None:
+    def openapi():
+        if app.openapi_schema is None:
+            app.openapi_schema = build(app, model_names)
+        return app.openapi_schema
+    app.openapi = openapi
+
+
+def _error(status: int) -> dict:
+    out = {"description": _DESCRIPTIONS[status],
+           "content": {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorResponse"}}}}
+    if status in (429, 503):
+        out["headers"] = _RETRY_AFTER
+    return out
+
+
+def _responses(path: str, method: str, op: dict) -> None:
+    responses = op.setdefault("responses", {})
+    responses.pop("422", None)
+    statuses = [500]
+    if path.startswith("/v1/"):
+        statuses += [401, 429]
+    if method == "post":
+        statuses += [400, 404, 413, 503]
+        ok = responses.setdefault("200", {"description": "Successful Response"})
+        ok["content"] = {"application/json": {"schema": {"type": "object", "required": ["id", "object", "choices"]}},
+                         "text/event-stream": {"schema": {"type": "string"},
+                                               "description": "With stream=true: `data: {chunk}` events, then "
+                                                              "`data: [DONE]`"}}
+    if path == "/ready":
+        statuses.append(503)
+    if path == "/metrics":
+        responses["200"]["content"] = {"text/plain": {"schema": {"type": "string"},
+                                                      "description": "Prometheus text exposition format 0.0.4"}}
+    for status in sorted(set(statuses)):
+        responses[str(status)] = _error(status)
+
+
+def _bound(name: str, schema: dict, model_names: tuple[str, ...]) -> None:
+    props = schema.get("properties", {})
+    for prop, bounds in BOUNDS.items():
+        if prop in props:
+            _apply(props[prop], bounds)
+    for prop, bounds in _ITEM_BOUNDS.items():
+        if prop in props:
+            for variant in _variants(props[prop]):
+                if variant.get("type") == "array":
+                    variant.setdefault("items", {}).update(bounds)
+    if name == "CompletionRequest" and "logprobs" in props:
+        _apply(props["logprobs"], _COMPLETION_LOGPROBS)
+    if "model" in props and model_names and name.endswith("Request"):
+        props["model"]["description"] = f"A served model: {', '.join(model_names)} (others: 404)"
+
+
+def _variants(prop: dict) -> list[dict]:
+    return prop.get("anyOf", [prop])
+
+
+def _apply(prop: dict, bounds: dict) -> None:
+    for variant in _variants(prop):
+        if variant.get("type") in ("integer", "number"):
+            variant.update(bounds)

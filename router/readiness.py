@@ -1,0 +1,32 @@
+"""Readiness: can this gateway serve its model right now, and waiting until it can.
+
+A gateway can serve when the router knows a healthy decode worker (WorkerPool.is_healthy: event
+stream connected, same model and block size, no recent failed call) and, where prefill/decode
+disaggregation is required (`placement.disaggregation.mode: always`), a healthy prefill worker.
+Until then /ready answers 503 and /v1/models lists no model, so a client that waits for the
+model list (as openai's clients and health checks do) never sends a request that cannot be served.
+
+A request that arrives while no worker can take it (startup, every decode worker restarting or
+backing off after a failure) waits up to `gateway.worker_wait_s` for one before its 503 with
+Retry-After. The wait polls the pool (it changes on the same loop, from the watchers); the poll
+interval is short next to a worker's start-up or backoff, so it adds no visible latency.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+POLL_S = 0.05
+
+
+def unready_reason(router) -> str:
+    """'' when the router can serve its model; otherwise what is missing, in words."""
+    pool = router.pool
+    if pool.num_healthy() == 0:
+        known = len(pool.decode_workers())
+        return f"no healthy decode worker ({known} known)" if known else "no decode worker is known to the router"
+    if router.config.placement.disaggregation.mode == "always" and \
+            pool.num_healthy(lambda w: w.can_prefill and w.role != "decode") == 0:
+        return "no healthy prefill worker (placement.disaggregation.mode is always)"
+    return ""
+
