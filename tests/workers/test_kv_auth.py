@@ -20,13 +20,6 @@ SECRET = b"service-secret-0123456789abcdef"
 LAYOUT = KVLayout("smollm2-135m", "float32", block_size=16, num_layers=30, num_kv_heads=3, head_dim=64)
 
 
-@pytest.fixture(scope="module")
-def loop():
-    loop = asyncio.new_event_loop()  # one loop for the module: UCXX binds its context to it
-    yield loop
-    loop.close()
-
-
 @pytest.fixture(scope="module", params=["tcp", "ucx"])
 def pair(request, tmp_path_factory):
     secret = tmp_path_factory.mktemp("kv") / "secret"

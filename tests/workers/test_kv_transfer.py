@@ -132,13 +132,6 @@ class Remote:
             self.proc.join(10)
 
 
-@pytest.fixture(scope="module")
-def loop():
-    loop = asyncio.new_event_loop()  # one loop for the module: UCXX binds its context to it
-    yield loop
-    loop.close()
-
-
 @pytest.fixture(scope="module", params=KINDS)
 def remote(request, loop):
     r = Remote(request.param, loop)
