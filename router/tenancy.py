@@ -35,6 +35,7 @@ from __future__ import annotations
 import datetime
 import hashlib
 import hmac
+import logging
 import os
 import re
 import time
@@ -47,6 +48,8 @@ from prometheus_client import CollectorRegistry, Counter
 from splitserve.router.config import ApiKey, ConfigError
 from splitserve.router.errors import APIError
 from splitserve.router.responses import usage
+
+log = logging.getLogger(__name__)
 
 ID_PATTERN = re.compile(r"[A-Za-z0-9._-]{1,64}")
 KEY_FIELDS = {"id", "sha256", "key", "models", "rpm", "tpm", "monthly_tokens", "max_concurrent"}
@@ -335,6 +338,28 @@ class Quota:
                                 ["key_id", "model"], registry=registry)
         self.tokens = Counter("splitserve_key_tokens", "Tokens per API key id, model and kind "
                               "(prompt, cached, completion)", ["key_id", "model", "kind"], registry=registry)
+        self.store_errors = Counter("splitserve_router_quota_store_errors", "Quota or usage operations the "
+                                    "store (Redis) could not take; the request went on", ["op"], registry=registry)
+
+    async def _store(self, op: str, call, fallback=None):
+        """A store call that never fails a request: while Redis is unreachable (a restart, an
+        outage) limits are not enforced and usage reaches only the Prometheus counters, with a
+        warning and splitserve_router_quota_store_errors_total{op} counting each miss. Failing
+        open keeps serving through a store outage, as Envoy's rate-limit filter does by default
+        (docs/security.md)."""
+        try:
+            return await call
+        except (OSError, ConnectionError, TimeoutError) as exc:
+            self._store_failed(op, exc)
+        except Exception as exc:  # redis.exceptions.RedisError and its ConnectionError
+            if type(exc).__module__.split(".")[0] != "redis":
+                raise
+            self._store_failed(op, exc)
+        return fallback
+
+    def _store_failed(self, op: str, exc: BaseException) -> None:
+        self.store_errors.labels(op).inc()
+        log.warning("quota store unreachable during %s (%s); the request goes on without it", op, exc)
 
     def needed(self, key: ApiKey) -> bool:
         return bool(key.rpm or key.tpm or key.monthly_tokens)
@@ -345,9 +370,12 @@ class Quota:
         if not self.needed(key):
             return grant
         month = month_of(self.clock())
-        ok, why, reset, req, tok, used, window_key = await self.store.admit(
+        admitted = await self._store("admit", self.store.admit(
             f"{self.prefix}:quota:{key.name}", f"{self.prefix}:budget:{month}:{key.name}", self.window_s,
-            key.rpm, key.tpm, reserve, key.monthly_tokens)
+            key.rpm, key.tpm, reserve, key.monthly_tokens))
+        if admitted is None:   # the store is unreachable: admitted without limits, nothing to settle
+            return grant
+        ok, why, reset, req, tok, used, window_key = admitted
         headers = _headers(key, reset, req, tok)
         if not ok:
             if why == "tokens" and reserve > (key.tpm or 0):
@@ -376,18 +404,19 @@ class Quota:
         self.requests.labels(key_id, grant.model).inc()
         for kind, n in (("prompt", prompt), ("cached", cached), ("completion", completion)):
             self.tokens.labels(key_id, grant.model, kind).inc(n)
-        await self.store.add_usage(f"{self.prefix}:usage:{month_of(self.clock())}:{key_id}:{grant.model}",
-                                   {"requests": 1, "prompt_tokens": prompt, "cached_tokens": cached,
-                                    "completion_tokens": completion})
+        await self._store("usage", self.store.add_usage(
+            f"{self.prefix}:usage:{month_of(self.clock())}:{key_id}:{grant.model}",
+            {"requests": 1, "prompt_tokens": prompt, "cached_tokens": cached, "completion_tokens": completion}))
         await self._settle_window(grant, prompt + completion - grant.reserved)
 
     async def _settle_window(self, grant: Grant, delta: int) -> None:
         """Move the reservation to the tokens used; the headers then show the window as it is now
         (a whole answer carries these; a stream sent its headers at admission)."""
         if grant.window_key:
-            reset, req, tok = await self.store.settle(grant.window_key, grant.month_key, delta,
-                                                      f"{self.prefix}:quota:{grant.key.name}", self.window_s)
-            grant.headers.update(_headers(grant.key, reset, req, tok))
+            settled = await self._store("settle", self.store.settle(
+                grant.window_key, grant.month_key, delta, f"{self.prefix}:quota:{grant.key.name}", self.window_s))
+            if settled is not None:
+                grant.headers.update(_headers(grant.key, *settled))
 
     async def release(self, grant: Grant) -> None:
         """Give an admitted request's reservation back without billing it (it never ran)."""

@@ -216,3 +216,31 @@ def test_oversized_headers_get_431(loop, tokenizer):
             assert c.get("/v1/models").status_code == 200
     finally:
         server.stop()
+
+
+def test_an_unreachable_store_never_fails_a_request(caplog):
+    """Redis down (the chaos soak restarts it): admission goes on without limits, settling and
+    usage are skipped, each miss is logged and counted (fail open, docs/security.md)."""
+    import socket
+
+    with socket.socket() as s:   # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    registry = CollectorRegistry()
+    quota = Quota(registry, redis_url=f"redis://127.0.0.1:{port}/0")
+    key = ApiKey("", "team-c", rpm=1, tpm=10)
+
+    async def steps():
+        grants = [await quota.admit(key, "m", 5) for _ in range(3)]   # rpm=1, yet all three pass
+        for g in grants:
+            await _finish(quota, g, 3, 2)
+        await quota.close()
+        return grants
+    with caplog.at_level("WARNING"):
+        grants = asyncio.run(steps())
+    assert len(grants) == 3 and all(g.window_key in (None, "") for g in grants)
+    assert registry.get_sample_value("splitserve_router_quota_store_errors_total", {"op": "admit"}) == 3
+    assert registry.get_sample_value("splitserve_router_quota_store_errors_total", {"op": "usage"}) == 3
+    assert registry.get_sample_value("splitserve_key_tokens_total",
+                                     {"key_id": "team-c", "model": "m", "kind": "completion"}) == 6
+    assert "quota store unreachable during admit" in caplog.text
