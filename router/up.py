@@ -41,7 +41,7 @@ def register(subparsers) -> None:
     p.add_argument("--threads", type=positive_int, default=None,
                    help="torch threads for both workers (default: per role, see --decode-threads)")
     p.add_argument("--decode-threads", type=positive_int, default=None,
-                   help="threads of the decode worker (default: every core; it runs every step of every stream)")
+                   help="threads of the decode worker (default: every core but one, at least 1)")
     p.add_argument("--prefill-threads", type=positive_int, default=None,
                    help="threads of the prefill worker (default: half the cores, at least 1)")
     p.add_argument("--quantization", default="auto", choices=list(QUANTIZATION_MODES),
@@ -63,13 +63,14 @@ def register(subparsers) -> None:
 
 
 def role_threads(both: int | None, prefill: int | None, decode: int | None, cores: int) -> dict[str, int]:
-    """Torch threads per worker. The decode worker runs a step for every token of every stream,
-    so by default it gets every core; the prefill worker, busy only while a prompt is computed,
-    half of them. On 2 cores that is 2 + 1: a single stream decodes on both cores (docs/engine.md,
-    measured in docs/benchmarks.md), and while a prompt is computed beside running streams the
-    two pools share the cores. `--threads` sets both; a role's own flag wins."""
+    """Torch threads per worker: by default the decode worker gets every core but one and the
+    prefill worker half of them, at least 1 each. The core left over is the router's: it streams
+    every token, and an OpenMP pool spread over every core stalls at its barriers whenever the
+    router (or the prefill worker) takes one of them. Measured on 2 cores (docs/benchmarks.md,
+    engine speed): one stream decoded at 60.7 tok/s with 1 decode thread and 48.7 with 2.
+    `--threads` sets both; a role's own flag wins."""
     return {"prefill": prefill if prefill is not None else both if both is not None else max(1, cores // 2),
-            "decode": decode if decode is not None else both if both is not None else cores}
+            "decode": decode if decode is not None else both if both is not None else max(1, cores - 1)}
 
 
 def positive_int(text: str) -> int:

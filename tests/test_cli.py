@@ -48,10 +48,10 @@ def test_bad_arguments_exit_2_with_a_message(args, message):
     assert proc.stdout == ""
 
 
-def test_up_gives_the_decode_worker_every_core_by_default():
+def test_up_leaves_a_core_for_the_router_by_default():
     from splitserve.router.up import role_threads
 
-    assert role_threads(None, None, None, cores=2) == {"prefill": 1, "decode": 2}
-    assert role_threads(None, None, None, cores=16) == {"prefill": 8, "decode": 16}
+    assert role_threads(None, None, None, cores=2) == {"prefill": 1, "decode": 1}
+    assert role_threads(None, None, None, cores=16) == {"prefill": 8, "decode": 15}
     assert role_threads(1, None, None, cores=2) == {"prefill": 1, "decode": 1}     # --threads sets both
     assert role_threads(1, None, 2, cores=2) == {"prefill": 1, "decode": 2}        # a role's flag wins
