@@ -23,7 +23,6 @@ logits. Each fast mode is held to the fidelity gates in tests/platform/test_quan
 from __future__ import annotations
 
 QUANTIZATION_MODES = ("none", "auto", "int4", "int8", "fp16")
-FAST_MODES = ("int4", "int8", "fp16")
 
 
 def resolve_quantization(requested: str, device: str) -> str:
