@@ -1,4 +1,4 @@
-"""Build and load the fused CPU kernels (cpu_ops.c) for the host we run on.
+"""Build and load the fused CPU kernels (cpu_ops.c and cpu_a8.c, one library) for the host we run on.
 
 At first use the C file is compiled with the system C compiler (`$CC`, else gcc, else cc) at
 -O3 -march=native into `$SPLITSERVE_KERNEL_CACHE` (default ~/.cache/splitserve/kernels, or the
@@ -29,6 +29,7 @@ from splitserve.platform.quant.cpu import cpu_flags
 log = logging.getLogger(__name__)
 
 SOURCE = pathlib.Path(__file__).with_name("cpu_ops.c")
+SOURCES = (SOURCE, pathlib.Path(__file__).with_name("cpu_a8.c"))  # one library
 ENV_DISABLE = "SPLITSERVE_CPU_KERNELS"
 ENV_CACHE = "SPLITSERVE_KERNEL_CACHE"
 _I64, _F32P, _I64P, _F32, _INT = ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
@@ -40,6 +41,9 @@ SIGNATURES = {
     "ss_silu_mul": [_F32P, _F32P, _I64, _I64, _INT],
     "ss_q4_linear": [_F32P, _I64, _I64, _F32P, _F32P, _F32P, _I64, _F32P, _INT],
     "ss_q4_dequant": [_F32P, _F32P, _F32P, _I64, _I64, _F32P, _INT],
+    "ss_quantize_a8": [_F32P, _I64, _I64, _F32P, _F32P, _F32P, _INT],
+    "ss_q4a8_linear": [_F32P, _F32P, _F32P, _I64, _I64, _F32P, _F32P, _F32P, _I64, _F32P, _INT],
+    "ss_q8a8_linear": [_F32P, _F32P, _I64, _I64, _F32P, _F32P, _I64, _F32P, _INT],
 }
 
 
@@ -66,7 +70,7 @@ def _cache_dir() -> pathlib.Path:
 
 
 def _build(cc: str) -> pathlib.Path:
-    source = SOURCE.read_bytes()
+    source = b"".join(path.read_bytes() for path in SOURCES)
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=False).stdout
     key = hashlib.sha256(source + version.encode() + " ".join(sorted(cpu_flags())).encode()).hexdigest()[:16]
     target = _cache_dir() / f"splitserve_cpu_ops-{key}.so"
@@ -75,7 +79,7 @@ def _build(cc: str) -> pathlib.Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.NamedTemporaryFile(dir=target.parent, suffix=".so", delete=False) as tmp:
         tmp_path = pathlib.Path(tmp.name)
-    cmd = [cc, "-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-o", str(tmp_path), str(SOURCE), "-lm"]
+    cmd = [cc, "-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-o", str(tmp_path), *map(str, SOURCES), "-lm"]
     result = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if result.returncode != 0:
         tmp_path.unlink(missing_ok=True)
@@ -103,4 +107,5 @@ def load() -> ctypes.CDLL | None:
     for name, argtypes in SIGNATURES.items():
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = argtypes, None
+    lib.ss_a8_path.argtypes, lib.ss_a8_path.restype = [], ctypes.c_char_p
     return lib

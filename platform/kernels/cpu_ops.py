@@ -88,3 +88,37 @@ class CpuOps:
         w = torch.empty(n, k)
         self.lib.ss_q4_dequant(_p(qs), _p(d), _p(mn), n, k, _p(w), torch.get_num_threads())
         return w
+
+    # ---- int8 activations (cpu_a8.c) ----------------------------------------------------------------
+    @property
+    def a8_path(self) -> str:
+        """Which code path cpu_a8.c was built with here: avx512-vnni, avx2 or portable."""
+        return self.lib.ss_a8_path().decode()
+
+    def quantize_a8(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [M, K] float32 -> (codes [M, K] int8, scale [M, K/32], exact input sums [M, K/32])."""
+        m, k = x.shape
+        q = torch.empty(m, k, dtype=torch.int8)
+        dx, xs = x.new_empty(m, k // 32), x.new_empty(m, k // 32)
+        self.lib.ss_quantize_a8(_p(x), m, k, _p(q), _p(dx), _p(xs), torch.get_num_threads())
+        return q, dx, xs
+
+    def q4a8_linear(self, a8: tuple[torch.Tensor, torch.Tensor, torch.Tensor], w: torch.Tensor, d: torch.Tensor,
+                    mn: torch.Tensor) -> torch.Tensor:
+        """quantize_a8(x) against 4-bit weights packed in 16-row tiles (quant/a8.py) -> [M, N] float32."""
+        q, dx, xs = a8
+        m, k = q.shape
+        n = d.shape[0] * 16
+        y = torch.empty(m, n)
+        self.lib.ss_q4a8_linear(_p(q), _p(dx), _p(xs), m, k, _p(w), _p(d), _p(mn), n, _p(y), torch.get_num_threads())
+        return y
+
+    def q8a8_linear(self, a8: tuple[torch.Tensor, torch.Tensor, torch.Tensor], w: torch.Tensor,
+                    d: torch.Tensor) -> torch.Tensor:
+        """quantize_a8(x) against int8 weights packed in 16-row tiles (quant/a8.py) -> [M, N] float32."""
+        q, dx, _ = a8
+        m, k = q.shape
+        n = d.shape[0] * 16
+        y = torch.empty(m, n)
+        self.lib.ss_q8a8_linear(_p(q), _p(dx), m, k, _p(w), _p(d), n, _p(y), torch.get_num_threads())
+        return y

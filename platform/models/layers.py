@@ -22,7 +22,7 @@ from torch import nn
 from splitserve.platform.config import RopeScaling
 from splitserve.platform.quant import formats
 from splitserve.platform.quant.formats import RawQuant
-from splitserve.platform.quant.kernels import RescoredHead, build_kernel
+from splitserve.platform.quant.kernels import LinearKernel, build_head, build_kernel
 
 
 class RMSNorm(nn.Module):
@@ -120,12 +120,12 @@ class QuantizedEmbedding(nn.Module):
         rows = self.codes.index_select(0, ids).view(ids.shape[0], -1, formats.GROUP).float()
         return (rows * self.scale.index_select(0, ids)[..., None]).view(ids.shape[0], self.embedding_dim)
 
-    def finalize(self, tied: bool) -> RescoredHead | None:
-        """Build the int8 table (and the tied LM head when `tied`) and drop the loaded values."""
+    def finalize(self, mode: str, tied: bool) -> LinearKernel | None:
+        """Build the int8 table (and the tied LM head of `mode` when `tied`) and drop the loaded values."""
         groups, _ = formats.int8_groups(self._values)
         self.codes, self.scale = groups.codes, groups.scale
         self._values = None
-        return RescoredHead(self.codes, self.scale) if tied else None
+        return build_head(mode, self.codes, self.scale) if tied else None
 
     @property
     def nbytes(self) -> int:

@@ -19,7 +19,7 @@ from splitserve.platform.kernels.cpu_ops import CpuOps
 from splitserve.platform.models.attention import AttentionMetadata, paged_attention, paged_attention_fused
 from splitserve.platform.models.layers import MergedLinear, QuantizedEmbedding, RMSNorm, RotaryEmbedding, apply_rotary
 from splitserve.platform.quant.formats import RawQuant
-from splitserve.platform.quant.kernels import RescoredHead
+from splitserve.platform.quant.kernels import LinearKernel, build_head
 
 
 class LlamaAttention(nn.Module):
@@ -109,7 +109,7 @@ class LlamaForCausalLM(nn.Module):
             self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         else:
             self.embed_tokens = QuantizedEmbedding(config.vocab_size, config.hidden_size)
-        self.lm_head_kernel: RescoredHead | None = None
+        self.lm_head_kernel: LinearKernel | None = None
         # The fused CPU kernels (kernels/cpu_ops.py), set by use_fused_ops(); None: the torch path.
         self.fused_ops: CpuOps | None = None
         self.layers = nn.ModuleList(LlamaDecoderLayer(config, quantization) for _ in range(config.num_layers))
@@ -181,10 +181,10 @@ class LlamaForCausalLM(nn.Module):
             for name, module in self.named_modules():
                 if isinstance(module, MergedLinear):
                     module.finalize(name, dtype)
-            self.lm_head_kernel = self.embed_tokens.finalize(tied=self.lm_head is None)
+            self.lm_head_kernel = self.embed_tokens.finalize(self.quantization, tied=self.lm_head is None)
             if self.lm_head is not None:
-                self.lm_head.finalize(tied=False)
-                self.lm_head_kernel = RescoredHead(self.lm_head.codes, self.lm_head.scale)
+                self.lm_head.finalize(self.quantization, tied=False)
+                self.lm_head_kernel = build_head(self.quantization, self.lm_head.codes, self.lm_head.scale)
 
     def _expected_keys(self, params: dict[str, nn.Parameter]) -> set[str]:
         keys = {name for name in params if not isinstance(self.get_submodule(name.rsplit(".", 1)[0]), MergedLinear)}

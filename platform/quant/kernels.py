@@ -22,7 +22,8 @@ import torch
 import torch.nn.functional as F
 from gguf import GGMLQuantizationType as Q
 
-from splitserve.platform.quant import formats
+from splitserve.platform.kernels.cpu_ops import cpu_ops
+from splitserve.platform.quant import a8, formats
 from splitserve.platform.quant.formats import RawQuant
 
 log = logging.getLogger(__name__)
@@ -70,8 +71,6 @@ class Int4Kernel:
     GEMM_MIN_ROWS = 32
 
     def __init__(self, weight: torch.Tensor | RawQuant, bias: torch.Tensor | None):
-        from splitserve.platform.kernels.cpu_ops import cpu_ops
-
         groups, self.exact = formats.int4_groups(weight)
         n, k = groups.codes.shape
         self.out_features = n
@@ -170,13 +169,14 @@ class RescoredHead:
         return logits.scatter_(1, ids, exact)
 
 
-KERNELS = {"int4": Int4Kernel, "int8": Int8Kernel, "fp16": Fp16Kernel}
+KERNELS = {"int4": Int4Kernel, "int8": Int8Kernel, "fp16": Fp16Kernel, "w4a8": a8.Int4A8Kernel}
 
 
 def nearest_kernel(tensor_type: Q | None) -> str:
-    """The fast kernel whose format is nearest a stored GGUF type (None: a float tensor)."""
+    """The fast kernel whose format is nearest a stored GGUF type (None: a float tensor).
+    4-bit types take `w4a8` where the CPU kernels are built here (else `int4`)."""
     if tensor_type in _INT4_TYPES:
-        return "int4"
+        return "w4a8" if cpu_ops() is not None else "int4"
     if tensor_type in _INT8_TYPES:
         return "int8"
     return "fp16"
@@ -192,6 +192,10 @@ def build_kernel(mode: str, name: str, weight: torch.Tensor | RawQuant, bias: to
                  dtype: torch.dtype) -> LinearKernel:
     """The kernel of `mode` (a fast mode or `auto`) for the linear `name`; dense if it cannot take it."""
     kind = kernel_for(mode, weight)
+    ops = cpu_ops() if kind == "w4a8" else None
+    if kind == "w4a8" and ops is None:
+        log.warning("%s: w4a8 needs the fused CPU kernels, which are not built here; using int4", name)
+        kind = "int4"
     out_features, in_features = weight.shape
     kernel_cls = KERNELS[kind]
     if not kernel_cls.fits(out_features, in_features):
@@ -199,7 +203,17 @@ def build_kernel(mode: str, name: str, weight: torch.Tensor | RawQuant, bias: to
                     "this layer runs dense in %s", name, kind, formats.GROUP, out_features, in_features,
                     str(dtype).removeprefix("torch."))
         return DenseKernel(formats.as_float(weight), bias, dtype)
-    kernel = kernel_cls(weight, bias)
+    kernel = kernel_cls(weight, bias, ops) if kind == "w4a8" else kernel_cls(weight, bias)
     if isinstance(weight, RawQuant) and not kernel.exact:
         log.debug("%s: %s re-quantized to %s", name, weight.type_name, kind)
     return kernel
+
+
+def build_head(mode: str, codes: torch.Tensor, scale: torch.Tensor) -> "RescoredHead | a8.Int8A8Head":
+    """The LM head of a fast mode over its int8 table: int8 activations over the whole vocabulary
+    under `w4a8` and `auto` (where the CPU kernels are built and the vocabulary fills 16-row tiles),
+    else the 4-bit pass re-scored exactly at the top of each row."""
+    ops = cpu_ops() if mode in ("w4a8", "auto") else None
+    if ops is not None and a8.fits(*codes.shape):
+        return a8.Int8A8Head(codes, scale, ops)
+    return RescoredHead(codes, scale)

@@ -1,0 +1,271 @@
+/* splitserve CPU kernels: low-bit weights times int8 activations (the `w4a8` mode's linears and
+ * LM head). Built together with cpu_ops.c by cpu_build.py, for the host it runs on.
+ *
+ *   ss_quantize_a8   x [M, K] float32 -> per row and group of 32 inputs: int8 codes q (absmax / 127
+ *                    scale, round to nearest even, never -128), the scale dx, and the exact float
+ *                    sum of the group's inputs xs (for the weights' minimum term)
+ *   ss_q4a8_linear   y[m, n] = sum_g d[n,g] * dx[m,g] * <q4[n,g,:], q[m,g,:]> + mn[n,g] * xs[m,g]
+ *   ss_q8a8_linear   y[m, n] = sum_g d[n,g] * dx[m,g] * <q8[n,g,:], q[m,g,:]>   (the LM head's table)
+ *
+ * Layout: weights are packed in tiles of 16 output rows so that one 512-bit vector holds 4
+ * consecutive inputs of each of 16 rows; a dot-product instruction (vpdpbusd, or vpmaddubsw +
+ * vpmaddwd on AVX2) against 4 broadcast activation bytes adds 4 products into each row's int32
+ * lane. A group's 32 inputs are 8 such steps, and its integer sum is exact. Each output row is one
+ * vector lane from the first group to the last: no horizontal sum anywhere, and the weights are
+ * unpacked once per group for all the activation rows of a pass.
+ *   4-bit tile, per group (256 bytes): byte i*64 + r*4 + c (i < 4, r < 16, c < 4) holds the code of
+ *     row r, input 4i + c in its low nibble and input 16 + 4i + c in its high nibble; then d and mn
+ *     as float32 [tiles, groups, 16].
+ *   8-bit tile, per group (512 bytes): byte j*64 + r*4 + c holds row r, input 4j + c; then d.
+ *
+ * Why int8 activations: a float32 multiply-add takes one instruction per 16 products and the codes
+ * must be widened to float first; an int8 dot product takes one per 64 and widens nothing. This is
+ * llama.cpp's arithmetic (its Q8 activations), with two differences: the minimum term uses the
+ * exact float sum of the inputs rather than the sum of their codes, and the combine order is fixed.
+ *
+ * Batch invariance: a row's activation codes depend on that row only; the integer sums are exact;
+ * each output lane then runs the same two fused multiply-adds per group, group after group, on
+ * every host and path (AVX-512 VNNI, AVX2, scalar fmaf): the bits of y[m, n] do not depend on M,
+ * on the other rows, on the tile a thread takes, or on the instruction set.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#endif
+
+#define A8_TILE 16
+#define A8_ROWS 4 /* activation rows per pass over a tile's weights */
+
+static inline int32_t ld4(const int8_t *p) { /* 4 activation codes as one broadcastable word */
+    int32_t v;
+    memcpy(&v, p, 4);
+    return v;
+}
+
+static inline float sum32(const float *x) { /* fixed pairwise tree, independent of the vector width */
+    float s16[16], s8[8], s4[4];
+    for (int i = 0; i < 16; i++) s16[i] = x[i] + x[i + 16];
+    for (int i = 0; i < 8; i++) s8[i] = s16[i] + s16[i + 8];
+    for (int i = 0; i < 4; i++) s4[i] = s8[i] + s8[i + 4];
+    return (s4[0] + s4[2]) + (s4[1] + s4[3]);
+}
+
+void ss_quantize_a8(const float *x, int64_t m, int64_t k, int8_t *q, float *dx, float *xs, int threads) {
+    int64_t groups = k / 32;
+#pragma omp parallel for num_threads(threads) if (m * k >= 65536)
+    for (int64_t r = 0; r < m; r++)
+        for (int64_t g = 0; g < groups; g++) {
+            const float *xg = x + r * k + g * 32;
+            int8_t *qg = q + r * k + g * 32;
+            float amax = 0.f;
+            for (int i = 0; i < 32; i++) amax = fmaxf(amax, fabsf(xg[i]));
+            float d = amax / 127.f, id = amax > 0.f ? 127.f / amax : 0.f;
+            for (int i = 0; i < 32; i++) {
+                float v = nearbyintf(xg[i] * id);
+                qg[i] = (int8_t)(v > 127.f ? 127.f : (v < -127.f ? -127.f : v));
+            }
+            dx[r * groups + g] = d;
+            xs[r * groups + g] = sum32(xg);
+        }
+}
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+/* ---- 16 rows per 512-bit vector, vpdpbusd ---------------------------------------------------- */
+static inline void q4_tile(const uint8_t *w, const float *d, const float *mn, int64_t groups, const int8_t *xq,
+                           const float *dx, const float *xs, int64_t k, int rows, float *y, int64_t n) {
+    __m512 acc[A8_ROWS];
+    for (int r = 0; r < rows; r++) acc[r] = _mm512_setzero_ps();
+    const __m512i low = _mm512_set1_epi8(0x0F);
+    for (int64_t g = 0; g < groups; g++) {
+        __m512i wq[8];
+        for (int i = 0; i < 4; i++) {
+            __m512i p = _mm512_loadu_si512(w + g * 256 + i * 64);
+            wq[i] = _mm512_and_si512(p, low);
+            wq[i + 4] = _mm512_and_si512(_mm512_srli_epi16(p, 4), low);
+        }
+        __m512 dv = _mm512_loadu_ps(d + g * 16), mv = _mm512_loadu_ps(mn + g * 16);
+        for (int r = 0; r < rows; r++) {
+            const int8_t *xr = xq + r * k + g * 32;
+            __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
+            for (int j = 0; j < 8; j += 2) {
+                s0 = _mm512_dpbusd_epi32(s0, wq[j], _mm512_set1_epi32(ld4(xr + 4 * j)));
+                s1 = _mm512_dpbusd_epi32(s1, wq[j + 1], _mm512_set1_epi32(ld4(xr + 4 * j + 4)));
+            }
+            __m512 scale = _mm512_mul_ps(dv, _mm512_set1_ps(dx[r * groups + g]));
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1)), scale, acc[r]);
+            acc[r] = _mm512_fmadd_ps(mv, _mm512_set1_ps(xs[r * groups + g]), acc[r]);
+        }
+    }
+    for (int r = 0; r < rows; r++) _mm512_storeu_ps(y + r * n, acc[r]);
+}
+
+static inline void q8_tile(const int8_t *w, const float *d, int64_t groups, const int8_t *xq, const float *dx,
+                           int64_t k, int rows, float *y, int64_t n) {
+    /* vpdpbusd takes unsigned x signed bytes: the activations go in as q + 128 (q ^ 0x80), and
+     * 128 * sum(w) comes off again: exact. */
+    __m512 acc[A8_ROWS];
+    for (int r = 0; r < rows; r++) acc[r] = _mm512_setzero_ps();
+    const __m512i flip = _mm512_set1_epi8((char)0x80), ones = _mm512_set1_epi8(1);
+    for (int64_t g = 0; g < groups; g++) {
+        __m512i wq[8], wsum = _mm512_setzero_si512();
+        for (int j = 0; j < 8; j++) {
+            wq[j] = _mm512_loadu_si512(w + g * 512 + j * 64);
+            wsum = _mm512_dpbusd_epi32(wsum, ones, wq[j]);
+        }
+        wsum = _mm512_slli_epi32(wsum, 7);
+        __m512 dv = _mm512_loadu_ps(d + g * 16);
+        for (int r = 0; r < rows; r++) {
+            const int8_t *xr = xq + r * k + g * 32;
+            __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
+            for (int j = 0; j < 8; j += 2) {
+                s0 = _mm512_dpbusd_epi32(s0, _mm512_xor_si512(_mm512_set1_epi32(ld4(xr + 4 * j)), flip), wq[j]);
+                s1 = _mm512_dpbusd_epi32(s1, _mm512_xor_si512(_mm512_set1_epi32(ld4(xr + 4 * j + 4)), flip), wq[j + 1]);
+            }
+            __m512i s = _mm512_sub_epi32(_mm512_add_epi32(s0, s1), wsum);
+            __m512 scale = _mm512_mul_ps(dv, _mm512_set1_ps(dx[r * groups + g]));
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), scale, acc[r]);
+        }
+    }
+    for (int r = 0; r < rows; r++) _mm512_storeu_ps(y + r * n, acc[r]);
+}
+#define A8_PATH "avx512-vnni"
+
+#elif defined(__AVX2__) && defined(__FMA__)
+/* ---- 8 rows per 256-bit vector: a tile is two halves ----------------------------------------- */
+static inline __m256i dot4_u8s8(__m256i acc, __m256i u, __m256i s) {
+    /* 4 products of u8 (<= 15, or |w| <= 128 with the sign moved onto s) and s8 per int32 lane */
+#if defined(__AVXVNNI__)
+    return _mm256_dpbusd_avx_epi32(acc, u, s);
+#else
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
+#endif
+}
+
+static inline void q4_tile(const uint8_t *w, const float *d, const float *mn, int64_t groups, const int8_t *xq,
+                           const float *dx, const float *xs, int64_t k, int rows, float *y, int64_t n) {
+    for (int h = 0; h < 2; h++) {
+        __m256 acc[A8_ROWS];
+        for (int r = 0; r < rows; r++) acc[r] = _mm256_setzero_ps();
+        const __m256i low = _mm256_set1_epi8(0x0F);
+        for (int64_t g = 0; g < groups; g++) {
+            __m256i wq[8];
+            for (int i = 0; i < 4; i++) {
+                __m256i p = _mm256_loadu_si256((const __m256i *)(w + g * 256 + i * 64 + h * 32));
+                wq[i] = _mm256_and_si256(p, low);
+                wq[i + 4] = _mm256_and_si256(_mm256_srli_epi16(p, 4), low);
+            }
+            __m256 dv = _mm256_loadu_ps(d + g * 16 + h * 8), mv = _mm256_loadu_ps(mn + g * 16 + h * 8);
+            for (int r = 0; r < rows; r++) {
+                const int8_t *xr = xq + r * k + g * 32;
+                __m256i s0 = _mm256_setzero_si256(), s1 = _mm256_setzero_si256();
+                for (int j = 0; j < 8; j += 2) {
+                    s0 = dot4_u8s8(s0, wq[j], _mm256_set1_epi32(ld4(xr + 4 * j)));
+                    s1 = dot4_u8s8(s1, wq[j + 1], _mm256_set1_epi32(ld4(xr + 4 * j + 4)));
+                }
+                __m256 scale = _mm256_mul_ps(dv, _mm256_set1_ps(dx[r * groups + g]));
+                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(s0, s1)), scale, acc[r]);
+                acc[r] = _mm256_fmadd_ps(mv, _mm256_set1_ps(xs[r * groups + g]), acc[r]);
+            }
+        }
+        for (int r = 0; r < rows; r++) _mm256_storeu_ps(y + r * n + h * 8, acc[r]);
+    }
+}
+
+static inline void q8_tile(const int8_t *w, const float *d, int64_t groups, const int8_t *xq, const float *dx,
+                           int64_t k, int rows, float *y, int64_t n) {
+    /* signed x signed: |w| as the unsigned operand and w's sign moved onto the activations
+     * (products <= 128 * 127, so vpmaddubsw never saturates) */
+    for (int h = 0; h < 2; h++) {
+        __m256 acc[A8_ROWS];
+        for (int r = 0; r < rows; r++) acc[r] = _mm256_setzero_ps();
+        for (int64_t g = 0; g < groups; g++) {
+            __m256i wq[8], wa[8];
+            for (int j = 0; j < 8; j++) {
+                wq[j] = _mm256_loadu_si256((const __m256i *)(w + g * 512 + j * 64 + h * 32));
+                wa[j] = _mm256_abs_epi8(wq[j]);
+            }
+            __m256 dv = _mm256_loadu_ps(d + g * 16 + h * 8);
+            for (int r = 0; r < rows; r++) {
+                const int8_t *xr = xq + r * k + g * 32;
+                __m256i s0 = _mm256_setzero_si256(), s1 = _mm256_setzero_si256();
+                for (int j = 0; j < 8; j += 2) {
+                    s0 = dot4_u8s8(s0, wa[j], _mm256_sign_epi8(_mm256_set1_epi32(ld4(xr + 4 * j)), wq[j]));
+                    s1 = dot4_u8s8(s1, wa[j + 1], _mm256_sign_epi8(_mm256_set1_epi32(ld4(xr + 4 * j + 4)), wq[j + 1]));
+                }
+                __m256 scale = _mm256_mul_ps(dv, _mm256_set1_ps(dx[r * groups + g]));
+                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(s0, s1)), scale, acc[r]);
+            }
+        }
+        for (int r = 0; r < rows; r++) _mm256_storeu_ps(y + r * n + h * 8, acc[r]);
+    }
+}
+#define A8_PATH "avx2"
+
+#else
+/* ---- portable C: the same integer sums and the same two fused multiply-adds per group -------- */
+static inline void q4_tile(const uint8_t *w, const float *d, const float *mn, int64_t groups, const int8_t *xq,
+                           const float *dx, const float *xs, int64_t k, int rows, float *y, int64_t n) {
+    for (int r = 0; r < rows; r++)
+        for (int lane = 0; lane < A8_TILE; lane++) {
+            float acc = 0.f;
+            for (int64_t g = 0; g < groups; g++) {
+                const int8_t *xg = xq + r * k + g * 32;
+                int32_t s = 0;
+                for (int i = 0; i < 4; i++)
+                    for (int c = 0; c < 4; c++) {
+                        uint8_t b = w[g * 256 + i * 64 + lane * 4 + c];
+                        s += (b & 0x0F) * xg[4 * i + c] + (b >> 4) * xg[16 + 4 * i + c];
+                    }
+                acc = fmaf((float)s, d[g * 16 + lane] * dx[r * groups + g], acc);
+                acc = fmaf(mn[g * 16 + lane], xs[r * groups + g], acc);
+            }
+            y[r * n + lane] = acc;
+        }
+}
+
+static inline void q8_tile(const int8_t *w, const float *d, int64_t groups, const int8_t *xq, const float *dx,
+                           int64_t k, int rows, float *y, int64_t n) {
+    for (int r = 0; r < rows; r++)
+        for (int lane = 0; lane < A8_TILE; lane++) {
+            float acc = 0.f;
+            for (int64_t g = 0; g < groups; g++) {
+                int32_t s = 0;
+                for (int j = 0; j < 8; j++)
+                    for (int c = 0; c < 4; c++) s += w[g * 512 + j * 64 + lane * 4 + c] * xq[r * k + g * 32 + 4 * j + c];
+                acc = fmaf((float)s, d[g * 16 + lane] * dx[r * groups + g], acc);
+            }
+            y[r * n + lane] = acc;
+        }
+}
+#define A8_PATH "portable"
+#endif
+
+const char *ss_a8_path(void) { return A8_PATH; }
+
+/* Threads split the tiles; each tile's packed weights (K / 2 or K bytes per row) stay in cache
+ * while every pass of A8_ROWS activation rows goes over them. */
+void ss_q4a8_linear(const int8_t *xq, const float *dx, const float *xs, int64_t m, int64_t k, const uint8_t *w,
+                    const float *d, const float *mn, int64_t n, float *y, int threads) {
+    int64_t groups = k / 32, tiles = n / A8_TILE;
+#pragma omp parallel for num_threads(threads) schedule(static) if (n * k * m >= 32768)
+    for (int64_t t = 0; t < tiles; t++)
+        for (int64_t r0 = 0; r0 < m; r0 += A8_ROWS) {
+            int rows = m - r0 < A8_ROWS ? (int)(m - r0) : A8_ROWS;
+            q4_tile(w + t * groups * 256, d + t * groups * 16, mn + t * groups * 16, groups, xq + r0 * k,
+                    dx + r0 * groups, xs + r0 * groups, k, rows, y + r0 * n + t * A8_TILE, n);
+        }
+}
+
+void ss_q8a8_linear(const int8_t *xq, const float *dx, int64_t m, int64_t k, const int8_t *w, const float *d,
+                    int64_t n, float *y, int threads) {
+    int64_t groups = k / 32, tiles = n / A8_TILE;
+#pragma omp parallel for num_threads(threads) schedule(static) if (n * k * m >= 32768)
+    for (int64_t t = 0; t < tiles; t++)
+        for (int64_t r0 = 0; r0 < m; r0 += A8_ROWS) {
+            int rows = m - r0 < A8_ROWS ? (int)(m - r0) : A8_ROWS;
+            q8_tile(w + t * groups * 512, d + t * groups * 16, groups, xq + r0 * k, dx + r0 * groups, k, rows,
+                    y + r0 * n + t * A8_TILE, n);
+        }
+}

@@ -1,0 +1,85 @@
+"""The `w4a8` kernels: 4-bit weights (and the int8 LM head) times int8 activations (cpu_a8.c).
+
+Each call quantizes its input rows, per row and group of 32, to int8 with an absmax scale (and
+keeps the exact float sum of each group for the weights' minimum term), then runs integer dot
+products against weights packed in tiles of 16 output rows. The packing (below) is done once at
+load; see cpu_a8.c for the byte layout and why a row's result never depends on its batch-mates.
+
+Fidelity: the activations are rounded to 8 bits per group of 32 (relative error <= 1/254 of the
+group's largest input), as llama.cpp rounds them; `int4` keeps float32 activations for whoever
+needs the float32 model on the same weights. tests/platform/test_quantization.py holds both to
+the same gates.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from splitserve.platform.kernels.cpu_ops import CpuOps
+from splitserve.platform.quant import formats
+from splitserve.platform.quant.formats import RawQuant
+
+TILE = 16
+
+
+def pack_q4_tiles(codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor):
+    """codes [N, K] uint8 (0..15), scale/minimum [N, K/32] (w = scale * code + minimum) ->
+    (tiles [N/16, K/32 * 256] uint8, scale and minimum [N/16, K/32, 16] float32)."""
+    n, k = codes.shape
+    t, g = n // TILE, k // formats.GROUP
+    c = codes.view(t, TILE, g, 2, 4, 4)                          # (tile, row, group, half, i, c)
+    packed = (c[:, :, :, 0] | (c[:, :, :, 1] << 4)).permute(0, 2, 3, 1, 4).contiguous()  # (tile, group, i, row, c)
+    return packed.view(t, g * 256), _lanes(scale, t, g), _lanes(minimum, t, g)
+
+
+def pack_q8_tiles(codes: torch.Tensor, scale: torch.Tensor):
+    """codes [N, K] int8, scale [N, K/32] -> (tiles [N/16, K/32 * 512] int8, scale [N/16, K/32, 16])."""
+    n, k = codes.shape
+    t, g = n // TILE, k // formats.GROUP
+    packed = codes.view(t, TILE, g, 8, 4).permute(0, 2, 3, 1, 4).contiguous()          # (tile, group, j, row, c)
+    return packed.view(t, g * 512), _lanes(scale, t, g)
+
+
+def _lanes(values: torch.Tensor, tiles: int, groups: int) -> torch.Tensor:
+    return values.float().reshape(tiles, TILE, groups).permute(0, 2, 1).contiguous()
+
+
+def fits(out_features: int, in_features: int) -> bool:
+    return out_features % TILE == 0 and in_features % formats.GROUP == 0
+
+
+class Int4A8Kernel:
+    """A linear on 4-bit weights (per group of 32: a scale and a minimum; Q4_0/Q4_1 read exactly)
+    with int8 activations. Needs the CPU kernels (build_kernel falls back to `int4` without)."""
+
+    name = "w4a8"
+
+    def __init__(self, weight: torch.Tensor | RawQuant, bias: torch.Tensor | None, ops: CpuOps):
+        groups, self.exact = formats.int4_groups(weight)
+        self.ops = ops
+        self.tiles, self.d, self.mn = pack_q4_tiles(groups.codes, groups.scale, groups.zero - 8 * groups.scale)
+        self.bias = None if bias is None else bias.float()
+        self.nbytes = self.tiles.nbytes + self.d.nbytes + self.mn.nbytes
+
+    fits = staticmethod(fits)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.ops.q4a8_linear(self.ops.quantize_a8(x.float().contiguous()), self.tiles, self.d, self.mn)
+        return (y if self.bias is None else y + self.bias).to(x.dtype)
+
+
+class Int8A8Head:
+    """The LM head of `w4a8`: the int8 table (the embedding's own when tied; GGUF Q8_0 exactly)
+    against int8 activations, over the whole vocabulary. Every logit carries the same small
+    activation rounding; no part of the vocabulary is approximated more than another."""
+
+    name = "w8a8"
+
+    def __init__(self, codes: torch.Tensor, scale: torch.Tensor, ops: CpuOps):
+        self.ops = ops
+        self.tiles, self.d = pack_q8_tiles(codes, scale)
+        self.exact = False
+        self.nbytes = self.tiles.nbytes + self.d.nbytes
+
+    def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.ops.q8a8_linear(self.ops.quantize_a8(hidden.float().contiguous()), self.tiles, self.d)
