@@ -285,7 +285,7 @@ class Cluster:
 
 def bench(run: Run, url: str, raw: pathlib.Path, tag: str) -> dict:
     out = raw / f"{tag}.json"
-    argv = [sys.executable, "-m", "splitserve.router.bench.cli", *run.bench_args(url, str(out))]
+    argv = [sys.executable, "-m", "splitserve.bench.loadgen.cli", *run.bench_args(url, str(out))]
     t0 = time.monotonic()
     proc = subprocess.run(argv, capture_output=True, text=True)
     if proc.returncode != 0 or not out.exists():

@@ -258,7 +258,7 @@ def from_dict(data: dict) -> RouterConfig:
 
 def checked_mapping(data, cls, where: str) -> dict:
     """`data` if it is a mapping whose keys are all fields of the dataclass `cls`; otherwise a
-    ConfigError naming `where`, the unknown keys and the allowed ones. Also used by ray_config."""
+    ConfigError naming `where`, the unknown keys and the allowed ones. Also used by rayserve/config.py."""
     if not isinstance(data, dict):
         raise ConfigError(f"{where or 'router config'} must be a mapping, got {type(data).__name__}")
     allowed = [f.name for f in dataclasses.fields(cls)]

@@ -3,8 +3,8 @@ whenever it changes; the router starts a watcher for each new address and forget
 Roles come from each worker's own WorkerInfo, so one list may mix prefill and decode workers.
 
 Sources: `StaticDiscovery` (--workers), `discovery_k8s.EndpointSliceDiscovery` (the pool
-Services' EndpointSlices), `discovery_ray.RayDiscovery` (the replicas of the Ray Serve worker
-deployments, through their registry; docs/ray.md).
+Services' EndpointSlices), and outside the router `splitserve.rayserve.discovery.RayDiscovery`
+(the replicas of the Ray Serve worker deployments, through their registry; docs/ray.md).
 """
 
 from __future__ import annotations

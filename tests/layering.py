@@ -1,7 +1,7 @@
 """Import layering of DESIGN.md section 1, checked on the source with `ast`.
 
 import-linter cannot be used here: its graph builder (grimp) needs the root package to be a
-regular package on sys.path, and ours is mapped from four folders with package-dir, two of
+regular package on sys.path, and ours is mapped from several folders with package-dir, two of
 which (platform/, operator/) must stay namespace packages. So this builds the same graph:
 every module's imports, followed transitively through our own modules.
 """
@@ -14,7 +14,10 @@ import pathlib
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 FOLDERS = {"platform": "splitserve.platform", "workers": "splitserve.workers",
            "router": "splitserve.router", "operator": "splitserve.operator",
-           "planner": "splitserve.planner"}
+           "planner": "splitserve.planner", "rayserve": "splitserve.rayserve",
+           "bench/loadgen": "splitserve.bench.loadgen"}   # bench/'s scripts are not in the package
+SERVING = ["splitserve.platform", "splitserve.workers", "splitserve.router", "splitserve.operator",
+           "splitserve.planner"]
 
 # (source modules, forbidden modules): a forbidden module must not be reachable from a source.
 ENGINE = ["splitserve.platform.engine", "splitserve.platform.models", "splitserve.platform.kv",
@@ -36,9 +39,24 @@ CONTRACTS = [
     ("the planner imports only shared config", ["splitserve.planner"],
      ["torch", "splitserve.workers", "splitserve.router", "splitserve.operator",
       "splitserve.platform.tokenizer", *ENGINE]),
-    # The Serve controller imports the autoscaling policy; it must not load torch or the engine.
-    ("the Ray Serve autoscaling policy stays torch-free", ["splitserve.workers.ray_autoscale"],
-     ["torch", "splitserve.workers.main", *ENGINE]),
+    # rayserve/ composes router and workers for Ray Serve (rayserve/__init__.py): it may import
+    # both, nothing of ours imports it, and only the replica (in its own Ray process) loads the
+    # engine; the driver, the ingress and the policy the Serve controller imports stay torch-free.
+    ("nothing of ours imports the Ray Serve layer", [*SERVING, "splitserve.bench.loadgen"],
+     ["splitserve.rayserve"]),
+    ("the Ray Serve driver and ingress never load the engine",
+     ["splitserve.rayserve.config", "splitserve.rayserve.serve", "splitserve.rayserve.ingress",
+      "splitserve.rayserve.registry", "splitserve.rayserve.discovery", "splitserve.rayserve.autoscale"],
+     ["torch", "splitserve.workers", "splitserve.rayserve.replica", *ENGINE]),
+    ("the Ray Serve autoscaling policy imports nothing of ours", ["splitserve.rayserve.autoscale"],
+     ["torch", "splitserve.platform", "splitserve.workers", "splitserve.router"]),
+    # The load generator (`splitserve bench`) is an OpenAI-API client that must measure any server:
+    # torch-free, platform's errors and tokenizer only. Only the bench scripts and tests import it.
+    ("the load generator is a torch-free client", ["splitserve.bench.loadgen"],
+     ["torch", "splitserve.workers", "splitserve.router", "splitserve.operator", "splitserve.planner",
+      *ENGINE]),
+    ("nothing that serves imports the benchmark tools", [*SERVING, "splitserve.rayserve"],
+     ["splitserve.bench"]),
 ]
 
 
@@ -86,7 +104,7 @@ def _find_forbidden(src: str, graph: dict[str, set[str]], forbidden: list[str]) 
     stack, seen = [[src]], {src}
     while stack:
         path = stack.pop()
-        for imp in graph.get(path[-1], ()):
+        for imp in sorted(graph.get(path[-1], ())):   # sorted: the same chain on every run
             if any(imp == f or imp.startswith(f + ".") for f in forbidden):
                 return path + [imp]
             if imp in graph and imp not in seen:

@@ -44,6 +44,25 @@ def test_layering_checker_catches_a_violation(tmp_path, monkeypatch):
         "router never imports torch nor the engine: splitserve.router.placement -> splitserve.platform.kv.manager"]
 
 
+def test_layering_checker_catches_ray_and_load_generator_violations(tmp_path, monkeypatch):
+    import layering
+
+    for rel, code in {"router/app.py": "import splitserve.rayserve.registry\n",
+                      "rayserve/ingress.py": "from splitserve.rayserve.replica import build_pool\n",
+                      "rayserve/replica.py": "import torch\n",
+                      "bench/loadgen/client.py": "import splitserve.router.config\n"}.items():
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text(code)
+    monkeypatch.setattr(layering, "ROOT", tmp_path)
+    monkeypatch.setattr(layering, "FOLDERS", {"router": "splitserve.router", "rayserve": "splitserve.rayserve",
+                                              "bench/loadgen": "splitserve.bench.loadgen"})
+    assert sorted(layering.violations()) == [
+        "nothing of ours imports the Ray Serve layer: splitserve.router.app -> splitserve.rayserve.registry",
+        "the Ray Serve driver and ingress never load the engine: splitserve.rayserve.ingress -> "
+        "splitserve.rayserve.replica",
+        "the load generator is a torch-free client: splitserve.bench.loadgen.client -> splitserve.router.config"]
+
+
 def test_torch_free_modules_do_not_import_torch():
     out = run_py("import sys, splitserve.platform.hashing, splitserve.platform.config, "
                  "splitserve.platform.model_source, splitserve.platform.tokenizer, "
@@ -56,7 +75,8 @@ def test_every_package_folder_is_declared_in_pyproject():
     declared = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
     folders = {"platform": "splitserve.platform", "workers": "splitserve.workers",
                "router": "splitserve.router", "operator": "splitserve.operator",
-               "planner": "splitserve.planner"}
+               "planner": "splitserve.planner", "rayserve": "splitserve.rayserve",
+               "bench": "splitserve.bench"}
     for folder, pkg in folders.items():
         for init in (ROOT / folder).rglob("__init__.py"):
             rel = init.parent.relative_to(ROOT / folder)
@@ -66,9 +86,41 @@ def test_every_package_folder_is_declared_in_pyproject():
 
 def test_architecture_doc_lists_every_module():
     doc = (ROOT / "docs" / "architecture.md").read_text()
-    for folder in ("platform", "workers", "router", "operator", "planner"):
+    for folder in ("platform", "workers", "router", "operator", "planner", "rayserve", "bench/loadgen"):
         for path in (ROOT / folder).rglob("*.py"):
             rel = path.relative_to(ROOT / folder).as_posix()
             if path.name == "__init__.py" and path.stat().st_size == 0:
                 continue
             assert f"`{rel}`" in doc, f"docs/architecture.md has no line for {folder}/{rel}"
+
+
+def test_the_wheel_ships_every_package_and_command_but_no_bench_script(tmp_path):
+    """What `pip install splitserve` gets: each package of pyproject with its modules, a module
+    behind every `splitserve` subcommand, and of bench/ only the load generator (the scripts
+    beside it are run from a checkout, `python bench/x.py`)."""
+    import configparser
+    import tomllib
+    import zipfile
+
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w",
+                    str(tmp_path), str(ROOT)], check=True, capture_output=True, timeout=600)
+    [wheel] = tmp_path.glob("splitserve-*.whl")
+    zf = zipfile.ZipFile(wheel)
+    names = set(zf.namelist())
+    setuptools = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    for pkg in setuptools["packages"]:
+        folder = next(ROOT / d / pkg[len(p):].lstrip(".").replace(".", "/")
+                      for p, d in sorted(setuptools["package-dir"].items(), key=lambda kv: -len(kv[0]))
+                      if pkg == p or pkg.startswith(p + "."))
+        for module in folder.glob("*.py"):
+            assert f"{pkg.replace('.', '/')}/{module.name}" in names, f"{module} is not in the wheel"
+    [ep_file] = [n for n in names if n.endswith(".dist-info/entry_points.txt")]
+    entry_points = configparser.ConfigParser()
+    entry_points.read_string(zf.read(ep_file).decode())
+    for command, target in entry_points["splitserve.commands"].items():
+        module = target.split(":")[0].replace(".", "/") + ".py"
+        assert module in names, f"`splitserve {command}` points at {target}, which is not in the wheel"
+    assert {"bench", "serve"} <= set(entry_points["splitserve.commands"])
+    assert "splitserve/bench/loadgen/cli.py" in names
+    assert not [n for n in names if n.startswith("splitserve/bench/") and n.count("/") == 2], \
+        "a bench/ script is in the wheel"

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from splitserve.router.bench.arrivals import arrival_offsets
+from splitserve.bench.loadgen.arrivals import arrival_offsets
 
 
 def gaps(n, rate, burstiness, seed=0):

@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from benchkit import Script, retry_timing
-from splitserve.router.bench import cli, workloads
+from splitserve.bench.loadgen import cli, workloads
 
 SPLITSERVE = str(pathlib.Path(sys.executable).parent / "splitserve")
 URL = ["--url", "http://127.0.0.1:9"]

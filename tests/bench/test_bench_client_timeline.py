@@ -14,10 +14,10 @@ import numpy as np
 import pytest
 
 from benchkit import Script, retry_timing
-from splitserve.router.bench import metrics, workloads
-from splitserve.router.bench.arrivals import arrival_offsets
-from splitserve.router.bench.runner import RunConfig, run
-from splitserve.router.bench.workloads import BenchRequest, Workload
+from splitserve.bench.loadgen import metrics, workloads
+from splitserve.bench.loadgen.arrivals import arrival_offsets
+from splitserve.bench.loadgen.runner import RunConfig, run
+from splitserve.bench.loadgen.workloads import BenchRequest, Workload
 
 GAP_TOL = 0.004    # client vs wire, between two chunks
 SEND_TOL = 0.035   # client vs wire, from send: the client's send path and the server's parsing (below the

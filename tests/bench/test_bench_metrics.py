@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from splitserve.platform.errors import ConfigError
-from splitserve.router.bench import metrics
-from splitserve.router.bench.client import RequestResult
+from splitserve.bench.loadgen import metrics
+from splitserve.bench.loadgen.client import RequestResult
 
 
 def req(ttft, itl=(), start=0.0, out=None, max_tokens=None, prompt=10, cached=None, ok=True):

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 from splitserve.platform.errors import ConfigError
-from splitserve.router.bench import workloads
-from splitserve.router.bench.workloads import TOKEN_HIGH, TOKEN_LOW
+from splitserve.bench.loadgen import workloads
+from splitserve.bench.loadgen.workloads import TOKEN_HIGH, TOKEN_LOW
 
 
 def flat(wl):

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import pathlib
 import re
+import tomllib
 
 import promql_parser
 import pytest
@@ -65,6 +66,13 @@ def test_dockerfile_builds_both_variants_from_existing_sources():
         if op == "COPY" and not args.startswith("--from"):
             for source in args.split()[:-1]:
                 assert (ROOT / source).exists(), f"COPY {source}: not in the repository"
+    # The wheel stage needs the folder of every package pyproject declares, or `pip wheel` fails.
+    copied = [args.split()[0] for op, args in instructions if op == "COPY" and not args.startswith("--from")]
+    setuptools = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    for package in setuptools["packages"]:
+        prefix = max((p for p in setuptools["package-dir"] if package == p or package.startswith(p + ".")), key=len)
+        folder = "/".join([setuptools["package-dir"][prefix], *package[len(prefix):].split(".")[1:]])
+        assert any(folder == c or folder.startswith(c + "/") for c in copied), f"the Dockerfile does not COPY {folder}"
     last_stage = instructions[max(i for i, (op, _) in enumerate(instructions) if op == "FROM"):]
     assert ("USER", f"{C.RUN_AS_USER}:{C.RUN_AS_USER}") in last_stage  # numeric, as runAsNonRoot needs
     assert ("ENTRYPOINT", '["splitserve"]') in last_stage

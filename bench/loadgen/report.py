@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import dataclasses
 
-from splitserve.router.bench import metrics
-from splitserve.router.bench.client import RequestResult
-from splitserve.router.bench.runner import RunConfig, RunResult
-from splitserve.router.bench.workloads import Workload
+from splitserve.bench.loadgen import metrics
+from splitserve.bench.loadgen.client import RequestResult
+from splitserve.bench.loadgen.runner import RunConfig, RunResult
+from splitserve.bench.loadgen.workloads import Workload
 
 
 def _record(r: RequestResult) -> dict:

@@ -18,7 +18,7 @@ BODY = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_to
 
 
 def test_first_request_after_model_list_succeeds_during_a_cold_start(tmp_path_factory):
-    from splitserve.router.ray_serve import RayServe
+    from splitserve.rayserve.serve import RayServe
 
     app = RayServe(local_config(str(tmp_path_factory.mktemp("ray")), free_port()))   # short: AF_UNIX paths
     errors = []

@@ -1,4 +1,4 @@
-"""Discovery through Ray: the worker replicas the registry deployment knows (router/ray_registry.py).
+"""Discovery through Ray: the worker replicas the registry deployment knows (rayserve/registry.py).
 
 `RayDiscovery` polls `fetch()` (in the gateway: the registry's `workers` method through a
 DeploymentHandle) every `interval_s` and reports the address set to the router whenever it

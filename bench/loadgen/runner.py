@@ -26,9 +26,9 @@ from dataclasses import dataclass, field
 import httpx
 import numpy as np
 
-from splitserve.router.bench.arrivals import arrival_offsets
-from splitserve.router.bench.client import RequestResult, encode_payload, send
-from splitserve.router.bench.workloads import BenchRequest, Workload
+from splitserve.bench.loadgen.arrivals import arrival_offsets
+from splitserve.bench.loadgen.client import RequestResult, encode_payload, send
+from splitserve.bench.loadgen.workloads import BenchRequest, Workload
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ import time
 
 import psutil
 
-from splitserve.router import ray_config
+from splitserve.rayserve import config as ray_config
 
 ROOT_CONFIG = "deploy/ray/serve.yaml"
 RAY_PROCESS_NAMES = ("raylet", "gcs_server", "plasma_store", "dashboard", "log_monitor", "monitor.py",

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from splitserve.platform.errors import ConfigError
-from splitserve.router.bench.client import RequestResult
+from splitserve.bench.loadgen.client import RequestResult
 
 PERCENTILES = (50, 90, 99)
 SLO_KEYS = ("ttft", "tpot", "e2e")

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from splitserve.router.bench.workloads import BenchRequest
+from splitserve.bench.loadgen.workloads import BenchRequest
 
 
 @dataclass

@@ -1,8 +1,8 @@
 """Which worker replicas of a Ray Serve deployment are alive, and where they listen.
 
 A Serve deployment (one replica, no CPU) that the worker replicas heartbeat into every second
-through a DeploymentHandle (workers/ray_replica.py) and the gateway's `RayDiscovery` reads
-(router/discovery_ray.py). An entry is `{address, role, metrics, actor_name, replica_id}`; a
+through a DeploymentHandle (rayserve/replica.py) and the gateway's `RayDiscovery` reads
+(rayserve/discovery.py). An entry is `{address, role, metrics, actor_name, replica_id}`; a
 replica that stops heartbeating for `stale_after_s` is dropped (it was killed, or its node was
 lost), one that stops gracefully unregisters itself — and a heartbeat it sent just before, which
 may arrive after, is ignored for `stale_after_s` (a tombstone), so a stopped replica never returns. The registry keeps no other state: if Serve

@@ -6,7 +6,7 @@ the worker registry deployment, which lives in the same Serve application. The r
 (start/stop of discovery, watchers, channels) runs as the ingress replica starts and stops.
 
 `build_gateway(args)` is the Serve application builder named in the rendered config
-(router/ray_config.py `render`).
+(rayserve/config.py `render`).
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from __future__ import annotations
 from ray import serve
 
 from splitserve.router.config import from_dict
-from splitserve.router.discovery_ray import RayDiscovery
-from splitserve.router.ray_registry import WorkerRegistry
+from splitserve.rayserve.discovery import RayDiscovery
+from splitserve.rayserve.registry import WorkerRegistry
 
 
 @serve.ingress()

@@ -13,10 +13,10 @@ import yaml
 
 from splitserve.platform.cli import main
 from splitserve.platform.errors import ConfigError
-from splitserve.router import ray_config
-from splitserve.router.discovery_ray import RayDiscovery
-from splitserve.router.ray_registry import WorkerRegistry
-from splitserve.workers.ray_autoscale import QUEUE_DEPTH, queue_depth_policy
+from splitserve.rayserve import config as ray_config
+from splitserve.rayserve.discovery import RayDiscovery
+from splitserve.rayserve.registry import WorkerRegistry
+from splitserve.rayserve.autoscale import QUEUE_DEPTH, queue_depth_policy
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
@@ -61,7 +61,7 @@ def test_cli_exits_2_with_the_reason(tmp_path, capsys):
 
 
 def test_gateway_defaults_to_localhost_8000_and_port_0_is_refused():
-    from splitserve.router.ray_serve import RayServe
+    from splitserve.rayserve.serve import RayServe
 
     assert ray_config.parse({}).gateway == ("127.0.0.1", 8000)
     assert RayServe(ray_config.parse({})).url == "http://127.0.0.1:8000/v1"
@@ -81,7 +81,7 @@ def test_render_is_a_valid_serve_config_with_queue_depth_autoscaling():
     [decode] = apps["splitserve-decode"].deployments
     scaling = decode.autoscaling_config
     assert (scaling["min_replicas"], scaling["max_replicas"]) == (config.decode.min_replicas, config.decode.max_replicas)
-    assert scaling["policy"]["policy_function"] == "splitserve.workers.ray_autoscale:queue_depth_policy"
+    assert scaling["policy"]["policy_function"] == "splitserve.rayserve.autoscale:queue_depth_policy"
     assert scaling["target_ongoing_requests"] == config.decode.target_queue_depth
     assert decode.ray_actor_options.num_cpus == 0.5
     assert rendered["http_options"] == {"host": "127.0.0.1", "port": 8000}

@@ -12,10 +12,11 @@ deploy config (the `applications:` document `serve run`/KubeRay's `serveConfigV2
     decode:   {min_replicas: 1, max_replicas: 4, target_queue_depth: 8, ray_actor_options: {num_gpus: 1}}
     autoscaling: {look_back_period_s: 10, upscale_delay_s: 5, downscale_delay_s: 60, metrics_interval_s: 1}
 
-Three Serve applications come out of `render()`, wired only by names (so neither layer imports
-the other, DESIGN.md section 1): `<name>` (the gateway ingress + the worker registry, routed at
-/), `<name>-prefill` and `<name>-decode` (one `WorkerReplica` deployment each, no HTTP route).
-Each pool autoscales on the engines' queue depth (workers/ray_autoscale.py, docs/ray.md).
+Three Serve applications come out of `render()`, wired only by names and import paths (so the
+process that deploys them never imports the engine, and neither the ingress nor the replicas
+import each other): `<name>` (the gateway ingress + the worker registry, routed at /),
+`<name>-prefill` and `<name>-decode` (one `WorkerReplica` deployment each, no HTTP route).
+Each pool autoscales on the engines' queue depth (rayserve/autoscale.py, docs/ray.md).
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from splitserve.router.config import RouterConfig, checked_mapping, from_dict
 BACKENDS = ("ray",)
 TRANSPORTS = ("ucx", "tcp")
 ACTOR_OPTIONS = ("num_cpus", "num_gpus", "memory", "resources", "accelerator_type", "runtime_env")
-POLICY = "splitserve.workers.ray_autoscale:queue_depth_policy"
+POLICY = "splitserve.rayserve.autoscale:queue_depth_policy"
 GiB = 1024**3
 
 
@@ -198,11 +199,11 @@ def render(config: RayServeConfig) -> dict:
     """The Serve deploy config (ServeDeploySchema as a dict): what `serve run`, `serve deploy`
     and a KubeRay RayService's `serveConfigV2` take. Pure: no Ray needed."""
     host, port = config.gateway
-    apps = [{"name": config.name, "route_prefix": "/", "import_path": "splitserve.router.ray_ingress:build_gateway",
+    apps = [{"name": config.name, "route_prefix": "/", "import_path": "splitserve.rayserve.ingress:build_gateway",
              "args": {"router": config.router_config_dict(), "registry": registry_ref(config)}}]
     for role in ("prefill", "decode"):
         apps.append({"name": f"{config.name}-{role}", "route_prefix": None,
-                     "import_path": "splitserve.workers.ray_replica:build_pool",
+                     "import_path": "splitserve.rayserve.replica:build_pool",
                      "args": {"role": role, "model": config.model, "kv_transport": config.kv_transport,
                               "engine": dataclasses.asdict(config.engine), "registry": registry_ref(config),
                               "host": config.worker_host},

@@ -19,8 +19,8 @@ import pathlib
 import sys
 
 from splitserve.platform.errors import ConfigError, SplitserveError
-from splitserve.router.bench import workloads
-from splitserve.router.bench.metrics import parse_slo
+from splitserve.bench.loadgen import workloads
+from splitserve.bench.loadgen.metrics import parse_slo
 
 
 def _positive(unit: str):
@@ -71,7 +71,7 @@ def _param(text: str) -> tuple[str, str]:
 
 
 def _extra_body(text: str) -> dict:
-    from splitserve.router.bench.client import RESERVED_FIELDS
+    from splitserve.bench.loadgen.client import RESERVED_FIELDS
 
     try:
         value = json.loads(text)
@@ -124,7 +124,7 @@ def register(subparsers) -> None:
 
 
 def cmd_bench(args) -> int:
-    from splitserve.router.bench import report, runner  # httpx and numpy only when running
+    from splitserve.bench.loadgen import report, runner  # httpx and numpy only when running
 
     if args.burstiness is not None and args.concurrency is not None:
         raise ConfigError("--burstiness shapes the arrivals of --rate; it has no meaning with --concurrency")
@@ -162,7 +162,7 @@ def cmd_bench(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m splitserve.router.bench.cli …`: the same command without the other subcommands."""
+    """`python -m splitserve.bench.loadgen.cli …`: the same command without the other subcommands."""
     parser = argparse.ArgumentParser(prog="splitserve bench", description=__doc__.split("\n\n")[0])
     add_arguments(parser)
     args = parser.parse_args(argv)

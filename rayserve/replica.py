@@ -6,16 +6,16 @@ The router does not call replicas through Serve handles; it dials their gRPC add
 transport (UCX or TCP). So a replica only has to make itself known and report its load:
 
 - on start it picks free ports, serves, and heartbeats `{address, role, actor_name, ...}` to the
-  registry deployment (router/ray_registry.py) every `HEARTBEAT_S` through a DeploymentHandle —
+  registry deployment (rayserve/registry.py) every `HEARTBEAT_S` through a DeploymentHandle —
   the registry and this module know each other only by the names in the app's args;
 - `record_autoscaling_stats()` reports the engine's waiting+running requests, which drives the
-  pool's replica count (workers/ray_autoscale.py);
+  pool's replica count (rayserve/autoscale.py);
 - `check_health()` fails once the worker task has ended, so Serve replaces the replica;
 - on a graceful stop (`__del__`, downscaling or `serve shutdown`) it unregisters, then drains as
   on SIGTERM: new requests get UNAVAILABLE (the router retries elsewhere), in-flight ones finish.
 
 `build_pool(args)` is the Serve application builder named in the rendered config
-(router/ray_config.py `render`).
+(rayserve/config.py `render`).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import socket
 from ray import serve
 
 from splitserve.workers.config import WorkerConfig
-from splitserve.workers.ray_autoscale import QUEUE_DEPTH
+from splitserve.rayserve.autoscale import QUEUE_DEPTH
 
 log = logging.getLogger("splitserve.worker.ray")
 
@@ -118,7 +118,7 @@ class WorkerReplica:
 
 def build_pool(args: dict):
     """Serve application builder: one pool, the deployment named for its role. Replicas, autoscaling
-    and actor options come from the Serve config's `deployments:` overrides (ray_config.render)."""
+    and actor options come from the Serve config's `deployments:` overrides (rayserve/config.py `render`)."""
     deployment = serve.deployment(WorkerReplica).options(name=args["role"])
     return deployment.bind(args["role"], args["model"], args["kv_transport"], args["engine"], args["registry"],
                            args.get("host", ""))

@@ -23,7 +23,7 @@ MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    from splitserve.router.ray_serve import RayServe
+    from splitserve.rayserve.serve import RayServe
 
     temp_dir = str(tmp_path_factory.mktemp("ray"))
     started_at = time.time()

@@ -30,7 +30,7 @@ import urllib.request
 import yaml
 
 from splitserve.platform.errors import ConfigError
-from splitserve.router import ray_config
+from splitserve.rayserve import config as ray_config
 from splitserve.router.main import url_host
 
 log = logging.getLogger("splitserve.serve")
