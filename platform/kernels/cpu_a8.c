@@ -52,29 +52,46 @@ static inline float sum32(const float *x) { /* fixed pairwise tree, independent 
     return (s4[0] + s4[2]) + (s4[1] + s4[3]);
 }
 
-void ss_quantize_a8(const float *x, int64_t m, int64_t k, int8_t *q, float *dx, float *xs, int threads) {
+void ss_quantize_a8(const float *x, int64_t m, int64_t k, int digits, int8_t *q, float *dx, float *xs, int threads) {
+    /* digits 1: q = round(x / u), u = absmax / 127. digits 2: a second int8 digit for the remainder,
+     * q2 = round((x - u q) / (u / 254)), stored K bytes after the first; the kernels combine the two
+     * integer sums as 254 s1 + s2 (exact), so dx holds the unit of the last digit. */
     int64_t groups = k / 32;
 #pragma omp parallel for num_threads(threads) if (m * k >= 65536)
     for (int64_t r = 0; r < m; r++)
         for (int64_t g = 0; g < groups; g++) {
             const float *xg = x + r * k + g * 32;
-            int8_t *qg = q + r * k + g * 32;
+            int8_t *qg = q + r * k * digits + g * 32;
             float amax = 0.f;
             for (int i = 0; i < 32; i++) amax = fmaxf(amax, fabsf(xg[i]));
             float d = amax / 127.f, id = amax > 0.f ? 127.f / amax : 0.f;
             for (int i = 0; i < 32; i++) {
                 float v = nearbyintf(xg[i] * id);
-                qg[i] = (int8_t)(v > 127.f ? 127.f : (v < -127.f ? -127.f : v));
+                v = v > 127.f ? 127.f : (v < -127.f ? -127.f : v);
+                qg[i] = (int8_t)v;
+                if (digits == 2) {
+                    float rest = nearbyintf((xg[i] - v * d) * id * 254.f);
+                    qg[k + i] = (int8_t)(rest > 127.f ? 127.f : (rest < -127.f ? -127.f : rest));
+                }
             }
-            dx[r * groups + g] = d;
+            dx[r * groups + g] = digits == 2 ? d / 254.f : d;
             xs[r * groups + g] = sum32(xg);
         }
 }
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 /* ---- 16 rows per 512-bit vector, vpdpbusd ---------------------------------------------------- */
+static inline __m512i q4_dot512(const __m512i wq[8], const int8_t *xr) { /* one group, one digit */
+    __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
+    for (int j = 0; j < 8; j += 2) {
+        s0 = _mm512_dpbusd_epi32(s0, wq[j], _mm512_set1_epi32(ld4(xr + 4 * j)));
+        s1 = _mm512_dpbusd_epi32(s1, wq[j + 1], _mm512_set1_epi32(ld4(xr + 4 * j + 4)));
+    }
+    return _mm512_add_epi32(s0, s1);
+}
+
 static inline void q4_tile(const uint8_t *w, const float *d, const float *mn, int64_t groups, const int8_t *xq,
-                           const float *dx, const float *xs, int64_t k, int rows, float *y, int64_t n) {
+                           const float *dx, const float *xs, int64_t k, int digits, int rows, float *y, int64_t n) {
     __m512 acc[A8_ROWS];
     for (int r = 0; r < rows; r++) acc[r] = _mm512_setzero_ps();
     const __m512i low = _mm512_set1_epi8(0x0F);
@@ -87,14 +104,13 @@ static inline void q4_tile(const uint8_t *w, const float *d, const float *mn, in
         }
         __m512 dv = _mm512_loadu_ps(d + g * 16), mv = _mm512_loadu_ps(mn + g * 16);
         for (int r = 0; r < rows; r++) {
-            const int8_t *xr = xq + r * k + g * 32;
-            __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
-            for (int j = 0; j < 8; j += 2) {
-                s0 = _mm512_dpbusd_epi32(s0, wq[j], _mm512_set1_epi32(ld4(xr + 4 * j)));
-                s1 = _mm512_dpbusd_epi32(s1, wq[j + 1], _mm512_set1_epi32(ld4(xr + 4 * j + 4)));
-            }
+            const int8_t *xr = xq + r * k * digits + g * 32;
+            __m512i s = q4_dot512(wq, xr);
+            if (digits == 2) /* 254 * s + s2: exact (|.| < 2^24, so the conversion to float is too) */
+                s = _mm512_add_epi32(_mm512_sub_epi32(_mm512_slli_epi32(s, 8), _mm512_slli_epi32(s, 1)),
+                                     q4_dot512(wq, xr + k));
             __m512 scale = _mm512_mul_ps(dv, _mm512_set1_ps(dx[r * groups + g]));
-            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1)), scale, acc[r]);
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), scale, acc[r]);
             acc[r] = _mm512_fmadd_ps(mv, _mm512_set1_ps(xs[r * groups + g]), acc[r]);
         }
     }
@@ -143,8 +159,17 @@ static inline __m256i dot4_u8s8(__m256i acc, __m256i u, __m256i s) {
 #endif
 }
 
+static inline __m256i q4_dot256(const __m256i wq[8], const int8_t *xr) { /* one group, one digit */
+    __m256i s0 = _mm256_setzero_si256(), s1 = _mm256_setzero_si256();
+    for (int j = 0; j < 8; j += 2) {
+        s0 = dot4_u8s8(s0, wq[j], _mm256_set1_epi32(ld4(xr + 4 * j)));
+        s1 = dot4_u8s8(s1, wq[j + 1], _mm256_set1_epi32(ld4(xr + 4 * j + 4)));
+    }
+    return _mm256_add_epi32(s0, s1);
+}
+
 static inline void q4_tile(const uint8_t *w, const float *d, const float *mn, int64_t groups, const int8_t *xq,
-                           const float *dx, const float *xs, int64_t k, int rows, float *y, int64_t n) {
+                           const float *dx, const float *xs, int64_t k, int digits, int rows, float *y, int64_t n) {
     for (int h = 0; h < 2; h++) {
         __m256 acc[A8_ROWS];
         for (int r = 0; r < rows; r++) acc[r] = _mm256_setzero_ps();
@@ -158,14 +183,13 @@ static inline void q4_tile(const uint8_t *w, const float *d, const float *mn, in
             }
             __m256 dv = _mm256_loadu_ps(d + g * 16 + h * 8), mv = _mm256_loadu_ps(mn + g * 16 + h * 8);
             for (int r = 0; r < rows; r++) {
-                const int8_t *xr = xq + r * k + g * 32;
-                __m256i s0 = _mm256_setzero_si256(), s1 = _mm256_setzero_si256();
-                for (int j = 0; j < 8; j += 2) {
-                    s0 = dot4_u8s8(s0, wq[j], _mm256_set1_epi32(ld4(xr + 4 * j)));
-                    s1 = dot4_u8s8(s1, wq[j + 1], _mm256_set1_epi32(ld4(xr + 4 * j + 4)));
-                }
+                const int8_t *xr = xq + r * k * digits + g * 32;
+                __m256i s = q4_dot256(wq, xr);
+                if (digits == 2)
+                    s = _mm256_add_epi32(_mm256_sub_epi32(_mm256_slli_epi32(s, 8), _mm256_slli_epi32(s, 1)),
+                                         q4_dot256(wq, xr + k));
                 __m256 scale = _mm256_mul_ps(dv, _mm256_set1_ps(dx[r * groups + g]));
-                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(s0, s1)), scale, acc[r]);
+                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), scale, acc[r]);
                 acc[r] = _mm256_fmadd_ps(mv, _mm256_set1_ps(xs[r * groups + g]), acc[r]);
             }
         }
@@ -205,19 +229,25 @@ static inline void q8_tile(const int8_t *w, const float *d, int64_t groups, cons
 
 #else
 /* ---- portable C: the same integer sums and the same two fused multiply-adds per group -------- */
+static inline int32_t q4_dot_lane(const uint8_t *wg, int lane, const int8_t *xg) {
+    int32_t s = 0;
+    for (int i = 0; i < 4; i++)
+        for (int c = 0; c < 4; c++) {
+            uint8_t b = wg[i * 64 + lane * 4 + c];
+            s += (b & 0x0F) * xg[4 * i + c] + (b >> 4) * xg[16 + 4 * i + c];
+        }
+    return s;
+}
+
 static inline void q4_tile(const uint8_t *w, const float *d, const float *mn, int64_t groups, const int8_t *xq,
-                           const float *dx, const float *xs, int64_t k, int rows, float *y, int64_t n) {
+                           const float *dx, const float *xs, int64_t k, int digits, int rows, float *y, int64_t n) {
     for (int r = 0; r < rows; r++)
         for (int lane = 0; lane < A8_TILE; lane++) {
             float acc = 0.f;
             for (int64_t g = 0; g < groups; g++) {
-                const int8_t *xg = xq + r * k + g * 32;
-                int32_t s = 0;
-                for (int i = 0; i < 4; i++)
-                    for (int c = 0; c < 4; c++) {
-                        uint8_t b = w[g * 256 + i * 64 + lane * 4 + c];
-                        s += (b & 0x0F) * xg[4 * i + c] + (b >> 4) * xg[16 + 4 * i + c];
-                    }
+                const int8_t *xg = xq + r * k * digits + g * 32;
+                int32_t s = q4_dot_lane(w + g * 256, lane, xg);
+                if (digits == 2) s = 254 * s + q4_dot_lane(w + g * 256, lane, xg + k);
                 acc = fmaf((float)s, d[g * 16 + lane] * dx[r * groups + g], acc);
                 acc = fmaf(mn[g * 16 + lane], xs[r * groups + g], acc);
             }
@@ -246,15 +276,19 @@ const char *ss_a8_path(void) { return A8_PATH; }
 
 /* Threads split the tiles; each tile's packed weights (K / 2 or K bytes per row) stay in cache
  * while every pass of A8_ROWS activation rows goes over them. */
-void ss_q4a8_linear(const int8_t *xq, const float *dx, const float *xs, int64_t m, int64_t k, const uint8_t *w,
-                    const float *d, const float *mn, int64_t n, float *y, int threads) {
+void ss_q4a8_linear(const int8_t *xq, const float *dx, const float *xs, int64_t m, int64_t k, int digits,
+                    const uint8_t *w, const float *d, const float *mn, int64_t n, float *y, int threads) {
     int64_t groups = k / 32, tiles = n / A8_TILE;
 #pragma omp parallel for num_threads(threads) schedule(static) if (n * k * m >= 32768)
     for (int64_t t = 0; t < tiles; t++)
         for (int64_t r0 = 0; r0 < m; r0 += A8_ROWS) {
             int rows = m - r0 < A8_ROWS ? (int)(m - r0) : A8_ROWS;
-            q4_tile(w + t * groups * 256, d + t * groups * 16, mn + t * groups * 16, groups, xq + r0 * k,
-                    dx + r0 * groups, xs + r0 * groups, k, rows, y + r0 * n + t * A8_TILE, n);
+            if (digits == 2)
+                q4_tile(w + t * groups * 256, d + t * groups * 16, mn + t * groups * 16, groups, xq + r0 * k * 2,
+                        dx + r0 * groups, xs + r0 * groups, k, 2, rows, y + r0 * n + t * A8_TILE, n);
+            else
+                q4_tile(w + t * groups * 256, d + t * groups * 16, mn + t * groups * 16, groups, xq + r0 * k,
+                        dx + r0 * groups, xs + r0 * groups, k, 1, rows, y + r0 * n + t * A8_TILE, n);
         }
 }
 

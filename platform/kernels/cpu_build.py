@@ -29,7 +29,7 @@ from splitserve.platform.quant.cpu import cpu_flags
 log = logging.getLogger(__name__)
 
 SOURCE = pathlib.Path(__file__).with_name("cpu_ops.c")
-SOURCES = (SOURCE, pathlib.Path(__file__).with_name("cpu_a8.c"))  # one library
+SOURCES = tuple(pathlib.Path(__file__).with_name(f) for f in ("cpu_ops.c", "cpu_a8.c", "cpu_decode.c"))  # one library
 ENV_DISABLE = "SPLITSERVE_CPU_KERNELS"
 ENV_CACHE = "SPLITSERVE_KERNEL_CACHE"
 _I64, _F32P, _I64P, _F32, _INT = ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
@@ -41,8 +41,8 @@ SIGNATURES = {
     "ss_silu_mul": [_F32P, _F32P, _I64, _I64, _INT],
     "ss_q4_linear": [_F32P, _I64, _I64, _F32P, _F32P, _F32P, _I64, _F32P, _INT],
     "ss_q4_dequant": [_F32P, _F32P, _F32P, _I64, _I64, _F32P, _INT],
-    "ss_quantize_a8": [_F32P, _I64, _I64, _F32P, _F32P, _F32P, _INT],
-    "ss_q4a8_linear": [_F32P, _F32P, _F32P, _I64, _I64, _F32P, _F32P, _F32P, _I64, _F32P, _INT],
+    "ss_quantize_a8": [_F32P, _I64, _I64, _INT, _F32P, _F32P, _F32P, _INT],
+    "ss_q4a8_linear": [_F32P, _F32P, _F32P, _I64, _I64, _INT, _F32P, _F32P, _F32P, _I64, _F32P, _INT],
     "ss_q8a8_linear": [_F32P, _F32P, _I64, _I64, _F32P, _F32P, _I64, _F32P, _INT],
 }
 
@@ -108,4 +108,6 @@ def load() -> ctypes.CDLL | None:
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = argtypes, None
     lib.ss_a8_path.argtypes, lib.ss_a8_path.restype = [], ctypes.c_char_p
+    lib.ss_decode_layers.argtypes = [_F32P, _I64, _F32P, _F32P, _I64] + [_F32P] * 8
+    lib.ss_decode_layers.restype = ctypes.c_int
     return lib

@@ -95,22 +95,24 @@ class CpuOps:
         """Which code path cpu_a8.c was built with here: avx512-vnni, avx2 or portable."""
         return self.lib.ss_a8_path().decode()
 
-    def quantize_a8(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x [M, K] float32 -> (codes [M, K] int8, scale [M, K/32], exact input sums [M, K/32])."""
+    def quantize_a8(self, x: torch.Tensor, digits: int = 1) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [M, K] float32 -> (codes [M, digits * K] int8, unit of the last digit [M, K/32], exact
+        input sums [M, K/32]); digits 2 adds an int8 digit for the remainder (16-bit precision)."""
         m, k = x.shape
-        q = torch.empty(m, k, dtype=torch.int8)
+        q = torch.empty(m, digits * k, dtype=torch.int8)
         dx, xs = x.new_empty(m, k // 32), x.new_empty(m, k // 32)
-        self.lib.ss_quantize_a8(_p(x), m, k, _p(q), _p(dx), _p(xs), torch.get_num_threads())
+        self.lib.ss_quantize_a8(_p(x), m, k, digits, _p(q), _p(dx), _p(xs), torch.get_num_threads())
         return q, dx, xs
 
     def q4a8_linear(self, a8: tuple[torch.Tensor, torch.Tensor, torch.Tensor], w: torch.Tensor, d: torch.Tensor,
                     mn: torch.Tensor) -> torch.Tensor:
         """quantize_a8(x) against 4-bit weights packed in 16-row tiles (quant/a8.py) -> [M, N] float32."""
         q, dx, xs = a8
-        m, k = q.shape
+        m, k = q.shape[0], xs.shape[1] * 32
         n = d.shape[0] * 16
         y = torch.empty(m, n)
-        self.lib.ss_q4a8_linear(_p(q), _p(dx), _p(xs), m, k, _p(w), _p(d), _p(mn), n, _p(y), torch.get_num_threads())
+        self.lib.ss_q4a8_linear(_p(q), _p(dx), _p(xs), m, k, q.shape[1] // k, _p(w), _p(d), _p(mn), n, _p(y),
+                                torch.get_num_threads())
         return y
 
     def q8a8_linear(self, a8: tuple[torch.Tensor, torch.Tensor, torch.Tensor], w: torch.Tensor,

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from splitserve.platform.config import ModelConfig
+from splitserve.platform.kernels.cpu_decode import DecodePlan, plan_for
 from splitserve.platform.kernels.cpu_ops import CpuOps
 from splitserve.platform.models.attention import AttentionMetadata, paged_attention, paged_attention_fused
 from splitserve.platform.models.layers import MergedLinear, QuantizedEmbedding, RMSNorm, RotaryEmbedding, apply_rotary
@@ -112,6 +113,7 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head_kernel: LinearKernel | None = None
         # The fused CPU kernels (kernels/cpu_ops.py), set by use_fused_ops(); None: the torch path.
         self.fused_ops: CpuOps | None = None
+        self.decode_plan: DecodePlan | None = None
         self.layers = nn.ModuleList(LlamaDecoderLayer(config, quantization) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope_theta,
@@ -141,13 +143,18 @@ class LlamaForCausalLM(nn.Module):
         return self.norm(x)
 
     def use_fused_ops(self, ops: CpuOps | None) -> None:
-        """Run forward() through the fused CPU kernels (float32 on a CPU), or the torch path (None)."""
+        """Run forward() through the fused CPU kernels (float32 on a CPU), or the torch path (None).
+        A step of decodes only then runs all layers in one C call where the model allows it
+        (kernels/cpu_decode.py: every linear w4a8/w4a16); call after load_weights()."""
         self.fused_ops = ops
+        self.decode_plan = plan_for(self, ops) if self.quantization != "none" else None
 
     def _forward_fused(self, x, positions, kv_caches, meta, layer_hook):
         """The same graph as forward(), with each residual add fused into the next norm:
         per layer qkv -> rope+KV write -> attention -> o -> add+norm -> gate_up -> silu*up -> down -> add+norm."""
         ops = self.fused_ops
+        if self.decode_plan is not None and layer_hook is None and not meta.prefills:
+            return self.decode_plan.run(x, positions, kv_caches, meta)
         residual = x.contiguous()
         h = ops.rms_norm(residual, self.layers[0].input_layernorm.weight, self.config.rms_norm_eps)
         eps = self.config.rms_norm_eps

@@ -22,7 +22,7 @@ logits. Each fast mode is held to the fidelity gates in tests/platform/test_quan
 
 from __future__ import annotations
 
-QUANTIZATION_MODES = ("none", "auto", "int4", "w4a8", "int8", "fp16")
+QUANTIZATION_MODES = ("none", "auto", "int4", "w4a16", "w4a8", "int8", "fp16")
 
 
 def resolve_quantization(requested: str, device: str) -> str:

@@ -169,14 +169,17 @@ class RescoredHead:
         return logits.scatter_(1, ids, exact)
 
 
-KERNELS = {"int4": Int4Kernel, "int8": Int8Kernel, "fp16": Fp16Kernel, "w4a8": a8.Int4A8Kernel}
+KERNELS = {"int4": Int4Kernel, "int8": Int8Kernel, "fp16": Fp16Kernel, "w4a8": a8.Int4A8Kernel,
+           "w4a16": a8.Int4A8Kernel}
+A8_DIGITS = {"w4a8": 1, "w4a16": 2}
 
 
 def nearest_kernel(tensor_type: Q | None) -> str:
     """The fast kernel whose format is nearest a stored GGUF type (None: a float tensor).
-    4-bit types take `w4a8` where the CPU kernels are built here (else `int4`)."""
+    4-bit types take `w4a16` where the CPU kernels are built here (else `int4`): of the 4-bit
+    kernels it is the fastest whose fidelity gates pass on SmolLM2 (`w4a8` misses them, quant/a8.py)."""
     if tensor_type in _INT4_TYPES:
-        return "w4a8" if cpu_ops() is not None else "int4"
+        return "w4a16" if cpu_ops() is not None else "int4"
     if tensor_type in _INT8_TYPES:
         return "int8"
     return "fp16"
@@ -192,9 +195,9 @@ def build_kernel(mode: str, name: str, weight: torch.Tensor | RawQuant, bias: to
                  dtype: torch.dtype) -> LinearKernel:
     """The kernel of `mode` (a fast mode or `auto`) for the linear `name`; dense if it cannot take it."""
     kind = kernel_for(mode, weight)
-    ops = cpu_ops() if kind == "w4a8" else None
-    if kind == "w4a8" and ops is None:
-        log.warning("%s: w4a8 needs the fused CPU kernels, which are not built here; using int4", name)
+    ops = cpu_ops() if kind in A8_DIGITS else None
+    if kind in A8_DIGITS and ops is None:
+        log.warning("%s: %s needs the fused CPU kernels, which are not built here; using int4", name, kind)
         kind = "int4"
     out_features, in_features = weight.shape
     kernel_cls = KERNELS[kind]
@@ -203,7 +206,7 @@ def build_kernel(mode: str, name: str, weight: torch.Tensor | RawQuant, bias: to
                     "this layer runs dense in %s", name, kind, formats.GROUP, out_features, in_features,
                     str(dtype).removeprefix("torch."))
         return DenseKernel(formats.as_float(weight), bias, dtype)
-    kernel = kernel_cls(weight, bias, ops) if kind == "w4a8" else kernel_cls(weight, bias)
+    kernel = kernel_cls(weight, bias, ops, A8_DIGITS[kind]) if kind in A8_DIGITS else kernel_cls(weight, bias)
     if isinstance(weight, RawQuant) and not kernel.exact:
         log.debug("%s: %s re-quantized to %s", name, weight.type_name, kind)
     return kernel
@@ -211,9 +214,9 @@ def build_kernel(mode: str, name: str, weight: torch.Tensor | RawQuant, bias: to
 
 def build_head(mode: str, codes: torch.Tensor, scale: torch.Tensor) -> "RescoredHead | a8.Int8A8Head":
     """The LM head of a fast mode over its int8 table: int8 activations over the whole vocabulary
-    under `w4a8` and `auto` (where the CPU kernels are built and the vocabulary fills 16-row tiles),
+    under `w4a8`, `w4a16` and `auto` (where the CPU kernels are built and the vocabulary fills 16-row tiles),
     else the 4-bit pass re-scored exactly at the top of each row."""
-    ops = cpu_ops() if mode in ("w4a8", "auto") else None
+    ops = cpu_ops() if mode in ("w4a8", "w4a16", "auto") else None
     if ops is not None and a8.fits(*codes.shape):
         return a8.Int8A8Head(codes, scale, ops)
     return RescoredHead(codes, scale)

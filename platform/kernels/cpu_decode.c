@@ -1,0 +1,96 @@
+/* splitserve CPU kernels: a whole decode step's layers in one call (w4a8 / w4a16 models).
+ *
+ *   ss_decode_layers   every decoder layer for B sequences of one new token each: the same kernels
+ *                      the Python path calls (cpu_ops.c, cpu_a8.c), in the same order, on the same
+ *                      buffers' values, so the bits are those of LlamaForCausalLM._forward_fused;
+ *                      what goes away is ~15 Python-level calls per layer (about 3 ms of a 15 ms
+ *                      single-stream step on one core).
+ *
+ * Per layer: qkv = W_qkv h (+ bias) -> rotate q, k and store k, v in their slots -> attention over
+ * each sequence's paged context -> o = W_o attn -> h = norm(residual += o) -> gate|up = W_gu h ->
+ * silu(gate) * up -> down = W_d act -> h = norm(residual += down) with the next layer's (or the
+ * final) norm. `residual` enters as the embeddings and leaves as the residual stream; `out` gets h.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+void ss_rms_norm(const float *x, const float *w, float *out, int64_t t, int64_t h, float eps, int threads);
+void ss_add_rms_norm(const float *x, float *res, const float *w, float *out, int64_t t, int64_t h, float eps,
+                     int threads);
+void ss_rope_write_kv(float *qkv, const int64_t *positions, const float *cos_cache, const float *sin_cache,
+                      float *k_cache, float *v_cache, const int64_t *slots, int64_t t, int64_t nh, int64_t nkv,
+                      int64_t d, int threads);
+void ss_decode_attention(const float *q, const float *k_cache, const float *v_cache, const int64_t *block_table,
+                         const int64_t *context_lens, float *out, int64_t b, int64_t nh, int64_t nkv, int64_t d,
+                         int64_t block_size, int64_t max_blocks, float scale, int threads);
+void ss_silu_mul(const float *gate_up, float *out, int64_t t, int64_t inter, int threads);
+void ss_quantize_a8(const float *x, int64_t m, int64_t k, int digits, int8_t *q, float *dx, float *xs, int threads);
+void ss_q4a8_linear(const int8_t *xq, const float *dx, const float *xs, int64_t m, int64_t k, int digits,
+                    const uint8_t *w, const float *d, const float *mn, int64_t n, float *y, int threads);
+
+typedef struct { /* one packed linear (quant/a8.py); bias NULL when the layer has none */
+    const uint8_t *w;
+    const float *d, *mn, *bias;
+} ss_linear;
+
+typedef struct {
+    const float *input_norm, *post_norm;
+    ss_linear qkv, o, gate_up, down;
+    float *k_cache, *v_cache;
+} ss_layer;
+
+typedef struct {
+    int64_t hidden, num_heads, num_kv_heads, head_dim, intermediate, block_size, max_blocks;
+    float eps, scale;
+    int digits, threads;
+} ss_dims;
+
+typedef struct { /* scratch for one call */
+    int8_t *xq;
+    float *dx, *xs;
+} a8_buf;
+
+static void linear(const ss_linear *l, const float *x, int64_t b, int64_t k, int64_t n, float *y, a8_buf *buf,
+                   const ss_dims *dm) {
+    ss_quantize_a8(x, b, k, dm->digits, buf->xq, buf->dx, buf->xs, dm->threads);
+    ss_q4a8_linear(buf->xq, buf->dx, buf->xs, b, k, dm->digits, l->w, l->d, l->mn, n, y, dm->threads);
+    if (l->bias)
+        for (int64_t r = 0; r < b; r++)
+            for (int64_t i = 0; i < n; i++) y[r * n + i] += l->bias[i];
+}
+
+int ss_decode_layers(const ss_layer *layers, int64_t num_layers, const float *final_norm, const ss_dims *dm,
+                     int64_t b, float *residual, float *out, const int64_t *positions, const float *cos_cache,
+                     const float *sin_cache, const int64_t *slots, const int64_t *block_table,
+                     const int64_t *context_lens) {
+    int64_t hd = dm->hidden, nh = dm->num_heads, nkv = dm->num_kv_heads, d = dm->head_dim, inter = dm->intermediate;
+    int64_t q_size = nh * d, qkv_size = (nh + 2 * nkv) * d, widest = inter > hd ? inter : hd;
+    float *qkv = malloc(sizeof(float) * b * qkv_size), *q = malloc(sizeof(float) * b * q_size);
+    float *attn = malloc(sizeof(float) * b * q_size), *o = malloc(sizeof(float) * b * hd);
+    float *gu = malloc(sizeof(float) * b * 2 * inter), *act = malloc(sizeof(float) * b * inter);
+    a8_buf buf = {malloc((size_t)(b * widest * dm->digits)), malloc(sizeof(float) * b * (widest / 32)),
+                  malloc(sizeof(float) * b * (widest / 32))};
+    int ok = qkv && q && attn && o && gu && act && buf.xq && buf.dx && buf.xs;
+    if (ok) {
+        ss_rms_norm(residual, layers[0].input_norm, out, b, hd, dm->eps, dm->threads);
+        for (int64_t i = 0; i < num_layers; i++) {
+            const ss_layer *l = layers + i;
+            linear(&l->qkv, out, b, hd, qkv_size, qkv, &buf, dm);
+            ss_rope_write_kv(qkv, positions, cos_cache, sin_cache, l->k_cache, l->v_cache, slots, b, nh, nkv, d,
+                             dm->threads);
+            for (int64_t r = 0; r < b; r++) memcpy(q + r * q_size, qkv + r * qkv_size, sizeof(float) * q_size);
+            ss_decode_attention(q, l->k_cache, l->v_cache, block_table, context_lens, attn, b, nh, nkv, d,
+                                dm->block_size, dm->max_blocks, dm->scale, dm->threads);
+            linear(&l->o, attn, b, q_size, hd, o, &buf, dm);
+            ss_add_rms_norm(o, residual, l->post_norm, out, b, hd, dm->eps, dm->threads);
+            linear(&l->gate_up, out, b, hd, 2 * inter, gu, &buf, dm);
+            ss_silu_mul(gu, act, b, inter, dm->threads);
+            linear(&l->down, act, b, inter, hd, o, &buf, dm);
+            ss_add_rms_norm(o, residual, i + 1 < num_layers ? layers[i + 1].input_norm : final_norm, out, b, hd,
+                            dm->eps, dm->threads);
+        }
+    }
+    free(qkv), free(q), free(attn), free(o), free(gu), free(act), free(buf.xq), free(buf.dx), free(buf.xs);
+    return ok ? 0 : -1;
+}

@@ -1,0 +1,96 @@
+"""A decode step's decoder layers in one C call (cpu_decode.c), for models whose every linear is a
+`w4a8`/`w4a16` kernel: the plan (pointers to each layer's packed weights, norms and KV cache) is
+built once after load; `run()` takes one new token per sequence and returns the final hidden
+states, bit for bit what the Python fused path gives (the same kernels in the same order).
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from splitserve.platform.kernels.cpu_ops import CpuOps, _p
+
+_P = ctypes.c_void_p
+
+
+class _Linear(ctypes.Structure):
+    _fields_ = [("w", _P), ("d", _P), ("mn", _P), ("bias", _P)]
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [("input_norm", _P), ("post_norm", _P), ("qkv", _Linear), ("o", _Linear), ("gate_up", _Linear),
+                ("down", _Linear), ("k_cache", _P), ("v_cache", _P)]
+
+
+class _Dims(ctypes.Structure):
+    _fields_ = [("hidden", ctypes.c_int64), ("num_heads", ctypes.c_int64), ("num_kv_heads", ctypes.c_int64),
+                ("head_dim", ctypes.c_int64), ("intermediate", ctypes.c_int64), ("block_size", ctypes.c_int64),
+                ("max_blocks", ctypes.c_int64), ("eps", ctypes.c_float), ("scale", ctypes.c_float),
+                ("digits", ctypes.c_int), ("threads", ctypes.c_int)]
+
+
+def _linear(kernel) -> _Linear | None:
+    from splitserve.platform.quant.a8 import Int4A8Kernel
+
+    if not isinstance(kernel, Int4A8Kernel):
+        return None
+    return _Linear(_p(kernel.tiles), _p(kernel.d), _p(kernel.mn), None if kernel.bias is None else _p(kernel.bias))
+
+
+class DecodePlan:
+    """Built by `plan_for(model)`; holds pointers into the model's tensors, so it lives with it."""
+
+    def __init__(self, model, ops: CpuOps, digits: int):
+        self.model, self.ops, self.digits = model, ops, digits
+        self._layers = None
+        self._caches: list | None = None
+
+    def _bind(self, kv_caches) -> None:
+        """(Re)build the per-layer table when the KV cache tensors change (allocated after load)."""
+        if self._caches is not None and all(a[0] is b[0] for a, b in zip(self._caches, kv_caches)):
+            return
+        layers = (_Layer * len(self.model.layers))()
+        for i, (layer, (k, v)) in enumerate(zip(self.model.layers, kv_caches, strict=True)):
+            attn, mlp = layer.self_attn, layer.mlp
+            layers[i] = _Layer(_p(layer.input_layernorm.weight), _p(layer.post_attention_layernorm.weight),
+                               _linear(attn.qkv_proj.kernel), _linear(attn.o_proj.kernel),
+                               _linear(mlp.gate_up_proj.kernel), _linear(mlp.down_proj.kernel), _p(k), _p(v))
+        self._layers, self._caches = layers, list(kv_caches)
+
+    def run(self, x: torch.Tensor, positions: torch.Tensor, kv_caches, meta) -> torch.Tensor:
+        """x [B, hidden] embeddings of one new token per sequence -> final normed hidden [B, hidden]."""
+        self._bind(kv_caches)
+        m, c = self.model, self.model.config
+        k_cache = kv_caches[0][0]
+        dims = _Dims(c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size, k_cache.shape[1],
+                     meta.decode_block_table.shape[1], c.rms_norm_eps, c.head_dim ** -0.5, self.digits,
+                     torch.get_num_threads())
+        residual = x.contiguous()
+        out = torch.empty_like(residual)
+        rc = self.ops.lib.ss_decode_layers(ctypes.addressof(self._layers), len(m.layers), _p(m.norm.weight),
+                                           ctypes.addressof(dims), residual.shape[0], _p(residual), _p(out),
+                                           _p(positions), _p(m.rotary.cos_cache), _p(m.rotary.sin_cache),
+                                           _p(meta.slot_mapping), _p(meta.decode_block_table),
+                                           _p(meta.decode_context_lens))
+        if rc != 0:
+            raise MemoryError("ss_decode_layers could not allocate its scratch buffers")
+        return out
+
+
+def plan_for(model, ops: CpuOps | None) -> DecodePlan | None:
+    """A DecodePlan when every decoder linear is an int-activation kernel of one digit count and
+    only q/k/v carry a bias (Llama, Qwen2); None otherwise (the Python fused path runs)."""
+    from splitserve.platform.quant.a8 import Int4A8Kernel
+
+    if ops is None:
+        return None
+    digits = set()
+    for layer in model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        kernels = (attn.qkv_proj.kernel, attn.o_proj.kernel, mlp.gate_up_proj.kernel, mlp.down_proj.kernel)
+        if not all(isinstance(k, Int4A8Kernel) for k in kernels) or any(k.bias is not None for k in kernels[1:]):
+            return None
+        digits.update(k.digits for k in kernels)
+    return DecodePlan(model, ops, digits.pop()) if len(digits) == 1 else None
