@@ -31,7 +31,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quantization", default="auto", choices=list(QUANTIZATION_MODES),
                    help="how weights are served: auto (default: each weight in the fast packed format nearest "
                         "its stored type on an AVX2 CPU), none (dequantize to --dtype: the reference), or one "
-                        "format for all: int4, int8, fp16 (docs/engine.md)")
+                        "format for all: int4, w4a16, w4a8, int8, fp16 (docs/engine.md)")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     p.add_argument("--kv-cache-memory", type=float, default=0.5, metavar="GIB",
                    help="memory for the KV cache in GiB (default 0.5)")

@@ -145,7 +145,8 @@ class DeviceConfig:
 
     `quantization` (platform/quant): "none" dequantizes every weight to `dtype` (the reference);
     "auto" serves each weight in the fast packed format nearest its stored type on a CPU with
-    AVX2 (elsewhere it means "none"); "int4", "int8", "fp16" force one format (CPU only).
+    AVX2 (elsewhere it means "none"); "int4", "w4a16", "w4a8", "int8", "fp16" force one format
+    (CPU only).
     `dtype` stays the activation, residual and KV-cache precision in every mode.
     """
 

@@ -6,6 +6,7 @@
  *                    sum of the group's inputs xs (for the weights' minimum term)
  *   ss_q4a8_linear   y[m, n] = sum_g d[n,g] * dx[m,g] * <q4[n,g,:], q[m,g,:]> + mn[n,g] * xs[m,g]
  *   ss_q8a8_linear   y[m, n] = sum_g d[n,g] * dx[m,g] * <q8[n,g,:], q[m,g,:]>   (the LM head's table)
+ * Both linears take one or two int8 digits per activation (`digits`, see ss_quantize_a8).
  *
  * Layout: weights are packed in tiles of 16 output rows so that one 512-bit vector holds 4
  * consecutive inputs of each of 16 rows; a dot-product instruction (vpdpbusd, or vpmaddubsw +
@@ -117,13 +118,23 @@ static inline void q4_tile(const uint8_t *w, const float *d, const float *mn, in
     for (int r = 0; r < rows; r++) _mm512_storeu_ps(y + r * n, acc[r]);
 }
 
-static inline void q8_tile(const int8_t *w, const float *d, int64_t groups, const int8_t *xq, const float *dx,
-                           int64_t k, int rows, float *y, int64_t n) {
+static inline __m512i q8_dot512(const __m512i wq[8], __m512i wsum128, const int8_t *xr) { /* one digit */
     /* vpdpbusd takes unsigned x signed bytes: the activations go in as q + 128 (q ^ 0x80), and
      * 128 * sum(w) comes off again: exact. */
+    const __m512i flip = _mm512_set1_epi8((char)0x80);
+    __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
+    for (int j = 0; j < 8; j += 2) {
+        s0 = _mm512_dpbusd_epi32(s0, _mm512_xor_si512(_mm512_set1_epi32(ld4(xr + 4 * j)), flip), wq[j]);
+        s1 = _mm512_dpbusd_epi32(s1, _mm512_xor_si512(_mm512_set1_epi32(ld4(xr + 4 * j + 4)), flip), wq[j + 1]);
+    }
+    return _mm512_sub_epi32(_mm512_add_epi32(s0, s1), wsum128);
+}
+
+static inline void q8_tile(const int8_t *w, const float *d, int64_t groups, const int8_t *xq, const float *dx,
+                           int64_t k, int digits, int rows, float *y, int64_t n) {
     __m512 acc[A8_ROWS];
     for (int r = 0; r < rows; r++) acc[r] = _mm512_setzero_ps();
-    const __m512i flip = _mm512_set1_epi8((char)0x80), ones = _mm512_set1_epi8(1);
+    const __m512i ones = _mm512_set1_epi8(1);
     for (int64_t g = 0; g < groups; g++) {
         __m512i wq[8], wsum = _mm512_setzero_si512();
         for (int j = 0; j < 8; j++) {
@@ -133,13 +144,11 @@ static inline void q8_tile(const int8_t *w, const float *d, int64_t groups, cons
         wsum = _mm512_slli_epi32(wsum, 7);
         __m512 dv = _mm512_loadu_ps(d + g * 16);
         for (int r = 0; r < rows; r++) {
-            const int8_t *xr = xq + r * k + g * 32;
-            __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
-            for (int j = 0; j < 8; j += 2) {
-                s0 = _mm512_dpbusd_epi32(s0, _mm512_xor_si512(_mm512_set1_epi32(ld4(xr + 4 * j)), flip), wq[j]);
-                s1 = _mm512_dpbusd_epi32(s1, _mm512_xor_si512(_mm512_set1_epi32(ld4(xr + 4 * j + 4)), flip), wq[j + 1]);
-            }
-            __m512i s = _mm512_sub_epi32(_mm512_add_epi32(s0, s1), wsum);
+            const int8_t *xr = xq + r * k * digits + g * 32;
+            __m512i s = q8_dot512(wq, wsum, xr);
+            if (digits == 2) /* 254 * s + s2, exact in int32 (rounded once converting to float) */
+                s = _mm512_add_epi32(_mm512_sub_epi32(_mm512_slli_epi32(s, 8), _mm512_slli_epi32(s, 1)),
+                                     q8_dot512(wq, wsum, xr + k));
             __m512 scale = _mm512_mul_ps(dv, _mm512_set1_ps(dx[r * groups + g]));
             acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), scale, acc[r]);
         }
@@ -197,10 +206,19 @@ static inline void q4_tile(const uint8_t *w, const float *d, const float *mn, in
     }
 }
 
-static inline void q8_tile(const int8_t *w, const float *d, int64_t groups, const int8_t *xq, const float *dx,
-                           int64_t k, int rows, float *y, int64_t n) {
+static inline __m256i q8_dot256(const __m256i wq[8], const __m256i wa[8], const int8_t *xr) { /* one digit */
     /* signed x signed: |w| as the unsigned operand and w's sign moved onto the activations
      * (products <= 128 * 127, so vpmaddubsw never saturates) */
+    __m256i s0 = _mm256_setzero_si256(), s1 = _mm256_setzero_si256();
+    for (int j = 0; j < 8; j += 2) {
+        s0 = dot4_u8s8(s0, wa[j], _mm256_sign_epi8(_mm256_set1_epi32(ld4(xr + 4 * j)), wq[j]));
+        s1 = dot4_u8s8(s1, wa[j + 1], _mm256_sign_epi8(_mm256_set1_epi32(ld4(xr + 4 * j + 4)), wq[j + 1]));
+    }
+    return _mm256_add_epi32(s0, s1);
+}
+
+static inline void q8_tile(const int8_t *w, const float *d, int64_t groups, const int8_t *xq, const float *dx,
+                           int64_t k, int digits, int rows, float *y, int64_t n) {
     for (int h = 0; h < 2; h++) {
         __m256 acc[A8_ROWS];
         for (int r = 0; r < rows; r++) acc[r] = _mm256_setzero_ps();
@@ -212,14 +230,13 @@ static inline void q8_tile(const int8_t *w, const float *d, int64_t groups, cons
             }
             __m256 dv = _mm256_loadu_ps(d + g * 16 + h * 8);
             for (int r = 0; r < rows; r++) {
-                const int8_t *xr = xq + r * k + g * 32;
-                __m256i s0 = _mm256_setzero_si256(), s1 = _mm256_setzero_si256();
-                for (int j = 0; j < 8; j += 2) {
-                    s0 = dot4_u8s8(s0, wa[j], _mm256_sign_epi8(_mm256_set1_epi32(ld4(xr + 4 * j)), wq[j]));
-                    s1 = dot4_u8s8(s1, wa[j + 1], _mm256_sign_epi8(_mm256_set1_epi32(ld4(xr + 4 * j + 4)), wq[j + 1]));
-                }
+                const int8_t *xr = xq + r * k * digits + g * 32;
+                __m256i s = q8_dot256(wq, wa, xr);
+                if (digits == 2)
+                    s = _mm256_add_epi32(_mm256_sub_epi32(_mm256_slli_epi32(s, 8), _mm256_slli_epi32(s, 1)),
+                                         q8_dot256(wq, wa, xr + k));
                 __m256 scale = _mm256_mul_ps(dv, _mm256_set1_ps(dx[r * groups + g]));
-                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(s0, s1)), scale, acc[r]);
+                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), scale, acc[r]);
             }
         }
         for (int r = 0; r < rows; r++) _mm256_storeu_ps(y + r * n + h * 8, acc[r]);
@@ -255,15 +272,22 @@ static inline void q4_tile(const uint8_t *w, const float *d, const float *mn, in
         }
 }
 
+static inline int32_t q8_dot_lane(const int8_t *wg, int lane, const int8_t *xg) {
+    int32_t s = 0;
+    for (int j = 0; j < 8; j++)
+        for (int c = 0; c < 4; c++) s += wg[j * 64 + lane * 4 + c] * xg[4 * j + c];
+    return s;
+}
+
 static inline void q8_tile(const int8_t *w, const float *d, int64_t groups, const int8_t *xq, const float *dx,
-                           int64_t k, int rows, float *y, int64_t n) {
+                           int64_t k, int digits, int rows, float *y, int64_t n) {
     for (int r = 0; r < rows; r++)
         for (int lane = 0; lane < A8_TILE; lane++) {
             float acc = 0.f;
             for (int64_t g = 0; g < groups; g++) {
-                int32_t s = 0;
-                for (int j = 0; j < 8; j++)
-                    for (int c = 0; c < 4; c++) s += w[g * 512 + j * 64 + lane * 4 + c] * xq[r * k + g * 32 + 4 * j + c];
+                const int8_t *xg = xq + r * k * digits + g * 32;
+                int32_t s = q8_dot_lane(w + g * 512, lane, xg);
+                if (digits == 2) s = 254 * s + q8_dot_lane(w + g * 512, lane, xg + k);
                 acc = fmaf((float)s, d[g * 16 + lane] * dx[r * groups + g], acc);
             }
             y[r * n + lane] = acc;
@@ -292,14 +316,18 @@ void ss_q4a8_linear(const int8_t *xq, const float *dx, const float *xs, int64_t 
         }
 }
 
-void ss_q8a8_linear(const int8_t *xq, const float *dx, int64_t m, int64_t k, const int8_t *w, const float *d,
-                    int64_t n, float *y, int threads) {
+void ss_q8a8_linear(const int8_t *xq, const float *dx, int64_t m, int64_t k, int digits, const int8_t *w,
+                    const float *d, int64_t n, float *y, int threads) {
     int64_t groups = k / 32, tiles = n / A8_TILE;
 #pragma omp parallel for num_threads(threads) schedule(static) if (n * k * m >= 32768)
     for (int64_t t = 0; t < tiles; t++)
         for (int64_t r0 = 0; r0 < m; r0 += A8_ROWS) {
             int rows = m - r0 < A8_ROWS ? (int)(m - r0) : A8_ROWS;
-            q8_tile(w + t * groups * 512, d + t * groups * 16, groups, xq + r0 * k, dx + r0 * groups, k, rows,
-                    y + r0 * n + t * A8_TILE, n);
+            if (digits == 2)
+                q8_tile(w + t * groups * 512, d + t * groups * 16, groups, xq + r0 * k * 2, dx + r0 * groups, k, 2,
+                        rows, y + r0 * n + t * A8_TILE, n);
+            else
+                q8_tile(w + t * groups * 512, d + t * groups * 16, groups, xq + r0 * k, dx + r0 * groups, k, 1, rows,
+                        y + r0 * n + t * A8_TILE, n);
         }
 }

@@ -43,7 +43,7 @@ SIGNATURES = {
     "ss_q4_dequant": [_F32P, _F32P, _F32P, _I64, _I64, _F32P, _INT],
     "ss_quantize_a8": [_F32P, _I64, _I64, _INT, _F32P, _F32P, _F32P, _INT],
     "ss_q4a8_linear": [_F32P, _F32P, _F32P, _I64, _I64, _INT, _F32P, _F32P, _F32P, _I64, _F32P, _INT],
-    "ss_q8a8_linear": [_F32P, _F32P, _I64, _I64, _F32P, _F32P, _I64, _F32P, _INT],
+    "ss_q8a8_linear": [_F32P, _F32P, _I64, _I64, _INT, _F32P, _F32P, _I64, _F32P, _INT],
 }
 
 
@@ -69,17 +69,20 @@ def _cache_dir() -> pathlib.Path:
     return pathlib.Path(tempfile.gettempdir()) / "splitserve-kernels"
 
 
-def _build(cc: str) -> pathlib.Path:
+def _build(cc: str, arch: tuple[str, ...] = ("-march=native",)) -> pathlib.Path:
+    """The library for this host (`arch`: other instruction sets are built by the tests, to pin
+    that every code path gives the same bits)."""
     source = b"".join(path.read_bytes() for path in SOURCES)
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=False).stdout
-    key = hashlib.sha256(source + version.encode() + " ".join(sorted(cpu_flags())).encode()).hexdigest()[:16]
+    host = " ".join(sorted(cpu_flags())) + " ".join(arch)
+    key = hashlib.sha256(source + version.encode() + host.encode()).hexdigest()[:16]
     target = _cache_dir() / f"splitserve_cpu_ops-{key}.so"
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.NamedTemporaryFile(dir=target.parent, suffix=".so", delete=False) as tmp:
         tmp_path = pathlib.Path(tmp.name)
-    cmd = [cc, "-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-o", str(tmp_path), *map(str, SOURCES), "-lm"]
+    cmd = [cc, "-O3", *arch, "-fopenmp", "-fPIC", "-shared", "-o", str(tmp_path), *map(str, SOURCES), "-lm"]
     result = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if result.returncode != 0:
         tmp_path.unlink(missing_ok=True)
@@ -104,6 +107,11 @@ def load() -> ctypes.CDLL | None:
     except (OSError, RuntimeError) as e:
         log.warning("the fused CPU kernels could not be built or loaded (%s); using the torch path", e)
         return None
+    return declare(lib)
+
+
+def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
+    """Give every kernel of `lib` its argument and result types."""
     for name, argtypes in SIGNATURES.items():
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = argtypes, None

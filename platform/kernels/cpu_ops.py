@@ -118,9 +118,9 @@ class CpuOps:
     def q8a8_linear(self, a8: tuple[torch.Tensor, torch.Tensor, torch.Tensor], w: torch.Tensor,
                     d: torch.Tensor) -> torch.Tensor:
         """quantize_a8(x) against int8 weights packed in 16-row tiles (quant/a8.py) -> [M, N] float32."""
-        q, dx, _ = a8
-        m, k = q.shape
+        q, dx, xs = a8
+        m, k = q.shape[0], xs.shape[1] * 32
         n = d.shape[0] * 16
         y = torch.empty(m, n)
-        self.lib.ss_q8a8_linear(_p(q), _p(dx), m, k, _p(w), _p(d), n, _p(y), torch.get_num_threads())
+        self.lib.ss_q8a8_linear(_p(q), _p(dx), m, k, q.shape[1] // k, _p(w), _p(d), n, _p(y), torch.get_num_threads())
         return y

@@ -5,19 +5,25 @@ Modes (vLLM's flag name; the fast modes are ours):
 - `none`  dequantize every weight to the model dtype (float32 by default): the bit-faithful
           reference every fidelity test compares against.
 - `int4`  every linear on packed 4-bit weights with one scale and zero per group of 32 inputs
-          (GGUF Q4_0/Q4_1 are that format exactly; other types are re-quantized), bfloat16
-          activations, torch's `_weight_int4pack_mm_for_cpu` (AVX-512/AVX2 dispatched inside).
+          (GGUF Q4_0/Q4_1 are that format exactly; other types are re-quantized), float32
+          activations (kernels/cpu_ops.c; torch's packed kernel in bfloat16 without a compiler):
+          the float32 model on these weights.
+- `w4a16` the same weights times activations held as two int8 digits per group of 32 (16-bit
+          precision), integer dot products in 16-row tiles (kernels/cpu_a8.c, quant/a8.py); the
+          LM head is the int8 table over int8 activations. `auto` takes it for 4-bit files.
+- `w4a8`  the same with one int8 digit (llama.cpp's arithmetic): fastest at large batches, but
+          on SmolLM2 it misses the logit gates auto requires (quant/a8.py says by how much).
 - `int8`  every linear on int8 weights with one scale per output row, bfloat16 activations,
           `_weight_int8pack_mm`.
 - `fp16`  every linear on float16 weights prepacked for fbgemm (`linear_dynamic_fp16`), float32
           activations and outputs.
 - `auto`  each linear in the fast format nearest its stored type (kernels.nearest_kernel):
-          Q4_x/Q3_K/Q2_K -> int4, Q5_x/Q6_K/Q8_0 -> int8, F16/BF16/F32 -> fp16; `none` where the
-          host lacks AVX2 or the device is not a CPU.
+          Q4_x/Q3_K/Q2_K -> w4a16 (int4 where the CPU kernels cannot be built), Q5_x/Q6_K/Q8_0 ->
+          int8, F16/BF16/F32 -> fp16; `none` where the host lacks AVX2 or the device is not a CPU.
 
 In every fast mode the embedding table is int8 with a float scale per group of 32 (GGUF Q8_0
-exactly) and the LM head is float16 prepacked (float32 logits), so sampling sees full-precision
-logits. Each fast mode is held to the fidelity gates in tests/platform/test_quantization.py.
+exactly); the LM head reads that table (kernels.build_head). Each fast mode is held to the
+fidelity gates in tests/platform/test_quantization.py.
 """
 
 from __future__ import annotations

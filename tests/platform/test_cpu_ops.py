@@ -55,9 +55,13 @@ def test_rope_rotates_q_and_k_in_place_and_writes_kv_slots():
     assert torch.equal(v_cache.view(-1, NKV, D)[slots], heads[:, NH + NKV:])
 
 
-def test_decode_attention_reads_the_paged_cache_in_place():
+@pytest.mark.parametrize("bs,d", [(16, 64), (32, 128), (8, 64), (16, 40)])
+def test_decode_attention_reads_the_paged_cache_in_place(bs, d):
+    """(16, 64) and (32, 128) take the 16-keys-at-a-time path on AVX-512 hosts, (8, 64) and
+    (16, 40) the per-key one; contexts end mid-block and mid-chunk."""
+    BS, D = bs, d
     k_cache, v_cache = torch.randn(NB, BS, NKV, D), torch.randn(NB, BS, NKV, D)
-    context = torch.tensor([1, 17, 100, 256])
+    context = torch.tensor([1, 17, 100, 256 if BS >= 16 else 120])
     table = torch.stack([torch.randperm(NB)[:16] for _ in range(4)])
     q = torch.randn(4, NH, D)
     mask = torch.arange(16 * BS)[None] < context[:, None]

@@ -6,7 +6,8 @@ token for token in test_engine_vs_transformers.py):
 - logits: at every prompt position of 8 prompts, the 20 tokens float32 ranks highest (what
   greedy, top-k/top-p sampling and logprobs read) within a stated tolerance of the float32
   logits, the same top-1 token at (almost) every position, and the whole vocabulary within a
-  mean error (the LM head's tail is a 4-bit approximation: quant.kernels.RescoredHead);
+  mean error (the int4/int8/fp16 heads' tail is a 4-bit approximation, quant.kernels.RescoredHead;
+  the w4a16/w4a8/auto head is the int8 table over int8 activations, quant.a8.Int8A8Head);
 - batch invariance: a request's greedy tokens do not change with its batch-mates;
 - chunked prefill and prefix-cache hits do not change them either;
 - prefill on one engine and decode on another (P/D, KV exported per layer) equals colocated.
@@ -36,17 +37,20 @@ from splitserve.platform.sampling.params import SamplingParams
 
 pytestmark = pytest.mark.slow
 
-FAST = ["int4", "w4a16", "int8", "fp16", "auto"]
+FAST = ["int4", "w4a16", "w4a8", "int8", "fp16", "auto"]
 # Against float32 over all positions of the 8 prompts (SmolLM2's logits span about +-36).
-# Measured on the Xeon/AMX host: max |dlogit| over each position's top 20 was 0.60 (int4, auto),
-# 1.42 (int8: per-row int8 cannot hold Q4_1's per-group scales), 0.03 (fp16); mean |dlogit| over
-# the vocabulary 0.39-0.46 (the head's 4-bit tail); top-1 agreement 72/72, 70/72, 72/72.
-TOP20_TOLERANCE = {"int4": 1.0, "w4a16": 1.0, "int8": 2.0, "fp16": 0.1, "auto": 1.0}
+# Measured on the Xeon/AMX host, max |dlogit| over each position's top 20 / mean |dlogit| over the
+# vocabulary / top-1 agreement: int4 0.00 / 0.38 / 72 of 72 (float32 math; the mean is the head's
+# 4-bit tail); w4a16 and auto 0.24 / 0.05 / 72 (the int8 head's activation rounding; the linears
+# alone give 0.013); w4a8 3.16 / 0.48 / 64 (one int8 digit cannot hold SmolLM2's outlier
+# channels: the reason auto does not take it); int8 1.45 / 0.45 / 70 (per-row int8 cannot hold
+# Q4_1's per-group scales); fp16 0.03 / 0.38 / 72.
+TOP20_TOLERANCE = {"int4": 1.0, "w4a16": 1.0, "w4a8": 4.0, "int8": 2.0, "fp16": 0.1, "auto": 1.0}
 MEAN_TOLERANCE = 0.6
-MIN_TOP1_AGREEMENT = 0.95
+MIN_TOP1_AGREEMENT = {"w4a8": 0.85}  # every other mode: 0.95
 # Random Qwen2 (float weights, std 0.05), as shares of the largest |logit| (3.0); measured top-20
 # 0.25 (int4: every weight re-quantized to 4 bits), 0.018 (int8), 0.006 (fp16, auto), mean <= 0.033.
-RANDOM_TOP20_TOLERANCE = {"int4": 0.3, "w4a16": 0.3, "int8": 0.1, "fp16": 0.02, "auto": 0.02}
+RANDOM_TOP20_TOLERANCE = {"int4": 0.3, "w4a16": 0.3, "w4a8": 0.3, "int8": 0.1, "fp16": 0.02, "auto": 0.02}
 RANDOM_MEAN_TOLERANCE = 0.1
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 
@@ -71,7 +75,7 @@ def test_smollm2_logits_within_tolerance_of_float32(mode, smollm2_models, hf_smo
     print(f"{mode}: top-20 {worst_top:.3f} mean {mean:.3f} top-1 {agree}/{positions}")
     assert worst_top <= TOP20_TOLERANCE[mode], f"{mode}: max |dlogit| over the top 20 = {worst_top:.3f}"
     assert mean <= MEAN_TOLERANCE, f"{mode}: mean |dlogit| = {mean:.3f}"
-    assert agree / positions >= MIN_TOP1_AGREEMENT, f"{mode}: top-1 agrees at {agree}/{positions} positions"
+    assert agree / positions >= MIN_TOP1_AGREEMENT.get(mode, 0.95), f"{mode}: top-1 agrees at {agree}/{positions} positions"
 
 
 @needs_kernels
@@ -84,7 +88,8 @@ def test_auto_packs_the_q4_1_layers_exactly_and_keeps_memory_near_the_file(smoll
     model = smollm2_models("auto")
     kernels = [m.kernel for m in model.modules() if isinstance(m, MergedLinear)]
     assert len(kernels) == 4 * 30 and all(isinstance(k, Int4A8Kernel) and k.exact for k in kernels)
-    # resident weights: int4 layers + int8 embedding table + the head's 4-bit pass
+    assert {k.name for k in kernels} == {"w4a16"}
+    # resident weights: int4 layers + the int8 embedding table (which is also the head)
     assert weight_nbytes(model) <= 1.5 * os.path.getsize(smollm2_gguf_path)
     assert weight_nbytes(smollm2_models("none")) > 4 * os.path.getsize(smollm2_gguf_path)
 
@@ -119,7 +124,7 @@ def test_random_qwen2_logits_within_tolerance_of_float32(mode, random_qwen2_fold
 
 
 @needs_kernels
-@pytest.mark.parametrize("mode", ["auto", "int4", "int8", "fp16"])
+@pytest.mark.parametrize("mode", ["auto", "int4", "w4a8", "int8", "fp16"])
 def test_greedy_tokens_do_not_depend_on_batch_mates(mode, make_engine):
     engine = make_engine(quantization=mode)
     prompts = [[(i * 7919 + 13 * r) % 40000 + 100 for i in range(n)] for r, n in enumerate((37, 5, 120, 64, 1, 300))]

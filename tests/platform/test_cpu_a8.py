@@ -1,0 +1,176 @@
+"""The integer-activation kernels (platform/kernels/cpu_a8.c, quant/a8.py) and the one-call decode
+step (cpu_decode.c).
+
+- the activation quantizer's codes and rounding bounds (one digit: 1/254 of the group's largest
+  input; two digits: 1/64516);
+- the 4-bit and 8-bit kernels against an integer reference computed in float64 from the same
+  codes, and a row's bits independent of the other rows (batch invariance by construction);
+- the packing is the layout cpu_a8.c documents (unpacked back to the codes);
+- the same bits from every instruction-set path: the library is rebuilt here for AVX2 (x86-64-v3),
+  AVX2 + AVX-VNNI and portable C where this CPU can run them, so an AVX2-only host computes what
+  an AVX-512 host computes;
+- the one-call decode step gives the Python fused path's logits bit for bit on SmolLM2.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import pytest
+import torch
+
+from splitserve.platform.kernels import cpu_build
+from splitserve.platform.kernels.cpu_ops import CpuOps, cpu_ops
+from splitserve.platform.quant import a8, formats
+from splitserve.platform.quant.cpu import cpu_flags
+
+ops = cpu_ops()
+pytestmark = pytest.mark.skipif(ops is None, reason="no C compiler could build the fused CPU kernels here")
+
+
+@pytest.fixture(autouse=True)
+def seeded():
+    torch.manual_seed(0)
+
+
+def activations(m: int, k: int) -> torch.Tensor:
+    """Like a normed hidden state: mostly small, with a few large outlier channels."""
+    x = torch.randn(m, k)
+    x[:, torch.randperm(k)[:3]] *= 40
+    return x
+
+
+@pytest.mark.parametrize("digits", [1, 2])
+def test_quantized_activations_round_within_their_bound(digits):
+    x = activations(6, 576)
+    q, unit, sums = ops.quantize_a8(x, digits)
+    assert q.shape == (6, digits * 576) and q.abs().max() <= 127
+    groups = x.view(6, 18, 32)
+    assert torch.equal(sums, groups.sum(-1)) or torch.allclose(sums, groups.sum(-1), atol=1e-4)
+    codes = q.view(6, digits, 18, 32).double()
+    value = codes[:, 0] * 254 + codes[:, 1] if digits == 2 else codes[:, 0]
+    approx = value * unit.double()[..., None]
+    amax = groups.abs().amax(-1, keepdim=True).double()
+    bound = amax / (254 if digits == 1 else 64516)
+    assert ((approx - groups.double()).abs() <= bound * 1.001 + 1e-12).all()
+
+
+def q4_reference(a, codes, scale, minimum):
+    q, unit, sums = a
+    m, k = q.shape[0], sums.shape[1] * 32
+    digits = q.shape[1] // k
+    g = k // 32
+    qd = q.view(m, digits, g, 32).double()
+    value = qd[:, 0] * 254 + qd[:, 1] if digits == 2 else qd[:, 0]
+    dots = torch.einsum("mgi,ngi->mng", value, codes.double().view(-1, g, 32))
+    return (dots * scale.double()[None] * unit.double()[:, None] + minimum.double()[None] * sums.double()[:, None]).sum(-1)
+
+
+@pytest.mark.parametrize("digits", [1, 2])
+@pytest.mark.parametrize("n,k", [(960, 576), (576, 1536), (32, 64)])
+def test_q4_kernel_is_the_integer_sum_and_batch_invariant(digits, n, k):
+    kernel = a8.Int4A8Kernel(torch.randn(n, k) * 0.05, None, ops, digits)
+    codes, scale, minimum = unpack_q4(kernel)
+    x = activations(9, k)
+    y = kernel(x)
+    ref = q4_reference(ops.quantize_a8(x, digits), codes, scale, minimum)
+    assert ((y.double() - ref).abs().max() / ref.abs().max()).item() < 1e-5
+    for rows in (slice(0, 1), slice(3, 8), slice(8, 9)):
+        assert torch.equal(kernel(x[rows].contiguous()), y[rows])
+    assert torch.equal(kernel(torch.cat([x[4:5], torch.randn(5, k)]))[0], y[4])
+
+
+def unpack_q4(kernel: a8.Int4A8Kernel):
+    """The codes, scales and minimums back out of the tile layout cpu_a8.c documents."""
+    t, gb = kernel.tiles.shape
+    g = gb // 256
+    b = kernel.tiles.view(t, g, 4, 16, 4)                                    # (tile, group, i, row, c)
+    low, high = (b & 0x0F), (b >> 4)
+    codes = torch.stack([low, high], dim=2).permute(0, 4, 1, 2, 3, 5).reshape(t * 16, g * 32)
+    scale = kernel.d.permute(0, 2, 1).reshape(t * 16, g)
+    minimum = kernel.mn.permute(0, 2, 1).reshape(t * 16, g)
+    return codes, scale, minimum
+
+
+def test_q4_packing_round_trips_to_the_codes():
+    groups = formats.quantize_int4(torch.randn(48, 96))
+    tiles, d, mn = a8.pack_q4_tiles(groups.codes, groups.scale, groups.zero - 8 * groups.scale)
+    kernel = a8.Int4A8Kernel.__new__(a8.Int4A8Kernel)
+    kernel.tiles, kernel.d, kernel.mn = tiles, d, mn
+    codes, scale, minimum = unpack_q4(kernel)
+    assert torch.equal(codes, groups.codes) and torch.equal(scale, groups.scale)
+    assert torch.equal(minimum, groups.zero - 8 * groups.scale)
+
+
+def test_q8_head_is_the_integer_sum_over_the_int8_table_and_batch_invariant():
+    """(Converting 254 s1 + s2 to float rounds once: |sum| can pass 2^24 for an int8 table.)"""
+    table = formats.int8_groups(torch.randn(4096, 576))[0]
+    head = a8.Int8A8Head(table.codes, table.scale, ops)
+    x = activations(5, 576)
+    y = head(x)
+    q, unit, _ = ops.quantize_a8(x, head.digits)
+    assert head.digits == 2  # the hidden state in two int8 digits
+    qd = q.double().view(5, 2, 18, 32)
+    dots = torch.einsum("mgi,ngi->mng", qd[:, 0] * 254 + qd[:, 1], table.codes.double().view(4096, 18, 32))
+    ref = (dots * table.scale.double()[None] * unit.double()[:, None]).sum(-1)
+    assert ((y.double() - ref).abs().max() / ref.abs().max()).item() < 1e-5
+    assert torch.equal(head(x[2:3].contiguous())[0], y[2])
+
+
+def _other_isa(arch: tuple[str, ...]) -> CpuOps:
+    return CpuOps(cpu_build.declare(ctypes.CDLL(str(cpu_build._build(cpu_build._compiler(), arch)))))
+
+
+ISAS = {  # extra compiler flags -> the CPU flags a host needs to run that build, and the path it takes
+    ("-march=x86-64-v3",): ({"avx2", "fma", "bmi2", "f16c"}, "avx2"),
+    ("-march=x86-64-v3", "-mavxvnni"): ({"avx2", "fma", "bmi2", "f16c", "avx_vnni"}, "avx2"),
+    ("-march=x86-64-v2",): (set(), "portable"),
+}
+
+
+@pytest.mark.parametrize("arch", list(ISAS), ids=lambda a: " ".join(a))
+def test_every_instruction_set_path_gives_the_same_bits(arch):
+    needs, path = ISAS[arch]
+    if not needs <= cpu_flags():
+        pytest.skip(f"this CPU cannot run a {' '.join(arch)} build (lacks {sorted(needs - cpu_flags())})")
+    other = _other_isa(arch)
+    assert other.a8_path == path
+    w = formats.quantize_int4(torch.randn(64, 96) * 0.05)
+    x = activations(5, 96)
+    for digits in (1, 2):
+        here, there = a8.Int4A8Kernel(w.dequantize(), None, ops, digits), a8.Int4A8Kernel(w.dequantize(), None, other, digits)
+        assert torch.equal(ops.quantize_a8(x, digits)[0], other.quantize_a8(x, digits)[0])
+        assert torch.equal(here(x), there(x))
+    table = formats.int8_groups(torch.randn(64, 96))[0]
+    table.codes[0, :32] = -128  # the extreme code a GGUF Q8_0 table may hold
+    assert torch.equal(a8.Int8A8Head(table.codes, table.scale, ops)(x), a8.Int8A8Head(table.codes, table.scale, other)(x))
+
+
+def test_one_call_decode_step_gives_the_python_paths_logits_bit_for_bit(make_engine):
+    from splitserve.platform.sampling.params import SamplingParams
+
+    engine = make_engine(quantization="auto")
+    assert engine.model.decode_plan is not None
+    prompts = [[(i * 7919 + 31 * r) % 40000 + 100 for i in range(n)] for r, n in enumerate((5, 40, 130))]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=5)
+
+    def run() -> dict[str, list]:
+        ids = [engine.add_request(prompt_token_ids=p, params=params) for p in prompts]
+        seen: dict[str, list] = {i: [] for i in ids}
+        while engine.has_work():
+            for out in engine.step():
+                seen[out.req_id] += [(t, lp) for t, lp in zip(out.new_token_ids, out.new_logprobs or [])]
+        engine.pool.reset_prefix_cache()
+        return list(seen.values())
+
+    fast = run()
+    plan, engine.model.decode_plan = engine.model.decode_plan, None
+    slow = run()
+    engine.model.decode_plan = plan
+    assert all(len(f) == 12 for f in fast)
+    assert fast == slow  # the same tokens and the same logprob floats, not merely close ones
+
+
+def test_models_without_int_activation_linears_keep_the_python_path(make_engine):
+    assert make_engine(quantization="int4").model.decode_plan is None
+    assert make_engine(quantization="none").model.decode_plan is None
