@@ -16,8 +16,9 @@
  * unpacked once per group for all the activation rows of a pass.
  *   4-bit tile, per group (256 bytes): byte i*64 + r*4 + c (i < 4, r < 16, c < 4) holds the code of
  *     row r, input 4i + c in its low nibble and input 16 + 4i + c in its high nibble; then d and mn
- *     as float32 [tiles, groups, 16].
- *   8-bit tile, per group (512 bytes): byte j*64 + r*4 + c holds row r, input 4j + c; then d.
+ *     as float16 [tiles, groups, 16] (GGUF stores them so; float32 would add half the codes' bytes
+ *     to every step's read).
+ *   8-bit tile, per group (512 bytes): byte j*64 + r*4 + c holds row r, input 4j + c; then d (float16).
  *
  * Why int8 activations: a float32 multiply-add takes one instruction per 16 products and the codes
  * must be widened to float first; an int8 dot product takes one per 64 and widens nothing. This is
@@ -43,6 +44,21 @@ static inline int32_t ld4(const int8_t *p) { /* 4 activation codes as one broadc
     int32_t v;
     memcpy(&v, p, 4);
     return v;
+}
+
+static inline float half_to_float(uint16_t h) { /* IEEE binary16 -> binary32, exact */
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1F, man = h & 0x3FF, bits;
+    if (exp == 0x1F) bits = sign | 0x7F800000u | (man << 13);
+    else if (exp) bits = sign | ((exp + 112) << 23) | (man << 13);
+    else if (!man) bits = sign;
+    else { /* subnormal: normalise */
+        exp = 113;
+        while (!(man & 0x400)) man <<= 1, exp--;
+        bits = sign | (exp << 23) | ((man & 0x3FF) << 13);
+    }
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
 }
 
 static inline float sum32(const float *x) { /* fixed pairwise tree, independent of the vector width */
@@ -82,6 +98,7 @@ void ss_quantize_a8(const float *x, int64_t m, int64_t k, int digits, int8_t *q,
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 /* ---- 16 rows per 512-bit vector, vpdpbusd ---------------------------------------------------- */
+static inline __m512 ld16h(const uint16_t *p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p)); }
 static inline __m512i q4_dot512(const __m512i wq[8], const int8_t *xr) { /* one group, one digit */
     __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
     for (int j = 0; j < 8; j += 2) {
@@ -91,7 +108,7 @@ static inline __m512i q4_dot512(const __m512i wq[8], const int8_t *xr) { /* one 
     return _mm512_add_epi32(s0, s1);
 }
 
-static inline void q4_tile(const uint8_t *w, const float *d, const float *mn, int64_t groups, const int8_t *xq,
+static inline void q4_tile(const uint8_t *w, const uint16_t *d, const uint16_t *mn, int64_t groups, const int8_t *xq,
                            const float *dx, const float *xs, int64_t k, int digits, int rows, float *y, int64_t n) {
     __m512 acc[A8_ROWS];
     for (int r = 0; r < rows; r++) acc[r] = _mm512_setzero_ps();
@@ -103,7 +120,7 @@ static inline void q4_tile(const uint8_t *w, const float *d, const float *mn, in
             wq[i] = _mm512_and_si512(p, low);
             wq[i + 4] = _mm512_and_si512(_mm512_srli_epi16(p, 4), low);
         }
-        __m512 dv = _mm512_loadu_ps(d + g * 16), mv = _mm512_loadu_ps(mn + g * 16);
+        __m512 dv = ld16h(d + g * 16), mv = ld16h(mn + g * 16);
         for (int r = 0; r < rows; r++) {
             const int8_t *xr = xq + r * k * digits + g * 32;
             __m512i s = q4_dot512(wq, xr);
@@ -130,7 +147,7 @@ static inline __m512i q8_dot512(const __m512i wq[8], __m512i wsum128, const int8
     return _mm512_sub_epi32(_mm512_add_epi32(s0, s1), wsum128);
 }
 
-static inline void q8_tile(const int8_t *w, const float *d, int64_t groups, const int8_t *xq, const float *dx,
+static inline void q8_tile(const int8_t *w, const uint16_t *d, int64_t groups, const int8_t *xq, const float *dx,
                            int64_t k, int digits, int rows, float *y, int64_t n) {
     __m512 acc[A8_ROWS];
     for (int r = 0; r < rows; r++) acc[r] = _mm512_setzero_ps();
@@ -142,7 +159,7 @@ static inline void q8_tile(const int8_t *w, const float *d, int64_t groups, cons
             wsum = _mm512_dpbusd_epi32(wsum, ones, wq[j]);
         }
         wsum = _mm512_slli_epi32(wsum, 7);
-        __m512 dv = _mm512_loadu_ps(d + g * 16);
+        __m512 dv = ld16h(d + g * 16);
         for (int r = 0; r < rows; r++) {
             const int8_t *xr = xq + r * k * digits + g * 32;
             __m512i s = q8_dot512(wq, wsum, xr);
@@ -159,6 +176,7 @@ static inline void q8_tile(const int8_t *w, const float *d, int64_t groups, cons
 
 #elif defined(__AVX2__) && defined(__FMA__)
 /* ---- 8 rows per 256-bit vector: a tile is two halves ----------------------------------------- */
+static inline __m256 ld8h(const uint16_t *p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)); }
 static inline __m256i dot4_u8s8(__m256i acc, __m256i u, __m256i s) {
     /* 4 products of u8 (<= 15, or |w| <= 128 with the sign moved onto s) and s8 per int32 lane */
 #if defined(__AVXVNNI__)
@@ -177,7 +195,7 @@ static inline __m256i q4_dot256(const __m256i wq[8], const int8_t *xr) { /* one 
     return _mm256_add_epi32(s0, s1);
 }
 
-static inline void q4_tile(const uint8_t *w, const float *d, const float *mn, int64_t groups, const int8_t *xq,
+static inline void q4_tile(const uint8_t *w, const uint16_t *d, const uint16_t *mn, int64_t groups, const int8_t *xq,
                            const float *dx, const float *xs, int64_t k, int digits, int rows, float *y, int64_t n) {
     for (int h = 0; h < 2; h++) {
         __m256 acc[A8_ROWS];
@@ -190,7 +208,7 @@ static inline void q4_tile(const uint8_t *w, const float *d, const float *mn, in
                 wq[i] = _mm256_and_si256(p, low);
                 wq[i + 4] = _mm256_and_si256(_mm256_srli_epi16(p, 4), low);
             }
-            __m256 dv = _mm256_loadu_ps(d + g * 16 + h * 8), mv = _mm256_loadu_ps(mn + g * 16 + h * 8);
+            __m256 dv = ld8h(d + g * 16 + h * 8), mv = ld8h(mn + g * 16 + h * 8);
             for (int r = 0; r < rows; r++) {
                 const int8_t *xr = xq + r * k * digits + g * 32;
                 __m256i s = q4_dot256(wq, xr);
@@ -217,7 +235,7 @@ static inline __m256i q8_dot256(const __m256i wq[8], const __m256i wa[8], const 
     return _mm256_add_epi32(s0, s1);
 }
 
-static inline void q8_tile(const int8_t *w, const float *d, int64_t groups, const int8_t *xq, const float *dx,
+static inline void q8_tile(const int8_t *w, const uint16_t *d, int64_t groups, const int8_t *xq, const float *dx,
                            int64_t k, int digits, int rows, float *y, int64_t n) {
     for (int h = 0; h < 2; h++) {
         __m256 acc[A8_ROWS];
@@ -228,7 +246,7 @@ static inline void q8_tile(const int8_t *w, const float *d, int64_t groups, cons
                 wq[j] = _mm256_loadu_si256((const __m256i *)(w + g * 512 + j * 64 + h * 32));
                 wa[j] = _mm256_abs_epi8(wq[j]);
             }
-            __m256 dv = _mm256_loadu_ps(d + g * 16 + h * 8);
+            __m256 dv = ld8h(d + g * 16 + h * 8);
             for (int r = 0; r < rows; r++) {
                 const int8_t *xr = xq + r * k * digits + g * 32;
                 __m256i s = q8_dot256(wq, wa, xr);
@@ -256,7 +274,7 @@ static inline int32_t q4_dot_lane(const uint8_t *wg, int lane, const int8_t *xg)
     return s;
 }
 
-static inline void q4_tile(const uint8_t *w, const float *d, const float *mn, int64_t groups, const int8_t *xq,
+static inline void q4_tile(const uint8_t *w, const uint16_t *d, const uint16_t *mn, int64_t groups, const int8_t *xq,
                            const float *dx, const float *xs, int64_t k, int digits, int rows, float *y, int64_t n) {
     for (int r = 0; r < rows; r++)
         for (int lane = 0; lane < A8_TILE; lane++) {
@@ -265,8 +283,8 @@ static inline void q4_tile(const uint8_t *w, const float *d, const float *mn, in
                 const int8_t *xg = xq + r * k * digits + g * 32;
                 int32_t s = q4_dot_lane(w + g * 256, lane, xg);
                 if (digits == 2) s = 254 * s + q4_dot_lane(w + g * 256, lane, xg + k);
-                acc = fmaf((float)s, d[g * 16 + lane] * dx[r * groups + g], acc);
-                acc = fmaf(mn[g * 16 + lane], xs[r * groups + g], acc);
+                acc = fmaf((float)s, half_to_float(d[g * 16 + lane]) * dx[r * groups + g], acc);
+                acc = fmaf(half_to_float(mn[g * 16 + lane]), xs[r * groups + g], acc);
             }
             y[r * n + lane] = acc;
         }
@@ -279,7 +297,7 @@ static inline int32_t q8_dot_lane(const int8_t *wg, int lane, const int8_t *xg) 
     return s;
 }
 
-static inline void q8_tile(const int8_t *w, const float *d, int64_t groups, const int8_t *xq, const float *dx,
+static inline void q8_tile(const int8_t *w, const uint16_t *d, int64_t groups, const int8_t *xq, const float *dx,
                            int64_t k, int digits, int rows, float *y, int64_t n) {
     for (int r = 0; r < rows; r++)
         for (int lane = 0; lane < A8_TILE; lane++) {
@@ -288,7 +306,7 @@ static inline void q8_tile(const int8_t *w, const float *d, int64_t groups, cons
                 const int8_t *xg = xq + r * k * digits + g * 32;
                 int32_t s = q8_dot_lane(w + g * 512, lane, xg);
                 if (digits == 2) s = 254 * s + q8_dot_lane(w + g * 512, lane, xg + k);
-                acc = fmaf((float)s, d[g * 16 + lane] * dx[r * groups + g], acc);
+                acc = fmaf((float)s, half_to_float(d[g * 16 + lane]) * dx[r * groups + g], acc);
             }
             y[r * n + lane] = acc;
         }
@@ -301,7 +319,7 @@ const char *ss_a8_path(void) { return A8_PATH; }
 /* Threads split the tiles; each tile's packed weights (K / 2 or K bytes per row) stay in cache
  * while every pass of A8_ROWS activation rows goes over them. */
 void ss_q4a8_linear(const int8_t *xq, const float *dx, const float *xs, int64_t m, int64_t k, int digits,
-                    const uint8_t *w, const float *d, const float *mn, int64_t n, float *y, int threads) {
+                    const uint8_t *w, const uint16_t *d, const uint16_t *mn, int64_t n, float *y, int threads) {
     int64_t groups = k / 32, tiles = n / A8_TILE;
 #pragma omp parallel for num_threads(threads) schedule(static) if (n * k * m >= 32768)
     for (int64_t t = 0; t < tiles; t++)
@@ -317,7 +335,7 @@ void ss_q4a8_linear(const int8_t *xq, const float *dx, const float *xs, int64_t 
 }
 
 void ss_q8a8_linear(const int8_t *xq, const float *dx, int64_t m, int64_t k, int digits, const int8_t *w,
-                    const float *d, int64_t n, float *y, int threads) {
+                    const uint16_t *d, int64_t n, float *y, int threads) {
     int64_t groups = k / 32, tiles = n / A8_TILE;
 #pragma omp parallel for num_threads(threads) schedule(static) if (n * k * m >= 32768)
     for (int64_t t = 0; t < tiles; t++)

@@ -27,11 +27,12 @@ void ss_decode_attention(const float *q, const float *k_cache, const float *v_ca
 void ss_silu_mul(const float *gate_up, float *out, int64_t t, int64_t inter, int threads);
 void ss_quantize_a8(const float *x, int64_t m, int64_t k, int digits, int8_t *q, float *dx, float *xs, int threads);
 void ss_q4a8_linear(const int8_t *xq, const float *dx, const float *xs, int64_t m, int64_t k, int digits,
-                    const uint8_t *w, const float *d, const float *mn, int64_t n, float *y, int threads);
+                    const uint8_t *w, const uint16_t *d, const uint16_t *mn, int64_t n, float *y, int threads);
 
 typedef struct { /* one packed linear (quant/a8.py); bias NULL when the layer has none */
     const uint8_t *w;
-    const float *d, *mn, *bias;
+    const uint16_t *d, *mn; /* float16 */
+    const float *bias;
 } ss_linear;
 
 typedef struct {

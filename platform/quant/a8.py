@@ -28,7 +28,7 @@ TILE = 16
 
 def pack_q4_tiles(codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor):
     """codes [N, K] uint8 (0..15), scale/minimum [N, K/32] (w = scale * code + minimum) ->
-    (tiles [N/16, K/32 * 256] uint8, scale and minimum [N/16, K/32, 16] float32)."""
+    (tiles [N/16, K/32 * 256] uint8, scale and minimum [N/16, K/32, 16] float16)."""
     n, k = codes.shape
     t, g = n // TILE, k // formats.GROUP
     c = codes.view(t, TILE, g, 2, 4, 4)                          # (tile, row, group, half, i, c)
@@ -37,7 +37,7 @@ def pack_q4_tiles(codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tenso
 
 
 def pack_q8_tiles(codes: torch.Tensor, scale: torch.Tensor):
-    """codes [N, K] int8, scale [N, K/32] -> (tiles [N/16, K/32 * 512] int8, scale [N/16, K/32, 16])."""
+    """codes [N, K] int8, scale [N, K/32] -> (tiles [N/16, K/32 * 512] int8, scale [N/16, K/32, 16] float16)."""
     n, k = codes.shape
     t, g = n // TILE, k // formats.GROUP
     packed = codes.view(t, TILE, g, 8, 4).permute(0, 2, 3, 1, 4).contiguous()          # (tile, group, j, row, c)
@@ -45,7 +45,9 @@ def pack_q8_tiles(codes: torch.Tensor, scale: torch.Tensor):
 
 
 def _lanes(values: torch.Tensor, tiles: int, groups: int) -> torch.Tensor:
-    return values.float().reshape(tiles, TILE, groups).permute(0, 2, 1).contiguous()
+    """[N, G] -> float16 [N/16, G, 16]: GGUF's own precision for scales and minimums (exact for
+    Q4_0/Q4_1/Q8_0 blocks); float32 would add half the codes' bytes to every step's read."""
+    return values.half().reshape(tiles, TILE, groups).permute(0, 2, 1).contiguous()
 
 
 def fits(out_features: int, in_features: int) -> bool:

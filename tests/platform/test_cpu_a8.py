@@ -63,7 +63,8 @@ def q4_reference(a, codes, scale, minimum):
     qd = q.view(m, digits, g, 32).double()
     value = qd[:, 0] * 254 + qd[:, 1] if digits == 2 else qd[:, 0]
     dots = torch.einsum("mgi,ngi->mng", value, codes.double().view(-1, g, 32))
-    return (dots * scale.double()[None] * unit.double()[:, None] + minimum.double()[None] * sums.double()[:, None]).sum(-1)
+    return (dots * scale.half().double()[None] * unit.double()[:, None]
+            + minimum.half().double()[None] * sums.double()[:, None]).sum(-1)
 
 
 @pytest.mark.parametrize("digits", [1, 2])
@@ -87,8 +88,8 @@ def unpack_q4(kernel: a8.Int4A8Kernel):
     b = kernel.tiles.view(t, g, 4, 16, 4)                                    # (tile, group, i, row, c)
     low, high = (b & 0x0F), (b >> 4)
     codes = torch.stack([low, high], dim=2).permute(0, 4, 1, 2, 3, 5).reshape(t * 16, g * 32)
-    scale = kernel.d.permute(0, 2, 1).reshape(t * 16, g)
-    minimum = kernel.mn.permute(0, 2, 1).reshape(t * 16, g)
+    scale = kernel.d.permute(0, 2, 1).reshape(t * 16, g).float()
+    minimum = kernel.mn.permute(0, 2, 1).reshape(t * 16, g).float()
     return codes, scale, minimum
 
 
@@ -98,8 +99,29 @@ def test_q4_packing_round_trips_to_the_codes():
     kernel = a8.Int4A8Kernel.__new__(a8.Int4A8Kernel)
     kernel.tiles, kernel.d, kernel.mn = tiles, d, mn
     codes, scale, minimum = unpack_q4(kernel)
-    assert torch.equal(codes, groups.codes) and torch.equal(scale, groups.scale)
-    assert torch.equal(minimum, groups.zero - 8 * groups.scale)
+    assert torch.equal(codes, groups.codes) and torch.equal(scale, groups.scale.half().float())
+    assert torch.equal(minimum, (groups.zero - 8 * groups.scale).half().float())
+
+
+def test_q4_1_blocks_keep_their_exact_scales_and_minimums(smollm2_gguf_path):
+    """Scales and minimums are stored as float16, as GGUF stores them: Q4_1's d and m survive bit
+    for bit, so the kernel computes with exactly the file's weights."""
+    import numpy as np
+    from gguf import GGMLQuantizationType as Q
+
+    from splitserve.platform.weights.gguf_file import GGUFFile
+
+    file = GGUFFile(smollm2_gguf_path)
+    info = file.tensors["blk.3.ffn_down.weight"]
+    assert Q(info.tensor_type) == Q.Q4_1
+    raw = formats.RawQuant(Q.Q4_1, file.raw(info.name), tuple(info.shape))
+    blocks = raw.blocks.reshape(raw.shape[0], raw.shape[1] // 32, 20)
+    d = torch.from_numpy(np.ascontiguousarray(blocks[..., 0:2]).view(np.float16)[..., 0])
+    m = torch.from_numpy(np.ascontiguousarray(blocks[..., 2:4]).view(np.float16)[..., 0])
+    kernel = a8.Int4A8Kernel(raw, None, ops, 2)
+    codes, scale, minimum = unpack_q4(kernel)
+    assert kernel.exact and torch.equal(scale, d.float()) and torch.equal(minimum, m.float())
+    assert torch.equal(formats.Int4Groups(codes, scale, minimum + 8 * scale).dequantize(), raw.dequantize())
 
 
 def test_q8_head_is_the_integer_sum_over_the_int8_table_and_batch_invariant():
@@ -112,7 +134,7 @@ def test_q8_head_is_the_integer_sum_over_the_int8_table_and_batch_invariant():
     assert head.digits == 2  # the hidden state in two int8 digits
     qd = q.double().view(5, 2, 18, 32)
     dots = torch.einsum("mgi,ngi->mng", qd[:, 0] * 254 + qd[:, 1], table.codes.double().view(4096, 18, 32))
-    ref = (dots * table.scale.double()[None] * unit.double()[:, None]).sum(-1)
+    ref = (dots * table.scale.half().double()[None] * unit.double()[:, None]).sum(-1)  # scales kept in float16
     assert ((y.double() - ref).abs().max() / ref.abs().max()).item() < 1e-5
     assert torch.equal(head(x[2:3].contiguous())[0], y[2])
 
