@@ -58,11 +58,11 @@ class Clock:
 class Service:
     """One InferenceService applied by the operator's code, plus fake pods with real metrics."""
 
-    def __init__(self, cluster, kube, namespace, export="scale", settings=None):
-        self.cluster, self.kube, self.ns = cluster, kube, namespace
+    def __init__(self, cluster, kube, namespace, export="scale", settings=None, spec=None):
+        self.cluster, self.kube, self.ns, self.spec = cluster, kube, namespace, spec or SPEC
         self.settings = settings or OperatorSettings.model_validate(
             {"autoscaling": {"plannerExport": export, "plannerProfile": PROFILE.to_json()}})
-        self.owner = create_isvc(kube, "svc", namespace, SPEC)
+        self.owner = create_isvc(kube, "svc", namespace, self.spec)
         self.apply()
         self.metrics: dict[str, object] = {}   # pod IP -> metrics object
         self.router = RouterMetrics()
@@ -72,7 +72,7 @@ class Service:
             self.add_pod(pool, f"svc-{pool}-0", m, ready_since_s=3600)
 
     def apply(self):
-        manifests = render(parse_spec(SPEC), "svc", self.ns, self.owner["metadata"]["uid"], self.settings)
+        manifests = render(parse_spec(self.spec), "svc", self.ns, self.owner["metadata"]["uid"], self.settings)
         return apply_all(self.kube, manifests, self.ns, instance_selector("svc"), self.owner["metadata"]["uid"])
 
     def add_pod(self, component, name, metrics=None, ready_since_s=None, created_s_ago=0.0):
@@ -279,3 +279,24 @@ def test_measured_itl_trims_and_warm_replicas_correct_capacity_young_ones_do_not
     assert body["decode"] == 2 and body["reasons"]["decode"] == "scale_up" and svc.replicas("decode") == 2
     text = generate_latest(p.store.registry).decode()
     assert f'splitserve_planner_latency_trim_replicas{{name="svc",namespace="{namespace}",pool="decode"}} 1.0' in text
+
+
+def test_the_planner_reads_the_profile_configmap_the_service_names_and_holds_without_one(cluster, kube, namespace):
+    spec = {**SPEC, "slo": {**SPEC["slo"], "profileConfigMap": "h100-profile"}}
+    settings = OperatorSettings.model_validate({"autoscaling": {"plannerExport": "scale"}})  # no chart profile
+    svc = Service(cluster, kube, namespace, settings=settings, spec=spec)
+    clock = Clock()
+    p = planner_replica(cluster, "planner-a", svc, clock)
+    p.step()
+    assert p.store.desired(namespace, "svc") is None          # no profile yet: no decision, KEDA would keep its count
+    fast = CapacityProfile(prefill=(PrefillPoint(512, 4000.0),), decode=PROFILE.decode, kv_tokens=100_000)
+    kube.create(K.path(K.KIND_BY_NAME["ConfigMap"], namespace),
+                {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "h100-profile", "namespace": namespace},
+                 "data": {"profile.json": fast.to_json()}})
+    run_for([(p, clock)], 10)
+    svc.load(10, 3000, 64)
+    run_for([(p, clock)], 10)
+    # prefill with the named profile: ceil(3,300 / (4,000 × 0.8)) = 2
+    text = generate_latest(p.store.registry).decode()
+    assert f'splitserve_planner_capacity_tokens_per_second{{name="svc",namespace="{namespace}",pool="prefill"}} 4000.0' in text
+    assert p.store.desired(namespace, "svc")["prefill"] == 2
