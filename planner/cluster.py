@@ -80,7 +80,7 @@ class ClusterPlanner:
             del self.loops[key]
             self.store.forget(*key)
 
-    def _profile(self, plan: ServicePlan) -> CapacityProfile:
+    def _profile_text(self, plan: ServicePlan) -> str:
         text = plan.profile_json
         if plan.profile_config_map:
             cm = self.kube.get(ns_path("/api/v1", plan.namespace, "configmaps", plan.profile_config_map))
@@ -89,7 +89,7 @@ class ClusterPlanner:
                 raise ConfigError(f"ConfigMap {plan.namespace}/{plan.profile_config_map} has no {PROFILE_KEY}")
         if not text:
             raise ConfigError("no capacity profile: set spec.slo.profileConfigMap or the chart's planner.profile")
-        return CapacityProfile.from_json(text)
+        return text
 
     def decide(self, plan: ServicePlan, now: float) -> None:
         key = (plan.namespace, plan.name)
@@ -98,10 +98,12 @@ class ClusterPlanner:
         if any(d is None for d in deployments.values()):
             raise ConfigError("its Deployments do not exist yet")
         replicas = {p: int(d["spec"].get("replicas") or 0) for p, d in deployments.items()}
+        profile = self._profile_text(plan)         # read every tick: an edited profile takes effect
         loop = self.loops.get(key)
-        if loop is None or loop.plan != plan:
-            planner = Planner(plan.planner_config(self.base), self._profile(plan), initial=replicas)
+        if loop is None or loop.plan != plan or loop.profile_text != profile:
+            planner = Planner(plan.planner_config(self.base), CapacityProfile.from_json(profile), initial=replicas)
             loop = self.loops[key] = ServiceLoop(plan, planner)
+            loop.profile_text = profile
         wall = datetime.datetime.now(datetime.UTC)
         pools, scrapes = {}, []
         for p in POOLS:

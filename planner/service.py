@@ -99,6 +99,7 @@ class ServiceLoop:
 
     def __init__(self, plan: ServicePlan, planner: Planner) -> None:
         self.plan, self.planner = plan, planner
+        self.profile_text = ""
         self._prev: dict[str, tuple[float, dict[str, float]]] = {}
 
     def observe(self, now: float, pools: dict[str, PoolObservation], scrapes: list[PodScrape]) -> Observation:
