@@ -29,7 +29,7 @@ from splitserve.operator.settings import OperatorSettings
 from splitserve.operator.spec import parse_spec
 from splitserve.planner.cluster import ClusterPlanner
 from splitserve.planner.config import PlannerConfig
-from splitserve.planner.kube import PlannerKube, load_configuration
+from splitserve.planner.kube import KubeError, PlannerKube, load_configuration
 from splitserve.planner.lease import LeaderElector, LeaseConfig
 from splitserve.planner.profile import CapacityProfile, DecodePoint, PrefillPoint
 from splitserve.planner.server import DesiredStore, serve
@@ -185,10 +185,10 @@ def test_released_lease_is_taken_at_once_and_a_lost_race_leaves_one_leader(clust
     stale = a.elector.kube.get(lease_url)["metadata"]["resourceVersion"]
     cb.t += 2
     assert b.step()                                      # planner-b renews: the version moves on
-    with pytest.raises(Exception) as e:
+    with pytest.raises(KubeError) as e:
         a.elector.kube.json_patch(lease_url, [{"op": "test", "path": "/metadata/resourceVersion", "value": stale},
                                               {"op": "replace", "path": "/spec/holderIdentity", "value": "planner-a"}])
-    assert getattr(e.value, "status", None) in (409, 422)
+    assert e.value.status in (409, 422)
     assert cluster.get("coordination.k8s.io/v1/leases", "planner-system",
                        "splitserve-planner")["spec"]["holderIdentity"] == "planner-b"
 
@@ -300,3 +300,37 @@ def test_the_planner_reads_the_profile_configmap_the_service_names_and_holds_wit
     text = generate_latest(p.store.registry).decode()
     assert f'splitserve_planner_capacity_tokens_per_second{{name="svc",namespace="{namespace}",pool="prefill"}} 4000.0' in text
     assert p.store.desired(namespace, "svc")["prefill"] == 2
+
+
+def test_the_planner_command_leads_serves_ready_and_releases_its_lease_on_sigterm(cluster, tmp_path):
+    """`splitserve planner --cluster` as a process, on the emulated API."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    port = free_port()
+    cmd = [sys.executable, "-m", "splitserve.platform.cli", "planner", "--cluster", "--kubeconfig",
+           cluster.kubeconfig_path, "--lease-namespace", "planner-system", "--identity", "planner-p1",
+           "--lease-duration", "6", "--host", "127.0.0.1", "--port", str(port)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            try:
+                if urllib.request.urlopen(f"http://127.0.0.1:{port}/ready", timeout=5).status == 200:
+                    break
+            except (urllib.error.URLError, ConnectionError):
+                pass
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read() if proc.poll() else "timeout"
+            time.sleep(0.2)
+        lease = cluster.get("coordination.k8s.io/v1/leases", "planner-system", "splitserve-planner")
+        assert lease["spec"]["holderIdentity"] == "planner-p1"
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=120) == 0
+        lease = cluster.get("coordination.k8s.io/v1/leases", "planner-system", "splitserve-planner")
+        assert lease["spec"]["holderIdentity"] == ""           # released: a standby need not wait
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
