@@ -278,7 +278,8 @@ def verdict(result) -> dict:
             "points_over_queue": 100 * (plan["attainment"] - rows[near]["attainment"]) if near else None}
 
 
-def section(result, profile_path) -> str:
+def section(result, profile_path, profile_notes: str = "", profile_meta: dict | None = None) -> str:
+    profile_meta = profile_meta or {}
     begin, end = markers("planner-sim")
     cfg, tr, v = result["cfg"], result["trace"], verdict(result)
     lines = [begin, "## SLA planner: trace-driven simulation", "",
@@ -304,8 +305,8 @@ def section(result, profile_path) -> str:
         lines.append(f"Target 2 (≥ 10 points over queue-depth scaling at equal replica-hours; nearest in cost: "
                      f"{v['queue_at_equal_cost']}): {v['points_over_queue']:+.1f} points — "
                      f"{'met' if v['points_over_queue'] >= 10 else 'NOT met'}.")
-    lines += ["", "Notes. The profile was measured with one torch thread per worker on the 2-core machine while "
-              "other engineers' jobs ran (load average about 6), so capacities are pessimistic; the peak rate is "
+    lines += ["", f"Notes. The profile ({profile_meta.get('measured', 'date not recorded')}): "
+              f"{profile_notes.rstrip('.') or 'no notes recorded'}. The peak rate is "
               "set from the profile so that the heavier mix needs half the budget at 0.8 utilisation, and bursts "
               "go beyond the budget. Queue-depth scaling sees decode demand only when every decode slot "
               "(the profile's largest concurrency) is taken, as with `vllm:num_requests_waiting`, so it adds decode "
@@ -341,7 +342,7 @@ def main(argv=None) -> int:
     profile = CapacityProfile.load(a.profile)
     dur = a.hours * 3600
     res = compare(profile, seed=a.seed, duration_s=dur, day_s=dur, budget=a.budget, ttft_s=a.ttft, itl_s=a.itl)
-    text = section(res, a.profile)
+    text = section(res, a.profile, profile.notes, profile.meta)
     print(text)
     if a.write:
         write_section(a.write, "planner-sim", text)

@@ -13,7 +13,6 @@ counters add up), turns `splitserve_router_demand_tokens_total` into rates and
 `splitserve_router_workers{role,state="healthy"}` into ready replicas, runs planner/law.py,
 and serves the decision at /v1/desired/<namespace>/<name> for KEDA's metrics-api trigger and
 on /metrics (planner/server.py). A scrape that fails is a missing sample: the planner holds.
-The Helm chart runs it when `planner.enabled` is set.
 """
 
 from __future__ import annotations
