@@ -42,8 +42,9 @@ AUTO = {"enabled": True, "provider": "planner", "minReplicas": 1, "maxReplicas":
 SPEC = {"model": {"uri": "smollm2-135m"}, "kvTransfer": {"transport": "tcp"},
         "slo": {"ttftP90Ms": 2000, "itlP90Ms": 100},
         "prefill": {"autoscaling": AUTO}, "decode": {"autoscaling": AUTO}}
-# tick 10 s; a scale-down window longer than any test, so only scale-up happens here
-BASE = PlannerConfig(tick_s=10.0, scale_down_window_s=3600.0, warmup_s=60.0)
+# tick 10 s; a scale-down window longer than any test, so only scale-up happens here; pod ages come
+# from the wall clock, so the warm-up (1 h) is far from both the young (5 s) and the warm (1 day) pods
+BASE = PlannerConfig(tick_s=10.0, scale_down_window_s=3600.0, warmup_s=3600.0)
 DEPLOYMENTS = "apps/v1/deployments"
 
 
@@ -69,7 +70,7 @@ class Service:
         self.add_pod("router", "svc-router-0", self.router, ready_since_s=3600)
         self.workers = {p: WorkerMetrics(p, "smollm2") for p in ("prefill", "decode")}
         for pool, m in self.workers.items():
-            self.add_pod(pool, f"svc-{pool}-0", m, ready_since_s=3600)
+            self.add_pod(pool, f"svc-{pool}-0", m, ready_since_s=86400)
 
     def apply(self):
         manifests = render(parse_spec(self.spec), "svc", self.ns, self.owner["metadata"]["uid"], self.settings)
