@@ -13,7 +13,7 @@ labels gives the live children. Then, for each rendered manifest:
 (defaults, status, clusterIP) never cause a patch. Quantities compare by value ("1024Mi" ==
 "1Gi"). An empty map, empty list or null we render matches an absent field.
 
-Autoscaled pools: a Deployment annotated `replicas-owner: keda|hpa` gets `spec.replicas`
+Autoscaled pools: a Deployment annotated `replicas-owner: keda|hpa|planner` gets `spec.replicas`
 only when created; later patches and comparisons leave it out, so the operator never
 fights the autoscaler.
 
@@ -36,7 +36,7 @@ from kubernetes.utils.quantity import parse_quantity
 from splitserve.operator import constants as C
 from splitserve.operator.kube import KINDS, KindInfo, Kube, path
 
-AUTOSCALERS = ("keda", "hpa")
+AUTOSCALERS = ("keda", "hpa", "planner")  # who owns an autoscaled pool's replicas (render_pods)
 
 
 class MissingApiError(Exception):

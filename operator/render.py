@@ -14,7 +14,9 @@ disaggregation.mode is never):
     Service (gateway)                              <name>
     Deployment                                     <name>-<pool>, <name>-router
     PodDisruptionBudget                            <name>-<pool>, <name>-router
-    ScaledObject (KEDA) or HorizontalPodAutoscaler <name>-<pool>   when the pool is autoscaled
+    ScaledObject (KEDA) or HorizontalPodAutoscaler <name>-<pool>   when the pool is autoscaled (none with
+                                                   provider planner and chart autoscaling.plannerExport scale)
+    ConfigMap                                      <name>-planner  with provider planner (render_planner)
     ServiceMonitor                                 <name>          when monitoring.serviceMonitor.enabled
     NetworkPolicy                                  <name>-workers, <name>-router   unless networkPolicy.enabled is false
     Certificate (cert-manager)                     <name>-tls      when tls.issuer is set (mTLS, see render_pods)
@@ -25,7 +27,7 @@ InferenceService, so Kubernetes' garbage collector deletes it with its owner.
 
 from __future__ import annotations
 
-from splitserve.operator import render_network, render_pods, render_scaling, render_services
+from splitserve.operator import render_network, render_planner, render_pods, render_scaling, render_services
 from splitserve.operator.context import Context, Manifest
 from splitserve.operator.settings import OperatorSettings
 from splitserve.operator.spec import InferenceServiceSpec
@@ -42,6 +44,8 @@ def render(spec: InferenceServiceSpec, name: str, namespace: str, uid: str,
     out.append(render_pods.router_deployment(ctx))
     out += render_scaling.disruption_budgets(ctx)
     out += [a for pool in ctx.pools if (a := render_scaling.autoscaler(ctx, pool)) is not None]
+    if (planner := render_planner.planner_config_map(ctx)) is not None:
+        out.append(planner)
     if spec.monitoring.service_monitor.enabled:
         out.append(render_scaling.service_monitor(ctx))
     out += render_network.network_policies(ctx)

@@ -7,7 +7,8 @@ and a policy there adds breakage without protecting the workers):
         grpc, kv      from this service's router pods and this service's worker pods
                       (prefill pushes KV to decode; both reach each other's gRPC); with the
                       ucx transport also UCX's TCP ports (constants.UCX_TCP_PORTS)
-        metrics       from the monitoring peer (chart: networkPolicy.workloads.monitoring)
+        metrics       from the monitoring peer (chart: networkPolicy.workloads.monitoring), and
+                      with autoscaling provider planner from the planner (workloads.planner)
     <name>-router    pods: this service's router
         http          from spec.networkPolicy.gatewayFrom, else the chart's gatewayFrom
                       (default: every pod of the namespace and the ingress controller's namespace)
@@ -60,7 +61,10 @@ def network_policies(ctx: Context) -> list[Manifest]:
     if not ctx.spec.network_policy.enabled:
         return []
     defaults = ctx.settings.network_policy.workloads
-    monitoring = {"from": [_peer(defaults.monitoring)], "ports": _ports(C.METRICS_PORT_NAME)}
+    scrapers = [_peer(defaults.monitoring)]
+    if any(ctx.autoscaling(p).enabled and ctx.autoscaling(p).provider == "planner" for p in ctx.pools):
+        scrapers.append(_peer(defaults.planner))   # the SLA planner reads every pod's /metrics
+    monitoring = {"from": scrapers, "ports": _ports(C.METRICS_PORT_NAME)}
     router = {"podSelector": {"matchLabels": ctx.selector("router")}}
     workers = {"podSelector": _workers_selector(ctx)}
     gateway_from = ctx.spec.network_policy.gateway_from

@@ -9,7 +9,7 @@ terminationGracePeriodSeconds (from the spec) bounds the drain. Replicas of one 
 different nodes (soft anti-affinity).
 
 Replicas: a pool without autoscaling gets `spec.replicas`; an autoscaled pool gets
-`minReplicas` and the annotation `serving.splitserve.io/replicas-owner: keda|hpa`, which
+`minReplicas` and the annotation `serving.splitserve.io/replicas-owner: keda|hpa|planner`, which
 tells apply.py to set replicas only when it creates the Deployment and never afterwards.
 """
 

@@ -20,7 +20,8 @@ scales on its own queue so that the replicas average `targetQueueDepth` waiting 
   targetValue 1: KEDA's HPA then aims for ceil(value / 1) = exactly the planner's count, and
   the operator, as for any autoscaled pool, leaves the Deployment's replicas alone (one writer).
   HPA's 10 % tolerance swallows a ±1 change once a pool has more than 10 replicas; that is
-  documented in docs/operator.md.
+  documented in docs/operator.md. With the chart's autoscaling.plannerExport `scale` (no KEDA)
+  there is no autoscaler object: the planner writes the Deployments' scale subresource.
 
 PodDisruptionBudgets allow one voluntary disruption per pool at a time (maxUnavailable 1),
 so a node drain never takes a whole pool down while each drained worker finishes its work.
@@ -93,7 +94,7 @@ def horizontal_pod_autoscaler(ctx: Context, pool: str, auto: Autoscaling) -> Man
 
 def autoscaler(ctx: Context, pool: str) -> Manifest | None:
     auto = ctx.autoscaling(pool)
-    if not auto.enabled:
+    if not auto.enabled or (auto.provider == "planner" and ctx.settings.autoscaling.planner_export == "scale"):
         return None
     build = {"keda": scaled_object, "planner": planner_scaled_object}.get(auto.provider, horizontal_pod_autoscaler)
     return build(ctx, pool, auto)

@@ -40,6 +40,11 @@ class AutoscalingDefaults(_Settings):
     prometheus_address: str = "http://prometheus-operated.monitoring.svc:9090"
     planner_url: str = Field("http://splitserve-planner.splitserve-system.svc:8090", pattern="^https?://")
     """Where the SLA planner serves desired replicas (KEDA's metrics-api trigger polls it)."""
+    planner_export: str = Field("keda", pattern="^(keda|scale)$")
+    """How the planner's counts reach the Deployments: keda (a ScaledObject with a metrics-api trigger
+    on the planner's JSON) or scale (no KEDA: the planner writes the Deployments' scale subresource)."""
+    planner_profile: str = ""
+    """The default capacity profile (JSON of `splitserve profile`) for services naming none."""
     polling_interval: int = Field(15, ge=1)
     cooldown_period: int = Field(300, ge=0, le=3600)
     prefill: PoolDefaults = PoolDefaults()
@@ -83,6 +88,10 @@ class WorkloadPolicies(_Settings):
                                 Peer(namespace_labels={"kubernetes.io/metadata.name": "ingress-nginx"}, pod_labels={})]
     """Who may call the router's HTTP port unless the InferenceService says (default: every pod of the
     service's namespace, and the ingress controller's namespace)."""
+    planner: Peer = Peer(namespace_labels={"kubernetes.io/metadata.name": "splitserve-system"},
+                         pod_labels={"app.kubernetes.io/name": "splitserve-planner"})
+    """Who else may scrape the metrics ports of a service with autoscaling provider planner: the SLA
+    planner reads every router and worker pod's /metrics."""
 
 
 class NetworkPolicyDefaults(_Settings):

@@ -107,6 +107,9 @@ class SloSpec(_Spec):
     """90th percentile time to first token, in milliseconds."""
     itl_p90_ms: int = Field(alias="itlP90Ms", ge=1, le=60000)
     """90th percentile inter-token latency, in milliseconds."""
+    profile_config_map: str | None = Field(None, alias="profileConfigMap", min_length=1, max_length=253,
+                                           pattern=r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$")
+    """A ConfigMap in this namespace whose key profile.json is this service's capacity profile (`splitserve profile` on its hardware); default: the chart's autoscaling.plannerProfile."""
 
 
 class Toleration(_Spec):

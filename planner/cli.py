@@ -1,17 +1,27 @@
-"""`splitserve planner`: the SLA planner as a process, for one InferenceService.
+"""`splitserve planner`: the SLA planner as a process.
+
+    splitserve planner --cluster [--lease-namespace NS] [knobs]     every planner-managed service
+    splitserve planner --namespace NS --name SVC --router-metrics URL --profile F --ttft-slo-ms N --itl-slo-ms N
+
+`--cluster` (what the Helm chart runs): leader-elected on a Lease, it finds every
+InferenceService with autoscaling provider planner through the operator's ConfigMaps and runs one
+control loop per service (planner/cluster.py); the SLO, bounds and profile come from there, the
+knobs below from the command line. Without `--cluster`, one InferenceService:
 
 Every tick it scrapes the router's /metrics (`--router-metrics`, every router replica: their
 counters add up), turns `splitserve_router_demand_tokens_total` into rates and
 `splitserve_router_workers{role,state="healthy"}` into ready replicas, runs planner/law.py,
 and serves the decision at /v1/desired/<namespace>/<name> for KEDA's metrics-api trigger and
 on /metrics (planner/server.py). A scrape that fails is a missing sample: the planner holds.
-The Helm chart runs it when `planner.enabled` is set.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
+import signal
+import socket
 import time
 import urllib.request
 
@@ -26,14 +36,23 @@ log = logging.getLogger(__name__)
 
 
 def register(subparsers) -> None:
-    p = subparsers.add_parser("planner", help="the SLA planner for one InferenceService (serves KEDA's JSON)")
-    p.add_argument("--namespace", required=True)
-    p.add_argument("--name", required=True, help="the InferenceService")
-    p.add_argument("--router-metrics", action="append", required=True, metavar="URL",
-                   help="a router replica's /metrics URL (repeatable)")
-    p.add_argument("--profile", required=True, help="capacity profile JSON (`splitserve profile`)")
-    p.add_argument("--ttft-slo-ms", type=int, required=True)
-    p.add_argument("--itl-slo-ms", type=int, required=True)
+    p = subparsers.add_parser("planner", help="the SLA planner (serves KEDA's JSON or writes scale)")
+    p.add_argument("--cluster", action="store_true",
+                   help="plan every InferenceService with provider planner, leader-elected on a Lease")
+    p.add_argument("--kubeconfig", help="--cluster outside a cluster (default: in-cluster, $KUBECONFIG)")
+    p.add_argument("--lease-namespace", default=os.environ.get("POD_NAMESPACE", ""),
+                   help="namespace of the Lease (default: $POD_NAMESPACE)")
+    p.add_argument("--lease-name", default="splitserve-planner")
+    p.add_argument("--identity", default=os.environ.get("POD_NAME") or socket.gethostname(),
+                   help="this replica's name in the Lease (default: $POD_NAME, else the host name)")
+    p.add_argument("--lease-duration", type=float, default=15.0, help="seconds; renew deadline 2/3, retry 1/5 of it")
+    p.add_argument("--namespace", help="one InferenceService's namespace (without --cluster)")
+    p.add_argument("--name", help="the InferenceService (without --cluster)")
+    p.add_argument("--router-metrics", action="append", metavar="URL",
+                   help="a router replica's /metrics URL (repeatable; without --cluster)")
+    p.add_argument("--profile", help="capacity profile JSON (`splitserve profile`; without --cluster)")
+    p.add_argument("--ttft-slo-ms", type=int, default=2000)
+    p.add_argument("--itl-slo-ms", type=int, default=100)
     p.add_argument("--tick", type=float, default=15.0)
     p.add_argument("--headroom", type=float, default=0.1)
     p.add_argument("--utilization", type=float, default=0.8)
@@ -100,6 +119,12 @@ class PlannerProcess:
 
 
 def cmd_planner(args) -> int:
+    if args.cluster:
+        return cmd_cluster(args)
+    missing = [f"--{n.replace('_', '-')}" for n in ("namespace", "name", "router_metrics", "profile")
+               if not getattr(args, n)]
+    if missing:
+        raise SystemExit(f"splitserve planner: without --cluster, {', '.join(missing)} are required")
     planner = Planner(config_from_args(args), CapacityProfile.load(args.profile))
     store = DesiredStore()
     server = serve(store, args.host, args.port)
@@ -113,3 +138,38 @@ def cmd_planner(args) -> int:
         return 0
     finally:
         server.shutdown()
+
+
+def cmd_cluster(args) -> int:
+    from splitserve.planner.cluster import ClusterPlanner
+    from splitserve.planner.kube import PlannerKube, load_configuration
+    from splitserve.planner.lease import LeaderElector, LeaseConfig
+
+    if not args.lease_namespace:
+        raise SystemExit("splitserve planner --cluster: --lease-namespace (or $POD_NAMESPACE) is required")
+    d = args.lease_duration
+    lease = LeaseConfig(args.lease_namespace, args.lease_name, args.identity, d, d * 2 / 3, d / 5)
+    store = DesiredStore()
+    store.set_leader(False)
+    kube = PlannerKube(load_configuration(args.kubeconfig))
+    cluster = ClusterPlanner(kube, LeaderElector(kube, lease), store, config_from_args(args))
+    server = serve(store, args.host, args.port)
+    signal.signal(signal.SIGTERM, _interrupt)  # the pod's stop: release the lease on the way out
+    print(f"splitserve planner: cluster mode as {args.identity}, lease {args.lease_namespace}/{args.lease_name}, "
+          f"serving :{server.server_port}", flush=True)
+    try:
+        while True:
+            try:
+                cluster.step()
+            except Exception:  # an API outage must not end the process; the lease logic steps down
+                log.exception("planner step failed")
+            time.sleep(lease.retry_s)
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        cluster.elector.release()
+        server.shutdown()
+
+
+def _interrupt(*_) -> None:
+    raise KeyboardInterrupt

@@ -4,6 +4,9 @@
   KEDA's metrics-api trigger reads (valueLocation "prefill" or "decode"; the operator renders
   it, operator/render_scaling.py). 404 for a service the planner has not decided on yet, so
   KEDA keeps the current count instead of reading a zero.
+- GET /ready → 200 while this replica leads (or runs without election), else 503: the cluster
+  planner's readiness probe, so the Service sends KEDA only to the leader. A follower also
+  answers /v1/desired with 503 rather than a stale or empty decision.
 - GET /metrics → splitserve_planner_desired_replicas{namespace,name,pool}, the inputs of the
   last decision (demand tokens/s, capacity per replica, feed-forward need, latency trim) and
   splitserve_planner_decision{...,reason} = 1 for the reason of the last decision.
@@ -28,6 +31,8 @@ class DesiredStore:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._desired: dict[tuple[str, str], dict] = {}
+        self.leader = True  # a planner without election always decides
+        self._published: set[tuple[str, str, str]] = set()
         self.registry = CollectorRegistry()
         labels = ["namespace", "name", "pool"]
         self._g = {
@@ -37,6 +42,9 @@ class DesiredStore:
             "need": Gauge("splitserve_planner_feedforward_replicas", "Replicas needed by demand over capacity, with the latency trim", labels, registry=self.registry),
             "trim": Gauge("splitserve_planner_latency_trim_replicas", "1 while the measured latency misses the SLO", labels, registry=self.registry),
         }
+        self._leader = Gauge("splitserve_planner_leader", "1 while this replica holds the planner lease",
+                             registry=self.registry)
+        self._leader.set(1)
         self._reason = Gauge("splitserve_planner_decision", "1 for the reason of the last decision", labels + ["reason"],
                              registry=self.registry)
 
@@ -46,6 +54,7 @@ class DesiredStore:
             self._desired[(namespace, name)] = body
         for p in (decision.prefill, decision.decode):
             lab = (namespace, name, p.pool)
+            self._published.add(lab)
             self._g["desired"].labels(*lab).set(p.desired)
             self._g["demand"].labels(*lab).set(p.demand if p.demand is not None else float("nan"))
             self._g["capacity"].labels(*lab).set(p.capacity)
@@ -53,6 +62,25 @@ class DesiredStore:
             self._g["trim"].labels(*lab).set(p.trim)
             for r in REASONS:
                 self._reason.labels(*lab, r).set(1 if r == p.reason else 0)
+
+    def set_leader(self, leader: bool) -> None:
+        with self._lock:
+            self.leader = leader
+            if not leader:
+                self._desired.clear()
+        self._leader.set(1 if leader else 0)
+
+    def forget(self, namespace: str, name: str) -> None:
+        """A service no longer planned: stop serving (and exporting) its numbers."""
+        with self._lock:
+            self._desired.pop((namespace, name), None)
+        for pool in ("prefill", "decode"):
+            if (namespace, name, pool) in self._published:
+                for g in self._g.values():
+                    g.remove(namespace, name, pool)
+                for r in REASONS:
+                    self._reason.remove(namespace, name, pool, r)
+        self._published -= {(namespace, name, "prefill"), (namespace, name, "decode")}
 
     def desired(self, namespace: str, name: str) -> dict | None:
         with self._lock:
@@ -67,13 +95,18 @@ def serve(store: DesiredStore, host: str = "0.0.0.0", port: int = 8090) -> Threa
             parts = self.path.split("?")[0].strip("/").split("/")
             if parts == ["metrics"]:
                 return self._send(200, generate_latest(store.registry), CONTENT_TYPE_LATEST)
+            if parts == ["ready"] or (len(parts) == 4 and parts[:2] == ["v1", "desired"] and not store.leader):
+                if not store.leader:
+                    return self._send(503, b'{"error": "not the leader: another planner replica decides"}',
+                                      "application/json")
+                return self._send(200, b'{"leader": true}', "application/json")
             if len(parts) == 4 and parts[:2] == ["v1", "desired"]:
                 body = store.desired(parts[2], parts[3])
                 if body is not None:
                     return self._send(200, json.dumps(body).encode(), "application/json")
                 return self._send(404, json.dumps({"error": f"no decision yet for {parts[2]}/{parts[3]}"}).encode(),
                                   "application/json")
-            self._send(404, b'{"error": "paths: /v1/desired/<namespace>/<name>, /metrics"}', "application/json")
+            self._send(404, b'{"error": "paths: /v1/desired/<namespace>/<name>, /ready, /metrics"}', "application/json")
 
         def _send(self, code: int, body: bytes, ctype: str) -> None:
             self.send_response(code)

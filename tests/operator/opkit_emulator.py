@@ -11,7 +11,11 @@ behaviours the operator relies on:
 - the garbage collector: an object whose controller owner no longer exists is deleted;
 - optimistic concurrency: a JSON patch whose `test` of metadata.resourceVersion fails is
   answered 422, as Kubernetes does (kmock answers 500, which kopf would retry for seconds);
-- a log of every write (method, plural, namespace, name, subresource) for assertions.
+- a log of every write (method, plural, namespace, name, subresource) for assertions;
+- label selectors on lists (`key=value` terms joined by commas; kmock ignores them);
+- Leases (coordination.k8s.io) and Pods stored like any object, and Deployments' `scale`
+  subresource: a merge patch of {"spec": {"replicas": n}} to `.../scale` lands on the
+  Deployment's spec.replicas, as with the API server's Scale object.
 
 Tests act as the missing controllers themselves (e.g. marking a Deployment's pods ready).
 """
@@ -39,7 +43,8 @@ BUILTIN = [("v1/namespaces", "Namespace", False), ("v1/events", "Event", True),
            ("apps/v1/deployments", "Deployment", True), ("policy/v1/poddisruptionbudgets", "PodDisruptionBudget", True),
            ("autoscaling/v2/horizontalpodautoscalers", "HorizontalPodAutoscaler", True),
            ("networking.k8s.io/v1/networkpolicies", "NetworkPolicy", True),
-           ("serving.splitserve.io/v1alpha1/inferenceservices", "InferenceService", True)]
+           ("serving.splitserve.io/v1alpha1/inferenceservices", "InferenceService", True),
+           ("coordination.k8s.io/v1/leases", "Lease", True), ("v1/pods", "Pod", True)]
 KEDA = ("keda.sh/v1alpha1/scaledobjects", "ScaledObject", True)
 PROMETHEUS_OPERATOR = ("monitoring.coreos.com/v1/servicemonitors", "ServiceMonitor", True)
 VERBS = ["get", "list", "watch", "create", "patch", "update", "delete"]
@@ -69,6 +74,14 @@ class Cluster(kmock.KubernetesEmulator):
                                      request.name, request.subresource))
             self._stamp(request)
         return await super()._handle(request)
+
+    async def _serve_list(self, request: kmock.Request):  # noqa: ANN202
+        listed = await super()._serve_list(request)
+        terms = [t.split("=", 1) for t in (request.params.get("labelSelector") or "").split(",") if "=" in t]
+        if terms:
+            listed["items"] = [o for o in listed["items"]
+                               if all((o.get("metadata", {}).get("labels") or {}).get(k) == v for k, v in terms)]
+        return listed
 
     def _check_version(self, request: kmock.Request) -> None:
         if not isinstance(request.data, list):
@@ -143,7 +156,7 @@ class ClusterThread:
         async with Cluster() as cluster, kmock.Server(cluster) as server:
             for resource, kind, namespaced in self.apis:
                 cluster.resources[resource] = kmock.ResourceInfo(kind=kind, namespaced=namespaced, verbs=VERBS,
-                                                                 subresources=["status"])
+                                                                 subresources=["status", "scale"])
             self.cluster, self.url = cluster, str(server.url).rstrip("/")
             gc = asyncio.ensure_future(self._collect_garbage())
             self._ready.set()

@@ -16,6 +16,7 @@ import yaml
 from opkit_schemas import validate_manifest
 
 from splitserve.operator import cli
+from splitserve.planner import cli as planner_cli
 from splitserve.operator.context import Context
 from splitserve.operator.crd import crd_yaml
 from splitserve.operator.kube import KINDS
@@ -35,9 +36,9 @@ VALUES = {
                                "networkPolicy": {"enabled": True, "apiServerCIDRs": ["10.0.0.1/32"]},
                                "serviceAccount": {"name": "ops"}, "image": {"tag": "0.2.0"}},
     "external-service-account": {"serviceAccount": {"create": False, "name": "prebuilt"}, "rbac": {"create": False}},
-    "planner": {"autoscaling": {"enabled": True, "provider": "planner"},
-                "planner": {"enabled": True, "inferenceService": {"namespace": "llm", "name": "chat"},
-                            "profile": '{"prefill": [], "decode": [], "kv_tokens": 1}', "replicaBudget": 8}},
+    "planner": {"autoscaling": {"enabled": True, "provider": "planner", "plannerExport": "scale"},
+                "planner": {"enabled": True, "profile": '{"prefill": [], "decode": [], "kv_tokens": 1}',
+                            "replicaBudget": 8, "leaseDurationSeconds": 30}},
 }
 
 
@@ -205,25 +206,50 @@ def test_the_readme_explains_every_value():
     schema = json.loads((CHART / "values.schema.json").read_text())
     readme = (CHART / "README.md").read_text()
     leaves = [leaf.rstrip(".") for leaf in _schema_leaves(schema)]
-    assert len(leaves) == 53
+    assert len(leaves) == 52
     assert [leaf for leaf in leaves if f"`{leaf}`" not in readme] == []
     values = yaml.safe_load((CHART / "values.yaml").read_text())
     assert sorted(values) == sorted(schema["properties"])  # values.yaml and its schema list the same keys
 
 
-def test_planner_is_rendered_behind_its_value_where_the_scaled_objects_look(chart):
+def test_planner_is_rendered_behind_its_value_where_the_scaled_objects_look(chart, tmp_path):
     assert not [o for o in objects(chart, {}) if "planner" in o["metadata"]["name"]]
     objs = objects(chart, VALUES["planner"])
     (svc,) = find(objs, "Service", "splitserve-planner", "splitserve-system")
     url = f"http://{svc['metadata']['name']}.{svc['metadata']['namespace']}.svc:{svc['spec']['ports'][0]['port']}"
     assert url == OperatorSettings().autoscaling.planner_url          # the operator's default reaches it
     (deploy,) = find(objs, "Deployment", "splitserve-planner")
-    args = deploy["spec"]["template"]["spec"]["containers"][0]["args"]
-    assert args[:3] == ["planner", "--namespace=llm", "--name=chat"]
-    assert "--router-metrics=http://chat.llm.svc:8000/metrics" in args and "--budget=8" in args
-    assert deploy["spec"]["replicas"] == 1
+    pod = deploy["spec"]["template"]["spec"]
+    container = pod["containers"][0]
+    parser = argparse.ArgumentParser(prog="splitserve")
+    planner_cli.register(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(container["args"])
+    assert args.cluster and args.lease_name == "splitserve-planner" and args.lease_duration == 30
+    assert args.budget == 8 and not args.name                       # every service, not one
+    assert deploy["spec"]["replicas"] == 2 and container["readinessProbe"]["httpGet"]["path"] == "/ready"
+    env = {e["name"]: e.get("valueFrom", {}).get("fieldRef", {}).get("fieldPath") for e in container["env"]}
+    assert env["POD_NAME"] == "metadata.name" and env["POD_NAMESPACE"] == "metadata.namespace"
+    assert pod["serviceAccountName"] == "splitserve-planner" and pod["automountServiceAccountToken"] is True
+    # the planner's RBAC: leases in its namespace; configmaps, pods, deployments (scale) everywhere
+    granted = {(g, r, v) for o in find(objs, "ClusterRole", "splitserve-planner") + find(objs, "Role", "splitserve-planner")
+               for rule in o["rules"] for g in rule["apiGroups"] for r in rule["resources"] for v in rule["verbs"]}
+    need = {("coordination.k8s.io", "leases", v) for v in ("get", "create", "patch")} | {
+        ("", "configmaps", "list"), ("", "configmaps", "get"), ("", "pods", "list"), ("apps", "deployments", "get"),
+        ("apps", "deployments/scale", "patch")}
+    assert need <= granted
+    (binding,) = find(objs, "RoleBinding", "splitserve-planner")
+    assert binding["subjects"][0]["name"] == "splitserve-planner"
+    # the chart's default profile and export reach the operator, which copies them per service
+    (cm,) = [c for c in find(objs, "ConfigMap") if "defaults.yaml" in c.get("data", {})]
+    path = tmp_path / "defaults.yaml"
+    path.write_text(cm["data"]["defaults.yaml"])
+    settings = load_settings(str(path))
+    assert settings.autoscaling.planner_profile == VALUES["planner"]["planner"]["profile"]
+    assert settings.autoscaling.planner_export == "scale"
+    assert settings.network_policy.workloads.planner.namespace_labels == {"kubernetes.io/metadata.name":
+                                                                           "splitserve-system"}
 
 
-def test_planner_without_a_service_name_fails_to_render(chart):
-    with pytest.raises(Exception, match="planner.inferenceService.name is required"):
-        objects(chart, {"planner": {"enabled": True, "profile": "{}"}})
+def test_a_bad_planner_export_is_refused_by_the_values_schema(chart):
+    with pytest.raises(Exception, match="plannerExport"):
+        objects(chart, {"autoscaling": {"plannerExport": "hpa"}})

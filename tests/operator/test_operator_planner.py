@@ -1,6 +1,7 @@
 """autoscaling.provider planner: the operator renders a KEDA ScaledObject with a metrics-api
 trigger on the planner's JSON, and the replica count KEDA's HPA would compute from what the
-real planner server returns equals the planner's decision. The Kubernetes API is the kmock
+real planner server returns equals the planner's decision. The operator renders the per-service
+planner ConfigMap (config and capacity profile) that the cluster planner parses. The Kubernetes API is the kmock
 emulator (no API server can run here); the planner's HTTP server is the real one."""
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from splitserve.planner.config import PlannerConfig, PoolBounds
 from splitserve.planner.law import Observation, Planner, PoolObservation
 from splitserve.planner.profile import CapacityProfile, DecodePoint, PrefillPoint
 from splitserve.planner.server import DesiredStore, serve
+from splitserve.planner.service import PLANNER_SELECTOR, ServicePlan
 
 SETTINGS = OperatorSettings()
 AUTO = {"enabled": True, "provider": "planner", "minReplicas": 1, "maxReplicas": 9}
@@ -111,3 +113,69 @@ def test_admission_check_needs_both_pools_and_an_slo_after_chart_defaults():
     mixed = parse_spec({**SPEC, "decode": {"autoscaling": {**AUTO, "provider": "keda"}}})
     with pytest.raises(InvalidSpecError, match="enable autoscaling with provider planner on decode too"):
         check_spec(mixed, "svc", SETTINGS)
+
+
+def _render(spec: dict, settings: OperatorSettings) -> dict[tuple[str, str], dict]:
+    parsed = parse_spec(spec)
+    check_spec(parsed, "svc", settings)
+    return {(m["kind"], m["metadata"]["name"]): m for m in render(parsed, "svc", "llm", "uid-1", settings)}
+
+
+def _labels_match(selector: str, labels: dict) -> bool:
+    return all(labels.get(k) == v for k, v in (t.split("=", 1) for t in selector.split(",")))
+
+
+def test_operator_renders_the_planner_configmap_the_planner_reads():
+    settings = OperatorSettings.model_validate({"autoscaling": {"plannerProfile": PROFILE.to_json()}})
+    objs = _render(SPEC, settings)
+    cm = objs[("ConfigMap", "svc-planner")]
+    assert _labels_match(PLANNER_SELECTOR, cm["metadata"]["labels"])      # the planner's LIST finds it
+    assert cm["metadata"]["ownerReferences"][0]["uid"] == "uid-1"         # gone with the InferenceService
+    plan = ServicePlan.from_configmap(cm)
+    assert (plan.namespace, plan.name, plan.ttft_p90_ms, plan.itl_p90_ms, plan.export) == ("llm", "svc", 2000, 100, "keda")
+    for pool in ("prefill", "decode"):
+        pp = plan.pool(pool)
+        dep = objs[("Deployment", pp.deployment)]
+        assert _labels_match(pp.selector, dep["spec"]["template"]["metadata"]["labels"])
+        assert (pp.min_replicas, pp.max_replicas) == (1, 9)
+        port = {p["name"]: p["containerPort"] for p in dep["spec"]["template"]["spec"]["containers"][0]["ports"]}
+        assert plan.worker_metrics_port == port["metrics"]
+    router = objs[("Deployment", "svc-router")]
+    assert _labels_match(plan.router_selector, router["spec"]["template"]["metadata"]["labels"])
+    assert CapacityProfile.from_json(plan.profile_json) == PROFILE              # the chart's default profile
+    assert plan.profile_config_map is None
+    # the planner may scrape the metrics ports (NetworkPolicy), besides the monitoring peer
+    workers = objs[("NetworkPolicy", "svc-workers")]
+    metrics_rule = next(r for r in workers["spec"]["ingress"] if r["ports"] == [{"port": "metrics", "protocol": "TCP"}])
+    assert {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "splitserve-system"}},
+            "podSelector": {"matchLabels": {"app.kubernetes.io/name": "splitserve-planner"}}} in metrics_rule["from"]
+
+
+def test_a_service_profile_configmap_replaces_the_chart_default_and_scale_export_drops_keda():
+    settings = OperatorSettings.model_validate({"autoscaling": {"plannerProfile": PROFILE.to_json(),
+                                                                "plannerExport": "scale"}})
+    objs = _render({**SPEC, "slo": {**SPEC["slo"], "profileConfigMap": "h100-profile"}}, settings)
+    cm = objs[("ConfigMap", "svc-planner")]
+    plan = ServicePlan.from_configmap(cm)
+    assert plan.profile_config_map == "h100-profile" and "profile.json" not in cm["data"]
+    assert plan.export == "scale"
+    assert not [k for k in objs if k[0] in ("ScaledObject", "HorizontalPodAutoscaler")]
+    assert objs[("Deployment", "svc-decode")]["metadata"]["annotations"][C.ANNOTATION_REPLICAS_OWNER] == "planner"
+
+
+def test_no_planner_configmap_without_provider_planner():
+    keda = {**SPEC, "prefill": {"autoscaling": {**AUTO, "provider": "keda"}},
+            "decode": {"autoscaling": {**AUTO, "provider": "keda"}}}
+    objs = _render(keda, SETTINGS)
+    assert ("ConfigMap", "svc-planner") not in objs
+    metrics_rule = next(r for r in objs[("NetworkPolicy", "svc-workers")]["spec"]["ingress"]
+                        if r["ports"] == [{"port": "metrics", "protocol": "TCP"}])
+    assert len(metrics_rule["from"]) == 1                                # the monitoring peer only
+
+
+@pytest.mark.parametrize("bad", ["Upper", "-x", "a" * 254])
+def test_bad_profile_configmap_names_are_rejected_by_the_schema(bad):
+    _, errors = admit({"apiVersion": "serving.splitserve.io/v1alpha1", "kind": "InferenceService",
+                       "metadata": {"name": "svc", "namespace": "default"},
+                       "spec": {**SPEC, "slo": {**SPEC["slo"], "profileConfigMap": bad}}})
+    assert errors and all(e.startswith("spec.slo.profileConfigMap") for e in errors), errors

@@ -41,12 +41,20 @@ image:
   pullPolicy: {{ .Values.image.pullPolicy }}
 autoscaling:
 {{ toYaml .Values.autoscaling | indent 2 }}
+  plannerProfile: {{ .Values.planner.profile | quote }}
 reconcile:
   resyncSeconds: {{ .Values.operator.resyncSeconds }}
   notReadyRetrySeconds: {{ .Values.operator.notReadyRetrySeconds }}
 networkPolicy:
   workloads:
 {{ toYaml .Values.networkPolicy.workloads | indent 4 }}
+{{- if not (hasKey .Values.networkPolicy.workloads "planner") }}
+    planner:
+      namespaceLabels:
+        kubernetes.io/metadata.name: {{ .Release.Namespace }}
+      podLabels:
+        app.kubernetes.io/name: splitserve-planner
+{{- end }}
 {{- end -}}
 
 {{/* What the operator may do to InferenceServices and their children (one list: ClusterRole or Roles). */}}
