@@ -421,7 +421,7 @@ def render(results: dict[str, list[dict]], plots: dict[str, str], meta: dict) ->
            f"command: `{meta['command']}`.", "",
            f"Every arm: 2 worker processes pinned to one core each (`taskset`, `--threads 1`), "
            f"{KV_BLOCKS} KV blocks ({KV_BLOCKS * 16} tokens) per worker (read back from /debug/kv: "
-           f"{meta['kv_blocks']}), SmolLM2-135M Q4_1 dequantized to fp32, KV transfer over "
+           f"{meta['kv_blocks']}), SmolLM2-135M Q4_1 in the workers' default --quantization auto, KV transfer over "
            f"{kv_transport().upper()}; router and client unpinned on the same 2 cores. Workers and router "
            "restarted for every arm; the arms of a load point run back to back. Latencies in ms; "
            "`prefix hit` is the server-reported cached share of prompt tokens.", ""]
