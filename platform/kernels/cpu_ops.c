@@ -10,6 +10,7 @@
  *   ss_rope_write_kv    rotate q and k of a fused qkv row in place (rotate-half layout, cos/sin
  *                       read from the model's tables by position) and store k, v in their slots
  *   ss_decode_attention one query token per sequence against its paged K/V, read in place
+ *                       (16 keys at a time on AVX-512, 8 on AVX2, one at a time otherwise)
  *                       through the block table (no gather, no copy); GQA by query groups per KV
  *                       head; scores, softmax and sums in float32
  *   ss_silu_mul         out[t] = silu(gate[t]) * up[t] for a fused gate|up row
@@ -243,6 +244,85 @@ static void attend_group16(const float *q, const float *k_cache, const float *v_
 }
 #endif
 
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+/* The AVX2 form of attend_group16: 8 keys at a time, the same three passes. */
+static inline __m256 sum8x8(__m256 v[8]) { /* lane i = the sum of v[i]'s 8 lanes */
+    __m256 a[4], b[2];
+    for (int i = 0; i < 4; i++)
+        a[i] = _mm256_hadd_ps(v[2 * i], v[2 * i + 1]);          /* per 128: v0 pairs, v1 pairs */
+    for (int i = 0; i < 2; i++) b[i] = _mm256_hadd_ps(a[2 * i], a[2 * i + 1]);
+    /* b[0] = [k0 k1 k2 k3 | k0 k1 k2 k3] halves (low/high 128 partials), b[1] the same for k4..k7 */
+    __m256 lo = _mm256_permute2f128_ps(b[0], b[1], 0x20), hi = _mm256_permute2f128_ps(b[0], b[1], 0x31);
+    return _mm256_add_ps(lo, hi);
+}
+
+static inline __m256 exp8(__m256 x) { /* fast_exp on 8 lanes */
+    x = _mm256_max_ps(_mm256_set1_ps(-87.0f), _mm256_min_ps(x, _mm256_set1_ps(88.0f)));
+    __m256 t = _mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f));
+    __m256 n = _mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 f = _mm256_mul_ps(_mm256_sub_ps(t, n), _mm256_set1_ps(0.693147180559945309f));
+    __m256 p = _mm256_set1_ps(0.00139053508546203f);
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(0.00833336077630519f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(0.0416664853692055f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(0.166666671633720f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(0.5f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
+    __m256i e = _mm256_slli_epi32(_mm256_cvtps_epi32(n), 23);
+    return _mm256_castsi256_ps(_mm256_add_epi32(_mm256_castps_si256(p), e));
+}
+
+static inline __m256i mask8(int64_t n) { /* the first n of 8 lanes */
+    return _mm256_cmpgt_epi32(_mm256_set1_epi32((int)n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+
+static void attend_group8(const float *q, const float *k_cache, const float *v_cache, const int64_t *table,
+                          int64_t ctx, float *out, int64_t group, int64_t nkv, int64_t g, int64_t d,
+                          int64_t block_size, float scale, float *scores) {
+    int64_t kv = nkv * d, chunks = d / 8;
+    for (int64_t j = 0; j < group; j++) {
+        const float *qj = q + j * d;
+        float *sj = scores + j * ctx;
+        for (int64_t p = 0; p < ctx; p += 8) {
+            const float *kb = k_cache + (table[p / block_size] * block_size + p % block_size) * kv + g * d;
+            int64_t n = ctx - p < 8 ? ctx - p : 8;
+            __m256 acc[8];
+            for (int64_t o = 0; o < 8; o++) {
+                acc[o] = _mm256_setzero_ps();
+                if (o < n)
+                    for (int64_t c = 0; c < chunks; c++)
+                        acc[o] = _mm256_fmadd_ps(_mm256_loadu_ps(qj + c * 8), _mm256_loadu_ps(kb + o * kv + c * 8), acc[o]);
+            }
+            _mm256_maskstore_ps(sj + p, mask8(n), _mm256_mul_ps(sum8x8(acc), _mm256_set1_ps(scale)));
+        }
+        float m = -INFINITY;
+        for (int64_t p = 0; p < ctx; p++) m = sj[p] > m ? sj[p] : m;
+        __m256 mv = _mm256_set1_ps(m), sum = _mm256_setzero_ps();
+        for (int64_t p = 0; p < ctx; p += 8) {
+            __m256i valid = mask8(ctx - p);
+            __m256 e = _mm256_and_ps(exp8(_mm256_sub_ps(_mm256_maskload_ps(sj + p, valid), mv)), _mm256_castsi256_ps(valid));
+            _mm256_maskstore_ps(sj + p, valid, e);
+            sum = _mm256_add_ps(sum, e);
+        }
+        float lanes[16] = {0};
+        _mm256_storeu_ps(lanes, sum);
+        __m256 inv = _mm256_set1_ps(1.0f / sum_lanes(lanes));
+        __m256 o_acc[32];
+        for (int64_t c = 0; c < chunks; c++) o_acc[c] = _mm256_setzero_ps();
+        for (int64_t p = 0; p < ctx; p += 8) {
+            const float *vb = v_cache + (table[p / block_size] * block_size + p % block_size) * kv + g * d;
+            int64_t n = ctx - p < 8 ? ctx - p : 8;
+            for (int64_t o = 0; o < n; o++) {
+                __m256 w = _mm256_set1_ps(sj[p + o]);
+                for (int64_t c = 0; c < chunks; c++)
+                    o_acc[c] = _mm256_fmadd_ps(w, _mm256_loadu_ps(vb + o * kv + c * 8), o_acc[c]);
+            }
+        }
+        for (int64_t c = 0; c < chunks; c++) _mm256_storeu_ps(out + j * d + c * 8, _mm256_mul_ps(o_acc[c], inv));
+    }
+}
+#endif
+
 void ss_decode_attention(const float *q, const float *k_cache, const float *v_cache, const int64_t *block_table,
                          const int64_t *context_lens, float *out, int64_t b, int64_t nh, int64_t nkv, int64_t d,
                          int64_t block_size, int64_t max_blocks, float scale, int threads) {
@@ -260,6 +340,13 @@ void ss_decode_attention(const float *q, const float *k_cache, const float *v_ca
                     attend_group16(q + (s * nh + g * group) * d, k_cache, v_cache, block_table + s * max_blocks,
                                    context_lens[s], out + (s * nh + g * group) * d, group, nkv, g, d, block_size,
                                    scale, scores);
+                    continue;
+                }
+#elif defined(__AVX2__) && defined(__FMA__)
+                if (d % 8 == 0 && d <= 256 && block_size % 8 == 0) {
+                    attend_group8(q + (s * nh + g * group) * d, k_cache, v_cache, block_table + s * max_blocks,
+                                  context_lens[s], out + (s * nh + g * group) * d, group, nkv, g, d, block_size,
+                                  scale, scores);
                     continue;
                 }
 #endif
