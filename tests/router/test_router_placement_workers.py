@@ -6,11 +6,11 @@ import asyncio
 import threading
 import time
 
-import grpc
 import httpx
 import pytest
 
 from routerkit import RouterServer, router_config
+from workerproc import security, worker_channel
 from splitserve.platform.hashing import BlockHasher
 from splitserve.platform.wire import worker_pb2 as pb
 from splitserve.platform.wire import worker_pb2_grpc as pb_grpc
@@ -27,7 +27,7 @@ def ids(n, salt):
 
 @pytest.fixture(scope="module")
 def gateway(cluster, loop, tokenizer):
-    server = RouterServer(loop, router_config([w.address for w in cluster]), tokenizer=tokenizer)
+    server = RouterServer(loop, router_config([w.address for w in cluster], tls=security().tls), tokenizer=tokenizer)
     server.start(num_decode=2, num_prefill=2, timeout=60)
     client = httpx.Client(base_url=server.url, timeout=120)
     yield server, client
@@ -107,10 +107,10 @@ class Background:
         self.tasks = [asyncio.run_coroutine_threadsafe(self._one(address, i), self.loop) for i in range(num_requests)]
 
     async def _one(self, address, i):
-        async with grpc.aio.insecure_channel(address) as channel:
+        async with worker_channel(address) as ch:
             request = pb.GenerateRequest(request_id=f"busy-{i}-{time.monotonic_ns()}", prompt_token_ids=ids(20, 900 + i),
                                          params=pb.SamplingParams(temperature=0, max_tokens=400, ignore_eos=True))
-            async for _ in pb_grpc.WorkerStub(channel).Generate(request):
+            async for _ in pb_grpc.WorkerStub(ch).Generate(request):
                 pass
 
     def stop(self):
