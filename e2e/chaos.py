@@ -9,6 +9,8 @@ every request is accounted for.
     SIGKILL a router replica (restarted), restart Redis, a client that disconnects mid-stream,
     a worker restarted with a different model (layout mismatch; restarted right afterwards),
     delay and drops on the KV transport (e2e/kvproxy.py between prefill-tcp and decode-tcp)
+    security: as `splitserve up`, mTLS between routers and workers and authenticated KV
+    transfers with throwaway credentials (e2e/chaos_procs.py); `--no-tls` for plaintext
 
 Outcomes: `ok` (the answer equals, token for token, the one the same request got in the
 undisturbed warm-up), `error` (a documented status: 429/503 with an OpenAI error body, or a
@@ -17,14 +19,15 @@ replica's connection refused), `disconnected` (the injector's own cut streams),
 a killed gateway sends no status; the client retries), `wrong`,
 `hung` (no answer within the deadline), `lost` (an undocumented status or a broken stream).
 After quiescing: every worker's block pool holds no request (/debug/kv), every gateway's
-admission queue is empty, and each process' RSS grew at most MEMORY_BOUND_MIB. Exit status 1 on
-any wrong / hung / lost request or leak. Usage: python e2e/chaos.py --minutes 30 [--seed N]
+admission queue is empty, each process' RSS grew at most MEMORY_BOUND_MIB, and (secured) every
+worker refuses a plaintext client. Exit status 1 on any wrong / hung / lost request, leak or
+security failure. The load is e2e/chaos_load.py, the processes e2e/chaos_procs.py.
+Usage: python e2e/chaos.py --minutes 30 [--seed N] [--clients N] [--no-tls]
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import signal
@@ -33,119 +36,16 @@ import sys
 import threading
 import time
 from collections import Counter, defaultdict
-from dataclasses import dataclass, field
-
-import httpx
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from chaos_load import DEADLINE_S, Spec, Tally, make_specs, run_request  # noqa: E402
 from chaos_procs import MODEL, Redis, RouterProc, Security, Worker, http_get, wait_for  # noqa: E402
 from kvproxy import KVProxy  # noqa: E402
 
 MEMORY_BOUND_MIB = 400           # RSS growth allowed per process over the soak (after warm-up)
-DEADLINE_S = 180                 # a request answered later than this is `hung`
 NUM_CLIENTS = 8                  # load-generating threads (the workers batch their requests)
 FAULT_KINDS = ("worker_sigkill", "worker_sigstop", "router_sigkill", "redis_restart", "client_disconnect",
                "layout_mismatch", "kv_delay", "kv_drop")
-
-
-# ---- load ----------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class Spec:
-    """One kind of request; its answer must be the same every time (greedy or seeded)."""
-
-    prompt: str
-    stream: bool
-    seed: int | None
-    max_tokens: int
-
-    def body(self) -> dict:
-        body = {"model": MODEL, "messages": [{"role": "user", "content": self.prompt}], "max_tokens": self.max_tokens,
-                "stream": self.stream}
-        if self.seed is None:
-            body["temperature"] = 0
-        else:
-            body.update(temperature=0.8, seed=self.seed)
-        return body
-
-
-def make_specs(rng: random.Random, n: int) -> list[Spec]:
-    prefixes = [" ".join(f"Section {i}.{j}: the quick brown fox jumps over the lazy dog number {j}."
-                         for j in range(30)) for i in range(2)]      # long shared prefixes (~500 tokens)
-    specs = []
-    for i in range(n):
-        prompt = f"{prefixes[i % 2]}\nQuestion {i}: summarise section {i % 7} in one sentence."
-        specs.append(Spec(prompt, stream=bool(i % 2), seed=None if i % 3 else 1000 + i, max_tokens=4 + i % 6))
-    rng.shuffle(specs)
-    return specs
-
-
-def run_request(routers: list[RouterProc], spec: Spec, rng: random.Random, disconnect: bool = False):
-    """(outcome, detail, text): tries a random replica, the other one if it refuses the connection."""
-    order = routers[:] if rng.random() < 0.5 else routers[::-1]
-    last = ""
-    for router in order:
-        try:
-            with httpx.Client(base_url=router.url, timeout=httpx.Timeout(DEADLINE_S, connect=5)) as client:
-                if not spec.stream:
-                    r = client.post("/v1/chat/completions", json=spec.body())
-                    if r.status_code == 200:
-                        return "answer", "", r.json()["choices"][0]["message"]["content"]
-                    return classify_status(r.status_code, r.text)
-                with client.stream("POST", "/v1/chat/completions", json=spec.body()) as r:
-                    if r.status_code != 200:
-                        r.read()
-                        return classify_status(r.status_code, r.text)
-                    text, done = "", False
-                    for line in r.iter_lines():
-                        if not line.startswith("data: "):
-                            continue
-                        if line == "data: [DONE]":
-                            done = True
-                            break
-                        chunk = json.loads(line[6:])
-                        if "error" in chunk:
-                            return classify_status(chunk["error"].get("code") and 503, json.dumps(chunk))
-                        if chunk["choices"]:
-                            text += chunk["choices"][0]["delta"].get("content") or ""
-                        if disconnect and len(text) > 0:
-                            return "disconnected", "", text
-                    return ("answer", "", text) if done else ("lost", "stream ended without [DONE]", text)
-        except httpx.ConnectError as exc:
-            last = f"connect: {exc}"
-            continue                                  # this replica is down: the other one
-        except httpx.TimeoutException:
-            return "hung", "no answer within the deadline", ""
-        except (httpx.RemoteProtocolError, httpx.ReadError) as exc:   # dropped or reset mid-answer
-            return "cut", f"{router.name}: {exc}", ""     # `cut_by_router_kill` if that replica was killed
-        except (httpx.HTTPError, json.JSONDecodeError, KeyError) as exc:
-            return "lost", f"{type(exc).__name__}: {exc}", ""
-    return "error", f"every replica refused the connection ({last})", ""
-
-
-def classify_status(status: int, text: str):
-    try:
-        documented = status in (429, 503) and json.loads(text)["error"]["message"]
-    except (ValueError, KeyError, TypeError):
-        documented = False
-    return ("error", f"{status}", "") if documented else ("lost", f"status {status}: {text[:200]}", "")
-
-
-@dataclass
-class Tally:
-    outcomes: Counter = field(default_factory=Counter)
-    faults: Counter = field(default_factory=Counter)
-    problems: list = field(default_factory=list)
-    successes: list = field(default_factory=list)          # monotonic times of ok answers
-    fault_times: list = field(default_factory=list)        # (kind, monotonic time)
-    lock: threading.Lock = field(default_factory=threading.Lock)
-
-    def record(self, outcome: str, detail: str = "") -> None:
-        with self.lock:
-            self.outcomes[outcome] += 1
-            if outcome == "ok":
-                self.successes.append(time.monotonic())
-            if outcome in ("wrong", "hung", "lost") and len(self.problems) < 50:
-                self.problems.append((outcome, detail))
 
 
 # ---- the soak ------------------------------------------------------------------------------
@@ -253,10 +153,22 @@ class Soak:
             for outcome in ("ok", "failed"):
                 self.remote_prefills[outcome] += w.metric(f'splitserve_remote_prefills_total{{outcome="{outcome}"}}')
 
+    def progress(self, t0: float) -> None:
+        """One line a minute on stdout, so a long run can be followed (tail -f)."""
+        t = self.tally
+        with t.lock:
+            outcomes = ", ".join(f"{k} {v}" for k, v in sorted(t.outcomes.items()))
+        print(f"chaos: {(time.monotonic() - t0) / 60:.0f} min: {sum(t.faults.values())} faults, "
+              f"{sum(t.outcomes.values())} requests ({outcomes})", flush=True)
+
     def injector(self, end: float) -> None:
         kinds = list(FAULT_KINDS)
         i = 0
+        t0 = last_progress = time.monotonic()
         while (time.monotonic() < end or i < len(kinds)) and not self.stop.is_set():   # every kind at least once
+            if time.monotonic() - last_progress >= 60:
+                self.progress(t0)
+                last_progress = time.monotonic()
             kind = kinds[i % len(kinds)] if i < len(kinds) else self.rng.choice(kinds)   # each kind once first
             i += 1
             try:
