@@ -219,7 +219,7 @@ def routers_redis(procs) -> str:
 
 def test_tokens_per_window_hold_across_replicas_when_one_dies(routers):
     """4 clients hammer key `team` through both routers for NUM_WINDOWS windows; router 1 is
-    SIGKILLed halfway. Every response's admission window is known when its send and receive times fall in the
+    SIGKILLed halfway, a quarter into a window, with requests in flight. Every response's admission window is known when its send and receive times fall in the
     same window (Redis' clock is this host's clock); per window those tokens stay within 5 % of
     the limit, and so does the total over all windows the run touched."""
     procs, _ = routers
@@ -228,6 +228,7 @@ def test_tokens_per_window_hold_across_replicas_when_one_dies(routers):
     alive = [True, True]
     start = (int(time.time() // WINDOW_S) + 1) * WINDOW_S
     end = start + NUM_WINDOWS * WINDOW_S
+    kill_at = start + (NUM_WINDOWS / 2 + 0.25) * WINDOW_S   # mid-run and mid-window: its reservations stay
     while time.time() < start:
         time.sleep(0.01)
 
@@ -250,7 +251,7 @@ def test_tokens_per_window_hold_across_replicas_when_one_dies(routers):
 
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
         futures = [pool.submit(run, i) for i in range(4)]
-        while time.time() < start + NUM_WINDOWS / 2 * WINDOW_S:
+        while time.time() < kill_at:
             time.sleep(0.05)
         alive[1] = False
         procs[1].kill()
