@@ -43,7 +43,7 @@ from chaos_procs import MODEL, Redis, RouterProc, Security, Worker, http_get, wa
 from kvproxy import KVProxy  # noqa: E402
 
 MEMORY_BOUND_MIB = 400           # RSS growth allowed per process over the soak (after warm-up)
-NUM_CLIENTS = 8                  # load-generating threads (the workers batch their requests)
+NUM_CLIENTS = 12                 # load-generating threads (the workers batch their requests)
 FAULT_KINDS = ("worker_sigkill", "worker_sigstop", "router_sigkill", "redis_restart", "client_disconnect",
                "layout_mismatch", "kv_delay", "kv_drop")
 
