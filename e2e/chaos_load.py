@@ -4,7 +4,7 @@ seeded), one request sent to a router replica with fail-over and its outcome, an
 Outcomes of `run_request`: `answer` (the text; the soak compares it with the undisturbed one),
 `error` (a documented 429/503 with OpenAI's error body, or every replica refusing the
 connection), `disconnected` (a stream the caller asked to cut), `cut` (the connection dropped
-mid-answer: the soak decides whether a router kill explains it), `hung` (no answer within
+mid-answer: the soak decides whether a router kill explains it), `hung` (nothing received for
 DEADLINE_S), `lost` (an undocumented status, a broken stream, or an unparsable answer).
 """
 
@@ -21,7 +21,7 @@ import httpx
 
 from chaos_procs import MODEL, RouterProc
 
-DEADLINE_S = 180                 # a request answered later than this is `hung`
+DEADLINE_S = 180                 # `hung`: nothing received for this long (httpx read timeout; 5 s to connect)
 
 
 @dataclass(frozen=True)
@@ -57,6 +57,7 @@ def make_specs(rng: random.Random, n: int) -> list[Spec]:
 def run_request(routers: list[RouterProc], spec: Spec, rng: random.Random, disconnect: bool = False):
     """(outcome, detail, text): tries a random replica, the other one if it refuses the connection."""
     order = routers[:] if rng.random() < 0.5 else routers[::-1]
+    t0 = time.time()
     last = ""
     for router in order:
         try:
@@ -89,7 +90,9 @@ def run_request(routers: list[RouterProc], spec: Spec, rng: random.Random, disco
             last = f"connect: {exc}"
             continue                                  # this replica is down: the other one
         except httpx.TimeoutException:
-            return "hung", "no answer within the deadline", ""
+            return "hung", (f"{router.name}: nothing received for {DEADLINE_S} s (stream={spec.stream}, "
+                            f"sent {time.strftime('%H:%M:%S', time.localtime(t0))}, gave up after "
+                            f"{time.time() - t0:.0f} s)"), ""
         except (httpx.RemoteProtocolError, httpx.ReadError) as exc:   # dropped or reset mid-answer
             return "cut", f"{router.name}: {exc}", ""     # `cut_by_router_kill` if that replica was killed
         except (httpx.HTTPError, json.JSONDecodeError, KeyError) as exc:

@@ -3,8 +3,8 @@
 Secure by default, as `splitserve up` is: every WorkerProc serves its gRPC API over mutual TLS
 and authenticates KV transfers with a secret, both from one throwaway CA, key pair and secret per
 test process (`security()`, made by the same `throwaway_security` that `splitserve up` calls).
-Tests reach a worker with `worker_channel(address)` (mTLS with that key pair) and configure a router with
-`routerkit.router_config(..., tls=security().tls)`. `secure=False` is for a test that brings its
+Tests reach a worker with `worker_channel(address)` (mTLS with that key pair) and configure a
+router with `routerkit.router_config(..., tls=security().tls)`. `secure=False` is for a test that brings its
 own credentials or needs a plaintext worker; it says why.
 """
 

@@ -35,6 +35,24 @@ def gateway(cluster, loop, tokenizer):
     server.stop()
 
 
+def test_the_cluster_is_secured(cluster):
+    """The shared cluster runs as `splitserve up` does: a plaintext client is refused in the
+    handshake by every worker, the suite's client certificate is served."""
+    import grpc
+
+    async def first_event(make_channel):
+        async with make_channel() as ch:
+            async for msg in pb_grpc.WorkerStub(ch).WatchEvents(pb.WatchEventsRequest(), timeout=30):
+                return msg
+
+    for w in cluster:
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            asyncio.run(first_event(lambda: grpc.aio.insecure_channel(w.address)))
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert asyncio.run(first_event(lambda: worker_channel(w.address))).info.role == w.role
+    assert all("--kv-secret-file" in w.args and "--tls-ca" in w.args for w in cluster)
+
+
 def complete(client, prompt, max_tokens=2):
     r = client.post("/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": max_tokens,
                                              "temperature": 0, "ignore_eos": True})
