@@ -30,6 +30,11 @@ CLI = str(pathlib.Path(sys.executable).parent / "splitserve")
 # What `splitserve worker` and `splitserve up` serve by default (their --quantization default):
 # tests that compare a worker's answer with an engine in the test process build that engine so.
 WORKER_QUANTIZATION = "auto"
+# discovery.stale_after_s of a test router in front of worker processes. A worker reports its
+# load every 0.5 s, but one starved of CPU (nice 19 beside busy processes) can stay silent for
+# many seconds, and a router that marks it down fails the requests in flight on it: a flake
+# seen at 2 s. A SIGKILLed worker is noticed at once by its broken stream, not by this.
+ROUTER_STALE_AFTER_S = 30.0
 
 
 def free_port() -> int:

@@ -9,7 +9,7 @@ import httpx
 import pytest
 
 from routerkit import RouterServer, router_config
-from workerproc import WorkerProc, security
+from workerproc import ROUTER_STALE_AFTER_S, WorkerProc, security
 
 pytestmark = pytest.mark.slow
 
@@ -22,7 +22,8 @@ def stack(loop, tokenizer):
     workers = [WorkerProc("decode", "tcp") for _ in range(2)]
     for w in workers:
         w.start()
-    server = RouterServer(loop, router_config([w.address for w in workers], tls=security().tls), tokenizer=tokenizer).start(num_decode=2)
+    server = RouterServer(loop, router_config([w.address for w in workers], tls=security().tls,
+                                        stale_after_s=ROUTER_STALE_AFTER_S), tokenizer=tokenizer).start(num_decode=2)
     client = httpx.Client(base_url=server.url, timeout=120)
     yield server, workers, client
     client.close()

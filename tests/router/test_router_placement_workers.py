@@ -10,7 +10,7 @@ import httpx
 import pytest
 
 from routerkit import RouterServer, router_config
-from workerproc import security, worker_channel
+from workerproc import ROUTER_STALE_AFTER_S, security, worker_channel
 from splitserve.platform.hashing import BlockHasher
 from splitserve.platform.wire import worker_pb2 as pb
 from splitserve.platform.wire import worker_pb2_grpc as pb_grpc
@@ -27,7 +27,8 @@ def ids(n, salt):
 
 @pytest.fixture(scope="module")
 def gateway(cluster, loop, tokenizer):
-    server = RouterServer(loop, router_config([w.address for w in cluster], tls=security().tls), tokenizer=tokenizer)
+    server = RouterServer(loop, router_config([w.address for w in cluster], tls=security().tls,
+                                                 stale_after_s=ROUTER_STALE_AFTER_S), tokenizer=tokenizer)
     server.start(num_decode=2, num_prefill=2, timeout=60)
     client = httpx.Client(base_url=server.url, timeout=120)
     yield server, client
