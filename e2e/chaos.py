@@ -9,6 +9,8 @@ every request is accounted for.
     SIGKILL a router replica (restarted), restart Redis, a client that disconnects mid-stream,
     a worker restarted with a different model (layout mismatch; restarted right afterwards),
     delay and drops on the KV transport (e2e/kvproxy.py between prefill-tcp and decode-tcp)
+    security: as `splitserve up`, mTLS between routers and workers and authenticated KV
+    transfers with throwaway credentials (e2e/chaos_procs.py); `--no-tls` for plaintext
 
 Outcomes: `ok` (the answer equals, token for token, the one the same request got in the
 undisturbed warm-up), `error` (a documented status: 429/503 with an OpenAI error body, or a
@@ -17,271 +19,42 @@ replica's connection refused), `disconnected` (the injector's own cut streams),
 a killed gateway sends no status; the client retries), `wrong`,
 `hung` (no answer within the deadline), `lost` (an undocumented status or a broken stream).
 After quiescing: every worker's block pool holds no request (/debug/kv), every gateway's
-admission queue is empty, and each process' RSS grew at most MEMORY_BOUND_MIB. Exit status 1 on
-any wrong / hung / lost request or leak. Usage: python e2e/chaos.py --minutes 30 [--seed N]
+admission queue is empty, each process' RSS grew at most MEMORY_BOUND_MIB, and (secured) every
+worker refuses a plaintext client. Exit status 1 on any wrong / hung / lost request, leak or
+security failure. The load is e2e/chaos_load.py, the processes e2e/chaos_procs.py.
+Usage: python e2e/chaos.py --minutes 30 [--seed N] [--clients N] [--no-tls]
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import signal
-import socket
 import statistics
-import subprocess
 import sys
 import threading
 import time
-import urllib.error
-import urllib.request
 from collections import Counter, defaultdict
-from dataclasses import dataclass, field
-
-import httpx
-import psutil
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from chaos_load import DEADLINE_S, Spec, Tally, make_specs, run_request  # noqa: E402
+from chaos_procs import MODEL, Redis, RouterProc, Security, Worker, http_get, wait_for  # noqa: E402
 from kvproxy import KVProxy  # noqa: E402
 
-MODEL = "smollm2-135m"
 MEMORY_BOUND_MIB = 400           # RSS growth allowed per process over the soak (after warm-up)
-DEADLINE_S = 180                 # a request answered later than this is `hung`
-BIN = os.path.join(os.path.dirname(sys.executable), "splitserve")
+NUM_CLIENTS = 12                 # load-generating threads (the workers batch their requests)
 FAULT_KINDS = ("worker_sigkill", "worker_sigstop", "router_sigkill", "redis_restart", "client_disconnect",
                "layout_mismatch", "kv_delay", "kv_drop")
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_for(predicate, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"chaos: {what} did not happen within {timeout:.0f} s")
-        time.sleep(0.1)
-
-
-def http_get(url: str, timeout: float = 10):
-    try:
-        with urllib.request.urlopen(url, timeout=timeout) as r:
-            return r.status, r.read()
-    except urllib.error.HTTPError as e:
-        return e.code, e.read()
-    except OSError:
-        return 0, b""
-
-
-class Proc:
-    """A child process started from argv (own session, output to a log file); restartable."""
-
-    def __init__(self, name: str, argv: list[str], logdir: str, ready=None):
-        self.name, self.argv, self.ready = name, argv, ready
-        self.log = open(os.path.join(logdir, f"{name}.log"), "ab")
-        self.proc: subprocess.Popen | None = None
-        self.baseline_rss = 0
-
-    def start(self, argv: list[str] | None = None) -> Proc:
-        self.proc = subprocess.Popen(argv or self.argv, stdout=self.log, stderr=subprocess.STDOUT,
-                                     start_new_session=True)
-        return self
-
-    def wait_ready(self, timeout: float = 300) -> Proc:
-        wait_for(lambda: self.proc.poll() is not None or self.ready(), timeout, f"{self.name} ready")
-        if self.proc.poll() is not None:
-            raise RuntimeError(f"chaos: {self.name} exited with {self.proc.returncode}; see its log")
-        return self
-
-    def signal(self, sig) -> None:
-        if self.proc and self.proc.poll() is None:
-            self.proc.send_signal(sig)
-
-    def kill(self) -> None:
-        if self.proc and self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(30)
-
-    def stop(self) -> None:
-        if self.proc and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGCONT)
-            self.proc.terminate()
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.kill()
-
-    def rss_mib(self) -> float:
-        try:
-            return psutil.Process(self.proc.pid).memory_info().rss / 2**20
-        except (psutil.Error, AttributeError):
-            return 0.0
-
-
-class Worker(Proc):
-    def __init__(self, role: str, transport: str, logdir: str, proxied: bool = False):
-        # a proxied worker binds 127.0.0.2 and advertises 127.0.0.1, where the KV proxy listens
-        self.host = "127.0.0.2" if proxied else "127.0.0.1"
-        self.proxied = proxied
-        self.grpc_port, self.metrics_port, self.kv_port = free_port(), free_port(), free_port()
-        self.address = f"{self.host}:{self.grpc_port}"
-        self.role, self.transport = role, transport
-        super().__init__(f"{role}-{transport}", self.argv_for(role, transport, MODEL), logdir,
-                         ready=lambda: http_get(f"http://{self.host}:{self.metrics_port}/ready")[0] == 200)
-
-    def argv_for(self, role, transport, model):
-        return [BIN, "--log-level", "WARNING", "worker", "--role", role, "--model", model, "--threads", "1",
-                "--kv-transport", transport, "--grpc-port", str(self.grpc_port), "--metrics-port",
-                str(self.metrics_port), "--kv-port", str(self.kv_port), "--kv-cache-memory", "0.25",
-                "--max-model-len", "2048", "--host", self.host, "--advertise-host", "127.0.0.1"]
-
-    def start(self, argv: list[str] | None = None) -> Proc:
-        if self.proc is not None and not self.proxied:   # the proxy listens on the proxied one's port
-            # a restart gets a fresh KV port (UCX keeps a killed listener's port busy for a while;
-            # the routers learn the new KV address from WorkerInfo); the gRPC port stays
-            self.kv_port = free_port()
-            argv = argv or self.argv_for(self.role, self.transport, MODEL)
-            argv[argv.index("--kv-port") + 1] = str(self.kv_port)
-        return super().start(argv)
-
-    def kv_state(self) -> dict:
-        status, body = http_get(f"http://{self.host}:{self.metrics_port}/debug/kv")
-        return json.loads(body) if status == 200 else {}
-
-
-class RouterProc(Proc):
-    def __init__(self, name: str, workers: list[Worker], redis_url: str, logdir: str):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        argv = [BIN, "--log-level", "WARNING", "router", "--model", MODEL, "--port", str(self.port),
-                "--workers", ",".join(w.address for w in workers), "--redis-url", redis_url]
-        super().__init__(name, argv, logdir, ready=lambda: http_get(self.url + "/ready")[0] == 200)
-
-
-class Redis(Proc):
-    def __init__(self, logdir: str):
-        self.port = free_port()
-        super().__init__("redis", ["redis-server", "--port", str(self.port), "--save", "", "--appendonly", "no",
-                                   "--bind", "127.0.0.1"], logdir, ready=self._ping)
-
-    def _ping(self) -> bool:
-        try:
-            with socket.create_connection(("127.0.0.1", self.port), timeout=1) as s:
-                s.sendall(b"PING\r\n")
-                return s.recv(16).startswith(b"+PONG")
-        except OSError:
-            return False
-
-
-# ---- load ----------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class Spec:
-    """One kind of request; its answer must be the same every time (greedy or seeded)."""
-
-    prompt: str
-    stream: bool
-    seed: int | None
-    max_tokens: int
-
-    def body(self) -> dict:
-        body = {"model": MODEL, "messages": [{"role": "user", "content": self.prompt}], "max_tokens": self.max_tokens,
-                "stream": self.stream}
-        if self.seed is None:
-            body["temperature"] = 0
-        else:
-            body.update(temperature=0.8, seed=self.seed)
-        return body
-
-
-def make_specs(rng: random.Random, n: int) -> list[Spec]:
-    prefixes = [" ".join(f"Section {i}.{j}: the quick brown fox jumps over the lazy dog number {j}."
-                         for j in range(30)) for i in range(2)]      # long shared prefixes (~500 tokens)
-    specs = []
-    for i in range(n):
-        prompt = f"{prefixes[i % 2]}\nQuestion {i}: summarise section {i % 7} in one sentence."
-        specs.append(Spec(prompt, stream=bool(i % 2), seed=None if i % 3 else 1000 + i, max_tokens=12 + i % 9))
-    rng.shuffle(specs)
-    return specs
-
-
-def run_request(routers: list[RouterProc], spec: Spec, rng: random.Random, disconnect: bool = False):
-    """(outcome, detail, text): tries a random replica, the other one if it refuses the connection."""
-    order = routers[:] if rng.random() < 0.5 else routers[::-1]
-    last = ""
-    for router in order:
-        try:
-            with httpx.Client(base_url=router.url, timeout=httpx.Timeout(DEADLINE_S, connect=5)) as client:
-                if not spec.stream:
-                    r = client.post("/v1/chat/completions", json=spec.body())
-                    if r.status_code == 200:
-                        return "answer", "", r.json()["choices"][0]["message"]["content"]
-                    return classify_status(r.status_code, r.text)
-                with client.stream("POST", "/v1/chat/completions", json=spec.body()) as r:
-                    if r.status_code != 200:
-                        r.read()
-                        return classify_status(r.status_code, r.text)
-                    text, done = "", False
-                    for line in r.iter_lines():
-                        if not line.startswith("data: "):
-                            continue
-                        if line == "data: [DONE]":
-                            done = True
-                            break
-                        chunk = json.loads(line[6:])
-                        if "error" in chunk:
-                            return classify_status(chunk["error"].get("code") and 503, json.dumps(chunk))
-                        if chunk["choices"]:
-                            text += chunk["choices"][0]["delta"].get("content") or ""
-                        if disconnect and len(text) > 0:
-                            return "disconnected", "", text
-                    return ("answer", "", text) if done else ("lost", "stream ended without [DONE]", text)
-        except httpx.ConnectError as exc:
-            last = f"connect: {exc}"
-            continue                                  # this replica is down: the other one
-        except httpx.TimeoutException:
-            return "hung", "no answer within the deadline", ""
-        except (httpx.RemoteProtocolError, httpx.ReadError) as exc:   # dropped or reset mid-answer
-            return "cut", f"{router.name}: {exc}", ""     # `cut_by_router_kill` if that replica was killed
-        except (httpx.HTTPError, json.JSONDecodeError, KeyError) as exc:
-            return "lost", f"{type(exc).__name__}: {exc}", ""
-    return "error", f"every replica refused the connection ({last})", ""
-
-
-def classify_status(status: int, text: str):
-    try:
-        documented = status in (429, 503) and json.loads(text)["error"]["message"]
-    except (ValueError, KeyError, TypeError):
-        documented = False
-    return ("error", f"{status}", "") if documented else ("lost", f"status {status}: {text[:200]}", "")
-
-
-@dataclass
-class Tally:
-    outcomes: Counter = field(default_factory=Counter)
-    faults: Counter = field(default_factory=Counter)
-    problems: list = field(default_factory=list)
-    successes: list = field(default_factory=list)          # monotonic times of ok answers
-    fault_times: list = field(default_factory=list)        # (kind, monotonic time)
-    lock: threading.Lock = field(default_factory=threading.Lock)
-
-    def record(self, outcome: str, detail: str = "") -> None:
-        with self.lock:
-            self.outcomes[outcome] += 1
-            if outcome == "ok":
-                self.successes.append(time.monotonic())
-            if outcome in ("wrong", "hung", "lost") and len(self.problems) < 50:
-                self.problems.append((outcome, detail))
-
-
 # ---- the soak ------------------------------------------------------------------------------
 class Soak:
-    def __init__(self, minutes: float, seed: int, logdir: str, num_clients: int = 3, num_specs: int = 12):
+    def __init__(self, minutes: float, seed: int, logdir: str, num_clients: int = NUM_CLIENTS,
+                 num_specs: int = 16, secure: bool = True):
         self.minutes, self.seed, self.logdir = minutes, seed, logdir
         os.makedirs(logdir, exist_ok=True)
+        self.security = Security.make(os.path.join(logdir, "pki")) if secure else Security()
         self.rng = random.Random(seed)
         self.num_clients = num_clients
         self.specs = make_specs(random.Random(seed + 1), num_specs)
@@ -290,11 +63,12 @@ class Soak:
         self.stop = threading.Event()
         self.router_kills = 0
         self.redis = Redis(logdir)
-        self.workers = [Worker(role, transport, logdir, proxied=(role, transport) == ("decode", "tcp"))
+        self.workers = [Worker(role, transport, logdir, self.security, proxied=(role, transport) == ("decode", "tcp"))
                         for transport in ("ucx", "tcp") for role in ("decode", "prefill")]
+        self.remote_prefills = Counter()     # outcome -> count, banked from each decode worker before a restart
         self.proxy = KVProxy(next(w.kv_port for w in self.workers if w.proxied))
         url = f"redis://127.0.0.1:{self.redis.port}/0"
-        self.routers = [RouterProc(f"router-{n}", self.workers, url, logdir) for n in "ab"]
+        self.routers = [RouterProc(f"router-{n}", self.workers, url, logdir, self.security) for n in "ab"]
 
     def procs(self):
         return [self.redis, *self.workers, *self.routers]
@@ -312,7 +86,7 @@ class Soak:
             r.wait_ready(120)
 
     def warm_up(self) -> None:
-        """The undisturbed run: each spec once (its reference answer), then once more to agree."""
+        """The undisturbed run: each spec once, its answer the reference for the soak."""
         for spec in self.specs:
             outcome, detail, text = run_request(self.routers, spec, self.rng)
             if outcome != "answer":
@@ -339,9 +113,7 @@ class Soak:
         self.tally.faults[kind] += 1
         self.tally.fault_times.append((kind, time.monotonic()))
         if kind == "worker_sigkill":
-            w = rng.choice(self.workers)
-            w.kill()
-            w.start().wait_ready()
+            self.restart(rng.choice(self.workers))
         elif kind == "worker_sigstop":
             w = rng.choice(self.workers)
             w.signal(signal.SIGSTOP)
@@ -365,16 +137,38 @@ class Soak:
             self.proxy.set_mode("pass")
         elif kind == "layout_mismatch":
             w = rng.choice([w for w in self.workers if w.role == "decode"])
-            w.kill()
-            w.start(w.argv_for(w.role, w.transport, "random:tiny")).wait_ready()
+            self.restart(w, "random:tiny")
             self.stop.wait(rng.uniform(2, 6))        # the routers see it, mark it incompatible
-            w.kill()
-            w.start().wait_ready()
+            self.restart(w)
+
+    def restart(self, w: Worker, model: str = MODEL) -> None:
+        """SIGKILL `w` and start it again (serving `model`); a decode worker's remote-prefill
+        counts are banked first, as its counters restart from 0."""
+        self.bank_remote_prefills(w)
+        w.kill()
+        w.start(w.argv_for(model) if model != MODEL else None).wait_ready()
+
+    def bank_remote_prefills(self, w: Worker) -> None:
+        if w.role == "decode":
+            for outcome in ("ok", "failed"):
+                self.remote_prefills[outcome] += w.metric(f'splitserve_remote_prefills_total{{outcome="{outcome}"}}')
+
+    def progress(self, t0: float) -> None:
+        """One line a minute on stdout, so a long run can be followed (tail -f)."""
+        t = self.tally
+        with t.lock:
+            outcomes = ", ".join(f"{k} {v}" for k, v in sorted(t.outcomes.items()))
+        print(f"chaos: {(time.monotonic() - t0) / 60:.0f} min: {sum(t.faults.values())} faults, "
+              f"{sum(t.outcomes.values())} requests ({outcomes})", flush=True)
 
     def injector(self, end: float) -> None:
         kinds = list(FAULT_KINDS)
         i = 0
+        t0 = last_progress = time.monotonic()
         while (time.monotonic() < end or i < len(kinds)) and not self.stop.is_set():   # every kind at least once
+            if time.monotonic() - last_progress >= 60:
+                self.progress(t0)
+                last_progress = time.monotonic()
             kind = kinds[i % len(kinds)] if i < len(kinds) else self.rng.choice(kinds)   # each kind once first
             i += 1
             try:
@@ -395,6 +189,7 @@ class Soak:
             state = w.kv_state()
             if state and not state.get("invariants_ok", False):
                 leaks.append(f"{w.name}: block pool invariants: {state.get('error')}")
+            self.bank_remote_prefills(w)
         for r in self.routers:
             status, body = http_get(r.url + "/metrics")
             if status != 200:
@@ -404,6 +199,13 @@ class Soak:
             if p.baseline_rss and growth > MEMORY_BOUND_MIB:
                 leaks.append(f"{p.name}: RSS grew {growth:.0f} MiB (bound {MEMORY_BOUND_MIB})")
         return leaks
+
+    def check_security(self) -> list[str]:
+        """With security on: every worker refuses a plaintext gRPC client (mTLS was in force)."""
+        if not self.security.is_on:
+            return []
+        return [f"{w.name} served a plaintext gRPC client although mTLS is on"
+                for w in self.workers if not w.refuses_plaintext()]
 
     def recovery_times(self) -> dict[str, list[float]]:
         out = defaultdict(list)
@@ -427,7 +229,7 @@ class Soak:
             self.stop.set()
             for c in clients:
                 c.join(DEADLINE_S + 30)
-            leaks = self.quiesce_and_check()
+            leaks = self.quiesce_and_check() + self.check_security()
         finally:
             self.stop.set()
             for p in reversed(self.procs()):
@@ -437,7 +239,9 @@ class Soak:
 
     def report(self, leaks: list[str], seconds: float) -> int:
         t = self.tally
-        print(f"chaos soak: seed {self.seed}, {self.minutes:g} min of faults, {seconds:.0f} s in all")
+        print(f"chaos soak: seed {self.seed}, {self.minutes:g} min of faults, {seconds:.0f} s in all, "
+              f"{self.num_clients} clients, " + ("mTLS and KV-transfer authentication on" if self.security.is_on
+                                                 else "plaintext (--no-tls)"))
         print(f"faults injected ({sum(t.faults.values())}): " + ", ".join(f"{k} {t.faults[k]}" for k in FAULT_KINDS))
         print(f"requests ({sum(t.outcomes.values())}): " + ", ".join(f"{k} {v}" for k, v in sorted(t.outcomes.items())))
         for kind, times in sorted(self.recovery_times().items()):
@@ -445,8 +249,10 @@ class Soak:
             p99 = times[min(len(times) - 1, int(0.99 * len(times)))]
             print(f"recovery after {kind}: p50 {statistics.median(times):.2f} s, p99 {p99:.2f} s (n={len(times)})")
         bad = sum(t.outcomes[k] for k in ("wrong", "hung", "lost", "injector_failure"))
+        print(f"remote prefills (KV pushed to a decode worker): ok {self.remote_prefills['ok']:.0f}, "
+              f"failed {self.remote_prefills['failed']:.0f} (then prefilled locally)")
         print(f"data lost: {t.outcomes['lost']} requests; wrong answers: {t.outcomes['wrong']}; "
-              f"hung: {t.outcomes['hung']}; leaks: {len(leaks)}")
+              f"hung: {t.outcomes['hung']}; leaks and security failures: {len(leaks)}")
         for problem in t.problems[:20]:
             print("  problem:", *problem)
         for leak in leaks:
@@ -461,15 +267,17 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--minutes", type=float, default=30.0, help="how long faults are injected (default 30)")
     p.add_argument("--seed", type=int, default=17)
-    p.add_argument("--clients", type=int, default=3)
+    p.add_argument("--clients", type=int, default=NUM_CLIENTS, help=f"load-generating threads (default {NUM_CLIENTS})")
     p.add_argument("--logdir", default="")
+    p.add_argument("--no-tls", action="store_true",
+                   help="plaintext gRPC and unauthenticated KV transfers (default: both secured, as `splitserve up`)")
     args = p.parse_args(argv)
     if args.minutes <= 0 or args.clients < 1:
         p.error("--minutes must be > 0 and --clients >= 1")
     logdir = args.logdir or os.path.join("/tmp", f"splitserve-chaos-{os.getpid()}")
     os.makedirs(logdir, exist_ok=True)
     print(f"chaos soak: logs in {logdir}", flush=True)
-    return Soak(args.minutes, args.seed, logdir, args.clients).run()
+    return Soak(args.minutes, args.seed, logdir, args.clients, secure=not args.no_tls).run()
 
 
 if __name__ == "__main__":

@@ -1,6 +1,9 @@
 """The chaos soak's short form (e2e/chaos.py): one minute of faults (each fault kind at least
-once, which can stretch it; about 3 minutes in all with start-up and quiescing), on the real stack (Redis, two router replicas, UCX and TCP prefill/decode workers of the
-real model). Fails on any wrong, hung or lost request, any leak, or a fault kind not injected."""
+once, which can stretch it; about 3 minutes in all with start-up and quiescing), on the real
+stack (Redis, two router replicas, UCX and TCP prefill/decode workers of the real model), secured
+as `splitserve up` is: mTLS between routers and workers, authenticated KV transfers. Fails on
+any wrong, hung or lost request, any leak, a worker that serves a plaintext client, or a fault
+kind not injected."""
 
 import os
 import sys
@@ -20,6 +23,7 @@ def test_short_chaos_soak_accounts_for_every_request(tmp_path, capsys):
     report = capsys.readouterr().out
     print(report)
     t = soak.tally
+    assert soak.security.is_on and "mTLS and KV-transfer authentication on" in report, report
     assert all(t.faults[k] >= 1 for k in FAULT_KINDS) and len(FAULT_KINDS) == 8, report
     assert t.outcomes["ok"] > 0, report
     assert t.outcomes["wrong"] == t.outcomes["hung"] == t.outcomes["lost"] == 0, report

@@ -29,7 +29,8 @@ def loop():
 @pytest.fixture(scope="session")
 def cluster():
     """Two decode and two prefill worker processes (real model, TCP KV transport), started in
-    parallel and shared by the placement and Redis replica tests."""
+    parallel and shared by the placement and Redis replica tests. Secure, as `splitserve up`:
+    mTLS on gRPC and authenticated KV transfers; routers use `tls=workerproc.security().tls`."""
     import threading
 
     from workerproc import WorkerProc

@@ -93,11 +93,16 @@ class RouterServer:
         self.loop.run(_stop(), 60)
 
 
-def router_config(workers=(), **sections) -> RouterConfig:
-    """RouterConfig with static workers; `sections` replace fields, e.g. gateway=GatewayConfig(...)."""
+def router_config(workers=(), tls=None, stale_after_s: float = 2.0, **sections) -> RouterConfig:
+    """RouterConfig with static workers; `tls` (platform.grpc_tls.TlsFiles, e.g. workerproc's
+    `security().tls`) for mTLS to real workers; a worker silent for `stale_after_s` is marked
+    down (2 s suits FakeWorkers; in front of worker processes use workerproc.ROUTER_STALE_AFTER_S);
+    `sections` replace fields, e.g. gateway=GatewayConfig(...)."""
     config = RouterConfig()
+    secure = {} if tls is None else dict(tls_cert=tls.cert, tls_key=tls.key, tls_ca=tls.ca,
+                                         tls_server_name=tls.server_name)
     discovery = dataclasses.replace(config.discovery, workers=tuple(workers), backoff_initial_s=0.1,
-                                    backoff_max_s=0.5, stale_after_s=2.0)
+                                    backoff_max_s=0.5, stale_after_s=stale_after_s, **secure)
     return dataclasses.replace(config, discovery=discovery, **sections)
 
 

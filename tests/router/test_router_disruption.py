@@ -1,5 +1,6 @@
 """Disruption with real worker processes: a decode worker SIGKILLed mid-stream, every worker
-killed, a worker coming back. What the client sees is asserted, nothing else."""
+killed, a worker coming back. What the client sees is asserted, nothing else. The router
+reaches the workers over mTLS and the workers authenticate KV transfers (workerproc.security)."""
 
 import json
 import time
@@ -8,7 +9,7 @@ import httpx
 import pytest
 
 from routerkit import RouterServer, router_config
-from workerproc import WorkerProc
+from workerproc import ROUTER_STALE_AFTER_S, WorkerProc, security
 
 pytestmark = pytest.mark.slow
 
@@ -21,7 +22,8 @@ def stack(loop, tokenizer):
     workers = [WorkerProc("decode", "tcp") for _ in range(2)]
     for w in workers:
         w.start()
-    server = RouterServer(loop, router_config([w.address for w in workers]), tokenizer=tokenizer).start(num_decode=2)
+    server = RouterServer(loop, router_config([w.address for w in workers], tls=security().tls,
+                                        stale_after_s=ROUTER_STALE_AFTER_S), tokenizer=tokenizer).start(num_decode=2)
     client = httpx.Client(base_url=server.url, timeout=120)
     yield server, workers, client
     client.close()

@@ -6,11 +6,11 @@ import asyncio
 import threading
 import time
 
-import grpc
 import httpx
 import pytest
 
 from routerkit import RouterServer, router_config
+from workerproc import ROUTER_STALE_AFTER_S, security, worker_channel
 from splitserve.platform.hashing import BlockHasher
 from splitserve.platform.wire import worker_pb2 as pb
 from splitserve.platform.wire import worker_pb2_grpc as pb_grpc
@@ -27,12 +27,31 @@ def ids(n, salt):
 
 @pytest.fixture(scope="module")
 def gateway(cluster, loop, tokenizer):
-    server = RouterServer(loop, router_config([w.address for w in cluster]), tokenizer=tokenizer)
+    server = RouterServer(loop, router_config([w.address for w in cluster], tls=security().tls,
+                                                 stale_after_s=ROUTER_STALE_AFTER_S), tokenizer=tokenizer)
     server.start(num_decode=2, num_prefill=2, timeout=60)
     client = httpx.Client(base_url=server.url, timeout=120)
     yield server, client
     client.close()
     server.stop()
+
+
+def test_the_cluster_is_secured(cluster):
+    """The shared cluster runs as `splitserve up` does: a plaintext client is refused in the
+    handshake by every worker, the suite's client certificate is served."""
+    import grpc
+
+    async def first_event(make_channel):
+        async with make_channel() as ch:
+            async for msg in pb_grpc.WorkerStub(ch).WatchEvents(pb.WatchEventsRequest(), timeout=30):
+                return msg
+
+    for w in cluster:
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            asyncio.run(first_event(lambda: grpc.aio.insecure_channel(w.address)))
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert asyncio.run(first_event(lambda: worker_channel(w.address))).info.role == w.role
+    assert all("--kv-secret-file" in w.args and "--tls-ca" in w.args for w in cluster)
 
 
 def complete(client, prompt, max_tokens=2):
@@ -107,10 +126,10 @@ class Background:
         self.tasks = [asyncio.run_coroutine_threadsafe(self._one(address, i), self.loop) for i in range(num_requests)]
 
     async def _one(self, address, i):
-        async with grpc.aio.insecure_channel(address) as channel:
+        async with worker_channel(address) as ch:
             request = pb.GenerateRequest(request_id=f"busy-{i}-{time.monotonic_ns()}", prompt_token_ids=ids(20, 900 + i),
                                          params=pb.SamplingParams(temperature=0, max_tokens=400, ignore_eos=True))
-            async for _ in pb_grpc.WorkerStub(channel).Generate(request):
+            async for _ in pb_grpc.WorkerStub(ch).Generate(request):
                 pass
 
     def stop(self):

@@ -20,6 +20,7 @@ import httpx
 import pytest
 
 from routerkit import RouterServer, router_config
+from workerproc import ROUTER_STALE_AFTER_S, security
 from splitserve.platform.hashing import BlockHasher
 from splitserve.router.config import DisaggregationConfig, IndexConfig, PlacementConfig
 
@@ -58,7 +59,8 @@ def run_workload(urls, salt):
 
 def test_two_replicas_on_redis_match_one_router(cluster, loop, tokenizer, redis_server):
     redis_server.flush()
-    local = dataclasses.replace(router_config([w.address for w in cluster]),
+    local = dataclasses.replace(router_config([w.address for w in cluster], tls=security().tls,
+                                              stale_after_s=ROUTER_STALE_AFTER_S),
                                 placement=PlacementConfig(disaggregation=DisaggregationConfig(mode="never")))
     redis_index = IndexConfig(backend="redis", redis_url=redis_server.url, key_prefix="replicas")
     replicas = [RouterServer(loop, dataclasses.replace(local, index=redis_index), tokenizer=tokenizer).start(2, 2)

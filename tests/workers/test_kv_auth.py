@@ -1,5 +1,7 @@
 """KV-transfer authentication (workers/transfer/auth.py) with real `splitserve worker` processes,
-over TCP and UCX: prefill and decode workers sharing a secret file serve disaggregated requests;
+over TCP and UCX, with mTLS on their gRPC APIs as everywhere in the suite (an intruder below holds
+a valid client certificate but another service's KV secret): prefill and decode workers sharing a
+secret file serve disaggregated requests;
 a peer with a wrong token, or none, is refused before any header is acted on, logged, counted
 in `splitserve_kv_auth_failures_total`, and the decode worker keeps serving."""
 

@@ -12,7 +12,7 @@ import pytest
 
 from splitserve.platform.wire import worker_pb2 as pb
 from splitserve.platform.wire import worker_pb2_grpc as pb_grpc
-from workerproc import WorkerProc
+from workerproc import WorkerProc, worker_channel
 
 pytestmark = pytest.mark.slow
 
@@ -26,7 +26,7 @@ def prompt(n: int, salt: int = 0) -> list[int]:
 
 async def generate(address: str, token_ids, prefill_workers=(), mode=pb.DISAGGREGATION_MODE_ALWAYS,
                    max_tokens=8, req_id=None, **params):
-    async with grpc.aio.insecure_channel(address) as channel:
+    async with worker_channel(address) as channel:
         stub = pb_grpc.WorkerStub(channel)
         request = pb.GenerateRequest(
             request_id=req_id or f"t-{time.monotonic_ns()}", prompt_token_ids=token_ids,
@@ -87,7 +87,7 @@ def test_cancel_during_prefill_and_decode_frees_blocks_on_both(pair):
     d, p = pair
 
     async def cancel_after(delay, n, max_tokens):
-        async with grpc.aio.insecure_channel(d.address) as channel:
+        async with worker_channel(d.address) as channel:
             call = pb_grpc.WorkerStub(channel).Generate(pb.GenerateRequest(
                 request_id=f"cancel-{n}-{max_tokens}", prompt_token_ids=prompt(n, salt=900 + n),
                 params=pb.SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True),

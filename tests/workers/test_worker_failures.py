@@ -16,7 +16,7 @@ from splitserve.platform.hashing import BlockHasher
 from splitserve.platform.wire import worker_pb2 as pb
 from splitserve.platform.wire import worker_pb2_grpc as pb_grpc
 from test_worker_disaggregation import generate, prompt, run
-from workerproc import WorkerProc
+from workerproc import WorkerProc, worker_channel
 
 pytestmark = pytest.mark.slow
 
@@ -79,7 +79,7 @@ def test_layout_mismatch_is_a_clear_error_and_falls_back(decode, reference):
         assert "KV layout mismatch" in decode.log() and "dtype" in decode.log()
 
         async def direct():
-            async with grpc.aio.insecure_channel(bf16.address) as ch:
+            async with worker_channel(bf16.address) as ch:
                 with pytest.raises(grpc.aio.AioRpcError) as err:
                     await pb_grpc.WorkerStub(ch).Prefill(pb.PrefillRequest(
                         request_id="x", prompt_token_ids=[5, 6, 7], transfer_id="t", kv_address="tcp://127.0.0.1:1",
@@ -106,7 +106,7 @@ def test_layout_mismatch_is_a_clear_error_and_falls_back(decode, reference):
 ])
 def test_bad_generate_requests(decode, request_kwargs, code, message):
     async def call():
-        async with grpc.aio.insecure_channel(decode.address) as ch:
+        async with worker_channel(decode.address) as ch:
             with pytest.raises(grpc.aio.AioRpcError) as err:
                 async for _ in pb_grpc.WorkerStub(ch).Generate(pb.GenerateRequest(**request_kwargs)):
                     pass
@@ -123,12 +123,12 @@ def test_unknown_ids_are_not_found(decode):
         info = run(first_event(decode.address)).info
 
         async def calls():
-            async with grpc.aio.insecure_channel(p.address) as ch:
+            async with worker_channel(p.address) as ch:
                 with pytest.raises(grpc.aio.AioRpcError) as prefill_err:
                     await pb_grpc.WorkerStub(ch).Prefill(pb.PrefillRequest(
                         request_id="x", prompt_token_ids=[5, 6, 7], transfer_id="no-such-transfer",
                         kv_address=info.kv_address, layout=info.layout, deadline_s=5))
-            async with grpc.aio.insecure_channel(decode.address) as ch:
+            async with worker_channel(decode.address) as ch:
                 with pytest.raises(grpc.aio.AioRpcError) as abort_err:
                     await pb_grpc.WorkerStub(ch).Abort(pb.AbortRequest(request_id="no-such-request"))
             return prefill_err.value, abort_err.value
@@ -141,7 +141,7 @@ def test_unknown_ids_are_not_found(decode):
 
 
 async def first_event(address):
-    async with grpc.aio.insecure_channel(address) as ch:
+    async with worker_channel(address) as ch:
         async for msg in pb_grpc.WorkerStub(ch).WatchEvents(pb.WatchEventsRequest()):
             return msg
 
@@ -149,7 +149,7 @@ async def first_event(address):
 async def collect_events(address, seconds, stop: asyncio.Event | None = None):
     """WatchEvents messages until `stop` is set or `seconds` pass (load reports keep coming)."""
     out = []
-    async with grpc.aio.insecure_channel(address) as ch:
+    async with worker_channel(address) as ch:
         call = pb_grpc.WorkerStub(ch).WatchEvents(pb.WatchEventsRequest())
         try:
             async with asyncio.timeout(seconds):
@@ -204,7 +204,7 @@ async def events_during(w, prompts):
 
 
 async def drain_during_stream(w):
-    async with grpc.aio.insecure_channel(w.address) as ch:
+    async with worker_channel(w.address) as ch:
         stub = pb_grpc.WorkerStub(ch)
         stream = stub.Generate(pb.GenerateRequest(request_id="long", prompt_token_ids=prompt(30),
                                                   params=pb.SamplingParams(temperature=0, max_tokens=200,

@@ -2,20 +2,23 @@
 random bytes, valid messages mutated (bit flips, truncation, spliced bytes), fields sent with the
 wrong wire type, invalid UTF-8 in string fields, random well-formed messages with extreme
 values, oversized messages, and streams cut mid-message (calls cancelled after the first token,
-raw HTTP/2 connections closed mid-frame) on every RPC. The worker must never crash, must answer
+raw HTTP/2 connections closed mid-frame, inside TLS and as plaintext bytes sent to the TLS port)
+on every RPC. The worker runs as tests/workerproc.py starts it, with mTLS on (the fuzzer holds the
+test process' client certificate, so its messages reach the handlers). It must never crash, must answer
 an undecodable request with INVALID_ARGUMENT (workers/grpc_guard.py), must still answer a normal
 request correctly afterwards, and must hold no blocks or requests once the fuzzing stops."""
 
 import asyncio
 import random
 import socket
+import ssl
 import time
 
 import grpc
 import pytest
 
 from splitserve.platform.wire import worker_pb2 as pb
-from workerproc import WorkerProc
+from workerproc import WorkerProc, security
 
 pytestmark = pytest.mark.slow
 
@@ -104,8 +107,7 @@ def test_fuzzed_requests_never_crash_or_leak(worker):
     codes: dict[str, int] = {}
 
     async def fuzz():
-        async with grpc.aio.insecure_channel(worker.address, options=[
-                ("grpc.max_send_message_length", 80 << 20)]) as channel:
+        async with worker.channel([("grpc.max_send_message_length", 80 << 20)]) as channel:
             cases = []
             for _ in range(120):
                 method = rng.choice(list(STREAMING))
@@ -158,7 +160,7 @@ def test_fuzzed_requests_never_crash_or_leak(worker):
 
     async def normal():   # still serves, deterministically
         request = valid_generate(random.Random(1), max_tokens=4)
-        async with grpc.aio.insecure_channel(worker.address) as channel:
+        async with worker.channel() as channel:
             outs = []
             for _ in range(2):
                 call = channel.unary_stream(SERVICE + "Generate", response_deserializer=pb.GenerateResponse.FromString)
@@ -170,11 +172,22 @@ def test_fuzzed_requests_never_crash_or_leak(worker):
 
 
 def cut_raw_connections(worker, rng: random.Random) -> None:
-    """HTTP/2 connections that stop mid-preface, mid-frame and mid-message, then close."""
+    """HTTP/2 connections that stop mid-preface, mid-frame and mid-message, then close: inside
+    a TLS session made with the client certificate, and as plaintext bytes (a TLS handshake cut
+    or garbage) to the TLS port."""
     preface = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
     settings = b"\x00\x00\x00\x04\x00\x00\x00\x00\x00"
-    for payload in (preface[:10], preface + settings[:5], preface + settings + b"\x00\x10\x00\x01\x04",
-                    rng.randbytes(64), preface + settings + rng.randbytes(200)):
+    payloads = (preface[:10], preface + settings[:5], preface + settings + b"\x00\x10\x00\x01\x04",
+                rng.randbytes(64), preface + settings + rng.randbytes(200))
+    tls = security().tls
+    context = ssl.create_default_context(cafile=tls.ca)
+    context.load_cert_chain(tls.cert, tls.key)
+    context.set_alpn_protocols(["h2"])
+    for payload in payloads:
+        with socket.create_connection(("127.0.0.1", worker.grpc_port), timeout=10) as raw:
+            with context.wrap_socket(raw, server_hostname=tls.server_name) as s:
+                s.sendall(payload)
+    for payload in (*payloads, b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03" + rng.randbytes(40)):
         with socket.create_connection(("127.0.0.1", worker.grpc_port), timeout=10) as s:
             s.sendall(payload)
 

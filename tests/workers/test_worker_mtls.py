@@ -23,7 +23,9 @@ def pki(tmp_path_factory):
 @pytest.fixture(scope="module")
 def worker(pki):
     tls, _ = pki
-    w = WorkerProc("both", "tcp", "--tls-cert", tls.cert, "--tls-key", tls.key, "--tls-ca", tls.ca).start()
+    # secure=False: this worker gets this test's own CA, not the suite's (workerproc.security)
+    w = WorkerProc("both", "tcp", "--tls-cert", tls.cert, "--tls-key", tls.key, "--tls-ca", tls.ca,
+                   secure=False).start()
     yield w
     w.terminate()
 
