@@ -60,7 +60,7 @@ class LoraRegistry:
     def remove(self, name: str) -> None:
         """Forget `name`: new requests for it are refused; running ones finish with their copy."""
         if name not in self._paths:
-            raise AdapterNotFoundError(f"adapter {name!r} is not loaded; loaded: {self.names() or 'none'}")
+            raise AdapterNotFoundError(f"adapter {name!r} is not loaded; loaded: {', '.join(self.names()) or 'none'}")
         del self._paths[name]
         del self._digests[name]
         self._loaded.pop(name, None)
@@ -69,7 +69,7 @@ class LoraRegistry:
         """The adapter for a request, read again from its folder if it was evicted."""
         if name not in self._paths:
             raise AdapterNotFoundError(f"model {name!r} is neither the base model nor a loaded adapter; "
-                                       f"adapters: {self.names() or 'none'}")
+                                       f"adapters: {', '.join(self.names()) or 'none'}")
         adapter = self._loaded.get(name)
         if adapter is None:
             adapter = self._read(name, self._paths[name])

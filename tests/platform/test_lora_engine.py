@@ -16,7 +16,6 @@ from lora_fixtures import ADAPTERS, make_peft_adapters, peft_greedy, run_mixed
 from test_engine_vs_transformers import PROMPTS, prompt_logits
 from test_quantization import MEAN_TOLERANCE, MIN_TOP1_AGREEMENT, TOP20_TOLERANCE, needs_kernels
 
-from splitserve.platform.config import LoraConfig
 from splitserve.platform.sampling.params import SamplingParams
 
 pytestmark = pytest.mark.slow
