@@ -3,9 +3,8 @@
 It owns the model, the KV cache tensors and the sampler, and touches no scheduler state:
 `execute(plan, rows)` reads the plan and returns a StepResult.
 
-With LoRA adapters in the step (`loras`: req_id -> adapter), decodes and prefills are each
-ordered by adapter so that every adapter's rows are contiguous, and the row segments are
-published on the model's LoraContext for this one forward (platform/lora/batch.py).
+With LoRA adapters in the step (`loras`: req_id -> adapter), each row's adapter is published
+on the model's LoraContext for this one forward (platform/lora/batch.py).
 """
 
 from __future__ import annotations
@@ -15,7 +14,7 @@ from collections.abc import Callable, Collection
 import torch
 
 from splitserve.platform.lora.adapter import LoraAdapter
-from splitserve.platform.lora.batch import LoraContext, segments_for
+from splitserve.platform.lora.batch import LoraContext
 from splitserve.platform.models.attention import AttentionMetadata, PrefillChunk
 from splitserve.platform.sampling.sampler import Sampler, SamplingRow
 from splitserve.platform.sched.plan import SchedulerPlan, ScheduledSeq, StepResult
@@ -35,17 +34,16 @@ class ModelRunner:
     def execute(self, plan: SchedulerPlan, rows: dict[str, SamplingRow], eos_token_ids: Collection[int],
                 layer_hook: Callable[[int], None] | None = None,
                 loras: dict[str, LoraAdapter] | None = None) -> StepResult:
-        seqs = _decodes_first(plan.seqs, loras)
+        seqs = _decodes_first(plan.seqs)
         input_ids, positions, meta, sample_idx = self._prepare(seqs)
         if loras:
             assert self.lora_context is not None, "adapters in a step need the model's LoraContext"
-            self.lora_context.segments = segments_for([s.num_tokens for s in seqs],
-                                                      [loras.get(s.req_id) for s in seqs])
+            self.lora_context.begin([s.num_tokens for s in seqs], [loras.get(s.req_id) for s in seqs], self.device)
         try:
             hidden = self.model(input_ids, positions, self.kv_caches, meta, layer_hook)
         finally:
             if loras:
-                self.lora_context.segments = ()
+                self.lora_context.end()
         sampling = [s for s in seqs if s.do_sample]
         if not sampling:
             return StepResult(sampled={})
@@ -108,15 +106,6 @@ class ModelRunner:
         return chunks
 
 
-def _decodes_first(seqs, loras: dict[str, LoraAdapter] | None = None) -> list[ScheduledSeq]:
-    """Single-token slices first (batched decode attention), then prefill chunks; with adapters,
-    each part grouped by adapter (stable; base requests first) so an adapter's rows are contiguous."""
-    decodes = [s for s in seqs if s.num_tokens == 1]
-    prefills = [s for s in seqs if s.num_tokens != 1]
-    if loras:
-        def key(s: ScheduledSeq) -> str:
-            adapter = loras.get(s.req_id)
-            return "" if adapter is None else adapter.lora_id
-        decodes.sort(key=key)
-        prefills.sort(key=key)
-    return decodes + prefills
+def _decodes_first(seqs) -> list[ScheduledSeq]:
+    """Single-token slices first (batched decode attention), then prefill chunks."""
+    return [s for s in seqs if s.num_tokens == 1] + [s for s in seqs if s.num_tokens != 1]

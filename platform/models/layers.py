@@ -70,7 +70,7 @@ class MergedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.kernel(x) if self.kernel is not None else nn.functional.linear(x, self.weight, self.bias)
-        if self.lora_context is not None and self.lora_context.segments:
+        if self.lora_context is not None and self.lora_context.batch is not None:
             self.lora_context.add_delta(self.lora_key, x, y)
         return y
 

@@ -103,11 +103,9 @@ def test_auto_mode_mixed_batch_gives_each_request_its_tokens_alone(make_engine, 
 
 def adapter_logits(engine, name, ids) -> torch.Tensor:
     """All-position logits of one prompt through the engine's model with adapter `name` on all rows."""
-    from splitserve.platform.lora.batch import Segment
-
     context = engine.runner.lora_context
-    context.segments = (Segment(0, len(ids), engine.loras.get(name)),)
+    context.begin([len(ids)], [engine.loras.get(name)], "cpu")
     try:
         return prompt_logits(engine.model, ids)
     finally:
-        context.segments = ()
+        context.end()
