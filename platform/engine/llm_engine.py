@@ -296,10 +296,11 @@ class LLMEngine:
         self.loras.remove(name)
 
     def lora_extra_keys(self, lora_name: str | None) -> tuple:
-        """The block-hash extra keys of a request for `lora_name` (None: base; unknown: 404 error)."""
+        """The block-hash extra keys of a request for `lora_name` (None: base; unknown: 404 error).
+        Reads only the registry's digests, so the worker may call it off the engine thread."""
         if lora_name is None:
             return ()
-        return lora_extra_keys(lora_name, self.loras.get(lora_name).digest)
+        return lora_extra_keys(lora_name, self.loras.digest(lora_name))
 
     def take_kv_events(self) -> list[KVEvent]:
         """BlockStored / BlockRemoved / AllCleared since the last call, in order."""

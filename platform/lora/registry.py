@@ -78,6 +78,13 @@ class LoraRegistry:
             self._loaded.move_to_end(name)
         return adapter
 
+    def digest(self, name: str) -> bytes:
+        """The digest of `name`'s latest read, without touching the LRU (safe from any thread)."""
+        digest = self._digests.get(name)
+        if digest is None:
+            raise AdapterNotFoundError(f"model {name!r} is neither the base model nor a loaded adapter")
+        return digest
+
     def names(self) -> list[str]:
         return sorted(self._paths)
 
