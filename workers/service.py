@@ -141,8 +141,11 @@ class WorkerService(pb_grpc.WorkerServicer):
             return True
         threshold = (request.min_prefill_tokens if request.HasField("min_prefill_tokens")
                      else self.config.min_prefill_tokens)
-        lora = request.lora_name or None
-        uncached = len(token_ids) - self.engine.engine.num_cached_prefix_tokens(token_ids, lora)
+        try:
+            cached = self.engine.engine.num_cached_prefix_tokens(token_ids, request.lora_name or None)
+        except AdapterNotFoundError:
+            return False   # unloaded since the check: admission answers NOT_FOUND
+        uncached = len(token_ids) - cached
         return uncached >= threshold
 
     # -- Prefill ---------------------------------------------------------------------------
