@@ -28,8 +28,8 @@ PROMPT = "The best way to learn a language is"
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
     root = tmp_path_factory.mktemp("gateway-adapters")
-    return {"sql": write_adapter(root / "sql", modules=("q_proj", "v_proj", "gate_proj"), seed=21),
-            "chat": write_adapter(root / "chat", r=16, alpha=8, modules=("k_proj", "o_proj", "down_proj"), seed=22),
+    return {"sql": write_adapter(root / "sql", alpha=128, modules=("q_proj", "v_proj", "gate_proj"), seed=21),
+            "chat": write_adapter(root / "chat", r=16, alpha=256, modules=("k_proj", "o_proj", "down_proj"), seed=22),
             "big": write_adapter(root / "big", r=32, seed=23),
             "lmhead": write_adapter(root / "lmhead", modules=("q_proj", "lm_head"), seed=24),
             "root": root}
