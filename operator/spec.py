@@ -63,6 +63,16 @@ class ModelSpec(_Spec):
     """Where the weights live when they are not in the image."""
 
 
+class LoraAdapterSpec(_Spec):
+    """A PEFT LoRA adapter every worker loads at start; clients select it with `model: <name>`."""
+
+    name: str = Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9][A-Za-z0-9._:/-]*$")
+    """The model name clients send for this adapter (listed in /v1/models with the base model as parent)."""
+    uri: str = Field(min_length=2, max_length=1024, pattern=r"^/")
+    """The adapter folder (adapter_config.json + adapter_model.safetensors) as the workers see it:
+    a path on a mounted volume, e.g. below `model.storage.mountPath`."""
+
+
 class EngineSpec(_Spec):
     """Engine settings shared by both pools (the router hashes blocks of the same size)."""
 
@@ -332,6 +342,8 @@ class InferenceServiceSpec(_Spec):
     network_policy: NetworkPolicySpec = NetworkPolicySpec()
     tls: TlsSpec | None = None
     """mTLS between router and workers (off when absent)."""
+    adapters: list[LoraAdapterSpec] = Field(default_factory=list, max_length=256)
+    """LoRA adapters loaded on every worker at start (`--lora-modules`); a change rolls the pools."""
 
     @property
     def served_model_name(self) -> str:

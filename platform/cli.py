@@ -44,10 +44,16 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-chunked-prefill", action="store_true")
     p.add_argument("--no-share-prefix-in-flight", action="store_true",
                    help="compute a prefix again when another request is computing it in the same batch")
+    p.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH",
+                   help="PEFT LoRA adapters to load at start; a request selects one with model=NAME")
+    p.add_argument("--max-loras", type=int, default=4, help="distinct LoRA adapters one engine step may mix")
+    p.add_argument("--max-lora-rank", type=int, default=64, help="the largest LoRA rank accepted")
+    p.add_argument("--max-cpu-loras", type=int, default=None,
+                   help="LoRA adapters kept in memory, least recently used evicted (default: --max-loras)")
 
 
 def engine_config(args):
-    from splitserve.platform.config import CacheConfig, DeviceConfig, EngineConfig, SchedulerConfig
+    from splitserve.platform.config import CacheConfig, DeviceConfig, EngineConfig, LoraConfig, SchedulerConfig
 
     return EngineConfig(
         model=args.model,
@@ -58,7 +64,22 @@ def engine_config(args):
                                   share_prefix_in_flight=not args.no_share_prefix_in_flight),
         device=DeviceConfig(device=args.device, dtype=args.dtype, num_threads=args.threads,
                             quantization=args.quantization),
+        lora=LoraConfig(max_loras=args.max_loras, max_lora_rank=args.max_lora_rank, max_cpu_loras=args.max_cpu_loras,
+                        modules=tuple(parse_lora_modules(args.lora_modules))),
     )
+
+
+def parse_lora_modules(specs: list[str]) -> list[tuple[str, str]]:
+    """`--lora-modules name=path ...` as (name, path) pairs; ConfigError naming a bad entry."""
+    from splitserve.platform.errors import ConfigError
+
+    pairs = []
+    for spec in specs:
+        name, sep, path = spec.partition("=")
+        if not sep or not name or not path:
+            raise ConfigError(f"--lora-modules {spec!r} is invalid; allowed: NAME=PATH (a PEFT adapter folder)")
+        pairs.append((name, path))
+    return pairs
 
 
 def add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:

@@ -171,6 +171,50 @@ class DeviceConfig:
 
 
 @dataclass(frozen=True)
+class LoraConfig:
+    """Multi-LoRA serving (platform/lora): PEFT adapters on the attention and MLP projections.
+
+    `max_loras`: distinct adapters one engine step may mix (a waiting request whose adapter would
+    be one too many waits a step; vLLM's knob). `max_lora_rank`: the largest adapter rank accepted.
+    `max_cpu_loras`: adapters kept loaded in host memory, least recently used evicted first
+    (None: `max_loras`). `modules`: adapters known at start, as (name, path) pairs (--lora-modules).
+    """
+
+    max_loras: int = 4
+    max_lora_rank: int = 64
+    max_cpu_loras: int | None = None
+    modules: tuple[tuple[str, str], ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.max_loras < 1:
+            raise ConfigError(f"max_loras must be >= 1, got {self.max_loras}")
+        if self.max_lora_rank < 1:
+            raise ConfigError(f"max_lora_rank must be >= 1, got {self.max_lora_rank}")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ConfigError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras}): "
+                              "every adapter of a step must be loaded; raise max_cpu_loras or lower max_loras")
+        names = [name for name, _ in self.modules]
+        for name in names:
+            check_lora_name(name)
+        if len(set(names)) != len(names):
+            raise ConfigError(f"lora modules name an adapter twice: {names}")
+
+    @property
+    def cpu_capacity(self) -> int:
+        return self.max_cpu_loras if self.max_cpu_loras is not None else self.max_loras
+
+
+def check_lora_name(name: str) -> str:
+    """An adapter name is what a client puts in `model`: 1-128 printable characters, no ',' or
+    whitespace (the `vllm:lora_requests_info` labels are comma-separated lists of names)."""
+    if not isinstance(name, str) or not 0 < len(name) <= 128 or not name.isprintable() \
+            or any(c in name for c in ", \t"):
+        raise ConfigError(f"adapter name {name!r} is invalid; allowed: 1-128 printable characters "
+                          "without spaces or commas")
+    return name
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """Everything one engine instance needs; `model` is an alias, a path or `random:<preset>`."""
 
@@ -178,4 +222,5 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     device: DeviceConfig = field(default_factory=DeviceConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
     seed: int = 0

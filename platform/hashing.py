@@ -2,11 +2,16 @@
 
 A block's hash covers everything that determines its keys and values: the hash of the block
 before it (so equal tokens after different prefixes hash differently), the block's token ids,
-and extra keys (a LoRA name, a cache salt). Only full blocks are hashed: a partial block may
+and extra keys (a LoRA adapter's identity, a cache salt). Only full blocks are hashed: a partial block may
 still change, so it is never shared.
 
     root   = sha256("splitserve-block-hash" | version | block_size | model_id)[:16]
     hash_i = sha256(hash_{i-1} | uint32-le token ids | encoded extra keys)[:16]   (hash_{-1} = root)
+
+Extra keys are domain-tagged tuples (`lora_extra_keys`: "lora", name, weights digest), put into
+every block's hash, not only the first: a base request and an adapter request, or two adapters,
+or two different adapters loaded one after the other under one name, never share a block.
+A base request has no extra keys, so its hashes are those of a server without LoRA.
 
 The model id and block size sit in the root, so two workers only agree on a hash when they run
 the same weights with the same block size. Hashes are 16-byte digests (collisions need ~2^64
@@ -42,6 +47,16 @@ def hash_block(parent: BlockHash, token_ids: Sequence[int], extra_keys: Sequence
     for key in extra_keys:
         h.update(_encode_extra_key(key))
     return h.digest()[:DIGEST_BYTES]
+
+
+def lora_extra_keys(name: str | None, digest: bytes | None) -> tuple[ExtraKey, ...]:
+    """The extra keys of an adapter request: ("lora", name, digest); () for the base model.
+    Engine, KV events and router all use this one function."""
+    if name is None:
+        return ()
+    if not isinstance(digest, bytes) or not digest:
+        raise ValueError(f"adapter {name!r} needs its weights digest (bytes) in the block hash")
+    return ("lora", name, digest)
 
 
 def _encode_extra_key(key: ExtraKey) -> bytes:

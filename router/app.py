@@ -1,7 +1,9 @@
 """The FastAPI application of the gateway: routes, error handlers, the edge middleware.
 
-Routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models (these three need the
-API key when keys are configured), GET /health (the process is up), GET /ready (the model
+Routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models, POST
+/v1/load_lora_adapter, POST /v1/unload_lora_adapter (these need the API key when keys are
+configured; `model` may name a loaded LoRA adapter, listed in /v1/models with `parent` = the
+base model), GET /health (the process is up), GET /ready (the model
 can be served: router/readiness.py; until then /v1/models lists no model), GET /metrics
 (Prometheus), GET /openapi.json and /docs.
 
@@ -26,7 +28,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from splitserve.router import logctx, openapi, readiness
 from splitserve.router.errors import APIError, error_body
 from splitserve.router.gateway import Gateway
-from splitserve.router.protocol import ChatCompletionRequest, CompletionRequest
+from splitserve.router.protocol import ChatCompletionRequest, CompletionRequest, LoadLoraAdapterRequest, \
+    UnloadLoraAdapterRequest
 from splitserve.router.service import Router
 
 log = logging.getLogger(__name__)
@@ -76,9 +79,31 @@ def _add_routes(app: FastAPI, router: Router, gateway: Gateway) -> None:
     @app.get("/v1/models", dependencies=access, summary="Served models (OpenAI)")
     async def models():
         created = int(time.time())
-        return {"object": "list", "data": [{"id": name, "object": "model", "created": created, "owned_by": "splitserve",
-                                            "max_model_len": router.config.max_model_len}
-                                           for name in router.config.served_model_names if router.is_ready]}
+        if not router.is_ready:
+            return {"object": "list", "data": []}
+        base = [{"id": name, "object": "model", "created": created, "owned_by": "splitserve",
+                 "max_model_len": router.config.max_model_len, "root": router.config.model, "parent": None}
+                for name in router.config.served_model_names]
+        parent = router.config.served_model_names[0]
+        adapters = [{"id": name, "object": "model", "created": created, "owned_by": "splitserve",
+                     "max_model_len": router.config.max_model_len, "root": name, "parent": parent}
+                    for name in router.adapters.names()]
+        return {"object": "list", "data": base + adapters}
+
+    @app.post("/v1/load_lora_adapter", dependencies=access, summary="Load a LoRA adapter on every worker (vLLM)")
+    async def load_lora_adapter(body: LoadLoraAdapterRequest):
+        if body.lora_name in router.config.served_model_names:
+            raise APIError(400, f"lora_name {body.lora_name!r} is the base model's name; choose another",
+                           param="lora_name")
+        await router.adapters.load(body.lora_name, body.lora_path)
+        return {"object": "lora_adapter", "lora_name": body.lora_name, "status": "loaded",
+                "message": f"Success: LoRA adapter '{body.lora_name}' added successfully."}
+
+    @app.post("/v1/unload_lora_adapter", dependencies=access, summary="Unload a LoRA adapter everywhere (vLLM)")
+    async def unload_lora_adapter(body: UnloadLoraAdapterRequest):
+        await router.adapters.unload(body.lora_name)
+        return {"object": "lora_adapter", "lora_name": body.lora_name, "status": "unloaded",
+                "message": f"Success: LoRA adapter '{body.lora_name}' removed successfully."}
 
     @app.get("/health", summary="Liveness: the gateway process serves")
     async def health():

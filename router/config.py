@@ -48,7 +48,8 @@ def default_decode_profile() -> ProfileConfig:
     # Load outweighs a prefix hit once a worker's queue is much deeper (docs/router.md).
     return ProfileConfig(filters=("healthy", "not-draining", "not-saturated"),
                          scorers=(ScorerSpec("prefix-overlap", 2.0), ScorerSpec("queue-depth", 3.0),
-                                  ScorerSpec("kv-usage", 1.0), ScorerSpec("pending-assignments", 1.0)))
+                                  ScorerSpec("kv-usage", 1.0), ScorerSpec("pending-assignments", 1.0),
+                                  ScorerSpec("lora-affinity", 2.0)))
 
 
 def default_prefill_profile() -> ProfileConfig:

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from splitserve.platform.hashing import BlockHasher
+from splitserve.platform.hashing import BlockHasher, lora_extra_keys
 from splitserve.platform.sampling.params import SamplingParams
 from splitserve.platform.tokenizer import Tokenizer
 from splitserve.platform.wire import worker_pb2 as pb
@@ -55,6 +55,7 @@ class Job:
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
+    lora_name: str | None = None   # a LoRA adapter the workers have loaded; None: the base model
 
 
 @dataclass
@@ -88,7 +89,8 @@ class _Progress:
 
 class Dispatcher:
     def __init__(self, pool: WorkerPool, placer: Placer, hasher: BlockHasher, tokenizer: Tokenizer | None,
-                 channels, max_attempts: int = 3, metrics=None, hold=None, worker_wait_s: float = 0.0):
+                 channels, max_attempts: int = 3, metrics=None, hold=None, worker_wait_s: float = 0.0,
+                 adapters=None):
         self.pool = pool
         self.placer = placer
         self.hasher = hasher
@@ -98,6 +100,7 @@ class Dispatcher:
         self.metrics = metrics
         self.hold = hold                                         # router/hold.py, or None
         self.worker_wait_s = worker_wait_s                       # see _place_or_wait
+        self.adapters = adapters                                 # router/adapters.AdapterCatalog
         self._calls: dict[str, dict[int, grpc.aio.Call]] = {}   # worker -> in-flight calls
         self._lost: set[int] = set()                             # ids of calls cancelled by worker_down
 
@@ -148,7 +151,9 @@ class Dispatcher:
         if self.hold is not None:
             await self.hold.wait(lambda: bool(self.pool.decode_workers()))
         t0 = time.perf_counter()
-        decision = await self.placer.place(len(token_ids), self.hasher.hash_blocks(token_ids), frozenset(excluded))
+        decision = await self.placer.place(len(token_ids), self._hashes(job, token_ids), frozenset(excluded),
+                                           lora_name=job.lora_name,
+                                           lora_workers=self.adapters.workers_with(job.lora_name) if job.lora_name else None)
         seconds = time.perf_counter() - t0
         log.info("%s attempt %d: decode %s, prefill %s, %d cached blocks, %d uncached tokens", job.request_id,
                  attempt, decision.decode, ",".join(decision.prefill) or "local", decision.num_cached_blocks,
@@ -157,9 +162,20 @@ class Dispatcher:
             self.metrics.observe_decision(decision, len(token_ids) // self.hasher.block_size, seconds)
         return decision
 
+    def _hashes(self, job: Job, token_ids: list[int]) -> list[bytes]:
+        """The prompt's block hashes as the workers compute them: with the adapter's identity for
+        a LoRA request (none while its digest is unknown: no prefix matching rather than wrong)."""
+        if job.lora_name is None:
+            return self.hasher.hash_blocks(token_ids)
+        digest = self.adapters.digest(job.lora_name) if self.adapters is not None else None
+        if digest is None:
+            return []
+        return self.hasher.hash_blocks(token_ids, lora_extra_keys(job.lora_name, digest))
+
     async def _attempt(self, job: Job, decision: Decision, progress: _Progress) -> AsyncIterator[Chunk]:
         request = generate_request(job.request_id, job.prompt_token_ids, job.params, decision,
-                                   self.placer.config.disaggregation, resume_output_token_ids=progress.token_ids)
+                                   self.placer.config.disaggregation, resume_output_token_ids=progress.token_ids,
+                                   lora_name=job.lora_name)
         prefill = request.prefill_workers[0] if request.prefill_workers else ""   # none for a resume
         assignment = self.pool.assign(decision.decode, prefill, decision.num_uncached_tokens)
         trace_id = logctx.request_id.get() or job.request_id

@@ -12,6 +12,7 @@ whole (non-streamed) answer the gateway watches the connection and cancels on di
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 import uuid
@@ -58,14 +59,20 @@ class Gateway:
         request.state.api_key = key
         return key
 
-    def check_model(self, model: str) -> None:
+    def check_model(self, model: str) -> str | None:
+        """The LoRA adapter `model` names (None: the base model); 404 for anything else."""
         names = self.router.config.served_model_names
-        if model not in names:
-            raise APIError(404, f"the model {model!r} does not exist; this server serves: {', '.join(names)}",
-                           param="model", code="model_not_found")
+        if model in names:
+            return None
+        adapters = self.router.adapters.names()
+        if model in adapters:
+            return model
+        served = ", ".join([*names, *adapters])
+        raise APIError(404, f"the model {model!r} does not exist; this server serves: {served}",
+                       param="model", code="model_not_found")
 
     async def serve(self, request: Request, body, is_chat: bool) -> Response:
-        self.check_model(body.model)
+        lora_name = self.check_model(body.model)
         key = getattr(request.state, "api_key", ANONYMOUS)
         check_scope(key, body.model)
         request_id = logctx.request_id.get()
@@ -74,6 +81,8 @@ class Gateway:
         prepare = prepare_chat if is_chat else prepare_completion
         prepared = prepare(body, request_id, job_id, self.router.tokenizer, self.router.config.max_model_len,
                            **({"tool_call_parser": self.router.config.gateway.tool_call_parser} if is_chat else {}))
+        if lora_name is not None:
+            prepared.jobs[:] = [dataclasses.replace(job, lora_name=lora_name) for job in prepared.jobs]
         reserve = prepared.num_prompt_tokens + sum(job.params.max_tokens for job in prepared.jobs)
         try:
             counted = self.concurrency.enter(key)

@@ -5,7 +5,8 @@ Starting from FastAPI's generated document it: declares OpenAI's error body (`Er
 for every status an operation can answer with (400 invalid input, 401 bad API key, 404 unknown
 model, 413 body too large, 429 rate limit / queue full / saturated and 503 no worker, both with
 Retry-After, 500 a bug); gives the completion endpoints both `application/json` and
-`text/event-stream` 200 answers and /metrics its Prometheus text; and writes the bounds the
+`text/event-stream` 200 answers (the LoRA load/unload endpoints a JSON status object) and
+/metrics its Prometheus text; and writes the bounds the
 engine checks (platform/sampling/params.py, router/prompts.py) into the request schemas, so a
 value outside them is schema-invalid and a value inside them is never refused for its range.
 Checked by schemathesis in tests/router/test_router_openapi.py.
@@ -27,7 +28,7 @@ ERROR_SCHEMA = {
                        "param": {"type": ["string", "null"]}, "code": {"type": ["string", "null"]}}}},
 }
 _DESCRIPTIONS = {400: "Invalid request (OpenAI error body naming the field)", 401: "Missing or wrong API key",
-                 404: "Unknown model or path", 413: "Request body over gateway.max_body_bytes",
+                 404: "Unknown model, adapter or path", 413: "Request body over gateway.max_body_bytes",
                  429: "Rate limited, admission queue full, or every worker saturated",
                  500: "Internal error", 503: "No worker can serve the request (after gateway.worker_wait_s)"}
 _RETRY_AFTER = {"Retry-After": {"description": "Seconds to wait before retrying", "schema": {"type": "string"}}}
@@ -69,6 +70,9 @@ def install(app, model_names: tuple[str, ...]) -> None:
     app.openapi = openapi
 
 
+_LORA_PATHS = ("/v1/load_lora_adapter", "/v1/unload_lora_adapter")
+
+
 def _error(status: int) -> dict:
     out = {"description": _DESCRIPTIONS[status],
            "content": {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorResponse"}}}}
@@ -83,7 +87,14 @@ def _responses(path: str, method: str, op: dict) -> None:
     statuses = [500]
     if path.startswith("/v1/"):
         statuses += [401, 429]
-    if method == "post":
+    if path in _LORA_PATHS:
+        statuses += [400, 404, 413, 503]
+        ok = responses.setdefault("200", {"description": "Successful Response"})
+        ok["content"] = {"application/json": {"schema": {
+            "type": "object", "required": ["lora_name", "status"],
+            "properties": {"lora_name": {"type": "string"}, "status": {"type": "string", "enum": ["loaded", "unloaded"]},
+                           "message": {"type": "string"}, "object": {"type": "string"}}}}}
+    elif method == "post":
         statuses += [400, 404, 413, 503]
         ok = responses.setdefault("200", {"description": "Successful Response"})
         ok["content"] = {"application/json": {"schema": {"type": "object", "required": ["id", "object", "choices"]}},

@@ -85,12 +85,20 @@ class Placer:
         self.decode_profile = Profile("decode", config.decode)
         self.prefill_profile = Profile("prefill", config.prefill)
 
-    async def place(self, num_tokens: int, hashes: list[bytes], exclude: frozenset[str] = frozenset()) -> Decision:
+    async def place(self, num_tokens: int, hashes: list[bytes], exclude: frozenset[str] = frozenset(),
+                    lora_name: str | None = None, lora_workers: set[str] | None = None) -> Decision:
+        """`lora_workers`: for a LoRA request, the workers that have its adapter (the others
+        would refuse it): decode candidates are only those."""
         now = self.pool.clock()
-        decode = self.decode_profile.filter([w for w in self.pool.decode_workers() if w.address not in exclude], now)
+        candidates = [w for w in self.pool.decode_workers() if w.address not in exclude]
+        if lora_workers is not None:
+            candidates = [w for w in candidates if w.address in lora_workers]
+            if not candidates:
+                raise NoWorkerError(f"no decode worker has adapter {lora_name!r} loaded")
+        decode = self.decode_profile.filter(candidates, now)
         prefill = [w for w in self.pool.prefill_workers() if w.address not in exclude]
         addresses = list(dict.fromkeys([w.address for w in decode] + [w.address for w in prefill]))
-        ctx = ScoringContext(num_tokens, len(hashes), await self.index.match(addresses, hashes), now)
+        ctx = ScoringContext(num_tokens, len(hashes), await self.index.match(addresses, hashes), now, lora_name)
         ranked = self.decode_profile.rank(ctx, decode, self.rng)
         chosen = ranked[0][0]
         cached = ctx.matched_blocks.get(chosen, 0)

@@ -113,3 +113,16 @@ def message_dicts(messages: list[ChatMessage]) -> list[dict]:
 
 
 ObjectKind = Literal["chat.completion", "text_completion"]
+
+
+class LoadLoraAdapterRequest(BaseModel):
+    """vLLM's runtime adapter load: a name for `model` and a PEFT folder the workers can read."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+    lora_name: str = Field(min_length=1, max_length=128, pattern=r"^[^\s,]+$")
+    lora_path: str = Field(min_length=1, max_length=4096)
+
+
+class UnloadLoraAdapterRequest(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+    lora_name: str = Field(min_length=1, max_length=128)

@@ -33,6 +33,7 @@ class ScoringContext:
     num_prompt_blocks: int                 # full blocks of the prompt
     matched_blocks: dict[str, int] = field(default_factory=dict)   # per worker address
     now: float = 0.0
+    lora_name: str | None = None           # the LoRA adapter the request runs (None: base model)
 
 
 class Scorer:
@@ -141,6 +142,34 @@ class QueuedPrefillTokens(Scorer):
         return out
 
 
+class LoraAffinity(Scorer):
+    """Where the request's LoRA adapter already runs (the Gateway API Inference Extension's
+    lora-affinity-scorer): 1.0 if the worker runs requests with it, 0.8 if the worker has a free
+    adapter slot (fewer distinct running + waiting adapters than its max_loras), 0.6 if the
+    adapter only waits there, else 0. A base-model request: 1.0 everywhere (no preference)."""
+
+    name = "lora-affinity"
+
+    def score(self, ctx, workers):
+        if ctx.lora_name is None:
+            return {w.address: 1.0 for w in workers}
+        out = {}
+        for w in workers:
+            if w.load is None:
+                out[w.address] = missing(self.name, w.address, "load report")
+                continue
+            running, waiting = set(w.load.running_lora_adapters), set(w.load.waiting_lora_adapters)
+            if ctx.lora_name in running:
+                out[w.address] = 1.0
+            elif len(running | waiting) < max(w.load.max_loras, 1):
+                out[w.address] = 0.8
+            elif ctx.lora_name in waiting:
+                out[w.address] = 0.6
+            else:
+                out[w.address] = 0.0
+        return out
+
+
 class RoundRobin(Scorer):
     """A baseline, not a policy: 1 for the next worker in address order, 0 for the others; each
     placement moves the turn on. Used alone it is plain round-robin (the benchmarks' arm (a));
@@ -160,7 +189,7 @@ class RoundRobin(Scorer):
 
 
 SCORERS: dict[str, type[Scorer]] = {cls.name: cls for cls in (PrefixOverlap, QueueDepth, KVUsage, PendingAssignments,
-                                                              QueuedPrefillTokens, RoundRobin)}
+                                                              QueuedPrefillTokens, LoraAffinity, RoundRobin)}
 
 
 def make_scorer(name: str, params: dict | None = None) -> Scorer:

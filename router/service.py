@@ -18,6 +18,7 @@ from splitserve.platform.grpc_tls import tls_from
 from splitserve.platform.hashing import BlockHasher
 from splitserve.platform.tokenizer import Tokenizer, load_tokenizer
 from splitserve.router import readiness
+from splitserve.router.adapters import AdapterCatalog
 from splitserve.router.config import IndexConfig, RouterConfig
 from splitserve.router.discovery import Discovery, make_discovery
 from splitserve.router.dispatch import Dispatcher
@@ -53,12 +54,14 @@ class Router:
         d = config.discovery
         self.channels = ChannelPool(tls_from(d.tls_cert, d.tls_key, d.tls_ca, d.tls_server_name))
         self.metrics = RouterMetrics()
+        self.adapters = AdapterCatalog(self.pool, self.channels)
+        self._reconciles: dict[str, asyncio.Task] = {}
         self.placer = Placer(config.placement, self.pool, self.index, rng)
         self.dispatcher = Dispatcher(self.pool, self.placer, self.hasher, self.tokenizer, self.channels,
                                      config.gateway.max_attempts, self.metrics,
                                      ColdStartHold(config.gateway.cold_start_hold_s, config.gateway.cold_start_max_held,
                                                    self.metrics.held),
-                                     config.gateway.worker_wait_s)
+                                     config.gateway.worker_wait_s, self.adapters)
         self._watchers: dict[str, asyncio.Task] = {}
         self._discovery_task: asyncio.Task | None = None
 
@@ -69,11 +72,21 @@ class Router:
         for address in sorted(addresses - set(self._watchers)):
             self.pool.add(address)
             watcher = WorkerWatcher(address, self.pool, self.index, self.channels, self.config.discovery,
-                                    on_down=self.dispatcher.worker_down)
+                                    on_down=self.dispatcher.worker_down, on_load=self._on_load)
             self._watchers[address] = asyncio.create_task(watcher.run(), name=f"watch {address}")
             log.info("watching worker %s", address)
         for address in sorted(set(self._watchers) - addresses):
             await self._forget(address)
+
+    def _on_load(self, address: str) -> None:
+        """A load report came: bring the worker's adapters in line (one reconcile at a time)."""
+        task = self._reconciles.get(address)
+        worker = self.pool.workers.get(address)
+        if worker is None or (task is not None and not task.done()):
+            return
+        if not self.adapters.runtime and not self.adapters.unloaded:
+            return
+        self._reconciles[address] = asyncio.create_task(self.adapters.reconcile(worker), name=f"adapters {address}")
 
     async def _forget(self, address: str) -> None:
         task = self._watchers.pop(address)
@@ -87,7 +100,7 @@ class Router:
         log.info("worker %s left", address)
 
     async def stop(self) -> None:
-        tasks = [t for t in (self._discovery_task, *self._watchers.values()) if t is not None]
+        tasks = [t for t in (self._discovery_task, *self._watchers.values(), *self._reconciles.values()) if t is not None]
         for task in tasks:
             task.cancel()
         for task in tasks:

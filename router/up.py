@@ -47,6 +47,9 @@ def register(subparsers) -> None:
     p.add_argument("--quantization", default="auto", choices=list(QUANTIZATION_MODES),
                    help="how both workers serve the weights (default auto; none is the dequantized reference)")
     p.add_argument("--kv-cache-memory", type=float, default=0.25, metavar="GIB", help="KV cache per worker")
+    p.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH",
+                   help="PEFT LoRA adapters both workers load at start (model=NAME selects one)")
+    p.add_argument("--max-loras", type=int, default=None, help="distinct LoRA adapters one engine step may mix")
     p.add_argument("--worker-arg", action="append", default=[], help="extra argument for both workers (repeatable)")
     g = p.add_argument_group("SLA planner (router/up_planner.py)")
     g.add_argument("--planner", action="store_true", help="start and stop workers from the planner's decisions")
@@ -175,7 +178,7 @@ def _up(args, config, secure_args: list[str]) -> int:
     transport = kv_transport(args.kv_transport)
     common = ["--model", config.model, "--quantization", args.quantization, "--kv-transport", transport,
               "--kv-cache-memory", str(args.kv_cache_memory), "--max-model-len", str(config.max_model_len),
-              *secure_args, *args.worker_arg]
+              *secure_args, *lora_args(args), *args.worker_arg]
     level = logging.getLevelName(logging.getLogger().level)
     planner = make_planner(args) if args.planner else None
     # With the planner many workers share the cores: one thread each unless told otherwise.
@@ -196,6 +199,14 @@ def _up(args, config, secure_args: list[str]) -> int:
     finally:
         for w in workers:
             w.stop()
+
+
+def lora_args(args) -> list[str]:
+    """The workers' LoRA flags from `up`'s (checked by the workers' own parser)."""
+    out = ["--lora-modules", *args.lora_modules] if args.lora_modules else []
+    if args.max_loras is not None:
+        out += ["--max-loras", str(args.max_loras)]
+    return out
 
 
 def make_planner(args):

@@ -65,13 +65,14 @@ class ChannelPool:
 
 class WorkerWatcher:
     def __init__(self, address: str, pool: WorkerPool, index: PrefixIndex, channels: ChannelPool,
-                 config: DiscoveryConfig, on_down=None):
+                 config: DiscoveryConfig, on_down=None, on_load=None):
         self.address = address
         self.pool = pool
         self.index = index
         self.channels = channels
         self.config = config
         self.on_down = on_down or (lambda address: None)
+        self.on_load = on_load or (lambda address: None)   # after each load report (adapter reconcile)
         self.num_subscriptions = 0
 
     async def run(self) -> None:
@@ -116,3 +117,4 @@ class WorkerWatcher:
             await self.index.apply(self.address, msg.kv)
         elif kind == "load":
             self.pool.on_load(self.address, msg.load)
+            self.on_load(self.address)

@@ -20,12 +20,12 @@ sampling_params = wire_sampling.to_proto
 
 def generate_request(request_id: str, token_ids: list[int], params: SamplingParams, decision,
                      disaggregation: DisaggregationConfig,
-                     resume_output_token_ids: list[int] = ()) -> pb.GenerateRequest:
+                     resume_output_token_ids: list[int] = (), lora_name: str | None = None) -> pb.GenerateRequest:
     """The decode worker's request. With prefill workers listed, the worker re-checks the
     conditional threshold against its exact cache (the router's index may lag by a few events).
     A resume (tokens already streamed by a failed worker) is prefilled by the decode worker."""
     request = pb.GenerateRequest(request_id=request_id, prompt_token_ids=token_ids, params=sampling_params(params),
-                                 resume_output_token_ids=list(resume_output_token_ids))
+                                 resume_output_token_ids=list(resume_output_token_ids), lora_name=lora_name or "")
     if decision.prefill and not resume_output_token_ids:
         request.prefill_workers.extend(decision.prefill)
         request.disaggregation = _MODES[disaggregation.mode]

@@ -71,18 +71,20 @@ class RemotePrefill:
         self.stubs = StubPool(tls)
 
     async def run(self, req_id: str, token_ids: list[int], params: SamplingParams, ready: KVReady,
-                  prefill_workers: list[str]) -> tuple[str, pb.PrefillResponse | None]:
+                  prefill_workers: list[str], lora=None) -> tuple[str, pb.PrefillResponse | None]:
         """Fill the request's missing KV from a prefill worker; returns its address and answer,
-        or ("", None) when the request fell back to local prefill."""
+        or ("", None) when the request fell back to local prefill. `lora`: the request's
+        LoraAdapter (its name, folder and digest go along; a prefill worker that cannot run
+        the same weights refuses, and the next one is tried)."""
         for address in prefill_workers:
-            resp = await self._attempt(address, req_id, token_ids, params, ready)
+            resp = await self._attempt(address, req_id, token_ids, params, ready, lora)
             if resp is not None:
                 return address, resp
         self.engine.fallback_to_local_prefill(req_id)
         self._count("local_fallback")
         return "", None
 
-    async def _attempt(self, address, req_id, token_ids, params, ready: KVReady) -> pb.PrefillResponse | None:
+    async def _attempt(self, address, req_id, token_ids, params, ready: KVReady, lora=None) -> pb.PrefillResponse | None:
         transfer_id = f"{req_id}/{uuid.uuid4().hex[:12]}"
         dst = ready.block_ids[ready.start_block:]
         write = self.engine.engine.write_kv_layer
@@ -94,7 +96,9 @@ class RemotePrefill:
             resp = await self.stubs.get(address).Prefill(pb.PrefillRequest(
                 request_id=req_id, prompt_token_ids=token_ids, params=convert.sampling_params_to_proto(params),
                 skip_blocks=ready.start_block, kv_address=self.kv_address, transfer_id=transfer_id,
-                layout=self.layout_proto(), deadline_s=self.deadline_s), timeout=self.deadline_s)
+                layout=self.layout_proto(), deadline_s=self.deadline_s,
+                lora_name=lora.name if lora else "", lora_path=lora.path if lora else "",
+                lora_digest=lora.digest if lora else b""), timeout=self.deadline_s)
             status = await asyncio.wait_for(self.receiver.wait(transfer_id), timeout=self.deadline_s)
             if status.state != TransferState.DONE:
                 raise TransferError(f"transfer ended {status.state.name}: {status.error}")

@@ -22,6 +22,8 @@ METHODS = {
     "Prefill": (pb.PrefillRequest, pb.PrefillResponse, False),
     "Abort": (pb.AbortRequest, pb.AbortResponse, False),
     "WatchEvents": (pb.WatchEventsRequest, pb.WorkerEvent, True),
+    "LoadLoraAdapter": (pb.LoadLoraAdapterRequest, pb.LoraAdapterInfo, False),
+    "UnloadLoraAdapter": (pb.UnloadLoraAdapterRequest, pb.UnloadLoraAdapterResponse, False),
 }
 
 

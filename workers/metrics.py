@@ -2,13 +2,17 @@
 
 Gauges use the names the Gateway API Inference Extension (and llm-d's scheduler) read from
 vLLM, so other routers can use our workers: vllm:num_requests_waiting,
-vllm:num_requests_running, vllm:kv_cache_usage_perc, vllm:cache_config_info. Our own
+vllm:num_requests_running, vllm:kv_cache_usage_perc, vllm:cache_config_info, and
+vllm:lora_requests_info (value: the time of the update; labels: max_lora and the comma-separated
+names of the adapters with running and with waiting requests, as vLLM and GIE's model-server
+protocol define it). Our own
 histograms are splitserve_*. Each worker process has its own registry (tests run several).
 """
 
 from __future__ import annotations
 
 import threading
+import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, generate_latest
 
@@ -30,6 +34,9 @@ class WorkerMetrics:
                               registry=r).labels(**labels)
         self.cache_info = Gauge("vllm:cache_config_info", "KV cache configuration",
                                 ["block_size", "num_gpu_blocks", "role"], registry=r)
+        self.lora_info = Gauge("vllm:lora_requests_info", "LoRA adapters in use: running and waiting adapter names "
+                               "(comma-separated), the per-step adapter limit; value = update time",
+                               ["max_lora", "running_lora_adapters", "waiting_lora_adapters"], registry=r)
         self.prefix_queries = Counter("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
                                       ["model_name"], registry=r).labels(**labels)
         self.prefix_hits = Counter("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache",
@@ -81,6 +88,9 @@ class WorkerMetrics:
         self.running.set(load.num_running)
         self.kv_usage.set(load.kv_usage)
         self.queued_prefill_tokens.set(load.queued_prefill_tokens)
+        self.lora_info.clear()
+        self.lora_info.labels(max_lora=str(load.max_loras), running_lora_adapters=",".join(load.running_loras),
+                              waiting_lora_adapters=",".join(load.waiting_loras)).set(time.time())
         self.prefix_queries.inc(load.prefix_cache_queries - self._seen_queries)
         self.prefix_hits.inc(load.prefix_cache_hits - self._seen_hits)
         self.prefix_waits.inc(load.num_prefix_waits - self._seen_waits)

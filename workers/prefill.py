@@ -8,12 +8,18 @@ while the next layers (and chunks) compute, so transfer overlaps compute. The an
 first sampled token) goes back only after the decode worker acknowledged every layer; if the
 caller cancels, or anything fails, the transfer is aborted and the engine request freed, so no
 blocks stay held.
+
+A LoRA request names its adapter, the folder it came from and its digest: the prefill worker
+uses its own copy when the digests match, otherwise reads the folder (when it can); weights
+that still differ are a layout mismatch (the KV would not be the decode worker's), and the
+decode worker falls back to prefilling locally.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import time
 
 from splitserve.platform.engine.async_engine import AsyncEngine
@@ -21,7 +27,9 @@ from splitserve.platform.engine.kv_connector import KVExport
 from splitserve.platform.errors import InvalidRequestError
 from splitserve.platform.wire import worker_pb2 as pb
 from splitserve.workers import convert, faults
-from splitserve.workers.transfer.base import KVLayout, KVSender
+from splitserve.workers.transfer.base import KVLayout, KVSender, LayoutMismatchError
+
+log = logging.getLogger(__name__)
 
 
 async def serve_prefill(engine: AsyncEngine, sender: KVSender, layout: KVLayout, request: pb.PrefillRequest,
@@ -42,6 +50,7 @@ async def serve_prefill(engine: AsyncEngine, sender: KVSender, layout: KVLayout,
         model_id=request.layout.model_id, dtype=request.layout.dtype, block_size=request.layout.block_size,
         num_layers=request.layout.num_layers, num_kv_heads=request.layout.num_kv_heads,
         head_dim=request.layout.head_dim, weights=request.layout.weights or "none")))
+    lora_name = await _same_adapter(engine, request)
     params = convert.sampling_params(request.params)
     # Only the first token is sampled here; stop strings and logprob width follow the request.
     params = dataclasses.replace(params, max_tokens=1, min_tokens=min(params.min_tokens, 1), stop=())
@@ -71,7 +80,7 @@ async def serve_prefill(engine: AsyncEngine, sender: KVSender, layout: KVLayout,
     try:
         async for out in engine.generate(params=params, prompt_token_ids=token_ids,
                                          req_id=f"prefill/{request.transfer_id}",
-                                         kv_export=KVExport(request.skip_blocks, sink)):
+                                         kv_export=KVExport(request.skip_blocks, sink), lora_name=lora_name):
             final = out
         if final is None or not final.new_token_ids:
             raise InvalidRequestError(f"prefill of {request.request_id} was aborted")
@@ -95,3 +104,28 @@ async def serve_prefill(engine: AsyncEngine, sender: KVSender, layout: KVLayout,
     if final.new_logprobs:
         resp.logprob.CopyFrom(convert.logprob_to_proto(final.new_logprobs[0]))
     return resp
+
+
+async def _same_adapter(engine: AsyncEngine, request: pb.PrefillRequest) -> str | None:
+    """The adapter name to prefill with, after making sure this worker holds the weights whose
+    digest the decode worker sent (loading its folder if needed); LayoutMismatchError if not."""
+    if not request.lora_name:
+        return None
+    name, path, digest = request.lora_name, request.lora_path, request.lora_digest
+
+    def ensure(eng) -> bytes:
+        known = {n: d for n, d, _ in eng.loras.known()}
+        if known.get(name) != digest and path:
+            try:
+                adapter = eng.load_lora_adapter(name, path)
+                log.info("loaded LoRA adapter %s from %s for a prefill", name, path)
+                return adapter.digest
+            except InvalidRequestError as exc:
+                raise LayoutMismatchError(f"cannot load adapter {name!r} from {path!r}: {exc}") from None
+        return eng.loras.get(name).digest if name in known else b""
+
+    have = await engine.call(ensure)
+    if have != digest:
+        raise LayoutMismatchError(f"adapter {name!r}: this worker has digest {have.hex()[:16] or 'none'}, the "
+                                  f"request needs {digest.hex()[:16]}")
+    return name

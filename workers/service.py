@@ -1,4 +1,9 @@
-"""The Worker gRPC service: Generate, Prefill, Abort, WatchEvents (proto/splitserve/v1).
+"""The Worker gRPC service: Generate, Prefill, Abort, WatchEvents, Load/UnloadLoraAdapter
+(proto/splitserve/v1).
+
+A Generate for a LoRA adapter (`lora_name`) the worker does not know is NOT_FOUND; its remote
+prefill carries the adapter's name, folder and digest, so the prefill worker runs the same
+weights (serve_prefill) or refuses, and the request falls back to local prefill.
 
 Bad input gets INVALID_ARGUMENT (or NOT_FOUND / FAILED_PRECONDITION) with a message, and the
 worker keeps serving. While draining, new work gets UNAVAILABLE so the router retries
@@ -15,6 +20,7 @@ import grpc
 
 from splitserve.platform.engine.async_engine import AsyncEngine
 from splitserve.platform.errors import InvalidRequestError
+from splitserve.platform.lora.registry import AdapterNotFoundError
 from splitserve.platform.wire import worker_pb2 as pb
 from splitserve.platform.wire import worker_pb2_grpc as pb_grpc
 from splitserve.workers import convert
@@ -70,6 +76,9 @@ class WorkerService(pb_grpc.WorkerServicer):
             token_ids = convert.prompt_token_ids(request.request_id, request.prompt_token_ids,
                                                  eng.model_config.vocab_size, eng.max_model_len)
             params = convert.sampling_params(request.params)
+            lora = await self._adapter(request.lora_name)
+        except AdapterNotFoundError as exc:
+            await context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
         except InvalidRequestError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         resumed = list(request.resume_output_token_ids)
@@ -77,24 +86,34 @@ class WorkerService(pb_grpc.WorkerServicer):
         self._enter()
         try:
             async for msg in self._generate(request.request_id, token_ids, params, remote, list(request.prefill_workers),
-                                            resumed):
+                                            resumed, lora):
                 yield msg
+        except AdapterNotFoundError as exc:   # unloaded between the check and the admission
+            await context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
         except InvalidRequestError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         finally:
             self._leave()
 
+    async def _adapter(self, name: str):
+        """The adapter named by a request (None for ""), looked up on the engine thread."""
+        if not name:
+            return None
+        return await self.engine.call(lambda e: e.loras.get(name))
+
     async def _generate(self, req_id, token_ids, params, remote: bool, prefill_workers: list[str],
-                        resumed: list[int]):
+                        resumed: list[int], lora=None):
         t0 = time.monotonic()
         prefill_worker, last_token_t = "", None
         timings = pb.Timings()
         async for out in self.engine.generate(prompt_token_ids=token_ids, params=params, req_id=req_id,
-                                              remote_prefill=remote, resume_output_token_ids=resumed):
+                                              remote_prefill=remote, resume_output_token_ids=resumed,
+                                              lora_name=lora.name if lora else None):
             if out.kv_ready is not None:
                 timings.queue_s = time.monotonic() - t0
                 self.metrics.queue_time.observe(timings.queue_s)
-                prefill_worker, resp = await self.remote.run(req_id, token_ids, params, out.kv_ready, prefill_workers)
+                prefill_worker, resp = await self.remote.run(req_id, token_ids, params, out.kv_ready, prefill_workers,
+                                                                      lora)
                 if resp is not None:
                     timings.prefill_s, timings.transfer_wait_s = resp.prefill_s, resp.transfer_wait_s
                 continue
@@ -122,7 +141,11 @@ class WorkerService(pb_grpc.WorkerServicer):
             return True
         threshold = (request.min_prefill_tokens if request.HasField("min_prefill_tokens")
                      else self.config.min_prefill_tokens)
-        uncached = len(token_ids) - self.engine.engine.num_cached_prefix_tokens(token_ids)
+        try:
+            cached = self.engine.engine.num_cached_prefix_tokens(token_ids, request.lora_name or None)
+        except AdapterNotFoundError:
+            return False   # unloaded since the check: admission answers NOT_FOUND
+        uncached = len(token_ids) - cached
         return uncached >= threshold
 
     # -- Prefill ---------------------------------------------------------------------------
@@ -154,6 +177,22 @@ class WorkerService(pb_grpc.WorkerServicer):
         async for msg in self.hub.subscribe():
             yield msg
 
+    # -- LoRA adapters ---------------------------------------------------------------------
+    async def LoadLoraAdapter(self, request: pb.LoadLoraAdapterRequest, context):
+        try:
+            adapter = await self.engine.call(lambda e: e.load_lora_adapter(request.lora_name, request.lora_path))
+        except InvalidRequestError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        log.info("loaded LoRA adapter %s from %s (rank %d)", adapter.name, adapter.path, adapter.rank)
+        return pb.LoraAdapterInfo(name=adapter.name, digest=adapter.digest, path=adapter.path)
+
+    async def UnloadLoraAdapter(self, request: pb.UnloadLoraAdapterRequest, context):
+        try:
+            await self.engine.call(lambda e: e.unload_lora_adapter(request.lora_name))
+        except AdapterNotFoundError as exc:
+            await context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
+        return pb.UnloadLoraAdapterResponse()
+
 
 async def publish_load(service: WorkerService, interval_s: float) -> None:
     """Every interval: refresh the gauges and send a LoadReport to subscribers."""
@@ -161,8 +200,10 @@ async def publish_load(service: WorkerService, interval_s: float) -> None:
         load = service.engine.load
         service.metrics.update_load(load)
         service.metrics.update_structured(service.engine.engine.grammar_stats)
+        adapters = [pb.LoraAdapterInfo(name=n, digest=d, path=p) for n, d, p in load.lora_adapters]
         service.hub.send_load(pb.LoadReport(
             num_waiting=load.num_waiting, num_running=load.num_running, kv_usage=load.kv_usage,
             queued_prefill_tokens=load.queued_prefill_tokens, num_free_blocks=load.num_free_blocks,
-            draining=service.draining))
+            draining=service.draining, adapters=adapters, running_lora_adapters=load.running_loras,
+            waiting_lora_adapters=load.waiting_loras, max_loras=load.max_loras))
         await asyncio.sleep(interval_s)

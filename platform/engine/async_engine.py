@@ -141,8 +141,8 @@ class AsyncEngine:
         loop = future.get_loop()
         try:
             value = fn(self.engine)
-        except Exception as exc:  # handed back to the caller
-            loop.call_soon_threadsafe(lambda: future.done() or future.set_exception(exc))
+        except Exception as exc:  # handed back to the caller (bound now: `exc` is unset after the block)
+            loop.call_soon_threadsafe(lambda error=exc: future.done() or future.set_exception(error))
             return
         loop.call_soon_threadsafe(lambda: future.done() or future.set_result(value))
 

@@ -2,6 +2,9 @@
 
 It owns the model, the KV cache tensors and the sampler, and touches no scheduler state:
 `execute(plan, rows)` reads the plan and returns a StepResult.
+
+With LoRA adapters in the step (`loras`: req_id -> adapter), each row's adapter is published
+on the model's LoraContext for this one forward (platform/lora/batch.py).
 """
 
 from __future__ import annotations
@@ -10,14 +13,18 @@ from collections.abc import Callable, Collection
 
 import torch
 
+from splitserve.platform.lora.adapter import LoraAdapter
+from splitserve.platform.lora.batch import LoraContext
 from splitserve.platform.models.attention import AttentionMetadata, PrefillChunk
 from splitserve.platform.sampling.sampler import Sampler, SamplingRow
 from splitserve.platform.sched.plan import SchedulerPlan, ScheduledSeq, StepResult
 
 
 class ModelRunner:
-    def __init__(self, model, kv_caches, block_size: int, device: torch.device):
+    def __init__(self, model, kv_caches, block_size: int, device: torch.device,
+                 lora_context: LoraContext | None = None):
         self.model = model
+        self.lora_context = lora_context
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.device = device
@@ -25,10 +32,18 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, plan: SchedulerPlan, rows: dict[str, SamplingRow], eos_token_ids: Collection[int],
-                layer_hook: Callable[[int], None] | None = None) -> StepResult:
+                layer_hook: Callable[[int], None] | None = None,
+                loras: dict[str, LoraAdapter] | None = None) -> StepResult:
         seqs = _decodes_first(plan.seqs)
         input_ids, positions, meta, sample_idx = self._prepare(seqs)
-        hidden = self.model(input_ids, positions, self.kv_caches, meta, layer_hook)
+        if loras:
+            assert self.lora_context is not None, "adapters in a step need the model's LoraContext"
+            self.lora_context.begin([s.num_tokens for s in seqs], [loras.get(s.req_id) for s in seqs], self.device)
+        try:
+            hidden = self.model(input_ids, positions, self.kv_caches, meta, layer_hook)
+        finally:
+            if loras:
+                self.lora_context.end()
         sampling = [s for s in seqs if s.do_sample]
         if not sampling:
             return StepResult(sampled={})

@@ -43,7 +43,12 @@ class MergedLinear(nn.Module):
 
     `quantization` "none": a float `weight` parameter, shards copied into their rows. A fast
     mode: shards are kept as they arrive until `finalize()` builds the packed kernel.
+    LoRA (platform/lora/batch.py): the rows of a step that run an adapter get its delta added
+    on top of the base output, whatever the kernel; `lora_context` is set by lora.batch.attach.
     """
+
+    lora_context = None  # a lora.batch.LoraContext shared by the model's linears, once attached
+    lora_key = ""
 
     def __init__(self, in_features: int, shard_sizes: dict[str, int], bias: bool, quantization: str = "none"):
         super().__init__()
@@ -64,9 +69,10 @@ class MergedLinear(nn.Module):
             self.weight = self.bias = None  # the kernel owns the values after finalize()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.kernel is not None:
-            return self.kernel(x)
-        return nn.functional.linear(x, self.weight, self.bias)
+        y = self.kernel(x) if self.kernel is not None else nn.functional.linear(x, self.weight, self.bias)
+        if self.lora_context is not None and self.lora_context.batch is not None:
+            self.lora_context.add_delta(self.lora_key, x, y)
+        return y
 
     def load_weight(self, shard: str, kind: str, tensor: torch.Tensor | RawQuant) -> None:
         start, size = self.shard_offsets[shard]

@@ -6,7 +6,7 @@ import enum
 import time
 from collections.abc import Sequence
 
-from splitserve.platform.hashing import BlockHash, BlockHasher
+from splitserve.platform.hashing import BlockHash, BlockHasher, ExtraKey
 from splitserve.platform.sampling.params import SamplingParams
 
 
@@ -36,8 +36,13 @@ class Request:
     def __init__(self, req_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
                  hasher: BlockHasher, eos_token_ids: frozenset[int] = frozenset(),
                  arrival_time: float | None = None, remote_prefill: bool = False,
-                 output_token_ids: Sequence[int] = ()):
+                 output_token_ids: Sequence[int] = (), lora_id: str | None = None,
+                 extra_keys: tuple[ExtraKey, ...] = ()):
         self.req_id = req_id
+        # The adapter this request runs ("name@digest"; None: the base model) and the block-hash
+        # extra keys that keep its KV apart (hashing.lora_extra_keys).
+        self.lora_id = lora_id
+        self.extra_keys = extra_keys
         self.remote_prefill = remote_prefill  # prompt KV arrives from elsewhere (disaggregated decode)
         self.params = params
         self.prompt_token_ids = list(prompt_token_ids)
@@ -52,7 +57,7 @@ class Request:
         self.num_preemptions = 0
         self.first_scheduled_time: float | None = None
         self._hasher = hasher
-        self.block_hashes: list[BlockHash] = hasher.hash_blocks(self.all_token_ids)
+        self.block_hashes: list[BlockHash] = hasher.hash_blocks(self.all_token_ids, extra_keys)
 
     @property
     def num_tokens(self) -> int:
@@ -77,7 +82,7 @@ class Request:
         if self.num_tokens % bs == 0:
             parent = self.block_hashes[-1] if self.block_hashes else None
             self.block_hashes.extend(self._hasher.hash_blocks(
-                self.all_token_ids, parent=parent, start_block=len(self.block_hashes)))
+                self.all_token_ids, self.extra_keys, parent=parent, start_block=len(self.block_hashes)))
 
     def check_stop(self) -> RequestStatus | None:
         """The finish status after the latest token, or None to keep going (stop strings aside)."""

@@ -22,6 +22,11 @@ uncomputed tokens, so "prefill", "chunked prefill" and "decode" are one mechanis
    (SGLang's scheduler does the same for requests with a common prefix in one batch, its
    "in-batch prefix caching"; vLLM computes each copy.)
 
+4. Adapter slots: the requests running (or waiting for remote KV) use at most `max_loras`
+   distinct LoRA adapters. A waiting request whose adapter is not among them when all slots are
+   taken is passed over for this step and keeps its place; requests behind it (base requests,
+   or ones whose adapter is already running) are still admitted (vLLM's rule: skip, not block).
+
 A request whose prompt KV comes from a prefill worker (`remote_prefill`) is admitted without
 computing anything: it gets blocks for its whole prompt (after its own prefix-cache hits) and
 waits in WAITING_FOR_KV, outside the running batch, until the engine reports the KV landed
@@ -71,11 +76,13 @@ class SchedulerStats:
     num_preemptions: int = 0
     num_remote_prefill_tokens: int = 0  # prompt tokens whose KV came from a prefill worker
     num_prefix_waits: int = 0  # steps a waiting request sat out for a prefix in flight (rule 3)
+    num_lora_waits: int = 0    # steps a waiting request sat out for an adapter slot (rule 4)
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int):
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int, max_loras: int = 1):
         self.config = config.resolved(max_model_len)
+        self.max_loras = max_loras
         self.kv = kv
         self.max_model_len = max_model_len
         self.requests: dict[str, Request] = {}
@@ -156,9 +163,14 @@ class Scheduler:
 
     def _admit_waiting(self, budget: int, num_new: dict[str, int]) -> int:
         in_flight = self._prompt_blocks_in_flight() if self.waiting else set()
+        active_loras = self.active_lora_ids()
         passed_over: list[Request] = []
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
+            if req.lora_id is not None and req.lora_id not in active_loras and len(active_loras) >= self.max_loras:
+                passed_over.append(self.waiting.popleft())  # rule 4: no adapter slot this step
+                self.stats.num_lora_waits += 1
+                continue
             cached = self.kv.find_cached_prefix(req)
             if self._waits_for_prefix(req, cached, in_flight):
                 passed_over.append(self.waiting.popleft())
@@ -180,8 +192,14 @@ class Scheduler:
                 num_new[req.req_id] = n
                 budget -= n
             in_flight.update(self._uncomputed_prompt_blocks(req))
+            if req.lora_id is not None:
+                active_loras.add(req.lora_id)
         self.waiting.extendleft(reversed(passed_over))
         return budget
+
+    def active_lora_ids(self) -> set[str]:
+        """Adapters of the requests running or waiting for remote KV (those hold the slots)."""
+        return {r.lora_id for r in (*self.running, *self.awaiting_kv.values()) if r.lora_id is not None}
 
     def _prompt_blocks_in_flight(self) -> set:
         """Hashes of the full prompt blocks that running or KV-awaiting requests have yet to fill."""

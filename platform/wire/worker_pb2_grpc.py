@@ -54,6 +54,16 @@ class WorkerStub:
                 request_serializer=splitserve_dot_v1_dot_worker__pb2.WatchEventsRequest.SerializeToString,
                 response_deserializer=splitserve_dot_v1_dot_worker__pb2.WorkerEvent.FromString,
                 _registered_method=True)
+        self.LoadLoraAdapter = channel.unary_unary(
+                '/splitserve.v1.Worker/LoadLoraAdapter',
+                request_serializer=splitserve_dot_v1_dot_worker__pb2.LoadLoraAdapterRequest.SerializeToString,
+                response_deserializer=splitserve_dot_v1_dot_worker__pb2.LoraAdapterInfo.FromString,
+                _registered_method=True)
+        self.UnloadLoraAdapter = channel.unary_unary(
+                '/splitserve.v1.Worker/UnloadLoraAdapter',
+                request_serializer=splitserve_dot_v1_dot_worker__pb2.UnloadLoraAdapterRequest.SerializeToString,
+                response_deserializer=splitserve_dot_v1_dot_worker__pb2.UnloadLoraAdapterResponse.FromString,
+                _registered_method=True)
 
 
 class WorkerServicer:
@@ -83,6 +93,20 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LoadLoraAdapter(self, request, context):
+        """Load (or replace) an adapter: INVALID_ARGUMENT with the reason for a bad folder.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadLoraAdapter(self, request, context):
+        """Unload: NOT_FOUND for an unknown name; requests already running with it finish.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -105,6 +129,16 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.WatchEvents,
                     request_deserializer=splitserve_dot_v1_dot_worker__pb2.WatchEventsRequest.FromString,
                     response_serializer=splitserve_dot_v1_dot_worker__pb2.WorkerEvent.SerializeToString,
+            ),
+            'LoadLoraAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadLoraAdapter,
+                    request_deserializer=splitserve_dot_v1_dot_worker__pb2.LoadLoraAdapterRequest.FromString,
+                    response_serializer=splitserve_dot_v1_dot_worker__pb2.LoraAdapterInfo.SerializeToString,
+            ),
+            'UnloadLoraAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadLoraAdapter,
+                    request_deserializer=splitserve_dot_v1_dot_worker__pb2.UnloadLoraAdapterRequest.FromString,
+                    response_serializer=splitserve_dot_v1_dot_worker__pb2.UnloadLoraAdapterResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -215,6 +249,60 @@ class Worker:
             '/splitserve.v1.Worker/WatchEvents',
             splitserve_dot_v1_dot_worker__pb2.WatchEventsRequest.SerializeToString,
             splitserve_dot_v1_dot_worker__pb2.WorkerEvent.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadLoraAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/splitserve.v1.Worker/LoadLoraAdapter',
+            splitserve_dot_v1_dot_worker__pb2.LoadLoraAdapterRequest.SerializeToString,
+            splitserve_dot_v1_dot_worker__pb2.LoraAdapterInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadLoraAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/splitserve.v1.Worker/UnloadLoraAdapter',
+            splitserve_dot_v1_dot_worker__pb2.UnloadLoraAdapterRequest.SerializeToString,
+            splitserve_dot_v1_dot_worker__pb2.UnloadLoraAdapterResponse.FromString,
             options,
             channel_credentials,
             insecure,

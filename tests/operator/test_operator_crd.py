@@ -124,6 +124,10 @@ INVALID = [
      "spec: decode.replicas must be at least 1 unless an autoscaler owns the pool"),
     ({"model": {"uri": "m"}, "decode": {"env": [{"name": "A", "value": "1", "valueFrom": {"fieldRef": {}}}]}},
      "spec.decode.env[0]: env: set value or valueFrom, not both"),
+    ({"model": {"uri": "m"}, "adapters": [{"name": "sql", "uri": "adapters/sql"}]},
+     "spec.adapters.0.uri: 'adapters/sql' does not match '^/'"),
+    ({"model": {"uri": "m"}, "adapters": [{"name": "has space", "uri": "/a"}]},
+     "spec.adapters.0.name: 'has space' does not match"),
 ]
 
 

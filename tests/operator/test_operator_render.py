@@ -59,6 +59,8 @@ CASES = {
                          "prefill": {"image": "registry.local/custom:1", "gpus": 2}}, None),
     "chart-enables-autoscaling": ({"model": {"uri": "m"}}, OperatorSettings(
         autoscaling=AutoscalingDefaults(enabled=True, provider="hpa"))),
+    "lora-adapters": ({"model": {"uri": "m", "storage": {"pvcName": "weights"}}, "adapters": [
+        {"name": "sql", "uri": "/models/adapters/sql"}, {"name": "chat-v2", "uri": "/models/adapters/chat"}]}, None),
     "service-monitor-no-prefill": ({"model": {"uri": "m"}, "disaggregation": {"mode": "never"},
                                     "monitoring": {"serviceMonitor": {"enabled": True, "interval": "30s"}}}, None),
 }
@@ -118,6 +120,15 @@ def test_worker_container_follows_the_worker_contract():
     assert term["labelSelector"]["matchLabels"] == deploy["spec"]["selector"]["matchLabels"] == {
         C.LABEL_NAME: "splitserve", C.LABEL_INSTANCE: "svc", C.LABEL_COMPONENT: "decode"}
     assert deploy["spec"]["template"]["metadata"]["labels"][C.LABEL_ROLE] == "decode"
+
+
+def test_adapters_are_loaded_by_every_worker_at_start():
+    manifests = by_key(rendered(CASES["lora-adapters"][0]))
+    for pool in ("prefill", "decode"):
+        (c,) = manifests[("Deployment", f"svc-{pool}")]["spec"]["template"]["spec"]["containers"]
+        assert c["args"][-3:] == ["--lora-modules", "sql=/models/adapters/sql", "chat-v2=/models/adapters/chat"]
+    (c,) = by_key(rendered({"model": {"uri": "m"}}))[("Deployment", "svc-decode")]["spec"]["template"]["spec"]["containers"]
+    assert "--lora-modules" not in c["args"]
 
 
 def test_gpu_pool_gets_cuda_image_gpu_limit_toleration_and_device():

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from splitserve.platform.hashing import BlockHasher, hash_block, root_hash
+from splitserve.platform.hashing import BlockHasher, hash_block, lora_extra_keys, root_hash
 
 # Golden vectors: changing the encoding must change HASH_VERSION and these values on purpose.
 GOLDEN_ROOT = "3deebad64e8dc0c301a2bded56788df2"            # root_hash("smollm2-135m", 16)
@@ -27,6 +27,31 @@ def test_golden_extra_keys():
     assert hash_block(parent, [1, 2, 3, 4], ("1",)) != hash_block(parent, [1, 2, 3, 4], (1,))
     assert hash_block(parent, [1, 2, 3, 4], ("1",)) != hash_block(parent, [1, 2, 3, 4], (b"1",))
     assert hash_block(parent, [1, 2, 3, 4]) != hash_block(parent, [1, 2, 3, 4], ("x",))
+
+
+# tokens 0..39 with lora_extra_keys("sql", bytes(range(32))): pins the adapter keys' encoding
+GOLDEN_LORA_CHAIN = ["e1e5d6b077bd7ca648b50bbfef9cf44f", "4980c4a81d2891a12d0eb55bde0ac27d"]
+
+
+def test_lora_identity_is_in_every_block_and_base_hashes_are_unchanged():
+    hasher = BlockHasher("smollm2-135m", 16)
+    toks = list(range(40))
+    digest_1, digest_2 = bytes(range(32)), bytes(range(1, 33))
+    base = hasher.hash_blocks(toks, lora_extra_keys(None, None))
+    assert [h.hex() for h in base] == GOLDEN_CHAIN  # a base request hashes as before LoRA existed
+    sql = hasher.hash_blocks(toks, lora_extra_keys("sql", digest_1))
+    chains = [base, sql,
+              hasher.hash_blocks(toks, lora_extra_keys("sql", digest_2)),    # same name, other weights
+              hasher.hash_blocks(toks, lora_extra_keys("chat", digest_1)),   # same weights, other name
+              hasher.hash_blocks(toks, ("sql",))]                            # an untagged key of that name
+    blocks = [h for chain in chains for h in chain]
+    assert len(set(blocks)) == len(blocks), "no block may be shared across adapters or with the base model"
+    assert [h.hex() for h in sql] == GOLDEN_LORA_CHAIN
+    # incremental hashing (decode appends) keeps the keys
+    first = hasher.hash_blocks(toks[:16], lora_extra_keys("sql", digest_1))
+    assert first + hasher.hash_blocks(toks, lora_extra_keys("sql", digest_1), parent=first[-1], start_block=1) == sql
+    with pytest.raises(ValueError, match="digest"):
+        lora_extra_keys("sql", None)
 
 
 def test_only_full_blocks_and_chain_dependence():

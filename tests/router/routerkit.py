@@ -201,6 +201,34 @@ class FakeWorker(pb_grpc.WorkerServicer):
     async def Abort(self, request, context):
         return pb.AbortResponse(found=False)
 
+    async def LoadLoraAdapter(self, request, context):
+        """As the real worker: a folder with adapter_config.json loads (digest: of the config's
+        bytes here), anything else is INVALID_ARGUMENT; the adapter shows in the load reports."""
+        import hashlib
+        import os
+
+        config = os.path.join(request.lora_path, "adapter_config.json")
+        if not request.lora_name or not os.path.isfile(config):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{request.lora_path}: cannot read adapter_config.json")
+        with open(config, "rb") as f:
+            digest = hashlib.sha256(f.read()).digest()
+        info = pb.LoraAdapterInfo(name=request.lora_name, digest=digest, path=request.lora_path)
+        self._set_adapters([a for a in self.load.adapters if a.name != request.lora_name] + [info])
+        return info
+
+    async def UnloadLoraAdapter(self, request, context):
+        if request.lora_name not in {a.name for a in self.load.adapters}:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"adapter {request.lora_name!r} is not loaded")
+        self._set_adapters([a for a in self.load.adapters if a.name != request.lora_name])
+        return pb.UnloadLoraAdapterResponse()
+
+    def _set_adapters(self, adapters) -> None:
+        load = pb.LoadReport()
+        load.CopyFrom(self.load)
+        del load.adapters[:]
+        load.adapters.extend(adapters)
+        self.load = load
+
     async def WatchEvents(self, request, context):
         queue: asyncio.Queue = asyncio.Queue()
         self._queues.add(queue)

@@ -59,7 +59,7 @@ def test_defaults():
     config = load_config(None)
     assert config.model == "smollm2-135m" and config.gateway.port == 8000
     assert {s.name: s.weight for s in config.placement.decode.scorers} == {
-        "prefix-overlap": 2.0, "queue-depth": 3.0, "kv-usage": 1.0, "pending-assignments": 1.0}
+        "prefix-overlap": 2.0, "queue-depth": 3.0, "kv-usage": 1.0, "pending-assignments": 1.0, "lora-affinity": 2.0}
     assert config.index.backend == "memory"
 
 

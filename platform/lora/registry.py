@@ -1,0 +1,108 @@
+"""The adapters an engine knows and the ones it holds in memory.
+
+Three sets, as in vLLM: *known* adapters (name -> folder, from --lora-modules or a runtime load),
+*loaded* adapters (read and packed, at most `max_cpu_loras`, least recently used evicted first)
+and, per step, *active* adapters (at most `max_loras`, enforced by the scheduler). On a CPU an
+active adapter needs no copy into a device slot: the loaded tensors are used directly, so a
+"slot" is a limit on the distinct adapters one step mixes (each costs two small matmuls per
+fused linear per run of rows), not a memory region.
+
+A request holds its LoraAdapter object from admission to the end, so evicting or unloading an
+adapter never changes a request that is running: it finishes with the weights it started with,
+and new requests get a fresh read (a changed folder gets a new digest, hence new KV).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import torch
+
+from splitserve.platform.config import LoraConfig, check_lora_name
+from splitserve.platform.errors import ConfigError, InvalidRequestError
+from splitserve.platform.lora.adapter import AdapterError, LinearLayout, LoraAdapter, read_adapter
+
+
+class AdapterNotFoundError(InvalidRequestError):
+    """A request or an unload names an adapter this engine does not know (HTTP 404)."""
+
+
+class LoraRegistry:
+    def __init__(self, config: LoraConfig, layout: dict[str, LinearLayout], dtype: torch.dtype):
+        self.config = config
+        self.layout = layout
+        self.dtype = dtype
+        self._paths: dict[str, str] = {}
+        self._digests: dict[str, bytes] = {}   # of the latest read of each known adapter
+        self._loaded: OrderedDict[str, LoraAdapter] = OrderedDict()
+        self.num_loads = 0
+
+    def load_modules(self) -> None:
+        """Load the adapters of --lora-modules; a bad one stops the start (ConfigError)."""
+        for name, path in self.config.modules:
+            try:
+                self.add(name, path)
+            except AdapterError as e:
+                raise ConfigError(f"--lora-modules {name}={path}: {e}") from None
+
+    def add(self, name: str, path: str) -> LoraAdapter:
+        """Register `name` -> `path` and load it now (so a bad folder is reported to whoever
+        adds it). Re-adding a known name replaces it (new requests get the new weights)."""
+        try:
+            check_lora_name(name)
+        except ConfigError as e:
+            raise AdapterError(str(e)) from None
+        adapter = self._read(name, path)
+        self._paths[name] = path
+        self._remember(adapter)
+        return adapter
+
+    def remove(self, name: str) -> None:
+        """Forget `name`: new requests for it are refused; running ones finish with their copy."""
+        if name not in self._paths:
+            raise AdapterNotFoundError(f"adapter {name!r} is not loaded; loaded: {', '.join(self.names()) or 'none'}")
+        del self._paths[name]
+        del self._digests[name]
+        self._loaded.pop(name, None)
+
+    def get(self, name: str) -> LoraAdapter:
+        """The adapter for a request, read again from its folder if it was evicted."""
+        if name not in self._paths:
+            raise AdapterNotFoundError(f"model {name!r} is neither the base model nor a loaded adapter; "
+                                       f"adapters: {', '.join(self.names()) or 'none'}")
+        adapter = self._loaded.get(name)
+        if adapter is None:
+            adapter = self._read(name, self._paths[name])
+            self._remember(adapter)
+        else:
+            self._loaded.move_to_end(name)
+        return adapter
+
+    def digest(self, name: str) -> bytes:
+        """The digest of `name`'s latest read, without touching the LRU (safe from any thread)."""
+        digest = self._digests.get(name)
+        if digest is None:
+            raise AdapterNotFoundError(f"model {name!r} is neither the base model nor a loaded adapter")
+        return digest
+
+    def names(self) -> list[str]:
+        return sorted(self._paths)
+
+    def loaded(self) -> list[LoraAdapter]:
+        """Adapters in memory, least recently used first."""
+        return list(self._loaded.values())
+
+    def known(self) -> list[tuple[str, bytes, str]]:
+        """(name, digest of its latest read, folder) of every known adapter, by name."""
+        return [(name, self._digests[name], self._paths[name]) for name in sorted(self._paths)]
+
+    def _read(self, name: str, path: str) -> LoraAdapter:
+        self.num_loads += 1
+        return read_adapter(name, path, self.layout, self.config.max_lora_rank, self.dtype)
+
+    def _remember(self, adapter: LoraAdapter) -> None:
+        self._digests[adapter.name] = adapter.digest
+        self._loaded[adapter.name] = adapter
+        self._loaded.move_to_end(adapter.name)
+        while len(self._loaded) > self.config.cpu_capacity:
+            self._loaded.popitem(last=False)

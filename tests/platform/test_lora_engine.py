@@ -1,0 +1,111 @@
+"""Multi-LoRA in the engine (platform/lora) against transformers + PEFT, on the real SmolLM2 weights.
+
+Three random PEFT adapters (lora_A and lora_B seeded, non-zero; ranks 8 and 16; one rsLoRA;
+different module sets, q and k included so a wrong q/k row order would show) run in one batch
+with base requests. With `--quantization none` every request's greedy tokens equal those of
+transformers + PEFT with that request's adapter; in the fast default mode (`auto`) an adapter's
+logits meet the base model's fast-mode gates (tests/platform/test_quantization.py) against
+`none`, and the mixed batch gives each request the tokens it gets alone.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from lora_fixtures import ADAPTERS, make_peft_adapters, peft_greedy, run_mixed
+from test_engine_vs_transformers import PROMPTS, prompt_logits
+from test_quantization import MEAN_TOLERANCE, MIN_TOP1_AGREEMENT, TOP20_TOLERANCE, needs_kernels
+
+from splitserve.platform.sampling.params import SamplingParams
+
+pytestmark = pytest.mark.slow
+
+GREEDY = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+NAMES = list(ADAPTERS)
+
+@pytest.fixture(scope="module")
+def peft_adapters(tmp_path_factory, smollm2_gguf_path):
+    folder = tmp_path_factory.mktemp("peft-adapters")
+    model, tok = make_peft_adapters(smollm2_gguf_path, folder)
+    return model, tok, {name: str(folder / name) for name in NAMES}
+
+def lora_engine(make_engine, paths, quantization="none"):
+    engine = make_engine(quantization=quantization)
+
+    for name, path in paths.items():
+        engine.load_lora_adapter(name, path)
+    return engine
+
+def test_mixed_batch_equals_transformers_peft_per_request(make_engine, peft_adapters):
+    model, tok, paths = peft_adapters
+    engine = lora_engine(make_engine, paths)
+    prompts = [tok(p).input_ids for p in PROMPTS[:4]]
+    # every prompt with the base model and each adapter: 16 requests, 4 adapters' worth of rows mixed
+    requests = [(ids, lora) for ids in prompts for lora in (None, *NAMES)]
+    outs = run_mixed(engine, requests, GREEDY)
+    for (ids, lora), out in zip(requests, outs):
+        assert out == peft_greedy(model, lora, ids, GREEDY.max_tokens), f"{lora} diverged on {tok.decode(ids)!r}"
+    by_adapter = {lora: [o for (_, l), o in zip(requests, outs) if l == lora] for lora in (None, *NAMES)}
+    for name in NAMES:  # the adapters are not no-ops: each changes what the model says
+        assert by_adapter[name] != by_adapter[None], name
+
+def test_max_loras_skips_a_request_without_a_slot_but_not_the_queue(make_engine, peft_adapters):
+    model, tok, paths = peft_adapters
+    engine = make_engine()
+    engine.scheduler.max_loras = 1
+    for name, path in paths.items():
+        engine.load_lora_adapter(name, path)
+    ids = tok(PROMPTS[0]).input_ids
+    a = engine.add_request(params=GREEDY, prompt_token_ids=ids, lora_name=NAMES[0])
+    b = engine.add_request(params=GREEDY, prompt_token_ids=ids, lora_name=NAMES[1])   # no slot: waits
+    c = engine.add_request(params=GREEDY, prompt_token_ids=ids)                       # base: admitted
+    d = engine.add_request(params=GREEDY, prompt_token_ids=ids, lora_name=NAMES[0])   # same adapter: admitted
+    engine.step()
+    running = {r.req_id for r in engine.scheduler.running}
+    assert running == {a, c, d} and [r.req_id for r in engine.scheduler.waiting] == [b]
+    assert engine.load().running_loras == (NAMES[0],) and engine.load().waiting_loras == (NAMES[1],)
+    final = {}
+    while engine.has_unfinished_requests():
+        final.update({o.req_id: o for o in engine.step() if o.finished})
+    assert engine.scheduler.stats.num_lora_waits >= 1
+    assert final[b].output_token_ids == peft_greedy(model, NAMES[1], ids, GREEDY.max_tokens)
+
+@needs_kernels
+def test_auto_mode_adapter_logits_within_the_fast_mode_gates(smollm2_models, peft_adapters, make_engine):
+    _, tok, paths = peft_adapters
+    for name in NAMES:
+        ref_engine, fast_engine = make_engine(quantization="none"), make_engine(quantization="auto")
+        ref_engine.load_lora_adapter(name, paths[name])
+        fast_engine.load_lora_adapter(name, paths[name])
+        worst_top, mean, agree, positions = 0.0, 0.0, 0, 0
+        for prompt in PROMPTS:
+            ids = tok(prompt).input_ids
+            ref = adapter_logits(ref_engine, name, ids)
+            ours = adapter_logits(fast_engine, name, ids)
+            error = (ours - ref).abs()
+            worst_top = max(worst_top, error.gather(1, ref.topk(20, dim=-1).indices).max().item())
+            mean += error.mean().item() / len(PROMPTS)
+            agree += (ours.argmax(-1) == ref.argmax(-1)).sum().item()
+            positions += len(ids)
+        assert worst_top <= TOP20_TOLERANCE["auto"], f"{name}: max |dlogit| over the top 20 = {worst_top:.3f}"
+        assert mean <= MEAN_TOLERANCE, f"{name}: mean |dlogit| = {mean:.3f}"
+        assert agree / positions >= MIN_TOP1_AGREEMENT, f"{name}: top-1 agrees at {agree}/{positions}"
+
+@needs_kernels
+def test_auto_mode_mixed_batch_gives_each_request_its_tokens_alone(make_engine, peft_adapters):
+    _, tok, paths = peft_adapters
+    engine = lora_engine(make_engine, paths, quantization="auto")
+    prompts = [tok(p).input_ids for p in PROMPTS[4:7]]
+    requests = [(ids, lora) for ids in prompts for lora in (None, *NAMES)]
+    alone = [run_mixed(engine, [r], GREEDY)[0] for r in requests]
+    engine.pool.reset_prefix_cache()
+    assert run_mixed(engine, requests, GREEDY) == alone
+
+def adapter_logits(engine, name, ids) -> torch.Tensor:
+    """All-position logits of one prompt through the engine's model with adapter `name` on all rows."""
+    context = engine.runner.lora_context
+    context.begin([len(ids)], [engine.loras.get(name)], "cpu")
+    try:
+        return prompt_logits(engine.model, ids)
+    finally:
+        context.end()

@@ -1,0 +1,118 @@
+"""LoRA adapters on real worker processes: real gRPC, KV over TCP between a prefill and a decode
+worker (`splitserve worker` subprocesses on 127.0.0.1).
+
+The decode worker loads an adapter at start (--lora-modules); the prefill worker does not have
+it and must load it from the folder the decode worker names, so P/D with an adapter equals the
+decode worker's own (colocated) answer; when the prefill worker cannot read the folder, the
+request falls back to local prefill and is still right. Workers report their adapters in load
+reports and export vllm:lora_requests_info.
+"""
+
+import asyncio
+import shutil
+import time
+
+import grpc
+import pytest
+from lora_folders import write_adapter
+
+from splitserve.platform.wire import worker_pb2 as pb
+from splitserve.platform.wire import worker_pb2_grpc as pb_grpc
+from workerproc import WorkerProc
+
+pytestmark = pytest.mark.slow
+
+
+def prompt(n: int, salt: int = 0) -> list[int]:
+    return [(i * 7919 + salt * 104729) % 40000 + 100 for i in range(n)]
+
+
+async def generate(address, token_ids, lora="", prefill_workers=(), mode=pb.DISAGGREGATION_MODE_ALWAYS):
+    async with grpc.aio.insecure_channel(address) as channel:
+        request = pb.GenerateRequest(
+            request_id=f"t-{time.monotonic_ns()}", prompt_token_ids=token_ids, lora_name=lora,
+            params=pb.SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
+            prefill_workers=list(prefill_workers), disaggregation=mode)
+        msgs = [m async for m in pb_grpc.WorkerStub(channel).Generate(request)]
+    return [t for m in msgs for t in m.token_ids], msgs[-1]
+
+
+async def call(address, method, request):
+    async with grpc.aio.insecure_channel(address) as channel:
+        return await getattr(pb_grpc.WorkerStub(channel), method)(request)
+
+
+async def first_load_report(address) -> pb.LoadReport:
+    async with grpc.aio.insecure_channel(address) as channel:
+        async for msg in pb_grpc.WorkerStub(channel).WatchEvents(pb.WatchEventsRequest(load_interval_s=0.05)):
+            if msg.WhichOneof("payload") == "load":
+                return msg.load
+
+
+@pytest.fixture(scope="module")
+def lora_pair(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("lora-workers")
+    sql = write_adapter(folder / "sql", r=8, modules=("q_proj", "k_proj", "v_proj", "down_proj"), seed=5)
+    d = WorkerProc("decode", "tcp", "--lora-modules", f"sql={sql}", "--max-loras", "2").start()
+    p = WorkerProc("prefill", "tcp").start()
+    yield d, p, folder
+    for w in (d, p):
+        w.terminate()
+
+
+def test_pd_with_an_adapter_equals_colocated(lora_pair):
+    d, p, _ = lora_pair
+    tokens = prompt(100, salt=1)
+    local, _ = asyncio.run(generate(d.address, tokens, "sql", mode=pb.DISAGGREGATION_MODE_NEVER))
+    base, _ = asyncio.run(generate(d.address, tokens, mode=pb.DISAGGREGATION_MODE_NEVER))
+    assert local != base   # the adapter changes the answer
+    other = prompt(100, salt=2)   # uncached on both workers
+    local_other, _ = asyncio.run(generate(d.address, other, "sql", mode=pb.DISAGGREGATION_MODE_NEVER))
+    d_fresh = prompt(100, salt=3)
+    ref_fresh, _ = asyncio.run(generate(d.address, d_fresh, "sql", mode=pb.DISAGGREGATION_MODE_NEVER))
+    # now through the prefill worker, which loads "sql" from the folder the decode worker names
+    remote, last = asyncio.run(generate(d.address, other, "sql", [p.address]))
+    assert last.prefill_worker == p.address and remote == local_other
+    assert "sql" in {a.name for a in asyncio.run(first_load_report(p.address)).adapters}
+    # the prefill worker's cache holds sql's blocks, never served to a base request
+    remote_base, last_base = asyncio.run(generate(d.address, other, "", [p.address]))
+    assert last_base.prefill_worker == p.address and last_base.usage.cached_tokens == 0
+    assert remote_base == asyncio.run(generate(d.address, other, mode=pb.DISAGGREGATION_MODE_NEVER))[0]
+    assert ref_fresh == asyncio.run(generate(d.address, d_fresh, "sql", [p.address]))[0]
+
+
+def test_prefill_worker_that_cannot_load_the_adapter_falls_back_to_local(lora_pair):
+    d, p, folder = lora_pair
+    gone = write_adapter(folder / "gone", r=4, seed=9)
+    info = asyncio.run(call(d.address, "LoadLoraAdapter", pb.LoadLoraAdapterRequest(lora_name="gone", lora_path=gone)))
+    assert info.name == "gone" and len(info.digest) == 32
+    shutil.rmtree(gone)   # the decode worker keeps it in memory; the prefill worker cannot read it
+    tokens = prompt(80, salt=4)
+    before = d.metric('splitserve_remote_prefills_total{outcome="local_fallback"}')
+    out, last = asyncio.run(generate(d.address, tokens, "gone", [p.address]))
+    assert last.prefill_worker == "" and last.finish_reason == pb.FINISH_REASON_LENGTH
+    assert d.metric('splitserve_remote_prefills_total{outcome="local_fallback"}') == before + 1
+    assert out == asyncio.run(generate(d.address, tokens, "gone", mode=pb.DISAGGREGATION_MODE_NEVER))[0]
+
+
+def test_adapters_in_load_reports_metrics_and_unload(lora_pair):
+    d, _, folder = lora_pair
+    report = asyncio.run(first_load_report(d.address))
+    assert "sql" in {a.name for a in report.adapters} and report.max_loras == 2
+    assert all(len(a.digest) == 32 for a in report.adapters)
+    text = d.get("/metrics")[1].decode()
+    assert 'vllm:lora_requests_info{max_lora="2"' in text
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        asyncio.run(generate(d.address, prompt(20), "nope"))
+    assert err.value.code() == grpc.StatusCode.NOT_FOUND and "nope" in err.value.details()
+    bad = folder / "bad"
+    bad.mkdir()
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        asyncio.run(call(d.address, "LoadLoraAdapter", pb.LoadLoraAdapterRequest(lora_name="bad", lora_path=str(bad))))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "adapter_config.json" in err.value.details()
+    temp = write_adapter(folder / "temp", seed=11)
+    asyncio.run(call(d.address, "LoadLoraAdapter", pb.LoadLoraAdapterRequest(lora_name="temp", lora_path=temp)))
+    asyncio.run(call(d.address, "UnloadLoraAdapter", pb.UnloadLoraAdapterRequest(lora_name="temp")))
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        asyncio.run(call(d.address, "UnloadLoraAdapter", pb.UnloadLoraAdapterRequest(lora_name="temp")))
+    assert err.value.code() == grpc.StatusCode.NOT_FOUND
