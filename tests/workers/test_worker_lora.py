@@ -18,7 +18,7 @@ from lora_folders import write_adapter
 
 from splitserve.platform.wire import worker_pb2 as pb
 from splitserve.platform.wire import worker_pb2_grpc as pb_grpc
-from workerproc import WorkerProc
+from workerproc import WorkerProc, worker_channel
 
 pytestmark = pytest.mark.slow
 
@@ -28,7 +28,7 @@ def prompt(n: int, salt: int = 0) -> list[int]:
 
 
 async def generate(address, token_ids, lora="", prefill_workers=(), mode=pb.DISAGGREGATION_MODE_ALWAYS):
-    async with grpc.aio.insecure_channel(address) as channel:
+    async with worker_channel(address) as channel:
         request = pb.GenerateRequest(
             request_id=f"t-{time.monotonic_ns()}", prompt_token_ids=token_ids, lora_name=lora,
             params=pb.SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
@@ -38,12 +38,12 @@ async def generate(address, token_ids, lora="", prefill_workers=(), mode=pb.DISA
 
 
 async def call(address, method, request):
-    async with grpc.aio.insecure_channel(address) as channel:
+    async with worker_channel(address) as channel:
         return await getattr(pb_grpc.WorkerStub(channel), method)(request)
 
 
 async def first_load_report(address) -> pb.LoadReport:
-    async with grpc.aio.insecure_channel(address) as channel:
+    async with worker_channel(address) as channel:
         async for msg in pb_grpc.WorkerStub(channel).WatchEvents(pb.WatchEventsRequest(load_interval_s=0.05)):
             if msg.WhichOneof("payload") == "load":
                 return msg.load
