@@ -30,6 +30,7 @@ from splitserve.router.pool import WorkerPool
 from splitserve.router.watcher import ChannelPool, WorkerWatcher
 
 log = logging.getLogger(__name__)
+FORGET_TIMEOUT_S = 5.0
 
 
 def make_index(config: IndexConfig) -> PrefixIndex:
@@ -91,8 +92,14 @@ class Router:
     async def _forget(self, address: str) -> None:
         task = self._watchers.pop(address)
         task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
+        # Bounded: a watcher that does not end must not freeze the worker set (and with it a
+        # planner tick waiting here); it is left cancelled and logged.
+        done, _ = await asyncio.wait({task}, timeout=FORGET_TIMEOUT_S)
+        if not done:
+            log.warning("the watcher of worker %s did not stop within %.0f s; dropping it", address, FORGET_TIMEOUT_S)
+        else:
+            with contextlib.suppress(asyncio.CancelledError):
+                task.result()
         self.dispatcher.worker_down(address)
         self.pool.remove(address)
         await self.index.clear(address)

@@ -102,6 +102,11 @@ class WorkerWatcher:
                     msg = await asyncio.wait_for(stream.__anext__(), timeout=self.config.stale_after_s)
                 except StopAsyncIteration:
                     return
+                if asyncio.current_task().cancelling():
+                    # Python 3.11's wait_for returns the result when a cancel races a message
+                    # (gh-86296): without this the watcher of a removed worker streams forever
+                    # and whoever awaits it (Router._forget, the planner's tick) hangs.
+                    raise asyncio.CancelledError
                 await self._handle(msg)
         finally:
             call.cancel()
