@@ -203,21 +203,9 @@ def test_models_without_int_activation_linears_keep_the_python_path(make_engine)
 def test_decode_attention_on_every_instruction_set(arch, bs, d):
     """The AVX2 build takes 8 keys at a time where head_dim and the block size allow it (the AVX-512
     build 16; test_cpu_ops.py), the portable build one key at a time: each against torch."""
-    from splitserve.platform.models.attention import decode_attention, gather_kv
+    from test_cpu_ops import check_decode_attention
 
     needs, _ = ISAS[arch]
     if not needs <= cpu_flags():
         pytest.skip(f"this CPU cannot run a {' '.join(arch)} build (lacks {sorted(needs - cpu_flags())})")
-    other = _other_isa(arch)
-    nb, nh, nkv = 40, 9, 3
-    k_cache, v_cache = torch.randn(nb, bs, nkv, d), torch.randn(nb, bs, nkv, d)
-    context = torch.tensor([1, 13, 100, 16 * bs - 3])
-    table = torch.stack([torch.randperm(nb)[:16] for _ in range(4)])
-    q = torch.randn(4, nh, d)
-    mask = torch.arange(16 * bs)[None] < context[:, None]
-    ref = decode_attention(q, gather_kv(k_cache, table), gather_kv(v_cache, table), d ** -0.5, mask)
-    got = other.decode_attention(q, k_cache, v_cache, table, context, d ** -0.5)
-    assert torch.allclose(got, ref, atol=1e-5)
-    alone = other.decode_attention(q[2:3].contiguous(), k_cache, v_cache, table[2:3].contiguous(),
-                                   context[2:3].contiguous(), d ** -0.5)
-    assert torch.equal(alone[0], got[2])
+    check_decode_attention(_other_isa(arch), bs, d, [1, 13, 100, 16 * bs - 3])

@@ -55,22 +55,27 @@ def test_rope_rotates_q_and_k_in_place_and_writes_kv_slots():
     assert torch.equal(v_cache.view(-1, NKV, D)[slots], heads[:, NH + NKV:])
 
 
+def check_decode_attention(kernels, bs: int, d: int, contexts: list[int]) -> None:
+    """`kernels.decode_attention` against torch's gather + softmax on a random paged cache (16
+    blocks per sequence), and one sequence alone equal bit for bit to its row in the batch."""
+    k_cache, v_cache = torch.randn(NB, bs, NKV, d), torch.randn(NB, bs, NKV, d)
+    context = torch.tensor(contexts)
+    table = torch.stack([torch.randperm(NB)[:16] for _ in range(len(contexts))])
+    q = torch.randn(len(contexts), NH, d)
+    mask = torch.arange(16 * bs)[None] < context[:, None]
+    ref = decode_attention(q, gather_kv(k_cache, table), gather_kv(v_cache, table), d ** -0.5, mask)
+    got = kernels.decode_attention(q, k_cache, v_cache, table, context, d ** -0.5)
+    assert torch.allclose(got, ref, atol=1e-5)
+    alone = kernels.decode_attention(q[2:3].contiguous(), k_cache, v_cache, table[2:3].contiguous(),
+                                     context[2:3].contiguous(), d ** -0.5)
+    assert torch.equal(alone[0], got[2])
+
+
 @pytest.mark.parametrize("bs,d", [(16, 64), (32, 128), (8, 64), (16, 40)])
 def test_decode_attention_reads_the_paged_cache_in_place(bs, d):
     """(16, 64) and (32, 128) take the 16-keys-at-a-time path on AVX-512 hosts, (8, 64) and
     (16, 40) the per-key one; contexts end mid-block and mid-chunk."""
-    BS, D = bs, d
-    k_cache, v_cache = torch.randn(NB, BS, NKV, D), torch.randn(NB, BS, NKV, D)
-    context = torch.tensor([1, 17, 100, 256 if BS >= 16 else 120])
-    table = torch.stack([torch.randperm(NB)[:16] for _ in range(4)])
-    q = torch.randn(4, NH, D)
-    mask = torch.arange(16 * BS)[None] < context[:, None]
-    ref = decode_attention(q, gather_kv(k_cache, table), gather_kv(v_cache, table), D ** -0.5, mask)
-    got = ops.decode_attention(q, k_cache, v_cache, table, context, D ** -0.5)
-    assert torch.allclose(got, ref, atol=1e-5)
-    alone = ops.decode_attention(q[2:3].contiguous(), k_cache, v_cache, table[2:3].contiguous(),
-                                 context[2:3].contiguous(), D ** -0.5)
-    assert torch.equal(alone[0], got[2])
+    check_decode_attention(ops, bs, d, [1, 17, 100, 256 if bs >= 16 else 120])
 
 
 @pytest.mark.parametrize("n,k", [(960, 576), (576, 1536), (64, 96)])
