@@ -122,5 +122,11 @@ class Tally:
             self.outcomes[outcome] += 1
             if outcome == "ok":
                 self.successes.append(time.monotonic())
-            if outcome in ("wrong", "hung", "lost") and len(self.problems) < 50:
-                self.problems.append((outcome, detail))
+            if outcome in ("wrong", "hung", "lost"):
+                # Said at once, with the faults just before it, so a long run can be diagnosed live.
+                now = time.monotonic()
+                recent = ", ".join(f"{kind} {now - at:.1f} s before" for kind, at in self.fault_times[-3:])
+                print(f"chaos: {outcome} at {time.strftime('%H:%M:%S')}: {detail} (last faults: {recent or 'none'})",
+                      flush=True)
+                if len(self.problems) < 50:
+                    self.problems.append((outcome, detail))
