@@ -32,6 +32,7 @@
  */
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -172,6 +173,141 @@ static inline void q8_tile(const int8_t *w, const uint16_t *d, int64_t groups, c
     }
     for (int r = 0; r < rows; r++) _mm512_storeu_ps(y + r * n, acc[r]);
 }
+
+#if defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__linux__)
+/* ---- AMX: the same integer group sums from the tile unit, for steps of many rows -------------
+ * One tdpbsud (q4: signed activation codes x unsigned 4-bit codes) or tdpbssd (q8) multiplies up
+ * to 16 activation rows by a group's 32 inputs of a tile's 16 output rows: A is [rows, 32] bytes
+ * read in place (stride K * digits), B is the group's 8 x 64 bytes, which is exactly the tile
+ * layout above (row j = inputs 4j..4j+3 of the 16 output rows; the q4 codes are unpacked into it,
+ * the q8 table is loaded as it is), and C is [rows, 16] int32 = each activation row's 16 lanes.
+ * The sums are exact, so each row's lanes then take the same two fused multiply-adds per group in
+ * the same order as the VNNI path: bit for bit the same y, whichever path a step of M rows takes.
+ * Linux grants the tile state per process on request (arch_prctl ARCH_REQ_XCOMP_PERM); where it
+ * refuses, or SPLITSERVE_AMX=0 (ss_a8_set_amx(0)), the VNNI path runs. */
+#include <sys/syscall.h>
+#include <unistd.h>
+#define AMX_ROWS 16
+#define AMX_MIN_ROWS 8 /* fewer rows in a block: the VNNI path is as fast (bench/amx_kernels.py) */
+static int amx_state = -1; /* -1 not asked yet, 0 off, 1 granted */
+
+static int amx_on(void) {
+    if (amx_state < 0) amx_state = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
+    return amx_state;
+}
+
+int ss_a8_set_amx(int enable) {
+    amx_state = enable ? -1 : 0;
+    return enable ? amx_on() : 0;
+}
+
+static int64_t amx_rows(int64_t m) { /* the rows the tiles take: blocks of 16, and a last one of 8 or more */
+    return m % AMX_ROWS >= AMX_MIN_ROWS ? m : m - m % AMX_ROWS;
+}
+
+struct amx_config { uint8_t palette, start_row, reserved[14]; uint16_t colsb[16]; uint8_t rows[16]; };
+
+static void amx_configure(int rows) { /* C1 C2 | A1 A2 | B: tiles 0 1 | 2 3 | 4 */
+    struct amx_config c;
+    memset(&c, 0, sizeof c);
+    c.palette = 1;
+    for (int t = 0; t < 4; t++) c.rows[t] = (uint8_t)rows, c.colsb[t] = t < 2 ? 64 : 32;
+    c.rows[4] = 8, c.colsb[4] = 64;
+    _tile_loadconfig(&c);
+}
+
+static inline __m512i amx_digits(const int32_t *c, int r, int digits) { /* 254 s + s2 (exact) */
+    __m512i s = _mm512_load_si512(c + r * 16);
+    if (digits == 2)
+        s = _mm512_add_epi32(_mm512_sub_epi32(_mm512_slli_epi32(s, 8), _mm512_slli_epi32(s, 1)),
+                             _mm512_load_si512(c + (AMX_ROWS + r) * 16));
+    return s;
+}
+
+static inline void q4_unpack_group(const uint8_t *wg, uint8_t *wb) { /* one group's codes in the B layout */
+    const __m512i low = _mm512_set1_epi8(0x0F);
+    for (int i = 0; i < 4; i++) {
+        __m512i p = _mm512_loadu_si512(wg + i * 64);
+        _mm512_store_si512(wb + i * 64, _mm512_and_si512(p, low));
+        _mm512_store_si512(wb + (i + 4) * 64, _mm512_and_si512(_mm512_srli_epi16(p, 4), low));
+    }
+}
+
+/* One tile of 16 output rows for `rows` activation rows, software-pipelined so that neither unit
+ * waits on the other's memory: in step g the vector unit unpacks group g + 1's q4 codes, the tile
+ * unit sums group g (B from the buffer written a step earlier, or straight from the q8 table) into
+ * one half of c, and the vector unit combines group g - 1 from the other half. `mn` NULL: the q8
+ * table (signed codes, no minimum). */
+static inline __attribute__((always_inline)) void amx_tile_rows(
+        const uint8_t *w, const uint16_t *d, const uint16_t *mn, int64_t groups, const int8_t *xq, const float *dx,
+        const float *xs, int64_t k, int digits, int rows, float *y, int64_t n) {
+    __attribute__((aligned(64))) uint8_t wb[2][512];
+    __attribute__((aligned(64))) int32_t c[2][2][AMX_ROWS * 16];
+    __m512 acc[AMX_ROWS];
+    for (int r = 0; r < rows; r++) acc[r] = _mm512_setzero_ps();
+    if (mn) q4_unpack_group(w, wb[0]);
+    for (int64_t g = 0; g <= groups; g++) {
+        if (g < groups) {
+            if (mn && g + 1 < groups) q4_unpack_group(w + (g + 1) * 256, wb[(g + 1) & 1]);
+            _tile_loadd(4, mn ? wb[g & 1] : w + g * 512, 64);
+            _tile_loadd(2, xq + g * 32, k * digits);
+            _tile_zero(0);
+            if (mn) _tile_dpbsud(0, 2, 4);
+            else _tile_dpbssd(0, 2, 4);
+            _tile_stored(0, c[g & 1][0], 64);
+            if (digits == 2) {
+                _tile_loadd(3, xq + k + g * 32, k * 2);
+                _tile_zero(1);
+                if (mn) _tile_dpbsud(1, 3, 4);
+                else _tile_dpbssd(1, 3, 4);
+                _tile_stored(1, c[g & 1][1], 64);
+            }
+        }
+        if (g == 0) continue;
+        int64_t h = g - 1;
+        const int32_t *c1 = c[h & 1][0], *c2 = c[h & 1][1];
+        __m512 dv = ld16h(d + h * 16), mv = mn ? ld16h(mn + h * 16) : _mm512_setzero_ps();
+        for (int r = 0; r < rows; r++) {
+            __m512i s = _mm512_load_si512(c1 + r * 16);
+            if (digits == 2) /* 254 s + s2, exact */
+                s = _mm512_add_epi32(_mm512_sub_epi32(_mm512_slli_epi32(s, 8), _mm512_slli_epi32(s, 1)),
+                                     _mm512_load_si512(c2 + r * 16));
+            __m512 scale = _mm512_mul_ps(dv, _mm512_set1_ps(dx[r * groups + h]));
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), scale, acc[r]);
+            if (mn) acc[r] = _mm512_fmadd_ps(mv, _mm512_set1_ps(xs[r * groups + h]), acc[r]);
+        }
+    }
+    for (int r = 0; r < rows; r++) _mm512_storeu_ps(y + r * n, acc[r]);
+}
+
+static void amx_tile(const uint8_t *w, const uint16_t *d, const uint16_t *mn, int64_t groups, const int8_t *xq,
+                     const float *dx, const float *xs, int64_t k, int digits, int rows, float *y, int64_t n) {
+    if (rows == AMX_ROWS && digits == 2 && mn) amx_tile_rows(w, d, mn, groups, xq, dx, xs, k, 2, AMX_ROWS, y, n);
+    else if (rows == AMX_ROWS && digits == 2) amx_tile_rows(w, d, NULL, groups, xq, dx, xs, k, 2, AMX_ROWS, y, n);
+    else amx_tile_rows(w, d, mn, groups, xq, dx, xs, k, digits, rows, y, n);
+}
+
+/* Row blocks outside, tiles inside: a thread configures its tiles once per block of 16 rows, and
+ * a layer's packed weights (well under L2) are read from memory once, from cache after. */
+static void a8_amx(int q8, const int8_t *xq, const float *dx, const float *xs, int64_t m, int64_t k, int digits,
+                   const uint8_t *w, const uint16_t *d, const uint16_t *mn, int64_t n, float *y, int threads) {
+    int64_t groups = k / 32, tiles = n / A8_TILE, tile_bytes = groups * (q8 ? 512 : 256);
+#pragma omp parallel num_threads(threads) if (n * k * m >= 32768)
+    {
+        for (int64_t r0 = 0; r0 < m; r0 += AMX_ROWS) {
+            int rows = m - r0 < AMX_ROWS ? (int)(m - r0) : AMX_ROWS;
+            amx_configure(rows);
+#pragma omp for schedule(static) nowait
+            for (int64_t t = 0; t < tiles; t++)
+                amx_tile(w + t * tile_bytes, d + t * groups * 16, q8 ? NULL : mn + t * groups * 16, groups,
+                         xq + r0 * k * digits, dx + r0 * groups, q8 ? NULL : xs + r0 * groups, k, digits, rows,
+                         y + r0 * n + t * A8_TILE, n);
+        }
+        _tile_release();
+    }
+}
+#define A8_AMX 1
+#endif
 #define A8_PATH "avx512-vnni"
 
 #elif defined(__AVX2__) && defined(__FMA__)
@@ -314,12 +450,29 @@ static inline void q8_tile(const int8_t *w, const uint16_t *d, int64_t groups, c
 #define A8_PATH "portable"
 #endif
 
-const char *ss_a8_path(void) { return A8_PATH; }
+#ifndef A8_AMX
+int ss_a8_set_amx(int enable) { (void)enable; return 0; } /* built without AMX: nothing to switch */
+#endif
+
+/* The path a step of many rows takes here: "avx512-amx" where the tiles are granted, else A8_PATH. */
+const char *ss_a8_path(void) {
+#ifdef A8_AMX
+    if (amx_state == 1) return "avx512-amx";
+#endif
+    return A8_PATH;
+}
 
 /* Threads split the tiles; each tile's packed weights (K / 2 or K bytes per row) stay in cache
  * while every pass of A8_ROWS activation rows goes over them. */
 void ss_q4a8_linear(const int8_t *xq, const float *dx, const float *xs, int64_t m, int64_t k, int digits,
                     const uint8_t *w, const uint16_t *d, const uint16_t *mn, int64_t n, float *y, int threads) {
+#ifdef A8_AMX
+    int64_t m_amx = amx_rows(m);
+    if (m_amx && amx_on()) { /* the tile unit takes whole blocks, the VNNI path a short tail */
+        a8_amx(0, xq, dx, xs, m_amx, k, digits, w, d, mn, n, y, threads);
+        xq += m_amx * k * digits, dx += m_amx * (k / 32), xs += m_amx * (k / 32), y += m_amx * n, m -= m_amx;
+    }
+#endif
     int64_t groups = k / 32, tiles = n / A8_TILE;
 #pragma omp parallel for num_threads(threads) schedule(static) if (n * k * m >= 32768)
     for (int64_t t = 0; t < tiles; t++)
@@ -336,6 +489,13 @@ void ss_q4a8_linear(const int8_t *xq, const float *dx, const float *xs, int64_t 
 
 void ss_q8a8_linear(const int8_t *xq, const float *dx, int64_t m, int64_t k, int digits, const int8_t *w,
                     const uint16_t *d, int64_t n, float *y, int threads) {
+#ifdef A8_AMX
+    int64_t m_amx = amx_rows(m);
+    if (m_amx && amx_on()) {
+        a8_amx(1, xq, dx, NULL, m_amx, k, digits, (const uint8_t *)w, d, NULL, n, y, threads);
+        xq += m_amx * k * digits, dx += m_amx * (k / 32), y += m_amx * n, m -= m_amx;
+    }
+#endif
     int64_t groups = k / 32, tiles = n / A8_TILE;
 #pragma omp parallel for num_threads(threads) schedule(static) if (n * k * m >= 32768)
     for (int64_t t = 0; t < tiles; t++)

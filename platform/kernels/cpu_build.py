@@ -32,6 +32,7 @@ SOURCE = pathlib.Path(__file__).with_name("cpu_ops.c")
 SOURCES = tuple(pathlib.Path(__file__).with_name(f) for f in ("cpu_ops.c", "cpu_a8.c", "cpu_decode.c"))  # one library
 ENV_DISABLE = "SPLITSERVE_CPU_KERNELS"
 ENV_CACHE = "SPLITSERVE_KERNEL_CACHE"
+ENV_AMX = "SPLITSERVE_AMX"  # 0: never use the AMX tiles (to compare; same bits either way)
 _I64, _F32P, _I64P, _F32, _INT = ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
 SIGNATURES = {
     "ss_rms_norm": [_F32P, _F32P, _F32P, _I64, _I64, _F32, _INT],
@@ -103,11 +104,14 @@ def load() -> ctypes.CDLL | None:
         log.warning("no C compiler (gcc/cc) found: the fused CPU kernels are off, using the torch path")
         return None
     try:
-        lib = ctypes.CDLL(str(_build(cc)))
+        lib = declare(ctypes.CDLL(str(_build(cc))))
     except (OSError, RuntimeError) as e:
         log.warning("the fused CPU kernels could not be built or loaded (%s); using the torch path", e)
         return None
-    return declare(lib)
+    if os.environ.get(ENV_AMX, "1") == "0":
+        lib.ss_a8_set_amx(0)
+        log.info("AMX tiles disabled by %s=0; many-row steps take the VNNI path", ENV_AMX)
+    return lib
 
 
 def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
@@ -116,6 +120,7 @@ def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = argtypes, None
     lib.ss_a8_path.argtypes, lib.ss_a8_path.restype = [], ctypes.c_char_p
+    lib.ss_a8_set_amx.argtypes, lib.ss_a8_set_amx.restype = [_INT], _INT
     lib.ss_decode_layers.argtypes = [_F32P, _I64, _F32P, _F32P, _I64] + [_F32P] * 8
     lib.ss_decode_layers.restype = ctypes.c_int
     return lib

@@ -92,8 +92,14 @@ class CpuOps:
     # ---- int8 activations (cpu_a8.c) ----------------------------------------------------------------
     @property
     def a8_path(self) -> str:
-        """Which code path cpu_a8.c was built with here: avx512-vnni, avx2 or portable."""
+        """Which code path cpu_a8.c takes here for many rows: avx512-amx (where the tiles are
+        granted, after the first such step), avx512-vnni, avx2 or portable."""
         return self.lib.ss_a8_path().decode()
+
+    def set_amx(self, enable: bool) -> bool:
+        """Allow (and ask Linux for) the AMX tiles for steps of many rows, or not; True when in use.
+        Either way the results are the same bits (cpu_a8.c)."""
+        return bool(self.lib.ss_a8_set_amx(int(enable)))
 
     def quantize_a8(self, x: torch.Tensor, digits: int = 1) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [M, K] float32 -> (codes [M, digits * K] int8, unit of the last digit [M, K/32], exact

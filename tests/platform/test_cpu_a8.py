@@ -9,12 +9,16 @@ step (cpu_decode.c).
 - the same bits from every instruction-set path: the library is rebuilt here for AVX2 (x86-64-v3),
   AVX2 + AVX-VNNI and portable C where this CPU can run them, so an AVX2-only host computes what
   an AVX-512 host computes;
-- the one-call decode step gives the Python fused path's logits bit for bit on SmolLM2.
+- the one-call decode step gives the Python fused path's logits bit for bit on SmolLM2;
+- on a CPU with AMX-INT8 tiles, steps of 8 rows or more take the tile unit and give the VNNI
+  path's bits (SPLITSERVE_AMX=0 turns the tiles off); elsewhere that test says the CPU lacks them.
 """
 
 from __future__ import annotations
 
 import ctypes
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -209,3 +213,46 @@ def test_decode_attention_on_every_instruction_set(arch, bs, d):
     if not needs <= cpu_flags():
         pytest.skip(f"this CPU cannot run a {' '.join(arch)} build (lacks {sorted(needs - cpu_flags())})")
     check_decode_attention(_other_isa(arch), bs, d, [1, 13, 100, 16 * bs - 3])
+
+
+AMX = {"amx_tile", "amx_int8"}
+
+
+@pytest.fixture
+def amx():
+    if not AMX <= cpu_flags():
+        pytest.skip(f"this CPU has no AMX-INT8 tiles (lacks {sorted(AMX - cpu_flags())})")
+    if not ops.set_amx(True):
+        pytest.skip("Linux did not grant this process the AMX tile state (arch_prctl ARCH_REQ_XCOMP_PERM)")
+    yield
+    ops.set_amx(True)
+
+
+@pytest.mark.parametrize("m", [8, 16, 21, 33, 40])
+def test_amx_tiles_give_the_vnni_paths_bits(amx, m):
+    """Whole blocks of 16 rows (and a last block of 8 or more) go to the tiles, a shorter tail to
+    VNNI; the integer sums are exact and the combine is the same, so the bits must be equal."""
+    n, k = 48, 576
+    x = activations(m, k)
+    table = formats.int8_groups(torch.randn(n, k))[0]
+    table.codes[0, :32] = -128
+    for digits in (1, 2):
+        kernel = a8.Int4A8Kernel(torch.randn(n, k) * 0.05, None, ops, digits)
+        head = a8.Int8A8Head(table.codes, table.scale, ops)
+        head.digits = digits
+        tiles = kernel(x), head(x)
+        assert ops.a8_path == "avx512-amx"
+        ops.set_amx(False)
+        vnni = kernel(x), head(x)
+        assert ops.a8_path == "avx512-vnni"
+        ops.set_amx(True)
+        assert torch.equal(tiles[0], vnni[0]) and torch.equal(tiles[1], vnni[1])
+
+
+def test_amx_can_be_turned_off_for_a_process(amx):
+    code = ("import torch; from splitserve.platform.kernels.cpu_ops import cpu_ops; from splitserve.platform.quant import a8;"
+            "ops = cpu_ops(); a8.Int4A8Kernel(torch.randn(32, 64), None, ops, 2)(torch.randn(16, 64)); print(ops.a8_path)")
+    paths = [subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                            env={**__import__("os").environ, "SPLITSERVE_AMX": flag}).stdout.strip()
+             for flag in ("0", "1")]
+    assert paths == ["avx512-vnni", "avx512-amx"]
