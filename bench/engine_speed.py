@@ -8,6 +8,8 @@ GGUF and cores. One process, arms interleaved, so drifting machine load hits the
    matmul; bfloat16 too). A decode step cannot beat weight bytes / bandwidth nor FLOPs / peak.
 2. Decode step time per mode at batch 1, 2, 4, 8, 16, 32 with 256 tokens of context each:
    the median of STEPS engine steps after every sequence is prefilled, modes interleaved per batch.
+   Two more arms isolate what the default's parts are worth: `auto` with a float32 KV cache, and
+   `auto` with the AMX tiles off (on a host that has them).
 3. Resident weight memory per mode against the GGUF file; greedy agreement with transformers
    (the float32 reference, same GGUF) on the 8 prompts of the fidelity tests, 64 tokens each.
 4. Single stream: one chat request of 128 tokens (EOS banned on both servers) streamed at a
@@ -31,6 +33,7 @@ import torch
 
 from splitserve.platform.config import CacheConfig, DeviceConfig, EngineConfig, SchedulerConfig
 from splitserve.platform.engine.llm_engine import LLMEngine
+from splitserve.platform.kernels.cpu_ops import cpu_ops
 from splitserve.platform.model_source import resolve_model
 from splitserve.platform.quant.cpu import cpu_model, isa_summary
 from splitserve.platform.quant.report import describe_kernels, weight_nbytes
@@ -40,6 +43,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from report import write_section  # noqa: E402
 
 MODES = ("none", "int4", "w4a16", "w4a8", "int8", "fp16", "auto")
+# arm -> (--quantization, --kv-cache-dtype, AMX allowed)
+ARMS = {**{mode: (mode, "auto", True) for mode in MODES},
+        "auto, float32 KV": ("auto", "float32", True), "auto, no AMX": ("auto", "auto", False)}
 BATCHES = (1, 2, 4, 8, 16, 32)
 CONTEXT = 256
 STEPS = 12
@@ -75,11 +81,30 @@ def floors() -> dict:
 
 
 # ---- engine arms -------------------------------------------------------------------------------
-def make_engine(mode: str) -> LLMEngine:
+def make_engine(mode: str, kv_cache_dtype: str = "auto", model=None) -> LLMEngine:
     return LLMEngine(EngineConfig(
-        model="smollm2-135m", device=DeviceConfig(quantization=mode),
+        model="smollm2-135m", device=DeviceConfig(quantization=mode, kv_cache_dtype=kv_cache_dtype),
         cache=CacheConfig(kv_cache_memory_bytes=512 * 1024**2),
-        scheduler=SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=2048, max_model_len=2048)))
+        scheduler=SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=2048, max_model_len=2048)), model=model)
+
+
+def make_arms() -> dict[str, LLMEngine]:
+    """One engine per arm; arms of one mode share its weights. The AMX arm only where there are tiles."""
+    ops = cpu_ops()
+    has_amx = ops is not None and ops.set_amx(True)
+    engines: dict[str, LLMEngine] = {}
+    for arm, (mode, kv, amx) in ARMS.items():
+        if not amx and not has_amx:
+            continue
+        engines[arm] = make_engine(mode, kv, model=engines[mode].model if mode in engines else None)
+    return engines
+
+
+def use_arm(arm: str) -> None:
+    """Switch the process-wide AMX permission to what `arm` asks for."""
+    ops = cpu_ops()
+    if ops is not None:
+        ops.set_amx(ARMS[arm][2])
 
 
 def step_ms(engine: LLMEngine, batch: int, seed: int) -> float:
@@ -117,7 +142,7 @@ def step_bytes(engine: LLMEngine) -> int:
 def kv_bytes_per_sequence(engine: LLMEngine) -> int:
     """KV-cache bytes one decode step reads per sequence at CONTEXT tokens (K and V, every layer)."""
     c = engine.model_config
-    return 2 * c.num_layers * CONTEXT * c.num_kv_heads * c.head_dim * torch.finfo(torch.float32).bits // 8
+    return 2 * c.num_layers * CONTEXT * c.num_kv_heads * c.head_dim * engine.kv_dtype.itemsize
 
 
 def step_flops(engine: LLMEngine, batch: int) -> float:
@@ -146,8 +171,11 @@ def greedy_agreement(engines: dict[str, LLMEngine]) -> dict[str, int]:
                 cur = torch.tensor([[out[-1]]])
             refs.append(out)
     params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
-    return {mode: sum(o.output_token_ids == r for o, r in zip(e.generate(prompt_ids, params), refs))
-            for mode, e in engines.items()}
+    agreement = {}
+    for arm, e in engines.items():
+        use_arm(arm)
+        agreement[arm] = sum(o.output_token_ids == r for o, r in zip(e.generate(prompt_ids, params), refs))
+    return agreement
 
 
 # ---- single stream through the servers ---------------------------------------------------------
@@ -250,13 +278,13 @@ def render(fl: dict, steps: dict, engines: dict, agreement: dict, stream: dict, 
            f"{fl['read_gb_s']:.1f} GB/s, GEMM {fl['fp32_gflops']:.0f} GFLOP/s float32 and "
            f"{fl['bf16_gflops']:.0f} GFLOP/s bfloat16.", "", f"Command: `{cmd}`", "",
            "### Decode step (ms), 256 tokens of context per sequence", "",
-           "The read floor of a step is its weight bytes plus the KV cache it attends over (float32, "
-           "256 tokens per sequence) over the measured bandwidth: at batch 32 the KV alone is several "
-           "times the 4-bit weights, which bounds b32/b1 from below whatever the kernels do.", "",
+           "The read floor of a step is its weight bytes plus the KV cache it attends over (in the arm's "
+           "KV dtype, 256 tokens per sequence) over the measured bandwidth: at batch 32 the KV alone is "
+           "several times the 4-bit weights, which bounds b32/b1 from below whatever the kernels do. "
+           "The default is `auto`: float16 KV, and AMX tiles for steps of 8+ rows where the CPU has them.", "",
            "| mode | " + " | ".join(f"batch {b}" for b in BATCHES) + " | b8/b1 | b32/b1 | read floor b1 | "
            "read floor b32/b1 | FLOP floor b32 |", "|---" * (len(BATCHES) + 6) + "|"]
-    for mode in MODES:
-        e = engines[mode]
+    for mode, e in engines.items():
         row = [f"{steps[(mode, b)]:.1f}" for b in BATCHES]
         kv = kv_bytes_per_sequence(e)
         bw_floor = (step_bytes(e) + kv) / (fl["read_gb_s"] * 1e9) * 1e3
@@ -296,16 +324,19 @@ def main() -> int:
     torch.set_num_threads(args.threads)
     fl = floors()
     print(json.dumps(fl), flush=True)
-    engines = {mode: make_engine(mode) for mode in MODES}
+    engines = make_arms()
     torch.set_num_threads(args.threads)
-    for e in engines.values():
+    for arm, e in engines.items():
+        use_arm(arm)
         step_ms(e, 1, seed=0)  # warm-up
     steps = {}
     for b in BATCHES:
-        for mode in MODES:  # interleaved per batch size
-            steps[(mode, b)] = step_ms(engines[mode], b, seed=b)
-            print(f"{mode} batch {b}: {steps[(mode, b)]:.1f} ms", flush=True)
+        for arm, e in engines.items():  # interleaved per batch size
+            use_arm(arm)
+            steps[(arm, b)] = step_ms(e, b, seed=b)
+            print(f"{arm} batch {b}: {steps[(arm, b)]:.1f} ms", flush=True)
     agreement = greedy_agreement(engines)
+    use_arm("auto")
     print(json.dumps(agreement), flush=True)
     peer = args.peer_python if args.peer_python and os.access(args.peer_python, os.X_OK) else None
     stream = {} if args.no_stream else single_stream(peer)

@@ -19,6 +19,7 @@ import sys
 from importlib.metadata import entry_points
 
 from splitserve.platform.errors import SplitserveError
+from splitserve.platform.config import KV_CACHE_DTYPES
 from splitserve.platform.quant import QUANTIZATION_MODES
 
 GiB = 1024**3
@@ -32,6 +33,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="how weights are served: auto (default: each weight in the fast packed format nearest "
                         "its stored type on an AVX2 CPU), none (dequantize to --dtype: the reference), or one "
                         "format for all: int4, w4a16, w4a8, int8, fp16 (docs/engine.md)")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES),
+                   help="the KV cache's precision: auto (default: float16 where a fast --quantization mode serves "
+                        "the weights on a CPU, else --dtype), or float32, float16, bfloat16")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     p.add_argument("--kv-cache-memory", type=float, default=0.5, metavar="GIB",
                    help="memory for the KV cache in GiB (default 0.5)")
@@ -63,7 +67,7 @@ def engine_config(args):
                                   max_model_len=args.max_model_len, enable_chunked_prefill=not args.no_chunked_prefill,
                                   share_prefix_in_flight=not args.no_share_prefix_in_flight),
         device=DeviceConfig(device=args.device, dtype=args.dtype, num_threads=args.threads,
-                            quantization=args.quantization),
+                            quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype),
         lora=LoraConfig(max_loras=args.max_loras, max_lora_rank=args.max_lora_rank, max_cpu_loras=args.max_cpu_loras,
                         modules=tuple(parse_lora_modules(args.lora_modules))),
     )

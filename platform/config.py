@@ -13,6 +13,7 @@ from splitserve.platform.quant import QUANTIZATION_MODES
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
 SUPPORTED_DTYPES = ("float32", "bfloat16", "float16")
+KV_CACHE_DTYPES = ("auto", *SUPPORTED_DTYPES)
 
 
 @dataclass(frozen=True)
@@ -147,13 +148,18 @@ class DeviceConfig:
     "auto" serves each weight in the fast packed format nearest its stored type on a CPU with
     AVX2 (elsewhere it means "none"); "int4", "w4a16", "w4a8", "int8", "fp16" force one format
     (CPU only).
-    `dtype` stays the activation, residual and KV-cache precision in every mode.
+    `dtype` stays the activation and residual precision in every mode.
+    `kv_cache_dtype` (vLLM's --kv-cache-dtype): "auto" stores K/V as float16 where a fast CPU mode
+    serves the weights (half the bytes each decode step reads, twice the blocks per GiB; llama.cpp's
+    default too) and in `dtype` otherwise, so "none" stays the float32 reference; or one of
+    SUPPORTED_DTYPES. On CUDA the cache takes the model dtype.
     """
 
     device: str = "cpu"
     dtype: str = "float32"
     num_threads: int = 0
     quantization: str = "none"
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         if self.quantization not in QUANTIZATION_MODES:
@@ -164,10 +170,25 @@ class DeviceConfig:
                               "allowed: none, auto")
         if self.dtype not in SUPPORTED_DTYPES:
             raise ConfigError(f"dtype {self.dtype!r} is not supported; allowed: {', '.join(SUPPORTED_DTYPES)}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ConfigError(f"kv_cache_dtype {self.kv_cache_dtype!r} is not supported; "
+                              f"allowed: {', '.join(KV_CACHE_DTYPES)}")
+        if self.device != "cpu" and self.kv_cache_dtype not in ("auto", self.dtype):
+            raise ConfigError(f"kv_cache_dtype {self.kv_cache_dtype!r} differs from dtype {self.dtype!r}, which "
+                              f"{self.device} does not support; allowed there: auto, {self.dtype}")
         if not (self.device == "cpu" or self.device.startswith("cuda")):
             raise ConfigError(f"device {self.device!r} is not supported; allowed: 'cpu', 'cuda', 'cuda:N'")
         if self.num_threads < 0:
             raise ConfigError(f"num_threads must be >= 0, got {self.num_threads}")
+
+
+def resolve_kv_cache_dtype(device: DeviceConfig, quantization: str) -> str:
+    """The KV cache's dtype for `device` with its weights served in `quantization` (as resolved)."""
+    if device.kv_cache_dtype != "auto":
+        return device.kv_cache_dtype
+    if device.device == "cpu" and quantization != "none" and device.dtype == "float32":
+        return "float16"
+    return device.dtype
 
 
 @dataclass(frozen=True)

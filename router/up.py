@@ -22,7 +22,7 @@ import subprocess
 import sys
 import threading
 
-from splitserve.platform.config import QUANTIZATION_MODES
+from splitserve.platform.config import KV_CACHE_DTYPES, QUANTIZATION_MODES
 from splitserve.router import logctx
 from splitserve.router.main import add_router_args, bind, config_from_args, serve, url_host
 
@@ -47,6 +47,8 @@ def register(subparsers) -> None:
     p.add_argument("--quantization", default="auto", choices=list(QUANTIZATION_MODES),
                    help="how both workers serve the weights (default auto; none is the dequantized reference)")
     p.add_argument("--kv-cache-memory", type=float, default=0.25, metavar="GIB", help="KV cache per worker")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES),
+                   help="both workers' KV cache precision (default auto: float16 with a fast --quantization)")
     p.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH",
                    help="PEFT LoRA adapters both workers load at start (model=NAME selects one)")
     p.add_argument("--max-loras", type=int, default=None, help="distinct LoRA adapters one engine step may mix")
@@ -176,7 +178,8 @@ def cmd_up(args) -> int:
 
 def _up(args, config, secure_args: list[str]) -> int:
     transport = kv_transport(args.kv_transport)
-    common = ["--model", config.model, "--quantization", args.quantization, "--kv-transport", transport,
+    common = ["--model", config.model, "--quantization", args.quantization, "--kv-cache-dtype", args.kv_cache_dtype,
+              "--kv-transport", transport,
               "--kv-cache-memory", str(args.kv_cache_memory), "--max-model-len", str(config.max_model_len),
               *secure_args, *lora_args(args), *args.worker_arg]
     level = logging.getLevelName(logging.getLogger().level)

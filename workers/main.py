@@ -83,7 +83,7 @@ def cmd_worker(args) -> int:
 
 def kv_layout(engine: LLMEngine) -> KVLayout:
     m = engine.model_config
-    return KVLayout(model_id=m.model_id, dtype=engine.config.device.dtype, block_size=engine.config.cache.block_size,
+    return KVLayout(model_id=m.model_id, dtype=engine.kv_cache_dtype, block_size=engine.config.cache.block_size,
                     num_layers=m.num_layers, num_kv_heads=m.num_kv_heads, head_dim=m.head_dim,
                     weights=engine.quantization)
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from splitserve.platform.config import EngineConfig, ModelConfig
+from splitserve.platform.config import EngineConfig, ModelConfig, resolve_kv_cache_dtype
 from splitserve.platform.engine.kv_connector import KVExport, KVReady, export_layer, import_layer
 from splitserve.platform.engine.output_processor import OutputProcessor
 from splitserve.platform.engine.outputs import RequestOutput, TokenLogprob
@@ -34,7 +34,7 @@ from splitserve.platform.lora.adapter import LoraAdapter
 from splitserve.platform.lora.batch import attach as attach_lora
 from splitserve.platform.lora.registry import LoraRegistry
 from splitserve.platform.model_source import resolve_model
-from splitserve.platform.kernels.cpu_ops import fused_cpu_ops
+from splitserve.platform.kernels.cpu_ops import KV_DTYPES, fused_cpu_ops
 from splitserve.platform.models import build_model
 from splitserve.platform.quant import resolve_quantization
 from splitserve.platform.quant.report import describe_kernels, weight_nbytes
@@ -79,6 +79,8 @@ class LLMEngine:
         self.device = torch.device(config.device.device)
         self.dtype = DTYPES[config.device.dtype]
         self.quantization = resolve_quantization(config.device.quantization, config.device.device)
+        self.kv_cache_dtype = resolve_kv_cache_dtype(config.device, self.quantization)
+        self.kv_dtype = DTYPES[self.kv_cache_dtype]
         source = resolve_model(config.model)
         self.model_config: ModelConfig = load_model_config(source)
         self.tokenizer = load_tokenizer(config.model)
@@ -89,19 +91,19 @@ class LLMEngine:
             raise ConfigError(f"the model passed in was built with quantization {model.quantization!r}, "
                               f"this engine's config resolves to {self.quantization!r}")
         self.model = model if model is not None else self._load_model(source)
-        if self.quantization != "none":
+        if self.quantization != "none" and self.kv_dtype in KV_DTYPES:
             # The fast modes also take the fused CPU kernels; "none" stays the torch reference.
             self.model.use_fused_ops(fused_cpu_ops(self.device, self.dtype))
         log.info("loaded %s in %.1f s", config.model, time.perf_counter() - t0)
         self.max_model_len = min(config.scheduler.max_model_len or self.model_config.max_position_embeddings,
                                  self.model_config.max_position_embeddings)
         block_size = config.cache.block_size
-        num_blocks = plan_num_blocks(config.cache, self.model_config, self.dtype, self.max_model_len, self.device)
+        num_blocks = plan_num_blocks(config.cache, self.model_config, self.kv_dtype, self.max_model_len, self.device)
         self.pool = BlockPool(num_blocks, enable_caching=config.cache.enable_prefix_caching)
         self.kv = KVCacheManager(self.pool, block_size)
         self.hasher = BlockHasher(self.model_config.model_id, block_size)
         self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len, max_loras=config.lora.max_loras)
-        kv_caches = allocate_kv_cache(self.model_config, num_blocks, block_size, self.dtype, self.device)
+        kv_caches = allocate_kv_cache(self.model_config, num_blocks, block_size, self.kv_dtype, self.device)
         lora_context, layout = attach_lora(self.model)
         self.loras = LoraRegistry(config.lora, layout, self.dtype)
         self.loras.load_modules()

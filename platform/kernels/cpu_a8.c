@@ -47,20 +47,7 @@ static inline int32_t ld4(const int8_t *p) { /* 4 activation codes as one broadc
     return v;
 }
 
-static inline float half_to_float(uint16_t h) { /* IEEE binary16 -> binary32, exact */
-    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1F, man = h & 0x3FF, bits;
-    if (exp == 0x1F) bits = sign | 0x7F800000u | (man << 13);
-    else if (exp) bits = sign | ((exp + 112) << 23) | (man << 13);
-    else if (!man) bits = sign;
-    else { /* subnormal: normalise */
-        exp = 113;
-        while (!(man & 0x400)) man <<= 1, exp--;
-        bits = sign | (exp << 23) | ((man & 0x3FF) << 13);
-    }
-    float f;
-    memcpy(&f, &bits, 4);
-    return f;
-}
+float ss_h2f(uint16_t h); /* cpu_ops.c: IEEE binary16 -> binary32, exact */
 
 static inline float sum32(const float *x) { /* fixed pairwise tree, independent of the vector width */
     float s16[16], s8[8], s4[4];
@@ -419,8 +406,8 @@ static inline void q4_tile(const uint8_t *w, const uint16_t *d, const uint16_t *
                 const int8_t *xg = xq + r * k * digits + g * 32;
                 int32_t s = q4_dot_lane(w + g * 256, lane, xg);
                 if (digits == 2) s = 254 * s + q4_dot_lane(w + g * 256, lane, xg + k);
-                acc = fmaf((float)s, half_to_float(d[g * 16 + lane]) * dx[r * groups + g], acc);
-                acc = fmaf(half_to_float(mn[g * 16 + lane]), xs[r * groups + g], acc);
+                acc = fmaf((float)s, ss_h2f(d[g * 16 + lane]) * dx[r * groups + g], acc);
+                acc = fmaf(ss_h2f(mn[g * 16 + lane]), xs[r * groups + g], acc);
             }
             y[r * n + lane] = acc;
         }
@@ -442,7 +429,7 @@ static inline void q8_tile(const int8_t *w, const uint16_t *d, int64_t groups, c
                 const int8_t *xg = xq + r * k * digits + g * 32;
                 int32_t s = q8_dot_lane(w + g * 512, lane, xg);
                 if (digits == 2) s = 254 * s + q8_dot_lane(w + g * 512, lane, xg + k);
-                acc = fmaf((float)s, half_to_float(d[g * 16 + lane]) * dx[r * groups + g], acc);
+                acc = fmaf((float)s, ss_h2f(d[g * 16 + lane]) * dx[r * groups + g], acc);
             }
             y[r * n + lane] = acc;
         }

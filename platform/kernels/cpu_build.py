@@ -37,8 +37,10 @@ _I64, _F32P, _I64P, _F32, _INT = ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_
 SIGNATURES = {
     "ss_rms_norm": [_F32P, _F32P, _F32P, _I64, _I64, _F32, _INT],
     "ss_add_rms_norm": [_F32P, _F32P, _F32P, _F32P, _I64, _I64, _F32, _INT],
-    "ss_rope_write_kv": [_F32P, _I64P, _F32P, _F32P, _F32P, _F32P, _I64P, _I64, _I64, _I64, _I64, _INT],
-    "ss_decode_attention": [_F32P, _F32P, _F32P, _I64P, _I64P, _F32P, _I64, _I64, _I64, _I64, _I64, _I64, _F32, _INT],
+    "ss_rope_write_kv": [_F32P, _I64P, _F32P, _F32P, _F32P, _F32P, _I64P, _I64, _I64, _I64, _I64, _INT, _INT],
+    "ss_decode_attention": [_F32P, _F32P, _F32P, _I64P, _I64P, _F32P, _I64, _I64, _I64, _I64, _I64, _I64, _F32, _INT,
+                            _INT],
+    "ss_store_half": [_F32P, _F32P, _I64],
     "ss_silu_mul": [_F32P, _F32P, _I64, _I64, _INT],
     "ss_q4_linear": [_F32P, _I64, _I64, _F32P, _F32P, _F32P, _I64, _F32P, _INT],
     "ss_q4_dequant": [_F32P, _F32P, _F32P, _I64, _I64, _F32P, _INT],

@@ -19,11 +19,11 @@ void ss_rms_norm(const float *x, const float *w, float *out, int64_t t, int64_t 
 void ss_add_rms_norm(const float *x, float *res, const float *w, float *out, int64_t t, int64_t h, float eps,
                      int threads);
 void ss_rope_write_kv(float *qkv, const int64_t *positions, const float *cos_cache, const float *sin_cache,
-                      float *k_cache, float *v_cache, const int64_t *slots, int64_t t, int64_t nh, int64_t nkv,
-                      int64_t d, int threads);
-void ss_decode_attention(const float *q, const float *k_cache, const float *v_cache, const int64_t *block_table,
+                      void *k_cache, void *v_cache, const int64_t *slots, int64_t t, int64_t nh, int64_t nkv,
+                      int64_t d, int kv16, int threads);
+void ss_decode_attention(const float *q, const void *k_cache, const void *v_cache, const int64_t *block_table,
                          const int64_t *context_lens, float *out, int64_t b, int64_t nh, int64_t nkv, int64_t d,
-                         int64_t block_size, int64_t max_blocks, float scale, int threads);
+                         int64_t block_size, int64_t max_blocks, float scale, int kv16, int threads);
 void ss_silu_mul(const float *gate_up, float *out, int64_t t, int64_t inter, int threads);
 void ss_quantize_a8(const float *x, int64_t m, int64_t k, int digits, int8_t *q, float *dx, float *xs, int threads);
 void ss_q4a8_linear(const int8_t *xq, const float *dx, const float *xs, int64_t m, int64_t k, int digits,
@@ -38,13 +38,13 @@ typedef struct { /* one packed linear (quant/a8.py); bias NULL when the layer ha
 typedef struct {
     const float *input_norm, *post_norm;
     ss_linear qkv, o, gate_up, down;
-    float *k_cache, *v_cache;
+    void *k_cache, *v_cache; /* float32, or float16 when dims.kv16 */
 } ss_layer;
 
 typedef struct {
     int64_t hidden, num_heads, num_kv_heads, head_dim, intermediate, block_size, max_blocks;
     float eps, scale;
-    int digits, threads;
+    int digits, threads, kv16;
 } ss_dims;
 
 typedef struct { /* scratch for one call */
@@ -79,10 +79,10 @@ int ss_decode_layers(const ss_layer *layers, int64_t num_layers, const float *fi
             const ss_layer *l = layers + i;
             linear(&l->qkv, out, b, hd, qkv_size, qkv, &buf, dm);
             ss_rope_write_kv(qkv, positions, cos_cache, sin_cache, l->k_cache, l->v_cache, slots, b, nh, nkv, d,
-                             dm->threads);
+                             dm->kv16, dm->threads);
             for (int64_t r = 0; r < b; r++) memcpy(q + r * q_size, qkv + r * qkv_size, sizeof(float) * q_size);
             ss_decode_attention(q, l->k_cache, l->v_cache, block_table, context_lens, attn, b, nh, nkv, d,
-                                dm->block_size, dm->max_blocks, dm->scale, dm->threads);
+                                dm->block_size, dm->max_blocks, dm->scale, dm->kv16, dm->threads);
             linear(&l->o, attn, b, q_size, hd, o, &buf, dm);
             ss_add_rms_norm(o, residual, l->post_norm, out, b, hd, dm->eps, dm->threads);
             linear(&l->gate_up, out, b, hd, 2 * inter, gu, &buf, dm);

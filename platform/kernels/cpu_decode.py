@@ -28,7 +28,7 @@ class _Dims(ctypes.Structure):
     _fields_ = [("hidden", ctypes.c_int64), ("num_heads", ctypes.c_int64), ("num_kv_heads", ctypes.c_int64),
                 ("head_dim", ctypes.c_int64), ("intermediate", ctypes.c_int64), ("block_size", ctypes.c_int64),
                 ("max_blocks", ctypes.c_int64), ("eps", ctypes.c_float), ("scale", ctypes.c_float),
-                ("digits", ctypes.c_int), ("threads", ctypes.c_int)]
+                ("digits", ctypes.c_int), ("threads", ctypes.c_int), ("kv16", ctypes.c_int)]
 
 
 def _linear(kernel) -> _Linear | None:
@@ -66,7 +66,7 @@ class DecodePlan:
         k_cache = kv_caches[0][0]
         dims = _Dims(c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size, k_cache.shape[1],
                      meta.decode_block_table.shape[1], c.rms_norm_eps, c.head_dim ** -0.5, self.digits,
-                     torch.get_num_threads())
+                     torch.get_num_threads(), k_cache.dtype == torch.float16)
         residual = x.contiguous()
         out = torch.empty_like(residual)
         rc = self.ops.lib.ss_decode_layers(ctypes.addressof(self._layers), len(m.layers), _p(m.norm.weight),

@@ -9,10 +9,12 @@
  *   ss_add_rms_norm     res[t] += x[t]; out[t] = rms_norm(res[t])        (residual add fused)
  *   ss_rope_write_kv    rotate q and k of a fused qkv row in place (rotate-half layout, cos/sin
  *                       read from the model's tables by position) and store k, v in their slots
+ *                       (a float32 cache, or float16 with `kv16`: rounded to nearest even)
  *   ss_decode_attention one query token per sequence against its paged K/V, read in place
  *                       (16 keys at a time on AVX-512, 8 on AVX2, one at a time otherwise)
  *                       through the block table (no gather, no copy); GQA by query groups per KV
- *                       head; scores, softmax and sums in float32
+ *                       head; scores, softmax and sums in float32 from a float32 or float16 cache
+ *   ss_store_half       float32 -> float16, round to nearest even (F16C / AVX-512, else ss_f2h)
  *   ss_silu_mul         out[t] = silu(gate[t]) * up[t] for a fused gate|up row
  *   ss_q4_linear        int4 weights (per-group scale and minimum) times float32 activations
  *   ss_q4_dequant       the float32 weights of the same, for a GEMM over many rows (prefill)
@@ -31,6 +33,52 @@
 #endif
 
 #define LANES 16
+
+/* IEEE binary16 <-> binary32 in plain C, for the portable paths (and cpu_a8.c): exact one way,
+ * round to nearest even the other, the bits vcvtps2ph gives for every finite input. */
+float ss_h2f(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1F, man = h & 0x3FF, bits;
+    if (exp == 0x1F) bits = sign | 0x7F800000u | (man << 13);
+    else if (exp) bits = sign | ((exp + 112) << 23) | (man << 13);
+    else if (!man) bits = sign;
+    else { /* subnormal: normalise */
+        exp = 113;
+        while (!(man & 0x400)) man <<= 1, exp--;
+        bits = sign | (exp << 23) | ((man & 0x3FF) << 13);
+    }
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+uint16_t ss_f2h(float f) {
+    uint32_t x;
+    memcpy(&x, &f, 4);
+    uint16_t sign = (uint16_t)((x >> 16) & 0x8000);
+    uint32_t ax = x & 0x7FFFFFFFu;
+    if (ax > 0x7F800000u) return sign | 0x7E00 | (uint16_t)((ax >> 13) & 0x1FF); /* NaN stays a (quiet) NaN */
+    if (ax >= 0x477FF000u) return sign | 0x7C00;          /* >= 65520 (and inf) rounds to inf */
+    if (ax < 0x38800000u) {                                /* below 2^-14: a subnormal half, or zero */
+        if (ax < 0x33000000u) return sign;                 /* below 2^-25 */
+        uint32_t shift = 126 - (ax >> 23), m = (ax & 0x7FFFFF) | 0x800000;
+        uint32_t r = m >> shift, rem = m & ((1u << shift) - 1), half = 1u << (shift - 1);
+        return sign | (uint16_t)(r + (rem > half || (rem == half && (r & 1))));
+    }
+    uint32_t r = (ax - 0x38000000u) >> 13, rem = ax & 0x1FFF; /* rebias 127 -> 15; a carry rounds up the exponent */
+    return sign | (uint16_t)(r + (rem > 0x1000 || (rem == 0x1000 && (r & 1))));
+}
+
+void ss_store_half(const float *src, uint16_t *dst, int64_t n) {
+    int64_t i = 0;
+#if defined(__AVX512F__)
+    for (; i + 16 <= n; i += 16)
+        _mm256_storeu_si256((__m256i *)(dst + i), _mm512_cvtps_ph(_mm512_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT));
+#elif defined(__F16C__)
+    for (; i + 8 <= n; i += 8)
+        _mm_storeu_si128((__m128i *)(dst + i), _mm256_cvtps_ph(_mm256_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT));
+#endif
+    for (; i < n; i++) dst[i] = ss_f2h(src[i]);
+}
 
 static inline float sum_lanes(const float *p) {
     float s8[8];
@@ -110,30 +158,46 @@ static inline void rotate(float *v, const float *cos, const float *sin, int64_t 
 }
 
 void ss_rope_write_kv(float *qkv, const int64_t *positions, const float *cos_cache, const float *sin_cache,
-                      float *k_cache, float *v_cache, const int64_t *slots, int64_t t, int64_t nh, int64_t nkv,
-                      int64_t d, int threads) {
+                      void *k_cache, void *v_cache, const int64_t *slots, int64_t t, int64_t nh, int64_t nkv,
+                      int64_t d, int kv16, int threads) {
     int64_t row = (nh + 2 * nkv) * d, kv = nkv * d;
 #pragma omp parallel for num_threads(threads) if (t >= 64)
     for (int64_t r = 0; r < t; r++) {
         float *q = qkv + r * row;
         const float *cos = cos_cache + positions[r] * d, *sin = sin_cache + positions[r] * d;
         for (int64_t hh = 0; hh < nh + nkv; hh++) rotate(q + hh * d, cos, sin, d);
-        memcpy(k_cache + slots[r] * kv, q + nh * d, sizeof(float) * kv);
-        memcpy(v_cache + slots[r] * kv, q + (nh + nkv) * d, sizeof(float) * kv);
+        if (kv16) {
+            ss_store_half(q + nh * d, (uint16_t *)k_cache + slots[r] * kv, kv);
+            ss_store_half(q + (nh + nkv) * d, (uint16_t *)v_cache + slots[r] * kv, kv);
+        } else {
+            memcpy((float *)k_cache + slots[r] * kv, q + nh * d, sizeof(float) * kv);
+            memcpy((float *)v_cache + slots[r] * kv, q + (nh + nkv) * d, sizeof(float) * kv);
+        }
     }
 }
 
+/* The cache's row at element offset `off` as float32: in place for a float32 cache, converted
+ * into `tmp` for a float16 one (the portable path; the vector paths convert in registers). */
+static inline const float *kv_row(const void *cache, int64_t off, int64_t n, int kv16, float *tmp) {
+    if (!kv16) return (const float *)cache + off;
+    for (int64_t i = 0; i < n; i++) tmp[i] = ss_h2f(((const uint16_t *)cache)[off + i]);
+    return tmp;
+}
+
 /* One (sequence, KV head): its `group` query heads against ctx keys, two passes over the blocks. */
-static void attend_group(const float *q, const float *k_cache, const float *v_cache, const int64_t *table,
+static void attend_group(const float *q, const void *k_cache, const void *v_cache, const int64_t *table,
                          int64_t ctx, float *out, int64_t group, int64_t nkv, int64_t g, int64_t d,
-                         int64_t block_size, float scale, float *scores) {
+                         int64_t block_size, float scale, float *scores, int kv16) {
     int64_t kv = nkv * d;
+    float tmp[kv16 ? d : 1];
     /* block by block: a position's slot is its block's id * block_size + its offset (no division) */
     for (int64_t first = 0; first < ctx; first += block_size) {
-        const float *kb = k_cache + table[first / block_size] * block_size * kv + g * d;
+        int64_t kb = table[first / block_size] * block_size * kv + g * d;
         int64_t n = ctx - first < block_size ? ctx - first : block_size;
-        for (int64_t o = 0; o < n; o++)
-            for (int64_t j = 0; j < group; j++) scores[j * ctx + first + o] = dot(q + j * d, kb + o * kv, d) * scale;
+        for (int64_t o = 0; o < n; o++) {
+            const float *key = kv_row(k_cache, kb + o * kv, d, kv16, tmp);
+            for (int64_t j = 0; j < group; j++) scores[j * ctx + first + o] = dot(q + j * d, key, d) * scale;
+        }
     }
     for (int64_t j = 0; j < group; j++) {
         float *sj = scores + j * ctx;
@@ -151,14 +215,15 @@ static void attend_group(const float *q, const float *k_cache, const float *v_ca
     }
     for (int64_t j = 0; j < group; j++) memset(out + j * d, 0, sizeof(float) * d);
     for (int64_t first = 0; first < ctx; first += block_size) {
-        const float *vb = v_cache + table[first / block_size] * block_size * kv + g * d;
+        int64_t vb = table[first / block_size] * block_size * kv + g * d;
         int64_t n = ctx - first < block_size ? ctx - first : block_size;
-        for (int64_t o = 0; o < n; o++)
+        for (int64_t o = 0; o < n; o++) {
+            const float *vp = kv_row(v_cache, vb + o * kv, d, kv16, tmp);
             for (int64_t j = 0; j < group; j++) {
                 float w = scores[j * ctx + first + o], *out_j = out + j * d;
-                const float *vp = vb + o * kv;
                 for (int64_t i = 0; i < d; i++) out_j[i] += w * vp[i];
             }
+        }
     }
 }
 
@@ -193,22 +258,28 @@ static inline __m512 exp16(__m512 x) { /* fast_exp on 16 lanes: 2^n * p(f) */
     return _mm512_scalef_ps(p, n);
 }
 
-static void attend_group16(const float *q, const float *k_cache, const float *v_cache, const int64_t *table,
-                           int64_t ctx, float *out, int64_t group, int64_t nkv, int64_t g, int64_t d,
-                           int64_t block_size, float scale, float *scores) {
+static inline __m512 ld16kv(const void *cache, int64_t off, int kv16) { /* 16 cache values as float32 */
+    return kv16 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)cache + off)))
+                : _mm512_loadu_ps((const float *)cache + off);
+}
+
+static inline __attribute__((always_inline)) void attend_group16(
+        const float *q, const void *k_cache, const void *v_cache, const int64_t *table, int64_t ctx, float *out,
+        int64_t group, int64_t nkv, int64_t g, int64_t d, int64_t block_size, float scale, float *scores, int kv16) {
     int64_t kv = nkv * d, chunks = d / 16;
     for (int64_t j = 0; j < group; j++) {
         const float *qj = q + j * d;
         float *sj = scores + j * ctx;
         for (int64_t p = 0; p < ctx; p += 16) {
-            const float *kb = k_cache + (table[p / block_size] * block_size + p % block_size) * kv + g * d;
+            int64_t kb = (table[p / block_size] * block_size + p % block_size) * kv + g * d;
             int64_t n = ctx - p < 16 ? ctx - p : 16;
             __m512 acc[16];
             for (int64_t o = 0; o < 16; o++) {
                 acc[o] = _mm512_setzero_ps();
                 if (o < n)
                     for (int64_t c = 0; c < chunks; c++)
-                        acc[o] = _mm512_fmadd_ps(_mm512_loadu_ps(qj + c * 16), _mm512_loadu_ps(kb + o * kv + c * 16), acc[o]);
+                        acc[o] = _mm512_fmadd_ps(_mm512_loadu_ps(qj + c * 16), ld16kv(k_cache, kb + o * kv + c * 16, kv16),
+                                                 acc[o]);
             }
             __mmask16 valid = (__mmask16)((1u << n) - 1);
             _mm512_mask_storeu_ps(sj + p, valid, _mm512_mul_ps(sum16x16(acc), _mm512_set1_ps(scale)));
@@ -231,12 +302,12 @@ static void attend_group16(const float *q, const float *k_cache, const float *v_
         __m512 o_acc[16];
         for (int64_t c = 0; c < chunks; c++) o_acc[c] = _mm512_setzero_ps();
         for (int64_t p = 0; p < ctx; p += 16) {
-            const float *vb = v_cache + (table[p / block_size] * block_size + p % block_size) * kv + g * d;
+            int64_t vb = (table[p / block_size] * block_size + p % block_size) * kv + g * d;
             int64_t n = ctx - p < 16 ? ctx - p : 16;
             for (int64_t o = 0; o < n; o++) {
                 __m512 w = _mm512_set1_ps(sj[p + o]);
                 for (int64_t c = 0; c < chunks; c++)
-                    o_acc[c] = _mm512_fmadd_ps(w, _mm512_loadu_ps(vb + o * kv + c * 16), o_acc[c]);
+                    o_acc[c] = _mm512_fmadd_ps(w, ld16kv(v_cache, vb + o * kv + c * 16, kv16), o_acc[c]);
             }
         }
         for (int64_t c = 0; c < chunks; c++) _mm512_storeu_ps(out + j * d + c * 16, _mm512_mul_ps(o_acc[c], inv));
@@ -244,7 +315,7 @@ static void attend_group16(const float *q, const float *k_cache, const float *v_
 }
 #endif
 
-#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 /* The AVX2 form of attend_group16: 8 keys at a time, the same three passes. */
 static inline __m256 sum8x8(__m256 v[8]) { /* lane i = the sum of v[i]'s 8 lanes */
     __m256 a[4], b[2];
@@ -276,22 +347,28 @@ static inline __m256i mask8(int64_t n) { /* the first n of 8 lanes */
     return _mm256_cmpgt_epi32(_mm256_set1_epi32((int)n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
 }
 
-static void attend_group8(const float *q, const float *k_cache, const float *v_cache, const int64_t *table,
-                          int64_t ctx, float *out, int64_t group, int64_t nkv, int64_t g, int64_t d,
-                          int64_t block_size, float scale, float *scores) {
+static inline __m256 ld8kv(const void *cache, int64_t off, int kv16) { /* 8 cache values as float32 */
+    return kv16 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)cache + off)))
+                : _mm256_loadu_ps((const float *)cache + off);
+}
+
+static inline __attribute__((always_inline)) void attend_group8(
+        const float *q, const void *k_cache, const void *v_cache, const int64_t *table, int64_t ctx, float *out,
+        int64_t group, int64_t nkv, int64_t g, int64_t d, int64_t block_size, float scale, float *scores, int kv16) {
     int64_t kv = nkv * d, chunks = d / 8;
     for (int64_t j = 0; j < group; j++) {
         const float *qj = q + j * d;
         float *sj = scores + j * ctx;
         for (int64_t p = 0; p < ctx; p += 8) {
-            const float *kb = k_cache + (table[p / block_size] * block_size + p % block_size) * kv + g * d;
+            int64_t kb = (table[p / block_size] * block_size + p % block_size) * kv + g * d;
             int64_t n = ctx - p < 8 ? ctx - p : 8;
             __m256 acc[8];
             for (int64_t o = 0; o < 8; o++) {
                 acc[o] = _mm256_setzero_ps();
                 if (o < n)
                     for (int64_t c = 0; c < chunks; c++)
-                        acc[o] = _mm256_fmadd_ps(_mm256_loadu_ps(qj + c * 8), _mm256_loadu_ps(kb + o * kv + c * 8), acc[o]);
+                        acc[o] = _mm256_fmadd_ps(_mm256_loadu_ps(qj + c * 8), ld8kv(k_cache, kb + o * kv + c * 8, kv16),
+                                                 acc[o]);
             }
             _mm256_maskstore_ps(sj + p, mask8(n), _mm256_mul_ps(sum8x8(acc), _mm256_set1_ps(scale)));
         }
@@ -310,12 +387,12 @@ static void attend_group8(const float *q, const float *k_cache, const float *v_c
         __m256 o_acc[32];
         for (int64_t c = 0; c < chunks; c++) o_acc[c] = _mm256_setzero_ps();
         for (int64_t p = 0; p < ctx; p += 8) {
-            const float *vb = v_cache + (table[p / block_size] * block_size + p % block_size) * kv + g * d;
+            int64_t vb = (table[p / block_size] * block_size + p % block_size) * kv + g * d;
             int64_t n = ctx - p < 8 ? ctx - p : 8;
             for (int64_t o = 0; o < n; o++) {
                 __m256 w = _mm256_set1_ps(sj[p + o]);
                 for (int64_t c = 0; c < chunks; c++)
-                    o_acc[c] = _mm256_fmadd_ps(w, _mm256_loadu_ps(vb + o * kv + c * 8), o_acc[c]);
+                    o_acc[c] = _mm256_fmadd_ps(w, ld8kv(v_cache, vb + o * kv + c * 8, kv16), o_acc[c]);
             }
         }
         for (int64_t c = 0; c < chunks; c++) _mm256_storeu_ps(out + j * d + c * 8, _mm256_mul_ps(o_acc[c], inv));
@@ -323,36 +400,45 @@ static void attend_group8(const float *q, const float *k_cache, const float *v_c
 }
 #endif
 
-void ss_decode_attention(const float *q, const float *k_cache, const float *v_cache, const int64_t *block_table,
+/* One (sequence, KV head) through the widest path this build and shape allow; `kv16` is a constant
+ * at each call below, so each path is compiled once per cache type. */
+static inline __attribute__((always_inline)) void attend(
+        const float *q, const void *k_cache, const void *v_cache, const int64_t *table, int64_t ctx, float *out,
+        int64_t group, int64_t nkv, int64_t g, int64_t d, int64_t block_size, float scale, float *scores, int kv16) {
+#if defined(__AVX512F__)
+    if (d % 16 == 0 && d <= 256 && block_size % 16 == 0) {
+        attend_group16(q, k_cache, v_cache, table, ctx, out, group, nkv, g, d, block_size, scale, scores, kv16);
+        return;
+    }
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+    if (d % 8 == 0 && d <= 256 && block_size % 8 == 0) {
+        attend_group8(q, k_cache, v_cache, table, ctx, out, group, nkv, g, d, block_size, scale, scores, kv16);
+        return;
+    }
+#endif
+    attend_group(q, k_cache, v_cache, table, ctx, out, group, nkv, g, d, block_size, scale, scores, kv16);
+}
+
+void ss_decode_attention(const float *q, const void *k_cache, const void *v_cache, const int64_t *block_table,
                          const int64_t *context_lens, float *out, int64_t b, int64_t nh, int64_t nkv, int64_t d,
-                         int64_t block_size, int64_t max_blocks, float scale, int threads) {
+                         int64_t block_size, int64_t max_blocks, float scale, int kv16, int threads) {
     int64_t group = nh / nkv, max_ctx = 0;
     for (int64_t s = 0; s < b; s++) max_ctx = context_lens[s] > max_ctx ? context_lens[s] : max_ctx;
 #pragma omp parallel num_threads(threads) if (b * nkv * max_ctx >= 4096)
     {
         float *scores = malloc(sizeof(float) * group * (max_ctx > 0 ? max_ctx : 1));
-#pragma omp for collapse(2) schedule(static)
+        /* dynamic: prefill rows (one per prompt token) have contexts of every length */
+#pragma omp for collapse(2) schedule(dynamic, 4)
         for (int64_t s = 0; s < b; s++)
-            for (int64_t g = 0; g < nkv; g++)
-            {
-#if defined(__AVX512F__)
-                if (d % 16 == 0 && d <= 256 && block_size % 16 == 0) {
-                    attend_group16(q + (s * nh + g * group) * d, k_cache, v_cache, block_table + s * max_blocks,
-                                   context_lens[s], out + (s * nh + g * group) * d, group, nkv, g, d, block_size,
-                                   scale, scores);
-                    continue;
-                }
-#elif defined(__AVX2__) && defined(__FMA__)
-                if (d % 8 == 0 && d <= 256 && block_size % 8 == 0) {
-                    attend_group8(q + (s * nh + g * group) * d, k_cache, v_cache, block_table + s * max_blocks,
-                                  context_lens[s], out + (s * nh + g * group) * d, group, nkv, g, d, block_size,
-                                  scale, scores);
-                    continue;
-                }
-#endif
-                attend_group(q + (s * nh + g * group) * d, k_cache, v_cache, block_table + s * max_blocks,
-                             context_lens[s], out + (s * nh + g * group) * d, group, nkv, g, d, block_size, scale,
-                             scores);
+            for (int64_t g = 0; g < nkv; g++) {
+                const float *qs = q + (s * nh + g * group) * d;
+                float *os = out + (s * nh + g * group) * d;
+                if (kv16)
+                    attend(qs, k_cache, v_cache, block_table + s * max_blocks, context_lens[s], os, group, nkv, g, d,
+                           block_size, scale, scores, 1);
+                else
+                    attend(qs, k_cache, v_cache, block_table + s * max_blocks, context_lens[s], os, group, nkv, g, d,
+                           block_size, scale, scores, 0);
             }
         free(scores);
     }

@@ -2,7 +2,8 @@
 
 `fused_cpu_ops(device, dtype)` returns a CpuOps when they apply (a CPU, float32 activations, the
 library built) and None otherwise; the model then runs its torch path. Every function takes and
-returns contiguous float32 CPU tensors; ids, positions and slots are int64. The C side trusts
+returns contiguous float32 CPU tensors; ids, positions and slots are int64; the KV cache is
+float32 or float16 (KV_DTYPES). The C side trusts
 its pointers and these run hundreds of times per step (a per-call check cost 1.3 ms of a 10 ms
 step), so the callers guarantee that layout by construction (llama.py, quant/kernels.py) and
 tests/platform/test_cpu_ops.py pins every op against its torch definition. Threads:
@@ -31,6 +32,7 @@ def cpu_ops() -> "CpuOps | None":
 
 
 _p = torch.Tensor.data_ptr  # a tensor's address, without a Python frame per call
+KV_DTYPES = (torch.float32, torch.float16)  # the KV cache types the kernels read and write
 
 
 class CpuOps:
@@ -52,10 +54,11 @@ class CpuOps:
     def rope_write_kv(self, qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                       k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, num_heads: int,
                       num_kv_heads: int, head_dim: int) -> None:
-        """Rotate the q and k heads of each fused qkv row in place; store k and v in their cache slots."""
+        """Rotate the q and k heads of each fused qkv row in place; store k and v in their cache slots
+        (rounded to nearest even in a float16 cache)."""
         self.lib.ss_rope_write_kv(_p(qkv), _p(positions), _p(cos), _p(sin), _p(k_cache), _p(v_cache),
                                   _p(slots), qkv.shape[0], num_heads, num_kv_heads, head_dim,
-                                  torch.get_num_threads())
+                                  k_cache.dtype == torch.float16, torch.get_num_threads())
 
     def decode_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                          block_table: torch.Tensor, context_lens: torch.Tensor, scale: float) -> torch.Tensor:
@@ -64,7 +67,13 @@ class CpuOps:
         out = torch.empty_like(q)
         self.lib.ss_decode_attention(_p(q), _p(k_cache), _p(v_cache), _p(block_table), _p(context_lens),
                                      _p(out), b, h, k_cache.shape[2], d, k_cache.shape[1], block_table.shape[1],
-                                     scale, torch.get_num_threads())
+                                     scale, k_cache.dtype == torch.float16, torch.get_num_threads())
+        return out
+
+    def to_half(self, x: torch.Tensor) -> torch.Tensor:
+        """float32 -> float16, round to nearest even (the KV store's conversion; torch's .half() too)."""
+        out = torch.empty(x.shape, dtype=torch.float16)
+        self.lib.ss_store_half(_p(x), _p(out), x.numel())
         return out
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:

@@ -12,7 +12,10 @@ then each prefill chunk. Per layer:
 3. each prefill chunk attends to its cached prefix plus itself, causally; a chunk with no
    prefix attends to its own fresh K/V directly without touching the cache.
 
-Scores and softmax run in float32 whatever the KV dtype.
+Scores and softmax run in float32 whatever the KV dtype. With a narrower KV cache (float16 K/V
+beside float32 activations) every attention reads K/V as the cache holds them: a prefill chunk
+rounds its own fresh K/V the same way, so a prompt gives the same numbers whether it is computed
+in one chunk, in several, or after a prefix-cache hit.
 """
 
 from __future__ import annotations
@@ -44,6 +47,9 @@ class AttentionMetadata:
     decode_mask: torch.Tensor | None            # [num_decodes, max_blocks * block_size] bool, True = attend
     prefills: list[PrefillChunk]
     decode_context_lens: torch.Tensor | None = None  # [num_decodes] long, for the fused CPU kernel
+    # Every token of the step as one query row for the fused CPU kernel (its sequence's block
+    # table, its context length); None until the first fused layer with a prefill derives it.
+    rows: tuple[torch.Tensor, torch.Tensor] | None = None
     # The Triton kernels' view of the same step; None until the first CUDA layer derives it
     # (build_triton_metadata), after which every other layer of the step reuses it.
     triton: TritonAttentionMetadata | None = None
@@ -121,34 +127,57 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     return out
 
 
+def as_cached(x: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
+    """x as the cache would give it back: rounded to the cache's dtype, in x's dtype."""
+    return x if cache.dtype == x.dtype else x.to(cache.dtype).to(x.dtype)
+
+
 def _prefill_chunks(q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float, out: torch.Tensor) -> None:
     """Each prefill chunk attends to its cached prefix plus itself (or, without a prefix, to its
-    own fresh K/V directly); results go into their rows of `out`."""
+    own fresh K/V, rounded as the cache holds them); results go into their rows of `out`."""
     for chunk in meta.prefills:
         sl = slice(chunk.q_start, chunk.q_start + chunk.q_len)
         if chunk.block_table is None:
-            out[sl] = prefill_attention(q[sl], k[sl], v[sl], scale, None)
+            out[sl] = prefill_attention(q[sl], as_cached(k[sl], k_cache), as_cached(v[sl], v_cache), scale, None)
             continue
         ctx = chunk.start_pos + chunk.q_len
-        keys = gather_kv(k_cache, chunk.block_table)[:ctx]
-        values = gather_kv(v_cache, chunk.block_table)[:ctx]
+        keys = gather_kv(k_cache, chunk.block_table)[:ctx].to(q.dtype)
+        values = gather_kv(v_cache, chunk.block_table)[:ctx].to(q.dtype)
         out[sl] = prefill_attention(q[sl], keys, values, scale, chunk.mask)
 
 
 def paged_attention_fused(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                           v_cache: torch.Tensor, meta: AttentionMetadata, scale: float, ops) -> torch.Tensor:
-    """paged_attention with K/V already written (CpuOps.rope_write_kv): decodes through the fused
-    CPU kernel, which reads the paged cache in place; prefill chunks as in the torch path."""
-    nd = meta.num_decodes
-    if nd and not meta.prefills:
-        return ops.decode_attention(q.contiguous(), k_cache, v_cache, meta.decode_block_table,
-                                    meta.decode_context_lens, scale)
-    out = torch.empty_like(q)
-    if nd:
-        out[:nd] = ops.decode_attention(q[:nd].contiguous(), k_cache, v_cache, meta.decode_block_table,
-                                        meta.decode_context_lens, scale)
-    _prefill_chunks(q, k, v, k_cache, v_cache, meta, scale, out)
-    return out
+    """paged_attention with K/V already written (CpuOps.rope_write_kv): every token, decode or
+    prefill, is one query row of the fused CPU kernel, which reads the paged cache in place with
+    a reduction order fixed per row. A prompt token's attention therefore has the same bits
+    whether its prompt is computed in one chunk or several, after a prefix-cache hit, or beside
+    any batch-mates (SDPA's blocking would differ with the chunk's shape; with a float16 cache an
+    ulp of difference upstream can round a K element differently, and greedy ties then flip)."""
+    if meta.prefills:
+        if meta.rows is None:
+            meta.rows = query_rows(meta, k_cache.shape[1])
+        table, lens = meta.rows
+    else:
+        table, lens = meta.decode_block_table, meta.decode_context_lens
+    return ops.decode_attention(q.contiguous(), k_cache, v_cache, table, lens, scale)
+
+
+def query_rows(meta: AttentionMetadata, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """[T, max_blocks] block table and [T] context lengths, one row per token of the step: a decode
+    row as the decode tables have it, prefill token i of a chunk with its sequence's table and
+    start_pos + i + 1 (causal). A chunk without a prefix has no block table; its block ids are
+    read off its slot mapping (every block_size-th slot, as build_triton_metadata does)."""
+    tables, lens = [], []
+    if meta.num_decodes:
+        tables += list(meta.decode_block_table)
+        lens.append(meta.decode_context_lens)
+    for c in meta.prefills:
+        table = (c.block_table if c.block_table is not None
+                 else meta.slot_mapping[c.q_start:c.q_start + c.q_len:block_size] // block_size)
+        tables += [table] * c.q_len
+        lens.append(torch.arange(c.start_pos + 1, c.start_pos + c.q_len + 1, device=table.device))
+    return torch.nn.utils.rnn.pad_sequence(tables, batch_first=True), torch.cat(lens)
 
 
 def _paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -202,9 +202,10 @@ def test_models_without_int_activation_linears_keep_the_python_path(make_engine)
     assert make_engine(quantization="none").model.decode_plan is None
 
 
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("arch", list(ISAS), ids=lambda a: " ".join(a))
 @pytest.mark.parametrize("bs,d", [(16, 64), (8, 128), (16, 40)])
-def test_decode_attention_on_every_instruction_set(arch, bs, d):
+def test_decode_attention_on_every_instruction_set(arch, bs, d, kv_dtype):
     """The AVX2 build takes 8 keys at a time where head_dim and the block size allow it (the AVX-512
     build 16; test_cpu_ops.py), the portable build one key at a time: each against torch."""
     from test_cpu_ops import check_decode_attention
@@ -212,7 +213,30 @@ def test_decode_attention_on_every_instruction_set(arch, bs, d):
     needs, _ = ISAS[arch]
     if not needs <= cpu_flags():
         pytest.skip(f"this CPU cannot run a {' '.join(arch)} build (lacks {sorted(needs - cpu_flags())})")
-    check_decode_attention(_other_isa(arch), bs, d, [1, 13, 100, 16 * bs - 3])
+    check_decode_attention(_other_isa(arch), bs, d, [1, 13, 100, 16 * bs - 3], kv_dtype)
+
+
+def float16_edges() -> torch.Tensor:
+    """Every rounding case of float32 -> float16: ties to even both ways, the subnormal range and
+    its ties, the largest finite half and the first value that rounds to inf, signed zeros, inf."""
+    h = torch.arange(0, 0x7C00, dtype=torch.int32).to(torch.int16).view(torch.float16).float()  # every finite half
+    mid = (h[:-1].double() + h[1:].double()) / 2                                               # exact ties
+    x = torch.cat([h, mid.float(), torch.nextafter(mid.float(), torch.tensor(0.0)),
+                   torch.nextafter(mid.float(), torch.tensor(1e9)), torch.tensor([65519.0, 65520.0, 1e6, float("inf"),
+                                                                                2.0 ** -25, 2.0 ** -26, 0.0])])
+    return torch.cat([x, -x, torch.randn(4096) * 100])
+
+
+@pytest.mark.parametrize("arch", [("-march=native",), *ISAS], ids=lambda a: " ".join(a))
+def test_float16_kv_store_rounds_like_torch_on_every_instruction_set(arch):
+    """The KV cache's float16 store (vcvtps2ph where the build has it, the portable C conversion
+    otherwise) gives torch's .half() bits for every finite half, every tie and the overflow edge."""
+    needs = ISAS[arch][0] if arch in ISAS else set()
+    if not needs <= cpu_flags():
+        pytest.skip(f"this CPU cannot run a {' '.join(arch)} build (lacks {sorted(needs - cpu_flags())})")
+    kernels = ops if arch == ("-march=native",) else _other_isa(arch)
+    x = float16_edges()
+    assert torch.equal(kernels.to_half(x).view(torch.int16), x.half().view(torch.int16))
 
 
 AMX = {"amx_tile", "amx_int8"}
@@ -256,3 +280,26 @@ def test_amx_can_be_turned_off_for_a_process(amx):
                             env={**__import__("os").environ, "SPLITSERVE_AMX": flag}).stdout.strip()
              for flag in ("0", "1")]
     assert paths == ["avx512-vnni", "avx512-amx"]
+
+
+def test_a_batch_of_17_gives_the_same_tokens_with_and_without_tiles(amx, make_engine):
+    """Through the engine on the real SmolLM2 weights: prefill chunks and decode steps of 17 rows take
+    the tiles (16 + a 1-row tail on VNNI); the greedy tokens and their logprobs equal the VNNI run's."""
+    from splitserve.platform.sampling.params import SamplingParams
+
+    engine = make_engine(quantization="auto")
+    prompts = [[(i * 7919 + 13 * r) % 40000 + 100 for i in range(5 + 7 * r)] for r in range(17)]
+    greedy = SamplingParams(max_tokens=8, temperature=0.0, logprobs=0)
+
+    def run():
+        engine.pool.reset_prefix_cache()
+        ids = [engine.add_request(params=greedy, prompt_token_ids=p) for p in prompts]
+        seen = {i: [] for i in ids}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                seen[out.req_id] += [(t, lp.logprob) for t, lp in zip(out.new_token_ids, out.new_logprobs or [])]
+        return [seen[i] for i in ids]
+
+    tiles = run()
+    ops.set_amx(False)
+    assert run() == tiles

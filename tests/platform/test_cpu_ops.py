@@ -41,8 +41,10 @@ def test_silu_mul():
     assert torch.allclose(ops.silu_mul(gate_up), F.silu(gate_up[:, :1536]) * gate_up[:, 1536:], atol=1e-5, rtol=1e-5)
 
 
-def test_rope_rotates_q_and_k_in_place_and_writes_kv_slots():
-    k_cache, v_cache = torch.zeros(NB, BS, NKV, D), torch.zeros(NB, BS, NKV, D)
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16])
+def test_rope_rotates_q_and_k_in_place_and_writes_kv_slots(kv_dtype):
+    """A float16 cache gets each rotated k and each v rounded to nearest even, as torch's .half()."""
+    k_cache, v_cache = torch.zeros(NB, BS, NKV, D, dtype=kv_dtype), torch.zeros(NB, BS, NKV, D, dtype=kv_dtype)
     qkv = torch.randn(7, (NH + 2 * NKV) * D)
     positions = torch.tensor([3, 100, 5, 17, 0, 31, 64])
     slots = torch.tensor([1, 50, 33, 99, 200, 17, 300])
@@ -51,14 +53,16 @@ def test_rope_rotates_q_and_k_in_place_and_writes_kv_slots():
     ref = apply_rotary(heads[:, :NH + NKV], *rotary.cos_sin(positions, torch.float32))
     ops.rope_write_kv(qkv, positions, rotary.cos_cache, rotary.sin_cache, k_cache, v_cache, slots, NH, NKV, D)
     assert torch.allclose(qkv.view(7, -1, D)[:, :NH + NKV], ref, atol=1e-5)
-    assert torch.allclose(k_cache.view(-1, NKV, D)[slots], ref[:, NH:], atol=1e-5)
-    assert torch.equal(v_cache.view(-1, NKV, D)[slots], heads[:, NH + NKV:])
+    assert torch.equal(k_cache.view(-1, NKV, D)[slots], qkv.view(7, -1, D)[:, NH:NH + NKV].to(kv_dtype))
+    assert torch.allclose(k_cache.view(-1, NKV, D)[slots].float(), ref[:, NH:], atol=1e-5, rtol=1e-3)
+    assert torch.equal(v_cache.view(-1, NKV, D)[slots], heads[:, NH + NKV:].to(kv_dtype))
 
 
-def check_decode_attention(kernels, bs: int, d: int, contexts: list[int]) -> None:
+def check_decode_attention(kernels, bs: int, d: int, contexts: list[int], kv_dtype=torch.float32) -> None:
     """`kernels.decode_attention` against torch's gather + softmax on a random paged cache (16
-    blocks per sequence), and one sequence alone equal bit for bit to its row in the batch."""
-    k_cache, v_cache = torch.randn(NB, bs, NKV, d), torch.randn(NB, bs, NKV, d)
+    blocks per sequence; float32 or float16), and one sequence alone equal bit for bit to its row
+    in the batch."""
+    k_cache, v_cache = torch.randn(NB, bs, NKV, d).to(kv_dtype), torch.randn(NB, bs, NKV, d).to(kv_dtype)
     context = torch.tensor(contexts)
     table = torch.stack([torch.randperm(NB)[:16] for _ in range(len(contexts))])
     q = torch.randn(len(contexts), NH, d)
@@ -71,11 +75,12 @@ def check_decode_attention(kernels, bs: int, d: int, contexts: list[int]) -> Non
     assert torch.equal(alone[0], got[2])
 
 
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("bs,d", [(16, 64), (32, 128), (8, 64), (16, 40)])
-def test_decode_attention_reads_the_paged_cache_in_place(bs, d):
+def test_decode_attention_reads_the_paged_cache_in_place(bs, d, kv_dtype):
     """(16, 64) and (32, 128) take the 16-keys-at-a-time path on AVX-512 hosts, (8, 64) and
     (16, 40) the per-key one; contexts end mid-block and mid-chunk."""
-    check_decode_attention(ops, bs, d, [1, 17, 100, 256 if bs >= 16 else 120])
+    check_decode_attention(ops, bs, d, [1, 17, 100, 256 if bs >= 16 else 120], kv_dtype)
 
 
 @pytest.mark.parametrize("n,k", [(960, 576), (576, 1536), (64, 96)])

@@ -3,11 +3,13 @@
 import asyncio
 
 import pytest
+import torch
 
-from splitserve.platform.config import CacheConfig, EngineConfig
+from splitserve.platform.config import CacheConfig, DeviceConfig, EngineConfig
 from splitserve.platform.engine.async_engine import AsyncEngine
 from splitserve.platform.engine.llm_engine import LLMEngine
 from splitserve.platform.errors import ConfigError, InvalidRequestError, UnsupportedModelError
+from splitserve.platform.kv.cache import bytes_per_block
 from splitserve.platform.sampling.params import SamplingParams
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
@@ -164,6 +166,25 @@ def test_unknown_model_and_oversized_kv_budget():
         LLMEngine(EngineConfig(model="random:tiny", cache=CacheConfig(kv_cache_memory_bytes=10 * 1024**5)))
     with pytest.raises(UnsupportedModelError):
         raise UnsupportedModelError("subclass of ConfigError")  # the hierarchy callers rely on
+
+
+def test_kv_cache_dtype_float16_holds_twice_the_blocks_and_bad_values_say_what_is_allowed():
+    """--kv-cache-dtype: auto is float16 under a fast CPU quantization (the same budget holds twice
+    the blocks) and the model dtype under `none`; a bad value, or a cache dtype other than the model's
+    on CUDA, is a ConfigError naming what is allowed."""
+    budget = CacheConfig(kv_cache_memory_bytes=64 * 1024**2)
+    fast, wide, reference = (LLMEngine(EngineConfig(model="random:tiny", cache=budget,
+                                                    device=DeviceConfig(quantization=quant, kv_cache_dtype=kv)))
+                             for kv, quant in (("auto", "int8"), ("float32", "int8"), ("auto", "none")))
+    assert (fast.kv_cache_dtype, wide.kv_cache_dtype, reference.kv_cache_dtype) == ("float16", "float32", "float32")
+    assert fast.runner.kv_caches[0][0].dtype == torch.float16
+    assert fast.pool.num_blocks == 2 * wide.pool.num_blocks
+    assert wide.pool.num_blocks == 64 * 1024**2 // bytes_per_block(wide.model_config, 16, torch.float32)
+    with pytest.raises(ConfigError, match="kv_cache_dtype 'fp8' is not supported; allowed: auto, float32, bfloat16, "
+                                          "float16"):
+        DeviceConfig(kv_cache_dtype="fp8")
+    with pytest.raises(ConfigError, match="allowed there: auto, float32"):
+        DeviceConfig(device="cuda", kv_cache_dtype="float16")
 
 
 def test_kv_budget_too_small_for_one_sequence():

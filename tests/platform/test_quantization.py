@@ -137,14 +137,28 @@ def test_greedy_tokens_do_not_depend_on_batch_mates(mode, make_engine):
 
 @needs_kernels
 def test_chunked_prefill_and_prefix_hits_do_not_change_greedy_tokens(make_engine):
+    """Under `auto` (float16 KV) every token's attention is one fixed-order row of the fused kernel,
+    so chunking and prefix hits change not only no token but no bit: the logprobs are equal."""
     prompt = [(i * 7919) % 40000 + 100 for i in range(300)]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=3)
+
+    def run(engine):
+        [out] = engine.generate([prompt], params)
+        return out
+
     whole = make_engine(quantization="auto", max_num_batched_tokens=512)
-    [ref] = whole.generate([prompt], GREEDY)
+    assert whole.kv_cache_dtype == "float16"
+    ref = run(whole)
     chunked = make_engine(quantization="auto", max_num_batched_tokens=48)
-    [out] = chunked.generate([prompt], GREEDY)
+    out = run(chunked)
     assert out.output_token_ids == ref.output_token_ids
-    [again] = chunked.generate([prompt], GREEDY)  # the whole prompt but its last block is cached now
+    again = run(chunked)  # the whole prompt but its last block is cached now
     assert again.num_cached_tokens >= 288 and again.output_token_ids == ref.output_token_ids
+    one = SamplingParams(temperature=0, max_tokens=1, logprobs=5)
+    whole.pool.reset_prefix_cache()
+    chunked.pool.reset_prefix_cache()
+    firsts = [engine.generate([prompt], one)[0].new_logprobs for engine in (whole, chunked, chunked)]  # last: a hit
+    assert firsts[0] == firsts[1] == firsts[2] and len(firsts[0][0].top) == 5
 
 
 @needs_kernels

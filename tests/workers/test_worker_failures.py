@@ -71,8 +71,13 @@ def test_next_prefill_worker_is_tried_before_local(decode, reference):
         good.terminate()
 
 
-def test_layout_mismatch_is_a_clear_error_and_falls_back(decode, reference):
-    bf16 = WorkerProc("prefill", "ucx", "--dtype", "bfloat16").start()
+@pytest.mark.parametrize("flags, theirs", [(("--dtype", "bfloat16"), "bfloat16"),
+                                           (("--kv-cache-dtype", "float32"), "float32")])
+def test_layout_mismatch_is_a_clear_error_and_falls_back(decode, reference, flags, theirs):
+    """A prefill worker whose KV cache holds another dtype (the decode worker's default is float16
+    under --quantization auto) is refused with a message naming both, and the prompt is prefilled
+    locally with the same answer."""
+    bf16 = WorkerProc("prefill", "ucx", *flags).start()
     try:
         tokens, last = run(generate(decode.address, prompt(300, salt=4), [bf16.address]))
         assert last.prefill_worker == "" and tokens == reference(prompt(300, salt=4))
@@ -83,12 +88,12 @@ def test_layout_mismatch_is_a_clear_error_and_falls_back(decode, reference):
                 with pytest.raises(grpc.aio.AioRpcError) as err:
                     await pb_grpc.WorkerStub(ch).Prefill(pb.PrefillRequest(
                         request_id="x", prompt_token_ids=[5, 6, 7], transfer_id="t", kv_address="tcp://127.0.0.1:1",
-                        layout=pb.KVLayout(model_id="smollm2-135m", dtype="float32", block_size=16, num_layers=30,
+                        layout=pb.KVLayout(model_id="smollm2-135m", dtype="float16", block_size=16, num_layers=30,
                                            num_kv_heads=3, head_dim=64)))
                 return err.value
         err = run(direct())
         assert err.code() == grpc.StatusCode.FAILED_PRECONDITION
-        assert "dtype" in err.details() and "float32" in err.details() and "bfloat16" in err.details()
+        assert "dtype" in err.details() and "float16" in err.details() and theirs in err.details()
     finally:
         bf16.terminate()
 
