@@ -16,7 +16,7 @@ from workerproc import WorkerProc, worker_channel
 
 pytestmark = pytest.mark.slow
 
-BYTES_PER_BLOCK_LAYER = 2 * 16 * 3 * 64 * 4   # K+V of one block of one layer, SmolLM2 fp32
+BYTES_PER_BLOCK_LAYER = 2 * 16 * 3 * 64 * 2   # K+V of one block of one layer, SmolLM2, float16 KV (auto)
 NUM_LAYERS = 30
 
 

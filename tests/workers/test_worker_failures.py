@@ -170,8 +170,8 @@ async def collect_events(address, seconds, stop: asyncio.Event | None = None):
 
 def test_events_eviction_restart_and_graceful_drain():
     hasher = BlockHasher("smollm2-135m", 16)
-    # A small pool (145 blocks) so three 1,000-token prompts must evict.
-    w = WorkerProc("both", "tcp", kv_cache_gib=0.1)
+    # A small pool (145 float16 blocks) so three 1,000-token prompts must evict.
+    w = WorkerProc("both", "tcp", kv_cache_gib=0.05)
     w.start()
 
     try:
