@@ -9,7 +9,11 @@ scraped (a stopped worker) leaves the window with its history, so its samples st
 
 From that delta, as the cluster planner reads it (planner/service.py):
 - TTFT p90 for prefill: the router's TTFT histogram p90 minus the mean KV-transfer time the
-  decode workers measured (shipping KV is not prefill's work), floored at zero;
+  decode workers measured (shipping KV is not prefill's work), floored at zero. The router
+  observes TTFT only for streamed responses (what the user sees); when the window holds none
+  (non-streaming traffic), the decode workers' own TTFT histogram stands in: from a request's
+  arrival at the worker to its first token, so queueing, remote prefill and transfer, without
+  the router's few milliseconds;
 - ITL p90: the decode workers' inter-token-latency histogram.
 Either is None when the window saw no sample of it: the law then applies no trim, which is
 what "no measured latency" must mean (not "latency zero").
@@ -57,6 +61,8 @@ class ScrapeWindow:
 def measured_latency(router: dict[str, float], decode: dict[str, float]) -> tuple[float | None, float | None]:
     """(prefill TTFT p90 without KV transfer, decode ITL p90) from a router and a decode delta."""
     ttft = S.p90(router, "rttft")
+    if ttft is None:
+        ttft = S.p90(decode, "ttft")         # no streamed response in the window: the workers' TTFT
     if ttft is not None:
         ttft = max(0.0, ttft - S.mean(decode, "kvt"))
     return ttft, S.p90(decode, "itl")

@@ -104,3 +104,17 @@ def test_local_loop_feeds_measured_latency_to_the_law():
     finally:
         server.shutdown()
         thread.join(10)
+
+
+def test_without_streamed_responses_the_decode_workers_ttft_stands_in():
+    """The router observes TTFT only for streams; a window of non-streaming requests still has a
+    TTFT signal: the decode workers' own histogram (arrival at the worker to the first token)."""
+    worker = WorkerMetrics("decode", "m")
+    w = ScrapeWindow(30.0)
+    w.add(0.0, "decode/a", _itl_scrape(worker.registry))
+    for _ in range(10):
+        worker.ttft.observe(3.0)                        # in (2.5, 5]
+        worker.kv_transfer_seconds.labels(direction="in").observe(0.2)
+    w.add(5.0, "decode/a", _itl_scrape(worker.registry))
+    ttft, itl = measured_latency({}, w.delta("decode/"))
+    assert abs(ttft - (2.5 + 2.5 * 9 / 10 - 0.2)) < 1e-9 and itl is None
