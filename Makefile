@@ -52,6 +52,9 @@ MINUTES ?= 30
 chaos: setup
 	$(PY) e2e/chaos.py --minutes $(MINUTES)
 
+# The planner simulation's capacity profile (re-measure with `splitserve profile`).
+PLANNER_PROFILE ?= bench/profiles/smollm2-135m-cpu2.json
+
 # The whole suite takes about an hour on the 2-core box (the serving suite most of it).
 bench: setup peer
 	$(PY) -c "import matplotlib" 2>/dev/null || $(PY) -m pip install -q -e '.[bench]'
@@ -63,7 +66,7 @@ bench: setup peer
 	$(PY) bench/kv_transfer.py --write docs/benchmarks.md
 	$(PY) bench/disagg_ttft.py --write docs/benchmarks.md
 	$(PY) bench/router_bench.py --write docs/benchmarks.md
-	$(PY) bench/planner_sim.py --write docs/benchmarks.md --also-profile bench/profiles/smollm2-135m-cpu2-2026-11-24.json
+	$(PY) bench/planner_sim.py --write docs/benchmarks.md --profile $(PLANNER_PROFILE) --also-profile bench/profiles/smollm2-135m-cpu2-2026-11-24.json
 	$(PY) bench/serving_suite.py --write docs/benchmarks.md --plots docs/bench --peer-python $(PEER)/bin/python
 
 peer: $(PEER_STAMP)

@@ -18,7 +18,11 @@ exists (starting, serving, draining).
 Policies: `planner` (planner/law.py fed with the same signals it reads live), `queue` (today's
 KEDA/HPA: ceil(waiting / threshold) per pool, scale-down stabilised over 300 s), `fixed P:D`.
 
-    python bench/planner_sim.py --write docs/benchmarks.md
+The trace's size (`--load`, replicas of work at the diurnal peak) and the budget (sized from
+the trace unless `--budget` is given) are set by bench/planner_sizing.py, the peak never from
+the budget. The report and the verdict on the issue's targets: bench/planner_report.py.
+
+    python bench/planner_sim.py --profile bench/profiles/smollm2-135m-cpu2.json --write docs/benchmarks.md
 """
 
 from __future__ import annotations
@@ -37,11 +41,14 @@ from splitserve.planner.profile import CapacityProfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from planner_policies import fixed, planner_policy, queue_policy  # noqa: E402
-from planner_trace import DAY_S, chat_share, generate  # noqa: E402
-from report import markers, write_section  # noqa: E402
+from planner_report import section, verdict  # noqa: E402
+from planner_sizing import peak_rps_for_load, platform_budget  # noqa: E402
+from planner_trace import DAY_S, generate  # noqa: E402
+from report import write_section  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 DEFAULT_PROFILE = os.path.join(HERE, "profiles", "smollm2-135m-cpu2.json")
+DEFAULT_LOAD = 3.0   # replicas of work at the diurnal peak (planner_sizing.py)
 
 
 @dataclass
@@ -230,24 +237,16 @@ class Sim:
 
 # -- the comparison ----------------------------------------------------------------------------
 
-def default_peak_rps(profile: CapacityProfile, cfg: PlannerConfig, budget: int) -> float:
-    """The peak rate at which the heavier mix of the day needs about half the budget."""
-    mu_d = profile.decode_tokens_per_s(cfg.itl_p90_s, 1000)
-    worst = 0.0
-    for share in (chat_share(0.0), chat_share(DAY_S - 1)):
-        isl = (1 - share) * 1500 * 0.7 + share * 200
-        osl = (1 - share) * 48 + share * 256
-        per_req = isl / profile.prefill_tokens_per_s(1000) + osl / mu_d
-        worst = max(worst, per_req)
-    return 0.5 * budget * cfg.utilization / worst
-
-
-def compare(profile, seed=0, duration_s=DAY_S, day_s=DAY_S, budget=8, ttft_s=15.0, itl_s=0.25,
-            startup_s=45.0, peak_rps=None, fixed_configs=None, thresholds=(1, 2, 4, 8)):
+def compare(profile, seed=0, duration_s=DAY_S, day_s=DAY_S, budget=None, ttft_s=15.0, itl_s=0.25,
+            startup_s=45.0, load=DEFAULT_LOAD, peak_rps=None, fixed_configs=None, thresholds=(1, 2, 4, 8)):
+    """Every policy on one trace. The trace's size comes from `load` (or `peak_rps`) alone; the
+    budget, unless given, is then sized from the trace (planner_sizing.py)."""
+    peak = peak_rps or peak_rps_for_load(profile, itl_s, load, day_s)
+    trace = generate(seed, peak, duration_s=duration_s, day_s=day_s, bursts=max(1, round(6 * duration_s / DAY_S)))
+    sized, busy = platform_budget(trace, profile, itl_s, day_s=day_s)
+    budget = budget or sized
     bounds = PoolBounds(1, budget - 1)
     cfg = PlannerConfig(ttft_p90_s=ttft_s, itl_p90_s=itl_s, budget=budget, prefill=bounds, decode=bounds)
-    peak = peak_rps or default_peak_rps(profile, cfg, budget)
-    trace = generate(seed, peak, duration_s=duration_s, day_s=day_s, bursts=max(1, round(6 * duration_s / DAY_S)))
 
     def sim(policy, initial=(1, 1)):
         s = Sim(trace, profile, policy, ttft_s, itl_s, startup_s, cfg.tick_s, initial)
@@ -262,95 +261,9 @@ def compare(profile, seed=0, duration_s=DAY_S, day_s=DAY_S, budget=8, ttft_s=15.
     configs = fixed_configs or [(p, d) for p in range(1, budget) for d in range(1, budget - p + 1)]
     for p, d in configs:
         rows[f"fixed {p}P:{d}D"] = sim(fixed(p, d), initial=(p, d))
-    return {"rows": rows, "trace": {"requests": len(trace), "peak_rps": peak, "seed": seed,
-                                    "duration_s": duration_s}, "cfg": cfg, "startup_s": startup_s}
-
-
-def verdict(result) -> dict:
-    rows, plan = result["rows"], result["rows"]["planner"]
-    good = [(v["replica_hours"], k) for k, v in rows.items() if k.startswith("fixed") and v["attainment"] >= 0.95]
-    cheapest = min(good) if good else None
-    queues = [(abs(v["replica_hours"] - plan["replica_hours"]), k) for k, v in rows.items() if k.startswith("queue")]
-    near = min(queues)[1] if queues else None
-    return {"cheapest_fixed": cheapest[1] if cheapest else None,
-            "cost_ratio": plan["replica_hours"] / cheapest[0] if cheapest else None,
-            "queue_at_equal_cost": near,
-            "points_over_queue": 100 * (plan["attainment"] - rows[near]["attainment"]) if near else None}
-
-
-def _best_fixed(result) -> tuple[str, dict]:
-    return max(((k, r) for k, r in result["rows"].items() if k.startswith("fixed")),
-               key=lambda kr: (kr[1]["attainment"], -kr[1]["replica_hours"]))
-
-
-def also_lines(others) -> list[str]:
-    """One paragraph per extra profile (`--also-profile`): planner, nearest queue depth, best fixed."""
-    lines = []
-    for path, prof, res in others:
-        v, plan = verdict(res), res["rows"]["planner"]
-        q = res["rows"][v["queue_at_equal_cost"]]
-        fk, fr = _best_fixed(res)
-        longest = max(prof.prefill, key=lambda pt: pt.prompt_tokens)
-        lone_s = longest.prompt_tokens / longest.tokens_per_s
-        ttft = res["cfg"].ttft_p90_s
-        lines += ["", f"Same trace generator and SLO on `{os.path.relpath(path, os.path.dirname(HERE))}` "
-                  f"({prof.meta.get('measured', 'date not recorded')}; {prof.notes.rstrip('.') or 'no notes'}): "
-                  f"{res['trace']['requests']:,} requests, peak {res['trace']['peak_rps']:.2f} req/s. Planner "
-                  f"{100 * plan['attainment']:.1f} % at {plan['replica_hours']:.1f} replica-hours; "
-                  f"{v['queue_at_equal_cost']} {100 * q['attainment']:.1f} % at {q['replica_hours']:.1f}; best "
-                  f"{fk} {100 * fr['attainment']:.1f} % at {fr['replica_hours']:.1f}. A lone "
-                  f"{longest.prompt_tokens:,}-token prompt takes {lone_s:.1f} s to prefill on this profile"
-                  + (f", beyond the {ttft:g} s TTFT target, so no policy can serve the longest prompts within "
-                     "the SLO" if lone_s > ttft else "") + ". Target 1: "
-                  + (f"{v['cheapest_fixed']} is the cheapest fixed configuration reaching 95 %, planner at "
-                     f"{v['cost_ratio']:.2f}× its replica-hours" if v["cheapest_fixed"] else
-                     "no fixed configuration within the budget reaches 95 %")
-                  + f". Target 2: {v['points_over_queue']:+.1f} points."]
-    return lines
-
-
-def section(result, profile_path, profile_notes: str = "", profile_meta: dict | None = None, others=()) -> str:
-    profile_meta = profile_meta or {}
-    begin, end = markers("planner-sim")
-    cfg, tr, v = result["cfg"], result["trace"], verdict(result)
-    lines = [begin, "## SLA planner: trace-driven simulation", "",
-             "Command: `make bench  # = python bench/planner_sim.py --write docs/benchmarks.md"
-             + "".join(f" --also-profile {os.path.relpath(o[0], os.path.dirname(HERE))}" for o in others) + "`", "",
-             f"Trace: bench/planner_trace.py, seed {tr['seed']}, {tr['duration_s'] / 3600:g} h, "
-             f"{tr['requests']:,} requests, peak {tr['peak_rps']:.2f} req/s before bursts (diurnal curve, "
-             "6 bursts of 1.5–2.5×, mix shifting from long-prompt to long-answer between 10:00 and 14:00). "
-             f"Replicas modelled from `{os.path.relpath(profile_path, os.path.dirname(HERE))}`. "
-             f"SLO: TTFT ≤ {cfg.ttft_p90_s:g} s and mean ITL ≤ {cfg.itl_p90_s * 1000:g} ms per request; "
-             f"budget {cfg.budget} replicas; a new replica serves after {result['startup_s']:g} s; tick {cfg.tick_s:g} s.", "",
-             "| policy | SLO attainment | replica-hours | scale events |", "|---|---|---|---|"]
-    for k, r in result["rows"].items():
-        lines.append(f"| {k} | {100 * r['attainment']:.1f} % | {r['replica_hours']:.1f} | {r['events']} |")
-    lines.append("")
-    att = 100 * result["rows"]["planner"]["attainment"]
-    if v["cheapest_fixed"]:
-        lines.append(f"Target 1 (≥ 95 % at ≤ 0.8× the replica-hours of the cheapest fixed configuration reaching "
-                     f"95 %, here {v['cheapest_fixed']}): planner {att:.1f} % at {v['cost_ratio']:.2f}× — "
-                     f"{'met' if att >= 95 and v['cost_ratio'] <= 0.8 else 'NOT met'}.")
-    else:
-        fk, fr = _best_fixed(result)
-        plan_h = result["rows"]["planner"]["replica_hours"]
-        lines.append(f"Target 1: not met as written, and not measurable: no fixed configuration within the budget "
-                     f"reaches 95 % (the best, {fk}, {100 * fr['attainment']:.1f} % at {fr['replica_hours']:.1f} "
-                     f"replica-hours), so there is no cheapest one to compare with; the planner reaches "
-                     f"{att:.1f} % at {plan_h / fr['replica_hours']:.2f}× that configuration's replica-hours.")
-    if v["queue_at_equal_cost"]:
-        lines.append(f"Target 2 (≥ 10 points over queue-depth scaling at equal replica-hours; nearest in cost: "
-                     f"{v['queue_at_equal_cost']}): {v['points_over_queue']:+.1f} points — "
-                     f"{'met' if v['points_over_queue'] >= 10 else 'NOT met'}.")
-    lines += ["", f"Notes. The profile ({profile_meta.get('measured', 'date not recorded')}): "
-              f"{profile_notes.rstrip('.') or 'no notes recorded'}. The peak rate is "
-              "set from the profile so that the heavier mix needs half the budget at 0.8 utilisation, and bursts "
-              "go beyond the budget. Queue-depth scaling sees decode demand only when every decode slot "
-              "(the profile's largest concurrency) is taken, as with `vllm:num_requests_waiting`, so it adds decode "
-              "replicas after ITL has already degraded. Each policy's run lasts until its backlog is served, "
-              "which is why overloaded fixed configurations show more replica-hours than 24 h × replicas.",
-              *also_lines(others), end]
-    return "\n".join(lines)
+    return {"rows": rows, "trace": {"requests": len(trace), "peak_rps": peak, "seed": seed, "load": None if peak_rps else load,
+                                    "duration_s": duration_s, "busiest": busy, "sized_budget": sized},
+            "cfg": cfg, "startup_s": startup_s}
 
 
 def _interp(xs, ys, x):
@@ -364,10 +277,14 @@ def _interp(xs, ys, x):
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--profile", default=DEFAULT_PROFILE)
+    ap.add_argument("--profile", default=DEFAULT_PROFILE, help="capacity profile JSON (splitserve profile)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--hours", type=float, default=24.0, help="trace length; the diurnal cycle is compressed to it")
-    ap.add_argument("--budget", type=int, default=8)
+    ap.add_argument("--load", type=float, default=DEFAULT_LOAD,
+                    help="replicas of work arriving per second at the diurnal peak (sets the trace's size)")
+    ap.add_argument("--peak-rps", type=float, help="the trace's peak rate in req/s instead of --load")
+    ap.add_argument("--budget", type=int, default=0,
+                    help="replica budget; 0 (default): sized from the trace (bench/planner_sizing.py)")
     # 15 s: about 2x the profiled prefill time of a lone 2,048-token prompt on this CPU (7.8 s);
     # a 3 s target (chosen first, for a guessed profile) cannot be met by long prompts at all.
     ap.add_argument("--ttft", type=float, default=15.0, help="TTFT target, seconds")
@@ -377,16 +294,21 @@ def main(argv=None) -> int:
     ap.add_argument("--also-profile", action="append", default=[], metavar="PATH",
                     help="run the same comparison on this profile too and summarise it in the section")
     a = ap.parse_args(argv)
-    if a.hours <= 0 or a.budget < 2:
-        ap.error("--hours must be > 0 and --budget >= 2")
-    profile = CapacityProfile.load(a.profile)
+    if a.hours <= 0 or a.load <= 0 or (a.peak_rps is not None and a.peak_rps <= 0):
+        ap.error("--hours, --load and --peak-rps must be > 0")
+    if a.budget and a.budget < 2:
+        ap.error("--budget must be 0 (sized from the trace) or >= 2")
+    if a.ttft <= 0 or a.itl <= 0:
+        ap.error("--ttft and --itl must be > 0")
     dur = a.hours * 3600
-    res = compare(profile, seed=a.seed, duration_s=dur, day_s=dur, budget=a.budget, ttft_s=a.ttft, itl_s=a.itl)
-    others = []
-    for path in a.also_profile:
-        other = CapacityProfile.load(path)
-        others.append((path, other, compare(other, seed=a.seed, duration_s=dur, day_s=dur, budget=a.budget,
-                                            ttft_s=a.ttft, itl_s=a.itl)))
+
+    def run(prof):
+        return compare(prof, seed=a.seed, duration_s=dur, day_s=dur, budget=a.budget or None, ttft_s=a.ttft,
+                       itl_s=a.itl, load=a.load, peak_rps=a.peak_rps)
+
+    profile = CapacityProfile.load(a.profile)
+    res = run(profile)
+    others = [(path, other, run(other)) for path in a.also_profile for other in [CapacityProfile.load(path)]]
     text = section(res, a.profile, profile.notes, profile.meta, others)
     print(text)
     if a.write:

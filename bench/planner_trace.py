@@ -12,6 +12,9 @@ Each request is one of two kinds:
 - "chat": short prompt, long answer — prompt median 200, answer median 256, nothing cached.
 The share of "chat" shifts from 20 % before 10:00 to 80 % after 14:00, linearly between: the
 prompt/answer mix moves from prefill-heavy to decode-heavy across the afternoon.
+
+`peak` is an input: bench/planner_sizing.py derives it from the machine's capacity profile
+(replicas of work at noon), and the replica budget is then sized from the generated trace.
 """
 
 from __future__ import annotations

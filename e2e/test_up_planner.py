@@ -1,6 +1,7 @@
 """`splitserve up --planner` on loopback with real workers: a step of long prompts adds a
 prefill worker, a step of long answers adds a decode worker, no request fails while workers
-come and go, and both pools return to one worker after the load stops.
+come and go, and both pools return to one worker after the load stops. The planner's decisions
+carry the TTFT and ITL p90 it measured from the router and the decode workers' /metrics.
 
 The capacity profile is written by the test and deliberately small (a prefill worker is
 planned at 120 prompt tokens/s, a decode worker at 8 output tokens/s within a 250 ms ITL), so
@@ -106,3 +107,6 @@ def test_planner_scales_each_pool_with_its_load_and_back(tmp_path):
     finally:
         up.stop()
     assert up.proc.returncode == 0, "".join(up.lines[-40:])
+    # Real measurements reached the law: a decision line with a measured TTFT and ITL p90.
+    decisions = [ln for ln in up.lines if re.match(r"splitserve up: planner: (prefill|decode) \d+ -> \d+", ln)]
+    assert any(re.search(r"measured TTFT p90 \d+ ms, ITL p90 \d+ ms", ln) for ln in decisions), "".join(decisions)

@@ -10,8 +10,10 @@ knobs below from the command line. Without `--cluster`, one InferenceService:
 
 Every tick it scrapes the router's /metrics (`--router-metrics`, every router replica: their
 counters add up), turns `splitserve_router_demand_tokens_total` into rates and
-`splitserve_router_workers{role,state="healthy"}` into ready replicas, runs planner/law.py,
-and serves the decision at /v1/desired/<namespace>/<name> for KEDA's metrics-api trigger and
+`splitserve_router_workers{role,state="healthy"}` into ready replicas, reads measured latency
+over the last `peak_window_s` (planner/window.py: the routers' TTFT histogram, minus the KV
+transfer time and with the ITL histogram of the decode workers named by `--decode-metrics`),
+runs planner/law.py, and serves the decision at /v1/desired/<namespace>/<name> for KEDA's metrics-api trigger and
 on /metrics (planner/server.py). A scrape that fails is a missing sample: the planner holds.
 """
 
@@ -27,10 +29,12 @@ import urllib.request
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from splitserve.planner import signals as S
 from splitserve.planner.config import PlannerConfig, PoolBounds
 from splitserve.planner.law import Observation, Planner, PoolObservation
 from splitserve.planner.profile import CapacityProfile
 from splitserve.planner.server import DesiredStore, serve
+from splitserve.planner.window import ScrapeWindow, measured_latency
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +54,9 @@ def register(subparsers) -> None:
     p.add_argument("--name", help="the InferenceService (without --cluster)")
     p.add_argument("--router-metrics", action="append", metavar="URL",
                    help="a router replica's /metrics URL (repeatable; without --cluster)")
+    p.add_argument("--decode-metrics", action="append", default=[], metavar="URL",
+                   help="a decode worker's /metrics URL, for measured ITL and KV-transfer time (repeatable; "
+                        "without --cluster)")
     p.add_argument("--profile", help="capacity profile JSON (`splitserve profile`; without --cluster)")
     p.add_argument("--ttft-slo-ms", type=int, default=2000)
     p.add_argument("--itl-slo-ms", type=int, default=100)
@@ -74,15 +81,21 @@ def config_from_args(args) -> PlannerConfig:
                          budget=args.budget, prefill=bounds, decode=bounds)
 
 
+def _get(url: str) -> str:
+    return urllib.request.urlopen(url, timeout=5).read().decode()
+
+
 def scrape(urls: list[str]) -> dict | None:
-    """Summed router counters and healthy workers; None if any router could not be read."""
-    out = {"uncached_prompt": 0.0, "output": 0.0, "prefill": 0, "decode": 0}
+    """Summed router counters and healthy workers, and each router's flattened metrics ("flat":
+    url -> signals.flatten); None if any router could not be read."""
+    out = {"uncached_prompt": 0.0, "output": 0.0, "prefill": 0, "decode": 0, "flat": {}}
     for url in urls:
         try:
-            text = urllib.request.urlopen(url, timeout=5).read().decode()
+            text = _get(url)
         except OSError as e:
             log.warning("planner: cannot read %s (%s); holding", url, e)
             return None
+        out["flat"][url] = S.flatten(text)
         for family in text_string_to_metric_families(text):
             for s in family.samples:
                 if s.name == "splitserve_router_demand_tokens_total" and s.labels.get("kind") in out:
@@ -96,9 +109,21 @@ def scrape(urls: list[str]) -> dict | None:
 class PlannerProcess:
     """One tick = scrape, rates, decide, publish. `tick` is separate from the loop for tests."""
 
-    def __init__(self, planner: Planner, store: DesiredStore, namespace: str, name: str, urls: list[str]):
+    def __init__(self, planner: Planner, store: DesiredStore, namespace: str, name: str, urls: list[str],
+                 decode_urls: list[str] = ()):
         self.planner, self.store, self.namespace, self.name, self.urls = planner, store, namespace, name, urls
+        self.decode_urls = list(decode_urls)
         self.last: tuple[float, dict] | None = None
+        self.latency = ScrapeWindow(planner.cfg.peak_window_s)
+
+    def _scrape_decode(self, now: float) -> None:
+        for url in self.decode_urls:
+            try:
+                flat = S.flatten(_get(url))
+            except (OSError, ValueError) as e:
+                log.warning("planner: cannot read %s (%s)", url, e)
+                flat = None
+            self.latency.add(now, f"decode/{url}", flat)
 
     def tick(self, now: float) -> None:
         sample = scrape(self.urls)
@@ -111,10 +136,15 @@ class PlannerProcess:
                 prompt_rate = max(0.0, sample["uncached_prompt"] - self.last[1]["uncached_prompt"]) / dt
                 output_rate = max(0.0, sample["output"] - self.last[1]["output"]) / dt
             self.last = (now, sample)
+            for url, flat in sample["flat"].items():
+                self.latency.add(now, f"router/{url}", flat)
+        self._scrape_decode(now)
+        ttft, itl = measured_latency(self.latency.delta("router/"), self.latency.delta("decode/"))
         current = self.planner.targets()
         obs = Observation(now=now, uncached_prompt_tokens_per_s=prompt_rate, output_tokens_per_s=output_rate,
                           prefill=PoolObservation(ready["prefill"], max(0, current["prefill"] - ready["prefill"])),
-                          decode=PoolObservation(ready["decode"], max(0, current["decode"] - ready["decode"])))
+                          decode=PoolObservation(ready["decode"], max(0, current["decode"] - ready["decode"])),
+                          ttft_p90_s=ttft, itl_p90_s=itl)
         self.store.publish(self.namespace, self.name, self.planner.tick(obs))
 
 
@@ -128,7 +158,7 @@ def cmd_planner(args) -> int:
     planner = Planner(config_from_args(args), CapacityProfile.load(args.profile))
     store = DesiredStore()
     server = serve(store, args.host, args.port)
-    proc = PlannerProcess(planner, store, args.namespace, args.name, args.router_metrics)
+    proc = PlannerProcess(planner, store, args.namespace, args.name, args.router_metrics, args.decode_metrics)
     print(f"splitserve planner: serving :{server.server_port}/v1/desired/{args.namespace}/{args.name}", flush=True)
     try:
         while True:

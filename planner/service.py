@@ -23,6 +23,7 @@ from splitserve.planner.capacity import ReplicaSample
 from splitserve.planner.config import POOLS, PlannerConfig, PoolBounds
 from splitserve.planner.law import Observation, Planner, PoolObservation
 from splitserve.planner.pods import ReadyPod
+from splitserve.planner.window import measured_latency
 from splitserve.platform.errors import ConfigError
 
 PLANNER_SELECTOR = "app.kubernetes.io/component=planner,app.kubernetes.io/managed-by=splitserve-operator"
@@ -123,16 +124,17 @@ class ServiceLoop:
             output_rate = sum(d.get("demand/output", 0.0) / dt for _, d, dt in routers)
         r = S.add_up([d for _, d, _ in routers])
         dec = S.add_up([d for _, d, _ in deltas["decode"]])
-        n = r.get("rttft/count", 0.0)
-        ttft = S.p90(r, "rttft")
+        # Requests in the tick: every one gets its first token on a decode worker; the router's
+        # TTFT histogram counts only streamed ones.
+        n = dec.get("ttft/count", 0.0) or r.get("rttft/count", 0.0)
+        ttft, itl = measured_latency(r, dec)
         return Observation(
             now=now, uncached_prompt_tokens_per_s=prompt_rate, output_tokens_per_s=output_rate,
             prefill=pools["prefill"], decode=pools["decode"],
             mean_prompt_tokens=r.get("demand/uncached_prompt", 0.0) / n if n else 512.0,
             mean_output_tokens=r.get("demand/output", 0.0) / n if n else 128.0,
             inflight_decode_seqs=sum(s.flat.get("running", 0.0) for s in scrapes if s.role == "decode" and s.flat),
-            ttft_p90_s=None if ttft is None else max(0.0, ttft - S.mean(dec, "kvt")),
-            itl_p90_s=S.p90(dec, "itl"), samples=tuple(self._samples(deltas)))
+            ttft_p90_s=ttft, itl_p90_s=itl, samples=tuple(self._samples(deltas)))
 
     def _samples(self, deltas: dict) -> list[ReplicaSample]:
         out = []

@@ -6,9 +6,11 @@ counter that went down means the process restarted: the new value is the delta).
 deltas of one tick:
 
 - demand (routers, summed over replicas): uncached prompt tokens and output tokens
-  (`splitserve_router_demand_tokens_total`), requests (`..._time_to_first_token_seconds_count`);
-- TTFT p90 for prefill: the routers' TTFT histogram, minus the mean KV-transfer time the decode
-  workers measured (`splitserve_kv_transfer_seconds`), since shipping KV is not prefill's work;
+  (`splitserve_router_demand_tokens_total`); requests: the decode workers' first tokens
+  (`splitserve_time_to_first_token_seconds_count`; the routers' TTFT counts only streams);
+- TTFT p90 for prefill: the routers' TTFT histogram (the decode workers' when no response was
+  streamed), minus the mean KV-transfer time the decode workers measured
+  (`splitserve_kv_transfer_seconds`), since shipping KV is not prefill's work (window.py);
 - ITL p90: the decode workers' `splitserve_inter_token_latency_seconds`;
 - per replica, for the online capacity correction: prefill tokens computed (prefix-cache
   queries minus hits) or output tokens produced (ITL count + first tokens) per second, whether

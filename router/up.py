@@ -109,6 +109,7 @@ class WorkerProcess:
         self.ports = [_free_port() for _ in range(3)]
         grpc_port, metrics_port, kv_port = self.ports
         self.address = f"127.0.0.1:{grpc_port}"
+        self.metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"   # the local planner reads ITL here
         self.argv = [sys.executable, "-m", "splitserve.platform.cli", "--log-level", log_level, "worker",
                      "--role", role, "--grpc-port", str(grpc_port), "--metrics-port", str(metrics_port),
                      "--kv-port", str(kv_port), "--drain-grace", "5", *args]

@@ -50,3 +50,35 @@ def test_planner_process_turns_router_counters_into_desired_replicas():
         planner_http.shutdown()
         planner_http.server_close()
         router_http.server_close()                        # idempotent
+
+
+def test_planner_process_trims_on_measured_ttft_and_itl():
+    """The router's TTFT histogram and a decode worker's ITL and KV-transfer histograms (their real
+    metrics objects, over HTTP): demand one replica each can carry, but a measured ITL p90 above the
+    100 ms SLO adds one decode replica; a TTFT within the SLO adds none."""
+    from splitserve.workers.metrics import WorkerMetrics
+
+    router, worker = RouterMetrics(), WorkerMetrics("decode", "m")
+    for role in ("prefill", "decode"):
+        router.workers.labels(role=role, state="healthy").set(1)
+    servers = [start_http_server(0, addr="127.0.0.1", registry=reg) for reg in (router.registry, worker.registry)]
+    (rport, wport) = (srv.server_address[1] for srv, _ in servers)
+    cfg = PlannerConfig(ttft_p90_s=2.0, itl_p90_s=0.1, prefill=PoolBounds(1, 8), decode=PoolBounds(1, 8))
+    store = DesiredStore()
+    proc = PlannerProcess(Planner(cfg, PROFILE), store, "ns", "svc", [f"http://127.0.0.1:{rport}/metrics"],
+                          [f"http://127.0.0.1:{wport}/metrics"])
+    try:
+        proc.tick(0.0)
+        router.count_tokens(1000, 100, True)               # 100 prompt and 10 output tokens/s: light
+        for _ in range(20):
+            router.ttft.observe(0.4)
+            worker.itl.observe(0.2)
+            worker.kv_transfer_seconds.labels(direction="in").observe(0.01)
+        proc.tick(10.0)
+        d = store.desired("ns", "svc")
+        assert (d["prefill"], d["decode"]) == (1, 2)
+        assert d["reasons"]["decode"] == "scale_up"
+    finally:
+        for srv, thread in servers:
+            srv.shutdown()
+            srv.server_close()

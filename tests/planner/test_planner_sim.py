@@ -8,6 +8,8 @@ import pathlib
 import subprocess
 import sys
 
+import pytest
+
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
@@ -39,3 +41,28 @@ def test_trace_is_seeded_and_shifts_its_mix():
     noon = sum(11 * 3600 < r.arrival_s < 13 * 3600 for r in a)
     night = sum(r.arrival_s < 2 * 3600 or r.arrival_s > 22 * 3600 for r in a)
     assert noon > 2 * night                                # the diurnal curve
+
+
+def test_the_trace_is_sized_from_the_profile_and_the_budget_from_the_trace():
+    """The peak rate depends on the profile and the load, never on the budget; the budget sized from
+    the trace covers its busiest window at the planned utilisation with headroom."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    from planner_sim import DEFAULT_PROFILE, compare
+    from planner_sizing import busiest, peak_rps_for_load, platform_budget
+    from planner_trace import generate
+
+    from splitserve.planner.profile import CapacityProfile
+    prof = CapacityProfile.load(DEFAULT_PROFILE)
+    peak = peak_rps_for_load(prof, 0.25, 3.0)
+    assert peak_rps_for_load(prof, 0.25, 6.0) == pytest.approx(2 * peak)      # load is linear in the rate
+    trace = generate(0, peak)
+    budget, busy = platform_budget(trace, prof, 0.25)
+    assert busy == busiest(trace, prof, 0.25, 900.0)
+    assert budget >= (busy["prefill"] + busy["decode"]) / 0.8 * 1.25
+    small = compare(prof, duration_s=1800, day_s=1800, budget=3, fixed_configs=[(1, 1)], thresholds=(1,))
+    large = compare(prof, duration_s=1800, day_s=1800, budget=9, fixed_configs=[(1, 1)], thresholds=(1,))
+    assert small["trace"]["requests"] == large["trace"]["requests"]
+    assert small["trace"]["peak_rps"] == large["trace"]["peak_rps"]
+    assert small["cfg"].budget == 3 and large["cfg"].budget == 9
+    with pytest.raises(ValueError, match="load"):
+        peak_rps_for_load(prof, 0.25, 0.0)
