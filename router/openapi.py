@@ -88,7 +88,7 @@ def _responses(path: str, method: str, op: dict) -> None:
     if path.startswith("/v1/"):
         statuses += [401, 429]
     if path in _LORA_PATHS:
-        statuses += [400, 404, 413, 503]
+        statuses += [400, 404, 409, 413, 503]
         ok = responses.setdefault("200", {"description": "Successful Response"})
         ok["content"] = {"application/json": {"schema": {
             "type": "object", "required": ["lora_name", "status"],
