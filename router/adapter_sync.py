@@ -121,7 +121,7 @@ class ConfigMapReporter:
     def write(self, report: dict) -> None:
         body = {"metadata": {"annotations": {self.config.report_annotation: json.dumps(report, sort_keys=True)}}}
         self.api.patch_namespaced_config_map(self.config.report_configmap, self.config.report_namespace, body,
-                                             _request_timeout=10)
+                                             _content_type="application/merge-patch+json", _request_timeout=10)
 
 
 async def report_loop(pool: WorkerPool, config: AdaptersConfig, reporter: ConfigMapReporter | None = None) -> None:

@@ -169,7 +169,7 @@ class AdapterCatalog:
                 raise APIError(400, exc.details(), param="lora_path") from None
             if strict:
                 raise NoWorkerError(f"loading the adapter on {worker.address} failed: {exc.code().name}") from None
-            log.warning("loading adapter %s on %s failed (%s: %s); retried on its next load report", name,
+            log.warning("loading adapter %s on %s failed (%s: %s); retried after its next load report", name,
                         worker.address, exc.code().name, exc.details())
             return None
 
