@@ -14,7 +14,7 @@ Two loops, both level-based:
 - `follow_file` re-reads the file every `poll_s`; a new content goes to
   `AdapterCatalog.declare`, whose reconcile (after each worker's load report) loads what a worker
   lacks and unloads what is no longer declared. A file that does not parse is logged and the last
-  good set is kept (an empty or missing file is a valid empty set only when it parses as one).
+  good set is kept; an empty file is such an error (an empty set is `adapters: []`).
 - `report_loop` (with `adapters.report_configmap`) computes `pool_report` every `poll_s` and,
   when it differs from what it last wrote, merge-patches it as JSON into one annotation of the
   router's ConfigMap: {"prefill": {"workers": 1, "adapters": {"sql": 1}}, "decode": {...}} —
@@ -43,9 +43,10 @@ NAME = re.compile(r"^[^\s,]{1,128}$")
 
 def parse_declared(text: str, where: str = "adapters file") -> dict[str, str]:
     """name -> folder from the file's text; ConfigError naming what is wrong."""
-    data = yaml.safe_load(text) or {}
-    if not isinstance(data, dict) or set(data) - {"adapters"}:
-        raise ConfigError(f"{where}: expected a mapping with the one key 'adapters'")
+    data = yaml.safe_load(text)
+    # An empty file is an error, not an empty set: a half-written file must not unload everything.
+    if not isinstance(data, dict) or set(data) != {"adapters"}:
+        raise ConfigError(f"{where}: expected a mapping with the one key 'adapters' (an empty set is 'adapters: []')")
     entries = data.get("adapters") or []
     if not isinstance(entries, list):
         raise ConfigError(f"{where}: 'adapters' must be a list of {{name, path}}")

@@ -18,7 +18,8 @@ reconcile loads every declared adapter a worker lacks (or holds from another fol
 every adapter it holds that is not declared, so a worker that joins, restarts or missed a change
 converges on its next load report, and a restarted router needs no memory of earlier sets. The
 API's load and unload answer 409 then: one writer per adapter set. A load that failed on a worker
-(a folder it cannot read) is retried after FAILED_RETRY_S, not on every report.
+(a folder it cannot read) is retried after FAILED_RETRY_S, not on every report; one that worked
+is not repeated for REPORT_GRACE_S (a report sent while it ran does not list it yet).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ log = logging.getLogger(__name__)
 
 CALL_TIMEOUT_S = 60.0
 FAILED_RETRY_S = 30.0
+REPORT_GRACE_S = 5.0   # a load report sent while a load ran still lacks the adapter: no second load
 
 
 def reported(worker: WorkerState) -> dict[str, bytes]:
@@ -51,7 +53,7 @@ class AdapterCatalog:
         self.unloaded: set[str] = set()                     # unloaded through the API since
         self._pushing: set[tuple[str, str]] = set()        # (worker, name) reconcile calls in flight
         self.declared: dict[str, str] | None = None         # declared mode: name -> folder (None: off)
-        self._failed: dict[tuple[str, str, str], float] = {}  # (worker, name, folder) -> when a load failed
+        self._hold: dict[tuple[str, str, str], float] = {}  # (worker, name, folder) -> no load before this time
 
     # -- reading ---------------------------------------------------------------------------
     def names(self) -> list[str]:
@@ -145,12 +147,12 @@ class AdapterCatalog:
         now = self.pool.clock()
         for name, path in declared.items():
             key = (worker.address, name, path)
-            if have.get(name) == path or now < self._failed.get(key, -1.0) + FAILED_RETRY_S:
+            if have.get(name) == path or now < self._hold.get(key, now):
                 continue
             if await self._load_on(worker, name, path, strict=False) is None:
-                self._failed[key] = now
+                self._hold[key] = now + FAILED_RETRY_S
             else:
-                self._failed.pop(key, None)
+                self._hold[key] = self.pool.clock() + REPORT_GRACE_S
                 log.info("declared LoRA adapter %s loaded on %s from %s", name, worker.address, path)
         for name in sorted(set(have) - set(declared)):
             await self._unload_on(worker, name)

@@ -137,8 +137,8 @@ def test_changing_spec_adapters_loads_and_unloads_in_place(cluster, kube, namesp
     try:
         # At start the router loads the declared adapter on both workers and reports it.
         status = wait_for(lambda: (s := reconciled_status(kube, namespace)).get("decode", {}).get("adapters") == ["sql"]
-                          and s.get("prefill", {}).get("adapters") == ["sql"] and s, timeout=240,
-                          what="sql loaded on both pools")
+                          and s.get("prefill", {}).get("adapters") == ["sql"] and s, timeout=600,
+                          what="the router up and sql loaded on both pools")
         loaded = next(c for c in status["conditions"] if c["type"] == "AdaptersLoaded")
         assert loaded["status"] == "True", loaded
         code, body = router.call("POST", "/v1/completions", {"model": "sql", "prompt": "SELECT", "max_tokens": 4,
@@ -172,4 +172,4 @@ def test_changing_spec_adapters_loads_and_unloads_in_place(cluster, kube, namesp
         assert router.proc.poll() is None and all(w.proc.poll() is None for w in workers)   # no process restarted
     finally:
         router.stop()
-    print("".join(router.lines[-40:]))
+        print("router log (tail):\n" + "".join(router.lines[-40:]))

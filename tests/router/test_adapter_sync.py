@@ -55,6 +55,7 @@ def declare(path, **adapters):
     ("adapters:\n  - {name: 'has space', path: /a}", "without spaces or commas"),
     ("adapters:\n  - {name: sql, path: /a}\n  - {name: sql, path: /b}", "declared twice"),
     ("other: 1", "the one key 'adapters'"),
+    ("", "an empty set is 'adapters: \\[\\]'"),   # a half-written file never unloads everything
 ])
 def test_a_bad_adapters_file_is_a_config_error_naming_the_problem(text, message):
     with pytest.raises(ConfigError, match=message):
@@ -62,7 +63,7 @@ def test_a_bad_adapters_file_is_a_config_error_naming_the_problem(text, message)
 
 
 def test_the_adapters_config_checks_its_keys():
-    assert parse_declared("") == {} and parse_declared("adapters: []") == {}
+    assert parse_declared("adapters: []") == {} and parse_declared("adapters:") == {}
     with pytest.raises(ConfigError, match="poll_s"):
         AdaptersConfig(file="/a", poll_s=0)
     with pytest.raises(ConfigError, match="both or neither"):
@@ -119,7 +120,8 @@ def test_workers_follow_the_declared_file(loop, fleet):
     for w in (w1, w2):
         wait_for(lambda w=w: held(w) == {"chat": folders["chat"], "sql": folders["stale"]}, what="the new set")
 
-    adapters_file.write_text("adapters: [not, a, mapping")          # a broken file keeps the last good set
+    adapters_file.with_suffix(".tmp").write_text("adapters: [not, a, mapping")   # a broken file keeps the last set
+    adapters_file.with_suffix(".tmp").replace(adapters_file)
     time.sleep(1.0)
     assert held(w1) == {"chat": folders["chat"], "sql": folders["stale"]}
     declare(adapters_file)                                           # an empty set unloads everything
