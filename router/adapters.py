@@ -84,6 +84,7 @@ class AdapterCatalog:
         """Enter (or update) declared mode: `adapters` (name -> folder) is the whole set every
         worker should hold; the next load report of each worker brings it in line."""
         self.declared = dict(adapters)
+        self._hold = {k: t for k, t in self._hold.items() if self.declared.get(k[1]) == k[2]}
         self.runtime.clear()
         self.unloaded.clear()
 
