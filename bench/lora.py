@@ -20,7 +20,12 @@ fixed rate, the same request sequence for every arm. TTFT is measured by the cli
 workers stay up across arms (each arm uses its own system prompts, so no arm reuses another's
 cache); a fresh router per arm.
 
-Usage: python bench/lora.py [--write docs/benchmarks.md] [--threads 1] [--repeats 3] [--skip-w5]
+Usage: python bench/lora.py [--write docs/benchmarks.md] [--threads 1] [--repeats 3] [--skip-w5 | --only-w5]
+                            [--w5-requests 64] [--w5-adapters 32] [--w5-rate 1.0]
+
+The full run (`make bench` runs it with --threads 2) is the throughput part and then W5. A smoke
+run of W5 alone that checks the pipeline end to end in about two minutes:
+`python bench/lora.py --only-w5 --w5-requests 6 --w5-adapters 4` (its numbers mean nothing).
 """
 
 from __future__ import annotations
@@ -165,14 +170,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def w5_requests(seed: int = 0) -> list[tuple[float, int, int]]:
+def w5_requests(num_requests: int = W5_REQUESTS, num_adapters: int = W5_ADAPTERS, rate: float = W5_RATE,
+                seed: int = 0) -> list[tuple[float, int, int]]:
     """(arrival time, adapter index, random seed of the user part): the same for every arm."""
     rng = random.Random(seed)
-    weights = [1 / (k + 1) ** W5_ZIPF for k in range(W5_ADAPTERS)]
+    weights = [1 / (k + 1) ** W5_ZIPF for k in range(num_adapters)]
     t, out = 0.0, []
-    for i in range(W5_REQUESTS):
-        t += rng.expovariate(W5_RATE)
-        out.append((t, rng.choices(range(W5_ADAPTERS), weights)[0], rng.randrange(10**9)))
+    for i in range(num_requests):
+        t += rng.expovariate(rate)
+        out.append((t, rng.choices(range(num_adapters), weights)[0], rng.randrange(10**9)))
     return out
 
 
@@ -204,14 +210,15 @@ async def w5_arm(url: str, arm_index: int, requests) -> list[float]:
         return list(await asyncio.gather(*(one(client, *r) for r in requests)))
 
 
-def run_w5(threads: int) -> dict:
+def run_w5(threads: int, num_requests: int = W5_REQUESTS, num_adapters: int = W5_ADAPTERS,
+           rate: float = W5_RATE) -> dict:
     import asyncio
 
     import httpx
     import yaml
 
     folder = tempfile.mkdtemp(prefix="bench-lora-w5-")
-    modules = [f"a{i}={write_adapter(os.path.join(folder, f'a{i}'), seed=100 + i)}" for i in range(W5_ADAPTERS)]
+    modules = [f"a{i}={write_adapter(os.path.join(folder, f'a{i}'), seed=100 + i)}" for i in range(num_adapters)]
     cli = [sys.executable, "-m", "splitserve.platform.cli"]
     workers, addresses = [], []
     try:
@@ -220,10 +227,10 @@ def run_w5(threads: int) -> dict:
             workers.append(Proc(cli + ["worker", "--role", "both", "--threads", str(threads), "--grpc-port",
                                        str(grpc_port), "--metrics-port", str(free_port()), "--kv-port", str(free_port()),
                                        "--kv-transport", "tcp", "--kv-cache-memory", "0.25", "--max-model-len", "1024",
-                                       "--max-loras", str(W5_SLOTS), "--max-cpu-loras", str(W5_ADAPTERS),
+                                       "--max-loras", str(W5_SLOTS), "--max-cpu-loras", str(max(num_adapters, W5_SLOTS)),
                                        "--max-lora-rank", str(RANK), "--lora-modules", *modules], "READY"))
             addresses.append(f"127.0.0.1:{grpc_port}")
-        requests = w5_requests()
+        requests = w5_requests(num_requests, num_adapters, rate)
         p90 = {}
         for index, (arm, scorers) in enumerate(W5_ARMS.items()):
             port = free_port()
@@ -240,7 +247,7 @@ def run_w5(threads: int) -> dict:
             try:
                 url = f"http://127.0.0.1:{port}"
                 deadline = time.monotonic() + 120
-                while len(httpx.get(f"{url}/v1/models").json()["data"]) < 1 + W5_ADAPTERS:
+                while len(httpx.get(f"{url}/v1/models").json()["data"]) < 1 + num_adapters:
                     assert time.monotonic() < deadline, "the router did not see the workers' adapters"
                     time.sleep(0.2)
                 ttfts = sorted(asyncio.run(w5_arm(url, index, requests)))
@@ -248,7 +255,7 @@ def run_w5(threads: int) -> dict:
                 print(f"W5 {arm}: p50 {p90[arm]['p50']:.2f} s, p90 {p90[arm]['p90']:.2f} s", file=sys.stderr)
             finally:
                 router.stop()
-        return {"arms": p90, "threads": threads}
+        return {"arms": p90, "threads": threads, "requests": num_requests, "adapters": num_adapters, "rate": rate}
     finally:
         for w in workers:
             w.stop()
@@ -259,9 +266,9 @@ def render_w5(w5: dict) -> str:
     ours, rr = arms["adapter+prefix+load (ours)"]["p90"], arms["round-robin"]["p90"]
     rows = "\n".join(f"| {arm} | {v['p50']:.2f} | {v['p90']:.2f} | {rr / v['p90']:.2f}x |" for arm, v in arms.items())
     return f"""
-### W5: 32 adapters, zipf popularity, 2 workers with 8 adapter slots each
+### W5: {w5['adapters']} adapters, zipf popularity, 2 workers with {W5_SLOTS} adapter slots each
 
-{W5_REQUESTS} requests at {W5_RATE}/s (Poisson), adapter drawn from zipf (s = {W5_ZIPF}) over {W5_ADAPTERS}
+{w5['requests']} requests at {w5['rate']}/s (Poisson), adapter drawn from zipf (s = {W5_ZIPF}) over {w5['adapters']}
 adapters (rank 8, all projections, loaded on both workers), each prompt the adapter's 64-token
 system prompt + 16 random tokens, 16 output tokens streamed; two `--role both` workers with
 {w5['threads']} torch thread each and `--max-loras {W5_SLOTS}`, one router per arm, same request sequence.
@@ -309,10 +316,24 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--skip-w5", action="store_true", help="only the in-process decode throughput part")
+    ap.add_argument("--only-w5", action="store_true", help="only W5 (prints its table; --write needs both parts)")
+    ap.add_argument("--w5-requests", type=int, default=W5_REQUESTS, help="W5 requests per arm (>= 2)")
+    ap.add_argument("--w5-adapters", type=int, default=W5_ADAPTERS, help="W5 adapters (>= 1)")
+    ap.add_argument("--w5-rate", type=float, default=W5_RATE, help="W5 arrivals per second (> 0)")
     args = ap.parse_args()
+    if args.skip_w5 and args.only_w5:
+        ap.error("--skip-w5 and --only-w5 exclude each other")
+    if args.only_w5 and args.write:
+        ap.error("--write updates the whole lora section: run both parts (drop --only-w5)")
+    if args.w5_requests < 2 or args.w5_adapters < 1 or args.w5_rate <= 0 or args.threads < 1 or args.repeats < 1:
+        ap.error("need --w5-requests >= 2, --w5-adapters >= 1, --w5-rate > 0, --threads >= 1 and --repeats >= 1")
+    w5 = None if args.skip_w5 else run_w5(1, args.w5_requests, args.w5_adapters, args.w5_rate)
+    if args.only_w5:
+        print(render_w5(w5))
+        return 0
     result = run(args.threads, args.repeats)
-    if not args.skip_w5:
-        result["w5_text"] = render_w5(run_w5(threads=1))
+    if w5 is not None:
+        result["w5_text"] = render_w5(w5)
     section = render(result)
     print(section)
     if args.write:

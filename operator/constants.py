@@ -28,6 +28,9 @@ HTTP_PORT_NAME = "http"
 
 ROUTER_CONFIG_DIR = "/etc/splitserve"
 ROUTER_CONFIG_FILE = "router.yaml"
+# The declared LoRA adapters, a second key of the router's ConfigMap: not hashed into the router's
+# pod template, so a change reaches the running router (router/adapter_sync.py) without a new pod.
+ROUTER_ADAPTERS_FILE = "adapters.yaml"
 
 # Labels on every child (app.kubernetes.io/* are Kubernetes' recommended labels).
 LABEL_NAME = "app.kubernetes.io/name"
@@ -42,6 +45,8 @@ LABEL_SERVICE_NAME = "kubernetes.io/service-name"
 
 ANNOTATION_REPLICAS_OWNER = f"{API_GROUP}/replicas-owner"
 ANNOTATION_CONFIG_HASH = f"{API_GROUP}/config-hash"
+# Written by the router on its ConfigMap: per pool, the workers and how many hold each adapter (JSON).
+ANNOTATION_ADAPTERS_LOADED = f"{API_GROUP}/adapters-loaded"
 
 # The queue-depth metric the workers export (Gateway API Inference Extension name), and the
 # name prometheus-adapter gives it for the HPA's Pods metric (':' is not allowed there).

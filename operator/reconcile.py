@@ -4,7 +4,8 @@
     spec   = parse + check(spec)                 invalid -> status InvalidSpec, Outcome.invalid
     wanted = render(spec)                        pure
     result = apply_all(wanted)                   idempotent: no request when nothing differs
-    status = build_status(live Deployments)      written only when it changed
+    status = build_status(live Deployments,      written only when it changed
+                          the router's adapter report on its ConfigMap)
 
 Every trigger (create, update, resume, the periodic timer) runs the same function, so a child
 someone deleted or edited is restored by the next run, and a run with nothing to do makes no
@@ -18,6 +19,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from splitserve.operator import constants as C
 from splitserve.operator import kube as K
 from splitserve.operator.apply import ApplyResult, MissingApiError, apply_all
 from splitserve.operator.checks import InvalidSpecError, check_spec
@@ -25,7 +27,8 @@ from splitserve.operator.context import Context, instance_selector
 from splitserve.operator.render import render
 from splitserve.operator.settings import OperatorSettings
 from splitserve.operator.spec import parse_spec
-from splitserve.operator.status import blocked_status, build_status, is_ready, now_rfc3339, observe_deployment
+from splitserve.operator.status import (blocked_status, build_status, is_ready, now_rfc3339, observe_deployment,
+                                       parse_adapter_report)
 
 
 @dataclass(frozen=True)
@@ -93,7 +96,10 @@ def reconcile(kube: K.Kube, settings: OperatorSettings, namespace: str, name: st
     observations = {pool: observe_deployment(result.live.get(("Deployment", ctx.child(pool))))
                     for pool in (*ctx.pools, "router")}
     observations.setdefault("prefill", None)
-    status = build_status(observations, generation, _gateway_url(ctx, result), body.get("status"), now_rfc3339())
+    router_cm = result.live.get(("ConfigMap", ctx.child("router"))) or {}
+    report = parse_adapter_report((router_cm.get("metadata", {}).get("annotations") or {}).get(C.ANNOTATION_ADAPTERS_LOADED))
+    status = build_status(observations, generation, _gateway_url(ctx, result), body.get("status"), now_rfc3339(),
+                          [a.name for a in spec.adapters], report)
     _write_status(kube, body, status)
     waiting = None if is_ready(status) else status["conditions"][0]["message"]
     return Outcome(waiting=waiting, result=result)

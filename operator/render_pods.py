@@ -130,8 +130,6 @@ def worker_args(ctx: Context, pool: str) -> list[str]:
     if spec.kv_transfer.auth_secret is not None:
         args += ["--kv-secret-file", f"{KV_SECRET_DIR}/secret"]
     args += tls_args(ctx)
-    if spec.adapters:
-        args += ["--lora-modules", *(f"{a.name}={a.uri}" for a in spec.adapters)]
     return args + (["--device", "cuda"] if pool_spec.gpus > 0 else [])
 
 

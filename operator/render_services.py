@@ -11,6 +11,12 @@ may list and watch EndpointSlices in its namespace and nothing else.
 The router config (router.yaml in the ConfigMap) is the router's whole view of the service:
 model, block size (for hashing), scorer weights, disaggregation policy, Redis, and where the
 two pools are. Its hash goes on the router pod template, so a config change rolls the router.
+
+The declared LoRA adapters (spec.adapters) are the ConfigMap's second key, adapters.yaml. It is
+not hashed: the kubelet refreshes the mounted file in place and the running router follows it
+(router/adapter_sync.py), loading and unloading adapters on the workers without a new pod. The
+router reports back what each pool holds in the ConfigMap's annotation
+`serving.splitserve.io/adapters-loaded`, so its Role may also get and patch that one ConfigMap.
 """
 
 from __future__ import annotations
@@ -44,13 +50,21 @@ def router_config(ctx: Context) -> dict[str, Any]:
                                "min_prefill_tokens": spec.disaggregation.min_prefill_tokens},
             "decode": {"scorers": [{"name": "prefix-overlap", "weight": w.prefix}, {"name": "queue-depth", "weight": w.queue},
                                    {"name": "kv-usage", "weight": w.kv_usage},
-                                   {"name": "pending-assignments", "weight": w.pending}]},
+                                   {"name": "pending-assignments", "weight": w.pending},
+                                   {"name": "lora-affinity", "weight": w.lora}]},
             "prefill": {"scorers": [{"name": "prefix-overlap", "weight": w.prefix},
                                     {"name": "queued-prefill-tokens", "weight": w.queue},
                                     {"name": "pending-assignments", "weight": w.pending}]},
         },
+        "adapters": {"file": f"{C.ROUTER_CONFIG_DIR}/{C.ROUTER_ADAPTERS_FILE}", "report_namespace": ctx.namespace,
+                     "report_configmap": ctx.child("router"), "report_annotation": C.ANNOTATION_ADAPTERS_LOADED},
     }
     return config
+
+
+def adapters_text(ctx: Context) -> str:
+    """adapters.yaml: the declared adapters as the router reads them (router/adapter_sync.py)."""
+    return yaml.safe_dump({"adapters": [{"name": a.name, "path": a.uri} for a in ctx.spec.adapters]}, sort_keys=False)
 
 
 def router_config_text(ctx: Context) -> str:
@@ -62,16 +76,18 @@ def config_hash(ctx: Context) -> str:
 
 
 def router_access(ctx: Context) -> list[Manifest]:
-    """ConfigMap, ServiceAccount, Role (EndpointSlices: list, watch) and RoleBinding of the router."""
+    """ConfigMap, ServiceAccount, Role (EndpointSlices: list, watch; its own ConfigMap: get, patch)
+    and RoleBinding of the router."""
     name = ctx.child("router")
     subject = {"kind": "ServiceAccount", "name": name, "namespace": ctx.namespace}
     return [
         {"apiVersion": "v1", "kind": "ConfigMap", "metadata": ctx.meta(name, "router"),
-         "data": {C.ROUTER_CONFIG_FILE: router_config_text(ctx)}},
+         "data": {C.ROUTER_CONFIG_FILE: router_config_text(ctx), C.ROUTER_ADAPTERS_FILE: adapters_text(ctx)}},
         {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": ctx.meta(name, "router"),
          "automountServiceAccountToken": True},
         {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role", "metadata": ctx.meta(name, "router"),
-         "rules": [{"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"], "verbs": ["list", "watch"]}]},
+         "rules": [{"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"], "verbs": ["list", "watch"]},
+                   {"apiGroups": [""], "resources": ["configmaps"], "resourceNames": [name], "verbs": ["get", "patch"]}]},
         {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding", "metadata": ctx.meta(name, "router"),
          "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name}, "subjects": [subject]},
     ]

@@ -64,7 +64,7 @@ class ModelSpec(_Spec):
 
 
 class LoraAdapterSpec(_Spec):
-    """A PEFT LoRA adapter every worker loads at start; clients select it with `model: <name>`."""
+    """A PEFT LoRA adapter every worker holds; clients select it with `model: <name>`."""
 
     name: str = Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9][A-Za-z0-9._:/-]*$")
     """The model name clients send for this adapter (listed in /v1/models with the base model as parent)."""
@@ -181,6 +181,8 @@ class ScorerWeights(_Spec):
     """Free KV cache."""
     pending: float = Field(1.0, ge=0, le=1000)
     """Requests the router just sent and the worker has not reported yet."""
+    lora: float = Field(2.0, ge=0, le=1000)
+    """LoRA adapter affinity (decode only): the request's adapter already runs on the worker, or it has a free adapter slot."""
 
 
 class SecretKeyRef(_Spec):
@@ -343,7 +345,7 @@ class InferenceServiceSpec(_Spec):
     tls: TlsSpec | None = None
     """mTLS between router and workers (off when absent)."""
     adapters: list[LoraAdapterSpec] = Field(default_factory=list, max_length=256)
-    """LoRA adapters loaded on every worker at start (`--lora-modules`); a change rolls the pools."""
+    """LoRA adapters every worker of both pools holds. The router loads them on each worker when it joins, and loads and unloads them in place when this list changes: no pod restarts. status.<pool>.adapters lists what is loaded."""
 
     @property
     def served_model_name(self) -> str:

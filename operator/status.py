@@ -8,11 +8,20 @@ controller observed the current generation, and at least `desired` replicas are 
 pool scaled to zero by KEDA counts as ready). Ready is the conjunction of PrefillReady,
 DecodeReady and RouterReady. Every condition carries the InferenceService generation it was
 computed from (`observedGeneration`), and keeps its lastTransitionTime until its status flips.
+
+LoRA adapters: the router reports per pool how many workers are connected and how many hold
+each adapter (an annotation on its ConfigMap, router/adapter_sync.py). `<pool>.adapters` lists
+the adapters every connected worker of the pool holds; the condition AdaptersLoaded is True when
+each pool holds exactly spec.adapters on every worker, False while a load or unload is under
+way or failed (the message names what is missing or extra where), Unknown before any report;
+it is left out while no adapter is declared or loaded. It is not part of Ready: a pool serves
+the base model and the adapters it has meanwhile.
 """
 
 from __future__ import annotations
 
 import datetime
+import json
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -43,6 +52,8 @@ class PoolStatus(_Status):
     ready_replicas: int
     ready: str
     """ready/desired, for `kubectl get`."""
+    adapters: list[str] | None = None
+    """LoRA adapters every connected worker of this pool holds, as the router reports (worker pools only)."""
 
 
 class InferenceServiceStatus(_Status):
@@ -94,9 +105,10 @@ def pool_condition(role: str, obs: PoolObservation | None) -> tuple[bool, str, s
     return True, "Ready", f"{obs.ready} of {obs.desired} {role} replicas are ready"
 
 
-def _condition(ctype: str, ok: bool, reason: str, message: str, generation: int | None,
+def _condition(ctype: str, ok: bool | str, reason: str, message: str, generation: int | None,
                previous: dict[str, dict], now: str) -> dict[str, Any]:
-    status = "True" if ok else "False"
+    """One condition; `ok` is a bool or the status itself ("Unknown")."""
+    status = ok if isinstance(ok, str) else ("True" if ok else "False")
     old = previous.get(ctype)
     since = old.get("lastTransitionTime") if old and old.get("status") == status else None
     return {"type": ctype, "status": status, "reason": reason, "message": message,
@@ -107,9 +119,48 @@ def now_rfc3339() -> str:
     return datetime.datetime.now(datetime.UTC).replace(microsecond=0).isoformat().replace("+00:00", "Z")
 
 
+def parse_adapter_report(text: str | None) -> dict[str, dict[str, Any]] | None:
+    """The router's report (pool -> {workers, adapters: {name: count}}); None when absent or unreadable."""
+    if not text:
+        return None
+    try:
+        report = json.loads(text)
+        return {pool: {"workers": int(v["workers"]), "adapters": {str(n): int(c) for n, c in v["adapters"].items()}}
+                for pool, v in report.items()}
+    except (ValueError, TypeError, KeyError, AttributeError):
+        return None
+
+
+def loaded_everywhere(entry: dict[str, Any] | None) -> list[str]:
+    if not entry or entry["workers"] == 0:
+        return []
+    return sorted(n for n, c in entry["adapters"].items() if c >= entry["workers"])
+
+
+def adapters_condition(declared: list[str], pools: list[str], report: dict[str, dict] | None) -> tuple[str, str, str]:
+    """(status, reason, message) of AdaptersLoaded."""
+    if report is None:
+        return "Unknown", "NoReport", "the router has not reported the workers' adapters yet"
+    problems = []
+    for pool in pools:
+        entry = report.get(pool) or {"workers": 0, "adapters": {}}
+        n = entry["workers"]
+        missing = [f"{a} ({entry['adapters'].get(a, 0)}/{n})" for a in declared if entry["adapters"].get(a, 0) < n]
+        extra = sorted(set(entry["adapters"]) - set(declared))
+        if missing:
+            problems.append(f"{pool}: not yet on every worker: {', '.join(missing)}")
+        if extra:
+            problems.append(f"{pool}: still loaded, no longer declared: {', '.join(extra)}")
+    if problems:
+        return "False", "Reconciling", "; ".join(problems)
+    return "True", "Loaded", f"{len(declared)} adapter(s) on every worker of {', '.join(pools)}"
+
+
 def build_status(observations: dict[str, PoolObservation | None], generation: int | None, url: str,
-                 previous: dict[str, Any] | None, now: str) -> dict[str, Any]:
-    """The status of a valid spec from its pools (role -> observation; None = pool not wanted)."""
+                 previous: dict[str, Any] | None, now: str, declared_adapters: list[str] | None = None,
+                 adapter_report: dict[str, dict] | None = None) -> dict[str, Any]:
+    """The status of a valid spec from its pools (role -> observation; None = pool not wanted) and
+    the router's adapter report (parse_adapter_report)."""
     old = {c["type"]: c for c in (previous or {}).get("conditions", [])}
     conditions, not_ready = [], []
     for role in ROLES:
@@ -119,11 +170,17 @@ def build_status(observations: dict[str, PoolObservation | None], generation: in
             not_ready.append(f"{role}: {message}")
     ready = _condition("Ready", not not_ready, "Ready" if not not_ready else "ComponentsNotReady",
                        "; ".join(not_ready) or "all pools are ready", generation, old, now)
+    worker_pools = [role for role in ROLES[:2] if observations.get(role) is not None]
+    if declared_adapters or any(e["adapters"] for e in (adapter_report or {}).values()):
+        conditions.append(_condition("AdaptersLoaded", *adapters_condition(declared_adapters or [], worker_pools,
+                                                                           adapter_report), generation, old, now))
     status: dict[str, Any] = {"observedGeneration": generation, "url": url, "conditions": [ready, *conditions]}
     for role in ROLES:
         obs = observations.get(role)
         if obs is not None:
             status[role] = {"replicas": obs.desired, "readyReplicas": obs.ready, "ready": f"{obs.ready}/{obs.desired}"}
+            if role in worker_pools and adapter_report is not None:
+                status[role]["adapters"] = loaded_everywhere(adapter_report.get(role))
     return status
 
 

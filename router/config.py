@@ -206,6 +206,30 @@ class GatewayConfig:
 
 
 @dataclass(frozen=True)
+class AdaptersConfig:
+    """LoRA adapters declared in a file (router/adapter_sync.py): `file` is a YAML list
+    `adapters: [{name, path}]` that the router re-reads every `poll_s` and brings every worker in
+    line with (load the missing, unload the rest); "" leaves adapters to the workers' flags and the
+    load/unload API. With `report_configmap` (and `report_namespace`) set, the router writes what
+    each pool has loaded into that ConfigMap's annotation `report_annotation` (the operator's
+    status reads it)."""
+
+    file: str = ""
+    poll_s: float = 2.0
+    report_namespace: str = ""
+    report_configmap: str = ""
+    report_annotation: str = "serving.splitserve.io/adapters-loaded"
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.poll_s, (int, float)) or not 0.1 <= self.poll_s <= 300:
+            raise ConfigError(f"adapters.poll_s={self.poll_s!r} is invalid; allowed: 0.1 to 300 seconds")
+        if bool(self.report_configmap) != bool(self.report_namespace):
+            raise ConfigError("adapters.report_configmap and adapters.report_namespace go together (both or neither)")
+        if self.report_configmap and not self.file:
+            raise ConfigError("adapters.report_configmap needs adapters.file (the report is of the declared adapters)")
+
+
+@dataclass(frozen=True)
 class RouterConfig:
     """`model` names the weights the workers serve (it seeds the block hashes, so it must be what
     the workers were started with); `max_model_len` bounds prompt + completion tokens."""
@@ -217,6 +241,7 @@ class RouterConfig:
     discovery: DiscoveryConfig = field(default_factory=DiscoveryConfig)
     index: IndexConfig = field(default_factory=IndexConfig)
     placement: PlacementConfig = field(default_factory=PlacementConfig)
+    adapters: AdaptersConfig = field(default_factory=AdaptersConfig)
 
     def __post_init__(self) -> None:
         if self.max_model_len < 2 or self.block_size < 1:
@@ -250,7 +275,8 @@ def load_config(path: str | None = None, **overrides) -> RouterConfig:
 
 
 def from_dict(data: dict) -> RouterConfig:
-    sections = {"gateway": _gateway, "discovery": _discovery, "index": _index, "placement": _placement}
+    sections = {"gateway": _gateway, "discovery": _discovery, "index": _index, "placement": _placement,
+                "adapters": lambda d: AdaptersConfig(**checked_mapping(d, AdaptersConfig, "adapters"))}
     kwargs = {}
     for key, value in checked_mapping(data, RouterConfig, "").items():
         kwargs[key] = sections[key](value) if key in sections else value

@@ -3,15 +3,16 @@
     {"error": {"message": "...", "type": "invalid_request_error", "param": "max_tokens", "code": null}}
 
 400 invalid input (also a prompt over the context length, with the lengths), 401 missing or
-wrong API key, 404 unknown model, 413 body too large, 429 rate limit or full admission queue or
-saturated workers (with Retry-After), 503 no worker can serve (with Retry-After), 500 a bug.
+wrong API key, 404 unknown model, 409 an adapter load/unload while the adapters are declared,
+413 body too large, 429 rate limit or full admission queue or saturated workers (with
+Retry-After), 503 no worker can serve (with Retry-After), 500 a bug.
 """
 
 from __future__ import annotations
 
 import math
 
-_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
+_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error", 409: "invalid_request_error",
           413: "invalid_request_error", 429: "rate_limit_error", 500: "server_error", 503: "service_unavailable"}
 
 

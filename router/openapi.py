@@ -28,7 +28,9 @@ ERROR_SCHEMA = {
                        "param": {"type": ["string", "null"]}, "code": {"type": ["string", "null"]}}}},
 }
 _DESCRIPTIONS = {400: "Invalid request (OpenAI error body naming the field)", 401: "Missing or wrong API key",
-                 404: "Unknown model, adapter or path", 413: "Request body over gateway.max_body_bytes",
+                 404: "Unknown model, adapter or path",
+                 409: "The adapters are declared (spec.adapters / adapters.file), not loaded through the API",
+                 413: "Request body over gateway.max_body_bytes",
                  429: "Rate limited, admission queue full, or every worker saturated",
                  500: "Internal error", 503: "No worker can serve the request (after gateway.worker_wait_s)"}
 _RETRY_AFTER = {"Retry-After": {"description": "Seconds to wait before retrying", "schema": {"type": "string"}}}
@@ -88,7 +90,7 @@ def _responses(path: str, method: str, op: dict) -> None:
     if path.startswith("/v1/"):
         statuses += [401, 429]
     if path in _LORA_PATHS:
-        statuses += [400, 404, 413, 503]
+        statuses += [400, 404, 409, 413, 503]
         ok = responses.setdefault("200", {"description": "Successful Response"})
         ok["content"] = {"application/json": {"schema": {
             "type": "object", "required": ["lora_name", "status"],

@@ -17,7 +17,7 @@ import random
 from splitserve.platform.grpc_tls import tls_from
 from splitserve.platform.hashing import BlockHasher
 from splitserve.platform.tokenizer import Tokenizer, load_tokenizer
-from splitserve.router import readiness
+from splitserve.router import adapter_sync, readiness
 from splitserve.router.adapters import AdapterCatalog
 from splitserve.router.config import IndexConfig, RouterConfig
 from splitserve.router.discovery import Discovery, make_discovery
@@ -56,6 +56,9 @@ class Router:
         self.channels = ChannelPool(tls_from(d.tls_cert, d.tls_key, d.tls_ca, d.tls_server_name))
         self.metrics = RouterMetrics()
         self.adapters = AdapterCatalog(self.pool, self.channels)
+        if config.adapters.file:   # declared adapters (router/adapter_sync.py); a bad file stops the start
+            self.adapters.declare(adapter_sync.read_declared(config.adapters.file))
+        self._adapter_tasks: list[asyncio.Task] = []
         self._reconciles: dict[str, asyncio.Task] = {}
         self.placer = Placer(config.placement, self.pool, self.index, rng)
         self.dispatcher = Dispatcher(self.pool, self.placer, self.hasher, self.tokenizer, self.channels,
@@ -68,6 +71,11 @@ class Router:
 
     async def start(self) -> None:
         self._discovery_task = asyncio.create_task(self.discovery.run(self._on_workers), name="discovery")
+        a = self.config.adapters
+        if a.file:
+            self._adapter_tasks.append(asyncio.create_task(adapter_sync.follow_file(self.adapters, a), name="adapters file"))
+        if a.report_configmap:
+            self._adapter_tasks.append(asyncio.create_task(adapter_sync.report_loop(self.pool, a), name="adapters report"))
 
     async def _on_workers(self, addresses: set[str]) -> None:
         for address in sorted(addresses - set(self._watchers)):
@@ -85,7 +93,7 @@ class Router:
         worker = self.pool.workers.get(address)
         if worker is None or (task is not None and not task.done()):
             return
-        if not self.adapters.runtime and not self.adapters.unloaded:
+        if not self.adapters.is_pending(worker):
             return
         self._reconciles[address] = asyncio.create_task(self.adapters.reconcile(worker), name=f"adapters {address}")
 
@@ -107,7 +115,8 @@ class Router:
         log.info("worker %s left", address)
 
     async def stop(self) -> None:
-        tasks = [t for t in (self._discovery_task, *self._watchers.values(), *self._reconciles.values()) if t is not None]
+        tasks = [t for t in (self._discovery_task, *self._watchers.values(), *self._reconciles.values(),
+                             *self._adapter_tasks) if t is not None]
         for task in tasks:
             task.cancel()
         for task in tasks:

@@ -20,6 +20,7 @@ worker then frees its blocks) and aborts the transfer; the engine frees ours.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 import uuid
@@ -88,7 +89,9 @@ class RemotePrefill:
         transfer_id = f"{req_id}/{uuid.uuid4().hex[:12]}"
         dst = ready.block_ids[ready.start_block:]
         write = self.engine.engine.write_kv_layer
-        self.receiver.expect(transfer_id, self.layout, len(dst),
+        # The adapter is part of the layout: KV computed with other weights is refused (prefill.py).
+        layout = dataclasses.replace(self.layout, lora_digest=lora.digest.hex() if lora else "")
+        self.receiver.expect(transfer_id, layout, len(dst),
                              lambda layer, payload, first: write(dst[first:first + payload.shape[1]], layer, payload),
                              self.deadline_s)
         t0 = time.monotonic()
@@ -96,9 +99,8 @@ class RemotePrefill:
             resp = await self.stubs.get(address).Prefill(pb.PrefillRequest(
                 request_id=req_id, prompt_token_ids=token_ids, params=convert.sampling_params_to_proto(params),
                 skip_blocks=ready.start_block, kv_address=self.kv_address, transfer_id=transfer_id,
-                layout=self.layout_proto(), deadline_s=self.deadline_s,
-                lora_name=lora.name if lora else "", lora_path=lora.path if lora else "",
-                lora_digest=lora.digest if lora else b""), timeout=self.deadline_s)
+                layout=pb.KVLayout(**layout.to_dict()), deadline_s=self.deadline_s,
+                lora_name=lora.name if lora else "", lora_path=lora.path if lora else ""), timeout=self.deadline_s)
             status = await asyncio.wait_for(self.receiver.wait(transfer_id), timeout=self.deadline_s)
             if status.state != TransferState.DONE:
                 raise TransferError(f"transfer ended {status.state.name}: {status.error}")
@@ -117,9 +119,6 @@ class RemotePrefill:
         self.engine.complete_remote_prefill(req_id, resp.first_token_id, logprob)
         self._count("ok")
         return resp
-
-    def layout_proto(self) -> pb.KVLayout:
-        return pb.KVLayout(**self.layout.to_dict())
 
     def _count(self, outcome: str) -> None:
         if self.metrics is not None:

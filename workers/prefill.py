@@ -9,10 +9,12 @@ first sampled token) goes back only after the decode worker acknowledged every l
 caller cancels, or anything fails, the transfer is aborted and the engine request freed, so no
 blocks stay held.
 
-A LoRA request names its adapter, the folder it came from and its digest: the prefill worker
-uses its own copy when the digests match, otherwise reads the folder (when it can); weights
-that still differ are a layout mismatch (the KV would not be the decode worker's), and the
-decode worker falls back to prefilling locally.
+A LoRA request names its adapter and the folder it came from, and its layout carries the
+adapter's digest (KVLayout.lora_digest): the prefill worker uses its own copy when the digests
+match, otherwise reads the folder (when it can); weights that still differ are a layout
+mismatch (the KV would not be the decode worker's), and the decode worker falls back to
+prefilling locally. The layout sent with the KV carries this worker's digest, so the decode
+worker's receiver checks it once more.
 """
 
 from __future__ import annotations
@@ -46,11 +48,9 @@ async def serve_prefill(engine: AsyncEngine, sender: KVSender, layout: KVLayout,
                                          eng.model_config.vocab_size, eng.max_model_len)
     if not request.transfer_id or not request.kv_address:
         raise InvalidRequestError("transfer_id and kv_address are required for Prefill")
-    layout.check_compatible(KVLayout.from_dict(dict(
-        model_id=request.layout.model_id, dtype=request.layout.dtype, block_size=request.layout.block_size,
-        num_layers=request.layout.num_layers, num_kv_heads=request.layout.num_kv_heads,
-        head_dim=request.layout.head_dim, weights=request.layout.weights or "none")))
-    lora_name = await _same_adapter(engine, request)
+    theirs = _request_layout(request)
+    layout.check_compatible(dataclasses.replace(theirs, lora_digest=""))   # the model's shape first
+    lora_name, layout = await _same_adapter(engine, request, layout, theirs)
     params = convert.sampling_params(request.params)
     # Only the first token is sampled here; stop strings and logprob width follow the request.
     params = dataclasses.replace(params, max_tokens=1, min_tokens=min(params.min_tokens, 1), stop=())
@@ -106,26 +106,42 @@ async def serve_prefill(engine: AsyncEngine, sender: KVSender, layout: KVLayout,
     return resp
 
 
-async def _same_adapter(engine: AsyncEngine, request: pb.PrefillRequest) -> str | None:
-    """The adapter name to prefill with, after making sure this worker holds the weights whose
-    digest the decode worker sent (loading its folder if needed); LayoutMismatchError if not."""
-    if not request.lora_name:
-        return None
-    name, path, digest = request.lora_name, request.lora_path, request.lora_digest
+def _request_layout(request: pb.PrefillRequest) -> KVLayout:
+    try:
+        return KVLayout.from_dict(dict(
+            model_id=request.layout.model_id, dtype=request.layout.dtype, block_size=request.layout.block_size,
+            num_layers=request.layout.num_layers, num_kv_heads=request.layout.num_kv_heads,
+            head_dim=request.layout.head_dim, weights=request.layout.weights or "none",
+            lora_digest=request.layout.lora_digest))
+    except ValueError as exc:
+        raise InvalidRequestError(f"bad KV layout in the prefill request: {exc}") from None
 
-    def ensure(eng) -> bytes:
-        known = {n: d for n, d, _ in eng.loras.known()}
+
+async def _same_adapter(engine: AsyncEngine, request: pb.PrefillRequest, layout: KVLayout,
+                        theirs: KVLayout) -> tuple[str | None, KVLayout]:
+    """The adapter name to prefill with and this worker's layout for the request (its adapter's
+    digest in it), after loading the decode worker's folder when this worker holds other weights
+    under that name (or none). LayoutMismatchError when the digests still differ."""
+    if not request.lora_name and not theirs.lora_digest:
+        return None, layout
+    name, path, digest = request.lora_name, request.lora_path, theirs.lora_digest
+    why = ""
+
+    def ensure(eng) -> str:
+        nonlocal why
+        known = {n: d.hex() for n, d, _ in eng.loras.known()}
         if known.get(name) != digest and path:
             try:
                 adapter = eng.load_lora_adapter(name, path)
                 log.info("loaded LoRA adapter %s from %s for a prefill", name, path)
-                return adapter.digest
+                return adapter.digest.hex()
             except InvalidRequestError as exc:
-                raise LayoutMismatchError(f"cannot load adapter {name!r} from {path!r}: {exc}") from None
-        return eng.loras.get(name).digest if name in known else b""
+                why = f" (adapter {name!r} could not be loaded here from {path!r}: {exc})"
+        return known.get(name, "")
 
-    have = await engine.call(ensure)
-    if have != digest:
-        raise LayoutMismatchError(f"adapter {name!r}: this worker has digest {have.hex()[:16] or 'none'}, the "
-                                  f"request needs {digest.hex()[:16]}")
-    return name
+    mine = dataclasses.replace(layout, lora_digest=await engine.call(ensure) if name else "")
+    try:
+        mine.check_compatible(theirs)
+    except LayoutMismatchError as exc:
+        raise LayoutMismatchError(f"{exc}{why}", exc.mismatches) from None
+    return name or None, mine

@@ -171,7 +171,7 @@ class GenerateResponse(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., stop_string: _Optional[str] = ..., stop_token_id: _Optional[int] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., prefill_worker: _Optional[str] = ...) -> None: ...
 
 class KVLayout(_message.Message):
-    __slots__ = ("model_id", "dtype", "block_size", "num_layers", "num_kv_heads", "head_dim", "weights")
+    __slots__ = ("model_id", "dtype", "block_size", "num_layers", "num_kv_heads", "head_dim", "weights", "lora_digest")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -179,6 +179,7 @@ class KVLayout(_message.Message):
     NUM_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
     HEAD_DIM_FIELD_NUMBER: _ClassVar[int]
     WEIGHTS_FIELD_NUMBER: _ClassVar[int]
+    LORA_DIGEST_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     dtype: str
     block_size: int
@@ -186,10 +187,11 @@ class KVLayout(_message.Message):
     num_kv_heads: int
     head_dim: int
     weights: str
-    def __init__(self, model_id: _Optional[str] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., weights: _Optional[str] = ...) -> None: ...
+    lora_digest: str
+    def __init__(self, model_id: _Optional[str] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., weights: _Optional[str] = ..., lora_digest: _Optional[str] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "params", "skip_blocks", "kv_address", "transfer_id", "layout", "deadline_s", "lora_name", "lora_path", "lora_digest")
+    __slots__ = ("request_id", "prompt_token_ids", "params", "skip_blocks", "kv_address", "transfer_id", "layout", "deadline_s", "lora_name", "lora_path")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PARAMS_FIELD_NUMBER: _ClassVar[int]
@@ -200,7 +202,6 @@ class PrefillRequest(_message.Message):
     DEADLINE_S_FIELD_NUMBER: _ClassVar[int]
     LORA_NAME_FIELD_NUMBER: _ClassVar[int]
     LORA_PATH_FIELD_NUMBER: _ClassVar[int]
-    LORA_DIGEST_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     params: SamplingParams
@@ -211,8 +212,7 @@ class PrefillRequest(_message.Message):
     deadline_s: float
     lora_name: str
     lora_path: str
-    lora_digest: bytes
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ..., skip_blocks: _Optional[int] = ..., kv_address: _Optional[str] = ..., transfer_id: _Optional[str] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., deadline_s: _Optional[float] = ..., lora_name: _Optional[str] = ..., lora_path: _Optional[str] = ..., lora_digest: _Optional[bytes] = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ..., skip_blocks: _Optional[int] = ..., kv_address: _Optional[str] = ..., transfer_id: _Optional[str] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., deadline_s: _Optional[float] = ..., lora_name: _Optional[str] = ..., lora_path: _Optional[str] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
     __slots__ = ("first_token_id", "logprob", "cached_tokens", "kv_bytes", "prefill_s", "transfer_wait_s")

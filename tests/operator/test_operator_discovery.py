@@ -70,11 +70,14 @@ def test_the_router_finds_each_pool_from_its_config_alone(cluster_view):
         "10.1.0.1:50051", "10.1.0.2:50051", "10.2.0.1:50051", "10.2.0.2:50051", "10.2.0.3:50051"]
 
 
-def test_the_router_role_allows_exactly_what_discovery_needs(cluster_view):
+def test_the_router_role_allows_exactly_what_discovery_and_the_adapter_report_need(cluster_view):
     manifests, _, _ = cluster_view
-    (rule,) = manifests[("Role", "svc-router")]["rules"]
+    rule, report = manifests[("Role", "svc-router")]["rules"]
     assert (rule["apiGroups"], rule["resources"], sorted(rule["verbs"])) == (
         ["discovery.k8s.io"], ["endpointslices"], ["list", "watch"])
+    # the adapter report (router/adapter_sync.py): its own ConfigMap only, read and patch only
+    assert report == {"apiGroups": [""], "resources": ["configmaps"], "resourceNames": ["svc-router"],
+                      "verbs": ["get", "patch"]}
 
 
 def test_unready_workers_are_not_routed_to():

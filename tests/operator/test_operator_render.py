@@ -122,13 +122,31 @@ def test_worker_container_follows_the_worker_contract():
     assert deploy["spec"]["template"]["metadata"]["labels"][C.LABEL_ROLE] == "decode"
 
 
-def test_adapters_are_loaded_by_every_worker_at_start():
-    manifests = by_key(rendered(CASES["lora-adapters"][0]))
+def test_adapters_are_declared_to_the_router_and_kept_out_of_every_pod_template():
+    """spec.adapters goes into the router ConfigMap's adapters.yaml, which is not hashed: a changed
+    adapter list changes no pod template (no pod restarts), only that one ConfigMap key."""
+    with_adapters = by_key(rendered(CASES["lora-adapters"][0]))
+    cm = with_adapters[("ConfigMap", "svc-router")]
+    assert yaml.safe_load(cm["data"][C.ROUTER_ADAPTERS_FILE]) == {"adapters": [
+        {"name": "sql", "path": "/models/adapters/sql"}, {"name": "chat-v2", "path": "/models/adapters/chat"}]}
+    router_yaml = yaml.safe_load(cm["data"][C.ROUTER_CONFIG_FILE])
+    assert router_yaml["adapters"] == {"file": "/etc/splitserve/adapters.yaml", "report_namespace": "ns",
+                                       "report_configmap": "svc-router", "report_annotation": C.ANNOTATION_ADAPTERS_LOADED}
+    assert {"name": "lora-affinity", "weight": 2.0} in router_yaml["placement"]["decode"]["scorers"]
+    changed = dict(CASES["lora-adapters"][0], adapters=[{"name": "sql", "uri": "/models/adapters/sql-v2"}])
+    for other in (by_key(rendered(changed)), by_key(rendered({**changed, "adapters": []}))):
+        for key, manifest in with_adapters.items():
+            if key == ("ConfigMap", "svc-router"):
+                assert manifest["data"][C.ROUTER_CONFIG_FILE] == other[key]["data"][C.ROUTER_CONFIG_FILE]
+                assert manifest["data"][C.ROUTER_ADAPTERS_FILE] != other[key]["data"][C.ROUTER_ADAPTERS_FILE]
+            else:
+                assert manifest == other[key], key
     for pool in ("prefill", "decode"):
-        (c,) = manifests[("Deployment", f"svc-{pool}")]["spec"]["template"]["spec"]["containers"]
-        assert c["args"][-3:] == ["--lora-modules", "sql=/models/adapters/sql", "chat-v2=/models/adapters/chat"]
-    (c,) = by_key(rendered({"model": {"uri": "m"}}))[("Deployment", "svc-decode")]["spec"]["template"]["spec"]["containers"]
-    assert "--lora-modules" not in c["args"]
+        (c,) = with_adapters[("Deployment", f"svc-{pool}")]["spec"]["template"]["spec"]["containers"]
+        assert "--lora-modules" not in c["args"]
+    role = with_adapters[("Role", "svc-router")]
+    assert {"apiGroups": [""], "resources": ["configmaps"], "resourceNames": ["svc-router"],
+            "verbs": ["get", "patch"]} in role["rules"]
 
 
 def test_gpu_pool_gets_cuda_image_gpu_limit_toleration_and_device():
@@ -170,10 +188,13 @@ def test_router_container_and_config():
         "placement": {
             "disaggregation": {"mode": "conditional", "min_prefill_tokens": 64},
             "decode": {"scorers": [{"name": "prefix-overlap", "weight": 3.0}, {"name": "queue-depth", "weight": 2.0},
-                                   {"name": "kv-usage", "weight": 2.0}, {"name": "pending-assignments", "weight": 1.0}]},
+                                   {"name": "kv-usage", "weight": 2.0}, {"name": "pending-assignments", "weight": 1.0},
+                                   {"name": "lora-affinity", "weight": 2.0}]},
             "prefill": {"scorers": [{"name": "prefix-overlap", "weight": 3.0},
                                     {"name": "queued-prefill-tokens", "weight": 2.0},
-                                    {"name": "pending-assignments", "weight": 1.0}]}}}
+                                    {"name": "pending-assignments", "weight": 1.0}]}},
+        "adapters": {"file": "/etc/splitserve/adapters.yaml", "report_namespace": "ns", "report_configmap": "svc-router",
+                     "report_annotation": "serving.splitserve.io/adapters-loaded"}}
     # ...and the router itself accepts it.
     from splitserve.router.config import from_dict
     loaded = from_dict(config)
@@ -181,7 +202,9 @@ def test_router_container_and_config():
     assert loaded.placement.decode.scorers[1].name == "queue-depth"
     role = manifests[("Role", "svc-router")]
     assert role["rules"] == [{"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"],
-                              "verbs": ["list", "watch"]}]
+                              "verbs": ["list", "watch"]},
+                             {"apiGroups": [""], "resources": ["configmaps"], "resourceNames": ["svc-router"],
+                              "verbs": ["get", "patch"]}]
     binding = manifests[("RoleBinding", "svc-router")]
     assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "svc-router", "namespace": "ns"}]
     assert binding["roleRef"]["name"] == "svc-router"

@@ -24,7 +24,7 @@ def payload(layout=LAYOUT, num_blocks=NUM_BLOCKS, value=1.0):
 def test_layout_round_trips_and_sizes():
     assert KVLayout.from_dict(LAYOUT.to_dict()) == LAYOUT
     assert LAYOUT.to_dict() == {"model_id": "smollm2-135m", "dtype": "float32", "block_size": 16, "num_layers": 4,
-                                "num_kv_heads": 3, "head_dim": 64, "weights": "none"}
+                                "num_kv_heads": 3, "head_dim": 64, "weights": "none", "lora_digest": ""}
     # a peer from before the `weights` field: its layout reads as "none"
     assert KVLayout.from_dict({k: v for k, v in LAYOUT.to_dict().items() if k != "weights"}) == LAYOUT
     assert LAYOUT.layer_payload_shape(94) == (2, 94, 16, 3, 64)
@@ -37,6 +37,18 @@ def test_kv_from_weights_served_another_way_is_a_layout_mismatch():
     """An int4 prefill's KV would not give a float32 decode the colocated answer."""
     with pytest.raises(LayoutMismatchError, match="weights: expected 'none', got 'int4'"):
         LAYOUT.check_compatible(KVLayout(**{**LAYOUT.to_dict(), "weights": "int4"}))
+
+
+def test_kv_from_another_adapter_is_a_layout_mismatch():
+    """Same adapter name, other weights: the digests differ, so the KV would not be the decode's."""
+    a, b = "ab" * 32, "cd" * 32
+    with pytest.raises(LayoutMismatchError, match=f"lora_digest: expected '{a}', got '{b}'") as err:
+        KVLayout(**{**LAYOUT.to_dict(), "lora_digest": a}).check_compatible(KVLayout(**{**LAYOUT.to_dict(), "lora_digest": b}))
+    assert list(err.value.mismatches) == ["lora_digest"]
+    with pytest.raises(LayoutMismatchError, match=f"lora_digest: expected '', got '{a}'"):   # base KV vs adapter KV
+        LAYOUT.check_compatible(KVLayout(**{**LAYOUT.to_dict(), "lora_digest": a}))
+    with pytest.raises(ValueError, match="lora_digest must be '' or 64 hex digits"):
+        KVLayout(**{**LAYOUT.to_dict(), "lora_digest": "xyz"})
 
 
 def test_layout_mismatch_names_every_field_with_both_values():

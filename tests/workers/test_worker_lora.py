@@ -4,8 +4,9 @@ worker (`splitserve worker` subprocesses on 127.0.0.1).
 The decode worker loads an adapter at start (--lora-modules); the prefill worker does not have
 it and must load it from the folder the decode worker names, so P/D with an adapter equals the
 decode worker's own (colocated) answer; when the prefill worker cannot read the folder, the
-request falls back to local prefill and is still right. Workers report their adapters in load
-reports and export vllm:lora_requests_info.
+request falls back to local prefill and is still right, as it is when the prefill worker holds
+other weights under the adapter's name (the KV layout carries the adapter's digest). Workers
+report their adapters in load reports and export vllm:lora_requests_info.
 """
 
 import asyncio
@@ -93,6 +94,30 @@ def test_prefill_worker_that_cannot_load_the_adapter_falls_back_to_local(lora_pa
     assert last.prefill_worker == "" and last.finish_reason == pb.FINISH_REASON_LENGTH
     assert d.metric('splitserve_remote_prefills_total{outcome="local_fallback"}') == before + 1
     assert out == asyncio.run(generate(d.address, tokens, "gone", mode=pb.DISAGGREGATION_MODE_NEVER))[0]
+
+
+def test_same_adapter_name_with_other_weights_is_a_layout_mismatch_and_falls_back(lora_pair):
+    """The prefill worker holds "twin" from one folder, the decode worker "twin" from another
+    (other weights) that the prefill worker cannot read: the KV layout's adapter digest differs,
+    the prefill is refused with a layout error naming it, and the decode worker prefills locally."""
+    d, p, folder = lora_pair
+    theirs = write_adapter(folder / "twin-p", r=8, seed=11)
+    mine = write_adapter(folder / "twin-d", r=8, seed=12)
+    p_info = asyncio.run(call(p.address, "LoadLoraAdapter", pb.LoadLoraAdapterRequest(lora_name="twin", lora_path=theirs)))
+    d_info = asyncio.run(call(d.address, "LoadLoraAdapter", pb.LoadLoraAdapterRequest(lora_name="twin", lora_path=mine)))
+    assert p_info.digest != d_info.digest
+    shutil.rmtree(mine)
+    tokens = prompt(80, salt=6)
+    before = d.metric('splitserve_remote_prefills_total{outcome="local_fallback"}')
+    out, last = asyncio.run(generate(d.address, tokens, "twin", [p.address]))
+    assert last.prefill_worker == "" and last.finish_reason == pb.FINISH_REASON_LENGTH
+    assert d.metric('splitserve_remote_prefills_total{outcome="local_fallback"}') == before + 1
+    assert out == asyncio.run(generate(d.address, tokens, "twin", mode=pb.DISAGGREGATION_MODE_NEVER))[0]
+    assert (f"lora_digest: expected '{p_info.digest.hex()}', got '{d_info.digest.hex()}'" in d.log()
+            and "could not be loaded here" in d.log()), d.log()[-3000:]
+    # the prefill worker kept its own "twin"
+    held = {a.name: a.digest for a in asyncio.run(first_load_report(p.address)).adapters}
+    assert held["twin"] == p_info.digest
 
 
 def test_adapters_in_load_reports_metrics_and_unload(lora_pair):

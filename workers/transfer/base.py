@@ -24,6 +24,7 @@ A transfer is a polled state machine with an abort, never a blocking call (STYLE
 from __future__ import annotations
 
 import enum
+import re
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import MISSING, asdict, dataclass, fields
@@ -31,6 +32,7 @@ from dataclasses import MISSING, asdict, dataclass, fields
 import torch
 
 DTYPES = ("float32", "bfloat16", "float16")
+_HEX64 = re.compile(r"^[0-9a-f]{64}$")
 
 
 class TransferError(Exception):
@@ -58,10 +60,15 @@ class KVLayout:
     # the resolved --quantization of the weights that compute this KV (platform/quant): a
     # prefill in int4 and a decode in "none" would not give the colocated answer
     weights: str = "none"
+    # the LoRA adapter that computes this KV, per request: the hex sha256 of its config and weights
+    # ("" = the base model), so a prefill running other weights under the same adapter name is refused
+    lora_digest: str = ""
 
     def __post_init__(self):
         if self.dtype not in DTYPES:
             raise ValueError(f"KVLayout.dtype {self.dtype!r} is not supported; allowed: {', '.join(DTYPES)}")
+        if not isinstance(self.lora_digest, str) or (self.lora_digest and not _HEX64.match(self.lora_digest)):
+            raise ValueError(f"KVLayout.lora_digest must be '' or 64 hex digits, got {self.lora_digest!r}")
         for name in ("block_size", "num_layers", "num_kv_heads", "head_dim"):
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
