@@ -210,7 +210,7 @@ async def w5_arm(url: str, arm_index: int, requests) -> list[float]:
         return list(await asyncio.gather(*(one(client, *r) for r in requests)))
 
 
-def run_w5(threads: int, num_requests: int = W5_REQUESTS, num_adapters: int = W5_ADAPTERS,
+def run_w5(threads: int, num_requests: int = W5_REQUESTS, num_adapters: int = W5_ADAPTERS, resident: int | None = None,
            rate: float = W5_RATE) -> dict:
     import asyncio
 
@@ -227,7 +227,7 @@ def run_w5(threads: int, num_requests: int = W5_REQUESTS, num_adapters: int = W5
             workers.append(Proc(cli + ["worker", "--role", "both", "--threads", str(threads), "--grpc-port",
                                        str(grpc_port), "--metrics-port", str(free_port()), "--kv-port", str(free_port()),
                                        "--kv-transport", "tcp", "--kv-cache-memory", "0.25", "--max-model-len", "1024",
-                                       "--max-loras", str(W5_SLOTS), "--max-cpu-loras", str(max(num_adapters, W5_SLOTS)),
+                                       "--max-loras", str(W5_SLOTS), "--max-cpu-loras", str(resident or max(num_adapters, W5_SLOTS)),
                                        "--max-lora-rank", str(RANK), "--lora-modules", *modules], "READY"))
             addresses.append(f"127.0.0.1:{grpc_port}")
         requests = w5_requests(num_requests, num_adapters, rate)
@@ -255,7 +255,8 @@ def run_w5(threads: int, num_requests: int = W5_REQUESTS, num_adapters: int = W5
                 print(f"W5 {arm}: p50 {p90[arm]['p50']:.2f} s, p90 {p90[arm]['p90']:.2f} s", file=sys.stderr)
             finally:
                 router.stop()
-        return {"arms": p90, "threads": threads, "requests": num_requests, "adapters": num_adapters, "rate": rate}
+        return {"arms": p90, "threads": threads, "requests": num_requests, "adapters": num_adapters, "rate": rate,
+                "resident": resident or num_adapters}
     finally:
         for w in workers:
             w.stop()
@@ -271,7 +272,8 @@ def render_w5(w5: dict) -> str:
 {w5['requests']} requests at {w5['rate']}/s (Poisson), adapter drawn from zipf (s = {W5_ZIPF}) over {w5['adapters']}
 adapters (rank 8, all projections, loaded on both workers), each prompt the adapter's 64-token
 system prompt + 16 random tokens, 16 output tokens streamed; two `--role both` workers with
-{w5['threads']} torch thread each and `--max-loras {W5_SLOTS}`, one router per arm, same request sequence.
+{w5['threads']} torch thread each, `--max-loras {W5_SLOTS}` and `--max-cpu-loras {w5.get('resident', w5['adapters'])}` (adapters beyond
+that are read again from their folder when asked for), one router per arm, same request sequence.
 
 | routing | p50 TTFT s | p90 TTFT s | p90 of round-robin / this |
 |---|---|---|---|
@@ -320,6 +322,9 @@ def main() -> int:
     ap.add_argument("--w5-requests", type=int, default=W5_REQUESTS, help="W5 requests per arm (>= 2)")
     ap.add_argument("--w5-adapters", type=int, default=W5_ADAPTERS, help="W5 adapters (>= 1)")
     ap.add_argument("--w5-rate", type=float, default=W5_RATE, help="W5 arrivals per second (> 0)")
+    ap.add_argument("--w5-resident", type=int, default=None,
+                    help=f"adapters a W5 worker keeps in memory (--max-cpu-loras, >= {W5_SLOTS}; default: all); "
+                         "the others are read again from their folder when asked for")
     args = ap.parse_args()
     if args.skip_w5 and args.only_w5:
         ap.error("--skip-w5 and --only-w5 exclude each other")
@@ -327,7 +332,9 @@ def main() -> int:
         ap.error("--write updates the whole lora section: run both parts (drop --only-w5)")
     if args.w5_requests < 2 or args.w5_adapters < 1 or args.w5_rate <= 0 or args.threads < 1 or args.repeats < 1:
         ap.error("need --w5-requests >= 2, --w5-adapters >= 1, --w5-rate > 0, --threads >= 1 and --repeats >= 1")
-    w5 = None if args.skip_w5 else run_w5(1, args.w5_requests, args.w5_adapters, args.w5_rate)
+    if args.w5_resident is not None and args.w5_resident < W5_SLOTS:
+        ap.error(f"--w5-resident must be >= {W5_SLOTS} (the adapter slots per step), got {args.w5_resident}")
+    w5 = None if args.skip_w5 else run_w5(1, args.w5_requests, args.w5_adapters, args.w5_resident, rate=args.w5_rate)
     if args.only_w5:
         print(render_w5(w5))
         return 0
