@@ -43,11 +43,24 @@ async def call(address, method, request):
         return await getattr(pb_grpc.WorkerStub(channel), method)(request)
 
 
-async def first_load_report(address) -> pb.LoadReport:
-    async with worker_channel(address) as channel:
-        async for msg in pb_grpc.WorkerStub(channel).WatchEvents(pb.WatchEventsRequest(load_interval_s=0.05)):
-            if msg.WhichOneof("payload") == "load":
-                return msg.load
+async def load_report(address, has: str, deadline_s: float = 30.0) -> pb.LoadReport:
+    """The first of the worker's load reports that lists adapter `has` (or the last one seen when
+    the deadline passes): a report is a periodic snapshot, so the first may predate a load just done."""
+    last = pb.LoadReport()
+
+    async def watch():
+        nonlocal last
+        async with worker_channel(address) as channel:
+            async for msg in pb_grpc.WorkerStub(channel).WatchEvents(pb.WatchEventsRequest(load_interval_s=0.05)):
+                if msg.WhichOneof("payload") == "load":
+                    last = msg.load
+                    if has in {a.name for a in last.adapters}:
+                        return
+    try:
+        await asyncio.wait_for(watch(), deadline_s)
+    except TimeoutError:
+        pass
+    return last
 
 
 @pytest.fixture(scope="module")
@@ -74,7 +87,7 @@ def test_pd_with_an_adapter_equals_colocated(lora_pair):
     # now through the prefill worker, which loads "sql" from the folder the decode worker names
     remote, last = asyncio.run(generate(d.address, other, "sql", [p.address]))
     assert last.prefill_worker == p.address and remote == local_other
-    assert "sql" in {a.name for a in asyncio.run(first_load_report(p.address)).adapters}
+    assert "sql" in {a.name for a in asyncio.run(load_report(p.address, "sql")).adapters}
     # the prefill worker's cache holds sql's blocks, never served to a base request
     remote_base, last_base = asyncio.run(generate(d.address, other, "", [p.address]))
     assert last_base.prefill_worker == p.address and last_base.usage.cached_tokens == 0
@@ -116,13 +129,13 @@ def test_same_adapter_name_with_other_weights_is_a_layout_mismatch_and_falls_bac
     assert (f"lora_digest: expected '{p_info.digest.hex()}', got '{d_info.digest.hex()}'" in d.log()
             and "could not be loaded here" in d.log()), d.log()[-3000:]
     # the prefill worker kept its own "twin"
-    held = {a.name: a.digest for a in asyncio.run(first_load_report(p.address)).adapters}
+    held = {a.name: a.digest for a in asyncio.run(load_report(p.address, "twin")).adapters}
     assert held["twin"] == p_info.digest
 
 
 def test_adapters_in_load_reports_metrics_and_unload(lora_pair):
     d, _, folder = lora_pair
-    report = asyncio.run(first_load_report(d.address))
+    report = asyncio.run(load_report(d.address, "sql"))
     assert "sql" in {a.name for a in report.adapters} and report.max_loras == 2
     assert all(len(a.digest) == 32 for a in report.adapters)
     text = d.get("/metrics")[1].decode()
