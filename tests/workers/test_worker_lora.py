@@ -63,6 +63,16 @@ async def load_report(address, has: str, deadline_s: float = 30.0) -> pb.LoadRep
     return last
 
 
+def assert_prefilled_locally(d, p, tokens, adapter: str) -> None:
+    """A request with `adapter` offered the prefill worker `p` is prefilled on `d` instead (one more
+    local fallback), with the answer a never-disaggregated request gets."""
+    before = d.metric('splitserve_remote_prefills_total{outcome="local_fallback"}')
+    out, last = asyncio.run(generate(d.address, tokens, adapter, [p.address]))
+    assert last.prefill_worker == "" and last.finish_reason == pb.FINISH_REASON_LENGTH
+    assert d.metric('splitserve_remote_prefills_total{outcome="local_fallback"}') == before + 1
+    assert out == asyncio.run(generate(d.address, tokens, adapter, mode=pb.DISAGGREGATION_MODE_NEVER))[0]
+
+
 @pytest.fixture(scope="module")
 def lora_pair(tmp_path_factory):
     folder = tmp_path_factory.mktemp("lora-workers")
@@ -102,11 +112,7 @@ def test_prefill_worker_that_cannot_load_the_adapter_falls_back_to_local(lora_pa
     assert info.name == "gone" and len(info.digest) == 32
     shutil.rmtree(gone)   # the decode worker keeps it in memory; the prefill worker cannot read it
     tokens = prompt(80, salt=4)
-    before = d.metric('splitserve_remote_prefills_total{outcome="local_fallback"}')
-    out, last = asyncio.run(generate(d.address, tokens, "gone", [p.address]))
-    assert last.prefill_worker == "" and last.finish_reason == pb.FINISH_REASON_LENGTH
-    assert d.metric('splitserve_remote_prefills_total{outcome="local_fallback"}') == before + 1
-    assert out == asyncio.run(generate(d.address, tokens, "gone", mode=pb.DISAGGREGATION_MODE_NEVER))[0]
+    assert_prefilled_locally(d, p, tokens, "gone")
 
 
 def test_same_adapter_name_with_other_weights_is_a_layout_mismatch_and_falls_back(lora_pair):
@@ -121,11 +127,7 @@ def test_same_adapter_name_with_other_weights_is_a_layout_mismatch_and_falls_bac
     assert p_info.digest != d_info.digest
     shutil.rmtree(mine)
     tokens = prompt(80, salt=6)
-    before = d.metric('splitserve_remote_prefills_total{outcome="local_fallback"}')
-    out, last = asyncio.run(generate(d.address, tokens, "twin", [p.address]))
-    assert last.prefill_worker == "" and last.finish_reason == pb.FINISH_REASON_LENGTH
-    assert d.metric('splitserve_remote_prefills_total{outcome="local_fallback"}') == before + 1
-    assert out == asyncio.run(generate(d.address, tokens, "twin", mode=pb.DISAGGREGATION_MODE_NEVER))[0]
+    assert_prefilled_locally(d, p, tokens, "twin")
     assert (f"lora_digest: expected '{p_info.digest.hex()}', got '{d_info.digest.hex()}'" in d.log()
             and "could not be loaded here" in d.log()), d.log()[-3000:]
     # the prefill worker kept its own "twin"
