@@ -22,6 +22,7 @@ cache); a fresh router per arm.
 
 Usage: python bench/lora.py [--write docs/benchmarks.md] [--threads 1] [--repeats 3] [--skip-w5 | --only-w5]
                             [--w5-requests 64] [--w5-adapters 32] [--w5-rate 1.0]
+                            [--w5-rank 8] [--w5-resident N]
 
 The full run (`make bench` runs it with --threads 2) is the throughput part and then W5. A smoke
 run of W5 alone that checks the pipeline end to end in about two minutes:
@@ -60,19 +61,19 @@ MODULES = {"q_proj": (576, 576), "k_proj": (576, 192), "v_proj": (576, 192), "o_
            "gate_proj": (576, 1536), "up_proj": (576, 1536), "down_proj": (1536, 576)}   # (in, out), SmolLM2-135M
 
 
-def write_adapter(folder: str, seed: int, num_layers: int = 30) -> str:
-    """A PEFT adapter folder (rank 8, all seven projections, random non-zero A and B)."""
+def write_adapter(folder: str, seed: int, num_layers: int = 30, rank: int = RANK) -> str:
+    """A PEFT adapter folder (all seven projections, random non-zero A and B)."""
     os.makedirs(folder, exist_ok=True)
     with open(os.path.join(folder, "adapter_config.json"), "w") as f:
-        json.dump({"peft_type": "LORA", "r": RANK, "lora_alpha": 16, "target_modules": list(MODULES)}, f)
+        json.dump({"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": list(MODULES)}, f)
     gen = torch.Generator().manual_seed(seed)
     tensors = {}
     for i in range(num_layers):
         for m, (fan_in, fan_out) in MODULES.items():
             part = "self_attn" if m in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
             name = f"base_model.model.model.layers.{i}.{part}.{m}"
-            tensors[f"{name}.lora_A.weight"] = torch.randn(RANK, fan_in, generator=gen) / fan_in ** 0.5
-            tensors[f"{name}.lora_B.weight"] = torch.randn(fan_out, RANK, generator=gen) * 0.01
+            tensors[f"{name}.lora_A.weight"] = torch.randn(rank, fan_in, generator=gen) / fan_in ** 0.5
+            tensors[f"{name}.lora_B.weight"] = torch.randn(fan_out, rank, generator=gen) * 0.01
     save_file(tensors, os.path.join(folder, "adapter_model.safetensors"))
     return folder
 
@@ -162,6 +163,11 @@ class Proc:
             self.proc.kill()
 
 
+def adapter_mb(rank: int, num_layers: int = 30) -> float:
+    """An adapter's size in fp32 (A and B of the seven projections)."""
+    return 4 * rank * num_layers * sum(fan_in + fan_out for fan_in, fan_out in MODULES.values()) / 1e6
+
+
 def free_port() -> int:
     import socket
 
@@ -211,14 +217,14 @@ async def w5_arm(url: str, arm_index: int, requests) -> list[float]:
 
 
 def run_w5(threads: int, num_requests: int = W5_REQUESTS, num_adapters: int = W5_ADAPTERS, resident: int | None = None,
-           rate: float = W5_RATE) -> dict:
+           rate: float = W5_RATE, rank: int = RANK) -> dict:
     import asyncio
 
     import httpx
     import yaml
 
     folder = tempfile.mkdtemp(prefix="bench-lora-w5-")
-    modules = [f"a{i}={write_adapter(os.path.join(folder, f'a{i}'), seed=100 + i)}" for i in range(num_adapters)]
+    modules = [f"a{i}={write_adapter(os.path.join(folder, f'a{i}'), seed=100 + i, rank=rank)}" for i in range(num_adapters)]
     cli = [sys.executable, "-m", "splitserve.platform.cli"]
     workers, addresses = [], []
     try:
@@ -228,7 +234,7 @@ def run_w5(threads: int, num_requests: int = W5_REQUESTS, num_adapters: int = W5
                                        str(grpc_port), "--metrics-port", str(free_port()), "--kv-port", str(free_port()),
                                        "--kv-transport", "tcp", "--kv-cache-memory", "0.25", "--max-model-len", "1024",
                                        "--max-loras", str(W5_SLOTS), "--max-cpu-loras", str(resident or max(num_adapters, W5_SLOTS)),
-                                       "--max-lora-rank", str(RANK), "--lora-modules", *modules], "READY"))
+                                       "--max-lora-rank", str(rank), "--lora-modules", *modules], "READY"))
             addresses.append(f"127.0.0.1:{grpc_port}")
         requests = w5_requests(num_requests, num_adapters, rate)
         p90 = {}
@@ -256,7 +262,7 @@ def run_w5(threads: int, num_requests: int = W5_REQUESTS, num_adapters: int = W5
             finally:
                 router.stop()
         return {"arms": p90, "threads": threads, "requests": num_requests, "adapters": num_adapters, "rate": rate,
-                "resident": resident or num_adapters}
+                "resident": resident or num_adapters, "rank": rank, "mb": adapter_mb(rank)}
     finally:
         for w in workers:
             w.stop()
@@ -270,7 +276,7 @@ def render_w5(w5: dict) -> str:
 ### W5: {w5['adapters']} adapters, zipf popularity, 2 workers with {W5_SLOTS} adapter slots each
 
 {w5['requests']} requests at {w5['rate']}/s (Poisson), adapter drawn from zipf (s = {W5_ZIPF}) over {w5['adapters']}
-adapters (rank 8, all projections, loaded on both workers), each prompt the adapter's 64-token
+adapters (rank {w5.get('rank', RANK)}, all projections: {w5.get('mb', adapter_mb(RANK)):.0f} MB each in fp32, loaded on both workers), each prompt the adapter's 64-token
 system prompt + 16 random tokens, 16 output tokens streamed; two `--role both` workers with
 {w5['threads']} torch thread each, `--max-loras {W5_SLOTS}` and `--max-cpu-loras {w5.get('resident', w5['adapters'])}` (adapters beyond
 that are read again from their folder when asked for), one router per arm, same request sequence.
@@ -322,6 +328,8 @@ def main() -> int:
     ap.add_argument("--w5-requests", type=int, default=W5_REQUESTS, help="W5 requests per arm (>= 2)")
     ap.add_argument("--w5-adapters", type=int, default=W5_ADAPTERS, help="W5 adapters (>= 1)")
     ap.add_argument("--w5-rate", type=float, default=W5_RATE, help="W5 arrivals per second (> 0)")
+    ap.add_argument("--w5-rank", type=int, default=RANK,
+                    help="W5 adapters' rank (all seven projections; 64 is QLoRA's usual choice: 78 MB per adapter)")
     ap.add_argument("--w5-resident", type=int, default=None,
                     help=f"adapters a W5 worker keeps in memory (--max-cpu-loras, >= {W5_SLOTS}; default: all); "
                          "the others are read again from their folder when asked for")
@@ -332,9 +340,12 @@ def main() -> int:
         ap.error("--write updates the whole lora section: run both parts (drop --only-w5)")
     if args.w5_requests < 2 or args.w5_adapters < 1 or args.w5_rate <= 0 or args.threads < 1 or args.repeats < 1:
         ap.error("need --w5-requests >= 2, --w5-adapters >= 1, --w5-rate > 0, --threads >= 1 and --repeats >= 1")
+    if not 1 <= args.w5_rank <= 256:
+        ap.error(f"--w5-rank must be in 1..256, got {args.w5_rank}")
     if args.w5_resident is not None and args.w5_resident < W5_SLOTS:
         ap.error(f"--w5-resident must be >= {W5_SLOTS} (the adapter slots per step), got {args.w5_resident}")
-    w5 = None if args.skip_w5 else run_w5(1, args.w5_requests, args.w5_adapters, args.w5_resident, rate=args.w5_rate)
+    w5 = None if args.skip_w5 else run_w5(1, args.w5_requests, args.w5_adapters, args.w5_resident, rate=args.w5_rate,
+                                  rank=args.w5_rank)
     if args.only_w5:
         print(render_w5(w5))
         return 0

@@ -57,6 +57,102 @@ static inline float sum32(const float *x) { /* fixed pairwise tree, independent 
     return (s4[0] + s4[2]) + (s4[1] + s4[3]);
 }
 
+/* One group of 32 inputs. Each step is one IEEE operation whatever the path (the remainder
+ * x - v u is one fused multiply-add, the rounding is to nearest even, the sum is sum32's tree), so
+ * the scalar, AVX2 and AVX-512 forms give the same codes, units and sums. */
+static inline void quantize_group(const float *xg, int8_t *qg, int64_t k, int digits, float *dx, float *xs) {
+    float amax = 0.f;
+    for (int i = 0; i < 32; i++) amax = fmaxf(amax, fabsf(xg[i]));
+    float d = amax / 127.f, id = amax > 0.f ? 127.f / amax : 0.f;
+    for (int i = 0; i < 32; i++) {
+        float v = nearbyintf(xg[i] * id);
+        v = v > 127.f ? 127.f : (v < -127.f ? -127.f : v);
+        qg[i] = (int8_t)v;
+        if (digits == 2) {
+            float rest = nearbyintf(fmaf(-v, d, xg[i]) * id * 254.f);
+            qg[k + i] = (int8_t)(rest > 127.f ? 127.f : (rest < -127.f ? -127.f : rest));
+        }
+    }
+    *dx = digits == 2 ? d / 254.f : d;
+    *xs = sum32(xg);
+}
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+static inline __m512i codes16(__m512 x, __m512 id, __m512 *v) { /* round to nearest even, clamp to +-127 */
+    const __m512 lim = _mm512_set1_ps(127.f);
+    *v = _mm512_min_ps(_mm512_max_ps(_mm512_roundscale_ps(_mm512_mul_ps(x, id), _MM_FROUND_TO_NEAREST_INT |
+                                                          _MM_FROUND_NO_EXC), _mm512_sub_ps(_mm512_setzero_ps(), lim)), lim);
+    return _mm512_cvtps_epi32(*v);
+}
+
+static inline void quantize_group_v(const float *xg, int8_t *qg, int64_t k, int digits, float *dx, float *xs) {
+    __m512 x0 = _mm512_loadu_ps(xg), x1 = _mm512_loadu_ps(xg + 16);
+    float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(x0), _mm512_abs_ps(x1)));
+    float d = amax / 127.f, id = amax > 0.f ? 127.f / amax : 0.f;
+    __m512 idv = _mm512_set1_ps(id), v0, v1;
+    _mm_storeu_si128((__m128i *)qg, _mm512_cvtepi32_epi8(codes16(x0, idv, &v0)));
+    _mm_storeu_si128((__m128i *)(qg + 16), _mm512_cvtepi32_epi8(codes16(x1, idv, &v1)));
+    if (digits == 2) {
+        __m512 dv = _mm512_set1_ps(d), id254 = _mm512_set1_ps(254.f), r0, r1;
+        __m512 rest0 = _mm512_mul_ps(_mm512_mul_ps(_mm512_fnmadd_ps(v0, dv, x0), idv), id254);
+        __m512 rest1 = _mm512_mul_ps(_mm512_mul_ps(_mm512_fnmadd_ps(v1, dv, x1), idv), id254);
+        __m512 one = _mm512_set1_ps(1.f);
+        _mm_storeu_si128((__m128i *)(qg + k), _mm512_cvtepi32_epi8(codes16(rest0, one, &r0)));
+        _mm_storeu_si128((__m128i *)(qg + k + 16), _mm512_cvtepi32_epi8(codes16(rest1, one, &r1)));
+    }
+    *dx = digits == 2 ? d / 254.f : d;
+    /* sum32's tree: halves of 32, of 16, of 8, of 4, then (0 + 2) + (1 + 3) */
+    __m512 s16 = _mm512_add_ps(x0, x1);
+    __m256 s8 = _mm256_add_ps(_mm512_castps512_ps256(s16), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(s16), 1)));
+    __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
+    __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+    *xs = _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1)));
+}
+#define QUANTIZE_GROUP quantize_group_v
+#elif defined(__AVX2__) && defined(__FMA__)
+static inline __m256 codes8(__m256 x, __m256 id) { /* round to nearest even, clamp to +-127 */
+    const __m256 lim = _mm256_set1_ps(127.f);
+    return _mm256_min_ps(_mm256_max_ps(_mm256_round_ps(_mm256_mul_ps(x, id), _MM_FROUND_TO_NEAREST_INT |
+                                                       _MM_FROUND_NO_EXC), _mm256_sub_ps(_mm256_setzero_ps(), lim)), lim);
+}
+
+static inline void store_codes8x4(const __m256 v[4], int8_t *dst) { /* 32 whole floats in +-127 -> int8 */
+    __m256i a = _mm256_packs_epi32(_mm256_cvtps_epi32(v[0]), _mm256_cvtps_epi32(v[1]));
+    __m256i b = _mm256_packs_epi32(_mm256_cvtps_epi32(v[2]), _mm256_cvtps_epi32(v[3]));
+    __m256i c = _mm256_packs_epi16(a, b); /* lanes interleaved per 128 bits: put them back in order */
+    c = _mm256_permutevar8x32_epi32(c, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    _mm256_storeu_si256((__m256i *)dst, c);
+}
+
+static inline void quantize_group_v(const float *xg, int8_t *qg, int64_t k, int digits, float *dx, float *xs) {
+    __m256 x[4], v[4], m = _mm256_setzero_ps();
+    const __m256 sign = _mm256_set1_ps(-0.f);
+    for (int i = 0; i < 4; i++) x[i] = _mm256_loadu_ps(xg + 8 * i), m = _mm256_max_ps(m, _mm256_andnot_ps(sign, x[i]));
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    float amax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_shuffle_ps(m4, m4, 1)));
+    float d = amax / 127.f, id = amax > 0.f ? 127.f / amax : 0.f;
+    __m256 idv = _mm256_set1_ps(id);
+    for (int i = 0; i < 4; i++) v[i] = codes8(x[i], idv);
+    store_codes8x4(v, qg);
+    if (digits == 2) {
+        __m256 dv = _mm256_set1_ps(d), id254 = _mm256_set1_ps(254.f), one = _mm256_set1_ps(1.f), r[4];
+        for (int i = 0; i < 4; i++)
+            r[i] = codes8(_mm256_mul_ps(_mm256_mul_ps(_mm256_fnmadd_ps(v[i], dv, x[i]), idv), id254), one);
+        store_codes8x4(r, qg + k);
+    }
+    *dx = digits == 2 ? d / 254.f : d;
+    __m256 s16[2] = {_mm256_add_ps(x[0], x[2]), _mm256_add_ps(x[1], x[3])}; /* s16[i] = x[i] + x[i + 16] */
+    __m256 s8 = _mm256_add_ps(s16[0], s16[1]);
+    __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
+    __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+    *xs = _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1)));
+}
+#define QUANTIZE_GROUP quantize_group_v
+#else
+#define QUANTIZE_GROUP quantize_group
+#endif
+
 void ss_quantize_a8(const float *x, int64_t m, int64_t k, int digits, int8_t *q, float *dx, float *xs, int threads) {
     /* digits 1: q = round(x / u), u = absmax / 127. digits 2: a second int8 digit for the remainder,
      * q2 = round((x - u q) / (u / 254)), stored K bytes after the first; the kernels combine the two
@@ -64,24 +160,9 @@ void ss_quantize_a8(const float *x, int64_t m, int64_t k, int digits, int8_t *q,
     int64_t groups = k / 32;
 #pragma omp parallel for num_threads(threads) if (m * k >= 65536)
     for (int64_t r = 0; r < m; r++)
-        for (int64_t g = 0; g < groups; g++) {
-            const float *xg = x + r * k + g * 32;
-            int8_t *qg = q + r * k * digits + g * 32;
-            float amax = 0.f;
-            for (int i = 0; i < 32; i++) amax = fmaxf(amax, fabsf(xg[i]));
-            float d = amax / 127.f, id = amax > 0.f ? 127.f / amax : 0.f;
-            for (int i = 0; i < 32; i++) {
-                float v = nearbyintf(xg[i] * id);
-                v = v > 127.f ? 127.f : (v < -127.f ? -127.f : v);
-                qg[i] = (int8_t)v;
-                if (digits == 2) {
-                    float rest = nearbyintf((xg[i] - v * d) * id * 254.f);
-                    qg[k + i] = (int8_t)(rest > 127.f ? 127.f : (rest < -127.f ? -127.f : rest));
-                }
-            }
-            dx[r * groups + g] = digits == 2 ? d / 254.f : d;
-            xs[r * groups + g] = sum32(xg);
-        }
+        for (int64_t g = 0; g < groups; g++)
+            QUANTIZE_GROUP(x + r * k + g * 32, q + r * k * digits + g * 32, k, digits, dx + r * groups + g,
+                           xs + r * groups + g);
 }
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
@@ -111,12 +192,12 @@ static inline void q4_tile(const uint8_t *w, const uint16_t *d, const uint16_t *
         __m512 dv = ld16h(d + g * 16), mv = ld16h(mn + g * 16);
         for (int r = 0; r < rows; r++) {
             const int8_t *xr = xq + r * k * digits + g * 32;
-            __m512i s = q4_dot512(wq, xr);
-            if (digits == 2) /* 254 * s + s2: exact (|.| < 2^24, so the conversion to float is too) */
-                s = _mm512_add_epi32(_mm512_sub_epi32(_mm512_slli_epi32(s, 8), _mm512_slli_epi32(s, 1)),
-                                     q4_dot512(wq, xr + k));
+            __m512 s = _mm512_cvtepi32_ps(q4_dot512(wq, xr));
+            if (digits == 2) /* float(254 s + s2): both sums are exact in float (|.| < 2^24), and the
+                              * fused multiply-add rounds their exact combination once */
+                s = _mm512_fmadd_ps(s, _mm512_set1_ps(254.f), _mm512_cvtepi32_ps(q4_dot512(wq, xr + k)));
             __m512 scale = _mm512_mul_ps(dv, _mm512_set1_ps(dx[r * groups + g]));
-            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), scale, acc[r]);
+            acc[r] = _mm512_fmadd_ps(s, scale, acc[r]);
             acc[r] = _mm512_fmadd_ps(mv, _mm512_set1_ps(xs[r * groups + g]), acc[r]);
         }
     }
@@ -150,12 +231,11 @@ static inline void q8_tile(const int8_t *w, const uint16_t *d, int64_t groups, c
         __m512 dv = ld16h(d + g * 16);
         for (int r = 0; r < rows; r++) {
             const int8_t *xr = xq + r * k * digits + g * 32;
-            __m512i s = q8_dot512(wq, wsum, xr);
-            if (digits == 2) /* 254 * s + s2, exact in int32 (rounded once converting to float) */
-                s = _mm512_add_epi32(_mm512_sub_epi32(_mm512_slli_epi32(s, 8), _mm512_slli_epi32(s, 1)),
-                                     q8_dot512(wq, wsum, xr + k));
+            __m512 s = _mm512_cvtepi32_ps(q8_dot512(wq, wsum, xr));
+            if (digits == 2) /* float(254 s + s2), rounded once (as in q4_tile) */
+                s = _mm512_fmadd_ps(s, _mm512_set1_ps(254.f), _mm512_cvtepi32_ps(q8_dot512(wq, wsum, xr + k)));
             __m512 scale = _mm512_mul_ps(dv, _mm512_set1_ps(dx[r * groups + g]));
-            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), scale, acc[r]);
+            acc[r] = _mm512_fmadd_ps(s, scale, acc[r]);
         }
     }
     for (int r = 0; r < rows; r++) _mm512_storeu_ps(y + r * n, acc[r]);
@@ -203,14 +283,6 @@ static void amx_configure(int rows) { /* C1 C2 | A1 A2 | B: tiles 0 1 | 2 3 | 4 
     _tile_loadconfig(&c);
 }
 
-static inline __m512i amx_digits(const int32_t *c, int r, int digits) { /* 254 s + s2 (exact) */
-    __m512i s = _mm512_load_si512(c + r * 16);
-    if (digits == 2)
-        s = _mm512_add_epi32(_mm512_sub_epi32(_mm512_slli_epi32(s, 8), _mm512_slli_epi32(s, 1)),
-                             _mm512_load_si512(c + (AMX_ROWS + r) * 16));
-    return s;
-}
-
 static inline void q4_unpack_group(const uint8_t *wg, uint8_t *wb) { /* one group's codes in the B layout */
     const __m512i low = _mm512_set1_epi8(0x0F);
     for (int i = 0; i < 4; i++) {
@@ -255,12 +327,12 @@ static inline __attribute__((always_inline)) void amx_tile_rows(
         const int32_t *c1 = c[h & 1][0], *c2 = c[h & 1][1];
         __m512 dv = ld16h(d + h * 16), mv = mn ? ld16h(mn + h * 16) : _mm512_setzero_ps();
         for (int r = 0; r < rows; r++) {
-            __m512i s = _mm512_load_si512(c1 + r * 16);
-            if (digits == 2) /* 254 s + s2, exact */
-                s = _mm512_add_epi32(_mm512_sub_epi32(_mm512_slli_epi32(s, 8), _mm512_slli_epi32(s, 1)),
-                                     _mm512_load_si512(c2 + r * 16));
+            __m512 s = _mm512_cvtepi32_ps(_mm512_load_si512(c1 + r * 16));
+            if (digits == 2) /* float(254 s + s2): one rounding of the exact value, as the VNNI path's
+                              * integer form; three vector-port operations instead of five */
+                s = _mm512_fmadd_ps(s, _mm512_set1_ps(254.f), _mm512_cvtepi32_ps(_mm512_load_si512(c2 + r * 16)));
             __m512 scale = _mm512_mul_ps(dv, _mm512_set1_ps(dx[r * groups + h]));
-            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), scale, acc[r]);
+            acc[r] = _mm512_fmadd_ps(s, scale, acc[r]);
             if (mn) acc[r] = _mm512_fmadd_ps(mv, _mm512_set1_ps(xs[r * groups + h]), acc[r]);
         }
     }

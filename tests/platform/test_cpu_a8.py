@@ -172,6 +172,46 @@ def test_every_instruction_set_path_gives_the_same_bits(arch):
     assert torch.equal(a8.Int8A8Head(table.codes, table.scale, ops)(x), a8.Int8A8Head(table.codes, table.scale, other)(x))
 
 
+def quantize_reference(x: torch.Tensor, digits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """ss_quantize_a8's definition, one IEEE float32 operation at a time (the remainder x - v u is
+    fused: computed exactly in float64, rounded once), rounding half to even."""
+    m, k = x.shape
+    g = x.view(m, k // 32, 32)
+    amax = g.abs().amax(-1, keepdim=True)
+    unit = amax / 127
+    inv = torch.where(amax > 0, 127 / amax, torch.zeros_like(amax))
+    v = torch.round(g * inv).clamp(-127, 127)
+    codes = [v]
+    if digits == 2:
+        rest = (g.double() - v.double() * unit.double()).float()
+        codes.append(torch.round(rest * inv * 254).clamp(-127, 127))
+    q = torch.cat([c.reshape(m, k) for c in codes], 1).to(torch.int8)
+    s16 = g[..., :16] + g[..., 16:]
+    s8 = s16[..., :8] + s16[..., 8:]
+    s4 = s8[..., :4] + s8[..., 4:]
+    sums = (s4[..., 0] + s4[..., 2]) + (s4[..., 1] + s4[..., 3])
+    return q, (unit / 254 if digits == 2 else unit).squeeze(-1), sums
+
+
+@pytest.mark.parametrize("arch", [("-march=native",), *ISAS], ids=lambda a: " ".join(a))
+def test_activation_quantizer_is_its_definition_on_every_instruction_set(arch):
+    """The vector quantizers (AVX-512, AVX2) and the portable one give the reference's exact codes,
+    units and sums, rounding ties included: an AVX2 host's activations are an AVX-512 host's."""
+    needs = ISAS[arch][0] if arch in ISAS else set()
+    if not needs <= cpu_flags():
+        pytest.skip(f"this CPU cannot run a {' '.join(arch)} build (lacks {sorted(needs - cpu_flags())})")
+    kernels = ops if arch == ("-march=native",) else _other_isa(arch)
+    x = activations(300, 576) * torch.rand(300, 1) * 4
+    x[0, :32] = 0                                         # an all-zero group: unit 0, codes 0
+    x[1, :32] = torch.arange(32) - 15.5                   # amax 15.5: x * 127 / 15.5 hits exact halves
+    x[2, :32] = torch.tensor([127.0, 0.5, 1.5, 2.5, -0.5, -1.5] + [0.25] * 26)  # unit 1: ties to even
+    x[3, :32] = 1e-30                                     # tiny but not zero
+    for digits in (1, 2):
+        got, want = kernels.quantize_a8(x, digits), quantize_reference(x, digits)
+        for name, a, b in zip(("codes", "units", "sums"), got, want):
+            assert torch.equal(a, b), f"{name} differ in {(a != b).sum().item()} places (digits {digits})"
+
+
 def test_one_call_decode_step_gives_the_python_paths_logits_bit_for_bit(make_engine):
     from splitserve.platform.sampling.params import SamplingParams
 
