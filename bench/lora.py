@@ -226,12 +226,13 @@ def run_w5(threads: int, num_requests: int = W5_REQUESTS, num_adapters: int = W5
     folder = tempfile.mkdtemp(prefix="bench-lora-w5-")
     modules = [f"a{i}={write_adapter(os.path.join(folder, f'a{i}'), seed=100 + i, rank=rank)}" for i in range(num_adapters)]
     cli = [sys.executable, "-m", "splitserve.platform.cli"]
-    workers, addresses = [], []
+    workers, addresses, metrics_ports = [], [], []
     try:
         for _ in range(2):
             grpc_port = free_port()
+            metrics_ports.append(free_port())
             workers.append(Proc(cli + ["worker", "--role", "both", "--threads", str(threads), "--grpc-port",
-                                       str(grpc_port), "--metrics-port", str(free_port()), "--kv-port", str(free_port()),
+                                       str(grpc_port), "--metrics-port", str(metrics_ports[-1]), "--kv-port", str(free_port()),
                                        "--kv-transport", "tcp", "--kv-cache-memory", "0.25", "--max-model-len", "1024",
                                        "--max-loras", str(W5_SLOTS), "--max-cpu-loras", str(resident or max(num_adapters, W5_SLOTS)),
                                        "--max-lora-rank", str(rank), "--lora-modules", *modules], "READY"))
@@ -256,9 +257,13 @@ def run_w5(threads: int, num_requests: int = W5_REQUESTS, num_adapters: int = W5
                 while len(httpx.get(f"{url}/v1/models").json()["data"]) < 1 + num_adapters:
                     assert time.monotonic() < deadline, "the router did not see the workers' adapters"
                     time.sleep(0.2)
+                before = [prompt_tokens_seen(port) for port in metrics_ports]
                 ttfts = sorted(asyncio.run(w5_arm(url, index, requests)))
-                p90[arm] = {"p50": ttfts[len(ttfts) // 2], "p90": ttfts[int(0.9 * (len(ttfts) - 1))]}
-                print(f"W5 {arm}: p50 {p90[arm]['p50']:.2f} s, p90 {p90[arm]['p90']:.2f} s", file=sys.stderr)
+                seen = [prompt_tokens_seen(port) - b for port, b in zip(metrics_ports, before)]
+                p90[arm] = {"p50": ttfts[len(ttfts) // 2], "p90": ttfts[int(0.9 * (len(ttfts) - 1))],
+                            "share": [x / max(sum(seen), 1) for x in seen]}
+                print(f"W5 {arm}: p50 {p90[arm]['p50']:.2f} s, p90 {p90[arm]['p90']:.2f} s, prompt tokens per worker "
+                      f"{'/'.join(f'{100 * x:.0f}' for x in p90[arm]['share'])} %", file=sys.stderr)
             finally:
                 router.stop()
         return {"arms": p90, "threads": threads, "requests": num_requests, "adapters": num_adapters, "rate": rate,
@@ -268,10 +273,22 @@ def run_w5(threads: int, num_requests: int = W5_REQUESTS, num_adapters: int = W5
             w.stop()
 
 
+def prompt_tokens_seen(metrics_port: int) -> float:
+    """A worker's prompt tokens looked up in its prefix cache so far (one count per request's
+    prompt): how the router split the work."""
+    import httpx
+
+    for line in httpx.get(f"http://127.0.0.1:{metrics_port}/metrics", timeout=30).text.splitlines():
+        if line.startswith("vllm:prefix_cache_queries_total"):
+            return float(line.split()[-1])
+    raise RuntimeError(f"the worker's metrics on port {metrics_port} have no vllm:prefix_cache_queries_total")
+
+
 def render_w5(w5: dict) -> str:
     arms = w5["arms"]
     ours, rr = arms["adapter+prefix+load (ours)"]["p90"], arms["round-robin"]["p90"]
-    rows = "\n".join(f"| {arm} | {v['p50']:.2f} | {v['p90']:.2f} | {rr / v['p90']:.2f}x |" for arm, v in arms.items())
+    rows = "\n".join(f"| {arm} | {v['p50']:.2f} | {v['p90']:.2f} | {rr / v['p90']:.2f}x | "
+                     f"{' / '.join(f'{100 * x:.0f}' for x in v.get('share', []))} |" for arm, v in arms.items())
     return f"""
 ### W5: {w5['adapters']} adapters, zipf popularity, 2 workers with {W5_SLOTS} adapter slots each
 
@@ -281,8 +298,8 @@ system prompt + 16 random tokens, 16 output tokens streamed; two `--role both` w
 {w5['threads']} torch thread each, `--max-loras {W5_SLOTS}` and `--max-cpu-loras {w5.get('resident', w5['adapters'])}` (adapters beyond
 that are read again from their folder when asked for), one router per arm, same request sequence.
 
-| routing | p50 TTFT s | p90 TTFT s | p90 of round-robin / this |
-|---|---|---|---|
+| routing | p50 TTFT s | p90 TTFT s | p90 of round-robin / this | prompt tokens per worker % |
+|---|---|---|---|---|
 {rows}
 
 Target: at least 2x lower p90 TTFT than round-robin — measured {rr / ours:.2f}x

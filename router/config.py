@@ -45,8 +45,9 @@ class ProfileConfig:
 
 
 def default_decode_profile() -> ProfileConfig:
-    # Load outweighs a prefix hit once a worker's queue is much deeper (docs/router.md).
-    return ProfileConfig(filters=("healthy", "not-draining", "not-saturated"),
+    # Load outweighs a prefix hit once a worker's queue is much deeper (docs/router.md); past
+    # the load scorers' saturation points, `balanced` keeps that true.
+    return ProfileConfig(filters=("healthy", "not-draining", "not-saturated", "balanced"),
                          scorers=(ScorerSpec("prefix-overlap", 2.0), ScorerSpec("queue-depth", 3.0),
                                   ScorerSpec("kv-usage", 1.0), ScorerSpec("pending-assignments", 1.0),
                                   ScorerSpec("lora-affinity", 2.0)))

@@ -56,7 +56,7 @@ class Profile:
         if not workers:
             raise NoWorkerError(f"no {self.role} worker is known to the router")
         for f in self.filters:
-            kept = [w for w in workers if f.keep(w, now)]
+            kept = f.select(workers, now)
             if not kept:
                 raise NoWorkerError(f"{f.empty_reason} ({self.role}, {len(workers)} considered)", f.empty_status)
             workers = kept

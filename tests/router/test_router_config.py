@@ -49,7 +49,7 @@ def test_full_file(tmp_path):
     decode = config.placement.decode
     assert [(s.name, s.weight, s.params) for s in decode.scorers] == [
         ("prefix-overlap", 5, {}), ("queue-depth", 1, {"saturation": 16})]
-    assert decode.filters == ("healthy", "not-draining", "not-saturated")
+    assert decode.filters == ("healthy", "not-draining", "not-saturated", "balanced")
     assert decode.filter_params == {"not-saturated": {"max_waiting": 8}}
     assert config.placement.prefill.scorers[0].name == "prefix-overlap"     # default kept
     assert config.placement.disaggregation.mode == "always"

@@ -110,12 +110,50 @@ FILTER_CASES = [
     ("not-saturated", {"max_waiting": 2}, dict(waiting=2), False),
     ("not-saturated", {}, dict(kv=0.995), False),
     ("not-saturated", {}, dict(load=False), True),
+    ("balanced", {}, dict(waiting=100, pending=9), True),   # a worker alone is never out of balance
 ]
 
 
 @pytest.mark.parametrize("name,params,kw,kept", FILTER_CASES)
 def test_filter_table(name, params, kw, kept):
-    assert make_filter(name, params).keep(worker(**kw), now=0.0) is kept
+    w = worker(**kw)
+    assert make_filter(name, params).select([w], now=0.0) == ([w] if kept else [])
+
+
+# (params, {address: worker kwargs}, addresses kept): load = waiting + running + router-side pending
+BALANCE_CASES = [
+    ({}, dict(a=dict(), b=dict(running=4)), "ab"),                     # 4 more: within the slack
+    ({}, dict(a=dict(), b=dict(running=3, waiting=2)), "a"),           # 5 more than an idle worker
+    ({}, dict(a=dict(running=10), b=dict(running=15)), "ab"),          # 15 <= 1.5 x 10
+    ({}, dict(a=dict(running=10), b=dict(running=16)), "a"),           # 6 more and over 1.5 x
+    ({}, dict(a=dict(load=False), b=dict(load=False, pending=5)), "a"),  # sent, not yet reported
+    ({"slack": 8}, dict(a=dict(), b=dict(running=8), c=dict(waiting=9)), "ab"),
+    ({"ratio": 3, "slack": 1}, dict(a=dict(running=4), b=dict(running=12), c=dict(running=13)), "ab"),
+]
+
+
+@pytest.mark.parametrize("params,loads,kept", BALANCE_CASES)
+def test_balanced_keeps_workers_within_the_slack_or_ratio_of_the_least_loaded(params, loads, kept):
+    ws = [worker(address, **kw) for address, kw in loads.items()]
+    assert "".join(w.address for w in make_filter("balanced", params).select(ws, 0.0)) == kept
+
+
+def test_balanced_ratio_below_one_is_refused():
+    with pytest.raises(ConfigError, match="ratio=0.5 is invalid; allowed: a number >= 1"):
+        make_filter("balanced", {"ratio": 0.5})
+
+
+def test_a_prefix_and_adapter_holder_that_is_far_busier_loses_to_an_idle_worker():
+    """W5's failure before the `balanced` filter: the worker holding a request's prefix runs 8
+    and queues 20; every load scorer already reads 0 there, so its prefix hit outscored the
+    other worker's 3 running requests and the queue kept growing. The default profile now
+    sends the request to the other worker, and still follows the prefix between equals."""
+    ids = tokens(160, salt=5)
+    stored = {"d1": HASHER.hash_blocks(ids)}
+    p, _ = placer([worker("d1", running=8, waiting=20), worker("d2", running=3)], mode="never", stored=stored)
+    assert place(p, ids).decode == "d2"
+    p, _ = placer([worker("d1", running=4), worker("d2", running=3)], mode="never", stored=stored)
+    assert place(p, ids).decode == "d1"
 
 
 def test_every_filter_has_a_case():
