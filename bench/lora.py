@@ -22,7 +22,7 @@ cache); a fresh router per arm.
 
 Usage: python bench/lora.py [--write docs/benchmarks.md] [--threads 1] [--repeats 3] [--skip-w5 | --only-w5]
                             [--w5-requests 64] [--w5-adapters 32] [--w5-rate 1.0]
-                            [--w5-rank 8] [--w5-resident N]
+                            [--w5-rank 8] [--w5-resident N] [--w5-rounds 3]
 
 The full run (`make bench` runs it with --threads 2) is the throughput part and then W5. A smoke
 run of W5 alone that checks the pipeline end to end in about two minutes:
@@ -134,6 +134,7 @@ W5_SLOTS = 8
 W5_REQUESTS = 64
 W5_RATE = 1.0          # requests per second
 W5_ZIPF = 1.1
+W5_ROUNDS = 3        # every arm once in every position
 W5_ARMS = {
     "adapter+prefix+load (ours)": None,    # the default decode profile
     "round-robin": [{"name": "round-robin", "weight": 1}],
@@ -217,14 +218,18 @@ async def w5_arm(url: str, arm_index: int, requests) -> list[float]:
 
 
 def run_w5(threads: int, num_requests: int = W5_REQUESTS, num_adapters: int = W5_ADAPTERS, resident: int | None = None,
-           rate: float = W5_RATE, rank: int = RANK) -> dict:
-    import asyncio
-
-    import httpx
+           rate: float = W5_RATE, rank: int = RANK, rounds: int = W5_ROUNDS) -> dict:
+    """The arms take turns over `rounds` rounds, the order rotated each round (with 3 rounds every
+    arm runs once first, once second, once last), each arm's requests complete before the next
+    arm starts, and an untimed warm-up round goes first: a machine's drift, the adapters' first
+    reads and whatever an arm leaves behind fall on every arm alike. Each round draws a fresh
+    request sequence (the same for every arm in it) and fresh system prompts (no arm reuses
+    another's cache)."""
     import yaml
 
     folder = tempfile.mkdtemp(prefix="bench-lora-w5-")
     modules = [f"a{i}={write_adapter(os.path.join(folder, f'a{i}'), seed=100 + i, rank=rank)}" for i in range(num_adapters)]
+    os.sync()  # the adapters' write-back must not fall on the first arm
     cli = [sys.executable, "-m", "splitserve.platform.cli"]
     workers, addresses, metrics_ports = [], [], []
     try:
@@ -237,9 +242,8 @@ def run_w5(threads: int, num_requests: int = W5_REQUESTS, num_adapters: int = W5
                                        "--max-loras", str(W5_SLOTS), "--max-cpu-loras", str(resident or max(num_adapters, W5_SLOTS)),
                                        "--max-lora-rank", str(rank), "--lora-modules", *modules], "READY"))
             addresses.append(f"127.0.0.1:{grpc_port}")
-        requests = w5_requests(num_requests, num_adapters, rate)
-        p90 = {}
-        for index, (arm, scorers) in enumerate(W5_ARMS.items()):
+
+        def arm_run(arm: str, scorers, tag: int, requests) -> tuple[list[float], list[float]]:
             port = free_port()
             placement = {"disaggregation": {"mode": "never"}}
             if scorers is not None:
@@ -247,7 +251,7 @@ def run_w5(threads: int, num_requests: int = W5_REQUESTS, num_adapters: int = W5
             config = {"model": "smollm2-135m", "max_model_len": 1024, "discovery": {"workers": addresses},
                       "gateway": {"host": "127.0.0.1", "port": port, "max_concurrent_requests": 512,
                                   "max_queued_requests": 4096}, "placement": placement}
-            path = os.path.join(folder, f"router-{index}.yaml")
+            path = os.path.join(folder, f"router-{tag}.yaml")
             with open(path, "w") as f:
                 yaml.safe_dump(config, f)
             router = Proc(cli + ["router", "--config", path], "splitserve router: serving")
@@ -258,19 +262,44 @@ def run_w5(threads: int, num_requests: int = W5_REQUESTS, num_adapters: int = W5
                     assert time.monotonic() < deadline, "the router did not see the workers' adapters"
                     time.sleep(0.2)
                 before = [prompt_tokens_seen(port) for port in metrics_ports]
-                ttfts = sorted(asyncio.run(w5_arm(url, index, requests)))
-                seen = [prompt_tokens_seen(port) - b for port, b in zip(metrics_ports, before)]
-                p90[arm] = {"p50": ttfts[len(ttfts) // 2], "p90": ttfts[int(0.9 * (len(ttfts) - 1))],
-                            "share": [x / max(sum(seen), 1) for x in seen]}
-                print(f"W5 {arm}: p50 {p90[arm]['p50']:.2f} s, p90 {p90[arm]['p90']:.2f} s, prompt tokens per worker "
-                      f"{'/'.join(f'{100 * x:.0f}' for x in p90[arm]['share'])} %", file=sys.stderr)
+                ttfts = asyncio.run(w5_arm(url, tag, requests))
+                return ttfts, [prompt_tokens_seen(port) - b for port, b in zip(metrics_ports, before)]
             finally:
                 router.stop()
-        return {"arms": p90, "threads": threads, "requests": num_requests, "adapters": num_adapters, "rate": rate,
-                "resident": resident or num_adapters, "rank": rank, "mb": adapter_mb(rank)}
+
+        import asyncio
+
+        import httpx
+
+        names = list(W5_ARMS)
+        arm_run("warm-up", W5_ARMS["round-robin"], 999, w5_requests(num_requests, num_adapters, rate, seed=999))
+        ttfts = {arm: [] for arm in names}
+        seen = {arm: [0.0, 0.0] for arm in names}
+        per_round = {arm: [] for arm in names}
+        for r in range(rounds):
+            requests = w5_requests(num_requests, num_adapters, rate, seed=r)
+            for k in range(len(names)):
+                arm = names[(r + k) % len(names)]
+                got, tokens = arm_run(arm, W5_ARMS[arm], r * len(names) + names.index(arm), requests)
+                ttfts[arm] += got
+                seen[arm] = [a + b for a, b in zip(seen[arm], tokens)]
+                per_round[arm].append(percentile(got, 0.9))
+                print(f"W5 round {r + 1} {arm}: p50 {percentile(got, 0.5):.2f} s, p90 {percentile(got, 0.9):.2f} s, "
+                      f"prompt tokens per worker {'/'.join(f'{100 * x / max(sum(tokens), 1):.0f}' for x in tokens)} %",
+                      file=sys.stderr)
+        arms = {arm: {"p50": percentile(ttfts[arm], 0.5), "p90": percentile(ttfts[arm], 0.9),
+                      "share": [x / max(sum(seen[arm]), 1) for x in seen[arm]], "round_p90": per_round[arm]}
+                for arm in names}
+        return {"arms": arms, "threads": threads, "requests": num_requests, "adapters": num_adapters, "rate": rate,
+                "resident": resident or num_adapters, "rank": rank, "mb": adapter_mb(rank), "rounds": rounds}
     finally:
         for w in workers:
             w.stop()
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[int(q * (len(ordered) - 1))]
 
 
 def prompt_tokens_seen(metrics_port: int) -> float:
@@ -288,18 +317,20 @@ def render_w5(w5: dict) -> str:
     arms = w5["arms"]
     ours, rr = arms["adapter+prefix+load (ours)"]["p90"], arms["round-robin"]["p90"]
     rows = "\n".join(f"| {arm} | {v['p50']:.2f} | {v['p90']:.2f} | {rr / v['p90']:.2f}x | "
-                     f"{' / '.join(f'{100 * x:.0f}' for x in v.get('share', []))} |" for arm, v in arms.items())
+                     f"{' / '.join(f'{100 * x:.0f}' for x in v.get('share', []))} | "
+                     f"{', '.join(f'{x:.2f}' for x in v.get('round_p90', []))} |" for arm, v in arms.items())
     return f"""
 ### W5: {w5['adapters']} adapters, zipf popularity, 2 workers with {W5_SLOTS} adapter slots each
 
-{w5['requests']} requests at {w5['rate']}/s (Poisson), adapter drawn from zipf (s = {W5_ZIPF}) over {w5['adapters']}
+{w5.get('rounds', 1)} rounds of {w5['requests']} requests per arm at {w5['rate']}/s (Poisson; the arms' order rotated
+each round, after an untimed warm-up round), adapter drawn from zipf (s = {W5_ZIPF}) over {w5['adapters']}
 adapters (rank {w5.get('rank', RANK)}, all projections: {w5.get('mb', adapter_mb(RANK)):.0f} MB each in fp32, loaded on both workers), each prompt the adapter's 64-token
 system prompt + 16 random tokens, 16 output tokens streamed; two `--role both` workers with
 {w5['threads']} torch thread each, `--max-loras {W5_SLOTS}` and `--max-cpu-loras {w5.get('resident', w5['adapters'])}` (adapters beyond
 that are read again from their folder when asked for), one router per arm, same request sequence.
 
-| routing | p50 TTFT s | p90 TTFT s | p90 of round-robin / this | prompt tokens per worker % |
-|---|---|---|---|---|
+| routing | p50 TTFT s | p90 TTFT s | p90 of round-robin / this | prompt tokens per worker % | p90 per round s |
+|---|---|---|---|---|---|
 {rows}
 
 Target: at least 2x lower p90 TTFT than round-robin — measured {rr / ours:.2f}x
@@ -345,6 +376,8 @@ def main() -> int:
     ap.add_argument("--w5-requests", type=int, default=W5_REQUESTS, help="W5 requests per arm (>= 2)")
     ap.add_argument("--w5-adapters", type=int, default=W5_ADAPTERS, help="W5 adapters (>= 1)")
     ap.add_argument("--w5-rate", type=float, default=W5_RATE, help="W5 arrivals per second (> 0)")
+    ap.add_argument("--w5-rounds", type=int, default=W5_ROUNDS,
+                    help="W5 rounds; each runs every arm once, the order rotated (>= 1)")
     ap.add_argument("--w5-rank", type=int, default=RANK,
                     help="W5 adapters' rank (all seven projections; 64 is QLoRA's usual choice: 78 MB per adapter)")
     ap.add_argument("--w5-resident", type=int, default=None,
@@ -357,12 +390,14 @@ def main() -> int:
         ap.error("--write updates the whole lora section: run both parts (drop --only-w5)")
     if args.w5_requests < 2 or args.w5_adapters < 1 or args.w5_rate <= 0 or args.threads < 1 or args.repeats < 1:
         ap.error("need --w5-requests >= 2, --w5-adapters >= 1, --w5-rate > 0, --threads >= 1 and --repeats >= 1")
+    if args.w5_rounds < 1:
+        ap.error(f"--w5-rounds must be >= 1, got {args.w5_rounds}")
     if not 1 <= args.w5_rank <= 256:
         ap.error(f"--w5-rank must be in 1..256, got {args.w5_rank}")
     if args.w5_resident is not None and args.w5_resident < W5_SLOTS:
         ap.error(f"--w5-resident must be >= {W5_SLOTS} (the adapter slots per step), got {args.w5_resident}")
     w5 = None if args.skip_w5 else run_w5(1, args.w5_requests, args.w5_adapters, args.w5_resident, rate=args.w5_rate,
-                                  rank=args.w5_rank)
+                                  rank=args.w5_rank, rounds=args.w5_rounds)
     if args.only_w5:
         print(render_w5(w5))
         return 0

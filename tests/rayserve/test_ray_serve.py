@@ -18,6 +18,10 @@ from workerproc import WORKER_QUANTIZATION
 pytestmark = pytest.mark.slow
 
 MODEL = "smollm2-135m"
+# A new replica is a process that imports torch and loads the model: seconds on a quiet machine,
+# over two minutes with the two cores oversubscribed three times (seen in a suite run beside
+# two CPU burners and a benchmark). The waits poll; this is only how long before calling it hung.
+REPLICA_START_S = 300
 MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
 
 
@@ -88,7 +92,7 @@ def test_decode_pool_scales_up_on_queue_depth_and_back_down(served, client):
         t.start()
     try:
         wait_for(lambda: num_target_replicas("splitserve-decode", "decode") > 1, 90, "the decode pool to scale up")
-        wait_for(lambda: sum(w["role"] == "decode" for w in served.workers()) == 2, 120,
+        wait_for(lambda: sum(w["role"] == "decode" for w in served.workers()) == 2, REPLICA_START_S,
                  "the new decode replica to register with the router")
     finally:
         stop.set()
@@ -104,8 +108,11 @@ def test_killed_decode_replica_is_replaced_and_the_stream_ends(served, client):
     clear retryable error — never hangs; Serve starts a new replica, which serves again."""
     import ray
 
-    victims = wait_for(lambda: [w for w in served.workers() if w["role"] == "decode"], 30, "a decode replica")
-    assert len(victims) == 1, victims
+    def one_decode_replica():   # the pool may still be scaling down after the previous test
+        decode = [w for w in served.workers() if w["role"] == "decode"]
+        return decode if len(decode) == 1 else None
+
+    victims = wait_for(one_decode_replica, REPLICA_START_S, "the decode pool to be one replica")
     outcome: dict = {}
     got_tokens = threading.Event()
 
@@ -142,10 +149,10 @@ def test_killed_decode_replica_is_replaced_and_the_stream_ends(served, client):
         decode = [w for w in served.workers() if w["role"] == "decode"]
         return decode and all(w["replica_id"] != victims[0]["replica_id"] for w in decode)
 
-    wait_for(replaced, 180, "Serve to replace the killed decode replica")
+    wait_for(replaced, REPLICA_START_S, "Serve to replace the killed decode replica")
     wait_for(lambda: num_target_replicas("splitserve-decode", "decode") == 1, 60, "the decode deployment to settle")
     try:
-        wait_for(served.is_ready, 120, "the router to watch the new decode replica (/ready)")
+        wait_for(served.is_ready, REPLICA_START_S, "the router to watch the new decode replica (/ready)")
     except AssertionError as exc:
         import urllib.error
         try:
