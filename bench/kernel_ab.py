@@ -8,7 +8,7 @@ LM head slice, then decode attention over 256 tokens of float16 context per sequ
 must give the same bits (a kernel change that alters numbers is a fidelity decision, not a speed
 one); the script exits 1 if any differs. Then the engine's own decode step (SmolLM2, the
 default `--quantization auto`) on each library at batch 1, 8 and 32 with 256 tokens of context:
-the median CPU time of STEPS steps, arms interleaved, and the b8/b1 and b32/b1 ratios.
+the median CPU time of engine_speed.STEPS steps, arms interleaved, and the b8/b1 and b32/b1 ratios.
 
     python bench/kernel_ab.py --base c642ab0 [--threads 1] [--repeats 3] [--no-engine]
 """
@@ -29,10 +29,12 @@ from splitserve.platform.kernels import cpu_build
 from splitserve.platform.kernels.cpu_ops import CpuOps
 from splitserve.platform.quant import a8, formats
 
+sys.path.insert(0, str(pathlib.Path(__file__).parent))
+import engine_speed  # noqa: E402  (its engine and its decode-step timing)
+
 ROWS = (1, 8, 16, 32)
 LINEARS = {"qkv 960x576": (960, 576), "gate_up 3072x576": (3072, 576), "down 576x1536": (576, 1536)}
 HEAD = (8192, 576)  # a sixth of SmolLM2's vocabulary
-STEPS = 12
 
 
 def build(sources: list[pathlib.Path], out: pathlib.Path) -> CpuOps:
@@ -76,9 +78,6 @@ def compare(label: str, arms: dict[str, callable], calls: int, repeats: int) -> 
 
 def engine_on(ops: CpuOps):
     """An engine (bench/engine_speed.py's) whose kernels are `ops`' library."""
-    sys.path.insert(0, str(pathlib.Path(__file__).parent))
-    import engine_speed
-
     load = cpu_build.load
     cpu_build.load = lambda: ops.lib  # the model binds its kernels when it is built
     try:
@@ -87,39 +86,13 @@ def engine_on(ops: CpuOps):
         cpu_build.load = load
 
 
-def step_cpu_ms(engine, batch: int) -> float:
-    """Median CPU time of one decode step with `batch` sequences of 256 tokens of context."""
-    import random
-    import statistics
-
-    from splitserve.platform.sampling.params import SamplingParams
-
-    rng = random.Random(batch)
-    params = SamplingParams(temperature=0, max_tokens=STEPS + 8, ignore_eos=True)
-    ids = [engine.add_request(prompt_token_ids=[rng.randrange(100, 40000) for _ in range(256)], params=params)
-           for _ in range(batch)]
-    while any(engine.scheduler.requests[i].num_output_tokens == 0 for i in ids):
-        engine.step()
-    times = []
-    for _ in range(STEPS):
-        t0 = time.thread_time()
-        engine.step()
-        times.append(time.thread_time() - t0)
-    for i in ids:
-        engine.abort(i)
-    while engine.has_work():
-        engine.step()
-    engine.pool.reset_prefix_cache()
-    return statistics.median(times) * 1e3
-
-
 def engine_steps(libs: dict[str, CpuOps], base: str, repeats: int) -> None:
     engines = {name: engine_on(ops) for name, ops in libs.items()}
     best = {name: {} for name in libs}
     for _ in range(repeats):
         for b in (1, 8, 32):
             for name, engine in engines.items():
-                best[name][b] = min(best[name].get(b, float("inf")), step_cpu_ms(engine, b))
+                best[name][b] = min(best[name].get(b, float("inf")), engine_speed.step_ms(engine, b, seed=b, clock=time.thread_time))
     print(f"\n| decode step, CPU ms (best of {repeats}) | batch 1 | batch 8 | batch 32 | b8/b1 | b32/b1 |")
     print("|---|---|---|---|---|---|")
     for name, ms in best.items():
