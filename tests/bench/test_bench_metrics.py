@@ -34,6 +34,9 @@ def test_summary_pools_itl_and_uses_numpy_percentiles():
     itl = [0.01, 0.03] + [0.02] * 5
     assert s["itl_ms"] == pytest.approx({"mean": 1000 * np.mean(itl), "std": 1000 * np.std(itl),
                                          **{f"p{p}": 1000 * np.percentile(itl, p) for p in (50, 90, 99)}})
+    # the longest gap per request, over the requests that have a gap at all
+    assert s["max_itl_ms"]["p50"] == pytest.approx(1000 * np.percentile([0.03, 0.02], 50))
+    assert s["max_itl_ms"]["p99"] == pytest.approx(1000 * np.percentile([0.03, 0.02], 99))
     assert s["tpot_ms"]["mean"] == pytest.approx(1000 * np.mean([0.02, 0.02]))   # the 1-token request has none
     assert s["ttft_ms"]["p50"] == pytest.approx(200) and s["ttft_ms"]["p90"] == pytest.approx(1000 * 0.36)
     assert s["e2e_ms"]["p99"] == pytest.approx(1000 * np.percentile([0.14, 0.5, 0.2], 99))
@@ -57,6 +60,7 @@ def test_goodput_needs_every_slo_and_counts_one_token_requests_as_tpot_zero():
 def test_empty_sets_peak_in_flight_cache_rate_and_length_mismatch():
     s = metrics.compute([req(0.1, ok=False)], 1.0, None)
     assert s["ttft_ms"] is None and s["itl_ms"] is None and s["prefix_cache_hit_rate"] is None
+    assert s["max_itl_ms"] is None
     back_to_back = [req(0.5, start=0.0), req(0.5, start=0.5), req(0.2, start=0.6)]
     assert metrics.peak_in_flight(back_to_back) == 2      # [0, 0.5) and [0.5, 1.0) do not overlap
     cached = [req(0.1, prompt=100, cached=64), req(0.1, prompt=50, cached=0), req(0.1, prompt=30)]
