@@ -382,12 +382,26 @@ static inline __m256i dot4_u8s8(__m256i acc, __m256i u, __m256i s) {
 }
 
 static inline __m256i q4_dot256(const __m256i wq[8], const int8_t *xr) { /* one group, one digit */
+#if defined(__AVXVNNI__)
     __m256i s0 = _mm256_setzero_si256(), s1 = _mm256_setzero_si256();
     for (int j = 0; j < 8; j += 2) {
         s0 = dot4_u8s8(s0, wq[j], _mm256_set1_epi32(ld4(xr + 4 * j)));
         s1 = dot4_u8s8(s1, wq[j + 1], _mm256_set1_epi32(ld4(xr + 4 * j + 4)));
     }
     return _mm256_add_epi32(s0, s1);
+#else
+    /* Without VNNI a 4-bit group's pair sums are added as int16 and widened once: a pair of
+     * vpmaddubsw is at most 2 * 15 * 127 = 3810, a group's 8 pairs 30480 < 32767, so the sum is
+     * exact (the same bits as widening every step) and the multiply ports do 9 operations per
+     * group and digit instead of 16 (vpmaddwd after each vpmaddubsw). The 8-bit head's pairs reach
+     * 2 * 128 * 127 and keep the per-step widening. */
+    __m256i s0 = _mm256_setzero_si256(), s1 = _mm256_setzero_si256();
+    for (int j = 0; j < 8; j += 2) {
+        s0 = _mm256_add_epi16(s0, _mm256_maddubs_epi16(wq[j], _mm256_set1_epi32(ld4(xr + 4 * j))));
+        s1 = _mm256_add_epi16(s1, _mm256_maddubs_epi16(wq[j + 1], _mm256_set1_epi32(ld4(xr + 4 * j + 4))));
+    }
+    return _mm256_madd_epi16(_mm256_add_epi16(s0, s1), _mm256_set1_epi16(1));
+#endif
 }
 
 static inline void q4_tile(const uint8_t *w, const uint16_t *d, const uint16_t *mn, int64_t groups, const int8_t *xq,
