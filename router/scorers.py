@@ -146,7 +146,13 @@ class LoraAffinity(Scorer):
     """Where the request's LoRA adapter already runs (the Gateway API Inference Extension's
     lora-affinity-scorer): 1.0 if the worker runs requests with it, 0.8 if the worker has a free
     adapter slot (fewer distinct running + waiting adapters than its max_loras), 0.6 if the
-    adapter only waits there, else 0. A base-model request: 1.0 everywhere (no preference)."""
+    adapter only waits there, else 0. A base-model request: 1.0 everywhere (no preference).
+
+    One step GIE does not have: a free slot on a worker that holds the adapter in memory (its
+    `resident_lora_adapters`, the --max-cpu-loras LRU) scores 0.9. A GPU server's "load" is a
+    host-to-device copy; here a worker that has evicted the adapter re-reads its folder in the
+    engine's thread, which stalls every request on that worker, so between two free slots the
+    one that needs no read wins."""
 
     name = "lora-affinity"
 
@@ -162,7 +168,7 @@ class LoraAffinity(Scorer):
             if ctx.lora_name in running:
                 out[w.address] = 1.0
             elif len(running | waiting) < max(w.load.max_loras, 1):
-                out[w.address] = 0.8
+                out[w.address] = 0.9 if ctx.lora_name in w.load.resident_lora_adapters else 0.8
             elif ctx.lora_name in waiting:
                 out[w.address] = 0.6
             else:

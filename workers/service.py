@@ -205,5 +205,6 @@ async def publish_load(service: WorkerService, interval_s: float) -> None:
             num_waiting=load.num_waiting, num_running=load.num_running, kv_usage=load.kv_usage,
             queued_prefill_tokens=load.queued_prefill_tokens, num_free_blocks=load.num_free_blocks,
             draining=service.draining, adapters=adapters, running_lora_adapters=load.running_loras,
-            waiting_lora_adapters=load.waiting_loras, max_loras=load.max_loras))
+            waiting_lora_adapters=load.waiting_loras, max_loras=load.max_loras,
+            resident_lora_adapters=load.resident_loras))
         await asyncio.sleep(interval_s)

@@ -64,6 +64,7 @@ class LoadSnapshot:
     running_loras: tuple[str, ...] = ()   # adapters of running requests (names, sorted)
     waiting_loras: tuple[str, ...] = ()   # adapters of waiting requests (names, sorted)
     max_loras: int = 1
+    resident_loras: tuple[str, ...] = ()  # adapters in memory (the --max-cpu-loras LRU; names, sorted)
     lora_adapters: tuple[tuple[str, bytes, str], ...] = ()   # (name, digest, folder) of known adapters
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -283,7 +284,9 @@ class LLMEngine:
                             prefix_cache_hits=sched.stats.num_prefix_hit_tokens,
                             num_prefix_waits=sched.stats.num_prefix_waits,
                             running_loras=self._lora_names(sched.running), waiting_loras=self._lora_names(sched.waiting),
-                            max_loras=self.config.lora.max_loras, lora_adapters=tuple(self.loras.known()))
+                            max_loras=self.config.lora.max_loras,
+                            resident_loras=tuple(sorted(a.name for a in self.loras.loaded())),
+                            lora_adapters=tuple(self.loras.known()))
 
     def _lora_names(self, reqs) -> tuple[str, ...]:
         return tuple(sorted({self._req_loras[r.req_id].name for r in reqs if r.req_id in self._req_loras}))

@@ -21,9 +21,9 @@ from splitserve.router.scorers import LoraAffinity, ScoringContext
 MODEL = "smollm2-135m"
 
 
-def worker(address, running=(), waiting=(), max_loras=2, load=True):
+def worker(address, running=(), waiting=(), max_loras=2, load=True, resident=()):
     report = pb.LoadReport(running_lora_adapters=list(running), waiting_lora_adapters=list(waiting),
-                           max_loras=max_loras) if load else None
+                           max_loras=max_loras, resident_lora_adapters=list(resident)) if load else None
     return WorkerState(address, role="decode", is_connected=True, load=report)
 
 
@@ -36,6 +36,10 @@ def worker(address, running=(), waiting=(), max_loras=2, load=True):
     ("a", [worker("w1", running=["a", "b"], waiting=["c"])], {"w1": 1.0}),           # active beats a full worker
     ("a", [worker("w1", running=["b"], waiting=["c"])], {"w1": 0.0}),                # full: 2 adapters, 2 slots
     ("a", [worker("w1", max_loras=1)], {"w1": 0.8}),
+    # a free slot where the adapter is still in memory beats one that must read it from disk
+    ("a", [worker("w1", resident=["a", "b"]), worker("w2", resident=["b"])], {"w1": 0.9, "w2": 0.8}),
+    ("a", [worker("w1", running=["b", "c"], resident=["a"])], {"w1": 0.0}),      # resident, but no slot
+    ("a", [worker("w1", running=["a"], resident=["a"])], {"w1": 1.0}),
     ("a", [worker("w1", load=False)], {"w1": 0.5}),                                  # no report: neutral
     (None, [worker("w1", running=["b"]), worker("w2")], {"w1": 1.0, "w2": 1.0}),     # base: no preference
 ])

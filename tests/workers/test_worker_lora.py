@@ -43,9 +43,10 @@ async def call(address, method, request):
         return await getattr(pb_grpc.WorkerStub(channel), method)(request)
 
 
-async def load_report(address, has: str, deadline_s: float = 30.0) -> pb.LoadReport:
-    """The first of the worker's load reports that lists adapter `has` (or the last one seen when
-    the deadline passes): a report is a periodic snapshot, so the first may predate a load just done."""
+async def load_report(address, has: str, deadline_s: float = 30.0, resident: bool = False) -> pb.LoadReport:
+    """The first of the worker's load reports that lists adapter `has` (among the resident ones
+    with `resident`; or the last one seen when the deadline passes): a report is a periodic
+    snapshot, so the first may predate a load just done."""
     last = pb.LoadReport()
 
     async def watch():
@@ -54,7 +55,7 @@ async def load_report(address, has: str, deadline_s: float = 30.0) -> pb.LoadRep
             async for msg in pb_grpc.WorkerStub(channel).WatchEvents(pb.WatchEventsRequest(load_interval_s=0.05)):
                 if msg.WhichOneof("payload") == "load":
                     last = msg.load
-                    if has in {a.name for a in last.adapters}:
+                    if has in (last.resident_lora_adapters if resident else {a.name for a in last.adapters}):
                         return
     try:
         await asyncio.wait_for(watch(), deadline_s)
@@ -150,8 +151,20 @@ def test_adapters_in_load_reports_metrics_and_unload(lora_pair):
     with pytest.raises(grpc.aio.AioRpcError) as err:
         asyncio.run(call(d.address, "LoadLoraAdapter", pb.LoadLoraAdapterRequest(lora_name="bad", lora_path=str(bad))))
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "adapter_config.json" in err.value.details()
+    # two more adapters on a worker that holds 2 in memory (--max-loras 2, no --max-cpu-loras):
+    # the least recently used, sql, leaves the resident set but stays known; a request for it
+    # reads it again and it is resident once more (what the router's lora-affinity scores)
     temp = write_adapter(folder / "temp", seed=11)
+    temp2 = write_adapter(folder / "temp2", seed=12)
     asyncio.run(call(d.address, "LoadLoraAdapter", pb.LoadLoraAdapterRequest(lora_name="temp", lora_path=temp)))
+    asyncio.run(call(d.address, "LoadLoraAdapter", pb.LoadLoraAdapterRequest(lora_name="temp2", lora_path=temp2)))
+    report = asyncio.run(load_report(d.address, "temp2"))
+    assert list(report.resident_lora_adapters) == ["temp", "temp2"]
+    assert {"sql", "temp", "temp2"} <= {a.name for a in report.adapters}
+    asyncio.run(generate(d.address, prompt(20), "sql"))
+    report = asyncio.run(load_report(d.address, "sql", resident=True))
+    assert "sql" in report.resident_lora_adapters and len(report.resident_lora_adapters) == 2
+    asyncio.run(call(d.address, "UnloadLoraAdapter", pb.UnloadLoraAdapterRequest(lora_name="temp2")))
     asyncio.run(call(d.address, "UnloadLoraAdapter", pb.UnloadLoraAdapterRequest(lora_name="temp")))
     with pytest.raises(grpc.aio.AioRpcError) as err:
         asyncio.run(call(d.address, "UnloadLoraAdapter", pb.UnloadLoraAdapterRequest(lora_name="temp")))
