@@ -47,6 +47,7 @@ SIGNATURES = {
     "ss_quantize_a8": [_F32P, _I64, _I64, _INT, _F32P, _F32P, _F32P, _INT],
     "ss_q4a8_linear": [_F32P, _F32P, _F32P, _I64, _I64, _INT, _F32P, _F32P, _F32P, _I64, _F32P, _INT],
     "ss_q8a8_linear": [_F32P, _F32P, _I64, _I64, _INT, _F32P, _F32P, _I64, _F32P, _INT],
+    "ss_gemm_fixed": [_F32P, _I64, _I64, _F32P, _I64, _F32P, _INT, _INT],
 }
 
 

@@ -573,3 +573,70 @@ void ss_q4_dequant(const uint8_t *qs, const float *d, const float *mn, int64_t n
             }
         }
 }
+
+/* ---- float32 GEMM in a fixed order (LoRA's shrink and expand) --------------------------------
+ *
+ *   ss_gemm_fixed   y[m, n] (+)= sum_k x[m, k] * w[k, n]      (w row-major [K, N])
+ *
+ * Every output is one chain of fused multiply-adds over k = 0, 1, ..., K-1 from zero (a vector
+ * lane or, past the last whole vector, fmaf: both round once per step), then one add into y when
+ * accumulating. Its bits therefore depend on its own row of x and its own column of w only: not
+ * on M (a BLAS picks other kernels and blockings by shape: a mixed-adapter step then gave a
+ * request other tokens than it got alone on an AVX2 host), not on N, not on the thread. A column
+ * of w that meets exact zeros in x (a mixed step's masked-out adapter columns) gets the same
+ * value as without them: fma(0, w, acc) is acc. */
+#define GF_ROWS 4
+
+static void gemm_fixed_tile(const float *x, int64_t k, int rows, const float *w, int64_t n, int64_t width, float *y,
+                            int accumulate) {
+    int64_t c = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+    if (width >= 16) {
+        __m256 acc[GF_ROWS][2];
+        for (int r = 0; r < rows; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+        for (int64_t i = 0; i < k; i++) {
+            __m256 w0 = _mm256_loadu_ps(w + i * n), w1 = _mm256_loadu_ps(w + i * n + 8);
+            for (int r = 0; r < rows; r++) {
+                __m256 xb = _mm256_set1_ps(x[r * k + i]);
+                acc[r][0] = _mm256_fmadd_ps(xb, w0, acc[r][0]);
+                acc[r][1] = _mm256_fmadd_ps(xb, w1, acc[r][1]);
+            }
+        }
+        for (int r = 0; r < rows; r++)
+            for (int h = 0; h < 2; h++) {
+                float *yr = y + r * n + 8 * h;
+                _mm256_storeu_ps(yr, accumulate ? _mm256_add_ps(_mm256_loadu_ps(yr), acc[r][h]) : acc[r][h]);
+            }
+        c = 16;
+    } else if (width >= 8) {
+        __m256 acc[GF_ROWS];
+        for (int r = 0; r < rows; r++) acc[r] = _mm256_setzero_ps();
+        for (int64_t i = 0; i < k; i++) {
+            __m256 w0 = _mm256_loadu_ps(w + i * n);
+            for (int r = 0; r < rows; r++) acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(x[r * k + i]), w0, acc[r]);
+        }
+        for (int r = 0; r < rows; r++)
+            _mm256_storeu_ps(y + r * n, accumulate ? _mm256_add_ps(_mm256_loadu_ps(y + r * n), acc[r]) : acc[r]);
+        c = 8;
+    }
+#endif
+    for (; c < width; c++)
+        for (int r = 0; r < rows; r++) {
+            float acc = 0.0f;
+            for (int64_t i = 0; i < k; i++) acc = fmaf(x[r * k + i], w[i * n + c], acc);
+            y[r * n + c] = accumulate ? y[r * n + c] + acc : acc;
+        }
+}
+
+void ss_gemm_fixed(const float *x, int64_t m, int64_t k, const float *w, int64_t n, float *y, int accumulate,
+                   int threads) {
+    int64_t tiles = (n + 15) / 16;
+#pragma omp parallel for num_threads(threads) schedule(static) if (m * k * n >= 262144)
+    for (int64_t t = 0; t < tiles; t++) {
+        int64_t c0 = t * 16, width = n - c0 < 16 ? n - c0 : 16;
+        for (int64_t r0 = 0; r0 < m; r0 += GF_ROWS) {
+            int rows = m - r0 < GF_ROWS ? (int)(m - r0) : GF_ROWS;
+            gemm_fixed_tile(x + r0 * k, k, rows, w + c0, n, width, y + r0 * n + c0, accumulate);
+        }
+    }
+}

@@ -91,6 +91,14 @@ class CpuOps:
         self.lib.ss_q4_linear(_p(x), m, k, _p(qs), _p(d), _p(mn), qs.shape[0], _p(y), torch.get_num_threads())
         return y
 
+    def gemm_fixed(self, x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """x [M, K] @ w [K, N] with each output one fixed-order chain over k (batch-invariant bits);
+        added into `out` [M, N] when given (cpu_ops.c)."""
+        m, k = x.shape
+        y = x.new_empty(m, w.shape[1]) if out is None else out
+        self.lib.ss_gemm_fixed(_p(x), m, k, _p(w), w.shape[1], _p(y), out is not None, torch.get_num_threads())
+        return y
+
     def q4_dequant(self, qs: torch.Tensor, d: torch.Tensor, mn: torch.Tensor) -> torch.Tensor:
         """The float32 weight [N, K] of the same layout (for a GEMM over many rows)."""
         n, k = qs.shape[0], qs.shape[1] * 2

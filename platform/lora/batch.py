@@ -14,6 +14,12 @@ Each adapter's weights are read once per step, as in the per-adapter form, and t
 multiply-adds on masked-out columns are a few MFLOP (W is the sum of the adapters' ranks times
 the linear's shards). With one adapter on every row the mask is skipped.
 
+On a CPU both products run in the fixed-order kernel (`CpuOps.gemm_fixed`): every output is one
+chain of fused multiply-adds over its own row and column, so a request's delta has the same bits
+alone, beside other adapters or beside base rows (the masked-out columns add exact zeros). A
+BLAS picks kernels by shape; on an AVX2 host that gave a request in a mixed batch other greedy
+tokens than it got alone.
+
 The concatenations depend only on which adapters the step mixes; they are built on first use
 and cached (`PackedSet`, a few sets kept, least recently used dropped), so steady decoding with
 an unchanged set of adapters builds nothing. The per-step part (`LoraBatch`: each row's group
@@ -27,8 +33,11 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 
+import functools
+
 import torch
 
+from splitserve.platform.kernels.cpu_ops import CpuOps, cpu_ops
 from splitserve.platform.lora.adapter import LinearLayout, LoraAdapter
 
 MAX_PACKED_SETS = 4
@@ -110,10 +119,22 @@ class LoraContext:
         if linear is None:
             return
         a_cat, b_cat, signature = linear
+        ops = _fixed_order_ops() if x.device.type == "cpu" and x.dtype == torch.float32 else None
+        if ops is not None and x.dim() == 2 and x.is_contiguous() and y.is_contiguous():
+            h = ops.gemm_fixed(x, a_cat)
+            if not batch.is_uniform:
+                h.mul_(batch.mask(signature, h.dtype))
+            ops.gemm_fixed(h, b_cat, out=y)
+            return
         h = x @ a_cat
         if not batch.is_uniform:
             h.mul_(batch.mask(signature, h.dtype))
         y.addmm_(h, b_cat)
+
+
+@functools.cache
+def _fixed_order_ops() -> CpuOps | None:
+    return cpu_ops()
 
 
 def attach(model: torch.nn.Module) -> tuple[LoraContext, dict[str, LinearLayout]]:

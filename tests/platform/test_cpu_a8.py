@@ -170,6 +170,9 @@ def test_every_instruction_set_path_gives_the_same_bits(arch):
     table = formats.int8_groups(torch.randn(64, 96))[0]
     table.codes[0, :32] = -128  # the extreme code a GGUF Q8_0 table may hold
     assert torch.equal(a8.Int8A8Head(table.codes, table.scale, ops)(x), a8.Int8A8Head(table.codes, table.scale, other)(x))
+    # LoRA's fixed-order float32 GEMM: vector lanes and the scalar fmaf tail round alike
+    xf, wf, yf = torch.randn(5, 96), torch.randn(96, 29), torch.randn(5, 29)
+    assert torch.equal(ops.gemm_fixed(xf, wf, out=yf.clone()), other.gemm_fixed(xf, wf, out=yf.clone()))
 
 
 def quantize_reference(x: torch.Tensor, digits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

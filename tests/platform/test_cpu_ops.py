@@ -130,3 +130,24 @@ def test_the_c_source_ships_in_the_wheel(tmp_path):
                     str(tmp_path), str(root)], check=True, capture_output=True, timeout=300)
     [wheel] = tmp_path.glob("splitserve-*.whl")
     assert "splitserve/platform/kernels/cpu_ops.c" in zipfile.ZipFile(wheel).namelist()
+
+
+def test_gemm_fixed_is_a_matmul_whose_rows_ignore_their_batch_and_zero_columns():
+    """LoRA's shrink and expand (platform/lora/batch.py): the values of x @ w, and a row's bits
+    the same whatever rows share the call and wherever exact zeros pad its inner dimension (a
+    mixed-adapter step's masked-out columns)."""
+    x, w = torch.randn(13, 576), torch.randn(576, 37) * 0.05      # 37 columns: a 16-, a 16- and a 5-wide tile
+    y = ops.gemm_fixed(x, w)
+    assert torch.allclose(y, x @ w, atol=1e-5)
+    for rows in (slice(0, 1), slice(3, 4), slice(2, 9)):
+        assert torch.equal(ops.gemm_fixed(x[rows].contiguous(), w), y[rows])
+    for cols in (slice(0, 8), slice(16, 32), slice(33, 37)):     # a column's chain is its own
+        assert torch.equal(ops.gemm_fixed(x, w[:, cols].contiguous()), y[:, cols])
+    # expand: h [M, r] with its adapter's columns among zeros of others, added into y
+    h, b = torch.randn(6, 8), torch.randn(8, 96) * 0.1
+    base = torch.randn(6, 96)
+    alone = ops.gemm_fixed(h, b, out=base.clone())
+    padded_h = torch.cat([torch.zeros(6, 16), h, torch.zeros(6, 24)], 1)
+    padded_b = torch.cat([torch.randn(16, 96), b, torch.randn(24, 96)], 0)
+    assert torch.equal(ops.gemm_fixed(padded_h, padded_b, out=base.clone()), alone)
+    assert torch.allclose(alone, base + h @ b, atol=1e-5)
