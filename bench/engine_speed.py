@@ -290,7 +290,10 @@ def render(fl: dict, steps: dict, engines: dict, agreement: dict, stream: dict, 
         kv = kv_bytes_per_sequence(e)
         bw_floor = (step_bytes(e) + kv) / (fl["read_gb_s"] * 1e9) * 1e3
         floor_ratio = (step_bytes(e) + 32 * kv) / (step_bytes(e) + kv)
-        flop_peak = fl["fp32_gflops"] if mode in ("none", "fp16") else fl["bf16_gflops"]
+        # the low-bit modes against the fastest GEMM this host has: bfloat16 where it is native
+        # (AMX, AVX512-BF16), float32 where bfloat16 falls to a reference path (0.3 GFLOP/s on an
+        # AVX2 EPYC, which had made their floor 31 s)
+        flop_peak = fl["fp32_gflops"] if mode in ("none", "fp16") else max(fl["bf16_gflops"], fl["fp32_gflops"])
         flop_floor = step_flops(e, 32) / (flop_peak * 1e9) * 1e3
         out.append(f"| {mode} | " + " | ".join(row) + f" | {steps[(mode, 8)] / steps[(mode, 1)]:.2f}× "
                    f"| {steps[(mode, 32)] / steps[(mode, 1)]:.2f}× | {bw_floor:.1f} ms "
