@@ -587,38 +587,34 @@ void ss_q4_dequant(const uint8_t *qs, const float *d, const float *mn, int64_t n
  * value as without them: fma(0, w, acc) is acc. */
 #define GF_ROWS 4
 
+#if defined(__AVX2__) && defined(__FMA__)
+/* `vecs` whole 8-lane vectors of columns; always inlined with a constant, so the accumulators
+ * stay in registers */
+static inline __attribute__((always_inline)) void gemm_fixed_vecs(const float *x, int64_t k, int rows, const float *w,
+                                                                  int64_t n, float *y, int accumulate, int vecs) {
+    __m256 acc[GF_ROWS][2];
+    for (int r = 0; r < rows; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+    for (int64_t i = 0; i < k; i++)
+        for (int v = 0; v < vecs; v++) {
+            __m256 wv = _mm256_loadu_ps(w + i * n + 8 * v);
+            for (int r = 0; r < rows; r++) acc[r][v] = _mm256_fmadd_ps(_mm256_set1_ps(x[r * k + i]), wv, acc[r][v]);
+        }
+    for (int r = 0; r < rows; r++)
+        for (int v = 0; v < vecs; v++) {
+            float *yr = y + r * n + 8 * v;
+            _mm256_storeu_ps(yr, accumulate ? _mm256_add_ps(_mm256_loadu_ps(yr), acc[r][v]) : acc[r][v]);
+        }
+}
+#endif
+
 static void gemm_fixed_tile(const float *x, int64_t k, int rows, const float *w, int64_t n, int64_t width, float *y,
                             int accumulate) {
     int64_t c = 0;
 #if defined(__AVX2__) && defined(__FMA__)
-    if (width >= 16) {
-        __m256 acc[GF_ROWS][2];
-        for (int r = 0; r < rows; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
-        for (int64_t i = 0; i < k; i++) {
-            __m256 w0 = _mm256_loadu_ps(w + i * n), w1 = _mm256_loadu_ps(w + i * n + 8);
-            for (int r = 0; r < rows; r++) {
-                __m256 xb = _mm256_set1_ps(x[r * k + i]);
-                acc[r][0] = _mm256_fmadd_ps(xb, w0, acc[r][0]);
-                acc[r][1] = _mm256_fmadd_ps(xb, w1, acc[r][1]);
-            }
-        }
-        for (int r = 0; r < rows; r++)
-            for (int h = 0; h < 2; h++) {
-                float *yr = y + r * n + 8 * h;
-                _mm256_storeu_ps(yr, accumulate ? _mm256_add_ps(_mm256_loadu_ps(yr), acc[r][h]) : acc[r][h]);
-            }
-        c = 16;
-    } else if (width >= 8) {
-        __m256 acc[GF_ROWS];
-        for (int r = 0; r < rows; r++) acc[r] = _mm256_setzero_ps();
-        for (int64_t i = 0; i < k; i++) {
-            __m256 w0 = _mm256_loadu_ps(w + i * n);
-            for (int r = 0; r < rows; r++) acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(x[r * k + i]), w0, acc[r]);
-        }
-        for (int r = 0; r < rows; r++)
-            _mm256_storeu_ps(y + r * n, accumulate ? _mm256_add_ps(_mm256_loadu_ps(y + r * n), acc[r]) : acc[r]);
-        c = 8;
-    }
+    if (width >= 16)
+        gemm_fixed_vecs(x, k, rows, w, n, y, accumulate, 2), c = 16;
+    else if (width >= 8)
+        gemm_fixed_vecs(x, k, rows, w, n, y, accumulate, 1), c = 8;
 #endif
     for (; c < width; c++)
         for (int r = 0; r < rows; r++) {

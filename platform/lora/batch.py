@@ -33,8 +33,6 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 
-import functools
-
 import torch
 
 from splitserve.platform.kernels.cpu_ops import CpuOps, cpu_ops
@@ -65,12 +63,14 @@ class PackedSet:
 
 
 class LoraBatch:
-    """One step: each row's adapter group (-1: base) and the masks of the step's linears."""
+    """One step: each row's adapter group (-1: base), the masks of the step's linears, and the
+    fixed-order kernels where the step runs on a CPU (None: torch's matmul)."""
 
-    def __init__(self, packed: PackedSet, row_group: torch.Tensor, is_uniform: bool):
+    def __init__(self, packed: PackedSet, row_group: torch.Tensor, is_uniform: bool, ops: CpuOps | None = None):
         self.packed = packed
         self.row_group = row_group
         self.is_uniform = is_uniform   # one adapter on every row: no mask needed
+        self.ops = ops
         self._masks: dict[tuple, torch.Tensor] = {}
 
     def mask(self, signature: tuple, dtype: torch.dtype) -> torch.Tensor:
@@ -97,7 +97,8 @@ class LoraContext:
         group = {id(a): g for g, a in enumerate(distinct)}
         rows = [group[id(a)] if a is not None else -1 for a, n in zip(adapters, num_tokens, strict=True) for _ in range(n)]
         row_group = torch.tensor(rows, dtype=torch.long, device=device)
-        self.batch = LoraBatch(self._packed_set(distinct), row_group, is_uniform=len(distinct) == 1 and -1 not in rows)
+        self.batch = LoraBatch(self._packed_set(distinct), row_group, is_uniform=len(distinct) == 1 and -1 not in rows,
+                               ops=cpu_ops() if torch.device(device).type == "cpu" else None)
 
     def end(self) -> None:
         self.batch = None
@@ -119,22 +120,16 @@ class LoraContext:
         if linear is None:
             return
         a_cat, b_cat, signature = linear
-        ops = _fixed_order_ops() if x.device.type == "cpu" and x.dtype == torch.float32 else None
-        if ops is not None and x.dim() == 2 and x.is_contiguous() and y.is_contiguous():
-            h = ops.gemm_fixed(x, a_cat)
-            if not batch.is_uniform:
-                h.mul_(batch.mask(signature, h.dtype))
-            ops.gemm_fixed(h, b_cat, out=y)
-            return
-        h = x @ a_cat
+        ops = batch.ops
+        fixed = (ops is not None and x.dtype == torch.float32 and x.dim() == 2 and x.is_contiguous()
+                 and y.is_contiguous())
+        h = ops.gemm_fixed(x, a_cat) if fixed else x @ a_cat
         if not batch.is_uniform:
             h.mul_(batch.mask(signature, h.dtype))
-        y.addmm_(h, b_cat)
-
-
-@functools.cache
-def _fixed_order_ops() -> CpuOps | None:
-    return cpu_ops()
+        if fixed:
+            ops.gemm_fixed(h, b_cat, out=y)
+        else:
+            y.addmm_(h, b_cat)
 
 
 def attach(model: torch.nn.Module) -> tuple[LoraContext, dict[str, LinearLayout]]:
