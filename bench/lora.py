@@ -350,18 +350,19 @@ def render(result: dict) -> str:
 `--quantization {result['quantization']}`, {result['threads']} torch thread(s); LoRA adapters of rank 8
 on all seven projections (q, k, v, o, gate, up, down), requests spread round-robin over the
 adapters, `max_loras` 16. Decode tokens/s after the last request's first token (prefill
-excluded); best of {result['repeats']} interleaved repeats. Measured on a {result['cpu']} shared with
-other work (the 2-core machine ran other agents' tests and benchmarks at the same time, load
-average well above 2), so absolute numbers are low and noisy; the ratios come from one run.
+excluded); best of {result['repeats']} interleaved repeats, on a {result['cpu']}; the ratios come from
+one run.
 
 | batch | decode tok/s | vs base |
 |---|---|---|
 {rows}
 
 Target: at least 0.8x the base model with 4 distinct adapters — measured {four:.2f}x
-({'met' if four >= 0.8 else 'not met'}). All adapters of a step take the same three calls per fused
-linear (platform/lora/batch.py); what grows with the number of distinct adapters is reading their
-weights (rank 8 on all projections: 2.4 M parameters, 9.8 MB in fp32, per adapter per step).
+({'met' if four >= 0.8 else 'not met'}). Each fused linear adds its adapters' deltas in one C call
+(`ss_lora_delta`, kernels/cpu_ops.c: each adapter's rows gathered, its own A and B shards, fixed
+order, so a row's bits do not depend on its batch), inside the one-call decode step
+(kernels/cpu_decode.c); what grows with the number of distinct adapters is reading their weights
+(rank 8 on all projections: 2.4 M parameters, 9.8 MB in fp32, per adapter per step).
 {result.get('w5_text', '')}
 <!-- lora:end -->"""
 

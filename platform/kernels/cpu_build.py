@@ -124,6 +124,8 @@ def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
         fn.argtypes, fn.restype = argtypes, None
     lib.ss_a8_path.argtypes, lib.ss_a8_path.restype = [], ctypes.c_char_p
     lib.ss_a8_set_amx.argtypes, lib.ss_a8_set_amx.restype = [_INT], _INT
-    lib.ss_decode_layers.argtypes = [_F32P, _I64, _F32P, _F32P, _I64] + [_F32P] * 8
+    lib.ss_decode_layers.argtypes = [_F32P, _I64, _F32P, _F32P, _I64] + [_F32P] * 9
     lib.ss_decode_layers.restype = ctypes.c_int
+    lib.ss_lora_delta.argtypes = [_F32P, _I64, _I64, _F32P, _I64, _I64P, _I64, _F32P, _INT]
+    lib.ss_lora_delta.restype = ctypes.c_int
     return lib

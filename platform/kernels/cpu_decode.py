@@ -2,6 +2,10 @@
 `w4a8`/`w4a16` kernel: the plan (pointers to each layer's packed weights, norms and KV cache) is
 built once after load; `run()` takes one new token per sequence and returns the final hidden
 states, bit for bit what the Python fused path gives (the same kernels in the same order).
+
+A step with LoRA adapters stays on this path: the step's adapter set (lora.batch.PackedSet) gets
+a table of its per-linear kernel entries, built once per set and kept on it, and each linear
+makes the ss_lora_delta call that LoraContext.add_delta makes on the Python path.
 """
 
 from __future__ import annotations
@@ -22,6 +26,22 @@ class _Linear(ctypes.Structure):
 class _Layer(ctypes.Structure):
     _fields_ = [("input_norm", _P), ("post_norm", _P), ("qkv", _Linear), ("o", _Linear), ("gate_up", _Linear),
                 ("down", _Linear), ("k_cache", _P), ("v_cache", _P)]
+
+
+class _LoraStep(ctypes.Structure):
+    _fields_ = [("linears", _P), ("groups", ctypes.c_int64), ("row_group", _P)]
+
+
+def _lora_table(model, packed) -> ctypes.Array:
+    """[layer][qkv, o, gate_up, down] -> that linear's LoraEntry array of the adapter set `packed`
+    (lora.batch.PackedSet.entries; NULL where no adapter touches it)."""
+    table = (_P * (len(model.layers) * 4))()
+    for i, layer in enumerate(model.layers):
+        linears = (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
+        for j, module in enumerate(linears):
+            entries = packed.entries(module.lora_key)
+            table[i * 4 + j] = None if entries is None else ctypes.addressof(entries)
+    return table
 
 
 class _Dims(ctypes.Structure):
@@ -59,9 +79,15 @@ class DecodePlan:
                                _linear(mlp.gate_up_proj.kernel), _linear(mlp.down_proj.kernel), _p(k), _p(v))
         self._layers, self._caches = layers, list(kv_caches)
 
-    def run(self, x: torch.Tensor, positions: torch.Tensor, kv_caches, meta) -> torch.Tensor:
-        """x [B, hidden] embeddings of one new token per sequence -> final normed hidden [B, hidden]."""
+    def run(self, x: torch.Tensor, positions: torch.Tensor, kv_caches, meta, lora=None) -> torch.Tensor:
+        """x [B, hidden] embeddings of one new token per sequence -> final normed hidden [B, hidden].
+        `lora`: the step's lora.batch.LoraBatch, or None."""
         self._bind(kv_caches)
+        step = None
+        if lora is not None:
+            if lora.packed.decode_table is None:
+                lora.packed.decode_table = _lora_table(self.model, lora.packed)
+            step = _LoraStep(ctypes.addressof(lora.packed.decode_table), len(lora.packed.adapters), _p(lora.row_group))
         m, c = self.model, self.model.config
         k_cache = kv_caches[0][0]
         dims = _Dims(c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size, k_cache.shape[1],
@@ -73,7 +99,8 @@ class DecodePlan:
                                            ctypes.addressof(dims), residual.shape[0], _p(residual), _p(out),
                                            _p(positions), _p(m.rotary.cos_cache), _p(m.rotary.sin_cache),
                                            _p(meta.slot_mapping), _p(meta.decode_block_table),
-                                           _p(meta.decode_context_lens))
+                                           _p(meta.decode_context_lens),
+                                           None if step is None else ctypes.addressof(step))
         if rc != 0:
             raise MemoryError("ss_decode_layers could not allocate its scratch buffers")
         return out

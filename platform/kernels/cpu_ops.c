@@ -590,49 +590,117 @@ void ss_q4_dequant(const uint8_t *qs, const float *d, const float *mn, int64_t n
 #if defined(__AVX2__) && defined(__FMA__)
 /* `vecs` whole 8-lane vectors of columns; always inlined with a constant, so the accumulators
  * stay in registers */
-static inline __attribute__((always_inline)) void gemm_fixed_vecs(const float *x, int64_t k, int rows, const float *w,
-                                                                  int64_t n, float *y, int accumulate, int vecs) {
+static inline __attribute__((always_inline)) void gemm_fixed_vecs(const float *x, int64_t ldx, int64_t k, int rows,
+                                                                  const float *w, int64_t n, float *y, int64_t ldy,
+                                                                  int accumulate, int vecs) {
     __m256 acc[GF_ROWS][2];
     for (int r = 0; r < rows; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
     for (int64_t i = 0; i < k; i++)
         for (int v = 0; v < vecs; v++) {
             __m256 wv = _mm256_loadu_ps(w + i * n + 8 * v);
-            for (int r = 0; r < rows; r++) acc[r][v] = _mm256_fmadd_ps(_mm256_set1_ps(x[r * k + i]), wv, acc[r][v]);
+            for (int r = 0; r < rows; r++) acc[r][v] = _mm256_fmadd_ps(_mm256_set1_ps(x[r * ldx + i]), wv, acc[r][v]);
         }
     for (int r = 0; r < rows; r++)
         for (int v = 0; v < vecs; v++) {
-            float *yr = y + r * n + 8 * v;
+            float *yr = y + r * ldy + 8 * v;
             _mm256_storeu_ps(yr, accumulate ? _mm256_add_ps(_mm256_loadu_ps(yr), acc[r][v]) : acc[r][v]);
         }
 }
 #endif
 
-static void gemm_fixed_tile(const float *x, int64_t k, int rows, const float *w, int64_t n, int64_t width, float *y,
-                            int accumulate) {
+static void gemm_fixed_tile(const float *x, int64_t ldx, int64_t k, int rows, const float *w, int64_t n, int64_t width,
+                            float *y, int64_t ldy, int accumulate) {
     int64_t c = 0;
 #if defined(__AVX2__) && defined(__FMA__)
     if (width >= 16)
-        gemm_fixed_vecs(x, k, rows, w, n, y, accumulate, 2), c = 16;
+        gemm_fixed_vecs(x, ldx, k, rows, w, n, y, ldy, accumulate, 2), c = 16;
     else if (width >= 8)
-        gemm_fixed_vecs(x, k, rows, w, n, y, accumulate, 1), c = 8;
+        gemm_fixed_vecs(x, ldx, k, rows, w, n, y, ldy, accumulate, 1), c = 8;
 #endif
     for (; c < width; c++)
         for (int r = 0; r < rows; r++) {
             float acc = 0.0f;
-            for (int64_t i = 0; i < k; i++) acc = fmaf(x[r * k + i], w[i * n + c], acc);
-            y[r * n + c] = accumulate ? y[r * n + c] + acc : acc;
+            for (int64_t i = 0; i < k; i++) acc = fmaf(x[r * ldx + i], w[i * n + c], acc);
+            y[r * ldy + c] = accumulate ? y[r * ldy + c] + acc : acc;
         }
 }
 
-void ss_gemm_fixed(const float *x, int64_t m, int64_t k, const float *w, int64_t n, float *y, int accumulate,
-                   int threads) {
+/* x rows `ldx` floats apart, y rows `ldy` apart (a slice of a wider matrix); w [k, n] dense */
+static void gemm_fixed_ld(const float *x, int64_t ldx, int64_t m, int64_t k, const float *w, int64_t n, float *y,
+                          int64_t ldy, int accumulate, int threads) {
     int64_t tiles = (n + 15) / 16;
 #pragma omp parallel for num_threads(threads) schedule(static) if (m * k * n >= 262144)
     for (int64_t t = 0; t < tiles; t++) {
         int64_t c0 = t * 16, width = n - c0 < 16 ? n - c0 : 16;
         for (int64_t r0 = 0; r0 < m; r0 += GF_ROWS) {
             int rows = m - r0 < GF_ROWS ? (int)(m - r0) : GF_ROWS;
-            gemm_fixed_tile(x + r0 * k, k, rows, w + c0, n, width, y + r0 * n + c0, accumulate);
+            gemm_fixed_tile(x + r0 * ldx, ldx, k, rows, w + c0, n, width, y + r0 * ldy + c0, ldy, accumulate);
         }
     }
+}
+
+void ss_gemm_fixed(const float *x, int64_t m, int64_t k, const float *w, int64_t n, float *y, int accumulate,
+                   int threads) {
+    gemm_fixed_ld(x, k, m, k, w, n, y, n, accumulate, threads);
+}
+
+/*   ss_lora_delta   y[m, n] += scale-folded LoRA deltas of a step's adapters, each on its own rows
+ *
+ * lin[g] is adapter g's part of this linear (platform/lora/adapter.py LoraLinear; `a` NULL: it
+ * leaves the linear alone): h = x @ A_T [rows, S*r], then shard s adds h[:, s*r:(s+1)*r] @ B_s^T
+ * into its own output columns start_s.. (no zero blocks between shards are read or multiplied).
+ * row_group[r] is row r's adapter (-1: the base model). Each adapter's rows are gathered and go
+ * through the fixed-order GEMM, so a row's delta is computed from its own row and its own
+ * adapter only: the same bits alone, beside base rows or beside other adapters, and no
+ * adapter's columns are computed for another adapter's rows (the masked form, every adapter on
+ * every row, costs the number of adapters in the step times as much).
+ * Returns 0, or -1 when the scratch could not be allocated. */
+#define SS_LORA_SHARDS 3
+typedef struct ss_lora {
+    const float *a;                  /* A_T [k, width], width = shards * rank */
+    int64_t width, rank, shards;
+    const float *b[SS_LORA_SHARDS];  /* shard s: (scale B_s)^T [rank, size[s]], row-major */
+    int64_t start[SS_LORA_SHARDS], size[SS_LORA_SHARDS];
+} ss_lora;
+
+int ss_lora_delta(const float *x, int64_t m, int64_t k, const ss_lora *lin, int64_t groups, const int64_t *row_group,
+                  int64_t n, float *y, int threads) {
+    int64_t width = 0;
+    for (int64_t g = 0; g < groups; g++)
+        if (lin[g].a && lin[g].width > width) width = lin[g].width;
+    float *h = malloc(sizeof(float) * m * (width ? width : 1)), *xg = NULL, *yg = NULL;
+    int64_t *rows = malloc(sizeof(int64_t) * m);
+    int ok = h && rows;
+    for (int64_t g = 0; g < groups && ok; g++) {
+        const ss_lora *l = lin + g;
+        if (!l->a) continue;
+        int64_t count = 0;
+        for (int64_t r = 0; r < m; r++)
+            if (row_group[r] == g) rows[count++] = r;
+        if (count == 0) continue;
+        if (count == m) { /* every row runs this adapter: no gather, added straight into y */
+            ss_gemm_fixed(x, m, k, l->a, l->width, h, 0, threads);
+            for (int64_t s = 0; s < l->shards; s++)
+                gemm_fixed_ld(h + s * l->rank, l->width, m, l->rank, l->b[s], l->size[s], y + l->start[s], n, 1,
+                              threads);
+            continue;
+        }
+        if (!xg) {
+            xg = malloc(sizeof(float) * m * k), yg = malloc(sizeof(float) * m * n);
+            if (!xg || !yg) { ok = 0; break; }
+        }
+        for (int64_t i = 0; i < count; i++) memcpy(xg + i * k, x + rows[i] * k, sizeof(float) * k);
+        ss_gemm_fixed(xg, count, k, l->a, l->width, h, 0, threads);
+        for (int64_t s = 0; s < l->shards; s++) {
+            int64_t c0 = l->start[s], c1 = l->start[s] + l->size[s];
+            gemm_fixed_ld(h + s * l->rank, l->width, count, l->rank, l->b[s], l->size[s], yg + c0, n, 0, threads);
+            for (int64_t i = 0; i < count; i++) { /* the one add the accumulating GEMM makes */
+                float *yr = y + rows[i] * n;
+                const float *d = yg + i * n;
+                for (int64_t c = c0; c < c1; c++) yr[c] += d[c];
+            }
+        }
+    }
+    free(h), free(rows), free(xg), free(yg);
+    return ok ? 0 : -1;
 }

@@ -35,6 +35,30 @@ _p = torch.Tensor.data_ptr  # a tensor's address, without a Python frame per cal
 KV_DTYPES = (torch.float32, torch.float16)  # the KV cache types the kernels read and write
 
 
+LORA_SHARDS = 3  # SS_LORA_SHARDS: q|k|v
+
+
+class LoraEntry(ctypes.Structure):
+    """One adapter's part of one linear for ss_lora_delta (lora.adapter.LoraLinear): A_T
+    [k, width] and per shard B_s^T [rank, size] added at output column `start` (float32,
+    contiguous; a NULL `a`: the adapter leaves this linear alone)."""
+
+    _fields_ = [("a", ctypes.c_void_p), ("width", ctypes.c_int64), ("rank", ctypes.c_int64),
+                ("shards", ctypes.c_int64), ("b", ctypes.c_void_p * LORA_SHARDS),
+                ("start", ctypes.c_int64 * LORA_SHARDS), ("size", ctypes.c_int64 * LORA_SHARDS)]
+
+    @classmethod
+    def of(cls, linear) -> "LoraEntry":
+        blocks = linear.blocks
+        assert len(blocks) <= LORA_SHARDS and linear.a_t.dtype == torch.float32
+        n = len(blocks)
+        pad = (0,) * (LORA_SHARDS - n)
+        return cls(linear.a_t.data_ptr(), linear.a_t.shape[1], linear.rank, n,
+                   (ctypes.c_void_p * LORA_SHARDS)(*(b.data_ptr() for _, b in blocks), *pad),
+                   (ctypes.c_int64 * LORA_SHARDS)(*(start for start, _ in blocks), *pad),
+                   (ctypes.c_int64 * LORA_SHARDS)(*(b.shape[1] for _, b in blocks), *pad))
+
+
 class CpuOps:
     def __init__(self, lib: ctypes.CDLL):
         self.lib = lib
@@ -98,6 +122,14 @@ class CpuOps:
         y = x.new_empty(m, w.shape[1]) if out is None else out
         self.lib.ss_gemm_fixed(_p(x), m, k, _p(w), w.shape[1], _p(y), out is not None, torch.get_num_threads())
         return y
+
+    def lora_delta(self, x: torch.Tensor, entries, row_group: torch.Tensor, y: torch.Tensor) -> None:
+        """y [M, N] += each adapter's delta on its own rows: `entries` a LoraEntry array, one per
+        adapter group, `row_group` [M] int64 each row's group (-1: none). See cpu_ops.c."""
+        rc = self.lib.ss_lora_delta(_p(x), x.shape[0], x.shape[1], ctypes.addressof(entries), len(entries),
+                                    _p(row_group), y.shape[1], _p(y), torch.get_num_threads())
+        if rc != 0:
+            raise MemoryError("ss_lora_delta could not allocate its scratch buffers")
 
     def q4_dequant(self, qs: torch.Tensor, d: torch.Tensor, mn: torch.Tensor) -> torch.Tensor:
         """The float32 weight [N, K] of the same layout (for a GEMM over many rows)."""

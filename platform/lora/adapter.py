@@ -8,10 +8,12 @@ A PEFT adapter folder holds `adapter_config.json` (`r`, `lora_alpha`, `target_mo
     y = W x + scale * B (A x),   scale = lora_alpha / r   (lora_alpha / sqrt(r) with rsLoRA)
 
 Our model fuses q|k|v and gate|up into one linear each (models/layers.MergedLinear), so an
-adapter is packed per fused linear: A_T = [A_s1; A_s2; ...]^T  [in, S*r] over the adapted
-shards s, and B_T [S*r, out] block-structured: rows of shard s hold (scale * B_s)^T in the
-columns of that shard's output slice, zeros elsewhere. One fused linear then takes its whole
-delta in two matmuls: y += (x @ A_T) @ B_T.
+adapter is packed per fused linear (`LoraLinear`): A_T = [A_s1; A_s2; ...]^T  [in, S*r] over the
+adapted shards s (one shrink for all of them), and per shard (scale * B_s)^T [r, size_s] with
+the column offset of that shard's output slice. The CPU kernel expands each shard into its own
+slice; the torch form (`b_t()`) lays the shards out block-structured in one [S*r, out] matrix,
+zeros elsewhere, so a fused linear takes its whole delta in two matmuls: y += (x @ A_T) @ B_T.
+Only the compact shards are kept (the zeros would be two thirds of a q|k|v adapter's bytes).
 
 Weight layout: our GGUF loader already undoes llama.cpp's q/k row permutation
 (weights/gguf.py), so q/k are in Hugging Face's row order, the order PEFT adapters are trained
@@ -67,11 +69,37 @@ class LinearLayout:
 
 
 @dataclass(frozen=True, eq=False)
+class LoraLinear:
+    """One adapter's part of one fused linear: A_T [in, S*r] and, for shard s (rows s*r.. of
+    x @ A_T), (scale * B_s)^T [r, size_s] added into output columns start_s.. (shard order)."""
+
+    a_t: torch.Tensor
+    blocks: tuple[tuple[int, torch.Tensor], ...]   # (start, B_s^T scaled) per adapted shard
+    out_features: int
+
+    @property
+    def rank(self) -> int:
+        return self.blocks[0][1].shape[0]
+
+    @property
+    def nbytes(self) -> int:
+        return self.a_t.nbytes + sum(b.nbytes for _, b in self.blocks)
+
+    def b_t(self) -> torch.Tensor:
+        """The block-structured B_T [S*r, out] of the torch form (built on demand)."""
+        r = self.rank
+        b_t = self.a_t.new_zeros(len(self.blocks) * r, self.out_features)
+        for i, (start, b) in enumerate(self.blocks):
+            b_t[i * r:(i + 1) * r, start:start + b.shape[1]] = b
+        return b_t
+
+
+@dataclass(frozen=True, eq=False)
 class LoraAdapter:
     """A loaded adapter: its identity, its hyper-parameters and its packed weights.
 
-    `weights[key]` = (A_T [in, S*r], B_T [S*r, out]) for each fused linear the adapter touches,
-    `key` as in the model ("layers.3.self_attn.qkv_proj"); scale is folded into B_T.
+    `weights[key]` = the LoraLinear of each fused linear the adapter touches, `key` as in the
+    model ("layers.3.self_attn.qkv_proj"); scale is folded into its B blocks.
     """
 
     name: str
@@ -81,7 +109,7 @@ class LoraAdapter:
     use_rslora: bool
     target_modules: tuple[str, ...]
     digest: bytes
-    weights: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(repr=False)
+    weights: dict[str, LoraLinear] = field(repr=False)
 
     @property
     def scale(self) -> float:
@@ -94,7 +122,7 @@ class LoraAdapter:
 
     @property
     def nbytes(self) -> int:
-        return sum(a.nbytes + b.nbytes for a, b in self.weights.values())
+        return sum(w.nbytes for w in self.weights.values())
 
 
 def read_adapter(name: str, path: str, layout: dict[str, LinearLayout], max_rank: int,
@@ -208,14 +236,11 @@ def _check_pair(name: str, key: str, proj: str, pair: dict[str, torch.Tensor], r
 
 
 def _pack(parts: dict[str, dict[str, torch.Tensor]], lin: LinearLayout, scale: float,
-          dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """(A_T [in, S*r], B_T [S*r, out]) for one fused linear, shards in the linear's order."""
+          dtype: torch.dtype) -> LoraLinear:
+    """One fused linear's LoraLinear, shards in the linear's order."""
     order = [proj for proj in TARGETS if proj in parts]
     order.sort(key=lambda p: lin.shard_offsets[TARGETS[p][1]][0])
-    rank = parts[order[0]]["A"].shape[0]
     a_t = torch.cat([parts[p]["A"].float() for p in order]).t().contiguous()
-    b_t = torch.zeros(len(order) * rank, lin.out_features)
-    for i, proj in enumerate(order):
-        start, size = lin.shard_offsets[TARGETS[proj][1]]
-        b_t[i * rank:(i + 1) * rank, start:start + size] = parts[proj]["B"].float().t() * scale
-    return a_t.to(dtype), b_t.to(dtype)
+    blocks = tuple((lin.shard_offsets[TARGETS[p][1]][0], (parts[p]["B"].float().t() * scale).to(dtype).contiguous())
+                   for p in order)
+    return LoraLinear(a_t.to(dtype), blocks, lin.out_features)

@@ -144,8 +144,8 @@ class LlamaForCausalLM(nn.Module):
 
     def use_fused_ops(self, ops: CpuOps | None) -> None:
         """Run forward() through the fused CPU kernels (float32 on a CPU), or the torch path (None).
-        A step of decodes only, with no LoRA adapter in it, then runs all layers in one C call where
-        the model allows it (kernels/cpu_decode.py: every linear w4a8/w4a16); call after
+        A step of decodes only (with or without LoRA adapters) then runs all layers in one C call
+        where the model allows it (kernels/cpu_decode.py: every linear w4a8/w4a16); call after
         load_weights()."""
         self.fused_ops = ops
         self.decode_plan = plan_for(self, ops) if self.quantization != "none" else None
@@ -154,10 +154,9 @@ class LlamaForCausalLM(nn.Module):
         """The same graph as forward(), with each residual add fused into the next norm:
         per layer qkv -> rope+KV write -> attention -> o -> add+norm -> gate_up -> silu*up -> down -> add+norm."""
         ops = self.fused_ops
-        lora = getattr(self, "lora_context", None)  # adapters add their deltas in Python (platform/lora)
-        if self.decode_plan is not None and layer_hook is None and not meta.prefills \
-                and (lora is None or lora.batch is None):
-            return self.decode_plan.run(x, positions, kv_caches, meta)
+        lora = getattr(self, "lora_context", None)  # the step's adapters (platform/lora), if any
+        if self.decode_plan is not None and layer_hook is None and not meta.prefills:
+            return self.decode_plan.run(x, positions, kv_caches, meta, lora=None if lora is None else lora.batch)
         residual = x.contiguous()
         h = ops.rms_norm(residual, self.layers[0].input_layernorm.weight, self.config.rms_norm_eps)
         eps = self.config.rms_norm_eps

@@ -39,9 +39,11 @@ def test_scale_rank_targets_and_digest(tmp_path, registry_factory):
     rs = reg.add("rs", write_adapter(tmp_path / "b", r=16, alpha=32, use_rslora=True))
     assert (plain.scale, rs.scale) == (2.0, 8.0)
     assert plain.target_modules == ("q_proj", "v_proj") and plain.rank == 16
-    a_t, b_t = plain.weights["layers.0.self_attn.qkv_proj"]
-    assert a_t.shape == (576, 32) and b_t.shape == (32, 960)
-    assert b_t[:16, 576:768].abs().sum() == 0 and b_t[16:, 768:].abs().sum() > 0  # k untouched, v in its slice
+    qkv = plain.weights["layers.0.self_attn.qkv_proj"]
+    assert qkv.a_t.shape == (576, 32) and [(start, b.shape) for start, b in qkv.blocks] == [(0, (16, 576)),
+                                                                                           (768, (16, 192))]
+    b_t = qkv.b_t()   # the torch form: q and v blocks in their slices, k's columns untouched
+    assert b_t.shape == (32, 960) and b_t[:16, 576:768].abs().sum() == 0 and b_t[16:, 768:].abs().sum() > 0
     assert "layers.0.mlp.down_proj" not in plain.weights
     again = reg.add("plain", write_adapter(tmp_path / "a", r=16, alpha=32))
     assert again.digest == plain.digest and rs.digest != plain.digest

@@ -101,6 +101,41 @@ def test_auto_mode_mixed_batch_gives_each_request_its_tokens_alone(make_engine, 
     engine.pool.reset_prefix_cache()
     assert run_mixed(engine, requests, GREEDY) == alone
 
+@needs_kernels
+def test_one_call_decode_step_with_adapters_gives_the_python_paths_bits(make_engine, peft_adapters):
+    """Decode steps with adapters run every layer in one C call (kernels/cpu_decode.c) and give the
+    per-layer Python path's tokens and logprob floats exactly: mixed (base + 3 adapters) and
+    one-adapter steps."""
+    _, tok, paths = peft_adapters
+    engine = lora_engine(make_engine, paths, quantization="auto")
+    plan = engine.model.decode_plan
+    assert plan is not None
+    with_adapters = []
+    run_plan = plan.run
+    plan.run = lambda *args, lora=None: with_adapters.append(lora is not None) or run_plan(*args, lora=lora)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=3)
+    prompts = [tok(p).input_ids for p in PROMPTS[:2]]
+    batches = [[(ids, lora) for ids in prompts for lora in (None, *NAMES)], [(ids, NAMES[2]) for ids in prompts]]
+
+    def run() -> list:
+        seen = []
+        for batch in batches:
+            ids = [engine.add_request(params=params, prompt_token_ids=t, lora_name=lora) for t, lora in batch]
+            got = {i: [] for i in ids}
+            while engine.has_unfinished_requests():
+                for out in engine.step():
+                    got[out.req_id] += list(zip(out.new_token_ids, out.new_logprobs or []))
+            seen += got.values()
+            engine.pool.reset_prefix_cache()
+        return seen
+
+    fast = run()
+    assert with_adapters.count(True) >= 2 * (params.max_tokens - 1)  # every decode step of both batches
+    engine.model.decode_plan = None
+    slow = run()
+    assert all(len(f) == params.max_tokens for f in fast)
+    assert fast == slow  # the same tokens and the same logprob floats, not merely close ones
+
 def adapter_logits(engine, name, ids) -> torch.Tensor:
     """All-position logits of one prompt through the engine's model with adapter `name` on all rows."""
     context = engine.runner.lora_context
