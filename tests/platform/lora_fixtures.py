@@ -1,15 +1,15 @@
 """Random PEFT adapters on the real SmolLM2 weights, and transformers + PEFT as their reference.
 
 The reference model is transformers' LlamaForCausalLM read from the same GGUF as our engine
-(as in test_engine_vs_transformers.py), loaded afresh here because PEFT injects its layers into
-the model it wraps. Adapters are made by PEFT itself (get_peft_model / add_adapter), their
+(the session's `hf_smollm2`, as in test_engine_vs_transformers.py), deep-copied here because
+PEFT injects its layers into the model it wraps. Adapters are made by PEFT itself (get_peft_model / add_adapter), their
 lora_B (zero when PEFT creates them: a no-op) and lora_A re-drawn from seeded normals, and saved
 with save_pretrained: exactly the folders a user would hand us.
 """
 
 from __future__ import annotations
 
-import os
+import copy
 
 import torch
 
@@ -22,14 +22,13 @@ ADAPTERS = {
 }
 
 
-def make_peft_adapters(gguf_path: str, folder, names=tuple(ADAPTERS), std: float = 0.02):
-    """Save the named adapters under folder/<name>; returns (PeftModel with all of them, tokenizer)."""
+def make_peft_adapters(hf_model, tok, folder, names=tuple(ADAPTERS), std: float = 0.02):
+    """Save the named adapters under folder/<name>; returns (PeftModel with all of them, tokenizer).
+    `hf_model` (transformers' SmolLM2, the session's reference) is copied first: PEFT injects its
+    layers into the model it wraps, and the other tests need the reference untouched."""
     from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    gguf_folder, gguf_name = os.path.split(gguf_path)
-    tok = AutoTokenizer.from_pretrained(gguf_folder, gguf_file=gguf_name)
-    base = AutoModelForCausalLM.from_pretrained(gguf_folder, gguf_file=gguf_name, dtype=torch.float32).eval()
+    base = copy.deepcopy(hf_model).eval()
     model = None
     for name in names:
         kwargs, seed = ADAPTERS[name]

@@ -21,12 +21,15 @@ from splitserve.platform.sampling.params import SamplingParams
 pytestmark = pytest.mark.slow
 
 GREEDY = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+# transformers + PEFT runs each of the 16 reference requests token by token through its hooks
+# (about 80 % of this file's time at 32 tokens): 20 tokens keep the check and cost less
+PEFT_GREEDY = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
 NAMES = list(ADAPTERS)
 
 @pytest.fixture(scope="module")
-def peft_adapters(tmp_path_factory, smollm2_gguf_path):
+def peft_adapters(tmp_path_factory, hf_smollm2):
     folder = tmp_path_factory.mktemp("peft-adapters")
-    model, tok = make_peft_adapters(smollm2_gguf_path, folder)
+    model, tok = make_peft_adapters(*hf_smollm2, folder)
     return model, tok, {name: str(folder / name) for name in NAMES}
 
 def lora_engine(make_engine, paths, quantization="none"):
@@ -42,9 +45,9 @@ def test_mixed_batch_equals_transformers_peft_per_request(make_engine, peft_adap
     prompts = [tok(p).input_ids for p in PROMPTS[:4]]
     # every prompt with the base model and each adapter: 16 requests, 4 adapters' worth of rows mixed
     requests = [(ids, lora) for ids in prompts for lora in (None, *NAMES)]
-    outs = run_mixed(engine, requests, GREEDY)
+    outs = run_mixed(engine, requests, PEFT_GREEDY)
     for (ids, lora), out in zip(requests, outs):
-        assert out == peft_greedy(model, lora, ids, GREEDY.max_tokens), f"{lora} diverged on {tok.decode(ids)!r}"
+        assert out == peft_greedy(model, lora, ids, PEFT_GREEDY.max_tokens), f"{lora} diverged on {tok.decode(ids)!r}"
     by_adapter = {lora: [o for (_, l), o in zip(requests, outs) if l == lora] for lora in (None, *NAMES)}
     for name in NAMES:  # the adapters are not no-ops: each changes what the model says
         assert by_adapter[name] != by_adapter[None], name
@@ -73,10 +76,8 @@ def test_max_loras_skips_a_request_without_a_slot_but_not_the_queue(make_engine,
 @needs_kernels
 def test_auto_mode_adapter_logits_within_the_fast_mode_gates(smollm2_models, peft_adapters, make_engine):
     _, tok, paths = peft_adapters
+    ref_engine, fast_engine = lora_engine(make_engine, paths), lora_engine(make_engine, paths, quantization="auto")
     for name in NAMES:
-        ref_engine, fast_engine = make_engine(quantization="none"), make_engine(quantization="auto")
-        ref_engine.load_lora_adapter(name, paths[name])
-        fast_engine.load_lora_adapter(name, paths[name])
         worst_top, mean, agree, positions = 0.0, 0.0, 0, 0
         for prompt in PROMPTS:
             ids = tok(prompt).input_ids
@@ -92,49 +93,37 @@ def test_auto_mode_adapter_logits_within_the_fast_mode_gates(smollm2_models, pef
         assert agree / positions >= MIN_TOP1_AGREEMENT, f"{name}: top-1 agrees at {agree}/{positions}"
 
 @needs_kernels
-def test_auto_mode_mixed_batch_gives_each_request_its_tokens_alone(make_engine, peft_adapters):
-    _, tok, paths = peft_adapters
-    engine = lora_engine(make_engine, paths, quantization="auto")
-    prompts = [tok(p).input_ids for p in PROMPTS[4:7]]
-    requests = [(ids, lora) for ids in prompts for lora in (None, *NAMES)]
-    alone = [run_mixed(engine, [r], GREEDY)[0] for r in requests]
-    engine.pool.reset_prefix_cache()
-    assert run_mixed(engine, requests, GREEDY) == alone
-
-@needs_kernels
-def test_one_call_decode_step_with_adapters_gives_the_python_paths_bits(make_engine, peft_adapters):
-    """Decode steps with adapters run every layer in one C call (kernels/cpu_decode.c) and give the
-    per-layer Python path's tokens and logprob floats exactly: mixed (base + 3 adapters) and
-    one-adapter steps."""
+def test_auto_mode_mixed_batch_gives_each_request_its_tokens_alone(make_engine, peft_adapters, monkeypatch):
+    """In the fast mode a request's tokens and logprob floats do not depend on its batch-mates
+    (base rows and other adapters), and the decode steps that run every layer in one C call
+    (kernels/cpu_decode.c) give the per-layer Python path's bits, adapters included."""
     _, tok, paths = peft_adapters
     engine = lora_engine(make_engine, paths, quantization="auto")
     plan = engine.model.decode_plan
     assert plan is not None
     with_adapters = []
-    run_plan = plan.run
-    plan.run = lambda *args, lora=None: with_adapters.append(lora is not None) or run_plan(*args, lora=lora)
-    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=3)
-    prompts = [tok(p).input_ids for p in PROMPTS[:2]]
-    batches = [[(ids, lora) for ids in prompts for lora in (None, *NAMES)], [(ids, NAMES[2]) for ids in prompts]]
+    run_plan = plan.run   # the model is shared by the session's engines: monkeypatch restores it
+    monkeypatch.setattr(plan, "run", lambda *a, lora=None: with_adapters.append(lora is not None) or run_plan(*a, lora=lora))
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=3)
+    prompts = [tok(p).input_ids for p in PROMPTS[4:7]]
+    requests = [(ids, lora) for ids in prompts for lora in (None, *NAMES)]
 
-    def run() -> list:
-        seen = []
-        for batch in batches:
-            ids = [engine.add_request(params=params, prompt_token_ids=t, lora_name=lora) for t, lora in batch]
-            got = {i: [] for i in ids}
-            while engine.has_unfinished_requests():
-                for out in engine.step():
-                    got[out.req_id] += list(zip(out.new_token_ids, out.new_logprobs or []))
-            seen += got.values()
-            engine.pool.reset_prefix_cache()
-        return seen
+    def run(batch: list) -> list:
+        ids = [engine.add_request(params=params, prompt_token_ids=t, lora_name=lora) for t, lora in batch]
+        got = {i: [] for i in ids}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                got[out.req_id] += list(zip(out.new_token_ids, out.new_logprobs or []))
+        engine.pool.reset_prefix_cache()
+        return list(got.values())
 
-    fast = run()
-    assert with_adapters.count(True) >= 2 * (params.max_tokens - 1)  # every decode step of both batches
-    engine.model.decode_plan = None
-    slow = run()
-    assert all(len(f) == params.max_tokens for f in fast)
-    assert fast == slow  # the same tokens and the same logprob floats, not merely close ones
+    alone = [run([r])[0] for r in requests]
+    mixed = run(requests)
+    assert with_adapters.count(True) >= 9 * (params.max_tokens - 1)  # the adapter requests' decode steps
+    assert all(len(m) == params.max_tokens for m in mixed)
+    assert mixed == alone  # the same tokens and the same logprob floats, not merely close ones
+    monkeypatch.setattr(engine.model, "decode_plan", None)   # the per-layer Python path
+    assert run(requests) == mixed
 
 def adapter_logits(engine, name, ids) -> torch.Tensor:
     """All-position logits of one prompt through the engine's model with adapter `name` on all rows."""

@@ -134,12 +134,9 @@ def test_smollm2_config(smollm2_gguf_path):
 
 
 @pytest.fixture(scope="module")
-def smollm2_transformers_state(smollm2_gguf_path):
-    transformers = pytest.importorskip("transformers")
-    import os
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        os.path.dirname(smollm2_gguf_path), gguf_file=os.path.basename(smollm2_gguf_path), dtype=torch.float32)
-    return model.state_dict()
+def smollm2_transformers_state(hf_smollm2):
+    """transformers' own tensors from the same GGUF (the session's reference model, read only)."""
+    return hf_smollm2[0].state_dict()
 
 
 @pytest.mark.slow
