@@ -140,8 +140,9 @@ def read_adapter(name: str, path: str, layout: dict[str, LinearLayout], max_rank
     scale = alpha / (math.sqrt(rank) if use_rslora else rank)
     weights = {key: _pack(parts, layout[key], scale, dtype) for key, parts in shards.items()}
     targets = sorted({proj for key, parts in shards.items() for proj in parts})
-    digest = hashlib.sha256(json.dumps(config, sort_keys=True).encode() + b"\0" + weight_bytes).digest()
-    return LoraAdapter(name, path, rank, alpha, use_rslora, tuple(targets), digest, weights)
+    hasher = hashlib.sha256(json.dumps(config, sort_keys=True).encode() + b"\0")
+    hasher.update(weight_bytes)   # not concatenated: a rank-64 adapter's 78 MB would be copied once more
+    return LoraAdapter(name, path, rank, alpha, use_rslora, tuple(targets), hasher.digest(), weights)
 
 
 def _read(path: str, filename: str) -> bytes:
