@@ -23,7 +23,7 @@ from splitserve.platform.errors import InvalidRequestError
 from splitserve.platform.lora.registry import AdapterNotFoundError
 from splitserve.platform.wire import worker_pb2 as pb
 from splitserve.platform.wire import worker_pb2_grpc as pb_grpc
-from splitserve.workers import convert
+from splitserve.workers import convert, faults
 from splitserve.workers.config import WorkerConfig
 from splitserve.workers.decode import RemotePrefill
 from splitserve.workers.events import EventHub
@@ -96,10 +96,16 @@ class WorkerService(pb_grpc.WorkerServicer):
             self._leave()
 
     async def _adapter(self, name: str):
-        """The adapter named by a request (None for ""), looked up on the engine thread."""
+        """The adapter named by a request (None for ""), looked up on the engine thread. One that
+        was evicted from memory is read again in another thread: the engine keeps stepping the
+        other requests meanwhile (platform/lora/registry.py)."""
         if not name:
             return None
-        return await self.engine.call(lambda e: e.loras.get(name))
+        adapter, path = await self.engine.call(lambda e: e.loras.lookup(name))
+        if adapter is None:
+            adapter = await asyncio.to_thread(_read_adapter, self.engine.engine.loras, name, path)
+            adapter = await self.engine.call(lambda e: e.loras.install(adapter))
+        return adapter
 
     async def _generate(self, req_id, token_ids, params, remote: bool, prefill_workers: list[str],
                         resumed: list[int], lora=None):
@@ -208,3 +214,9 @@ async def publish_load(service: WorkerService, interval_s: float) -> None:
             waiting_lora_adapters=load.waiting_loras, max_loras=load.max_loras,
             resident_lora_adapters=load.resident_loras))
         await asyncio.sleep(interval_s)
+
+
+def _read_adapter(registry, name: str, path: str):
+    """Read an evicted adapter's folder again, in a thread (registry.read touches no state)."""
+    faults.adapter_read()
+    return registry.read(name, path)

@@ -106,6 +106,29 @@ def test_cpu_lru_evicts_least_recently_used_and_reloads_on_demand(tmp_path, regi
         reg.remove("a")
 
 
+def test_an_adapter_read_off_the_engine_thread_is_installed_unless_something_changed(tmp_path, registry_factory):
+    """A worker reads an evicted adapter in another thread (lookup -> read -> install); meanwhile
+    another request may have read it, the name may have moved to another folder or gone."""
+    reg = registry_factory(max_loras=1, max_cpu_loras=1)
+    reg.add("a", write_adapter(tmp_path / "a", seed=1))
+    reg.add("b", write_adapter(tmp_path / "b", seed=2))           # evicts a
+    adapter, path = reg.lookup("a")
+    assert adapter is None and path == str(tmp_path / "a")
+    loads = reg.num_loads
+    read = reg.read("a", path)                                    # no state touched
+    assert reg.num_loads == loads and [x.name for x in reg.loaded()] == ["b"]
+    assert reg.install(read) is read and [x.name for x in reg.loaded()] == ["a"] and reg.num_loads == loads + 1
+    assert reg.install(reg.read("a", path)) is read               # a second read lost the race
+    stale = reg.read("b", str(tmp_path / "b"))
+    reg.add("b", write_adapter(tmp_path / "b2", seed=3))          # b now names another folder...
+    reg.add("a", path)                                            # ...and is evicted again
+    fresh = reg.install(stale)                                    # the new folder is read instead
+    assert fresh.path == str(tmp_path / "b2") and fresh.digest == reg.digest("b") != stale.digest
+    reg.remove("a")
+    with pytest.raises(AdapterNotFoundError):
+        reg.install(read)
+
+
 def test_lora_config_is_validated():
     with pytest.raises(ConfigError, match="max_cpu_loras .1. must be >= max_loras .2."):
         LoraConfig(max_loras=2, max_cpu_loras=1)

@@ -6,7 +6,9 @@ it and must load it from the folder the decode worker names, so P/D with an adap
 decode worker's own (colocated) answer; when the prefill worker cannot read the folder, the
 request falls back to local prefill and is still right, as it is when the prefill worker holds
 other weights under the adapter's name (the KV layout carries the adapter's digest). Workers
-report their adapters in load reports and export vllm:lora_requests_info.
+report their adapters in load reports and export vllm:lora_requests_info. An adapter evicted
+from memory is read again off the engine thread: other streams keep decoding during the read
+(a slow disk is injected with SPLITSERVE_FAULT_ADAPTER_READ_S).
 """
 
 import asyncio
@@ -169,3 +171,43 @@ def test_adapters_in_load_reports_metrics_and_unload(lora_pair):
     with pytest.raises(grpc.aio.AioRpcError) as err:
         asyncio.run(call(d.address, "UnloadLoraAdapter", pb.UnloadLoraAdapterRequest(lora_name="temp")))
     assert err.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+def test_an_evicted_adapter_is_read_again_while_other_streams_keep_decoding(tmp_path):
+    modules = ("q_proj", "k_proj", "v_proj", "down_proj")
+    a = write_adapter(tmp_path / "a", alpha=64, modules=modules, seed=21)
+    b = write_adapter(tmp_path / "b", alpha=64, modules=modules, seed=22)
+    # one adapter in memory: b, read last at start, evicted a; reading a again takes 2 s more
+    w = WorkerProc("both", "tcp", "--lora-modules", f"a={a}", f"b={b}", "--max-loras", "1", "--max-cpu-loras", "1",
+                   env={"SPLITSERVE_FAULT_ADAPTER_READ_S": "2"}).start()
+    try:
+        asyncio.run(evicted_read_beside_a_stream(w.address))
+    finally:
+        w.terminate()
+
+
+async def evicted_read_beside_a_stream(address):
+    arrivals: list[float] = []
+
+    async def base_stream():
+        async with worker_channel(address) as channel:
+            request = pb.GenerateRequest(request_id="base", prompt_token_ids=prompt(20),
+                                         params=pb.SamplingParams(temperature=0, max_tokens=1500, ignore_eos=True))
+            async for msg in pb_grpc.WorkerStub(channel).Generate(request):
+                arrivals.extend([time.monotonic()] * len(msg.token_ids))
+
+    stream = asyncio.create_task(base_stream())
+    while len(arrivals) < 3:
+        await asyncio.sleep(0.01)
+    sent = time.monotonic()
+    out, last = await generate(address, prompt(30, salt=4), "a")
+    took = time.monotonic() - sent
+    stream.cancel()
+    assert took >= 2.0   # a was read again (the injected 2 s), not served from memory
+    during_read = sum(1 for t in arrivals if sent + 0.3 < t < sent + 1.8)
+    assert during_read >= 5, f"the base stream got {during_read} tokens during the adapter's read"
+    assert last.finish_reason == pb.FINISH_REASON_LENGTH and len(out) == 8
+    again, _ = await generate(address, prompt(30, salt=4), "a")   # in memory now
+    assert again == out
+    base, _ = await generate(address, prompt(30, salt=4))
+    assert base != out   # the adapter was applied
