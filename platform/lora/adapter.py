@@ -13,7 +13,7 @@ adapted shards s (one shrink for all of them), and per shard (scale * B_s)^T [r,
 the column offset of that shard's output slice. The CPU kernel expands each shard into its own
 slice; the torch form (`b_t()`) lays the shards out block-structured in one [S*r, out] matrix,
 zeros elsewhere, so a fused linear takes its whole delta in two matmuls: y += (x @ A_T) @ B_T.
-Only the compact shards are kept (the zeros would be two thirds of a q|k|v adapter's bytes).
+Only the compact shards are kept (the zeros would be two thirds of a q|k|v linear's B bytes).
 
 Weight layout: our GGUF loader already undoes llama.cpp's q/k row permutation
 (weights/gguf.py), so q/k are in Hugging Face's row order, the order PEFT adapters are trained
