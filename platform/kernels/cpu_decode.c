@@ -30,8 +30,6 @@ void ss_decode_attention(const float *q, const void *k_cache, const void *v_cach
                          int64_t block_size, int64_t max_blocks, float scale, int kv16, int threads);
 void ss_silu_mul(const float *gate_up, float *out, int64_t t, int64_t inter, int threads);
 void ss_quantize_a8(const float *x, int64_t m, int64_t k, int digits, int8_t *q, float *dx, float *xs, int threads);
-void ss_gemm_fixed(const float *x, int64_t m, int64_t k, const float *w, int64_t n, float *y, int accumulate,
-                   int threads);
 void ss_q4a8_linear(const int8_t *xq, const float *dx, const float *xs, int64_t m, int64_t k, int digits,
                     const uint8_t *w, const uint16_t *d, const uint16_t *mn, int64_t n, float *y, int threads);
 

@@ -32,13 +32,17 @@ class _LoraStep(ctypes.Structure):
     _fields_ = [("linears", _P), ("groups", ctypes.c_int64), ("row_group", _P)]
 
 
+def _linears(layer) -> tuple:
+    """A decoder layer's fused linears in the order of the C structs: qkv, o, gate_up, down."""
+    return layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj
+
+
 def _lora_table(model, packed) -> ctypes.Array:
     """[layer][qkv, o, gate_up, down] -> that linear's LoraEntry array of the adapter set `packed`
     (lora.batch.PackedSet.entries; NULL where no adapter touches it)."""
     table = (_P * (len(model.layers) * 4))()
     for i, layer in enumerate(model.layers):
-        linears = (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
-        for j, module in enumerate(linears):
+        for j, module in enumerate(_linears(layer)):
             entries = packed.entries(module.lora_key)
             table[i * 4 + j] = None if entries is None else ctypes.addressof(entries)
     return table
@@ -73,10 +77,8 @@ class DecodePlan:
             return
         layers = (_Layer * len(self.model.layers))()
         for i, (layer, (k, v)) in enumerate(zip(self.model.layers, kv_caches, strict=True)):
-            attn, mlp = layer.self_attn, layer.mlp
             layers[i] = _Layer(_p(layer.input_layernorm.weight), _p(layer.post_attention_layernorm.weight),
-                               _linear(attn.qkv_proj.kernel), _linear(attn.o_proj.kernel),
-                               _linear(mlp.gate_up_proj.kernel), _linear(mlp.down_proj.kernel), _p(k), _p(v))
+                               *(_linear(module.kernel) for module in _linears(layer)), _p(k), _p(v))
         self._layers, self._caches = layers, list(kv_caches)
 
     def run(self, x: torch.Tensor, positions: torch.Tensor, kv_caches, meta, lora=None) -> torch.Tensor:
@@ -115,8 +117,7 @@ def plan_for(model, ops: CpuOps | None) -> DecodePlan | None:
         return None
     digits = set()
     for layer in model.layers:
-        attn, mlp = layer.self_attn, layer.mlp
-        kernels = (attn.qkv_proj.kernel, attn.o_proj.kernel, mlp.gate_up_proj.kernel, mlp.down_proj.kernel)
+        kernels = tuple(module.kernel for module in _linears(layer))
         if not all(isinstance(k, Int4A8Kernel) for k in kernels) or any(k.bias is not None for k in kernels[1:]):
             return None
         digits.update(k.digits for k in kernels)

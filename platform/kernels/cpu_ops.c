@@ -663,20 +663,26 @@ typedef struct ss_lora {
     int64_t start[SS_LORA_SHARDS], size[SS_LORA_SHARDS];
 } ss_lora;
 
-/* adapter g's delta on its `count` rows (`rows`, in order): gathered into xg, shrunk into h, each
- * shard expanded into yg and added into y. Scratch: xg [count, k], h [count, width], yg [count, n]. */
-static void lora_group(const float *x, int64_t k, const ss_lora *l, const int64_t *rows, int64_t count, int64_t n,
-                       float *y, float *xg, float *h, float *yg, int threads) {
-    for (int64_t i = 0; i < count; i++) memcpy(xg + i * k, x + rows[i] * k, sizeof(float) * k);
-    ss_gemm_fixed(xg, count, k, l->a, l->width, h, 0, threads);
+/* adapter l's delta on its `count` rows (`rows`, in order), added into y. All rows of the call:
+ * x and y are used as they are. Else the rows are gathered into xg, shrunk into h, each shard
+ * expanded into yg and added into y: the one add the accumulating GEMM makes, so the same bits.
+ * Scratch: xg [count, k], h [count, width], yg [count, n]. */
+static void lora_group(const float *x, int64_t m, int64_t k, const ss_lora *l, const int64_t *rows, int64_t count,
+                       int64_t n, float *y, float *xg, float *h, float *yg, int threads) {
+    int whole = count == m;
+    if (!whole)
+        for (int64_t i = 0; i < count; i++) memcpy(xg + i * k, x + rows[i] * k, sizeof(float) * k);
+    ss_gemm_fixed(whole ? x : xg, count, k, l->a, l->width, h, 0, threads);
     for (int64_t s = 0; s < l->shards; s++) {
         int64_t c0 = l->start[s], c1 = l->start[s] + l->size[s];
-        gemm_fixed_ld(h + s * l->rank, l->width, count, l->rank, l->b[s], l->size[s], yg + c0, n, 0, threads);
-        for (int64_t i = 0; i < count; i++) { /* the one add the accumulating GEMM makes */
-            float *yr = y + rows[i] * n;
-            const float *d = yg + i * n;
-            for (int64_t c = c0; c < c1; c++) yr[c] += d[c];
-        }
+        gemm_fixed_ld(h + s * l->rank, l->width, count, l->rank, l->b[s], l->size[s], (whole ? y : yg) + c0, n, whole,
+                      threads);
+        if (!whole)
+            for (int64_t i = 0; i < count; i++) {
+                float *yr = y + rows[i] * n;
+                const float *d = yg + i * n;
+                for (int64_t c = c0; c < c1; c++) yr[c] += d[c];
+            }
     }
 }
 
@@ -686,24 +692,9 @@ int ss_lora_delta(const float *x, int64_t m, int64_t k, const ss_lora *lin, int6
     for (int64_t g = 0; g < groups; g++)
         if (lin[g].a && lin[g].width > width) width = lin[g].width;
     if (!width) return 0;
-    if (groups == 1 && lin[0].a) { /* one adapter: on every row, or gathered */
-        int64_t count = 0;
-        for (int64_t r = 0; r < m; r++) count += row_group[r] == 0;
-        if (count == m) { /* no gather, added straight into y */
-            float *h = malloc(sizeof(float) * m * width);
-            if (!h) return -1;
-            ss_gemm_fixed(x, m, k, lin[0].a, lin[0].width, h, 0, threads);
-            for (int64_t s = 0; s < lin[0].shards; s++)
-                gemm_fixed_ld(h + s * lin[0].rank, lin[0].width, m, lin[0].rank, lin[0].b[s], lin[0].size[s],
-                              y + lin[0].start[s], n, 1, threads);
-            free(h);
-            return 0;
-        }
-    }
-    /* several adapters (or one beside base rows): the adapters run side by side on the threads,
-     * each on its own rows of y with its own scratch and one thread; a row's bits are the same */
-    int ok = 1, split = groups > 1 && m > 1;
-    int inner = split ? 1 : threads; /* the GEMMs' own threads when the adapters are not split */
+    /* several adapters: they run side by side on the threads, each on its own rows of y with its
+     * own scratch and one thread (a row's bits are the same); one adapter: its GEMMs take them */
+    int ok = 1, split = groups > 1 && m > 1, inner = split ? 1 : threads;
 #pragma omp parallel num_threads(threads) if (split)
     {
         int64_t *rows = malloc(sizeof(int64_t) * m);
@@ -716,7 +707,7 @@ int ss_lora_delta(const float *x, int64_t m, int64_t k, const ss_lora *lin, int6
             int64_t count = 0;
             for (int64_t r = 0; r < m; r++)
                 if (row_group[r] == g) rows[count++] = r;
-            if (count) lora_group(x, k, lin + g, rows, count, n, y, xg, h, yg, inner);
+            if (count) lora_group(x, m, k, lin + g, rows, count, n, y, xg, h, yg, inner);
         }
         if (!mine) {
 #pragma omp atomic write
