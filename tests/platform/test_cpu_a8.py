@@ -162,14 +162,17 @@ def test_every_instruction_set_path_gives_the_same_bits(arch):
     other = _other_isa(arch)
     assert other.a8_path == path
     w = formats.quantize_int4(torch.randn(64, 96) * 0.05)
-    x = activations(5, 96)
+    x = activations(9, 96)
+    table = formats.int8_groups(torch.randn(64, 96))[0]
+    table.codes[0, :32] = -128  # the extreme code a GGUF Q8_0 table may hold
+    heads = a8.Int8A8Head(table.codes, table.scale, ops), a8.Int8A8Head(table.codes, table.scale, other)
     for digits in (1, 2):
         here, there = a8.Int4A8Kernel(w.dequantize(), None, ops, digits), a8.Int4A8Kernel(w.dequantize(), None, other, digits)
         assert torch.equal(ops.quantize_a8(x, digits)[0], other.quantize_a8(x, digits)[0])
-        assert torch.equal(here(x), there(x))
-    table = formats.int8_groups(torch.randn(64, 96))[0]
-    table.codes[0, :32] = -128  # the extreme code a GGUF Q8_0 table may hold
-    assert torch.equal(a8.Int8A8Head(table.codes, table.scale, ops)(x), a8.Int8A8Head(table.codes, table.scale, other)(x))
+        for m in range(1, 10):  # every count of rows a pass over a tile can be left with (blocks of 1-4 rows)
+            assert torch.equal(here(x[:m]), there(x[:m])), (digits, m)
+            if digits == 2:
+                assert torch.equal(heads[0](x[:m]), heads[1](x[:m])), m
     # LoRA's fixed-order float32 GEMM: vector lanes and the scalar fmaf tail round alike
     xf, wf, yf = torch.randn(5, 96), torch.randn(96, 29), torch.randn(5, 29)
     assert torch.equal(ops.gemm_fixed(xf, wf, out=yf.clone()), other.gemm_fixed(xf, wf, out=yf.clone()))
