@@ -261,9 +261,11 @@ def run_w5(threads: int, num_requests: int = W5_REQUESTS, num_adapters: int = W5
                 while len(httpx.get(f"{url}/v1/models").json()["data"]) < 1 + num_adapters:
                     assert time.monotonic() < deadline, "the router did not see the workers' adapters"
                     time.sleep(0.2)
-                before = [prompt_tokens_seen(port) for port in metrics_ports]
+                before = [worker_counter(port, PROMPT_TOKENS) for port in metrics_ports]
+                reads = sum(worker_counter(port, ADAPTER_READS) for port in metrics_ports)
                 ttfts = asyncio.run(w5_arm(url, tag, requests))
-                return ttfts, [prompt_tokens_seen(port) - b for port, b in zip(metrics_ports, before)]
+                reads = sum(worker_counter(port, ADAPTER_READS) for port in metrics_ports) - reads
+                return ttfts, [worker_counter(port, PROMPT_TOKENS) - b for port, b in zip(metrics_ports, before)], reads
             finally:
                 router.stop()
 
@@ -275,20 +277,24 @@ def run_w5(threads: int, num_requests: int = W5_REQUESTS, num_adapters: int = W5
         arm_run("warm-up", W5_ARMS["round-robin"], 999, w5_requests(num_requests, num_adapters, rate, seed=999))
         ttfts = {arm: [] for arm in names}
         seen = {arm: [0.0, 0.0] for arm in names}
+        reads = {arm: 0 for arm in names}
         per_round = {arm: [] for arm in names}
         for r in range(rounds):
             requests = w5_requests(num_requests, num_adapters, rate, seed=r)
             for k in range(len(names)):
                 arm = names[(r + k) % len(names)]
-                got, tokens = arm_run(arm, W5_ARMS[arm], r * len(names) + names.index(arm), requests)
+                got, tokens, arm_reads = arm_run(arm, W5_ARMS[arm], r * len(names) + names.index(arm), requests)
+                reads[arm] += int(arm_reads)
                 ttfts[arm] += got
                 seen[arm] = [a + b for a, b in zip(seen[arm], tokens)]
                 per_round[arm].append(percentile(got, 0.9))
                 print(f"W5 round {r + 1} {arm}: p50 {percentile(got, 0.5):.2f} s, p90 {percentile(got, 0.9):.2f} s, "
-                      f"prompt tokens per worker {'/'.join(f'{100 * x / max(sum(tokens), 1):.0f}' for x in tokens)} %",
+                      f"prompt tokens per worker {'/'.join(f'{100 * x / max(sum(tokens), 1):.0f}' for x in tokens)} %, "
+                      f"adapter reads {int(arm_reads)}",
                       file=sys.stderr)
         arms = {arm: {"p50": percentile(ttfts[arm], 0.5), "p90": percentile(ttfts[arm], 0.9),
-                      "share": [x / max(sum(seen[arm]), 1) for x in seen[arm]], "round_p90": per_round[arm]}
+                      "share": [x / max(sum(seen[arm]), 1) for x in seen[arm]], "round_p90": per_round[arm],
+                      "reads": reads[arm]}
                 for arm in names}
         return {"arms": arms, "threads": threads, "requests": num_requests, "adapters": num_adapters, "rate": rate,
                 "resident": resident or num_adapters, "rank": rank, "mb": adapter_mb(rank), "rounds": rounds}
@@ -302,15 +308,18 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[int(q * (len(ordered) - 1))]
 
 
-def prompt_tokens_seen(metrics_port: int) -> float:
-    """A worker's prompt tokens looked up in its prefix cache so far (one count per request's
-    prompt): how the router split the work."""
+# a worker's prompt tokens looked up in its prefix cache (one count per request's prompt: how the
+# router split the work), and the adapter folders it read again for requests (evicted adapters)
+PROMPT_TOKENS, ADAPTER_READS = "vllm:prefix_cache_queries_total", "splitserve_lora_adapter_reads_total"
+
+
+def worker_counter(metrics_port: int, name: str) -> float:
     import httpx
 
     for line in httpx.get(f"http://127.0.0.1:{metrics_port}/metrics", timeout=30).text.splitlines():
-        if line.startswith("vllm:prefix_cache_queries_total"):
+        if line.startswith(name + " ") or line.startswith(name + "{"):
             return float(line.split()[-1])
-    raise RuntimeError(f"the worker's metrics on port {metrics_port} have no vllm:prefix_cache_queries_total")
+    raise RuntimeError(f"the worker's metrics on port {metrics_port} have no {name}")
 
 
 def render_w5(w5: dict) -> str:
@@ -318,7 +327,8 @@ def render_w5(w5: dict) -> str:
     ours, rr = arms["adapter+prefix+load (ours)"]["p90"], arms["round-robin"]["p90"]
     rows = "\n".join(f"| {arm} | {v['p50']:.2f} | {v['p90']:.2f} | {rr / v['p90']:.2f}x | "
                      f"{' / '.join(f'{100 * x:.0f}' for x in v.get('share', []))} | "
-                     f"{', '.join(f'{x:.2f}' for x in v.get('round_p90', []))} |" for arm, v in arms.items())
+                     f"{', '.join(f'{x:.2f}' for x in v.get('round_p90', []))} | {v.get('reads', '–')} |"
+                     for arm, v in arms.items())
     return f"""
 ### W5: {w5['adapters']} adapters, zipf popularity, 2 workers with {W5_SLOTS} adapter slots each
 
@@ -329,8 +339,8 @@ system prompt + 16 random tokens, 16 output tokens streamed; two `--role both` w
 {w5['threads']} torch thread each, `--max-loras {W5_SLOTS}` and `--max-cpu-loras {w5.get('resident', w5['adapters'])}` (adapters beyond
 that are read again from their folder when asked for), one router per arm, same request sequence.
 
-| routing | p50 TTFT s | p90 TTFT s | p90 of round-robin / this | prompt tokens per worker % | p90 per round s |
-|---|---|---|---|---|---|
+| routing | p50 TTFT s | p90 TTFT s | p90 of round-robin / this | prompt tokens per worker % | p90 per round s | adapter reads from disk |
+|---|---|---|---|---|---|---|
 {rows}
 
 Target: at least 2x lower p90 TTFT than round-robin — measured {rr / ours:.2f}x

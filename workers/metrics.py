@@ -72,6 +72,12 @@ class WorkerMetrics:
         self.grammar_mask_rows = Counter("splitserve_grammar_mask_rows", "Constrained rows masked", registry=r)
         self.structured_requests = Counter("splitserve_structured_requests", "Constrained requests by kind",
                                            ["kind"], registry=r)
+        # an adapter a request named that was not in memory (evicted under --max-cpu-loras): its folder
+        # was read again, and that request waited for the read (bench/lora.py's W5 reports these)
+        self.lora_reads = Counter("splitserve_lora_adapter_reads", "LoRA adapter folders read again from disk "
+                                  "for a request (evicted from memory under --max-cpu-loras)", registry=r)
+        self.lora_read_seconds = Counter("splitserve_lora_adapter_read_seconds", "Time requests waited for those "
+                                         "reads (read, checksum and pack, off the engine thread)", registry=r)
         self._seen_mask = (0.0, 0)
         self._seen_kinds: dict[str, int] = {}
         Info("splitserve_worker", "Worker identity", registry=r).info({"role": role, "model": model})

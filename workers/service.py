@@ -103,7 +103,10 @@ class WorkerService(pb_grpc.WorkerServicer):
             return None
         adapter, path = await self.engine.call(lambda e: e.loras.lookup(name))
         if adapter is None:
+            t0 = time.monotonic()
             adapter = await asyncio.to_thread(_read_adapter, self.engine.engine.loras, name, path)
+            self.metrics.lora_reads.inc()
+            self.metrics.lora_read_seconds.inc(time.monotonic() - t0)
             adapter = await self.engine.call(lambda e: e.loras.install(adapter))
         return adapter
 
