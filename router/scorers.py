@@ -150,9 +150,12 @@ class LoraAffinity(Scorer):
 
     One step GIE does not have: a free slot on a worker that holds the adapter in memory (its
     `resident_lora_adapters`, the --max-cpu-loras LRU) scores 0.9. A GPU server's "load" is a
-    host-to-device copy; here a worker that has evicted the adapter re-reads its folder in the
-    engine's thread, which stalls every request on that worker, so between two free slots the
-    one that needs no read wins."""
+    host-to-device copy; here a worker that has evicted the adapter reads its folder from disk
+    again (0.2 s for a rank-64 SmolLM2 adapter), which this request waits for, so between two free
+    slots the one that needs no read wins. It stays below a running adapter's 1.0: that adds no
+    new adapter to the worker's steps, while each distinct adapter in a step reads its own A and
+    B once per step (16 adapters in a batch of 16 decode at 0.84x the base model, one at 0.96x:
+    docs/benchmarks.md, multi-LoRA)."""
 
     name = "lora-affinity"
 
