@@ -168,40 +168,69 @@ void ss_quantize_a8(const float *x, int64_t m, int64_t k, int digits, int8_t *q,
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 /* ---- 16 rows per 512-bit vector, vpdpbusd ---------------------------------------------------- */
 static inline __m512 ld16h(const uint16_t *p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p)); }
-static inline __m512i q4_dot512(const __m512i wq[8], const int8_t *xr) { /* one group, one digit */
-    __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
-    for (int j = 0; j < 8; j += 2) {
-        s0 = _mm512_dpbusd_epi32(s0, wq[j], _mm512_set1_epi32(ld4(xr + 4 * j)));
-        s1 = _mm512_dpbusd_epi32(s1, wq[j + 1], _mm512_set1_epi32(ld4(xr + 4 * j + 4)));
-    }
-    return _mm512_add_epi32(s0, s1);
-}
+/* 4-bit weights: a block is `rows` activation rows (a constant once inlined: 1 to A8_ROWS)
+ * against one tile. Each unpacked weight vector meets every row and digit as soon as it is made,
+ * and each (row, digit) sum is two chains of its own (the low and the high nibbles'), kept in
+ * registers and in the order written (IN_ORDER). 3-8 % faster than indexing the rows at run time
+ * on a Zen 4 EPYC (bench/kernel_ab.py); the integer sums are exact, so no bit changes. The 8-bit
+ * head keeps the run-time form below: the same change made it 15 % slower at one row. */
+#define IN_ORDER(v) __asm__("" : "+v"(v))
 
-static inline void q4_tile(const uint8_t *w, const uint16_t *d, const uint16_t *mn, int64_t groups, const int8_t *xq,
-                           const float *dx, const float *xs, int64_t k, int digits, int rows, float *y, int64_t n) {
+static inline __attribute__((always_inline)) void q4_block(const uint8_t *w, const uint16_t *d, const uint16_t *mn,
+                                                           int64_t groups, const int8_t *xq, const float *dx,
+                                                           const float *xs, int64_t k, const int digits,
+                                                           const int rows, float *y, int64_t n) {
+    const __m512i low = _mm512_set1_epi8(0x0F);
     __m512 acc[A8_ROWS];
     for (int r = 0; r < rows; r++) acc[r] = _mm512_setzero_ps();
-    const __m512i low = _mm512_set1_epi8(0x0F);
     for (int64_t g = 0; g < groups; g++) {
-        __m512i wq[8];
+        __m512i a1[A8_ROWS], b1[A8_ROWS], a2[A8_ROWS], b2[A8_ROWS];
+        for (int r = 0; r < rows; r++) a1[r] = b1[r] = a2[r] = b2[r] = _mm512_setzero_si512();
+#pragma GCC unroll 4
         for (int i = 0; i < 4; i++) {
             __m512i p = _mm512_loadu_si512(w + g * 256 + i * 64);
-            wq[i] = _mm512_and_si512(p, low);
-            wq[i + 4] = _mm512_and_si512(_mm512_srli_epi16(p, 4), low);
+            __m512i lo = _mm512_and_si512(p, low), hi = _mm512_and_si512(_mm512_srli_epi16(p, 4), low);
+#pragma GCC unroll 4
+            for (int r = 0; r < rows; r++) {
+                const int8_t *xr = xq + r * k * digits + g * 32 + 4 * i;
+                a1[r] = _mm512_dpbusd_epi32(a1[r], lo, _mm512_set1_epi32(ld4(xr)));
+                b1[r] = _mm512_dpbusd_epi32(b1[r], hi, _mm512_set1_epi32(ld4(xr + 16)));
+                IN_ORDER(a1[r]);
+                IN_ORDER(b1[r]);
+                if (digits == 2) {
+                    a2[r] = _mm512_dpbusd_epi32(a2[r], lo, _mm512_set1_epi32(ld4(xr + k)));
+                    b2[r] = _mm512_dpbusd_epi32(b2[r], hi, _mm512_set1_epi32(ld4(xr + k + 16)));
+                    IN_ORDER(a2[r]);
+                    IN_ORDER(b2[r]);
+                }
+            }
         }
         __m512 dv = ld16h(d + g * 16), mv = ld16h(mn + g * 16);
         for (int r = 0; r < rows; r++) {
-            const int8_t *xr = xq + r * k * digits + g * 32;
-            __m512 s = _mm512_cvtepi32_ps(q4_dot512(wq, xr));
+            __m512 s = _mm512_cvtepi32_ps(_mm512_add_epi32(a1[r], b1[r]));
             if (digits == 2) /* float(254 s + s2): both sums are exact in float (|.| < 2^24), and the
                               * fused multiply-add rounds their exact combination once */
-                s = _mm512_fmadd_ps(s, _mm512_set1_ps(254.f), _mm512_cvtepi32_ps(q4_dot512(wq, xr + k)));
+                s = _mm512_fmadd_ps(s, _mm512_set1_ps(254.f), _mm512_cvtepi32_ps(_mm512_add_epi32(a2[r], b2[r])));
             __m512 scale = _mm512_mul_ps(dv, _mm512_set1_ps(dx[r * groups + g]));
             acc[r] = _mm512_fmadd_ps(s, scale, acc[r]);
             acc[r] = _mm512_fmadd_ps(mv, _mm512_set1_ps(xs[r * groups + g]), acc[r]);
         }
     }
     for (int r = 0; r < rows; r++) _mm512_storeu_ps(y + r * n, acc[r]);
+}
+
+#define BLOCK_CASE(CALL, R) case R: CALL; break;
+#define BLOCK_SWITCH(CALL_D2, CALL_D1) \
+    if (digits == 2) switch (rows) { BLOCK_CASE(CALL_D2(1), 1) BLOCK_CASE(CALL_D2(2), 2) BLOCK_CASE(CALL_D2(3), 3) \
+                                     BLOCK_CASE(CALL_D2(4), 4) } \
+    else switch (rows) { BLOCK_CASE(CALL_D1(1), 1) BLOCK_CASE(CALL_D1(2), 2) BLOCK_CASE(CALL_D1(3), 3) \
+                         BLOCK_CASE(CALL_D1(4), 4) }
+
+static inline void q4_tile(const uint8_t *w, const uint16_t *d, const uint16_t *mn, int64_t groups, const int8_t *xq,
+                           const float *dx, const float *xs, int64_t k, int digits, int rows, float *y, int64_t n) {
+#define Q4_D2(R) q4_block(w, d, mn, groups, xq, dx, xs, k, 2, R, y, n)
+#define Q4_D1(R) q4_block(w, d, mn, groups, xq, dx, xs, k, 1, R, y, n)
+    BLOCK_SWITCH(Q4_D2, Q4_D1)
 }
 
 static inline __m512i q8_dot512(const __m512i wq[8], __m512i wsum128, const int8_t *xr) { /* one digit */
