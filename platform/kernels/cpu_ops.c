@@ -263,27 +263,37 @@ static inline __m512 ld16kv(const void *cache, int64_t off, int kv16) { /* 16 ca
                 : _mm512_loadu_ps((const float *)cache + off);
 }
 
-static inline __attribute__((always_inline)) void attend_group16(
+/* `heads` query heads of one KV head's group (a constant once inlined) in three passes: scores,
+ * softmax, weighted sum of V. Each K and V row is loaded and widened once for all of them, and
+ * each head's numbers come from the same fused multiply-adds in the same order as one head alone:
+ * a query's bits do not depend on how its group is split. */
+static inline __attribute__((always_inline)) void attend_heads16(
         const float *q, const void *k_cache, const void *v_cache, const int64_t *table, int64_t ctx, float *out,
-        int64_t group, int64_t nkv, int64_t g, const int64_t d, int64_t block_size, float scale, float *scores, int kv16) {
+        const int64_t heads, int64_t nkv, int64_t g, const int64_t d, int64_t block_size, float scale, float *scores,
+        int kv16) {
     int64_t kv = nkv * d, chunks = d / 16;
-    for (int64_t j = 0; j < group; j++) {
-        const float *qj = q + j * d;
-        float *sj = scores + j * ctx;
-        for (int64_t p = 0; p < ctx; p += 16) {
-            int64_t kb = (table[p / block_size] * block_size + p % block_size) * kv + g * d;
-            int64_t n = ctx - p < 16 ? ctx - p : 16;
-            __m512 acc[16];
-            for (int64_t o = 0; o < 16; o++) {
-                acc[o] = _mm512_setzero_ps();
+    for (int64_t p = 0; p < ctx; p += 16) {
+        int64_t kb = (table[p / block_size] * block_size + p % block_size) * kv + g * d;
+        int64_t n = ctx - p < 16 ? ctx - p : 16;
+        __m512 acc[4][16]; /* fixed sizes: a variable-length array stays in memory */
+        for (int64_t o = 0; o < 16; o++) {
+            __m512 kx[16];
+            for (int64_t c = 0; c < chunks; c++)
+                kx[c] = o < n ? ld16kv(k_cache, kb + o * kv + c * 16, kv16) : _mm512_setzero_ps();
+            for (int64_t j = 0; j < heads; j++) {
+                __m512 a = _mm512_setzero_ps();
                 if (o < n)
-                    for (int64_t c = 0; c < chunks; c++)
-                        acc[o] = _mm512_fmadd_ps(_mm512_loadu_ps(qj + c * 16), ld16kv(k_cache, kb + o * kv + c * 16, kv16),
-                                                 acc[o]);
+                    for (int64_t c = 0; c < chunks; c++) a = _mm512_fmadd_ps(_mm512_loadu_ps(q + j * d + c * 16), kx[c], a);
+                acc[j][o] = a;
             }
-            __mmask16 valid = (__mmask16)((1u << n) - 1);
-            _mm512_mask_storeu_ps(sj + p, valid, _mm512_mul_ps(sum16x16(acc), _mm512_set1_ps(scale)));
         }
+        __mmask16 valid = (__mmask16)((1u << n) - 1);
+        for (int64_t j = 0; j < heads; j++)
+            _mm512_mask_storeu_ps(scores + j * ctx + p, valid, _mm512_mul_ps(sum16x16(acc[j]), _mm512_set1_ps(scale)));
+    }
+    float inv[4];
+    for (int64_t j = 0; j < heads; j++) {
+        float *sj = scores + j * ctx;
         __m512 mx = _mm512_set1_ps(-INFINITY);
         for (int64_t p = 0; p < ctx; p += 16) {
             __mmask16 valid = (__mmask16)((1u << (ctx - p < 16 ? ctx - p : 16)) - 1);
@@ -298,19 +308,42 @@ static inline __attribute__((always_inline)) void attend_group16(
         }
         float lanes[16];
         _mm512_storeu_ps(lanes, sum);
-        __m512 inv = _mm512_set1_ps(1.0f / sum_lanes(lanes));
-        __m512 o_acc[16];
-        for (int64_t c = 0; c < chunks; c++) o_acc[c] = _mm512_setzero_ps();
-        for (int64_t p = 0; p < ctx; p += 16) {
-            int64_t vb = (table[p / block_size] * block_size + p % block_size) * kv + g * d;
-            int64_t n = ctx - p < 16 ? ctx - p : 16;
-            for (int64_t o = 0; o < n; o++) {
-                __m512 w = _mm512_set1_ps(sj[p + o]);
-                for (int64_t c = 0; c < chunks; c++)
-                    o_acc[c] = _mm512_fmadd_ps(w, ld16kv(v_cache, vb + o * kv + c * 16, kv16), o_acc[c]);
+        inv[j] = 1.0f / sum_lanes(lanes);
+    }
+    __m512 o_acc[4][16];
+    for (int64_t j = 0; j < heads; j++)
+        for (int64_t c = 0; c < chunks; c++) o_acc[j][c] = _mm512_setzero_ps();
+    for (int64_t p = 0; p < ctx; p += 16) {
+        int64_t vb = (table[p / block_size] * block_size + p % block_size) * kv + g * d;
+        int64_t n = ctx - p < 16 ? ctx - p : 16;
+        for (int64_t o = 0; o < n; o++) {
+            __m512 vx[16];
+            for (int64_t c = 0; c < chunks; c++) vx[c] = ld16kv(v_cache, vb + o * kv + c * 16, kv16);
+            for (int64_t j = 0; j < heads; j++) {
+                __m512 w = _mm512_set1_ps(scores[j * ctx + p + o]);
+                for (int64_t c = 0; c < chunks; c++) o_acc[j][c] = _mm512_fmadd_ps(w, vx[c], o_acc[j][c]);
             }
         }
-        for (int64_t c = 0; c < chunks; c++) _mm512_storeu_ps(out + j * d + c * 16, _mm512_mul_ps(o_acc[c], inv));
+    }
+    for (int64_t j = 0; j < heads; j++)
+        for (int64_t c = 0; c < chunks; c++)
+            _mm512_storeu_ps(out + j * d + c * 16, _mm512_mul_ps(o_acc[j][c], _mm512_set1_ps(inv[j])));
+}
+
+/* A KV head's whole group, `most` query heads at a time (as many as keep their V sums in 16
+ * registers: 4 for head_dim 64, 2 for 128), the last sub-group with what is left. */
+#define HEADS_CASE(D, H) case H: attend_heads16(q + j0 * D, k_cache, v_cache, table, ctx, out + j0 * D, H, nkv, g, D, \
+                                                block_size, scale, scores + j0 * ctx, kv16); break;
+static inline __attribute__((always_inline)) void attend_group16(
+        const float *q, const void *k_cache, const void *v_cache, const int64_t *table, int64_t ctx, float *out,
+        int64_t group, int64_t nkv, int64_t g, const int64_t d, int64_t block_size, float scale, float *scores, int kv16) {
+    int64_t most = d == 64 ? 4 : d == 128 ? 2 : 1;
+    for (int64_t j0 = 0; j0 < group; j0 += most) {
+        int64_t h = group - j0 < most ? group - j0 : most;
+        if (d == 64) switch (h) { HEADS_CASE(64, 1) HEADS_CASE(64, 2) HEADS_CASE(64, 3) HEADS_CASE(64, 4) }
+        else if (d == 128) switch (h) { HEADS_CASE(128, 1) HEADS_CASE(128, 2) }
+        else attend_heads16(q + j0 * d, k_cache, v_cache, table, ctx, out + j0 * d, 1, nkv, g, d, block_size, scale,
+                            scores + j0 * ctx, kv16);
     }
 }
 #endif

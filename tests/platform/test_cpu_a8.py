@@ -262,6 +262,18 @@ def test_decode_attention_on_every_instruction_set(arch, bs, d, kv_dtype):
     check_decode_attention(_other_isa(arch), bs, d, [1, 13, 100, 16 * bs - 3], kv_dtype)
 
 
+@pytest.mark.parametrize("arch", list(ISAS), ids=lambda a: " ".join(a))
+@pytest.mark.parametrize("group", [3, 7])
+def test_decode_attention_gives_a_query_head_its_own_bits_on_every_instruction_set(arch, group):
+    from test_cpu_ops import check_heads_alone
+
+    needs, _ = ISAS[arch]
+    if not needs <= cpu_flags():
+        pytest.skip(f"this CPU cannot run a {' '.join(arch)} build (lacks {sorted(needs - cpu_flags())})")
+    for d in (64, 128):
+        check_heads_alone(_other_isa(arch), group, d, torch.float16)
+
+
 def float16_edges() -> torch.Tensor:
     """Every rounding case of float32 -> float16: ties to even both ways, the subnormal range and
     its ties, the largest finite half and the first value that rounds to inf, signed zeros, inf."""

@@ -75,6 +75,36 @@ def check_decode_attention(kernels, bs: int, d: int, contexts: list[int], kv_dty
     assert torch.equal(alone[0], got[2])
 
 
+def check_heads_alone(kernels, group: int, d: int, kv_dtype) -> None:
+    """Two KV heads of `group` query heads each: every query head's output equals, bit for bit, what
+    it gets alone on its KV head, and the whole matches torch."""
+    torch.manual_seed(group * 1000 + d)
+    k_cache, v_cache = torch.randn(NB, 16, 2, d).to(kv_dtype), torch.randn(NB, 16, 2, d).to(kv_dtype)
+    context = torch.tensor([1, 30, 200])
+    table = torch.stack([torch.randperm(NB)[:16] for _ in range(3)])
+    q = torch.randn(3, 2 * group, d)
+    got = kernels.decode_attention(q, k_cache, v_cache, table, context, d ** -0.5)
+    mask = torch.arange(256)[None] < context[:, None]
+    ref = decode_attention(q, gather_kv(k_cache, table), gather_kv(v_cache, table), d ** -0.5, mask)
+    assert torch.allclose(got, ref, atol=1e-5)
+    for kv_head in range(2):
+        for j in range(group):
+            h = kv_head * group + j
+            alone = kernels.decode_attention(q[:, h:h + 1].contiguous(), k_cache[:, :, kv_head:kv_head + 1].contiguous(),
+                                             v_cache[:, :, kv_head:kv_head + 1].contiguous(), table, context, d ** -0.5)
+            assert torch.equal(alone[:, 0], got[:, h]), (kv_head, j)
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("group", [1, 2, 3, 5, 7])
+def test_decode_attention_gives_a_query_head_the_bits_it_gets_alone(group, d, kv_dtype):
+    """The AVX-512 path takes a KV head's query heads a few at a time (up to 4 for head_dim 64, 2
+    for 128) to load each K and V row once for them: 7 heads go as 4 + 3. Each head's output must
+    still be what it is alone on that KV head (test_cpu_a8.py: the other instruction sets)."""
+    check_heads_alone(ops, group, d, kv_dtype)
+
+
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("bs,d", [(16, 64), (32, 128), (8, 64), (16, 40)])
 def test_decode_attention_reads_the_paged_cache_in_place(bs, d, kv_dtype):
