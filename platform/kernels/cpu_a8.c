@@ -40,6 +40,13 @@
 
 #define A8_TILE 16
 #define A8_ROWS 4 /* activation rows per pass over a tile's weights */
+/* A pass's `rows` (1 to A8_ROWS) as a constant: the kernels that keep one sum per row in registers
+ * are written for a fixed row count, and this picks the body compiled for it. */
+#define ROWS_SWITCH(CALL_D2, CALL_D1) \
+    if (digits == 2) switch (rows) { case 1: CALL_D2(1); break; case 2: CALL_D2(2); break; \
+                                     case 3: CALL_D2(3); break; case 4: CALL_D2(4); break; } \
+    else switch (rows) { case 1: CALL_D1(1); break; case 2: CALL_D1(2); break; \
+                         case 3: CALL_D1(3); break; case 4: CALL_D1(4); break; }
 
 static inline int32_t ld4(const int8_t *p) { /* 4 activation codes as one broadcastable word */
     int32_t v;
@@ -219,18 +226,11 @@ static inline __attribute__((always_inline)) void q4_block(const uint8_t *w, con
     for (int r = 0; r < rows; r++) _mm512_storeu_ps(y + r * n, acc[r]);
 }
 
-#define BLOCK_CASE(CALL, R) case R: CALL; break;
-#define BLOCK_SWITCH(CALL_D2, CALL_D1) \
-    if (digits == 2) switch (rows) { BLOCK_CASE(CALL_D2(1), 1) BLOCK_CASE(CALL_D2(2), 2) BLOCK_CASE(CALL_D2(3), 3) \
-                                     BLOCK_CASE(CALL_D2(4), 4) } \
-    else switch (rows) { BLOCK_CASE(CALL_D1(1), 1) BLOCK_CASE(CALL_D1(2), 2) BLOCK_CASE(CALL_D1(3), 3) \
-                         BLOCK_CASE(CALL_D1(4), 4) }
-
 static inline void q4_tile(const uint8_t *w, const uint16_t *d, const uint16_t *mn, int64_t groups, const int8_t *xq,
                            const float *dx, const float *xs, int64_t k, int digits, int rows, float *y, int64_t n) {
 #define Q4_D2(R) q4_block(w, d, mn, groups, xq, dx, xs, k, 2, R, y, n)
 #define Q4_D1(R) q4_block(w, d, mn, groups, xq, dx, xs, k, 1, R, y, n)
-    BLOCK_SWITCH(Q4_D2, Q4_D1)
+    ROWS_SWITCH(Q4_D2, Q4_D1)
 }
 
 static inline __m512i q8_dot512(const __m512i wq[8], __m512i wsum128, const int8_t *xr) { /* one digit */
@@ -570,25 +570,18 @@ static inline __attribute__((always_inline)) void q8_half(const int8_t *w, const
     for (int r = 0; r < rows; r++) _mm256_storeu_ps(y + r * n + h * 8, acc[r]);
 }
 
-/* the tile functions of the other paths, dispatching to blocks of a constant number of rows */
-#define ROWS_CASE(CALL, R) case R: for (int h = 0; h < 2; h++) CALL; break;
-#define ROWS_SWITCH(CALL_D2, CALL_D1) \
-    if (digits == 2) switch (rows) { ROWS_CASE(CALL_D2(1), 1) ROWS_CASE(CALL_D2(2), 2) ROWS_CASE(CALL_D2(3), 3) \
-                                     ROWS_CASE(CALL_D2(4), 4) } \
-    else switch (rows) { ROWS_CASE(CALL_D1(1), 1) ROWS_CASE(CALL_D1(2), 2) ROWS_CASE(CALL_D1(3), 3) \
-                         ROWS_CASE(CALL_D1(4), 4) }
-
+/* the tile functions of the other paths: both halves of a tile, in blocks of a constant number of rows */
 static inline void q4_tile(const uint8_t *w, const uint16_t *d, const uint16_t *mn, int64_t groups, const int8_t *xq,
                            const float *dx, const float *xs, int64_t k, int digits, int rows, float *y, int64_t n) {
-#define Q4_D2(R) q4_half(w, d, mn, groups, xq, dx, xs, k, 2, R, y, n, h)
-#define Q4_D1(R) q4_half(w, d, mn, groups, xq, dx, xs, k, 1, R, y, n, h)
+#define Q4_D2(R) for (int h = 0; h < 2; h++) q4_half(w, d, mn, groups, xq, dx, xs, k, 2, R, y, n, h)
+#define Q4_D1(R) for (int h = 0; h < 2; h++) q4_half(w, d, mn, groups, xq, dx, xs, k, 1, R, y, n, h)
     ROWS_SWITCH(Q4_D2, Q4_D1)
 }
 
 static inline void q8_tile(const int8_t *w, const uint16_t *d, int64_t groups, const int8_t *xq, const float *dx,
                            int64_t k, int digits, int rows, float *y, int64_t n) {
-#define Q8_D2(R) q8_half(w, d, groups, xq, dx, k, 2, R, y, n, h)
-#define Q8_D1(R) q8_half(w, d, groups, xq, dx, k, 1, R, y, n, h)
+#define Q8_D2(R) for (int h = 0; h < 2; h++) q8_half(w, d, groups, xq, dx, k, 2, R, y, n, h)
+#define Q8_D1(R) for (int h = 0; h < 2; h++) q8_half(w, d, groups, xq, dx, k, 1, R, y, n, h)
     ROWS_SWITCH(Q8_D2, Q8_D1)
 }
 #endif

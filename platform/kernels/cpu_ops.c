@@ -336,7 +336,7 @@ static inline __attribute__((always_inline)) void attend_heads16(
                                                 block_size, scale, scores + j0 * ctx, kv16); break;
 static inline __attribute__((always_inline)) void attend_group16(
         const float *q, const void *k_cache, const void *v_cache, const int64_t *table, int64_t ctx, float *out,
-        int64_t group, int64_t nkv, int64_t g, const int64_t d, int64_t block_size, float scale, float *scores, int kv16) {
+        int64_t group, int64_t nkv, int64_t g, int64_t d, int64_t block_size, float scale, float *scores, int kv16) {
     int64_t most = d == 64 ? 4 : d == 128 ? 2 : 1;
     for (int64_t j0 = 0; j0 < group; j0 += most) {
         int64_t h = group - j0 < most ? group - j0 : most;
@@ -440,10 +440,8 @@ static inline __attribute__((always_inline)) void attend(
         int64_t group, int64_t nkv, int64_t g, int64_t d, int64_t block_size, float scale, float *scores, int kv16) {
 #if defined(__AVX512F__)
     if (d % 16 == 0 && d <= 256 && block_size % 16 == 0) {
-        /* the common head sizes as constants, as in the AVX2 path below */
-        if (d == 64) attend_group16(q, k_cache, v_cache, table, ctx, out, group, nkv, g, 64, block_size, scale, scores, kv16);
-        else if (d == 128) attend_group16(q, k_cache, v_cache, table, ctx, out, group, nkv, g, 128, block_size, scale, scores, kv16);
-        else attend_group16(q, k_cache, v_cache, table, ctx, out, group, nkv, g, d, block_size, scale, scores, kv16);
+        /* it takes the common head sizes as constants itself */
+        attend_group16(q, k_cache, v_cache, table, ctx, out, group, nkv, g, d, block_size, scale, scores, kv16);
         return;
     }
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)

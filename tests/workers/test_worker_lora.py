@@ -16,7 +16,6 @@ import shutil
 import time
 
 import grpc
-import httpx
 import pytest
 from lora_folders import write_adapter
 
@@ -183,15 +182,10 @@ def test_an_evicted_adapter_is_read_again_while_other_streams_keep_decoding(tmp_
                    env={"SPLITSERVE_FAULT_ADAPTER_READ_S": "2"}).start()
     try:
         asyncio.run(evicted_read_beside_a_stream(w.address))
-        metrics = httpx.get(f"http://127.0.0.1:{w.metrics_port}/metrics", timeout=30).text
-        assert metric_value(metrics, "splitserve_lora_adapter_reads_total") == 1   # a, once; then from memory
-        assert metric_value(metrics, "splitserve_lora_adapter_read_seconds_total") >= 2.0
+        assert w.metric("splitserve_lora_adapter_reads_total") == 1   # a, once; then from memory
+        assert w.metric("splitserve_lora_adapter_read_seconds_total") >= 2.0
     finally:
         w.terminate()
-
-
-def metric_value(text: str, name: str) -> float:
-    return next(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name + " "))
 
 
 async def evicted_read_beside_a_stream(address):
