@@ -18,11 +18,12 @@ round-robin, and load-only (queue-depth + pending-assignments). Each request: it
 64-token system prompt + 16 random tokens, 16 output tokens, streamed; Poisson arrivals at a
 fixed rate, the same request sequence for every arm. TTFT is measured by the client. The
 workers stay up across arms (each arm uses its own system prompts, so no arm reuses another's
-cache); a fresh router per arm.
+cache); a fresh router per arm, which first serves untimed requests of the same mix (--w5-warm)
+so that each arm is timed in the steady state its own routing makes.
 
 Usage: python bench/lora.py [--write docs/benchmarks.md] [--threads 1] [--repeats 3] [--skip-w5 | --only-w5]
                             [--w5-requests 64] [--w5-adapters 32] [--w5-rate 1.0]
-                            [--w5-rank 8] [--w5-resident N] [--w5-rounds 3]
+                            [--w5-rank 8] [--w5-resident N] [--w5-rounds 3] [--w5-warm 32]
 
 The full run (`make bench` runs it with --threads 2) is the throughput part and then W5. A smoke
 run of W5 alone that checks the pipeline end to end in about two minutes:
@@ -135,9 +136,11 @@ W5_REQUESTS = 64
 W5_RATE = 1.0          # requests per second
 W5_ZIPF = 1.1
 W5_ROUNDS = 3        # every arm once in every position
+W5_WARM = 32         # untimed requests before each arm's timed ones, under its own router
+ROUND_ROBIN = [{"name": "round-robin", "weight": 1}]
 W5_ARMS = {
     "adapter+prefix+load (ours)": None,    # the default decode profile
-    "round-robin": [{"name": "round-robin", "weight": 1}],
+    "round-robin": ROUND_ROBIN,
     "load-only": [{"name": "queue-depth", "weight": 3}, {"name": "pending-assignments", "weight": 1}],
 }
 
@@ -196,35 +199,44 @@ def w5_prompt(arm_index: int, adapter: int, user_seed: int) -> list[int]:
 
 
 async def w5_arm(url: str, arm_index: int, requests) -> list[float]:
+    """Each request's TTFT, sent at its arrival time through the load generator's client, which
+    reads every stream to its end (a client that left at the first token would have the gateway
+    abort the rest of the request, and the workers would never decode it)."""
     import asyncio
 
     import httpx
 
+    from splitserve.bench.loadgen.client import RequestResult, encode_payload, send
+    from splitserve.bench.loadgen.workloads import BenchRequest
+
     async def one(client, t, adapter, user_seed):
-        await asyncio.sleep(max(0.0, t - (time.monotonic() - start)))
-        body = {"model": f"a{adapter}", "prompt": w5_prompt(arm_index, adapter, user_seed), "max_tokens": 16,
-                "temperature": 0, "ignore_eos": True, "stream": True}
-        t0 = time.monotonic()
-        async with client.stream("POST", "/v1/completions", json=body) as resp:
-            assert resp.status_code == 200, await resp.aread()
-            async for line in resp.aiter_lines():
-                if line.startswith("data: ") and '"text"' in line:
-                    return time.monotonic() - t0
-        raise RuntimeError("stream ended without a token")
+        req = BenchRequest(tuple(w5_prompt(arm_index, adapter, user_seed)), max_tokens=16)
+        body = encode_payload(f"a{adapter}", req, {"temperature": 0})
+        await asyncio.sleep(max(0.0, t - (time.perf_counter() - start)))
+        out = await send(client, "/v1/completions", body, RequestResult(0, "", "", req.num_prompt_tokens, 16), start)
+        if not out.success or out.output_tokens != 16:
+            raise RuntimeError(f"a W5 request failed: {out.error or f'{out.output_tokens} tokens of 16'}")
+        return out.ttft_s
 
     async with httpx.AsyncClient(base_url=url, timeout=900) as client:
-        start = time.monotonic()
+        start = time.perf_counter()
         return list(await asyncio.gather(*(one(client, *r) for r in requests)))
 
 
 def run_w5(threads: int, num_requests: int = W5_REQUESTS, num_adapters: int = W5_ADAPTERS, resident: int | None = None,
-           rate: float = W5_RATE, rank: int = RANK, rounds: int = W5_ROUNDS) -> dict:
+           rate: float = W5_RATE, rank: int = RANK, rounds: int = W5_ROUNDS, warm: int = W5_WARM) -> dict:
     """The arms take turns over `rounds` rounds, the order rotated each round (with 3 rounds every
     arm runs once first, once second, once last), each arm's requests complete before the next
-    arm starts, and an untimed warm-up round goes first: a machine's drift, the adapters' first
-    reads and whatever an arm leaves behind fall on every arm alike. Each round draws a fresh
-    request sequence (the same for every arm in it) and fresh system prompts (no arm reuses
-    another's cache)."""
+    arm starts, and an untimed warm-up round goes first: a machine's drift and the adapters'
+    first reads fall on every arm alike. Each round draws a fresh request sequence (the same for
+    every arm in it) and fresh system prompts (no arm reuses another's cache).
+
+    Before its timed requests each arm serves `warm` untimed ones of the same mix under its own
+    router: what the workers hold when the timed requests come (adapters in memory, prefixes
+    cached) is then that arm's own steady state, not what the arm before it left. Without this,
+    an arm that keeps each adapter on one worker (so that together the workers hold them all)
+    was timed right after round-robin had put the same popular adapters in both workers' memory
+    and evicted the rare ones from both."""
     import yaml
 
     folder = tempfile.mkdtemp(prefix="bench-lora-w5-")
@@ -243,7 +255,7 @@ def run_w5(threads: int, num_requests: int = W5_REQUESTS, num_adapters: int = W5
                                        "--max-lora-rank", str(rank), "--lora-modules", *modules], "READY"))
             addresses.append(f"127.0.0.1:{grpc_port}")
 
-        def arm_run(arm: str, scorers, tag: int, requests) -> tuple[list[float], list[float]]:
+        def arm_run(arm: str, scorers, tag: int, requests, warm_requests=()) -> tuple[list[float], list[float]]:
             port = free_port()
             placement = {"disaggregation": {"mode": "never"}}
             if scorers is not None:
@@ -261,6 +273,8 @@ def run_w5(threads: int, num_requests: int = W5_REQUESTS, num_adapters: int = W5
                 while len(httpx.get(f"{url}/v1/models").json()["data"]) < 1 + num_adapters:
                     assert time.monotonic() < deadline, "the router did not see the workers' adapters"
                     time.sleep(0.2)
+                if warm_requests:
+                    asyncio.run(w5_arm(url, tag, warm_requests))
                 before = [worker_counter(port, PROMPT_TOKENS) for port in metrics_ports]
                 reads = sum(worker_counter(port, ADAPTER_READS) for port in metrics_ports)
                 ttfts = asyncio.run(w5_arm(url, tag, requests))
@@ -274,7 +288,7 @@ def run_w5(threads: int, num_requests: int = W5_REQUESTS, num_adapters: int = W5
         import httpx
 
         names = list(W5_ARMS)
-        arm_run("warm-up", W5_ARMS["round-robin"], 999, w5_requests(num_requests, num_adapters, rate, seed=999))
+        arm_run("warm-up", ROUND_ROBIN, 999, w5_requests(num_requests, num_adapters, rate, seed=999))
         ttfts = {arm: [] for arm in names}
         seen = {arm: [0.0, 0.0] for arm in names}
         reads = {arm: 0 for arm in names}
@@ -283,7 +297,9 @@ def run_w5(threads: int, num_requests: int = W5_REQUESTS, num_adapters: int = W5
             requests = w5_requests(num_requests, num_adapters, rate, seed=r)
             for k in range(len(names)):
                 arm = names[(r + k) % len(names)]
-                got, tokens, arm_reads = arm_run(arm, W5_ARMS[arm], r * len(names) + names.index(arm), requests)
+                warm_requests = w5_requests(warm, num_adapters, rate, seed=100 + r) if warm else ()
+                got, tokens, arm_reads = arm_run(arm, W5_ARMS[arm], r * len(names) + names.index(arm), requests,
+                                                 warm_requests)
                 reads[arm] += int(arm_reads)
                 ttfts[arm] += got
                 seen[arm] = [a + b for a, b in zip(seen[arm], tokens)]
@@ -297,7 +313,8 @@ def run_w5(threads: int, num_requests: int = W5_REQUESTS, num_adapters: int = W5
                       "reads": reads[arm]}
                 for arm in names}
         return {"arms": arms, "threads": threads, "requests": num_requests, "adapters": num_adapters, "rate": rate,
-                "resident": resident or num_adapters, "rank": rank, "mb": adapter_mb(rank), "rounds": rounds}
+                "resident": resident or num_adapters, "rank": rank, "mb": adapter_mb(rank), "rounds": rounds,
+                "warm": warm}
     finally:
         for w in workers:
             w.stop()
@@ -322,6 +339,13 @@ def worker_counter(metrics_port: int, name: str) -> float:
     raise RuntimeError(f"the worker's metrics on port {metrics_port} have no {name}")
 
 
+def _warm_text(w5: dict) -> str:
+    warm = w5.get("warm", 0)
+    if not warm:
+        return "each arm timed in the state the arm before it left"
+    return f"each arm first serves {warm} untimed requests of the same mix under its own router"
+
+
 def render_w5(w5: dict) -> str:
     arms = w5["arms"]
     ours, rr = arms["adapter+prefix+load (ours)"]["p90"], arms["round-robin"]["p90"]
@@ -333,7 +357,7 @@ def render_w5(w5: dict) -> str:
 ### W5: {w5['adapters']} adapters, zipf popularity, 2 workers with {W5_SLOTS} adapter slots each
 
 {w5.get('rounds', 1)} rounds of {w5['requests']} requests per arm at {w5['rate']}/s (Poisson; the arms' order rotated
-each round, after an untimed warm-up round), adapter drawn from zipf (s = {W5_ZIPF}) over {w5['adapters']}
+each round, after an untimed warm-up round; {_warm_text(w5)}), adapter drawn from zipf (s = {W5_ZIPF}) over {w5['adapters']}
 adapters (rank {w5.get('rank', RANK)}, all projections: {w5.get('mb', adapter_mb(RANK)):.0f} MB each in fp32, loaded on both workers), each prompt the adapter's 64-token
 system prompt + 16 random tokens, 16 output tokens streamed; two `--role both` workers with
 {w5['threads']} torch thread each, `--max-loras {W5_SLOTS}` and `--max-cpu-loras {w5.get('resident', w5['adapters'])}` (adapters beyond
@@ -391,6 +415,8 @@ def main() -> int:
                     help="W5 rounds; each runs every arm once, the order rotated (>= 1)")
     ap.add_argument("--w5-rank", type=int, default=RANK,
                     help="W5 adapters' rank (all seven projections; 64 is QLoRA's usual choice: 78 MB per adapter)")
+    ap.add_argument("--w5-warm", type=int, default=W5_WARM,
+                    help="untimed W5 requests each arm serves under its own router before its timed ones (>= 0)")
     ap.add_argument("--w5-resident", type=int, default=None,
                     help=f"adapters a W5 worker keeps in memory (--max-cpu-loras, >= {W5_SLOTS}; default: all); "
                          "the others are read again from their folder when asked for")
@@ -401,6 +427,8 @@ def main() -> int:
         ap.error("--write updates the whole lora section: run both parts (drop --only-w5)")
     if args.w5_requests < 2 or args.w5_adapters < 1 or args.w5_rate <= 0 or args.threads < 1 or args.repeats < 1:
         ap.error("need --w5-requests >= 2, --w5-adapters >= 1, --w5-rate > 0, --threads >= 1 and --repeats >= 1")
+    if args.w5_warm < 0:
+        ap.error(f"--w5-warm must be >= 0, got {args.w5_warm}")
     if args.w5_rounds < 1:
         ap.error(f"--w5-rounds must be >= 1, got {args.w5_rounds}")
     if not 1 <= args.w5_rank <= 256:
@@ -408,7 +436,7 @@ def main() -> int:
     if args.w5_resident is not None and args.w5_resident < W5_SLOTS:
         ap.error(f"--w5-resident must be >= {W5_SLOTS} (the adapter slots per step), got {args.w5_resident}")
     w5 = None if args.skip_w5 else run_w5(1, args.w5_requests, args.w5_adapters, args.w5_resident, rate=args.w5_rate,
-                                  rank=args.w5_rank, rounds=args.w5_rounds)
+                                  rank=args.w5_rank, rounds=args.w5_rounds, warm=args.w5_warm)
     if args.only_w5:
         print(render_w5(w5))
         return 0
