@@ -61,7 +61,10 @@ class Soak:
         self.reference: dict[Spec, str] = {}
         self.tally = Tally()
         self.stop = threading.Event()
-        self.router_kills = 0
+        # a router SIGKILL counts as begun before the kill and done after it: a cut is the kill's
+        # when a kill began after the last one that was done when its request started (a request
+        # sent between the count and the kill is cut by it too)
+        self.router_kills_begun = self.router_kills_done = 0
         self.redis = Redis(logdir)
         self.workers = [Worker(role, transport, logdir, self.security, proxied=(role, transport) == ("decode", "tcp"))
                         for transport in ("ucx", "tcp") for role in ("decode", "prefill")]
@@ -99,10 +102,10 @@ class Soak:
         rng = random.Random(self.seed * 100 + index)
         while not self.stop.is_set():
             spec = rng.choice(self.specs)
-            kills = self.router_kills
+            kills_done = self.router_kills_done
             outcome, detail, text = run_request(self.routers, spec, rng)
-            if outcome == "cut":     # the connection dropped: documented only if its replica was SIGKILLed
-                outcome = "cut_by_router_kill" if self.router_kills > kills else "lost"
+            if outcome == "cut":     # the connection dropped: documented only if a replica was SIGKILLed meanwhile
+                outcome = "cut_by_router_kill" if self.router_kills_begun > kills_done else "lost"
             if outcome == "answer":
                 outcome = "ok" if text == self.reference[spec] else "wrong"
                 detail = f"{spec.prompt[-40:]!r}: got {text!r}, expected {self.reference[spec]!r}"
@@ -121,8 +124,9 @@ class Soak:
             w.signal(signal.SIGCONT)
         elif kind == "router_sigkill":
             r = rng.choice(self.routers)
-            self.router_kills += 1          # before the kill: a client sees the cut only after it
+            self.router_kills_begun += 1
             r.kill()
+            self.router_kills_done += 1
             r.start().wait_ready(120)
         elif kind == "redis_restart":
             self.redis.kill()
