@@ -137,10 +137,9 @@ W5_RATE = 1.0          # requests per second
 W5_ZIPF = 1.1
 W5_ROUNDS = 3        # every arm once in every position
 W5_WARM = 32         # untimed requests before each arm's timed ones, under its own router
-ROUND_ROBIN = [{"name": "round-robin", "weight": 1}]
 W5_ARMS = {
     "adapter+prefix+load (ours)": None,    # the default decode profile
-    "round-robin": ROUND_ROBIN,
+    "round-robin": [{"name": "round-robin", "weight": 1}],
     "load-only": [{"name": "queue-depth", "weight": 3}, {"name": "pending-assignments", "weight": 1}],
 }
 
@@ -213,7 +212,8 @@ async def w5_arm(url: str, arm_index: int, requests) -> list[float]:
         req = BenchRequest(tuple(w5_prompt(arm_index, adapter, user_seed)), max_tokens=16)
         body = encode_payload(f"a{adapter}", req, {"temperature": 0})
         await asyncio.sleep(max(0.0, t - (time.perf_counter() - start)))
-        out = await send(client, "/v1/completions", body, RequestResult(0, "", "", req.num_prompt_tokens, 16), start)
+        result = RequestResult(index=0, category="", tag="", num_prompt_tokens=req.num_prompt_tokens, max_tokens=16)
+        out = await send(client, "/v1/completions", body, result, start)
         if not out.success or out.output_tokens != 16:
             raise RuntimeError(f"a W5 request failed: {out.error or f'{out.output_tokens} tokens of 16'}")
         return out.ttft_s
@@ -288,16 +288,16 @@ def run_w5(threads: int, num_requests: int = W5_REQUESTS, num_adapters: int = W5
         import httpx
 
         names = list(W5_ARMS)
-        arm_run("warm-up", ROUND_ROBIN, 999, w5_requests(num_requests, num_adapters, rate, seed=999))
+        arm_run("warm-up", W5_ARMS["round-robin"], 999, w5_requests(num_requests, num_adapters, rate, seed=999))
         ttfts = {arm: [] for arm in names}
         seen = {arm: [0.0, 0.0] for arm in names}
         reads = {arm: 0 for arm in names}
         per_round = {arm: [] for arm in names}
         for r in range(rounds):
             requests = w5_requests(num_requests, num_adapters, rate, seed=r)
+            warm_requests = w5_requests(warm, num_adapters, rate, seed=100 + r) if warm else ()
             for k in range(len(names)):
                 arm = names[(r + k) % len(names)]
-                warm_requests = w5_requests(warm, num_adapters, rate, seed=100 + r) if warm else ()
                 got, tokens, arm_reads = arm_run(arm, W5_ARMS[arm], r * len(names) + names.index(arm), requests,
                                                  warm_requests)
                 reads[arm] += int(arm_reads)
