@@ -342,8 +342,7 @@ static inline __attribute__((always_inline)) void attend_group16(
         int64_t h = group - j0 < most ? group - j0 : most;
         if (d == 64) switch (h) { HEADS_CASE(64, 1) HEADS_CASE(64, 2) HEADS_CASE(64, 3) HEADS_CASE(64, 4) }
         else if (d == 128) switch (h) { HEADS_CASE(128, 1) HEADS_CASE(128, 2) }
-        else attend_heads16(q + j0 * d, k_cache, v_cache, table, ctx, out + j0 * d, 1, nkv, g, d, block_size, scale,
-                            scores + j0 * ctx, kv16);
+        else switch (h) { HEADS_CASE(d, 1) }
     }
 }
 #endif
