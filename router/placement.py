@@ -10,7 +10,10 @@ its prompt (DESIGN.md sections 3 and 4).
     4. if remote: prefill profile over the prefill-capable workers other than D, best first,
        the top `max_prefill_candidates` (D tries them in order and prefills locally if all fail);
        if none passes the filters, D prefills locally;
-    5. speculative index entries for the prompt's blocks on D (and the first prefill worker).
+    5. speculative index entries for the prompt's blocks on D (and the first prefill worker);
+    6. for a LoRA request, when the decode profile scores adapter affinity: the adapters D holds
+       in memory that another decode worker holds too (`lora_evict_first`), which D evicts first
+       if it must read this request's adapter into a full memory.
 
 The planner reads the pool and the index and writes only speculative entries; the dispatcher
 records the assignment. Scores are kept in the Decision for logs and tests.
@@ -27,7 +30,7 @@ from splitserve.router.errors import NoWorkerError
 from splitserve.router.filters import make_filter
 from splitserve.router.index import PrefixIndex
 from splitserve.router.pool import WorkerPool, WorkerState
-from splitserve.router.scorers import ScoringContext, make_scorer
+from splitserve.router.scorers import LoraAffinity, ScoringContext, make_scorer
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +44,7 @@ class Decision:
     num_cached_blocks: int = 0           # the decode worker's matched prefix, per the index
     num_uncached_tokens: int = 0
     scores: dict = field(default_factory=dict)   # role -> {address: total}
+    lora_evict_first: tuple[str, ...] = ()        # step 6 of the module docstring
 
 
 class Profile:
@@ -50,6 +54,7 @@ class Profile:
         self.role = role
         self.filters = [make_filter(name, config.filter_params.get(name)) for name in config.filters]
         self.scorers = [(make_scorer(s.name, s.params), float(s.weight)) for s in config.scorers if s.weight > 0]
+        self.scores_adapters = any(isinstance(scorer, LoraAffinity) for scorer, _ in self.scorers)
 
     def filter(self, workers: list[WorkerState], now: float) -> list[WorkerState]:
         """Workers passing every filter; NoWorkerError naming the filter that left nobody."""
@@ -110,7 +115,31 @@ class Placer:
         await self.index.add_speculative(chosen, hashes)
         if prefill_list:
             await self.index.add_speculative(prefill_list[0], hashes)
-        return Decision(chosen, prefill_list, cached, uncached, scores)
+        evict_first = self._evict_first(chosen, lora_name, now) if self.decode_profile.scores_adapters else ()
+        return Decision(chosen, prefill_list, cached, uncached, scores, evict_first)
+
+    def _evict_first(self, chosen: str, lora_name: str | None, now: float) -> tuple[str, ...]:
+        """The adapters `chosen` holds in memory that another healthy decode worker holds too,
+        less those its requests use now (the scorer sends their next requests back to it).
+
+        Each worker keeps its --max-cpu-loras adapters by its own LRU, so adapters that load
+        spilled onto a second worker crowd out ones only it holds, and the pool as a whole holds
+        fewer distinct adapters than it has room for; every request for one it lost waits for a
+        disk read. Evicting a duplicate first costs nothing while its twin stays resident: the
+        adapter-affinity scorer already prefers the worker that holds it. Only with that scorer
+        (a policy that ignores residency would send the next request anywhere)."""
+        if lora_name is None:
+            return ()
+        mine, in_use, elsewhere = set(), {lora_name}, set()
+        for w in self.pool.decode_workers():
+            if w.load is None:
+                continue
+            if w.address == chosen:
+                mine = set(w.load.resident_lora_adapters)
+                in_use.update(w.load.running_lora_adapters, w.load.waiting_lora_adapters)
+            elif w.is_healthy(now):
+                elsewhere.update(w.load.resident_lora_adapters)
+        return tuple(sorted((mine & elsewhere) - in_use))
 
     def _wants_remote(self, num_uncached: int, prefill: list[WorkerState]) -> bool:
         mode = self.config.disaggregation.mode

@@ -25,7 +25,8 @@ def generate_request(request_id: str, token_ids: list[int], params: SamplingPara
     conditional threshold against its exact cache (the router's index may lag by a few events).
     A resume (tokens already streamed by a failed worker) is prefilled by the decode worker."""
     request = pb.GenerateRequest(request_id=request_id, prompt_token_ids=token_ids, params=sampling_params(params),
-                                 resume_output_token_ids=list(resume_output_token_ids), lora_name=lora_name or "")
+                                 resume_output_token_ids=list(resume_output_token_ids), lora_name=lora_name or "",
+                                 lora_evict_first=decision.lora_evict_first)
     if decision.prefill and not resume_output_token_ids:
         request.prefill_workers.extend(decision.prefill)
         request.disaggregation = _MODES[disaggregation.mode]

@@ -78,6 +78,9 @@ class WorkerMetrics:
                                   "for a request (evicted from memory under --max-cpu-loras)", registry=r)
         self.lora_read_seconds = Counter("splitserve_lora_adapter_read_seconds", "Time requests waited for those "
                                          "reads (read, checksum and pack, off the engine thread)", registry=r)
+        self.lora_hinted_evictions = Counter("splitserve_lora_adapter_hinted_evictions", "Adapters evicted from "
+                                             "memory before less recently used ones because other workers also "
+                                             "hold them (the router's lora_evict_first hint)", registry=r)
         self._seen_mask = (0.0, 0)
         self._seen_kinds: dict[str, int] = {}
         Info("splitserve_worker", "Worker identity", registry=r).info({"role": role, "model": model})

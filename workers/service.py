@@ -76,7 +76,7 @@ class WorkerService(pb_grpc.WorkerServicer):
             token_ids = convert.prompt_token_ids(request.request_id, request.prompt_token_ids,
                                                  eng.model_config.vocab_size, eng.max_model_len)
             params = convert.sampling_params(request.params)
-            lora = await self._adapter(request.lora_name)
+            lora = await self._adapter(request.lora_name, request.lora_evict_first)
         except AdapterNotFoundError as exc:
             await context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
         except InvalidRequestError as exc:
@@ -95,10 +95,11 @@ class WorkerService(pb_grpc.WorkerServicer):
         finally:
             self._leave()
 
-    async def _adapter(self, name: str):
+    async def _adapter(self, name: str, evict_first=()):
         """The adapter named by a request (None for ""), looked up on the engine thread. One that
         was evicted from memory is read again in another thread: the engine keeps stepping the
-        other requests meanwhile (platform/lora/registry.py)."""
+        other requests meanwhile (platform/lora/registry.py). Keeping it evicts, if memory is
+        full, one of `evict_first` (the router's hint: adapters other workers also hold) first."""
         if not name:
             return None
         adapter, path = await self.engine.call(lambda e: e.loras.lookup(name))
@@ -107,7 +108,14 @@ class WorkerService(pb_grpc.WorkerServicer):
             adapter = await asyncio.to_thread(_read_adapter, self.engine.engine.loras, name, path)
             self.metrics.lora_reads.inc()
             self.metrics.lora_read_seconds.inc(time.monotonic() - t0)
-            adapter = await self.engine.call(lambda e: e.loras.install(adapter))
+            evict_first = tuple(evict_first)
+
+            def keep(e):
+                before = e.loras.num_hinted_evictions
+                return e.loras.install(adapter, evict_first), e.loras.num_hinted_evictions - before
+
+            adapter, hinted = await self.engine.call(keep)
+            self.metrics.lora_hinted_evictions.inc(hinted)
         return adapter
 
     async def _generate(self, req_id, token_ids, params, remote: bool, prefill_workers: list[str],

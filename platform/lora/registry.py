@@ -19,6 +19,7 @@ other request go on during the read (a rank-64 adapter takes about 0.2 s to read
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Iterable
 
 import torch
 
@@ -40,6 +41,7 @@ class LoraRegistry:
         self._digests: dict[str, bytes] = {}   # of the latest read of each known adapter
         self._loaded: OrderedDict[str, LoraAdapter] = OrderedDict()
         self.num_loads = 0
+        self.num_hinted_evictions = 0   # evictions that followed the router's evict_first hint
 
     def load_modules(self) -> None:
         """Load the adapters of --lora-modules; a bad one stops the start (ConfigError)."""
@@ -92,17 +94,22 @@ class LoraRegistry:
         """Read and pack an adapter; touches no state of the registry, so any thread may call it."""
         return read_adapter(name, path, self.layout, self.config.max_lora_rank, self.dtype)
 
-    def install(self, adapter: LoraAdapter) -> LoraAdapter:
+    def install(self, adapter: LoraAdapter, evict_first: Iterable[str] = ()) -> LoraAdapter:
         """Keep an adapter that `read` returned off the engine thread, and return the one new
         requests for its name get: the copy already in memory if another read won the race, a
-        fresh read if the name was re-added with another folder meanwhile."""
+        fresh read if the name was re-added with another folder meanwhile.
+
+        `evict_first`: adapters other workers of the pool also hold (the router's hint). If
+        memory is full, the least recently used of these goes before any other: an adapter
+        only this worker holds costs the pool a disk read when it is next asked for, one held
+        elsewhere too can be served there without one."""
         current, path = self.lookup(adapter.name)
         if current is not None:
             return current
         if path != adapter.path:
             return self.get(adapter.name)
         self.num_loads += 1
-        self._remember(adapter)
+        self._remember(adapter, frozenset(evict_first))
         return adapter
 
     def digest(self, name: str) -> bytes:
@@ -127,9 +134,14 @@ class LoraRegistry:
         self.num_loads += 1
         return self.read(name, path)
 
-    def _remember(self, adapter: LoraAdapter) -> None:
+    def _remember(self, adapter: LoraAdapter, evict_first: frozenset[str] = frozenset()) -> None:
         self._digests[adapter.name] = adapter.digest
         self._loaded[adapter.name] = adapter
         self._loaded.move_to_end(adapter.name)
         while len(self._loaded) > self.config.cpu_capacity:
-            self._loaded.popitem(last=False)
+            victim = next((n for n in self._loaded if n in evict_first and n != adapter.name), None)
+            if victim is None:
+                self._loaded.popitem(last=False)
+            else:
+                del self._loaded[victim]
+                self.num_hinted_evictions += 1

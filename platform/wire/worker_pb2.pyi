@@ -87,7 +87,7 @@ class StructuredConstraint(_message.Message):
     def __init__(self, kind: _Optional[str] = ..., value: _Optional[str] = ..., field: _Optional[str] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "params", "prefill_workers", "disaggregation", "min_prefill_tokens", "resume_output_token_ids", "lora_name")
+    __slots__ = ("request_id", "prompt_token_ids", "params", "prefill_workers", "disaggregation", "min_prefill_tokens", "resume_output_token_ids", "lora_name", "lora_evict_first")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PARAMS_FIELD_NUMBER: _ClassVar[int]
@@ -96,6 +96,7 @@ class GenerateRequest(_message.Message):
     MIN_PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     RESUME_OUTPUT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     LORA_NAME_FIELD_NUMBER: _ClassVar[int]
+    LORA_EVICT_FIRST_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     params: SamplingParams
@@ -104,7 +105,8 @@ class GenerateRequest(_message.Message):
     min_prefill_tokens: int
     resume_output_token_ids: _containers.RepeatedScalarFieldContainer[int]
     lora_name: str
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ..., prefill_workers: _Optional[_Iterable[str]] = ..., disaggregation: _Optional[_Union[DisaggregationMode, str]] = ..., min_prefill_tokens: _Optional[int] = ..., resume_output_token_ids: _Optional[_Iterable[int]] = ..., lora_name: _Optional[str] = ...) -> None: ...
+    lora_evict_first: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ..., prefill_workers: _Optional[_Iterable[str]] = ..., disaggregation: _Optional[_Union[DisaggregationMode, str]] = ..., min_prefill_tokens: _Optional[int] = ..., resume_output_token_ids: _Optional[_Iterable[int]] = ..., lora_name: _Optional[str] = ..., lora_evict_first: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class TopLogprob(_message.Message):
     __slots__ = ("token_id", "logprob")

@@ -106,6 +106,24 @@ def test_cpu_lru_evicts_least_recently_used_and_reloads_on_demand(tmp_path, regi
         reg.remove("a")
 
 
+def test_a_full_memory_evicts_what_other_workers_also_hold_first(tmp_path, registry_factory):
+    """The router's hint (GenerateRequest.lora_evict_first): adapters other workers also hold go
+    before the least recently used one that only this worker holds; without a hint, or with a
+    hint naming nothing this worker holds, eviction is plain LRU."""
+    reg = registry_factory(max_loras=1, max_cpu_loras=3)
+    paths = {name: write_adapter(tmp_path / name, seed=ord(name)) for name in "abcdef"}
+    for name in "abcdef":
+        reg.add(name, paths[name])                                # d, e, f stay in memory
+    reg.get("d")                                                  # LRU order now e, f, d
+    assert reg.install(reg.read("a", paths["a"]), evict_first=["d", "f"]).name == "a"
+    assert [x.name for x in reg.loaded()] == ["e", "d", "a"]     # f: the LRU of the hinted, not e
+    assert reg.num_hinted_evictions == 1
+    reg.install(reg.read("b", paths["b"]), evict_first=["zzz", "b"])   # nothing held is hinted
+    assert [x.name for x in reg.loaded()] == ["d", "a", "b"] and reg.num_hinted_evictions == 1
+    reg.install(reg.read("c", paths["c"]))
+    assert [x.name for x in reg.loaded()] == ["a", "b", "c"]
+
+
 def test_an_adapter_read_off_the_engine_thread_is_installed_unless_something_changed(tmp_path, registry_factory):
     """A worker reads an evicted adapter in another thread (lookup -> read -> install); meanwhile
     another request may have read it, the name may have moved to another folder or gone."""

@@ -6,6 +6,8 @@ Workers here are routerkit.FakeWorker: the real Worker gRPC protocol (Generate, 
 load reports listing adapters, Load/UnloadLoraAdapter) in front of a fake engine.
 """
 
+import asyncio
+import random
 import time
 
 import httpx
@@ -15,7 +17,12 @@ import pytest
 from routerkit import FakeWorker, RouterServer, free_port, router_config
 from splitserve.platform.hashing import BlockHasher, lora_extra_keys
 from splitserve.platform.wire import worker_pb2 as pb
-from splitserve.router.pool import WorkerState
+from splitserve.platform.sampling.params import SamplingParams
+from splitserve.router.config import DisaggregationConfig, PlacementConfig, ProfileConfig, ScorerSpec, default_decode_profile
+from splitserve.router.index import InMemoryPrefixIndex
+from splitserve.router.placement import Decision, Placer
+from splitserve.router.pool import WorkerPool, WorkerState
+from splitserve.router.wire import generate_request
 from splitserve.router.scorers import LoraAffinity, ScoringContext
 
 MODEL = "smollm2-135m"
@@ -46,6 +53,42 @@ def worker(address, running=(), waiting=(), max_loras=2, load=True, resident=())
 def test_lora_affinity_scores(lora, workers, expected):
     ctx = ScoringContext(num_prompt_tokens=10, num_prompt_blocks=0, lora_name=lora)
     assert LoraAffinity().score(ctx, workers) == expected
+
+
+def hint(lora, workers, scorers=None):
+    """The lora_evict_first a placement sends with a request placed on w1 (made the only candidate)."""
+    pool = WorkerPool(MODEL, 16, clock=lambda: 0.0)
+    for w in workers:
+        pool.workers[w.address] = w
+    profile = default_decode_profile() if scorers is None else ProfileConfig(
+        filters=("healthy",), scorers=tuple(ScorerSpec(n, 1.0) for n in scorers))
+    placer = Placer(PlacementConfig(decode=profile, disaggregation=DisaggregationConfig(mode="never")), pool,
+                    InMemoryPrefixIndex(ttl_s=10.0, clock=lambda: 0.0), random.Random(0))
+    others = frozenset(w.address for w in workers if w.address != "w1")
+    decision = asyncio.run(placer.place(16, [], exclude=others, lora_name=lora))
+    assert decision.decode == "w1"
+    return decision.lora_evict_first
+
+
+def test_a_request_tells_its_worker_which_adapters_others_also_hold():
+    """Evict-first = what w1 holds in memory that another healthy decode worker holds, less the
+    request's own adapter and those w1's requests use now; nothing for a base request, nothing
+    without the lora-affinity scorer (a policy that ignores residency)."""
+    w1 = dict(resident=["a", "b", "c", "d", "e"], running=["d"], waiting=["e"], max_loras=8)
+    pool = [worker("w1", **w1), worker("w2", resident=["b", "c", "d", "e", "x"]), worker("w3", resident=["a"])]
+    assert hint("c", pool) == ("a", "b")
+    assert hint(None, pool) == ()
+    assert hint("c", pool, scorers=["queue-depth"]) == ()
+    assert hint("c", pool, scorers=["lora-affinity"]) == ("a", "b")
+    down = WorkerState("w3", role="decode", is_connected=False, load=pb.LoadReport(resident_lora_adapters=["a"]))
+    assert hint("c", [worker("w1", **w1), worker("w2", resident=["b"]), down]) == ("b",)   # a down worker's memory is gone
+    assert hint("c", [worker("w1", **w1), worker("w2", load=False)]) == ()
+
+
+def test_the_hint_reaches_the_worker_in_its_generate_request():
+    decision = Decision("w1", lora_evict_first=("a", "b"))
+    request = generate_request("r", [1, 2], SamplingParams(), decision, DisaggregationConfig(), lora_name="c")
+    assert request.lora_name == "c" and list(request.lora_evict_first) == ["a", "b"]
 
 
 @pytest.fixture()

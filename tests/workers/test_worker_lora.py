@@ -30,10 +30,12 @@ def prompt(n: int, salt: int = 0) -> list[int]:
     return [(i * 7919 + salt * 104729) % 40000 + 100 for i in range(n)]
 
 
-async def generate(address, token_ids, lora="", prefill_workers=(), mode=pb.DISAGGREGATION_MODE_ALWAYS):
+async def generate(address, token_ids, lora="", prefill_workers=(), mode=pb.DISAGGREGATION_MODE_ALWAYS,
+                   evict_first=()):
     async with worker_channel(address) as channel:
         request = pb.GenerateRequest(
             request_id=f"t-{time.monotonic_ns()}", prompt_token_ids=token_ids, lora_name=lora,
+            lora_evict_first=list(evict_first),
             params=pb.SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
             prefill_workers=list(prefill_workers), disaggregation=mode)
         msgs = [m async for m in pb_grpc.WorkerStub(channel).Generate(request)]
@@ -165,7 +167,14 @@ def test_adapters_in_load_reports_metrics_and_unload(lora_pair):
     assert {"sql", "temp", "temp2"} <= {a.name for a in report.adapters}
     asyncio.run(generate(d.address, prompt(20), "sql"))
     report = asyncio.run(load_report(d.address, "sql", resident=True))
-    assert "sql" in report.resident_lora_adapters and len(report.resident_lora_adapters) == 2
+    assert list(report.resident_lora_adapters) == ["sql", "temp2"]
+    # the router's hint: sql is held elsewhere too, so reading temp back evicts sql, not the
+    # least recently used temp2 that only this worker holds
+    assert d.metric("splitserve_lora_adapter_hinted_evictions_total") == 0
+    asyncio.run(generate(d.address, prompt(20), "temp", evict_first=["sql", "not-here"]))
+    report = asyncio.run(load_report(d.address, "temp", resident=True))
+    assert sorted(report.resident_lora_adapters) == ["temp", "temp2"]
+    assert d.metric("splitserve_lora_adapter_hinted_evictions_total") == 1
     asyncio.run(call(d.address, "UnloadLoraAdapter", pb.UnloadLoraAdapterRequest(lora_name="temp2")))
     asyncio.run(call(d.address, "UnloadLoraAdapter", pb.UnloadLoraAdapterRequest(lora_name="temp")))
     with pytest.raises(grpc.aio.AioRpcError) as err:
