@@ -38,9 +38,11 @@ import json
 import os
 import pathlib
 import platform as stdlib_platform
+import random
 import shutil
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -63,6 +65,15 @@ BLOCK_BYTES = 2 * 30 * 16 * 3 * 64 * 4   # K+V x 30 layers x 16 tokens x 3 KV he
 CHUNK = 128                       # prefill chunk of the chunked arm (tokens per step)
 COND_TOKENS = 128                 # conditional disaggregation threshold
 SEED = 0
+# W3's load, as docs/research's W3 defines it: long prompts arrive at a rate that keeps the single
+# prefill core of 1P1D about half busy, beside 0.5-1 interactive requests/s. A fixed rate cannot
+# do that on every host (0.24 long prompts/s kept an AVX2 EPYC's prefill core ~45 % busy and a
+# Zen 4's ~17 %), so the suite first times one long prefill on this host and derives the rates.
+# Load points: (prefill core busy, interactive requests/s).
+W3_LONG = (512, 768)
+W3_LOADS = ((0.5, 0.8), (0.3, 0.5))
+W3_INTERACTIVE = 42               # interactive requests per arm and load point (quick: 14)
+W3_FIXED = (0.8, 0.5)             # --w3-fixed: total req/s with 30 % long (the runs before calibration)
 
 
 # ---- arms ----------------------------------------------------------------------------------------
@@ -136,23 +147,84 @@ class Run:
         return args
 
 
-def plan(quick: bool) -> dict[str, list[list[Run]]]:
+def w3_plan(quick: bool, prefill_s: float | None) -> list[list[Run]]:
+    """W3's groups: at each of W3_LOADS, long prompts at busy / prefill_s per second (the mean
+    long prompt's prefill on one core takes prefill_s) beside the interactive rate; None: the
+    fixed rates W3_FIXED with 30 % long."""
+    long_range = (("long_min", str(W3_LONG[0])), ("long_max", str(W3_LONG[1])))
+    if prefill_s is None:
+        n = 20 if quick else 60
+        rates = W3_FIXED[:1] if quick else W3_FIXED
+        return [[Run("w3", arm, n, rate=r, warmup=2, params=(("long_fraction", "0.3"), *long_range)) for arm in DISAGG]
+                for r in rates]
+    groups = []
+    for busy, interactive in W3_LOADS[:1] if quick else W3_LOADS:
+        long_rate = busy / prefill_s
+        rate = round(long_rate + interactive, 2)
+        fraction = long_rate / (long_rate + interactive)
+        n = round((14 if quick else W3_INTERACTIVE) / (1 - fraction))
+        params = (("long_fraction", f"{fraction:.3f}"), *long_range)
+        groups.append([Run("w3", arm, n, rate=rate, warmup=2, params=params) for arm in DISAGG])
+    return groups
+
+
+def w3_load_text(groups: list[list[Run]], prefill_s: float | None) -> str:
+    """W3's load points in words, for the report."""
+    points = []
+    for group in groups:
+        run = group[0]
+        fraction = float(dict(run.params)["long_fraction"])
+        busy = f", prefill core {run.rate * fraction * prefill_s:.0%} busy" if prefill_s else ""
+        points.append(f"{run.rate} req/s ({run.rate * fraction:.2f} long + {run.rate * (1 - fraction):.2f} "
+                      f"interactive{busy}, {run.num_requests} requests)")
+    how = (f"rates derived from this host's {sum(W3_LONG) // 2}-token prefill on one core, {prefill_s:.2f} s, "
+           "so that 1P1D's one prefill core is about half busy at the first point: " if prefill_s else
+           "fixed rates (`--w3-fixed`): ")
+    return how + "; ".join(points) + "."
+
+
+def time_long_prefill(raw: pathlib.Path, workdir: pathlib.Path) -> float:
+    """Seconds one pinned worker takes to prefill W3's mean long prompt (the median of 3 unique
+    prompts after a warm-up, through the router, one at a time). Kept in --raw, so a resumed
+    suite runs the load points it started with."""
+    kept = raw / "w3-prefill.json"
+    if kept.exists():
+        return json.loads(kept.read_text())["prefill_s"]
+    cluster = Cluster(DISAGG[0], workdir)
+    try:
+        rng = random.Random(SEED)
+        times = []
+        for _ in range(4):
+            prompt = [rng.randrange(100, 40000) for _ in range(sum(W3_LONG) // 2)]
+            body = json.dumps({"model": MODEL, "prompt": prompt, "max_tokens": 1}).encode()
+            request = urllib.request.Request(cluster.url + "/v1/completions", data=body,
+                                             headers={"Content-Type": "application/json"})
+            t0 = time.perf_counter()
+            with urllib.request.urlopen(request, timeout=300) as resp:
+                resp.read()
+            times.append(time.perf_counter() - t0)
+    finally:
+        cluster.stop()
+    prefill_s = statistics.median(times[1:])
+    kept.write_text(json.dumps({"prefill_s": prefill_s, "times_s": times}))
+    print(f"W3: a {sum(W3_LONG) // 2}-token prefill on one core takes {prefill_s:.3f} s", flush=True)
+    return prefill_s
+
+
+def plan(quick: bool, w3_prefill_s: float | None = None) -> dict[str, list[list[Run]]]:
     """Per workload, groups of runs; the runs of a group are the arms at one load point."""
     q = quick
     w1 = (("warm_prefixes", "1"), ("system_len", "256"), ("groups", "8"), ("per_group", "2" if q else "8"))
     w1_n = 16 if q else 64
     w1_rates = [0.7] if q else [0.7, 1.4]
     w2 = (("sessions", "4" if q else "6"), ("turns", "6"), ("think_s", "1.0"))
-    w3_n = 20 if q else 60
-    w3_rates = [0.8] if q else [0.8, 0.5]
-    w3 = (("long_fraction", "0.3"), ("long_min", "512"), ("long_max", "768"))
     w4 = (("output_min", "64"), ("output_max", "128"))
     groups = {
         "w1": [[Run("w1", arm, w1_n, rate=r, warmup=16, params=w1) for arm in ROUTING] for r in w1_rates]
         + [[Run("w1", NO_CACHE, w1_n, rate=w1_rates[0], warmup=16, params=w1)]],
         "w2": [[Run("w2", arm, 24 if q else 36, rate=0.5, warmup=2, params=w2)
                 for arm in (ROUTING[0], ROUTING[3], dataclasses.replace(NO_CACHE))]],
-        "w3": [[Run("w3", arm, w3_n, rate=r, warmup=2, params=w3) for arm in DISAGG] for r in w3_rates],
+        "w3": w3_plan(quick, w3_prefill_s),
         "w4": [[Run("w4", arm, 8 if q else 24, concurrency=8, warmup=2, params=w4)
                 for arm in (ROUTING[0], ROUTING[3], DISAGG[2])]],
     }
@@ -453,9 +525,9 @@ def render(results: dict[str, list[dict]], plots: dict[str, str], meta: dict) ->
     w3 = results.get("w3", [])
     if w3:
         out += ["### W3: long prompts beside interactive streams", "",
-                "30 % long requests (512–768-token prompts, 8 output tokens) among interactive ones "
-                "(32-token prompts, 64 output tokens), Poisson at 0.8 and 0.5 req/s. Interactive requests:", "",
-                HEADER]
+                f"Long requests (512–768-token prompts, 8 output tokens) among interactive ones "
+                f"(32-token prompts, 64 output tokens), one Poisson stream thinned in two: {meta['w3']} "
+                "Interactive requests:", "", HEADER]
         out += [summary_row(d, "interactive") for d in w3]
         out += ["", "Long requests:", "", HEADER] + [summary_row(d, "long") for d in w3]
         for load in dict.fromkeys(d["load"] for d in w3):
@@ -588,6 +660,9 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="a few requests per arm (a smoke run, not a result)")
     ap.add_argument("--raw", default=None, help="folder for the raw JSON (default: a new temp folder); runs "
                                                 "already finished there are reused, so an interrupted suite resumes")
+    ap.add_argument("--w3-fixed", action="store_true",
+                    help="W3 at the fixed rates 0.8 and 0.5 req/s with 30 %% long prompts, instead of rates "
+                         "derived from this host's prefill time (the suite's runs before that)")
     ap.add_argument("--peer-python", default=".venv-peer/bin/python",
                     help="the Python with llama-cpp-python[server] installed (make bench builds it)")
     args = ap.parse_args()
@@ -606,7 +681,8 @@ def main() -> int:
     print(f"raw results in {raw}", flush=True)
     t0 = time.monotonic()
     results: dict[str, list[dict]] = {}
-    groups = plan(args.quick)
+    w3_prefill_s = None if "w3" not in only or args.w3_fixed else time_long_prefill(raw, workdir)
+    groups = plan(args.quick, w3_prefill_s)
     for name in only:
         if name == "peer":
             results["peer"] = run_peer(args.peer_python, args.quick, raw, workdir)
@@ -619,7 +695,7 @@ def main() -> int:
     meta = {"machine": machine(), "date": datetime.date.today().isoformat(), "minutes": (time.monotonic() - t0) / 60,
             "command": "make bench  # = python bench/serving_suite.py --write docs/benchmarks.md --plots docs/bench"
                        + (" --quick" if args.quick else ""),
-            "kv_blocks": ", ".join(map(str, kv)) or "–"}
+            "kv_blocks": ", ".join(map(str, kv)) or "–", "w3": w3_load_text(groups["w3"], w3_prefill_s)}
     (plots_dir / "serving-summary.json").write_text(
         json.dumps({"meta": meta, "results": {k: [strip(d) for d in v] for k, v in results.items()}}, indent=1) + "\n")
     section = render(results, plots, meta)
