@@ -18,12 +18,15 @@ round-robin, and load-only (queue-depth + pending-assignments). Each request: it
 64-token system prompt + 16 random tokens, 16 output tokens, streamed; Poisson arrivals at a
 fixed rate, the same request sequence for every arm. TTFT is measured by the client. The
 workers stay up across arms (each arm uses its own system prompts, so no arm reuses another's
-cache); a fresh router per arm, which first serves untimed requests of the same mix (--w5-warm)
-so that each arm is timed in the steady state its own routing makes.
+cache); a fresh router per arm, which first serves one untimed request per adapter (each
+adapter's system prompt cached where the arm's router puts it, as W1's warm_prefixes;
+--w5-no-warm-prefixes skips it) and then untimed requests of the same mix (--w5-warm), so that
+each arm is timed in the steady state its own routing makes.
 
 Usage: python bench/lora.py [--write docs/benchmarks.md] [--threads 1] [--repeats 3] [--skip-w5 | --only-w5]
                             [--w5-requests 64] [--w5-adapters 32] [--w5-rate 1.0]
                             [--w5-rank 8] [--w5-resident N] [--w5-rounds 3] [--w5-warm 32]
+                            [--w5-no-warm-prefixes]
 
 The full run (`make bench` runs it with --threads 2) is the throughput part and then W5. A smoke
 run of W5 alone that checks the pipeline end to end in about two minutes:
@@ -137,6 +140,12 @@ W5_RATE = 1.0          # requests per second
 W5_ZIPF = 1.1
 W5_ROUNDS = 3        # every arm once in every position
 W5_WARM = 32         # untimed requests before each arm's timed ones, under its own router
+# Before those, one untimed request per adapter (as W1's warm_prefixes): every adapter's system
+# prompt is then cached on the worker the arm's router chose for it. Without it each round's
+# first request for each rarer adapter computes its system prompt cold (fresh system prompts
+# every round, so no arm reuses another's cache): ~15 % of every arm's requests, 0.18-0.24 s
+# each on an idle worker, which set ours' p90 whatever the routing did.
+W5_WARM_PREFIXES = True
 W5_ARMS = {
     "adapter+prefix+load (ours)": None,    # the default decode profile
     "round-robin": [{"name": "round-robin", "weight": 1}],
@@ -191,6 +200,22 @@ def w5_requests(num_requests: int = W5_REQUESTS, num_adapters: int = W5_ADAPTERS
     return out
 
 
+def w5_each_adapter(num_adapters: int, rate: float, seed: int) -> list[tuple[float, int, int]]:
+    """One request per adapter, in random order, Poisson at `rate`."""
+    rng = random.Random(seed)
+    t, out = 0.0, []
+    for adapter in rng.sample(range(num_adapters), num_adapters):
+        t += rng.expovariate(rate)
+        out.append((t, adapter, rng.randrange(10**9)))
+    return out
+
+
+def followed_by(first: list, then: list) -> list:
+    """`first`, then `then` with its arrival times shifted to start where `first` ends."""
+    end = first[-1][0] if first else 0.0
+    return first + [(t + end, adapter, seed) for t, adapter, seed in then]
+
+
 def w5_prompt(arm_index: int, adapter: int, user_seed: int) -> list[int]:
     system = random.Random(1000 * arm_index + adapter)
     user = random.Random(user_seed)
@@ -224,7 +249,8 @@ async def w5_arm(url: str, arm_index: int, requests) -> list[float]:
 
 
 def run_w5(threads: int, num_requests: int = W5_REQUESTS, num_adapters: int = W5_ADAPTERS, resident: int | None = None,
-           rate: float = W5_RATE, rank: int = RANK, rounds: int = W5_ROUNDS, warm: int = W5_WARM) -> dict:
+           rate: float = W5_RATE, rank: int = RANK, rounds: int = W5_ROUNDS, warm: int = W5_WARM,
+           warm_prefixes: bool = W5_WARM_PREFIXES) -> dict:
     """The arms take turns over `rounds` rounds, the order rotated each round (with 3 rounds every
     arm runs once first, once second, once last), each arm's requests complete before the next
     arm starts, and an untimed warm-up round goes first: a machine's drift and the adapters'
@@ -295,7 +321,9 @@ def run_w5(threads: int, num_requests: int = W5_REQUESTS, num_adapters: int = W5
         per_round = {arm: [] for arm in names}
         for r in range(rounds):
             requests = w5_requests(num_requests, num_adapters, rate, seed=r)
-            warm_requests = w5_requests(warm, num_adapters, rate, seed=100 + r) if warm else ()
+            warm_requests = w5_requests(warm, num_adapters, rate, seed=100 + r) if warm else []
+            if warm_prefixes:
+                warm_requests = followed_by(w5_each_adapter(num_adapters, rate, seed=200 + r), warm_requests)
             for k in range(len(names)):
                 arm = names[(r + k) % len(names)]
                 got, tokens, arm_reads = arm_run(arm, W5_ARMS[arm], r * len(names) + names.index(arm), requests,
@@ -314,7 +342,7 @@ def run_w5(threads: int, num_requests: int = W5_REQUESTS, num_adapters: int = W5
                 for arm in names}
         return {"arms": arms, "threads": threads, "requests": num_requests, "adapters": num_adapters, "rate": rate,
                 "resident": resident or num_adapters, "rank": rank, "mb": adapter_mb(rank), "rounds": rounds,
-                "warm": warm}
+                "warm": warm, "warm_prefixes": warm_prefixes}
     finally:
         for w in workers:
             w.stop()
@@ -341,9 +369,12 @@ def worker_counter(metrics_port: int, name: str) -> float:
 
 def _warm_text(w5: dict) -> str:
     warm = w5.get("warm", 0)
-    if not warm:
+    parts = ["one untimed request per adapter (its system prompt cached where the arm's router put it)"
+             ] if w5.get("warm_prefixes") else []
+    parts += [f"{warm} untimed requests of the same mix"] if warm else []
+    if not parts:
         return "each arm timed in the state the arm before it left"
-    return f"each arm first serves {warm} untimed requests of the same mix under its own router"
+    return f"each arm first serves {', then '.join(parts)} under its own router"
 
 
 def render_w5(w5: dict) -> str:
@@ -417,6 +448,8 @@ def main() -> int:
                     help="W5 adapters' rank (all seven projections; 64 is QLoRA's usual choice: 78 MB per adapter)")
     ap.add_argument("--w5-warm", type=int, default=W5_WARM,
                     help="untimed W5 requests each arm serves under its own router before its timed ones (>= 0)")
+    ap.add_argument("--w5-no-warm-prefixes", action="store_true",
+                    help="skip the untimed request per adapter before each arm (the sixth session's method)")
     ap.add_argument("--w5-resident", type=int, default=None,
                     help=f"adapters a W5 worker keeps in memory (--max-cpu-loras, >= {W5_SLOTS}; default: all); "
                          "the others are read again from their folder when asked for")
@@ -436,7 +469,8 @@ def main() -> int:
     if args.w5_resident is not None and args.w5_resident < W5_SLOTS:
         ap.error(f"--w5-resident must be >= {W5_SLOTS} (the adapter slots per step), got {args.w5_resident}")
     w5 = None if args.skip_w5 else run_w5(1, args.w5_requests, args.w5_adapters, args.w5_resident, rate=args.w5_rate,
-                                  rank=args.w5_rank, rounds=args.w5_rounds, warm=args.w5_warm)
+                                  rank=args.w5_rank, rounds=args.w5_rounds, warm=args.w5_warm,
+                                  warm_prefixes=not args.w5_no_warm_prefixes)
     if args.only_w5:
         print(render_w5(w5))
         return 0
