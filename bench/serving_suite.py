@@ -61,7 +61,11 @@ MODEL = "smollm2-135m"
 # under prefix routing) fit with room to spare; W2's 6 sessions (~30 blocks each at the last
 # turn) fit two workers, not one.
 KV_BLOCKS = 128
-BLOCK_BYTES = 2 * 30 * 16 * 3 * 64 * 4   # K+V x 30 layers x 16 tokens x 3 KV heads x 64 dims x fp32
+# The workers store KV as float16 (`--kv-cache-dtype float16`, what `auto` picks in the fast modes),
+# set explicitly so that the budget below gives KV_BLOCKS on every host. (Sized for float32 while
+# `auto` already stored float16, the workers got 257 blocks, not 128, and W1's cache pressure was
+# gone; the report printed both numbers.)
+BLOCK_BYTES = 2 * 30 * 16 * 3 * 64 * 2   # K+V x 30 layers x 16 tokens x 3 KV heads x 64 dims x float16
 CHUNK = 128                       # prefill chunk of the chunked arm (tokens per step)
 COND_TOKENS = 128                 # conditional disaggregation threshold
 SEED = 0
@@ -317,7 +321,7 @@ class Cluster:
             extra = arm.prefill_args if role == "prefill" else ()
             argv = ["taskset", "-c", str(core), sys.executable, "-m", "splitserve.platform.cli", "--log-level",
                     "WARNING", "worker", "--role", role, "--model", MODEL, "--threads", "1", "--kv-transport",
-                    kv_transport(), "--kv-cache-memory", f"{gib:.6f}", "--max-model-len", "2048",
+                    kv_transport(), "--kv-cache-memory", f"{gib:.6f}", "--kv-cache-dtype", "float16", "--max-model-len", "2048",
                     "--grpc-port", str(grpc_port), "--metrics-port", str(metrics_port), "--kv-port", str(kv_port),
                     "--drain-grace", "2", *arm.worker_args, *extra]
             self.procs.append(Proc(f"{role} worker {i}", argv, ready_prefix="READY"))
