@@ -71,8 +71,8 @@ COND_TOKENS = 128                 # conditional disaggregation threshold
 SEED = 0
 # W3's load, as docs/research's W3 defines it: long prompts arrive at a rate that keeps the single
 # prefill core of 1P1D about half busy, beside 0.5-1 interactive requests/s. A fixed rate cannot
-# do that on every host (0.24 long prompts/s kept an AVX2 EPYC's prefill core ~45 % busy and a
-# Zen 4's ~17 %), so the suite first times one long prefill on this host and derives the rates.
+# do that on every host (0.24 long prompts/s kept it ~60 % busy when the rates were set, and 27 %
+# on a Zen 4 EPYC: 1.12 s a prefill), so the suite first times one long prefill on this host.
 # Load points: (prefill core busy, interactive requests/s).
 W3_LONG = (512, 768)
 W3_LOADS = ((0.5, 0.8), (0.3, 0.5))
