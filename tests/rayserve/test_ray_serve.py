@@ -12,7 +12,7 @@ import urllib.request
 import openai
 import pytest
 
-from raykit import free_port, local_config, num_target_replicas, ray_processes, wait_for
+from raykit import num_target_replicas, ray_processes, start_local_serve, wait_for
 from workerproc import WORKER_QUANTIZATION
 
 pytestmark = pytest.mark.slow
@@ -27,13 +27,7 @@ MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    from splitserve.rayserve.serve import RayServe
-
-    temp_dir = str(tmp_path_factory.mktemp("ray"))
-    started_at = time.time()
-    app = RayServe(local_config(temp_dir, free_port()))
-    app.start(timeout_s=300)
-    app.temp_dir, app.started_at = temp_dir, started_at
+    app = start_local_serve(tmp_path_factory)
     yield app
     app.stop()
 
