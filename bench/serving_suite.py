@@ -155,21 +155,19 @@ def w3_plan(quick: bool, prefill_s: float | None) -> list[list[Run]]:
     """W3's groups: at each of W3_LOADS, long prompts at busy / prefill_s per second (the mean
     long prompt's prefill on one core takes prefill_s) beside the interactive rate; None: the
     fixed rates W3_FIXED with 30 % long."""
-    long_range = (("long_min", str(W3_LONG[0])), ("long_max", str(W3_LONG[1])))
-    if prefill_s is None:
-        n = 20 if quick else 60
-        rates = W3_FIXED[:1] if quick else W3_FIXED
-        return [[Run("w3", arm, n, rate=r, warmup=2, params=(("long_fraction", "0.3"), *long_range)) for arm in DISAGG]
-                for r in rates]
-    groups = []
-    for busy, interactive in W3_LOADS[:1] if quick else W3_LOADS:
-        long_rate = busy / prefill_s
-        rate = round(long_rate + interactive, 2)
-        fraction = long_rate / (long_rate + interactive)
-        n = round((14 if quick else W3_INTERACTIVE) / (1 - fraction))
-        params = (("long_fraction", f"{fraction:.3f}"), *long_range)
-        groups.append([Run("w3", arm, n, rate=rate, warmup=2, params=params) for arm in DISAGG])
-    return groups
+    if prefill_s is None:   # (total rate, long fraction, requests)
+        points = [(rate, 0.3, 20 if quick else 60) for rate in (W3_FIXED[:1] if quick else W3_FIXED)]
+    else:
+        points = []
+        for busy, interactive in W3_LOADS[:1] if quick else W3_LOADS:
+            long_rate = busy / prefill_s
+            fraction = long_rate / (long_rate + interactive)
+            points.append((round(long_rate + interactive, 2), fraction,
+                           round((14 if quick else W3_INTERACTIVE) / (1 - fraction))))
+    params = lambda fraction: (("long_fraction", f"{fraction:.3f}"), ("long_min", str(W3_LONG[0])),  # noqa: E731
+                               ("long_max", str(W3_LONG[1])))
+    return [[Run("w3", arm, n, rate=rate, warmup=2, params=params(fraction)) for arm in DISAGG]
+            for rate, fraction, n in points]
 
 
 def w3_load_text(groups: list[list[Run]], prefill_s: float | None) -> str:
