@@ -4,8 +4,11 @@ GGUF and cores. One process, arms interleaved, so drifting machine load hits the
 
     python bench/engine_speed.py [--write docs/benchmarks.md] [--threads 2] [--peer-python .venv-peer/bin/python]
 
-1. Floors, measured here: read bandwidth (a 1 GiB float32 sum) and GEMM peak (float32 2048^3
-   matmul; bfloat16 too). A decode step cannot beat weight bytes / bandwidth nor FLOPs / peak.
+1. Floors, measured here: read bandwidth (a 1 GiB float32 sum) and GEMM peaks (2048^3 matmuls
+   in float32, bfloat16 and int8). A decode step cannot beat its bytes over the bandwidth nor its
+   linears' multiply-adds over the peak of the arithmetic its mode computes them in (`w4a16`:
+   two int8 dot products per multiply-add, so half the int8 peak). The floor of a step is the
+   larger of the two, and b8/b1 and b32/b1 of the floors say what batching can cost at best here.
 2. Decode step time per mode at batch 1, 2, 4, 8, 16, 32 with 256 tokens of context each:
    the median of STEPS engine steps after every sequence is prefilled, modes interleaved per batch.
    Two more arms isolate what the default's parts are worth: `auto` with a float32 KV cache, and
@@ -77,7 +80,50 @@ def floors() -> dict:
     fp32 = 2 * 2048**3 / timed(lambda: a @ a)
     b = a.bfloat16()
     bf16 = 2 * 2048**3 / timed(lambda: b @ b)
-    return {"read_gb_s": bandwidth / 1e9, "fp32_gflops": fp32 / 1e9, "bf16_gflops": bf16 / 1e9}
+    q = torch.randint(-128, 128, (2048, 2048), dtype=torch.int8)
+    try:  # oneDNN's int8 GEMM: VNNI, AMX or AVX2's pairwise multiply-adds, whatever the host has
+        int8 = 2 * 2048**3 / timed(lambda: torch._int_mm(q, q)) / 1e9
+    except RuntimeError:
+        int8 = None
+    return {"read_gb_s": bandwidth / 1e9, "fp32_gflops": fp32 / 1e9, "bf16_gflops": bf16 / 1e9, "int8_gops": int8}
+
+
+def kernel_kinds(engine: LLMEngine) -> tuple[str, str]:
+    """The kernel the decoder layers' linears mostly run in and the LM head's, as the model reports
+    them (e.g. `w4a16`, `w8a16`; `none` where a linear or the head is a float matmul)."""
+    from collections import Counter
+
+    from splitserve.platform.models.layers import MergedLinear
+
+    kinds = Counter(m.kernel.name for m in engine.model.modules() if isinstance(m, MergedLinear) and m.kernel)
+    head = getattr(engine.model, "lm_head_kernel", None)
+    return (kinds.most_common(1)[0][0] if kinds else "none"), (head.name if head is not None else "none")
+
+
+def arithmetic_peak(kind: str, fl: dict) -> float | None:
+    """Operations per second (G) of the arithmetic a kernel computes in, from the measured GEMM
+    peaks: two int8 digits per activation (`w4a16`, the `w8a16` head) make two int8 dot products
+    per multiply-add, one digit (`w4a8`) one; float matmuls (`none`, fbgemm's `fp16`) run in
+    float32; torch's `int4`/`int8` kernels take the faster of float32 and bfloat16 (bfloat16 falls
+    to a 0.3 GFLOP/s reference path on an AVX2 EPYC). None: no int8 GEMM to measure here."""
+    int8 = fl.get("int8_gops")
+    if kind in ("w4a16", "w8a16", "w4a8"):
+        return None if int8 is None else int8 / (1 if kind == "w4a8" else 2)
+    if kind in ("none", "fp16"):
+        return fl["fp32_gflops"]
+    return max(fl["bf16_gflops"], fl["fp32_gflops"])
+
+
+def step_floor_ms(engine: LLMEngine, batch: int, fl: dict) -> tuple[float, float | None]:
+    """(read floor, compute floor) of one decode step in ms: weight bytes plus `batch` sequences'
+    KV over the read bandwidth; the linears' and LM head's operations over their arithmetic's
+    peak. Attention's arithmetic and everything else is left out, so both are lower bounds."""
+    read = (step_bytes(engine) + batch * kv_bytes_per_sequence(engine)) / (fl["read_gb_s"] * 1e9) * 1e3
+    linear_peak, head_peak = (arithmetic_peak(kind, fl) for kind in kernel_kinds(engine))
+    if linear_peak is None or head_peak is None:
+        return read, None
+    linear, head = linear_macs(engine)
+    return read, 2.0 * batch * (linear / linear_peak + head / head_peak) / 1e9 * 1e3
 
 
 # ---- engine arms -------------------------------------------------------------------------------
@@ -146,12 +192,12 @@ def kv_bytes_per_sequence(engine: LLMEngine) -> int:
     return 2 * c.num_layers * CONTEXT * c.num_kv_heads * c.head_dim * engine.kv_dtype.itemsize
 
 
-def step_flops(engine: LLMEngine, batch: int) -> float:
+def linear_macs(engine: LLMEngine) -> tuple[int, int]:
+    """Multiply-adds per token in the decoder layers' linears and in the LM head."""
     c = engine.model_config
     linear = c.num_layers * c.hidden_size * ((c.num_heads + 2 * c.num_kv_heads) * c.head_dim
                                              + c.num_heads * c.head_dim + 3 * c.intermediate_size)
-    attention = c.num_layers * 4 * CONTEXT * c.num_heads * c.head_dim
-    return 2.0 * batch * (linear + c.vocab_size * c.hidden_size) + batch * attention
+    return linear, c.vocab_size * c.hidden_size
 
 
 def greedy_agreement(engines: dict[str, LLMEngine]) -> dict[str, int]:
@@ -276,28 +322,38 @@ def render(fl: dict, steps: dict, engines: dict, agreement: dict, stream: dict, 
     out = ["<!-- engine-speed:begin -->", "## Engine speed: quantization modes, floors, single stream (issue 12)", "",
            f"Host: {os.cpu_count()} vCPU {cpu_model()} ({isa_summary()}); torch {torch.__version__}, "
            f"{threads} torch threads. Floors measured in the same run: read bandwidth "
-           f"{fl['read_gb_s']:.1f} GB/s, GEMM {fl['fp32_gflops']:.0f} GFLOP/s float32 and "
-           f"{fl['bf16_gflops']:.0f} GFLOP/s bfloat16.", "", f"Command: `{cmd}`", "",
+           f"{fl['read_gb_s']:.1f} GB/s, GEMM {fl['fp32_gflops']:.0f} GFLOP/s float32, "
+           f"{fl['bf16_gflops']:.0f} GFLOP/s bfloat16 and "
+           + ("no int8 GEMM" if fl.get("int8_gops") is None else f"{fl['int8_gops']:.0f} GOP/s int8") + ".",
+           "", f"Command: `{cmd}`", "",
            "### Decode step (ms), 256 tokens of context per sequence", "",
-           "The read floor of a step is its weight bytes plus the KV cache it attends over (in the arm's "
-           "KV dtype, 256 tokens per sequence) over the measured bandwidth: at batch 32 the KV alone is "
-           "several times the 4-bit weights, which bounds b32/b1 from below whatever the kernels do. "
-           "The default is `auto`: float16 KV, and AMX tiles for steps of 8+ rows where the CPU has them.", "",
-           "| mode | " + " | ".join(f"batch {b}" for b in BATCHES) + " | b8/b1 | b32/b1 | read floor b1 | "
-           "read floor b32/b1 | FLOP floor b32 |", "|---" * (len(BATCHES) + 6) + "|"]
-    for mode, e in engines.items():
-        row = [f"{steps[(mode, b)]:.1f}" for b in BATCHES]
-        kv = kv_bytes_per_sequence(e)
-        bw_floor = (step_bytes(e) + kv) / (fl["read_gb_s"] * 1e9) * 1e3
-        floor_ratio = (step_bytes(e) + 32 * kv) / (step_bytes(e) + kv)
-        # the low-bit modes against the fastest GEMM this host has: bfloat16 where it is native
-        # (AMX, AVX512-BF16), float32 where bfloat16 falls to a reference path (0.3 GFLOP/s on an
-        # AVX2 EPYC, which had made their floor 31 s)
-        flop_peak = fl["fp32_gflops"] if mode in ("none", "fp16") else max(fl["bf16_gflops"], fl["fp32_gflops"])
-        flop_floor = step_flops(e, 32) / (flop_peak * 1e9) * 1e3
-        out.append(f"| {mode} | " + " | ".join(row) + f" | {steps[(mode, 8)] / steps[(mode, 1)]:.2f}× "
-                   f"| {steps[(mode, 32)] / steps[(mode, 1)]:.2f}× | {bw_floor:.1f} ms "
-                   f"({steps[(mode, 1)] / bw_floor:.1f}× above) | {floor_ratio:.2f}× | {flop_floor:.1f} ms |")
+           "A step's floor is the larger of its read floor (weight bytes plus the KV cache it attends "
+           "over, in the arm's KV dtype, 256 tokens per sequence, over the measured bandwidth) and its "
+           "compute floor (the linears' and LM head's operations over the measured peak of the arithmetic "
+           "the mode computes them in; int8 GEMM for the a8 modes, halved for two digits). Attention's "
+           "arithmetic is left out, so the floors are lower bounds. Where the floors' own b8/b1 or b32/b1 "
+           "exceeds a target, no kernel computing in that arithmetic meets it once batch 1 is at its "
+           "floor. The default is `auto`: float16 KV, and AMX tiles for steps of 8+ rows where the CPU "
+           "has them.", "",
+           "| mode | " + " | ".join(f"batch {b}" for b in BATCHES) + " | b8/b1 | b32/b1 | floor b1 | floor b8 | "
+           "floor b32 | floors b8/b1 | floors b32/b1 |", "|---" * (len(BATCHES) + 8) + "|"]
+    for arm, e in engines.items():
+        row = [f"{steps[(arm, b)]:.1f}" for b in BATCHES]
+        floor = {b: max(step_floor_ms(e, b, fl), key=lambda f: f or 0.0) for b in (1, 8, 32)}
+        read_only = " (read only)" if step_floor_ms(e, 1, fl)[1] is None else ""
+        out.append(f"| {arm} | " + " | ".join(row) + f" | {steps[(arm, 8)] / steps[(arm, 1)]:.2f}× "
+                   f"| {steps[(arm, 32)] / steps[(arm, 1)]:.2f}× | {floor[1]:.1f} ms "
+                   f"({steps[(arm, 1)] / floor[1]:.1f}× above){read_only} | {floor[8]:.1f} ms | {floor[32]:.1f} ms "
+                   f"| {floor[8] / floor[1]:.2f}× | {floor[32] / floor[1]:.2f}× |")
+    e, b1 = engines["auto"], steps[("auto", 1)]
+    for batch, target in ((8, 1.5), (32, 3.0)):
+        read, compute = step_floor_ms(e, batch, fl)
+        floor = max(read, compute or 0.0)
+        verdict = ("below that floor: no kernel computing in this arithmetic reaches it on this host"
+                   if target * b1 < floor else f"{floor / (target * b1):.0%} of it is the floor")
+        out.append(f"\n`auto` ({kernel_kinds(e)[0]}), target batch {batch} ≤ {target:g}× batch 1: "
+                   f"{target * b1:.1f} ms against a floor of {floor:.1f} ms "
+                   f"({'compute' if compute and compute > read else 'read'}-bound): {verdict}.")
     out += ["", "### Weights per mode", "",
             "| mode | kernels | resident weights (MB) | × GGUF file | greedy = transformers (8 prompts × 64 tokens) |",
             "|---|---|---|---|---|"]
