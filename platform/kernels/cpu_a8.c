@@ -2,8 +2,9 @@
  * LM head). Built together with cpu_ops.c by cpu_build.py, for the host it runs on.
  *
  *   ss_quantize_a8   x [M, K] float32 -> per row and group of 32 inputs: int8 codes q (absmax / 127
- *                    scale, round to nearest even, never -128), the scale dx, and the exact float
- *                    sum of the group's inputs xs (for the weights' minimum term)
+ *                    scale, round to nearest even, never -128), the scale dx, and the sum xs of
+ *                    the group's inputs for the weights' minimum term: with two digits the exact
+ *                    float sum, with one the sum of the rounded inputs, dx * sum(q) (see below)
  *   ss_q4a8_linear   y[m, n] = sum_g d[n,g] * dx[m,g] * <q4[n,g,:], q[m,g,:]> + mn[n,g] * xs[m,g]
  *   ss_q8a8_linear   y[m, n] = sum_g d[n,g] * dx[m,g] * <q8[n,g,:], q[m,g,:]>   (the LM head's table)
  * Both linears take one or two int8 digits per activation (`digits`, see ss_quantize_a8).
@@ -22,8 +23,16 @@
  *
  * Why int8 activations: a float32 multiply-add takes one instruction per 16 products and the codes
  * must be widened to float first; an int8 dot product takes one per 64 and widens nothing. This is
- * llama.cpp's arithmetic (its Q8 activations), with two differences: the minimum term uses the
- * exact float sum of the inputs rather than the sum of their codes, and the combine order is fixed.
+ * llama.cpp's arithmetic (its Q8 activations), with a fixed combine order.
+ *
+ * The minimum term with one digit: a group's weights are d * c + mn with codes c in 0..15, so the
+ * kernel's d * dx * <c, q> + mn * xs computes sum(w * x) exactly only if xs is the sum of the inputs
+ * q stands for, dx * sum(q), as llama.cpp's Q8_1 blocks keep it. With the exact float sum instead,
+ * each input's rounding error is weighted by d * c rather than by the weight d * c + mn: every
+ * error counts with the codes' common offset (8 d, about half the group's range), and they no
+ * longer cancel. On SmolLM2 that took the top-20 logits 2.7 away from float32 (top-1 changed at 7
+ * of 72 positions) where the rounding itself moves them by 1.0 (1 of 72). Two digits round so
+ * finely that the exact sum is kept there (and their bits stay what they were).
  *
  * Batch invariance: a row's activation codes depend on that row only; the integer sums are exact;
  * each output lane then runs the same two fused multiply-adds per group, group after group, on
@@ -81,7 +90,13 @@ static inline void quantize_group(const float *xg, int8_t *qg, int64_t k, int di
         }
     }
     *dx = digits == 2 ? d / 254.f : d;
-    *xs = sum32(xg);
+    if (digits == 2) {
+        *xs = sum32(xg);
+    } else {
+        int32_t codes = 0;
+        for (int i = 0; i < 32; i++) codes += qg[i];
+        *xs = d * (float)codes; /* |codes| <= 32 * 127: exact in float, one rounding */
+    }
 }
 
 #if defined(__AVX512F__) && defined(__AVX512BW__)
@@ -108,6 +123,10 @@ static inline void quantize_group_v(const float *xg, int8_t *qg, int64_t k, int 
         _mm_storeu_si128((__m128i *)(qg + k + 16), _mm512_cvtepi32_epi8(codes16(rest1, one, &r1)));
     }
     *dx = digits == 2 ? d / 254.f : d;
+    if (digits == 1) { /* the rounded inputs' sum: whole numbers under 2^24, exact in any order */
+        *xs = d * (_mm512_reduce_add_ps(_mm512_add_ps(v0, v1)) + 0.f); /* + 0: never -0, as in C */
+        return;
+    }
     /* sum32's tree: halves of 32, of 16, of 8, of 4, then (0 + 2) + (1 + 3) */
     __m512 s16 = _mm512_add_ps(x0, x1);
     __m256 s8 = _mm256_add_ps(_mm512_castps512_ps256(s16), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(s16), 1)));
@@ -149,6 +168,13 @@ static inline void quantize_group_v(const float *xg, int8_t *qg, int64_t k, int 
         store_codes8x4(r, qg + k);
     }
     *dx = digits == 2 ? d / 254.f : d;
+    if (digits == 1) { /* the rounded inputs' sum: whole numbers under 2^24, exact in any order */
+        __m256 c8 = _mm256_add_ps(_mm256_add_ps(v[0], v[1]), _mm256_add_ps(v[2], v[3]));
+        __m128 c4 = _mm_add_ps(_mm256_castps256_ps128(c8), _mm256_extractf128_ps(c8, 1));
+        c4 = _mm_add_ps(c4, _mm_movehl_ps(c4, c4));
+        *xs = d * (_mm_cvtss_f32(_mm_add_ss(c4, _mm_shuffle_ps(c4, c4, 1))) + 0.f); /* never -0, as in C */
+        return;
+    }
     __m256 s16[2] = {_mm256_add_ps(x[0], x[2]), _mm256_add_ps(x[1], x[3])}; /* s16[i] = x[i] + x[i + 16] */
     __m256 s8 = _mm256_add_ps(s16[0], s16[1]);
     __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));

@@ -50,8 +50,11 @@ def test_quantized_activations_round_within_their_bound(digits):
     q, unit, sums = ops.quantize_a8(x, digits)
     assert q.shape == (6, digits * 576) and q.abs().max() <= 127
     groups = x.view(6, 18, 32)
-    assert torch.equal(sums, groups.sum(-1)) or torch.allclose(sums, groups.sum(-1), atol=1e-4)
     codes = q.view(6, digits, 18, 32).double()
+    if digits == 2:  # the inputs' own sum
+        assert torch.equal(sums, groups.sum(-1)) or torch.allclose(sums, groups.sum(-1), atol=1e-4)
+    else:            # the sum of what the codes stand for, so the minimum term sees the same inputs
+        assert torch.equal(sums, unit * codes[:, 0].sum(-1).float())
     value = codes[:, 0] * 254 + codes[:, 1] if digits == 2 else codes[:, 0]
     approx = value * unit.double()[..., None]
     amax = groups.abs().amax(-1, keepdim=True).double()
@@ -83,6 +86,22 @@ def test_q4_kernel_is_the_integer_sum_and_batch_invariant(digits, n, k):
     for rows in (slice(0, 1), slice(3, 8), slice(8, 9)):
         assert torch.equal(kernel(x[rows].contiguous()), y[rows])
     assert torch.equal(kernel(torch.cat([x[4:5], torch.randn(5, k)]))[0], y[4])
+
+
+def test_one_digit_linear_is_the_weights_times_the_rounded_inputs():
+    """With one digit the minimum term takes the rounded inputs' sum, so a linear computes the 4-bit
+    weights (codes, scales and minimums together) times exactly the inputs its codes stand for, as
+    llama.cpp's Q8_1 activations do. With the inputs' exact sum there, each rounding error would be
+    weighted by the codes alone (0..15) instead of the weight: 3.5 instead of 0.9 of a logit on
+    SmolLM2 (test_quantization.py)."""
+    kernel = a8.Int4A8Kernel(torch.randn(576, 576) * 0.05, None, ops, 1)
+    codes, scale, minimum = unpack_q4(kernel)
+    weights = codes.double().view(576, 18, 32) * scale.double()[..., None] + minimum.double()[..., None]
+    x = activations(4, 576)
+    q, unit, _ = ops.quantize_a8(x, 1)
+    rounded = (q.double().view(4, 18, 32) * unit.double()[..., None]).view(4, 576)
+    want = rounded @ weights.view(576, 576).T
+    assert ((kernel(x).double() - want).abs().max() / want.abs().max()).item() < 1e-5
 
 
 def unpack_q4(kernel: a8.Int4A8Kernel):
@@ -192,11 +211,13 @@ def quantize_reference(x: torch.Tensor, digits: int) -> tuple[torch.Tensor, torc
         rest = (g.double() - v.double() * unit.double()).float()
         codes.append(torch.round(rest * inv * 254).clamp(-127, 127))
     q = torch.cat([c.reshape(m, k) for c in codes], 1).to(torch.int8)
+    if digits == 1:   # one digit: the rounded inputs' sum, unit * sum(codes), one rounding
+        return q, unit.squeeze(-1), unit.squeeze(-1) * v.sum(-1)
     s16 = g[..., :16] + g[..., 16:]
     s8 = s16[..., :8] + s16[..., 8:]
     s4 = s8[..., :4] + s8[..., 4:]
     sums = (s4[..., 0] + s4[..., 2]) + (s4[..., 1] + s4[..., 3])
-    return q, (unit / 254 if digits == 2 else unit).squeeze(-1), sums
+    return q, (unit / 254).squeeze(-1), sums
 
 
 @pytest.mark.parametrize("arch", [("-march=native",), *ISAS], ids=lambda a: " ".join(a))

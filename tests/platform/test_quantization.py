@@ -42,13 +42,14 @@ FAST = ["int4", "w4a16", "w4a8", "int8", "fp16", "auto"]
 # Measured on the Xeon/AMX host, max |dlogit| over each position's top 20 / mean |dlogit| over the
 # vocabulary / top-1 agreement: int4 0.00 / 0.38 / 72 of 72 (float32 math; the mean is the head's
 # 4-bit tail); w4a16 and auto 0.24 / 0.05 / 72 (the int8 head's activation rounding; the linears
-# alone give 0.013); w4a8 3.16 / 0.48 / 64 (one int8 digit cannot hold SmolLM2's outlier
-# channels: the reason auto does not take it); int8 1.45 / 0.45 / 70 (per-row int8 cannot hold
-# Q4_1's per-group scales); fp16 0.03 / 0.38 / 72.
-TOP20_TOLERANCE = {"int4": 1.0, "w4a16": 1.0, "w4a8": 4.0, "int8": 2.0, "fp16": 0.1, "auto": 1.0}
+# alone give 0.013); w4a8 0.92 / 0.17 / 69 on the Zen 4 EPYC (one int8 digit, the minimum term
+# over the rounded inputs' sum as llama.cpp keeps it; with the exact sum it was 3.5 / 0.44 / 64,
+# cpu_a8.c says why; auto does not take it: 3 of 8 greedy answers equal transformers'); int8
+# 1.45 / 0.45 / 70 (per-row int8 cannot hold Q4_1's per-group scales); fp16 0.03 / 0.38 / 72.
+TOP20_TOLERANCE = {"int4": 1.0, "w4a16": 1.0, "w4a8": 1.5, "int8": 2.0, "fp16": 0.1, "auto": 1.0}
 MEAN_TOLERANCE = 0.6
 MIN_TOP1_AGREEMENT = 0.95
-MIN_TOP1_AGREEMENT_BY_MODE = {"w4a8": 0.85}  # the modes auto does not take
+MIN_TOP1_AGREEMENT_BY_MODE = {"w4a8": 0.93}  # the modes auto does not take
 # Random Qwen2 (float weights, std 0.05), as shares of the largest |logit| (3.0); measured top-20
 # 0.25 (int4: every weight re-quantized to 4 bits), 0.018 (int8), 0.006 (fp16, auto), mean <= 0.033.
 RANDOM_TOP20_TOLERANCE = {"int4": 0.3, "w4a16": 0.3, "w4a8": 0.3, "int8": 0.1, "fp16": 0.02, "auto": 0.02}
