@@ -30,9 +30,9 @@
  * q stands for, dx * sum(q), as llama.cpp's Q8_1 blocks keep it. With the exact float sum instead,
  * each input's rounding error is weighted by d * c rather than by the weight d * c + mn: every
  * error counts with the codes' common offset (8 d, about half the group's range), and they no
- * longer cancel. On SmolLM2 that took the top-20 logits 2.7 away from float32 (top-1 changed at 7
- * of 72 positions) where the rounding itself moves them by 1.0 (1 of 72). Two digits round so
- * finely that the exact sum is kept there (and their bits stay what they were).
+ * longer cancel. On SmolLM2 that took the top-20 logits 3.5 away from float32 (top-1 changed at 8
+ * of 72 positions); with the rounded inputs' sum, 0.92 (3 of 72). Two digits round so finely that
+ * the exact sum is kept there (and their bits stay what they were).
  *
  * Batch invariance: a row's activation codes depend on that row only; the integer sums are exact;
  * each output lane then runs the same two fused multiply-adds per group, group after group, on
