@@ -337,18 +337,21 @@ def render(fl: dict, steps: dict, engines: dict, agreement: dict, stream: dict, 
            "has them.", "",
            "| mode | " + " | ".join(f"batch {b}" for b in BATCHES) + " | b8/b1 | b32/b1 | floor b1 | floor b8 | "
            "floor b32 | floors b8/b1 | floors b32/b1 |", "|---" * (len(BATCHES) + 8) + "|"]
-    for arm, e in engines.items():
+    parts = {arm: {b: step_floor_ms(e, b, fl) for b in (1, 8, 32)} for arm, e in engines.items()}
+    floors_ms = {arm: {b: max(read, compute or 0.0) for b, (read, compute) in by_batch.items()}
+                 for arm, by_batch in parts.items()}
+    for arm in engines:
         row = [f"{steps[(arm, b)]:.1f}" for b in BATCHES]
-        floor = {b: max(step_floor_ms(e, b, fl), key=lambda f: f or 0.0) for b in (1, 8, 32)}
-        read_only = " (read only)" if step_floor_ms(e, 1, fl)[1] is None else ""
+        floor = floors_ms[arm]
+        read_only = " (read only)" if parts[arm][1][1] is None else ""
         out.append(f"| {arm} | " + " | ".join(row) + f" | {steps[(arm, 8)] / steps[(arm, 1)]:.2f}× "
                    f"| {steps[(arm, 32)] / steps[(arm, 1)]:.2f}× | {floor[1]:.1f} ms "
                    f"({steps[(arm, 1)] / floor[1]:.1f}× above){read_only} | {floor[8]:.1f} ms | {floor[32]:.1f} ms "
                    f"| {floor[8] / floor[1]:.2f}× | {floor[32] / floor[1]:.2f}× |")
     e, b1 = engines["auto"], steps[("auto", 1)]
     for batch, target in ((8, 1.5), (32, 3.0)):
-        read, compute = step_floor_ms(e, batch, fl)
-        floor = max(read, compute or 0.0)
+        read, compute = parts["auto"][batch]
+        floor = floors_ms["auto"][batch]
         verdict = ("below that floor: no kernel computing in this arithmetic reaches it on this host"
                    if target * b1 < floor else f"{floor / (target * b1):.0%} of it is the floor")
         out.append(f"\n`auto` ({kernel_kinds(e)[0]}), target batch {batch} ≤ {target:g}× batch 1: "
