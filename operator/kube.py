@@ -21,6 +21,7 @@ from kubernetes import client, config
 from kubernetes.client.exceptions import ApiException
 
 from splitserve.operator import constants as C
+from splitserve.planner.kube import load_configuration  # noqa: F401  (the operator's API client config)
 
 
 @dataclass(frozen=True)
@@ -50,17 +51,6 @@ def path(kind: KindInfo, namespace: str, name: str | None = None, subresource: s
     prefix = "/api/v1" if kind.api_version == "v1" else f"/apis/{kind.api_version}"
     out = f"{prefix}/namespaces/{namespace}/{kind.plural}"
     return out + (f"/{name}" if name else "") + (f"/{subresource}" if subresource else "")
-
-
-def load_configuration(kubeconfig: str | None = None) -> client.Configuration:
-    """In-cluster service account if there is one, else the kubeconfig (argument, $KUBECONFIG, ~/.kube/config)."""
-    cfg = client.Configuration()
-    try:
-        config.load_incluster_config(client_configuration=cfg)
-    except config.ConfigException:
-        config.load_kube_config(config_file=kubeconfig or os.environ.get("KUBECONFIG") or None,
-                                client_configuration=cfg)
-    return cfg
 
 
 def connection_info(cfg: client.Configuration) -> kopf.ConnectionInfo:

@@ -1,4 +1,4 @@
-"""Who may call the gateway, how often, and how many at once.
+"""Who may call the gateway and how often (the first gates of admission: router/admission.py).
 
 - API keys (optional): with keys configured, every /v1 call needs `Authorization: Bearer KEY`
   (401 otherwise). Keys are compared in constant time; logs and metrics use the key's name.
@@ -6,13 +6,10 @@
   `burst` tokens, refilled at `rate_per_s`; a request takes one token or gets 429 with
   Retry-After = seconds until the next token. In Redis (one atomic Lua script, Redis' own clock,
   so router replicas share the buckets) when a URL is configured, else in memory.
-- Admission: at most `max_concurrent_requests` run; `max_queued_requests` more wait for a
-  slot in arrival order; beyond that 429 with Retry-After 1.
 """
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import hmac
 import time
@@ -122,29 +119,3 @@ class RateLimiter:
         if wait > 0:
             raise APIError(429, f"rate limit reached for {label}: {rate:g} requests/s, "
                            f"burst {burst}; retry after {wait:.2f} s", code="rate_limit_exceeded", retry_after_s=wait)
-
-
-class Admission:
-    """Bounded concurrency with a bounded wait queue (one instance per gateway)."""
-
-    def __init__(self, max_concurrent: int, max_queued: int):
-        self.max_concurrent = max_concurrent
-        self.max_queued = max_queued
-        self.num_running = 0
-        self.num_queued = 0
-        self._slots = asyncio.Semaphore(max_concurrent)
-
-    async def acquire(self) -> None:
-        if self.num_running >= self.max_concurrent and self.num_queued >= self.max_queued:
-            raise APIError(429, f"the server is at capacity ({self.num_running} requests running, "
-                           f"{self.num_queued} queued); retry shortly", code="queue_full", retry_after_s=1)
-        self.num_queued += 1
-        try:
-            await self._slots.acquire()
-        finally:
-            self.num_queued -= 1
-        self.num_running += 1
-
-    def release(self) -> None:
-        self.num_running -= 1
-        self._slots.release()

@@ -1,6 +1,7 @@
 """Serving one OpenAI request: access checks, jobs, streaming or whole answers.
 
-    access (401 / 429) -> model (404) -> prepare (400) -> admission slot (429) -> dispatch
+    access (401 / 429) -> model (404) -> prepare (400) -> admission gates (429; router/admission.py)
+    -> dispatch
 
 A streamed answer waits for its first increment before sending headers, so an error before the
 first token (no worker: 503, a worker's 400) still gets its HTTP status; after that an error is
@@ -22,7 +23,8 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from splitserve.router import logctx
-from splitserve.router.access import ANONYMOUS, Admission, Authenticator, RateLimiter
+from splitserve.router.access import ANONYMOUS, Authenticator, RateLimiter
+from splitserve.router.admission import AdmissionPipeline, Slots, Ticket
 from splitserve.router.config import ApiKey
 from splitserve.router.errors import APIError
 from splitserve.router.prompts import Prepared, prepare_chat, prepare_completion
@@ -41,11 +43,12 @@ class Gateway:
         self.router = router
         gateway = router.config.gateway
         self.auth = Authenticator(gateway.api_keys, gateway.api_keys_file)
-        self.concurrency = Concurrency(gateway.max_concurrent_per_key)
         self.quota = Quota(router.metrics.registry, gateway.rate_limit_redis_url, router.config.index.key_prefix,
                            gateway.quota_window_s)
         self.limiter = RateLimiter(gateway, router.config.index.key_prefix)
-        self.admission = Admission(gateway.max_concurrent_requests, gateway.max_queued_requests)
+        self.admission = AdmissionPipeline(Concurrency(gateway.max_concurrent_per_key), self.quota,
+                                           Slots(gateway.max_concurrent_requests, gateway.max_queued_requests),
+                                           router.metrics.rejected)
         self.tokens = TokenText(router.tokenizer)
 
     async def access(self, request: Request) -> ApiKey:
@@ -84,35 +87,10 @@ class Gateway:
         if lora_name is not None:
             prepared.jobs[:] = [dataclasses.replace(job, lora_name=lora_name) for job in prepared.jobs]
         reserve = prepared.num_prompt_tokens + sum(job.params.max_tokens for job in prepared.jobs)
-        try:
-            counted = self.concurrency.enter(key)
-        except APIError:
-            self.router.metrics.rejected.labels(reason="key_concurrency").inc()
-            raise
-        try:
-            grant = await self.quota.admit(key, body.model, reserve)
-        except APIError as exc:
-            if counted:
-                self.concurrency.leave(key)
-            if exc.status == 429:
-                self.router.metrics.rejected.labels(reason="token_limit").inc()
-            raise
-        try:
-            await self.admission.acquire()
-        except APIError:
-            self.router.metrics.rejected.labels(reason="queue_full").inc()
-            await self.quota.release(grant)
-            if counted:
-                self.concurrency.leave(key)
-            raise
+        ticket = await self.admission.admit(key, body.model, reserve)
         events = merged([self.router.dispatcher.generate(job) for job in prepared.jobs])
         formatter = Formatter(prepared, is_chat, self.tokens)
-        async def settle(choices):
-            if counted:
-                self.concurrency.leave(key)
-            await self.quota.finish(grant, prepared, choices)
-        cleanup = _Cleanup(events, self.admission, settle)
-        cleanup.quota_headers = grant.headers
+        cleanup = _Cleanup(events, self.admission, ticket, prepared)
         try:
             if prepared.stream:
                 return await self._stream(prepared, formatter, events, cleanup)
@@ -214,19 +192,20 @@ async def merged(gens: list) -> AsyncIterator[tuple[int, object]]:
 
 
 class _Cleanup:
-    """Closes the generations, frees the admission slot and settles the key's quota with the
-    tokens the choices got (streamed so far, for a cut stream), once."""
+    """Closes the generations and releases the request's admission ticket (its slot, its key's
+    in-flight count, and its quota settled with the tokens the choices got: streamed so far, for a
+    cut stream), once."""
 
-    def __init__(self, events, admission: Admission, settle=None):
+    def __init__(self, events, admission: AdmissionPipeline, ticket: Ticket, prepared: Prepared):
         self.events = events
         self.admission = admission
+        self.ticket = ticket
+        self.prepared = prepared
         self.is_done = False
-        self.settle = settle
         self.choices: list[ChoiceState] = []
-        self.quota_headers: dict[str, str] = {}
 
     def headers(self) -> dict[str, str]:
-        return self.quota_headers
+        return self.ticket.quota_headers
 
     async def __call__(self) -> None:
         if self.is_done:
@@ -235,9 +214,7 @@ class _Cleanup:
         try:
             await self.events.aclose()
         finally:
-            self.admission.release()
-            if self.settle is not None:
-                await self.settle(self.choices)
+            await self.admission.release(self.ticket, (self.prepared, self.choices))
 
 
 class _CleanupStreamingResponse(StreamingResponse):

@@ -27,7 +27,8 @@ from splitserve.router.index import InMemoryPrefixIndex, PrefixIndex
 from splitserve.router.metrics import RouterMetrics
 from splitserve.router.placement import Placer
 from splitserve.router.pool import WorkerPool
-from splitserve.router.watcher import ChannelPool, WorkerWatcher
+from splitserve.platform.grpc_channels import ChannelPool
+from splitserve.router.watcher import CHANNEL_OPTIONS, WorkerWatcher
 
 log = logging.getLogger(__name__)
 FORGET_TIMEOUT_S = 5.0
@@ -53,7 +54,7 @@ class Router:
         self.index = index if index is not None else make_index(config.index)
         self.discovery = discovery if discovery is not None else make_discovery(config.discovery)
         d = config.discovery
-        self.channels = ChannelPool(tls_from(d.tls_cert, d.tls_key, d.tls_ca, d.tls_server_name))
+        self.channels = ChannelPool(tls_from(d.tls_cert, d.tls_key, d.tls_ca, d.tls_server_name), CHANNEL_OPTIONS)
         self.metrics = RouterMetrics()
         self.adapters = AdapterCatalog(self.pool, self.channels)
         if config.adapters.file:   # declared adapters (router/adapter_sync.py); a bad file stops the start

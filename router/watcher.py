@@ -18,9 +18,8 @@ import logging
 
 import grpc
 
-from splitserve.platform.grpc_tls import TlsFiles, aio_channel
+from splitserve.platform.grpc_channels import ChannelPool
 from splitserve.platform.wire import worker_pb2 as pb
-from splitserve.platform.wire import worker_pb2_grpc as pb_grpc
 from splitserve.router.config import DiscoveryConfig
 from splitserve.router.index import PrefixIndex
 from splitserve.router.pool import WorkerPool
@@ -35,32 +34,6 @@ CHANNEL_OPTIONS = [
     ("grpc.keepalive_time_ms", 10_000),
     ("grpc.keepalive_timeout_ms", 5_000),
 ]
-
-
-class ChannelPool:
-    """One gRPC channel per worker address, shared by its watcher and the dispatcher."""
-
-    def __init__(self, tls: TlsFiles | None = None):
-        self.tls = tls   # mutual TLS to every worker when set
-        self._channels: dict[str, grpc.aio.Channel] = {}
-        self._stubs: dict[str, pb_grpc.WorkerStub] = {}
-
-    def stub(self, address: str) -> pb_grpc.WorkerStub:
-        stub = self._stubs.get(address)
-        if stub is None:
-            channel = self._channels[address] = aio_channel(address, self.tls, CHANNEL_OPTIONS)
-            stub = self._stubs[address] = pb_grpc.WorkerStub(channel)
-        return stub
-
-    async def drop(self, address: str) -> None:
-        self._stubs.pop(address, None)
-        channel = self._channels.pop(address, None)
-        if channel is not None:
-            await channel.close()
-
-    async def close(self) -> None:
-        for address in list(self._channels):
-            await self.drop(address)
 
 
 class WorkerWatcher:

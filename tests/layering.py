@@ -1,4 +1,4 @@
-"""Import layering of DESIGN.md section 1, checked on the source with `ast`.
+"""Import layering (docs/architecture.md, "Layers"), checked on the source with `ast`.
 
 import-linter cannot be used here: its graph builder (grimp) needs the root package to be a
 regular package on sys.path, and ours is mapped from several folders with package-dir, two of
@@ -18,6 +18,14 @@ FOLDERS = {"platform": "splitserve.platform", "workers": "splitserve.workers",
            "bench/loadgen": "splitserve.bench.loadgen"}   # bench/'s scripts are not in the package
 SERVING = ["splitserve.platform", "splitserve.workers", "splitserve.router", "splitserve.operator",
            "splitserve.planner"]
+
+# The layers, lowest first: a package imports only packages of a lower layer (never one beside or
+# above it). The planner is a torch-free control-plane library: the router (`up --planner`), the
+# workers (`splitserve profile` measures its CapacityProfile) and the operator build on it.
+LAYERS = [["splitserve.platform"],
+          ["splitserve.planner", "splitserve.bench.loadgen"],
+          ["splitserve.workers", "splitserve.router", "splitserve.operator"],
+          ["splitserve.rayserve"]]
 
 # (source modules, forbidden modules): a forbidden module must not be reachable from a source.
 ENGINE = ["splitserve.platform.engine", "splitserve.platform.models", "splitserve.platform.kv",
@@ -88,10 +96,34 @@ def direct_imports(name: str, path: pathlib.Path) -> set[str]:
     return out
 
 
+def _package(module: str) -> str | None:
+    for layer in LAYERS:
+        for pkg in layer:
+            if module == pkg or module.startswith(pkg + "."):
+                return pkg
+    return None
+
+
+def layer_violations(graph: dict[str, set[str]]) -> list[str]:
+    """Direct imports of a package in the same layer or a higher one."""
+    rank = {pkg: i for i, layer in enumerate(LAYERS) for pkg in layer}
+    problems = []
+    for src in sorted(graph):
+        src_pkg, reported = _package(src), set()
+        for imp in sorted(graph[src]):   # `from m import x` lists m and m.x: one line per package
+            imp_pkg = _package(imp)
+            if src_pkg is None or imp_pkg is None or imp_pkg == src_pkg or imp_pkg in reported:
+                continue
+            if rank[imp_pkg] >= rank[src_pkg]:
+                reported.add(imp_pkg)
+                problems.append(f"layers: {src} imports {imp} ({imp_pkg} is not below {src_pkg})")
+    return problems
+
+
 def violations() -> list[str]:
     mods = module_files()
     graph = {m: direct_imports(m, p) for m, p in mods.items()}
-    problems = []
+    problems = layer_violations(graph)
     for title, sources, forbidden in CONTRACTS:
         for src in [m for m in mods if any(m == s or m.startswith(s + ".") for s in sources)]:
             chain = _find_forbidden(src, graph, forbidden)

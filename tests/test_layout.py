@@ -57,10 +57,34 @@ def test_layering_checker_catches_ray_and_load_generator_violations(tmp_path, mo
     monkeypatch.setattr(layering, "FOLDERS", {"router": "splitserve.router", "rayserve": "splitserve.rayserve",
                                               "bench/loadgen": "splitserve.bench.loadgen"})
     assert sorted(layering.violations()) == [
+        "layers: splitserve.bench.loadgen.client imports splitserve.router.config (splitserve.router is not below "
+        "splitserve.bench.loadgen)",
+        "layers: splitserve.router.app imports splitserve.rayserve.registry (splitserve.rayserve is not below "
+        "splitserve.router)",
         "nothing of ours imports the Ray Serve layer: splitserve.router.app -> splitserve.rayserve.registry",
         "the Ray Serve driver and ingress never load the engine: splitserve.rayserve.ingress -> "
         "splitserve.rayserve.replica",
         "the load generator is a torch-free client: splitserve.bench.loadgen.client -> splitserve.router.config"]
+
+
+def test_layering_checker_keeps_the_planner_below_router_workers_and_operator(tmp_path, monkeypatch):
+    import layering
+
+    for rel, code in {"planner/law.py": "from splitserve.router.config import RouterConfig\n",
+                      "router/up_planner.py": "from splitserve.planner.law import Planner\n",
+                      "workers/profile.py": "from splitserve.planner.profile import CapacityProfile\n",
+                      "operator/render_planner.py": "import splitserve.planner.config\n",
+                      "workers/main.py": "import splitserve.router.app\n"}.items():
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text(code)
+    monkeypatch.setattr(layering, "ROOT", tmp_path)
+    monkeypatch.setattr(layering, "FOLDERS", {f: f"splitserve.{f}" for f in ("planner", "router", "workers", "operator")})
+    problems = layering.layer_violations({m: layering.direct_imports(m, p) for m, p in layering.module_files().items()})
+    assert problems == [
+        "layers: splitserve.planner.law imports splitserve.router.config (splitserve.router is not below "
+        "splitserve.planner)",
+        "layers: splitserve.workers.main imports splitserve.router.app (splitserve.router is not below "
+        "splitserve.workers)"]
 
 
 def test_torch_free_modules_do_not_import_torch():

@@ -29,35 +29,14 @@ import grpc
 
 from splitserve.platform.engine.async_engine import AsyncEngine
 from splitserve.platform.engine.kv_connector import KVReady
-from splitserve.platform.grpc_tls import TlsFiles, aio_channel
+from splitserve.platform.grpc_channels import ChannelPool
+from splitserve.platform.grpc_tls import TlsFiles
 from splitserve.platform.sampling.params import SamplingParams
 from splitserve.platform.wire import worker_pb2 as pb
-from splitserve.platform.wire import worker_pb2_grpc as pb_grpc
 from splitserve.workers import convert
 from splitserve.workers.transfer.base import KVLayout, KVReceiver, TransferError, TransferState
 
 log = logging.getLogger(__name__)
-
-
-class StubPool:
-    """One gRPC channel per prefill worker address, reused across requests."""
-
-    def __init__(self, tls: TlsFiles | None = None):
-        self.tls = tls   # mutual TLS to the prefill workers when set
-        self._stubs: dict[str, pb_grpc.WorkerStub] = {}
-        self._channels: list[grpc.aio.Channel] = []
-
-    def get(self, address: str) -> pb_grpc.WorkerStub:
-        stub = self._stubs.get(address)
-        if stub is None:
-            channel = aio_channel(address, self.tls, [("grpc.max_receive_message_length", 64 << 20)])
-            self._channels.append(channel)
-            stub = self._stubs[address] = pb_grpc.WorkerStub(channel)
-        return stub
-
-    async def close(self) -> None:
-        for channel in self._channels:
-            await channel.close()
 
 
 class RemotePrefill:
@@ -69,7 +48,8 @@ class RemotePrefill:
         self.layout = layout
         self.deadline_s = deadline_s
         self.metrics = metrics
-        self.stubs = StubPool(tls)
+        # Channels to prefill workers: dropped after a failed call or 5 idle minutes (grpc_channels).
+        self.stubs = ChannelPool(tls, [("grpc.max_receive_message_length", 64 << 20)], idle_s=300.0)
 
     async def run(self, req_id: str, token_ids: list[int], params: SamplingParams, ready: KVReady,
                   prefill_workers: list[str], lora=None) -> tuple[str, pb.PrefillResponse | None]:
@@ -88,7 +68,7 @@ class RemotePrefill:
     async def _attempt(self, address, req_id, token_ids, params, ready: KVReady, lora=None) -> pb.PrefillResponse | None:
         transfer_id = f"{req_id}/{uuid.uuid4().hex[:12]}"
         dst = ready.block_ids[ready.start_block:]
-        write = self.engine.engine.write_kv_layer
+        write = self.engine.write_kv_layer
         # The adapter is part of the layout: KV computed with other weights is refused (prefill.py).
         layout = dataclasses.replace(self.layout, lora_digest=lora.digest.hex() if lora else "")
         self.receiver.expect(transfer_id, layout, len(dst),
@@ -96,7 +76,7 @@ class RemotePrefill:
                              self.deadline_s)
         t0 = time.monotonic()
         try:
-            resp = await self.stubs.get(address).Prefill(pb.PrefillRequest(
+            resp = await self.stubs.stub(address).Prefill(pb.PrefillRequest(
                 request_id=req_id, prompt_token_ids=token_ids, params=convert.sampling_params_to_proto(params),
                 skip_blocks=ready.start_block, kv_address=self.kv_address, transfer_id=transfer_id,
                 layout=pb.KVLayout(**layout.to_dict()), deadline_s=self.deadline_s,
@@ -106,6 +86,8 @@ class RemotePrefill:
                 raise TransferError(f"transfer ended {status.state.name}: {status.error}")
         except (grpc.aio.AioRpcError, asyncio.TimeoutError, TransferError) as exc:
             self.receiver.abort(transfer_id)
+            if isinstance(exc, grpc.aio.AioRpcError) and exc.code() == grpc.StatusCode.UNAVAILABLE:
+                await self.stubs.drop(address)   # gone or restarting: the next request dials afresh
             log.warning("request %s: remote prefill on %s failed (%s)", req_id, address, _describe(exc))
             self._count("failed")
             return None

@@ -43,9 +43,8 @@ async def serve_prefill(engine: AsyncEngine, sender: KVSender, layout: KVLayout,
     """
     if faults.PREFILL_HANG:
         await asyncio.Event().wait()
-    eng = engine.engine
     token_ids = convert.prompt_token_ids(request.request_id, request.prompt_token_ids,
-                                         eng.model_config.vocab_size, eng.max_model_len)
+                                         engine.model_config.vocab_size, engine.max_model_len)
     if not request.transfer_id or not request.kv_address:
         raise InvalidRequestError("transfer_id and kv_address are required for Prefill")
     theirs = _request_layout(request)

@@ -71,10 +71,9 @@ class WorkerService(pb_grpc.WorkerServicer):
     # -- Generate --------------------------------------------------------------------------
     async def Generate(self, request: pb.GenerateRequest, context):
         await self._admit(context, ("decode", "both"), "Generate")
-        eng = self.engine.engine
         try:
             token_ids = convert.prompt_token_ids(request.request_id, request.prompt_token_ids,
-                                                 eng.model_config.vocab_size, eng.max_model_len)
+                                                 self.engine.model_config.vocab_size, self.engine.max_model_len)
             params = convert.sampling_params(request.params)
             lora = await self._adapter(request.lora_name, request.lora_evict_first)
         except AdapterNotFoundError as exc:
@@ -82,7 +81,7 @@ class WorkerService(pb_grpc.WorkerServicer):
         except InvalidRequestError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         resumed = list(request.resume_output_token_ids)
-        remote = not resumed and self._wants_remote(request, token_ids)   # a resume prefills here
+        remote = not resumed and await self._wants_remote(request, token_ids)   # a resume prefills here
         self._enter()
         try:
             async for msg in self._generate(request.request_id, token_ids, params, remote, list(request.prefill_workers),
@@ -105,7 +104,7 @@ class WorkerService(pb_grpc.WorkerServicer):
         adapter, path = await self.engine.call(lambda e: e.loras.lookup(name))
         if adapter is None:
             t0 = time.monotonic()
-            adapter = await asyncio.to_thread(_read_adapter, self.engine.engine.loras, name, path)
+            adapter = await asyncio.to_thread(_read_adapter, self.engine, name, path)
             self.metrics.lora_reads.inc()
             self.metrics.lora_read_seconds.inc(time.monotonic() - t0)
             evict_first = tuple(evict_first)
@@ -148,7 +147,7 @@ class WorkerService(pb_grpc.WorkerServicer):
                 self.metrics.requests.labels(finish_reason=out.finish_reason).inc()
             yield msg
 
-    def _wants_remote(self, request: pb.GenerateRequest, token_ids: list[int]) -> bool:
+    async def _wants_remote(self, request: pb.GenerateRequest, token_ids: list[int]) -> bool:
         if not request.prefill_workers or self.remote is None:
             return False
         mode = _MODES.get(request.disaggregation, self.config.disaggregation)
@@ -159,7 +158,8 @@ class WorkerService(pb_grpc.WorkerServicer):
         threshold = (request.min_prefill_tokens if request.HasField("min_prefill_tokens")
                      else self.config.min_prefill_tokens)
         try:
-            cached = self.engine.engine.num_cached_prefix_tokens(token_ids, request.lora_name or None)
+            # Asked on the engine thread, the prefix cache's only reader and writer.
+            cached = await self.engine.call(lambda e: e.num_cached_prefix_tokens(token_ids, request.lora_name or None))
         except AdapterNotFoundError:
             return False   # unloaded since the check: admission answers NOT_FOUND
         uncached = len(token_ids) - cached
@@ -184,10 +184,9 @@ class WorkerService(pb_grpc.WorkerServicer):
 
     # -- Abort / WatchEvents -----------------------------------------------------------------
     async def Abort(self, request: pb.AbortRequest, context):
-        found = request.request_id in self.engine.engine.scheduler.requests
+        found = await self.engine.call(lambda e: e.abort(request.request_id))   # on the engine thread
         if not found:
             await context.abort(grpc.StatusCode.NOT_FOUND, f"no request with id {request.request_id!r} on this worker")
-        self.engine.abort(request.request_id)
         return pb.AbortResponse(found=True)
 
     async def WatchEvents(self, request: pb.WatchEventsRequest, context):
@@ -216,7 +215,7 @@ async def publish_load(service: WorkerService, interval_s: float) -> None:
     while True:
         load = service.engine.load
         service.metrics.update_load(load)
-        service.metrics.update_structured(service.engine.engine.grammar_stats)
+        service.metrics.update_structured(service.engine.grammar_stats)
         adapters = [pb.LoraAdapterInfo(name=n, digest=d, path=p) for n, d, p in load.lora_adapters]
         service.hub.send_load(pb.LoadReport(
             num_waiting=load.num_waiting, num_running=load.num_running, kv_usage=load.kv_usage,
@@ -227,7 +226,7 @@ async def publish_load(service: WorkerService, interval_s: float) -> None:
         await asyncio.sleep(interval_s)
 
 
-def _read_adapter(registry, name: str, path: str):
-    """Read an evicted adapter's folder again, in a thread (registry.read touches no state)."""
+def _read_adapter(engine: AsyncEngine, name: str, path: str):
+    """Read an evicted adapter's folder again, in a thread (the read touches no engine state)."""
     faults.adapter_read()
-    return registry.read(name, path)
+    return engine.read_lora_adapter(name, path)

@@ -26,17 +26,42 @@ log = logging.getLogger(__name__)
 
 class AsyncEngine:
     def __init__(self, engine: LLMEngine):
-        self.engine = engine
+        self._engine = engine
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._wake = threading.Event()
         self._stopped = False
         self._ids = itertools.count()
-        self.load = engine.load()       # refreshed by the engine thread after every step
+        # What other threads may read, never engine internals (the engine thread is the single
+        # writer): the immutable load snapshot, refreshed after every step, and the values below.
+        self.load = engine.load()
         # Called on the engine thread with each batch of KV events; must not block.
         self.on_kv_events: Callable[[list], None] | None = None
         self._thread = threading.Thread(target=self._loop, name="engine-loop", daemon=True)
         self._thread.start()
+
+    # -- what the event loop may read or call directly -------------------------------------------
+    @property
+    def model_config(self):
+        return self._engine.model_config      # fixed at load
+
+    @property
+    def max_model_len(self) -> int:
+        return self._engine.max_model_len     # fixed at load
+
+    @property
+    def grammar_stats(self):
+        """The grammar backend's compile counters (monotonic, read without a lock), or None."""
+        return self._engine.grammar_stats
+
+    def write_kv_layer(self, block_ids, layer: int, payload) -> None:
+        """Copy a received KV layer into a request's blocks (safe off the engine thread: see
+        KVConnector.write_layer)."""
+        self._engine.write_kv_layer(block_ids, layer, payload)
+
+    def read_lora_adapter(self, name: str, path: str):
+        """Read an adapter's folder (in a worker thread: the registry's read touches no state)."""
+        return self._engine.loras.read(name, path)
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> "AsyncEngine":
@@ -51,7 +76,7 @@ class AsyncEngine:
         """
         req_id = req_id or f"async-{next(self._ids)}"
         if params is not None and params.structured is not None:  # compile off the engine thread (cached)
-            await asyncio.to_thread(self.engine.grammars.compile, params.structured)
+            await asyncio.to_thread(self._engine.grammars.compile, params.structured)
         loop = asyncio.get_running_loop()
         stream: asyncio.Queue = asyncio.Queue()
         done = loop.create_future()
@@ -100,21 +125,21 @@ class AsyncEngine:
         while not self._stopped:
             self._apply_commands()
             self._publish()
-            if not self.engine.has_work():
+            if not self._engine.has_work():
                 self._wake.wait(timeout=0.5)
                 self._wake.clear()
                 continue
             try:
-                outputs = self.engine.step()
+                outputs = self._engine.step()
             except Exception:  # a bug in a step must not hang every client: fail them all
                 log.exception("engine step failed; aborting all requests")
-                outputs = [self.engine.outputs.finish_aborted(r) for r in self._abort_all()]
+                outputs = self._engine.abort_all()
             for out in outputs:
                 self._deliver(out)
 
     def _publish(self) -> None:
-        self.load = self.engine.load()
-        events = self.engine.take_kv_events()
+        self.load = self._engine.load()
+        events = self._engine.take_kv_events()
         if events and self.on_kv_events is not None:
             self.on_kv_events(events)
 
@@ -125,13 +150,13 @@ class AsyncEngine:
             except queue.Empty:
                 return
             if cmd[0] == "abort":
-                self.engine.abort(cmd[1])
+                self._engine.abort(cmd[1])
             elif cmd[0] == "complete":
-                out = self.engine.complete_remote_prefill(*cmd[1:])
+                out = self._engine.complete_remote_prefill(*cmd[1:])
                 if out is not None:
                     self._deliver(out)
             elif cmd[0] == "fallback":
-                self.engine.fallback_to_local_prefill(cmd[1])
+                self._engine.fallback_to_local_prefill(cmd[1])
             elif cmd[0] == "call":
                 self._call(*cmd[1:])
             else:
@@ -148,7 +173,7 @@ class AsyncEngine:
 
     def _add(self, req_id, prompt, params, token_ids, options, done) -> None:
         try:
-            self.engine.add_request(prompt, params, prompt_token_ids=token_ids, req_id=req_id, **options)
+            self._engine.add_request(prompt, params, prompt_token_ids=token_ids, req_id=req_id, **options)
             error = None
         except Exception as exc:  # validation errors go back to the caller
             error = exc
@@ -158,16 +183,10 @@ class AsyncEngine:
         entry = self._streams.get(req_id)
         if entry is None:
             if error is None:
-                self.engine.abort(req_id)
+                self._engine.abort(req_id)
             return
         loop = entry[0]
         loop.call_soon_threadsafe(lambda: done.done() or (done.set_exception(error) if error else done.set_result(None)))
-
-    def _abort_all(self):
-        reqs = list(self.engine.scheduler.requests.values())
-        for req in reqs:
-            self.engine.scheduler.finish_request(req.req_id, req.status.FINISHED_ABORTED)
-        return reqs
 
     def _deliver(self, out: RequestOutput) -> None:
         entry = self._streams.get(out.req_id)

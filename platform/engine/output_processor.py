@@ -1,86 +1,70 @@
 """Turns per-step token updates into RequestOutputs: incremental text, stop strings, logprobs.
 
-Per request it keeps an incremental detokenizer and a stop-string matcher. The text of a
-token that ended the request as EOS or a stop token id is not emitted (as in vLLM). A stop
-string found in the text finishes the request: the output says finish_reason "stop" with the
-string as stop_reason, and the engine frees the request in the scheduler.
+Per request it keeps, on the request's RequestState, an incremental detokenizer and a stop-string
+matcher. The text of a token that ended the request as EOS or a stop token id is not emitted (as
+in vLLM). A stop string found in the text finishes the request: the output says finish_reason
+"stop" with the string as stop_reason, and the engine frees the request in the scheduler.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from splitserve.platform.detokenizer import IncrementalDetokenizer
 from splitserve.platform.engine.outputs import RequestOutput, TokenLogprob
+from splitserve.platform.engine.request_state import RequestState
 from splitserve.platform.sched.plan import StepResult
 from splitserve.platform.sched.request import Request, RequestStatus
 from splitserve.platform.sched.scheduler import TokenUpdate
 from splitserve.platform.stop import StopStringMatcher
 
 
-@dataclass
-class _State:
-    req: Request
-    detok: IncrementalDetokenizer | None
-    stops: StopStringMatcher
-    text: str = ""
-
-
 class OutputProcessor:
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
-        self._states: dict[str, _State] = {}
 
-    def add(self, req: Request) -> None:
-        detok = None
+    def start(self, state: RequestState) -> None:
+        """Give a new request its detokenizer and stop-string matcher."""
+        req = state.req
         if self.tokenizer is not None:
             # A resumed request's earlier output is context, like the prompt: text starts after it.
-            detok = IncrementalDetokenizer(self.tokenizer, list(req.all_token_ids),
-                                           skip_special_tokens=req.params.skip_special_tokens)
-        stops = StopStringMatcher(req.params.stop, req.params.include_stop_str_in_output)
-        self._states[req.req_id] = _State(req, detok, stops)
+            state.detok = IncrementalDetokenizer(self.tokenizer, list(req.all_token_ids),
+                                                 skip_special_tokens=req.params.skip_special_tokens)
+        state.stops = StopStringMatcher(req.params.stop, req.params.include_stop_str_in_output)
 
-    def process(self, update: TokenUpdate, result: StepResult) -> RequestOutput:
-        st = self._states[update.req_id]
-        req = st.req
+    def process(self, state: RequestState, update: TokenUpdate, result: StepResult) -> RequestOutput:
+        req = state.req
         token = update.new_token_id
         finished = update.finish_status is not None
         ended_by_token = update.finish_status == RequestStatus.FINISHED_STOPPED
         delta = ""
-        if st.detok is not None:
+        if state.detok is not None:
             if not ended_by_token:
-                delta = st.detok.push([token])
+                delta = state.detok.push([token])
             if finished:
-                delta += st.detok.flush()
-        text, stopped = st.stops.feed(delta)
+                delta += state.detok.flush()
+        text, stopped = state.stops.feed(delta)
         reason, stop_reason = (update.finish_status.value, token if ended_by_token else None) if finished else (None, None)
         if stopped:
-            finished, reason, stop_reason = True, "stop", st.stops.matched_stop
+            finished, reason, stop_reason = True, "stop", state.stops.matched_stop
         elif finished:
-            text += st.stops.flush()
-        st.text += text
-        out = RequestOutput(
+            text += state.stops.flush()
+        state.text += text
+        return RequestOutput(
             req_id=req.req_id, new_token_ids=[token], new_text=text,
             num_prompt_tokens=req.num_prompt_tokens, num_cached_tokens=max(req.num_cached_tokens, 0),
             num_output_tokens=req.num_output_tokens, finished=finished, finish_reason=reason,
             stop_reason=stop_reason, new_logprobs=_logprobs(update.req_id, token, result),
-            output_token_ids=req.output_token_ids, text=st.text)
-        if finished:
-            del self._states[req.req_id]
-        return out
+            output_token_ids=req.output_token_ids, text=state.text)
 
     def kv_ready(self, req: Request, ready) -> RequestOutput:
         return RequestOutput(
             req_id=req.req_id, new_token_ids=[], new_text="", num_prompt_tokens=req.num_prompt_tokens,
             num_cached_tokens=max(req.num_cached_tokens, 0), num_output_tokens=0, kv_ready=ready)
 
-    def finish_aborted(self, req: Request) -> RequestOutput:
-        st = self._states.pop(req.req_id, None)
+    def finish_aborted(self, req: Request, text: str = "") -> RequestOutput:
         return RequestOutput(
             req_id=req.req_id, new_token_ids=[], new_text="", num_prompt_tokens=req.num_prompt_tokens,
             num_cached_tokens=max(req.num_cached_tokens, 0), num_output_tokens=req.num_output_tokens,
-            finished=True, finish_reason="abort", output_token_ids=req.output_token_ids,
-            text=st.text if st else "")
+            finished=True, finish_reason="abort", output_token_ids=req.output_token_ids, text=text)
 
 
 def _logprobs(req_id: str, token: int, result: StepResult) -> list[TokenLogprob] | None:

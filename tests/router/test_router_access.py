@@ -4,7 +4,8 @@ import asyncio
 
 import pytest
 
-from splitserve.router.access import Admission, Authenticator, MemoryBuckets, RateLimiter, RedisBuckets, key_label
+from splitserve.router.admission import Slots
+from splitserve.router.access import Authenticator, MemoryBuckets, RateLimiter, RedisBuckets, key_label
 from splitserve.router.config import ApiKey, GatewayConfig
 from splitserve.router.errors import APIError
 
@@ -78,7 +79,7 @@ def test_rate_limiter_uses_per_key_overrides():
 
 def test_admission_queue_bounds():
     async def steps():
-        admission = Admission(max_concurrent=1, max_queued=1)
+        admission = Slots(max_concurrent=1, max_queued=1)
         await admission.acquire()
         waiter = asyncio.create_task(admission.acquire())
         await asyncio.sleep(0.01)
