@@ -11,7 +11,7 @@ PEER := .venv-peer
 PEER_STAMP := $(PEER)/.llama-cpp-installed
 # llama-cpp-python, the peer of the serving benchmark, built for this host's instruction set.
 # Its default build (-march=native) crashed on the AMX host, and a build with AVX-512 flags dies
-# with SIGILL on AVX2-only hosts (DESIGN.md section 7): so GGML_NATIVE=OFF, AMX always OFF, and
+# with SIGILL on AVX2-only hosts (docs/design.md, environment notes): so GGML_NATIVE=OFF, AMX always OFF, and
 # each ISA switch ON only when /proc/cpuinfo lists every flag it compiles for. The wheel goes
 # into a folder named after those switches, and pip's cache is bypassed (--no-cache-dir), so a
 # wheel built on another host is never reused.

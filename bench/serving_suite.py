@@ -576,7 +576,7 @@ def render(results: dict[str, list[dict]], plots: dict[str, str], meta: dict) ->
     peer = results.get("peer", [])
     if peer:
         out += ["### Peer: llama-cpp-python's OpenAI server on the same GGUF", "",
-                "llama-cpp-python 0.3.36 built per DESIGN.md §7, `--n_threads 2 --n_threads_batch 2 "
+                "llama-cpp-python 0.3.36 built as `make peer` does (docs/design.md), `--n_threads 2 --n_threads_batch 2 "
                 "--interrupt_requests False` (by default a new request cuts the one streaming), one "
                 "process on both cores; splitserve: two colocated workers (one core each, prefix+queue "
                 "routing). Workload `random`: 128-token prompts sent as text to both (llama.cpp takes no token "

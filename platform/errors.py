@@ -1,6 +1,6 @@
 """The engine's typed errors.
 
-Three tiers (STYLE.md): `assert` for our own invariants; `InvalidRequestError` for a caller's
+Three tiers (docs/design.md): `assert` for our own invariants; `InvalidRequestError` for a caller's
 mistake (one request is rejected, the engine keeps serving); `ConfigError` for an operator's
 mistake (the process refuses to start, with the numbers and the remedy).
 """

@@ -2,7 +2,7 @@
 
 Serve's default policy counts requests that pass through DeploymentHandles. The router does not
 send work that way: it places each request on a specific worker by prefix hash and load and
-talks gRPC to it directly (DESIGN.md section 4), so the handle count of a pool is always ~0.
+talks gRPC to it directly (docs/router.md), so the handle count of a pool is always ~0.
 Instead each replica reports its engine's queue depth, `num_waiting + num_running` (the same
 numbers as `vllm:num_requests_waiting` + `vllm:num_requests_running`), from
 `record_autoscaling_stats()` under the key `QUEUE_DEPTH`; the controller averages each

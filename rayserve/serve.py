@@ -105,7 +105,7 @@ class RayServe:
         if ray.is_initialized():
             return
         # Read by the Serve processes at import: replicas push their queue depth this often, and a
-        # busy machine gets longer for the proxy's first health check (DESIGN.md section 7).
+        # busy machine gets longer for the proxy's first health check (docs/design.md, environment notes).
         os.environ.setdefault("RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S",
                               str(self.config.autoscaling.metrics_interval_s))
         os.environ.setdefault("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", "60")

@@ -1,5 +1,5 @@
 """Placement: which decode worker serves a request, and which prefill workers (if any) compute
-its prompt (DESIGN.md sections 3 and 4).
+its prompt (docs/workers.md, docs/router.md).
 
     1. one index lookup: consecutive cached blocks of the prompt on every candidate worker;
     2. decode profile: filters (healthy, not draining, not saturated) -> weighted scorers ->

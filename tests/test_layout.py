@@ -1,4 +1,4 @@
-"""The repository layout: no stdlib shadowing, and the layering of DESIGN.md section 1."""
+"""The repository layout: no stdlib shadowing, and the layering of docs/architecture.md."""
 
 import pathlib
 import subprocess

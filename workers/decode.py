@@ -1,4 +1,4 @@
-"""The decode worker's side of a disaggregated request (DESIGN.md section 3).
+"""The decode worker's side of a disaggregated request (docs/workers.md).
 
 The engine has allocated blocks for the whole prompt and reused this worker's own prefix-cache
 hits (KVReady). For each prefill worker the router offered, in order:

@@ -1,6 +1,6 @@
 """The engine's half of KV transfer: which blocks of which request go where, never the bytes.
 
-Prefill/decode disaggregation splits into two halves that exchange only metadata (STYLE.md):
+Prefill/decode disaggregation splits into two halves that exchange only metadata (docs/design.md):
 the engine decides which blocks to export or to fill; the worker's transport moves bytes.
 
 * Export (prefill worker): a request added with a `KVExport` has, in every step that computes

@@ -18,7 +18,7 @@ worker and is identified by a `transfer_id` the decode worker chooses. Its life 
   one place where a failure of the transfer (mismatch, unknown id, abort, timeout, lost
   connection) surfaces, as `TransferError`.
 
-A transfer is a polled state machine with an abort, never a blocking call (STYLE.md).
+A transfer is a polled state machine with an abort, never a blocking call (docs/design.md).
 """
 
 from __future__ import annotations
