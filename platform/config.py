@@ -235,6 +235,67 @@ def check_lora_name(name: str) -> str:
     return name
 
 
+SPECULATIVE_METHODS = ("ngram",)
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding, in vLLM's `--speculative-config` shape (platform/spec/).
+
+    `method` "ngram" proposes up to `num_speculative_tokens` tokens per step from the request's
+    own prompt and output: the tokens that followed the most recent earlier occurrence of its
+    last n tokens, n from `prompt_lookup_max` down to `prompt_lookup_min`. Speculation switches
+    itself off for a step whose batch has more than `max_batch_size` running requests, and for
+    a request whose acceptance rate, after `min_proposals` proposals, is below
+    `min_acceptance_rate` (verifying tokens that are thrown away costs more than it saves).
+    """
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 4
+    prompt_lookup_max: int = 4
+    prompt_lookup_min: int = 2
+    max_batch_size: int = 8
+    min_acceptance_rate: float = 0.2
+    min_proposals: int = 8
+
+    def __post_init__(self):
+        if self.method not in SPECULATIVE_METHODS:
+            raise ConfigError(f"speculative method {self.method!r} is not supported; allowed: "
+                              f"{', '.join(SPECULATIVE_METHODS)}")
+        for name in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "max_batch_size",
+                     "min_proposals"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ConfigError(f"speculative {name}={value!r} is invalid; allowed: an integer >= 1")
+        if self.num_speculative_tokens > 16:
+            raise ConfigError(f"speculative num_speculative_tokens={self.num_speculative_tokens} is too large; "
+                              "allowed: 1 to 16")
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ConfigError(f"speculative prompt_lookup_min={self.prompt_lookup_min} is above prompt_lookup_max="
+                              f"{self.prompt_lookup_max}; allowed: min <= max")
+        if not 0.0 <= self.min_acceptance_rate <= 1.0:
+            raise ConfigError(f"speculative min_acceptance_rate={self.min_acceptance_rate!r} is invalid; "
+                              "allowed: 0 to 1")
+
+    @classmethod
+    def from_json(cls, text: str) -> "SpeculativeConfig":
+        """Parse `--speculative-config '{"method": "ngram", ...}'`; ConfigError says what is wrong."""
+        import json
+
+        try:
+            data = json.loads(text)
+        except ValueError as exc:
+            raise ConfigError(f"--speculative-config is not valid JSON ({exc}); example: "
+                              '\'{"method": "ngram", "num_speculative_tokens": 4}\'') from None
+        if not isinstance(data, dict):
+            raise ConfigError("--speculative-config must be a JSON object")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ConfigError(f"--speculative-config has unknown keys {unknown}; allowed: {sorted(known)}")
+        return cls(**data)
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Everything one engine instance needs; `model` is an alias, a path or `random:<preset>`."""
@@ -245,3 +306,4 @@ class EngineConfig:
     device: DeviceConfig = field(default_factory=DeviceConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
     seed: int = 0
+    speculative: SpeculativeConfig | None = None   # None: no speculative decoding

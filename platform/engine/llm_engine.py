@@ -48,6 +48,7 @@ from splitserve.platform.sampling.sampler import skip_draw
 from splitserve.platform.sched.plan import StepResult
 from splitserve.platform.sched.request import RequestStatus
 from splitserve.platform.sched.scheduler import Scheduler
+from splitserve.platform.spec.speculator import Speculator, token_result
 from splitserve.platform.tokenizer import load_tokenizer
 from splitserve.platform.weights import load_model_config
 
@@ -93,6 +94,7 @@ class LLMEngine:
                                      self.eos_token_ids, self.loras, self.kv_connector, self.device,
                                      on_grammars=lambda backend: setattr(self.runner.sampler, "stats", backend.stats))
         self.outputs = OutputProcessor(self.tokenizer)
+        self.speculator = Speculator(config.speculative, self.max_model_len) if config.speculative else None
         self._states: dict[str, RequestState] = {}   # every live request's engine state, by req_id
         self._aborted: list[RequestOutput] = []
         self._ids = itertools.count()
@@ -161,7 +163,8 @@ class LLMEngine:
 
     def load(self) -> LoadSnapshot:
         """Queue depth and KV usage now (call on the engine thread; the snapshot is immutable)."""
-        return take_snapshot(self.scheduler, self.pool, self._states, self.loras, self.config.lora.max_loras)
+        return take_snapshot(self.scheduler, self.pool, self._states, self.loras, self.config.lora.max_loras,
+                             self.speculator.stats if self.speculator else None)
 
     # -- adapters (platform/lora) ----------------------------------------------------------
     def load_lora_adapter(self, name: str, path: str) -> LoraAdapter:
@@ -199,6 +202,11 @@ class LLMEngine:
     # -- stepping --------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         outputs, self._aborted = self._aborted, []
+        if self.speculator is not None:
+            states = self._states
+            self.speculator.propose(self.scheduler.running,
+                                    {rid: st.matcher is not None for rid, st in states.items()},
+                                    {rid: (st.num_spec_proposed, st.num_spec_accepted) for rid, st in states.items()})
         plan = self.scheduler.schedule()
         outputs += [self.outputs.kv_ready(req, self.kv_connector.kv_ready(req))
                     for req in self.scheduler.take_kv_ready()]
@@ -209,9 +217,23 @@ class LLMEngine:
         loras = {s.req_id: states[s.req_id].adapter for s in plan.seqs if states[s.req_id].adapter is not None}
         result = self.runner.execute(plan, rows, self.eos_token_ids, self.kv_connector.export_hook(plan, states), loras)
         self._advance_matchers(result.sampled)
+        self._record_speculation(plan, result)
+        emitted: dict[str, int] = {}
         for update in self.scheduler.update(plan, result):
-            outputs.append(self._emit(update, result))
+            if update.req_id not in states:
+                continue   # a stop string ended it at an earlier token of this step
+            i = emitted[update.req_id] = emitted.get(update.req_id, -1) + 1
+            outputs.append(self._emit(update, token_result(result, update.req_id, i)))
         return outputs
+
+    def _record_speculation(self, plan, result) -> None:
+        for seq in plan.seqs:
+            if seq.num_draft_tokens and seq.req_id in (result.spec_tokens or {}):
+                num_accepted = len(result.spec_tokens[seq.req_id]) - 1
+                state = self._states[seq.req_id]
+                state.num_spec_proposed += seq.num_draft_tokens
+                state.num_spec_accepted += num_accepted
+                self.speculator.record(seq.num_draft_tokens, num_accepted)
 
     def _advance_matchers(self, sampled: dict[str, int]) -> None:
         """Feed each constrained request the token it just sampled (EOS ends it; not fed)."""

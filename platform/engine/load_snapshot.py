@@ -30,10 +30,14 @@ class LoadSnapshot:
     max_loras: int = 1
     resident_loras: tuple[str, ...] = ()  # adapters in memory (the --max-cpu-loras LRU; names, sorted)
     lora_adapters: tuple[tuple[str, bytes, str], ...] = ()   # (name, digest, folder) of known adapters
+    spec_num_drafts: int = 0            # speculative decoding since start (platform/spec/speculator.py)
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_accepted_lengths: tuple[int, ...] = ()   # [n]: verification steps that accepted n proposals
 
 
 def take_snapshot(sched: Scheduler, pool: BlockPool, states: Mapping[str, RequestState], loras: LoraRegistry,
-                  max_loras: int) -> LoadSnapshot:
+                  max_loras: int, spec=None) -> LoadSnapshot:
     """The load now. Call on the engine thread (it reads the scheduler's queues)."""
     queued = sum(r.num_tokens - r.num_computed_tokens for r in sched.waiting)
     queued += sum(r.num_prompt_tokens - r.num_computed_tokens for r in sched.running
@@ -46,7 +50,11 @@ def take_snapshot(sched: Scheduler, pool: BlockPool, states: Mapping[str, Reques
                         num_prefix_waits=sched.stats.num_prefix_waits,
                         running_loras=_lora_names(sched.running, states), waiting_loras=_lora_names(sched.waiting, states),
                         max_loras=max_loras, resident_loras=tuple(sorted(a.name for a in loras.loaded())),
-                        lora_adapters=tuple(loras.known()))
+                        lora_adapters=tuple(loras.known()),
+                        **({} if spec is None else dict(
+                            spec_num_drafts=spec.num_drafts, spec_num_draft_tokens=spec.num_draft_tokens,
+                            spec_num_accepted_tokens=spec.num_accepted_tokens,
+                            spec_accepted_lengths=tuple(spec.accepted_lengths))))
 
 
 def _lora_names(reqs: Iterable[Request], states: Mapping[str, RequestState]) -> tuple[str, ...]:

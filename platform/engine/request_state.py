@@ -34,6 +34,8 @@ class RequestState:
     detok: IncrementalDetokenizer | None = None   # set by OutputProcessor.start (None: no tokenizer)
     stops: StopStringMatcher | None = None
     text: str = ""                         # the output text emitted so far
+    num_spec_proposed: int = 0             # speculative tokens proposed for it, and accepted
+    num_spec_accepted: int = 0
 
     @property
     def req_id(self) -> str:

@@ -10,6 +10,7 @@ on the model's LoraContext for this one forward (platform/lora/batch.py).
 from __future__ import annotations
 
 from collections.abc import Callable, Collection
+from dataclasses import replace
 
 import torch
 
@@ -18,6 +19,7 @@ from splitserve.platform.lora.batch import LoraContext
 from splitserve.platform.models.attention import AttentionMetadata, PrefillChunk
 from splitserve.platform.sampling.sampler import Sampler, SamplingRow
 from splitserve.platform.sched.plan import SchedulerPlan, ScheduledSeq, StepResult
+from splitserve.platform.spec.verify import verify
 
 
 class ModelRunner:
@@ -48,6 +50,9 @@ class ModelRunner:
         if not sampling:
             return StepResult(sampled={})
         logits = self.model.compute_logits(hidden[sample_idx])
+        plain = [s for s in sampling if not s.num_draft_tokens]
+        if len(plain) < len(sampling):
+            return self._sample_with_verification(logits, sampling, rows, eos_token_ids)
         out = self.sampler(logits, [rows[s.req_id] for s in sampling], eos_token_ids)
         ids = [s.req_id for s in sampling]
         return StepResult(
@@ -55,6 +60,35 @@ class ModelRunner:
             logprobs=dict(zip(ids, out.logprobs)) if out.logprobs is not None else None,
             top_logprobs=dict(zip(ids, out.top_logprobs)) if out.top_logprobs is not None else None,
         )
+
+    def _sample_with_verification(self, logits, sampling: list[ScheduledSeq], rows, eos_token_ids) -> StepResult:
+        """A step with speculating requests: each one's k + 1 logit rows are verified
+        (platform/spec/verify.py); the other requests sample in one batch as usual."""
+        offsets, start = {}, 0
+        for s in sampling:
+            offsets[s.req_id] = start
+            start += s.num_draft_tokens + 1
+        plain = [s for s in sampling if not s.num_draft_tokens]
+        result = StepResult(sampled={}, spec_tokens={}, spec_logprobs={})
+        if plain:
+            index = torch.tensor([offsets[s.req_id] for s in plain], device=logits.device)
+            out = self.sampler(logits.index_select(0, index), [rows[s.req_id] for s in plain], eos_token_ids)
+            ids = [s.req_id for s in plain]
+            result.sampled.update(zip(ids, out.token_ids))
+            if out.logprobs is not None:
+                result = replace(result, logprobs=dict(zip(ids, out.logprobs)),
+                                 top_logprobs=dict(zip(ids, out.top_logprobs)))
+        for s in sampling:
+            if not s.num_draft_tokens:
+                continue
+            first = offsets[s.req_id]
+            tokens, logprobs = verify(self.sampler, logits[first:first + s.num_draft_tokens + 1],
+                                      s.token_ids[-s.num_draft_tokens:], rows[s.req_id], eos_token_ids)
+            result.sampled[s.req_id] = tokens[0]
+            result.spec_tokens[s.req_id] = tokens
+            if logprobs is not None:
+                result.spec_logprobs[s.req_id] = logprobs
+        return result
 
     def _prepare(self, seqs: list[ScheduledSeq]):
         bs = self.block_size
@@ -65,8 +99,8 @@ class ModelRunner:
             for pos in range(seq.start_pos, seq.context_len):
                 positions.append(pos)
                 slots.append(seq.block_ids[pos // bs] * bs + pos % bs)
-            if seq.do_sample:
-                sample_idx.append(start + seq.num_tokens - 1)
+            if seq.do_sample:   # a verifying slice samples at its last known token and each proposal
+                sample_idx.extend(range(start + seq.num_tokens - 1 - seq.num_draft_tokens, start + seq.num_tokens))
         num_decodes = sum(1 for s in seqs if s.num_tokens == 1)
         dev = self.device
         meta = AttentionMetadata(

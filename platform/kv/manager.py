@@ -81,6 +81,19 @@ class KVCacheManager:
         self.pool.cache_blocks(blocks[start:end], req.block_hashes[start:end], parent)
         self._num_registered[req.req_id] = end
 
+    def trim(self, req: Request, num_tokens: int) -> None:
+        """Free `req`'s blocks past those `num_tokens` tokens need (rejected speculative tokens'
+        slots), tail first, as if those tokens had never been scheduled. Only blocks never
+        registered in the prefix cache can be past that point."""
+        blocks = self._req_blocks.get(req.req_id)
+        keep = cdiv(num_tokens, self.block_size)
+        if not blocks or len(blocks) <= keep:
+            return
+        assert self._num_registered[req.req_id] <= keep, "a registered block would be trimmed"
+        extra = blocks[keep:]
+        del blocks[keep:]
+        self.pool.free(reversed(extra))
+
     def free(self, req: Request) -> None:
         """Release all of `req`'s blocks, tail first (its last blocks are evicted first)."""
         blocks = self._req_blocks.pop(req.req_id, [])

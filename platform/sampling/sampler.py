@@ -239,3 +239,30 @@ def skip_draw(params: SamplingParams, generator: torch.Generator | None) -> None
     """
     if generator is not None and not params.is_greedy:
         torch.rand((), generator=generator, device=generator.device)
+
+
+def target_probs(logits: torch.Tensor, rows: Sequence[SamplingRow], eos_token_ids: Collection[int]) -> torch.Tensor:
+    """The distribution each sampled (non-greedy) row draws its token from, [len(rows), vocab]:
+    steps 0, 2, 3 and 6 of the module docstring, without the draw. Speculative decoding's
+    rejection sampling (platform/spec/verify.py) accepts or replaces proposals against it."""
+    logits = structured.apply_constraints(logits.to(torch.float32), rows, None)
+    logits = _apply_penalties(_apply_min_tokens(logits, rows, eos_token_ids), rows)
+    params = [row.params for row in rows]
+    logits = logits / torch.tensor([p.temperature for p in params], dtype=logits.dtype)[:, None]
+    probs = torch.softmax(logits, dim=-1)
+    vocab = logits.shape[1]
+    truncated = [i for i, p in enumerate(params) if _is_truncated(p, vocab)]
+    if truncated:
+        values, ids = _select(logits, truncated).sort(dim=-1, descending=True)
+        kept, _ = logits_ops.truncate(values, _select(probs, truncated).gather(1, ids),
+                                      top_k=torch.tensor([params[i].top_k for i in truncated]),
+                                      top_p=torch.tensor([params[i].top_p for i in truncated]),
+                                      min_p=torch.tensor([params[i].min_p for i in truncated]), vocab=vocab)
+        probs = probs.clone()
+        probs[truncated] = torch.zeros_like(kept).scatter(1, ids, kept)
+    return probs / probs.sum(dim=-1, keepdim=True)
+
+
+def draw_uniform(row: SamplingRow) -> float:
+    """One uniform number in [0, 1) from the row's generator (else torch's global RNG)."""
+    return float(_uniforms([row])[0])

@@ -13,6 +13,8 @@ class ScheduledSeq:
     `block_ids` is the request's whole block table (covering start_pos + len(token_ids) tokens);
     `do_sample` is True when this slice reaches the request's last known token, so its logits
     pick the next token (a chunk in the middle of a prompt samples nothing).
+    `num_draft_tokens`: the last this many of `token_ids` are speculative proposals to verify
+    (the slice then samples at each of its last num_draft_tokens + 1 positions).
     """
 
     req_id: str
@@ -20,6 +22,7 @@ class ScheduledSeq:
     start_pos: int
     block_ids: tuple[int, ...]
     do_sample: bool
+    num_draft_tokens: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -51,3 +54,8 @@ class StepResult:
     sampled: dict[str, int]
     logprobs: dict[str, float] | None = None
     top_logprobs: dict[str, list[tuple[int, float]]] | None = None
+    # Speculating requests: every token the step produced, in order (the accepted proposals,
+    # then the token sampled where verification stopped); `sampled` holds the first of them.
+    # Per-token logprobs of those requests, when asked for, as (logprob, top) pairs.
+    spec_tokens: dict[str, list[int]] | None = None
+    spec_logprobs: dict[str, list[tuple[float, list[tuple[int, float]]]]] | None = None

@@ -58,6 +58,9 @@ class Request:
         self.first_scheduled_time: float | None = None
         self._hasher = hasher
         self.block_hashes: list[BlockHash] = hasher.hash_blocks(self.all_token_ids, extra_keys)
+        # Speculative decoding: tokens proposed for the next step (set by the engine before each
+        # schedule(), verified in that step, then cleared); never part of all_token_ids.
+        self.spec_token_ids: list[int] = []
 
     @property
     def num_tokens(self) -> int:

@@ -139,6 +139,14 @@ class Scheduler:
 
     def _num_tokens_to_run(self, req: Request, budget: int) -> int:
         n = req.num_tokens - req.num_computed_tokens
+        if req.spec_token_ids:
+            # A decode step that verifies proposals: only what the budget and the pool allow
+            # without preempting anyone for them (speculation never costs another request).
+            fits = max(0, min(len(req.spec_token_ids), budget - n))
+            while fits and not self.kv.can_fit(req, n + fits):
+                fits -= 1
+            del req.spec_token_ids[fits:]
+            return min(n + fits, budget) if n <= budget else 0
         if n > budget and not self.config.enable_chunked_prefill:
             return 0
         return min(n, budget)
@@ -275,12 +283,15 @@ class Scheduler:
 
     def _seq(self, req: Request, n: int) -> ScheduledSeq:
         start = req.num_computed_tokens
+        num_known = min(n, req.num_tokens - start)
+        drafts = tuple(req.spec_token_ids[:n - num_known])
         return ScheduledSeq(
             req_id=req.req_id,
-            token_ids=tuple(req.all_token_ids[start:start + n]),
+            token_ids=tuple(req.all_token_ids[start:start + num_known]) + drafts,
             start_pos=start,
             block_ids=tuple(self.kv.block_ids(req.req_id)),
-            do_sample=start + n == req.num_tokens,
+            do_sample=start + num_known == req.num_tokens,
+            num_draft_tokens=len(drafts),
         )
 
     # -- applying results ------------------------------------------------------------------
@@ -290,12 +301,32 @@ class Scheduler:
             req = self.requests.get(seq.req_id)
             if req is None or req.status != RequestStatus.RUNNING:
                 continue  # aborted while the step ran
-            req.num_computed_tokens += seq.num_tokens
             self.stats.num_computed_tokens += seq.num_tokens
+            if seq.num_draft_tokens:
+                updates += self._apply_verified(req, seq, result.spec_tokens[seq.req_id])
+                continue
+            req.num_computed_tokens += seq.num_tokens
             if not seq.do_sample:
                 self.kv.register_computed_blocks(req)
                 continue
             updates.append(self._apply_token(req, result.sampled[seq.req_id]))
+        return updates
+
+    def _apply_verified(self, req: Request, seq: ScheduledSeq, tokens: list[int]) -> list[TokenUpdate]:
+        """A verification step's tokens: the accepted proposals, then the one sampled where
+        verification stopped. The KV of the accepted proposals is kept (it was computed from
+        exactly those tokens); the rejected ones' slots are rolled back and their blocks freed."""
+        req.spec_token_ids = []
+        num_accepted = len(tokens) - 1
+        assert 0 <= num_accepted <= seq.num_draft_tokens, (num_accepted, seq.num_draft_tokens)
+        req.num_computed_tokens += seq.num_tokens - seq.num_draft_tokens + num_accepted
+        updates = []
+        for token_id in tokens:
+            update = self._apply_token(req, token_id)
+            updates.append(update)
+            if update.finish_status is not None:
+                return updates
+        self.kv.trim(req, req.num_tokens)
         return updates
 
     def _apply_token(self, req: Request, token_id: int) -> TokenUpdate:

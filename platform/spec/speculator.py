@@ -1,0 +1,83 @@
+"""The engine's speculative decoding policy: who speculates this step, and how well it went.
+
+Before each step the engine asks `propose` for the running requests. A request gets n-gram
+proposals (platform/spec/ngram.py) when it is decoding (its last token is its only uncomputed
+one), is not grammar-constrained (proposals would have to be checked against the grammar; such
+requests decode one token at a time), and has room: proposals plus the token after them stay
+within its max_tokens and the engine's max_model_len. Speculation is off for the whole step when
+more than `max_batch_size` requests run (verification multiplies the batch's tokens by up to
+k + 1, and past some batch size the forward is compute-bound, so the extra tokens cost more than
+the steps they save), and off for a request whose acceptance rate, after `min_proposals`
+proposals, fell below `min_acceptance_rate`. The proposals ride on `Request.spec_token_ids`;
+the scheduler trims them to what the token budget and the KV pool allow.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+
+from splitserve.platform.config import SpeculativeConfig
+from splitserve.platform.sched.plan import StepResult
+from splitserve.platform.sched.request import Request
+from splitserve.platform.spec.ngram import propose
+
+
+@dataclass
+class SpecStats:
+    """Counters since start (vLLM's names in the worker's /metrics)."""
+
+    num_drafts: int = 0             # verification steps (requests x steps that carried proposals)
+    num_draft_tokens: int = 0       # tokens proposed
+    num_accepted_tokens: int = 0    # proposals accepted
+    # accepted_lengths[n]: verification steps that accepted exactly n proposals
+    accepted_lengths: list[int] = field(default_factory=list)
+
+
+class Speculator:
+    def __init__(self, config: SpeculativeConfig, max_model_len: int):
+        self.config = config
+        self.max_model_len = max_model_len
+        self.stats = SpecStats(accepted_lengths=[0] * (config.num_speculative_tokens + 1))
+
+    def propose(self, running: Iterable[Request], has_matcher: Mapping[str, bool],
+                history: Mapping[str, tuple[int, int]]) -> None:
+        """Set `spec_token_ids` on the running requests that speculate this step.
+
+        `has_matcher[req_id]`: the request is grammar-constrained; `history[req_id]`: its
+        (proposed, accepted) token counts so far.
+        """
+        running = list(running)
+        cfg = self.config
+        on = len(running) <= cfg.max_batch_size
+        for req in running:
+            req.spec_token_ids = []
+            if not on or has_matcher.get(req.req_id) or req.num_computed_tokens != req.num_tokens - 1:
+                continue
+            proposed, accepted = history.get(req.req_id, (0, 0))
+            if proposed >= cfg.min_proposals * cfg.num_speculative_tokens \
+                    and accepted < cfg.min_acceptance_rate * proposed:
+                continue
+            room = min(cfg.num_speculative_tokens, req.params.max_tokens - req.num_output_tokens - 1,
+                       self.max_model_len - req.num_tokens - 1)
+            if room > 0:
+                req.spec_token_ids = propose(req.all_token_ids, room, cfg.prompt_lookup_min, cfg.prompt_lookup_max)
+
+    def record(self, num_proposed: int, num_accepted: int) -> None:
+        self.stats.num_drafts += 1
+        self.stats.num_draft_tokens += num_proposed
+        self.stats.num_accepted_tokens += num_accepted
+        self.stats.accepted_lengths[num_accepted] += 1
+
+
+def token_result(result: StepResult, req_id: str, i: int) -> StepResult:
+    """The step result as output processing sees the i-th token a request got in this step
+    (a speculating request gets several; every other request one, i = 0)."""
+    if not result.spec_tokens or req_id not in result.spec_tokens:
+        return result
+    token = result.spec_tokens[req_id][i]
+    logprob = (result.spec_logprobs or {}).get(req_id)
+    if logprob is None:
+        return StepResult(sampled={req_id: token})
+    value, top = logprob[i]
+    return StepResult(sampled={req_id: token}, logprobs={req_id: value}, top_logprobs={req_id: top})
