@@ -54,6 +54,20 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-lora-rank", type=int, default=64, help="the largest LoRA rank accepted")
     p.add_argument("--max-cpu-loras", type=int, default=None,
                    help="LoRA adapters kept in memory, least recently used evicted (default: --max-loras)")
+    p.add_argument("--speculative-config", type=speculative_config, default=None, metavar="JSON",
+                   help='speculative decoding, vLLM\'s shape: \'{"method": "ngram", "num_speculative_tokens": 4, '
+                        '"prompt_lookup_max": 4, "prompt_lookup_min": 2}\' (default: off; docs/engine.md)')
+
+
+def speculative_config(text: str):
+    """argparse type of --speculative-config: a bad value exits with status 2 and says what is allowed."""
+    from splitserve.platform.config import SpeculativeConfig
+    from splitserve.platform.errors import ConfigError
+
+    try:
+        return SpeculativeConfig.from_json(text)
+    except (ConfigError, TypeError) as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def engine_config(args):
@@ -70,6 +84,7 @@ def engine_config(args):
                             quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype),
         lora=LoraConfig(max_loras=args.max_loras, max_lora_rank=args.max_lora_rank, max_cpu_loras=args.max_cpu_loras,
                         modules=tuple(parse_lora_modules(args.lora_modules))),
+        speculative=getattr(args, "speculative_config", None),
     )
 
 

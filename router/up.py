@@ -52,6 +52,9 @@ def register(subparsers) -> None:
     p.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH",
                    help="PEFT LoRA adapters both workers load at start (model=NAME selects one)")
     p.add_argument("--max-loras", type=int, default=None, help="distinct LoRA adapters one engine step may mix")
+    p.add_argument("--speculative-config", type=_speculative_config, default=None, metavar="JSON",
+                   help='speculative decoding on the decode worker, e.g. \'{"method": "ngram", '
+                        '"num_speculative_tokens": 4}\' (default: off)')
     p.add_argument("--worker-arg", action="append", default=[], help="extra argument for both workers (repeatable)")
     g = p.add_argument_group("SLA planner (router/up_planner.py)")
     g.add_argument("--planner", action="store_true", help="start and stop workers from the planner's decisions")
@@ -182,7 +185,8 @@ def _up(args, config, secure_args: list[str]) -> int:
     common = ["--model", config.model, "--quantization", args.quantization, "--kv-cache-dtype", args.kv_cache_dtype,
               "--kv-transport", transport,
               "--kv-cache-memory", str(args.kv_cache_memory), "--max-model-len", str(config.max_model_len),
-              *secure_args, *lora_args(args), *args.worker_arg]
+              *secure_args, *lora_args(args), *args.worker_arg,
+              *(["--speculative-config", args.speculative_config] if args.speculative_config else [])]
     level = logging.getLevelName(logging.getLogger().level)
     planner = make_planner(args) if args.planner else None
     # With the planner many workers share the cores: one thread each unless told otherwise.
@@ -298,3 +302,14 @@ def _free_port() -> int:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
+
+def _speculative_config(text: str) -> str:
+    """Validate --speculative-config here (exit 2 naming what is allowed) and pass the JSON on."""
+    from splitserve.platform.config import SpeculativeConfig
+    from splitserve.platform.errors import ConfigError
+
+    try:
+        SpeculativeConfig.from_json(text)
+    except (ConfigError, TypeError) as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text

@@ -44,6 +44,18 @@ class WorkerMetrics:
         self.prefix_waits = Counter("splitserve_prefix_waits", "Engine steps a waiting request sat out to reuse a "
                                     "prefix another request was computing", registry=r)
         self._seen_queries = self._seen_hits = self._seen_waits = 0
+        # Speculative decoding, with vLLM's names (platform/spec/): proposals, accepted proposals,
+        # verification steps, and verification steps by how many proposals they accepted.
+        self.spec_drafts = Counter("vllm:spec_decode_num_drafts", "Verification steps (a request's proposals "
+                                   "checked in one step)", ["model_name"], registry=r).labels(**labels)
+        self.spec_draft_tokens = Counter("vllm:spec_decode_num_draft_tokens", "Speculative tokens proposed",
+                                         ["model_name"], registry=r).labels(**labels)
+        self.spec_accepted_tokens = Counter("vllm:spec_decode_num_accepted_tokens", "Speculative tokens accepted",
+                                            ["model_name"], registry=r).labels(**labels)
+        self.spec_accepted_length = Counter("splitserve_spec_decode_accepted_length", "Verification steps by the "
+                                            "number of proposals they accepted", ["accepted"], registry=r)
+        self._seen_spec = (0, 0, 0)
+        self._seen_lengths: tuple[int, ...] = ()
         self._update_lock = threading.Lock()
         self.queued_prefill_tokens = Gauge("splitserve_queued_prefill_tokens", "Prompt tokens not yet computed",
                                            registry=r)
@@ -105,6 +117,16 @@ class WorkerMetrics:
         self.prefix_waits.inc(load.num_prefix_waits - self._seen_waits)
         self._seen_queries, self._seen_hits = load.prefix_cache_queries, load.prefix_cache_hits
         self._seen_waits = load.num_prefix_waits
+        spec = (load.spec_num_drafts, load.spec_num_draft_tokens, load.spec_num_accepted_tokens)
+        if spec[0] > self._seen_spec[0]:
+            for counter, now, seen in zip((self.spec_drafts, self.spec_draft_tokens, self.spec_accepted_tokens),
+                                          spec, self._seen_spec):
+                counter.inc(now - seen)
+            seen_lengths = self._seen_lengths or (0,) * len(load.spec_accepted_lengths)
+            for n, (now, seen) in enumerate(zip(load.spec_accepted_lengths, seen_lengths)):
+                if now > seen:
+                    self.spec_accepted_length.labels(str(n)).inc(now - seen)
+            self._seen_spec, self._seen_lengths = spec, load.spec_accepted_lengths
 
     def update_structured(self, stats) -> None:
         """Export the grammar backend's CompileStats (platform/sampling/structured.py), if any."""

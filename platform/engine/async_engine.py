@@ -165,7 +165,7 @@ class AsyncEngine:
     def _call(self, fn, future) -> None:
         loop = future.get_loop()
         try:
-            value = fn(self.engine)
+            value = fn(self._engine)
         except Exception as exc:  # handed back to the caller (bound now: `exc` is unset after the block)
             loop.call_soon_threadsafe(lambda error=exc: future.done() or future.set_exception(error))
             return

@@ -1,0 +1,189 @@
+"""Speculative decoding with n-gram proposals (platform/spec/): exact for greedy, distribution-
+preserving for sampling, rolled back cleanly, and validated at every entry point."""
+
+import subprocess
+import sys
+import pathlib
+
+import pytest
+import torch
+
+from splitserve.platform.config import SpeculativeConfig
+from splitserve.platform.errors import ConfigError
+from splitserve.platform.sampling.params import SamplingParams
+from splitserve.platform.sampling.sampler import Sampler, SamplingRow, make_generator
+from splitserve.platform.spec import verify as verify_mod
+from splitserve.platform.spec.ngram import propose
+
+SPEC = SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_max=4, prompt_lookup_min=2)
+GREEDY = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+# Held-in prompts: copy-heavy (a list to repeat, code to edit, JSON to fill) and plain chat.
+PROMPTS = [
+    "Repeat this list exactly: apple, banana, cherry, date, elderberry, fig, grape.\nList: apple, banana,",
+    "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\n# The same two functions again:\ndef add(a, b):",
+    'Fill in the JSON: {"name": "Ada", "city": "London", "job": "engineer"}\nJSON: {"name": "Ada", "city":',
+    "The capital of France is",
+]
+
+
+def assert_no_leak(engine):
+    engine.kv.check_invariants()
+    assert engine.pool.num_free_blocks == engine.pool.num_blocks
+    assert engine.kv.num_requests == 0
+
+
+@pytest.mark.parametrize("token_ids,k,expected", [
+    ([1, 2, 3, 4, 1, 2, 3], 3, [4, 1, 2]),          # the longest n (3) that matches
+    ([5, 6, 7, 8, 9, 5, 6], 4, [7, 8, 9, 5]),
+    ([1, 2, 9, 1, 2, 8, 1, 2], 2, [8, 1]),          # the most recent occurrence wins
+    ([1, 2, 3], 2, []),                             # no earlier occurrence
+    ([7, 7, 7, 7], 2, [7]),                         # only what follows the occurrence
+])
+def test_ngram_proposals(token_ids, k, expected):
+    assert propose(token_ids, k, 2, 4) == expected
+
+
+@pytest.mark.parametrize("fields,message", [
+    ({"num_speculative_tokens": 0}, "num_speculative_tokens=0 is invalid; allowed: an integer >= 1"),
+    ({"prompt_lookup_min": 5, "prompt_lookup_max": 3}, "allowed: min <= max"),
+    ({"method": "eagle"}, "speculative method 'eagle' is not supported; allowed: ngram"),
+])
+def test_bad_config_names_what_is_allowed(fields, message):
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        SpeculativeConfig(**fields)
+
+
+def test_bad_config_on_the_command_line_exits_2():
+    cli = str(pathlib.Path(sys.executable).parent / "splitserve")
+    for text, says in [('{"method": "eagle"}', "allowed: ngram"), ('{"num_speculative_tokens": 0}', ">= 1"),
+                       ('{"k": 3}', "unknown keys ['k']"), ("not json", "not valid JSON")]:
+        proc = subprocess.run([cli, "generate", "--speculative-config", text, "hi"], capture_output=True, text=True,
+                              timeout=120)
+        assert proc.returncode == 2 and says in proc.stderr, (text, proc.returncode, proc.stderr[-300:])
+
+
+def run(engine, prompts, params):
+    return [o.output_token_ids for o in engine.generate(prompts, params)]
+
+
+def test_greedy_with_speculation_equals_without_alone_and_in_a_batch(make_engine):
+    plain = make_engine()
+    spec = make_engine(speculative=SPEC)
+    want = run(plain, PROMPTS, GREEDY)                  # batch invariance is pinned in test_engine.py
+    assert [run(spec, [p], GREEDY)[0] for p in PROMPTS[:2]] == want[:2]    # alone
+    assert run(spec, PROMPTS, GREEDY) == want                              # in one batch
+    stats = spec.speculator.stats
+    assert stats.num_accepted_tokens > 0 and stats.num_drafts > 0          # it really speculated
+    assert stats.num_accepted_tokens < stats.num_draft_tokens              # and really rejected some
+    assert_no_leak(spec)
+
+
+def test_greedy_equal_with_chunked_prefill_stop_strings_and_max_tokens(make_engine):
+    plain = make_engine(max_num_batched_tokens=32)
+    spec = make_engine(max_num_batched_tokens=32, speculative=SPEC)
+    for max_tokens in (1, 3, 7):                  # boundaries inside and at the end of a proposal
+        params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+        assert run(spec, PROMPTS[:3], params) == run(plain, PROMPTS[:3], params), max_tokens
+    stop = SamplingParams(temperature=0, max_tokens=48, stop=["grape", "a - b"], ignore_eos=True)
+    want = plain.generate(PROMPTS[:2], stop)
+    got = spec.generate(PROMPTS[:2], stop)
+    assert [(o.text, o.finish_reason, o.stop_reason) for o in got] == \
+        [(o.text, o.finish_reason, o.stop_reason) for o in want]
+    assert_no_leak(spec)
+
+
+def test_logprobs_of_accepted_tokens_match_plain_decoding(make_engine):
+    plain = make_engine()
+    spec = make_engine(speculative=SPEC)
+    params = SamplingParams(temperature=0, max_tokens=24, logprobs=2, ignore_eos=True)
+    want, got = plain.generate(PROMPTS[:1], params)[0], spec.generate(PROMPTS[:1], params)[0]
+    assert got.output_token_ids == want.output_token_ids
+    assert spec.speculator.stats.num_accepted_tokens > 0
+
+
+def test_abort_while_speculating_frees_every_block(make_engine):
+    spec = make_engine(speculative=SPEC)
+    ids = [spec.add_request(p, GREEDY) for p in PROMPTS]
+    for _ in range(6):
+        spec.step()
+    assert spec.speculator.stats.num_drafts > 0
+    for req_id in ids[:2]:
+        spec.abort(req_id)
+    while spec.has_unfinished_requests():
+        spec.step()
+    assert_no_leak(spec)
+
+
+def test_seeded_sampling_with_speculation_is_reproducible(make_engine):
+    spec = make_engine(speculative=SPEC)
+    params = SamplingParams(temperature=0.8, top_p=0.95, seed=1234, max_tokens=32, ignore_eos=True)
+    assert run(spec, PROMPTS[:2], params) == run(spec, PROMPTS[:2], params)
+    assert_no_leak(spec)
+
+
+# -- the acceptance rule keeps the target distribution ----------------------------------------
+# Synthetic logits over 8 tokens, the same distribution at every position, so every emitted
+# token must be distributed as p whatever the proposals. 6,000 verifications of a fixed
+# 2-token proposal with seeded generators; Pearson's chi-square with 7 degrees of freedom has a
+# 0.1 % false-alarm rate above 24.32 (the table value). The seed fixes the draws, so the test is
+# deterministic; the mutation below shows the statistic does move when the rule is wrong.
+CHI2_DF7_P001 = 24.32
+P = torch.tensor([0.30, 0.20, 0.15, 0.12, 0.10, 0.07, 0.04, 0.02])
+DRAFTS = [6, 1]          # an unlikely and a likely proposal
+
+
+def _chi2_of_emitted_tokens(n: int = 6_000) -> tuple[float, float]:
+    logits = torch.log(P).repeat(len(DRAFTS) + 1, 1)
+    params = SamplingParams(temperature=1.0, seed=7, max_tokens=64)
+    row = SamplingRow(params, [0], [], make_generator(7))
+    first, second = torch.zeros(8), torch.zeros(8)
+    sampler = Sampler()
+    for _ in range(n):
+        tokens, _ = verify_mod.verify(sampler, logits, DRAFTS, row, eos_token_ids=())
+        first[tokens[0]] += 1
+        if len(tokens) > 1:       # the first proposal was accepted: the next token is again ~ p
+            second[tokens[1]] += 1
+
+    def chi2(counts):
+        expected = P * counts.sum()
+        return float(((counts - expected) ** 2 / expected).sum())
+    return chi2(first), chi2(second)
+
+
+def test_rejection_sampling_keeps_the_target_distribution():
+    first, second = _chi2_of_emitted_tokens()
+    assert first < CHI2_DF7_P001 and second < CHI2_DF7_P001, (first, second)
+
+
+def test_a_wrong_acceptance_rule_is_detected(monkeypatch):
+    # Mutation of the acceptance rule only: accept a proposal with probability min(1, 2 p(d))
+    # instead of p(d); the residual and bonus draws stay as they are.
+    def lenient(probs, drafts, row):
+        tokens = []
+        for i, draft in enumerate(drafts):
+            if verify_mod.draw_uniform(row) < min(1.0, 2 * float(probs[i, draft])):
+                tokens.append(draft)
+                continue
+            residual = probs[i].clone()
+            residual[draft] = 0.0
+            return tokens + [verify_mod._draw(residual, row)]
+        return tokens + [verify_mod._draw(probs[len(drafts)].clone(), row)]
+    monkeypatch.setattr(verify_mod, "_rejection_sample", lenient)
+    first, _ = _chi2_of_emitted_tokens()
+    assert first > CHI2_DF7_P001, first
+
+
+def test_disaggregated_decode_worker_speculates_and_equals_colocated(make_engine, smollm2_models):
+    from splitserve.platform.sampling.params import SamplingParams as SP
+    from test_disaggregation_engine import disaggregated
+
+    local = make_engine()
+    p_engine, d_engine = make_engine(), make_engine(speculative=SPEC)
+    params = SP(temperature=0, max_tokens=32, ignore_eos=True)
+    prompt = local.tokenizer.encode(PROMPTS[0])
+    [ref] = local.generate([prompt], params)
+    outs, _, _ = disaggregated(p_engine, d_engine, prompt, params=params)
+    assert outs[-1].finished and outs[-1].output_token_ids == ref.output_token_ids
+    assert d_engine.speculator.stats.num_accepted_tokens > 0
+    for e in (p_engine, d_engine):
+        assert_no_leak(e)
