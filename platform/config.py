@@ -11,7 +11,8 @@ from dataclasses import dataclass, field
 from splitserve.platform.errors import ConfigError
 from splitserve.platform.quant import QUANTIZATION_MODES
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral", "phi3", "qwen3_moe")
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral", "phi3", "qwen3_moe", "gemma3")
+HIDDEN_ACTS = ("silu", "gelu_tanh")
 LAYER_TYPES = ("full_attention", "sliding_attention")
 SUPPORTED_DTYPES = ("float32", "bfloat16", "float16")
 KV_CACHE_DTYPES = ("auto", *SUPPORTED_DTYPES)
@@ -74,6 +75,9 @@ class ModelConfig:
     norm_topk_prob: bool = False
     decoder_sparse_step: int = 1
     mlp_only_layers: tuple[int, ...] = ()
+    hidden_act: str = "silu"                      # the MLP's gate activation: SwiGLU or GeGLU (gelu_tanh)
+    query_pre_attn_scalar: float | None = None    # attention scale = this ** -0.5 (None: head_dim)
+    rope_local_theta: float | None = None         # rope base of sliding-window layers (None: rope_theta)
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -87,6 +91,8 @@ class ModelConfig:
             raise ConfigError(
                 f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
         self._check_windows()
+        if self.hidden_act not in HIDDEN_ACTS:
+            raise ConfigError(f"hidden_act {self.hidden_act!r} is not supported; allowed: {', '.join(HIDDEN_ACTS)}")
         if self.num_experts and not 0 < self.num_experts_per_tok <= self.num_experts:
             raise ConfigError(f"num_experts_per_tok must be in [1, num_experts={self.num_experts}], "
                               f"got {self.num_experts_per_tok}")

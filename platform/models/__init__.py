@@ -2,6 +2,7 @@
 Llama block (llama.py), layers (layers.py), attention (attention.py) and experts (moe.py)."""
 
 from splitserve.platform.config import ModelConfig
+from splitserve.platform.models.gemma3 import Gemma3ForCausalLM
 from splitserve.platform.models.llama import LlamaForCausalLM
 from splitserve.platform.models.mistral import MistralForCausalLM
 from splitserve.platform.models.phi3 import Phi3ForCausalLM
@@ -10,7 +11,8 @@ from splitserve.platform.models.qwen3 import Qwen3ForCausalLM
 from splitserve.platform.models.qwen3_moe import Qwen3MoeForCausalLM
 
 MODEL_CLASSES = {"llama": LlamaForCausalLM, "qwen2": Qwen2ForCausalLM, "qwen3": Qwen3ForCausalLM,
-                 "mistral": MistralForCausalLM, "phi3": Phi3ForCausalLM, "qwen3_moe": Qwen3MoeForCausalLM}
+                 "mistral": MistralForCausalLM, "phi3": Phi3ForCausalLM, "qwen3_moe": Qwen3MoeForCausalLM,
+                 "gemma3": Gemma3ForCausalLM}
 
 
 def build_model(config: ModelConfig, quantization: str = "none") -> LlamaForCausalLM:

@@ -35,15 +35,16 @@ from splitserve.platform.quant.kernels import LinearKernel, build_head
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: ModelConfig, quantization: str = "none", layer: int = 0):
+    def __init__(self, config: ModelConfig, quantization: str = "none", layer: int = 0,
+                 norm_class: type[RMSNorm] = RMSNorm):
         super().__init__()
         self.window = config.layer_window(layer)
-        self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
-        self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.q_norm = norm_class(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = norm_class(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.num_heads = config.num_heads
         self.num_kv_heads = config.num_kv_heads
         self.head_dim = config.head_dim
-        self.scale = config.head_dim ** -0.5
+        self.scale = (config.query_pre_attn_scalar or config.head_dim) ** -0.5
         q_size = config.num_heads * config.head_dim
         kv_size = config.num_kv_heads * config.head_dim
         self.qkv_proj = MergedLinear(config.hidden_size, {"q": q_size, "k": kv_size, "v": kv_size},
@@ -76,10 +77,15 @@ class LlamaAttention(nn.Module):
         return self.o_proj(out.reshape(n, -1))
 
 
+_ACTIVATIONS = {"silu": nn.functional.silu,
+                "gelu_tanh": lambda x: nn.functional.gelu(x, approximate="tanh")}
+
+
 class LlamaMLP(nn.Module):
     def __init__(self, config: ModelConfig, quantization: str = "none"):
         super().__init__()
         self.intermediate_size = config.intermediate_size
+        self.act = _ACTIVATIONS[config.hidden_act]
         self.gate_up_proj = MergedLinear(config.hidden_size, {"gate": config.intermediate_size,
                                                               "up": config.intermediate_size}, bias=False,
                                          quantization=quantization)
@@ -88,7 +94,7 @@ class LlamaMLP(nn.Module):
 
     def forward(self, x):
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(nn.functional.silu(gate) * up)
+        return self.down_proj(self.act(gate) * up)
 
     def forward_fused(self, x, ops: CpuOps):
         return self.down_proj(ops.silu_mul(self.gate_up_proj(x)))
@@ -122,6 +128,8 @@ class LlamaForCausalLM(nn.Module):
     # checkpoint projection -> module path of a MergedLinear that takes it whole, all shards in
     # order (Phi-3's qkv_proj and gate_up_proj); empty: every projection is stored separately
     CHECKPOINT_FUSED: dict[str, str] = {}
+    DECODER_LAYER: type[nn.Module] = LlamaDecoderLayer
+    NORM: type[RMSNorm] = RMSNorm
 
     def __init__(self, config: ModelConfig, quantization: str = "none"):
         """`quantization`: "none" (float weights in the model dtype) or a fast mode of
@@ -137,8 +145,8 @@ class LlamaForCausalLM(nn.Module):
         # The fused CPU kernels (kernels/cpu_ops.py), set by use_fused_ops(); None: the torch path.
         self.fused_ops: CpuOps | None = None
         self.decode_plan: DecodePlan | None = None
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, quantization, i) for i in range(config.num_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.layers = nn.ModuleList(self.DECODER_LAYER(config, quantization, i) for i in range(config.num_layers))
+        self.norm = self.NORM(config.hidden_size, config.rms_norm_eps)
         self.rotary = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope_theta,
                                       config.rope_scaling)
         if config.tie_word_embeddings:
@@ -178,7 +186,8 @@ class LlamaForCausalLM(nn.Module):
     def is_plain_llama_graph(self) -> bool:
         """True when the fused CPU graph computes this model: no q/k norm, window or experts."""
         c = self.config
-        return not (c.qk_norm or c.layer_types and "sliding_attention" in c.layer_types or c.num_experts)
+        return not (c.qk_norm or c.layer_types and "sliding_attention" in c.layer_types or c.num_experts
+                    or c.hidden_act != "silu" or self.NORM is not RMSNorm)
 
     def _forward_fused(self, x, positions, kv_caches, meta, layer_hook):
         """The same graph as forward(), with each residual add fused into the next norm:

@@ -35,7 +35,7 @@ from splitserve.platform.errors import ConfigError, UnsupportedModelError
 
 # model_type -> architecture (ModelConfig.architecture, a family of platform/models)
 SUPPORTED_MODEL_TYPES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3",
-                         "qwen3_moe": "qwen3_moe", "phi3": "phi3"}
+                         "qwen3_moe": "qwen3_moe", "phi3": "phi3", "gemma3_text": "gemma3"}
 INDEX_FILE = "model.safetensors.index.json"
 
 
@@ -102,21 +102,34 @@ def _read_json(path: str) -> dict[str, Any]:
 
 
 def _check_supported_options(folder: str, raw: dict[str, Any]) -> None:
-    if raw.get("hidden_act", "silu") != "silu":
+    if raw.get("model_type") == "gemma3_text":
+        act = raw.get("hidden_activation", "gelu_pytorch_tanh")
+        if act != "gelu_pytorch_tanh":
+            raise UnsupportedModelError(f"{folder}: hidden_activation {act!r} is not supported; supported: gelu_pytorch_tanh")
+        for cap in ("final_logit_softcapping", "attn_logit_softcapping"):
+            if raw.get(cap) is not None:
+                raise UnsupportedModelError(f"{folder}: {cap}={raw[cap]} is not supported; supported: null")
+    elif raw.get("hidden_act", "silu") != "silu":
         raise UnsupportedModelError(f"{folder}: hidden_act {raw['hidden_act']!r} is not supported; supported: 'silu'")
     for flag in ("attention_bias", "mlp_bias"):
         if raw.get("model_type") != "qwen2" and raw.get(flag):
             raise UnsupportedModelError(f"{folder}: {flag}=true is not supported for {raw['model_type']}")
-    params = raw.get("rope_parameters") or {}
+    params = _global_rope_params(raw)
     partial = params.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))
     if partial != 1.0:
         raise UnsupportedModelError(
             f"{folder}: partial_rotary_factor={partial} is not supported; supported: 1.0 (rotary over the whole head)")
 
 
+def _global_rope_params(raw: dict[str, Any]) -> dict[str, Any]:
+    """`rope_parameters`, or its "full_attention" entry where it is given per layer type (Gemma 3)."""
+    params = raw.get("rope_parameters") or {}
+    return params.get("full_attention", params)
+
+
 def _rope(folder: str, raw: dict[str, Any]) -> tuple[float, RopeScaling | None]:
     """(rope_theta, scaling) from transformers 5 `rope_parameters` or 4.x `rope_theta`/`rope_scaling`."""
-    params = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
+    params = dict(_global_rope_params(raw) or raw.get("rope_scaling") or {})
     rope_theta = float(params.get("rope_theta", raw.get("rope_theta", 10000.0)))
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type == "default":
@@ -157,8 +170,12 @@ def _family_options(raw: dict[str, Any]) -> dict[str, Any]:
     """The fields only some families have: q/k norm (Qwen3) and the experts (Qwen3-MoE)."""
     model_type = raw.get("model_type")
     options: dict[str, Any] = {}
-    if model_type in ("qwen3", "qwen3_moe"):
+    if model_type in ("qwen3", "qwen3_moe", "gemma3_text"):
         options["qk_norm"] = True
+    if model_type == "gemma3_text":
+        local = (raw.get("rope_parameters") or {}).get("sliding_attention") or {}
+        options.update(hidden_act="gelu_tanh", query_pre_attn_scalar=float(raw.get("query_pre_attn_scalar", 256)),
+                       rope_local_theta=float(local.get("rope_theta", raw.get("rope_local_base_freq", 10000.0))))
     if model_type == "qwen3_moe":
         options.update(
             num_experts=int(raw.get("num_experts") or raw["num_local_experts"]),

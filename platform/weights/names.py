@@ -21,6 +21,9 @@ def layer_weight_shapes(config: ModelConfig, layer: int) -> dict[str, tuple[int,
     prefix = f"model.layers.{layer}."
     shapes = {"input_layernorm.weight": (config.hidden_size,), **_attention_shapes(config),
               "post_attention_layernorm.weight": (config.hidden_size,), **_mlp_shapes(config, layer)}
+    if config.architecture == "gemma3":  # norms before and after the MLP too
+        shapes["pre_feedforward_layernorm.weight"] = (config.hidden_size,)
+        shapes["post_feedforward_layernorm.weight"] = (config.hidden_size,)
     return {prefix + name: shape for name, shape in shapes.items()}
 
 
