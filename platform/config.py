@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from splitserve.platform.errors import ConfigError
 from splitserve.platform.quant import QUANTIZATION_MODES
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral", "phi3", "qwen3_moe", "gemma3")
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral", "phi3", "qwen3_moe", "gemma3", "mixtral")
 HIDDEN_ACTS = ("silu", "gelu_tanh")
 LAYER_TYPES = ("full_attention", "sliding_attention")
 SUPPORTED_DTYPES = ("float32", "bfloat16", "float16")

@@ -220,7 +220,7 @@ class LlamaForCausalLM(nn.Module):
         """Copy Hugging Face-named tensors into this model; every parameter must be covered.
         Under a fast mode, then pack every linear (MergedLinear.finalize)."""
         params = dict(self.named_parameters())
-        loaded = {key for name, tensor in weights for key in self._load_one(name, tensor, params)}
+        loaded = {key for name, tensor in weights for key in self._load_one(self.own_name(name), tensor, params)}
         missing = self._expected_keys(params) - loaded
         if missing:
             raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {sorted(missing)[:4]}")
@@ -233,6 +233,11 @@ class LlamaForCausalLM(nn.Module):
             if self.lm_head is not None:
                 self.lm_head.finalize(self.quantization, tied=False)
                 self.lm_head_kernel = build_head(self.quantization, self.lm_head.codes, self.lm_head.scale)
+
+    def own_name(self, name: str) -> str:
+        """A checkpoint tensor's name in this module's vocabulary (a family whose checkpoints
+        name things differently translates here)."""
+        return name
 
     def _expected_keys(self, params: dict[str, nn.Parameter]) -> set[str]:
         keys = {name for name in params

@@ -1,4 +1,4 @@
-"""Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE and Phi-3 models from a Hugging Face folder.
+"""Llama, Mistral, Mixtral, Qwen2, Qwen3, Qwen3-MoE, Phi-3 and Gemma 3 (text) models from a Hugging Face folder.
 
 Config: config.json, as written by transformers 4.x (`rope_theta` + `rope_scaling`) or 5.x
 (`rope_parameters`). `eos_token_id` from config.json and generation_config.json together
@@ -10,6 +10,7 @@ Sliding-window attention (Mistral, Phi-3, Qwen2/Qwen3 with `use_sliding_window`)
 `layer_types` transformers 5 writes, or, for older files, what transformers derives (every
 layer for Mistral and Phi-3; layers from `max_window_layers` on for Qwen). The context stays
 `max_position_embeddings`: the window is applied by the attention, never used as a cap.
+Mixtral: `num_local_experts` experts of `intermediate_size` on every layer, top-k renormalised.
 Qwen3-MoE: `num_experts`, or `num_local_experts` as transformers 5's save_pretrained writes it.
 Phi-3: rejected with a clear error when its rope is `longrope` or partial (`partial_rotary_factor`).
 
@@ -35,7 +36,8 @@ from splitserve.platform.errors import ConfigError, UnsupportedModelError
 
 # model_type -> architecture (ModelConfig.architecture, a family of platform/models)
 SUPPORTED_MODEL_TYPES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3",
-                         "qwen3_moe": "qwen3_moe", "phi3": "phi3", "gemma3_text": "gemma3"}
+                         "qwen3_moe": "qwen3_moe", "phi3": "phi3", "gemma3_text": "gemma3",
+                         "mixtral": "mixtral"}
 INDEX_FILE = "model.safetensors.index.json"
 
 
@@ -154,7 +156,7 @@ def _windows(raw: dict[str, Any]) -> dict[str, Any]:
         return {}
     if raw.get("layer_types"):
         types = tuple(raw["layer_types"])
-    elif model_type in ("mistral", "phi3"):
+    elif model_type in ("mistral", "phi3", "mixtral"):
         types = ("sliding_attention",) * num_layers
     elif raw.get("use_sliding_window"):
         first = raw.get("max_window_layers", num_layers)
@@ -172,6 +174,9 @@ def _family_options(raw: dict[str, Any]) -> dict[str, Any]:
     options: dict[str, Any] = {}
     if model_type in ("qwen3", "qwen3_moe", "gemma3_text"):
         options["qk_norm"] = True
+    if model_type == "mixtral":  # every layer sparse, always renormalised, experts as wide as intermediate_size
+        options.update(num_experts=int(raw["num_local_experts"]), num_experts_per_tok=int(raw["num_experts_per_tok"]),
+                       moe_intermediate_size=int(raw["intermediate_size"]), norm_topk_prob=True)
     if model_type == "gemma3_text":
         local = (raw.get("rope_parameters") or {}).get("sliding_attention") or {}
         options.update(hidden_act="gelu_tanh", query_pre_attn_scalar=float(raw.get("query_pre_attn_scalar", 256)),

@@ -51,6 +51,13 @@ def _mlp_shapes(config: ModelConfig, layer: int) -> dict[str, tuple[int, ...]]:
     hidden = config.hidden_size
     if config.is_moe_layer(layer):
         inter = config.moe_intermediate_size
+        if config.architecture == "mixtral":  # Mixtral's names: w1 gate, w3 up, w2 down
+            shapes = {"block_sparse_moe.gate.weight": (config.num_experts, hidden)}
+            for e in range(config.num_experts):
+                shapes[f"block_sparse_moe.experts.{e}.w1.weight"] = (inter, hidden)
+                shapes[f"block_sparse_moe.experts.{e}.w3.weight"] = (inter, hidden)
+                shapes[f"block_sparse_moe.experts.{e}.w2.weight"] = (hidden, inter)
+            return shapes
         shapes = {"mlp.gate.weight": (config.num_experts, hidden)}
         for e in range(config.num_experts):
             shapes[f"mlp.experts.{e}.gate_proj.weight"] = (inter, hidden)

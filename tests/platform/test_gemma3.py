@@ -74,3 +74,17 @@ def test_greedy_equals_transformers_fp32_on_8_of_8(gemma_engine, hf_gemma):
     outs = gemma_engine.generate(prompt_ids, GREEDY)
     matches = [out.output_token_ids == hf_greedy(hf_model, ids, 32) for ids, out in zip(prompt_ids, outs)]
     assert matches == [True] * 8
+
+
+def test_chat_request_to_the_base_model_is_a_clear_400(gemma_engine):
+    """Gemma 3 270M is a base model: its GGUF has no chat template. The gateway answers a chat
+    request with 400 and says to use completions (no default template is invented)."""
+    from splitserve.router.errors import APIError
+    from splitserve.router.prompts import prepare_chat
+    from splitserve.router.protocol import ChatCompletionRequest
+
+    req = ChatCompletionRequest(model="gemma3-270m", messages=[{"role": "user", "content": "Hi"}])
+    with pytest.raises(APIError) as info:
+        prepare_chat(req, "id", "job", gemma_engine.tokenizer, 2048)
+    assert info.value.status == 400
+    assert "no chat template; send a plain prompt (completions)" in str(info.value.message)
