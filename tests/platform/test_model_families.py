@@ -5,7 +5,8 @@ default, so greedy references do not sit on near-ties) is saved with `save_pretr
 SmolLM2's tokenizer.json and loaded by our engine from that folder, fp32, quantization "none".
 The families cover what differs from Llama: Qwen3's q/k norm with a mix of full and
 sliding-window layers, Mistral's and Phi-3's window on every layer (Phi-3 with fused qkv and
-gate_up tensors), Qwen3-MoE's experts with a dense layer among the sparse ones. Windows are
+gate_up tensors), Qwen3-MoE's experts with a dense layer among the sparse ones, Gemma 3's
+block (its final norm re-centred, see save_family) with a global layer between two local ones. Windows are
 24 tokens, so most of the 8 prompts (5 to 68 tokens) and all of their 32 generated tokens run
 past them.
 """
@@ -39,7 +40,13 @@ FAMILIES = {
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
                   dict(head_dim=16, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=48,
                        norm_topk_prob=True, mlp_only_layers=[1])),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM",
+                dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=WINDOW, pad_token_id=0)),
+    "gemma3_text": ("Gemma3TextConfig", "Gemma3ForCausalLM",
+                    dict(head_dim=16, sliding_window=WINDOW, query_pre_attn_scalar=12,
+                         layer_types=["sliding_attention", "full_attention", "sliding_attention"])),
 }
+ARCHITECTURE = {"gemma3_text": "gemma3"}   # model_type -> ModelConfig.architecture where they differ
 
 
 def save_family(folder, model_type: str, gguf_path: str):
@@ -50,7 +57,16 @@ def save_family(folder, model_type: str, gguf_path: str):
 
     config_name, model_name, options = FAMILIES[model_type]
     torch.manual_seed(0)
-    model = getattr(transformers, model_name)(getattr(transformers, config_name)(**COMMON, **options)).eval()
+    config = getattr(transformers, config_name)(**{**COMMON, **options})
+    if model_type == "gemma3_text":
+        config.tie_word_embeddings = True
+    model = getattr(transformers, model_name)(config).eval()
+    if model_type == "gemma3_text":
+        # With a tied head and an embedding scaled by sqrt(hidden), a random Gemma's final state
+        # is mostly its input token's embedding, so it echoes its input: centre the final norm's
+        # scale (1 + w) on 0 instead of 1.
+        with torch.no_grad():
+            model.model.norm.weight.normal_(-1.0, 1.0)
     model.save_pretrained(folder)
     Tokenizer.from_gguf(gguf_path).save_tokenizer_json(str(folder / "tokenizer.json"))
     return model
@@ -72,7 +88,7 @@ def test_greedy_equals_transformers_batched_chunked_and_cached(family):
     model_type, folder, hf_model = family
     engine = engine_for(folder)
     config = engine.model_config
-    assert config.architecture == model_type and config.max_position_embeddings == 512
+    assert config.architecture == ARCHITECTURE.get(model_type, model_type) and config.max_position_embeddings == 512
     if model_type != "qwen3_moe":
         assert config.sliding_window == WINDOW and "sliding_attention" in config.layer_types
     assert sum(len(p) > WINDOW for p in PROMPTS) >= 5
@@ -105,7 +121,7 @@ def test_disaggregated_equals_colocated(tmp_path, smollm2_gguf_path, model_type)
         assert e.pool.num_free_blocks == e.pool.num_blocks
 
 
-@pytest.mark.parametrize("preset", ["tiny-qwen3", "tiny-mistral", "tiny-phi3", "tiny-qwen3-moe"])
+@pytest.mark.parametrize("preset", ["tiny-qwen3", "tiny-mistral", "tiny-phi3", "tiny-qwen3-moe", "tiny-gemma3", "tiny-mixtral"])
 def test_random_presets_of_each_family_generate(preset):
     engine = LLMEngine(EngineConfig(model=f"random:{preset}", cache=CacheConfig(num_blocks=160),
                                     device=DeviceConfig(dtype="float32", quantization="none")))
