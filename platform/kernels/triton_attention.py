@@ -35,6 +35,11 @@ error measured against an fp32 reference (6.6e-3 -> 4.2e-3). Under TRITON_INTERP
 dot operands go through fp32, because the interpreter multiplies bf16 storage bits
 (triton-lang/triton#11584); bf16 products are exact in fp32, so this changes no result.
 
+Sliding window (WINDOW > 0, a runtime argument; 0 = full attention): the query at position p
+sees keys p - WINDOW < j <= p. Each program starts its key loop at the tile holding its first
+visible key and masks the rest, so a windowed layer reads O(WINDOW) keys per query, not the
+whole context.
+
 Callers guarantee: block-table entries for positions below the context length are valid block
 ids (entries past it are never read), q/k_cache/v_cache have a contiguous last dimension.
 """
@@ -76,7 +81,7 @@ def _online_softmax_step(q, k_ptrs, v_ptrs, kv_mask, score_mask, m, l, acc, scal
 
 
 @triton.jit
-def _decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, table_ptr, ctx_ptr, scale_log2,
+def _decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, table_ptr, ctx_ptr, scale_log2, WINDOW,
                    stride_qb, stride_qh, stride_ob, stride_oh, stride_tb,
                    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
                    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
@@ -91,13 +96,14 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, table_ptr, ctx_ptr, scale_log2,
     q = tl.load(q_ptr + seq * stride_qb + heads[:, None] * stride_qh + dims[None, :],
                 mask=row_dim_mask, other=0.0)
     context_len = tl.load(ctx_ptr + seq)
+    kv_lo = tl.where(WINDOW > 0, tl.maximum(context_len - WINDOW, 0), 0)
 
     m = tl.full([GROUP_PAD], -1e30, tl.float32)
     l = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, D_PAD], tl.float32)
-    for start in range(0, context_len, BLOCK_N):
+    for start in range((kv_lo // BLOCK_N) * BLOCK_N, context_len, BLOCK_N):
         pos = start + tl.arange(0, BLOCK_N)
-        pos_ok = pos < context_len
+        pos_ok = (pos < context_len) & (pos >= kv_lo)
         block = tl.load(table_ptr + seq * stride_tb + pos // BLOCK_SIZE, mask=pos_ok, other=0).to(tl.int64)
         slot = pos % BLOCK_SIZE
         k_rows = block * stride_kb + slot * stride_ks + kv_head * stride_kh
@@ -112,7 +118,7 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, table_ptr, ctx_ptr, scale_log2,
 
 
 @triton.jit
-def _prefill_kernel(q_ptr, k_ptr, v_ptr, out_ptr, cu_ptr, start_ptr, table_ptr, scale_log2,
+def _prefill_kernel(q_ptr, k_ptr, v_ptr, out_ptr, cu_ptr, start_ptr, table_ptr, scale_log2, WINDOW,
                     stride_qt, stride_qh, stride_ot, stride_oh, stride_tb,
                     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
                     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
@@ -134,10 +140,13 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, out_ptr, cu_ptr, start_ptr, table_ptr, 
     # keys 0 .. (position of this tile's last real query); none for a tile past the chunk
     kv_end = tl.where(tile * BLOCK_M < q_len, start_pos + tl.minimum(tile * BLOCK_M + BLOCK_M, q_len), 0)
 
+    # with a window, keys from (this tile's first query's position - WINDOW + 1) on
+    kv_lo = tl.where(WINDOW > 0, tl.maximum(start_pos + tile * BLOCK_M - WINDOW + 1, 0), 0)
+
     m = tl.full([BLOCK_M], -1e30, tl.float32)
     l = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
-    for start in range(0, kv_end, BLOCK_N):
+    for start in range((kv_lo // BLOCK_N) * BLOCK_N, kv_end, BLOCK_N):
         pos = start + tl.arange(0, BLOCK_N)
         pos_ok = pos < kv_end
         block = tl.load(table_ptr + chunk * stride_tb + pos // BLOCK_SIZE, mask=pos_ok, other=0).to(tl.int64)
@@ -146,6 +155,7 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, out_ptr, cu_ptr, start_ptr, table_ptr, 
         v_rows = block * stride_vb + slot * stride_vs + kv_head * stride_vh
         kv_mask = pos_ok[:, None] & (dims < HEAD_DIM)[None, :]
         causal = pos_ok[None, :] & (pos[None, :] <= q_pos[:, None])
+        causal = causal & ((WINDOW == 0) | (pos[None, :] > q_pos[:, None] - WINDOW))
         m, l, acc = _online_softmax_step(q, k_ptr + k_rows[:, None] + dims[None, :],
                                          v_ptr + v_rows[:, None] + dims[None, :], kv_mask,
                                          causal, m, l, acc, scale_log2, PRECISION, UPCAST)
@@ -156,11 +166,12 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, out_ptr, cu_ptr, start_ptr, table_ptr, 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_table: torch.Tensor, context_lens: torch.Tensor, scale: float, *,
-                           out: torch.Tensor | None = None, block_n: int = 64) -> torch.Tensor:
+                           out: torch.Tensor | None = None, block_n: int = 64, window: int = 0) -> torch.Tensor:
     """q [B, H, D], caches [num_blocks, block_size, Hkv, D], block_table [B, max_blocks] int,
     context_lens [B] int -> [B, H, D] in q's dtype (written into `out` when given).
 
-    Sequence b attends to its cache positions 0 .. context_lens[b] - 1.
+    Sequence b attends to its cache positions 0 .. context_lens[b] - 1, or only the last
+    `window` of them when window > 0.
     """
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
@@ -170,7 +181,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         return out
     group = num_heads // num_kv_heads
     _decode_kernel[(num_seqs, num_kv_heads)](
-        q, k_cache, v_cache, out, block_table, context_lens, scale * LOG2E,
+        q, k_cache, v_cache, out, block_table, context_lens, scale * LOG2E, window,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_table.stride(0),
         *k_cache.stride()[:3], *v_cache.stride()[:3],
         GROUP=group, GROUP_PAD=_pad(group), HEAD_DIM=head_dim, D_PAD=_pad(head_dim),
@@ -181,11 +192,12 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             cu_q_lens: torch.Tensor, start_pos: torch.Tensor, block_tables: torch.Tensor,
                             scale: float, *, max_q_len: int | None = None, out: torch.Tensor | None = None,
-                            block_m: int = 64, block_n: int = 64) -> torch.Tensor:
+                            block_m: int = 64, block_n: int = 64, window: int = 0) -> torch.Tensor:
     """q [T, H, D] (S chunks back to back), cu_q_lens [S + 1] int, start_pos [S] int,
     block_tables [S, max_blocks] int -> [T, H, D] in q's dtype (written into `out` when given).
 
-    Query i of chunk s attends causally to cache positions 0 .. start_pos[s] + i. `max_q_len`
+    Query i of chunk s attends causally to cache positions 0 .. start_pos[s] + i (only the
+    last `window` of them when window > 0). `max_q_len`
     (the longest chunk) sizes the grid; pass it to avoid a device-to-host sync.
     """
     num_heads, head_dim = q.shape[1:]
@@ -199,7 +211,7 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         return out
     block_m, block_n = max(block_m, MIN_DOT), max(block_n, MIN_DOT)
     _prefill_kernel[(num_chunks, triton.cdiv(max_q_len, block_m), num_heads)](
-        q, k_cache, v_cache, out, cu_q_lens, start_pos, block_tables, scale * LOG2E,
+        q, k_cache, v_cache, out, cu_q_lens, start_pos, block_tables, scale * LOG2E, window,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         *k_cache.stride()[:3], *v_cache.stride()[:3],
         GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, D_PAD=_pad(head_dim),

@@ -12,6 +12,11 @@ then each prefill chunk. Per layer:
 3. each prefill chunk attends to its cached prefix plus itself, causally; a chunk with no
    prefix attends to its own fresh K/V directly without touching the cache.
 
+Sliding-window layers (`window` W) let the query at position p see keys p - W < j <= p: the
+decode mask and each chunk's mask get that lower bound too (built once per step and window,
+kept in the metadata for the step's other layers); the Triton kernels take W directly. The
+cache still holds every position: blocks no window can see are not freed (docs/models.md).
+
 Scores and softmax run in float32 whatever the KV dtype. With a narrower KV cache (float16 K/V
 beside float32 activations) every attention reads K/V as the cache holds them: a prefill chunk
 rounds its own fresh K/V the same way, so a prompt gives the same numbers whether it is computed
@@ -20,7 +25,7 @@ in one chunk, in several, or after a prefix-cache hit.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -53,6 +58,8 @@ class AttentionMetadata:
     # The Triton kernels' view of the same step; None until the first CUDA layer derives it
     # (build_triton_metadata), after which every other layer of the step reuses it.
     triton: TritonAttentionMetadata | None = None
+    # window -> (decode mask, per-chunk masks) of sliding-window layers, built on first use.
+    windowed: dict[int, tuple[torch.Tensor | None, list[torch.Tensor | None]]] = field(default_factory=dict)
 
 
 @dataclass
@@ -109,22 +116,52 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: 
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                    v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                    v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+                    window: int | None = None) -> torch.Tensor:
     """q [T, H, D], k/v [T, Hkv, D] for this step's tokens -> attention output [T, H, D].
 
-    On CUDA with triton installed the Triton kernels run; everywhere else the torch reference.
+    `window`: a sliding-window layer's W (None: full attention). On CUDA with triton installed
+    the Triton kernels run; everywhere else the torch reference.
     """
     write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
     if q.is_cuda and triton_available(q.device):
-        return _paged_attention_triton(q, k_cache, v_cache, meta, scale)
+        return _paged_attention_triton(q, k_cache, v_cache, meta, scale, window)
+    decode_mask, chunk_masks = meta.decode_mask, [c.mask for c in meta.prefills]
+    if window is not None:
+        if window not in meta.windowed:
+            meta.windowed[window] = window_masks(meta, window)
+        decode_mask, chunk_masks = meta.windowed[window]
     out = torch.empty_like(q)
     nd = meta.num_decodes
     if nd:
         keys = gather_kv(k_cache, meta.decode_block_table)
         values = gather_kv(v_cache, meta.decode_block_table)
-        out[:nd] = decode_attention(q[:nd], keys, values, scale, meta.decode_mask)
-    _prefill_chunks(q, k, v, k_cache, v_cache, meta, scale, out)
+        out[:nd] = decode_attention(q[:nd], keys, values, scale, decode_mask)
+    _prefill_chunks(q, k, v, k_cache, v_cache, meta, scale, out, chunk_masks)
     return out
+
+
+def window_masks(meta: AttentionMetadata, window: int) -> tuple[torch.Tensor | None, list[torch.Tensor | None]]:
+    """The step's decode mask and chunk masks restricted to the last `window` positions of each
+    query (key j visible from position p iff p - window < j <= p). A chunk whose queries all see
+    their whole causal past keeps mask None (SDPA's causal path)."""
+    decode_mask = None
+    if meta.num_decodes:
+        ctx = meta.decode_mask.sum(-1)
+        keys = torch.arange(meta.decode_mask.shape[1], device=ctx.device)
+        decode_mask = meta.decode_mask & (keys[None, :] >= (ctx - window)[:, None])
+    chunk_masks = []
+    for c in meta.prefills:
+        if c.start_pos + c.q_len <= window:
+            chunk_masks.append(c.mask)
+            continue
+        device = meta.slot_mapping.device
+        pos = torch.arange(c.start_pos, c.start_pos + c.q_len, device=device)[:, None]
+        keys = torch.arange(c.start_pos + c.q_len if c.block_table is not None else c.q_len, device=device)[None, :]
+        if c.block_table is None:
+            keys = keys + c.start_pos
+        chunk_masks.append((keys <= pos) & (keys > pos - window))
+    return decode_mask, chunk_masks
 
 
 def as_cached(x: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
@@ -132,18 +169,20 @@ def as_cached(x: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
     return x if cache.dtype == x.dtype else x.to(cache.dtype).to(x.dtype)
 
 
-def _prefill_chunks(q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float, out: torch.Tensor) -> None:
+def _prefill_chunks(q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float, out: torch.Tensor,
+                    masks: list[torch.Tensor | None]) -> None:
     """Each prefill chunk attends to its cached prefix plus itself (or, without a prefix, to its
-    own fresh K/V, rounded as the cache holds them); results go into their rows of `out`."""
-    for chunk in meta.prefills:
+    own fresh K/V, rounded as the cache holds them); results go into their rows of `out`.
+    `masks`: each chunk's mask (None: plain causal)."""
+    for chunk, mask in zip(meta.prefills, masks, strict=True):
         sl = slice(chunk.q_start, chunk.q_start + chunk.q_len)
         if chunk.block_table is None:
-            out[sl] = prefill_attention(q[sl], as_cached(k[sl], k_cache), as_cached(v[sl], v_cache), scale, None)
+            out[sl] = prefill_attention(q[sl], as_cached(k[sl], k_cache), as_cached(v[sl], v_cache), scale, mask)
             continue
         ctx = chunk.start_pos + chunk.q_len
         keys = gather_kv(k_cache, chunk.block_table)[:ctx].to(q.dtype)
         values = gather_kv(v_cache, chunk.block_table)[:ctx].to(q.dtype)
-        out[sl] = prefill_attention(q[sl], keys, values, scale, chunk.mask)
+        out[sl] = prefill_attention(q[sl], keys, values, scale, mask)
 
 
 def paged_attention_fused(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
@@ -181,7 +220,7 @@ def query_rows(meta: AttentionMetadata, block_size: int) -> tuple[torch.Tensor, 
 
 
 def _paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                            meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                            meta: AttentionMetadata, scale: float, window: int | None = None) -> torch.Tensor:
     """The Triton path of paged_attention, K/V already written; fills meta.triton on first use."""
     from splitserve.platform.kernels.triton_attention import paged_decode_attention, paged_prefill_attention
 
@@ -192,10 +231,10 @@ def _paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     nd = meta.num_decodes
     if nd:
         paged_decode_attention(q[:nd], k_cache, v_cache, meta.decode_block_table, tm.decode_context_lens,
-                               scale, out=out[:nd])
+                               scale, out=out[:nd], window=window or 0)
     if meta.prefills:
         paged_prefill_attention(q[nd:], k_cache, v_cache, tm.cu_q_lens, tm.start_pos, tm.prefill_block_tables,
-                                scale, max_q_len=tm.max_q_len, out=out[nd:])
+                                scale, max_q_len=tm.max_q_len, out=out[nd:], window=window or 0)
     return out
 
 

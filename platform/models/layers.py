@@ -38,6 +38,15 @@ class RMSNorm(nn.Module):
         return self.weight * normed.to(x.dtype)
 
 
+class OffsetRMSNorm(RMSNorm):
+    """Gemma's RMSNorm: y = x / sqrt(mean(x^2) + eps) * (1 + weight), the product in float32.
+    Checkpoints (and our HF-named tensors) store `weight`; GGUF files store 1 + weight."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        normed = nn.functional.rms_norm(x.float(), (x.shape[-1],), None, self.eps)
+        return (normed * (1.0 + self.weight.float())).to(x.dtype)
+
+
 class MergedLinear(nn.Module):
     """One matmul for several projections of the same input; outputs are concatenated.
 

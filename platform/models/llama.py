@@ -1,9 +1,18 @@
-"""The Llama family: Llama 2/3 (incl. Llama-3 rope scaling), SmolLM2, Mistral; Qwen2 adds q/k/v bias.
+"""The Llama block, which the other families reuse: Llama 2/3 (incl. Llama-3 rope scaling), SmolLM2.
 
 Decoder-only transformer with pre-norm residual blocks: RMSNorm -> attention (GQA, RoPE,
 paged KV) -> RMSNorm -> SwiGLU MLP. Activations are flat [num_tokens, hidden]: a step's
 sequences are concatenated and the attention metadata says where each one starts.
 Only the rows that sample run through the LM head.
+
+What a family changes is read from its ModelConfig, layer by layer, so a family file only
+names its checkpoint layout: q/k/v biases (Qwen2), RMSNorm over each head of q and k before
+rotary (Qwen3, `qk_norm`), a sliding window per layer (Mistral, Phi-3, Qwen with
+`use_sliding_window`; `layer_window`), a mixture-of-experts MLP (`is_moe_layer`, models/moe.py)
+and fused q|k|v and gate|up tensors in the checkpoint (Phi-3, `CHECKPOINT_FUSED`).
+
+The fused CPU graph (use_fused_ops) is the plain Llama graph: a model with q/k norm, a window
+or experts keeps the torch graph, its linears still in the fast mode's kernels.
 """
 
 from __future__ import annotations
@@ -19,17 +28,23 @@ from splitserve.platform.kernels.cpu_decode import DecodePlan, plan_for
 from splitserve.platform.kernels.cpu_ops import CpuOps
 from splitserve.platform.models.attention import AttentionMetadata, paged_attention, paged_attention_fused
 from splitserve.platform.models.layers import MergedLinear, QuantizedEmbedding, RMSNorm, RotaryEmbedding, apply_rotary
+from splitserve.platform.models.moe import SparseMoeBlock
+from splitserve.platform.quant import formats
 from splitserve.platform.quant.formats import RawQuant
 from splitserve.platform.quant.kernels import LinearKernel, build_head
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: ModelConfig, quantization: str = "none"):
+    def __init__(self, config: ModelConfig, quantization: str = "none", layer: int = 0,
+                 norm_class: type[RMSNorm] = RMSNorm):
         super().__init__()
+        self.window = config.layer_window(layer)
+        self.q_norm = norm_class(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = norm_class(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.num_heads = config.num_heads
         self.num_kv_heads = config.num_kv_heads
         self.head_dim = config.head_dim
-        self.scale = config.head_dim ** -0.5
+        self.scale = (config.query_pre_attn_scalar or config.head_dim) ** -0.5
         q_size = config.num_heads * config.head_dim
         kv_size = config.num_kv_heads * config.head_dim
         self.qkv_proj = MergedLinear(config.hidden_size, {"q": q_size, "k": kv_size, "v": kv_size},
@@ -39,11 +54,15 @@ class LlamaAttention(nn.Module):
     def forward(self, x, cos, sin, kv_cache, meta: AttentionMetadata):
         n = x.shape[0]
         qkv = self.qkv_proj(x).view(n, -1, self.head_dim)
+        qk = qkv[:, :self.num_heads + self.num_kv_heads]
+        if self.q_norm is not None:
+            q, k = qk.split((self.num_heads, self.num_kv_heads), dim=1)
+            qk = torch.cat((self.q_norm(q), self.k_norm(k)), dim=1)
         # Rotate q and k heads together: one set of ops instead of two.
-        qk = apply_rotary(qkv[:, :self.num_heads + self.num_kv_heads], cos, sin)
+        qk = apply_rotary(qk, cos, sin)
         q, k = qk.split((self.num_heads, self.num_kv_heads), dim=1)
         v = qkv[:, self.num_heads + self.num_kv_heads:]
-        out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
+        out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, self.window)
         return self.o_proj(out.reshape(n, -1))
 
     def forward_fused(self, x, positions, rotary, kv_cache, meta: AttentionMetadata, ops: CpuOps):
@@ -58,10 +77,15 @@ class LlamaAttention(nn.Module):
         return self.o_proj(out.reshape(n, -1))
 
 
+_ACTIVATIONS = {"silu": nn.functional.silu,
+                "gelu_tanh": lambda x: nn.functional.gelu(x, approximate="tanh")}
+
+
 class LlamaMLP(nn.Module):
     def __init__(self, config: ModelConfig, quantization: str = "none"):
         super().__init__()
         self.intermediate_size = config.intermediate_size
+        self.act = _ACTIVATIONS[config.hidden_act]
         self.gate_up_proj = MergedLinear(config.hidden_size, {"gate": config.intermediate_size,
                                                               "up": config.intermediate_size}, bias=False,
                                          quantization=quantization)
@@ -70,19 +94,19 @@ class LlamaMLP(nn.Module):
 
     def forward(self, x):
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(nn.functional.silu(gate) * up)
+        return self.down_proj(self.act(gate) * up)
 
     def forward_fused(self, x, ops: CpuOps):
         return self.down_proj(ops.silu_mul(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, quantization: str = "none"):
+    def __init__(self, config: ModelConfig, quantization: str = "none", layer: int = 0):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = LlamaAttention(config, quantization)
+        self.self_attn = LlamaAttention(config, quantization, layer)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = LlamaMLP(config, quantization)
+        self.mlp = SparseMoeBlock(config) if config.is_moe_layer(layer) else LlamaMLP(config, quantization)
 
     def forward(self, x, cos, sin, kv_cache, meta):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta)
@@ -97,9 +121,16 @@ _FUSED = {
     "down_proj": ("mlp.down_proj", "down"),
 }
 _LAYER_NAME = re.compile(r"model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.(weight|bias)$")
+_EXPERT_NAME = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 
 
 class LlamaForCausalLM(nn.Module):
+    # checkpoint projection -> module path of a MergedLinear that takes it whole, all shards in
+    # order (Phi-3's qkv_proj and gate_up_proj); empty: every projection is stored separately
+    CHECKPOINT_FUSED: dict[str, str] = {}
+    DECODER_LAYER: type[nn.Module] = LlamaDecoderLayer
+    NORM: type[RMSNorm] = RMSNorm
+
     def __init__(self, config: ModelConfig, quantization: str = "none"):
         """`quantization`: "none" (float weights in the model dtype) or a fast mode of
         platform/quant; a fast mode's weights exist only after load_weights()."""
@@ -114,8 +145,8 @@ class LlamaForCausalLM(nn.Module):
         # The fused CPU kernels (kernels/cpu_ops.py), set by use_fused_ops(); None: the torch path.
         self.fused_ops: CpuOps | None = None
         self.decode_plan: DecodePlan | None = None
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, quantization) for _ in range(config.num_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.layers = nn.ModuleList(self.DECODER_LAYER(config, quantization, i) for i in range(config.num_layers))
+        self.norm = self.NORM(config.hidden_size, config.rms_norm_eps)
         self.rotary = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope_theta,
                                       config.rope_scaling)
         if config.tie_word_embeddings:
@@ -147,8 +178,16 @@ class LlamaForCausalLM(nn.Module):
         A step of decodes only (with or without LoRA adapters) then runs all layers in one C call
         where the model allows it (kernels/cpu_decode.py: every linear w4a8/w4a16); call after
         load_weights()."""
+        if not self.is_plain_llama_graph():
+            ops = None
         self.fused_ops = ops
         self.decode_plan = plan_for(self, ops) if self.quantization != "none" else None
+
+    def is_plain_llama_graph(self) -> bool:
+        """True when the fused CPU graph computes this model: no q/k norm, window or experts."""
+        c = self.config
+        return not (c.qk_norm or c.layer_types and "sliding_attention" in c.layer_types or c.num_experts
+                    or c.hidden_act != "silu" or self.NORM is not RMSNorm)
 
     def _forward_fused(self, x, positions, kv_caches, meta, layer_hook):
         """The same graph as forward(), with each residual add fused into the next norm:
@@ -181,7 +220,7 @@ class LlamaForCausalLM(nn.Module):
         """Copy Hugging Face-named tensors into this model; every parameter must be covered.
         Under a fast mode, then pack every linear (MergedLinear.finalize)."""
         params = dict(self.named_parameters())
-        loaded = {self._load_one(name, tensor, params) for name, tensor in weights}
+        loaded = {key for name, tensor in weights for key in self._load_one(self.own_name(name), tensor, params)}
         missing = self._expected_keys(params) - loaded
         if missing:
             raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {sorted(missing)[:4]}")
@@ -195,9 +234,17 @@ class LlamaForCausalLM(nn.Module):
                 self.lm_head.finalize(self.quantization, tied=False)
                 self.lm_head_kernel = build_head(self.quantization, self.lm_head.codes, self.lm_head.scale)
 
+    def own_name(self, name: str) -> str:
+        """A checkpoint tensor's name in this module's vocabulary (a family whose checkpoints
+        name things differently translates here)."""
+        return name
+
     def _expected_keys(self, params: dict[str, nn.Parameter]) -> set[str]:
-        keys = {name for name in params if not isinstance(self.get_submodule(name.rsplit(".", 1)[0]), MergedLinear)}
+        keys = {name for name in params
+                if not isinstance(self.get_submodule(name.rsplit(".", 1)[0]), (MergedLinear, SparseMoeBlock))}
         for name, module in self.named_modules():
+            if isinstance(module, SparseMoeBlock):
+                keys.update(module.checkpoint_keys(name))
             if isinstance(module, MergedLinear):
                 keys.update(f"{name}.weight#{shard}" for shard in module.shard_offsets)
                 if module.has_bias:
@@ -208,25 +255,39 @@ class LlamaForCausalLM(nn.Module):
             keys.add("lm_head.weight")
         return keys
 
-    def _load_one(self, name: str, tensor: torch.Tensor | RawQuant, params: dict[str, nn.Parameter]) -> str:
+    def _load_one(self, name: str, tensor: torch.Tensor | RawQuant, params: dict[str, nn.Parameter]) -> list[str]:
+        """Copy one checkpoint tensor in; returns the keys of _expected_keys it covered."""
         m = _LAYER_NAME.match(name)
+        if m and m.group(3) in self.CHECKPOINT_FUSED:
+            layer, _, proj, kind = m.groups()
+            module_path = self.CHECKPOINT_FUSED[proj]
+            module = self.layers[int(layer)].get_submodule(module_path)
+            tensor = formats.as_float(tensor)
+            for shard, (start, size) in module.shard_offsets.items():
+                module.load_weight(shard, kind, tensor[start:start + size])
+            return [f"layers.{layer}.{module_path}.{kind}#{shard}" for shard in module.shard_offsets]
         if m and m.group(3) in _FUSED:
             layer, _, proj, kind = m.groups()
             module_path, shard = _FUSED[proj]
             module = self.layers[int(layer)].get_submodule(module_path)
             module.load_weight(shard, kind, tensor)
-            return f"layers.{layer}.{module_path}.{kind}#{shard}"
+            return [f"layers.{layer}.{module_path}.{kind}#{shard}"]
+        m = _EXPERT_NAME.match(name)
+        if m:
+            layer, expert, proj = m.groups()
+            self.layers[int(layer)].mlp.load_expert(int(expert), proj, formats.as_float(tensor))
+            return [f"layers.{layer}.mlp.experts.{expert}.{proj}"]
         own = name.removeprefix("model.")
         if own == "embed_tokens.weight" and isinstance(self.embed_tokens, QuantizedEmbedding):
             self.embed_tokens.load(tensor)
-            return own
+            return [own]
         if own == "lm_head.weight" and isinstance(self.lm_head, QuantizedEmbedding):
             self.lm_head.load(tensor)
-            return own
+            return [own]
         if isinstance(tensor, RawQuant):
             tensor = tensor.dequantize()
         if own not in params:
             raise ValueError(f"unexpected checkpoint tensor {name!r}")
         assert params[own].shape == tensor.shape, f"{name}: expected {tuple(params[own].shape)}, got {tuple(tensor.shape)}"
         params[own].data.copy_(tensor)
-        return own
+        return [own]

@@ -1,6 +1,6 @@
-"""Llama and Qwen2 models from a GGUF file: ModelConfig from metadata, tensors in HF layout.
+"""Llama, Qwen2 and Gemma 3 models from a GGUF file: ModelConfig from metadata, tensors in HF layout.
 
-Config: `{arch}.*` metadata keys (arch = `general.architecture`, "llama" or "qwen2"):
+Config: `{arch}.*` metadata keys (arch = `general.architecture`, "llama", "qwen2" or "gemma3"):
 block_count, embedding_length, feed_forward_length, attention.head_count(_kv),
 attention.key_length (head_dim; default hidden / heads), attention.layer_norm_rms_epsilon,
 rope.freq_base, context_length. Vocabulary size = rows of `token_embd.weight`; tied
@@ -15,6 +15,13 @@ Tensors: GGUF names map to Hugging Face names (`blk.N.attn_q.weight` ->
 `model.layers.N.self_attn.q_proj.weight`, ...) and are dequantized to float32 one at a time
 with `gguf.quants.dequantize`. The numpy shape is the ggml shape reversed, which is already HF's
 [out_features, in_features].
+
+Gemma 3: tensor names map to its block (`ffn_norm` is the pre-feedforward norm there,
+`post_attention_norm`, `post_ffw_norm`, `attn_q_norm`, `attn_k_norm`); norm weights are stored
+as 1 + w and come out as w (HF's convention, which transformers' GGUF loader applies too).
+What llama.cpp implies rather than stores is filled in as transformers does: every 6th layer
+global, the others sliding (`attention.sliding_window`), local rope base 10 000,
+query_pre_attn_scalar 256, tanh GELU. No q/k permutation (llama.cpp runs it in NEOX mode).
 
 Q/K un-permutation: for arch "llama", llama.cpp's converter reorders the rows of q_proj and
 k_proj within each head from HF's half-split RoPE layout (pairs (j, j + d/2)) to ggml's
@@ -40,7 +47,7 @@ from splitserve.platform.quant.formats import RawQuant
 from splitserve.platform.weights.gguf_file import GGUFFile, TensorInfo
 from splitserve.platform.weights.rope_freqs import llama3_scaling_from_divisors
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "gemma3")
 SUPPORTED_TENSOR_TYPES = (Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1,
                           Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K)
 
@@ -55,6 +62,14 @@ _LAYER_NAMES = {
     "ffn_norm": "post_attention_layernorm", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+_GEMMA3_LAYER_NAMES = {
+    **_LAYER_NAMES, "ffn_norm": "pre_feedforward_layernorm", "post_attention_norm": "post_attention_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm", "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+}
+GEMMA3_GLOBAL_EVERY = 6            # layer i is global when (i + 1) % 6 == 0 (transformers' default)
+GEMMA3_LOCAL_ROPE_THETA = 10000.0
+GEMMA3_QUERY_PRE_ATTN_SCALAR = 256.0
 _LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 _ROPE_FREQS = "rope_freqs.weight"  # consumed into ModelConfig.rope_scaling, not a weight
 _EOG_KEYS = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
@@ -93,7 +108,18 @@ def config_from_gguf(file: GGUFFile, model_id: str) -> ModelConfig:
         attention_bias=arch == "qwen2",
         bos_token_id=file.metadata.get("tokenizer.ggml.bos_token_id"),
         eos_token_ids=tuple(dict.fromkeys(eog)),
+        **(_gemma3_options(file, key("block_count")) if arch == "gemma3" else {}),
     )
+
+
+def _gemma3_options(file: GGUFFile, num_layers: int) -> dict[str, Any]:
+    window = file.metadata.get("gemma3.attention.sliding_window")
+    if not window:
+        raise ConfigError(f"{file.path}: metadata key gemma3.attention.sliding_window is missing")
+    types = tuple("full_attention" if (i + 1) % GEMMA3_GLOBAL_EVERY == 0 else "sliding_attention"
+                  for i in range(num_layers))
+    return dict(sliding_window=int(window), layer_types=types, qk_norm=True, hidden_act="gelu_tanh",
+                query_pre_attn_scalar=GEMMA3_QUERY_PRE_ATTN_SCALAR, rope_local_theta=GEMMA3_LOCAL_ROPE_THETA)
 
 
 def iter_gguf_weights(path: str, config: ModelConfig, dtype: torch.dtype,
@@ -107,7 +133,7 @@ def iter_gguf_weights(path: str, config: ModelConfig, dtype: torch.dtype,
     for info in file.tensors.values():
         if info.name == _ROPE_FREQS:
             continue
-        hf_name = hf_tensor_name(info.name)
+        hf_name = hf_tensor_name(info.name, config.architecture)
         if keep_quantized and len(info.shape) == 2 and info.tensor_type not in (Q.F32, Q.F16, Q.BF16):
             _check_type(file, info)
             raw = RawQuant(info.tensor_type, np.asarray(file.raw(info.name)), tuple(info.shape))
@@ -120,19 +146,23 @@ def iter_gguf_weights(path: str, config: ModelConfig, dtype: torch.dtype,
         if config.architecture == "llama" and hf_name.endswith(("q_proj.weight", "k_proj.weight")):
             num_heads = config.num_heads if ".q_proj." in hf_name else config.num_kv_heads
             weight = unpermute_qk(weight, num_heads)
+        if config.architecture == "gemma3" and hf_name.endswith("norm.weight"):
+            weight = weight - 1.0  # stored as 1 + w
         yield hf_name, weight.to(device=device, dtype=dtype)
 
 
-def hf_tensor_name(gguf_name: str) -> str:
-    """The Hugging Face name of a llama/qwen2 GGUF tensor; UnsupportedModelError if unknown."""
+def hf_tensor_name(gguf_name: str, arch: str = "llama") -> str:
+    """The Hugging Face name of a GGUF tensor of architecture `arch`; UnsupportedModelError if unknown."""
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
+    names = _GEMMA3_LAYER_NAMES if arch == "gemma3" else _LAYER_NAMES
     match = _LAYER_TENSOR.fullmatch(gguf_name)
-    if match is None or match.group(2) not in _LAYER_NAMES:
+    if match is None or match.group(2) not in names:
         raise UnsupportedModelError(
-            f"GGUF tensor {gguf_name!r} is not part of a supported model ({', '.join(SUPPORTED_ARCHITECTURES)})")
+            f"GGUF tensor {gguf_name!r} is not part of a supported {arch} model "
+            f"(supported architectures: {', '.join(SUPPORTED_ARCHITECTURES)})")
     layer, part, kind = match.groups()
-    return f"model.layers.{layer}.{_LAYER_NAMES[part]}.{kind}"
+    return f"model.layers.{layer}.{names[part]}.{kind}"
 
 
 def dequantize_tensor(file: GGUFFile, info: TensorInfo) -> np.ndarray:

@@ -1,4 +1,4 @@
-"""Llama, Mistral and Qwen2 models from a Hugging Face folder (config.json + *.safetensors).
+"""Llama, Mistral, Mixtral, Qwen2, Qwen3, Qwen3-MoE, Phi-3 and Gemma 3 (text) models from a Hugging Face folder.
 
 Config: config.json, as written by transformers 4.x (`rope_theta` + `rope_scaling`) or 5.x
 (`rope_parameters`). `eos_token_id` from config.json and generation_config.json together
@@ -6,9 +6,13 @@ Config: config.json, as written by transformers 4.x (`rope_theta` + `rope_scalin
 types, activations other than SiLU, Llama's o_proj/MLP biases (`attention_bias` / `mlp_bias`),
 RoPE types other than default, linear and llama3.
 
-Sliding-window attention (Mistral v0.1, Qwen2 with `use_sliding_window`) is not implemented:
-`max_position_embeddings` is capped at the window, where full attention and sliding-window
-attention are identical, so results stay exact.
+Sliding-window attention (Mistral, Phi-3, Qwen2/Qwen3 with `use_sliding_window`): the
+`layer_types` transformers 5 writes, or, for older files, what transformers derives (every
+layer for Mistral and Phi-3; layers from `max_window_layers` on for Qwen). The context stays
+`max_position_embeddings`: the window is applied by the attention, never used as a cap.
+Mixtral: `num_local_experts` experts of `intermediate_size` on every layer, top-k renormalised.
+Qwen3-MoE: `num_experts`, or `num_local_experts` as transformers 5's save_pretrained writes it.
+Phi-3: rejected with a clear error when its rope is `longrope` or partial (`partial_rotary_factor`).
 
 Weights: `model.safetensors.index.json`'s weight map when present (sharded checkpoints), else
 every `*.safetensors` in the folder. Each tensor is read alone with `safe_open` and converted
@@ -30,7 +34,10 @@ from safetensors import safe_open
 from splitserve.platform.config import ModelConfig, RopeScaling
 from splitserve.platform.errors import ConfigError, UnsupportedModelError
 
-SUPPORTED_MODEL_TYPES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2"}  # model_type -> architecture
+# model_type -> architecture (ModelConfig.architecture, a family of platform/models)
+SUPPORTED_MODEL_TYPES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3",
+                         "qwen3_moe": "qwen3_moe", "phi3": "phi3", "gemma3_text": "gemma3",
+                         "mixtral": "mixtral"}
 INDEX_FILE = "model.safetensors.index.json"
 
 
@@ -51,10 +58,11 @@ def load_hf_config(folder: str, model_id: str) -> ModelConfig:
         num_heads=num_heads, num_kv_heads=raw.get("num_key_value_heads") or num_heads,
         head_dim=raw.get("head_dim") or raw["hidden_size"] // num_heads,
         rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)), rope_theta=rope_theta,
-        rope_scaling=rope_scaling, max_position_embeddings=_max_positions(raw),
+        rope_scaling=rope_scaling, max_position_embeddings=raw.get("max_position_embeddings", 2048),
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
         attention_bias=model_type == "qwen2",
         bos_token_id=raw.get("bos_token_id"), eos_token_ids=_eos_token_ids(folder, raw),
+        **_windows(raw), **_family_options(raw),
     )
 
 
@@ -96,16 +104,34 @@ def _read_json(path: str) -> dict[str, Any]:
 
 
 def _check_supported_options(folder: str, raw: dict[str, Any]) -> None:
-    if raw.get("hidden_act", "silu") != "silu":
+    if raw.get("model_type") == "gemma3_text":
+        act = raw.get("hidden_activation", "gelu_pytorch_tanh")
+        if act != "gelu_pytorch_tanh":
+            raise UnsupportedModelError(f"{folder}: hidden_activation {act!r} is not supported; supported: gelu_pytorch_tanh")
+        for cap in ("final_logit_softcapping", "attn_logit_softcapping"):
+            if raw.get(cap) is not None:
+                raise UnsupportedModelError(f"{folder}: {cap}={raw[cap]} is not supported; supported: null")
+    elif raw.get("hidden_act", "silu") != "silu":
         raise UnsupportedModelError(f"{folder}: hidden_act {raw['hidden_act']!r} is not supported; supported: 'silu'")
     for flag in ("attention_bias", "mlp_bias"):
         if raw.get("model_type") != "qwen2" and raw.get(flag):
             raise UnsupportedModelError(f"{folder}: {flag}=true is not supported for {raw['model_type']}")
+    params = _global_rope_params(raw)
+    partial = params.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))
+    if partial != 1.0:
+        raise UnsupportedModelError(
+            f"{folder}: partial_rotary_factor={partial} is not supported; supported: 1.0 (rotary over the whole head)")
+
+
+def _global_rope_params(raw: dict[str, Any]) -> dict[str, Any]:
+    """`rope_parameters`, or its "full_attention" entry where it is given per layer type (Gemma 3)."""
+    params = raw.get("rope_parameters") or {}
+    return params.get("full_attention", params)
 
 
 def _rope(folder: str, raw: dict[str, Any]) -> tuple[float, RopeScaling | None]:
     """(rope_theta, scaling) from transformers 5 `rope_parameters` or 4.x `rope_theta`/`rope_scaling`."""
-    params = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
+    params = dict(_global_rope_params(raw) or raw.get("rope_scaling") or {})
     rope_theta = float(params.get("rope_theta", raw.get("rope_theta", 10000.0)))
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type == "default":
@@ -121,14 +147,49 @@ def _rope(folder: str, raw: dict[str, Any]) -> tuple[float, RopeScaling | None]:
         f"{folder}: RoPE type {rope_type!r} is not supported; supported: default, linear, llama3")
 
 
-def _max_positions(raw: dict[str, Any]) -> int:
-    """max_position_embeddings, capped at the sliding window where one applies (see docstring)."""
-    max_positions = raw.get("max_position_embeddings", 2048)
+def _windows(raw: dict[str, Any]) -> dict[str, Any]:
+    """sliding_window and layer_types as transformers applies them (see the module docstring)."""
     window = raw.get("sliding_window")
-    uses_window = raw.get("use_sliding_window", raw.get("model_type") == "mistral")
-    if uses_window and window:
-        return min(max_positions, window)
-    return max_positions
+    num_layers = raw["num_hidden_layers"]
+    model_type = raw.get("model_type")
+    if not window:
+        return {}
+    if raw.get("layer_types"):
+        types = tuple(raw["layer_types"])
+    elif model_type in ("mistral", "phi3", "mixtral"):
+        types = ("sliding_attention",) * num_layers
+    elif raw.get("use_sliding_window"):
+        first = raw.get("max_window_layers", num_layers)
+        types = tuple("sliding_attention" if i >= first else "full_attention" for i in range(num_layers))
+    else:
+        return {}
+    if "sliding_attention" not in types:
+        return {}
+    return {"sliding_window": int(window), "layer_types": types}
+
+
+def _family_options(raw: dict[str, Any]) -> dict[str, Any]:
+    """The fields only some families have: q/k norm (Qwen3) and the experts (Qwen3-MoE)."""
+    model_type = raw.get("model_type")
+    options: dict[str, Any] = {}
+    if model_type in ("qwen3", "qwen3_moe", "gemma3_text"):
+        options["qk_norm"] = True
+    if model_type == "mixtral":  # every layer sparse, always renormalised, experts as wide as intermediate_size
+        options.update(num_experts=int(raw["num_local_experts"]), num_experts_per_tok=int(raw["num_experts_per_tok"]),
+                       moe_intermediate_size=int(raw["intermediate_size"]), norm_topk_prob=True)
+    if model_type == "gemma3_text":
+        local = (raw.get("rope_parameters") or {}).get("sliding_attention") or {}
+        options.update(hidden_act="gelu_tanh", query_pre_attn_scalar=float(raw.get("query_pre_attn_scalar", 256)),
+                       rope_local_theta=float(local.get("rope_theta", raw.get("rope_local_base_freq", 10000.0))))
+    if model_type == "qwen3_moe":
+        options.update(
+            num_experts=int(raw.get("num_experts") or raw["num_local_experts"]),
+            num_experts_per_tok=int(raw["num_experts_per_tok"]),
+            moe_intermediate_size=int(raw["moe_intermediate_size"]),
+            norm_topk_prob=bool(raw.get("norm_topk_prob", False)),
+            decoder_sparse_step=int(raw.get("decoder_sparse_step", 1)),
+            mlp_only_layers=tuple(raw.get("mlp_only_layers") or ()))
+    return options
 
 
 def _eos_token_ids(folder: str, raw: dict[str, Any]) -> tuple[int, ...]:

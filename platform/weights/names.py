@@ -17,26 +17,58 @@ from splitserve.platform.errors import ConfigError, UnsupportedModelError
 
 
 def layer_weight_shapes(config: ModelConfig, layer: int) -> dict[str, tuple[int, ...]]:
-    """Name -> shape of the tensors of decoder layer `layer`."""
+    """Name -> shape of the tensors of decoder layer `layer`, as the family's checkpoints name them."""
     prefix = f"model.layers.{layer}."
+    shapes = {"input_layernorm.weight": (config.hidden_size,), **_attention_shapes(config),
+              "post_attention_layernorm.weight": (config.hidden_size,), **_mlp_shapes(config, layer)}
+    if config.architecture == "gemma3":  # norms before and after the MLP too
+        shapes["pre_feedforward_layernorm.weight"] = (config.hidden_size,)
+        shapes["post_feedforward_layernorm.weight"] = (config.hidden_size,)
+    return {prefix + name: shape for name, shape in shapes.items()}
+
+
+def _attention_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     q_size = config.num_heads * config.head_dim
     kv_size = config.num_kv_heads * config.head_dim
-    shapes = {
-        "input_layernorm.weight": (config.hidden_size,),
-        "self_attn.q_proj.weight": (q_size, config.hidden_size),
-        "self_attn.k_proj.weight": (kv_size, config.hidden_size),
-        "self_attn.v_proj.weight": (kv_size, config.hidden_size),
-        "self_attn.o_proj.weight": (config.hidden_size, q_size),
-        "post_attention_layernorm.weight": (config.hidden_size,),
-        "mlp.gate_proj.weight": (config.intermediate_size, config.hidden_size),
-        "mlp.up_proj.weight": (config.intermediate_size, config.hidden_size),
-        "mlp.down_proj.weight": (config.hidden_size, config.intermediate_size),
-    }
+    if config.architecture == "phi3":  # Phi-3 stores q|k|v as one matrix
+        shapes = {"self_attn.qkv_proj.weight": (q_size + 2 * kv_size, config.hidden_size)}
+    else:
+        shapes = {"self_attn.q_proj.weight": (q_size, config.hidden_size),
+                  "self_attn.k_proj.weight": (kv_size, config.hidden_size),
+                  "self_attn.v_proj.weight": (kv_size, config.hidden_size)}
+    shapes["self_attn.o_proj.weight"] = (config.hidden_size, q_size)
     if config.attention_bias:
         shapes["self_attn.q_proj.bias"] = (q_size,)
         shapes["self_attn.k_proj.bias"] = (kv_size,)
         shapes["self_attn.v_proj.bias"] = (kv_size,)
-    return {prefix + name: shape for name, shape in shapes.items()}
+    if config.qk_norm:
+        shapes["self_attn.q_norm.weight"] = (config.head_dim,)
+        shapes["self_attn.k_norm.weight"] = (config.head_dim,)
+    return shapes
+
+
+def _mlp_shapes(config: ModelConfig, layer: int) -> dict[str, tuple[int, ...]]:
+    hidden = config.hidden_size
+    if config.is_moe_layer(layer):
+        inter = config.moe_intermediate_size
+        if config.architecture == "mixtral":  # Mixtral's names: w1 gate, w3 up, w2 down
+            shapes = {"block_sparse_moe.gate.weight": (config.num_experts, hidden)}
+            for e in range(config.num_experts):
+                shapes[f"block_sparse_moe.experts.{e}.w1.weight"] = (inter, hidden)
+                shapes[f"block_sparse_moe.experts.{e}.w3.weight"] = (inter, hidden)
+                shapes[f"block_sparse_moe.experts.{e}.w2.weight"] = (hidden, inter)
+            return shapes
+        shapes = {"mlp.gate.weight": (config.num_experts, hidden)}
+        for e in range(config.num_experts):
+            shapes[f"mlp.experts.{e}.gate_proj.weight"] = (inter, hidden)
+            shapes[f"mlp.experts.{e}.up_proj.weight"] = (inter, hidden)
+            shapes[f"mlp.experts.{e}.down_proj.weight"] = (hidden, inter)
+        return shapes
+    inter = config.intermediate_size
+    if config.architecture == "phi3":  # Phi-3 stores gate|up as one matrix
+        return {"mlp.gate_up_proj.weight": (2 * inter, hidden), "mlp.down_proj.weight": (hidden, inter)}
+    return {"mlp.gate_proj.weight": (inter, hidden), "mlp.up_proj.weight": (inter, hidden),
+            "mlp.down_proj.weight": (hidden, inter)}
 
 
 def expected_weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:

