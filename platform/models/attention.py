@@ -53,6 +53,9 @@ class AttentionMetadata:
     # The Triton kernels' view of the same step; None until the first CUDA layer derives it
     # (build_triton_metadata), after which every other layer of the step reuses it.
     triton: TritonAttentionMetadata | None = None
+    # Context splits of the Triton decode kernel (kernels/triton_split_decode.py), fixed by the
+    # runner per batch shape; 1 is the single-pass kernel. The torch paths ignore it.
+    decode_num_splits: int = 1
 
 
 @dataclass
@@ -69,6 +72,9 @@ class TritonAttentionMetadata:
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
     """Scatter new K/V ([T, kv_heads, dim]) into the paged caches ([blocks, block_size, kv_heads, dim])."""
+    if slot_mapping.numel() and not slot_mapping.is_cuda and int(slot_mapping[-1]) < 0:
+        real = int((slot_mapping >= 0).sum())          # graph padding (slot -1) sits at the end
+        k, v, slot_mapping = k[:real], v[:real], slot_mapping[:real]
     k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
     v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
 
@@ -183,7 +189,8 @@ def query_rows(meta: AttentionMetadata, block_size: int) -> tuple[torch.Tensor, 
 def _paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """The Triton path of paged_attention, K/V already written; fills meta.triton on first use."""
-    from splitserve.platform.kernels.triton_attention import paged_decode_attention, paged_prefill_attention
+    from splitserve.platform.kernels.triton_attention import paged_prefill_attention
+    from splitserve.platform.kernels.triton_split_decode import split_decode_attention
 
     if meta.triton is None:
         meta.triton = build_triton_metadata(meta, k_cache.shape[1])
@@ -191,8 +198,8 @@ def _paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     out = torch.empty_like(q)
     nd = meta.num_decodes
     if nd:
-        paged_decode_attention(q[:nd], k_cache, v_cache, meta.decode_block_table, tm.decode_context_lens,
-                               scale, out=out[:nd])
+        split_decode_attention(q[:nd], k_cache, v_cache, meta.decode_block_table, tm.decode_context_lens,
+                               scale, meta.decode_num_splits, out=out[:nd])
     if meta.prefills:
         paged_prefill_attention(q[nd:], k_cache, v_cache, tm.cu_q_lens, tm.start_pos, tm.prefill_block_tables,
                                 scale, max_q_len=tm.max_q_len, out=out[nd:])
