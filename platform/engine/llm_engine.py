@@ -24,6 +24,7 @@ from splitserve.platform.config import EngineConfig, ModelConfig, resolve_kv_cac
 from splitserve.platform.engine.kv_connector import KVExport, KVReady, export_layer, import_layer
 from splitserve.platform.engine.output_processor import OutputProcessor
 from splitserve.platform.engine.outputs import RequestOutput, TokenLogprob
+from splitserve.platform.engine.cuda_graphs import decode_graph_bytes, uses_decode_graphs
 from splitserve.platform.engine.runner import ModelRunner
 from splitserve.platform.errors import ConfigError, InvalidRequestError
 from splitserve.platform.hashing import BlockHasher, lora_extra_keys
@@ -99,7 +100,10 @@ class LLMEngine:
         self.max_model_len = min(config.scheduler.max_model_len or self.model_config.max_position_embeddings,
                                  self.model_config.max_position_embeddings)
         block_size = config.cache.block_size
-        num_blocks = plan_num_blocks(config.cache, self.model_config, self.kv_dtype, self.max_model_len, self.device)
+        eager = config.device.enforce_eager
+        num_blocks = plan_num_blocks(config.cache, self.model_config, self.kv_dtype, self.max_model_len, self.device,
+                                     graph_bytes=decode_graph_bytes(eager, self.device, self.model_config,
+                                                                    config.scheduler.max_num_seqs, self.dtype))
         self.pool = BlockPool(num_blocks, enable_caching=config.cache.enable_prefix_caching)
         self.kv = KVCacheManager(self.pool, block_size)
         self.hasher = BlockHasher(self.model_config.model_id, block_size)
@@ -110,6 +114,8 @@ class LLMEngine:
         self.loras.load_modules()
         self._req_loras: dict[str, LoraAdapter] = {}
         self.runner = ModelRunner(self.model, kv_caches, block_size, self.device, lora_context)
+        if uses_decode_graphs(eager, self.device):
+            self.runner.enable_decode_graphs(config.scheduler.max_num_seqs, self.max_model_len, capture=True)
         self.outputs = OutputProcessor(self.tokenizer)
         self._generators: dict[str, torch.Generator | None] = {}
         self._aborted: list[RequestOutput] = []

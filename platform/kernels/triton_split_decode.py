@@ -15,7 +15,8 @@ into NUM_SPLITS pieces and each piece is one program, (sequence, kv head, split)
    out = sum_s w_s o_s / sum_s w_s, cast to q's dtype. A row whose splits are all empty (a
    padded graph row with no context) comes out as zeros, never NaN.
 
-The split count is a constexpr chosen once per batch shape by `choose_num_splits`, a pure
+The split count is a constexpr chosen once per batch shape by `choose_num_splits` (in
+kernels/dispatch.py, which imports no triton, so the runner can use it anywhere), a pure
 function of (batch, kv heads, SM count, the longest context the shape may hold): it depends on no
 tensor value, so a CUDA graph captured for a batch-size bucket keeps one fixed count and stays
 valid whatever the real context lengths are (vLLM fixes its split count under graphs for the same
@@ -33,21 +34,9 @@ import torch
 import triton
 import triton.language as tl
 
+from splitserve.platform.kernels.dispatch import MAX_SPLITS, choose_num_splits  # noqa: F401 (re-exported)
 from splitserve.platform.kernels.triton_attention import (LOG2E, MIN_DOT, _check, _online_softmax_step, _pad,
                                                           _precision, paged_decode_attention)
-
-MAX_SPLITS = 16
-MIN_SPLIT_TOKENS = 256
-PROGRAMS_PER_SM = 2
-
-
-def choose_num_splits(batch: int, num_kv_heads: int, num_sms: int, max_context: int) -> int:
-    """Context splits for a decode batch shape; 1 means the single-pass kernel. Pure (see module doc)."""
-    programs = batch * num_kv_heads
-    if programs >= num_sms or max_context <= MIN_SPLIT_TOKENS:
-        return 1
-    wanted = -(-PROGRAMS_PER_SM * num_sms // programs)
-    return max(1, min(wanted, MAX_SPLITS, max_context // MIN_SPLIT_TOKENS))
 
 
 @triton.jit

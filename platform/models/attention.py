@@ -160,6 +160,8 @@ def paged_attention_fused(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_c
     whether its prompt is computed in one chunk or several, after a prefix-cache hit, or beside
     any batch-mates (SDPA's blocking would differ with the chunk's shape; with a float16 cache an
     ulp of difference upstream can round a K element differently, and greedy ties then flip)."""
+    if getattr(ops, "attends_paged", False):          # kernels/triton_ops.TritonOps on CUDA
+        return ops.paged_attention(q, k_cache, v_cache, meta, scale)
     if meta.prefills:
         if meta.rows is None:
             meta.rows = query_rows(meta, k_cache.shape[1])
