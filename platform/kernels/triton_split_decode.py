@@ -55,7 +55,7 @@ def _partial_kernel(q_ptr, k_ptr, v_ptr, po_ptr, plse_ptr, table_ptr, ctx_ptr, s
     row_dim_mask = row_ok[:, None] & (dims < HEAD_DIM)[None, :]
     heads = kv_head * GROUP + rows
     q = tl.load(q_ptr + seq * stride_qb + heads[:, None] * stride_qh + dims[None, :], mask=row_dim_mask, other=0.0)
-    context_len = tl.load(ctx_ptr + seq)
+    context_len = tl.load(ctx_ptr + seq).to(tl.int32)   # int32 or int64 lengths
     split_len = tl.cdiv(tl.cdiv(context_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
     begin = split * split_len
     end = tl.minimum(begin + split_len, context_len)

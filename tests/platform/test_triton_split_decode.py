@@ -67,13 +67,14 @@ def test_split_decode_matches_reference(dtype, num_heads, num_kv_heads, num_spli
 
 
 def test_a_row_without_context_comes_out_zero():
-    """A padded graph row (context length 0): every split is empty, the reduce writes zeros, not NaN."""
+    """A row with context length 0: every split is empty, the reduce writes zeros, not NaN. The
+    lengths are int64 here, as the CUDA-graph buffers hold them (the runner's are int32)."""
     gen = _gen("empty")
     k_cache, v_cache = (torch.randn(4, 8, 2, 16, generator=gen) for _ in range(2))
     q = torch.randn(2, 4, 16, generator=gen)
     table = torch.tensor([[0, 1], [2, 3]])
     out = split_decode_attention(*(t.to(DEVICE) for t in (q, k_cache, v_cache, table)),
-                                 torch.tensor([0, 9], dtype=torch.int32, device=DEVICE), 0.25, 4, block_n=16)
+                                 torch.tensor([0, 9], dtype=torch.int64, device=DEVICE), 0.25, 4, block_n=16)
     assert out[0].abs().max().item() == 0.0 and not out.isnan().any()
 
 
