@@ -1,4 +1,4 @@
-"""GPU roofline benchmark (issue 8, `make bench-gpu`): the engine on CUDA against the hardware limit.
+"""GPU roofline benchmark (issue 8, issue 30; `make bench-gpu`): the engine on CUDA against the hardware limit.
 
 One run on one GPU, no network: `random:llama-3-8b` in bf16 (random weights of the real shapes).
 
@@ -6,18 +6,40 @@ One run on one GPU, no network: `random:llama-3-8b` in bf16 (random weights of t
    copy (bytes read + bytes written over time) and the bf16 matmul rate from a large square
    matmul (2 n^3 FLOPs over time).
 2. Kernel check: the Triton paged-attention kernels against the torch reference on the GPU
-   (decode and prefill with prefixes, fp32 and bf16), before anything is timed.
-3. Decode: B requests with CONTEXT-token prompts are prefilled, then engine.step() is timed over
-   DECODE_STEPS pure-decode steps (wall time, what a user waits per token). Floor: the bytes a
-   step must read from HBM (every weight matrix once, the B gathered embedding rows, the K and V
-   of every context token of every layer) over the measured bandwidth. The input embedding
+   (decode single-pass and split-context, prefill with prefixes, fp32 and bf16), before
+   anything is timed.
+3. Decode, what a user waits for per token: B requests with CONTEXT-token prompts are prefilled,
+   then each engine.step() of pure decode is timed from a synchronised start to its return. A
+   step returns only after its sampled tokens are on the host (the sampler's one device-to-host
+   copy waits for the GPU), so this wall time is the interval between two tokens of a stream,
+   scheduling, input preparation, the forward, sampling and output processing included. Both
+   arms run on the same engine in the same run: CUDA graphs on (the graphs captured at start-up)
+   and off (the runner's graphs detached: everything eager, as --enforce-eager). Floor: the bytes
+   a step must read from HBM (every weight matrix once, the B gathered embedding rows, the K and
+   V of every context token of every layer) over the measured bandwidth. The input embedding
    table is not read whole (only B rows), so it is not counted; the LM head is.
-4. Prefill: one prompt of N tokens, the step that prefills it and samples its first token.
+4. Where the time goes: a few more decode steps of each arm under torch.profiler: CUDA kernels
+   launched per step, the GPU-busy time per step (union of the kernels' intervals) and its
+   share of the step's wall time; the rest is the host (Python, launches, the copy back).
+5. Prefill: one prompt of N tokens, the step that prefills it and samples its first token.
    Floor: its FLOPs (2 x matmul weights x N, the one sampled LM-head row, causal attention
    QK^T and PV) over the measured matmul rate. Achieved fraction = floor / time.
-5. Baseline: the same shapes through transformers' LlamaForCausalLM.generate at batch 64 with the
+6. Baseline: the same shapes through transformers' LlamaForCausalLM.generate at batch 64 with the
    same prompt length; its decode throughput is B (n - 1) over the time from the first to the last
    of its n generation steps, stamped inside the one generate call.
+
+Why two earlier harnesses disagreed at batch 1 (24.8 ms here, 14.9 ms timing engine.step() with one
+synchronisation per step): reading both, they time the same call, engine.step(), and both end at
+the sampler's copy to the host, so neither measures a different thing; what differs is the engine
+they time. This script built its engine for its largest shapes (max_num_seqs 128,
+max_num_batched_tokens 8192, max_model_len 8256, a KV pool for 128 x 1k tokens) and timed batch
+1 first, right after the kernel check had compiled other specialisations; the other timed a
+default-sized engine. In the eager engine a step is host-bound (854 launches, GPU busy 7.9 of
+14.9 ms), so anything that adds host work per launch or per step shows up in full, and nothing on
+the GPU explains 10 ms. The code does not show which per-step cost grew with the bigger engine;
+rather than guess, this script now reports, for one engine in one process, the wall time per step
+next to the profiler's GPU-busy time and kernel count, so a host-side difference is visible as
+host time in the same table, and with graphs the host's share per step is one replay.
 
 Results go to docs/benchmarks.md between the gpu-roofline markers, and as JSON on stdout.
 `--smoke` runs every phase on CPU with `random:tiny` and tiny sizes, to check the script itself.
@@ -47,7 +69,10 @@ from splitserve.platform.weights.names import layer_weight_shapes
 MARK_BEGIN = "<!-- gpu-roofline:begin -->"
 MARK_END = "<!-- gpu-roofline:end -->"
 COMMAND = "make bench-gpu  # = python bench/gpu_roofline.py --write docs/benchmarks.md"
-TARGETS = dict(decode_batch1_max_ratio=1.3, prefill_2k_min_fraction=0.5, hf_min_speedup=3.0)
+# issue 30's acceptance: decode at batch 1 and 64 against the HBM floor, prefill against the matmul rate
+TARGETS = dict(decode_batch1_max_ratio=1.25, decode_batch64_max_ratio=1.6, prefill_2k_min_fraction=0.65,
+               hf_min_speedup=3.0)
+PROFILE_STEPS = 5
 
 
 @dataclass(frozen=True)
@@ -193,6 +218,9 @@ def check_kernels(device: torch.device) -> dict:
         ref = decode_attention(q.float(), gather_kv(k_cache.float(), table), gather_kv(v_cache.float(), table),
                                dim ** -0.5, mask)
         errors[f"decode_{dtype}"] = _rel_error(out, ref)
+        from splitserve.platform.kernels.triton_split_decode import split_decode_attention
+        out = split_decode_attention(q, k_cache, v_cache, table, ctx, dim ** -0.5, 8)
+        errors[f"split_decode_{dtype}"] = _rel_error(out, ref)
         q_lens, starts = [700, 1, 300], [0, 999, 513]
         cu = torch.tensor([0, *q_lens], device=device).cumsum(0).to(torch.int32)
         q = torch.randn(sum(q_lens), heads, dim, device=device, generator=gen).to(dtype)
@@ -234,9 +262,11 @@ def random_prompts(vocab: int, count: int, length: int, rng: random.Random) -> l
 
 
 def measure_decode(engine, batch: int, sizes: Sizes, rng: random.Random) -> dict:
-    """Median wall seconds of a pure-decode step at `batch`, after prefilling every prompt, and
-    the mean number of keys a sequence attends to over the timed steps (prompts prefilled
-    early decode while the others prefill, so contexts differ by a few tokens)."""
+    """Per arm (graphs on, when the engine captured them, and off): the median wall seconds of a
+    pure-decode step at `batch` from a synchronised start (what a user waits per token), and the
+    profiler's view of PROFILE_STEPS more steps; plus the mean number of keys a sequence attends
+    to over the timed steps (prompts prefilled early decode while the others prefill, so
+    contexts differ by a few tokens). The arms run on the same requests, one after the other."""
     from splitserve.platform.sampling.params import SamplingParams
 
     params = SamplingParams(temperature=0, max_tokens=100_000, ignore_eos=True)   # aborted below
@@ -246,20 +276,61 @@ def measure_decode(engine, batch: int, sizes: Sizes, rng: random.Random) -> dict
     started: set[str] = set()
     while len(started) < batch:                            # prefill (chunked) until all decode
         started.update(o.req_id for o in engine.step() if o.num_output_tokens)
-    engine.step()                                          # warm-up decode step
-    times, keys = [], []
-    for _ in range(sizes.decode_steps):
-        t = time.perf_counter()
-        outs = engine.step()
-        times.append(time.perf_counter() - t)
-        assert len(outs) == batch and all(len(o.new_token_ids) == 1 for o in outs), "a step was not pure decode"
-        # the step's input is the previous last token: it attends to prompt + outputs - 1 keys
-        keys += [o.num_prompt_tokens + o.num_output_tokens - 1 for o in outs]
+    graphs = engine.runner.graphs
+    arms = {"graphs": graphs, "eager": None} if graphs is not None else {"eager": None}
+    result, keys = dict(batch=batch), []
+    try:
+        for arm, runner_graphs in arms.items():
+            engine.runner.graphs = runner_graphs
+            engine.step()                                  # warm-up decode step
+            times = []
+            for _ in range(sizes.decode_steps):
+                sync(engine.device)
+                t = time.perf_counter()
+                outs = engine.step()
+                times.append(time.perf_counter() - t)
+                assert len(outs) == batch and all(len(o.new_token_ids) == 1 for o in outs), "a step was not pure decode"
+                # the step's input is the previous last token: it attends to prompt + outputs - 1 keys
+                keys += [o.num_prompt_tokens + o.num_output_tokens - 1 for o in outs]
+            result[arm] = dict(step_s=statistics.median(times), **profile_steps(engine, PROFILE_STEPS))
+    finally:
+        engine.runner.graphs = graphs
     for req_id in ids:
         engine.abort(req_id)
     while engine.has_unfinished_requests():
         engine.step()
-    return dict(batch=batch, context=statistics.mean(keys), step_s=statistics.median(times))
+    result["context"] = statistics.mean(keys)
+    result["step_s"] = min(result[arm]["step_s"] for arm in arms)
+    return result
+
+
+def profile_steps(engine, steps: int) -> dict:
+    """CUDA kernels launched per step, GPU-busy seconds per step (the union of the kernels'
+    intervals) and their share of the wall time, over `steps` engine steps under torch.profiler.
+    On a CPU (smoke runs) only the wall time is known."""
+    from torch.profiler import ProfilerActivity, profile
+
+    on_cuda = engine.device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_cuda else [])
+    sync(engine.device)
+    with profile(activities=activities) as prof:
+        t = time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+        sync(engine.device)
+        wall = (time.perf_counter() - t) / steps
+    if not on_cuda:
+        return dict(profiled_step_s=wall, kernels_per_step=None, gpu_busy_s=None, gpu_busy_share=None)
+    intervals = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
+                       if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start)
+    busy_us, reach = 0.0, float("-inf")
+    for begin, end in intervals:                           # union of intervals, in microseconds
+        if end > reach:
+            busy_us += end - max(begin, reach)
+            reach = end
+    busy = busy_us * 1e-6 / steps
+    return dict(profiled_step_s=wall, kernels_per_step=len(intervals) / steps, gpu_busy_s=busy,
+                gpu_busy_share=busy / wall)
 
 
 def measure_prefill(engine, num_tokens: int, sizes: Sizes, rng: random.Random) -> float:
@@ -353,9 +424,14 @@ def run(sizes: Sizes) -> dict:
 
 
 def decode_row(cfg: ModelConfig, m: dict, dtype: str, bandwidth: float) -> dict:
+    """The measured arms with their floor ratio and tokens/s; the row's own step is the faster arm's."""
     work = decode_step_bytes(cfg, m["batch"], m["context"], dtype)
     floor = floor_seconds(work, bandwidth)
-    return dict(m, bytes_per_step=work, floor_s=floor, ratio=m["step_s"] / floor, tok_s=m["batch"] / m["step_s"])
+    row = dict(m, bytes_per_step=work, floor_s=floor, ratio=m["step_s"] / floor, tok_s=m["batch"] / m["step_s"])
+    for arm in ("graphs", "eager"):
+        if arm in m:
+            row[arm] = dict(m[arm], ratio=m[arm]["step_s"] / floor, tok_s=m["batch"] / m[arm]["step_s"])
+    return row
 
 
 def prefill_row(cfg: ModelConfig, num_tokens: int, seconds: float, matmul_rate: float) -> dict:
@@ -367,9 +443,11 @@ def prefill_row(cfg: ModelConfig, num_tokens: int, seconds: float, matmul_rate: 
 
 def acceptance(result: dict) -> dict:
     batch1 = next((r for r in result["decode"] if r["batch"] == 1), None)
+    batch64 = next((r for r in result["decode"] if r["batch"] == 64), None)
     prefill_2k = next((r for r in result["prefill"] if r["tokens"] == 2048), None)
     return dict(
         decode_batch1_ratio_ok=None if batch1 is None else batch1["ratio"] <= TARGETS["decode_batch1_max_ratio"],
+        decode_batch64_ratio_ok=None if batch64 is None else batch64["ratio"] <= TARGETS["decode_batch64_max_ratio"],
         prefill_2k_fraction_ok=None if prefill_2k is None
         else prefill_2k["fraction"] >= TARGETS["prefill_2k_min_fraction"],
         hf_speedup_ok=result["baseline"]["speedup"] >= TARGETS["hf_min_speedup"])
@@ -412,10 +490,12 @@ def render(r: dict, command: str) -> str:
         f"Measured peaks: HBM {peaks['hbm_bytes_per_s'] / 1e9:.0f} GB/s (device-to-device copy), "
         f"bf16 matmul {peaks['matmul_flop_per_s'] / 1e12:.1f} TFLOP/s "
         f"({r['sizes']['matmul_n']}³). Kernel check (max rel. error vs torch): {_fmt_check(r['kernel_check'])}.", "",
-        "| decode batch | context | step (ms) | HBM floor (ms) | step / floor | tok/s |",
-        "|---|---|---|---|---|---|"]
-    lines += [f"| {d['batch']} | {d['context']:.0f} | {d['step_s'] * 1e3:.2f} | {d['floor_s'] * 1e3:.2f} "
-              f"| {d['ratio']:.2f}× | {d['tok_s']:.0f} |" for d in r["decode"]]
+        "Decode: wall time per step from a synchronised start, i.e. the wait between two tokens; kernels "
+        "and GPU-busy time from torch.profiler over the same engine's next steps.", "",
+        "| decode batch | arm | context | step (ms) | HBM floor (ms) | step / floor | tok/s | kernels / step "
+        "| GPU busy (ms) | busy share |",
+        "|---|---|---|---|---|---|---|---|---|---|"]
+    lines += [_decode_line(d, arm) for d in r["decode"] for arm in ("graphs", "eager") if arm in d]
     lines += ["", "| prefill tokens | step (ms) | tok/s | matmul floor (ms) | share of matmul rate |",
               "|---|---|---|---|---|"]
     lines += [f"| {p['tokens']} | {p['step_s'] * 1e3:.1f} | {p['tok_s']:.0f} | {p['floor_s'] * 1e3:.1f} "
@@ -423,10 +503,20 @@ def render(r: dict, command: str) -> str:
     lines += ["", f"Decode at batch {base['batch']}: splitserve {base['ours_tok_s']:.0f} tok/s, transformers "
               f"`generate` {base['hf_tok_s']:.0f} tok/s: {base['speedup']:.2f}×.", "",
               f"Targets: batch-1 decode ≤ {TARGETS['decode_batch1_max_ratio']}× floor "
-              f"{ok[acc['decode_batch1_ratio_ok']]}; 2k prefill ≥ {TARGETS['prefill_2k_min_fraction']:.0%} of the "
+              f"{ok[acc['decode_batch1_ratio_ok']]}; batch-64 decode ≤ {TARGETS['decode_batch64_max_ratio']}× floor "
+              f"{ok[acc['decode_batch64_ratio_ok']]}; 2k prefill ≥ {TARGETS['prefill_2k_min_fraction']:.0%} of the "
               f"matmul rate {ok[acc['prefill_2k_fraction_ok']]}; batch-{base['batch']} decode ≥ {TARGETS['hf_min_speedup']}× "
               f"transformers {ok[acc['hf_speedup_ok']]}.", "", MARK_END]
     return "\n".join(lines)
+
+
+def _decode_line(d: dict, arm: str) -> str:
+    a = d[arm]
+    kernels = "–" if a["kernels_per_step"] is None else f"{a['kernels_per_step']:.0f}"
+    busy = "–" if a["gpu_busy_s"] is None else f"{a['gpu_busy_s'] * 1e3:.2f}"
+    share = "–" if a["gpu_busy_share"] is None else f"{a['gpu_busy_share']:.0%}"
+    return (f"| {d['batch']} | {arm} | {d['context']:.0f} | {a['step_s'] * 1e3:.2f} | {d['floor_s'] * 1e3:.2f} "
+            f"| {a['ratio']:.2f}× | {a['tok_s']:.0f} | {kernels} | {busy} | {share} |")
 
 
 def _fmt_check(check) -> str:

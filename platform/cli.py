@@ -37,6 +37,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="the KV cache's precision: auto (default: float16 where a fast --quantization mode serves "
                         "the weights on a CPU, else --dtype), or float32, float16, bfloat16")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="CUDA: no CUDA graphs, every step eager (default: decode steps replay graphs captured at start)")
     p.add_argument("--kv-cache-memory", type=float, default=0.5, metavar="GIB",
                    help="memory for the KV cache in GiB (default 0.5)")
     p.add_argument("--block-size", type=int, default=16)
@@ -81,7 +83,8 @@ def engine_config(args):
                                   max_model_len=args.max_model_len, enable_chunked_prefill=not args.no_chunked_prefill,
                                   share_prefix_in_flight=not args.no_share_prefix_in_flight),
         device=DeviceConfig(device=args.device, dtype=args.dtype, num_threads=args.threads,
-                            quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype),
+                            quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
+                            enforce_eager=getattr(args, "enforce_eager", False)),
         lora=LoraConfig(max_loras=args.max_loras, max_lora_rank=args.max_lora_rank, max_cpu_loras=args.max_cpu_loras,
                         modules=tuple(parse_lora_modules(args.lora_modules))),
         speculative=getattr(args, "speculative_config", None),

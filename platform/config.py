@@ -201,6 +201,8 @@ class DeviceConfig:
     serves the weights (half the bytes each decode step reads, twice the blocks per GiB; llama.cpp's
     default too) and in `dtype` otherwise, so "none" stays the float32 reference; or one of
     SUPPORTED_DTYPES. On CUDA the cache takes the model dtype.
+    `enforce_eager` (vLLM's --enforce-eager): on CUDA, run every step eagerly instead of replaying
+    decode steps from CUDA graphs captured at start-up (engine/cuda_graphs.py); no effect on a CPU.
     """
 
     device: str = "cpu"
@@ -208,8 +210,11 @@ class DeviceConfig:
     num_threads: int = 0
     quantization: str = "none"
     kv_cache_dtype: str = "auto"
+    enforce_eager: bool = False
 
     def __post_init__(self) -> None:
+        if not isinstance(self.enforce_eager, bool):
+            raise ConfigError(f"enforce_eager must be true or false, got {self.enforce_eager!r}")
         if self.quantization not in QUANTIZATION_MODES:
             raise ConfigError(f"quantization {self.quantization!r} is not supported; "
                               f"allowed: {', '.join(QUANTIZATION_MODES)}")

@@ -32,6 +32,7 @@ from splitserve.platform.engine.model_loader import DTYPES, load_model
 from splitserve.platform.engine.output_processor import OutputProcessor
 from splitserve.platform.engine.outputs import RequestOutput, TokenLogprob
 from splitserve.platform.engine.request_state import RequestState
+from splitserve.platform.engine.cuda_graphs import decode_graph_bytes, uses_decode_graphs
 from splitserve.platform.engine.runner import ModelRunner
 from splitserve.platform.errors import InvalidRequestError
 from splitserve.platform.hashing import BlockHasher, lora_extra_keys
@@ -79,7 +80,10 @@ class LLMEngine:
         self.max_model_len = min(config.scheduler.max_model_len or self.model_config.max_position_embeddings,
                                  self.model_config.max_position_embeddings)
         block_size = config.cache.block_size
-        num_blocks = plan_num_blocks(config.cache, self.model_config, self.kv_dtype, self.max_model_len, self.device)
+        eager = config.device.enforce_eager
+        num_blocks = plan_num_blocks(config.cache, self.model_config, self.kv_dtype, self.max_model_len, self.device,
+                                     graph_bytes=decode_graph_bytes(eager, self.device, self.model_config,
+                                                                    config.scheduler.max_num_seqs, self.dtype))
         self.pool = BlockPool(num_blocks, enable_caching=config.cache.enable_prefix_caching)
         self.kv = KVCacheManager(self.pool, block_size)
         self.hasher = BlockHasher(self.model_config.model_id, block_size)
@@ -89,6 +93,8 @@ class LLMEngine:
         self.loras = LoraRegistry(config.lora, layout, self.dtype)
         self.loras.load_modules()
         self.runner = ModelRunner(self.model, kv_caches, block_size, self.device, lora_context)
+        if uses_decode_graphs(eager, self.device):
+            self.runner.enable_decode_graphs(config.scheduler.max_num_seqs, self.max_model_len, capture=True)
         self.kv_connector = KVConnector(kv_caches, self.kv, block_size, self.device)
         self.inputs = InputProcessor(config.model, self.model_config, self.tokenizer, self.max_model_len, self.hasher,
                                      self.eos_token_ids, self.loras, self.kv_connector, self.device,

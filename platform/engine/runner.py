@@ -5,6 +5,11 @@ It owns the model, the KV cache tensors and the sampler, and touches no schedule
 
 With LoRA adapters in the step (`loras`: req_id -> adapter), each row's adapter is published
 on the model's LoraContext for this one forward (platform/lora/batch.py).
+
+On CUDA with triton the model runs its per-layer ops as Triton kernels (kernels/triton_ops.py)
+and decode attention splits the context by `choose_num_splits`. With decode graphs enabled
+(`enable_decode_graphs`, engine/cuda_graphs.py) a step of plain decodes runs through the graphs'
+static buffers, replayed on CUDA; every other step runs eagerly here.
 """
 
 from __future__ import annotations
@@ -14,6 +19,8 @@ from dataclasses import replace
 
 import torch
 
+from splitserve.platform.engine.cuda_graphs import DecodeGraphs
+from splitserve.platform.kernels.dispatch import choose_num_splits, triton_available
 from splitserve.platform.lora.adapter import LoraAdapter
 from splitserve.platform.lora.batch import LoraContext
 from splitserve.platform.models.attention import AttentionMetadata, PrefillChunk
@@ -31,12 +38,31 @@ class ModelRunner:
         self.block_size = block_size
         self.device = device
         self.sampler = Sampler()
+        self.graphs: DecodeGraphs | None = None
+        self._num_sms = 0
+        if model is not None and triton_available(device) and hasattr(model, "use_fused_ops"):
+            from splitserve.platform.kernels.triton_ops import TritonOps
+
+            if model.fused_ops is None:
+                model.use_fused_ops(TritonOps())
+            self._num_sms = torch.cuda.get_device_properties(device).multi_processor_count
+
+    def enable_decode_graphs(self, max_num_seqs: int, max_model_len: int, capture: bool) -> DecodeGraphs:
+        """Run plain decode steps through static buffers per batch bucket (engine/cuda_graphs.py);
+        `capture`: record the CUDA graphs now (CUDA only), else the buffers run eagerly."""
+        self.graphs = DecodeGraphs(self.model, self.kv_caches, self.block_size, self.device, max_num_seqs,
+                                   max_model_len)
+        if capture:
+            self.graphs.capture()
+        return self.graphs
 
     @torch.inference_mode()
     def execute(self, plan: SchedulerPlan, rows: dict[str, SamplingRow], eos_token_ids: Collection[int],
                 layer_hook: Callable[[int], None] | None = None,
                 loras: dict[str, LoraAdapter] | None = None) -> StepResult:
         seqs = _decodes_first(plan.seqs)
+        if self.graphs is not None and not loras and layer_hook is None and self.graphs.can_run(seqs, rows):
+            return self._sample(self.graphs.run(seqs), seqs, rows, eos_token_ids)
         input_ids, positions, meta, sample_idx = self._prepare(seqs)
         if loras:
             assert self.lora_context is not None, "adapters in a step need the model's LoraContext"
@@ -50,9 +76,12 @@ class ModelRunner:
         if not sampling:
             return StepResult(sampled={})
         logits = self.model.compute_logits(hidden[sample_idx])
-        plain = [s for s in sampling if not s.num_draft_tokens]
-        if len(plain) < len(sampling):
+        if any(s.num_draft_tokens for s in sampling):
             return self._sample_with_verification(logits, sampling, rows, eos_token_ids)
+        return self._sample(logits, sampling, rows, eos_token_ids)
+
+    def _sample(self, logits: torch.Tensor, sampling: list[ScheduledSeq], rows: dict[str, SamplingRow],
+                eos_token_ids: Collection[int]) -> StepResult:
         out = self.sampler(logits, [rows[s.req_id] for s in sampling], eos_token_ids)
         ids = [s.req_id for s in sampling]
         return StepResult(
@@ -111,6 +140,9 @@ class ModelRunner:
         )
         if num_decodes:
             meta.decode_block_table, meta.decode_mask, meta.decode_context_lens = self._decode_tables(seqs[:num_decodes])
+            if self._num_sms:
+                meta.decode_num_splits = choose_num_splits(num_decodes, self.model.config.num_kv_heads, self._num_sms,
+                                                           max(s.context_len for s in seqs[:num_decodes]))
         return (torch.tensor(tokens, dtype=torch.long, device=dev),
                 torch.tensor(positions, dtype=torch.long, device=dev), meta,
                 torch.tensor(sample_idx, dtype=torch.long, device=dev))

@@ -95,7 +95,7 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, table_ptr, ctx_ptr, scale_log2,
     heads = kv_head * GROUP + rows
     q = tl.load(q_ptr + seq * stride_qb + heads[:, None] * stride_qh + dims[None, :],
                 mask=row_dim_mask, other=0.0)
-    context_len = tl.load(ctx_ptr + seq)
+    context_len = tl.load(ctx_ptr + seq).to(tl.int32)   # int32 or int64 lengths
     kv_lo = tl.where(WINDOW > 0, tl.maximum(context_len - WINDOW, 0), 0)
 
     m = tl.full([GROUP_PAD], -1e30, tl.float32)

@@ -32,18 +32,23 @@ def free_device_memory(device: torch.device) -> int:
 
 
 def plan_num_blocks(cache: CacheConfig, model: ModelConfig, dtype: torch.dtype, max_model_len: int,
-                    device: torch.device, free_bytes: int | None = None) -> int:
-    """How many KV blocks to allocate, or ConfigError with the numbers and the remedy."""
+                    device: torch.device, free_bytes: int | None = None, graph_bytes: int = 0) -> int:
+    """How many KV blocks to allocate, or ConfigError with the numbers and the remedy.
+
+    `graph_bytes`: memory the decode CUDA graphs will take after the cache is allocated
+    (engine/cuda_graphs.graph_memory_bytes); the cache and the graphs must fit together."""
     per_block = bytes_per_block(model, cache.block_size, dtype)
     num_blocks = cache.num_blocks or cache.kv_cache_memory_bytes // per_block
     want = num_blocks * per_block
     free = free_device_memory(device) if free_bytes is None else free_bytes
-    if want > free * MEMORY_HEADROOM:
-        fits = int(free * MEMORY_HEADROOM) // per_block * per_block
+    if want + graph_bytes > free * MEMORY_HEADROOM:
+        fits = max(0, int(free * MEMORY_HEADROOM) - graph_bytes) // per_block * per_block
+        graphs = (f" plus {graph_bytes / GiB:.2f} GiB for the decode CUDA graphs (--enforce-eager: none)"
+                  if graph_bytes else "")
         raise ConfigError(
-            f"the KV cache needs {want / GiB:.2f} GiB ({num_blocks} blocks x {per_block} bytes) but "
+            f"the KV cache needs {want / GiB:.2f} GiB ({num_blocks} blocks x {per_block} bytes){graphs} but "
             f"{device} has {free / GiB:.2f} GiB free; lower --kv-cache-memory to at most "
-            f"{fits / GiB:.2f} GiB (or use a smaller dtype or model)")
+            f"{fits / GiB:.2f} GiB (or use a smaller dtype or model{', or --enforce-eager' if graph_bytes else ''})")
     need_blocks = -(-max_model_len // cache.block_size)
     if num_blocks < need_blocks:
         raise ConfigError(

@@ -60,6 +60,9 @@ class AttentionMetadata:
     triton: TritonAttentionMetadata | None = None
     # window -> (decode mask, per-chunk masks) of sliding-window layers, built on first use.
     windowed: dict[int, tuple[torch.Tensor | None, list[torch.Tensor | None]]] = field(default_factory=dict)
+    # Context splits of the Triton decode kernel (kernels/triton_split_decode.py), fixed by the
+    # runner per batch shape; 1 is the single-pass kernel. The torch paths ignore it.
+    decode_num_splits: int = 1
 
 
 @dataclass
@@ -76,6 +79,9 @@ class TritonAttentionMetadata:
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
     """Scatter new K/V ([T, kv_heads, dim]) into the paged caches ([blocks, block_size, kv_heads, dim])."""
+    if slot_mapping.numel() and not slot_mapping.is_cuda and int(slot_mapping[-1]) < 0:
+        real = int((slot_mapping >= 0).sum())          # graph padding (slot -1) sits at the end
+        k, v, slot_mapping = k[:real], v[:real], slot_mapping[:real]
     k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
     v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
 
@@ -193,6 +199,8 @@ def paged_attention_fused(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_c
     whether its prompt is computed in one chunk or several, after a prefix-cache hit, or beside
     any batch-mates (SDPA's blocking would differ with the chunk's shape; with a float16 cache an
     ulp of difference upstream can round a K element differently, and greedy ties then flip)."""
+    if getattr(ops, "attends_paged", False):          # kernels/triton_ops.TritonOps on CUDA
+        return ops.paged_attention(q, k_cache, v_cache, meta, scale)
     if meta.prefills:
         if meta.rows is None:
             meta.rows = query_rows(meta, k_cache.shape[1])
@@ -223,6 +231,7 @@ def _paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
                             meta: AttentionMetadata, scale: float, window: int | None = None) -> torch.Tensor:
     """The Triton path of paged_attention, K/V already written; fills meta.triton on first use."""
     from splitserve.platform.kernels.triton_attention import paged_decode_attention, paged_prefill_attention
+    from splitserve.platform.kernels.triton_split_decode import split_decode_attention
 
     if meta.triton is None:
         meta.triton = build_triton_metadata(meta, k_cache.shape[1])
@@ -230,8 +239,12 @@ def _paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     out = torch.empty_like(q)
     nd = meta.num_decodes
     if nd:
-        paged_decode_attention(q[:nd], k_cache, v_cache, meta.decode_block_table, tm.decode_context_lens,
-                               scale, out=out[:nd], window=window or 0)
+        if window:   # sliding-window layers: the single-pass kernel, which masks by window
+            paged_decode_attention(q[:nd], k_cache, v_cache, meta.decode_block_table, tm.decode_context_lens,
+                                   scale, out=out[:nd], window=window)
+        else:
+            split_decode_attention(q[:nd], k_cache, v_cache, meta.decode_block_table, tm.decode_context_lens,
+                                   scale, meta.decode_num_splits, out=out[:nd])
     if meta.prefills:
         paged_prefill_attention(q[nd:], k_cache, v_cache, tm.cu_q_lens, tm.start_pos, tm.prefill_block_tables,
                                 scale, max_q_len=tm.max_q_len, out=out[nd:], window=window or 0)

@@ -28,6 +28,10 @@ When any row asks for logprobs, every row's sampled-token logprob is returned (o
 log_softmax over the batch); top-n lists only for the rows that asked.
 Fast path: when every row is greedy and no row has penalties, min_tokens in effect or
 logprobs, the whole call is one argmax over the logits as passed in.
+
+On a GPU (logits on CUDA, or `on_device` set) steps 5 and 6 run in device_sampler.py instead:
+the same definitions and the same uniform numbers, with no host synchronisation before the one
+copy of the results back (the CPU path's short lists need host decisions).
 """
 
 from __future__ import annotations
@@ -37,7 +41,7 @@ from dataclasses import dataclass
 
 import torch
 
-from splitserve.platform.sampling import logits_ops, structured
+from splitserve.platform.sampling import device_sampler, logits_ops, structured
 from splitserve.platform.sampling.params import SamplingParams
 
 
@@ -88,6 +92,7 @@ class Sampler:
     """Stateless; one instance serves every step. See the module docstring for the algorithm."""
 
     stats: structured.CompileStats | None = None  # set by the engine to count mask time
+    on_device: bool | None = None  # the device path; None: when the logits are on CUDA
 
     def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRow],
                  eos_token_ids: Collection[int]) -> SamplerOutput:
@@ -100,10 +105,26 @@ class Sampler:
         raw_logprobs = torch.log_softmax(logits, dim=-1) if wants_logprobs else None
         logits = _apply_min_tokens(logits, rows, eos_token_ids)
         logits = _apply_penalties(logits, rows)
+        if self.on_device or (self.on_device is None and logits.is_cuda):
+            return SamplerOutput(*_pick_on_device(logits, rows, raw_logprobs))
         token_ids = _pick_tokens(logits, rows)
         if raw_logprobs is None:
             return SamplerOutput(token_ids.tolist(), None, None)
         return _with_logprobs(token_ids, raw_logprobs, rows)
+
+
+def _pick_on_device(logits: torch.Tensor, rows: Sequence[SamplingRow], raw_logprobs: torch.Tensor | None):
+    """Steps 5 and 6 on the logits' device (device_sampler.py); the uniforms are drawn here, for
+    the sampled rows in order, exactly as _sample draws them."""
+    vocab = logits.shape[1]
+    sampled = [i for i, row in enumerate(rows) if not row.params.is_greedy]
+    uniforms = torch.zeros(len(rows))
+    if sampled:
+        uniforms[sampled] = _uniforms([rows[i] for i in sampled])
+    packed = device_sampler.pack_params(rows, uniforms, logits.device)
+    any_truncated = any(_is_truncated(rows[i].params, vocab) for i in sampled)
+    token_ids = device_sampler.pick_tokens(logits, packed, any_truncated)
+    return device_sampler.to_host(token_ids, raw_logprobs, [row.params.logprobs for row in rows])
 
 
 def _argmax(logits: torch.Tensor) -> torch.Tensor:
@@ -128,7 +149,7 @@ def _apply_min_tokens(logits: torch.Tensor, rows: Sequence[SamplingRow],
     if not row_index:
         return logits
     logits = logits.clone()
-    logits[torch.tensor(row_index), torch.tensor(token_index)] = float("-inf")
+    logits[torch.tensor(row_index, device=logits.device), torch.tensor(token_index, device=logits.device)] = float("-inf")
     return logits
 
 
@@ -141,14 +162,15 @@ def _apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch
     has_repetition = any(p.repetition_penalty != 1.0 for p in params)
     prompts = [rows[i].prompt_token_ids if has_repetition else () for i in picked]
     outputs = [rows[i].output_token_ids for i in picked]
+    dev = logits.device
     penalised = logits_ops.apply_penalties(
-        _select(logits, picked), _pad(prompts, vocab), _pad(outputs, vocab),
-        repetition=torch.tensor([p.repetition_penalty for p in params]),
-        frequency=torch.tensor([p.frequency_penalty for p in params]),
-        presence=torch.tensor([p.presence_penalty for p in params]))
+        _select(logits, picked), _pad(prompts, vocab).to(dev), _pad(outputs, vocab).to(dev),
+        repetition=torch.tensor([p.repetition_penalty for p in params], device=dev),
+        frequency=torch.tensor([p.frequency_penalty for p in params], device=dev),
+        presence=torch.tensor([p.presence_penalty for p in params], device=dev))
     if len(picked) == len(rows):
         return penalised
-    return logits.index_copy(0, torch.tensor(picked), penalised)
+    return logits.index_copy(0, torch.tensor(picked, device=dev), penalised)
 
 
 def _pad(sequences: Sequence[Sequence[int]], pad_id: int) -> torch.Tensor:

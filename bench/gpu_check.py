@@ -1,0 +1,408 @@
+"""The device run of issue 30: every GPU acceptance check in one call (bench/gpu_check.sh starts it).
+
+Writes $OUT/gpu_check.json after every phase (so a run cut short keeps what it measured); the
+shell wrapper writes the log beside it. Phases, most valuable first; a phase that would start
+after BUDGET_S is skipped and says so:
+
+1. `fp32_vs_transformers`: `random:smollm2-135m` in float32 on CUDA with decode graphs, its
+   matrices redrawn at std 0.15 (at transformers' 0.02 a random model's greedy choices sit on
+   near-ties), against transformers' LlamaForCausalLM holding the same tensors: greedy tokens of
+   8 ragged prompts, each with its own length so the batch shrinks through the buckets
+   (8 -> 4 -> 2 -> 1, with padded rows). Then `graphs_on_vs_off`: the same engine with its graphs
+   detached (eager), token for token.
+2. `decode_prefill`: `random:llama-3-8b` bf16 (bench/gpu_roofline.py's measurements): measured
+   HBM and matmul peaks, the Triton kernels against torch, decode at batch 1 and 64 with graphs
+   on and off (wait per token, HBM floor, kernels per step, GPU-busy share), graphs on = off in
+   bf16 (reported, not a gate: bf16 GEMMs of another row count round differently), prefill of
+   2k tokens against the matmul rate, then transformers' generate at batch 64.
+3. `pd`: a prefill and a decode worker process on this one GPU (`random:llama-3.2-1b` bf16, KV
+   over TCP staged through host memory), greedy tokens P/D = colocated for 1k and 8k prompts, and
+   the TTFT breakdown (queue / prefill / exposed transfer / first decode step), every shape
+   warmed up before it is timed.
+4. `kernel_tests`: the Triton kernel and device-sampler tests compiled on the GPU (pytest).
+
+`--smoke` runs phases 1-3 on CPU with `random:tiny` to check the script itself (no numbers).
+Usage: OUT=dir python bench/gpu_check.py [--smoke]; `python bench/gpu_check.py worker ...` runs a
+worker process (the console script needs every subcommand's packages; this needs the worker's).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import json
+import os
+import pathlib
+import random
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+import traceback
+
+import torch
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+BUDGET_S = float(os.environ.get("GPU_CHECK_BUDGET_S", "400"))
+T0 = time.monotonic()
+
+
+class Report:
+    """The JSON result, rewritten after every phase."""
+
+    def __init__(self, out: pathlib.Path):
+        self.path = out / "gpu_check.json"
+        self.data: dict = dict(started=time.strftime("%Y-%m-%d %H:%M:%S %Z"), phases={})
+        out.mkdir(parents=True, exist_ok=True)
+
+    def phase(self, name: str, fn, *args) -> None:
+        elapsed = time.monotonic() - T0
+        if elapsed > BUDGET_S:
+            self.data["phases"][name] = dict(skipped=f"not started: {elapsed:.0f} s of the {BUDGET_S:.0f} s budget used")
+        else:
+            log(f"== {name} (at {elapsed:.0f} s)")
+            t = time.monotonic()
+            try:
+                result = fn(*args)
+            except Exception as exc:  # a failed phase is a result too; the next phases still run
+                result = dict(error=f"{type(exc).__name__}: {exc}", traceback=traceback.format_exc())
+                log(result["traceback"])
+            result["seconds"] = round(time.monotonic() - t, 1)
+            self.data["phases"][name] = result
+            log(json.dumps(result, default=str)[:4000])
+        _free_memory()
+        self.path.write_text(json.dumps(self.data, indent=1, default=str))
+
+
+def log(msg: str) -> None:
+    print(f"[{time.monotonic() - T0:6.1f}s] {msg}", flush=True)
+
+
+def _free_memory() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def environment() -> dict:
+    import transformers
+    import triton
+
+    env = dict(python=sys.version.split()[0], torch=torch.__version__, triton=triton.__version__,
+               transformers=transformers.__version__)
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        env.update(gpu=props.name, sms=props.multi_processor_count, gpu_memory_gib=round(props.total_memory / 2**30, 1),
+                   cuda=torch.version.cuda)
+    return env
+
+
+# -- phase 1: fp32 against transformers, graphs on against off -------------------------------
+
+def ragged_prompts(vocab: int, count: int, rng: random.Random) -> list[list[int]]:
+    lengths = [5, 17, 33, 64, 96, 130, 170, 200][:count]
+    return [[rng.randrange(100, vocab - 100) for _ in range(n)] for n in lengths]
+
+
+def fp32_vs_transformers(device: str, model: str, num_prompts: int = 8) -> dict:
+    from splitserve.platform.config import CacheConfig, DeviceConfig, EngineConfig, SchedulerConfig
+    from splitserve.platform.engine.llm_engine import LLMEngine
+    from splitserve.platform.sampling.params import SamplingParams
+    from splitserve.platform.weights.random_weights import iter_random_weights
+
+    engine = LLMEngine(EngineConfig(model=model, device=DeviceConfig(device=device, dtype="float32", quantization="none"),
+                                    cache=CacheConfig(kv_cache_memory_bytes=512 * 2**20),
+                                    scheduler=SchedulerConfig(max_num_seqs=8, max_model_len=512)))
+    cfg = engine.model_config
+    # wider weights, copied in place: the captured graphs read the same addresses
+    tensors = {name: t if name.endswith("norm.weight") else t * 7.5
+               for name, t in iter_random_weights(cfg, torch.float32, device, seed=1)}
+    engine.model.load_weights(tensors.items())
+    prompts = ragged_prompts(cfg.vocab_size, num_prompts, random.Random(0))
+    lengths = [24 - 2 * i for i in range(num_prompts)]       # the batch shrinks through the buckets
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in lengths]
+    graphs = engine.runner.graphs
+    batches: list[int] = []
+    if graphs is not None:
+        run = graphs.run
+        graphs.run = lambda seqs: batches.append(len(seqs)) or run(seqs)
+    ours = [o.output_token_ids for o in engine.generate(prompts, params)]
+    engine.runner.graphs = None
+    eager = [o.output_token_ids for o in engine.generate(prompts, params)]
+    engine.runner.graphs = graphs
+    reference = transformers_greedy(cfg, tensors, prompts, lengths, device)
+    del engine, tensors
+    same = [a == b for a, b in zip(ours, reference)]
+    return dict(model=model, graphs=graphs is not None, graph_batches=sorted(set(batches)),
+                prompts_equal_transformers=f"{sum(same)}/{len(same)}",
+                first_difference=[_first_diff(a, b) for a, b in zip(ours, reference)],
+                graphs_on_equal_off=f"{sum(a == b for a, b in zip(ours, eager))}/{len(ours)}",
+                ok=all(same) and ours == eager)
+
+
+def transformers_greedy(cfg, tensors: dict, prompts, lengths, device: str) -> list[list[int]]:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    hf_cfg = LlamaConfig(
+        vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads,
+        head_dim=cfg.head_dim, rms_norm_eps=cfg.rms_norm_eps, rope_theta=cfg.rope_theta,
+        max_position_embeddings=cfg.max_position_embeddings, tie_word_embeddings=cfg.tie_word_embeddings,
+        bos_token_id=cfg.bos_token_id, eos_token_id=None, pad_token_id=0)
+    if isinstance(getattr(hf_cfg, "rope_parameters", None), dict):   # transformers 5 keeps rope here
+        hf_cfg.rope_parameters = {"rope_type": "default", "rope_theta": cfg.rope_theta}
+    assert cfg.rope_scaling is None, "the check's model has plain rope"
+    with torch.device(device):
+        model = LlamaForCausalLM(hf_cfg).to(torch.float32).eval()
+    missing, unexpected = model.load_state_dict(tensors, strict=False)
+    assert not unexpected and all("lm_head" in m or "rotary" in m for m in missing), (missing, unexpected)
+    if cfg.tie_word_embeddings:
+        model.tie_weights()
+    out = []
+    with torch.inference_mode():
+        for prompt, n in zip(prompts, lengths):
+            ids = torch.tensor([prompt], device=device)
+            gen = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=n,
+                                 min_new_tokens=n, pad_token_id=0)
+            out.append(gen[0, len(prompt):].tolist())
+    del model
+    return out
+
+
+def _first_diff(a: list[int], b: list[int]) -> int | None:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None if len(a) == len(b) else min(len(a), len(b)))
+
+
+# -- phase 2: decode and prefill against the floors ------------------------------------------
+
+def decode_prefill(smoke: bool) -> dict:
+    import gpu_roofline as roof
+
+    sizes = (roof.Sizes("random:tiny", "cpu", "bfloat16", (1, 2), 32, 3, (64,), 16 * 2**20, 128, 2, 4, 1) if smoke
+             else roof.Sizes("random:llama-3-8b", "cuda", "bfloat16", (1, 64), 1024, 24, (2048,), 2 * 2**30, 8192,
+                             64, 24, 2))
+    device = torch.device(sizes.device)
+    rng = random.Random(0)
+    result: dict = dict(sizes=sizes.__dict__)
+    result["peaks"] = dict(hbm_bytes_per_s=roof.measure_bandwidth(device, sizes.copy_bytes, sizes.repeats),
+                           matmul_flop_per_s=roof.measure_matmul_rate(device, sizes.matmul_n, torch.bfloat16,
+                                                                      sizes.repeats))
+    result["kernel_check"] = roof.check_kernels(device) if device.type == "cuda" else "skipped (no CUDA)"
+    t = time.monotonic()
+    engine = roof.build_engine(sizes)
+    result["engine_start_s"] = time.monotonic() - t
+    graphs = engine.runner.graphs
+    result["graphs"] = None if graphs is None else dict(buckets=graphs.sizes, captured_bytes=graphs.captured_bytes,
+                                                        num_splits=graphs.num_splits)
+    cfg = engine.model_config
+    peak_bw, peak_mm = result["peaks"]["hbm_bytes_per_s"], result["peaks"]["matmul_flop_per_s"]
+    result["decode"] = [roof.decode_row(cfg, roof.measure_decode(engine, b, sizes, rng), sizes.dtype, peak_bw)
+                        for b in sizes.decode_batches]
+    result["bf16_graphs_on_vs_off"] = graphs_on_vs_off(engine, rng)
+    result["prefill"] = [roof.prefill_row(cfg, n, roof.measure_prefill(engine, n, sizes, rng), peak_mm)
+                         for n in sizes.prefill_tokens]
+    del engine, graphs
+    _free_memory()
+    hf_tok_s = roof.measure_hf(cfg, sizes, device, rng)
+    ours = next(r for r in result["decode"] if r["batch"] == sizes.hf_batch)
+    result["baseline"] = dict(batch=ours["batch"], ours_tok_s=ours["tok_s"], hf_tok_s=hf_tok_s,
+                              speedup=ours["tok_s"] / hf_tok_s)
+    result["acceptance"] = roof.acceptance(result)
+    result["targets"] = roof.TARGETS
+    return result
+
+
+def graphs_on_vs_off(engine, rng: random.Random) -> dict | str:
+    """Greedy tokens of 5 prompts (bucket 8, three padded rows) with the graphs, then eager."""
+    from splitserve.platform.sampling.params import SamplingParams
+
+    graphs = engine.runner.graphs
+    if graphs is None:
+        return "no graphs on this device"
+    prompts = [[rng.randrange(100, engine.model_config.vocab_size - 100) for _ in range(n)]
+               for n in (40, 300, 700, 64, 1000)]
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    engine.pool.reset_prefix_cache()
+    on = [o.output_token_ids for o in engine.generate(prompts, params)]
+    engine.runner.graphs = None
+    engine.pool.reset_prefix_cache()
+    try:
+        off = [o.output_token_ids for o in engine.generate(prompts, params)]
+    finally:
+        engine.runner.graphs = graphs
+    return dict(equal=f"{sum(a == b for a, b in zip(on, off))}/{len(on)}",
+                first_difference=[_first_diff(a, b) for a, b in zip(on, off)])
+
+
+# -- phase 3: P/D between two worker processes on the one GPU --------------------------------
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Worker:
+    """`python bench/gpu_check.py worker ...` as a process; start() waits for its READY line."""
+
+    def __init__(self, role: str, engine_args: list[str], extra: list[str]):
+        self.role, self.port = role, free_port()
+        self.args = [sys.executable, str(pathlib.Path(__file__).resolve()), "worker", "--role", role,
+                     "--grpc-port", str(self.port), "--metrics-port", str(free_port()), "--kv-port", str(free_port()),
+                     "--kv-transport", "tcp", *engine_args, *extra]
+        self.lines: list[str] = []
+        self.proc: subprocess.Popen | None = None
+        self._ready = threading.Event()
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def start(self) -> "Worker":
+        self.proc = subprocess.Popen(self.args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        threading.Thread(target=self._pump, daemon=True).start()
+        return self
+
+    def wait_ready(self, timeout: float) -> None:
+        if not self._ready.wait(timeout):
+            raise RuntimeError(f"{self.role} worker not ready in {timeout:.0f} s:\n" + "".join(self.lines[-40:]))
+
+    def _pump(self) -> None:
+        for line in self.proc.stdout:
+            self.lines.append(line)
+            if line.startswith("READY"):
+                self._ready.set()
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+
+
+async def generate(address: str, req_id: str, prompt: list[int], prefill: list[str], mode, max_tokens: int) -> dict:
+    import grpc
+
+    from splitserve.platform.wire import worker_pb2 as pb
+    from splitserve.platform.wire import worker_pb2_grpc as pb_grpc
+
+    t0 = time.perf_counter()
+    times, tokens, first = [], [], None
+    async with grpc.aio.insecure_channel(address) as channel:
+        async for msg in pb_grpc.WorkerStub(channel).Generate(pb.GenerateRequest(
+                request_id=req_id, prompt_token_ids=prompt, prefill_workers=prefill, disaggregation=mode,
+                params=pb.SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))):
+            if msg.token_ids:
+                times.append(time.perf_counter() - t0)
+                tokens += list(msg.token_ids)
+            if first is None:
+                first = msg
+    assert (first.prefill_worker != "") == bool(prefill), "the arm did not run as intended"
+    return dict(tokens=tokens, ttft=times[0], queue=first.timings.queue_s, prefill=first.timings.prefill_s,
+                exposed_transfer=first.timings.transfer_wait_s, first_decode_step=times[1] - times[0])
+
+
+def pd(smoke: bool) -> dict:
+    from splitserve.platform.wire import worker_pb2 as pb
+
+    model, device, dtype, lengths, max_len = (("random:tiny", "cpu", "float32", (256, 1024), 1100) if smoke else
+                                              ("random:llama-3.2-1b", "cuda", "bfloat16", (1024, 8192), 8448))
+    engine_args = ["--model", model, "--device", device, "--dtype", dtype, "--quantization", "none",
+                   "--kv-cache-memory", "0.05" if smoke else "2", "--max-model-len", str(max_len),
+                   "--max-num-batched-tokens", str(max_len), "--max-num-seqs", "4", "--threads", "1" if smoke else "4"]
+    prefill = Worker("prefill", engine_args, ["--enforce-eager"]).start()
+    decode = Worker("decode", engine_args, ["--disaggregation", "always"]).start()
+    try:
+        prefill.wait_ready(300)
+        decode.wait_ready(300)
+        vocab = 49152 if smoke else 128256
+        rng = random.Random(7)
+        arms = {"pd": ([prefill.address], pb.DISAGGREGATION_MODE_ALWAYS),
+                "colocated": ([], pb.DISAGGREGATION_MODE_NEVER)}
+        result: dict = dict(model=model, dtype=dtype, transport="tcp")
+        for n in lengths:
+            rows = {arm: [] for arm in arms}
+            for round_ in range(3):                       # round 0 warms up every shape of this length
+                prompt = [rng.randrange(100, vocab - 100) for _ in range(n)]
+                for arm, (workers, mode) in arms.items():
+                    r = asyncio.run(generate(decode.address, f"{arm}-{n}-{round_}", prompt, workers, mode, 16))
+                    if round_:
+                        rows[arm].append(r)
+            equal = [a["tokens"] == b["tokens"] for a, b in zip(rows["pd"], rows["colocated"])]
+            result[f"prompt_{n}"] = dict(
+                pd_equals_colocated=f"{sum(equal)}/{len(equal)}",
+                **{arm: {k: statistics.median(r[k] for r in rs) for k in
+                         ("ttft", "queue", "prefill", "exposed_transfer", "first_decode_step")}
+                   for arm, rs in rows.items()})
+        result["ok"] = all(result[f"prompt_{n}"]["pd_equals_colocated"].split("/")[0] ==
+                           result[f"prompt_{n}"]["pd_equals_colocated"].split("/")[1] for n in lengths)
+        return result
+    finally:
+        prefill.stop()
+        decode.stop()
+        result_logs = {w.role: "".join(w.lines[-15:]) for w in (prefill, decode)}
+        log(json.dumps(result_logs)[:3000])
+
+
+# -- phase 4: the kernel tests, compiled -----------------------------------------------------
+
+def kernel_tests() -> dict:
+    left = max(20.0, BUDGET_S + 40 - (time.monotonic() - T0))
+    files = ["tests/platform/test_triton_split_decode.py", "tests/platform/test_triton_ops.py",
+             "tests/platform/test_device_sampler.py", "tests/platform/test_triton_attention.py"]
+    try:
+        proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *files], cwd=ROOT,
+                              capture_output=True, text=True, timeout=left)
+    except subprocess.TimeoutExpired as exc:
+        return dict(error=f"timed out after {left:.0f} s", tail=str(exc.stdout)[-2000:])
+    return dict(returncode=proc.returncode, tail=proc.stdout[-2500:] + proc.stderr[-1000:], ok=proc.returncode == 0)
+
+
+# -- entry points ----------------------------------------------------------------------------
+
+def run_worker(argv: list[str]) -> int:
+    """One worker process, the `splitserve worker` subcommand without the console script."""
+    import logging
+
+    from splitserve.workers.main import register
+
+    parser = argparse.ArgumentParser(prog="gpu_check.py")
+    register(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["worker", *argv])
+    logging.basicConfig(level="INFO", stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return args.func(args)
+
+
+def main() -> int:
+    if len(sys.argv) > 1 and sys.argv[1] == "worker":
+        return run_worker(sys.argv[2:])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--smoke", action="store_true", help="CPU, tiny models: check the script, measure nothing")
+    args = ap.parse_args()
+    if not args.smoke and not torch.cuda.is_available():
+        print("error: no CUDA device; run on a GPU machine or pass --smoke", file=sys.stderr)
+        return 2
+    report = Report(pathlib.Path(os.environ.get("OUT") or ROOT / "bench-out" / "gpu-check"))
+    report.data["environment"] = environment()
+    report.data["smoke"] = args.smoke
+    device = "cpu" if args.smoke else "cuda"
+    report.phase("fp32_vs_transformers", fp32_vs_transformers, device,
+                 "random:tiny" if args.smoke else "random:smollm2-135m", 4 if args.smoke else 8)
+    report.phase("decode_prefill", decode_prefill, args.smoke)
+    report.phase("pd", pd, args.smoke)
+    if not args.smoke:
+        report.phase("kernel_tests", kernel_tests)
+    report.data["total_s"] = round(time.monotonic() - T0, 1)
+    report.path.write_text(json.dumps(report.data, indent=1, default=str))
+    log(f"wrote {report.path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

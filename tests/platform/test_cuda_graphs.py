@@ -1,0 +1,118 @@
+"""Decode steps through the CUDA-graph buckets and static buffers (engine/cuda_graphs.py).
+
+Capture and replay need a GPU; their logic does not: on a CPU `DecodeGraphs.run` runs the very
+forward a graph would record, over the same static buffers, eagerly. So the bucket list, the
+padding and the buffer filling are checked here exactly, and end to end on the real SmolLM2
+weights: a batch padded to its bucket must give the same tokens as the plain runner.
+"""
+
+import pytest
+import torch
+
+from splitserve.platform.config import CacheConfig, DeviceConfig
+from splitserve.platform.engine.cuda_graphs import (PAD_SLOT, DecodeBuffers, bucket_for, capture_sizes,
+                                                    decode_graph_bytes, graph_memory_bytes, uses_decode_graphs)
+from splitserve.platform.errors import ConfigError
+from splitserve.platform.kv.cache import plan_num_blocks
+from splitserve.platform.sampling.params import SamplingParams
+from splitserve.platform.sched.plan import ScheduledSeq
+
+GiB = 1024**3
+
+
+@pytest.mark.parametrize("max_num_seqs,expected", [
+    (1, [1]),
+    (3, [1, 2, 3]),
+    (6, [1, 2, 4, 6]),
+    (8, [1, 2, 4, 8]),
+    (20, [1, 2, 4, 8, 16, 20]),
+    (64, [1, 2, 4, *range(8, 65, 8)]),
+    (300, [1, 2, 4, *range(8, 256, 8), 256, 272, 288, 300]),
+])
+def test_capture_sizes_are_vllms_list_up_to_max_num_seqs(max_num_seqs, expected):
+    assert capture_sizes(max_num_seqs) == expected
+
+
+@pytest.mark.parametrize("batch,bucket", [(1, 1), (2, 2), (3, 4), (4, 4), (5, 8), (8, 8), (9, 16), (63, 64),
+                                          (64, 64), (65, None), (0, None)])
+def test_a_batch_runs_in_the_smallest_bucket_that_holds_it(batch, bucket):
+    assert bucket_for(batch, capture_sizes(64)) == bucket
+
+
+def test_fill_writes_real_rows_and_harmless_padding():
+    bs = 4
+    buffers = DecodeBuffers(max_rows=8, max_blocks=5, block_size=bs, device=torch.device("cpu"))
+    seqs = [ScheduledSeq("a", (11,), 6, (7, 3), True),           # position 6: block 3, offset 2
+            ScheduledSeq("b", (12,), 0, (9,), True),             # the first token
+            ScheduledSeq("c", (13,), 16, (1, 2, 4, 5, 6), True)]  # the table's full width
+    buffers.fill(seqs, bucket=4)
+    assert buffers.input_ids[:4].tolist() == [11, 12, 13, 0]
+    assert buffers.positions[:4].tolist() == [6, 0, 16, 0]
+    assert buffers.slot_mapping[:4].tolist() == [3 * bs + 2, 9 * bs, 6 * bs, PAD_SLOT]
+    assert buffers.context_lens[:4].tolist() == [7, 1, 17, 1]
+    assert buffers.block_tables[:4].tolist() == [[7, 3, 0, 0, 0], [9, 0, 0, 0, 0], [1, 2, 4, 5, 6], [0] * 5]
+    assert buffers.decode_mask[:4].sum(-1).tolist() == [7, 1, 17, 1]
+    # a smaller step afterwards leaves nothing of the bigger one in its rows
+    buffers.fill(seqs[1:2], bucket=2)
+    assert buffers.block_tables[:2].tolist() == [[9, 0, 0, 0, 0], [0] * 5]
+    assert buffers.slot_mapping[:2].tolist() == [9 * bs, PAD_SLOT]
+    meta = buffers.metadata(2, num_splits=1)
+    assert meta.num_decodes == 2 and meta.prefills == [] and meta.decode_block_table.shape == (2, 5)
+
+
+PROMPTS = ["The capital of France is", "def fib(n):", "Once upon a time", "1, 2, 3, 4,", "Why is the sky blue?"]
+PARAMS = [SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+          SamplingParams(temperature=0.8, top_p=0.9, top_k=40, seed=7, max_tokens=10, ignore_eos=True),
+          SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
+          SamplingParams(temperature=1.0, seed=8, presence_penalty=0.5, max_tokens=12, ignore_eos=True),
+          SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)]
+
+
+def test_padded_buckets_give_the_plain_runners_tokens(make_engine):
+    """Five requests decode together (bucket 8: three padded rows) and finish at different steps,
+    so batches of 4, 3 and 2 run in buckets 4, 4 and 2: every token equals the plain runner's,
+    greedy and seeded sampling alike."""
+    plain = make_engine(max_num_seqs=8)
+    expected = [o.output_token_ids for o in plain.generate(PROMPTS, PARAMS)]
+
+    engine = make_engine(max_num_seqs=8)
+    graphs = engine.runner.enable_decode_graphs(8, engine.max_model_len, capture=False)
+    buckets = []
+    real_run = graphs.run
+    graphs.run = lambda seqs: buckets.append(len(seqs)) or real_run(seqs)
+    got = [o.output_token_ids for o in engine.generate(PROMPTS, PARAMS)]
+    assert got == expected
+    assert {5, 4, 3, 2} <= set(buckets), f"batch sizes through the graph buffers: {sorted(set(buckets))}"
+    assert len(got[0]) == 12 and len(got[4]) == 6
+
+
+def test_graph_memory_is_counted_in_the_kv_budget():
+    """The cache and the graphs must fit together; the error names both and the remedies."""
+    from splitserve.platform.weights.presets import preset_config
+
+    cfg = preset_config("llama-3-8b", "random:llama-3-8b")
+    graph = graph_memory_bytes(256, cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads,
+                               cfg.head_dim, cfg.vocab_size, 2)
+    assert 100 * 2**20 < graph < 2 * GiB          # the largest bucket's activations, not the model
+    cache = CacheConfig(kv_cache_memory_bytes=8 * GiB)
+    free = int((8 * GiB + graph // 2) / 0.9)       # room for the cache, not for cache + graphs
+    cuda = torch.device("cuda")
+    assert plan_num_blocks(cache, cfg, torch.bfloat16, 8192, cuda, free_bytes=free) > 0
+    with pytest.raises(ConfigError, match="decode CUDA graphs.*--enforce-eager"):
+        plan_num_blocks(cache, cfg, torch.bfloat16, 8192, cuda, free_bytes=free, graph_bytes=graph)
+    assert decode_graph_bytes(True, cuda, cfg, 256, torch.bfloat16) == 0            # --enforce-eager
+    assert decode_graph_bytes(False, torch.device("cpu"), cfg, 256, torch.bfloat16) == 0
+    assert not uses_decode_graphs(False, torch.device("cpu"))
+
+
+def test_enforce_eager_is_validated_and_reaches_the_config():
+    import argparse
+
+    from splitserve.platform.cli import add_engine_args, engine_config
+
+    with pytest.raises(ConfigError, match="enforce_eager must be true or false"):
+        DeviceConfig(enforce_eager="yes")
+    p = argparse.ArgumentParser()
+    add_engine_args(p)
+    assert engine_config(p.parse_args(["--enforce-eager"])).device.enforce_eager is True
+    assert engine_config(p.parse_args([])).device.enforce_eager is False
