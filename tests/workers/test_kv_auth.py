@@ -55,6 +55,7 @@ async def _knock(kind: str, port: int, key: bytes | None) -> dict | None:
 
 def test_wrong_or_missing_token_is_refused_and_the_worker_keeps_serving(pair, loop):
     kind, d, p = pair
+    assert d.metric("splitserve_kv_auth_enabled") == 1 and d.metric("splitserve_grpc_tls_enabled") == 1
     before = d.metric("splitserve_kv_auth_failures_total")
     assert loop.run_until_complete(_knock(kind, d.kv_port, derive_key(b"another-service-secret-000"))) is None
     assert loop.run_until_complete(_knock(kind, d.kv_port, None)) is None
@@ -86,3 +87,15 @@ def test_a_prefill_worker_of_another_service_cannot_push(pair, loop, tmp_path):
         assert d.metric("splitserve_kv_auth_failures_total") - before >= 1
     finally:
         intruder.terminate()
+
+
+def test_a_worker_started_by_hand_without_a_secret_says_so_in_its_log_and_metrics():
+    w = WorkerProc("decode", "tcp", secure=False).start()
+    try:
+        assert w.metric("splitserve_kv_auth_enabled") == 0 and w.metric("splitserve_grpc_tls_enabled") == 0
+        log = w.log()
+        assert f"INSECURE: no --kv-secret-file: this decode worker accepts KV blocks from anyone who can reach port " \
+               f"{w.kv_port}" in log
+        assert "INSECURE: no --tls-cert/--tls-key/--tls-ca" in log
+    finally:
+        w.terminate()
