@@ -152,6 +152,8 @@ class Worker:
         if receiver is not None:
             await receiver.start()
         kv_address = advertised(receiver.address, cfg.advertise_host) if receiver else ""
+        if receiver is not None:
+            receiver.identity = kv_address   # what senders dial: the KV handshake binds proofs to it
         info = pb.WorkerInfo(worker_id=uuid.uuid4().hex, role=cfg.role, model_id=layout.model_id,
                              layout=pb.KVLayout(**layout.to_dict()), kv_address=kv_address,
                              num_total_blocks=self.llm.pool.num_blocks)
