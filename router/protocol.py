@@ -6,7 +6,8 @@ OpenAI API that change what the model must do and that splitserve does not imple
 suffix, best_of > n) are rejected with a 400 naming
 them rather than ignored. vLLM's sampling extensions (top_k, min_p, repetition_penalty,
 min_tokens, ignore_eos, stop_token_ids, skip_special_tokens, include_stop_str_in_output) are
-accepted; the openai client sends them through `extra_body`.
+accepted, and so is its `return_token_ids` (the generated token ids beside the text, so a client
+can compare answers exactly); the openai client sends them through `extra_body`.
 """
 
 from __future__ import annotations
@@ -70,6 +71,7 @@ class SamplingFields(BaseModel):
     ignore_eos: bool = False
     stop_token_ids: list[Int] | None = None
     skip_special_tokens: bool = True
+    return_token_ids: bool = False          # vLLM's extension: each choice (and stream chunk) carries `token_ids`
     include_stop_str_in_output: bool = False
     logit_bias: dict | None = None
     user: str | None = None
