@@ -24,7 +24,7 @@ LLAMA_CMAKE_ARGS := -DGGML_NATIVE=OFF -DGGML_AVX=$(call isa,avx) -DGGML_AVX2=$(c
 	-DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF
 PEER_WHEELS := $(PEER)/wheels-$(shell echo '$(LLAMA_CMAKE_ARGS)' | md5sum | cut -c1-10)
 
-.PHONY: setup run test bench bench-gpu peer clean chaos
+.PHONY: setup run test bench bench-gpu peer clean chaos ray-coldstarts
 
 setup: $(STAMP)
 
@@ -51,6 +51,11 @@ test: setup
 MINUTES ?= 30
 chaos: setup
 	$(PY) e2e/chaos.py --minutes $(MINUTES)
+
+# Cold starts of `splitserve serve --backend ray`, each served and stopped by SIGTERM (e2e/ray_coldstarts.py).
+COUNT ?= 20
+ray-coldstarts: setup
+	$(PY) e2e/ray_coldstarts.py --count $(COUNT)
 
 # The planner simulation's capacity profile (re-measure with `splitserve profile`).
 PLANNER_PROFILE ?= bench/profiles/smollm2-135m-cpu2.json

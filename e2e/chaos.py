@@ -1,5 +1,5 @@
 """Chaos soak: the whole stack on loopback under load while a seeded fault injector breaks it;
-every request is accounted for.
+every request is accounted for, by token id and by cause.
 
     redis <- router A, router B (splitserve router --redis-url, gateway + KV-aware placement)
               -> decode-ucx, prefill-ucx, decode-tcp, prefill-tcp (splitserve worker, real model)
@@ -12,16 +12,30 @@ every request is accounted for.
     security: as `splitserve up`, mTLS between routers and workers and authenticated KV
     transfers with throwaway credentials (e2e/chaos_procs.py); `--no-tls` for plaintext
 
-Outcomes: `ok` (the answer equals, token for token, the one the same request got in the
-undisturbed warm-up), `error` (a documented status: 429/503 with an OpenAI error body, or a
-replica's connection refused), `disconnected` (the injector's own cut streams),
-`cut_by_router_kill` (the connection dropped while the injector SIGKILLed a router replica:
-a killed gateway sends no status; the client retries), `wrong`,
-`hung` (no answer within the deadline), `lost` (an undocumented status or a broken stream).
-After quiescing: every worker's block pool holds no request (/debug/kv), every gateway's
-admission queue is empty, each process' RSS grew at most MEMORY_BOUND_MIB, and (secured) every
-worker refuses a plaintext client. Exit status 1 on any wrong / hung / lost request, leak or
-security failure. The load is e2e/chaos_load.py, the processes e2e/chaos_procs.py.
+Every request asks for its token ids (`return_token_ids`); the reference is the same request's
+ids in the undisturbed warm-up. Outcomes, each with its cause (which fault, on which process):
+
+    ok                the token ids equal the reference
+    wrong             they differ, or a cut answer's tokens are not a prefix of the reference
+    cut               the answer stopped early (an error event after some tokens, or the
+                      connection dropped), its tokens a prefix of the reference, and a fault hit
+                      a process on the request's own path (its router replica, the decode and
+                      prefill workers named in the response headers, the KV path into that decode
+                      worker) between its start and SETTLE_S after the fault ended
+    cut_unexplained   a cut with no such fault (e.g. a kill on the other router replica)
+    error             a documented 429/503 with OpenAI's error body before any output, or both
+                      replicas refusing the connection; its cause is the fault on its path, else
+                      any fault during it, else none
+    disconnected      the injector's own cut streams
+    hung              nothing received for 180 s
+    lost              an undocumented status, a broken stream, an unparsable answer
+
+After quiescing: every worker's block pool holds no request and passes its invariants
+(/debug/kv), every gateway's admission holds no running or queued request and no open worker
+call (/metrics), each process' RSS grew at most MEMORY_BOUND_MIB, and (secured) every worker
+refuses a plaintext client. Exit status 1 on any wrong, hung, lost or unexplained cut, a leak,
+a security failure, an injector failure or a fault kind never injected. The load is
+e2e/chaos_load.py, the processes e2e/chaos_procs.py.
 Usage: python e2e/chaos.py --minutes 30 [--seed N] [--clients N] [--no-tls]
 """
 
@@ -38,7 +52,7 @@ import time
 from collections import Counter, defaultdict
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from chaos_load import DEADLINE_S, Spec, Tally, make_specs, run_request  # noqa: E402
+from chaos_load import DEADLINE_S, FAILING, Reply, Spec, Tally, make_specs, run_request  # noqa: E402
 from chaos_procs import MODEL, Redis, RouterProc, Security, Worker, http_get, wait_for  # noqa: E402
 from kvproxy import KVProxy  # noqa: E402
 
@@ -46,6 +60,22 @@ MEMORY_BOUND_MIB = 400           # RSS growth allowed per process over the soak 
 NUM_CLIENTS = 12                 # load-generating threads (the workers batch their requests)
 FAULT_KINDS = ("worker_sigkill", "worker_sigstop", "router_sigkill", "redis_restart", "client_disconnect",
                "layout_mismatch", "kv_delay", "kv_drop")
+SETTLE_S = 10.0                  # a fault still explains a cut this long after it ended (detection, fail-over)
+OUTCOMES = ("ok", "wrong", "cut", "cut_unexplained", "error", "disconnected", "hung", "lost")
+
+
+class FaultEvent:
+    """One injected fault: its kind, the process it hit (for KV faults `kv:<decode worker>`, the KV
+    path into it), and when it began and ended (monotonic; `ended` is inf while it lasts)."""
+
+    def __init__(self, kind: str, target: str):
+        self.kind, self.target, self.began, self.ended = kind, target, time.monotonic(), float("inf")
+
+    def overlaps(self, started: float, ended: float) -> bool:
+        return self.began <= ended and self.ended + SETTLE_S >= started
+
+    def __str__(self) -> str:
+        return f"{self.kind} on {self.target}"
 
 
 # ---- the soak ------------------------------------------------------------------------------
@@ -58,13 +88,11 @@ class Soak:
         self.rng = random.Random(seed)
         self.num_clients = num_clients
         self.specs = make_specs(random.Random(seed + 1), num_specs)
-        self.reference: dict[Spec, str] = {}
+        self.reference: dict[Spec, list[int]] = {}
         self.tally = Tally()
         self.stop = threading.Event()
-        # a router SIGKILL counts as begun before the kill and done after it: a cut is the kill's
-        # when a kill began after the last one that was done when its request started (a request
-        # sent between the count and the kill is cut by it too)
-        self.router_kills_begun = self.router_kills_done = 0
+        self.fault_log: list[FaultEvent] = []
+        self.fault_lock = threading.Lock()
         self.redis = Redis(logdir)
         self.workers = [Worker(role, transport, logdir, self.security, proxied=(role, transport) == ("decode", "tcp"))
                         for transport in ("ucx", "tcp") for role in ("decode", "prefill")]
@@ -89,12 +117,12 @@ class Soak:
             r.wait_ready(120)
 
     def warm_up(self) -> None:
-        """The undisturbed run: each spec once, its answer the reference for the soak."""
+        """The undisturbed run: each spec once, its token ids the reference for the soak."""
         for spec in self.specs:
-            outcome, detail, text = run_request(self.routers, spec, self.rng)
-            if outcome != "answer":
-                raise RuntimeError(f"chaos: the undisturbed run failed: {outcome} {detail}")
-            self.reference[spec] = text
+            reply = run_request(self.routers, spec, self.rng)
+            if reply.kind != "answer" or not reply.token_ids:
+                raise RuntimeError(f"chaos: the undisturbed run failed: {reply.kind} {reply.detail}")
+            self.reference[spec] = reply.token_ids
         for p in self.procs():
             p.baseline_rss = p.rss_mib()
 
@@ -102,48 +130,95 @@ class Soak:
         rng = random.Random(self.seed * 100 + index)
         while not self.stop.is_set():
             spec = rng.choice(self.specs)
-            kills_done = self.router_kills_done
-            outcome, detail, text = run_request(self.routers, spec, rng)
-            if outcome == "cut":     # the connection dropped: documented only if a replica was SIGKILLed meanwhile
-                outcome = "cut_by_router_kill" if self.router_kills_begun > kills_done else "lost"
-            if outcome == "answer":
-                outcome = "ok" if text == self.reference[spec] else "wrong"
-                detail = f"{spec.prompt[-40:]!r}: got {text!r}, expected {self.reference[spec]!r}"
-            self.tally.record(outcome, detail)
+            outcome, detail, cause = self.classify(spec, run_request(self.routers, spec, rng))
+            self.tally.record(outcome, detail, cause)
+
+    def classify(self, spec: Spec, reply: Reply) -> tuple[str, str, str]:
+        """(outcome, detail, cause) of one reply (see the module doc)."""
+        ref = self.reference[spec]
+        on_path, during = self.faults_for(reply)
+        cause = str(on_path[0]) if on_path else str(during[0]) if during else "no fault during the request"
+        where = f"router {reply.router}, decode {self.name_of(reply.decode) or '-'}, " \
+                f"prefill {self.name_of(reply.prefill) or '-'}"
+        if reply.kind == "answer":
+            if reply.token_ids == ref:
+                return "ok", "", ""
+            return "wrong", f"{where}: token ids {reply.token_ids}, expected {ref}", cause
+        if reply.kind == "cut":
+            n = len(reply.token_ids)
+            if reply.token_ids != ref[:n]:
+                return "wrong", f"{where}: cut after {n} tokens {reply.token_ids}, not a prefix of {ref}", cause
+            if on_path:
+                return "cut", f"{where}: {reply.detail} ({n} tokens before)", cause
+            return "cut_unexplained", f"{where}: {reply.detail}; no fault on its path (during it: " \
+                                      f"{', '.join(map(str, during)) or 'none'})", "no fault on its path"
+        return reply.kind, f"{where}: {reply.detail}", cause
+
+    def name_of(self, address: str) -> str:
+        return next((w.name for w in self.workers if w.address == address), address)
+
+    def path_of(self, reply: Reply) -> set[str]:
+        path = {reply.router, self.name_of(reply.decode), self.name_of(reply.prefill)} - {""}
+        if reply.prefill and reply.decode:
+            path.add(f"kv:{self.name_of(reply.decode)}")
+        return path
+
+    def faults_for(self, reply: Reply) -> tuple[list[FaultEvent], list[FaultEvent]]:
+        """(faults on the reply's path, all faults) that overlap its time, SETTLE_S included."""
+        with self.fault_lock:
+            during = [f for f in self.fault_log if f.overlaps(reply.started, reply.ended)]
+        path = self.path_of(reply)
+        return [f for f in during if f.target in path], during
+
+    def begin_fault(self, kind: str, target: str) -> FaultEvent:
+        event = FaultEvent(kind, target)
+        with self.fault_lock:
+            self.fault_log.append(event)
+        return event
 
     def inject(self, kind: str) -> None:
         rng = self.rng
         self.tally.faults[kind] += 1
         self.tally.fault_times.append((kind, time.monotonic()))
-        if kind == "worker_sigkill":
-            self.restart(rng.choice(self.workers))
-        elif kind == "worker_sigstop":
+        if kind in ("worker_sigkill", "worker_sigstop"):
             w = rng.choice(self.workers)
-            w.signal(signal.SIGSTOP)
-            self.stop.wait(rng.uniform(1, 8))
-            w.signal(signal.SIGCONT)
+            event = self.begin_fault(kind, w.name)
+            if kind == "worker_sigkill":
+                self.restart(w)
+            else:
+                w.signal(signal.SIGSTOP)
+                self.stop.wait(rng.uniform(1, 8))
+                w.signal(signal.SIGCONT)
         elif kind == "router_sigkill":
             r = rng.choice(self.routers)
-            self.router_kills_begun += 1
+            event = self.begin_fault(kind, r.name)
             r.kill()
-            self.router_kills_done += 1
             r.start().wait_ready(120)
         elif kind == "redis_restart":
+            event = self.begin_fault(kind, "redis")
             self.redis.kill()
             self.redis.start().wait_ready(30)
         elif kind == "client_disconnect":
+            event = self.begin_fault(kind, "client")
             spec = rng.choice([s for s in self.specs if s.stream])
-            outcome, detail, _ = run_request(self.routers, spec, rng, disconnect=True)
-            self.tally.record("disconnected" if outcome in ("disconnected", "answer") else outcome, detail)
+            reply = run_request(self.routers, spec, rng, disconnect=True)
+            if reply.kind in ("disconnected", "answer"):
+                self.tally.record("disconnected")
+            else:
+                outcome, detail, cause = self.classify(spec, reply)
+                self.tally.record(outcome, detail, cause)
         elif kind in ("kv_delay", "kv_drop"):     # on the TCP KV path into decode-tcp
+            event = self.begin_fault(kind, f"kv:{next(w.name for w in self.workers if w.proxied)}")
             self.proxy.set_mode(kind.removeprefix("kv_"))
             self.stop.wait(rng.uniform(3, 8))
             self.proxy.set_mode("pass")
         elif kind == "layout_mismatch":
             w = rng.choice([w for w in self.workers if w.role == "decode"])
+            event = self.begin_fault(kind, w.name)
             self.restart(w, "random:tiny")
             self.stop.wait(rng.uniform(2, 6))        # the routers see it, mark it incompatible
             self.restart(w)
+        event.ended = time.monotonic()
 
     def restart(self, w: Worker, model: str = MODEL) -> None:
         """SIGKILL `w` and start it again (serving `model`); a decode worker's remote-prefill
@@ -195,14 +270,32 @@ class Soak:
                 leaks.append(f"{w.name}: block pool invariants: {state.get('error')}")
             self.bank_remote_prefills(w)
         for r in self.routers:
-            status, body = http_get(r.url + "/metrics")
-            if status != 200:
-                leaks.append(f"{r.name}: /metrics answered {status}")
+            try:
+                wait_for(lambda: self.router_is_idle(r), 60, f"{r.name} idle")
+            except TimeoutError:
+                leaks.append(f"{r.name} still holds requests: {self.router_counts(r)}")
         for p in self.procs():
             growth = p.rss_mib() - p.baseline_rss
             if p.baseline_rss and growth > MEMORY_BOUND_MIB:
                 leaks.append(f"{p.name}: RSS grew {growth:.0f} MiB (bound {MEMORY_BOUND_MIB})")
         return leaks
+
+    ROUTER_GAUGES = ('splitserve_router_admission_requests{state="running"}',
+                     'splitserve_router_admission_requests{state="queued"}', "splitserve_router_inflight_worker_calls")
+
+    def router_counts(self, r: RouterProc) -> dict[str, float] | str:
+        """The gateway's admission and open worker calls from its /metrics (what must drain to 0)."""
+        status, body = http_get(r.url + "/metrics")
+        if status != 200:
+            return f"/metrics answered {status}"
+        text = body.decode() if isinstance(body, bytes) else str(body)
+        found = {name: float(line.rsplit(" ", 1)[1]) for line in text.splitlines() for name in self.ROUTER_GAUGES
+                 if line.startswith(name + " ")}
+        return found if len(found) == len(self.ROUTER_GAUGES) else f"gauges missing from /metrics: {found}"
+
+    def router_is_idle(self, r: RouterProc) -> bool:
+        counts = self.router_counts(r)
+        return isinstance(counts, dict) and not any(counts.values())
 
     def check_security(self) -> list[str]:
         """With security on: every worker refuses a plaintext gRPC client (mTLS was in force)."""
@@ -247,16 +340,24 @@ class Soak:
               f"{self.num_clients} clients, " + ("mTLS and KV-transfer authentication on" if self.security.is_on
                                                  else "plaintext (--no-tls)"))
         print(f"faults injected ({sum(t.faults.values())}): " + ", ".join(f"{k} {t.faults[k]}" for k in FAULT_KINDS))
-        print(f"requests ({sum(t.outcomes.values())}): " + ", ".join(f"{k} {v}" for k, v in sorted(t.outcomes.items())))
+        total = sum(t.outcomes.values())
+        print(f"requests ({total}), compared by token id:")
+        for outcome in OUTCOMES + tuple(k for k in t.outcomes if k not in OUTCOMES):
+            n = t.outcomes[outcome]
+            bound = "must be 0" if outcome in FAILING or outcome == "injector_failure" else "reported"
+            causes = t.causes.get(outcome)
+            why = ("; causes: " + ", ".join(f"{c} {k}" for c, k in causes.most_common(6))) if causes else ""
+            print(f"  {outcome:16s} {n:6d}  ({100 * n / max(total, 1):5.2f} %, {bound}){why}")
         for kind, times in sorted(self.recovery_times().items()):
             times.sort()
             p99 = times[min(len(times) - 1, int(0.99 * len(times)))]
             print(f"recovery after {kind}: p50 {statistics.median(times):.2f} s, p99 {p99:.2f} s (n={len(times)})")
-        bad = sum(t.outcomes[k] for k in ("wrong", "hung", "lost", "injector_failure"))
+        bad = sum(t.outcomes[k] for k in (*FAILING, "injector_failure"))
         print(f"remote prefills (KV pushed to a decode worker): ok {self.remote_prefills['ok']:.0f}, "
               f"failed {self.remote_prefills['failed']:.0f} (then prefilled locally)")
-        print(f"data lost: {t.outcomes['lost']} requests; wrong answers: {t.outcomes['wrong']}; "
-              f"hung: {t.outcomes['hung']}; leaks and security failures: {len(leaks)}")
+        print(f"wrong: {t.outcomes['wrong']}; hung: {t.outcomes['hung']}; lost: {t.outcomes['lost']}; "
+              f"unexplained cuts: {t.outcomes['cut_unexplained']}; leaks and security failures: {len(leaks)} "
+              f"(admission, open calls and KV blocks checked empty at the end)")
         for problem in t.problems[:20]:
             print("  problem:", *problem)
         for leak in leaks:

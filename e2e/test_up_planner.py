@@ -30,13 +30,13 @@ LONG_PROMPT = "Summarise the following notes. " + " ".join(f"Note {i}: the river
 
 
 class Up:
-    def __init__(self, tmp_path):
+    def __init__(self, tmp_path, flags: list[str] | None = None):
         prof = tmp_path / "profile.json"
         prof.write_text(PROFILE.to_json())
         self.port = free_port()
         self.proc = subprocess.Popen(
-            [CLI, "up", "--port", str(self.port), "--planner", "--profile", str(prof), "--max-workers", "4",
-             "--planner-tick", "2", "--scale-down-window", "10", "--kv-cache-memory", "0.25"],
+            [CLI, "up", "--port", str(self.port), "--planner", *(["--profile", str(prof), "--max-workers", "4",
+             "--planner-tick", "2", "--scale-down-window", "10", "--kv-cache-memory", "0.25"] if flags is None else flags)],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
         self.lines: list[str] = []
         self.serving = {"prefill": 1, "decode": 1}
@@ -110,3 +110,18 @@ def test_planner_scales_each_pool_with_its_load_and_back(tmp_path):
     # Real measurements reached the law: a decision line with a measured TTFT and ITL p90.
     decisions = [ln for ln in up.lines if re.match(r"splitserve up: planner: (prefill|decode) \d+ -> \d+", ln)]
     assert any(re.search(r"measured TTFT p90 \d+ ms, ITL p90 \d+ ms", ln) for ln in decisions), "".join(decisions)
+
+
+def test_up_planner_with_no_flags_uses_the_shipped_profile_and_serves(tmp_path):
+    """The plain `splitserve up --planner` a new user types: no --profile, nothing else."""
+    up = Up(tmp_path, flags=[])
+    try:
+        up.wait_for(lambda: any("splitserve up: serving" in ln for ln in up.lines), "startup", 240)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{up.port}/v1", api_key="none", timeout=120, max_retries=0)
+        reply = client.completions.create(model="smollm2-135m", prompt="The capital of France is", max_tokens=4)
+        assert reply.choices[0].text and reply.usage.completion_tokens == 4
+    finally:
+        up.stop()
+    assert up.proc.returncode == 0, "".join(up.lines[-40:])
+    assert any("splitserve up: planner: using the capacity profile shipped for smollm2-135m (measured on 2 CPU cores"
+               in ln for ln in up.lines), "".join(up.lines[-40:])

@@ -49,6 +49,9 @@ def check_spec(spec: InferenceServiceSpec, name: str, settings: OperatorSettings
         if GPU_RESOURCE in pool.resources.limits or GPU_RESOURCE in pool.resources.requests:
             problems.append(f"{role}.resources must not name {GPU_RESOURCE}: set {role}.gpus instead")
     problems += _planner_problems(spec, settings)
+    if spec.security.insecure and not settings.security.allow_insecure:
+        problems.append("security.insecure is not allowed in this cluster (the chart's security.allowInsecure is "
+                        "false): remove it; the operator then supplies mTLS and KV authentication")
     if problems:
         raise InvalidSpecError("; ".join(problems))
 

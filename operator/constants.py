@@ -56,3 +56,6 @@ QUEUE_METRIC_ADAPTER = "vllm_num_requests_waiting"
 DEFAULT_IMAGE_REPOSITORY = "ghcr.io/splitserve/splitserve"
 CUDA_TAG_SUFFIX = "-cuda"
 RUN_AS_USER = 10001
+# On a pool's pod template: the fingerprint of the certificates the operator issued it
+# (operator/credentials.py), so a renewed certificate rolls the pool onto it.
+ANNOTATION_TLS_REVISION = f"{API_GROUP}/tls-revision"

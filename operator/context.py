@@ -4,7 +4,7 @@ and the naming, labelling and ownership rules all children share (see render.py)
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from splitserve.operator import constants as C
@@ -23,6 +23,9 @@ class Context:
     namespace: str
     uid: str
     settings: OperatorSettings
+    tls_revisions: dict[str, str] = field(default_factory=dict)
+    """component -> fingerprint of the certificates the operator issued it (credentials.py); empty
+    when render runs without a cluster (tests, --print) or the operator issues none."""
 
     @property
     def pools(self) -> tuple[str, ...]:

@@ -2,7 +2,8 @@
 
     body   = GET the InferenceService            (always the latest, whoever triggered us)
     spec   = parse + check(spec)                 invalid -> status InvalidSpec, Outcome.invalid
-    wanted = render(spec)                        pure
+    creds  = ensure_credentials(spec, now)       KV secret, CA, per-pool certificates (credentials.py)
+    wanted = render(spec, creds' fingerprints)   pure
     result = apply_all(wanted)                   idempotent: no request when nothing differs
     status = build_status(live Deployments,      written only when it changed
                           the router's adapter report on its ConfigMap)
@@ -14,6 +15,7 @@ write at all. Runs for one object are serialized by the caller (handlers.py).
 
 from __future__ import annotations
 
+import datetime
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,11 +26,12 @@ from splitserve.operator import kube as K
 from splitserve.operator.apply import ApplyResult, MissingApiError, apply_all
 from splitserve.operator.checks import InvalidSpecError, check_spec
 from splitserve.operator.context import Context, instance_selector
+from splitserve.operator.credentials import ensure_credentials
 from splitserve.operator.render import render
 from splitserve.operator.settings import OperatorSettings
 from splitserve.operator.spec import parse_spec
 from splitserve.operator.status import (blocked_status, build_status, is_ready, now_rfc3339, observe_deployment,
-                                       parse_adapter_report)
+                                       parse_adapter_report, security_condition)
 
 
 @dataclass(frozen=True)
@@ -73,7 +76,9 @@ def _gateway_url(ctx: Context, result: ApplyResult) -> str:
     return f"http://{host}:{ctx.spec.router.service.port}" if host else ctx.gateway_url()
 
 
-def reconcile(kube: K.Kube, settings: OperatorSettings, namespace: str, name: str) -> Outcome:
+def reconcile(kube: K.Kube, settings: OperatorSettings, namespace: str, name: str,
+              now: datetime.datetime | None = None) -> Outcome:
+    """`now` (default: the clock) decides which certificates are due for renewal (credentials.py)."""
     body = kube.get(K.path(K.ISVC, namespace, name))
     if body is None or body["metadata"].get("deletionTimestamp"):
         return Outcome(gone=True)
@@ -86,8 +91,9 @@ def reconcile(kube: K.Kube, settings: OperatorSettings, namespace: str, name: st
         _write_status(kube, body, blocked_status("InvalidSpec", message, generation, body.get("status"), now_rfc3339()))
         return Outcome(invalid=message)
     ctx = Context(spec, name, namespace, meta["uid"], settings)
+    revisions = ensure_credentials(kube, ctx, now or datetime.datetime.now(datetime.UTC))
     try:
-        result = apply_all(kube, render(spec, name, namespace, meta["uid"], settings), namespace,
+        result = apply_all(kube, render(spec, name, namespace, meta["uid"], settings, revisions), namespace,
                            instance_selector(name), meta["uid"])
     except MissingApiError as exc:
         message = f"{exc}: install it or change the InferenceService"
@@ -99,7 +105,7 @@ def reconcile(kube: K.Kube, settings: OperatorSettings, namespace: str, name: st
     router_cm = result.live.get(("ConfigMap", ctx.child("router"))) or {}
     report = parse_adapter_report((router_cm.get("metadata", {}).get("annotations") or {}).get(C.ANNOTATION_ADAPTERS_LOADED))
     status = build_status(observations, generation, _gateway_url(ctx, result), body.get("status"), now_rfc3339(),
-                          [a.name for a in spec.adapters], report)
+                          [a.name for a in spec.adapters], report, security_condition(spec))
     _write_status(kube, body, status)
     waiting = None if is_ready(status) else status["conditions"][0]["message"]
     return Outcome(waiting=waiting, result=result)

@@ -21,6 +21,10 @@ disaggregation.mode is never):
     NetworkPolicy                                  <name>-workers, <name>-router   unless networkPolicy.enabled is false
     Certificate (cert-manager)                     <name>-tls      when tls.issuer is set (mTLS, see render_pods)
 
+Not rendered here, because their content is random or time-bound: the Secrets of the default
+security (spec.security), which credentials.py creates and renews before each render:
+<name>-kv (KV-transfer secret), <name>-ca and <name>-<component>-tls (the operator's own CA).
+
 Every child carries the common labels and a controller owner reference to the
 InferenceService, so Kubernetes' garbage collector deletes it with its owner.
 """
@@ -34,8 +38,8 @@ from splitserve.operator.spec import InferenceServiceSpec
 
 
 def render(spec: InferenceServiceSpec, name: str, namespace: str, uid: str,
-           settings: OperatorSettings | None = None) -> list[Manifest]:
-    ctx = Context(spec, name, namespace, uid, settings or OperatorSettings())
+           settings: OperatorSettings | None = None, tls_revisions: dict[str, str] | None = None) -> list[Manifest]:
+    ctx = Context(spec, name, namespace, uid, settings or OperatorSettings(), dict(tls_revisions or {}))
     out = [*render_services.router_access(ctx)]
     if (cert := render_pods.certificate(ctx)) is not None:
         out.append(cert)

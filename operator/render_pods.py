@@ -11,6 +11,11 @@ different nodes (soft anti-affinity).
 Replicas: a pool without autoscaling gets `spec.replicas`; an autoscaled pool gets
 `minReplicas` and the annotation `serving.splitserve.io/replicas-owner: keda|hpa|planner`, which
 tells apply.py to set replicas only when it creates the Deployment and never afterwards.
+
+Security (secure by default): every worker gets `--kv-secret-file` and every pod the mTLS
+flags, from the spec's own Secrets or, where it names none, from the ones credentials.py
+manages; only `spec.security.insecure: true` leaves them out. A pod template carries the
+fingerprint of its issued certificate, so a renewal rolls the pool.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from __future__ import annotations
 from typing import Any
 
 from splitserve.operator import constants as C
+from splitserve.operator import credentials
 from splitserve.operator.context import Context, Manifest
 from splitserve.operator.render_services import config_hash
 from splitserve.operator.spec import EnvVar, PoolSpec, Resources, Toleration
@@ -86,21 +92,31 @@ KV_SECRET_DIR = "/etc/splitserve/kv"
 TLS_DIR = "/etc/splitserve/tls"
 
 
-def tls_secret_name(ctx: Context) -> str | None:
+def tls_secret_name(ctx: Context, component: str) -> str | None:
+    """The Secret a component's certificate comes from: the spec's own (Secret or cert-manager
+    Certificate), else the operator's per-component one (credentials.py), None when insecure."""
     tls = ctx.spec.tls
-    if tls is None:
-        return None
-    return tls.secret_name or ctx.child("tls")
+    if tls is not None:
+        return tls.secret_name or ctx.child("tls")
+    return credentials.tls_secret_name(ctx, component) if credentials.manages_tls(ctx) else None
 
 
-def tls_args(ctx: Context) -> list[str]:
-    if tls_secret_name(ctx) is None:
+def kv_secret_ref(ctx: Context) -> tuple[str, str] | None:
+    """(Secret, key) of the KV-transfer secret: the spec's, else the operator's, None when insecure."""
+    ref = ctx.spec.kv_transfer.auth_secret
+    if ref is not None:
+        return ref.name, ref.key
+    return (credentials.kv_secret_name(ctx), credentials.KV_SECRET_KEY) if credentials.manages_kv_secret(ctx) else None
+
+
+def tls_args(ctx: Context, component: str) -> list[str]:
+    if tls_secret_name(ctx, component) is None:
         return []
     return ["--tls-cert", f"{TLS_DIR}/tls.crt", "--tls-key", f"{TLS_DIR}/tls.key", "--tls-ca", f"{TLS_DIR}/ca.crt"]
 
 
-def _add_tls(ctx: Context, volumes: list[dict[str, Any]], mounts: list[dict[str, Any]]) -> None:
-    secret = tls_secret_name(ctx)
+def _add_tls(ctx: Context, component: str, volumes: list[dict[str, Any]], mounts: list[dict[str, Any]]) -> None:
+    secret = tls_secret_name(ctx, component)
     if secret is not None:
         volumes.append({"name": "tls", "secret": {"secretName": secret, "defaultMode": 0o440}})
         mounts.append({"name": "tls", "mountPath": TLS_DIR, "readOnly": True})
@@ -127,9 +143,9 @@ def worker_args(ctx: Context, pool: str) -> list[str]:
             "--host", "0.0.0.0", "--advertise-host", "$(POD_IP)",
             "--grpc-port", str(C.GRPC_PORT), "--metrics-port", str(C.METRICS_PORT),
             "--kv-transport", spec.kv_transfer.transport, "--kv-port", str(C.KV_PORT)]
-    if spec.kv_transfer.auth_secret is not None:
+    if kv_secret_ref(ctx) is not None:
         args += ["--kv-secret-file", f"{KV_SECRET_DIR}/secret"]
-    args += tls_args(ctx)
+    args += tls_args(ctx, pool)
     return args + (["--device", "cuda"] if pool_spec.gpus > 0 else [])
 
 
@@ -167,11 +183,11 @@ def worker_deployment(ctx: Context, pool: str) -> Manifest:
     pool_spec: PoolSpec = getattr(ctx.spec, pool)
     auto = ctx.autoscaling(pool)
     volumes, mounts = _volumes(ctx)
-    _add_tls(ctx, volumes, mounts)
-    auth = ctx.spec.kv_transfer.auth_secret
+    _add_tls(ctx, pool, volumes, mounts)
+    auth = kv_secret_ref(ctx)
     if auth is not None:
-        volumes.append({"name": "kv-secret", "secret": {"secretName": auth.name, "defaultMode": 0o440,
-                                                       "items": [{"key": auth.key, "path": "secret"}]}})
+        volumes.append({"name": "kv-secret", "secret": {"secretName": auth[0], "defaultMode": 0o440,
+                                                       "items": [{"key": auth[1], "path": "secret"}]}})
         mounts.append({"name": "kv-secret", "mountPath": KV_SECRET_DIR, "readOnly": True})
     container = {"name": "worker", "image": ctx.image(pool_spec.image, pool_spec.gpus),
                  "imagePullPolicy": ctx.spec.image.pull_policy, "command": ["splitserve"],
@@ -187,7 +203,13 @@ def worker_deployment(ctx: Context, pool: str) -> Manifest:
            "nodeSelector": dict(pool_spec.node_selector), "tolerations": _tolerations(pool_spec.tolerations, pool_spec.gpus),
            "containers": [container], "volumes": volumes}
     replicas, owner = (auto.min_replicas, auto.provider) if auto.enabled else (pool_spec.replicas, "operator")
-    return _deployment(ctx, pool, replicas, owner, _drop_empty(pod))
+    return _deployment(ctx, pool, replicas, owner, _drop_empty(pod), _tls_revision(ctx, pool))
+
+
+def _tls_revision(ctx: Context, component: str) -> dict[str, str]:
+    """The pod annotation that rolls a pool onto renewed certificates (none without issued ones)."""
+    revision = ctx.tls_revisions.get(component)
+    return {C.ANNOTATION_TLS_REVISION: revision} if revision else {}
 
 
 def router_deployment(ctx: Context) -> Manifest:
@@ -195,7 +217,7 @@ def router_deployment(ctx: Context) -> Manifest:
     volumes, mounts = _volumes(ctx)
     volumes.append({"name": "config", "configMap": {"name": ctx.child("router")}})
     mounts.append({"name": "config", "mountPath": C.ROUTER_CONFIG_DIR, "readOnly": True})
-    _add_tls(ctx, volumes, mounts)
+    _add_tls(ctx, "router", volumes, mounts)
     env = list(BASE_ENV)
     if router.redis is not None and router.redis.password_secret is not None:
         ref = router.redis.password_secret
@@ -204,7 +226,7 @@ def router_deployment(ctx: Context) -> Manifest:
                  "command": ["splitserve"],
                  "args": ["router", "--config", f"{C.ROUTER_CONFIG_DIR}/{C.ROUTER_CONFIG_FILE}", "--host", "0.0.0.0",
                           "--port", str(C.ROUTER_HTTP_PORT), "--metrics-port", str(C.ROUTER_METRICS_PORT),
-                          *tls_args(ctx)],
+                          *tls_args(ctx, "router")],
                  "ports": [{"name": C.HTTP_PORT_NAME, "containerPort": C.ROUTER_HTTP_PORT, "protocol": "TCP"},
                            {"name": C.METRICS_PORT_NAME, "containerPort": C.ROUTER_METRICS_PORT, "protocol": "TCP"}],
                  "env": _env(env, router.env), "resources": _resources(router.resources),
@@ -214,7 +236,7 @@ def router_deployment(ctx: Context) -> Manifest:
            "affinity": _anti_affinity(ctx, "router"), "nodeSelector": dict(router.node_selector),
            "tolerations": _tolerations(router.tolerations), "containers": [container], "volumes": volumes}
     return _deployment(ctx, "router", router.replicas, "operator", _drop_empty(pod),
-                       {C.ANNOTATION_CONFIG_HASH: config_hash(ctx)})
+                       {C.ANNOTATION_CONFIG_HASH: config_hash(ctx), **_tls_revision(ctx, "router")})
 
 
 def _drop_empty(pod: dict[str, Any]) -> dict[str, Any]:

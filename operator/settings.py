@@ -98,11 +98,18 @@ class NetworkPolicyDefaults(_Settings):
     workloads: WorkloadPolicies = WorkloadPolicies()
 
 
+class SecurityDefaults(_Settings):
+    allow_insecure: bool = True
+    """Whether an InferenceService may set spec.security.insecure (chart: security.allowInsecure);
+    false makes such a spec invalid, so every service of the cluster runs mTLS and KV auth."""
+
+
 class OperatorSettings(_Settings):
     image: ImageDefaults = ImageDefaults()
     autoscaling: AutoscalingDefaults = AutoscalingDefaults()
     reconcile: ReconcileSettings = ReconcileSettings()
     network_policy: NetworkPolicyDefaults = NetworkPolicyDefaults()
+    security: SecurityDefaults = SecurityDefaults()
 
 
 def load_settings(path: str | None) -> OperatorSettings:

@@ -239,7 +239,8 @@ class KvTransferSpec(_Spec):
     ucx: UcxSpec | None = None
     auth_secret: SecretKeyRef | None = None
     """A Secret key holding this service's KV-transfer secret (at least 16 bytes, e.g. `openssl rand -hex 32`):
-    a decode worker then accepts blocks only from peers that prove they hold it (docs/security.md)."""
+    a decode worker then accepts blocks only from peers that prove they hold it (docs/security.md).
+    Absent: the operator creates a random one in the Secret `<name>-kv` (unless `security.insecure`)."""
 
 
 class DisaggregationSpec(_Spec):
@@ -298,6 +299,18 @@ class TlsSpec(_Spec):
     """A cert-manager issuer: the operator renders a Certificate `<name>-tls` signed by it."""
 
 
+class SecuritySpec(_Spec):
+    """Transport security of the service. By default every pool runs mutual TLS on the worker gRPC
+    API and authenticated KV transfer: the operator creates the KV secret (`<name>-kv`) and, unless
+    `tls` names a Secret or a cert-manager issuer, its own CA (`<name>-ca`) and one certificate per
+    pool (`<name>-<pool>-tls`), renewed before they expire (docs/security.md)."""
+
+    insecure: bool = False
+    """Turn the operator's default mTLS and KV authentication off (plaintext gRPC, KV blocks from anyone who
+    reaches the port). Only for a trusted, isolated network; the status then carries the condition
+    Secure=False. An explicit `tls` or `kvTransfer.authSecret` still applies."""
+
+
 class NetworkPolicySpec(_Spec):
     """NetworkPolicies around this service's pods: worker gRPC and KV-transfer ports only from this
     service's router and workers; metrics only from the monitoring namespace (chart value
@@ -343,13 +356,20 @@ class InferenceServiceSpec(_Spec):
     """Latency targets; required when a pool's autoscaling provider is planner."""
     network_policy: NetworkPolicySpec = NetworkPolicySpec()
     tls: TlsSpec | None = None
-    """mTLS between router and workers (off when absent)."""
+    """mTLS between router and workers from your own Secret or cert-manager issuer (absent: the operator's own CA, see `security`)."""
+    security: SecuritySpec = SecuritySpec()
+    """Secure by default: mTLS and KV authentication unless `security.insecure` is true."""
     adapters: list[LoraAdapterSpec] = Field(default_factory=list, max_length=256)
     """LoRA adapters every worker of both pools holds. The router loads them on each worker when it joins, and loads and unloads them in place when this list changes: no pod restarts. status.<pool>.adapters lists what is loaded."""
 
     @property
     def served_model_name(self) -> str:
         return self.model.name or self.model.uri
+
+    @property
+    def is_secure(self) -> bool:
+        """Whether the operator supplies mTLS and KV authentication where the spec names none."""
+        return not self.security.insecure
 
     def has_prefill_pool(self) -> bool:
         return self.disaggregation.mode != "never"

@@ -16,6 +16,10 @@ each pool holds exactly spec.adapters on every worker, False while a load or unl
 way or failed (the message names what is missing or extra where), Unknown before any report;
 it is left out while no adapter is declared or loaded. It is not part of Ready: a pool serves
 the base model and the adapters it has meanwhile.
+
+Secure: True when every pool runs mutual TLS and authenticated KV transfer (the default);
+False, reason InsecureByRequest, when spec.security.insecure turned either off, with a message
+saying which. It is a warning, not part of Ready: the service still serves.
 """
 
 from __future__ import annotations
@@ -156,11 +160,26 @@ def adapters_condition(declared: list[str], pools: list[str], report: dict[str, 
     return "True", "Loaded", f"{len(declared)} adapter(s) on every worker of {', '.join(pools)}"
 
 
+def security_condition(spec: Any) -> tuple[bool, str, str]:
+    """(secure, reason, message) of the condition Secure, from a parsed InferenceServiceSpec."""
+    if spec.is_secure:
+        return True, "MutualTLSAndKVAuth", "every pool runs mutual TLS and authenticated KV transfer"
+    off = []
+    if spec.tls is None:
+        off.append("worker gRPC is plaintext (no mTLS)")
+    if spec.kv_transfer.auth_secret is None:
+        off.append("decode workers accept KV blocks from anyone who reaches their port")
+    return (not off, "InsecureByRequest" if off else "UserSuppliedSecurity",
+            "spec.security.insecure is true: " + ("; ".join(off) if off else "only the spec's own tls and "
+                                                  "kvTransfer.authSecret apply"))
+
+
 def build_status(observations: dict[str, PoolObservation | None], generation: int | None, url: str,
                  previous: dict[str, Any] | None, now: str, declared_adapters: list[str] | None = None,
-                 adapter_report: dict[str, dict] | None = None) -> dict[str, Any]:
-    """The status of a valid spec from its pools (role -> observation; None = pool not wanted) and
-    the router's adapter report (parse_adapter_report)."""
+                 adapter_report: dict[str, dict] | None = None,
+                 security: tuple[bool, str, str] | None = None) -> dict[str, Any]:
+    """The status of a valid spec from its pools (role -> observation; None = pool not wanted),
+    the router's adapter report (parse_adapter_report) and security_condition (None: left out)."""
     old = {c["type"]: c for c in (previous or {}).get("conditions", [])}
     conditions, not_ready = [], []
     for role in ROLES:
@@ -174,6 +193,8 @@ def build_status(observations: dict[str, PoolObservation | None], generation: in
     if declared_adapters or any(e["adapters"] for e in (adapter_report or {}).values()):
         conditions.append(_condition("AdaptersLoaded", *adapters_condition(declared_adapters or [], worker_pools,
                                                                            adapter_report), generation, old, now))
+    if security is not None:
+        conditions.append(_condition("Secure", *security, generation, old, now))
     status: dict[str, Any] = {"observedGeneration": generation, "url": url, "conditions": [ready, *conditions]}
     for role in ROLES:
         obs = observations.get(role)

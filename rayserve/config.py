@@ -11,6 +11,7 @@ deploy config (the `applications:` document `serve run`/KubeRay's `serveConfigV2
     prefill:  {min_replicas: 1, max_replicas: 2, target_queue_depth: 4, ray_actor_options: {num_cpus: 1}}
     decode:   {min_replicas: 1, max_replicas: 4, target_queue_depth: 8, ray_actor_options: {num_gpus: 1}}
     autoscaling: {look_back_period_s: 10, upscale_delay_s: 5, downscale_delay_s: 60, metrics_interval_s: 1}
+    security: {tls_cert, tls_key, tls_ca, kv_secret_file, insecure: false}   # local: throwaway if empty
 
 Three Serve applications come out of `render()`, wired only by names and import paths (so the
 process that deploys them never imports the engine, and neither the ingress nor the replicas
@@ -36,6 +37,11 @@ TRANSPORTS = ("ucx", "tcp")
 ACTOR_OPTIONS = ("num_cpus", "num_gpus", "memory", "resources", "accelerator_type", "runtime_env")
 POLICY = "splitserve.rayserve.autoscale:queue_depth_policy"
 GiB = 1024**3
+# How long a request that finds no decode replica waits for one (router gateway.worker_wait_s):
+# the router's 1 s default suits a fleet that is up; on Ray the gateway answers while replicas
+# still load (Serve's proxy and the ingress come up first), and a replica Serve replaces takes
+# as long as a start. A request in those seconds waits, then gets its 503.
+RAY_WORKER_WAIT_S = 60.0
 
 
 @dataclass(frozen=True)
@@ -125,6 +131,40 @@ class AutoscalingTiming:
 
 
 @dataclass(frozen=True)
+class SecuritySettings:
+    """mTLS on the replicas' gRPC (gateway -> replicas, decode -> prefill) and KV-transfer
+    authentication, as `splitserve worker`'s --tls-cert/--tls-key/--tls-ca/--kv-secret-file: files
+    the gateway and every replica can read (on a cluster, e.g. a Secret mounted on every node).
+    All left empty with `ray.address: local`: `splitserve serve` makes a throwaway CA, key pair and
+    KV secret for the run (as `splitserve up`). On a cluster they must be named, or `insecure: true`."""
+
+    tls_cert: str = ""
+    tls_key: str = ""
+    tls_ca: str = ""
+    kv_secret_file: str = ""
+    insecure: bool = False
+    """Plaintext gRPC and KV blocks from anyone who reaches a replica's port (the replicas log INSECURE)."""
+
+    def __post_init__(self) -> None:
+        tls = (self.tls_cert, self.tls_key, self.tls_ca)
+        if any(tls) and not all(tls):
+            raise ConfigError("security: tls_cert, tls_key and tls_ca go together (name all three, or none)")
+        if not isinstance(self.insecure, bool):
+            raise ConfigError(f"security.insecure={self.insecure!r} must be true or false")
+
+    @property
+    def is_complete(self) -> bool:
+        return bool(self.tls_cert and self.kv_secret_file)
+
+    def worker_args(self) -> dict:
+        """What each replica gets (render): the four files, or none when insecure."""
+        if self.insecure:
+            return {}
+        return {"tls_cert": self.tls_cert, "tls_key": self.tls_key, "tls_ca": self.tls_ca,
+                "kv_secret_file": self.kv_secret_file}
+
+
+@dataclass(frozen=True)
 class RayServeConfig:
     backend: str = "ray"
     name: str = "splitserve"
@@ -137,6 +177,7 @@ class RayServeConfig:
     prefill: PoolConfig = field(default_factory=PoolConfig)
     decode: PoolConfig = field(default_factory=PoolConfig)
     autoscaling: AutoscalingTiming = field(default_factory=AutoscalingTiming)
+    security: SecuritySettings = field(default_factory=SecuritySettings)
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
@@ -146,12 +187,23 @@ class RayServeConfig:
             raise ConfigError(f"kv_transport={self.kv_transport!r} is not supported; allowed: {', '.join(TRANSPORTS)}")
         self.prefill.check("prefill")
         self.decode.check("decode")
+        if not (self.security.insecure or self.security.is_complete or self.ray.address == "local"):
+            raise ConfigError(f"security: on a Ray cluster (ray.address {self.ray.address!r}) name tls_cert, tls_key, "
+                              "tls_ca and kv_secret_file (files every node can read, e.g. a mounted Secret), or set "
+                              "security.insecure: true (plaintext gRPC, unauthenticated KV transfer)")
         self.router_config()   # fail now on a bad router section
 
     def router_config_dict(self) -> dict:
-        """The router section with what the engines decide (model, lengths, block size) on top."""
-        return {**self.router, "model": self.model, "max_model_len": self.engine.max_model_len,
-                "block_size": self.engine.block_size}
+        """The router section with what the engines decide (model, lengths, block size) on top, and
+        the Ray default of gateway.worker_wait_s (RAY_WORKER_WAIT_S) unless the section sets one."""
+        gateway = self.router.get("gateway") if isinstance(self.router.get("gateway"), dict) else {}
+        out = {**self.router, "gateway": {"worker_wait_s": RAY_WORKER_WAIT_S, **gateway}, "model": self.model,
+               "max_model_len": self.engine.max_model_len, "block_size": self.engine.block_size}
+        if self.security.tls_cert and not self.security.insecure:   # the gateway dials replicas with mTLS
+            discovery = self.router.get("discovery") if isinstance(self.router.get("discovery"), dict) else {}
+            out["discovery"] = {**discovery, "tls_cert": self.security.tls_cert, "tls_key": self.security.tls_key,
+                                "tls_ca": self.security.tls_ca}
+        return out
 
     def router_config(self) -> RouterConfig:
         return from_dict(self.router_config_dict())
@@ -163,7 +215,7 @@ class RayServeConfig:
 
 
 _SECTIONS = {"ray": RayClusterConfig, "engine": EngineSettings, "prefill": PoolConfig, "decode": PoolConfig,
-             "autoscaling": AutoscalingTiming}
+             "autoscaling": AutoscalingTiming, "security": SecuritySettings}
 
 
 def load(path: str, **overrides) -> RayServeConfig:
@@ -206,7 +258,7 @@ def render(config: RayServeConfig) -> dict:
                      "import_path": "splitserve.rayserve.replica:build_pool",
                      "args": {"role": role, "model": config.model, "kv_transport": config.kv_transport,
                               "engine": dataclasses.asdict(config.engine), "registry": registry_ref(config),
-                              "host": config.worker_host},
+                              "host": config.worker_host, "security": config.security.worker_args()},
                      # Serve's own per-deployment overrides: what a RayService user tunes.
                      "deployments": [deployment_options(config, role)]})
     return {"proxy_location": "HeadOnly", "http_options": {"host": host, "port": port}, "applications": apps}

@@ -38,9 +38,10 @@ READY_TIMEOUT_S = 600.0
 
 class WorkerReplica:
     async def __init__(self, role: str, model: str, kv_transport: str, engine: dict, registry: dict,
-                       host: str = ""):
+                       host: str = "", security: dict | None = None):
         """`host`: the address to bind and advertise; "" binds all interfaces and advertises the
-        replica's Ray node IP (what other nodes of the cluster reach)."""
+        replica's Ray node IP (what other nodes of the cluster reach). `security`: the worker's
+        tls_cert/tls_key/tls_ca/kv_secret_file (rayserve/config.py SecuritySettings; {}: none)."""
         import ray
 
         from splitserve.platform.config import CacheConfig, DeviceConfig, EngineConfig, SchedulerConfig
@@ -51,7 +52,9 @@ class WorkerReplica:
         host = host or "0.0.0.0"
         grpc_port, metrics_port, kv_port = (_free_port(host) for _ in range(3))
         config = WorkerConfig(role=role, host=host, advertise_host=advertise, grpc_port=grpc_port,
-                              metrics_port=metrics_port, kv_transport=kv_transport, kv_port=kv_port, drain_grace_s=10.0)
+                              metrics_port=metrics_port, kv_transport=kv_transport, kv_port=kv_port, drain_grace_s=10.0,
+                              **{k: v for k, v in (security or {}).items()
+                                 if k in ("tls_cert", "tls_key", "tls_ca", "kv_secret_file")})
         engine_config = EngineConfig(
             model=model,
             cache=CacheConfig(block_size=engine["block_size"],
@@ -121,7 +124,7 @@ def build_pool(args: dict):
     and actor options come from the Serve config's `deployments:` overrides (rayserve/config.py `render`)."""
     deployment = serve.deployment(WorkerReplica).options(name=args["role"])
     return deployment.bind(args["role"], args["model"], args["kv_transport"], args["engine"], args["registry"],
-                           args.get("host", ""))
+                           args.get("host", ""), args.get("security") or {})
 
 
 def _free_port(host: str) -> int:

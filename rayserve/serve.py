@@ -15,6 +15,10 @@ with its HTTP proxy on the router config's gateway host:port, the three applicat
 never in this one), and `start()` returns once every pool has its minimum of replicas registered
 and the gateway answers /ready. `stop()` shuts Serve down (replicas drain) and, for a local
 instance, Ray itself: no Ray process is left behind.
+
+Signals: `splitserve serve` takes SIGTERM and SIGINT back from Ray after ray.init (Ray's core
+worker would dump a stack and abort); either one, during start-up or while serving, stops Serve
+and Ray and exits 0.
 """
 
 from __future__ import annotations
@@ -54,22 +58,47 @@ def cmd_serve(args) -> int:
         print(yaml.safe_dump(ray_config.render(config), sort_keys=False), end="")
         return 0
     stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
+    take_signals(stop)
     print(f"splitserve serve: starting Ray Serve ({config.prefill.min_replicas} prefill, "
           f"{config.decode.min_replicas} decode replicas of {config.model})", file=sys.stderr, flush=True)
-    with RayServe(config) as app:
+    app = RayServe(config, stop_event=stop)
+    try:
+        app.start()
+    except StartInterrupted:
+        print("splitserve serve: stopped during start-up", file=sys.stderr, flush=True)
+        return 0
+    try:
         print(f"splitserve serve: serving {app.url} (model {config.model}); Ctrl-C stops it", flush=True)
-        stop.wait()
+        while not stop.wait(1.0):
+            pass
         print("splitserve serve: stopping", file=sys.stderr, flush=True)
+    finally:
+        app.stop()
+    print("splitserve serve: stopped", file=sys.stderr, flush=True)
     return 0
+
+
+def take_signals(stop: threading.Event) -> None:
+    """SIGTERM (how Kubernetes stops a pod) and SIGINT set `stop`. Called again after ray.init,
+    which installs Ray's own SIGTERM handler in this process (a stack dump, then abort: exit 134)."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+
+
+class StartInterrupted(Exception):
+    """A signal arrived while the deployment was coming up; everything started was stopped again."""
 
 
 class RayServe:
     """One deployment of `config` on Ray Serve (see the module docstring)."""
 
-    def __init__(self, config: ray_config.RayServeConfig):
+    def __init__(self, config: ray_config.RayServeConfig, stop_event: threading.Event | None = None):
+        """`stop_event`: set by the owner's signal handlers (take_signals); start() then stops
+        what it started and raises StartInterrupted."""
         self.config = config
+        self.stop_event = stop_event
         host, port = config.gateway
         if port == 0:
             raise ConfigError("router.gateway.port=0: Ray Serve's proxy needs a fixed port; allowed: 1-65535")
@@ -88,8 +117,17 @@ class RayServe:
         from ray.serve._private.api import serve_start
         from ray.serve.schema import ServeDeploySchema
 
-        self._init_ray(ray)
         try:
+            self._init_ray(ray)
+        except SystemExit as exc:
+            # Ray's own SIGTERM handler, in place during ray.init, turns the signal into SystemExit(15).
+            if self.stop_event is None or exc.code != signal.SIGTERM:
+                raise
+            self.stop_event.set()
+            self.stop()
+            raise StartInterrupted("stopped by SIGTERM while Ray was starting") from None
+        try:
+            self.config = self._with_security(self.config)
             rendered = ray_config.render(self.config)
             # serve_start/deploy_apps are what `serve run config.yaml` calls (Ray is pinned): the
             # applications are built from their import paths inside the cluster.
@@ -99,6 +137,26 @@ class RayServe:
         except BaseException:
             self.stop()
             raise
+
+    def _with_security(self, config: ray_config.RayServeConfig) -> ray_config.RayServeConfig:
+        """A local run without named files gets a throwaway CA, key pair and KV secret (mode 0600,
+        removed by stop()), as `splitserve up`; named files or `insecure` are used as they are."""
+        if config.security.insecure or config.security.is_complete:
+            return config
+        import dataclasses
+        import secrets
+        import tempfile
+
+        from splitserve.platform.grpc_tls import generate_dev_pki
+
+        self._security_dir = tempfile.mkdtemp(prefix="splitserve-serve-", dir=config.ray.temp_dir or None)
+        tls = generate_dev_pki(self._security_dir)
+        secret = os.path.join(self._security_dir, "kv-secret")
+        fd = os.open(secret, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(secrets.token_hex(32))
+        return dataclasses.replace(config, security=ray_config.SecuritySettings(
+            tls_cert=tls.cert, tls_key=tls.key, tls_ca=tls.ca, kv_secret_file=secret))
 
     def _init_ray(self, ray) -> None:
         cluster = self.config.ray
@@ -118,6 +176,8 @@ class RayServe:
             self.owns_ray = True
         else:
             ray.init(address=cluster.address, namespace=cluster.namespace)
+        if self.stop_event is not None:
+            take_signals(self.stop_event)
 
     def _wait_ready(self, timeout_s: float) -> None:
         from ray import serve
@@ -126,6 +186,8 @@ class RayServe:
         need = {"prefill": self.config.prefill.min_replicas, "decode": self.config.decode.min_replicas}
         last = "deploying"
         while time.monotonic() < deadline:
+            if self.stop_event is not None and self.stop_event.is_set():
+                raise StartInterrupted("stopped by a signal during start-up")
             failed = [f"{name}: {app.message}" for name, app in serve.status().applications.items()
                       if app.status in ("DEPLOY_FAILED", "UNHEALTHY")]
             if failed:
@@ -159,10 +221,16 @@ class RayServe:
         import ray
         from ray import serve
 
-        if ray.is_initialized():
-            try:
-                serve.shutdown()
-            finally:
-                if self.owns_ray:
-                    ray.shutdown()
-                    self.owns_ray = False
+        try:
+            if ray.is_initialized():
+                try:
+                    serve.shutdown()
+                finally:
+                    if self.owns_ray:
+                        ray.shutdown()
+                        self.owns_ray = False
+        finally:
+            if getattr(self, "_security_dir", None):
+                import shutil
+                shutil.rmtree(self._security_dir, ignore_errors=True)
+                self._security_dir = None

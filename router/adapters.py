@@ -170,6 +170,8 @@ class AdapterCatalog:
         except grpc.aio.AioRpcError as exc:
             if strict and exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
                 raise APIError(400, exc.details(), param="lora_path") from None
+            if strict and exc.code() == grpc.StatusCode.NOT_FOUND:   # no such folder on the worker
+                raise APIError(404, exc.details(), param="lora_path", code="adapter_not_found") from None
             if strict:
                 raise NoWorkerError(f"loading the adapter on {worker.address} failed: {exc.code().name}") from None
             log.warning("loading adapter %s on %s failed (%s: %s); retried after its next load report", name,

@@ -56,6 +56,7 @@ def create_app(router: Router, manage_router: bool = True) -> FastAPI:
     app = FastAPI(title="splitserve gateway", version="0.1.0", lifespan=lifespan,
                   description="OpenAI-compatible API in front of splitserve's prefill/decode workers")
     gateway = Gateway(router)
+    router.metrics.watch_admission(gateway.admission, router.dispatcher)
     app.state.router = router
     app.state.gateway = gateway
     _add_error_handlers(app)

@@ -104,6 +104,11 @@ class Dispatcher:
         self._calls: dict[str, dict[int, grpc.aio.Call]] = {}   # worker -> in-flight calls
         self._lost: set[int] = set()                             # ids of calls cancelled by worker_down
 
+    @property
+    def num_open_calls(self) -> int:
+        """Generate calls open on workers right now (exported on /metrics)."""
+        return sum(len(calls) for calls in self._calls.values())
+
     def worker_down(self, address: str) -> None:
         """Called when a worker is marked down: its in-flight calls fail over."""
         for key, call in list(self._calls.get(address, {}).items()):

@@ -40,6 +40,18 @@ class RouterMetrics:
                           registry=r)
         self.workers = Gauge("splitserve_router_workers", "Known workers by role and health", ["role", "state"],
                              registry=r)
+        # The gateway's admission (router/access.py), read when scraped (watch_admission): what the
+        # chaos soak checks is empty once the load stops.
+        self.admission = Gauge("splitserve_router_admission_requests", "Requests holding an admission slot "
+                               "(running) or waiting for one (queued)", ["state"], registry=r)
+        self.inflight_calls = Gauge("splitserve_router_inflight_worker_calls",
+                                    "Generate calls this router has open on workers", registry=r)
+
+    def watch_admission(self, admission, dispatcher) -> None:
+        """Export the live admission counts and the open worker calls at each scrape."""
+        self.admission.labels(state="running").set_function(lambda: admission.num_running)
+        self.admission.labels(state="queued").set_function(lambda: admission.num_queued)
+        self.inflight_calls.set_function(lambda: dispatcher.num_open_calls)
 
     def observe_decision(self, decision, num_prompt_blocks: int, seconds: float | None = None) -> None:
         self.prompt_blocks.inc(num_prompt_blocks)

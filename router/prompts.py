@@ -37,6 +37,7 @@ class Prepared:
     stream: bool
     include_usage: bool
     tools: ToolPlan | None = None    # chat with tools: how to read tool calls from the answer
+    return_token_ids: bool = False   # answer the generated token ids too (vLLM's extension)
 
 
 def prepare_chat(req: ChatCompletionRequest, request_id: str, job_id: str, tokenizer: Tokenizer | None,
@@ -65,7 +66,8 @@ def prepare_chat(req: ChatCompletionRequest, request_id: str, job_id: str, token
                               "tool_choice")
         constraints["structured"] = forced
     jobs = _jobs(req, job_id, [token_ids], max_tokens, None, logprobs, max_model_len, constraints)
-    return Prepared(request_id, req.model, jobs, len(token_ids), logprobs, req.stream, _include_usage(req), plan)
+    return Prepared(request_id, req.model, jobs, len(token_ids), logprobs, req.stream, _include_usage(req), plan,
+                    return_token_ids=req.return_token_ids)
 
 
 def prepare_completion(req: CompletionRequest, request_id: str, job_id: str, tokenizer: Tokenizer | None,
@@ -75,7 +77,7 @@ def prepare_completion(req: CompletionRequest, request_id: str, job_id: str, tok
     jobs = _jobs(req, job_id, prompts, req.max_tokens, COMPLETIONS_DEFAULT_MAX_TOKENS, req.logprobs, max_model_len,
                  constraint_fields(req, tokenizer.vocab_size if tokenizer is not None else None))
     return Prepared(request_id, req.model, jobs, sum(map(len, prompts)), req.logprobs, req.stream,
-                    _include_usage(req))
+                    _include_usage(req), return_token_ids=req.return_token_ids)
 
 
 def _reject_unsupported(req: SamplingFields) -> None:

@@ -1,20 +1,33 @@
 """The OpenAI request bodies the gateway accepts (pydantic: this is the JSON edge).
 
-Strict types: a string where a number belongs is a 400, not a silent conversion. Fields of the
+Strict types: a string where a number belongs is a 400, not a silent conversion. Integer fields
+take a whole-number float (2.0), which JSON Schema counts as an integer (`Int`). Fields of the
 OpenAI API that change what the model must do and that splitserve does not implement (echo,
 suffix, best_of > n) are rejected with a 400 naming
 them rather than ignored. vLLM's sampling extensions (top_k, min_p, repetition_penalty,
 min_tokens, ignore_eos, stop_token_ids, skip_special_tokens, include_stop_str_in_output) are
-accepted; the openai client sends them through `extra_body`.
+accepted, and so is its `return_token_ids` (the generated token ids beside the text, so a client
+can compare answers exactly); the openai client sends them through `extra_body`.
 """
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
 MAX_N = 16
+
+
+def _whole_float_to_int(value: object) -> object:
+    """JSON Schema's `integer` includes 2.0 (a number with no fraction), and the OpenAPI document
+    promises `integer`: so 2.0 is taken as 2; 2.5, "2" and true stay errors under strict types."""
+    if type(value) is float and value.is_integer():
+        return int(value)
+    return value
+
+
+Int = Annotated[int, BeforeValidator(_whole_float_to_int)]
 
 
 class StreamOptions(BaseModel):
@@ -41,23 +54,24 @@ class SamplingFields(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
 
     model: str
-    n: int = Field(1, ge=1, le=MAX_N)
+    n: Int = Field(1, ge=1, le=MAX_N)
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: Int | None = None
     temperature: float | None = None
     top_p: float | None = None
-    top_k: int | None = None
+    top_k: Int | None = None
     min_p: float | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
-    max_tokens: int | None = None
-    min_tokens: int = 0
+    max_tokens: Int | None = None
+    min_tokens: Int = 0
     ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[Int] | None = None
     skip_special_tokens: bool = True
+    return_token_ids: bool = False          # vLLM's extension: each choice (and stream chunk) carries `token_ids`
     include_stop_str_in_output: bool = False
     logit_bias: dict | None = None
     user: str | None = None
@@ -67,9 +81,9 @@ class SamplingFields(BaseModel):
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = None
+    max_completion_tokens: Int | None = None
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: Int | None = None
     tools: list | None = None
     tool_choice: str | dict | None = None
     parallel_tool_calls: bool | None = None
@@ -78,11 +92,11 @@ class ChatCompletionRequest(SamplingFields):
 
 
 class CompletionRequest(SamplingFields):
-    prompt: str | list[str] | list[int] | list[list[int]]
-    logprobs: int | None = None
+    prompt: str | list[str] | list[Int] | list[list[Int]]
+    logprobs: Int | None = None
     echo: bool = False
     suffix: str | None = None
-    best_of: int | None = None
+    best_of: Int | None = None
 
 
 def unsupported_fields(req: SamplingFields) -> list[str]:

@@ -42,12 +42,14 @@ class ChoiceState:
 
     def __init__(self):
         self.text = ""
+        self.token_ids: list[int] = []
         self.logprobs: list = []
         self.finish_reason: str | None = None
         self.last: Chunk | None = None
 
     def add(self, chunk: Chunk) -> None:
         self.text += chunk.text
+        self.token_ids += chunk.token_ids
         self.logprobs += chunk.logprobs
         self.finish_reason = chunk.finish_reason or self.finish_reason
         self.last = chunk
@@ -100,7 +102,10 @@ class Formatter:
         if calls:
             body["message"] = {"role": "assistant", "content": calls[0], "tool_calls": calls[1]}
             finish_reason = "tool_calls"
-        return {"index": index, **body, "logprobs": self.logprobs(c.logprobs), "finish_reason": finish_reason}
+        out = {"index": index, **body, "logprobs": self.logprobs(c.logprobs), "finish_reason": finish_reason}
+        if self.prepared.return_token_ids:
+            out["token_ids"] = list(c.token_ids)
+        return out
 
     def _tool_calls(self, text: str, finish_reason: str | None) -> tuple[str | None, list[dict]] | None:
         """(content, OpenAI tool_calls) when the answer holds tool calls, else None."""
@@ -121,7 +126,7 @@ class Formatter:
             return []
         calls = self._tool_calls(state.text, chunk.finish_reason)
         if calls is None:
-            return [self.chunk(index, dataclasses.replace(chunk, text=state.text))]
+            return [self.chunk(index, dataclasses.replace(chunk, text=state.text, token_ids=list(state.token_ids)))]
         events = []
         if calls[0]:
             events.append(self._delta(index, {"content": calls[0]}, None))
@@ -147,6 +152,8 @@ class Formatter:
             choice = {"index": index, "text": text}
         choice["logprobs"] = self.logprobs(chunk.logprobs) if chunk is not None and chunk.logprobs else None
         choice["finish_reason"] = chunk.finish_reason if chunk is not None else None
+        if self.prepared.return_token_ids:
+            choice["token_ids"] = list(chunk.token_ids) if chunk is not None else []
         out["choices"] = [choice]
         if self.prepared.include_usage:
             out["usage"] = None

@@ -59,7 +59,8 @@ def register(subparsers) -> None:
     g = p.add_argument_group("SLA planner (router/up_planner.py)")
     g.add_argument("--planner", action="store_true", help="start and stop workers from the planner's decisions")
     g.add_argument("--max-workers", type=int, default=4, help="most prefill + decode workers together")
-    g.add_argument("--profile", default=None, help="capacity profile JSON (`splitserve profile`); needed with --planner")
+    g.add_argument("--profile", default=None, help="capacity profile JSON (`splitserve profile`; default: the one shipped for the "
+                        "model, else one measured on first use and cached)")
     g.add_argument("--ttft-slo-ms", type=int, default=5000)
     g.add_argument("--itl-slo-ms", type=int, default=250)
     g.add_argument("--planner-tick", type=float, default=5.0, metavar="S")
@@ -188,7 +189,7 @@ def _up(args, config, secure_args: list[str]) -> int:
               *secure_args, *lora_args(args), *args.worker_arg,
               *(["--speculative-config", args.speculative_config] if args.speculative_config else [])]
     level = logging.getLevelName(logging.getLogger().level)
-    planner = make_planner(args) if args.planner else None
+    planner = make_planner(args, config.model) if args.planner else None
     # With the planner many workers share the cores: one thread each unless told otherwise.
     threads = ({"prefill": args.prefill_threads or args.threads or 1, "decode": args.decode_threads or args.threads or 1}
                if planner is not None else
@@ -217,7 +218,7 @@ def lora_args(args) -> list[str]:
     return out
 
 
-def make_planner(args):
+def make_planner(args, model: str):
     """The planner of `up --planner` from its flags; SystemExit (usage error) for bad ones."""
     import os
 
@@ -227,8 +228,6 @@ def make_planner(args):
     from splitserve.platform.errors import ConfigError
 
     cores = os.cpu_count() or 1
-    if not args.profile:
-        raise SystemExit("up --planner needs --profile PROFILE.json (measure one with `splitserve profile`)")
     if not 2 <= args.max_workers <= max(2, 4 * cores):
         raise SystemExit(f"--max-workers must be in 2..{max(2, 4 * cores)} on this machine ({cores} cores)")
     try:
@@ -237,7 +236,10 @@ def make_planner(args):
                             tick_s=args.planner_tick, scale_down_window_s=args.scale_down_window,
                             peak_window_s=2 * args.planner_tick, warmup_s=0.0, pending_timeout_s=300.0,
                             budget=args.max_workers, prefill=bounds, decode=bounds)
-        return Planner(cfg, CapacityProfile.load(args.profile))
+        from splitserve.router.up_profile import resolve_profile
+        profile = resolve_profile(model, args.profile, worker_args=[
+            "--threads", "1", "--quantization", args.quantization, "--kv-cache-dtype", args.kv_cache_dtype])
+        return Planner(cfg, CapacityProfile.load(profile))
     except (ConfigError, OSError) as e:
         raise SystemExit(f"up --planner: {e}") from None
 

@@ -108,6 +108,22 @@ def kv_state(engine: LLMEngine) -> dict:
                 invariants_ok=not error, error=error)
 
 
+def warn_if_insecure(cfg: WorkerConfig, logger: logging.Logger) -> None:
+    """A worker started by hand without a secret or certificates says so, once, loudly (the
+    operator and `splitserve up` always pass both; the metrics splitserve_kv_auth_enabled and
+    splitserve_grpc_tls_enabled say it too)."""
+    if not cfg.kv_secret_file and cfg.role != "prefill":
+        logger.warning("INSECURE: no --kv-secret-file: this %s worker accepts KV blocks from anyone who can reach "
+                       "port %d (splitserve_kv_auth_enabled 0); give every worker of the service the same secret "
+                       "file, e.g. `openssl rand -hex 32 > kv-secret`", cfg.role, cfg.kv_port)
+    elif not cfg.kv_secret_file:
+        logger.warning("INSECURE: no --kv-secret-file: this prefill worker cannot prove itself to decode workers "
+                       "that require KV authentication, and sends to any that do not (splitserve_kv_auth_enabled 0)")
+    if not cfg.tls_cert:
+        logger.warning("INSECURE: no --tls-cert/--tls-key/--tls-ca: the worker gRPC API on port %d is plaintext and "
+                       "accepts any caller (splitserve_grpc_tls_enabled 0)", cfg.grpc_port)
+
+
 class Worker:
     def __init__(self, config: WorkerConfig, engine: LLMEngine):
         self.config = config
@@ -127,12 +143,17 @@ class Worker:
         metrics.cache_info.labels(block_size=str(layout.block_size), num_gpu_blocks=str(self.llm.pool.num_blocks),
                                   role=cfg.role).set(1)
         auth_key = load_key(cfg.kv_secret_file) if cfg.kv_secret_file else None
+        metrics.kv_auth_enabled.set(1 if auth_key else 0)
+        metrics.grpc_tls_enabled.set(1 if cfg.tls_cert else 0)
+        warn_if_insecure(cfg, log)
         receiver = (make_receiver(cfg.kv_transport, cfg.host, cfg.kv_port, auth_key=auth_key,
                                   on_auth_failure=metrics.kv_auth_failures.inc) if cfg.role != "prefill" else None)
         sender = make_sender(cfg.kv_transport, auth_key=auth_key) if cfg.role != "decode" else None
         if receiver is not None:
             await receiver.start()
         kv_address = advertised(receiver.address, cfg.advertise_host) if receiver else ""
+        if receiver is not None:
+            receiver.identity = kv_address   # what senders dial: the KV handshake binds proofs to it
         info = pb.WorkerInfo(worker_id=uuid.uuid4().hex, role=cfg.role, model_id=layout.model_id,
                              layout=pb.KVLayout(**layout.to_dict()), kv_address=kv_address,
                              num_total_blocks=self.llm.pool.num_blocks)

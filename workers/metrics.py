@@ -75,6 +75,11 @@ class WorkerMetrics:
                                        ["outcome"], registry=r)
         self.requests = Counter("splitserve_requests", "Finished requests by finish reason", ["finish_reason"],
                                 registry=r)
+        self.kv_auth_enabled = Gauge("splitserve_kv_auth_enabled", "1 when KV-transfer connections must prove the "
+                                     "service's secret (--kv-secret-file), 0 when anyone may send KV blocks",
+                                     registry=r)
+        self.grpc_tls_enabled = Gauge("splitserve_grpc_tls_enabled", "1 when the worker gRPC API requires mutual TLS",
+                                      registry=r)
         self.kv_auth_failures = Counter("splitserve_kv_auth_failures", "KV-transfer connections rejected for a "
                                         "wrong or missing token (transfer/auth.py)", registry=r)
         self.grammar_compile = Histogram("splitserve_grammar_compile_seconds", "Grammar compile time (cache misses)",

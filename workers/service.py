@@ -20,6 +20,7 @@ import grpc
 
 from splitserve.platform.engine.async_engine import AsyncEngine
 from splitserve.platform.errors import InvalidRequestError
+from splitserve.platform.lora.adapter import AdapterFolderNotFoundError
 from splitserve.platform.lora.registry import AdapterNotFoundError
 from splitserve.platform.wire import worker_pb2 as pb
 from splitserve.platform.wire import worker_pb2_grpc as pb_grpc
@@ -197,6 +198,8 @@ class WorkerService(pb_grpc.WorkerServicer):
     async def LoadLoraAdapter(self, request: pb.LoadLoraAdapterRequest, context):
         try:
             adapter = await self.engine.call(lambda e: e.load_lora_adapter(request.lora_name, request.lora_path))
+        except AdapterFolderNotFoundError as exc:
+            await context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
         except InvalidRequestError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         log.info("loaded LoRA adapter %s from %s (rank %d)", adapter.name, adapter.path, adapter.rank)

@@ -56,6 +56,10 @@ class AdapterError(InvalidRequestError):
     """An adapter folder cannot be served: says which file or field and what is allowed."""
 
 
+class AdapterFolderNotFoundError(AdapterError):
+    """The adapter path is not a folder on this worker (HTTP 404, as vLLM answers a missing adapter)."""
+
+
 @dataclass(frozen=True)
 class LinearLayout:
     """What packing needs of one fused linear: input width and shard -> (row offset, rows)."""
@@ -129,7 +133,7 @@ def read_adapter(name: str, path: str, layout: dict[str, LinearLayout], max_rank
                  dtype: torch.dtype = torch.float32) -> LoraAdapter:
     """Read, check and pack the PEFT adapter in folder `path`. Raises AdapterError."""
     if not isinstance(path, str) or not os.path.isdir(path):
-        raise AdapterError(f"adapter {name!r}: {path!r} is not a folder; allowed: a PEFT adapter folder "
+        raise AdapterFolderNotFoundError(f"adapter {name!r}: {path!r} is not a folder; allowed: a PEFT adapter folder "
                            f"with {CONFIG_FILE} and {WEIGHTS_FILE}")
     config_bytes = _read(path, CONFIG_FILE)
     weight_bytes = _read(path, WEIGHTS_FILE)

@@ -37,7 +37,7 @@ import kmock
 WRITE_METHODS = {"POST", "PATCH", "PUT", "DELETE"}
 BUILTIN = [("v1/namespaces", "Namespace", False), ("v1/events", "Event", True),
            ("apiextensions.k8s.io/v1/customresourcedefinitions", "CustomResourceDefinition", False),
-           ("v1/configmaps", "ConfigMap", True), ("v1/serviceaccounts", "ServiceAccount", True),
+           ("v1/configmaps", "ConfigMap", True), ("v1/secrets", "Secret", True), ("v1/serviceaccounts", "ServiceAccount", True),
            ("v1/services", "Service", True), ("rbac.authorization.k8s.io/v1/roles", "Role", True),
            ("rbac.authorization.k8s.io/v1/rolebindings", "RoleBinding", True),
            ("apps/v1/deployments", "Deployment", True), ("policy/v1/poddisruptionbudgets", "PodDisruptionBudget", True),

@@ -131,6 +131,7 @@ def needed_permissions() -> set[tuple[str, str, str]]:
     need = {(group(k.api_version), k.plural, v) for k in KINDS for v in ("get", "list", "create", "patch", "delete")}
     need |= {("serving.splitserve.io", "inferenceservices", v) for v in ("get", "list", "watch", "patch")}
     need |= {("serving.splitserve.io", "inferenceservices/status", "patch"), ("", "events", "create")}
+    need |= {("", "secrets", v) for v in ("get", "create", "patch")}  # credentials.py
     ctx = Context(parse_spec({"model": {"uri": "m"}}), "svc", "ns", "uid", OperatorSettings())
     (role,) = [m for m in router_access(ctx) if m["kind"] == "Role"]
     need |= {(g, r, v) for rule in role["rules"] for g in rule["apiGroups"] for r in rule["resources"]
@@ -150,7 +151,8 @@ def test_rbac_grants_what_the_operator_does_and_no_wildcards(chart):
         assert "*" not in str([rule["verbs"] + rule["resources"] + rule["apiGroups"] for rule in r["rules"]])
     (observer,) = find(objs, "ClusterRole", "splitserve-observer")
     assert {v for _, _, v in granted(observer["rules"])} == {"list", "watch"}
-    assert not [rule for rule in role["rules"] if "secrets" in rule["resources"]]
+    # Secrets: only the operator's own by name (credentials.py); never list, watch or delete them.
+    assert {v for _, r, v in granted(role["rules"]) if r == "secrets"} == {"get", "create", "patch"}
 
 
 def test_namespaced_rbac_uses_roles_in_the_watched_namespaces(chart):
@@ -206,7 +208,7 @@ def test_the_readme_explains_every_value():
     schema = json.loads((CHART / "values.schema.json").read_text())
     readme = (CHART / "README.md").read_text()
     leaves = [leaf.rstrip(".") for leaf in _schema_leaves(schema)]
-    assert len(leaves) == 52
+    assert len(leaves) == 53
     assert [leaf for leaf in leaves if f"`{leaf}`" not in readme] == []
     values = yaml.safe_load((CHART / "values.yaml").read_text())
     assert sorted(values) == sorted(schema["properties"])  # values.yaml and its schema list the same keys

@@ -231,7 +231,8 @@ def test_kv_auth_secret_is_mounted_and_passed_to_the_workers():
         (dep,) = [m for m in manifests if m["kind"] == "Deployment" and m["metadata"]["name"] == pool]
         pod = dep["spec"]["template"]["spec"]
         (container,) = pod["containers"]
-        assert container["args"][-2:] == ["--kv-secret-file", "/etc/splitserve/kv/secret"]
+        i = container["args"].index("--kv-secret-file")
+        assert container["args"][i:i + 2] == ["--kv-secret-file", "/etc/splitserve/kv/secret"]
         assert {"name": "kv-secret", "mountPath": "/etc/splitserve/kv", "readOnly": True} in container["volumeMounts"]
         (volume,) = [v for v in pod["volumes"] if v["name"] == "kv-secret"]
         assert volume["secret"]["secretName"] == "b-kv" and volume["secret"]["items"] == [{"key": "token", "path": "secret"}]

@@ -101,7 +101,10 @@ def test_worker_container_follows_the_worker_contract():
     assert c["args"] == ["worker", "--role", "decode", "--model", "smollm2-135m", "--dtype", "float32",
                          "--max-model-len", "2048", "--block-size", "16", "--max-num-seqs", "32",
                          "--kv-cache-memory", "0.5", "--host", "0.0.0.0", "--advertise-host", "$(POD_IP)", "--grpc-port", "50051", "--metrics-port", "9090",
-                         "--kv-transport", "tcp", "--kv-port", "13337"]
+                         "--kv-transport", "tcp", "--kv-port", "13337",
+                         # secure by default: the operator's KV secret and per-pool certificate
+                         "--kv-secret-file", "/etc/splitserve/kv/secret", "--tls-cert", "/etc/splitserve/tls/tls.crt",
+                         "--tls-key", "/etc/splitserve/tls/tls.key", "--tls-ca", "/etc/splitserve/tls/ca.crt"]
     assert c["image"] == "ghcr.io/splitserve/splitserve:0.1.0"
     assert [(p["name"], p["containerPort"]) for p in c["ports"]] == [("grpc", 50051), ("metrics", 9090), ("kv", 13337)]
     assert c["livenessProbe"]["httpGet"] == {"path": "/health", "port": "metrics"}
@@ -111,7 +114,7 @@ def test_worker_container_follows_the_worker_contract():
     assert c["securityContext"] == {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
                                     "runAsNonRoot": True, "capabilities": {"drop": ["ALL"]}}
     assert c["resources"] == {"requests": {"cpu": "1", "memory": "1Gi"}, "limits": {"memory": "2Gi"}}
-    assert {m["mountPath"] for m in c["volumeMounts"]} == {"/tmp", "/dev/shm"}
+    assert {m["mountPath"] for m in c["volumeMounts"]} == {"/tmp", "/dev/shm", "/etc/splitserve/kv", "/etc/splitserve/tls"}
     assert pod["terminationGracePeriodSeconds"] == 120
     assert pod["securityContext"]["runAsNonRoot"] is True and pod["securityContext"]["runAsUser"] == 10001
     assert pod["automountServiceAccountToken"] is False
@@ -173,7 +176,8 @@ def test_router_container_and_config():
     pod = deploy["spec"]["template"]["spec"]
     (c,) = pod["containers"]
     assert c["args"] == ["router", "--config", "/etc/splitserve/router.yaml", "--host", "0.0.0.0", "--port", "8000",
-                         "--metrics-port", "9090"]
+                         "--metrics-port", "9090", "--tls-cert", "/etc/splitserve/tls/tls.crt",
+                         "--tls-key", "/etc/splitserve/tls/tls.key", "--tls-ca", "/etc/splitserve/tls/ca.crt"]
     assert [(p["name"], p["containerPort"]) for p in c["ports"]] == [("http", 8000), ("metrics", 9090)]
     assert c["readinessProbe"]["httpGet"] == {"path": "/ready", "port": "http"}
     assert c["livenessProbe"]["httpGet"] == {"path": "/health", "port": "http"}

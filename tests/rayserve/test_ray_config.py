@@ -37,6 +37,11 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
     ({"autoscaling": {"look_back_period_s": 1, "metrics_interval_s": 2}}, "need 0 < metrics_interval_s"),
     ({"ray": {"num_cpus": 0}}, "ray.num_cpus=0 must be >= 1"),
     ({"decode": [1, 2]}, "decode must be a mapping, got list"),
+    ({"ray": {"address": "auto"}}, "security: on a Ray cluster (ray.address 'auto') name tls_cert, tls_key, tls_ca "
+                                   "and kv_secret_file"),
+    ({"security": {"tls_cert": "/c"}}, "security: tls_cert, tls_key and tls_ca go together"),
+    ({"security": {"insecure": "yes"}}, "security.insecure='yes' must be true or false"),
+    ({"security": {"tls": 1}}, "unknown key(s) ['tls'] in security; allowed: tls_cert"),
 ])
 def test_bad_config_says_what_is_wrong_and_what_is_allowed(data, message):
     with pytest.raises(ConfigError) as err:
@@ -167,3 +172,35 @@ def test_deploy_configs_parse():
     for name in ("serve.yaml", "cluster.yaml"):
         config = ray_config.load(str(ROOT / "deploy/ray" / name))
         assert dataclasses.asdict(config)["backend"] == "ray"
+
+
+def test_security_reaches_the_gateway_and_every_replica():
+    files = {"tls_cert": "/s/tls.crt", "tls_key": "/s/tls.key", "tls_ca": "/s/ca.crt", "kv_secret_file": "/s/kv"}
+    config = ray_config.parse({"ray": {"address": "auto"}, "security": files})
+    rendered = ray_config.render(config)
+    gateway, *pools = rendered["applications"]
+    assert gateway["args"]["router"]["discovery"] == {"tls_cert": "/s/tls.crt", "tls_key": "/s/tls.key",
+                                                      "tls_ca": "/s/ca.crt"}
+    assert [p["args"]["security"] for p in pools] == [files, files]
+    insecure = ray_config.render(ray_config.parse({"ray": {"address": "auto"}, "security": {"insecure": True}}))
+    assert "discovery" not in insecure["applications"][0]["args"]["router"]
+    assert [p["args"]["security"] for p in insecure["applications"][1:]] == [{}, {}]
+    # requests during start-up wait for a replica (router gateway.worker_wait_s), unless the config says otherwise
+    assert gateway["args"]["router"]["gateway"]["worker_wait_s"] == ray_config.RAY_WORKER_WAIT_S
+    mine = ray_config.parse({"router": {"gateway": {"port": 8001, "worker_wait_s": 5}}})
+    assert mine.router_config().gateway.worker_wait_s == 5 and mine.gateway == ("127.0.0.1", 8001)
+
+
+def test_a_local_run_gets_throwaway_credentials_removed_at_stop(tmp_path):
+    from splitserve.rayserve.serve import RayServe
+
+    app = RayServe(dataclasses.replace(ray_config.load(str(ROOT / "deploy/ray/serve.yaml")),
+                                       ray=ray_config.RayClusterConfig(temp_dir=str(tmp_path))))
+    secured = app._with_security(app.config)
+    sec = secured.security
+    for path in (sec.tls_cert, sec.tls_key, sec.tls_ca, sec.kv_secret_file):
+        assert pathlib.Path(path).is_file() and pathlib.Path(path).stat().st_mode & 0o077 == 0
+    assert len(pathlib.Path(sec.kv_secret_file).read_text()) == 64
+    assert ray_config.render(secured)["applications"][1]["args"]["security"]["kv_secret_file"] == sec.kv_secret_file
+    app.stop()
+    assert not pathlib.Path(sec.kv_secret_file).exists()

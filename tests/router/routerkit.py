@@ -203,11 +203,14 @@ class FakeWorker(pb_grpc.WorkerServicer):
 
     async def LoadLoraAdapter(self, request, context):
         """As the real worker: a folder with adapter_config.json loads (digest: of the config's
-        bytes here), anything else is INVALID_ARGUMENT; the adapter shows in the load reports."""
+        bytes here), a path that is no folder is NOT_FOUND, anything else INVALID_ARGUMENT; the
+        adapter shows in the load reports."""
         import hashlib
         import os
 
         config = os.path.join(request.lora_path, "adapter_config.json")
+        if not os.path.isdir(request.lora_path):
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"{request.lora_path!r} is not a folder")
         if not request.lora_name or not os.path.isfile(config):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{request.lora_path}: cannot read adapter_config.json")
         with open(config, "rb") as f:

@@ -129,7 +129,7 @@ def test_load_use_and_unload_under_traffic(client, reference, folders):
 
 
 @pytest.mark.parametrize("body, status, reason", [
-    ({"lora_name": "x", "lora_path": "/does/not/exist"}, 400, "is not a folder"),
+    ({"lora_name": "x", "lora_path": "/does/not/exist"}, 404, "is not a folder"),   # as vLLM: not found
     ({"lora_name": "big", "lora_path": "big"}, 400, "rank 32 is over this server's max_lora_rank 16"),
     ({"lora_name": "lmhead", "lora_path": "lmhead"}, 400, "lm_head"),
     ({"lora_name": "cfg", "lora_path": "badcfg"}, 400, "not valid JSON"),
@@ -137,7 +137,7 @@ def test_load_use_and_unload_under_traffic(client, reference, folders):
     ({"lora_name": "x"}, 400, "lora_path"),
     ({"lora_name": "has space", "lora_path": "sql"}, 400, "lora_name"),
 ])
-def test_bad_loads_are_400_with_the_reason(client, folders, body, status, reason):
+def test_bad_loads_are_4xx_with_the_reason(client, folders, body, status, reason):
     bad = folders["root"] / "badcfg"
     if not bad.exists():
         write_adapter(bad)

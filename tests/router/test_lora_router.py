@@ -152,10 +152,15 @@ def test_requests_go_only_to_workers_with_the_adapter_and_hash_with_its_identity
     assert server.router.dispatcher._hashes(_job(prompt, None), prompt) == BlockHasher(MODEL, 16).hash_blocks(prompt)
 
 
-def test_bad_load_is_400_and_changes_nothing(fleet):
+def test_bad_load_is_400_missing_folder_404_and_neither_changes_anything(fleet, tmp_path):
     server, client, w1, w2, folders = fleet
-    resp = httpx.post(server.url + "/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": "/nope"}, timeout=30)
+    resp = httpx.post(server.url + "/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": str(tmp_path)},
+                      timeout=30)
     assert resp.status_code == 400 and "adapter_config.json" in resp.json()["error"]["message"]
+    resp = httpx.post(server.url + "/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": "/nope"}, timeout=30)
+    error = resp.json()["error"]
+    assert resp.status_code == 404 and (error["code"], error["param"]) == ("adapter_not_found", "lora_path")
+    assert "'/nope' is not a folder" in error["message"]
     assert names(w1) == set() and "x" not in {m.id for m in client.models.list().data}
 
 

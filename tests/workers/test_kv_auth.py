@@ -13,7 +13,7 @@ import time
 import pytest
 
 from splitserve.workers.transfer import KVLayout, make_sender
-from splitserve.workers.transfer.auth import answer, derive_key
+from splitserve.workers.transfer.auth import answer, derive_key, transfer_tag
 from splitserve.workers.transfer.stream import ChannelClosed
 from test_worker_disaggregation import generate, prompt
 from workerproc import WorkerProc
@@ -39,10 +39,11 @@ async def _knock(kind: str, port: int, key: bytes | None) -> dict | None:
     sender = make_sender(kind)
     channel = await sender._connect(f"127.0.0.1:{port}")
     try:
+        header = {"op": "open", "transfer_id": "not-a-pending-id", "layout": LAYOUT.to_dict(), "num_blocks": 1}
         if key is not None:
-            await answer(channel, key)
-        await channel.send({"op": "open", "transfer_id": "not-a-pending-id", "layout": LAYOUT.to_dict(),
-                            "num_blocks": 1})
+            session_key = await answer(channel, key, f"{kind}://127.0.0.1:{port}")
+            header["tag"] = transfer_tag(session_key, header["transfer_id"])
+        await channel.send(header)
         while True:
             msg = await asyncio.wait_for(channel.recv(), 30)
             if msg.get("type") != "challenge":
@@ -55,12 +56,13 @@ async def _knock(kind: str, port: int, key: bytes | None) -> dict | None:
 
 def test_wrong_or_missing_token_is_refused_and_the_worker_keeps_serving(pair, loop):
     kind, d, p = pair
+    assert d.metric("splitserve_kv_auth_enabled") == 1 and d.metric("splitserve_grpc_tls_enabled") == 1
     before = d.metric("splitserve_kv_auth_failures_total")
     assert loop.run_until_complete(_knock(kind, d.kv_port, derive_key(b"another-service-secret-000"))) is None
     assert loop.run_until_complete(_knock(kind, d.kv_port, None)) is None
     assert d.metric("splitserve_kv_auth_failures_total") - before == 2
     deadline = time.monotonic() + 30   # the log line reaches us through the process's stdout pipe
-    while "rejected a KV transfer connection: wrong KV-transfer token" not in d.log():
+    while "rejected a KV transfer connection: wrong KV-transfer proof" not in d.log():
         assert time.monotonic() < deadline, d.log()[-2000:]
         time.sleep(0.05)
     # The right token gets through the handshake: the receiver answers the (unknown) transfer.
@@ -86,3 +88,15 @@ def test_a_prefill_worker_of_another_service_cannot_push(pair, loop, tmp_path):
         assert d.metric("splitserve_kv_auth_failures_total") - before >= 1
     finally:
         intruder.terminate()
+
+
+def test_a_worker_started_by_hand_without_a_secret_says_so_in_its_log_and_metrics():
+    w = WorkerProc("decode", "tcp", secure=False).start()
+    try:
+        assert w.metric("splitserve_kv_auth_enabled") == 0 and w.metric("splitserve_grpc_tls_enabled") == 0
+        log = w.log()
+        assert f"INSECURE: no --kv-secret-file: this decode worker accepts KV blocks from anyone who can reach port " \
+               f"{w.kv_port}" in log
+        assert "INSECURE: no --tls-cert/--tls-key/--tls-ca" in log
+    finally:
+        w.terminate()

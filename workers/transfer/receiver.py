@@ -23,8 +23,11 @@ from splitserve.workers.transfer.table import TransferTable
 log = logging.getLogger(__name__)
 
 
-async def serve_channel(channel: Channel, table: TransferTable, max_payload_bytes: int = MAX_PAYLOAD_BYTES) -> None:
-    """Run one incoming connection until it closes; a bound transfer is failed if it drops."""
+async def serve_channel(channel: Channel, table: TransferTable, max_payload_bytes: int = MAX_PAYLOAD_BYTES,
+                        session_key: bytes | None = None, on_auth_failure=None) -> None:
+    """Run one incoming connection until it closes; a bound transfer is failed if it drops. With
+    the handshake's `session_key`, an "open" without the transfer's tag (auth.py) closes the
+    connection before the transfer is bound, and calls `on_auth_failure`."""
     bound: str | None = None
     scratch = torch.empty(0, dtype=torch.uint8)
     background: set[asyncio.Task] = set()
@@ -43,6 +46,8 @@ async def serve_channel(channel: Channel, table: TransferTable, max_payload_byte
             msg = await channel.recv()
             op = msg.get("op")
             if op == "open":
+                if session_key is not None and not auth.is_valid_tag(session_key, msg["transfer_id"], msg.get("tag")):
+                    raise auth.AuthError(f"an open of {msg['transfer_id']!r} without this connection's tag")
                 bound = msg["transfer_id"]
                 reply = table.bind(bound, msg["layout"], msg["num_blocks"], notify)
                 if reply is not None:
@@ -64,6 +69,10 @@ async def serve_channel(channel: Channel, table: TransferTable, max_payload_byte
                 raise ValueError(f"protocol error: unexpected header {msg!r}")
     except (ChannelClosed, ConnectionError, asyncio.IncompleteReadError):
         pass
+    except auth.AuthError as e:
+        log.warning("rejected a KV transfer connection: %s", e)
+        if on_auth_failure is not None:
+            on_auth_failure()
     except Exception as e:  # a malformed header, or the transport failing in its own way
         log.warning("closing a KV transfer connection: %r", e)
     finally:
@@ -75,7 +84,9 @@ async def serve_channel(channel: Channel, table: TransferTable, max_payload_byte
 
 class ChannelReceiver(KVReceiver):
     """`auth_key` (auth.py): every connection must answer a challenge before its first header is
-    acted on; `on_auth_failure` is called once per rejected connection (the worker's metric)."""
+    acted on; `on_auth_failure` is called once per rejected connection (the worker's metric).
+    `identity` is the address senders dial this receiver by (the advertised KV address; default
+    `address`): the handshake binds the sender's proof to it."""
 
     def __init__(self, max_payload_bytes: int = MAX_PAYLOAD_BYTES, auth_key: bytes | None = None,
                  on_auth_failure=None):
@@ -83,6 +94,7 @@ class ChannelReceiver(KVReceiver):
         self.on_auth_failure = on_auth_failure
         self.num_auth_failures = 0
         self.address = ""
+        self.identity = ""
         self._table = TransferTable()
         self._channels: set[Channel] = set()
         self._max_payload_bytes = max_payload_bytes
@@ -118,20 +130,24 @@ class ChannelReceiver(KVReceiver):
             return
         self._channels.add(channel)
         try:
+            session_key = None
             if self.auth_key is not None:
                 try:
-                    await auth.challenge(channel, self.auth_key)
+                    session_key = await auth.challenge(channel, self.auth_key, self.identity or self.address)
                 except (auth.AuthError, ChannelClosed, ValueError) as e:
                     log.warning("rejected a KV transfer connection: %s", e)
-                    self.num_auth_failures += 1
-                    if self.on_auth_failure is not None:
-                        self.on_auth_failure()
+                    self._count_auth_failure()
                     with contextlib.suppress(Exception):
                         await channel.close()
                     return
-            await serve_channel(channel, self._table, self._max_payload_bytes)
+            await serve_channel(channel, self._table, self._max_payload_bytes, session_key, self._count_auth_failure)
         finally:
             self._channels.discard(channel)
+
+    def _count_auth_failure(self) -> None:
+        self.num_auth_failures += 1
+        if self.on_auth_failure is not None:
+            self.on_auth_failure()
 
     @property
     def num_connections(self) -> int:

@@ -25,8 +25,9 @@ from splitserve.workers.transfer.stream import MAX_LAYERS_PER_HEADER, Channel, p
 class _Conn:
     """A pooled sender-side connection; its reader task routes replies to the current handle."""
 
-    def __init__(self, channel: Channel):
+    def __init__(self, channel: Channel, session_key: bytes | None = None):
         self.channel = channel
+        self.session_key = session_key   # from the KV-auth handshake; tags every "open" (auth.py)
         self.handle: ChannelSendHandle | None = None
         self.is_dead = False
         self.reader = asyncio.ensure_future(self._read())
@@ -88,8 +89,11 @@ class ChannelSendHandle(SendHandle):
         layers are queued for the same blocks under one header each time, until the queue's end
         marker."""
         try:
-            await self._conn.channel.send({"op": "open", "transfer_id": self.transfer_id,
-                                           "layout": self.layout.to_dict(), "num_blocks": self.num_blocks})
+            header = {"op": "open", "transfer_id": self.transfer_id, "layout": self.layout.to_dict(),
+                      "num_blocks": self.num_blocks}
+            if self._conn.session_key is not None:
+                header["tag"] = auth.transfer_tag(self._conn.session_key, self.transfer_id)
+            await self._conn.channel.send(header)
             is_ended = False
             held = None   # an item taken from the queue that belongs under the next header
             while not is_ended:
@@ -204,13 +208,14 @@ class ChannelSender(KVSender):
                 channel = await self._connect(address[len(prefix):])
             except Exception as e:
                 raise TransferError(f"cannot connect to {address}: {e!r}") from e
+            session_key = None
             if self.auth_key is not None:
                 try:
-                    await auth.answer(channel, self.auth_key)
+                    session_key = await auth.answer(channel, self.auth_key, address)
                 except Exception as e:
                     await channel.close()
                     raise TransferError(f"KV-transfer handshake with {address} failed: {e}") from e
-            conn = _Conn(channel)
+            conn = _Conn(channel, session_key)
             self.num_connects += 1
         return ChannelSendHandle(self, conn, address, transfer_id, layout, num_blocks)
 

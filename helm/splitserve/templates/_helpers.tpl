@@ -42,6 +42,8 @@ image:
 autoscaling:
 {{ toYaml .Values.autoscaling | indent 2 }}
   plannerProfile: {{ .Values.planner.profile | quote }}
+security:
+  allowInsecure: {{ .Values.security.allowInsecure }}
 reconcile:
   resyncSeconds: {{ .Values.operator.resyncSeconds }}
   notReadyRetrySeconds: {{ .Values.operator.notReadyRetrySeconds }}
@@ -68,6 +70,10 @@ networkPolicy:
 - apiGroups: [""]
   resources: ["configmaps", "services", "serviceaccounts"]
   verbs: ["get", "list", "create", "patch", "delete"]
+# The KV secret, CA and per-pool certificates of secure-by-default services (operator/credentials.py).
+- apiGroups: [""]
+  resources: ["secrets"]
+  verbs: ["get", "create", "patch"]
 - apiGroups: ["apps"]
   resources: ["deployments"]
   verbs: ["get", "list", "create", "patch", "delete"]

@@ -1,0 +1,127 @@
+"""The Secrets a secure-by-default InferenceService needs and nobody else supplies: its KV-transfer
+secret and, without a TLS Secret or cert-manager issuer in the spec, its CA and one certificate
+per pool (pki.py). Run by reconcile.py before render, on every reconcile:
+
+    spec.security.insecure         -> nothing (the status says Secure=False)
+    no kvTransfer.authSecret       -> Secret <name>-kv {secret: 32 random bytes, hex}; created once, kept
+    no spec.tls                    -> Secret <name>-ca  {tls.crt, tls.key, previous.crt}
+                                      Secret <name>-<component>-tls {tls.crt, tls.key, ca.crt} for each
+                                      pool and the router (kubernetes.io/tls, cert-manager's key names)
+
+A Secret is written only when it is missing, unreadable or due for renewal (pki.needs_renewal),
+so a reconcile with nothing to renew makes no write. Every Secret carries the common labels and a
+controller owner reference: Kubernetes deletes them with the InferenceService. The result, a
+fingerprint per component, goes into the pod templates (render_pods), so a renewed certificate
+rolls its pool; between rotations the fingerprint, and so the template, does not change.
+"""
+
+from __future__ import annotations
+
+import base64
+import datetime
+import hashlib
+import secrets
+from typing import Any
+
+from splitserve.operator import pki
+from splitserve.operator.context import Context
+from splitserve.operator.kube import KindInfo, Kube, path
+
+SECRET = KindInfo("v1", "Secret", "secrets")
+KV_SECRET_KEY = "secret"
+MIN_KV_SECRET_BYTES = 16
+
+
+def kv_secret_name(ctx: Context) -> str:
+    return ctx.child("kv")
+
+
+def ca_secret_name(ctx: Context) -> str:
+    return ctx.child("ca")
+
+
+def tls_secret_name(ctx: Context, component: str) -> str:
+    return ctx.child(f"{component}-tls")
+
+
+def manages_kv_secret(ctx: Context) -> bool:
+    return ctx.spec.is_secure and ctx.spec.kv_transfer.auth_secret is None
+
+
+def manages_tls(ctx: Context) -> bool:
+    return ctx.spec.is_secure and ctx.spec.tls is None
+
+
+def _b64(data: bytes) -> str:
+    return base64.b64encode(data).decode()
+
+
+def _data(secret: dict[str, Any] | None, key: str) -> bytes:
+    raw = ((secret or {}).get("data") or {}).get(key)
+    try:
+        return base64.b64decode(raw) if raw else b""
+    except ValueError:
+        return b""
+
+
+def _write(kube: Kube, ctx: Context, name: str, component: str, data: dict[str, bytes], type_: str,
+           live: dict[str, Any] | None) -> None:
+    encoded = {k: _b64(v) for k, v in data.items()}
+    if live is None:
+        kube.create(path(SECRET, ctx.namespace), {"apiVersion": "v1", "kind": "Secret", "type": type_,
+                                                  "metadata": ctx.meta(name, component), "data": encoded})
+    else:
+        kube.patch(path(SECRET, ctx.namespace, name), {"metadata": ctx.meta(name, component), "data": encoded})
+
+
+def ensure_kv_secret(kube: Kube, ctx: Context) -> None:
+    name = kv_secret_name(ctx)
+    live = kube.get(path(SECRET, ctx.namespace, name))
+    if len(_data(live, KV_SECRET_KEY).strip()) >= MIN_KV_SECRET_BYTES:
+        return
+    _write(kube, ctx, name, "kv", {KV_SECRET_KEY: secrets.token_hex(32).encode()}, "Opaque", live)
+
+
+def _ensure_ca(kube: Kube, ctx: Context, now: datetime.datetime) -> tuple[pki.KeyPair, bytes]:
+    """The current CA and the trust bundle (current CA, then the previous one while it is valid)."""
+    name = ca_secret_name(ctx)
+    live = kube.get(path(SECRET, ctx.namespace, name))
+    current = pki.KeyPair(_data(live, "tls.crt"), _data(live, "tls.key"))
+    previous = _data(live, "previous.crt")
+    if not current.cert or not current.key or pki.needs_renewal(current.cert, now):
+        previous = current.cert if current.cert and pki.is_valid_at(current.cert, now) else b""
+        current = pki.make_ca(f"{ctx.namespace}/{ctx.name}", now)
+        _write(kube, ctx, name, "ca", {"tls.crt": current.cert, "tls.key": current.key, "previous.crt": previous},
+               "Opaque", live)
+    bundle = current.cert + (previous if previous and pki.is_valid_at(previous, now) else b"")
+    return current, bundle
+
+
+def _ensure_leaf(kube: Kube, ctx: Context, component: str, ca: pki.KeyPair, bundle: bytes,
+                 now: datetime.datetime) -> str:
+    name = tls_secret_name(ctx, component)
+    live = kube.get(path(SECRET, ctx.namespace, name))
+    leaf = pki.KeyPair(_data(live, "tls.crt"), _data(live, "tls.key"))
+    if (not leaf.cert or not leaf.key or pki.needs_renewal(leaf.cert, now)
+            or not pki.is_signed_by(leaf.cert, ca.cert)):
+        leaf = pki.issue_leaf(ca, ctx.child(component), now)
+    elif _data(live, "ca.crt") == bundle:
+        return _fingerprint(leaf.cert, bundle)
+    _write(kube, ctx, name, component, {"tls.crt": leaf.cert, "tls.key": leaf.key, "ca.crt": bundle},
+           "kubernetes.io/tls", live)
+    return _fingerprint(leaf.cert, bundle)
+
+
+def _fingerprint(cert: bytes, bundle: bytes) -> str:
+    return hashlib.sha256(cert + bundle).hexdigest()[:16]
+
+
+def ensure_credentials(kube: Kube, ctx: Context, now: datetime.datetime) -> dict[str, str]:
+    """Create or renew the Secrets this InferenceService's security needs (see the module doc);
+    returns component -> certificate fingerprint for the pod templates ({} without managed TLS)."""
+    if manages_kv_secret(ctx):
+        ensure_kv_secret(kube, ctx)
+    if not manages_tls(ctx):
+        return {}
+    ca, bundle = _ensure_ca(kube, ctx, now)
+    return {component: _ensure_leaf(kube, ctx, component, ca, bundle, now) for component in (*ctx.pools, "router")}
