@@ -139,7 +139,13 @@ class AdmissionPipeline:
 
     @property
     def num_running(self) -> int:
+        """Requests holding a server slot."""
         return self.slots.num_running
+
+    @property
+    def num_queued(self) -> int:
+        """Requests waiting for a server slot."""
+        return self.slots.num_queued
 
     async def admit(self, key: ApiKey, model: str, reserve_tokens: int) -> Ticket:
         """Pass every gate in order, or raise the first refusal with nothing left held."""
