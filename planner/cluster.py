@@ -4,7 +4,7 @@
 1. Leader election (lease.py). A follower forgets its loops and serves nothing (its /ready and
    /v1/desired answer 503, so KEDA's requests through the Service reach only the leader).
 2. Every `tick_s`, the leader lists the operator's planner ConfigMaps in all namespaces
-   (service.py): one control loop per InferenceService, created on first sight with the
+   (plan_loop.py): one control loop per InferenceService, created on first sight with the
    Deployments' current replicas as its targets, so a new leader continues where the old one
    stopped instead of restarting from the floor. A loop whose ConfigMap is gone is dropped.
 3. Per service: the Deployments and pods of both pools (pods.py: ready, pending, ages), the
@@ -31,7 +31,7 @@ from splitserve.planner.lease import LeaderElector
 from splitserve.planner.pods import pool_state
 from splitserve.planner.profile import CapacityProfile
 from splitserve.planner.server import DesiredStore
-from splitserve.planner.service import PLANNER_SELECTOR, PROFILE_KEY, PodScrape, ServiceLoop, ServicePlan
+from splitserve.planner.plan_loop import PLANNER_SELECTOR, PROFILE_KEY, PodScrape, ServiceLoop, ServicePlan
 from splitserve.platform.errors import ConfigError
 
 log = logging.getLogger(__name__)

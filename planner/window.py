@@ -7,7 +7,7 @@ window (signals.delta: a counter that went down means a restart and counts from 
 source seen only once in the window gives nothing yet (a baseline). A source that is no longer
 scraped (a stopped worker) leaves the window with its history, so its samples stop counting.
 
-From that delta, as the cluster planner reads it (planner/service.py):
+From that delta, as the cluster planner reads it (planner/plan_loop.py):
 - TTFT p90 for prefill: the router's TTFT histogram p90 minus the mean KV-transfer time the
   decode workers measured (shipping KV is not prefill's work), floored at zero. The router
   observes TTFT only for streamed responses (what the user sees); when the window holds none

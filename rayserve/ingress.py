@@ -1,7 +1,7 @@
 """The gateway and router as the Ray Serve ingress deployment.
 
 `Gateway` is the same FastAPI app and `Router` as `splitserve router` (router/app.py,
-router/service.py), served by Serve's HTTP proxy; only discovery differs: `RayDiscovery` reads
+router/router.py), served by Serve's HTTP proxy; only discovery differs: `RayDiscovery` reads
 the worker registry deployment, which lives in the same Serve application. The router's lifespan
 (start/stop of discovery, watchers, channels) runs as the ingress replica starts and stops.
 
@@ -22,7 +22,7 @@ from splitserve.rayserve.registry import WorkerRegistry
 class Gateway:
     def __init__(self, router: dict, registry):
         from splitserve.router import logctx
-        from splitserve.router.service import Router
+        from splitserve.router.router import Router
 
         logctx.install()
         self.registry = registry

@@ -30,7 +30,7 @@ from splitserve.router.errors import APIError, error_body
 from splitserve.router.gateway import Gateway
 from splitserve.router.protocol import ChatCompletionRequest, CompletionRequest, LoadLoraAdapterRequest, \
     UnloadLoraAdapterRequest
-from splitserve.router.service import Router
+from splitserve.router.router import Router
 
 log = logging.getLogger(__name__)
 

@@ -30,7 +30,7 @@ from splitserve.router.errors import APIError
 from splitserve.router.prompts import Prepared, prepare_chat, prepare_completion
 from splitserve.router.responses import ChoiceState, Formatter, TokenText, sse
 from splitserve.router.tenancy import Concurrency, Quota, check_scope
-from splitserve.router.service import Router
+from splitserve.router.router import Router
 
 log = logging.getLogger(__name__)
 

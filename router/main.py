@@ -72,7 +72,7 @@ def cmd_router(args) -> int:
     logctx.install()
     config = config_from_args(args, **{"discovery.workers": args.workers, "discovery.k8s_namespace": args.k8s_namespace,
                                        "discovery.k8s_services": args.k8s_services})
-    from splitserve.router.service import Router
+    from splitserve.router.router import Router
 
     router = Router(config)
     sock = bind(config.gateway.host, config.gateway.port)

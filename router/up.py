@@ -247,7 +247,7 @@ def make_planner(args, model: str):
 def _serve(config, workers: list[WorkerProcess], sock, planner=None, spawn=None) -> int:
     import dataclasses
 
-    from splitserve.router.service import Router
+    from splitserve.router.router import Router
 
     discovery = dataclasses.replace(config.discovery, workers=tuple(w.address for w in workers))
     router = Router(dataclasses.replace(config, discovery=discovery))

@@ -33,7 +33,7 @@ from splitserve.platform.grpc_channels import ChannelPool
 from splitserve.platform.grpc_tls import TlsFiles
 from splitserve.platform.sampling.params import SamplingParams
 from splitserve.platform.wire import worker_pb2 as pb
-from splitserve.workers import convert
+from splitserve.workers import wire
 from splitserve.workers.transfer.base import KVLayout, KVReceiver, TransferError, TransferState
 
 log = logging.getLogger(__name__)
@@ -77,7 +77,7 @@ class RemotePrefill:
         t0 = time.monotonic()
         try:
             resp = await self.stubs.stub(address).Prefill(pb.PrefillRequest(
-                request_id=req_id, prompt_token_ids=token_ids, params=convert.sampling_params_to_proto(params),
+                request_id=req_id, prompt_token_ids=token_ids, params=wire.sampling_params_to_proto(params),
                 skip_blocks=ready.start_block, kv_address=self.kv_address, transfer_id=transfer_id,
                 layout=pb.KVLayout(**layout.to_dict()), deadline_s=self.deadline_s,
                 lora_name=lora.name if lora else "", lora_path=lora.path if lora else ""), timeout=self.deadline_s)
@@ -97,7 +97,7 @@ class RemotePrefill:
         finally:
             self.receiver.release(transfer_id)
         self._observe(status.num_bytes, time.monotonic() - t0)
-        logprob = convert.logprob_from_proto(resp.logprob) if resp.HasField("logprob") else None
+        logprob = wire.logprob_from_proto(resp.logprob) if resp.HasField("logprob") else None
         self.engine.complete_remote_prefill(req_id, resp.first_token_id, logprob)
         self._count("ok")
         return resp

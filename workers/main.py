@@ -33,7 +33,7 @@ from splitserve.workers.events import EventHub
 from splitserve.workers.http import HealthServer
 from splitserve.workers.grpc_guard import add_worker_servicer
 from splitserve.workers.metrics import WorkerMetrics
-from splitserve.workers.service import WorkerService, publish_load
+from splitserve.workers.servicer import WorkerService, publish_load
 from splitserve.workers.transfer import make_receiver, make_sender
 from splitserve.workers.transfer.auth import load_key
 from splitserve.workers.transfer.base import KVLayout

@@ -28,7 +28,7 @@ from splitserve.platform.engine.async_engine import AsyncEngine
 from splitserve.platform.engine.kv_connector import KVExport
 from splitserve.platform.errors import InvalidRequestError
 from splitserve.platform.wire import worker_pb2 as pb
-from splitserve.workers import convert, faults
+from splitserve.workers import faults, wire
 from splitserve.workers.transfer.base import KVLayout, KVSender, LayoutMismatchError
 
 log = logging.getLogger(__name__)
@@ -43,14 +43,14 @@ async def serve_prefill(engine: AsyncEngine, sender: KVSender, layout: KVLayout,
     """
     if faults.PREFILL_HANG:
         await asyncio.Event().wait()
-    token_ids = convert.prompt_token_ids(request.request_id, request.prompt_token_ids,
+    token_ids = wire.prompt_token_ids(request.request_id, request.prompt_token_ids,
                                          engine.model_config.vocab_size, engine.max_model_len)
     if not request.transfer_id or not request.kv_address:
         raise InvalidRequestError("transfer_id and kv_address are required for Prefill")
     theirs = _request_layout(request)
     layout.check_compatible(dataclasses.replace(theirs, lora_digest=""))   # the model's shape first
     lora_name, layout = await _same_adapter(engine, request, layout, theirs)
-    params = convert.sampling_params(request.params)
+    params = wire.sampling_params(request.params)
     # Only the first token is sampled here; stop strings and logprob width follow the request.
     params = dataclasses.replace(params, max_tokens=1, min_tokens=min(params.min_tokens, 1), stop=())
     num_blocks = -(-len(token_ids) // layout.block_size) - request.skip_blocks
@@ -101,7 +101,7 @@ async def serve_prefill(engine: AsyncEngine, sender: KVSender, layout: KVLayout,
                               kv_bytes=handle.bytes_sent, prefill_s=t_computed - t0,
                               transfer_wait_s=t_acked - t_computed)
     if final.new_logprobs:
-        resp.logprob.CopyFrom(convert.logprob_to_proto(final.new_logprobs[0]))
+        resp.logprob.CopyFrom(wire.logprob_to_proto(final.new_logprobs[0]))
     return resp
 
 

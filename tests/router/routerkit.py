@@ -76,7 +76,7 @@ class RouterServer:
 
     async def _start(self, num_decode, num_prefill, timeout):
         from splitserve.router.app import create_app
-        from splitserve.router.service import Router
+        from splitserve.router.router import Router
 
         self.router = Router(self.config, **self.kwargs)
         self.server = uvicorn_server(create_app(self.router))

@@ -7,7 +7,7 @@ from splitserve.platform.sampling.params import SamplingParams
 from splitserve.router.config import ApiKey, load_config
 from splitserve.router.placement import Decision
 from splitserve.router.wire import generate_request, sampling_params
-from splitserve.workers import convert
+from splitserve.workers import wire as worker_wire
 
 FULL = """
 model: smollm2-135m
@@ -100,9 +100,9 @@ def test_unknown_scorer_fails_at_startup(tmp_path):
                    skip_special_tokens=False),
 ])
 def test_wire_sampling_params_round_trip_through_the_workers_decoder(params):
-    """router/wire.py writes what workers/convert.py reads back, field for field (floats chosen
+    """router/wire.py writes what workers/wire.py reads back, field for field (floats chosen
     exact in float32, the wire type)."""
-    assert convert.sampling_params(sampling_params(params)) == params
+    assert worker_wire.sampling_params(sampling_params(params)) == params
 
 
 def test_generate_request_carries_the_disaggregation_decision():

@@ -112,7 +112,7 @@ def test_router_follows_the_discovered_set(loop, tokenizer):
     pool and the index."""
     from routerkit import FakeWorker, router_config
 
-    from splitserve.router.service import Router
+    from splitserve.router.router import Router
 
     workers = [loop.run(FakeWorker(tokenizer=tokenizer).start()) for _ in range(2)]
     router = Router(router_config(), tokenizer=tokenizer, discovery=StaticDiscovery([]))

@@ -24,7 +24,7 @@ from splitserve.platform.lora.adapter import AdapterFolderNotFoundError
 from splitserve.platform.lora.registry import AdapterNotFoundError
 from splitserve.platform.wire import worker_pb2 as pb
 from splitserve.platform.wire import worker_pb2_grpc as pb_grpc
-from splitserve.workers import convert, faults
+from splitserve.workers import faults, wire
 from splitserve.workers.config import WorkerConfig
 from splitserve.workers.decode import RemotePrefill
 from splitserve.workers.events import EventHub
@@ -73,9 +73,9 @@ class WorkerService(pb_grpc.WorkerServicer):
     async def Generate(self, request: pb.GenerateRequest, context):
         await self._admit(context, ("decode", "both"), "Generate")
         try:
-            token_ids = convert.prompt_token_ids(request.request_id, request.prompt_token_ids,
+            token_ids = wire.prompt_token_ids(request.request_id, request.prompt_token_ids,
                                                  self.engine.model_config.vocab_size, self.engine.max_model_len)
-            params = convert.sampling_params(request.params)
+            params = wire.sampling_params(request.params)
             lora = await self._adapter(request.lora_name, request.lora_evict_first)
         except AdapterNotFoundError as exc:
             await context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
@@ -134,7 +134,7 @@ class WorkerService(pb_grpc.WorkerServicer):
                 if resp is not None:
                     timings.prefill_s, timings.transfer_wait_s = resp.prefill_s, resp.transfer_wait_s
                 continue
-            msg = convert.generate_response(out, prefill_worker)
+            msg = wire.generate_response(out, prefill_worker)
             now = time.monotonic()
             if last_token_t is None:
                 timings.first_token_s = now - t0
