@@ -146,6 +146,8 @@ def worker_args(ctx: Context, pool: str) -> list[str]:
     if kv_secret_ref(ctx) is not None:
         args += ["--kv-secret-file", f"{KV_SECRET_DIR}/secret"]
     args += tls_args(ctx, pool)
+    if pool == "decode" and spec.speculative is not None:   # the prefill pool samples one token: nothing to speculate
+        args += ["--speculative-config", spec.speculative.config_json()]
     return args + (["--device", "cuda"] if pool_spec.gpus > 0 else [])
 
 

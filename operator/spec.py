@@ -84,6 +84,32 @@ class EngineSpec(_Spec):
     """Memory for the KV cache per worker, in GiB; must fit in the pool's memory limit."""
 
 
+class SpeculativeSpec(_Spec):
+    """Speculative decoding on the decode pool, vLLM's `--speculative-config` (docs/engine.md)."""
+
+    model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": [
+        rule("self.promptLookupMin <= self.promptLookupMax",
+             "speculative.promptLookupMin must be at most promptLookupMax"),
+    ]})
+
+    # An enum, not pydantic's `const` for a one-value Literal: structural CRD schemas drop const.
+    method: Annotated[Literal["ngram"], WithJsonSchema({"type": "string", "enum": ["ngram"]})] = "ngram"
+    """How proposals are made: ngram (prompt lookup: the tokens that followed the last n tokens' most recent earlier occurrence)."""
+    num_speculative_tokens: int = Field(4, ge=1, le=16)
+    """Most tokens proposed per request and step."""
+    prompt_lookup_max: int = Field(4, ge=1, le=64)
+    """Longest n-gram matched."""
+    prompt_lookup_min: int = Field(2, ge=1, le=64)
+    """Shortest n-gram matched."""
+
+    def config_json(self) -> str:
+        """The worker's --speculative-config value."""
+        import json
+
+        return json.dumps({"method": self.method, "num_speculative_tokens": self.num_speculative_tokens,
+                           "prompt_lookup_max": self.prompt_lookup_max, "prompt_lookup_min": self.prompt_lookup_min})
+
+
 class AutoscalingSpec(_Spec):
     """Queue-depth autoscaling of one pool. Every unset field takes the cluster default from the Helm chart's `autoscaling.*` values."""
 
@@ -359,6 +385,8 @@ class InferenceServiceSpec(_Spec):
     """mTLS between router and workers from your own Secret or cert-manager issuer (absent: the operator's own CA, see `security`)."""
     security: SecuritySpec = SecuritySpec()
     """Secure by default: mTLS and KV authentication unless `security.insecure` is true."""
+    speculative: SpeculativeSpec | None = None
+    """Speculative decoding on the decode pool (absent: off)."""
     adapters: list[LoraAdapterSpec] = Field(default_factory=list, max_length=256)
     """LoRA adapters every worker of both pools holds. The router loads them on each worker when it joins, and loads and unloads them in place when this list changes: no pod restarts. status.<pool>.adapters lists what is loaded."""
 

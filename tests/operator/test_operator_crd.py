@@ -58,7 +58,7 @@ def test_schema_is_structural():
 def test_every_cel_rule_compiles_and_has_a_message():
     schema = crd_manifest()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
     rules = [r for _, node in _walk(schema) for r in node.get("x-kubernetes-validations", [])]
-    assert len({r["rule"] for r in rules}) == 10  # some repeat: prefill and decode share PoolSpec
+    assert len({r["rule"] for r in rules}) == 11  # some repeat: prefill and decode share PoolSpec
     env = celpy.Environment()
     for r in rules:
         env.compile(r["rule"])
@@ -99,6 +99,12 @@ def test_defaults_are_filled_by_the_schema():
 
 
 INVALID = [
+    ({"model": {"uri": "m"}, "speculative": {"promptLookupMin": 5, "promptLookupMax": 3}},
+     "spec.speculative: speculative.promptLookupMin must be at most promptLookupMax"),
+    ({"model": {"uri": "m"}, "speculative": {"numSpeculativeTokens": 0}},
+     "spec.speculative.numSpeculativeTokens: 0 is less than the minimum of 1"),
+    ({"model": {"uri": "m"}, "speculative": {"method": "eagle"}},
+     "spec.speculative.method: 'eagle' is not one of ['ngram']"),
     ({"model": {}}, "spec.model: 'uri' is a required property"),
     ({"model": {"uri": "m", "dtype": "int8"}}, "spec.model.dtype: 'int8' is not one of ['float32', 'bfloat16', 'float16']"),
     ({"model": {"uri": "m"}, "engine": {"blockSize": 24}}, "spec.engine.blockSize: 24 is not one of [8, 16, 32, 64, 128]"),

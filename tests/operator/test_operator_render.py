@@ -4,6 +4,7 @@ schemas (strict) or the KEDA / Prometheus-operator subsets, and the worker/route
 
 from __future__ import annotations
 
+import json
 import pathlib
 import re
 
@@ -342,3 +343,18 @@ def test_render_is_pure_and_the_config_hash_rolls_only_the_router():
                                    "spec": {**spec, **change}})[0]["spec"])
         hashes[variant] = config_hash(Context(parsed, "svc", "ns", UID, OperatorSettings()))
     assert hashes["base"] == hashes["replicas"] != hashes["weights"]
+
+
+def test_speculative_decoding_goes_to_the_decode_pool_only():
+    spec = example("smollm2-cpu.yaml")["spec"]
+    spec = {**spec, "speculative": {"numSpeculativeTokens": 3, "promptLookupMin": 1}}
+    manifests = by_key(rendered(spec))
+    decode = manifests[("Deployment", "svc-decode")]["spec"]["template"]["spec"]["containers"][0]["args"]
+    prefill = manifests[("Deployment", "svc-prefill")]["spec"]["template"]["spec"]["containers"][0]["args"]
+    value = decode[decode.index("--speculative-config") + 1]
+    assert json.loads(value) == {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4,
+                                 "prompt_lookup_min": 1}
+    assert "--speculative-config" not in prefill
+    # What the operator renders is what the worker's own flag accepts.
+    from splitserve.platform.config import SpeculativeConfig
+    assert SpeculativeConfig.from_json(value).num_speculative_tokens == 3
