@@ -209,10 +209,7 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         outputs, self._aborted = self._aborted, []
         if self.speculator is not None:
-            states = self._states
-            self.speculator.propose(self.scheduler.running,
-                                    {rid: st.matcher is not None for rid, st in states.items()},
-                                    {rid: (st.num_spec_proposed, st.num_spec_accepted) for rid, st in states.items()})
+            self.speculator.propose(self.scheduler.running, self._states)
         plan = self.scheduler.schedule()
         outputs += [self.outputs.kv_ready(req, self.kv_connector.kv_ready(req))
                     for req in self.scheduler.take_kv_ready()]
@@ -223,7 +220,8 @@ class LLMEngine:
         loras = {s.req_id: states[s.req_id].adapter for s in plan.seqs if states[s.req_id].adapter is not None}
         result = self.runner.execute(plan, rows, self.eos_token_ids, self.kv_connector.export_hook(plan, states), loras)
         self._advance_matchers(result.sampled)
-        self._record_speculation(plan, result)
+        if self.speculator is not None:
+            self.speculator.record(plan, result, self._states)
         emitted: dict[str, int] = {}
         for update in self.scheduler.update(plan, result):
             if update.req_id not in states:
@@ -231,15 +229,6 @@ class LLMEngine:
             i = emitted[update.req_id] = emitted.get(update.req_id, -1) + 1
             outputs.append(self._emit(update, token_result(result, update.req_id, i)))
         return outputs
-
-    def _record_speculation(self, plan, result) -> None:
-        for seq in plan.seqs:
-            if seq.num_draft_tokens and seq.req_id in (result.spec_tokens or {}):
-                num_accepted = len(result.spec_tokens[seq.req_id]) - 1
-                state = self._states[seq.req_id]
-                state.num_spec_proposed += seq.num_draft_tokens
-                state.num_spec_accepted += num_accepted
-                self.speculator.record(seq.num_draft_tokens, num_accepted)
 
     def _advance_matchers(self, sampled: dict[str, int]) -> None:
         """Feed each constrained request the token it just sampled (EOS ends it; not fed)."""

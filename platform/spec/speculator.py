@@ -18,9 +18,10 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 from splitserve.platform.config import SpeculativeConfig
-from splitserve.platform.sched.plan import StepResult
+from splitserve.platform.engine.request_state import RequestState
+from splitserve.platform.sched.plan import SchedulerPlan, StepResult
 from splitserve.platform.sched.request import Request
-from splitserve.platform.spec.ngram import propose
+from splitserve.platform.spec import ngram
 
 
 @dataclass
@@ -40,34 +41,39 @@ class Speculator:
         self.max_model_len = max_model_len
         self.stats = SpecStats(accepted_lengths=[0] * (config.num_speculative_tokens + 1))
 
-    def propose(self, running: Iterable[Request], has_matcher: Mapping[str, bool],
-                history: Mapping[str, tuple[int, int]]) -> None:
-        """Set `spec_token_ids` on the running requests that speculate this step.
-
-        `has_matcher[req_id]`: the request is grammar-constrained; `history[req_id]`: its
-        (proposed, accepted) token counts so far.
-        """
+    def propose(self, running: Iterable[Request], states: Mapping[str, RequestState]) -> None:
+        """Before a step: set `spec_token_ids` on the running requests that speculate in it."""
         running = list(running)
         cfg = self.config
         on = len(running) <= cfg.max_batch_size
         for req in running:
             req.spec_token_ids = []
-            if not on or has_matcher.get(req.req_id) or req.num_computed_tokens != req.num_tokens - 1:
+            state = states[req.req_id]
+            if not on or state.matcher is not None or req.num_computed_tokens != req.num_tokens - 1:
                 continue
-            proposed, accepted = history.get(req.req_id, (0, 0))
+            proposed, accepted = state.num_spec_proposed, state.num_spec_accepted
             if proposed >= cfg.min_proposals * cfg.num_speculative_tokens \
                     and accepted < cfg.min_acceptance_rate * proposed:
                 continue
             room = min(cfg.num_speculative_tokens, req.params.max_tokens - req.num_output_tokens - 1,
                        self.max_model_len - req.num_tokens - 1)
             if room > 0:
-                req.spec_token_ids = propose(req.all_token_ids, room, cfg.prompt_lookup_min, cfg.prompt_lookup_max)
+                req.spec_token_ids = ngram.propose(req.all_token_ids, room, cfg.prompt_lookup_min, cfg.prompt_lookup_max)
 
-    def record(self, num_proposed: int, num_accepted: int) -> None:
-        self.stats.num_drafts += 1
-        self.stats.num_draft_tokens += num_proposed
-        self.stats.num_accepted_tokens += num_accepted
-        self.stats.accepted_lengths[num_accepted] += 1
+    def record(self, plan: SchedulerPlan, result: StepResult, states: Mapping[str, RequestState]) -> None:
+        """After a step: count each verification, per request and in total."""
+        for seq in plan.seqs:
+            tokens = (result.spec_tokens or {}).get(seq.req_id)
+            if not seq.num_draft_tokens or tokens is None:
+                continue
+            num_accepted = len(tokens) - 1
+            state = states[seq.req_id]
+            state.num_spec_proposed += seq.num_draft_tokens
+            state.num_spec_accepted += num_accepted
+            self.stats.num_drafts += 1
+            self.stats.num_draft_tokens += seq.num_draft_tokens
+            self.stats.num_accepted_tokens += num_accepted
+            self.stats.accepted_lengths[num_accepted] += 1
 
 
 def token_result(result: StepResult, req_id: str, i: int) -> StepResult:
