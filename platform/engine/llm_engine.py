@@ -197,13 +197,8 @@ class LLMEngine:
         """How many leading tokens this engine's prefix cache holds (a read-only estimate)."""
         if not self.pool.enable_caching:
             return 0
-        n = 0
-        max_blocks = (len(token_ids) - 1) // self.config.cache.block_size
-        for block_hash in self.hasher.hash_blocks(token_ids, self.lora_extra_keys(lora_name))[:max_blocks]:
-            if not self.pool.peek(block_hash):
-                break
-            n += self.config.cache.block_size
-        return n
+        return self.kv.num_cached_prefix_tokens(len(token_ids),
+                                                self.hasher.hash_blocks(token_ids, self.lora_extra_keys(lora_name)))
 
     # -- stepping --------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:

@@ -39,6 +39,17 @@ class KVCacheManager:
             hits.append(block)
         return hits
 
+    def num_cached_prefix_tokens(self, num_tokens: int, block_hashes) -> int:
+        """How many leading tokens of a prompt with these block hashes the cache holds now, at most
+        num_tokens - 1 (a read-only estimate: nothing is referenced)."""
+        max_blocks = (num_tokens - 1) // self.block_size
+        n = 0
+        for block_hash in block_hashes[:max_blocks]:
+            if not self.pool.peek(block_hash):
+                break
+            n += self.block_size
+        return n
+
     def can_fit(self, req: Request, num_new_tokens: int, cached: list[Block] = ()) -> bool:
         return self._num_blocks_needed(req, num_new_tokens, cached) <= self.pool.num_free_blocks
 
