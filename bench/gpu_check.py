@@ -132,6 +132,7 @@ def fp32_vs_transformers(device: str, model: str, num_prompts: int = 8) -> dict:
         graphs.run = lambda seqs: batches.append(len(seqs)) or run(seqs)
     ours = [o.output_token_ids for o in engine.generate(prompts, params)]
     engine.runner.graphs = None
+    engine.pool.reset_prefix_cache()                          # the eager run computes every prompt again
     eager = [o.output_token_ids for o in engine.generate(prompts, params)]
     engine.runner.graphs = graphs
     reference = transformers_greedy(cfg, tensors, prompts, lengths, device)

@@ -116,3 +116,22 @@ def test_enforce_eager_is_validated_and_reaches_the_config():
     add_engine_args(p)
     assert engine_config(p.parse_args(["--enforce-eager"])).device.enforce_eager is True
     assert engine_config(p.parse_args([])).device.enforce_eager is False
+
+
+def test_a_failed_capture_leaves_the_engine_eager(make_engine, caplog):
+    """Capture cannot run on a CPU; the runner logs why and serves eagerly instead of failing."""
+    engine = make_engine(max_num_seqs=4)
+    assert engine.runner.enable_decode_graphs(4, engine.max_model_len, capture=True) is None
+    assert engine.runner.graphs is None and "CUDA graphs for decode are off" in caplog.text
+    [out] = engine.generate(["Hi"], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+    assert len(out.output_token_ids) == 3
+
+
+def test_graph_buffers_refuse_the_fused_cpu_kernels():
+    from splitserve.platform.engine.cuda_graphs import DecodeGraphs
+
+    class Model:
+        fused_ops = object()     # a CpuOps stand-in: no attends_paged
+
+    with pytest.raises(ValueError, match="Triton ops .CUDA. or the torch path .CPU."):
+        DecodeGraphs(Model(), [], 16, torch.device("cpu"), 4, 64)
