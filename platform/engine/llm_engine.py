@@ -21,10 +21,10 @@ from dataclasses import dataclass
 import torch
 
 from splitserve.platform.config import EngineConfig, ModelConfig, resolve_kv_cache_dtype
+from splitserve.platform.engine.cuda_graphs import decode_graph_bytes, uses_decode_graphs
 from splitserve.platform.engine.kv_connector import KVExport, KVReady, export_layer, import_layer
 from splitserve.platform.engine.output_processor import OutputProcessor
 from splitserve.platform.engine.outputs import RequestOutput, TokenLogprob
-from splitserve.platform.engine.cuda_graphs import decode_graph_bytes, uses_decode_graphs
 from splitserve.platform.engine.runner import ModelRunner
 from splitserve.platform.errors import ConfigError, InvalidRequestError
 from splitserve.platform.hashing import BlockHasher, lora_extra_keys
