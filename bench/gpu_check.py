@@ -15,7 +15,7 @@ after BUDGET_S is skipped and says so:
    on and off (wait per token, HBM floor, kernels per step, GPU-busy share), graphs on = off in
    bf16 (reported, not a gate: bf16 GEMMs of another row count round differently), prefill of
    2k tokens against the matmul rate, then transformers' generate at batch 64.
-3. `pd`: a prefill and a decode worker process on this one GPU (`random:llama-3.2-1b` bf16, KV
+3. `pd` (bench/gpu_check_pd.py): a prefill and a decode worker process on this one GPU (`random:llama-3.2-1b` bf16, KV
    over TCP staged through host memory), greedy tokens P/D = colocated for 1k and 8k prompts, and
    the TTFT breakdown (queue / prefill / exposed transfer / first decode step), every shape
    warmed up before it is timed.
@@ -29,17 +29,13 @@ worker process (the console script needs every subcommand's packages; this needs
 from __future__ import annotations
 
 import argparse
-import asyncio
 import gc
 import json
 import os
 import pathlib
 import random
-import socket
-import statistics
 import subprocess
 import sys
-import threading
 import time
 import traceback
 
@@ -47,6 +43,7 @@ import torch
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
+import gpu_check_pd  # noqa: E402  (phase 3)
 BUDGET_S = float(os.environ.get("GPU_CHECK_BUDGET_S", "400"))
 T0 = time.monotonic()
 
@@ -132,6 +129,7 @@ def fp32_vs_transformers(device: str, model: str, num_prompts: int = 8) -> dict:
         graphs.run = lambda seqs: batches.append(len(seqs)) or run(seqs)
     ours = [o.output_token_ids for o in engine.generate(prompts, params)]
     engine.runner.graphs = None
+    engine.pool.reset_prefix_cache()                          # the eager run computes every prompt again
     eager = [o.output_token_ids for o in engine.generate(prompts, params)]
     engine.runner.graphs = graphs
     reference = transformers_greedy(cfg, tensors, prompts, lengths, device)
@@ -238,118 +236,6 @@ def graphs_on_vs_off(engine, rng: random.Random) -> dict | str:
                 first_difference=[_first_diff(a, b) for a, b in zip(on, off)])
 
 
-# -- phase 3: P/D between two worker processes on the one GPU --------------------------------
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Worker:
-    """`python bench/gpu_check.py worker ...` as a process; start() waits for its READY line."""
-
-    def __init__(self, role: str, engine_args: list[str], extra: list[str]):
-        self.role, self.port = role, free_port()
-        self.args = [sys.executable, str(pathlib.Path(__file__).resolve()), "worker", "--role", role,
-                     "--grpc-port", str(self.port), "--metrics-port", str(free_port()), "--kv-port", str(free_port()),
-                     "--kv-transport", "tcp", *engine_args, *extra]
-        self.lines: list[str] = []
-        self.proc: subprocess.Popen | None = None
-        self._ready = threading.Event()
-
-    @property
-    def address(self) -> str:
-        return f"127.0.0.1:{self.port}"
-
-    def start(self) -> "Worker":
-        self.proc = subprocess.Popen(self.args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        threading.Thread(target=self._pump, daemon=True).start()
-        return self
-
-    def wait_ready(self, timeout: float) -> None:
-        if not self._ready.wait(timeout):
-            raise RuntimeError(f"{self.role} worker not ready in {timeout:.0f} s:\n" + "".join(self.lines[-40:]))
-
-    def _pump(self) -> None:
-        for line in self.proc.stdout:
-            self.lines.append(line)
-            if line.startswith("READY"):
-                self._ready.set()
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-
-
-async def generate(address: str, req_id: str, prompt: list[int], prefill: list[str], mode, max_tokens: int) -> dict:
-    import grpc
-
-    from splitserve.platform.wire import worker_pb2 as pb
-    from splitserve.platform.wire import worker_pb2_grpc as pb_grpc
-
-    t0 = time.perf_counter()
-    times, tokens, first = [], [], None
-    async with grpc.aio.insecure_channel(address) as channel:
-        async for msg in pb_grpc.WorkerStub(channel).Generate(pb.GenerateRequest(
-                request_id=req_id, prompt_token_ids=prompt, prefill_workers=prefill, disaggregation=mode,
-                params=pb.SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))):
-            if msg.token_ids:
-                times.append(time.perf_counter() - t0)
-                tokens += list(msg.token_ids)
-            if first is None:
-                first = msg
-    assert (first.prefill_worker != "") == bool(prefill), "the arm did not run as intended"
-    return dict(tokens=tokens, ttft=times[0], queue=first.timings.queue_s, prefill=first.timings.prefill_s,
-                exposed_transfer=first.timings.transfer_wait_s, first_decode_step=times[1] - times[0])
-
-
-def pd(smoke: bool) -> dict:
-    from splitserve.platform.wire import worker_pb2 as pb
-
-    model, device, dtype, lengths, max_len = (("random:tiny", "cpu", "float32", (256, 1024), 1100) if smoke else
-                                              ("random:llama-3.2-1b", "cuda", "bfloat16", (1024, 8192), 8448))
-    engine_args = ["--model", model, "--device", device, "--dtype", dtype, "--quantization", "none",
-                   "--kv-cache-memory", "0.05" if smoke else "2", "--max-model-len", str(max_len),
-                   "--max-num-batched-tokens", str(max_len), "--max-num-seqs", "4", "--threads", "1" if smoke else "4"]
-    prefill = Worker("prefill", engine_args, ["--enforce-eager"]).start()
-    decode = Worker("decode", engine_args, ["--disaggregation", "always"]).start()
-    try:
-        prefill.wait_ready(300)
-        decode.wait_ready(300)
-        vocab = 49152 if smoke else 128256
-        rng = random.Random(7)
-        arms = {"pd": ([prefill.address], pb.DISAGGREGATION_MODE_ALWAYS),
-                "colocated": ([], pb.DISAGGREGATION_MODE_NEVER)}
-        result: dict = dict(model=model, dtype=dtype, transport="tcp")
-        for n in lengths:
-            rows = {arm: [] for arm in arms}
-            for round_ in range(3):                       # round 0 warms up every shape of this length
-                prompt = [rng.randrange(100, vocab - 100) for _ in range(n)]
-                for arm, (workers, mode) in arms.items():
-                    r = asyncio.run(generate(decode.address, f"{arm}-{n}-{round_}", prompt, workers, mode, 16))
-                    if round_:
-                        rows[arm].append(r)
-            equal = [a["tokens"] == b["tokens"] for a, b in zip(rows["pd"], rows["colocated"])]
-            result[f"prompt_{n}"] = dict(
-                pd_equals_colocated=f"{sum(equal)}/{len(equal)}",
-                **{arm: {k: statistics.median(r[k] for r in rs) for k in
-                         ("ttft", "queue", "prefill", "exposed_transfer", "first_decode_step")}
-                   for arm, rs in rows.items()})
-        result["ok"] = all(result[f"prompt_{n}"]["pd_equals_colocated"].split("/")[0] ==
-                           result[f"prompt_{n}"]["pd_equals_colocated"].split("/")[1] for n in lengths)
-        return result
-    finally:
-        prefill.stop()
-        decode.stop()
-        result_logs = {w.role: "".join(w.lines[-15:]) for w in (prefill, decode)}
-        log(json.dumps(result_logs)[:3000])
-
-
 # -- phase 4: the kernel tests, compiled -----------------------------------------------------
 
 def kernel_tests() -> dict:
@@ -395,7 +281,7 @@ def main() -> int:
     report.phase("fp32_vs_transformers", fp32_vs_transformers, device,
                  "random:tiny" if args.smoke else "random:smollm2-135m", 4 if args.smoke else 8)
     report.phase("decode_prefill", decode_prefill, args.smoke)
-    report.phase("pd", pd, args.smoke)
+    report.phase("pd", gpu_check_pd.pd, args.smoke)
     if not args.smoke:
         report.phase("kernel_tests", kernel_tests)
     report.data["total_s"] = round(time.monotonic() - T0, 1)

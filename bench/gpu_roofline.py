@@ -305,7 +305,7 @@ def measure_decode(engine, batch: int, sizes: Sizes, rng: random.Random) -> dict
 
 
 def profile_steps(engine, steps: int) -> dict:
-    """CUDA kernels launched per step, GPU-busy seconds per step (the union of the kernels'
+    """CUDA kernels (memcpy and memset included) per step, GPU-busy seconds per step (the union of their
     intervals) and their share of the wall time, over `steps` engine steps under torch.profiler.
     On a CPU (smoke runs) only the wall time is known."""
     from torch.profiler import ProfilerActivity, profile

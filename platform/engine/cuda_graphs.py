@@ -21,15 +21,18 @@ replays them with one launch. A graph replays fixed addresses and shapes, so:
 - **Capture** at start-up (`capture()`), largest bucket first, all graphs sharing one memory pool;
   each bucket runs once eagerly first, which compiles the Triton kernels. The graph covers the
   forward and the LM head: its output is static logits [bucket, vocab]; sampling runs after
-  the replay on the real rows.
+  the replay on the real rows, outside the graph: its inputs (temperature, top-k/p, min-p, the
+  rows' random numbers) go to the device in one copy per step (sampling/device_sampler.py), so
+  penalties, seeds and truncation run with graphs on.
 - **Eager replay.** `run()` without captured graphs (on a CPU, or before capture) runs the very
   same forward over the same static buffers eagerly. That is how the tests check bucketing,
   padding and buffer filling on CPU: a padded batch must give the same tokens as the plain runner.
 
 What stays eager: prefill and mixed steps, steps with a KV export hook (P/D prefill), steps with
 LoRA adapters, and steps with a structured-output (grammar) row (`can_run`), as does everything
-with `--enforce-eager`. On CUDA the graphs need the Triton per-layer kernels (TritonOps); on a CPU
-the eager replay needs the torch path (the fused CPU kernels do not skip padded slots).
+with `--enforce-eager`. On CUDA the graphs need the Triton per-layer kernels (TritonOps; a model
+family without them serves eagerly); on a CPU the eager replay needs the torch path (the fused CPU
+kernels do not skip padded slots).
 
 Memory: the graphs' pool holds the largest bucket's activations; `graph_memory_bytes` estimates
 it before the KV cache is sized, so the KV budget leaves room for it (kv/cache.plan_num_blocks),
@@ -129,6 +132,15 @@ class DecodeBuffers:
             width = self.decode_mask.shape[1]
             self.decode_mask[:bucket] = torch.arange(width, device=self.device)[None, :] < self.context_lens[:bucket, None]
 
+    def fill_padding(self, bucket: int) -> None:
+        """Every one of `bucket` rows padding: what a capture records depends on no step's values."""
+        host = self._host.view(4, self.max_rows)
+        host[:, :bucket] = torch.tensor([[0], [0], [PAD_SLOT], [1]], dtype=torch.long).expand(4, bucket)
+        self.flat.copy_(self._host)
+        self.block_tables[:bucket] = 0
+        if self.decode_mask is not None:
+            self.decode_mask[:bucket] = torch.arange(self.decode_mask.shape[1], device=self.device)[None, :] < 1
+
     def metadata(self, bucket: int, num_splits: int) -> AttentionMetadata:
         """The attention metadata of a `bucket`-row decode step, as views of the static buffers."""
         meta = AttentionMetadata(
@@ -147,6 +159,10 @@ class DecodeGraphs:
 
     def __init__(self, model, kv_caches, block_size: int, device: torch.device, max_num_seqs: int,
                  max_model_len: int):
+        ops = getattr(model, "fused_ops", None)
+        if not (getattr(ops, "attends_paged", False) or (ops is None and device.type == "cpu")):
+            raise ValueError("decode graphs need the Triton ops (CUDA) or the torch path (CPU): other paths "
+                             "would write the padded rows' KV (slot -1) out of bounds")
         self.model, self.kv_caches, self.device = model, kv_caches, device
         self.sizes = capture_sizes(max_num_seqs)
         self.buffers = DecodeBuffers(self.sizes[-1], -(-max_model_len // block_size), block_size, device)
@@ -185,7 +201,7 @@ class DecodeGraphs:
         free_before = torch.cuda.mem_get_info(self.device)[0]
         pool = torch.cuda.graph_pool_handle()
         for bucket in reversed(self.sizes):
-            self._fill_padding(bucket)
+            self.buffers.fill_padding(bucket)
             self._forward(bucket)                                  # compiles the Triton kernels
             torch.cuda.synchronize(self.device)
             graph = torch.cuda.CUDAGraph()
@@ -196,14 +212,6 @@ class DecodeGraphs:
         self.captured_bytes = free_before - torch.cuda.mem_get_info(self.device)[0]
         log.info("captured %d decode graphs (batch %d..%d) in %.0f MiB", len(self._graphs), self.sizes[0],
                  self.sizes[-1], self.captured_bytes / 2**20)
-
-    def _fill_padding(self, bucket: int) -> None:
-        """Every row padding: what a capture records is independent of the step's values."""
-        b = self.buffers
-        host = b._host.view(4, b.max_rows)
-        host[:, :bucket] = torch.tensor([[0], [0], [PAD_SLOT], [1]], dtype=torch.long).expand(4, bucket)
-        b.flat.copy_(b._host)
-        b.block_tables[:bucket] = 0
 
 
 def _num_splits(model, batch: int, device: torch.device, max_model_len: int) -> int:

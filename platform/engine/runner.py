@@ -14,6 +14,7 @@ static buffers, replayed on CUDA; every other step runs eagerly here.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Collection
 from dataclasses import replace
 
@@ -27,6 +28,9 @@ from splitserve.platform.models.attention import AttentionMetadata, PrefillChunk
 from splitserve.platform.sampling.sampler import Sampler, SamplingRow
 from splitserve.platform.sched.plan import SchedulerPlan, ScheduledSeq, StepResult
 from splitserve.platform.spec.verify import verify
+
+
+log = logging.getLogger(__name__)
 
 
 class ModelRunner:
@@ -47,14 +51,19 @@ class ModelRunner:
                 model.use_fused_ops(TritonOps())
             self._num_sms = torch.cuda.get_device_properties(device).multi_processor_count
 
-    def enable_decode_graphs(self, max_num_seqs: int, max_model_len: int, capture: bool) -> DecodeGraphs:
+    def enable_decode_graphs(self, max_num_seqs: int, max_model_len: int, capture: bool) -> DecodeGraphs | None:
         """Run plain decode steps through static buffers per batch bucket (engine/cuda_graphs.py);
         `capture`: record the CUDA graphs now (CUDA only), else the buffers run eagerly."""
-        self.graphs = DecodeGraphs(self.model, self.kv_caches, self.block_size, self.device, max_num_seqs,
-                                   max_model_len)
-        if capture:
-            self.graphs.capture()
-        return self.graphs
+        try:
+            graphs = DecodeGraphs(self.model, self.kv_caches, self.block_size, self.device, max_num_seqs,
+                                  max_model_len)
+            if capture:
+                graphs.capture()
+        except Exception:   # serve eagerly rather than not at all; the log says why
+            log.exception("CUDA graphs for decode are off; every step runs eagerly (as with --enforce-eager)")
+            graphs = None
+        self.graphs = graphs
+        return graphs
 
     @torch.inference_mode()
     def execute(self, plan: SchedulerPlan, rows: dict[str, SamplingRow], eos_token_ids: Collection[int],

@@ -116,3 +116,42 @@ def test_enforce_eager_is_validated_and_reaches_the_config():
     add_engine_args(p)
     assert engine_config(p.parse_args(["--enforce-eager"])).device.enforce_eager is True
     assert engine_config(p.parse_args([])).device.enforce_eager is False
+
+
+def test_a_failed_capture_leaves_the_engine_eager(make_engine, caplog):
+    """Capture cannot run on a CPU; the runner logs why and serves eagerly instead of failing."""
+    engine = make_engine(max_num_seqs=4)
+    assert engine.runner.enable_decode_graphs(4, engine.max_model_len, capture=True) is None
+    assert engine.runner.graphs is None and "CUDA graphs for decode are off" in caplog.text
+    [out] = engine.generate(["Hi"], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+    assert len(out.output_token_ids) == 3
+
+
+def test_graph_buffers_refuse_the_fused_cpu_kernels():
+    from splitserve.platform.engine.cuda_graphs import DecodeGraphs
+
+    class Model:
+        fused_ops = object()     # a CpuOps stand-in: no attends_paged
+
+    with pytest.raises(ValueError, match="Triton ops .CUDA. or the torch path .CPU."):
+        DecodeGraphs(Model(), [], 16, torch.device("cpu"), 4, 64)
+
+
+def test_only_plain_decode_steps_go_through_the_graphs():
+    """Prefill chunks, rows that sample nothing, grammar rows and batches past the last bucket run
+    eagerly (the runner also keeps steps with LoRA adapters or a KV export hook eager)."""
+    from types import SimpleNamespace
+
+    from splitserve.platform.engine.cuda_graphs import DecodeGraphs
+
+    class Model:
+        fused_ops = None
+
+    graphs = DecodeGraphs(Model(), [], 16, torch.device("cpu"), 4, 64)
+    decode = [ScheduledSeq(f"r{i}", (5,), 3, (0,), True) for i in range(5)]
+    plain = {s.req_id: SimpleNamespace(matcher=None) for s in decode}
+    assert graphs.can_run(decode[:4], plain)
+    assert not graphs.can_run(decode, plain), "5 rows: past the largest bucket (4)"
+    assert not graphs.can_run([ScheduledSeq("p", (5, 6), 0, (0,), True)], {"p": plain["r0"]}), "a prefill chunk"
+    assert not graphs.can_run([ScheduledSeq("r0", (5,), 3, (0,), False)], plain), "a row that samples nothing"
+    assert not graphs.can_run(decode[:2], {**plain, "r1": SimpleNamespace(matcher=object())}), "a grammar row"
