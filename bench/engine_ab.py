@@ -46,7 +46,7 @@ engine = LLMEngine(EngineConfig(model="smollm2-135m", device=DeviceConfig(num_th
 out = {}
 for batch in batches:
     rng = random.Random(batch)
-    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
     ids = [engine.add_request(prompt_token_ids=[rng.randrange(100, 40000) for _ in range(256)], params=params)
            for _ in range(batch)]
     while any(engine.scheduler.requests[i].num_output_tokens == 0 for i in ids):

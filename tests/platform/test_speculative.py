@@ -14,6 +14,7 @@ from splitserve.platform.sampling.params import SamplingParams
 from splitserve.platform.sampling.sampler import Sampler, SamplingRow, make_generator
 from splitserve.platform.spec import verify as verify_mod
 from splitserve.platform.spec.ngram import propose
+from test_engine import assert_no_leak
 
 SPEC = SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_max=4, prompt_lookup_min=2)
 GREEDY = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
@@ -24,12 +25,6 @@ PROMPTS = [
     'Fill in the JSON: {"name": "Ada", "city": "London", "job": "engineer"}\nJSON: {"name": "Ada", "city":',
     "The capital of France is",
 ]
-
-
-def assert_no_leak(engine):
-    engine.kv.check_invariants()
-    assert engine.pool.num_free_blocks == engine.pool.num_blocks
-    assert engine.kv.num_requests == 0
 
 
 @pytest.mark.parametrize("token_ids,k,expected", [
