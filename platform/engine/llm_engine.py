@@ -170,6 +170,8 @@ class LLMEngine:
         resumed = self._resume_token_ids(resume_output_token_ids, params, len(token_ids))
         if resumed and (remote_prefill or kv_export is not None):
             raise InvalidRequestError("a resumed request is prefilled locally; it cannot use remote prefill or export")
+        if params.prompt_logprobs is not None and remote_prefill:
+            raise InvalidRequestError("prompt_logprobs need the prompt computed here; it cannot use remote prefill")
         self._checked_ids("logit_bias", [t for t, _ in params.logit_bias])
         matcher = self._matcher(params, resumed)
         adapter = self.loras.get(lora_name) if lora_name is not None else None
@@ -336,7 +338,9 @@ class LLMEngine:
             return outputs
         rows = {s.req_id: self._sampling_row(s.req_id) for s in plan.seqs if s.do_sample}
         loras = {s.req_id: self._req_loras[s.req_id] for s in plan.seqs if s.req_id in self._req_loras}
-        result = self.runner.execute(plan, rows, self.eos_token_ids, self._export_hook(plan), loras)
+        wants = self.outputs.prompt_logprobs.wants(plan.seqs)
+        result = self.runner.execute(plan, rows, self.eos_token_ids, self._export_hook(plan), loras, wants)
+        self.outputs.prompt_logprobs.absorb(plan.seqs, result.prompt_logprobs)
         self._advance_matchers(result.sampled)
         for update in self.scheduler.update(plan, result):
             outputs.append(self._emit(update, result))

@@ -4,6 +4,9 @@ Per request it keeps an incremental detokenizer and a stop-string matcher. The t
 token that ended the request as EOS or a stop token id is not emitted (as in vLLM). A stop
 string found in the text finishes the request: the output says finish_reason "stop" with the
 string as stop_reason, and the engine frees the request in the scheduler.
+
+It also owns the prompt logprobs of the requests that want them (prompt_logprobs.py): the
+engine hands it each step's scores, and the request's first output carries the whole list.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from dataclasses import dataclass
 
 from splitserve.platform.detokenizer import IncrementalDetokenizer
 from splitserve.platform.engine.outputs import RequestOutput, TokenLogprob
+from splitserve.platform.engine.prompt_logprobs import PromptLogprobs
 from splitserve.platform.sched.plan import StepResult
 from splitserve.platform.sched.request import Request, RequestStatus
 from splitserve.platform.sched.scheduler import TokenUpdate
@@ -30,6 +34,7 @@ class OutputProcessor:
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
         self._states: dict[str, _State] = {}
+        self.prompt_logprobs = PromptLogprobs()
 
     def add(self, req: Request) -> None:
         detok = None
@@ -39,6 +44,8 @@ class OutputProcessor:
                                            skip_special_tokens=req.params.skip_special_tokens)
         stops = StopStringMatcher(req.params.stop, req.params.include_stop_str_in_output)
         self._states[req.req_id] = _State(req, detok, stops)
+        if req.params.prompt_logprobs is not None:
+            self.prompt_logprobs.add(req.req_id, req.params.prompt_logprobs, req.prompt_token_ids)
 
     def process(self, update: TokenUpdate, result: StepResult) -> RequestOutput:
         st = self._states[update.req_id]
@@ -64,7 +71,8 @@ class OutputProcessor:
             num_prompt_tokens=req.num_prompt_tokens, num_cached_tokens=max(req.num_cached_tokens, 0),
             num_output_tokens=req.num_output_tokens, finished=finished, finish_reason=reason,
             stop_reason=stop_reason, new_logprobs=_logprobs(update.req_id, token, result),
-            output_token_ids=req.output_token_ids, text=st.text)
+            output_token_ids=req.output_token_ids, text=st.text,
+            prompt_logprobs=self.prompt_logprobs.take(req.req_id))
         if finished:
             del self._states[req.req_id]
         return out
@@ -76,6 +84,7 @@ class OutputProcessor:
 
     def finish_aborted(self, req: Request) -> RequestOutput:
         st = self._states.pop(req.req_id, None)
+        self.prompt_logprobs.forget(req.req_id)
         return RequestOutput(
             req_id=req.req_id, new_token_ids=[], new_text="", num_prompt_tokens=req.num_prompt_tokens,
             num_cached_tokens=max(req.num_cached_tokens, 0), num_output_tokens=req.num_output_tokens,

@@ -13,6 +13,7 @@ from collections.abc import Callable, Collection
 
 import torch
 
+from splitserve.platform.engine import prompt_logprobs as prompt_lp
 from splitserve.platform.lora.adapter import LoraAdapter
 from splitserve.platform.lora.batch import LoraContext
 from splitserve.platform.models.attention import AttentionMetadata, PrefillChunk
@@ -33,7 +34,9 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, plan: SchedulerPlan, rows: dict[str, SamplingRow], eos_token_ids: Collection[int],
                 layer_hook: Callable[[int], None] | None = None,
-                loras: dict[str, LoraAdapter] | None = None) -> StepResult:
+                loras: dict[str, LoraAdapter] | None = None,
+                prompt_logprobs: dict[str, prompt_lp.Want] | None = None) -> StepResult:
+        """`prompt_logprobs`: req_id -> the prompt positions of its slice to score (prompt_logprobs.py)."""
         seqs = _decodes_first(plan.seqs)
         input_ids, positions, meta, sample_idx = self._prepare(seqs)
         if loras:
@@ -44,9 +47,10 @@ class ModelRunner:
         finally:
             if loras:
                 self.lora_context.end()
+        scored = prompt_lp.compute(self.model, hidden, _rows(seqs, prompt_logprobs)) if prompt_logprobs else None
         sampling = [s for s in seqs if s.do_sample]
         if not sampling:
-            return StepResult(sampled={})
+            return StepResult(sampled={}, prompt_logprobs=scored)
         logits = self.model.compute_logits(hidden[sample_idx])
         out = self.sampler(logits, [rows[s.req_id] for s in sampling], eos_token_ids)
         ids = [s.req_id for s in sampling]
@@ -54,6 +58,7 @@ class ModelRunner:
             sampled=dict(zip(ids, out.token_ids)),
             logprobs=dict(zip(ids, out.logprobs)) if out.logprobs is not None else None,
             top_logprobs=dict(zip(ids, out.top_logprobs)) if out.top_logprobs is not None else None,
+            prompt_logprobs=scored,
         )
 
     def _prepare(self, seqs: list[ScheduledSeq]):
@@ -104,6 +109,16 @@ class ModelRunner:
             chunks.append(PrefillChunk(q_start, seq.num_tokens, seq.start_pos, table, mask))
             q_start += seq.num_tokens
         return chunks
+
+
+def _rows(seqs: list[ScheduledSeq], wants: dict[str, prompt_lp.Want]) -> dict[str, tuple[int, prompt_lp.Want]]:
+    """Each wanted slice's first row in the step's flat batch (the order _prepare lays it out)."""
+    rows, offset = {}, 0
+    for seq in seqs:
+        if seq.req_id in wants:
+            rows[seq.req_id] = (offset, wants[seq.req_id])
+        offset += seq.num_tokens
+    return rows
 
 
 def _decodes_first(seqs) -> list[ScheduledSeq]:

@@ -51,3 +51,5 @@ class StepResult:
     sampled: dict[str, int]
     logprobs: dict[str, float] | None = None
     top_logprobs: dict[str, list[tuple[int, float]]] | None = None
+    # Prompt logprobs of the slices that asked (req_id -> TokenLogprobs, in position order).
+    prompt_logprobs: dict[str, list] | None = None
