@@ -73,6 +73,17 @@ def install(app, model_names: tuple[str, ...]) -> None:
 
 
 _LORA_PATHS = ("/v1/load_lora_adapter", "/v1/unload_lora_adapter")
+_INT_LIST = {"type": "array", "items": {"type": "integer"}}
+# Endpoints answering one JSON object of their own (vLLM's shapes), never a stream.
+_OBJECT_ANSWERS = {
+    "/tokenize": {"type": "object", "required": ["count", "max_model_len", "tokens"],
+                  "properties": {"count": {"type": "integer"}, "max_model_len": {"type": "integer"},
+                                 "tokens": _INT_LIST,
+                                 "token_strs": {"anyOf": [{"type": "array", "items": {"type": "string"}},
+                                                          {"type": "null"}]}}},
+    "/detokenize": {"type": "object", "required": ["prompt"], "properties": {"prompt": {"type": "string"}}},
+    "/version": {"type": "object", "required": ["version"], "properties": {"version": {"type": "string"}}},
+}
 
 
 def _error(status: int) -> dict:
@@ -87,9 +98,14 @@ def _responses(path: str, method: str, op: dict) -> None:
     responses = op.setdefault("responses", {})
     responses.pop("422", None)
     statuses = [500]
-    if path.startswith("/v1/"):
+    if path.startswith("/v1/") or path in ("/tokenize", "/detokenize"):
         statuses += [401, 429]
-    if path in _LORA_PATHS:
+    if path in _OBJECT_ANSWERS:
+        if method == "post":
+            statuses += [400, 404, 413]
+        ok = responses.setdefault("200", {"description": "Successful Response"})
+        ok["content"] = {"application/json": {"schema": _OBJECT_ANSWERS[path]}}
+    elif path in _LORA_PATHS:
         statuses += [400, 404, 409, 413, 503]
         ok = responses.setdefault("200", {"description": "Successful Response"})
         ok["content"] = {"application/json": {"schema": {

@@ -82,7 +82,8 @@ class WorkerService(pb_grpc.WorkerServicer):
         except InvalidRequestError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         resumed = list(request.resume_output_token_ids)
-        remote = not resumed and self._wants_remote(request, token_ids)   # a resume prefills here
+        # A resume prefills here; so does a prompt-logprobs request (its prompt's logits are needed here).
+        remote = not resumed and params.prompt_logprobs is None and self._wants_remote(request, token_ids)
         self._enter()
         try:
             async for msg in self._generate(request.request_id, token_ids, params, remote, list(request.prefill_workers),

@@ -11,7 +11,8 @@ from splitserve.platform.sampling.params import SamplingParams
 from splitserve.platform.wire import worker_pb2 as pb
 
 OPTIONAL_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
-                   "frequency_penalty", "seed", "max_tokens", "min_tokens", "logprobs", "skip_special_tokens")
+                   "frequency_penalty", "seed", "max_tokens", "min_tokens", "logprobs", "skip_special_tokens",
+                   "prompt_logprobs")
 
 
 def to_proto(params: SamplingParams) -> pb.SamplingParams:
