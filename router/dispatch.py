@@ -73,6 +73,7 @@ class Chunk:
     decode_worker: str = ""
     prefill_worker: str = ""
     prompt_logprobs: list = field(default_factory=list)  # pb.TokenLogprob of prompt tokens 1..n-1 (first chunk)
+    embedding: list = field(default_factory=list)        # the prompt's embedding (params.embed; first chunk)
 
 
 class WorkerLost(Exception):
@@ -233,7 +234,8 @@ class Dispatcher:
         return Chunk(new_ids, text, list(msg.logprobs), _FINISH.get(msg.finish_reason),
                      num_prompt_tokens=len(job.prompt_token_ids), num_completion_tokens=len(progress.token_ids),
                      num_cached_tokens=progress.num_cached_tokens, decode_worker=decision.decode,
-                     prefill_worker=msg.prefill_worker, prompt_logprobs=list(msg.prompt_logprobs))
+                     prefill_worker=msg.prefill_worker, prompt_logprobs=list(msg.prompt_logprobs),
+                     embedding=list(msg.embedding))
 
     def _resumed_text(self, params: SamplingParams, progress: _Progress, new_ids: list[int], text: str) -> str:
         """The first text after a resume, from the token ids when they explain the worker's text."""

@@ -83,6 +83,12 @@ _OBJECT_ANSWERS = {
                                                           {"type": "null"}]}}},
     "/detokenize": {"type": "object", "required": ["prompt"], "properties": {"prompt": {"type": "string"}}},
     "/version": {"type": "object", "required": ["version"], "properties": {"version": {"type": "string"}}},
+    "/v1/embeddings": {"type": "object", "required": ["object", "data", "model", "usage"], "properties": {
+        "object": {"type": "string", "enum": ["list"]}, "model": {"type": "string"},
+        "data": {"type": "array", "items": {"type": "object", "required": ["object", "index", "embedding"], "properties": {
+            "object": {"type": "string"}, "index": {"type": "integer"},
+            "embedding": {"anyOf": [{"type": "array", "items": {"type": "number"}}, {"type": "string"}]}}}},
+        "usage": {"type": "object", "required": ["prompt_tokens", "total_tokens"]}}},
 }
 
 
@@ -103,6 +109,8 @@ def _responses(path: str, method: str, op: dict) -> None:
     if path in _OBJECT_ANSWERS:
         if method == "post":
             statuses += [400, 404, 413]
+        if path.startswith("/v1/"):
+            statuses.append(503)
         ok = responses.setdefault("200", {"description": "Successful Response"})
         ok["content"] = {"application/json": {"schema": _OBJECT_ANSWERS[path]}}
     elif path in _LORA_PATHS:

@@ -72,7 +72,8 @@ class OutputProcessor:
             num_output_tokens=req.num_output_tokens, finished=finished, finish_reason=reason,
             stop_reason=stop_reason, new_logprobs=_logprobs(update.req_id, token, result),
             output_token_ids=req.output_token_ids, text=st.text,
-            prompt_logprobs=self.prompt_logprobs.take(req.req_id))
+            prompt_logprobs=self.prompt_logprobs.take(req.req_id),
+            embedding=(result.embeddings or {}).get(req.req_id))
         if finished:
             del self._states[req.req_id]
         return out

@@ -41,3 +41,5 @@ class RequestOutput:
     # With params.prompt_logprobs, on the request's first output: one entry per prompt token,
     # None for the first (nothing precedes it); see prompt_logprobs.py.
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    # With params.embed, on the first output: the prompt's last-token embedding, L2-normalized.
+    embedding: list[float] | None = None

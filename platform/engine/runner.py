@@ -55,6 +55,7 @@ class ModelRunner:
         out = self.sampler(logits, [rows[s.req_id] for s in sampling], eos_token_ids)
         ids = [s.req_id for s in sampling]
         return StepResult(
+            embeddings=_embeddings(hidden[sample_idx], sampling, rows),
             sampled=dict(zip(ids, out.token_ids)),
             logprobs=dict(zip(ids, out.logprobs)) if out.logprobs is not None else None,
             top_logprobs=dict(zip(ids, out.top_logprobs)) if out.top_logprobs is not None else None,
@@ -109,6 +110,18 @@ class ModelRunner:
             chunks.append(PrefillChunk(q_start, seq.num_tokens, seq.start_pos, table, mask))
             q_start += seq.num_tokens
         return chunks
+
+
+def _embeddings(last_hidden: torch.Tensor, sampling: list[ScheduledSeq],
+                rows: dict[str, SamplingRow]) -> dict[str, list[float]] | None:
+    """Last-token pooling for the requests with params.embed whose prompt ends in this step: the
+    final-norm hidden state of the prompt's last token, L2-normalized in float32."""
+    picked = [i for i, s in enumerate(sampling)
+              if rows[s.req_id].params.embed and s.context_len == len(rows[s.req_id].prompt_token_ids)]
+    if not picked:
+        return None
+    vectors = torch.nn.functional.normalize(last_hidden[picked].float(), dim=-1).tolist()
+    return {sampling[i].req_id: v for i, v in zip(picked, vectors)}
 
 
 def _rows(seqs: list[ScheduledSeq], wants: dict[str, prompt_lp.Want]) -> dict[str, tuple[int, prompt_lp.Want]]:

@@ -38,6 +38,8 @@ class SamplingParams:
     `prompt_logprobs` (None = off) also returns each prompt token's log probability given the
     tokens before it, with the top-n alternatives (platform/engine/prompt_logprobs.py); such a
     request computes its whole prompt (no prefix-cache reuse).
+    `embed` also returns the prompt's embedding: the final-norm hidden state of its last token,
+    L2-normalized (last-token pooling, what vLLM uses for decoder models), with the first output.
     """
 
     temperature: float = 1.0
@@ -59,6 +61,7 @@ class SamplingParams:
     structured: StructuredSpec | None = None
     logit_bias: tuple[tuple[int, float], ...] = ()
     prompt_logprobs: int | None = None
+    embed: bool = False
 
     def __post_init__(self) -> None:
         # Accept lists from JSON callers but store tuples so the params stay hashable/immutable.

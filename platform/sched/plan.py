@@ -53,3 +53,5 @@ class StepResult:
     top_logprobs: dict[str, list[tuple[int, float]]] | None = None
     # Prompt logprobs of the slices that asked (req_id -> TokenLogprobs, in position order).
     prompt_logprobs: dict[str, list] | None = None
+    # Embeddings of the requests with params.embed whose prompt ended this step (req_id -> floats).
+    embeddings: dict[str, list[float]] | None = None
