@@ -123,7 +123,8 @@ def _responses(path: str, method: str, op: dict) -> None:
     elif method == "post":
         statuses += [400, 404, 413, 503]
         ok = responses.setdefault("200", {"description": "Successful Response"})
-        ok["content"] = {"application/json": {"schema": {"type": "object", "required": ["id", "object", "choices"]}},
+        required = ["id", "object", "output", "status"] if path == "/v1/responses" else ["id", "object", "choices"]
+        ok["content"] = {"application/json": {"schema": {"type": "object", "required": required}},
                          "text/event-stream": {"schema": {"type": "string"},
                                                "description": "With stream=true: `data: {chunk}` events, then "
                                                               "`data: [DONE]`"}}
