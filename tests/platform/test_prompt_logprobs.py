@@ -96,3 +96,24 @@ def test_prompt_logprobs_bounds_and_no_remote_prefill(make_engine):
     engine = make_engine()
     with pytest.raises(InvalidRequestError, match="prompt_logprobs"):
         engine.add_request(prompt_token_ids=[1, 2, 3], params=SamplingParams(prompt_logprobs=1), remote_prefill=True)
+
+
+def test_prompt_logprobs_through_a_lora_adapter_match_peft(make_engine, hf_smollm2, tmp_path):
+    """A LoRA request scores its prompt through its adapter: transformers + PEFT's numbers."""
+    from lora_fixtures import make_peft_adapters
+
+    name = "qv-down-r16"
+    peft_model, _ = make_peft_adapters(*hf_smollm2, tmp_path, names=(name,), std=0.05)
+    engine = make_engine()
+    engine.load_lora_adapter(name, str(tmp_path / name))
+    ids = engine.tokenizer.encode(PROMPT)[:24]
+    peft_model.set_adapter(name)
+    ref = reference(peft_model, ids)
+    base = reference(hf_smollm2[0], ids)
+    assert float((ref - base).abs().max()) > 0.01   # the adapter changes the numbers
+    engine.add_request(prompt_token_ids=ids, params=SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=2),
+                       req_id="lora", lora_name=name)
+    outs = []
+    while engine.has_unfinished_requests():
+        outs += engine.step()
+    check(outs[0], ids, ref, 2)
