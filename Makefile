@@ -63,6 +63,7 @@ bench: setup peer
 	$(PY) bench/prefix_burst.py --write docs/benchmarks.md --threads 2
 	$(PY) bench/structured.py --write docs/benchmarks.md --threads 2
 	$(PY) bench/lora.py --write docs/benchmarks.md --threads 2
+	$(PY) bench/echo_cost.py --write docs/benchmarks.md --threads 2
 	$(PY) bench/kv_transfer.py --write docs/benchmarks.md
 	$(PY) bench/disagg_ttft.py --write docs/benchmarks.md
 	$(PY) bench/router_bench.py --write docs/benchmarks.md

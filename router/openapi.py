@@ -5,7 +5,8 @@ Starting from FastAPI's generated document it: declares OpenAI's error body (`Er
 for every status an operation can answer with (400 invalid input, 401 bad API key, 404 unknown
 model, 413 body too large, 429 rate limit / queue full / saturated and 503 no worker, both with
 Retry-After, 500 a bug); gives the completion endpoints both `application/json` and
-`text/event-stream` 200 answers (the LoRA load/unload endpoints a JSON status object) and
+`text/event-stream` 200 answers (the LoRA load/unload endpoints a JSON status object; /tokenize,
+/detokenize, /version and /v1/embeddings their own JSON objects) and
 /metrics its Prometheus text; and writes the bounds the
 engine checks (platform/sampling/params.py, router/prompts.py) into the request schemas, so a
 value outside them is schema-invalid and a value inside them is never refused for its range.
@@ -123,11 +124,13 @@ def _responses(path: str, method: str, op: dict) -> None:
     elif method == "post":
         statuses += [400, 404, 413, 503]
         ok = responses.setdefault("200", {"description": "Successful Response"})
-        required = ["id", "object", "output", "status"] if path == "/v1/responses" else ["id", "object", "choices"]
+        is_responses = path == "/v1/responses"
+        required = ["id", "object", "output", "status"] if is_responses else ["id", "object", "choices"]
+        events = ("With stream=true: `event: <type>` + `data: {event}` pairs, response.created first, "
+                  "response.completed (or response.incomplete) last" if is_responses else
+                  "With stream=true: `data: {chunk}` events, then `data: [DONE]`")
         ok["content"] = {"application/json": {"schema": {"type": "object", "required": required}},
-                         "text/event-stream": {"schema": {"type": "string"},
-                                               "description": "With stream=true: `data: {chunk}` events, then "
-                                                              "`data: [DONE]`"}}
+                         "text/event-stream": {"schema": {"type": "string"}, "description": events}}
     if path == "/ready":
         statuses.append(503)
     if path == "/metrics":
@@ -149,6 +152,8 @@ def _bound(name: str, schema: dict, model_names: tuple[str, ...]) -> None:
                     variant.setdefault("items", {}).update(bounds)
     if name == "CompletionRequest" and "logprobs" in props:
         _apply(props["logprobs"], _COMPLETION_LOGPROBS)
+        _apply(props["prompt_logprobs"], _COMPLETION_LOGPROBS)
+        _apply(props["max_tokens"], {"minimum": 0})   # 0 with echo: the prompt alone (router/echo.py)
     if "model" in props and model_names and name.endswith("Request"):
         props["model"]["description"] = f"A served model: {', '.join(model_names)} (others: 404)"
 
