@@ -4,6 +4,7 @@ prompt's hidden states and logits itself), and their prompt tokens count in `usa
 key's tenancy records (completion tokens 0 for embeddings)."""
 
 import base64
+import json
 import struct
 
 import httpx
@@ -70,3 +71,21 @@ def test_echo_is_prefilled_by_the_decode_worker_but_plain_requests_use_the_prefi
     assert choice["text"] == prompt and echo.json()["usage"]["completion_tokens"] == 0
     assert choice["logprobs"]["token_logprobs"][0] is None
     assert choice["logprobs"]["token_logprobs"][1:] == [-1.0] * (len(choice["logprobs"]["tokens"]) - 1)
+
+
+def test_streamed_echo_sends_the_prompt_and_its_logprobs_first(stack):
+    server, decode, http = stack
+    prompt = "Score this prompt"
+    chunks = []
+    with http.stream("POST", "/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 2, "echo": True,
+                                                      "logprobs": 1, "stream": True}) as response:
+        for line in response.iter_lines():
+            if line.startswith("data: {"):
+                chunks.append(json.loads(line[len("data: "):])["choices"][0])
+    assert chunks[0]["text"].startswith(prompt)
+    first = chunks[0]["logprobs"]
+    assert first["token_logprobs"][0] is None and first["top_logprobs"][0] is None
+    num_prompt = len(first["tokens"]) - 1   # the prompt's tokens, then the first generated one
+    assert first["token_logprobs"][1:num_prompt] == [-1.0] * (num_prompt - 1)
+    assert all(not c["text"].startswith(prompt) for c in chunks[1:])
+    assert "".join(c["text"] for c in chunks).startswith(prompt) and chunks[-1]["finish_reason"] == "length"
