@@ -69,6 +69,7 @@ bench: setup peer
 	$(PY) bench/structured.py --write docs/benchmarks.md --threads 2
 	$(PY) bench/lora.py --write docs/benchmarks.md --threads 2
 	$(PY) bench/speculative.py --write docs/benchmarks.md --threads 2 --peer-python $(PEER)/bin/python
+	$(PY) bench/echo_cost.py --write docs/benchmarks.md --threads 2
 	$(PY) bench/kv_transfer.py --write docs/benchmarks.md
 	$(PY) bench/disagg_ttft.py --write docs/benchmarks.md
 	$(PY) bench/router_bench.py --write docs/benchmarks.md

@@ -25,7 +25,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from splitserve.router import logctx, openapi, readiness
+from splitserve.router import embeddings, logctx, openai_responses, openapi, readiness, tokenize_api
 from splitserve.router.errors import APIError, error_body
 from splitserve.router.gateway import Gateway
 from splitserve.router.protocol import ChatCompletionRequest, CompletionRequest, LoadLoraAdapterRequest, \
@@ -61,6 +61,9 @@ def create_app(router: Router, manage_router: bool = True) -> FastAPI:
     app.state.gateway = gateway
     _add_error_handlers(app)
     _add_routes(app, router, gateway)
+    tokenize_api.add_routes(app, router, gateway)
+    embeddings.add_routes(app, gateway)
+    openai_responses.add_routes(app, gateway)
     openapi.install(app, router.config.served_model_names)
     app.add_middleware(EdgeMiddleware, max_body_bytes=router.config.gateway.max_body_bytes, metrics=router.metrics)
     return app

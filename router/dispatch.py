@@ -40,6 +40,7 @@ from splitserve.platform.sampling.params import SamplingParams
 from splitserve.platform.tokenizer import Tokenizer
 from splitserve.platform.wire import worker_pb2 as pb
 from splitserve.router import logctx, readiness
+from splitserve.router.echo import without_prompt_scoring
 from splitserve.router.errors import APIError, NoWorkerError
 from splitserve.router.placement import Decision, Placer
 from splitserve.router.pool import WorkerPool
@@ -71,6 +72,8 @@ class Chunk:
     num_cached_tokens: int = 0
     decode_worker: str = ""
     prefill_worker: str = ""
+    prompt_logprobs: list = field(default_factory=list)  # pb.TokenLogprob of prompt tokens 1..n-1 (first chunk)
+    embedding: list = field(default_factory=list)        # the prompt's embedding (params.embed; first chunk)
 
 
 class WorkerLost(Exception):
@@ -178,7 +181,8 @@ class Dispatcher:
         return self.hasher.hash_blocks(token_ids, lora_extra_keys(job.lora_name, digest))
 
     async def _attempt(self, job: Job, decision: Decision, progress: _Progress) -> AsyncIterator[Chunk]:
-        request = generate_request(job.request_id, job.prompt_token_ids, job.params, decision,
+        params = without_prompt_scoring(job.params) if progress.token_ids else job.params
+        request = generate_request(job.request_id, job.prompt_token_ids, params, decision,
                                    self.placer.config.disaggregation, resume_output_token_ids=progress.token_ids,
                                    lora_name=job.lora_name)
         prefill = request.prefill_workers[0] if request.prefill_workers else ""   # none for a resume
@@ -235,7 +239,8 @@ class Dispatcher:
         return Chunk(new_ids, text, list(msg.logprobs), _FINISH.get(msg.finish_reason),
                      num_prompt_tokens=len(job.prompt_token_ids), num_completion_tokens=len(progress.token_ids),
                      num_cached_tokens=progress.num_cached_tokens, decode_worker=decision.decode,
-                     prefill_worker=msg.prefill_worker)
+                     prefill_worker=msg.prefill_worker, prompt_logprobs=list(msg.prompt_logprobs),
+                     embedding=list(msg.embedding))
 
     def _resumed_text(self, params: SamplingParams, progress: _Progress, new_ids: list[int], text: str) -> str:
         """The first text after a resume, from the token ids when they explain the worker's text."""

@@ -5,7 +5,8 @@ Starting from FastAPI's generated document it: declares OpenAI's error body (`Er
 for every status an operation can answer with (400 invalid input, 401 bad API key, 404 unknown
 model, 413 body too large, 429 rate limit / queue full / saturated and 503 no worker, both with
 Retry-After, 500 a bug); gives the completion endpoints both `application/json` and
-`text/event-stream` 200 answers (the LoRA load/unload endpoints a JSON status object) and
+`text/event-stream` 200 answers (the LoRA load/unload endpoints a JSON status object; /tokenize,
+/detokenize, /version and /v1/embeddings their own JSON objects) and
 /metrics its Prometheus text; and writes the bounds the
 engine checks (platform/sampling/params.py, router/prompts.py) into the request schemas, so a
 value outside them is schema-invalid and a value inside them is never refused for its range.
@@ -73,6 +74,23 @@ def install(app, model_names: tuple[str, ...]) -> None:
 
 
 _LORA_PATHS = ("/v1/load_lora_adapter", "/v1/unload_lora_adapter")
+_INT_LIST = {"type": "array", "items": {"type": "integer"}}
+# Endpoints answering one JSON object of their own (vLLM's shapes), never a stream.
+_OBJECT_ANSWERS = {
+    "/tokenize": {"type": "object", "required": ["count", "max_model_len", "tokens"],
+                  "properties": {"count": {"type": "integer"}, "max_model_len": {"type": "integer"},
+                                 "tokens": _INT_LIST,
+                                 "token_strs": {"anyOf": [{"type": "array", "items": {"type": "string"}},
+                                                          {"type": "null"}]}}},
+    "/detokenize": {"type": "object", "required": ["prompt"], "properties": {"prompt": {"type": "string"}}},
+    "/version": {"type": "object", "required": ["version"], "properties": {"version": {"type": "string"}}},
+    "/v1/embeddings": {"type": "object", "required": ["object", "data", "model", "usage"], "properties": {
+        "object": {"type": "string", "enum": ["list"]}, "model": {"type": "string"},
+        "data": {"type": "array", "items": {"type": "object", "required": ["object", "index", "embedding"], "properties": {
+            "object": {"type": "string"}, "index": {"type": "integer"},
+            "embedding": {"anyOf": [{"type": "array", "items": {"type": "number"}}, {"type": "string"}]}}}},
+        "usage": {"type": "object", "required": ["prompt_tokens", "total_tokens"]}}},
+}
 
 
 def _error(status: int) -> dict:
@@ -87,9 +105,16 @@ def _responses(path: str, method: str, op: dict) -> None:
     responses = op.setdefault("responses", {})
     responses.pop("422", None)
     statuses = [500]
-    if path.startswith("/v1/"):
+    if path.startswith("/v1/") or path in ("/tokenize", "/detokenize"):
         statuses += [401, 429]
-    if path in _LORA_PATHS:
+    if path in _OBJECT_ANSWERS:
+        if method == "post":
+            statuses += [400, 404, 413]
+        if path.startswith("/v1/"):
+            statuses.append(503)
+        ok = responses.setdefault("200", {"description": "Successful Response"})
+        ok["content"] = {"application/json": {"schema": _OBJECT_ANSWERS[path]}}
+    elif path in _LORA_PATHS:
         statuses += [400, 404, 409, 413, 503]
         ok = responses.setdefault("200", {"description": "Successful Response"})
         ok["content"] = {"application/json": {"schema": {
@@ -99,10 +124,13 @@ def _responses(path: str, method: str, op: dict) -> None:
     elif method == "post":
         statuses += [400, 404, 413, 503]
         ok = responses.setdefault("200", {"description": "Successful Response"})
-        ok["content"] = {"application/json": {"schema": {"type": "object", "required": ["id", "object", "choices"]}},
-                         "text/event-stream": {"schema": {"type": "string"},
-                                               "description": "With stream=true: `data: {chunk}` events, then "
-                                                              "`data: [DONE]`"}}
+        is_responses = path == "/v1/responses"
+        required = ["id", "object", "output", "status"] if is_responses else ["id", "object", "choices"]
+        events = ("With stream=true: `event: <type>` + `data: {event}` pairs, response.created first, "
+                  "response.completed (or response.incomplete) last" if is_responses else
+                  "With stream=true: `data: {chunk}` events, then `data: [DONE]`")
+        ok["content"] = {"application/json": {"schema": {"type": "object", "required": required}},
+                         "text/event-stream": {"schema": {"type": "string"}, "description": events}}
     if path == "/ready":
         statuses.append(503)
     if path == "/metrics":
@@ -124,6 +152,8 @@ def _bound(name: str, schema: dict, model_names: tuple[str, ...]) -> None:
                     variant.setdefault("items", {}).update(bounds)
     if name == "CompletionRequest" and "logprobs" in props:
         _apply(props["logprobs"], _COMPLETION_LOGPROBS)
+        _apply(props["prompt_logprobs"], _COMPLETION_LOGPROBS)
+        _apply(props["max_tokens"], {"minimum": 0})   # 0 with echo: the prompt alone (router/echo.py)
     if "model" in props and model_names and name.endswith("Request"):
         props["model"]["description"] = f"A served model: {', '.join(model_names)} (others: 404)"
 

@@ -12,12 +12,15 @@ max_tokens, chat completions may use the whole rest of the context and completio
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from splitserve.platform.errors import InvalidRequestError
 from splitserve.platform.sampling.params import MAX_LOGPROBS, SamplingParams
 from splitserve.platform.tokenizer import Tokenizer
+from splitserve.router import echo
 from splitserve.router.dispatch import Job
+from splitserve.router.echo import EchoPlan
 from splitserve.router.errors import APIError, bad_request
 from splitserve.router.structured import constraint_fields
 from splitserve.router.tools import ToolPlan, plan_tools, render_messages
@@ -38,6 +41,7 @@ class Prepared:
     include_usage: bool
     tools: ToolPlan | None = None    # chat with tools: how to read tool calls from the answer
     return_token_ids: bool = False   # answer the generated token ids too (vLLM's extension)
+    echo: EchoPlan | None = None     # completions with echo / prompt_logprobs (router/echo.py)
 
 
 def prepare_chat(req: ChatCompletionRequest, request_id: str, job_id: str, tokenizer: Tokenizer | None,
@@ -72,12 +76,22 @@ def prepare_chat(req: ChatCompletionRequest, request_id: str, job_id: str, token
 
 def prepare_completion(req: CompletionRequest, request_id: str, job_id: str, tokenizer: Tokenizer | None,
                        max_model_len: int) -> Prepared:
+    echo.check(req)
     _reject_unsupported(req)
     prompts = _prompt_token_ids(req.prompt, tokenizer)
-    jobs = _jobs(req, job_id, prompts, req.max_tokens, COMPLETIONS_DEFAULT_MAX_TOKENS, req.logprobs, max_model_len,
+    max_tokens = 1 if req.echo and req.max_tokens == 0 else req.max_tokens   # the token is dropped (echo.py)
+    jobs = _jobs(req, job_id, prompts, max_tokens, COMPLETIONS_DEFAULT_MAX_TOKENS, req.logprobs, max_model_len,
                  constraint_fields(req, tokenizer.vocab_size if tokenizer is not None else None))
+    scored = echo.worker_prompt_logprobs(req)
+    if scored is not None:
+        if not 0 <= scored <= MAX_LOGPROBS:
+            raise bad_request(f"prompt_logprobs={scored} is invalid; allowed: an integer in [0, {MAX_LOGPROBS}]",
+                              "prompt_logprobs")
+        jobs = [dataclasses.replace(job, params=dataclasses.replace(job.params, prompt_logprobs=scored))
+                for job in jobs]
     return Prepared(request_id, req.model, jobs, sum(map(len, prompts)), req.logprobs, req.stream,
-                    _include_usage(req), return_token_ids=req.return_token_ids)
+                    _include_usage(req), return_token_ids=req.return_token_ids,
+                    echo=echo.plan(req, prompts, tokenizer))
 
 
 def _reject_unsupported(req: SamplingFields) -> None:

@@ -2,9 +2,10 @@
 
 Strict types: a string where a number belongs is a 400, not a silent conversion. Integer fields
 take a whole-number float (2.0), which JSON Schema counts as an integer (`Int`). Fields of the
-OpenAI API that change what the model must do and that splitserve does not implement (echo,
-suffix, best_of > n) are rejected with a 400 naming
-them rather than ignored. vLLM's sampling extensions (top_k, min_p, repetition_penalty,
+OpenAI API that change what the model must do and that splitserve does not implement (suffix,
+best_of > n, echo with several choices) are rejected with a 400 naming them rather than ignored.
+`echo` (the prompt back in `text`, its tokens' logprobs with `logprobs`; `max_tokens: 0` then
+means the prompt alone) and vLLM's `prompt_logprobs` are served (router/echo.py). vLLM's sampling extensions (top_k, min_p, repetition_penalty,
 min_tokens, ignore_eos, stop_token_ids, skip_special_tokens, include_stop_str_in_output) are
 accepted, and so is its `return_token_ids` (the generated token ids beside the text, so a client
 can compare answers exactly); the openai client sends them through `extra_body`.
@@ -97,14 +98,13 @@ class CompletionRequest(SamplingFields):
     echo: bool = False
     suffix: str | None = None
     best_of: Int | None = None
+    prompt_logprobs: Int | None = None   # vLLM's extension: top-n per prompt token, in `prompt_logprobs`
 
 
 def unsupported_fields(req: SamplingFields) -> list[str]:
     """Names of set fields that would change the answer in ways splitserve does not implement."""
     bad = []
     if not isinstance(req, ChatCompletionRequest):
-        if req.echo:
-            bad.append("echo")
         if req.suffix:
             bad.append("suffix")
         if req.best_of is not None and req.best_of != req.n:

@@ -13,7 +13,7 @@ import json
 import time
 
 from splitserve.platform.tokenizer import Tokenizer
-from splitserve.router import tools
+from splitserve.router import echo, tools
 from splitserve.router.dispatch import Chunk
 from splitserve.router.prompts import Prepared
 
@@ -46,8 +46,11 @@ class ChoiceState:
         self.logprobs: list = []
         self.finish_reason: str | None = None
         self.last: Chunk | None = None
+        self.prompt_logprobs: list = []   # what the worker scored of the prompt (echo.py)
+        self.is_echoed = False            # a stream sent the echoed prompt
 
     def add(self, chunk: Chunk) -> None:
+        self.prompt_logprobs = chunk.prompt_logprobs or self.prompt_logprobs
         self.text += chunk.text
         self.token_ids += chunk.token_ids
         self.logprobs += chunk.logprobs
@@ -57,6 +60,8 @@ class ChoiceState:
 
 def usage(prepared: Prepared, choices: list[ChoiceState]) -> dict:
     completion = sum(c.last.num_completion_tokens for c in choices if c.last is not None)
+    if prepared.echo is not None and prepared.echo.is_prompt_only:
+        completion = 0
     cached = next((c.last.num_cached_tokens for c in choices if c.last is not None), 0)
     return {"prompt_tokens": prepared.num_prompt_tokens, "completion_tokens": completion,
             "total_tokens": prepared.num_prompt_tokens + completion,
@@ -86,7 +91,8 @@ class Formatter:
             offsets.append(pos)
             pos += len(text)
         return {"tokens": texts, "token_logprobs": [lp.logprob for lp in entries],
-                "top_logprobs": [{self.tokens.text(t.token_id): t.logprob for t in lp.top} for lp in entries],
+                "top_logprobs": [None if lp.top is None else {self.tokens.text(t.token_id): t.logprob for t in lp.top}
+                                 for lp in entries],
                 "text_offset": offsets}
 
     def complete(self, choices: list[ChoiceState]) -> dict:
@@ -102,7 +108,13 @@ class Formatter:
         if calls:
             body["message"] = {"role": "assistant", "content": calls[0], "tool_calls": calls[1]}
             finish_reason = "tool_calls"
-        out = {"index": index, **body, "logprobs": self.logprobs(c.logprobs), "finish_reason": finish_reason}
+        entries = c.logprobs
+        if self.prepared.echo is not None:
+            body["text"], entries = echo.echoed(self.prepared.echo, index, c.text, c.logprobs, c.prompt_logprobs, True)
+            scored = echo.vllm_prompt_logprobs(self.prepared.echo, index, c.prompt_logprobs, self.tokens.text)
+            if scored is not None:
+                body["prompt_logprobs"] = scored
+        out = {"index": index, **body, "logprobs": self.logprobs(entries), "finish_reason": finish_reason}
         if self.prepared.return_token_ids:
             out["token_ids"] = list(c.token_ids)
         return out
@@ -120,6 +132,11 @@ class Formatter:
     def stream(self, index: int, chunk: Chunk, state: ChoiceState) -> list[dict]:
         """The stream events for one chunk (`state` already holds it). With tools the answer is
         held back until it finishes, then sent as tool-call deltas or as content."""
+        if self.prepared.echo is not None and not self.is_chat:
+            text, entries = echo.echoed(self.prepared.echo, index, chunk.text, chunk.logprobs, state.prompt_logprobs,
+                                        not state.is_echoed)
+            state.is_echoed = True
+            return [self.chunk(index, dataclasses.replace(chunk, text=text, logprobs=entries))]
         if self.prepared.tools is None or not self.is_chat:
             return [self.chunk(index, chunk)]
         if chunk.finish_reason is None:

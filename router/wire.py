@@ -23,11 +23,13 @@ def generate_request(request_id: str, token_ids: list[int], params: SamplingPara
                      resume_output_token_ids: list[int] = (), lora_name: str | None = None) -> pb.GenerateRequest:
     """The decode worker's request. With prefill workers listed, the worker re-checks the
     conditional threshold against its exact cache (the router's index may lag by a few events).
-    A resume (tokens already streamed by a failed worker) is prefilled by the decode worker."""
+    A resume (tokens already streamed by a failed worker) is prefilled by the decode worker, and
+    so is a request for prompt logprobs or an embedding (the prompt's logits or hidden states are
+    needed where the answer is made)."""
     request = pb.GenerateRequest(request_id=request_id, prompt_token_ids=token_ids, params=sampling_params(params),
                                  resume_output_token_ids=list(resume_output_token_ids), lora_name=lora_name or "",
                                  lora_evict_first=decision.lora_evict_first)
-    if decision.prefill and not resume_output_token_ids:
+    if decision.prefill and not resume_output_token_ids and params.prompt_logprobs is None and not params.embed:
         request.prefill_workers.extend(decision.prefill)
         request.disaggregation = _MODES[disaggregation.mode]
         request.min_prefill_tokens = disaggregation.min_prefill_tokens

@@ -82,7 +82,10 @@ class WorkerService(pb_grpc.WorkerServicer):
         except InvalidRequestError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         resumed = list(request.resume_output_token_ids)
-        remote = not resumed and await self._wants_remote(request, token_ids)   # a resume prefills here
+        # A resume prefills here; so do prompt-logprobs and embedding requests (the prompt's
+        # logits / hidden states are needed here).
+        local = resumed or params.prompt_logprobs is not None or params.embed
+        remote = not local and await self._wants_remote(request, token_ids)
         self._enter()
         try:
             async for msg in self._generate(request.request_id, token_ids, params, remote, list(request.prefill_workers),

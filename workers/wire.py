@@ -48,7 +48,9 @@ def generate_response(out: RequestOutput, prefill_worker: str = "") -> pb.Genera
         logprobs=[logprob_to_proto(lp) for lp in out.new_logprobs or ()], finish_reason=_FINISH[out.finish_reason],
         usage=pb.Usage(prompt_tokens=out.num_prompt_tokens, completion_tokens=out.num_output_tokens,
                        cached_tokens=out.num_cached_tokens),
-        prefill_worker=prefill_worker)
+        prefill_worker=prefill_worker,
+        prompt_logprobs=[logprob_to_proto(lp) for lp in (out.prompt_logprobs or ())[1:]],
+        embedding=out.embedding or ())
     if isinstance(out.stop_reason, str):
         msg.stop_string = out.stop_reason
     elif isinstance(out.stop_reason, int):

@@ -25,6 +25,7 @@ from collections.abc import Sequence
 import torch
 
 from splitserve.platform.config import EngineConfig, ModelConfig, resolve_kv_cache_dtype
+from splitserve.platform.engine import prompt_logprobs
 from splitserve.platform.engine.input_processor import InputProcessor
 from splitserve.platform.engine.kv_connector import KVConnector, KVExport
 from splitserve.platform.engine.load_snapshot import LoadSnapshot, take_snapshot
@@ -213,7 +214,11 @@ class LLMEngine:
         states = self._states
         rows = {s.req_id: states[s.req_id].sampling_row() for s in plan.seqs if s.do_sample}
         loras = {s.req_id: states[s.req_id].adapter for s in plan.seqs if states[s.req_id].adapter is not None}
-        result = self.runner.execute(plan, rows, self.eos_token_ids, self.kv_connector.export_hook(plan, states), loras)
+        scoring = {rid: st.prompt_logprobs for rid, st in states.items() if st.prompt_logprobs is not None}
+        wants = prompt_logprobs.wants(plan.seqs, scoring) if scoring else None
+        result = self.runner.execute(plan, rows, self.eos_token_ids, self.kv_connector.export_hook(plan, states), loras,
+                                     wants)
+        prompt_logprobs.absorb(plan.seqs, result.prompt_logprobs, scoring)
         self._advance_matchers(result.sampled)
         if self.speculator is not None:
             self.speculator.record(plan, result, self._states)

@@ -4,6 +4,9 @@ Per request it keeps, on the request's RequestState, an incremental detokenizer 
 matcher. The text of a token that ended the request as EOS or a stop token id is not emitted (as
 in vLLM). A stop string found in the text finishes the request: the output says finish_reason
 "stop" with the string as stop_reason, and the engine frees the request in the scheduler.
+
+With prompt logprobs asked for (prompt_logprobs.py), the request's first output carries the whole
+list, collected on its RequestState while its prompt was computed.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ from __future__ import annotations
 from splitserve.platform.detokenizer import IncrementalDetokenizer
 from splitserve.platform.engine.outputs import RequestOutput, TokenLogprob
 from splitserve.platform.engine.request_state import RequestState
+from splitserve.platform.engine import prompt_logprobs
 from splitserve.platform.sched.plan import StepResult
 from splitserve.platform.sched.request import Request, RequestStatus
 from splitserve.platform.sched.scheduler import TokenUpdate
@@ -29,6 +33,8 @@ class OutputProcessor:
             state.detok = IncrementalDetokenizer(self.tokenizer, list(req.all_token_ids),
                                                  skip_special_tokens=req.params.skip_special_tokens)
         state.stops = StopStringMatcher(req.params.stop, req.params.include_stop_str_in_output)
+        if req.params.prompt_logprobs is not None:
+            state.prompt_logprobs = prompt_logprobs.Collected.start(req.params.prompt_logprobs, req.prompt_token_ids)
 
     def process(self, state: RequestState, update: TokenUpdate, result: StepResult) -> RequestOutput:
         req = state.req
@@ -48,12 +54,16 @@ class OutputProcessor:
         elif finished:
             text += state.stops.flush()
         state.text += text
+        scored = None
+        if state.prompt_logprobs is not None:   # handed over once, with the first output
+            scored, state.prompt_logprobs = prompt_logprobs.finished(state.prompt_logprobs, req.req_id), None
         return RequestOutput(
             req_id=req.req_id, new_token_ids=[token], new_text=text,
             num_prompt_tokens=req.num_prompt_tokens, num_cached_tokens=max(req.num_cached_tokens, 0),
             num_output_tokens=req.num_output_tokens, finished=finished, finish_reason=reason,
             stop_reason=stop_reason, new_logprobs=_logprobs(update.req_id, token, result),
-            output_token_ids=req.output_token_ids, text=state.text)
+            output_token_ids=req.output_token_ids, text=state.text, prompt_logprobs=scored,
+            embedding=(result.embeddings or {}).get(req.req_id))
 
     def kv_ready(self, req: Request, ready) -> RequestOutput:
         return RequestOutput(

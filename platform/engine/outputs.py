@@ -38,3 +38,8 @@ class RequestOutput:
     output_token_ids: list[int] = field(default_factory=list)
     text: str = ""
     kv_ready: "KVReady | None" = None   # set once for a remote-prefill request: where its KV goes
+    # With params.prompt_logprobs, on the request's first output: one entry per prompt token,
+    # None for the first (nothing precedes it); see prompt_logprobs.py.
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+    # With params.embed, on the first output: the prompt's last-token embedding, L2-normalized.
+    embedding: list[float] | None = None

@@ -16,6 +16,7 @@ import torch
 
 from splitserve.platform.detokenizer import IncrementalDetokenizer
 from splitserve.platform.engine.kv_connector import KVExport
+from splitserve.platform.engine.prompt_logprobs import Collected
 from splitserve.platform.lora.adapter import LoraAdapter
 from splitserve.platform.sampling.sampler import SamplingRow
 from splitserve.platform.sampling.structured import Matcher
@@ -35,6 +36,7 @@ class RequestState:
     stops: StopStringMatcher | None = None
     text: str = ""                         # the output text emitted so far
     num_spec_proposed: int = 0             # speculative tokens proposed for it, and accepted
+    prompt_logprobs: Collected | None = None   # its prompt logprobs so far, if it asked (prompt_logprobs.py)
     num_spec_accepted: int = 0
 
     @property

@@ -20,6 +20,7 @@ from dataclasses import replace
 
 import torch
 
+from splitserve.platform.engine import prompt_logprobs as prompt_lp
 from splitserve.platform.engine.cuda_graphs import DecodeGraphs
 from splitserve.platform.kernels.dispatch import choose_num_splits, triton_available
 from splitserve.platform.lora.adapter import LoraAdapter
@@ -68,7 +69,9 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, plan: SchedulerPlan, rows: dict[str, SamplingRow], eos_token_ids: Collection[int],
                 layer_hook: Callable[[int], None] | None = None,
-                loras: dict[str, LoraAdapter] | None = None) -> StepResult:
+                loras: dict[str, LoraAdapter] | None = None,
+                prompt_logprobs: dict[str, prompt_lp.Want] | None = None) -> StepResult:
+        """`prompt_logprobs`: req_id -> the prompt positions of its slice to score (prompt_logprobs.py)."""
         seqs = _decodes_first(plan.seqs)
         if self.graphs is not None and not loras and layer_hook is None and self.graphs.can_run(seqs, rows):
             return self._sample(self.graphs.run(seqs), seqs, rows, eos_token_ids)
@@ -81,13 +84,19 @@ class ModelRunner:
         finally:
             if loras:
                 self.lora_context.end()
+        scored = prompt_lp.compute(self.model, hidden, _rows(seqs, prompt_logprobs)) if prompt_logprobs else None
         sampling = [s for s in seqs if s.do_sample]
         if not sampling:
-            return StepResult(sampled={})
+            return StepResult(sampled={}, prompt_logprobs=scored)
         logits = self.model.compute_logits(hidden[sample_idx])
         if any(s.num_draft_tokens for s in sampling):
-            return self._sample_with_verification(logits, sampling, rows, eos_token_ids)
-        return self._sample(logits, sampling, rows, eos_token_ids)
+            result = self._sample_with_verification(logits, sampling, rows, eos_token_ids)
+        else:
+            result = self._sample(logits, sampling, rows, eos_token_ids)
+        embeddings = _embeddings(hidden, sample_idx, sampling, rows)
+        if scored is None and embeddings is None:
+            return result
+        return replace(result, prompt_logprobs=scored, embeddings=embeddings)
 
     def _sample(self, logits: torch.Tensor, sampling: list[ScheduledSeq], rows: dict[str, SamplingRow],
                 eos_token_ids: Collection[int]) -> StepResult:
@@ -179,6 +188,35 @@ class ModelRunner:
             chunks.append(PrefillChunk(q_start, seq.num_tokens, seq.start_pos, table, mask))
             q_start += seq.num_tokens
         return chunks
+
+
+def _embeddings(hidden: torch.Tensor, sample_idx: torch.Tensor, sampling: list[ScheduledSeq],
+                rows: dict[str, SamplingRow]) -> dict[str, list[float]] | None:
+    """Last-token pooling for the requests with params.embed whose prompt ends in this step: the
+    final-norm hidden state of the prompt's last token, L2-normalized in float32. `sample_idx`
+    holds each sampling slice's rows in order (a verifying slice has num_draft_tokens + 1, its
+    last known token first)."""
+    picked, offset = [], 0
+    for s in sampling:
+        row = rows[s.req_id]
+        if row.params.embed and s.context_len == len(row.prompt_token_ids):
+            picked.append((s.req_id, offset))
+        offset += s.num_draft_tokens + 1
+    if not picked:
+        return None
+    index = sample_idx[torch.tensor([o for _, o in picked], device=sample_idx.device)]
+    vectors = torch.nn.functional.normalize(hidden[index].float(), dim=-1).tolist()
+    return {req_id: v for (req_id, _), v in zip(picked, vectors)}
+
+
+def _rows(seqs: list[ScheduledSeq], wants: dict[str, prompt_lp.Want]) -> dict[str, tuple[int, prompt_lp.Want]]:
+    """Each wanted slice's first row in the step's flat batch (the order _prepare lays it out)."""
+    rows, offset = {}, 0
+    for seq in seqs:
+        if seq.req_id in wants:
+            rows[seq.req_id] = (offset, wants[seq.req_id])
+        offset += seq.num_tokens
+    return rows
 
 
 def _decodes_first(seqs) -> list[ScheduledSeq]:

@@ -27,8 +27,9 @@ class KVCacheManager:
         self._num_registered: dict[str, int] = {}
 
     def find_cached_prefix(self, req: Request) -> list[Block]:
-        """The longest prefix of `req`'s blocks already in the cache (not yet referenced)."""
-        if not self.pool.enable_caching:
+        """The longest prefix of `req`'s blocks already in the cache (not yet referenced). None
+        for a request that wants prompt logprobs: it needs every position's logits."""
+        if not self.pool.enable_caching or req.params.prompt_logprobs is not None:
             return []
         max_blocks = (req.num_tokens - 1) // self.block_size
         hits = []

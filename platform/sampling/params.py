@@ -35,6 +35,11 @@ class SamplingParams:
     `structured` constrains the output to a grammar (JSON schema, regex, choice, Lark);
     `logit_bias` ((token id, bias in [-100, 100]) pairs, or a dict) is added to the logits
     (ids are checked against the vocabulary by the engine).
+    `prompt_logprobs` (None = off) also returns each prompt token's log probability given the
+    tokens before it, with the top-n alternatives (platform/engine/prompt_logprobs.py); such a
+    request computes its whole prompt (no prefix-cache reuse).
+    `embed` also returns the prompt's embedding: the final-norm hidden state of its last token,
+    L2-normalized (last-token pooling, what vLLM uses for decoder models), with the first output.
     """
 
     temperature: float = 1.0
@@ -55,6 +60,8 @@ class SamplingParams:
     skip_special_tokens: bool = True
     structured: StructuredSpec | None = None
     logit_bias: tuple[tuple[int, float], ...] = ()
+    prompt_logprobs: int | None = None
+    embed: bool = False
 
     def __post_init__(self) -> None:
         # Accept lists from JSON callers but store tuples so the params stay hashable/immutable.
@@ -85,6 +92,9 @@ class SamplingParams:
         _check(self.seed is None or isinstance(self.seed, int), "seed", self.seed, "an integer or null")
         _check(self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= MAX_LOGPROBS),
                "logprobs", self.logprobs, f"null or an integer in [0, {MAX_LOGPROBS}]")
+        _check(self.prompt_logprobs is None or (isinstance(self.prompt_logprobs, int)
+                                                and 0 <= self.prompt_logprobs <= MAX_LOGPROBS),
+               "prompt_logprobs", self.prompt_logprobs, f"null or an integer in [0, {MAX_LOGPROBS}]")
         _check(all(isinstance(s, str) and s for s in self.stop), "stop", list(self.stop), "non-empty strings")
         _check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
                list(self.stop_token_ids), "non-negative token ids")

@@ -59,3 +59,7 @@ class StepResult:
     # Per-token logprobs of those requests, when asked for, as (logprob, top) pairs.
     spec_tokens: dict[str, list[int]] | None = None
     spec_logprobs: dict[str, list[tuple[float, list[tuple[int, float]]]]] | None = None
+    # Prompt logprobs of the slices that asked (req_id -> TokenLogprobs, in position order).
+    prompt_logprobs: dict[str, list] | None = None
+    # Embeddings of the requests with params.embed whose prompt ended this step (req_id -> floats).
+    embeddings: dict[str, list[float]] | None = None

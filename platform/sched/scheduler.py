@@ -224,7 +224,7 @@ class Scheduler:
         """Rule 3: the next MIN_SHARED_BLOCKS blocks `req` would compute are being computed by
         another request. (Sharing a single block, typically a chat template's opening, is not
         worth a step's delay.)"""
-        if not in_flight or not self.config.share_prefix_in_flight:
+        if not in_flight or not self.config.share_prefix_in_flight or req.params.prompt_logprobs is not None:
             return False
         start = len(cached)
         reusable = (req.num_tokens - 1) // self.kv.block_size

@@ -4,7 +4,8 @@ a fake worker that speaks the real Worker gRPC protocol, and a throwaway redis-s
 The fake worker answers Generate with a deterministic continuation: output token i of a
 request depends only on the position (prompt length + i), so resuming from prompt + tokens
 already sent yields exactly the undisturbed answer, as greedy decoding does on a real worker.
-It publishes real KV events (BlockStored of the prompt's full blocks, hashed with
+Asked for prompt_logprobs or embed, it answers them on its first message (-1 per prompt token;
+[1, 0, 0]). It publishes real KV events (BlockStored of the prompt's full blocks, hashed with
 platform.hashing) and load reports, records every request, its gRPC metadata and every
 cancellation, and can be told to fail, to crash after N tokens, or to stall.
 """
@@ -192,11 +193,16 @@ class FakeWorker(pb_grpc.WorkerServicer):
             finish = pb.FINISH_REASON_LENGTH if i == max_tokens - 1 else pb.FINISH_REASON_UNSPECIFIED
             lps = [pb.TokenLogprob(token_id=out[-1], logprob=-0.5, top=[pb.TopLogprob(token_id=out[-1], logprob=-0.5)])] \
                 if request.params.HasField("logprobs") else []
+            first = i == 0   # the prompt's scores and embedding come on the first message, as a worker's do
+            prompt_lps = [pb.TokenLogprob(token_id=t, logprob=-1.0) for t in prompt[1:]] \
+                if first and request.params.HasField("prompt_logprobs") else []
+            embedding = [1.0, 0.0, 0.0] if first and request.params.embed else []
             yield pb.GenerateResponse(request_id=request.request_id, token_ids=[out[-1]], text=delta, logprobs=lps,
                                       finish_reason=finish, usage=pb.Usage(prompt_tokens=len(prompt),
                                                                            completion_tokens=len(out),
                                                                            cached_tokens=cached),
-                                      prefill_worker=request.prefill_workers[0] if request.prefill_workers else "")
+                                      prefill_worker=request.prefill_workers[0] if request.prefill_workers else "",
+                                      prompt_logprobs=prompt_lps, embedding=embedding)
 
     async def Abort(self, request, context):
         return pb.AbortResponse(found=False)

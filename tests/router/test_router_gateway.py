@@ -194,7 +194,7 @@ BAD_INPUTS = [
      400, ""),
     ("missing key", dict(json=chat_body(), headers={"Authorization": ""}), 401, "missing API key"),
     ("wrong key", dict(json=chat_body(), headers={"Authorization": "Bearer sk-nope"}), 401, "incorrect API key"),
-    ("unknown path", dict(path="/v1/embeddings", json={}), 404, "Not Found"),
+    ("unknown path", dict(path="/v1/audio/speech", json={}), 404, "Not Found"),
 ]
 
 
