@@ -64,7 +64,8 @@ def create_app(router: Router, manage_router: bool = True) -> FastAPI:
     tokenize_api.add_routes(app, router, gateway)
     embeddings.add_routes(app, gateway)
     openai_responses.add_routes(app, gateway)
-    openapi.install(app, router.config.served_model_names)
+    openapi.install(app, router.config.served_model_names,
+                    router.tokenizer.vocab_size if router.tokenizer is not None else None)
     app.add_middleware(EdgeMiddleware, max_body_bytes=router.config.gateway.max_body_bytes, metrics=router.metrics)
     return app
 

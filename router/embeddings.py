@@ -99,33 +99,19 @@ async def serve(gateway, request: Request, body: EmbeddingRequest) -> dict:
     params = SamplingParams(temperature=0, max_tokens=1, embed=True)
     jobs = [Job(f"{job_id}-{i}", ids, params, lora_name) for i, ids in enumerate(prompts)]
     prepared = Prepared(request_id, body.model, jobs, sum(map(len, prompts)), None, False, False)
-    counted = gateway.concurrency.enter(key)
-    try:
-        grant = await gateway.quota.admit(key, body.model, prepared.num_prompt_tokens)
-    except APIError:
-        if counted:
-            gateway.concurrency.leave(key)
-        raise
+    ticket = await gateway.admission.admit(key, body.model, prepared.num_prompt_tokens)   # router/admission.py
     choices = [ChoiceState() for _ in jobs]
     vectors: list[list[float] | None] = [None] * len(jobs)
-    try:
-        await gateway.admission.acquire()
-    except APIError:
-        await gateway.quota.release(grant)
-        if counted:
-            gateway.concurrency.leave(key)
-        raise
     events = merged([router.dispatcher.generate(job) for job in jobs])
     try:
         async for index, chunk in events:
             vectors[index] = list(chunk.embedding) or vectors[index]
             choices[index].add(dataclasses.replace(chunk, num_completion_tokens=0))
     finally:
-        await events.aclose()
-        gateway.admission.release()
-        if counted:
-            gateway.concurrency.leave(key)
-        await gateway.quota.finish(grant, prepared, choices)
+        try:
+            await events.aclose()
+        finally:
+            await gateway.admission.release(ticket, (prepared, choices))
     if any(v is None for v in vectors):
         raise APIError(500, "a worker answered without an embedding")
     totals = usage(prepared, choices)

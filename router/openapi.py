@@ -50,8 +50,9 @@ _ITEM_BOUNDS = {"stop_token_ids": {"minimum": 0, "maximum": INT32 - 1}}
 _COMPLETION_LOGPROBS = {"minimum": 0, "maximum": MAX_LOGPROBS}
 
 
-def build(app, model_names: tuple[str, ...]) -> dict:
-    """The document for `app` (cached on it by `install`)."""
+def build(app, model_names: tuple[str, ...], vocab_size: int | None = None) -> dict:
+    """The document for `app` (cached on it by `install`). With `vocab_size`, token-id lists
+    (a completion's prompt, /detokenize's tokens, an embedding's input) say which ids exist."""
     doc = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
     schemas = doc.setdefault("components", {}).setdefault("schemas", {})
     schemas["ErrorResponse"] = ERROR_SCHEMA
@@ -59,16 +60,36 @@ def build(app, model_names: tuple[str, ...]) -> dict:
         schemas.pop(name, None)
     for name, schema in schemas.items():
         _bound(name, schema, model_names)
+        if vocab_size:
+            for prop in _TOKEN_ID_LISTS.get(name, ()):
+                if prop in schema.get("properties", {}):
+                    _bound_ids(schema["properties"][prop], vocab_size)
     for path, ops in doc.get("paths", {}).items():
         for method, op in ops.items():
             _responses(path, method, op)
     return doc
 
 
-def install(app, model_names: tuple[str, ...]) -> None:
+# schema -> its properties that hold token ids (or lists of them)
+_TOKEN_ID_LISTS = {"CompletionRequest": ("prompt",), "DetokenizeRequest": ("tokens",), "EmbeddingRequest": ("input",)}
+
+
+def _bound_ids(prop: dict, vocab_size: int) -> None:
+    """Every integer array item below `prop` (through anyOf and nested arrays) is a token id."""
+    for variant in _variants(prop):
+        if variant.get("type") != "array":
+            continue
+        items = variant.setdefault("items", {})
+        if items.get("type") == "integer":
+            items.update({"minimum": 0, "maximum": vocab_size - 1})
+        else:
+            _bound_ids(items, vocab_size)
+
+
+def install(app, model_names: tuple[str, ...], vocab_size: int | None = None) -> None:
     def openapi():
         if app.openapi_schema is None:
-            app.openapi_schema = build(app, model_names)
+            app.openapi_schema = build(app, model_names, vocab_size)
         return app.openapi_schema
     app.openapi = openapi
 
