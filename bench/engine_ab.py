@@ -41,12 +41,12 @@ from splitserve.platform.engine.llm_engine import LLMEngine
 from splitserve.platform.sampling.params import SamplingParams
 threads, batches = int(sys.argv[1]), [int(b) for b in sys.argv[2].split(",")]
 engine = LLMEngine(EngineConfig(model="smollm2-135m", device=DeviceConfig(num_threads=threads),
-                                cache=CacheConfig(kv_cache_memory_bytes=256 * 1024**2),
-                                scheduler=SchedulerConfig(max_model_len=2048)))
+                                cache=CacheConfig(kv_cache_memory_bytes=768 * 1024**2),
+                                scheduler=SchedulerConfig(max_model_len=2048)))   # room for 32 x 296 tokens
 out = {}
 for batch in batches:
     rng = random.Random(batch)
-    params = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     ids = [engine.add_request(prompt_token_ids=[rng.randrange(100, 40000) for _ in range(256)], params=params)
            for _ in range(batch)]
     while any(engine.scheduler.requests[i].num_output_tokens == 0 for i in ids):

@@ -33,6 +33,7 @@ from splitserve.router.dispatch import Job
 from splitserve.router.errors import APIError, bad_request
 from splitserve.router.gateway import merged
 from splitserve.router.prompts import Prepared
+from splitserve.router.protocol import Int
 from splitserve.router.responses import ChoiceState, usage
 from splitserve.router.tenancy import check_scope
 
@@ -42,9 +43,9 @@ MAX_INPUTS = 2048   # OpenAI's limit per request
 class EmbeddingRequest(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
     model: str
-    input: str | list[str] | list[int] | list[list[int]]
+    input: str | list[str] | list[Int] | list[list[Int]]
     encoding_format: Literal["float", "base64"] = "float"
-    dimensions: int | None = None
+    dimensions: Int | None = None
     user: str | None = None
 
 

@@ -32,14 +32,14 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from splitserve.router.errors import bad_request
-from splitserve.router.protocol import ChatCompletionRequest
+from splitserve.router.protocol import ChatCompletionRequest, Int
 
 # Fields of the API that would change the answer and are not implemented: a 400 naming them.
 UNSUPPORTED = ("background", "conversation", "include", "reasoning", "prompt", "max_tool_calls", "top_logprobs")
@@ -48,9 +48,9 @@ UNSUPPORTED = ("background", "conversation", "include", "reasoning", "prompt", "
 class ResponsesRequest(BaseModel):
     model_config = ConfigDict(strict=True, extra="forbid")
     model: str
-    input: str | list[dict[str, Any]]
+    input: str | Annotated[list[dict[str, Any]], Field(min_length=1)]
     instructions: str | None = None
-    max_output_tokens: int | None = Field(None, ge=1)
+    max_output_tokens: Int | None = Field(None, ge=1)
     temperature: float | None = None
     top_p: float | None = None
     tools: list[dict[str, Any]] | None = None
@@ -74,8 +74,8 @@ class ResponsesRequest(BaseModel):
     include: list[str] | None = None
     reasoning: dict[str, Any] | None = None
     prompt: dict[str, Any] | None = None
-    max_tool_calls: int | None = None
-    top_logprobs: int | None = None
+    max_tool_calls: Int | None = None
+    top_logprobs: Int | None = None
 
 
 def check(req: ResponsesRequest) -> None:
@@ -382,6 +382,7 @@ class _ForwardingResponse(StreamingResponse):
 
 
 async def serve(gateway, request: Request, body: ResponsesRequest) -> Response:
+    gateway.check_model(body.model)   # 404 before the body's content, as for chat completions
     chat = chat_request(body)
     answer = await gateway.serve(request, chat, True)
     if answer.status_code != 200:

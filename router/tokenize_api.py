@@ -21,7 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from splitserve.platform.__about__ import __version__
 from splitserve.platform.errors import InvalidRequestError
 from splitserve.router.errors import bad_request
-from splitserve.router.protocol import ChatMessage, message_dicts
+from splitserve.router.protocol import ChatMessage, Int, message_dicts
 
 
 class TokenizeCompletionRequest(BaseModel):
@@ -45,7 +45,7 @@ class TokenizeChatRequest(BaseModel):
 class DetokenizeRequest(BaseModel):
     model_config = ConfigDict(strict=True, extra="forbid")
     model: str | None = None
-    tokens: list[int] = Field(max_length=1 << 20)
+    tokens: list[Int] = Field(max_length=1 << 20)
 
 
 def add_routes(app: FastAPI, router, gateway) -> None:
