@@ -55,3 +55,32 @@ def test_up_leaves_a_core_for_the_router_by_default():
     assert role_threads(None, None, None, cores=16) == {"prefill": 8, "decode": 15}
     assert role_threads(1, None, None, cores=2) == {"prefill": 1, "decode": 1}     # --threads sets both
     assert role_threads(1, None, 2, cores=2) == {"prefill": 1, "decode": 2}        # a role's flag wins
+
+
+def test_unsupported_architecture_and_missing_tensor_exit_2_without_a_traceback(tmp_path, smollm2_gguf_path):
+    import json
+
+    import torch
+    import transformers
+    from safetensors.torch import load_file, save_file
+
+    (tmp_path / "falcon").mkdir()
+    (tmp_path / "falcon" / "config.json").write_text(json.dumps({"model_type": "falcon"}))
+    proc = run("generate", "--model", str(tmp_path / "falcon"), "hi")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert "model_type 'falcon' is not supported; supported: llama, mistral, qwen2, qwen3" in proc.stderr
+
+    folder = tmp_path / "qwen3"
+    torch.manual_seed(0)
+    config = transformers.Qwen3Config(vocab_size=49152, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, head_dim=8)
+    transformers.Qwen3ForCausalLM(config).save_pretrained(folder)
+    from splitserve.platform.tokenizer import Tokenizer
+
+    Tokenizer.from_gguf(smollm2_gguf_path).save_tokenizer_json(str(folder / "tokenizer.json"))
+    weights = load_file(str(folder / "model.safetensors"))
+    del weights["model.layers.1.self_attn.k_norm.weight"]
+    save_file(weights, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    proc = run("generate", "--model", str(folder), "--max-tokens", "1", "hi")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert "1 weight(s) missing, first: model.layers.1.self_attn.k_norm.weight" in proc.stderr

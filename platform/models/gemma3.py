@@ -11,6 +11,11 @@ What differs from Llama, each as the reference computes it:
   of rope_local_theta (10 000), the global layers rope_theta (1 000 000), so the model keeps
   one rotary table per layer type and gives each layer its own.
 The head is tied to the embedding (unscaled). No logit soft-capping (Gemma 3 has none).
+
+`--quantization auto` builds every linear as `fp16` (float16 weights, float32 activations)
+rather than auto's per-type choice: on Gemma 3 270M that choice (w4a16 for Q4_K, int8 with
+bfloat16 activations for Q5_0/Q6_K/Q8_0) left transformers' greedy answers on 6 of 8 prompts,
+fp16 on 1 of 8 with auto's float16 KV cache, 0 with a float32 one (docs/models.md).
 """
 
 from __future__ import annotations
@@ -22,6 +27,9 @@ from splitserve.platform.config import ModelConfig
 from splitserve.platform.models.attention import AttentionMetadata
 from splitserve.platform.models.layers import OffsetRMSNorm, RotaryEmbedding
 from splitserve.platform.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP
+
+
+AUTO_MODE = "fp16"   # what `--quantization auto` builds for this family (module docstring)
 
 
 class Gemma3DecoderLayer(nn.Module):
@@ -46,7 +54,7 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
     NORM = OffsetRMSNorm
 
     def __init__(self, config: ModelConfig, quantization: str = "none"):
-        super().__init__(config, quantization)
+        super().__init__(config, AUTO_MODE if quantization == "auto" else quantization)
         self.local_rotary = RotaryEmbedding(config.head_dim, config.max_position_embeddings,
                                             config.rope_local_theta or config.rope_theta, None)
         self.register_buffer("embed_scale", torch.tensor(config.hidden_size ** 0.5), persistent=False)

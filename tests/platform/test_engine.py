@@ -160,7 +160,7 @@ def test_duplicate_request_id(make_engine):
 
 
 def test_unknown_model_and_oversized_kv_budget():
-    with pytest.raises(ConfigError, match="unknown model 'gpt-17'; allowed: an alias \\(smollm2-135m\\)"):
+    with pytest.raises(ConfigError, match="unknown model 'gpt-17'; allowed: an alias \\(gemma3-270m, smollm2-135m\\)"):
         LLMEngine(EngineConfig(model="gpt-17"))
     with pytest.raises(ConfigError, match="lower --kv-cache-memory to at most"):
         LLMEngine(EngineConfig(model="random:tiny", cache=CacheConfig(kv_cache_memory_bytes=10 * 1024**5)))

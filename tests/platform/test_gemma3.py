@@ -88,3 +88,16 @@ def test_chat_request_to_the_base_model_is_a_clear_400(gemma_engine):
         prepare_chat(req, "id", "job", gemma_engine.tokenizer, 2048)
     assert info.value.status == 400
     assert "no chat template; send a plain prompt (completions)" in str(info.value.message)
+
+
+def test_default_mode_agrees_with_transformers_on_at_least_7_of_8(hf_gemma):
+    """The default `--quantization auto` (fp16 linears for Gemma 3, float16 KV cache on a CPU
+    with the fast kernels; the `none` reference elsewhere) against transformers fp32."""
+    hf_model, _ = hf_gemma
+    engine = LLMEngine(EngineConfig(model="gemma3-270m", cache=CacheConfig(num_blocks=192),
+                                    scheduler=SchedulerConfig(max_model_len=2048)))
+    assert engine.model.quantization in ("fp16", "none")
+    prompt_ids = [engine.tokenizer.encode(p) for p in PROMPTS]
+    outs = engine.generate(prompt_ids, GREEDY)
+    matches = [out.output_token_ids == hf_greedy(hf_model, ids, 32) for ids, out in zip(prompt_ids, outs)]
+    assert sum(matches) >= 7, matches
