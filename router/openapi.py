@@ -41,7 +41,7 @@ BOUNDS = {
     "temperature": {"minimum": 0}, "top_p": {"exclusiveMinimum": 0, "maximum": 1},
     "min_p": {"minimum": 0, "maximum": 1}, "repetition_penalty": {"exclusiveMinimum": 0},
     "presence_penalty": {"minimum": -2, "maximum": 2}, "frequency_penalty": {"minimum": -2, "maximum": 2},
-    "max_tokens": {"minimum": 1}, "max_completion_tokens": {"minimum": 1},
+    "max_tokens": {"minimum": 1}, "max_completion_tokens": {"minimum": 1}, "max_output_tokens": {"minimum": 1},
     "min_tokens": {"minimum": 0, "maximum": INT32 - 1},
     "seed": {"minimum": -INT64, "maximum": INT64 - 1}, "top_k": {"minimum": -1, "maximum": INT32 - 1},
     "top_logprobs": {"minimum": 0, "maximum": MAX_LOGPROBS},
