@@ -133,7 +133,9 @@ class LoadLoraAdapterRequest(BaseModel):
     """vLLM's runtime adapter load: a name for `model` and a PEFT folder the workers can read."""
 
     model_config = ConfigDict(strict=True, extra="forbid")
-    lora_name: str = Field(min_length=1, max_length=128, pattern=r"^[^\s,]+$")
+    # ASCII on purpose: the same names as an InferenceService's spec.adapters, and a pattern that
+    # means the same in Python's and JSON Schema's regex engines (their \s differ, e.g. on U+0085).
+    lora_name: str = Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9][A-Za-z0-9._:/-]*$")
     lora_path: str = Field(min_length=1, max_length=4096)
 
 
