@@ -40,7 +40,7 @@ from splitserve.platform.config import CacheConfig, DeviceConfig, EngineConfig, 
 from splitserve.platform.engine.llm_engine import LLMEngine
 from splitserve.platform.sampling.params import SamplingParams
 threads, batches = int(sys.argv[1]), [int(b) for b in sys.argv[2].split(",")]
-engine = LLMEngine(EngineConfig(model="smollm2-135m", device=DeviceConfig(num_threads=threads),
+engine = LLMEngine(EngineConfig(model="smollm2-135m", device=DeviceConfig(num_threads=threads, quantization="auto"),
                                 cache=CacheConfig(kv_cache_memory_bytes=768 * 1024**2),
                                 scheduler=SchedulerConfig(max_model_len=2048)))   # room for 32 x 296 tokens
 out = {}
