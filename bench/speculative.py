@@ -57,7 +57,7 @@ CHAT = ["What is the capital of France?", "Give me three tips for better sleep."
 
 
 def build(threads: int, speculative, model=None) -> LLMEngine:
-    config = EngineConfig(model="smollm2-135m", device=DeviceConfig(num_threads=threads),
+    config = EngineConfig(model="smollm2-135m", device=DeviceConfig(num_threads=threads, quantization="auto"),
                           cache=CacheConfig(kv_cache_memory_bytes=256 * 1024**2),
                           scheduler=SchedulerConfig(max_model_len=2048), speculative=speculative)
     return LLMEngine(config, model=model)
