@@ -12,12 +12,11 @@ or the Prometheus operator not installed) and is None; any other error raises Ap
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass
 from typing import Any
 
 import kopf
-from kubernetes import client, config
+from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
 from splitserve.operator import constants as C

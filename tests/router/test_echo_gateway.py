@@ -9,14 +9,12 @@ checks the response shapes (echo, max_tokens 0, streaming, vLLM's prompt_logprob
 
 import json
 import math
-import os
-import signal
 
 import openai
 import pytest
 import torch
 
-from test_router_up import UpProcess
+from test_router_up import running_up
 
 pytestmark = pytest.mark.slow
 
@@ -49,11 +47,7 @@ metric_list:
 
 @pytest.fixture(scope="module")
 def up():
-    process = UpProcess("--quantization", "none", "--kv-transport", "tcp").wait()
-    yield process
-    if process.proc.poll() is None:
-        process.proc.send_signal(signal.SIGINT)
-        process.proc.wait(60)
+    yield from running_up("--quantization", "none", "--kv-transport", "tcp")
 
 
 @pytest.fixture(scope="module")

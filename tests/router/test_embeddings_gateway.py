@@ -4,7 +4,6 @@ to transformers' last hidden state of the same SmolLM2 weights (cosine >= 0.999)
 encodings, for text and token ids; usage counts the prompt tokens; bad input is a clear 400."""
 
 import base64
-import signal
 
 import numpy as np
 
@@ -12,7 +11,7 @@ import openai
 import pytest
 import torch
 
-from test_router_up import UpProcess
+from test_router_up import running_up
 
 pytestmark = pytest.mark.slow
 
@@ -24,11 +23,8 @@ TEXTS = ["The cat sat on the mat.", "Paris is the capital of France.",
 
 @pytest.fixture(scope="module")
 def client():
-    process = UpProcess("--quantization", "none", "--kv-transport", "tcp").wait()
-    yield openai.OpenAI(base_url=process.url, api_key="unused", max_retries=0, timeout=300)
-    if process.proc.poll() is None:
-        process.proc.send_signal(signal.SIGINT)
-        process.proc.wait(60)
+    for process in running_up("--quantization", "none", "--kv-transport", "tcp"):
+        yield openai.OpenAI(base_url=process.url, api_key="unused", max_retries=0, timeout=300)
 
 
 def decode(embedding):

@@ -14,7 +14,7 @@ import threading
 import openai
 import pytest
 from lora_folders import write_adapter
-from test_router_up import UpProcess
+from test_router_up import running_up
 
 from splitserve.platform.sampling.params import SamplingParams
 from workerproc import WORKER_QUANTIZATION
@@ -37,13 +37,8 @@ def folders(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def up(folders):
-    process = UpProcess("--lora-modules", f"sql={folders['sql']}", "--max-loras", "2",
-                        "--worker-arg=--max-lora-rank", "--worker-arg=16").wait()
-    yield process
-    if process.proc.poll() is None:
-        import signal
-        process.proc.send_signal(signal.SIGINT)
-        process.proc.wait(60)
+    yield from running_up("--lora-modules", f"sql={folders['sql']}", "--max-loras", "2",
+                          "--worker-arg=--max-lora-rank", "--worker-arg=16")
 
 
 @pytest.fixture(scope="module")

@@ -47,13 +47,19 @@ class UpProcess:
         return self
 
 
-@pytest.fixture(scope="module")
-def up():
-    process = UpProcess().wait()
+def running_up(*args: str):
+    """The body of a module fixture: `splitserve up` with `args`, yielded once it serves, stopped
+    (SIGINT, as Ctrl-C) after the module's tests."""
+    process = UpProcess(*args).wait()
     yield process
     if process.proc.poll() is None:
         process.proc.send_signal(signal.SIGINT)
         process.proc.wait(60)
+
+
+@pytest.fixture(scope="module")
+def up():
+    yield from running_up()
 
 
 @pytest.fixture(scope="module")

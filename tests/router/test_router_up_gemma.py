@@ -8,11 +8,10 @@ on 7 of the 8 prompts of tests/platform/test_gemma3.py, this one among them, doc
 the answer is transformers' own greedy continuation.
 """
 
-import signal
 
 import openai
 import pytest
-from test_router_up import UpProcess
+from test_router_up import running_up
 
 pytestmark = pytest.mark.slow
 
@@ -23,11 +22,8 @@ ANSWER = " the capital of the country of France. It is the largest"   # 12 greed
 
 @pytest.fixture(scope="module")
 def client():
-    process = UpProcess("--model", MODEL, "--quantization", "fp16").wait()
-    yield openai.OpenAI(base_url=process.url, api_key="unused", max_retries=0, timeout=300)
-    if process.proc.poll() is None:
-        process.proc.send_signal(signal.SIGINT)
-        process.proc.wait(60)
+    for process in running_up("--model", MODEL, "--quantization", "fp16"):
+        yield openai.OpenAI(base_url=process.url, api_key="unused", max_retries=0, timeout=300)
 
 
 def test_completions_streamed_or_not_give_the_greedy_answer(client):

@@ -13,7 +13,7 @@ import openai
 import pytest
 
 from structured_schemas import SCHEMAS
-from test_router_up import UpProcess
+from test_router_up import running_up
 
 pytestmark = pytest.mark.slow
 
@@ -23,10 +23,8 @@ ASK = "Reply with a JSON value."
 
 @pytest.fixture(scope="module")
 def client():
-    process = UpProcess().wait()
-    yield openai.OpenAI(base_url=process.url, api_key="unused", max_retries=0, timeout=300)
-    process.proc.terminate()
-    process.proc.wait(60)
+    for process in running_up():
+        yield openai.OpenAI(base_url=process.url, api_key="unused", max_retries=0, timeout=300)
 
 
 def ask(client, *, chat, stream, max_tokens=120, **kw):
