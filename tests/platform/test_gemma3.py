@@ -8,26 +8,18 @@ local layers, so the sliding window and the per-layer-type rope are exercised on
 """
 
 import pytest
-import torch
 from test_engine_vs_transformers import hf_greedy
 
 from splitserve.platform.config import CacheConfig, DeviceConfig, EngineConfig, SchedulerConfig
 from splitserve.platform.engine.llm_engine import LLMEngine
 from splitserve.platform.model_source import resolve_model
 from splitserve.platform.sampling.params import SamplingParams
+from test_engine_vs_transformers import PROMPTS as FIDELITY_PROMPTS
 
 pytestmark = pytest.mark.slow
 
-PROMPTS = [
-    "The capital of France is",
-    "def fibonacci(n):",
-    "Once upon a time, in a land far away,",
-    "1, 2, 3, 4, 5,",
-    "The three primary colors are",
-    "Translate to French: I love cheese.",
-    "Q: What is the boiling point of water?\nA:",
-    " ".join(f"Item {i}: the {i}th apple is red." for i in range(70)) + " In summary,",
-]
+# The fidelity tests' prompts, the last one replaced by a prompt longer than Gemma's 512-token window.
+PROMPTS = FIDELITY_PROMPTS[:7] + [" ".join(f"Item {i}: the {i}th apple is red." for i in range(70)) + " In summary,"]
 GREEDY = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
 
 
@@ -40,14 +32,9 @@ def gemma_path() -> str:
 
 @pytest.fixture(scope="module")
 def hf_gemma(gemma_path):
-    import os
+    from conftest import hf_from_gguf
 
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    folder, name = os.path.split(gemma_path)
-    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
-    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
-    return model, tokenizer
+    return hf_from_gguf(gemma_path)
 
 
 @pytest.fixture(scope="module")
