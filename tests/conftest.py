@@ -62,18 +62,9 @@ def make_engine(smollm2_models):
     return make
 
 
-def hf_from_gguf(path: str):
-    """transformers' model (float32, eval) and tokenizer read from a GGUF: the reference implementation."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    folder, name = os.path.split(path)
-    tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)
-    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
-    return model, tok
-
-
 @pytest.fixture(scope="session")
 def hf_smollm2(smollm2_gguf_path):
     """transformers' LlamaForCausalLM and tokenizer from the same GGUF."""
+    from gguf_reference import hf_from_gguf
+
     return hf_from_gguf(smollm2_gguf_path)

@@ -32,7 +32,7 @@ def gemma_path() -> str:
 
 @pytest.fixture(scope="module")
 def hf_gemma(gemma_path):
-    from conftest import hf_from_gguf
+    from gguf_reference import hf_from_gguf
 
     return hf_from_gguf(gemma_path)
 
