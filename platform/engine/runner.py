@@ -148,29 +148,33 @@ class ModelRunner:
                 slots.append(seq.block_ids[pos // bs] * bs + pos % bs)
             if seq.do_sample:   # a verifying slice samples at its last known token and each proposal
                 sample_idx.extend(range(start + seq.num_tokens - 1 - seq.num_draft_tokens, start + seq.num_tokens))
-        num_decodes = sum(1 for s in seqs if s.num_tokens == 1)
+        decodes = [s for s in seqs if _is_decode(s)]
+        num_decodes = sum(s.num_tokens for s in decodes)
         dev = self.device
         meta = AttentionMetadata(
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
             num_decodes=num_decodes,
             decode_block_table=None, decode_mask=None,
-            prefills=self._prefill_chunks(seqs[num_decodes:], num_decodes),
+            prefills=self._prefill_chunks(seqs[len(decodes):], num_decodes),
         )
         if num_decodes:
-            meta.decode_block_table, meta.decode_mask, meta.decode_context_lens = self._decode_tables(seqs[:num_decodes])
+            meta.decode_block_table, meta.decode_mask, meta.decode_context_lens = self._decode_tables(decodes)
             if self._num_sms:
                 meta.decode_num_splits = choose_num_splits(num_decodes, self.model.config.num_kv_heads, self._num_sms,
-                                                           max(s.context_len for s in seqs[:num_decodes]))
+                                                           max(s.context_len for s in decodes))
         return (torch.tensor(tokens, dtype=torch.long, device=dev),
                 torch.tensor(positions, dtype=torch.long, device=dev), meta,
                 torch.tensor(sample_idx, dtype=torch.long, device=dev))
 
     def _decode_tables(self, seqs: list[ScheduledSeq]):
+        """One row per decode token: its sequence's block table and its own causal context length
+        (a verifying slice's token i sees positions up to start_pos + i)."""
         bs = self.block_size
-        num_blocks = [-(-s.context_len // bs) for s in seqs]
-        width = max(num_blocks)
-        table = [list(s.block_ids[:n]) + [0] * (width - n) for s, n in zip(seqs, num_blocks)]
-        ctx = torch.tensor([s.context_len for s in seqs], device=self.device)
+        lens = [s.start_pos + i + 1 for s in seqs for i in range(s.num_tokens)]
+        width = -(-max(lens) // bs)
+        table = [list(s.block_ids[:width]) + [0] * (width - min(width, len(s.block_ids)))
+                 for s in seqs for _ in range(s.num_tokens)]
+        ctx = torch.tensor(lens, device=self.device)
         mask = torch.arange(width * bs, device=self.device)[None, :] < ctx[:, None]
         return torch.tensor(table, dtype=torch.long, device=self.device), mask, ctx
 
@@ -219,6 +223,15 @@ def _rows(seqs: list[ScheduledSeq], wants: dict[str, prompt_lp.Want]) -> dict[st
     return rows
 
 
+def _is_decode(seq: ScheduledSeq) -> bool:
+    """A slice the batched decode path computes, one row per token: a single new token, or a
+    verifying slice (its last known token and the proposals after it). The decode kernels write
+    every row's K/V before any row attends, and row i sees keys up to its own position, so the
+    proposals are verified causally with the exact per-token numbers of a plain decode step;
+    on a CPU the whole step then stays one call of the fused decode kernel (kernels/cpu_decode.c)."""
+    return seq.num_tokens == 1 or seq.num_tokens == seq.num_draft_tokens + 1
+
+
 def _decodes_first(seqs) -> list[ScheduledSeq]:
-    """Single-token slices first (batched decode attention), then prefill chunks."""
-    return [s for s in seqs if s.num_tokens == 1] + [s for s in seqs if s.num_tokens != 1]
+    """Decode slices first (batched decode attention), then prefill chunks."""
+    return [s for s in seqs if _is_decode(s)] + [s for s in seqs if not _is_decode(s)]
