@@ -9,7 +9,9 @@ SwiGLU MLPs.
 Execution: the T x k (token, expert) pairs are sorted by expert (stable, so a token's pairs
 keep their order), each expert with at least one pair runs one [n, hidden] matmul pair over all
 its rows at once, the rows are scaled by their routing weight and summed back per token with one
-index_add. The Python loop is over experts that received tokens, never over tokens. Expert
+index_add. The Python loop is over experts that received tokens, never over tokens. On CUDA
+with triton installed the experts run instead as two grouped GEMM launches over the same sorted
+rows, with no loop over experts and no host sync (kernels/triton_moe.py). Expert
 weights are stacked per layer ([E, 2 * I, hidden] gate|up and [E, hidden, I] down) and kept in
 the model dtype under every quantization mode: the fast modes' packed kernels serve the dense
 linears only (docs/models.md).
@@ -21,6 +23,7 @@ import torch
 from torch import nn
 
 from splitserve.platform.config import ModelConfig
+from splitserve.platform.kernels.dispatch import triton_available
 
 
 class SparseMoeBlock(nn.Module):
@@ -43,6 +46,14 @@ class SparseMoeBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, experts = self.route(x)
+        if triton_available(x.device):
+            from splitserve.platform.kernels.triton_moe import moe_experts
+
+            return moe_experts(x, weights, experts, self.gate_up, self.down)
+        return self.experts_torch(x, weights, experts)
+
+    def experts_torch(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        """The torch path: sum_j weights[t, j] * MLP_{experts[t, j]}(x[t]), one matmul pair per expert."""
         flat = experts.reshape(-1)
         order = torch.argsort(flat, stable=True)
         token_of = order // self.top_k                              # the token of each sorted pair
