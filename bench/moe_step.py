@@ -4,10 +4,12 @@ parameters, on this CPU, fp32, quantization none (models/moe.py's grouped execut
 Both models are Qwen3-shaped (q/k norm) with random weights: the same attention, embedding and
 head; the dense MLP has intermediate size E_ACTIVE * MOE_INTER, the MoE MLP has NUM_EXPERTS
 experts of MOE_INTER, E_ACTIVE per token. So per token they do the same multiply-adds; what
-the MoE pays on top is routing, the sort by expert, one matmul pair per expert that received
-tokens (more, smaller matmuls) and the scatter back. Each (model, batch) is timed as the best
-of REPEATS decode steps over CONTEXT cached tokens per sequence, the two models' steps interleaved
-in one run (so both see the same load on a shared host).
+the MoE pays on top is routing, the sort by expert, one matmul per expert that received tokens
+and projection (more, smaller matmuls) and the scatter back. The MoE model runs twice: with
+torch's grouped matmul (its CPU default, models/moe.py) and with the per-expert Python loop (the
+same weights, `use_grouped_mm` off). Each (variant, batch) is timed as the best of REPEATS decode
+steps over CONTEXT cached tokens per sequence, the three variants' steps interleaved in one run
+(so all see the same load on a shared host).
 
     python bench/moe_step.py [--write docs/benchmarks.md]
 """
@@ -25,6 +27,7 @@ from splitserve.platform.config import ModelConfig
 from splitserve.platform.engine.runner import ModelRunner
 from splitserve.platform.kv.cache import allocate_kv_cache
 from splitserve.platform.models import build_model
+from splitserve.platform.models.moe import SparseMoeBlock
 from splitserve.platform.sched.plan import ScheduledSeq
 from splitserve.platform.weights.random_weights import iter_random_weights
 
@@ -50,13 +53,21 @@ def step_inputs(model, config: ModelConfig, batch: int):
     return caches, runner, seqs
 
 
-def paired_step_ms(models, configs, batch: int) -> list[float]:
-    """Best step time (ms) of each model, their steps interleaved so both see the same host load."""
-    inputs = [step_inputs(m, c, batch) for m, c in zip(models, configs)]
-    times: list[list[float]] = [[] for _ in models]
+def set_grouped_mm(model, grouped: bool) -> None:
+    for module in model.modules():
+        if isinstance(module, SparseMoeBlock):
+            module.use_grouped_mm = grouped
+
+
+def paired_step_ms(variants, batch: int) -> list[float]:
+    """Best step time (ms) of each (model, config, grouped) variant, their steps interleaved so all
+    see the same host load; `grouped` sets the MoE blocks' path before each of its steps."""
+    inputs = [step_inputs(m, c, batch) for m, c, _ in variants]
+    times: list[list[float]] = [[] for _ in variants]
     with torch.inference_mode():
         for _ in range(REPEATS + 2):
-            for model, (caches, runner, seqs), out in zip(models, inputs, times):
+            for (model, _, grouped), (caches, runner, seqs), out in zip(variants, inputs, times):
+                set_grouped_mm(model, grouped)
                 ids, positions, meta, sample = runner._prepare(seqs)
                 t0 = time.perf_counter()
                 model.compute_logits(model(ids, positions, caches, meta)[sample])
@@ -75,8 +86,8 @@ def main() -> None:
     dense, moe = model_for(dense_cfg), model_for(moe_cfg)
     rows = []
     for batch in BATCHES:
-        d, m = paired_step_ms([dense, moe], [dense_cfg, moe_cfg], batch)
-        rows.append(f"| {batch} | {d:.1f} | {m:.1f} | {m / d:.2f}x |")
+        d, m, loop = paired_step_ms([(dense, dense_cfg, True), (moe, moe_cfg, True), (moe, moe_cfg, False)], batch)
+        rows.append(f"| {batch} | {d:.1f} | {m:.1f} | {m / d:.2f}x | {loop:.1f} | {loop / d:.2f}x | {m / loop:.2f}x |")
         print(rows[-1], flush=True)
     section = "\n".join([
         "<!-- moe_step:begin -->",
@@ -84,15 +95,19 @@ def main() -> None:
         "",
         f"Qwen3-shaped random models, hidden {SHAPE['hidden_size']}, {SHAPE['num_layers']} layers, vocab "
         f"{SHAPE['vocab_size']}, fp32, quantization none, {torch.get_num_threads()} torch threads, {CONTEXT} cached "
-        f"tokens per sequence, best of {REPEATS} steps, the two models' steps interleaved: the MoE model has {NUM_EXPERTS} experts of {MOE_INTER}, "
+        f"tokens per sequence, best of {REPEATS} steps, the three variants' steps interleaved: the MoE model has {NUM_EXPERTS} experts of {MOE_INTER}, "
         f"{E_ACTIVE} per token; the dense one an MLP of {E_ACTIVE * MOE_INTER} (the same active parameters). "
         f"Target: the MoE step within 1.5x the dense one. Host load average while measuring: "
         f"{os.getloadavg()[0]:.1f} (a shared 2-core machine: the ratios, measured in one run with interleaved "
         "steps, are what count). Beyond batch 1 the MoE step reads more expert weights than the dense "
-        "step reads MLP weights (tokens pick different experts).",
+        "step reads MLP weights (tokens pick different experts). 'MoE step' runs the experts with "
+        "torch's grouped matmul (the CPU default); 'loop' is the same model with one matmul pair per "
+        "expert in a Python loop (`use_grouped_mm` off): both give the same bits.",
         "",
-        "| batch | dense step (ms) | MoE step (ms) | MoE / dense |",
-        "|---|---|---|---|",
+        "Reproduce: `nice -n 19 python bench/moe_step.py --write docs/benchmarks.md`",
+        "",
+        "| batch | dense step (ms) | MoE step (ms) | MoE / dense | MoE, loop (ms) | loop / dense | grouped / loop |",
+        "|---|---|---|---|---|---|---|",
         *rows,
         "<!-- moe_step:end -->",
     ])

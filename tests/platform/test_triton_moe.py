@@ -80,7 +80,7 @@ def test_grouped_experts_match_the_torch_loop(dtype, num_experts, top_k, num_tok
     weights, experts = _routing(num_tokens, num_experts, top_k, empty, dtype, gen)
     counts = torch.bincount(experts.reshape(-1), minlength=num_experts)
     assert all(counts[e] == 0 for e in empty) and (num_tokens < 20 or counts.max() > 16)
-    ref = block.experts_torch(x, weights, experts)
+    ref = block.experts_torch(x, weights, experts, grouped=False)
 
     dev = [t.to(DEVICE) for t in (x, weights, experts, block.gate_up.data, block.down.data)]
     out = triton_moe.moe_experts(*dev, block_n=16, block_k=32)    # 3 column tiles of I, 3 K steps of hidden
@@ -101,7 +101,7 @@ def test_a_wrong_expert_offset_shows():
     assert row_offsets[3] > row_offsets[2] and row_offsets[4] > row_offsets[3], "experts 2 and 3 both have rows"
     args = [t.to(DEVICE) for t in (x, (order // 2).to(torch.int32), order.to(torch.int32), weights.reshape(-1))]
     weights_dev = [block.gate_up.data.to(DEVICE), block.down.data.to(DEVICE)]
-    ref = block.experts_torch(x, weights, experts)
+    ref = block.experts_torch(x, weights, experts, grouped=False)
 
     def run(rows):
         pairs = triton_moe.grouped_experts(*args, rows.to(DEVICE), tile_offsets.to(DEVICE), *weights_dev, 16)
