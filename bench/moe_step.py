@@ -11,7 +11,10 @@ same weights, `use_grouped_mm` off). Each (variant, batch) is timed as the best 
 steps over CONTEXT cached tokens per sequence, the three variants' steps interleaved in one run
 (so all see the same load on a shared host).
 
-    python bench/moe_step.py [--write docs/benchmarks.md]
+    python bench/moe_step.py [--layers 8] [--repeats 20] [--batches 1,8,32] [--write docs/benchmarks.md]
+
+(fewer layers and repeats keep a run on a busy shared host within a few minutes; the ratios are
+per step, so the layer count scales both models alike.)
 """
 
 from __future__ import annotations
@@ -59,13 +62,13 @@ def set_grouped_mm(model, grouped: bool) -> None:
             module.use_grouped_mm = grouped
 
 
-def paired_step_ms(variants, batch: int) -> list[float]:
+def paired_step_ms(variants, batch: int, repeats: int) -> list[float]:
     """Best step time (ms) of each (model, config, grouped) variant, their steps interleaved so all
     see the same host load; `grouped` sets the MoE blocks' path before each of its steps."""
     inputs = [step_inputs(m, c, batch) for m, c, _ in variants]
     times: list[list[float]] = [[] for _ in variants]
     with torch.inference_mode():
-        for _ in range(REPEATS + 2):
+        for _ in range(repeats + 2):
             for (model, _, grouped), (caches, runner, seqs), out in zip(variants, inputs, times):
                 set_grouped_mm(model, grouped)
                 ids, positions, meta, sample = runner._prepare(seqs)
@@ -78,15 +81,20 @@ def paired_step_ms(variants, batch: int) -> list[float]:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--write", default=None, help="docs/benchmarks.md to update")
+    parser.add_argument("--layers", type=int, default=SHAPE["num_layers"], help="decoder layers of both models")
+    parser.add_argument("--repeats", type=int, default=REPEATS, help="timed steps per variant and batch (best kept)")
+    parser.add_argument("--batches", default=",".join(map(str, BATCHES)), help="comma-separated batch sizes")
     args = parser.parse_args()
+    SHAPE["num_layers"] = args.layers
     dense_cfg = ModelConfig(model_id="bench-dense", architecture="qwen3", intermediate_size=E_ACTIVE * MOE_INTER, **SHAPE)
     moe_cfg = ModelConfig(model_id="bench-moe", architecture="qwen3_moe", intermediate_size=E_ACTIVE * MOE_INTER,
                           num_experts=NUM_EXPERTS, num_experts_per_tok=E_ACTIVE, moe_intermediate_size=MOE_INTER,
                           norm_topk_prob=True, **SHAPE)
     dense, moe = model_for(dense_cfg), model_for(moe_cfg)
     rows = []
-    for batch in BATCHES:
-        d, m, loop = paired_step_ms([(dense, dense_cfg, True), (moe, moe_cfg, True), (moe, moe_cfg, False)], batch)
+    for batch in (int(b) for b in args.batches.split(",")):
+        d, m, loop = paired_step_ms([(dense, dense_cfg, True), (moe, moe_cfg, True), (moe, moe_cfg, False)], batch,
+                                     args.repeats)
         rows.append(f"| {batch} | {d:.1f} | {m:.1f} | {m / d:.2f}x | {loop:.1f} | {loop / d:.2f}x | {m / loop:.2f}x |")
         print(rows[-1], flush=True)
     section = "\n".join([
@@ -95,7 +103,7 @@ def main() -> None:
         "",
         f"Qwen3-shaped random models, hidden {SHAPE['hidden_size']}, {SHAPE['num_layers']} layers, vocab "
         f"{SHAPE['vocab_size']}, fp32, quantization none, {torch.get_num_threads()} torch threads, {CONTEXT} cached "
-        f"tokens per sequence, best of {REPEATS} steps, the three variants' steps interleaved: the MoE model has {NUM_EXPERTS} experts of {MOE_INTER}, "
+        f"tokens per sequence, best of {args.repeats} steps, the three variants' steps interleaved: the MoE model has {NUM_EXPERTS} experts of {MOE_INTER}, "
         f"{E_ACTIVE} per token; the dense one an MLP of {E_ACTIVE * MOE_INTER} (the same active parameters). "
         f"Target: the MoE step within 1.5x the dense one. Host load average while measuring: "
         f"{os.getloadavg()[0]:.1f} (a shared 2-core machine: the ratios, measured in one run with interleaved "
@@ -104,7 +112,8 @@ def main() -> None:
         "torch's grouped matmul (the CPU default); 'loop' is the same model with one matmul pair per "
         "expert in a Python loop (`use_grouped_mm` off): both give the same bits.",
         "",
-        "Reproduce: `nice -n 19 python bench/moe_step.py --write docs/benchmarks.md`",
+        f"Reproduce: `nice -n 19 python bench/moe_step.py --layers {args.layers} --repeats {args.repeats} "
+        f"--batches {args.batches} --write docs/benchmarks.md`",
         "",
         "| batch | dense step (ms) | MoE step (ms) | MoE / dense | MoE, loop (ms) | loop / dense | grouped / loop |",
         "|---|---|---|---|---|---|---|",
