@@ -38,6 +38,7 @@ NUM_EXPERTS, E_ACTIVE, MOE_INTER = 32, 4, 384
 SHAPE = dict(vocab_size=32000, hidden_size=1024, num_layers=8, num_heads=16, num_kv_heads=4, head_dim=64,
              rms_norm_eps=1e-6, max_position_embeddings=4096, qk_norm=True)
 BATCHES, CONTEXT, REPEATS, BLOCK = (1, 8, 32), 256, 20, 16
+LAYERS = SHAPE["num_layers"]
 
 
 def model_for(config: ModelConfig):
@@ -81,7 +82,7 @@ def paired_step_ms(variants, batch: int, repeats: int) -> list[float]:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--write", default=None, help="docs/benchmarks.md to update")
-    parser.add_argument("--layers", type=int, default=SHAPE["num_layers"], help="decoder layers of both models")
+    parser.add_argument("--layers", type=int, default=LAYERS, help="decoder layers of both models")
     parser.add_argument("--repeats", type=int, default=REPEATS, help="timed steps per variant and batch (best kept)")
     parser.add_argument("--batches", default=",".join(map(str, BATCHES)), help="comma-separated batch sizes")
     args = parser.parse_args()
@@ -110,7 +111,10 @@ def main() -> None:
         "steps, are what count). Beyond batch 1 the MoE step reads more expert weights than the dense "
         "step reads MLP weights (tokens pick different experts). 'MoE step' runs the experts with "
         "torch's grouped matmul (the CPU default); 'loop' is the same model with one matmul pair per "
-        "expert in a Python loop (`use_grouped_mm` off): both give the same bits.",
+        "expert in a Python loop (`use_grouped_mm` off): both give the same bits."
+        + (f" With {args.layers} layers instead of {LAYERS} the shared head (vocab {SHAPE['vocab_size']}) weighs "
+           "more in every step, pulling MoE / dense toward 1; grouped / loop compares the experts' two paths "
+           "directly." if args.layers != LAYERS else ""),
         "",
         f"Reproduce: `nice -n 19 python bench/moe_step.py --layers {args.layers} --repeats {args.repeats} "
         f"--batches {args.batches} --write docs/benchmarks.md`",
