@@ -4,8 +4,9 @@ Input: the T x k (token, expert) pairs sorted by expert (stable), so expert e ow
 row_offsets[e] .. row_offsets[e + 1] of the sorted order, and row r reads the activations of
 token token_of[r]. Each expert's rows are cut into tiles of BLOCK_M rows; tile_offsets[e] is the
 first tile of expert e (an exclusive cumulative sum of ceil(count / BLOCK_M), an expert with no
-row owning no tile). Both tables are built on the device with a few torch ops: no host sync, no
-Python loop over experts.
+row owning no tile). Both tables are built on the device with a few torch ops (a scatter_add
+for the counts, two cumulative sums): no host sync, so a decode step stays capturable in a CUDA
+graph, and no Python loop over experts.
 
 Launch 1 (`_gate_up_kernel`), grid (tiles, I / BLOCK_N): a program finds its expert as the
 number of experts whose tiles end at or before its tile id (one vector compare against
@@ -88,7 +89,7 @@ def _gate_up_kernel(x_ptr, tok_ptr, w_ptr, h_ptr, row_off_ptr, tile_off_ptr, str
     gate = _round(acc_gate, dtype, RTNE).to(tl.float32)
     up = _round(acc_up, dtype, RTNE).to(tl.float32)
     act = _round(gate / (1.0 + tl.exp(-gate)), dtype, RTNE).to(tl.float32)
-    tl.store(h_ptr + rows[:, None] * stride_h + cols[None, :], _round(act * up, dtype, RTNE),
+    tl.store(h_ptr + rows[:, None].to(tl.int64) * stride_h + cols[None, :], _round(act * up, dtype, RTNE),
              mask=row_ok[:, None] & col_ok[None, :])
 
 
@@ -122,7 +123,9 @@ def _down_kernel(h_ptr, w_ptr, out_ptr, dest_ptr, scale_ptr, row_off_ptr, tile_o
 
 def expert_offsets(flat_experts: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
     """flat expert ids [M] -> (row_offsets [E + 1], tile_offsets [E + 1]) int32, on the ids' device."""
-    counts = torch.bincount(flat_experts, minlength=num_experts)
+    # scatter_add, not bincount: bincount sizes its output from the ids' max, a host sync on CUDA
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=flat_experts.device)
+    counts.scatter_add_(0, flat_experts, torch.ones_like(flat_experts))
     row_offsets = torch.zeros(num_experts + 1, dtype=torch.int32, device=flat_experts.device)
     tile_offsets = torch.zeros_like(row_offsets)
     torch.cumsum(counts, 0, out=row_offsets[1:])

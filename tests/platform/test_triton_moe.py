@@ -90,6 +90,13 @@ def test_grouped_experts_match_the_torch_loop(dtype, num_experts, top_k, num_tok
     assert _rel_err(triton_moe.moe_experts(*dev), ref) <= TOLERANCE[dtype], "default (one-tile) blocks"
 
 
+def test_expert_offsets_are_row_and_tile_starts():
+    flat = torch.tensor([2, 0, 2, 3, 2])                  # counts 1, 0, 3, 1, 0 over five experts
+    rows, tiles = triton_moe.expert_offsets(flat.to(DEVICE), 5, block_m=2)
+    assert rows.tolist() == [0, 1, 1, 4, 5, 5]
+    assert tiles.tolist() == [0, 1, 1, 3, 4, 4]           # expert 2's three rows take two tiles of 2
+
+
 def test_a_wrong_expert_offset_shows():
     gen = _gen("mutation")
     block = _block(8, 2, torch.float32, gen)
