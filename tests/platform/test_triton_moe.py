@@ -123,8 +123,8 @@ def test_a_wrong_expert_offset_shows():
 def test_empty_batch_gives_an_empty_result():
     block = _block(4, 2, torch.float32, _gen("empty"))
     x = torch.zeros(0, HIDDEN, device=DEVICE)
-    out = triton_moe.moe_experts(x, torch.zeros(0, 2, device=DEVICE), torch.zeros(0, 2, dtype=torch.long, device=DEVICE),
-                                 block.gate_up.data.to(DEVICE), block.down.data.to(DEVICE))
+    weights, experts = torch.zeros(0, 2, device=DEVICE), torch.zeros(0, 2, dtype=torch.long, device=DEVICE)
+    out = triton_moe.moe_experts(x, weights, experts, block.gate_up.data.to(DEVICE), block.down.data.to(DEVICE))
     assert out.shape == (0, HIDDEN)
 
 
@@ -151,7 +151,8 @@ def _greedy_both_paths(monkeypatch, device: str, dtype: str) -> tuple[list, list
     return expected, got
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU run of the CUDA path's logic; on a GPU the test below runs it compiled")
+@pytest.mark.skipif(torch.cuda.is_available(),
+                    reason="the CPU run of the CUDA path's logic; on a GPU the test below runs it compiled")
 def test_model_with_triton_experts_gives_the_torch_loops_tokens(monkeypatch):
     expected, got = _greedy_both_paths(monkeypatch, "cpu", "float32")
     assert got == expected
