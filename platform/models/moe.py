@@ -12,7 +12,7 @@ the rows are scaled by their routing weight and summed back per token with one i
 ways to run the matmuls, all over the same sorted rows and none looping over tokens:
 - CPU: torch's grouped matmul (F.grouped_mm, one call per projection over all experts' runs,
   its CPU kernel one BLAS matmul per non-empty group), then silu(gate) * up once over all rows.
-  It gives the per-expert loop's bits (the same matmul per run; tested) with four ops per layer
+  It gives the per-expert loop's bits (the same matmul per run; tested) with five ops per layer
   instead of about six per active expert.
 - CUDA with triton installed: two grouped-GEMM Triton launches, no host sync
   (kernels/triton_moe.py).
