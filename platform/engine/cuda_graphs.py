@@ -4,10 +4,13 @@ A decode step of an 8B model launches hundreds of small kernels; at batch 1 the 
 to launch them than the GPU takes to run them. A CUDA graph records the step's kernels once and
 replays them with one launch. A graph replays fixed addresses and shapes, so:
 
-- **Buckets.** One graph per batch size in `capture_sizes(max_num_seqs)`: 1, 2, 4, then every
+- **Buckets.** One graph per row count in `capture_sizes(max_num_seqs)`: 1, 2, 4, then every
   multiple of 8 below 256, then every 16th up to max_num_seqs (vLLM's list), plus max_num_seqs
-  itself so every batch the scheduler can form has a bucket. A batch of B decodes runs the
-  smallest bucket >= B (`bucket_for`); the B..bucket rows are padding.
+  itself so every batch the scheduler can form has a bucket. A step of B decode rows runs the
+  smallest bucket >= B (`bucket_for`); the B..bucket rows are padding. A row is one token: a
+  plain decode has one, a speculating request's verification slice 1 + k (its last token and
+  its proposals, each row attending causally up to its own position), so speculative decoding
+  replays the same graphs (a step with more rows than the largest bucket runs eagerly).
 - **Static buffers** (`DecodeBuffers`), allocated once for the largest bucket: input ids,
   positions, slot mapping, context lengths (one flat int64 tensor, so a step copies them in one
   host-to-device transfer) and the block tables [max_num_seqs, ceil(max_model_len / block_size)]
@@ -103,19 +106,24 @@ class DecodeBuffers:
                             if device.type == "cpu" else None)
 
     def fill(self, seqs: Sequence[ScheduledSeq], bucket: int) -> None:
-        """Write the rows of `seqs` (single-token decodes) and pad up to `bucket` rows."""
-        n, bs = len(seqs), self.block_size
-        assert 1 <= n <= bucket <= self.max_rows and all(s.num_tokens == 1 for s in seqs)
+        """Write the rows of `seqs` (decode slices: one row per token, so a verifying slice of
+        1 + k tokens fills k + 1 rows, each with its own position and causal context) and pad up
+        to `bucket` rows."""
+        n, bs = num_rows(seqs), self.block_size
+        assert 1 <= n <= bucket <= self.max_rows and all(s.is_decode for s in seqs)
         host = self._host.view(4, self.max_rows)
         ids, pos, slots, ctx = ([0] * bucket for _ in range(4))
         block_ids: list[int] = []
         counts: list[int] = []
-        for i, seq in enumerate(seqs):
-            p = seq.start_pos
-            ids[i], pos[i], ctx[i] = seq.token_ids[0], p, seq.context_len
-            slots[i] = seq.block_ids[p // bs] * bs + p % bs
-            counts.append(-(-seq.context_len // bs))
-            block_ids += seq.block_ids[:counts[-1]]
+        row = 0
+        for seq in seqs:
+            for i, token in enumerate(seq.token_ids):
+                p = seq.start_pos + i
+                ids[row], pos[row], ctx[row] = token, p, p + 1
+                slots[row] = seq.block_ids[p // bs] * bs + p % bs
+                counts.append(-(-(p + 1) // bs))
+                block_ids += seq.block_ids[:counts[-1]]
+                row += 1
         tables = self._host_tables
         tables[:bucket] = 0
         counts_t = torch.tensor(counts)
@@ -172,21 +180,23 @@ class DecodeGraphs:
         self.captured_bytes = 0
 
     def can_run(self, seqs: Sequence[ScheduledSeq], rows) -> bool:
-        """A step of single-token decodes that all sample, without a grammar, within the buckets."""
-        return (bucket_for(len(seqs), self.sizes) is not None
-                and all(s.num_tokens == 1 and s.do_sample for s in seqs)
+        """A step of decode slices (single tokens, or a last token and its proposals) that all
+        sample, without a grammar, whose rows fit the buckets."""
+        return (bucket_for(num_rows(seqs), self.sizes) is not None
+                and all(s.is_decode and s.do_sample for s in seqs)
                 and all(getattr(rows[s.req_id], "matcher", None) is None for s in seqs))
 
     @torch.inference_mode()
     def run(self, seqs: Sequence[ScheduledSeq]) -> torch.Tensor:
-        """Logits [len(seqs), vocab] of a decode step (can_run must hold)."""
-        bucket = bucket_for(len(seqs), self.sizes)
+        """Logits [rows, vocab] of a decode step, one row per token of `seqs` in order (can_run must hold)."""
+        n = num_rows(seqs)
+        bucket = bucket_for(n, self.sizes)
         self.buffers.fill(seqs, bucket)
         graph = self._graphs.get(bucket)
         if graph is None:
-            return self._forward(bucket)[:len(seqs)]
+            return self._forward(bucket)[:n]
         graph.replay()
-        return self._logits[bucket][:len(seqs)]
+        return self._logits[bucket][:n]
 
     def _forward(self, bucket: int) -> torch.Tensor:
         b = self.buffers
@@ -212,6 +222,11 @@ class DecodeGraphs:
         self.captured_bytes = free_before - torch.cuda.mem_get_info(self.device)[0]
         log.info("captured %d decode graphs (batch %d..%d) in %.0f MiB", len(self._graphs), self.sizes[0],
                  self.sizes[-1], self.captured_bytes / 2**20)
+
+
+def num_rows(seqs: Sequence[ScheduledSeq]) -> int:
+    """The decode rows of a step: one per token (a verifying slice has k + 1)."""
+    return sum(s.num_tokens for s in seqs)
 
 
 def _num_splits(model, batch: int, device: torch.device, max_model_len: int) -> int:

@@ -36,8 +36,9 @@ class RequestState:
     stops: StopStringMatcher | None = None
     text: str = ""                         # the output text emitted so far
     num_spec_proposed: int = 0             # speculative tokens proposed for it, and accepted
-    prompt_logprobs: Collected | None = None   # its prompt logprobs so far, if it asked (prompt_logprobs.py)
     num_spec_accepted: int = 0
+    spec_k: int = 0                        # proposals it may carry next step (spec/speculator.py); 0: not yet set
+    prompt_logprobs: Collected | None = None   # its prompt logprobs so far, if it asked (prompt_logprobs.py)
 
     @property
     def req_id(self) -> str:

@@ -74,7 +74,7 @@ class ModelRunner:
         """`prompt_logprobs`: req_id -> the prompt positions of its slice to score (prompt_logprobs.py)."""
         seqs = _decodes_first(plan.seqs)
         if self.graphs is not None and not loras and layer_hook is None and self.graphs.can_run(seqs, rows):
-            return self._sample(self.graphs.run(seqs), seqs, rows, eos_token_ids)
+            return self._pick(self.graphs.run(seqs), seqs, rows, eos_token_ids)
         input_ids, positions, meta, sample_idx = self._prepare(seqs)
         if loras:
             assert self.lora_context is not None, "adapters in a step need the model's LoraContext"
@@ -88,15 +88,18 @@ class ModelRunner:
         sampling = [s for s in seqs if s.do_sample]
         if not sampling:
             return StepResult(sampled={}, prompt_logprobs=scored)
-        logits = self.model.compute_logits(hidden[sample_idx])
-        if any(s.num_draft_tokens for s in sampling):
-            result = self._sample_with_verification(logits, sampling, rows, eos_token_ids)
-        else:
-            result = self._sample(logits, sampling, rows, eos_token_ids)
+        result = self._pick(self.model.compute_logits(hidden[sample_idx]), sampling, rows, eos_token_ids)
         embeddings = _embeddings(hidden, sample_idx, sampling, rows)
         if scored is None and embeddings is None:
             return result
         return replace(result, prompt_logprobs=scored, embeddings=embeddings)
+
+    def _pick(self, logits: torch.Tensor, sampling: list[ScheduledSeq], rows: dict[str, SamplingRow],
+              eos_token_ids: Collection[int]) -> StepResult:
+        """Sample each slice's row, or verify a speculating slice's k + 1 rows."""
+        if any(s.num_draft_tokens for s in sampling):
+            return self._sample_with_verification(logits, sampling, rows, eos_token_ids)
+        return self._sample(logits, sampling, rows, eos_token_ids)
 
     def _sample(self, logits: torch.Tensor, sampling: list[ScheduledSeq], rows: dict[str, SamplingRow],
                 eos_token_ids: Collection[int]) -> StepResult:
@@ -148,7 +151,7 @@ class ModelRunner:
                 slots.append(seq.block_ids[pos // bs] * bs + pos % bs)
             if seq.do_sample:   # a verifying slice samples at its last known token and each proposal
                 sample_idx.extend(range(start + seq.num_tokens - 1 - seq.num_draft_tokens, start + seq.num_tokens))
-        decodes = [s for s in seqs if _is_decode(s)]
+        decodes = [s for s in seqs if s.is_decode]
         num_decodes = sum(s.num_tokens for s in decodes)
         dev = self.device
         meta = AttentionMetadata(
@@ -223,15 +226,8 @@ def _rows(seqs: list[ScheduledSeq], wants: dict[str, prompt_lp.Want]) -> dict[st
     return rows
 
 
-def _is_decode(seq: ScheduledSeq) -> bool:
-    """A slice the batched decode path computes, one row per token: a single new token, or a
-    verifying slice (its last known token and the proposals after it). The decode kernels write
-    every row's K/V before any row attends, and row i sees keys up to its own position, so the
-    proposals are verified causally with the exact per-token numbers of a plain decode step;
-    on a CPU the whole step then stays one call of the fused decode kernel (kernels/cpu_decode.c)."""
-    return seq.num_tokens == 1 or seq.num_tokens == seq.num_draft_tokens + 1
-
-
 def _decodes_first(seqs) -> list[ScheduledSeq]:
-    """Decode slices first (batched decode attention), then prefill chunks."""
-    return [s for s in seqs if _is_decode(s)] + [s for s in seqs if not _is_decode(s)]
+    """Decode slices first (batched decode attention, one row per token), then prefill chunks.
+    On a CPU a step of decode slices only, verifying ones included, runs as one call of the fused
+    decode kernel (kernels/cpu_decode.c)."""
+    return [s for s in seqs if s.is_decode] + [s for s in seqs if not s.is_decode]

@@ -32,6 +32,14 @@ class ScheduledSeq:
     def context_len(self) -> int:
         return self.start_pos + len(self.token_ids)
 
+    @property
+    def is_decode(self) -> bool:
+        """A slice the batched decode path computes, one row per token: a single new token, or a
+        verifying slice (its last known token and the proposals after it). The decode kernels
+        write every row's K/V before any row attends, and row i sees keys up to its own position,
+        so proposals are verified causally with the per-token numbers of plain decode steps."""
+        return len(self.token_ids) == 1 or len(self.token_ids) == self.num_draft_tokens + 1
+
 
 @dataclass(frozen=True)
 class SchedulerPlan:

@@ -10,6 +10,14 @@ k + 1, and past some batch size the forward is compute-bound, so the extra token
 the steps they save), and off for a request whose acceptance rate, after `min_proposals`
 proposals, fell below `min_acceptance_rate`. The proposals ride on `Request.spec_token_ids`;
 the scheduler trims them to what the token budget and the KV pool allow.
+
+How many tokens a request proposes adapts to how its last verification went (`next_k`): it
+starts at `num_speculative_tokens`; all accepted doubles its k (up to that maximum), a rejection
+sets it to one more than the number accepted. A verification row is not free (each proposal is one more row through every
+linear of the step), and n-gram acceptance is bimodal: a request copying a run of its prompt
+takes every proposal, one writing something new takes none. So a request that is copying
+proposes the most, and one that just diverged proposes one token, whose verification costs
+little more than a plain step, until it matches again.
 """
 
 from __future__ import annotations
@@ -55,7 +63,7 @@ class Speculator:
             if proposed >= cfg.min_proposals * cfg.num_speculative_tokens \
                     and accepted < cfg.min_acceptance_rate * proposed:
                 continue
-            room = min(cfg.num_speculative_tokens, req.params.max_tokens - req.num_output_tokens - 1,
+            room = min(state.spec_k or cfg.num_speculative_tokens, req.params.max_tokens - req.num_output_tokens - 1,
                        self.max_model_len - req.num_tokens - 1)
             if room > 0:
                 req.spec_token_ids = ngram.propose(req.all_token_ids, room, cfg.prompt_lookup_min, cfg.prompt_lookup_max)
@@ -70,10 +78,21 @@ class Speculator:
             state = states[seq.req_id]
             state.num_spec_proposed += seq.num_draft_tokens
             state.num_spec_accepted += num_accepted
+            state.spec_k = next_k(state.spec_k or self.config.num_speculative_tokens, seq.num_draft_tokens,
+                                  num_accepted, self.config.num_speculative_tokens)
             self.stats.num_drafts += 1
             self.stats.num_draft_tokens += seq.num_draft_tokens
             self.stats.num_accepted_tokens += num_accepted
             self.stats.accepted_lengths[num_accepted] += 1
+
+
+def next_k(k: int, num_proposed: int, num_accepted: int, max_k: int) -> int:
+    """A request's proposal budget after a verification that accepted `num_accepted` of its
+    `num_proposed` tokens under budget `k` (fewer than k are proposed where the n-gram's
+    continuation or the request's room is shorter; that is no reason to shrink)."""
+    if num_accepted >= num_proposed:
+        return min(max_k, max(k, 2 * num_proposed))
+    return min(max_k, num_accepted + 1)
 
 
 def token_result(result: StepResult, req_id: str, i: int) -> StepResult:

@@ -60,6 +60,22 @@ def test_fill_writes_real_rows_and_harmless_padding():
     assert meta.num_decodes == 2 and meta.prefills == [] and meta.decode_block_table.shape == (2, 5)
 
 
+def test_fill_gives_a_verifying_slice_one_row_per_token():
+    """A speculating request's slice (its last token and 2 proposals at positions 5..7) fills
+    three rows, each seeing keys up to its own position; a plain decode beside it keeps one row."""
+    bs = 4
+    buffers = DecodeBuffers(max_rows=8, max_blocks=3, block_size=bs, device=torch.device("cpu"))
+    seqs = [ScheduledSeq("v", (21, 22, 23), 5, (7, 3), True, num_draft_tokens=2),
+            ScheduledSeq("d", (31,), 2, (9,), True)]
+    buffers.fill(seqs, bucket=4)
+    assert buffers.input_ids[:4].tolist() == [21, 22, 23, 31]
+    assert buffers.positions[:4].tolist() == [5, 6, 7, 2]
+    assert buffers.slot_mapping[:4].tolist() == [3 * bs + 1, 3 * bs + 2, 3 * bs + 3, 9 * bs + 2]
+    assert buffers.context_lens[:4].tolist() == [6, 7, 8, 3]
+    assert buffers.block_tables[:4].tolist() == [[7, 3, 0], [7, 3, 0], [7, 3, 0], [9, 0, 0]]
+    assert buffers.decode_mask[:4].sum(-1).tolist() == [6, 7, 8, 3]
+
+
 PROMPTS = ["The capital of France is", "def fib(n):", "Once upon a time", "1, 2, 3, 4,", "Why is the sky blue?"]
 PARAMS = [SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
           SamplingParams(temperature=0.8, top_p=0.9, top_k=40, seed=7, max_tokens=10, ignore_eos=True),
@@ -84,6 +100,30 @@ def test_padded_buckets_give_the_plain_runners_tokens(make_engine):
     assert got == expected
     assert {5, 4, 3, 2} <= set(buckets), f"batch sizes through the graph buffers: {sorted(set(buckets))}"
     assert len(got[0]) == 12 and len(got[4]) == 6
+
+
+def test_speculative_verification_replays_the_decode_buffers_with_plain_tokens(make_engine):
+    """With n-gram speculation on, verification steps (each speculating request's last token and
+    its proposals as rows) go through the graph buffers too, and greedy output is token for token
+    the output without speculation and without graphs."""
+    from splitserve.platform.config import SpeculativeConfig
+
+    prompts = ["Repeat this list exactly: apple, banana, cherry, date, elderberry, fig.\nList: apple, banana,",
+               "def add(a, b):\n    return a + b\n\n# The same function again:\ndef add(a, b):",
+               "The capital of France is"]
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    expected = [o.output_token_ids for o in make_engine(max_num_seqs=8).generate(prompts, params)]
+
+    engine = make_engine(max_num_seqs=8, speculative=SpeculativeConfig(num_speculative_tokens=3))
+    graphs = engine.runner.enable_decode_graphs(32, engine.max_model_len, capture=False)
+    steps = []
+    real_run = graphs.run
+    graphs.run = lambda seqs: steps.append(seqs) or real_run(seqs)
+    got = [o.output_token_ids for o in engine.generate(prompts, params)]
+    assert got == expected
+    verifying = [s for step in steps for s in step if s.num_draft_tokens]
+    assert verifying, "no verification step went through the graph buffers"
+    assert engine.speculator.stats.num_accepted_tokens > 0
 
 
 def test_graph_memory_is_counted_in_the_kv_budget():
@@ -155,3 +195,6 @@ def test_only_plain_decode_steps_go_through_the_graphs():
     assert not graphs.can_run([ScheduledSeq("p", (5, 6), 0, (0,), True)], {"p": plain["r0"]}), "a prefill chunk"
     assert not graphs.can_run([ScheduledSeq("r0", (5,), 3, (0,), False)], plain), "a row that samples nothing"
     assert not graphs.can_run(decode[:2], {**plain, "r1": SimpleNamespace(matcher=object())}), "a grammar row"
+    verifying = ScheduledSeq("v", (5, 6, 7), 3, (0,), True, num_draft_tokens=2)
+    assert graphs.can_run([verifying, decode[0]], {"v": plain["r0"], **plain}), "3 + 1 rows fit bucket 4"
+    assert not graphs.can_run([verifying, *decode[:2]], {"v": plain["r0"], **plain}), "3 + 2 rows: past bucket 4"

@@ -14,6 +14,7 @@ from splitserve.platform.sampling.params import SamplingParams
 from splitserve.platform.sampling.sampler import Sampler, SamplingRow, make_generator
 from splitserve.platform.spec import verify as verify_mod
 from splitserve.platform.spec.ngram import propose
+from splitserve.platform.spec.speculator import next_k
 from test_engine import assert_no_leak
 
 SPEC = SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_max=4, prompt_lookup_min=2)
@@ -71,6 +72,41 @@ def test_greedy_with_speculation_equals_without_alone_and_in_a_batch(make_engine
     assert stats.num_accepted_tokens > 0 and stats.num_drafts > 0          # it really speculated
     assert stats.num_accepted_tokens < stats.num_draft_tokens              # and really rejected some
     assert_no_leak(spec)
+
+
+def test_fused_cpu_decode_verifies_in_one_call_and_equals_plain(make_engine):
+    """Under w4a16 a decode step is one call of the fused C kernel (kernels/cpu_decode.c); a step
+    with proposals stays that one call, its verification rows beside the plain decodes, and the
+    greedy output equals w4a16 without speculation token for token."""
+    plain = make_engine(quantization="w4a16")
+    if plain.model.decode_plan is None:
+        pytest.skip("the fused CPU kernels could not be built on this host (no C compiler)")
+    want = run(plain, PROMPTS, GREEDY)
+    spec = make_engine(quantization="w4a16", speculative=SPEC)
+    plan = spec.model.decode_plan
+    rows = []
+    real = plan.run
+    plan.run = lambda x, *args, **kwargs: rows.append(x.shape[0]) or real(x, *args, **kwargs)
+    try:
+        got = run(spec, PROMPTS, GREEDY)
+    finally:
+        del plan.run
+    assert got == want
+    assert spec.speculator.stats.num_accepted_tokens > 0
+    assert max(rows) > len(PROMPTS), f"no fused call carried verification rows: {sorted(set(rows))}"
+    assert_no_leak(spec)
+
+
+@pytest.mark.parametrize("k,proposed,accepted,expected", [
+    (4, 4, 4, 4),      # all accepted at the maximum: stays there
+    (2, 2, 2, 4),      # all accepted: doubles
+    (4, 1, 1, 4),      # a short proposal (the n-gram's continuation ended) fully accepted: no shrink
+    (4, 4, 0, 1),      # rejected at once: one proposal next
+    (4, 4, 2, 3),      # two accepted: three next
+    (1, 1, 1, 2),
+])
+def test_proposal_budget_follows_the_last_verification(k, proposed, accepted, expected):
+    assert next_k(k, proposed, accepted, max_k=4) == expected
 
 
 def test_greedy_equal_with_chunked_prefill_stop_strings_and_max_tokens(make_engine):
