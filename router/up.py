@@ -98,11 +98,16 @@ def kv_transport(choice: str) -> str:
     return "ucx" if importlib.util.find_spec("ucxx") is not None else "tcp"
 
 
-def curl_example(base_url: str, model: str, api_key: str | None = None) -> str:
-    body = json.dumps({"model": model, "messages": [{"role": "user", "content": "What is the capital of France?"}],
-                       "max_tokens": 32})
+def curl_example(base_url: str, model: str, api_key: str | None = None, chat: bool = True) -> str:
+    """A request to try: a chat completion, or a plain completion for a model without a chat
+    template (a base model such as gemma3-270m answers chat requests with a 400)."""
+    if chat:
+        path, body = "chat/completions", {"messages": [{"role": "user", "content": "What is the capital of France?"}]}
+    else:
+        path, body = "completions", {"prompt": "The capital of France is"}
+    body = json.dumps({"model": model, **body, "max_tokens": 32})
     auth = f" -H 'Authorization: Bearer {api_key}'" if api_key else ""
-    return f"curl {base_url}/chat/completions -H 'Content-Type: application/json'{auth} -d '{body}'"
+    return f"curl {base_url}/{path} -H 'Content-Type: application/json'{auth} -d '{body}'"
 
 
 class WorkerProcess:
@@ -253,6 +258,7 @@ def _serve(config, workers: list[WorkerProcess], sock, planner=None, spawn=None)
     router = Router(dataclasses.replace(config, discovery=discovery))
     base_url = f"http://{url_host(config.gateway.host)}:{sock.getsockname()[1]}/v1"
     api_key = config.gateway.api_keys[0].key if config.gateway.api_keys else None
+    chat = router.tokenizer.chat_template is not None
 
     loop_holder = []
 
@@ -266,7 +272,7 @@ def _serve(config, workers: list[WorkerProcess], sock, planner=None, spawn=None)
             local = LocalPlannerLoop(planner, router, spawn, pools, planner.cfg.tick_s)
             loop_holder.append((local, asyncio.create_task(local.run(), name="planner")))
         print(f"splitserve up: serving {base_url} (model {config.served_model_names[0]})\n"
-              f"try:\n  {curl_example(base_url, config.served_model_names[0], api_key)}\n"
+              f"try:\n  {curl_example(base_url, config.served_model_names[0], api_key, chat)}\n"
               "Ctrl-C stops the router and both workers.", flush=True)
 
     try:

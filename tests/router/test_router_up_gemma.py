@@ -9,6 +9,10 @@ the answer is transformers' own greedy continuation.
 """
 
 
+import json
+import shlex
+import subprocess
+
 import openai
 import pytest
 from test_router_up import running_up
@@ -21,9 +25,23 @@ ANSWER = " the capital of the country of France. It is the largest"   # 12 greed
 
 
 @pytest.fixture(scope="module")
-def client():
-    for process in running_up("--model", MODEL, "--quantization", "fp16"):
-        yield openai.OpenAI(base_url=process.url, api_key="unused", max_retries=0, timeout=300)
+def up():
+    yield from running_up("--model", MODEL, "--quantization", "fp16")
+
+
+@pytest.fixture(scope="module")
+def client(up):
+    return openai.OpenAI(base_url=up.url, api_key="unused", max_retries=0, timeout=300)
+
+
+def test_the_printed_example_is_a_completion_and_it_works(up):
+    """A model without a chat template gets a plain-completion curl to try, not a chat one that
+    would answer 400; the printed command runs as printed."""
+    [command] = [line.strip() for line in up.lines if line.strip().startswith("curl ")]
+    assert command.startswith(f"curl {up.url}/completions ")
+    proc = subprocess.run(shlex.split(command), capture_output=True, text=True, timeout=300)
+    body = json.loads(proc.stdout)
+    assert body["object"] == "text_completion" and body["choices"][0]["text"], body
 
 
 def test_completions_streamed_or_not_give_the_greedy_answer(client):
