@@ -36,6 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
+from splitserve.platform.kernels.triton_attention import _dot
 from splitserve.platform.kernels.triton_ops import _round, _rtne
 
 MIN_DOT = 16          # tl.dot needs every tile dimension >= 16
@@ -51,14 +52,6 @@ def _tile_expert(tile_off_ptr, NUM_EXPERTS: tl.constexpr, E_PAD: tl.constexpr):
     valid = expert < NUM_EXPERTS
     expert = tl.minimum(expert, NUM_EXPERTS - 1)
     return expert, pid - tl.load(tile_off_ptr + expert), valid
-
-
-@triton.jit
-def _dot(a, b, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
-    if UPCAST:
-        a = a.to(tl.float32)
-        b = b.to(tl.float32)
-    return tl.dot(a, b, input_precision=PRECISION)
 
 
 @triton.jit
