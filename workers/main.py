@@ -24,6 +24,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from splitserve.platform.cli import add_engine_args, engine_config
 from splitserve.platform.engine.async_engine import AsyncEngine
 from splitserve.platform.engine.llm_engine import LLMEngine
+from splitserve.platform.kv.cache import bytes_per_block
 from splitserve.platform.grpc_tls import server_credentials, tls_from
 from splitserve.platform.sampling.params import SamplingParams
 from splitserve.platform.wire import worker_pb2 as pb
@@ -108,6 +109,14 @@ def kv_state(engine: LLMEngine) -> dict:
                 invariants_ok=not error, error=error)
 
 
+def kv_tier_report(engine: LLMEngine) -> tuple:
+    """(the second tier's stats or None, bytes of the prefix-cache blocks in the cache) for the metrics
+    (plain counters: read from any thread)."""
+    per_block = engine.kv_tier.block_bytes if engine.kv_tier is not None else bytes_per_block(
+        engine.model_config, engine.config.cache.block_size, engine.kv_dtype)
+    return engine.kv_tier.stats if engine.kv_tier is not None else None, engine.pool.num_cached_blocks * per_block
+
+
 def warn_if_insecure(cfg: WorkerConfig, logger: logging.Logger) -> None:
     """A worker started by hand without a secret or certificates says so, once, loudly (the
     operator and `splitserve up` always pass both; the metrics splitserve_kv_auth_enabled and
@@ -166,7 +175,7 @@ class Worker:
         service = WorkerService(cfg, engine, hub, remote, sender, layout, metrics)
         server, health_servicer = await self._start_grpc(service)
         http = HealthServer(cfg.host, cfg.metrics_port, lambda: self._readiness(service),
-                            lambda: metrics.render(engine.load),
+                            lambda: metrics.render(engine.load, kv_tier_report(self.llm)),
                             debug_kv=lambda: engine.call(kv_state))
         await http.start()
         load_task = asyncio.create_task(publish_load(service, cfg.load_interval_s))
