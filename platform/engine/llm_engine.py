@@ -268,9 +268,10 @@ class LLMEngine:
                             top_logprobs={req_id: list(logprob.top)} if logprob else None)
         return self._emit(update, result)
 
-    def fallback_to_local_prefill(self, req_id: str) -> bool:
-        """The remote prefill failed: compute the rest of the prompt locally."""
-        return self.scheduler.fallback_to_local_prefill(req_id)
+    def fallback_to_local_prefill(self, req_id: str, num_computed_tokens: int | None = None) -> bool:
+        """The remote prefill failed (or a pull brought the KV of `num_computed_tokens` tokens):
+        compute the rest of the prompt locally."""
+        return self.scheduler.fallback_to_local_prefill(req_id, num_computed_tokens)
 
     # -- convenience -----------------------------------------------------------------------
     def generate(self, prompts: Sequence[str | Sequence[int]],

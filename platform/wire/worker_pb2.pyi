@@ -245,20 +245,22 @@ class PrefillRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ..., skip_blocks: _Optional[int] = ..., kv_address: _Optional[str] = ..., transfer_id: _Optional[str] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., deadline_s: _Optional[float] = ..., lora_name: _Optional[str] = ..., lora_path: _Optional[str] = ..., cached_only: _Optional[bool] = ..., num_blocks: _Optional[int] = ..., block_hashes: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
-    __slots__ = ("first_token_id", "logprob", "cached_tokens", "kv_bytes", "prefill_s", "transfer_wait_s")
+    __slots__ = ("first_token_id", "logprob", "cached_tokens", "kv_bytes", "prefill_s", "transfer_wait_s", "layer_digests")
     FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     LOGPROB_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     KV_BYTES_FIELD_NUMBER: _ClassVar[int]
     PREFILL_S_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_WAIT_S_FIELD_NUMBER: _ClassVar[int]
+    LAYER_DIGESTS_FIELD_NUMBER: _ClassVar[int]
     first_token_id: int
     logprob: TokenLogprob
     cached_tokens: int
     kv_bytes: int
     prefill_s: float
     transfer_wait_s: float
-    def __init__(self, first_token_id: _Optional[int] = ..., logprob: _Optional[_Union[TokenLogprob, _Mapping]] = ..., cached_tokens: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., prefill_s: _Optional[float] = ..., transfer_wait_s: _Optional[float] = ...) -> None: ...
+    layer_digests: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, first_token_id: _Optional[int] = ..., logprob: _Optional[_Union[TokenLogprob, _Mapping]] = ..., cached_tokens: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., prefill_s: _Optional[float] = ..., transfer_wait_s: _Optional[float] = ..., layer_digests: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class AbortRequest(_message.Message):
     __slots__ = ("request_id",)
