@@ -226,6 +226,33 @@ async def main_async(args) -> tuple[dict, dict]:
     return results, w1
 
 
+async def probe_pull(rounds: int = 3) -> None:
+    """The pull's starting constants (router/config.py KVPullConfig): worker A computes a
+    300-token prompt, worker B pulls its 18 full blocks from A; prints A's prefill time per
+    token, B's pull time per block and both TTFTs."""
+    a, b = WorkerProc("both", "tcp").start(), WorkerProc("both", "tcp").start()
+    try:
+        rng = random.Random(3)
+        for i in range(rounds):
+            ids = tokens(rng, 300)
+            for address, pull in ((a.address, None), (b.address, pb.KVPull(holder=a.address, num_blocks=18))):
+                request = pb.GenerateRequest(request_id=f"probe-{i}-{address}", prompt_token_ids=ids,
+                                             params=pb.SamplingParams(temperature=0, max_tokens=2, ignore_eos=True),
+                                             disaggregation=pb.DISAGGREGATION_MODE_NEVER, kv_pull=pull)
+                async with worker_channel(address) as ch:
+                    first = [m async for m in pb_grpc.WorkerStub(ch).Generate(request)][0]
+                t = first.timings
+                if pull is None:
+                    print(f"A prefill: {(t.first_token_s - t.queue_s) / len(ids) * 1000:.2f} ms/token, "
+                          f"TTFT {t.first_token_s * 1000:.0f} ms")
+                else:
+                    print(f"B pull: {first.usage.pulled_tokens} tokens, {t.kv_pull_s / 18 * 1000:.2f} ms/block, "
+                          f"TTFT {t.first_token_s * 1000:.0f} ms")
+    finally:
+        a.terminate()
+        b.terminate()
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--conversations", type=int, default=6)
@@ -233,7 +260,11 @@ def main() -> int:
     p.add_argument("--think", type=float, default=1.0, help="mean think time between turns (s)")
     p.add_argument("--w1-requests", type=int, default=6)
     p.add_argument("--write", default=None, help="write the section into this markdown file")
+    p.add_argument("--probe-pull", action="store_true", help="only measure one pull against one local prefill")
     args = p.parse_args()
+    if args.probe_pull:
+        asyncio.run(probe_pull())
+        return 0
     results, w1 = asyncio.run(main_async(args))
     section = render(results, w1, args)
     print(section)

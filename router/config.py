@@ -86,8 +86,8 @@ class KVPullConfig:
 
     enabled: bool = True
     min_blocks: int = 2
-    block_transfer_s: float = 0.004
-    prefill_token_s: float = 0.002
+    block_transfer_s: float = 0.005   # bench/w6_multiturn.py --probe-pull on a 2-vCPU host: 4-5.5 ms
+    prefill_token_s: float = 0.003    # the same probe: SmolLM2-135M, 1 thread, 2.8 ms a token
 
     def __post_init__(self) -> None:
         if not isinstance(self.enabled, bool):
