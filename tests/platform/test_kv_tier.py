@@ -152,3 +152,20 @@ def test_worker_flags_are_validated(args, message):
     cli = str(pathlib.Path(sys.executable).parent / "splitserve")
     proc = subprocess.run([cli, "worker", *args], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2 and message in proc.stderr, proc.stderr
+
+
+def test_restore_whose_own_evictions_overflow_the_tier(smollm2_model, computed, tmp_path):
+    """The restore's allocation evicts other blocks into a nearly full tier, whose LRU then drops
+    the very entries being restored: they were read first, so the answer is still the computed
+    one, and the pool and tier stay consistent."""
+    eng = engine(smollm2_model, KVTierConfig(max_bytes=9 * BLOCK_BYTES, directory=str(tmp_path)))
+    a = prompt(1)
+    serve(eng, a)
+    push_out(eng, a)          # a's 7 blocks are the tier's only entries; the pool holds 101's and 102's
+    hashes = eng.hasher.hash_blocks(a)
+    assert all(eng.kv_tier.holds(h) for h in hashes) and eng.kv_tier.stats.num_blocks == 7
+    assert serve(eng, a) == computed[1]   # its 7 allocations evict 101's blocks into the tier: a's drop out
+    stats = eng.kv_tier.stats
+    assert stats.num_hits == 7 and stats.num_blocks == 9 and stats.num_evictions >= 5
+    assert all(eng.pool.peek(h) for h in hashes) and not all(eng.kv_tier.holds(h) for h in hashes)
+    assert len(os.listdir(eng.kv_tier.store.directory)) == stats.num_blocks

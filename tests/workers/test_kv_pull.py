@@ -8,6 +8,7 @@ blocks evicted before the pull, a payload altered on the way, another KV layout.
 may keep a block afterwards.
 """
 
+import asyncio
 import signal
 import time
 
@@ -139,4 +140,23 @@ def test_tampered_or_mismatched_pull_is_rejected_and_recomputed(holder_args, env
         assert_clean(a, b)
     finally:
         a.terminate()
+        b.terminate()
+
+
+def test_pull_racing_evictions_on_the_holder(small_holder, reference):
+    """The holder evicts under load while a pull of its blocks is under way: whichever comes
+    first, the puller's answer is the computed one and neither side keeps a block."""
+    b = WorkerProc("both", "tcp").start()
+    try:
+        tokens = prompt(NUM_TOKENS, salt=17)
+        run(generate(small_holder.address, tokens))
+
+        async def race():
+            load = [generate(small_holder.address, prompt(1500, salt=s), max_tokens=1) for s in (18, 19)]
+            pulled = generate(b.address, tokens, small_holder.address, NUM_PULL_BLOCKS)
+            return (await asyncio.gather(pulled, *load))[0]
+        got, last = run(race())
+        assert got == reference(tokens) and last.usage.pulled_tokens in (0, NUM_PULL_BLOCKS * 16)
+        assert_clean(small_holder, b)
+    finally:
         b.terminate()
