@@ -161,7 +161,8 @@ class KVPuller:
 
     async def _attempt(self, holder: str, req_id: str, token_ids: list[int], dst: tuple[int, ...], start: int) -> bool:
         transfer_id = f"{req_id}/pull/{uuid.uuid4().hex[:12]}"
-        hashes = await self.engine.call(lambda e: e.hasher.hash_blocks(token_ids[:(start + len(dst)) * self.layout.block_size]))
+        num_tokens = (start + len(dst)) * self.layout.block_size
+        hashes = await self.engine.call(lambda e: e.hasher.hash_blocks(token_ids[:num_tokens]))
         received: dict[int, hashlib._Hash] = {}
         write = self.engine.write_kv_layer
 
