@@ -59,6 +59,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--speculative-config", type=speculative_config, default=None, metavar="JSON",
                    help='speculative decoding, vLLM\'s shape: \'{"method": "ngram", "num_speculative_tokens": 4, '
                         '"prompt_lookup_max": 4, "prompt_lookup_min": 2}\' (default: off; docs/engine.md)')
+    p.add_argument("--kv-tier-bytes", type=byte_size, default=None, metavar="SIZE",
+                   help="a second KV tier of this size (e.g. 4GiB, 512MiB, or bytes) that keeps the blocks the "
+                        "cache evicts and copies them back on a prefix hit (default: off; docs/kv-tiers.md)")
+    p.add_argument("--kv-tier-dir", default=None, metavar="DIR",
+                   help="keep the second tier in files under this folder (CPU workers); without it the tier is "
+                        "host memory. Needs --kv-tier-bytes")
 
 
 def speculative_config(text: str):
@@ -70,6 +76,35 @@ def speculative_config(text: str):
         return SpeculativeConfig.from_json(text)
     except (ConfigError, TypeError) as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+_UNITS = {"": 1, "B": 1, "KIB": 1024, "MIB": 1024**2, "GIB": 1024**3, "TIB": 1024**4,
+          "KB": 1000, "MB": 1000**2, "GB": 1000**3, "TB": 1000**4}
+
+
+def byte_size(text: str) -> int:
+    """argparse type of a size: bytes, or a number with a unit (KiB, MiB, GiB, TiB, KB, MB, GB, TB)."""
+    import re
+
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", text)
+    unit = m.group(2).upper() if m else None
+    if m is None or unit not in _UNITS or float(m.group(1)) * _UNITS[unit] < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size; allowed: a positive number of bytes, or a number "
+                                         "with one of the units KiB, MiB, GiB, TiB, KB, MB, GB, TB (e.g. 4GiB)")
+    return int(float(m.group(1)) * _UNITS[unit])
+
+
+def kv_tier_config(args):
+    """The second KV tier from --kv-tier-bytes / --kv-tier-dir (None: off); ConfigError if inconsistent."""
+    from splitserve.platform.config import KVTierConfig
+    from splitserve.platform.errors import ConfigError
+
+    size, directory = getattr(args, "kv_tier_bytes", None), getattr(args, "kv_tier_dir", None)
+    if size is None:
+        if directory is not None:
+            raise ConfigError("--kv-tier-dir needs --kv-tier-bytes (the tier's size limit, e.g. 4GiB)")
+        return None
+    return KVTierConfig(max_bytes=size, directory=directory)
 
 
 def engine_config(args):
@@ -88,6 +123,7 @@ def engine_config(args):
         lora=LoraConfig(max_loras=args.max_loras, max_lora_rank=args.max_lora_rank, max_cpu_loras=args.max_cpu_loras,
                         modules=tuple(parse_lora_modules(args.lora_modules))),
         speculative=getattr(args, "speculative_config", None),
+        kv_tier=kv_tier_config(args),
     )
 
 

@@ -360,3 +360,24 @@ class EngineConfig:
     lora: LoraConfig = field(default_factory=LoraConfig)
     seed: int = 0
     speculative: SpeculativeConfig | None = None   # None: no speculative decoding
+    kv_tier: KVTierConfig | None = None   # None: no second KV tier (platform/kv/tier.py)
+
+
+@dataclass(frozen=True)
+class KVTierConfig:
+    """The second KV tier: blocks evicted from the cache are kept here, in their own LRU.
+
+    `max_bytes`: the tier's size limit (block payloads; file headers are not counted).
+    `directory`: a local folder for a file tier (the tier creates a subfolder of its own and
+    removes it on close); None keeps the blocks in host memory (pinned on CUDA).
+    """
+
+    max_bytes: int
+    directory: str | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.max_bytes, int) or self.max_bytes <= 0:
+            raise ConfigError(f"the KV tier size must be a positive number of bytes (--kv-tier-bytes), "
+                              f"got {self.max_bytes!r}")
+        if self.directory is not None and not self.directory:
+            raise ConfigError("--kv-tier-dir must name a folder (or be left out for a host-memory tier)")

@@ -77,10 +77,33 @@ class DisaggregationConfig:
 
 
 @dataclass(frozen=True)
+class KVPullConfig:
+    """Pull instead of recompute (router/pull_cost.py, docs/kv-tiers.md). When the chosen worker
+    lacks at least `min_blocks` more of the prompt's prefix than another healthy worker holds,
+    the request carries that holder, if pulling the difference is estimated cheaper than
+    computing it. `block_transfer_s` and `prefill_token_s` are the starting estimates (seconds
+    per pulled block, per computed prompt token); observed pulls and prefills refine them."""
+
+    enabled: bool = True
+    min_blocks: int = 2
+    block_transfer_s: float = 0.005   # bench/w6_multiturn.py --probe-pull on a 2-vCPU host: 4-5.5 ms
+    prefill_token_s: float = 0.003    # the same probe: SmolLM2-135M, 1 thread, 2.8 ms a token
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.enabled, bool):
+            raise ConfigError(f"placement.kv_pull.enabled must be true or false, got {self.enabled!r}")
+        if self.min_blocks < 1:
+            raise ConfigError(f"placement.kv_pull.min_blocks must be >= 1, got {self.min_blocks}")
+        if self.block_transfer_s <= 0 or self.prefill_token_s <= 0:
+            raise ConfigError("placement.kv_pull.block_transfer_s and prefill_token_s must be > 0 (seconds)")
+
+
+@dataclass(frozen=True)
 class PlacementConfig:
     decode: ProfileConfig = field(default_factory=default_decode_profile)
     prefill: ProfileConfig = field(default_factory=default_prefill_profile)
     disaggregation: DisaggregationConfig = field(default_factory=DisaggregationConfig)
+    kv_pull: KVPullConfig = field(default_factory=KVPullConfig)
 
 
 @dataclass(frozen=True)
@@ -344,6 +367,8 @@ def _placement(data) -> PlacementConfig:
     if "disaggregation" in data:
         kwargs["disaggregation"] = DisaggregationConfig(**checked_mapping(data["disaggregation"], DisaggregationConfig,
                                                                    "placement.disaggregation"))
+    if "kv_pull" in data:
+        kwargs["kv_pull"] = KVPullConfig(**checked_mapping(data["kv_pull"], KVPullConfig, "placement.kv_pull"))
     for role, default in (("decode", default_decode_profile()), ("prefill", default_prefill_profile())):
         if role in data:
             kwargs[role] = _profile(data[role], default, f"placement.{role}")

@@ -231,6 +231,8 @@ class Dispatcher:
         is_first = progress.num_cached_tokens is None
         if is_first:
             progress.num_cached_tokens = msg.usage.cached_tokens
+            if not progress.token_ids:   # not a resume: the timings describe this prompt's prefill
+                self.placer.pull_cost.observe(len(job.prompt_token_ids), msg)
         if self.metrics is not None:
             uncached = max(0, len(job.prompt_token_ids) - msg.usage.cached_tokens) if is_first else 0
             self.metrics.count_tokens(uncached, len(new_ids), is_first)

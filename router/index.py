@@ -7,6 +7,9 @@ Two kinds of entries per worker:
   `max_blocks_per_worker` the least recently stored hashes are dropped, the tail of a chain
   before its head (a block is useless without its parent), as the engine evicts. This is a
   guard against missed removals; a worker's own pool is normally far smaller.
+- *second tier*: blocks the worker evicted from its cache into its second tier (events with
+  tier=2; docs/kv-tiers.md). The worker copies them back on a hit, so they count for `match`
+  like stored ones; they have their own LRU bound.
 - *speculative*: the full prompt blocks of a request just routed to the worker, valid for
   `ttl_s`. They cover the gap between routing a request and its KV events arriving, so a burst
   of requests sharing a prefix follows the first one instead of scattering.
@@ -28,6 +31,8 @@ from collections import OrderedDict
 from typing import Protocol
 
 from splitserve.platform.wire import worker_pb2 as pb
+
+SECOND_TIER = 2   # KV events' tier of a worker's second tier (0 or 1: its cache)
 
 
 class PrefixIndex(Protocol):
@@ -53,11 +58,15 @@ class PrefixIndex(Protocol):
 class _WorkerEntries:
     """One worker's hashes: stored (LRU order) and speculative (hash -> expiry time)."""
 
-    __slots__ = ("stored", "speculative")
+    __slots__ = ("stored", "second", "speculative")
 
     def __init__(self):
         self.stored: OrderedDict[bytes, None] = OrderedDict()
+        self.second: OrderedDict[bytes, None] = OrderedDict()   # the worker's second tier
         self.speculative: dict[bytes, float] = {}
+
+    def tier(self, tier: int) -> OrderedDict[bytes, None]:
+        return self.second if tier == SECOND_TIER else self.stored
 
 
 class InMemoryPrefixIndex:
@@ -80,16 +89,17 @@ class InMemoryPrefixIndex:
         kind = event.WhichOneof("event")
         entries = self._entries(worker)
         if kind == "stored":
-            self._store(entries, event.stored.block_hashes)
+            self._store(entries, event.stored.block_hashes, entries.tier(event.stored.tier))
         elif kind == "removed":
+            stored = entries.tier(event.removed.tier)
             for h in event.removed.block_hashes:
-                entries.stored.pop(h, None)
+                stored.pop(h, None)
         elif kind == "cleared":
             entries.stored.clear()
+            entries.second.clear()
             entries.speculative.clear()
 
-    def _store(self, entries: _WorkerEntries, hashes) -> None:
-        stored = entries.stored
+    def _store(self, entries: _WorkerEntries, hashes, stored: OrderedDict[bytes, None]) -> None:
         for h in reversed(hashes):   # a chain's head ends most recent: its tail is dropped first
             stored[h] = None
             stored.move_to_end(h)
@@ -123,9 +133,9 @@ class InMemoryPrefixIndex:
             entries = self._workers.get(worker)
             n = 0
             if entries is not None:
-                stored, spec = entries.stored, entries.speculative
+                stored, second, spec = entries.stored, entries.second, entries.speculative
                 for h in hashes:
-                    if h not in stored and spec.get(h, 0.0) <= now:
+                    if h not in stored and h not in second and spec.get(h, 0.0) <= now:
                         break
                     n += 1
             out[worker] = n

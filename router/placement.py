@@ -10,6 +10,11 @@ its prompt (docs/workers.md, docs/router.md).
     4. if remote: prefill profile over the prefill-capable workers other than D, best first,
        the top `max_prefill_candidates` (D tries them in order and prefills locally if all fail);
        if none passes the filters, D prefills locally;
+    4a. pull instead of recompute, when D prefills locally (router/pull_cost.py): if another
+       healthy prefill-capable worker H holds more of the prompt's prefix than D and pulling
+       the difference is estimated cheaper than computing it, D is told to pull those blocks
+       from H (a remote prefill already reuses the prefill worker's cache); D recomputes if the
+       pull fails;
     5. speculative index entries for the prompt's blocks on D (and the first prefill worker);
     6. for a LoRA request, when the decode profile scores adapter affinity: the adapters D holds
        in memory that another decode worker holds too (`lora_evict_first`), which D evicts first
@@ -30,6 +35,7 @@ from splitserve.router.errors import NoWorkerError
 from splitserve.router.filters import make_filter
 from splitserve.router.index import PrefixIndex
 from splitserve.router.pool import WorkerPool, WorkerState
+from splitserve.router.pull_cost import PullCost
 from splitserve.router.scorers import LoraAffinity, ScoringContext, make_scorer
 
 log = logging.getLogger(__name__)
@@ -45,6 +51,7 @@ class Decision:
     num_uncached_tokens: int = 0
     scores: dict = field(default_factory=dict)   # role -> {address: total}
     lora_evict_first: tuple[str, ...] = ()        # step 6 of the module docstring
+    pull: tuple[str, int] | None = None           # step 4a: (holder's address, its matched blocks)
 
 
 class Profile:
@@ -89,6 +96,7 @@ class Placer:
         self.rng = rng or random.Random()
         self.decode_profile = Profile("decode", config.decode)
         self.prefill_profile = Profile("prefill", config.prefill)
+        self.pull_cost = PullCost(config.kv_pull, pool.block_size)
 
     async def place(self, num_tokens: int, hashes: list[bytes], exclude: frozenset[str] = frozenset(),
                     lora_name: str | None = None, lora_workers: set[str] | None = None) -> Decision:
@@ -110,13 +118,29 @@ class Placer:
         uncached = max(num_tokens - cached * self.pool.block_size, 0)
         scores = {"decode": dict(ranked)}
         prefill_list = ()
+        pull = None
         if self._wants_remote(uncached, prefill):
             prefill_list, scores["prefill"] = self._pick_prefill(ctx, prefill, chosen, now)
+        if not prefill_list and lora_name is None:
+            pull = self._pull_from(ctx, prefill, chosen, cached, now)
         await self.index.add_speculative(chosen, hashes)
         if prefill_list:
             await self.index.add_speculative(prefill_list[0], hashes)
         evict_first = self._evict_first(chosen, lora_name, now) if self.decode_profile.scores_adapters else ()
-        return Decision(chosen, prefill_list, cached, uncached, scores, evict_first)
+        return Decision(chosen, prefill_list, cached, uncached, scores, evict_first, pull)
+
+    def _pull_from(self, ctx: ScoringContext, workers: list[WorkerState], chosen: str, cached: int,
+                   now: float) -> tuple[str, int] | None:
+        """Step 4a: (the holder with the longest match, its match) when pulling beats computing."""
+        best, best_blocks = None, cached
+        for w in workers:
+            blocks = ctx.matched_blocks.get(w.address, 0)
+            if (w.address != chosen and blocks > best_blocks and w.is_healthy(now)
+                    and not (w.load is not None and w.load.draining)):
+                best, best_blocks = w.address, blocks
+        if best is None or not self.pull_cost.is_worth(best_blocks - cached):
+            return None
+        return best, best_blocks
 
     def _evict_first(self, chosen: str, lora_name: str | None, now: float) -> tuple[str, ...]:
         """The adapters `chosen` holds in memory that another healthy decode worker holds too,

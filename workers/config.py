@@ -35,6 +35,9 @@ class WorkerConfig:
     tls_cert: str = ""                # mTLS on the gRPC API (platform/grpc_tls.py): all three or none
     tls_key: str = ""
     tls_ca: str = ""
+    kv_pull: bool = True              # accept a router's kv_pull (workers/kv_pull.py); False: always recompute
+    max_pull_blocks: int = 1024       # the largest pull, in blocks; more of a prefix is computed here
+
 
     def __post_init__(self) -> None:
         for name, value, allowed in (("role", self.role, ROLES), ("kv_transport", self.kv_transport, TRANSPORTS),
@@ -46,5 +49,8 @@ class WorkerConfig:
                 raise ConfigError(f"{name}={getattr(self, name)} is not a port; allowed: 0-65535 (0 picks a free one)")
         if self.min_prefill_tokens < 0:
             raise ConfigError(f"min_prefill_tokens must be >= 0, got {self.min_prefill_tokens}")
+        if self.max_pull_blocks < 1:
+            raise ConfigError(f"max_pull_blocks must be >= 1 (--max-pull-blocks; --no-kv-pull turns pulls off), "
+                              f"got {self.max_pull_blocks}")
         if self.transfer_deadline_s <= 0 or self.drain_grace_s < 0 or self.load_interval_s <= 0:
             raise ConfigError("transfer_deadline_s and load_interval_s must be > 0 and drain_grace_s >= 0")

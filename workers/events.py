@@ -3,7 +3,7 @@
 The engine thread hands batches of KV events to `publish()` (thread-safe); the hub keeps a
 mirror of the hashes the worker currently caches. A new subscriber first gets WorkerInfo
 (with this process's worker_id), then AllCleared followed by one BlockStored of the whole
-mirror — a snapshot that replaces whatever the subscriber knew, which is also how a restarted
+mirror (and one more of the second tier's, tier=2) — a snapshot that replaces whatever the subscriber knew, which is also how a restarted
 worker (new worker_id, empty cache) tells routers to forget it — and the latest load report
 (so a resubscribing router does not score the worker as unknown until the next interval),
 then live events and a load report every interval. A slow subscriber's queue is bounded; on overflow it is disconnected
@@ -16,7 +16,7 @@ import asyncio
 import itertools
 import time
 
-from splitserve.platform.kv.block_pool import AllCleared, BlockRemoved, BlockStored, KVEvent
+from splitserve.platform.kv.block_pool import TIER_SECOND, AllCleared, BlockRemoved, BlockStored, KVEvent
 from splitserve.platform.wire import worker_pb2 as pb
 
 MAX_QUEUED = 10_000
@@ -30,7 +30,8 @@ class EventHub:
     def __init__(self, loop: asyncio.AbstractEventLoop, info: pb.WorkerInfo):
         self.loop = loop
         self.info = info
-        self._cached: dict[bytes, None] = {}     # insertion-ordered set
+        self._cached: dict[bytes, None] = {}     # insertion-ordered set: the KV cache (tier 1)
+        self._second: dict[bytes, None] = {}     # the second tier (platform/kv/tier.py)
         self._subscribers: set[asyncio.Queue] = set()
         self._seq = itertools.count(1)
         self._last_load: pb.LoadReport | None = None
@@ -45,13 +46,16 @@ class EventHub:
             self._send(pb.WorkerEvent(kv=to_proto(event)))
 
     def _mirror(self, event: KVEvent) -> None:
-        if isinstance(event, BlockStored):
-            self._cached.update(dict.fromkeys(event.block_hashes))
-        elif isinstance(event, BlockRemoved):
-            for h in event.block_hashes:
-                self._cached.pop(h, None)
+        if isinstance(event, (BlockStored, BlockRemoved)):
+            mirror = self._second if event.tier == TIER_SECOND else self._cached
+            if isinstance(event, BlockStored):
+                mirror.update(dict.fromkeys(event.block_hashes))
+            else:
+                for h in event.block_hashes:
+                    mirror.pop(h, None)
         else:
             self._cached.clear()
+            self._second.clear()
 
     def _send(self, msg: pb.WorkerEvent) -> None:
         msg.seq, msg.timestamp = next(self._seq), time.time()
@@ -72,6 +76,9 @@ class EventHub:
         first = [pb.WorkerEvent(info=self.info), pb.WorkerEvent(kv=pb.KVEvent(cleared=pb.AllCleared()))]
         if self._cached:
             first.append(pb.WorkerEvent(kv=pb.KVEvent(stored=pb.BlockStored(block_hashes=list(self._cached)))))
+        if self._second:
+            first.append(pb.WorkerEvent(kv=pb.KVEvent(stored=pb.BlockStored(block_hashes=list(self._second),
+                                                                            tier=TIER_SECOND))))
         if self._last_load is not None:
             first.append(pb.WorkerEvent(load=self._last_load))
         for msg in first:
@@ -96,8 +103,8 @@ class EventHub:
 def to_proto(event: KVEvent) -> pb.KVEvent:
     if isinstance(event, BlockStored):
         return pb.KVEvent(stored=pb.BlockStored(block_hashes=list(event.block_hashes),
-                                                parent_hash=event.parent_hash or b""))
+                                                parent_hash=event.parent_hash or b"", tier=event.tier))
     if isinstance(event, BlockRemoved):
-        return pb.KVEvent(removed=pb.BlockRemoved(block_hashes=list(event.block_hashes)))
+        return pb.KVEvent(removed=pb.BlockRemoved(block_hashes=list(event.block_hashes), tier=event.tier))
     assert isinstance(event, AllCleared)
     return pb.KVEvent(cleared=pb.AllCleared())

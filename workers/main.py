@@ -24,6 +24,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from splitserve.platform.cli import add_engine_args, engine_config
 from splitserve.platform.engine.async_engine import AsyncEngine
 from splitserve.platform.engine.llm_engine import LLMEngine
+from splitserve.platform.kv.cache import bytes_per_block
 from splitserve.platform.grpc_tls import server_credentials, tls_from
 from splitserve.platform.sampling.params import SamplingParams
 from splitserve.platform.wire import worker_pb2 as pb
@@ -31,6 +32,7 @@ from splitserve.workers.config import WorkerConfig
 from splitserve.workers.decode import RemotePrefill
 from splitserve.workers.events import EventHub
 from splitserve.workers.http import HealthServer
+from splitserve.workers.kv_pull import KVPuller
 from splitserve.workers.grpc_guard import add_worker_servicer
 from splitserve.workers.metrics import WorkerMetrics
 from splitserve.workers.servicer import WorkerService, publish_load
@@ -67,6 +69,10 @@ def register(subparsers) -> None:
     p.add_argument("--drain-grace", type=float, default=120.0, help="seconds to finish in-flight work on SIGTERM")
     p.add_argument("--no-kv-layer-streaming", action="store_true",
                    help="prefill role: send the KV after the whole prompt is computed instead of per layer")
+    p.add_argument("--no-kv-pull", action="store_true",
+                   help="recompute a prefix another worker holds instead of pulling its KV (docs/kv-tiers.md)")
+    p.add_argument("--max-pull-blocks", type=int, default=1024,
+                   help="the most KV blocks one pull fetches (default 1024); the rest of the prompt is computed")
     p.set_defaults(func=cmd_worker)
 
 
@@ -76,7 +82,8 @@ def cmd_worker(args) -> int:
                           min_prefill_tokens=args.min_prefill_tokens, transfer_deadline_s=args.transfer_deadline,
                           drain_grace_s=args.drain_grace, kv_layer_streaming=not args.no_kv_layer_streaming,
                           advertise_host=args.advertise_host or "", kv_secret_file=args.kv_secret_file,
-                          tls_cert=args.tls_cert, tls_key=args.tls_key, tls_ca=args.tls_ca)
+                          tls_cert=args.tls_cert, tls_key=args.tls_key, tls_ca=args.tls_ca,
+                          kv_pull=not args.no_kv_pull, max_pull_blocks=args.max_pull_blocks)
     engine = LLMEngine(engine_config(args))
     return asyncio.run(Worker(config, engine).run())
 
@@ -106,6 +113,14 @@ def kv_state(engine: LLMEngine) -> dict:
     return dict(num_blocks=engine.pool.num_blocks, num_free_blocks=engine.pool.num_free_blocks,
                 num_requests=engine.scheduler.num_unfinished, num_requests_holding_blocks=engine.kv.num_requests,
                 invariants_ok=not error, error=error)
+
+
+def kv_tier_report(engine: LLMEngine) -> tuple:
+    """(the second tier's stats or None, bytes of the prefix-cache blocks in the cache) for the metrics
+    (plain counters: read from any thread)."""
+    per_block = engine.kv_tier.block_bytes if engine.kv_tier is not None else bytes_per_block(
+        engine.model_config, engine.config.cache.block_size, engine.kv_dtype)
+    return engine.kv_tier.stats if engine.kv_tier is not None else None, engine.pool.num_cached_blocks * per_block
 
 
 def warn_if_insecure(cfg: WorkerConfig, logger: logging.Logger) -> None:
@@ -163,10 +178,12 @@ class Worker:
         remote = (RemotePrefill(engine, receiver, layout, cfg.transfer_deadline_s, metrics, kv_address=kv_address,
                                 tls=tls)
                   if receiver else None)
-        service = WorkerService(cfg, engine, hub, remote, sender, layout, metrics)
+        puller = (KVPuller(engine, receiver, layout, cfg.transfer_deadline_s, cfg.max_pull_blocks, metrics,
+                           kv_address=kv_address, tls=tls) if receiver and cfg.kv_pull else None)
+        service = WorkerService(cfg, engine, hub, remote, sender, layout, metrics, puller)
         server, health_servicer = await self._start_grpc(service)
         http = HealthServer(cfg.host, cfg.metrics_port, lambda: self._readiness(service),
-                            lambda: metrics.render(engine.load),
+                            lambda: metrics.render(engine.load, kv_tier_report(self.llm)),
                             debug_kv=lambda: engine.call(kv_state))
         await http.start()
         load_task = asyncio.create_task(publish_load(service, cfg.load_interval_s))
@@ -183,7 +200,7 @@ class Worker:
         load_task.cancel()
         await server.stop(grace=1.0)
         await http.close()
-        for closer in (remote.stubs.close() if remote else None, receiver.close() if receiver else None,
+        for closer in (remote.stubs.close() if remote else None, puller.close() if puller else None, receiver.close() if receiver else None,
                        sender.close() if sender else None):
             if closer is not None:
                 await closer

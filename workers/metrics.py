@@ -100,6 +100,19 @@ class WorkerMetrics:
                                              "hold them (the router's lora_evict_first hint)", registry=r)
         self._seen_mask = (0.0, 0)
         self._seen_kinds: dict[str, int] = {}
+        # KV reuse across workers and tiers (docs/kv-tiers.md)
+        self.kv_tier_blocks = Counter("splitserve_kv_tier_blocks", "Second KV tier: blocks stored (evicted from "
+                                      "the cache), hits (copied back), evicted (dropped by the tier's LRU), "
+                                      "rejected (failed verification)", ["event"], registry=r)
+        self.kv_tier_bytes = Gauge("splitserve_kv_tier_bytes", "Prefix-cache KV bytes per tier (1: blocks of the "
+                                   "cache registered under a hash, 2: the second tier)", ["tier"], registry=r)
+        self.kv_pull_blocks = Counter("splitserve_kv_pull_blocks", "Prefix blocks pulled from another worker (in) "
+                                      "or served to one (out)", ["direction"], registry=r)
+        self.kv_pulls = Counter("splitserve_kv_pulls", "Pull attempts by outcome (ok, failed: recomputed)",
+                                ["outcome"], registry=r)
+        self.kv_pull_seconds = Histogram("splitserve_kv_pull_seconds", "Duration of a pull, asked to acknowledged",
+                                         buckets=LATENCY_BUCKETS, registry=r)
+        self._seen_tier = (0, 0, 0, 0)
         Info("splitserve_worker", "Worker identity", registry=r).info({"role": role, "model": model})
 
     def update_load(self, load) -> None:
@@ -133,6 +146,20 @@ class WorkerMetrics:
                     self.spec_accepted_length.labels(str(n)).inc(now - seen)
             self._seen_spec, self._seen_lengths = spec, load.spec_accepted_lengths
 
+    def update_kv_tier(self, stats, cache_bytes: int) -> None:
+        """Export the second tier's TierStats (platform/kv/tier.py; None: no tier) and the bytes of
+        the cache's prefix-cache blocks."""
+        self.kv_tier_bytes.labels(tier="1").set(cache_bytes)
+        if stats is None:
+            return
+        with self._update_lock:
+            now = (stats.num_stored, stats.num_hits, stats.num_evictions, stats.num_rejected)
+            for event, n, seen in zip(("stored", "hit", "evicted", "rejected"), now, self._seen_tier):
+                if n > seen:
+                    self.kv_tier_blocks.labels(event=event).inc(n - seen)
+            self._seen_tier = now
+            self.kv_tier_bytes.labels(tier="2").set(stats.num_bytes)
+
     def update_structured(self, stats) -> None:
         """Export the grammar backend's CompileStats (platform/sampling/structured.py), if any."""
         if stats is None:
@@ -147,10 +174,12 @@ class WorkerMetrics:
             self.structured_requests.labels(kind=kind).inc(count - self._seen_kinds.get(kind, 0))
             self._seen_kinds[kind] = count
 
-    def render(self, load=None) -> bytes:
+    def render(self, load=None, kv_tier=None) -> bytes:
         """The exposition; with `load` (the engine's latest snapshot) the load-derived gauges and
         counters are brought up to date first, so a scrape never lags the periodic load report
         (a stale prefix-cache counter read as a baseline double-counted the next request)."""
         if load is not None:
             self.update_load(load)
+        if kv_tier is not None:
+            self.update_kv_tier(*kv_tier)
         return generate_latest(self.registry)

@@ -28,6 +28,7 @@ from splitserve.workers import faults, wire
 from splitserve.workers.config import WorkerConfig
 from splitserve.workers.decode import RemotePrefill
 from splitserve.workers.events import EventHub
+from splitserve.workers.kv_pull import BlocksNotHeldError, KVPuller, serve_cached
 from splitserve.workers.prefill import serve_prefill
 from splitserve.workers.transfer.base import KVLayout, KVSender, LayoutMismatchError, TransferError
 
@@ -39,7 +40,7 @@ _MODES = {pb.DISAGGREGATION_MODE_CONDITIONAL: "conditional", pb.DISAGGREGATION_M
 
 class WorkerService(pb_grpc.WorkerServicer):
     def __init__(self, config: WorkerConfig, engine: AsyncEngine, hub: EventHub, remote: RemotePrefill | None,
-                 sender: KVSender | None, layout: KVLayout, metrics):
+                 sender: KVSender | None, layout: KVLayout, metrics, puller: KVPuller | None = None):
         self.config = config
         self.engine = engine
         self.hub = hub
@@ -47,6 +48,7 @@ class WorkerService(pb_grpc.WorkerServicer):
         self.sender = sender
         self.layout = layout
         self.metrics = metrics
+        self.puller = puller   # None: pulls off (--no-kv-pull) or no KV receiver (prefill role)
         self.draining = False
         self.num_inflight = 0
         self.idle = asyncio.Event()
@@ -85,11 +87,14 @@ class WorkerService(pb_grpc.WorkerServicer):
         # A resume prefills here; so do prompt-logprobs and embedding requests (the prompt's
         # logits / hidden states are needed here).
         local = resumed or params.prompt_logprobs is not None or params.embed
-        remote = not local and await self._wants_remote(request, token_ids)
+        # A pull (workers/kv_pull.py) is for the base model; it takes the place of a remote prefill.
+        pull = (request.kv_pull if request.HasField("kv_pull") and request.kv_pull.holder and self.puller is not None
+                and not local and lora is None else None)
+        remote = pull is not None or (not local and await self._wants_remote(request, token_ids))
         self._enter()
         try:
             async for msg in self._generate(request.request_id, token_ids, params, remote, list(request.prefill_workers),
-                                            resumed, lora):
+                                            resumed, lora, pull):
                 yield msg
         except AdapterNotFoundError as exc:   # unloaded between the check and the admission
             await context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
@@ -122,22 +127,28 @@ class WorkerService(pb_grpc.WorkerServicer):
         return adapter
 
     async def _generate(self, req_id, token_ids, params, remote: bool, prefill_workers: list[str],
-                        resumed: list[int], lora=None):
+                        resumed: list[int], lora=None, pull: pb.KVPull | None = None):
         t0 = time.monotonic()
         prefill_worker, last_token_t = "", None
         timings = pb.Timings()
+        pulled_tokens = 0
         async for out in self.engine.generate(prompt_token_ids=token_ids, params=params, req_id=req_id,
                                               remote_prefill=remote, resume_output_token_ids=resumed,
                                               lora_name=lora.name if lora else None):
             if out.kv_ready is not None:
                 timings.queue_s = time.monotonic() - t0
                 self.metrics.queue_time.observe(timings.queue_s)
+                if pull is not None:
+                    outcome = await self.puller.run(req_id, token_ids, out.kv_ready, pull)
+                    pulled_tokens, timings.kv_pull_s = outcome.num_tokens, outcome.seconds
+                    continue
                 prefill_worker, resp = await self.remote.run(req_id, token_ids, params, out.kv_ready, prefill_workers,
                                                                       lora)
                 if resp is not None:
                     timings.prefill_s, timings.transfer_wait_s = resp.prefill_s, resp.transfer_wait_s
                 continue
             msg = wire.generate_response(out, prefill_worker)
+            msg.usage.pulled_tokens = pulled_tokens
             now = time.monotonic()
             if last_token_t is None:
                 timings.first_token_s = now - t0
@@ -174,8 +185,12 @@ class WorkerService(pb_grpc.WorkerServicer):
         await self._admit(context, ("prefill", "both"), "Prefill")
         self._enter()
         try:
+            if request.cached_only:
+                return await serve_cached(self.engine, self.sender, self.layout, request, self.metrics)
             return await serve_prefill(self.engine, self.sender, self.layout, request, self.metrics,
                                        streaming=self.config.kv_layer_streaming)
+        except BlocksNotHeldError as exc:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"pull refused: {exc}")
         except InvalidRequestError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except LayoutMismatchError as exc:

@@ -102,8 +102,8 @@ class AsyncEngine:
         """The KV landed: the request starts decoding (its outputs arrive on its stream)."""
         self._command("complete", req_id, first_token_id, logprob)
 
-    def fallback_to_local_prefill(self, req_id: str) -> None:
-        self._command("fallback", req_id)
+    def fallback_to_local_prefill(self, req_id: str, num_computed_tokens: int | None = None) -> None:
+        self._command("fallback", req_id, num_computed_tokens)
 
     async def call(self, fn: Callable[[LLMEngine], object]):
         """Run fn(engine) on the engine thread between steps and return its result."""
@@ -156,7 +156,7 @@ class AsyncEngine:
                 if out is not None:
                     self._deliver(out)
             elif cmd[0] == "fallback":
-                self._engine.fallback_to_local_prefill(cmd[1])
+                self._engine.fallback_to_local_prefill(*cmd[1:])
             elif cmd[0] == "call":
                 self._call(*cmd[1:])
             else:

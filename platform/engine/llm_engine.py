@@ -40,6 +40,7 @@ from splitserve.platform.hashing import BlockHasher, lora_extra_keys
 from splitserve.platform.kv.block_pool import BlockPool, KVEvent
 from splitserve.platform.kv.cache import allocate_kv_cache, plan_num_blocks
 from splitserve.platform.kv.manager import KVCacheManager
+from splitserve.platform.kv.tier import attach_tier
 from splitserve.platform.lora.adapter import LoraAdapter
 from splitserve.platform.lora.batch import attach as attach_lora
 from splitserve.platform.lora.registry import LoraRegistry
@@ -90,6 +91,7 @@ class LLMEngine:
         self.hasher = BlockHasher(self.model_config.model_id, block_size)
         self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len, max_loras=config.lora.max_loras)
         kv_caches = allocate_kv_cache(self.model_config, num_blocks, block_size, self.kv_dtype, self.device)
+        self.kv_tier = attach_tier(config.kv_tier, self.pool, self.kv, kv_caches, self.model_config.model_id)
         lora_context, layout = attach_lora(self.model)
         self.loras = LoraRegistry(config.lora, layout, self.dtype)
         self.loras.load_modules()
@@ -266,9 +268,10 @@ class LLMEngine:
                             top_logprobs={req_id: list(logprob.top)} if logprob else None)
         return self._emit(update, result)
 
-    def fallback_to_local_prefill(self, req_id: str) -> bool:
-        """The remote prefill failed: compute the rest of the prompt locally."""
-        return self.scheduler.fallback_to_local_prefill(req_id)
+    def fallback_to_local_prefill(self, req_id: str, num_computed_tokens: int | None = None) -> bool:
+        """The remote prefill failed (or a pull brought the KV of `num_computed_tokens` tokens):
+        compute the rest of the prompt locally."""
+        return self.scheduler.fallback_to_local_prefill(req_id, num_computed_tokens)
 
     # -- convenience -----------------------------------------------------------------------
     def generate(self, prompts: Sequence[str | Sequence[int]],

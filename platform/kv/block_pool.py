@@ -11,7 +11,10 @@ tail-first, so within one chain the last block is evicted before the first: a ch
 usable prefix for as long as possible.
 
 Each change to the hash map is recorded as a KV event (BlockStored / BlockRemoved /
-AllCleared) for the router's prefix index; `take_events()` drains them.
+AllCleared) for the router's prefix index; `take_events()` drains them. Events carry the tier
+they describe: 1 is this pool, 2 the second tier (platform/kv/tier.py), which an optional
+`EvictionSink` fills with the KV of every block the pool evicts and whose own events the pool
+appends to its stream right after the BlockRemoved of that eviction, so the order stays causal.
 
 The pool is the only writer of ref counts, hashes and the free queue; callers hold Block
 handles and go through these methods. `check_invariants()` verifies the whole state.
@@ -22,6 +25,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from splitserve.platform.hashing import BlockHash
 
@@ -33,15 +37,21 @@ class Block:
     block_hash: BlockHash | None = None
 
 
+TIER_CACHE = 1    # the pool's own blocks (device memory)
+TIER_SECOND = 2   # the second tier: host memory or a local file tier
+
+
 @dataclass(frozen=True)
 class BlockStored:
     block_hashes: tuple[BlockHash, ...]
     parent_hash: BlockHash | None
+    tier: int = TIER_CACHE
 
 
 @dataclass(frozen=True)
 class BlockRemoved:
     block_hashes: tuple[BlockHash, ...]
+    tier: int = TIER_CACHE
 
 
 @dataclass(frozen=True)
@@ -52,6 +62,17 @@ class AllCleared:
 KVEvent = BlockStored | BlockRemoved | AllCleared
 
 
+class EvictionSink(Protocol):
+    """Where evicted blocks go (the second tier)."""
+
+    def offload(self, evicted: list[tuple[int, BlockHash]]) -> list[KVEvent]:
+        """Called inside `allocate`, before the evicted blocks are handed out (their KV is still
+        intact): keep the KV of these (block_id, hash) pairs. Returns the events it caused."""
+
+    def clear(self) -> list[KVEvent]:
+        """Called by `reset_prefix_cache`: forget everything. Returns the events it caused."""
+
+
 @dataclass
 class PoolStats:
     """Counters for metrics and tests; monotonically increasing."""
@@ -60,8 +81,9 @@ class PoolStats:
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int, enable_caching: bool = True):
+    def __init__(self, num_blocks: int, enable_caching: bool = True, eviction_sink: EvictionSink | None = None):
         assert num_blocks > 0
+        self.eviction_sink = eviction_sink
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
         self.blocks = [Block(i) for i in range(num_blocks)]
@@ -81,6 +103,11 @@ class BlockPool:
         """Fraction of blocks in use (held by a request), 0..1."""
         return 1.0 - len(self._free) / self.num_blocks
 
+    @property
+    def num_cached_blocks(self) -> int:
+        """Blocks registered under a hash, in use or free (one len(): safe from another thread)."""
+        return len(self._cached)
+
     def lookup(self, block_hash: BlockHash) -> Block | None:
         """The cached block with this hash, or None. Changes nothing."""
         return self._cached.get(block_hash)
@@ -98,16 +125,18 @@ class BlockPool:
         if num_blocks > len(self._free):
             raise RuntimeError(f"asked for {num_blocks} blocks, {len(self._free)} free")
         out = []
-        removed = []
+        evicted = []
         for _ in range(num_blocks):
             _, block = self._free.popitem(last=False)
             if block.block_hash is not None:
-                removed.append(self._uncache(block))
+                evicted.append((block.block_id, self._uncache(block)))
             block.ref_cnt = 1
             out.append(block)
-        if removed:
-            self.stats.num_evictions += len(removed)
-            self._events.append(BlockRemoved(tuple(removed)))
+        if evicted:
+            self.stats.num_evictions += len(evicted)
+            self._events.append(BlockRemoved(tuple(h for _, h in evicted)))
+            if self.eviction_sink is not None:
+                self._events += self.eviction_sink.offload(evicted)
         return out
 
     def touch(self, blocks: Iterable[Block]) -> None:
@@ -155,7 +184,13 @@ class BlockPool:
             block.block_hash = None
         self._cached.clear()
         self._events.append(AllCleared())
+        if self.eviction_sink is not None:
+            self.eviction_sink.clear()   # AllCleared covers every tier
         return True
+
+    def record_events(self, events: list[KVEvent]) -> None:
+        """Append events of the second tier (its entries dropped outside an eviction)."""
+        self._events += events
 
     def take_events(self) -> list[KVEvent]:
         events, self._events = self._events, []

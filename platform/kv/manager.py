@@ -3,7 +3,8 @@
 A request's blocks are a list in token order: block i holds tokens [i*B, (i+1)*B). On first
 scheduling the longest run of the request's block hashes found in the pool is reused; at most
 (num_tokens - 1) // B blocks are reused so the last prompt token is always computed again (its
-logits are needed to sample). After each step the blocks that became full *and* computed are
+logits are needed to sample). A run of blocks the pool lacks but the second tier holds
+(`tier`, platform/kv/tier.py) is copied back into the pool first and counts as hits. After each step the blocks that became full *and* computed are
 registered in the prefix cache under the request's block hashes.
 """
 
@@ -20,8 +21,9 @@ def cdiv(a: int, b: int) -> int:
 class KVCacheManager:
     """Owns the mapping req_id -> blocks; the pool owns the blocks themselves."""
 
-    def __init__(self, pool: BlockPool, block_size: int):
+    def __init__(self, pool: BlockPool, block_size: int, tier=None):
         self.pool = pool
+        self.tier = tier   # the second tier (KVTier) or None
         self.block_size = block_size
         self._req_blocks: dict[str, list[Block]] = {}
         self._num_registered: dict[str, int] = {}
@@ -32,21 +34,25 @@ class KVCacheManager:
         if not self.pool.enable_caching or req.params.prompt_logprobs is not None:
             return []
         max_blocks = (req.num_tokens - 1) // self.block_size
+        hashes = req.block_hashes[:max_blocks]
         hits = []
-        for block_hash in req.block_hashes[:max_blocks]:
+        for block_hash in hashes:
             block = self.pool.lookup(block_hash)
             if block is None:
                 break
             hits.append(block)
+        if self.tier is not None and len(hits) < len(hashes):
+            parent = hashes[len(hits) - 1] if hits else None
+            hits += self.tier.restore(self.pool, hashes[len(hits):], parent, hits)
         return hits
 
     def num_cached_prefix_tokens(self, num_tokens: int, block_hashes) -> int:
         """How many leading tokens of a prompt with these block hashes the cache holds now, at most
-        num_tokens - 1 (a read-only estimate: nothing is referenced)."""
+        num_tokens - 1, the second tier's blocks included (a read-only estimate: nothing is referenced)."""
         max_blocks = (num_tokens - 1) // self.block_size
         n = 0
         for block_hash in block_hashes[:max_blocks]:
-            if not self.pool.peek(block_hash):
+            if not self.pool.peek(block_hash) and not (self.tier is not None and self.tier.holds(block_hash)):
                 break
             n += self.block_size
         return n

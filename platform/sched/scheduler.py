@@ -259,11 +259,18 @@ class Scheduler:
         self.running.append(req)
         return self._apply_token(req, first_token_id)
 
-    def fallback_to_local_prefill(self, req_id: str) -> bool:
-        """The remote prefill failed: compute the rest of the prompt here, in the blocks we hold."""
+    def fallback_to_local_prefill(self, req_id: str, num_computed_tokens: int | None = None) -> bool:
+        """The remote prefill failed, or a pull brought only a prefix: compute the rest of the
+        prompt here, in the blocks we hold. `num_computed_tokens`: the prompt tokens whose KV is
+        now in those blocks (a pull's end, whole blocks below the last prompt token); None: only
+        the local prefix-cache hits."""
         req = self.awaiting_kv.pop(req_id, None)
         if req is None:
             return False
+        if num_computed_tokens is not None:
+            assert req.num_computed_tokens <= num_computed_tokens < req.num_tokens, (
+                f"pulled up to {num_computed_tokens} of {req.num_tokens} tokens")
+            req.num_computed_tokens = num_computed_tokens
         req.status = RequestStatus.RUNNING
         self.running.append(req)
         return True

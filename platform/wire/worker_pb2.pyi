@@ -91,7 +91,7 @@ class StructuredConstraint(_message.Message):
     def __init__(self, kind: _Optional[str] = ..., value: _Optional[str] = ..., field: _Optional[str] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "params", "prefill_workers", "disaggregation", "min_prefill_tokens", "resume_output_token_ids", "lora_name", "lora_evict_first")
+    __slots__ = ("request_id", "prompt_token_ids", "params", "prefill_workers", "disaggregation", "min_prefill_tokens", "resume_output_token_ids", "lora_name", "lora_evict_first", "kv_pull")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PARAMS_FIELD_NUMBER: _ClassVar[int]
@@ -101,6 +101,7 @@ class GenerateRequest(_message.Message):
     RESUME_OUTPUT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     LORA_NAME_FIELD_NUMBER: _ClassVar[int]
     LORA_EVICT_FIRST_FIELD_NUMBER: _ClassVar[int]
+    KV_PULL_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     params: SamplingParams
@@ -110,7 +111,16 @@ class GenerateRequest(_message.Message):
     resume_output_token_ids: _containers.RepeatedScalarFieldContainer[int]
     lora_name: str
     lora_evict_first: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ..., prefill_workers: _Optional[_Iterable[str]] = ..., disaggregation: _Optional[_Union[DisaggregationMode, str]] = ..., min_prefill_tokens: _Optional[int] = ..., resume_output_token_ids: _Optional[_Iterable[int]] = ..., lora_name: _Optional[str] = ..., lora_evict_first: _Optional[_Iterable[str]] = ...) -> None: ...
+    kv_pull: KVPull
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ..., prefill_workers: _Optional[_Iterable[str]] = ..., disaggregation: _Optional[_Union[DisaggregationMode, str]] = ..., min_prefill_tokens: _Optional[int] = ..., resume_output_token_ids: _Optional[_Iterable[int]] = ..., lora_name: _Optional[str] = ..., lora_evict_first: _Optional[_Iterable[str]] = ..., kv_pull: _Optional[_Union[KVPull, _Mapping]] = ...) -> None: ...
+
+class KVPull(_message.Message):
+    __slots__ = ("holder", "num_blocks")
+    HOLDER_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    holder: str
+    num_blocks: int
+    def __init__(self, holder: _Optional[str] = ..., num_blocks: _Optional[int] = ...) -> None: ...
 
 class TopLogprob(_message.Message):
     __slots__ = ("token_id", "logprob")
@@ -131,26 +141,30 @@ class TokenLogprob(_message.Message):
     def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top: _Optional[_Iterable[_Union[TopLogprob, _Mapping]]] = ...) -> None: ...
 
 class Usage(_message.Message):
-    __slots__ = ("prompt_tokens", "completion_tokens", "cached_tokens")
+    __slots__ = ("prompt_tokens", "completion_tokens", "cached_tokens", "pulled_tokens")
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PULLED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int
-    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
+    pulled_tokens: int
+    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., pulled_tokens: _Optional[int] = ...) -> None: ...
 
 class Timings(_message.Message):
-    __slots__ = ("queue_s", "prefill_s", "transfer_wait_s", "first_token_s")
+    __slots__ = ("queue_s", "prefill_s", "transfer_wait_s", "first_token_s", "kv_pull_s")
     QUEUE_S_FIELD_NUMBER: _ClassVar[int]
     PREFILL_S_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_WAIT_S_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_S_FIELD_NUMBER: _ClassVar[int]
+    KV_PULL_S_FIELD_NUMBER: _ClassVar[int]
     queue_s: float
     prefill_s: float
     transfer_wait_s: float
     first_token_s: float
-    def __init__(self, queue_s: _Optional[float] = ..., prefill_s: _Optional[float] = ..., transfer_wait_s: _Optional[float] = ..., first_token_s: _Optional[float] = ...) -> None: ...
+    kv_pull_s: float
+    def __init__(self, queue_s: _Optional[float] = ..., prefill_s: _Optional[float] = ..., transfer_wait_s: _Optional[float] = ..., first_token_s: _Optional[float] = ..., kv_pull_s: _Optional[float] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("request_id", "token_ids", "text", "logprobs", "finish_reason", "stop_string", "stop_token_id", "usage", "timings", "prefill_worker", "prompt_logprobs", "embedding")
@@ -201,7 +215,7 @@ class KVLayout(_message.Message):
     def __init__(self, model_id: _Optional[str] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., weights: _Optional[str] = ..., lora_digest: _Optional[str] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "params", "skip_blocks", "kv_address", "transfer_id", "layout", "deadline_s", "lora_name", "lora_path")
+    __slots__ = ("request_id", "prompt_token_ids", "params", "skip_blocks", "kv_address", "transfer_id", "layout", "deadline_s", "lora_name", "lora_path", "cached_only", "num_blocks", "block_hashes")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PARAMS_FIELD_NUMBER: _ClassVar[int]
@@ -212,6 +226,9 @@ class PrefillRequest(_message.Message):
     DEADLINE_S_FIELD_NUMBER: _ClassVar[int]
     LORA_NAME_FIELD_NUMBER: _ClassVar[int]
     LORA_PATH_FIELD_NUMBER: _ClassVar[int]
+    CACHED_ONLY_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     params: SamplingParams
@@ -222,23 +239,28 @@ class PrefillRequest(_message.Message):
     deadline_s: float
     lora_name: str
     lora_path: str
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ..., skip_blocks: _Optional[int] = ..., kv_address: _Optional[str] = ..., transfer_id: _Optional[str] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., deadline_s: _Optional[float] = ..., lora_name: _Optional[str] = ..., lora_path: _Optional[str] = ...) -> None: ...
+    cached_only: bool
+    num_blocks: int
+    block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ..., skip_blocks: _Optional[int] = ..., kv_address: _Optional[str] = ..., transfer_id: _Optional[str] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., deadline_s: _Optional[float] = ..., lora_name: _Optional[str] = ..., lora_path: _Optional[str] = ..., cached_only: _Optional[bool] = ..., num_blocks: _Optional[int] = ..., block_hashes: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
-    __slots__ = ("first_token_id", "logprob", "cached_tokens", "kv_bytes", "prefill_s", "transfer_wait_s")
+    __slots__ = ("first_token_id", "logprob", "cached_tokens", "kv_bytes", "prefill_s", "transfer_wait_s", "layer_digests")
     FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     LOGPROB_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     KV_BYTES_FIELD_NUMBER: _ClassVar[int]
     PREFILL_S_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_WAIT_S_FIELD_NUMBER: _ClassVar[int]
+    LAYER_DIGESTS_FIELD_NUMBER: _ClassVar[int]
     first_token_id: int
     logprob: TokenLogprob
     cached_tokens: int
     kv_bytes: int
     prefill_s: float
     transfer_wait_s: float
-    def __init__(self, first_token_id: _Optional[int] = ..., logprob: _Optional[_Union[TokenLogprob, _Mapping]] = ..., cached_tokens: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., prefill_s: _Optional[float] = ..., transfer_wait_s: _Optional[float] = ...) -> None: ...
+    layer_digests: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, first_token_id: _Optional[int] = ..., logprob: _Optional[_Union[TokenLogprob, _Mapping]] = ..., cached_tokens: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., prefill_s: _Optional[float] = ..., transfer_wait_s: _Optional[float] = ..., layer_digests: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class AbortRequest(_message.Message):
     __slots__ = ("request_id",)
@@ -275,18 +297,22 @@ class WorkerInfo(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., model_id: _Optional[str] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., kv_address: _Optional[str] = ..., num_total_blocks: _Optional[int] = ...) -> None: ...
 
 class BlockStored(_message.Message):
-    __slots__ = ("block_hashes", "parent_hash")
+    __slots__ = ("block_hashes", "parent_hash", "tier")
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     PARENT_HASH_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
     block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
     parent_hash: bytes
-    def __init__(self, block_hashes: _Optional[_Iterable[bytes]] = ..., parent_hash: _Optional[bytes] = ...) -> None: ...
+    tier: int
+    def __init__(self, block_hashes: _Optional[_Iterable[bytes]] = ..., parent_hash: _Optional[bytes] = ..., tier: _Optional[int] = ...) -> None: ...
 
 class BlockRemoved(_message.Message):
-    __slots__ = ("block_hashes",)
+    __slots__ = ("block_hashes", "tier")
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
     block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, block_hashes: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    tier: int
+    def __init__(self, block_hashes: _Optional[_Iterable[bytes]] = ..., tier: _Optional[int] = ...) -> None: ...
 
 class AllCleared(_message.Message):
     __slots__ = ()

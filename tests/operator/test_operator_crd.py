@@ -154,3 +154,13 @@ def test_valid_edge_cases_are_admitted():
         {"model": {"uri": "m"}, "decode": {"resources": {"limits": {"memory": "1.5Gi", "cpu": 2}}}},
     ]:
         assert admit(isvc(spec))[1] == [], spec
+
+
+@pytest.mark.parametrize("kv_cache, message", [
+    ({"tierGiB": -1}, "spec.kvCache.tierGiB: -1 is less than the minimum of 0"),
+    ({"maxPullBlocks": 0}, "spec.kvCache.maxPullBlocks: 0 is less than the minimum of 1"),
+    ({"tierMedium": "ssd"}, "spec.kvCache.tierMedium: 'ssd' is not one of ['disk', 'memory']"),
+])
+def test_kv_cache_spec_is_validated(kv_cache, message):
+    _, errors = admit(isvc({"model": {"uri": "m"}, "kvCache": kv_cache}))
+    assert len(errors) == 1 and errors[0].startswith(message), errors

@@ -358,3 +358,32 @@ def test_speculative_decoding_goes_to_the_decode_pool_only():
     # What the operator renders is what the worker's own flag accepts.
     from splitserve.platform.config import SpeculativeConfig
     assert SpeculativeConfig.from_json(value).num_speculative_tokens == 3
+
+
+@pytest.mark.parametrize("gpus", [0, 1])
+def test_kv_cache_spec_renders_the_second_tier_and_pulls(gpus):
+    """spec.kvCache: a file tier in its own emptyDir on CPU pools, host memory on GPU pools; pulls
+    off in both the workers' flags and the router's config; what is rendered parses as the
+    worker's own flags do."""
+    spec = example("smollm2-cpu.yaml")["spec"]
+    spec = {**spec, "kvCache": {"tierGiB": 2, "pull": False}}
+    if gpus:
+        spec = {**spec, "decode": {**spec.get("decode", {}), "gpus": 1}}
+    manifests = by_key(rendered(spec))
+    pod = manifests[("Deployment", "svc-decode")]["spec"]["template"]["spec"]
+    args = pod["containers"][0]["args"]
+    assert args[args.index("--kv-tier-bytes") + 1] == str(2 * 1024**3) and "--no-kv-pull" in args
+    tier_volumes = [v for v in pod["volumes"] if v["name"] == "kv-tier"]
+    if gpus:
+        assert "--kv-tier-dir" not in args and tier_volumes == []
+    else:
+        assert args[args.index("--kv-tier-dir") + 1] == "/var/cache/splitserve-kv"
+        assert tier_volumes == [{"name": "kv-tier", "emptyDir": {"sizeLimit": "2112Mi"}}]
+        assert {"name": "kv-tier", "mountPath": "/var/cache/splitserve-kv"} in pod["containers"][0]["volumeMounts"]
+    config = yaml.safe_load(manifests[("ConfigMap", "svc-router")]["data"]["router.yaml"])
+    assert config["placement"]["kv_pull"] == {"enabled": False}
+    from splitserve.platform.cli import byte_size, kv_tier_config
+    import argparse
+    tier = kv_tier_config(argparse.Namespace(kv_tier_bytes=byte_size(args[args.index("--kv-tier-bytes") + 1]),
+                                             kv_tier_dir=None))
+    assert tier.max_bytes == 2 * 1024**3

@@ -117,3 +117,23 @@ def test_redis_replicas_share_one_view(redis_server):
         await one.close()
         await two.close()
     asyncio.run(steps())
+
+
+def test_second_tier_entries_count_until_removed_from_that_tier(make_index):
+    """An eviction into the worker's second tier is BlockRemoved (tier 1) + BlockStored (tier 2):
+    the prefix still matches that worker until the second tier drops it too."""
+    async def steps():
+        index = make_index(Clock())
+        h = chain(6)
+        await index.apply("a", stored(h))
+        await index.apply("a", removed(h[3:]))
+        await index.apply("a", pb.KVEvent(stored=pb.BlockStored(block_hashes=h[3:], tier=2)))
+        assert await index.match(["a"], h) == {"a": 6}
+        await index.apply("a", pb.KVEvent(removed=pb.BlockRemoved(block_hashes=[h[4]], tier=2)))
+        assert await index.match(["a"], h) == {"a": 4}
+        await index.apply("a", removed(h[:1]))            # tier 1's removal leaves tier 2's entries
+        assert await index.match(["a"], h[1:]) == {"a": 3}
+        await index.apply("a", CLEARED)
+        assert await index.match(["a"], h) == {"a": 0}
+        await index.close()
+    asyncio.run(steps())

@@ -44,3 +44,19 @@ def test_subscription_before_any_load_report_has_none():
         assert kinds == ["info", "kv"] and live.WhichOneof("payload") == "load" and live.load.num_waiting == 1
 
     asyncio.run(main())
+
+
+def test_snapshot_carries_the_second_tier_separately():
+    """A block evicted into the second tier leaves the cache's snapshot and joins the tier-2 one,
+    so a resubscribing router still knows this worker can serve the prefix (from tier 2)."""
+    from splitserve.platform.kv.block_pool import TIER_SECOND, BlockRemoved
+
+    async def main():
+        hub = EventHub(asyncio.get_running_loop(), pb.WorkerInfo(worker_id="w1", role="both"))
+        a, b = b"a" * 16, b"b" * 16
+        hub.publish([BlockStored((a, b), None), BlockRemoved((b,)), BlockStored((b,), None, tier=TIER_SECOND)])
+        await asyncio.sleep(0)
+        msgs = await asyncio.wait_for(first_messages(hub, 4), 5)
+        assert [(list(m.kv.stored.block_hashes), m.kv.stored.tier) for m in msgs[2:]] == [([a], 0), ([b], 2)]
+
+    asyncio.run(main())

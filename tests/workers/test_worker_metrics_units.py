@@ -39,3 +39,18 @@ def test_concurrent_updates_count_each_token_once():
     for t in threads:
         t.join()
     assert (counter(m, "vllm:prefix_cache_queries"), counter(m, "vllm:prefix_cache_hits")) == (8000, 6400)
+
+
+def test_kv_tier_counters_follow_the_tier_stats():
+    from splitserve.platform.kv.tier import TierStats
+
+    m = WorkerMetrics("both", "smollm2-135m")
+    stats = TierStats(num_stored=5, num_hits=2, num_evictions=1, num_rejected=0, num_bytes=4096, num_blocks=4)
+    m.render(None, (stats, 1024))
+    stats.num_stored, stats.num_hits = 7, 3
+    m.render(None, (stats, 2048))
+    text = m.render().decode()
+    assert 'splitserve_kv_tier_blocks_total{event="stored"} 7.0' in text
+    assert 'splitserve_kv_tier_blocks_total{event="hit"} 3.0' in text
+    assert 'splitserve_kv_tier_blocks_total{event="evicted"} 1.0' in text
+    assert 'splitserve_kv_tier_bytes{tier="1"} 2048.0' in text and 'splitserve_kv_tier_bytes{tier="2"} 4096.0' in text
