@@ -2,7 +2,7 @@
 llama-cpp-python's prompt-lookup decoding on the same GGUF and cores. One process, arms
 interleaved round by round, so drifting machine load hits them alike.
 
-    python bench/speculative.py [--write docs/benchmarks.md] [--threads 2] [--peer-python .venv-peer/bin/python]
+    python bench/speculative.py [--write docs/benchmarks.md] [--threads 2] [--k 4 8] [--peer-python .venv-peer/bin/python]
 
 Workloads, greedy, chat-templated, up to MAX_TOKENS output tokens (EOS ends a request):
 - copy-heavy: edit a function and return it whole, rewrite a paragraph with one change,
@@ -106,9 +106,9 @@ print(json.dumps(out))
 '''
 
 
-def run_peer(python: str, threads: int) -> dict:
+def run_peer(python: str, threads: int, k: int) -> dict:
     path = resolve_model("smollm2-135m").path
-    proc = subprocess.run([python, "-c", PEER_SCRIPT, path, str(threads), str(K), str(MAX_TOKENS), str(ROUNDS)],
+    proc = subprocess.run([python, "-c", PEER_SCRIPT, path, str(threads), str(k), str(MAX_TOKENS), str(ROUNDS)],
                           input=json.dumps({"copy-heavy": COPY_HEAVY, "chat": CHAT}), capture_output=True,
                           text=True, timeout=3600)
     if proc.returncode != 0:
@@ -121,21 +121,24 @@ def main() -> None:
     ap.add_argument("--write", default=None)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--peer-python", default=None)
+    ap.add_argument("--k", type=int, nargs="+", default=[K],
+                    help="num_speculative_tokens of each speculating arm (the peer's lookup uses the first)")
     args = ap.parse_args()
     off = build(args.threads, None)
-    on = build(args.threads, SpeculativeConfig(num_speculative_tokens=K), model=off.model)
+    arms = {"off": off, **{f"k={k}": build(args.threads, SpeculativeConfig(num_speculative_tokens=k), model=off.model)
+                          for k in args.k}}
     prompts = {"copy-heavy": [chat_ids(off, t) for t in COPY_HEAVY], "chat": [chat_ids(off, t) for t in CHAT]}
-    for engine in (off, on):   # warm-up: every prompt shape once
+    for engine in arms.values():   # warm-up: every prompt shape once
         engine.generate([prompts["chat"][0]], SamplingParams(temperature=0, max_tokens=8))
-    single = {arm: {kind: [] for kind in prompts} for arm in ("off", "on")}
-    conc = {arm: {kind: [] for kind in prompts} for arm in ("off", "on")}
+    single = {arm: {kind: [] for kind in prompts} for arm in arms}
+    conc = {arm: {kind: [] for kind in prompts} for arm in arms}
     for _ in range(ROUNDS):
-        for arm, engine in (("off", off), ("on", on)):
+        for arm, engine in arms.items():
             for kind, ids in prompts.items():
                 single[arm][kind] += single_stream(engine, ids)
                 conc[arm][kind].append(concurrent(engine, ids))
-    stats = on.speculator.stats
-    peer = run_peer(args.peer_python, args.threads) if args.peer_python else None
+    stats = {arm: engine.speculator.stats for arm, engine in arms.items() if engine.speculator}
+    peer = run_peer(args.peer_python, args.threads, args.k[0]) if args.peer_python else None
     report = render(single, conc, stats, peer, args)
     print(report)
     if args.write:
@@ -144,32 +147,37 @@ def main() -> None:
 
 def render(single, conc, stats, peer, args) -> str:
     med = statistics.median
-    cmd = "python bench/speculative.py --threads 2" + (" --peer-python .venv-peer/bin/python" if peer else "")
-    rate = stats.num_accepted_tokens / max(1, stats.num_draft_tokens)
+    cmd = (f"python bench/speculative.py --threads {args.threads} --k {' '.join(map(str, args.k))}"
+           + (" --peer-python .venv-peer/bin/python" if peer else ""))
+    spec_arms = list(stats)
     lines = ["<!-- speculative:begin -->", "## Speculative decoding: n-gram prompt lookup", "",
              f"Run {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} on {cpu_model()} "
              f"({os.cpu_count()} cores, {stdlib_platform.machine()}), {args.threads} threads, default "
-             f"`--quantization auto`, SmolLM2-135M, greedy, up to {MAX_TOKENS} tokens, k = {K}, "
-             f"{ROUNDS} rounds interleaved. Command: `{cmd}`.", "",
-             "| workload | single stream off (tok/s) | on (tok/s) | on / off | concurrency 8 off (tok/s) | on | on / off |",
-             "|---|---|---|---|---|---|---|"]
+             f"`--quantization auto`, SmolLM2-135M, greedy, up to {MAX_TOKENS} tokens, "
+             f"num_speculative_tokens {', '.join(a.removeprefix('k=') for a in spec_arms)} (k adapts per request up "
+             f"to it), {ROUNDS} rounds interleaved. Command: `{cmd}`.", "",
+             "| workload | arm | single stream (tok/s) | vs off | concurrency 8 (tok/s) | vs off |",
+             "|---|---|---|---|---|---|"]
     for kind in ("copy-heavy", "chat"):
-        s_off, s_on = med(single["off"][kind]), med(single["on"][kind])
-        c_off, c_on = med(conc["off"][kind]), med(conc["on"][kind])
-        lines.append(f"| {kind} | {s_off:.1f} | {s_on:.1f} | {s_on / s_off:.2f}x | {c_off:.1f} | {c_on:.1f} | "
-                     f"{c_on / c_off:.2f}x |")
-    lines += ["", f"Acceptance over the whole run: {stats.num_accepted_tokens} of {stats.num_draft_tokens} proposed "
-              f"tokens ({rate:.0%}), {stats.num_drafts} verification steps, mean accepted per step "
-              f"{stats.num_accepted_tokens / max(1, stats.num_drafts):.2f}; by accepted count "
-              f"{dict(enumerate(stats.accepted_lengths))}."]
+        s_off, c_off = med(single["off"][kind]), med(conc["off"][kind])
+        for arm in single:
+            s_on, c_on = med(single[arm][kind]), med(conc[arm][kind])
+            lines.append(f"| {kind} | {arm} | {s_on:.1f} | {s_on / s_off:.2f}x | {c_on:.1f} | {c_on / c_off:.2f}x |")
+    lines.append("")
+    for arm, st in stats.items():
+        rate = st.num_accepted_tokens / max(1, st.num_draft_tokens)
+        lines.append(f"Acceptance ({arm}, whole run): {st.num_accepted_tokens} of {st.num_draft_tokens} proposed "
+                     f"tokens ({rate:.0%}), {st.num_drafts} verification steps, mean accepted per step "
+                     f"{st.num_accepted_tokens / max(1, st.num_drafts):.2f}; by accepted count "
+                     f"{dict(enumerate(st.accepted_lengths))}.")
     if peer:
         lines += ["", "llama-cpp-python on the same GGUF and threads, single stream (tok/s, median):", "",
-                  "| workload | peer | peer + prompt lookup | lookup / plain | splitserve on / peer + lookup |",
+                  f"| workload | peer | peer + prompt lookup | lookup / plain | splitserve {spec_arms[0]} / peer + lookup |",
                   "|---|---|---|---|---|"]
         for kind in ("copy-heavy", "chat"):
             p_off, p_on = med(peer["peer"][kind]), med(peer["peer + lookup"][kind])
             lines.append(f"| {kind} | {p_off:.1f} | {p_on:.1f} | {p_on / p_off:.2f}x | "
-                         f"{med(single['on'][kind]) / p_on:.2f}x |")
+                         f"{med(single[spec_arms[0]][kind]) / p_on:.2f}x |")
     lines += ["", "Targets (reported, not asserted): copy-heavy single stream >= 2x without speculation and ahead of "
               "the peer's lookup; chat >= 0.97x; concurrency 8 >= 0.95x.", "", "<!-- speculative:end -->"]
     return "\n".join(lines)
