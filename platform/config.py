@@ -299,7 +299,7 @@ class SpeculativeConfig:
     own prompt and output: the tokens that followed the most recent earlier occurrence of its
     last n tokens, n from `prompt_lookup_max` down to `prompt_lookup_min`. Speculation switches
     itself off for a step whose batch has more than `max_batch_size` running requests, and for
-    a request whose acceptance rate, after `min_proposals` proposals, is below
+    a request whose acceptance rate, after `min_proposals` verification rounds, is below
     `min_acceptance_rate` (verifying tokens that are thrown away costs more than it saves).
     """
 

@@ -37,6 +37,7 @@ class RequestState:
     text: str = ""                         # the output text emitted so far
     num_spec_proposed: int = 0             # speculative tokens proposed for it, and accepted
     num_spec_accepted: int = 0
+    num_spec_rounds: int = 0               # verification steps that carried its proposals
     spec_k: int = 0                        # proposals it may carry next step (spec/speculator.py); 0: not yet set
     prompt_logprobs: Collected | None = None   # its prompt logprobs so far, if it asked (prompt_logprobs.py)
 

@@ -7,8 +7,8 @@ requests decode one token at a time), and has room: proposals plus the token aft
 within its max_tokens and the engine's max_model_len. Speculation is off for the whole step when
 more than `max_batch_size` requests run (verification multiplies the batch's tokens by up to
 k + 1, and past some batch size the forward is compute-bound, so the extra tokens cost more than
-the steps they save), and off for a request whose acceptance rate, after `min_proposals`
-proposals, fell below `min_acceptance_rate`. The proposals ride on `Request.spec_token_ids`;
+the steps they save), and off for a request whose acceptance rate (accepted over proposed
+tokens), after `min_proposals` verification rounds, fell below `min_acceptance_rate`. The proposals ride on `Request.spec_token_ids`;
 the scheduler trims them to what the token budget and the KV pool allow.
 
 How many tokens a request proposes adapts to how its last verification went (`next_k`): it
@@ -59,9 +59,8 @@ class Speculator:
             state = states[req.req_id]
             if not on or state.matcher is not None or req.num_computed_tokens != req.num_tokens - 1:
                 continue
-            proposed, accepted = state.num_spec_proposed, state.num_spec_accepted
-            if proposed >= cfg.min_proposals * cfg.num_speculative_tokens \
-                    and accepted < cfg.min_acceptance_rate * proposed:
+            if state.num_spec_rounds >= cfg.min_proposals \
+                    and state.num_spec_accepted < cfg.min_acceptance_rate * state.num_spec_proposed:
                 continue
             room = min(state.spec_k or cfg.num_speculative_tokens, req.params.max_tokens - req.num_output_tokens - 1,
                        self.max_model_len - req.num_tokens - 1)
@@ -78,6 +77,7 @@ class Speculator:
             state = states[seq.req_id]
             state.num_spec_proposed += seq.num_draft_tokens
             state.num_spec_accepted += num_accepted
+            state.num_spec_rounds += 1
             state.spec_k = next_k(state.spec_k or self.config.num_speculative_tokens, seq.num_draft_tokens,
                                   num_accepted, self.config.num_speculative_tokens)
             self.stats.num_drafts += 1

@@ -109,6 +109,43 @@ def test_proposal_budget_follows_the_last_verification(k, proposed, accepted, ex
     assert next_k(k, proposed, accepted, max_k=4) == expected
 
 
+def test_switch_offs_by_batch_size_and_by_a_requests_acceptance():
+    """A request stops speculating once, after min_proposals verification rounds, it accepted
+    less than min_acceptance_rate of what it proposed; a step with more running requests than
+    max_batch_size speculates for none of them; k follows the request's last verification."""
+    from types import SimpleNamespace
+
+    from splitserve.platform.spec.speculator import Speculator
+
+    cfg = SpeculativeConfig(num_speculative_tokens=4, max_batch_size=2, min_proposals=3, min_acceptance_rate=0.25)
+    spec = Speculator(cfg, max_model_len=1000)
+    copy = [1, 2, 3, 4, 5, 6, 7, 8, 1, 2]          # "1, 2" occurred before: proposes 3, 4, 5, 6
+
+    def request(name):
+        return SimpleNamespace(req_id=name, num_computed_tokens=len(copy) - 1, num_tokens=len(copy),
+                               num_output_tokens=2, params=SimpleNamespace(max_tokens=100), all_token_ids=copy,
+                               spec_token_ids=[])
+
+    good, bad = request("good"), request("bad")
+    states = {r.req_id: SimpleNamespace(matcher=None, spec_k=0, num_spec_proposed=0, num_spec_accepted=0,
+                                        num_spec_rounds=0) for r in (good, bad)}
+    spec.propose([good, bad], states)
+    assert good.spec_token_ids == [3, 4, 5, 6] and bad.spec_token_ids == [3, 4, 5, 6]
+    for rounds in range(3):                         # bad: nothing accepted; good: everything
+        plan = SimpleNamespace(seqs=[SimpleNamespace(req_id="good", num_draft_tokens=len(good.spec_token_ids)),
+                                     SimpleNamespace(req_id="bad", num_draft_tokens=len(bad.spec_token_ids))])
+        result = SimpleNamespace(spec_tokens={"good": [0] * (len(good.spec_token_ids) + 1), "bad": [0]})
+        spec.record(plan, result, states)
+        spec.propose([good, bad], states)
+        assert states["bad"].spec_k == 1 and states["good"].spec_k == 4
+        if rounds < 2:
+            assert len(bad.spec_token_ids) == 1, "a rejected request proposes one token next"
+    assert bad.spec_token_ids == [], "0 of 6 accepted after 3 rounds: below 25 %, switched off"
+    assert good.spec_token_ids == [3, 4, 5, 6]
+    spec.propose([good, bad, request("third")], {**states, "third": states["good"]})
+    assert good.spec_token_ids == [], "3 running requests: above max_batch_size 2"
+
+
 def test_greedy_equal_with_chunked_prefill_stop_strings_and_max_tokens(make_engine):
     plain = make_engine(max_num_batched_tokens=32)
     spec = make_engine(max_num_batched_tokens=32, speculative=SPEC)
