@@ -8,6 +8,8 @@ over the built-in value here:
     effective = spec.<pool>.autoscaling.X  if set
            else chart autoscaling.<pool>.X  (pool-level knobs: min/max replicas, target depth)
            else chart autoscaling.X         (service-level knobs: enabled, provider, polling, cooldown)
+
+and likewise each field of spec.kvCache over the chart's kvCache.X (effective_kv_cache).
 """
 
 from __future__ import annotations
