@@ -8,7 +8,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from splitserve.operator import constants as C
-from splitserve.operator.settings import Autoscaling, OperatorSettings, effective_autoscaling
+from splitserve.operator.settings import (Autoscaling, KvCacheDefaults, OperatorSettings, effective_autoscaling,
+                                          effective_kv_cache)
 from splitserve.operator.spec import InferenceServiceSpec
 
 Manifest = dict[str, Any]
@@ -56,6 +57,9 @@ class Context:
 
     def autoscaling(self, pool: str) -> Autoscaling:
         return effective_autoscaling(getattr(self.spec, pool).autoscaling, self.settings, pool)
+
+    def kv_cache(self) -> KvCacheDefaults:
+        return effective_kv_cache(self.spec.kv_cache, self.settings)
 
     def image(self, override: str | None, gpus: int) -> str:
         if override:

@@ -26,7 +26,8 @@ from splitserve.operator import constants as C
 from splitserve.operator import credentials
 from splitserve.operator.context import Context, Manifest
 from splitserve.operator.render_services import config_hash
-from splitserve.operator.spec import EnvVar, KvCacheSpec, PoolSpec, Resources, Toleration
+from splitserve.operator.settings import KvCacheDefaults
+from splitserve.operator.spec import EnvVar, PoolSpec, Resources, Toleration
 
 GPU_RESOURCE = "nvidia.com/gpu"
 STARTUP_SECONDS = 600
@@ -149,13 +150,14 @@ def worker_args(ctx: Context, pool: str) -> list[str]:
     args += tls_args(ctx, pool)
     if pool == "decode" and spec.speculative is not None:   # the prefill pool samples one token: nothing to speculate
         args += ["--speculative-config", spec.speculative.config_json()]
-    args += kv_cache_args(spec.kv_cache, pool_spec.gpus)
+    args += kv_cache_args(ctx.kv_cache(), pool_spec.gpus)
     return args + (["--device", "cuda"] if pool_spec.gpus > 0 else [])
 
 
-def kv_cache_args(kv: KvCacheSpec, gpus: int) -> list[str]:
-    """The worker flags of spec.kvCache: a host-memory tier on GPU pools, a file tier in the
-    kv-tier emptyDir (_add_kv_tier) on CPU pools; pulls on or off and their limit."""
+def kv_cache_args(kv: KvCacheDefaults, gpus: int) -> list[str]:
+    """The worker flags of the effective spec.kvCache (chart defaults merged, Context.kv_cache): a
+    host-memory tier on GPU pools, a file tier in the kv-tier emptyDir (_add_kv_tier) on CPU pools;
+    pulls on or off and their limit."""
     args = []
     if kv.tier_gib > 0:
         args += ["--kv-tier-bytes", str(int(kv.tier_gib * 1024**3))]
@@ -163,13 +165,13 @@ def kv_cache_args(kv: KvCacheSpec, gpus: int) -> list[str]:
             args += ["--kv-tier-dir", KV_TIER_DIR]
     if not kv.pull:
         args.append("--no-kv-pull")
-    elif kv.max_pull_blocks != KvCacheSpec().max_pull_blocks:   # the worker's default needs no flag
+    elif kv.max_pull_blocks != KvCacheDefaults().max_pull_blocks:   # the worker's default needs no flag
         args += ["--max-pull-blocks", str(kv.max_pull_blocks)]
     return args
 
 
 def _add_kv_tier(ctx: Context, pool_spec: PoolSpec, volumes: list[dict[str, Any]], mounts: list[dict[str, Any]]) -> None:
-    kv = ctx.spec.kv_cache
+    kv = ctx.kv_cache()
     if kv.tier_gib > 0 and pool_spec.gpus == 0:
         # the tier's files plus headroom for one block being written and the folder itself
         size = f"{int(kv.tier_gib * 1024 + 64)}Mi"

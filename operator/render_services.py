@@ -59,7 +59,7 @@ def router_config(ctx: Context) -> dict[str, Any]:
         "adapters": {"file": f"{C.ROUTER_CONFIG_DIR}/{C.ROUTER_ADAPTERS_FILE}", "report_namespace": ctx.namespace,
                      "report_configmap": ctx.child("router"), "report_annotation": C.ANNOTATION_ADAPTERS_LOADED},
     }
-    if not spec.kv_cache.pull:   # on by default in the router too (router/config.py KVPullConfig)
+    if not ctx.kv_cache().pull:   # on by default in the router too (router/config.py KVPullConfig)
         config["placement"]["kv_pull"] = {"enabled": False}
     return config
 

@@ -8,6 +8,8 @@ over the built-in value here:
     effective = spec.<pool>.autoscaling.X  if set
            else chart autoscaling.<pool>.X  (pool-level knobs: min/max replicas, target depth)
            else chart autoscaling.X         (service-level knobs: enabled, provider, polling, cooldown)
+
+and likewise each field of spec.kvCache over the chart's kvCache.X (effective_kv_cache).
 """
 
 from __future__ import annotations
@@ -16,11 +18,13 @@ import pathlib
 from dataclasses import dataclass
 
 import yaml
+from typing import Literal
+
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic.alias_generators import to_camel
 
 from splitserve.operator import constants as C
-from splitserve.operator.spec import AutoscalingSpec
+from splitserve.operator.spec import AutoscalingSpec, KvCacheSpec
 from splitserve.platform.__about__ import __version__
 
 
@@ -104,12 +108,24 @@ class SecurityDefaults(_Settings):
     false makes such a spec invalid, so every service of the cluster runs mTLS and KV auth."""
 
 
+class KvCacheDefaults(_Settings):
+    """Every InferenceService's spec.kvCache where it leaves a field unset (chart: kvCache.*);
+    also the effective kvCache of one service (effective_kv_cache)."""
+
+    tier_gib: float = Field(0, alias="tierGiB", ge=0, le=4096)
+    tier_medium: Literal["disk", "memory"] = "disk"
+    pull: bool = True
+    max_pull_blocks: int = Field(1024, ge=1, le=1048576)
+    """1024 is also the worker's own default (--max-pull-blocks)."""
+
+
 class OperatorSettings(_Settings):
     image: ImageDefaults = ImageDefaults()
     autoscaling: AutoscalingDefaults = AutoscalingDefaults()
     reconcile: ReconcileSettings = ReconcileSettings()
     network_policy: NetworkPolicyDefaults = NetworkPolicyDefaults()
     security: SecurityDefaults = SecurityDefaults()
+    kv_cache: KvCacheDefaults = KvCacheDefaults()
 
 
 def load_settings(path: str | None) -> OperatorSettings:
@@ -149,3 +165,8 @@ def effective_autoscaling(spec: AutoscalingSpec, settings: OperatorSettings, rol
         prometheus_address=cluster.prometheus_address,
         planner_url=cluster.planner_url,
     )
+
+
+def effective_kv_cache(spec: KvCacheSpec, settings: OperatorSettings) -> KvCacheDefaults:
+    """A service's KV tier and pull settings: each spec.kvCache field if set, else the chart's."""
+    return settings.kv_cache.model_copy(update={k: v for k, v in spec.model_dump().items() if v is not None})

@@ -111,15 +111,15 @@ class SpeculativeSpec(_Spec):
 
 
 class KvCacheSpec(_Spec):
-    """KV reuse across workers and tiers (docs/kv-tiers.md): a second tier per worker and pulls."""
+    """KV reuse across workers and tiers (docs/kv-tiers.md): a second tier per worker and pulls. Every unset field takes the cluster default from the Helm chart's `kvCache.*` values (built in: no tier, disk, pulls on, 1024 blocks)."""
 
-    tier_gib: float = Field(0, alias="tierGiB", ge=0, le=4096)
+    tier_gib: float | None = Field(None, alias="tierGiB", ge=0, le=4096)
     """Size of each worker's second KV tier, in GiB (0: none). Blocks the KV cache evicts go there and are copied back on a prefix hit: host memory on GPU pools, files in an emptyDir of this size on CPU pools (count it in the pool's memory limit when the emptyDir is in memory)."""
-    tier_medium: Literal["disk", "memory"] = "disk"
+    tier_medium: Literal["disk", "memory"] | None = None
     """CPU pools: the emptyDir backing the file tier, on the node's disk or in memory (tmpfs)."""
-    pull: bool = True
+    pull: bool | None = None
     """A worker pulls a prefix another worker holds instead of recomputing it, when the router estimates that cheaper."""
-    max_pull_blocks: int = Field(1024, ge=1, le=1048576)
+    max_pull_blocks: int | None = Field(None, ge=1, le=1048576)
     """The most KV blocks one pull fetches; the rest of the prompt is computed."""
 
 
@@ -401,7 +401,7 @@ class InferenceServiceSpec(_Spec):
     speculative: SpeculativeSpec | None = None
     """Speculative decoding on the decode pool (absent: off)."""
     kv_cache: KvCacheSpec = KvCacheSpec()
-    """KV reuse across workers and tiers: the second tier's size and pulls between workers."""
+    """KV reuse across workers and tiers: the second tier's size and pulls between workers. Unset fields take the Helm chart's kvCache.* values."""
     adapters: list[LoraAdapterSpec] = Field(default_factory=list, max_length=256)
     """LoRA adapters every worker of both pools holds. The router loads them on each worker when it joins, and loads and unloads them in place when this list changes: no pod restarts. status.<pool>.adapters lists what is loaded."""
 

@@ -78,20 +78,15 @@ def speculative_config(text: str):
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
-_UNITS = {"": 1, "B": 1, "KIB": 1024, "MIB": 1024**2, "GIB": 1024**3, "TIB": 1024**4,
-          "KB": 1000, "MB": 1000**2, "GB": 1000**3, "TB": 1000**4}
-
-
 def byte_size(text: str) -> int:
     """argparse type of a size: bytes, or a number with a unit (KiB, MiB, GiB, TiB, KB, MB, GB, TB)."""
-    import re
+    from splitserve.platform.config import parse_byte_size
+    from splitserve.platform.errors import ConfigError
 
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", text)
-    unit = m.group(2).upper() if m else None
-    if m is None or unit not in _UNITS or float(m.group(1)) * _UNITS[unit] < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a size; allowed: a positive number of bytes, or a number "
-                                         "with one of the units KiB, MiB, GiB, TiB, KB, MB, GB, TB (e.g. 4GiB)")
-    return int(float(m.group(1)) * _UNITS[unit])
+    try:
+        return parse_byte_size(text)
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def kv_tier_config(args):

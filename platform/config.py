@@ -381,3 +381,20 @@ class KVTierConfig:
                               f"got {self.max_bytes!r}")
         if self.directory is not None and not self.directory:
             raise ConfigError("--kv-tier-dir must name a folder (or be left out for a host-memory tier)")
+
+
+_SIZE_UNITS = {"": 1, "B": 1, "KIB": 1024, "MIB": 1024**2, "GIB": 1024**3, "TIB": 1024**4,
+               "KB": 1000, "MB": 1000**2, "GB": 1000**3, "TB": 1000**4}
+
+
+def parse_byte_size(text: str) -> int:
+    """A size as `--kv-tier-bytes` takes it: bytes, or a number with a unit (KiB ... TB); ConfigError
+    naming what is allowed. Here (torch-free) so that the router's `up` checks it as the worker does."""
+    import re
+
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", text)
+    unit = m.group(2).upper() if m else None
+    if m is None or unit not in _SIZE_UNITS or float(m.group(1)) * _SIZE_UNITS[unit] < 1:
+        raise ConfigError(f"{text!r} is not a size; allowed: a positive number of bytes, or a number "
+                          "with one of the units KiB, MiB, GiB, TiB, KB, MB, GB, TB (e.g. 4GiB)")
+    return int(float(m.group(1)) * _SIZE_UNITS[unit])

@@ -56,6 +56,16 @@ def register(subparsers) -> None:
                    help='speculative decoding on the decode worker, e.g. \'{"method": "ngram", '
                         '"num_speculative_tokens": 4}\' (default: off)')
     p.add_argument("--worker-arg", action="append", default=[], help="extra argument for both workers (repeatable)")
+    k = p.add_argument_group("KV reuse, passed to both workers (docs/kv-tiers.md)")
+    k.add_argument("--kv-tier-bytes", type=byte_size, default=None, metavar="SIZE",
+                   help="a second KV tier of this size per worker (e.g. 1GiB, 512MiB, or bytes; default: off)")
+    k.add_argument("--kv-tier-dir", default=None, metavar="DIR",
+                   help="keep the tiers in files under this folder (each worker its own subfolder); "
+                        "without it they are host memory. Needs --kv-tier-bytes")
+    k.add_argument("--no-kv-pull", action="store_true",
+                   help="never pull a prefix the other worker holds: the router plans no pulls, the workers recompute")
+    k.add_argument("--max-pull-blocks", type=positive_int, default=None, metavar="N",
+                   help="the most KV blocks one pull fetches (default: the worker's, 1024)")
     g = p.add_argument_group("SLA planner (router/up_planner.py)")
     g.add_argument("--planner", action="store_true", help="start and stop workers from the planner's decisions")
     g.add_argument("--max-workers", type=int, default=4, help="most prefill + decode workers together")
@@ -80,6 +90,17 @@ def role_threads(both: int | None, prefill: int | None, decode: int | None, core
     `--threads` sets both; a role's own flag wins."""
     return {"prefill": prefill if prefill is not None else both if both is not None else max(1, cores // 2),
             "decode": decode if decode is not None else both if both is not None else max(1, cores - 1)}
+
+
+def byte_size(text: str) -> int:
+    """argparse type of --kv-tier-bytes, checked as the worker checks it (platform/config.py)."""
+    from splitserve.platform.config import parse_byte_size
+    from splitserve.platform.errors import ConfigError
+
+    try:
+        return parse_byte_size(text)
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def positive_int(text: str) -> int:
@@ -173,9 +194,34 @@ def throwaway_security(directory: str) -> tuple[dict[str, str], list[str]]:
     return overrides, ["--tls-cert", tls.cert, "--tls-key", tls.key, "--tls-ca", tls.ca, "--kv-secret-file", secret]
 
 
+def kv_reuse_args(args) -> list[str]:
+    """The workers' second-tier and pull flags from `up`'s; ConfigError (exit 2) naming what is allowed."""
+    from splitserve.platform.errors import ConfigError
+
+    out = []
+    if args.kv_tier_dir is not None:
+        if args.kv_tier_bytes is None:
+            raise ConfigError("--kv-tier-dir needs --kv-tier-bytes (the size of each worker's tier, e.g. 1GiB)")
+        if os.path.exists(args.kv_tier_dir) and not os.path.isdir(args.kv_tier_dir):
+            raise ConfigError(f"--kv-tier-dir {args.kv_tier_dir} is not a folder; allowed: a folder (created if "
+                              "missing), or no --kv-tier-dir for a host-memory tier")
+    if args.kv_tier_bytes is not None:
+        out += ["--kv-tier-bytes", str(args.kv_tier_bytes)]
+        if args.kv_tier_dir is not None:
+            out += ["--kv-tier-dir", os.path.abspath(args.kv_tier_dir)]
+    if args.no_kv_pull:
+        if args.max_pull_blocks is not None:
+            raise ConfigError("--max-pull-blocks limits pulls and --no-kv-pull turns them off; allowed: one of the two")
+        out.append("--no-kv-pull")
+    elif args.max_pull_blocks is not None:
+        out += ["--max-pull-blocks", str(args.max_pull_blocks)]
+    return out
+
+
 def cmd_up(args) -> int:
     import tempfile
 
+    kv_reuse_args(args)   # refuse bad flags before anything starts
     logctx.install()
     with tempfile.TemporaryDirectory(prefix="splitserve-up-") as tmp:
         if args.tls_cert:   # the caller's own certificates: the workers use them too
@@ -183,6 +229,8 @@ def cmd_up(args) -> int:
                                           "--tls-ca", args.tls_ca or ""]
         else:
             overrides, secure_args = ({}, []) if args.no_tls else throwaway_security(tmp)
+        if args.no_kv_pull:   # the router plans no pull the workers would ignore
+            overrides["placement.kv_pull.enabled"] = False
         return _up(args, config_from_args(args, **overrides), secure_args)
 
 
@@ -191,7 +239,7 @@ def _up(args, config, secure_args: list[str]) -> int:
     common = ["--model", config.model, "--quantization", args.quantization, "--kv-cache-dtype", args.kv_cache_dtype,
               "--kv-transport", transport,
               "--kv-cache-memory", str(args.kv_cache_memory), "--max-model-len", str(config.max_model_len),
-              *secure_args, *lora_args(args), *args.worker_arg,
+              *secure_args, *lora_args(args), *kv_reuse_args(args), *args.worker_arg,
               *(["--speculative-config", args.speculative_config] if args.speculative_config else [])]
     level = logging.getLevelName(logging.getLogger().level)
     planner = make_planner(args, config.model) if args.planner else None

@@ -39,6 +39,7 @@ VALUES = {
     "planner": {"autoscaling": {"enabled": True, "provider": "planner", "plannerExport": "scale"},
                 "planner": {"enabled": True, "profile": '{"prefill": [], "decode": [], "kv_tokens": 1}',
                             "replicaBudget": 8, "leaseDurationSeconds": 30}},
+    "kv-cache": {"kvCache": {"tierGiB": 4, "tierMedium": "memory", "pull": False, "maxPullBlocks": 256}},
 }
 
 
@@ -184,6 +185,11 @@ def test_external_service_account_and_no_rbac(chart):
     ({"operator": {"resyncSeconds": "60s"}}, "at '/operator/resyncSeconds': got string, want number"),
     ({"operator": {"watchNamespaces": ["Bad_NS"]}}, "at '/operator/watchNamespaces/0'"),
     ({"autoscalling": {"enabled": True}}, "additional properties 'autoscalling' not allowed"),
+    ({"kvCache": {"tierGiB": -1}}, "at '/kvCache/tierGiB': minimum: got -1, want 0"),
+    ({"kvCache": {"tierMedium": "ssd"}}, "at '/kvCache/tierMedium': value must be one of 'disk', 'memory'"),
+    ({"kvCache": {"pull": "no"}}, "at '/kvCache/pull': got string, want boolean"),
+    ({"kvCache": {"maxPullBlocks": 0}}, "at '/kvCache/maxPullBlocks': minimum: got 0, want 1"),
+    ({"kvCache": {"tierGB": 4}}, "additional properties 'tierGB' not allowed"),
 ])
 def test_values_schema_rejects_wrong_values(chart, values, message):
     with pytest.raises(helm.HelmValuesError) as err:
@@ -208,7 +214,7 @@ def test_the_readme_explains_every_value():
     schema = json.loads((CHART / "values.schema.json").read_text())
     readme = (CHART / "README.md").read_text()
     leaves = [leaf.rstrip(".") for leaf in _schema_leaves(schema)]
-    assert len(leaves) == 53
+    assert len(leaves) == 57
     assert [leaf for leaf in leaves if f"`{leaf}`" not in readme] == []
     values = yaml.safe_load((CHART / "values.yaml").read_text())
     assert sorted(values) == sorted(schema["properties"])  # values.yaml and its schema list the same keys
@@ -255,3 +261,44 @@ def test_planner_is_rendered_behind_its_value_where_the_scaled_objects_look(char
 def test_a_bad_planner_export_is_refused_by_the_values_schema(chart):
     with pytest.raises(Exception, match="plannerExport"):
         objects(chart, {"autoscaling": {"plannerExport": "hpa"}})
+
+
+def _worker_and_router(manifests, pool: str):
+    by_key = {(m["kind"], m["metadata"]["name"]): m for m in manifests}
+    pod = by_key[("Deployment", f"svc-{pool}")]["spec"]["template"]["spec"]
+    router = yaml.safe_load(by_key[("ConfigMap", "svc-router")]["data"]["router.yaml"])
+    return pod, pod["containers"][0]["args"], router["placement"].get("kv_pull")
+
+
+def test_kv_cache_values_are_every_services_defaults_and_its_own_fields_win(chart, tmp_path):
+    """kvCache.* reach the operator's settings through the defaults ConfigMap; a service that
+    leaves spec.kvCache unset gets them in its workers' flags, tier volume and router config;
+    a service's own spec.kvCache fields win over them field by field."""
+    from splitserve.operator.render import render
+    from splitserve.operator.settings import KvCacheDefaults
+
+    (cm,) = find(objects(chart, VALUES["kv-cache"]), "ConfigMap")
+    path = tmp_path / "defaults.yaml"
+    path.write_text(cm["data"]["defaults.yaml"])
+    settings = load_settings(str(path))
+    assert settings.kv_cache == KvCacheDefaults(tier_gib=4, tier_medium="memory", pull=False, max_pull_blocks=256)
+
+    base = {"model": {"uri": "smollm2-135m"}, "decode": {"resources": {"limits": {"memory": "8Gi"}}}}
+    pod, args, kv_pull = _worker_and_router(render(parse_spec(base), "svc", "ns", "uid", settings), "decode")
+    assert args[args.index("--kv-tier-bytes") + 1] == str(4 * 1024**3)
+    assert args[args.index("--kv-tier-dir") + 1] == "/var/cache/splitserve-kv"
+    assert {"name": "kv-tier", "emptyDir": {"sizeLimit": "4160Mi", "medium": "Memory"}} in pod["volumes"]
+    assert "--no-kv-pull" in args and "--max-pull-blocks" not in args and kv_pull == {"enabled": False}
+
+    own = {**base, "kvCache": {"tierGiB": 0, "pull": True}}   # tierMedium and maxPullBlocks from the chart
+    pod, args, kv_pull = _worker_and_router(render(parse_spec(own), "svc", "ns", "uid", settings), "decode")
+    assert "--kv-tier-bytes" not in args and not [v for v in pod["volumes"] if v["name"] == "kv-tier"]
+    assert "--no-kv-pull" not in args and args[args.index("--max-pull-blocks") + 1] == "256" and kv_pull is None
+
+    # The chart's defaults (no kvCache values): no tier, pulls on with the worker's own limit.
+    (cm,) = find(objects(chart, {}), "ConfigMap")
+    path.write_text(cm["data"]["defaults.yaml"])
+    pod, args, kv_pull = _worker_and_router(render(parse_spec(base), "svc", "ns", "uid", load_settings(str(path))),
+                                            "decode")
+    assert not {"--kv-tier-bytes", "--kv-tier-dir", "--no-kv-pull", "--max-pull-blocks"} & set(args)
+    assert kv_pull is None

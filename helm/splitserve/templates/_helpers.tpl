@@ -44,6 +44,8 @@ autoscaling:
   plannerProfile: {{ .Values.planner.profile | quote }}
 security:
   allowInsecure: {{ .Values.security.allowInsecure }}
+kvCache:
+{{ toYaml .Values.kvCache | indent 2 }}
 reconcile:
   resyncSeconds: {{ .Values.operator.resyncSeconds }}
   notReadyRetrySeconds: {{ .Values.operator.notReadyRetrySeconds }}
