@@ -18,6 +18,7 @@ import math
 import numpy as np
 import torch
 from torch import nn
+from gguf import GGMLQuantizationType as Q
 
 from splitserve.platform.config import RopeScaling
 from splitserve.platform.quant import formats
@@ -110,6 +111,8 @@ def _concat_rows(parts: list[torch.Tensor | RawQuant]) -> torch.Tensor | RawQuan
     """Stack shards row-wise, keeping GGUF blocks when every shard has the same stored type."""
     if len(parts) == 1:
         return parts[0]
+    if all(isinstance(p, RawQuant) for p in parts) and {p.tensor_type for p in parts} == {Q.Q5_0, Q.Q8_0}:
+        parts = [formats.as_q8_0(p) for p in parts]  # Gemma 3's qkv: the same values, codes kept
     first = parts[0]
     if all(isinstance(p, RawQuant) and p.tensor_type == first.tensor_type for p in parts):
         rows = sum(p.shape[0] for p in parts)
