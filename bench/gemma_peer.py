@@ -5,8 +5,9 @@ threads, arms alternating round by round in one run.
 
 Each round times one greedy completion of TOKENS tokens (EOS ignored on ours; the peer's
 `logit_bias` bans Gemma's EOS ids so it generates as many) for each of three plain prompts (the
-model is a base model: no chat template), in the engine's default `--quantization auto` (fp16
-linears for Gemma 3, docs/models.md) and in llama.cpp's Q4_K_M as stored. Decode rate: tokens
+model is a base model: no chat template), in the engine's default `--quantization auto` (for
+Gemma 3 every linear on the file's own codes and a re-scored 4-bit head, docs/models.md) and in
+llama.cpp's Q4_K_M as stored. Decode rate: tokens
 after the first over the time after the first token; ours is timed from engine steps in this
 process, the peer's from llama_cpp's streaming iterator in its own process, so neither pays HTTP.
 """
@@ -25,6 +26,7 @@ from splitserve.platform.config import CacheConfig, DeviceConfig, EngineConfig, 
 from splitserve.platform.engine.llm_engine import LLMEngine
 from splitserve.platform.model_source import resolve_model
 from splitserve.platform.quant.cpu import cpu_model
+from splitserve.platform.quant.report import describe_kernels
 from splitserve.platform.sampling.params import SamplingParams
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -103,7 +105,7 @@ def main() -> None:
                 results[arm] += json.loads(peer.stdout.readline())
     peer.stdin.close()
     peer.wait(timeout=60)
-    report = render(results, args, engine.quantization)
+    report = render(results, args, f"{engine.model.quantization}: {describe_kernels(engine.model)}")
     print(report)
     if args.write:
         write_section(args.write, "gemma-peer", report)
