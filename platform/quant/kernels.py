@@ -169,11 +169,31 @@ class RescoredHead:
 
     def __call__(self, hidden):
         logits = self.approx(hidden).float()
-        ids = logits.topk(self.top, dim=-1, sorted=False).indices                       # [M, top]
+        ids = top_ids(logits, self.top)                                                  # [M, top]
         rows = self.codes.index_select(0, ids.view(-1)).view(*ids.shape, -1, formats.GROUP).float()
         rows = rows * self.scale.index_select(0, ids.view(-1)).view(*ids.shape, -1, 1)
         exact = (rows.view(*ids.shape, -1) * hidden.float()[:, None, :]).sum(-1)       # [M, top]
         return logits.scatter_(1, ids, exact)
+
+
+CHUNK = 64
+
+
+def top_ids(logits: torch.Tensor, top: int) -> torch.Tensor:
+    """The ids of each row's `top` largest logits (unordered), as topk finds them, in two small
+    passes where the vocabulary is large: every one of the `top` largest values lies in a chunk
+    of CHUNK columns whose maximum is among the `top` largest chunk maxima (each chunk holding
+    one of them has a maximum at least that value, and at most `top` chunks have a maximum at
+    least the `top`-th value), so a topk over those chunks' columns finds them all. On Gemma 3's
+    262,144 logits that replaces one topk of the whole row, the largest part of its head after
+    the matmul, by a max and two topks over 4,096 values. Ties at the `top`-th value may keep
+    another of the tied ids than one topk would."""
+    m, vocab = logits.shape
+    if vocab % CHUNK or vocab < 4 * CHUNK * top:
+        return logits.topk(top, dim=-1, sorted=False).indices
+    chunks = logits.view(m, vocab // CHUNK, CHUNK).amax(-1).topk(top, dim=-1, sorted=False).indices
+    columns = (chunks[..., None] * CHUNK + torch.arange(CHUNK, device=logits.device)).view(m, -1)
+    return columns.gather(1, logits.gather(1, columns).topk(top, dim=-1, sorted=False).indices)
 
 
 KERNELS = {"int4": Int4Kernel, "int8": Int8Kernel, "fp16": Fp16Kernel, "w4a8": a8.Int4A8Kernel,

@@ -21,7 +21,7 @@ from splitserve.platform.kernels.cpu_ops import cpu_ops
 from splitserve.platform.model_source import resolve_model
 from splitserve.platform.models.layers import _concat_rows
 from splitserve.platform.quant import a8, formats
-from splitserve.platform.quant.kernels import RescoredHead, build_kernel, exact_kernel
+from splitserve.platform.quant.kernels import RescoredHead, build_kernel, exact_kernel, top_ids
 from splitserve.platform.weights.gguf_file import GGUFFile
 
 ops = cpu_ops()
@@ -119,3 +119,15 @@ def test_rescored_head_with_a_w4a8_pass_is_exact_at_the_top(gemma_file):
     assert torch.equal(logits.argmax(-1), exact.argmax(-1))
     assert torch.allclose(logits.gather(1, top).double(), exact.gather(1, top), rtol=1e-5, atol=1e-4)
     assert np.isfinite(logits.numpy()).all()
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+def test_top_ids_of_a_large_vocabulary_are_topks(rows):
+    """The head's two-pass top (quant/kernels.top_ids) finds the same ids as one topk, with the
+    largest values crowded into one chunk and spread over many."""
+    torch.manual_seed(0)
+    logits = torch.randn(rows, 262144) * 3
+    logits[0, 64 * 100:64 * 100 + 64] += 50  # one chunk holds all 64 largest of row 0
+    ids = top_ids(logits, 64)
+    for r in range(rows):
+        assert sorted(ids[r].tolist()) == sorted(logits[r].topk(64).indices.tolist())
