@@ -60,6 +60,14 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
                                             config.rope_local_theta or config.rope_theta, None)
         self.register_buffer("embed_scale", torch.tensor(config.hidden_size ** 0.5), persistent=False)
 
+    def use_fused_ops(self, ops) -> None:
+        """Gemma's block is not the fused graph's (is_plain_llama_graph), but its norms take the
+        C kernel (layers.OffsetRMSNorm.use_ops)."""
+        super().use_fused_ops(ops)
+        for module in self.modules():
+            if isinstance(module, OffsetRMSNorm):
+                module.use_ops(ops)
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata,
                 layer_hook=None) -> torch.Tensor:

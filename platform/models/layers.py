@@ -41,9 +41,24 @@ class RMSNorm(nn.Module):
 
 class OffsetRMSNorm(RMSNorm):
     """Gemma's RMSNorm: y = x / sqrt(mean(x^2) + eps) * (1 + weight), the product in float32.
-    Checkpoints (and our HF-named tensors) store `weight`; GGUF files store 1 + weight."""
+    Checkpoints (and our HF-named tensors) store `weight`; GGUF files store 1 + weight.
+
+    With the fused CPU kernels handed in (`use_ops`, the fast modes on a CPU in float32), one C
+    call per norm (kernels/cpu_ops.c `ss_rms_norm`, over 1 + weight computed once) instead of
+    torch's seven small ops: Gemma 3 runs six norms per layer. `none` keeps torch's."""
+
+    ops = None
+    offset_weight: torch.Tensor | None = None
+
+    def use_ops(self, ops) -> None:
+        """Call after the weights are loaded (1 + weight is taken then); None: torch's ops."""
+        self.ops = ops
+        self.offset_weight = None if ops is None else (1.0 + self.weight.detach().float()).contiguous()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.ops is not None and x.dtype == torch.float32 and x.device.type == "cpu":
+            rows = x.reshape(-1, x.shape[-1]).contiguous()
+            return self.ops.rms_norm(rows, self.offset_weight, self.eps).view(x.shape)
         normed = nn.functional.rms_norm(x.float(), (x.shape[-1],), None, self.eps)
         return (normed * (1.0 + self.weight.float())).to(x.dtype)
 
