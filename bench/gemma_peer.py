@@ -1,12 +1,13 @@
 """Gemma 3 270M single stream: splitserve's engine against llama-cpp-python on the same GGUF and
 threads, arms alternating round by round in one run.
 
-    python bench/gemma_peer.py --peer-python .venv-peer/bin/python [--threads 2] [--rounds 3] [--write docs/benchmarks.md]
+    python bench/gemma_peer.py --peer-python .venv-peer/bin/python [--threads 2] [--rounds 3] [--prompts 3] [--tokens 128] [--write docs/benchmarks.md]
 
 Each round times one greedy completion of TOKENS tokens (EOS ignored on ours; the peer's
-`logit_bias` bans Gemma's EOS ids so it generates as many) for each of three plain prompts (the
-model is a base model: no chat template), in the engine's default `--quantization auto` (fp16
-linears for Gemma 3, docs/models.md) and in llama.cpp's Q4_K_M as stored. Decode rate: tokens
+`logit_bias` bans Gemma's EOS ids so it generates as many) for each of three plain prompts (or the first --prompts) (the
+model is a base model: no chat template), in the engine's default `--quantization auto` (for
+Gemma 3 every linear on the file's own codes and a re-scored 4-bit head, docs/models.md) and in
+llama.cpp's Q4_K_M as stored. Decode rate: tokens
 after the first over the time after the first token; ours is timed from engine steps in this
 process, the peer's from llama_cpp's streaming iterator in its own process, so neither pays HTTP.
 """
@@ -25,6 +26,7 @@ from splitserve.platform.config import CacheConfig, DeviceConfig, EngineConfig, 
 from splitserve.platform.engine.llm_engine import LLMEngine
 from splitserve.platform.model_source import resolve_model
 from splitserve.platform.quant.cpu import cpu_model
+from splitserve.platform.quant.report import describe_kernels
 from splitserve.platform.sampling.params import SamplingParams
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -55,11 +57,11 @@ for line in sys.stdin:
 '''
 
 
-def ours(engine: LLMEngine) -> list[list[float]]:
+def ours(engine: LLMEngine, prompts: list[str], tokens: int) -> list[list[float]]:
     out = []
-    for prompt in PROMPTS:
+    for prompt in prompts:
         t0 = time.perf_counter()
-        engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=TOKENS, ignore_eos=True))
+        engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True))
         first, n = None, 0
         while engine.has_unfinished_requests():
             for o in engine.step():
@@ -76,19 +78,23 @@ def main() -> None:
     ap.add_argument("--peer-python", required=True)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--prompts", type=int, default=len(PROMPTS), choices=range(1, len(PROMPTS) + 1),
+                    help="how many of the prompts each round runs (fewer: a shorter run on a busy host)")
+    ap.add_argument("--tokens", type=int, default=TOKENS, help="greedy tokens per completion")
     ap.add_argument("--write", default=None)
     args = ap.parse_args()
+    prompts = PROMPTS[:args.prompts]
     path = resolve_model("gemma3-270m").path
     engine = LLMEngine(EngineConfig(model="gemma3-270m", device=DeviceConfig(num_threads=args.threads,
                                                                            quantization="auto"),
                                     cache=CacheConfig(kv_cache_memory_bytes=256 * 1024**2),
                                     scheduler=SchedulerConfig(max_model_len=1024)))
-    peer = subprocess.Popen([args.peer_python, "-c", PEER, path, str(args.threads), str(TOKENS)],
+    peer = subprocess.Popen([args.peer_python, "-c", PEER, path, str(args.threads), str(args.tokens)],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-    peer.stdin.write(json.dumps(PROMPTS) + "\n")
+    peer.stdin.write(json.dumps(prompts) + "\n")
     peer.stdin.flush()
     assert peer.stdout.readline().strip() == "ready"
-    ours(engine)                                   # warm-up of both, untimed
+    ours(engine, prompts, args.tokens)                          # warm-up of both, untimed
     peer.stdin.write("go\n")
     peer.stdin.flush()
     peer.stdout.readline()
@@ -96,14 +102,14 @@ def main() -> None:
     for r in range(args.rounds):
         for arm in (("splitserve", "llama-cpp-python") if r % 2 == 0 else ("llama-cpp-python", "splitserve")):
             if arm == "splitserve":
-                results[arm] += ours(engine)
+                results[arm] += ours(engine, prompts, args.tokens)
             else:
                 peer.stdin.write("go\n")
                 peer.stdin.flush()
                 results[arm] += json.loads(peer.stdout.readline())
     peer.stdin.close()
     peer.wait(timeout=60)
-    report = render(results, args, engine.quantization)
+    report = render(results, args, f"{engine.model.quantization}: {describe_kernels(engine.model)}")
     print(report)
     if args.write:
         write_section(args.write, "gemma-peer", report)
@@ -116,9 +122,9 @@ def render(results, args, mode: str) -> str:
     lines = ["<!-- gemma-peer:begin -->", "## Gemma 3 270M single stream against llama-cpp-python", "",
              f"Run {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} on {cpu_model()} ({os.cpu_count()} cores), "
              f"{args.threads} threads each, the `gemma3-270m` GGUF (Q4_K_M); ours `--quantization auto` "
-             f"(resolved: {mode}), {TOKENS} greedy tokens per prompt, {len(PROMPTS)} prompts x {args.rounds} "
+             f"(resolved: {mode}), {args.tokens} greedy tokens per prompt, {args.prompts} prompts x {args.rounds} "
              f"rounds alternating, medians. Command: `python bench/gemma_peer.py --peer-python "
-             f".venv-peer/bin/python --rounds {args.rounds}`.", "",
+             f".venv-peer/bin/python --rounds {args.rounds} --prompts {args.prompts} --tokens {args.tokens}`.", "",
              "| arm | decode tok/s | TTFT s |", "|---|---|---|"]
     for arm in results:
         lines.append(f"| {arm} | {rate[arm]:.1f} | {ttft[arm]:.3f} |")

@@ -12,10 +12,11 @@ What differs from Llama, each as the reference computes it:
   one rotary table per layer type and gives each layer its own.
 The head is tied to the embedding (unscaled). No logit soft-capping (Gemma 3 has none).
 
-`--quantization auto` builds every linear as `fp16` (float16 weights, float32 activations)
-rather than auto's per-type choice: on Gemma 3 270M that choice (w4a16 for Q4_K, int8 with
-bfloat16 activations for Q5_0/Q6_K/Q8_0) left transformers' greedy answers on 6 of 8 prompts,
-fp16 on 1 of 8 with auto's float16 KV cache, 0 with a float32 one (docs/models.md).
+`--quantization auto` builds every linear in the kernel that keeps its stored codes
+(quant/kernels.exact_kernel: Q4_K -> w4a16, Q5_0/Q8_0 -> w8a16, Q6_K -> fp16) and the tied
+head as a w4a8 pass re-scored exactly at the top, rather than auto's per-type choice, whose
+re-quantized weights (and int8 with bfloat16 activations) left transformers' greedy answers on
+6 of 8 prompts (docs/models.md has the agreement table).
 """
 
 from __future__ import annotations
@@ -27,9 +28,9 @@ from splitserve.platform.config import ModelConfig
 from splitserve.platform.models.attention import AttentionMetadata
 from splitserve.platform.models.layers import OffsetRMSNorm, RotaryEmbedding
 from splitserve.platform.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP
+from splitserve.platform.quant.kernels import AUTO_EXACT
 
-
-AUTO_MODE = "fp16"   # what `--quantization auto` builds for this family (module docstring)
+AUTO_MODE = AUTO_EXACT   # what `--quantization auto` builds for this family (module docstring)
 
 
 class Gemma3DecoderLayer(nn.Module):
@@ -58,6 +59,14 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         self.local_rotary = RotaryEmbedding(config.head_dim, config.max_position_embeddings,
                                             config.rope_local_theta or config.rope_theta, None)
         self.register_buffer("embed_scale", torch.tensor(config.hidden_size ** 0.5), persistent=False)
+
+    def use_fused_ops(self, ops) -> None:
+        """Gemma's block is not the fused graph's (is_plain_llama_graph), but its norms take the
+        C kernel (layers.OffsetRMSNorm.use_ops)."""
+        super().use_fused_ops(ops)
+        for module in self.modules():
+            if isinstance(module, OffsetRMSNorm):
+                module.use_ops(ops)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata,

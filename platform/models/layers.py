@@ -18,6 +18,7 @@ import math
 import numpy as np
 import torch
 from torch import nn
+from gguf import GGMLQuantizationType as Q
 
 from splitserve.platform.config import RopeScaling
 from splitserve.platform.quant import formats
@@ -40,9 +41,24 @@ class RMSNorm(nn.Module):
 
 class OffsetRMSNorm(RMSNorm):
     """Gemma's RMSNorm: y = x / sqrt(mean(x^2) + eps) * (1 + weight), the product in float32.
-    Checkpoints (and our HF-named tensors) store `weight`; GGUF files store 1 + weight."""
+    Checkpoints (and our HF-named tensors) store `weight`; GGUF files store 1 + weight.
+
+    With the fused CPU kernels handed in (`use_ops`, the fast modes on a CPU in float32), one C
+    call per norm (kernels/cpu_ops.c `ss_rms_norm`, over 1 + weight computed once) instead of
+    torch's seven small ops: Gemma 3 runs six norms per layer. `none` keeps torch's."""
+
+    ops = None
+    offset_weight: torch.Tensor | None = None
+
+    def use_ops(self, ops) -> None:
+        """Call after the weights are loaded (1 + weight is taken then); None: torch's ops."""
+        self.ops = ops
+        self.offset_weight = None if ops is None else (1.0 + self.weight.detach().float()).contiguous()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.ops is not None and x.dtype == torch.float32 and x.device.type == "cpu":
+            rows = x.reshape(-1, x.shape[-1]).contiguous()
+            return self.ops.rms_norm(rows, self.offset_weight, self.eps).view(x.shape)
         normed = nn.functional.rms_norm(x.float(), (x.shape[-1],), None, self.eps)
         return (normed * (1.0 + self.weight.float())).to(x.dtype)
 
@@ -110,6 +126,8 @@ def _concat_rows(parts: list[torch.Tensor | RawQuant]) -> torch.Tensor | RawQuan
     """Stack shards row-wise, keeping GGUF blocks when every shard has the same stored type."""
     if len(parts) == 1:
         return parts[0]
+    if all(isinstance(p, RawQuant) for p in parts) and {p.tensor_type for p in parts} == {Q.Q5_0, Q.Q8_0}:
+        parts = [formats.as_q8_0(p) for p in parts]  # Gemma 3's qkv: the same values, codes kept
     first = parts[0]
     if all(isinstance(p, RawQuant) and p.tensor_type == first.tensor_type for p in parts):
         rows = sum(p.shape[0] for p in parts)

@@ -22,6 +22,9 @@ Modes (vLLM's flag name; the fast modes are ours):
 - `auto`  each linear in the fast format nearest its stored type (kernels.nearest_kernel):
           Q4_x/Q3_K/Q2_K -> w4a16 (int4 where the CPU kernels cannot be built), Q5_x/Q6_K/Q8_0 ->
           int8, F16/BF16/F32 -> fp16; `none` where the host lacks AVX2 or the device is not a CPU.
+          A family may build it as `auto-exact` instead (Gemma 3): every linear in the kernel that
+          keeps the file's codes, Q4_x/Q4_K -> w4a16, Q5_0/Q8_0 -> `w8a16` (int8 groups, two-digit
+          activations), others fp16 (kernels.exact_kernel); not a --quantization value.
 
 In every fast mode the embedding table is int8 with a float scale per group of 32 (GGUF Q8_0
 exactly); the LM head reads that table (kernels.build_head). Each fast mode is held to the

@@ -67,7 +67,7 @@ class Int4A8Kernel:
         groups, self.exact = formats.int4_groups(weight)
         self.ops, self.digits = ops, digits
         self.name = "w4a8" if digits == 1 else "w4a16"
-        self.tiles, self.d, self.mn = pack_q4_tiles(groups.codes, groups.scale, groups.zero - 8 * groups.scale)
+        self.tiles, self.d, self.mn = pack_q4_tiles(groups.codes, groups.scale, groups.minimum)
         self.bias = None if bias is None else bias.float()
         self.nbytes = self.tiles.nbytes + self.d.nbytes + self.mn.nbytes
 
@@ -76,6 +76,28 @@ class Int4A8Kernel:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         a = self.ops.quantize_a8(x.float().contiguous(), self.digits)
         y = self.ops.q4a8_linear(a, self.tiles, self.d, self.mn)
+        return (y if self.bias is None else y + self.bias).to(x.dtype)
+
+
+class Int8A16Kernel:
+    """A linear on int8 weights with a scale per group of 32 (GGUF Q8_0, and Q5_0 widened to
+    bytes, read exactly) times activations in two int8 digits: the same arithmetic as the LM head
+    below, for a layer. (`auto-exact`'s kernel for those types, quant/kernels.exact_kernel.)"""
+
+    name = "w8a16"
+
+    def __init__(self, weight: torch.Tensor | RawQuant, bias: torch.Tensor | None, ops: CpuOps, digits: int = 2):
+        assert digits == 2
+        groups, self.exact = formats.int8_groups(weight)
+        self.ops = ops
+        self.tiles, self.d = pack_q8_tiles(groups.codes, groups.scale)
+        self.bias = None if bias is None else bias.float()
+        self.nbytes = self.tiles.nbytes + self.d.nbytes
+
+    fits = staticmethod(fits)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.ops.q8a8_linear(self.ops.quantize_a8(x.float().contiguous(), 2), self.tiles, self.d)
         return (y if self.bias is None else y + self.bias).to(x.dtype)
 
 

@@ -80,7 +80,7 @@ class Int4Kernel:
             codes = groups.codes.view(n, k // formats.GROUP, formats.GROUP)
             self.qs = (codes[..., :16] | (codes[..., 16:] << 4)).reshape(n, k // 2).contiguous()
             self.d = groups.scale.contiguous()
-            self.mn = (groups.zero - 8 * groups.scale).contiguous()
+            self.mn = groups.minimum.contiguous()
             self.nbytes = self.qs.nbytes + self.d.nbytes + self.mn.nbytes
             return
         self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(groups.codes.to(torch.int32), 8)
@@ -153,25 +153,55 @@ class RescoredHead:
 
     name = "int4+rescore"
 
-    def __init__(self, codes: torch.Tensor, scale: torch.Tensor, top: int = 64):
+    def __init__(self, codes: torch.Tensor, scale: torch.Tensor, top: int = 64, ops=None):
+        """`ops` (the CPU kernels): the 4-bit pass runs as `w4a8` (int8 activations, float16
+        scales: a fifth fewer bytes per step than `int4`'s float32 ones); only its top is read,
+        and that is re-scored exactly. None: the `int4` kernel (float32 activations)."""
         self.codes, self.scale, self.top = codes, scale, min(top, codes.shape[0])
         values = formats.Int8Groups(codes, scale).dequantize()
-        self.approx = Int4Kernel(values, None) if Int4Kernel.fits(*values.shape) else Fp16Kernel(values, None)
+        if ops is not None and a8.fits(*values.shape):
+            self.approx = a8.Int4A8Kernel(values, None, ops, 1)
+            self.name = "w4a8+rescore"
+        else:
+            self.approx = Int4Kernel(values, None) if Int4Kernel.fits(*values.shape) else Fp16Kernel(values, None)
         self.exact = False
         self.nbytes = self.approx.nbytes  # the int8 table is counted where it is owned
 
     def __call__(self, hidden):
         logits = self.approx(hidden).float()
-        ids = logits.topk(self.top, dim=-1, sorted=False).indices                       # [M, top]
+        ids = top_ids(logits, self.top)                                                  # [M, top]
         rows = self.codes.index_select(0, ids.view(-1)).view(*ids.shape, -1, formats.GROUP).float()
         rows = rows * self.scale.index_select(0, ids.view(-1)).view(*ids.shape, -1, 1)
         exact = (rows.view(*ids.shape, -1) * hidden.float()[:, None, :]).sum(-1)       # [M, top]
         return logits.scatter_(1, ids, exact)
 
 
+CHUNK = 64
+
+
+def top_ids(logits: torch.Tensor, top: int) -> torch.Tensor:
+    """The ids of each row's `top` largest logits (unordered), as topk finds them, in two small
+    passes where the vocabulary is large: every one of the `top` largest values lies in a chunk
+    of CHUNK columns whose maximum is among the `top` largest chunk maxima (each chunk holding
+    one of them has a maximum at least that value, and at most `top` chunks have a maximum at
+    least the `top`-th value), so a topk over those chunks' columns finds them all. On Gemma 3's
+    262,144 logits that replaces one topk of the whole row, the largest part of its head after
+    the matmul, by a max and two topks over 4,096 values. Ties at the `top`-th value may keep
+    another of the tied ids than one topk would."""
+    m, vocab = logits.shape
+    if vocab % CHUNK or vocab < 4 * CHUNK * top:
+        return logits.topk(top, dim=-1, sorted=False).indices
+    chunks = logits.view(m, vocab // CHUNK, CHUNK).amax(-1).topk(top, dim=-1, sorted=False).indices
+    columns = (chunks[..., None] * CHUNK + torch.arange(CHUNK, device=logits.device)).view(m, -1)
+    return columns.gather(1, logits.gather(1, columns).topk(top, dim=-1, sorted=False).indices)
+
+
 KERNELS = {"int4": Int4Kernel, "int8": Int8Kernel, "fp16": Fp16Kernel, "w4a8": a8.Int4A8Kernel,
-           "w4a16": a8.Int4A8Kernel}
-A8_DIGITS = {"w4a8": 1, "w4a16": 2}
+           "w4a16": a8.Int4A8Kernel, "w8a16": a8.Int8A16Kernel}
+A8_DIGITS = {"w4a8": 1, "w4a16": 2, "w8a16": 2}
+# A mode a family may build with instead of `auto` (never a user's --quantization value): every
+# linear in the kernel that keeps its stored codes (exact_kernel).
+AUTO_EXACT = "auto-exact"
 
 
 def nearest_kernel(tensor_type: Q | None) -> str:
@@ -186,9 +216,26 @@ def nearest_kernel(tensor_type: Q | None) -> str:
     return "fp16"
 
 
+def exact_kernel(tensor_type: Q | None) -> str:
+    """The fast kernel that reads a stored GGUF type's codes as they are (None: a float tensor),
+    with activations in two int8 digits: Q4_0/Q4_1/Q4_K -> `w4a16`, Q5_0/Q8_0 -> `w8a16`;
+    anything else (Q6_K, Q5_K, floats) -> `fp16`. Without the CPU kernels (or AVX2) `fp16`
+    throughout. Gemma 3 builds `auto` this way (models/gemma3.py, docs/models.md)."""
+    if cpu_ops() is None:
+        return "fp16"
+    if tensor_type in (Q.Q4_0, Q.Q4_1, Q.Q4_K):
+        return "w4a16"
+    if tensor_type in (Q.Q5_0, Q.Q8_0):
+        return "w8a16"
+    return "fp16"
+
+
 def kernel_for(mode: str, weight: torch.Tensor | RawQuant) -> str:
+    tensor_type = weight.tensor_type if isinstance(weight, RawQuant) else None
     if mode == "auto":
-        return nearest_kernel(weight.tensor_type if isinstance(weight, RawQuant) else None)
+        return nearest_kernel(tensor_type)
+    if mode == AUTO_EXACT:
+        return exact_kernel(tensor_type)
     return mode
 
 
@@ -216,8 +263,11 @@ def build_kernel(mode: str, name: str, weight: torch.Tensor | RawQuant, bias: to
 def build_head(mode: str, codes: torch.Tensor, scale: torch.Tensor) -> "RescoredHead | a8.Int8A8Head":
     """The LM head of a fast mode over its int8 table: int8 activations over the whole vocabulary
     under `w4a8`, `w4a16` and `auto` (where the CPU kernels are built and the vocabulary fills 16-row tiles),
-    else the 4-bit pass re-scored exactly at the top of each row."""
-    ops = cpu_ops() if mode in ("w4a8", "w4a16", "auto") else None
+    else the 4-bit pass re-scored exactly at the top of each row (under `auto-exact` that pass in
+    `w4a8`: for a vocabulary as large as Gemma 3's the head reads more than the layers)."""
+    ops = cpu_ops() if mode in ("w4a8", "w4a16", "auto", AUTO_EXACT) else None
+    if mode == AUTO_EXACT:
+        return RescoredHead(codes, scale, ops=ops)
     if ops is not None and a8.fits(*codes.shape):
         return a8.Int8A8Head(codes, scale, ops)
     return RescoredHead(codes, scale)

@@ -181,3 +181,20 @@ def test_gemm_fixed_is_a_matmul_whose_rows_ignore_their_batch_and_zero_columns()
     padded_b = torch.cat([torch.randn(16, 96), b, torch.randn(24, 96)], 0)
     assert torch.equal(ops.gemm_fixed(padded_h, padded_b, out=base.clone()), alone)
     assert torch.allclose(alone, base + h @ b, atol=1e-5)
+
+
+def test_gemma_norm_in_c_is_torchs_within_float32_rounding_on_views():
+    """OffsetRMSNorm (y = x / rms(x) * (1 + w)) with the C kernel handed in gives torch's values,
+    also on the strided per-head views q_norm and k_norm receive; handing in None restores torch's."""
+    from splitserve.platform.models.layers import OffsetRMSNorm
+
+    torch.manual_seed(0)
+    norm = OffsetRMSNorm(256, 1e-6)
+    norm.weight.data = torch.randn(256) * 0.3
+    x = torch.randn(3, 1536)[:, :1024].reshape(3, 4, 256)[:, 1:3] * 20  # two heads of a qkv row
+    ref = norm(x)
+    norm.use_ops(ops)
+    y = norm(x)
+    assert y.shape == ref.shape and torch.allclose(y, ref, rtol=1e-6, atol=1e-5)
+    norm.use_ops(None)
+    assert torch.equal(norm(x), ref)

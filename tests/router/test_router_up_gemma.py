@@ -3,9 +3,9 @@ a prefill and a decode worker, KV between them), met with the official `openai` 
 
 Gemma 3 270M is a base model without a chat template: completions work, streamed or not; a chat
 request gets a 400 that says to send a plain prompt. The workers run `--quantization fp16`
-(what `auto` builds for Gemma 3; with its float16 KV cache it keeps transformers' greedy answers
-on 7 of the 8 prompts of tests/platform/test_gemma3.py, this one among them, docs/models.md), so
-the answer is transformers' own greedy continuation.
+(with its float16 KV cache it keeps transformers' greedy answers on 7 of the 8 prompts of
+tests/platform/test_gemma3.py, this one among them; `auto`, which keeps the file's codes, on all
+8; docs/models.md), so the answer is transformers' own greedy continuation.
 """
 
 
