@@ -11,7 +11,6 @@ roles), the gRPC server, the health/metrics port; /ready turns 200. On SIGTERM (
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import logging
 import os
