@@ -68,7 +68,7 @@ bench: setup peer
 	$(PY) bench/prefix_burst.py --write docs/benchmarks.md --threads 2
 	$(PY) bench/structured.py --write docs/benchmarks.md --threads 2
 	$(PY) bench/lora.py --write docs/benchmarks.md --threads 2
-	$(PY) bench/speculative.py --write docs/benchmarks.md --threads 2 --peer-python $(PEER)/bin/python
+	$(PY) bench/speculative.py --write docs/benchmarks.md --threads 2 --k 4 8 --peer-python $(PEER)/bin/python
 	$(PY) bench/echo_cost.py --write docs/benchmarks.md --threads 2
 	$(PY) bench/kv_transfer.py --write docs/benchmarks.md
 	$(PY) bench/disagg_ttft.py --write docs/benchmarks.md
