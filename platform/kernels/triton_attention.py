@@ -81,6 +81,29 @@ def _online_softmax_step(q, k_ptrs, v_ptrs, kv_mask, score_mask, m, l, acc, scal
 
 
 @triton.jit
+def _paged_keys(q, k_ptr, v_ptr, table_row_ptr, kv_head, lo, hi, dims, scale_log2, stride_kb, stride_ks, stride_kh,
+                stride_vb, stride_vs, stride_vh, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
+                BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    """One sequence's keys at positions [lo, hi) of its paged cache (`table_row_ptr`: its block
+    table row), in BLOCK_N tiles from the tile holding `lo`: the (m, l, acc) of the online softmax."""
+    m = tl.full([GROUP_PAD], -1e30, tl.float32)
+    l = tl.zeros([GROUP_PAD], tl.float32)
+    acc = tl.zeros([GROUP_PAD, D_PAD], tl.float32)
+    for start in range((lo // BLOCK_N) * BLOCK_N, hi, BLOCK_N):
+        pos = start + tl.arange(0, BLOCK_N)
+        pos_ok = (pos < hi) & (pos >= lo)
+        block = tl.load(table_row_ptr + pos // BLOCK_SIZE, mask=pos_ok, other=0).to(tl.int64)
+        slot = pos % BLOCK_SIZE
+        k_rows = block * stride_kb + slot * stride_ks + kv_head * stride_kh
+        v_rows = block * stride_vb + slot * stride_vs + kv_head * stride_vh
+        kv_mask = pos_ok[:, None] & (dims < HEAD_DIM)[None, :]
+        m, l, acc = _online_softmax_step(q, k_ptr + k_rows[:, None] + dims[None, :],
+                                         v_ptr + v_rows[:, None] + dims[None, :], kv_mask,
+                                         pos_ok[None, :], m, l, acc, scale_log2, PRECISION, UPCAST)
+    return m, l, acc
+
+
+@triton.jit
 def _decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, table_ptr, ctx_ptr, scale_log2, WINDOW,
                    stride_qb, stride_qh, stride_ob, stride_oh, stride_tb,
                    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
@@ -98,20 +121,9 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, table_ptr, ctx_ptr, scale_log2,
     context_len = tl.load(ctx_ptr + seq).to(tl.int32)   # int32 or int64 lengths
     kv_lo = tl.where(WINDOW > 0, tl.maximum(context_len - WINDOW, 0), 0)
 
-    m = tl.full([GROUP_PAD], -1e30, tl.float32)
-    l = tl.zeros([GROUP_PAD], tl.float32)
-    acc = tl.zeros([GROUP_PAD, D_PAD], tl.float32)
-    for start in range((kv_lo // BLOCK_N) * BLOCK_N, context_len, BLOCK_N):
-        pos = start + tl.arange(0, BLOCK_N)
-        pos_ok = (pos < context_len) & (pos >= kv_lo)
-        block = tl.load(table_ptr + seq * stride_tb + pos // BLOCK_SIZE, mask=pos_ok, other=0).to(tl.int64)
-        slot = pos % BLOCK_SIZE
-        k_rows = block * stride_kb + slot * stride_ks + kv_head * stride_kh
-        v_rows = block * stride_vb + slot * stride_vs + kv_head * stride_vh
-        kv_mask = pos_ok[:, None] & (dims < HEAD_DIM)[None, :]
-        m, l, acc = _online_softmax_step(q, k_ptr + k_rows[:, None] + dims[None, :],
-                                         v_ptr + v_rows[:, None] + dims[None, :], kv_mask,
-                                         pos_ok[None, :], m, l, acc, scale_log2, PRECISION, UPCAST)
+    m, l, acc = _paged_keys(q, k_ptr, v_ptr, table_ptr + seq * stride_tb, kv_head, kv_lo, context_len, dims,
+                            scale_log2, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, GROUP_PAD,
+                            HEAD_DIM, D_PAD, BLOCK_SIZE, BLOCK_N, PRECISION, UPCAST)
     acc = acc / tl.where(l > 0, l, 1.0)[:, None]
     tl.store(out_ptr + seq * stride_ob + heads[:, None] * stride_oh + dims[None, :],
              acc.to(out_ptr.dtype.element_ty), mask=row_dim_mask)

@@ -35,7 +35,7 @@ import triton
 import triton.language as tl
 
 from splitserve.platform.kernels.dispatch import MAX_SPLITS, choose_num_splits  # noqa: F401 (re-exported)
-from splitserve.platform.kernels.triton_attention import (LOG2E, MIN_DOT, _check, _online_softmax_step, _pad,
+from splitserve.platform.kernels.triton_attention import (LOG2E, MIN_DOT, _check, _pad, _paged_keys,
                                                           _precision, paged_decode_attention)
 
 
@@ -60,20 +60,10 @@ def _partial_kernel(q_ptr, k_ptr, v_ptr, po_ptr, plse_ptr, table_ptr, ctx_ptr, s
     begin = split * split_len
     end = tl.minimum(begin + split_len, context_len)
 
-    m = tl.full([GROUP_PAD], -1e30, tl.float32)
-    l = tl.zeros([GROUP_PAD], tl.float32)
-    acc = tl.zeros([GROUP_PAD, D_PAD], tl.float32)
-    for start in range(begin, end, BLOCK_N):
-        pos = start + tl.arange(0, BLOCK_N)
-        pos_ok = pos < end
-        block = tl.load(table_ptr + seq * stride_tb + pos // BLOCK_SIZE, mask=pos_ok, other=0).to(tl.int64)
-        slot = pos % BLOCK_SIZE
-        k_rows = block * stride_kb + slot * stride_ks + kv_head * stride_kh
-        v_rows = block * stride_vb + slot * stride_vs + kv_head * stride_vh
-        kv_mask = pos_ok[:, None] & (dims < HEAD_DIM)[None, :]
-        m, l, acc = _online_softmax_step(q, k_ptr + k_rows[:, None] + dims[None, :],
-                                         v_ptr + v_rows[:, None] + dims[None, :], kv_mask,
-                                         pos_ok[None, :], m, l, acc, scale_log2, PRECISION, UPCAST)
+    # begin is a multiple of BLOCK_N (split_len is), so the tiles are those of begin..end
+    m, l, acc = _paged_keys(q, k_ptr, v_ptr, table_ptr + seq * stride_tb, kv_head, begin, end, dims, scale_log2,
+                            stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, GROUP_PAD, HEAD_DIM,
+                            D_PAD, BLOCK_SIZE, BLOCK_N, PRECISION, UPCAST)
     has_keys = l > 0
     acc = acc / tl.where(has_keys, l, 1.0)[:, None]
     lse = tl.where(has_keys, m + tl.log2(tl.where(has_keys, l, 1.0)), float("-inf"))
