@@ -175,8 +175,10 @@ class ModelRunner:
         bs = self.block_size
         lens = [s.start_pos + i + 1 for s in seqs for i in range(s.num_tokens)]
         width = -(-max(lens) // bs)
-        table = [list(s.block_ids[:width]) + [0] * (width - min(width, len(s.block_ids)))
-                 for s in seqs for _ in range(s.num_tokens)]
+        table = []
+        for s in seqs:
+            row = list(s.block_ids[:width])
+            table += [row + [0] * (width - len(row))] * s.num_tokens
         ctx = torch.tensor(lens, device=self.device)
         mask = torch.arange(width * bs, device=self.device)[None, :] < ctx[:, None]
         return torch.tensor(table, dtype=torch.long, device=self.device), mask, ctx
