@@ -40,9 +40,9 @@ from splitserve.platform.hashing import BlockHasher
 from splitserve.platform.wire import worker_pb2 as pb
 from splitserve.platform.wire import worker_pb2_grpc as pb_grpc
 from splitserve.router.config import RouterConfig
-from splitserve.router.index import InMemoryPrefixIndex
-from splitserve.router.placement import Placer
-from splitserve.router.pool import WorkerPool, WorkerState
+from splitserve.router.placement.index import InMemoryPrefixIndex
+from splitserve.router.placement.placer import Placer
+from splitserve.router.placement.pool import WorkerPool, WorkerState
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from report import markers, write_section  # noqa: E402
@@ -135,7 +135,7 @@ def decision_bench(num_requests: int, with_redis: bool) -> dict:
 def redis_decisions(config, pool, stored, hasher, prompts):
     import socket
 
-    from splitserve.router.index_redis import RedisPrefixIndex
+    from splitserve.router.placement.index_redis import RedisPrefixIndex
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -254,7 +254,7 @@ def alternate(address: str, url: str, prompt: list[int], max_tokens: int, n: int
 
 
 def overhead_bench(n: int) -> dict:
-    from splitserve.router.up import WorkerProcess
+    from splitserve.launch.up import WorkerProcess
 
     prompt = [(i * 7919) % 40000 + 100 for i in range(64)]
     results = {}

@@ -44,10 +44,10 @@ from splitserve.platform.wire import worker_pb2 as pb  # noqa: E402
 from splitserve.platform.wire import worker_pb2_grpc as pb_grpc  # noqa: E402
 from splitserve.router.config import (DisaggregationConfig, KVPullConfig, PlacementConfig, ProfileConfig,  # noqa: E402
                                       ScorerSpec, default_decode_profile)
-from splitserve.router.index import InMemoryPrefixIndex  # noqa: E402
-from splitserve.router.placement import Placer  # noqa: E402
-from splitserve.router.pool import WorkerPool  # noqa: E402
-from splitserve.router.wire import generate_request  # noqa: E402
+from splitserve.router.placement.index import InMemoryPrefixIndex  # noqa: E402
+from splitserve.router.placement.placer import Placer  # noqa: E402
+from splitserve.router.placement.pool import WorkerPool  # noqa: E402
+from splitserve.router.core.worker_messages import generate_request  # noqa: E402
 
 MODEL, BS = "smollm2-135m", 16
 DOC, QUESTION, ANSWER = 384, 96, 16          # tokens: a conversation's document, each question, each answer
@@ -72,7 +72,7 @@ def placement(arm: str) -> PlacementConfig:
 
 
 class Router:
-    """The router's placement pieces, fed by the workers' WatchEvents like router/watcher.py."""
+    """The router's placement pieces, fed by the workers' WatchEvents like router/placement/watcher.py."""
 
     def __init__(self, arm: str, workers: list[WorkerProc]):
         self.pool = WorkerPool(MODEL, BS)

@@ -2,7 +2,7 @@
 children with their own log files, and the throwaway credentials that secure them.
 
 Secure by default, as `splitserve up` is: `Security.make(folder)` calls the same
-`throwaway_security` (router/up.py) for a throwaway CA, one key pair and a KV-transfer secret;
+`throwaway_security` (launch/up.py) for a throwaway CA, one key pair and a KV-transfer secret;
 every worker serves its gRPC API over mutual TLS and authenticates KV transfers (also through
 the KV proxy, which forwards the handshake like any other bytes), and every router replica
 dials the workers with the client certificate (`--tls-cert/--tls-key/--tls-ca`).
@@ -61,7 +61,7 @@ class Security:
 
     @classmethod
     def make(cls, directory: str) -> Security:
-        from splitserve.router.up import throwaway_security
+        from splitserve.launch.up import throwaway_security
 
         _, worker_args = throwaway_security(directory)
         tls = dict(zip(worker_args[::2], worker_args[1::2]))

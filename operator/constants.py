@@ -29,7 +29,7 @@ HTTP_PORT_NAME = "http"
 ROUTER_CONFIG_DIR = "/etc/splitserve"
 ROUTER_CONFIG_FILE = "router.yaml"
 # The declared LoRA adapters, a second key of the router's ConfigMap: not hashed into the router's
-# pod template, so a change reaches the running router (router/adapter_sync.py) without a new pod.
+# pod template, so a change reaches the running router (router/placement/adapter_sync.py) without a new pod.
 ROUTER_ADAPTERS_FILE = "adapters.yaml"
 
 # Labels on every child (app.kubernetes.io/* are Kubernetes' recommended labels).

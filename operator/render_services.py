@@ -14,7 +14,7 @@ two pools are. Its hash goes on the router pod template, so a config change roll
 
 The declared LoRA adapters (spec.adapters) are the ConfigMap's second key, adapters.yaml. It is
 not hashed: the kubelet refreshes the mounted file in place and the running router follows it
-(router/adapter_sync.py), loading and unloading adapters on the workers without a new pod. The
+(router/placement/adapter_sync.py), loading and unloading adapters on the workers without a new pod. The
 router reports back what each pool holds in the ConfigMap's annotation
 `serving.splitserve.io/adapters-loaded`, so its Role may also get and patch that one ConfigMap.
 """
@@ -65,7 +65,7 @@ def router_config(ctx: Context) -> dict[str, Any]:
 
 
 def adapters_text(ctx: Context) -> str:
-    """adapters.yaml: the declared adapters as the router reads them (router/adapter_sync.py)."""
+    """adapters.yaml: the declared adapters as the router reads them (router/placement/adapter_sync.py)."""
     return yaml.safe_dump({"adapters": [{"name": a.name, "path": a.uri} for a in ctx.spec.adapters]}, sort_keys=False)
 
 

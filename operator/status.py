@@ -10,7 +10,7 @@ DecodeReady and RouterReady. Every condition carries the InferenceService genera
 computed from (`observedGeneration`), and keeps its lastTransitionTime until its status flips.
 
 LoRA adapters: the router reports per pool how many workers are connected and how many hold
-each adapter (an annotation on its ConfigMap, router/adapter_sync.py). `<pool>.adapters` lists
+each adapter (an annotation on its ConfigMap, router/placement/adapter_sync.py). `<pool>.adapters` lists
 the adapters every connected worker of the pool holds; the condition AdaptersLoaded is True when
 each pool holds exactly spec.adapters on every worker, False while a load or unload is under
 way or failed (the message names what is missing or extra where), Unknown before any report;

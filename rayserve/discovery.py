@@ -13,7 +13,7 @@ import asyncio
 import logging
 from collections.abc import Awaitable, Callable
 
-from splitserve.router.discovery import OnChange
+from splitserve.router.placement.discovery import OnChange
 
 log = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """The gateway and router as the Ray Serve ingress deployment.
 
-`Gateway` is the same FastAPI app and `Router` as `splitserve router` (router/app.py,
+`Gateway` is the same FastAPI app and `Router` as `splitserve router` (router/api/app.py,
 router/router.py), served by Serve's HTTP proxy; only discovery differs: `RayDiscovery` reads
 the worker registry deployment, which lives in the same Serve application. The router's lifespan
 (start/stop of discovery, watchers, channels) runs as the ingress replica starts and stops.
@@ -29,7 +29,7 @@ class Gateway:
         self.router = Router(from_dict(router), discovery=RayDiscovery(lambda: registry.workers.remote()))
 
     def __serve_build_asgi_app__(self):
-        from splitserve.router.app import create_app
+        from splitserve.router.api.app import create_app
 
         return create_app(self.router)
 

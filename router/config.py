@@ -78,7 +78,7 @@ class DisaggregationConfig:
 
 @dataclass(frozen=True)
 class KVPullConfig:
-    """Pull instead of recompute (router/pull_cost.py, docs/kv-tiers.md). When the chosen worker
+    """Pull instead of recompute (router/placement/pull_cost.py, docs/kv-tiers.md). When the chosen worker
     lacks at least `min_blocks` more of the prompt's prefix than another healthy worker holds,
     the request carries that holder, if pulling the difference is estimated cheaper than
     computing it. `block_transfer_s` and `prefill_token_s` are the starting estimates (seconds
@@ -163,7 +163,7 @@ class DiscoveryConfig:
 class ApiKey:
     """An accepted API key; `name` labels it in logs and metrics (never the key itself); a
     `rate_per_s` / `burst` here override the global rate limit for this key. `models` (None: all),
-    `rpm`, `tpm` and `monthly_tokens` scope and meter it (router/tenancy.py; keys from
+    `rpm`, `tpm` and `monthly_tokens` scope and meter it (router/tenancy/; keys from
     `api_keys_file` come with key="" and their id as name)."""
 
     key: str
@@ -184,7 +184,7 @@ class GatewayConfig:
     (or to all callers together when no keys are configured), in Redis when `rate_limit_redis_url`
     is set (shared by router replicas) and in memory otherwise. A request that finds no worker able
     to take it waits up to `worker_wait_s` for one (startup, a pool momentarily empty) before its
-    503 with Retry-After (router/readiness.py)."""
+    503 with Retry-After (router/core/readiness.py)."""
 
     host: str = "127.0.0.1"
     port: int = 8000
@@ -198,9 +198,9 @@ class GatewayConfig:
     rate_limit_redis_url: str = ""
     max_attempts: int = 3
     cold_start_hold_s: float = 0.0      # scale from zero: wait this long for a decode worker (0: off)
-    cold_start_max_held: int = 64       # ...with at most this many requests waiting (router/hold.py)
+    cold_start_max_held: int = 64       # ...with at most this many requests waiting (router/core/hold.py)
     api_keys_file: str = ""
-    """A YAML key file (router/tenancy.py), reloaded on change; its keys add to `api_keys`."""
+    """A YAML key file (router/tenancy/), reloaded on change; its keys add to `api_keys`."""
     quota_window_s: float = 60.0
     """The window of the per-key rpm / tpm limits (60: per minute, as OpenAI's)."""
     max_concurrent_per_key: int = 0
@@ -231,7 +231,7 @@ class GatewayConfig:
 
 @dataclass(frozen=True)
 class AdaptersConfig:
-    """LoRA adapters declared in a file (router/adapter_sync.py): `file` is a YAML list
+    """LoRA adapters declared in a file (router/placement/adapter_sync.py): `file` is a YAML list
     `adapters: [{name, path}]` that the router re-reads every `poll_s` and brings every worker in
     line with (load the missing, unload the rest); "" leaves adapters to the workers' flags and the
     load/unload API. With `report_configmap` (and `report_namespace`) set, the router writes what

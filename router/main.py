@@ -49,7 +49,7 @@ def add_router_args(p) -> None:
     p.add_argument("--tls-key", default=None, help="mTLS to the workers: this router's private key (PEM)")
     p.add_argument("--tls-ca", default=None, help="mTLS to the workers: the CA that signed the workers' certificates")
     p.add_argument("--api-keys-file", default=None, help="YAML key file: hashed keys, model scopes, rpm/tpm/monthly "
-                   "token limits (reloaded on change; see router/tenancy.py)")
+                   "token limits (reloaded on change; see router/tenancy/)")
     p.add_argument("--tool-call-parser", default=None, choices=("hermes", "json"),
                    help="how tool_choice=auto answers are read (default hermes)")
 
@@ -125,7 +125,7 @@ def uvicorn_server(app, log_level: str = "warning") -> uvicorn.Server:
 
 async def serve(router, sock: socket.socket, on_started=None) -> None:
     """Run the gateway (and the router through its lifespan) until SIGINT/SIGTERM."""
-    from splitserve.router.app import create_app
+    from splitserve.router.api.app import create_app
 
     server = uvicorn_server(create_app(router))
     if on_started is not None:

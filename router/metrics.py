@@ -40,7 +40,7 @@ class RouterMetrics:
                           registry=r)
         self.workers = Gauge("splitserve_router_workers", "Known workers by role and health", ["role", "state"],
                              registry=r)
-        # The gateway's admission (router/admission.py), read when scraped (watch_admission): what the
+        # The gateway's admission (router/tenancy/admission.py), read when scraped (watch_admission): what the
         # chaos soak checks is empty once the load stops.
         self.admission = Gauge("splitserve_router_admission_requests", "Requests holding an admission slot "
                                "(running) or waiting for one (queued)", ["state"], registry=r)

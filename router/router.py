@@ -17,18 +17,19 @@ import random
 from splitserve.platform.grpc_tls import tls_from
 from splitserve.platform.hashing import BlockHasher
 from splitserve.platform.tokenizer import Tokenizer, load_tokenizer
-from splitserve.router import adapter_sync, readiness
-from splitserve.router.adapters import AdapterCatalog
+from splitserve.router.placement import adapter_sync
+from splitserve.router.core import readiness
+from splitserve.router.placement.adapters import AdapterCatalog
 from splitserve.router.config import IndexConfig, RouterConfig
-from splitserve.router.discovery import Discovery, make_discovery
-from splitserve.router.dispatch import Dispatcher
-from splitserve.router.hold import ColdStartHold
-from splitserve.router.index import InMemoryPrefixIndex, PrefixIndex
+from splitserve.router.placement.discovery import Discovery, make_discovery
+from splitserve.router.core.dispatch import Dispatcher
+from splitserve.router.core.hold import ColdStartHold
+from splitserve.router.placement.index import InMemoryPrefixIndex, PrefixIndex
 from splitserve.router.metrics import RouterMetrics
-from splitserve.router.placement import Placer
-from splitserve.router.pool import WorkerPool
+from splitserve.router.placement.placer import Placer
+from splitserve.router.placement.pool import WorkerPool
 from splitserve.platform.grpc_channels import ChannelPool
-from splitserve.router.watcher import CHANNEL_OPTIONS, WorkerWatcher
+from splitserve.router.placement.watcher import CHANNEL_OPTIONS, WorkerWatcher
 
 log = logging.getLogger(__name__)
 FORGET_TIMEOUT_S = 5.0
@@ -36,8 +37,8 @@ FORGET_TIMEOUT_S = 5.0
 
 def make_index(config: IndexConfig) -> PrefixIndex:
     if config.backend == "redis":
-        from splitserve.router.index_redis import RedisPrefixIndex
-        from splitserve.router.index_resilient import ResilientIndex
+        from splitserve.router.placement.index_redis import RedisPrefixIndex
+        from splitserve.router.placement.index_resilient import ResilientIndex
 
         return ResilientIndex(RedisPrefixIndex(config.redis_url, config.key_prefix, config.speculative_ttl_s,
                                                config.max_blocks_per_worker))
@@ -57,7 +58,7 @@ class Router:
         self.channels = ChannelPool(tls_from(d.tls_cert, d.tls_key, d.tls_ca, d.tls_server_name), CHANNEL_OPTIONS)
         self.metrics = RouterMetrics()
         self.adapters = AdapterCatalog(self.pool, self.channels)
-        if config.adapters.file:   # declared adapters (router/adapter_sync.py); a bad file stops the start
+        if config.adapters.file:   # declared adapters (router/placement/adapter_sync.py); a bad file stops the start
             self.adapters.declare(adapter_sync.read_declared(config.adapters.file))
         self._adapter_tasks: list[asyncio.Task] = []
         self._reconciles: dict[str, asyncio.Task] = {}
@@ -129,7 +130,7 @@ class Router:
 
     @property
     def is_ready(self) -> bool:
-        """The router can serve its model (router/readiness.py)."""
+        """The router can serve its model (router/core/readiness.py)."""
         return not readiness.unready_reason(self)
 
     async def wait_ready(self, timeout_s: float = 60.0, num_decode: int = 1, num_prefill: int = 0) -> None:

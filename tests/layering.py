@@ -14,7 +14,7 @@ import pathlib
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 FOLDERS = {"platform": "splitserve.platform", "workers": "splitserve.workers",
            "router": "splitserve.router", "operator": "splitserve.operator",
-           "planner": "splitserve.planner", "rayserve": "splitserve.rayserve",
+           "planner": "splitserve.planner", "rayserve": "splitserve.rayserve", "launch": "splitserve.launch",
            "bench/loadgen": "splitserve.bench.loadgen"}   # bench/'s scripts are not in the package
 SERVING = ["splitserve.platform", "splitserve.workers", "splitserve.router", "splitserve.operator",
            "splitserve.planner"]
@@ -22,10 +22,11 @@ SERVING = ["splitserve.platform", "splitserve.workers", "splitserve.router", "sp
 # The layers, lowest first: a package imports only packages of a lower layer (never one beside or
 # above it). The planner is a torch-free control-plane library: the router (`up --planner`), the
 # workers (`splitserve profile` measures its CapacityProfile) and the operator build on it.
+# The launchers (`splitserve up`) and the Ray Serve layer each compose router and workers.
 LAYERS = [["splitserve.platform"],
           ["splitserve.planner", "splitserve.bench.loadgen"],
           ["splitserve.workers", "splitserve.router", "splitserve.operator"],
-          ["splitserve.rayserve"]]
+          ["splitserve.rayserve", "splitserve.launch"]]
 
 # (source modules, forbidden modules): a forbidden module must not be reachable from a source.
 ENGINE = ["splitserve.platform.engine", "splitserve.platform.models", "splitserve.platform.kv",
@@ -63,8 +64,14 @@ CONTRACTS = [
     ("the load generator is a torch-free client", ["splitserve.bench.loadgen"],
      ["torch", "splitserve.workers", "splitserve.router", "splitserve.operator", "splitserve.planner",
       *ENGINE]),
-    ("nothing that serves imports the benchmark tools", [*SERVING, "splitserve.rayserve"],
+    ("nothing that serves imports the benchmark tools", [*SERVING, "splitserve.rayserve", "splitserve.launch"],
      ["splitserve.bench"]),
+    # launch/ (`splitserve up`) runs the router in its own process and starts each worker as a
+    # child process: it never loads the engine itself, and nothing below it imports it.
+    ("nothing of ours imports the launchers", [*SERVING, "splitserve.rayserve", "splitserve.bench.loadgen"],
+     ["splitserve.launch"]),
+    ("the launchers start workers as processes and never load the engine", ["splitserve.launch"],
+     ["torch", *ENGINE]),
 ]
 
 
@@ -143,3 +150,53 @@ def _find_forbidden(src: str, graph: dict[str, set[str]], forbidden: list[str]) 
                 seen.add(imp)
                 stack.append(path + [imp])
     return None
+
+
+def import_cycles(prefixes: list[str], graph: dict[str, set[str]] | None = None) -> list[list[str]]:
+    """The import cycles among our modules whose names start with one of `prefixes`: each strongly
+    connected component of more than one module (or a module importing itself), as a sorted list.
+    Imports inside functions count too: a lazy import hides a cycle from Python, not from a reader."""
+    if graph is None:
+        graph = {m: direct_imports(m, p) for m, p in module_files().items()}
+    nodes = sorted(m for m in graph if any(m == p or m.startswith(p + ".") for p in prefixes))
+    edges = {m: sorted(i for i in graph[m] if i in graph and i in nodes) for m in nodes}
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    cycles = []
+
+    def visit(root: str) -> None:   # Tarjan's algorithm, iterative (no recursion limit to hit)
+        work = [(root, iter(edges[root]))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is None:
+                work.pop()
+                if work:
+                    low[work[-1][0]] = min(low[work[-1][0]], low[node])
+                if low[node] == index[node]:
+                    component = []
+                    while True:
+                        member = stack.pop()
+                        on_stack.discard(member)
+                        component.append(member)
+                        if member == node:
+                            break
+                    if len(component) > 1 or node in edges[node]:
+                        cycles.append(sorted(component))
+            elif child not in index:
+                index[child] = low[child] = len(index)
+                stack.append(child)
+                on_stack.add(child)
+                work.append((child, iter(edges[child])))
+            elif child in on_stack:
+                low[node] = min(low[node], index[child])
+
+    for node in nodes:
+        if node not in index:
+            visit(node)
+    return sorted(cycles)

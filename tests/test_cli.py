@@ -49,7 +49,7 @@ def test_bad_arguments_exit_2_with_a_message(args, message):
 
 
 def test_up_leaves_a_core_for_the_router_by_default():
-    from splitserve.router.up import role_threads
+    from splitserve.launch.up import role_threads
 
     assert role_threads(None, None, None, cores=2) == {"prefill": 1, "decode": 1}
     assert role_threads(None, None, None, cores=16) == {"prefill": 8, "decode": 15}

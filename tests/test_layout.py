@@ -71,14 +71,15 @@ def test_layering_checker_keeps_the_planner_below_router_workers_and_operator(tm
     import layering
 
     for rel, code in {"planner/law.py": "from splitserve.router.config import RouterConfig\n",
-                      "router/up_planner.py": "from splitserve.planner.law import Planner\n",
+                      "launch/up_planner.py": "from splitserve.planner.law import Planner\n",
                       "workers/profile.py": "from splitserve.planner.profile import CapacityProfile\n",
                       "operator/render_planner.py": "import splitserve.planner.config\n",
                       "workers/main.py": "import splitserve.router.app\n"}.items():
         (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / rel).write_text(code)
     monkeypatch.setattr(layering, "ROOT", tmp_path)
-    monkeypatch.setattr(layering, "FOLDERS", {f: f"splitserve.{f}" for f in ("planner", "router", "workers", "operator")})
+    monkeypatch.setattr(layering, "FOLDERS",
+                        {f: f"splitserve.{f}" for f in ("planner", "router", "workers", "operator", "launch")})
     problems = layering.layer_violations({m: layering.direct_imports(m, p) for m, p in layering.module_files().items()})
     assert problems == [
         "layers: splitserve.planner.law imports splitserve.router.config (splitserve.router is not below "
@@ -100,7 +101,7 @@ def test_every_package_folder_is_declared_in_pyproject():
     folders = {"platform": "splitserve.platform", "workers": "splitserve.workers",
                "router": "splitserve.router", "operator": "splitserve.operator",
                "planner": "splitserve.planner", "rayserve": "splitserve.rayserve",
-               "bench": "splitserve.bench"}
+               "launch": "splitserve.launch", "bench": "splitserve.bench"}
     for folder, pkg in folders.items():
         for init in (ROOT / folder).rglob("__init__.py"):
             rel = init.parent.relative_to(ROOT / folder)
@@ -127,7 +128,7 @@ def test_architecture_doc_lists_every_module():
     """Each module has a row in the section of *its* folder: a `profile.py` row under planner/
     does not stand for workers/profile.py."""
     rows = architecture_rows((ROOT / "docs" / "architecture.md").read_text())
-    for folder in ("platform", "workers", "router", "operator", "planner", "rayserve", "bench/loadgen"):
+    for folder in ("platform", "workers", "router", "operator", "planner", "rayserve", "launch", "bench/loadgen"):
         for path in (ROOT / folder).rglob("*.py"):
             rel = path.relative_to(ROOT / folder).as_posix()
             if path.name == "__init__.py" and path.stat().st_size == 0:
@@ -165,3 +166,4 @@ def test_the_wheel_ships_every_package_and_command_but_no_bench_script(tmp_path)
     assert "splitserve/bench/loadgen/cli.py" in names
     assert not [n for n in names if n.startswith("splitserve/bench/") and n.count("/") == 2], \
         "a bench/ script is in the wheel"
+

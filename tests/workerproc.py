@@ -58,7 +58,7 @@ def security() -> Security:
     import shutil
     import tempfile
 
-    from splitserve.router.up import throwaway_security
+    from splitserve.launch.up import throwaway_security
 
     directory = tempfile.mkdtemp(prefix="splitserve-test-pki-")
     atexit.register(shutil.rmtree, directory, True)

@@ -1,7 +1,7 @@
 """Pull instead of recompute: a worker fetches a prompt prefix's KV from the worker that holds it.
 
 The router sends a request to worker W with `kv_pull = (holder H, n blocks)` when its prefix
-index says H holds the prompt's first n blocks and W fewer (router/pull_cost.py decides when a
+index says H holds the prompt's first n blocks and W fewer (router/placement/pull_cost.py decides when a
 pull beats recomputing). The pull is the P/D transfer with no compute on the sending side:
 
     W: the engine allocates blocks for the whole prompt and reuses its own hits (KVReady, as for

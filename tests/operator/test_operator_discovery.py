@@ -14,7 +14,7 @@ from splitserve.operator.endpoints import endpoint_slice, pods_of
 from splitserve.operator.render import render
 from splitserve.operator.spec import parse_spec
 from splitserve.router.config import from_dict
-from splitserve.router.discovery_k8s import SERVICE_LABEL, label_selector, slice_addresses
+from splitserve.router.placement.discovery_k8s import SERVICE_LABEL, label_selector, slice_addresses
 
 SPEC = parse_spec({"model": {"uri": "smollm2-135m"}})
 IPS = {"prefill": ["10.1.0.1", "10.1.0.2"], "decode": ["10.2.0.1", "10.2.0.2", "10.2.0.3"], "router": ["10.3.0.1"]}
@@ -31,7 +31,7 @@ def cluster_view():
 
 def router_side_discovery(config_text: str, slices: list[dict]) -> list[str]:
     """What the router does with its router.yaml: its own config loader and its own EndpointSlice
-    reader (router/discovery_k8s.py), fed the slices Kubernetes would make."""
+    reader (router/placement/discovery_k8s.py), fed the slices Kubernetes would make."""
     config = from_dict(yaml.safe_load(config_text))
     wanted = set(config.discovery.k8s_services)
     addresses = set()
@@ -75,7 +75,7 @@ def test_the_router_role_allows_exactly_what_discovery_and_the_adapter_report_ne
     rule, report = manifests[("Role", "svc-router")]["rules"]
     assert (rule["apiGroups"], rule["resources"], sorted(rule["verbs"])) == (
         ["discovery.k8s.io"], ["endpointslices"], ["list", "watch"])
-    # the adapter report (router/adapter_sync.py): its own ConfigMap only, read and patch only
+    # the adapter report (router/placement/adapter_sync.py): its own ConfigMap only, read and patch only
     assert report == {"apiGroups": [""], "resources": ["configmaps"], "resourceNames": ["svc-router"],
                       "verbs": ["get", "patch"]}
 

@@ -1,5 +1,5 @@
 """Measured latency into the local planner (`splitserve up --planner`): planner/window.py's
-sliding window over cumulative scrapes on hand-computed cases, and router/up_planner.py's loop
+sliding window over cumulative scrapes on hand-computed cases, and launch/up_planner.py's loop
 reading the real router metrics object and a decode worker's real metrics over HTTP, so a
 measured ITL above the SLO makes the law trim the decode pool up by one."""
 
@@ -17,7 +17,7 @@ from splitserve.planner.law import Planner
 from splitserve.planner.profile import CapacityProfile, DecodePoint, PrefillPoint
 from splitserve.planner.window import ScrapeWindow, measured_latency
 from splitserve.router.metrics import RouterMetrics
-from splitserve.router.up_planner import LocalPlannerLoop
+from splitserve.launch.up_planner import LocalPlannerLoop
 from splitserve.workers.metrics import WorkerMetrics
 
 

@@ -76,7 +76,7 @@ class RouterServer:
         return self
 
     async def _start(self, num_decode, num_prefill, timeout):
-        from splitserve.router.app import create_app
+        from splitserve.router.api.app import create_app
         from splitserve.router.router import Router
 
         self.router = Router(self.config, **self.kwargs)

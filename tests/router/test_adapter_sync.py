@@ -1,4 +1,4 @@
-"""Declared adapters (router/adapter_sync.py, AdapterCatalog's declared mode): the router follows
+"""Declared adapters (router/placement/adapter_sync.py, AdapterCatalog's declared mode): the router follows
 an adapters file, brings every worker in line with it (a worker that joins later, one holding
 an adapter that is not declared, a change of the file), keeps the last good set when the file
 breaks, refuses the load/unload API while the set is declared, and reports per pool what is
@@ -19,10 +19,10 @@ import pytest
 from routerkit import FakeWorker, RouterServer, free_port, router_config
 from splitserve.platform.errors import ConfigError
 from splitserve.platform.wire import worker_pb2 as pb
-from splitserve.router import adapter_sync
-from splitserve.router.adapter_sync import parse_declared, pool_report
+from splitserve.router.placement import adapter_sync
+from splitserve.router.placement.adapter_sync import parse_declared, pool_report
 from splitserve.router.config import AdaptersConfig, from_dict
-from splitserve.router.pool import WorkerPool, WorkerState
+from splitserve.router.placement.pool import WorkerPool, WorkerState
 
 
 def wait_for(condition, timeout=60, what="condition"):

@@ -1,4 +1,4 @@
-"""Scale from zero (router/hold.py): a request that finds no decode worker is held until one
+"""Scale from zero (router/core/hold.py): a request that finds no decode worker is held until one
 appears, within a bounded queue and a timeout, then 503 with Retry-After; the held count is a gauge."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from prometheus_client import generate_latest
 
 from splitserve.platform.errors import ConfigError
 from splitserve.router.config import GatewayConfig
-from splitserve.router.errors import NoWorkerError
-from splitserve.router.hold import ColdStartHold
+from splitserve.router.api.errors import NoWorkerError
+from splitserve.router.core.hold import ColdStartHold
 from splitserve.router.metrics import RouterMetrics
 
 

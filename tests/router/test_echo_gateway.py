@@ -1,6 +1,6 @@
 """Echo and prompt logprobs on /v1/completions against `splitserve up --quantization none` (a real
 gateway in front of a prefill and a decode worker process; echo requests are prefilled by the
-decode worker itself, router/echo.py).
+decode worker itself, router/api/echo.py).
 
 lm-evaluation-harness (`local-completions`, the client platform teams check deployments with) runs
 a multiple-choice task from a JSON file written here, no hub: its per-choice loglikelihoods equal

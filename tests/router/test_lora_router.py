@@ -19,11 +19,11 @@ from splitserve.platform.hashing import BlockHasher, lora_extra_keys
 from splitserve.platform.wire import worker_pb2 as pb
 from splitserve.platform.sampling.params import SamplingParams
 from splitserve.router.config import DisaggregationConfig, PlacementConfig, ProfileConfig, ScorerSpec, default_decode_profile
-from splitserve.router.index import InMemoryPrefixIndex
-from splitserve.router.placement import Decision, Placer
-from splitserve.router.pool import WorkerPool, WorkerState
-from splitserve.router.wire import generate_request
-from splitserve.router.scorers import LoraAffinity, ScoringContext
+from splitserve.router.placement.index import InMemoryPrefixIndex
+from splitserve.router.placement.placer import Decision, Placer
+from splitserve.router.placement.pool import WorkerPool, WorkerState
+from splitserve.router.core.worker_messages import generate_request
+from splitserve.router.placement.scorers import LoraAffinity, ScoringContext
 
 MODEL = "smollm2-135m"
 
@@ -166,6 +166,6 @@ def test_bad_load_is_400_missing_folder_404_and_neither_changes_anything(fleet, 
 
 def _job(prompt, lora):
     from splitserve.platform.sampling.params import SamplingParams
-    from splitserve.router.dispatch import Job
+    from splitserve.router.core.dispatch import Job
 
     return Job("r", prompt, SamplingParams(), lora_name=lora)

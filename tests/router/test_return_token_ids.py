@@ -1,4 +1,4 @@
-"""vLLM's `return_token_ids` extension (router/protocol.py): with it every choice, and every stream
+"""vLLM's `return_token_ids` extension (router/api/schemas.py): with it every choice, and every stream
 chunk, carries the generated token ids beside the text, so a client (the chaos soak) can compare
 answers exactly; without it the responses stay OpenAI's. A real gateway in front of a fake
 worker that speaks the real gRPC (routerkit)."""

@@ -4,10 +4,10 @@ import asyncio
 
 import pytest
 
-from splitserve.router.admission import Slots
-from splitserve.router.access import Authenticator, MemoryBuckets, RateLimiter, RedisBuckets, key_label
+from splitserve.router.tenancy.admission import Slots
+from splitserve.router.tenancy.access import Authenticator, MemoryBuckets, RateLimiter, RedisBuckets, key_label
 from splitserve.router.config import ApiKey, GatewayConfig
-from splitserve.router.errors import APIError
+from splitserve.router.api.errors import APIError
 
 
 @pytest.mark.parametrize("header,ok", [

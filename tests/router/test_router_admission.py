@@ -5,10 +5,11 @@ import asyncio
 import pytest
 from prometheus_client import CollectorRegistry, Counter
 
-from splitserve.router.admission import AdmissionPipeline, Slots
+from splitserve.router.tenancy.admission import AdmissionPipeline, Slots
 from splitserve.router.config import ApiKey
-from splitserve.router.errors import APIError
-from splitserve.router.tenancy import Concurrency, Quota
+from splitserve.router.api.errors import APIError
+from splitserve.router.tenancy.concurrency import Concurrency
+from splitserve.router.tenancy.quota import Quota
 
 KEY = ApiKey("", name="team-a", rpm=100, tpm=1000, max_concurrent=2)
 

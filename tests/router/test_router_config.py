@@ -5,8 +5,8 @@ import pytest
 from splitserve.platform.errors import ConfigError
 from splitserve.platform.sampling.params import SamplingParams
 from splitserve.router.config import ApiKey, load_config
-from splitserve.router.placement import Decision
-from splitserve.router.wire import generate_request, sampling_params
+from splitserve.router.placement.placer import Decision
+from splitserve.router.core.worker_messages import generate_request, sampling_params
 from splitserve.workers import wire as worker_wire
 
 FULL = """
@@ -82,8 +82,8 @@ def test_errors_name_the_key_and_the_allowed_values(tmp_path, text, message):
 
 
 def test_unknown_scorer_fails_at_startup(tmp_path):
-    from splitserve.router.placement import Placer
-    from splitserve.router.pool import WorkerPool
+    from splitserve.router.placement.placer import Placer
+    from splitserve.router.placement.pool import WorkerPool
 
     path = tmp_path / "router.yaml"
     path.write_text("placement: {prefill: {scorers: [{name: prefix-overlop}]}}")
@@ -100,7 +100,7 @@ def test_unknown_scorer_fails_at_startup(tmp_path):
                    skip_special_tokens=False),
 ])
 def test_wire_sampling_params_round_trip_through_the_workers_decoder(params):
-    """router/wire.py writes what workers/wire.py reads back, field for field (floats chosen
+    """router/core/worker_messages.py writes what workers/wire.py reads back, field for field (floats chosen
     exact in float32, the wire type)."""
     assert worker_wire.sampling_params(sampling_params(params)) == params
 

@@ -7,8 +7,8 @@ import queue
 
 import pytest
 
-from splitserve.router.discovery import StaticDiscovery
-from splitserve.router.discovery_k8s import EndpointSliceDiscovery, Gone, label_selector, slice_addresses
+from splitserve.router.placement.discovery import StaticDiscovery
+from splitserve.router.placement.discovery_k8s import EndpointSliceDiscovery, Gone, label_selector, slice_addresses
 
 
 def endpoint_slice(name, addresses, port=50051, port_name="grpc", ready=True, terminating=None, version="1"):

@@ -7,8 +7,8 @@ import pytest
 
 from splitserve.platform.hashing import BlockHasher
 from splitserve.platform.wire import worker_pb2 as pb
-from splitserve.router.index import InMemoryPrefixIndex
-from splitserve.router.index_redis import RedisPrefixIndex
+from splitserve.router.placement.index import InMemoryPrefixIndex
+from splitserve.router.placement.index_redis import RedisPrefixIndex
 
 HASHER = BlockHasher("smollm2-135m", 16)
 

@@ -1,13 +1,13 @@
 """The Redis prefix index as placement sees it while Redis is unreachable (a port nobody listens
 on) and when it answers (a real redis-server, routerkit.RedisServer): no store error reaches a
-request (router/index_resilient.py); the chaos soak restarts a live Redis (e2e/chaos.py)."""
+request (router/placement/index_resilient.py); the chaos soak restarts a live Redis (e2e/chaos.py)."""
 
 import asyncio
 
 from routerkit import free_port
 from splitserve.platform.wire import worker_pb2 as pb
-from splitserve.router.index_redis import RedisPrefixIndex
-from splitserve.router.index_resilient import ResilientIndex
+from splitserve.router.placement.index_redis import RedisPrefixIndex
+from splitserve.router.placement.index_resilient import ResilientIndex
 
 
 def test_index_without_redis_places_without_prefix_hints():

@@ -1,4 +1,4 @@
-"""The gateway's /openapi.json is honest (router/openapi.py): schemathesis, in-process against a
+"""The gateway's /openapi.json is honest (router/api/openapi.py): schemathesis, in-process against a
 real gateway in front of fake workers (routerkit.FakeWorker: the real Worker gRPC protocol, a
 fake engine), generates valid and invalid requests for every operation and runs all its checks
 with schemathesis' own settings (no 5xx, status codes, content types, response schemas and

@@ -10,12 +10,12 @@ from splitserve.platform.hashing import BlockHasher
 from splitserve.platform.wire import worker_pb2 as pb
 from splitserve.router.config import (DisaggregationConfig, PlacementConfig, ProfileConfig, ScorerSpec,
                                       default_decode_profile)
-from splitserve.router.errors import NoWorkerError
-from splitserve.router.filters import FILTERS, make_filter
-from splitserve.router.index import InMemoryPrefixIndex
-from splitserve.router.placement import Placer, Profile
-from splitserve.router.pool import WorkerPool, WorkerState
-from splitserve.router.scorers import NEUTRAL, SCORERS, ScoringContext, make_scorer
+from splitserve.router.api.errors import NoWorkerError
+from splitserve.router.placement.filters import FILTERS, make_filter
+from splitserve.router.placement.index import InMemoryPrefixIndex
+from splitserve.router.placement.placer import Placer, Profile
+from splitserve.router.placement.pool import WorkerPool, WorkerState
+from splitserve.router.placement.scorers import NEUTRAL, SCORERS, ScoringContext, make_scorer
 
 MODEL, BS = "smollm2-135m", 16
 

@@ -35,7 +35,7 @@ import pytest
 import yaml
 
 from routerkit import FakeWorker, free_port
-from splitserve.router.tenancy import digest
+from splitserve.router.tenancy.keyfile import digest
 
 CLI = str(pathlib.Path(sys.executable).parent / "splitserve")
 MODEL = "smollm2-135m"

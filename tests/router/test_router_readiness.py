@@ -1,4 +1,4 @@
-"""Readiness (router/readiness.py): the gateway lists its model on /v1/models and answers /ready
+"""Readiness (router/core/readiness.py): the gateway lists its model on /v1/models and answers /ready
 only once it can serve it, so the first request after the model list appears always succeeds;
 a request that finds no worker waits up to `gateway.worker_wait_s` for one, then gets 503 with
 Retry-After. Workers here are routerkit's FakeWorker (the real Worker gRPC protocol, a fake

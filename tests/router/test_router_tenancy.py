@@ -1,4 +1,4 @@
-"""Keys as data (router/tenancy.py): the key file, its reload, model scopes, per-key request and
+"""Keys as data (router/tenancy/): the key file, its reload, model scopes, per-key request and
 token windows and monthly budgets, in memory (a fake clock) and in a real Redis."""
 
 from __future__ import annotations
@@ -11,10 +11,11 @@ import pytest
 import yaml
 from prometheus_client import CollectorRegistry
 
-from splitserve.router.access import Authenticator
+from splitserve.router.tenancy.access import Authenticator
 from splitserve.router.config import ApiKey, ConfigError, load_config
-from splitserve.router.errors import APIError
-from splitserve.router.tenancy import KeyFile, Quota, digest, parse_keys
+from splitserve.router.api.errors import APIError
+from splitserve.router.tenancy.keyfile import KeyFile, digest, parse_keys
+from splitserve.router.tenancy.quota import Quota
 
 
 def write_keys(path, keys) -> None:

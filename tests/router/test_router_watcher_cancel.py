@@ -13,9 +13,9 @@ import asyncio
 
 from splitserve.platform.wire import worker_pb2 as pb
 from splitserve.router.config import DiscoveryConfig
-from splitserve.router.index import InMemoryPrefixIndex
-from splitserve.router.pool import WorkerPool
-from splitserve.router.watcher import WorkerWatcher
+from splitserve.router.placement.index import InMemoryPrefixIndex
+from splitserve.router.placement.pool import WorkerPool
+from splitserve.router.placement.watcher import WorkerWatcher
 
 
 class _Stream:

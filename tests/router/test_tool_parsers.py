@@ -1,12 +1,12 @@
-"""Tool-call parsing and planning (router/tools.py) on scripted model outputs, no servers."""
+"""Tool-call parsing and planning (router/api/tools.py) on scripted model outputs, no servers."""
 
 import json
 
 import pytest
 
-from splitserve.router.errors import APIError
-from splitserve.router.protocol import ChatCompletionRequest
-from splitserve.router.tools import ToolPlan, parse_calls, plan_tools, render_messages, stream_deltas, \
+from splitserve.router.api.errors import APIError
+from splitserve.router.api.schemas import ChatCompletionRequest
+from splitserve.router.api.tools import ToolPlan, parse_calls, plan_tools, render_messages, stream_deltas, \
     openai_tool_calls
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",

@@ -5,7 +5,7 @@ tier and pull flags as the worker's own parser reads them, the router plans no p
 import pytest
 
 from splitserve.platform.cli import build_parser, kv_tier_config, main
-from splitserve.router import up
+from splitserve.launch import up
 
 
 def parse(*argv):

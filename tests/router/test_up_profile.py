@@ -1,5 +1,5 @@
 """Which capacity profile `splitserve up --planner` plans with when no --profile is given
-(router/up_profile.py): the shipped one for the default model, else one measured on this machine
+(launch/up_profile.py): the shipped one for the default model, else one measured on this machine
 on first use and cached. The measurement itself (`splitserve profile`) is tested on the real
 worker in tests/planner/test_profile_cmd.py; here `run` stands in for the subprocess, writing
 the profile a real run writes, so the choice, the cache and the progress lines are checked."""
@@ -13,7 +13,7 @@ import pytest
 
 from splitserve.planner.profile import CapacityProfile, DecodePoint, PrefillPoint
 from splitserve.planner.shipped import SOURCES, shipped_profile
-from splitserve.router.up_profile import cache_path, resolve_profile
+from splitserve.launch.up_profile import cache_path, resolve_profile
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 MEASURED = CapacityProfile(prefill=(PrefillPoint(128, 900.0), PrefillPoint(1024, 700.0)),

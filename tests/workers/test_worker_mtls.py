@@ -71,7 +71,7 @@ def test_splitserve_up_makes_throwaway_credentials(tmp_path):
     import os
     import stat
 
-    from splitserve.router.up import throwaway_security
+    from splitserve.launch.up import throwaway_security
 
     overrides, args = throwaway_security(str(tmp_path))
     assert set(overrides) == {"discovery.tls_cert", "discovery.tls_key", "discovery.tls_ca"}

@@ -1,0 +1,249 @@
+"""The FastAPI application of the gateway: routes, error handlers, the edge middleware.
+
+Routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models, POST
+/v1/load_lora_adapter, POST /v1/unload_lora_adapter (these need the API key when keys are
+configured; `model` may name a loaded LoRA adapter, listed in /v1/models with `parent` = the
+base model), GET /health (the process is up), GET /ready (the model
+can be served: router/core/readiness.py; until then /v1/models lists no model), GET /metrics
+(Prometheus), GET /openapi.json and /docs.
+
+Every error leaves as OpenAI's error JSON (errors.py): our APIErrors, FastAPI's validation
+errors and unparsable bodies (400), unknown paths (404), bodies over `max_body_bytes` (413,
+checked on Content-Length and again while reading), and anything unexpected (500, logged).
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import time
+from contextlib import asynccontextmanager
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from splitserve.router.api import embeddings, responses_api, openapi, tokenize_api
+from splitserve.router import logctx
+from splitserve.router.core import readiness
+from splitserve.router.api.errors import APIError, error_body
+from splitserve.router.core.gateway import Gateway
+from splitserve.router.api.schemas import ChatCompletionRequest, CompletionRequest, LoadLoraAdapterRequest, \
+    UnloadLoraAdapterRequest
+from splitserve.router.router import Router
+
+log = logging.getLogger(__name__)
+
+_PREFIXES = {"/v1/chat/completions": "chatcmpl", "/v1/completions": "cmpl"}
+_DRAIN_LIMIT = 64 * 1024 * 1024   # past this an oversized body is not read before answering
+
+
+def create_app(router: Router, manage_router: bool = True) -> FastAPI:
+    """The gateway app; with manage_router its lifespan starts and stops the router."""
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        if manage_router:
+            await router.start()
+        try:
+            yield
+        finally:
+            if manage_router:
+                await router.stop()
+            await gateway.limiter.buckets.close()
+            await gateway.quota.close()
+
+    app = FastAPI(title="splitserve gateway", version="0.1.0", lifespan=lifespan,
+                  description="OpenAI-compatible API in front of splitserve's prefill/decode workers")
+    gateway = Gateway(router)
+    router.metrics.watch_admission(gateway.admission, router.dispatcher)
+    app.state.router = router
+    app.state.gateway = gateway
+    _add_error_handlers(app)
+    _add_routes(app, router, gateway)
+    tokenize_api.add_routes(app, router, gateway)
+    embeddings.add_routes(app, gateway)
+    responses_api.add_routes(app, gateway)
+    openapi.install(app, router.config.served_model_names,
+                    router.tokenizer.vocab_size if router.tokenizer is not None else None)
+    app.add_middleware(EdgeMiddleware, max_body_bytes=router.config.gateway.max_body_bytes, metrics=router.metrics)
+    return app
+
+
+def _add_routes(app: FastAPI, router: Router, gateway: Gateway) -> None:
+    access = [Depends(gateway.access)]
+
+    @app.post("/v1/chat/completions", dependencies=access, summary="Chat completion (OpenAI)")
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        return await gateway.serve(request, body, True)
+
+    @app.post("/v1/completions", dependencies=access, summary="Text completion (OpenAI)")
+    async def completions(body: CompletionRequest, request: Request):
+        return await gateway.serve(request, body, False)
+
+    @app.get("/v1/models", dependencies=access, summary="Served models (OpenAI)")
+    async def models():
+        created = int(time.time())
+        if not router.is_ready:
+            return {"object": "list", "data": []}
+        base = [{"id": name, "object": "model", "created": created, "owned_by": "splitserve",
+                 "max_model_len": router.config.max_model_len, "root": router.config.model, "parent": None}
+                for name in router.config.served_model_names]
+        parent = router.config.served_model_names[0]
+        adapters = [{"id": name, "object": "model", "created": created, "owned_by": "splitserve",
+                     "max_model_len": router.config.max_model_len, "root": name, "parent": parent}
+                    for name in router.adapters.names()]
+        return {"object": "list", "data": base + adapters}
+
+    @app.post("/v1/load_lora_adapter", dependencies=access, summary="Load a LoRA adapter on every worker (vLLM)")
+    async def load_lora_adapter(body: LoadLoraAdapterRequest):
+        if body.lora_name in router.config.served_model_names:
+            raise APIError(400, f"lora_name {body.lora_name!r} is the base model's name; choose another",
+                           param="lora_name")
+        await router.adapters.load(body.lora_name, body.lora_path)
+        return {"object": "lora_adapter", "lora_name": body.lora_name, "status": "loaded",
+                "message": f"Success: LoRA adapter '{body.lora_name}' added successfully."}
+
+    @app.post("/v1/unload_lora_adapter", dependencies=access, summary="Unload a LoRA adapter everywhere (vLLM)")
+    async def unload_lora_adapter(body: UnloadLoraAdapterRequest):
+        await router.adapters.unload(body.lora_name)
+        return {"object": "lora_adapter", "lora_name": body.lora_name, "status": "unloaded",
+                "message": f"Success: LoRA adapter '{body.lora_name}' removed successfully."}
+
+    @app.get("/health", summary="Liveness: the gateway process serves")
+    async def health():
+        return {"status": "ok"}
+
+    @app.get("/ready", summary="Readiness: a healthy decode worker (and prefill worker where required)")
+    async def ready():
+        healthy, reason = router.pool.num_healthy(), readiness.unready_reason(router)
+        if reason:
+            return JSONResponse(error_body(503, reason, code="no_worker_available"), 503, headers={"Retry-After": "1"})
+        return {"status": "ready", "healthy_decode_workers": healthy,
+                "healthy_prefill_workers": router.pool.num_healthy(lambda w: w.role == "prefill")}
+
+    @app.get("/metrics", summary="Prometheus metrics")
+    async def metrics():
+        return Response(router.metrics.render(router.pool), media_type=CONTENT_TYPE_LATEST)
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, exc: APIError):
+        return JSONResponse(exc.body(), exc.status, headers=exc.headers())
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, exc: RequestValidationError):
+        message, param = describe_validation(exc.errors())
+        return JSONResponse(error_body(400, message, param), 400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException):
+        message = exc.detail if isinstance(exc.detail, str) else str(exc.detail)
+        if exc.status_code == 400 and "parsing the body" in message:
+            message = "the request body could not be parsed: send UTF-8 JSON"
+        return JSONResponse(error_body(exc.status_code, message), exc.status_code, headers=exc.headers)
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, exc: Exception):
+        log.exception("internal error")
+        return JSONResponse(error_body(500, f"internal error: {type(exc).__name__}"), 500)
+
+
+_TYPE_TAG = re.compile(r"^(str|int|float|bool|dict|list|none|[\w-]*\[.*\])$")
+
+
+def describe_validation(errors) -> tuple[str, str | None]:
+    """A readable 400 message from pydantic errors: the field, what was wrong, what was sent.
+    A field that failed every form of a union ("prompt": string, strings, ids...) is one entry."""
+    fields: dict[str, list[dict]] = {}
+    for error in errors:
+        if error.get("type") == "json_invalid":
+            return f"the request body is not valid JSON: {error.get('ctx', {}).get('error', error.get('msg'))}", None
+        loc = [str(x) for x in error.get("loc", ()) if x != "body" and not _TYPE_TAG.match(str(x))]
+        fields.setdefault(".".join(loc) or "body", []).append(error)
+    parts = []
+    for where, errs in list(fields.items())[:3]:
+        if errs[0].get("type") == "missing":
+            parts.append(f"{where}: required field missing")
+        elif len(errs) > 1:
+            parts.append(f"{where}: none of the allowed types (got {errs[0].get('input')!r:.60})")
+        else:
+            parts.append(f"{where}: {errs[0].get('msg')} (got {errs[0].get('input')!r:.60})")
+    return "invalid request: " + "; ".join(parts), next(iter(fields), None)
+
+
+MAX_HEADER_BYTES = 16 * 1024
+
+
+class EdgeMiddleware:
+    """Request id (X-Request-Id in and out, on every log line), body size limit, request metrics."""
+
+    def __init__(self, app, max_body_bytes: int, metrics):
+        self.app = app
+        self.max_body_bytes = max_body_bytes
+        self.metrics = metrics
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = dict(scope.get("headers") or [])
+        path = scope.get("path", "")
+        client_rid = headers.get(b"x-request-id", b"").decode("latin-1")
+        rid = logctx.new_request_id(_PREFIXES.get(path, "req"), client_rid)
+        scope.setdefault("state", {})["is_client_request_id"] = rid == client_rid
+        token = logctx.request_id.set(rid)
+        status = [500]
+        t0 = time.monotonic()
+
+        async def send_with_id(message):
+            if message["type"] == "http.response.start":
+                status[0] = message["status"]
+                message["headers"] = [*message.get("headers", []), (b"x-request-id", rid.encode())]
+            await send(message)
+
+        try:
+            header_bytes = sum(len(k) + len(v) for k, v in scope.get("headers") or [])
+            if header_bytes > MAX_HEADER_BYTES:   # whatever the HTTP parser allowed
+                response = JSONResponse(error_body(431, f"request headers too large: {header_bytes} bytes, the "
+                                                   f"limit is {MAX_HEADER_BYTES}", code="headers_too_large"), 431)
+                await response({"type": "http"}, receive, send_with_id)
+                return
+            length = headers.get(b"content-length", b"")
+            if length.isdigit() and int(length) > self.max_body_bytes:
+                await self._reject_oversized(receive, send_with_id, int(length))
+                return
+            await self.app(scope, self._limited(receive), send_with_id)
+        finally:
+            if path.startswith("/v1/"):
+                elapsed = time.monotonic() - t0
+                self.metrics.requests.labels(endpoint=path, status=str(status[0])).inc()
+                self.metrics.latency.labels(endpoint=path).observe(elapsed)
+                log.info("%s %s -> %d in %.3f s", scope.get("method"), path, status[0], elapsed)
+            logctx.request_id.reset(token)
+
+    def _limited(self, receive):
+        seen = [0]
+
+        async def wrapped():
+            message = await receive()
+            if message["type"] == "http.request":
+                seen[0] += len(message.get("body", b""))
+                if seen[0] > self.max_body_bytes:
+                    raise StarletteHTTPException(413, self._too_large())
+            return message
+        return wrapped
+
+    def _too_large(self) -> str:
+        return f"request body too large; the limit is {self.max_body_bytes} bytes"
+
+    async def _reject_oversized(self, receive, send, length: int) -> None:
+        if length <= _DRAIN_LIMIT:   # read it so the client can finish sending and read our answer
+            more = True
+            while more:
+                message = await receive()
+                more = message["type"] == "http.request" and message.get("more_body", False)
+        response = JSONResponse(error_body(413, self._too_large() + f", got {length}", code="request_too_large"), 413)
+        await response({"type": "http"}, receive, send)

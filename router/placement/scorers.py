@@ -1,0 +1,207 @@
+"""Scorers: each rates every candidate worker in [0, 1] for one request (1 = best).
+
+A placement profile sums `weight * score` over its scorers (weights from the config file) and
+picks the maximum. Each scorer has a stable `name` (the config refers to it), parses its own
+`params` over its `DEFAULTS`, and never fails a request: a worker it has no data for (no load
+report yet) gets the neutral score 0.5 and one log line per worker per minute. Registered in
+SCORERS; docs/router.md has a paragraph per scorer.
+
+Load terms use a fixed saturation point rather than min-max normalisation across workers:
+with min-max, one extra queued request swings a score from 1 to 0 and outweighs any prefix hit;
+with a saturation point the weight says how many queued requests a full prefix hit is worth.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+from splitserve.platform.errors import ConfigError
+from splitserve.router.placement.pool import WorkerState
+
+log = logging.getLogger(__name__)
+
+NEUTRAL = 0.5
+
+
+@dataclass
+class ScoringContext:
+    """What a scorer may read about the request being placed."""
+
+    num_prompt_tokens: int
+    num_prompt_blocks: int                 # full blocks of the prompt
+    matched_blocks: dict[str, int] = field(default_factory=dict)   # per worker address
+    now: float = 0.0
+    lora_name: str | None = None           # the LoRA adapter the request runs (None: base model)
+
+
+class Scorer:
+    name = ""
+    DEFAULTS: dict = {}
+
+    def __init__(self, params: dict | None = None):
+        self.params = parse_params(self.name, self.DEFAULTS, params or {})
+
+    def score(self, ctx: ScoringContext, workers: list[WorkerState]) -> dict[str, float]:
+        """Scores in [0, 1] for every worker in `workers`, by address."""
+        raise NotImplementedError
+
+
+def parse_params(owner: str, defaults: dict, params: dict) -> dict:
+    """`params` over `defaults`; ConfigError for an unknown key or a value of the wrong type."""
+    unknown = sorted(set(params) - set(defaults))
+    if unknown:
+        raise ConfigError(f"{owner}: unknown parameter(s) {unknown}; allowed: {', '.join(defaults) or 'none'}")
+    out = dict(defaults)
+    for key, value in params.items():
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+            raise ConfigError(f"{owner}: {key}={value!r} is invalid; allowed: a number > 0")
+        out[key] = value
+    return out
+
+
+_last_logged: dict[tuple[str, str], float] = {}
+
+
+def missing(scorer: str, worker: str, what: str) -> float:
+    """The neutral score, logging why at most once a minute per scorer and worker."""
+    now = time.monotonic()
+    if now - _last_logged.get((scorer, worker), -1e9) > 60:
+        _last_logged[(scorer, worker)] = now
+        log.info("scorer %s: no %s for worker %s yet; neutral score %.1f", scorer, what, worker, NEUTRAL)
+    return NEUTRAL
+
+
+def _headroom(value: float, saturation: float) -> float:
+    """1 at 0, falling linearly to 0 at `saturation` and beyond (clamped to [0, 1])."""
+    score = 1.0 - value / saturation
+    return 0.0 if score < 0.0 else 1.0 if score > 1.0 else score
+
+
+class PrefixOverlap(Scorer):
+    """Fraction of the prompt's full blocks the worker holds as a prefix (index.match)."""
+
+    name = "prefix-overlap"
+
+    def score(self, ctx, workers):
+        if ctx.num_prompt_blocks == 0:
+            return {w.address: NEUTRAL for w in workers}   # nothing to reuse: no preference
+        return {w.address: min(ctx.matched_blocks.get(w.address, 0) / ctx.num_prompt_blocks, 1.0) for w in workers}
+
+
+class QueueDepth(Scorer):
+    """Reported waiting + running requests, 1 when idle, 0 at `saturation` or more."""
+
+    name = "queue-depth"
+    DEFAULTS = {"saturation": 8}
+
+    def score(self, ctx, workers):
+        sat = self.params["saturation"]
+        return {w.address: (_headroom(w.load.num_waiting + w.load.num_running, sat) if w.load is not None
+                            else missing(self.name, w.address, "load report")) for w in workers}
+
+
+class KVUsage(Scorer):
+    """1 - the reported fraction of KV blocks in use."""
+
+    name = "kv-usage"
+
+    def score(self, ctx, workers):
+        return {w.address: (1.0 - min(max(w.load.kv_usage, 0.0), 1.0) if w.load is not None
+                            else missing(self.name, w.address, "load report")) for w in workers}
+
+
+class PendingAssignments(Scorer):
+    """Requests this router sent to the worker that have no first token yet (so no load report
+    shows them): 1 at none, 0 at `saturation` or more."""
+
+    name = "pending-assignments"
+    DEFAULTS = {"saturation": 4}
+
+    def score(self, ctx, workers):
+        sat = self.params["saturation"]
+        return {w.address: _headroom(w.num_pending, sat) for w in workers}
+
+
+class QueuedPrefillTokens(Scorer):
+    """Prompt tokens the worker has yet to compute (its report plus this router's pending
+    prefills): 1 at none, 0 at `saturation` tokens or more."""
+
+    name = "queued-prefill-tokens"
+    DEFAULTS = {"saturation": 8192}
+
+    def score(self, ctx, workers):
+        sat = self.params["saturation"]
+        out = {}
+        for w in workers:
+            if w.load is None:
+                out[w.address] = missing(self.name, w.address, "load report")
+            else:
+                out[w.address] = _headroom(w.load.queued_prefill_tokens + w.num_pending_prefill_tokens, sat)
+        return out
+
+
+class LoraAffinity(Scorer):
+    """Where the request's LoRA adapter already runs (the Gateway API Inference Extension's
+    lora-affinity-scorer): 1.0 if the worker runs requests with it, 0.8 if the worker has a free
+    adapter slot (fewer distinct running + waiting adapters than its max_loras), 0.6 if the
+    adapter only waits there, else 0. A base-model request: 1.0 everywhere (no preference).
+
+    One step GIE does not have: a free slot on a worker that holds the adapter in memory (its
+    `resident_lora_adapters`, the --max-cpu-loras LRU) scores 0.9. A GPU server's "load" is a
+    host-to-device copy; here a worker that has evicted the adapter reads its folder from disk
+    again (0.2 s for a rank-64 SmolLM2 adapter), which this request waits for, so between two free
+    slots the one that needs no read wins. It stays below a running adapter's 1.0: that adds no
+    new adapter to the worker's steps, while each distinct adapter in a step reads its own A and
+    B once per step (16 adapters in a batch of 16 decode at 0.84x the base model, one at 0.96x:
+    docs/benchmarks.md, multi-LoRA)."""
+
+    name = "lora-affinity"
+
+    def score(self, ctx, workers):
+        if ctx.lora_name is None:
+            return {w.address: 1.0 for w in workers}
+        out = {}
+        for w in workers:
+            if w.load is None:
+                out[w.address] = missing(self.name, w.address, "load report")
+                continue
+            running, waiting = set(w.load.running_lora_adapters), set(w.load.waiting_lora_adapters)
+            if ctx.lora_name in running:
+                out[w.address] = 1.0
+            elif len(running | waiting) < max(w.load.max_loras, 1):
+                out[w.address] = 0.9 if ctx.lora_name in w.load.resident_lora_adapters else 0.8
+            elif ctx.lora_name in waiting:
+                out[w.address] = 0.6
+            else:
+                out[w.address] = 0.0
+        return out
+
+
+class RoundRobin(Scorer):
+    """A baseline, not a policy: 1 for the next worker in address order, 0 for the others; each
+    placement moves the turn on. Used alone it is plain round-robin (the benchmarks' arm (a));
+    the cursor is per router replica."""
+
+    name = "round-robin"
+
+    def __init__(self, params: dict | None = None):
+        super().__init__(params)
+        self._turn = 0
+
+    def score(self, ctx, workers):
+        addresses = sorted(w.address for w in workers)
+        chosen = addresses[self._turn % len(addresses)] if addresses else None
+        self._turn += 1
+        return {a: 1.0 if a == chosen else 0.0 for a in addresses}
+
+
+SCORERS: dict[str, type[Scorer]] = {cls.name: cls for cls in (PrefixOverlap, QueueDepth, KVUsage, PendingAssignments,
+                                                              QueuedPrefillTokens, LoraAffinity, RoundRobin)}
+
+
+def make_scorer(name: str, params: dict | None = None) -> Scorer:
+    if name not in SCORERS:
+        raise ConfigError(f"unknown scorer {name!r}; allowed: {', '.join(SCORERS)}")
+    return SCORERS[name](params)

@@ -1,0 +1,170 @@
+"""Admission: the ordered gates a generation request passes before it reaches a worker, and the
+one path that gives back what they took.
+
+    authenticate (401) -> rate limit (429)              every /v1 route, in Gateway.access
+    scope (404) -> prepare (400)                        per request, nothing held
+    key concurrency (429) -> quota (429) -> slot (429)  AdmissionPipeline below: each holds something
+
+A gate of the pipeline holds something once entered (a per-key in-flight count, a token
+reservation, a server slot), so `AdmissionPipeline.admit` enters them in order and, when one
+refuses, leaves the ones already entered in reverse order before the refusal reaches the client;
+`Ticket.release` leaves them all, once, when the request ends however it ends (the gateway calls
+it from its cleanup). The refusal is counted in `splitserve_router_rejected_requests{reason}`
+with the gate's reason.
+
+Two per-key limits with distinct jobs (docs/router.md):
+- the rate limit (access.RateLimiter) smooths bursts: a token bucket in requests per second,
+  set for every caller (anonymous included) on the gateway config or per `--api-key`;
+- the quota (tenancy.Quota) is a tenant's contract from the key file: requests and tokens per
+  window and tokens per month, reserved at admission and settled to the tokens actually used.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from splitserve.router.config import ApiKey
+from splitserve.router.api.errors import APIError
+from splitserve.router.tenancy.concurrency import Concurrency
+from splitserve.router.tenancy.quota import Grant, Quota
+
+
+class Slots:
+    """Bounded concurrency with a bounded wait queue (one instance per gateway): at most
+    `max_concurrent` requests run, `max_queued` more wait in arrival order, beyond that 429."""
+
+    def __init__(self, max_concurrent: int, max_queued: int):
+        self.max_concurrent = max_concurrent
+        self.max_queued = max_queued
+        self.num_running = 0
+        self.num_queued = 0
+        self._slots = asyncio.Semaphore(max_concurrent)
+
+    async def acquire(self) -> None:
+        if self.num_running >= self.max_concurrent and self.num_queued >= self.max_queued:
+            raise APIError(429, f"the server is at capacity ({self.num_running} requests running, "
+                           f"{self.num_queued} queued); retry shortly", code="queue_full", retry_after_s=1)
+        self.num_queued += 1
+        try:
+            await self._slots.acquire()
+        finally:
+            self.num_queued -= 1
+        self.num_running += 1
+
+    def release(self) -> None:
+        self.num_running -= 1
+        self._slots.release()
+
+
+@dataclass
+class Ticket:
+    """One request's passage through the gates: what it asked for and what each gate holds."""
+
+    key: ApiKey
+    model: str
+    reserve_tokens: int              # prompt tokens + max_tokens of every choice
+    counted: bool = False            # the key-concurrency gate counted it
+    grant: Grant | None = None       # the quota gate's reservation
+    has_slot: bool = False
+    entered: list[Gate] = field(default_factory=list)
+
+    @property
+    def quota_headers(self) -> dict[str, str]:
+        return self.grant.headers if self.grant is not None else {}
+
+
+class Gate(Protocol):
+    reason: str   # the `reason` label of a refusal
+
+    async def enter(self, ticket: Ticket) -> None:
+        """Take what the request needs, or raise APIError (having taken nothing)."""
+
+    async def leave(self, ticket: Ticket, outcome: Any) -> None:
+        """Give back what enter took. `outcome`: the request's choices, or None if it never ran."""
+
+
+class KeyConcurrencyGate:
+    reason = "key_concurrency"
+
+    def __init__(self, concurrency: Concurrency):
+        self.concurrency = concurrency
+
+    async def enter(self, ticket: Ticket) -> None:
+        ticket.counted = self.concurrency.enter(ticket.key)
+
+    async def leave(self, ticket: Ticket, outcome: Any) -> None:
+        if ticket.counted:
+            self.concurrency.leave(ticket.key)
+
+
+class QuotaGate:
+    reason = "token_limit"
+
+    def __init__(self, quota: Quota):
+        self.quota = quota
+
+    async def enter(self, ticket: Ticket) -> None:
+        ticket.grant = await self.quota.admit(ticket.key, ticket.model, ticket.reserve_tokens)
+
+    async def leave(self, ticket: Ticket, outcome: Any) -> None:
+        if outcome is None:
+            await self.quota.release(ticket.grant)
+        else:
+            prepared, choices = outcome
+            await self.quota.finish(ticket.grant, prepared, choices)
+
+
+class SlotGate:
+    reason = "queue_full"
+
+    def __init__(self, slots: Slots):
+        self.slots = slots
+
+    async def enter(self, ticket: Ticket) -> None:
+        await self.slots.acquire()
+        ticket.has_slot = True
+
+    async def leave(self, ticket: Ticket, outcome: Any) -> None:
+        if ticket.has_slot:
+            ticket.has_slot = False
+            self.slots.release()
+
+
+class AdmissionPipeline:
+    def __init__(self, concurrency: Concurrency, quota: Quota, slots: Slots, rejected):
+        self.slots = slots
+        self.gates: tuple[Gate, ...] = (KeyConcurrencyGate(concurrency), QuotaGate(quota), SlotGate(slots))
+        self.rejected = rejected    # the Counter of refusals, labelled by reason
+
+    @property
+    def num_running(self) -> int:
+        """Requests holding a server slot."""
+        return self.slots.num_running
+
+    @property
+    def num_queued(self) -> int:
+        """Requests waiting for a server slot."""
+        return self.slots.num_queued
+
+    async def admit(self, key: ApiKey, model: str, reserve_tokens: int) -> Ticket:
+        """Pass every gate in order, or raise the first refusal with nothing left held."""
+        ticket = Ticket(key, model, reserve_tokens)
+        for gate in self.gates:
+            try:
+                await gate.enter(ticket)
+            except BaseException as exc:   # a refusal, or the client gone while it waited for a slot
+                if isinstance(exc, APIError) and exc.status == 429:
+                    self.rejected.labels(reason=gate.reason).inc()
+                await self.release(ticket, None)
+                raise
+            ticket.entered.append(gate)
+        return ticket
+
+    async def release(self, ticket: Ticket, outcome: Any) -> None:
+        """Leave every gate the ticket entered, in reverse order, once (later calls do nothing).
+        `outcome`: (prepared, choices) of a request that ran, or None."""
+        entered, ticket.entered = ticket.entered, []
+        for gate in reversed(entered):
+            await gate.leave(ticket, outcome)

@@ -1,0 +1,124 @@
+"""The key file: API keys as data, hashed, reloaded on change, and per-key model scopes.
+
+The file (YAML, `gateway.api_keys_file`, e.g. a mounted Secret), reloaded when its stat
+(inode, size, mtime) changes, so a Secret update or an edit needs no restart:
+
+    keys:
+      - id: team-a                # logs, metrics and usage name the key by its id, never the key
+        sha256: 9f86d0...         # hex SHA-256 of the key (or `key: sk-...`, hashed on load)
+        models: [smollm2-135m]    # allowed models (base names and adapters); absent: all
+        rpm: 60                   # requests per window (window: gateway.quota_window_s, 60 s)
+        tpm: 20000                # prompt + completion tokens per window
+        monthly_tokens: 5000000   # prompt + completion tokens per calendar month (UTC)
+        max_concurrent: 8         # requests (streams) of this key in flight at once, per router replica
+
+A presented key is hashed and compared with every digest by hmac.compare_digest.
+
+A model outside the key's scope is 404 `model_not_found`, as OpenAI answers for a model a key
+cannot see: the answer does not tell a caller which models exist.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+import re
+from typing import Any
+
+import yaml
+
+from splitserve.router.api.errors import APIError
+from splitserve.router.config import ApiKey, ConfigError
+
+ID_PATTERN = re.compile(r"[A-Za-z0-9._-]{1,64}")
+KEY_FIELDS = {"id", "sha256", "key", "models", "rpm", "tpm", "monthly_tokens", "max_concurrent"}
+
+
+def digest(key: str) -> str:
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+def _positive(entry: dict, name: str, where: str) -> int | None:
+    value = entry.get(name)
+    if value is None:
+        return None
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ConfigError(f"{where}.{name}={value!r}: need a positive integer (or leave it out for no limit)")
+    return value
+
+
+def parse_keys(data: Any, source: str) -> tuple[tuple[str, ApiKey], ...]:
+    """(hex digest, key) pairs of a key file's content; raises ConfigError naming what is wrong."""
+    if not isinstance(data, dict) or not isinstance(data.get("keys"), list):
+        raise ConfigError(f"{source}: need a mapping with a list `keys:`")
+    out, ids = [], set()
+    for i, entry in enumerate(data["keys"]):
+        where = f"{source}: keys[{i}]"
+        if not isinstance(entry, dict) or set(entry) - KEY_FIELDS:
+            raise ConfigError(f"{where}: need a mapping with fields from {sorted(KEY_FIELDS)}")
+        key_id = entry.get("id")
+        if not isinstance(key_id, str) or not ID_PATTERN.fullmatch(key_id) or key_id in ids:
+            raise ConfigError(f"{where}.id={key_id!r}: need an id of 1-64 letters, digits, '.', '_' or '-', "
+                              "unique in the file")
+        ids.add(key_id)
+        if ("sha256" in entry) == ("key" in entry):
+            raise ConfigError(f"{where}: give exactly one of sha256 (hex digest of the key) or key")
+        hexdigest = str(entry["sha256"]).lower() if "sha256" in entry else digest(str(entry["key"]))
+        if len(hexdigest) != 64 or any(c not in "0123456789abcdef" for c in hexdigest):
+            raise ConfigError(f"{where}.sha256: need 64 hex digits")
+        models = entry.get("models")
+        if models is not None and (not isinstance(models, list) or not all(isinstance(m, str) for m in models)):
+            raise ConfigError(f"{where}.models: need a list of model names")
+        out.append((hexdigest, ApiKey(key="", name=key_id, models=tuple(models) if models is not None else None,
+                                      rpm=_positive(entry, "rpm", where), tpm=_positive(entry, "tpm", where),
+                                      monthly_tokens=_positive(entry, "monthly_tokens", where),
+                                      max_concurrent=_positive(entry, "max_concurrent", where))))
+    return tuple(out)
+
+
+class KeyFile:
+    """The keys of one file, re-read whenever the file changes (a bad new file keeps the old keys)."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self._stamp: tuple | None = None
+        self.keys: tuple[tuple[str, ApiKey], ...] = ()
+        self.reload_error: str | None = None
+        self._maybe_reload(strict=True)
+
+    def _maybe_reload(self, strict: bool = False) -> None:
+        try:
+            st = os.stat(self.path)
+        except OSError as exc:
+            if strict:
+                raise ConfigError(f"gateway.api_keys_file={self.path!r}: {exc.strerror}") from None
+            return
+        stamp = (st.st_ino, st.st_size, st.st_mtime_ns)
+        if stamp == self._stamp:
+            return
+        try:
+            with open(self.path, encoding="utf-8") as f:
+                keys = parse_keys(yaml.safe_load(f), self.path)
+        except (ConfigError, yaml.YAMLError, OSError) as exc:
+            if strict:
+                raise ConfigError(str(exc)) from None
+            self.reload_error = str(exc)
+            return
+        self.keys, self._stamp, self.reload_error = keys, stamp, None
+
+    def lookup(self, token: str) -> ApiKey | None:
+        self._maybe_reload()
+        presented = digest(token).encode()
+        found = None
+        for hexdigest, key in self.keys:   # no early exit: the time does not depend on which key matched
+            if hmac.compare_digest(presented, hexdigest.encode()):
+                found = key
+        return found
+
+
+def check_scope(key: ApiKey, model: str) -> None:
+    if key.models is not None and model not in key.models:
+        raise APIError(404, f"the model {model!r} does not exist or this API key has no access to it",
+                       param="model", code="model_not_found")
+
