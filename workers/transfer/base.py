@@ -39,6 +39,10 @@ class TransferError(Exception):
     """A transfer did not complete: rejected, aborted, timed out, or its connection was lost."""
 
 
+class UnknownTransferError(TransferError):
+    """The receiver holds no transfer with this id: it never expected it, or has released it."""
+
+
 class LayoutMismatchError(TransferError):
     """The two sides' KV layouts differ. `mismatches` maps each field to (expected, got)."""
 
