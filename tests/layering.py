@@ -143,3 +143,45 @@ def _find_forbidden(src: str, graph: dict[str, set[str]], forbidden: list[str]) 
                 seen.add(imp)
                 stack.append(path + [imp])
     return None
+
+
+def import_cycles(graph: dict[str, set[str]], package: str) -> list[list[str]]:
+    """The import circles among `package`'s modules (strongly connected components of more than one
+    module, or a module importing itself), each sorted; imports under TYPE_CHECKING count too, since
+    a circle there is the same knot for a reader. Iterative Tarjan, so deep chains do not recurse."""
+    nodes = sorted(m for m in graph if m == package or m.startswith(package + "."))
+    inside = set(nodes)
+    edges = {m: sorted(i for i in graph[m] if i in inside) for m in nodes}
+    index, low, on_stack, stack, cycles = {}, {}, set(), [], []
+    for root in nodes:
+        if root in index:
+            continue
+        work = [(root, 0)]
+        while work:
+            node, i = work.pop()
+            if i == 0:
+                index[node] = low[node] = len(index)
+                stack.append(node)
+                on_stack.add(node)
+            if i < len(edges[node]):
+                work.append((node, i + 1))
+                nxt = edges[node][i]
+                if nxt not in index:
+                    work.append((nxt, 0))
+                elif nxt in on_stack:
+                    low[node] = min(low[node], index[nxt])
+                continue
+            if work:
+                parent = work[-1][0]
+                low[parent] = min(low[parent], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.append(member)
+                    if member == node:
+                        break
+                if len(component) > 1 or node in edges[node]:
+                    cycles.append(sorted(component))
+    return cycles
