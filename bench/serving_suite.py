@@ -164,8 +164,9 @@ def w3_plan(quick: bool, prefill_s: float | None) -> list[list[Run]]:
             fraction = long_rate / (long_rate + interactive)
             points.append((round(long_rate + interactive, 2), fraction,
                            round((14 if quick else W3_INTERACTIVE) / (1 - fraction))))
-    params = lambda fraction: (("long_fraction", f"{fraction:.3f}"), ("long_min", str(W3_LONG[0])),  # noqa: E731
-                               ("long_max", str(W3_LONG[1])))
+    def params(fraction):
+        return ("long_fraction", f"{fraction:.3f}"), ("long_min", str(W3_LONG[0])), ("long_max", str(W3_LONG[1]))
+
     return [[Run("w3", arm, n, rate=rate, warmup=2, params=params(fraction)) for arm in DISAGG]
             for rate, fraction, n in points]
 
@@ -570,7 +571,9 @@ def render(results: dict[str, list[dict]], plots: dict[str, str], meta: dict) ->
                 "32–64-token prompts, 64–128 output tokens, concurrency 8.", "", HEADER]
         out += [summary_row(d) for d in w4]
         rr, ours, pd = pick(w4, "round-robin"), pick(w4, "prefix+queue"), pick(w4, "1P1D")
-        tput = lambda d: d and d["summary"]["output_throughput"]  # noqa: E731
+        def tput(d):
+            return d and d["summary"]["output_throughput"]
+
         out += ["", f"Output tok/s 1P1D ÷ colocated (prefix+queue) = {ratio(tput(pd), tput(ours))}; "
                     f"prefix+queue ÷ round-robin = {ratio(tput(ours), tput(rr))}.", ""]
     peer = results.get("peer", [])
@@ -665,7 +668,8 @@ def machine() -> str:
                  stdlib_platform.processor())
     import torch
 
-    return (f"{len(os.sched_getaffinity(0))} vCPU {model}, {os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / 2**30:.0f} GiB, "
+    memory_gib = os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / 2**30
+    return (f"{len(os.sched_getaffinity(0))} vCPU {model}, {memory_gib:.0f} GiB, "
             f"torch {torch.__version__}, Python {stdlib_platform.python_version()}")
 
 
