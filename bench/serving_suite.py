@@ -23,8 +23,9 @@ Arms
   prompt prefilled remotely, KV over UCX — TCP when ucxx is missing); `1P1D-conditional`
   (remote only when at least COND_TOKENS tokens are uncached).
 
-Results: the section between <!-- serving:begin/end --> of --write, PNG plots in --plots, the
-summaries (no per-request records) in --plots/serving-summary.json, raw JSON in a temp folder.
+Results: the section between <!-- serving:begin/end --> (docs/benchmarks/serving.md for --write
+docs/benchmarks.md), PNG plots in --plots, the summaries (no per-request records) in
+--plots/serving-summary.json, raw JSON in a temp folder.
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ import urllib.request
 import yaml
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from report import markers, write_section  # noqa: E402
+from report import markers, section_path, write_section  # noqa: E402
 
 MODEL = "smollm2-135m"
 # Per worker: 2,048 tokens in 16-token blocks. W1's 8 system prompts (8 x 16 blocks) fill one
@@ -714,7 +715,8 @@ def main() -> int:
         else:
             results[name] = [doc for group in groups[name] for doc in run_group(group, raw, workdir)]
     plots_dir = pathlib.Path(args.plots)
-    rel = os.path.relpath(plots_dir, pathlib.Path(args.write).parent) if args.write else str(plots_dir)
+    rel = (os.path.relpath(plots_dir, section_path(args.write, "serving").parent) if args.write
+           else str(plots_dir))
     plots = make_plots(results, plots_dir, rel)
     kv = sorted({b for docs in results.values() for d in docs for b in d.get("kv_blocks", [])})
     meta = {"machine": machine(), "date": datetime.date.today().isoformat(), "minutes": (time.monotonic() - t0) / 60,
