@@ -39,7 +39,7 @@ def replace_between(text: str, name: str, body: str) -> str:
     carries its own markers); `body` appended when the markers are not there."""
     begin, end = markers(name)
     if begin in text:
-        return text[:text.index(begin)] + body + text[text.index(end) + len(end):]
+        return text[: text.index(begin)] + body + text[text.index(end) + len(end) :]
     return (text.rstrip() + "\n\n" if text.strip() else "") + body + "\n"
 
 
@@ -49,7 +49,7 @@ def write_section(page: str, name: str, section: str) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     text = replace_between(path.read_text() if path.exists() else "", name, section)
     path.write_text(text)
-    script = pathlib.Path(sys._getframe(1).f_code.co_filename).name   # the bench script calling us
+    script = pathlib.Path(sys._getframe(1).f_code.co_filename).name  # the bench script calling us
     _list_on_page(pathlib.Path(page), name, _title(text, name), script)
 
 
@@ -64,7 +64,7 @@ def _list_on_page(page: pathlib.Path, name: str, title: str, script: str) -> Non
     row = f"| [{title}]({link}) | `bench/{script}` |"
     rows = []
     if begin in text:
-        rows = [r for r in text[text.index(begin) + len(begin):text.index(end)].splitlines() if r.startswith("| [")]
+        rows = [r for r in text[text.index(begin) + len(begin) : text.index(end)].splitlines() if r.startswith("| [")]
     found = [i for i, r in enumerate(rows) if f"]({link})" in r]
     if found:
         rows[found[0]] = row

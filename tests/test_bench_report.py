@@ -20,7 +20,7 @@ def section(name: str, title: str, body: str) -> str:
 
 def table_rows(page: str) -> list[str]:
     begin, end = report.markers(report.TABLE)
-    return [r for r in page[page.index(begin):page.index(end)].splitlines() if r.startswith("| [")]
+    return [r for r in page[page.index(begin) : page.index(end)].splitlines() if r.startswith("| [")]
 
 
 def test_a_section_gets_its_own_file_and_one_row_on_the_page(tmp_path):
@@ -31,8 +31,10 @@ def test_a_section_gets_its_own_file_and_one_row_on_the_page(tmp_path):
     assert (tmp_path / "benchmarks" / "alpha.md").read_text() == section("alpha", "Alpha run", "| a | 1 |") + "\n"
     text = page.read_text()
     assert text.startswith("# Benchmarks\n\nintro\n") and text.rstrip().endswith("## Current figures")
-    assert table_rows(text) == ["| [Alpha run](benchmarks/alpha.md) | `bench/test_bench_report.py` |",
-                                "| [Beta run](benchmarks/beta.md) | `bench/test_bench_report.py` |"]
+    assert table_rows(text) == [
+        "| [Alpha run](benchmarks/alpha.md) | `bench/test_bench_report.py` |",
+        "| [Beta run](benchmarks/beta.md) | `bench/test_bench_report.py` |",
+    ]
 
 
 def test_rewriting_keeps_the_notes_around_the_markers_and_the_row_order(tmp_path):
@@ -46,7 +48,9 @@ def test_rewriting_keeps_the_notes_around_the_markers_and_the_row_order(tmp_path
     assert text.startswith("notes before\n\n<!-- alpha:begin -->") and text.endswith("What the run shows.\n")
     assert "second" in text and "first" not in text and text.count("<!-- alpha:begin -->") == 1
     assert [re.sub(r" \|.*", "", r) for r in table_rows(page.read_text())] == [
-        "| [Alpha, renamed](benchmarks/alpha.md)", "| [Beta](benchmarks/beta.md)"]
+        "| [Alpha, renamed](benchmarks/alpha.md)",
+        "| [Beta](benchmarks/beta.md)",
+    ]
 
 
 def test_a_section_name_must_be_a_plain_file_name(tmp_path):

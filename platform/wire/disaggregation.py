@@ -11,8 +11,11 @@ from __future__ import annotations
 from splitserve.platform.wire import worker_pb2 as pb
 
 # name -> proto enum value; the names are the ones configs and CLIs accept.
-DISAGGREGATION_MODES = {"conditional": pb.DISAGGREGATION_MODE_CONDITIONAL, "always": pb.DISAGGREGATION_MODE_ALWAYS,
-                        "never": pb.DISAGGREGATION_MODE_NEVER}
+DISAGGREGATION_MODES = {
+    "conditional": pb.DISAGGREGATION_MODE_CONDITIONAL,
+    "always": pb.DISAGGREGATION_MODE_ALWAYS,
+    "never": pb.DISAGGREGATION_MODE_NEVER,
+}
 _NAMES = {value: name for name, value in DISAGGREGATION_MODES.items()}
 
 

@@ -26,15 +26,18 @@ from splitserve.workers.transfer.sender import _error_from_reply
 S = grpc.StatusCode
 
 
-@pytest.mark.parametrize(("error", "code", "message"), [
-    (AdapterNotFoundError("no adapter 'x'"), S.NOT_FOUND, "no adapter 'x'"),
-    (AdapterFolderNotFoundError("no folder /a"), S.NOT_FOUND, "no folder /a"),
-    (InvalidRequestError("max_tokens must be > 0"), S.INVALID_ARGUMENT, "max_tokens must be > 0"),
-    (BlocksNotHeldError("block 3 evicted"), S.FAILED_PRECONDITION, "pull refused: block 3 evicted"),
-    (LayoutMismatchError("dtype differs"), S.FAILED_PRECONDITION, "KV layout mismatch: dtype differs"),
-    (UnknownTransferError("unknown transfer id 't'"), S.NOT_FOUND, "KV transfer failed: unknown transfer id 't'"),
-    (TransferError("connection lost"), S.UNAVAILABLE, "KV transfer failed: connection lost"),
-])
+@pytest.mark.parametrize(
+    ("error", "code", "message"),
+    [
+        (AdapterNotFoundError("no adapter 'x'"), S.NOT_FOUND, "no adapter 'x'"),
+        (AdapterFolderNotFoundError("no folder /a"), S.NOT_FOUND, "no folder /a"),
+        (InvalidRequestError("max_tokens must be > 0"), S.INVALID_ARGUMENT, "max_tokens must be > 0"),
+        (BlocksNotHeldError("block 3 evicted"), S.FAILED_PRECONDITION, "pull refused: block 3 evicted"),
+        (LayoutMismatchError("dtype differs"), S.FAILED_PRECONDITION, "KV layout mismatch: dtype differs"),
+        (UnknownTransferError("unknown transfer id 't'"), S.NOT_FOUND, "KV transfer failed: unknown transfer id 't'"),
+        (TransferError("connection lost"), S.UNAVAILABLE, "KV transfer failed: connection lost"),
+    ],
+)
 def test_each_caller_error_has_one_status(error, code, message):
     assert grpc_status(error) == (code, message)
 
@@ -47,8 +50,14 @@ def test_our_own_errors_have_no_status():
 def test_the_status_follows_the_error_type_not_its_text():
     """A receiver's reply says what went wrong in `error_kind`; the text may say anything."""
     unknown = _error_from_reply({"ok": False, "error_kind": "unknown", "error": "no such id"})
-    other = _error_from_reply({"ok": False, "error_kind": "transfer", "state": "FAILED",
-                               "error": "unknown transfer id 'x' mentioned in passing"})
+    other = _error_from_reply(
+        {
+            "ok": False,
+            "error_kind": "transfer",
+            "state": "FAILED",
+            "error": "unknown transfer id 'x' mentioned in passing",
+        }
+    )
     assert type(unknown) is UnknownTransferError and grpc_status(unknown)[0] == S.NOT_FOUND
     assert type(other) is TransferError and grpc_status(other)[0] == S.UNAVAILABLE
 
@@ -96,14 +105,26 @@ class _Engine:
 
 
 def _service(num_cached=0, puller=True, remote=True, **config):
-    return WorkerService(WorkerConfig(role="decode", **config), _Engine(num_cached), hub=None,
-                         remote=object() if remote else None, sender=None, layout=None, metrics=None,
-                         puller=object() if puller else None)
+    return WorkerService(
+        WorkerConfig(role="decode", **config),
+        _Engine(num_cached),
+        hub=None,
+        remote=object() if remote else None,
+        sender=None,
+        layout=None,
+        metrics=None,
+        puller=object() if puller else None,
+    )
 
 
 def _request(mode=pb.DISAGGREGATION_MODE_CONDITIONAL, prefill=("p:1",), pull=False, resume=(), min_tokens=None):
-    request = pb.GenerateRequest(request_id="r", prompt_token_ids=list(range(100)), disaggregation=mode,
-                                 prefill_workers=list(prefill), resume_output_token_ids=list(resume))
+    request = pb.GenerateRequest(
+        request_id="r",
+        prompt_token_ids=list(range(100)),
+        disaggregation=mode,
+        prefill_workers=list(prefill),
+        resume_output_token_ids=list(resume),
+    )
     if min_tokens is not None:
         request.min_prefill_tokens = min_tokens
     if pull:
@@ -119,27 +140,30 @@ def _source(service, request, params=None, lora=None):
 LOCAL, PULL, REMOTE = PrefillSource.LOCAL, PrefillSource.PULL, PrefillSource.REMOTE
 
 
-@pytest.mark.parametrize(("service", "request_", "params", "lora", "expected"), [
-    # the prompt is needed here: always local, whatever else the request asks
-    (dict(), dict(pull=True, resume=[7]), None, None, LOCAL),
-    (dict(), dict(pull=True), SamplingParams(max_tokens=4, prompt_logprobs=1), None, LOCAL),
-    (dict(), dict(mode=pb.DISAGGREGATION_MODE_ALWAYS), SamplingParams(max_tokens=1, embed=True), None, LOCAL),
-    # a planned pull, for the base model, on a worker that can receive one
-    (dict(), dict(pull=True), None, None, PULL),
-    (dict(puller=False), dict(pull=True, mode=pb.DISAGGREGATION_MODE_NEVER), None, None, LOCAL),
-    (dict(), dict(pull=True, mode=pb.DISAGGREGATION_MODE_ALWAYS), None, "an adapter", REMOTE),
-    # the disaggregation mode, the request's own or the worker's when unset
-    (dict(), dict(mode=pb.DISAGGREGATION_MODE_ALWAYS), None, None, REMOTE),
-    (dict(), dict(mode=pb.DISAGGREGATION_MODE_NEVER), None, None, LOCAL),
-    (dict(disaggregation="always"), dict(mode=pb.DISAGGREGATION_MODE_UNSPECIFIED), None, None, REMOTE),
-    (dict(disaggregation="never"), dict(mode=pb.DISAGGREGATION_MODE_UNSPECIFIED), None, None, LOCAL),
-    (dict(remote=False), dict(mode=pb.DISAGGREGATION_MODE_ALWAYS), None, None, LOCAL),
-    (dict(), dict(mode=pb.DISAGGREGATION_MODE_ALWAYS, prefill=()), None, None, LOCAL),
-    # conditional: the uncached tokens (100 - cached) against the threshold
-    (dict(num_cached=40), dict(min_tokens=60), None, None, REMOTE),
-    (dict(num_cached=41), dict(min_tokens=60), None, None, LOCAL),
-    (dict(num_cached=0, min_prefill_tokens=101), dict(), None, None, LOCAL),
-    (dict(num_cached=0, min_prefill_tokens=100), dict(), None, None, REMOTE),
-])
+@pytest.mark.parametrize(
+    ("service", "request_", "params", "lora", "expected"),
+    [
+        # the prompt is needed here: always local, whatever else the request asks
+        (dict(), dict(pull=True, resume=[7]), None, None, LOCAL),
+        (dict(), dict(pull=True), SamplingParams(max_tokens=4, prompt_logprobs=1), None, LOCAL),
+        (dict(), dict(mode=pb.DISAGGREGATION_MODE_ALWAYS), SamplingParams(max_tokens=1, embed=True), None, LOCAL),
+        # a planned pull, for the base model, on a worker that can receive one
+        (dict(), dict(pull=True), None, None, PULL),
+        (dict(puller=False), dict(pull=True, mode=pb.DISAGGREGATION_MODE_NEVER), None, None, LOCAL),
+        (dict(), dict(pull=True, mode=pb.DISAGGREGATION_MODE_ALWAYS), None, "an adapter", REMOTE),
+        # the disaggregation mode, the request's own or the worker's when unset
+        (dict(), dict(mode=pb.DISAGGREGATION_MODE_ALWAYS), None, None, REMOTE),
+        (dict(), dict(mode=pb.DISAGGREGATION_MODE_NEVER), None, None, LOCAL),
+        (dict(disaggregation="always"), dict(mode=pb.DISAGGREGATION_MODE_UNSPECIFIED), None, None, REMOTE),
+        (dict(disaggregation="never"), dict(mode=pb.DISAGGREGATION_MODE_UNSPECIFIED), None, None, LOCAL),
+        (dict(remote=False), dict(mode=pb.DISAGGREGATION_MODE_ALWAYS), None, None, LOCAL),
+        (dict(), dict(mode=pb.DISAGGREGATION_MODE_ALWAYS, prefill=()), None, None, LOCAL),
+        # conditional: the uncached tokens (100 - cached) against the threshold
+        (dict(num_cached=40), dict(min_tokens=60), None, None, REMOTE),
+        (dict(num_cached=41), dict(min_tokens=60), None, None, LOCAL),
+        (dict(num_cached=0, min_prefill_tokens=101), dict(), None, None, LOCAL),
+        (dict(num_cached=0, min_prefill_tokens=100), dict(), None, None, REMOTE),
+    ],
+)
 def test_prefill_source(service, request_, params, lora, expected):
     assert _source(_service(**service), _request(**request_), params, lora) is expected
