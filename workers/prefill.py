@@ -25,7 +25,7 @@ import logging
 import time
 
 from splitserve.platform.engine.async_engine import AsyncEngine
-from splitserve.platform.engine.kv_connector import KVExport
+from splitserve.platform.engine.kv_handoff import KVExport
 from splitserve.platform.errors import InvalidRequestError
 from splitserve.platform.wire import worker_pb2 as pb
 from splitserve.workers import faults, wire
