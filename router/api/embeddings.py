@@ -89,7 +89,8 @@ async def serve(gateway, request: Request, body: EmbeddingRequest) -> dict:
     prompts = token_ids(body, router.tokenizer, router.config.max_model_len)
     params = SamplingParams(temperature=0, max_tokens=1, embed=True)
     jobs = [Job(f"{caller.job_id}-{i}", ids, params, caller.lora_name) for i, ids in enumerate(prompts)]
-    prepared = Prepared(caller.request_id, body.model, jobs, sum(map(len, prompts)), None, False, False)
+    prepared = Prepared(caller.request_id, body.model, jobs, sum(map(len, prompts)), logprobs=None,
+                        stream=False, include_usage=False)
     vectors: list[list[float] | None] = [None] * len(jobs)
     async with await gateway.pipeline.open(caller.key, body.model, prepared, bills_completion=False) as run:
         async for index, chunk in run:

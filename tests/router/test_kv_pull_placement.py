@@ -13,8 +13,8 @@ from splitserve.router.config import (
     KVPullConfig,
     PlacementConfig,
     default_decode_profile,
-    from_dict,
 )
+from splitserve.router.config_file import from_dict
 from splitserve.router.core.worker_messages import generate_request
 from splitserve.router.placement.index import InMemoryPrefixIndex
 from splitserve.router.placement.placer import Decision, Placer
