@@ -69,7 +69,8 @@ def register(subparsers) -> None:
     g = p.add_argument_group("SLA planner (launch/up_planner.py)")
     g.add_argument("--planner", action="store_true", help="start and stop workers from the planner's decisions")
     g.add_argument("--max-workers", type=int, default=4, help="most prefill + decode workers together")
-    g.add_argument("--profile", default=None, help="capacity profile JSON (`splitserve profile`; default: the one shipped for the "
+    g.add_argument("--profile", default=None,
+                   help="capacity profile JSON (`splitserve profile`; default: the one shipped for the "
                         "model, else one measured on first use and cached)")
     g.add_argument("--ttft-slo-ms", type=int, default=5000)
     g.add_argument("--itl-slo-ms", type=int, default=250)
@@ -244,7 +245,8 @@ def _up(args, config, secure_args: list[str]) -> int:
     level = logging.getLevelName(logging.getLogger().level)
     planner = make_planner(args, config.model) if args.planner else None
     # With the planner many workers share the cores: one thread each unless told otherwise.
-    threads = ({"prefill": args.prefill_threads or args.threads or 1, "decode": args.decode_threads or args.threads or 1}
+    threads = ({"prefill": args.prefill_threads or args.threads or 1,
+                "decode": args.decode_threads or args.threads or 1}
                if planner is not None else
                role_threads(args.threads, args.prefill_threads, args.decode_threads, os.cpu_count() or 1))
     role_args = {role: ["--threads", str(n), *common] for role, n in threads.items()}

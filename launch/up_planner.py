@@ -26,7 +26,6 @@ from collections import deque
 from collections.abc import Callable
 
 from prometheus_client import generate_latest
-
 from splitserve.planner import signals as S
 from splitserve.planner.law import Observation, Planner, PoolObservation
 from splitserve.planner.window import ScrapeWindow, measured_latency
@@ -66,7 +65,7 @@ class LocalPlannerLoop:
         self.latency.add(now, "router", S.flatten(generate_latest(self.router.metrics.registry).decode()))
         decode = list(self.workers["decode"])
         texts = await asyncio.gather(*(asyncio.to_thread(self._read, w.metrics_url) for w in decode))
-        for w, text in zip(decode, texts):
+        for w, text in zip(decode, texts, strict=True):
             self.latency.add(now, f"decode/{w.address}", None if text is None else S.flatten(text))
         self.latency.keep_only({"router", *(f"decode/{w.address}" for w in decode)})
 

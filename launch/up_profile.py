@@ -23,7 +23,8 @@ from splitserve.planner.shipped import shipped_profile
 
 # A short sweep: enough points for the planner's interpolation, small enough for a first start.
 QUICK_SWEEP = ["--prompt-lens", "128,512,1024", "--concurrency", "1,2,4,8", "--context", "256",
-               "--decode-steps", "8", "--repeats", "1", "--notes", "measured by `splitserve up --planner` (quick sweep)"]
+               "--decode-steps", "8", "--repeats", "1",
+               "--notes", "measured by `splitserve up --planner` (quick sweep)"]
 
 
 def say(message: str) -> None:

@@ -30,7 +30,8 @@ import yaml
 
 from splitserve.platform.config import CacheConfig, DeviceConfig, SchedulerConfig
 from splitserve.platform.errors import ConfigError
-from splitserve.router.config import RouterConfig, checked_mapping, from_dict
+from splitserve.router.config import RouterConfig
+from splitserve.router.config_file import checked_mapping, from_dict
 
 BACKENDS = ("ray",)
 TRANSPORTS = ("ucx", "tcp")

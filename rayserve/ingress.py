@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from ray import serve
 
-from splitserve.router.config import from_dict
+from splitserve.router.config_file import from_dict
 from splitserve.rayserve.discovery import RayDiscovery
 from splitserve.rayserve.registry import WorkerRegistry
 

@@ -1,24 +1,26 @@
 """The router's settings: one frozen dataclass per concern, composed into `RouterConfig`.
 
 A YAML (or JSON) file gives any subset of the keys below; command-line flags override it. Every
-unknown key or bad value is a ConfigError that names the key and lists what is allowed. The
-scorer weights live here (and in the file), never in the placement code. See docs/router.md for
-the file format with every default.
+unknown key or bad value is a ConfigError that names the key and lists what is allowed
+(router/config_file.py reads the file into these). The scorer weights live here (and in the
+file), never in the placement code. See docs/router.md for the file format with every default.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import os
 from dataclasses import dataclass, field
-
-import yaml
 
 from splitserve.platform.errors import ConfigError
 from splitserve.platform.model_source import DEFAULT_MODEL
 
 DISAGGREGATION_MODES = ("conditional", "always", "never")
 INDEX_BACKENDS = ("memory", "redis")
+
+
+def check_choice(key: str, value, allowed: tuple[str, ...]) -> None:
+    """A ConfigError naming `key` and listing the allowed values unless `value` is one of them."""
+    if value not in allowed:
+        raise ConfigError(f"{key}={value!r}; allowed: {', '.join(allowed)}")
 
 
 @dataclass(frozen=True)
@@ -70,8 +72,7 @@ class DisaggregationConfig:
     max_prefill_candidates: int = 2
 
     def __post_init__(self) -> None:
-        if self.mode not in DISAGGREGATION_MODES:
-            raise ConfigError(f"disaggregation.mode={self.mode!r}; allowed: {', '.join(DISAGGREGATION_MODES)}")
+        check_choice("disaggregation.mode", self.mode, DISAGGREGATION_MODES)
         if self.min_prefill_tokens < 0 or self.max_prefill_candidates < 1:
             raise ConfigError("disaggregation.min_prefill_tokens must be >= 0 and max_prefill_candidates >= 1")
 
@@ -119,8 +120,7 @@ class IndexConfig:
     max_blocks_per_worker: int = 262_144
 
     def __post_init__(self) -> None:
-        if self.backend not in INDEX_BACKENDS:
-            raise ConfigError(f"index.backend={self.backend!r}; allowed: {', '.join(INDEX_BACKENDS)}")
+        check_choice("index.backend", self.backend, INDEX_BACKENDS)
         if self.backend == "redis" and not self.redis_url:
             raise ConfigError("index.backend=redis needs index.redis_url (e.g. redis://127.0.0.1:6379/0)")
         if self.speculative_ttl_s < 0 or self.max_blocks_per_worker < 1:
@@ -274,113 +274,3 @@ class RouterConfig:
     @property
     def served_model_names(self) -> tuple[str, ...]:
         return self.gateway.served_model_names or (self.model,)
-
-
-def load_config(path: str | None = None, **overrides) -> RouterConfig:
-    """The file's settings (YAML or JSON; none: defaults) with `overrides` applied on top.
-    Overrides use dotted section names: load_config(p, **{"gateway.port": 8001})."""
-    data: dict = {}
-    if path:
-        if not os.path.isfile(path):
-            raise ConfigError(f"router config file {path} does not exist")
-        with open(path, encoding="utf-8") as f:
-            data = yaml.safe_load(f) or {}
-        if not isinstance(data, dict):
-            raise ConfigError(f"{path}: the router config must be a mapping, got {type(data).__name__}")
-    for dotted, value in overrides.items():
-        if value is None:
-            continue
-        *sections, key = dotted.split(".")
-        node = data
-        for section in sections:
-            node = node.setdefault(section, {})
-        node[key] = value
-    return from_dict(data)
-
-
-def from_dict(data: dict) -> RouterConfig:
-    sections = {"gateway": _gateway, "discovery": _discovery, "index": _index, "placement": _placement,
-                "adapters": lambda d: AdaptersConfig(**checked_mapping(d, AdaptersConfig, "adapters"))}
-    kwargs = {}
-    for key, value in checked_mapping(data, RouterConfig, "").items():
-        kwargs[key] = sections[key](value) if key in sections else value
-    return RouterConfig(**kwargs)
-
-
-def checked_mapping(data, cls, where: str) -> dict:
-    """`data` if it is a mapping whose keys are all fields of the dataclass `cls`; otherwise a
-    ConfigError naming `where`, the unknown keys and the allowed ones. Also used by rayserve/config.py."""
-    if not isinstance(data, dict):
-        raise ConfigError(f"{where or 'router config'} must be a mapping, got {type(data).__name__}")
-    allowed = [f.name for f in dataclasses.fields(cls)]
-    unknown = sorted(set(data) - set(allowed))
-    if unknown:
-        raise ConfigError(f"unknown key(s) {unknown} in {where or 'the router config'}; allowed: {', '.join(allowed)}")
-    return data
-
-
-def _tuple_fields(data: dict, *names: str) -> dict:
-    out = dict(data)
-    for name in names:
-        if name in out:
-            value = out[name]
-            out[name] = tuple(value.split(",") if isinstance(value, str) else value)
-    return out
-
-
-def _gateway(data) -> GatewayConfig:
-    data = _tuple_fields(checked_mapping(data, GatewayConfig, "gateway"), "served_model_names")
-    keys = data.get("api_keys", ())
-    if isinstance(keys, str):
-        keys = [k for k in keys.split(",") if k]
-    data["api_keys"] = tuple(ApiKey(**_tuple_fields(checked_mapping(k, ApiKey, "gateway.api_keys[]"), "models"))
-                             if isinstance(k, dict)
-                             else ApiKey(key=str(k)) for k in keys)
-    return GatewayConfig(**data)
-
-
-def _discovery(data) -> DiscoveryConfig:
-    return DiscoveryConfig(**_tuple_fields(checked_mapping(data, DiscoveryConfig, "discovery"),
-                                           "workers", "k8s_services"))
-
-
-def _index(data) -> IndexConfig:
-    data = dict(checked_mapping(data, IndexConfig, "index"))
-    if data.get("redis_url"):
-        data["redis_url"] = with_password(data["redis_url"], os.environ.get("REDIS_PASSWORD", ""))
-    return IndexConfig(**data)
-
-
-def with_password(url: str, password: str) -> str:
-    """Put REDIS_PASSWORD (the operator mounts it from a Secret) into a redis URL that has none,
-    so the password never sits in the ConfigMap."""
-    scheme, sep, rest = url.partition("://")
-    if not password or not sep or "@" in rest:
-        return url
-    from urllib.parse import quote
-    return f"{scheme}://:{quote(password, safe='')}@{rest}"
-
-
-def _placement(data) -> PlacementConfig:
-    data = checked_mapping(data, PlacementConfig, "placement")
-    kwargs = {}
-    if "disaggregation" in data:
-        kwargs["disaggregation"] = DisaggregationConfig(**checked_mapping(data["disaggregation"], DisaggregationConfig,
-                                                                   "placement.disaggregation"))
-    if "kv_pull" in data:
-        kwargs["kv_pull"] = KVPullConfig(**checked_mapping(data["kv_pull"], KVPullConfig, "placement.kv_pull"))
-    for role, default in (("decode", default_decode_profile()), ("prefill", default_prefill_profile())):
-        if role in data:
-            kwargs[role] = _profile(data[role], default, f"placement.{role}")
-    return PlacementConfig(**kwargs)
-
-
-def _profile(data, default: ProfileConfig, where: str) -> ProfileConfig:
-    data = checked_mapping(data, ProfileConfig, where)
-    scorers = default.scorers
-    if "scorers" in data:
-        if not isinstance(data["scorers"], list):
-            raise ConfigError(f"{where}.scorers must be a list of {{name, weight, params}}")
-        scorers = tuple(ScorerSpec(**checked_mapping(s, ScorerSpec, f"{where}.scorers[]")) for s in data["scorers"])
-    return ProfileConfig(filters=tuple(data.get("filters", default.filters)), scorers=scorers,
-                         filter_params=dict(data.get("filter_params", default.filter_params)))

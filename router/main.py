@@ -15,10 +15,10 @@ import socket
 
 import uvicorn
 from prometheus_client import start_http_server
-
 from splitserve.platform.errors import ConfigError
 from splitserve.router import logctx
-from splitserve.router.config import RouterConfig, load_config
+from splitserve.router.config import RouterConfig
+from splitserve.router.config_file import load_config
 
 log = logging.getLogger("splitserve.router")
 
@@ -59,7 +59,8 @@ def config_from_args(args, **extra) -> RouterConfig:
                  "gateway.port": args.port, "gateway.served_model_names": args.served_model_name,
                  "gateway.api_keys": args.api_key, "gateway.rate_per_s": args.rate_limit,
                  "gateway.api_keys_file": getattr(args, "api_keys_file", None),
-                 "discovery.tls_cert": getattr(args, "tls_cert", None), "discovery.tls_key": getattr(args, "tls_key", None),
+                 "discovery.tls_cert": getattr(args, "tls_cert", None),
+                 "discovery.tls_key": getattr(args, "tls_key", None),
                  "discovery.tls_ca": getattr(args, "tls_ca", None),
                  "gateway.tool_call_parser": args.tool_call_parser, **extra}
     if args.redis_url:

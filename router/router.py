@@ -14,21 +14,21 @@ import contextlib
 import logging
 import random
 
+from splitserve.platform.grpc_channels import ChannelPool
 from splitserve.platform.grpc_tls import tls_from
 from splitserve.platform.hashing import BlockHasher
 from splitserve.platform.tokenizer import Tokenizer, load_tokenizer
-from splitserve.router.placement import adapter_sync
+from splitserve.router.config import DiscoveryConfig, IndexConfig, RouterConfig
 from splitserve.router.core import readiness
-from splitserve.router.placement.adapters import AdapterCatalog
-from splitserve.router.config import IndexConfig, RouterConfig
-from splitserve.router.placement.discovery import Discovery, make_discovery
 from splitserve.router.core.dispatch import Dispatcher
 from splitserve.router.core.hold import ColdStartHold
-from splitserve.router.placement.index import InMemoryPrefixIndex, PrefixIndex
 from splitserve.router.metrics import RouterMetrics
+from splitserve.router.placement import adapter_sync
+from splitserve.router.placement.adapters import AdapterCatalog
+from splitserve.router.placement.discovery import Discovery, StaticDiscovery
+from splitserve.router.placement.index import InMemoryPrefixIndex, PrefixIndex
 from splitserve.router.placement.placer import Placer
 from splitserve.router.placement.pool import WorkerPool
-from splitserve.platform.grpc_channels import ChannelPool
 from splitserve.router.placement.watcher import CHANNEL_OPTIONS, WorkerWatcher
 
 log = logging.getLogger(__name__)
@@ -75,9 +75,11 @@ class Router:
         self._discovery_task = asyncio.create_task(self.discovery.run(self._on_workers), name="discovery")
         a = self.config.adapters
         if a.file:
-            self._adapter_tasks.append(asyncio.create_task(adapter_sync.follow_file(self.adapters, a), name="adapters file"))
+            self._adapter_tasks.append(asyncio.create_task(adapter_sync.follow_file(self.adapters, a),
+                                                           name="adapters file"))
         if a.report_configmap:
-            self._adapter_tasks.append(asyncio.create_task(adapter_sync.report_loop(self.pool, a), name="adapters report"))
+            self._adapter_tasks.append(asyncio.create_task(adapter_sync.report_loop(self.pool, a),
+                                                           name="adapters report"))
 
     async def _on_workers(self, addresses: set[str]) -> None:
         for address in sorted(addresses - set(self._watchers)):
@@ -142,3 +144,13 @@ class Router:
                 raise TimeoutError(f"router: fewer than {num_decode} decode / {num_prefill} prefill workers "
                                    f"healthy after {timeout_s:.0f} s")
             await asyncio.sleep(0.05)
+
+
+def make_discovery(config: DiscoveryConfig) -> Discovery:
+    """EndpointSlices of the pool Services when the config names them, else the static list."""
+    if config.k8s_services:
+        from splitserve.router.placement.discovery_k8s import EndpointSliceDiscovery, KubernetesSliceSource
+
+        return EndpointSliceDiscovery(KubernetesSliceSource(config.k8s_namespace), config.k8s_services,
+                                      config.k8s_port_name)
+    return StaticDiscovery(config.workers)

@@ -37,7 +37,8 @@ def test_layering_checker_catches_a_violation(tmp_path, monkeypatch):
 
     bad = tmp_path / "router"
     bad.mkdir()
-    (bad / "placement.py").write_text("from splitserve.platform import tokenizer\nimport splitserve.platform.kv.manager\n")
+    (bad / "placement.py").write_text("from splitserve.platform import tokenizer\n"
+                                      "import splitserve.platform.kv.manager\n")
     monkeypatch.setattr(layering, "ROOT", tmp_path)
     monkeypatch.setattr(layering, "FOLDERS", {"router": "splitserve.router"})
     assert layering.violations() == [
@@ -197,3 +198,34 @@ def test_the_wheel_ships_every_package_and_command_but_no_bench_script(tmp_path)
     assert not [n for n in names if n.startswith("splitserve/bench/") and n.count("/") == 2], \
         "a bench/ script is in the wheel"
 
+
+def test_no_import_cycles_outside_the_engine_and_the_kv_transports():
+    """Each module can be read after the ones it imports. The engine's kv_connector -> request_state ->
+    prompt_logprobs -> outputs circle and workers/transfer/'s package re-exports are not covered yet."""
+    from layering import import_cycles
+
+    assert import_cycles(["splitserve.router", "splitserve.launch", "splitserve.operator", "splitserve.planner",
+                          "splitserve.rayserve", "splitserve.bench.loadgen"]) == []
+
+
+def test_cycle_finder_reports_each_circle_once(tmp_path, monkeypatch):
+    import layering
+
+    for rel, code in {"router/a.py": "from splitserve.router import b\n",
+                      "router/b.py": "def later():\n    import splitserve.router.c\n",
+                      "router/c.py": "from splitserve.router.a import thing\n",
+                      "router/d.py": "import splitserve.router.d\n",
+                      "router/e.py": "import splitserve.router.a\n"}.items():
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text(code)
+    monkeypatch.setattr(layering, "ROOT", tmp_path)
+    monkeypatch.setattr(layering, "FOLDERS", {"router": "splitserve.router"})
+    assert layering.import_cycles(["splitserve.router"]) == [
+        ["splitserve.router.a", "splitserve.router.b", "splitserve.router.c"], ["splitserve.router.d"]]
+
+
+def test_no_router_module_is_over_300_lines():
+    """A gateway module owns one job; past 300 lines it is split by phase (docs/architecture.md)."""
+    long = {str(p.relative_to(ROOT)): n for p in (ROOT / "router").rglob("*.py")
+            if (n := len(p.read_text().splitlines())) > 300}
+    assert long == {}

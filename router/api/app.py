@@ -23,16 +23,19 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
-from starlette.exceptions import HTTPException as StarletteHTTPException
-
-from splitserve.router.api import embeddings, responses_api, openapi, tokenize_api
 from splitserve.router import logctx
-from splitserve.router.core import readiness
+from splitserve.router.api import embeddings, openapi, responses_api, tokenize_api
 from splitserve.router.api.errors import APIError, error_body
+from splitserve.router.api.schemas import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    LoadLoraAdapterRequest,
+    UnloadLoraAdapterRequest,
+)
+from splitserve.router.core import readiness
 from splitserve.router.core.gateway import Gateway
-from splitserve.router.api.schemas import ChatCompletionRequest, CompletionRequest, LoadLoraAdapterRequest, \
-    UnloadLoraAdapterRequest
 from splitserve.router.router import Router
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 log = logging.getLogger(__name__)
 
@@ -77,11 +80,11 @@ def _add_routes(app: FastAPI, router: Router, gateway: Gateway) -> None:
 
     @app.post("/v1/chat/completions", dependencies=access, summary="Chat completion (OpenAI)")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
-        return await gateway.serve(request, body, True)
+        return await gateway.serve(request, body, is_chat=True)
 
     @app.post("/v1/completions", dependencies=access, summary="Text completion (OpenAI)")
     async def completions(body: CompletionRequest, request: Request):
-        return await gateway.serve(request, body, False)
+        return await gateway.serve(request, body, is_chat=False)
 
     @app.get("/v1/models", dependencies=access, summary="Served models (OpenAI)")
     async def models():

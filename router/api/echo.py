@@ -48,7 +48,8 @@ def check(req: CompletionRequest) -> None:
         raise bad_request("max_tokens=0 is only allowed with echo=true (the prompt alone); allowed: >= 1",
                           "max_tokens")
     if req.prompt_logprobs is not None and req.stream:
-        raise bad_request("prompt_logprobs is not available with stream=true; use echo with logprobs", "prompt_logprobs")
+        raise bad_request("prompt_logprobs is not available with stream=true; use echo with logprobs",
+                          "prompt_logprobs")
 
 
 def worker_prompt_logprobs(req: CompletionRequest) -> int | None:

@@ -11,31 +11,24 @@ norm, L2-normalized. Each input is one job through the ordinary path — access,
 concurrency and token quota, admission, the router's placement, a decode worker's batch — run as
 a one-token generation with `embed` set (the worker computes the prompt itself, never on a
 prefill worker: the hidden state is needed where the answer is made; prefix-cache hits are
-reused, the last token is always computed). The generated token is dropped; usage counts the
-prompt tokens only, in the response and in the key's tenancy records.
+reused, the last token is always computed): the gateway's one pipeline (core/pipeline.py), with
+this module formatting its chunks. The generated token is dropped; usage counts the prompt
+tokens only, in the response and in the key's tenancy records.
 """
 
 from __future__ import annotations
 
 import base64
-import dataclasses
 import struct
-import uuid
 from typing import Literal
 
 from fastapi import Depends, FastAPI, Request
 from pydantic import BaseModel, ConfigDict
-
 from splitserve.platform.sampling.params import SamplingParams
-from splitserve.router import logctx
-from splitserve.router.tenancy.access import ANONYMOUS
-from splitserve.router.core.dispatch import Job
 from splitserve.router.api.errors import APIError, bad_request
-from splitserve.router.core.gateway import merged
 from splitserve.router.api.prompts import Prepared
 from splitserve.router.api.schemas import Int
-from splitserve.router.api.formatting import ChoiceState, usage
-from splitserve.router.tenancy.keyfile import check_scope
+from splitserve.router.core.dispatch import Job
 
 MAX_INPUTS = 2048   # OpenAI's limit per request
 
@@ -68,7 +61,8 @@ def token_ids(req: EmbeddingRequest, tokenizer, max_model_len: int) -> list[list
             try:
                 ids = tokenizer.encode(item)
             except UnicodeEncodeError:
-                raise bad_request(f"input[{i}] holds a lone UTF-16 surrogate; allowed: valid Unicode", "input") from None
+                raise bad_request(f"input[{i}] holds a lone UTF-16 surrogate; allowed: valid Unicode",
+                                  "input") from None
         else:
             ids = list(item)
         if not ids:
@@ -91,35 +85,23 @@ def encode(vector: list[float], encoding_format: str) -> list[float] | str:
 
 async def serve(gateway, request: Request, body: EmbeddingRequest) -> dict:
     router = gateway.router
-    lora_name = gateway.check_model(body.model)
-    key = getattr(request.state, "api_key", ANONYMOUS)
-    check_scope(key, body.model)
+    caller = gateway.caller(request, body.model)
     prompts = token_ids(body, router.tokenizer, router.config.max_model_len)
-    request_id = logctx.request_id.get()
-    job_id = f"{request_id}-{uuid.uuid4().hex[:8]}" if request.state.is_client_request_id else request_id
     params = SamplingParams(temperature=0, max_tokens=1, embed=True)
-    jobs = [Job(f"{job_id}-{i}", ids, params, lora_name) for i, ids in enumerate(prompts)]
-    prepared = Prepared(request_id, body.model, jobs, sum(map(len, prompts)), None, False, False)
-    ticket = await gateway.admission.admit(key, body.model, prepared.num_prompt_tokens)   # router/tenancy/admission.py
-    choices = [ChoiceState() for _ in jobs]
+    jobs = [Job(f"{caller.job_id}-{i}", ids, params, caller.lora_name) for i, ids in enumerate(prompts)]
+    prepared = Prepared(caller.request_id, body.model, jobs, sum(map(len, prompts)), logprobs=None,
+                        stream=False, include_usage=False)
     vectors: list[list[float] | None] = [None] * len(jobs)
-    events = merged([router.dispatcher.generate(job) for job in jobs])
-    try:
-        async for index, chunk in events:
+    async with await gateway.pipeline.open(caller.key, body.model, prepared, bills_completion=False) as run:
+        async for index, chunk in run:
             vectors[index] = list(chunk.embedding) or vectors[index]
-            choices[index].add(dataclasses.replace(chunk, num_completion_tokens=0))
-    finally:
-        try:
-            await events.aclose()
-        finally:
-            await gateway.admission.release(ticket, (prepared, choices))
     if any(v is None for v in vectors):
         raise APIError(500, "a worker answered without an embedding")
-    totals = usage(prepared, choices)
+    usage = run.usage()
     return {"object": "list", "model": body.model,
             "data": [{"object": "embedding", "index": i, "embedding": encode(v, body.encoding_format)}
                      for i, v in enumerate(vectors)],
-            "usage": {"prompt_tokens": totals["prompt_tokens"], "total_tokens": totals["prompt_tokens"]}}
+            "usage": {"prompt_tokens": usage.prompt_tokens, "total_tokens": usage.prompt_tokens}}
 
 
 def add_routes(app: FastAPI, gateway) -> None:

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import math
 
-_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error", 409: "invalid_request_error",
+_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
+          409: "invalid_request_error",
           413: "invalid_request_error", 429: "rate_limit_error", 500: "server_error", 503: "service_unavailable"}
 
 

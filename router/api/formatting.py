@@ -1,34 +1,41 @@
-"""OpenAI response JSON: whole completions, stream chunks, usage, logprobs.
+"""OpenAI response JSON of chat and text completions: whole answers, stream chunks, usage, logprobs.
 
-`usage` counts each distinct prompt once (n choices of one prompt share it), sums completion
-tokens over choices, and reports `prompt_tokens_details.cached_tokens`: prompt tokens served
-from the decode worker's prefix cache.
+The Formatter reads what the pipeline (core/pipeline.py) accumulated per choice and the request's
+typed Usage (core/usage.py); `usage_json` writes that record as OpenAI's usage object, with
+`prompt_tokens_details.cached_tokens` the prompt tokens served from the decode worker's prefix cache.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 import time
 
 from splitserve.platform.tokenizer import Tokenizer
 from splitserve.router.api import echo, tools
-from splitserve.router.core.dispatch import Chunk
 from splitserve.router.api.prompts import Prepared
+from splitserve.router.core.dispatch import Chunk
+from splitserve.router.core.usage import ChoiceState, Usage
+
+MAX_CACHED_TOKENS = 65536   # token texts a TokenText keeps
 
 
 class TokenText:
-    """Token id -> its text and bytes, for logprobs (cached per id)."""
+    """Token id -> its text and bytes, for logprobs (cached per id, up to MAX_CACHED_TOKENS)."""
 
     def __init__(self, tokenizer: Tokenizer | None):
         self.tokenizer = tokenizer
+        self._texts: dict[int, str] = {}
 
-    @functools.lru_cache(maxsize=65536)
     def text(self, token_id: int) -> str:
-        if self.tokenizer is None:
-            return f"<{token_id}>"
-        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+        text = self._texts.get(token_id)
+        if text is None:
+            if self.tokenizer is None:
+                return f"<{token_id}>"
+            text = self.tokenizer.decode([token_id], skip_special_tokens=False)
+            if len(self._texts) < MAX_CACHED_TOKENS:
+                self._texts[token_id] = text
+        return text
 
     def chat_entry(self, lp) -> dict:
         text = self.text(lp.token_id)
@@ -37,35 +44,10 @@ class TokenText:
                                   "bytes": list(self.text(t.token_id).encode("utf-8"))} for t in lp.top]}
 
 
-class ChoiceState:
-    """Accumulates one choice for a non-streamed answer (and the final usage of a stream)."""
-
-    def __init__(self):
-        self.text = ""
-        self.token_ids: list[int] = []
-        self.logprobs: list = []
-        self.finish_reason: str | None = None
-        self.last: Chunk | None = None
-        self.prompt_logprobs: list = []   # what the worker scored of the prompt (echo.py)
-        self.is_echoed = False            # a stream sent the echoed prompt
-
-    def add(self, chunk: Chunk) -> None:
-        self.prompt_logprobs = chunk.prompt_logprobs or self.prompt_logprobs
-        self.text += chunk.text
-        self.token_ids += chunk.token_ids
-        self.logprobs += chunk.logprobs
-        self.finish_reason = chunk.finish_reason or self.finish_reason
-        self.last = chunk
-
-
-def usage(prepared: Prepared, choices: list[ChoiceState]) -> dict:
-    completion = sum(c.last.num_completion_tokens for c in choices if c.last is not None)
-    if prepared.echo is not None and prepared.echo.is_prompt_only:
-        completion = 0
-    cached = next((c.last.num_cached_tokens for c in choices if c.last is not None), 0)
-    return {"prompt_tokens": prepared.num_prompt_tokens, "completion_tokens": completion,
-            "total_tokens": prepared.num_prompt_tokens + completion,
-            "prompt_tokens_details": {"cached_tokens": cached}}
+def usage_json(usage: Usage) -> dict:
+    """OpenAI's usage object."""
+    return {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
+            "total_tokens": usage.total_tokens, "prompt_tokens_details": {"cached_tokens": usage.cached_tokens}}
 
 
 class Formatter:
@@ -95,10 +77,10 @@ class Formatter:
                                  for lp in entries],
                 "text_offset": offsets}
 
-    def complete(self, choices: list[ChoiceState]) -> dict:
+    def complete(self, choices: list[ChoiceState], usage: Usage) -> dict:
         out = self._head("chat.completion" if self.is_chat else "text_completion")
         out["choices"] = [self._choice(i, c) for i, c in enumerate(choices)]
-        out["usage"] = usage(self.prepared, choices)
+        out["usage"] = usage_json(usage)
         return out
 
     def _choice(self, index: int, c: ChoiceState) -> dict:
@@ -176,13 +158,13 @@ class Formatter:
             out["usage"] = None
         return out
 
-    def usage_chunk(self, choices: list[ChoiceState]) -> dict:
+    def usage_chunk(self, usage: Usage) -> dict:
         out = self._head("chat.completion.chunk" if self.is_chat else "text_completion")
         out["choices"] = []
-        out["usage"] = usage(self.prepared, choices)
+        out["usage"] = usage_json(usage)
         return out
 
 
 def sse(data: dict | str) -> bytes:
     payload = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False, separators=(",", ":"))
-    return f"data: {payload}\n\n".encode("utf-8")
+    return f"data: {payload}\n\n".encode()

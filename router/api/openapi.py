@@ -16,7 +16,6 @@ Checked by schemathesis in tests/router/test_router_openapi.py.
 from __future__ import annotations
 
 from fastapi.openapi.utils import get_openapi
-
 from splitserve.platform.sampling.params import MAX_LOGPROBS
 
 INT32, INT64 = 2**31, 2**63
@@ -107,7 +106,8 @@ _OBJECT_ANSWERS = {
     "/version": {"type": "object", "required": ["version"], "properties": {"version": {"type": "string"}}},
     "/v1/embeddings": {"type": "object", "required": ["object", "data", "model", "usage"], "properties": {
         "object": {"type": "string", "enum": ["list"]}, "model": {"type": "string"},
-        "data": {"type": "array", "items": {"type": "object", "required": ["object", "index", "embedding"], "properties": {
+        "data": {"type": "array", "items": {
+            "type": "object", "required": ["object", "index", "embedding"], "properties": {
             "object": {"type": "string"}, "index": {"type": "integer"},
             "embedding": {"anyOf": [{"type": "array", "items": {"type": "number"}}, {"type": "string"}]}}}},
         "usage": {"type": "object", "required": ["prompt_tokens", "total_tokens"]}}},
@@ -140,7 +140,8 @@ def _responses(path: str, method: str, op: dict) -> None:
         ok = responses.setdefault("200", {"description": "Successful Response"})
         ok["content"] = {"application/json": {"schema": {
             "type": "object", "required": ["lora_name", "status"],
-            "properties": {"lora_name": {"type": "string"}, "status": {"type": "string", "enum": ["loaded", "unloaded"]},
+            "properties": {"lora_name": {"type": "string"},
+                           "status": {"type": "string", "enum": ["loaded", "unloaded"]},
                            "message": {"type": "string"}, "object": {"type": "string"}}}}}
     elif method == "post":
         statuses += [400, 404, 413, 503]

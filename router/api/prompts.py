@@ -19,13 +19,18 @@ from splitserve.platform.errors import InvalidRequestError
 from splitserve.platform.sampling.params import MAX_LOGPROBS, SamplingParams
 from splitserve.platform.tokenizer import Tokenizer
 from splitserve.router.api import echo
-from splitserve.router.core.dispatch import Job
 from splitserve.router.api.echo import EchoPlan
 from splitserve.router.api.errors import APIError, bad_request
+from splitserve.router.api.schemas import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    SamplingFields,
+    message_dicts,
+    unsupported_fields,
+)
 from splitserve.router.api.structured import constraint_fields
 from splitserve.router.api.tools import ToolPlan, plan_tools, render_messages
-from splitserve.router.api.schemas import (ChatCompletionRequest, CompletionRequest, SamplingFields, message_dicts,
-                                        unsupported_fields)
+from splitserve.router.core.dispatch import Job
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 

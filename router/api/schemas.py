@@ -5,10 +5,11 @@ take a whole-number float (2.0), which JSON Schema counts as an integer (`Int`).
 OpenAI API that change what the model must do and that splitserve does not implement (suffix,
 best_of > n, echo with several choices) are rejected with a 400 naming them rather than ignored.
 `echo` (the prompt back in `text`, its tokens' logprobs with `logprobs`; `max_tokens: 0` then
-means the prompt alone) and vLLM's `prompt_logprobs` are served (router/api/echo.py). vLLM's sampling extensions (top_k, min_p, repetition_penalty,
-min_tokens, ignore_eos, stop_token_ids, skip_special_tokens, include_stop_str_in_output) are
-accepted, and so is its `return_token_ids` (the generated token ids beside the text, so a client
-can compare answers exactly); the openai client sends them through `extra_body`.
+means the prompt alone) and vLLM's `prompt_logprobs` are served (router/api/echo.py). vLLM's
+sampling extensions (top_k, min_p, repetition_penalty, min_tokens, ignore_eos, stop_token_ids,
+skip_special_tokens, include_stop_str_in_output) are accepted, and so is its `return_token_ids`
+(the generated token ids beside the text, so a client can compare answers exactly); the openai
+client sends them through `extra_body`.
 """
 
 from __future__ import annotations

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 from fastapi import Depends, FastAPI
 from pydantic import BaseModel, ConfigDict, Field
-
 from splitserve.platform.__about__ import __version__
 from splitserve.platform.errors import InvalidRequestError
 from splitserve.router.api.errors import bad_request

@@ -155,5 +155,6 @@ def stream_deltas(tool_calls: list[dict]) -> list[dict]:
                                        "function": {"name": call["function"]["name"], "arguments": ""}}]})
         args = call["function"]["arguments"]
         for start in range(0, len(args), ARGUMENT_PIECE):
-            deltas.append({"tool_calls": [{"index": index, "function": {"arguments": args[start:start + ARGUMENT_PIECE]}}]})
+            piece = args[start:start + ARGUMENT_PIECE]
+            deltas.append({"tool_calls": [{"index": index, "function": {"arguments": piece}}]})
     return deltas

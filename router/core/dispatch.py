@@ -34,18 +34,17 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 import grpc
-
 from splitserve.platform.hashing import BlockHasher, lora_extra_keys
 from splitserve.platform.sampling.params import SamplingParams
 from splitserve.platform.tokenizer import Tokenizer
 from splitserve.platform.wire import worker_pb2 as pb
 from splitserve.router import logctx
-from splitserve.router.core import readiness
 from splitserve.router.api.echo import without_prompt_scoring
 from splitserve.router.api.errors import APIError, NoWorkerError
+from splitserve.router.core import readiness
+from splitserve.router.core.worker_messages import generate_request
 from splitserve.router.placement.placer import Decision, Placer
 from splitserve.router.placement.pool import WorkerPool
-from splitserve.router.core.worker_messages import generate_request
 
 log = logging.getLogger(__name__)
 
@@ -104,7 +103,7 @@ class Dispatcher:
         self.metrics = metrics
         self.hold = hold                                         # router/core/hold.py, or None
         self.worker_wait_s = worker_wait_s                       # see _place_or_wait
-        self.adapters = adapters                                 # router/adapters.AdapterCatalog
+        self.adapters = adapters                                 # placement/adapters.py, or None
         self._calls: dict[str, dict[int, grpc.aio.Call]] = {}   # worker -> in-flight calls
         self._lost: set[int] = set()                             # ids of calls cancelled by worker_down
 
@@ -160,9 +159,11 @@ class Dispatcher:
         if self.hold is not None:
             await self.hold.wait(lambda: bool(self.pool.decode_workers()))
         t0 = time.perf_counter()
+        lora_workers = None
+        if job.lora_name is not None and self.adapters is not None:
+            lora_workers = self.adapters.workers_with(job.lora_name)
         decision = await self.placer.place(len(token_ids), self._hashes(job, token_ids), frozenset(excluded),
-                                           lora_name=job.lora_name,
-                                           lora_workers=self.adapters.workers_with(job.lora_name) if job.lora_name else None)
+                                           lora_name=job.lora_name, lora_workers=lora_workers)
         seconds = time.perf_counter() - t0
         log.info("%s attempt %d: decode %s, prefill %s, %d cached blocks, %d uncached tokens", job.request_id,
                  attempt, decision.decode, ",".join(decision.prefill) or "local", decision.num_cached_blocks,
@@ -219,7 +220,8 @@ class Dispatcher:
             if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
                 details = exc.details() or "invalid request"
                 field = details.split(":", 1)[0]  # constraint errors start with the API field's name
-                raise APIError(400, details, param=field if all(p.isidentifier() for p in field.split(".")) else None) from None
+                is_field = all(p.isidentifier() for p in field.split("."))
+                raise APIError(400, details, param=field if is_field else None) from None
             raise WorkerLost(f"{exc.code().name}: {exc.details()}") from None
         except asyncio.CancelledError:
             if key in self._lost and not asyncio.current_task().cancelling():

@@ -1,13 +1,17 @@
-"""Serving one OpenAI request: access checks, jobs, streaming or whole answers.
+"""Serving one OpenAI request over HTTP: who asks, the pipeline's run, a stream or a whole answer.
 
-    access (401 / 429) -> model (404) -> prepare (400) -> admission gates (429; router/tenancy/admission.py)
-    -> dispatch
+    access (401 / 429) -> model (404) -> scope (404) -> prepare (400)
+    -> Pipeline.open: admission gates (429; tenancy/admission.py), dispatch (core/dispatch.py)
+    -> a stream of events, or one JSON answer, written by the endpoint's formatter
 
 A streamed answer waits for its first increment before sending headers, so an error before the
 first token (no worker: 503, a worker's 400) still gets its HTTP status; after that an error is
-sent as a final `data: {"error": ...}` event. Either way the admission slot is released and
-the workers' calls are cancelled when the response ends, fails or the client goes away; for a
-whole (non-streamed) answer the gateway watches the connection and cancels on disconnect.
+sent as the endpoint's error event. Either way the run is closed (its admission released, the
+workers' calls cancelled) when the response ends, fails or the client goes away; for a whole
+(non-streamed) answer the gateway watches the connection and cancels on disconnect (499).
+
+Each endpoint is a formatter over this: chat and completions (api/formatting.py, the
+`ChatEvents` below), the Responses API (api/responses_api.py), embeddings (api/embeddings.py).
 """
 
 from __future__ import annotations
@@ -17,27 +21,50 @@ import dataclasses
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Protocol
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-
 from splitserve.router import logctx
-from splitserve.router.tenancy.access import ANONYMOUS, Authenticator, RateLimiter
-from splitserve.router.tenancy.admission import AdmissionPipeline, Slots, Ticket
-from splitserve.router.config import ApiKey
 from splitserve.router.api.errors import APIError
-from splitserve.router.api.prompts import Prepared, prepare_chat, prepare_completion
-from splitserve.router.api.formatting import ChoiceState, Formatter, TokenText, sse
-from splitserve.router.tenancy.concurrency import Concurrency
-from splitserve.router.tenancy.quota import Quota
-from splitserve.router.tenancy.keyfile import check_scope
+from splitserve.router.api.formatting import Formatter, TokenText, sse
+from splitserve.router.api.prompts import prepare_chat, prepare_completion
+from splitserve.router.config import ApiKey
+from splitserve.router.core.dispatch import Chunk
+from splitserve.router.core.pipeline import ChoiceChunk, Pipeline, Run
 from splitserve.router.router import Router
+from splitserve.router.tenancy.access import ANONYMOUS, Authenticator, RateLimiter
+from splitserve.router.tenancy.admission import AdmissionPipeline, Slots
+from splitserve.router.tenancy.concurrency import Concurrency
+from splitserve.router.tenancy.keyfile import check_scope
+from splitserve.router.tenancy.quota import Quota
 
 log = logging.getLogger(__name__)
 
 DONE = b"data: [DONE]\n\n"
-_END = object()
+
+
+@dataclasses.dataclass(frozen=True)
+class Caller:
+    """Who asks, for what: set up once per request, before anything is held."""
+
+    key: ApiKey
+    lora_name: str | None   # the LoRA adapter `model` names; None: the base model
+    request_id: str         # names the response (and the log lines)
+    job_id: str             # unique: prefixes the workers' request ids
+
+
+class StreamEvents(Protocol):
+    """How an endpoint writes a stream: called by Gateway.respond, in this order."""
+
+    def start(self, run: Run) -> list[bytes]: ...
+
+    def chunk(self, run: Run, item: ChoiceChunk) -> list[bytes]: ...
+
+    def end(self, run: Run) -> list[bytes]: ...
+
+    def error(self, run: Run, exc: APIError) -> list[bytes]: ...
 
 
 class Gateway:
@@ -51,6 +78,7 @@ class Gateway:
         self.admission = AdmissionPipeline(Concurrency(gateway.max_concurrent_per_key), self.quota,
                                            Slots(gateway.max_concurrent_requests, gateway.max_queued_requests),
                                            router.metrics.rejected)
+        self.pipeline = Pipeline(self.admission, router.dispatcher)
         self.tokens = TokenText(router.tokenizer)
 
     async def access(self, request: Request) -> ApiKey:
@@ -76,66 +104,80 @@ class Gateway:
         raise APIError(404, f"the model {model!r} does not exist; this server serves: {served}",
                        param="model", code="model_not_found")
 
-    async def serve(self, request: Request, body, is_chat: bool) -> Response:
-        lora_name = self.check_model(body.model)
+    def caller(self, request: Request, model: str) -> Caller:
+        """The model (404), the key's scope (404) and the ids of one request."""
+        lora_name = self.check_model(model)
         key = getattr(request.state, "api_key", ANONYMOUS)
-        check_scope(key, body.model)
+        check_scope(key, model)
         request_id = logctx.request_id.get()
         # A client's X-Request-Id may repeat; the workers get it with a unique suffix.
         job_id = f"{request_id}-{uuid.uuid4().hex[:8]}" if request.state.is_client_request_id else request_id
+        return Caller(key, lora_name, request_id, job_id)
+
+    async def open(self, request: Request, body, *, is_chat: bool) -> tuple[Run, Formatter]:
+        """A chat or text completion admitted and dispatched, and the formatter of its answer."""
+        caller = self.caller(request, body.model)
         prepare = prepare_chat if is_chat else prepare_completion
-        prepared = prepare(body, request_id, job_id, self.router.tokenizer, self.router.config.max_model_len,
+        prepared = prepare(body, caller.request_id, caller.job_id, self.router.tokenizer,
+                           self.router.config.max_model_len,
                            **({"tool_call_parser": self.router.config.gateway.tool_call_parser} if is_chat else {}))
-        if lora_name is not None:
-            prepared.jobs[:] = [dataclasses.replace(job, lora_name=lora_name) for job in prepared.jobs]
-        reserve = prepared.num_prompt_tokens + sum(job.params.max_tokens for job in prepared.jobs)
-        ticket = await self.admission.admit(key, body.model, reserve)
-        events = merged([self.router.dispatcher.generate(job) for job in prepared.jobs])
-        formatter = Formatter(prepared, is_chat, self.tokens)
-        cleanup = _Cleanup(events, self.admission, ticket, prepared)
+        if caller.lora_name is not None:
+            prepared.jobs[:] = [dataclasses.replace(job, lora_name=caller.lora_name) for job in prepared.jobs]
+        run = await self.pipeline.open(caller.key, body.model, prepared)
+        return run, Formatter(prepared, is_chat, self.tokens)
+
+    async def serve(self, request: Request, body, *, is_chat: bool) -> Response:
+        """POST /v1/chat/completions (is_chat) and /v1/completions."""
+        run, formatter = await self.open(request, body, is_chat=is_chat)
+        return await self.respond(request, run, ChatEvents(formatter),
+                                  lambda run: formatter.complete(run.choices, run.usage()))
+
+    async def respond(self, request: Request, run: Run, events: StreamEvents,
+                      answer: Callable[[Run], dict]) -> Response:
+        """The HTTP response of an open run: `events` write a stream, `answer` the whole JSON
+        body once every choice has finished. The run is closed however this ends."""
         try:
-            if prepared.stream:
-                return await self._stream(prepared, formatter, events, cleanup)
-            return await self._complete(request, prepared, formatter, events, cleanup)
+            if run.prepared.stream:
+                return await self._stream(run, events)
+            if not await self._collect(request, run):
+                return Response(status_code=499)
+            last = next((c.last for c in run.choices if c.last is not None), None)
+            return JSONResponse(answer(run), headers={**_worker_headers(last), **run.quota_headers})
         except BaseException:
-            await cleanup()
+            await run.close()
             raise
 
-    async def _stream(self, prepared: Prepared, formatter: Formatter, events, cleanup) -> Response:
+    async def _stream(self, run: Run, events: StreamEvents) -> Response:
         t0 = time.monotonic()
-        first = await events.__anext__()
+        first = await run.next()
         self.router.metrics.ttft.observe(time.monotonic() - t0)
-        choices = cleanup.choices = [ChoiceState() for _ in prepared.jobs]
 
         async def body() -> AsyncIterator[bytes]:
-            if formatter.is_chat:
-                for index in range(len(choices)):
-                    yield sse(formatter.chunk(index, None, role=True))
+            for data in events.start(run):
+                yield data
             try:
                 item = first
-                while item is not _END:
-                    index, chunk = item
-                    choices[index].add(chunk)
-                    for data in formatter.stream(index, chunk, choices[index]):
-                        yield sse(data)
-                    item = await anext(events, _END)
-                if prepared.include_usage:
-                    yield sse(formatter.usage_chunk(choices))
+                while item is not None:
+                    for data in events.chunk(run, item):
+                        yield data
+                    item = await run.next()
+                out = events.end(run)
             except APIError as exc:
                 log.warning("stream failed after the first token: %s", exc.message)
-                yield sse(exc.body())
-            yield DONE
+                out = events.error(run, exc)
+            for data in out:
+                yield data
 
-        return _CleanupStreamingResponse(body(), cleanup, media_type="text/event-stream",
-                                         headers={**_worker_headers(first[1]), **cleanup.headers()})
+        return ClosingStreamingResponse(body(), run.close, media_type="text/event-stream",
+                                        headers={**_worker_headers(first.chunk if first else None),
+                                                 **run.quota_headers})
 
-    async def _complete(self, request: Request, prepared: Prepared, formatter: Formatter, events,
-                        cleanup) -> Response:
-        choices = cleanup.choices = [ChoiceState() for _ in prepared.jobs]
-
+    async def _collect(self, request: Request, run: Run) -> bool:
+        """Every chunk of the run; False if the client went away first (the run is then closed).
+        Closes the run and raises the generation's APIError, if any."""
         async def collect():
-            async for index, chunk in events:
-                choices[index].add(chunk)
+            async for _ in run:
+                pass
 
         task = asyncio.create_task(collect())
         disconnect = asyncio.create_task(_wait_disconnect(request))
@@ -147,90 +189,47 @@ class Gateway:
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
             log.info("client disconnected; request aborted on the workers")
-            await cleanup()
-            return Response(status_code=499)
-        await cleanup()
-        task.result()   # raises the generation's APIError, if any
-        last = next((c.last for c in choices if c.last is not None), None)
-        return JSONResponse(formatter.complete(choices), headers={**_worker_headers(last), **cleanup.headers()})
+            await run.close()
+            return False
+        await run.close()
+        task.result()
+        return True
 
 
-async def merged(gens: list) -> AsyncIterator[tuple[int, object]]:
-    """(choice index, chunk) from several generations as they come; closing this closes them all."""
-    if len(gens) == 1:
-        try:
-            async for chunk in gens[0]:
-                yield 0, chunk
-        finally:
-            await gens[0].aclose()
-        return
-    queue: asyncio.Queue = asyncio.Queue()
+class ChatEvents:
+    """The SSE stream of a chat or text completion."""
 
-    async def pump(index: int, gen) -> None:
-        try:
-            async for chunk in gen:
-                await queue.put((index, chunk))
-            await queue.put(_END)
-        except Exception as exc:  # noqa: BLE001 - handed to the consumer, which raises it
-            await queue.put(exc)
-        finally:
-            await gen.aclose()
+    def __init__(self, formatter: Formatter):
+        self.formatter = formatter
 
-    tasks = [asyncio.create_task(pump(i, gen)) for i, gen in enumerate(gens)]
-    remaining = len(tasks)
-    try:
-        while remaining:
-            item = await queue.get()
-            if item is _END:
-                remaining -= 1
-            elif isinstance(item, BaseException):
-                raise item
-            else:
-                yield item
-    finally:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+    def start(self, run: Run) -> list[bytes]:
+        if not self.formatter.is_chat:
+            return []
+        return [sse(self.formatter.chunk(index, None, role=True)) for index in range(len(run.choices))]
+
+    def chunk(self, run: Run, item: ChoiceChunk) -> list[bytes]:
+        return [sse(data) for data in self.formatter.stream(item.index, item.chunk, run.choices[item.index])]
+
+    def end(self, run: Run) -> list[bytes]:
+        usage = [sse(self.formatter.usage_chunk(run.usage()))] if run.prepared.include_usage else []
+        return [*usage, DONE]
+
+    def error(self, run: Run, exc: APIError) -> list[bytes]:
+        return [sse(exc.body()), DONE]
 
 
-class _Cleanup:
-    """Closes the generations and releases the request's admission ticket (its slot, its key's
-    in-flight count, and its quota settled with the tokens the choices got: streamed so far, for a
-    cut stream), once."""
+class ClosingStreamingResponse(StreamingResponse):
+    """Runs `on_close` however the response ends, even if the client left before the first byte."""
 
-    def __init__(self, events, admission: AdmissionPipeline, ticket: Ticket, prepared: Prepared):
-        self.events = events
-        self.admission = admission
-        self.ticket = ticket
-        self.prepared = prepared
-        self.is_done = False
-        self.choices: list[ChoiceState] = []
-
-    def headers(self) -> dict[str, str]:
-        return self.ticket.quota_headers
-
-    async def __call__(self) -> None:
-        if self.is_done:
-            return
-        self.is_done = True
-        try:
-            await self.events.aclose()
-        finally:
-            await self.admission.release(self.ticket, (self.prepared, self.choices))
-
-
-class _CleanupStreamingResponse(StreamingResponse):
-    """Runs `cleanup` however the response ends, even if the client left before the first byte."""
-
-    def __init__(self, content, cleanup: _Cleanup, **kwargs):
+    def __init__(self, content, on_close: Callable[[], Awaitable[None]], **kwargs):
         super().__init__(content, **kwargs)
-        self.cleanup = cleanup
+        self.on_close = on_close
 
     async def __call__(self, scope, receive, send) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
-            await self.cleanup()
+            await self.on_close()
 
 
 async def _wait_disconnect(request: Request) -> None:
@@ -240,7 +239,7 @@ async def _wait_disconnect(request: Request) -> None:
             return
 
 
-def _worker_headers(chunk) -> dict[str, str]:
+def _worker_headers(chunk: Chunk | None) -> dict[str, str]:
     if chunk is None:
         return {}
     headers = {"x-splitserve-decode-worker": chunk.decode_worker}

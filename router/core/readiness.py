@@ -14,8 +14,6 @@ interval is short next to a worker's start-up or backoff, so it adds no visible 
 
 from __future__ import annotations
 
-import asyncio
-
 POLL_S = 0.05
 
 

@@ -30,10 +30,9 @@ import logging
 import re
 
 import yaml
-
 from splitserve.platform.errors import ConfigError
-from splitserve.router.placement.adapters import AdapterCatalog
 from splitserve.router.config import AdaptersConfig
+from splitserve.router.placement.adapters import AdapterCatalog
 from splitserve.router.placement.pool import WorkerPool
 
 log = logging.getLogger(__name__)

@@ -22,7 +22,6 @@ from __future__ import annotations
 import time
 
 import redis.asyncio as aioredis
-
 from splitserve.platform.wire import worker_pb2 as pb
 from splitserve.router.placement.index import SECOND_TIER
 
@@ -107,7 +106,7 @@ class RedisPrefixIndex:
         keys = [key for worker in workers
                 for key in (self._kv(worker), self._tier(worker, SECOND_TIER), self._spec(worker))]
         counts = await self._match_script(keys=keys, args=[repr(self.clock()), *hashes])
-        return dict(zip(workers, (int(c) for c in counts)))
+        return dict(zip(workers, (int(c) for c in counts), strict=False))
 
     async def num_blocks(self, worker: str) -> int:
         return await self.redis.zcard(self._kv(worker))

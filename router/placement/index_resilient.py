@@ -44,35 +44,27 @@ class ResilientIndex(PrefixIndex):
             log.info("prefix index answers again")
         self.is_down = False
 
-    async def apply(self, worker, event) -> None:
+    async def _guarded(self, what: str, call, fallback=None):
+        """`call`'s result, or `fallback` (with the outage logged) when the store fails."""
         try:
-            await self.inner.apply(worker, event)
-            self._ok()
+            out = await call
         except self.errors as exc:
-            self._failed("apply", exc)
+            self._failed(what, exc)
+            return fallback
+        self._ok()
+        return out
+
+    async def apply(self, worker, event) -> None:
+        await self._guarded("apply", self.inner.apply(worker, event))
 
     async def clear(self, worker) -> None:
-        try:
-            await self.inner.clear(worker)
-            self._ok()
-        except self.errors as exc:
-            self._failed("clear", exc)
+        await self._guarded("clear", self.inner.clear(worker))
 
     async def add_speculative(self, worker, hashes) -> None:
-        try:
-            await self.inner.add_speculative(worker, hashes)
-            self._ok()
-        except self.errors as exc:
-            self._failed("add_speculative", exc)
+        await self._guarded("add_speculative", self.inner.add_speculative(worker, hashes))
 
     async def match(self, workers, hashes) -> dict[str, int]:
-        try:
-            out = await self.inner.match(workers, hashes)
-            self._ok()
-            return out
-        except self.errors as exc:
-            self._failed("match", exc)
-            return dict.fromkeys(workers, 0)
+        return await self._guarded("match", self.inner.match(workers, hashes), dict.fromkeys(workers, 0))
 
     async def num_blocks(self, worker) -> int:
         try:

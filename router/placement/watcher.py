@@ -17,7 +17,6 @@ import asyncio
 import logging
 
 import grpc
-
 from splitserve.platform.grpc_channels import ChannelPool
 from splitserve.platform.wire import worker_pb2 as pb
 from splitserve.router.config import DiscoveryConfig
@@ -57,7 +56,7 @@ class WorkerWatcher:
                 reason = "event stream ended"
             except grpc.aio.AioRpcError as exc:
                 reason = f"{exc.code().name}: {exc.details()}"
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 reason = f"no event for {self.config.stale_after_s:.1f} s"
             self.pool.on_disconnect(self.address, reason)
             self.on_down(self.address)

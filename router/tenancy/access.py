@@ -14,8 +14,8 @@ import hashlib
 import hmac
 import time
 
-from splitserve.router.config import ApiKey, GatewayConfig
 from splitserve.router.api.errors import APIError
+from splitserve.router.config import ApiKey, GatewayConfig
 
 ANONYMOUS = ApiKey(key="", name="anonymous")
 

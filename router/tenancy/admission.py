@@ -8,14 +8,14 @@ one path that gives back what they took.
 A gate of the pipeline holds something once entered (a per-key in-flight count, a token
 reservation, a server slot), so `AdmissionPipeline.admit` enters them in order and, when one
 refuses, leaves the ones already entered in reverse order before the refusal reaches the client;
-`Ticket.release` leaves them all, once, when the request ends however it ends (the gateway calls
-it from its cleanup). The refusal is counted in `splitserve_router_rejected_requests{reason}`
+`Ticket.release` leaves them all, once, when the request ends however it ends (the pipeline's Run
+calls it when it closes). The refusal is counted in `splitserve_router_rejected_requests{reason}`
 with the gate's reason.
 
 Two per-key limits with distinct jobs (docs/router.md):
 - the rate limit (access.RateLimiter) smooths bursts: a token bucket in requests per second,
   set for every caller (anonymous included) on the gateway config or per `--api-key`;
-- the quota (tenancy.Quota) is a tenant's contract from the key file: requests and tokens per
+- the quota (tenancy/quota.py) is a tenant's contract from the key file: requests and tokens per
   window and tokens per month, reserved at admission and settled to the tokens actually used.
 """
 
@@ -23,10 +23,11 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Protocol
 
-from splitserve.router.config import ApiKey
 from splitserve.router.api.errors import APIError
+from splitserve.router.config import ApiKey
+from splitserve.router.core.usage import Usage
 from splitserve.router.tenancy.concurrency import Concurrency
 from splitserve.router.tenancy.quota import Grant, Quota
 
@@ -81,8 +82,8 @@ class Gate(Protocol):
     async def enter(self, ticket: Ticket) -> None:
         """Take what the request needs, or raise APIError (having taken nothing)."""
 
-    async def leave(self, ticket: Ticket, outcome: Any) -> None:
-        """Give back what enter took. `outcome`: the request's choices, or None if it never ran."""
+    async def leave(self, ticket: Ticket, usage: Usage | None) -> None:
+        """Give back what enter took. `usage`: what the request used, or None if it got nothing."""
 
 
 class KeyConcurrencyGate:
@@ -94,7 +95,7 @@ class KeyConcurrencyGate:
     async def enter(self, ticket: Ticket) -> None:
         ticket.counted = self.concurrency.enter(ticket.key)
 
-    async def leave(self, ticket: Ticket, outcome: Any) -> None:
+    async def leave(self, ticket: Ticket, usage: Usage | None) -> None:
         if ticket.counted:
             self.concurrency.leave(ticket.key)
 
@@ -108,12 +109,11 @@ class QuotaGate:
     async def enter(self, ticket: Ticket) -> None:
         ticket.grant = await self.quota.admit(ticket.key, ticket.model, ticket.reserve_tokens)
 
-    async def leave(self, ticket: Ticket, outcome: Any) -> None:
-        if outcome is None:
+    async def leave(self, ticket: Ticket, usage: Usage | None) -> None:
+        if usage is None:
             await self.quota.release(ticket.grant)
         else:
-            prepared, choices = outcome
-            await self.quota.finish(ticket.grant, prepared, choices)
+            await self.quota.settle(ticket.grant, usage)
 
 
 class SlotGate:
@@ -126,7 +126,7 @@ class SlotGate:
         await self.slots.acquire()
         ticket.has_slot = True
 
-    async def leave(self, ticket: Ticket, outcome: Any) -> None:
+    async def leave(self, ticket: Ticket, usage: Usage | None) -> None:
         if ticket.has_slot:
             ticket.has_slot = False
             self.slots.release()
@@ -162,9 +162,9 @@ class AdmissionPipeline:
             ticket.entered.append(gate)
         return ticket
 
-    async def release(self, ticket: Ticket, outcome: Any) -> None:
+    async def release(self, ticket: Ticket, usage: Usage | None) -> None:
         """Leave every gate the ticket entered, in reverse order, once (later calls do nothing).
-        `outcome`: (prepared, choices) of a request that ran, or None."""
+        `usage`: what a request that got output used (the pipeline's Run counts it), or None."""
         entered, ticket.entered = ticket.entered, []
         for gate in reversed(entered):
-            await gate.leave(ticket, outcome)
+            await gate.leave(ticket, usage)

@@ -27,7 +27,6 @@ import re
 from typing import Any
 
 import yaml
-
 from splitserve.router.api.errors import APIError
 from splitserve.router.config import ApiKey, ConfigError
 

@@ -22,10 +22,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter
-
 from splitserve.router.api.errors import APIError
-from splitserve.router.api.formatting import usage
 from splitserve.router.config import ApiKey
+from splitserve.router.core.usage import Usage
 from splitserve.router.tenancy.keyfile import check_scope
 from splitserve.router.tenancy.quota_store import USAGE_FIELDS, MemoryQuotaStore, RedisQuotaStore, month_of
 
@@ -48,10 +47,12 @@ class Grant:
 def _headers(key: ApiKey, reset: float, req: int, tok: int) -> dict[str, str]:
     out = {}
     if key.rpm:
-        out.update({"x-ratelimit-limit-requests": str(key.rpm), "x-ratelimit-remaining-requests": str(max(0, key.rpm - req)),
+        out.update({"x-ratelimit-limit-requests": str(key.rpm),
+                    "x-ratelimit-remaining-requests": str(max(0, key.rpm - req)),
                     "x-ratelimit-reset-requests": f"{reset:.3f}s"})
     if key.tpm:
-        out.update({"x-ratelimit-limit-tokens": str(key.tpm), "x-ratelimit-remaining-tokens": str(max(0, key.tpm - tok)),
+        out.update({"x-ratelimit-limit-tokens": str(key.tpm),
+                    "x-ratelimit-remaining-tokens": str(max(0, key.tpm - tok)),
                     "x-ratelimit-reset-tokens": f"{reset:.3f}s"})
     return out
 
@@ -119,16 +120,16 @@ class Quota:
             raise APIError(429, f"rate limit reached for {key.name}: {what} per {self.window_s:g} s; "
                            f"retry after {reset:.2f} s", code="rate_limit_exceeded", retry_after_s=reset,
                            headers=headers)
-        grant.window_key, grant.month_key, grant.headers = window_key, f"{self.prefix}:budget:{month}:{key.name}", headers
+        grant.window_key, grant.headers = window_key, headers
+        grant.month_key = f"{self.prefix}:budget:{month}:{key.name}"
         return grant
 
-    async def settle(self, grant: Grant, usage: dict[str, Any]) -> None:
-        """Account a finished (or cut) request: `usage` is the OpenAI usage object it earned."""
+    async def settle(self, grant: Grant, usage: Usage) -> None:
+        """Account a finished (or cut) request for what it used (the pipeline's Usage record)."""
         if grant.settled:
             return
         grant.settled = True
-        prompt, completion = int(usage.get("prompt_tokens", 0)), int(usage.get("completion_tokens", 0))
-        cached = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0))
+        prompt, completion, cached = usage.prompt_tokens, usage.completion_tokens, usage.cached_tokens
         key_id = grant.key.name or "anonymous"
         self.requests.labels(key_id, grant.model).inc()
         for kind, n in (("prompt", prompt), ("cached", cached), ("completion", completion)):
@@ -152,13 +153,6 @@ class Quota:
         if not grant.settled:
             grant.settled = True
             await self._settle_window(grant, -grant.reserved)
-
-    async def finish(self, grant: Grant, prepared, choices) -> None:
-        """Settle at the end of a request: billed for what its choices got (nothing came: released)."""
-        if any(c.last is not None for c in choices):
-            await self.settle(grant, usage(prepared, choices))
-        else:
-            await self.release(grant)
 
     async def usage_table(self) -> list[dict[str, Any]]:
         """Rows {period, key_id, model, requests, prompt/cached/completion tokens}, sorted."""

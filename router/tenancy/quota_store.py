@@ -8,7 +8,7 @@ import time
 
 
 def month_of(now: float) -> str:
-    return datetime.datetime.fromtimestamp(now, datetime.timezone.utc).strftime("%Y-%m")
+    return datetime.datetime.fromtimestamp(now, datetime.UTC).strftime("%Y-%m")
 
 
 # ARGV: window_s, rpm, tpm, reserve, budget, month_ttl_ms (0 = no limit). KEYS: window key prefix, month key.

@@ -28,15 +28,14 @@ def format_table(rows: list[dict]) -> str:
     head = [*COLUMNS, "total_tokens"]
     cells = [[str(r[c]) for c in COLUMNS] + [str(r["prompt_tokens"] + r["completion_tokens"])] for r in rows]
     widths = [max([len(h)] + [len(row[i]) for row in cells]) for i, h in enumerate(head)]
-    lines = ["  ".join(h.upper().ljust(w) for h, w in zip(head, widths))]
-    lines += ["  ".join(v.rjust(w) if i >= 3 else v.ljust(w) for i, (v, w) in enumerate(zip(row, widths)))
+    lines = ["  ".join(h.upper().ljust(w) for h, w in zip(head, widths, strict=True))]
+    lines += ["  ".join(v.rjust(w) if i >= 3 else v.ljust(w) for i, (v, w) in enumerate(zip(row, widths, strict=True)))
               for row in cells]
     return "\n".join(lines)
 
 
 async def read_rows(redis_url: str, prefix: str) -> list[dict]:
     from prometheus_client import CollectorRegistry
-
     from splitserve.router.tenancy.quota import Quota
 
     quota = Quota(CollectorRegistry(), redis_url, prefix)

@@ -201,7 +201,7 @@ def test_router_container_and_config():
         "adapters": {"file": "/etc/splitserve/adapters.yaml", "report_namespace": "ns", "report_configmap": "svc-router",
                      "report_annotation": "serving.splitserve.io/adapters-loaded"}}
     # ...and the router itself accepts it.
-    from splitserve.router.config import from_dict
+    from splitserve.router.config_file import from_dict
     loaded = from_dict(config)
     assert loaded.discovery.k8s_services == ("svc-prefill", "svc-decode")
     assert loaded.placement.decode.scorers[1].name == "queue-depth"

@@ -1,7 +1,6 @@
 """Fixtures of the router tests: the model's tokenizer, a throwaway redis-server, a loop thread."""
 
 import pytest
-
 from routerkit import LoopThread, RedisServer
 
 

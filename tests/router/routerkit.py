@@ -24,7 +24,6 @@ import uuid
 
 import grpc
 import redis
-
 from splitserve.platform.hashing import BlockHasher
 from splitserve.platform.wire import worker_pb2 as pb
 from splitserve.platform.wire import worker_pb2_grpc as pb_grpc
@@ -71,7 +70,7 @@ class RouterServer:
         self.sock = bind("127.0.0.1", 0)
         self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
 
-    def start(self, num_decode: int = 1, num_prefill: int = 0, timeout: float = 60) -> "RouterServer":
+    def start(self, num_decode: int = 1, num_prefill: int = 0, timeout: float = 60) -> RouterServer:
         self.loop.run(self._start(num_decode, num_prefill, timeout), timeout + 30)
         return self
 
@@ -133,7 +132,7 @@ class FakeWorker(pb_grpc.WorkerServicer):
         self.worker_id = ""
         self._queues: set[asyncio.Queue] = set()
 
-    async def start(self) -> "FakeWorker":
+    async def start(self) -> FakeWorker:
         self.worker_id = uuid.uuid4().hex
         self.server = grpc.aio.server()
         pb_grpc.add_WorkerServicer_to_server(self, self.server)
@@ -252,7 +251,7 @@ class FakeWorker(pb_grpc.WorkerServicer):
             while True:
                 try:
                     event = await asyncio.wait_for(queue.get(), 0.1)
-                except asyncio.TimeoutError:
+                except TimeoutError:
                     event = pb.WorkerEvent(load=self.load)
                 while self.is_stalled:
                     await asyncio.sleep(0.05)

@@ -7,10 +7,9 @@ import asyncio
 
 import pytest
 from prometheus_client import generate_latest
-
 from splitserve.platform.errors import ConfigError
-from splitserve.router.config import GatewayConfig
 from splitserve.router.api.errors import NoWorkerError
+from splitserve.router.config import GatewayConfig
 from splitserve.router.core.hold import ColdStartHold
 from splitserve.router.metrics import RouterMetrics
 

@@ -13,7 +13,6 @@ import math
 import openai
 import pytest
 import torch
-
 from test_router_up import running_up
 
 pytestmark = pytest.mark.slow

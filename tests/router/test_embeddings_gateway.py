@@ -6,11 +6,9 @@ encodings, for text and token ids; usage counts the prompt tokens; bad input is 
 import base64
 
 import numpy as np
-
 import openai
 import pytest
 import torch
-
 from test_router_up import running_up
 
 pytestmark = pytest.mark.slow

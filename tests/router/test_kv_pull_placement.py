@@ -5,17 +5,21 @@ import asyncio
 import random
 
 import pytest
-
 from splitserve.platform.errors import ConfigError
 from splitserve.platform.sampling.params import SamplingParams
 from splitserve.platform.wire import worker_pb2 as pb
-from splitserve.router.config import (DisaggregationConfig, KVPullConfig, PlacementConfig, default_decode_profile,
-                                      from_dict)
+from splitserve.router.config import (
+    DisaggregationConfig,
+    KVPullConfig,
+    PlacementConfig,
+    default_decode_profile,
+)
+from splitserve.router.config_file import from_dict
+from splitserve.router.core.worker_messages import generate_request
 from splitserve.router.placement.index import InMemoryPrefixIndex
 from splitserve.router.placement.placer import Decision, Placer
 from splitserve.router.placement.pool import WorkerPool
 from splitserve.router.placement.pull_cost import PullCost
-from splitserve.router.core.worker_messages import generate_request
 from test_router_placement_units import BS, HASHER, MODEL, tokens, worker
 
 BUSY = dict(waiting=60, running=60, kv=0.99, pending=10, queued=20000)   # the holder the placer avoids

@@ -13,16 +13,21 @@ import time
 import httpx
 import openai
 import pytest
-
 from routerkit import FakeWorker, RouterServer, free_port, router_config
 from splitserve.platform.hashing import BlockHasher, lora_extra_keys
-from splitserve.platform.wire import worker_pb2 as pb
 from splitserve.platform.sampling.params import SamplingParams
-from splitserve.router.config import DisaggregationConfig, PlacementConfig, ProfileConfig, ScorerSpec, default_decode_profile
+from splitserve.platform.wire import worker_pb2 as pb
+from splitserve.router.config import (
+    DisaggregationConfig,
+    PlacementConfig,
+    ProfileConfig,
+    ScorerSpec,
+    default_decode_profile,
+)
+from splitserve.router.core.worker_messages import generate_request
 from splitserve.router.placement.index import InMemoryPrefixIndex
 from splitserve.router.placement.placer import Decision, Placer
 from splitserve.router.placement.pool import WorkerPool, WorkerState
-from splitserve.router.core.worker_messages import generate_request
 from splitserve.router.placement.scorers import LoraAffinity, ScoringContext
 
 MODEL = "smollm2-135m"

@@ -8,7 +8,6 @@ import json
 import jsonschema
 import openai
 import pytest
-
 from test_router_up import running_up
 
 pytestmark = pytest.mark.slow

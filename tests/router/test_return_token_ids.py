@@ -7,7 +7,6 @@ import json
 
 import httpx
 import pytest
-
 from routerkit import FakeWorker, RouterServer, router_config
 
 MODEL = "smollm2-135m"

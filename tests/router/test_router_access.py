@@ -3,11 +3,10 @@
 import asyncio
 
 import pytest
-
-from splitserve.router.tenancy.admission import Slots
-from splitserve.router.tenancy.access import Authenticator, MemoryBuckets, RateLimiter, RedisBuckets, key_label
-from splitserve.router.config import ApiKey, GatewayConfig
 from splitserve.router.api.errors import APIError
+from splitserve.router.config import ApiKey, GatewayConfig
+from splitserve.router.tenancy.access import Authenticator, MemoryBuckets, RateLimiter, RedisBuckets, key_label
+from splitserve.router.tenancy.admission import Slots
 
 
 @pytest.mark.parametrize("header,ok", [

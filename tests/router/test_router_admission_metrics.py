@@ -8,7 +8,6 @@ import time
 
 import httpx
 import pytest
-
 from routerkit import FakeWorker, RouterServer, router_config
 
 MODEL = "smollm2-135m"

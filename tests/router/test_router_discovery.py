@@ -6,7 +6,6 @@ import asyncio
 import queue
 
 import pytest
-
 from splitserve.router.placement.discovery import StaticDiscovery
 from splitserve.router.placement.discovery_k8s import EndpointSliceDiscovery, Gone, label_selector, slice_addresses
 
@@ -30,7 +29,7 @@ class FakeSliceSource:
 
     def __init__(self, items, version="10"):
         self.items, self.version = items, version
-        self.streams: "queue.Queue" = queue.Queue()
+        self.streams: queue.Queue = queue.Queue()
         self.lists, self.watches = [], []
 
     def list(self, selector):
@@ -111,7 +110,6 @@ def test_router_follows_the_discovered_set(loop, tokenizer):
     """Watchers start for new addresses and stop for removed ones; a removed worker leaves the
     pool and the index."""
     from routerkit import FakeWorker, router_config
-
     from splitserve.router.router import Router
 
     workers = [loop.run(FakeWorker(tokenizer=tokenizer).start()) for _ in range(2)]

@@ -7,7 +7,6 @@ import time
 
 import httpx
 import pytest
-
 from routerkit import RouterServer, router_config
 from workerproc import ROUTER_STALE_AFTER_S, WorkerProc, security
 

@@ -9,7 +9,6 @@ import time
 import grpc
 import httpx
 import pytest
-
 from routerkit import FakeWorker, RouterServer, router_config
 from splitserve.router.config import ApiKey, GatewayConfig
 

@@ -15,7 +15,6 @@ import httpx
 import pytest
 import schemathesis
 from hypothesis import HealthCheck, given, settings
-
 from routerkit import FakeWorker, RouterServer, router_config
 from splitserve.router.config import GatewayConfig
 

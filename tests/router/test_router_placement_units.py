@@ -4,13 +4,17 @@ import asyncio
 import random
 
 import pytest
-
 from splitserve.platform.errors import ConfigError
 from splitserve.platform.hashing import BlockHasher
 from splitserve.platform.wire import worker_pb2 as pb
-from splitserve.router.config import (DisaggregationConfig, PlacementConfig, ProfileConfig, ScorerSpec,
-                                      default_decode_profile)
 from splitserve.router.api.errors import NoWorkerError
+from splitserve.router.config import (
+    DisaggregationConfig,
+    PlacementConfig,
+    ProfileConfig,
+    ScorerSpec,
+    default_decode_profile,
+)
 from splitserve.router.placement.filters import FILTERS, make_filter
 from splitserve.router.placement.index import InMemoryPrefixIndex
 from splitserve.router.placement.placer import Placer, Profile
@@ -301,3 +305,17 @@ def test_excluded_workers_are_not_chosen():
     assert place(p, tokens(10), frozenset({"d1"})).decode == "d2"
     with pytest.raises(NoWorkerError, match="no decode worker is known"):
         place(p, tokens(10), frozenset({"d1", "d2"}))
+
+
+def test_a_lora_request_without_an_adapter_catalog_is_placed_like_a_base_request():
+    """A Dispatcher built without an adapter catalog (adapters=None, as embedded users build it)
+    places an adapter request on any decode worker, without prefix hints (the adapter's digest is
+    unknown), instead of failing on the missing catalog."""
+    from splitserve.platform.sampling.params import SamplingParams
+    from splitserve.router.core.dispatch import Dispatcher, Job, _Progress
+
+    place, index = placer([worker("w")], stored={"w": HASHER.hash_blocks(tokens(64))})
+    dispatcher = Dispatcher(place.pool, place, HASHER, None, channels=None, adapters=None)
+    job = Job("r", tokens(64), SamplingParams(max_tokens=4), lora_name="sql")
+    decision = asyncio.run(dispatcher._place(job, _Progress(), set(), 1))
+    assert decision.decode == "w" and decision.num_cached_blocks == 0

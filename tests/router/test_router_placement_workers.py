@@ -8,12 +8,11 @@ import time
 
 import httpx
 import pytest
-
 from routerkit import RouterServer, router_config
-from workerproc import ROUTER_STALE_AFTER_S, security, worker_channel
 from splitserve.platform.hashing import BlockHasher
 from splitserve.platform.wire import worker_pb2 as pb
 from splitserve.platform.wire import worker_pb2_grpc as pb_grpc
+from workerproc import ROUTER_STALE_AFTER_S, security, worker_channel
 
 pytestmark = pytest.mark.slow
 

@@ -33,7 +33,6 @@ import httpx
 import openai
 import pytest
 import yaml
-
 from routerkit import FakeWorker, free_port
 from splitserve.router.tenancy.keyfile import digest
 
@@ -61,7 +60,7 @@ class RouterProc:
         self.lines: list[str] = []
         self.proc = None
 
-    def start(self, timeout: float = 120) -> "RouterProc":
+    def start(self, timeout: float = 120) -> RouterProc:
         self.proc = subprocess.Popen(self.args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         threading.Thread(target=lambda: self.lines.extend(self.proc.stdout), daemon=True).start()
         deadline = time.monotonic() + timeout

@@ -10,10 +10,11 @@ import time
 import pytest
 import yaml
 from prometheus_client import CollectorRegistry
-
-from splitserve.router.tenancy.access import Authenticator
-from splitserve.router.config import ApiKey, ConfigError, load_config
 from splitserve.router.api.errors import APIError
+from splitserve.router.config import ApiKey, ConfigError
+from splitserve.router.config_file import load_config
+from splitserve.router.core.usage import Usage
+from splitserve.router.tenancy.access import Authenticator
 from splitserve.router.tenancy.keyfile import KeyFile, digest, parse_keys
 from splitserve.router.tenancy.quota import Quota
 
@@ -81,8 +82,7 @@ class Clock:
 
 
 def _finish(quota, grant, prompt, completion):
-    return quota.settle(grant, {"prompt_tokens": prompt, "completion_tokens": completion,
-                                "prompt_tokens_details": {"cached_tokens": 0}})
+    return quota.settle(grant, Usage(prompt_tokens=prompt, completion_tokens=completion))
 
 
 def _limits(quota: Quota, key: ApiKey, clock: Clock):
@@ -173,7 +173,6 @@ def test_concurrent_requests_per_key_are_bounded(loop, tokenizer, tmp_path):
     """One key with max_concurrent 1 against a FakeWorker (routerkit; real gRPC): a second request
     while a stream runs gets 429, another key is unaffected, and the slot comes back at the end."""
     import httpx
-
     from routerkit import FakeWorker, RouterServer, router_config
     from splitserve.router.config import GatewayConfig
 
@@ -206,7 +205,6 @@ def test_concurrent_requests_per_key_are_bounded(loop, tokenizer, tmp_path):
 
 def test_oversized_headers_get_431(loop, tokenizer):
     import httpx
-
     from routerkit import RouterServer, router_config
 
     server = RouterServer(loop, router_config([]), tokenizer=tokenizer).start(num_decode=0)

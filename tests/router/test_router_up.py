@@ -11,10 +11,8 @@ import threading
 import openai
 import psutil
 import pytest
-
 from routerkit import free_port
-from workerproc import CLI
-from workerproc import WORKER_QUANTIZATION
+from workerproc import CLI, WORKER_QUANTIZATION
 
 pytestmark = pytest.mark.slow
 

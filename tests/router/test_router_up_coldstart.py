@@ -9,7 +9,6 @@ import time
 
 import httpx
 import pytest
-
 from routerkit import free_port
 from workerproc import CLI
 

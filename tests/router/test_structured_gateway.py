@@ -11,7 +11,6 @@ from concurrent.futures import ThreadPoolExecutor
 import jsonschema
 import openai
 import pytest
-
 from structured_schemas import SCHEMAS
 from test_router_up import running_up
 

@@ -3,11 +3,15 @@
 import json
 
 import pytest
-
 from splitserve.router.api.errors import APIError
 from splitserve.router.api.schemas import ChatCompletionRequest
-from splitserve.router.api.tools import ToolPlan, parse_calls, plan_tools, render_messages, stream_deltas, \
-    openai_tool_calls
+from splitserve.router.api.tools import (
+    openai_tool_calls,
+    parse_calls,
+    plan_tools,
+    render_messages,
+    stream_deltas,
+)
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
                                             "parameters": {"type": "object", "properties": {"city": {"type": "string"}},

@@ -10,10 +10,9 @@ import json
 import pathlib
 
 import pytest
-
+from splitserve.launch.up_profile import cache_path, resolve_profile
 from splitserve.planner.profile import CapacityProfile, DecodePoint, PrefillPoint
 from splitserve.planner.shipped import SOURCES, shipped_profile
-from splitserve.launch.up_profile import cache_path, resolve_profile
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 MEASURED = CapacityProfile(prefill=(PrefillPoint(128, 900.0), PrefillPoint(1024, 700.0)),
