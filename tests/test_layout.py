@@ -89,8 +89,9 @@ def test_layering_checker_keeps_the_planner_below_router_workers_and_operator(tm
         "splitserve.workers)"]
 
 
-# Packages whose modules import one another without a circle (TYPE_CHECKING imports included).
-ACYCLIC = ["splitserve.platform", "splitserve.router", "splitserve.operator",
+# Packages whose modules import one another without a circle (TYPE_CHECKING imports included). Not yet
+# workers/: workers/transfer/__init__.py re-exports its submodules, which import the package back.
+ACYCLIC = ["splitserve.platform", "splitserve.router", "splitserve.launch", "splitserve.operator",
            "splitserve.planner", "splitserve.rayserve", "splitserve.bench.loadgen"]
 
 
@@ -197,31 +198,6 @@ def test_the_wheel_ships_every_package_and_command_but_no_bench_script(tmp_path)
     assert "splitserve/bench/loadgen/cli.py" in names
     assert not [n for n in names if n.startswith("splitserve/bench/") and n.count("/") == 2], \
         "a bench/ script is in the wheel"
-
-
-def test_no_import_cycles_outside_the_engine_and_the_kv_transports():
-    """Each module can be read after the ones it imports. The engine's kv_connector -> request_state ->
-    prompt_logprobs -> outputs circle and workers/transfer/'s package re-exports are not covered yet."""
-    from layering import import_cycles
-
-    assert import_cycles(["splitserve.router", "splitserve.launch", "splitserve.operator", "splitserve.planner",
-                          "splitserve.rayserve", "splitserve.bench.loadgen"]) == []
-
-
-def test_cycle_finder_reports_each_circle_once(tmp_path, monkeypatch):
-    import layering
-
-    for rel, code in {"router/a.py": "from splitserve.router import b\n",
-                      "router/b.py": "def later():\n    import splitserve.router.c\n",
-                      "router/c.py": "from splitserve.router.a import thing\n",
-                      "router/d.py": "import splitserve.router.d\n",
-                      "router/e.py": "import splitserve.router.a\n"}.items():
-        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
-        (tmp_path / rel).write_text(code)
-    monkeypatch.setattr(layering, "ROOT", tmp_path)
-    monkeypatch.setattr(layering, "FOLDERS", {"router": "splitserve.router"})
-    assert layering.import_cycles(["splitserve.router"]) == [
-        ["splitserve.router.a", "splitserve.router.b", "splitserve.router.c"], ["splitserve.router.d"]]
 
 
 def test_no_router_module_is_over_300_lines():
