@@ -18,6 +18,7 @@ import time
 
 import grpc
 
+from splitserve.platform import tracing
 from splitserve.platform.engine.async_engine import AsyncEngine
 from splitserve.platform.errors import InvalidRequestError
 from splitserve.platform.lora.adapter import AdapterFolderNotFoundError
@@ -91,17 +92,41 @@ class WorkerService(pb_grpc.WorkerServicer):
         pull = (request.kv_pull if request.HasField("kv_pull") and request.kv_pull.holder and self.puller is not None
                 and not local and lora is None else None)
         remote = pull is not None or (not local and await self._wants_remote(request, token_ids))
+        span = self._request_span("worker.generate", request, context, token_ids)
         self._enter()
         try:
             async for msg in self._generate(request.request_id, token_ids, params, remote, list(request.prefill_workers),
-                                            resumed, lora, pull):
+                                            resumed, lora, pull, span):
                 yield msg
         except AdapterNotFoundError as exc:   # unloaded between the check and the admission
+            span.fail(exc)
             await context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
         except InvalidRequestError as exc:
+            span.fail(exc)
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except BaseException as exc:   # cancelled by the caller, or a bug: the span says so
+            span.fail(exc)
+            raise
         finally:
+            span.end()
             self._leave()
+
+    def _request_span(self, name: str, request, context, token_ids: list[int]):
+        """This worker's span of one request, a child of the caller's `traceparent` (gRPC
+        metadata), with OpenTelemetry's gen_ai attributes; NOOP when tracing is off."""
+        tracer = tracing.tracer()
+        if not tracer.enabled:
+            return tracing.NOOP
+        span = tracer.start(name, tracing.metadata_carrier(context.invocation_metadata()), attributes={
+            "gen_ai.operation.name": "text_completion", "gen_ai.system": "splitserve",
+            "gen_ai.request.model": request.lora_name or self.engine.model_config.model_id,
+            "gen_ai.request.max_tokens": request.params.max_tokens or None,
+            "gen_ai.usage.input_tokens": len(token_ids), "splitserve.request_id": request.request_id,
+            "splitserve.role": self.config.role})
+        if tracer.include_prompt:
+            span.set("gen_ai.prompt.token_ids", list(token_ids))
+        span.activate()
+        return span
 
     async def _adapter(self, name: str, evict_first=()):
         """The adapter named by a request (None for ""), looked up on the engine thread. One that
@@ -127,23 +152,31 @@ class WorkerService(pb_grpc.WorkerServicer):
         return adapter
 
     async def _generate(self, req_id, token_ids, params, remote: bool, prefill_workers: list[str],
-                        resumed: list[int], lora=None, pull: pb.KVPull | None = None):
+                        resumed: list[int], lora=None, pull: pb.KVPull | None = None, span=tracing.NOOP):
         t0 = time.monotonic()
         prefill_worker, last_token_t = "", None
         timings = pb.Timings()
         pulled_tokens = 0
+        t_kv = None   # when the remote prefill or pull ended (the KV is here)
         async for out in self.engine.generate(prompt_token_ids=token_ids, params=params, req_id=req_id,
                                               remote_prefill=remote, resume_output_token_ids=resumed,
                                               lora_name=lora.name if lora else None):
             if out.kv_ready is not None:
                 timings.queue_s = time.monotonic() - t0
                 self.metrics.queue_time.observe(timings.queue_s)
+                span.record("worker.queue", t0, t0 + timings.queue_s)
                 if pull is not None:
-                    outcome = await self.puller.run(req_id, token_ids, out.kv_ready, pull)
+                    with span.child("kv.pull", attributes={"splitserve.kv.holder": pull.holder}) as pull_span:
+                        outcome = await self.puller.run(req_id, token_ids, out.kv_ready, pull)
+                        pull_span.set("splitserve.kv.pulled_tokens", outcome.num_tokens)
                     pulled_tokens, timings.kv_pull_s = outcome.num_tokens, outcome.seconds
+                    t_kv = time.monotonic()
                     continue
-                prefill_worker, resp = await self.remote.run(req_id, token_ids, params, out.kv_ready, prefill_workers,
-                                                                      lora)
+                with span.child("worker.remote_prefill") as wait:
+                    prefill_worker, resp = await self.remote.run(req_id, token_ids, params, out.kv_ready,
+                                                                 prefill_workers, lora, span=wait)
+                    wait.set("splitserve.prefill_worker", prefill_worker or "local fallback")
+                t_kv = time.monotonic()
                 if resp is not None:
                     timings.prefill_s, timings.transfer_wait_s = resp.prefill_s, resp.transfer_wait_s
                 continue
@@ -151,15 +184,21 @@ class WorkerService(pb_grpc.WorkerServicer):
             msg.usage.pulled_tokens = pulled_tokens
             now = time.monotonic()
             if last_token_t is None:
+                _local_timings(timings, t0, out.first_scheduled_time, now)
                 timings.first_token_s = now - t0
                 msg.timings.CopyFrom(timings)
                 self.metrics.ttft.observe(now - t0)
+                _trace_first_token(span, timings, t0, t_kv, now)
             elif out.new_token_ids:
                 self.metrics.itl.observe(now - last_token_t)
             last_token_t = now
             if out.finished:
                 self.metrics.e2e.observe(now - t0)
                 self.metrics.requests.labels(finish_reason=out.finish_reason).inc()
+                span.update({"gen_ai.usage.output_tokens": out.num_output_tokens,
+                             "gen_ai.response.finish_reasons": [out.finish_reason or ""],
+                             "splitserve.cached_tokens": out.num_cached_tokens,
+                             "splitserve.prefill_worker": prefill_worker or None})
             yield msg
 
     async def _wants_remote(self, request: pb.GenerateRequest, token_ids: list[int]) -> bool:
@@ -183,12 +222,16 @@ class WorkerService(pb_grpc.WorkerServicer):
     # -- Prefill ---------------------------------------------------------------------------
     async def Prefill(self, request: pb.PrefillRequest, context):
         await self._admit(context, ("prefill", "both"), "Prefill")
+        span = self._request_span("prefill.serve_cached" if request.cached_only else "prefill.request", request,
+                                  context, request.prompt_token_ids)
+        span.set("splitserve.kv.transfer_id", request.transfer_id)
         self._enter()
         try:
-            if request.cached_only:
-                return await serve_cached(self.engine, self.sender, self.layout, request, self.metrics)
-            return await serve_prefill(self.engine, self.sender, self.layout, request, self.metrics,
-                                       streaming=self.config.kv_layer_streaming)
+            with span:   # ends it; an exception marks it failed
+                if request.cached_only:
+                    return await serve_cached(self.engine, self.sender, self.layout, request, self.metrics)
+                return await serve_prefill(self.engine, self.sender, self.layout, request, self.metrics,
+                                           streaming=self.config.kv_layer_streaming, span=span)
         except BlocksNotHeldError as exc:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"pull refused: {exc}")
         except InvalidRequestError as exc:
@@ -245,6 +288,28 @@ async def publish_load(service: WorkerService, interval_s: float) -> None:
             waiting_lora_adapters=load.waiting_loras, max_loras=load.max_loras,
             resident_lora_adapters=load.resident_loras))
         await asyncio.sleep(interval_s)
+
+
+def _local_timings(timings: pb.Timings, t0: float, first_scheduled: float | None, now: float) -> None:
+    """A request prefilled here (no KVReady came): its queue (submitted -> first scheduled) and
+    prefill (scheduled -> first token) from the engine's first-scheduling time."""
+    if timings.queue_s or first_scheduled is None or first_scheduled < t0:
+        return
+    timings.queue_s = first_scheduled - t0
+    timings.prefill_s = now - first_scheduled
+
+
+def _trace_first_token(span, timings: pb.Timings, t0: float, t_kv: float | None, now: float) -> None:
+    """The first token's spans: a local prefill's queue and prefill, or, after a remote
+    prefill or pull, the wait from the KV landing to the first token out."""
+    if not span.is_recording:
+        return
+    if t_kv is None:
+        span.record("worker.queue", t0, t0 + timings.queue_s)
+        span.record("worker.prefill", t0 + timings.queue_s, now)
+    else:
+        span.record("worker.first_token", t_kv, now)
+    span.set("gen_ai.latency.time_to_first_token", timings.first_token_s)
 
 
 def _read_adapter(engine: AsyncEngine, name: str, path: str):
