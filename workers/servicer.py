@@ -158,6 +158,7 @@ class WorkerService(pb_grpc.WorkerServicer):
         timings = pb.Timings()
         pulled_tokens = 0
         t_kv = None   # when the remote prefill or pull ended (the KV is here)
+        ttft, itl, e2e = self.metrics.latency(lora.name if lora else "")
         async for out in self.engine.generate(prompt_token_ids=token_ids, params=params, req_id=req_id,
                                               remote_prefill=remote, resume_output_token_ids=resumed,
                                               lora_name=lora.name if lora else None):
@@ -187,13 +188,13 @@ class WorkerService(pb_grpc.WorkerServicer):
                 _local_timings(timings, t0, out.first_scheduled_time, now)
                 timings.first_token_s = now - t0
                 msg.timings.CopyFrom(timings)
-                self.metrics.ttft.observe(now - t0)
+                ttft.observe(now - t0)
                 _trace_first_token(span, timings, t0, t_kv, now)
             elif out.new_token_ids:
-                self.metrics.itl.observe(now - last_token_t)
+                itl.observe(now - last_token_t)
             last_token_t = now
             if out.finished:
-                self.metrics.e2e.observe(now - t0)
+                e2e.observe(now - t0)
                 self.metrics.requests.labels(finish_reason=out.finish_reason).inc()
                 span.update({"gen_ai.usage.output_tokens": out.num_output_tokens,
                              "gen_ai.response.finish_reasons": [out.finish_reason or ""],
