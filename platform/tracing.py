@@ -284,8 +284,10 @@ class OtelTracer(Tracer):
         return _Span(self, span) if span.is_recording() else _Unsampled(self, span)
 
     def shutdown(self) -> None:
-        """Export what is buffered and stop (at process exit)."""
-        self._provider.shutdown()
+        """Export what is buffered and stop (at process exit; again: nothing)."""
+        if self.enabled:
+            self.enabled = False
+            self._provider.shutdown()
 
 
 class _Unsampled(_NoopSpan):

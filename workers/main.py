@@ -215,6 +215,7 @@ class Worker:
             if closer is not None:
                 await closer
         engine.shutdown()
+        tracing.tracer().shutdown()   # export the spans still buffered
         return 0
 
     async def _start_grpc(self, service: WorkerService):
