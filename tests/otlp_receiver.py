@@ -3,7 +3,8 @@
 It speaks the collector's real protocol (ExportTraceServiceRequest over gRPC on a loopback
 port), so the exporters in the processes under test are unchanged: they are pointed at
 `receiver.endpoint`. Received spans are flattened to `Span` records (hex ids, wall-clock
-seconds, the resource's service.name and plain attribute values).
+seconds, the resource's service.name and plain attribute values); `write_jsonl` saves what
+arrived as OTLP JSON lines, as the Collector's file exporter does.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from concurrent import futures
 from dataclasses import dataclass
 
 import grpc
+from google.protobuf import json_format
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2 as tsvc
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2_grpc as tsvc_grpc
 
@@ -51,6 +53,7 @@ def _attributes(kvs) -> dict:
 class OtlpReceiver(tsvc_grpc.TraceServiceServicer):
     def __init__(self):
         self.spans: list[Span] = []
+        self._requests: list = []
         self._lock = threading.Lock()
         self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
         tsvc_grpc.add_TraceServiceServicer_to_server(self, self._server)
@@ -74,7 +77,13 @@ class OtlpReceiver(tsvc_grpc.TraceServiceServicer):
                         status_code=s.status.code))
         with self._lock:
             self.spans.extend(received)
+            self._requests.append(request)
         return tsvc.ExportTraceServiceResponse()
+
+    def write_jsonl(self, path) -> None:
+        with self._lock, open(path, "w", encoding="utf-8") as f:
+            for request in self._requests:
+                f.write(json_format.MessageToJson(request, indent=None) + "\n")
 
     def trace(self, trace_id: str) -> list[Span]:
         with self._lock:

@@ -194,7 +194,7 @@ class Worker:
         server, health_servicer = await self._start_grpc(service)
         http = HealthServer(cfg.host, cfg.metrics_port, lambda: self._readiness(service),
                             lambda: metrics.render(engine.load, kv_tier_report(self.llm)),
-                            debug_kv=lambda: engine.call(kv_state))
+                            debug_kv=lambda: engine.call(kv_state), debug_request=service.records.get)
         await http.start()
         load_task = asyncio.create_task(publish_load(service, cfg.load_interval_s))
         await self._warm_up(engine)

@@ -31,6 +31,7 @@ from splitserve.workers.decode import RemotePrefill
 from splitserve.workers.events import EventHub
 from splitserve.workers.kv_pull import BlocksNotHeldError, KVPuller, serve_cached
 from splitserve.workers.prefill import serve_prefill
+from splitserve.workers.records import RequestRecords
 from splitserve.workers.transfer.base import KVLayout, KVSender, LayoutMismatchError, TransferError
 
 log = logging.getLogger(__name__)
@@ -50,6 +51,7 @@ class WorkerService(pb_grpc.WorkerServicer):
         self.layout = layout
         self.metrics = metrics
         self.puller = puller   # None: pulls off (--no-kv-pull) or no KV receiver (prefill role)
+        self.records = RequestRecords()   # /debug/requests/<id>, `splitserve trace`
         self.draining = False
         self.num_inflight = 0
         self.idle = asyncio.Event()
@@ -188,6 +190,12 @@ class WorkerService(pb_grpc.WorkerServicer):
                 _local_timings(timings, t0, out.first_scheduled_time, now)
                 timings.first_token_s = now - t0
                 msg.timings.CopyFrom(timings)
+                self.records.update(req_id, role=self.config.role, queue_s=timings.queue_s,
+                                    prefill_s=timings.prefill_s, transfer_wait_s=timings.transfer_wait_s,
+                                    kv_pull_s=timings.kv_pull_s, first_token_s=timings.first_token_s,
+                                    remote_prefill=t_kv is not None and pull is None, prefill_worker=prefill_worker,
+                                    num_prompt_tokens=len(token_ids), num_cached_tokens=out.num_cached_tokens,
+                                    trace_id=span.trace_id or None)
                 ttft.observe(now - t0)
                 _trace_first_token(span, timings, t0, t_kv, now)
             elif out.new_token_ids:
@@ -195,6 +203,8 @@ class WorkerService(pb_grpc.WorkerServicer):
             last_token_t = now
             if out.finished:
                 e2e.observe(now - t0)
+                self.records.update(req_id, e2e_s=now - t0, num_output_tokens=out.num_output_tokens,
+                                    finish_reason=out.finish_reason)
                 self.metrics.requests.labels(finish_reason=out.finish_reason).inc()
                 span.update({"gen_ai.usage.output_tokens": out.num_output_tokens,
                              "gen_ai.response.finish_reasons": [out.finish_reason or ""],
@@ -231,8 +241,13 @@ class WorkerService(pb_grpc.WorkerServicer):
             with span:   # ends it; an exception marks it failed
                 if request.cached_only:
                     return await serve_cached(self.engine, self.sender, self.layout, request, self.metrics)
-                return await serve_prefill(self.engine, self.sender, self.layout, request, self.metrics,
+                resp = await serve_prefill(self.engine, self.sender, self.layout, request, self.metrics,
                                            streaming=self.config.kv_layer_streaming, span=span)
+                self.records.update(request.request_id, role=self.config.role, prefill_s=resp.prefill_s,
+                                    transfer_wait_s=resp.transfer_wait_s, kv_bytes=resp.kv_bytes,
+                                    transfer_id=request.transfer_id, num_prompt_tokens=len(request.prompt_token_ids),
+                                    num_cached_tokens=resp.cached_tokens, trace_id=span.trace_id or None)
+                return resp
         except BlocksNotHeldError as exc:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"pull refused: {exc}")
         except InvalidRequestError as exc:

@@ -7,12 +7,13 @@ the gRPC metadata, as the gateway does.
 
 import asyncio
 import json
+import subprocess
 
 import pytest
 from otlp_receiver import OtlpReceiver
 from splitserve.platform.wire import worker_pb2 as pb
 from splitserve.platform.wire import worker_pb2_grpc as pb_grpc
-from workerproc import WorkerProc, free_port
+from workerproc import CLI, WorkerProc, free_port
 
 pytestmark = pytest.mark.slow
 
@@ -93,6 +94,37 @@ def test_one_trace_spans_decode_prefill_and_both_kv_ends(stack):
     phases = sum(by_name[n].duration_s for n in ("worker.queue", "worker.remote_prefill", "worker.first_token"))
     assert phases == pytest.approx(ttft, rel=0.1)
     assert by_name["prefill.compute"].duration_s == pytest.approx(msgs[0].timings.prefill_s, rel=0.1, abs=0.002)
+
+
+def test_splitserve_trace_shows_the_breakdown(stack, tmp_path):
+    receiver, d, p = stack
+    trace_id = "3" * 32
+    msgs = generate(d, prompt(300, salt=4), trace_id, [p.address])
+    req_id = f"req-{trace_id[:8]}"
+    receiver.wait_for(trace_id, DECODE_SPANS | PREFILL_SPANS)
+    done = subprocess.run([CLI, "trace", req_id, "--worker", f"127.0.0.1:{d.metrics_port}",
+                           "--worker", f"127.0.0.1:{p.metrics_port}"], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    out = done.stdout
+    assert f"request {req_id} on the decode worker" in out and f"(trace {trace_id})" in out
+    assert f"remote, on {p.address}; 300 prompt tokens" in out
+    ttft_ms = float(out.split("TTFT")[1].split("ms")[0])
+    assert ttft_ms == pytest.approx(msgs[0].timings.first_token_s * 1000, abs=0.1)
+    assert f"request {req_id} on the prefill worker" in out and "prefill compute" in out
+    assert f"{-(-300 // 16) * NUM_LAYERS * BYTES_PER_BLOCK_LAYER} bytes" in out
+    spans_file = tmp_path / "spans.jsonl"
+    receiver.write_jsonl(spans_file)
+    done = subprocess.run([CLI, "trace", req_id, "--spans", str(spans_file)], capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 0, done.stderr
+    tree = done.stdout.splitlines()
+    assert tree[0].startswith(f"trace {trace_id}: {len(DECODE_SPANS | PREFILL_SPANS)} spans")
+    depth = {line.split()[0]: (len(line) - len(line.lstrip())) for line in tree[1:]}
+    assert depth["worker.generate"] < depth["worker.remote_prefill"] < depth["prefill.call"] < depth["kv.send"]
+    assert depth["kv.receive"] == depth["prefill.request"] == depth["prefill.call"] + 2
+    missing = subprocess.run([CLI, "trace", "no-such-request", "--worker", f"127.0.0.1:{d.metrics_port}"],
+                             capture_output=True, text=True, timeout=60)
+    assert missing.returncode == 1 and "no record or span" in missing.stderr
 
 
 def test_colocated_request_reports_real_queue_and_prefill_timings(stack):
