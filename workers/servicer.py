@@ -206,10 +206,11 @@ class WorkerService(pb_grpc.WorkerServicer):
                 self.records.update(req_id, e2e_s=now - t0, num_output_tokens=out.num_output_tokens,
                                     finish_reason=out.finish_reason)
                 self.metrics.requests.labels(finish_reason=out.finish_reason).inc()
-                span.update({"gen_ai.usage.output_tokens": out.num_output_tokens,
-                             "gen_ai.response.finish_reasons": [out.finish_reason or ""],
-                             "splitserve.cached_tokens": out.num_cached_tokens,
-                             "splitserve.prefill_worker": prefill_worker or None})
+                if span.is_recording:
+                    span.update({"gen_ai.usage.output_tokens": out.num_output_tokens,
+                                 "gen_ai.response.finish_reasons": [out.finish_reason or ""],
+                                 "splitserve.cached_tokens": out.num_cached_tokens,
+                                 "splitserve.prefill_worker": prefill_worker or None})
             yield msg
 
     async def _wants_remote(self, request: pb.GenerateRequest, token_ids: list[int]) -> bool:
