@@ -88,7 +88,7 @@ def span_cost(sink: Sink, n: int) -> dict[str, float]:
 
 
 def end_to_end(sink: Sink, n: int) -> dict[str, list[float]]:
-    from splitserve.router.up import WorkerProcess
+    from splitserve.launch.up import WorkerProcess
 
     common = ["--model", "smollm2-135m", "--threads", "1", "--kv-transport", "tcp", "--kv-cache-memory", "0.25",
               "--max-model-len", "2048"]

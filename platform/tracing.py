@@ -17,8 +17,9 @@ add to or override the resource. Spans carry token counts, never prompt text, un
 Off costs nothing: `configure()` imports no OpenTelemetry module, and every span is the one
 `NOOP` object whose methods do nothing. The callers hold spans explicitly (a child is made from
 its parent), so nothing depends on a global context that an async generator could lose across
-`yield`; `Span.activate()` puts a span's ids on the log lines of the running task
-(platform/logfmt.py). Times are `time.monotonic()` seconds, as everywhere else in splitserve,
+`yield`; `enter(span)` makes a span the running task's (and the tasks it starts): `current()`
+returns it, and its ids go on the task's log lines (platform/logfmt.py); `Span.activate()` does
+the latter alone. Times are `time.monotonic()` seconds, as everywhere else in splitserve,
 converted to wall-clock nanoseconds here.
 
 This module is torch-free: the router imports it.
@@ -302,6 +303,26 @@ class _Unsampled(_NoopSpan):
 
 
 _tracer: Tracer = Tracer()
+_current: contextvars.ContextVar = contextvars.ContextVar("current_span", default=NOOP)
+
+
+def current():
+    """The span the running task works for (NOOP when none)."""
+    return _current.get()
+
+
+def enter(span):
+    """Make `span` the running task's current span (tasks started from here inherit it); returns
+    what `leave` needs. Nothing to do for an unrecorded span."""
+    if not span.is_recording:
+        return None
+    return _current.set(span), current_ids.set((span.trace_id, span.span_id))
+
+
+def leave(tokens) -> None:
+    if tokens is not None:
+        _current.reset(tokens[0])
+        current_ids.reset(tokens[1])
 
 
 def configure(config: TracingConfig) -> Tracer:
@@ -317,6 +338,12 @@ def configure(config: TracingConfig) -> Tracer:
 def tracer() -> Tracer:
     """This process' tracer (off until configure())."""
     return _tracer
+
+
+def http_carrier(headers: Mapping[bytes, bytes]) -> dict[str, str]:
+    """Raw ASGI headers (lower-case bytes names) as a carrier holding the trace headers only."""
+    return {name: headers[key].decode("latin-1") for name in (TRACEPARENT, "tracestate")
+            if (key := name.encode()) in headers}
 
 
 def metadata_carrier(metadata) -> dict[str, str]:

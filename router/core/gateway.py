@@ -22,6 +22,7 @@ from collections.abc import AsyncIterator
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from splitserve.platform import tracing
 from splitserve.router import logctx
 from splitserve.router.tenancy.access import ANONYMOUS, Authenticator, RateLimiter
 from splitserve.router.tenancy.admission import AdmissionPipeline, Slots, Ticket
@@ -56,11 +57,12 @@ class Gateway:
     async def access(self, request: Request) -> ApiKey:
         """FastAPI dependency of every /v1 route: API key, then its rate limit."""
         key = self.auth.check(request.headers.get("authorization"))
-        try:
-            await self.limiter.check(key)
-        except APIError:
-            self.router.metrics.rejected.labels(reason="rate_limit").inc()
-            raise
+        with tracing.current().child("admission.rate_limit"):
+            try:
+                await self.limiter.check(key)
+            except APIError:
+                self.router.metrics.rejected.labels(reason="rate_limit").inc()
+                raise
         request.state.api_key = key
         return key
 
@@ -77,6 +79,8 @@ class Gateway:
                        param="model", code="model_not_found")
 
     async def serve(self, request: Request, body, is_chat: bool) -> Response:
+        span = tracing.current()
+        t_parse = time.monotonic()
         lora_name = self.check_model(body.model)
         key = getattr(request.state, "api_key", ANONYMOUS)
         check_scope(key, body.model)
@@ -89,7 +93,10 @@ class Gateway:
         if lora_name is not None:
             prepared.jobs[:] = [dataclasses.replace(job, lora_name=lora_name) for job in prepared.jobs]
         reserve = prepared.num_prompt_tokens + sum(job.params.max_tokens for job in prepared.jobs)
-        ticket = await self.admission.admit(key, body.model, reserve)
+        if span.is_recording:
+            _trace_request(span, body.model, lora_name, prepared, t_parse, is_chat)
+        with span.child("gateway.admission") as admission_span:
+            ticket = await self.admission.admit(key, body.model, reserve, span=admission_span)
         events = merged([self.router.dispatcher.generate(job) for job in prepared.jobs])
         formatter = Formatter(prepared, is_chat, self.tokens)
         cleanup = _Cleanup(events, self.admission, ticket, prepared)
@@ -238,6 +245,16 @@ async def _wait_disconnect(request: Request) -> None:
         message = await request.receive()
         if message["type"] == "http.disconnect":
             return
+
+
+def _trace_request(span, model: str, lora_name: str | None, prepared: Prepared, t_parse: float,
+                   is_chat: bool) -> None:
+    """The request's gen_ai attributes, and its parse (model check, template, tokenization) span."""
+    span.record("gateway.parse", t_parse, time.monotonic(), {"gen_ai.usage.input_tokens": prepared.num_prompt_tokens})
+    span.update({"gen_ai.operation.name": "chat" if is_chat else "text_completion", "gen_ai.system": "splitserve",
+                 "gen_ai.request.model": model, "splitserve.lora_name": lora_name, "gen_ai.usage.input_tokens": prepared.num_prompt_tokens,
+                 "gen_ai.request.max_tokens": max(job.params.max_tokens for job in prepared.jobs),
+                 "splitserve.stream": prepared.stream, "gen_ai.request.choice.count": len(prepared.jobs)})
 
 
 def _worker_headers(chunk) -> dict[str, str]:
