@@ -250,9 +250,11 @@ async def _wait_disconnect(request: Request) -> None:
 def _trace_request(span, model: str, lora_name: str | None, prepared: Prepared, t_parse: float,
                    is_chat: bool) -> None:
     """The request's gen_ai attributes, and its parse (model check, template, tokenization) span."""
-    span.record("gateway.parse", t_parse, time.monotonic(), {"gen_ai.usage.input_tokens": prepared.num_prompt_tokens})
+    num_tokens = prepared.num_prompt_tokens
+    span.record("gateway.parse", t_parse, time.monotonic(), {"gen_ai.usage.input_tokens": num_tokens})
     span.update({"gen_ai.operation.name": "chat" if is_chat else "text_completion", "gen_ai.system": "splitserve",
-                 "gen_ai.request.model": model, "splitserve.lora_name": lora_name, "gen_ai.usage.input_tokens": prepared.num_prompt_tokens,
+                 "gen_ai.request.model": model, "splitserve.lora_name": lora_name,
+                 "gen_ai.usage.input_tokens": num_tokens,
                  "gen_ai.request.max_tokens": max(job.params.max_tokens for job in prepared.jobs),
                  "splitserve.stream": prepared.stream, "gen_ai.request.choice.count": len(prepared.jobs)})
 
