@@ -12,6 +12,7 @@
    both alike; the cost is the difference of the medians.
 
 Results go between the <!-- tracing:begin --> / <!-- tracing:end --> markers of --write's file.
+The gateway's own cost with tracing off and on: `bench/router_bench.py --tracing`.
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import pathlib
 import statistics
 import sys
 import time
@@ -31,6 +31,9 @@ from opentelemetry.proto.collector.trace.v1 import trace_service_pb2_grpc as tsv
 from splitserve.platform import tracing
 from splitserve.platform.wire import worker_pb2 as pb
 from splitserve.platform.wire import worker_pb2_grpc as pb_grpc
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from report import markers, write_section  # noqa: E402
 
 TRACEPARENT = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
 
@@ -143,17 +146,6 @@ def report(spans: dict[str, float], e2e: dict[str, list[float]], num_exported: i
     ])
 
 
-def write_section(path: str, text: str) -> None:
-    begin, end = "<!-- tracing:begin -->", "<!-- tracing:end -->"
-    doc = pathlib.Path(path).read_text() if os.path.exists(path) else ""
-    block = f"{begin}\n{text}\n{end}"
-    if begin in doc and end in doc:
-        doc = doc[:doc.index(begin)] + block + doc[doc.index(end) + len(end):]
-    else:
-        doc = doc.rstrip("\n") + "\n\n" + block + "\n"
-    pathlib.Path(path).write_text(doc)
-
-
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--requests", type=int, default=60, help="requests to each worker (after 5 warm-up)")
@@ -167,7 +159,8 @@ def main(argv=None) -> int:
     text = report(spans, e2e, sink.num_spans - before)
     print(text)
     if args.write:
-        write_section(args.write, text)
+        begin, end = markers("tracing")
+        write_section(args.write, "tracing", f"{begin}\n{text}\n{end}")
     sink.server.stop(0)
     return 0
 
