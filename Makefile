@@ -24,7 +24,7 @@ LLAMA_CMAKE_ARGS := -DGGML_NATIVE=OFF -DGGML_AVX=$(call isa,avx) -DGGML_AVX2=$(c
 	-DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF
 PEER_WHEELS := $(PEER)/wheels-$(shell echo '$(LLAMA_CMAKE_ARGS)' | md5sum | cut -c1-10)
 
-.PHONY: setup run test bench bench-gpu peer clean chaos ray-coldstarts
+.PHONY: setup run test lint bench bench-gpu peer clean chaos ray-coldstarts
 
 setup: $(STAMP)
 
@@ -47,6 +47,12 @@ run: setup
 
 test: setup
 	$(PY) -m pytest -q
+
+# ruff (pinned in the test extras; its rules and the reasons for each one left off are in pyproject.toml).
+# Fix what it finds with `$(VENV)/bin/ruff check --fix .` and `$(VENV)/bin/ruff format .`.
+lint: setup
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 
 # The chaos soak (e2e/chaos.py): MINUTES of faults under load, every request accounted for.
 MINUTES ?= 30

@@ -237,7 +237,7 @@ class Server:
         self.name, self.url = name, url
         self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         self.lines: list[str] = []
-        threading.Thread(target=lambda: [self.lines.append(l) for l in self.proc.stdout], daemon=True).start()
+        threading.Thread(target=lambda: [self.lines.append(line) for line in self.proc.stdout], daemon=True).start()
 
     def wait(self, timeout_s: float = 600) -> None:
         import urllib.request

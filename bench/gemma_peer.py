@@ -1,7 +1,8 @@
 """Gemma 3 270M single stream: splitserve's engine against llama-cpp-python on the same GGUF and
 threads, arms alternating round by round in one run.
 
-    python bench/gemma_peer.py --peer-python .venv-peer/bin/python [--threads 2] [--rounds 3] [--prompts 3] [--tokens 128] [--write docs/benchmarks.md]
+    python bench/gemma_peer.py --peer-python .venv-peer/bin/python [--threads 2] [--rounds 3] [--prompts 3]
+                               [--tokens 128] [--write docs/benchmarks.md]
 
 Each round times one greedy completion of TOKENS tokens (EOS ignored on ours; the peer's
 `logit_bias` bans Gemma's EOS ids so it generates as many) for each of three plain prompts (or the first --prompts) (the

@@ -186,7 +186,6 @@ def measure_bandwidth(device: torch.device, num_bytes: int, repeats: int) -> flo
     src = torch.empty(num_bytes, dtype=torch.uint8, device=device).fill_(1)
     dst = torch.empty_like(src)
     seconds = time_op(lambda: dst.copy_(src), device, max(repeats, 10))
-    del src, dst
     return 2 * num_bytes / seconds
 
 

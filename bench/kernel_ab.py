@@ -123,7 +123,7 @@ def main() -> int:
         same = True
         for m in ROWS:
             x = torch.randn(m, 576)
-            _, ok = compare(f"quantize 2 digits, {m} x 576", {n: (lambda o=o: o.quantize_a8(x, 2)) for n, o in libs.items()},
+            _, ok = compare(f"quantize 2 digits, {m} x 576", {n: (lambda o=o, x=x: o.quantize_a8(x, 2)) for n, o in libs.items()},
                             400, args.repeats)
             same &= ok
         for label, (n, k) in LINEARS.items():
@@ -131,14 +131,14 @@ def main() -> int:
             kernels = {name: a8.Int4A8Kernel(w, None, ops, 2) for name, ops in libs.items()}
             for m in ROWS:
                 x = torch.randn(m, k)
-                _, ok = compare(f"w4a16 {label}, {m} rows", {name: (lambda kk=kk: (kk(x),)) for name, kk in kernels.items()},
+                _, ok = compare(f"w4a16 {label}, {m} rows", {name: (lambda kk=kk, x=x: (kk(x),)) for name, kk in kernels.items()},
                                 40, args.repeats)
                 same &= ok
         table = formats.int8_groups(torch.randn(*HEAD))[0]
         heads = {name: a8.Int8A8Head(table.codes, table.scale, ops) for name, ops in libs.items()}
         for m in ROWS:
             x = torch.randn(m, HEAD[1])
-            _, ok = compare(f"int8 head {HEAD[0]}x{HEAD[1]}, {m} rows", {name: (lambda h=h: (h(x),)) for name, h in heads.items()},
+            _, ok = compare(f"int8 head {HEAD[0]}x{HEAD[1]}, {m} rows", {name: (lambda h=h, x=x: (h(x),)) for name, h in heads.items()},
                             10, args.repeats)
             same &= ok
         for b in ROWS:
@@ -149,7 +149,7 @@ def main() -> int:
             cl = torch.full((b,), ctx, dtype=torch.int64)
             q = torch.randn(b, 9, 64)
             _, ok = compare(f"attention, {b} sequences x 256 tokens (float16 KV)",
-                            {n: (lambda o=o: (o.decode_attention(q, kc, vc, bt, cl, 0.125),)) for n, o in libs.items()},
+                            {n: (lambda o=o, args=(q, kc, vc, bt, cl): (o.decode_attention(*args, 0.125),)) for n, o in libs.items()},
                             20, args.repeats)
             same &= ok
         print("\nsame bits on both sides: " + str(same))

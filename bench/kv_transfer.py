@@ -167,7 +167,7 @@ class Bench:
 
 
 def machine() -> str:
-    cpu = next((l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name")), "?")
+    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), "?")
     from importlib.metadata import version
     return (f"{os.cpu_count()} vCPU {cpu}, torch {torch.__version__}, ucxx-cu12 {version('ucxx-cu12')} "
             f"(UCX {version('libucx-cu12')}), Python {stdlib_platform.python_version()}")

@@ -194,7 +194,7 @@ def w5_requests(num_requests: int = W5_REQUESTS, num_adapters: int = W5_ADAPTERS
     rng = random.Random(seed)
     weights = [1 / (k + 1) ** W5_ZIPF for k in range(num_adapters)]
     t, out = 0.0, []
-    for i in range(num_requests):
+    for _ in range(num_requests):
         t += rng.expovariate(rate)
         out.append((t, rng.choices(range(num_adapters), weights)[0], rng.randrange(10**9)))
     return out
@@ -388,13 +388,17 @@ def render_w5(w5: dict) -> str:
 ### W5: {w5['adapters']} adapters, zipf popularity, 2 workers with {W5_SLOTS} adapter slots each
 
 {w5.get('rounds', 1)} rounds of {w5['requests']} requests per arm at {w5['rate']}/s (Poisson; the arms' order rotated
-each round, after an untimed warm-up round; {_warm_text(w5)}), adapter drawn from zipf (s = {W5_ZIPF}) over {w5['adapters']}
-adapters (rank {w5.get('rank', RANK)}, all projections: {w5.get('mb', adapter_mb(RANK)):.0f} MB each in fp32, loaded on both workers), each prompt the adapter's 64-token
+each round, after an untimed warm-up round; {_warm_text(w5)}), adapter drawn from zipf (s = {W5_ZIPF}) \
+over {w5['adapters']}
+adapters (rank {w5.get('rank', RANK)}, all projections: {w5.get('mb', adapter_mb(RANK)):.0f} MB each in fp32, \
+loaded on both workers), each prompt the adapter's 64-token
 system prompt + 16 random tokens, 16 output tokens streamed; two `--role both` workers with
-{w5['threads']} torch thread each, `--max-loras {W5_SLOTS}` and `--max-cpu-loras {w5.get('resident', w5['adapters'])}` (adapters beyond
+{w5['threads']} torch thread each, `--max-loras {W5_SLOTS}` and \
+`--max-cpu-loras {w5.get('resident', w5['adapters'])}` (adapters beyond
 that are read again from their folder when asked for), one router per arm, same request sequence.
 
-| routing | p50 TTFT s | p90 TTFT s | p90 of round-robin / this | prompt tokens per worker % | p90 per round s | adapter reads from disk |
+| routing | p50 TTFT s | p90 TTFT s | p90 of round-robin / this | prompt tokens per worker % | p90 per round s \
+| adapter reads from disk |
 |---|---|---|---|---|---|---|
 {rows}
 

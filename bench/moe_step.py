@@ -103,8 +103,9 @@ def main() -> None:
         "## Mixture-of-experts decode step vs dense (bench/moe_step.py)",
         "",
         f"Qwen3-shaped random models, hidden {SHAPE['hidden_size']}, {SHAPE['num_layers']} layers, vocab "
-        f"{SHAPE['vocab_size']}, fp32, quantization none, {torch.get_num_threads()} torch threads, {CONTEXT} cached "
-        f"tokens per sequence, best of {args.repeats} steps, the three variants' steps interleaved: the MoE model has {NUM_EXPERTS} experts of {MOE_INTER}, "
+        f"{SHAPE['vocab_size']}, fp32, quantization none, {torch.get_num_threads()} torch threads, "
+        f"{CONTEXT} cached tokens per sequence, best of {args.repeats} steps, the three variants' steps interleaved: "
+        f"the MoE model has {NUM_EXPERTS} experts of {MOE_INTER}, "
         f"{E_ACTIVE} per token; the dense one an MLP of {E_ACTIVE * MOE_INTER} (the same active parameters). "
         f"Target: the MoE step within 1.5x the dense one. Host load average while measuring: "
         f"{os.getloadavg()[0]:.1f} (a shared 2-core machine: the ratios, measured in one run with interleaved "
@@ -119,7 +120,8 @@ def main() -> None:
         f"Reproduce: `nice -n 19 python bench/moe_step.py --layers {args.layers} --repeats {args.repeats} "
         f"--batches {args.batches} --write docs/benchmarks.md`",
         "",
-        "| batch | dense step (ms) | MoE step (ms) | MoE / dense | MoE, loop (ms) | loop / dense | grouped / loop |",
+        "| batch | dense step (ms) | MoE step (ms) | MoE / dense | MoE, loop (ms) | loop / dense "
+        "| grouped / loop |",
         "|---|---|---|---|---|---|---|",
         *rows,
         "<!-- moe_step:end -->",

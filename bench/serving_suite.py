@@ -23,8 +23,9 @@ Arms
   prompt prefilled remotely, KV over UCX — TCP when ucxx is missing); `1P1D-conditional`
   (remote only when at least COND_TOKENS tokens are uncached).
 
-Results: the section between <!-- serving:begin/end --> of --write, PNG plots in --plots, the
-summaries (no per-request records) in --plots/serving-summary.json, raw JSON in a temp folder.
+Results: the section between <!-- serving:begin/end --> (docs/benchmarks/serving.md for --write
+docs/benchmarks.md), PNG plots in --plots, the summaries (no per-request records) in
+--plots/serving-summary.json, raw JSON in a temp folder.
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ import urllib.request
 import yaml
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from report import markers, write_section  # noqa: E402
+from report import markers, section_path, write_section  # noqa: E402
 
 MODEL = "smollm2-135m"
 # Per worker: 2,048 tokens in 16-token blocks. W1's 8 system prompts (8 x 16 blocks) fill one
@@ -164,8 +165,9 @@ def w3_plan(quick: bool, prefill_s: float | None) -> list[list[Run]]:
             fraction = long_rate / (long_rate + interactive)
             points.append((round(long_rate + interactive, 2), fraction,
                            round((14 if quick else W3_INTERACTIVE) / (1 - fraction))))
-    params = lambda fraction: (("long_fraction", f"{fraction:.3f}"), ("long_min", str(W3_LONG[0])),  # noqa: E731
-                               ("long_max", str(W3_LONG[1])))
+    def params(fraction):
+        return ("long_fraction", f"{fraction:.3f}"), ("long_min", str(W3_LONG[0])), ("long_max", str(W3_LONG[1]))
+
     return [[Run("w3", arm, n, rate=rate, warmup=2, params=params(fraction)) for arm in DISAGG]
             for rate, fraction, n in points]
 
@@ -570,7 +572,9 @@ def render(results: dict[str, list[dict]], plots: dict[str, str], meta: dict) ->
                 "32–64-token prompts, 64–128 output tokens, concurrency 8.", "", HEADER]
         out += [summary_row(d) for d in w4]
         rr, ours, pd = pick(w4, "round-robin"), pick(w4, "prefix+queue"), pick(w4, "1P1D")
-        tput = lambda d: d and d["summary"]["output_throughput"]  # noqa: E731
+        def tput(d):
+            return d and d["summary"]["output_throughput"]
+
         out += ["", f"Output tok/s 1P1D ÷ colocated (prefix+queue) = {ratio(tput(pd), tput(ours))}; "
                     f"prefix+queue ÷ round-robin = {ratio(tput(ours), tput(rr))}.", ""]
     peer = results.get("peer", [])
@@ -665,7 +669,8 @@ def machine() -> str:
                  stdlib_platform.processor())
     import torch
 
-    return (f"{len(os.sched_getaffinity(0))} vCPU {model}, {os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / 2**30:.0f} GiB, "
+    memory_gib = os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / 2**30
+    return (f"{len(os.sched_getaffinity(0))} vCPU {model}, {memory_gib:.0f} GiB, "
             f"torch {torch.__version__}, Python {stdlib_platform.python_version()}")
 
 
@@ -710,7 +715,8 @@ def main() -> int:
         else:
             results[name] = [doc for group in groups[name] for doc in run_group(group, raw, workdir)]
     plots_dir = pathlib.Path(args.plots)
-    rel = os.path.relpath(plots_dir, pathlib.Path(args.write).parent) if args.write else str(plots_dir)
+    rel = (os.path.relpath(plots_dir, section_path(args.write, "serving").parent) if args.write
+           else str(plots_dir))
     plots = make_plots(results, plots_dir, rel)
     kv = sorted({b for docs in results.values() for d in docs for b in d.get("kv_blocks", [])})
     meta = {"machine": machine(), "date": datetime.date.today().isoformat(), "minutes": (time.monotonic() - t0) / 60,

@@ -16,14 +16,14 @@ import torch.nn.functional as F
 from splitserve.platform.kernels.cpu_ops import cpu_ops
 from splitserve.platform.models.layers import RotaryEmbedding, apply_rotary
 
-H, I, NH, NKV, D = 576, 1536, 9, 3, 64  # SmolLM2-135M
+H, INTER, NH, NKV, D = 576, 1536, 9, 3, 64  # SmolLM2-135M: hidden, intermediate, heads, KV heads, head dim
 ROTARY = RotaryEmbedding(D, 2048, 100000.0, None)
 
 
 def eager(x, res, w, gate_up, qkv, pos):
     res = res + x
     h = F.rms_norm(res, (H,), None, 1e-5) * w
-    act = F.silu(gate_up[:, :I]) * gate_up[:, I:]
+    act = F.silu(gate_up[:, :INTER]) * gate_up[:, INTER:]
     cos, sin = ROTARY.cos_sin(pos, torch.float32)
     qk = apply_rotary(qkv.view(qkv.shape[0], -1, D)[:, :NH + NKV], cos, sin)
     return res, h, act, qk
@@ -52,7 +52,7 @@ def main() -> None:
     ops = cpu_ops()
     assert ops is not None, "the C kernels could not be built here"
     for b in (1, 8):
-        args = (torch.randn(b, H), torch.randn(b, H), torch.rand(H), torch.randn(b, 2 * I),
+        args = (torch.randn(b, H), torch.randn(b, H), torch.rand(H), torch.randn(b, 2 * INTER),
                 torch.randn(b, (NH + 2 * NKV) * D), torch.arange(b) + 100)
         t0 = time.perf_counter()
         compiled = torch.compile(eager, dynamic=False)

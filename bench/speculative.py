@@ -2,7 +2,8 @@
 llama-cpp-python's prompt-lookup decoding on the same GGUF and cores. One process, arms
 interleaved round by round, so drifting machine load hits them alike.
 
-    python bench/speculative.py [--write docs/benchmarks.md] [--threads 2] [--k 4 8] [--peer-python .venv-peer/bin/python]
+    python bench/speculative.py [--write docs/benchmarks.md] [--threads 2] [--k 4 8]
+                                [--peer-python .venv-peer/bin/python]
 
 Workloads, greedy, chat-templated, up to MAX_TOKENS output tokens (EOS ends a request):
 - copy-heavy: edit a function and return it whole, rewrite a paragraph with one change,
@@ -88,7 +89,8 @@ PEER_SCRIPT = r'''
 import json, sys, time
 from llama_cpp import Llama
 from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
-path, threads, k, max_tokens, rounds = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
+path = sys.argv[1]
+threads, k, max_tokens, rounds = (int(a) for a in sys.argv[2:6])
 prompts = json.loads(sys.stdin.read())
 arms = {"peer": Llama(path, n_threads=threads, n_threads_batch=threads, n_ctx=2048, verbose=False),
         "peer + lookup": Llama(path, n_threads=threads, n_threads_batch=threads, n_ctx=2048, verbose=False,
@@ -172,7 +174,8 @@ def render(single, conc, stats, peer, args) -> str:
                      f"{dict(enumerate(st.accepted_lengths))}.")
     if peer:
         lines += ["", "llama-cpp-python on the same GGUF and threads, single stream (tok/s, median):", "",
-                  f"| workload | peer | peer + prompt lookup | lookup / plain | splitserve {spec_arms[0]} / peer + lookup |",
+                  "| workload | peer | peer + prompt lookup | lookup / plain "
+                  f"| splitserve {spec_arms[0]} / peer + lookup |",
                   "|---|---|---|---|---|"]
         for kind in ("copy-heavy", "chat"):
             p_off, p_on = med(peer["peer"][kind]), med(peer["peer + lookup"][kind])

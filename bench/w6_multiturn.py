@@ -186,7 +186,8 @@ def render(results: dict, w1: dict, args) -> str:
              f"event streams. TTFT over every turn after the first, client side. One run, arms one after the "
              f"other on the same host; `python bench/w6_multiturn.py --write docs/benchmarks.md` "
              f"(in `make bench`).", "",
-             "| arm | TTFT p50 (ms) | TTFT p90 (ms) | prefix-aware p90 ÷ this p90 | prompt tokens computed | pulled | restored from tier | wall (s) |",
+             "| arm | TTFT p50 (ms) | TTFT p90 (ms) | prefix-aware p90 ÷ this p90 | prompt tokens computed "
+             "| pulled | restored from tier | wall (s) |",
              "|---|---|---|---|---|---|---|---|"]
     for arm, r in results.items():
         lines.append(f"| {arm} | {r['p50']:.0f} | {r['p90']:.0f} | {base / r['p90']:.2f}x | {r['computed']} "

@@ -261,7 +261,7 @@ class Soak:
         leaks = []
         for w in self.workers:
             try:
-                wait_for(lambda: (s := w.kv_state()) and s["num_requests"] == 0
+                wait_for(lambda w=w: (s := w.kv_state()) and s["num_requests"] == 0
                          and s["num_requests_holding_blocks"] == 0, 120, f"{w.name} idle")
             except TimeoutError:
                 leaks.append(f"{w.name} still holds requests: {w.kv_state()}")
@@ -271,7 +271,7 @@ class Soak:
             self.bank_remote_prefills(w)
         for r in self.routers:
             try:
-                wait_for(lambda: self.router_is_idle(r), 60, f"{r.name} idle")
+                wait_for(lambda r=r: self.router_is_idle(r), 60, f"{r.name} idle")
             except TimeoutError:
                 leaks.append(f"{r.name} still holds requests: {self.router_counts(r)}")
         for p in self.procs():

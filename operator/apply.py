@@ -30,11 +30,11 @@ from dataclasses import dataclass, field
 from decimal import InvalidOperation
 from typing import Any
 
-from kubernetes.client.exceptions import ApiException
 from kubernetes.utils.quantity import parse_quantity
 
 from splitserve.operator import constants as C
-from splitserve.operator.kube import KINDS, KindInfo, Kube, path
+from splitserve.operator.kube import KINDS, KindInfo, path
+from splitserve.planner.kube import KubeClient, KubeError
 
 AUTOSCALERS = ("keda", "hpa", "planner")  # who owns an autoscaled pool's replicas (render_pods)
 
@@ -101,7 +101,7 @@ def _key(manifest: dict[str, Any]) -> str:
     return f"{manifest['kind']}/{manifest['metadata']['name']}"
 
 
-def _apply_one(kube: Kube, kind: KindInfo, manifest: dict[str, Any], live: dict[str, Any] | None,
+def _apply_one(kube: KubeClient, kind: KindInfo, manifest: dict[str, Any], live: dict[str, Any] | None,
                result: ApplyResult) -> dict[str, Any]:
     ns, name = manifest["metadata"]["namespace"], manifest["metadata"]["name"]
     if live is None:
@@ -109,7 +109,7 @@ def _apply_one(kube: Kube, kind: KindInfo, manifest: dict[str, Any], live: dict[
             created = kube.create(path(kind, ns), manifest)
             result.created.append(_key(manifest))
             return created
-        except ApiException as exc:
+        except KubeError as exc:
             if exc.status != 409:
                 raise
             live = kube.get(path(kind, ns, name)) or {}
@@ -118,19 +118,30 @@ def _apply_one(kube: Kube, kind: KindInfo, manifest: dict[str, Any], live: dict[
         result.unchanged.append(_key(manifest))
         return live
     result.patched.append(_key(manifest))
-    return kube.patch(path(kind, ns, name), body)
+    return kube.merge_patch(path(kind, ns, name), body)
+
+
+def _list_if_installed(kube: KubeClient, url: str, selector: str) -> list[dict[str, Any]] | None:
+    """The live objects, or None when the API server does not serve this kind (404 on the list)."""
+    try:
+        return kube.list(url, selector)
+    except KubeError as exc:
+        if exc.status == 404:
+            return None
+        raise
 
 
 def _owned_by(obj: dict[str, Any], uid: str) -> bool:
     return any(ref.get("uid") == uid and ref.get("controller") for ref in obj["metadata"].get("ownerReferences", []))
 
 
-def apply_all(kube: Kube, manifests: list[dict[str, Any]], namespace: str, selector: str, owner_uid: str) -> ApplyResult:
+def apply_all(kube: KubeClient, manifests: list[dict[str, Any]], namespace: str, selector: str,
+              owner_uid: str) -> ApplyResult:
     """Create, patch or prune so that the children of one InferenceService match `manifests`."""
     result = ApplyResult()
     for kind in KINDS:
         wanted = [m for m in manifests if m["kind"] == kind.kind and m["apiVersion"] == kind.api_version]
-        items = kube.list(path(kind, namespace), selector)
+        items = _list_if_installed(kube, path(kind, namespace), selector)
         if items is None:
             if wanted:
                 raise MissingApiError(kind)

@@ -12,7 +12,9 @@ conversion walks the pydantic schema once:
 - `exclusiveMinimum: n` (2020-12) becomes `minimum: n, exclusiveMinimum: true` (OpenAPI 3.0);
 - `dict[str, Any]` becomes an object with `x-kubernetes-preserve-unknown-fields`;
 - `additionalProperties: false` and titles are dropped (not allowed beside `properties` /
-  noise); unknown fields are pruned by the API server instead.
+  noise); unknown fields are pruned by the API server instead;
+- a description is the docstring's prose: the line breaks of its source wrapping become spaces
+  (a blank line still separates paragraphs), as `kubectl explain` wraps text itself.
 
 The committed file under helm/splitserve/crds/ is this module's output; a test fails on drift.
 Regenerate it with `splitserve operator --print-crd > helm/splitserve/crds/<file>`.
@@ -51,12 +53,19 @@ def _resolve(node: dict[str, Any], defs: dict[str, Any]) -> dict[str, Any]:
     return node
 
 
+def _prose(text: str) -> str:
+    """Join each paragraph's source lines into one line; paragraphs stay apart."""
+    return "\n\n".join(" ".join(p.split()) for p in text.split("\n\n"))
+
+
 def structural(node: dict[str, Any], defs: dict[str, Any]) -> dict[str, Any]:
     """The structural-schema equivalent of one pydantic JSON-schema node."""
     node = _resolve(node, defs)
     if "enum" in node and "type" not in node:
         node = {**node, "type": "integer" if all(isinstance(v, int) for v in node["enum"]) else "string"}
     out = {k: node[k] for k in KEEP if k in node}
+    if "description" in out:
+        out["description"] = _prose(out["description"])
     if "exclusiveMinimum" in node:
         out["minimum"], out["exclusiveMinimum"] = node["exclusiveMinimum"], True
     if node.get("type") == "object":

@@ -25,7 +25,8 @@ from typing import Any
 
 from splitserve.operator import pki
 from splitserve.operator.context import Context
-from splitserve.operator.kube import KindInfo, Kube, path
+from splitserve.operator.kube import KindInfo, path
+from splitserve.planner.kube import KubeClient
 
 SECRET = KindInfo("v1", "Secret", "secrets")
 KV_SECRET_KEY = "secret"
@@ -64,17 +65,17 @@ def _data(secret: dict[str, Any] | None, key: str) -> bytes:
         return b""
 
 
-def _write(kube: Kube, ctx: Context, name: str, component: str, data: dict[str, bytes], type_: str,
+def _write(kube: KubeClient, ctx: Context, name: str, component: str, data: dict[str, bytes], type_: str,
            live: dict[str, Any] | None) -> None:
     encoded = {k: _b64(v) for k, v in data.items()}
     if live is None:
         kube.create(path(SECRET, ctx.namespace), {"apiVersion": "v1", "kind": "Secret", "type": type_,
                                                   "metadata": ctx.meta(name, component), "data": encoded})
     else:
-        kube.patch(path(SECRET, ctx.namespace, name), {"metadata": ctx.meta(name, component), "data": encoded})
+        kube.merge_patch(path(SECRET, ctx.namespace, name), {"metadata": ctx.meta(name, component), "data": encoded})
 
 
-def ensure_kv_secret(kube: Kube, ctx: Context) -> None:
+def ensure_kv_secret(kube: KubeClient, ctx: Context) -> None:
     name = kv_secret_name(ctx)
     live = kube.get(path(SECRET, ctx.namespace, name))
     if len(_data(live, KV_SECRET_KEY).strip()) >= MIN_KV_SECRET_BYTES:
@@ -82,7 +83,7 @@ def ensure_kv_secret(kube: Kube, ctx: Context) -> None:
     _write(kube, ctx, name, "kv", {KV_SECRET_KEY: secrets.token_hex(32).encode()}, "Opaque", live)
 
 
-def _ensure_ca(kube: Kube, ctx: Context, now: datetime.datetime) -> tuple[pki.KeyPair, bytes]:
+def _ensure_ca(kube: KubeClient, ctx: Context, now: datetime.datetime) -> tuple[pki.KeyPair, bytes]:
     """The current CA and the trust bundle (current CA, then the previous one while it is valid)."""
     name = ca_secret_name(ctx)
     live = kube.get(path(SECRET, ctx.namespace, name))
@@ -97,7 +98,7 @@ def _ensure_ca(kube: Kube, ctx: Context, now: datetime.datetime) -> tuple[pki.Ke
     return current, bundle
 
 
-def _ensure_leaf(kube: Kube, ctx: Context, component: str, ca: pki.KeyPair, bundle: bytes,
+def _ensure_leaf(kube: KubeClient, ctx: Context, component: str, ca: pki.KeyPair, bundle: bytes,
                  now: datetime.datetime) -> str:
     name = tls_secret_name(ctx, component)
     live = kube.get(path(SECRET, ctx.namespace, name))
@@ -116,7 +117,7 @@ def _fingerprint(cert: bytes, bundle: bytes) -> str:
     return hashlib.sha256(cert + bundle).hexdigest()[:16]
 
 
-def ensure_credentials(kube: Kube, ctx: Context, now: datetime.datetime) -> dict[str, str]:
+def ensure_credentials(kube: KubeClient, ctx: Context, now: datetime.datetime) -> dict[str, str]:
     """Create or renew the Secrets this InferenceService's security needs (see the module doc);
     returns component -> certificate fingerprint for the pod templates ({} without managed TLS)."""
     if manages_kv_secret(ctx):

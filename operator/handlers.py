@@ -25,9 +25,10 @@ from typing import Any
 import kopf
 
 from splitserve.operator import constants as C
-from splitserve.operator.kube import Kube, connection_info, load_configuration
+from splitserve.operator.kube import connection_info
 from splitserve.operator.reconcile import Outcome, reconcile
 from splitserve.operator.settings import OperatorSettings
+from splitserve.planner.kube import KubeClient, load_configuration
 
 RESOURCE = (C.API_GROUP, C.API_VERSION, C.PLURAL)
 
@@ -39,13 +40,13 @@ class Reconciler:
         self.settings = settings
         self.kubeconfig = kubeconfig
         self.cfg = None
-        self.kube: Kube | None = None
+        self.kube: KubeClient | None = None
         self._locks: dict[tuple[str, str], threading.Lock] = {}
         self._guard = threading.Lock()
 
     def connect(self) -> None:
         self.cfg = load_configuration(self.kubeconfig)
-        self.kube = Kube(self.cfg)
+        self.kube = KubeClient(self.cfg, timeout=30.0)
 
     def run(self, namespace: str, name: str) -> Outcome:
         assert self.kube is not None, "connect() runs at operator startup"

@@ -32,6 +32,7 @@ from splitserve.operator.settings import OperatorSettings
 from splitserve.operator.spec import parse_spec
 from splitserve.operator.status import (blocked_status, build_status, is_ready, now_rfc3339, observe_deployment,
                                        parse_adapter_report, security_condition)
+from splitserve.planner.kube import KubeClient
 
 
 @dataclass(frozen=True)
@@ -61,12 +62,12 @@ def status_patch(old: dict[str, Any] | None, new: dict[str, Any]) -> dict[str, A
     return {**{k: None for k in (old or {}) if k not in new}, **new}
 
 
-def _write_status(kube: K.Kube, body: dict[str, Any], status: dict[str, Any]) -> None:
+def _write_status(kube: KubeClient, body: dict[str, Any], status: dict[str, Any]) -> None:
     old = body.get("status") or {}
     if old == status:
         return
     meta = body["metadata"]
-    kube.patch(K.path(K.ISVC, meta["namespace"], meta["name"], "status"), {"status": status_patch(old, status)})
+    kube.merge_patch(K.path(K.ISVC, meta["namespace"], meta["name"], "status"), {"status": status_patch(old, status)})
 
 
 def _gateway_url(ctx: Context, result: ApplyResult) -> str:
@@ -76,7 +77,7 @@ def _gateway_url(ctx: Context, result: ApplyResult) -> str:
     return f"http://{host}:{ctx.spec.router.service.port}" if host else ctx.gateway_url()
 
 
-def reconcile(kube: K.Kube, settings: OperatorSettings, namespace: str, name: str,
+def reconcile(kube: KubeClient, settings: OperatorSettings, namespace: str, name: str,
               now: datetime.datetime | None = None) -> Outcome:
     """`now` (default: the clock) decides which certificates are due for renewal (credentials.py)."""
     body = kube.get(K.path(K.ISVC, namespace, name))

@@ -184,7 +184,7 @@ def _worker_env(ctx: Context, pool_spec: PoolSpec) -> list[dict[str, Any]]:
     ucx = ctx.spec.kv_transfer.ucx
     extra = []
     if ctx.spec.kv_transfer.transport == "ucx":
-        extra.append({"name": "UCX_TCP_PORT_RANGE", "value": "%d-%d" % C.UCX_TCP_PORTS})
+        extra.append({"name": "UCX_TCP_PORT_RANGE", "value": f"{C.UCX_TCP_PORTS[0]}-{C.UCX_TCP_PORTS[1]}"})
     if ucx is not None and ucx.tls:
         extra.append({"name": "UCX_TLS", "value": ucx.tls})
     if ucx is not None and ucx.net_devices:

@@ -52,7 +52,8 @@ class ModelSpec(_Spec):
     """The weights to serve and how."""
 
     uri: str = Field(min_length=1, max_length=1024)
-    """An alias (`smollm2-135m`), a .gguf file, a Hugging Face folder, or `random:<preset>`. Never a hub: weights come with the image or from `storage`."""
+    """An alias (`smollm2-135m`), a .gguf file, a Hugging Face folder, or `random:<preset>`. Never a hub: weights come
+    with the image or from `storage`."""
     name: str | None = Field(None, min_length=1, max_length=256)
     """The model name clients send in OpenAI requests (default: the uri)."""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
@@ -94,7 +95,8 @@ class SpeculativeSpec(_Spec):
 
     # An enum, not pydantic's `const` for a one-value Literal: structural CRD schemas drop const.
     method: Annotated[Literal["ngram"], WithJsonSchema({"type": "string", "enum": ["ngram"]})] = "ngram"
-    """How proposals are made: ngram (prompt lookup: the tokens that followed the last n tokens' most recent earlier occurrence)."""
+    """How proposals are made: ngram (prompt lookup: the tokens that followed the last n tokens' most recent earlier
+    occurrence)."""
     num_speculative_tokens: int = Field(4, ge=1, le=16)
     """Most tokens proposed per request and step."""
     prompt_lookup_max: int = Field(4, ge=1, le=64)
@@ -111,20 +113,25 @@ class SpeculativeSpec(_Spec):
 
 
 class KvCacheSpec(_Spec):
-    """KV reuse across workers and tiers (docs/kv-tiers.md): a second tier per worker and pulls. Every unset field takes the cluster default from the Helm chart's `kvCache.*` values (built in: no tier, disk, pulls on, 1024 blocks)."""
+    """KV reuse across workers and tiers (docs/kv-tiers.md): a second tier per worker and pulls. Every unset field takes
+    the cluster default from the Helm chart's `kvCache.*` values (built in: no tier, disk, pulls on, 1024 blocks)."""
 
     tier_gib: float | None = Field(None, alias="tierGiB", ge=0, le=4096)
-    """Size of each worker's second KV tier, in GiB (0: none). Blocks the KV cache evicts go there and are copied back on a prefix hit: host memory on GPU pools, files in an emptyDir of this size on CPU pools (count it in the pool's memory limit when the emptyDir is in memory)."""
+    """Size of each worker's second KV tier, in GiB (0: none). Blocks the KV cache evicts go there and are copied back
+    on a prefix hit: host memory on GPU pools, files in an emptyDir of this size on CPU pools (count it in the pool's
+    memory limit when the emptyDir is in memory)."""
     tier_medium: Literal["disk", "memory"] | None = None
     """CPU pools: the emptyDir backing the file tier, on the node's disk or in memory (tmpfs)."""
     pull: bool | None = None
-    """A worker pulls a prefix another worker holds instead of recomputing it, when the router estimates that cheaper."""
+    """A worker pulls a prefix another worker holds instead of recomputing it, when the router estimates that cheaper.
+    """
     max_pull_blocks: int | None = Field(None, ge=1, le=1048576)
     """The most KV blocks one pull fetches; the rest of the prompt is computed."""
 
 
 class AutoscalingSpec(_Spec):
-    """Queue-depth autoscaling of one pool. Every unset field takes the cluster default from the Helm chart's `autoscaling.*` values."""
+    """Queue-depth autoscaling of one pool. Every unset field takes the cluster default from the Helm chart's
+    `autoscaling.*` values."""
 
     model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": [
         rule("!has(self.minReplicas) || !has(self.maxReplicas) || self.minReplicas <= self.maxReplicas",
@@ -136,7 +143,9 @@ class AutoscalingSpec(_Spec):
     enabled: bool | None = None
     """Let an autoscaler own this pool's replicas (the operator then leaves `replicas` alone)."""
     provider: Literal["keda", "hpa", "planner"] | None = None
-    """keda: a KEDA ScaledObject with a Prometheus trigger; hpa: an autoscaling/v2 HPA on a Pods metric served by prometheus-adapter; planner: the SLA planner sizes both pools for `spec.slo` (KEDA metrics-api trigger on the planner's JSON)."""
+    """keda: a KEDA ScaledObject with a Prometheus trigger; hpa: an autoscaling/v2 HPA on a Pods metric served by
+    prometheus-adapter; planner: the SLA planner sizes both pools for `spec.slo` (KEDA metrics-api trigger on the
+    planner's JSON)."""
     min_replicas: int | None = Field(None, ge=0, le=1000)
     """Fewest replicas (0 scales to zero, keda only)."""
     max_replicas: int | None = Field(None, ge=1, le=1000)
@@ -158,7 +167,8 @@ class SloSpec(_Spec):
     """90th percentile inter-token latency, in milliseconds."""
     profile_config_map: str | None = Field(None, alias="profileConfigMap", min_length=1, max_length=253,
                                            pattern=r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$")
-    """A ConfigMap in this namespace whose key profile.json is this service's capacity profile (`splitserve profile` on its hardware); default: the chart's autoscaling.plannerProfile."""
+    """A ConfigMap in this namespace whose key profile.json is this service's capacity profile (`splitserve profile` on
+    its hardware); default: the chart's autoscaling.plannerProfile."""
 
 
 class Toleration(_Spec):
@@ -221,7 +231,8 @@ class ScorerWeights(_Spec):
     pending: float = Field(1.0, ge=0, le=1000)
     """Requests the router just sent and the worker has not reported yet."""
     lora: float = Field(2.0, ge=0, le=1000)
-    """LoRA adapter affinity (decode only): the request's adapter already runs on the worker, or it has a free adapter slot."""
+    """LoRA adapter affinity (decode only): the request's adapter already runs on the worker, or it has a free adapter
+    slot."""
 
 
 class SecretKeyRef(_Spec):
@@ -247,7 +258,8 @@ class RouterSpec(_Spec):
 
     model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": [
         rule("self.replicas <= 1 || has(self.redis)",
-             "router.redis is required when router.replicas > 1: the replicas share one prefix index through Redis")]})
+             "router.redis is required when router.replicas > 1: "
+             "the replicas share one prefix index through Redis")]})
 
     replicas: int = Field(1, ge=1, le=100)
     scorer_weights: ScorerWeights = ScorerWeights()
@@ -374,12 +386,16 @@ class InferenceServiceSpec(_Spec):
     model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": [
         rule("self.disaggregation.mode != 'always' || self.prefill.replicas >= 1 || "
              "(has(self.prefill.autoscaling.enabled) && self.prefill.autoscaling.enabled)",
-             "disaggregation.mode always needs a prefill pool: set prefill.replicas >= 1 or enable its autoscaling"),
-        rule("self.decode.replicas >= 1 || (has(self.decode.autoscaling.enabled) && self.decode.autoscaling.enabled)",
+             "disaggregation.mode always needs a prefill pool: "
+             "set prefill.replicas >= 1 or enable its autoscaling"),
+        rule("self.decode.replicas >= 1 || "
+             "(has(self.decode.autoscaling.enabled) && self.decode.autoscaling.enabled)",
              "decode.replicas must be at least 1 unless an autoscaler owns the pool"),
-        rule("has(self.slo) || !((has(self.prefill.autoscaling.provider) && self.prefill.autoscaling.provider == 'planner')"
+        rule("has(self.slo) || "
+             "!((has(self.prefill.autoscaling.provider) && self.prefill.autoscaling.provider == 'planner')"
              " || (has(self.decode.autoscaling.provider) && self.decode.autoscaling.provider == 'planner'))",
-             "autoscaling.provider planner needs spec.slo (ttftP90Ms and itlP90Ms): the planner sizes the pools for them"),
+             "autoscaling.provider planner needs spec.slo (ttftP90Ms and itlP90Ms): "
+             "the planner sizes the pools for them"),
     ]})
 
     model: ModelSpec
@@ -395,15 +411,18 @@ class InferenceServiceSpec(_Spec):
     """Latency targets; required when a pool's autoscaling provider is planner."""
     network_policy: NetworkPolicySpec = NetworkPolicySpec()
     tls: TlsSpec | None = None
-    """mTLS between router and workers from your own Secret or cert-manager issuer (absent: the operator's own CA, see `security`)."""
+    """mTLS between router and workers from your own Secret or cert-manager issuer (absent: the operator's own CA, see
+    `security`)."""
     security: SecuritySpec = SecuritySpec()
     """Secure by default: mTLS and KV authentication unless `security.insecure` is true."""
     speculative: SpeculativeSpec | None = None
     """Speculative decoding on the decode pool (absent: off)."""
     kv_cache: KvCacheSpec = KvCacheSpec()
-    """KV reuse across workers and tiers: the second tier's size and pulls between workers. Unset fields take the Helm chart's kvCache.* values."""
+    """KV reuse across workers and tiers: the second tier's size and pulls between workers. Unset fields take the Helm
+    chart's kvCache.* values."""
     adapters: list[LoraAdapterSpec] = Field(default_factory=list, max_length=256)
-    """LoRA adapters every worker of both pools holds. The router loads them on each worker when it joins, and loads and unloads them in place when this list changes: no pod restarts. status.<pool>.adapters lists what is loaded."""
+    """LoRA adapters every worker of both pools holds. The router loads them on each worker when it joins, and loads and
+    unloads them in place when this list changes: no pod restarts. status.<pool>.adapters lists what is loaded."""
 
     @property
     def served_model_name(self) -> str:

@@ -172,7 +172,7 @@ def cmd_planner(args) -> int:
 
 def cmd_cluster(args) -> int:
     from splitserve.planner.cluster import ClusterPlanner
-    from splitserve.planner.kube import PlannerKube, load_configuration
+    from splitserve.planner.kube import KubeClient, load_configuration
     from splitserve.planner.lease import LeaderElector, LeaseConfig
 
     if not args.lease_namespace:
@@ -181,7 +181,7 @@ def cmd_cluster(args) -> int:
     lease = LeaseConfig(args.lease_namespace, args.lease_name, args.identity, d, d * 2 / 3, d / 5)
     store = DesiredStore()
     store.set_leader(False)
-    kube = PlannerKube(load_configuration(args.kubeconfig))
+    kube = KubeClient(load_configuration(args.kubeconfig))
     cluster = ClusterPlanner(kube, LeaderElector(kube, lease), store, config_from_args(args))
     server = serve(store, args.host, args.port)
     signal.signal(signal.SIGTERM, _interrupt)  # the pod's stop: release the lease on the way out

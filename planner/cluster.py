@@ -25,7 +25,7 @@ from collections.abc import Callable
 
 from splitserve.planner import signals as S
 from splitserve.planner.config import POOLS, PlannerConfig
-from splitserve.planner.kube import PlannerKube, ns_path
+from splitserve.planner.kube import KubeClient, ns_path
 from splitserve.planner.law import Planner
 from splitserve.planner.lease import LeaderElector
 from splitserve.planner.pods import pool_state
@@ -43,7 +43,7 @@ def http_fetch(url: str) -> str:
 
 
 class ClusterPlanner:
-    def __init__(self, kube: PlannerKube, elector: LeaderElector, store: DesiredStore, base: PlannerConfig,
+    def __init__(self, kube: KubeClient, elector: LeaderElector, store: DesiredStore, base: PlannerConfig,
                  fetch: Callable[[str], str] = http_fetch, clock=time.monotonic) -> None:
         self.kube, self.elector, self.store, self.base = kube, elector, store, base
         self.fetch, self.clock = fetch, clock

@@ -1,13 +1,16 @@
-"""The few Kubernetes API calls the cluster planner makes, on plain dicts.
+"""The one Kubernetes API client of splitserve, on plain dicts; the planner and the operator share it.
 
-The planner may not import the operator (layering: it runs in its own small pod), so this is
-its own minimal client on the official `kubernetes` package, which provides configuration
-(in-cluster service account or kubeconfig), authentication and connection pooling. Verbs:
-get, list (by label selector, one namespace or all), create, merge-patch and JSON-patch.
+It sits in the planner because the planner is the lower layer (it runs in its own small pod and
+may not import the operator); the operator imports it from here. It is a thin, typeless layer over
+the official `kubernetes` package, which provides configuration (in-cluster service account or
+kubeconfig), authentication and connection pooling; typed models are not used. Verbs: get, list
+(by label selector, one namespace or all), create, merge-patch, JSON-patch and delete, each on a
+URL path (`ns_path` here, `splitserve.operator.kube.path` for the kinds the operator writes).
 
-Errors: 404 on get is None; every other non-2xx raises `KubeError` with the status, so the
-lease code can tell a lost race (409 on create, 409/422 on a failed resourceVersion test)
-from an outage.
+Errors: 404 on get is None and on delete is False; every other non-2xx, and a 404 on list (the
+API itself is missing, e.g. KEDA not installed), raises `KubeError` carrying the HTTP status, so
+callers match on `status`: the lease code tells a lost race (409 on create, 409/422 on a failed
+resourceVersion test) from an outage, and the operator tells a missing API from a failure.
 """
 
 from __future__ import annotations
@@ -24,6 +27,8 @@ ISVC_GROUP = "/apis/serving.splitserve.io/v1alpha1"
 
 
 class KubeError(Exception):
+    """A non-2xx answer from the API server; `status` is the HTTP status (0 when none came back)."""
+
     def __init__(self, status: int, message: str) -> None:
         super().__init__(f"HTTP {status}: {message}")
         self.status = status
@@ -46,8 +51,12 @@ def ns_path(prefix: str, namespace: str | None, plural: str, name: str | None = 
     return out + (f"/{name}" if name else "")
 
 
-class PlannerKube:
+class KubeClient:
+    """get / list / create / merge_patch / json_patch / delete of plain-dict objects by URL path."""
+
     def __init__(self, cfg: client.Configuration, timeout: float = 10.0) -> None:
+        if timeout <= 0:
+            raise ValueError(f"timeout must be > 0 seconds, got {timeout}")
         self.api = client.ApiClient(cfg)
         self.timeout = timeout
 
@@ -85,3 +94,13 @@ class PlannerKube:
 
     def json_patch(self, url: str, ops: list[dict[str, Any]]) -> dict[str, Any]:
         return self._call("PATCH", url, ops, content_type="application/json-patch+json")
+
+    def delete(self, url: str) -> bool:
+        """Delete with background propagation; False when the object was already gone."""
+        try:
+            self._call("DELETE", url, {"propagationPolicy": "Background"})
+            return True
+        except KubeError as exc:
+            if exc.status == 404:
+                return False
+            raise

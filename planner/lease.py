@@ -30,7 +30,7 @@ import logging
 import time
 from dataclasses import dataclass
 
-from splitserve.planner.kube import LEASES, KubeError, PlannerKube, ns_path
+from splitserve.planner.kube import LEASES, KubeError, KubeClient, ns_path
 from splitserve.platform.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -59,7 +59,7 @@ def _micro_time() -> str:
 
 
 class LeaderElector:
-    def __init__(self, kube: PlannerKube, cfg: LeaseConfig, clock=time.monotonic) -> None:
+    def __init__(self, kube: KubeClient, cfg: LeaseConfig, clock=time.monotonic) -> None:
         self.kube, self.cfg, self.clock = kube, cfg, clock
         self.url = ns_path(LEASES, cfg.namespace, "leases", cfg.name)
         self._seen: tuple[str, float] | None = None   # (resourceVersion, when we first saw it)

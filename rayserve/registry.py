@@ -2,11 +2,12 @@
 
 A Serve deployment (one replica, no CPU) that the worker replicas heartbeat into every second
 through a DeploymentHandle (rayserve/replica.py) and the gateway's `RayDiscovery` reads
-(rayserve/discovery.py). An entry is `{address, role, metrics, actor_name, replica_id}`; a
-replica that stops heartbeating for `stale_after_s` is dropped (it was killed, or its node was
-lost), one that stops gracefully unregisters itself — and a heartbeat it sent just before, which
-may arrive after, is ignored for `stale_after_s` (a tombstone), so a stopped replica never returns. The registry keeps no other state: if Serve
-restarts it, the next round of heartbeats rebuilds it within a second.
+(rayserve/discovery.py). An entry is `{address, role, metrics, actor_name, replica_id}`; a replica
+that stops heartbeating for `stale_after_s` is dropped (it was killed, or its node was lost), one
+that stops gracefully unregisters itself — and a heartbeat it sent just before, which may arrive
+after, is ignored for `stale_after_s` (a tombstone), so a stopped replica never returns. The
+registry keeps no other state: if Serve restarts it, the next round of heartbeats rebuilds it within
+a second.
 """
 
 from __future__ import annotations

@@ -153,51 +153,43 @@ def _find_forbidden(src: str, graph: dict[str, set[str]], forbidden: list[str]) 
     return None
 
 
-def import_cycles(prefixes: list[str], graph: dict[str, set[str]] | None = None) -> list[list[str]]:
-    """The import cycles among our modules whose names start with one of `prefixes`: each strongly
-    connected component of more than one module (or a module importing itself), as a sorted list.
-    Imports inside functions count too: a lazy import hides a cycle from Python, not from a reader."""
-    if graph is None:
-        graph = {m: direct_imports(m, p) for m, p in module_files().items()}
-    nodes = sorted(m for m in graph if any(m == p or m.startswith(p + ".") for p in prefixes))
-    edges = {m: sorted(i for i in graph[m] if i in graph and i in nodes) for m in nodes}
-    index: dict[str, int] = {}
-    low: dict[str, int] = {}
-    stack: list[str] = []
-    on_stack: set[str] = set()
-    cycles = []
-
-    def visit(root: str) -> None:   # Tarjan's algorithm, iterative (no recursion limit to hit)
-        work = [(root, iter(edges[root]))]
-        index[root] = low[root] = len(index)
-        stack.append(root)
-        on_stack.add(root)
+def import_cycles(graph: dict[str, set[str]], package: str) -> list[list[str]]:
+    """The import circles among `package`'s modules (strongly connected components of more than one
+    module, or a module importing itself), each sorted; imports under TYPE_CHECKING count too, since
+    a circle there is the same knot for a reader. Iterative Tarjan, so deep chains do not recurse."""
+    nodes = sorted(m for m in graph if m == package or m.startswith(package + "."))
+    inside = set(nodes)
+    edges = {m: sorted(i for i in graph[m] if i in inside) for m in nodes}
+    index, low, on_stack, stack, cycles = {}, {}, set(), [], []
+    for root in nodes:
+        if root in index:
+            continue
+        work = [(root, 0)]
         while work:
-            node, children = work[-1]
-            child = next(children, None)
-            if child is None:
-                work.pop()
-                if work:
-                    low[work[-1][0]] = min(low[work[-1][0]], low[node])
-                if low[node] == index[node]:
-                    component = []
-                    while True:
-                        member = stack.pop()
-                        on_stack.discard(member)
-                        component.append(member)
-                        if member == node:
-                            break
-                    if len(component) > 1 or node in edges[node]:
-                        cycles.append(sorted(component))
-            elif child not in index:
-                index[child] = low[child] = len(index)
-                stack.append(child)
-                on_stack.add(child)
-                work.append((child, iter(edges[child])))
-            elif child in on_stack:
-                low[node] = min(low[node], index[child])
-
-    for node in nodes:
-        if node not in index:
-            visit(node)
-    return sorted(cycles)
+            node, i = work.pop()
+            if i == 0:
+                index[node] = low[node] = len(index)
+                stack.append(node)
+                on_stack.add(node)
+            if i < len(edges[node]):
+                work.append((node, i + 1))
+                nxt = edges[node][i]
+                if nxt not in index:
+                    work.append((nxt, 0))
+                elif nxt in on_stack:
+                    low[node] = min(low[node], index[nxt])
+                continue
+            if work:
+                parent = work[-1][0]
+                low[parent] = min(low[parent], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.append(member)
+                    if member == node:
+                        break
+                if len(component) > 1 or node in edges[node]:
+                    cycles.append(sorted(component))
+    return cycles

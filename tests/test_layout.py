@@ -88,6 +88,36 @@ def test_layering_checker_keeps_the_planner_below_router_workers_and_operator(tm
         "splitserve.workers)"]
 
 
+# Packages whose modules import one another without a circle (TYPE_CHECKING imports included).
+ACYCLIC = ["splitserve.platform", "splitserve.router", "splitserve.operator",
+           "splitserve.planner", "splitserve.rayserve", "splitserve.bench.loadgen"]
+
+
+def test_no_import_cycle_in_any_package():
+    from layering import direct_imports, import_cycles, module_files
+
+    graph = {m: direct_imports(m, p) for m, p in module_files().items()}
+    assert {pkg: import_cycles(graph, pkg) for pkg in ACYCLIC} == {pkg: [] for pkg in ACYCLIC}
+
+
+def test_cycle_finder_reports_each_circle_once(tmp_path, monkeypatch):
+    import layering
+
+    for rel, code in {"platform/a.py": "from splitserve.platform import b\n",
+                      "platform/b.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+                                       "    from splitserve.platform.c import X\n",
+                      "platform/c.py": "import splitserve.platform.a\nimport splitserve.platform.d\n",
+                      "platform/d.py": "import json\n",
+                      "platform/e.py": "import splitserve.platform.e\n"}.items():
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text(code)
+    monkeypatch.setattr(layering, "ROOT", tmp_path)
+    monkeypatch.setattr(layering, "FOLDERS", {"platform": "splitserve.platform"})
+    graph = {m: layering.direct_imports(m, p) for m, p in layering.module_files().items()}
+    assert sorted(layering.import_cycles(graph, "splitserve.platform")) == [
+        ["splitserve.platform.a", "splitserve.platform.b", "splitserve.platform.c"], ["splitserve.platform.e"]]
+
+
 def test_torch_free_modules_do_not_import_torch():
     out = run_py("import sys, splitserve.platform.hashing, splitserve.platform.config, "
                  "splitserve.platform.model_source, splitserve.platform.tokenizer, "

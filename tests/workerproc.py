@@ -131,7 +131,8 @@ class WorkerProc:
         return json.loads(self.get("/debug/kv")[1])
 
     def metric(self, name: str) -> float:
-        """Sum of all samples of a Prometheus metric line prefix, e.g. 'splitserve_kv_transfer_bytes_sum{direction="in"}'."""
+        """Sum of all samples of a Prometheus metric line prefix,
+        e.g. 'splitserve_kv_transfer_bytes_sum{direction="in"}'."""
         text = self.get("/metrics")[1].decode()
         return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name))
 

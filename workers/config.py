@@ -5,10 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from splitserve.platform.errors import ConfigError
+from splitserve.platform.wire.disaggregation import DISAGGREGATION_MODES
 
 ROLES = ("prefill", "decode", "both")
 TRANSPORTS = ("ucx", "tcp", "inproc")
-MODES = ("conditional", "always", "never")
+MODES = tuple(DISAGGREGATION_MODES)
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,7 @@ import grpc
 
 from splitserve.platform import tracing
 from splitserve.platform.engine.async_engine import AsyncEngine
-from splitserve.platform.engine.kv_connector import KVReady
+from splitserve.platform.engine.kv_handoff import KVReady
 from splitserve.platform.grpc_channels import ChannelPool
 from splitserve.platform.grpc_tls import TlsFiles
 from splitserve.platform.sampling.params import SamplingParams

@@ -1,13 +1,14 @@
 """Fan-out of a worker's KV events and load reports to every WatchEvents subscriber.
 
-The engine thread hands batches of KV events to `publish()` (thread-safe); the hub keeps a
-mirror of the hashes the worker currently caches. A new subscriber first gets WorkerInfo
-(with this process's worker_id), then AllCleared followed by one BlockStored of the whole
-mirror (and one more of the second tier's, tier=2) — a snapshot that replaces whatever the subscriber knew, which is also how a restarted
-worker (new worker_id, empty cache) tells routers to forget it — and the latest load report
-(so a resubscribing router does not score the worker as unknown until the next interval),
-then live events and a load report every interval. A slow subscriber's queue is bounded; on overflow it is disconnected
-and must resubscribe (getting a fresh snapshot) rather than silently missing events.
+The engine thread hands batches of KV events to `publish()` (thread-safe); the hub keeps a mirror of
+the hashes the worker currently caches. A new subscriber first gets WorkerInfo (with this process's
+worker_id), then AllCleared followed by one BlockStored of the whole mirror (and one more of the
+second tier's, tier=2) — a snapshot that replaces whatever the subscriber knew, which is also how a
+restarted worker (new worker_id, empty cache) tells routers to forget it — and the latest load
+report (so a resubscribing router does not score the worker as unknown until the next interval),
+then live events and a load report every interval. A slow subscriber's queue is bounded; on overflow
+it is disconnected and must resubscribe (getting a fresh snapshot) rather than silently missing
+events.
 """
 
 from __future__ import annotations

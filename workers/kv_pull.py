@@ -37,7 +37,7 @@ import grpc
 import torch
 
 from splitserve.platform.engine.async_engine import AsyncEngine
-from splitserve.platform.engine.kv_connector import KVReady
+from splitserve.platform.engine.kv_handoff import KVReady
 from splitserve.platform.errors import InvalidRequestError
 from splitserve.platform.grpc_channels import ChannelPool
 from splitserve.platform.grpc_tls import TlsFiles

@@ -26,7 +26,7 @@ import time
 
 from splitserve.platform import tracing
 from splitserve.platform.engine.async_engine import AsyncEngine
-from splitserve.platform.engine.kv_connector import KVExport
+from splitserve.platform.engine.kv_handoff import KVExport
 from splitserve.platform.errors import InvalidRequestError
 from splitserve.platform.wire import worker_pb2 as pb
 from splitserve.workers import faults, wire

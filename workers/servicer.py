@@ -6,13 +6,19 @@ prefill carries the adapter's name, folder and digest, so the prefill worker run
 weights (serve_prefill) or refuses, and the request falls back to local prefill.
 
 Bad input gets INVALID_ARGUMENT (or NOT_FOUND / FAILED_PRECONDITION) with a message, and the
-worker keeps serving. While draining, new work gets UNAVAILABLE so the router retries
-elsewhere; work already accepted finishes.
+worker keeps serving: each error type a caller can cause has one status, in the table
+`_STATUS_BY_ERROR` (callers match on the status, never on the message). While draining, new work
+gets UNAVAILABLE so the router retries elsewhere; work already accepted finishes.
+
+Where a Generate's prompt KV comes from is `_prefill_source`: computed here (LOCAL), pulled from
+another decode worker's cache (PULL) or pushed by a prefill worker (REMOTE).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import enum
 import logging
 import time
 
@@ -25,6 +31,7 @@ from splitserve.platform.lora.adapter import AdapterFolderNotFoundError
 from splitserve.platform.lora.registry import AdapterNotFoundError
 from splitserve.platform.wire import worker_pb2 as pb
 from splitserve.platform.wire import worker_pb2_grpc as pb_grpc
+from splitserve.platform.wire.disaggregation import mode_name
 from splitserve.workers import faults, wire
 from splitserve.workers.config import WorkerConfig
 from splitserve.workers.decode import RemotePrefill
@@ -32,12 +39,51 @@ from splitserve.workers.events import EventHub
 from splitserve.workers.kv_pull import BlocksNotHeldError, KVPuller, serve_cached
 from splitserve.workers.prefill import serve_prefill
 from splitserve.workers.records import RequestRecords
-from splitserve.workers.transfer.base import KVLayout, KVSender, LayoutMismatchError, TransferError
+from splitserve.workers.transfer.base import (KVLayout, KVSender, LayoutMismatchError, TransferError,
+                                              UnknownTransferError)
 
 log = logging.getLogger(__name__)
 
-_MODES = {pb.DISAGGREGATION_MODE_CONDITIONAL: "conditional", pb.DISAGGREGATION_MODE_ALWAYS: "always",
-          pb.DISAGGREGATION_MODE_NEVER: "never"}
+# The gRPC status of each error a caller can cause, with the message's prefix; the first type that
+# matches wins, so a subclass comes before its base (AdapterNotFoundError is an InvalidRequestError,
+# UnknownTransferError and LayoutMismatchError are TransferErrors).
+_STATUS_BY_ERROR: tuple[tuple[type[Exception], grpc.StatusCode, str], ...] = (
+    (AdapterNotFoundError, grpc.StatusCode.NOT_FOUND, ""),
+    (AdapterFolderNotFoundError, grpc.StatusCode.NOT_FOUND, ""),
+    (InvalidRequestError, grpc.StatusCode.INVALID_ARGUMENT, ""),
+    (BlocksNotHeldError, grpc.StatusCode.FAILED_PRECONDITION, "pull refused: "),
+    (LayoutMismatchError, grpc.StatusCode.FAILED_PRECONDITION, "KV layout mismatch: "),
+    (UnknownTransferError, grpc.StatusCode.NOT_FOUND, "KV transfer failed: "),
+    (TransferError, grpc.StatusCode.UNAVAILABLE, "KV transfer failed: "),
+)
+
+
+def grpc_status(exc: Exception) -> tuple[grpc.StatusCode, str] | None:
+    """The status and message a caller gets for `exc`; None for an error of ours (gRPC says UNKNOWN)."""
+    for error_type, code, prefix in _STATUS_BY_ERROR:
+        if isinstance(exc, error_type):
+            return code, f"{prefix}{exc}"
+    return None
+
+
+@contextlib.asynccontextmanager
+async def _caller_errors(context):
+    """Ends the RPC with `grpc_status`'s status for an error a caller caused; any other error propagates."""
+    try:
+        yield
+    except Exception as exc:
+        status = grpc_status(exc)
+        if status is None:
+            raise
+        await context.abort(*status)
+
+
+class PrefillSource(enum.Enum):
+    """Where a Generate's prompt KV comes from."""
+
+    LOCAL = "local"     # this decode worker computes it
+    PULL = "pull"       # copied from another decode worker that holds the prefix (workers/kv_pull.py)
+    REMOTE = "remote"   # computed by a prefill worker and pushed here (workers/decode.py)
 
 
 class WorkerService(pb_grpc.WorkerServicer):
@@ -60,10 +106,11 @@ class WorkerService(pb_grpc.WorkerServicer):
     # -- admission -------------------------------------------------------------------------
     async def _admit(self, context, allowed_roles: tuple[str, ...], rpc: str) -> None:
         if self.draining:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "worker is draining (shutting down); retry on another worker")
+            await context.abort(grpc.StatusCode.UNAVAILABLE,
+                                "worker is draining (shutting down); retry on another worker")
         if self.config.role not in allowed_roles:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                                f"{rpc} is not served by a {self.config.role} worker; allowed roles: {', '.join(allowed_roles)}")
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"{rpc} is not served by a {self.config.role} "
+                                f"worker; allowed roles: {', '.join(allowed_roles)}")
 
     def _enter(self) -> None:
         self.num_inflight += 1
@@ -77,43 +124,27 @@ class WorkerService(pb_grpc.WorkerServicer):
     # -- Generate --------------------------------------------------------------------------
     async def Generate(self, request: pb.GenerateRequest, context):
         await self._admit(context, ("decode", "both"), "Generate")
-        try:
+        async with _caller_errors(context):
             token_ids = wire.prompt_token_ids(request.request_id, request.prompt_token_ids,
-                                                 self.engine.model_config.vocab_size, self.engine.max_model_len)
+                                              self.engine.model_config.vocab_size, self.engine.max_model_len)
             params = wire.sampling_params(request.params)
             lora = await self._adapter(request.lora_name, request.lora_evict_first)
-        except AdapterNotFoundError as exc:
-            await context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
-        except InvalidRequestError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        resumed = list(request.resume_output_token_ids)
-        # A resume prefills here; so do prompt-logprobs and embedding requests (the prompt's
-        # logits / hidden states are needed here).
-        local = resumed or params.prompt_logprobs is not None or params.embed
-        # A pull (workers/kv_pull.py) is for the base model; it takes the place of a remote prefill.
-        pull = (request.kv_pull if request.HasField("kv_pull") and request.kv_pull.holder and self.puller is not None
-                and not local and lora is None else None)
-        remote = pull is not None or (not local and await self._wants_remote(request, token_ids))
+            source = await self._prefill_source(request, params, token_ids, lora)
         span = self._request_span("worker.generate", request, context, token_ids)
         self._enter()
         try:
-            async for msg in self._generate(request.request_id, token_ids, params, remote, list(request.prefill_workers),
-                                            resumed, lora, pull, span):
-                yield msg
-        except AdapterNotFoundError as exc:   # unloaded between the check and the admission
-            span.fail(exc)
-            await context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
-        except InvalidRequestError as exc:
-            span.fail(exc)
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        except BaseException as exc:   # cancelled by the caller, or a bug: the span says so
+            # An adapter unloaded between the check and the admission is NOT_FOUND here too.
+            async with _caller_errors(context):
+                async for msg in self._generate(request, token_ids, params, source, lora, span):
+                    yield msg
+        except BaseException as exc:   # an error, or cancelled by the caller: the span says so
             span.fail(exc)
             raise
         finally:
             span.end()
             self._leave()
 
-    def _request_span(self, name: str, request, context, token_ids: list[int]):
+    def _request_span(self, name: str, request, context, token_ids):
         """This worker's span of one request, a child of the caller's `traceparent` (gRPC
         metadata), with OpenTelemetry's gen_ai attributes; NOOP when tracing is off."""
         tracer = tracing.tracer()
@@ -129,6 +160,19 @@ class WorkerService(pb_grpc.WorkerServicer):
             span.set("gen_ai.prompt.token_ids", list(token_ids))
         span.activate()
         return span
+
+    async def _prefill_source(self, request: pb.GenerateRequest, params, token_ids: list[int], lora) -> PrefillSource:
+        """LOCAL when the prompt is needed here: a resume (tokens already streamed elsewhere), prompt
+        logprobs (its logits) or an embedding (its hidden states). PULL when the router planned one
+        (kv_pull) for the base model and this worker can receive KV. REMOTE when prefill workers are
+        listed and the disaggregation mode says so (`_wants_remote`); LOCAL otherwise."""
+        if request.resume_output_token_ids or params.prompt_logprobs is not None or params.embed:
+            return PrefillSource.LOCAL
+        if request.HasField("kv_pull") and request.kv_pull.holder and self.puller is not None and lora is None:
+            return PrefillSource.PULL
+        if await self._wants_remote(request, token_ids):
+            return PrefillSource.REMOTE
+        return PrefillSource.LOCAL
 
     async def _adapter(self, name: str, evict_first=()):
         """The adapter named by a request (None for ""), looked up on the engine thread. One that
@@ -153,16 +197,20 @@ class WorkerService(pb_grpc.WorkerServicer):
             self.metrics.lora_hinted_evictions.inc(hinted)
         return adapter
 
-    async def _generate(self, req_id, token_ids, params, remote: bool, prefill_workers: list[str],
-                        resumed: list[int], lora=None, pull: pb.KVPull | None = None, span=tracing.NOOP):
+    async def _generate(self, request: pb.GenerateRequest, token_ids: list[int], params, source: PrefillSource,
+                        lora=None, span=tracing.NOOP):
         t0 = time.monotonic()
+        req_id = request.request_id
+        pull = request.kv_pull if source is PrefillSource.PULL else None
+        prefill_workers = list(request.prefill_workers)
         prefill_worker, last_token_t = "", None
         timings = pb.Timings()
         pulled_tokens = 0
         t_kv = None   # when the remote prefill or pull ended (the KV is here)
         ttft, itl, e2e = self.metrics.latency(lora.name if lora else "")
         async for out in self.engine.generate(prompt_token_ids=token_ids, params=params, req_id=req_id,
-                                              remote_prefill=remote, resume_output_token_ids=resumed,
+                                              remote_prefill=source is not PrefillSource.LOCAL,
+                                              resume_output_token_ids=list(request.resume_output_token_ids),
                                               lora_name=lora.name if lora else None):
             if out.kv_ready is not None:
                 timings.queue_s = time.monotonic() - t0
@@ -193,7 +241,7 @@ class WorkerService(pb_grpc.WorkerServicer):
                 self.records.update(req_id, role=self.config.role, queue_s=timings.queue_s,
                                     prefill_s=timings.prefill_s, transfer_wait_s=timings.transfer_wait_s,
                                     kv_pull_s=timings.kv_pull_s, first_token_s=timings.first_token_s,
-                                    remote_prefill=t_kv is not None and pull is None, prefill_worker=prefill_worker,
+                                    remote_prefill=source is PrefillSource.REMOTE, prefill_worker=prefill_worker,
                                     num_prompt_tokens=len(token_ids), num_cached_tokens=out.num_cached_tokens,
                                     trace_id=span.trace_id or None)
                 ttft.observe(now - t0)
@@ -216,7 +264,7 @@ class WorkerService(pb_grpc.WorkerServicer):
     async def _wants_remote(self, request: pb.GenerateRequest, token_ids: list[int]) -> bool:
         if not request.prefill_workers or self.remote is None:
             return False
-        mode = _MODES.get(request.disaggregation, self.config.disaggregation)
+        mode = mode_name(request.disaggregation, self.config.disaggregation)
         if mode == "never":
             return False
         if mode == "always":
@@ -239,25 +287,18 @@ class WorkerService(pb_grpc.WorkerServicer):
         span.set("splitserve.kv.transfer_id", request.transfer_id)
         self._enter()
         try:
-            with span:   # ends it; an exception marks it failed
-                if request.cached_only:
-                    return await serve_cached(self.engine, self.sender, self.layout, request, self.metrics)
-                resp = await serve_prefill(self.engine, self.sender, self.layout, request, self.metrics,
-                                           streaming=self.config.kv_layer_streaming, span=span)
-                self.records.update(request.request_id, role=self.config.role, prefill_s=resp.prefill_s,
-                                    transfer_wait_s=resp.transfer_wait_s, kv_bytes=resp.kv_bytes,
-                                    transfer_id=request.transfer_id, num_prompt_tokens=len(request.prompt_token_ids),
-                                    num_cached_tokens=resp.cached_tokens, trace_id=span.trace_id or None)
-                return resp
-        except BlocksNotHeldError as exc:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"pull refused: {exc}")
-        except InvalidRequestError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        except LayoutMismatchError as exc:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"KV layout mismatch: {exc}")
-        except TransferError as exc:
-            code = grpc.StatusCode.NOT_FOUND if "unknown transfer id" in str(exc) else grpc.StatusCode.UNAVAILABLE
-            await context.abort(code, f"KV transfer failed: {exc}")
+            async with _caller_errors(context):
+                with span:   # ends it; an exception marks it failed
+                    if request.cached_only:
+                        return await serve_cached(self.engine, self.sender, self.layout, request, self.metrics)
+                    resp = await serve_prefill(self.engine, self.sender, self.layout, request, self.metrics,
+                                               streaming=self.config.kv_layer_streaming, span=span)
+                    self.records.update(request.request_id, role=self.config.role, prefill_s=resp.prefill_s,
+                                        transfer_wait_s=resp.transfer_wait_s, kv_bytes=resp.kv_bytes,
+                                        transfer_id=request.transfer_id,
+                                        num_prompt_tokens=len(request.prompt_token_ids),
+                                        num_cached_tokens=resp.cached_tokens, trace_id=span.trace_id or None)
+                    return resp
         finally:
             self._leave()
 
@@ -274,20 +315,14 @@ class WorkerService(pb_grpc.WorkerServicer):
 
     # -- LoRA adapters ---------------------------------------------------------------------
     async def LoadLoraAdapter(self, request: pb.LoadLoraAdapterRequest, context):
-        try:
+        async with _caller_errors(context):
             adapter = await self.engine.call(lambda e: e.load_lora_adapter(request.lora_name, request.lora_path))
-        except AdapterFolderNotFoundError as exc:
-            await context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
-        except InvalidRequestError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         log.info("loaded LoRA adapter %s from %s (rank %d)", adapter.name, adapter.path, adapter.rank)
         return pb.LoraAdapterInfo(name=adapter.name, digest=adapter.digest, path=adapter.path)
 
     async def UnloadLoraAdapter(self, request: pb.UnloadLoraAdapterRequest, context):
-        try:
+        async with _caller_errors(context):
             await self.engine.call(lambda e: e.unload_lora_adapter(request.lora_name))
-        except AdapterNotFoundError as exc:
-            await context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
         return pb.UnloadLoraAdapterResponse()
 
 

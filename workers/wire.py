@@ -1,7 +1,9 @@
-"""The worker side of wire conversion: the protocol's messages (splitserve.v1) to and from the engine's types, validating.
+"""The worker side of wire conversion: the protocol's messages (splitserve.v1) to and from the
+engine's types, validating.
 
 Every check that can fail on a caller's input raises InvalidRequestError with the field, the
-value and what is allowed; the servicer (servicer.py) turns it into INVALID_ARGUMENT. The router builds what this reads in router/core/worker_messages.py.
+value and what is allowed; the servicer (servicer.py) turns it into INVALID_ARGUMENT. The router
+builds what this reads in router/core/worker_messages.py.
 """
 
 from __future__ import annotations

@@ -16,7 +16,8 @@ from collections.abc import Callable, Sequence
 import torch
 
 from splitserve.platform.config import ModelConfig
-from splitserve.platform.engine.kv_connector import KVConnector, KVExport
+from splitserve.platform.engine.kv_connector import KVConnector
+from splitserve.platform.engine.kv_handoff import KVExport
 from splitserve.platform.engine.request_state import RequestState
 from splitserve.platform.errors import InvalidRequestError
 from splitserve.platform.hashing import BlockHasher, lora_extra_keys

@@ -15,6 +15,9 @@ the engine decides which blocks to export or to fill; the worker's transport mov
   prompt and waits; its first output carries `KVReady` (block ids, tokens already cached
   locally), and `write_layer` copies each arriving layer's payload into those blocks.
 
+`KVExport` and `KVReady`, the two descriptors the engine and a worker hand each other, live in
+kv_handoff.py: requests and outputs carry them without importing the connector.
+
 `KVConnector` is the engine's side of both; the LLMEngine calls it once per step (the export
 hook) and when a remote prefill starts (kv_ready). It reads the requests' states and plans; the
 only state it writes is each exporting request's `num_exported_blocks`.
@@ -22,45 +25,17 @@ only state it writes is each exporting request's `num_exported_blocks`.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
 import torch
+
+from splitserve.platform.engine.kv_handoff import KVExport, KVReady
 
 if TYPE_CHECKING:
     from splitserve.platform.engine.request_state import RequestState
     from splitserve.platform.sched.plan import SchedulerPlan
     from splitserve.platform.sched.request import Request
-
-
-@dataclass(frozen=True)
-class KVExport:
-    """Send this request's prompt KV from block `start_block` on, layer by layer, to `sink`.
-
-    `sink(layer, payload, first_block)` runs on the engine thread and must not block (queue the
-    send); `first_block` is the payload's first block counted from `start_block`.
-    """
-
-    start_block: int
-    sink: Callable[[int, torch.Tensor, int], None]
-
-
-@dataclass(frozen=True)
-class KVReady:
-    """Blocks allocated for a remote prefill: the KV of blocks [start_block, len(block_ids)) is expected."""
-
-    block_ids: tuple[int, ...]
-    num_cached_tokens: int
-    block_size: int
-
-    @property
-    def start_block(self) -> int:
-        return self.num_cached_tokens // self.block_size
-
-    @property
-    def num_blocks_to_receive(self) -> int:
-        return len(self.block_ids) - self.start_block
 
 
 def export_layer(kv_caches, layer: int, block_ids: torch.Tensor) -> torch.Tensor:

@@ -27,7 +27,8 @@ import torch
 from splitserve.platform.config import EngineConfig, ModelConfig, resolve_kv_cache_dtype
 from splitserve.platform.engine import prompt_logprobs
 from splitserve.platform.engine.input_processor import InputProcessor
-from splitserve.platform.engine.kv_connector import KVConnector, KVExport
+from splitserve.platform.engine.kv_connector import KVConnector
+from splitserve.platform.engine.kv_handoff import KVExport
 from splitserve.platform.engine.load_snapshot import LoadSnapshot, take_snapshot
 from splitserve.platform.engine.model_loader import DTYPES, load_model
 from splitserve.platform.engine.output_processor import OutputProcessor

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from splitserve.platform.engine.kv_connector import KVReady
+    from splitserve.platform.engine.kv_handoff import KVReady
 
 
 @dataclass(frozen=True)

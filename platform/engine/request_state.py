@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from splitserve.platform.detokenizer import IncrementalDetokenizer
-from splitserve.platform.engine.kv_connector import KVExport
+from splitserve.platform.engine.kv_handoff import KVExport
 from splitserve.platform.engine.prompt_logprobs import Collected
 from splitserve.platform.lora.adapter import LoraAdapter
 from splitserve.platform.sampling.sampler import SamplingRow

@@ -20,8 +20,8 @@ or ten kernels.
 
 Under TRITON_INTERPRET a float32 -> bfloat16 conversion truncates, where a GPU rounds to nearest
 even; the kernels then round to nearest even by hand first (`_round`, RTNE), so the interpreter
-tests see the GPU's results. Rounding once instead of after every torch op means a bf16 result can differ from the torch path
-in the last bit; the tests bound it (fp32 agrees to ~1e-6).
+tests see the GPU's results. Rounding once instead of after every torch op means a bf16 result can
+differ from the torch path in the last bit; the tests bound it (fp32 agrees to ~1e-6).
 """
 
 from __future__ import annotations

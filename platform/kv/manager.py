@@ -3,9 +3,10 @@
 A request's blocks are a list in token order: block i holds tokens [i*B, (i+1)*B). On first
 scheduling the longest run of the request's block hashes found in the pool is reused; at most
 (num_tokens - 1) // B blocks are reused so the last prompt token is always computed again (its
-logits are needed to sample). A run of blocks the pool lacks but the second tier holds
-(`tier`, platform/kv/tier.py) is copied back into the pool first and counts as hits. After each step the blocks that became full *and* computed are
-registered in the prefix cache under the request's block hashes.
+logits are needed to sample). A run of blocks the pool lacks but the second tier holds (`tier`,
+platform/kv/tier.py) is copied back into the pool first and counts as hits. After each step the
+blocks that became full *and* computed are registered in the prefix cache under the request's block
+hashes.
 """
 
 from __future__ import annotations

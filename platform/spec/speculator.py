@@ -1,23 +1,23 @@
 """The engine's speculative decoding policy: who speculates this step, and how well it went.
 
-Before each step the engine asks `propose` for the running requests. A request gets n-gram
-proposals (platform/spec/ngram.py) when it is decoding (its last token is its only uncomputed
-one), is not grammar-constrained (proposals would have to be checked against the grammar; such
-requests decode one token at a time), and has room: proposals plus the token after them stay
-within its max_tokens and the engine's max_model_len. Speculation is off for the whole step when
-more than `max_batch_size` requests run (verification multiplies the batch's tokens by up to
-k + 1, and past some batch size the forward is compute-bound, so the extra tokens cost more than
-the steps they save), and off for a request whose acceptance rate (accepted over proposed
-tokens), after `min_proposals` verification rounds, fell below `min_acceptance_rate`. The proposals ride on `Request.spec_token_ids`;
-the scheduler trims them to what the token budget and the KV pool allow.
+Before each step the engine asks `propose` for the running requests. A request gets n-gram proposals
+(platform/spec/ngram.py) when it is decoding (its last token is its only uncomputed one), is not
+grammar-constrained (proposals would have to be checked against the grammar; such requests decode
+one token at a time), and has room: proposals plus the token after them stay within its max_tokens
+and the engine's max_model_len. Speculation is off for the whole step when more than
+`max_batch_size` requests run (verification multiplies the batch's tokens by up to k + 1, and past
+some batch size the forward is compute-bound, so the extra tokens cost more than the steps they
+save), and off for a request whose acceptance rate (accepted over proposed tokens), after
+`min_proposals` verification rounds, fell below `min_acceptance_rate`. The proposals ride on
+`Request.spec_token_ids`; the scheduler trims them to what the token budget and the KV pool allow.
 
-How many tokens a request proposes adapts to how its last verification went (`next_k`): it
-starts at `num_speculative_tokens`; all accepted doubles its k (up to that maximum), a rejection
-sets it to one more than the number accepted. A verification row is not free (each proposal is one more row through every
-linear of the step), and n-gram acceptance is bimodal: a request copying a run of its prompt
-takes every proposal, one writing something new takes none. So a request that is copying
-proposes the most, and one that just diverged proposes one token, whose verification costs
-little more than a plain step, until it matches again.
+How many tokens a request proposes adapts to how its last verification went (`next_k`): it starts at
+`num_speculative_tokens`; all accepted doubles its k (up to that maximum), a rejection sets it to
+one more than the number accepted. A verification row is not free (each proposal is one more row
+through every linear of the step), and n-gram acceptance is bimodal: a request copying a run of its
+prompt takes every proposal, one writing something new takes none. So a request that is copying
+proposes the most, and one that just diverged proposes one token, whose verification costs little
+more than a plain step, until it matches again.
 """
 
 from __future__ import annotations

@@ -9,10 +9,8 @@ from __future__ import annotations
 from splitserve.platform.sampling.params import SamplingParams
 from splitserve.platform.wire import sampling as wire_sampling
 from splitserve.platform.wire import worker_pb2 as pb
+from splitserve.platform.wire.disaggregation import DISAGGREGATION_MODES as _MODES
 from splitserve.router.config import DisaggregationConfig
-
-_MODES = {"conditional": pb.DISAGGREGATION_MODE_CONDITIONAL, "always": pb.DISAGGREGATION_MODE_ALWAYS,
-          "never": pb.DISAGGREGATION_MODE_NEVER}
 
 
 sampling_params = wire_sampling.to_proto

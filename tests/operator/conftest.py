@@ -8,7 +8,7 @@ import itertools
 import pytest
 from opkit_emulator import ClusterThread
 
-from splitserve.operator.kube import Kube, load_configuration
+from splitserve.planner.kube import KubeClient, load_configuration
 
 _namespaces = itertools.count()
 
@@ -21,8 +21,8 @@ def cluster(tmp_path) -> ClusterThread:
 
 
 @pytest.fixture
-def kube(cluster) -> Kube:
-    return Kube(load_configuration(cluster.kubeconfig_path))
+def kube(cluster) -> KubeClient:
+    return KubeClient(load_configuration(cluster.kubeconfig_path))
 
 
 @pytest.fixture

@@ -9,7 +9,7 @@ from typing import Any, Callable
 from opkit_schemas import admit
 
 from splitserve.operator import kube as K
-from splitserve.operator.kube import Kube
+from splitserve.planner.kube import KubeClient
 
 DEPLOYMENT = K.KIND_BY_NAME["Deployment"]
 
@@ -19,19 +19,19 @@ def isvc_body(name: str, namespace: str, spec: dict[str, Any]) -> dict[str, Any]
             "metadata": {"name": name, "namespace": namespace}, "spec": spec}
 
 
-def create_isvc(kube: Kube, name: str, namespace: str, spec: dict[str, Any]) -> dict[str, Any]:
+def create_isvc(kube: KubeClient, name: str, namespace: str, spec: dict[str, Any]) -> dict[str, Any]:
     """Create an InferenceService the way the API server stores it (defaults applied)."""
     stored, errors = admit(isvc_body(name, namespace, spec))
     assert errors == []
     return kube.create(K.path(K.ISVC, namespace), stored)
 
 
-def mark_ready(kube: Kube, namespace: str, name: str) -> None:
+def mark_ready(kube: KubeClient, namespace: str, name: str) -> None:
     """Act as the Deployment controller: every desired replica of `name` is up and ready."""
     url = K.path(K.KIND_BY_NAME["Deployment"], namespace, name)
     live = kube.get(url)
     n = live["spec"]["replicas"]
-    kube.patch(url + "/status", {"status": {"observedGeneration": live["metadata"]["generation"], "replicas": n,
+    kube.merge_patch(url + "/status", {"status": {"observedGeneration": live["metadata"]["generation"], "replicas": n,
                                             "readyReplicas": n, "availableReplicas": n, "updatedReplicas": n}})
 
 
@@ -51,11 +51,11 @@ def stored(cluster, kind: str, namespace: str, name: str) -> dict[str, Any] | No
     return cluster.get(f"{info.api_version}/{info.plural}", namespace, name)
 
 
-def deployment(kube: Kube, namespace: str, name: str) -> dict[str, Any] | None:
+def deployment(kube: KubeClient, namespace: str, name: str) -> dict[str, Any] | None:
     return kube.get(K.path(DEPLOYMENT, namespace, name))
 
 
-def isvc(kube: Kube, namespace: str, name: str) -> dict[str, Any] | None:
+def isvc(kube: KubeClient, namespace: str, name: str) -> dict[str, Any] | None:
     return kube.get(K.path(K.ISVC, namespace, name))
 
 

@@ -150,7 +150,7 @@ def test_changing_spec_adapters_loads_and_unloads_in_place(cluster, kube, namesp
 
         # The change: sql out, chat in. No Deployment is written, no template differs.
         mark = len(cluster.cluster.writes)
-        kube.patch(K.path(K.ISVC, namespace, NAME), {"spec": {"adapters": [{"name": "chat", "uri": adapters["chat"]}]}})
+        kube.merge_patch(K.path(K.ISVC, namespace, NAME), {"spec": {"adapters": [{"name": "chat", "uri": adapters["chat"]}]}})
         reconcile(kube, SETTINGS, namespace, NAME)
         writes = cluster.writes_since(mark, namespace)
         assert not [w for w in writes if w.plural == "deployments"], writes

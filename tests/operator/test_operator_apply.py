@@ -12,11 +12,11 @@ from opkit_kube import condition, create_isvc, deployment, isvc, mark_ready
 from splitserve.operator import kube as K
 from splitserve.operator.apply import apply_all, is_subset
 from splitserve.operator.context import instance_selector
-from splitserve.operator.kube import Kube, load_configuration
 from splitserve.operator.reconcile import reconcile
 from splitserve.operator.render import render
 from splitserve.operator.settings import OperatorSettings
 from splitserve.operator.spec import parse_spec
+from splitserve.planner.kube import KubeClient, load_configuration
 
 SETTINGS = OperatorSettings()
 TINY = {"model": {"uri": "smollm2-135m"}, "kvTransfer": {"transport": "tcp"}}
@@ -68,10 +68,10 @@ def test_fields_the_api_server_adds_do_not_cause_patches(cluster, kube, namespac
     container = {**live["spec"]["template"]["spec"]["containers"][0],
                  "terminationMessagePath": "/dev/termination-log", "terminationMessagePolicy": "File"}
     container["resources"] = {"requests": {"cpu": "1000m"}}  # canonical form of a quantity we did not set
-    kube.patch(url, {"spec": {"progressDeadlineSeconds": 600, "strategy": {"type": "RollingUpdate"},
+    kube.merge_patch(url, {"spec": {"progressDeadlineSeconds": 600, "strategy": {"type": "RollingUpdate"},
                               "template": {"spec": {"dnsPolicy": "ClusterFirst", "containers": [container]}}}})
     svc = K.path(K.KIND_BY_NAME["Service"], namespace, "svc-decode")
-    kube.patch(svc, {"spec": {"clusterIPs": ["None"], "sessionAffinity": "None", "ipFamilies": ["IPv4"]}})
+    kube.merge_patch(svc, {"spec": {"clusterIPs": ["None"], "sessionAffinity": "None", "ipFamilies": ["IPv4"]}})
     mark = len(cluster.cluster.writes)
     result, _ = apply(kube, namespace, TINY)
     # The container's resources were {} in our render, so the added requests are someone else's.
@@ -84,7 +84,7 @@ def test_an_edited_child_is_patched_back_and_nothing_else(cluster, kube, namespa
     url = K.path(K.KIND_BY_NAME["Deployment"], namespace, "svc-prefill")
     live = kube.get(url)
     container = dict(live["spec"]["template"]["spec"]["containers"][0], image="evil:latest")
-    kube.patch(url, {"spec": {"template": {"spec": {"containers": [container]}}}})
+    kube.merge_patch(url, {"spec": {"template": {"spec": {"containers": [container]}}}})
     result, _ = apply(kube, namespace, TINY)
     assert (result.created, result.patched, result.deleted) == ([], ["Deployment/svc-prefill"], [])
     assert kube.get(url)["spec"]["template"]["spec"]["containers"][0]["image"] == "ghcr.io/splitserve/splitserve:0.1.0"
@@ -95,7 +95,7 @@ def test_an_autoscaled_pool_keeps_the_autoscalers_replicas(cluster, kube, namesp
     apply(kube, namespace, spec)
     url = K.path(K.KIND_BY_NAME["Deployment"], namespace, "svc-decode")
     assert kube.get(url)["spec"]["replicas"] == 2  # created at minReplicas
-    kube.patch(url, {"spec": {"replicas": 7}})  # the HPA scales up
+    kube.merge_patch(url, {"spec": {"replicas": 7}})  # the HPA scales up
     mark = len(cluster.cluster.writes)
     result, _ = apply(kube, namespace, spec)
     assert not result.changed and cluster.writes_since(mark, namespace) == []
@@ -163,14 +163,14 @@ def test_reconcile_of_a_missing_object_is_a_no_op(kube, namespace):
 
 def test_missing_keda_api_is_reported_in_the_status(tmp_path):
     with ClusterThread(with_keda=False) as bare:
-        kube = Kube(load_configuration(bare.kubeconfig(str(tmp_path / "config"))))
+        kube = KubeClient(load_configuration(bare.kubeconfig(str(tmp_path / "config"))))
         create_isvc(kube, "svc", "ns", {**TINY, "decode": {"autoscaling": {"enabled": True, "provider": "keda"}}})
         outcome = reconcile(kube, SETTINGS, "ns", "svc")
         assert outcome.waiting == ("the cluster has no keda.sh/v1alpha1 ScaledObject API: "
                                    "install it or change the InferenceService")
         assert condition(isvc(kube, "ns", "svc"))["reason"] == "MissingAPI"
         hpa = {"decode": {"autoscaling": {"enabled": True, "provider": "hpa"}}}
-        kube.patch(K.path(K.ISVC, "ns", "svc"), {"spec": hpa})
+        kube.merge_patch(K.path(K.ISVC, "ns", "svc"), {"spec": hpa})
         assert reconcile(kube, SETTINGS, "ns", "svc").waiting.startswith(
             "prefill: the prefill Deployment has not observed its latest template yet")
 
@@ -180,6 +180,6 @@ def test_status_url_follows_the_load_balancer(cluster, kube, namespace):
     reconcile(kube, SETTINGS, namespace, "svc")
     assert isvc(kube, namespace, "svc")["status"]["url"] == f"http://svc.{namespace}.svc:80"
     gateway = K.path(K.KIND_BY_NAME["Service"], namespace, "svc")
-    kube.patch(gateway + "/status", {"status": {"loadBalancer": {"ingress": [{"ip": "203.0.113.7"}]}}})
+    kube.merge_patch(gateway + "/status", {"status": {"loadBalancer": {"ingress": [{"ip": "203.0.113.7"}]}}})
     reconcile(kube, SETTINGS, namespace, "svc")
     assert isvc(kube, namespace, "svc")["status"]["url"] == "http://203.0.113.7:80"

@@ -134,7 +134,7 @@ def test_changing_decode_replicas_patches_only_that_deployment(cluster, kube, na
     with operator(cluster):
         ready_service(cluster, kube, namespace)
         mark = len(cluster.cluster.writes)
-        kube.patch(K.path(K.ISVC, namespace, "svc"), {"spec": {"decode": {"replicas": 3}}})
+        kube.merge_patch(K.path(K.ISVC, namespace, "svc"), {"spec": {"decode": {"replicas": 3}}})
         wait_for(lambda: deployment(cluster, namespace, "svc-decode")["spec"]["replicas"] == 3, what="3 decode replicas")
         wait_for(lambda: isvc(cluster, namespace)["status"]["decode"]["ready"] == "1/3", what="decode 1/3")
         time.sleep(1.2)
@@ -151,7 +151,7 @@ def test_a_deleted_or_edited_child_comes_back(cluster, kube, namespace):
         router = deployment(cluster, namespace, "svc-router")
         kube.delete(K.path(K.KIND_BY_NAME["Deployment"], namespace, "svc-router"))
         svc_url = K.path(K.KIND_BY_NAME["Service"], namespace, "svc")
-        kube.patch(svc_url, {"spec": {"ports": [{"name": "http", "port": 80, "targetPort": "http", "protocol": "TCP"}]}})
+        kube.merge_patch(svc_url, {"spec": {"ports": [{"name": "http", "port": 80, "targetPort": "http", "protocol": "TCP"}]}})
         back = wait_for(lambda: (d := deployment(cluster, namespace, "svc-router")) and
                         d["metadata"]["uid"] != router["metadata"]["uid"] and d, what="the router Deployment back")
         assert back["spec"]["template"] == router["spec"]["template"]
@@ -168,7 +168,7 @@ def test_an_autoscaled_pool_keeps_the_autoscalers_replicas(cluster, kube, namesp
         wait_for(lambda: child(cluster, namespace, "HorizontalPodAutoscaler", "svc-decode"), what="the HPA")
         url = K.path(K.KIND_BY_NAME["Deployment"], namespace, "svc-decode")
         assert deployment(cluster, namespace, "svc-decode")["spec"]["replicas"] == 2
-        kube.patch(url, {"spec": {"replicas": 5}})  # what the HPA does
+        kube.merge_patch(url, {"spec": {"replicas": 5}})  # what the HPA does
         for name in POOLS:
             mark_ready(kube, namespace, name)
         mark = len(cluster.cluster.writes)
@@ -176,7 +176,7 @@ def test_an_autoscaled_pool_keeps_the_autoscalers_replicas(cluster, kube, namesp
         time.sleep(1.2)
         assert deployment(cluster, namespace, "svc-decode")["spec"]["replicas"] == 5
         assert ("PATCH", "deployments", "svc-decode") not in children_writes(cluster, mark, namespace)
-        kube.patch(K.path(K.ISVC, namespace, "svc"), {"spec": {"decode": {"autoscaling": {"maxReplicas": 10}}}})
+        kube.merge_patch(K.path(K.ISVC, namespace, "svc"), {"spec": {"decode": {"autoscaling": {"maxReplicas": 10}}}})
         wait_for(lambda: child(cluster, namespace, "HorizontalPodAutoscaler", "svc-decode")["spec"]["maxReplicas"] == 10,
                  what="the HPA updated")
         assert deployment(cluster, namespace, "svc-decode")["spec"]["replicas"] == 5
@@ -204,7 +204,7 @@ def test_invalid_spec_is_a_permanent_error_until_fixed(cluster, kube, namespace)
         assert "decode.resources.limits.memory is 512Mi" in ready["message"]
         time.sleep(1.2)
         assert children(cluster, namespace) == {}
-        kube.patch(K.path(K.ISVC, namespace, "svc"), {"spec": {"decode": {"resources": {"limits": {"memory": "2Gi"}}}}})
+        kube.merge_patch(K.path(K.ISVC, namespace, "svc"), {"spec": {"decode": {"resources": {"limits": {"memory": "2Gi"}}}}})
         wait_for(lambda: len(children(cluster, namespace)) == len(CHILDREN), what="children after the fix")
         wait_for(lambda: condition(isvc(cluster, namespace))["reason"] == "ComponentsNotReady", what="progress")
         for name in POOLS:

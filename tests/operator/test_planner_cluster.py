@@ -29,7 +29,7 @@ from splitserve.operator.settings import OperatorSettings
 from splitserve.operator.spec import parse_spec
 from splitserve.planner.cluster import ClusterPlanner
 from splitserve.planner.config import PlannerConfig
-from splitserve.planner.kube import KubeError, PlannerKube, load_configuration
+from splitserve.planner.kube import KubeError, KubeClient, load_configuration
 from splitserve.planner.lease import LeaderElector, LeaseConfig
 from splitserve.planner.profile import CapacityProfile, DecodePoint, PrefillPoint
 from splitserve.planner.server import DesiredStore, serve
@@ -92,7 +92,7 @@ class Service:
             patch["status"] = {"phase": "Running", "podIP": ip,
                                "conditions": [{"type": "Ready", "status": "True", "lastTransitionTime": since}]}
             self.metrics[ip] = metrics
-        self.kube.patch(f"{url}/{name}", patch)
+        self.kube.merge_patch(f"{url}/{name}", patch)
 
     def fetch(self, url: str) -> str:
         ip = url.split("//")[1].split(":")[0]
@@ -107,7 +107,7 @@ class Service:
 
 
 def planner_replica(cluster, identity, svc, clock, lease_ns="planner-system"):
-    kube = PlannerKube(load_configuration(cluster.kubeconfig_path))
+    kube = KubeClient(load_configuration(cluster.kubeconfig_path))
     elector = LeaderElector(kube, LeaseConfig(lease_ns, "splitserve-planner", identity, 15.0, 10.0, 2.0), clock=clock)
     return ClusterPlanner(kube, elector, DesiredStore(), BASE, fetch=svc.fetch, clock=clock)
 
@@ -229,7 +229,7 @@ def test_pending_pods_from_the_api_hold_scale_up_and_a_stuck_one_caps_it(cluster
     run_for([(p, clock)], 10)
     assert svc.replicas("decode") == 2
     assert p.store.desired(namespace, "svc")["reasons"]["decode"] == "wait_pending"
-    svc.kube.patch(K.path(K.KindInfo("v1", "Pod", "pods"), namespace, "svc-decode-1"),   # it turns Ready
+    svc.kube.merge_patch(K.path(K.KindInfo("v1", "Pod", "pods"), namespace, "svc-decode-1"),   # it turns Ready
                    {"status": {"phase": "Running", "podIP": "10.0.1.1",
                                "conditions": [{"type": "Ready", "status": "True",
                                                "lastTransitionTime": "2020-01-01T00:00:00Z"}]}})

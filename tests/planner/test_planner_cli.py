@@ -79,6 +79,6 @@ def test_planner_process_trims_on_measured_ttft_and_itl():
         assert (d["prefill"], d["decode"]) == (1, 2)
         assert d["reasons"]["decode"] == "scale_up"
     finally:
-        for srv, thread in servers:
+        for srv, _thread in servers:
             srv.shutdown()
             srv.server_close()

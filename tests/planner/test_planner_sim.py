@@ -18,8 +18,9 @@ def test_simulator_smoke_writes_its_section(tmp_path):
     md.write_text("# Benchmarks\n\n<!-- other:begin -->\nkept\n<!-- other:end -->\n")
     subprocess.run([sys.executable, str(ROOT / "bench" / "planner_sim.py"), "--hours", "0.5", "--budget", "4",
                     "--write", str(md), "--json", str(js)], check=True, capture_output=True, text=True, timeout=300)
-    text = md.read_text()
-    assert "kept" in text and "<!-- planner-sim:begin -->" in text and "| planner |" in text
+    page, text = md.read_text(), (tmp_path / "benchmarks" / "planner-sim.md").read_text()
+    assert "kept" in page and "](benchmarks/planner-sim.md) | `bench/planner_sim.py` |" in page
+    assert "<!-- planner-sim:begin -->" in text and "| planner |" in text
     rows = json.loads(js.read_text())["rows"]
     assert {"planner", "queue depth 1", "fixed 1P:1D", "fixed 2P:2D", "fixed 1P:3D"} <= set(rows)
     assert "fixed 2P:3D" not in rows                       # over the budget of 4

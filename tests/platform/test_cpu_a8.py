@@ -353,7 +353,8 @@ def test_amx_tiles_give_the_vnni_paths_bits(amx, m):
 
 
 def test_amx_can_be_turned_off_for_a_process(amx):
-    code = ("import torch; from splitserve.platform.kernels.cpu_ops import cpu_ops; from splitserve.platform.quant import a8;"
+    code = ("import torch; from splitserve.platform.kernels.cpu_ops import cpu_ops; "
+            "from splitserve.platform.quant import a8;"
             "ops = cpu_ops(); a8.Int4A8Kernel(torch.randn(32, 64), None, ops, 2)(torch.randn(16, 64)); print(ops.a8_path)")
     paths = [subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                             env={**__import__("os").environ, "SPLITSERVE_AMX": flag}).stdout.strip()

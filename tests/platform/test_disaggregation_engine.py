@@ -8,7 +8,7 @@ processes over real gRPC and UCX/TCP.
 
 import pytest
 
-from splitserve.platform.engine.kv_connector import KVExport
+from splitserve.platform.engine.kv_handoff import KVExport
 from splitserve.platform.sampling.params import SamplingParams
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)

@@ -55,12 +55,14 @@ def test_prefill_flops_llama3_8b():
 
 
 def test_write_replaces_only_its_section(tmp_path):
+    """The section goes to its own file beside the page (benchmarks/gpu-roofline.md), which the page links."""
     doc = tmp_path / "benchmarks.md"
     doc.write_text("# Benchmarks\n\nkeep me\n\n<!-- other:begin -->\nother\n<!-- other:end -->\n")
     roofline.write(str(doc), f"{roofline.MARK_BEGIN}\nfirst\n{roofline.MARK_END}")
     roofline.write(str(doc), f"{roofline.MARK_BEGIN}\nsecond\n{roofline.MARK_END}")
-    text = doc.read_text()
-    assert "keep me" in text and "<!-- other:begin -->\nother" in text
+    page, text = doc.read_text(), (tmp_path / "benchmarks" / "gpu-roofline.md").read_text()
+    assert "keep me" in page and "<!-- other:begin -->\nother" in page
+    assert page.count("](benchmarks/gpu-roofline.md)") == 1 and roofline.MARK_BEGIN not in page
     assert "second" in text and "first" not in text and text.count(roofline.MARK_BEGIN) == 1
 
 
@@ -75,5 +77,6 @@ def test_smoke_run_end_to_end(tmp_path):
     assert [p["tokens"] for p in result["prefill"]] == [16, 64]
     assert all(d["step_s"] > 0 and d["floor_s"] > 0 for d in result["decode"])
     assert result["baseline"]["hf_tok_s"] > 0 and result["attention_path"] == "torch reference"
-    text = doc.read_text()
+    text = (tmp_path / "benchmarks" / "gpu-roofline.md").read_text()
     assert roofline.MARK_BEGIN in text and roofline.MARK_END in text and "| 64 |" in text
+    assert "](benchmarks/gpu-roofline.md)" in doc.read_text()

@@ -90,7 +90,8 @@ def test_incremental_equals_full():
 
 def test_stable_across_processes():
     # Python's hash() is salted per process; ours must not be.
-    code = "from splitserve.platform.hashing import BlockHasher; print(BlockHasher('x', 16).hash_blocks(list(range(32)))[1].hex())"
+    code = ("from splitserve.platform.hashing import BlockHasher; "
+            "print(BlockHasher('x', 16).hash_blocks(list(range(32)))[1].hex())")
     outs = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                            env={"PYTHONHASHSEED": str(seed)}).stdout for seed in (1, 2)}
     assert len(outs) == 1

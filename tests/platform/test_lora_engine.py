@@ -48,7 +48,7 @@ def test_mixed_batch_equals_transformers_peft_per_request(make_engine, peft_adap
     outs = run_mixed(engine, requests, PEFT_GREEDY)
     for (ids, lora), out in zip(requests, outs):
         assert out == peft_greedy(model, lora, ids, PEFT_GREEDY.max_tokens), f"{lora} diverged on {tok.decode(ids)!r}"
-    by_adapter = {lora: [o for (_, l), o in zip(requests, outs) if l == lora] for lora in (None, *NAMES)}
+    by_adapter = {lora: [o for (_, name), o in zip(requests, outs) if name == lora] for lora in (None, *NAMES)}
     for name in NAMES:  # the adapters are not no-ops: each changes what the model says
         assert by_adapter[name] != by_adapter[None], name
 

@@ -142,7 +142,7 @@ def test_randomised_add_abort_finish_never_leaks(seed):
     sched, pool, kv = make(num_blocks=24, max_num_seqs=6, budget=rng.choice([4, 8, 16]))
     prefixes = [[rng.randrange(1, 90) for _ in range(8)] for _ in range(3)]
     n = 0
-    for step in range(400):
+    for _ in range(400):
         if rng.random() < 0.3 and n < 60:
             tokens = rng.choice(prefixes)[: rng.choice([0, 4, 8])] + [rng.randrange(1, 90) for _ in range(rng.randrange(1, 12))]
             sched.add_request(req(f"r{n}", tokens, max_tokens=rng.randrange(1, 10)))

@@ -22,7 +22,8 @@ GREEDY = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
 # Held-in prompts: copy-heavy (a list to repeat, code to edit, JSON to fill) and plain chat.
 PROMPTS = [
     "Repeat this list exactly: apple, banana, cherry, date, elderberry, fig, grape.\nList: apple, banana,",
-    "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\n# The same two functions again:\ndef add(a, b):",
+    "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\n"
+    "# The same two functions again:\ndef add(a, b):",
     'Fill in the JSON: {"name": "Ada", "city": "London", "job": "engineer"}\nJSON: {"name": "Ada", "city":',
     "The capital of France is",
 ]

@@ -1,13 +1,14 @@
 """The Triton paged-attention kernels against the torch reference path.
 
 Without a GPU the kernels run under TRITON_INTERPRET on CPU tensors (numpy), so their indexing,
-masking and online softmax are checked on any machine; with one they run compiled on CUDA
-tensors (the interpreter stays off, so other tests in the process get compiled kernels) and the
-reference still runs on CPU. Every case draws fresh random inputs: ragged context lengths,
-block tables that are random permutations of the cache's blocks, prefix offsets (start_pos > 0),
-GQA and MHA head layouts. Outputs start as NaN, so a value the kernel fails to write shows up. Relative error is max|out - ref| / max|ref|, where the reference runs
-in fp32 on the same (bf16-valued) inputs: the bf16 error is the kernel's own (its rounded
-probabilities and output), not the sum of two independently rounded outputs.
+masking and online softmax are checked on any machine; with one they run compiled on CUDA tensors
+(the interpreter stays off, so other tests in the process get compiled kernels) and the reference
+still runs on CPU. Every case draws fresh random inputs: ragged context lengths, block tables that
+are random permutations of the cache's blocks, prefix offsets (start_pos > 0), GQA and MHA head
+layouts. Outputs start as NaN, so a value the kernel fails to write shows up. Relative error is
+max|out - ref| / max|ref|, where the reference runs in fp32 on the same (bf16-valued) inputs: the
+bf16 error is the kernel's own (its rounded probabilities and output), not the sum of two
+independently rounded outputs.
 """
 
 import os

@@ -6,6 +6,10 @@ Worker A serves a prompt and caches its blocks; worker B gets the same prompt wi
 the engine in the test process), whether the pull worked or failed: A killed mid-pull, A's
 blocks evicted before the pull, a payload altered on the way, another KV layout. Neither side
 may keep a block afterwards.
+
+The pullers (B) are plain workers shared by the module, one per transport (a worker start is
+the most expensive step here): each test sends its own prompt (its own salt), so a prefix one
+test left in B's cache is never another's, and counters are read as differences.
 """
 
 import asyncio
@@ -46,11 +50,24 @@ def assert_clean(*workers):
         assert state["invariants_ok"] and state["num_free_blocks"] == state["num_blocks"], state
 
 
-@pytest.fixture(scope="module", params=["ucx", "tcp"])
-def puller(request):
-    b = WorkerProc("both", request.param).start()
+@pytest.fixture(scope="module")
+def ucx_puller():
+    b = WorkerProc("both", "ucx").start()
     yield b
     b.terminate()
+
+
+@pytest.fixture(scope="module")
+def tcp_puller():
+    b = WorkerProc("both", "tcp").start()
+    yield b
+    b.terminate()
+
+
+@pytest.fixture(params=["ucx", "tcp"])
+def puller(request):
+    """The module's puller of each transport in turn."""
+    return request.getfixturevalue(f"{request.param}_puller")
 
 
 def test_pulled_prefix_gives_the_computed_answer(puller, reference):
@@ -93,70 +110,65 @@ def small_holder():
     a.terminate()
 
 
-def test_blocks_evicted_before_the_pull_are_recomputed(small_holder, reference):
-    b = WorkerProc("both", "tcp").start()
-    try:
-        tokens = prompt(NUM_TOKENS, salt=13)
-        run(generate(small_holder.address, tokens))
-        for salt in (14, 15):
-            run(generate(small_holder.address, prompt(1500, salt=salt), max_tokens=1))
-        got, last = run(generate(b.address, tokens, small_holder.address, NUM_PULL_BLOCKS))
-        assert got == reference(tokens) and last.usage.pulled_tokens == 0
-        assert "no longer cached here (evicted)" in b.log()
+def test_blocks_evicted_before_the_pull_are_recomputed(small_holder, tcp_puller, reference):
+    b = tcp_puller
+    tokens = prompt(NUM_TOKENS, salt=13)
+    run(generate(small_holder.address, tokens))
+    for salt in (14, 15):
+        run(generate(small_holder.address, prompt(1500, salt=salt), max_tokens=1))
+    got, last = run(generate(b.address, tokens, small_holder.address, NUM_PULL_BLOCKS))
+    assert got == reference(tokens) and last.usage.pulled_tokens == 0
+    assert "no longer cached here (evicted)" in b.log()
 
-        async def direct():   # what B was told: FAILED_PRECONDITION, nothing sent
-            async with worker_channel(small_holder.address) as ch:
-                with pytest.raises(grpc.aio.AioRpcError) as err:
-                    await pb_grpc.WorkerStub(ch).Prefill(pb.PrefillRequest(
-                        request_id="x", prompt_token_ids=tokens, cached_only=True, skip_blocks=0, num_blocks=2,
-                        block_hashes=[b"\0" * 16] * 2, transfer_id="t", kv_address="tcp://127.0.0.1:1",
-                        layout=pb.KVLayout(model_id="smollm2-135m", dtype="float16", block_size=16, num_layers=30,
-                                           num_kv_heads=3, head_dim=64, weights="auto")))
-                return err.value
-        err = run(direct())
-        assert err.code() == grpc.StatusCode.FAILED_PRECONDITION and "not this worker's hashes" in err.details()
-        assert_clean(small_holder, b)
-    finally:
-        b.terminate()
+    async def direct():   # what B was told: FAILED_PRECONDITION, nothing sent
+        async with worker_channel(small_holder.address) as ch:
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await pb_grpc.WorkerStub(ch).Prefill(pb.PrefillRequest(
+                    request_id="x", prompt_token_ids=tokens, cached_only=True, skip_blocks=0, num_blocks=2,
+                    block_hashes=[b"\0" * 16] * 2, transfer_id="t", kv_address="tcp://127.0.0.1:1",
+                    layout=pb.KVLayout(model_id="smollm2-135m", dtype="float16", block_size=16, num_layers=30,
+                                       num_kv_heads=3, head_dim=64, weights="auto")))
+            return err.value
+    err = run(direct())
+    assert err.code() == grpc.StatusCode.FAILED_PRECONDITION and "not this worker's hashes" in err.details()
+    assert_clean(small_holder, b)
 
 
-@pytest.mark.parametrize("holder_args, env, message", [
-    ((), {"SPLITSERVE_FAULT_TAMPER_PULL": "1"}, "digest mismatch"),
-    (("--kv-cache-dtype", "float32"), {}, "KV layout mismatch"),
+@pytest.mark.parametrize("holder_args, env, message, salt", [
+    ((), {"SPLITSERVE_FAULT_TAMPER_PULL": "1"}, "digest mismatch", 16),
+    (("--kv-cache-dtype", "float32"), {}, "KV layout mismatch", 20),
 ])
-def test_tampered_or_mismatched_pull_is_rejected_and_recomputed(holder_args, env, message, reference):
+def test_tampered_or_mismatched_pull_is_rejected_and_recomputed(holder_args, env, message, salt, tcp_puller,
+                                                               reference):
     a = WorkerProc("both", "tcp", *holder_args, env=env).start()
-    b = WorkerProc("both", "tcp").start()
+    b = tcp_puller
     try:
-        tokens = prompt(NUM_TOKENS, salt=16)
+        tokens = prompt(NUM_TOKENS, salt=salt)
         run(generate(a.address, tokens))
+        failed = b.metric('splitserve_kv_pulls_total{outcome="failed"}')
         got, last = run(generate(b.address, tokens, a.address, NUM_PULL_BLOCKS))
         assert got == reference(tokens) and last.usage.pulled_tokens == 0
         assert message in b.log()
-        assert b.metric('splitserve_kv_pulls_total{outcome="failed"}') == 1
+        assert b.metric('splitserve_kv_pulls_total{outcome="failed"}') == failed + 1
         # nothing from the failed pull entered B's prefix cache: served again, B computes it again
         again, last = run(generate(b.address, tokens))
         assert again == got
         assert_clean(a, b)
     finally:
         a.terminate()
-        b.terminate()
 
 
-def test_pull_racing_evictions_on_the_holder(small_holder, reference):
+def test_pull_racing_evictions_on_the_holder(small_holder, tcp_puller, reference):
     """The holder evicts under load while a pull of its blocks is under way: whichever comes
     first, the puller's answer is the computed one and neither side keeps a block."""
-    b = WorkerProc("both", "tcp").start()
-    try:
-        tokens = prompt(NUM_TOKENS, salt=17)
-        run(generate(small_holder.address, tokens))
+    b = tcp_puller
+    tokens = prompt(NUM_TOKENS, salt=17)
+    run(generate(small_holder.address, tokens))
 
-        async def race():
-            load = [generate(small_holder.address, prompt(1500, salt=s), max_tokens=1) for s in (18, 19)]
-            pulled = generate(b.address, tokens, small_holder.address, NUM_PULL_BLOCKS)
-            return (await asyncio.gather(pulled, *load))[0]
-        got, last = run(race())
-        assert got == reference(tokens) and last.usage.pulled_tokens in (0, NUM_PULL_BLOCKS * 16)
-        assert_clean(small_holder, b)
-    finally:
-        b.terminate()
+    async def race():
+        load = [generate(small_holder.address, prompt(1500, salt=s), max_tokens=1) for s in (18, 19)]
+        pulled = generate(b.address, tokens, small_holder.address, NUM_PULL_BLOCKS)
+        return (await asyncio.gather(pulled, *load))[0]
+    got, last = run(race())
+    assert got == reference(tokens) and last.usage.pulled_tokens in (0, NUM_PULL_BLOCKS * 16)
+    assert_clean(small_holder, b)

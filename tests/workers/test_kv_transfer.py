@@ -18,8 +18,8 @@ import time
 import pytest
 import torch
 
-from splitserve.workers.transfer import (KVLayout, LayoutMismatchError, TransferError, TransferState, make_receiver,
-                                         make_sender)
+from splitserve.workers.transfer import (KVLayout, LayoutMismatchError, TransferError, TransferState,
+                                         UnknownTransferError, make_receiver, make_sender)
 
 LAYOUT = KVLayout("smollm2-135m", "float32", block_size=16, num_layers=4, num_kv_heads=3, head_dim=64)
 NUM_BLOCKS = 7
@@ -319,7 +319,7 @@ def test_unknown_transfer_id(remote, run):
         return err.value, await remote("num_transfers")
 
     err, num_transfers = run(go())
-    assert type(err) is TransferError
+    assert type(err) is UnknownTransferError
     assert str(err) == "unknown transfer id 'never-expected' (never expected by the receiver, or released)"
     assert num_transfers == 0
 

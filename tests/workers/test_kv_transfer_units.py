@@ -188,8 +188,8 @@ def test_duplicate_layer_and_missing_layers_fail():
 
     message, status = asyncio.run(go([0, 0]))
     assert message == status.error == (
-        "protocol error: layer 0, blocks from 0, 49152 bytes (expected layers 0...3, each layer's 2 blocks once and "
-        "in order in pieces of whole blocks of 24576 bytes; layer 0 has 2 so far)")
+        "protocol error: layer 0, blocks from 0, 49152 bytes (expected layers 0...3, "
+        "each layer's 2 blocks once and in order in pieces of whole blocks of 24576 bytes; layer 0 has 2 so far)")
     message, status = asyncio.run(go([0, 2]))
     assert message == status.error == "sender finished after 2 of 4 layers"
     assert (status.state, status.num_layers_done, status.num_bytes) == (TransferState.FAILED, 2, 2 * 49152)

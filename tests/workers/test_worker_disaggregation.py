@@ -149,7 +149,7 @@ def test_concurrent_requests_sharing_a_prompt_compute_it_once(pair, reference):
         return await asyncio.gather(*(generate(d.address, p, mode=pb.DISAGGREGATION_MODE_NEVER) for p in prompts))
 
     results = run(both())
-    for p, (tokens, last) in zip(prompts, results):
+    for p, (tokens, _) in zip(prompts, results):
         assert tokens == reference(p)
     assert sorted(last.usage.cached_tokens for _, last in results) == [0, 1488]   # the 93 whole shared blocks
     deadline = time.monotonic() + 10        # the counter follows the worker's load reports

@@ -6,7 +6,6 @@ the worker process); everything else is real: gRPC, UCX/TCP, SIGKILL, SIGTERM.
 
 import asyncio
 import signal
-import threading
 import time
 
 import grpc
@@ -28,6 +27,14 @@ def decode():
     d = WorkerProc("decode", "ucx", "--transfer-deadline", str(DEADLINE_S)).start()
     yield d
     d.terminate()
+
+
+@pytest.fixture(scope="module")
+def prefill():
+    """A plain prefill worker, shared by the tests that need one that works."""
+    p = WorkerProc("prefill", "ucx").start()
+    yield p
+    p.terminate()
 
 
 def assert_clean(*workers):
@@ -60,15 +67,11 @@ def test_prefill_worker_that_never_answers(decode, reference):
         p.kill()
 
 
-def test_next_prefill_worker_is_tried_before_local(decode, reference):
-    good = WorkerProc("prefill", "ucx").start()
-    try:
-        dead = "127.0.0.1:1"   # nothing listens there
-        tokens, last = run(generate(decode.address, prompt(300, salt=3), [dead, good.address]))
-        assert last.prefill_worker == good.address
-        assert tokens == reference(prompt(300, salt=3))
-    finally:
-        good.terminate()
+def test_next_prefill_worker_is_tried_before_local(decode, prefill, reference):
+    dead = "127.0.0.1:1"   # nothing listens there
+    tokens, last = run(generate(decode.address, prompt(300, salt=3), [dead, prefill.address]))
+    assert last.prefill_worker == prefill.address
+    assert tokens == reference(prompt(300, salt=3))
 
 
 @pytest.mark.parametrize("flags, theirs", [(("--dtype", "bfloat16"), "bfloat16"),
@@ -122,27 +125,24 @@ def test_bad_generate_requests(decode, request_kwargs, code, message):
     assert len(tokens) == 3
 
 
-def test_unknown_ids_are_not_found(decode):
-    p = WorkerProc("prefill", "ucx").start()
-    try:
-        info = run(first_event(decode.address)).info
+def test_unknown_ids_are_not_found(decode, prefill):
+    p = prefill
+    info = run(first_event(decode.address)).info
 
-        async def calls():
-            async with worker_channel(p.address) as ch:
-                with pytest.raises(grpc.aio.AioRpcError) as prefill_err:
-                    await pb_grpc.WorkerStub(ch).Prefill(pb.PrefillRequest(
-                        request_id="x", prompt_token_ids=[5, 6, 7], transfer_id="no-such-transfer",
-                        kv_address=info.kv_address, layout=info.layout, deadline_s=5))
-            async with worker_channel(decode.address) as ch:
-                with pytest.raises(grpc.aio.AioRpcError) as abort_err:
-                    await pb_grpc.WorkerStub(ch).Abort(pb.AbortRequest(request_id="no-such-request"))
-            return prefill_err.value, abort_err.value
-        prefill_err, abort_err = run(calls())
-        assert prefill_err.code() == grpc.StatusCode.NOT_FOUND and "unknown transfer id" in prefill_err.details()
-        assert abort_err.code() == grpc.StatusCode.NOT_FOUND and "no-such-request" in abort_err.details()
-        assert_clean(decode, p)
-    finally:
-        p.terminate()
+    async def calls():
+        async with worker_channel(p.address) as ch:
+            with pytest.raises(grpc.aio.AioRpcError) as prefill_err:
+                await pb_grpc.WorkerStub(ch).Prefill(pb.PrefillRequest(
+                    request_id="x", prompt_token_ids=[5, 6, 7], transfer_id="no-such-transfer",
+                    kv_address=info.kv_address, layout=info.layout, deadline_s=5))
+        async with worker_channel(decode.address) as ch:
+            with pytest.raises(grpc.aio.AioRpcError) as abort_err:
+                await pb_grpc.WorkerStub(ch).Abort(pb.AbortRequest(request_id="no-such-request"))
+        return prefill_err.value, abort_err.value
+    prefill_err, abort_err = run(calls())
+    assert prefill_err.code() == grpc.StatusCode.NOT_FOUND and "unknown transfer id" in prefill_err.details()
+    assert abort_err.code() == grpc.StatusCode.NOT_FOUND and "no-such-request" in abort_err.details()
+    assert_clean(decode, p)
 
 
 async def first_event(address):

@@ -8,7 +8,7 @@ the life of a transfer on each side and stream.py for the protocol on the wire.
 from __future__ import annotations
 
 from splitserve.workers.transfer.base import (KVLayout, KVReceiver, KVSender, LayoutMismatchError, SendHandle,
-                                              TransferError, TransferState, TransferStatus)
+                                              TransferError, TransferState, TransferStatus, UnknownTransferError)
 
 KINDS = ("ucx", "tcp", "inproc")
 
@@ -46,4 +46,4 @@ def make_sender(kind: str, **kw) -> KVSender:
 
 
 __all__ = ["KINDS", "KVLayout", "KVReceiver", "KVSender", "LayoutMismatchError", "SendHandle", "TransferError",
-           "TransferState", "TransferStatus", "make_receiver", "make_sender"]
+           "TransferState", "TransferStatus", "UnknownTransferError", "make_receiver", "make_sender"]

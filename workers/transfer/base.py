@@ -7,9 +7,10 @@ worker and is identified by a `transfer_id` the decode worker chooses. Its life 
   decode worker's cache has, the number of blocks and a `write_layer` callback; the sender's
   first message moves it to RECEIVING (or FAILED on a layout mismatch); each landed piece of
   a layer (a run of its blocks, see below) is handed to `write_layer`; when every block of
-  every layer landed and the sender said it is finished it is DONE and the sender gets its acknowledgement. `abort()` (client gone) makes it ABORTED; the
-  deadline makes it TIMED_OUT; a lost sender makes it FAILED. `poll()` never blocks, `wait()`
-  returns at a terminal state, `release()` forgets it.
+  every layer landed and the sender said it is finished it is DONE and the sender gets its
+  acknowledgement. `abort()` (client gone) makes it ABORTED; the deadline makes it TIMED_OUT; a
+  lost sender makes it FAILED. `poll()` never blocks, `wait()` returns at a terminal state,
+  `release()` forgets it.
 * Sender (prefill worker): `open()` gets a `SendHandle` on a pooled connection;
   `send_layer()` queues each layer as soon as it is computed (so sending overlaps compute);
   a layer may go in pieces, each a run of consecutive blocks in order (`first_block`), so with
@@ -37,6 +38,10 @@ _HEX64 = re.compile(r"^[0-9a-f]{64}$")
 
 class TransferError(Exception):
     """A transfer did not complete: rejected, aborted, timed out, or its connection was lost."""
+
+
+class UnknownTransferError(TransferError):
+    """The receiver holds no transfer with this id: it never expected it, or has released it."""
 
 
 class LayoutMismatchError(TransferError):

@@ -18,7 +18,8 @@ from collections.abc import Awaitable, Callable
 import torch
 
 from splitserve.workers.transfer import auth
-from splitserve.workers.transfer.base import KVLayout, KVSender, LayoutMismatchError, SendHandle, TransferError
+from splitserve.workers.transfer.base import (KVLayout, KVSender, LayoutMismatchError, SendHandle, TransferError,
+                                              UnknownTransferError)
 from splitserve.workers.transfer.stream import MAX_LAYERS_PER_HEADER, Channel, payload_bytes
 
 
@@ -55,6 +56,8 @@ def _error_from_reply(reply: dict) -> TransferError:
     if reply.get("error_kind") == "layout":
         mismatches = {k: tuple(v) for k, v in (reply.get("mismatches") or {}).items()}
         return LayoutMismatchError(reply["error"], mismatches)
+    if reply.get("error_kind") == "unknown":
+        return UnknownTransferError(reply["error"])
     return TransferError(reply.get("error") or f"transfer failed ({reply.get('state')})")
 
 
