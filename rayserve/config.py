@@ -263,7 +263,9 @@ def render(config: RayServeConfig) -> dict:
     and a KubeRay RayService's `serveConfigV2` take. Pure: no Ray needed."""
     host, port = config.gateway
     apps = [{"name": config.name, "route_prefix": "/", "import_path": "splitserve.rayserve.ingress:build_gateway",
-             "args": {"router": config.router_config_dict(), "registry": registry_ref(config)}}]
+             "args": {"router": config.router_config_dict(), "registry": registry_ref(config),
+                      "tracing": {"endpoint": config.otlp_traces_endpoint,
+                                  "sample_ratio": config.otlp_traces_sample_ratio}}}]
     for role in ("prefill", "decode"):
         apps.append({"name": f"{config.name}-{role}", "route_prefix": None,
                      "import_path": "splitserve.rayserve.replica:build_pool",

@@ -192,11 +192,11 @@ def test_security_reaches_the_gateway_and_every_replica():
     assert mine.router_config().gateway.worker_wait_s == 5 and mine.gateway == ("127.0.0.1", 8001)
 
 
-def test_tracing_reaches_every_replica(tmp_path):
+def test_tracing_reaches_the_gateway_and_every_replica(tmp_path):
     config = ray_config.load(write(tmp_path, {"otlp_traces_sample_ratio": 0.25}),
                              otlp_traces_endpoint="http://collector:4317")   # `serve --otlp-traces-endpoint`
-    pools = ray_config.render(config)["applications"][1:]
-    assert [p["args"]["tracing"] for p in pools] == [{"endpoint": "http://collector:4317", "sample_ratio": 0.25}] * 2
+    apps = ray_config.render(config)["applications"]   # the gateway ingress and both pools
+    assert [a["args"]["tracing"] for a in apps] == [{"endpoint": "http://collector:4317", "sample_ratio": 0.25}] * 3
     traced = config.tracing("prefill")
     assert (traced.enabled, traced.name, traced.sample_ratio) == (True, "splitserve-prefill", 0.25)
     assert not ray_config.parse({}).otlp_traces_endpoint
