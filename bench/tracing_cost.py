@@ -28,6 +28,7 @@ from concurrent import futures
 import grpc
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2 as tsvc
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2_grpc as tsvc_grpc
+
 from splitserve.platform import tracing
 from splitserve.platform.wire import worker_pb2 as pb
 from splitserve.platform.wire import worker_pb2_grpc as pb_grpc
@@ -56,8 +57,11 @@ class Sink(tsvc_grpc.TraceServiceServicer):
 def one_request(tracer: tracing.Tracer) -> None:
     """The spans a disaggregated request makes on its two workers."""
     t = time.monotonic()
-    root = tracer.start("worker.generate", {"traceparent": TRACEPARENT},
-                        attributes={"gen_ai.request.model": "smollm2-135m", "gen_ai.usage.input_tokens": 64})
+    root = tracer.start(
+        "worker.generate",
+        {"traceparent": TRACEPARENT},
+        attributes={"gen_ai.request.model": "smollm2-135m", "gen_ai.usage.input_tokens": 64},
+    )
     root.record("worker.queue", t, t)
     with root.child("worker.remote_prefill") as wait, wait.child("prefill.call", kind="client") as call:
         carrier: dict = {}
@@ -77,9 +81,10 @@ def one_request(tracer: tracing.Tracer) -> None:
 
 def span_cost(sink: Sink, n: int) -> dict[str, float]:
     out = {}
-    for name, tracer in (("off", tracing.Tracer()),
-                         ("on", tracing.OtelTracer(tracing.TracingConfig(
-                             role="decode", endpoint=f"http://127.0.0.1:{sink.port}")))):
+    for name, tracer in (
+        ("off", tracing.Tracer()),
+        ("on", tracing.OtelTracer(tracing.TracingConfig(role="decode", endpoint=f"http://127.0.0.1:{sink.port}"))),
+    ):
         for _ in range(20):
             one_request(tracer)
         t0 = time.perf_counter()
@@ -93,11 +98,22 @@ def span_cost(sink: Sink, n: int) -> dict[str, float]:
 def end_to_end(sink: Sink, n: int) -> dict[str, list[float]]:
     from splitserve.launch.up import WorkerProcess
 
-    common = ["--model", "smollm2-135m", "--threads", "1", "--kv-transport", "tcp", "--kv-cache-memory", "0.25",
-              "--max-model-len", "2048"]
-    workers = {"off": WorkerProcess("decode", common, "WARNING"),
-               "on": WorkerProcess("decode", [*common, "--otlp-traces-endpoint", f"http://127.0.0.1:{sink.port}"],
-                                   "WARNING")}
+    common = [
+        "--model",
+        "smollm2-135m",
+        "--threads",
+        "1",
+        "--kv-transport",
+        "tcp",
+        "--kv-cache-memory",
+        "0.25",
+        "--max-model-len",
+        "2048",
+    ]
+    workers = {
+        "off": WorkerProcess("decode", common, "WARNING"),
+        "on": WorkerProcess("decode", [*common, "--otlp-traces-endpoint", f"http://127.0.0.1:{sink.port}"], "WARNING"),
+    }
     for w in workers.values():
         w.start()
     try:
@@ -119,9 +135,10 @@ async def _alternate(addresses: dict[str, str], n: int) -> dict[str, list[float]
             for name, channel in channels.items():
                 stub = pb_grpc.WorkerStub(channel)
                 t0 = time.perf_counter()
-                async for _ in stub.Generate(pb.GenerateRequest(request_id=f"{name}-{i}", prompt_token_ids=prompt,
-                                                                params=params),
-                                             metadata=(("traceparent", TRACEPARENT),)):
+                async for _ in stub.Generate(
+                    pb.GenerateRequest(request_id=f"{name}-{i}", prompt_token_ids=prompt, params=params),
+                    metadata=(("traceparent", TRACEPARENT),),
+                ):
                     pass
                 if i >= 5:
                     times[name].append(time.perf_counter() - t0)
@@ -133,17 +150,23 @@ async def _alternate(addresses: dict[str, str], n: int) -> dict[str, list[float]
 
 def report(spans: dict[str, float], e2e: dict[str, list[float]], num_exported: int) -> str:
     off, on = statistics.median(e2e["off"]), statistics.median(e2e["on"])
-    return "\n".join([
-        "## Request tracing (issue 44)", "",
-        f"`python bench/tracing_cost.py` on this machine ({time.strftime('%Y-%m-%d')}; load average "
-        f"{os.getloadavg()[0]:.1f} on 2 shared cores: end-to-end numbers are noisy).", "",
-        "| what | tracing off | on, ratio 1.0 | cost |", "|---|---|---|---|",
-        f"| span calls of one disaggregated request (11 spans, both workers), µs | {spans['off']:.1f} | "
-        f"{spans['on']:.1f} | {spans['on'] - spans['off']:.1f} µs |",
-        f"| SmolLM2-135M decode worker, 64-token prompt, 8 tokens, p50 ms ({len(e2e['off'])} each) | "
-        f"{off * 1e3:.2f} | {on * 1e3:.2f} | {(on - off) * 1e3:+.2f} ms ({(on - off) / off * 100:+.1f} %) |", "",
-        f"The traced worker exported {num_exported} spans to a local OTLP TraceService.",
-    ])
+    return "\n".join(
+        [
+            "## Request tracing (issue 44)",
+            "",
+            f"`python bench/tracing_cost.py` on this machine ({time.strftime('%Y-%m-%d')}; load average "
+            f"{os.getloadavg()[0]:.1f} on 2 shared cores: end-to-end numbers are noisy).",
+            "",
+            "| what | tracing off | on, ratio 1.0 | cost |",
+            "|---|---|---|---|",
+            f"| span calls of one disaggregated request (11 spans, both workers), µs | {spans['off']:.1f} | "
+            f"{spans['on']:.1f} | {spans['on'] - spans['off']:.1f} µs |",
+            f"| SmolLM2-135M decode worker, 64-token prompt, 8 tokens, p50 ms ({len(e2e['off'])} each) | "
+            f"{off * 1e3:.2f} | {on * 1e3:.2f} | {(on - off) * 1e3:+.2f} ms ({(on - off) / off * 100:+.1f} %) |",
+            "",
+            f"The traced worker exported {num_exported} spans to a local OTLP TraceService.",
+        ]
+    )
 
 
 def main(argv=None) -> int:
@@ -152,7 +175,7 @@ def main(argv=None) -> int:
     parser.add_argument("--write", default=None, help="markdown file to put the results in")
     args = parser.parse_args(argv)
     sink = Sink()
-    spans = span_cost(sink, 150)   # 1,650 spans: within the batch processor's queue (2,048), none dropped
+    spans = span_cost(sink, 150)  # 1,650 spans: within the batch processor's queue (2,048), none dropped
     print(f"span calls per request: off {spans['off']:.1f} µs, on {spans['on']:.1f} µs", flush=True)
     before = sink.num_spans
     e2e = end_to_end(sink, args.requests)

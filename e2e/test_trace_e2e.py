@@ -26,10 +26,26 @@ pytestmark = pytest.mark.slow
 TRACE = "5c1d2e3f4a5b6c7d8e9fa0b1c2d3e4f5"
 CLIENT_SPAN = "a1b2c3d4e5f60718"
 PROMPT = "Summarise these notes. " + " ".join(f"Note {i}: the tide came in at {i} o'clock." for i in range(40))
-GATEWAY = {"gateway.request", "gateway.parse", "gateway.admission", "admission.rate_limit", "admission.key_concurrency",
-           "admission.quota", "admission.slot", "gateway.placement", "gateway.dispatch", "gateway.stream"}
-DECODE = {"worker.generate", "worker.queue", "worker.remote_prefill", "prefill.call", "kv.receive",
-          "worker.first_token"}
+GATEWAY = {
+    "gateway.request",
+    "gateway.parse",
+    "gateway.admission",
+    "admission.rate_limit",
+    "admission.key_concurrency",
+    "admission.quota",
+    "admission.slot",
+    "gateway.placement",
+    "gateway.dispatch",
+    "gateway.stream",
+}
+DECODE = {
+    "worker.generate",
+    "worker.queue",
+    "worker.remote_prefill",
+    "prefill.call",
+    "kv.receive",
+    "worker.first_token",
+}
 PREFILL = {"prefill.request", "prefill.queue", "prefill.compute", "kv.send"}
 
 
@@ -37,10 +53,24 @@ PREFILL = {"prefill.request", "prefill.queue", "prefill.compute", "kv.send"}
 def traced_up():
     with OtlpReceiver() as receiver:
         port = free_port()
-        proc = subprocess.Popen([CLI, "up", "--port", str(port), "--kv-transport", "tcp", "--kv-cache-memory", "0.25",
-                                 "--otlp-traces-endpoint", receiver.endpoint],
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                env={**os.environ, "PYTHONUNBUFFERED": "1", "OTEL_BSP_SCHEDULE_DELAY": "200"})
+        proc = subprocess.Popen(
+            [
+                CLI,
+                "up",
+                "--port",
+                str(port),
+                "--kv-transport",
+                "tcp",
+                "--kv-cache-memory",
+                "0.25",
+                "--otlp-traces-endpoint",
+                receiver.endpoint,
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env={**os.environ, "PYTHONUNBUFFERED": "1", "OTEL_BSP_SCHEDULE_DELAY": "200"},
+        )
         lines: list[str] = []
         threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True).start()
         deadline = time.monotonic() + 300
@@ -62,11 +92,17 @@ def test_one_trace_from_the_gateway_through_both_workers(traced_up, tmp_path):
     import openai
 
     receiver, base_url, _ = traced_up
-    client = openai.OpenAI(base_url=base_url, api_key="none", max_retries=0, timeout=300,
-                           default_headers={"traceparent": f"00-{TRACE}-{CLIENT_SPAN}-01"})
+    client = openai.OpenAI(
+        base_url=base_url,
+        api_key="none",
+        max_retries=0,
+        timeout=300,
+        default_headers={"traceparent": f"00-{TRACE}-{CLIENT_SPAN}-01"},
+    )
     t0 = time.perf_counter()
-    stream = client.chat.completions.create(model="smollm2-135m", messages=[{"role": "user", "content": PROMPT}],
-                                            max_tokens=8, stream=True)
+    stream = client.chat.completions.create(
+        model="smollm2-135m", messages=[{"role": "user", "content": PROMPT}], max_tokens=8, stream=True
+    )
     ttft = None
     request_id = ""
     for chunk in stream:
@@ -82,15 +118,21 @@ def test_one_trace_from_the_gateway_through_both_workers(traced_up, tmp_path):
     assert {s.service for s in spans} == {"splitserve-router", "splitserve-decode", "splitserve-prefill"}
     parent = {name: s.parent_id for name, s in by_name.items()}
     ids = {name: s.span_id for name, s in by_name.items()}
-    assert parent["gateway.request"] == CLIENT_SPAN                      # the client's context is honoured
-    for child in ("gateway.parse", "gateway.admission", "admission.rate_limit", "gateway.placement",
-                  "gateway.dispatch", "gateway.stream"):
+    assert parent["gateway.request"] == CLIENT_SPAN  # the client's context is honoured
+    for child in (
+        "gateway.parse",
+        "gateway.admission",
+        "admission.rate_limit",
+        "gateway.placement",
+        "gateway.dispatch",
+        "gateway.stream",
+    ):
         assert parent[child] == ids["gateway.request"], child
     for gate in ("admission.key_concurrency", "admission.quota", "admission.slot"):
         assert parent[gate] == ids["gateway.admission"], gate
-    assert parent["worker.generate"] == ids["gateway.dispatch"]          # across the gateway's gRPC call
+    assert parent["worker.generate"] == ids["gateway.dispatch"]  # across the gateway's gRPC call
     assert parent["prefill.call"] == ids["worker.remote_prefill"]
-    assert parent["kv.receive"] == parent["prefill.request"] == ids["prefill.call"]   # across the decode's call
+    assert parent["kv.receive"] == parent["prefill.request"] == ids["prefill.call"]  # across the decode's call
     assert parent["kv.send"] == ids["prefill.request"]
     send, receive = by_name["kv.send"].attributes, by_name["kv.receive"].attributes
     assert send["splitserve.kv.transfer_id"] == receive["splitserve.kv.transfer_id"]
@@ -119,8 +161,9 @@ def test_one_trace_from_the_gateway_through_both_workers(traced_up, tmp_path):
 
     spans_file = tmp_path / "spans.jsonl"
     receiver.write_jsonl(spans_file)
-    shown = subprocess.run([CLI, "trace", request_id, "--spans", str(spans_file)], capture_output=True, text=True,
-                           timeout=60)
+    shown = subprocess.run(
+        [CLI, "trace", request_id, "--spans", str(spans_file)], capture_output=True, text=True, timeout=60
+    )
     assert shown.returncode == 0, shown.stderr
     tree = shown.stdout.splitlines()
     assert re.match(rf"trace {TRACE}: \d+ spans", tree[0])

@@ -29,8 +29,13 @@ from dataclasses import dataclass
 def register(subparsers) -> None:
     p = subparsers.add_parser("trace", help="show where one request's time went (worker records or exported spans)")
     p.add_argument("request_id", help="the request id (the response's `id`, the X-Request-Id header) or a trace id")
-    p.add_argument("--worker", action="append", default=[], metavar="HOST:PORT",
-                   help="a worker's metrics address to ask for its record of the request (repeatable)")
+    p.add_argument(
+        "--worker",
+        action="append",
+        default=[],
+        metavar="HOST:PORT",
+        help="a worker's metrics address to ask for its record of the request (repeatable)",
+    )
     p.add_argument("--spans", default=None, metavar="FILE", help="OTLP JSON lines with exported spans")
     p.set_defaults(func=cmd_trace)
 
@@ -72,29 +77,44 @@ def _ms(seconds: float) -> str:
 
 
 def format_record(address: str, r: dict) -> str:
-    lines = [f"request {r['request_id']} on the {r.get('role', '?')} worker at {address}"
-             + (f" (trace {r['trace_id']})" if r.get("trace_id") else "")]
+    lines = [
+        f"request {r['request_id']} on the {r.get('role', '?')} worker at {address}"
+        + (f" (trace {r['trace_id']})" if r.get("trace_id") else "")
+    ]
     tokens = f"{r.get('num_prompt_tokens', 0)} prompt tokens, {r.get('num_cached_tokens', 0)} cached"
-    if "first_token_s" not in r:   # a prefill worker's record
-        lines += [f"  prefill compute {_ms(r.get('prefill_s', 0.0))}   {tokens}",
-                  f"  KV transfer wait{_ms(r.get('transfer_wait_s', 0.0))}   {r.get('kv_bytes', 0)} bytes, "
-                  f"transfer {r.get('transfer_id', '')}"]
+    if "first_token_s" not in r:  # a prefill worker's record
+        lines += [
+            f"  prefill compute {_ms(r.get('prefill_s', 0.0))}   {tokens}",
+            f"  KV transfer wait{_ms(r.get('transfer_wait_s', 0.0))}   {r.get('kv_bytes', 0)} bytes, "
+            f"transfer {r.get('transfer_id', '')}",
+        ]
         return "\n".join(lines)
     queue, prefill, wait = r.get("queue_s", 0.0), r.get("prefill_s", 0.0), r.get("transfer_wait_s", 0.0)
-    where = (f"remote, on {r['prefill_worker']}" if r.get("prefill_worker")
-             else "remote failed, then local" if r.get("remote_prefill") else "local")
-    lines += [f"  queue           {_ms(queue)}   until KV blocks were allocated",
-              f"  prefill         {_ms(prefill)}   {where}; {tokens}"]
+    where = (
+        f"remote, on {r['prefill_worker']}"
+        if r.get("prefill_worker")
+        else "remote failed, then local"
+        if r.get("remote_prefill")
+        else "local"
+    )
+    lines += [
+        f"  queue           {_ms(queue)}   until KV blocks were allocated",
+        f"  prefill         {_ms(prefill)}   {where}; {tokens}",
+    ]
     if wait:
         lines.append(f"  KV transfer wait{_ms(wait)}   exposed (not overlapped with compute)")
     if r.get("kv_pull_s"):
         lines.append(f"  KV pull         {_ms(r['kv_pull_s'])}")
     rest = r["first_token_s"] - queue - prefill - wait - r.get("kv_pull_s", 0.0)
-    lines += [f"  to first token  {_ms(max(rest, 0.0))}   the rest: RPCs and the first decode step",
-              f"  TTFT            {_ms(r['first_token_s'])}   on this worker"]
+    lines += [
+        f"  to first token  {_ms(max(rest, 0.0))}   the rest: RPCs and the first decode step",
+        f"  TTFT            {_ms(r['first_token_s'])}   on this worker",
+    ]
     if "e2e_s" in r:
-        lines.append(f"  total           {_ms(r['e2e_s'])}   {r.get('num_output_tokens', 0)} output tokens, "
-                     f"finish reason {r.get('finish_reason', '')}")
+        lines.append(
+            f"  total           {_ms(r['e2e_s'])}   {r.get('num_output_tokens', 0)} output tokens, "
+            f"finish reason {r.get('finish_reason', '')}"
+        )
     return "\n".join(lines)
 
 
@@ -127,17 +147,26 @@ def read_spans(path: str) -> list[SpanRow]:
                 for ss in rs.scope_spans:
                     for s in ss.spans:
                         attrs = {kv.key: json_format.MessageToDict(kv.value) for kv in s.attributes}
-                        rows.append(SpanRow(s.trace_id.hex(), s.span_id.hex(), s.parent_span_id.hex(), s.name,
-                                            resource.get("service.name", ""), s.start_time_unix_nano,
-                                            s.end_time_unix_nano, {k: next(iter(v.values()), None)
-                                                                   for k, v in attrs.items()}))
+                        rows.append(
+                            SpanRow(
+                                s.trace_id.hex(),
+                                s.span_id.hex(),
+                                s.parent_span_id.hex(),
+                                s.name,
+                                resource.get("service.name", ""),
+                                s.start_time_unix_nano,
+                                s.end_time_unix_nano,
+                                {k: next(iter(v.values()), None) for k, v in attrs.items()},
+                            )
+                        )
     return rows
 
 
 def trace_of(rows: list[SpanRow], request_id: str) -> list[SpanRow]:
     """The spans of the trace that served `request_id` (or of the trace with that id)."""
-    trace_ids = {r.trace_id for r in rows if r.trace_id == request_id
-                 or r.attributes.get("splitserve.request_id") == request_id}
+    trace_ids = {
+        r.trace_id for r in rows if r.trace_id == request_id or r.attributes.get("splitserve.request_id") == request_id
+    }
     return sorted((r for r in rows if r.trace_id in trace_ids), key=lambda r: r.start_ns)
 
 
@@ -152,8 +181,10 @@ def format_tree(rows: list[SpanRow]) -> str:
     def walk(parent: str, depth: int) -> None:
         for r in children.get(parent, []):
             label = f"{'  ' * depth}{r.name}"
-            lines.append(f"  {label:<34} {r.service:<20} +{(r.start_ns - t0) / 1e6:9.1f} ms "
-                         f"{(r.end_ns - r.start_ns) / 1e6:9.1f} ms")
+            lines.append(
+                f"  {label:<34} {r.service:<20} +{(r.start_ns - t0) / 1e6:9.1f} ms "
+                f"{(r.end_ns - r.start_ns) / 1e6:9.1f} ms"
+            )
             walk(r.span_id, depth + 1)
 
     walk("", 0)

@@ -58,11 +58,11 @@ def wall_ns(monotonic_s: float) -> int:
 class TracingConfig:
     """What a process exports. `endpoint` empty: tracing off."""
 
-    role: str                      # one of ROLES: service.name is splitserve-<role>
-    endpoint: str = ""             # OTLP gRPC collector, e.g. http://otel-collector:4317
-    sample_ratio: float = 1.0      # for requests that arrive without a sampled parent
-    include_prompt: bool = False   # put prompt text on the request span
-    service_name: str = ""         # overrides splitserve-<role> (OTEL_SERVICE_NAME)
+    role: str  # one of ROLES: service.name is splitserve-<role>
+    endpoint: str = ""  # OTLP gRPC collector, e.g. http://otel-collector:4317
+    sample_ratio: float = 1.0  # for requests that arrive without a sampled parent
+    include_prompt: bool = False  # put prompt text on the request span
+    service_name: str = ""  # overrides splitserve-<role> (OTEL_SERVICE_NAME)
     instance_id: str = field(default_factory=lambda: uuid.uuid4().hex)
 
     def __post_init__(self):
@@ -80,8 +80,13 @@ class TracingConfig:
         return self.service_name or f"splitserve-{self.role}"
 
 
-def config_from(role: str, endpoint: str | None = None, sample_ratio: float | None = None,
-                include_prompt: bool = False, env: Mapping[str, str] | None = None) -> TracingConfig:
+def config_from(
+    role: str,
+    endpoint: str | None = None,
+    sample_ratio: float | None = None,
+    include_prompt: bool = False,
+    env: Mapping[str, str] | None = None,
+) -> TracingConfig:
     """A TracingConfig from the command line's values (None: not given) over the OTEL_* variables."""
     env = os.environ if env is None else env
     if env.get("OTEL_SDK_DISABLED", "").strip().lower() == "true":
@@ -93,27 +98,44 @@ def config_from(role: str, endpoint: str | None = None, sample_ratio: float | No
         try:
             sample_ratio = float(text) if text else 1.0
         except ValueError:
-            raise ConfigError(f"OTEL_TRACES_SAMPLER_ARG={text!r} is invalid; allowed: a number from 0.0 to 1.0"
-                             ) from None
-    return TracingConfig(role=role, endpoint=endpoint, sample_ratio=sample_ratio, include_prompt=include_prompt,
-                         service_name=env.get("OTEL_SERVICE_NAME", ""))
+            raise ConfigError(
+                f"OTEL_TRACES_SAMPLER_ARG={text!r} is invalid; allowed: a number from 0.0 to 1.0"
+            ) from None
+    return TracingConfig(
+        role=role,
+        endpoint=endpoint,
+        sample_ratio=sample_ratio,
+        include_prompt=include_prompt,
+        service_name=env.get("OTEL_SERVICE_NAME", ""),
+    )
 
 
 def add_tracing_args(p) -> None:
     """The tracing flags every serving command takes (argparse)."""
-    p.add_argument("--otlp-traces-endpoint", default=None, metavar="URL",
-                   help="export OpenTelemetry traces to this OTLP gRPC collector, e.g. http://127.0.0.1:4317 "
-                        "(default: $OTEL_EXPORTER_OTLP_TRACES_ENDPOINT; empty: tracing off)")
-    p.add_argument("--otlp-traces-sample-ratio", type=float, default=None, metavar="R",
-                   help="fraction of requests without a sampled traceparent that are traced, 0.0 to 1.0 "
-                        "(default: $OTEL_TRACES_SAMPLER_ARG or 1.0; a caller's sampled traceparent is always honoured)")
-    p.add_argument("--otlp-traces-include-prompt", action="store_true",
-                   help="put the prompt text on the request span (default: token counts only)")
+    p.add_argument(
+        "--otlp-traces-endpoint",
+        default=None,
+        metavar="URL",
+        help="export OpenTelemetry traces to this OTLP gRPC collector, e.g. http://127.0.0.1:4317 "
+        "(default: $OTEL_EXPORTER_OTLP_TRACES_ENDPOINT; empty: tracing off)",
+    )
+    p.add_argument(
+        "--otlp-traces-sample-ratio",
+        type=float,
+        default=None,
+        metavar="R",
+        help="fraction of requests without a sampled traceparent that are traced, 0.0 to 1.0 "
+        "(default: $OTEL_TRACES_SAMPLER_ARG or 1.0; a caller's sampled traceparent is always honoured)",
+    )
+    p.add_argument(
+        "--otlp-traces-include-prompt",
+        action="store_true",
+        help="put the prompt text on the request span (default: token counts only)",
+    )
 
 
 def config_from_args(role: str, args) -> TracingConfig:
-    return config_from(role, args.otlp_traces_endpoint, args.otlp_traces_sample_ratio,
-                       args.otlp_traces_include_prompt)
+    return config_from(role, args.otlp_traces_endpoint, args.otlp_traces_sample_ratio, args.otlp_traces_include_prompt)
 
 
 def tracing_argv(config: TracingConfig) -> list[str]:
@@ -173,8 +195,14 @@ class Tracer:
     enabled = False
     include_prompt = False
 
-    def start(self, name: str, carrier: Mapping[str, str] | None = None, kind: str = "server",
-              attributes: Mapping | None = None, start: float | None = None):
+    def start(
+        self,
+        name: str,
+        carrier: Mapping[str, str] | None = None,
+        kind: str = "server",
+        attributes: Mapping | None = None,
+        start: float | None = None,
+    ):
         """A root span of this process, parented by the `traceparent` in `carrier` (HTTP headers
         or gRPC metadata as a mapping) when there is one."""
         return NOOP
@@ -257,12 +285,12 @@ class OtelTracer(Tracer):
         self.config = config
         self.include_prompt = config.include_prompt
         self._api = api
-        self._kinds = {"internal": api.SpanKind.INTERNAL, "server": api.SpanKind.SERVER,
-                       "client": api.SpanKind.CLIENT}
+        self._kinds = {"internal": api.SpanKind.INTERNAL, "server": api.SpanKind.SERVER, "client": api.SpanKind.CLIENT}
         self._status_error = api.StatusCode.ERROR
         self._propagator = TraceContextTextMapPropagator()
-        resource = Resource.create({"service.name": config.name, "service.namespace": "splitserve",
-                                    "service.instance.id": config.instance_id})
+        resource = Resource.create(
+            {"service.name": config.name, "service.namespace": "splitserve", "service.instance.id": config.instance_id}
+        )
         self._provider = TracerProvider(resource=resource, sampler=ParentBased(TraceIdRatioBased(config.sample_ratio)))
         if exporter is None:
             from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
@@ -279,9 +307,13 @@ class OtelTracer(Tracer):
     def _open(self, name, context, kind, attributes, start):
         if kind not in self._kinds:
             raise ConfigError(f"span kind {kind!r} is invalid; allowed: {', '.join(KINDS)}")
-        span = self._tracer.start_span(name, context=context, kind=self._kinds[kind],
-                                       attributes={k: v for k, v in (attributes or {}).items() if v is not None},
-                                       start_time=wall_ns(start) if start is not None else None)
+        span = self._tracer.start_span(
+            name,
+            context=context,
+            kind=self._kinds[kind],
+            attributes={k: v for k, v in (attributes or {}).items() if v is not None},
+            start_time=wall_ns(start) if start is not None else None,
+        )
         return _Span(self, span) if span.is_recording() else _Unsampled(self, span)
 
     def shutdown(self) -> None:
@@ -342,8 +374,11 @@ def tracer() -> Tracer:
 
 def http_carrier(headers: Mapping[bytes, bytes]) -> dict[str, str]:
     """Raw ASGI headers (lower-case bytes names) as a carrier holding the trace headers only."""
-    return {name: headers[key].decode("latin-1") for name in (TRACEPARENT, "tracestate")
-            if (key := name.encode()) in headers}
+    return {
+        name: headers[key].decode("latin-1")
+        for name in (TRACEPARENT, "tracestate")
+        if (key := name.encode()) in headers
+    }
 
 
 def metadata_carrier(metadata) -> dict[str, str]:

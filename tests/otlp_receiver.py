@@ -69,12 +69,21 @@ class OtlpReceiver(tsvc_grpc.TraceServiceServicer):
             resource = _attributes(rs.resource.attributes)
             for ss in rs.scope_spans:
                 for s in ss.spans:
-                    received.append(Span(
-                        service=resource.get("service.name", ""), instance=resource.get("service.instance.id", ""),
-                        name=s.name, trace_id=s.trace_id.hex(), span_id=s.span_id.hex(),
-                        parent_id=s.parent_span_id.hex(), start_s=s.start_time_unix_nano / 1e9,
-                        end_s=s.end_time_unix_nano / 1e9, kind=s.kind, attributes=_attributes(s.attributes),
-                        status_code=s.status.code))
+                    received.append(
+                        Span(
+                            service=resource.get("service.name", ""),
+                            instance=resource.get("service.instance.id", ""),
+                            name=s.name,
+                            trace_id=s.trace_id.hex(),
+                            span_id=s.span_id.hex(),
+                            parent_id=s.parent_span_id.hex(),
+                            start_s=s.start_time_unix_nano / 1e9,
+                            end_s=s.end_time_unix_nano / 1e9,
+                            kind=s.kind,
+                            attributes=_attributes(s.attributes),
+                            status_code=s.status.code,
+                        )
+                    )
         with self._lock:
             self.spans.extend(received)
             self._requests.append(request)

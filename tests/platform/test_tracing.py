@@ -12,6 +12,7 @@ import time
 
 import pytest
 from otlp_receiver import OtlpReceiver
+
 from splitserve.platform import logfmt, tracing
 from splitserve.platform.errors import ConfigError
 
@@ -34,17 +35,22 @@ def tracer_to(receiver, role="router", ratio=1.0):
 
 
 def test_off_imports_no_opentelemetry_and_spans_are_noop():
-    code = ("import sys; from splitserve.platform import tracing as t; "
-            "tr = t.configure(t.config_from('router', env={})); s = tr.start('x', {'traceparent': 'junk'}); "
-            "c = {}; s.inject(c); s.child('y').end(); "
-            "print(tr.enabled, s is t.NOOP, c, sorted(m for m in sys.modules if m.startswith('opentelemetry')))")
+    code = (
+        "import sys; from splitserve.platform import tracing as t; "
+        "tr = t.configure(t.config_from('router', env={})); s = tr.start('x', {'traceparent': 'junk'}); "
+        "c = {}; s.inject(c); s.child('y').end(); "
+        "print(tr.enabled, s is t.NOOP, c, sorted(m for m in sys.modules if m.startswith('opentelemetry')))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
     assert out == ["False", "True", "{}", "[]"]
 
 
 def test_config_reads_flags_over_otel_env():
-    env = {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://collector:4317", "OTEL_TRACES_SAMPLER_ARG": "0.25",
-           "OTEL_SERVICE_NAME": "gw-eu"}
+    env = {
+        "OTEL_EXPORTER_OTLP_ENDPOINT": "http://collector:4317",
+        "OTEL_TRACES_SAMPLER_ARG": "0.25",
+        "OTEL_SERVICE_NAME": "gw-eu",
+    }
     cfg = tracing.config_from("router", env=env)
     assert (cfg.endpoint, cfg.sample_ratio, cfg.name, cfg.enabled) == ("http://collector:4317", 0.25, "gw-eu", True)
     cfg = tracing.config_from("decode", "http://other:4317", 1.0, env=env)
@@ -54,11 +60,14 @@ def test_config_reads_flags_over_otel_env():
     assert tracing.tracing_argv(cfg)[:2] == ["--otlp-traces-endpoint", "http://other:4317"]
 
 
-@pytest.mark.parametrize("kwargs, env, message", [
-    (dict(role="gateway"), {}, "allowed: router, decode, prefill, worker, epp"),
-    (dict(role="router", sample_ratio=1.5), {}, "allowed: 0.0 to 1.0"),
-    (dict(role="router"), {"OTEL_TRACES_SAMPLER_ARG": "half"}, "allowed: a number from 0.0 to 1.0"),
-])
+@pytest.mark.parametrize(
+    "kwargs, env, message",
+    [
+        (dict(role="gateway"), {}, "allowed: router, decode, prefill, worker, epp"),
+        (dict(role="router", sample_ratio=1.5), {}, "allowed: 0.0 to 1.0"),
+        (dict(role="router"), {"OTEL_TRACES_SAMPLER_ARG": "half"}, "allowed: a number from 0.0 to 1.0"),
+    ],
+)
 def test_bad_config_says_what_is_allowed(kwargs, env, message):
     with pytest.raises(ConfigError, match=message):
         tracing.config_from(kwargs.pop("role"), env=env, **kwargs)
@@ -82,18 +91,18 @@ def test_spans_honour_the_client_traceparent_and_nest(receiver):
     assert spans["worker.queue"].duration_s == pytest.approx(0.25, abs=1e-3)
     assert spans["kv.receive"].attributes == {"splitserve.kv.num_blocks": 3, "splitserve.kv.num_bytes": 4096}
     assert spans["worker.generate"].service == "splitserve-decode" and len(spans["worker.generate"].instance) == 32
-    assert abs(spans["worker.generate"].start_s - time.time()) < 60   # monotonic times became wall-clock
+    assert abs(spans["worker.generate"].start_s - time.time()) < 60  # monotonic times became wall-clock
     assert carrier["traceparent"] == f"00-{CLIENT_TRACE}-{spans['worker.generate'].span_id}-01"
 
 
 def test_sampling_is_parent_based(receiver):
     tracer = tracer_to(receiver, ratio=0.0)
-    own = tracer.start("dropped")                                     # no parent: the ratio (0) decides
+    own = tracer.start("dropped")  # no parent: the ratio (0) decides
     carrier = {}
     own.inject(carrier)
     own.end()
     sampled_flag = int(carrier["traceparent"].rsplit("-", 1)[1], 16) & 1
-    assert not own.is_recording and sampled_flag == 0   # downstream drops it too
+    assert not own.is_recording and sampled_flag == 0  # downstream drops it too
     kept = tracer.start("kept", {"traceparent": traceparent(sampled=True)})  # a sampled caller is honoured
     kept.end()
     unsampled = tracer.start("declined", {"traceparent": traceparent(sampled=False)})
@@ -110,7 +119,7 @@ def test_failed_span_has_error_status(receiver):
             raise RuntimeError("worker lost")
     tracer.shutdown()
     [span] = receiver.wait_for(CLIENT_TRACE, {"boom"})
-    assert span.status_code == 2   # STATUS_CODE_ERROR
+    assert span.status_code == 2  # STATUS_CODE_ERROR
 
 
 def test_metadata_helpers_keep_only_trace_headers():
@@ -152,6 +161,7 @@ def test_log_format_is_validated_and_read_from_the_environment(monkeypatch):
     with pytest.raises(ValueError, match="allowed: text, json"):
         logfmt.log_format("xml")
     env = {**os.environ, "SPLITSERVE_LOG_FORMAT": "yaml"}
-    done = subprocess.run([sys.executable, "-m", "splitserve.platform.cli", "generate", "x"], env=env,
-                          capture_output=True, text=True)
+    done = subprocess.run(
+        [sys.executable, "-m", "splitserve.platform.cli", "generate", "x"], env=env, capture_output=True, text=True
+    )
     assert done.returncode == 2 and "allowed: text, json" in done.stderr

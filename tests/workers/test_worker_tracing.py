@@ -11,18 +11,25 @@ import subprocess
 
 import pytest
 from otlp_receiver import OtlpReceiver
+from workerproc import CLI, WorkerProc, free_port
+
 from splitserve.platform.wire import worker_pb2 as pb
 from splitserve.platform.wire import worker_pb2_grpc as pb_grpc
-from workerproc import CLI, WorkerProc, free_port
 
 pytestmark = pytest.mark.slow
 
 TRACE = "0af7651916cd43dd8448eb211c80319c"
 PARENT = "b7ad6b7169203331"
-BYTES_PER_BLOCK_LAYER = 2 * 16 * 3 * 64 * 2   # SmolLM2, float16 KV (the workers' auto)
+BYTES_PER_BLOCK_LAYER = 2 * 16 * 3 * 64 * 2  # SmolLM2, float16 KV (the workers' auto)
 NUM_LAYERS = 30
-DECODE_SPANS = {"worker.generate", "worker.queue", "worker.remote_prefill", "prefill.call", "kv.receive",
-                "worker.first_token"}
+DECODE_SPANS = {
+    "worker.generate",
+    "worker.queue",
+    "worker.remote_prefill",
+    "prefill.call",
+    "kv.receive",
+    "worker.first_token",
+}
 PREFILL_SPANS = {"prefill.request", "prefill.queue", "prefill.compute", "kv.send"}
 
 
@@ -50,11 +57,19 @@ def generate(worker: WorkerProc, token_ids, trace_id: str, prefill_workers=(), m
     async def call():
         async with worker.channel() as channel:
             request = pb.GenerateRequest(
-                request_id=f"req-{trace_id[:8]}", prompt_token_ids=token_ids,
+                request_id=f"req-{trace_id[:8]}",
+                prompt_token_ids=token_ids,
                 params=pb.SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
-                prefill_workers=list(prefill_workers), disaggregation=mode)
-            return [m async for m in pb_grpc.WorkerStub(channel).Generate(
-                request, metadata=(("traceparent", traceparent(trace_id)),))]
+                prefill_workers=list(prefill_workers),
+                disaggregation=mode,
+            )
+            return [
+                m
+                async for m in pb_grpc.WorkerStub(channel).Generate(
+                    request, metadata=(("traceparent", traceparent(trace_id)),)
+                )
+            ]
+
     return asyncio.run(call())
 
 
@@ -68,11 +83,11 @@ def test_one_trace_spans_decode_prefill_and_both_kv_ends(stack):
     assert {s.trace_id for s in spans} == {TRACE}
     parent = {name: by_name[name].parent_id for name in by_name}
     ids = {name: by_name[name].span_id for name in by_name}
-    assert parent["worker.generate"] == PARENT                     # the client's span
+    assert parent["worker.generate"] == PARENT  # the client's span
     for child in ("worker.queue", "worker.remote_prefill", "worker.first_token"):
         assert parent[child] == ids["worker.generate"]
     assert parent["prefill.call"] == ids["worker.remote_prefill"]
-    assert parent["kv.receive"] == parent["prefill.request"] == ids["prefill.call"]   # across the gRPC call
+    assert parent["kv.receive"] == parent["prefill.request"] == ids["prefill.call"]  # across the gRPC call
     for child in ("prefill.queue", "prefill.compute", "kv.send"):
         assert parent[child] == ids["prefill.request"]
     assert {by_name[n].service for n in DECODE_SPANS} == {"splitserve-decode"}
@@ -87,7 +102,7 @@ def test_one_trace_spans_decode_prefill_and_both_kv_ends(stack):
     gen = by_name["worker.generate"].attributes
     assert gen["gen_ai.usage.input_tokens"] == 300 and gen["gen_ai.usage.output_tokens"] == 4
     assert gen["gen_ai.response.finish_reasons"] == ["length"] and gen["gen_ai.request.model"]
-    assert "gen_ai.prompt.token_ids" not in gen                    # no prompt unless a flag asks
+    assert "gen_ai.prompt.token_ids" not in gen  # no prompt unless a flag asks
     # The spans tell the worker's TTFT: generate start -> first token end, and the three phases add up.
     ttft = msgs[0].timings.first_token_s
     assert by_name["worker.first_token"].end_s - by_name["worker.generate"].start_s == pytest.approx(ttft, rel=0.1)
@@ -102,8 +117,12 @@ def test_splitserve_trace_shows_the_breakdown(stack, tmp_path):
     msgs = generate(d, prompt(300, salt=4), trace_id, [p.address])
     req_id = f"req-{trace_id[:8]}"
     receiver.wait_for(trace_id, DECODE_SPANS | PREFILL_SPANS)
-    done = subprocess.run([CLI, "trace", req_id, "--worker", f"127.0.0.1:{d.metrics_port}",
-                           "--worker", f"127.0.0.1:{p.metrics_port}"], capture_output=True, text=True, timeout=60)
+    done = subprocess.run(
+        [CLI, "trace", req_id, "--worker", f"127.0.0.1:{d.metrics_port}", "--worker", f"127.0.0.1:{p.metrics_port}"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert done.returncode == 0, done.stderr
     out = done.stdout
     assert f"request {req_id} on the decode worker" in out and f"(trace {trace_id})" in out
@@ -114,16 +133,21 @@ def test_splitserve_trace_shows_the_breakdown(stack, tmp_path):
     assert f"{-(-300 // 16) * NUM_LAYERS * BYTES_PER_BLOCK_LAYER} bytes" in out
     spans_file = tmp_path / "spans.jsonl"
     receiver.write_jsonl(spans_file)
-    done = subprocess.run([CLI, "trace", req_id, "--spans", str(spans_file)], capture_output=True, text=True,
-                          timeout=60)
+    done = subprocess.run(
+        [CLI, "trace", req_id, "--spans", str(spans_file)], capture_output=True, text=True, timeout=60
+    )
     assert done.returncode == 0, done.stderr
     tree = done.stdout.splitlines()
     assert tree[0].startswith(f"trace {trace_id}: {len(DECODE_SPANS | PREFILL_SPANS)} spans")
     depth = {line.split()[0]: (len(line) - len(line.lstrip())) for line in tree[1:]}
     assert depth["worker.generate"] < depth["worker.remote_prefill"] < depth["prefill.call"] < depth["kv.send"]
     assert depth["kv.receive"] == depth["prefill.request"] == depth["prefill.call"] + 2
-    missing = subprocess.run([CLI, "trace", "no-such-request", "--worker", f"127.0.0.1:{d.metrics_port}"],
-                             capture_output=True, text=True, timeout=60)
+    missing = subprocess.run(
+        [CLI, "trace", "no-such-request", "--worker", f"127.0.0.1:{d.metrics_port}"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert missing.returncode == 1 and "no record or span" in missing.stderr
 
 
@@ -142,10 +166,10 @@ def test_colocated_request_reports_real_queue_and_prefill_timings(stack):
 def test_request_log_lines_carry_the_trace_id_as_json(stack):
     _, d, _ = stack
     trace_id = "2" * 32
-    gone = f"127.0.0.1:{free_port()}"      # no prefill worker there: the decode worker logs and prefills locally
+    gone = f"127.0.0.1:{free_port()}"  # no prefill worker there: the decode worker logs and prefills locally
     msgs = generate(d, prompt(300, salt=3), trace_id, [gone])
     assert msgs[-1].finish_reason == pb.FINISH_REASON_LENGTH and msgs[-1].prefill_worker == ""
     entries = [json.loads(line) for line in d.lines if line.startswith("{")]
     [failed] = [e for e in entries if gone in e["message"]]
     assert failed["trace_id"] == trace_id and len(failed["span_id"]) == 16 and failed["level"] == "WARNING"
-    assert all("trace_id" not in e for e in entries if "ready" in e["message"])   # outside a request: none
+    assert all("trace_id" not in e for e in entries if "ready" in e["message"])  # outside a request: none
