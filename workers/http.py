@@ -1,8 +1,8 @@
 """The worker's HTTP side port: /health (alive), /ready (model loaded, warmed up, not draining),
 /metrics (Prometheus text), /debug/kv (block pool state and invariants, JSON; for tests and
 SREs — the port is cluster-internal), /debug/requests/<request id> (where a recent request's time
-went, JSON: workers/records.py; `splitserve trace` reads it). A minimal asyncio server: GET only, one response per connection,
-so it needs no web framework in the worker image.
+went, JSON: workers/records.py; `splitserve trace` reads it). A minimal asyncio server: GET only,
+one response per connection, so it needs no web framework in the worker image.
 """
 
 from __future__ import annotations

@@ -90,7 +90,8 @@ def cmd_worker(args) -> int:
                           advertise_host=args.advertise_host or "", kv_secret_file=args.kv_secret_file,
                           tls_cert=args.tls_cert, tls_key=args.tls_key, tls_ca=args.tls_ca,
                           kv_pull=not args.no_kv_pull, max_pull_blocks=args.max_pull_blocks)
-    tracing.configure(tracing.config_from_args(trace_role(args.role), args))   # before the model: a bad value fails fast
+    # Before the model loads: a bad value fails fast.
+    tracing.configure(tracing.config_from_args(trace_role(args.role), args))
     engine = LLMEngine(engine_config(args))
     try:
         return asyncio.run(Worker(config, engine).run())
