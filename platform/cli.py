@@ -14,10 +14,10 @@ the entry-point group `splitserve.commands` in pyproject.toml: each entry is a f
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
 from importlib.metadata import entry_points
 
+from splitserve.platform import logfmt
 from splitserve.platform.errors import SplitserveError
 from splitserve.platform.config import KV_CACHE_DTYPES
 from splitserve.platform.quant import QUANTIZATION_MODES
@@ -198,6 +198,9 @@ def cmd_chat(args) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="splitserve", description=__doc__.split("\n\n")[0])
     parser.add_argument("--log-level", default="WARNING")
+    parser.add_argument("--log-format", default=None, choices=list(logfmt.FORMATS),
+                        help="text (default) or json, one object per line with trace_id and span_id "
+                             "(default: $SPLITSERVE_LOG_FORMAT or text)")
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="complete one prompt and print the text")
     add_engine_args(gen)
@@ -216,8 +219,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        logfmt.setup(args.log_level, logfmt.log_format(args.log_format))
+    except ValueError as exc:   # a bad $SPLITSERVE_LOG_FORMAT
+        print(f"splitserve: error: {exc}", file=sys.stderr)
+        return 2
     try:
         return args.func(args)
     except SplitserveError as exc:

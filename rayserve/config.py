@@ -12,6 +12,8 @@ deploy config (the `applications:` document `serve run`/KubeRay's `serveConfigV2
     decode:   {min_replicas: 1, max_replicas: 4, target_queue_depth: 8, ray_actor_options: {num_gpus: 1}}
     autoscaling: {look_back_period_s: 10, upscale_delay_s: 5, downscale_delay_s: 60, metrics_interval_s: 1}
     security: {tls_cert, tls_key, tls_ca, kv_secret_file, insecure: false}   # local: throwaway if empty
+    otlp_traces_endpoint: ""          # OTLP gRPC collector for request traces (platform/tracing.py); "": off
+    otlp_traces_sample_ratio: 1.0     # for requests without a sampled traceparent
 
 Three Serve applications come out of `render()`, wired only by names and import paths (so the
 process that deploys them never imports the engine, and neither the ingress nor the replicas
@@ -179,6 +181,8 @@ class RayServeConfig:
     decode: PoolConfig = field(default_factory=PoolConfig)
     autoscaling: AutoscalingTiming = field(default_factory=AutoscalingTiming)
     security: SecuritySettings = field(default_factory=SecuritySettings)
+    otlp_traces_endpoint: str = ""
+    otlp_traces_sample_ratio: float = 1.0
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
@@ -193,6 +197,13 @@ class RayServeConfig:
                               "tls_ca and kv_secret_file (files every node can read, e.g. a mounted Secret), or set "
                               "security.insecure: true (plaintext gRPC, unauthenticated KV transfer)")
         self.router_config()   # fail now on a bad router section
+        self.tracing("decode")   # fail now on a bad endpoint or ratio
+
+    def tracing(self, role: str):
+        """The TracingConfig of a replica of `role` (the OTEL_* variables of its process apply under it)."""
+        from splitserve.platform import tracing
+
+        return tracing.config_from(role, self.otlp_traces_endpoint or None, self.otlp_traces_sample_ratio)
 
     def router_config_dict(self) -> dict:
         """The router section with what the engines decide (model, lengths, block size) on top, and
@@ -253,13 +264,17 @@ def render(config: RayServeConfig) -> dict:
     and a KubeRay RayService's `serveConfigV2` take. Pure: no Ray needed."""
     host, port = config.gateway
     apps = [{"name": config.name, "route_prefix": "/", "import_path": "splitserve.rayserve.ingress:build_gateway",
-             "args": {"router": config.router_config_dict(), "registry": registry_ref(config)}}]
+             "args": {"router": config.router_config_dict(), "registry": registry_ref(config),
+                      "tracing": {"endpoint": config.otlp_traces_endpoint,
+                                  "sample_ratio": config.otlp_traces_sample_ratio}}}]
     for role in ("prefill", "decode"):
         apps.append({"name": f"{config.name}-{role}", "route_prefix": None,
                      "import_path": "splitserve.rayserve.replica:build_pool",
                      "args": {"role": role, "model": config.model, "kv_transport": config.kv_transport,
                               "engine": dataclasses.asdict(config.engine), "registry": registry_ref(config),
-                              "host": config.worker_host, "security": config.security.worker_args()},
+                              "host": config.worker_host, "security": config.security.worker_args(),
+                              "tracing": {"endpoint": config.otlp_traces_endpoint,
+                                          "sample_ratio": config.otlp_traces_sample_ratio}},
                      # Serve's own per-deployment overrides: what a RayService user tunes.
                      "deployments": [deployment_options(config, role)]})
     return {"proxy_location": "HeadOnly", "http_options": {"host": host, "port": port}, "applications": apps}

@@ -20,11 +20,14 @@ from splitserve.rayserve.registry import WorkerRegistry
 
 @serve.ingress()
 class Gateway:
-    def __init__(self, router: dict, registry):
+    def __init__(self, router: dict, registry, tracing_args: dict | None = None):
+        from splitserve.platform import tracing
         from splitserve.router import logctx
         from splitserve.router.router import Router
 
         logctx.install()
+        t = tracing_args or {}   # the gateway's span export, as the replicas' (rayserve/config.py)
+        tracing.configure(tracing.config_from("router", t.get("endpoint") or None, t.get("sample_ratio")))
         self.registry = registry
         self.router = Router(from_dict(router), discovery=RayDiscovery(lambda: registry.workers.remote()))
 
@@ -40,4 +43,4 @@ def build_gateway(args: dict):
         name=args["registry"]["deployment"], num_replicas=1, ray_actor_options={"num_cpus": 0}).bind()
     gateway = serve.deployment(Gateway).options(name="gateway", num_replicas=1, ray_actor_options={"num_cpus": 0},
                                                 max_ongoing_requests=1000)
-    return gateway.bind(args["router"], registry)
+    return gateway.bind(args["router"], registry, args.get("tracing") or {})

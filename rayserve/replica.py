@@ -38,15 +38,17 @@ READY_TIMEOUT_S = 600.0
 
 class WorkerReplica:
     async def __init__(self, role: str, model: str, kv_transport: str, engine: dict, registry: dict,
-                       host: str = "", security: dict | None = None):
+                       host: str = "", security: dict | None = None, tracing_args: dict | None = None):
         """`host`: the address to bind and advertise; "" binds all interfaces and advertises the
         replica's Ray node IP (what other nodes of the cluster reach). `security`: the worker's
-        tls_cert/tls_key/tls_ca/kv_secret_file (rayserve/config.py SecuritySettings; {}: none)."""
+        tls_cert/tls_key/tls_ca/kv_secret_file (rayserve/config.py SecuritySettings; {}: none).
+        `tracing_args`: {"endpoint", "sample_ratio"} of the replica's span export (platform/tracing.py)."""
         import ray
 
         from splitserve.platform.config import CacheConfig, DeviceConfig, EngineConfig, SchedulerConfig
         from splitserve.platform.engine.llm_engine import LLMEngine
-        from splitserve.workers.main import Worker
+        from splitserve.platform import tracing
+        from splitserve.workers.main import Worker, trace_role
 
         advertise = "" if host else ray.util.get_node_ip_address()
         host = host or "0.0.0.0"
@@ -64,6 +66,8 @@ class WorkerReplica:
                                       max_model_len=engine["max_model_len"]),
             device=DeviceConfig(device=engine["device"], dtype=engine["dtype"], num_threads=engine["threads"],
                                 quantization=engine.get("quantization", "auto")))
+        t = tracing_args or {}
+        tracing.configure(tracing.config_from(trace_role(role), t.get("endpoint") or None, t.get("sample_ratio")))
         self.worker = Worker(config, LLMEngine(engine_config))
         self.task = asyncio.create_task(self.worker.run(handle_signals=False), name=f"{role} worker")
         await self._wait_ready()
@@ -124,7 +128,7 @@ def build_pool(args: dict):
     and actor options come from the Serve config's `deployments:` overrides (rayserve/config.py `render`)."""
     deployment = serve.deployment(WorkerReplica).options(name=args["role"])
     return deployment.bind(args["role"], args["model"], args["kv_transport"], args["engine"], args["registry"],
-                           args.get("host", ""), args.get("security") or {})
+                           args.get("host", ""), args.get("security") or {}, args.get("tracing") or {})
 
 
 def _free_port(host: str) -> int:

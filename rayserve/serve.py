@@ -47,13 +47,17 @@ def register(subparsers) -> None:
     p.add_argument("--backend", default=None, help=f"overrides the config's backend; allowed: {', '.join(ray_config.BACKENDS)}")
     p.add_argument("--config", required=True, help="the backend's config file (deploy/ray/serve.yaml, docs/ray.md)")
     p.add_argument("--model", default=None, help="overrides the config's model")
+    p.add_argument("--otlp-traces-endpoint", default=None, metavar="URL",
+                   help="overrides the config's otlp_traces_endpoint: export request traces of the replicas "
+                        "to this OTLP gRPC collector")
     p.add_argument("--print-serve-config", action="store_true",
                    help="print the Ray Serve config (serveConfigV2 of a KubeRay RayService) and exit")
     p.set_defaults(func=cmd_serve)
 
 
 def cmd_serve(args) -> int:
-    config = ray_config.load(args.config, backend=args.backend, model=args.model)
+    config = ray_config.load(args.config, backend=args.backend, model=args.model,
+                             otlp_traces_endpoint=args.otlp_traces_endpoint)
     if args.print_serve_config:
         print(yaml.safe_dump(ray_config.render(config), sort_keys=False), end="")
         return 0

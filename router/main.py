@@ -15,6 +15,7 @@ import socket
 
 import uvicorn
 from prometheus_client import start_http_server
+from splitserve.platform import tracing
 from splitserve.platform.errors import ConfigError
 from splitserve.router import logctx
 from splitserve.router.config import RouterConfig
@@ -52,6 +53,7 @@ def add_router_args(p) -> None:
                    "token limits (reloaded on change; see router/tenancy/)")
     p.add_argument("--tool-call-parser", default=None, choices=("hermes", "json"),
                    help="how tool_choice=auto answers are read (default hermes)")
+    tracing.add_tracing_args(p)
 
 
 def config_from_args(args, **extra) -> RouterConfig:
@@ -71,6 +73,7 @@ def config_from_args(args, **extra) -> RouterConfig:
 
 def cmd_router(args) -> int:
     logctx.install()
+    tracing.configure(tracing.config_from_args("router", args))
     config = config_from_args(args, **{"discovery.workers": args.workers, "discovery.k8s_namespace": args.k8s_namespace,
                                        "discovery.k8s_services": args.k8s_services})
     from splitserve.router.router import Router
@@ -81,7 +84,10 @@ def cmd_router(args) -> int:
         # A scrape port apart from the gateway, as the operator's ServiceMonitor expects.
         start_http_server(args.metrics_port, addr=config.gateway.host, registry=router.metrics.registry)
     print(f"splitserve router: serving http://{url_host(config.gateway.host)}:{sock.getsockname()[1]}/v1", flush=True)
-    asyncio.run(serve(router, sock))
+    try:
+        asyncio.run(serve(router, sock))
+    finally:
+        tracing.tracer().shutdown()   # export the spans still buffered
     return 0
 
 

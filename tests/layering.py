@@ -42,7 +42,8 @@ CONTRACTS = [
      ["torch", "splitserve.workers", "splitserve.router", "splitserve.platform.tokenizer", *ENGINE]),
     ("shared modules stay torch-free", ["splitserve.platform.hashing", "splitserve.platform.tokenizer",
                                         "splitserve.platform.config", "splitserve.platform.model_source",
-                                        "splitserve.platform.detokenizer", "splitserve.platform.stop"],
+                                        "splitserve.platform.detokenizer", "splitserve.platform.stop",
+                                        "splitserve.platform.tracing", "splitserve.platform.logfmt"],
      ["torch"]),
     # The planner runs in its own small pod and inside `splitserve up`: control law only.
     ("the planner imports only shared config", ["splitserve.planner"],

@@ -27,6 +27,7 @@ import uuid
 
 import grpc
 
+from splitserve.platform import tracing
 from splitserve.platform.engine.async_engine import AsyncEngine
 from splitserve.platform.engine.kv_handoff import KVReady
 from splitserve.platform.grpc_channels import ChannelPool
@@ -52,21 +53,25 @@ class RemotePrefill:
         self.stubs = ChannelPool(tls, [("grpc.max_receive_message_length", 64 << 20)], idle_s=300.0)
 
     async def run(self, req_id: str, token_ids: list[int], params: SamplingParams, ready: KVReady,
-                  prefill_workers: list[str], lora=None) -> tuple[str, pb.PrefillResponse | None]:
+                  prefill_workers: list[str], lora=None, span=tracing.NOOP) -> tuple[str, pb.PrefillResponse | None]:
         """Fill the request's missing KV from a prefill worker; returns its address and answer,
         or ("", None) when the request fell back to local prefill. `lora`: the request's
         LoraAdapter (its name, folder and digest go along; a prefill worker that cannot run
-        the same weights refuses, and the next one is tried)."""
+        the same weights refuses, and the next one is tried). `span`: the request's remote-prefill
+        span; each attempt is a child whose context goes to the prefill worker in the metadata."""
         for address in prefill_workers:
-            resp = await self._attempt(address, req_id, token_ids, params, ready, lora)
+            with span.child("prefill.call", kind="client", attributes={"server.address": address}) as call:
+                resp = await self._attempt(address, req_id, token_ids, params, ready, lora, call)
             if resp is not None:
                 return address, resp
         self.engine.fallback_to_local_prefill(req_id)
         self._count("local_fallback")
         return "", None
 
-    async def _attempt(self, address, req_id, token_ids, params, ready: KVReady, lora=None) -> pb.PrefillResponse | None:
+    async def _attempt(self, address, req_id, token_ids, params, ready: KVReady, lora=None,
+                       call=tracing.NOOP) -> pb.PrefillResponse | None:
         transfer_id = f"{req_id}/{uuid.uuid4().hex[:12]}"
+        call.set("splitserve.kv.transfer_id", transfer_id)
         dst = ready.block_ids[ready.start_block:]
         write = self.engine.write_kv_layer
         # The adapter is part of the layout: KV computed with other weights is refused (prefill.py).
@@ -75,16 +80,23 @@ class RemotePrefill:
                              lambda layer, payload, first: write(dst[first:first + payload.shape[1]], layer, payload),
                              self.deadline_s)
         t0 = time.monotonic()
+        receive = call.child("kv.receive", start=t0, attributes={
+            "splitserve.kv.transfer_id": transfer_id, "splitserve.kv.num_blocks": len(dst),
+            "splitserve.kv.path": self.kv_address.partition("://")[0] or "unknown"})
         try:
             resp = await self.stubs.stub(address).Prefill(pb.PrefillRequest(
                 request_id=req_id, prompt_token_ids=token_ids, params=wire.sampling_params_to_proto(params),
                 skip_blocks=ready.start_block, kv_address=self.kv_address, transfer_id=transfer_id,
                 layout=pb.KVLayout(**layout.to_dict()), deadline_s=self.deadline_s,
-                lora_name=lora.name if lora else "", lora_path=lora.path if lora else ""), timeout=self.deadline_s)
+                lora_name=lora.name if lora else "", lora_path=lora.path if lora else ""), timeout=self.deadline_s,
+                metadata=tracing.outgoing_metadata(call))
             status = await asyncio.wait_for(self.receiver.wait(transfer_id), timeout=self.deadline_s)
+            receive.set("splitserve.kv.num_bytes", status.num_bytes)
             if status.state != TransferState.DONE:
                 raise TransferError(f"transfer ended {status.state.name}: {status.error}")
         except (grpc.aio.AioRpcError, asyncio.TimeoutError, TransferError) as exc:
+            receive.fail(exc)
+            call.fail(exc)
             self.receiver.abort(transfer_id)
             if isinstance(exc, grpc.aio.AioRpcError) and exc.code() == grpc.StatusCode.UNAVAILABLE:
                 await self.stubs.drop(address)   # gone or restarting: the next request dials afresh
@@ -95,6 +107,7 @@ class RemotePrefill:
             self.receiver.abort(transfer_id)
             raise
         finally:
+            receive.end()
             self.receiver.release(transfer_id)
         self._observe(status.num_bytes, time.monotonic() - t0)
         logprob = wire.logprob_from_proto(resp.logprob) if resp.HasField("logprob") else None

@@ -1,13 +1,15 @@
 """The worker's HTTP side port: /health (alive), /ready (model loaded, warmed up, not draining),
 /metrics (Prometheus text), /debug/kv (block pool state and invariants, JSON; for tests and
-SREs — the port is cluster-internal). A minimal asyncio server: GET only, one response per connection,
-so it needs no web framework in the worker image.
+SREs — the port is cluster-internal), /debug/requests/<request id> (where a recent request's time
+went, JSON: workers/records.py; `splitserve trace` reads it). A minimal asyncio server: GET only,
+one response per connection, so it needs no web framework in the worker image.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import urllib.parse
 from collections.abc import Awaitable, Callable
 
 CONTENT_TYPE_METRICS = "text/plain; version=0.0.4; charset=utf-8"
@@ -15,8 +17,10 @@ CONTENT_TYPE_METRICS = "text/plain; version=0.0.4; charset=utf-8"
 
 class HealthServer:
     def __init__(self, host: str, port: int, is_ready: Callable[[], tuple[bool, str]],
-                 render_metrics: Callable[[], bytes], debug_kv: Callable[[], Awaitable[dict]] | None = None):
+                 render_metrics: Callable[[], bytes], debug_kv: Callable[[], Awaitable[dict]] | None = None,
+                 debug_request: Callable[[str], dict | None] | None = None):
         self.host, self.port = host, port
+        self.debug_request = debug_request
         self.debug_kv = debug_kv
         self.is_ready = is_ready
         self.render_metrics = render_metrics
@@ -60,4 +64,9 @@ class HealthServer:
             return ("200 OK" if ready else "503 Service Unavailable"), "text/plain", (why + "\n").encode()
         if path == "/metrics":
             return "200 OK", CONTENT_TYPE_METRICS, self.render_metrics()
+        if path.startswith("/debug/requests/") and self.debug_request is not None:
+            record = self.debug_request(urllib.parse.unquote(path[len("/debug/requests/"):]))
+            if record is None:
+                return "404 Not Found", "text/plain", b"no recent request with that id on this worker\n"
+            return "200 OK", "application/json", json.dumps(record).encode()
         return "404 Not Found", "text/plain", b"not found; try /health, /ready or /metrics\n"

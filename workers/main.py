@@ -20,6 +20,7 @@ import uuid
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from splitserve.platform import tracing
 from splitserve.platform.cli import add_engine_args, engine_config
 from splitserve.platform.engine.async_engine import AsyncEngine
 from splitserve.platform.engine.llm_engine import LLMEngine
@@ -72,7 +73,13 @@ def register(subparsers) -> None:
                    help="recompute a prefix another worker holds instead of pulling its KV (docs/kv-tiers.md)")
     p.add_argument("--max-pull-blocks", type=int, default=1024,
                    help="the most KV blocks one pull fetches (default 1024); the rest of the prompt is computed")
+    tracing.add_tracing_args(p)
     p.set_defaults(func=cmd_worker)
+
+
+def trace_role(role: str) -> str:
+    """The tracing role (service.name splitserve-<role>) of a worker role."""
+    return {"both": "worker"}.get(role, role)
 
 
 def cmd_worker(args) -> int:
@@ -83,8 +90,13 @@ def cmd_worker(args) -> int:
                           advertise_host=args.advertise_host or "", kv_secret_file=args.kv_secret_file,
                           tls_cert=args.tls_cert, tls_key=args.tls_key, tls_ca=args.tls_ca,
                           kv_pull=not args.no_kv_pull, max_pull_blocks=args.max_pull_blocks)
+    # Before the model loads: a bad value fails fast.
+    tracing.configure(tracing.config_from_args(trace_role(args.role), args))
     engine = LLMEngine(engine_config(args))
-    return asyncio.run(Worker(config, engine).run())
+    try:
+        return asyncio.run(Worker(config, engine).run())
+    finally:
+        tracing.tracer().shutdown()   # export the spans still buffered
 
 
 def kv_layout(engine: LLMEngine) -> KVLayout:
@@ -183,7 +195,7 @@ class Worker:
         server, health_servicer = await self._start_grpc(service)
         http = HealthServer(cfg.host, cfg.metrics_port, lambda: self._readiness(service),
                             lambda: metrics.render(engine.load, kv_tier_report(self.llm)),
-                            debug_kv=lambda: engine.call(kv_state))
+                            debug_kv=lambda: engine.call(kv_state), debug_request=service.records.get)
         await http.start()
         load_task = asyncio.create_task(publish_load(service, cfg.load_interval_s))
         await self._warm_up(engine)
@@ -204,6 +216,7 @@ class Worker:
             if closer is not None:
                 await closer
         engine.shutdown()
+        tracing.tracer().shutdown()   # export the spans still buffered
         return 0
 
     async def _start_grpc(self, service: WorkerService):

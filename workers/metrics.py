@@ -59,12 +59,17 @@ class WorkerMetrics:
         self._update_lock = threading.Lock()
         self.queued_prefill_tokens = Gauge("splitserve_queued_prefill_tokens", "Prompt tokens not yet computed",
                                            registry=r)
-        self.ttft = Histogram("splitserve_time_to_first_token_seconds", "Time to first token", ["role"],
-                              buckets=LATENCY_BUCKETS, registry=r).labels(role=role)
-        self.itl = Histogram("splitserve_inter_token_latency_seconds", "Time between output tokens", ["role"],
-                             buckets=ITL_BUCKETS, registry=r).labels(role=role)
-        self.e2e = Histogram("splitserve_e2e_request_latency_seconds", "Request latency", ["role"],
-                             buckets=LATENCY_BUCKETS, registry=r).labels(role=role)
+        # Per request: labelled by the base model and the LoRA adapter ("" for none), so the
+        # dashboards show TTFT and ITL by model and adapter; `latency(lora_name)` gives the children.
+        per_request = ["role", "model_name", "lora_name"]
+        self._ttft = Histogram("splitserve_time_to_first_token_seconds", "Time to first token", per_request,
+                               buckets=LATENCY_BUCKETS, registry=r)
+        self._itl = Histogram("splitserve_inter_token_latency_seconds", "Time between output tokens", per_request,
+                              buckets=ITL_BUCKETS, registry=r)
+        self._e2e = Histogram("splitserve_e2e_request_latency_seconds", "Request latency", per_request,
+                              buckets=LATENCY_BUCKETS, registry=r)
+        self._role, self._model = role, model
+        self.ttft, self.itl, self.e2e = self.latency("")
         self.queue_time = Histogram("splitserve_request_queue_time_seconds", "Time until KV blocks were allocated",
                                     ["role"], buckets=LATENCY_BUCKETS, registry=r).labels(role=role)
         self.kv_transfer_bytes = Histogram("splitserve_kv_transfer_bytes", "KV bytes per transfer", ["direction"],
@@ -114,6 +119,11 @@ class WorkerMetrics:
                                          buckets=LATENCY_BUCKETS, registry=r)
         self._seen_tier = (0, 0, 0, 0)
         Info("splitserve_worker", "Worker identity", registry=r).info({"role": role, "model": model})
+
+    def latency(self, lora_name: str = "") -> tuple:
+        """The (TTFT, ITL, e2e) histograms of requests for `lora_name` ("": the base model)."""
+        labels = dict(role=self._role, model_name=self._model, lora_name=lora_name)
+        return self._ttft.labels(**labels), self._itl.labels(**labels), self._e2e.labels(**labels)
 
     def update_load(self, load) -> None:
         with self._update_lock:   # the counters advance by the difference to the last snapshot seen

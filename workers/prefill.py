@@ -24,6 +24,7 @@ import dataclasses
 import logging
 import time
 
+from splitserve.platform import tracing
 from splitserve.platform.engine.async_engine import AsyncEngine
 from splitserve.platform.engine.kv_handoff import KVExport
 from splitserve.platform.errors import InvalidRequestError
@@ -35,8 +36,11 @@ log = logging.getLogger(__name__)
 
 
 async def serve_prefill(engine: AsyncEngine, sender: KVSender, layout: KVLayout, request: pb.PrefillRequest,
-                        metrics=None, streaming: bool = True) -> pb.PrefillResponse:
+                        metrics=None, streaming: bool = True, span=tracing.NOOP) -> pb.PrefillResponse:
     """Raises InvalidRequestError (bad input), LayoutMismatchError, TransferError.
+
+    `span` (the request's span on this worker) gets the children prefill.queue, prefill.compute
+    and kv.send (with the transfer id, bytes, blocks and path).
 
     `streaming=False` holds every layer until the prompt is computed (the baseline that
     per-layer streaming is measured against).
@@ -58,7 +62,16 @@ async def serve_prefill(engine: AsyncEngine, sender: KVSender, layout: KVLayout,
         raise InvalidRequestError(f"skip_blocks={request.skip_blocks} is invalid for a prompt of {len(token_ids)} "
                                   f"tokens; allowed: 0 to {-(-len(token_ids) // layout.block_size) - 1}")
     t0 = time.monotonic()
-    handle = await sender.open(request.kv_address, request.transfer_id, layout, num_blocks)
+    send = span.child("kv.send", start=t0, attributes={
+        "splitserve.kv.transfer_id": request.transfer_id, "splitserve.kv.num_blocks": num_blocks,
+        "splitserve.kv.path": request.kv_address.partition("://")[0] or "unknown",
+        "server.address": request.kv_address})
+    try:
+        handle = await sender.open(request.kv_address, request.transfer_id, layout, num_blocks)
+    except BaseException as exc:
+        send.fail(exc)
+        send.end()
+        raise
     loop = asyncio.get_running_loop()
     layers: asyncio.Queue = asyncio.Queue()
 
@@ -88,11 +101,20 @@ async def serve_prefill(engine: AsyncEngine, sender: KVSender, layout: KVLayout,
             pump_task = asyncio.create_task(pump())
         await asyncio.wait_for(pump_task, timeout=request.deadline_s or None)
         await handle.finish()
-    except BaseException:
+    except BaseException as exc:
         pump_task.cancel()
         await handle.abort()
+        send.fail(exc)
+        send.end()
         raise
     t_acked = time.monotonic()
+    send.set("splitserve.kv.num_bytes", handle.bytes_sent)
+    send.end(t_acked)
+    if final.first_scheduled_time is not None:
+        span.record("prefill.queue", t0, final.first_scheduled_time)
+        span.record("prefill.compute", final.first_scheduled_time, t_computed,
+                    {"splitserve.cached_tokens": final.num_cached_tokens})
+    span.update({"gen_ai.usage.output_tokens": 1, "splitserve.cached_tokens": final.num_cached_tokens})
     seconds = t_acked - t0
     if metrics is not None:
         metrics.kv_transfer_bytes.labels(direction="out").observe(handle.bytes_sent)

@@ -24,6 +24,7 @@ import time
 
 import grpc
 
+from splitserve.platform import tracing
 from splitserve.platform.engine.async_engine import AsyncEngine
 from splitserve.platform.errors import InvalidRequestError
 from splitserve.platform.lora.adapter import AdapterFolderNotFoundError
@@ -37,6 +38,7 @@ from splitserve.workers.decode import RemotePrefill
 from splitserve.workers.events import EventHub
 from splitserve.workers.kv_pull import BlocksNotHeldError, KVPuller, serve_cached
 from splitserve.workers.prefill import serve_prefill
+from splitserve.workers.records import RequestRecords
 from splitserve.workers.transfer.base import (KVLayout, KVSender, LayoutMismatchError, TransferError,
                                               UnknownTransferError)
 
@@ -95,6 +97,7 @@ class WorkerService(pb_grpc.WorkerServicer):
         self.layout = layout
         self.metrics = metrics
         self.puller = puller   # None: pulls off (--no-kv-pull) or no KV receiver (prefill role)
+        self.records = RequestRecords()   # /debug/requests/<id>, `splitserve trace`
         self.draining = False
         self.num_inflight = 0
         self.idle = asyncio.Event()
@@ -127,14 +130,36 @@ class WorkerService(pb_grpc.WorkerServicer):
             params = wire.sampling_params(request.params)
             lora = await self._adapter(request.lora_name, request.lora_evict_first)
             source = await self._prefill_source(request, params, token_ids, lora)
+        span = self._request_span("worker.generate", request, context, token_ids)
         self._enter()
         try:
             # An adapter unloaded between the check and the admission is NOT_FOUND here too.
             async with _caller_errors(context):
-                async for msg in self._generate(request, token_ids, params, source, lora):
+                async for msg in self._generate(request, token_ids, params, source, lora, span):
                     yield msg
+        except BaseException as exc:   # an error, or cancelled by the caller: the span says so
+            span.fail(exc)
+            raise
         finally:
+            span.end()
             self._leave()
+
+    def _request_span(self, name: str, request, context, token_ids):
+        """This worker's span of one request, a child of the caller's `traceparent` (gRPC
+        metadata), with OpenTelemetry's gen_ai attributes; NOOP when tracing is off."""
+        tracer = tracing.tracer()
+        if not tracer.enabled:
+            return tracing.NOOP
+        span = tracer.start(name, tracing.metadata_carrier(context.invocation_metadata()), attributes={
+            "gen_ai.operation.name": "text_completion", "gen_ai.system": "splitserve",
+            "gen_ai.request.model": request.lora_name or self.engine.model_config.model_id,
+            "gen_ai.request.max_tokens": request.params.max_tokens or None,
+            "gen_ai.usage.input_tokens": len(token_ids), "splitserve.request_id": request.request_id,
+            "splitserve.role": self.config.role})
+        if tracer.include_prompt:
+            span.set("gen_ai.prompt.token_ids", list(token_ids))
+        span.activate()
+        return span
 
     async def _prefill_source(self, request: pb.GenerateRequest, params, token_ids: list[int], lora) -> PrefillSource:
         """LOCAL when the prompt is needed here: a resume (tokens already streamed elsewhere), prompt
@@ -173,7 +198,7 @@ class WorkerService(pb_grpc.WorkerServicer):
         return adapter
 
     async def _generate(self, request: pb.GenerateRequest, token_ids: list[int], params, source: PrefillSource,
-                        lora=None):
+                        lora=None, span=tracing.NOOP):
         t0 = time.monotonic()
         req_id = request.request_id
         pull = request.kv_pull if source is PrefillSource.PULL else None
@@ -181,6 +206,8 @@ class WorkerService(pb_grpc.WorkerServicer):
         prefill_worker, last_token_t = "", None
         timings = pb.Timings()
         pulled_tokens = 0
+        t_kv = None   # when the remote prefill or pull ended (the KV is here)
+        ttft, itl, e2e = self.metrics.latency(lora.name if lora else "")
         async for out in self.engine.generate(prompt_token_ids=token_ids, params=params, req_id=req_id,
                                               remote_prefill=source is not PrefillSource.LOCAL,
                                               resume_output_token_ids=list(request.resume_output_token_ids),
@@ -188,12 +215,19 @@ class WorkerService(pb_grpc.WorkerServicer):
             if out.kv_ready is not None:
                 timings.queue_s = time.monotonic() - t0
                 self.metrics.queue_time.observe(timings.queue_s)
+                span.record("worker.queue", t0, t0 + timings.queue_s)
                 if pull is not None:
-                    outcome = await self.puller.run(req_id, token_ids, out.kv_ready, pull)
+                    with span.child("kv.pull", attributes={"splitserve.kv.holder": pull.holder}) as pull_span:
+                        outcome = await self.puller.run(req_id, token_ids, out.kv_ready, pull)
+                        pull_span.set("splitserve.kv.pulled_tokens", outcome.num_tokens)
                     pulled_tokens, timings.kv_pull_s = outcome.num_tokens, outcome.seconds
+                    t_kv = time.monotonic()
                     continue
-                prefill_worker, resp = await self.remote.run(req_id, token_ids, params, out.kv_ready, prefill_workers,
-                                                             lora)
+                with span.child("worker.remote_prefill") as wait:
+                    prefill_worker, resp = await self.remote.run(req_id, token_ids, params, out.kv_ready,
+                                                                 prefill_workers, lora, span=wait)
+                    wait.set("splitserve.prefill_worker", prefill_worker or "local fallback")
+                t_kv = time.monotonic()
                 if resp is not None:
                     timings.prefill_s, timings.transfer_wait_s = resp.prefill_s, resp.transfer_wait_s
                 continue
@@ -201,15 +235,30 @@ class WorkerService(pb_grpc.WorkerServicer):
             msg.usage.pulled_tokens = pulled_tokens
             now = time.monotonic()
             if last_token_t is None:
+                _local_timings(timings, t0, out.first_scheduled_time, now)
                 timings.first_token_s = now - t0
                 msg.timings.CopyFrom(timings)
-                self.metrics.ttft.observe(now - t0)
+                self.records.update(req_id, role=self.config.role, queue_s=timings.queue_s,
+                                    prefill_s=timings.prefill_s, transfer_wait_s=timings.transfer_wait_s,
+                                    kv_pull_s=timings.kv_pull_s, first_token_s=timings.first_token_s,
+                                    remote_prefill=source is PrefillSource.REMOTE, prefill_worker=prefill_worker,
+                                    num_prompt_tokens=len(token_ids), num_cached_tokens=out.num_cached_tokens,
+                                    trace_id=span.trace_id or None)
+                ttft.observe(now - t0)
+                _trace_first_token(span, timings, t0, t_kv, now)
             elif out.new_token_ids:
-                self.metrics.itl.observe(now - last_token_t)
+                itl.observe(now - last_token_t)
             last_token_t = now
             if out.finished:
-                self.metrics.e2e.observe(now - t0)
+                e2e.observe(now - t0)
+                self.records.update(req_id, e2e_s=now - t0, num_output_tokens=out.num_output_tokens,
+                                    finish_reason=out.finish_reason)
                 self.metrics.requests.labels(finish_reason=out.finish_reason).inc()
+                if span.is_recording:
+                    span.update({"gen_ai.usage.output_tokens": out.num_output_tokens,
+                                 "gen_ai.response.finish_reasons": [out.finish_reason or ""],
+                                 "splitserve.cached_tokens": out.num_cached_tokens,
+                                 "splitserve.prefill_worker": prefill_worker or None})
             yield msg
 
     async def _wants_remote(self, request: pb.GenerateRequest, token_ids: list[int]) -> bool:
@@ -233,13 +282,23 @@ class WorkerService(pb_grpc.WorkerServicer):
     # -- Prefill ---------------------------------------------------------------------------
     async def Prefill(self, request: pb.PrefillRequest, context):
         await self._admit(context, ("prefill", "both"), "Prefill")
+        span = self._request_span("prefill.serve_cached" if request.cached_only else "prefill.request", request,
+                                  context, request.prompt_token_ids)
+        span.set("splitserve.kv.transfer_id", request.transfer_id)
         self._enter()
         try:
             async with _caller_errors(context):
-                if request.cached_only:
-                    return await serve_cached(self.engine, self.sender, self.layout, request, self.metrics)
-                return await serve_prefill(self.engine, self.sender, self.layout, request, self.metrics,
-                                           streaming=self.config.kv_layer_streaming)
+                with span:   # ends it; an exception marks it failed
+                    if request.cached_only:
+                        return await serve_cached(self.engine, self.sender, self.layout, request, self.metrics)
+                    resp = await serve_prefill(self.engine, self.sender, self.layout, request, self.metrics,
+                                               streaming=self.config.kv_layer_streaming, span=span)
+                    self.records.update(request.request_id, role=self.config.role, prefill_s=resp.prefill_s,
+                                        transfer_wait_s=resp.transfer_wait_s, kv_bytes=resp.kv_bytes,
+                                        transfer_id=request.transfer_id,
+                                        num_prompt_tokens=len(request.prompt_token_ids),
+                                        num_cached_tokens=resp.cached_tokens, trace_id=span.trace_id or None)
+                    return resp
         finally:
             self._leave()
 
@@ -281,6 +340,28 @@ async def publish_load(service: WorkerService, interval_s: float) -> None:
             waiting_lora_adapters=load.waiting_loras, max_loras=load.max_loras,
             resident_lora_adapters=load.resident_loras))
         await asyncio.sleep(interval_s)
+
+
+def _local_timings(timings: pb.Timings, t0: float, first_scheduled: float | None, now: float) -> None:
+    """A request prefilled here (no KVReady came): its queue (submitted -> first scheduled) and
+    prefill (scheduled -> first token) from the engine's first-scheduling time."""
+    if timings.queue_s or first_scheduled is None or first_scheduled < t0:
+        return
+    timings.queue_s = first_scheduled - t0
+    timings.prefill_s = now - first_scheduled
+
+
+def _trace_first_token(span, timings: pb.Timings, t0: float, t_kv: float | None, now: float) -> None:
+    """The first token's spans: a local prefill's queue and prefill, or, after a remote
+    prefill or pull, the wait from the KV landing to the first token out."""
+    if not span.is_recording:
+        return
+    if t_kv is None:
+        span.record("worker.queue", t0, t0 + timings.queue_s)
+        span.record("worker.prefill", t0 + timings.queue_s, now)
+    else:
+        span.record("worker.first_token", t_kv, now)
+    span.set("gen_ai.latency.time_to_first_token", timings.first_token_s)
 
 
 def _read_adapter(engine: AsyncEngine, name: str, path: str):

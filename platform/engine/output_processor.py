@@ -63,12 +63,13 @@ class OutputProcessor:
             num_output_tokens=req.num_output_tokens, finished=finished, finish_reason=reason,
             stop_reason=stop_reason, new_logprobs=_logprobs(update.req_id, token, result),
             output_token_ids=req.output_token_ids, text=state.text, prompt_logprobs=scored,
-            embedding=(result.embeddings or {}).get(req.req_id))
+            embedding=(result.embeddings or {}).get(req.req_id), first_scheduled_time=req.first_scheduled_time)
 
     def kv_ready(self, req: Request, ready) -> RequestOutput:
         return RequestOutput(
             req_id=req.req_id, new_token_ids=[], new_text="", num_prompt_tokens=req.num_prompt_tokens,
-            num_cached_tokens=max(req.num_cached_tokens, 0), num_output_tokens=0, kv_ready=ready)
+            num_cached_tokens=max(req.num_cached_tokens, 0), num_output_tokens=0, kv_ready=ready,
+            first_scheduled_time=req.first_scheduled_time)
 
     def finish_aborted(self, req: Request, text: str = "") -> RequestOutput:
         return RequestOutput(

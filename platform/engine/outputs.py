@@ -43,3 +43,7 @@ class RequestOutput:
     prompt_logprobs: list[TokenLogprob | None] | None = None
     # With params.embed, on the first output: the prompt's last-token embedding, L2-normalized.
     embedding: list[float] | None = None
+    # When the scheduler first gave the request KV blocks and compute (time.monotonic()); None
+    # before. A caller that knows when it submitted the request splits its TTFT into the queue
+    # (submitted -> scheduled) and the prefill (scheduled -> first token) from this.
+    first_scheduled_time: float | None = None

@@ -23,6 +23,7 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
+from splitserve.platform import tracing
 from splitserve.router import logctx
 from splitserve.router.api import embeddings, openapi, responses_api, tokenize_api
 from splitserve.router.api.errors import APIError, error_body
@@ -181,8 +182,18 @@ def describe_validation(errors) -> tuple[str, str | None]:
 MAX_HEADER_BYTES = 16 * 1024
 
 
+def _request_span(scope, headers: dict, path: str, rid: str):
+    tracer = tracing.tracer()
+    if not tracer.enabled or not path.startswith("/v1/"):
+        return tracing.NOOP
+    return tracer.start("gateway.request", tracing.http_carrier(headers), attributes={
+        "http.request.method": scope.get("method", ""), "url.path": path, "splitserve.request_id": rid})
+
+
 class EdgeMiddleware:
-    """Request id (X-Request-Id in and out, on every log line), body size limit, request metrics."""
+    """Request id (X-Request-Id in and out, on every log line), body size limit, request metrics,
+    and the request's trace span (`gateway.request`, a child of the client's `traceparent`; the
+    running task's current span, so the gateway's spans below nest under it)."""
 
     def __init__(self, app, max_body_bytes: int, metrics):
         self.app = app
@@ -200,6 +211,8 @@ class EdgeMiddleware:
         token = logctx.request_id.set(rid)
         status = [500]
         t0 = time.monotonic()
+        span = _request_span(scope, headers, path, rid)
+        trace_tokens = tracing.enter(span)
 
         async def send_with_id(message):
             if message["type"] == "http.response.start":
@@ -225,6 +238,12 @@ class EdgeMiddleware:
                 self.metrics.requests.labels(endpoint=path, status=str(status[0])).inc()
                 self.metrics.latency.labels(endpoint=path).observe(elapsed)
                 log.info("%s %s -> %d in %.3f s", scope.get("method"), path, status[0], elapsed)
+            if span.is_recording:
+                span.set("http.response.status_code", status[0])
+                if status[0] >= 500:
+                    span.fail(RuntimeError(f"HTTP {status[0]}"))
+                span.end()
+            tracing.leave(trace_tokens)
             logctx.request_id.reset(token)
 
     def _limited(self, receive):

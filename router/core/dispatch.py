@@ -34,6 +34,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 import grpc
+from splitserve.platform import tracing
 from splitserve.platform.hashing import BlockHasher, lora_extra_keys
 from splitserve.platform.sampling.params import SamplingParams
 from splitserve.platform.tokenizer import Tokenizer
@@ -165,6 +166,7 @@ class Dispatcher:
         decision = await self.placer.place(len(token_ids), self._hashes(job, token_ids), frozenset(excluded),
                                            lora_name=job.lora_name, lora_workers=lora_workers)
         seconds = time.perf_counter() - t0
+        _trace_placement(decision, attempt, seconds)
         log.info("%s attempt %d: decode %s, prefill %s, %d cached blocks, %d uncached tokens", job.request_id,
                  attempt, decision.decode, ",".join(decision.prefill) or "local", decision.num_cached_blocks,
                  decision.num_uncached_tokens)
@@ -190,20 +192,34 @@ class Dispatcher:
         prefill = request.prefill_workers[0] if request.prefill_workers else ""   # none for a resume
         assignment = self.pool.assign(decision.decode, prefill, decision.num_uncached_tokens)
         trace_id = logctx.request_id.get() or job.request_id
-        call = self.channels.stub(decision.decode).Generate(request, metadata=(("x-request-id", trace_id),))
+        span = tracing.current().child("gateway.dispatch", kind="client", attributes={
+            "server.address": decision.decode, "splitserve.worker_request_id": job.request_id})
+        stream = tracing.NOOP
+        call = self.channels.stub(decision.decode).Generate(
+            request, metadata=(("x-request-id", trace_id), *(tracing.outgoing_metadata(span) or ())))
         key = id(call)
         self._calls.setdefault(decision.decode, {})[key] = call
         try:
             async for msg in self._read(call, key):
                 self.pool.first_token(assignment)
                 chunk = self._chunk(job, decision, progress, msg)
+                if stream is tracing.NOOP and span.is_recording:
+                    span.event("first_token")
+                    stream = tracing.current().child("gateway.stream")
                 if chunk.finish_reason is not None:
                     self.pool.report_success(decision.decode)
+                    stream.update({"gen_ai.usage.output_tokens": chunk.num_completion_tokens,
+                                   "gen_ai.response.finish_reasons": [chunk.finish_reason]})
                 yield chunk
                 if chunk.finish_reason is not None:
                     return
             raise WorkerLost("the stream ended without a finish reason")
+        except BaseException as exc:
+            span.fail(exc)
+            raise
         finally:
+            stream.end()
+            span.end()
             call.cancel()
             self._calls.get(decision.decode, {}).pop(key, None)
             self._lost.discard(key)
@@ -262,4 +278,20 @@ class Dispatcher:
     def _count(self, what: str) -> None:
         if self.metrics is not None:
             self.metrics.count(what)
+
+
+def _trace_placement(decision: Decision, attempt: int, seconds: float) -> None:
+    """The placement as a span of the request's: the chosen workers, their scores and why."""
+    parent = tracing.current()
+    if not parent.is_recording:
+        return
+    end = time.monotonic()
+    reason = ("kv pull" if decision.pull else "remote prefill" if decision.prefill else "local prefill")
+    scores = {f"splitserve.placement.score.{role}": [f"{address}={score:.3f}" for address, score in by.items()]
+              for role, by in decision.scores.items()}
+    parent.record("gateway.placement", end - seconds, end, {
+        "splitserve.placement.attempt": attempt, "splitserve.placement.decode": decision.decode,
+        "splitserve.placement.prefill": list(decision.prefill), "splitserve.placement.reason": reason,
+        "splitserve.placement.cached_blocks": decision.num_cached_blocks,
+        "splitserve.placement.uncached_tokens": decision.num_uncached_tokens, **scores})
 

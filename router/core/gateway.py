@@ -26,6 +26,8 @@ from typing import Protocol
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from splitserve.platform import tracing
 from splitserve.router import logctx
 from splitserve.router.api.errors import APIError
 from splitserve.router.api.formatting import Formatter, TokenText, sse
@@ -84,11 +86,12 @@ class Gateway:
     async def access(self, request: Request) -> ApiKey:
         """FastAPI dependency of every /v1 route: API key, then its rate limit."""
         key = self.auth.check(request.headers.get("authorization"))
-        try:
-            await self.limiter.check(key)
-        except APIError:
-            self.router.metrics.rejected.labels(reason="rate_limit").inc()
-            raise
+        with tracing.current().child("admission.rate_limit"):
+            try:
+                await self.limiter.check(key)
+            except APIError:
+                self.router.metrics.rejected.labels(reason="rate_limit").inc()
+                raise
         request.state.api_key = key
         return key
 
@@ -116,6 +119,8 @@ class Gateway:
 
     async def open(self, request: Request, body, *, is_chat: bool) -> tuple[Run, Formatter]:
         """A chat or text completion admitted and dispatched, and the formatter of its answer."""
+        span = tracing.current()
+        t_parse = time.monotonic()
         caller = self.caller(request, body.model)
         prepare = prepare_chat if is_chat else prepare_completion
         prepared = prepare(body, caller.request_id, caller.job_id, self.router.tokenizer,
@@ -123,6 +128,8 @@ class Gateway:
                            **({"tool_call_parser": self.router.config.gateway.tool_call_parser} if is_chat else {}))
         if caller.lora_name is not None:
             prepared.jobs[:] = [dataclasses.replace(job, lora_name=caller.lora_name) for job in prepared.jobs]
+        if span.is_recording:
+            _trace_request(span, body.model, caller.lora_name, prepared, t_parse, is_chat)
         run = await self.pipeline.open(caller.key, body.model, prepared)
         return run, Formatter(prepared, is_chat, self.tokens)
 
@@ -237,6 +244,17 @@ async def _wait_disconnect(request: Request) -> None:
         message = await request.receive()
         if message["type"] == "http.disconnect":
             return
+
+
+def _trace_request(span, model: str, lora_name: str | None, prepared, t_parse: float, is_chat: bool) -> None:
+    """The request's gen_ai attributes, and its parse (model check, template, tokenization) span."""
+    num_tokens = prepared.num_prompt_tokens
+    span.record("gateway.parse", t_parse, time.monotonic(), {"gen_ai.usage.input_tokens": num_tokens})
+    span.update({"gen_ai.operation.name": "chat" if is_chat else "text_completion", "gen_ai.system": "splitserve",
+                 "gen_ai.request.model": model, "splitserve.lora_name": lora_name,
+                 "gen_ai.usage.input_tokens": num_tokens,
+                 "gen_ai.request.max_tokens": max(job.params.max_tokens for job in prepared.jobs),
+                 "splitserve.stream": prepared.stream, "gen_ai.request.choice.count": len(prepared.jobs)})
 
 
 def _worker_headers(chunk: Chunk | None) -> dict[str, str]:

@@ -26,6 +26,7 @@ import asyncio
 from collections.abc import AsyncIterator
 from typing import NamedTuple
 
+from splitserve.platform import tracing
 from splitserve.router.api.prompts import Prepared
 from splitserve.router.config import ApiKey
 from splitserve.router.core.dispatch import Chunk, Dispatcher
@@ -56,7 +57,8 @@ class Pipeline:
         return Run(prepared, ticket, self.admission, self._dispatch(prepared), bills_completion=bills_completion)
 
     async def _admit(self, key: ApiKey, model: str, reserve_tokens: int) -> Ticket:
-        return await self.admission.admit(key, model, reserve_tokens)
+        with tracing.current().child("gateway.admission") as span:
+            return await self.admission.admit(key, model, reserve_tokens, span=span)
 
     def _dispatch(self, prepared: Prepared) -> AsyncIterator[ChoiceChunk]:
         return merged([self.dispatcher.generate(job) for job in prepared.jobs])

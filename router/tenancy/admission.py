@@ -25,6 +25,7 @@ import asyncio
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from splitserve.platform.tracing import NOOP
 from splitserve.router.api.errors import APIError
 from splitserve.router.config import ApiKey
 from splitserve.router.core.usage import Usage
@@ -102,6 +103,7 @@ class KeyConcurrencyGate:
 
 class QuotaGate:
     reason = "token_limit"
+    name = "quota"          # its span: admission.quota
 
     def __init__(self, quota: Quota):
         self.quota = quota
@@ -118,6 +120,7 @@ class QuotaGate:
 
 class SlotGate:
     reason = "queue_full"
+    name = "slot"           # its span, admission.slot: the time queued for a slot
 
     def __init__(self, slots: Slots):
         self.slots = slots
@@ -148,12 +151,14 @@ class AdmissionPipeline:
         """Requests waiting for a server slot."""
         return self.slots.num_queued
 
-    async def admit(self, key: ApiKey, model: str, reserve_tokens: int) -> Ticket:
-        """Pass every gate in order, or raise the first refusal with nothing left held."""
+    async def admit(self, key: ApiKey, model: str, reserve_tokens: int, span=NOOP) -> Ticket:
+        """Pass every gate in order, or raise the first refusal with nothing left held. `span`:
+        the request's admission span; each gate is a child (the slot gate's is the queue time)."""
         ticket = Ticket(key, model, reserve_tokens)
         for gate in self.gates:
             try:
-                await gate.enter(ticket)
+                with span.child(f"admission.{getattr(gate, 'name', gate.reason)}"):
+                    await gate.enter(ticket)
             except BaseException as exc:   # a refusal, or the client gone while it waited for a slot
                 if isinstance(exc, APIError) and exc.status == 429:
                     self.rejected.labels(reason=gate.reason).inc()

@@ -3,9 +3,9 @@ KEDA and the Prometheus operator.
 
 - Built-in kinds: `kubernetes-validate`'s JSON schemas of Kubernetes 1.31, strict (unknown
   fields are errors, as with `kubectl apply --validate=strict`).
-- KEDA's ScaledObject and the Prometheus operator's ServiceMonitor have no schema on this
-  machine; SUBSET_SCHEMAS below are the parts of keda.sh/v1alpha1 ScaledObject and
-  monitoring.coreos.com/v1 ServiceMonitor that the operator uses, with upstream's field
+- KEDA's ScaledObject and the Prometheus operator's ServiceMonitor and PrometheusRule have no
+  schema on this machine; SUBSET_SCHEMAS below are the parts of keda.sh/v1alpha1 ScaledObject and
+  monitoring.coreos.com/v1 ServiceMonitor and PrometheusRule that the operator and chart use, with upstream's field
   names and types (trigger metadata values are strings, replica counts int32), and closed:
   any field not listed is an error.
 - An InferenceService is admitted the way the API server would: structural defaulting from
@@ -76,6 +76,19 @@ SUBSET_SCHEMAS = {
                 "interval": {"type": "string", "pattern": r"^(0|(([0-9]+)h)?(([0-9]+)m)?(([0-9]+)s)?(([0-9]+)ms)?)$"}},
                 [])},
         }, ["selector", "endpoints"])}, ["apiVersion", "kind", "metadata", "spec"]),
+    ("monitoring.coreos.com/v1", "PrometheusRule"): _closed({
+        "apiVersion": {"const": "monitoring.coreos.com/v1"}, "kind": {"const": "PrometheusRule"}, "metadata": META,
+        "spec": _closed({"groups": {"type": "array", "items": _closed({
+            "name": {"type": "string", "minLength": 1}, "interval": {"type": "string"},
+            "rules": {"type": "array", "items": {
+                "type": "object", "additionalProperties": False, "required": ["expr"],
+                "oneOf": [{"required": ["record"]}, {"required": ["alert"]}],
+                "properties": {"record": {"type": "string"}, "alert": {"type": "string"},
+                               "expr": {"type": "string", "minLength": 1},
+                               "for": {"type": "string", "pattern": r"^(0|(([0-9]+)h)?(([0-9]+)m)?(([0-9]+)s)?)$"},
+                               "labels": {"type": "object", "additionalProperties": {"type": "string"}},
+                               "annotations": {"type": "object", "additionalProperties": {"type": "string"}}}}},
+        }, ["name", "rules"])}}, ["groups"])}, ["apiVersion", "kind", "metadata", "spec"]),
 }
 
 

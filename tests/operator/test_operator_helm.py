@@ -40,6 +40,9 @@ VALUES = {
                 "planner": {"enabled": True, "profile": '{"prefill": [], "decode": [], "kv_tokens": 1}',
                             "replicaBudget": 8, "leaseDurationSeconds": 30}},
     "kv-cache": {"kvCache": {"tierGiB": 4, "tierMedium": "memory", "pull": False, "maxPullBlocks": 256}},
+    "monitoring": {"monitoring": {"dashboards": {"enabled": True, "namespace": "grafana"},
+                                  "rules": {"enabled": True, "ttftSloSeconds": "1.0", "ttftObjective": 0.995,
+                                            "for": {"workersNotReady": "1m"}}}},
 }
 
 
@@ -214,7 +217,7 @@ def test_the_readme_explains_every_value():
     schema = json.loads((CHART / "values.schema.json").read_text())
     readme = (CHART / "README.md").read_text()
     leaves = [leaf.rstrip(".") for leaf in _schema_leaves(schema)]
-    assert len(leaves) == 57
+    assert len(leaves) == 86
     assert [leaf for leaf in leaves if f"`{leaf}`" not in readme] == []
     values = yaml.safe_load((CHART / "values.yaml").read_text())
     assert sorted(values) == sorted(schema["properties"])  # values.yaml and its schema list the same keys

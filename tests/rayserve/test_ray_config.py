@@ -42,6 +42,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
     ({"security": {"tls_cert": "/c"}}, "security: tls_cert, tls_key and tls_ca go together"),
     ({"security": {"insecure": "yes"}}, "security.insecure='yes' must be true or false"),
     ({"security": {"tls": 1}}, "unknown key(s) ['tls'] in security; allowed: tls_cert"),
+    ({"otlp_traces_sample_ratio": 2.0}, "trace sample ratio 2.0 is invalid; allowed: 0.0 to 1.0"),
 ])
 def test_bad_config_says_what_is_wrong_and_what_is_allowed(data, message):
     with pytest.raises(ConfigError) as err:
@@ -189,6 +190,16 @@ def test_security_reaches_the_gateway_and_every_replica():
     assert gateway["args"]["router"]["gateway"]["worker_wait_s"] == ray_config.RAY_WORKER_WAIT_S
     mine = ray_config.parse({"router": {"gateway": {"port": 8001, "worker_wait_s": 5}}})
     assert mine.router_config().gateway.worker_wait_s == 5 and mine.gateway == ("127.0.0.1", 8001)
+
+
+def test_tracing_reaches_the_gateway_and_every_replica(tmp_path):
+    config = ray_config.load(write(tmp_path, {"otlp_traces_sample_ratio": 0.25}),
+                             otlp_traces_endpoint="http://collector:4317")   # `serve --otlp-traces-endpoint`
+    apps = ray_config.render(config)["applications"]   # the gateway ingress and both pools
+    assert [a["args"]["tracing"] for a in apps] == [{"endpoint": "http://collector:4317", "sample_ratio": 0.25}] * 3
+    traced = config.tracing("prefill")
+    assert (traced.enabled, traced.name, traced.sample_ratio) == (True, "splitserve-prefill", 0.25)
+    assert not ray_config.parse({}).otlp_traces_endpoint
 
 
 def test_a_local_run_gets_throwaway_credentials_removed_at_stop(tmp_path):
