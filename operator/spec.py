@@ -259,7 +259,9 @@ class RouterSpec(_Spec):
     model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": [
         rule("self.replicas <= 1 || has(self.redis)",
              "router.redis is required when router.replicas > 1: "
-             "the replicas share one prefix index through Redis")]})
+             "the replicas share one prefix index through Redis"),
+        rule("!has(self.apiKeys) || !has(self.allowUnauthenticated) || !self.allowUnauthenticated",
+             "router: set apiKeys or allowUnauthenticated, not both")]})
 
     replicas: int = Field(1, ge=1, le=100)
     scorer_weights: ScorerWeights = ScorerWeights()
@@ -271,6 +273,10 @@ class RouterSpec(_Spec):
     image: str | None = Field(None, min_length=1, max_length=512)
     service: GatewayService = GatewayService()
     """The gateway Service clients call."""
+    api_keys: SecretKeyRef | None = None
+    """A Secret key holding the gateway's key file (YAML: `keys: [{id, sha256 or key, models, rpm, tpm, ...}]`, docs/security.md), mounted into the router and reloaded when the Secret changes. Absent: the operator generates `<name>-api-keys` with one key, id `admin` (its plaintext under the Secret key `admin-key`), so no gateway is open by default."""
+    allow_unauthenticated: bool = False
+    """Serve the gateway without API keys: anyone who reaches it may call every endpoint. The status then carries the condition Authenticated=False; the chart's `security.allowUnauthenticatedGateway: false` forbids it."""
 
 
 class UcxSpec(_Spec):
