@@ -10,7 +10,9 @@ per pool (pki.py). Run by reconcile.py before render, on every reconcile:
                                       service's owner to read}; created once, kept (edit it to add keys)
     no spec.tls                    -> Secret <name>-ca  {tls.crt, tls.key, previous.crt}
                                       Secret <name>-<component>-tls {tls.crt, tls.key, ca.crt} for each
-                                      pool and the router (kubernetes.io/tls, cert-manager's key names)
+                                      pool and the router (kubernetes.io/tls, cert-manager's key names):
+                                      worker certificates for the pools, a client-only router one
+                                      (pki.py); a leaf of the wrong role is re-issued
 
 A Secret is written only when it is missing, unreadable or due for renewal (pki.needs_renewal),
 so a reconcile with nothing to renew makes no write. Every Secret carries the common labels and a
@@ -132,9 +134,10 @@ def _ensure_leaf(kube: KubeClient, ctx: Context, component: str, ca: pki.KeyPair
     name = tls_secret_name(ctx, component)
     live = kube.get(path(SECRET, ctx.namespace, name))
     leaf = pki.KeyPair(_data(live, "tls.crt"), _data(live, "tls.key"))
+    role = "router" if component == "router" else "worker"
     if (not leaf.cert or not leaf.key or pki.needs_renewal(leaf.cert, now)
-            or not pki.is_signed_by(leaf.cert, ca.cert)):
-        leaf = pki.issue_leaf(ca, ctx.child(component), now)
+            or not pki.is_signed_by(leaf.cert, ca.cert) or pki.role_of(leaf.cert) != role):
+        leaf = pki.issue_leaf(ca, ctx.child(component), now, role=role)
     elif _data(live, "ca.crt") == bundle:
         return _fingerprint(leaf.cert, bundle)
     _write(kube, ctx, name, component, {"tls.crt": leaf.cert, "tls.key": leaf.key, "ca.crt": bundle},

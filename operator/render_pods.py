@@ -203,6 +203,8 @@ def worker_args(ctx: Context, pool: str) -> list[str]:
     if kv_secret_ref(ctx) is not None:
         args += ["--kv-secret-file", f"{KV_SECRET_DIR}/secret"]
     args += tls_args(ctx, pool)
+    if credentials.manages_tls(ctx):   # per-role certificates: each RPC only for its callers' role
+        args.append("--tls-check-peer-roles")
     if pool == "decode" and spec.speculative is not None:   # the prefill pool samples one token: nothing to speculate
         args += ["--speculative-config", spec.speculative.config_json()]
     args += kv_cache_args(ctx.kv_cache(), pool_spec.gpus)
