@@ -189,7 +189,8 @@ def test_insecure_sets_a_warning_condition_and_creates_no_transport_secrets(clus
     create_isvc(kube, "svc", namespace, {**TINY, "security": {"insecure": True}})
     mark = len(cluster.cluster.writes)
     reconcile(kube, SETTINGS, namespace, "svc", now=T0)
-    assert [w.name for w in secret_writes(cluster, mark, namespace)] == ["svc-api-keys"]
+    assert [w.plural for w in secret_writes(cluster, mark, namespace)] == ["secrets"]   # the API keys' create
+    assert secret(kube, namespace, "svc-kv") is None and secret(kube, namespace, "svc-ca") is None
     secure = condition(isvc(kube, namespace, "svc"), "Secure")
     assert (secure["status"], secure["reason"]) == ("False", "InsecureByRequest")
     assert "plaintext" in secure["message"] and "KV blocks from anyone" in secure["message"]
