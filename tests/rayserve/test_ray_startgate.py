@@ -37,7 +37,9 @@ def test_models_answers_503_until_the_model_can_be_served():
 
     async def start_gateway():
         router = Router(router_config([worker.address]))
-        app = Gateway.__serve_build_asgi_app__(types.SimpleNamespace(router=router))
+        gateway = types.SimpleNamespace(router=router)
+        gateway._unready_reason = types.MethodType(Gateway._unready_reason, gateway)
+        app = Gateway.__serve_build_asgi_app__(gateway)
         state["server"] = server = uvicorn_server(app)
         state["task"] = asyncio.get_running_loop().create_task(server.serve(sockets=[sock]))
         while not server.started:
