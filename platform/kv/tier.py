@@ -48,6 +48,7 @@ import os
 import shutil
 import struct
 import tempfile
+import time
 import weakref
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -94,8 +95,6 @@ def reclaim_dead_folders(parent: str) -> list[str]:
 
 
 def _owner_is_alive(folder: str) -> bool:
-    import time
-
     try:
         fd = os.open(os.path.join(folder, _OWNER_LOCK), os.O_RDWR)
     except FileNotFoundError:   # being created right now, or its creator died before locking
