@@ -6,7 +6,7 @@ per pool (pki.py). Run by reconcile.py before render, on every reconcile:
     no kvTransfer.authSecret       -> Secret <name>-kv {secret: 32 random bytes, hex}; created once, kept
     no router.apiKeys, and not router.allowUnauthenticated
                                    -> Secret <name>-api-keys {keys.yaml: the gateway's key file with one
-                                      key, id admin, stored as its SHA-256; admin-key: that key, for the
+                                      key, id admin, role admin, stored as its SHA-256; admin-key: that key, for the
                                       service's owner to read}; created once, kept (edit it to add keys)
     no spec.tls                    -> Secret <name>-ca  {tls.crt, tls.key, previous.crt}
                                       Secret <name>-<component>-tls {tls.crt, tls.key, ca.crt} for each
@@ -109,7 +109,8 @@ def ensure_api_keys(kube: KubeClient, ctx: Context) -> None:
     if _data(live, API_KEYS_FILE_KEY).strip():
         return
     key = "sk-" + secrets.token_urlsafe(32)
-    key_file = yaml.safe_dump({"keys": [{"id": ADMIN_KEY_ID, "sha256": hashlib.sha256(key.encode()).hexdigest()}]})
+    key_file = yaml.safe_dump({"keys": [{"id": ADMIN_KEY_ID, "sha256": hashlib.sha256(key.encode()).hexdigest(),
+                                         "role": "admin"}]})
     _write(kube, ctx, name, "api-keys", {API_KEYS_FILE_KEY: key_file.encode(), ADMIN_KEY_KEY: key.encode()},
            "Opaque", live)
 

@@ -308,6 +308,8 @@ def router_deployment(ctx: Context) -> Manifest:
     mounts.append({"name": "config", "mountPath": C.ROUTER_CONFIG_DIR, "readOnly": True})
     _add_tls(ctx, "router", volumes, mounts)
     key_args = _add_api_keys(ctx, volumes, mounts)
+    if ctx.spec.model.storage is not None:   # runtime LoRA loads (admin keys) may read the model volume only
+        key_args += ["--lora-roots", ctx.spec.model.storage.mount_path]
     env = list(BASE_ENV)
     if router.redis is not None and router.redis.password_secret is not None:
         ref = router.redis.password_secret

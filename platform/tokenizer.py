@@ -30,6 +30,18 @@ END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end_of_text|>
 _NAMED_SPECIALS = ("bos", "eos", "unk", "pad")
 
 
+# Template variables the tokenizer sets itself: a request's chat_template_kwargs may not name them.
+RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "add_generation_prompt", "source", "special_tokens"})
+
+
+def check_chat_template_kwargs(kwargs: dict | None) -> None:
+    """InvalidRequestError when a request's chat_template_kwargs name a variable the tokenizer sets
+    itself. Call it before spreading them into encode_chat / apply_chat_template."""
+    reserved = sorted(RESERVED_TEMPLATE_KWARGS & (kwargs or {}).keys())
+    if reserved:
+        raise InvalidRequestError(f"chat_template_kwargs may not set {', '.join(reserved)}: send the "
+                                  "conversation as `messages` and the flag as `add_generation_prompt`")
+
 class Tokenizer:
     """Text <-> ids for one model. Immutable after construction; safe to share between threads."""
 
@@ -113,6 +125,7 @@ class Tokenizer:
         if self._chat_template is None:
             raise InvalidRequestError("this model has no chat template; send a plain prompt "
                                       "(completions) instead of messages")
+        check_chat_template_kwargs(kwargs)
         specials = {f"{name}_token": tok for name, tok in self._special_tokens.items() if tok is not None}
         return render_chat_template(self._chat_template, validate_messages(messages),
                                     add_generation_prompt, specials, **kwargs)

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from splitserve.platform.errors import InvalidRequestError
 from splitserve.platform.sampling.params import MAX_LOGPROBS, SamplingParams
-from splitserve.platform.tokenizer import Tokenizer
+from splitserve.platform.tokenizer import Tokenizer, check_chat_template_kwargs
 from splitserve.router.api import echo
 from splitserve.router.core.dispatch import Job
 from splitserve.router.api.echo import EchoPlan
@@ -57,6 +57,7 @@ def prepare_chat(req: ChatCompletionRequest, request_id: str, job_id: str, token
     if plan is not None:
         messages, template_kwargs = render_messages(messages, req.tools, tokenizer.chat_template)
     try:
+        check_chat_template_kwargs(req.chat_template_kwargs)
         token_ids = tokenizer.encode_chat(messages, req.add_generation_prompt,
                                           **{**(req.chat_template_kwargs or {}), **template_kwargs})
     except InvalidRequestError as exc:

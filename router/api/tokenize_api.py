@@ -20,6 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from splitserve.platform.__about__ import __version__
 from splitserve.platform.errors import InvalidRequestError
+from splitserve.platform.tokenizer import check_chat_template_kwargs
 from splitserve.router.api.errors import bad_request
 from splitserve.router.api.schemas import ChatMessage, Int, message_dicts
 
@@ -63,6 +64,7 @@ def add_routes(app: FastAPI, router, gateway) -> None:
         tok = tokenizer(body.model)
         try:
             if isinstance(body, TokenizeChatRequest):
+                check_chat_template_kwargs(body.chat_template_kwargs)
                 text = tok.apply_chat_template(message_dicts(body.messages), body.add_generation_prompt,
                                                **(body.chat_template_kwargs or {}))
                 ids = tok.encode(text, add_special_tokens=body.add_special_tokens)

@@ -64,6 +64,12 @@ class Gateway:
         request.state.api_key = key
         return key
 
+    async def auth_only(self, request: Request) -> ApiKey:
+        """FastAPI dependency of /metrics, /docs and /openapi.json: the API key, no rate limit."""
+        key = self.auth.check(request.headers.get("authorization"))
+        request.state.api_key = key
+        return key
+
     def check_model(self, model: str) -> str | None:
         """The LoRA adapter `model` names (None: the base model); 404 for anything else."""
         names = self.router.config.served_model_names

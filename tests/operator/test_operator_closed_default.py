@@ -39,7 +39,7 @@ from splitserve.operator.reconcile import reconcile
 from splitserve.operator.render import render
 from splitserve.operator.settings import OperatorSettings, load_settings
 from splitserve.operator.spec import parse_spec
-from splitserve.router.tenancy import KeyFile
+from splitserve.router.tenancy.keyfile import KeyFile
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 CHART = ROOT / "helm" / "splitserve"
@@ -125,11 +125,13 @@ def test_reconcile_generates_an_admin_key_the_router_accepts(cluster, kube, name
     assert keys["metadata"]["ownerReferences"][0]["uid"] == owner["metadata"]["uid"]
     admin_key = data(keys, "admin-key").decode()
     key_file = yaml.safe_load(data(keys, "keys.yaml"))
-    assert key_file == {"keys": [{"id": "admin", "sha256": hashlib.sha256(admin_key.encode()).hexdigest()}]}
+    assert key_file == {"keys": [{"id": "admin", "sha256": hashlib.sha256(admin_key.encode()).hexdigest(),
+                                  "role": "admin"}]}
     assert admin_key not in data(keys, "keys.yaml").decode()   # the router's file holds the digest only
     (tmp_path / "keys.yaml").write_bytes(data(keys, "keys.yaml"))
-    loaded = KeyFile(str(tmp_path / "keys.yaml"))   # the router's own loader (router/tenancy.py)
+    loaded = KeyFile(str(tmp_path / "keys.yaml"))   # the router's own loader (router/tenancy/keyfile.py)
     assert loaded.lookup(admin_key).name == "admin" and loaded.lookup("sk-guess") is None
+    assert loaded.lookup(admin_key).role == "admin"   # may load LoRA adapters at run time
     authenticated = condition(isvc(kube, namespace, "svc"), "Authenticated")
     assert (authenticated["status"], authenticated["reason"]) == ("True", "GeneratedAdminKey")
 
@@ -241,7 +243,7 @@ def test_a_router_certificate_of_the_worker_kind_is_reissued(cluster, kube, name
     ca = pki.KeyPair(data(ca_secret, "tls.crt"), data(ca_secret, "tls.key"))
     old = pki.issue_leaf(ca, "svc-router", T0, role="worker")
     encoded = {"tls.crt": base64.b64encode(old.cert).decode(), "tls.key": base64.b64encode(old.key).decode()}
-    kube.patch(K.path(SECRET, namespace, "svc-router-tls"), {"data": encoded})
+    kube.merge_patch(K.path(SECRET, namespace, "svc-router-tls"), {"data": encoded})
     reconcile(kube, SETTINGS, namespace, "svc", now=T0 + datetime.timedelta(hours=1))
     assert pki.role_of(data(secret(kube, namespace, "svc-router-tls"), "tls.crt")) == "router"
 
