@@ -223,6 +223,12 @@ class GatewayConfig:
     public_metrics: bool = False
     """Serve /metrics on the gateway port without a key even when keys are configured (default: it needs
     one; the `--metrics-port` scrape port is separate and open, for Prometheus behind a NetworkPolicy)."""
+    max_choices_per_request: int = 1024
+    """Prompts x n of one completions request (each becomes a job); more is a 400 before anything is built."""
+    max_prompt_tokens_per_request: int = 1 << 20
+    """Prompt tokens of one request summed over its prompts; more is a 400 before any job is built."""
+    max_tokenize_chars: int = 1 << 20
+    """Characters one /tokenize call may send (its prompt, or its messages' contents); more is a 400."""
     public_docs: bool = False
     """Serve /docs and /openapi.json without a key even when keys are configured (default: they need one)."""
 
@@ -245,6 +251,9 @@ class GatewayConfig:
             raise ConfigError(f"gateway.max_concurrent_per_key={self.max_concurrent_per_key}: need >= 0 (0 = off)")
         if not 0.1 <= self.quota_window_s <= 86400:
             raise ConfigError(f"gateway.quota_window_s={self.quota_window_s}: allowed 0.1-86400 seconds")
+        for name in ("max_choices_per_request", "max_prompt_tokens_per_request", "max_tokenize_chars"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise ConfigError(f"gateway.{name}={getattr(self, name)!r}: need a positive integer")
         if any(not root.startswith("/") for root in self.lora_roots):
             raise ConfigError(f"gateway.lora_roots={list(self.lora_roots)}: need absolute folders (--lora-roots)")
 

@@ -100,7 +100,8 @@ async def serve(gateway, request: Request, body: EmbeddingRequest) -> dict:
     params = SamplingParams(temperature=0, max_tokens=1, embed=True)
     jobs = [Job(f"{job_id}-{i}", ids, params, lora_name) for i, ids in enumerate(prompts)]
     prepared = Prepared(request_id, body.model, jobs, sum(map(len, prompts)), None, False, False)
-    ticket = await gateway.admission.admit(key, body.model, prepared.num_prompt_tokens)   # router/tenancy/admission.py
+    # one concurrency slot per input (router/tenancy/admission.py): 2,048 inputs weigh as 2,048 requests
+    ticket = await gateway.admission.admit(key, body.model, prepared.num_prompt_tokens, num_slots=len(jobs))
     choices = [ChoiceState() for _ in jobs]
     vectors: list[list[float] | None] = [None] * len(jobs)
     events = merged([router.dispatcher.generate(job) for job in jobs])

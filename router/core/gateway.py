@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import logging
 import time
 import uuid
@@ -27,7 +28,7 @@ from splitserve.router.tenancy.access import ANONYMOUS, Authenticator, RateLimit
 from splitserve.router.tenancy.admission import AdmissionPipeline, Slots, Ticket
 from splitserve.router.config import ApiKey
 from splitserve.router.api.errors import APIError
-from splitserve.router.api.prompts import Prepared, prepare_chat, prepare_completion
+from splitserve.router.api.prompts import Prepared, num_choices, prepare_chat, prepare_completion
 from splitserve.router.api.formatting import ChoiceState, Formatter, TokenText, sse
 from splitserve.router.tenancy.concurrency import Concurrency
 from splitserve.router.tenancy.quota import Quota
@@ -38,6 +39,14 @@ log = logging.getLogger(__name__)
 
 DONE = b"data: [DONE]\n\n"
 _END = object()
+
+
+OFFLOAD_BYTES = 64 * 1024   # bodies at least this large are tokenized in a worker thread
+
+
+def is_large(request: Request) -> bool:
+    length = request.headers.get("content-length", "")
+    return not length.isdigit() or int(length) >= OFFLOAD_BYTES
 
 
 class Gateway:
@@ -89,9 +98,18 @@ class Gateway:
         request_id = logctx.request_id.get()
         # A client's X-Request-Id may repeat; the workers get it with a unique suffix.
         job_id = f"{request_id}-{uuid.uuid4().hex[:8]}" if request.state.is_client_request_id else request_id
-        prepare = prepare_chat if is_chat else prepare_completion
-        prepared = prepare(body, request_id, job_id, self.router.tokenizer, self.router.config.max_model_len,
-                           **({"tool_call_parser": self.router.config.gateway.tool_call_parser} if is_chat else {}))
+        limits = self.router.config.gateway
+        choices = num_choices(body)
+        if choices > limits.max_choices_per_request:
+            raise APIError(400, f"the request asks for {choices} choices (prompts x n); one request may ask for at "
+                           f"most {limits.max_choices_per_request} (gateway.max_choices_per_request)", param="n")
+        prepare = functools.partial(
+            prepare_chat if is_chat else prepare_completion, body, request_id, job_id, self.router.tokenizer,
+            self.router.config.max_model_len,
+            **({"tool_call_parser": limits.tool_call_parser} if is_chat
+               else {"max_prompt_tokens": limits.max_prompt_tokens_per_request}))
+        # tokenizing a large body takes a while: off the event loop, so /health and streams keep flowing
+        prepared = await asyncio.to_thread(prepare) if is_large(request) else prepare()
         if lora_name is not None:
             prepared.jobs[:] = [dataclasses.replace(job, lora_name=lora_name) for job in prepared.jobs]
         reserve = prepared.num_prompt_tokens + sum(job.params.max_tokens for job in prepared.jobs)
