@@ -30,6 +30,8 @@ END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end_of_text|>
 _NAMED_SPECIALS = ("bos", "eos", "unk", "pad")
 
 
+LARGE_TEXT_CHARS = 64 * 1024   # from here on `encode` goes through encode_batch (same ids, GIL released)
+
 # Template variables the tokenizer sets itself: a request's chat_template_kwargs may not name them.
 RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "add_generation_prompt", "source", "special_tokens"})
 
@@ -110,6 +112,8 @@ class Tokenizer:
         """Token ids of `text`; BOS/EOS added only when the model asks and add_special_tokens."""
         if not isinstance(text, str):
             raise InvalidRequestError(f"text to encode must be a string, got {type(text).__name__}")
+        if len(text) >= LARGE_TEXT_CHARS:   # encode_batch releases the GIL: a worker thread then stalls no event loop
+            return self._backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
         return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:

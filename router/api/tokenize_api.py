@@ -16,8 +16,10 @@ Detokenizing keeps special tokens, as vLLM's does.
 from __future__ import annotations
 
 import asyncio
+import json
 
 from fastapi import Depends, FastAPI, Request
+from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field
 
 from splitserve.platform.__about__ import __version__
@@ -77,8 +79,10 @@ def add_routes(app: FastAPI, router, gateway) -> None:
         ticket = await gateway.admission.admit(getattr(request.state, "api_key", ANONYMOUS),
                                                body.model or router.config.served_model_names[0], 0)
         try:
-            if is_large(request):
-                return await asyncio.to_thread(_tokenize, tok, body, router.config.max_model_len)
+            if is_large(request):   # tokenizing and encoding a large answer (a million ids) both take seconds
+                content = await asyncio.to_thread(
+                    lambda: json.dumps(_tokenize(tok, body, router.config.max_model_len)).encode())
+                return Response(content, media_type="application/json")
             return _tokenize(tok, body, router.config.max_model_len)
         finally:
             await gateway.admission.release(ticket, None)

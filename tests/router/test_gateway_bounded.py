@@ -132,3 +132,41 @@ def test_embeddings_take_a_slot_per_input(stack, loop):
         gateway.admission.slots.acquire = original
     assert r.status_code == 200, r.text
     assert seen == [3]
+
+
+def test_a_large_tokenize_runs_off_the_event_loop(loop, tokenizer):
+    """With the cap raised, a 4 MiB /tokenize is tokenized in a worker thread: /health keeps
+    answering meanwhile (ratio to its idle latency, generous for a loaded 2-core host)."""
+    worker = loop.run(FakeWorker(tokenizer=tokenizer).start())
+    gateway = GatewayConfig(max_tokenize_chars=8 << 20)
+    server = RouterServer(loop, router_config([worker.address], gateway=gateway), tokenizer=tokenizer)
+    server.start(num_decode=1)
+    body = json.dumps({"model": MODEL, "prompt": "word " * (4 * (1 << 20) // 5)}).encode()
+    answers: list[httpx.Response] = []
+    try:
+        sender = threading.Thread(target=lambda: answers.append(post(server, "/tokenize", body, timeout=300)))
+        sender.start()
+        worst = 0.0
+        with httpx.Client(base_url=server.url, timeout=30) as client:
+            while sender.is_alive():
+                t0 = time.monotonic()
+                assert client.get("/health").status_code == 200
+                worst = max(worst, time.monotonic() - t0)
+                time.sleep(0.01)
+        sender.join(300)
+        assert answers[0].status_code == 200 and answers[0].json()["count"] > 800_000
+        assert worst < 1.0, f"/health stalled {worst:.2f} s while tokenizing"
+    finally:
+        server.stop()
+        loop.run(worker.stop())
+
+
+def test_large_texts_encode_to_the_same_ids(tokenizer):
+    """Past LARGE_TEXT_CHARS `encode` goes through encode_batch (which releases the GIL): same ids."""
+    from splitserve.platform.tokenizer import LARGE_TEXT_CHARS
+
+    text = "Hello wörld, <|im_start|> 123\n" * (LARGE_TEXT_CHARS // 20)
+    assert len(text) >= LARGE_TEXT_CHARS
+    for special in (True, False):
+        assert tokenizer.encode(text, add_special_tokens=special) == \
+            tokenizer.backend.encode(text, add_special_tokens=special).ids
