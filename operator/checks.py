@@ -52,6 +52,10 @@ def check_spec(spec: InferenceServiceSpec, name: str, settings: OperatorSettings
     if spec.security.insecure and not settings.security.allow_insecure:
         problems.append("security.insecure is not allowed in this cluster (the chart's security.allowInsecure is "
                         "false): remove it; the operator then supplies mTLS and KV authentication")
+    if spec.router.allow_unauthenticated and not settings.security.allow_unauthenticated_gateway:
+        problems.append("router.allowUnauthenticated is not allowed in this cluster (the chart's "
+                        "security.allowUnauthenticatedGateway is false): remove it; the operator then generates "
+                        "an admin API key, or name your key file with router.apiKeys")
     if problems:
         raise InvalidSpecError("; ".join(problems))
 

@@ -4,9 +4,15 @@ per pool (pki.py). Run by reconcile.py before render, on every reconcile:
 
     spec.security.insecure         -> nothing (the status says Secure=False)
     no kvTransfer.authSecret       -> Secret <name>-kv {secret: 32 random bytes, hex}; created once, kept
+    no router.apiKeys, and not router.allowUnauthenticated
+                                   -> Secret <name>-api-keys {keys.yaml: the gateway's key file with one
+                                      key, id admin, role admin, stored as its SHA-256; admin-key: that key, for the
+                                      service's owner to read}; created once, kept (edit it to add keys)
     no spec.tls                    -> Secret <name>-ca  {tls.crt, tls.key, previous.crt}
                                       Secret <name>-<component>-tls {tls.crt, tls.key, ca.crt} for each
-                                      pool and the router (kubernetes.io/tls, cert-manager's key names)
+                                      pool and the router (kubernetes.io/tls, cert-manager's key names):
+                                      worker certificates for the pools, a client-only router one
+                                      (pki.py); a leaf of the wrong role is re-issued
 
 A Secret is written only when it is missing, unreadable or due for renewal (pki.needs_renewal),
 so a reconcile with nothing to renew makes no write. Every Secret carries the common labels and a
@@ -23,6 +29,8 @@ import hashlib
 import secrets
 from typing import Any
 
+import yaml
+
 from splitserve.operator import pki
 from splitserve.operator.context import Context
 from splitserve.operator.kube import KindInfo, path
@@ -31,10 +39,21 @@ from splitserve.planner.kube import KubeClient
 SECRET = KindInfo("v1", "Secret", "secrets")
 KV_SECRET_KEY = "secret"
 MIN_KV_SECRET_BYTES = 16
+API_KEYS_FILE_KEY = "keys.yaml"
+ADMIN_KEY_KEY = "admin-key"
+ADMIN_KEY_ID = "admin"
 
 
 def kv_secret_name(ctx: Context) -> str:
     return ctx.child("kv")
+
+
+def api_keys_secret_name(ctx: Context) -> str:
+    return ctx.child("api-keys")
+
+
+def manages_api_keys(ctx: Context) -> bool:
+    return ctx.spec.router.api_keys is None and not ctx.spec.router.allow_unauthenticated
 
 
 def ca_secret_name(ctx: Context) -> str:
@@ -83,6 +102,19 @@ def ensure_kv_secret(kube: KubeClient, ctx: Context) -> None:
     _write(kube, ctx, name, "kv", {KV_SECRET_KEY: secrets.token_hex(32).encode()}, "Opaque", live)
 
 
+def ensure_api_keys(kube: KubeClient, ctx: Context) -> None:
+    """The generated key file: one admin key, created once; a file someone edited is left alone."""
+    name = api_keys_secret_name(ctx)
+    live = kube.get(path(SECRET, ctx.namespace, name))
+    if _data(live, API_KEYS_FILE_KEY).strip():
+        return
+    key = "sk-" + secrets.token_urlsafe(32)
+    key_file = yaml.safe_dump({"keys": [{"id": ADMIN_KEY_ID, "sha256": hashlib.sha256(key.encode()).hexdigest(),
+                                         "role": "admin"}]})
+    _write(kube, ctx, name, "api-keys", {API_KEYS_FILE_KEY: key_file.encode(), ADMIN_KEY_KEY: key.encode()},
+           "Opaque", live)
+
+
 def _ensure_ca(kube: KubeClient, ctx: Context, now: datetime.datetime) -> tuple[pki.KeyPair, bytes]:
     """The current CA and the trust bundle (current CA, then the previous one while it is valid)."""
     name = ca_secret_name(ctx)
@@ -103,9 +135,10 @@ def _ensure_leaf(kube: KubeClient, ctx: Context, component: str, ca: pki.KeyPair
     name = tls_secret_name(ctx, component)
     live = kube.get(path(SECRET, ctx.namespace, name))
     leaf = pki.KeyPair(_data(live, "tls.crt"), _data(live, "tls.key"))
+    role = "router" if component == "router" else "worker"
     if (not leaf.cert or not leaf.key or pki.needs_renewal(leaf.cert, now)
-            or not pki.is_signed_by(leaf.cert, ca.cert)):
-        leaf = pki.issue_leaf(ca, ctx.child(component), now)
+            or not pki.is_signed_by(leaf.cert, ca.cert) or pki.role_of(leaf.cert) != role):
+        leaf = pki.issue_leaf(ca, ctx.child(component), now, role=role)
     elif _data(live, "ca.crt") == bundle:
         return _fingerprint(leaf.cert, bundle)
     _write(kube, ctx, name, component, {"tls.crt": leaf.cert, "tls.key": leaf.key, "ca.crt": bundle},
@@ -122,6 +155,8 @@ def ensure_credentials(kube: KubeClient, ctx: Context, now: datetime.datetime) -
     returns component -> certificate fingerprint for the pod templates ({} without managed TLS)."""
     if manages_kv_secret(ctx):
         ensure_kv_secret(kube, ctx)
+    if manages_api_keys(ctx):
+        ensure_api_keys(kube, ctx)
     if not manages_tls(ctx):
         return {}
     ca, bundle = _ensure_ca(kube, ctx, now)

@@ -5,8 +5,11 @@ Objects (one set per InferenceService, all ECDSA P-256, SHA-256 signatures):
 
     CA      self-signed, CA_DAYS valid, path length 0; renewed when less than a third of
             its lifetime is left (then every leaf is re-issued by the new CA)
-    leaf    one per pool (prefill, decode, router): SANs `splitserve-worker` (the name every
-            client checks, platform/grpc_tls.py) and the pool's own name; server and client auth;
+    leaf    one per component, by role. A worker pool's (prefill, decode): SANs `splitserve-worker`
+            (the name every client checks, platform/grpc_tls.py) and the pool's own name; server
+            and client auth (a decode worker calls prefill workers). The router's: SANs
+            `splitserve-router` and its own name, client auth only, so it can neither serve as a
+            worker nor call a worker's Prefill (workers check the caller's role, grpc_guard.py);
             LEAF_DAYS valid, renewed when less than a third of its lifetime is left, or when the
             CA that signed it is no longer the current one
 
@@ -75,24 +78,45 @@ def make_ca(service: str, now: datetime.datetime, days: int = CA_DAYS) -> KeyPai
     return KeyPair(cert.public_bytes(PEM), _key_pem(key))
 
 
-def issue_leaf(ca: KeyPair, pool_name: str, now: datetime.datetime, days: int = LEAF_DAYS) -> KeyPair:
-    """A certificate for one pool, signed by `ca` (never valid past the CA itself)."""
+ROUTER_NAME = "splitserve-router"
+ROLES = ("worker", "router")
+
+
+def issue_leaf(ca: KeyPair, pool_name: str, now: datetime.datetime, days: int = LEAF_DAYS,
+               role: str = "worker") -> KeyPair:
+    """A certificate for one component of `role` (see the module docstring), signed by `ca` (never
+    valid past the CA itself)."""
+    if role not in ROLES:
+        raise ValueError(f"role {role!r} is not one of {', '.join(ROLES)}")
+    role_name = SERVER_NAME if role == "worker" else ROUTER_NAME
+    usages = [ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH] if role == "worker" else \
+        [ExtendedKeyUsageOID.CLIENT_AUTH]
     ca_cert = ca.certificate
     ca_key = serialization.load_pem_private_key(ca.key, password=None)
     key = ec.generate_private_key(ec.SECP256R1())
     not_after = min(now + datetime.timedelta(days=days), ca_cert.not_valid_after_utc)
     cert = (x509.CertificateBuilder()
-            .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, SERVER_NAME)]))
+            .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, role_name)]))
             .issuer_name(ca_cert.subject).public_key(key.public_key()).serial_number(x509.random_serial_number())
             .not_valid_before(now - BACKDATE).not_valid_after(not_after)
             .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
             .add_extension(_usage(ca=False), critical=True)
-            .add_extension(x509.SubjectAlternativeName([x509.DNSName(SERVER_NAME), x509.DNSName(pool_name)]),
+            .add_extension(x509.SubjectAlternativeName([x509.DNSName(role_name), x509.DNSName(pool_name)]),
                            critical=False)
-            .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]),
-                           critical=False)
+            .add_extension(x509.ExtendedKeyUsage(usages), critical=False)
             .sign(ca_key, hashes.SHA256()))
     return KeyPair(cert.public_bytes(PEM), _key_pem(key))
+
+
+def role_of(cert_pem: bytes) -> str | None:
+    """The role a leaf certificate names in its SANs (None: unreadable, or neither or both)."""
+    try:
+        sans = x509.load_pem_x509_certificate(cert_pem).extensions.get_extension_for_class(
+            x509.SubjectAlternativeName).value.get_values_for_type(x509.DNSName)
+    except (ValueError, x509.ExtensionNotFound):
+        return None
+    roles = {r for r, n in (("worker", SERVER_NAME), ("router", ROUTER_NAME)) if n in sans}
+    return roles.pop() if len(roles) == 1 else None
 
 
 def needs_renewal(cert_pem: bytes, now: datetime.datetime) -> bool:

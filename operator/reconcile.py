@@ -30,8 +30,8 @@ from splitserve.operator.credentials import ensure_credentials
 from splitserve.operator.render import render
 from splitserve.operator.settings import OperatorSettings
 from splitserve.operator.spec import parse_spec
-from splitserve.operator.status import (blocked_status, build_status, is_ready, now_rfc3339, observe_deployment,
-                                       parse_adapter_report, security_condition)
+from splitserve.operator.status import (authentication_condition, blocked_status, build_status, is_ready,
+                                       now_rfc3339, observe_deployment, parse_adapter_report, security_condition)
 from splitserve.planner.kube import KubeClient
 
 
@@ -106,7 +106,8 @@ def reconcile(kube: KubeClient, settings: OperatorSettings, namespace: str, name
     router_cm = result.live.get(("ConfigMap", ctx.child("router"))) or {}
     report = parse_adapter_report((router_cm.get("metadata", {}).get("annotations") or {}).get(C.ANNOTATION_ADAPTERS_LOADED))
     status = build_status(observations, generation, _gateway_url(ctx, result), body.get("status"), now_rfc3339(),
-                          [a.name for a in spec.adapters], report, security_condition(spec))
+                          [a.name for a in spec.adapters], report, security_condition(spec),
+                          authentication_condition(spec))
     _write_status(kube, body, status)
     waiting = None if is_ready(status) else status["conditions"][0]["message"]
     return Outcome(waiting=waiting, result=result)

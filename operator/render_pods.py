@@ -20,7 +20,10 @@ fingerprint of its issued certificate, so a renewal rolls the pool.
 
 from __future__ import annotations
 
+import math
 from typing import Any
+
+from kubernetes.utils.quantity import parse_quantity
 
 from splitserve.operator import constants as C
 from splitserve.operator import credentials
@@ -31,6 +34,11 @@ from splitserve.operator.spec import EnvVar, PoolSpec, Resources, Toleration
 
 GPU_RESOURCE = "nvidia.com/gpu"
 STARTUP_SECONDS = 600
+# Defaults where the spec gives no resources (docs/security.md): (request, limit) in GiB.
+CPU_WORKER_HEADROOM_GIB = (1.0, 2.0)     # over engine.kvCacheMemoryGiB: weights, activations, runtime
+GPU_HOST_MEMORY_GIB = (16.0, 32.0)       # host memory of a GPU worker (weights pass through it on load)
+ROUTER_RESOURCES = {"requests": {"cpu": "500m", "memory": "512Mi"}, "limits": {"memory": "2Gi"}}
+TMP_SIZE = {"worker": "4Gi", "router": "1Gi"}   # the /tmp emptyDir (compiler caches, HOME)
 
 
 def _field_env(name: str, path: str) -> dict[str, Any]:
@@ -43,13 +51,35 @@ def _env(base: list[dict[str, Any]], user: list[EnvVar]) -> list[dict[str, Any]]
     return [e for e in base if e["name"] not in names] + [e.model_dump(by_alias=True, exclude_none=True) for e in user]
 
 
-def _resources(resources: Resources, gpus: int = 0) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    if resources.requests:
-        out["requests"] = dict(resources.requests)
-    if resources.limits or gpus:
-        out["limits"] = {**resources.limits, **({GPU_RESOURCE: gpus} if gpus else {})}
-    return out
+def _resources(resources: Resources, defaults: dict[str, dict[str, str]], gpus: int = 0) -> dict[str, Any]:
+    """The spec's requests and limits; where it gives none, `defaults` (a memory limit is never
+    below the memory request the spec gives)."""
+    requests = dict(resources.requests) or dict(defaults["requests"])
+    limits = dict(resources.limits) or dict(defaults["limits"])
+    if not resources.limits and "memory" in requests and "memory" in limits and \
+            parse_quantity(requests["memory"]) > parse_quantity(limits["memory"]):
+        limits["memory"] = requests["memory"]
+    if gpus:
+        limits[GPU_RESOURCE] = gpus
+    return {"requests": requests, "limits": limits}
+
+
+def _mib(gib: float) -> str:
+    return f"{math.ceil(gib * 1024)}Mi"
+
+
+def worker_resource_defaults(ctx: Context, pool_spec: PoolSpec) -> dict[str, dict[str, str]]:
+    """Requests and limits of a worker whose spec gives none: the KV cache plus room for weights
+    and runtime on CPU; a GPU worker's host memory for loading weights. A second tier in host
+    memory (GPU pools) or in a memory-backed emptyDir (CPU pools) counts in the limit."""
+    kv = ctx.kv_cache()
+    host_tier = kv.tier_gib if (pool_spec.gpus > 0 or kv.tier_medium == "memory") else 0
+    if pool_spec.gpus > 0:
+        return {"requests": {"cpu": "2", "memory": _mib(GPU_HOST_MEMORY_GIB[0] + host_tier)},
+                "limits": {"memory": _mib(GPU_HOST_MEMORY_GIB[1] + host_tier)}}
+    kv_gib = ctx.spec.engine.kv_cache_memory_gib
+    return {"requests": {"cpu": "1", "memory": _mib(kv_gib + CPU_WORKER_HEADROOM_GIB[0])},
+            "limits": {"memory": _mib(kv_gib + CPU_WORKER_HEADROOM_GIB[1] + host_tier)}}
 
 
 def _tolerations(tolerations: list[Toleration], gpus: int = 0) -> list[dict[str, Any]]:
@@ -70,8 +100,9 @@ def _probes(port: str) -> dict[str, Any]:
             "readinessProbe": _probe("/ready", port, 5, 2)}
 
 
-def _volumes(ctx: Context) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    volumes = [{"name": "tmp", "emptyDir": {}}, {"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": "1Gi"}}]
+def _volumes(ctx: Context, tmp_size: str) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    volumes = [{"name": "tmp", "emptyDir": {"sizeLimit": tmp_size}},
+               {"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": "1Gi"}}]
     mounts = [{"name": "tmp", "mountPath": "/tmp"}, {"name": "shm", "mountPath": "/dev/shm"}]
     storage = ctx.spec.model.storage
     if storage is not None:
@@ -91,6 +122,8 @@ BASE_ENV = [{"name": "HOME", "value": "/tmp"}, {"name": "XDG_CACHE_HOME", "value
 
 KV_SECRET_DIR = "/etc/splitserve/kv"
 TLS_DIR = "/etc/splitserve/tls"
+API_KEYS_DIR = "/etc/splitserve/api-keys"
+API_KEYS_FILE = "keys.yaml"
 KV_TIER_DIR = "/var/cache/splitserve-kv"   # the kv-tier emptyDir (spec.kvCache.tierGiB on CPU pools)
 
 
@@ -101,6 +134,28 @@ def tls_secret_name(ctx: Context, component: str) -> str | None:
     if tls is not None:
         return tls.secret_name or ctx.child("tls")
     return credentials.tls_secret_name(ctx, component) if credentials.manages_tls(ctx) else None
+
+
+def api_keys_ref(ctx: Context) -> tuple[str, str] | None:
+    """(Secret, key) of the gateway's key file: the spec's, else the operator's generated one, None
+    when the spec sets router.allowUnauthenticated."""
+    ref = ctx.spec.router.api_keys
+    if ref is not None:
+        return ref.name, ref.key
+    return (credentials.api_keys_secret_name(ctx), credentials.API_KEYS_FILE_KEY) \
+        if credentials.manages_api_keys(ctx) else None
+
+
+def _add_api_keys(ctx: Context, volumes: list[dict[str, Any]], mounts: list[dict[str, Any]]) -> list[str]:
+    """Mount the key file as a whole Secret volume (no subPath: the kubelet then swaps in an
+    updated Secret and the router's reload-on-change sees it); the router's flags to read it."""
+    ref = api_keys_ref(ctx)
+    if ref is None:
+        return []
+    volumes.append({"name": "api-keys", "secret": {"secretName": ref[0], "defaultMode": 0o440,
+                                                  "items": [{"key": ref[1], "path": API_KEYS_FILE}]}})
+    mounts.append({"name": "api-keys", "mountPath": API_KEYS_DIR, "readOnly": True})
+    return ["--api-keys-file", f"{API_KEYS_DIR}/{API_KEYS_FILE}"]
 
 
 def kv_secret_ref(ctx: Context) -> tuple[str, str] | None:
@@ -148,6 +203,8 @@ def worker_args(ctx: Context, pool: str) -> list[str]:
     if kv_secret_ref(ctx) is not None:
         args += ["--kv-secret-file", f"{KV_SECRET_DIR}/secret"]
     args += tls_args(ctx, pool)
+    if credentials.manages_tls(ctx):   # per-role certificates: each RPC only for its callers' role
+        args.append("--tls-check-peer-roles")
     if pool == "decode" and spec.speculative is not None:   # the prefill pool samples one token: nothing to speculate
         args += ["--speculative-config", spec.speculative.config_json()]
     args += kv_cache_args(ctx.kv_cache(), pool_spec.gpus)
@@ -213,7 +270,7 @@ def _deployment(ctx: Context, component: str, replicas: int, owner: str, pod: di
 def worker_deployment(ctx: Context, pool: str) -> Manifest:
     pool_spec: PoolSpec = getattr(ctx.spec, pool)
     auto = ctx.autoscaling(pool)
-    volumes, mounts = _volumes(ctx)
+    volumes, mounts = _volumes(ctx, TMP_SIZE["worker"])
     _add_tls(ctx, pool, volumes, mounts)
     _add_kv_tier(ctx, pool_spec, volumes, mounts)
     auth = kv_secret_ref(ctx)
@@ -227,7 +284,7 @@ def worker_deployment(ctx: Context, pool: str) -> Manifest:
                  "ports": [{"name": C.GRPC_PORT_NAME, "containerPort": C.GRPC_PORT, "protocol": "TCP"},
                            {"name": C.METRICS_PORT_NAME, "containerPort": C.METRICS_PORT, "protocol": "TCP"},
                            {"name": C.KV_PORT_NAME, "containerPort": C.KV_PORT, "protocol": "TCP"}],
-                 "env": _worker_env(ctx, pool_spec), "resources": _resources(pool_spec.resources, pool_spec.gpus),
+                 "env": _worker_env(ctx, pool_spec), "resources": _resources(pool_spec.resources, worker_resource_defaults(ctx, pool_spec), pool_spec.gpus),
                  **_probes(C.METRICS_PORT_NAME), "securityContext": CONTAINER_SECURITY, "volumeMounts": mounts}
     pod = {"automountServiceAccountToken": False, "enableServiceLinks": False,
            "terminationGracePeriodSeconds": pool_spec.termination_grace_period_seconds,
@@ -246,10 +303,13 @@ def _tls_revision(ctx: Context, component: str) -> dict[str, str]:
 
 def router_deployment(ctx: Context) -> Manifest:
     router = ctx.spec.router
-    volumes, mounts = _volumes(ctx)
+    volumes, mounts = _volumes(ctx, TMP_SIZE["router"])
     volumes.append({"name": "config", "configMap": {"name": ctx.child("router")}})
     mounts.append({"name": "config", "mountPath": C.ROUTER_CONFIG_DIR, "readOnly": True})
     _add_tls(ctx, "router", volumes, mounts)
+    key_args = _add_api_keys(ctx, volumes, mounts)
+    if ctx.spec.model.storage is not None:   # runtime LoRA loads (admin keys) may read the model volume only
+        key_args += ["--lora-roots", ctx.spec.model.storage.mount_path]
     env = list(BASE_ENV)
     if router.redis is not None and router.redis.password_secret is not None:
         ref = router.redis.password_secret
@@ -258,10 +318,10 @@ def router_deployment(ctx: Context) -> Manifest:
                  "command": ["splitserve"],
                  "args": ["router", "--config", f"{C.ROUTER_CONFIG_DIR}/{C.ROUTER_CONFIG_FILE}", "--host", "0.0.0.0",
                           "--port", str(C.ROUTER_HTTP_PORT), "--metrics-port", str(C.ROUTER_METRICS_PORT),
-                          *tls_args(ctx, "router")],
+                          *tls_args(ctx, "router"), *key_args],
                  "ports": [{"name": C.HTTP_PORT_NAME, "containerPort": C.ROUTER_HTTP_PORT, "protocol": "TCP"},
                            {"name": C.METRICS_PORT_NAME, "containerPort": C.ROUTER_METRICS_PORT, "protocol": "TCP"}],
-                 "env": _env(env, router.env), "resources": _resources(router.resources),
+                 "env": _env(env, router.env), "resources": _resources(router.resources, ROUTER_RESOURCES),
                  **_probes(C.HTTP_PORT_NAME), "securityContext": CONTAINER_SECURITY, "volumeMounts": mounts}
     pod = {"serviceAccountName": ctx.child("router"), "enableServiceLinks": False,
            "terminationGracePeriodSeconds": 30, "securityContext": POD_SECURITY,

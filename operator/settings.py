@@ -106,6 +106,9 @@ class SecurityDefaults(_Settings):
     allow_insecure: bool = True
     """Whether an InferenceService may set spec.security.insecure (chart: security.allowInsecure);
     false makes such a spec invalid, so every service of the cluster runs mTLS and KV auth."""
+    allow_unauthenticated_gateway: bool = True
+    """Whether an InferenceService may set spec.router.allowUnauthenticated (chart:
+    security.allowUnauthenticatedGateway); false makes such a spec invalid, so every gateway needs a key."""
 
 
 class KvCacheDefaults(_Settings):

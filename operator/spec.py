@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, StringConstraints, WithJsonSchema
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, StringConstraints, WithJsonSchema, model_validator
 from pydantic.alias_generators import to_camel
 
 # Kubernetes' resource.Quantity: an integer or a string like "500m", "16Gi", "1e3".
@@ -259,7 +259,9 @@ class RouterSpec(_Spec):
     model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": [
         rule("self.replicas <= 1 || has(self.redis)",
              "router.redis is required when router.replicas > 1: "
-             "the replicas share one prefix index through Redis")]})
+             "the replicas share one prefix index through Redis"),
+        rule("!has(self.apiKeys) || !has(self.allowUnauthenticated) || !self.allowUnauthenticated",
+             "router: set apiKeys or allowUnauthenticated, not both")]})
 
     replicas: int = Field(1, ge=1, le=100)
     scorer_weights: ScorerWeights = ScorerWeights()
@@ -271,6 +273,16 @@ class RouterSpec(_Spec):
     image: str | None = Field(None, min_length=1, max_length=512)
     service: GatewayService = GatewayService()
     """The gateway Service clients call."""
+    api_keys: SecretKeyRef | None = None
+    """A Secret key holding the gateway's key file (YAML: `keys: [{id, sha256 or key, models, rpm, tpm, ...}]`, docs/security.md), mounted into the router and reloaded when the Secret changes. Absent: the operator generates `<name>-api-keys` with one key, id `admin` (its plaintext under the Secret key `admin-key`), so no gateway is open by default."""
+    allow_unauthenticated: bool = False
+    """Serve the gateway without API keys: anyone who reaches it may call every endpoint. The status then carries the condition Authenticated=False; the chart's `security.allowUnauthenticatedGateway: false` forbids it."""
+
+    @model_validator(mode="after")
+    def _keys_or_open(self) -> RouterSpec:
+        if self.api_keys is not None and self.allow_unauthenticated:
+            raise ValueError("router: set apiKeys or allowUnauthenticated, not both")
+        return self
 
 
 class UcxSpec(_Spec):

@@ -160,6 +160,17 @@ def adapters_condition(declared: list[str], pools: list[str], report: dict[str, 
     return "True", "Loaded", f"{len(declared)} adapter(s) on every worker of {', '.join(pools)}"
 
 
+def authentication_condition(spec: Any) -> tuple[bool, str, str]:
+    """(authenticated, reason, message) of the condition Authenticated: whether the gateway needs an API key."""
+    router = spec.router
+    if router.allow_unauthenticated:
+        return (False, "UnauthenticatedByRequest", "spec.router.allowUnauthenticated is true: anyone who reaches the "
+                "gateway may call every endpoint, including LoRA load and unload")
+    if router.api_keys is not None:
+        return True, "UserSuppliedKeys", f"the gateway takes the keys of Secret {router.api_keys.name}"
+    return True, "GeneratedAdminKey", "the gateway takes the operator's generated admin key (Secret <name>-api-keys)"
+
+
 def security_condition(spec: Any) -> tuple[bool, str, str]:
     """(secure, reason, message) of the condition Secure, from a parsed InferenceServiceSpec."""
     if spec.is_secure:
@@ -177,7 +188,8 @@ def security_condition(spec: Any) -> tuple[bool, str, str]:
 def build_status(observations: dict[str, PoolObservation | None], generation: int | None, url: str,
                  previous: dict[str, Any] | None, now: str, declared_adapters: list[str] | None = None,
                  adapter_report: dict[str, dict] | None = None,
-                 security: tuple[bool, str, str] | None = None) -> dict[str, Any]:
+                 security: tuple[bool, str, str] | None = None,
+                 authentication: tuple[bool, str, str] | None = None) -> dict[str, Any]:
     """The status of a valid spec from its pools (role -> observation; None = pool not wanted),
     the router's adapter report (parse_adapter_report) and security_condition (None: left out)."""
     old = {c["type"]: c for c in (previous or {}).get("conditions", [])}
@@ -195,6 +207,8 @@ def build_status(observations: dict[str, PoolObservation | None], generation: in
                                                                            adapter_report), generation, old, now))
     if security is not None:
         conditions.append(_condition("Secure", *security, generation, old, now))
+    if authentication is not None:
+        conditions.append(_condition("Authenticated", *authentication, generation, old, now))
     status: dict[str, Any] = {"observedGeneration": generation, "url": url, "conditions": [ready, *conditions]}
     for role in ROLES:
         obs = observations.get(role)

@@ -99,7 +99,16 @@ def kv_tier_config(args):
         if directory is not None:
             raise ConfigError("--kv-tier-dir needs --kv-tier-bytes (the tier's size limit, e.g. 4GiB)")
         return None
-    return KVTierConfig(max_bytes=size, directory=directory)
+    secret_file = getattr(args, "kv_secret_file", "") or ""   # a worker's service secret keys the file tier
+    secret = None
+    if secret_file:
+        import pathlib
+
+        try:
+            secret = pathlib.Path(secret_file).read_bytes().strip()
+        except OSError as exc:
+            raise ConfigError(f"cannot read the KV secret file {secret_file!r}: {exc.strerror}") from None
+    return KVTierConfig(max_bytes=size, directory=directory, secret=secret)
 
 
 def engine_config(args):

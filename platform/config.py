@@ -370,10 +370,13 @@ class KVTierConfig:
     `max_bytes`: the tier's size limit (block payloads; file headers are not counted).
     `directory`: a local folder for a file tier (the tier creates a subfolder of its own and
     removes it on close); None keeps the blocks in host memory (pinned on CUDA).
+    `secret`: the service's KV secret (the worker's `--kv-secret-file`), which keys the file
+    tier's MACs; None: a random key for this process.
     """
 
     max_bytes: int
     directory: str | None = None
+    secret: bytes | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_bytes, int) or self.max_bytes <= 0:
@@ -381,6 +384,8 @@ class KVTierConfig:
                               f"got {self.max_bytes!r}")
         if self.directory is not None and not self.directory:
             raise ConfigError("--kv-tier-dir must name a folder (or be left out for a host-memory tier)")
+        if self.secret is not None and (not isinstance(self.secret, bytes) or len(self.secret) < 16):
+            raise ConfigError("the KV tier's secret must be at least 16 bytes (the service's --kv-secret-file)")
 
 
 _SIZE_UNITS = {"": 1, "B": 1, "KIB": 1024, "MIB": 1024**2, "GIB": 1024**3, "TIB": 1024**4,

@@ -9,7 +9,9 @@ the service identity does not.
 
 In Kubernetes the three files come from a Secret mount (cert-manager's `tls.crt`, `tls.key`,
 `ca.crt`); `splitserve up` calls `generate_dev_pki` for a throwaway CA and one leaf certificate
-shared by the router and both workers, so the secure path is the tested path.
+shared by the router and both workers, so the secure path is the tested path; that leaf names
+both roles (`splitserve-worker`, `splitserve-router`). In Kubernetes the operator issues one
+certificate per role instead (operator/pki.py) and workers check the caller's role.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from dataclasses import dataclass
 import grpc
 
 DEFAULT_SERVER_NAME = "splitserve-worker"
+ROUTER_NAME = "splitserve-router"   # the router role's SAN (workers/grpc_guard.py checks callers' roles)
 
 
 class TlsConfigError(ValueError):
@@ -74,8 +77,8 @@ def aio_channel(address: str, tls: TlsFiles | None, options: list | tuple = ()) 
 
 def generate_dev_pki(directory: str | os.PathLike, server_name: str = DEFAULT_SERVER_NAME,
                      days: int = 7) -> TlsFiles:
-    """A throwaway CA and one leaf (server and client auth, SANs `server_name`, localhost,
-    127.0.0.1) in `directory` (files mode 0600): for local runs and tests, never production."""
+    """A throwaway CA and one leaf (server and client auth, SANs `server_name`, `splitserve-router`,
+    localhost, 127.0.0.1) in `directory` (files mode 0600): for local runs and tests, never production."""
     import ipaddress
 
     from cryptography import x509
@@ -97,7 +100,8 @@ def generate_dev_pki(directory: str | os.PathLike, server_name: str = DEFAULT_SE
                                             key_agreement=False, encipher_only=False, decipher_only=False), critical=True)
                .sign(ca_key, hashes.SHA256()))
     key = ec.generate_private_key(ec.SECP256R1())
-    sans = [x509.DNSName(server_name), x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]
+    sans = [x509.DNSName(server_name), x509.DNSName(ROUTER_NAME), x509.DNSName("localhost"),
+            x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]
     cert = (x509.CertificateBuilder().subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, server_name)]))
             .issuer_name(ca_name).public_key(key.public_key()).serial_number(x509.random_serial_number())
             .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=days))

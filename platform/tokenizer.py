@@ -30,6 +30,20 @@ END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end_of_text|>
 _NAMED_SPECIALS = ("bos", "eos", "unk", "pad")
 
 
+LARGE_TEXT_CHARS = 64 * 1024   # from here on `encode` goes through encode_batch (same ids, GIL released)
+
+# Template variables the tokenizer sets itself: a request's chat_template_kwargs may not name them.
+RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "add_generation_prompt", "source", "special_tokens"})
+
+
+def check_chat_template_kwargs(kwargs: dict | None) -> None:
+    """InvalidRequestError when a request's chat_template_kwargs name a variable the tokenizer sets
+    itself. Call it before spreading them into encode_chat / apply_chat_template."""
+    reserved = sorted(RESERVED_TEMPLATE_KWARGS & (kwargs or {}).keys())
+    if reserved:
+        raise InvalidRequestError(f"chat_template_kwargs may not set {', '.join(reserved)}: send the "
+                                  "conversation as `messages` and the flag as `add_generation_prompt`")
+
 class Tokenizer:
     """Text <-> ids for one model. Immutable after construction; safe to share between threads."""
 
@@ -98,6 +112,8 @@ class Tokenizer:
         """Token ids of `text`; BOS/EOS added only when the model asks and add_special_tokens."""
         if not isinstance(text, str):
             raise InvalidRequestError(f"text to encode must be a string, got {type(text).__name__}")
+        if len(text) >= LARGE_TEXT_CHARS:   # encode_batch releases the GIL: a worker thread then stalls no event loop
+            return self._backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
         return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
@@ -113,6 +129,7 @@ class Tokenizer:
         if self._chat_template is None:
             raise InvalidRequestError("this model has no chat template; send a plain prompt "
                                       "(completions) instead of messages")
+        check_chat_template_kwargs(kwargs)
         specials = {f"{name}_token": tok for name, tok in self._special_tokens.items() if tok is not None}
         return render_chat_template(self._chat_template, validate_messages(messages),
                                     add_generation_prompt, specials, **kwargs)

@@ -4,6 +4,8 @@
 router/router.py), served by Serve's HTTP proxy; only discovery differs: `RayDiscovery` reads
 the worker registry deployment, which lives in the same Serve application. The router's lifespan
 (start/stop of discovery, watchers, channels) runs as the ingress replica starts and stops.
+`StartGate` (rayserve/startgate.py) sits in front: while the replicas come up, /v1/models
+answers 503 as /ready does, not 200 with an empty list.
 
 `build_gateway(args)` is the Serve application builder named in the rendered config
 (rayserve/config.py `render`).
@@ -32,9 +34,15 @@ class Gateway:
         self.router = Router(from_dict(router), discovery=RayDiscovery(lambda: registry.workers.remote()))
 
     def __serve_build_asgi_app__(self):
+        from splitserve.rayserve.startgate import StartGate
         from splitserve.router.api.app import create_app
 
-        return create_app(self.router)
+        return StartGate(create_app(self.router), self._unready_reason)
+
+    def _unready_reason(self) -> str:
+        if self.router.is_ready:
+            return ""
+        return "the router knows no healthy decode worker yet (the Ray deployments are starting)"
 
 
 def build_gateway(args: dict):

@@ -159,6 +159,9 @@ class DiscoveryConfig:
             raise ConfigError("discovery: need 0 < backoff_initial_s <= backoff_max_s and stale_after_s > 0")
 
 
+KEY_ROLES = ("user", "admin")
+
+
 @dataclass(frozen=True)
 class ApiKey:
     """An accepted API key; `name` labels it in logs and metrics (never the key itself); a
@@ -175,6 +178,13 @@ class ApiKey:
     tpm: int | None = None
     monthly_tokens: int | None = None
     max_concurrent: int | None = None
+    role: str = "user"
+    """`admin` may also load and unload LoRA adapters at run time; `user` (the default) may not."""
+
+    def __post_init__(self) -> None:
+        if self.role not in KEY_ROLES:
+            raise ConfigError(f"API key {self.name or '(unnamed)'}: role={self.role!r} is unknown; "
+                              f"allowed: {', '.join(KEY_ROLES)}")
 
 
 @dataclass(frozen=True)
@@ -207,6 +217,20 @@ class GatewayConfig:
     """Requests one key may have in flight on one router (0: only max_concurrent_requests bounds them)."""
     tool_call_parser: str = "hermes"   # how `tool_choice: auto` answers are read: hermes | json
     worker_wait_s: float = 1.0          # a request finding no worker waits this long for one, then 503
+    lora_roots: tuple[str, ...] = ()
+    """Folders runtime LoRA loads may read from (`--lora-roots`): a `lora_path` elsewhere is 403. Empty:
+    with API keys configured no runtime load is allowed; without keys (an open gateway) any path is."""
+    public_metrics: bool = False
+    """Serve /metrics on the gateway port without a key even when keys are configured (default: it needs
+    one; the `--metrics-port` scrape port is separate and open, for Prometheus behind a NetworkPolicy)."""
+    max_choices_per_request: int = 1024
+    """Prompts x n of one completions request (each becomes a job); more is a 400 before anything is built."""
+    max_prompt_tokens_per_request: int = 1 << 20
+    """Prompt tokens of one request summed over its prompts; more is a 400 before any job is built."""
+    max_tokenize_chars: int = 1 << 20
+    """Characters one /tokenize call may send (its prompt, or its messages' contents); more is a 400."""
+    public_docs: bool = False
+    """Serve /docs and /openapi.json without a key even when keys are configured (default: they need one)."""
 
     def __post_init__(self) -> None:
         if self.cold_start_hold_s < 0 or self.cold_start_max_held < 0:
@@ -227,6 +251,11 @@ class GatewayConfig:
             raise ConfigError(f"gateway.max_concurrent_per_key={self.max_concurrent_per_key}: need >= 0 (0 = off)")
         if not 0.1 <= self.quota_window_s <= 86400:
             raise ConfigError(f"gateway.quota_window_s={self.quota_window_s}: allowed 0.1-86400 seconds")
+        for name in ("max_choices_per_request", "max_prompt_tokens_per_request", "max_tokenize_chars"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise ConfigError(f"gateway.{name}={getattr(self, name)!r}: need a positive integer")
+        if any(not root.startswith("/") for root in self.lora_roots):
+            raise ConfigError(f"gateway.lora_roots={list(self.lora_roots)}: need absolute folders (--lora-roots)")
 
 
 @dataclass(frozen=True)

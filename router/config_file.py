@@ -79,7 +79,7 @@ def _tuple_fields(data: dict, *names: str) -> dict:
 
 
 def _gateway(data) -> GatewayConfig:
-    data = _tuple_fields(checked_mapping(data, GatewayConfig, "gateway"), "served_model_names")
+    data = _tuple_fields(checked_mapping(data, GatewayConfig, "gateway"), "served_model_names", "lora_roots")
     keys = data.get("api_keys", ())
     if isinstance(keys, str):
         keys = [k for k in keys.split(",") if k]

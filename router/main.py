@@ -51,6 +51,8 @@ def add_router_args(p) -> None:
     p.add_argument("--tls-ca", default=None, help="mTLS to the workers: the CA that signed the workers' certificates")
     p.add_argument("--api-keys-file", default=None, help="YAML key file: hashed keys, model scopes, rpm/tpm/monthly "
                    "token limits (reloaded on change; see router/tenancy/)")
+    p.add_argument("--lora-roots", default=None, help="comma-separated folders runtime LoRA loads may read from "
+                   "(a lora_path elsewhere is 403; with API keys and no roots, runtime loads are off)")
     p.add_argument("--tool-call-parser", default=None, choices=("hermes", "json"),
                    help="how tool_choice=auto answers are read (default hermes)")
     tracing.add_tracing_args(p)
@@ -64,7 +66,8 @@ def config_from_args(args, **extra) -> RouterConfig:
                  "discovery.tls_cert": getattr(args, "tls_cert", None),
                  "discovery.tls_key": getattr(args, "tls_key", None),
                  "discovery.tls_ca": getattr(args, "tls_ca", None),
-                 "gateway.tool_call_parser": args.tool_call_parser, **extra}
+                 "gateway.tool_call_parser": args.tool_call_parser,
+                 "gateway.lora_roots": getattr(args, "lora_roots", None), **extra}
     if args.redis_url:
         overrides.update({"index.backend": "redis", "index.redis_url": args.redis_url,
                           "gateway.rate_limit_redis_url": args.redis_url})

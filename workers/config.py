@@ -36,6 +36,7 @@ class WorkerConfig:
     tls_cert: str = ""                # mTLS on the gRPC API (platform/grpc_tls.py): all three or none
     tls_key: str = ""
     tls_ca: str = ""
+    tls_check_peer_roles: bool = False   # each RPC only for the caller roles its certificate names (grpc_guard.py)
     kv_pull: bool = True              # accept a router's kv_pull (workers/kv_pull.py); False: always recompute
     max_pull_blocks: int = 1024       # the largest pull, in blocks; more of a prefix is computed here
 
@@ -48,6 +49,9 @@ class WorkerConfig:
         for name in ("grpc_port", "metrics_port", "kv_port"):
             if not 0 <= getattr(self, name) < 65536:
                 raise ConfigError(f"{name}={getattr(self, name)} is not a port; allowed: 0-65535 (0 picks a free one)")
+        if self.tls_check_peer_roles and not self.tls_cert:
+            raise ConfigError("--tls-check-peer-roles needs mutual TLS (--tls-cert, --tls-key, --tls-ca): the roles "
+                              "come from the callers' certificates")
         if self.min_prefill_tokens < 0:
             raise ConfigError(f"min_prefill_tokens must be >= 0, got {self.min_prefill_tokens}")
         if self.max_pull_blocks < 1:

@@ -59,6 +59,9 @@ def register(subparsers) -> None:
     p.add_argument("--tls-key", default=os.environ.get("SPLITSERVE_TLS_KEY", ""), help="its private key (PEM)")
     p.add_argument("--tls-ca", default=os.environ.get("SPLITSERVE_TLS_CA", ""),
                    help="the CA every client certificate must be signed by")
+    p.add_argument("--tls-check-peer-roles", action="store_true",
+                   help="with mTLS: serve each RPC only to callers whose certificate names the right role "
+                        "(SAN splitserve-router: Generate, WatchEvents, LoRA; splitserve-worker: Prefill)")
     p.add_argument("--kv-secret-file", default=os.environ.get("SPLITSERVE_KV_SECRET_FILE", ""),
                    help="file holding the service's KV-transfer secret: peers must prove they hold it "
                         "(default: $SPLITSERVE_KV_SECRET_FILE; empty: no KV authentication)")
@@ -89,6 +92,7 @@ def cmd_worker(args) -> int:
                           drain_grace_s=args.drain_grace, kv_layer_streaming=not args.no_kv_layer_streaming,
                           advertise_host=args.advertise_host or "", kv_secret_file=args.kv_secret_file,
                           tls_cert=args.tls_cert, tls_key=args.tls_key, tls_ca=args.tls_ca,
+                          tls_check_peer_roles=args.tls_check_peer_roles,
                           kv_pull=not args.no_kv_pull, max_pull_blocks=args.max_pull_blocks)
     # Before the model loads: a bad value fails fast.
     tracing.configure(tracing.config_from_args(trace_role(args.role), args))
@@ -222,7 +226,8 @@ class Worker:
     async def _start_grpc(self, service: WorkerService):
         server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 << 20),
                                           ("grpc.so_reuseport", 0)])
-        add_worker_servicer(service, server)   # malformed bytes: INVALID_ARGUMENT (workers/grpc_guard.py)
+        # malformed bytes: INVALID_ARGUMENT; a caller of the wrong role: PERMISSION_DENIED (workers/grpc_guard.py)
+        add_worker_servicer(service, server, check_peer_roles=self.config.tls_check_peer_roles)
         health_servicer = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
         await health_servicer.set("", health_pb2.HealthCheckResponse.NOT_SERVING)

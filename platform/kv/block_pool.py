@@ -11,7 +11,11 @@ tail-first, so within one chain the last block is evicted before the first: a ch
 usable prefix for as long as possible.
 
 Each change to the hash map is recorded as a KV event (BlockStored / BlockRemoved /
-AllCleared) for the router's prefix index; `take_events()` drains them. Events carry the tier
+AllCleared) for the router's prefix index; `take_events()` drains them. Nothing may drain them
+(an offline engine has no subscriber), so the pending list is bounded: past `max_pending_events`
+it is compacted into a snapshot, AllCleared followed by one BlockStored per tier naming every hash
+held now. Replaying the snapshot gives a subscriber the same view the dropped history would have,
+and the list stays within a few entries of the bound however long the pool runs. Events carry the tier
 they describe: 1 is this pool, 2 the second tier (platform/kv/tier.py), which an optional
 `EvictionSink` fills with the KV of every block the pool evicts and whose own events the pool
 appends to its stream right after the BlockRemoved of that eviction, so the order stays causal.
@@ -22,12 +26,15 @@ handles and go through these methods. `check_invariants()` verifies the whole st
 
 from __future__ import annotations
 
+import logging
 from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Protocol
 
 from splitserve.platform.hashing import BlockHash
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(eq=False)
@@ -72,17 +79,29 @@ class EvictionSink(Protocol):
     def clear(self) -> list[KVEvent]:
         """Called by `reset_prefix_cache`: forget everything. Returns the events it caused."""
 
+    def held_hashes(self) -> list[BlockHash]:
+        """Every hash the sink holds now (for a compacted event snapshot); changes nothing."""
+
 
 @dataclass
 class PoolStats:
     """Counters for metrics and tests; monotonically increasing."""
 
     num_evictions: int = 0     # cached blocks reused for something else
+    num_sink_failures: int = 0       # offloads the second tier raised on (its copy is lost, the blocks are not)
+    num_event_compactions: int = 0   # times the undrained event list was replaced by a snapshot
+
+
+MAX_PENDING_EVENTS = 4096   # undrained events kept before the list is compacted into a snapshot
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int, enable_caching: bool = True, eviction_sink: EvictionSink | None = None):
+    def __init__(self, num_blocks: int, enable_caching: bool = True, eviction_sink: EvictionSink | None = None,
+                 max_pending_events: int = MAX_PENDING_EVENTS):
         assert num_blocks > 0
+        if not isinstance(max_pending_events, int) or max_pending_events < 8:
+            raise ValueError(f"max_pending_events must be an integer >= 8, got {max_pending_events!r}")
+        self.max_pending_events = max_pending_events
         self.eviction_sink = eviction_sink
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
@@ -136,7 +155,8 @@ class BlockPool:
             self.stats.num_evictions += len(evicted)
             self._events.append(BlockRemoved(tuple(h for _, h in evicted)))
             if self.eviction_sink is not None:
-                self._events += self.eviction_sink.offload(evicted)
+                self._offload(evicted)
+            self._bound_events()
         return out
 
     def touch(self, blocks: Iterable[Block]) -> None:
@@ -175,6 +195,7 @@ class BlockPool:
             stored.append(block_hash)
         if stored:
             self._events.append(BlockStored(tuple(stored), parent_hash))
+            self._bound_events()
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash; only possible when no block is in use."""
@@ -191,10 +212,38 @@ class BlockPool:
     def record_events(self, events: list[KVEvent]) -> None:
         """Append events of the second tier (its entries dropped outside an eviction)."""
         self._events += events
+        self._bound_events()
 
     def take_events(self) -> list[KVEvent]:
         events, self._events = self._events, []
         return events
+
+    def _offload(self, evicted: list[tuple[int, BlockHash]]) -> None:
+        """Hand evicted blocks to the second tier. The blocks are off the free list already and
+        go to the caller whatever happens there: a failing tier loses its copy, never a block."""
+        try:
+            self._events += self.eviction_sink.offload(evicted)
+        except Exception:
+            self.stats.num_sink_failures += 1
+            log.exception("the second KV tier failed to take %d evicted blocks; they are dropped from it",
+                          len(evicted))
+
+    @property
+    def num_pending_events(self) -> int:
+        return len(self._events)
+
+    def _bound_events(self) -> None:
+        """Past the bound, replace the undrained history by a snapshot of what is held now."""
+        if len(self._events) <= self.max_pending_events:
+            return
+        snapshot: list[KVEvent] = [AllCleared()]
+        if self._cached:
+            snapshot.append(BlockStored(tuple(self._cached), None))
+        held = self.eviction_sink.held_hashes() if self.eviction_sink is not None else []
+        if held:
+            snapshot.append(BlockStored(tuple(held), None, tier=TIER_SECOND))
+        self._events = snapshot
+        self.stats.num_event_compactions += 1
 
     def _uncache(self, block: Block) -> BlockHash:
         block_hash = block.block_hash

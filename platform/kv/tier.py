@@ -14,10 +14,21 @@ second write (its entry only moves to the LRU tail). The tier has its own LRU bo
 Stores (one interface: put / get / delete / close):
 * `FileStore` (CPU workers): one file per block in a folder the tier creates under
   `--kv-tier-dir` and removes on close. Each file starts with a header naming the KV layout and
-  the block hash and ends the header with the payload's SHA-256; a file whose layout, hash,
-  length or checksum does not match is rejected (deleted, reported as removed) and the prefix
-  is recomputed from that block on.
+  the block hash and ends the header with an HMAC-SHA256 over the header and the payload, keyed
+  with a key derived from the service's KV secret (`KVTierConfig.secret`; without one, a random
+  key of this process). A file whose layout, hash, length or MAC does not match is rejected
+  (deleted, reported as removed) and the prefix is recomputed from that block on: a forged file
+  with a recomputed header fails, because writing one that passes needs the service's secret.
+  The owning process holds an exclusive `flock` on `<folder>/.owner` for its lifetime. A folder
+  left by a worker that died without cleaning up (SIGKILL, OOM) is one whose lock can be taken:
+  the next store started under the same `--kv-tier-dir` removes it before creating its own, so
+  a restarted worker stays within the tier's configured bound (in Kubernetes the `kv-tier`
+  emptyDir survives container restarts and is sized for one tier).
 * `MemoryStore` (GPU workers): host-memory tensors, pinned on CUDA so the copies are DMA.
+
+Failures: a write that fails (disk full, I/O error) skips that block. It is counted in
+`TierStats.num_write_failures`, its partial file removed, and the pool hands out the evicted
+blocks as usual: the tier loses a cache entry, no request is touched.
 
 Events: entering the tier is BlockStored(tier=2), leaving it BlockRemoved(tier=2); they go
 into the pool's event stream, so the router's prefix index knows which worker holds which
@@ -27,11 +38,17 @@ cache tensors and calls the pool's public methods (the pool owns ref counts and 
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import fcntl
 import hashlib
+import hmac
+import logging
 import os
 import shutil
 import struct
 import tempfile
+import time
 import weakref
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -42,7 +59,57 @@ from splitserve.platform.config import KVTierConfig
 from splitserve.platform.hashing import BlockHash
 from splitserve.platform.kv.block_pool import TIER_SECOND, Block, BlockPool, BlockRemoved, BlockStored, KVEvent
 
-_MAGIC = b"SSKV1\n"
+_MAGIC = b"SSKV2\n"
+_MAC_BYTES = 32
+_FOLDER_PREFIX = "splitserve-kv-"
+_OWNER_LOCK = ".owner"
+_TIER_CONTEXT = b"splitserve-kv-tier-v1"
+_UNLOCKED_GRACE_S = 60.0   # a folder without a lock file this old is a dead one (lock never created)
+
+log = logging.getLogger(__name__)
+
+
+def tier_key(secret: bytes | None) -> bytes:
+    """The tier's MAC key: derived from the service's KV secret, or random for this process."""
+    if secret is None:
+        return os.urandom(32)
+    return hmac.new(secret, _TIER_CONTEXT, hashlib.sha256).digest()
+
+
+def reclaim_dead_folders(parent: str) -> list[str]:
+    """Remove the tier folders under `parent` whose owner died (their lock can be taken);
+    returns the folders removed. Live owners hold their lock, so their folders stay."""
+    removed = []
+    for name in sorted(os.listdir(parent)):
+        folder = os.path.join(parent, name)
+        if not name.startswith(_FOLDER_PREFIX) or not os.path.isdir(folder) or os.path.islink(folder):
+            continue
+        if _owner_is_alive(folder):
+            continue
+        shutil.rmtree(folder, ignore_errors=True)
+        removed.append(folder)
+    if removed:
+        log.warning("reclaimed %d KV tier folder(s) left by dead workers under %s: %s", len(removed), parent,
+                    ", ".join(os.path.basename(f) for f in removed))
+    return removed
+
+
+def _owner_is_alive(folder: str) -> bool:
+    try:
+        fd = os.open(os.path.join(folder, _OWNER_LOCK), os.O_RDWR)
+    except FileNotFoundError:   # being created right now, or its creator died before locking
+        with contextlib.suppress(OSError):
+            return time.time() - os.stat(folder).st_mtime < _UNLOCKED_GRACE_S
+        return False
+    except OSError:
+        return True   # not ours to judge (permissions): leave it
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as e:
+        return e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES)
+    finally:
+        os.close(fd)   # closing drops a lock we took
+    return False
 
 
 @dataclass
@@ -52,7 +119,8 @@ class TierStats:
     num_stored: int = 0      # blocks written into the tier
     num_hits: int = 0        # blocks copied back into the pool
     num_evictions: int = 0   # blocks dropped by the tier's own LRU
-    num_rejected: int = 0    # entries that failed verification (corrupt, wrong layout)
+    num_rejected: int = 0    # entries that failed verification (corrupt, forged, wrong layout)
+    num_write_failures: int = 0   # blocks the store could not write (disk full, I/O error): skipped
     num_bytes: int = 0       # payload bytes held now
     num_blocks: int = 0      # entries held now
 
@@ -82,11 +150,15 @@ class MemoryStore:
 class FileStore:
     """One file per block under a private folder; verified on every read."""
 
-    def __init__(self, parent: str, layout: str, shape: tuple[int, ...], dtype: torch.dtype):
+    def __init__(self, parent: str, layout: str, shape: tuple[int, ...], dtype: torch.dtype, key: bytes):
         os.makedirs(parent, exist_ok=True)
-        self.directory = tempfile.mkdtemp(prefix="splitserve-kv-", dir=parent)
+        self.reclaimed = reclaim_dead_folders(parent)
+        self.directory = tempfile.mkdtemp(prefix=_FOLDER_PREFIX, dir=parent)
+        self._lock_fd = os.open(os.path.join(self.directory, _OWNER_LOCK), os.O_RDWR | os.O_CREAT, 0o600)
+        fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)   # held until this process exits or closes
         # removes the folder on close(), when the store is collected, or at interpreter exit
-        self._remove = weakref.finalize(self, shutil.rmtree, self.directory, ignore_errors=True)
+        self._remove = weakref.finalize(self, _remove_folder, self.directory, self._lock_fd)
+        self.key = key
         self.layout = layout.encode()
         self.shape = shape
         self.dtype = dtype
@@ -96,13 +168,25 @@ class FileStore:
         return os.path.join(self.directory, block_hash.hex())
 
     def put(self, block_hash: BlockHash, payload: torch.Tensor) -> None:
+        """Write one block; OSError (disk full, ...) leaves no file behind and propagates."""
         data = payload.detach().to("cpu").contiguous().view(torch.uint8).numpy().tobytes()
-        header = _MAGIC + struct.pack("<I", len(self.layout)) + self.layout + block_hash + hashlib.sha256(data).digest()
+        prefix = _MAGIC + struct.pack("<I", len(self.layout)) + self.layout + block_hash
         tmp = self.path(block_hash) + ".tmp"
-        with open(tmp, "wb") as f:
-            f.write(header)
-            f.write(data)
-        os.replace(tmp, self.path(block_hash))   # a reader never sees a half-written file
+        try:
+            with open(tmp, "wb") as f:
+                f.write(prefix)
+                f.write(self._mac(prefix, data))
+                f.write(data)
+            os.replace(tmp, self.path(block_hash))   # a reader never sees a half-written file
+        except OSError:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
+
+    def _mac(self, prefix: bytes, data: bytes) -> bytes:
+        mac = hmac.new(self.key, prefix, hashlib.sha256)
+        mac.update(data)
+        return mac.digest()
 
     def get(self, block_hash: BlockHash) -> torch.Tensor | None:
         """The payload, or None when the file is missing or fails verification."""
@@ -116,10 +200,10 @@ class FileStore:
             return None
         (n,) = struct.unpack("<I", raw[len(_MAGIC):head])
         layout, stored_hash = raw[head:head + n], raw[head + n:head + n + len(block_hash)]
-        digest_at = head + n + len(block_hash)
-        digest, data = raw[digest_at:digest_at + 32], raw[digest_at + 32:]
+        mac_at = head + n + len(block_hash)
+        mac, data = raw[mac_at:mac_at + _MAC_BYTES], raw[mac_at + _MAC_BYTES:]
         if (layout != self.layout or stored_hash != block_hash or len(data) != self.num_payload_bytes
-                or hashlib.sha256(data).digest() != digest):
+                or not hmac.compare_digest(mac, self._mac(raw[:mac_at], data))):
             return None
         return torch.frombuffer(bytearray(data), dtype=torch.uint8).view(self.dtype).view(self.shape)
 
@@ -131,6 +215,12 @@ class FileStore:
 
     def close(self) -> None:
         self._remove()
+
+
+def _remove_folder(directory: str, lock_fd: int) -> None:
+    shutil.rmtree(directory, ignore_errors=True)
+    with contextlib.suppress(OSError):
+        os.close(lock_fd)
 
 
 class KVTier:
@@ -149,7 +239,7 @@ class KVTier:
                               f"({self.block_bytes} bytes); raise --kv-tier-bytes to at least {self.block_bytes}")
         self.max_blocks = config.max_bytes // self.block_bytes
         if config.directory is not None:
-            self.store = FileStore(config.directory, layout, self.shape, k0.dtype)
+            self.store = FileStore(config.directory, layout, self.shape, k0.dtype, tier_key(config.secret))
         else:
             self.store = MemoryStore(pin=self.device.type == "cuda")
         self._lru: OrderedDict[BlockHash, None] = OrderedDict()   # head = next to drop
@@ -157,6 +247,9 @@ class KVTier:
 
     def holds(self, block_hash: BlockHash) -> bool:
         return block_hash in self._lru
+
+    def held_hashes(self) -> list[BlockHash]:
+        return list(self._lru)
 
     # -- EvictionSink ----------------------------------------------------------------------
     def offload(self, evicted: list[tuple[int, BlockHash]]) -> list[KVEvent]:
@@ -167,7 +260,14 @@ class KVTier:
                 continue
             while len(self._lru) >= self.max_blocks:
                 dropped.append(self._drop_oldest())
-            self.store.put(block_hash, self._gather(block_id))
+            try:
+                self.store.put(block_hash, self._gather(block_id))
+            except OSError as e:   # disk full, I/O error: skip this block, the pool goes on
+                self.stats.num_write_failures += 1
+                if self.stats.num_write_failures == 1 or self.stats.num_write_failures % 1000 == 0:
+                    log.warning("KV tier write failed (%s); the block is skipped (%d failures so far)",
+                                e, self.stats.num_write_failures)
+                continue
             self._lru[block_hash] = None
             stored.append(block_hash)
         self.stats.num_stored += len(stored)

@@ -5,7 +5,9 @@ Routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models, POST
 configured; `model` may name a loaded LoRA adapter, listed in /v1/models with `parent` = the
 base model), GET /health (the process is up), GET /ready (the model
 can be served: router/core/readiness.py; until then /v1/models lists no model), GET /metrics
-(Prometheus), GET /openapi.json and /docs.
+(Prometheus), GET /openapi.json and /docs. With API keys configured, /metrics, /openapi.json and /docs need
+a key too (unless `gateway.public_metrics` / `public_docs`), and LoRA load/unload an admin key whose
+`lora_path` lies under `gateway.lora_roots` (router/tenancy/access.py).
 
 Every error leaves as OpenAI's error JSON (errors.py): our APIErrors, FastAPI's validation
 errors and unparsable bodies (400), unknown paths (404), bodies over `max_body_bytes` (413,
@@ -37,6 +39,7 @@ from splitserve.router.core import readiness
 from splitserve.router.core.gateway import Gateway
 from splitserve.router.router import Router
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from splitserve.router.tenancy.access import check_admin, check_lora_path
 
 log = logging.getLogger(__name__)
 
@@ -60,13 +63,15 @@ def create_app(router: Router, manage_router: bool = True) -> FastAPI:
             await gateway.quota.close()
 
     app = FastAPI(title="splitserve gateway", version="0.1.0", lifespan=lifespan,
-                  description="OpenAI-compatible API in front of splitserve's prefill/decode workers")
+                  description="OpenAI-compatible API in front of splitserve's prefill/decode workers",
+                  docs_url=None, redoc_url=None, openapi_url=None)   # _add_docs serves them behind the API's auth
     gateway = Gateway(router)
     router.metrics.watch_admission(gateway.admission, router.dispatcher)
     app.state.router = router
     app.state.gateway = gateway
     _add_error_handlers(app)
     _add_routes(app, router, gateway)
+    _add_docs(app, gateway, router.config.gateway.public_docs)
     tokenize_api.add_routes(app, router, gateway)
     embeddings.add_routes(app, gateway)
     responses_api.add_routes(app, gateway)
@@ -101,17 +106,22 @@ def _add_routes(app: FastAPI, router: Router, gateway: Gateway) -> None:
                     for name in router.adapters.names()]
         return {"object": "list", "data": base + adapters}
 
-    @app.post("/v1/load_lora_adapter", dependencies=access, summary="Load a LoRA adapter on every worker (vLLM)")
-    async def load_lora_adapter(body: LoadLoraAdapterRequest):
+    @app.post("/v1/load_lora_adapter", dependencies=access,
+              summary="Load a LoRA adapter on every worker (vLLM; an admin key)")
+    async def load_lora_adapter(body: LoadLoraAdapterRequest, request: Request):
+        check_admin(gateway.auth, request.state.api_key)
+        lora_path = check_lora_path(gateway.auth, router.config.gateway.lora_roots, body.lora_path)
         if body.lora_name in router.config.served_model_names:
             raise APIError(400, f"lora_name {body.lora_name!r} is the base model's name; choose another",
                            param="lora_name")
-        await router.adapters.load(body.lora_name, body.lora_path)
+        await router.adapters.load(body.lora_name, lora_path)
         return {"object": "lora_adapter", "lora_name": body.lora_name, "status": "loaded",
                 "message": f"Success: LoRA adapter '{body.lora_name}' added successfully."}
 
-    @app.post("/v1/unload_lora_adapter", dependencies=access, summary="Unload a LoRA adapter everywhere (vLLM)")
-    async def unload_lora_adapter(body: UnloadLoraAdapterRequest):
+    @app.post("/v1/unload_lora_adapter", dependencies=access,
+              summary="Unload a LoRA adapter everywhere (vLLM; an admin key)")
+    async def unload_lora_adapter(body: UnloadLoraAdapterRequest, request: Request):
+        check_admin(gateway.auth, request.state.api_key)
         await router.adapters.unload(body.lora_name)
         return {"object": "lora_adapter", "lora_name": body.lora_name, "status": "unloaded",
                 "message": f"Success: LoRA adapter '{body.lora_name}' removed successfully."}
@@ -128,9 +138,30 @@ def _add_routes(app: FastAPI, router: Router, gateway: Gateway) -> None:
         return {"status": "ready", "healthy_decode_workers": healthy,
                 "healthy_prefill_workers": router.pool.num_healthy(lambda w: w.role == "prefill")}
 
-    @app.get("/metrics", summary="Prometheus metrics")
+    metrics_access = [] if router.config.gateway.public_metrics else [Depends(gateway.auth_only)]
+
+    @app.get("/metrics", dependencies=metrics_access, summary="Prometheus metrics (a key unless public_metrics)")
     async def metrics():
         return Response(router.metrics.render(router.pool), media_type=CONTENT_TYPE_LATEST)
+
+
+def _add_docs(app: FastAPI, gateway: Gateway, public: bool) -> None:
+    """/openapi.json, /docs and /redoc: behind the API's key unless `gateway.public_docs`."""
+    from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
+
+    deps = [] if public else [Depends(gateway.auth_only)]
+
+    @app.get("/openapi.json", include_in_schema=False, dependencies=deps)
+    async def openapi_json():
+        return JSONResponse(app.openapi())
+
+    @app.get("/docs", include_in_schema=False, dependencies=deps)
+    async def docs():
+        return get_swagger_ui_html(openapi_url="/openapi.json", title=f"{app.title} - Swagger UI")
+
+    @app.get("/redoc", include_in_schema=False, dependencies=deps)
+    async def redoc():
+        return get_redoc_html(openapi_url="/openapi.json", title=f"{app.title} - ReDoc")
 
 
 def _add_error_handlers(app: FastAPI) -> None:

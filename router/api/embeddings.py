@@ -92,7 +92,8 @@ async def serve(gateway, request: Request, body: EmbeddingRequest) -> dict:
     prepared = Prepared(caller.request_id, body.model, jobs, sum(map(len, prompts)), logprobs=None,
                         stream=False, include_usage=False)
     vectors: list[list[float] | None] = [None] * len(jobs)
-    async with await gateway.pipeline.open(caller.key, body.model, prepared, bills_completion=False) as run:
+    async with await gateway.pipeline.open(caller.key, body.model, prepared, bills_completion=False,
+                                         num_slots=len(jobs)) as run:
         async for index, chunk in run:
             vectors[index] = list(chunk.embedding) or vectors[index]
     if any(v is None for v in vectors):

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from splitserve.platform.errors import InvalidRequestError
 from splitserve.platform.sampling.params import MAX_LOGPROBS, SamplingParams
-from splitserve.platform.tokenizer import Tokenizer
+from splitserve.platform.tokenizer import Tokenizer, check_chat_template_kwargs
 from splitserve.router.api import echo
 from splitserve.router.api.echo import EchoPlan
 from splitserve.router.api.errors import APIError, bad_request
@@ -62,6 +62,7 @@ def prepare_chat(req: ChatCompletionRequest, request_id: str, job_id: str, token
     if plan is not None:
         messages, template_kwargs = render_messages(messages, req.tools, tokenizer.chat_template)
     try:
+        check_chat_template_kwargs(req.chat_template_kwargs)
         token_ids = tokenizer.encode_chat(messages, req.add_generation_prompt,
                                           **{**(req.chat_template_kwargs or {}), **template_kwargs})
     except InvalidRequestError as exc:
@@ -79,11 +80,22 @@ def prepare_chat(req: ChatCompletionRequest, request_id: str, job_id: str, token
                     return_token_ids=req.return_token_ids)
 
 
+def num_choices(req: CompletionRequest | ChatCompletionRequest) -> int:
+    """Jobs a request asks for (prompts x n), read from the body before anything is tokenized."""
+    prompt = getattr(req, "prompt", None)
+    num_prompts = len(prompt) if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int) else 1
+    return num_prompts * req.n
+
+
 def prepare_completion(req: CompletionRequest, request_id: str, job_id: str, tokenizer: Tokenizer | None,
-                       max_model_len: int) -> Prepared:
+                       max_model_len: int, max_prompt_tokens: int | None = None) -> Prepared:
     echo.check(req)
     _reject_unsupported(req)
     prompts = _prompt_token_ids(req.prompt, tokenizer)
+    num_prompt_tokens = sum(map(len, prompts))
+    if max_prompt_tokens is not None and num_prompt_tokens > max_prompt_tokens:
+        raise bad_request(f"the prompts hold {num_prompt_tokens} tokens in all; one request may send at most "
+                          f"{max_prompt_tokens} (gateway.max_prompt_tokens_per_request): split the request", "prompt")
     max_tokens = 1 if req.echo and req.max_tokens == 0 else req.max_tokens   # the token is dropped (echo.py)
     jobs = _jobs(req, job_id, prompts, max_tokens, COMPLETIONS_DEFAULT_MAX_TOKENS, req.logprobs, max_model_len,
                  constraint_fields(req, tokenizer.vocab_size if tokenizer is not None else None))

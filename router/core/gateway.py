@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import logging
 import time
 import uuid
@@ -31,7 +32,7 @@ from splitserve.platform import tracing
 from splitserve.router import logctx
 from splitserve.router.api.errors import APIError
 from splitserve.router.api.formatting import Formatter, TokenText, sse
-from splitserve.router.api.prompts import prepare_chat, prepare_completion
+from splitserve.router.api.prompts import num_choices, prepare_chat, prepare_completion
 from splitserve.router.config import ApiKey
 from splitserve.router.core.dispatch import Chunk
 from splitserve.router.core.pipeline import ChoiceChunk, Pipeline, Run
@@ -69,6 +70,14 @@ class StreamEvents(Protocol):
     def error(self, run: Run, exc: APIError) -> list[bytes]: ...
 
 
+OFFLOAD_BYTES = 64 * 1024   # bodies at least this large are tokenized in a worker thread
+
+
+def is_large(request: Request) -> bool:
+    length = request.headers.get("content-length", "")
+    return not length.isdigit() or int(length) >= OFFLOAD_BYTES
+
+
 class Gateway:
     def __init__(self, router: Router):
         self.router = router
@@ -92,6 +101,12 @@ class Gateway:
             except APIError:
                 self.router.metrics.rejected.labels(reason="rate_limit").inc()
                 raise
+        request.state.api_key = key
+        return key
+
+    async def auth_only(self, request: Request) -> ApiKey:
+        """FastAPI dependency of /metrics, /docs and /openapi.json: the API key, no rate limit."""
+        key = self.auth.check(request.headers.get("authorization"))
         request.state.api_key = key
         return key
 
@@ -122,10 +137,18 @@ class Gateway:
         span = tracing.current()
         t_parse = time.monotonic()
         caller = self.caller(request, body.model)
-        prepare = prepare_chat if is_chat else prepare_completion
-        prepared = prepare(body, caller.request_id, caller.job_id, self.router.tokenizer,
-                           self.router.config.max_model_len,
-                           **({"tool_call_parser": self.router.config.gateway.tool_call_parser} if is_chat else {}))
+        limits = self.router.config.gateway
+        choices = num_choices(body)
+        if choices > limits.max_choices_per_request:
+            raise APIError(400, f"the request asks for {choices} choices (prompts x n); one request may ask for at "
+                           f"most {limits.max_choices_per_request} (gateway.max_choices_per_request)", param="n")
+        prepare = functools.partial(
+            prepare_chat if is_chat else prepare_completion, body, caller.request_id, caller.job_id,
+            self.router.tokenizer, self.router.config.max_model_len,
+            **({"tool_call_parser": limits.tool_call_parser} if is_chat
+               else {"max_prompt_tokens": limits.max_prompt_tokens_per_request}))
+        # tokenizing a large body takes a while: off the event loop, so /health and streams keep flowing
+        prepared = await asyncio.to_thread(prepare) if is_large(request) else prepare()
         if caller.lora_name is not None:
             prepared.jobs[:] = [dataclasses.replace(job, lora_name=caller.lora_name) for job in prepared.jobs]
         if span.is_recording:

@@ -46,19 +46,22 @@ class Pipeline:
         self.admission = admission
         self.dispatcher = dispatcher
 
-    async def open(self, key: ApiKey, model: str, prepared: Prepared, *, bills_completion: bool = True) -> Run:
+    async def open(self, key: ApiKey, model: str, prepared: Prepared, *, bills_completion: bool = True,
+                   num_slots: int = 1) -> Run:
         """Admit the request and start its generations; raises the admission's APIError (429)
         with nothing held. The quota holds the prompt plus every choice's max_tokens until the
-        request ends; bills_completion=False (embeddings) reserves and bills the prompt only."""
+        request ends; bills_completion=False (embeddings) reserves and bills the prompt only.
+        `num_slots`: the server slots it takes (embeddings: one per input, so 2,048 inputs weigh as
+        2,048 requests)."""
         reserve_tokens = prepared.num_prompt_tokens
         if bills_completion:
             reserve_tokens += sum(job.params.max_tokens for job in prepared.jobs)
-        ticket = await self._admit(key, model, reserve_tokens)
+        ticket = await self._admit(key, model, reserve_tokens, num_slots)
         return Run(prepared, ticket, self.admission, self._dispatch(prepared), bills_completion=bills_completion)
 
-    async def _admit(self, key: ApiKey, model: str, reserve_tokens: int) -> Ticket:
+    async def _admit(self, key: ApiKey, model: str, reserve_tokens: int, num_slots: int) -> Ticket:
         with tracing.current().child("gateway.admission") as span:
-            return await self.admission.admit(key, model, reserve_tokens, span=span)
+            return await self.admission.admit(key, model, reserve_tokens, num_slots=num_slots, span=span)
 
     def _dispatch(self, prepared: Prepared) -> AsyncIterator[ChoiceChunk]:
         return merged([self.dispatcher.generate(job) for job in prepared.jobs])

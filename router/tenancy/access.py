@@ -2,6 +2,9 @@
 
 - API keys (optional): with keys configured, every /v1 call needs `Authorization: Bearer KEY`
   (401 otherwise). Keys are compared in constant time; logs and metrics use the key's name.
+- Admin scope: with keys configured, runtime LoRA load and unload need a key with role `admin`
+  (403 otherwise), and a `lora_path` must lie under `gateway.lora_roots` (403 otherwise; no roots:
+  no runtime loads). An open gateway (no keys) keeps both open, as it keeps everything open.
 - Rate limits: a token bucket per key (one shared bucket when no keys are configured):
   `burst` tokens, refilled at `rate_per_s`; a request takes one token or gets 429 with
   Retry-After = seconds until the next token. In Redis (one atomic Lua script, Redis' own clock,
@@ -34,8 +37,13 @@ class Authenticator:
         self.keys = keys
         self.key_file = KeyFile(key_file) if key_file else None
 
+    @property
+    def is_open(self) -> bool:
+        """No keys configured: every caller is ANONYMOUS."""
+        return not self.keys and self.key_file is None
+
     def check(self, authorization: str | None) -> ApiKey:
-        if not self.keys and self.key_file is None:
+        if self.is_open:
             return ANONYMOUS
         if not authorization:
             raise APIError(401, "missing API key: send the header 'Authorization: Bearer YOUR_KEY'",
@@ -50,6 +58,32 @@ class Authenticator:
             if found is not None:
                 return found
         raise APIError(401, "incorrect API key provided", code="invalid_api_key")
+
+
+def check_admin(auth: Authenticator, key: ApiKey) -> None:
+    """403 unless the gateway is open or `key` has role admin (router/config.py ApiKey)."""
+    if not auth.is_open and key.role != "admin":
+        raise APIError(403, f"this call needs an API key with role admin; the key {key_label(key)} has role "
+                       f"{key.role} (set `role: admin` on it in the key file)", code="permission_denied")
+
+
+def check_lora_path(auth: Authenticator, roots: tuple[str, ...], lora_path: str) -> str:
+    """The resolved `lora_path` when it lies under one of `roots`; 403 otherwise (see the module doc)."""
+    import os
+
+    if not roots:
+        if auth.is_open:
+            return lora_path
+        raise APIError(403, "runtime LoRA loading is off: start the router with --lora-roots DIR[,DIR] "
+                       "(gateway.lora_roots) naming the folders adapters may be loaded from",
+                       param="lora_path", code="permission_denied")
+    resolved = os.path.realpath(lora_path)
+    for root in roots:
+        base = os.path.realpath(root)
+        if resolved == base or resolved.startswith(base.rstrip(os.sep) + os.sep):
+            return resolved
+    raise APIError(403, f"lora_path {lora_path!r} is outside the allowed folders (--lora-roots): "
+                   f"{', '.join(roots)}", param="lora_path", code="permission_denied")
 
 
 class MemoryBuckets:

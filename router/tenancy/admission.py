@@ -43,21 +43,38 @@ class Slots:
         self.num_running = 0
         self.num_queued = 0
         self._slots = asyncio.Semaphore(max_concurrent)
+        self._multi = asyncio.Lock()   # one multi-slot taker at a time: two cannot each hold half and wait
 
-    async def acquire(self) -> None:
+    async def acquire(self, num_slots: int = 1) -> int:
+        """Take `num_slots` slots (at most max_concurrent); returns how many were taken, for release()."""
         if self.num_running >= self.max_concurrent and self.num_queued >= self.max_queued:
             raise APIError(429, f"the server is at capacity ({self.num_running} requests running, "
                            f"{self.num_queued} queued); retry shortly", code="queue_full", retry_after_s=1)
+        num_slots = max(1, min(num_slots, self.max_concurrent))
         self.num_queued += 1
+        taken = 0
         try:
-            await self._slots.acquire()
+            if num_slots == 1:
+                await self._slots.acquire()
+                taken = 1
+            else:
+                async with self._multi:
+                    for _ in range(num_slots):
+                        await self._slots.acquire()
+                        taken += 1
+        except BaseException:
+            for _ in range(taken):
+                self._slots.release()
+            raise
         finally:
             self.num_queued -= 1
-        self.num_running += 1
+        self.num_running += num_slots
+        return num_slots
 
-    def release(self) -> None:
-        self.num_running -= 1
-        self._slots.release()
+    def release(self, num_slots: int = 1) -> None:
+        self.num_running -= num_slots
+        for _ in range(num_slots):
+            self._slots.release()
 
 
 @dataclass
@@ -70,6 +87,7 @@ class Ticket:
     counted: bool = False            # the key-concurrency gate counted it
     grant: Grant | None = None       # the quota gate's reservation
     has_slot: bool = False
+    num_slots: int = 1               # slots asked for (an embeddings request: one per input)
     entered: list[Gate] = field(default_factory=list)
 
     @property
@@ -126,13 +144,13 @@ class SlotGate:
         self.slots = slots
 
     async def enter(self, ticket: Ticket) -> None:
-        await self.slots.acquire()
+        ticket.num_slots = await self.slots.acquire(ticket.num_slots)
         ticket.has_slot = True
 
     async def leave(self, ticket: Ticket, usage: Usage | None) -> None:
         if ticket.has_slot:
             ticket.has_slot = False
-            self.slots.release()
+            self.slots.release(ticket.num_slots)
 
 
 class AdmissionPipeline:
@@ -151,10 +169,12 @@ class AdmissionPipeline:
         """Requests waiting for a server slot."""
         return self.slots.num_queued
 
-    async def admit(self, key: ApiKey, model: str, reserve_tokens: int, span=NOOP) -> Ticket:
-        """Pass every gate in order, or raise the first refusal with nothing left held. `span`:
-        the request's admission span; each gate is a child (the slot gate's is the queue time)."""
-        ticket = Ticket(key, model, reserve_tokens)
+    async def admit(self, key: ApiKey, model: str, reserve_tokens: int, *, num_slots: int = 1,
+                    span=NOOP) -> Ticket:
+        """Pass every gate in order, or raise the first refusal with nothing left held. `num_slots`:
+        concurrency slots the request takes (work in proportion, e.g. one per embeddings input).
+        `span`: the request's admission span; each gate is a child (the slot gate's is the queue time)."""
+        ticket = Ticket(key, model, reserve_tokens, num_slots=num_slots)
         for gate in self.gates:
             try:
                 with span.child(f"admission.{getattr(gate, 'name', gate.reason)}"):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from splitserve.router.api.errors import APIError
 from splitserve.router.config import ApiKey
+from splitserve.router.tenancy.access import key_label
 
 
 class Concurrency:
@@ -19,7 +20,7 @@ class Concurrency:
         limit = key.max_concurrent or self.default
         if not limit:
             return False
-        label = key.name or "anonymous"
+        label = key_label(key)
         n = self.in_flight.get(label, 0)
         if n >= limit:
             raise APIError(429, f"{label} already has {n} requests in flight; the limit is {limit} at once",
@@ -28,7 +29,7 @@ class Concurrency:
         return True
 
     def leave(self, key: ApiKey) -> None:
-        label = key.name or "anonymous"
+        label = key_label(key)
         n = self.in_flight.get(label, 0) - 1
         if n > 0:
             self.in_flight[label] = n

@@ -11,6 +11,7 @@ The file (YAML, `gateway.api_keys_file`, e.g. a mounted Secret), reloaded when i
         tpm: 20000                # prompt + completion tokens per window
         monthly_tokens: 5000000   # prompt + completion tokens per calendar month (UTC)
         max_concurrent: 8         # requests (streams) of this key in flight at once, per router replica
+        role: admin               # may load/unload LoRA adapters at run time (default: user, may not)
 
 A presented key is hashed and compared with every digest by hmac.compare_digest.
 
@@ -28,10 +29,10 @@ from typing import Any
 
 import yaml
 from splitserve.router.api.errors import APIError
-from splitserve.router.config import ApiKey, ConfigError
+from splitserve.router.config import KEY_ROLES, ApiKey, ConfigError
 
 ID_PATTERN = re.compile(r"[A-Za-z0-9._-]{1,64}")
-KEY_FIELDS = {"id", "sha256", "key", "models", "rpm", "tpm", "monthly_tokens", "max_concurrent"}
+KEY_FIELDS = {"id", "sha256", "key", "models", "rpm", "tpm", "monthly_tokens", "max_concurrent", "role"}
 
 
 def digest(key: str) -> str:
@@ -69,7 +70,11 @@ def parse_keys(data: Any, source: str) -> tuple[tuple[str, ApiKey], ...]:
         models = entry.get("models")
         if models is not None and (not isinstance(models, list) or not all(isinstance(m, str) for m in models)):
             raise ConfigError(f"{where}.models: need a list of model names")
+        role = entry.get("role", "user")
+        if role not in KEY_ROLES:
+            raise ConfigError(f"{where}.role={role!r}: allowed: {', '.join(KEY_ROLES)}")
         out.append((hexdigest, ApiKey(key="", name=key_id, models=tuple(models) if models is not None else None,
+                                      role=role,
                                       rpm=_positive(entry, "rpm", where), tpm=_positive(entry, "tpm", where),
                                       monthly_tokens=_positive(entry, "monthly_tokens", where),
                                       max_concurrent=_positive(entry, "max_concurrent", where))))

@@ -25,6 +25,7 @@ from prometheus_client import CollectorRegistry, Counter
 from splitserve.router.api.errors import APIError
 from splitserve.router.config import ApiKey
 from splitserve.router.core.usage import Usage
+from splitserve.router.tenancy.access import key_label
 from splitserve.router.tenancy.keyfile import check_scope
 from splitserve.router.tenancy.quota_store import USAGE_FIELDS, MemoryQuotaStore, RedisQuotaStore, month_of
 
@@ -101,7 +102,7 @@ class Quota:
             return grant
         month = month_of(self.clock())
         admitted = await self._store("admit", self.store.admit(
-            f"{self.prefix}:quota:{key.name}", f"{self.prefix}:budget:{month}:{key.name}", self.window_s,
+            f"{self.prefix}:quota:{key_label(key)}", f"{self.prefix}:budget:{month}:{key_label(key)}", self.window_s,
             key.rpm, key.tpm, reserve, key.monthly_tokens))
         if admitted is None:   # the store is unreachable: admitted without limits, nothing to settle
             return grant
@@ -109,19 +110,19 @@ class Quota:
         headers = _headers(key, reset, req, tok)
         if not ok:
             if why == "tokens" and reserve > (key.tpm or 0):
-                raise APIError(429, f"request too large for {key.name}: prompt + max_tokens = {reserve} tokens, "
+                raise APIError(429, f"request too large for {key_label(key)}: prompt + max_tokens = {reserve} tokens, "
                                f"the limit is {key.tpm} tokens per {self.window_s:g} s; lower max_tokens",
                                code="rate_limit_exceeded", retry_after_s=reset, headers=headers)
             what = {"requests": f"{key.rpm} requests", "tokens": f"{key.tpm} tokens"}.get(why)
             if what is None:
-                raise APIError(429, f"monthly token budget of {key.name} ({key.monthly_tokens}) is used up "
+                raise APIError(429, f"monthly token budget of {key_label(key)} ({key.monthly_tokens}) is used up "
                                f"({used} used, this request needs {reserve})", code="insufficient_quota",
                                headers=headers)
-            raise APIError(429, f"rate limit reached for {key.name}: {what} per {self.window_s:g} s; "
+            raise APIError(429, f"rate limit reached for {key_label(key)}: {what} per {self.window_s:g} s; "
                            f"retry after {reset:.2f} s", code="rate_limit_exceeded", retry_after_s=reset,
                            headers=headers)
         grant.window_key, grant.headers = window_key, headers
-        grant.month_key = f"{self.prefix}:budget:{month}:{key.name}"
+        grant.month_key = f"{self.prefix}:budget:{month}:{key_label(key)}"
         return grant
 
     async def settle(self, grant: Grant, usage: Usage) -> None:
@@ -130,7 +131,7 @@ class Quota:
             return
         grant.settled = True
         prompt, completion, cached = usage.prompt_tokens, usage.completion_tokens, usage.cached_tokens
-        key_id = grant.key.name or "anonymous"
+        key_id = key_label(grant.key)
         self.requests.labels(key_id, grant.model).inc()
         for kind, n in (("prompt", prompt), ("cached", cached), ("completion", completion)):
             self.tokens.labels(key_id, grant.model, kind).inc(n)
@@ -144,7 +145,7 @@ class Quota:
         (a whole answer carries these; a stream sent its headers at admission)."""
         if grant.window_key:
             settled = await self._store("settle", self.store.settle(
-                grant.window_key, grant.month_key, delta, f"{self.prefix}:quota:{grant.key.name}", self.window_s))
+                grant.window_key, grant.month_key, delta, f"{self.prefix}:quota:{key_label(grant.key)}", self.window_s))
             if settled is not None:
                 grant.headers.update(_headers(grant.key, *settled))
 

@@ -67,14 +67,14 @@ def test_fields_the_api_server_adds_do_not_cause_patches(cluster, kube, namespac
     live = kube.get(url)
     container = {**live["spec"]["template"]["spec"]["containers"][0],
                  "terminationMessagePath": "/dev/termination-log", "terminationMessagePolicy": "File"}
-    container["resources"] = {"requests": {"cpu": "1000m"}}  # canonical form of a quantity we did not set
+    container["resources"]["requests"]["ephemeral-storage"] = "1Gi"  # a request we did not set (a LimitRange's)
     kube.merge_patch(url, {"spec": {"progressDeadlineSeconds": 600, "strategy": {"type": "RollingUpdate"},
                               "template": {"spec": {"dnsPolicy": "ClusterFirst", "containers": [container]}}}})
     svc = K.path(K.KIND_BY_NAME["Service"], namespace, "svc-decode")
     kube.merge_patch(svc, {"spec": {"clusterIPs": ["None"], "sessionAffinity": "None", "ipFamilies": ["IPv4"]}})
     mark = len(cluster.cluster.writes)
     result, _ = apply(kube, namespace, TINY)
-    # The container's resources were {} in our render, so the added requests are someone else's.
+    # Our render sets no ephemeral-storage request, so the added one is someone else's.
     assert not result.changed
     assert cluster.writes_since(mark, namespace) == []
 

@@ -76,9 +76,9 @@ def test_chart_renders_valid_objects_and_lints_clean(chart, case):
 def test_default_objects(chart):
     objs = objects(chart, {})
     assert sorted((o["kind"], o["metadata"]["name"]) for o in objs) == [
-        ("ClusterRole", "splitserve"), ("ClusterRole", "splitserve-observer"),
-        ("ClusterRoleBinding", "splitserve"), ("ClusterRoleBinding", "splitserve-observer"),
-        ("ConfigMap", "splitserve-defaults"), ("Deployment", "splitserve"), ("ServiceAccount", "splitserve")]
+        ("ClusterRole", "splitserve-observer"), ("ClusterRoleBinding", "splitserve-observer"),
+        ("ConfigMap", "splitserve-defaults"), ("Deployment", "splitserve"),
+        ("Role", "splitserve"), ("RoleBinding", "splitserve"), ("ServiceAccount", "splitserve")]   # namespaced
     (deploy,) = find(objs, "Deployment")
     pod = deploy["spec"]["template"]["spec"]
     (c,) = pod["containers"]
@@ -106,7 +106,9 @@ def operator_args(objs) -> argparse.Namespace:
 
 def test_container_args_parse_with_the_operator_cli(chart):
     args = operator_args(objects(chart, {}))
-    assert (args.command, args.all_namespaces, args.namespace) == ("operator", True, [])
+    assert (args.command, args.all_namespaces, args.namespace) == ("operator", False, ["splitserve-system"])
+    wide = operator_args(objects(chart, {"operator": {"clusterWide": True}}))
+    assert (wide.all_namespaces, wide.namespace) == (True, [])
     assert args.defaults == "/etc/splitserve-operator/defaults.yaml"
     assert args.liveness == "http://0.0.0.0:8080/healthz"
     scoped = operator_args(objects(chart, VALUES["namespaced-locked-down"]))
@@ -148,7 +150,9 @@ def granted(rules) -> set[tuple[str, str, str]]:
 
 
 def test_rbac_grants_what_the_operator_does_and_no_wildcards(chart):
-    objs = objects(chart, {})
+    (role,) = find(objects(chart, {}), "Role", "splitserve", "splitserve-system")   # the default: namespaced
+    assert needed_permissions() <= granted(role["rules"])
+    objs = objects(chart, {"operator": {"clusterWide": True}})   # cluster-wide only when asked for
     (role,) = find(objs, "ClusterRole", "splitserve")
     assert needed_permissions() <= granted(role["rules"])
     for r in find(objs, "ClusterRole"):
@@ -217,7 +221,7 @@ def test_the_readme_explains_every_value():
     schema = json.loads((CHART / "values.schema.json").read_text())
     readme = (CHART / "README.md").read_text()
     leaves = [leaf.rstrip(".") for leaf in _schema_leaves(schema)]
-    assert len(leaves) == 86
+    assert len(leaves) == 88
     assert [leaf for leaf in leaves if f"`{leaf}`" not in readme] == []
     values = yaml.safe_load((CHART / "values.yaml").read_text())
     assert sorted(values) == sorted(schema["properties"])  # values.yaml and its schema list the same keys

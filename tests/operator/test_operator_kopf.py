@@ -121,7 +121,8 @@ def test_create_makes_every_child_reports_status_then_writes_nothing(cluster, ku
         assert status["url"] == f"http://svc.{namespace}.svc:8000"
         assert [status[p]["ready"] for p in ("prefill", "decode", "router")] == ["1/1", "1/1", "1/1"]
         assert {c["type"]: c["status"] for c in status["conditions"]} == {
-            "Ready": "True", "PrefillReady": "True", "DecodeReady": "True", "RouterReady": "True", "Secure": "True"}
+            "Ready": "True", "PrefillReady": "True", "DecodeReady": "True", "RouterReady": "True", "Secure": "True",
+            "Authenticated": "True"}
         settle(cluster, namespace)
         time.sleep(0.5)  # the last status write and kopf's bookkeeping land
         mark = len(cluster.cluster.writes)

@@ -105,7 +105,8 @@ def test_worker_container_follows_the_worker_contract():
                          "--kv-transport", "tcp", "--kv-port", "13337",
                          # secure by default: the operator's KV secret and per-pool certificate
                          "--kv-secret-file", "/etc/splitserve/kv/secret", "--tls-cert", "/etc/splitserve/tls/tls.crt",
-                         "--tls-key", "/etc/splitserve/tls/tls.key", "--tls-ca", "/etc/splitserve/tls/ca.crt"]
+                         "--tls-key", "/etc/splitserve/tls/tls.key", "--tls-ca", "/etc/splitserve/tls/ca.crt",
+                         "--tls-check-peer-roles"]   # per-role certificates: callers checked by role
     assert c["image"] == "ghcr.io/splitserve/splitserve:0.1.0"
     assert [(p["name"], p["containerPort"]) for p in c["ports"]] == [("grpc", 50051), ("metrics", 9090), ("kv", 13337)]
     assert c["livenessProbe"]["httpGet"] == {"path": "/health", "port": "metrics"}
@@ -178,7 +179,8 @@ def test_router_container_and_config():
     (c,) = pod["containers"]
     assert c["args"] == ["router", "--config", "/etc/splitserve/router.yaml", "--host", "0.0.0.0", "--port", "8000",
                          "--metrics-port", "9090", "--tls-cert", "/etc/splitserve/tls/tls.crt",
-                         "--tls-key", "/etc/splitserve/tls/tls.key", "--tls-ca", "/etc/splitserve/tls/ca.crt"]
+                         "--tls-key", "/etc/splitserve/tls/tls.key", "--tls-ca", "/etc/splitserve/tls/ca.crt",
+                         "--api-keys-file", "/etc/splitserve/api-keys/keys.yaml"]   # closed by default
     assert [(p["name"], p["containerPort"]) for p in c["ports"]] == [("http", 8000), ("metrics", 9090)]
     assert c["readinessProbe"]["httpGet"] == {"path": "/ready", "port": "http"}
     assert c["livenessProbe"]["httpGet"] == {"path": "/health", "port": "http"}

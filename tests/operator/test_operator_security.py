@@ -84,16 +84,18 @@ def test_default_render_mounts_a_kv_secret_and_a_certificate_per_pool():
     for pool in ("prefill", "decode"):
         dep = deps[f"svc-{pool}"]
         assert secret_volumes(dep) == {"tls": f"svc-{pool}-tls", "kv-secret": "svc-kv"}
-        assert args_of(dep)[-len(TLS_ARGS) - 2:] == ["--kv-secret-file", "/etc/splitserve/kv/secret", *TLS_ARGS]
-    assert secret_volumes(deps["svc-router"]) == {"tls": "svc-router-tls"}
-    assert args_of(deps["svc-router"])[-len(TLS_ARGS):] == TLS_ARGS
+        assert args_of(dep)[-len(TLS_ARGS) - 3:] == ["--kv-secret-file", "/etc/splitserve/kv/secret", *TLS_ARGS,
+                                                     "--tls-check-peer-roles"]
+    assert secret_volumes(deps["svc-router"]) == {"tls": "svc-router-tls", "api-keys": "svc-api-keys"}
+    assert args_of(deps["svc-router"])[-len(TLS_ARGS) - 2:] == [*TLS_ARGS, "--api-keys-file",
+                                                                "/etc/splitserve/api-keys/keys.yaml"]
     assert not [m for m in manifests if m["kind"] in ("Secret", "Certificate")]  # credentials.py writes those
 
 
 def test_insecure_renders_plaintext_and_the_users_own_secret_still_applies():
     insecure = render(parse_spec({**TINY, "security": {"insecure": True}}), "svc", "ns", "uid", SETTINGS)
-    for dep in deployments(insecure).values():
-        assert secret_volumes(dep) == {}
+    for name, dep in deployments(insecure).items():
+        assert secret_volumes(dep) == ({"api-keys": "svc-api-keys"} if name == "svc-router" else {})
         assert "--kv-secret-file" not in args_of(dep) and "--tls-cert" not in args_of(dep)
     own = render(parse_spec({**TINY, "security": {"insecure": True},
                              "kvTransfer": {"transport": "tcp", "authSecret": {"name": "mine", "key": "k"}}}),
@@ -143,7 +145,8 @@ def test_reconcile_creates_the_kv_secret_ca_and_pool_certificates_once(cluster, 
         assert pki.is_signed_by(data(leaf, "tls.crt"), ca)
         cert = x509.load_pem_x509_certificate(data(leaf, "tls.crt"))
         names = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value.get_values_for_type(x509.DNSName)
-        assert names == ["splitserve-worker", f"svc-{component}"]
+        role_name = "splitserve-router" if component == "router" else "splitserve-worker"
+        assert names == [role_name, f"svc-{component}"]   # per-role certificates
         assert cert.not_valid_after_utc - T0 > datetime.timedelta(days=89)
     assert condition(isvc(kube, namespace, "svc"), "Secure")["status"] == "True"
     mark = len(cluster.cluster.writes)
@@ -181,11 +184,13 @@ def test_certificates_are_renewed_before_expiry_and_roll_their_pools(cluster, ku
     assert data(secret(kube, namespace, "svc-router-tls"), "ca.crt") == ca1
 
 
-def test_insecure_sets_a_warning_condition_and_creates_no_secrets(cluster, kube, namespace):
+def test_insecure_sets_a_warning_condition_and_creates_no_transport_secrets(cluster, kube, namespace):
+    """Transport security off; the gateway's API key is a separate matter and stays (router.allowUnauthenticated)."""
     create_isvc(kube, "svc", namespace, {**TINY, "security": {"insecure": True}})
     mark = len(cluster.cluster.writes)
     reconcile(kube, SETTINGS, namespace, "svc", now=T0)
-    assert secret_writes(cluster, mark, namespace) == []
+    assert [w.plural for w in secret_writes(cluster, mark, namespace)] == ["secrets"]   # the API keys' create
+    assert secret(kube, namespace, "svc-kv") is None and secret(kube, namespace, "svc-ca") is None
     secure = condition(isvc(kube, namespace, "svc"), "Secure")
     assert (secure["status"], secure["reason"]) == ("False", "InsecureByRequest")
     assert "plaintext" in secure["message"] and "KV blocks from anyone" in secure["message"]

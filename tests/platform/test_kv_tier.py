@@ -39,6 +39,11 @@ def serve(eng: LLMEngine, token_ids: list[int]) -> list[int]:
     return out.output_token_ids
 
 
+def num_block_files(eng: LLMEngine) -> int:
+    """Block files in the tier's folder (its owner lock, `.owner`, is not a block)."""
+    return sum(not name.startswith(".") for name in os.listdir(eng.kv_tier.store.directory))
+
+
 def push_out(eng: LLMEngine, token_ids: list[int]) -> None:
     """Serve two other prompts until none of `token_ids`' blocks is left in the pool."""
     serve(eng, prompt(101))
@@ -69,7 +74,7 @@ def test_restored_prefix_gives_identical_output(smollm2_model, computed, tmp_pat
     assert eng.kv_tier.stats.num_hits == 7
     assert eng.scheduler.requests == {} and all(eng.pool.peek(h) for h in hashes)
     assert eng.kv_tier.stats.num_bytes == eng.kv_tier.stats.num_blocks * BLOCK_BYTES
-    assert len(os.listdir(eng.kv_tier.store.directory)) == eng.kv_tier.stats.num_blocks
+    assert num_block_files(eng) == eng.kv_tier.stats.num_blocks
 
 
 def test_tier_evicts_its_own_lru(smollm2_model, computed, tmp_path):
@@ -79,7 +84,7 @@ def test_tier_evicts_its_own_lru(smollm2_model, computed, tmp_path):
     push_out(eng, a)
     stats = eng.kv_tier.stats
     assert stats.num_blocks == 4 and stats.num_evictions == stats.num_stored - 4 > 0
-    assert len(os.listdir(eng.kv_tier.store.directory)) == 4
+    assert num_block_files(eng) == 4
     dropped = {h for e in eng.take_kv_events() if isinstance(e, BlockRemoved) and e.tier == TIER_SECOND
                for h in e.block_hashes}
     assert len(dropped) == stats.num_evictions
@@ -168,4 +173,4 @@ def test_restore_whose_own_evictions_overflow_the_tier(smollm2_model, computed, 
     stats = eng.kv_tier.stats
     assert stats.num_hits == 7 and stats.num_blocks == 9 and stats.num_evictions >= 5
     assert all(eng.pool.peek(h) for h in hashes) and not all(eng.kv_tier.holds(h) for h in hashes)
-    assert len(os.listdir(eng.kv_tier.store.directory)) == stats.num_blocks
+    assert num_block_files(eng) == stats.num_blocks

@@ -4,6 +4,14 @@ A transport subclass only listens (`_listen`, `_stop_listening`) and hands each 
 connection, wrapped as a Channel, to `_serve`, which runs `serve_channel`: read a header, act
 on it through the table, repeat (see stream.py for the messages). The decode worker's calls
 go straight to the table, which is the one writer of transfer state.
+
+Connection hardening (each closes the offending connection and leaves every other one alone):
+- "layers" and "end" must name the transfer this connection opened (`_check_bound`): no payload
+  is read before an "open", and a peer cannot end or abort a transfer bound on another connection.
+- At most `max_pending_handshakes` connections may wait for the handshake (auth.py) at once; more
+  are closed on arrival, so idle sockets cannot pile up for the handshake's timeout each.
+- A connection that sends nothing for `idle_timeout_s` is closed (`IdleTimeoutChannel`); the
+  sender's pool notices and dials a fresh one next time.
 """
 
 from __future__ import annotations
@@ -21,6 +29,49 @@ from splitserve.workers.transfer.stream import MAX_LAYERS_PER_HEADER, MAX_PAYLOA
 from splitserve.workers.transfer.table import TransferTable
 
 log = logging.getLogger(__name__)
+
+IDLE_TIMEOUT_S = 120.0          # a connection silent this long is closed
+MAX_PENDING_HANDSHAKES = 64     # connections waiting for the handshake at once
+
+
+class ProtocolError(Exception):
+    """A header this connection may not send now (e.g. a payload before its "open")."""
+
+
+def _check_bound(op: object, msg: dict, bound: str | None) -> None:
+    """'layers' and 'end' act only on the transfer this connection opened (ProtocolError otherwise)."""
+    if op in ("layers", "end", "ipc_layers") and (bound is None or msg.get("transfer_id") != bound):
+        raise ProtocolError(f"{op!r} for {msg.get('transfer_id')!r} on a connection that "
+                            + (f"opened {bound!r}" if bound is not None else "opened no transfer"))
+
+
+class IdleTimeoutChannel(Channel):
+    """A Channel whose recv() gives up (ChannelClosed) after `idle_timeout_s` without a header."""
+
+    def __init__(self, channel: Channel, idle_timeout_s: float):
+        self.inner, self.idle_timeout_s = channel, idle_timeout_s
+
+    async def send(self, header, payloads=()):
+        await self.inner.send(header, payloads)
+
+    async def recv(self) -> dict:
+        try:
+            return await asyncio.wait_for(self.inner.recv(), self.idle_timeout_s)
+        except TimeoutError:
+            raise ChannelClosed(f"idle for {self.idle_timeout_s:g} s") from None
+
+    async def recv_payload(self, out, is_last: bool) -> None:
+        try:
+            await asyncio.wait_for(self.inner.recv_payload(out, is_last), self.idle_timeout_s)
+        except TimeoutError:
+            raise ChannelClosed(f"payload stalled for {self.idle_timeout_s:g} s") from None
+
+    async def close(self) -> None:
+        await self.inner.close()
+
+    @property
+    def is_alive(self) -> bool:
+        return self.inner.is_alive
 
 
 async def serve_channel(channel: Channel, table: TransferTable, max_payload_bytes: int = MAX_PAYLOAD_BYTES,
@@ -45,6 +96,7 @@ async def serve_channel(channel: Channel, table: TransferTable, max_payload_byte
         while True:
             msg = await channel.recv()
             op = msg.get("op")
+            _check_bound(op, msg, bound)
             if op == "open":
                 if session_key is not None and not auth.is_valid_tag(session_key, msg["transfer_id"], msg.get("tag")):
                     raise auth.AuthError(f"an open of {msg['transfer_id']!r} without this connection's tag")
@@ -69,6 +121,8 @@ async def serve_channel(channel: Channel, table: TransferTable, max_payload_byte
                 raise ValueError(f"protocol error: unexpected header {msg!r}")
     except (ChannelClosed, ConnectionError, asyncio.IncompleteReadError):
         pass
+    except ProtocolError as e:
+        log.warning("closing a KV transfer connection: %s", e)
     except auth.AuthError as e:
         log.warning("rejected a KV transfer connection: %s", e)
         if on_auth_failure is not None:
@@ -86,13 +140,23 @@ class ChannelReceiver(KVReceiver):
     """`auth_key` (auth.py): every connection must answer a challenge before its first header is
     acted on; `on_auth_failure` is called once per rejected connection (the worker's metric).
     `identity` is the address senders dial this receiver by (the advertised KV address; default
-    `address`): the handshake binds the sender's proof to it."""
+    `address`): the handshake binds the sender's proof to it. `idle_timeout_s` and
+    `max_pending_handshakes`: see the module docstring."""
 
     def __init__(self, max_payload_bytes: int = MAX_PAYLOAD_BYTES, auth_key: bytes | None = None,
-                 on_auth_failure=None):
+                 on_auth_failure=None, idle_timeout_s: float = IDLE_TIMEOUT_S,
+                 max_pending_handshakes: int = MAX_PENDING_HANDSHAKES):
+        if not idle_timeout_s > 0:
+            raise ValueError(f"idle_timeout_s must be a positive number of seconds, got {idle_timeout_s!r}")
+        if not isinstance(max_pending_handshakes, int) or max_pending_handshakes < 1:
+            raise ValueError(f"max_pending_handshakes must be a positive integer, got {max_pending_handshakes!r}")
         self.auth_key = auth_key
         self.on_auth_failure = on_auth_failure
         self.num_auth_failures = 0
+        self.idle_timeout_s = idle_timeout_s
+        self.max_pending_handshakes = max_pending_handshakes
+        self.num_pending_handshakes = 0
+        self.num_refused_connections = 0   # closed on arrival: too many waiting for the handshake
         self.address = ""
         self.identity = ""
         self._table = TransferTable()
@@ -128,10 +192,20 @@ class ChannelReceiver(KVReceiver):
         if self._is_closed:
             await channel.close()
             return
+        if self.auth_key is not None and self.num_pending_handshakes >= self.max_pending_handshakes:
+            self.num_refused_connections += 1
+            if self.num_refused_connections == 1 or self.num_refused_connections % 1000 == 0:
+                log.warning("refused a KV transfer connection: %d already wait for the handshake (%d refused so far)",
+                            self.num_pending_handshakes, self.num_refused_connections)
+            with contextlib.suppress(Exception):
+                await channel.close()
+            return
+        channel = IdleTimeoutChannel(channel, self.idle_timeout_s)
         self._channels.add(channel)
         try:
             session_key = None
             if self.auth_key is not None:
+                self.num_pending_handshakes += 1
                 try:
                     session_key = await auth.challenge(channel, self.auth_key, self.identity or self.address)
                 except (auth.AuthError, ChannelClosed, ValueError) as e:
@@ -140,6 +214,8 @@ class ChannelReceiver(KVReceiver):
                     with contextlib.suppress(Exception):
                         await channel.close()
                     return
+                finally:
+                    self.num_pending_handshakes -= 1
             await serve_channel(channel, self._table, self._max_payload_bytes, session_key, self._count_auth_failure)
         finally:
             self._channels.discard(channel)

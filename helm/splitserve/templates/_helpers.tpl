@@ -20,6 +20,19 @@ app.kubernetes.io/component: operator
 helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
 {{- end -}}
 
+{{/* The namespaces the operator watches and holds Roles in, comma-joined; "" means every namespace
+     (a ClusterRole), which needs operator.clusterWide: true. By default: the release's namespace. */}}
+{{- define "splitserve.watchNamespaces" -}}
+{{- if and .Values.operator.clusterWide .Values.operator.watchNamespaces -}}
+{{- fail "operator.clusterWide: true watches every namespace: leave operator.watchNamespaces empty, or set clusterWide: false to watch only the listed namespaces" -}}
+{{- end -}}
+{{- if .Values.operator.watchNamespaces -}}
+{{- join "," .Values.operator.watchNamespaces -}}
+{{- else if not .Values.operator.clusterWide -}}
+{{- .Release.Namespace -}}
+{{- end -}}
+{{- end -}}
+
 {{- define "splitserve.serviceAccountName" -}}
 {{- if .Values.serviceAccount.create -}}
 {{- default (include "splitserve.fullname" .) .Values.serviceAccount.name -}}
@@ -44,6 +57,7 @@ autoscaling:
   plannerProfile: {{ .Values.planner.profile | quote }}
 security:
   allowInsecure: {{ .Values.security.allowInsecure }}
+  allowUnauthenticatedGateway: {{ .Values.security.allowUnauthenticatedGateway }}
 kvCache:
 {{ toYaml .Values.kvCache | indent 2 }}
 reconcile:
