@@ -84,6 +84,7 @@ bench: setup peer
 	$(PY) bench/planner_sim.py --write docs/benchmarks.md --profile $(PLANNER_PROFILE) --also-profile bench/profiles/smollm2-135m-cpu2-2026-11-24.json
 	$(PY) bench/serving_suite.py --write docs/benchmarks.md --plots docs/bench --peer-python $(PEER)/bin/python
 	$(PY) bench/w6_multiturn.py --write docs/benchmarks.md
+	$(PY) bench/epp_w1.py --write docs/benchmarks.md
 
 peer: $(PEER_STAMP)
 

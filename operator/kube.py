@@ -29,6 +29,8 @@ KINDS = [KindInfo(*k) for k in [
     ("v1", "ConfigMap", "configmaps"), ("v1", "ServiceAccount", "serviceaccounts"),
     ("rbac.authorization.k8s.io/v1", "Role", "roles"), ("rbac.authorization.k8s.io/v1", "RoleBinding", "rolebindings"),
     ("v1", "Service", "services"), ("apps/v1", "Deployment", "deployments"),
+    ("inference.networking.k8s.io/v1", "InferencePool", "inferencepools"),
+    ("gateway.networking.k8s.io/v1", "HTTPRoute", "httproutes"),
     ("policy/v1", "PodDisruptionBudget", "poddisruptionbudgets"),
     ("autoscaling/v2", "HorizontalPodAutoscaler", "horizontalpodautoscalers"),
     ("keda.sh/v1alpha1", "ScaledObject", "scaledobjects"),

@@ -20,6 +20,8 @@ disaggregation.mode is never):
     ServiceMonitor                                 <name>          when monitoring.serviceMonitor.enabled
     NetworkPolicy                                  <name>-workers, <name>-router   unless networkPolicy.enabled is false
     Certificate (cert-manager)                     <name>-tls      when tls.issuer is set (mTLS, see render_pods)
+    ConfigMap, Service, Deployment                 <name>-epp      with gateway.mode inferencePool (render_gateway),
+    InferencePool, HTTPRoute                       <name>          which also adds the sidecar to the decode pods
 
 Not rendered here, because their content is random or time-bound: the Secrets of the default
 security (spec.security), which credentials.py creates and renews before each render:
@@ -31,7 +33,8 @@ InferenceService, so Kubernetes' garbage collector deletes it with its owner.
 
 from __future__ import annotations
 
-from splitserve.operator import render_network, render_planner, render_pods, render_scaling, render_services
+from splitserve.operator import (render_gateway, render_network, render_planner, render_pods, render_scaling,
+                                 render_services)
 from splitserve.operator.context import Context, Manifest
 from splitserve.operator.settings import OperatorSettings
 from splitserve.operator.spec import InferenceServiceSpec
@@ -44,8 +47,15 @@ def render(spec: InferenceServiceSpec, name: str, namespace: str, uid: str,
     if (cert := render_pods.certificate(ctx)) is not None:
         out.append(cert)
     out += render_services.services(ctx)
-    out += [render_pods.worker_deployment(ctx, pool) for pool in ctx.pools]
+    gateway = render_gateway.manifests(ctx)
+    out += [m for m in gateway if m["kind"] in ("ConfigMap", "Service")]
+    workers = [render_pods.worker_deployment(ctx, pool) for pool in ctx.pools]
+    if gateway:
+        workers = [render_gateway.with_sidecar(ctx, d) if d["metadata"]["name"] == ctx.child("decode") else d
+                   for d in workers]
+    out += workers
     out.append(render_pods.router_deployment(ctx))
+    out += [m for m in gateway if m["kind"] not in ("ConfigMap", "Service")]
     out += render_scaling.disruption_budgets(ctx)
     out += [a for pool in ctx.pools if (a := render_scaling.autoscaler(ctx, pool)) is not None]
     if (planner := render_planner.planner_config_map(ctx)) is not None:

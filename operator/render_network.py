@@ -14,6 +14,15 @@ and a policy there adds breakage without protecting the workers):
                       (default: every pod of the namespace and the ingress controller's namespace)
         metrics       from the monitoring peer
 
+With spec.gateway.mode inferencePool (render_gateway.py) the inference gateway's proxies are
+gateway peers (spec.networkPolicy.gatewayFrom, else the chart's workloads.inferenceGatewayFrom,
+else its gatewayFrom): the workers policy also lets the EPP reach the workers' gRPC and the gateway peers
+reach the decode pods' sidecar port, and a third policy guards the EPP:
+
+    <name>-epp       pods: this service's EPP
+        grpc          (ext_proc) from the gateway peers
+        metrics       from the monitoring peer
+
 Peers name pods by the labels every child carries (app.kubernetes.io/name, instance,
 component), so the router of another InferenceService in the same namespace matches no
 rule: its instance label differs. Kubelet probes come from the node and are not subject to
@@ -26,6 +35,7 @@ from __future__ import annotations
 from typing import Any
 
 from splitserve.operator import constants as C
+from splitserve.operator import render_gateway
 from splitserve.operator.context import Context, Manifest
 
 
@@ -74,8 +84,15 @@ def network_policies(ctx: Context) -> list[Manifest]:
     worker_ports = _ports(C.GRPC_PORT_NAME, C.KV_PORT_NAME)
     if ctx.spec.kv_transfer.transport == "ucx":   # UCX's TCP transport listens on its own ports (render_pods)
         worker_ports.append({"port": C.UCX_TCP_PORTS[0], "endPort": C.UCX_TCP_PORTS[1], "protocol": "TCP"})
-    return [
-        _policy(ctx, "workers", _workers_selector(ctx), [
-            {"from": [router, workers], "ports": worker_ports}, monitoring]),
-        _policy(ctx, "router", {"matchLabels": ctx.selector("router")}, [*gateway, monitoring]),
-    ]
+    worker_rules = [{"from": [router, workers], "ports": worker_ports}, monitoring]
+    out = [_policy(ctx, "router", {"matchLabels": ctx.selector("router")}, [*gateway, monitoring])]
+    if render_gateway.is_inference_pool(ctx):
+        if gateway_from is None and defaults.inference_gateway_from is not None:
+            sources = [_peer(p) for p in defaults.inference_gateway_from]
+        worker_rules.insert(1, {"from": [{"podSelector": {"matchLabels": ctx.selector("epp")}}],
+                                "ports": _ports(C.GRPC_PORT_NAME)})
+        if sources:
+            worker_rules.insert(2, {"from": sources, "ports": _ports(render_gateway.SIDECAR_PORT_NAME)})
+        epp = [{"from": sources, "ports": _ports(C.GRPC_PORT_NAME)}] if sources else []
+        out.append(_policy(ctx, "epp", {"matchLabels": ctx.selector("epp")}, [*epp, monitoring]))
+    return [_policy(ctx, "workers", _workers_selector(ctx), worker_rules), *out]

@@ -92,6 +92,10 @@ class WorkloadPolicies(_Settings):
                                 Peer(namespace_labels={"kubernetes.io/metadata.name": "ingress-nginx"}, pod_labels={})]
     """Who may call the router's HTTP port unless the InferenceService says (default: every pod of the
     service's namespace, and the ingress controller's namespace)."""
+    inference_gateway_from: list[Peer] | None = None
+    """With spec.gateway.mode inferencePool: who may call the EPP's ext_proc port and the decode pods'
+    sidecar port unless the InferenceService sets gatewayFrom (the inference gateway's proxies, e.g. the
+    namespace of Istio's, kgateway's or Envoy Gateway's Gateway pods); unset: gatewayFrom."""
     planner: Peer = Peer(namespace_labels={"kubernetes.io/metadata.name": "splitserve-system"},
                          pod_labels={"app.kubernetes.io/name": "splitserve-planner"})
     """Who else may scrape the metrics ports of a service with autoscaling provider planner: the SLA

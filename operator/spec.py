@@ -392,6 +392,33 @@ class ImageSpec(_Spec):
     pull_policy: Literal["Always", "IfNotPresent", "Never"] = "IfNotPresent"
 
 
+class ParentRef(_Spec):
+    """A Gateway the rendered HTTPRoute attaches to (Gateway API ParentReference)."""
+
+    name: str = Field(min_length=1, max_length=253)
+    namespace: str | None = Field(None, min_length=1, max_length=63, pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+    """Default: the InferenceService's namespace."""
+    section_name: str | None = Field(None, min_length=1, max_length=253)
+    """One listener of the Gateway (default: all)."""
+
+
+class GatewaySpec(_Spec):
+    """How clients reach the service. `splitserve` (default): the splitserve router is the OpenAI
+    gateway. `inferencePool`: an existing Gateway API inference gateway (Istio, kgateway, Envoy
+    Gateway, GKE) routes to the decode pods through an InferencePool, and `splitserve epp` is its
+    Endpoint Picker; each decode pod gets the P/D sidecar on `sidecarPort` (docs/operator.md)."""
+
+    mode: Literal["splitserve", "inferencePool"] = "splitserve"
+    failure_mode: Literal["FailOpen", "FailClose"] = "FailClose"
+    """What the gateway does when the EPP does not answer (InferencePool endpointPickerRef.failureMode)."""
+    sidecar_port: int = Field(8200, ge=1024, le=65535)
+    """The decode pods' sidecar port: the InferencePool's targetPort."""
+    epp_replicas: int = Field(1, ge=1, le=100)
+    """EPP replicas; each watches every worker, so each holds the whole prefix index."""
+    parent_refs: list[ParentRef] = Field(default_factory=lambda: [ParentRef(name="inference-gateway")], max_length=16)
+    """The Gateways the rendered HTTPRoute attaches to."""
+
+
 class InferenceServiceSpec(_Spec):
     """A disaggregated LLM service: a prefill pool, a decode pool and a router in front."""
 
@@ -422,6 +449,8 @@ class InferenceServiceSpec(_Spec):
     slo: SloSpec | None = None
     """Latency targets; required when a pool's autoscaling provider is planner."""
     network_policy: NetworkPolicySpec = NetworkPolicySpec()
+    gateway: GatewaySpec = GatewaySpec()
+    """The splitserve gateway (default) or an InferencePool behind your own inference gateway."""
     tls: TlsSpec | None = None
     """mTLS between router and workers from your own Secret or cert-manager issuer (absent: the operator's own CA, see
     `security`)."""

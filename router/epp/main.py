@@ -1,0 +1,154 @@
+"""`splitserve epp`: the router's placement as a Gateway API Inference Extension Endpoint Picker.
+
+    splitserve epp --workers 10.0.0.5:50051,10.0.0.6:50051,10.0.0.7:50051 --sidecar-port 8200
+    splitserve epp --workers 127.0.0.1:50051,... --endpoint 127.0.0.1:50051=127.0.0.1:8201 ...
+    splitserve epp --k8s-namespace llm --k8s-services m-prefill,m-decode --sidecar-port 8200
+
+Serves Envoy's ext_proc API and gRPC health (`grpc.health.v1`, service "" and
+"envoy.service.ext_proc.v3.ExternalProcessor": SERVING once a decode worker is healthy) on
+--grpc-port (9002, GIE's default), and HTTP /health, /ready and /metrics on --health-port. The
+workers come from the same discovery as `splitserve router` (a static list or EndpointSlices);
+roles come from the workers themselves. Placement settings (scorer weights, disaggregation)
+come from --config, the router's file (docs/router.md).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import grpc
+from fastapi import FastAPI
+from fastapi.responses import JSONResponse, Response
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from splitserve.router import logctx
+from splitserve.router.api.errors import error_body
+from splitserve.router.config import load_config
+from splitserve.router.core import readiness
+from splitserve.router.epp.endpoints import EndpointMap
+from splitserve.router.epp.extproc import ExternalProcessor, Metrics, add_to_server
+from splitserve.router.epp.picker import Picker
+from splitserve.router.main import bind, uvicorn_server
+
+log = logging.getLogger("splitserve.epp")
+
+EXT_PROC_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
+HEALTH_POLL_S = 0.5
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("epp", help="the router's placement as a Gateway API Inference Extension endpoint picker")
+    p.add_argument("--config", default=None, help="router config file: placement, index, discovery (docs/router.md)")
+    p.add_argument("--model", default=None, help="the model the workers serve (seeds the block hashes)")
+    p.add_argument("--served-model-name", default=None, help="comma-separated names clients use (default: --model)")
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--workers", default=None, help="comma-separated worker gRPC addresses host:port")
+    p.add_argument("--k8s-namespace", default=None, help="discover workers from EndpointSlices in this namespace")
+    p.add_argument("--k8s-services", default=None, help="comma-separated pool Service names")
+    p.add_argument("--endpoint", action="append", default=[], metavar="WORKER=SIDECAR",
+                   help="a decode worker's sidecar endpoint, e.g. 127.0.0.1:50051=127.0.0.1:8201 (repeatable)")
+    p.add_argument("--sidecar-port", type=int, default=None,
+                   help="the sidecars listen on this port of their worker's host (the InferencePool's targetPort)")
+    p.add_argument("--redis-url", default=None, help="share the prefix index with other EPP or router replicas")
+    p.add_argument("--host", default="0.0.0.0", help="listen address of both ports (default 0.0.0.0)")
+    p.add_argument("--grpc-port", type=int, default=9002, help="ext_proc + gRPC health port (default 9002)")
+    p.add_argument("--health-port", type=int, default=9003, help="HTTP /health, /ready, /metrics (default 9003)")
+    p.add_argument("--tls-cert", default=None, help="mTLS to the workers: this EPP's certificate (PEM)")
+    p.add_argument("--tls-key", default=None, help="mTLS to the workers: its private key (PEM)")
+    p.add_argument("--tls-ca", default=None, help="mTLS to the workers: the CA of the workers' certificates")
+    p.add_argument("--serve-tls-cert", default=None, help="serve ext_proc over TLS with this certificate (PEM)")
+    p.add_argument("--serve-tls-key", default=None, help="... and this private key (PEM)")
+    p.set_defaults(func=cmd_epp)
+
+
+def config_from_args(args):
+    overrides = {"model": args.model, "max_model_len": args.max_model_len,
+                 "gateway.served_model_names": args.served_model_name, "discovery.workers": args.workers,
+                 "discovery.k8s_namespace": args.k8s_namespace, "discovery.k8s_services": args.k8s_services,
+                 "discovery.tls_cert": args.tls_cert, "discovery.tls_key": args.tls_key,
+                 "discovery.tls_ca": args.tls_ca}
+    if args.redis_url:
+        overrides.update({"index.backend": "redis", "index.redis_url": args.redis_url})
+    return load_config(args.config, **overrides)
+
+
+def cmd_epp(args) -> int:
+    from splitserve.platform.errors import ConfigError
+
+    logctx.install()
+    endpoints = EndpointMap.parse(args.endpoint, args.sidecar_port)
+    if not endpoints.pairs and endpoints.sidecar_port is None:
+        raise ConfigError("splitserve epp needs --sidecar-port or --endpoint: where the decode workers' "
+                          "sidecars listen")
+    if bool(args.serve_tls_cert) != bool(args.serve_tls_key):
+        raise ConfigError("--serve-tls-cert and --serve-tls-key go together; allowed: both or neither")
+    config = config_from_args(args)
+    health_sock = bind(args.host, args.health_port)
+    asyncio.run(serve(config, endpoints, args.host, args.grpc_port, health_sock,
+                      (args.serve_tls_cert, args.serve_tls_key) if args.serve_tls_cert else None))
+    return 0
+
+
+async def serve(config, endpoints: EndpointMap, host: str, grpc_port: int, health_sock, tls=None) -> None:
+    """Run until SIGINT/SIGTERM: the router's watchers, the ext_proc server, the health server."""
+    from splitserve.router.router import Router
+
+    router = Router(config)
+    metrics = Metrics(router.metrics.registry)
+    server = grpc.aio.server()
+    add_to_server(server, ExternalProcessor(Picker(router, endpoints), metrics))
+    status = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(status, server)
+    address = f"{host}:{grpc_port}"
+    port = server.add_secure_port(address, _server_credentials(*tls)) if tls else server.add_insecure_port(address)
+    await router.start()
+    await server.start()
+    print(f"splitserve epp: ext_proc on {host}:{port}, health on "
+          f"http://{host}:{health_sock.getsockname()[1]}/ready", flush=True)
+    http = uvicorn_server(health_app(router))
+    watch = asyncio.create_task(_follow_readiness(router, status), name="epp readiness")
+    try:
+        await http.serve(sockets=[health_sock])
+    finally:
+        watch.cancel()
+        await server.stop(5)
+        await router.stop()
+
+
+async def _follow_readiness(router, status) -> None:
+    while True:
+        serving = health_pb2.HealthCheckResponse.SERVING if router.is_ready else \
+            health_pb2.HealthCheckResponse.NOT_SERVING
+        for service in ("", EXT_PROC_SERVICE):
+            await status.set(service, serving)
+        await asyncio.sleep(HEALTH_POLL_S)
+
+
+def health_app(router) -> FastAPI:
+    app = FastAPI(title="splitserve epp", openapi_url=None, docs_url=None, redoc_url=None)
+
+    @app.get("/health")
+    async def healthz():
+        return {"status": "ok"}
+
+    @app.get("/ready")
+    async def ready():
+        reason = readiness.unready_reason(router)
+        if reason:
+            return JSONResponse(error_body(503, reason, code="no_worker_available"), 503)
+        return {"status": "ready", "healthy_decode_workers": router.pool.num_healthy(),
+                "healthy_prefill_workers": router.pool.num_healthy(lambda w: w.role == "prefill")}
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(router.metrics.render(router.pool), media_type=CONTENT_TYPE_LATEST)
+
+    return app
+
+
+def _server_credentials(cert: str, key: str) -> grpc.ServerCredentials:
+    """TLS for the gateway's ext_proc calls (server authentication, as GIE gateways expect)."""
+    with open(key, "rb") as k, open(cert, "rb") as c:
+        return grpc.ssl_server_credentials([(k.read(), c.read())])

@@ -1,0 +1,150 @@
+"""`splitserve sidecar`: the OpenAI endpoint of one decode pod, behind an inference gateway.
+
+    splitserve sidecar --decode 127.0.0.1:50051 --workers <prefill pool> --port 8200
+
+The gateway's whole request pipeline (router/app.py: access, admission, prompts, dispatch,
+streaming, usage, errors) with one decode candidate: this pod's worker. The EPP already chose
+the pod; the sidecar only honours the choice.
+
+    x-prefiller-host-port: P   -> the decode worker has P prefill and ship the KV (P must be a
+                                  prefill worker of the pool this sidecar discovers: a client
+                                  cannot point the pod anywhere else; otherwise 400, counted
+                                  in splitserve_sidecar_refused_prefillers_total)
+    no header                  -> the decode worker prefills itself
+
+The decode worker still applies its conditional threshold against its exact cache, as behind
+the splitserve gateway. A failed decode worker is not replaced (there is no other candidate):
+its requests fail with 503, and the gateway's health checks take the pod out.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import json
+import logging
+
+from prometheus_client import Counter
+
+from splitserve.router import logctx
+from splitserve.router.api.errors import NoWorkerError, error_body
+from splitserve.router.epp.endpoints import check_address
+from splitserve.router.epp.extproc import PREFILLER
+from splitserve.router.placement.discovery import make_discovery
+from splitserve.router.placement.placer import Decision, Placer
+from splitserve.router.router import Router
+
+log = logging.getLogger("splitserve.sidecar")
+
+prefiller: contextvars.ContextVar[str] = contextvars.ContextVar("prefiller", default="")
+
+
+class LocalPlacer(Placer):
+    """Placement with one decode candidate; the prefill worker is the one the request names."""
+
+    def __init__(self, placer: Placer, local: str):
+        super().__init__(placer.config, placer.pool, placer.index, placer.rng)
+        self.local = local
+
+    async def place(self, num_tokens: int, hashes: list[bytes], exclude: frozenset[str] = frozenset(),
+                    lora_name: str | None = None, lora_workers: set[str] | None = None) -> Decision:
+        worker = self.pool.workers.get(self.local)
+        if self.local in exclude or worker is None or not worker.is_healthy(self.pool.clock()):
+            raise NoWorkerError(f"this pod's decode worker {self.local} is not healthy")
+        if lora_workers is not None and self.local not in lora_workers:
+            raise NoWorkerError(f"this pod's decode worker has no adapter {lora_name!r} loaded")
+        matched = (await self.index.match([self.local], hashes)).get(self.local, 0) if hashes else 0
+        uncached = max(num_tokens - matched * self.pool.block_size, 0)
+        named = prefiller.get()
+        return Decision(self.local, (named,) if named else (), matched, uncached)
+
+
+class UnionDiscovery:
+    """This pod's decode worker, always, plus whatever the pool's discovery reports."""
+
+    def __init__(self, local: str, pool):
+        self.local = local
+        self.pool = pool
+
+    async def run(self, on_change) -> None:
+        async def report(addresses: set[str]) -> None:
+            await on_change(addresses | {self.local})
+
+        await report(set())
+        await self.pool.run(report)
+
+
+class PrefillerGate:
+    """ASGI middleware: reads x-prefiller-host-port, refuses a prefill worker outside the pool."""
+
+    def __init__(self, app, router: Router, refused: Counter):
+        self.app = app
+        self.router = router
+        self.refused = refused
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        named = dict(scope.get("headers") or []).get(PREFILLER.encode(), b"").decode("latin-1").strip()
+        if named and not self._in_pool(named):
+            self.refused.inc()
+            log.warning("refused %s naming prefill worker %r, which is not in the pool", scope.get("path"), named)
+            await _send_json(send, 400, error_body(400, f"{PREFILLER} {named!r} is not a prefill worker of this pool; "
+                                                   "allowed: one of the pool's prefill workers, or no header",
+                                                   param=PREFILLER, code="invalid_prefiller"))
+            return
+        token = prefiller.set(named)
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            prefiller.reset(token)
+
+    def _in_pool(self, address: str) -> bool:
+        worker = self.router.pool.workers.get(address)
+        return worker is not None and worker.role in ("prefill", "both") and address != self.router.placer.local
+
+
+async def _send_json(send, status: int, body: dict) -> None:
+    data = json.dumps(body).encode()
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())]})
+    await send({"type": "http.response.body", "body": data})
+
+
+def build(config, local: str):
+    """The sidecar's Router (its placer replaced) and its ASGI app."""
+    from splitserve.router.api.app import create_app
+
+    router = Router(config, discovery=UnionDiscovery(local, make_discovery(config.discovery)))
+    router.placer = router.dispatcher.placer = LocalPlacer(router.placer, local)
+    refused = Counter("splitserve_sidecar_refused_prefillers", "Requests refused for naming a prefill worker "
+                      "outside the pool", registry=router.metrics.registry)
+    return router, PrefillerGate(create_app(router), router, refused)
+
+
+def register(subparsers) -> None:
+    from splitserve.router.main import add_router_args
+
+    p = subparsers.add_parser("sidecar", help="OpenAI endpoint of one decode pod behind an inference gateway (P/D)")
+    p.add_argument("--config", default=None, help="router config file (docs/router.md)")
+    add_router_args(p)
+    p.add_argument("--decode", required=True, help="this pod's decode worker, gRPC host:port")
+    p.add_argument("--workers", default=None, help="comma-separated prefill worker gRPC addresses (the pool)")
+    p.add_argument("--k8s-namespace", default=None, help="discover the prefill pool from EndpointSlices here")
+    p.add_argument("--k8s-services", default=None, help="comma-separated prefill pool Service names")
+    p.set_defaults(func=cmd_sidecar)
+
+
+def cmd_sidecar(args) -> int:
+    from splitserve.router.main import bind, config_from_args, url_host, uvicorn_server
+
+    logctx.install()
+    local = check_address(args.decode, "--decode")
+    config = config_from_args(args, **{"discovery.workers": args.workers, "discovery.k8s_namespace":
+                                       args.k8s_namespace, "discovery.k8s_services": args.k8s_services})
+    router, app = build(config, local)
+    sock = bind(config.gateway.host, config.gateway.port)
+    print(f"splitserve sidecar: serving http://{url_host(config.gateway.host)}:{sock.getsockname()[1]}/v1 "
+          f"for decode worker {local}", flush=True)
+    asyncio.run(uvicorn_server(app).serve(sockets=[sock]))
+    return 0

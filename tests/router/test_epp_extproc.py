@@ -1,0 +1,183 @@
+"""The EPP's ext_proc server spoken to as Envoy speaks it: a real gRPC ExternalProcessor stream
+(envoy.service.ext_proc.v3 messages from xds-protos) in front of fake workers that speak the
+real Worker protocol (routerkit.FakeWorker: real KV events and load reports). No model and no
+Envoy here; tests/router/test_epp_envoy.py runs the whole path with both."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import grpc
+import pytest
+from envoy.config.core.v3 import base_pb2
+from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
+from google.protobuf import struct_pb2
+from routerkit import FakeWorker, router_config
+
+from splitserve.platform.errors import ConfigError
+from splitserve.router.epp.endpoints import EndpointMap
+from splitserve.router.epp.extproc import ExternalProcessor, Metrics, add_to_server
+from splitserve.router.epp.picker import Picker
+from splitserve.router.router import Router
+
+CHAT = "/v1/chat/completions"
+
+
+@pytest.fixture(scope="module")
+def epp(loop, tokenizer):
+    """Two decode and one prefill FakeWorker, a Router over them and the ext_proc server."""
+    decode = [loop.run(FakeWorker(tokenizer=tokenizer).start()) for _ in range(2)]
+    prefill = loop.run(FakeWorker("prefill", tokenizer=tokenizer).start())
+    endpoints = EndpointMap({decode[0].address: "10.0.0.1:8200", decode[1].address: "10.0.0.2:8200"})
+
+    async def start():
+        router = Router(router_config([w.address for w in decode + [prefill]]))
+        await router.start()
+        await router.wait_ready(30, num_decode=2, num_prefill=1)
+        server = grpc.aio.server()
+        processor = ExternalProcessor(Picker(router, endpoints), Metrics(router.metrics.registry))
+        add_to_server(server, processor)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        return router, server, port
+
+    router, server, port = loop.run(start())
+    yield {"loop": loop, "router": router, "port": port, "decode": decode, "prefill": prefill}
+
+    async def stop():
+        await server.stop(0)
+        await router.stop()
+        for w in [*decode, prefill]:
+            await w.stop()
+    loop.run(stop())
+
+
+def headers_message(path: str, extra: dict[str, str] | None = None, end_of_stream: bool = False,
+                    subset: list[str] | None = None) -> ep.ProcessingRequest:
+    values = {":method": "POST" if not end_of_stream else "GET", ":path": path, "content-type": "application/json",
+              **(extra or {})}
+    headers = base_pb2.HeaderMap(headers=[base_pb2.HeaderValue(key=k, raw_value=v.encode()) for k, v in values.items()])
+    request = ep.ProcessingRequest(request_headers=ep.HttpHeaders(headers=headers, end_of_stream=end_of_stream))
+    if subset is not None:
+        hint = struct_pb2.Struct()
+        hint.update({"x-gateway-destination-endpoint-subset": subset})
+        request.metadata_context.filter_metadata["envoy.lb.subset_hint"].CopyFrom(hint)
+    return request
+
+
+def body_message(body: dict | bytes) -> ep.ProcessingRequest:
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    return ep.ProcessingRequest(request_body=ep.HttpBody(body=data, end_of_stream=True))
+
+
+def exchange(epp, messages: list[ep.ProcessingRequest], then_response_headers: bool = True) -> list:
+    """Send the messages one at a time, as Envoy does, and collect the answers."""
+
+    async def run():
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{epp['port']}") as channel:
+            call = ep_grpc.ExternalProcessorStub(channel).Process()
+            answers = []
+            for message in messages:
+                await call.write(message)
+                answers.append(await call.read())
+                if answers[-1].HasField("immediate_response"):
+                    break
+            else:
+                if then_response_headers:
+                    await call.write(ep.ProcessingRequest(response_headers=ep.HttpHeaders()))
+                    answers.append(await call.read())
+            await call.done_writing()
+            return answers
+
+    return epp["loop"].run(run())
+
+
+def mutation(answer: ep.ProcessingResponse):
+    which = answer.WhichOneof("response")
+    common = getattr(answer, which).response
+    return {h.header.key: h.header.raw_value.decode() for h in common.header_mutation.set_headers}, \
+        list(common.header_mutation.remove_headers), common.clear_route_cache
+
+
+def chat(content: str, **kw) -> dict:
+    return {"model": "smollm2-135m", "messages": [{"role": "user", "content": content}], **kw}
+
+
+def test_pick_sets_the_destination_header_and_lb_metadata(epp):
+    answers = exchange(epp, [headers_message(CHAT), body_message(chat("Hello"))])
+    assert answers[0].WhichOneof("response") == "request_headers"
+    set_headers, removed, cleared = mutation(answers[1])
+    assert set_headers["x-gateway-destination-endpoint"] in ("10.0.0.1:8200", "10.0.0.2:8200")
+    assert cleared
+    lb = answers[1].dynamic_metadata.fields["envoy.lb"].struct_value.fields
+    assert lb["x-gateway-destination-endpoint"].string_value == set_headers["x-gateway-destination-endpoint"]
+    assert "x-prefiller-host-port" in removed and "x-prefiller-host-port" not in set_headers
+    assert answers[2].WhichOneof("response") == "response_headers"
+
+
+def test_a_long_prompt_names_the_prefill_worker_and_a_client_cannot(epp):
+    long = " ".join(f"word{i}" for i in range(400))    # far past min_prefill_tokens (256)
+    answers = exchange(epp, [headers_message(CHAT, {"x-prefiller-host-port": "10.9.9.9:1"}), body_message(chat(long))])
+    set_headers, _, _ = mutation(answers[1])
+    assert set_headers["x-prefiller-host-port"] == epp["prefill"].address
+    short = exchange(epp, [headers_message(CHAT, {"x-prefiller-host-port": "10.9.9.9:1"}), body_message(chat("Hi"))])
+    set_headers, removed, _ = mutation(short[1])
+    assert "x-prefiller-host-port" not in set_headers and "x-prefiller-host-port" in removed
+
+
+def test_subset_hint_from_metadata_or_header(epp):
+    for _ in range(3):
+        answers = exchange(epp, [headers_message(CHAT, subset=["10.0.0.2:8200"]), body_message(chat("Hello"))])
+        assert mutation(answers[1])[0]["x-gateway-destination-endpoint"] == "10.0.0.2:8200"
+        answers = exchange(epp, [headers_message(CHAT, {"x-gateway-destination-endpoint-subset": "10.0.0.1:8200"}),
+                                 body_message(chat("Hello"))])
+        assert mutation(answers[1])[0]["x-gateway-destination-endpoint"] == "10.0.0.1:8200"
+
+
+def test_no_endpoint_in_the_subset_is_an_immediate_503(epp):
+    answers = exchange(epp, [headers_message(CHAT, subset=["10.7.7.7:8200"]), body_message(chat("Hello"))])
+    immediate = answers[-1].immediate_response
+    assert immediate.status.code == 503
+    error = json.loads(immediate.body)["error"]
+    assert error["code"] == "no_worker_available" and "subset" in error["message"]
+
+
+def test_unreadable_body_and_bodiless_requests_are_still_placed(epp):
+    answers = exchange(epp, [headers_message(CHAT), body_message(b"{not json")])
+    assert mutation(answers[1])[0]["x-gateway-destination-endpoint"]
+    answers = exchange(epp, [headers_message("/v1/models", end_of_stream=True)])
+    assert answers[0].WhichOneof("response") == "request_headers"
+    assert mutation(answers[0])[0]["x-gateway-destination-endpoint"]
+
+
+def test_flow_control_headers_pass_through(epp):
+    answers = exchange(epp, [headers_message(CHAT, {"x-gateway-inference-objective": "premium",
+                                                    "x-gateway-inference-fairness-id": "tenant-a"}),
+                             body_message(chat("Hello"))])
+    set_headers, removed, _ = mutation(answers[1])
+    assert not {"x-gateway-inference-objective", "x-gateway-inference-fairness-id"} & (set(set_headers) | set(removed))
+
+
+def test_assignments_are_released_when_the_stream_ends(epp):
+    pool = epp["router"].pool
+    exchange(epp, [headers_message(CHAT), body_message(chat("Hello"))])
+
+    async def settled():
+        for _ in range(100):
+            if all(w.num_inflight == 0 and w.num_pending == 0 for w in pool.workers.values()):
+                return True
+            await asyncio.sleep(0.02)
+        return False
+    assert epp["loop"].run(settled())
+
+
+def test_endpoint_map_rules():
+    m = EndpointMap.parse(["127.0.0.1:50051=127.0.0.1:8201"], sidecar_port=8200)
+    assert m.endpoint("127.0.0.1:50051") == "127.0.0.1:8201"
+    assert m.endpoint("10.1.2.3:50051") == "10.1.2.3:8200"
+    assert EndpointMap().endpoint("10.1.2.3:50051") is None
+    for bad in (["127.0.0.1:50051"], ["127.0.0.1:50051=nohost"], ["x:1=127.0.0.1:70000"]):
+        with pytest.raises(ConfigError, match="allowed"):
+            EndpointMap.parse(bad)
