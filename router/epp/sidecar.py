@@ -2,7 +2,7 @@
 
     splitserve sidecar --decode 127.0.0.1:50051 --workers <prefill pool> --port 8200
 
-The gateway's whole request pipeline (router/app.py: access, admission, prompts, dispatch,
+The gateway's whole request pipeline (router/api/app.py: access, admission, prompts, dispatch,
 streaming, usage, errors) with one decode candidate: this pod's worker. The EPP already chose
 the pod; the sidecar only honours the choice.
 
