@@ -47,6 +47,9 @@ BUILTIN = [("v1/namespaces", "Namespace", False), ("v1/events", "Event", True),
            ("coordination.k8s.io/v1/leases", "Lease", True), ("v1/pods", "Pod", True)]
 KEDA = ("keda.sh/v1alpha1/scaledobjects", "ScaledObject", True)
 PROMETHEUS_OPERATOR = ("monitoring.coreos.com/v1/servicemonitors", "ServiceMonitor", True)
+# An inference gateway's CRDs (GIE's InferencePool, the Gateway API's HTTPRoute): opt-in.
+INFERENCE_GATEWAY = [("inference.networking.k8s.io/v1/inferencepools", "InferencePool", True),
+                     ("gateway.networking.k8s.io/v1/httproutes", "HTTPRoute", True)]
 VERBS = ["get", "list", "watch", "create", "patch", "update", "delete"]
 
 
@@ -145,8 +148,10 @@ def _merged(old: Any, patch: Any) -> Any:
 class ClusterThread:
     """Runs a Cluster and its HTTP server on an event loop in a background thread."""
 
-    def __init__(self, with_keda: bool = True, with_prometheus_operator: bool = True):
+    def __init__(self, with_keda: bool = True, with_prometheus_operator: bool = True,
+                 with_inference_gateway: bool = False):
         self.apis = BUILTIN + ([KEDA] if with_keda else []) + ([PROMETHEUS_OPERATOR] if with_prometheus_operator else [])
+        self.apis += INFERENCE_GATEWAY if with_inference_gateway else []
         self.loop = asyncio.new_event_loop()
         self._ready = threading.Event()
         self._thread = threading.Thread(target=self.loop.run_until_complete, args=(self._main(),), daemon=True)

@@ -170,3 +170,36 @@ def test_chart_default_names_the_inference_gateway_peers():
         "spec"]["ingress"]
     router = out["NetworkPolicy", "chat-router"]["spec"]["ingress"]   # the router keeps the chart's gatewayFrom
     assert not [r for r in router if r["from"] == peers]
+
+
+def test_apply_creates_the_pool_and_prunes_it_when_the_mode_goes_back(tmp_path):
+    """Against kmock's in-memory Kubernetes API emulator (opkit_emulator) with the InferencePool and
+    HTTPRoute APIs installed: apply creates every child, and switching back to the splitserve mode
+    deletes the InferencePool, the HTTPRoute and the EPP's objects (owned children no longer rendered)."""
+    from opkit_emulator import ClusterThread
+    from opkit_kube import create_isvc
+
+    from splitserve.operator import kube as K
+    from splitserve.operator.apply import apply_all
+    from splitserve.operator.context import instance_selector
+    from splitserve.planner.kube import KubeClient, load_configuration
+
+    spec = {"model": {"uri": "smollm2-135m"}, "kvTransfer": {"transport": "tcp"}, "gateway": {"mode": "inferencePool"}}
+    with ClusterThread(with_inference_gateway=True) as cluster:
+        kube = KubeClient(load_configuration(cluster.kubeconfig(str(tmp_path / "kubeconfig"))))
+        uid = create_isvc(kube, "chat", "llm", spec)["metadata"]["uid"]
+
+        def apply(raw):
+            return apply_all(kube, render(parse_spec(raw), "chat", "llm", uid), "llm", instance_selector("chat"), uid)
+
+        result = apply(spec)
+        assert {"InferencePool/chat", "HTTPRoute/chat", "Deployment/chat-epp", "Service/chat-epp",
+                "ConfigMap/chat-epp", "NetworkPolicy/chat-epp"} <= set(result.created)
+        pool = kube.get(K.path(K.KIND_BY_NAME["InferencePool"], "llm", "chat"))
+        assert pool["spec"]["endpointPickerRef"]["name"] == "chat-epp"
+        assert not apply(spec).changed                       # level-based: a second apply writes nothing
+        back = apply({**spec, "gateway": {"mode": "splitserve"}})
+        assert {"InferencePool/chat", "HTTPRoute/chat", "Deployment/chat-epp"} <= set(back.deleted)
+        assert kube.get(K.path(K.KIND_BY_NAME["InferencePool"], "llm", "chat")) is None
+        assert kube.get(K.path(K.KIND_BY_NAME["HTTPRoute"], "llm", "chat")) is None
+        assert kube.get(K.path(K.KIND_BY_NAME["Deployment"], "llm", "chat-epp")) is None
