@@ -66,33 +66,84 @@ class GatewayCluster:
         workers = []
         for i in range(2):
             grpc_port, metrics_port, kv_port = free_port(), free_port(), free_port()
-            argv = ["taskset", "-c", str(cores[i % len(cores)]), sys.executable, "-m", "splitserve.platform.cli",
-                    "--log-level", "WARNING", "worker", "--role", "both", "--model", MODEL, "--threads", "1",
-                    "--kv-transport", kv_transport(), "--kv-cache-memory", f"{gib:.6f}", "--kv-cache-dtype", "float16",
-                    "--max-model-len", "2048", "--grpc-port", str(grpc_port), "--metrics-port", str(metrics_port),
-                    "--kv-port", str(kv_port), "--drain-grace", "2"]
+            argv = [
+                "taskset",
+                "-c",
+                str(cores[i % len(cores)]),
+                sys.executable,
+                "-m",
+                "splitserve.platform.cli",
+                "--log-level",
+                "WARNING",
+                "worker",
+                "--role",
+                "both",
+                "--model",
+                MODEL,
+                "--threads",
+                "1",
+                "--kv-transport",
+                kv_transport(),
+                "--kv-cache-memory",
+                f"{gib:.6f}",
+                "--kv-cache-dtype",
+                "float16",
+                "--max-model-len",
+                "2048",
+                "--grpc-port",
+                str(grpc_port),
+                "--metrics-port",
+                str(metrics_port),
+                "--kv-port",
+                str(kv_port),
+                "--drain-grace",
+                "2",
+            ]
             self.procs.append(Proc(f"worker {i}", argv, ready_prefix="READY"))
             workers.append(f"127.0.0.1:{grpc_port}")
         for p in self.procs:
             p.wait_ready(300)
         config = workdir / f"router-{arm}.yaml"
-        config.write_text(yaml.safe_dump({"model": MODEL, "max_model_len": 2048,
-                                          "gateway": {"max_concurrent_requests": 512, "max_queued_requests": 4096},
-                                          "placement": {"disaggregation": {"mode": "never"}},
-                                          # a pinned worker on a busy host can report late; not down
-                                          "discovery": {"stale_after_s": 30}}))
+        config.write_text(
+            yaml.safe_dump(
+                {
+                    "model": MODEL,
+                    "max_model_len": 2048,
+                    "gateway": {"max_concurrent_requests": 512, "max_queued_requests": 4096},
+                    "placement": {"disaggregation": {"mode": "never"}},
+                    # a pinned worker on a busy host can report late; not down
+                    "discovery": {"stale_after_s": 30},
+                }
+            )
+        )
         cli = [sys.executable, "-m", "splitserve.platform.cli", "--log-level", "WARNING"]
         sidecars = []
         for i, worker in enumerate(workers):
             port = free_port()
-            proc = Proc(f"sidecar {i}", [*cli, "sidecar", "--config", str(config), "--decode", worker,
-                                         "--port", str(port)])
+            proc = Proc(
+                f"sidecar {i}", [*cli, "sidecar", "--config", str(config), "--decode", worker, "--port", str(port)]
+            )
             self.procs.append(proc)
             sidecars.append(f"127.0.0.1:{port}")
         grpc_port, health_port = free_port(), free_port()
-        epp = Proc("epp", [*cli, "epp", "--config", str(config), "--workers", ",".join(workers),
-                           *[f"--endpoint={w}={s}" for w, s in zip(workers, sidecars, strict=True)],
-                           "--host", "127.0.0.1", "--grpc-port", str(grpc_port), "--health-port", str(health_port)])
+        epp = Proc(
+            "epp",
+            [
+                *cli,
+                "epp",
+                "--config",
+                str(config),
+                "--workers",
+                ",".join(workers),
+                *[f"--endpoint={w}={s}" for w, s in zip(workers, sidecars, strict=True)],
+                "--host",
+                "127.0.0.1",
+                "--grpc-port",
+                str(grpc_port),
+                "--health-port",
+                str(health_port),
+            ],
+        )
         self.procs.append(epp)
         for proc, sidecar in zip(self.procs[2:4], sidecars, strict=True):
             wait_http(f"http://{sidecar}/ready", 120, proc)
@@ -157,23 +208,34 @@ def main() -> int:
 
 def render(results: dict, args, host: str) -> str:
     begin, end = markers("epp-w1")
-    lines = [begin, "## W1 through Envoy: `splitserve epp` vs round robin (issue 41)", "",
-             f"{datetime.date.today()}, {host}. `python bench/epp_w1.py"
-             f"{' --quick' if args.quick else ''} --rate {args.rate}`: W1 (8 groups, 256-token system prompts, "
-             f"warm prefixes, {16 if args.quick else 64} measured requests at {args.rate} req/s) sent to one Envoy "
-             "in front of two sidecars, each before one colocated worker pinned to a core with 128 KV blocks; "
-             "a fresh cluster per arm, the EPP running in both.", "",
-             "| arm | TTFT p50 (ms) | TTFT p90 (ms) | prefix cache hit rate | completed / failed |",
-             "|---|---|---|---|---|"]
+    lines = [
+        begin,
+        "## W1 through Envoy: `splitserve epp` vs round robin (issue 41)",
+        "",
+        f"{datetime.date.today()}, {host}. `python bench/epp_w1.py"
+        f"{' --quick' if args.quick else ''} --rate {args.rate}`: W1 (8 groups, 256-token system prompts, "
+        f"warm prefixes, {16 if args.quick else 64} measured requests at {args.rate} req/s) sent to one Envoy "
+        "in front of two sidecars, each before one colocated worker pinned to a core with 128 KV blocks; "
+        "a fresh cluster per arm, the EPP running in both.",
+        "",
+        "| arm | TTFT p50 (ms) | TTFT p90 (ms) | prefix cache hit rate | completed / failed |",
+        "|---|---|---|---|---|",
+    ]
     for arm in ARMS:
         s = results[arm]["summary"]
         hits = s.get("prefix_cache_hit_rate")
-        lines.append(f"| {arm} | {s['ttft_ms']['p50']:.0f} | {s['ttft_ms']['p90']:.0f} | "
-                     f"{'' if hits is None else f'{hits:.0%}'} | {s['completed']} / {s['failed']} |")
+        lines.append(
+            f"| {arm} | {s['ttft_ms']['p50']:.0f} | {s['ttft_ms']['p90']:.0f} | "
+            f"{'' if hits is None else f'{hits:.0%}'} | {s['completed']} / {s['failed']} |"
+        )
     rr, epp = p90_ttft_ms(results["round-robin"]), p90_ttft_ms(results["epp"])
-    lines += ["", f"p90 TTFT round-robin ÷ epp: **{rr / epp:.2f}×**. The same comparison behind the splitserve "
-              "gateway (serving suite, round-robin ÷ prefix+queue) is W1 of the [serving suite](serving.md); the EPP "
-              "places with the same scorers, so the two ratios measure the same policy.", end]
+    lines += [
+        "",
+        f"p90 TTFT round-robin ÷ epp: **{rr / epp:.2f}×**. The same comparison behind the splitserve "
+        "gateway (serving suite, round-robin ÷ prefix+queue) is W1 of the [serving suite](serving.md); the EPP "
+        "places with the same scorers, so the two ratios measure the same policy.",
+        end,
+    ]
     return "\n".join(lines)
 
 

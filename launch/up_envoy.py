@@ -43,8 +43,9 @@ def _ready(url: str) -> bool:
 class _Child:
     def __init__(self, name: str, argv: list[str]):
         self.name = name
-        self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                     start_new_session=True)
+        self.proc = subprocess.Popen(
+            argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+        )
         self.tail: list[str] = []
         threading.Thread(target=self._pump, daemon=True).start()
 
@@ -72,11 +73,17 @@ class _Child:
 
 def common_args(config, config_file: str | None) -> list[str]:
     d = config.discovery
-    args = ["--model", config.model, "--max-model-len", str(config.max_model_len),
-            "--served-model-name", ",".join(config.served_model_names)]
+    args = [
+        "--model",
+        config.model,
+        "--max-model-len",
+        str(config.max_model_len),
+        "--served-model-name",
+        ",".join(config.served_model_names),
+    ]
     if config_file:
         args += ["--config", config_file]
-    for key in config.gateway.api_keys:   # the sidecar is the OpenAI endpoint: it checks the keys
+    for key in config.gateway.api_keys:  # the sidecar is the OpenAI endpoint: it checks the keys
         args += ["--api-key", key.key]
     if d.tls_cert:
         args += ["--tls-cert", d.tls_cert, "--tls-key", d.tls_key, "--tls-ca", d.tls_ca]
@@ -86,7 +93,7 @@ def common_args(config, config_file: str | None) -> list[str]:
 def serve_envoy(config, workers, sock: socket.socket, config_file: str | None = None) -> int:
     """Run the Envoy path in front of `workers` (up's WorkerProcess list) until a signal."""
     host, port = sock.getsockname()[:2]
-    sock.close()   # Envoy binds the port itself
+    sock.close()  # Envoy binds the port itself
     decode = next(w for w in workers if w.role == "decode")
     prefill = [w.address for w in workers if w.role == "prefill"]
     cli = [sys.executable, "-m", "splitserve.platform.cli", "--log-level", "WARNING"]
@@ -97,16 +104,49 @@ def serve_envoy(config, workers, sock: socket.socket, config_file: str | None = 
     stop = threading.Event()
     previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
-        children.append(_Child("sidecar", [*cli, "sidecar", *common, "--decode", decode.address, "--workers",
-                                           ",".join(prefill), "--host", "127.0.0.1", "--port", str(sidecar_port)]))
-        children.append(_Child("epp", [*cli, "epp", *common, "--workers", ",".join(w.address for w in workers),
-                                       f"--endpoint={decode.address}=127.0.0.1:{sidecar_port}", "--host", "127.0.0.1",
-                                       "--grpc-port", str(grpc_port), "--health-port", str(health_port)]))
+        children.append(
+            _Child(
+                "sidecar",
+                [
+                    *cli,
+                    "sidecar",
+                    *common,
+                    "--decode",
+                    decode.address,
+                    "--workers",
+                    ",".join(prefill),
+                    "--host",
+                    "127.0.0.1",
+                    "--port",
+                    str(sidecar_port),
+                ],
+            )
+        )
+        children.append(
+            _Child(
+                "epp",
+                [
+                    *cli,
+                    "epp",
+                    *common,
+                    "--workers",
+                    ",".join(w.address for w in workers),
+                    f"--endpoint={decode.address}=127.0.0.1:{sidecar_port}",
+                    "--host",
+                    "127.0.0.1",
+                    "--grpc-port",
+                    str(grpc_port),
+                    "--health-port",
+                    str(health_port),
+                ],
+            )
+        )
         children[0].wait(f"http://127.0.0.1:{sidecar_port}/ready")
         children[1].wait(f"http://127.0.0.1:{health_port}/ready")
         with tempfile.TemporaryDirectory(prefix="splitserve-envoy-") as tmp:
-            bootstrap = envoy_config(port, [f"127.0.0.1:{sidecar_port}"], f"127.0.0.1:{grpc_port}", admin_port,
-                                     host=host)
+            bootstrap = envoy_config(
+                port, [f"127.0.0.1:{sidecar_port}"], f"127.0.0.1:{grpc_port}", admin_port, host=host
+            )
             path = os.path.join(tmp, "envoy.yaml")
             envoy = start_envoy(bootstrap, path)
             deadline = time.monotonic() + START_TIMEOUT_S
@@ -114,9 +154,11 @@ def serve_envoy(config, workers, sock: socket.socket, config_file: str | None = 
                 if envoy.poll() is not None or time.monotonic() > deadline:
                     raise RuntimeError("envoy did not start:\n" + envoy_log(path))
                 time.sleep(0.2)
-            print(f"splitserve up: serving http://{host}:{port}/v1 (model {config.served_model_names[0]}, "
-                  "through Envoy and splitserve epp)\nCtrl-C stops Envoy, the EPP, the sidecar and both workers.",
-                  flush=True)
+            print(
+                f"splitserve up: serving http://{host}:{port}/v1 (model {config.served_model_names[0]}, "
+                "through Envoy and splitserve epp)\nCtrl-C stops Envoy, the EPP, the sidecar and both workers.",
+                flush=True,
+            )
             while not stop.wait(0.5):
                 for child in children:
                     if child.proc.poll() is not None:

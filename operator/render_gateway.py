@@ -54,27 +54,45 @@ def _config(ctx: Context, services: list[str]) -> str:
 def epp_config_map(ctx: Context) -> Manifest:
     pools = [ctx.child(pool) for pool in ctx.pools]
     prefill = [ctx.child("prefill")] if "prefill" in ctx.pools else []
-    return {"apiVersion": "v1", "kind": "ConfigMap", "metadata": ctx.meta(ctx.child("epp"), "epp"),
-            "data": {"epp.yaml": _config(ctx, pools), "sidecar.yaml": _config(ctx, prefill)}}
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": ctx.meta(ctx.child("epp"), "epp"),
+        "data": {"epp.yaml": _config(ctx, pools), "sidecar.yaml": _config(ctx, prefill)},
+    }
 
 
 def inference_pool(ctx: Context) -> Manifest:
-    return {"apiVersion": f"{POOL_GROUP}/v1", "kind": "InferencePool",
-            "metadata": ctx.meta(ctx.name, "inference-pool"),
-            "spec": {"selector": {"matchLabels": ctx.selector("decode")},
-                     "targetPorts": [{"number": ctx.spec.gateway.sidecar_port}],
-                     "endpointPickerRef": {"name": ctx.child("epp"), "kind": "Service",
-                                           "port": {"number": EPP_GRPC_PORT},
-                                           "failureMode": ctx.spec.gateway.failure_mode}}}
+    return {
+        "apiVersion": f"{POOL_GROUP}/v1",
+        "kind": "InferencePool",
+        "metadata": ctx.meta(ctx.name, "inference-pool"),
+        "spec": {
+            "selector": {"matchLabels": ctx.selector("decode")},
+            "targetPorts": [{"number": ctx.spec.gateway.sidecar_port}],
+            "endpointPickerRef": {
+                "name": ctx.child("epp"),
+                "kind": "Service",
+                "port": {"number": EPP_GRPC_PORT},
+                "failureMode": ctx.spec.gateway.failure_mode,
+            },
+        },
+    }
 
 
 def http_route(ctx: Context) -> Manifest:
     parents = [ref.model_dump(by_alias=True, exclude_none=True) for ref in ctx.spec.gateway.parent_refs]
-    rule = {"matches": [{"path": {"type": "PathPrefix", "value": "/"}}],
-            "backendRefs": [{"group": POOL_GROUP, "kind": "InferencePool", "name": ctx.name}],
-            "timeouts": {"request": "0s"}}   # streams last as long as they generate
-    return {"apiVersion": "gateway.networking.k8s.io/v1", "kind": "HTTPRoute",
-            "metadata": ctx.meta(ctx.name, "gateway"), "spec": {"parentRefs": parents, "rules": [rule]}}
+    rule = {
+        "matches": [{"path": {"type": "PathPrefix", "value": "/"}}],
+        "backendRefs": [{"group": POOL_GROUP, "kind": "InferencePool", "name": ctx.name}],
+        "timeouts": {"request": "0s"},
+    }  # streams last as long as they generate
+    return {
+        "apiVersion": "gateway.networking.k8s.io/v1",
+        "kind": "HTTPRoute",
+        "metadata": ctx.meta(ctx.name, "gateway"),
+        "spec": {"parentRefs": parents, "rules": [rule]},
+    }
 
 
 def _is_secure(ctx: Context, component: str) -> bool:
@@ -85,10 +103,18 @@ def epp_service(ctx: Context) -> Manifest:
     grpc = {"name": C.GRPC_PORT_NAME, "port": EPP_GRPC_PORT, "targetPort": C.GRPC_PORT_NAME, "protocol": "TCP"}
     if not _is_secure(ctx, "router"):
         grpc["appProtocol"] = "kubernetes.io/h2c"
-    metrics = {"name": C.METRICS_PORT_NAME, "port": EPP_HEALTH_PORT, "targetPort": C.METRICS_PORT_NAME,
-               "protocol": "TCP"}
-    return {"apiVersion": "v1", "kind": "Service", "metadata": ctx.meta(ctx.child("epp"), "epp"),
-            "spec": {"selector": ctx.selector("epp"), "ports": [grpc, metrics]}}
+    metrics = {
+        "name": C.METRICS_PORT_NAME,
+        "port": EPP_HEALTH_PORT,
+        "targetPort": C.METRICS_PORT_NAME,
+        "protocol": "TCP",
+    }
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": ctx.meta(ctx.child("epp"), "epp"),
+        "spec": {"selector": ctx.selector("epp"), "ports": [grpc, metrics]},
+    }
 
 
 def epp_deployment(ctx: Context) -> Manifest:
@@ -97,24 +123,52 @@ def epp_deployment(ctx: Context) -> Manifest:
     volumes.append({"name": "config", "configMap": {"name": ctx.child("epp")}})
     mounts.append({"name": "config", "mountPath": EPP_CONFIG_DIR, "readOnly": True})
     pods._add_tls(ctx, "router", volumes, mounts)
-    args = ["epp", "--config", f"{EPP_CONFIG_DIR}/epp.yaml", "--sidecar-port", str(ctx.spec.gateway.sidecar_port),
-            "--host", "0.0.0.0", "--grpc-port", str(EPP_GRPC_PORT), "--health-port", str(EPP_HEALTH_PORT),
-            *pods.tls_args(ctx, "router")]
+    args = [
+        "epp",
+        "--config",
+        f"{EPP_CONFIG_DIR}/epp.yaml",
+        "--sidecar-port",
+        str(ctx.spec.gateway.sidecar_port),
+        "--host",
+        "0.0.0.0",
+        "--grpc-port",
+        str(EPP_GRPC_PORT),
+        "--health-port",
+        str(EPP_HEALTH_PORT),
+        *pods.tls_args(ctx, "router"),
+    ]
     if _is_secure(ctx, "router"):
         args += ["--serve-tls-cert", f"{pods.TLS_DIR}/tls.crt", "--serve-tls-key", f"{pods.TLS_DIR}/tls.key"]
-    container = {"name": "epp", "image": ctx.image(router.image, 0), "imagePullPolicy": ctx.spec.image.pull_policy,
-                 "command": ["splitserve"], "args": args,
-                 "ports": [{"name": C.GRPC_PORT_NAME, "containerPort": EPP_GRPC_PORT, "protocol": "TCP"},
-                           {"name": C.METRICS_PORT_NAME, "containerPort": EPP_HEALTH_PORT, "protocol": "TCP"}],
-                 "env": pods.BASE_ENV, "resources": pods._resources(router.resources),
-                 **pods._probes(C.METRICS_PORT_NAME), "securityContext": pods.CONTAINER_SECURITY,
-                 "volumeMounts": mounts}
-    pod = {"serviceAccountName": ctx.child("router"), "enableServiceLinks": False,
-           "terminationGracePeriodSeconds": 30, "securityContext": pods.POD_SECURITY,
-           "affinity": pods._anti_affinity(ctx, "epp"), "nodeSelector": dict(router.node_selector),
-           "tolerations": pods._tolerations(router.tolerations), "containers": [container], "volumes": volumes}
-    return pods._deployment(ctx, "epp", ctx.spec.gateway.epp_replicas, "operator", pods._drop_empty(pod),
-                            pods._tls_revision(ctx, "router"))
+    container = {
+        "name": "epp",
+        "image": ctx.image(router.image, 0),
+        "imagePullPolicy": ctx.spec.image.pull_policy,
+        "command": ["splitserve"],
+        "args": args,
+        "ports": [
+            {"name": C.GRPC_PORT_NAME, "containerPort": EPP_GRPC_PORT, "protocol": "TCP"},
+            {"name": C.METRICS_PORT_NAME, "containerPort": EPP_HEALTH_PORT, "protocol": "TCP"},
+        ],
+        "env": pods.BASE_ENV,
+        "resources": pods._resources(router.resources),
+        **pods._probes(C.METRICS_PORT_NAME),
+        "securityContext": pods.CONTAINER_SECURITY,
+        "volumeMounts": mounts,
+    }
+    pod = {
+        "serviceAccountName": ctx.child("router"),
+        "enableServiceLinks": False,
+        "terminationGracePeriodSeconds": 30,
+        "securityContext": pods.POD_SECURITY,
+        "affinity": pods._anti_affinity(ctx, "epp"),
+        "nodeSelector": dict(router.node_selector),
+        "tolerations": pods._tolerations(router.tolerations),
+        "containers": [container],
+        "volumes": volumes,
+    }
+    return pods._deployment(
+        ctx, "epp", ctx.spec.gateway.epp_replicas, "operator", pods._drop_empty(pod), pods._tls_revision(ctx, "router")
+    )
 
 
 def with_sidecar(ctx: Context, deployment: Manifest) -> Manifest:
@@ -126,13 +180,29 @@ def with_sidecar(ctx: Context, deployment: Manifest) -> Manifest:
     mounts = [m for m in worker.get("volumeMounts", []) if m["name"] in ("tmp", "tls")]
     mounts.append({"name": "epp-config", "mountPath": EPP_CONFIG_DIR, "readOnly": True})
     pod.setdefault("volumes", []).append({"name": "epp-config", "configMap": {"name": ctx.child("epp")}})
-    sidecar = {"name": "sidecar", "image": ctx.image(ctx.spec.router.image, 0),
-               "imagePullPolicy": ctx.spec.image.pull_policy, "command": ["splitserve"],
-               "args": ["sidecar", "--config", f"{EPP_CONFIG_DIR}/sidecar.yaml", "--decode", f"127.0.0.1:{C.GRPC_PORT}",
-                        "--host", "0.0.0.0", "--port", str(port), *pods.tls_args(ctx, "decode")],
-               "ports": [{"name": SIDECAR_PORT_NAME, "containerPort": port, "protocol": "TCP"}],
-               "env": pods.BASE_ENV, **pods._probes(SIDECAR_PORT_NAME),
-               "securityContext": pods.CONTAINER_SECURITY, "volumeMounts": mounts}
+    sidecar = {
+        "name": "sidecar",
+        "image": ctx.image(ctx.spec.router.image, 0),
+        "imagePullPolicy": ctx.spec.image.pull_policy,
+        "command": ["splitserve"],
+        "args": [
+            "sidecar",
+            "--config",
+            f"{EPP_CONFIG_DIR}/sidecar.yaml",
+            "--decode",
+            f"127.0.0.1:{C.GRPC_PORT}",
+            "--host",
+            "0.0.0.0",
+            "--port",
+            str(port),
+            *pods.tls_args(ctx, "decode"),
+        ],
+        "ports": [{"name": SIDECAR_PORT_NAME, "containerPort": port, "protocol": "TCP"}],
+        "env": pods.BASE_ENV,
+        **pods._probes(SIDECAR_PORT_NAME),
+        "securityContext": pods.CONTAINER_SECURITY,
+        "volumeMounts": mounts,
+    }
     pod["containers"].append(sidecar)
     # The sidecar discovers the prefill pool through EndpointSlices: the router's read-only access.
     pod["serviceAccountName"] = ctx.child("router")

@@ -34,8 +34,15 @@ HCM = "envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectio
 HTTP2 = "envoy.extensions.upstreams.http.v3.HttpProtocolOptions"
 
 
-def envoy_config(port: int, sidecars: list[str], epp: str | None, admin_port: int = 0, fail_open: bool = False,
-                 host: str = "127.0.0.1", message_timeout_s: float = 10.0) -> dict:
+def envoy_config(
+    port: int,
+    sidecars: list[str],
+    epp: str | None,
+    admin_port: int = 0,
+    fail_open: bool = False,
+    host: str = "127.0.0.1",
+    message_timeout_s: float = 10.0,
+) -> dict:
     """The bootstrap as a dict (yaml.safe_dump it); ValueError-free: addresses are checked."""
     if not sidecars:
         raise ValueError("envoy_config needs at least one sidecar endpoint (the pool's fallback)")
@@ -43,43 +50,87 @@ def envoy_config(port: int, sidecars: list[str], epp: str | None, admin_port: in
         check_address(s, "sidecar endpoint")
     filters = []
     if epp is not None:
-        filters.append({"name": "envoy.filters.http.ext_proc", "typed_config": {
-            "@type": f"type.googleapis.com/{EXT_PROC}",
-            "grpc_service": {"envoy_grpc": {"cluster_name": "epp"}, "timeout": "30s"},
-            "failure_mode_allow": fail_open,
-            "message_timeout": f"{message_timeout_s}s",
-            "processing_mode": {"request_header_mode": "SEND", "request_body_mode": "BUFFERED",
-                                "response_header_mode": "SEND", "response_body_mode": "NONE",
-                                "request_trailer_mode": "SKIP", "response_trailer_mode": "SKIP"},
-            "metadata_options": {"receiving_namespaces": {"untyped": ["envoy.lb"]}},
-        }})
+        filters.append(
+            {
+                "name": "envoy.filters.http.ext_proc",
+                "typed_config": {
+                    "@type": f"type.googleapis.com/{EXT_PROC}",
+                    "grpc_service": {"envoy_grpc": {"cluster_name": "epp"}, "timeout": "30s"},
+                    "failure_mode_allow": fail_open,
+                    "message_timeout": f"{message_timeout_s}s",
+                    "processing_mode": {
+                        "request_header_mode": "SEND",
+                        "request_body_mode": "BUFFERED",
+                        "response_header_mode": "SEND",
+                        "response_body_mode": "NONE",
+                        "request_trailer_mode": "SKIP",
+                        "response_trailer_mode": "SKIP",
+                    },
+                    "metadata_options": {"receiving_namespaces": {"untyped": ["envoy.lb"]}},
+                },
+            }
+        )
     filters.append({"name": "envoy.filters.http.router", "typed_config": {"@type": f"type.googleapis.com/{ROUTER}"}})
-    routes = [{"match": {"prefix": "/", "headers": [{"name": DESTINATION, "present_match": True}]},
-               "route": {"cluster": "picked", "timeout": "0s"}},
-              {"match": {"prefix": "/"}, "route": {"cluster": "pool", "timeout": "0s"}}]
+    routes = [
+        {
+            "match": {"prefix": "/", "headers": [{"name": DESTINATION, "present_match": True}]},
+            "route": {"cluster": "picked", "timeout": "0s"},
+        },
+        {"match": {"prefix": "/"}, "route": {"cluster": "pool", "timeout": "0s"}},
+    ]
     virtual_hosts = [{"name": "all", "domains": ["*"], "routes": routes}]
-    hcm = {"@type": f"type.googleapis.com/{HCM}", "stat_prefix": "inference", "codec_type": "AUTO",
-           "stream_idle_timeout": "0s", "route_config": {"name": "inference", "virtual_hosts": virtual_hosts},
-           "http_filters": filters}
+    hcm = {
+        "@type": f"type.googleapis.com/{HCM}",
+        "stat_prefix": "inference",
+        "codec_type": "AUTO",
+        "stream_idle_timeout": "0s",
+        "route_config": {"name": "inference", "virtual_hosts": virtual_hosts},
+        "http_filters": filters,
+    }
     clusters = [
-        {"name": "picked", "type": "ORIGINAL_DST", "lb_policy": "CLUSTER_PROVIDED", "connect_timeout": "5s",
-         "original_dst_lb_config": {"use_http_header": True, "http_header_name": DESTINATION}},
-        {"name": "pool", "type": "STATIC", "lb_policy": "ROUND_ROBIN", "connect_timeout": "5s",
-         "load_assignment": _endpoints("pool", sidecars)},
+        {
+            "name": "picked",
+            "type": "ORIGINAL_DST",
+            "lb_policy": "CLUSTER_PROVIDED",
+            "connect_timeout": "5s",
+            "original_dst_lb_config": {"use_http_header": True, "http_header_name": DESTINATION},
+        },
+        {
+            "name": "pool",
+            "type": "STATIC",
+            "lb_policy": "ROUND_ROBIN",
+            "connect_timeout": "5s",
+            "load_assignment": _endpoints("pool", sidecars),
+        },
     ]
     if epp is not None:
         check_address(epp, "EPP address")
-        clusters.append({"name": "epp", "type": "STATIC", "connect_timeout": "5s",
-                         "typed_extension_protocol_options": {HTTP2: {
-                             "@type": f"type.googleapis.com/{HTTP2}",
-                             "explicit_http_config": {"http2_protocol_options": {}}}},
-                         "load_assignment": _endpoints("epp", [epp])})
+        clusters.append(
+            {
+                "name": "epp",
+                "type": "STATIC",
+                "connect_timeout": "5s",
+                "typed_extension_protocol_options": {
+                    HTTP2: {
+                        "@type": f"type.googleapis.com/{HTTP2}",
+                        "explicit_http_config": {"http2_protocol_options": {}},
+                    }
+                },
+                "load_assignment": _endpoints("epp", [epp]),
+            }
+        )
     return {
         "admin": {"address": {"socket_address": {"address": host, "port_value": admin_port}}},
         "static_resources": {
-            "listeners": [{"name": "inference", "address": {"socket_address": {"address": host, "port_value": port}},
-                           "filter_chains": [{"filters": [{"name": "envoy.filters.network.http_connection_manager",
-                                                           "typed_config": hcm}]}]}],
+            "listeners": [
+                {
+                    "name": "inference",
+                    "address": {"socket_address": {"address": host, "port_value": port}},
+                    "filter_chains": [
+                        {"filters": [{"name": "envoy.filters.network.http_connection_manager", "typed_config": hcm}]}
+                    ],
+                }
+            ],
             "clusters": clusters,
         },
     }
@@ -106,8 +157,17 @@ def start_envoy(config: dict, path: str, log_level: str = "warning") -> subproce
     may run on one machine: hot restart is off and each takes its own base id."""
     with open(path, "w") as f:
         yaml.safe_dump(config, f, sort_keys=False)
-    argv = [envoy_binary(), "-c", path, "--log-level", log_level, "--concurrency", "1",
-            "--disable-hot-restart", "--use-dynamic-base-id"]
+    argv = [
+        envoy_binary(),
+        "-c",
+        path,
+        "--log-level",
+        log_level,
+        "--concurrency",
+        "1",
+        "--disable-hot-restart",
+        "--use-dynamic-base-id",
+    ]
     with open(path + ".log", "w") as log:
         return subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
 
@@ -128,8 +188,11 @@ def register(subparsers) -> None:
     p.add_argument("--host", default="127.0.0.1", help="listen address (default 127.0.0.1)")
     p.add_argument("--sidecars", required=True, help="comma-separated sidecar host:port (the pool)")
     p.add_argument("--epp", default=None, help="the EPP's ext_proc host:port; without it: round robin only")
-    p.add_argument("--fail-open", action="store_true", help="when the EPP does not answer, round robin over the pool "
-                   "(default: fail closed, 500)")
+    p.add_argument(
+        "--fail-open",
+        action="store_true",
+        help="when the EPP does not answer, round robin over the pool (default: fail closed, 500)",
+    )
     p.set_defaults(func=cmd_envoy_config)
 
 

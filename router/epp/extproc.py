@@ -48,10 +48,15 @@ PREFILLER = "x-prefiller-host-port"
 
 class Metrics:
     def __init__(self, registry):
-        self.picks = Counter("splitserve_epp_picks", "Requests the EPP answered, by result (picked, pd, refused)",
-                             ["result"], registry=registry)
-        self.pick_seconds = Histogram("splitserve_epp_pick_seconds", "Time from the request body to the pick",
-                                      registry=registry)
+        self.picks = Counter(
+            "splitserve_epp_picks",
+            "Requests the EPP answered, by result (picked, pd, refused)",
+            ["result"],
+            registry=registry,
+        )
+        self.pick_seconds = Histogram(
+            "splitserve_epp_pick_seconds", "Time from the request body to the pick", registry=registry
+        )
 
 
 class ExternalProcessor(ep_grpc.ExternalProcessorServicer):
@@ -105,21 +110,29 @@ class ExternalProcessor(ep_grpc.ExternalProcessorServicer):
                 log.warning("no endpoint for %s: %s", headers.get(":path"), exc.message)
                 return _immediate(exc), None
         self.metrics.picks.labels(result="pd" if pick.prefill else "picked").inc()
-        log.info("picked %s (decode %s, prefill %s, %d prompt tokens, %d cached blocks)", pick.endpoint,
-                 pick.decode, pick.prefill or "local", pick.num_prompt_tokens, pick.num_cached_blocks)
+        log.info(
+            "picked %s (decode %s, prefill %s, %d prompt tokens, %d cached blocks)",
+            pick.endpoint,
+            pick.decode,
+            pick.prefill or "local",
+            pick.num_prompt_tokens,
+            pick.num_cached_blocks,
+        )
         set_headers = [_header(DESTINATION, pick.endpoint)]
         remove = []
         if pick.prefill:
             set_headers.append(_header(PREFILLER, pick.prefill))
         else:
             remove.append(PREFILLER)
-        common = ep.CommonResponse(header_mutation=ep.HeaderMutation(set_headers=set_headers, remove_headers=remove),
-                                   clear_route_cache=True)
+        common = ep.CommonResponse(
+            header_mutation=ep.HeaderMutation(set_headers=set_headers, remove_headers=remove), clear_route_cache=True
+        )
         metadata = struct_pb2.Struct()
         metadata.update({LB_NAMESPACE: {DESTINATION: pick.endpoint}})
         if phase == "request_headers":
-            response = ep.ProcessingResponse(request_headers=ep.HeadersResponse(response=common),
-                                             dynamic_metadata=metadata)
+            response = ep.ProcessingResponse(
+                request_headers=ep.HeadersResponse(response=common), dynamic_metadata=metadata
+            )
         else:
             response = ep.ProcessingResponse(request_body=ep.BodyResponse(response=common), dynamic_metadata=metadata)
         return response, pick
@@ -130,8 +143,10 @@ def _headers(header_map) -> dict[str, str]:
 
 
 def _header(key: str, value: str) -> base_pb2.HeaderValueOption:
-    return base_pb2.HeaderValueOption(header=base_pb2.HeaderValue(key=key, raw_value=value.encode()),
-                                      append_action=base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD)
+    return base_pb2.HeaderValueOption(
+        header=base_pb2.HeaderValue(key=key, raw_value=value.encode()),
+        append_action=base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD,
+    )
 
 
 def _subset(metadata_context, headers: dict[str, str]) -> set[str] | None:
@@ -154,9 +169,12 @@ def _subset(metadata_context, headers: dict[str, str]) -> set[str] | None:
 def _immediate(exc: APIError) -> ep.ProcessingResponse:
     headers = [_header("content-type", "application/json")]
     headers += [_header(k.lower(), v) for k, v in exc.headers().items()]
-    immediate = ep.ImmediateResponse(status=http_status_pb2.HttpStatus(code=exc.status),
-                                     headers=ep.HeaderMutation(set_headers=headers),
-                                     body=json.dumps(exc.body()).encode(), details=exc.message[:200])
+    immediate = ep.ImmediateResponse(
+        status=http_status_pb2.HttpStatus(code=exc.status),
+        headers=ep.HeaderMutation(set_headers=headers),
+        body=json.dumps(exc.body()).encode(),
+        details=exc.message[:200],
+    )
     return ep.ProcessingResponse(immediate_response=immediate)
 
 

@@ -47,10 +47,19 @@ def register(subparsers) -> None:
     p.add_argument("--workers", default=None, help="comma-separated worker gRPC addresses host:port")
     p.add_argument("--k8s-namespace", default=None, help="discover workers from EndpointSlices in this namespace")
     p.add_argument("--k8s-services", default=None, help="comma-separated pool Service names")
-    p.add_argument("--endpoint", action="append", default=[], metavar="WORKER=SIDECAR",
-                   help="a decode worker's sidecar endpoint, e.g. 127.0.0.1:50051=127.0.0.1:8201 (repeatable)")
-    p.add_argument("--sidecar-port", type=int, default=None,
-                   help="the sidecars listen on this port of their worker's host (the InferencePool's targetPort)")
+    p.add_argument(
+        "--endpoint",
+        action="append",
+        default=[],
+        metavar="WORKER=SIDECAR",
+        help="a decode worker's sidecar endpoint, e.g. 127.0.0.1:50051=127.0.0.1:8201 (repeatable)",
+    )
+    p.add_argument(
+        "--sidecar-port",
+        type=int,
+        default=None,
+        help="the sidecars listen on this port of their worker's host (the InferencePool's targetPort)",
+    )
     p.add_argument("--redis-url", default=None, help="share the prefix index with other EPP or router replicas")
     p.add_argument("--host", default="0.0.0.0", help="listen address of both ports (default 0.0.0.0)")
     p.add_argument("--grpc-port", type=int, default=9002, help="ext_proc + gRPC health port (default 9002)")
@@ -64,11 +73,17 @@ def register(subparsers) -> None:
 
 
 def config_from_args(args):
-    overrides = {"model": args.model, "max_model_len": args.max_model_len,
-                 "gateway.served_model_names": args.served_model_name, "discovery.workers": args.workers,
-                 "discovery.k8s_namespace": args.k8s_namespace, "discovery.k8s_services": args.k8s_services,
-                 "discovery.tls_cert": args.tls_cert, "discovery.tls_key": args.tls_key,
-                 "discovery.tls_ca": args.tls_ca}
+    overrides = {
+        "model": args.model,
+        "max_model_len": args.max_model_len,
+        "gateway.served_model_names": args.served_model_name,
+        "discovery.workers": args.workers,
+        "discovery.k8s_namespace": args.k8s_namespace,
+        "discovery.k8s_services": args.k8s_services,
+        "discovery.tls_cert": args.tls_cert,
+        "discovery.tls_key": args.tls_key,
+        "discovery.tls_ca": args.tls_ca,
+    }
     if args.redis_url:
         overrides.update({"index.backend": "redis", "index.redis_url": args.redis_url})
     return load_config(args.config, **overrides)
@@ -80,14 +95,23 @@ def cmd_epp(args) -> int:
     logctx.install()
     endpoints = EndpointMap.parse(args.endpoint, args.sidecar_port)
     if not endpoints.pairs and endpoints.sidecar_port is None:
-        raise ConfigError("splitserve epp needs --sidecar-port or --endpoint: where the decode workers' "
-                          "sidecars listen")
+        raise ConfigError(
+            "splitserve epp needs --sidecar-port or --endpoint: where the decode workers' sidecars listen"
+        )
     if bool(args.serve_tls_cert) != bool(args.serve_tls_key):
         raise ConfigError("--serve-tls-cert and --serve-tls-key go together; allowed: both or neither")
     config = config_from_args(args)
     health_sock = bind(args.host, args.health_port)
-    asyncio.run(serve(config, endpoints, args.host, args.grpc_port, health_sock,
-                      (args.serve_tls_cert, args.serve_tls_key) if args.serve_tls_cert else None))
+    asyncio.run(
+        serve(
+            config,
+            endpoints,
+            args.host,
+            args.grpc_port,
+            health_sock,
+            (args.serve_tls_cert, args.serve_tls_key) if args.serve_tls_cert else None,
+        )
+    )
     return 0
 
 
@@ -105,8 +129,10 @@ async def serve(config, endpoints: EndpointMap, host: str, grpc_port: int, healt
     port = server.add_secure_port(address, _server_credentials(*tls)) if tls else server.add_insecure_port(address)
     await router.start()
     await server.start()
-    print(f"splitserve epp: ext_proc on {host}:{port}, health on "
-          f"http://{host}:{health_sock.getsockname()[1]}/ready", flush=True)
+    print(
+        f"splitserve epp: ext_proc on {host}:{port}, health on http://{host}:{health_sock.getsockname()[1]}/ready",
+        flush=True,
+    )
     http = uvicorn_server(health_app(router))
     watch = asyncio.create_task(_follow_readiness(router, status), name="epp readiness")
     try:
@@ -119,8 +145,9 @@ async def serve(config, endpoints: EndpointMap, host: str, grpc_port: int, healt
 
 async def _follow_readiness(router, status) -> None:
     while True:
-        serving = health_pb2.HealthCheckResponse.SERVING if router.is_ready else \
-            health_pb2.HealthCheckResponse.NOT_SERVING
+        serving = (
+            health_pb2.HealthCheckResponse.SERVING if router.is_ready else health_pb2.HealthCheckResponse.NOT_SERVING
+        )
         for service in ("", EXT_PROC_SERVICE):
             await status.set(service, serving)
         await asyncio.sleep(HEALTH_POLL_S)
@@ -138,8 +165,11 @@ def health_app(router) -> FastAPI:
         reason = readiness.unready_reason(router)
         if reason:
             return JSONResponse(error_body(503, reason, code="no_worker_available"), 503)
-        return {"status": "ready", "healthy_decode_workers": router.pool.num_healthy(),
-                "healthy_prefill_workers": router.pool.num_healthy(lambda w: w.role == "prefill")}
+        return {
+            "status": "ready",
+            "healthy_decode_workers": router.pool.num_healthy(),
+            "healthy_prefill_workers": router.pool.num_healthy(lambda w: w.role == "prefill"),
+        }
 
     @app.get("/metrics")
     async def metrics():

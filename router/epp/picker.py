@@ -38,9 +38,9 @@ COMPLETIONS_PATH = "/v1/completions"
 
 @dataclass
 class Pick:
-    endpoint: str                 # the decode worker's sidecar, host:port
-    decode: str                   # the decode worker's gRPC address
-    prefill: str = ""             # a prefill worker's gRPC address, "" for a local prefill
+    endpoint: str  # the decode worker's sidecar, host:port
+    decode: str  # the decode worker's gRPC address
+    prefill: str = ""  # a prefill worker's gRPC address, "" for a local prefill
     num_prompt_tokens: int = 0
     num_cached_blocks: int = 0
     assignment: Assignment | None = None
@@ -57,14 +57,24 @@ class Picker:
         hashes = self.router.hasher.hash_blocks(token_ids) if token_ids and lora_name is None else []
         exclude = self._excluded(subset)
         t0 = time.perf_counter()
-        decision = await self.router.placer.place(len(token_ids), hashes, exclude, lora_name=lora_name,
-                                                  lora_workers=self.router.adapters.workers_with(lora_name)
-                                                  if lora_name else None)
+        decision = await self.router.placer.place(
+            len(token_ids),
+            hashes,
+            exclude,
+            lora_name=lora_name,
+            lora_workers=self.router.adapters.workers_with(lora_name) if lora_name else None,
+        )
         self.router.metrics.observe_decision(decision, len(hashes), time.perf_counter() - t0)
         prefill = decision.prefill[0] if decision.prefill else ""
         assignment = self.router.pool.assign(decision.decode, prefill, decision.num_uncached_tokens)
-        return Pick(self.endpoints.endpoint(decision.decode), decision.decode, prefill, len(token_ids),
-                    decision.num_cached_blocks, assignment)
+        return Pick(
+            self.endpoints.endpoint(decision.decode),
+            decision.decode,
+            prefill,
+            len(token_ids),
+            decision.num_cached_blocks,
+            assignment,
+        )
 
     def first_token(self, pick: Pick) -> None:
         if pick.assignment is not None:
@@ -99,6 +109,9 @@ class Picker:
             log.info("placing an unreadable %s body by load alone: %s", path, str(exc)[:200])
             return [], None
         model = request.model
-        lora_name = model if model not in self.router.config.served_model_names and \
-            model in self.router.adapters.names() else None
+        lora_name = (
+            model
+            if model not in self.router.config.served_model_names and model in self.router.adapters.names()
+            else None
+        )
         return list(prepared.jobs[0].prompt_token_ids) if prepared.jobs else [], lora_name

@@ -46,8 +46,14 @@ class LocalPlacer(Placer):
         super().__init__(placer.config, placer.pool, placer.index, placer.rng)
         self.local = local
 
-    async def place(self, num_tokens: int, hashes: list[bytes], exclude: frozenset[str] = frozenset(),
-                    lora_name: str | None = None, lora_workers: set[str] | None = None) -> Decision:
+    async def place(
+        self,
+        num_tokens: int,
+        hashes: list[bytes],
+        exclude: frozenset[str] = frozenset(),
+        lora_name: str | None = None,
+        lora_workers: set[str] | None = None,
+    ) -> Decision:
         worker = self.pool.workers.get(self.local)
         if self.local in exclude or worker is None or not worker.is_healthy(self.pool.clock()):
             raise NoWorkerError(f"this pod's decode worker {self.local} is not healthy")
@@ -89,9 +95,17 @@ class PrefillerGate:
         if named and not self._in_pool(named):
             self.refused.inc()
             log.warning("refused %s naming prefill worker %r, which is not in the pool", scope.get("path"), named)
-            await _send_json(send, 400, error_body(400, f"{PREFILLER} {named!r} is not a prefill worker of this pool; "
-                                                   "allowed: one of the pool's prefill workers, or no header",
-                                                   param=PREFILLER, code="invalid_prefiller"))
+            await _send_json(
+                send,
+                400,
+                error_body(
+                    400,
+                    f"{PREFILLER} {named!r} is not a prefill worker of this pool; "
+                    "allowed: one of the pool's prefill workers, or no header",
+                    param=PREFILLER,
+                    code="invalid_prefiller",
+                ),
+            )
             return
         token = prefiller.set(named)
         try:
@@ -106,8 +120,13 @@ class PrefillerGate:
 
 async def _send_json(send, status: int, body: dict) -> None:
     data = json.dumps(body).encode()
-    await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())]})
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())],
+        }
+    )
     await send({"type": "http.response.body", "body": data})
 
 
@@ -117,8 +136,11 @@ def build(config, local: str):
 
     router = Router(config, discovery=UnionDiscovery(local, make_discovery(config.discovery)))
     router.placer = router.dispatcher.placer = LocalPlacer(router.placer, local)
-    refused = Counter("splitserve_sidecar_refused_prefillers", "Requests refused for naming a prefill worker "
-                      "outside the pool", registry=router.metrics.registry)
+    refused = Counter(
+        "splitserve_sidecar_refused_prefillers",
+        "Requests refused for naming a prefill worker outside the pool",
+        registry=router.metrics.registry,
+    )
     return router, PrefillerGate(create_app(router), router, refused)
 
 
@@ -140,11 +162,20 @@ def cmd_sidecar(args) -> int:
 
     logctx.install()
     local = check_address(args.decode, "--decode")
-    config = config_from_args(args, **{"discovery.workers": args.workers, "discovery.k8s_namespace":
-                                       args.k8s_namespace, "discovery.k8s_services": args.k8s_services})
+    config = config_from_args(
+        args,
+        **{
+            "discovery.workers": args.workers,
+            "discovery.k8s_namespace": args.k8s_namespace,
+            "discovery.k8s_services": args.k8s_services,
+        },
+    )
     router, app = build(config, local)
     sock = bind(config.gateway.host, config.gateway.port)
-    print(f"splitserve sidecar: serving http://{url_host(config.gateway.host)}:{sock.getsockname()[1]}/v1 "
-          f"for decode worker {local}", flush=True)
+    print(
+        f"splitserve sidecar: serving http://{url_host(config.gateway.host)}:{sock.getsockname()[1]}/v1 "
+        f"for decode worker {local}",
+        flush=True,
+    )
     asyncio.run(uvicorn_server(app).serve(sockets=[sock]))
     return 0

@@ -39,19 +39,27 @@ def test_default_mode_renders_todays_objects_only():
 def test_inference_pool_selects_the_decode_pods_on_the_sidecar_port(failure_mode):
     out = rendered({"mode": "inferencePool", "failureMode": failure_mode, "sidecarPort": 8300})
     for manifest in out.values():
-        validate_manifest(manifest)      # built-in kinds strictly, InferencePool and HTTPRoute by their CRDs
+        validate_manifest(manifest)  # built-in kinds strictly, InferencePool and HTTPRoute by their CRDs
     pool = out["InferencePool", "chat"]
     assert crd_errors(pool) == []
     decode = out["Deployment", "chat-decode"]
     labels = decode["spec"]["template"]["metadata"]["labels"]
     assert pool["spec"]["selector"]["matchLabels"].items() <= labels.items()
-    assert all(out["Deployment", f"chat-{c}"]["spec"]["template"]["metadata"]["labels"].get(
-        "app.kubernetes.io/component") != "decode" for c in ("prefill", "router", "epp"))
+    assert all(
+        out["Deployment", f"chat-{c}"]["spec"]["template"]["metadata"]["labels"].get("app.kubernetes.io/component")
+        != "decode"
+        for c in ("prefill", "router", "epp")
+    )
     sidecar = containers(decode)["sidecar"]
     assert pool["spec"]["targetPorts"] == [{"number": 8300}]
     assert sidecar["ports"] == [{"name": "sidecar", "containerPort": 8300, "protocol": "TCP"}]
-    assert sidecar["args"][:5] == ["sidecar", "--config", "/etc/splitserve/epp/sidecar.yaml", "--decode",
-                                   "127.0.0.1:50051"]
+    assert sidecar["args"][:5] == [
+        "sidecar",
+        "--config",
+        "/etc/splitserve/epp/sidecar.yaml",
+        "--decode",
+        "127.0.0.1:50051",
+    ]
     ref = pool["spec"]["endpointPickerRef"]
     assert ref["failureMode"] == failure_mode
     service = out["Service", ref["name"]]
@@ -63,8 +71,9 @@ def test_inference_pool_selects_the_decode_pods_on_the_sidecar_port(failure_mode
 
 
 def test_http_route_attaches_the_pool_to_the_named_gateways():
-    out = rendered({"mode": "inferencePool", "parentRefs": [{"name": "edge", "namespace": "gateways",
-                                                              "sectionName": "https"}]})
+    out = rendered(
+        {"mode": "inferencePool", "parentRefs": [{"name": "edge", "namespace": "gateways", "sectionName": "https"}]}
+    )
     route = out["HTTPRoute", "chat"]
     assert crd_errors(route) == []
     assert route["spec"]["parentRefs"] == [{"name": "edge", "namespace": "gateways", "sectionName": "https"}]
@@ -77,9 +86,11 @@ def test_http_route_attaches_the_pool_to_the_named_gateways():
 
 def test_shipped_inference_pool_schema_refuses_what_the_api_server_refuses():
     pool = rendered({"mode": "inferencePool"})["InferencePool", "chat"]
-    for path, value in ((("targetPorts",), [{"number": 8200}, {"number": 8200}]),
-                        (("endpointPickerRef", "failureMode"), "Sometimes"),
-                        (("targetPorts",), [])):
+    for path, value in (
+        (("targetPorts",), [{"number": 8200}, {"number": 8200}]),
+        (("endpointPickerRef", "failureMode"), "Sometimes"),
+        (("targetPorts",), []),
+    ):
         broken = copy.deepcopy(pool)
         node = broken["spec"]
         for key in path[:-1]:
@@ -92,13 +103,14 @@ def test_epp_and_sidecar_configs_are_router_configs_without_adapter_duties():
     out = rendered({"mode": "inferencePool"})
     data = out["ConfigMap", "chat-epp"]["data"]
     epp, sidecar = yaml.safe_load(data["epp.yaml"]), yaml.safe_load(data["sidecar.yaml"])
-    assert "adapters" not in epp and "adapters" not in sidecar   # the router alone loads and reports adapters
+    assert "adapters" not in epp and "adapters" not in sidecar  # the router alone loads and reports adapters
     assert epp["discovery"]["k8s_services"] == ["chat-prefill", "chat-decode"]
     assert sidecar["discovery"]["k8s_services"] == ["chat-prefill"]
     router = yaml.safe_load(out["ConfigMap", "chat-router"]["data"]["router.yaml"])
-    assert {k: v for k, v in epp.items() if k not in ("adapters",)} == \
-        {k: v for k, v in router.items() if k not in ("adapters",)}
-    for text in data.values():     # the data plane reads them with the router's own loader
+    assert {k: v for k, v in epp.items() if k not in ("adapters",)} == {
+        k: v for k, v in router.items() if k not in ("adapters",)
+    }
+    for text in data.values():  # the data plane reads them with the router's own loader
         import tempfile
 
         with tempfile.NamedTemporaryFile("w", suffix=".yaml") as f:
@@ -132,8 +144,15 @@ def test_network_policies_let_the_gateway_reach_sidecars_and_epp():
     assert {"from": gateway, "ports": [{"port": "grpc", "protocol": "TCP"}]} in epp["ingress"]
     workers = out["NetworkPolicy", "chat-workers"]["spec"]["ingress"]
     assert {"from": gateway, "ports": [{"port": "sidecar", "protocol": "TCP"}]} in workers
-    epp_pods = {"podSelector": {"matchLabels": {"app.kubernetes.io/name": "splitserve", "app.kubernetes.io/instance":
-                                                "chat", "app.kubernetes.io/component": "epp"}}}
+    epp_pods = {
+        "podSelector": {
+            "matchLabels": {
+                "app.kubernetes.io/name": "splitserve",
+                "app.kubernetes.io/instance": "chat",
+                "app.kubernetes.io/component": "epp",
+            }
+        }
+    }
     assert {"from": [epp_pods], "ports": [{"port": "grpc", "protocol": "TCP"}]} in workers
     # The gateway peers reach no worker's gRPC or KV port.
     assert not [r for r in workers if r["from"] == gateway and {p["port"] for p in r["ports"]} & {"grpc", "kv"}]
@@ -141,9 +160,12 @@ def test_network_policies_let_the_gateway_reach_sidecars_and_epp():
 
 
 def test_gateway_spec_is_checked_on_admission():
-    obj = {"apiVersion": "serving.splitserve.io/v1alpha1", "kind": "InferenceService",
-           "metadata": {"name": "chat", "namespace": "llm"},
-           "spec": {"model": {"uri": "smollm2-135m"}, "gateway": {"mode": "gie"}}}
+    obj = {
+        "apiVersion": "serving.splitserve.io/v1alpha1",
+        "kind": "InferenceService",
+        "metadata": {"name": "chat", "namespace": "llm"},
+        "spec": {"model": {"uri": "smollm2-135m"}, "gateway": {"mode": "gie"}},
+    }
     _, errors = admit(obj)
     assert errors and "splitserve" in " ".join(errors) and "inferencePool" in " ".join(errors)
     obj["spec"]["gateway"] = {"mode": "inferencePool", "sidecarPort": 80}
@@ -158,17 +180,21 @@ def test_chart_default_names_the_inference_gateway_peers():
     from splitserve.operator.settings import NetworkPolicyDefaults, OperatorSettings, Peer, WorkloadPolicies
 
     istio = Peer(namespace_labels={"kubernetes.io/metadata.name": "istio-ingress"}, pod_labels={})
-    settings = OperatorSettings(network_policy=NetworkPolicyDefaults(
-        workloads=WorkloadPolicies(inference_gateway_from=[istio])))
+    settings = OperatorSettings(
+        network_policy=NetworkPolicyDefaults(workloads=WorkloadPolicies(inference_gateway_from=[istio]))
+    )
     spec = parse_spec({"model": {"uri": "smollm2-135m"}, "gateway": {"mode": "inferencePool"}})
     out = {(m["kind"], m["metadata"]["name"]): m for m in render(spec, "chat", "llm", UID, settings)}
-    peers = [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "istio-ingress"}},
-              "podSelector": {}}]
+    peers = [
+        {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "istio-ingress"}}, "podSelector": {}}
+    ]
     assert {"from": peers, "ports": [{"port": "grpc", "protocol": "TCP"}]} in out["NetworkPolicy", "chat-epp"]["spec"][
-        "ingress"]
+        "ingress"
+    ]
     assert {"from": peers, "ports": [{"port": "sidecar", "protocol": "TCP"}]} in out["NetworkPolicy", "chat-workers"][
-        "spec"]["ingress"]
-    router = out["NetworkPolicy", "chat-router"]["spec"]["ingress"]   # the router keeps the chart's gatewayFrom
+        "spec"
+    ]["ingress"]
+    router = out["NetworkPolicy", "chat-router"]["spec"]["ingress"]  # the router keeps the chart's gatewayFrom
     assert not [r for r in router if r["from"] == peers]
 
 
@@ -193,11 +219,17 @@ def test_apply_creates_the_pool_and_prunes_it_when_the_mode_goes_back(tmp_path):
             return apply_all(kube, render(parse_spec(raw), "chat", "llm", uid), "llm", instance_selector("chat"), uid)
 
         result = apply(spec)
-        assert {"InferencePool/chat", "HTTPRoute/chat", "Deployment/chat-epp", "Service/chat-epp",
-                "ConfigMap/chat-epp", "NetworkPolicy/chat-epp"} <= set(result.created)
+        assert {
+            "InferencePool/chat",
+            "HTTPRoute/chat",
+            "Deployment/chat-epp",
+            "Service/chat-epp",
+            "ConfigMap/chat-epp",
+            "NetworkPolicy/chat-epp",
+        } <= set(result.created)
         pool = kube.get(K.path(K.KIND_BY_NAME["InferencePool"], "llm", "chat"))
         assert pool["spec"]["endpointPickerRef"]["name"] == "chat-epp"
-        assert not apply(spec).changed                       # level-based: a second apply writes nothing
+        assert not apply(spec).changed  # level-based: a second apply writes nothing
         back = apply({**spec, "gateway": {"mode": "splitserve"}})
         assert {"InferencePool/chat", "HTTPRoute/chat", "Deployment/chat-epp"} <= set(back.deleted)
         assert kube.get(K.path(K.KIND_BY_NAME["InferencePool"], "llm", "chat")) is None

@@ -47,8 +47,13 @@ class CliProcess:
 
     def __init__(self, name: str, argv: list[str]):
         self.name = name
-        self.proc = subprocess.Popen([CLI, "--log-level", "INFO", *argv], stdout=subprocess.PIPE,
-                                     stderr=subprocess.STDOUT, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        self.proc = subprocess.Popen(
+            [CLI, "--log-level", "INFO", *argv],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
         self.lines: list[str] = []
         threading.Thread(target=self._pump, daemon=True).start()
 
@@ -74,15 +79,21 @@ class CliProcess:
 
 
 class EppStack:
-    def __init__(self, decode: list, prefill: list, min_prefill_tokens: int = 128,
-                 envoys: dict[str, bool | None] | None = None):
+    def __init__(
+        self, decode: list, prefill: list, min_prefill_tokens: int = 128, envoys: dict[str, bool | None] | None = None
+    ):
         self.decode, self.prefill = decode, prefill
         self.envoys_wanted = envoys if envoys is not None else {"epp": False}
         self.tmp = tempfile.TemporaryDirectory(prefix="splitserve-epp-")
         self.config_path = os.path.join(self.tmp.name, "router.json")
         with open(self.config_path, "w") as f:
-            json.dump({"discovery": {"stale_after_s": ROUTER_STALE_AFTER_S},
-                       "placement": {"disaggregation": {"min_prefill_tokens": min_prefill_tokens}}}, f)
+            json.dump(
+                {
+                    "discovery": {"stale_after_s": ROUTER_STALE_AFTER_S},
+                    "placement": {"disaggregation": {"min_prefill_tokens": min_prefill_tokens}},
+                },
+                f,
+            )
         tls = security().tls
         self.tls_args = ["--tls-cert", tls.cert, "--tls-key", tls.key, "--tls-ca", tls.ca]
         self.sidecar_ports = [free_port() for _ in decode]
@@ -102,9 +113,23 @@ class EppStack:
 
     def start(self) -> EppStack:
         for worker, port in zip(self.decode, self.sidecar_ports, strict=True):
-            self.sidecars.append(CliProcess(f"sidecar {port}", [
-                "sidecar", "--config", self.config_path, "--decode", worker.address, "--workers",
-                self.prefill_addresses, "--port", str(port), *self.tls_args]))
+            self.sidecars.append(
+                CliProcess(
+                    f"sidecar {port}",
+                    [
+                        "sidecar",
+                        "--config",
+                        self.config_path,
+                        "--decode",
+                        worker.address,
+                        "--workers",
+                        self.prefill_addresses,
+                        "--port",
+                        str(port),
+                        *self.tls_args,
+                    ],
+                )
+            )
         self.start_epp()
         for sidecar, port in zip(self.sidecars, self.sidecar_ports, strict=True):
             sidecar.wait(f"http://127.0.0.1:{port}/ready")
@@ -115,9 +140,24 @@ class EppStack:
     def start_epp(self) -> None:
         workers = ",".join(w.address for w in self.decode + self.prefill)
         endpoints = [f"--endpoint={w.address}={e}" for w, e in zip(self.decode, self.sidecar_endpoints, strict=True)]
-        self.epp = CliProcess("epp", ["epp", "--config", self.config_path, "--workers", workers, *endpoints,
-                                      "--host", "127.0.0.1", "--grpc-port", str(self.grpc_port),
-                                      "--health-port", str(self.health_port), *self.tls_args])
+        self.epp = CliProcess(
+            "epp",
+            [
+                "epp",
+                "--config",
+                self.config_path,
+                "--workers",
+                workers,
+                *endpoints,
+                "--host",
+                "127.0.0.1",
+                "--grpc-port",
+                str(self.grpc_port),
+                "--health-port",
+                str(self.health_port),
+                *self.tls_args,
+            ],
+        )
         self.epp.wait(f"http://127.0.0.1:{self.health_port}/ready")
 
     def start_envoy(self, name: str, fail_open: bool | None) -> None:

@@ -67,8 +67,13 @@ def reference(workers, loop):
     import dataclasses
 
     config = router_config([w.address for w in workers], tls=security().tls, stale_after_s=ROUTER_STALE_AFTER_S)
-    config = dataclasses.replace(config, placement=dataclasses.replace(
-        config.placement, disaggregation=dataclasses.replace(config.placement.disaggregation, min_prefill_tokens=128)))
+    config = dataclasses.replace(
+        config,
+        placement=dataclasses.replace(
+            config.placement,
+            disaggregation=dataclasses.replace(config.placement.disaggregation, min_prefill_tokens=128),
+        ),
+    )
     server = RouterServer(loop, config).start(num_decode=2, num_prefill=1)
     yield openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=180)
     server.stop()
@@ -85,8 +90,9 @@ def answer(client, kind: str, prompt: str, stream: bool, max_tokens: int = 12) -
         args = dict(model=MODEL, messages=[{"role": "user", "content": prompt}], max_tokens=max_tokens, temperature=0)
         if not stream:
             return client.chat.completions.create(**args).choices[0].message.content
-        return "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(**args, stream=True)
-                       if c.choices)
+        return "".join(
+            c.choices[0].delta.content or "" for c in client.chat.completions.create(**args, stream=True) if c.choices
+        )
     args = dict(model=MODEL, prompt=prompt, max_tokens=max_tokens, temperature=0)
     if not stream:
         return client.completions.create(**args).choices[0].text
@@ -116,7 +122,7 @@ def test_long_prompt_is_prefilled_on_the_prefill_worker(envoy, workers, stack):
     assert raw.headers["x-splitserve-decode-worker"] in (workers[0].address, workers[1].address)
     assert sum(w.metric('splitserve_remote_prefills_total{outcome="ok"}') for w in workers[:2]) == remote_before + 1
     short = envoy.completions.with_raw_response.create(model=MODEL, prompt="Hello there", max_tokens=2)
-    assert "x-splitserve-prefill-worker" not in short.headers   # a short prompt is prefilled where it decodes
+    assert "x-splitserve-prefill-worker" not in short.headers  # a short prompt is prefilled where it decodes
 
 
 def test_requests_sharing_a_prefix_land_on_the_worker_holding_it(envoy, workers, tokenizer):
@@ -135,15 +141,19 @@ def test_requests_sharing_a_prefix_land_on_the_worker_holding_it(envoy, workers,
 def test_subset_hint_limits_the_pick(envoy, workers, stack):
     for index in (0, 1, 1, 0):
         raw = envoy.completions.with_raw_response.create(
-            model=MODEL, prompt="Count to three:", max_tokens=2,
-            extra_headers={"x-gateway-destination-endpoint-subset": stack.sidecar_endpoints[index]})
+            model=MODEL,
+            prompt="Count to three:",
+            max_tokens=2,
+            extra_headers={"x-gateway-destination-endpoint-subset": stack.sidecar_endpoints[index]},
+        )
         assert raw.headers["x-splitserve-decode-worker"] == workers[index].address
 
 
 def test_a_client_cannot_name_the_prefill_worker(envoy, stack, workers):
     # Through the gateway the EPP overwrites or removes the header: a short prompt is served locally.
-    raw = envoy.completions.with_raw_response.create(model=MODEL, prompt="Hi", max_tokens=2,
-                                                     extra_headers={PREFILLER: "10.9.9.9:1"})
+    raw = envoy.completions.with_raw_response.create(
+        model=MODEL, prompt="Hi", max_tokens=2, extra_headers={PREFILLER: "10.9.9.9:1"}
+    )
     assert "x-splitserve-prefill-worker" not in raw.headers
     # Straight to a sidecar, a prefill worker outside the pool (or a decode worker) is refused and counted.
     sidecar = openai.OpenAI(base_url=f"http://{stack.sidecar_endpoints[0]}/v1", api_key="unused", max_retries=0)
@@ -153,8 +163,9 @@ def test_a_client_cannot_name_the_prefill_worker(envoy, stack, workers):
         assert PREFILLER in err.value.message
     status, body = http_get(f"http://{stack.sidecar_endpoints[0]}/metrics")
     assert status == 200 and metric(body.decode(), "splitserve_sidecar_refused_prefillers_total") == 2
-    ok = sidecar.completions.with_raw_response.create(model=MODEL, prompt=long_prompt(5), max_tokens=2,
-                                                      extra_headers={PREFILLER: workers[2].address})
+    ok = sidecar.completions.with_raw_response.create(
+        model=MODEL, prompt=long_prompt(5), max_tokens=2, extra_headers={PREFILLER: workers[2].address}
+    )
     assert ok.headers["x-splitserve-prefill-worker"] == workers[2].address
 
 
@@ -181,6 +192,10 @@ def test_fail_close_and_fail_open_when_the_epp_dies(stack):
     with pytest.raises(openai.APIStatusError) as err:
         closed.completions.create(model=MODEL, prompt="Hi", max_tokens=2)
     assert err.value.status_code >= 500
-    served = {fail_open.completions.with_raw_response.create(model=MODEL, prompt="Hi", max_tokens=2)
-              .headers["x-splitserve-decode-worker"] for _ in range(4)}
+    served = {
+        fail_open.completions.with_raw_response.create(model=MODEL, prompt="Hi", max_tokens=2).headers[
+            "x-splitserve-decode-worker"
+        ]
+        for _ in range(4)
+    }
     assert len(served) == 2, "fail-open should fall back to round robin over the pool"

@@ -51,13 +51,19 @@ def epp(loop, tokenizer):
         await router.stop()
         for w in [*decode, prefill]:
             await w.stop()
+
     loop.run(stop())
 
 
-def headers_message(path: str, extra: dict[str, str] | None = None, end_of_stream: bool = False,
-                    subset: list[str] | None = None) -> ep.ProcessingRequest:
-    values = {":method": "POST" if not end_of_stream else "GET", ":path": path, "content-type": "application/json",
-              **(extra or {})}
+def headers_message(
+    path: str, extra: dict[str, str] | None = None, end_of_stream: bool = False, subset: list[str] | None = None
+) -> ep.ProcessingRequest:
+    values = {
+        ":method": "POST" if not end_of_stream else "GET",
+        ":path": path,
+        "content-type": "application/json",
+        **(extra or {}),
+    }
     headers = base_pb2.HeaderMap(headers=[base_pb2.HeaderValue(key=k, raw_value=v.encode()) for k, v in values.items()])
     request = ep.ProcessingRequest(request_headers=ep.HttpHeaders(headers=headers, end_of_stream=end_of_stream))
     if subset is not None:
@@ -97,8 +103,11 @@ def exchange(epp, messages: list[ep.ProcessingRequest], then_response_headers: b
 def mutation(answer: ep.ProcessingResponse):
     which = answer.WhichOneof("response")
     common = getattr(answer, which).response
-    return {h.header.key: h.header.raw_value.decode() for h in common.header_mutation.set_headers}, \
-        list(common.header_mutation.remove_headers), common.clear_route_cache
+    return (
+        {h.header.key: h.header.raw_value.decode() for h in common.header_mutation.set_headers},
+        list(common.header_mutation.remove_headers),
+        common.clear_route_cache,
+    )
 
 
 def chat(content: str, **kw) -> dict:
@@ -118,7 +127,7 @@ def test_pick_sets_the_destination_header_and_lb_metadata(epp):
 
 
 def test_a_long_prompt_names_the_prefill_worker_and_a_client_cannot(epp):
-    long = " ".join(f"word{i}" for i in range(400))    # far past min_prefill_tokens (256)
+    long = " ".join(f"word{i}" for i in range(400))  # far past min_prefill_tokens (256)
     answers = exchange(epp, [headers_message(CHAT, {"x-prefiller-host-port": "10.9.9.9:1"}), body_message(chat(long))])
     set_headers, _, _ = mutation(answers[1])
     assert set_headers["x-prefiller-host-port"] == epp["prefill"].address
@@ -131,8 +140,13 @@ def test_subset_hint_from_metadata_or_header(epp):
     for _ in range(3):
         answers = exchange(epp, [headers_message(CHAT, subset=["10.0.0.2:8200"]), body_message(chat("Hello"))])
         assert mutation(answers[1])[0]["x-gateway-destination-endpoint"] == "10.0.0.2:8200"
-        answers = exchange(epp, [headers_message(CHAT, {"x-gateway-destination-endpoint-subset": "10.0.0.1:8200"}),
-                                 body_message(chat("Hello"))])
+        answers = exchange(
+            epp,
+            [
+                headers_message(CHAT, {"x-gateway-destination-endpoint-subset": "10.0.0.1:8200"}),
+                body_message(chat("Hello")),
+            ],
+        )
         assert mutation(answers[1])[0]["x-gateway-destination-endpoint"] == "10.0.0.1:8200"
 
 
@@ -153,9 +167,15 @@ def test_unreadable_body_and_bodiless_requests_are_still_placed(epp):
 
 
 def test_flow_control_headers_pass_through(epp):
-    answers = exchange(epp, [headers_message(CHAT, {"x-gateway-inference-objective": "premium",
-                                                    "x-gateway-inference-fairness-id": "tenant-a"}),
-                             body_message(chat("Hello"))])
+    answers = exchange(
+        epp,
+        [
+            headers_message(
+                CHAT, {"x-gateway-inference-objective": "premium", "x-gateway-inference-fairness-id": "tenant-a"}
+            ),
+            body_message(chat("Hello")),
+        ],
+    )
     set_headers, removed, _ = mutation(answers[1])
     assert not {"x-gateway-inference-objective", "x-gateway-inference-fairness-id"} & (set(set_headers) | set(removed))
 
@@ -170,6 +190,7 @@ def test_assignments_are_released_when_the_stream_ends(epp):
                 return True
             await asyncio.sleep(0.02)
         return False
+
     assert epp["loop"].run(settled())
 
 
