@@ -183,6 +183,17 @@ def test_epp_health_readiness_and_metrics(stack):
     assert metric(text, 'splitserve_epp_picks_total{result="pd"}') > 0
 
 
+def test_a_client_leaving_mid_stream_frees_the_workers(envoy, workers):
+    stream = envoy.completions.create(
+        model=MODEL, prompt=long_prompt(6), max_tokens=200, stream=True, extra_body={"ignore_eos": True}
+    )
+    next(iter(stream))
+    stream.close()  # the client goes away after its first chunk: Envoy resets the sidecar's stream
+    for worker in workers:
+        state = worker.wait_idle(60)
+        assert state["num_requests"] == 0 and state["num_requests_holding_blocks"] == 0, state
+
+
 def test_fail_close_and_fail_open_when_the_epp_dies(stack):
     """Last in the module: it kills the EPP."""
     fail_open = openai.OpenAI(base_url=stack.url("open"), api_key="unused", max_retries=0, timeout=120)
