@@ -74,7 +74,7 @@ def reference(workers, loop):
             disaggregation=dataclasses.replace(config.placement.disaggregation, min_prefill_tokens=128),
         ),
     )
-    server = RouterServer(loop, config).start(num_decode=2, num_prefill=1)
+    server = RouterServer(loop, config).start(num_decode=2, num_prefill=1, timeout=150)
     yield openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=180)
     server.stop()
 
