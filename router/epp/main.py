@@ -25,7 +25,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from splitserve.router import logctx
 from splitserve.router.api.errors import error_body
-from splitserve.router.config import load_config
+from splitserve.router.config_file import load_config
 from splitserve.router.core import readiness
 from splitserve.router.epp.endpoints import EndpointMap
 from splitserve.router.epp.extproc import ExternalProcessor, Metrics, add_to_server

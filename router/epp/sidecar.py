@@ -30,9 +30,8 @@ from splitserve.router import logctx
 from splitserve.router.api.errors import NoWorkerError, error_body
 from splitserve.router.epp.endpoints import check_address
 from splitserve.router.epp.extproc import PREFILLER
-from splitserve.router.placement.discovery import make_discovery
 from splitserve.router.placement.placer import Decision, Placer
-from splitserve.router.router import Router
+from splitserve.router.router import Router, make_discovery
 
 log = logging.getLogger("splitserve.sidecar")
 
