@@ -16,7 +16,8 @@
 Security follows spec.security / spec.tls as everywhere else: the EPP talks mTLS to the workers
 with the router's certificate and serves ext_proc over TLS with it (gateways connect to an EPP
 with TLS and, as GIE specifies, without verifying its name); each sidecar talks mTLS to its
-worker and to the prefill pool with the decode pool's certificate. The gateway reaches the
+worker and to the prefill pool with the router's certificate (workers admit Generate and
+WatchEvents from the router role only) and checks the service's API keys as the router does. The gateway reaches the
 sidecars over plain HTTP, as GIE's gateways reach model servers (a BackendTLSPolicy is the
 gateway's business). The splitserve router stays: it loads the declared LoRA adapters onto the
 workers and still serves clients that call it directly.
@@ -37,6 +38,7 @@ EPP_GRPC_PORT = 9002
 EPP_HEALTH_PORT = 9003
 SIDECAR_PORT_NAME = "sidecar"
 EPP_CONFIG_DIR = "/etc/splitserve/epp"
+SIDECAR_TLS_DIR = "/etc/splitserve/sidecar-tls"
 POOL_GROUP = "inference.networking.k8s.io"
 
 
@@ -119,7 +121,7 @@ def epp_service(ctx: Context) -> Manifest:
 
 def epp_deployment(ctx: Context) -> Manifest:
     router = ctx.spec.router
-    volumes, mounts = pods._volumes(ctx)
+    volumes, mounts = pods._volumes(ctx, pods.TMP_SIZE["router"])
     volumes.append({"name": "config", "configMap": {"name": ctx.child("epp")}})
     mounts.append({"name": "config", "mountPath": EPP_CONFIG_DIR, "readOnly": True})
     pods._add_tls(ctx, "router", volumes, mounts)
@@ -150,7 +152,7 @@ def epp_deployment(ctx: Context) -> Manifest:
             {"name": C.METRICS_PORT_NAME, "containerPort": EPP_HEALTH_PORT, "protocol": "TCP"},
         ],
         "env": pods.BASE_ENV,
-        "resources": pods._resources(router.resources),
+        "resources": pods._resources(router.resources, pods.ROUTER_RESOURCES),
         **pods._probes(C.METRICS_PORT_NAME),
         "securityContext": pods.CONTAINER_SECURITY,
         "volumeMounts": mounts,
@@ -177,9 +179,25 @@ def with_sidecar(ctx: Context, deployment: Manifest) -> Manifest:
     pod = out["spec"]["template"]["spec"]
     worker = pod["containers"][0]
     port = ctx.spec.gateway.sidecar_port
-    mounts = [m for m in worker.get("volumeMounts", []) if m["name"] in ("tmp", "tls")]
+    mounts = [m for m in worker.get("volumeMounts", []) if m["name"] == "tmp"]
     mounts.append({"name": "epp-config", "mountPath": EPP_CONFIG_DIR, "readOnly": True})
-    pod.setdefault("volumes", []).append({"name": "epp-config", "configMap": {"name": ctx.child("epp")}})
+    volumes = pod.setdefault("volumes", [])
+    volumes.append({"name": "epp-config", "configMap": {"name": ctx.child("epp")}})
+    # The sidecar calls Generate and WatchEvents, which workers admit from the router role only:
+    # it carries the router's certificate (mounted apart from the worker's), and, as the OpenAI
+    # endpoint of the pod, checks the service's API keys as the router does.
+    sidecar_volumes, sidecar_mounts = [], []
+    pods._add_tls(ctx, "router", sidecar_volumes, sidecar_mounts)
+    key_args = pods._add_api_keys(ctx, sidecar_volumes, sidecar_mounts)
+    for v in sidecar_volumes:
+        v["name"] = f"sidecar-{v['name']}"
+    for m in sidecar_mounts:
+        m["name"] = f"sidecar-{m['name']}"
+        if m["mountPath"] == pods.TLS_DIR:
+            m["mountPath"] = SIDECAR_TLS_DIR
+    volumes += sidecar_volumes
+    mounts += sidecar_mounts
+    tls = [a.replace(pods.TLS_DIR, SIDECAR_TLS_DIR) for a in pods.tls_args(ctx, "router")]
     sidecar = {
         "name": "sidecar",
         "image": ctx.image(ctx.spec.router.image, 0),
@@ -195,7 +213,8 @@ def with_sidecar(ctx: Context, deployment: Manifest) -> Manifest:
             "0.0.0.0",
             "--port",
             str(port),
-            *pods.tls_args(ctx, "decode"),
+            *tls,
+            *key_args,
         ],
         "ports": [{"name": SIDECAR_PORT_NAME, "containerPort": port, "protocol": "TCP"}],
         "env": pods.BASE_ENV,

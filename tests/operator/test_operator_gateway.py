@@ -125,7 +125,12 @@ def test_tls_follows_the_security_settings():
     for flag in ("--tls-cert", "--tls-key", "--tls-ca", "--serve-tls-cert", "--serve-tls-key"):
         assert flag in epp_args
     assert "appProtocol" not in secure["Service", "chat-epp"]["spec"]["ports"][0]
-    assert "--tls-ca" in containers(secure["Deployment", "chat-decode"])["sidecar"]["args"]
+    sidecar_args = containers(secure["Deployment", "chat-decode"])["sidecar"]["args"]
+    assert "--tls-ca" in sidecar_args and "--api-keys-file" in sidecar_args
+    decode_volumes = {v["name"]: v for v in secure["Deployment", "chat-decode"]["spec"]["template"]["spec"]["volumes"]}
+    # the sidecar calls Generate and WatchEvents, which workers admit from the router's certificate only
+    assert decode_volumes["sidecar-tls"]["secret"]["secretName"] == "chat-router-tls"
+    assert decode_volumes["tls"]["secret"]["secretName"] == "chat-decode-tls"
     volumes = {v["name"] for v in secure["Deployment", "chat-epp"]["spec"]["template"]["spec"]["volumes"]}
     assert "tls" in volumes
     insecure = rendered({"mode": "inferencePool"}, security={"insecure": True})
