@@ -25,15 +25,12 @@ Each pool autoscales on the engines' queue depth (rayserve/autoscale.py, docs/ra
 from __future__ import annotations
 
 import dataclasses
-import os
 from dataclasses import dataclass, field
-
-import yaml
 
 from splitserve.platform.config import CacheConfig, DeviceConfig, SchedulerConfig
 from splitserve.platform.errors import ConfigError
 from splitserve.router.config import RouterConfig
-from splitserve.router.config_file import checked_mapping, from_dict
+from splitserve.router.config_file import checked_mapping, from_dict, read_mapping
 
 BACKENDS = ("ray",)
 TRANSPORTS = ("ucx", "tcp")
@@ -112,7 +109,8 @@ class PoolConfig:
             raise ConfigError(f"{role}.ray_actor_options must be a mapping; allowed keys: {', '.join(ACTOR_OPTIONS)}")
         unknown = sorted(set(self.ray_actor_options) - set(ACTOR_OPTIONS))
         if unknown:
-            raise ConfigError(f"unknown key(s) {unknown} in {role}.ray_actor_options; allowed: {', '.join(ACTOR_OPTIONS)}")
+            raise ConfigError(f"unknown key(s) {unknown} in {role}.ray_actor_options; "
+                              f"allowed: {', '.join(ACTOR_OPTIONS)}")
 
 
 @dataclass(frozen=True)
@@ -232,12 +230,7 @@ _SECTIONS = {"ray": RayClusterConfig, "engine": EngineSettings, "prefill": PoolC
 
 def load(path: str, **overrides) -> RayServeConfig:
     """The file (YAML) with top-level `overrides` (None: keep the file's) applied."""
-    if not os.path.isfile(path):
-        raise ConfigError(f"config file {path} does not exist")
-    with open(path, encoding="utf-8") as f:
-        data = yaml.safe_load(f) or {}
-    if not isinstance(data, dict):
-        raise ConfigError(f"{path}: the config must be a mapping, got {type(data).__name__}")
+    data = read_mapping(path, "config")
     data.update({k: v for k, v in overrides.items() if v is not None})
     return parse(data)
 

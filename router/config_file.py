@@ -8,6 +8,7 @@ import dataclasses
 import os
 
 import yaml
+
 from splitserve.platform.errors import ConfigError
 from splitserve.router.config import (
     AdaptersConfig,
@@ -26,17 +27,22 @@ from splitserve.router.config import (
 )
 
 
+def read_mapping(path: str, what: str) -> dict:
+    """A YAML (or JSON) file holding a mapping; a ConfigError naming `what` otherwise.
+    Also used by rayserve/config.py."""
+    if not os.path.isfile(path):
+        raise ConfigError(f"{what} file {path} does not exist")
+    with open(path, encoding="utf-8") as f:
+        data = yaml.safe_load(f) or {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: the {what} must be a mapping, got {type(data).__name__}")
+    return data
+
+
 def load_config(path: str | None = None, **overrides) -> RouterConfig:
     """The file's settings (YAML or JSON; none: defaults) with `overrides` applied on top.
     Overrides use dotted section names: load_config(p, **{"gateway.port": 8001})."""
-    data: dict = {}
-    if path:
-        if not os.path.isfile(path):
-            raise ConfigError(f"router config file {path} does not exist")
-        with open(path, encoding="utf-8") as f:
-            data = yaml.safe_load(f) or {}
-        if not isinstance(data, dict):
-            raise ConfigError(f"{path}: the router config must be a mapping, got {type(data).__name__}")
+    data = read_mapping(path, "router config") if path else {}
     for dotted, value in overrides.items():
         if value is None:
             continue

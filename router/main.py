@@ -15,6 +15,7 @@ import socket
 
 import uvicorn
 from prometheus_client import start_http_server
+
 from splitserve.platform import tracing
 from splitserve.platform.errors import ConfigError
 from splitserve.router import logctx
@@ -28,12 +29,17 @@ def register(subparsers) -> None:
     p = subparsers.add_parser("router", help="run the OpenAI gateway + KV-aware router")
     p.add_argument("--config", default=None, help="YAML/JSON router config (docs/router.md)")
     add_router_args(p)
-    p.add_argument("--workers", default=None, help="comma-separated worker gRPC addresses host:port")
-    p.add_argument("--k8s-namespace", default=None, help="discover workers from EndpointSlices in this namespace")
-    p.add_argument("--k8s-services", default=None, help="comma-separated pool Service names")
+    add_discovery_args(p, "workers")
     p.add_argument("--metrics-port", type=int, default=None,
                    help="also serve /metrics on this port (the gateway port always serves it)")
     p.set_defaults(func=cmd_router)
+
+
+def add_discovery_args(p, pool: str) -> None:
+    """Where the `pool`'s workers are: a static list, or the EndpointSlices of its Services."""
+    p.add_argument("--workers", default=None, help=f"comma-separated {pool} gRPC addresses host:port")
+    p.add_argument("--k8s-namespace", default=None, help=f"discover the {pool} from EndpointSlices in this namespace")
+    p.add_argument("--k8s-services", default=None, help=f"comma-separated Service names of the {pool}")
 
 
 def add_router_args(p) -> None:

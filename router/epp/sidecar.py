@@ -83,14 +83,14 @@ class PrefillerGate:
     """ASGI middleware: reads x-prefiller-host-port, refuses a prefill worker outside the pool."""
 
     def __init__(self, app, router: Router, refused: Counter):
-        self.app = app
-        self.router = router
-        self.refused = refused
+        self.app, self.router, self.refused = app, router, refused
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
+        is_http = scope["type"] == "http"
+        headers = dict(scope.get("headers") or []) if is_http else {}
+        named = headers.get(PREFILLER.encode(), b"").decode("latin-1").strip()
+        if not is_http:
             return await self.app(scope, receive, send)
-        named = dict(scope.get("headers") or []).get(PREFILLER.encode(), b"").decode("latin-1").strip()
         if named and not self._in_pool(named):
             self.refused.inc()
             log.warning("refused %s naming prefill worker %r, which is not in the pool", scope.get("path"), named)
@@ -144,15 +144,13 @@ def build(config, local: str):
 
 
 def register(subparsers) -> None:
-    from splitserve.router.main import add_router_args
+    from splitserve.router.main import add_discovery_args, add_router_args
 
     p = subparsers.add_parser("sidecar", help="OpenAI endpoint of one decode pod behind an inference gateway (P/D)")
     p.add_argument("--config", default=None, help="router config file (docs/router.md)")
     add_router_args(p)
     p.add_argument("--decode", required=True, help="this pod's decode worker, gRPC host:port")
-    p.add_argument("--workers", default=None, help="comma-separated prefill worker gRPC addresses (the pool)")
-    p.add_argument("--k8s-namespace", default=None, help="discover the prefill pool from EndpointSlices here")
-    p.add_argument("--k8s-services", default=None, help="comma-separated prefill pool Service names")
+    add_discovery_args(p, "prefill workers (the pool)")
     p.set_defaults(func=cmd_sidecar)
 
 
