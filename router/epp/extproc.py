@@ -34,6 +34,7 @@ from envoy.type.v3 import http_status_pb2
 from google.protobuf import struct_pb2
 from prometheus_client import Counter, Histogram
 
+from splitserve.platform import tracing
 from splitserve.router.api.errors import APIError
 from splitserve.router.epp.picker import Pick, Picker
 
@@ -102,13 +103,23 @@ class ExternalProcessor(ep_grpc.ExternalProcessorServicer):
                 self.picker.finish(pick)
 
     async def _pick(self, headers: dict[str, str], body: bytes, subset, phase: str):
-        with self.metrics.pick_seconds.time():
+        # A child of the client's traceparent; the request goes on carrying the pick's context,
+        # so the sidecar's and the workers' spans nest under it (W3C context, as llm-d does).
+        span = tracing.tracer().start("epp.pick", headers, attributes={"url.path": headers.get(":path", "")})
+        with self.metrics.pick_seconds.time(), span:
             try:
                 pick = await self.picker.pick(headers.get(":path", "").split("?", 1)[0], body, subset)
             except APIError as exc:
                 self.metrics.picks.labels(result="refused").inc()
                 log.warning("no endpoint for %s: %s", headers.get(":path"), exc.message)
+                span.set("http.response.status_code", exc.status)
                 return _immediate(exc), None
+            span.update({"splitserve.placement.decode": pick.decode, "splitserve.placement.prefill": pick.prefill,
+                         "splitserve.placement.endpoint": pick.endpoint,
+                         "splitserve.placement.cached_blocks": pick.num_cached_blocks,
+                         "gen_ai.usage.input_tokens": pick.num_prompt_tokens})
+        carried: dict[str, str] = {}
+        span.inject(carried)
         self.metrics.picks.labels(result="pd" if pick.prefill else "picked").inc()
         log.info(
             "picked %s (decode %s, prefill %s, %d prompt tokens, %d cached blocks)",
@@ -118,7 +129,7 @@ class ExternalProcessor(ep_grpc.ExternalProcessorServicer):
             pick.num_prompt_tokens,
             pick.num_cached_blocks,
         )
-        set_headers = [_header(DESTINATION, pick.endpoint)]
+        set_headers = [_header(DESTINATION, pick.endpoint), *(_header(k, v) for k, v in carried.items())]
         remove = []
         if pick.prefill:
             set_headers.append(_header(PREFILLER, pick.prefill))

@@ -23,6 +23,7 @@ from fastapi.responses import JSONResponse, Response
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from splitserve.platform import tracing
 from splitserve.router import logctx
 from splitserve.router.api.errors import error_body
 from splitserve.router.config_file import load_config
@@ -69,6 +70,7 @@ def register(subparsers) -> None:
     p.add_argument("--tls-ca", default=None, help="mTLS to the workers: the CA of the workers' certificates")
     p.add_argument("--serve-tls-cert", default=None, help="serve ext_proc over TLS with this certificate (PEM)")
     p.add_argument("--serve-tls-key", default=None, help="... and this private key (PEM)")
+    tracing.add_tracing_args(p)
     p.set_defaults(func=cmd_epp)
 
 
@@ -93,6 +95,7 @@ def cmd_epp(args) -> int:
     from splitserve.platform.errors import ConfigError
 
     logctx.install()
+    tracing.configure(tracing.config_from_args("epp", args))
     endpoints = EndpointMap.parse(args.endpoint, args.sidecar_port)
     if not endpoints.pairs and endpoints.sidecar_port is None:
         raise ConfigError(

@@ -202,3 +202,27 @@ def test_endpoint_map_rules():
     for bad in (["127.0.0.1:50051"], ["127.0.0.1:50051=nohost"], ["x:1=127.0.0.1:70000"]):
         with pytest.raises(ConfigError, match="allowed"):
             EndpointMap.parse(bad)
+
+
+def test_the_pick_is_a_span_of_the_clients_trace_and_its_context_travels_on(epp):
+    """With tracing on, the EPP's pick is a child of the client's traceparent (exported over OTLP to
+    a real receiver), and the request goes on to the sidecar carrying the pick's context."""
+    from otlp_receiver import OtlpReceiver
+
+    from splitserve.platform import tracing
+
+    client_trace, client_span = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
+    with OtlpReceiver() as receiver:
+        tracing.configure(tracing.TracingConfig(role="epp", endpoint=receiver.endpoint, sample_ratio=1.0))
+        try:
+            answers = exchange(
+                epp, [headers_message(CHAT, {"traceparent": f"00-{client_trace}-{client_span}-01"}),
+                      body_message(chat("Hello"))]
+            )
+        finally:
+            tracing.configure(tracing.TracingConfig(role="epp"))  # off again: exports what is buffered
+        (pick,) = receiver.wait_for(client_trace, {"epp.pick"})
+    set_headers, _, _ = mutation(answers[1])
+    assert pick.parent_id == client_span and pick.service == "splitserve-epp"
+    assert pick.attributes["splitserve.placement.endpoint"] == set_headers["x-gateway-destination-endpoint"]
+    assert set_headers["traceparent"] == f"00-{client_trace}-{pick.span_id}-01"
