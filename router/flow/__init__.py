@@ -1,0 +1,13 @@
+"""Flow control at the gateway: priority bands, fair share between tenants, dispatch held back
+while the workers are saturated, sheddable traffic turned away first (GIE's flow control).
+
+    classify.py    band and flow of a request (objective header, model default, key priority)
+    config.py      FlowControlConfig
+    fairness.py    one band's queue: per-flow queues, weighted fair queuing charged in tokens
+    saturation.py  the saturation detector over the router's view of the decode workers
+    controller.py  FlowController: acquire / release, the bounds, 503 vs 429
+    metrics.py     queue length, time in queue, outcome counts per band and flow
+
+Torch-free and independent of FastAPI: the gateway calls `FlowController.acquire` between
+admission and placement and `release` when the request ends (docs/router.md).
+"""
