@@ -16,6 +16,8 @@ import yaml
 
 from splitserve.platform.errors import ConfigError
 from splitserve.platform.model_source import DEFAULT_MODEL
+from splitserve.router.flow.config import FlowControlConfig
+from splitserve.router.flow.config import from_mapping as _flow_control
 
 DISAGGREGATION_MODES = ("conditional", "always", "never")
 INDEX_BACKENDS = ("memory", "redis")
@@ -175,6 +177,8 @@ class ApiKey:
     tpm: int | None = None
     monthly_tokens: int | None = None
     max_concurrent: int | None = None
+    priority: int | None = None      # flow-control band of the key's requests (router/flow/classify.py)
+    weight: float | None = None      # the key's share in fair queuing (None: 1)
 
 
 @dataclass(frozen=True)
@@ -266,6 +270,7 @@ class RouterConfig:
     index: IndexConfig = field(default_factory=IndexConfig)
     placement: PlacementConfig = field(default_factory=PlacementConfig)
     adapters: AdaptersConfig = field(default_factory=AdaptersConfig)
+    flow_control: FlowControlConfig = field(default_factory=FlowControlConfig)
 
     def __post_init__(self) -> None:
         if self.max_model_len < 2 or self.block_size < 1:
@@ -300,7 +305,8 @@ def load_config(path: str | None = None, **overrides) -> RouterConfig:
 
 def from_dict(data: dict) -> RouterConfig:
     sections = {"gateway": _gateway, "discovery": _discovery, "index": _index, "placement": _placement,
-                "adapters": lambda d: AdaptersConfig(**checked_mapping(d, AdaptersConfig, "adapters"))}
+                "adapters": lambda d: AdaptersConfig(**checked_mapping(d, AdaptersConfig, "adapters")),
+                "flow_control": _flow_control}
     kwargs = {}
     for key, value in checked_mapping(data, RouterConfig, "").items():
         kwargs[key] = sections[key](value) if key in sections else value

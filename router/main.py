@@ -19,6 +19,7 @@ from prometheus_client import start_http_server
 from splitserve.platform.errors import ConfigError
 from splitserve.router import logctx
 from splitserve.router.config import RouterConfig, load_config
+from splitserve.router.flow import cli as flow_cli
 
 log = logging.getLogger("splitserve.router")
 
@@ -52,6 +53,7 @@ def add_router_args(p) -> None:
                    "token limits (reloaded on change; see router/tenancy/)")
     p.add_argument("--tool-call-parser", default=None, choices=("hermes", "json"),
                    help="how tool_choice=auto answers are read (default hermes)")
+    flow_cli.add_args(p)
 
 
 def config_from_args(args, **extra) -> RouterConfig:
@@ -61,7 +63,7 @@ def config_from_args(args, **extra) -> RouterConfig:
                  "gateway.api_keys_file": getattr(args, "api_keys_file", None),
                  "discovery.tls_cert": getattr(args, "tls_cert", None), "discovery.tls_key": getattr(args, "tls_key", None),
                  "discovery.tls_ca": getattr(args, "tls_ca", None),
-                 "gateway.tool_call_parser": args.tool_call_parser, **extra}
+                 "gateway.tool_call_parser": args.tool_call_parser, **flow_cli.overrides(args), **extra}
     if args.redis_url:
         overrides.update({"index.backend": "redis", "index.redis_url": args.redis_url,
                           "gateway.rate_limit_redis_url": args.redis_url})

@@ -1,7 +1,7 @@
 """Serving one OpenAI request: access checks, jobs, streaming or whole answers.
 
     access (401 / 429) -> model (404) -> prepare (400) -> admission gates (429; router/tenancy/admission.py)
-    -> dispatch
+    -> flow control (wait in the gateway's queue; 503 / 429; router/flow/, when enabled) -> dispatch
 
 A streamed answer waits for its first increment before sending headers, so an error before the
 first token (no worker: 503, a worker's 400) still gets its HTTP status; after that an error is
@@ -27,8 +27,11 @@ from splitserve.router.tenancy.access import ANONYMOUS, Authenticator, RateLimit
 from splitserve.router.tenancy.admission import AdmissionPipeline, Slots, Ticket
 from splitserve.router.config import ApiKey
 from splitserve.router.api.errors import APIError
+from splitserve.router.flow import build_controller
+from splitserve.router.flow.classify import classify
+from splitserve.router.flow.fairness import FlowItem
 from splitserve.router.api.prompts import Prepared, prepare_chat, prepare_completion
-from splitserve.router.api.formatting import ChoiceState, Formatter, TokenText, sse
+from splitserve.router.api.formatting import ChoiceState, Formatter, TokenText, sse, usage
 from splitserve.router.tenancy.concurrency import Concurrency
 from splitserve.router.tenancy.quota import Quota
 from splitserve.router.tenancy.keyfile import check_scope
@@ -52,6 +55,7 @@ class Gateway:
                                            Slots(gateway.max_concurrent_requests, gateway.max_queued_requests),
                                            router.metrics.rejected)
         self.tokens = TokenText(router.tokenizer)
+        self.flow = build_controller(router.config.flow_control, router.pool, router.metrics.registry)
 
     async def access(self, request: Request) -> ApiKey:
         """FastAPI dependency of every /v1 route: API key, then its rate limit."""
@@ -90,9 +94,20 @@ class Gateway:
             prepared.jobs[:] = [dataclasses.replace(job, lora_name=lora_name) for job in prepared.jobs]
         reserve = prepared.num_prompt_tokens + sum(job.params.max_tokens for job in prepared.jobs)
         ticket = await self.admission.admit(key, body.model, reserve)
+        flow = None
+        if self.flow is not None:
+            try:
+                flow = await self._wait_for_dispatch(request, key, body, request_id, reserve)
+            except BaseException:
+                await self.admission.release(ticket, None)
+                raise
+            if flow is None:
+                log.info("client disconnected while its request was queued")
+                await self.admission.release(ticket, None)
+                return Response(status_code=499)
         events = merged([self.router.dispatcher.generate(job) for job in prepared.jobs])
         formatter = Formatter(prepared, is_chat, self.tokens)
-        cleanup = _Cleanup(events, self.admission, ticket, prepared)
+        cleanup = _Cleanup(events, self.admission, ticket, prepared, self.flow, flow)
         try:
             if prepared.stream:
                 return await self._stream(prepared, formatter, events, cleanup)
@@ -100,6 +115,29 @@ class Gateway:
         except BaseException:
             await cleanup()
             raise
+
+    async def _wait_for_dispatch(self, request: Request, key: ApiKey, body, request_id: str,
+                                 reserve: int) -> FlowItem | None:
+        """Flow control: return the request's FlowItem once it may be dispatched (release it with
+        the cleanup), None if the client left while it waited, or raise its 503 / 429."""
+        cls = classify(self.flow.config, request.headers, body.model, key.name, key.priority, key.weight,
+                       request.client.host if request.client else "")
+        item = FlowItem(request_id, cls.band, cls.flow_id, reserve, cls.weight, body.priority)
+        if self.flow.try_acquire(item):
+            return item
+        acquire = asyncio.ensure_future(self.flow.acquire(item))
+        gone = asyncio.ensure_future(_wait_disconnect(request))
+        try:
+            await asyncio.wait({acquire, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+            if not acquire.done():
+                acquire.cancel()
+            await asyncio.gather(acquire, gone, return_exceptions=True)
+        if acquire.cancelled():
+            return None
+        acquire.result()
+        return item
 
     async def _stream(self, prepared: Prepared, formatter: Formatter, events, cleanup) -> Response:
         t0 = time.monotonic()
@@ -198,8 +236,10 @@ class _Cleanup:
     in-flight count, and its quota settled with the tokens the choices got: streamed so far, for a
     cut stream), once."""
 
-    def __init__(self, events, admission: AdmissionPipeline, ticket: Ticket, prepared: Prepared):
+    def __init__(self, events, admission: AdmissionPipeline, ticket: Ticket, prepared: Prepared,
+                 flow=None, flow_item: FlowItem | None = None):
         self.events = events
+        self.flow, self.flow_item = flow, flow_item
         self.admission = admission
         self.ticket = ticket
         self.prepared = prepared
@@ -216,6 +256,9 @@ class _Cleanup:
         try:
             await self.events.aclose()
         finally:
+            if self.flow_item is not None:
+                ran = any(c.last is not None for c in self.choices)
+                self.flow.release(self.flow_item, usage(self.prepared, self.choices)["total_tokens"] if ran else 0)
             await self.admission.release(self.ticket, (self.prepared, self.choices))
 
 

@@ -11,3 +11,21 @@ while the workers are saturated, sheddable traffic turned away first (GIE's flow
 Torch-free and independent of FastAPI: the gateway calls `FlowController.acquire` between
 admission and placement and `release` when the request ends (docs/router.md).
 """
+
+from __future__ import annotations
+
+from splitserve.router.flow.config import FlowControlConfig
+from splitserve.router.flow.controller import FlowController
+from splitserve.router.flow.metrics import FlowMetrics
+from splitserve.router.flow.saturation import SaturationDetector
+
+
+def build_controller(config: FlowControlConfig, pool, registry) -> FlowController | None:
+    """The gateway's controller over `pool` (router/pool.py's WorkerPool), metrics in `registry`;
+    None when flow control is off."""
+    if not config.enabled:
+        return None
+    metrics = FlowMetrics(registry)
+    detector = SaturationDetector(config, lambda: pool.workers.values(), pool.clock)
+    metrics.saturated.set_function(lambda: float(detector.is_saturated()))
+    return FlowController(config, detector, metrics)

@@ -65,15 +65,23 @@ class FlowController:
         return self.bands[band].num_queued if band in self.bands else 0
 
     # -- the request's side ---------------------------------------------------------------------
+    def try_acquire(self, item: FlowItem) -> bool:
+        """Dispatch `item` at once if nothing of its band or above waits and there is room (the
+        idle path, without a task); False: call acquire()."""
+        item.enqueue_time = self.clock()
+        if self._queued_from(item.band) or not self.detector.has_room(item.band, self.num_dispatched):
+            return False
+        band = self.bands.setdefault(item.band, Band(item.band))
+        band.push(item)
+        self._dispatch_next(band)
+        return True
+
     async def acquire(self, item: FlowItem) -> None:
         """Return when `item` may go to the workers (then call release() once when it ends), or
         raise APIError 503/429. Cancelling the caller takes the item out of its queue at once."""
-        item.enqueue_time = self.clock()
-        band = self.bands.setdefault(item.band, Band(item.band))
-        if not self._queued_from(item.band) and self.detector.has_room(item.band, self.num_dispatched):
-            band.push(item)
-            self._dispatch_next(band)
+        if self.try_acquire(item):
             return
+        band = self.bands.setdefault(item.band, Band(item.band))
         self._make_room(band, item)
         band.push(item)
         self._count_queued(item, +1)
