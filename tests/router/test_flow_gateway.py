@@ -14,7 +14,6 @@ import httpx
 import openai
 import pytest
 import yaml
-
 from routerkit import FakeWorker, RouterServer, router_config
 from splitserve.router.config import GatewayConfig
 from splitserve.router.flow.config import FlowControlConfig
