@@ -73,7 +73,7 @@ async def stream_chat(client: httpx.AsyncClient, key: str, max_tokens: int, obje
     if objective:
         headers["x-gateway-inference-objective"] = objective
     body = {"model": MODEL, "messages": CHAT, "max_tokens": max_tokens, "ignore_eos": True, "stream": True,
-            "temperature": 0}
+            "temperature": 0, "return_token_ids": True}
     t0 = time.monotonic()
     out = Outcome(0, t_start=t0)
     try:
@@ -90,12 +90,13 @@ async def stream_chat(client: httpx.AsyncClient, key: str, max_tokens: int, obje
                     if "error" in data:
                         out.status = 599
                         break
-                    if data["choices"] and data["choices"][0]["delta"].get("content") is not None:
+                    num_tokens = len(data["choices"][0].get("token_ids") or ()) if data["choices"] else 0
+                    if num_tokens:
                         now = time.monotonic()
                         if out.ttft_s is None:
                             out.ttft_s = now - t0
-                        out.num_tokens += 1
-                        out.token_times.append(now)
+                        out.num_tokens += num_tokens
+                        out.token_times += [now] * num_tokens
     except httpx.HTTPError:
         out.status = -1
     out.t_end = time.monotonic()

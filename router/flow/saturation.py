@@ -9,9 +9,12 @@ own live counts of the requests it assigned there. A healthy, non-draining decod
   `queue_depth_threshold`;
 - its KV-cache use reaches `kv_cache_threshold`;
 - its load report is older than `load_staleness_s` (no news is treated as no room);
-- with `max_running_per_worker` > 0: its busy requests (running + waiting, or the router's
-  in-flight assignments if more) reach the band's running limit, which is lower by
-  `reserved_running` for bands under `reserved_min_band`.
+- with `max_running_per_worker` > 0: the requests this router has in flight there reach the
+  band's running limit, which is lower by `reserved_running` for bands under
+  `reserved_min_band`. The router's own count, not the load report's: it changes the moment a
+  request ends, where a report lags by up to its interval (0.5 s), long enough to hold an
+  interactive request back for nothing. So the cap is per router replica (as
+  `max_concurrent_per_key` is); other replicas' requests show through the waiting threshold.
 
 The pool has room for a band while some worker is not full and, with a running cap, the
 requests the controller has dispatched and not seen end are fewer than the cap times the
@@ -55,8 +58,7 @@ class SaturationDetector:
 
     @staticmethod
     def busy(worker) -> int:
-        reported = worker.load.num_running + worker.load.num_waiting if worker.load is not None else 0
-        return max(reported, worker.num_inflight)
+        return worker.num_inflight
 
     def has_room(self, band: int, num_dispatched: int) -> bool:
         """May one more request of `band` go to the workers, with `num_dispatched` of the
@@ -70,6 +72,7 @@ class SaturationDetector:
         if not limit:
             return True
         # Slots: the band's limit on each worker with room; a full worker only what it holds.
+        # Released requests count before placement assigns them to a worker.
         busy = [self.busy(w) for w in candidates]
         num_slots = sum(limit if o else min(b, limit) for o, b in zip(is_open, busy, strict=True))
         return max(num_dispatched, sum(busy)) < num_slots
