@@ -95,6 +95,8 @@ class Gateway:
         reserve = prepared.num_prompt_tokens + sum(job.params.max_tokens for job in prepared.jobs)
         ticket = await self.admission.admit(key, body.model, reserve)
         flow = None
+        if body.priority:
+            prepared.jobs[:] = [dataclasses.replace(job, priority=body.priority) for job in prepared.jobs]
         if self.flow is not None:
             try:
                 flow = await self._wait_for_dispatch(request, key, body, request_id, reserve)
@@ -105,6 +107,7 @@ class Gateway:
                 log.info("client disconnected while its request was queued")
                 await self.admission.release(ticket, None)
                 return Response(status_code=499)
+            prepared.jobs[:] = [dataclasses.replace(job, band=flow.band) for job in prepared.jobs]
         events = merged([self.router.dispatcher.generate(job) for job in prepared.jobs])
         formatter = Formatter(prepared, is_chat, self.tokens)
         cleanup = _Cleanup(events, self.admission, ticket, prepared, self.flow, flow)

@@ -103,3 +103,30 @@ def test_priority_victim_planned_earlier_in_the_step_is_unplanned():
 def test_unknown_policy_is_refused():
     with pytest.raises(ConfigError, match="fcfs, priority"):
         SchedulerConfig(policy="wspt")
+
+
+def test_engine_runs_waiting_requests_by_band_then_priority(make_engine):
+    """The real engine (SmolLM2-135M) with --scheduling-policy priority and one sequence at a time:
+    requests finish in band order, then by the body's priority, whatever their arrival order."""
+    engine = make_engine(max_num_seqs=1, policy="priority")
+    params = SamplingParams(max_tokens=2, ignore_eos=True, temperature=0)
+    for req_id, priority, band in (("batch", 0, 0), ("sheddable", 0, -1), ("chat-late", 3, 10), ("chat", 1, 10)):
+        engine.add_request(prompt_token_ids=[1, 2, 3, 4, 5], params=params, req_id=req_id, priority=priority,
+                           band=band)
+    finished = []
+    while engine.has_unfinished_requests():
+        finished += [o.req_id for o in engine.step() if o.finish_reason is not None]
+    assert finished == ["chat", "chat-late", "batch", "sheddable"]
+    engine.kv.check_invariants()
+
+
+def test_band_and_priority_reach_the_worker_request():
+    from types import SimpleNamespace
+
+    from splitserve.router.config import DisaggregationConfig
+    from splitserve.router.wire import generate_request
+
+    decision = SimpleNamespace(prefill=(), lora_evict_first=[], pull=None)
+    request = generate_request("r", [1, 2], SamplingParams(max_tokens=1), decision, DisaggregationConfig(),
+                               priority=-3, band=10)
+    assert (request.priority, request.band) == (-3, 10)
