@@ -2,7 +2,6 @@
 preemption of the least important running request only when blocks run out (as vLLM does)."""
 
 import pytest
-
 from splitserve.platform.config import SchedulerConfig
 from splitserve.platform.errors import ConfigError
 from splitserve.platform.hashing import BlockHasher
