@@ -63,42 +63,52 @@ def wait_until(predicate, timeout: float = 20) -> None:
         time.sleep(0.02)
 
 
+def queued_now(url: str) -> float:
+    return sum(float(line.rsplit(" ", 1)[1]) for line in httpx.get(f"{url}/metrics").text.splitlines()
+               if line.startswith("splitserve_router_flow_queue_length{"))
+
+
+def flood_then(server, worker, pool, key: str, headers: dict, max_tokens: int):
+    """team-a: one long request running and three queued behind it; then one request with `key`
+    and `headers`. Returns the futures (flood first) and the worker's request count before."""
+    before = len(worker.requests)
+    flood = [pool.submit(chat, server.url, "sk-a", 60)]
+    wait_until(lambda: len(worker.requests) > before)
+    flood += [pool.submit(chat, server.url, "sk-a", 20) for _ in range(3)]
+    wait_until(lambda: queued_now(server.url) >= 3)
+    assert len(worker.requests) == before + 1               # held back: the worker saw one, not four
+    last = pool.submit(chat, server.url, key, max_tokens, headers)
+    return flood, last, before
+
+
 def test_interactive_band_overtakes_a_flood_and_the_flood_all_finishes(stack):
     server, worker = stack
-    before = len(worker.requests)
-    pool = concurrent.futures.ThreadPoolExecutor(8)
-    flood = [pool.submit(chat, server.url, "sk-a", 20) for _ in range(5)]
-    wait_until(lambda: len(worker.requests) > before)       # one of A's runs, four wait in the gateway
-    time.sleep(0.1)
-    assert len(worker.requests) == before + 1               # held back: the worker saw one, not five
-    interactive = pool.submit(chat, server.url, "sk-a", 4, {"x-gateway-inference-objective": "interactive"})
-    answers = [f.result(60) for f in flood] + [interactive.result(60)]
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        flood, interactive, before = flood_then(server, worker, pool, "sk-a", {"x-gateway-inference-objective":
+                                                                               "interactive"}, 4)
+        answers = [f.result(60) for f in flood] + [interactive.result(60)]
     assert all(a.http_response.status_code == 200 for a in answers)
-    prompts = [r.params.max_tokens for r in worker.requests[before:]]
-    assert prompts[1] == 4, prompts                         # the band-10 request went next, ahead of four
-    pool.shutdown()
+    max_tokens = [r.params.max_tokens for r in worker.requests[before:]]
+    assert max_tokens == [60, 4, 20, 20, 20]                 # the band-10 request went next, ahead of three
 
 
 def test_key_file_priority_sets_the_band(stack):
     server, worker = stack
-    before = len(worker.requests)
-    pool = concurrent.futures.ThreadPoolExecutor(8)
-    flood = [pool.submit(chat, server.url, "sk-a", 20) for _ in range(4)]
-    wait_until(lambda: len(worker.requests) > before)
-    time.sleep(0.1)
-    team_b = pool.submit(chat, server.url, "sk-b", 3)        # team-b's key has priority 10
-    for f in [*flood, team_b]:
-        assert f.result(60).http_response.status_code == 200
-    assert [r.params.max_tokens for r in worker.requests[before:]][1] == 3
-    pool.shutdown()
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        flood, team_b, before = flood_then(server, worker, pool, "sk-b", {}, 3)   # team-b's key: priority 10
+        for f in [*flood, team_b]:
+            assert f.result(60).http_response.status_code == 200
+    assert [r.params.max_tokens for r in worker.requests[before:]] == [60, 3, 20, 20, 20]
+    assert [r.band for r in worker.requests[before:]] == [0, 10, 0, 0, 0]
 
 
 def test_sheddable_is_503_with_retry_after_while_saturated_and_counted_once(stack):
     server, worker = stack
     counts0 = flow_counts(server.url)
     pool = concurrent.futures.ThreadPoolExecutor(4)
-    running = pool.submit(chat, server.url, "sk-a", 30)
-    wait_until(lambda: server_busy(server))
+    before = len(worker.requests)
+    running = pool.submit(chat, server.url, "sk-a", 100)
+    wait_until(lambda: len(worker.requests) > before)
     with pytest.raises(openai.APIStatusError) as exc:
         chat(server.url, "sk-a", 5, {"x-gateway-inference-objective": "batch"})
     assert exc.value.status_code == 503
@@ -116,17 +126,13 @@ def test_sheddable_is_503_with_retry_after_while_saturated_and_counted_once(stac
     pool.shutdown()
 
 
-def server_busy(server) -> bool:
-    return any(w.num_inflight for w in server.router.pool.workers.values())
-
-
 def test_a_client_that_leaves_the_queue_is_gone_at_once(stack):
     server, worker = stack
     counts0 = flow_counts(server.url)
     pool = concurrent.futures.ThreadPoolExecutor(4)
-    running = pool.submit(chat, server.url, "sk-a", 40)
-    wait_until(lambda: server_busy(server))
-    before = len(worker.requests)
+    before = len(worker.requests) + 1
+    running = pool.submit(chat, server.url, "sk-a", 150)   # 3 s or more
+    wait_until(lambda: len(worker.requests) == before)
     done = threading.Event()
 
     def leave_early():
