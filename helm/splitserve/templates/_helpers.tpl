@@ -46,6 +46,8 @@ security:
   allowInsecure: {{ .Values.security.allowInsecure }}
 kvCache:
 {{ toYaml .Values.kvCache | indent 2 }}
+flowControl:
+{{ toYaml .Values.flowControl | indent 2 }}
 reconcile:
   resyncSeconds: {{ .Values.operator.resyncSeconds }}
   notReadyRetrySeconds: {{ .Values.operator.notReadyRetrySeconds }}
