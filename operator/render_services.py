@@ -77,7 +77,8 @@ def flow_control_config(ctx: Context) -> dict[str, Any]:
         return {}
     objectives = {o.name: o.priority for o in spec.objectives}
     return {"enabled": True, "objectives": objectives,
-            "default_objectives": {ctx.spec.served_model_name: spec.default_objective} if spec.default_objective else {},
+            "default_objectives": ({ctx.spec.served_model_name: spec.default_objective}
+                                   if spec.default_objective else {}),
             "fairness_header": eff.fairness_header, "max_queued_per_band": eff.max_queued_per_band,
             "max_queue_wait_s": eff.max_queue_wait_seconds, "max_running_per_worker": eff.max_running_per_worker,
             "reserved_running": eff.reserved_running, "queue_depth_threshold": eff.queue_depth_threshold,

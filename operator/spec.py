@@ -389,7 +389,11 @@ class FlowObjectiveSpec(_Spec):
 
 
 class FlowControlSpec(_Spec):
-    """Flow control at the gateway (docs/router.md, GIE's flow control): requests wait in the router by priority band and tenant while the decode pool is saturated, fair share between tenants in a band, sheddable bands turned away first. Every unset field takes the Helm chart's `flowControl.*` value."""
+    """Flow control at the gateway (docs/router.md; GIE's flow control).
+
+    Requests wait in the router by priority band and tenant while the decode pool is saturated,
+    tenants of a band share fairly, sheddable bands are turned away first. Every unset field takes
+    the Helm chart's `flowControl.*` value."""
 
     model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": [
         rule("!has(self.defaultObjective) || (has(self.objectives) && "
@@ -402,7 +406,7 @@ class FlowControlSpec(_Spec):
     enabled: bool | None = None
     """Queue requests in the router while the workers are saturated (off: dispatch at once, first come first served)."""
     objectives: list[FlowObjectiveSpec] = Field(default_factory=list, max_length=64)
-    """Objectives and their bands. A request without the header gets `defaultObjective`, else its API key's priority, else band 0."""
+    """Objectives and their bands. Without the header: `defaultObjective`, else the key's priority, else 0."""
     default_objective: str | None = Field(None, min_length=1, max_length=63)
     """The objective of requests that name none."""
     fairness_header: str | None = Field(None, pattern=r"^[a-z0-9-]{1,64}$")
@@ -421,7 +425,7 @@ class FlowControlSpec(_Spec):
     """A decode worker with this fraction of its KV cache in use is saturated (GIE's kvCacheUtilThreshold)."""
 
     @model_validator(mode="after")
-    def _objectives_are_consistent(self) -> "FlowControlSpec":
+    def _objectives_are_consistent(self) -> FlowControlSpec:
         names = [o.name for o in self.objectives]
         if len(set(names)) != len(names):
             raise ValueError("flowControl.objectives must have unique names")
@@ -475,7 +479,7 @@ class InferenceServiceSpec(_Spec):
     """LoRA adapters every worker of both pools holds. The router loads them on each worker when it joins, and loads and
     unloads them in place when this list changes: no pod restarts. status.<pool>.adapters lists what is loaded."""
     flow_control: FlowControlSpec = FlowControlSpec()
-    """Flow control at the gateway: priority bands, fair share between tenants, saturation-gated dispatch. Unset fields take the chart's flowControl.* values."""
+    """Flow control at the gateway: priority bands, tenants' fair share, dispatch held while saturated."""
 
     @property
     def served_model_name(self) -> str:

@@ -171,7 +171,8 @@ class SchedulerConfig:
 
     def __post_init__(self) -> None:
         if self.policy not in SCHEDULING_POLICIES:
-            raise ConfigError(f"scheduling policy {self.policy!r} is unknown; allowed: {', '.join(SCHEDULING_POLICIES)}")
+            raise ConfigError(f"scheduling policy {self.policy!r} is unknown; "
+                              f"allowed: {', '.join(SCHEDULING_POLICIES)}")
         if self.max_num_seqs < 1:
             raise ConfigError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
