@@ -330,3 +330,24 @@ async def test_tick_dispatches_when_capacity_returns_without_a_release():
     gate.slots = 1                      # a worker came up (a load report): no release happens
     await asyncio.wait_for(task, 2.0)
     assert ctl.num_dispatched == 1
+
+
+def test_router_and_up_flags_reach_the_config():
+    import argparse
+
+    from splitserve.router.main import add_router_args, config_from_args
+
+    parser = argparse.ArgumentParser()
+    add_router_args(parser)
+    args = parser.parse_args(["--flow-control", "--flow-objective", "chat=10", "--flow-objective", "batch=-1",
+                              "--flow-max-running", "4", "--flow-reserved-running", "1", "--flow-max-wait", "5",
+                              "--flow-max-queued", "9"])
+    flow = config_from_args(args).flow_control
+    assert flow.enabled and flow.objectives == {"chat": 10, "batch": -1}
+    assert (flow.max_running_per_worker, flow.reserved_running, flow.max_queue_wait_s, flow.max_queued_per_band) == \
+        (4, 1, 5.0, 9)
+    assert not config_from_args(parser.parse_args([])).flow_control.enabled
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--flow-objective", "chat"])
+    with pytest.raises(ConfigError, match="reserved_running"):
+        config_from_args(parser.parse_args(["--flow-control", "--flow-reserved-running", "2"]))
