@@ -10,7 +10,8 @@ sheddable=-1 --flow-max-running R --flow-reserved-running 1` with a key file of 
 what was asked for. Clients that get 503 or 429 wait the Retry-After and send again.
 
 1. Flood and chat. team-b alone sends a short chat (16 tokens, objective `interactive`, band 10)
-   every 2 s for the idle phase: its idle p90 TTFT. Then team-a floods at concurrency 32 (128
+   every 2 s for the idle phase (half before the flood, half after it has drained): its idle
+   p90 TTFT. In between, team-a floods at concurrency 32 (128
    output tokens, band 0) for `duration` s while team-b keeps its 0.5 req/s: its loaded p90 TTFT.
    Pass: loaded p90 <= 1.5x idle p90. Every team-a request ends with all its tokens or a 503 with
    Retry-After; none is lost (any other outcome is counted and fails the run).
@@ -151,12 +152,15 @@ async def run_flood(url: str, duration: float, idle_s: float) -> dict:
     async with client_for(url) as client:
         await stream_chat(client, KEYS["team-b"], 4, "interactive")          # warm-up
         idle: list[Outcome] = []
-        await paced(client, KEYS["team-b"], 2.0, 16, "interactive", time.monotonic() + idle_s, idle)
+        await paced(client, KEYS["team-b"], 2.0, 16, "interactive", time.monotonic() + idle_s / 2, idle)
         flood: list[Outcome] = []
         loaded: list[Outcome] = []
         until = time.monotonic() + duration
         await asyncio.gather(closed_loop(client, KEYS["team-a"], 32, 128, None, until, flood),
                              paced(client, KEYS["team-b"], 2.0, 16, "interactive", until, loaded))
+        # The other half of the idle samples after the flood has drained, so a drift of the
+        # machine's load during the run weighs on both sides alike.
+        await paced(client, KEYS["team-b"], 2.0, 16, "interactive", time.monotonic() + idle_s / 2, idle)
     idle_ttft = [o.ttft_s for o in idle if o.ttft_s is not None]
     loaded_ttft = [o.ttft_s for o in loaded if o.ttft_s is not None]
     complete = sum(o.status == 200 and o.num_tokens == 128 for o in flood)
@@ -286,7 +290,7 @@ def report(args, flood, fair, shed, cost, fcfs, load) -> str:
              f"`--flow-max-running {args.max_running} --flow-reserved-running 1 --flow-max-wait {MAX_WAIT_S:g}`. "
              f"Load average at start / end: {load[0]:.1f} / {load[1]:.1f} on 2 shared cores, so the figures are "
              "noisy; the ratios are measured in one run." + (
-                 f" Runs shortened from 60 s to {args.duration:g} s (idle phase {args.idle:g} s)."
+                 f" Runs shortened from 60 s to {args.duration:g} s (idle phases {args.idle:g} s in all)."
                  if args.duration < 60 else ""), "",
              "**1. A flood and a chat** (team-a: band 0, concurrency 32, 128 tokens; team-b: band 10 via "
              "`x-gateway-inference-objective: interactive`, one 16-token chat every 2 s):", "",
@@ -340,7 +344,8 @@ async def with_stack(flow: bool, max_running: int, coro_fn):
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--duration", type=float, default=60.0, help="seconds of each run (60)")
-    parser.add_argument("--idle", type=float, default=20.0, help="seconds of team-b alone before the flood (20)")
+    parser.add_argument("--idle", type=float, default=60.0,
+                        help="seconds of team-b alone, half before and half after the flood (60)")
     parser.add_argument("--max-running", type=int, default=4, help="--flow-max-running of the stack (4)")
     parser.add_argument("--fcfs", action="store_true", help="repeat run 1 without flow control")
     parser.add_argument("--only", choices=("flood", "fair", "shed", "overhead"), default=None)
