@@ -236,6 +236,7 @@ def start_router(worker: str, flow: bool) -> tuple[Proc, str]:
 
 def overhead(n: int) -> dict:
     import grpc
+
     from splitserve.platform.wire import worker_pb2 as pb
     from splitserve.platform.wire import worker_pb2_grpc as pb_grpc
 

@@ -21,7 +21,7 @@ from splitserve.router.flow.saturation import SaturationDetector
 
 
 def build_controller(config: FlowControlConfig, pool, registry) -> FlowController | None:
-    """The gateway's controller over `pool` (router/pool.py's WorkerPool), metrics in `registry`;
+    """The gateway's controller over `pool` (router/placement/pool.py's WorkerPool), metrics in `registry`;
     None when flow control is off."""
     if not config.enabled:
         return None

@@ -1,6 +1,6 @@
 """The saturation detector: may a request of a given band be dispatched now?
 
-It reads what the router already knows of each decode worker (router/pool.py's WorkerState):
+It reads what the router already knows of each decode worker (router/placement/pool.py's WorkerState):
 its last load report (waiting and running requests, KV-cache use, draining) and the router's
 own live counts of the requests it assigned there. A healthy, non-draining decode worker is
 *full* when any of these holds (GIE's detector, plus a running cap):

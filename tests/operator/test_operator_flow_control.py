@@ -12,6 +12,7 @@ import promql_parser
 import pytest
 import yaml
 from opkit_schemas import admit
+
 from splitserve.operator.render import render
 from splitserve.operator.settings import FlowControlDefaults, OperatorSettings, load_settings
 from splitserve.operator.spec import parse_spec

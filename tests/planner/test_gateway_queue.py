@@ -4,6 +4,7 @@ as demand, and enough to scale a pool up from zero while requests wait in the ga
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, generate_latest
+
 from splitserve.planner import signals as S
 from splitserve.planner.config import PlannerConfig, PoolBounds
 from splitserve.planner.law import Observation, Planner, PoolObservation

@@ -2,6 +2,7 @@
 preemption of the least important running request only when blocks run out (as vLLM does)."""
 
 import pytest
+
 from splitserve.platform.config import SchedulerConfig
 from splitserve.platform.errors import ConfigError
 from splitserve.platform.hashing import BlockHasher
@@ -123,7 +124,7 @@ def test_band_and_priority_reach_the_worker_request():
     from types import SimpleNamespace
 
     from splitserve.router.config import DisaggregationConfig
-    from splitserve.router.wire import generate_request
+    from splitserve.router.core.worker_messages import generate_request
 
     decision = SimpleNamespace(prefill=(), lora_evict_first=[], pull=None)
     request = generate_request("r", [1, 2], SamplingParams(max_tokens=1), decision, DisaggregationConfig(),

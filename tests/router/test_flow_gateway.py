@@ -15,6 +15,7 @@ import openai
 import pytest
 import yaml
 from routerkit import FakeWorker, RouterServer, router_config
+
 from splitserve.router.config import GatewayConfig
 from splitserve.router.flow.config import FlowControlConfig
 
@@ -154,7 +155,7 @@ def test_a_client_that_leaves_the_queue_is_gone_at_once(stack):
 
 def test_key_file_rejects_a_bad_weight(tmp_path):
     from splitserve.platform.errors import ConfigError
-    from splitserve.router.tenancy import parse_keys
+    from splitserve.router.tenancy.keyfile import parse_keys
 
     with pytest.raises(ConfigError, match="weight"):
         parse_keys({"keys": [{"id": "a", "key": "k", "weight": 0}]}, "keys.yaml")
