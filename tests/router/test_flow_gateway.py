@@ -46,8 +46,13 @@ def chat(url: str, key: str, max_tokens: int, headers: dict | None = None, **ext
         model="smollm2-135m", messages=MESSAGES, max_tokens=max_tokens, extra_headers=headers or {}, **extra)
 
 
+def metrics_text(url: str) -> str:
+    """/metrics (it takes a key when keys are configured)."""
+    return httpx.get(f"{url}/metrics", headers={"authorization": "Bearer sk-a"}).raise_for_status().text
+
+
 def flow_counts(url: str) -> dict[tuple[str, str], float]:
-    text = httpx.get(f"{url}/metrics").text
+    text = metrics_text(url)
     out: dict[tuple[str, str], float] = {}
     for line in text.splitlines():
         if line.startswith("splitserve_router_flow_requests_total{"):
@@ -65,7 +70,7 @@ def wait_until(predicate, timeout: float = 20) -> None:
 
 
 def queued_now(url: str) -> float:
-    return sum(float(line.rsplit(" ", 1)[1]) for line in httpx.get(f"{url}/metrics").text.splitlines()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in metrics_text(url).splitlines()
                if line.startswith("splitserve_router_flow_queue_length{"))
 
 
@@ -145,8 +150,7 @@ def test_a_client_that_leaves_the_queue_is_gone_at_once(stack):
     leave_early()
     assert done.is_set()
     wait_until(lambda: flow_counts(server.url).get(("0", "cancelled"), 0) > counts0.get(("0", "cancelled"), 0), 5)
-    assert "splitserve_router_flow_queue_length{band=\"0\",flow=\"team-a\"} 0.0" in httpx.get(
-        f"{server.url}/metrics").text
+    assert "splitserve_router_flow_queue_length{band=\"0\",flow=\"team-a\"} 0.0" in metrics_text(server.url)
     assert running.result(60).http_response.status_code == 200
     time.sleep(0.2)
     assert len(worker.requests) == before                   # the one that left never reached the worker
