@@ -9,10 +9,12 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from otlp_receiver import OtlpReceiver
 from prometheus_client import CollectorRegistry, Counter
 from test_flow_units import Clock, Worker
 from test_router_pipeline import ScriptedDispatcher, chunk, prepared
 
+from splitserve.platform import tracing
 from splitserve.router.api.errors import APIError
 from splitserve.router.config import ApiKey
 from splitserve.router.core.pipeline import Origin, Pipeline
@@ -114,3 +116,30 @@ def test_flow_controls_refusal_gives_the_admission_back():
         assert err.value.status == 400
         assert admission.num_running == 0 and flow.num_queued == 0
     asyncio.run(steps())
+
+
+def test_the_queue_wait_is_a_gateway_flow_span_beside_admission():
+    """Exported over real OTLP gRPC to tests/otlp_receiver.py, as in tests/platform/test_tracing.py."""
+    trace_id = "4bf92f3577b34da6a3ce929d0e0e4736"
+    with OtlpReceiver() as receiver:
+        tracer = tracing.OtelTracer(tracing.TracingConfig(role="router", endpoint=receiver.endpoint, sample_ratio=1.0))
+
+        async def steps():
+            root = tracer.start("gateway.request", {"traceparent": f"00-{trace_id}-00f067aa0ba902b7-01"})
+            tokens = tracing.enter(root)
+            try:
+                pipeline, _, _, _ = setup({"r-0": [chunk([1], completion=1, finish="stop")]}, Worker())
+                headers = {"x-gateway-inference-objective": "chat", "x-gateway-inference-fairness-id": "team-x"}
+                async with await pipeline.open(KEY, "m", prepared(n_choices=1), origin=origin(headers)) as run:
+                    [item async for item in run]
+            finally:
+                tracing.leave(tokens)
+                root.end()
+
+        asyncio.run(steps())
+        tracer.shutdown()
+        spans = {s.name: s for s in receiver.wait_for(trace_id, {"gateway.admission", "gateway.flow"})}
+    assert spans["gateway.flow"].parent_id == spans["gateway.admission"].parent_id == spans["gateway.request"].span_id
+    assert spans["gateway.flow"].attributes == {"splitserve.flow.band": 10, "splitserve.flow.id": "team-x",
+                                                "splitserve.flow.queued": False}
+    assert spans["gateway.flow"].start_s >= spans["gateway.admission"].start_s
