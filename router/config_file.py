@@ -8,6 +8,7 @@ import dataclasses
 import os
 
 import yaml
+
 from splitserve.platform.errors import ConfigError
 from splitserve.router.config import (
     AdaptersConfig,

@@ -15,6 +15,7 @@ import socket
 
 import uvicorn
 from prometheus_client import start_http_server
+
 from splitserve.platform import tracing
 from splitserve.platform.errors import ConfigError
 from splitserve.router import logctx

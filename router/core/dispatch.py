@@ -34,6 +34,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 import grpc
+
 from splitserve.platform import tracing
 from splitserve.platform.hashing import BlockHasher, lora_extra_keys
 from splitserve.platform.sampling.params import SamplingParams

@@ -30,6 +30,7 @@ import re
 from typing import Any
 
 import yaml
+
 from splitserve.router.api.errors import APIError
 from splitserve.router.config import KEY_ROLES, ApiKey, ConfigError
 
