@@ -258,6 +258,8 @@ def _up(args, config, secure_args: list[str]) -> int:
               "--kv-cache-memory", str(args.kv_cache_memory), "--max-model-len", str(config.max_model_len),
               *secure_args, *lora_args(args), *kv_reuse_args(args), *args.worker_arg,
               *(["--speculative-config", args.speculative_config] if args.speculative_config else [])]
+    if config.flow_control.enabled and not any("--scheduling-policy" in a for a in args.worker_arg):
+        common += ["--scheduling-policy", "priority"]   # the workers order by the band the gateway sends
     level = logging.getLevelName(logging.getLogger().level)
     planner = make_planner(args, config.model) if args.planner else None
     # With the planner many workers share the cores: one thread each unless told otherwise.

@@ -29,7 +29,7 @@ from splitserve.operator import constants as C
 from splitserve.operator import credentials
 from splitserve.operator.context import Context, Manifest
 from splitserve.operator.render_services import config_hash
-from splitserve.operator.settings import KvCacheDefaults
+from splitserve.operator.settings import KvCacheDefaults, effective_flow_control
 from splitserve.operator.spec import EnvVar, PoolSpec, Resources, Toleration
 
 GPU_RESOURCE = "nvidia.com/gpu"
@@ -208,6 +208,8 @@ def worker_args(ctx: Context, pool: str) -> list[str]:
     if pool == "decode" and spec.speculative is not None:   # the prefill pool samples one token: nothing to speculate
         args += ["--speculative-config", spec.speculative.config_json()]
     args += kv_cache_args(ctx.kv_cache(), pool_spec.gpus)
+    if effective_flow_control(spec.flow_control, ctx.settings).enabled:   # the router sends each request's band
+        args += ["--scheduling-policy", "priority"]
     return args + (["--device", "cuda"] if pool_spec.gpus > 0 else [])
 
 

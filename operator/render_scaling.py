@@ -6,7 +6,9 @@ scales on its own queue so that the replicas average `targetQueueDepth` waiting 
 
 - KEDA: a ScaledObject with a Prometheus trigger. The query sums the metric over the pool's
   pods, `sum(vllm:num_requests_waiting{namespace="<ns>",pod=~"<name>-<pool>-<hash>-<id>"})`
-  (the regex matches exactly the pods of the Deployment `<name>-<pool>`), and
+  (the regex matches exactly the pods of the Deployment `<name>-<pool>`); with flow control
+  on, the decode pool's query adds the routers' `splitserve_router_flow_queue_length` (the
+  requests held in the gateway, which no worker counts), and
   metricType AverageValue with threshold = targetQueueDepth makes KEDA's HPA aim for
   ceil(sum / threshold) replicas. KEDA can scale to zero (minReplicas 0).
 - HPA: an autoscaling/v2 HPA with a Pods metric. prometheus-adapter must expose the metric
@@ -33,7 +35,7 @@ from typing import Any
 
 from splitserve.operator import constants as C
 from splitserve.operator.context import Context, Manifest
-from splitserve.operator.settings import Autoscaling
+from splitserve.operator.settings import Autoscaling, effective_flow_control
 
 
 def format_quantity(value: float) -> str:
@@ -47,7 +49,14 @@ def format_threshold(value: float) -> str:
 
 def queue_query(ctx: Context, pool: str) -> str:
     pods = f"{ctx.child(pool)}-[a-z0-9]+-[a-z0-9]+"
-    return f'sum({C.QUEUE_METRIC}{{namespace="{ctx.namespace}",pod=~"{pods}"}})'
+    query = f'sum({C.QUEUE_METRIC}{{namespace="{ctx.namespace}",pod=~"{pods}"}})'
+    if pool != "decode" or not effective_flow_control(ctx.spec.flow_control, ctx.settings).enabled:
+        return query
+    # With flow control the queue builds in the routers, not on the workers: the decode pool
+    # scales on both (each `or vector(0)`: a sum over no series is empty, not 0).
+    routers = f"{ctx.child('router')}-[a-z0-9]+-[a-z0-9]+"
+    return (f'({query} or vector(0)) + (sum({C.FLOW_QUEUE_METRIC}{{namespace="{ctx.namespace}",pod=~"{routers}"}}) '
+            "or vector(0))")
 
 
 def _target(ctx: Context, pool: str) -> dict[str, str]:

@@ -28,6 +28,7 @@ import yaml
 
 from splitserve.operator import constants as C
 from splitserve.operator.context import Context, Manifest
+from splitserve.operator.settings import effective_flow_control
 
 
 def router_config(ctx: Context) -> dict[str, Any]:
@@ -61,7 +62,27 @@ def router_config(ctx: Context) -> dict[str, Any]:
     }
     if not ctx.kv_cache().pull:   # on by default in the router too (router/config.py KVPullConfig)
         config["placement"]["kv_pull"] = {"enabled": False}
+    flow = flow_control_config(ctx)
+    if flow:
+        config["flow_control"] = flow
     return config
+
+
+def flow_control_config(ctx: Context) -> dict[str, Any]:
+    """router.yaml's flow_control section (router/flow/config.py) from spec.flowControl over the
+    chart's flowControl values; {} while flow control is off."""
+    spec = ctx.spec.flow_control
+    eff = effective_flow_control(spec, ctx.settings)
+    if not eff.enabled:
+        return {}
+    objectives = {o.name: o.priority for o in spec.objectives}
+    return {"enabled": True, "objectives": objectives,
+            "default_objectives": ({ctx.spec.served_model_name: spec.default_objective}
+                                   if spec.default_objective else {}),
+            "fairness_header": eff.fairness_header, "max_queued_per_band": eff.max_queued_per_band,
+            "max_queue_wait_s": eff.max_queue_wait_seconds, "max_running_per_worker": eff.max_running_per_worker,
+            "reserved_running": eff.reserved_running, "queue_depth_threshold": eff.queue_depth_threshold,
+            "kv_cache_threshold": eff.kv_cache_threshold}
 
 
 def adapters_text(ctx: Context) -> str:

@@ -24,7 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic.alias_generators import to_camel
 
 from splitserve.operator import constants as C
-from splitserve.operator.spec import AutoscalingSpec, KvCacheSpec
+from splitserve.operator.spec import AutoscalingSpec, FlowControlSpec, KvCacheSpec
 from splitserve.platform.__about__ import __version__
 
 
@@ -126,6 +126,21 @@ class KvCacheDefaults(_Settings):
     """1024 is also the worker's own default (--max-pull-blocks)."""
 
 
+class FlowControlDefaults(_Settings):
+    """Every InferenceService's spec.flowControl where it leaves a field unset (chart: flowControl.*);
+    also the effective flowControl of one service (effective_flow_control). The built-in values
+    are the router's own (router/flow/config.py)."""
+
+    enabled: bool = False
+    fairness_header: str = Field("x-gateway-inference-fairness-id", pattern=r"^[a-z0-9-]{1,64}$")
+    max_queued_per_band: int = Field(256, ge=0, le=1000000)
+    max_queue_wait_seconds: float = Field(30.0, ge=0, le=3600)
+    max_running_per_worker: int = Field(0, ge=0, le=1000000)
+    reserved_running: int = Field(0, ge=0, le=1000000)
+    queue_depth_threshold: int = Field(5, ge=1, le=1000000)
+    kv_cache_threshold: float = Field(0.8, ge=0.01, le=1)
+
+
 class OperatorSettings(_Settings):
     image: ImageDefaults = ImageDefaults()
     autoscaling: AutoscalingDefaults = AutoscalingDefaults()
@@ -133,6 +148,7 @@ class OperatorSettings(_Settings):
     network_policy: NetworkPolicyDefaults = NetworkPolicyDefaults()
     security: SecurityDefaults = SecurityDefaults()
     kv_cache: KvCacheDefaults = KvCacheDefaults()
+    flow_control: FlowControlDefaults = FlowControlDefaults()
 
 
 def load_settings(path: str | None) -> OperatorSettings:
@@ -177,3 +193,12 @@ def effective_autoscaling(spec: AutoscalingSpec, settings: OperatorSettings, rol
 def effective_kv_cache(spec: KvCacheSpec, settings: OperatorSettings) -> KvCacheDefaults:
     """A service's KV tier and pull settings: each spec.kvCache field if set, else the chart's."""
     return settings.kv_cache.model_copy(update={k: v for k, v in spec.model_dump().items() if v is not None})
+
+
+def effective_flow_control(spec: FlowControlSpec, settings: OperatorSettings) -> FlowControlDefaults:
+    """A service's flow-control bounds: each spec.flowControl field if set, else the chart's
+    (objectives and the default objective are the service's own)."""
+    fields = set(FlowControlDefaults.model_fields)
+    return settings.flow_control.model_copy(update={k: v for k, v in spec.model_dump().items()
+                                                    if v is not None and k in fields})
+

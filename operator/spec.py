@@ -419,6 +419,61 @@ class GatewaySpec(_Spec):
     """The Gateways the rendered HTTPRoute attaches to."""
 
 
+class FlowObjectiveSpec(_Spec):
+    """An objective clients name in the `x-gateway-inference-objective` header (GIE's InferenceObjective)."""
+
+    name: str = Field(min_length=1, max_length=63, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+    priority: int = Field(ge=-1000000, le=1000000)
+    """The request's band: higher is more important; negative is sheddable (turned away first under saturation)."""
+
+
+class FlowControlSpec(_Spec):
+    """Flow control at the gateway (docs/router.md; GIE's flow control).
+
+    Requests wait in the router by priority band and tenant while the decode pool is saturated,
+    tenants of a band share fairly, sheddable bands are turned away first. Every unset field takes
+    the Helm chart's `flowControl.*` value."""
+
+    model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": [
+        rule("!has(self.defaultObjective) || (has(self.objectives) && "
+             "self.objectives.exists(o, o.name == self.defaultObjective))",
+             "flowControl.defaultObjective must name one of flowControl.objectives"),
+        rule("!has(self.objectives) || self.objectives.all(a, self.objectives.exists_one(b, b.name == a.name))",
+             "flowControl.objectives must have unique names"),
+    ]})
+
+    enabled: bool | None = None
+    """Queue requests in the router while the workers are saturated (off: dispatch at once, first come first served)."""
+    objectives: list[FlowObjectiveSpec] = Field(default_factory=list, max_length=64)
+    """Objectives and their bands. Without the header: `defaultObjective`, else the key's priority, else 0."""
+    default_objective: str | None = Field(None, min_length=1, max_length=63)
+    """The objective of requests that name none."""
+    fairness_header: str | None = Field(None, pattern=r"^[a-z0-9-]{1,64}$")
+    """The header naming the tenant (flow) (chart default x-gateway-inference-fairness-id); absent, the API key's id."""
+    max_queued_per_band: int | None = Field(None, ge=0, le=1000000)
+    """Requests each band's queue holds; past it 503, or 429 for a tenant over its share."""
+    max_queue_wait_seconds: float | None = Field(None, ge=0, le=3600)
+    """How long a request may wait in the queue before its 503."""
+    max_running_per_worker: int | None = Field(None, ge=0, le=1000000)
+    """Requests one router replica runs on one decode worker before the worker counts as saturated (0: no cap)."""
+    reserved_running: int | None = Field(None, ge=0, le=1000000)
+    """Of maxRunningPerWorker, slots only bands of 1 and above may take."""
+    queue_depth_threshold: int | None = Field(None, ge=1, le=1000000)
+    """A decode worker with this many waiting requests is saturated (GIE's queueDepthThreshold)."""
+    kv_cache_threshold: float | None = Field(None, ge=0.01, le=1)
+    """A decode worker with this fraction of its KV cache in use is saturated (GIE's kvCacheUtilThreshold)."""
+
+    @model_validator(mode="after")
+    def _objectives_are_consistent(self) -> FlowControlSpec:
+        names = [o.name for o in self.objectives]
+        if len(set(names)) != len(names):
+            raise ValueError("flowControl.objectives must have unique names")
+        if self.default_objective is not None and self.default_objective not in names:
+            raise ValueError(f"flowControl.defaultObjective {self.default_objective!r} is not one of the objectives "
+                             f"({', '.join(names) or 'none'})")
+        return self
+
+
 class InferenceServiceSpec(_Spec):
     """A disaggregated LLM service: a prefill pool, a decode pool and a router in front."""
 
@@ -464,6 +519,8 @@ class InferenceServiceSpec(_Spec):
     adapters: list[LoraAdapterSpec] = Field(default_factory=list, max_length=256)
     """LoRA adapters every worker of both pools holds. The router loads them on each worker when it joins, and loads and
     unloads them in place when this list changes: no pod restarts. status.<pool>.adapters lists what is loaded."""
+    flow_control: FlowControlSpec = FlowControlSpec()
+    """Flow control at the gateway: priority bands, tenants' fair share, dispatch held while saturated."""
 
     @property
     def served_model_name(self) -> str:

@@ -36,7 +36,8 @@ class PlannerConfig:
     wanted fewer replicas for this long before one is removed. peak_window_s: scale-up reads the
     peak demand of this window. ewma_alpha: smoothing of the scale-down demand. pending_timeout_s:
     a pod Pending longer is stuck. warmup_s: a replica's throughput is not trusted before this age.
-    budget: total replicas of both pools (0 = only the per-pool ceilings).
+    budget: total replicas of both pools (0 = only the per-pool ceilings). queue_drain_s: requests
+    waiting in the gateways' flow-control queues count as demand to serve within this long.
     """
 
     ttft_p90_s: float = 2.0
@@ -52,11 +53,12 @@ class PlannerConfig:
     pending_timeout_s: float = 120.0
     warmup_s: float = 60.0
     budget: int = 0
+    queue_drain_s: float = 30.0
     prefill: PoolBounds = PoolBounds()
     decode: PoolBounds = PoolBounds()
 
     def __post_init__(self) -> None:
-        for name in ("ttft_p90_s", "itl_p90_s", "tick_s"):
+        for name in ("ttft_p90_s", "itl_p90_s", "tick_s", "queue_drain_s"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"planner {name} must be > 0, got {getattr(self, name)}")
         for name in ("utilization", "kv_utilization", "down_threshold", "ewma_alpha"):

@@ -22,6 +22,10 @@ transfer; decode: demand = output tokens/s, latency = ITL p90):
    PR #9294). Up needs load > utilization per replica, down needs the survivors < down_threshold
    (both with headroom): the dead band between keeps noise around a constant load from
    crossing both thresholds.
+   Requests held in the gateways' flow-control queues have reached no worker, so no token
+   rate shows them: each adds its mean prompt and output tokens, spread over
+   `queue_drain_s`, to the pools' demand. A pool at zero replicas with a queue therefore asks
+   for one (scale from zero while requests wait, bounded, in the gateway).
 5. Missing metrics hold the last target (no sample is not the same as no load: Dynamo #6985
    never drained because NaN skipped the tick, so zero traffic is an explicit zero here and a
    full peak window of zeros drains to the floor at one replica per tick after the window).
@@ -67,6 +71,7 @@ class Observation:
     mean_prompt_tokens: float = 512.0
     mean_output_tokens: float = 128.0
     inflight_decode_seqs: float = 0.0
+    queued_requests: float = 0.0       # in the gateways' flow-control queues
     ttft_p90_s: float | None = None   # prefill's share: TTFT minus KV transfer
     itl_p90_s: float | None = None
     samples: tuple[ReplicaSample, ...] = ()
@@ -119,15 +124,23 @@ class Planner:
         mu_p = self.online.capacity("prefill", self.profile.prefill_tokens_per_s(obs.mean_prompt_tokens))
         mu_d = self.online.capacity("decode", self.profile.decode_tokens_per_s(self.cfg.itl_p90_s, ctx))
         kv_need = math.ceil(obs.inflight_decode_seqs * ctx / (self.profile.kv_tokens * self.cfg.kv_utilization) - 1e-9)
-        p = self._pool("prefill", obs.now, obs.uncached_prompt_tokens_per_s, mu_p, 0,
+        p = self._pool("prefill", obs.now, self._with_queue(obs.uncached_prompt_tokens_per_s, obs.queued_requests,
+                                                             obs.mean_prompt_tokens), mu_p, 0,
                        obs.ttft_p90_s, self.cfg.ttft_p90_s, obs.prefill)
-        d = self._pool("decode", obs.now, obs.output_tokens_per_s, mu_d, kv_need,
+        d = self._pool("decode", obs.now, self._with_queue(obs.output_tokens_per_s, obs.queued_requests,
+                                                            obs.mean_output_tokens), mu_d, kv_need,
                        obs.itl_p90_s, self.cfg.itl_p90_s, obs.decode)
         p, d = self._budget(p, d)
         self._state["prefill"].target, self._state["decode"].target = p.desired, d.desired
         return Decision(prefill=p, decode=d)
 
     # -- one pool ------------------------------------------------------------------------------
+
+    def _with_queue(self, rate: float | None, queued: float, tokens_per_request: float) -> float | None:
+        """A pool's demand plus the gateway queue's tokens spread over queue_drain_s (rule 1)."""
+        if rate is None:
+            return None
+        return rate + max(0.0, queued) * tokens_per_request / self.cfg.queue_drain_s
 
     def _need(self, demand: float, mu: float, floor: int) -> int:
         return max(floor, math.ceil(demand * (1 + self.cfg.headroom) / (mu * self.cfg.utilization) - 1e-9))

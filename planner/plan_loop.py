@@ -134,6 +134,7 @@ class ServiceLoop:
             mean_prompt_tokens=r.get("demand/uncached_prompt", 0.0) / n if n else 512.0,
             mean_output_tokens=r.get("demand/output", 0.0) / n if n else 128.0,
             inflight_decode_seqs=sum(s.flat.get("running", 0.0) for s in scrapes if s.role == "decode" and s.flat),
+            queued_requests=sum(s.flat.get("queued", 0.0) for s in scrapes if s.role == "router" and s.flat),
             ttft_p90_s=ttft, itl_p90_s=itl, samples=tuple(self._samples(deltas)))
 
     def _samples(self, deltas: dict) -> list[ReplicaSample]:

@@ -15,7 +15,9 @@ deltas of one tick:
 - per replica, for the online capacity correction: prefill tokens computed (prefix-cache
   queries minus hits) or output tokens produced (ITL count + first tokens) per second, whether
   that replica met its SLO share, and whether it was busy (requests waiting);
-- in-flight decode sequences: the decode workers' `vllm:num_requests_running`.
+- in-flight decode sequences: the decode workers' `vllm:num_requests_running`;
+- requests waiting in the gateways' flow-control queues (`splitserve_router_flow_queue_length`,
+  summed over bands, flows and routers): demand that has not reached a worker yet.
 
 p90 is read from cumulative buckets by linear interpolation inside the bucket that crosses
 90 %, as Prometheus' histogram_quantile does.
@@ -32,7 +34,8 @@ _HISTOGRAMS = {"splitserve_router_time_to_first_token_seconds": "rttft",
                "splitserve_inter_token_latency_seconds": "itl",
                "splitserve_kv_transfer_seconds": "kvt"}
 _COUNTERS = {"vllm:prefix_cache_queries_total": "prompt_queries", "vllm:prefix_cache_hits_total": "prompt_hits"}
-_GAUGES = {"vllm:num_requests_waiting": "waiting", "vllm:num_requests_running": "running"}
+_GAUGES = {"vllm:num_requests_waiting": "waiting", "vllm:num_requests_running": "running",
+           "splitserve_router_flow_queue_length": "queued"}
 
 
 def flatten(text: str) -> dict[str, float]:

@@ -48,6 +48,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="tokens per engine step (default 512; with --no-chunked-prefill, max_model_len)")
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--no-chunked-prefill", action="store_true")
+    p.add_argument("--scheduling-policy", default="fcfs", choices=("fcfs", "priority"),
+                   help="vLLM's: fcfs (arrival order) or priority (waiting requests by the gateway's band, then "
+                        "the request's priority, lower first; docs/router.md)")
     p.add_argument("--no-share-prefix-in-flight", action="store_true",
                    help="compute a prefix again when another request is computing it in the same batch")
     p.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH",
@@ -120,7 +123,8 @@ def engine_config(args):
                           enable_prefix_caching=not args.no_prefix_caching),
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                                   max_model_len=args.max_model_len, enable_chunked_prefill=not args.no_chunked_prefill,
-                                  share_prefix_in_flight=not args.no_share_prefix_in_flight),
+                                  share_prefix_in_flight=not args.no_share_prefix_in_flight,
+                                  policy=getattr(args, "scheduling_policy", "fcfs")),
         device=DeviceConfig(device=args.device, dtype=args.dtype, num_threads=args.threads,
                             quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
                             enforce_eager=getattr(args, "enforce_eager", False)),

@@ -145,6 +145,9 @@ class CacheConfig:
             raise ConfigError(f"num_blocks must be >= 1, got {self.num_blocks}")
 
 
+SCHEDULING_POLICIES = ("fcfs", "priority")
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
     """Continuous batching: how many sequences and tokens one step may carry.
@@ -162,8 +165,14 @@ class SchedulerConfig:
     # A waiting request whose prefix another request is computing waits a step to reuse it
     # (the scheduler's rule 3) instead of computing the same prefix twice.
     share_prefix_in_flight: bool = True
+    # vLLM's --scheduling-policy: "fcfs" (arrival order) or "priority" (waiting requests by band,
+    # higher first, then the body's priority, lower first, then arrival; see platform/sched).
+    policy: str = "fcfs"
 
     def __post_init__(self) -> None:
+        if self.policy not in SCHEDULING_POLICIES:
+            raise ConfigError(f"scheduling policy {self.policy!r} is unknown; "
+                              f"allowed: {', '.join(SCHEDULING_POLICIES)}")
         if self.max_num_seqs < 1:
             raise ConfigError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:

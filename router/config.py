@@ -2,8 +2,9 @@
 
 A YAML (or JSON) file gives any subset of the keys below; command-line flags override it. Every
 unknown key or bad value is a ConfigError that names the key and lists what is allowed
-(router/config_file.py reads the file into these). The scorer weights live here (and in the
-file), never in the placement code. See docs/router.md for the file format with every default.
+(router/config_file.py reads the file into these). The `placement:` section's dataclasses, with
+the scorer weights, live in router/placement/config.py (importable from here too) and the file,
+never in the placement code. See docs/router.md for the file format with every default.
 """
 
 from __future__ import annotations
@@ -12,99 +13,17 @@ from dataclasses import dataclass, field
 
 from splitserve.platform.errors import ConfigError
 from splitserve.platform.model_source import DEFAULT_MODEL
+from splitserve.router.flow.config import FlowControlConfig
+from splitserve.router.placement.config import DISAGGREGATION_MODES as DISAGGREGATION_MODES
+from splitserve.router.placement.config import DisaggregationConfig as DisaggregationConfig
+from splitserve.router.placement.config import KVPullConfig as KVPullConfig
+from splitserve.router.placement.config import PlacementConfig, check_choice
+from splitserve.router.placement.config import ProfileConfig as ProfileConfig
+from splitserve.router.placement.config import ScorerSpec as ScorerSpec
+from splitserve.router.placement.config import default_decode_profile as default_decode_profile
+from splitserve.router.placement.config import default_prefill_profile as default_prefill_profile
 
-DISAGGREGATION_MODES = ("conditional", "always", "never")
 INDEX_BACKENDS = ("memory", "redis")
-
-
-def check_choice(key: str, value, allowed: tuple[str, ...]) -> None:
-    """A ConfigError naming `key` and listing the allowed values unless `value` is one of them."""
-    if value not in allowed:
-        raise ConfigError(f"{key}={value!r}; allowed: {', '.join(allowed)}")
-
-
-@dataclass(frozen=True)
-class ScorerSpec:
-    """One scorer of a placement profile: its registered `name`, its `weight` in the weighted sum
-    (>= 0; 0 turns it off) and its `params` (parsed by the scorer itself over its defaults)."""
-
-    name: str
-    weight: float = 1.0
-    params: dict = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.weight, (int, float)) or self.weight < 0:
-            raise ConfigError(f"scorer {self.name!r}: weight={self.weight!r} is invalid; allowed: a number >= 0")
-
-
-@dataclass(frozen=True)
-class ProfileConfig:
-    """How one role is placed: filters in order, then the weighted scorers."""
-
-    filters: tuple[str, ...]
-    scorers: tuple[ScorerSpec, ...]
-    filter_params: dict = field(default_factory=dict)
-
-
-def default_decode_profile() -> ProfileConfig:
-    # Load outweighs a prefix hit once a worker's queue is much deeper (docs/router.md); past
-    # the load scorers' saturation points, `balanced` keeps that true.
-    return ProfileConfig(filters=("healthy", "not-draining", "not-saturated", "balanced"),
-                         scorers=(ScorerSpec("prefix-overlap", 2.0), ScorerSpec("queue-depth", 3.0),
-                                  ScorerSpec("kv-usage", 1.0), ScorerSpec("pending-assignments", 1.0),
-                                  ScorerSpec("lora-affinity", 2.0)))
-
-
-def default_prefill_profile() -> ProfileConfig:
-    return ProfileConfig(filters=("healthy", "not-draining", "not-saturated"),
-                         scorers=(ScorerSpec("prefix-overlap", 2.0), ScorerSpec("queued-prefill-tokens", 3.0),
-                                  ScorerSpec("pending-assignments", 1.0)))
-
-
-@dataclass(frozen=True)
-class DisaggregationConfig:
-    """`conditional`: a separate prefill only when the chosen decode worker would compute at least
-    `min_prefill_tokens` uncached prompt tokens; `always` / `never` as named. The decode worker
-    gets the best `max_prefill_candidates` prefill workers in order (it falls back down the list)."""
-
-    mode: str = "conditional"
-    min_prefill_tokens: int = 256
-    max_prefill_candidates: int = 2
-
-    def __post_init__(self) -> None:
-        check_choice("disaggregation.mode", self.mode, DISAGGREGATION_MODES)
-        if self.min_prefill_tokens < 0 or self.max_prefill_candidates < 1:
-            raise ConfigError("disaggregation.min_prefill_tokens must be >= 0 and max_prefill_candidates >= 1")
-
-
-@dataclass(frozen=True)
-class KVPullConfig:
-    """Pull instead of recompute (router/placement/pull_cost.py, docs/kv-tiers.md). When the chosen worker
-    lacks at least `min_blocks` more of the prompt's prefix than another healthy worker holds,
-    the request carries that holder, if pulling the difference is estimated cheaper than
-    computing it. `block_transfer_s` and `prefill_token_s` are the starting estimates (seconds
-    per pulled block, per computed prompt token); observed pulls and prefills refine them."""
-
-    enabled: bool = True
-    min_blocks: int = 2
-    block_transfer_s: float = 0.005   # bench/w6_multiturn.py --probe-pull on a 2-vCPU host: 4-5.5 ms
-    prefill_token_s: float = 0.003    # the same probe: SmolLM2-135M, 1 thread, 2.8 ms a token
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.enabled, bool):
-            raise ConfigError(f"placement.kv_pull.enabled must be true or false, got {self.enabled!r}")
-        if self.min_blocks < 1:
-            raise ConfigError(f"placement.kv_pull.min_blocks must be >= 1, got {self.min_blocks}")
-        if self.block_transfer_s <= 0 or self.prefill_token_s <= 0:
-            raise ConfigError("placement.kv_pull.block_transfer_s and prefill_token_s must be > 0 (seconds)")
-
-
-@dataclass(frozen=True)
-class PlacementConfig:
-    decode: ProfileConfig = field(default_factory=default_decode_profile)
-    prefill: ProfileConfig = field(default_factory=default_prefill_profile)
-    disaggregation: DisaggregationConfig = field(default_factory=DisaggregationConfig)
-    kv_pull: KVPullConfig = field(default_factory=KVPullConfig)
 
 
 @dataclass(frozen=True)
@@ -180,6 +99,8 @@ class ApiKey:
     max_concurrent: int | None = None
     role: str = "user"
     """`admin` may also load and unload LoRA adapters at run time; `user` (the default) may not."""
+    priority: int | None = None      # flow-control band of the key's requests (router/flow/classify.py)
+    weight: float | None = None      # the key's share in fair queuing (None: 1)
 
     def __post_init__(self) -> None:
         if self.role not in KEY_ROLES:
@@ -295,6 +216,7 @@ class RouterConfig:
     index: IndexConfig = field(default_factory=IndexConfig)
     placement: PlacementConfig = field(default_factory=PlacementConfig)
     adapters: AdaptersConfig = field(default_factory=AdaptersConfig)
+    flow_control: FlowControlConfig = field(default_factory=FlowControlConfig)
 
     def __post_init__(self) -> None:
         if self.max_model_len < 2 or self.block_size < 1:

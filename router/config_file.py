@@ -25,6 +25,7 @@ from splitserve.router.config import (
     default_decode_profile,
     default_prefill_profile,
 )
+from splitserve.router.flow.config import from_mapping as _flow_control
 
 
 def read_mapping(path: str, what: str) -> dict:
@@ -56,7 +57,8 @@ def load_config(path: str | None = None, **overrides) -> RouterConfig:
 
 def from_dict(data: dict) -> RouterConfig:
     sections = {"gateway": _gateway, "discovery": _discovery, "index": _index, "placement": _placement,
-                "adapters": lambda d: AdaptersConfig(**checked_mapping(d, AdaptersConfig, "adapters"))}
+                "adapters": lambda d: AdaptersConfig(**checked_mapping(d, AdaptersConfig, "adapters")),
+                "flow_control": _flow_control}
     kwargs = {}
     for key, value in checked_mapping(data, RouterConfig, "").items():
         kwargs[key] = sections[key](value) if key in sections else value

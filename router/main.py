@@ -21,6 +21,7 @@ from splitserve.platform.errors import ConfigError
 from splitserve.router import logctx
 from splitserve.router.config import RouterConfig
 from splitserve.router.config_file import load_config
+from splitserve.router.flow import cli as flow_cli
 
 log = logging.getLogger("splitserve.router")
 
@@ -62,6 +63,7 @@ def add_router_args(p) -> None:
     p.add_argument("--tool-call-parser", default=None, choices=("hermes", "json"),
                    help="how tool_choice=auto answers are read (default hermes)")
     tracing.add_tracing_args(p)
+    flow_cli.add_args(p)
 
 
 def config_from_args(args, **extra) -> RouterConfig:
@@ -73,7 +75,7 @@ def config_from_args(args, **extra) -> RouterConfig:
                  "discovery.tls_key": getattr(args, "tls_key", None),
                  "discovery.tls_ca": getattr(args, "tls_ca", None),
                  "gateway.tool_call_parser": args.tool_call_parser,
-                 "gateway.lora_roots": getattr(args, "lora_roots", None), **extra}
+                 "gateway.lora_roots": getattr(args, "lora_roots", None), **flow_cli.overrides(args), **extra}
     if args.redis_url:
         overrides.update({"index.backend": "redis", "index.redis_url": args.redis_url,
                           "gateway.rate_limit_redis_url": args.redis_url})

@@ -211,7 +211,8 @@ class WorkerService(pb_grpc.WorkerServicer):
         async for out in self.engine.generate(prompt_token_ids=token_ids, params=params, req_id=req_id,
                                               remote_prefill=source is not PrefillSource.LOCAL,
                                               resume_output_token_ids=list(request.resume_output_token_ids),
-                                              lora_name=lora.name if lora else None):
+                                              lora_name=lora.name if lora else None, priority=request.priority,
+                                              band=request.band):
             if out.kv_ready is not None:
                 timings.queue_s = time.monotonic() - t0
                 self.metrics.queue_time.observe(timings.queue_s)

@@ -62,7 +62,7 @@ class InputProcessor:
     def process(self, req_id: str, prompt: str | None, params: SamplingParams | None, *,
                 prompt_token_ids: Sequence[int] | None, arrival_time: float | None, remote_prefill: bool,
                 kv_export: KVExport | None, resume_output_token_ids: Sequence[int],
-                lora_name: str | None) -> RequestState:
+                lora_name: str | None, priority: int = 0, band: int = 0) -> RequestState:
         """The validated state of a new request (see LLMEngine.add_request for the arguments)."""
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
@@ -81,7 +81,8 @@ class InputProcessor:
         req = Request(req_id, token_ids, params, self.hasher, self.eos_token_ids, arrival_time,
                       remote_prefill=remote_prefill, output_token_ids=resumed,
                       lora_id=adapter.lora_id if adapter else None,
-                      extra_keys=lora_extra_keys(lora_name, adapter.digest if adapter else None))
+                      extra_keys=lora_extra_keys(lora_name, adapter.digest if adapter else None),
+                      priority=priority, band=band)
         generator = make_generator(params.seed, self.device)
         for _ in resumed:   # a seeded request continues its random stream where the first attempt left it
             skip_draw(params, generator)

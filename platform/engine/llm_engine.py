@@ -124,7 +124,7 @@ class LLMEngine:
                     prompt_token_ids: Sequence[int] | None = None, req_id: str | None = None,
                     arrival_time: float | None = None, remote_prefill: bool = False,
                     kv_export: KVExport | None = None, resume_output_token_ids: Sequence[int] = (),
-                    lora_name: str | None = None) -> str:
+                    lora_name: str | None = None, priority: int = 0, band: int = 0) -> str:
         """Validate and queue a request; returns its id. Raises InvalidRequestError.
 
         `remote_prefill`: the prompt's KV will be written from outside (see kv_connector);
@@ -133,14 +133,16 @@ class LLMEngine:
         attempt (on another worker), exactly as if this engine had generated them: they count as
         output (max_tokens, min_tokens, penalties; in `output_token_ids`/`num_output_tokens`), a
         seeded generator skips their draws, and new tokens and text are only those after them;
-        `lora_name`: run the request through this loaded adapter (AdapterNotFoundError if unknown).
+        `lora_name`: run the request through this loaded adapter (AdapterNotFoundError if unknown);
+        `priority` / `band`: its place under the "priority" scheduling policy (platform/sched).
         """
         req_id = req_id if req_id is not None else f"req-{next(self._ids)}"
         if req_id in self.scheduler.requests:
             raise InvalidRequestError(f"request id {req_id!r} is already in use")
         state = self.inputs.process(req_id, prompt, params, prompt_token_ids=prompt_token_ids,
                                     arrival_time=arrival_time, remote_prefill=remote_prefill, kv_export=kv_export,
-                                    resume_output_token_ids=resume_output_token_ids, lora_name=lora_name)
+                                    resume_output_token_ids=resume_output_token_ids, lora_name=lora_name,
+                                    priority=priority, band=band)
         self.outputs.start(state)
         self._states[req_id] = state
         self.scheduler.add_request(state.req)

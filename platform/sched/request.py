@@ -37,8 +37,12 @@ class Request:
                  hasher: BlockHasher, eos_token_ids: frozenset[int] = frozenset(),
                  arrival_time: float | None = None, remote_prefill: bool = False,
                  output_token_ids: Sequence[int] = (), lora_id: str | None = None,
-                 extra_keys: tuple[ExtraKey, ...] = ()):
+                 extra_keys: tuple[ExtraKey, ...] = (), priority: int = 0, band: int = 0):
         self.req_id = req_id
+        # The "priority" scheduling policy's order: the gateway's band (higher first), then the
+        # body's priority (vLLM's: lower first). The "fcfs" policy ignores both.
+        self.priority = priority
+        self.band = band
         # The adapter this request runs ("name@digest"; None: the base model) and the block-hash
         # extra keys that keep its KV apart (hashing.lora_extra_keys).
         self.lora_id = lora_id
@@ -61,6 +65,10 @@ class Request:
         # Speculative decoding: tokens proposed for the next step (set by the engine before each
         # schedule(), verified in that step, then cleared); never part of all_token_ids.
         self.spec_token_ids: list[int] = []
+
+    def priority_key(self) -> tuple[int, int, float]:
+        """Smaller runs first under the "priority" policy (ties: arrival order)."""
+        return -self.band, self.priority, self.arrival_time
 
     @property
     def num_tokens(self) -> int:

@@ -27,6 +27,14 @@ uncomputed tokens, so "prefill", "chunked prefill" and "decode" are one mechanis
    taken is passed over for this step and keeps its place; requests behind it (base requests,
    or ones whose adapter is already running) are still admitted (vLLM's rule: skip, not block).
 
+5. Scheduling policy (vLLM's --scheduling-policy). "fcfs": as above. "priority": the waiting
+   queue is kept ordered by Request.priority_key() (band from the gateway, higher first; then the
+   body's priority, lower first; then arrival), a preempted request goes back in that order,
+   and when blocks run out the victim is the running request with the largest key (the least
+   important, latest) instead of the latest arrival. As in vLLM, a waiting request never
+   preempts a running one to get in: preemption happens only when a running request needs
+   blocks the pool cannot supply.
+
 A request whose prompt KV comes from a prefill worker (`remote_prefill`) is admitted without
 computing anything: it gets blocks for its whole prompt (after its own prefix-cache hits) and
 waits in WAITING_FOR_KV, outside the running batch, until the engine reports the KV landed
@@ -96,7 +104,20 @@ class Scheduler:
     def add_request(self, req: Request) -> None:
         assert req.req_id not in self.requests, f"duplicate request id {req.req_id}"
         self.requests[req.req_id] = req
-        self.waiting.append(req)
+        self._enqueue(req, front=False)
+
+    def _enqueue(self, req: Request, front: bool) -> None:
+        """Into the waiting queue: fcfs at the back (a preempted request at the front); priority
+        in priority_key() order."""
+        if self.config.policy == "fcfs":
+            if front:
+                self.waiting.appendleft(req)
+            else:
+                self.waiting.append(req)
+            return
+        key = req.priority_key()
+        index = next((i for i, other in enumerate(self.waiting) if other.priority_key() > key), len(self.waiting))
+        self.waiting.insert(index, req)
 
     def finish_request(self, req_id: str, status: RequestStatus) -> Request | None:
         """Stop a request (abort or stop string): free its blocks, forget it."""
@@ -131,7 +152,10 @@ class Scheduler:
             if not self._allocate_or_preempt(req, n, preempted):
                 break
             num_new[req.req_id] = n
-            budget -= n
+            # A "priority" victim may be a request planned earlier in this loop: unplan it.
+            for req_id in preempted:
+                num_new.pop(req_id, None)
+            budget = self.config.max_num_batched_tokens - sum(num_new.values())
         if not preempted:
             budget = self._admit_waiting(budget, num_new)
         seqs = tuple(self._seq(self.requests[rid], n) for rid, n in num_new.items())
@@ -153,7 +177,8 @@ class Scheduler:
 
     def _allocate_or_preempt(self, req: Request, n: int, preempted: list[str]) -> bool:
         while not self.kv.allocate(req, n):
-            victim = self.running[-1]
+            victim = (self.running[-1] if self.config.policy == "fcfs"
+                      else max(self.running, key=Request.priority_key))
             self._preempt(victim)
             preempted.append(victim.req_id)
             if victim is req:
@@ -167,7 +192,7 @@ class Scheduler:
         req.num_computed_tokens = 0
         req.num_preemptions += 1
         self.stats.num_preemptions += 1
-        self.waiting.appendleft(req)
+        self._enqueue(req, front=True)
 
     def _admit_waiting(self, budget: int, num_new: dict[str, int]) -> int:
         in_flight = self._prompt_blocks_in_flight() if self.waiting else set()

@@ -91,7 +91,7 @@ class StructuredConstraint(_message.Message):
     def __init__(self, kind: _Optional[str] = ..., value: _Optional[str] = ..., field: _Optional[str] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "params", "prefill_workers", "disaggregation", "min_prefill_tokens", "resume_output_token_ids", "lora_name", "lora_evict_first", "kv_pull")
+    __slots__ = ("request_id", "prompt_token_ids", "params", "prefill_workers", "disaggregation", "min_prefill_tokens", "resume_output_token_ids", "lora_name", "lora_evict_first", "kv_pull", "priority", "band")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PARAMS_FIELD_NUMBER: _ClassVar[int]
@@ -102,6 +102,8 @@ class GenerateRequest(_message.Message):
     LORA_NAME_FIELD_NUMBER: _ClassVar[int]
     LORA_EVICT_FIRST_FIELD_NUMBER: _ClassVar[int]
     KV_PULL_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    BAND_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     params: SamplingParams
@@ -112,7 +114,9 @@ class GenerateRequest(_message.Message):
     lora_name: str
     lora_evict_first: _containers.RepeatedScalarFieldContainer[str]
     kv_pull: KVPull
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ..., prefill_workers: _Optional[_Iterable[str]] = ..., disaggregation: _Optional[_Union[DisaggregationMode, str]] = ..., min_prefill_tokens: _Optional[int] = ..., resume_output_token_ids: _Optional[_Iterable[int]] = ..., lora_name: _Optional[str] = ..., lora_evict_first: _Optional[_Iterable[str]] = ..., kv_pull: _Optional[_Union[KVPull, _Mapping]] = ...) -> None: ...
+    priority: int
+    band: int
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ..., prefill_workers: _Optional[_Iterable[str]] = ..., disaggregation: _Optional[_Union[DisaggregationMode, str]] = ..., min_prefill_tokens: _Optional[int] = ..., resume_output_token_ids: _Optional[_Iterable[int]] = ..., lora_name: _Optional[str] = ..., lora_evict_first: _Optional[_Iterable[str]] = ..., kv_pull: _Optional[_Union[KVPull, _Mapping]] = ..., priority: _Optional[int] = ..., band: _Optional[int] = ...) -> None: ...
 
 class KVPull(_message.Message):
     __slots__ = ("holder", "num_blocks")

@@ -79,6 +79,7 @@ class SamplingFields(BaseModel):
     user: str | None = None
     response_format: dict | None = None      # see router/api/structured.py
     structured_outputs: dict | None = None   # vLLM's extension (extra_body)
+    priority: Int = Field(0, ge=-(2**31), lt=2**31)   # vLLM's: lower first, within a flow-control band
 
 
 class ChatCompletionRequest(SamplingFields):

@@ -34,6 +34,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 import grpc
+
 from splitserve.platform import tracing
 from splitserve.platform.hashing import BlockHasher, lora_extra_keys
 from splitserve.platform.sampling.params import SamplingParams
@@ -58,6 +59,8 @@ class Job:
     prompt_token_ids: list[int]
     params: SamplingParams
     lora_name: str | None = None   # a LoRA adapter the workers have loaded; None: the base model
+    priority: int = 0              # the body's priority (vLLM's: lower first) and the flow-control band
+    band: int = 0                  # (higher first): the workers' "priority" scheduling policy reads both
 
 
 @dataclass
@@ -188,7 +191,7 @@ class Dispatcher:
         params = without_prompt_scoring(job.params) if progress.token_ids else job.params
         request = generate_request(job.request_id, job.prompt_token_ids, params, decision,
                                    self.placer.config.disaggregation, resume_output_token_ids=progress.token_ids,
-                                   lora_name=job.lora_name)
+                                   lora_name=job.lora_name, priority=job.priority, band=job.band)
         prefill = request.prefill_workers[0] if request.prefill_workers else ""   # none for a resume
         assignment = self.pool.assign(decision.decode, prefill, decision.num_uncached_tokens)
         trace_id = logctx.request_id.get() or job.request_id

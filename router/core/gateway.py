@@ -1,7 +1,8 @@
 """Serving one OpenAI request over HTTP: who asks, the pipeline's run, a stream or a whole answer.
 
     access (401 / 429) -> model (404) -> scope (404) -> prepare (400)
-    -> Pipeline.open: admission gates (429; tenancy/admission.py), dispatch (core/dispatch.py)
+    -> Pipeline.open: admission gates (429; tenancy/admission.py), flow control's queue (503 / 429;
+       router/flow/, when enabled), dispatch (core/dispatch.py)
     -> a stream of events, or one JSON answer, written by the endpoint's formatter
 
 A streamed answer waits for its first increment before sending headers, so an error before the
@@ -35,7 +36,8 @@ from splitserve.router.api.formatting import Formatter, TokenText, sse
 from splitserve.router.api.prompts import num_choices, prepare_chat, prepare_completion
 from splitserve.router.config import ApiKey
 from splitserve.router.core.dispatch import Chunk
-from splitserve.router.core.pipeline import ChoiceChunk, Pipeline, Run
+from splitserve.router.core.pipeline import ChoiceChunk, Origin, Pipeline, Run
+from splitserve.router.flow import build_controller
 from splitserve.router.router import Router
 from splitserve.router.tenancy.access import ANONYMOUS, Authenticator, RateLimiter
 from splitserve.router.tenancy.admission import AdmissionPipeline, Slots
@@ -89,7 +91,8 @@ class Gateway:
         self.admission = AdmissionPipeline(Concurrency(gateway.max_concurrent_per_key), self.quota,
                                            Slots(gateway.max_concurrent_requests, gateway.max_queued_requests),
                                            router.metrics.rejected)
-        self.pipeline = Pipeline(self.admission, router.dispatcher)
+        self.flow = build_controller(router.config.flow_control, router.pool, router.metrics.registry)
+        self.pipeline = Pipeline(self.admission, router.dispatcher, self.flow)
         self.tokens = TokenText(router.tokenizer)
 
     async def access(self, request: Request) -> ApiKey:
@@ -149,11 +152,14 @@ class Gateway:
                else {"max_prompt_tokens": limits.max_prompt_tokens_per_request}))
         # tokenizing a large body takes a while: off the event loop, so /health and streams keep flowing
         prepared = await asyncio.to_thread(prepare) if is_large(request) else prepare()
-        if caller.lora_name is not None:
-            prepared.jobs[:] = [dataclasses.replace(job, lora_name=caller.lora_name) for job in prepared.jobs]
+        if caller.lora_name is not None or body.priority:
+            prepared.jobs[:] = [dataclasses.replace(job, lora_name=caller.lora_name, priority=body.priority)
+                                for job in prepared.jobs]
         if span.is_recording:
             _trace_request(span, body.model, caller.lora_name, prepared, t_parse, is_chat)
-        run = await self.pipeline.open(caller.key, body.model, prepared)
+        origin = None if self.flow is None else Origin(request.headers, request.client.host if request.client else "",
+                                                       lambda: _wait_disconnect(request))
+        run = await self.pipeline.open(caller.key, body.model, prepared, origin=origin)
         return run, Formatter(prepared, is_chat, self.tokens)
 
     async def serve(self, request: Request, body, *, is_chat: bool) -> Response:

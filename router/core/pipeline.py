@@ -2,16 +2,19 @@
 release. Every OpenAI endpoint (chat, completions, embeddings, the Responses API) runs this one
 path and formats what it yields.
 
-    Pipeline.open(key, model, prepared)
+    Pipeline.open(key, model, prepared, origin)
         admit      the admission gates (tenancy/admission.py): key concurrency, quota, server slot
+        queue      flow control (router/flow/, when enabled and the request has an origin): wait in
+                   the gateway's queue by band and flow while the workers are saturated (503 / 429)
         dispatch   one Dispatcher.generate per job (core/dispatch.py: place, Generate, retry, resume)
     -> Run: async iteration yields ChoiceChunk(index, chunk) as the choices' workers send them,
        each already added to run.choices[index]
-    Run.close()   closes the generations (the workers abort what still runs) and releases the
-                  admission ticket with the request's Usage, once, however the request ended
+    Run.close()   closes the generations (the workers abort what still runs), settles the flow
+                  item to the tokens used and releases the admission ticket with the request's
+                  Usage, once, however the request ended
 
 The stages are methods of their own so a stage can be wrapped or inserted without touching the
-others: a flow-control queue goes between `_admit` and `_dispatch`; tracing wraps each of them;
+others: the flow-control queue sits between `_admit` and `_dispatch`; tracing wraps each of them;
 a process that serves a single local decode worker builds a Pipeline over a Dispatcher whose
 pool holds only that worker.
 
@@ -23,15 +26,23 @@ iterated still releases everything on close.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+import dataclasses
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from typing import NamedTuple
 
 from splitserve.platform import tracing
+from splitserve.router.api.errors import APIError
 from splitserve.router.api.prompts import Prepared
 from splitserve.router.config import ApiKey
 from splitserve.router.core.dispatch import Chunk, Dispatcher
 from splitserve.router.core.usage import ChoiceState, Usage, count_usage
+from splitserve.router.flow.classify import classify
+from splitserve.router.flow.controller import FlowController
+from splitserve.router.flow.fairness import FlowItem
 from splitserve.router.tenancy.admission import AdmissionPipeline, Ticket
+
+log = logging.getLogger(__name__)
 
 _END = object()
 
@@ -41,27 +52,77 @@ class ChoiceChunk(NamedTuple):
     chunk: Chunk
 
 
+class Origin(NamedTuple):
+    """Where a request came from, as flow control reads it: the headers (objective, fairness id),
+    the client's address, and an awaitable that returns once the client has disconnected."""
+
+    headers: Mapping[str, str]
+    client: str
+    disconnected: Callable[[], Awaitable[None]]
+
+
 class Pipeline:
-    def __init__(self, admission: AdmissionPipeline, dispatcher: Dispatcher):
+    def __init__(self, admission: AdmissionPipeline, dispatcher: Dispatcher, flow: FlowController | None = None):
         self.admission = admission
         self.dispatcher = dispatcher
+        self.flow = flow   # None: flow control is off, every admitted request is dispatched at once
 
     async def open(self, key: ApiKey, model: str, prepared: Prepared, *, bills_completion: bool = True,
-                   num_slots: int = 1) -> Run:
+                   num_slots: int = 1, origin: Origin | None = None) -> Run:
         """Admit the request and start its generations; raises the admission's APIError (429)
         with nothing held. The quota holds the prompt plus every choice's max_tokens until the
         request ends; bills_completion=False (embeddings) reserves and bills the prompt only.
         `num_slots`: the server slots it takes (embeddings: one per input, so 2,048 inputs weigh as
-        2,048 requests)."""
+        2,048 requests). With flow control on, a request with an `origin` then waits for its turn:
+        flow control's 400 / 429 / 503, or 499 when its client leaves the queue, release the ticket."""
         reserve_tokens = prepared.num_prompt_tokens
         if bills_completion:
             reserve_tokens += sum(job.params.max_tokens for job in prepared.jobs)
         ticket = await self._admit(key, model, reserve_tokens, num_slots)
-        return Run(prepared, ticket, self.admission, self._dispatch(prepared), bills_completion=bills_completion)
+        item = None
+        if self.flow is not None and origin is not None:
+            try:
+                item = await self._queue(key, model, prepared, reserve_tokens, origin)
+            except BaseException:
+                await self.admission.release(ticket, None)
+                raise
+            prepared.jobs[:] = [dataclasses.replace(job, band=item.band) for job in prepared.jobs]
+        return Run(prepared, ticket, self.admission, self._dispatch(prepared), bills_completion=bills_completion,
+                   flow=self.flow, flow_item=item)
 
     async def _admit(self, key: ApiKey, model: str, reserve_tokens: int, num_slots: int) -> Ticket:
         with tracing.current().child("gateway.admission") as span:
             return await self.admission.admit(key, model, reserve_tokens, num_slots=num_slots, span=span)
+
+    async def _queue(self, key: ApiKey, model: str, prepared: Prepared, reserve_tokens: int,
+                     origin: Origin) -> FlowItem:
+        """The request's FlowItem once it may be dispatched (Run.close releases it); raises flow
+        control's APIError (400 unknown objective, 429 over its share, 503 saturated), or a 499
+        if the client disconnects while it waits (it leaves the queue at once)."""
+        cls = classify(self.flow.config, origin.headers, model, key.name, key.priority, key.weight, origin.client)
+        priority = prepared.jobs[0].priority if prepared.jobs else 0
+        item = FlowItem(prepared.request_id, cls.band, cls.flow_id, reserve_tokens, cls.weight, priority)
+        with tracing.current().child("gateway.flow", attributes={"splitserve.flow.band": cls.band,
+                                                                 "splitserve.flow.id": cls.flow_id}) as span:
+            if self.flow.try_acquire(item):
+                span.set("splitserve.flow.queued", False)
+                return item
+            span.set("splitserve.flow.queued", True)
+            acquire = asyncio.ensure_future(self.flow.acquire(item))
+            gone = asyncio.ensure_future(origin.disconnected())
+            try:
+                await asyncio.wait({acquire, gone}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                gone.cancel()
+                if not acquire.done():
+                    acquire.cancel()
+                await asyncio.gather(acquire, gone, return_exceptions=True)
+            if acquire.cancelled():
+                log.info("client disconnected while its request was queued")
+                raise APIError(499, "the client closed the connection while its request was queued",
+                               code="client_closed")
+            acquire.result()
+            return item
 
     def _dispatch(self, prepared: Prepared) -> AsyncIterator[ChoiceChunk]:
         return merged([self.dispatcher.generate(job) for job in prepared.jobs])
@@ -71,7 +132,8 @@ class Run:
     """One admitted request in flight: iterate it for its chunks, close it once it is over."""
 
     def __init__(self, prepared: Prepared, ticket: Ticket, admission: AdmissionPipeline,
-                 events: AsyncIterator[ChoiceChunk], *, bills_completion: bool = True):
+                 events: AsyncIterator[ChoiceChunk], *, bills_completion: bool = True,
+                 flow: FlowController | None = None, flow_item: FlowItem | None = None):
         self.prepared = prepared
         self.ticket = ticket
         self.choices = [ChoiceState() for _ in prepared.jobs]
@@ -79,6 +141,7 @@ class Run:
         self.counts_completion = bills_completion and not is_prompt_only
         self._admission = admission
         self._events = events
+        self._flow, self._flow_item = flow, flow_item
         self.is_closed = False
 
     @property
@@ -112,15 +175,19 @@ class Run:
         return count_usage(self.prepared.num_prompt_tokens, self.choices, counts_completion=self.counts_completion)
 
     async def close(self) -> None:
-        """Cancel what still runs on the workers, then release the admission ticket with the usage
-        so far (a cut stream is billed for what it got). Later calls do nothing."""
+        """Cancel what still runs on the workers, then settle the flow item to the tokens used and
+        release the admission ticket with the usage so far (a cut stream is billed for what it
+        got). Later calls do nothing."""
         if self.is_closed:
             return
         self.is_closed = True
         try:
             await self._events.aclose()
         finally:
-            await self._admission.release(self.ticket, self.usage() if self.has_output else None)
+            usage = self.usage() if self.has_output else None
+            if self._flow_item is not None:
+                self._flow.release(self._flow_item, usage.total_tokens if usage is not None else 0)
+            await self._admission.release(self.ticket, usage)
 
     async def __aenter__(self) -> Run:
         return self

@@ -10,15 +10,15 @@ from splitserve.platform.sampling.params import SamplingParams
 from splitserve.platform.wire import sampling as wire_sampling
 from splitserve.platform.wire import worker_pb2 as pb
 from splitserve.platform.wire.disaggregation import DISAGGREGATION_MODES as _MODES
-from splitserve.router.config import DisaggregationConfig
-
+from splitserve.router.placement.config import DisaggregationConfig
 
 sampling_params = wire_sampling.to_proto
 
 
 def generate_request(request_id: str, token_ids: list[int], params: SamplingParams, decision,
                      disaggregation: DisaggregationConfig,
-                     resume_output_token_ids: list[int] = (), lora_name: str | None = None) -> pb.GenerateRequest:
+                     resume_output_token_ids: list[int] = (), lora_name: str | None = None, priority: int = 0,
+                     band: int = 0) -> pb.GenerateRequest:
     """The decode worker's request. With prefill workers listed, the worker re-checks the
     conditional threshold against its exact cache (the router's index may lag by a few events).
     A resume (tokens already streamed by a failed worker) is prefilled by the decode worker, and
@@ -27,7 +27,7 @@ def generate_request(request_id: str, token_ids: list[int], params: SamplingPara
     under the same conditions, for the base model only."""
     request = pb.GenerateRequest(request_id=request_id, prompt_token_ids=token_ids, params=sampling_params(params),
                                  resume_output_token_ids=list(resume_output_token_ids), lora_name=lora_name or "",
-                                 lora_evict_first=decision.lora_evict_first)
+                                 lora_evict_first=decision.lora_evict_first, priority=priority, band=band)
     if decision.prefill and not resume_output_token_ids and params.prompt_logprobs is None and not params.embed:
         request.prefill_workers.extend(decision.prefill)
         request.disaggregation = _MODES[disaggregation.mode]

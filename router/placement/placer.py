@@ -31,7 +31,7 @@ import random
 from dataclasses import dataclass, field
 
 from splitserve.router.api.errors import NoWorkerError
-from splitserve.router.config import PlacementConfig, ProfileConfig
+from splitserve.router.placement.config import PlacementConfig, ProfileConfig
 from splitserve.router.placement.filters import make_filter
 from splitserve.router.placement.index import PrefixIndex
 from splitserve.router.placement.pool import WorkerPool, WorkerState

@@ -12,6 +12,8 @@ The file (YAML, `gateway.api_keys_file`, e.g. a mounted Secret), reloaded when i
         monthly_tokens: 5000000   # prompt + completion tokens per calendar month (UTC)
         max_concurrent: 8         # requests (streams) of this key in flight at once, per router replica
         role: admin               # may load/unload LoRA adapters at run time (default: user, may not)
+        priority: 0               # flow-control band of its requests without an objective (negative: sheddable)
+        weight: 1                 # its share in fair queuing against other keys of the same band
 
 A presented key is hashed and compared with every digest by hmac.compare_digest.
 
@@ -28,11 +30,13 @@ import re
 from typing import Any
 
 import yaml
+
 from splitserve.router.api.errors import APIError
 from splitserve.router.config import KEY_ROLES, ApiKey, ConfigError
 
 ID_PATTERN = re.compile(r"[A-Za-z0-9._-]{1,64}")
-KEY_FIELDS = {"id", "sha256", "key", "models", "rpm", "tpm", "monthly_tokens", "max_concurrent", "role"}
+KEY_FIELDS = {"id", "sha256", "key", "models", "rpm", "tpm", "monthly_tokens", "max_concurrent", "role", "priority",
+              "weight"}
 
 
 def digest(key: str) -> str:
@@ -46,6 +50,19 @@ def _positive(entry: dict, name: str, where: str) -> int | None:
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise ConfigError(f"{where}.{name}={value!r}: need a positive integer (or leave it out for no limit)")
     return value
+
+
+def _flow_fields(entry: dict, where: str) -> dict:
+    """The key's flow-control `priority` (a band: any integer) and `weight` (a positive number)."""
+    priority, weight = entry.get("priority"), entry.get("weight")
+    if priority is not None and (not isinstance(priority, int) or isinstance(priority, bool)
+                                 or abs(priority) > 1_000_000):
+        raise ConfigError(f"{where}.priority={priority!r}: need an integer from -1000000 to 1000000 "
+                          "(higher is more important, negative is sheddable)")
+    if weight is not None and (not isinstance(weight, (int, float)) or isinstance(weight, bool)
+                               or not 0 < weight <= 1_000_000):
+        raise ConfigError(f"{where}.weight={weight!r}: need a number above 0 (1 is an equal share)")
+    return {"priority": priority, "weight": float(weight) if weight is not None else None}
 
 
 def parse_keys(data: Any, source: str) -> tuple[tuple[str, ApiKey], ...]:
@@ -77,7 +94,8 @@ def parse_keys(data: Any, source: str) -> tuple[tuple[str, ApiKey], ...]:
                                       role=role,
                                       rpm=_positive(entry, "rpm", where), tpm=_positive(entry, "tpm", where),
                                       monthly_tokens=_positive(entry, "monthly_tokens", where),
-                                      max_concurrent=_positive(entry, "max_concurrent", where))))
+                                      max_concurrent=_positive(entry, "max_concurrent", where),
+                                      **_flow_fields(entry, where))))
     return tuple(out)
 
 

@@ -60,6 +60,8 @@ security:
   allowUnauthenticatedGateway: {{ .Values.security.allowUnauthenticatedGateway }}
 kvCache:
 {{ toYaml .Values.kvCache | indent 2 }}
+flowControl:
+{{ toYaml .Values.flowControl | indent 2 }}
 reconcile:
   resyncSeconds: {{ .Values.operator.resyncSeconds }}
   notReadyRetrySeconds: {{ .Values.operator.notReadyRetrySeconds }}

@@ -1,0 +1,82 @@
+"""The saturation detector: may a request of a given band be dispatched now?
+
+It reads what the router already knows of each decode worker (router/placement/pool.py's WorkerState):
+its last load report (waiting and running requests, KV-cache use, draining) and the router's
+own live counts of the requests it assigned there. A healthy, non-draining decode worker is
+*full* when any of these holds (GIE's detector, plus a running cap):
+
+- its waiting requests (the report's, or the router's pending assignments if more) reach
+  `queue_depth_threshold`;
+- its KV-cache use reaches `kv_cache_threshold`;
+- its load report is older than `load_staleness_s` (no news is treated as no room);
+- with `max_running_per_worker` > 0: the requests this router has in flight there reach the
+  band's running limit, which is lower by `reserved_running` for bands under
+  `reserved_min_band`. The router's own count, not the load report's: it changes the moment a
+  request ends, where a report lags by up to its interval (0.5 s), long enough to hold an
+  interactive request back for nothing. So the cap is per router replica (as
+  `max_concurrent_per_key` is); other replicas' requests show through the waiting threshold.
+
+The pool has room for a band while some worker is not full and, with a running cap, the
+requests the controller has dispatched and not seen end are fewer than the cap times the
+workers with room: a request released a moment ago counts before its worker reports it. With no
+healthy decode worker at all (a pool scaled to zero, a restart) nothing is dispatched: requests
+wait in the gateway's queue, bounded, while the pool comes up.
+
+Prefill workers are not gated: a saturated prefill pool shows as waiting requests on the
+decode workers that wait for its KV.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+
+from splitserve.router.flow.config import FlowControlConfig
+
+
+class SaturationDetector:
+    def __init__(self, config: FlowControlConfig, workers: Callable[[], Iterable], clock=time.monotonic):
+        """`workers()` returns the router's WorkerState objects (read only)."""
+        self.config = config
+        self.workers = workers
+        self.clock = clock
+
+    def _candidates(self, now: float) -> list:
+        return [w for w in self.workers() if w.can_decode and w.is_healthy(now)
+                and (w.load is None or not w.load.draining)]
+
+    def is_full(self, worker, band: int, now: float) -> bool:
+        cfg, load = self.config, worker.load
+        if load is None or now - worker.load_time > cfg.load_staleness_s:
+            return True
+        if max(load.num_waiting, worker.num_pending) >= cfg.queue_depth_threshold:
+            return True
+        if load.kv_usage >= cfg.kv_cache_threshold:
+            return True
+        limit = cfg.running_limit(band)
+        return bool(limit) and self.busy(worker) >= limit
+
+    @staticmethod
+    def busy(worker) -> int:
+        return worker.num_inflight
+
+    def has_room(self, band: int, num_dispatched: int) -> bool:
+        """May one more request of `band` go to the workers, with `num_dispatched` of the
+        controller's requests out there now (released and not yet ended)?"""
+        now = self.clock()
+        candidates = self._candidates(now)
+        is_open = [not self.is_full(w, band, now) for w in candidates]
+        if not any(is_open):
+            return False
+        limit = self.config.running_limit(band)
+        if not limit:
+            return True
+        # Slots: the band's limit on each worker with room; a full worker only what it holds.
+        # Released requests count before placement assigns them to a worker.
+        busy = [self.busy(w) for w in candidates]
+        num_slots = sum(limit if o else min(b, limit) for o, b in zip(is_open, busy, strict=True))
+        return max(num_dispatched, sum(busy)) < num_slots
+
+    def is_saturated(self) -> bool:
+        """GIE's question, for metrics and shedding: no worker has room for band 0."""
+        return not self.has_room(0, 0)
