@@ -218,6 +218,8 @@ def with_sidecar(ctx: Context, deployment: Manifest) -> Manifest:
         ],
         "ports": [{"name": SIDECAR_PORT_NAME, "containerPort": port, "protocol": "TCP"}],
         "env": pods.BASE_ENV,
+        # the router's pipeline for one pod: sized as the router is (spec.router.resources, else its defaults)
+        "resources": pods._resources(ctx.spec.router.resources, pods.ROUTER_RESOURCES),
         **pods._probes(SIDECAR_PORT_NAME),
         "securityContext": pods.CONTAINER_SECURITY,
         "volumeMounts": mounts,
