@@ -63,7 +63,8 @@ def endpoint_slice(service: dict[str, Any], pods: list[dict[str, Any]]) -> dict[
     if spec.get("clusterIP") == "None":
         labels[HEADLESS_LABEL] = ""
     ports = [{"name": p["name"], "protocol": p.get("protocol", "TCP"),
-              "port": _container_port(matched, p.get("targetPort", p["port"]))} for p in spec["ports"]] if matched else []
+              "port": _container_port(matched, p.get("targetPort", p["port"]))}
+             for p in spec["ports"]] if matched else []
     endpoints = [{"addresses": [p["status"]["podIP"]],
                   "conditions": {"ready": _is_ready(p), "serving": _is_ready(p), "terminating": False},
                   "targetRef": {"kind": "Pod", "name": p["metadata"]["name"], "namespace": p["metadata"]["namespace"]}}

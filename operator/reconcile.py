@@ -104,7 +104,8 @@ def reconcile(kube: KubeClient, settings: OperatorSettings, namespace: str, name
                     for pool in (*ctx.pools, "router")}
     observations.setdefault("prefill", None)
     router_cm = result.live.get(("ConfigMap", ctx.child("router"))) or {}
-    report = parse_adapter_report((router_cm.get("metadata", {}).get("annotations") or {}).get(C.ANNOTATION_ADAPTERS_LOADED))
+    annotations = router_cm.get("metadata", {}).get("annotations") or {}
+    report = parse_adapter_report(annotations.get(C.ANNOTATION_ADAPTERS_LOADED))
     status = build_status(observations, generation, _gateway_url(ctx, result), body.get("status"), now_rfc3339(),
                           [a.name for a in spec.adapters], report, security_condition(spec),
                           authentication_condition(spec))

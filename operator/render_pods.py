@@ -185,7 +185,8 @@ def certificate(ctx: Context) -> Manifest | None:
     if tls is None or tls.issuer is None:
         return None
     return {"apiVersion": "cert-manager.io/v1", "kind": "Certificate", "metadata": ctx.meta(ctx.child("tls"), "tls"),
-            "spec": {"secretName": ctx.child("tls"), "commonName": "splitserve-worker", "dnsNames": ["splitserve-worker"],
+            "spec": {"secretName": ctx.child("tls"), "commonName": "splitserve-worker",
+                     "dnsNames": ["splitserve-worker"],
                      "usages": ["server auth", "client auth", "digital signature", "key encipherment"],
                      "duration": "2160h", "renewBefore": "360h",
                      "privateKey": {"algorithm": "ECDSA", "size": 256, "rotationPolicy": "Always"},
@@ -196,7 +197,8 @@ def worker_args(ctx: Context, pool: str) -> list[str]:
     spec, pool_spec = ctx.spec, getattr(ctx.spec, pool)
     args = ["worker", "--role", pool, "--model", spec.model.uri, "--dtype", spec.model.dtype,
             "--max-model-len", str(spec.model.max_model_len), "--block-size", str(spec.engine.block_size),
-            "--max-num-seqs", str(spec.engine.max_num_seqs), "--kv-cache-memory", f"{spec.engine.kv_cache_memory_gib:g}",
+            "--max-num-seqs", str(spec.engine.max_num_seqs),
+            "--kv-cache-memory", f"{spec.engine.kv_cache_memory_gib:g}",
             "--host", "0.0.0.0", "--advertise-host", "$(POD_IP)",
             "--grpc-port", str(C.GRPC_PORT), "--metrics-port", str(C.METRICS_PORT),
             "--kv-transport", spec.kv_transfer.transport, "--kv-port", str(C.KV_PORT)]
@@ -229,7 +231,8 @@ def kv_cache_args(kv: KvCacheDefaults, gpus: int) -> list[str]:
     return args
 
 
-def _add_kv_tier(ctx: Context, pool_spec: PoolSpec, volumes: list[dict[str, Any]], mounts: list[dict[str, Any]]) -> None:
+def _add_kv_tier(ctx: Context, pool_spec: PoolSpec, volumes: list[dict[str, Any]],
+                 mounts: list[dict[str, Any]]) -> None:
     kv = ctx.kv_cache()
     if kv.tier_gib > 0 and pool_spec.gpus == 0:
         # the tier's files plus headroom for one block being written and the folder itself
@@ -286,12 +289,14 @@ def worker_deployment(ctx: Context, pool: str) -> Manifest:
                  "ports": [{"name": C.GRPC_PORT_NAME, "containerPort": C.GRPC_PORT, "protocol": "TCP"},
                            {"name": C.METRICS_PORT_NAME, "containerPort": C.METRICS_PORT, "protocol": "TCP"},
                            {"name": C.KV_PORT_NAME, "containerPort": C.KV_PORT, "protocol": "TCP"}],
-                 "env": _worker_env(ctx, pool_spec), "resources": _resources(pool_spec.resources, worker_resource_defaults(ctx, pool_spec), pool_spec.gpus),
+                 "env": _worker_env(ctx, pool_spec),
+                 "resources": _resources(pool_spec.resources, worker_resource_defaults(ctx, pool_spec), pool_spec.gpus),
                  **_probes(C.METRICS_PORT_NAME), "securityContext": CONTAINER_SECURITY, "volumeMounts": mounts}
     pod = {"automountServiceAccountToken": False, "enableServiceLinks": False,
            "terminationGracePeriodSeconds": pool_spec.termination_grace_period_seconds,
            "securityContext": POD_SECURITY, "affinity": _anti_affinity(ctx, pool),
-           "nodeSelector": dict(pool_spec.node_selector), "tolerations": _tolerations(pool_spec.tolerations, pool_spec.gpus),
+           "nodeSelector": dict(pool_spec.node_selector),
+           "tolerations": _tolerations(pool_spec.tolerations, pool_spec.gpus),
            "containers": [container], "volumes": volumes}
     replicas, owner = (auto.min_replicas, auto.provider) if auto.enabled else (pool_spec.replicas, "operator")
     return _deployment(ctx, pool, replicas, owner, _drop_empty(pod), _tls_revision(ctx, pool))

@@ -45,11 +45,13 @@ def router_config(ctx: Context) -> dict[str, Any]:
         "max_model_len": spec.model.max_model_len,
         "gateway": {"served_model_names": [spec.served_model_name]},
         "discovery": {"k8s_namespace": ctx.namespace, "k8s_services": pools, "k8s_port_name": C.GRPC_PORT_NAME},
-        "index": {"backend": "redis", "redis_url": spec.router.redis.url} if spec.router.redis else {"backend": "memory"},
+        "index": ({"backend": "redis", "redis_url": spec.router.redis.url} if spec.router.redis
+                  else {"backend": "memory"}),
         "placement": {
             "disaggregation": {"mode": spec.disaggregation.mode,
                                "min_prefill_tokens": spec.disaggregation.min_prefill_tokens},
-            "decode": {"scorers": [{"name": "prefix-overlap", "weight": w.prefix}, {"name": "queue-depth", "weight": w.queue},
+            "decode": {"scorers": [{"name": "prefix-overlap", "weight": w.prefix},
+                                   {"name": "queue-depth", "weight": w.queue},
                                    {"name": "kv-usage", "weight": w.kv_usage},
                                    {"name": "pending-assignments", "weight": w.pending},
                                    {"name": "lora-affinity", "weight": w.lora}]},
@@ -110,7 +112,8 @@ def router_access(ctx: Context) -> list[Manifest]:
          "automountServiceAccountToken": True},
         {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role", "metadata": ctx.meta(name, "router"),
          "rules": [{"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"], "verbs": ["list", "watch"]},
-                   {"apiGroups": [""], "resources": ["configmaps"], "resourceNames": [name], "verbs": ["get", "patch"]}]},
+                   {"apiGroups": [""], "resources": ["configmaps"], "resourceNames": [name],
+                    "verbs": ["get", "patch"]}]},
         {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding", "metadata": ctx.meta(name, "router"),
          "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name}, "subjects": [subject]},
     ]

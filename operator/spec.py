@@ -274,9 +274,14 @@ class RouterSpec(_Spec):
     service: GatewayService = GatewayService()
     """The gateway Service clients call."""
     api_keys: SecretKeyRef | None = None
-    """A Secret key holding the gateway's key file (YAML: `keys: [{id, sha256 or key, models, rpm, tpm, ...}]`, docs/security.md), mounted into the router and reloaded when the Secret changes. Absent: the operator generates `<name>-api-keys` with one key, id `admin` (its plaintext under the Secret key `admin-key`), so no gateway is open by default."""
+    """A Secret key holding the gateway's key file (YAML: `keys: [{id, sha256 or key, models, rpm, tpm,
+    ...}]`, docs/security.md), mounted into the router and reloaded when the Secret changes. Absent: the
+    operator generates `<name>-api-keys` with one key, id `admin` (its plaintext under the Secret key
+    `admin-key`), so no gateway is open by default."""
     allow_unauthenticated: bool = False
-    """Serve the gateway without API keys: anyone who reaches it may call every endpoint. The status then carries the condition Authenticated=False; the chart's `security.allowUnauthenticatedGateway: false` forbids it."""
+    """Serve the gateway without API keys: anyone who reaches it may call every endpoint. The status then
+    carries the condition Authenticated=False; the chart's `security.allowUnauthenticatedGateway: false`
+    forbids it."""
 
     @model_validator(mode="after")
     def _keys_or_open(self) -> RouterSpec:

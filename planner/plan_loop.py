@@ -139,7 +139,8 @@ class ServiceLoop:
 
     def _samples(self, deltas: dict) -> list[ReplicaSample]:
         out = []
-        for pool, latency_key, slo_ms in (("prefill", "ttft", self.plan.ttft_p90_ms), ("decode", "itl", self.plan.itl_p90_ms)):
+        targets = (("prefill", "ttft", self.plan.ttft_p90_ms), ("decode", "itl", self.plan.itl_p90_ms))
+        for pool, latency_key, slo_ms in targets:
             for s, d, dt in deltas[pool]:
                 lat = S.p90(d, latency_key)
                 out.append(ReplicaSample(pool=pool, replica_id=s.pod.name, age_s=s.pod.age_s,

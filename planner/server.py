@@ -35,18 +35,22 @@ class DesiredStore:
         self._published: set[tuple[str, str, str]] = set()
         self.registry = CollectorRegistry()
         labels = ["namespace", "name", "pool"]
-        self._g = {
-            "desired": Gauge("splitserve_planner_desired_replicas", "Replicas the planner wants", labels, registry=self.registry),
-            "demand": Gauge("splitserve_planner_demand_tokens_per_second", "Demand: uncached prompt (prefill) or output (decode) tokens/s", labels, registry=self.registry),
-            "capacity": Gauge("splitserve_planner_capacity_tokens_per_second", "One replica's capacity at the SLO (profiled, corrected online)", labels, registry=self.registry),
-            "need": Gauge("splitserve_planner_feedforward_replicas", "Replicas needed by demand over capacity, with the latency trim", labels, registry=self.registry),
-            "trim": Gauge("splitserve_planner_latency_trim_replicas", "1 while the measured latency misses the SLO", labels, registry=self.registry),
+        gauges = {
+            "desired": ("splitserve_planner_desired_replicas", "Replicas the planner wants"),
+            "demand": ("splitserve_planner_demand_tokens_per_second",
+                       "Demand: uncached prompt (prefill) or output (decode) tokens/s"),
+            "capacity": ("splitserve_planner_capacity_tokens_per_second",
+                         "One replica's capacity at the SLO (profiled, corrected online)"),
+            "need": ("splitserve_planner_feedforward_replicas",
+                     "Replicas needed by demand over capacity, with the latency trim"),
+            "trim": ("splitserve_planner_latency_trim_replicas", "1 while the measured latency misses the SLO"),
         }
+        self._g = {key: Gauge(name, doc, labels, registry=self.registry) for key, (name, doc) in gauges.items()}
         self._leader = Gauge("splitserve_planner_leader", "1 while this replica holds the planner lease",
                              registry=self.registry)
         self._leader.set(1)
-        self._reason = Gauge("splitserve_planner_decision", "1 for the reason of the last decision", labels + ["reason"],
-                             registry=self.registry)
+        self._reason = Gauge("splitserve_planner_decision", "1 for the reason of the last decision",
+                             labels + ["reason"], registry=self.registry)
 
     def publish(self, namespace: str, name: str, decision: Decision) -> None:
         body = {**decision.desired(), "reasons": {p.pool: p.reason for p in (decision.prefill, decision.decode)}}

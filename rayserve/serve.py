@@ -44,7 +44,8 @@ START_TIMEOUT_S = 600.0
 
 def register(subparsers) -> None:
     p = subparsers.add_parser("serve", help="run the router and worker pools on a cluster backend (Ray Serve)")
-    p.add_argument("--backend", default=None, help=f"overrides the config's backend; allowed: {', '.join(ray_config.BACKENDS)}")
+    p.add_argument("--backend", default=None,
+                   help=f"overrides the config's backend; allowed: {', '.join(ray_config.BACKENDS)}")
     p.add_argument("--config", required=True, help="the backend's config file (deploy/ray/serve.yaml, docs/ray.md)")
     p.add_argument("--model", default=None, help="overrides the config's model")
     p.add_argument("--otlp-traces-endpoint", default=None, metavar="URL",
