@@ -38,7 +38,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "the weights on a CPU, else --dtype), or float32, float16, bfloat16")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     p.add_argument("--enforce-eager", action="store_true",
-                   help="CUDA: no CUDA graphs, every step eager (default: decode steps replay graphs captured at start)")
+                   help="CUDA: no CUDA graphs, every step eager "
+                        "(default: decode steps replay graphs captured at start)")
     p.add_argument("--kv-cache-memory", type=float, default=0.5, metavar="GIB",
                    help="memory for the KV cache in GiB (default 0.5)")
     p.add_argument("--block-size", type=int, default=16)

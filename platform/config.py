@@ -30,7 +30,8 @@ class RopeScaling:
 
     def __post_init__(self) -> None:
         if self.rope_type not in ("llama3", "linear"):
-            raise ConfigError(f"rope_scaling.rope_type={self.rope_type!r} is not supported; allowed: 'llama3', 'linear'")
+            raise ConfigError(f"rope_scaling.rope_type={self.rope_type!r} is not supported; "
+                              "allowed: 'llama3', 'linear'")
         if self.factor <= 0:
             raise ConfigError(f"rope_scaling.factor must be > 0, got {self.factor}")
 

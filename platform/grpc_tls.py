@@ -93,11 +93,13 @@ def generate_dev_pki(directory: str | os.PathLike, server_name: str = DEFAULT_SE
     ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "splitserve throwaway CA")])
     ca_cert = (x509.CertificateBuilder().subject_name(ca_name).issuer_name(ca_name)
                .public_key(ca_key.public_key()).serial_number(x509.random_serial_number())
-               .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=days))
+               .not_valid_before(now - datetime.timedelta(minutes=5))
+               .not_valid_after(now + datetime.timedelta(days=days))
                .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
                .add_extension(x509.KeyUsage(digital_signature=True, key_cert_sign=True, crl_sign=True,
                                             content_commitment=False, key_encipherment=False, data_encipherment=False,
-                                            key_agreement=False, encipher_only=False, decipher_only=False), critical=True)
+                                            key_agreement=False, encipher_only=False, decipher_only=False),
+                              critical=True)
                .sign(ca_key, hashes.SHA256()))
     key = ec.generate_private_key(ec.SECP256R1())
     sans = [x509.DNSName(server_name), x509.DNSName(ROUTER_NAME), x509.DNSName("localhost"),

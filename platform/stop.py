@@ -50,7 +50,8 @@ class StopStringMatcher:
             self._pending, self._matched_stop = "", stop
             return emit, True
         num_held = self._num_held_chars()
-        emit, self._pending = self._pending[:len(self._pending) - num_held], self._pending[len(self._pending) - num_held:]
+        cut = len(self._pending) - num_held
+        emit, self._pending = self._pending[:cut], self._pending[cut:]
         return emit, False
 
     def flush(self) -> str:

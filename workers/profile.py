@@ -94,7 +94,8 @@ def measure(engine, prompt_lens, concurrencies, context, decode_steps, repeats=2
     return CapacityProfile(
         prefill=tuple(prefill), decode=tuple(decode), kv_tokens=engine.pool.num_blocks * cfg.cache.block_size,
         notes=notes, meta={"model": cfg.model, "dtype": cfg.device.dtype, "threads": cfg.device.num_threads,
-                           "cpu_count": os.cpu_count(), "machine": stdlib_platform.processor() or stdlib_platform.machine(),
+                           "cpu_count": os.cpu_count(),
+                           "machine": stdlib_platform.processor() or stdlib_platform.machine(),
                            "measured": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
 
 

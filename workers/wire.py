@@ -28,7 +28,8 @@ def prompt_token_ids(request_id: str, token_ids, vocab_size: int, max_model_len:
         raise InvalidRequestError("prompt_token_ids is empty; allowed: at least 1 token id")
     bad = [t for t in ids if not 0 <= t < vocab_size]
     if bad:
-        raise InvalidRequestError(f"prompt_token_ids has ids {bad[:5]} outside the vocabulary; allowed: [0, {vocab_size})")
+        raise InvalidRequestError(f"prompt_token_ids has ids {bad[:5]} outside the vocabulary; "
+                                  f"allowed: [0, {vocab_size})")
     if len(ids) >= max_model_len:
         raise InvalidRequestError(f"the prompt has {len(ids)} tokens but max_model_len is {max_model_len}; "
                                   f"allowed: at most {max_model_len - 1}")

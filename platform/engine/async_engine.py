@@ -186,7 +186,11 @@ class AsyncEngine:
                 self._engine.abort(req_id)
             return
         loop = entry[0]
-        loop.call_soon_threadsafe(lambda: done.done() or (done.set_exception(error) if error else done.set_result(None)))
+        def settle():
+            if not done.done():
+                done.set_exception(error) if error else done.set_result(None)
+
+        loop.call_soon_threadsafe(settle)
 
     def _deliver(self, out: RequestOutput) -> None:
         entry = self._streams.get(out.req_id)

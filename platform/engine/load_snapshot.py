@@ -48,7 +48,8 @@ def take_snapshot(sched: Scheduler, pool: BlockPool, states: Mapping[str, Reques
                         prefix_cache_queries=sched.stats.num_prefix_query_tokens,
                         prefix_cache_hits=sched.stats.num_prefix_hit_tokens,
                         num_prefix_waits=sched.stats.num_prefix_waits,
-                        running_loras=_lora_names(sched.running, states), waiting_loras=_lora_names(sched.waiting, states),
+                        running_loras=_lora_names(sched.running, states),
+                        waiting_loras=_lora_names(sched.waiting, states),
                         max_loras=max_loras, resident_loras=tuple(sorted(a.name for a in loras.loaded())),
                         lora_adapters=tuple(loras.known()),
                         **({} if spec is None else dict(

@@ -48,7 +48,9 @@ class OutputProcessor:
             if finished:
                 delta += state.detok.flush()
         text, stopped = state.stops.feed(delta)
-        reason, stop_reason = (update.finish_status.value, token if ended_by_token else None) if finished else (None, None)
+        reason, stop_reason = None, None
+        if finished:
+            reason, stop_reason = update.finish_status.value, token if ended_by_token else None
         if stopped:
             finished, reason, stop_reason = True, "stop", state.stops.matched_stop
         elif finished:

@@ -111,7 +111,8 @@ class LoraContext:
             self.batch = None
             return
         group = {id(a): g for g, a in enumerate(distinct)}
-        rows = [group[id(a)] if a is not None else -1 for a, n in zip(adapters, num_tokens, strict=True) for _ in range(n)]
+        rows = [group[id(a)] if a is not None else -1
+                for a, n in zip(adapters, num_tokens, strict=True) for _ in range(n)]
         row_group = torch.tensor(rows, dtype=torch.long, device=device)
         self.batch = LoraBatch(self._packed_set(distinct), row_group, is_uniform=len(distinct) == 1 and -1 not in rows,
                                ops=cpu_ops() if torch.device(device).type == "cpu" else None)

@@ -288,6 +288,7 @@ class LlamaForCausalLM(nn.Module):
             tensor = tensor.dequantize()
         if own not in params:
             raise ValueError(f"unexpected checkpoint tensor {name!r}")
-        assert params[own].shape == tensor.shape, f"{name}: expected {tuple(params[own].shape)}, got {tuple(tensor.shape)}"
+        assert params[own].shape == tensor.shape, \
+            f"{name}: expected {tuple(params[own].shape)}, got {tuple(tensor.shape)}"
         params[own].data.copy_(tensor)
         return [own]

@@ -75,7 +75,8 @@ class Int4Groups:
 
     def dequantize(self) -> torch.Tensor:
         rows, cols = self.codes.shape
-        grouped = (self.codes.view(rows, cols // GROUP, GROUP).float() - 8) * self.scale[..., None] + self.zero[..., None]
+        codes = self.codes.view(rows, cols // GROUP, GROUP).float()
+        grouped = (codes - 8) * self.scale[..., None] + self.zero[..., None]
         return grouped.view(rows, cols)
 
 
@@ -95,7 +96,8 @@ def _blocks(raw: RawQuant, block_bytes: int) -> np.ndarray:
 
 
 def _f16(blocks: np.ndarray, offset: int) -> torch.Tensor:
-    return torch.from_numpy(np.ascontiguousarray(blocks[..., offset:offset + 2]).view(np.float16)[..., 0].astype(np.float32))
+    halves = np.ascontiguousarray(blocks[..., offset:offset + 2]).view(np.float16)
+    return torch.from_numpy(halves[..., 0].astype(np.float32))
 
 
 def _nibbles(qs: np.ndarray) -> torch.Tensor:

@@ -27,7 +27,8 @@ class StructuredSpec:
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
-            raise InvalidRequestError(f"{self.field}: constraint kind {self.kind!r} is unknown; allowed: {', '.join(KINDS)}")
+            raise InvalidRequestError(f"{self.field}: constraint kind {self.kind!r} is unknown; "
+                                      f"allowed: {', '.join(KINDS)}")
         if not isinstance(self.value, str):
             raise InvalidRequestError(f"{self.field}: the {self.kind} constraint must be given as text")
         if self.kind == "json":
@@ -66,7 +67,8 @@ def validate_logit_bias(logit_bias, field: str = "logit_bias") -> tuple[tuple[in
             raise InvalidRequestError(f"{field}: key {key!r} is not a token id; allowed: integer token ids") from None
         if token_id < 0 or isinstance(key, bool):
             raise InvalidRequestError(f"{field}: token id {key!r} is invalid; allowed: ids >= 0 in the vocabulary")
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:
+        is_number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if not is_number or not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:
             raise InvalidRequestError(f"{field}: the bias {value!r} of token {token_id} is invalid; "
                                       f"allowed: numbers in [-100, 100]")
         pairs[token_id] = float(value)

@@ -7,7 +7,7 @@ The OpenAI gateway maps its JSON onto this one dataclass; a bad value raises
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from splitserve.platform.errors import InvalidRequestError
 from splitserve.platform.sampling.constraints import StructuredSpec, validate_logit_bias

@@ -149,7 +149,8 @@ def _apply_min_tokens(logits: torch.Tensor, rows: Sequence[SamplingRow],
     if not row_index:
         return logits
     logits = logits.clone()
-    logits[torch.tensor(row_index, device=logits.device), torch.tensor(token_index, device=logits.device)] = float("-inf")
+    rows = torch.tensor(row_index, device=logits.device)
+    logits[rows, torch.tensor(token_index, device=logits.device)] = float("-inf")
     return logits
 
 

@@ -65,7 +65,8 @@ class Speculator:
             room = min(state.spec_k or cfg.num_speculative_tokens, req.params.max_tokens - req.num_output_tokens - 1,
                        self.max_model_len - req.num_tokens - 1)
             if room > 0:
-                req.spec_token_ids = ngram.propose(req.all_token_ids, room, cfg.prompt_lookup_min, cfg.prompt_lookup_max)
+                req.spec_token_ids = ngram.propose(req.all_token_ids, room, cfg.prompt_lookup_min,
+                                                   cfg.prompt_lookup_max)
 
     def record(self, plan: SchedulerPlan, result: StepResult, states: Mapping[str, RequestState]) -> None:
         """After a step: count each verification, per request and in total."""

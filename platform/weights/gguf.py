@@ -196,7 +196,8 @@ def _architecture(file: GGUFFile) -> str:
         raise ConfigError(f"{file.path}: metadata key general.architecture is missing")
     if arch not in SUPPORTED_ARCHITECTURES:
         raise UnsupportedModelError(
-            f"{file.path}: GGUF architecture {arch!r} is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+            f"{file.path}: GGUF architecture {arch!r} is not supported; "
+            f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
     return arch
 
 
@@ -204,7 +205,8 @@ def _uniform(value: Any, key: str) -> Any:
     """Some GGUF files store per-layer arrays (e.g. head counts); we need one value for all."""
     if isinstance(value, list):
         if not value or any(v != value[0] for v in value):
-            raise UnsupportedModelError(f"metadata {key} varies per layer ({value[:8]}...); only uniform models are supported")
+            raise UnsupportedModelError(f"metadata {key} varies per layer ({value[:8]}...); "
+                                        "only uniform models are supported")
         return value[0]
     return value
 

@@ -87,7 +87,8 @@ def safetensors_files(folder: str) -> dict[str, list[str]]:
         return shards
     paths = sorted(glob.glob(os.path.join(folder, "*.safetensors")))
     if not paths:
-        raise ConfigError(f"{folder}: no *.safetensors file; convert .bin checkpoints with transformers' save_pretrained")
+        raise ConfigError(f"{folder}: no *.safetensors file; "
+                          "convert .bin checkpoints with transformers' save_pretrained")
     shards = {}
     for path in paths:
         with safe_open(path, framework="pt") as file:
@@ -107,7 +108,8 @@ def _check_supported_options(folder: str, raw: dict[str, Any]) -> None:
     if raw.get("model_type") == "gemma3_text":
         act = raw.get("hidden_activation", "gelu_pytorch_tanh")
         if act != "gelu_pytorch_tanh":
-            raise UnsupportedModelError(f"{folder}: hidden_activation {act!r} is not supported; supported: gelu_pytorch_tanh")
+            raise UnsupportedModelError(f"{folder}: hidden_activation {act!r} is not supported; "
+                                        "supported: gelu_pytorch_tanh")
         for cap in ("final_logit_softcapping", "attn_logit_softcapping"):
             if raw.get(cap) is not None:
                 raise UnsupportedModelError(f"{folder}: {cap}={raw[cap]} is not supported; supported: null")

@@ -30,7 +30,8 @@ def generate(out: pathlib.Path) -> list[pathlib.Path]:
             raise RuntimeError(f"protoc failed: {' '.join(args)}")
         written = []
         for src in sorted(pathlib.Path(tmp, "splitserve", "v1").glob("*_pb2*.py*")):
-            text = re.sub(r"from splitserve\.v1 import (\w+)", r"from splitserve.platform.wire import \1", src.read_text())
+            text = re.sub(r"from splitserve\.v1 import (\w+)", r"from splitserve.platform.wire import \1",
+                          src.read_text())
             dest = out / src.name
             dest.write_text(text)
             written.append(dest)
