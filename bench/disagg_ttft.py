@@ -18,8 +18,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import pathlib
 import os
+import pathlib
 import statistics
 import sys
 import time
