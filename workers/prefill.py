@@ -61,18 +61,37 @@ async def serve_prefill(engine: AsyncEngine, sender: KVSender, layout: KVLayout,
     handle = await sender.open(request.kv_address, request.transfer_id, layout, num_blocks)
     loop = asyncio.get_running_loop()
     layers: asyncio.Queue = asyncio.Queue()
+    is_closed = False   # after a failure: what still arrives goes straight back to the buffer pool
+
+    def deliver(item) -> None:
+        if is_closed:
+            item[1].release()
+        else:
+            layers.put_nowait(item)
 
     def sink(layer, payload, first_block):  # engine thread
-        loop.call_soon_threadsafe(layers.put_nowait, (layer, payload, first_block))
+        loop.call_soon_threadsafe(deliver, (layer, payload, first_block))
 
     async def pump():
         remaining = layout.num_layers * num_blocks   # (layer, block) pairs still to send
         while remaining:
-            layer, payload, first_block = await layers.get()
-            await handle.send_layer(layer, payload, first_block)
-            remaining -= payload.shape[1]
-            if first_block + payload.shape[1] == num_blocks:
+            layer, staged, first_block = await layers.get()
+            try:
+                if not staged.ready.is_ready():   # the device copy (CUDA): waited for here, never on the engine thread
+                    await asyncio.to_thread(staged.ready.wait)
+                await handle.send_layer(layer, staged.tensor, first_block, on_sent=staged.release)
+            except BaseException:
+                staged.release()
+                raise
+            remaining -= staged.num_blocks
+            if first_block + staged.num_blocks == num_blocks:
                 faults.after_layer_sent(layer)
+
+    def drop_queued() -> None:
+        nonlocal is_closed
+        is_closed = True
+        while not layers.empty():
+            layers.get_nowait()[1].release()
 
     pump_task = asyncio.create_task(pump()) if streaming else asyncio.create_task(asyncio.sleep(0))
     final = None
@@ -91,6 +110,7 @@ async def serve_prefill(engine: AsyncEngine, sender: KVSender, layout: KVLayout,
     except BaseException:
         pump_task.cancel()
         await handle.abort()
+        drop_queued()
         raise
     t_acked = time.monotonic()
     seconds = t_acked - t0

@@ -203,13 +203,16 @@ class SendHandle(ABC):
     error: TransferError | None
 
     @abstractmethod
-    async def send_layer(self, layer: int, payload: torch.Tensor, first_block: int = 0) -> None:
+    async def send_layer(self, layer: int, payload: torch.Tensor, first_block: int = 0, on_sent=None) -> None:
         """Queue one layer, or the next piece of it: contiguous, `layout.dtype`,
         `layout.layer_payload_shape(n)` for blocks [first_block, first_block + n) of the transfer,
         where first_block is where the layer's previous piece ended (0 for its first); else
         ValueError. Returns without waiting for the wire; the handle keeps a reference to
         `payload` until it is sent, so the caller must not modify it afterwards. Once the
-        transfer failed, layers are dropped silently (finish() reports the failure)."""
+        transfer failed, layers are dropped silently (finish() reports the failure).
+        `on_sent()`, if given, is called exactly once when the transport no longer reads `payload`
+        (the receiver's final reply came, or the connection was closed): then its buffer may be
+        reused (kv_staging.HostBufferPool)."""
 
     @abstractmethod
     async def finish(self) -> None:

@@ -69,6 +69,7 @@ class ChannelSendHandle(SendHandle):
         self._blocks_queued: dict[int, int] = {}   # layer -> blocks queued so far
         self._final: asyncio.Future = asyncio.get_running_loop().create_future()
         self._is_closed = False
+        self._on_sent: list = []   # send_layer's callbacks, called once the transport is done with the payloads
         conn.handle = self
         self._pump = asyncio.ensure_future(self._send_all())
 
@@ -119,7 +120,7 @@ class ChannelSendHandle(SendHandle):
             self._conn.is_dead = True
             self._on_lost(e)
 
-    async def send_layer(self, layer: int, payload: torch.Tensor, first_block: int = 0) -> None:
+    async def send_layer(self, layer: int, payload: torch.Tensor, first_block: int = 0, on_sent=None) -> None:
         if not 0 <= layer < self.layout.num_layers:
             raise ValueError(f"layer {layer} is outside 0..{self.layout.num_layers - 1}")
         queued = self._blocks_queued.get(layer, 0)
@@ -136,6 +137,8 @@ class ChannelSendHandle(SendHandle):
         if self._is_closed:
             raise RuntimeError(f"send_layer after finish/abort of transfer {self.transfer_id!r}")
         self._blocks_queued[layer] = queued + n
+        if on_sent is not None:
+            self._on_sent.append(on_sent)
         self._queue.put_nowait((layer, payload.cpu(), first_block))
 
     async def finish(self) -> None:
@@ -152,6 +155,14 @@ class ChannelSendHandle(SendHandle):
         if self._is_closed:
             return
         self._is_closed = True
+        try:
+            await self._settle(aborted, timeout_s)
+        finally:   # the final reply came (every byte was read) or the connection is closed
+            callbacks, self._on_sent = self._on_sent, []
+            for on_sent in callbacks:
+                on_sent()
+
+    async def _settle(self, aborted: bool, timeout_s: float) -> None:
         if aborted:
             while not self._queue.empty():
                 self._queue.get_nowait()
