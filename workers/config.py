@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from splitserve.platform.errors import ConfigError
 
 ROLES = ("prefill", "decode", "both")
-TRANSPORTS = ("ucx", "tcp", "inproc")
+TRANSPORTS = ("ucx", "tcp", "inproc", "auto")   # auto: tcp, plus CUDA IPC on a GPU (transfer/cuda_ipc.py)
 MODES = ("conditional", "always", "never")
 
 

@@ -73,7 +73,7 @@ class RemotePrefill:
         layout = dataclasses.replace(self.layout, lora_digest=lora.digest.hex() if lora else "")
         self.receiver.expect(transfer_id, layout, len(dst),
                              lambda layer, payload, first: write(dst[first:first + payload.shape[1]], layer, payload),
-                             self.deadline_s)
+                             self.deadline_s, block_ids=dst)
         t0 = time.monotonic()
         try:
             resp = await self.stubs.stub(address).Prefill(pb.PrefillRequest(

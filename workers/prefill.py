@@ -98,7 +98,9 @@ async def serve_prefill(engine: AsyncEngine, sender: KVSender, layout: KVLayout,
     try:
         async for out in engine.generate(params=params, prompt_token_ids=token_ids,
                                          req_id=f"prefill/{request.transfer_id}",
-                                         kv_export=KVExport(request.skip_blocks, sink), lora_name=lora_name):
+                                         kv_export=KVExport(request.skip_blocks, sink,
+                                                            on_device=getattr(handle, "wants_device_payloads", False)),
+                                         lora_name=lora_name):
             final = out
         if final is None or not final.new_token_ids:
             raise InvalidRequestError(f"prefill of {request.request_id} was aborted")
@@ -117,6 +119,7 @@ async def serve_prefill(engine: AsyncEngine, sender: KVSender, layout: KVLayout,
     if metrics is not None:
         metrics.kv_transfer_bytes.labels(direction="out").observe(handle.bytes_sent)
         metrics.kv_transfer_seconds.labels(direction="out").observe(seconds)
+        metrics.kv_transfers.labels(path=getattr(handle, "path", "")).inc()
     resp = pb.PrefillResponse(first_token_id=final.new_token_ids[0], cached_tokens=final.num_cached_tokens,
                               kv_bytes=handle.bytes_sent, prefill_s=t_computed - t0,
                               transfer_wait_s=t_acked - t_computed)

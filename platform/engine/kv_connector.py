@@ -55,6 +55,8 @@ class KVExport:
 
     start_block: int
     sink: Callable[[int, StagedPayload, int], None]
+    # the payloads stay on the device (a CUDA IPC transfer copies them device to device itself)
+    on_device: bool = False
 
 
 @dataclass(frozen=True)
@@ -142,18 +144,24 @@ class KVConnector:
                 continue
             state.num_exported_blocks = end
             ids = torch.tensor(seq.block_ids[first:end], dtype=torch.long, device=self.device)
-            exports.append((state.export.sink, first - state.export.start_block, ids))
+            exports.append((state.export, first - state.export.start_block, ids))
         if not exports:
             return None
 
         def hook(layer: int) -> None:
-            for sink, first_block, ids in exports:
-                sink(layer, self._stage_export(layer, ids), first_block)
+            for export, first_block, ids in exports:
+                export.sink(layer, self._stage_export(layer, ids, export.on_device), first_block)
         return hook
 
-    def _stage_export(self, layer: int, ids: torch.Tensor) -> StagedPayload:
-        if self.host_pool is None:
-            return StagedPayload(export_layer(self.kv_caches, layer, ids))
+    def _stage_export(self, layer: int, ids: torch.Tensor, on_device: bool = False) -> StagedPayload:
+        if self.host_pool is None or on_device:
+            out: list[torch.Tensor] = []
+
+            @torch.inference_mode()
+            def gather() -> None:
+                out.append(export_layer(self.kv_caches, layer, ids))
+            ready = self.copy_stream.submit(gather, keep=(ids,)) if on_device else self.copy_stream.submit(gather)
+            return StagedPayload(out[0], ready)
         k_cache = self.kv_caches[layer][0]
         shape = (2, ids.numel(), *k_cache.shape[1:])
         nbytes = k_cache.element_size() * torch.Size(shape).numel()

@@ -155,7 +155,7 @@ class KVReceiver(ABC):
 
     @abstractmethod
     def expect(self, transfer_id: str, layout: KVLayout, num_blocks: int, write_layer: WriteLayer,
-               deadline_s: float) -> None:
+               deadline_s: float, block_ids=None) -> None:
         """Register an incoming transfer (WAITING) before asking the sender to send it.
 
         `write_layer(layer, payload, first_block)` is called in the loop as each piece of a layer
@@ -163,7 +163,9 @@ class KVReceiver(ABC):
         the transfer) and `layout.dtype`; the payload is only valid
         during the call (the receiver reuses its buffer): copy out of it. If it raises, the
         transfer FAILS. `deadline_s` is seconds from now; at the deadline a transfer not yet
-        DONE becomes TIMED_OUT. A transfer_id already registered is a ValueError.
+        DONE becomes TIMED_OUT. A transfer_id already registered is a ValueError. `block_ids`: the
+        `num_blocks` cache blocks the KV goes to, which a CUDA IPC sender writes directly
+        (cuda_ipc.py); without them the transfer always goes as bytes through `write_layer`.
         """
 
     @abstractmethod

@@ -15,7 +15,7 @@ from abc import abstractmethod
 
 import torch
 
-from splitserve.workers.transfer import auth
+from splitserve.workers.transfer import auth, cuda_ipc
 from splitserve.workers.transfer.base import KVLayout, KVReceiver, TransferStatus, WriteLayer
 from splitserve.workers.transfer.stream import MAX_LAYERS_PER_HEADER, MAX_PAYLOAD_BYTES, Channel, ChannelClosed
 from splitserve.workers.transfer.table import TransferTable
@@ -24,11 +24,13 @@ log = logging.getLogger(__name__)
 
 
 async def serve_channel(channel: Channel, table: TransferTable, max_payload_bytes: int = MAX_PAYLOAD_BYTES,
-                        session_key: bytes | None = None, on_auth_failure=None) -> None:
+                        session_key: bytes | None = None, on_auth_failure=None, ipc=None) -> None:
     """Run one incoming connection until it closes; a bound transfer is failed if it drops. With
     the handshake's `session_key`, an "open" without the transfer's tag (auth.py) closes the
-    connection before the transfer is bound, and calls `on_auth_failure`."""
+    connection before the transfer is bound, and calls `on_auth_failure`. `ipc`: (kv_caches,
+    backend) when this receiver offers its cache over CUDA IPC (cuda_ipc.py)."""
     bound: str | None = None
+    is_ipc = False   # this connection's sender got (and may use) the cache's IPC handles
     scratch = torch.empty(0, dtype=torch.uint8)
     background: set[asyncio.Task] = set()
 
@@ -52,6 +54,19 @@ async def serve_channel(channel: Channel, table: TransferTable, max_payload_byte
                 reply = table.bind(bound, msg["layout"], msg["num_blocks"], notify)
                 if reply is not None:
                     await channel.send(reply)
+                elif msg.get("ipc"):   # where to write; None: this transfer goes as bytes
+                    await channel.send({"transfer_id": bound, "type": "ipc_ready",
+                                        "block_ids": table.block_ids(bound) if is_ipc else None})
+            elif op == "ipc_hello":
+                reply = (cuda_ipc.offer(*ipc, hello=msg, session_key=session_key) if ipc is not None else
+                         {"type": "ipc_declined", "reason": "this decode worker does not offer CUDA IPC "
+                                                            "(--kv-transport auto on a GPU does)"})
+                is_ipc = reply["type"] == "ipc_offer"
+                await channel.send(reply)
+            elif op == "ipc_layers" and is_ipc and 1 <= len(msg["layers"]) <= MAX_LAYERS_PER_HEADER:
+                if msg["transfer_id"] == bound:
+                    for layer in msg["layers"]:
+                        table.mark_written(bound, layer, msg["first_block"], msg["num_blocks"])
             elif op == "layers" and 0 <= msg["nbytes"] <= max_payload_bytes and \
                     1 <= len(msg["layers"]) <= MAX_LAYERS_PER_HEADER:
                 nbytes, layers = msg["nbytes"], msg["layers"]
@@ -99,6 +114,7 @@ class ChannelReceiver(KVReceiver):
         self._channels: set[Channel] = set()
         self._max_payload_bytes = max_payload_bytes
         self._is_closed = False
+        self.ipc = None   # (kv_caches, cuda_ipc backend): offer the cache over CUDA IPC (set by the worker)
 
     @abstractmethod
     async def _listen(self) -> str:
@@ -140,7 +156,8 @@ class ChannelReceiver(KVReceiver):
                     with contextlib.suppress(Exception):
                         await channel.close()
                     return
-            await serve_channel(channel, self._table, self._max_payload_bytes, session_key, self._count_auth_failure)
+            await serve_channel(channel, self._table, self._max_payload_bytes, session_key, self._count_auth_failure,
+                                self.ipc)
         finally:
             self._channels.discard(channel)
 
@@ -158,8 +175,8 @@ class ChannelReceiver(KVReceiver):
         return len(self._table)
 
     def expect(self, transfer_id: str, layout: KVLayout, num_blocks: int, write_layer: WriteLayer,
-               deadline_s: float) -> None:
-        self._table.expect(transfer_id, layout, num_blocks, write_layer, deadline_s)
+               deadline_s: float, block_ids=None) -> None:
+        self._table.expect(transfer_id, layout, num_blocks, write_layer, deadline_s, block_ids)
 
     def poll(self, transfer_id: str) -> TransferStatus:
         return self._table.poll(transfer_id)
