@@ -13,10 +13,15 @@ import asyncio
 
 import pytest
 import torch
-
 from splitserve.platform.engine.kv_connector import KVExport
-from splitserve.platform.engine.kv_staging import (MIN_BUFFER_BYTES, DoneReady, HostBufferPool, Ready,
-                                                   SyncCopyStream, size_class)
+from splitserve.platform.engine.kv_staging import (
+    MIN_BUFFER_BYTES,
+    DoneReady,
+    HostBufferPool,
+    Ready,
+    SyncCopyStream,
+    size_class,
+)
 from splitserve.platform.sampling.params import SamplingParams
 from splitserve.workers.transfer import KVLayout, make_receiver, make_sender
 

@@ -49,7 +49,7 @@ def test_an_offer_maps_the_decode_cache_and_only_for_its_session():
     backend, kv = cuda_ipc.LocalIpcBackend(), caches()
     offer = cuda_ipc.offer(kv, backend, hello=cuda_ipc.hello(), session_key=b"s" * 32)
     mapped = cuda_ipc.open_offer(offer, b"s" * 32, backend, LAYOUT)
-    assert all(m is t for pair, mine in zip(mapped, kv) for m, t in zip(pair, mine))   # the very memory
+    assert all(m is t for pair, mine in zip(mapped, kv, strict=True) for m, t in zip(pair, mine, strict=True))
     with pytest.raises(cuda_ipc.IpcUnavailable, match="tag does not match"):          # another session's key
         cuda_ipc.open_offer(offer, b"t" * 32, backend, LAYOUT)
     forged = {**offer, "tensors": list(reversed(offer["tensors"]))}                  # altered on the way
