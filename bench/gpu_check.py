@@ -258,7 +258,7 @@ def speculative_b1(engine, rng: random.Random, k: int = 4, max_tokens: int = 128
     out: dict = {arm: dict(tok_s=[], tokens=[]) for arm in arms}
     saved = engine.speculator
     try:
-        for arm, speculator in arms.items():              # warm-up: the verification buckets compile
+        for speculator in arms.values():                  # warm-up: the verification buckets compile
             engine.speculator = speculator
             engine.pool.reset_prefix_cache()
             engine.generate([prompts[0][:64]], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
