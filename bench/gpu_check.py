@@ -403,7 +403,8 @@ def main() -> int:
                  "random:tiny" if args.smoke else "random:smollm2-135m", 4 if args.smoke else 8)
     report.phase("decode_prefill", decode_prefill, args.smoke)
     # P/D gets what is left before the hard stop, less ~60 s for the phases after it
-    report.phase("pd", gpu_check_pd.pd, args.smoke, lambda: HARD_STOP_S - 60 - (time.monotonic() - T0))
+    report.phase("pd", gpu_check_pd.pd, args.smoke, lambda: HARD_STOP_S - 60 - (time.monotonic() - T0),
+                 report.path.with_name("gpu_check_pd_partial.json"))
     report.phase("fp32_prefill", fp32_prefill, args.smoke)
     if not args.smoke:
         report.phase("kernel_tests", kernel_tests)

@@ -23,6 +23,7 @@ valuable first while the time budget lasts; one that fails records its error and
 from __future__ import annotations
 
 import asyncio
+import json
 import pathlib
 import random
 import re
@@ -38,6 +39,7 @@ import urllib.request
 CHECK = pathlib.Path(__file__).resolve().parent / "gpu_check.py"
 ROUNDS = 2
 MAX_TOKENS = 16
+REQUEST_TIMEOUT_S = 120.0   # a request that hangs fails its configuration, not the whole check
 ARM_KEYS = ("ttft", "queue", "prefill", "exposed_transfer", "first_decode_step")
 # (name, model, dtype, prompt lengths, with the tcp decode worker, KV GiB, seconds it needs at least)
 CONFIGS = [
@@ -120,7 +122,8 @@ async def generate(address: str, req_id: str, prompt: list[int], prefill: list[s
     async with grpc.aio.insecure_channel(address) as channel:
         async for msg in pb_grpc.WorkerStub(channel).Generate(pb.GenerateRequest(
                 request_id=req_id, prompt_token_ids=prompt, prefill_workers=prefill, disaggregation=mode,
-                params=pb.SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True))):
+                params=pb.SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)),
+                timeout=REQUEST_TIMEOUT_S):
             if msg.token_ids:
                 times.append(time.perf_counter() - t0)
                 tokens += list(msg.token_ids)
@@ -214,8 +217,9 @@ def acceptance(results: dict) -> dict:
     return acc
 
 
-def pd(smoke: bool, seconds_left=lambda: 1e9) -> dict:
-    """Every configuration that fits the time left; each one's result or its error."""
+def pd(smoke: bool, seconds_left=lambda: 1e9, partial: pathlib.Path | None = None) -> dict:
+    """Every configuration that fits the time left; each one's result or its error (also written
+    to `partial` after each configuration)."""
     device = "cpu" if smoke else "cuda"
     results: dict = {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -235,5 +239,7 @@ def pd(smoke: bool, seconds_left=lambda: 1e9) -> dict:
                 results[name] = dict(error=f"{type(exc).__name__}: {exc}"[-3000:])
             results[name]["seconds"] = round(time.monotonic() - t, 1)
             log(f"   {name}: {str(results[name])[:1500]}")
+            if partial is not None:   # kept even if the process is cut before the phase ends
+                partial.write_text(json.dumps(results, indent=1, default=str))
     results["acceptance"] = acceptance(results)
     return results
