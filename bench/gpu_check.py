@@ -332,7 +332,7 @@ def fp32_prefill(smoke: bool) -> dict:
     cfg = engine.model_config
     rng = random.Random(3)
     params = SamplingParams(temperature=0, max_tokens=1)
-    flops = 2 * n * sum(p.numel() for p in engine.model.parameters()) + \
+    flops = 2 * n * sum(p.numel() for name, p in engine.model.named_parameters() if "embed" not in name) + \
         4 * cfg.num_layers * cfg.num_heads * cfg.head_dim * n * n / 2
     result: dict = dict(model=model, tokens=n, flop=flops)
     before = torch.backends.cuda.matmul.allow_tf32

@@ -78,17 +78,18 @@ def payload(value: float, num_blocks: int, layout=LAYOUT) -> torch.Tensor:
 
 
 async def transfer(kv, backend: cuda_ipc.LocalIpcBackend, *, offer_ipc=True, try_ipc=True, block_ids=(1, 4, 2),
-                   give_block_ids=True, sender_key=KEY):
+                   give_block_ids=True, sender_key=KEY, kind="inproc"):
     """One transfer of len(block_ids) blocks, two layers in two pieces each; returns what the
     receiver's write_layer got, the status, the handle's path and the sender's fallback reasons."""
-    receiver = make_receiver("inproc", auth_key=KEY)
+    receiver = make_receiver(kind, auth_key=KEY)
     await receiver.start()
+    receiver.identity = receiver.address
     if offer_ipc:
         receiver.ipc = (kv, backend)
     written = []
     receiver.expect("t", LAYOUT, len(block_ids), lambda layer, p, first: written.append((layer, first, p.shape[1])),
                     10.0, block_ids=list(block_ids) if give_block_ids else None)
-    sender = make_sender("inproc", auth_key=sender_key)
+    sender = make_sender(kind, auth_key=sender_key)
     if try_ipc:
         sender.ipc_backend = backend
     try:
@@ -109,9 +110,10 @@ async def transfer(kv, backend: cuda_ipc.LocalIpcBackend, *, offer_ipc=True, try
         await receiver.close()
 
 
-def test_kv_goes_straight_into_the_destination_blocks_with_no_payload():
+@pytest.mark.parametrize("kind", ["inproc", "tcp"])
+def test_kv_goes_straight_into_the_destination_blocks_with_no_payload(kind):
     kv, backend = caches(), cuda_ipc.LocalIpcBackend()
-    written, status, path, fallbacks, error = asyncio.run(transfer(kv, backend))
+    written, status, path, fallbacks, error = asyncio.run(transfer(kv, backend, kind=kind))
     assert error is None and status.state is TransferState.DONE and path == "cuda_ipc" and fallbacks == []
     assert written == []                                  # nothing came through write_layer: no bytes
     assert status.num_bytes == 2 * LAYOUT.layer_payload_nbytes(3)
