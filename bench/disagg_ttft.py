@@ -2,7 +2,9 @@
 
 Issue 3, acceptance 7 (second part). One decode worker and two prefill workers (one streams
 each layer's KV as soon as it is computed, one sends after the whole prompt), UCX over TCP on
-loopback, SmolLM2-135M fp32, one torch thread each. For a 1,500-token prompt (fresh each time,
+loopback, SmolLM2-135M fp32, one torch thread each. The workers are started as the tests start
+them (tests/workerproc.py): mutual TLS on gRPC and an authenticated KV channel, so the client
+here speaks mTLS with the same throwaway credentials. For a 1,500-token prompt (fresh each time,
 so nothing is cached) it records, per arm, interleaved: TTFT at the client, queue time on the
 decode worker, prefill compute on the prefill worker, the exposed transfer time (waiting on
 KV after compute finished), and the first decode step (time from the first to the second
@@ -16,17 +18,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import pathlib
 import statistics
-import os
 import sys
 import time
 
-import grpc
-
-
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "tests"))
-from workerproc import WorkerProc  # noqa: E402
+from workerproc import WorkerProc, worker_channel  # noqa: E402
 
 from splitserve.platform.wire import worker_pb2 as pb  # noqa: E402
 from splitserve.platform.wire import worker_pb2_grpc as pb_grpc  # noqa: E402
@@ -45,7 +44,7 @@ def prompt(salt: int) -> list[int]:
 async def one(address: str, salt: int, prefill: list[str], mode) -> dict:
     t0 = time.perf_counter()
     times, first = [], None
-    async with grpc.aio.insecure_channel(address) as ch:
+    async with worker_channel(address) as ch:
         async for msg in pb_grpc.WorkerStub(ch).Generate(pb.GenerateRequest(
                 request_id=f"bench-{salt}", prompt_token_ids=prompt(salt), prefill_workers=prefill,
                 disaggregation=mode, params=pb.SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))):

@@ -15,11 +15,18 @@ after BUDGET_S is skipped and says so:
    on and off (wait per token, HBM floor, kernels per step, GPU-busy share), graphs on = off in
    bf16 (reported, not a gate: bf16 GEMMs of another row count round differently), prefill of
    2k tokens against the matmul rate, then transformers' generate at batch 64.
-3. `pd` (bench/gpu_check_pd.py): a prefill and a decode worker process on this one GPU (`random:llama-3.2-1b` bf16, KV
-   over TCP staged through host memory), greedy tokens P/D = colocated for 1k and 8k prompts, and
-   the TTFT breakdown (queue / prefill / exposed transfer / first decode step), every shape
-   warmed up before it is timed.
-4. `kernel_tests`: the Triton kernel and device-sampler tests compiled on the GPU (pytest).
+   Also in this phase: `graph_memory` (what the capture took, as `torch.cuda.mem_get_info` saw it
+   across the capture: never negative) and `speculative_b1`: n-gram speculation (k=4) at batch 1
+   against plain decoding on the same engine, greedy tokens and tokens/s, on copy-heavy prompts (a
+   random 128-token run repeated; a random model's greedy output loops, so proposals from the
+   prompt and the output get accepted; the acceptance rate is reported beside the speedup).
+3. `pd` (bench/gpu_check_pd.py): P/D between worker processes on this one GPU for
+   `random:llama-3.2-1b` and `random:llama-3-8b`, bf16 and fp32, 1k and 8k prompts: over CUDA IPC
+   and over tcp, against a cold colocated worker; TTFT breakdown, tokens P/D = colocated (fp32 a
+   gate), which path each transfer took; configurations run while the budget lasts.
+4. `fp32_prefill`: why fp32 prefill is slow: an 8k prefill of `random:llama-3.2-1b` in fp32 with
+   IEEE fp32 GEMMs and attention (the default) and with torch's TF32 switch on.
+5. `kernel_tests`: the Triton kernel and device-sampler tests compiled on the GPU (pytest).
 
 `--smoke` runs phases 1-3 on CPU with `random:tiny` to check the script itself (no numbers).
 Usage: OUT=dir python bench/gpu_check.py [--smoke]; `python bench/gpu_check.py worker ...` runs a
@@ -34,6 +41,7 @@ import json
 import os
 import pathlib
 import random
+import statistics
 import subprocess
 import sys
 import time
@@ -44,7 +52,8 @@ import torch
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 import gpu_check_pd  # noqa: E402  (phase 3)
-BUDGET_S = float(os.environ.get("GPU_CHECK_BUDGET_S", "400"))
+BUDGET_S = float(os.environ.get("GPU_CHECK_BUDGET_S", "380"))
+HARD_STOP_S = float(os.environ.get("GPU_CHECK_HARD_STOP_S", "430"))   # gpu_check.sh cuts the process at 440 s
 T0 = time.monotonic()
 
 
@@ -196,6 +205,7 @@ def decode_prefill(smoke: bool) -> dict:
     graphs = engine.runner.graphs
     result["graphs"] = None if graphs is None else dict(buckets=graphs.sizes, captured_bytes=graphs.captured_bytes,
                                                         num_splits=graphs.num_splits)
+    result["graph_memory"] = graph_memory(graphs)
     cfg = engine.model_config
     peak_bw, peak_mm = result["peaks"]["hbm_bytes_per_s"], result["peaks"]["matmul_flop_per_s"]
     result["decode"] = [roof.decode_row(cfg, roof.measure_decode(engine, b, sizes, rng), sizes.dtype, peak_bw)
@@ -203,6 +213,10 @@ def decode_prefill(smoke: bool) -> dict:
     result["bf16_graphs_on_vs_off"] = graphs_on_vs_off(engine, rng)
     result["prefill"] = [roof.prefill_row(cfg, n, roof.measure_prefill(engine, n, sizes, rng), peak_mm)
                          for n in sizes.prefill_tokens]
+    try:
+        result["speculative_b1"] = speculative_b1(engine, rng, max_tokens=24 if smoke else 128)
+    except Exception as exc:   # reported; the rest of the phase stands
+        result["speculative_b1"] = dict(error=f"{type(exc).__name__}: {exc}", traceback=traceback.format_exc()[-2000:])
     del engine, graphs
     _free_memory()
     hf_tok_s = roof.measure_hf(cfg, sizes, device, rng)
@@ -212,6 +226,70 @@ def decode_prefill(smoke: bool) -> dict:
     result["acceptance"] = roof.acceptance(result)
     result["targets"] = roof.TARGETS
     return result
+
+
+def graph_memory(graphs) -> dict | str:
+    """What the capture took: `captured_bytes` against the free memory before and after it."""
+    if graphs is None or graphs.free_bytes_around_capture is None:
+        return "no graphs captured on this device"
+    before, after = graphs.free_bytes_around_capture
+    seen = before - after
+    return dict(captured_bytes=graphs.captured_bytes, free_before=before, free_after=after, mem_get_info_delta=seen,
+                ok=graphs.captured_bytes >= 0 and abs(graphs.captured_bytes - max(seen, 0)) <= 0.05 * max(seen, 1))
+
+
+def speculative_b1(engine, rng: random.Random, k: int = 4, max_tokens: int = 128, num_prompts: int = 3) -> dict:
+    """Batch 1, greedy: plain decoding, then n-gram speculation (k proposals), on the same engine
+    and prompts (each a random 128-token run repeated 6 times); tokens/s per request, medians."""
+    from splitserve.platform.config import SpeculativeConfig
+    from splitserve.platform.sampling.params import SamplingParams
+    from splitserve.platform.spec.speculator import Speculator
+
+    vocab = engine.model_config.vocab_size
+    run = min(128, (engine.max_model_len - max_tokens - 8) // 6)
+    prompts = []
+    for _ in range(num_prompts):
+        unit = [rng.randrange(100, vocab - 100) for _ in range(run)]
+        prompts.append(unit * 6)
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    spec = Speculator(SpeculativeConfig(num_speculative_tokens=k, max_batch_size=1, min_acceptance_rate=0.0),
+                      engine.max_model_len)
+    arms: dict = {"plain": None, "ngram": spec}
+    out: dict = {arm: dict(tok_s=[], tokens=[]) for arm in arms}
+    saved = engine.speculator
+    try:
+        for speculator in arms.values():                  # warm-up: the verification buckets compile
+            engine.speculator = speculator
+            engine.pool.reset_prefix_cache()
+            engine.generate([prompts[0][:64]], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
+        spec.stats.num_drafts = spec.stats.num_draft_tokens = spec.stats.num_accepted_tokens = 0
+        for prompt in prompts:
+            for arm, speculator in arms.items():
+                engine.speculator = speculator
+                engine.pool.reset_prefix_cache()
+                engine.generate([prompt], SamplingParams(temperature=0, max_tokens=1))   # the prefill, untimed
+                t = time.perf_counter()
+                [o] = engine.generate([prompt], params)
+                _sync()
+                out[arm]["tok_s"].append(max_tokens / (time.perf_counter() - t))
+                out[arm]["tokens"].append(o.output_token_ids)
+    finally:
+        engine.speculator = saved
+    plain, ngram = out["plain"], out["ngram"]
+    equal = [a == b for a, b in zip(plain["tokens"], ngram["tokens"], strict=True)]
+    stats = spec.stats
+    return dict(k=k, max_tokens=max_tokens, prompt_tokens=len(prompts[0]),
+                plain_tok_s=statistics.median(plain["tok_s"]), ngram_tok_s=statistics.median(ngram["tok_s"]),
+                speedup=statistics.median(ngram["tok_s"]) / statistics.median(plain["tok_s"]),
+                greedy_equal=f"{sum(equal)}/{len(equal)}",
+                first_difference=[_first_diff(a, b) for a, b in zip(plain["tokens"], ngram["tokens"], strict=True)],
+                acceptance_rate=stats.num_accepted_tokens / max(stats.num_draft_tokens, 1),
+                accepted_per_step=stats.num_accepted_tokens / max(stats.num_drafts, 1))
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
 
 
 def graphs_on_vs_off(engine, rng: random.Random) -> dict | str:
@@ -236,10 +314,53 @@ def graphs_on_vs_off(engine, rng: random.Random) -> dict | str:
                 first_difference=[_first_diff(a, b) for a, b in zip(on, off)])
 
 
-# -- phase 4: the kernel tests, compiled -----------------------------------------------------
+# -- phase 4: fp32 prefill, IEEE against TF32 -----------------------------------------------
+
+def fp32_prefill(smoke: bool) -> dict:
+    """One prefill of `n` tokens in fp32, timed with IEEE fp32 GEMMs and attention (the default)
+    and with torch's TF32 switch on (the GEMMs, and attention with them: kernels/triton_attention)."""
+    from splitserve.platform.config import CacheConfig, DeviceConfig, EngineConfig, SchedulerConfig
+    from splitserve.platform.engine.llm_engine import LLMEngine
+    from splitserve.platform.sampling.params import SamplingParams
+
+    model, device, n = ("random:tiny", "cpu", 256) if smoke else ("random:llama-3.2-1b", "cuda", 8192)
+    engine = LLMEngine(EngineConfig(model=model, device=DeviceConfig(device=device, dtype="float32",
+                                                                     quantization="none", enforce_eager=True),
+                                    cache=CacheConfig(kv_cache_memory_bytes=2 * 2**30 if not smoke else 2**26),
+                                    scheduler=SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=n + 64,
+                                                              max_model_len=n + 64)))
+    cfg = engine.model_config
+    rng = random.Random(3)
+    params = SamplingParams(temperature=0, max_tokens=1)
+    flops = 2 * n * sum(p.numel() for name, p in engine.model.named_parameters() if "embed" not in name) + \
+        4 * cfg.num_layers * cfg.num_heads * cfg.head_dim * n * n / 2
+    result: dict = dict(model=model, tokens=n, flop=flops)
+    before = torch.backends.cuda.matmul.allow_tf32
+    try:
+        for arm, tf32 in (("ieee", False), ("tf32", True)):
+            torch.backends.cuda.matmul.allow_tf32 = tf32
+            times = []
+            for _ in range(3):                                # the first compiles this shape
+                prompt = [rng.randrange(100, cfg.vocab_size - 100) for _ in range(n)]
+                engine.pool.reset_prefix_cache()
+                _sync()
+                t = time.perf_counter()
+                engine.generate([prompt], params)
+                _sync()
+                times.append(time.perf_counter() - t)
+            best = min(times[1:])
+            result[arm] = dict(seconds=best, tflop_per_s=flops / best / 1e12)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = before
+        del engine
+    result["tf32_speedup"] = result["ieee"]["seconds"] / result["tf32"]["seconds"]
+    return result
+
+
+# -- phase 5: the kernel tests, compiled -----------------------------------------------------
 
 def kernel_tests() -> dict:
-    left = max(20.0, BUDGET_S + 40 - (time.monotonic() - T0))
+    left = max(20.0, HARD_STOP_S - (time.monotonic() - T0))
     files = ["tests/platform/test_triton_split_decode.py", "tests/platform/test_triton_ops.py",
              "tests/platform/test_device_sampler.py", "tests/platform/test_triton_attention.py"]
     try:
@@ -281,7 +402,10 @@ def main() -> int:
     report.phase("fp32_vs_transformers", fp32_vs_transformers, device,
                  "random:tiny" if args.smoke else "random:smollm2-135m", 4 if args.smoke else 8)
     report.phase("decode_prefill", decode_prefill, args.smoke)
-    report.phase("pd", gpu_check_pd.pd, args.smoke)
+    # P/D gets what is left before the hard stop, less ~60 s for the phases after it
+    report.phase("pd", gpu_check_pd.pd, args.smoke, lambda: HARD_STOP_S - 60 - (time.monotonic() - T0),
+                 report.path.with_name("gpu_check_pd_partial.json"))
+    report.phase("fp32_prefill", fp32_prefill, args.smoke)
     if not args.smoke:
         report.phase("kernel_tests", kernel_tests)
     report.data["total_s"] = round(time.monotonic() - T0, 1)

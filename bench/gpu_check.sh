@@ -8,7 +8,7 @@
 # psutil, pytest) come from .device-wheels/ (bench/gpu_wheels.sh fills it where PyPI is reachable);
 # they are installed into a private folder put first on PYTHONPATH, so the image's own packages
 # stay as they are. splitserve itself is not installed: its package-dir mapping is rebuilt as
-# symlinks. Runs at most ~7.5 minutes (the Python part is cut at 455 s).
+# symlinks. Runs at most ~7.5 minutes (the Python part is cut at 440 s).
 set -u
 OUT="${OUT:-bench-out/gpu-check}"
 mkdir -p "$OUT"
@@ -42,6 +42,6 @@ PYEOF
   for d in platform workers router operator planner rayserve bench; do ln -s "$PWD/$d" "$SHIM/splitserve/$d"; done
   export PYTHONPATH="$SITE:$SHIM${PYTHONPATH:+:$PYTHONPATH}"
   export OUT
-  timeout 455 "$PY" bench/gpu_check.py
+  timeout 440 "$PY" bench/gpu_check.py
   echo "== gpu_check.py exit status $?  $(date -u)"
 } 2>&1 | tee "$OUT/gpu_check.log"

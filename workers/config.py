@@ -8,7 +8,7 @@ from splitserve.platform.errors import ConfigError
 from splitserve.platform.wire.disaggregation import DISAGGREGATION_MODES
 
 ROLES = ("prefill", "decode", "both")
-TRANSPORTS = ("ucx", "tcp", "inproc")
+TRANSPORTS = ("ucx", "tcp", "inproc", "auto")   # auto: tcp, plus CUDA IPC on a GPU (transfer/cuda_ipc.py)
 MODES = tuple(DISAGGREGATION_MODES)
 
 

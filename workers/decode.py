@@ -78,7 +78,7 @@ class RemotePrefill:
         layout = dataclasses.replace(self.layout, lora_digest=lora.digest.hex() if lora else "")
         self.receiver.expect(transfer_id, layout, len(dst),
                              lambda layer, payload, first: write(dst[first:first + payload.shape[1]], layer, payload),
-                             self.deadline_s)
+                             self.deadline_s, block_ids=dst)
         t0 = time.monotonic()
         receive = call.child("kv.receive", start=t0, attributes={
             "splitserve.kv.transfer_id": transfer_id, "splitserve.kv.num_blocks": len(dst),

@@ -39,6 +39,7 @@ from splitserve.workers.servicer import WorkerService, publish_load
 from splitserve.workers.transfer import make_receiver, make_sender
 from splitserve.workers.transfer.auth import load_key
 from splitserve.workers.transfer.base import KVLayout
+from splitserve.workers.transfer.cuda_ipc import CudaIpcBackend, choose_path
 
 log = logging.getLogger("splitserve.worker")
 
@@ -52,7 +53,9 @@ def register(subparsers) -> None:
                    help="address other workers reach this one at (default: --host; in a pod, the pod IP)")
     p.add_argument("--grpc-port", type=int, default=50051)
     p.add_argument("--metrics-port", type=int, default=9090)
-    p.add_argument("--kv-transport", default="ucx", choices=["ucx", "tcp"])
+    p.add_argument("--kv-transport", default="ucx", choices=["ucx", "tcp", "auto"],
+                   help="how KV blocks travel: ucx, tcp, or auto (tcp, plus CUDA IPC between workers on one node "
+                        "that can reach each other's GPU memory; needs --kv-secret-file)")
     p.add_argument("--kv-port", type=int, default=13337)
     p.add_argument("--tls-cert", default=os.environ.get("SPLITSERVE_TLS_CERT", ""),
                    help="serve gRPC over mutual TLS: this worker's certificate (PEM; also used to call prefill workers)")
@@ -176,9 +179,16 @@ class Worker:
         metrics.kv_auth_enabled.set(1 if auth_key else 0)
         metrics.grpc_tls_enabled.set(1 if cfg.tls_cert else 0)
         warn_if_insecure(cfg, log)
-        receiver = (make_receiver(cfg.kv_transport, cfg.host, cfg.kv_port, auth_key=auth_key,
+        path = choose_path(cfg.kv_transport, self.llm.device.type == "cuda", auth_key is not None)
+        log.info("KV path: %s%s (%s)", path.wire, " + CUDA IPC" if path.ipc else "", path.reason)
+        metrics.kv_path_info.labels(transport=path.wire, cuda_ipc=str(path.ipc).lower(), reason=path.reason).set(1)
+        receiver = (make_receiver(path.wire, cfg.host, cfg.kv_port, auth_key=auth_key,
                                   on_auth_failure=metrics.kv_auth_failures.inc) if cfg.role != "prefill" else None)
-        sender = make_sender(cfg.kv_transport, auth_key=auth_key) if cfg.role != "decode" else None
+        sender = make_sender(path.wire, auth_key=auth_key) if cfg.role != "decode" else None
+        if path.ipc and receiver is not None:
+            receiver.ipc = (self.llm.kv_connector.kv_caches, CudaIpcBackend())
+        if path.ipc and sender is not None:
+            sender.ipc_backend = CudaIpcBackend()
         if receiver is not None:
             await receiver.start()
         kv_address = advertised(receiver.address, cfg.advertise_host) if receiver else ""

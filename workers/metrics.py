@@ -78,6 +78,11 @@ class WorkerMetrics:
                                              buckets=LATENCY_BUCKETS, registry=r)
         self.remote_prefills = Counter("splitserve_remote_prefills", "Remote prefill attempts by outcome",
                                        ["outcome"], registry=r)
+        self.kv_transfers = Counter("splitserve_kv_transfers", "KV transfers sent, by the path the KV took "
+                                    "(cuda_ipc: device to device; tcp / ucx / inproc: bytes)", ["path"], registry=r)
+        self.kv_path_info = Gauge("splitserve_kv_path_info", "The KV path --kv-transport resolved to: the byte "
+                                  "transport, whether CUDA IPC is on, and why", ["transport", "cuda_ipc", "reason"],
+                                  registry=r)
         self.requests = Counter("splitserve_requests", "Finished requests by finish reason", ["finish_reason"],
                                 registry=r)
         self.kv_auth_enabled = Gauge("splitserve_kv_auth_enabled", "1 when KV-transfer connections must prove the "

@@ -74,25 +74,46 @@ async def serve_prefill(engine: AsyncEngine, sender: KVSender, layout: KVLayout,
         raise
     loop = asyncio.get_running_loop()
     layers: asyncio.Queue = asyncio.Queue()
+    is_closed = False   # after a failure: what still arrives goes straight back to the buffer pool
+
+    def deliver(item) -> None:
+        if is_closed:
+            item[1].release()
+        else:
+            layers.put_nowait(item)
 
     def sink(layer, payload, first_block):  # engine thread
-        loop.call_soon_threadsafe(layers.put_nowait, (layer, payload, first_block))
+        loop.call_soon_threadsafe(deliver, (layer, payload, first_block))
 
     async def pump():
         remaining = layout.num_layers * num_blocks   # (layer, block) pairs still to send
         while remaining:
-            layer, payload, first_block = await layers.get()
-            await handle.send_layer(layer, payload, first_block)
-            remaining -= payload.shape[1]
-            if first_block + payload.shape[1] == num_blocks:
+            layer, staged, first_block = await layers.get()
+            try:
+                if not staged.ready.is_ready():   # the device copy (CUDA): waited for here, never on the engine thread
+                    await asyncio.to_thread(staged.ready.wait)
+                await handle.send_layer(layer, staged.tensor, first_block, on_sent=staged.release)
+            except BaseException:
+                staged.release()
+                raise
+            remaining -= staged.num_blocks
+            if first_block + staged.num_blocks == num_blocks:
                 faults.after_layer_sent(layer)
+
+    def drop_queued() -> None:
+        nonlocal is_closed
+        is_closed = True
+        while not layers.empty():
+            layers.get_nowait()[1].release()
 
     pump_task = asyncio.create_task(pump()) if streaming else asyncio.create_task(asyncio.sleep(0))
     final = None
     try:
         async for out in engine.generate(params=params, prompt_token_ids=token_ids,
                                          req_id=f"prefill/{request.transfer_id}",
-                                         kv_export=KVExport(request.skip_blocks, sink), lora_name=lora_name):
+                                         kv_export=KVExport(request.skip_blocks, sink,
+                                                            on_device=getattr(handle, "wants_device_payloads", False)),
+                                         lora_name=lora_name):
             final = out
         if final is None or not final.new_token_ids:
             raise InvalidRequestError(f"prefill of {request.request_id} was aborted")
@@ -104,11 +125,13 @@ async def serve_prefill(engine: AsyncEngine, sender: KVSender, layout: KVLayout,
     except BaseException as exc:
         pump_task.cancel()
         await handle.abort()
+        drop_queued()
         send.fail(exc)
         send.end()
         raise
     t_acked = time.monotonic()
     send.set("splitserve.kv.num_bytes", handle.bytes_sent)
+    send.set("splitserve.kv.path", getattr(handle, "path", "") or "unknown")   # cuda_ipc, or the transport's scheme
     send.end(t_acked)
     if final.first_scheduled_time is not None:
         span.record("prefill.queue", t0, final.first_scheduled_time)
@@ -119,6 +142,7 @@ async def serve_prefill(engine: AsyncEngine, sender: KVSender, layout: KVLayout,
     if metrics is not None:
         metrics.kv_transfer_bytes.labels(direction="out").observe(handle.bytes_sent)
         metrics.kv_transfer_seconds.labels(direction="out").observe(seconds)
+        metrics.kv_transfers.labels(path=getattr(handle, "path", "")).inc()
     resp = pb.PrefillResponse(first_token_id=final.new_token_ids[0], cached_tokens=final.num_cached_tokens,
                               kv_bytes=handle.bytes_sent, prefill_s=t_computed - t0,
                               transfer_wait_s=t_acked - t_computed)

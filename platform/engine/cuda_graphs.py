@@ -39,7 +39,11 @@ kernels do not skip padded slots).
 
 Memory: the graphs' pool holds the largest bucket's activations; `graph_memory_bytes` estimates
 it before the KV cache is sized, so the KV budget leaves room for it (kv/cache.plan_num_blocks),
-and `capture()` records what the capture really took (`captured_bytes`).
+and `capture()` records what the capture really took (`captured_bytes`): the device's free
+memory before minus after (`torch.cuda.mem_get_info`), measured with the caching allocator's
+idle blocks handed back on both sides. Entering `torch.cuda.graph` empties that cache, so a
+"before" read while the allocator still held idle blocks made the figure negative (seen on an
+H100: "captured ... in -30 MiB"); `capture_cost` never reports less than 0.
 """
 
 from __future__ import annotations
@@ -178,6 +182,7 @@ class DecodeGraphs:
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._logits: dict[int, torch.Tensor] = {}
         self.captured_bytes = 0
+        self.free_bytes_around_capture: tuple[int, int] | None = None   # (before, after), CUDA only
 
     def can_run(self, seqs: Sequence[ScheduledSeq], rows) -> bool:
         """A step of decode slices (single tokens, or a last token and its proposals) that all
@@ -208,6 +213,8 @@ class DecodeGraphs:
     def capture(self) -> None:
         """Record one graph per bucket, largest first, into one shared memory pool (CUDA only)."""
         assert self.device.type == "cuda", "CUDA graphs need a CUDA device"
+        torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()          # as torch.cuda.graph does on entry: "before" without idle blocks
         free_before = torch.cuda.mem_get_info(self.device)[0]
         pool = torch.cuda.graph_pool_handle()
         for bucket in reversed(self.sizes):
@@ -219,9 +226,25 @@ class DecodeGraphs:
                 self._logits[bucket] = self._forward(bucket)
             self._graphs[bucket] = graph
         torch.cuda.synchronize(self.device)
-        self.captured_bytes = free_before - torch.cuda.mem_get_info(self.device)[0]
+        torch.cuda.empty_cache()          # the warm-up forwards' blocks, outside the graphs' pool
+        free_after = torch.cuda.mem_get_info(self.device)[0]
+        self.free_bytes_around_capture = (free_before, free_after)
+        self.captured_bytes = capture_cost(free_before, free_after)
         log.info("captured %d decode graphs (batch %d..%d) in %.0f MiB", len(self._graphs), self.sizes[0],
                  self.sizes[-1], self.captured_bytes / 2**20)
+
+
+def capture_cost(free_before: int, free_after: int) -> int:
+    """Bytes a capture took: device free memory before minus after, never below 0. A negative
+    difference means memory other than the graphs' was released meanwhile; it is logged, and
+    the graphs are counted as taking nothing rather than a negative amount."""
+    if free_before < 0 or free_after < 0:
+        raise ValueError(f"free memory cannot be negative: before {free_before}, after {free_after}")
+    cost = free_before - free_after
+    if cost < 0:
+        log.warning("free device memory grew by %d bytes across the graph capture (memory released meanwhile); "
+                    "counting the graphs as 0 bytes", -cost)
+    return max(0, cost)
 
 
 def num_rows(seqs: Sequence[ScheduledSeq]) -> int:

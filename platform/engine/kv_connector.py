@@ -9,11 +9,19 @@ the engine decides which blocks to export or to fill; the worker's transport mov
   transport can send layer i while layer i+1 computes, and with chunked prefill one chunk's
   blocks while the next chunk computes. Over the steps every block of [start_block,
   num_prompt_blocks) goes exactly once per layer, in order; `first_block` counts from
-  start_block. The payload ([2, num_blocks, block_size, kv_heads, head_dim], K then V) is a
-  fresh tensor the sink owns: the engine may free and reuse the blocks as soon as the step ends.
+  start_block. The payload is a `StagedPayload` (kv_staging.py) the sink owns: its `tensor`
+  ([2, num_blocks, block_size, kv_heads, head_dim], K then V) is host memory, valid once its
+  `ready` marker is, and `release()` goes back to the engine's buffer pool once the bytes left.
+  On a CPU the tensor is a fresh copy, ready at once; on CUDA the blocks are copied on a side
+  stream into a reused pinned buffer and `ready` is an event, so the engine thread never waits
+  for an export: only the sender's thread does, before the bytes go on the wire. The next step
+  is ordered after those copies (the engine may reuse the blocks as soon as the step ends).
 * Import (decode worker): a request added with `remote_prefill=True` gets blocks for its whole
   prompt and waits; its first output carries `KVReady` (block ids, tokens already cached
-  locally), and `write_layer` copies each arriving layer's payload into those blocks.
+  locally), and `write_layer` copies each arriving layer's payload into those blocks. On CUDA
+  the payload is copied into a pinned buffer and from there to the device on a side stream;
+  the engine's next step waits (on the device) for those copies, so the request's first decode
+  step reads its KV after it landed, without a device-wide synchronize.
 
 `KVExport` and `KVReady`, the two descriptors the engine and a worker hand each other, live in
 kv_handoff.py: requests and outputs carry them without importing the connector.
@@ -31,6 +39,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from splitserve.platform.engine.kv_handoff import KVExport, KVReady
+from splitserve.platform.engine.kv_staging import CopyStream, HostBufferPool, StagedPayload, make_copy_stream
 
 if TYPE_CHECKING:
     from splitserve.platform.engine.request_state import RequestState
@@ -54,13 +63,26 @@ def import_layer(kv_caches, layer: int, block_ids: torch.Tensor, payload: torch.
 
 
 class KVConnector:
-    """The engine's half of P/D for one engine: export hooks, KV writes, KVReady descriptors."""
+    """The engine's half of P/D for one engine: export hooks, KV writes, KVReady descriptors.
 
-    def __init__(self, kv_caches, kv_manager, block_size: int, device: torch.device):
+    `copy_stream` and `host_pool` default to the device's (kv_staging.py): staged through pinned
+    buffers on a side stream on CUDA, the plain synchronous copies on a CPU. Tests pass their own
+    to check the ordering on a CPU."""
+
+    def __init__(self, kv_caches, kv_manager, block_size: int, device: torch.device,
+                 copy_stream: CopyStream | None = None, host_pool: HostBufferPool | None = None):
         self.kv_caches = kv_caches
         self.kv_manager = kv_manager
         self.block_size = block_size
         self.device = device
+        self.copy_stream = copy_stream or make_copy_stream(device)
+        # staged: through reused host buffers (CUDA, or a test's pool); else fresh tensors (CPU)
+        self.host_pool = host_pool or (HostBufferPool(pin=True) if device.type == "cuda" else None)
+
+    def before_step(self) -> None:
+        """Called by the engine before each step: that step's work waits (on the device) for the
+        KV copies submitted so far (imports landing, exports of blocks it may reuse)."""
+        self.copy_stream.order_compute_after()
 
     def check_export(self, export: KVExport, num_prompt_tokens: int) -> str | None:
         """Why `export` cannot serve a prompt this long (a message naming the allowed range), or None."""
@@ -93,14 +115,35 @@ class KVConnector:
                 continue
             state.num_exported_blocks = end
             ids = torch.tensor(seq.block_ids[first:end], dtype=torch.long, device=self.device)
-            exports.append((state.export.sink, first - state.export.start_block, ids))
+            exports.append((state.export, first - state.export.start_block, ids))
         if not exports:
             return None
 
         def hook(layer: int) -> None:
-            for sink, first_block, ids in exports:
-                sink(layer, export_layer(self.kv_caches, layer, ids), first_block)
+            for export, first_block, ids in exports:
+                export.sink(layer, self._stage_export(layer, ids, export.on_device), first_block)
         return hook
+
+    def _stage_export(self, layer: int, ids: torch.Tensor, on_device: bool = False) -> StagedPayload:
+        if self.host_pool is None or on_device:
+            out: list[torch.Tensor] = []
+
+            @torch.inference_mode()
+            def gather() -> None:
+                out.append(export_layer(self.kv_caches, layer, ids))
+            ready = self.copy_stream.submit(gather, keep=(ids,)) if on_device else self.copy_stream.submit(gather)
+            return StagedPayload(out[0], ready)
+        k_cache = self.kv_caches[layer][0]
+        shape = (2, ids.numel(), *k_cache.shape[1:])
+        nbytes = k_cache.element_size() * torch.Size(shape).numel()
+        buf = self.host_pool.acquire(nbytes)
+        payload = buf[:nbytes].view(k_cache.dtype).view(shape)
+
+        @torch.inference_mode()
+        def copy() -> None:
+            payload.copy_(export_layer(self.kv_caches, layer, ids), non_blocking=True)
+        ready = self.copy_stream.submit(copy, keep=(ids,))
+        return StagedPayload(payload, ready, lambda: self.host_pool.release(buf, ready))
 
     def write_layer(self, block_ids: Sequence[int], layer: int, payload: torch.Tensor) -> None:
         """Copy one received layer (or piece of one) into a WAITING_FOR_KV request's blocks.
@@ -108,5 +151,20 @@ class KVConnector:
         Safe from another thread: those blocks belong to a request no step touches until
         the engine completes its remote prefill or falls back to a local one.
         """
-        import_layer(self.kv_caches, layer, torch.tensor(block_ids, dtype=torch.long, device=self.device),
-                     payload.to(self.device))
+        if self.host_pool is None:
+            import_layer(self.kv_caches, layer, torch.tensor(block_ids, dtype=torch.long, device=self.device),
+                         payload.to(self.device))
+            return
+        # `payload` is only valid during this call: land it in a pooled (pinned) buffer first
+        nbytes = payload.numel() * payload.element_size()
+        buf = self.host_pool.acquire(nbytes)
+        staged = buf[:nbytes].view(payload.dtype).view(payload.shape)
+        staged.copy_(payload)
+        ids = torch.tensor(block_ids, dtype=torch.long)
+
+        @torch.inference_mode()
+        def copy() -> None:
+            import_layer(self.kv_caches, layer, ids.to(self.device, non_blocking=True),
+                         staged.to(self.device, non_blocking=True))
+        ready = self.copy_stream.submit(copy)
+        self.host_pool.release(buf, ready)

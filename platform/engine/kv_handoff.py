@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    import torch
+    from splitserve.platform.engine.kv_staging import StagedPayload
 
 
 @dataclass(frozen=True)
@@ -21,11 +21,14 @@ class KVExport:
     """Send this request's prompt KV from block `start_block` on, layer by layer, to `sink`.
 
     `sink(layer, payload, first_block)` runs on the engine thread and must not block (queue the
-    send); `first_block` is the payload's first block counted from `start_block`.
+    send); `payload` is a StagedPayload (kv_staging.py); `first_block` its first block counted
+    from `start_block`.
     """
 
     start_block: int
-    sink: Callable[[int, torch.Tensor, int], None]
+    sink: Callable[[int, StagedPayload, int], None]
+    # the payloads stay on the device (a CUDA IPC transfer copies them device to device itself)
+    on_device: bool = False
 
 
 @dataclass(frozen=True)

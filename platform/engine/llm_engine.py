@@ -221,6 +221,7 @@ class LLMEngine:
         loras = {s.req_id: states[s.req_id].adapter for s in plan.seqs if states[s.req_id].adapter is not None}
         scoring = {rid: st.prompt_logprobs for rid, st in states.items() if st.prompt_logprobs is not None}
         wants = prompt_logprobs.wants(plan.seqs, scoring) if scoring else None
+        self.kv_connector.before_step()   # after the KV copies in flight, on the device (kv_staging.py)
         result = self.runner.execute(plan, rows, self.eos_token_ids, self.kv_connector.export_hook(plan, states), loras,
                                      wants)
         prompt_logprobs.absorb(plan.seqs, result.prompt_logprobs, scoring)

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from splitserve.platform.config import CacheConfig, DeviceConfig
-from splitserve.platform.engine.cuda_graphs import (PAD_SLOT, DecodeBuffers, bucket_for, capture_sizes,
+from splitserve.platform.engine.cuda_graphs import (PAD_SLOT, DecodeBuffers, bucket_for, capture_cost, capture_sizes,
                                                     decode_graph_bytes, graph_memory_bytes, uses_decode_graphs)
 from splitserve.platform.errors import ConfigError
 from splitserve.platform.kv.cache import plan_num_blocks
@@ -198,3 +198,21 @@ def test_only_plain_decode_steps_go_through_the_graphs():
     verifying = ScheduledSeq("v", (5, 6, 7), 3, (0,), True, num_draft_tokens=2)
     assert graphs.can_run([verifying, decode[0]], {"v": plain["r0"], **plain}), "3 + 1 rows fit bucket 4"
     assert not graphs.can_run([verifying, *decode[:2]], {"v": plain["r0"], **plain}), "3 + 2 rows: past bucket 4"
+
+
+GiB_ = 2**30
+
+
+@pytest.mark.parametrize("before, after, cost", [
+    (80 * GiB_, 79 * GiB_, GiB_),          # the graphs took 1 GiB
+    (10 * GiB_, 10 * GiB_, 0),             # nothing
+    (10 * GiB_, 10 * GiB_ + 30 * 2**20, 0),  # memory was released meanwhile: never negative (was "-30 MiB")
+])
+def test_capture_cost_is_free_memory_before_minus_after_and_never_negative(before, after, cost, caplog):
+    assert capture_cost(before, after) == cost
+    assert ("counting the graphs as 0 bytes" in caplog.text) == (after > before)
+
+
+def test_capture_cost_rejects_a_negative_reading():
+    with pytest.raises(ValueError, match="free memory cannot be negative"):
+        capture_cost(-1, 0)

@@ -31,7 +31,9 @@ def disaggregated(p_engine, d_engine, prompt, params=GREEDY, req_id="r"):
     kv_ready = ready[0].kv_ready
     received, steps = [], [0]
 
-    def sink(layer, payload, first_block):
+    def sink(layer, staged, first_block):
+        staged.ready.wait()   # the export's copy (done at once on a CPU)
+        payload = staged.tensor
         received.append((steps[0], layer, first_block, tuple(payload.shape)))
         dst = kv_ready.block_ids[kv_ready.start_block + first_block:][:payload.shape[1]]
         d_engine.write_kv_layer(dst, layer, payload)

@@ -218,3 +218,19 @@ def test_sliding_window_triton_and_torch_paths_match_a_dense_reference(dtype):
     dk.copy_(k_cache.to(DEVICE)), dv.copy_(v_cache.to(DEVICE))
     out = _paged_attention_triton(q, dk, dv, device_meta, scale, window)
     check(f"window-triton-{dtype}", out, ref, dtype)
+
+
+def test_fp32_attention_is_ieee_unless_torchs_tf32_switch_is_on():
+    """fp32 prefill on a GPU is IEEE fp32 by default (exact against transformers, and slow: no
+    tensor cores); torch's own TF32 switch moves the attention onto TF32 with the GEMMs."""
+    from splitserve.platform.kernels.triton_attention import _precision
+
+    q32, q16 = torch.zeros(1, dtype=torch.float32), torch.zeros(1, dtype=torch.bfloat16)
+    before = torch.backends.cuda.matmul.allow_tf32
+    try:
+        torch.backends.cuda.matmul.allow_tf32 = False
+        assert _precision(q32)["PRECISION"] == "ieee" and _precision(q16)["PRECISION"] == "tf32"
+        torch.backends.cuda.matmul.allow_tf32 = True
+        assert _precision(q32)["PRECISION"] == "tf32"
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = before

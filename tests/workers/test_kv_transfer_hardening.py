@@ -2,7 +2,10 @@
 misbehaves, and against unauthenticated sockets, over real TCP in one process
 (workers/transfer/receiver.py): an "end" for a transfer bound on another connection, a payload
 before any "open", a connection left idle after the handshake, and a flood of connections that
-never answer the challenge. Each misbehaving connection is closed; honest transfers still work."""
+never answer the challenge; on a receiver that offers its cache over CUDA IPC (the reference
+backend, cuda_ipc.LocalIpcBackend), IPC writes announced before an "open" or for another
+connection's transfer, and the handle exchange out of turn. Each misbehaving connection is
+closed; honest transfers still work."""
 
 from __future__ import annotations
 
@@ -11,7 +14,8 @@ import json
 
 import pytest
 import torch
-from splitserve.workers.transfer import KVLayout, auth, make_receiver, make_sender
+
+from splitserve.workers.transfer import KVLayout, auth, cuda_ipc, make_receiver, make_sender
 from splitserve.workers.transfer.stream import ChannelClosed
 from splitserve.workers.transfer.tcp import TcpSender
 
@@ -174,3 +178,91 @@ def test_the_wire_format_is_unchanged_for_honest_peers():
         await receiver.close()
         return status.state.name, json.dumps(sorted(seen))
     assert asyncio.run(main()) == ("DONE", "[0, 1]")
+
+
+def ipc_caches(num_blocks: int = 4) -> list:
+    shape = (num_blocks, LAYOUT.block_size, LAYOUT.num_kv_heads, LAYOUT.head_dim)
+    return [(torch.zeros(shape), torch.zeros(shape)) for _ in range(LAYOUT.num_layers)]
+
+
+async def ipc_hello(channel) -> dict:
+    await channel.send(cuda_ipc.hello())
+    return await asyncio.wait_for(channel.recv(), 10)
+
+
+def test_ipc_writes_count_only_for_the_connections_own_open_transfer():
+    """On a receiver offering its cache over CUDA IPC: C announces IPC writes before any "open",
+    B (which got the offer too) announces writes for the transfer A opened; both are closed and
+    A's transfer has no layer counted. A then announces its own writes and completes."""
+    async def main():
+        receiver = make_receiver("tcp", auth_key=KEY)
+        receiver.ipc = (ipc_caches(), cuda_ipc.LocalIpcBackend())
+        await receiver.start()
+        receiver.expect(TID, LAYOUT, 1, lambda *a: None, 30, block_ids=[3])
+        written = {"op": "ipc_layers", "transfer_id": TID, "layers": [0, 1], "first_block": 0, "num_blocks": 1}
+        c, _ = await authenticated(receiver)
+        c_offer = (await ipc_hello(c))["type"]
+        await c.send(written)
+        c_closed = await is_closed_by_receiver(c)
+        a, a_key = await authenticated(receiver)
+        a_offer = (await ipc_hello(a))["type"]
+        await a.send({"op": "open", "transfer_id": TID, "layout": LAYOUT.to_dict(), "num_blocks": 1,
+                      "tag": auth.transfer_tag(a_key, TID), "ipc": True})
+        ready = await asyncio.wait_for(a.recv(), 10)
+        b, _ = await authenticated(receiver)
+        b_offer = (await ipc_hello(b))["type"]
+        await b.send(written)
+        b_closed = await is_closed_by_receiver(b)
+        bytes_after_b = receiver.poll(TID).num_bytes
+        state_after_b = receiver.poll(TID).state.name
+        await a.send(written)
+        await a.send({"op": "end", "transfer_id": TID, "aborted": False})
+        final = await asyncio.wait_for(a.recv(), 10)
+        for channel in (a, b, c):
+            await channel.close()
+        await receiver.close()
+        return (c_offer, a_offer, b_offer), c_closed, ready, b_closed, (state_after_b, bytes_after_b), final
+    offers, c_closed, ready, b_closed, after_b, final = asyncio.run(main())
+    assert offers == ("ipc_offer",) * 3
+    assert c_closed and b_closed
+    assert ready == {"transfer_id": TID, "type": "ipc_ready", "block_ids": [3]}
+    assert after_b == ("RECEIVING", 0)
+    assert final["type"] == "final" and final["ok"] and final["state"] == "DONE"
+
+
+@pytest.mark.parametrize("when", ["twice", "after an open"])
+def test_the_ipc_handle_exchange_comes_once_before_the_first_open(when):
+    async def main():
+        receiver = make_receiver("tcp", auth_key=KEY)
+        receiver.ipc = (ipc_caches(), cuda_ipc.LocalIpcBackend())
+        await receiver.start()
+        receiver.expect(TID, LAYOUT, 1, lambda *a: None, 30, block_ids=[1])
+        channel, key = await authenticated(receiver)
+        if when == "twice":
+            first = (await ipc_hello(channel))["type"]
+        else:
+            await channel.send({"op": "open", "transfer_id": TID, "layout": LAYOUT.to_dict(), "num_blocks": 1,
+                                "tag": auth.transfer_tag(key, TID)})
+            first = "opened"
+        await channel.send(cuda_ipc.hello())
+        closed = await is_closed_by_receiver(channel)
+        await channel.close()
+        await receiver.close()
+        return first, closed
+    first, closed = asyncio.run(main())
+    assert first in ("ipc_offer", "opened") and closed
+
+
+def test_an_unauthenticated_receiver_declines_to_hand_out_its_cache():
+    """Without --kv-secret-file there is no session key: the cache's handles never leave."""
+    async def main():
+        receiver = make_receiver("tcp")
+        receiver.ipc = (ipc_caches(), cuda_ipc.LocalIpcBackend())
+        await receiver.start()
+        channel = await TcpSender()._connect(receiver.address.removeprefix("tcp://"))
+        reply = await ipc_hello(channel)
+        await channel.close()
+        await receiver.close()
+        return reply
+    reply = asyncio.run(main())
+    assert reply["type"] == "ipc_declined" and "not authenticated" in reply["reason"] and "tensors" not in reply

@@ -160,7 +160,7 @@ class KVReceiver(ABC):
 
     @abstractmethod
     def expect(self, transfer_id: str, layout: KVLayout, num_blocks: int, write_layer: WriteLayer,
-               deadline_s: float) -> None:
+               deadline_s: float, block_ids=None) -> None:
         """Register an incoming transfer (WAITING) before asking the sender to send it.
 
         `write_layer(layer, payload, first_block)` is called in the loop as each piece of a layer
@@ -168,7 +168,9 @@ class KVReceiver(ABC):
         the transfer) and `layout.dtype`; the payload is only valid
         during the call (the receiver reuses its buffer): copy out of it. If it raises, the
         transfer FAILS. `deadline_s` is seconds from now; at the deadline a transfer not yet
-        DONE becomes TIMED_OUT. A transfer_id already registered is a ValueError.
+        DONE becomes TIMED_OUT. A transfer_id already registered is a ValueError. `block_ids`: the
+        `num_blocks` cache blocks the KV goes to, which a CUDA IPC sender writes directly
+        (cuda_ipc.py); without them the transfer always goes as bytes through `write_layer`.
         """
 
     @abstractmethod
@@ -208,13 +210,16 @@ class SendHandle(ABC):
     error: TransferError | None
 
     @abstractmethod
-    async def send_layer(self, layer: int, payload: torch.Tensor, first_block: int = 0) -> None:
+    async def send_layer(self, layer: int, payload: torch.Tensor, first_block: int = 0, on_sent=None) -> None:
         """Queue one layer, or the next piece of it: contiguous, `layout.dtype`,
         `layout.layer_payload_shape(n)` for blocks [first_block, first_block + n) of the transfer,
         where first_block is where the layer's previous piece ended (0 for its first); else
         ValueError. Returns without waiting for the wire; the handle keeps a reference to
         `payload` until it is sent, so the caller must not modify it afterwards. Once the
-        transfer failed, layers are dropped silently (finish() reports the failure)."""
+        transfer failed, layers are dropped silently (finish() reports the failure).
+        `on_sent()`, if given, is called exactly once when the transport no longer reads `payload`
+        (the receiver's final reply came, or the connection was closed): then its buffer may be
+        reused (kv_staging.HostBufferPool)."""
 
     @abstractmethod
     async def finish(self) -> None:

@@ -6,8 +6,12 @@ on it through the table, repeat (see stream.py for the messages). The decode wor
 go straight to the table, which is the one writer of transfer state.
 
 Connection hardening (each closes the offending connection and leaves every other one alone):
-- "layers" and "end" must name the transfer this connection opened (`_check_bound`): no payload
-  is read before an "open", and a peer cannot end or abort a transfer bound on another connection.
+- "layers", "ipc_layers" and "end" must name the transfer this connection opened (`_check_bound`):
+  no payload is read (and no CUDA IPC write is counted) before an "open", and a peer cannot end,
+  abort or fill a transfer bound on another connection.
+- "ipc_hello" (cuda_ipc.py) comes after the handshake, before this connection's first "open" and
+  only once: the cache's handles go out only over an authenticated connection (without a session
+  key the offer is declined), and "ipc_ready" names only the blocks of the transfer just opened.
 - At most `max_pending_handshakes` connections may wait for the handshake (auth.py) at once; more
   are closed on arrival, so idle sockets cannot pile up for the handshake's timeout each.
 - A connection that sends nothing for `idle_timeout_s` is closed (`IdleTimeoutChannel`); the
@@ -23,7 +27,7 @@ from abc import abstractmethod
 
 import torch
 
-from splitserve.workers.transfer import auth
+from splitserve.workers.transfer import auth, cuda_ipc
 from splitserve.workers.transfer.base import KVLayout, KVReceiver, TransferStatus, WriteLayer
 from splitserve.workers.transfer.stream import MAX_LAYERS_PER_HEADER, MAX_PAYLOAD_BYTES, Channel, ChannelClosed
 from splitserve.workers.transfer.table import TransferTable
@@ -39,7 +43,7 @@ class ProtocolError(Exception):
 
 
 def _check_bound(op: object, msg: dict, bound: str | None) -> None:
-    """'layers' and 'end' act only on the transfer this connection opened (ProtocolError otherwise)."""
+    """'layers', 'ipc_layers' and 'end' act only on the transfer this connection opened (ProtocolError otherwise)."""
     if op in ("layers", "end", "ipc_layers") and (bound is None or msg.get("transfer_id") != bound):
         raise ProtocolError(f"{op!r} for {msg.get('transfer_id')!r} on a connection that "
                             + (f"opened {bound!r}" if bound is not None else "opened no transfer"))
@@ -75,11 +79,14 @@ class IdleTimeoutChannel(Channel):
 
 
 async def serve_channel(channel: Channel, table: TransferTable, max_payload_bytes: int = MAX_PAYLOAD_BYTES,
-                        session_key: bytes | None = None, on_auth_failure=None) -> None:
+                        session_key: bytes | None = None, on_auth_failure=None, ipc=None) -> None:
     """Run one incoming connection until it closes; a bound transfer is failed if it drops. With
     the handshake's `session_key`, an "open" without the transfer's tag (auth.py) closes the
-    connection before the transfer is bound, and calls `on_auth_failure`."""
+    connection before the transfer is bound, and calls `on_auth_failure`. `ipc`: (kv_caches,
+    backend) when this receiver offers its cache over CUDA IPC (cuda_ipc.py)."""
     bound: str | None = None
+    is_ipc = False   # this connection's sender got (and may use) the cache's IPC handles
+    said_hello = False   # the one "ipc_hello" of this connection was answered
     scratch = torch.empty(0, dtype=torch.uint8)
     background: set[asyncio.Task] = set()
 
@@ -104,6 +111,22 @@ async def serve_channel(channel: Channel, table: TransferTable, max_payload_byte
                 reply = table.bind(bound, msg["layout"], msg["num_blocks"], notify)
                 if reply is not None:
                     await channel.send(reply)
+                elif msg.get("ipc"):   # where to write; None: this transfer goes as bytes
+                    await channel.send({"transfer_id": bound, "type": "ipc_ready",
+                                        "block_ids": table.block_ids(bound) if is_ipc else None})
+            elif op == "ipc_hello":
+                if bound is not None or said_hello:
+                    raise ProtocolError("'ipc_hello' " + ("after an 'open'" if bound is not None else "twice")
+                                        + " on one connection (it comes once, before the first transfer)")
+                said_hello = True
+                reply = (cuda_ipc.offer(*ipc, hello=msg, session_key=session_key) if ipc is not None else
+                         {"type": "ipc_declined", "reason": "this decode worker does not offer CUDA IPC "
+                                                            "(--kv-transport auto on a GPU does)"})
+                is_ipc = reply["type"] == "ipc_offer"
+                await channel.send(reply)
+            elif op == "ipc_layers" and is_ipc and 1 <= len(msg["layers"]) <= MAX_LAYERS_PER_HEADER:
+                for layer in msg["layers"]:   # bound to this connection's transfer (_check_bound)
+                    table.mark_written(bound, layer, msg["first_block"], msg["num_blocks"])
             elif op == "layers" and 0 <= msg["nbytes"] <= max_payload_bytes and \
                     1 <= len(msg["layers"]) <= MAX_LAYERS_PER_HEADER:
                 nbytes, layers = msg["nbytes"], msg["layers"]
@@ -163,6 +186,7 @@ class ChannelReceiver(KVReceiver):
         self._channels: set[Channel] = set()
         self._max_payload_bytes = max_payload_bytes
         self._is_closed = False
+        self.ipc = None   # (kv_caches, cuda_ipc backend): offer the cache over CUDA IPC (set by the worker)
 
     @abstractmethod
     async def _listen(self) -> str:
@@ -216,7 +240,8 @@ class ChannelReceiver(KVReceiver):
                     return
                 finally:
                     self.num_pending_handshakes -= 1
-            await serve_channel(channel, self._table, self._max_payload_bytes, session_key, self._count_auth_failure)
+            await serve_channel(channel, self._table, self._max_payload_bytes, session_key, self._count_auth_failure,
+                                self.ipc)
         finally:
             self._channels.discard(channel)
 
@@ -234,8 +259,8 @@ class ChannelReceiver(KVReceiver):
         return len(self._table)
 
     def expect(self, transfer_id: str, layout: KVLayout, num_blocks: int, write_layer: WriteLayer,
-               deadline_s: float) -> None:
-        self._table.expect(transfer_id, layout, num_blocks, write_layer, deadline_s)
+               deadline_s: float, block_ids=None) -> None:
+        self._table.expect(transfer_id, layout, num_blocks, write_layer, deadline_s, block_ids)
 
     def poll(self, transfer_id: str) -> TransferStatus:
         return self._table.poll(transfer_id)

@@ -13,22 +13,33 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from collections.abc import Awaitable, Callable
 
 import torch
 
-from splitserve.workers.transfer import auth
-from splitserve.workers.transfer.base import (KVLayout, KVSender, LayoutMismatchError, SendHandle, TransferError,
-                                              UnknownTransferError)
+from splitserve.workers.transfer import auth, cuda_ipc
+from splitserve.workers.transfer.base import (
+    KVLayout,
+    KVSender,
+    LayoutMismatchError,
+    SendHandle,
+    TransferError,
+    UnknownTransferError,
+)
 from splitserve.workers.transfer.stream import MAX_LAYERS_PER_HEADER, Channel, payload_bytes
+
+log = logging.getLogger(__name__)
+IPC_HELLO_TIMEOUT_S = 5.0
 
 
 class _Conn:
     """A pooled sender-side connection; its reader task routes replies to the current handle."""
 
-    def __init__(self, channel: Channel, session_key: bytes | None = None):
+    def __init__(self, channel: Channel, session_key: bytes | None = None, ipc_writer=None):
         self.channel = channel
         self.session_key = session_key   # from the KV-auth handshake; tags every "open" (auth.py)
+        self.ipc_writer = ipc_writer     # a cuda_ipc.BlockWriter into the receiver's cache, or None
         self.handle: ChannelSendHandle | None = None
         self.is_dead = False
         self.reader = asyncio.ensure_future(self._read())
@@ -72,16 +83,34 @@ class ChannelSendHandle(SendHandle):
         self._blocks_queued: dict[int, int] = {}   # layer -> blocks queued so far
         self._final: asyncio.Future = asyncio.get_running_loop().create_future()
         self._is_closed = False
+        self._on_sent: list = []   # send_layer's callbacks, called once the transport is done with the payloads
+        # CUDA IPC: the receiver's destination blocks, once its "ipc_ready" came (None: send bytes)
+        self._ipc_blocks: asyncio.Future | None = (asyncio.get_running_loop().create_future()
+                                                   if conn.ipc_writer is not None else None)
+        self.path = sender.scheme   # how the KV went: the transport's scheme, or "cuda_ipc"
         conn.handle = self
         self._pump = asyncio.ensure_future(self._send_all())
 
+    @property
+    def wants_device_payloads(self) -> bool:
+        """Whether send_layer should get device tensors (a CUDA IPC connection copies them itself)."""
+        return self._ipc_blocks is not None
+
     def _on_reply(self, reply: dict) -> None:
+        if reply.get("type") == "ipc_ready":
+            if self._ipc_blocks is not None and not self._ipc_blocks.done():
+                self._ipc_blocks.set_result(reply.get("block_ids"))
+            return
+        if self._ipc_blocks is not None and not self._ipc_blocks.done():
+            self._ipc_blocks.set_result(None)
         if not reply.get("ok") and self.error is None:
             self.error = _error_from_reply(reply)
         if reply.get("type") == "final" and not self._final.done():
             self._final.set_result(reply)
 
     def _on_lost(self, exc: Exception) -> None:
+        if self._ipc_blocks is not None and not self._ipc_blocks.done():
+            self._ipc_blocks.set_result(None)
         if self.error is None:
             self.error = TransferError(f"connection to {self._address} lost: {exc!r}")
         if not self._final.done():
@@ -96,7 +125,12 @@ class ChannelSendHandle(SendHandle):
                       "num_blocks": self.num_blocks}
             if self._conn.session_key is not None:
                 header["tag"] = auth.transfer_tag(self._conn.session_key, self.transfer_id)
+            if self._ipc_blocks is not None:
+                header["ipc"] = True
             await self._conn.channel.send(header)
+            ipc_blocks = await self._ipc_blocks if self._ipc_blocks is not None else None
+            if ipc_blocks is not None:
+                self.path = "cuda_ipc"
             is_ended = False
             held = None   # an item taken from the queue that belongs under the next header
             while not is_ended:
@@ -113,6 +147,11 @@ class ChannelSendHandle(SendHandle):
                     batch.pop()
                 if not batch or self.error is not None:  # nothing, or the receiver gave up: drop
                     continue
+                if ipc_blocks is not None:
+                    await self._write_ipc(batch, ipc_blocks)
+                    continue
+                if any(payload.device.type != "cpu" for _, payload, _ in batch):   # IPC fell back: stage here
+                    batch = await asyncio.to_thread(lambda b=batch: [(i, p.cpu(), f) for i, p, f in b])
                 data = [payload_bytes(payload) for _, payload, _ in batch]
                 header = {"op": "layers", "transfer_id": self.transfer_id, "layers": [layer for layer, _, _ in batch],
                           "first_block": batch[0][2], "nbytes": data[0].nbytes}
@@ -122,7 +161,19 @@ class ChannelSendHandle(SendHandle):
             self._conn.is_dead = True
             self._on_lost(e)
 
-    async def send_layer(self, layer: int, payload: torch.Tensor, first_block: int = 0) -> None:
+    async def _write_ipc(self, batch: list, block_ids: list[int]) -> None:
+        """Write the pieces straight into the receiver's blocks (in a worker thread, which waits for
+        the copies), then tell it which blocks of which layers landed."""
+        first, n = batch[0][2], batch[0][1].shape[1]
+        dst = block_ids[first:first + n]
+        for layer, payload, _ in batch:
+            await asyncio.to_thread(self._conn.ipc_writer.write, layer, dst, payload)
+            self.bytes_sent += payload.numel() * payload.element_size()
+        await self._conn.channel.send({"op": "ipc_layers", "transfer_id": self.transfer_id,
+                                       "layers": [layer for layer, _, _ in batch], "first_block": first,
+                                       "num_blocks": n})
+
+    async def send_layer(self, layer: int, payload: torch.Tensor, first_block: int = 0, on_sent=None) -> None:
         if not 0 <= layer < self.layout.num_layers:
             raise ValueError(f"layer {layer} is outside 0..{self.layout.num_layers - 1}")
         queued = self._blocks_queued.get(layer, 0)
@@ -139,7 +190,9 @@ class ChannelSendHandle(SendHandle):
         if self._is_closed:
             raise RuntimeError(f"send_layer after finish/abort of transfer {self.transfer_id!r}")
         self._blocks_queued[layer] = queued + n
-        self._queue.put_nowait((layer, payload.cpu(), first_block))
+        if on_sent is not None:
+            self._on_sent.append(on_sent)
+        self._queue.put_nowait((layer, payload if self.wants_device_payloads else payload.cpu(), first_block))
 
     async def finish(self) -> None:
         await self._end(aborted=False, timeout_s=self._sender.ack_timeout_s)
@@ -155,6 +208,14 @@ class ChannelSendHandle(SendHandle):
         if self._is_closed:
             return
         self._is_closed = True
+        try:
+            await self._settle(aborted, timeout_s)
+        finally:   # the final reply came (every byte was read) or the connection is closed
+            callbacks, self._on_sent = self._on_sent, []
+            for on_sent in callbacks:
+                on_sent()
+
+    async def _settle(self, aborted: bool, timeout_s: float) -> None:
         if aborted:
             while not self._queue.empty():
                 self._queue.get_nowait()
@@ -185,6 +246,8 @@ class ChannelSender(KVSender):
     def __init__(self, connect: Callable[[str], Awaitable[Channel]], ack_timeout_s: float = 30.0,
                  auth_key: bytes | None = None):
         self.auth_key = auth_key   # answer each new connection's challenge (auth.py)
+        self.ipc_backend = None    # a cuda_ipc backend: try CUDA IPC on each new authenticated connection
+        self.ipc_fallbacks: list[str] = []   # why connections that tried CUDA IPC use bytes (most recent last)
         self._connect = connect
         self.ack_timeout_s = ack_timeout_s
         self._idle: dict[str, list[_Conn]] = {}
@@ -218,9 +281,28 @@ class ChannelSender(KVSender):
                 except Exception as e:
                     await channel.close()
                     raise TransferError(f"KV-transfer handshake with {address} failed: {e}") from e
-            conn = _Conn(channel, session_key)
+            try:
+                writer = await self._try_ipc(channel, session_key, layout) if self.ipc_backend is not None else None
+            except Exception as e:   # the channel is out of step (no reply in time, closed): not reusable
+                await channel.close()
+                raise TransferError(f"CUDA IPC hello to {address} failed: {e!r}") from e
+            conn = _Conn(channel, session_key, writer)
             self.num_connects += 1
         return ChannelSendHandle(self, conn, address, transfer_id, layout, num_blocks)
+
+    async def _try_ipc(self, channel: Channel, session_key: bytes | None, layout: KVLayout):
+        """Ask for the receiver's cache handles once on this connection (cuda_ipc.py): a BlockWriter,
+        or None (the reason is logged and kept) when the connection is to carry bytes."""
+        try:
+            if session_key is None:
+                raise cuda_ipc.IpcUnavailable("the KV channel is not authenticated (no --kv-secret-file)")
+            await channel.send(cuda_ipc.hello())
+            reply = await asyncio.wait_for(channel.recv(), IPC_HELLO_TIMEOUT_S)
+            return cuda_ipc.BlockWriter(cuda_ipc.open_offer(reply, session_key, self.ipc_backend, layout))
+        except cuda_ipc.IpcUnavailable as exc:
+            log.info("KV over %s, not CUDA IPC: %s", self.scheme, exc)
+            self.ipc_fallbacks = [*self.ipc_fallbacks[-9:], str(exc)]
+            return None
 
     async def _give_back(self, address: str, conn: _Conn, reusable: bool) -> None:
         if reusable and not conn.is_dead:

@@ -38,6 +38,7 @@ class _Transfer:
     num_blocks: int
     write_layer: WriteLayer
     deadline_s: float
+    block_ids: list[int] | None = None   # the decode worker's destination blocks (CUDA IPC writes there)
     state: TransferState = TransferState.WAITING
     blocks_done: dict[int, int] = field(default_factory=dict)   # layer -> blocks landed
     num_bytes: int = 0
@@ -58,12 +59,15 @@ class TransferTable:
 
     # -- the decode worker's side --------------------------------------------------------------
     def expect(self, transfer_id: str, layout: KVLayout, num_blocks: int, write_layer: WriteLayer,
-               deadline_s: float) -> None:
+               deadline_s: float, block_ids=None) -> None:
         if transfer_id in self._transfers:
             raise ValueError(f"transfer id {transfer_id!r} is already registered")
         if num_blocks <= 0:
             raise ValueError(f"num_blocks must be positive, got {num_blocks}")
-        t = _Transfer(layout, num_blocks, write_layer, deadline_s)
+        if block_ids is not None and len(block_ids) != num_blocks:
+            raise ValueError(f"block_ids must name the {num_blocks} destination blocks, got {len(block_ids)}")
+        t = _Transfer(layout, num_blocks, write_layer, deadline_s,
+                      None if block_ids is None else [int(b) for b in block_ids])
         t.timer = asyncio.get_running_loop().call_later(deadline_s, self._on_deadline, transfer_id)
         self._transfers[transfer_id] = t
 
@@ -122,30 +126,53 @@ class TransferTable:
         t.state, t.notify = TransferState.RECEIVING, notify
         return None
 
+    def block_ids(self, transfer_id: str) -> list[int] | None:
+        """The destination blocks given to expect() (for a CUDA IPC sender), or None."""
+        t = self._transfers.get(transfer_id)
+        return None if t is None else t.block_ids
+
+    def mark_written(self, transfer_id: str, layer: int, first_block: int, num_blocks: int) -> None:
+        """A CUDA IPC sender wrote `num_blocks` blocks of `layer` from `first_block` on straight
+        into the destination blocks: checked and counted as write() does, with no payload."""
+        t = self._transfers.get(transfer_id)
+        if t is None or t.state is not TransferState.RECEIVING:
+            return
+        if t.block_ids is None or not isinstance(num_blocks, int) or not isinstance(first_block, int):
+            self._end(t, transfer_id, TransferState.FAILED, f"protocol error: an IPC write of layer {layer} for a "
+                      "transfer without destination blocks")
+            return
+        self._land(t, transfer_id, layer, first_block, num_blocks, 0, None)
+
     def write(self, transfer_id: str, layer: int, first_block: int, data: torch.Tensor) -> None:
         """A piece of a layer, blocks from `first_block` on (uint8, only valid during this call),
         arrived on a bound connection."""
         t = self._transfers.get(transfer_id)
         if t is None or t.state is not TransferState.RECEIVING:
             return  # rejected, aborted, timed out or released: discard
+        num_blocks, rest = divmod(data.numel(), t.layout.layer_payload_nbytes(1))
+        self._land(t, transfer_id, layer, first_block, num_blocks, rest, data)
+
+    def _land(self, t: _Transfer, transfer_id: str, layer: int, first_block: int, num_blocks: int, rest: int,
+              data: torch.Tensor | None) -> None:
         block_nbytes = t.layout.layer_payload_nbytes(1)
-        num_blocks, rest = divmod(data.numel(), block_nbytes)
-        done = t.blocks_done.get(layer, 0)
-        if not 0 <= layer < t.layout.num_layers or rest or num_blocks < 1 or first_block != done \
-                or done + num_blocks > t.num_blocks:
+        done = t.blocks_done.get(layer, 0) if isinstance(layer, int) else 0
+        if not isinstance(layer, int) or not 0 <= layer < t.layout.num_layers or rest or num_blocks < 1 \
+                or first_block != done or done + num_blocks > t.num_blocks:
+            what = f"{data.numel()} bytes" if data is not None else f"{num_blocks} blocks over CUDA IPC"
             self._end(t, transfer_id, TransferState.FAILED,
-                      f"protocol error: layer {layer}, blocks from {first_block}, {data.numel()} bytes (expected "
+                      f"protocol error: layer {layer}, blocks from {first_block}, {what} (expected "
                       f"layers 0...{t.layout.num_layers - 1}, each layer's {t.num_blocks} blocks once and in order "
                       f"in pieces of whole blocks of {block_nbytes} bytes; layer {layer} has {done} so far)")
             return
-        payload = data.view(t.layout.torch_dtype).view(t.layout.layer_payload_shape(num_blocks))
-        try:
-            t.write_layer(layer, payload, first_block)
-        except Exception as e:  # the decode worker's callback: its failure fails this transfer only
-            self._end(t, transfer_id, TransferState.FAILED, f"write_layer({layer}) raised {e!r}")
-            return
+        if data is not None:   # bytes on the wire; a CUDA IPC sender already wrote the blocks
+            payload = data.view(t.layout.torch_dtype).view(t.layout.layer_payload_shape(num_blocks))
+            try:
+                t.write_layer(layer, payload, first_block)
+            except Exception as e:  # the decode worker's callback: its failure fails this transfer only
+                self._end(t, transfer_id, TransferState.FAILED, f"write_layer({layer}) raised {e!r}")
+                return
         t.blocks_done[layer] = done + num_blocks
-        t.num_bytes += data.numel()
+        t.num_bytes += num_blocks * block_nbytes
 
     def finish(self, transfer_id: str, aborted_by_sender: bool) -> dict:
         """The sender's "end": settle the transfer and return the final reply."""
