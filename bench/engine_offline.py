@@ -28,7 +28,6 @@ import time
 
 import torch
 
-
 from splitserve.platform.config import CacheConfig, DeviceConfig, EngineConfig, SchedulerConfig
 from splitserve.platform.engine.llm_engine import LLMEngine
 from splitserve.platform.model_source import resolve_model

@@ -73,8 +73,15 @@ async def stream_chat(client: httpx.AsyncClient, key: str, max_tokens: int, obje
     headers = {"authorization": f"Bearer {key}"}
     if objective:
         headers["x-gateway-inference-objective"] = objective
-    body = {"model": MODEL, "messages": CHAT, "max_tokens": max_tokens, "ignore_eos": True, "stream": True,
-            "temperature": 0, "return_token_ids": True}
+    body = {
+        "model": MODEL,
+        "messages": CHAT,
+        "max_tokens": max_tokens,
+        "ignore_eos": True,
+        "stream": True,
+        "temperature": 0,
+        "return_token_ids": True,
+    }
     t0 = time.monotonic()
     out = Outcome(0, t_start=t0)
     try:
@@ -104,16 +111,19 @@ async def stream_chat(client: httpx.AsyncClient, key: str, max_tokens: int, obje
     return out
 
 
-async def closed_loop(client, key, concurrency, max_tokens, objective, until: float, sink: list,
-                      retry_s: float | None = None) -> None:
+async def closed_loop(
+    client, key, concurrency, max_tokens, objective, until: float, sink: list, retry_s: float | None = None
+) -> None:
     """`concurrency` clients sending back to back until `until`; a 503/429 waits its Retry-After
     (or `retry_s`) before the next."""
+
     async def one():
         while time.monotonic() < until:
             out = await stream_chat(client, key, max_tokens, objective)
             sink.append(out)
             if out.status in (429, 503):
                 await asyncio.sleep(retry_s if retry_s is not None else float(out.retry_after or 1))
+
     await asyncio.gather(*(one() for _ in range(concurrency)))
 
 
@@ -138,9 +148,19 @@ def start_up(tmp: str, flow: bool, max_running: int) -> tuple[Proc, str]:
     port = free_port()
     argv = [sys.executable, "-m", "splitserve.platform.cli", "up", "--port", str(port), "--api-keys-file", keys]
     if flow:
-        argv += ["--flow-control", "--flow-objective", "interactive=10", "--flow-objective", "sheddable=-1",
-                 "--flow-max-running", str(max_running), "--flow-reserved-running", "1",
-                 "--flow-max-wait", str(MAX_WAIT_S)]
+        argv += [
+            "--flow-control",
+            "--flow-objective",
+            "interactive=10",
+            "--flow-objective",
+            "sheddable=-1",
+            "--flow-max-running",
+            str(max_running),
+            "--flow-reserved-running",
+            "1",
+            "--flow-max-wait",
+            str(MAX_WAIT_S),
+        ]
     return Proc(argv, "splitserve up: serving"), f"http://127.0.0.1:{port}"
 
 
@@ -150,14 +170,16 @@ def client_for(url: str) -> httpx.AsyncClient:
 
 async def run_flood(url: str, duration: float, idle_s: float) -> dict:
     async with client_for(url) as client:
-        await stream_chat(client, KEYS["team-b"], 4, "interactive")          # warm-up
+        await stream_chat(client, KEYS["team-b"], 4, "interactive")  # warm-up
         idle: list[Outcome] = []
         await paced(client, KEYS["team-b"], 2.0, 16, "interactive", time.monotonic() + idle_s / 2, idle)
         flood: list[Outcome] = []
         loaded: list[Outcome] = []
         until = time.monotonic() + duration
-        await asyncio.gather(closed_loop(client, KEYS["team-a"], 32, 128, None, until, flood),
-                             paced(client, KEYS["team-b"], 2.0, 16, "interactive", until, loaded))
+        await asyncio.gather(
+            closed_loop(client, KEYS["team-a"], 32, 128, None, until, flood),
+            paced(client, KEYS["team-b"], 2.0, 16, "interactive", until, loaded),
+        )
         # The other half of the idle samples after the flood has drained, so a drift of the
         # machine's load during the run weighs on both sides alike.
         await paced(client, KEYS["team-b"], 2.0, 16, "interactive", time.monotonic() + idle_s / 2, idle)
@@ -165,11 +187,20 @@ async def run_flood(url: str, duration: float, idle_s: float) -> dict:
     loaded_ttft = [o.ttft_s for o in loaded if o.ttft_s is not None]
     complete = sum(o.status == 200 and o.num_tokens == 128 for o in flood)
     shed = sum(o.status == 503 and o.retry_after is not None for o in flood)
-    return {"idle_p90": p90(idle_ttft), "idle_p50": statistics.median(idle_ttft), "loaded_p90": p90(loaded_ttft),
-            "loaded_p50": statistics.median(loaded_ttft), "num_idle": len(idle), "num_loaded": len(loaded),
-            "b_failed": sum(o.status != 200 for o in idle + loaded), "a_sent": len(flood), "a_complete": complete,
-            "a_503": shed, "a_lost": len(flood) - complete - shed,
-            "a_tokens": sum(o.num_tokens for o in flood)}
+    return {
+        "idle_p90": p90(idle_ttft),
+        "idle_p50": statistics.median(idle_ttft),
+        "loaded_p90": p90(loaded_ttft),
+        "loaded_p50": statistics.median(loaded_ttft),
+        "num_idle": len(idle),
+        "num_loaded": len(loaded),
+        "b_failed": sum(o.status != 200 for o in idle + loaded),
+        "a_sent": len(flood),
+        "a_complete": complete,
+        "a_503": shed,
+        "a_lost": len(flood) - complete - shed,
+        "a_tokens": sum(o.num_tokens for o in flood),
+    }
 
 
 async def run_fair(url: str, duration: float) -> dict:
@@ -178,20 +209,27 @@ async def run_fair(url: str, duration: float) -> dict:
         b: list[Outcome] = []
         t0 = time.monotonic()
         until = t0 + duration
-        await asyncio.gather(closed_loop(client, KEYS["team-a"], 32, 64, None, until, a),
-                             closed_loop(client, KEYS["team-b"], 4, 64, None, until, b))
+        await asyncio.gather(
+            closed_loop(client, KEYS["team-a"], 32, 64, None, until, a),
+            closed_loop(client, KEYS["team-b"], 4, 64, None, until, b),
+        )
     start = t0 + duration / 10
     count = lambda outs: sum(1 for o in outs for t in o.token_times if start <= t <= until)  # noqa: E731
     tokens_a, tokens_b = count(a), count(b)
-    return {"tokens_a": tokens_a, "tokens_b": tokens_b, "share_b": tokens_b / max(1, tokens_a + tokens_b),
-            "a_non200": sum(o.status != 200 for o in a), "b_non200": sum(o.status != 200 for o in b)}
+    return {
+        "tokens_a": tokens_a,
+        "tokens_b": tokens_b,
+        "share_b": tokens_b / max(1, tokens_a + tokens_b),
+        "a_non200": sum(o.status != 200 for o in a),
+        "b_non200": sum(o.status != 200 for o in b),
+    }
 
 
 def flow_counts(url: str) -> dict[tuple[str, str], float]:
     out: dict[tuple[str, str], float] = {}
     for line in httpx.get(f"{url}/metrics").text.splitlines():
         if line.startswith("splitserve_router_flow_requests_total{"):
-            labels = dict(p.split("=", 1) for p in line[line.index("{") + 1:line.index("}")].split(","))
+            labels = dict(p.split("=", 1) for p in line[line.index("{") + 1 : line.index("}")].split(","))
             key = (labels["band"].strip('"'), labels["outcome"].strip('"'))
             out[key] = out.get(key, 0) + float(line.rsplit(" ", 1)[1])
     return out
@@ -204,21 +242,28 @@ async def run_shed(url: str, duration: float, max_running: int) -> dict:
         band0: list[Outcome] = []
         t0 = time.monotonic()
         shed_until, until = t0 + duration / 2, t0 + duration
-        await asyncio.gather(closed_loop(client, KEYS["team-a"], 3 * max_running, 16, "sheddable", shed_until,
-                                         sheddable, retry_s=0.2),
-                             closed_loop(client, KEYS["team-b"], max_running, 16, None, until, band0, retry_s=0.2))
+        await asyncio.gather(
+            closed_loop(client, KEYS["team-a"], 3 * max_running, 16, "sheddable", shed_until, sheddable, retry_s=0.2),
+            closed_loop(client, KEYS["team-b"], max_running, 16, None, until, band0, retry_s=0.2),
+        )
     after = flow_counts(url)
     counted = {band: sum(v - before.get(k, 0) for k, v in after.items() if k[0] == band) for band in ("-1", "0")}
     last_shed_end = max((o.t_end for o in sheddable), default=t0)
     b503_during = sum(o.status == 503 and o.t_start < last_shed_end for o in band0)
     all_outcomes = sheddable + band0
-    return {"shed_sent": len(sheddable), "shed_503": sum(o.status == 503 for o in sheddable),
-            "shed_200": sum(o.status == 200 for o in sheddable), "band0_sent": len(band0),
-            "band0_503_during": b503_during, "band0_503": sum(o.status == 503 for o in band0),
-            "band0_200": sum(o.status == 200 for o in band0),
-            "max_503_wait_s": max((o.t_end - o.t_start for o in all_outcomes if o.status == 503), default=0.0),
-            "counted_shed": counted["-1"], "counted_band0": counted["0"],
-            "other": sum(o.status not in (200, 503) for o in all_outcomes)}
+    return {
+        "shed_sent": len(sheddable),
+        "shed_503": sum(o.status == 503 for o in sheddable),
+        "shed_200": sum(o.status == 200 for o in sheddable),
+        "band0_sent": len(band0),
+        "band0_503_during": b503_during,
+        "band0_503": sum(o.status == 503 for o in band0),
+        "band0_200": sum(o.status == 200 for o in band0),
+        "max_503_wait_s": max((o.t_end - o.t_start for o in all_outcomes if o.status == 503), default=0.0),
+        "counted_shed": counted["-1"],
+        "counted_band0": counted["0"],
+        "other": sum(o.status not in (200, 503) for o in all_outcomes),
+    }
 
 
 # -- overhead ---------------------------------------------------------------------------------
@@ -257,8 +302,11 @@ def overhead(n: int) -> dict:
             with httpx.Client(base_url=url_off) as c_off, httpx.Client(base_url=url_on) as c_on:
                 for i in range(n + 10):
                     t0 = time.perf_counter()
-                    list(stub_call.Generate(pb.GenerateRequest(request_id=f"d{i}", prompt_token_ids=prompt,
-                                                               params=params)))
+                    list(
+                        stub_call.Generate(
+                            pb.GenerateRequest(request_id=f"d{i}", prompt_token_ids=prompt, params=params)
+                        )
+                    )
                     t1 = time.perf_counter()
                     assert c_off.post("/v1/completions", json=body).status_code == 200
                     t2 = time.perf_counter()
@@ -275,61 +323,86 @@ def overhead(n: int) -> dict:
     finally:
         stub.stop()
     direct = statistics.median(times["direct"])
-    return {"n": n, "direct_ms": direct * 1e3, "off_ms": statistics.median(times["off"]) * 1e3,
-            "on_ms": statistics.median(times["on"]) * 1e3,
-            "off_overhead_ms": (statistics.median(times["off"]) - direct) * 1e3,
-            "on_overhead_ms": (statistics.median(times["on"]) - direct) * 1e3}
+    return {
+        "n": n,
+        "direct_ms": direct * 1e3,
+        "off_ms": statistics.median(times["off"]) * 1e3,
+        "on_ms": statistics.median(times["on"]) * 1e3,
+        "off_overhead_ms": (statistics.median(times["off"]) - direct) * 1e3,
+        "on_overhead_ms": (statistics.median(times["on"]) - direct) * 1e3,
+    }
 
 
 # -- report -----------------------------------------------------------------------------------
 def report(args, flood, fair, shed, cost, fcfs, load) -> str:
     f = lambda x: f"{x * 1e3:.0f}"  # noqa: E731
     ratio = flood["loaded_p90"] / flood["idle_p90"]
-    lines = ["## Flow control at the gateway (issue 43)", "",
-             f"`python bench/flow_control.py --duration {args.duration:g}` on `splitserve up` (one prefill + one "
-             f"decode worker process, SmolLM2-135M), {time.strftime('%Y-%m-%d')}; flow control with "
-             f"`--flow-max-running {args.max_running} --flow-reserved-running 1 --flow-max-wait {MAX_WAIT_S:g}`. "
-             f"Load average at start / end: {load[0]:.1f} / {load[1]:.1f} on 2 shared cores, so the figures are "
-             "noisy; the ratios are measured in one run." + (
-                 f" Runs shortened from 60 s to {args.duration:g} s (idle phases {args.idle:g} s in all)."
-                 if args.duration < 60 else ""), "",
-             "**1. A flood and a chat** (team-a: band 0, concurrency 32, 128 tokens; team-b: band 10 via "
-             "`x-gateway-inference-objective: interactive`, one 16-token chat every 2 s):", "",
-             "| stack | team-b idle p50 / p90 TTFT ms | under the flood p50 / p90 ms | p90 ratio | team-a sent | "
-             "complete | 503 + Retry-After | lost |", "|---|---|---|---|---|---|---|---|",
-             f"| flow control | {f(flood['idle_p50'])} / {f(flood['idle_p90'])} | {f(flood['loaded_p50'])} / "
-             f"{f(flood['loaded_p90'])} | {ratio:.2f}x (target <= 1.5x) | {flood['a_sent']} | {flood['a_complete']} | "
-             f"{flood['a_503']} | {flood['a_lost']} |"]
+    lines = [
+        "## Flow control at the gateway (issue 43)",
+        "",
+        f"`python bench/flow_control.py --duration {args.duration:g}` on `splitserve up` (one prefill + one "
+        f"decode worker process, SmolLM2-135M), {time.strftime('%Y-%m-%d')}; flow control with "
+        f"`--flow-max-running {args.max_running} --flow-reserved-running 1 --flow-max-wait {MAX_WAIT_S:g}`. "
+        f"Load average at start / end: {load[0]:.1f} / {load[1]:.1f} on 2 shared cores, so the figures are "
+        "noisy; the ratios are measured in one run."
+        + (
+            f" Runs shortened from 60 s to {args.duration:g} s (idle phases {args.idle:g} s in all)."
+            if args.duration < 60
+            else ""
+        ),
+        "",
+        "**1. A flood and a chat** (team-a: band 0, concurrency 32, 128 tokens; team-b: band 10 via "
+        "`x-gateway-inference-objective: interactive`, one 16-token chat every 2 s):",
+        "",
+        "| stack | team-b idle p50 / p90 TTFT ms | under the flood p50 / p90 ms | p90 ratio | team-a sent | "
+        "complete | 503 + Retry-After | lost |",
+        "|---|---|---|---|---|---|---|---|",
+        f"| flow control | {f(flood['idle_p50'])} / {f(flood['idle_p90'])} | {f(flood['loaded_p50'])} / "
+        f"{f(flood['loaded_p90'])} | {ratio:.2f}x (target <= 1.5x) | {flood['a_sent']} | {flood['a_complete']} | "
+        f"{flood['a_503']} | {flood['a_lost']} |",
+    ]
     if fcfs is not None:
-        lines.append(f"| first come, first served | {f(fcfs['idle_p50'])} / {f(fcfs['idle_p90'])} | "
-                     f"{f(fcfs['loaded_p50'])} / {f(fcfs['loaded_p90'])} | "
-                     f"{fcfs['loaded_p90'] / fcfs['idle_p90']:.2f}x "
-                     f"| {fcfs['a_sent']} | {fcfs['a_complete']} | {fcfs['a_503']} | {fcfs['a_lost']} |")
-    lines += ["", f"team-b samples: {flood['num_idle']} idle, {flood['num_loaded']} under the flood "
-              f"({flood['b_failed']} not 200).", "",
-              "**2. Fair share** (team-a concurrency 32, team-b concurrency 4, both band 0, weight 1, 64 tokens; "
-              "output tokens counted after a warm-up of a tenth of the run):", "",
-              "| team-a tokens | team-b tokens | team-b share (target 50 % +- 10 %) | non-200 a / b |",
-              "|---|---|---|---|",
-              f"| {fair['tokens_a']} | {fair['tokens_b']} | {fair['share_b'] * 100:.1f} % | {fair['a_non200']} / "
-              f"{fair['b_non200']} |", "",
-              f"**3. Shedding** (band -1 at concurrency {3 * args.max_running}, three times what the worker may run, "
-              f"for the first half; band 0 at concurrency {args.max_running} throughout):", "",
-              "| band -1 sent | 503 | 200 | band 0 sent | 200 | 503 while band -1 ran | 503 after | "
-              "longest wait before a 503 s | flow metrics count band -1 / band 0 |",
-              "|---|---|---|---|---|---|---|---|---|",
-              f"| {shed['shed_sent']} | {shed['shed_503']} | {shed['shed_200']} | {shed['band0_sent']} | "
-              f"{shed['band0_200']} | {shed['band0_503_during']} | {shed['band0_503'] - shed['band0_503_during']} | "
-              f"{shed['max_503_wait_s']:.2f} (bound {MAX_WAIT_S:g}) | {shed['counted_shed']:.0f} / "
-              f"{shed['counted_band0']:.0f} |", "",
-              f"**Gateway overhead, idle** (instant stub worker, {cost['n']} sequential 1-token completions, "
-              "alternating direct gRPC / gateway without / gateway with flow control):", "",
-              "| direct p50 ms | gateway p50 ms | overhead p50 ms | with flow control p50 ms | overhead p50 ms | "
-              "difference |", "|---|---|---|---|---|---|",
-              f"| {cost['direct_ms']:.2f} | {cost['off_ms']:.2f} | {cost['off_overhead_ms']:.2f} | "
-              f"{cost['on_ms']:.2f} | "
-              f"{cost['on_overhead_ms']:.2f} | {(cost['on_ms'] / cost['off_ms'] - 1) * 100:+.1f} % of the gateway's "
-              "p50 |"]
+        lines.append(
+            f"| first come, first served | {f(fcfs['idle_p50'])} / {f(fcfs['idle_p90'])} | "
+            f"{f(fcfs['loaded_p50'])} / {f(fcfs['loaded_p90'])} | "
+            f"{fcfs['loaded_p90'] / fcfs['idle_p90']:.2f}x "
+            f"| {fcfs['a_sent']} | {fcfs['a_complete']} | {fcfs['a_503']} | {fcfs['a_lost']} |"
+        )
+    lines += [
+        "",
+        f"team-b samples: {flood['num_idle']} idle, {flood['num_loaded']} under the flood "
+        f"({flood['b_failed']} not 200).",
+        "",
+        "**2. Fair share** (team-a concurrency 32, team-b concurrency 4, both band 0, weight 1, 64 tokens; "
+        "output tokens counted after a warm-up of a tenth of the run):",
+        "",
+        "| team-a tokens | team-b tokens | team-b share (target 50 % +- 10 %) | non-200 a / b |",
+        "|---|---|---|---|",
+        f"| {fair['tokens_a']} | {fair['tokens_b']} | {fair['share_b'] * 100:.1f} % | {fair['a_non200']} / "
+        f"{fair['b_non200']} |",
+        "",
+        f"**3. Shedding** (band -1 at concurrency {3 * args.max_running}, three times what the worker may run, "
+        f"for the first half; band 0 at concurrency {args.max_running} throughout):",
+        "",
+        "| band -1 sent | 503 | 200 | band 0 sent | 200 | 503 while band -1 ran | 503 after | "
+        "longest wait before a 503 s | flow metrics count band -1 / band 0 |",
+        "|---|---|---|---|---|---|---|---|---|",
+        f"| {shed['shed_sent']} | {shed['shed_503']} | {shed['shed_200']} | {shed['band0_sent']} | "
+        f"{shed['band0_200']} | {shed['band0_503_during']} | {shed['band0_503'] - shed['band0_503_during']} | "
+        f"{shed['max_503_wait_s']:.2f} (bound {MAX_WAIT_S:g}) | {shed['counted_shed']:.0f} / "
+        f"{shed['counted_band0']:.0f} |",
+        "",
+        f"**Gateway overhead, idle** (instant stub worker, {cost['n']} sequential 1-token completions, "
+        "alternating direct gRPC / gateway without / gateway with flow control):",
+        "",
+        "| direct p50 ms | gateway p50 ms | overhead p50 ms | with flow control p50 ms | overhead p50 ms | "
+        "difference |",
+        "|---|---|---|---|---|---|",
+        f"| {cost['direct_ms']:.2f} | {cost['off_ms']:.2f} | {cost['off_overhead_ms']:.2f} | "
+        f"{cost['on_ms']:.2f} | "
+        f"{cost['on_overhead_ms']:.2f} | {(cost['on_ms'] / cost['off_ms'] - 1) * 100:+.1f} % of the gateway's "
+        "p50 |",
+    ]
     return "\n".join(lines)
 
 
@@ -345,8 +418,9 @@ async def with_stack(flow: bool, max_running: int, coro_fn):
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--duration", type=float, default=60.0, help="seconds of each run (60)")
-    parser.add_argument("--idle", type=float, default=60.0,
-                        help="seconds of team-b alone, half before and half after the flood (60)")
+    parser.add_argument(
+        "--idle", type=float, default=60.0, help="seconds of team-b alone, half before and half after the flood (60)"
+    )
     parser.add_argument("--max-running", type=int, default=4, help="--flow-max-running of the stack (4)")
     parser.add_argument("--fcfs", action="store_true", help="repeat run 1 without flow control")
     parser.add_argument("--only", choices=("flood", "fair", "shed", "overhead"), default=None)
@@ -380,8 +454,15 @@ def main(argv=None) -> int:
         results["overhead"] = overhead(200)
         print("overhead", results["overhead"], flush=True)
     if args.only is None:
-        text = report(args, results["flood"], results["fair"], results["shed"], results["overhead"], fcfs,
-                      (load0, os.getloadavg()[0]))
+        text = report(
+            args,
+            results["flood"],
+            results["fair"],
+            results["shed"],
+            results["overhead"],
+            fcfs,
+            (load0, os.getloadavg()[0]),
+        )
         print(text)
         if args.write:
             begin, end = markers("flow_control")

@@ -52,6 +52,7 @@ import torch
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 import gpu_check_pd  # noqa: E402  (phase 3)
+
 BUDGET_S = float(os.environ.get("GPU_CHECK_BUDGET_S", "380"))
 HARD_STOP_S = float(os.environ.get("GPU_CHECK_HARD_STOP_S", "430"))   # gpu_check.sh cuts the process at 440 s
 T0 = time.monotonic()

@@ -114,6 +114,7 @@ class Worker:
 
 async def generate(address: str, req_id: str, prompt: list[int], prefill: list[str], mode) -> dict:
     import grpc
+
     from splitserve.platform.wire import worker_pb2 as pb
     from splitserve.platform.wire import worker_pb2_grpc as pb_grpc
 

@@ -61,9 +61,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-
-from splitserve.platform.config import (CacheConfig, DeviceConfig, EngineConfig, ModelConfig,
-                                        SchedulerConfig)
+from splitserve.platform.config import CacheConfig, DeviceConfig, EngineConfig, ModelConfig, SchedulerConfig
 from splitserve.platform.weights.names import layer_weight_shapes
 
 MARK_BEGIN = "<!-- gpu-roofline:begin -->"

@@ -37,7 +37,6 @@ import time
 import numpy as np
 import torch
 
-
 from splitserve.workers.transfer import KVLayout, make_receiver, make_sender
 from splitserve.workers.transfer.ucx import configure_ucx_env
 

@@ -40,8 +40,8 @@ import json
 import os
 import platform as stdlib_platform
 import random
-import sys
 import subprocess
+import sys
 import tempfile
 import threading
 import time

@@ -42,12 +42,18 @@ from splitserve.platform.hashing import BlockHasher  # noqa: E402
 from splitserve.platform.sampling.params import SamplingParams  # noqa: E402
 from splitserve.platform.wire import worker_pb2 as pb  # noqa: E402
 from splitserve.platform.wire import worker_pb2_grpc as pb_grpc  # noqa: E402
-from splitserve.router.config import (DisaggregationConfig, KVPullConfig, PlacementConfig, ProfileConfig,  # noqa: E402
-                                      ScorerSpec, default_decode_profile)
+from splitserve.router.config import (  # noqa: E402
+    DisaggregationConfig,
+    KVPullConfig,
+    PlacementConfig,
+    ProfileConfig,
+    ScorerSpec,
+    default_decode_profile,
+)
+from splitserve.router.core.worker_messages import generate_request  # noqa: E402
 from splitserve.router.placement.index import InMemoryPrefixIndex  # noqa: E402
 from splitserve.router.placement.placer import Placer  # noqa: E402
 from splitserve.router.placement.pool import WorkerPool  # noqa: E402
-from splitserve.router.core.worker_messages import generate_request  # noqa: E402
 
 MODEL, BS = "smollm2-135m", 16
 DOC, QUESTION, ANSWER = 384, 96, 16          # tokens: a conversation's document, each question, each answer

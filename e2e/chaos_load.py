@@ -22,7 +22,6 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 import httpx
-
 from chaos_procs import MODEL, RouterProc
 
 DEADLINE_S = 180                 # `hung`: nothing received for this long (httpx read timeout; 5 s to connect)

@@ -18,9 +18,9 @@ import time
 
 import openai
 import pytest
+from workerproc import CLI, free_port
 
 from splitserve.planner.profile import CapacityProfile, DecodePoint, PrefillPoint
-from workerproc import CLI, free_port
 
 pytestmark = pytest.mark.slow
 PROFILE = CapacityProfile(prefill=(PrefillPoint(64, 120.0), PrefillPoint(2048, 120.0)),

@@ -26,6 +26,7 @@ from collections import deque
 from collections.abc import Callable
 
 from prometheus_client import generate_latest
+
 from splitserve.planner import signals as S
 from splitserve.planner.law import Observation, Planner, PoolObservation
 from splitserve.planner.window import ScrapeWindow, measured_latency

@@ -8,8 +8,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from splitserve.operator import constants as C
-from splitserve.operator.settings import (Autoscaling, KvCacheDefaults, OperatorSettings, effective_autoscaling,
-                                          effective_kv_cache)
+from splitserve.operator.settings import (
+    Autoscaling,
+    KvCacheDefaults,
+    OperatorSettings,
+    effective_autoscaling,
+    effective_kv_cache,
+)
 from splitserve.operator.spec import InferenceServiceSpec
 
 Manifest = dict[str, Any]

@@ -30,8 +30,16 @@ from splitserve.operator.credentials import ensure_credentials
 from splitserve.operator.render import render
 from splitserve.operator.settings import OperatorSettings
 from splitserve.operator.spec import parse_spec
-from splitserve.operator.status import (authentication_condition, blocked_status, build_status, is_ready,
-                                       now_rfc3339, observe_deployment, parse_adapter_report, security_condition)
+from splitserve.operator.status import (
+    authentication_condition,
+    blocked_status,
+    build_status,
+    is_ready,
+    now_rfc3339,
+    observe_deployment,
+    parse_adapter_report,
+    security_condition,
+)
 from splitserve.planner.kube import KubeClient
 
 

@@ -33,8 +33,14 @@ InferenceService, so Kubernetes' garbage collector deletes it with its owner.
 
 from __future__ import annotations
 
-from splitserve.operator import (render_gateway, render_network, render_planner, render_pods, render_scaling,
-                                 render_services)
+from splitserve.operator import (
+    render_gateway,
+    render_network,
+    render_planner,
+    render_pods,
+    render_scaling,
+    render_services,
+)
 from splitserve.operator.context import Context, Manifest
 from splitserve.operator.settings import OperatorSettings
 from splitserve.operator.spec import InferenceServiceSpec

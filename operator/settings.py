@@ -16,10 +16,9 @@ from __future__ import annotations
 
 import pathlib
 from dataclasses import dataclass
-
-import yaml
 from typing import Literal
 
+import yaml
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic.alias_generators import to_camel
 
@@ -77,7 +76,7 @@ class Peer(_Settings):
     cidr: str | None = None
 
     @model_validator(mode="after")
-    def _one_kind(self) -> "Peer":
+    def _one_kind(self) -> Peer:
         if (self.cidr is not None) == (self.namespace_labels is not None or self.pod_labels is not None):
             raise ValueError("a peer is either a cidr or namespaceLabels/podLabels, not both and not neither")
         return self

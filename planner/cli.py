@@ -19,7 +19,6 @@ on /metrics (planner/server.py). A scrape that fails is a missing sample: the pl
 
 from __future__ import annotations
 
-import argparse
 import logging
 import os
 import signal

@@ -28,10 +28,10 @@ from splitserve.planner.config import POOLS, PlannerConfig
 from splitserve.planner.kube import KubeClient, ns_path
 from splitserve.planner.law import Planner
 from splitserve.planner.lease import LeaderElector
+from splitserve.planner.plan_loop import PLANNER_SELECTOR, PROFILE_KEY, PodScrape, ServiceLoop, ServicePlan
 from splitserve.planner.pods import pool_state
 from splitserve.planner.profile import CapacityProfile
 from splitserve.planner.server import DesiredStore
-from splitserve.planner.plan_loop import PLANNER_SELECTOR, PROFILE_KEY, PodScrape, ServiceLoop, ServicePlan
 from splitserve.platform.errors import ConfigError
 
 log = logging.getLogger(__name__)

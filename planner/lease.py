@@ -30,7 +30,7 @@ import logging
 import time
 from dataclasses import dataclass
 
-from splitserve.planner.kube import LEASES, KubeError, KubeClient, ns_path
+from splitserve.planner.kube import LEASES, KubeClient, KubeError, ns_path
 from splitserve.platform.errors import ConfigError
 
 log = logging.getLogger(__name__)

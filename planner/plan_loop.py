@@ -61,7 +61,7 @@ class ServicePlan:
             raise ConfigError("the SLO's ttftP90Ms and itlP90Ms must be > 0")
 
     @classmethod
-    def from_configmap(cls, cm: dict) -> "ServicePlan":
+    def from_configmap(cls, cm: dict) -> ServicePlan:
         data = cm.get("data") or {}
         try:
             raw = json.loads(data[CONFIG_KEY])

@@ -89,7 +89,7 @@ class CapacityProfile:
         return json.dumps(asdict(self), indent=1, sort_keys=True)
 
     @classmethod
-    def from_json(cls, text: str) -> "CapacityProfile":
+    def from_json(cls, text: str) -> CapacityProfile:
         try:
             raw = json.loads(text)
             return cls(prefill=tuple(PrefillPoint(**p) for p in raw["prefill"]),
@@ -102,7 +102,7 @@ class CapacityProfile:
             raise ConfigError(f"not a capacity profile (need prefill, decode, kv_tokens): {e}") from e
 
     @classmethod
-    def load(cls, path: str) -> "CapacityProfile":
+    def load(cls, path: str) -> CapacityProfile:
         with open(path) as f:
             return cls.from_json(f.read())
 

@@ -18,8 +18,8 @@ import sys
 from importlib.metadata import entry_points
 
 from splitserve.platform import logfmt
-from splitserve.platform.errors import SplitserveError
 from splitserve.platform.config import KV_CACHE_DTYPES
+from splitserve.platform.errors import SplitserveError
 from splitserve.platform.quant import QUANTIZATION_MODES
 
 GiB = 1024**3

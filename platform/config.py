@@ -120,7 +120,7 @@ class ModelConfig:
         return (self.num_experts > 0 and layer not in self.mlp_only_layers
                 and (layer + 1) % self.decoder_sparse_step == 0)
 
-    def replace(self, **changes) -> "ModelConfig":
+    def replace(self, **changes) -> ModelConfig:
         return dataclasses.replace(self, **changes)
 
 
@@ -181,7 +181,7 @@ class SchedulerConfig:
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ConfigError(f"max_model_len must be >= 1, got {self.max_model_len}")
 
-    def resolved(self, max_model_len: int) -> "SchedulerConfig":
+    def resolved(self, max_model_len: int) -> SchedulerConfig:
         """This config with the token budget decided for a model of `max_model_len`."""
         budget = self.max_num_batched_tokens
         if budget is None:
@@ -341,7 +341,7 @@ class SpeculativeConfig:
                               "allowed: 0 to 1")
 
     @classmethod
-    def from_json(cls, text: str) -> "SpeculativeConfig":
+    def from_json(cls, text: str) -> SpeculativeConfig:
         """Parse `--speculative-config '{"method": "ngram", ...}'`; ConfigError says what is wrong."""
         import json
 

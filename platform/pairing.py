@@ -45,7 +45,7 @@ class PairingModel:
 @dataclass(frozen=True)
 class PrefillCandidate:
     address: str
-    node: str                       # the node it runs on ("" unknown: treated as another node)
+    node: str  # the node it runs on ("" unknown: treated as another node)
     queued_prefill_tokens: int = 0
 
 
@@ -56,24 +56,37 @@ class Pairing:
     reason: str
 
 
-def pairing_cost_s(candidate: PrefillCandidate, decode_node: str, prompt_tokens: int, kv_bytes: int,
-                   model: PairingModel = PairingModel()) -> float:
+def pairing_cost_s(
+    candidate: PrefillCandidate,
+    decode_node: str,
+    prompt_tokens: int,
+    kv_bytes: int,
+    model: PairingModel = PairingModel(),
+) -> float:
     """Seconds until the decode worker holds the KV if `candidate` prefills (the module docstring)."""
     same = bool(candidate.node) and candidate.node == decode_node
     bandwidth = model.same_node_bytes_per_s if same else model.cross_node_bytes_per_s
-    return ((candidate.queued_prefill_tokens + prompt_tokens) / model.prefill_tokens_per_s
-            + model.exposed_fraction * kv_bytes / bandwidth)
+    return (
+        candidate.queued_prefill_tokens + prompt_tokens
+    ) / model.prefill_tokens_per_s + model.exposed_fraction * kv_bytes / bandwidth
 
 
-def pick_prefill(candidates: Sequence[PrefillCandidate], decode_node: str, prompt_tokens: int, kv_bytes: int,
-                 model: PairingModel = PairingModel()) -> Pairing:
+def pick_prefill(
+    candidates: Sequence[PrefillCandidate],
+    decode_node: str,
+    prompt_tokens: int,
+    kv_bytes: int,
+    model: PairingModel = PairingModel(),
+) -> Pairing:
     """The cheapest candidate (ties: a same-node one, then the first), with the reason in words."""
     if not candidates:
         raise ValueError("pick_prefill needs at least one prefill candidate")
     if prompt_tokens < 0 or kv_bytes < 0:
         raise ValueError(f"prompt_tokens and kv_bytes must be >= 0, got {prompt_tokens} and {kv_bytes}")
-    costs = [(pairing_cost_s(c, decode_node, prompt_tokens, kv_bytes, model), c.node != decode_node or not c.node, i)
-             for i, c in enumerate(candidates)]
+    costs = [
+        (pairing_cost_s(c, decode_node, prompt_tokens, kv_bytes, model), c.node != decode_node or not c.node, i)
+        for i, c in enumerate(candidates)
+    ]
     cost, _, i = min(costs)
     best = candidates[i]
     same = best.node == decode_node and bool(best.node)

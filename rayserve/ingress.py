@@ -15,9 +15,9 @@ from __future__ import annotations
 
 from ray import serve
 
-from splitserve.router.config_file import from_dict
 from splitserve.rayserve.discovery import RayDiscovery
 from splitserve.rayserve.registry import WorkerRegistry
+from splitserve.router.config_file import from_dict
 
 
 @serve.ingress()

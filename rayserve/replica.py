@@ -27,8 +27,8 @@ import socket
 
 from ray import serve
 
-from splitserve.workers.config import WorkerConfig
 from splitserve.rayserve.autoscale import QUEUE_DEPTH
+from splitserve.workers.config import WorkerConfig
 
 log = logging.getLogger("splitserve.worker.ray")
 
@@ -45,9 +45,9 @@ class WorkerReplica:
         `tracing_args`: {"endpoint", "sample_ratio"} of the replica's span export (platform/tracing.py)."""
         import ray
 
+        from splitserve.platform import tracing
         from splitserve.platform.config import CacheConfig, DeviceConfig, EngineConfig, SchedulerConfig
         from splitserve.platform.engine.llm_engine import LLMEngine
-        from splitserve.platform import tracing
         from splitserve.workers.main import Worker, trace_role
 
         advertise = "" if host else ray.util.get_node_ip_address()

@@ -32,14 +32,30 @@ class StartGate:
                 return
         await self.app(scope, receive, send)
 
-    def __getattr__(self, name):   # the wrapped app's attributes (routes, state, ...) stay reachable
+    def __getattr__(self, name):  # the wrapped app's attributes (routes, state, ...) stay reachable
         return getattr(self.app, name)
 
 
 async def _send_unavailable(send, reason: str) -> None:
-    body = json.dumps({"error": {"message": f"the model cannot be served yet: {reason}", "type": "service_unavailable",
-                                 "param": None, "code": "no_worker_available"}}).encode()
-    await send({"type": "http.response.start", "status": 503,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-                            (b"retry-after", b"1")]})
+    body = json.dumps(
+        {
+            "error": {
+                "message": f"the model cannot be served yet: {reason}",
+                "type": "service_unavailable",
+                "param": None,
+                "code": "no_worker_available",
+            }
+        }
+    ).encode()
+    await send(
+        {
+            "type": "http.response.start",
+            "status": 503,
+            "headers": [
+                (b"content-type", b"application/json"),
+                (b"content-length", str(len(body)).encode()),
+                (b"retry-after", b"1"),
+            ],
+        }
+    )
     await send({"type": "http.response.body", "body": body})

@@ -100,7 +100,7 @@ class WorkerProc:
         """A grpc.aio channel to this worker: mTLS when it is secure, else plaintext."""
         return worker_channel(self.address, options) if self.secure else aio_channel(self.address, None, options)
 
-    def start(self, timeout: float = 180) -> "WorkerProc":
+    def start(self, timeout: float = 180) -> WorkerProc:
         self.lines = []
         self.proc = subprocess.Popen(self.args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                      env=self.env)

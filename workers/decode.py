@@ -94,7 +94,7 @@ class RemotePrefill:
             receive.set("splitserve.kv.num_bytes", status.num_bytes)
             if status.state != TransferState.DONE:
                 raise TransferError(f"transfer ended {status.state.name}: {status.error}")
-        except (grpc.aio.AioRpcError, asyncio.TimeoutError, TransferError) as exc:
+        except (TimeoutError, grpc.aio.AioRpcError, TransferError) as exc:
             receive.fail(exc)
             call.fail(exc)
             self.receiver.abort(transfer_id)

@@ -48,7 +48,7 @@ class HealthServer:
                     "Connection: close\r\n\r\n")
             writer.write(head.encode() + body)
             await writer.drain()
-        except (asyncio.TimeoutError, ConnectionError):
+        except (TimeoutError, ConnectionError):
             pass
         finally:
             writer.close()

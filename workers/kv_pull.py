@@ -183,7 +183,7 @@ class KVPuller:
             got = [received[layer].digest() for layer in sorted(received)]
             if got != list(resp.layer_digests):
                 raise TransferError("a pulled layer differs from what the holder sent (digest mismatch): discarded")
-        except (grpc.aio.AioRpcError, asyncio.TimeoutError, TransferError) as exc:
+        except (TimeoutError, grpc.aio.AioRpcError, TransferError) as exc:
             self.receiver.abort(transfer_id)
             if isinstance(exc, grpc.aio.AioRpcError) and exc.code() == grpc.StatusCode.UNAVAILABLE:
                 await self.stubs.drop(holder)

@@ -24,16 +24,16 @@ from splitserve.platform import tracing
 from splitserve.platform.cli import add_engine_args, engine_config
 from splitserve.platform.engine.async_engine import AsyncEngine
 from splitserve.platform.engine.llm_engine import LLMEngine
-from splitserve.platform.kv.cache import bytes_per_block
 from splitserve.platform.grpc_tls import server_credentials, tls_from
+from splitserve.platform.kv.cache import bytes_per_block
 from splitserve.platform.sampling.params import SamplingParams
 from splitserve.platform.wire import worker_pb2 as pb
 from splitserve.workers.config import WorkerConfig
 from splitserve.workers.decode import RemotePrefill
 from splitserve.workers.events import EventHub
+from splitserve.workers.grpc_guard import add_worker_servicer
 from splitserve.workers.http import HealthServer
 from splitserve.workers.kv_pull import KVPuller
-from splitserve.workers.grpc_guard import add_worker_servicer
 from splitserve.workers.metrics import WorkerMetrics
 from splitserve.workers.servicer import WorkerService, publish_load
 from splitserve.workers.transfer import make_receiver, make_sender
@@ -58,7 +58,8 @@ def register(subparsers) -> None:
                         "that can reach each other's GPU memory; needs --kv-secret-file)")
     p.add_argument("--kv-port", type=int, default=13337)
     p.add_argument("--tls-cert", default=os.environ.get("SPLITSERVE_TLS_CERT", ""),
-                   help="serve gRPC over mutual TLS: this worker's certificate (PEM; also used to call prefill workers)")
+                   help="serve gRPC over mutual TLS: this worker's certificate "
+                        "(PEM; also used to call prefill workers)")
     p.add_argument("--tls-key", default=os.environ.get("SPLITSERVE_TLS_KEY", ""), help="its private key (PEM)")
     p.add_argument("--tls-ca", default=os.environ.get("SPLITSERVE_TLS_CA", ""),
                    help="the CA every client certificate must be signed by")
@@ -225,8 +226,8 @@ class Worker:
         load_task.cancel()
         await server.stop(grace=1.0)
         await http.close()
-        for closer in (remote.stubs.close() if remote else None, puller.close() if puller else None, receiver.close() if receiver else None,
-                       sender.close() if sender else None):
+        for closer in (remote.stubs.close() if remote else None, puller.close() if puller else None,
+                       receiver.close() if receiver else None, sender.close() if sender else None):
             if closer is not None:
                 await closer
         engine.shutdown()
@@ -265,5 +266,5 @@ class Worker:
         log.info("draining: %d requests in flight, grace %.0f s", service.num_inflight, self.config.drain_grace_s)
         try:
             await asyncio.wait_for(service.idle.wait(), timeout=self.config.drain_grace_s)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             log.warning("drain grace expired with %d requests in flight; aborting them", service.num_inflight)

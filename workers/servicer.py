@@ -39,8 +39,13 @@ from splitserve.workers.events import EventHub
 from splitserve.workers.kv_pull import BlocksNotHeldError, KVPuller, serve_cached
 from splitserve.workers.prefill import serve_prefill
 from splitserve.workers.records import RequestRecords
-from splitserve.workers.transfer.base import (KVLayout, KVSender, LayoutMismatchError, TransferError,
-                                              UnknownTransferError)
+from splitserve.workers.transfer.base import (
+    KVLayout,
+    KVSender,
+    LayoutMismatchError,
+    TransferError,
+    UnknownTransferError,
+)
 
 log = logging.getLogger(__name__)
 

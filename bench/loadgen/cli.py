@@ -18,9 +18,9 @@ import math
 import pathlib
 import sys
 
-from splitserve.platform.errors import ConfigError, SplitserveError
 from splitserve.bench.loadgen import workloads
 from splitserve.bench.loadgen.metrics import parse_slo
+from splitserve.platform.errors import ConfigError, SplitserveError
 
 
 def _positive(unit: str):

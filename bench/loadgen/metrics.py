@@ -21,8 +21,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from splitserve.platform.errors import ConfigError
 from splitserve.bench.loadgen.client import RequestResult
+from splitserve.platform.errors import ConfigError
 
 PERCENTILES = (50, 90, 99)
 SLO_KEYS = ("ttft", "tpot", "e2e")

@@ -64,7 +64,7 @@ class AsyncEngine:
         return self._engine.loras.read(name, path)
 
     @classmethod
-    def from_config(cls, config: EngineConfig) -> "AsyncEngine":
+    def from_config(cls, config: EngineConfig) -> AsyncEngine:
         return cls(LLMEngine(config))
 
     async def generate(self, prompt: str | None = None, params: SamplingParams | None = None, *,

@@ -142,7 +142,8 @@ class DecodeBuffers:
         self.block_tables[:bucket].copy_(tables[:bucket], non_blocking=True)
         if self.decode_mask is not None:
             width = self.decode_mask.shape[1]
-            self.decode_mask[:bucket] = torch.arange(width, device=self.device)[None, :] < self.context_lens[:bucket, None]
+            positions = torch.arange(width, device=self.device)[None, :]
+            self.decode_mask[:bucket] = positions < self.context_lens[:bucket, None]
 
     def fill_padding(self, bucket: int) -> None:
         """Every one of `bucket` rows padding: what a capture records depends on no step's values."""

@@ -101,7 +101,7 @@ class CudaCopyStream(CopyStream):
     def __init__(self, device: torch.device):
         self.device = device
         self.stream = torch.cuda.Stream(device)
-        self._lock = threading.Lock()   # submit runs on the engine thread (export) or the loop (import)
+        self._lock = threading.Lock()  # submit runs on the engine thread (export) or the loop (import)
         self._pending = False
 
     def submit(self, fn: Callable[[], None], keep: tuple[torch.Tensor, ...] = ()) -> Ready:
@@ -152,8 +152,8 @@ class HostBufferPool:
         self._lock = threading.Lock()
         self._idle: dict[int, list[tuple[torch.Tensor, Ready]]] = {}
         self._idle_bytes = 0
-        self.num_allocated = 0     # buffers ever made (reuse keeps it flat)
-        self.num_lent = 0          # buffers acquired and not released (0 when nothing leaks)
+        self.num_allocated = 0  # buffers ever made (reuse keeps it flat)
+        self.num_lent = 0  # buffers acquired and not released (0 when nothing leaks)
 
     def acquire(self, nbytes: int) -> torch.Tensor:
         """A buffer of at least `nbytes` (its size class; use `buf[:nbytes]`) that the device no
@@ -171,7 +171,7 @@ class HostBufferPool:
                     return buf
             self.num_allocated += 1
             self.num_lent += 1
-        with torch.inference_mode(False):   # a normal tensor: export fills it in inference mode, import outside
+        with torch.inference_mode(False):  # a normal tensor: export fills it in inference mode, import outside
             return torch.empty(size, dtype=torch.uint8, pin_memory=self.pin)
 
     def release(self, buf: torch.Tensor, ready: Ready = DONE) -> None:

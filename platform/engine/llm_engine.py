@@ -26,6 +26,7 @@ import torch
 
 from splitserve.platform.config import EngineConfig, ModelConfig, resolve_kv_cache_dtype
 from splitserve.platform.engine import prompt_logprobs
+from splitserve.platform.engine.cuda_graphs import decode_graph_bytes, uses_decode_graphs
 from splitserve.platform.engine.input_processor import InputProcessor
 from splitserve.platform.engine.kv_connector import KVConnector
 from splitserve.platform.engine.kv_handoff import KVExport
@@ -34,7 +35,6 @@ from splitserve.platform.engine.model_loader import DTYPES, load_model
 from splitserve.platform.engine.output_processor import OutputProcessor
 from splitserve.platform.engine.outputs import RequestOutput, TokenLogprob
 from splitserve.platform.engine.request_state import RequestState
-from splitserve.platform.engine.cuda_graphs import decode_graph_bytes, uses_decode_graphs
 from splitserve.platform.engine.runner import ModelRunner
 from splitserve.platform.errors import InvalidRequestError
 from splitserve.platform.hashing import BlockHasher, lora_extra_keys

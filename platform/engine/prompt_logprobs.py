@@ -51,7 +51,7 @@ class Collected:
     entries: list[TokenLogprob | None] = field(default_factory=list)
 
     @classmethod
-    def start(cls, num_top: int, prompt_token_ids: list[int]) -> "Collected":
+    def start(cls, num_top: int, prompt_token_ids: list[int]) -> Collected:
         return cls(num_top, list(prompt_token_ids), [None] * len(prompt_token_ids))
 
 

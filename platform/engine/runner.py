@@ -27,9 +27,8 @@ from splitserve.platform.lora.adapter import LoraAdapter
 from splitserve.platform.lora.batch import LoraContext
 from splitserve.platform.models.attention import AttentionMetadata, PrefillChunk
 from splitserve.platform.sampling.sampler import Sampler, SamplingRow
-from splitserve.platform.sched.plan import SchedulerPlan, ScheduledSeq, StepResult
+from splitserve.platform.sched.plan import ScheduledSeq, SchedulerPlan, StepResult
 from splitserve.platform.spec.verify import verify
-
 
 log = logging.getLogger(__name__)
 

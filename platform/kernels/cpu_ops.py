@@ -19,13 +19,13 @@ import torch
 from splitserve.platform.kernels import cpu_build
 
 
-def fused_cpu_ops(device: torch.device, dtype: torch.dtype) -> "CpuOps | None":
+def fused_cpu_ops(device: torch.device, dtype: torch.dtype) -> CpuOps | None:
     if torch.device(device).type != "cpu" or dtype != torch.float32:
         return None
     return cpu_ops()
 
 
-def cpu_ops() -> "CpuOps | None":
+def cpu_ops() -> CpuOps | None:
     """The kernels of this host, whatever the model's dtype (None: not built here)."""
     lib = cpu_build.load()
     return None if lib is None else CpuOps(lib)
@@ -48,7 +48,7 @@ class LoraEntry(ctypes.Structure):
                 ("start", ctypes.c_int64 * LORA_SHARDS), ("size", ctypes.c_int64 * LORA_SHARDS)]
 
     @classmethod
-    def of(cls, linear) -> "LoraEntry":
+    def of(cls, linear) -> LoraEntry:
         blocks = linear.blocks
         assert len(blocks) <= LORA_SHARDS and linear.a_t.dtype == torch.float32
         n = len(blocks)

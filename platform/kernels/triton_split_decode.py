@@ -35,8 +35,15 @@ import triton
 import triton.language as tl
 
 from splitserve.platform.kernels.dispatch import MAX_SPLITS, choose_num_splits  # noqa: F401 (re-exported)
-from splitserve.platform.kernels.triton_attention import (LOG2E, MIN_DOT, _check, _pad, _paged_keys,
-                                                          _precision, paged_decode_attention)
+from splitserve.platform.kernels.triton_attention import (
+    LOG2E,
+    MIN_DOT,
+    _check,
+    _pad,
+    _paged_keys,
+    _precision,
+    paged_decode_attention,
+)
 
 
 @triton.jit

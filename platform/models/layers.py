@@ -17,8 +17,8 @@ import math
 
 import numpy as np
 import torch
-from torch import nn
 from gguf import GGMLQuantizationType as Q
+from torch import nn
 
 from splitserve.platform.config import RopeScaling
 from splitserve.platform.quant import formats

@@ -56,7 +56,7 @@ class RawQuant:
         values = dequantize(self.blocks, self.tensor_type)
         return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32)).reshape(self.shape)
 
-    def permute_rows(self, order: torch.Tensor) -> "RawQuant":
+    def permute_rows(self, order: torch.Tensor) -> RawQuant:
         return RawQuant(self.tensor_type, self.blocks[order.numpy()], self.shape)
 
 

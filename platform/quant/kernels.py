@@ -260,7 +260,7 @@ def build_kernel(mode: str, name: str, weight: torch.Tensor | RawQuant, bias: to
     return kernel
 
 
-def build_head(mode: str, codes: torch.Tensor, scale: torch.Tensor) -> "RescoredHead | a8.Int8A8Head":
+def build_head(mode: str, codes: torch.Tensor, scale: torch.Tensor) -> RescoredHead | a8.Int8A8Head:
     """The LM head of a fast mode over its int8 table: int8 activations over the whole vocabulary
     under `w4a8`, `w4a16` and `auto` (where the CPU kernels are built and the vocabulary fills 16-row tiles),
     else the 4-bit pass re-scored exactly at the top of each row (under `auto-exact` that pass in

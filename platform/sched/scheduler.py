@@ -55,9 +55,8 @@ from dataclasses import dataclass
 
 from splitserve.platform.config import SchedulerConfig
 from splitserve.platform.kv.manager import KVCacheManager
-from splitserve.platform.sched.plan import SchedulerPlan, ScheduledSeq, StepResult
+from splitserve.platform.sched.plan import ScheduledSeq, SchedulerPlan, StepResult
 from splitserve.platform.sched.request import Request, RequestStatus
-
 
 # Rule 3 holds a request back only for at least this many shared blocks in flight (SGLang's
 # in-batch prefix check uses a like threshold of 32 tokens, two of our default blocks).

@@ -12,7 +12,7 @@ of `expected_weight_shapes(config)` (names.py), one tensor at a time, already in
 
 from __future__ import annotations
 
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 

@@ -34,7 +34,8 @@ permutation (llama.cpp runs it in NEOX mode), so its tensors are taken as they a
 from __future__ import annotations
 
 import re
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 import torch

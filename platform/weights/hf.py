@@ -26,7 +26,8 @@ from __future__ import annotations
 import glob
 import json
 import os
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 from safetensors import safe_open

@@ -11,7 +11,7 @@ generators differ, so CPU and GPU runs get different (equally valid) random mode
 from __future__ import annotations
 
 import hashlib
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 

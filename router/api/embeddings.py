@@ -24,6 +24,7 @@ from typing import Literal
 
 from fastapi import Depends, FastAPI, Request
 from pydantic import BaseModel, ConfigDict
+
 from splitserve.platform.sampling.params import SamplingParams
 from splitserve.router.api.errors import APIError, bad_request
 from splitserve.router.api.prompts import Prepared

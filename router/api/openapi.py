@@ -16,6 +16,7 @@ Checked by schemathesis in tests/router/test_router_openapi.py.
 from __future__ import annotations
 
 from fastapi.openapi.utils import get_openapi
+
 from splitserve.platform.sampling.params import MAX_LOGPROBS
 
 INT32, INT64 = 2**31, 2**63

@@ -15,6 +15,7 @@ import uuid
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import Response
+
 from splitserve.router.api.errors import APIError
 from splitserve.router.api.formatting import Formatter
 from splitserve.router.api.responses_request import ResponsesRequest, chat_request

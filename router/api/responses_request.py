@@ -30,6 +30,7 @@ from __future__ import annotations
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
+
 from splitserve.router.api.errors import bad_request
 from splitserve.router.api.schemas import ChatCompletionRequest, Int
 

@@ -21,6 +21,7 @@ import json
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field
+
 from splitserve.platform.__about__ import __version__
 from splitserve.platform.errors import InvalidRequestError
 from splitserve.platform.tokenizer import check_chat_template_kwargs

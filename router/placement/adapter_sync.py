@@ -30,6 +30,7 @@ import logging
 import re
 
 import yaml
+
 from splitserve.platform.errors import ConfigError
 from splitserve.router.config import AdaptersConfig
 from splitserve.router.placement.adapters import AdapterCatalog

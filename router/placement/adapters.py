@@ -28,6 +28,7 @@ import asyncio
 import logging
 
 import grpc
+
 from splitserve.platform.wire import worker_pb2 as pb
 from splitserve.router.api.errors import APIError, NoWorkerError
 from splitserve.router.placement.pool import WorkerPool, WorkerState

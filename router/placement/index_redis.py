@@ -22,6 +22,7 @@ from __future__ import annotations
 import time
 
 import redis.asyncio as aioredis
+
 from splitserve.platform.wire import worker_pb2 as pb
 from splitserve.router.placement.index import SECOND_TIER
 

@@ -17,6 +17,7 @@ import asyncio
 import logging
 
 import grpc
+
 from splitserve.platform.grpc_channels import ChannelPool
 from splitserve.platform.wire import worker_pb2 as pb
 from splitserve.router.config import DiscoveryConfig

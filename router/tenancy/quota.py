@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter
+
 from splitserve.router.api.errors import APIError
 from splitserve.router.config import ApiKey
 from splitserve.router.core.usage import Usage

@@ -36,6 +36,7 @@ def format_table(rows: list[dict]) -> str:
 
 async def read_rows(redis_url: str, prefix: str) -> list[dict]:
     from prometheus_client import CollectorRegistry
+
     from splitserve.router.tenancy.quota import Quota
 
     quota = Quota(CollectorRegistry(), redis_url, prefix)

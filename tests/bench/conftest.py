@@ -1,7 +1,6 @@
 """Fixtures of the bench tests: one scripted OpenAI-compatible server for the whole folder."""
 
 import pytest
-
 from benchkit import ScriptedServer
 
 

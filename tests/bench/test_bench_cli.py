@@ -6,8 +6,8 @@ import subprocess
 import sys
 
 import pytest
-
 from benchkit import Script, retry_timing
+
 from splitserve.bench.loadgen import cli, workloads
 
 SPLITSERVE = str(pathlib.Path(sys.executable).parent / "splitserve")

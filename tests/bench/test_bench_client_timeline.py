@@ -12,8 +12,8 @@ import asyncio
 
 import numpy as np
 import pytest
-
 from benchkit import Script, retry_timing
+
 from splitserve.bench.loadgen import metrics, workloads
 from splitserve.bench.loadgen.arrivals import arrival_offsets
 from splitserve.bench.loadgen.runner import RunConfig, run

@@ -5,9 +5,9 @@ import re
 import numpy as np
 import pytest
 
-from splitserve.platform.errors import ConfigError
 from splitserve.bench.loadgen import metrics
 from splitserve.bench.loadgen.client import RequestResult
+from splitserve.platform.errors import ConfigError
 
 
 def req(ttft, itl=(), start=0.0, out=None, max_tokens=None, prompt=10, cached=None, ok=True):

@@ -6,9 +6,9 @@ import re
 import numpy as np
 import pytest
 
-from splitserve.platform.errors import ConfigError
 from splitserve.bench.loadgen import workloads
 from splitserve.bench.loadgen.workloads import TOKEN_HIGH, TOKEN_LOW
+from splitserve.platform.errors import ConfigError
 
 
 def flat(wl):

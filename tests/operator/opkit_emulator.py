@@ -173,7 +173,7 @@ class ClusterThread:
             await asyncio.sleep(0.05)
             await self.cluster.collect_garbage()
 
-    def __enter__(self) -> "ClusterThread":
+    def __enter__(self) -> ClusterThread:
         self._thread.start()
         self._ready.wait(10)
         return self

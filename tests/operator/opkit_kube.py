@@ -4,7 +4,8 @@ store them, acting as the Deployment controller, and waiting for the operator.""
 from __future__ import annotations
 
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from opkit_schemas import admit
 

@@ -16,7 +16,7 @@ KEDA and the Prometheus operator.
 from __future__ import annotations
 
 import copy
-from functools import lru_cache
+from functools import cache, lru_cache
 from typing import Any
 
 import celpy
@@ -99,7 +99,7 @@ CRD_FILES = {("inference.networking.k8s.io/v1", "InferencePool"): "inference.net
              ("gateway.networking.k8s.io/v1", "HTTPRoute"): "gateway.networking.k8s.io_httproutes.yaml"}
 
 
-@lru_cache(maxsize=None)
+@cache
 def crd_schema(api_version: str, kind: str) -> dict[str, Any]:
     import pathlib
 

@@ -30,6 +30,7 @@ from cryptography import x509
 from cryptography.x509.oid import ExtendedKeyUsageOID
 from opkit_kube import condition, create_isvc, isvc
 from opkit_schemas import validate_manifest
+
 from splitserve.operator import constants as C
 from splitserve.operator import kube as K
 from splitserve.operator import pki
@@ -77,13 +78,14 @@ def chart_objects(values: dict) -> list[dict]:
 
 # -- gateway API keys, rendered -------------------------------------------------------------------
 
+
 def test_the_default_router_reads_the_generated_key_file():
     router = router_of(TINY)
     (volume,) = [v for v in pod(router)["volumes"] if v["name"] == "api-keys"]
     assert volume["secret"]["secretName"] == "svc-api-keys"
     assert volume["secret"]["items"] == [{"key": "keys.yaml", "path": "keys.yaml"}]
     (mount,) = [m for m in pod(router)["containers"][0]["volumeMounts"] if m["name"] == "api-keys"]
-    assert "subPath" not in mount and mount["readOnly"]   # a subPath mount would never see the Secret change
+    assert "subPath" not in mount and mount["readOnly"]  # a subPath mount would never see the Secret change
     args = pod(router)["containers"][0]["args"]
     assert args[args.index("--api-keys-file") + 1] == f"{mount['mountPath']}/keys.yaml"
     validate_manifest(router)
@@ -103,7 +105,7 @@ def test_allow_unauthenticated_renders_an_open_gateway_and_excludes_api_keys():
     with pytest.raises(ValueError, match="set apiKeys or allowUnauthenticated, not both"):
         parse_spec({**TINY, "router": {"allowUnauthenticated": True, "apiKeys": {"name": "k", "key": "k"}}})
     crd = (CHART / "crds" / "inferenceservices.serving.splitserve.io.yaml").read_text()
-    assert "router: set apiKeys or allowUnauthenticated, not both" in crd   # the API server checks it too
+    assert "router: set apiKeys or allowUnauthenticated, not both" in crd  # the API server checks it too
 
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
@@ -118,6 +120,7 @@ def test_every_shipped_example_renders_a_closed_gateway(path):
 
 # -- gateway API keys, against the emulated API ----------------------------------------------------
 
+
 def test_reconcile_generates_an_admin_key_the_router_accepts(cluster, kube, namespace, tmp_path):
     owner = create_isvc(kube, "svc", namespace, TINY)
     reconcile(kube, SETTINGS, namespace, "svc", now=T0)
@@ -125,17 +128,18 @@ def test_reconcile_generates_an_admin_key_the_router_accepts(cluster, kube, name
     assert keys["metadata"]["ownerReferences"][0]["uid"] == owner["metadata"]["uid"]
     admin_key = data(keys, "admin-key").decode()
     key_file = yaml.safe_load(data(keys, "keys.yaml"))
-    assert key_file == {"keys": [{"id": "admin", "sha256": hashlib.sha256(admin_key.encode()).hexdigest(),
-                                  "role": "admin"}]}
-    assert admin_key not in data(keys, "keys.yaml").decode()   # the router's file holds the digest only
+    assert key_file == {
+        "keys": [{"id": "admin", "sha256": hashlib.sha256(admin_key.encode()).hexdigest(), "role": "admin"}]
+    }
+    assert admin_key not in data(keys, "keys.yaml").decode()  # the router's file holds the digest only
     (tmp_path / "keys.yaml").write_bytes(data(keys, "keys.yaml"))
-    loaded = KeyFile(str(tmp_path / "keys.yaml"))   # the router's own loader (router/tenancy/keyfile.py)
+    loaded = KeyFile(str(tmp_path / "keys.yaml"))  # the router's own loader (router/tenancy/keyfile.py)
     assert loaded.lookup(admin_key).name == "admin" and loaded.lookup("sk-guess") is None
-    assert loaded.lookup(admin_key).role == "admin"   # may load LoRA adapters at run time
+    assert loaded.lookup(admin_key).role == "admin"  # may load LoRA adapters at run time
     authenticated = condition(isvc(kube, namespace, "svc"), "Authenticated")
     assert (authenticated["status"], authenticated["reason"]) == ("True", "GeneratedAdminKey")
 
-    mark = len(cluster.cluster.writes)   # a second reconcile keeps the key
+    mark = len(cluster.cluster.writes)  # a second reconcile keeps the key
     reconcile(kube, SETTINGS, namespace, "svc", now=T0 + datetime.timedelta(days=1))
     assert not [w for w in cluster.writes_since(mark, namespace) if w.plural == "secrets"]
     assert data(secret(kube, namespace, "svc-api-keys"), "admin-key").decode() == admin_key
@@ -158,8 +162,11 @@ def test_a_users_key_secret_means_no_generated_one(cluster, kube, namespace):
 
 
 def test_the_chart_can_forbid_an_open_gateway(tmp_path):
-    (cm,) = [d for d in chart_objects({"security": {"allowUnauthenticatedGateway": False}})
-             if d["kind"] == "ConfigMap" and "defaults.yaml" in d.get("data", {})]
+    (cm,) = [
+        d
+        for d in chart_objects({"security": {"allowUnauthenticatedGateway": False}})
+        if d["kind"] == "ConfigMap" and "defaults.yaml" in d.get("data", {})
+    ]
     (tmp_path / "defaults.yaml").write_text(cm["data"]["defaults.yaml"])
     strict = load_settings(str(tmp_path / "defaults.yaml"))
     assert strict.security.allow_unauthenticated_gateway is False
@@ -173,6 +180,7 @@ def test_the_chart_can_forbid_an_open_gateway(tmp_path):
 def test_the_key_file_mount_reloads_when_the_kubelet_swaps_the_secret(tmp_path):
     """The kubelet's atomic writer: keys.yaml -> ..data/keys.yaml, ..data -> a timestamped folder,
     replaced by renaming a new symlink over ..data. The router's KeyFile sees the new keys."""
+
     def version(name: str, key: str) -> None:
         folder = tmp_path / name
         folder.mkdir()
@@ -191,16 +199,18 @@ def test_the_key_file_mount_reloads_when_the_kubelet_swaps_the_secret(tmp_path):
 
 # -- least privilege ---------------------------------------------------------------------------
 
+
 def rules_of(obj) -> set[tuple[str, str, str]]:
-    return {(g, r, v) for rule in obj["rules"] for g in rule["apiGroups"] for r in rule["resources"]
-            for v in rule["verbs"]}
+    return {
+        (g, r, v) for rule in obj["rules"] for g in rule["apiGroups"] for r in rule["resources"] for v in rule["verbs"]
+    }
 
 
 def test_the_default_install_is_namespaced():
     objs = chart_objects({})
     cluster_roles = [o for o in objs if o["kind"] == "ClusterRole"]
     assert [o["metadata"]["name"] for o in cluster_roles] == ["splitserve-observer"]
-    assert {v for _, _, v in rules_of(cluster_roles[0])} == {"list", "watch"}   # no write anywhere cluster-wide
+    assert {v for _, _, v in rules_of(cluster_roles[0])} == {"list", "watch"}  # no write anywhere cluster-wide
     (role,) = [o for o in objs if o["kind"] == "Role"]
     assert role["metadata"]["namespace"] == "splitserve-system"
     assert ("", "secrets", "create") in rules_of(role)
@@ -221,6 +231,7 @@ def test_cluster_wide_needs_an_explicit_value():
 
 # -- per-role certificates ---------------------------------------------------------------------
 
+
 def test_the_router_gets_a_client_only_router_certificate_and_workers_check_roles(cluster, kube, namespace):
     create_isvc(kube, "svc", namespace, TINY)
     reconcile(kube, SETTINGS, namespace, "svc", now=T0)
@@ -228,7 +239,8 @@ def test_the_router_gets_a_client_only_router_certificate_and_workers_check_role
     sans = router_cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
     assert sans.get_values_for_type(x509.DNSName) == ["splitserve-router", "svc-router"]
     assert list(router_cert.extensions.get_extension_for_class(x509.ExtendedKeyUsage).value) == [
-        ExtendedKeyUsageOID.CLIENT_AUTH]
+        ExtendedKeyUsageOID.CLIENT_AUTH
+    ]
     for pool in ("prefill", "decode"):
         assert pki.role_of(data(secret(kube, namespace, f"svc-{pool}-tls"), "tls.crt")) == "worker"
         dep = kube.get(K.path(K.KIND_BY_NAME["Deployment"], namespace, f"svc-{pool}"))
@@ -250,11 +262,13 @@ def test_a_router_certificate_of_the_worker_kind_is_reissued(cluster, kube, name
 
 # -- resource defaults -------------------------------------------------------------------------
 
+
 def assert_bounded(dep_or_pod_spec: dict, where: str) -> None:
     for container in dep_or_pod_spec["containers"]:
         resources = container.get("resources", {})
-        assert resources.get("requests") and resources.get("limits", {}).get("memory"), \
+        assert resources.get("requests") and resources.get("limits", {}).get("memory"), (
             f"{where}: container {container['name']} has no requests or memory limit: {resources}"
+        )
     for volume in dep_or_pod_spec.get("volumes", []):
         if "emptyDir" in volume:
             assert volume["emptyDir"].get("sizeLimit"), f"{where}: emptyDir {volume['name']} has no size limit"
@@ -273,11 +287,14 @@ def test_defaults_fill_in_only_what_the_spec_leaves_out():
     for name, dep in deps.items():
         assert_bounded(pod(dep), name)
     decode = pod(deps["svc-decode"])["containers"][0]["resources"]
-    assert decode == {"requests": {"cpu": "1", "memory": "1536Mi"}, "limits": {"memory": "2560Mi"}}   # 0.5 GiB KV
-    own = deployments(render(parse_spec({**TINY, "decode": {"resources": {"requests": {"memory": "6Gi"}}}}),
-                             "svc", "ns", "uid", SETTINGS))
+    assert decode == {"requests": {"cpu": "1", "memory": "1536Mi"}, "limits": {"memory": "2560Mi"}}  # 0.5 GiB KV
+    own = deployments(
+        render(
+            parse_spec({**TINY, "decode": {"resources": {"requests": {"memory": "6Gi"}}}}), "svc", "ns", "uid", SETTINGS
+        )
+    )
     resources = pod(own["svc-decode"])["containers"][0]["resources"]
-    assert resources == {"requests": {"memory": "6Gi"}, "limits": {"memory": "6Gi"}}   # never a limit below the request
+    assert resources == {"requests": {"memory": "6Gi"}, "limits": {"memory": "6Gi"}}  # never a limit below the request
     gpu = deployments(render(parse_spec({**TINY, "decode": {"gpus": 1}}), "svc", "ns", "uid", SETTINGS))
     assert pod(gpu["svc-decode"])["containers"][0]["resources"]["limits"] == {"memory": "32768Mi", "nvidia.com/gpu": 1}
 

@@ -16,14 +16,20 @@ import yaml
 from opkit_schemas import validate_manifest
 
 from splitserve.operator import cli
-from splitserve.planner import cli as planner_cli
 from splitserve.operator.context import Context
 from splitserve.operator.crd import crd_yaml
 from splitserve.operator.kube import KINDS
 from splitserve.operator.render_services import router_access
-from splitserve.operator.settings import (AutoscalingDefaults, ImageDefaults, OperatorSettings, PoolDefaults,
-                                          ReconcileSettings, load_settings)
+from splitserve.operator.settings import (
+    AutoscalingDefaults,
+    ImageDefaults,
+    OperatorSettings,
+    PoolDefaults,
+    ReconcileSettings,
+    load_settings,
+)
 from splitserve.operator.spec import parse_spec
+from splitserve.planner import cli as planner_cli
 
 CHART = pathlib.Path(__file__).resolve().parents[2] / "helm" / "splitserve"
 VALUES = {

@@ -26,9 +26,9 @@ from splitserve.operator.settings import OperatorSettings
 from splitserve.operator.spec import parse_spec
 from splitserve.planner.config import PlannerConfig, PoolBounds
 from splitserve.planner.law import Observation, Planner, PoolObservation
+from splitserve.planner.plan_loop import PLANNER_SELECTOR, ServicePlan
 from splitserve.planner.profile import CapacityProfile, DecodePoint, PrefillPoint
 from splitserve.planner.server import DesiredStore, serve
-from splitserve.planner.plan_loop import PLANNER_SELECTOR, ServicePlan
 
 SETTINGS = OperatorSettings()
 AUTO = {"enabled": True, "provider": "planner", "minReplicas": 1, "maxReplicas": 9}

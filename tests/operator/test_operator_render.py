@@ -14,10 +14,10 @@ import yaml
 from opkit_schemas import admit, validate_manifest
 
 from splitserve.operator import constants as C
+from splitserve.operator.context import Context
 from splitserve.operator.endpoints import pods_of
 from splitserve.operator.render import render
 from splitserve.operator.render_services import config_hash
-from splitserve.operator.context import Context
 from splitserve.operator.settings import AutoscalingDefaults, OperatorSettings
 from splitserve.operator.spec import parse_spec
 
@@ -384,8 +384,9 @@ def test_kv_cache_spec_renders_the_second_tier_and_pulls(gpus):
         assert {"name": "kv-tier", "mountPath": "/var/cache/splitserve-kv"} in pod["containers"][0]["volumeMounts"]
     config = yaml.safe_load(manifests[("ConfigMap", "svc-router")]["data"]["router.yaml"])
     assert config["placement"]["kv_pull"] == {"enabled": False}
-    from splitserve.platform.cli import byte_size, kv_tier_config
     import argparse
+
+    from splitserve.platform.cli import byte_size, kv_tier_config
     tier = kv_tier_config(argparse.Namespace(kv_tier_bytes=byte_size(args[args.index("--kv-tier-bytes") + 1]),
                                              kv_tier_dir=None))
     assert tier.max_bytes == 2 * 1024**3

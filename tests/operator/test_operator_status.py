@@ -7,8 +7,14 @@ import pytest
 from splitserve.operator.checks import InvalidSpecError, check_spec
 from splitserve.operator.settings import AutoscalingDefaults, OperatorSettings, PoolDefaults
 from splitserve.operator.spec import parse_spec
-from splitserve.operator.status import (PoolObservation, blocked_status, build_status, is_ready, observe_deployment,
-                                        pool_condition)
+from splitserve.operator.status import (
+    PoolObservation,
+    blocked_status,
+    build_status,
+    is_ready,
+    observe_deployment,
+    pool_condition,
+)
 
 T0, T1 = "2026-01-01T00:00:00Z", "2026-01-01T00:05:00Z"
 URL = "http://svc.ns.svc:8000"

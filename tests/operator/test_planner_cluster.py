@@ -17,8 +17,8 @@ import urllib.error
 import urllib.request
 
 import pytest
-from prometheus_client import generate_latest
 from opkit_kube import create_isvc
+from prometheus_client import generate_latest
 from workerproc import free_port
 
 from splitserve.operator import kube as K
@@ -29,7 +29,7 @@ from splitserve.operator.settings import OperatorSettings
 from splitserve.operator.spec import parse_spec
 from splitserve.planner.cluster import ClusterPlanner
 from splitserve.planner.config import PlannerConfig
-from splitserve.planner.kube import KubeError, KubeClient, load_configuration
+from splitserve.planner.kube import KubeClient, KubeError, load_configuration
 from splitserve.planner.lease import LeaderElector, LeaseConfig
 from splitserve.planner.profile import CapacityProfile, DecodePoint, PrefillPoint
 from splitserve.planner.server import DesiredStore, serve

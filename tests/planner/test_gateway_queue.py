@@ -16,7 +16,8 @@ from splitserve.router.flow.metrics import FlowMetrics
 PROFILE = CapacityProfile(
     prefill=(PrefillPoint(128, 8000.0), PrefillPoint(8192, 8000.0)),
     decode=(DecodePoint(1000, 1, 50.0, 0.020), DecodePoint(1000, 64, 1600.0, 0.040)),
-    kv_tokens=200_000)
+    kv_tokens=200_000,
+)
 
 
 def router_metrics(queued: dict[tuple[int, str], int]) -> str:
@@ -35,12 +36,24 @@ def test_flow_queue_is_read_summed_over_bands_and_flows():
 def test_queued_requests_scale_decode_up_from_zero():
     cfg = PlannerConfig(itl_p90_s=0.040, headroom=0.0, prefill=PoolBounds(0, 8), decode=PoolBounds(0, 8))
     planner = Planner(cfg, PROFILE, initial={"prefill": 0, "decode": 0})
-    idle = Observation(now=0.0, uncached_prompt_tokens_per_s=0.0, output_tokens_per_s=0.0,
-                       prefill=PoolObservation(0), decode=PoolObservation(0))
+    idle = Observation(
+        now=0.0,
+        uncached_prompt_tokens_per_s=0.0,
+        output_tokens_per_s=0.0,
+        prefill=PoolObservation(0),
+        decode=PoolObservation(0),
+    )
     assert planner.tick(idle).desired() == {"prefill": 0, "decode": 0}
-    waiting = Observation(now=15.0, uncached_prompt_tokens_per_s=0.0, output_tokens_per_s=0.0,
-                          prefill=PoolObservation(0), decode=PoolObservation(0), queued_requests=12,
-                          mean_prompt_tokens=200, mean_output_tokens=128)
+    waiting = Observation(
+        now=15.0,
+        uncached_prompt_tokens_per_s=0.0,
+        output_tokens_per_s=0.0,
+        prefill=PoolObservation(0),
+        decode=PoolObservation(0),
+        queued_requests=12,
+        mean_prompt_tokens=200,
+        mean_output_tokens=128,
+    )
     decision = planner.tick(waiting)
     assert decision.decode.desired == 1 and decision.decode.reason == "scale_up"
     assert decision.decode.demand == 12 * 128 / cfg.queue_drain_s
@@ -49,8 +62,18 @@ def test_queued_requests_scale_decode_up_from_zero():
 
 def test_service_loop_passes_the_routers_queue_to_the_law():
     pool = PoolPlan("d", "app=x", 0, 4)
-    plan = ServicePlan(namespace="ns", name="svc", ttft_p90_ms=2000, itl_p90_ms=100, export="keda", prefill=pool,
-                       decode=pool, router_selector="app=r", router_metrics_port=9000, worker_metrics_port=9001)
+    plan = ServicePlan(
+        namespace="ns",
+        name="svc",
+        ttft_p90_ms=2000,
+        itl_p90_ms=100,
+        export="keda",
+        prefill=pool,
+        decode=pool,
+        router_selector="app=r",
+        router_metrics_port=9000,
+        worker_metrics_port=9001,
+    )
     loop = ServiceLoop(plan, Planner(PlannerConfig(), PROFILE))
     pods = {"prefill": PoolObservation(0), "decode": PoolObservation(0)}
     router = ReadyPod(name="r-1", ip="10.0.0.1", age_s=100.0)

@@ -9,8 +9,8 @@ import urllib.request
 from prometheus_client import start_http_server
 from workerproc import free_port
 
-from splitserve.planner.config import PlannerConfig, PoolBounds
 from splitserve.planner.cli import PlannerProcess
+from splitserve.planner.config import PlannerConfig, PoolBounds
 from splitserve.planner.law import Planner
 from splitserve.planner.profile import CapacityProfile, DecodePoint, PrefillPoint
 from splitserve.planner.server import DesiredStore, serve

@@ -11,13 +11,13 @@ import types
 import pytest
 from prometheus_client import CollectorRegistry, Histogram, generate_latest, start_http_server
 
+from splitserve.launch.up_planner import LocalPlannerLoop
 from splitserve.planner import signals as S
 from splitserve.planner.config import PlannerConfig
 from splitserve.planner.law import Planner
 from splitserve.planner.profile import CapacityProfile, DecodePoint, PrefillPoint
 from splitserve.planner.window import ScrapeWindow, measured_latency
 from splitserve.router.metrics import RouterMetrics
-from splitserve.launch.up_planner import LocalPlannerLoop
 from splitserve.workers.metrics import WorkerMetrics
 
 

@@ -10,8 +10,16 @@ import pytest
 import torch
 
 from splitserve.platform.config import CacheConfig, DeviceConfig
-from splitserve.platform.engine.cuda_graphs import (PAD_SLOT, DecodeBuffers, bucket_for, capture_cost, capture_sizes,
-                                                    decode_graph_bytes, graph_memory_bytes, uses_decode_graphs)
+from splitserve.platform.engine.cuda_graphs import (
+    PAD_SLOT,
+    DecodeBuffers,
+    bucket_for,
+    capture_cost,
+    capture_sizes,
+    decode_graph_bytes,
+    graph_memory_bytes,
+    uses_decode_graphs,
+)
 from splitserve.platform.errors import ConfigError
 from splitserve.platform.kv.cache import plan_num_blocks
 from splitserve.platform.sampling.params import SamplingParams

@@ -8,6 +8,7 @@ local layers, so the sliding window and the per-layer-type rope are exercised on
 """
 
 import pytest
+from test_engine_vs_transformers import PROMPTS as FIDELITY_PROMPTS
 from test_engine_vs_transformers import hf_greedy
 
 from splitserve.platform.config import CacheConfig, DeviceConfig, EngineConfig, SchedulerConfig
@@ -15,7 +16,6 @@ from splitserve.platform.engine.llm_engine import LLMEngine
 from splitserve.platform.kernels.cpu_ops import cpu_ops
 from splitserve.platform.model_source import resolve_model
 from splitserve.platform.sampling.params import SamplingParams
-from test_engine_vs_transformers import PROMPTS as FIDELITY_PROMPTS
 
 pytestmark = pytest.mark.slow
 

@@ -47,7 +47,7 @@ class DeferredCopyStream:
         self.fns: list = []
         self.num_done = 0
         self.num_orderings = 0
-        self.orders_compute = orders_compute   # False: a broken engine that forgets to wait
+        self.orders_compute = orders_compute  # False: a broken engine that forgets to wait
 
     def submit(self, fn, keep=()) -> Ready:
         self.fns.append(fn)
@@ -76,10 +76,17 @@ def staged(engine, orders_compute: bool = True):
 
 
 # -- the pool ----------------------------------------------------------------------------------
-@pytest.mark.parametrize("nbytes, size", [(1, MIN_BUFFER_BYTES), (MIN_BUFFER_BYTES, MIN_BUFFER_BYTES),
-                                          (MIN_BUFFER_BYTES + 1, MIN_BUFFER_BYTES + MIN_BUFFER_BYTES // 8),
-                                          (16_777_216, 16_777_216), (16_777_217, 18_874_368),
-                                          (33_554_432 - 1, 33_554_432)])
+@pytest.mark.parametrize(
+    "nbytes, size",
+    [
+        (1, MIN_BUFFER_BYTES),
+        (MIN_BUFFER_BYTES, MIN_BUFFER_BYTES),
+        (MIN_BUFFER_BYTES + 1, MIN_BUFFER_BYTES + MIN_BUFFER_BYTES // 8),
+        (16_777_216, 16_777_216),
+        (16_777_217, 18_874_368),
+        (33_554_432 - 1, 33_554_432),
+    ],
+)
 def test_size_class_rounds_up_within_an_eighth(nbytes, size):
     assert size_class(nbytes) == size
     assert nbytes <= size_class(nbytes) <= max(MIN_BUFFER_BYTES, nbytes * 1.125)
@@ -90,11 +97,11 @@ def test_a_released_buffer_is_lent_again_only_once_its_copy_completed():
     a = pool.acquire(3 << 20)
     ready = stream.submit(lambda: None)
     pool.release(a, ready)
-    b = pool.acquire(3 << 20)                # a's copy is still in flight: a new buffer
+    b = pool.acquire(3 << 20)  # a's copy is still in flight: a new buffer
     assert b.data_ptr() != a.data_ptr() and pool.num_allocated == 2
     stream.run_until(1)
     pool.release(b)
-    reused = {pool.acquire(3 << 20).data_ptr(), pool.acquire((3 << 20) - 5).data_ptr()}   # same size class
+    reused = {pool.acquire(3 << 20).data_ptr(), pool.acquire((3 << 20) - 5).data_ptr()}  # same size class
     assert reused == {a.data_ptr(), b.data_ptr()} and pool.num_allocated == 2 and pool.num_lent == 2
 
 
@@ -102,7 +109,7 @@ def test_the_pool_keeps_at_most_max_idle_bytes_and_validates():
     pool = HostBufferPool(pin=False, max_idle_bytes=MIN_BUFFER_BYTES)
     a, b = pool.acquire(10), pool.acquire(10)
     pool.release(a)
-    pool.release(b)                          # beyond the bound: dropped
+    pool.release(b)  # beyond the bound: dropped
     assert pool.idle_bytes == MIN_BUFFER_BYTES and pool.num_lent == 0
     with pytest.raises(ValueError, match="positive size"):
         pool.acquire(0)
@@ -124,19 +131,23 @@ def run_pd(p_engine, d_engine, prompt, req_id="r"):
     [ready] = [o.kv_ready for o in d_engine.step() if o.kv_ready is not None]
     received = []
 
-    def sink(layer, staged_payload, first_block):   # the engine thread: must not wait
+    def sink(layer, staged_payload, first_block):  # the engine thread: must not wait
         assert not staged_payload.ready.is_ready(), "the export copy ran on the engine thread"
         received.append((layer, staged_payload, first_block))
 
-    p_engine.add_request(params=SamplingParams(temperature=0, max_tokens=1, ignore_eos=True), prompt_token_ids=prompt,
-                         req_id=req_id + "-p", kv_export=KVExport(ready.start_block, sink))
+    p_engine.add_request(
+        params=SamplingParams(temperature=0, max_tokens=1, ignore_eos=True),
+        prompt_token_ids=prompt,
+        req_id=req_id + "-p",
+        kv_export=KVExport(ready.start_block, sink),
+    )
     p_outs = []
     while p_engine.has_work():
         p_outs += p_engine.step()
     [p_out] = [o for o in p_outs if o.finished]
-    for layer, staged_payload, first_block in received:     # the sender's thread
+    for layer, staged_payload, first_block in received:  # the sender's thread
         staged_payload.ready.wait()
-        dst = ready.block_ids[ready.start_block + first_block:][:staged_payload.num_blocks]
+        dst = ready.block_ids[ready.start_block + first_block :][: staged_payload.num_blocks]
         d_engine.write_kv_layer(dst, layer, staged_payload.tensor.clone())
         staged_payload.release()
     out = d_engine.complete_remote_prefill(req_id, p_out.new_token_ids[0])
@@ -155,7 +166,7 @@ def test_staged_export_and_import_give_the_colocated_tokens_and_return_every_buf
     final, received = run_pd(p_engine, d_engine, prompt)
     assert final.finished and final.output_token_ids == ref.output_token_ids
     assert len(received) == 30 and p_pool.num_lent == 0 and d_pool.num_lent == 0
-    assert d_stream.num_pending == 0 and d_stream.num_orderings >= 1     # D's steps waited for the imports
+    assert d_stream.num_pending == 0 and d_stream.num_orderings >= 1  # D's steps waited for the imports
     # a second request of another length reuses the buffers: no new allocation on either side
     allocated = (p_pool.num_allocated, d_pool.num_allocated)
     final, _ = run_pd(p_engine, d_engine, [(i * 31) % 40000 + 100 for i in range(60)], req_id="r2")
@@ -198,6 +209,6 @@ def test_on_sent_runs_once_per_payload_after_the_final_reply_or_an_abort(ending)
         return before, len(calls), status.state.name
 
     before, after, state = asyncio.run(go())
-    assert before == 0   # nothing is released while the transport may still read it
+    assert before == 0  # nothing is released while the transport may still read it
     assert after == (2 if ending == "finish" else 1)
     assert state == ("DONE" if ending == "finish" else "FAILED")

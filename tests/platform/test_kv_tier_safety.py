@@ -22,6 +22,7 @@ import textwrap
 
 import pytest
 import torch
+
 from splitserve.platform.config import CacheConfig, DeviceConfig, EngineConfig, KVTierConfig, SchedulerConfig
 from splitserve.platform.engine.llm_engine import LLMEngine
 from splitserve.platform.errors import ConfigError
@@ -52,20 +53,21 @@ def fill_and_free(pool: BlockPool, num_blocks: int, seed: int) -> None:
 
 # -- a failing tier returns the blocks ---------------------------------------------------------
 
+
 def test_a_tier_write_failure_at_pool_level_loses_no_block(tmp_path, monkeypatch):
     num_blocks = 4
     pool = BlockPool(num_blocks)
     tier = KVTier(KVTierConfig(max_bytes=1 << 20, directory=str(tmp_path)), small_caches(num_blocks), "test|fp32")
     pool.eviction_sink = tier
-    fill_and_free(pool, num_blocks, seed=1)            # 4 cached, free blocks
+    fill_and_free(pool, num_blocks, seed=1)  # 4 cached, free blocks
     monkeypatch.setattr(tier.store, "put", disk_full)  # the disk fills up
-    got = pool.allocate(num_blocks)                    # evicts all 4 into the failing tier
+    got = pool.allocate(num_blocks)  # evicts all 4 into the failing tier
     assert sorted(b.block_id for b in got) == list(range(num_blocks))
     assert tier.stats.num_write_failures == num_blocks and tier.stats.num_blocks == 0
     pool.free(reversed(got))
     pool.check_invariants()
     assert pool.num_free_blocks == num_blocks
-    assert not [f for f in os.listdir(tier.store.directory) if not f.startswith(".")]   # no partial files
+    assert not [f for f in os.listdir(tier.store.directory) if not f.startswith(".")]  # no partial files
     tier.close()
 
 
@@ -92,10 +94,18 @@ def test_a_tier_that_raises_anything_still_hands_out_the_blocks():
 def test_an_engine_with_a_full_disk_answers_every_request(smollm2_model, tmp_path, monkeypatch):
     """16 blocks and prompts of 7 full blocks: serving four prompts in turn evicts into the tier,
     whose every write fails. All requests finish with the tokens an engine without a tier gives."""
+
     def engine(tier):
-        return LLMEngine(EngineConfig(model="smollm2-135m", cache=CacheConfig(num_blocks=16),
-                                      scheduler=SchedulerConfig(max_model_len=256),
-                                      device=DeviceConfig(quantization="none"), kv_tier=tier), model=smollm2_model)
+        return LLMEngine(
+            EngineConfig(
+                model="smollm2-135m",
+                cache=CacheConfig(num_blocks=16),
+                scheduler=SchedulerConfig(max_model_len=256),
+                device=DeviceConfig(quantization="none"),
+                kv_tier=tier,
+            ),
+            model=smollm2_model,
+        )
 
     prompts = [[(i * 7919 + s * 104729) % 40000 + 100 for i in range(117)] for s in (1, 2, 3, 1)]
     plain = engine(None)
@@ -114,6 +124,7 @@ def test_an_engine_with_a_full_disk_answers_every_request(smollm2_model, tmp_pat
 
 # -- folders of dead workers ---------------------------------------------------------------------
 
+
 def test_a_folder_left_by_a_sigkilled_worker_is_reclaimed_at_start(tmp_path):
     parent = tmp_path / "kv-tier"
     child = textwrap.dedent(f"""
@@ -127,19 +138,21 @@ def test_a_folder_left_by_a_sigkilled_worker_is_reclaimed_at_start(tmp_path):
     proc = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, timeout=120)
     assert proc.returncode == -9, proc.stderr
     dead = proc.stdout.strip()
-    assert os.path.isdir(dead) and len(os.listdir(dead)) == 2   # the lock file and one block: left behind
+    assert os.path.isdir(dead) and len(os.listdir(dead)) == 2  # the lock file and one block: left behind
 
-    live = FileStore(str(parent), "test|fp32", (2, 4), torch.float32, b"k" * 32)   # a live worker beside it
+    live = FileStore(str(parent), "test|fp32", (2, 4), torch.float32, b"k" * 32)  # a live worker beside it
     restarted = FileStore(str(parent), "test|fp32", (2, 4), torch.float32, b"k" * 32)
     assert not os.path.exists(dead) and live.reclaimed == [dead] and restarted.reclaimed == []
-    assert sorted(os.listdir(parent)) == sorted([os.path.basename(live.directory),
-                                                  os.path.basename(restarted.directory)])
+    assert sorted(os.listdir(parent)) == sorted(
+        [os.path.basename(live.directory), os.path.basename(restarted.directory)]
+    )
     live.close()
     restarted.close()
     assert os.listdir(parent) == []
 
 
 # -- a keyed tier ---------------------------------------------------------------------------------
+
 
 def test_a_forged_file_with_a_recomputed_header_is_rejected(tmp_path):
     key = tier_module.tier_key(SECRET)
@@ -151,15 +164,22 @@ def test_a_forged_file_with_a_recomputed_header_is_rejected(tmp_path):
     forged = torch.full((2, 4), 7.0).view(torch.uint8).numpy().tobytes()
     layout = b"test|fp32"
     prefix = tier_module._MAGIC + struct.pack("<I", len(layout)) + layout + block_hash
-    for mac in (hashlib.sha256(forged).digest(),                                    # an unkeyed digest
-                hashlib.sha256(prefix + forged).digest(),                           # unkeyed, header included
-                FileStore(str(tmp_path / "other"), "test|fp32", (2, 4), torch.float32,
-                          tier_module.tier_key(b"another-services-secret!!"))._mac(prefix, forged)):   # wrong key
+    for mac in (
+        hashlib.sha256(forged).digest(),  # an unkeyed digest
+        hashlib.sha256(prefix + forged).digest(),  # unkeyed, header included
+        FileStore(
+            str(tmp_path / "other"),
+            "test|fp32",
+            (2, 4),
+            torch.float32,
+            tier_module.tier_key(b"another-services-secret!!"),
+        )._mac(prefix, forged),
+    ):  # wrong key
         with open(store.path(block_hash), "wb") as f:
             f.write(prefix + mac + forged)
         assert store.get(block_hash) is None
 
-    with open(store.path(block_hash), "wb") as f:   # the same bytes under the service's key pass
+    with open(store.path(block_hash), "wb") as f:  # the same bytes under the service's key pass
         f.write(prefix + store._mac(prefix, forged) + forged)
     assert torch.equal(store.get(block_hash), torch.full((2, 4), 7.0))
     store.close()
@@ -167,7 +187,7 @@ def test_a_forged_file_with_a_recomputed_header_is_rejected(tmp_path):
 
 def test_the_service_secret_keys_the_tier_and_is_validated(tmp_path):
     assert tier_module.tier_key(SECRET) == tier_module.tier_key(SECRET)
-    assert tier_module.tier_key(None) != tier_module.tier_key(None)   # no secret: a random key per process
+    assert tier_module.tier_key(None) != tier_module.tier_key(None)  # no secret: a random key per process
     with pytest.raises(ConfigError, match="at least 16 bytes"):
         KVTierConfig(max_bytes=1 << 20, directory=str(tmp_path), secret=b"short")
 
@@ -185,6 +205,7 @@ def test_the_worker_passes_its_kv_secret_to_the_tier(tmp_path):
 
 # -- bounded events --------------------------------------------------------------------------------
 
+
 def replay(events) -> set[bytes]:
     held: set[bytes] = set()
     for event in events:
@@ -199,7 +220,7 @@ def replay(events) -> set[bytes]:
 
 def test_undrained_kv_events_stay_bounded_and_replay_to_the_pool():
     pool = BlockPool(8, max_pending_events=64)
-    for seed in range(2000):           # an offline engine: nothing ever calls take_events()
+    for seed in range(2000):  # an offline engine: nothing ever calls take_events()
         fill_and_free(pool, 3, seed)
         assert pool.num_pending_events <= 64 + 2
     assert pool.stats.num_event_compactions > 0

@@ -30,8 +30,8 @@ from splitserve.platform.config import CacheConfig, DeviceConfig, EngineConfig
 from splitserve.platform.engine.llm_engine import LLMEngine
 from splitserve.platform.errors import ConfigError
 from splitserve.platform.quant import formats
-from splitserve.platform.quant.cpu import has_fast_quant_kernels
 from splitserve.platform.quant.a8 import Int4A8Kernel
+from splitserve.platform.quant.cpu import has_fast_quant_kernels
 from splitserve.platform.quant.kernels import DenseKernel, Int4Kernel, build_kernel
 from splitserve.platform.sampling.params import SamplingParams
 

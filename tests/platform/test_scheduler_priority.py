@@ -25,8 +25,15 @@ def make(policy="priority", num_blocks=64, max_num_seqs=8, budget=64):
 
 
 def req(rid, tokens, max_tokens=4, priority=0, band=0, arrival=0.0):
-    return Request(rid, tokens, SamplingParams(max_tokens=max_tokens, ignore_eos=True), HASHER,
-                   arrival_time=arrival, priority=priority, band=band)
+    return Request(
+        rid,
+        tokens,
+        SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+        HASHER,
+        arrival_time=arrival,
+        priority=priority,
+        band=band,
+    )
 
 
 def step(sched):
@@ -67,7 +74,7 @@ def test_out_of_blocks_preempts_the_least_important_running_request():
     sched, pool, kv = make(num_blocks=5, budget=64)
     sched.add_request(req("important", [1] * 8, max_tokens=8, band=10, arrival=0))
     sched.add_request(req("sheddable", [2] * 8, max_tokens=8, band=-1, arrival=1))
-    step(sched)                                       # both prefilled: 4 blocks used
+    step(sched)  # both prefilled: 4 blocks used
     assert {r.req_id for r in sched.running} == {"important", "sheddable"}
     preempted = []
     for _ in range(8):
@@ -76,7 +83,7 @@ def test_out_of_blocks_preempts_the_least_important_running_request():
         kv.check_invariants()
         if preempted:
             break
-    assert preempted == ["sheddable"]                 # fcfs would pick the latest arrival too; here by band
+    assert preempted == ["sheddable"]  # fcfs would pick the latest arrival too; here by band
     assert sched.waiting[0].req_id == "sheddable" and sched.requests["sheddable"].num_computed_tokens == 0
 
 
@@ -111,8 +118,7 @@ def test_engine_runs_waiting_requests_by_band_then_priority(make_engine):
     engine = make_engine(max_num_seqs=1, policy="priority")
     params = SamplingParams(max_tokens=2, ignore_eos=True, temperature=0)
     for req_id, priority, band in (("batch", 0, 0), ("sheddable", 0, -1), ("chat-late", 3, 10), ("chat", 1, 10)):
-        engine.add_request(prompt_token_ids=[1, 2, 3, 4, 5], params=params, req_id=req_id, priority=priority,
-                           band=band)
+        engine.add_request(prompt_token_ids=[1, 2, 3, 4, 5], params=params, req_id=req_id, priority=priority, band=band)
     finished = []
     while engine.has_unfinished_requests():
         finished += [o.req_id for o in engine.step() if o.finish_reason is not None]
@@ -127,6 +133,7 @@ def test_band_and_priority_reach_the_worker_request():
     from splitserve.router.core.worker_messages import generate_request
 
     decision = SimpleNamespace(prefill=(), lora_evict_first=[], pull=None)
-    request = generate_request("r", [1, 2], SamplingParams(max_tokens=1), decision, DisaggregationConfig(),
-                               priority=-3, band=10)
+    request = generate_request(
+        "r", [1, 2], SamplingParams(max_tokens=1), decision, DisaggregationConfig(), priority=-3, band=10
+    )
     assert (request.priority, request.band) == (-3, 10)

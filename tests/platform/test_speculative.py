@@ -1,12 +1,13 @@
 """Speculative decoding with n-gram proposals (platform/spec/): exact for greedy, distribution-
 preserving for sampling, rolled back cleanly, and validated at every entry point."""
 
+import pathlib
 import subprocess
 import sys
-import pathlib
 
 import pytest
 import torch
+from test_engine import assert_no_leak
 
 from splitserve.platform.config import SpeculativeConfig
 from splitserve.platform.errors import ConfigError
@@ -15,7 +16,6 @@ from splitserve.platform.sampling.sampler import Sampler, SamplingRow, make_gene
 from splitserve.platform.spec import verify as verify_mod
 from splitserve.platform.spec.ngram import propose
 from splitserve.platform.spec.speculator import next_k
-from test_engine import assert_no_leak
 
 SPEC = SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_max=4, prompt_lookup_min=2)
 GREEDY = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
@@ -243,8 +243,9 @@ def test_a_wrong_acceptance_rule_is_detected(monkeypatch):
 
 
 def test_disaggregated_decode_worker_speculates_and_equals_colocated(make_engine, smollm2_models):
-    from splitserve.platform.sampling.params import SamplingParams as SP
     from test_disaggregation_engine import disaggregated
+
+    from splitserve.platform.sampling.params import SamplingParams as SP
 
     local = make_engine()
     p_engine, d_engine = make_engine(), make_engine(speculative=SPEC)

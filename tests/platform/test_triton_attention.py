@@ -25,10 +25,15 @@ pytest.importorskip("triton")
 
 from splitserve.platform.engine.runner import ModelRunner, _decodes_first  # noqa: E402
 from splitserve.platform.kernels.dispatch import triton_available  # noqa: E402
-from splitserve.platform.kernels.triton_attention import (  # noqa: E402
-    paged_decode_attention, paged_prefill_attention)
+from splitserve.platform.kernels.triton_attention import paged_decode_attention, paged_prefill_attention  # noqa: E402
 from splitserve.platform.models.attention import (  # noqa: E402
-    _paged_attention_triton, decode_attention, gather_kv, paged_attention, prefill_attention, write_kv)
+    _paged_attention_triton,
+    decode_attention,
+    gather_kv,
+    paged_attention,
+    prefill_attention,
+    write_kv,
+)
 from splitserve.platform.sched.plan import ScheduledSeq  # noqa: E402
 
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 1e-2}

@@ -19,8 +19,7 @@ if DEVICE.type == "cpu":
 
 pytest.importorskip("triton")
 
-from splitserve.platform.kernels.triton_split_decode import (  # noqa: E402
-    MAX_SPLITS, choose_num_splits, split_decode_attention)
+from splitserve.platform.kernels.triton_split_decode import MAX_SPLITS, choose_num_splits, split_decode_attention  # noqa: E402
 from splitserve.platform.models.attention import decode_attention, gather_kv  # noqa: E402
 
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 1e-2}

@@ -7,7 +7,8 @@ import pytest
 from splitserve.platform.errors import InvalidRequestError
 from splitserve.platform.sampling.constraints import StructuredSpec
 from splitserve.platform.sampling.params import SamplingParams
-from splitserve.platform.wire import sampling, worker_pb2 as pb
+from splitserve.platform.wire import sampling
+from splitserve.platform.wire import worker_pb2 as pb
 
 
 def test_every_field_round_trips():

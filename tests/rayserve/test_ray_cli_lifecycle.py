@@ -7,7 +7,6 @@ stopped by SIGTERM before it is ready: also exit 0. The twenty-start form is e2e
 import time
 
 import pytest
-
 from raycli import cold_start, problems
 from raykit import ray_processes, wait_for
 

@@ -14,9 +14,9 @@ import yaml
 from splitserve.platform.cli import main
 from splitserve.platform.errors import ConfigError
 from splitserve.rayserve import config as ray_config
+from splitserve.rayserve.autoscale import QUEUE_DEPTH, queue_depth_policy
 from splitserve.rayserve.discovery import RayDiscovery
 from splitserve.rayserve.registry import WorkerRegistry
-from splitserve.rayserve.autoscale import QUEUE_DEPTH, queue_depth_policy
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 

@@ -6,12 +6,10 @@ One Ray instance serves the whole module (starting one costs ~30 s here); the te
 order: the answer, autoscaling up and back down, a killed replica, and shutdown last."""
 
 import threading
-import time
 import urllib.request
 
 import openai
 import pytest
-
 from raykit import num_target_replicas, ray_processes, start_local_serve, wait_for
 from workerproc import WORKER_QUANTIZATION
 

@@ -17,7 +17,7 @@ import types
 
 import httpx
 
-sys.path.insert(0, str(pathlib.Path(__file__).parents[1] / "router"))   # routerkit's FakeWorker
+sys.path.insert(0, str(pathlib.Path(__file__).parents[1] / "router"))  # routerkit's FakeWorker
 from routerkit import FakeWorker, LoopThread, free_port, router_config  # noqa: E402
 
 MODEL = "smollm2-135m"
@@ -58,7 +58,7 @@ def test_models_answers_503_until_the_model_can_be_served():
             error = r.json()["error"]
             assert error["code"] == "no_worker_available" and "cannot be served yet" in error["message"]
             assert client.get("/ready").status_code == 503
-            assert client.get("/health").status_code == 200   # the gate touches only the model list
+            assert client.get("/health").status_code == 200  # the gate touches only the model list
 
             loop.run(worker.start())
             seen = set()
@@ -71,7 +71,7 @@ def test_models_answers_503_until_the_model_can_be_served():
                 assert time.monotonic() < deadline, "the model never appeared on /v1/models"
                 time.sleep(0.02)
             assert [m["id"] for m in r.json()["data"]] == [MODEL]
-            assert (200, False) not in seen   # never an empty list
+            assert (200, False) not in seen  # never an empty list
             assert client.get("/ready").status_code == 200
     finally:
         loop.run(stop_gateway())

@@ -24,6 +24,7 @@ import uuid
 
 import grpc
 import redis
+
 from splitserve.platform.hashing import BlockHasher
 from splitserve.platform.wire import worker_pb2 as pb
 from splitserve.platform.wire import worker_pb2_grpc as pb_grpc

@@ -16,6 +16,7 @@ import time
 import httpx
 import pytest
 from routerkit import FakeWorker, RouterServer, free_port, router_config
+
 from splitserve.platform.errors import ConfigError
 from splitserve.platform.wire import worker_pb2 as pb
 from splitserve.router.config import AdaptersConfig

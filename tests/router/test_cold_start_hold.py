@@ -7,6 +7,7 @@ import asyncio
 
 import pytest
 from prometheus_client import generate_latest
+
 from splitserve.platform.errors import ConfigError
 from splitserve.router.api.errors import NoWorkerError
 from splitserve.router.config import GatewayConfig

@@ -10,6 +10,7 @@ import struct
 import httpx
 import pytest
 from routerkit import FakeWorker, RouterServer, router_config
+
 from splitserve.router.config import ApiKey, DisaggregationConfig, GatewayConfig, PlacementConfig
 
 KEY = "sk-test"

@@ -216,8 +216,11 @@ def test_the_pick_is_a_span_of_the_clients_trace_and_its_context_travels_on(epp)
         tracing.configure(tracing.TracingConfig(role="epp", endpoint=receiver.endpoint, sample_ratio=1.0))
         try:
             answers = exchange(
-                epp, [headers_message(CHAT, {"traceparent": f"00-{client_trace}-{client_span}-01"}),
-                      body_message(chat("Hello"))]
+                epp,
+                [
+                    headers_message(CHAT, {"traceparent": f"00-{client_trace}-{client_span}-01"}),
+                    body_message(chat("Hello")),
+                ],
             )
         finally:
             tracing.configure(tracing.TracingConfig(role="epp"))  # off again: exports what is buffered

@@ -28,8 +28,9 @@ def stack(loop, tokenizer, tmp_path_factory):
     keys = tmp_path_factory.mktemp("flow") / "keys.yaml"
     keys.write_text(yaml.safe_dump({"keys": KEYS}))
     worker = loop.run(FakeWorker(tokenizer=tokenizer, token_delay_s=0.02).start())
-    flow = FlowControlConfig(enabled=True, objectives={"interactive": 10, "batch": -1}, max_running_per_worker=1,
-                             max_queue_wait_s=20)
+    flow = FlowControlConfig(
+        enabled=True, objectives={"interactive": 10, "batch": -1}, max_running_per_worker=1, max_queue_wait_s=20
+    )
     config = router_config([worker.address], gateway=GatewayConfig(api_keys_file=str(keys)), flow_control=flow)
     server = RouterServer(loop, config, tokenizer=tokenizer).start(num_decode=1)
     yield server, worker
@@ -43,7 +44,8 @@ def client(url: str, key: str) -> openai.OpenAI:
 
 def chat(url: str, key: str, max_tokens: int, headers: dict | None = None, **extra):
     return client(url, key).chat.completions.with_raw_response.create(
-        model="smollm2-135m", messages=MESSAGES, max_tokens=max_tokens, extra_headers=headers or {}, **extra)
+        model="smollm2-135m", messages=MESSAGES, max_tokens=max_tokens, extra_headers=headers or {}, **extra
+    )
 
 
 def metrics_text(url: str) -> str:
@@ -56,7 +58,7 @@ def flow_counts(url: str) -> dict[tuple[str, str], float]:
     out: dict[tuple[str, str], float] = {}
     for line in text.splitlines():
         if line.startswith("splitserve_router_flow_requests_total{"):
-            labels = dict(part.split("=") for part in line[line.index("{") + 1:line.index("}")].split(","))
+            labels = dict(part.split("=") for part in line[line.index("{") + 1 : line.index("}")].split(","))
             key = (labels["band"].strip('"'), labels["outcome"].strip('"'))
             out[key] = out.get(key, 0) + float(line.rsplit(" ", 1)[1])
     return out
@@ -70,8 +72,11 @@ def wait_until(predicate, timeout: float = 20) -> None:
 
 
 def queued_now(url: str) -> float:
-    return sum(float(line.rsplit(" ", 1)[1]) for line in metrics_text(url).splitlines()
-               if line.startswith("splitserve_router_flow_queue_length{"))
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in metrics_text(url).splitlines()
+        if line.startswith("splitserve_router_flow_queue_length{")
+    )
 
 
 def flood_then(server, worker, pool, key: str, headers: dict, max_tokens: int):
@@ -82,7 +87,7 @@ def flood_then(server, worker, pool, key: str, headers: dict, max_tokens: int):
     wait_until(lambda: len(worker.requests) > before)
     flood += [pool.submit(chat, server.url, "sk-a", 20) for _ in range(3)]
     wait_until(lambda: queued_now(server.url) >= 3)
-    assert len(worker.requests) == before + 1               # held back: the worker saw one, not four
+    assert len(worker.requests) == before + 1  # held back: the worker saw one, not four
     last = pool.submit(chat, server.url, key, max_tokens, headers)
     return flood, last, before
 
@@ -90,18 +95,19 @@ def flood_then(server, worker, pool, key: str, headers: dict, max_tokens: int):
 def test_interactive_band_overtakes_a_flood_and_the_flood_all_finishes(stack):
     server, worker = stack
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
-        flood, interactive, before = flood_then(server, worker, pool, "sk-a", {"x-gateway-inference-objective":
-                                                                               "interactive"}, 4)
+        flood, interactive, before = flood_then(
+            server, worker, pool, "sk-a", {"x-gateway-inference-objective": "interactive"}, 4
+        )
         answers = [f.result(60) for f in flood] + [interactive.result(60)]
     assert all(a.http_response.status_code == 200 for a in answers)
     max_tokens = [r.params.max_tokens for r in worker.requests[before:]]
-    assert max_tokens == [60, 4, 20, 20, 20]                 # the band-10 request went next, ahead of three
+    assert max_tokens == [60, 4, 20, 20, 20]  # the band-10 request went next, ahead of three
 
 
 def test_key_file_priority_sets_the_band(stack):
     server, worker = stack
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
-        flood, team_b, before = flood_then(server, worker, pool, "sk-b", {}, 3)   # team-b's key: priority 10
+        flood, team_b, before = flood_then(server, worker, pool, "sk-b", {}, 3)  # team-b's key: priority 10
         for f in [*flood, team_b]:
             assert f.result(60).http_response.status_code == 200
     assert [r.params.max_tokens for r in worker.requests[before:]] == [60, 3, 20, 20, 20]
@@ -123,12 +129,16 @@ def test_sheddable_is_503_with_retry_after_while_saturated_and_counted_once(stac
     with pytest.raises(openai.BadRequestError, match="interactive"):
         chat(server.url, "sk-a", 5, {"x-gateway-inference-objective": "nope"})
     assert running.result(60).http_response.status_code == 200
-    idle = chat(server.url, "sk-a", 2, {"x-gateway-inference-objective": "batch"})   # room again: served
+    idle = chat(server.url, "sk-a", 2, {"x-gateway-inference-objective": "batch"})  # room again: served
     assert idle.http_response.status_code == 200
     counts = flow_counts(server.url)
     delta = {k: counts.get(k, 0) - counts0.get(k, 0) for k in counts}
-    assert delta == {("0", "dispatched"): 1, ("-1", "shed"): 1, ("-1", "dispatched"): 1,
-                     **{k: 0 for k in counts if k not in {("0", "dispatched"), ("-1", "shed"), ("-1", "dispatched")}}}
+    assert delta == {
+        ("0", "dispatched"): 1,
+        ("-1", "shed"): 1,
+        ("-1", "dispatched"): 1,
+        **{k: 0 for k in counts if k not in {("0", "dispatched"), ("-1", "shed"), ("-1", "dispatched")}},
+    }
     pool.shutdown()
 
 
@@ -137,23 +147,25 @@ def test_a_client_that_leaves_the_queue_is_gone_at_once(stack):
     counts0 = flow_counts(server.url)
     pool = concurrent.futures.ThreadPoolExecutor(4)
     before = len(worker.requests) + 1
-    running = pool.submit(chat, server.url, "sk-a", 150)   # 3 s or more
+    running = pool.submit(chat, server.url, "sk-a", 150)  # 3 s or more
     wait_until(lambda: len(worker.requests) == before)
     done = threading.Event()
 
     def leave_early():
         try:
             client(server.url, "sk-a").with_options(timeout=0.5).chat.completions.create(
-                model="smollm2-135m", messages=MESSAGES, max_tokens=5)
+                model="smollm2-135m", messages=MESSAGES, max_tokens=5
+            )
         except openai.APITimeoutError:
             done.set()
+
     leave_early()
     assert done.is_set()
     wait_until(lambda: flow_counts(server.url).get(("0", "cancelled"), 0) > counts0.get(("0", "cancelled"), 0), 5)
-    assert "splitserve_router_flow_queue_length{band=\"0\",flow=\"team-a\"} 0.0" in metrics_text(server.url)
+    assert 'splitserve_router_flow_queue_length{band="0",flow="team-a"} 0.0' in metrics_text(server.url)
     assert running.result(60).http_response.status_code == 200
     time.sleep(0.2)
-    assert len(worker.requests) == before                   # the one that left never reached the worker
+    assert len(worker.requests) == before  # the one that left never reached the worker
     pool.shutdown()
 
 
@@ -165,7 +177,7 @@ def test_key_file_rejects_a_bad_weight(tmp_path):
         parse_keys({"keys": [{"id": "a", "key": "k", "weight": 0}]}, "keys.yaml")
     with pytest.raises(ConfigError, match="priority"):
         parse_keys({"keys": [{"id": "a", "key": "k", "priority": 1.5}]}, "keys.yaml")
-    (_, key), = parse_keys({"keys": [{"id": "a", "key": "k", "priority": -1, "weight": 3}]}, "keys.yaml")
+    ((_, key),) = parse_keys({"keys": [{"id": "a", "key": "k", "priority": -1, "weight": 3}]}, "keys.yaml")
     assert (key.priority, key.weight) == (-1, 3.0)
 
 

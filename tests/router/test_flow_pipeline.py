@@ -42,11 +42,16 @@ class RecordingController(FlowController):
 
 def setup(script, worker: Worker):
     registry = CollectorRegistry()
-    admission = AdmissionPipeline(Concurrency(), Quota(registry, clock=lambda: 1_000_000.0), Slots(8, 0),
-                                  Counter("rejected", "", ["reason"], registry=registry))
+    admission = AdmissionPipeline(
+        Concurrency(),
+        Quota(registry, clock=lambda: 1_000_000.0),
+        Slots(8, 0),
+        Counter("rejected", "", ["reason"], registry=registry),
+    )
     clock = Clock()
-    config = FlowControlConfig(enabled=True, objectives={"chat": 10, "batch": -1}, max_running_per_worker=1,
-                               max_queue_wait_s=30)
+    config = FlowControlConfig(
+        enabled=True, objectives={"chat": 10, "batch": -1}, max_running_per_worker=1, max_queue_wait_s=30
+    )
     flow = RecordingController(config, SaturationDetector(config, lambda: [worker], clock), clock=clock)
     dispatcher = ScriptedDispatcher(script)
     return Pipeline(admission, dispatcher, flow), admission, flow, dispatcher
@@ -61,30 +66,34 @@ def test_the_flow_item_is_settled_once_to_the_tokens_the_run_used():
     async def steps():
         script = {"r-0": [chunk([1, 2], completion=2), chunk([3], completion=3, finish="stop")]}
         pipeline, admission, flow, _ = setup(script, Worker())
-        run = await pipeline.open(KEY, "m", prepared(n_choices=1), origin=origin({"x-gateway-inference-objective":
-                                                                                   "chat"}))
-        assert flow.num_dispatched == 1 and run.prepared.jobs[0].band == 10   # the band goes to the worker
+        run = await pipeline.open(
+            KEY, "m", prepared(n_choices=1), origin=origin({"x-gateway-inference-objective": "chat"})
+        )
+        assert flow.num_dispatched == 1 and run.prepared.jobs[0].band == 10  # the band goes to the worker
         [item async for item in run]
         await run.close()
         await run.close()
-        assert flow.released == [("r", 10 + 3)]          # prompt + completion, not the reserved 10 + 50
+        assert flow.released == [("r", 10 + 3)]  # prompt + completion, not the reserved 10 + 50
         assert flow.num_dispatched == 0 and admission.num_running == 0
+
     asyncio.run(steps())
 
 
 def test_a_request_without_an_origin_passes_admission_only():
     async def steps():
-        pipeline, admission, flow, _ = setup({"r-0": [chunk([1], completion=1, finish="stop")]},
-                                             Worker(num_inflight=1))   # saturated: a queued request would wait
+        pipeline, admission, flow, _ = setup(
+            {"r-0": [chunk([1], completion=1, finish="stop")]}, Worker(num_inflight=1)
+        )  # saturated: a queued request would wait
         async with await pipeline.open(KEY, "m", prepared(n_choices=1)) as run:
             [item async for item in run]
         assert flow.num_dispatched == 0 and flow.released == [] and admission.num_running == 0
+
     asyncio.run(steps())
 
 
 def test_a_queued_request_whose_client_leaves_is_gone_at_once_and_holds_nothing():
     async def steps():
-        worker = Worker(num_inflight=1)                  # the cap of 1 is taken: requests queue
+        worker = Worker(num_inflight=1)  # the cap of 1 is taken: requests queue
         pipeline, admission, flow, dispatcher = setup({"r-0": []}, worker)
         gone = asyncio.Event()
         task = asyncio.create_task(pipeline.open(KEY, "m", prepared(n_choices=1), origin=origin(gone=gone)))
@@ -98,8 +107,9 @@ def test_a_queued_request_whose_client_leaves_is_gone_at_once_and_holds_nothing(
             await asyncio.wait_for(task, 5)
         assert err.value.status == 499
         assert flow.num_queued == 0 and flow.num_dispatched == 0 and flow.released == []
-        assert admission.num_running == 0 and dispatcher.closed == []   # it never reached a worker
+        assert admission.num_running == 0 and dispatcher.closed == []  # it never reached a worker
         await flow.close()
+
     asyncio.run(steps())
 
 
@@ -107,14 +117,17 @@ def test_flow_controls_refusal_gives_the_admission_back():
     async def steps():
         pipeline, admission, flow, _ = setup({"r-0": []}, Worker(num_inflight=1))
         with pytest.raises(APIError) as err:
-            await pipeline.open(KEY, "m", prepared(n_choices=1), origin=origin({"x-gateway-inference-objective":
-                                                                                "batch"}))
+            await pipeline.open(
+                KEY, "m", prepared(n_choices=1), origin=origin({"x-gateway-inference-objective": "batch"})
+            )
         assert err.value.status == 503 and err.value.code == "sheddable_shed"
         with pytest.raises(APIError) as err:
-            await pipeline.open(KEY, "m", prepared(n_choices=1), origin=origin({"x-gateway-inference-objective":
-                                                                                "nope"}))
+            await pipeline.open(
+                KEY, "m", prepared(n_choices=1), origin=origin({"x-gateway-inference-objective": "nope"})
+            )
         assert err.value.status == 400
         assert admission.num_running == 0 and flow.num_queued == 0
+
     asyncio.run(steps())
 
 
@@ -140,6 +153,9 @@ def test_the_queue_wait_is_a_gateway_flow_span_beside_admission():
         tracer.shutdown()
         spans = {s.name: s for s in receiver.wait_for(trace_id, {"gateway.admission", "gateway.flow"})}
     assert spans["gateway.flow"].parent_id == spans["gateway.admission"].parent_id == spans["gateway.request"].span_id
-    assert spans["gateway.flow"].attributes == {"splitserve.flow.band": 10, "splitserve.flow.id": "team-x",
-                                                "splitserve.flow.queued": False}
+    assert spans["gateway.flow"].attributes == {
+        "splitserve.flow.band": 10,
+        "splitserve.flow.id": "team-x",
+        "splitserve.flow.queued": False,
+    }
     assert spans["gateway.flow"].start_s >= spans["gateway.admission"].start_s

@@ -77,7 +77,7 @@ def test_charge_is_settled_to_actual_use():
     band.push(a0)
     band.push(b0)
     assert band.pop() is a0 and band.pop() is b0
-    band.settle(a0, 100)        # a used 100 of its 1000: it is owed the difference
+    band.settle(a0, 100)  # a used 100 of its 1000: it is owed the difference
     band.push(item("a1", "a"))
     band.push(item("b1", "b"))
     assert band.pop().flow_id == "a"
@@ -154,22 +154,22 @@ def test_detector_thresholds_and_reserved_headroom():
     det = SaturationDetector(cfg, lambda: [w1, w2], clock)
     assert det.has_room(0, 0)
     w1.num_inflight = w2.num_inflight = 3
-    assert not det.has_room(0, 6)       # band 0 may fill 3 of 4 slots
-    assert det.has_room(10, 6)          # the reserved slot is band 10's
-    assert not det.has_room(10, 8)      # released requests count before workers report them
+    assert not det.has_room(0, 6)  # band 0 may fill 3 of 4 slots
+    assert det.has_room(10, 6)  # the reserved slot is band 10's
+    assert not det.has_room(10, 8)  # released requests count before workers report them
     w1.num_inflight = w2.num_inflight = 0
     w1.load = pb.LoadReport(num_waiting=5)
     w2.load = pb.LoadReport(kv_usage=0.9)
     assert not det.has_room(10, 0) and det.is_saturated()
     w2.load = pb.LoadReport()
-    clock.now += 10                     # stale reports count as full
+    clock.now += 10  # stale reports count as full
     assert not det.has_room(10, 0)
     w1.load_time = w2.load_time = clock.now
     w1.load = pb.LoadReport()
     assert det.has_room(0, 0)
     w1.healthy = False
     w2.load = pb.LoadReport(draining=True)
-    assert not det.has_room(10, 0)      # no decode worker: requests wait (scale from zero)
+    assert not det.has_room(10, 0)  # no decode worker: requests wait (scale from zero)
 
 
 # -- the controller --------------------------------------------------------------------------
@@ -205,7 +205,7 @@ def controller(slots: int, **cfg) -> tuple[FlowController, Gate, CollectorRegist
 async def test_higher_band_goes_first_and_each_request_is_counted_once():
     ctl, gate, registry = controller(1)
     first = item("first", "a")
-    await ctl.acquire(first)            # room: dispatched at once
+    await ctl.acquire(first)  # room: dispatched at once
     order = []
 
     async def run(it):
@@ -219,7 +219,7 @@ async def test_higher_band_goes_first_and_each_request_is_counted_once():
     assert ctl.num_queued == 3 and order == []
     ctl.release(first, 10)
     await asyncio.sleep(0.01)
-    assert order == ["high"]            # came last, went first
+    assert order == ["high"]  # came last, went first
     gate.slots = 3
     ctl.kick()
     await asyncio.gather(high, *low)
@@ -239,9 +239,8 @@ async def test_sheddable_is_answered_503_at_once_while_band_0_waits():
     assert exc.value.status == 503 and exc.value.headers()["Retry-After"] == "1"
     assert exc.value.code == "sheddable_shed" and ctl.num_queued == 1
     ctl.release(running, 0)
-    await waiter                        # band 0 got the slot, no 503
-    assert counts(registry) == {("0", "a", "dispatched"): 1.0, ("-1", "t", "shed"): 1.0,
-                                ("0", "t", "dispatched"): 1.0}
+    await waiter  # band 0 got the slot, no 503
+    assert counts(registry) == {("0", "a", "dispatched"): 1.0, ("-1", "t", "shed"): 1.0, ("0", "t", "dispatched"): 1.0}
 
 
 @pytest.mark.asyncio
@@ -263,7 +262,7 @@ async def test_full_queue_429_for_the_flow_over_its_share_503_otherwise():
     ctl, gate, registry = controller(0, max_queued_per_band=4)
     alone = [asyncio.create_task(ctl.acquire(item(f"s{i}", "solo"))) for i in range(4)]
     await asyncio.sleep(0.01)
-    with pytest.raises(APIError) as exc:            # one flow holds the queue: saturation, not a share
+    with pytest.raises(APIError) as exc:  # one flow holds the queue: saturation, not a share
         await ctl.acquire(item("s4", "solo"))
     assert exc.value.status == 503 and exc.value.code == "queue_full"
     for task in alone:
@@ -273,16 +272,16 @@ async def test_full_queue_429_for_the_flow_over_its_share_503_otherwise():
     flood = [asyncio.create_task(ctl.acquire(item(f"a{i}", "a"))) for i in range(3)]
     b = asyncio.create_task(ctl.acquire(item("b0", "b")))
     await asyncio.sleep(0.01)
-    with pytest.raises(APIError) as exc:            # a holds 3 of 4: over its share, its own request is refused
+    with pytest.raises(APIError) as exc:  # a holds 3 of 4: over its share, its own request is refused
         await ctl.acquire(item("a3", "a"))
     assert exc.value.status == 429 and exc.value.code == "flow_share_exceeded"
     assert exc.value.headers()["Retry-After"] == "1"
-    c0 = asyncio.create_task(ctl.acquire(item("c0", "c")))   # c is under: a's newest makes room
+    c0 = asyncio.create_task(ctl.acquire(item("c0", "c")))  # c is under: a's newest makes room
     await asyncio.sleep(0.01)
     with pytest.raises(APIError) as evicted:
         await flood[2]
     assert evicted.value.status == 429 and ctl.num_queued_in(0) == 4
-    with pytest.raises(APIError) as again:          # a, c both at 2 of 5 with the newcomer: c's own is refused
+    with pytest.raises(APIError) as again:  # a, c both at 2 of 5 with the newcomer: c's own is refused
         await ctl.acquire(item("c1", "c"))
     assert again.value.status == 429
     for task in [*flood[:2], b, c0]:
@@ -290,7 +289,7 @@ async def test_full_queue_429_for_the_flow_over_its_share_503_otherwise():
     await asyncio.gather(*flood[:2], b, c0, return_exceptions=True)
     assert ctl.num_queued == 0
     got = counts(registry)
-    assert sum(got.values()) == 12                  # every request once, whatever its outcome
+    assert sum(got.values()) == 12  # every request once, whatever its outcome
     assert got[("0", "a", "rejected")] == 2 and got[("0", "c", "rejected")] == 1
     assert got[("0", "solo", "shed")] == 1 and got[("0", "solo", "cancelled")] == 4
 
@@ -306,7 +305,7 @@ async def test_client_gone_leaves_the_queue_at_once():
     assert ctl.num_queued == 0 and ctl.bands[0].flows == {}
     assert counts(registry) == {("0", "a", "cancelled"): 1.0}
     gate.slots = 1
-    await ctl.acquire(item("y"))        # the slot the cancelled one never took is free
+    await ctl.acquire(item("y"))  # the slot the cancelled one never took is free
     assert ctl.num_dispatched == 1
 
 
@@ -316,7 +315,7 @@ async def test_dispatched_as_the_client_left_gives_the_room_back():
     task = asyncio.create_task(ctl.acquire(item("x")))
     await asyncio.sleep(0.01)
     gate.slots = 1
-    ctl.kick()                          # dispatched: its future is set, the task not yet resumed
+    ctl.kick()  # dispatched: its future is set, the task not yet resumed
     task.cancel()
     await asyncio.gather(task, return_exceptions=True)
     assert ctl.num_dispatched == 0
@@ -328,7 +327,7 @@ async def test_tick_dispatches_when_capacity_returns_without_a_release():
     ctl, gate, registry = controller(0)
     task = asyncio.create_task(ctl.acquire(item("x")))
     await asyncio.sleep(0.01)
-    gate.slots = 1                      # a worker came up (a load report): no release happens
+    gate.slots = 1  # a worker came up (a load report): no release happens
     await asyncio.wait_for(task, 2.0)
     assert ctl.num_dispatched == 1
 
@@ -340,13 +339,31 @@ def test_router_and_up_flags_reach_the_config():
 
     parser = argparse.ArgumentParser()
     add_router_args(parser)
-    args = parser.parse_args(["--flow-control", "--flow-objective", "chat=10", "--flow-objective", "batch=-1",
-                              "--flow-max-running", "4", "--flow-reserved-running", "1", "--flow-max-wait", "5",
-                              "--flow-max-queued", "9"])
+    args = parser.parse_args(
+        [
+            "--flow-control",
+            "--flow-objective",
+            "chat=10",
+            "--flow-objective",
+            "batch=-1",
+            "--flow-max-running",
+            "4",
+            "--flow-reserved-running",
+            "1",
+            "--flow-max-wait",
+            "5",
+            "--flow-max-queued",
+            "9",
+        ]
+    )
     flow = config_from_args(args).flow_control
     assert flow.enabled and flow.objectives == {"chat": 10, "batch": -1}
-    assert (flow.max_running_per_worker, flow.reserved_running, flow.max_queue_wait_s, flow.max_queued_per_band) == \
-        (4, 1, 5.0, 9)
+    assert (flow.max_running_per_worker, flow.reserved_running, flow.max_queue_wait_s, flow.max_queued_per_band) == (
+        4,
+        1,
+        5.0,
+        9,
+    )
     assert not config_from_args(parser.parse_args([])).flow_control.enabled
     with pytest.raises(SystemExit):
         parser.parse_args(["--flow-objective", "chat"])

@@ -35,16 +35,22 @@ def adapter_folder(path) -> str:
 @pytest.fixture(scope="module")
 def roots(tmp_path_factory):
     base = tmp_path_factory.mktemp("lora")
-    return {"root": str(base / "allowed"), "inside": adapter_folder(base / "allowed" / "chat"),
-            "outside": adapter_folder(base / "elsewhere" / "evil")}
+    return {
+        "root": str(base / "allowed"),
+        "inside": adapter_folder(base / "allowed" / "chat"),
+        "outside": adapter_folder(base / "elsewhere" / "evil"),
+    }
 
 
 @pytest.fixture(scope="module")
 def stack(loop, tokenizer, roots):
     worker = loop.run(FakeWorker(tokenizer=tokenizer).start())
-    keys = (ApiKey(ADMIN, "ops", role="admin"), ApiKey(USER, "team"), ApiKey(PLAIN))   # PLAIN: as --api-key makes it
-    server = RouterServer(loop, router_config([worker.address], gateway=GatewayConfig(
-        api_keys=keys, lora_roots=(roots["root"],))), tokenizer=tokenizer).start(num_decode=1)
+    keys = (ApiKey(ADMIN, "ops", role="admin"), ApiKey(USER, "team"), ApiKey(PLAIN))  # PLAIN: as --api-key makes it
+    server = RouterServer(
+        loop,
+        router_config([worker.address], gateway=GatewayConfig(api_keys=keys, lora_roots=(roots["root"],))),
+        tokenizer=tokenizer,
+    ).start(num_decode=1)
     yield server
     server.stop()
     loop.run(worker.stop())
@@ -82,8 +88,11 @@ def test_lora_paths_outside_the_roots_are_refused(stack, roots, where):
 
 def test_without_roots_a_keyed_gateway_loads_nothing(loop, tokenizer, roots):
     worker = loop.run(FakeWorker(tokenizer=tokenizer).start())
-    server = RouterServer(loop, router_config([worker.address], gateway=GatewayConfig(
-        api_keys=(ApiKey(ADMIN, "ops", role="admin"),))), tokenizer=tokenizer).start(num_decode=1)
+    server = RouterServer(
+        loop,
+        router_config([worker.address], gateway=GatewayConfig(api_keys=(ApiKey(ADMIN, "ops", role="admin"),))),
+        tokenizer=tokenizer,
+    ).start(num_decode=1)
     try:
         r = post(server, "/v1/load_lora_adapter", ADMIN, {"lora_name": "chat", "lora_path": roots["inside"]})
         assert r.status_code == 403 and "--lora-roots" in r.json()["error"]["message"]
@@ -96,7 +105,7 @@ def test_without_roots_a_keyed_gateway_loads_nothing(loop, tokenizer, roots):
 def test_metrics_and_docs_follow_the_apis_auth(stack, path):
     assert get(stack, path).status_code == 401
     assert get(stack, path, USER).status_code == 200
-    assert get(stack, "/health").status_code == 200   # liveness stays open for probes
+    assert get(stack, "/health").status_code == 200  # liveness stays open for probes
 
 
 def test_metrics_and_docs_can_be_made_public(loop, tokenizer):
@@ -108,7 +117,7 @@ def test_metrics_and_docs_can_be_made_public(loop, tokenizer):
         for path in ("/metrics", "/openapi.json", "/docs"):
             assert get(server, path).status_code == 200, path
         assert "/v1/chat/completions" in get(server, "/openapi.json").json()["paths"]
-        assert get(server, "/v1/models").status_code == 401   # the API itself still needs its key
+        assert get(server, "/v1/models").status_code == 401  # the API itself still needs its key
     finally:
         server.stop()
         loop.run(worker.stop())
@@ -118,11 +127,19 @@ def test_metrics_and_docs_can_be_made_public(loop, tokenizer):
 def test_reserved_chat_template_kwargs_are_a_400(stack, kwargs):
     client = openai.OpenAI(base_url=stack.url + "/v1", api_key=USER, max_retries=0, timeout=30)
     with pytest.raises(openai.BadRequestError) as exc:
-        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2,
-                                       extra_body={"chat_template_kwargs": kwargs})
+        client.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": "hi"}],
+            max_tokens=2,
+            extra_body={"chat_template_kwargs": kwargs},
+        )
     assert f"chat_template_kwargs may not set {next(iter(kwargs))}" in str(exc.value)
-    r = post(stack, "/tokenize", USER, {"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
-                                       "chat_template_kwargs": kwargs})
+    r = post(
+        stack,
+        "/tokenize",
+        USER,
+        {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": kwargs},
+    )
     assert r.status_code == 400 and "chat_template_kwargs may not set" in r.json()["error"]["message"]
 
 

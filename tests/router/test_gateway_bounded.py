@@ -39,8 +39,7 @@ def stack(loop, tokenizer):
 
 def post(server, path: str, body: dict | bytes, timeout: float = 60) -> httpx.Response:
     content = body if isinstance(body, bytes) else json.dumps(body).encode()
-    return httpx.post(server.url + path, content=content, headers={"content-type": "application/json"},
-                      timeout=timeout)
+    return httpx.post(server.url + path, content=content, headers={"content-type": "application/json"}, timeout=timeout)
 
 
 def test_too_many_choices_are_refused_before_anything_is_built(stack):
@@ -102,6 +101,7 @@ def test_health_stays_fast_and_memory_bounded_under_oversized_requests(stack):
 def test_multi_slot_takers_share_the_slots_without_deadlock():
     """Two requests of 3 slots each on 4 slots: one runs, the other waits until all of its slots
     are free; a request for more slots than exist takes them all (no deadlock, nothing leaked)."""
+
     async def main():
         slots = Slots(max_concurrent=4, max_queued=10)
         first = await slots.acquire(3)
@@ -111,9 +111,10 @@ def test_multi_slot_takers_share_the_slots_without_deadlock():
         slots.release(first)
         assert await asyncio.wait_for(second, 5) == 3
         slots.release(3)
-        assert await asyncio.wait_for(slots.acquire(100), 5) == 4   # capped at max_concurrent
+        assert await asyncio.wait_for(slots.acquire(100), 5) == 4  # capped at max_concurrent
         slots.release(4)
         return slots.num_running
+
     assert asyncio.run(main()) == 0
 
 
@@ -125,6 +126,7 @@ def test_embeddings_take_a_slot_per_input(stack, loop):
     async def spy(num_slots=1):
         seen.append(num_slots)
         return await original(num_slots)
+
     gateway.admission.slots.acquire = spy
     try:
         r = post(stack, "/v1/embeddings", {"model": MODEL, "input": ["one", "two", "three"]})
@@ -168,5 +170,7 @@ def test_large_texts_encode_to_the_same_ids(tokenizer):
     text = "Hello wörld, <|im_start|> 123\n" * (LARGE_TEXT_CHARS // 20)
     assert len(text) >= LARGE_TEXT_CHARS
     for special in (True, False):
-        assert tokenizer.encode(text, add_special_tokens=special) == \
-            tokenizer.backend.encode(text, add_special_tokens=special).ids
+        assert (
+            tokenizer.encode(text, add_special_tokens=special)
+            == tokenizer.backend.encode(text, add_special_tokens=special).ids
+        )

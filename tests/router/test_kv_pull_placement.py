@@ -5,6 +5,8 @@ import asyncio
 import random
 
 import pytest
+from test_router_placement_units import BS, HASHER, MODEL, tokens, worker
+
 from splitserve.platform.errors import ConfigError
 from splitserve.platform.sampling.params import SamplingParams
 from splitserve.platform.wire import worker_pb2 as pb
@@ -20,12 +22,12 @@ from splitserve.router.placement.index import InMemoryPrefixIndex
 from splitserve.router.placement.placer import Decision, Placer
 from splitserve.router.placement.pool import WorkerPool
 from splitserve.router.placement.pull_cost import PullCost
-from test_router_placement_units import BS, HASHER, MODEL, tokens, worker
 
 BUSY = dict(waiting=60, running=60, kv=0.99, pending=10, queued=20000)   # the holder the placer avoids
 
 
-def placer(workers, kv_pull=KVPullConfig(), mode="never", stored=None):
+def placer(workers, kv_pull=None, mode="never", stored=None):
+    kv_pull = kv_pull or KVPullConfig()
     pool = WorkerPool(MODEL, BS, clock=lambda: 0.0)
     for w in workers:
         pool.workers[w.address] = w

@@ -14,9 +14,10 @@ import threading
 import openai
 import pytest
 from lora_folders import write_adapter
-from splitserve.platform.sampling.params import SamplingParams
 from test_router_up import running_up
 from workerproc import WORKER_QUANTIZATION
+
+from splitserve.platform.sampling.params import SamplingParams
 
 pytestmark = pytest.mark.slow
 

@@ -14,6 +14,7 @@ import httpx
 import openai
 import pytest
 from routerkit import FakeWorker, RouterServer, free_port, router_config
+
 from splitserve.platform.hashing import BlockHasher, lora_extra_keys
 from splitserve.platform.sampling.params import SamplingParams
 from splitserve.platform.wire import worker_pb2 as pb

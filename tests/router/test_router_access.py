@@ -3,6 +3,7 @@
 import asyncio
 
 import pytest
+
 from splitserve.router.api.errors import APIError
 from splitserve.router.config import ApiKey, GatewayConfig
 from splitserve.router.tenancy.access import Authenticator, MemoryBuckets, RateLimiter, RedisBuckets, key_label

@@ -4,6 +4,7 @@ import asyncio
 
 import pytest
 from prometheus_client import CollectorRegistry, Counter
+
 from splitserve.router.api.errors import APIError
 from splitserve.router.config import ApiKey
 from splitserve.router.tenancy.admission import AdmissionPipeline, Slots

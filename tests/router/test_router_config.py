@@ -1,6 +1,7 @@
 """The router config file: defaults, overrides, and errors that say what is allowed."""
 
 import pytest
+
 from splitserve.platform.errors import ConfigError
 from splitserve.platform.sampling.params import SamplingParams
 from splitserve.router.config import ApiKey

@@ -6,6 +6,7 @@ import asyncio
 import queue
 
 import pytest
+
 from splitserve.router.placement.discovery import StaticDiscovery
 from splitserve.router.placement.discovery_k8s import EndpointSliceDiscovery, Gone, label_selector, slice_addresses
 
@@ -110,6 +111,7 @@ def test_router_follows_the_discovered_set(loop, tokenizer):
     """Watchers start for new addresses and stop for removed ones; a removed worker leaves the
     pool and the index."""
     from routerkit import FakeWorker, router_config
+
     from splitserve.router.router import Router
 
     workers = [loop.run(FakeWorker(tokenizer=tokenizer).start()) for _ in range(2)]

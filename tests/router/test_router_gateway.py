@@ -10,6 +10,7 @@ import grpc
 import httpx
 import pytest
 from routerkit import FakeWorker, RouterServer, router_config
+
 from splitserve.router.config import ApiKey, GatewayConfig
 
 KEY = "sk-test"

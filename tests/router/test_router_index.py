@@ -4,6 +4,7 @@ redis-server started by the test suite."""
 import asyncio
 
 import pytest
+
 from splitserve.platform.hashing import BlockHasher
 from splitserve.platform.wire import worker_pb2 as pb
 from splitserve.router.placement.index import InMemoryPrefixIndex

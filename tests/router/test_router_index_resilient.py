@@ -5,6 +5,7 @@ request (router/placement/index_resilient.py); the chaos soak restarts a live Re
 import asyncio
 
 from routerkit import free_port
+
 from splitserve.platform.wire import worker_pb2 as pb
 from splitserve.router.placement.index_redis import RedisPrefixIndex
 from splitserve.router.placement.index_resilient import ResilientIndex

@@ -16,6 +16,7 @@ import pytest
 import schemathesis
 from hypothesis import HealthCheck, given, settings
 from routerkit import FakeWorker, RouterServer, router_config
+
 from splitserve.router.config import GatewayConfig
 
 MODEL = "smollm2-135m"

@@ -4,6 +4,7 @@ import asyncio
 import random
 
 import pytest
+
 from splitserve.platform.errors import ConfigError
 from splitserve.platform.hashing import BlockHasher
 from splitserve.platform.wire import worker_pb2 as pb

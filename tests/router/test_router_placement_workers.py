@@ -9,10 +9,11 @@ import time
 import httpx
 import pytest
 from routerkit import RouterServer, router_config
+from workerproc import ROUTER_STALE_AFTER_S, security, worker_channel
+
 from splitserve.platform.hashing import BlockHasher
 from splitserve.platform.wire import worker_pb2 as pb
 from splitserve.platform.wire import worker_pb2_grpc as pb_grpc
-from workerproc import ROUTER_STALE_AFTER_S, security, worker_channel
 
 pytestmark = pytest.mark.slow
 
@@ -47,9 +48,9 @@ def test_the_cluster_is_secured(cluster):
 
     for w in cluster:
         with pytest.raises(grpc.aio.AioRpcError) as err:
-            asyncio.run(first_event(lambda: grpc.aio.insecure_channel(w.address)))
+            asyncio.run(first_event(lambda w=w: grpc.aio.insecure_channel(w.address)))
         assert err.value.code() == grpc.StatusCode.UNAVAILABLE
-        assert asyncio.run(first_event(lambda: worker_channel(w.address))).info.role == w.role
+        assert asyncio.run(first_event(lambda w=w: worker_channel(w.address))).info.role == w.role
     assert all("--kv-secret-file" in w.args and "--tls-ca" in w.args for w in cluster)
 
 

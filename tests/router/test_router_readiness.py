@@ -11,6 +11,7 @@ import time
 import httpx
 import pytest
 from routerkit import FakeWorker, RouterServer, free_port, router_config
+
 from splitserve.platform.errors import ConfigError
 from splitserve.router.config import DisaggregationConfig, GatewayConfig, PlacementConfig
 

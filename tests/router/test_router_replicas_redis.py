@@ -19,9 +19,10 @@ import time
 import httpx
 import pytest
 from routerkit import RouterServer, router_config
+from workerproc import ROUTER_STALE_AFTER_S, security
+
 from splitserve.platform.hashing import BlockHasher
 from splitserve.router.config import DisaggregationConfig, IndexConfig, PlacementConfig
-from workerproc import ROUTER_STALE_AFTER_S, security
 
 pytestmark = pytest.mark.slow
 

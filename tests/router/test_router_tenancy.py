@@ -10,6 +10,7 @@ import time
 import pytest
 import yaml
 from prometheus_client import CollectorRegistry
+
 from splitserve.router.api.errors import APIError
 from splitserve.router.config import ApiKey, ConfigError
 from splitserve.router.config_file import load_config
@@ -174,6 +175,7 @@ def test_concurrent_requests_per_key_are_bounded(loop, tokenizer, tmp_path):
     while a stream runs gets 429, another key is unaffected, and the slot comes back at the end."""
     import httpx
     from routerkit import FakeWorker, RouterServer, router_config
+
     from splitserve.router.config import GatewayConfig
 
     path = tmp_path / "keys.yaml"

@@ -5,6 +5,7 @@ API keys, and a clear 4xx for every bad input."""
 import httpx
 import pytest
 from routerkit import FakeWorker, RouterServer, router_config
+
 from splitserve.platform.__about__ import __version__
 from splitserve.router.config import ApiKey, GatewayConfig
 

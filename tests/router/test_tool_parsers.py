@@ -3,6 +3,7 @@
 import json
 
 import pytest
+
 from splitserve.router.api.errors import APIError
 from splitserve.router.api.schemas import ChatCompletionRequest
 from splitserve.router.api.tools import (

@@ -3,6 +3,7 @@ tier and pull flags as the worker's own parser reads them, the router plans no p
 --no-kv-pull, and a bad value exits with status 2 naming what is allowed, before anything starts."""
 
 import pytest
+
 from splitserve.launch import up
 from splitserve.platform.cli import build_parser, kv_tier_config, main
 

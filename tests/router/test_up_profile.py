@@ -10,6 +10,7 @@ import json
 import pathlib
 
 import pytest
+
 from splitserve.launch.up_profile import cache_path, resolve_profile
 from splitserve.planner.profile import CapacityProfile, DecodePoint, PrefillPoint
 from splitserve.planner.shipped import SOURCES, shipped_profile

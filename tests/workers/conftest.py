@@ -8,6 +8,7 @@ def reference(make_engine):
     """Greedy tokens from the engine in the test process (same weights, the workers' default
     --quantization): "the same answer"."""
     from workerproc import WORKER_QUANTIZATION
+
     from splitserve.platform.sampling.params import SamplingParams
 
     engine = make_engine(max_model_len=2048, quantization=WORKER_QUANTIZATION)

@@ -11,12 +11,12 @@ import asyncio
 import time
 
 import pytest
+from test_worker_disaggregation import generate, prompt
+from workerproc import WorkerProc
 
 from splitserve.workers.transfer import KVLayout, make_sender
 from splitserve.workers.transfer.auth import answer, derive_key, transfer_tag
 from splitserve.workers.transfer.stream import ChannelClosed
-from test_worker_disaggregation import generate, prompt
-from workerproc import WorkerProc
 
 SECRET = b"service-secret-0123456789abcdef"
 LAYOUT = KVLayout("smollm2-135m", "float32", block_size=16, num_layers=30, num_kv_heads=3, head_dim=64)

@@ -12,8 +12,7 @@ import contextlib
 import pytest
 import torch
 
-from splitserve.workers.transfer import KVLayout, TransferError, make_receiver, make_sender
-from splitserve.workers.transfer import auth
+from splitserve.workers.transfer import KVLayout, TransferError, auth, make_receiver, make_sender
 from splitserve.workers.transfer.stream import ChannelClosed
 
 LAYOUT = KVLayout("smollm2-135m", "float32", block_size=16, num_layers=2, num_kv_heads=3, head_dim=64)

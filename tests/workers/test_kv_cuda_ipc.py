@@ -27,13 +27,16 @@ GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 
 
 # -- the choice ----------------------------------------------------------------------------------
-@pytest.mark.parametrize("requested, has_cuda, has_auth, wire, ipc, why", [
-    ("auto", False, True, "tcp", False, "not on a CUDA device"),
-    ("auto", True, False, "tcp", False, "no --kv-secret-file"),
-    ("auto", True, True, "tcp", True, "CUDA IPC to decode workers on this node"),
-    ("tcp", True, True, "tcp", False, "--kv-transport tcp"),
-    ("ucx", False, False, "ucx", False, "--kv-transport ucx"),
-])
+@pytest.mark.parametrize(
+    "requested, has_cuda, has_auth, wire, ipc, why",
+    [
+        ("auto", False, True, "tcp", False, "not on a CUDA device"),
+        ("auto", True, False, "tcp", False, "no --kv-secret-file"),
+        ("auto", True, True, "tcp", True, "CUDA IPC to decode workers on this node"),
+        ("tcp", True, True, "tcp", False, "--kv-transport tcp"),
+        ("ucx", False, False, "ucx", False, "--kv-transport ucx"),
+    ],
+)
 def test_auto_chooses_tcp_on_a_cpu_and_cuda_ipc_on_a_gpu_with_auth(requested, has_cuda, has_auth, wire, ipc, why):
     choice = cuda_ipc.choose_path(requested, has_cuda, has_auth)
     assert (choice.wire, choice.ipc) == (wire, ipc) and why in choice.reason
@@ -41,9 +44,13 @@ def test_auto_chooses_tcp_on_a_cpu_and_cuda_ipc_on_a_gpu_with_auth(requested, ha
 
 # -- the offer and its authentication -------------------------------------------------------------
 def caches(num_blocks=6, layout=LAYOUT):
-    return [(torch.zeros(num_blocks, layout.block_size, layout.num_kv_heads, layout.head_dim),
-             torch.zeros(num_blocks, layout.block_size, layout.num_kv_heads, layout.head_dim))
-            for _ in range(layout.num_layers)]
+    return [
+        (
+            torch.zeros(num_blocks, layout.block_size, layout.num_kv_heads, layout.head_dim),
+            torch.zeros(num_blocks, layout.block_size, layout.num_kv_heads, layout.head_dim),
+        )
+        for _ in range(layout.num_layers)
+    ]
 
 
 def test_an_offer_maps_the_decode_cache_and_only_for_its_session():
@@ -51,9 +58,9 @@ def test_an_offer_maps_the_decode_cache_and_only_for_its_session():
     offer = cuda_ipc.offer(kv, backend, hello=cuda_ipc.hello(), session_key=b"s" * 32)
     mapped = cuda_ipc.open_offer(offer, b"s" * 32, backend, LAYOUT)
     assert all(m is t for pair, mine in zip(mapped, kv, strict=True) for m, t in zip(pair, mine, strict=True))
-    with pytest.raises(cuda_ipc.IpcUnavailable, match="tag does not match"):          # another session's key
+    with pytest.raises(cuda_ipc.IpcUnavailable, match="tag does not match"):  # another session's key
         cuda_ipc.open_offer(offer, b"t" * 32, backend, LAYOUT)
-    forged = {**offer, "tensors": list(reversed(offer["tensors"]))}                  # altered on the way
+    forged = {**offer, "tensors": list(reversed(offer["tensors"]))}  # altered on the way
     with pytest.raises(cuda_ipc.IpcUnavailable, match="tag does not match"):
         cuda_ipc.open_offer(forged, b"s" * 32, backend, LAYOUT)
     other = KVLayout("m", "float32", block_size=4, num_layers=3, num_kv_heads=1, head_dim=8)
@@ -78,8 +85,17 @@ def payload(value: float, num_blocks: int, layout=LAYOUT) -> torch.Tensor:
     return torch.full(layout.layer_payload_shape(num_blocks), float(value))
 
 
-async def transfer(kv, backend: cuda_ipc.LocalIpcBackend, *, offer_ipc=True, try_ipc=True, block_ids=(1, 4, 2),
-                   give_block_ids=True, sender_key=KEY, kind="inproc"):
+async def transfer(
+    kv,
+    backend: cuda_ipc.LocalIpcBackend,
+    *,
+    offer_ipc=True,
+    try_ipc=True,
+    block_ids=(1, 4, 2),
+    give_block_ids=True,
+    sender_key=KEY,
+    kind="inproc",
+):
     """One transfer of len(block_ids) blocks, two layers in two pieces each; returns what the
     receiver's write_layer got, the status, the handle's path and the sender's fallback reasons."""
     receiver = make_receiver(kind, auth_key=KEY)
@@ -88,8 +104,14 @@ async def transfer(kv, backend: cuda_ipc.LocalIpcBackend, *, offer_ipc=True, try
     if offer_ipc:
         receiver.ipc = (kv, backend)
     written = []
-    receiver.expect("t", LAYOUT, len(block_ids), lambda layer, p, first: written.append((layer, first, p.shape[1])),
-                    10.0, block_ids=list(block_ids) if give_block_ids else None)
+    receiver.expect(
+        "t",
+        LAYOUT,
+        len(block_ids),
+        lambda layer, p, first: written.append((layer, first, p.shape[1])),
+        10.0,
+        block_ids=list(block_ids) if give_block_ids else None,
+    )
     sender = make_sender(kind, auth_key=sender_key)
     if try_ipc:
         sender.ipc_backend = backend
@@ -116,22 +138,25 @@ def test_kv_goes_straight_into_the_destination_blocks_with_no_payload(kind):
     kv, backend = caches(), cuda_ipc.LocalIpcBackend()
     written, status, path, fallbacks, error = asyncio.run(transfer(kv, backend, kind=kind))
     assert error is None and status.state is TransferState.DONE and path == "cuda_ipc" and fallbacks == []
-    assert written == []                                  # nothing came through write_layer: no bytes
+    assert written == []  # nothing came through write_layer: no bytes
     assert status.num_bytes == 2 * LAYOUT.layer_payload_nbytes(3)
     for layer in range(2):
         for value, blocks in ((10 * layer + 1, [1]), (10 * layer + 2, [4, 2])):
             for b in blocks:
                 assert torch.all(kv[layer][0][b] == value) and torch.all(kv[layer][1][b] == value)
-        for b in (0, 3, 5):                               # blocks of no one else were touched
+        for b in (0, 3, 5):  # blocks of no one else were touched
             assert torch.all(kv[layer][0][b] == 0)
 
 
-@pytest.mark.parametrize("case, reason", [
-    ("handles do not open", "do not open here"),
-    ("gpu not reachable", "not visible to this process"),
-    ("receiver offers nothing", "does not offer CUDA IPC"),
-    ("no auth", "not authenticated"),
-])
+@pytest.mark.parametrize(
+    "case, reason",
+    [
+        ("handles do not open", "do not open here"),
+        ("gpu not reachable", "not visible to this process"),
+        ("receiver offers nothing", "does not offer CUDA IPC"),
+        ("no auth", "not authenticated"),
+    ],
+)
 def test_any_ipc_failure_falls_back_to_bytes_and_the_transfer_completes(case, reason):
     kv, backend = caches(), cuda_ipc.LocalIpcBackend()
     sender_backend = backend
@@ -141,7 +166,7 @@ def test_any_ipc_failure_falls_back_to_bytes_and_the_transfer_completes(case, re
         sender_backend = cuda_ipc.LocalIpcBackend(reachable=False)
 
     async def go():
-        if case == "no auth":   # a receiver and sender without a secret: no offer is ever made
+        if case == "no auth":  # a receiver and sender without a secret: no offer is ever made
             receiver = make_receiver("inproc")
             await receiver.start()
             receiver.ipc = (kv, backend)
@@ -158,13 +183,16 @@ def test_any_ipc_failure_falls_back_to_bytes_and_the_transfer_completes(case, re
             await sender.close()
             await receiver.close()
             return written, status, handle.path, sender.ipc_fallbacks, None
-        return await transfer(kv, sender_backend if case != "receiver offers nothing" else backend,
-                              offer_ipc=case != "receiver offers nothing")
+        return await transfer(
+            kv,
+            sender_backend if case != "receiver offers nothing" else backend,
+            offer_ipc=case != "receiver offers nothing",
+        )
 
     written, status, path, fallbacks, error = asyncio.run(go())
     assert error is None and status.state is TransferState.DONE and path == "inproc"
     assert written and any(reason in f for f in fallbacks), fallbacks
-    assert all(torch.all(t == 0) for pair in kv for t in pair)   # nothing was written through a mapping
+    assert all(torch.all(t == 0) for pair in kv for t in pair)  # nothing was written through a mapping
 
 
 def test_a_transfer_without_destination_blocks_goes_as_bytes_on_an_ipc_connection():
@@ -184,8 +212,12 @@ def test_a_failing_ipc_copy_leaves_the_request_answered_correctly_and_no_block_h
     d_engine.add_request(params=GREEDY, prompt_token_ids=prompt, req_id="r", remote_prefill=True)
     [ready] = [o.kv_ready for o in d_engine.step() if o.kv_ready is not None]
     pieces = []
-    p_engine.add_request(params=SamplingParams(temperature=0, max_tokens=1, ignore_eos=True), prompt_token_ids=prompt,
-                         req_id="p", kv_export=KVExport(ready.start_block, lambda *a: pieces.append(a), on_device=True))
+    p_engine.add_request(
+        params=SamplingParams(temperature=0, max_tokens=1, ignore_eos=True),
+        prompt_token_ids=prompt,
+        req_id="p",
+        kv_export=KVExport(ready.start_block, lambda *a: pieces.append(a), on_device=True),
+    )
     while p_engine.has_work():
         p_engine.step()
     backend = cuda_ipc.LocalIpcBackend()
@@ -204,7 +236,7 @@ def test_a_failing_ipc_copy_leaves_the_request_answered_correctly_and_no_block_h
         receiver = make_receiver("inproc", auth_key=KEY)
         await receiver.start()
         receiver.ipc = (d_engine.kv_connector.kv_caches, backend)
-        dst = list(ready.block_ids[ready.start_block:])
+        dst = list(ready.block_ids[ready.start_block :])
         receiver.expect("t", layout, len(dst), lambda *a: None, 10.0, block_ids=dst)
         sender = make_sender("inproc", auth_key=KEY)
         sender.ipc_backend = backend
@@ -221,7 +253,7 @@ def test_a_failing_ipc_copy_leaves_the_request_answered_correctly_and_no_block_h
 
     status = asyncio.run(go())
     assert status.state is TransferState.FAILED and calls[-1] == 7
-    d_engine.fallback_to_local_prefill("r")               # what the decode worker does after a failed transfer
+    d_engine.fallback_to_local_prefill("r")  # what the decode worker does after a failed transfer
     outs = []
     while d_engine.has_work():
         outs += d_engine.step()

@@ -18,11 +18,11 @@ import time
 
 import grpc
 import pytest
+from test_worker_disaggregation import prompt, run
+from workerproc import WorkerProc, worker_channel
 
 from splitserve.platform.wire import worker_pb2 as pb
 from splitserve.platform.wire import worker_pb2_grpc as pb_grpc
-from test_worker_disaggregation import prompt, run
-from workerproc import WorkerProc, worker_channel
 
 pytestmark = pytest.mark.slow
 

@@ -18,8 +18,15 @@ import time
 import pytest
 import torch
 
-from splitserve.workers.transfer import (KVLayout, LayoutMismatchError, TransferError, TransferState,
-                                         UnknownTransferError, make_receiver, make_sender)
+from splitserve.workers.transfer import (
+    KVLayout,
+    LayoutMismatchError,
+    TransferError,
+    TransferState,
+    UnknownTransferError,
+    make_receiver,
+    make_sender,
+)
 
 LAYOUT = KVLayout("smollm2-135m", "float32", block_size=16, num_layers=4, num_kv_heads=3, head_dim=64)
 NUM_BLOCKS = 7

@@ -51,27 +51,38 @@ def layer_payload() -> list:
 def test_an_end_for_another_connections_transfer_is_refused():
     """Connection A opens the transfer and sends layer 0; authenticated connection B sends an
     aborting "end" for it. B is closed, A's transfer is untouched and completes."""
+
     async def main():
         receiver = make_receiver("tcp", auth_key=KEY)
         await receiver.start()
         receiver.expect(TID, LAYOUT, 1, lambda *a: None, 30)
         a, a_key = await authenticated(receiver)
-        await a.send({"op": "open", "transfer_id": TID, "layout": LAYOUT.to_dict(), "num_blocks": 1,
-                      "tag": auth.transfer_tag(a_key, TID)})
-        await a.send({"op": "layers", "transfer_id": TID, "layers": [0], "nbytes": layer_payload()[0].nbytes},
-                     layer_payload())
+        await a.send(
+            {
+                "op": "open",
+                "transfer_id": TID,
+                "layout": LAYOUT.to_dict(),
+                "num_blocks": 1,
+                "tag": auth.transfer_tag(a_key, TID),
+            }
+        )
+        await a.send(
+            {"op": "layers", "transfer_id": TID, "layers": [0], "nbytes": layer_payload()[0].nbytes}, layer_payload()
+        )
         b, _ = await authenticated(receiver)
         await b.send({"op": "end", "transfer_id": TID, "aborted": True})
         b_closed = await is_closed_by_receiver(b)
         state_after_b = receiver.poll(TID).state.name
-        await a.send({"op": "layers", "transfer_id": TID, "layers": [1], "nbytes": layer_payload()[0].nbytes},
-                     layer_payload())
+        await a.send(
+            {"op": "layers", "transfer_id": TID, "layers": [1], "nbytes": layer_payload()[0].nbytes}, layer_payload()
+        )
         await a.send({"op": "end", "transfer_id": TID, "aborted": False})
         final = await asyncio.wait_for(a.recv(), 10)
         for channel in (a, b):
             await channel.close()
         await receiver.close()
         return b_closed, state_after_b, final
+
     b_closed, state_after_b, final = asyncio.run(main())
     assert b_closed and state_after_b == "RECEIVING"
     assert final["type"] == "final" and final["ok"] and final["state"] == "DONE"
@@ -79,6 +90,7 @@ def test_an_end_for_another_connections_transfer_is_refused():
 
 def test_no_payload_is_read_before_an_open():
     """A "layers" header announcing 1 GiB on a connection that opened nothing closes it at once."""
+
     async def main():
         receiver = make_receiver("tcp", auth_key=KEY)
         await receiver.start()
@@ -88,6 +100,7 @@ def test_no_payload_is_read_before_an_open():
         await channel.close()
         await receiver.close()
         return closed
+
     assert asyncio.run(main())
 
 
@@ -100,7 +113,7 @@ def test_an_idle_connection_is_closed_and_the_sender_reconnects():
         await idle.close()
         sender = make_sender("tcp", auth_key=KEY)
         states = []
-        for i in range(2):   # the pooled connection of the first goes idle and is closed before the second
+        for i in range(2):  # the pooled connection of the first goes idle and is closed before the second
             tid = f"req-{i}/0123456789ab"
             receiver.expect(tid, LAYOUT, 1, lambda *a: None, 30)
             handle = await sender.open(receiver.address, tid, LAYOUT, 1)
@@ -113,6 +126,7 @@ def test_an_idle_connection_is_closed_and_the_sender_reconnects():
         await sender.close()
         await receiver.close()
         return idle_closed, states, connects
+
     idle_closed, states, connects = asyncio.run(main())
     assert idle_closed and states == ["DONE", "DONE"] and connects == 2
 
@@ -120,6 +134,7 @@ def test_an_idle_connection_is_closed_and_the_sender_reconnects():
 def test_connections_waiting_for_the_handshake_are_capped():
     """12 sockets that never answer the challenge: 4 get a challenge and wait, 8 are closed on
     arrival. Once the waiting ones go, an honest sender is served."""
+
     async def main():
         receiver = make_receiver("tcp", auth_key=KEY, max_pending_handshakes=4)
         await receiver.start()
@@ -127,7 +142,7 @@ def test_connections_waiting_for_the_handshake_are_capped():
         sockets = [await asyncio.open_connection(host, int(port)) for _ in range(12)]
         outcomes = []
         for reader, _ in sockets:
-            data = await asyncio.wait_for(reader.read(4), 5)   # a challenge's length prefix, or EOF
+            data = await asyncio.wait_for(reader.read(4), 5)  # a challenge's length prefix, or EOF
             outcomes.append("challenged" if data else "closed")
         pending = receiver.num_pending_handshakes
         for _, writer in sockets:
@@ -146,15 +161,19 @@ def test_connections_waiting_for_the_handshake_are_capped():
         await sender.close()
         await receiver.close()
         return outcomes, pending, receiver.num_refused_connections, state
+
     outcomes, pending, refused, state = asyncio.run(main())
     assert sorted(outcomes) == ["challenged"] * 4 + ["closed"] * 8
     assert pending == 4 and refused == 8 and state == "DONE"
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    (dict(idle_timeout_s=0), "idle_timeout_s must be a positive number of seconds"),
-    (dict(max_pending_handshakes=0), "max_pending_handshakes must be a positive integer"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(idle_timeout_s=0), "idle_timeout_s must be a positive number of seconds"),
+        (dict(max_pending_handshakes=0), "max_pending_handshakes must be a positive integer"),
+    ],
+)
 def test_receiver_limits_are_validated(kwargs, message):
     with pytest.raises(ValueError, match=message):
         make_receiver("tcp", auth_key=KEY, **kwargs)
@@ -177,6 +196,7 @@ def test_the_wire_format_is_unchanged_for_honest_peers():
         await sender.close()
         await receiver.close()
         return status.state.name, json.dumps(sorted(seen))
+
     assert asyncio.run(main()) == ("DONE", "[0, 1]")
 
 
@@ -194,6 +214,7 @@ def test_ipc_writes_count_only_for_the_connections_own_open_transfer():
     """On a receiver offering its cache over CUDA IPC: C announces IPC writes before any "open",
     B (which got the offer too) announces writes for the transfer A opened; both are closed and
     A's transfer has no layer counted. A then announces its own writes and completes."""
+
     async def main():
         receiver = make_receiver("tcp", auth_key=KEY)
         receiver.ipc = (ipc_caches(), cuda_ipc.LocalIpcBackend())
@@ -206,8 +227,16 @@ def test_ipc_writes_count_only_for_the_connections_own_open_transfer():
         c_closed = await is_closed_by_receiver(c)
         a, a_key = await authenticated(receiver)
         a_offer = (await ipc_hello(a))["type"]
-        await a.send({"op": "open", "transfer_id": TID, "layout": LAYOUT.to_dict(), "num_blocks": 1,
-                      "tag": auth.transfer_tag(a_key, TID), "ipc": True})
+        await a.send(
+            {
+                "op": "open",
+                "transfer_id": TID,
+                "layout": LAYOUT.to_dict(),
+                "num_blocks": 1,
+                "tag": auth.transfer_tag(a_key, TID),
+                "ipc": True,
+            }
+        )
         ready = await asyncio.wait_for(a.recv(), 10)
         b, _ = await authenticated(receiver)
         b_offer = (await ipc_hello(b))["type"]
@@ -222,6 +251,7 @@ def test_ipc_writes_count_only_for_the_connections_own_open_transfer():
             await channel.close()
         await receiver.close()
         return (c_offer, a_offer, b_offer), c_closed, ready, b_closed, (state_after_b, bytes_after_b), final
+
     offers, c_closed, ready, b_closed, after_b, final = asyncio.run(main())
     assert offers == ("ipc_offer",) * 3
     assert c_closed and b_closed
@@ -241,20 +271,29 @@ def test_the_ipc_handle_exchange_comes_once_before_the_first_open(when):
         if when == "twice":
             first = (await ipc_hello(channel))["type"]
         else:
-            await channel.send({"op": "open", "transfer_id": TID, "layout": LAYOUT.to_dict(), "num_blocks": 1,
-                                "tag": auth.transfer_tag(key, TID)})
+            await channel.send(
+                {
+                    "op": "open",
+                    "transfer_id": TID,
+                    "layout": LAYOUT.to_dict(),
+                    "num_blocks": 1,
+                    "tag": auth.transfer_tag(key, TID),
+                }
+            )
             first = "opened"
         await channel.send(cuda_ipc.hello())
         closed = await is_closed_by_receiver(channel)
         await channel.close()
         await receiver.close()
         return first, closed
+
     first, closed = asyncio.run(main())
     assert first in ("ipc_offer", "opened") and closed
 
 
 def test_an_unauthenticated_receiver_declines_to_hand_out_its_cache():
     """Without --kv-secret-file there is no session key: the cache's handles never leave."""
+
     async def main():
         receiver = make_receiver("tcp")
         receiver.ipc = (ipc_caches(), cuda_ipc.LocalIpcBackend())
@@ -264,5 +303,6 @@ def test_an_unauthenticated_receiver_declines_to_hand_out_its_cache():
         await channel.close()
         await receiver.close()
         return reply
+
     reply = asyncio.run(main())
     assert reply["type"] == "ipc_declined" and "not authenticated" in reply["reason"] and "tensors" not in reply

@@ -8,8 +8,14 @@ import asyncio
 import pytest
 import torch
 
-from splitserve.workers.transfer import (KVLayout, LayoutMismatchError, TransferError, TransferState, make_receiver,
-                                         make_sender)
+from splitserve.workers.transfer import (
+    KVLayout,
+    LayoutMismatchError,
+    TransferError,
+    TransferState,
+    make_receiver,
+    make_sender,
+)
 from splitserve.workers.transfer.ucx import configure_ucx_env
 
 LAYOUT = KVLayout("smollm2-135m", "float32", block_size=16, num_layers=4, num_kv_heads=3, head_dim=64)

@@ -7,12 +7,11 @@ Every test here runs separate `splitserve worker` processes on 127.0.0.1. The re
 import asyncio
 import time
 
-import grpc
 import pytest
+from workerproc import WorkerProc, worker_channel
 
 from splitserve.platform.wire import worker_pb2 as pb
 from splitserve.platform.wire import worker_pb2_grpc as pb_grpc
-from workerproc import WorkerProc, worker_channel
 
 pytestmark = pytest.mark.slow
 

@@ -10,12 +10,12 @@ import time
 
 import grpc
 import pytest
+from test_worker_disaggregation import generate, prompt, run
+from workerproc import WorkerProc, worker_channel
 
 from splitserve.platform.hashing import BlockHasher
 from splitserve.platform.wire import worker_pb2 as pb
 from splitserve.platform.wire import worker_pb2_grpc as pb_grpc
-from test_worker_disaggregation import generate, prompt, run
-from workerproc import WorkerProc, worker_channel
 
 pytestmark = pytest.mark.slow
 

@@ -16,9 +16,9 @@ import time
 
 import grpc
 import pytest
+from workerproc import WorkerProc, security
 
 from splitserve.platform.wire import worker_pb2 as pb
-from workerproc import WorkerProc, security
 
 pytestmark = pytest.mark.slow
 

@@ -18,10 +18,10 @@ import time
 import grpc
 import pytest
 from lora_folders import write_adapter
+from workerproc import WorkerProc, worker_channel
 
 from splitserve.platform.wire import worker_pb2 as pb
 from splitserve.platform.wire import worker_pb2_grpc as pb_grpc
-from workerproc import WorkerProc, worker_channel
 
 pytestmark = pytest.mark.slow
 

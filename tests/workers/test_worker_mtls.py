@@ -8,11 +8,11 @@ import asyncio
 
 import grpc
 import pytest
+from workerproc import WorkerProc
 
 from splitserve.platform.grpc_tls import TlsFiles, aio_channel, generate_dev_pki
 from splitserve.platform.wire import worker_pb2 as pb
 from splitserve.platform.wire import worker_pb2_grpc as pb_grpc
-from workerproc import WorkerProc
 
 
 @pytest.fixture(scope="module")

@@ -13,13 +13,14 @@ import grpc
 import pytest
 from cryptography import x509
 from cryptography.x509.oid import ExtendedKeyUsageOID
+from workerproc import WorkerProc
+
 from splitserve.operator import pki
 from splitserve.platform.errors import ConfigError
 from splitserve.platform.grpc_tls import TlsFiles, aio_channel
 from splitserve.platform.wire import worker_pb2 as pb
 from splitserve.platform.wire import worker_pb2_grpc as pb_grpc
 from splitserve.workers.config import WorkerConfig
-from workerproc import WorkerProc
 
 NOW = datetime.datetime.now(datetime.UTC)
 
@@ -35,16 +36,28 @@ def write(directory, name: str, pair: pki.KeyPair, ca: pki.KeyPair) -> TlsFiles:
 def certs(tmp_path_factory):
     directory = tmp_path_factory.mktemp("roles")
     ca = pki.make_ca("ns/svc", NOW)
-    return {"worker": write(directory, "worker", pki.issue_leaf(ca, "svc-decode", NOW, role="worker"), ca),
-            "prefill": write(directory, "prefill", pki.issue_leaf(ca, "svc-prefill", NOW, role="worker"), ca),
-            "router": write(directory, "router", pki.issue_leaf(ca, "svc-router", NOW, role="router"), ca)}
+    return {
+        "worker": write(directory, "worker", pki.issue_leaf(ca, "svc-decode", NOW, role="worker"), ca),
+        "prefill": write(directory, "prefill", pki.issue_leaf(ca, "svc-prefill", NOW, role="worker"), ca),
+        "router": write(directory, "router", pki.issue_leaf(ca, "svc-router", NOW, role="router"), ca),
+    }
 
 
 @pytest.fixture(scope="module")
 def worker(certs):
     tls = certs["worker"]
-    w = WorkerProc("both", "tcp", "--tls-cert", tls.cert, "--tls-key", tls.key, "--tls-ca", tls.ca,
-                   "--tls-check-peer-roles", secure=False).start()
+    w = WorkerProc(
+        "both",
+        "tcp",
+        "--tls-cert",
+        tls.cert,
+        "--tls-key",
+        tls.key,
+        "--tls-ca",
+        tls.ca,
+        "--tls-check-peer-roles",
+        secure=False,
+    ).start()
     yield w
     w.terminate()
 
@@ -53,11 +66,18 @@ async def _call(address: str, tls: TlsFiles, method: str):
     async with aio_channel(address, tls) as channel:
         stub = pb_grpc.WorkerStub(channel)
         if method == "Generate":
-            request = pb.GenerateRequest(request_id="roles", prompt_token_ids=[1, 2, 3, 4],
-                                         params=pb.SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+            request = pb.GenerateRequest(
+                request_id="roles",
+                prompt_token_ids=[1, 2, 3, 4],
+                params=pb.SamplingParams(temperature=0, max_tokens=3, ignore_eos=True),
+            )
             return [t for m in [m async for m in stub.Generate(request, timeout=60)] for t in m.token_ids]
-        return await stub.Prefill(pb.PrefillRequest(request_id="roles", prompt_token_ids=[1, 2, 3, 4],
-                                                    params=pb.SamplingParams(temperature=0, max_tokens=1)), timeout=60)
+        return await stub.Prefill(
+            pb.PrefillRequest(
+                request_id="roles", prompt_token_ids=[1, 2, 3, 4], params=pb.SamplingParams(temperature=0, max_tokens=1)
+            ),
+            timeout=60,
+        )
 
 
 def call(address: str, tls: TlsFiles, method: str):
@@ -72,9 +92,9 @@ def test_each_rpc_is_served_only_to_its_callers_role(worker, certs):
     assert len(call(worker.address, certs["router"], "Generate")) == 3
     assert call(worker.address, certs["prefill"], "Generate") == grpc.StatusCode.PERMISSION_DENIED
     assert call(worker.address, certs["router"], "Prefill") == grpc.StatusCode.PERMISSION_DENIED
-    prefilled = call(worker.address, certs["prefill"], "Prefill")   # a worker may: past the role check
+    prefilled = call(worker.address, certs["prefill"], "Prefill")  # a worker may: past the role check
     assert prefilled != grpc.StatusCode.PERMISSION_DENIED
-    assert len(call(worker.address, certs["router"], "Generate")) == 3   # still serving
+    assert len(call(worker.address, certs["router"], "Generate")) == 3  # still serving
     assert worker.proc.poll() is None
 
 

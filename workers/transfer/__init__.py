@@ -7,8 +7,17 @@ the life of a transfer on each side and stream.py for the protocol on the wire.
 
 from __future__ import annotations
 
-from splitserve.workers.transfer.base import (KVLayout, KVReceiver, KVSender, LayoutMismatchError, SendHandle,
-                                              TransferError, TransferState, TransferStatus, UnknownTransferError)
+from splitserve.workers.transfer.base import (
+    KVLayout,
+    KVReceiver,
+    KVSender,
+    LayoutMismatchError,
+    SendHandle,
+    TransferError,
+    TransferState,
+    TransferStatus,
+    UnknownTransferError,
+)
 
 KINDS = ("ucx", "tcp", "inproc")
 

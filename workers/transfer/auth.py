@@ -87,7 +87,7 @@ def is_valid_tag(session_key: bytes, transfer_id: str, tag: object) -> bool:
 async def _recv(channel: Channel, timeout_s: float, waiting_for: str) -> dict:
     try:
         msg = await asyncio.wait_for(channel.recv(), timeout_s)
-    except asyncio.TimeoutError:
+    except TimeoutError:
         raise AuthError(f"no {waiting_for} within {timeout_s:g} s") from None
     if not isinstance(msg, dict):
         raise AuthError(f"expected {waiting_for}, got {msg!r}")

@@ -75,10 +75,15 @@ def choose_path(requested: str, has_cuda: bool, has_auth: bool) -> PathChoice:
     if not has_cuda:
         return PathChoice("tcp", False, "auto: the KV cache is not on a CUDA device, so KV goes over tcp")
     if not has_auth:
-        return PathChoice("tcp", False, "auto: no --kv-secret-file, and CUDA IPC hands out device memory only over "
-                                        "an authenticated KV channel, so KV goes over tcp")
-    return PathChoice("tcp", True, "auto: CUDA IPC to decode workers on this node that can reach this GPU, tcp "
-                                   "otherwise")
+        return PathChoice(
+            "tcp",
+            False,
+            "auto: no --kv-secret-file, and CUDA IPC hands out device memory only over "
+            "an authenticated KV channel, so KV goes over tcp",
+        )
+    return PathChoice(
+        "tcp", True, "auto: CUDA IPC to decode workers on this node that can reach this GPU, tcp otherwise"
+    )
 
 
 def node_identity() -> str:
@@ -126,12 +131,19 @@ class CudaIpcBackend(IpcBackend):
 
     def share(self, tensor: torch.Tensor) -> dict:
         assert tensor.is_cuda and tensor.is_contiguous()
-        (_, handle, size, offset, ref_handle, ref_offset, event_handle,
-         event_sync) = tensor.untyped_storage()._share_cuda_()
-        return {"handle": _b64(handle), "storage_bytes": int(size), "storage_offset_bytes": int(offset),
-                "ref_counter_handle": _b64(ref_handle), "ref_counter_offset": int(ref_offset),
-                "event_handle": _b64(event_handle), "event_sync_required": bool(event_sync),
-                "tensor_offset": int(tensor.storage_offset())}
+        (_, handle, size, offset, ref_handle, ref_offset, event_handle, event_sync) = (
+            tensor.untyped_storage()._share_cuda_()
+        )
+        return {
+            "handle": _b64(handle),
+            "storage_bytes": int(size),
+            "storage_offset_bytes": int(offset),
+            "ref_counter_handle": _b64(ref_handle),
+            "ref_counter_offset": int(ref_offset),
+            "event_handle": _b64(event_handle),
+            "event_sync_required": bool(event_sync),
+            "tensor_offset": int(tensor.storage_offset()),
+        }
 
     def reach(self, device_uuid: str) -> torch.device:
         here = torch.device("cuda", torch.cuda.current_device())
@@ -140,8 +152,10 @@ class CudaIpcBackend(IpcBackend):
                 continue
             if i == here.index or torch.cuda.can_device_access_peer(here.index, i):
                 return torch.device("cuda", i)
-            raise IpcUnavailable(f"GPU {device_uuid} is visible here but has no peer access to GPU {here.index} "
-                                 f"(CUDA IPC needs the same GPU or NVLink/PCIe P2P)")
+            raise IpcUnavailable(
+                f"GPU {device_uuid} is visible here but has no peer access to GPU {here.index} "
+                f"(CUDA IPC needs the same GPU or NVLink/PCIe P2P)"
+            )
         raise IpcUnavailable(f"the decode worker's GPU {device_uuid} is not visible to this process")
 
     def open(self, entry: dict, dtype: torch.dtype, shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
@@ -150,10 +164,15 @@ class CudaIpcBackend(IpcBackend):
             raise IpcUnavailable(f"offer entry needs non-negative integers {ints}")
         event = entry.get("event_handle")
         storage = torch.UntypedStorage._new_shared_cuda(
-            device.index, _unb64(entry.get("handle"), "handle"), entry["storage_bytes"],
-            entry["storage_offset_bytes"], _unb64(entry.get("ref_counter_handle"), "ref_counter_handle"),
-            entry["ref_counter_offset"], None if event is None else _unb64(event, "event_handle"),
-            bool(entry.get("event_sync_required")))
+            device.index,
+            _unb64(entry.get("handle"), "handle"),
+            entry["storage_bytes"],
+            entry["storage_offset_bytes"],
+            _unb64(entry.get("ref_counter_handle"), "ref_counter_handle"),
+            entry["ref_counter_offset"],
+            None if event is None else _unb64(event, "event_handle"),
+            bool(entry.get("event_sync_required")),
+        )
         numel = torch.Size(shape).numel()
         elem = torch.empty((), dtype=dtype).element_size()
         if (entry["tensor_offset"] + numel) * elem > storage.nbytes():
@@ -173,17 +192,24 @@ def offer(kv_caches, backend: IpcBackend, *, hello: dict, session_key: bytes | N
         if hello.get("node") != node_identity():
             raise IpcUnavailable("the prefill worker runs on another node")
         k0 = kv_caches[0][0]
-        body = {"type": "ipc_offer", "version": VERSION, "node": node_identity(),
-                "device_uuid": backend.device_uuid(k0.device), "dtype": str(k0.dtype).removeprefix("torch."),
-                "cache_shape": list(k0.shape), "tensors": [backend.share(t) for kv in kv_caches for t in kv]}
+        body = {
+            "type": "ipc_offer",
+            "version": VERSION,
+            "node": node_identity(),
+            "device_uuid": backend.device_uuid(k0.device),
+            "dtype": str(k0.dtype).removeprefix("torch."),
+            "cache_shape": list(k0.shape),
+            "tensors": [backend.share(t) for kv in kv_caches for t in kv],
+        }
     except IpcUnavailable as exc:
         return {"type": "ipc_declined", "reason": str(exc)}
     return {**body, "tag": offer_tag(session_key, body)}
 
 
 def offer_tag(session_key: bytes, body: dict) -> str:
-    return hmac.new(session_key, json.dumps(body, sort_keys=True, separators=(",", ":")).encode(),
-                    hashlib.sha256).hexdigest()
+    return hmac.new(
+        session_key, json.dumps(body, sort_keys=True, separators=(",", ":")).encode(), hashlib.sha256
+    ).hexdigest()
 
 
 # -- the sender's side ---------------------------------------------------------------------------
@@ -203,11 +229,18 @@ def open_offer(reply: dict, session_key: bytes | None, backend: IpcBackend, layo
         raise IpcUnavailable("the CUDA IPC offer's tag does not match this connection's session key")
     shape = reply.get("cache_shape")
     tensors = reply.get("tensors")
-    if reply.get("dtype") != layout.dtype or not isinstance(shape, list) or len(shape) != 4 or \
-            shape[1:] != [layout.block_size, layout.num_kv_heads, layout.head_dim] or \
-            not isinstance(tensors, list) or len(tensors) != 2 * layout.num_layers:
-        raise IpcUnavailable(f"the offered cache ({reply.get('dtype')}, {shape}, {len(tensors or [])} tensors) does "
-                             f"not match the layout ({layout.dtype}, {layout.num_layers} layers)")
+    if (
+        reply.get("dtype") != layout.dtype
+        or not isinstance(shape, list)
+        or len(shape) != 4
+        or shape[1:] != [layout.block_size, layout.num_kv_heads, layout.head_dim]
+        or not isinstance(tensors, list)
+        or len(tensors) != 2 * layout.num_layers
+    ):
+        raise IpcUnavailable(
+            f"the offered cache ({reply.get('dtype')}, {shape}, {len(tensors or [])} tensors) does "
+            f"not match the layout ({layout.dtype}, {layout.num_layers} layers)"
+        )
     if reply.get("node") != node_identity():
         raise IpcUnavailable("the decode worker runs on another node")
     device = backend.reach(str(reply.get("device_uuid")))
@@ -215,7 +248,7 @@ def open_offer(reply: dict, session_key: bytes | None, backend: IpcBackend, layo
         mapped = [backend.open(e, layout.torch_dtype, tuple(shape), device) for e in tensors]
     except IpcUnavailable:
         raise
-    except Exception as exc:   # the driver refused the handle (another IPC namespace, ...)
+    except Exception as exc:  # the driver refused the handle (another IPC namespace, ...)
         raise IpcUnavailable(f"the decode worker's cache handles do not open here: {exc}") from exc
     return [(mapped[2 * i], mapped[2 * i + 1]) for i in range(layout.num_layers)]
 
@@ -256,7 +289,7 @@ class LocalIpcBackend(IpcBackend):
     def __init__(self, device_uuid: str = "local-device", reachable: bool = True):
         self._uuid, self._reachable = device_uuid, reachable
         self._shared: dict[str, torch.Tensor] = {}
-        self.fail_open = False   # a fault to inject: handles that do not open
+        self.fail_open = False  # a fault to inject: handles that do not open
 
     def device_uuid(self, device: torch.device) -> str:
         return self._uuid

@@ -26,8 +26,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from splitserve.workers.transfer.base import (KVLayout, LayoutMismatchError, TransferState, TransferStatus,
-                                              WriteLayer)
+from splitserve.workers.transfer.base import KVLayout, LayoutMismatchError, TransferState, TransferStatus, WriteLayer
 
 Notify = Callable[[dict], None]
 

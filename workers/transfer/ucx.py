@@ -31,7 +31,6 @@ from splitserve.workers.transfer.receiver import ChannelReceiver
 from splitserve.workers.transfer.sender import ChannelSender
 from splitserve.workers.transfer.stream import MAX_HEADER_BYTES, Channel, ChannelClosed, encode_header
 
-
 _is_configured = False
 
 
