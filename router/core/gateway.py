@@ -36,7 +36,7 @@ from splitserve.router.api.formatting import Formatter, TokenText, sse
 from splitserve.router.api.prompts import num_choices, prepare_chat, prepare_completion
 from splitserve.router.config import ApiKey
 from splitserve.router.core.dispatch import Chunk
-from splitserve.router.core.pipeline import ChoiceChunk, Origin, Pipeline, Run
+from splitserve.router.core.pipeline import ChoiceChunk, Origin, Pipeline, Run, unless_gone
 from splitserve.router.flow import build_controller
 from splitserve.router.router import Router
 from splitserve.router.tenancy.access import ANONYMOUS, Authenticator, RateLimiter
@@ -215,15 +215,8 @@ class Gateway:
             async for _ in run:
                 pass
 
-        task = asyncio.create_task(collect())
-        disconnect = asyncio.create_task(_wait_disconnect(request))
-        try:
-            await asyncio.wait({task, disconnect}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            disconnect.cancel()
-        if not task.done():
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
+        task = await unless_gone(collect(), _wait_disconnect(request))
+        if task.cancelled():
             log.info("client disconnected; request aborted on the workers")
             await run.close()
             return False

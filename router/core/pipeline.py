@@ -108,15 +108,7 @@ class Pipeline:
                 span.set("splitserve.flow.queued", False)
                 return item
             span.set("splitserve.flow.queued", True)
-            acquire = asyncio.ensure_future(self.flow.acquire(item))
-            gone = asyncio.ensure_future(origin.disconnected())
-            try:
-                await asyncio.wait({acquire, gone}, return_when=asyncio.FIRST_COMPLETED)
-            finally:
-                gone.cancel()
-                if not acquire.done():
-                    acquire.cancel()
-                await asyncio.gather(acquire, gone, return_exceptions=True)
+            acquire = await unless_gone(self.flow.acquire(item), origin.disconnected())
             if acquire.cancelled():
                 log.info("client disconnected while its request was queued")
                 raise APIError(499, "the client closed the connection while its request was queued",
@@ -194,6 +186,21 @@ class Run:
 
     async def __aexit__(self, *exc) -> None:
         await self.close()
+
+
+async def unless_gone(work: Awaitable, gone: Awaitable) -> asyncio.Future:
+    """Run `work` until it ends or `gone` (the client's disconnect) does, whichever comes first.
+    Returns the work's task: done (its result or error inside), or cancelled if the client left
+    first. Neither is left running, however this returns."""
+    task, watch = asyncio.ensure_future(work), asyncio.ensure_future(gone)
+    try:
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        if not task.done():
+            task.cancel()
+        await asyncio.gather(task, watch, return_exceptions=True)
+    return task
 
 
 async def merged(gens: list) -> AsyncIterator[ChoiceChunk]:
