@@ -155,13 +155,13 @@ def prometheus_config(tmp: pathlib.Path, rules_file: pathlib.Path, targets: dict
     return str(path)
 
 
-def load(base_url: str) -> None:
+def load(base_url: str, round_: int = 0) -> None:
     import openai
 
     client = openai.OpenAI(base_url=base_url, api_key="none", max_retries=0, timeout=120)
     chat = client.chat.completions.create
     for i in range(4):  # long prompts: remote prefill, KV over tcp; streamed and not
-        messages = [{"role": "user", "content": f"({i}) {LONG_PROMPT}"}]
+        messages = [{"role": "user", "content": f"({round_}.{i}) {LONG_PROMPT}"}]  # a new prompt each round
         if i % 2:
             stream = chat(model="smollm2-135m", messages=messages, max_tokens=8, stream=True)
             assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
@@ -272,8 +272,17 @@ def test_dashboards_and_alerts_against_a_real_prometheus(tmp_path):
         procs.append(prom)
         api = f"http://127.0.0.1:{prom_port}/api/v1"
         prom.wait_line("Server is ready to receive web requests", 60)
-
+        # A rate needs two samples of a series with an increase between them. A labelled histogram
+        # (TTFT by model and adapter, ...) only appears with its first request, and on a quiet host
+        # the whole load can fall between two scrapes: its rate is then 0 and the quantile NaN. So:
+        # every target scraped, one round of load to create the series, two scrapes, the load again.
+        deadline = time.monotonic() + 60
+        while len(get_json(f"{api}/query?query=up%20%3D%3D%201")["data"]["result"]) < 4:
+            assert time.monotonic() < deadline, get_json(f"{api}/targets")
+            time.sleep(0.5)
         load(f"http://127.0.0.1:{port}/v1")
+        time.sleep(2.5)
+        load(f"http://127.0.0.1:{port}/v1", round_=1)
         time.sleep(3)  # a few more scrapes and rule evaluations
 
         def query(expr: str) -> list:
