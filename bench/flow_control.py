@@ -48,7 +48,7 @@ import yaml
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from report import markers, write_section  # noqa: E402
-from router_bench import Proc, free_port, percentile  # noqa: E402
+from router_bench import Proc, alternate_off_on, free_port, percentile  # noqa: E402
 
 MODEL = "smollm2-135m"
 KEYS = {"team-a": "sk-team-a", "team-b": "sk-team-b"}
@@ -280,44 +280,16 @@ def start_router(worker: str, flow: bool) -> tuple[Proc, str]:
 
 
 def overhead(n: int) -> dict:
-    import grpc
-
-    from splitserve.platform.wire import worker_pb2 as pb
-    from splitserve.platform.wire import worker_pb2_grpc as pb_grpc
-
     bench_dir = os.path.dirname(os.path.abspath(__file__))
     port = free_port()
     stub = Proc([sys.executable, os.path.join(bench_dir, "router_bench.py"), "--serve-stub", str(port)], "READY")
     address = f"127.0.0.1:{port}"
-    times: dict[str, list[float]] = {"direct": [], "off": [], "on": []}
     try:
         off, url_off = start_router(address, False)
         on, url_on = start_router(address, True)
-        prompt = [(i * 7919) % 40000 + 100 for i in range(64)]
-        body = {"model": MODEL, "prompt": prompt, "max_tokens": 1, "temperature": 0, "ignore_eos": True}
-        channel = grpc.insecure_channel(address)
-        stub_call = pb_grpc.WorkerStub(channel)
-        params = pb.SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
         try:
-            with httpx.Client(base_url=url_off) as c_off, httpx.Client(base_url=url_on) as c_on:
-                for i in range(n + 10):
-                    t0 = time.perf_counter()
-                    list(
-                        stub_call.Generate(
-                            pb.GenerateRequest(request_id=f"d{i}", prompt_token_ids=prompt, params=params)
-                        )
-                    )
-                    t1 = time.perf_counter()
-                    assert c_off.post("/v1/completions", json=body).status_code == 200
-                    t2 = time.perf_counter()
-                    assert c_on.post("/v1/completions", json=body).status_code == 200
-                    t3 = time.perf_counter()
-                    if i >= 10:
-                        times["direct"].append(t1 - t0)
-                        times["off"].append(t2 - t1)
-                        times["on"].append(t3 - t2)
+            times = alternate_off_on(address, url_off, url_on, [(i * 7919) % 40000 + 100 for i in range(64)], n)
         finally:
-            channel.close()
             off.stop()
             on.stop()
     finally:

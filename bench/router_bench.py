@@ -236,6 +236,34 @@ def start_gateway(worker_address: str, extra: tuple[str, ...] = ()) -> tuple[Pro
     return proc, url
 
 
+def alternate_off_on(address: str, url_off: str, url_on: str, prompt: list[int], n: int) -> dict[str, list[float]]:
+    """n rounds of three one-token requests in turn: the worker directly over gRPC, the gateway
+    with a feature off, the gateway with it on (the first 10 rounds warm up and are dropped)."""
+    times: dict[str, list[float]] = {"direct": [], "off": [], "on": []}
+    channel = grpc.insecure_channel(address)
+    stub_client = pb_grpc.WorkerStub(channel)
+    params = pb.SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 1, "temperature": 0, "ignore_eos": True}
+    try:
+        with httpx.Client(base_url=url_off, timeout=60) as off, httpx.Client(base_url=url_on, timeout=60) as on:
+            for i in range(n + 10):
+                t0 = time.perf_counter()
+                request = pb.GenerateRequest(request_id=f"d-{i}", prompt_token_ids=prompt, params=params)
+                list(stub_client.Generate(request))
+                t1 = time.perf_counter()
+                assert off.post("/v1/completions", json=body).status_code == 200
+                t2 = time.perf_counter()
+                assert on.post("/v1/completions", json=body).status_code == 200
+                t3 = time.perf_counter()
+                if i >= 10:
+                    times["direct"].append(t1 - t0)
+                    times["off"].append(t2 - t1)
+                    times["on"].append(t3 - t2)
+    finally:
+        channel.close()
+    return times
+
+
 def alternate(address: str, url: str, prompt: list[int], max_tokens: int, n: int) -> dict:
     """n sequential requests each way, alternating: direct gRPC, then the gateway."""
     direct, via = [], []
@@ -302,27 +330,7 @@ def tracing_bench(n: int) -> dict[str, list[float]]:
         gateways.append(start_gateway(address))
         gateways.append(start_gateway(address, ("--otlp-traces-endpoint", f"http://127.0.0.1:{sink.port}",
                                                 "--otlp-traces-sample-ratio", "1.0")))
-        times: dict[str, list[float]] = {"direct": [], "off": [], "on": []}
-        channel = grpc.insecure_channel(address)
-        stub_client = pb_grpc.WorkerStub(channel)
-        params = pb.SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
-        body = {"model": MODEL, "prompt": prompt, "max_tokens": 1, "temperature": 0, "ignore_eos": True}
-        with httpx.Client(base_url=gateways[0][1], timeout=60) as off, httpx.Client(base_url=gateways[1][1],
-                                                                                  timeout=60) as on:
-            for i in range(n + 10):
-                t0 = time.perf_counter()
-                list(stub_client.Generate(pb.GenerateRequest(request_id=f"d-{i}", prompt_token_ids=prompt,
-                                                             params=params)))
-                t1 = time.perf_counter()
-                assert off.post("/v1/completions", json=body).status_code == 200
-                t2 = time.perf_counter()
-                assert on.post("/v1/completions", json=body).status_code == 200
-                t3 = time.perf_counter()
-                if i >= 10:
-                    times["direct"].append(t1 - t0)
-                    times["off"].append(t2 - t1)
-                    times["on"].append(t3 - t2)
-        channel.close()
+        times = alternate_off_on(address, gateways[0][1], gateways[1][1], prompt, n)
     finally:
         for proc, _ in gateways:
             proc.stop()   # the traced gateway exports what it buffered
