@@ -28,6 +28,8 @@ import time
 
 import yaml
 
+from splitserve.launch.up_envoy import epp_args
+
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from report import markers, write_section  # noqa: E402
 from serving_suite import (
@@ -130,18 +132,11 @@ class GatewayCluster:
             "epp",
             [
                 *cli,
-                "epp",
+                *epp_args(
+                    workers, [f"{w}={s}" for w, s in zip(workers, sidecars, strict=True)], grpc_port, health_port
+                ),
                 "--config",
                 str(config),
-                "--workers",
-                ",".join(workers),
-                *[f"--endpoint={w}={s}" for w, s in zip(workers, sidecars, strict=True)],
-                "--host",
-                "127.0.0.1",
-                "--grpc-port",
-                str(grpc_port),
-                "--health-port",
-                str(health_port),
             ],
         )
         self.procs.append(epp)

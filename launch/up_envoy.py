@@ -26,6 +26,22 @@ from splitserve.router.epp.envoy import envoy_config, envoy_log, start_envoy
 START_TIMEOUT_S = 120
 
 
+def epp_args(workers: list[str], endpoints: list[str], grpc_port: int, health_port: int) -> list[str]:
+    """`splitserve epp` on loopback: its pool, `DECODE=SIDECAR` for each decode worker, its two ports."""
+    return [
+        "epp",
+        "--workers",
+        ",".join(workers),
+        *[f"--endpoint={e}" for e in endpoints],
+        "--host",
+        "127.0.0.1",
+        "--grpc-port",
+        str(grpc_port),
+        "--health-port",
+        str(health_port),
+    ]
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -127,17 +143,13 @@ def serve_envoy(config, workers, sock: socket.socket, config_file: str | None = 
                 "epp",
                 [
                     *cli,
-                    "epp",
+                    *epp_args(
+                        [w.address for w in workers],
+                        [f"{decode.address}=127.0.0.1:{sidecar_port}"],
+                        grpc_port,
+                        health_port,
+                    ),
                     *common,
-                    "--workers",
-                    ",".join(w.address for w in workers),
-                    f"--endpoint={decode.address}=127.0.0.1:{sidecar_port}",
-                    "--host",
-                    "127.0.0.1",
-                    "--grpc-port",
-                    str(grpc_port),
-                    "--health-port",
-                    str(health_port),
                 ],
             )
         )

@@ -94,6 +94,20 @@ class OtlpReceiver(tsvc_grpc.TraceServiceServicer):
             for request in self._requests:
                 f.write(json_format.MessageToJson(request, indent=None) + "\n")
 
+    def shown_tree(self, cli: str, request_id: str, folder) -> tuple[str, dict[str, int]]:
+        """`splitserve trace REQUEST_ID --spans FILE` over what arrived: its header line, and the
+        indent of each span name in the tree it prints (deeper = nested further)."""
+        import subprocess
+
+        spans_file = folder / "spans.jsonl"
+        self.write_jsonl(spans_file)
+        shown = subprocess.run(
+            [cli, "trace", request_id, "--spans", str(spans_file)], capture_output=True, text=True, timeout=60
+        )
+        assert shown.returncode == 0, shown.stderr
+        header, *lines = shown.stdout.splitlines()
+        return header, {line.split()[0]: len(line) - len(line.lstrip()) for line in lines}
+
     def trace(self, trace_id: str) -> list[Span]:
         with self._lock:
             return [s for s in self.spans if s.trace_id == trace_id]

@@ -131,15 +131,8 @@ def test_splitserve_trace_shows_the_breakdown(stack, tmp_path):
     assert ttft_ms == pytest.approx(msgs[0].timings.first_token_s * 1000, abs=0.1)
     assert f"request {req_id} on the prefill worker" in out and "prefill compute" in out
     assert f"{-(-300 // 16) * NUM_LAYERS * BYTES_PER_BLOCK_LAYER} bytes" in out
-    spans_file = tmp_path / "spans.jsonl"
-    receiver.write_jsonl(spans_file)
-    done = subprocess.run(
-        [CLI, "trace", req_id, "--spans", str(spans_file)], capture_output=True, text=True, timeout=60
-    )
-    assert done.returncode == 0, done.stderr
-    tree = done.stdout.splitlines()
-    assert tree[0].startswith(f"trace {trace_id}: {len(DECODE_SPANS | PREFILL_SPANS)} spans")
-    depth = {line.split()[0]: (len(line) - len(line.lstrip())) for line in tree[1:]}
+    header, depth = receiver.shown_tree(CLI, req_id, tmp_path)
+    assert header.startswith(f"trace {trace_id}: {len(DECODE_SPANS | PREFILL_SPANS)} spans")
     assert depth["worker.generate"] < depth["worker.remote_prefill"] < depth["prefill.call"] < depth["kv.send"]
     assert depth["kv.receive"] == depth["prefill.request"] == depth["prefill.call"] + 2
     missing = subprocess.run(
