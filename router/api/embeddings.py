@@ -29,7 +29,7 @@ from splitserve.platform.sampling.params import SamplingParams
 from splitserve.router.api.errors import APIError, bad_request
 from splitserve.router.api.prompts import Prepared
 from splitserve.router.api.schemas import Int
-from splitserve.router.core.dispatch import Job
+from splitserve.router.core.job import Job
 
 MAX_INPUTS = 2048   # OpenAI's limit per request
 

@@ -14,7 +14,7 @@ import time
 from splitserve.platform.tokenizer import Tokenizer
 from splitserve.router.api import echo, tools
 from splitserve.router.api.prompts import Prepared
-from splitserve.router.core.dispatch import Chunk
+from splitserve.router.core.job import Chunk
 from splitserve.router.core.usage import ChoiceState, Usage
 
 MAX_CACHED_TOKENS = 65536   # token texts a TokenText keeps

@@ -18,8 +18,7 @@ from __future__ import annotations
 from fastapi.openapi.utils import get_openapi
 
 from splitserve.platform.sampling.params import MAX_LOGPROBS
-
-INT32, INT64 = 2**31, 2**63
+from splitserve.router.api.sampling import INT32, INT64
 
 ERROR_SCHEMA = {
     "type": "object", "required": ["error"], "title": "ErrorResponse",

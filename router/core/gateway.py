@@ -5,11 +5,8 @@
        router/flow/, when enabled), dispatch (core/dispatch.py)
     -> a stream of events, or one JSON answer, written by the endpoint's formatter
 
-A streamed answer waits for its first increment before sending headers, so an error before the
-first token (no worker: 503, a worker's 400) still gets its HTTP status; after that an error is
-sent as the endpoint's error event. Either way the run is closed (its admission released, the
-workers' calls cancelled) when the response ends, fails or the client goes away; for a whole
-(non-streamed) answer the gateway watches the connection and cancels on disconnect (499).
+The run is written as a stream of events or one JSON answer by core/respond.py, and closed (its
+admission released, the workers' calls cancelled) however the response ends.
 
 Each endpoint is a formatter over this: chat and completions (api/formatting.py, the
 `ChatEvents` below), the Responses API (api/responses_api.py), embeddings (api/embeddings.py).
@@ -20,14 +17,12 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import functools
-import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Protocol
+from collections.abc import Callable
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response
 
 from splitserve.platform import tracing
 from splitserve.router import logctx
@@ -35,8 +30,8 @@ from splitserve.router.api.errors import APIError
 from splitserve.router.api.formatting import Formatter, TokenText, sse
 from splitserve.router.api.prompts import num_choices, prepare_chat, prepare_completion
 from splitserve.router.config import ApiKey
-from splitserve.router.core.dispatch import Chunk
-from splitserve.router.core.pipeline import ChoiceChunk, Origin, Pipeline, Run, unless_gone
+from splitserve.router.core.pipeline import ChoiceChunk, Origin, Pipeline, Run
+from splitserve.router.core.respond import DONE, StreamEvents, respond, wait_disconnect
 from splitserve.router.flow import build_controller
 from splitserve.router.router import Router
 from splitserve.router.tenancy.access import ANONYMOUS, Authenticator, RateLimiter
@@ -44,10 +39,6 @@ from splitserve.router.tenancy.admission import AdmissionPipeline, Slots
 from splitserve.router.tenancy.concurrency import Concurrency
 from splitserve.router.tenancy.keyfile import check_scope
 from splitserve.router.tenancy.quota import Quota
-
-log = logging.getLogger(__name__)
-
-DONE = b"data: [DONE]\n\n"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,18 +49,6 @@ class Caller:
     lora_name: str | None   # the LoRA adapter `model` names; None: the base model
     request_id: str         # names the response (and the log lines)
     job_id: str             # unique: prefixes the workers' request ids
-
-
-class StreamEvents(Protocol):
-    """How an endpoint writes a stream: called by Gateway.respond, in this order."""
-
-    def start(self, run: Run) -> list[bytes]: ...
-
-    def chunk(self, run: Run, item: ChoiceChunk) -> list[bytes]: ...
-
-    def end(self, run: Run) -> list[bytes]: ...
-
-    def error(self, run: Run, exc: APIError) -> list[bytes]: ...
 
 
 OFFLOAD_BYTES = 64 * 1024   # bodies at least this large are tokenized in a worker thread
@@ -158,7 +137,7 @@ class Gateway:
         if span.is_recording:
             _trace_request(span, body.model, caller.lora_name, prepared, t_parse, is_chat)
         origin = None if self.flow is None else Origin(request.headers, request.client.host if request.client else "",
-                                                       lambda: _wait_disconnect(request))
+                                                       lambda: wait_disconnect(request))
         run = await self.pipeline.open(caller.key, body.model, prepared, origin=origin)
         return run, Formatter(prepared, is_chat, self.tokens)
 
@@ -170,60 +149,8 @@ class Gateway:
 
     async def respond(self, request: Request, run: Run, events: StreamEvents,
                       answer: Callable[[Run], dict]) -> Response:
-        """The HTTP response of an open run: `events` write a stream, `answer` the whole JSON
-        body once every choice has finished. The run is closed however this ends."""
-        try:
-            if run.prepared.stream:
-                return await self._stream(run, events)
-            if not await self._collect(request, run):
-                return Response(status_code=499)
-            last = next((c.last for c in run.choices if c.last is not None), None)
-            return JSONResponse(answer(run), headers={**_worker_headers(last), **run.quota_headers})
-        except BaseException:
-            await run.close()
-            raise
-
-    async def _stream(self, run: Run, events: StreamEvents) -> Response:
-        t0 = time.monotonic()
-        first = await run.next()
-        self.router.metrics.ttft.observe(time.monotonic() - t0)
-
-        async def body() -> AsyncIterator[bytes]:
-            for data in events.start(run):
-                yield data
-            try:
-                item = first
-                while item is not None:
-                    for data in events.chunk(run, item):
-                        yield data
-                    item = await run.next()
-                out = events.end(run)
-            except APIError as exc:
-                log.warning("stream failed after the first token: %s", exc.message)
-                out = events.error(run, exc)
-            for data in out:
-                yield data
-
-        return ClosingStreamingResponse(body(), run.close, media_type="text/event-stream",
-                                        headers={**_worker_headers(first.chunk if first else None),
-                                                 **run.quota_headers})
-
-    async def _collect(self, request: Request, run: Run) -> bool:
-        """Every chunk of the run; False if the client went away first (the run is then closed).
-        Closes the run and raises the generation's APIError, if any."""
-        async def collect():
-            async for _ in run:
-                pass
-
-        task = await unless_gone(collect(), _wait_disconnect(request))
-        if task.cancelled():
-            log.info("client disconnected; request aborted on the workers")
-            await run.close()
-            return False
-        await run.close()
-        task.result()
-        return True
-
+        """An open run's HTTP response (core/respond.py), timing a stream's first increment."""
+        return await respond(request, run, events, answer, ttft=self.router.metrics.ttft)
 
 class ChatEvents:
     """The SSE stream of a chat or text completion."""
@@ -247,27 +174,6 @@ class ChatEvents:
         return [sse(exc.body()), DONE]
 
 
-class ClosingStreamingResponse(StreamingResponse):
-    """Runs `on_close` however the response ends, even if the client left before the first byte."""
-
-    def __init__(self, content, on_close: Callable[[], Awaitable[None]], **kwargs):
-        super().__init__(content, **kwargs)
-        self.on_close = on_close
-
-    async def __call__(self, scope, receive, send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            await self.on_close()
-
-
-async def _wait_disconnect(request: Request) -> None:
-    while True:
-        message = await request.receive()
-        if message["type"] == "http.disconnect":
-            return
-
-
 def _trace_request(span, model: str, lora_name: str | None, prepared, t_parse: float, is_chat: bool) -> None:
     """The request's gen_ai attributes, and its parse (model check, template, tokenization) span."""
     num_tokens = prepared.num_prompt_tokens
@@ -277,12 +183,3 @@ def _trace_request(span, model: str, lora_name: str | None, prepared, t_parse: f
                  "gen_ai.usage.input_tokens": num_tokens,
                  "gen_ai.request.max_tokens": max(job.params.max_tokens for job in prepared.jobs),
                  "splitserve.stream": prepared.stream, "gen_ai.request.choice.count": len(prepared.jobs)})
-
-
-def _worker_headers(chunk: Chunk | None) -> dict[str, str]:
-    if chunk is None:
-        return {}
-    headers = {"x-splitserve-decode-worker": chunk.decode_worker}
-    if chunk.prefill_worker:
-        headers["x-splitserve-prefill-worker"] = chunk.prefill_worker
-    return headers

@@ -35,7 +35,8 @@ from splitserve.platform import tracing
 from splitserve.router.api.errors import APIError
 from splitserve.router.api.prompts import Prepared
 from splitserve.router.config import ApiKey
-from splitserve.router.core.dispatch import Chunk, Dispatcher
+from splitserve.router.core.dispatch import Dispatcher
+from splitserve.router.core.job import Chunk
 from splitserve.router.core.usage import ChoiceState, Usage, count_usage
 from splitserve.router.flow.classify import classify
 from splitserve.router.flow.controller import FlowController

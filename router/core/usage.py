@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from splitserve.router.core.dispatch import Chunk
+    from splitserve.router.core.job import Chunk
 
 
 @dataclass(frozen=True)

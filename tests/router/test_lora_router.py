@@ -172,6 +172,6 @@ def test_bad_load_is_400_missing_folder_404_and_neither_changes_anything(fleet, 
 
 def _job(prompt, lora):
     from splitserve.platform.sampling.params import SamplingParams
-    from splitserve.router.core.dispatch import Job
+    from splitserve.router.core.job import Job
 
     return Job("r", prompt, SamplingParams(), lora_name=lora)

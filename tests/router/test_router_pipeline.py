@@ -12,7 +12,7 @@ from splitserve.platform.sampling.params import SamplingParams
 from splitserve.router.api.errors import APIError
 from splitserve.router.api.prompts import Prepared
 from splitserve.router.config import ApiKey
-from splitserve.router.core.dispatch import Chunk, Job
+from splitserve.router.core.job import Chunk, Job
 from splitserve.router.core.pipeline import ChoiceChunk, Pipeline
 from splitserve.router.core.usage import Usage
 from splitserve.router.tenancy.admission import AdmissionPipeline, Slots

@@ -313,10 +313,11 @@ def test_a_lora_request_without_an_adapter_catalog_is_placed_like_a_base_request
     places an adapter request on any decode worker, without prefix hints (the adapter's digest is
     unknown), instead of failing on the missing catalog."""
     from splitserve.platform.sampling.params import SamplingParams
-    from splitserve.router.core.dispatch import Dispatcher, Job, _Progress
+    from splitserve.router.core.dispatch import Dispatcher
+    from splitserve.router.core.job import Job, Progress
 
     place, index = placer([worker("w")], stored={"w": HASHER.hash_blocks(tokens(64))})
     dispatcher = Dispatcher(place.pool, place, HASHER, None, channels=None, adapters=None)
     job = Job("r", tokens(64), SamplingParams(max_tokens=4), lora_name="sql")
-    decision = asyncio.run(dispatcher._place(job, _Progress(), set(), 1))
+    decision = asyncio.run(dispatcher._place(job, Progress(), set(), 1))
     assert decision.decode == "w" and decision.num_cached_blocks == 0
