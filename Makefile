@@ -56,10 +56,9 @@ test: setup
 
 # ruff (pinned in the test extras; its rules and the reasons for each one left off are in pyproject.toml).
 # Fix what it finds with `$(VENV)/bin/ruff check --fix .` and `$(VENV)/bin/ruff format .`.
-# ruff check over the whole tree; ruff format --check over the files listed in .ruff-format.
 lint: setup
 	$(VENV)/bin/ruff check .
-	grep -v '^#' .ruff-format | xargs $(VENV)/bin/ruff format --check
+	$(VENV)/bin/ruff format --check .
 
 # The chaos soak (e2e/chaos.py): MINUTES of faults under load, every request accounted for.
 MINUTES ?= 30

@@ -45,16 +45,27 @@ async def one(address: str, salt: int, prefill: list[str], mode) -> dict:
     t0 = time.perf_counter()
     times, first = [], None
     async with worker_channel(address) as ch:
-        async for msg in pb_grpc.WorkerStub(ch).Generate(pb.GenerateRequest(
-                request_id=f"bench-{salt}", prompt_token_ids=prompt(salt), prefill_workers=prefill,
-                disaggregation=mode, params=pb.SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))):
+        async for msg in pb_grpc.WorkerStub(ch).Generate(
+            pb.GenerateRequest(
+                request_id=f"bench-{salt}",
+                prompt_token_ids=prompt(salt),
+                prefill_workers=prefill,
+                disaggregation=mode,
+                params=pb.SamplingParams(temperature=0, max_tokens=3, ignore_eos=True),
+            )
+        ):
             if msg.token_ids:
                 times.append(time.perf_counter() - t0)
             if first is None:
                 first = msg
     assert (first.prefill_worker != "") == bool(prefill), "the arm did not run as intended"
-    return dict(ttft=times[0], queue=first.timings.queue_s, prefill=first.timings.prefill_s,
-                exposed_transfer=first.timings.transfer_wait_s, first_decode_step=times[1] - times[0])
+    return dict(
+        ttft=times[0],
+        queue=first.timings.queue_s,
+        prefill=first.timings.prefill_s,
+        exposed_transfer=first.timings.transfer_wait_s,
+        first_decode_step=times[1] - times[0],
+    )
 
 
 def summarize(rows: list[dict]) -> dict:
@@ -62,13 +73,21 @@ def summarize(rows: list[dict]) -> dict:
 
 
 def render(result: dict, rounds: int) -> str:
-    lines = [BEGIN, "", "Disaggregated TTFT for a 1,500-token prompt (medians of "
-             f"{rounds} rounds, arms interleaved; seconds). Command: `python bench/disagg_ttft.py --rounds {rounds} "
-             "--write docs/benchmarks.md`.", "",
-             "| arm | TTFT | queue | prefill compute | exposed transfer | first decode step |", "|---|---|---|---|---|---|"]
+    lines = [
+        BEGIN,
+        "",
+        "Disaggregated TTFT for a 1,500-token prompt (medians of "
+        f"{rounds} rounds, arms interleaved; seconds). Command: `python bench/disagg_ttft.py --rounds {rounds} "
+        "--write docs/benchmarks.md`.",
+        "",
+        "| arm | TTFT | queue | prefill compute | exposed transfer | first decode step |",
+        "|---|---|---|---|---|---|",
+    ]
     for arm, r in result.items():
-        lines.append(f"| {arm} | {r['ttft']:.3f} | {r['queue']:.3f} | {r['prefill']:.3f} | "
-                     f"{r['exposed_transfer']:.4f} | {r['first_decode_step']:.3f} |")
+        lines.append(
+            f"| {arm} | {r['ttft']:.3f} | {r['queue']:.3f} | {r['prefill']:.3f} | "
+            f"{r['exposed_transfer']:.4f} | {r['first_decode_step']:.3f} |"
+        )
     lines += ["", END]
     return "\n".join(lines)
 
@@ -85,9 +104,11 @@ def main() -> int:
     d = WorkerProc("decode", "ucx").start()
     streaming = WorkerProc("prefill", "ucx").start()
     batch = WorkerProc("prefill", "ucx", "--no-kv-layer-streaming").start()
-    arms = {"P/D, per-layer streaming": ([streaming.address], pb.DISAGGREGATION_MODE_ALWAYS),
-            "P/D, send after prefill": ([batch.address], pb.DISAGGREGATION_MODE_ALWAYS),
-            "colocated (decode worker prefills)": ([], pb.DISAGGREGATION_MODE_NEVER)}
+    arms = {
+        "P/D, per-layer streaming": ([streaming.address], pb.DISAGGREGATION_MODE_ALWAYS),
+        "P/D, send after prefill": ([batch.address], pb.DISAGGREGATION_MODE_ALWAYS),
+        "colocated (decode worker prefills)": ([], pb.DISAGGREGATION_MODE_NEVER),
+    }
     rows = {arm: [] for arm in arms}
     try:
         asyncio.run(one(d.address, 0, [streaming.address], pb.DISAGGREGATION_MODE_ALWAYS))  # warm-up

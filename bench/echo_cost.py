@@ -86,11 +86,16 @@ def main() -> None:
     args = p.parse_args()
     if args.threads < 1 or args.rounds < 1:
         p.error("--threads and --rounds must be >= 1")
-    engine = LLMEngine(EngineConfig(model="smollm2-135m", cache=CacheConfig(enable_prefix_caching=False),
-                                    scheduler=SchedulerConfig(max_model_len=4096),
-                                    device=DeviceConfig(num_threads=args.threads, quantization=args.quantization)))
+    engine = LLMEngine(
+        EngineConfig(
+            model="smollm2-135m",
+            cache=CacheConfig(enable_prefix_caching=False),
+            scheduler=SchedulerConfig(max_model_len=4096),
+            device=DeviceConfig(num_threads=args.threads, quantization=args.quantization),
+        )
+    )
     ids = prompt_ids(engine)
-    one(engine, ids, 1)   # warm up
+    one(engine, ids, 1)  # warm up
     times: dict[str, list[float]] = {arm: [] for arm in ARMS}
     for _ in range(args.rounds):
         for arm, k in ARMS.items():

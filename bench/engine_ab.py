@@ -29,11 +29,18 @@ sys.path.insert(0, str(pathlib.Path(__file__).parent))
 from report import write_section  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-FOLDERS = {"platform": "platform", "workers": "workers", "router": "router", "operator": "operator",
-           "planner": "planner", "rayserve": "rayserve", "bench": "bench"}
+FOLDERS = {
+    "platform": "platform",
+    "workers": "workers",
+    "router": "router",
+    "operator": "operator",
+    "planner": "planner",
+    "rayserve": "rayserve",
+    "bench": "bench",
+}
 BATCHES = (1, 8, 32)
 
-ARM = r'''
+ARM = r"""
 import json, random, statistics, sys, time
 import torch
 from splitserve.platform.config import CacheConfig, DeviceConfig, EngineConfig, SchedulerConfig
@@ -63,7 +70,7 @@ for batch in batches:
         engine.step()
     out[batch] = [statistics.median(wall) * 1e3, statistics.median(cpu) * 1e3]
 print(json.dumps(out))
-'''
+"""
 
 
 def package_dir(code_root: pathlib.Path, into: pathlib.Path) -> pathlib.Path:
@@ -76,8 +83,13 @@ def package_dir(code_root: pathlib.Path, into: pathlib.Path) -> pathlib.Path:
 
 def run_arm(path: pathlib.Path, threads: int) -> dict[int, list[float]]:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(path), *site.getsitepackages()])}
-    proc = subprocess.run([sys.executable, "-S", "-c", ARM, str(threads), ",".join(map(str, BATCHES))],
-                          capture_output=True, text=True, env=env, timeout=1800)
+    proc = subprocess.run(
+        [sys.executable, "-S", "-c", ARM, str(threads), ",".join(map(str, BATCHES))],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=1800,
+    )
     if proc.returncode != 0:
         raise RuntimeError(proc.stderr[-3000:])
     return {int(k): v for k, v in json.loads(proc.stdout.strip().splitlines()[-1]).items()}
@@ -92,19 +104,23 @@ def main() -> None:
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         tmp = pathlib.Path(tmp)
-        subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", str(tmp / "base-tree"), args.base],
-                       check=True, capture_output=True)
+        subprocess.run(
+            ["git", "-C", str(ROOT), "worktree", "add", "--detach", str(tmp / "base-tree"), args.base],
+            check=True,
+            capture_output=True,
+        )
         try:
             arms = {"base": package_dir(tmp / "base-tree", tmp / "base"), "head": package_dir(ROOT, tmp / "head")}
             results = {name: {b: [] for b in BATCHES} for name in arms}
             for r in range(args.rounds):
-                for name in (("base", "head") if r % 2 == 0 else ("head", "base")):
+                for name in ("base", "head") if r % 2 == 0 else ("head", "base"):
                     for batch, times in run_arm(arms[name], args.threads).items():
                         results[name][batch].append(times)
                     print(f"round {r + 1} {name}: {results[name]}", file=sys.stderr, flush=True)
         finally:
-            subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(tmp / "base-tree")],
-                           capture_output=True)
+            subprocess.run(
+                ["git", "-C", str(ROOT), "worktree", "remove", "--force", str(tmp / "base-tree")], capture_output=True
+            )
     report = render(results, args)
     print(report)
     if args.write:
@@ -112,15 +128,21 @@ def main() -> None:
 
 
 def render(results, args) -> str:
-    head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
-                          text=True).stdout.strip()
-    lines = ["<!-- engine-ab:begin -->", "## Engine decode step: a revision against the working tree", "",
-             f"Run {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {os.cpu_count()} cores, {args.threads} "
-             f"threads, SmolLM2-135M `--quantization auto`, 256 tokens of context, median of 12 steps per process, "
-             f"{args.rounds} rounds alternating. Base `{args.base}`, head `{head}` (and its uncommitted changes). "
-             f"Command: `python bench/engine_ab.py --base {args.base} --rounds {args.rounds}`.", "",
-             "| batch | base wall ms | head wall ms | head / base | base CPU ms | head CPU ms | head / base |",
-             "|---|---|---|---|---|---|---|"]
+    head = subprocess.run(
+        ["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+    ).stdout.strip()
+    lines = [
+        "<!-- engine-ab:begin -->",
+        "## Engine decode step: a revision against the working tree",
+        "",
+        f"Run {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {os.cpu_count()} cores, {args.threads} "
+        f"threads, SmolLM2-135M `--quantization auto`, 256 tokens of context, median of 12 steps per process, "
+        f"{args.rounds} rounds alternating. Base `{args.base}`, head `{head}` (and its uncommitted changes). "
+        f"Command: `python bench/engine_ab.py --base {args.base} --rounds {args.rounds}`.",
+        "",
+        "| batch | base wall ms | head wall ms | head / base | base CPU ms | head CPU ms | head / base |",
+        "|---|---|---|---|---|---|---|",
+    ]
     med = statistics.median
     for batch in BATCHES:
         bw, hw = med(t[0] for t in results["base"][batch]), med(t[0] for t in results["head"][batch])

@@ -62,8 +62,9 @@ def ours_throughput(engine: LLMEngine, prompts) -> float:
 
 def ours_decode_ms(engine: LLMEngine, prompt) -> float:
     engine.pool.reset_prefix_cache()
-    engine.add_request(params=SamplingParams(temperature=0, max_tokens=OUTPUT_LEN, ignore_eos=True),
-                       prompt_token_ids=prompt)
+    engine.add_request(
+        params=SamplingParams(temperature=0, max_tokens=OUTPUT_LEN, ignore_eos=True), prompt_token_ids=prompt
+    )
     engine.step()  # prefill + first token
     times = []
     while engine.has_unfinished_requests():
@@ -77,8 +78,13 @@ def hf_throughput(model, prompts) -> float:
     t = time.perf_counter()
     for prompt in prompts[:HF_REQUESTS]:
         with torch.inference_mode():
-            out = model.generate(torch.tensor([prompt]), max_new_tokens=OUTPUT_LEN, min_new_tokens=OUTPUT_LEN,
-                                 do_sample=False, pad_token_id=0)
+            out = model.generate(
+                torch.tensor([prompt]),
+                max_new_tokens=OUTPUT_LEN,
+                min_new_tokens=OUTPUT_LEN,
+                do_sample=False,
+                pad_token_id=0,
+            )
         assert out.shape[1] == PROMPT_LEN + OUTPUT_LEN
     return HF_REQUESTS * OUTPUT_LEN / (time.perf_counter() - t)
 
@@ -105,10 +111,14 @@ def load_hf(dtype: torch.dtype):
 
 def run_dtype(dtype_name: str) -> dict:
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype_name]
-    engine = LLMEngine(EngineConfig(
-        model="smollm2-135m", device=DeviceConfig(dtype=dtype_name),
-        cache=CacheConfig(kv_cache_memory_bytes=256 * 1024**2),
-        scheduler=SchedulerConfig(max_num_seqs=NUM_REQUESTS, max_num_batched_tokens=512, max_model_len=2048)))
+    engine = LLMEngine(
+        EngineConfig(
+            model="smollm2-135m",
+            device=DeviceConfig(dtype=dtype_name),
+            cache=CacheConfig(kv_cache_memory_bytes=256 * 1024**2),
+            scheduler=SchedulerConfig(max_num_seqs=NUM_REQUESTS, max_num_batched_tokens=512, max_model_len=2048),
+        )
+    )
     hf = load_hf(dtype)
     prompts = make_prompts(engine.model_config.vocab_size)
     ours_tp, hf_tp, ours_ms, hf_ms = [], [], [], []
@@ -119,8 +129,13 @@ def run_dtype(dtype_name: str) -> dict:
         hf_tp.append(hf_throughput(hf, prompts))
         ours_ms.append(ours_decode_ms(engine, prompts[0]))
         hf_ms.append(hf_decode_ms(hf, prompts[0]))
-    r = dict(dtype=dtype_name, ours_tok_s=max(ours_tp), hf_tok_s=max(hf_tp),
-             ours_decode_ms=min(ours_ms), hf_decode_ms=min(hf_ms))
+    r = dict(
+        dtype=dtype_name,
+        ours_tok_s=max(ours_tp),
+        hf_tok_s=max(hf_tp),
+        ours_decode_ms=min(ours_ms),
+        hf_decode_ms=min(hf_ms),
+    )
     r["throughput_ratio"] = r["ours_tok_s"] / r["hf_tok_s"]
     r["decode_ratio"] = r["ours_decode_ms"] / r["hf_decode_ms"]
     print(json.dumps(r), flush=True)
@@ -132,19 +147,31 @@ def machine() -> str:
     flags = open("/proc/cpuinfo").read()
     isa = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_tile") if f" {f}" in flags]
     import transformers
-    return (f"{os.cpu_count()} vCPU {cpu} ({', '.join(isa)}), torch {torch.__version__}, "
-            f"transformers {transformers.__version__}, Python {stdlib_platform.python_version()}, "
-            f"{torch.get_num_threads()} torch threads")
+
+    return (
+        f"{os.cpu_count()} vCPU {cpu} ({', '.join(isa)}), torch {torch.__version__}, "
+        f"transformers {transformers.__version__}, Python {stdlib_platform.python_version()}, "
+        f"{torch.get_num_threads()} torch threads"
+    )
 
 
 def render(results: list[dict], cmd: str) -> str:
-    lines = [MARK_BEGIN, "", f"Machine: {machine()}.", "", f"Command: `{cmd}`", "",
-             "| dtype | splitserve 16 concurrent (tok/s) | transformers one at a time (tok/s) | ratio (target ≥ 3×) "
-             "| splitserve batch-1 decode (ms/token) | transformers + KV cache (ms/token) | ratio (target ≤ 1.2×) |",
-             "|---|---|---|---|---|---|---|"]
+    lines = [
+        MARK_BEGIN,
+        "",
+        f"Machine: {machine()}.",
+        "",
+        f"Command: `{cmd}`",
+        "",
+        "| dtype | splitserve 16 concurrent (tok/s) | transformers one at a time (tok/s) | ratio (target ≥ 3×) "
+        "| splitserve batch-1 decode (ms/token) | transformers + KV cache (ms/token) | ratio (target ≤ 1.2×) |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for r in results:
-        lines.append(f"| {r['dtype']} | {r['ours_tok_s']:.1f} | {r['hf_tok_s']:.1f} | {r['throughput_ratio']:.2f}× "
-                     f"| {r['ours_decode_ms']:.1f} | {r['hf_decode_ms']:.1f} | {r['decode_ratio']:.2f}× |")
+        lines.append(
+            f"| {r['dtype']} | {r['ours_tok_s']:.1f} | {r['hf_tok_s']:.1f} | {r['throughput_ratio']:.2f}× "
+            f"| {r['ours_decode_ms']:.1f} | {r['hf_decode_ms']:.1f} | {r['decode_ratio']:.2f}× |"
+        )
     lines += ["", MARK_END]
     return "\n".join(lines)
 

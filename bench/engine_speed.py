@@ -47,17 +47,25 @@ from report import write_section  # noqa: E402
 
 MODES = ("none", "int4", "w4a16", "w4a8", "int8", "fp16", "auto")
 # arm -> (--quantization, --kv-cache-dtype, AMX allowed)
-ARMS = {**{mode: (mode, "auto", True) for mode in MODES},
-        "auto, float32 KV": ("auto", "float32", True), "auto, no AMX": ("auto", "auto", False)}
+ARMS = {
+    **{mode: (mode, "auto", True) for mode in MODES},
+    "auto, float32 KV": ("auto", "float32", True),
+    "auto, no AMX": ("auto", "auto", False),
+}
 BATCHES = (1, 2, 4, 8, 16, 32)
 CONTEXT = 256
 STEPS = 12
 STREAM_TOKENS = 128
 STREAM_ROUNDS = 3
 PROMPTS = [  # the fidelity tests' prompts (tests/platform/test_engine_vs_transformers.py)
-    "The capital of France is", "def fibonacci(n):", "Once upon a time, in a land far away,", "1, 2, 3, 4, 5,",
-    "The three primary colors are", "Translate to French: I love cheese.",
-    "Q: What is the boiling point of water?\nA:", "import numpy as np\nx = np.",
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Once upon a time, in a land far away,",
+    "1, 2, 3, 4, 5,",
+    "The three primary colors are",
+    "Translate to French: I love cheese.",
+    "Q: What is the boiling point of water?\nA:",
+    "import numpy as np\nx = np.",
 ]
 CHAT = [{"role": "user", "content": "Write a short story about a lighthouse keeper who finds a message in a bottle."}]
 
@@ -128,10 +136,15 @@ def step_floor_ms(engine: LLMEngine, batch: int, fl: dict) -> tuple[float, float
 
 # ---- engine arms -------------------------------------------------------------------------------
 def make_engine(mode: str, kv_cache_dtype: str = "auto", model=None) -> LLMEngine:
-    return LLMEngine(EngineConfig(
-        model="smollm2-135m", device=DeviceConfig(quantization=mode, kv_cache_dtype=kv_cache_dtype),
-        cache=CacheConfig(kv_cache_memory_bytes=512 * 1024**2),
-        scheduler=SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=2048, max_model_len=2048)), model=model)
+    return LLMEngine(
+        EngineConfig(
+            model="smollm2-135m",
+            device=DeviceConfig(quantization=mode, kv_cache_dtype=kv_cache_dtype),
+            cache=CacheConfig(kv_cache_memory_bytes=512 * 1024**2),
+            scheduler=SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=2048, max_model_len=2048),
+        ),
+        model=model,
+    )
 
 
 def make_arms() -> dict[str, LLMEngine]:
@@ -159,8 +172,10 @@ def step_ms(engine: LLMEngine, batch: int, seed: int, clock=time.perf_counter) -
 
     rng = random.Random(seed)
     params = SamplingParams(temperature=0, max_tokens=STEPS + 8, ignore_eos=True)
-    ids = [engine.add_request(prompt_token_ids=[rng.randrange(100, 40000) for _ in range(CONTEXT)], params=params)
-           for _ in range(batch)]
+    ids = [
+        engine.add_request(prompt_token_ids=[rng.randrange(100, 40000) for _ in range(CONTEXT)], params=params)
+        for _ in range(batch)
+    ]
     while any(engine.scheduler.requests[i].num_output_tokens == 0 for i in ids):
         engine.step()
     times = []
@@ -195,8 +210,11 @@ def kv_bytes_per_sequence(engine: LLMEngine) -> int:
 def linear_macs(engine: LLMEngine) -> tuple[int, int]:
     """Multiply-adds per token in the decoder layers' linears and in the LM head."""
     c = engine.model_config
-    linear = c.num_layers * c.hidden_size * ((c.num_heads + 2 * c.num_kv_heads) * c.head_dim
-                                             + c.num_heads * c.head_dim + 3 * c.intermediate_size)
+    linear = (
+        c.num_layers
+        * c.hidden_size
+        * ((c.num_heads + 2 * c.num_kv_heads) * c.head_dim + c.num_heads * c.head_dim + 3 * c.intermediate_size)
+    )
     return linear, c.vocab_size * c.hidden_size
 
 
@@ -269,8 +287,9 @@ def stream_once(server: Server, extra_body: dict) -> tuple[float, float, int]:
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=300)
     t = time.perf_counter()
     first, n = None, 0
-    stream = client.chat.completions.create(model="smollm2-135m", messages=CHAT, max_tokens=STREAM_TOKENS,
-                                            temperature=0, stream=True, extra_body=extra_body)
+    stream = client.chat.completions.create(
+        model="smollm2-135m", messages=CHAT, max_tokens=STREAM_TOKENS, temperature=0, stream=True, extra_body=extra_body
+    )
     for chunk in stream:
         if chunk.choices and chunk.choices[0].delta.content:
             n += 1
@@ -285,17 +304,46 @@ def single_stream(peer_python: str | None) -> dict[str, dict]:
     servers = []
     for threads in (1, 2):
         port = free_port()
-        servers.append((Server(f"splitserve up --threads {threads}",
-                               [cli, "up", "--port", str(port), "--threads", str(threads)],
-                               f"http://127.0.0.1:{port}"), {"ignore_eos": True}))
+        servers.append(
+            (
+                Server(
+                    f"splitserve up --threads {threads}",
+                    [cli, "up", "--port", str(port), "--threads", str(threads)],
+                    f"http://127.0.0.1:{port}",
+                ),
+                {"ignore_eos": True},
+            )
+        )
     if peer_python:
         port = free_port()
-        servers.append((Server("llama-cpp-python (2 threads)",
-                               [peer_python, "-m", "llama_cpp.server", "--model", resolve_model("smollm2-135m").path,
-                                "--host", "127.0.0.1", "--port", str(port), "--n_threads", "2",
-                                "--n_threads_batch", "2", "--n_ctx", "2048", "--interrupt_requests", "False"],
-                               f"http://127.0.0.1:{port}"),
-                        {"logit_bias": {"0": -100, "2": -100}}))
+        servers.append(
+            (
+                Server(
+                    "llama-cpp-python (2 threads)",
+                    [
+                        peer_python,
+                        "-m",
+                        "llama_cpp.server",
+                        "--model",
+                        resolve_model("smollm2-135m").path,
+                        "--host",
+                        "127.0.0.1",
+                        "--port",
+                        str(port),
+                        "--n_threads",
+                        "2",
+                        "--n_threads_batch",
+                        "2",
+                        "--n_ctx",
+                        "2048",
+                        "--interrupt_requests",
+                        "False",
+                    ],
+                    f"http://127.0.0.1:{port}",
+                ),
+                {"logit_bias": {"0": -100, "2": -100}},
+            )
+        )
     results: dict[str, dict] = {}
     try:
         for server, _ in servers:
@@ -312,54 +360,83 @@ def single_stream(peer_python: str | None) -> dict[str, dict]:
     finally:
         for server, _ in servers:
             server.stop()
-    return {name: {"ttft_ms": statistics.median(r["ttft_ms"]), "tok_s": statistics.median(r["tok_s"]),
-                   "tokens": r["tokens"]} for name, r in results.items()}
+    return {
+        name: {
+            "ttft_ms": statistics.median(r["ttft_ms"]),
+            "tok_s": statistics.median(r["tok_s"]),
+            "tokens": r["tokens"],
+        }
+        for name, r in results.items()
+    }
 
 
 # ---- report ------------------------------------------------------------------------------------
 def render(fl: dict, steps: dict, engines: dict, agreement: dict, stream: dict, cmd: str, threads: int) -> str:
     file_bytes = os.path.getsize(resolve_model("smollm2-135m").path)
-    out = ["<!-- engine-speed:begin -->", "## Engine speed: quantization modes, floors, single stream (issue 12)", "",
-           f"Host: {os.cpu_count()} vCPU {cpu_model()} ({isa_summary()}); torch {torch.__version__}, "
-           f"{threads} torch threads. Floors measured in the same run: read bandwidth "
-           f"{fl['read_gb_s']:.1f} GB/s, GEMM {fl['fp32_gflops']:.0f} GFLOP/s float32, "
-           f"{fl['bf16_gflops']:.0f} GFLOP/s bfloat16 and "
-           + ("no int8 GEMM" if fl.get("int8_gops") is None else f"{fl['int8_gops']:.0f} GOP/s int8") + ".",
-           "", f"Command: `{cmd}`", "",
-           "### Decode step (ms), 256 tokens of context per sequence", "",
-           "A step's floor is the larger of its read floor (weight bytes plus the KV cache it attends "
-           "over, in the arm's KV dtype, 256 tokens per sequence, over the measured bandwidth) and its "
-           "compute floor (the linears' and LM head's operations over the measured peak of the arithmetic "
-           "the mode computes them in; int8 GEMM for the a8 modes, halved for two digits). Attention's "
-           "arithmetic is left out, so the floors are lower bounds. Where the floors' own b8/b1 or b32/b1 "
-           "exceeds a target, no kernel computing in that arithmetic meets it once batch 1 is at its "
-           "floor. The default is `auto`: float16 KV, and AMX tiles for steps of 8+ rows where the CPU "
-           "has them.", "",
-           "| mode | " + " | ".join(f"batch {b}" for b in BATCHES) + " | b8/b1 | b32/b1 | floor b1 | floor b8 | "
-           "floor b32 | floors b8/b1 | floors b32/b1 |", "|---" * (len(BATCHES) + 8) + "|"]
+    out = [
+        "<!-- engine-speed:begin -->",
+        "## Engine speed: quantization modes, floors, single stream (issue 12)",
+        "",
+        f"Host: {os.cpu_count()} vCPU {cpu_model()} ({isa_summary()}); torch {torch.__version__}, "
+        f"{threads} torch threads. Floors measured in the same run: read bandwidth "
+        f"{fl['read_gb_s']:.1f} GB/s, GEMM {fl['fp32_gflops']:.0f} GFLOP/s float32, "
+        f"{fl['bf16_gflops']:.0f} GFLOP/s bfloat16 and "
+        + ("no int8 GEMM" if fl.get("int8_gops") is None else f"{fl['int8_gops']:.0f} GOP/s int8")
+        + ".",
+        "",
+        f"Command: `{cmd}`",
+        "",
+        "### Decode step (ms), 256 tokens of context per sequence",
+        "",
+        "A step's floor is the larger of its read floor (weight bytes plus the KV cache it attends "
+        "over, in the arm's KV dtype, 256 tokens per sequence, over the measured bandwidth) and its "
+        "compute floor (the linears' and LM head's operations over the measured peak of the arithmetic "
+        "the mode computes them in; int8 GEMM for the a8 modes, halved for two digits). Attention's "
+        "arithmetic is left out, so the floors are lower bounds. Where the floors' own b8/b1 or b32/b1 "
+        "exceeds a target, no kernel computing in that arithmetic meets it once batch 1 is at its "
+        "floor. The default is `auto`: float16 KV, and AMX tiles for steps of 8+ rows where the CPU "
+        "has them.",
+        "",
+        "| mode | " + " | ".join(f"batch {b}" for b in BATCHES) + " | b8/b1 | b32/b1 | floor b1 | floor b8 | "
+        "floor b32 | floors b8/b1 | floors b32/b1 |",
+        "|---" * (len(BATCHES) + 8) + "|",
+    ]
     parts = {arm: {b: step_floor_ms(e, b, fl) for b in (1, 8, 32)} for arm, e in engines.items()}
-    floors_ms = {arm: {b: max(read, compute or 0.0) for b, (read, compute) in by_batch.items()}
-                 for arm, by_batch in parts.items()}
+    floors_ms = {
+        arm: {b: max(read, compute or 0.0) for b, (read, compute) in by_batch.items()}
+        for arm, by_batch in parts.items()
+    }
     for arm in engines:
         row = [f"{steps[(arm, b)]:.1f}" for b in BATCHES]
         floor = floors_ms[arm]
         read_only = " (read only)" if parts[arm][1][1] is None else ""
-        out.append(f"| {arm} | " + " | ".join(row) + f" | {steps[(arm, 8)] / steps[(arm, 1)]:.2f}× "
-                   f"| {steps[(arm, 32)] / steps[(arm, 1)]:.2f}× | {floor[1]:.1f} ms "
-                   f"({steps[(arm, 1)] / floor[1]:.1f}× above){read_only} | {floor[8]:.1f} ms | {floor[32]:.1f} ms "
-                   f"| {floor[8] / floor[1]:.2f}× | {floor[32] / floor[1]:.2f}× |")
+        out.append(
+            f"| {arm} | " + " | ".join(row) + f" | {steps[(arm, 8)] / steps[(arm, 1)]:.2f}× "
+            f"| {steps[(arm, 32)] / steps[(arm, 1)]:.2f}× | {floor[1]:.1f} ms "
+            f"({steps[(arm, 1)] / floor[1]:.1f}× above){read_only} | {floor[8]:.1f} ms | {floor[32]:.1f} ms "
+            f"| {floor[8] / floor[1]:.2f}× | {floor[32] / floor[1]:.2f}× |"
+        )
     e, b1 = engines["auto"], steps[("auto", 1)]
     for batch, target in ((8, 1.5), (32, 3.0)):
         read, compute = parts["auto"][batch]
         floor = floors_ms["auto"][batch]
-        verdict = ("below that floor: no kernel computing in this arithmetic reaches it on this host"
-                   if target * b1 < floor else f"{floor / (target * b1):.0%} of it is the floor")
-        out.append(f"\n`auto` ({kernel_kinds(e)[0]}), target batch {batch} ≤ {target:g}× batch 1: "
-                   f"{target * b1:.1f} ms against a floor of {floor:.1f} ms "
-                   f"({'compute' if compute and compute > read else 'read'}-bound): {verdict}.")
-    out += ["", "### Weights per mode", "",
-            "| mode | kernels | resident weights (MB) | × GGUF file | greedy = transformers (8 prompts × 64 tokens) |",
-            "|---|---|---|---|---|"]
+        verdict = (
+            "below that floor: no kernel computing in this arithmetic reaches it on this host"
+            if target * b1 < floor
+            else f"{floor / (target * b1):.0%} of it is the floor"
+        )
+        out.append(
+            f"\n`auto` ({kernel_kinds(e)[0]}), target batch {batch} ≤ {target:g}× batch 1: "
+            f"{target * b1:.1f} ms against a floor of {floor:.1f} ms "
+            f"({'compute' if compute and compute > read else 'read'}-bound): {verdict}."
+        )
+    out += [
+        "",
+        "### Weights per mode",
+        "",
+        "| mode | kernels | resident weights (MB) | × GGUF file | greedy = transformers (8 prompts × 64 tokens) |",
+        "|---|---|---|---|---|",
+    ]
     for mode in MODES:
         e = engines[mode]
         nbytes = weight_nbytes(e.model)
@@ -367,9 +444,14 @@ def render(fl: dict, steps: dict, engines: dict, agreement: dict, stream: dict, 
         out.append(f"| {mode} | {kernels} | {nbytes / 1e6:.0f} | {nbytes / file_bytes:.2f}× | {agreement[mode]}/8 |")
     if stream:
         peer = next((v for k, v in stream.items() if k.startswith("llama")), None)
-        out += ["", f"### Single stream: one chat request, {STREAM_TOKENS} tokens, streamed (median of "
-                f"{STREAM_ROUNDS}, servers alternating)", "",
-                "| server | TTFT (ms) | decode tok/s | × llama-cpp-python |", "|---|---|---|---|"]
+        out += [
+            "",
+            f"### Single stream: one chat request, {STREAM_TOKENS} tokens, streamed (median of "
+            f"{STREAM_ROUNDS}, servers alternating)",
+            "",
+            "| server | TTFT (ms) | decode tok/s | × llama-cpp-python |",
+            "|---|---|---|---|",
+        ]
         for name, r in stream.items():
             ratio = f"{r['tok_s'] / peer['tok_s']:.2f}×" if peer else "—"
             out.append(f"| {name} | {r['ttft_ms']:.1f} | {r['tok_s']:.1f} | {ratio} |")

@@ -36,7 +36,7 @@ from report import write_section  # noqa: E402
 TOKENS = 128
 PROMPTS = ["The history of the printing press begins", "def quicksort(items):", "Once upon a time, in a small village,"]
 
-PEER = r'''
+PEER = r"""
 import json, sys, time
 from llama_cpp import Llama
 path, threads, tokens = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
@@ -55,7 +55,7 @@ for line in sys.stdin:
         end = time.perf_counter()
         out.append([first - t0, (n - 1) / (end - first) if n > 1 else 0.0])
     print(json.dumps(out), flush=True)
-'''
+"""
 
 
 def ours(engine: LLMEngine, prompts: list[str], tokens: int) -> list[list[float]]:
@@ -79,29 +79,42 @@ def main() -> None:
     ap.add_argument("--peer-python", required=True)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--prompts", type=int, default=len(PROMPTS), choices=range(1, len(PROMPTS) + 1),
-                    help="how many of the prompts each round runs (fewer: a shorter run on a busy host)")
+    ap.add_argument(
+        "--prompts",
+        type=int,
+        default=len(PROMPTS),
+        choices=range(1, len(PROMPTS) + 1),
+        help="how many of the prompts each round runs (fewer: a shorter run on a busy host)",
+    )
     ap.add_argument("--tokens", type=int, default=TOKENS, help="greedy tokens per completion")
     ap.add_argument("--write", default=None)
     args = ap.parse_args()
-    prompts = PROMPTS[:args.prompts]
+    prompts = PROMPTS[: args.prompts]
     path = resolve_model("gemma3-270m").path
-    engine = LLMEngine(EngineConfig(model="gemma3-270m", device=DeviceConfig(num_threads=args.threads,
-                                                                           quantization="auto"),
-                                    cache=CacheConfig(kv_cache_memory_bytes=256 * 1024**2),
-                                    scheduler=SchedulerConfig(max_model_len=1024)))
-    peer = subprocess.Popen([args.peer_python, "-c", PEER, path, str(args.threads), str(args.tokens)],
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    engine = LLMEngine(
+        EngineConfig(
+            model="gemma3-270m",
+            device=DeviceConfig(num_threads=args.threads, quantization="auto"),
+            cache=CacheConfig(kv_cache_memory_bytes=256 * 1024**2),
+            scheduler=SchedulerConfig(max_model_len=1024),
+        )
+    )
+    peer = subprocess.Popen(
+        [args.peer_python, "-c", PEER, path, str(args.threads), str(args.tokens)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     peer.stdin.write(json.dumps(prompts) + "\n")
     peer.stdin.flush()
     assert peer.stdout.readline().strip() == "ready"
-    ours(engine, prompts, args.tokens)                          # warm-up of both, untimed
+    ours(engine, prompts, args.tokens)  # warm-up of both, untimed
     peer.stdin.write("go\n")
     peer.stdin.flush()
     peer.stdout.readline()
     results = {"splitserve": [], "llama-cpp-python": []}
     for r in range(args.rounds):
-        for arm in (("splitserve", "llama-cpp-python") if r % 2 == 0 else ("llama-cpp-python", "splitserve")):
+        for arm in ("splitserve", "llama-cpp-python") if r % 2 == 0 else ("llama-cpp-python", "splitserve"):
             if arm == "splitserve":
                 results[arm] += ours(engine, prompts, args.tokens)
             else:
@@ -120,17 +133,28 @@ def render(results, args, mode: str) -> str:
     med = statistics.median
     rate = {arm: med(r[1] for r in rows) for arm, rows in results.items()}
     ttft = {arm: med(r[0] for r in rows) for arm, rows in results.items()}
-    lines = ["<!-- gemma-peer:begin -->", "## Gemma 3 270M single stream against llama-cpp-python", "",
-             f"Run {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} on {cpu_model()} ({os.cpu_count()} cores), "
-             f"{args.threads} threads each, the `gemma3-270m` GGUF (Q4_K_M); ours `--quantization auto` "
-             f"(resolved: {mode}), {args.tokens} greedy tokens per prompt, {args.prompts} prompts x {args.rounds} "
-             f"rounds alternating, medians. Command: `python bench/gemma_peer.py --peer-python "
-             f".venv-peer/bin/python --rounds {args.rounds} --prompts {args.prompts} --tokens {args.tokens}`.", "",
-             "| arm | decode tok/s | TTFT s |", "|---|---|---|"]
+    lines = [
+        "<!-- gemma-peer:begin -->",
+        "## Gemma 3 270M single stream against llama-cpp-python",
+        "",
+        f"Run {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} on {cpu_model()} ({os.cpu_count()} cores), "
+        f"{args.threads} threads each, the `gemma3-270m` GGUF (Q4_K_M); ours `--quantization auto` "
+        f"(resolved: {mode}), {args.tokens} greedy tokens per prompt, {args.prompts} prompts x {args.rounds} "
+        f"rounds alternating, medians. Command: `python bench/gemma_peer.py --peer-python "
+        f".venv-peer/bin/python --rounds {args.rounds} --prompts {args.prompts} --tokens {args.tokens}`.",
+        "",
+        "| arm | decode tok/s | TTFT s |",
+        "|---|---|---|",
+    ]
     for arm in results:
         lines.append(f"| {arm} | {rate[arm]:.1f} | {ttft[arm]:.3f} |")
-    lines += ["", f"splitserve / llama-cpp-python decode rate: **{rate['splitserve'] / rate['llama-cpp-python']:.2f}x** "
-              "(target, reported: >= 1.0x).", "", "<!-- gemma-peer:end -->"]
+    lines += [
+        "",
+        f"splitserve / llama-cpp-python decode rate: **{rate['splitserve'] / rate['llama-cpp-python']:.2f}x** "
+        "(target, reported: >= 1.0x).",
+        "",
+        "<!-- gemma-peer:end -->",
+    ]
     return "\n".join(lines)
 
 

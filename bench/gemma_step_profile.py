@@ -42,14 +42,20 @@ class Timer:
             out = fn(*args, **kwargs)
             self.seconds[key] += time.perf_counter() - t0
             return out
+
         return timed
 
 
 def build(mode: str) -> tuple[LLMEngine, Timer]:
     gemma3.AUTO_MODE = mode
-    engine = LLMEngine(EngineConfig(model="gemma3-270m", cache=CacheConfig(num_blocks=192),
-                                    scheduler=SchedulerConfig(max_model_len=2048),
-                                    device=DeviceConfig(quantization="auto")))
+    engine = LLMEngine(
+        EngineConfig(
+            model="gemma3-270m",
+            cache=CacheConfig(num_blocks=192),
+            scheduler=SchedulerConfig(max_model_len=2048),
+            device=DeviceConfig(quantization="auto"),
+        )
+    )
     timer, model = Timer(), engine.model
     for name, module in model.named_modules():
         if isinstance(module, MergedLinear) and module.kernel is not None:
@@ -84,15 +90,17 @@ def main() -> None:
     ids = next(iter(engines.values()))[0].tokenizer.encode(PROMPT)
     walls: dict[str, list[float]] = collections.defaultdict(list)
     for engine, timer in engines.values():
-        engine.generate([ids], sampling)                                # warm-up, untimed
+        engine.generate([ids], sampling)  # warm-up, untimed
         timer.on = True
     for _ in range(args.rounds):
         for mode, (engine, _) in engines.items():
             t0 = time.perf_counter()
             engine.generate([ids], sampling)
             walls[mode].append(time.perf_counter() - t0)
-    print(f"{args.threads} thread(s), {TOKENS} tokens x {args.rounds} rounds per build; ms per generated token "
-          "(the wall includes the short prompt's prefill)")
+    print(
+        f"{args.threads} thread(s), {TOKENS} tokens x {args.rounds} rounds per build; ms per generated token "
+        "(the wall includes the short prompt's prefill)"
+    )
     for mode, (_, timer) in engines.items():
         report(mode, walls[mode], timer.seconds, TOKENS * args.rounds)
 

@@ -39,7 +39,7 @@ import urllib.request
 CHECK = pathlib.Path(__file__).resolve().parent / "gpu_check.py"
 ROUNDS = 2
 MAX_TOKENS = 16
-REQUEST_TIMEOUT_S = 120.0   # a request that hangs fails its configuration, not the whole check
+REQUEST_TIMEOUT_S = 120.0  # a request that hangs fails its configuration, not the whole check
 ARM_KEYS = ("ttft", "queue", "prefill", "exposed_transfer", "first_decode_step")
 # (name, model, dtype, prompt lengths, with the tcp decode worker, KV GiB, seconds it needs at least)
 CONFIGS = [
@@ -69,8 +69,21 @@ class Worker:
 
     def __init__(self, name: str, role: str, engine_args: list[str], extra: list[str]):
         self.name, self.role, self.port, self.metrics_port = name, role, free_port(), free_port()
-        self.args = [sys.executable, str(CHECK), "worker", "--role", role, "--grpc-port", str(self.port),
-                     "--metrics-port", str(self.metrics_port), "--kv-port", str(free_port()), *engine_args, *extra]
+        self.args = [
+            sys.executable,
+            str(CHECK),
+            "worker",
+            "--role",
+            role,
+            "--grpc-port",
+            str(self.port),
+            "--metrics-port",
+            str(self.metrics_port),
+            "--kv-port",
+            str(free_port()),
+            *engine_args,
+            *extra,
+        ]
         self.lines: list[str] = []
         self.proc: subprocess.Popen | None = None
         self._ready = threading.Event()
@@ -121,35 +134,68 @@ async def generate(address: str, req_id: str, prompt: list[int], prefill: list[s
     t0 = time.perf_counter()
     times, tokens, first = [], [], None
     async with grpc.aio.insecure_channel(address) as channel:
-        async for msg in pb_grpc.WorkerStub(channel).Generate(pb.GenerateRequest(
-                request_id=req_id, prompt_token_ids=prompt, prefill_workers=prefill, disaggregation=mode,
-                params=pb.SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)),
-                timeout=REQUEST_TIMEOUT_S):
+        async for msg in pb_grpc.WorkerStub(channel).Generate(
+            pb.GenerateRequest(
+                request_id=req_id,
+                prompt_token_ids=prompt,
+                prefill_workers=prefill,
+                disaggregation=mode,
+                params=pb.SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True),
+            ),
+            timeout=REQUEST_TIMEOUT_S,
+        ):
             if msg.token_ids:
                 times.append(time.perf_counter() - t0)
                 tokens += list(msg.token_ids)
             if first is None:
                 first = msg
     assert (first.prefill_worker != "") == bool(prefill), "the arm did not run as intended"
-    return dict(tokens=tokens, ttft=times[0], queue=first.timings.queue_s, prefill=first.timings.prefill_s,
-                exposed_transfer=first.timings.transfer_wait_s, first_decode_step=times[1] - times[0])
+    return dict(
+        tokens=tokens,
+        ttft=times[0],
+        queue=first.timings.queue_s,
+        prefill=first.timings.prefill_s,
+        exposed_transfer=first.timings.transfer_wait_s,
+        first_decode_step=times[1] - times[0],
+    )
 
 
-def run_config(name: str, model: str, dtype: str, lengths, with_tcp: bool, kv_gib: float, device: str,
-               secret: str, ready_s: float) -> dict:
+def run_config(
+    name: str, model: str, dtype: str, lengths, with_tcp: bool, kv_gib: float, device: str, secret: str, ready_s: float
+) -> dict:
     from splitserve.platform.wire import worker_pb2 as pb
 
     max_len = max(lengths) + 256
-    engine_args = ["--model", model, "--device", device, "--dtype", dtype, "--quantization", "none",
-                   "--kv-cache-memory", str(kv_gib), "--max-model-len", str(max_len),
-                   "--max-num-batched-tokens", str(max_len), "--max-num-seqs", "4",
-                   "--threads", "1" if device == "cpu" else "4", "--kv-secret-file", secret]
-    workers = {"P": Worker("P", "both", engine_args, ["--kv-transport", "auto", "--no-prefix-caching"]),
-               "D": Worker("D", "decode", engine_args, ["--kv-transport", "auto", "--disaggregation", "always"])}
+    engine_args = [
+        "--model",
+        model,
+        "--device",
+        device,
+        "--dtype",
+        dtype,
+        "--quantization",
+        "none",
+        "--kv-cache-memory",
+        str(kv_gib),
+        "--max-model-len",
+        str(max_len),
+        "--max-num-batched-tokens",
+        str(max_len),
+        "--max-num-seqs",
+        "4",
+        "--threads",
+        "1" if device == "cpu" else "4",
+        "--kv-secret-file",
+        secret,
+    ]
+    workers = {
+        "P": Worker("P", "both", engine_args, ["--kv-transport", "auto", "--no-prefix-caching"]),
+        "D": Worker("D", "decode", engine_args, ["--kv-transport", "auto", "--disaggregation", "always"]),
+    }
     if with_tcp:
         workers["T"] = Worker("T", "decode", engine_args, ["--kv-transport", "tcp", "--disaggregation", "always"])
     try:
-        if "8b" in model:   # one after another: three 8B processes initializing at once peak too high
+        if "8b" in model:  # one after another: three 8B processes initializing at once peak too high
             for w in workers.values():
                 w.start().wait_ready(ready_s)
         else:
@@ -167,13 +213,20 @@ def run_config(name: str, model: str, dtype: str, lengths, with_tcp: bool, kv_gi
         result: dict = dict(model=model, dtype=dtype)
         for n in lengths:
             rows: dict[str, list[dict]] = {arm: [] for arm in arms}
-            for round_ in range(1 + ROUNDS):                     # round 0 warms every shape of this length up
+            for round_ in range(1 + ROUNDS):  # round 0 warms every shape of this length up
                 prompt = [rng.randrange(100, vocab - 100) for _ in range(n)]
                 for arm, (address, prefill, mode) in arms.items():
                     ipc_before = p.metric('splitserve_kv_transfers_total{path="cuda_ipc"}')
                     r = asyncio.run(generate(address, f"{arm}-{n}-{round_}", prompt, prefill, mode))
-                    r["path"] = ("cuda_ipc" if p.metric('splitserve_kv_transfers_total{path="cuda_ipc"}') > ipc_before
-                                 else "bytes") if prefill else "-"
+                    r["path"] = (
+                        (
+                            "cuda_ipc"
+                            if p.metric('splitserve_kv_transfers_total{path="cuda_ipc"}') > ipc_before
+                            else "bytes"
+                        )
+                        if prefill
+                        else "-"
+                    )
                     if round_:
                         rows[arm].append(r)
             result[f"prompt_{n}"] = summarize(rows)
@@ -185,8 +238,10 @@ def run_config(name: str, model: str, dtype: str, lengths, with_tcp: bool, kv_gi
 
 
 def summarize(rows: dict[str, list[dict]]) -> dict:
-    out: dict = {arm: {**{k: statistics.median(r[k] for r in rs) for k in ARM_KEYS},
-                       "paths": sorted({r["path"] for r in rs})} for arm, rs in rows.items()}
+    out: dict = {
+        arm: {**{k: statistics.median(r[k] for r in rs) for k in ARM_KEYS}, "paths": sorted({r["path"] for r in rs})}
+        for arm, rs in rows.items()
+    }
     colocated = rows["colocated"]
     for arm in (a for a in rows if a != "colocated"):
         equal = [a["tokens"] == b["tokens"] for a, b in zip(rows[arm], colocated, strict=True)]
@@ -207,13 +262,22 @@ def acceptance(results: dict) -> dict:
         acc["ipc_path_taken"] = bf16["prompt_8192"]["pd_ipc"]["paths"] == ["cuda_ipc"]
     if "prompt_1024" in bf16:
         acc["ipc_1k_bf16_ratio"] = bf16["prompt_1024"]["pd_ipc"]["ttft_over_colocated"]
-    fp32 = [(name, n, arm, r[f"prompt_{n}"][arm]["tokens_equal_colocated"])
-            for name, r in results.items() if "fp32" in name and "error" not in r
-            for n in (1024, 8192) if f"prompt_{n}" in r for arm in ("pd_ipc", "pd_tcp") if arm in r[f"prompt_{n}"]]
+    fp32 = [
+        (name, n, arm, r[f"prompt_{n}"][arm]["tokens_equal_colocated"])
+        for name, r in results.items()
+        if "fp32" in name and "error" not in r
+        for n in (1024, 8192)
+        if f"prompt_{n}" in r
+        for arm in ("pd_ipc", "pd_tcp")
+        if arm in r[f"prompt_{n}"]
+    ]
     acc["fp32_tokens_equal"] = {f"{name} {n} {arm}": eq for name, n, arm, eq in fp32}
     acc["fp32_gate_ok"] = bool(fp32) and all(eq.split("/")[0] == eq.split("/")[1] for *_, eq in fp32)
-    acc["ok"] = acc["fp32_gate_ok"] and all(
-        acc.get(k) is not None and acc[k] <= v for k, v in TARGETS.items()) and acc.get("ipc_path_taken", False)
+    acc["ok"] = (
+        acc["fp32_gate_ok"]
+        and all(acc.get(k) is not None and acc[k] <= v for k, v in TARGETS.items())
+        and acc.get("ipc_path_taken", False)
+    )
     acc["targets"] = TARGETS
     return acc
 
@@ -226,7 +290,7 @@ def pd(smoke: bool, seconds_left=lambda: 1e9, partial: pathlib.Path | None = Non
     with tempfile.TemporaryDirectory() as tmp:
         secret = pathlib.Path(tmp) / "kv-secret"
         secret.write_text("gpu-check-" + "0123456789abcdef" * 4)
-        for name, model, dtype, lengths, with_tcp, kv_gib, needs_s in (SMOKE if smoke else CONFIGS):
+        for name, model, dtype, lengths, with_tcp, kv_gib, needs_s in SMOKE if smoke else CONFIGS:
             left = seconds_left()
             if left < needs_s:
                 results[name] = dict(skipped=f"{left:.0f} s left, it needs about {needs_s} s")
@@ -234,13 +298,22 @@ def pd(smoke: bool, seconds_left=lambda: 1e9, partial: pathlib.Path | None = Non
             log(f"-- P/D {name} ({left:.0f} s left)")
             t = time.monotonic()
             try:
-                results[name] = run_config(name, model, dtype, lengths, with_tcp, kv_gib, device, str(secret),
-                                           ready_s=min(300.0, max(30.0, left - 20)))
-            except Exception as exc:   # a configuration that fails is a result too; the next one runs
+                results[name] = run_config(
+                    name,
+                    model,
+                    dtype,
+                    lengths,
+                    with_tcp,
+                    kv_gib,
+                    device,
+                    str(secret),
+                    ready_s=min(300.0, max(30.0, left - 20)),
+                )
+            except Exception as exc:  # a configuration that fails is a result too; the next one runs
                 results[name] = dict(error=f"{type(exc).__name__}: {exc}"[-3000:])
             results[name]["seconds"] = round(time.monotonic() - t, 1)
             log(f"   {name}: {str(results[name])[:1500]}")
-            if partial is not None:   # kept even if the process is cut before the phase ends
+            if partial is not None:  # kept even if the process is cut before the phase ends
                 partial.write_text(json.dumps(results, indent=1, default=str))
     results["acceptance"] = acceptance(results)
     return results

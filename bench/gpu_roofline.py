@@ -68,8 +68,9 @@ MARK_BEGIN = "<!-- gpu-roofline:begin -->"
 MARK_END = "<!-- gpu-roofline:end -->"
 COMMAND = "make bench-gpu  # = python bench/gpu_roofline.py --write docs/benchmarks.md"
 # issue 30's acceptance: decode at batch 1 and 64 against the HBM floor, prefill against the matmul rate
-TARGETS = dict(decode_batch1_max_ratio=1.25, decode_batch64_max_ratio=1.6, prefill_2k_min_fraction=0.65,
-               hf_min_speedup=3.0)
+TARGETS = dict(
+    decode_batch1_max_ratio=1.25, decode_batch64_max_ratio=1.6, prefill_2k_min_fraction=0.65, hf_min_speedup=3.0
+)
 PROFILE_STEPS = 5
 
 
@@ -89,8 +90,20 @@ class Sizes:
     repeats: int
 
 
-FULL = Sizes("random:llama-3-8b", "cuda", "bfloat16", (1, 8, 32, 64, 128), 1024, 32,
-             (512, 2048, 8192), 4 * 1024**3, 8192, 64, 32, 3)
+FULL = Sizes(
+    "random:llama-3-8b",
+    "cuda",
+    "bfloat16",
+    (1, 8, 32, 64, 128),
+    1024,
+    32,
+    (512, 2048, 8192),
+    4 * 1024**3,
+    8192,
+    64,
+    32,
+    3,
+)
 SMOKE = Sizes("random:tiny", "cpu", "bfloat16", (1, 2), 32, 3, (16, 64), 16 * 1024**2, 128, 2, 4, 1)
 
 
@@ -160,6 +173,7 @@ def _numel(shape) -> int:
 
 # -- measurements ----------------------------------------------------------------------------
 
+
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -204,30 +218,42 @@ def check_kernels(device: torch.device) -> dict:
     errors = {}
     for dtype in (torch.float32, torch.bfloat16):
         heads, kv_heads, dim, bs, num_blocks = 32, 8, 128, 16, 512
-        k_cache, v_cache = (torch.randn(num_blocks, bs, kv_heads, dim, device=device, generator=gen).to(dtype)
-                            for _ in range(2))
+        k_cache, v_cache = (
+            torch.randn(num_blocks, bs, kv_heads, dim, device=device, generator=gen).to(dtype) for _ in range(2)
+        )
         perm = torch.randperm(num_blocks, device=device, generator=gen)
-        table = perm[:4 * 70].view(4, 70)                        # 4 sequences, up to 1120 tokens
+        table = perm[: 4 * 70].view(4, 70)  # 4 sequences, up to 1120 tokens
         ctx = torch.tensor([1, 300, 1001, 1120], device=device, dtype=torch.int32)
         q = torch.randn(4, heads, dim, device=device, generator=gen).to(dtype)
-        out = paged_decode_attention(q, k_cache, v_cache, table, ctx, dim ** -0.5)
+        out = paged_decode_attention(q, k_cache, v_cache, table, ctx, dim**-0.5)
         mask = torch.arange(70 * bs, device=device)[None, :] < ctx[:, None]
-        ref = decode_attention(q.float(), gather_kv(k_cache.float(), table), gather_kv(v_cache.float(), table),
-                               dim ** -0.5, mask)
+        ref = decode_attention(
+            q.float(), gather_kv(k_cache.float(), table), gather_kv(v_cache.float(), table), dim**-0.5, mask
+        )
         errors[f"decode_{dtype}"] = _rel_error(out, ref)
         from splitserve.platform.kernels.triton_split_decode import split_decode_attention
-        out = split_decode_attention(q, k_cache, v_cache, table, ctx, dim ** -0.5, 8)
+
+        out = split_decode_attention(q, k_cache, v_cache, table, ctx, dim**-0.5, 8)
         errors[f"split_decode_{dtype}"] = _rel_error(out, ref)
         q_lens, starts = [700, 1, 300], [0, 999, 513]
         cu = torch.tensor([0, *q_lens], device=device).cumsum(0).to(torch.int32)
         q = torch.randn(sum(q_lens), heads, dim, device=device, generator=gen).to(dtype)
         tables = table[:3]
-        out = paged_prefill_attention(q, k_cache, v_cache, cu, torch.tensor(starts, device=device, dtype=torch.int32),
-                                      tables, dim ** -0.5)
-        ref = torch.cat([prefill_attention(q[cu[s]:cu[s + 1]].float(), gather_kv(k_cache.float(), tables[s])[:n + st],
-                                           gather_kv(v_cache.float(), tables[s])[:n + st], dim ** -0.5,
-                                           torch.ones(n, n + st, dtype=torch.bool, device=device).tril(st))
-                         for s, (n, st) in enumerate(zip(q_lens, starts))])
+        out = paged_prefill_attention(
+            q, k_cache, v_cache, cu, torch.tensor(starts, device=device, dtype=torch.int32), tables, dim**-0.5
+        )
+        ref = torch.cat(
+            [
+                prefill_attention(
+                    q[cu[s] : cu[s + 1]].float(),
+                    gather_kv(k_cache.float(), tables[s])[: n + st],
+                    gather_kv(v_cache.float(), tables[s])[: n + st],
+                    dim**-0.5,
+                    torch.ones(n, n + st, dtype=torch.bool, device=device).tril(st),
+                )
+                for s, (n, st) in enumerate(zip(q_lens, starts))
+            ]
+        )
         errors[f"prefill_{dtype}"] = _rel_error(out, ref)
     return errors
 
@@ -247,11 +273,16 @@ def build_engine(sizes: Sizes):
     prefill_steps = -(-max_batch * sizes.context // longest)
     max_model_len = longest + 64
     tokens = max(max_batch * (sizes.context + prefill_steps + sizes.decode_steps + 32), max_model_len + 32)
-    return LLMEngine(EngineConfig(
-        model=sizes.model, device=DeviceConfig(device=sizes.device, dtype=sizes.dtype),
-        cache=CacheConfig(kv_cache_memory_bytes=int(tokens * kv_bytes_per_token(cfg, sizes.dtype) * 1.05)),
-        scheduler=SchedulerConfig(max_num_seqs=max_batch, max_num_batched_tokens=longest,
-                                  max_model_len=max_model_len)))
+    return LLMEngine(
+        EngineConfig(
+            model=sizes.model,
+            device=DeviceConfig(device=sizes.device, dtype=sizes.dtype),
+            cache=CacheConfig(kv_cache_memory_bytes=int(tokens * kv_bytes_per_token(cfg, sizes.dtype) * 1.05)),
+            scheduler=SchedulerConfig(
+                max_num_seqs=max_batch, max_num_batched_tokens=longest, max_model_len=max_model_len
+            ),
+        )
+    )
 
 
 def random_prompts(vocab: int, count: int, length: int, rng: random.Random) -> list[list[int]]:
@@ -266,12 +297,14 @@ def measure_decode(engine, batch: int, sizes: Sizes, rng: random.Random) -> dict
     contexts differ by a few tokens). The arms run on the same requests, one after the other."""
     from splitserve.platform.sampling.params import SamplingParams
 
-    params = SamplingParams(temperature=0, max_tokens=100_000, ignore_eos=True)   # aborted below
+    params = SamplingParams(temperature=0, max_tokens=100_000, ignore_eos=True)  # aborted below
     engine.pool.reset_prefix_cache()
-    ids = [engine.add_request(params=params, prompt_token_ids=prompt)
-           for prompt in random_prompts(engine.model_config.vocab_size, batch, sizes.context, rng)]
+    ids = [
+        engine.add_request(params=params, prompt_token_ids=prompt)
+        for prompt in random_prompts(engine.model_config.vocab_size, batch, sizes.context, rng)
+    ]
     started: set[str] = set()
-    while len(started) < batch:                            # prefill (chunked) until all decode
+    while len(started) < batch:  # prefill (chunked) until all decode
         started.update(o.req_id for o in engine.step() if o.num_output_tokens)
     graphs = engine.runner.graphs
     arms = {"graphs": graphs, "eager": None} if graphs is not None else {"eager": None}
@@ -279,7 +312,7 @@ def measure_decode(engine, batch: int, sizes: Sizes, rng: random.Random) -> dict
     try:
         for arm, runner_graphs in arms.items():
             engine.runner.graphs = runner_graphs
-            engine.step()                                  # warm-up decode step
+            engine.step()  # warm-up decode step
             times = []
             for _ in range(sizes.decode_steps):
                 sync(engine.device)
@@ -318,16 +351,20 @@ def profile_steps(engine, steps: int) -> dict:
         wall = (time.perf_counter() - t) / steps
     if not on_cuda:
         return dict(profiled_step_s=wall, kernels_per_step=None, gpu_busy_s=None, gpu_busy_share=None)
-    intervals = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
-                       if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start)
+    intervals = sorted(
+        (e.time_range.start, e.time_range.end)
+        for e in prof.events()
+        if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start
+    )
     busy_us, reach = 0.0, float("-inf")
-    for begin, end in intervals:                           # union of intervals, in microseconds
+    for begin, end in intervals:  # union of intervals, in microseconds
         if end > reach:
             busy_us += end - max(begin, reach)
             reach = end
     busy = busy_us * 1e-6 / steps
-    return dict(profiled_step_s=wall, kernels_per_step=len(intervals) / steps, gpu_busy_s=busy,
-                gpu_busy_share=busy / wall)
+    return dict(
+        profiled_step_s=wall, kernels_per_step=len(intervals) / steps, gpu_busy_s=busy, gpu_busy_share=busy / wall
+    )
 
 
 def measure_prefill(engine, num_tokens: int, sizes: Sizes, rng: random.Random) -> float:
@@ -336,10 +373,11 @@ def measure_prefill(engine, num_tokens: int, sizes: Sizes, rng: random.Random) -
 
     params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
     times = []
-    for i in range(sizes.repeats + 1):                     # the first run compiles and warms up
+    for i in range(sizes.repeats + 1):  # the first run compiles and warms up
         engine.pool.reset_prefix_cache()
-        engine.add_request(params=params, prompt_token_ids=random_prompts(
-            engine.model_config.vocab_size, 1, num_tokens, rng)[0])
+        engine.add_request(
+            params=params, prompt_token_ids=random_prompts(engine.model_config.vocab_size, 1, num_tokens, rng)[0]
+        )
         sync(engine.device)
         t = time.perf_counter()
         outs = engine.step()
@@ -356,22 +394,37 @@ def measure_hf(cfg: ModelConfig, sizes: Sizes, device: torch.device, rng: random
     from transformers import AutoModelForCausalLM, LlamaConfig, LogitsProcessorList
 
     hf_cfg = LlamaConfig(
-        vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
-        num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads,
-        num_key_value_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, rms_norm_eps=cfg.rms_norm_eps,
-        rope_theta=cfg.rope_theta, max_position_embeddings=cfg.max_position_embeddings,
-        tie_word_embeddings=cfg.tie_word_embeddings, bos_token_id=cfg.bos_token_id, eos_token_id=None)
+        vocab_size=cfg.vocab_size,
+        hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=cfg.num_layers,
+        num_attention_heads=cfg.num_heads,
+        num_key_value_heads=cfg.num_kv_heads,
+        head_dim=cfg.head_dim,
+        rms_norm_eps=cfg.rms_norm_eps,
+        rope_theta=cfg.rope_theta,
+        max_position_embeddings=cfg.max_position_embeddings,
+        tie_word_embeddings=cfg.tie_word_embeddings,
+        bos_token_id=cfg.bos_token_id,
+        eos_token_id=None,
+    )
     # rope scaling is left out: it changes the frequencies, not the cost
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(hf_cfg, dtype=getattr(torch, sizes.dtype)).eval()
     prompts = torch.tensor(random_prompts(cfg.vocab_size, sizes.hf_batch, sizes.context, rng), device=device)
     rates = []
-    for i in range(sizes.repeats + 1):                     # the first run warms up
+    for i in range(sizes.repeats + 1):  # the first run warms up
         stamps: list[float] = []
         with torch.inference_mode():
-            out = model.generate(prompts, attention_mask=torch.ones_like(prompts), do_sample=False,
-                                 max_new_tokens=sizes.hf_new_tokens, min_new_tokens=sizes.hf_new_tokens,
-                                 pad_token_id=0, logits_processor=LogitsProcessorList([_StepClock(device, stamps)]))
+            out = model.generate(
+                prompts,
+                attention_mask=torch.ones_like(prompts),
+                do_sample=False,
+                max_new_tokens=sizes.hf_new_tokens,
+                min_new_tokens=sizes.hf_new_tokens,
+                pad_token_id=0,
+                logits_processor=LogitsProcessorList([_StepClock(device, stamps)]),
+            )
         assert out.shape[1] == sizes.context + sizes.hf_new_tokens and len(stamps) == sizes.hf_new_tokens
         if i:  # stamps[0] follows the prefill; then one stamp per decode step
             rates.append(sizes.hf_batch * (len(stamps) - 1) / (stamps[-1] - stamps[0]))
@@ -393,6 +446,7 @@ class _StepClock:
 
 # -- the run ---------------------------------------------------------------------------------
 
+
 def run(sizes: Sizes) -> dict:
     device = torch.device(sizes.device)
     rng = random.Random(0)
@@ -404,18 +458,21 @@ def run(sizes: Sizes) -> dict:
     engine = build_engine(sizes)
     cfg = engine.model_config
     result["attention_path"] = attention_path(device)
-    result["decode"] = [decode_row(cfg, measure_decode(engine, b, sizes, rng), sizes.dtype, peak_bw)
-                        for b in sizes.decode_batches]
-    result["prefill"] = [prefill_row(cfg, n, measure_prefill(engine, n, sizes, rng), peak_mm)
-                         for n in sizes.prefill_tokens]
+    result["decode"] = [
+        decode_row(cfg, measure_decode(engine, b, sizes, rng), sizes.dtype, peak_bw) for b in sizes.decode_batches
+    ]
+    result["prefill"] = [
+        prefill_row(cfg, n, measure_prefill(engine, n, sizes, rng), peak_mm) for n in sizes.prefill_tokens
+    ]
     del engine
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
     hf_tok_s = measure_hf(cfg, sizes, device, rng)
     ours = next((r for r in result["decode"] if r["batch"] == sizes.hf_batch), result["decode"][-1])
-    result["baseline"] = dict(batch=ours["batch"], ours_tok_s=ours["tok_s"], hf_tok_s=hf_tok_s,
-                              speedup=ours["tok_s"] / hf_tok_s)
+    result["baseline"] = dict(
+        batch=ours["batch"], ours_tok_s=ours["tok_s"], hf_tok_s=hf_tok_s, speedup=ours["tok_s"] / hf_tok_s
+    )
     result["acceptance"] = acceptance(result)
     return result
 
@@ -434,8 +491,14 @@ def decode_row(cfg: ModelConfig, m: dict, dtype: str, bandwidth: float) -> dict:
 def prefill_row(cfg: ModelConfig, num_tokens: int, seconds: float, matmul_rate: float) -> dict:
     flops = prefill_flops(cfg, num_tokens)
     floor = floor_seconds(flops, matmul_rate)
-    return dict(tokens=num_tokens, step_s=seconds, tok_s=num_tokens / seconds, flops=flops, floor_s=floor,
-                fraction=floor / seconds)
+    return dict(
+        tokens=num_tokens,
+        step_s=seconds,
+        tok_s=num_tokens / seconds,
+        flops=flops,
+        floor_s=floor,
+        fraction=floor / seconds,
+    )
 
 
 def acceptance(result: dict) -> dict:
@@ -445,9 +508,11 @@ def acceptance(result: dict) -> dict:
     return dict(
         decode_batch1_ratio_ok=None if batch1 is None else batch1["ratio"] <= TARGETS["decode_batch1_max_ratio"],
         decode_batch64_ratio_ok=None if batch64 is None else batch64["ratio"] <= TARGETS["decode_batch64_max_ratio"],
-        prefill_2k_fraction_ok=None if prefill_2k is None
+        prefill_2k_fraction_ok=None
+        if prefill_2k is None
         else prefill_2k["fraction"] >= TARGETS["prefill_2k_min_fraction"],
-        hf_speedup_ok=result["baseline"]["speedup"] >= TARGETS["hf_min_speedup"])
+        hf_speedup_ok=result["baseline"]["speedup"] >= TARGETS["hf_min_speedup"],
+    )
 
 
 def attention_path(device: torch.device) -> str:
@@ -462,6 +527,7 @@ def environment(device: torch.device) -> dict:
     env = dict(torch=torch.__version__, transformers=transformers.__version__, python=sys.version.split()[0])
     try:
         import triton
+
         env["triton"] = triton.__version__
     except ImportError:
         env["triton"] = None
@@ -475,35 +541,55 @@ def environment(device: torch.device) -> dict:
 
 # -- report ----------------------------------------------------------------------------------
 
+
 def render(r: dict, command: str) -> str:
     env, peaks, base = r["environment"], r["peaks"], r["baseline"]
     ok = {True: "✓", False: "✗", None: "–"}
     acc = r["acceptance"]
     lines = [
-        MARK_BEGIN, "", f"Model `{r['sizes']['model']}` in {r['sizes']['dtype']} on "
+        MARK_BEGIN,
+        "",
+        f"Model `{r['sizes']['model']}` in {r['sizes']['dtype']} on "
         f"{env.get('gpu') or 'CPU (smoke run)'}; torch {env['torch']}, triton {env['triton']}, "
-        f"transformers {env['transformers']}; attention: {r['attention_path']}.", "",
-        f"Command: `{command}`", "",
+        f"transformers {env['transformers']}; attention: {r['attention_path']}.",
+        "",
+        f"Command: `{command}`",
+        "",
         f"Measured peaks: HBM {peaks['hbm_bytes_per_s'] / 1e9:.0f} GB/s (device-to-device copy), "
         f"bf16 matmul {peaks['matmul_flop_per_s'] / 1e12:.1f} TFLOP/s "
-        f"({r['sizes']['matmul_n']}³). Kernel check (max rel. error vs torch): {_fmt_check(r['kernel_check'])}.", "",
+        f"({r['sizes']['matmul_n']}³). Kernel check (max rel. error vs torch): {_fmt_check(r['kernel_check'])}.",
+        "",
         "Decode: wall time per step from a synchronised start, i.e. the wait between two tokens; kernels "
-        "and GPU-busy time from torch.profiler over the same engine's next steps.", "",
+        "and GPU-busy time from torch.profiler over the same engine's next steps.",
+        "",
         "| decode batch | arm | context | step (ms) | HBM floor (ms) | step / floor | tok/s | kernels / step "
         "| GPU busy (ms) | busy share |",
-        "|---|---|---|---|---|---|---|---|---|---|"]
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
     lines += [_decode_line(d, arm) for d in r["decode"] for arm in ("graphs", "eager") if arm in d]
-    lines += ["", "| prefill tokens | step (ms) | tok/s | matmul floor (ms) | share of matmul rate |",
-              "|---|---|---|---|---|"]
-    lines += [f"| {p['tokens']} | {p['step_s'] * 1e3:.1f} | {p['tok_s']:.0f} | {p['floor_s'] * 1e3:.1f} "
-              f"| {p['fraction']:.0%} |" for p in r["prefill"]]
-    lines += ["", f"Decode at batch {base['batch']}: splitserve {base['ours_tok_s']:.0f} tok/s, transformers "
-              f"`generate` {base['hf_tok_s']:.0f} tok/s: {base['speedup']:.2f}×.", "",
-              f"Targets: batch-1 decode ≤ {TARGETS['decode_batch1_max_ratio']}× floor "
-              f"{ok[acc['decode_batch1_ratio_ok']]}; batch-64 decode ≤ {TARGETS['decode_batch64_max_ratio']}× floor "
-              f"{ok[acc['decode_batch64_ratio_ok']]}; 2k prefill ≥ {TARGETS['prefill_2k_min_fraction']:.0%} of the "
-              f"matmul rate {ok[acc['prefill_2k_fraction_ok']]}; batch-{base['batch']} decode ≥ {TARGETS['hf_min_speedup']}× "
-              f"transformers {ok[acc['hf_speedup_ok']]}.", "", MARK_END]
+    lines += [
+        "",
+        "| prefill tokens | step (ms) | tok/s | matmul floor (ms) | share of matmul rate |",
+        "|---|---|---|---|---|",
+    ]
+    lines += [
+        f"| {p['tokens']} | {p['step_s'] * 1e3:.1f} | {p['tok_s']:.0f} | {p['floor_s'] * 1e3:.1f} "
+        f"| {p['fraction']:.0%} |"
+        for p in r["prefill"]
+    ]
+    lines += [
+        "",
+        f"Decode at batch {base['batch']}: splitserve {base['ours_tok_s']:.0f} tok/s, transformers "
+        f"`generate` {base['hf_tok_s']:.0f} tok/s: {base['speedup']:.2f}×.",
+        "",
+        f"Targets: batch-1 decode ≤ {TARGETS['decode_batch1_max_ratio']}× floor "
+        f"{ok[acc['decode_batch1_ratio_ok']]}; batch-64 decode ≤ {TARGETS['decode_batch64_max_ratio']}× floor "
+        f"{ok[acc['decode_batch64_ratio_ok']]}; 2k prefill ≥ {TARGETS['prefill_2k_min_fraction']:.0%} of the "
+        f"matmul rate {ok[acc['prefill_2k_fraction_ok']]}; batch-{base['batch']} decode ≥ {TARGETS['hf_min_speedup']}× "
+        f"transformers {ok[acc['hf_speedup_ok']]}.",
+        "",
+        MARK_END,
+    ]
     return "\n".join(lines)
 
 
@@ -512,8 +598,10 @@ def _decode_line(d: dict, arm: str) -> str:
     kernels = "–" if a["kernels_per_step"] is None else f"{a['kernels_per_step']:.0f}"
     busy = "–" if a["gpu_busy_s"] is None else f"{a['gpu_busy_s'] * 1e3:.2f}"
     share = "–" if a["gpu_busy_share"] is None else f"{a['gpu_busy_share']:.0%}"
-    return (f"| {d['batch']} | {arm} | {d['context']:.0f} | {a['step_s'] * 1e3:.2f} | {d['floor_s'] * 1e3:.2f} "
-            f"| {a['ratio']:.2f}× | {a['tok_s']:.0f} | {kernels} | {busy} | {share} |")
+    return (
+        f"| {d['batch']} | {arm} | {d['context']:.0f} | {a['step_s'] * 1e3:.2f} | {d['floor_s'] * 1e3:.2f} "
+        f"| {a['ratio']:.2f}× | {a['tok_s']:.0f} | {kernels} | {busy} | {share} |"
+    )
 
 
 def _fmt_check(check) -> str:
@@ -533,8 +621,11 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     sizes = SMOKE if args.smoke else FULL
     if sizes.device == "cuda" and not torch.cuda.is_available():
-        print(f"error: no CUDA device (torch {torch.__version__}, built for CUDA {torch.version.cuda}); run on a "
-              "GPU machine with a CUDA build of torch, or pass --smoke to check the script on CPU", file=sys.stderr)
+        print(
+            f"error: no CUDA device (torch {torch.__version__}, built for CUDA {torch.version.cuda}); run on a "
+            "GPU machine with a CUDA build of torch, or pass --smoke to check the script on CPU",
+            file=sys.stderr,
+        )
         return 2
     result = run(sizes)
     section = render(result, "python bench/gpu_roofline.py --smoke" if args.smoke else COMMAND)

@@ -92,7 +92,9 @@ def engine_steps(libs: dict[str, CpuOps], base: str, repeats: int) -> None:
     for _ in range(repeats):
         for b in (1, 8, 32):
             for name, engine in engines.items():
-                best[name][b] = min(best[name].get(b, float("inf")), engine_speed.step_ms(engine, b, seed=b, clock=time.thread_time))
+                best[name][b] = min(
+                    best[name].get(b, float("inf")), engine_speed.step_ms(engine, b, seed=b, clock=time.thread_time)
+                )
     print(f"\n| decode step, CPU ms (best of {repeats}) | batch 1 | batch 8 | batch 32 | b8/b1 | b32/b1 |")
     print("|---|---|---|---|---|---|")
     for name, ms in best.items():
@@ -112,34 +114,50 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="kernel-ab-") as tmp:
         folder = pathlib.Path(tmp)
         (folder / "base").mkdir()
-        libs = {"base": build(sources_at(args.base, folder / "base"), folder / "base.so"),
-                "tree": build(list(cpu_build.SOURCES), folder / "tree.so")}
+        libs = {
+            "base": build(sources_at(args.base, folder / "base"), folder / "base.so"),
+            "tree": build(list(cpu_build.SOURCES), folder / "tree.so"),
+        }
         for ops in libs.values():
             ops.set_amx(True)
-        print(f"{args.base} against the working tree; threads {args.threads}; us per call, best of {args.repeats}; "
-              f"kernel path {libs['tree'].a8_path}\n")
+        print(
+            f"{args.base} against the working tree; threads {args.threads}; us per call, best of {args.repeats}; "
+            f"kernel path {libs['tree'].a8_path}\n"
+        )
         print(f"| kernel | {args.base} | working tree | speed-up |")
         print("|---|---|---|---|")
         same = True
         for m in ROWS:
             x = torch.randn(m, 576)
-            _, ok = compare(f"quantize 2 digits, {m} x 576", {n: (lambda o=o, x=x: o.quantize_a8(x, 2)) for n, o in libs.items()},
-                            400, args.repeats)
+            _, ok = compare(
+                f"quantize 2 digits, {m} x 576",
+                {n: (lambda o=o, x=x: o.quantize_a8(x, 2)) for n, o in libs.items()},
+                400,
+                args.repeats,
+            )
             same &= ok
         for label, (n, k) in LINEARS.items():
             w = torch.randn(n, k) * 0.05
             kernels = {name: a8.Int4A8Kernel(w, None, ops, 2) for name, ops in libs.items()}
             for m in ROWS:
                 x = torch.randn(m, k)
-                _, ok = compare(f"w4a16 {label}, {m} rows", {name: (lambda kk=kk, x=x: (kk(x),)) for name, kk in kernels.items()},
-                                40, args.repeats)
+                _, ok = compare(
+                    f"w4a16 {label}, {m} rows",
+                    {name: (lambda kk=kk, x=x: (kk(x),)) for name, kk in kernels.items()},
+                    40,
+                    args.repeats,
+                )
                 same &= ok
         table = formats.int8_groups(torch.randn(*HEAD))[0]
         heads = {name: a8.Int8A8Head(table.codes, table.scale, ops) for name, ops in libs.items()}
         for m in ROWS:
             x = torch.randn(m, HEAD[1])
-            _, ok = compare(f"int8 head {HEAD[0]}x{HEAD[1]}, {m} rows", {name: (lambda h=h, x=x: (h(x),)) for name, h in heads.items()},
-                            10, args.repeats)
+            _, ok = compare(
+                f"int8 head {HEAD[0]}x{HEAD[1]}, {m} rows",
+                {name: (lambda h=h, x=x: (h(x),)) for name, h in heads.items()},
+                10,
+                args.repeats,
+            )
             same &= ok
         for b in ROWS:
             bs, ctx = 16, 256
@@ -148,9 +166,15 @@ def main() -> int:
             bt = torch.arange(b * ctx // bs).view(b, ctx // bs).contiguous()
             cl = torch.full((b,), ctx, dtype=torch.int64)
             q = torch.randn(b, 9, 64)
-            _, ok = compare(f"attention, {b} sequences x 256 tokens (float16 KV)",
-                            {n: (lambda o=o, args=(q, kc, vc, bt, cl): (o.decode_attention(*args, 0.125),)) for n, o in libs.items()},
-                            20, args.repeats)
+            _, ok = compare(
+                f"attention, {b} sequences x 256 tokens (float16 KV)",
+                {
+                    n: (lambda o=o, args=(q, kc, vc, bt, cl): (o.decode_attention(*args, 0.125),))
+                    for n, o in libs.items()
+                },
+                20,
+                args.repeats,
+            )
             same &= ok
         print("\nsame bits on both sides: " + str(same))
         if not args.no_engine:

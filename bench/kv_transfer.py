@@ -72,8 +72,9 @@ async def receive(conn) -> None:
         receiver.release(tid)
 
     loop = asyncio.get_running_loop()
-    conn.send({"ucx": receivers["ucx"].address, "tcp": receivers["tcp"].address,
-               "raw_ucx": f"127.0.0.1:{listener.port}"})
+    conn.send(
+        {"ucx": receivers["ucx"].address, "tcp": receivers["tcp"].address, "raw_ucx": f"127.0.0.1:{listener.port}"}
+    )
     tasks = set()
     while (msg := await loop.run_in_executor(None, conn.recv))[0] == "expect":
         _, kind, tid = msg
@@ -85,6 +86,7 @@ async def receive(conn) -> None:
     for r in receivers.values():
         await r.close()
     conn.send("bye")
+
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from report import write_section  # noqa: E402
@@ -101,8 +103,9 @@ class Bench:
     def __init__(self, conn, addresses: dict):
         self.conn, self.addresses = conn, addresses
         g = torch.Generator().manual_seed(0)
-        self.payloads = [torch.randn(LAYOUT.layer_payload_shape(NUM_BLOCKS), generator=g)
-                         for _ in range(LAYOUT.num_layers)]
+        self.payloads = [
+            torch.randn(LAYOUT.layer_payload_shape(NUM_BLOCKS), generator=g) for _ in range(LAYOUT.num_layers)
+        ]
         self.raw_buffers = [p.view(-1).view(torch.uint8).numpy() for p in self.payloads]
         self.senders = {kind: make_sender(kind) for kind in ("ucx", "tcp")}
         self.raw_ep = None
@@ -145,7 +148,7 @@ class Bench:
             await self.one(arm)
         seconds = {arm: [] for arm in ARMS}
         for rep in range(repeats):
-            order = ARMS[rep % len(ARMS):] + ARMS[:rep % len(ARMS)]
+            order = ARMS[rep % len(ARMS) :] + ARMS[: rep % len(ARMS)]
             for arm in order:
                 seconds[arm].append(await self.one(arm))
         self.conn.send(("stop",))
@@ -154,7 +157,9 @@ class Bench:
             await s.close()
         ratios = [raw / ucx for ucx, raw in zip(seconds["ucx"], seconds["raw_ucx"])]
         return {
-            "payload_bytes": TOTAL_BYTES, "layers": LAYOUT.num_layers, "layer_bytes": LAYER_BYTES,
+            "payload_bytes": TOTAL_BYTES,
+            "layers": LAYOUT.num_layers,
+            "layer_bytes": LAYER_BYTES,
             "repeats": repeats,
             "gb_per_s": {arm: round(TOTAL_BYTES / statistics.median(s) / 1e9, 3) for arm, s in seconds.items()},
             "ms_median": {arm: round(statistics.median(s) * 1e3, 2) for arm, s in seconds.items()},
@@ -168,30 +173,45 @@ class Bench:
 def machine() -> str:
     cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), "?")
     from importlib.metadata import version
-    return (f"{os.cpu_count()} vCPU {cpu}, torch {torch.__version__}, ucxx-cu12 {version('ucxx-cu12')} "
-            f"(UCX {version('libucx-cu12')}), Python {stdlib_platform.python_version()}")
+
+    return (
+        f"{os.cpu_count()} vCPU {cpu}, torch {torch.__version__}, ucxx-cu12 {version('ucxx-cu12')} "
+        f"(UCX {version('libucx-cu12')}), Python {stdlib_platform.python_version()}"
+    )
 
 
 def render(r: dict, cmd: str) -> str:
     g, ms = r["gb_per_s"], r["ms_median"]
     lo, hi = r["ucx_over_raw_ratio_min_max"]
-    return "\n".join([
-        MARK_BEGIN, "## KV transfer (issue 3, acceptance 7)", "",
-        f"Machine: {machine()}; {', '.join(f'{k}={v}' for k, v in r['env'].items())} (UCX over TCP on "
-        f"loopback, two processes); load average {r['load_average']} during the run (the 2 cores are shared, "
-        "so single rounds vary widely: compare within a round).", "",
-        f"Command: `{cmd}`", "",
-        f"Payload: a 1,500-token prompt's KV of SmolLM2-135M in fp32, {r['layers']} layers x "
-        f"{r['layer_bytes']:,} bytes = {r['payload_bytes']:,} bytes; median of {r['repeats']} interleaved rounds, "
-        "timed from the first send to the receiver's acknowledgement that every layer was written.", "",
-        "| arm | median ms | GB/s |", "|---|---|---|",
-        f"| splitserve `ucx` transport | {ms['ucx']:.1f} | {g['ucx']:.2f} |",
-        f"| raw UCXX `ep.send` of the same 30 buffers | {ms['raw_ucx']:.1f} | {g['raw_ucx']:.2f} |",
-        f"| splitserve `tcp` transport | {ms['tcp']:.1f} | {g['tcp']:.2f} |", "",
-        f"Ratio `ucx` / raw UCXX (median of per-round ratios): **{r['ucx_over_raw_ratio']:.2f}x** "
-        f"(range {lo:.2f}-{hi:.2f}; target >= 0.7x). Our arm also copies each layer out of the receive "
-        "buffer into the cache (write_layer), the raw arm receives in place; what remains is one header message "
-        "per batch of queued layers and the asyncio bookkeeping.", "", MARK_END])
+    return "\n".join(
+        [
+            MARK_BEGIN,
+            "## KV transfer (issue 3, acceptance 7)",
+            "",
+            f"Machine: {machine()}; {', '.join(f'{k}={v}' for k, v in r['env'].items())} (UCX over TCP on "
+            f"loopback, two processes); load average {r['load_average']} during the run (the 2 cores are shared, "
+            "so single rounds vary widely: compare within a round).",
+            "",
+            f"Command: `{cmd}`",
+            "",
+            f"Payload: a 1,500-token prompt's KV of SmolLM2-135M in fp32, {r['layers']} layers x "
+            f"{r['layer_bytes']:,} bytes = {r['payload_bytes']:,} bytes; median of {r['repeats']} interleaved rounds, "
+            "timed from the first send to the receiver's acknowledgement that every layer was written.",
+            "",
+            "| arm | median ms | GB/s |",
+            "|---|---|---|",
+            f"| splitserve `ucx` transport | {ms['ucx']:.1f} | {g['ucx']:.2f} |",
+            f"| raw UCXX `ep.send` of the same 30 buffers | {ms['raw_ucx']:.1f} | {g['raw_ucx']:.2f} |",
+            f"| splitserve `tcp` transport | {ms['tcp']:.1f} | {g['tcp']:.2f} |",
+            "",
+            f"Ratio `ucx` / raw UCXX (median of per-round ratios): **{r['ucx_over_raw_ratio']:.2f}x** "
+            f"(range {lo:.2f}-{hi:.2f}; target >= 0.7x). Our arm also copies each layer out of the receive "
+            "buffer into the cache (write_layer), the raw arm receives in place; what remains is one header message "
+            "per batch of queued layers and the asyncio bookkeeping.",
+            "",
+            MARK_END,
+        ]
+    )
 
 
 def write(path: str, section: str) -> None:

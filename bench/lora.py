@@ -59,10 +59,17 @@ from report import write_section  # noqa: E402
 NUM_REQUESTS = 16
 PROMPT_LEN = 64
 OUTPUT_LEN = 64
-ARMS = (0, 1, 4, 16)   # distinct adapters in the batch (0 = the base model alone)
+ARMS = (0, 1, 4, 16)  # distinct adapters in the batch (0 = the base model alone)
 RANK = 8
-MODULES = {"q_proj": (576, 576), "k_proj": (576, 192), "v_proj": (576, 192), "o_proj": (576, 576),
-           "gate_proj": (576, 1536), "up_proj": (576, 1536), "down_proj": (1536, 576)}   # (in, out), SmolLM2-135M
+MODULES = {
+    "q_proj": (576, 576),
+    "k_proj": (576, 192),
+    "v_proj": (576, 192),
+    "o_proj": (576, 576),
+    "gate_proj": (576, 1536),
+    "up_proj": (576, 1536),
+    "down_proj": (1536, 576),
+}  # (in, out), SmolLM2-135M
 
 
 def write_adapter(folder: str, seed: int, num_layers: int = 30, rank: int = RANK) -> str:
@@ -76,7 +83,7 @@ def write_adapter(folder: str, seed: int, num_layers: int = 30, rank: int = RANK
         for m, (fan_in, fan_out) in MODULES.items():
             part = "self_attn" if m in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
             name = f"base_model.model.model.layers.{i}.{part}.{m}"
-            tensors[f"{name}.lora_A.weight"] = torch.randn(rank, fan_in, generator=gen) / fan_in ** 0.5
+            tensors[f"{name}.lora_A.weight"] = torch.randn(rank, fan_in, generator=gen) / fan_in**0.5
             tensors[f"{name}.lora_B.weight"] = torch.randn(fan_out, rank, generator=gen) * 0.01
     save_file(tensors, os.path.join(folder, "adapter_model.safetensors"))
     return folder
@@ -106,22 +113,32 @@ def run(threads: int, repeats: int) -> dict:
     torch.set_num_threads(threads)
     folder = tempfile.mkdtemp(prefix="bench-lora-")
     paths = {f"a{i}": write_adapter(os.path.join(folder, f"a{i}"), seed=i) for i in range(max(ARMS))}
-    engine = LLMEngine(EngineConfig(
-        model="smollm2-135m", cache=CacheConfig(kv_cache_memory_bytes=256 * 1024**2),
-        scheduler=SchedulerConfig(max_num_seqs=NUM_REQUESTS, max_model_len=1024),
-        device=DeviceConfig(quantization="auto", num_threads=threads),
-        lora=LoraConfig(max_loras=max(ARMS), max_cpu_loras=max(ARMS), max_lora_rank=RANK)))
+    engine = LLMEngine(
+        EngineConfig(
+            model="smollm2-135m",
+            cache=CacheConfig(kv_cache_memory_bytes=256 * 1024**2),
+            scheduler=SchedulerConfig(max_num_seqs=NUM_REQUESTS, max_model_len=1024),
+            device=DeviceConfig(quantization="auto", num_threads=threads),
+            lora=LoraConfig(max_loras=max(ARMS), max_cpu_loras=max(ARMS), max_lora_rank=RANK),
+        )
+    )
     for name, path in paths.items():
         engine.load_lora_adapter(name, path)
     rng = random.Random(0)
     prompts = [[rng.randrange(100, 40000) for _ in range(PROMPT_LEN)] for _ in range(NUM_REQUESTS)]
-    decode_throughput(engine, prompts, [])   # warm-up
+    decode_throughput(engine, prompts, [])  # warm-up
     best = dict.fromkeys(ARMS, 0.0)
     for _ in range(repeats):
         for n in ARMS:
             best[n] = max(best[n], decode_throughput(engine, prompts, list(paths)[:n]))
-    return {"threads": threads, "repeats": repeats, "quantization": engine.quantization, "tok_s": best,
-            "cpu": _cpu(), "torch": torch.__version__}
+    return {
+        "threads": threads,
+        "repeats": repeats,
+        "quantization": engine.quantization,
+        "tok_s": best,
+        "cpu": _cpu(),
+        "torch": torch.__version__,
+    }
 
 
 def _cpu() -> str:
@@ -136,10 +153,10 @@ def _cpu() -> str:
 W5_ADAPTERS = 32
 W5_SLOTS = 8
 W5_REQUESTS = 64
-W5_RATE = 1.0          # requests per second
+W5_RATE = 1.0  # requests per second
 W5_ZIPF = 1.1
-W5_ROUNDS = 3        # every arm once in every position
-W5_WARM = 32         # untimed requests before each arm's timed ones, under its own router
+W5_ROUNDS = 3  # every arm once in every position
+W5_WARM = 32  # untimed requests before each arm's timed ones, under its own router
 # Before those, one untimed request per adapter (as W1's warm_prefixes): every adapter's system
 # prompt is then cached on the worker the arm's router chose for it. Without it each round's
 # first request for each rarer adapter computes its system prompt cold (fresh system prompts
@@ -147,7 +164,7 @@ W5_WARM = 32         # untimed requests before each arm's timed ones, under its 
 # each on an idle worker, which set ours' p90 whatever the routing did.
 W5_WARM_PREFIXES = True
 W5_ARMS = {
-    "adapter+prefix+load (ours)": None,    # the default decode profile
+    "adapter+prefix+load (ours)": None,  # the default decode profile
     "round-robin": [{"name": "round-robin", "weight": 1}],
     "load-only": [{"name": "queue-depth", "weight": 3}, {"name": "pending-assignments", "weight": 1}],
 }
@@ -188,8 +205,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def w5_requests(num_requests: int = W5_REQUESTS, num_adapters: int = W5_ADAPTERS, rate: float = W5_RATE,
-                seed: int = 0) -> list[tuple[float, int, int]]:
+def w5_requests(
+    num_requests: int = W5_REQUESTS, num_adapters: int = W5_ADAPTERS, rate: float = W5_RATE, seed: int = 0
+) -> list[tuple[float, int, int]]:
     """(arrival time, adapter index, random seed of the user part): the same for every arm."""
     rng = random.Random(seed)
     weights = [1 / (k + 1) ** W5_ZIPF for k in range(num_adapters)]
@@ -248,9 +266,17 @@ async def w5_arm(url: str, arm_index: int, requests) -> list[float]:
         return list(await asyncio.gather(*(one(client, *r) for r in requests)))
 
 
-def run_w5(threads: int, num_requests: int = W5_REQUESTS, num_adapters: int = W5_ADAPTERS, resident: int | None = None,
-           rate: float = W5_RATE, rank: int = RANK, rounds: int = W5_ROUNDS, warm: int = W5_WARM,
-           warm_prefixes: bool = W5_WARM_PREFIXES) -> dict:
+def run_w5(
+    threads: int,
+    num_requests: int = W5_REQUESTS,
+    num_adapters: int = W5_ADAPTERS,
+    resident: int | None = None,
+    rate: float = W5_RATE,
+    rank: int = RANK,
+    rounds: int = W5_ROUNDS,
+    warm: int = W5_WARM,
+    warm_prefixes: bool = W5_WARM_PREFIXES,
+) -> dict:
     """The arms take turns over `rounds` rounds, the order rotated each round (with 3 rounds every
     arm runs once first, once second, once last), each arm's requests complete before the next
     arm starts, and an untimed warm-up round goes first: a machine's drift and the adapters'
@@ -266,7 +292,9 @@ def run_w5(threads: int, num_requests: int = W5_REQUESTS, num_adapters: int = W5
     import yaml
 
     folder = tempfile.mkdtemp(prefix="bench-lora-w5-")
-    modules = [f"a{i}={write_adapter(os.path.join(folder, f'a{i}'), seed=100 + i, rank=rank)}" for i in range(num_adapters)]
+    modules = [
+        f"a{i}={write_adapter(os.path.join(folder, f'a{i}'), seed=100 + i, rank=rank)}" for i in range(num_adapters)
+    ]
     os.sync()  # the adapters' write-back must not fall on the first arm
     cli = [sys.executable, "-m", "splitserve.platform.cli"]
     workers, addresses, metrics_ports = [], [], []
@@ -274,11 +302,39 @@ def run_w5(threads: int, num_requests: int = W5_REQUESTS, num_adapters: int = W5
         for _ in range(2):
             grpc_port = free_port()
             metrics_ports.append(free_port())
-            workers.append(Proc(cli + ["worker", "--role", "both", "--threads", str(threads), "--grpc-port",
-                                       str(grpc_port), "--metrics-port", str(metrics_ports[-1]), "--kv-port", str(free_port()),
-                                       "--kv-transport", "tcp", "--kv-cache-memory", "0.25", "--max-model-len", "1024",
-                                       "--max-loras", str(W5_SLOTS), "--max-cpu-loras", str(resident or max(num_adapters, W5_SLOTS)),
-                                       "--max-lora-rank", str(rank), "--lora-modules", *modules], "READY"))
+            workers.append(
+                Proc(
+                    cli
+                    + [
+                        "worker",
+                        "--role",
+                        "both",
+                        "--threads",
+                        str(threads),
+                        "--grpc-port",
+                        str(grpc_port),
+                        "--metrics-port",
+                        str(metrics_ports[-1]),
+                        "--kv-port",
+                        str(free_port()),
+                        "--kv-transport",
+                        "tcp",
+                        "--kv-cache-memory",
+                        "0.25",
+                        "--max-model-len",
+                        "1024",
+                        "--max-loras",
+                        str(W5_SLOTS),
+                        "--max-cpu-loras",
+                        str(resident or max(num_adapters, W5_SLOTS)),
+                        "--max-lora-rank",
+                        str(rank),
+                        "--lora-modules",
+                        *modules,
+                    ],
+                    "READY",
+                )
+            )
             addresses.append(f"127.0.0.1:{grpc_port}")
 
         def arm_run(arm: str, scorers, tag: int, requests, warm_requests=()) -> tuple[list[float], list[float]]:
@@ -286,9 +342,18 @@ def run_w5(threads: int, num_requests: int = W5_REQUESTS, num_adapters: int = W5
             placement = {"disaggregation": {"mode": "never"}}
             if scorers is not None:
                 placement["decode"] = {"scorers": scorers}
-            config = {"model": "smollm2-135m", "max_model_len": 1024, "discovery": {"workers": addresses},
-                      "gateway": {"host": "127.0.0.1", "port": port, "max_concurrent_requests": 512,
-                                  "max_queued_requests": 4096}, "placement": placement}
+            config = {
+                "model": "smollm2-135m",
+                "max_model_len": 1024,
+                "discovery": {"workers": addresses},
+                "gateway": {
+                    "host": "127.0.0.1",
+                    "port": port,
+                    "max_concurrent_requests": 512,
+                    "max_queued_requests": 4096,
+                },
+                "placement": placement,
+            }
             path = os.path.join(folder, f"router-{tag}.yaml")
             with open(path, "w") as f:
                 yaml.safe_dump(config, f)
@@ -326,23 +391,42 @@ def run_w5(threads: int, num_requests: int = W5_REQUESTS, num_adapters: int = W5
                 warm_requests = followed_by(w5_each_adapter(num_adapters, rate, seed=200 + r), warm_requests)
             for k in range(len(names)):
                 arm = names[(r + k) % len(names)]
-                got, tokens, arm_reads = arm_run(arm, W5_ARMS[arm], r * len(names) + names.index(arm), requests,
-                                                 warm_requests)
+                got, tokens, arm_reads = arm_run(
+                    arm, W5_ARMS[arm], r * len(names) + names.index(arm), requests, warm_requests
+                )
                 reads[arm] += int(arm_reads)
                 ttfts[arm] += got
                 seen[arm] = [a + b for a, b in zip(seen[arm], tokens)]
                 per_round[arm].append(percentile(got, 0.9))
-                print(f"W5 round {r + 1} {arm}: p50 {percentile(got, 0.5):.2f} s, p90 {percentile(got, 0.9):.2f} s, "
-                      f"prompt tokens per worker {'/'.join(f'{100 * x / max(sum(tokens), 1):.0f}' for x in tokens)} %, "
-                      f"adapter reads {int(arm_reads)}",
-                      file=sys.stderr)
-        arms = {arm: {"p50": percentile(ttfts[arm], 0.5), "p90": percentile(ttfts[arm], 0.9),
-                      "share": [x / max(sum(seen[arm]), 1) for x in seen[arm]], "round_p90": per_round[arm],
-                      "reads": reads[arm]}
-                for arm in names}
-        return {"arms": arms, "threads": threads, "requests": num_requests, "adapters": num_adapters, "rate": rate,
-                "resident": resident or num_adapters, "rank": rank, "mb": adapter_mb(rank), "rounds": rounds,
-                "warm": warm, "warm_prefixes": warm_prefixes}
+                print(
+                    f"W5 round {r + 1} {arm}: p50 {percentile(got, 0.5):.2f} s, p90 {percentile(got, 0.9):.2f} s, "
+                    f"prompt tokens per worker {'/'.join(f'{100 * x / max(sum(tokens), 1):.0f}' for x in tokens)} %, "
+                    f"adapter reads {int(arm_reads)}",
+                    file=sys.stderr,
+                )
+        arms = {
+            arm: {
+                "p50": percentile(ttfts[arm], 0.5),
+                "p90": percentile(ttfts[arm], 0.9),
+                "share": [x / max(sum(seen[arm]), 1) for x in seen[arm]],
+                "round_p90": per_round[arm],
+                "reads": reads[arm],
+            }
+            for arm in names
+        }
+        return {
+            "arms": arms,
+            "threads": threads,
+            "requests": num_requests,
+            "adapters": num_adapters,
+            "rate": rate,
+            "resident": resident or num_adapters,
+            "rank": rank,
+            "mb": adapter_mb(rank),
+            "rounds": rounds,
+            "warm": warm,
+            "warm_prefixes": warm_prefixes,
+        }
     finally:
         for w in workers:
             w.stop()
@@ -369,8 +453,11 @@ def worker_counter(metrics_port: int, name: str) -> float:
 
 def _warm_text(w5: dict) -> str:
     warm = w5.get("warm", 0)
-    parts = ["one untimed request per adapter (its system prompt cached where the arm's router put it)"
-             ] if w5.get("warm_prefixes") else []
+    parts = (
+        ["one untimed request per adapter (its system prompt cached where the arm's router put it)"]
+        if w5.get("warm_prefixes")
+        else []
+    )
     parts += [f"{warm} untimed requests of the same mix"] if warm else []
     if not parts:
         return "each arm timed in the state the arm before it left"
@@ -380,21 +467,23 @@ def _warm_text(w5: dict) -> str:
 def render_w5(w5: dict) -> str:
     arms = w5["arms"]
     ours, rr = arms["adapter+prefix+load (ours)"]["p90"], arms["round-robin"]["p90"]
-    rows = "\n".join(f"| {arm} | {v['p50']:.2f} | {v['p90']:.2f} | {rr / v['p90']:.2f}x | "
-                     f"{' / '.join(f'{100 * x:.0f}' for x in v.get('share', []))} | "
-                     f"{', '.join(f'{x:.2f}' for x in v.get('round_p90', []))} | {v.get('reads', '–')} |"
-                     for arm, v in arms.items())
+    rows = "\n".join(
+        f"| {arm} | {v['p50']:.2f} | {v['p90']:.2f} | {rr / v['p90']:.2f}x | "
+        f"{' / '.join(f'{100 * x:.0f}' for x in v.get('share', []))} | "
+        f"{', '.join(f'{x:.2f}' for x in v.get('round_p90', []))} | {v.get('reads', '–')} |"
+        for arm, v in arms.items()
+    )
     return f"""
-### W5: {w5['adapters']} adapters, zipf popularity, 2 workers with {W5_SLOTS} adapter slots each
+### W5: {w5["adapters"]} adapters, zipf popularity, 2 workers with {W5_SLOTS} adapter slots each
 
-{w5.get('rounds', 1)} rounds of {w5['requests']} requests per arm at {w5['rate']}/s (Poisson; the arms' order rotated
+{w5.get("rounds", 1)} rounds of {w5["requests"]} requests per arm at {w5["rate"]}/s (Poisson; the arms' order rotated
 each round, after an untimed warm-up round; {_warm_text(w5)}), adapter drawn from zipf (s = {W5_ZIPF}) \
-over {w5['adapters']}
-adapters (rank {w5.get('rank', RANK)}, all projections: {w5.get('mb', adapter_mb(RANK)):.0f} MB each in fp32, \
+over {w5["adapters"]}
+adapters (rank {w5.get("rank", RANK)}, all projections: {w5.get("mb", adapter_mb(RANK)):.0f} MB each in fp32, \
 loaded on both workers), each prompt the adapter's 64-token
 system prompt + 16 random tokens, 16 output tokens streamed; two `--role both` workers with
-{w5['threads']} torch thread each, `--max-loras {W5_SLOTS}` and \
-`--max-cpu-loras {w5.get('resident', w5['adapters'])}` (adapters beyond
+{w5["threads"]} torch thread each, `--max-loras {W5_SLOTS}` and \
+`--max-cpu-loras {w5.get("resident", w5["adapters"])}` (adapters beyond
 that are read again from their folder when asked for), one router per arm, same request sequence.
 
 | routing | p50 TTFT s | p90 TTFT s | p90 of round-robin / this | prompt tokens per worker % | p90 per round s \
@@ -403,23 +492,26 @@ that are read again from their folder when asked for), one router per arm, same 
 {rows}
 
 Target: at least 2x lower p90 TTFT than round-robin — measured {rr / ours:.2f}x
-({'met' if rr / ours >= 2 else 'not met'}).
+({"met" if rr / ours >= 2 else "not met"}).
 """
 
 
 def render(result: dict) -> str:
     base = result["tok_s"][0]
-    rows = "\n".join(f"| {'base model alone' if n == 0 else f'{n} adapter' + ('s' if n > 1 else '')} | "
-                     f"{tok_s:.1f} | {tok_s / base:.2f}x |" for n, tok_s in result["tok_s"].items())
+    rows = "\n".join(
+        f"| {'base model alone' if n == 0 else f'{n} adapter' + ('s' if n > 1 else '')} | "
+        f"{tok_s:.1f} | {tok_s / base:.2f}x |"
+        for n, tok_s in result["tok_s"].items()
+    )
     four = result["tok_s"][4] / base
     return f"""<!-- lora:begin -->
 ## Multi-LoRA decode throughput (bench/lora.py)
 
 16 concurrent requests (64 prompt tokens, 64 output tokens, greedy) on one engine, SmolLM2-135M,
-`--quantization {result['quantization']}`, {result['threads']} torch thread(s); LoRA adapters of rank 8
+`--quantization {result["quantization"]}`, {result["threads"]} torch thread(s); LoRA adapters of rank 8
 on all seven projections (q, k, v, o, gate, up, down), requests spread round-robin over the
 adapters, `max_loras` 16. Decode tokens/s after the last request's first token (prefill
-excluded); best of {result['repeats']} interleaved repeats, on a {result['cpu']}; the ratios come from
+excluded); best of {result["repeats"]} interleaved repeats, on a {result["cpu"]}; the ratios come from
 one run.
 
 | batch | decode tok/s | vs base |
@@ -427,12 +519,12 @@ one run.
 {rows}
 
 Target: at least 0.8x the base model with 4 distinct adapters — measured {four:.2f}x
-({'met' if four >= 0.8 else 'not met'}). Each fused linear adds its adapters' deltas in one C call
+({"met" if four >= 0.8 else "not met"}). Each fused linear adds its adapters' deltas in one C call
 (`ss_lora_delta`, kernels/cpu_ops.c: each adapter's rows gathered, its own A and B shards, fixed
 order, so a row's bits do not depend on its batch), inside the one-call decode step
 (kernels/cpu_decode.c); what grows with the number of distinct adapters is reading their weights
 (rank 8 on all projections: 2.4 M parameters, 9.8 MB in fp32, per adapter per step).
-{result.get('w5_text', '')}
+{result.get("w5_text", "")}
 <!-- lora:end -->"""
 
 
@@ -446,17 +538,33 @@ def main() -> int:
     ap.add_argument("--w5-requests", type=int, default=W5_REQUESTS, help="W5 requests per arm (>= 2)")
     ap.add_argument("--w5-adapters", type=int, default=W5_ADAPTERS, help="W5 adapters (>= 1)")
     ap.add_argument("--w5-rate", type=float, default=W5_RATE, help="W5 arrivals per second (> 0)")
-    ap.add_argument("--w5-rounds", type=int, default=W5_ROUNDS,
-                    help="W5 rounds; each runs every arm once, the order rotated (>= 1)")
-    ap.add_argument("--w5-rank", type=int, default=RANK,
-                    help="W5 adapters' rank (all seven projections; 64 is QLoRA's usual choice: 78 MB per adapter)")
-    ap.add_argument("--w5-warm", type=int, default=W5_WARM,
-                    help="untimed W5 requests each arm serves under its own router before its timed ones (>= 0)")
-    ap.add_argument("--w5-no-warm-prefixes", action="store_true",
-                    help="skip the untimed request per adapter before each arm (the sixth session's method)")
-    ap.add_argument("--w5-resident", type=int, default=None,
-                    help=f"adapters a W5 worker keeps in memory (--max-cpu-loras, >= {W5_SLOTS}; default: all); "
-                         "the others are read again from their folder when asked for")
+    ap.add_argument(
+        "--w5-rounds", type=int, default=W5_ROUNDS, help="W5 rounds; each runs every arm once, the order rotated (>= 1)"
+    )
+    ap.add_argument(
+        "--w5-rank",
+        type=int,
+        default=RANK,
+        help="W5 adapters' rank (all seven projections; 64 is QLoRA's usual choice: 78 MB per adapter)",
+    )
+    ap.add_argument(
+        "--w5-warm",
+        type=int,
+        default=W5_WARM,
+        help="untimed W5 requests each arm serves under its own router before its timed ones (>= 0)",
+    )
+    ap.add_argument(
+        "--w5-no-warm-prefixes",
+        action="store_true",
+        help="skip the untimed request per adapter before each arm (the sixth session's method)",
+    )
+    ap.add_argument(
+        "--w5-resident",
+        type=int,
+        default=None,
+        help=f"adapters a W5 worker keeps in memory (--max-cpu-loras, >= {W5_SLOTS}; default: all); "
+        "the others are read again from their folder when asked for",
+    )
     args = ap.parse_args()
     if args.skip_w5 and args.only_w5:
         ap.error("--skip-w5 and --only-w5 exclude each other")
@@ -472,9 +580,21 @@ def main() -> int:
         ap.error(f"--w5-rank must be in 1..256, got {args.w5_rank}")
     if args.w5_resident is not None and args.w5_resident < W5_SLOTS:
         ap.error(f"--w5-resident must be >= {W5_SLOTS} (the adapter slots per step), got {args.w5_resident}")
-    w5 = None if args.skip_w5 else run_w5(1, args.w5_requests, args.w5_adapters, args.w5_resident, rate=args.w5_rate,
-                                  rank=args.w5_rank, rounds=args.w5_rounds, warm=args.w5_warm,
-                                  warm_prefixes=not args.w5_no_warm_prefixes)
+    w5 = (
+        None
+        if args.skip_w5
+        else run_w5(
+            1,
+            args.w5_requests,
+            args.w5_adapters,
+            args.w5_resident,
+            rate=args.w5_rate,
+            rank=args.w5_rank,
+            rounds=args.w5_rounds,
+            warm=args.w5_warm,
+            warm_prefixes=not args.w5_no_warm_prefixes,
+        )
+    )
     if args.only_w5:
         print(render_w5(w5))
         return 0

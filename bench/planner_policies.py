@@ -26,7 +26,7 @@ def planner_policy(cfg: PlannerConfig, profile: CapacityProfile, initial, rate_w
     """The planner fed like live: rates over the last `rate_window_s` (Prometheus rate[1m])."""
     planner = Planner(cfg, profile, initial={"prefill": initial[0], "decode": initial[1]})
     last = {"isl": 512.0, "osl": 128.0}
-    recent = deque()                              # (tick time, arrivals of that tick)
+    recent = deque()  # (tick time, arrivals of that tick)
 
     def policy(sim, t: float):
         recent.append((t, [sim.trace[i] for i in sim.window]))
@@ -38,13 +38,19 @@ def planner_policy(cfg: PlannerConfig, profile: CapacityProfile, initial, rate_w
             last["isl"] = sum(r.prompt_tokens for r in reqs) / len(reqs)
             last["osl"] = sum(r.output_tokens for r in reqs) / len(reqs)
         obs = Observation(
-            now=t, uncached_prompt_tokens_per_s=sum(r.prompt_tokens - r.cached_tokens for r in reqs) / span,
+            now=t,
+            uncached_prompt_tokens_per_s=sum(r.prompt_tokens - r.cached_tokens for r in reqs) / span,
             output_tokens_per_s=sum(r.output_tokens for r in reqs) / span,
-            prefill=sim.pool_obs("prefill", t), decode=sim.pool_obs("decode", t),
-            mean_prompt_tokens=last["isl"], mean_output_tokens=last["osl"],
+            prefill=sim.pool_obs("prefill", t),
+            decode=sim.pool_obs("decode", t),
+            mean_prompt_tokens=last["isl"],
+            mean_output_tokens=last["osl"],
             inflight_decode_seqs=sum(len(r.seqs) for r in sim.pools["decode"]) + len(sim.dq),
-            ttft_p90_s=_p90(sim.done_ttft), itl_p90_s=_p90(sim.done_itl))
+            ttft_p90_s=_p90(sim.done_ttft),
+            itl_p90_s=_p90(sim.done_itl),
+        )
         return planner.tick(obs).desired()
+
     return policy
 
 
@@ -63,6 +69,7 @@ def queue_policy(threshold: float, lo: int, hi: int, window_s: float = 300.0):
                 recs[pool].popleft()
             out[pool] = want if want >= cur else max(w for _, w in recs[pool])
         return out
+
     return policy
 
 

@@ -48,7 +48,7 @@ from report import write_section  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 DEFAULT_PROFILE = os.path.join(HERE, "profiles", "smollm2-135m-cpu2.json")
-DEFAULT_LOAD = 3.0   # replicas of work at the diurnal peak (planner_sizing.py)
+DEFAULT_LOAD = 3.0  # replicas of work at the diurnal peak (planner_sizing.py)
 
 
 @dataclass
@@ -56,15 +56,24 @@ class Replica:
     pool: str
     ready_at: float
     draining: bool = False
-    busy_until: float = 0.0                       # prefill
-    seqs: dict = field(default_factory=dict)      # decode: req index -> remaining tokens
+    busy_until: float = 0.0  # prefill
+    seqs: dict = field(default_factory=dict)  # decode: req index -> remaining tokens
     last: float = 0.0
     version: int = 0
 
 
 class Sim:
-    def __init__(self, trace, profile: CapacityProfile, policy, ttft_s: float, itl_s: float,
-                 startup_s: float, tick_s: float, initial: tuple[int, int]) -> None:
+    def __init__(
+        self,
+        trace,
+        profile: CapacityProfile,
+        policy,
+        ttft_s: float,
+        itl_s: float,
+        startup_s: float,
+        tick_s: float,
+        initial: tuple[int, int],
+    ) -> None:
         self.trace, self.profile, self.policy = trace, profile, policy
         self.ttft_s, self.itl_s, self.startup_s, self.tick_s = ttft_s, itl_s, startup_s, tick_s
         ctx_mean = sum(r.prompt_tokens + r.output_tokens / 2 for r in trace) / max(1, len(trace))
@@ -72,17 +81,18 @@ class Sim:
         ctx = min(ctxs, key=lambda c: abs(c - ctx_mean))
         pts = sorted((d for d in profile.decode if d.context_tokens == ctx), key=lambda d: d.concurrency)
         self.cmax = pts[-1].concurrency
-        self.itl = [0.0] + [_interp([p.concurrency for p in pts], [p.itl_p90_s for p in pts], c)
-                            for c in range(1, self.cmax + 1)]
+        self.itl = [0.0] + [
+            _interp([p.concurrency for p in pts], [p.itl_p90_s for p in pts], c) for c in range(1, self.cmax + 1)
+        ]
         self.heap, self.seq = [], 0
         self.pools = {"prefill": [], "decode": []}
-        self.pq, self.dq = deque(), deque()       # waiting request indices
+        self.pq, self.dq = deque(), deque()  # waiting request indices
         self.t_first = [0.0] * len(trace)
-        self.done_ttft, self.done_itl = [], []    # window samples for the planner
+        self.done_ttft, self.done_itl = [], []  # window samples for the planner
         self.met = self.finished = 0
         self.rh, self.rh_t = 0.0, 0.0
         self.events = {"prefill": 0, "decode": 0}
-        self.window = []                          # arrivals since the last tick
+        self.window = []  # arrivals since the last tick
         for pool, n in zip(("prefill", "decode"), initial):
             for _ in range(n):
                 self.pools[pool].append(Replica(pool, ready_at=0.0))
@@ -115,8 +125,12 @@ class Sim:
             else:
                 getattr(self, "on_" + kind)(t, *args)
         n = len(self.trace)
-        return {"attainment": self.met / n if n else 1.0, "replica_hours": self.rh,
-                "events": self.events["prefill"] + self.events["decode"], "requests": n}
+        return {
+            "attainment": self.met / n if n else 1.0,
+            "replica_hours": self.rh,
+            "events": self.events["prefill"] + self.events["decode"],
+            "requests": n,
+        }
 
     # -- prefill -------------------------------------------------------------------------------
 
@@ -237,8 +251,21 @@ class Sim:
 
 # -- the comparison ----------------------------------------------------------------------------
 
-def compare(profile, seed=0, duration_s=DAY_S, day_s=DAY_S, budget=None, ttft_s=15.0, itl_s=0.25,
-            startup_s=45.0, load=DEFAULT_LOAD, peak_rps=None, fixed_configs=None, thresholds=(1, 2, 4, 8)):
+
+def compare(
+    profile,
+    seed=0,
+    duration_s=DAY_S,
+    day_s=DAY_S,
+    budget=None,
+    ttft_s=15.0,
+    itl_s=0.25,
+    startup_s=45.0,
+    load=DEFAULT_LOAD,
+    peak_rps=None,
+    fixed_configs=None,
+    thresholds=(1, 2, 4, 8),
+):
     """Every policy on one trace. The trace's size comes from `load` (or `peak_rps`) alone; the
     budget, unless given, is then sized from the trace (planner_sizing.py)."""
     peak = peak_rps or peak_rps_for_load(profile, itl_s, load, day_s)
@@ -261,9 +288,20 @@ def compare(profile, seed=0, duration_s=DAY_S, day_s=DAY_S, budget=None, ttft_s=
     configs = fixed_configs or [(p, d) for p in range(1, budget) for d in range(1, budget - p + 1)]
     for p, d in configs:
         rows[f"fixed {p}P:{d}D"] = sim(fixed(p, d), initial=(p, d))
-    return {"rows": rows, "trace": {"requests": len(trace), "peak_rps": peak, "seed": seed, "load": None if peak_rps else load,
-                                    "duration_s": duration_s, "busiest": busy, "sized_budget": sized},
-            "cfg": cfg, "startup_s": startup_s}
+    return {
+        "rows": rows,
+        "trace": {
+            "requests": len(trace),
+            "peak_rps": peak,
+            "seed": seed,
+            "load": None if peak_rps else load,
+            "duration_s": duration_s,
+            "busiest": busy,
+            "sized_budget": sized,
+        },
+        "cfg": cfg,
+        "startup_s": startup_s,
+    }
 
 
 def _interp(xs, ys, x):
@@ -280,19 +318,32 @@ def main(argv=None) -> int:
     ap.add_argument("--profile", default=DEFAULT_PROFILE, help="capacity profile JSON (splitserve profile)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--hours", type=float, default=24.0, help="trace length; the diurnal cycle is compressed to it")
-    ap.add_argument("--load", type=float, default=DEFAULT_LOAD,
-                    help="replicas of work arriving per second at the diurnal peak (sets the trace's size)")
+    ap.add_argument(
+        "--load",
+        type=float,
+        default=DEFAULT_LOAD,
+        help="replicas of work arriving per second at the diurnal peak (sets the trace's size)",
+    )
     ap.add_argument("--peak-rps", type=float, help="the trace's peak rate in req/s instead of --load")
-    ap.add_argument("--budget", type=int, default=0,
-                    help="replica budget; 0 (default): sized from the trace (bench/planner_sizing.py)")
+    ap.add_argument(
+        "--budget",
+        type=int,
+        default=0,
+        help="replica budget; 0 (default): sized from the trace (bench/planner_sizing.py)",
+    )
     # 15 s: about 2x the profiled prefill time of a lone 2,048-token prompt on this CPU (7.8 s);
     # a 3 s target (chosen first, for a guessed profile) cannot be met by long prompts at all.
     ap.add_argument("--ttft", type=float, default=15.0, help="TTFT target, seconds")
     ap.add_argument("--itl", type=float, default=0.25, help="ITL target, seconds")
     ap.add_argument("--write", help="docs/benchmarks.md to update")
     ap.add_argument("--json", help="also write the rows as JSON here")
-    ap.add_argument("--also-profile", action="append", default=[], metavar="PATH",
-                    help="run the same comparison on this profile too and summarise it in the section")
+    ap.add_argument(
+        "--also-profile",
+        action="append",
+        default=[],
+        metavar="PATH",
+        help="run the same comparison on this profile too and summarise it in the section",
+    )
     a = ap.parse_args(argv)
     if a.hours <= 0 or a.load <= 0 or (a.peak_rps is not None and a.peak_rps <= 0):
         ap.error("--hours, --load and --peak-rps must be > 0")
@@ -303,8 +354,17 @@ def main(argv=None) -> int:
     dur = a.hours * 3600
 
     def run(prof):
-        return compare(prof, seed=a.seed, duration_s=dur, day_s=dur, budget=a.budget or None, ttft_s=a.ttft,
-                       itl_s=a.itl, load=a.load, peak_rps=a.peak_rps)
+        return compare(
+            prof,
+            seed=a.seed,
+            duration_s=dur,
+            day_s=dur,
+            budget=a.budget or None,
+            ttft_s=a.ttft,
+            itl_s=a.itl,
+            load=a.load,
+            peak_rps=a.peak_rps,
+        )
 
     profile = CapacityProfile.load(a.profile)
     res = run(profile)
@@ -315,6 +375,7 @@ def main(argv=None) -> int:
         write_section(a.write, "planner-sim", text)
     if a.json:
         import json
+
         with open(a.json, "w") as f:
             json.dump({"rows": res["rows"], "trace": res["trace"], "verdict": verdict(res)}, f, indent=1)
     return 0

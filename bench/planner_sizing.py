@@ -58,12 +58,20 @@ def busiest(trace: list[Request], profile: CapacityProfile, itl_s: float, window
         w = windows.setdefault(int(r.arrival_s // window_s), [0.0, 0.0])
         w[0] += p / window_s
         w[1] += d / window_s
-    return {"prefill": max((w[0] for w in windows.values()), default=0.0),
-            "decode": max((w[1] for w in windows.values()), default=0.0)}
+    return {
+        "prefill": max((w[0] for w in windows.values()), default=0.0),
+        "decode": max((w[1] for w in windows.values()), default=0.0),
+    }
 
 
-def platform_budget(trace: list[Request], profile: CapacityProfile, itl_s: float, utilization: float = 0.8,
-                    headroom: float = 0.25, day_s: float = DAY_S) -> tuple[int, dict[str, float]]:
+def platform_budget(
+    trace: list[Request],
+    profile: CapacityProfile,
+    itl_s: float,
+    utilization: float = 0.8,
+    headroom: float = 0.25,
+    day_s: float = DAY_S,
+) -> tuple[int, dict[str, float]]:
     """The budget (replicas, at least 2) and the busiest windows' work it was sized from."""
     if not 0 < utilization <= 1 or headroom < 0:
         raise ValueError(f"utilization must be in (0, 1] and headroom >= 0, got {utilization}, {headroom}")

@@ -51,8 +51,9 @@ def make_request(rng: random.Random, t: float, day_s: float = DAY_S) -> Request:
     return Request(t, prompt, int(prompt * rng.uniform(0.0, 0.6)), _lognormal(rng, 48, 0.5, 4, 512), "rag")
 
 
-def generate(seed: int, peak_rps: float, duration_s: float = DAY_S, bursts: int = 6,
-             day_s: float = DAY_S) -> list[Request]:
+def generate(
+    seed: int, peak_rps: float, duration_s: float = DAY_S, bursts: int = 6, day_s: float = DAY_S
+) -> list[Request]:
     """The trace; `day_s` compresses the diurnal cycle (the smoke test uses a short day)."""
     if peak_rps <= 0 or duration_s <= 0:
         raise ValueError(f"peak_rps and duration_s must be > 0, got {peak_rps}, {duration_s}")

@@ -57,25 +57,34 @@ def run_burst(engine: LLMEngine, prompts: list[list[int]]) -> dict:
     makespan = time.perf_counter() - t0
     ttfts = sorted(first[i] for i in ids)
     decode_tokens = BURST * (OUTPUT - 1)
-    return dict(prompt_tokens_computed=stats.num_computed_tokens - computed0 - decode_tokens,
-                prefix_waits=stats.num_prefix_waits - waits0,
-                ttft_p50_ms=statistics.median(ttfts) * 1000, ttft_max_ms=ttfts[-1] * 1000,
-                makespan_ms=makespan * 1000)
+    return dict(
+        prompt_tokens_computed=stats.num_computed_tokens - computed0 - decode_tokens,
+        prefix_waits=stats.num_prefix_waits - waits0,
+        ttft_p50_ms=statistics.median(ttfts) * 1000,
+        ttft_max_ms=ttfts[-1] * 1000,
+        makespan_ms=makespan * 1000,
+    )
 
 
 def run_budget(budget: int, rounds: int, model=None) -> tuple[dict, object]:
     def engine(share: bool, model) -> LLMEngine:
-        return LLMEngine(EngineConfig(
-            model="smollm2-135m", device=DeviceConfig(dtype="float32"),
-            cache=CacheConfig(kv_cache_memory_bytes=256 * 1024**2),
-            scheduler=SchedulerConfig(max_num_seqs=BURST, max_num_batched_tokens=budget, max_model_len=2048,
-                                      share_prefix_in_flight=share)), model=model)
+        return LLMEngine(
+            EngineConfig(
+                model="smollm2-135m",
+                device=DeviceConfig(dtype="float32"),
+                cache=CacheConfig(kv_cache_memory_bytes=256 * 1024**2),
+                scheduler=SchedulerConfig(
+                    max_num_seqs=BURST, max_num_batched_tokens=budget, max_model_len=2048, share_prefix_in_flight=share
+                ),
+            ),
+            model=model,
+        )
 
     on = engine(True, model)
     off = engine(False, on.model)
     rng = random.Random(budget)
     vocab = on.model_config.vocab_size
-    run_burst(on, burst_prompts(rng, vocab)[:2])   # warm-up, both arms
+    run_burst(on, burst_prompts(rng, vocab)[:2])  # warm-up, both arms
     run_burst(off, burst_prompts(rng, vocab)[:2])
     results = {"on": [], "off": []}
     for _ in range(rounds):
@@ -92,27 +101,43 @@ def run_budget(budget: int, rounds: int, model=None) -> tuple[dict, object]:
 
 def render(rows: list[dict], threads: int, rounds: int) -> str:
     begin, end = markers("prefix-burst")
-    lines = [begin, "## In-flight prefix sharing: a burst with one system prompt", "",
-             f"{BURST} requests, each a shared {PREFIX}-token prefix plus its own {SUFFIX}-token suffix, "
-             f"{OUTPUT} output tokens, all arriving at once at an engine with a cold cache (SmolLM2-135M "
-             f"fp32, {threads} torch threads). Arms differ only in `share_prefix_in_flight` (the "
-             "scheduler's rule 3) and run interleaved; times are the best of "
-             f"{rounds} rounds, token counts are exact.", "",
-             "| step budget | arm | prompt tokens computed | TTFT p50 ms | TTFT slowest ms | makespan ms |",
-             "|---:|---|---:|---:|---:|---:|"]
+    lines = [
+        begin,
+        "## In-flight prefix sharing: a burst with one system prompt",
+        "",
+        f"{BURST} requests, each a shared {PREFIX}-token prefix plus its own {SUFFIX}-token suffix, "
+        f"{OUTPUT} output tokens, all arriving at once at an engine with a cold cache (SmolLM2-135M "
+        f"fp32, {threads} torch threads). Arms differ only in `share_prefix_in_flight` (the "
+        "scheduler's rule 3) and run interleaved; times are the best of "
+        f"{rounds} rounds, token counts are exact.",
+        "",
+        "| step budget | arm | prompt tokens computed | TTFT p50 ms | TTFT slowest ms | makespan ms |",
+        "|---:|---|---:|---:|---:|---:|",
+    ]
     for row in rows:
         for arm, name in (("on", "sharing (default)"), ("off", "no sharing")):
             r = row[arm]
-            lines.append(f"| {row['budget']} | {name} | {r['prompt_tokens_computed']} | {r['ttft_p50_ms']:.0f} | "
-                         f"{r['ttft_max_ms']:.0f} | {r['makespan_ms']:.0f} |")
-    lines += ["", "Ratios (no sharing ÷ sharing, same run): " + "; ".join(
-        f"budget {row['budget']}: makespan {row['makespan_ratio']:.2f}×, slowest TTFT {row['ttft_max_ratio']:.2f}×"
-        for row in rows) + ".", "",
+            lines.append(
+                f"| {row['budget']} | {name} | {r['prompt_tokens_computed']} | {r['ttft_p50_ms']:.0f} | "
+                f"{r['ttft_max_ms']:.0f} | {r['makespan_ms']:.0f} |"
+            )
+    lines += [
+        "",
+        "Ratios (no sharing ÷ sharing, same run): "
+        + "; ".join(
+            f"budget {row['budget']}: makespan {row['makespan_ratio']:.2f}×, slowest TTFT {row['ttft_max_ratio']:.2f}×"
+            for row in rows
+        )
+        + ".",
+        "",
         "With the small budget most of the burst is admitted a step after the first request anyway, "
         "so chunked prefill already hides much of the duplicate work; with a budget that holds the whole "
-        "burst, every request computes the prefix without sharing.", "",
+        "burst, every request computes the prefix without sharing.",
+        "",
         f"Reproduce: `.venv/bin/python bench/prefix_burst.py --threads {threads} --rounds {rounds} "
-        "--write docs/benchmarks.md`", end]
+        "--write docs/benchmarks.md`",
+        end,
+    ]
     return "\n".join(lines)
 
 
@@ -125,6 +150,7 @@ def main() -> None:
     if args.threads < 1 or args.rounds < 1:
         p.error("--threads and --rounds must be >= 1")
     import torch
+
     torch.set_num_threads(args.threads)
     rows, model = [], None
     for budget in BUDGETS:

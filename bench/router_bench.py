@@ -75,11 +75,19 @@ def build_fleet(rng, num_workers=100, blocks_per_worker=10_000):
     for i in range(num_workers):
         address = f"10.0.{i // 250}.{i % 250}:50051"
         role = "decode" if i % 2 == 0 else "prefill"
-        pool.workers[address] = WorkerState(address, role=role, is_connected=True, load=pb.LoadReport(
-            num_waiting=rng.randrange(0, 4), num_running=rng.randrange(0, 8), kv_usage=rng.random() * 0.8,
-            queued_prefill_tokens=rng.randrange(0, 4000)))
+        pool.workers[address] = WorkerState(
+            address,
+            role=role,
+            is_connected=True,
+            load=pb.LoadReport(
+                num_waiting=rng.randrange(0, 4),
+                num_running=rng.randrange(0, 8),
+                kv_usage=rng.random() * 0.8,
+                queued_prefill_tokens=rng.randrange(0, 4000),
+            ),
+        )
         hashes = hasher.hash_blocks(system)
-        for j in range(3):                                   # a few hot prefixes on a few workers each
+        for j in range(3):  # a few hot prefixes on a few workers each
             hashes += hasher.hash_blocks(hot[(i * 3 + j) % len(hot)])
         while len(hashes) < blocks_per_worker:
             hashes += hasher.hash_blocks(system + chain_tokens(rng, 48))[16:]
@@ -115,7 +123,7 @@ async def time_decisions(placer, hasher, prompts, warmup=50):
 async def feed(index, stored):
     for address, hashes in stored.items():
         for i in range(0, len(hashes), 500):
-            await index.apply(address, pb.KVEvent(stored=pb.BlockStored(block_hashes=hashes[i:i + 500])))
+            await index.apply(address, pb.KVEvent(stored=pb.BlockStored(block_hashes=hashes[i : i + 500])))
 
 
 def decision_bench(num_requests: int, with_redis: bool) -> dict:
@@ -125,7 +133,7 @@ def decision_bench(num_requests: int, with_redis: bool) -> dict:
     hasher = BlockHasher(MODEL, BS)
     config = RouterConfig().placement
     results = {}
-    index = InMemoryPrefixIndex(ttl_s=0.0)     # no speculative growth across the timed requests
+    index = InMemoryPrefixIndex(ttl_s=0.0)  # no speculative growth across the timed requests
     asyncio.run(feed(index, stored))
     results["memory"] = asyncio.run(time_decisions(Placer(config, pool, index, random.Random(0)), hasher, prompts))
     if with_redis and shutil.which("redis-server"):
@@ -145,8 +153,11 @@ def redis_decisions(config, pool, stored, hasher, prompts):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    proc = subprocess.Popen(["redis-server", "--port", str(port), "--save", "", "--appendonly", "no"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        ["redis-server", "--port", str(port), "--save", "", "--appendonly", "no"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         time.sleep(0.5)
 
@@ -156,6 +167,7 @@ def redis_decisions(config, pool, stored, hasher, prompts):
             times = await time_decisions(Placer(config, pool, index, random.Random(0)), hasher, prompts)
             await index.close()
             return times
+
         return asyncio.run(run())
     finally:
         proc.terminate()
@@ -178,13 +190,20 @@ class StubWorker(pb_grpc.WorkerServicer):
     """A worker that answers instantly (one token per request): isolates the gateway's own cost."""
 
     async def Generate(self, request, context):
-        yield pb.GenerateResponse(request_id=request.request_id, token_ids=[42], text="x",
-                                  finish_reason=pb.FINISH_REASON_LENGTH,
-                                  usage=pb.Usage(prompt_tokens=len(request.prompt_token_ids), completion_tokens=1))
+        yield pb.GenerateResponse(
+            request_id=request.request_id,
+            token_ids=[42],
+            text="x",
+            finish_reason=pb.FINISH_REASON_LENGTH,
+            usage=pb.Usage(prompt_tokens=len(request.prompt_token_ids), completion_tokens=1),
+        )
 
     async def WatchEvents(self, request, context):
-        yield pb.WorkerEvent(info=pb.WorkerInfo(worker_id="stub", role="decode", model_id=MODEL,
-                                                layout=pb.KVLayout(model_id=MODEL, block_size=BS)))
+        yield pb.WorkerEvent(
+            info=pb.WorkerInfo(
+                worker_id="stub", role="decode", model_id=MODEL, layout=pb.KVLayout(model_id=MODEL, block_size=BS)
+            )
+        )
         while True:
             yield pb.WorkerEvent(load=pb.LoadReport())
             await asyncio.sleep(0.5)
@@ -226,8 +245,20 @@ def free_port() -> int:
 
 def start_gateway(worker_address: str, extra: tuple[str, ...] = ()) -> tuple[Proc, str]:
     port = free_port()
-    proc = Proc([sys.executable, "-m", "splitserve.platform.cli", "router", "--workers", worker_address,
-                 "--port", str(port), *extra], "splitserve router: serving")
+    proc = Proc(
+        [
+            sys.executable,
+            "-m",
+            "splitserve.platform.cli",
+            "router",
+            "--workers",
+            worker_address,
+            "--port",
+            str(port),
+            *extra,
+        ],
+        "splitserve router: serving",
+    )
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 60
     while httpx.get(f"{url}/ready").status_code != 200:
@@ -301,8 +332,22 @@ def overhead_bench(n: int) -> dict:
             gateway.stop()
     finally:
         stub.stop()
-    worker = WorkerProcess("decode", ["--model", MODEL, "--threads", "1", "--kv-transport", "tcp",
-                                      "--kv-cache-memory", "0.25", "--max-model-len", "2048"], "WARNING")
+    worker = WorkerProcess(
+        "decode",
+        [
+            "--model",
+            MODEL,
+            "--threads",
+            "1",
+            "--kv-transport",
+            "tcp",
+            "--kv-cache-memory",
+            "0.25",
+            "--max-model-len",
+            "2048",
+        ],
+        "WARNING",
+    )
     worker.start()
     try:
         worker.wait_ready(300)
@@ -328,12 +373,16 @@ def tracing_bench(n: int) -> dict[str, list[float]]:
     gateways = []
     try:
         gateways.append(start_gateway(address))
-        gateways.append(start_gateway(address, ("--otlp-traces-endpoint", f"http://127.0.0.1:{sink.port}",
-                                                "--otlp-traces-sample-ratio", "1.0")))
+        gateways.append(
+            start_gateway(
+                address,
+                ("--otlp-traces-endpoint", f"http://127.0.0.1:{sink.port}", "--otlp-traces-sample-ratio", "1.0"),
+            )
+        )
         times = alternate_off_on(address, gateways[0][1], gateways[1][1], prompt, n)
     finally:
         for proc, _ in gateways:
-            proc.stop()   # the traced gateway exports what it buffered
+            proc.stop()  # the traced gateway exports what it buffered
         stub.stop()
         sink.server.stop(0)
     times["num_spans"] = [sink.num_spans]
@@ -341,15 +390,20 @@ def tracing_bench(n: int) -> dict[str, list[float]]:
 
 
 def tracing_report(times: dict[str, list[float]]) -> str:
-    ms = lambda s: f"{s * 1e3:.3f}"   # noqa: E731
+    ms = lambda s: f"{s * 1e3:.3f}"  # noqa: E731
     direct = statistics.median(times["direct"])
-    lines = ["## Gateway tracing overhead (issue 44)", "",
-             f"`python bench/router_bench.py --tracing` on this machine ({time.strftime('%Y-%m-%d')}; load average "
-             f"{os.getloadavg()[0]:.1f} on 2 shared cores). The same 64-token prompt, one token, against the stub "
-             "worker: a direct gRPC Generate, then the gateway with tracing off, then a second gateway with tracing "
-             f"on at ratio 1.0, alternating ({len(times['direct'])} each). The traced gateway exported "
-             f"{times['num_spans'][0]} spans.", "",
-             "| path | p50 ms | over direct, p50 ms | p90 ms |", "|---|---|---|---|"]
+    lines = [
+        "## Gateway tracing overhead (issue 44)",
+        "",
+        f"`python bench/router_bench.py --tracing` on this machine ({time.strftime('%Y-%m-%d')}; load average "
+        f"{os.getloadavg()[0]:.1f} on 2 shared cores). The same 64-token prompt, one token, against the stub "
+        "worker: a direct gRPC Generate, then the gateway with tracing off, then a second gateway with tracing "
+        f"on at ratio 1.0, alternating ({len(times['direct'])} each). The traced gateway exported "
+        f"{times['num_spans'][0]} spans.",
+        "",
+        "| path | p50 ms | over direct, p50 ms | p90 ms |",
+        "|---|---|---|---|",
+    ]
     labels = {"direct": "direct gRPC", "off": "gateway, tracing off", "on": "gateway, tracing on (1.0)"}
     for name, label in labels.items():
         p50 = statistics.median(times[name])
@@ -358,39 +412,58 @@ def tracing_report(times: dict[str, list[float]]) -> str:
 
 
 def report(decisions: dict, overhead: dict, tokenize: tuple) -> str:
-    ms = lambda s: f"{s * 1e3:.3f}"   # noqa: E731
-    lines = ["## Router (issue 4)", "",
-             f"`python bench/router_bench.py --write docs/benchmarks.md` on this machine "
-             f"({time.strftime('%Y-%m-%d')}); 2 shared CPU cores, so absolute numbers are noisy.", "",
-             "**Decision time per request**: 100 simulated workers (50 decode, 50 prefill), 10,000 indexed "
-             "blocks each (1,000,000 entries), 1,024-token prompts (64 blocks); block hashing + index match + "
-             "filters + 4 scorers + pick + disaggregation decision + prefill pick. Target: p99 < 2 ms.", "",
-             "Wall-clock times include waiting for a core on this shared machine (its load average was "
-             f"{os.getloadavg()[0]:.1f} on 2 cores); CPU times are the router thread's own work.", "",
-             "| index | requests | clock | p50 ms | p90 ms | p99 ms | max ms |", "|---|---|---|---|---|---|---|"]
+    ms = lambda s: f"{s * 1e3:.3f}"  # noqa: E731
+    lines = [
+        "## Router (issue 4)",
+        "",
+        f"`python bench/router_bench.py --write docs/benchmarks.md` on this machine "
+        f"({time.strftime('%Y-%m-%d')}); 2 shared CPU cores, so absolute numbers are noisy.",
+        "",
+        "**Decision time per request**: 100 simulated workers (50 decode, 50 prefill), 10,000 indexed "
+        "blocks each (1,000,000 entries), 1,024-token prompts (64 blocks); block hashing + index match + "
+        "filters + 4 scorers + pick + disaggregation decision + prefill pick. Target: p99 < 2 ms.",
+        "",
+        "Wall-clock times include waiting for a core on this shared machine (its load average was "
+        f"{os.getloadavg()[0]:.1f} on 2 cores); CPU times are the router thread's own work.",
+        "",
+        "| index | requests | clock | p50 ms | p90 ms | p99 ms | max ms |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for name in ("memory", "redis"):
         if name not in decisions:
             continue
         for column, clock in ((0, "wall"), (1, "CPU")):
             t = [pair[column] for pair in decisions[name]]
-            lines.append(f"| {'in-memory' if name == 'memory' else 'Redis (loopback)'} | {len(t)} | {clock} | "
-                         f"{ms(statistics.median(t))} | {ms(percentile(t, 90))} | {ms(percentile(t, 99))} | "
-                         f"{ms(max(t))} |")
-    lines += ["", f"Of which hashing the 64 blocks: {decisions['hash_mean_us']:.0f} µs. Tokenizing a "
-              f"{tokenize[1]}-token chat prompt (done once per request, before placement): {tokenize[0]:.0f} µs.", ""]
-    lines += ["**Gateway overhead**: the same 64-token prompt (as token ids, so no tokenization) sent "
-              "sequentially, alternating between a direct gRPC Generate and the gateway's /v1/completions "
-              "(`splitserve router` in its own process). Against a stub worker that answers instantly, the "
-              "difference is the gateway's own cost; against the real SmolLM2-135M worker it is its share "
-              "of a request.", "",
-              "| worker | tokens | requests | direct p50 ms | gateway p50 ms | overhead p50 ms | direct p90 ms | "
-              "gateway p90 ms |", "|---|---|---|---|---|---|---|---|"]
+            lines.append(
+                f"| {'in-memory' if name == 'memory' else 'Redis (loopback)'} | {len(t)} | {clock} | "
+                f"{ms(statistics.median(t))} | {ms(percentile(t, 90))} | {ms(percentile(t, 99))} | "
+                f"{ms(max(t))} |"
+            )
+    lines += [
+        "",
+        f"Of which hashing the 64 blocks: {decisions['hash_mean_us']:.0f} µs. Tokenizing a "
+        f"{tokenize[1]}-token chat prompt (done once per request, before placement): {tokenize[0]:.0f} µs.",
+        "",
+    ]
+    lines += [
+        "**Gateway overhead**: the same 64-token prompt (as token ids, so no tokenization) sent "
+        "sequentially, alternating between a direct gRPC Generate and the gateway's /v1/completions "
+        "(`splitserve router` in its own process). Against a stub worker that answers instantly, the "
+        "difference is the gateway's own cost; against the real SmolLM2-135M worker it is its share "
+        "of a request.",
+        "",
+        "| worker | tokens | requests | direct p50 ms | gateway p50 ms | overhead p50 ms | direct p90 ms | "
+        "gateway p90 ms |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for name, tokens in (("stub", 1), ("smollm2", 8)):
         d, v = overhead[name]["direct"], overhead[name]["via"]
         md, mv = statistics.median(d), statistics.median(v)
         label = "stub (instant)" if name == "stub" else "SmolLM2-135M decode worker"
-        lines.append(f"| {label} | {tokens} | {len(d)} | {ms(md)} | {ms(mv)} | {ms(mv - md)} "
-                     f"({(mv - md) / md * 100:.0f} %) | {ms(percentile(d, 90))} | {ms(percentile(v, 90))} |")
+        lines.append(
+            f"| {label} | {tokens} | {len(d)} | {ms(md)} | {ms(mv)} | {ms(mv - md)} "
+            f"({(mv - md) / md * 100:.0f} %) | {ms(percentile(d, 90))} | {ms(percentile(v, 90))} |"
+        )
     return "\n".join(lines)
 
 

@@ -66,9 +66,9 @@ KV_BLOCKS = 128
 # set explicitly so that the budget below gives KV_BLOCKS on every host. (Sized for float32 while
 # `auto` already stored float16, the workers got 257 blocks, not 128, and W1's cache pressure was
 # gone; the report printed both numbers.)
-BLOCK_BYTES = 2 * 30 * 16 * 3 * 64 * 2   # K+V x 30 layers x 16 tokens x 3 KV heads x 64 dims x float16
-CHUNK = 128                       # prefill chunk of the chunked arm (tokens per step)
-COND_TOKENS = 128                 # conditional disaggregation threshold
+BLOCK_BYTES = 2 * 30 * 16 * 3 * 64 * 2  # K+V x 30 layers x 16 tokens x 3 KV heads x 64 dims x float16
+CHUNK = 128  # prefill chunk of the chunked arm (tokens per step)
+COND_TOKENS = 128  # conditional disaggregation threshold
 SEED = 0
 # W3's load, as docs/research's W3 defines it: long prompts arrive at a rate that keeps the single
 # prefill core of 1P1D about half busy, beside 0.5-1 interactive requests/s. A fixed rate cannot
@@ -77,8 +77,8 @@ SEED = 0
 # Load points: (prefill core busy, interactive requests/s).
 W3_LONG = (512, 768)
 W3_LOADS = ((0.5, 0.8), (0.3, 0.5))
-W3_INTERACTIVE = 42               # interactive requests per arm and load point (quick: 14)
-W3_FIXED = (0.8, 0.5)             # --w3-fixed: total req/s with 30 % long (the runs before calibration)
+W3_INTERACTIVE = 42  # interactive requests per arm and load point (quick: 14)
+W3_FIXED = (0.8, 0.5)  # --w3-fixed: total req/s with 30 % long (the runs before calibration)
 
 
 # ---- arms ----------------------------------------------------------------------------------------
@@ -86,7 +86,7 @@ SCORERS = {
     "round-robin": [{"name": "round-robin", "weight": 1}],
     "least-queue": [{"name": "queue-depth", "weight": 3}, {"name": "pending-assignments", "weight": 1}],
     "prefix-only": [{"name": "prefix-overlap", "weight": 1}],
-    "prefix+queue": None,          # the default decode profile
+    "prefix+queue": None,  # the default decode profile
 }
 
 
@@ -95,18 +95,21 @@ class Arm:
     name: str
     roles: tuple[str, ...] = ("both", "both")
     scorers: str = "prefix+queue"
-    mode: str = "never"            # the router's disaggregation mode
+    mode: str = "never"  # the router's disaggregation mode
     worker_args: tuple[str, ...] = ()
-    prefill_args: tuple[str, ...] = ()   # extra, prefill role only
+    prefill_args: tuple[str, ...] = ()  # extra, prefill role only
 
     def router_config(self, port: int, workers: list[str]) -> dict:
         placement = {"disaggregation": {"mode": self.mode, "min_prefill_tokens": COND_TOKENS}}
         if SCORERS[self.scorers] is not None:
             placement["decode"] = {"scorers": SCORERS[self.scorers]}
-        return {"model": MODEL, "max_model_len": 2048,
-                "gateway": {"host": "127.0.0.1", "port": port, "max_concurrent_requests": 512,
-                            "max_queued_requests": 4096},
-                "discovery": {"workers": workers}, "placement": placement}
+        return {
+            "model": MODEL,
+            "max_model_len": 2048,
+            "gateway": {"host": "127.0.0.1", "port": port, "max_concurrent_requests": 512, "max_queued_requests": 4096},
+            "discovery": {"workers": workers},
+            "placement": placement,
+        }
 
 
 ROUTING = [Arm(name, scorers=name) for name in SCORERS]
@@ -115,8 +118,12 @@ DISAGG = [
     Arm("colocated", worker_args=("--no-chunked-prefill",)),
     Arm("colocated+chunked", worker_args=("--max-num-batched-tokens", str(CHUNK))),
     Arm("1P1D", roles=("prefill", "decode"), mode="always", worker_args=("--disaggregation", "always")),
-    Arm("1P1D-conditional", roles=("prefill", "decode"), mode="conditional",
-        worker_args=("--disaggregation", "conditional", "--min-prefill-tokens", str(COND_TOKENS))),
+    Arm(
+        "1P1D-conditional",
+        roles=("prefill", "decode"),
+        mode="conditional",
+        worker_args=("--disaggregation", "conditional", "--min-prefill-tokens", str(COND_TOKENS)),
+    ),
 ]
 
 
@@ -139,9 +146,25 @@ class Run:
         return f"rate {self.rate}/s" if self.rate else f"concurrency {self.concurrency}"
 
     def bench_args(self, url: str, output: str) -> list[str]:
-        args = ["--url", url, "--model", MODEL, "--workload", self.workload, "--num-requests",
-                str(self.num_requests), "--warmup", str(self.warmup), "--seed", str(SEED), "--no-progress",
-                "--output", output, "--request-timeout", "900"]
+        args = [
+            "--url",
+            url,
+            "--model",
+            MODEL,
+            "--workload",
+            self.workload,
+            "--num-requests",
+            str(self.num_requests),
+            "--warmup",
+            str(self.warmup),
+            "--seed",
+            str(SEED),
+            "--no-progress",
+            "--output",
+            output,
+            "--request-timeout",
+            "900",
+        ]
         args += ["--rate", str(self.rate)] if self.rate else ["--concurrency", str(self.concurrency)]
         for key, value in self.params:
             args += ["--workload-param", f"{key}={value}"]
@@ -156,20 +179,24 @@ def w3_plan(quick: bool, prefill_s: float | None) -> list[list[Run]]:
     """W3's groups: at each of W3_LOADS, long prompts at busy / prefill_s per second (the mean
     long prompt's prefill on one core takes prefill_s) beside the interactive rate; None: the
     fixed rates W3_FIXED with 30 % long."""
-    if prefill_s is None:   # (total rate, long fraction, requests)
+    if prefill_s is None:  # (total rate, long fraction, requests)
         points = [(rate, 0.3, 20 if quick else 60) for rate in (W3_FIXED[:1] if quick else W3_FIXED)]
     else:
         points = []
         for busy, interactive in W3_LOADS[:1] if quick else W3_LOADS:
             long_rate = busy / prefill_s
             fraction = long_rate / (long_rate + interactive)
-            points.append((round(long_rate + interactive, 2), fraction,
-                           round((14 if quick else W3_INTERACTIVE) / (1 - fraction))))
+            points.append(
+                (round(long_rate + interactive, 2), fraction, round((14 if quick else W3_INTERACTIVE) / (1 - fraction)))
+            )
+
     def params(fraction):
         return ("long_fraction", f"{fraction:.3f}"), ("long_min", str(W3_LONG[0])), ("long_max", str(W3_LONG[1]))
 
-    return [[Run("w3", arm, n, rate=rate, warmup=2, params=params(fraction)) for arm in DISAGG]
-            for rate, fraction, n in points]
+    return [
+        [Run("w3", arm, n, rate=rate, warmup=2, params=params(fraction)) for arm in DISAGG]
+        for rate, fraction, n in points
+    ]
 
 
 def w3_load_text(groups: list[list[Run]], prefill_s: float | None) -> str:
@@ -179,11 +206,16 @@ def w3_load_text(groups: list[list[Run]], prefill_s: float | None) -> str:
         run = group[0]
         fraction = float(dict(run.params)["long_fraction"])
         busy = f", prefill core {run.rate * fraction * prefill_s:.0%} busy" if prefill_s else ""
-        points.append(f"{run.rate} req/s ({run.rate * fraction:.2f} long + {run.rate * (1 - fraction):.2f} "
-                      f"interactive{busy}, {run.num_requests} requests)")
-    how = (f"rates derived from this host's {sum(W3_LONG) // 2}-token prefill on one core, {prefill_s:.2f} s, "
-           "so that 1P1D's one prefill core is about half busy at the first point: " if prefill_s else
-           "fixed rates (`--w3-fixed`): ")
+        points.append(
+            f"{run.rate} req/s ({run.rate * fraction:.2f} long + {run.rate * (1 - fraction):.2f} "
+            f"interactive{busy}, {run.num_requests} requests)"
+        )
+    how = (
+        f"rates derived from this host's {sum(W3_LONG) // 2}-token prefill on one core, {prefill_s:.2f} s, "
+        "so that 1P1D's one prefill core is about half busy at the first point: "
+        if prefill_s
+        else "fixed rates (`--w3-fixed`): "
+    )
     return how + "; ".join(points) + "."
 
 
@@ -201,8 +233,9 @@ def time_long_prefill(raw: pathlib.Path, workdir: pathlib.Path) -> float:
         for _ in range(4):
             prompt = [rng.randrange(100, 40000) for _ in range(sum(W3_LONG) // 2)]
             body = json.dumps({"model": MODEL, "prompt": prompt, "max_tokens": 1}).encode()
-            request = urllib.request.Request(cluster.url + "/v1/completions", data=body,
-                                             headers={"Content-Type": "application/json"})
+            request = urllib.request.Request(
+                cluster.url + "/v1/completions", data=body, headers={"Content-Type": "application/json"}
+            )
             t0 = time.perf_counter()
             with urllib.request.urlopen(request, timeout=300) as resp:
                 resp.read()
@@ -226,11 +259,19 @@ def plan(quick: bool, w3_prefill_s: float | None = None) -> dict[str, list[list[
     groups = {
         "w1": [[Run("w1", arm, w1_n, rate=r, warmup=16, params=w1) for arm in ROUTING] for r in w1_rates]
         + [[Run("w1", NO_CACHE, w1_n, rate=w1_rates[0], warmup=16, params=w1)]],
-        "w2": [[Run("w2", arm, 24 if q else 36, rate=0.5, warmup=2, params=w2)
-                for arm in (ROUTING[0], ROUTING[3], dataclasses.replace(NO_CACHE))]],
+        "w2": [
+            [
+                Run("w2", arm, 24 if q else 36, rate=0.5, warmup=2, params=w2)
+                for arm in (ROUTING[0], ROUTING[3], dataclasses.replace(NO_CACHE))
+            ]
+        ],
         "w3": w3_plan(quick, w3_prefill_s),
-        "w4": [[Run("w4", arm, 8 if q else 24, concurrency=8, warmup=2, params=w4)
-                for arm in (ROUTING[0], ROUTING[3], DISAGG[2])]],
+        "w4": [
+            [
+                Run("w4", arm, 8 if q else 24, concurrency=8, warmup=2, params=w4)
+                for arm in (ROUTING[0], ROUTING[3], DISAGG[2])
+            ]
+        ],
     }
     return groups
 
@@ -249,8 +290,9 @@ class Proc:
         self.name, self.argv, self.ready_prefix = name, argv, ready_prefix
         self.tail: list[str] = []
         self.ready = threading.Event()
-        self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                     start_new_session=True, env=env)
+        self.proc = subprocess.Popen(
+            argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True, env=env
+        )
         threading.Thread(target=self._pump, daemon=True).start()
 
     def _pump(self) -> None:
@@ -308,7 +350,7 @@ class Cluster:
         try:
             self._start(arm, workdir)
         except BaseException:
-            self.stop()            # a process that failed to start must not leave the others running
+            self.stop()  # a process that failed to start must not leave the others running
             raise
 
     def _start(self, arm: Arm, workdir: pathlib.Path) -> None:
@@ -319,11 +361,41 @@ class Cluster:
             grpc_port, metrics_port, kv_port = free_port(), free_port(), free_port()
             core = sorted(cores)[i % len(cores)]
             extra = arm.prefill_args if role == "prefill" else ()
-            argv = ["taskset", "-c", str(core), sys.executable, "-m", "splitserve.platform.cli", "--log-level",
-                    "WARNING", "worker", "--role", role, "--model", MODEL, "--threads", "1", "--kv-transport",
-                    kv_transport(), "--kv-cache-memory", f"{gib:.6f}", "--kv-cache-dtype", "float16", "--max-model-len", "2048",
-                    "--grpc-port", str(grpc_port), "--metrics-port", str(metrics_port), "--kv-port", str(kv_port),
-                    "--drain-grace", "2", *arm.worker_args, *extra]
+            argv = [
+                "taskset",
+                "-c",
+                str(core),
+                sys.executable,
+                "-m",
+                "splitserve.platform.cli",
+                "--log-level",
+                "WARNING",
+                "worker",
+                "--role",
+                role,
+                "--model",
+                MODEL,
+                "--threads",
+                "1",
+                "--kv-transport",
+                kv_transport(),
+                "--kv-cache-memory",
+                f"{gib:.6f}",
+                "--kv-cache-dtype",
+                "float16",
+                "--max-model-len",
+                "2048",
+                "--grpc-port",
+                str(grpc_port),
+                "--metrics-port",
+                str(metrics_port),
+                "--kv-port",
+                str(kv_port),
+                "--drain-grace",
+                "2",
+                *arm.worker_args,
+                *extra,
+            ]
             self.procs.append(Proc(f"{role} worker {i}", argv, ready_prefix="READY"))
             addresses.append(f"127.0.0.1:{grpc_port}")
             metrics.append(metrics_port)
@@ -335,8 +407,20 @@ class Cluster:
         port = free_port()
         config = workdir / f"router-{arm.name}.yaml"
         config.write_text(yaml.safe_dump(arm.router_config(port, addresses)))
-        self.router = Proc("router", [sys.executable, "-m", "splitserve.platform.cli", "--log-level", "WARNING",
-                                      "router", "--config", str(config)], ready_prefix="splitserve router")
+        self.router = Proc(
+            "router",
+            [
+                sys.executable,
+                "-m",
+                "splitserve.platform.cli",
+                "--log-level",
+                "WARNING",
+                "router",
+                "--config",
+                str(config),
+            ],
+            ready_prefix="splitserve router",
+        )
         self.procs.append(self.router)
         self.url = f"http://127.0.0.1:{port}"
         wait_http(self.url + "/ready", 120, self.router)
@@ -347,8 +431,11 @@ class Cluster:
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
             _, body = http_get(self.url + "/metrics")
-            healthy = sum(float(line.rsplit(" ", 1)[1]) for line in body.decode().splitlines()
-                          if line.startswith("splitserve_router_workers{") and 'state="healthy"' in line)
+            healthy = sum(
+                float(line.rsplit(" ", 1)[1])
+                for line in body.decode().splitlines()
+                if line.startswith("splitserve_router_workers{") and 'state="healthy"' in line
+            )
             if healthy >= n:
                 return
             time.sleep(0.2)
@@ -410,8 +497,18 @@ PEER_NO_EOS = json.dumps({"logit_bias": {"0": -100, "2": -100}})
 
 def peer_runs(quick: bool) -> list[Run]:
     sizes = {1: 4, 4: 8, 16: 16} if quick else {1: 8, 4: 16, 16: 48}
-    return [Run("random", ROUTING[3], sizes[c], concurrency=c, warmup=2, text_prompts=True,
-                params=(("input_len", "128"), ("output_len", "64"))) for c in PEER_CONCURRENCY]
+    return [
+        Run(
+            "random",
+            ROUTING[3],
+            sizes[c],
+            concurrency=c,
+            warmup=2,
+            text_prompts=True,
+            params=(("input_len", "128"), ("output_len", "64")),
+        )
+        for c in PEER_CONCURRENCY
+    ]
 
 
 def gguf_path() -> str:
@@ -438,11 +535,29 @@ def run_peer(peer_python: str, quick: bool, raw: pathlib.Path, workdir: pathlib.
             else:
                 run = dataclasses.replace(run, extra_body=PEER_NO_EOS)
                 port = free_port()
-                proc = Proc("llama.cpp server", [peer_python, "-m", "llama_cpp.server", "--model", gguf_path(),
-                                                 "--host", "127.0.0.1", "--port", str(port), "--n_threads", "2",
-                                                 "--n_threads_batch", "2", "--n_ctx", "2048",
-                                                 # default True: a new request cuts the one streaming
-                                                 "--interrupt_requests", "False"])
+                proc = Proc(
+                    "llama.cpp server",
+                    [
+                        peer_python,
+                        "-m",
+                        "llama_cpp.server",
+                        "--model",
+                        gguf_path(),
+                        "--host",
+                        "127.0.0.1",
+                        "--port",
+                        str(port),
+                        "--n_threads",
+                        "2",
+                        "--n_threads_batch",
+                        "2",
+                        "--n_ctx",
+                        "2048",
+                        # default True: a new request cuts the one streaming
+                        "--interrupt_requests",
+                        "False",
+                    ],
+                )
                 url, stop = f"http://127.0.0.1:{port}", proc.stop
             try:
                 if server == "llama.cpp":
@@ -464,15 +579,19 @@ def _ms(stats: dict | None, key: str) -> str:
 def summary_row(doc: dict, category: str | None = None) -> str:
     s = doc["categories"][category] if category else doc["summary"]
     hit = doc["summary"]["prefix_cache_hit_rate"]
-    return (f"| {doc['arm']} | {doc['load']} | {s['completed']}/{s['completed'] + s['failed']} | "
-            f"{'–' if hit is None else f'{100 * hit:.0f} %'} | {_ms(s['ttft_ms'], 'p50')} | "
-            f"{_ms(s['ttft_ms'], 'p90')} | {_ms(s['ttft_ms'], 'p99')} | {_ms(s['itl_ms'], 'p50')} | "
-            f"{_ms(s['itl_ms'], 'p99')} | {_ms(s['tpot_ms'], 'p50')} | {s['output_throughput']:.1f} | "
-            f"{100 * doc['client_cpu_fraction']:.0f} % |")
+    return (
+        f"| {doc['arm']} | {doc['load']} | {s['completed']}/{s['completed'] + s['failed']} | "
+        f"{'–' if hit is None else f'{100 * hit:.0f} %'} | {_ms(s['ttft_ms'], 'p50')} | "
+        f"{_ms(s['ttft_ms'], 'p90')} | {_ms(s['ttft_ms'], 'p99')} | {_ms(s['itl_ms'], 'p50')} | "
+        f"{_ms(s['itl_ms'], 'p99')} | {_ms(s['tpot_ms'], 'p50')} | {s['output_throughput']:.1f} | "
+        f"{100 * doc['client_cpu_fraction']:.0f} % |"
+    )
 
 
-HEADER = ("| arm | load | done | prefix hit | TTFT p50 | TTFT p90 | TTFT p99 | ITL p50 | ITL p99 | TPOT p50 | "
-          "out tok/s | client CPU |\n|---|---|---|---|---|---|---|---|---|---|---|---|")
+HEADER = (
+    "| arm | load | done | prefix hit | TTFT p50 | TTFT p90 | TTFT p99 | ITL p50 | ITL p99 | TPOT p50 | "
+    "out tok/s | client CPU |\n|---|---|---|---|---|---|---|---|---|---|---|---|"
+)
 
 
 def pick(docs: list[dict], arm: str, load: str | None = None) -> dict | None:
@@ -501,105 +620,166 @@ def stall_share_text(colocated: dict | None) -> str:
     if not long or not itl:
         return "stall share: –"
     share = long["request_throughput"] * itl / 1e3
-    return (f"long prefills can make at most {share:.2%} of colocated's interactive gaps stalls "
-            f"({long['request_throughput']:.2f} long prompts/s × ITL p50 {itl:.0f} ms): "
-            + ("below 1 %, so no placement lets colocated's pooled p99 ITL see a stall."
-               if share < 0.01 else "pooled p99 ITL can see stalls."))
+    return (
+        f"long prefills can make at most {share:.2%} of colocated's interactive gaps stalls "
+        f"({long['request_throughput']:.2f} long prompts/s × ITL p50 {itl:.0f} ms): "
+        + (
+            "below 1 %, so no placement lets colocated's pooled p99 ITL see a stall."
+            if share < 0.01
+            else "pooled p99 ITL can see stalls."
+        )
+    )
 
 
 def render(results: dict[str, list[dict]], plots: dict[str, str], meta: dict) -> str:
     begin, end = markers("serving")
-    out = [begin, "## Serving suite: W1–W4 and the peer (issue 6)", "",
-           f"Machine: {meta['machine']}. Run of {meta['date']}, {meta['minutes']:.0f} minutes, "
-           f"command: `{meta['command']}`.", "",
-           f"Every arm: 2 worker processes pinned to one core each (`taskset`, `--threads 1`), "
-           f"{KV_BLOCKS} KV blocks ({KV_BLOCKS * 16} tokens) per worker (read back from /debug/kv: "
-           f"{meta['kv_blocks']}), SmolLM2-135M Q4_1 in the workers' default --quantization auto, KV transfer over "
-           f"{kv_transport().upper()}; router and client unpinned on the same 2 cores. Workers and router "
-           "restarted for every arm; the arms of a load point run back to back. Latencies in ms; "
-           "`prefix hit` is the server-reported cached share of prompt tokens.", ""]
+    out = [
+        begin,
+        "## Serving suite: W1–W4 and the peer (issue 6)",
+        "",
+        f"Machine: {meta['machine']}. Run of {meta['date']}, {meta['minutes']:.0f} minutes, "
+        f"command: `{meta['command']}`.",
+        "",
+        f"Every arm: 2 worker processes pinned to one core each (`taskset`, `--threads 1`), "
+        f"{KV_BLOCKS} KV blocks ({KV_BLOCKS * 16} tokens) per worker (read back from /debug/kv: "
+        f"{meta['kv_blocks']}), SmolLM2-135M Q4_1 in the workers' default --quantization auto, KV transfer over "
+        f"{kv_transport().upper()}; router and client unpinned on the same 2 cores. Workers and router "
+        "restarted for every arm; the arms of a load point run back to back. Latencies in ms; "
+        "`prefix hit` is the server-reported cached share of prompt tokens.",
+        "",
+    ]
     w1 = results.get("w1", [])
     if w1:
-        out += ["### W1: shared system prompts, routing arms", "",
-                "8 groups × 256-token system prompt + a 16–48-token question, 16 output tokens; the warm-up "
-                "(16 requests) carries the groups' system prompts (`warm_prefixes=1`), so the measured "
-                "requests see a warm cluster.", "", HEADER]
+        out += [
+            "### W1: shared system prompts, routing arms",
+            "",
+            "8 groups × 256-token system prompt + a 16–48-token question, 16 output tokens; the warm-up "
+            "(16 requests) carries the groups' system prompts (`warm_prefixes=1`), so the measured "
+            "requests see a warm cluster.",
+            "",
+            HEADER,
+        ]
         out += [summary_row(d) for d in w1]
         for load in dict.fromkeys(d["load"] for d in w1 if d["arm"] != "no-cache"):
             rr, ours = pick(w1, "round-robin", load), pick(w1, "prefix+queue", load)
-            out.append(f"\n{load}: p90 TTFT round-robin ÷ prefix+queue = "
-                       f"**{ratio(stat(rr, 'ttft_ms', 'p90'), stat(ours, 'ttft_ms', 'p90'))}** (target ≥ 2×); "
-                       f"mean {ratio(stat(rr, 'ttft_ms', 'mean'), stat(ours, 'ttft_ms', 'mean'))}.")
+            out.append(
+                f"\n{load}: p90 TTFT round-robin ÷ prefix+queue = "
+                f"**{ratio(stat(rr, 'ttft_ms', 'p90'), stat(ours, 'ttft_ms', 'p90'))}** (target ≥ 2×); "
+                f"mean {ratio(stat(rr, 'ttft_ms', 'mean'), stat(ours, 'ttft_ms', 'mean'))}."
+            )
         out += ["", f"![W1 TTFT vs load]({plots['w1']})", ""]
     w2 = results.get("w2", [])
     if w2:
-        out += ["### W2: multi-turn sessions", "",
-                "6 sessions × 6 turns (prompts 160 … 480 tokens, each turn's prompt a prefix of the next), "
-                "32 output tokens, think time exp(1 s); sessions arrive at 0.5/s.", "", HEADER]
+        out += [
+            "### W2: multi-turn sessions",
+            "",
+            "6 sessions × 6 turns (prompts 160 … 480 tokens, each turn's prompt a prefix of the next), "
+            "32 output tokens, think time exp(1 s); sessions arrive at 0.5/s.",
+            "",
+            HEADER,
+        ]
         out += [summary_row(d) for d in w2]
         turns = sorted({c for d in w2 for c in d["categories"]}, key=lambda c: int(c.split("-")[1]))
-        out += ["", "Mean TTFT per turn (ms):", "", "| arm | " + " | ".join(turns) + " |",
-                "|---|" + "---|" * len(turns)]
+        out += [
+            "",
+            "Mean TTFT per turn (ms):",
+            "",
+            "| arm | " + " | ".join(turns) + " |",
+            "|---|" + "---|" * len(turns),
+        ]
         for d in w2:
-            out.append(f"| {d['arm']} | " + " | ".join(_ms(d["categories"][t]["ttft_ms"], "mean") for t in turns) + " |")
+            out.append(
+                f"| {d['arm']} | " + " | ".join(_ms(d["categories"][t]["ttft_ms"], "mean") for t in turns) + " |"
+            )
         out += ["", f"![W2 TTFT per turn]({plots['w2']})", ""]
     w3 = results.get("w3", [])
     if w3:
-        out += ["### W3: long prompts beside interactive streams", "",
-                f"Long requests (512–768-token prompts, 8 output tokens) among interactive ones "
-                f"(32-token prompts, 64 output tokens), one Poisson stream thinned in two: {meta['w3']} "
-                "Interactive requests:", "", HEADER]
+        out += [
+            "### W3: long prompts beside interactive streams",
+            "",
+            f"Long requests (512–768-token prompts, 8 output tokens) among interactive ones "
+            f"(32-token prompts, 64 output tokens), one Poisson stream thinned in two: {meta['w3']} "
+            "Interactive requests:",
+            "",
+            HEADER,
+        ]
         out += [summary_row(d, "interactive") for d in w3]
         out += ["", "Long requests:", "", HEADER] + [summary_row(d, "long") for d in w3]
         for load in dict.fromkeys(d["load"] for d in w3):
             a, b, c, dd = (pick(w3, arm.name, load) for arm in DISAGG)
             itl = [stat(x, "itl_ms", "p99", "interactive") for x in (a, b, c, dd)]
-            out.append(f"\n{load}: interactive p99 ITL, colocated (no chunking) ÷ 1P1D = **{ratio(itl[0], itl[2])}** "
-                       f"(target ≥ 5×); ÷ 1P1D-conditional = {ratio(itl[0], itl[3])}; colocated+chunked ÷ 1P1D = "
-                       f"{ratio(itl[1], itl[2])}.")
+            out.append(
+                f"\n{load}: interactive p99 ITL, colocated (no chunking) ÷ 1P1D = **{ratio(itl[0], itl[2])}** "
+                f"(target ≥ 5×); ÷ 1P1D-conditional = {ratio(itl[0], itl[3])}; colocated+chunked ÷ 1P1D = "
+                f"{ratio(itl[1], itl[2])}."
+            )
             # A long prefill stops each stream on its worker once; among a stream's 64 gaps that is
             # under 1 %, so pooled p99 ITL can miss it while a user sees a freeze. Report both.
             for q in ("p90", "p99"):
                 worst = [stat(x, "max_itl_ms", q, "interactive") for x in (a, b, c, dd)]
                 shown = ", ".join(f"{arm.name} {'–' if w is None else f'{w:.0f}'}" for arm, w in zip(DISAGG, worst))
-                out.append(f"{load}: interactive requests' longest gap, {q} over requests (ms): {shown}; "
-                           f"colocated ÷ 1P1D = {ratio(worst[0], worst[2])}.")
+                out.append(
+                    f"{load}: interactive requests' longest gap, {q} over requests (ms): {shown}; "
+                    f"colocated ÷ 1P1D = {ratio(worst[0], worst[2])}."
+                )
             out.append(f"{load}: {stall_share_text(a)}")
         out += ["", f"![W3 interactive ITL]({plots['w3']})", ""]
     w4 = results.get("w4", [])
     if w4:
-        out += ["### W4: short prompts, long outputs (negative control)", "",
-                "32–64-token prompts, 64–128 output tokens, concurrency 8.", "", HEADER]
+        out += [
+            "### W4: short prompts, long outputs (negative control)",
+            "",
+            "32–64-token prompts, 64–128 output tokens, concurrency 8.",
+            "",
+            HEADER,
+        ]
         out += [summary_row(d) for d in w4]
         rr, ours, pd = pick(w4, "round-robin"), pick(w4, "prefix+queue"), pick(w4, "1P1D")
+
         def tput(d):
             return d and d["summary"]["output_throughput"]
 
-        out += ["", f"Output tok/s 1P1D ÷ colocated (prefix+queue) = {ratio(tput(pd), tput(ours))}; "
-                    f"prefix+queue ÷ round-robin = {ratio(tput(ours), tput(rr))}.", ""]
+        out += [
+            "",
+            f"Output tok/s 1P1D ÷ colocated (prefix+queue) = {ratio(tput(pd), tput(ours))}; "
+            f"prefix+queue ÷ round-robin = {ratio(tput(ours), tput(rr))}.",
+            "",
+        ]
     peer = results.get("peer", [])
     if peer:
-        out += ["### Peer: llama-cpp-python's OpenAI server on the same GGUF", "",
-                "llama-cpp-python 0.3.36 built as `make peer` does (docs/design.md), `--n_threads 2 --n_threads_batch 2 "
-                "--interrupt_requests False` (by default a new request cuts the one streaming), one "
-                "process on both cores; splitserve: two colocated workers (one core each, prefix+queue "
-                "routing). Workload `random`: 128-token prompts sent as text to both (llama.cpp takes no token "
-                "ids), 64 output tokens (`ignore_eos`; llama.cpp gets its EOS tokens banned through "
-                "`logit_bias` so it generates as many).", "",
-                "| server | load | done | TTFT p50 | TTFT p99 | TPOT p50 | single-stream decode tok/s | out tok/s |",
-                "|---|---|---|---|---|---|---|---|"]
+        out += [
+            "### Peer: llama-cpp-python's OpenAI server on the same GGUF",
+            "",
+            "llama-cpp-python 0.3.36 built as `make peer` does (docs/design.md), `--n_threads 2 --n_threads_batch 2 "
+            "--interrupt_requests False` (by default a new request cuts the one streaming), one "
+            "process on both cores; splitserve: two colocated workers (one core each, prefix+queue "
+            "routing). Workload `random`: 128-token prompts sent as text to both (llama.cpp takes no token "
+            "ids), 64 output tokens (`ignore_eos`; llama.cpp gets its EOS tokens banned through "
+            "`logit_bias` so it generates as many).",
+            "",
+            "| server | load | done | TTFT p50 | TTFT p99 | TPOT p50 | single-stream decode tok/s | out tok/s |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
         for d in peer:
             s = d["summary"]
             tpot = stat(d, "tpot_ms", "p50")
             decode = f"{1000 / tpot:.1f}" if tpot and d["load"] == "concurrency 1" else ""
-            out.append(f"| {d['server']} | {d['load']} | {s['completed']}/{s['completed'] + s['failed']} | "
-                       f"{_ms(s['ttft_ms'], 'p50')} | {_ms(s['ttft_ms'], 'p99')} | {_ms(s['tpot_ms'], 'p50')} | "
-                       f"{decode} | {s['output_throughput']:.1f} |")
+            out.append(
+                f"| {d['server']} | {d['load']} | {s['completed']}/{s['completed'] + s['failed']} | "
+                f"{_ms(s['ttft_ms'], 'p50')} | {_ms(s['ttft_ms'], 'p99')} | {_ms(s['tpot_ms'], 'p50')} | "
+                f"{decode} | {s['output_throughput']:.1f} |"
+            )
         ours, theirs = pick(peer, "splitserve", "concurrency 16"), pick(peer, "llama.cpp", "concurrency 16")
         if ours and theirs:
-            out += ["", f"Output throughput at concurrency 16, splitserve ÷ llama.cpp = "
-                        f"**{ratio(ours['summary']['output_throughput'], theirs['summary']['output_throughput'])}** "
-                        "(target ≥ 1×).", "", f"![peer throughput]({plots['peer']})", ""]
+            out += [
+                "",
+                f"Output throughput at concurrency 16, splitserve ÷ llama.cpp = "
+                f"**{ratio(ours['summary']['output_throughput'], theirs['summary']['output_throughput'])}** "
+                "(target ≥ 1×).",
+                "",
+                f"![peer throughput]({plots['peer']})",
+                "",
+            ]
     out += [end]
     return "\n".join(out)
 
@@ -635,19 +815,28 @@ def make_plots(results: dict[str, list[dict]], folder: pathlib.Path, rel: str) -
         fig, ax = plt.subplots(figsize=(6, 4))
         for d in results["w2"]:
             turns = sorted(d["categories"], key=lambda c: int(c.split("-")[1]))
-            ax.plot([int(t.split("-")[1]) for t in turns], [d["categories"][t]["ttft_ms"]["mean"] for t in turns],
-                    marker="o", label=d["arm"])
+            ax.plot(
+                [int(t.split("-")[1]) for t in turns],
+                [d["categories"][t]["ttft_ms"]["mean"] for t in turns],
+                marker="o",
+                label=d["arm"],
+            )
         ax.set(xlabel="turn", ylabel="mean TTFT (ms)", title="W2 TTFT per turn")
         ax.legend(fontsize=8)
         save(fig, "w2-ttft-per-turn.png")
     if results.get("w3"):
         fig, ax = plt.subplots(figsize=(6, 4))
         for d in results["w3"]:
-            itl = sorted(x * 1000 for r in d["requests"] if r["category"] == "interactive" and r["success"]
-                         for x in r["itl_s"])
+            itl = sorted(
+                x * 1000 for r in d["requests"] if r["category"] == "interactive" and r["success"] for x in r["itl_s"]
+            )
             if itl:
-                ax.plot(itl, [(i + 1) / len(itl) for i in range(len(itl))], label=f"{d['arm']}, {d['load']}",
-                        linestyle="-" if d["load"] == results["w3"][0]["load"] else "--")
+                ax.plot(
+                    itl,
+                    [(i + 1) / len(itl) for i in range(len(itl))],
+                    label=f"{d['arm']}, {d['load']}",
+                    linestyle="-" if d["load"] == results["w3"][0]["load"] else "--",
+                )
         ax.set(xscale="log", xlabel="inter-token latency (ms)", ylabel="CDF", title="W3 interactive ITL")
         ax.legend(fontsize=8)
         save(fig, "w3-itl-cdf.png")
@@ -655,8 +844,12 @@ def make_plots(results: dict[str, list[dict]], folder: pathlib.Path, rel: str) -
         fig, ax = plt.subplots(figsize=(6, 4))
         for server in ("splitserve", "llama.cpp"):
             docs = [d for d in results["peer"] if d["server"] == server]
-            ax.plot([d["config"]["concurrency"] for d in docs], [d["summary"]["output_throughput"] for d in docs],
-                    marker="o", label=server)
+            ax.plot(
+                [d["config"]["concurrency"] for d in docs],
+                [d["summary"]["output_throughput"] for d in docs],
+                marker="o",
+                label=server,
+            )
         ax.set(xscale="log", xlabel="concurrency", ylabel="output tok/s", title="Output throughput, 2 cores")
         ax.set_xticks(list(PEER_CONCURRENCY), [str(c) for c in PEER_CONCURRENCY])
         ax.legend()
@@ -665,13 +858,17 @@ def make_plots(results: dict[str, list[dict]], folder: pathlib.Path, rel: str) -
 
 
 def machine() -> str:
-    model = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
-                 stdlib_platform.processor())
+    model = next(
+        (line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
+        stdlib_platform.processor(),
+    )
     import torch
 
-    memory_gib = os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / 2**30
-    return (f"{len(os.sched_getaffinity(0))} vCPU {model}, {memory_gib:.0f} GiB, "
-            f"torch {torch.__version__}, Python {stdlib_platform.python_version()}")
+    memory_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    return (
+        f"{len(os.sched_getaffinity(0))} vCPU {model}, {memory_gib:.0f} GiB, "
+        f"torch {torch.__version__}, Python {stdlib_platform.python_version()}"
+    )
 
 
 def strip(doc: dict) -> dict:
@@ -684,13 +881,23 @@ def main() -> int:
     ap.add_argument("--plots", default="docs/bench", help="folder for the PNG plots and the summary JSON")
     ap.add_argument("--only", default="w1,w2,w3,w4,peer", help="comma-separated subset")
     ap.add_argument("--quick", action="store_true", help="a few requests per arm (a smoke run, not a result)")
-    ap.add_argument("--raw", default=None, help="folder for the raw JSON (default: a new temp folder); runs "
-                                                "already finished there are reused, so an interrupted suite resumes")
-    ap.add_argument("--w3-fixed", action="store_true",
-                    help="W3 at the fixed rates 0.8 and 0.5 req/s with 30 %% long prompts, instead of rates "
-                         "derived from this host's prefill time (the suite's runs before that)")
-    ap.add_argument("--peer-python", default=".venv-peer/bin/python",
-                    help="the Python with llama-cpp-python[server] installed (make bench builds it)")
+    ap.add_argument(
+        "--raw",
+        default=None,
+        help="folder for the raw JSON (default: a new temp folder); runs "
+        "already finished there are reused, so an interrupted suite resumes",
+    )
+    ap.add_argument(
+        "--w3-fixed",
+        action="store_true",
+        help="W3 at the fixed rates 0.8 and 0.5 req/s with 30 %% long prompts, instead of rates "
+        "derived from this host's prefill time (the suite's runs before that)",
+    )
+    ap.add_argument(
+        "--peer-python",
+        default=".venv-peer/bin/python",
+        help="the Python with llama-cpp-python[server] installed (make bench builds it)",
+    )
     args = ap.parse_args()
     only = [x.strip() for x in args.only.split(",") if x.strip()]
     unknown = sorted(set(only) - {"w1", "w2", "w3", "w4", "peer"})
@@ -699,8 +906,9 @@ def main() -> int:
     if shutil.which("taskset") is None:
         ap.error("taskset (util-linux) is needed to pin each worker to one core")
     if "peer" in only and not os.access(args.peer_python, os.X_OK):
-        ap.error(f"--peer-python {args.peer_python} is not executable; `make bench` builds it "
-                 "(or drop `peer` from --only)")
+        ap.error(
+            f"--peer-python {args.peer_python} is not executable; `make bench` builds it (or drop `peer` from --only)"
+        )
     raw = pathlib.Path(args.raw) if args.raw else pathlib.Path(tempfile.mkdtemp(prefix="splitserve-serving-"))
     workdir = raw / "configs"
     workdir.mkdir(parents=True, exist_ok=True)
@@ -715,16 +923,21 @@ def main() -> int:
         else:
             results[name] = [doc for group in groups[name] for doc in run_group(group, raw, workdir)]
     plots_dir = pathlib.Path(args.plots)
-    rel = (os.path.relpath(plots_dir, section_path(args.write, "serving").parent) if args.write
-           else str(plots_dir))
+    rel = os.path.relpath(plots_dir, section_path(args.write, "serving").parent) if args.write else str(plots_dir)
     plots = make_plots(results, plots_dir, rel)
     kv = sorted({b for docs in results.values() for d in docs for b in d.get("kv_blocks", [])})
-    meta = {"machine": machine(), "date": datetime.date.today().isoformat(), "minutes": (time.monotonic() - t0) / 60,
-            "command": "make bench  # = python bench/serving_suite.py --write docs/benchmarks.md --plots docs/bench"
-                       + (" --quick" if args.quick else ""),
-            "kv_blocks": ", ".join(map(str, kv)) or "–", "w3": w3_load_text(groups["w3"], w3_prefill_s)}
+    meta = {
+        "machine": machine(),
+        "date": datetime.date.today().isoformat(),
+        "minutes": (time.monotonic() - t0) / 60,
+        "command": "make bench  # = python bench/serving_suite.py --write docs/benchmarks.md --plots docs/bench"
+        + (" --quick" if args.quick else ""),
+        "kv_blocks": ", ".join(map(str, kv)) or "–",
+        "w3": w3_load_text(groups["w3"], w3_prefill_s),
+    }
     (plots_dir / "serving-summary.json").write_text(
-        json.dumps({"meta": meta, "results": {k: [strip(d) for d in v] for k, v in results.items()}}, indent=1) + "\n")
+        json.dumps({"meta": meta, "results": {k: [strip(d) for d in v] for k, v in results.items()}}, indent=1) + "\n"
+    )
     section = render(results, plots, meta)
     print(section)
     if args.write:

@@ -25,7 +25,7 @@ def eager(x, res, w, gate_up, qkv, pos):
     h = F.rms_norm(res, (H,), None, 1e-5) * w
     act = F.silu(gate_up[:, :INTER]) * gate_up[:, INTER:]
     cos, sin = ROTARY.cos_sin(pos, torch.float32)
-    qk = apply_rotary(qkv.view(qkv.shape[0], -1, D)[:, :NH + NKV], cos, sin)
+    qk = apply_rotary(qkv.view(qkv.shape[0], -1, D)[:, : NH + NKV], cos, sin)
     return res, h, act, qk
 
 
@@ -33,8 +33,9 @@ def fused(ops, x, res, w, gate_up, qkv, pos):
     h = ops.add_rms_norm(x, res, w, 1e-5)
     act = ops.silu_mul(gate_up)
     k_cache, v_cache = torch.zeros(4, 16, NKV, D), torch.zeros(4, 16, NKV, D)
-    ops.rope_write_kv(qkv, pos, ROTARY.cos_cache, ROTARY.sin_cache, k_cache, v_cache, torch.arange(qkv.shape[0]),
-                      NH, NKV, D)
+    ops.rope_write_kv(
+        qkv, pos, ROTARY.cos_cache, ROTARY.sin_cache, k_cache, v_cache, torch.arange(qkv.shape[0]), NH, NKV, D
+    )
     return res, h, act, qkv
 
 
@@ -52,14 +53,22 @@ def main() -> None:
     ops = cpu_ops()
     assert ops is not None, "the C kernels could not be built here"
     for b in (1, 8):
-        args = (torch.randn(b, H), torch.randn(b, H), torch.rand(H), torch.randn(b, 2 * INTER),
-                torch.randn(b, (NH + 2 * NKV) * D), torch.arange(b) + 100)
+        args = (
+            torch.randn(b, H),
+            torch.randn(b, H),
+            torch.rand(H),
+            torch.randn(b, 2 * INTER),
+            torch.randn(b, (NH + 2 * NKV) * D),
+            torch.arange(b) + 100,
+        )
         t0 = time.perf_counter()
         compiled = torch.compile(eager, dynamic=False)
         compiled(*args)
         compile_s = time.perf_counter() - t0
-        print(f"batch {b}: eager {per_call_us(eager, args):.1f} us, inductor {per_call_us(compiled, args):.1f} us "
-              f"(compile {compile_s:.1f} s), C kernels {per_call_us(lambda *a: fused(ops, *a), args):.1f} us")
+        print(
+            f"batch {b}: eager {per_call_us(eager, args):.1f} us, inductor {per_call_us(compiled, args):.1f} us "
+            f"(compile {compile_s:.1f} s), C kernels {per_call_us(lambda *a: fused(ops, *a), args):.1f} us"
+        )
 
 
 if __name__ == "__main__":

@@ -39,12 +39,12 @@ from report import write_section  # noqa: E402
 K = 4
 MAX_TOKENS = 128
 ROUNDS = 2
-CODE = '''def mean(values):
+CODE = """def mean(values):
     total = 0
     for value in values:
         total += value
     return total / len(values)
-'''
+"""
 COPY_HEAVY = [
     f"Rename the variable `total` to `acc` in this function and return the whole function:\n\n{CODE}",
     "Rewrite this paragraph, changing only 'Tuesday' to 'Friday':\n\nThe team meets every Tuesday at nine in "
@@ -53,14 +53,22 @@ COPY_HEAVY = [
     "Role: mathematician. Return only the JSON object.",
     f"Add a docstring to this function and return the whole function:\n\n{CODE}",
 ]
-CHAT = ["What is the capital of France?", "Give me three tips for better sleep.",
-        "Why is the sky blue?", "Write a haiku about autumn."]
+CHAT = [
+    "What is the capital of France?",
+    "Give me three tips for better sleep.",
+    "Why is the sky blue?",
+    "Write a haiku about autumn.",
+]
 
 
 def build(threads: int, speculative, model=None) -> LLMEngine:
-    config = EngineConfig(model="smollm2-135m", device=DeviceConfig(num_threads=threads, quantization="auto"),
-                          cache=CacheConfig(kv_cache_memory_bytes=256 * 1024**2),
-                          scheduler=SchedulerConfig(max_model_len=2048), speculative=speculative)
+    config = EngineConfig(
+        model="smollm2-135m",
+        device=DeviceConfig(num_threads=threads, quantization="auto"),
+        cache=CacheConfig(kv_cache_memory_bytes=256 * 1024**2),
+        scheduler=SchedulerConfig(max_model_len=2048),
+        speculative=speculative,
+    )
     return LLMEngine(config, model=model)
 
 
@@ -85,7 +93,7 @@ def concurrent(engine: LLMEngine, prompts: list[list[int]], n: int = 8) -> float
     return sum(len(o.output_token_ids) for o in outs) / (time.perf_counter() - t0)
 
 
-PEER_SCRIPT = r'''
+PEER_SCRIPT = r"""
 import json, sys, time
 from llama_cpp import Llama
 from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
@@ -105,14 +113,18 @@ for _ in range(rounds):
                                                temperature=0.0)
                 out[name][kind].append(r["usage"]["completion_tokens"] / (time.perf_counter() - t0))
 print(json.dumps(out))
-'''
+"""
 
 
 def run_peer(python: str, threads: int, k: int) -> dict:
     path = resolve_model("smollm2-135m").path
-    proc = subprocess.run([python, "-c", PEER_SCRIPT, path, str(threads), str(k), str(MAX_TOKENS), str(ROUNDS)],
-                          input=json.dumps({"copy-heavy": COPY_HEAVY, "chat": CHAT}), capture_output=True,
-                          text=True, timeout=3600)
+    proc = subprocess.run(
+        [python, "-c", PEER_SCRIPT, path, str(threads), str(k), str(MAX_TOKENS), str(ROUNDS)],
+        input=json.dumps({"copy-heavy": COPY_HEAVY, "chat": CHAT}),
+        capture_output=True,
+        text=True,
+        timeout=3600,
+    )
     if proc.returncode != 0:
         raise RuntimeError(f"peer failed: {proc.stderr[-2000:]}")
     return json.loads(proc.stdout)
@@ -123,14 +135,21 @@ def main() -> None:
     ap.add_argument("--write", default=None)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--peer-python", default=None)
-    ap.add_argument("--k", type=int, nargs="+", default=[K],
-                    help="num_speculative_tokens of each speculating arm (the peer's lookup uses the first)")
+    ap.add_argument(
+        "--k",
+        type=int,
+        nargs="+",
+        default=[K],
+        help="num_speculative_tokens of each speculating arm (the peer's lookup uses the first)",
+    )
     args = ap.parse_args()
     off = build(args.threads, None)
-    arms = {"off": off, **{f"k={k}": build(args.threads, SpeculativeConfig(num_speculative_tokens=k), model=off.model)
-                          for k in args.k}}
+    arms = {
+        "off": off,
+        **{f"k={k}": build(args.threads, SpeculativeConfig(num_speculative_tokens=k), model=off.model) for k in args.k},
+    }
     prompts = {"copy-heavy": [chat_ids(off, t) for t in COPY_HEAVY], "chat": [chat_ids(off, t) for t in CHAT]}
-    for engine in arms.values():   # warm-up: every prompt shape once
+    for engine in arms.values():  # warm-up: every prompt shape once
         engine.generate([prompts["chat"][0]], SamplingParams(temperature=0, max_tokens=8))
     single = {arm: {kind: [] for kind in prompts} for arm in arms}
     conc = {arm: {kind: [] for kind in prompts} for arm in arms}
@@ -149,17 +168,23 @@ def main() -> None:
 
 def render(single, conc, stats, peer, args) -> str:
     med = statistics.median
-    cmd = (f"python bench/speculative.py --threads {args.threads} --k {' '.join(map(str, args.k))}"
-           + (" --peer-python .venv-peer/bin/python" if peer else ""))
+    cmd = f"python bench/speculative.py --threads {args.threads} --k {' '.join(map(str, args.k))}" + (
+        " --peer-python .venv-peer/bin/python" if peer else ""
+    )
     spec_arms = list(stats)
-    lines = ["<!-- speculative:begin -->", "## Speculative decoding: n-gram prompt lookup", "",
-             f"Run {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} on {cpu_model()} "
-             f"({os.cpu_count()} cores, {stdlib_platform.machine()}), {args.threads} threads, default "
-             f"`--quantization auto`, SmolLM2-135M, greedy, up to {MAX_TOKENS} tokens, "
-             f"num_speculative_tokens {', '.join(a.removeprefix('k=') for a in spec_arms)} (k adapts per request up "
-             f"to it), {ROUNDS} rounds interleaved. Command: `{cmd}`.", "",
-             "| workload | arm | single stream (tok/s) | vs off | concurrency 8 (tok/s) | vs off |",
-             "|---|---|---|---|---|---|"]
+    lines = [
+        "<!-- speculative:begin -->",
+        "## Speculative decoding: n-gram prompt lookup",
+        "",
+        f"Run {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} on {cpu_model()} "
+        f"({os.cpu_count()} cores, {stdlib_platform.machine()}), {args.threads} threads, default "
+        f"`--quantization auto`, SmolLM2-135M, greedy, up to {MAX_TOKENS} tokens, "
+        f"num_speculative_tokens {', '.join(a.removeprefix('k=') for a in spec_arms)} (k adapts per request up "
+        f"to it), {ROUNDS} rounds interleaved. Command: `{cmd}`.",
+        "",
+        "| workload | arm | single stream (tok/s) | vs off | concurrency 8 (tok/s) | vs off |",
+        "|---|---|---|---|---|---|",
+    ]
     for kind in ("copy-heavy", "chat"):
         s_off, c_off = med(single["off"][kind]), med(conc["off"][kind])
         for arm in single:
@@ -168,21 +193,33 @@ def render(single, conc, stats, peer, args) -> str:
     lines.append("")
     for arm, st in stats.items():
         rate = st.num_accepted_tokens / max(1, st.num_draft_tokens)
-        lines.append(f"Acceptance ({arm}, whole run): {st.num_accepted_tokens} of {st.num_draft_tokens} proposed "
-                     f"tokens ({rate:.0%}), {st.num_drafts} verification steps, mean accepted per step "
-                     f"{st.num_accepted_tokens / max(1, st.num_drafts):.2f}; by accepted count "
-                     f"{dict(enumerate(st.accepted_lengths))}.")
+        lines.append(
+            f"Acceptance ({arm}, whole run): {st.num_accepted_tokens} of {st.num_draft_tokens} proposed "
+            f"tokens ({rate:.0%}), {st.num_drafts} verification steps, mean accepted per step "
+            f"{st.num_accepted_tokens / max(1, st.num_drafts):.2f}; by accepted count "
+            f"{dict(enumerate(st.accepted_lengths))}."
+        )
     if peer:
-        lines += ["", "llama-cpp-python on the same GGUF and threads, single stream (tok/s, median):", "",
-                  "| workload | peer | peer + prompt lookup | lookup / plain "
-                  f"| splitserve {spec_arms[0]} / peer + lookup |",
-                  "|---|---|---|---|---|"]
+        lines += [
+            "",
+            "llama-cpp-python on the same GGUF and threads, single stream (tok/s, median):",
+            "",
+            f"| workload | peer | peer + prompt lookup | lookup / plain | splitserve {spec_arms[0]} / peer + lookup |",
+            "|---|---|---|---|---|",
+        ]
         for kind in ("copy-heavy", "chat"):
             p_off, p_on = med(peer["peer"][kind]), med(peer["peer + lookup"][kind])
-            lines.append(f"| {kind} | {p_off:.1f} | {p_on:.1f} | {p_on / p_off:.2f}x | "
-                         f"{med(single[spec_arms[0]][kind]) / p_on:.2f}x |")
-    lines += ["", "Targets (reported, not asserted): copy-heavy single stream >= 2x without speculation and ahead of "
-              "the peer's lookup; chat >= 0.97x; concurrency 8 >= 0.95x.", "", "<!-- speculative:end -->"]
+            lines.append(
+                f"| {kind} | {p_off:.1f} | {p_on:.1f} | {p_on / p_off:.2f}x | "
+                f"{med(single[spec_arms[0]][kind]) / p_on:.2f}x |"
+            )
+    lines += [
+        "",
+        "Targets (reported, not asserted): copy-heavy single stream >= 2x without speculation and ahead of "
+        "the peer's lookup; chat >= 0.97x; concurrency 8 >= 0.95x.",
+        "",
+        "<!-- speculative:end -->",
+    ]
     return "\n".join(lines)
 
 

@@ -45,7 +45,7 @@ def pct(values: list[float], q: float) -> float:
 
 def compile_times(engine: LLMEngine) -> dict:
     backend = GrammarBackend(engine.tokenizer)
-    tokenizer = backend.llg_tokenizer   # built once per engine; not part of a compile
+    tokenizer = backend.llg_tokenizer  # built once per engine; not part of a compile
     specs = [StructuredSpec("json", json.dumps(s)) for s in SCHEMAS]
     cold = []
     for spec in specs:
@@ -59,12 +59,18 @@ def compile_times(engine: LLMEngine) -> dict:
             backend.matcher(spec)
             cached.append(time.perf_counter() - t0)
     backend.close()
-    return {"cold_p50": pct(cold, .5), "cold_p99": pct(cold, .99), "cached_p50": pct(cached, .5),
-            "cached_p99": pct(cached, .99), "n": len(specs)}
+    return {
+        "cold_p50": pct(cold, 0.5),
+        "cold_p99": pct(cold, 0.99),
+        "cached_p50": pct(cached, 0.5),
+        "cached_p99": pct(cached, 0.99),
+        "n": len(specs),
+    }
 
 
 def mask_time(engine: LLMEngine, batch: int, steps: int = 50) -> float:
     import torch
+
     prefix = engine.tokenizer.encode('["alpha", "be', add_special_tokens=False)
     rows = []
     for _ in range(batch):
@@ -81,8 +87,10 @@ def mask_time(engine: LLMEngine, batch: int, steps: int = 50) -> float:
 
 
 def throughput(engine: LLMEngine, structured: StructuredSpec | None) -> float:
-    params = [SamplingParams(temperature=0.8, seed=i, max_tokens=OUTPUT, ignore_eos=True, structured=structured)
-              for i in range(CONCURRENCY)]
+    params = [
+        SamplingParams(temperature=0.8, seed=i, max_tokens=OUTPUT, ignore_eos=True, structured=structured)
+        for i in range(CONCURRENCY)
+    ]
     t0 = time.perf_counter()
     outs = engine.generate([PROMPT] * CONCURRENCY, params)
     elapsed = time.perf_counter() - t0
@@ -103,28 +111,38 @@ def render(r: dict, threads: int, rounds: int) -> str:
     c = r["compile"]
     ratio = r["constrained_tps"] / r["plain_tps"]
     ttft_ratio = r["ttft_cached"] / r["ttft_plain"]
-    return "\n".join([
-        begin, "## Structured outputs (llguidance grammar masks)", "",
-        f"SmolLM2-135M (49,152-token vocabulary), CPU, {threads} torch threads, best of {rounds} rounds for "
-        "throughput, medians elsewhere. **The machine (2 cores) was shared with other engineers' jobs while this "
-        "ran, so absolute times are noisy; the ratios are the point.**", "",
-        "| measure | value | target |", "|---|---|---|",
-        f"| compile p50 / p99, cold ({c['n']} test schemas) "
-        f"| {c['cold_p50'] * 1e3:.2f} / {c['cold_p99'] * 1e3:.2f} ms "
-        "| p50 ≤ 20 ms |",
-        f"| compile p50 / p99, cached (lookup + matcher copy) | {c['cached_p50'] * 1e3:.3f} / "
-        f"{c['cached_p99'] * 1e3:.3f} ms | |",
-        f"| mask time per step, batch 1 | {r['mask_1'] * 1e3:.2f} ms | |",
-        f"| mask time per step, batch 16 | {r['mask_16'] * 1e3:.2f} ms | |",
-        f"| decode throughput, concurrency {CONCURRENCY}, unconstrained | {r['plain_tps']:.1f} tok/s | |",
-        f"| decode throughput, concurrency {CONCURRENCY}, JSON-array grammar | {r['constrained_tps']:.1f} tok/s "
-        f"({ratio:.2f}×) | ≥ 0.9× |",
-        f"| TTFT (max_tokens=1), unconstrained / cached grammar | {r['ttft_plain'] * 1e3:.1f} / "
-        f"{r['ttft_cached'] * 1e3:.1f} ms ({(ttft_ratio - 1) * 100:+.1f} %) | within 5 % |", "",
-        "Mask time is llguidance's bitmask for every constrained row plus unpacking it and setting the "
-        "forbidden logits to -inf (`platform/sampling/structured.py`); rows are computed one after another "
-        "on the engine thread.", "",
-        "Reproduce: `python bench/structured.py --write docs/benchmarks.md`", end])
+    return "\n".join(
+        [
+            begin,
+            "## Structured outputs (llguidance grammar masks)",
+            "",
+            f"SmolLM2-135M (49,152-token vocabulary), CPU, {threads} torch threads, best of {rounds} rounds for "
+            "throughput, medians elsewhere. **The machine (2 cores) was shared with other engineers' jobs while this "
+            "ran, so absolute times are noisy; the ratios are the point.**",
+            "",
+            "| measure | value | target |",
+            "|---|---|---|",
+            f"| compile p50 / p99, cold ({c['n']} test schemas) "
+            f"| {c['cold_p50'] * 1e3:.2f} / {c['cold_p99'] * 1e3:.2f} ms "
+            "| p50 ≤ 20 ms |",
+            f"| compile p50 / p99, cached (lookup + matcher copy) | {c['cached_p50'] * 1e3:.3f} / "
+            f"{c['cached_p99'] * 1e3:.3f} ms | |",
+            f"| mask time per step, batch 1 | {r['mask_1'] * 1e3:.2f} ms | |",
+            f"| mask time per step, batch 16 | {r['mask_16'] * 1e3:.2f} ms | |",
+            f"| decode throughput, concurrency {CONCURRENCY}, unconstrained | {r['plain_tps']:.1f} tok/s | |",
+            f"| decode throughput, concurrency {CONCURRENCY}, JSON-array grammar | {r['constrained_tps']:.1f} tok/s "
+            f"({ratio:.2f}×) | ≥ 0.9× |",
+            f"| TTFT (max_tokens=1), unconstrained / cached grammar | {r['ttft_plain'] * 1e3:.1f} / "
+            f"{r['ttft_cached'] * 1e3:.1f} ms ({(ttft_ratio - 1) * 100:+.1f} %) | within 5 % |",
+            "",
+            "Mask time is llguidance's bitmask for every constrained row plus unpacking it and setting the "
+            "forbidden logits to -inf (`platform/sampling/structured.py`); rows are computed one after another "
+            "on the engine thread.",
+            "",
+            "Reproduce: `python bench/structured.py --write docs/benchmarks.md`",
+            end,
+        ]
+    )
 
 
 def main() -> None:
@@ -137,13 +155,17 @@ def main() -> None:
         p.error("--threads and --rounds must be >= 1")
     engine = LLMEngine(EngineConfig(model="smollm2-135m", device=DeviceConfig(num_threads=args.threads)))
     result = {"compile": compile_times(engine), "mask_1": mask_time(engine, 1), "mask_16": mask_time(engine, 16)}
-    engine.generate([PROMPT], SamplingParams(max_tokens=2, structured=ARRAY))   # warm up (and cache ARRAY)
+    engine.generate([PROMPT], SamplingParams(max_tokens=2, structured=ARRAY))  # warm up (and cache ARRAY)
     plain, constrained = [], []
     for _ in range(args.rounds):
         plain.append(throughput(engine, None))
         constrained.append(throughput(engine, ARRAY))
-    result.update(plain_tps=max(plain), constrained_tps=max(constrained),
-                  ttft_plain=ttft(engine, None), ttft_cached=ttft(engine, ARRAY))
+    result.update(
+        plain_tps=max(plain),
+        constrained_tps=max(constrained),
+        ttft_plain=ttft(engine, None),
+        ttft_cached=ttft(engine, ARRAY),
+    )
     section = render(result, args.threads, args.rounds)
     print(section)
     if args.write:

@@ -56,9 +56,9 @@ from splitserve.router.placement.placer import Placer  # noqa: E402
 from splitserve.router.placement.pool import WorkerPool  # noqa: E402
 
 MODEL, BS = "smollm2-135m", 16
-DOC, QUESTION, ANSWER = 384, 96, 16          # tokens: a conversation's document, each question, each answer
+DOC, QUESTION, ANSWER = 384, 96, 16  # tokens: a conversation's document, each question, each answer
 MAX_MODEL_LEN = 1024
-KV_CACHE_GIB = 0.03                          # ~87 blocks of SmolLM2 float16 KV per worker
+KV_CACHE_GIB = 0.03  # ~87 blocks of SmolLM2 float16 KV per worker
 TIER = "256MiB"
 NAME = "w6-multiturn"
 
@@ -71,10 +71,16 @@ def worker_args(arm: str, tier_dir: str) -> list[str]:
 
 
 def placement(arm: str) -> PlacementConfig:
-    decode = (ProfileConfig(filters=("healthy",), scorers=(ScorerSpec("round-robin", 1.0),))
-              if arm == "round-robin" else default_decode_profile())
-    return PlacementConfig(decode=decode, disaggregation=DisaggregationConfig(mode="never"),
-                           kv_pull=KVPullConfig(enabled=arm == "prefix-aware+pull+tier"))
+    decode = (
+        ProfileConfig(filters=("healthy",), scorers=(ScorerSpec("round-robin", 1.0),))
+        if arm == "round-robin"
+        else default_decode_profile()
+    )
+    return PlacementConfig(
+        decode=decode,
+        disaggregation=DisaggregationConfig(mode="never"),
+        kv_pull=KVPullConfig(enabled=arm == "prefix-aware+pull+tier"),
+    )
 
 
 class Router:
@@ -133,14 +139,15 @@ def tokens(rng: random.Random, n: int) -> list[int]:
 
 
 async def conversation(router: Router, c: int, turns: int, think_s: float, rows: list) -> None:
-    rng = random.Random(1000 + c)   # the same conversation in every arm
+    rng = random.Random(1000 + c)  # the same conversation in every arm
     history = tokens(rng, DOC)
-    await asyncio.sleep(c * 0.3)    # staggered starts
+    await asyncio.sleep(c * 0.3)  # staggered starts
     for t in range(turns):
         history += tokens(rng, QUESTION)
         ttft, answer, usage = await router.generate(history, ANSWER, f"c{c}-t{t}")
-        rows.append(dict(turn=t, ttft=ttft, prompt=len(history), cached=usage.cached_tokens,
-                         pulled=usage.pulled_tokens))
+        rows.append(
+            dict(turn=t, ttft=ttft, prompt=len(history), cached=usage.cached_tokens, pulled=usage.pulled_tokens)
+        )
         history += answer
         await asyncio.sleep(think_s * (0.5 + rng.random()))
 
@@ -155,15 +162,25 @@ async def run_arm(arm: str, workers: list[WorkerProc], conversations: int, turns
     wall = time.perf_counter() - t0
     router.close()
     later = sorted(r["ttft"] for r in rows if r["turn"] > 0)
-    restored = sum(w.metric('splitserve_kv_tier_blocks_total{event="hit"}') for w in workers) - sum(b[0] for b in before)
+    restored = sum(w.metric('splitserve_kv_tier_blocks_total{event="hit"}') for w in workers) - sum(
+        b[0] for b in before
+    )
     pull_s = sum(w.metric("splitserve_kv_pull_seconds_sum") for w in workers)
     pulls = sum(w.metric('splitserve_kv_pulls_total{outcome="ok"}') for w in workers)
     failed = sum(w.metric('splitserve_kv_pulls_total{outcome="failed"}') for w in workers)
-    return dict(p50=statistics.median(later) * 1000, p90=later[int(0.9 * (len(later) - 1))] * 1000,
-                computed=sum(r["prompt"] - r["cached"] - r["pulled"] for r in rows),
-                pulled=sum(r["pulled"] for r in rows), restored=int(restored) * BS,
-                prompt=sum(r["prompt"] for r in rows), wall=wall, turns=len(rows), pulls=int(pulls),
-                failed_pulls=int(failed), pull_ms=pull_s * 1000)
+    return dict(
+        p50=statistics.median(later) * 1000,
+        p90=later[int(0.9 * (len(later) - 1))] * 1000,
+        computed=sum(r["prompt"] - r["cached"] - r["pulled"] for r in rows),
+        pulled=sum(r["pulled"] for r in rows),
+        restored=int(restored) * BS,
+        prompt=sum(r["prompt"] for r in rows),
+        wall=wall,
+        turns=len(rows),
+        pulls=int(pulls),
+        failed_pulls=int(failed),
+        pull_ms=pull_s * 1000,
+    )
 
 
 async def w1_check(workers: list[WorkerProc], arm: str, n: int) -> float:
@@ -183,32 +200,49 @@ async def w1_check(workers: list[WorkerProc], arm: str, n: int) -> float:
 def render(results: dict, w1: dict, args) -> str:
     begin, end = markers(NAME)
     base = results["prefix-aware"]["p90"]
-    lines = [begin, "## W6: multi-turn chat, KV pull and second tier (issue 35)", "",
-             f"{args.conversations} conversations x {args.turns} turns at once, think time ~{args.think:g} s; each "
-             f"turn resends the history ({DOC}-token document, {QUESTION}-token questions, {ANSWER}-token answers) "
-             f"to 2 `splitserve worker` processes (SmolLM2-135M, 1 torch thread each, TCP KV transfer, mTLS) with "
-             f"small KV caches ({KV_CACHE_GIB} GiB, ~87 blocks each): the conversations' distinct history is about "
-             f"twice what both caches hold. Placement is the router's own Placer, index and pool, fed by the workers' "
-             f"event streams. TTFT over every turn after the first, client side. One run, arms one after the "
-             f"other on the same host; `python bench/w6_multiturn.py --write docs/benchmarks.md` "
-             f"(in `make bench`).", "",
-             "| arm | TTFT p50 (ms) | TTFT p90 (ms) | prefix-aware p90 ÷ this p90 | prompt tokens computed "
-             "| pulled | restored from tier | wall (s) |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        begin,
+        "## W6: multi-turn chat, KV pull and second tier (issue 35)",
+        "",
+        f"{args.conversations} conversations x {args.turns} turns at once, think time ~{args.think:g} s; each "
+        f"turn resends the history ({DOC}-token document, {QUESTION}-token questions, {ANSWER}-token answers) "
+        f"to 2 `splitserve worker` processes (SmolLM2-135M, 1 torch thread each, TCP KV transfer, mTLS) with "
+        f"small KV caches ({KV_CACHE_GIB} GiB, ~87 blocks each): the conversations' distinct history is about "
+        f"twice what both caches hold. Placement is the router's own Placer, index and pool, fed by the workers' "
+        f"event streams. TTFT over every turn after the first, client side. One run, arms one after the "
+        f"other on the same host; `python bench/w6_multiturn.py --write docs/benchmarks.md` "
+        f"(in `make bench`).",
+        "",
+        "| arm | TTFT p50 (ms) | TTFT p90 (ms) | prefix-aware p90 ÷ this p90 | prompt tokens computed "
+        "| pulled | restored from tier | wall (s) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for arm, r in results.items():
-        lines.append(f"| {arm} | {r['p50']:.0f} | {r['p90']:.0f} | {base / r['p90']:.2f}x | {r['computed']} "
-                     f"of {r['prompt']} | {r['pulled']} | {r['restored']} | {r['wall']:.1f} |")
+        lines.append(
+            f"| {arm} | {r['p50']:.0f} | {r['p90']:.0f} | {base / r['p90']:.2f}x | {r['computed']} "
+            f"of {r['prompt']} | {r['pulled']} | {r['restored']} | {r['wall']:.1f} |"
+        )
     r = results["prefix-aware+pull+tier"]
-    lines += ["", f"Pulls in the pull + tier arm: {r['pulls']} succeeded, {r['failed_pulls']} failed (recomputed)"
-              + (f"; {r['pull_ms'] / max(r['pulled'] // BS, 1):.1f} ms per pulled block on average (asked to "
-                 f"acknowledged)." if r["pulls"] else
-                 ": with the second tier the index shows each conversation's history on the worker that served "
-                 "it, so placement kept conversations there and the gain is the tier's (restored from tier).")]
-    lines += ["", f"No-reuse check (W1-shaped: fresh 64-token questions behind one shared 256-token system prompt, "
-              f"one at a time, {args.w1_requests} requests): TTFT p50 {w1['prefix-aware']:.0f} ms prefix-aware, "
-              f"{w1['prefix-aware+pull+tier']:.0f} ms with pull + tier "
-              f"({w1['prefix-aware+pull+tier'] / w1['prefix-aware']:.2f}x). This is not the serving suite's W1 "
-              f"(bench/serving_suite.py), which this run does not repeat.", "", end]
+    lines += [
+        "",
+        f"Pulls in the pull + tier arm: {r['pulls']} succeeded, {r['failed_pulls']} failed (recomputed)"
+        + (
+            f"; {r['pull_ms'] / max(r['pulled'] // BS, 1):.1f} ms per pulled block on average (asked to acknowledged)."
+            if r["pulls"]
+            else ": with the second tier the index shows each conversation's history on the worker that served "
+            "it, so placement kept conversations there and the gain is the tier's (restored from tier)."
+        ),
+    ]
+    lines += [
+        "",
+        f"No-reuse check (W1-shaped: fresh 64-token questions behind one shared 256-token system prompt, "
+        f"one at a time, {args.w1_requests} requests): TTFT p50 {w1['prefix-aware']:.0f} ms prefix-aware, "
+        f"{w1['prefix-aware+pull+tier']:.0f} ms with pull + tier "
+        f"({w1['prefix-aware+pull+tier'] / w1['prefix-aware']:.2f}x). This is not the serving suite's W1 "
+        f"(bench/serving_suite.py), which this run does not repeat.",
+        "",
+        end,
+    ]
     return "\n".join(lines)
 
 
@@ -217,8 +251,9 @@ async def main_async(args) -> tuple[dict, dict]:
     results, w1 = {}, {}
     with tempfile.TemporaryDirectory(prefix="w6-tier-") as tier_dir:
         for arm in arms:
-            workers = [WorkerProc("both", "tcp", *worker_args(arm, tier_dir), kv_cache_gib=KV_CACHE_GIB)
-                       for _ in range(2)]
+            workers = [
+                WorkerProc("both", "tcp", *worker_args(arm, tier_dir), kv_cache_gib=KV_CACHE_GIB) for _ in range(2)
+            ]
             for w in workers:
                 w.start()
             try:
@@ -243,18 +278,26 @@ async def probe_pull(rounds: int = 3) -> None:
         for i in range(rounds):
             ids = tokens(rng, 300)
             for address, pull in ((a.address, None), (b.address, pb.KVPull(holder=a.address, num_blocks=18))):
-                request = pb.GenerateRequest(request_id=f"probe-{i}-{address}", prompt_token_ids=ids,
-                                             params=pb.SamplingParams(temperature=0, max_tokens=2, ignore_eos=True),
-                                             disaggregation=pb.DISAGGREGATION_MODE_NEVER, kv_pull=pull)
+                request = pb.GenerateRequest(
+                    request_id=f"probe-{i}-{address}",
+                    prompt_token_ids=ids,
+                    params=pb.SamplingParams(temperature=0, max_tokens=2, ignore_eos=True),
+                    disaggregation=pb.DISAGGREGATION_MODE_NEVER,
+                    kv_pull=pull,
+                )
                 async with worker_channel(address) as ch:
                     first = [m async for m in pb_grpc.WorkerStub(ch).Generate(request)][0]
                 t = first.timings
                 if pull is None:
-                    print(f"A prefill: {(t.first_token_s - t.queue_s) / len(ids) * 1000:.2f} ms/token, "
-                          f"TTFT {t.first_token_s * 1000:.0f} ms")
+                    print(
+                        f"A prefill: {(t.first_token_s - t.queue_s) / len(ids) * 1000:.2f} ms/token, "
+                        f"TTFT {t.first_token_s * 1000:.0f} ms"
+                    )
                 else:
-                    print(f"B pull: {first.usage.pulled_tokens} tokens, {t.kv_pull_s / 18 * 1000:.2f} ms/block, "
-                          f"TTFT {t.first_token_s * 1000:.0f} ms")
+                    print(
+                        f"B pull: {first.usage.pulled_tokens} tokens, {t.kv_pull_s / 18 * 1000:.2f} ms/block, "
+                        f"TTFT {t.first_token_s * 1000:.0f} ms"
+                    )
     finally:
         a.terminate()
         b.terminate()

@@ -56,11 +56,19 @@ from chaos_load import DEADLINE_S, FAILING, Reply, Spec, Tally, make_specs, run_
 from chaos_procs import MODEL, Redis, RouterProc, Security, Worker, http_get, wait_for  # noqa: E402
 from kvproxy import KVProxy  # noqa: E402
 
-MEMORY_BOUND_MIB = 400           # RSS growth allowed per process over the soak (after warm-up)
-NUM_CLIENTS = 12                 # load-generating threads (the workers batch their requests)
-FAULT_KINDS = ("worker_sigkill", "worker_sigstop", "router_sigkill", "redis_restart", "client_disconnect",
-               "layout_mismatch", "kv_delay", "kv_drop")
-SETTLE_S = 10.0                  # a fault still explains a cut this long after it ended (detection, fail-over)
+MEMORY_BOUND_MIB = 400  # RSS growth allowed per process over the soak (after warm-up)
+NUM_CLIENTS = 12  # load-generating threads (the workers batch their requests)
+FAULT_KINDS = (
+    "worker_sigkill",
+    "worker_sigstop",
+    "router_sigkill",
+    "redis_restart",
+    "client_disconnect",
+    "layout_mismatch",
+    "kv_delay",
+    "kv_drop",
+)
+SETTLE_S = 10.0  # a fault still explains a cut this long after it ended (detection, fail-over)
 OUTCOMES = ("ok", "wrong", "cut", "cut_unexplained", "error", "disconnected", "hung", "lost")
 
 
@@ -80,8 +88,15 @@ class FaultEvent:
 
 # ---- the soak ------------------------------------------------------------------------------
 class Soak:
-    def __init__(self, minutes: float, seed: int, logdir: str, num_clients: int = NUM_CLIENTS,
-                 num_specs: int = 16, secure: bool = True):
+    def __init__(
+        self,
+        minutes: float,
+        seed: int,
+        logdir: str,
+        num_clients: int = NUM_CLIENTS,
+        num_specs: int = 16,
+        secure: bool = True,
+    ):
         self.minutes, self.seed, self.logdir = minutes, seed, logdir
         os.makedirs(logdir, exist_ok=True)
         self.security = Security.make(os.path.join(logdir, "pki")) if secure else Security()
@@ -94,9 +109,12 @@ class Soak:
         self.fault_log: list[FaultEvent] = []
         self.fault_lock = threading.Lock()
         self.redis = Redis(logdir)
-        self.workers = [Worker(role, transport, logdir, self.security, proxied=(role, transport) == ("decode", "tcp"))
-                        for transport in ("ucx", "tcp") for role in ("decode", "prefill")]
-        self.remote_prefills = Counter()     # outcome -> count, banked from each decode worker before a restart
+        self.workers = [
+            Worker(role, transport, logdir, self.security, proxied=(role, transport) == ("decode", "tcp"))
+            for transport in ("ucx", "tcp")
+            for role in ("decode", "prefill")
+        ]
+        self.remote_prefills = Counter()  # outcome -> count, banked from each decode worker before a restart
         self.proxy = KVProxy(next(w.kv_port for w in self.workers if w.proxied))
         url = f"redis://127.0.0.1:{self.redis.port}/0"
         self.routers = [RouterProc(f"router-{n}", self.workers, url, logdir, self.security) for n in "ab"]
@@ -138,8 +156,10 @@ class Soak:
         ref = self.reference[spec]
         on_path, during = self.faults_for(reply)
         cause = str(on_path[0]) if on_path else str(during[0]) if during else "no fault during the request"
-        where = f"router {reply.router}, decode {self.name_of(reply.decode) or '-'}, " \
-                f"prefill {self.name_of(reply.prefill) or '-'}"
+        where = (
+            f"router {reply.router}, decode {self.name_of(reply.decode) or '-'}, "
+            f"prefill {self.name_of(reply.prefill) or '-'}"
+        )
         if reply.kind == "answer":
             if reply.token_ids == ref:
                 return "ok", "", ""
@@ -150,8 +170,11 @@ class Soak:
                 return "wrong", f"{where}: cut after {n} tokens {reply.token_ids}, not a prefix of {ref}", cause
             if on_path:
                 return "cut", f"{where}: {reply.detail} ({n} tokens before)", cause
-            return "cut_unexplained", f"{where}: {reply.detail}; no fault on its path (during it: " \
-                                      f"{', '.join(map(str, during)) or 'none'})", "no fault on its path"
+            return (
+                "cut_unexplained",
+                f"{where}: {reply.detail}; no fault on its path (during it: {', '.join(map(str, during)) or 'none'})",
+                "no fault on its path",
+            )
         return reply.kind, f"{where}: {reply.detail}", cause
 
     def name_of(self, address: str) -> str:
@@ -207,7 +230,7 @@ class Soak:
             else:
                 outcome, detail, cause = self.classify(spec, reply)
                 self.tally.record(outcome, detail, cause)
-        elif kind in ("kv_delay", "kv_drop"):     # on the TCP KV path into decode-tcp
+        elif kind in ("kv_delay", "kv_drop"):  # on the TCP KV path into decode-tcp
             event = self.begin_fault(kind, f"kv:{next(w.name for w in self.workers if w.proxied)}")
             self.proxy.set_mode(kind.removeprefix("kv_"))
             self.stop.wait(rng.uniform(3, 8))
@@ -216,7 +239,7 @@ class Soak:
             w = rng.choice([w for w in self.workers if w.role == "decode"])
             event = self.begin_fault(kind, w.name)
             self.restart(w, "random:tiny")
-            self.stop.wait(rng.uniform(2, 6))        # the routers see it, mark it incompatible
+            self.stop.wait(rng.uniform(2, 6))  # the routers see it, mark it incompatible
             self.restart(w)
         event.ended = time.monotonic()
 
@@ -237,18 +260,21 @@ class Soak:
         t = self.tally
         with t.lock:
             outcomes = ", ".join(f"{k} {v}" for k, v in sorted(t.outcomes.items()))
-        print(f"chaos: {(time.monotonic() - t0) / 60:.0f} min: {sum(t.faults.values())} faults, "
-              f"{sum(t.outcomes.values())} requests ({outcomes})", flush=True)
+        print(
+            f"chaos: {(time.monotonic() - t0) / 60:.0f} min: {sum(t.faults.values())} faults, "
+            f"{sum(t.outcomes.values())} requests ({outcomes})",
+            flush=True,
+        )
 
     def injector(self, end: float) -> None:
         kinds = list(FAULT_KINDS)
         i = 0
         t0 = last_progress = time.monotonic()
-        while (time.monotonic() < end or i < len(kinds)) and not self.stop.is_set():   # every kind at least once
+        while (time.monotonic() < end or i < len(kinds)) and not self.stop.is_set():  # every kind at least once
             if time.monotonic() - last_progress >= 60:
                 self.progress(t0)
                 last_progress = time.monotonic()
-            kind = kinds[i % len(kinds)] if i < len(kinds) else self.rng.choice(kinds)   # each kind once first
+            kind = kinds[i % len(kinds)] if i < len(kinds) else self.rng.choice(kinds)  # each kind once first
             i += 1
             try:
                 self.inject(kind)
@@ -261,8 +287,13 @@ class Soak:
         leaks = []
         for w in self.workers:
             try:
-                wait_for(lambda w=w: (s := w.kv_state()) and s["num_requests"] == 0
-                         and s["num_requests_holding_blocks"] == 0, 120, f"{w.name} idle")
+                wait_for(
+                    lambda w=w: (
+                        (s := w.kv_state()) and s["num_requests"] == 0 and s["num_requests_holding_blocks"] == 0
+                    ),
+                    120,
+                    f"{w.name} idle",
+                )
             except TimeoutError:
                 leaks.append(f"{w.name} still holds requests: {w.kv_state()}")
             state = w.kv_state()
@@ -280,8 +311,11 @@ class Soak:
                 leaks.append(f"{p.name}: RSS grew {growth:.0f} MiB (bound {MEMORY_BOUND_MIB})")
         return leaks
 
-    ROUTER_GAUGES = ('splitserve_router_admission_requests{state="running"}',
-                     'splitserve_router_admission_requests{state="queued"}', "splitserve_router_inflight_worker_calls")
+    ROUTER_GAUGES = (
+        'splitserve_router_admission_requests{state="running"}',
+        'splitserve_router_admission_requests{state="queued"}',
+        "splitserve_router_inflight_worker_calls",
+    )
 
     def router_counts(self, r: RouterProc) -> dict[str, float] | str:
         """The gateway's admission and open worker calls from its /metrics (what must drain to 0)."""
@@ -289,8 +323,12 @@ class Soak:
         if status != 200:
             return f"/metrics answered {status}"
         text = body.decode() if isinstance(body, bytes) else str(body)
-        found = {name: float(line.rsplit(" ", 1)[1]) for line in text.splitlines() for name in self.ROUTER_GAUGES
-                 if line.startswith(name + " ")}
+        found = {
+            name: float(line.rsplit(" ", 1)[1])
+            for line in text.splitlines()
+            for name in self.ROUTER_GAUGES
+            if line.startswith(name + " ")
+        }
         return found if len(found) == len(self.ROUTER_GAUGES) else f"gauges missing from /metrics: {found}"
 
     def router_is_idle(self, r: RouterProc) -> bool:
@@ -301,8 +339,11 @@ class Soak:
         """With security on: every worker refuses a plaintext gRPC client (mTLS was in force)."""
         if not self.security.is_on:
             return []
-        return [f"{w.name} served a plaintext gRPC client although mTLS is on"
-                for w in self.workers if not w.refuses_plaintext()]
+        return [
+            f"{w.name} served a plaintext gRPC client although mTLS is on"
+            for w in self.workers
+            if not w.refuses_plaintext()
+        ]
 
     def recovery_times(self) -> dict[str, list[float]]:
         out = defaultdict(list)
@@ -336,9 +377,11 @@ class Soak:
 
     def report(self, leaks: list[str], seconds: float) -> int:
         t = self.tally
-        print(f"chaos soak: seed {self.seed}, {self.minutes:g} min of faults, {seconds:.0f} s in all, "
-              f"{self.num_clients} clients, " + ("mTLS and KV-transfer authentication on" if self.security.is_on
-                                                 else "plaintext (--no-tls)"))
+        print(
+            f"chaos soak: seed {self.seed}, {self.minutes:g} min of faults, {seconds:.0f} s in all, "
+            f"{self.num_clients} clients, "
+            + ("mTLS and KV-transfer authentication on" if self.security.is_on else "plaintext (--no-tls)")
+        )
         print(f"faults injected ({sum(t.faults.values())}): " + ", ".join(f"{k} {t.faults[k]}" for k in FAULT_KINDS))
         total = sum(t.outcomes.values())
         print(f"requests ({total}), compared by token id:")
@@ -353,11 +396,15 @@ class Soak:
             p99 = times[min(len(times) - 1, int(0.99 * len(times)))]
             print(f"recovery after {kind}: p50 {statistics.median(times):.2f} s, p99 {p99:.2f} s (n={len(times)})")
         bad = sum(t.outcomes[k] for k in (*FAILING, "injector_failure"))
-        print(f"remote prefills (KV pushed to a decode worker): ok {self.remote_prefills['ok']:.0f}, "
-              f"failed {self.remote_prefills['failed']:.0f} (then prefilled locally)")
-        print(f"wrong: {t.outcomes['wrong']}; hung: {t.outcomes['hung']}; lost: {t.outcomes['lost']}; "
-              f"unexplained cuts: {t.outcomes['cut_unexplained']}; leaks and security failures: {len(leaks)} "
-              f"(admission, open calls and KV blocks checked empty at the end)")
+        print(
+            f"remote prefills (KV pushed to a decode worker): ok {self.remote_prefills['ok']:.0f}, "
+            f"failed {self.remote_prefills['failed']:.0f} (then prefilled locally)"
+        )
+        print(
+            f"wrong: {t.outcomes['wrong']}; hung: {t.outcomes['hung']}; lost: {t.outcomes['lost']}; "
+            f"unexplained cuts: {t.outcomes['cut_unexplained']}; leaks and security failures: {len(leaks)} "
+            f"(admission, open calls and KV blocks checked empty at the end)"
+        )
         for problem in t.problems[:20]:
             print("  problem:", *problem)
         for leak in leaks:
@@ -374,8 +421,11 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=17)
     p.add_argument("--clients", type=int, default=NUM_CLIENTS, help=f"load-generating threads (default {NUM_CLIENTS})")
     p.add_argument("--logdir", default="")
-    p.add_argument("--no-tls", action="store_true",
-                   help="plaintext gRPC and unauthenticated KV transfers (default: both secured, as `splitserve up`)")
+    p.add_argument(
+        "--no-tls",
+        action="store_true",
+        help="plaintext gRPC and unauthenticated KV transfers (default: both secured, as `splitserve up`)",
+    )
     args = p.parse_args(argv)
     if args.minutes <= 0 or args.clients < 1:
         p.error("--minutes must be > 0 and --clients >= 1")

@@ -24,8 +24,8 @@ from dataclasses import dataclass, field
 import httpx
 from chaos_procs import MODEL, RouterProc
 
-DEADLINE_S = 180                 # `hung`: nothing received for this long (httpx read timeout; 5 s to connect)
-FAILING = ("wrong", "hung", "lost", "cut_unexplained")   # any of these fails the soak
+DEADLINE_S = 180  # `hung`: nothing received for this long (httpx read timeout; 5 s to connect)
+FAILING = ("wrong", "hung", "lost", "cut_unexplained")  # any of these fails the soak
 
 
 @dataclass(frozen=True)
@@ -38,8 +38,13 @@ class Spec:
     max_tokens: int
 
     def body(self) -> dict:
-        body = {"model": MODEL, "messages": [{"role": "user", "content": self.prompt}], "max_tokens": self.max_tokens,
-                "stream": self.stream, "return_token_ids": True}
+        body = {
+            "model": MODEL,
+            "messages": [{"role": "user", "content": self.prompt}],
+            "max_tokens": self.max_tokens,
+            "stream": self.stream,
+            "return_token_ids": True,
+        }
         if self.seed is None:
             body["temperature"] = 0
         else:
@@ -48,8 +53,10 @@ class Spec:
 
 
 def make_specs(rng: random.Random, n: int) -> list[Spec]:
-    prefixes = [" ".join(f"Section {i}.{j}: the quick brown fox jumps over the lazy dog number {j}."
-                         for j in range(30)) for i in range(2)]      # long shared prefixes (~500 tokens)
+    prefixes = [
+        " ".join(f"Section {i}.{j}: the quick brown fox jumps over the lazy dog number {j}." for j in range(30))
+        for i in range(2)
+    ]  # long shared prefixes (~500 tokens)
     specs = []
     for i in range(n):
         prompt = f"{prefixes[i % 2]}\nQuestion {i}: summarise section {i % 7} in one sentence."
@@ -60,14 +67,14 @@ def make_specs(rng: random.Random, n: int) -> list[Spec]:
 
 @dataclass
 class Reply:
-    kind: str                                  # answer, error, cut, disconnected, hung, lost
+    kind: str  # answer, error, cut, disconnected, hung, lost
     detail: str = ""
     token_ids: list = field(default_factory=list)
     text: str = ""
-    router: str = ""                           # the replica that answered (or was tried last)
-    decode: str = ""                           # worker addresses from the response headers
+    router: str = ""  # the replica that answered (or was tried last)
+    decode: str = ""  # worker addresses from the response headers
     prefill: str = ""
-    started: float = 0.0                       # monotonic
+    started: float = 0.0  # monotonic
     ended: float = 0.0
 
 
@@ -83,12 +90,17 @@ def run_request(routers: list[RouterProc], spec: Spec, rng: random.Random, disco
             break
         except httpx.ConnectError as exc:
             last = f"connect: {exc}"
-            continue                                  # this replica is down: the other one
+            continue  # this replica is down: the other one
         except httpx.TimeoutException:
-            reply.kind, reply.detail = "hung", (f"{router.name}: nothing received for {DEADLINE_S} s "
-                                                f"(stream={spec.stream}, {len(reply.token_ids)} tokens before)")
+            reply.kind, reply.detail = (
+                "hung",
+                (
+                    f"{router.name}: nothing received for {DEADLINE_S} s "
+                    f"(stream={spec.stream}, {len(reply.token_ids)} tokens before)"
+                ),
+            )
             break
-        except (httpx.RemoteProtocolError, httpx.ReadError) as exc:   # dropped or reset mid-answer
+        except (httpx.RemoteProtocolError, httpx.ReadError) as exc:  # dropped or reset mid-answer
             reply.kind, reply.detail = "cut", f"{router.name}: connection dropped: {exc}"
             break
         except (httpx.HTTPError, json.JSONDecodeError, KeyError, TypeError) as exc:
@@ -124,7 +136,7 @@ def _send(router: RouterProc, spec: Spec, disconnect: bool, reply: Reply) -> Non
                     reply.kind = "answer"
                     return
                 chunk = json.loads(line[6:])
-                if "error" in chunk:      # after the 200: the router gave up on this request mid-answer
+                if "error" in chunk:  # after the 200: the router gave up on this request mid-answer
                     documented = _is_documented(503 if chunk["error"].get("code") else 500, json.dumps(chunk))
                     reply.kind = "cut" if documented else "lost"
                     reply.detail = f"{router.name}: error event after {len(reply.token_ids)} tokens: {chunk['error']}"
@@ -162,9 +174,9 @@ class Tally:
     outcomes: Counter = field(default_factory=Counter)
     faults: Counter = field(default_factory=Counter)
     problems: list = field(default_factory=list)
-    causes: dict = field(default_factory=dict)            # outcome -> Counter of causes
-    successes: list = field(default_factory=list)          # monotonic times of ok answers
-    fault_times: list = field(default_factory=list)        # (kind, monotonic time)
+    causes: dict = field(default_factory=dict)  # outcome -> Counter of causes
+    successes: list = field(default_factory=list)  # monotonic times of ok answers
+    fault_times: list = field(default_factory=list)  # (kind, monotonic time)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def record(self, outcome: str, detail: str = "", cause: str = "") -> None:
@@ -178,7 +190,9 @@ class Tally:
                 # Said at once, with the faults just before it, so a long run can be diagnosed live.
                 now = time.monotonic()
                 recent = ", ".join(f"{kind} {now - at:.1f} s before" for kind, at in self.fault_times[-3:])
-                print(f"chaos: {outcome} at {time.strftime('%H:%M:%S')}: {detail} (last faults: {recent or 'none'})",
-                      flush=True)
+                print(
+                    f"chaos: {outcome} at {time.strftime('%H:%M:%S')}: {detail} (last faults: {recent or 'none'})",
+                    flush=True,
+                )
                 if len(self.problems) < 50:
                     self.problems.append((outcome, detail))

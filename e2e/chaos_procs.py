@@ -83,8 +83,9 @@ class Proc:
         self.baseline_rss = 0
 
     def start(self, argv: list[str] | None = None) -> Proc:
-        self.proc = subprocess.Popen(argv or self.argv, stdout=self.log, stderr=subprocess.STDOUT,
-                                     start_new_session=True)
+        self.proc = subprocess.Popen(
+            argv or self.argv, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True
+        )
         return self
 
     def wait_ready(self, timeout: float = 300) -> Proc:
@@ -127,18 +128,46 @@ class Worker(Proc):
         self.grpc_port, self.metrics_port, self.kv_port = free_port(), free_port(), free_port()
         self.address = f"{self.host}:{self.grpc_port}"
         self.role, self.transport = role, transport
-        super().__init__(f"{role}-{transport}", self.argv_for(MODEL), logdir,
-                         ready=lambda: http_get(f"http://{self.host}:{self.metrics_port}/ready")[0] == 200)
+        super().__init__(
+            f"{role}-{transport}",
+            self.argv_for(MODEL),
+            logdir,
+            ready=lambda: http_get(f"http://{self.host}:{self.metrics_port}/ready")[0] == 200,
+        )
 
     def argv_for(self, model: str) -> list[str]:
-        return [BIN, "--log-level", "WARNING", "worker", "--role", self.role, "--model", model, "--threads", "1",
-                "--kv-transport", self.transport, "--grpc-port", str(self.grpc_port), "--metrics-port",
-                str(self.metrics_port), "--kv-port", str(self.kv_port), "--kv-cache-memory", "0.25",
-                "--max-model-len", "2048", "--host", self.host, "--advertise-host", "127.0.0.1",
-                *self.security.worker_args]
+        return [
+            BIN,
+            "--log-level",
+            "WARNING",
+            "worker",
+            "--role",
+            self.role,
+            "--model",
+            model,
+            "--threads",
+            "1",
+            "--kv-transport",
+            self.transport,
+            "--grpc-port",
+            str(self.grpc_port),
+            "--metrics-port",
+            str(self.metrics_port),
+            "--kv-port",
+            str(self.kv_port),
+            "--kv-cache-memory",
+            "0.25",
+            "--max-model-len",
+            "2048",
+            "--host",
+            self.host,
+            "--advertise-host",
+            "127.0.0.1",
+            *self.security.worker_args,
+        ]
 
     def start(self, argv: list[str] | None = None) -> Proc:
-        if self.proc is not None and not self.proxied:   # the proxy listens on the proxied one's port
+        if self.proc is not None and not self.proxied:  # the proxy listens on the proxied one's port
             # a restart gets a fresh KV port (UCX keeps a killed listener's port busy for a while;
             # the routers learn the new KV address from WorkerInfo); the gRPC port stays
             self.kv_port = free_port()
@@ -157,9 +186,11 @@ class Worker(Proc):
         from splitserve.platform.wire import worker_pb2 as pb
 
         with grpc.insecure_channel(self.address) as channel:
-            call = channel.unary_stream("/splitserve.v1.Worker/WatchEvents",
-                                        request_serializer=pb.WatchEventsRequest.SerializeToString,
-                                        response_deserializer=pb.WorkerEvent.FromString)
+            call = channel.unary_stream(
+                "/splitserve.v1.Worker/WatchEvents",
+                request_serializer=pb.WatchEventsRequest.SerializeToString,
+                response_deserializer=pb.WorkerEvent.FromString,
+            )
             try:
                 next(iter(call(pb.WatchEventsRequest(), timeout=10)))
             except grpc.RpcError as err:
@@ -169,24 +200,44 @@ class Worker(Proc):
     def metric(self, name: str) -> float:
         """Sum of the samples of a Prometheus metric whose line starts with `name`."""
         status, body = http_get(f"http://{self.host}:{self.metrics_port}/metrics")
-        return sum(float(line.rsplit(" ", 1)[1]) for line in body.decode().splitlines()
-                   if line.startswith(name)) if status == 200 else 0.0
+        return (
+            sum(float(line.rsplit(" ", 1)[1]) for line in body.decode().splitlines() if line.startswith(name))
+            if status == 200
+            else 0.0
+        )
 
 
 class RouterProc(Proc):
     def __init__(self, name: str, workers: list[Worker], redis_url: str, logdir: str, security: Security):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        argv = [BIN, "--log-level", "WARNING", "router", "--model", MODEL, "--port", str(self.port),
-                "--workers", ",".join(w.address for w in workers), "--redis-url", redis_url, *security.router_args]
+        argv = [
+            BIN,
+            "--log-level",
+            "WARNING",
+            "router",
+            "--model",
+            MODEL,
+            "--port",
+            str(self.port),
+            "--workers",
+            ",".join(w.address for w in workers),
+            "--redis-url",
+            redis_url,
+            *security.router_args,
+        ]
         super().__init__(name, argv, logdir, ready=lambda: http_get(self.url + "/ready")[0] == 200)
 
 
 class Redis(Proc):
     def __init__(self, logdir: str):
         self.port = free_port()
-        super().__init__("redis", ["redis-server", "--port", str(self.port), "--save", "", "--appendonly", "no",
-                                   "--bind", "127.0.0.1"], logdir, ready=self._ping)
+        super().__init__(
+            "redis",
+            ["redis-server", "--port", str(self.port), "--save", "", "--appendonly", "no", "--bind", "127.0.0.1"],
+            logdir,
+            ready=self._ping,
+        )
 
     def _ping(self) -> bool:
         try:

@@ -30,7 +30,7 @@ def main(argv: list[str] | None = None) -> int:
     failed = 0
     listed = []
     for i in range(1, args.count + 1):
-        temp_dir = tempfile.mkdtemp(prefix="ssray")   # short: Ray's AF_UNIX socket paths
+        temp_dir = tempfile.mkdtemp(prefix="ssray")  # short: Ray's AF_UNIX socket paths
         try:
             result = cold_start(temp_dir)
         finally:
@@ -39,10 +39,15 @@ def main(argv: list[str] | None = None) -> int:
         failed += bool(found)
         if result.listed_at is not None:
             listed.append(result.listed_at)
-        print(f"start {i}/{args.count}: model listed after {result.listed_at or float('nan'):.1f} s, first request "
-              f"{result.first_status}, exit {result.exit_code}" + (f"; PROBLEMS: {found}" if found else ""), flush=True)
-    print(f"{args.count - failed} of {args.count} cold starts served their first request with 200 and stopped "
-          f"cleanly" + (f"; model listed after {min(listed):.1f}-{max(listed):.1f} s" if listed else ""))
+        print(
+            f"start {i}/{args.count}: model listed after {result.listed_at or float('nan'):.1f} s, first request "
+            f"{result.first_status}, exit {result.exit_code}" + (f"; PROBLEMS: {found}" if found else ""),
+            flush=True,
+        )
+    print(
+        f"{args.count - failed} of {args.count} cold starts served their first request with 200 and stopped "
+        f"cleanly" + (f"; model listed after {min(listed):.1f}-{max(listed):.1f} s" if listed else "")
+    )
     return 1 if failed else 0
 
 

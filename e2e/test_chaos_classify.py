@@ -32,8 +32,16 @@ def fault(soak, kind, target, began, ended):
 
 def reply(soak, kind, token_ids, router="router-a", decode="decode-tcp", prefill="", t=(100.0, 105.0)):
     address = {w.name: w.address for w in soak.workers}
-    return Reply(kind, "detail", list(token_ids), router=router, decode=address.get(decode, ""),
-                 prefill=address.get(prefill, ""), started=t[0], ended=t[1])
+    return Reply(
+        kind,
+        "detail",
+        list(token_ids),
+        router=router,
+        decode=address.get(decode, ""),
+        prefill=address.get(prefill, ""),
+        started=t[0],
+        ended=t[1],
+    )
 
 
 def judge(soak, r):
@@ -47,20 +55,20 @@ def test_answers_are_compared_by_token_id(soak):
 
 
 def test_a_cut_is_explained_only_by_a_fault_on_its_own_path(soak):
-    fault(soak, "router_sigkill", "router-b", 101.0, 103.0)      # the other replica
+    fault(soak, "router_sigkill", "router-b", 101.0, 103.0)  # the other replica
     outcome, detail, cause = judge(soak, reply(soak, "cut", REF[:2], router="router-a"))
     assert (outcome, cause) == ("cut_unexplained", "no fault on its path") and "router_sigkill on router-b" in detail
-    fault(soak, "router_sigkill", "router-a", 104.0, 106.0)      # its own replica, while it ran
+    fault(soak, "router_sigkill", "router-a", 104.0, 106.0)  # its own replica, while it ran
     assert judge(soak, reply(soak, "cut", REF[:2], router="router-a"))[::2] == ("cut", "router_sigkill on router-a")
 
 
 def test_a_fault_on_the_decode_worker_or_its_kv_path_explains_a_cut(soak):
-    fault(soak, "worker_sigkill", "decode-tcp", 90.0, 96.0)      # ended 4 s before: within SETTLE_S
+    fault(soak, "worker_sigkill", "decode-tcp", 90.0, 96.0)  # ended 4 s before: within SETTLE_S
     assert judge(soak, reply(soak, "cut", REF[:3]))[::2] == ("cut", "worker_sigkill on decode-tcp")
     soak.fault_log.clear()
     fault(soak, "kv_drop", "kv:decode-tcp", 101.0, 104.0)
     assert judge(soak, reply(soak, "cut", [], prefill="prefill-tcp"))[0] == "cut"
-    assert judge(soak, reply(soak, "cut", []))[0] == "cut_unexplained"      # prefilled locally: no KV path
+    assert judge(soak, reply(soak, "cut", []))[0] == "cut_unexplained"  # prefilled locally: no KV path
 
 
 def test_a_fault_that_ended_before_the_settle_time_explains_nothing(soak):
@@ -78,11 +86,11 @@ def test_errors_hangs_and_losses_carry_their_cause(soak):
     fault(soak, "redis_restart", "redis", 101.0, 102.0)
     assert judge(soak, reply(soak, "error", []))[::2] == ("error", "redis_restart on redis")
     fault(soak, "worker_sigstop", "decode-tcp", 101.0, 109.0)
-    assert judge(soak, reply(soak, "hung", []))[::2] == ("hung", "worker_sigstop on decode-tcp")   # on its path first
+    assert judge(soak, reply(soak, "hung", []))[::2] == ("hung", "worker_sigstop on decode-tcp")  # on its path first
 
 
 def test_fault_events_last_until_they_end():
     event = FaultEvent("worker_sigstop", "decode-ucx")
-    assert event.overlaps(time.monotonic() + 1000, time.monotonic() + 1001)      # still going
+    assert event.overlaps(time.monotonic() + 1000, time.monotonic() + 1001)  # still going
     event.ended = event.began + 1
     assert not event.overlaps(event.ended + SETTLE_S + 1, event.ended + SETTLE_S + 2)

@@ -23,10 +23,14 @@ from workerproc import CLI, free_port
 from splitserve.planner.profile import CapacityProfile, DecodePoint, PrefillPoint
 
 pytestmark = pytest.mark.slow
-PROFILE = CapacityProfile(prefill=(PrefillPoint(64, 120.0), PrefillPoint(2048, 120.0)),
-                          decode=(DecodePoint(256, 1, 5.0, 0.2), DecodePoint(256, 2, 8.0, 0.25),
-                                  DecodePoint(256, 4, 10.0, 0.4)), kv_tokens=20000)
-LONG_PROMPT = "Summarise the following notes. " + " ".join(f"Note {i}: the river rose by {i} centimetres." for i in range(120))
+PROFILE = CapacityProfile(
+    prefill=(PrefillPoint(64, 120.0), PrefillPoint(2048, 120.0)),
+    decode=(DecodePoint(256, 1, 5.0, 0.2), DecodePoint(256, 2, 8.0, 0.25), DecodePoint(256, 4, 10.0, 0.4)),
+    kv_tokens=20000,
+)
+LONG_PROMPT = "Summarise the following notes. " + " ".join(
+    f"Note {i}: the river rose by {i} centimetres." for i in range(120)
+)
 
 
 class Up:
@@ -35,9 +39,34 @@ class Up:
         prof.write_text(PROFILE.to_json())
         self.port = free_port()
         self.proc = subprocess.Popen(
-            [CLI, "up", "--port", str(self.port), "--planner", *(["--profile", str(prof), "--max-workers", "4",
-             "--planner-tick", "2", "--scale-down-window", "10", "--kv-cache-memory", "0.25"] if flags is None else flags)],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+            [
+                CLI,
+                "up",
+                "--port",
+                str(self.port),
+                "--planner",
+                *(
+                    [
+                        "--profile",
+                        str(prof),
+                        "--max-workers",
+                        "4",
+                        "--planner-tick",
+                        "2",
+                        "--scale-down-window",
+                        "10",
+                        "--kv-cache-memory",
+                        "0.25",
+                    ]
+                    if flags is None
+                    else flags
+                ),
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
         self.lines: list[str] = []
         self.serving = {"prefill": 1, "decode": 1}
         threading.Thread(target=self._pump, daemon=True).start()
@@ -70,10 +99,11 @@ def load(client, stop: threading.Event, errors: list, done: list, prompt: str, m
     while not stop.is_set():
         try:
             # A unique first block: no prefix-cache hits, every prompt token is demand.
-            client.completions.create(model="smollm2-135m", prompt=f"[{time.monotonic_ns()}] {prompt}",
-                                      max_tokens=max_tokens)
+            client.completions.create(
+                model="smollm2-135m", prompt=f"[{time.monotonic_ns()}] {prompt}", max_tokens=max_tokens
+            )
             done.append(1)
-        except Exception as e:   # noqa: BLE001 - every failure is a test failure, reported below
+        except Exception as e:  # noqa: BLE001 - every failure is a test failure, reported below
             errors.append(repr(e))
 
 
@@ -123,5 +153,7 @@ def test_up_planner_with_no_flags_uses_the_shipped_profile_and_serves(tmp_path):
     finally:
         up.stop()
     assert up.proc.returncode == 0, "".join(up.lines[-40:])
-    assert any("splitserve up: planner: using the capacity profile shipped for smollm2-135m (measured on 2 CPU cores"
-               in ln for ln in up.lines), "".join(up.lines[-40:])
+    assert any(
+        "splitserve up: planner: using the capacity profile shipped for smollm2-135m (measured on 2 CPU cores" in ln
+        for ln in up.lines
+    ), "".join(up.lines[-40:])

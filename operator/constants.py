@@ -52,7 +52,7 @@ ANNOTATION_ADAPTERS_LOADED = f"{API_GROUP}/adapters-loaded"
 # name prometheus-adapter gives it for the HPA's Pods metric (':' is not allowed there).
 QUEUE_METRIC = "vllm:num_requests_waiting"
 QUEUE_METRIC_ADAPTER = "vllm_num_requests_waiting"
-FLOW_QUEUE_METRIC = "splitserve_router_flow_queue_length"   # requests held in the routers (router/flow/)
+FLOW_QUEUE_METRIC = "splitserve_router_flow_queue_length"  # requests held in the routers (router/flow/)
 
 DEFAULT_IMAGE_REPOSITORY = "ghcr.io/splitserve/splitserve"
 CUDA_TAG_SUFFIX = "-cuda"

@@ -50,12 +50,22 @@ class Context:
         return labels
 
     def owner_reference(self) -> dict[str, Any]:
-        return {"apiVersion": f"{C.API_GROUP}/{C.API_VERSION}", "kind": C.KIND, "name": self.name,
-                "uid": self.uid, "controller": True, "blockOwnerDeletion": True}
+        return {
+            "apiVersion": f"{C.API_GROUP}/{C.API_VERSION}",
+            "kind": C.KIND,
+            "name": self.name,
+            "uid": self.uid,
+            "controller": True,
+            "blockOwnerDeletion": True,
+        }
 
     def meta(self, name: str, component: str, annotations: dict[str, str] | None = None) -> dict[str, Any]:
-        meta = {"name": name, "namespace": self.namespace, "labels": self.labels(component),
-                "ownerReferences": [self.owner_reference()]}
+        meta = {
+            "name": name,
+            "namespace": self.namespace,
+            "labels": self.labels(component),
+            "ownerReferences": [self.owner_reference()],
+        }
         if annotations:
             meta["annotations"] = annotations
         return meta

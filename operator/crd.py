@@ -32,11 +32,30 @@ from splitserve.operator.status import InferenceServiceStatus
 
 CRD_NAME = f"{C.PLURAL}.{C.API_GROUP}"
 CRD_FILE = f"{CRD_NAME}.yaml"
-KEEP = ("description", "type", "default", "enum", "minimum", "maximum", "minLength", "maxLength", "pattern",
-        "minItems", "maxItems", "format", "x-kubernetes-validations", "x-kubernetes-int-or-string",
-        "x-kubernetes-preserve-unknown-fields", "x-kubernetes-list-type", "x-kubernetes-list-map-keys", "anyOf")
-HEADER = ("# Generated from operator/spec.py and operator/status.py by `splitserve operator --print-crd`.\n"
-          "# Do not edit: change the models and regenerate (a test fails when this file drifts).\n")
+KEEP = (
+    "description",
+    "type",
+    "default",
+    "enum",
+    "minimum",
+    "maximum",
+    "minLength",
+    "maxLength",
+    "pattern",
+    "minItems",
+    "maxItems",
+    "format",
+    "x-kubernetes-validations",
+    "x-kubernetes-int-or-string",
+    "x-kubernetes-preserve-unknown-fields",
+    "x-kubernetes-list-type",
+    "x-kubernetes-list-map-keys",
+    "anyOf",
+)
+HEADER = (
+    "# Generated from operator/spec.py and operator/status.py by `splitserve operator --print-crd`.\n"
+    "# Do not edit: change the models and regenerate (a test fails when this file drifts).\n"
+)
 
 
 def _resolve(node: dict[str, Any], defs: dict[str, Any]) -> dict[str, Any]:
@@ -113,21 +132,43 @@ def printer_columns() -> list[dict[str, Any]]:
 def crd_manifest() -> dict[str, Any]:
     spec_schema = model_schema(InferenceServiceSpec)
     status_schema = model_schema(InferenceServiceStatus)
-    root = {"type": "object", "description": spec_schema.pop("description", ""), "required": ["spec"],
-            "properties": {"apiVersion": {"type": "string"}, "kind": {"type": "string"},
-                           "metadata": {"type": "object"}, "spec": spec_schema, "status": status_schema}}
+    root = {
+        "type": "object",
+        "description": spec_schema.pop("description", ""),
+        "required": ["spec"],
+        "properties": {
+            "apiVersion": {"type": "string"},
+            "kind": {"type": "string"},
+            "metadata": {"type": "object"},
+            "spec": spec_schema,
+            "status": status_schema,
+        },
+    }
     return {
         "apiVersion": "apiextensions.k8s.io/v1",
         "kind": "CustomResourceDefinition",
         "metadata": {"name": CRD_NAME, "labels": {C.LABEL_NAME: C.APP_NAME}},
         "spec": {
             "group": C.API_GROUP,
-            "names": {"kind": C.KIND, "listKind": f"{C.KIND}List", "plural": C.PLURAL, "singular": C.SINGULAR,
-                      "shortNames": list(C.SHORT_NAMES), "categories": [C.APP_NAME]},
+            "names": {
+                "kind": C.KIND,
+                "listKind": f"{C.KIND}List",
+                "plural": C.PLURAL,
+                "singular": C.SINGULAR,
+                "shortNames": list(C.SHORT_NAMES),
+                "categories": [C.APP_NAME],
+            },
             "scope": "Namespaced",
-            "versions": [{"name": C.API_VERSION, "served": True, "storage": True,
-                          "subresources": {"status": {}}, "additionalPrinterColumns": printer_columns(),
-                          "schema": {"openAPIV3Schema": root}}],
+            "versions": [
+                {
+                    "name": C.API_VERSION,
+                    "served": True,
+                    "storage": True,
+                    "subresources": {"status": {}},
+                    "additionalPrinterColumns": printer_columns(),
+                    "schema": {"openAPIV3Schema": root},
+                }
+            ],
         },
     }
 

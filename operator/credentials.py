@@ -84,12 +84,27 @@ def _data(secret: dict[str, Any] | None, key: str) -> bytes:
         return b""
 
 
-def _write(kube: KubeClient, ctx: Context, name: str, component: str, data: dict[str, bytes], type_: str,
-           live: dict[str, Any] | None) -> None:
+def _write(
+    kube: KubeClient,
+    ctx: Context,
+    name: str,
+    component: str,
+    data: dict[str, bytes],
+    type_: str,
+    live: dict[str, Any] | None,
+) -> None:
     encoded = {k: _b64(v) for k, v in data.items()}
     if live is None:
-        kube.create(path(SECRET, ctx.namespace), {"apiVersion": "v1", "kind": "Secret", "type": type_,
-                                                  "metadata": ctx.meta(name, component), "data": encoded})
+        kube.create(
+            path(SECRET, ctx.namespace),
+            {
+                "apiVersion": "v1",
+                "kind": "Secret",
+                "type": type_,
+                "metadata": ctx.meta(name, component),
+                "data": encoded,
+            },
+        )
     else:
         kube.merge_patch(path(SECRET, ctx.namespace, name), {"metadata": ctx.meta(name, component), "data": encoded})
 
@@ -109,10 +124,12 @@ def ensure_api_keys(kube: KubeClient, ctx: Context) -> None:
     if _data(live, API_KEYS_FILE_KEY).strip():
         return
     key = "sk-" + secrets.token_urlsafe(32)
-    key_file = yaml.safe_dump({"keys": [{"id": ADMIN_KEY_ID, "sha256": hashlib.sha256(key.encode()).hexdigest(),
-                                         "role": "admin"}]})
-    _write(kube, ctx, name, "api-keys", {API_KEYS_FILE_KEY: key_file.encode(), ADMIN_KEY_KEY: key.encode()},
-           "Opaque", live)
+    key_file = yaml.safe_dump(
+        {"keys": [{"id": ADMIN_KEY_ID, "sha256": hashlib.sha256(key.encode()).hexdigest(), "role": "admin"}]}
+    )
+    _write(
+        kube, ctx, name, "api-keys", {API_KEYS_FILE_KEY: key_file.encode(), ADMIN_KEY_KEY: key.encode()}, "Opaque", live
+    )
 
 
 def _ensure_ca(kube: KubeClient, ctx: Context, now: datetime.datetime) -> tuple[pki.KeyPair, bytes]:
@@ -124,25 +141,45 @@ def _ensure_ca(kube: KubeClient, ctx: Context, now: datetime.datetime) -> tuple[
     if not current.cert or not current.key or pki.needs_renewal(current.cert, now):
         previous = current.cert if current.cert and pki.is_valid_at(current.cert, now) else b""
         current = pki.make_ca(f"{ctx.namespace}/{ctx.name}", now)
-        _write(kube, ctx, name, "ca", {"tls.crt": current.cert, "tls.key": current.key, "previous.crt": previous},
-               "Opaque", live)
+        _write(
+            kube,
+            ctx,
+            name,
+            "ca",
+            {"tls.crt": current.cert, "tls.key": current.key, "previous.crt": previous},
+            "Opaque",
+            live,
+        )
     bundle = current.cert + (previous if previous and pki.is_valid_at(previous, now) else b"")
     return current, bundle
 
 
-def _ensure_leaf(kube: KubeClient, ctx: Context, component: str, ca: pki.KeyPair, bundle: bytes,
-                 now: datetime.datetime) -> str:
+def _ensure_leaf(
+    kube: KubeClient, ctx: Context, component: str, ca: pki.KeyPair, bundle: bytes, now: datetime.datetime
+) -> str:
     name = tls_secret_name(ctx, component)
     live = kube.get(path(SECRET, ctx.namespace, name))
     leaf = pki.KeyPair(_data(live, "tls.crt"), _data(live, "tls.key"))
     role = "router" if component == "router" else "worker"
-    if (not leaf.cert or not leaf.key or pki.needs_renewal(leaf.cert, now)
-            or not pki.is_signed_by(leaf.cert, ca.cert) or pki.role_of(leaf.cert) != role):
+    if (
+        not leaf.cert
+        or not leaf.key
+        or pki.needs_renewal(leaf.cert, now)
+        or not pki.is_signed_by(leaf.cert, ca.cert)
+        or pki.role_of(leaf.cert) != role
+    ):
         leaf = pki.issue_leaf(ca, ctx.child(component), now, role=role)
     elif _data(live, "ca.crt") == bundle:
         return _fingerprint(leaf.cert, bundle)
-    _write(kube, ctx, name, component, {"tls.crt": leaf.cert, "tls.key": leaf.key, "ca.crt": bundle},
-           "kubernetes.io/tls", live)
+    _write(
+        kube,
+        ctx,
+        name,
+        component,
+        {"tls.crt": leaf.cert, "tls.key": leaf.key, "ca.crt": bundle},
+        "kubernetes.io/tls",
+        live,
+    )
     return _fingerprint(leaf.cert, bundle)
 
 

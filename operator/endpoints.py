@@ -30,13 +30,24 @@ def pods_of(deployment: dict[str, Any], ips: list[str], ready: bool = True) -> l
     digest = hashlib.sha256(base.encode()).hexdigest()
     pods = []
     for i, ip in enumerate(ips):
-        name = f"{base}-{digest[:10]}-{digest[10 + i * 5:15 + i * 5]}"
-        pods.append({"apiVersion": "v1", "kind": "Pod",
-                     "metadata": {"name": name, "namespace": deployment["metadata"]["namespace"],
-                                  "labels": dict(template["metadata"]["labels"])},
-                     "spec": template["spec"],
-                     "status": {"phase": "Running", "podIP": ip,
-                                "conditions": [{"type": "Ready", "status": "True" if ready else "False"}]}})
+        name = f"{base}-{digest[:10]}-{digest[10 + i * 5 : 15 + i * 5]}"
+        pods.append(
+            {
+                "apiVersion": "v1",
+                "kind": "Pod",
+                "metadata": {
+                    "name": name,
+                    "namespace": deployment["metadata"]["namespace"],
+                    "labels": dict(template["metadata"]["labels"]),
+                },
+                "spec": template["spec"],
+                "status": {
+                    "phase": "Running",
+                    "podIP": ip,
+                    "conditions": [{"type": "Ready", "status": "True" if ready else "False"}],
+                },
+            }
+        )
     return pods
 
 
@@ -62,17 +73,45 @@ def endpoint_slice(service: dict[str, Any], pods: list[dict[str, Any]]) -> dict[
     labels = {**meta.get("labels", {}), C.LABEL_SERVICE_NAME: meta["name"], MANAGED_BY_LABEL: CONTROLLER}
     if spec.get("clusterIP") == "None":
         labels[HEADLESS_LABEL] = ""
-    ports = [{"name": p["name"], "protocol": p.get("protocol", "TCP"),
-              "port": _container_port(matched, p.get("targetPort", p["port"]))}
-             for p in spec["ports"]] if matched else []
-    endpoints = [{"addresses": [p["status"]["podIP"]],
-                  "conditions": {"ready": _is_ready(p), "serving": _is_ready(p), "terminating": False},
-                  "targetRef": {"kind": "Pod", "name": p["metadata"]["name"], "namespace": p["metadata"]["namespace"]}}
-                 for p in matched]
-    return {"apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
-            "metadata": {"name": f"{meta['name']}-{hashlib.sha256(meta['name'].encode()).hexdigest()[:5]}",
-                         "namespace": meta["namespace"], "labels": labels,
-                         "ownerReferences": [{"apiVersion": "v1", "kind": "Service", "name": meta["name"],
-                                              "uid": meta.get("uid", "service-uid"), "controller": True,
-                                              "blockOwnerDeletion": True}]},
-            "addressType": "IPv4", "endpoints": endpoints, "ports": ports}
+    ports = (
+        [
+            {
+                "name": p["name"],
+                "protocol": p.get("protocol", "TCP"),
+                "port": _container_port(matched, p.get("targetPort", p["port"])),
+            }
+            for p in spec["ports"]
+        ]
+        if matched
+        else []
+    )
+    endpoints = [
+        {
+            "addresses": [p["status"]["podIP"]],
+            "conditions": {"ready": _is_ready(p), "serving": _is_ready(p), "terminating": False},
+            "targetRef": {"kind": "Pod", "name": p["metadata"]["name"], "namespace": p["metadata"]["namespace"]},
+        }
+        for p in matched
+    ]
+    return {
+        "apiVersion": "discovery.k8s.io/v1",
+        "kind": "EndpointSlice",
+        "metadata": {
+            "name": f"{meta['name']}-{hashlib.sha256(meta['name'].encode()).hexdigest()[:5]}",
+            "namespace": meta["namespace"],
+            "labels": labels,
+            "ownerReferences": [
+                {
+                    "apiVersion": "v1",
+                    "kind": "Service",
+                    "name": meta["name"],
+                    "uid": meta.get("uid", "service-uid"),
+                    "controller": True,
+                    "blockOwnerDeletion": True,
+                }
+            ],
+        },
+        "addressType": "IPv4",
+        "endpoints": endpoints,
+        "ports": ports,
+    }

@@ -60,7 +60,8 @@ def configure_kopf(settings: kopf.OperatorSettings) -> None:
     settings.persistence.finalizer = f"{C.API_GROUP}/operator"
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=C.API_GROUP)
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
-        prefix=C.API_GROUP, key="last-handled-configuration")
+        prefix=C.API_GROUP, key="last-handled-configuration"
+    )
     settings.posting.level = logging.WARNING
 
 

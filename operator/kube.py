@@ -25,19 +25,25 @@ class KindInfo:
 
 
 # Every kind the operator creates, in apply order (see render.py).
-KINDS = [KindInfo(*k) for k in [
-    ("v1", "ConfigMap", "configmaps"), ("v1", "ServiceAccount", "serviceaccounts"),
-    ("rbac.authorization.k8s.io/v1", "Role", "roles"), ("rbac.authorization.k8s.io/v1", "RoleBinding", "rolebindings"),
-    ("v1", "Service", "services"), ("apps/v1", "Deployment", "deployments"),
-    ("inference.networking.k8s.io/v1", "InferencePool", "inferencepools"),
-    ("gateway.networking.k8s.io/v1", "HTTPRoute", "httproutes"),
-    ("policy/v1", "PodDisruptionBudget", "poddisruptionbudgets"),
-    ("autoscaling/v2", "HorizontalPodAutoscaler", "horizontalpodautoscalers"),
-    ("keda.sh/v1alpha1", "ScaledObject", "scaledobjects"),
-    ("monitoring.coreos.com/v1", "ServiceMonitor", "servicemonitors"),
-    ("networking.k8s.io/v1", "NetworkPolicy", "networkpolicies"),
-    ("cert-manager.io/v1", "Certificate", "certificates"),
-]]
+KINDS = [
+    KindInfo(*k)
+    for k in [
+        ("v1", "ConfigMap", "configmaps"),
+        ("v1", "ServiceAccount", "serviceaccounts"),
+        ("rbac.authorization.k8s.io/v1", "Role", "roles"),
+        ("rbac.authorization.k8s.io/v1", "RoleBinding", "rolebindings"),
+        ("v1", "Service", "services"),
+        ("apps/v1", "Deployment", "deployments"),
+        ("inference.networking.k8s.io/v1", "InferencePool", "inferencepools"),
+        ("gateway.networking.k8s.io/v1", "HTTPRoute", "httproutes"),
+        ("policy/v1", "PodDisruptionBudget", "poddisruptionbudgets"),
+        ("autoscaling/v2", "HorizontalPodAutoscaler", "horizontalpodautoscalers"),
+        ("keda.sh/v1alpha1", "ScaledObject", "scaledobjects"),
+        ("monitoring.coreos.com/v1", "ServiceMonitor", "servicemonitors"),
+        ("networking.k8s.io/v1", "NetworkPolicy", "networkpolicies"),
+        ("cert-manager.io/v1", "Certificate", "certificates"),
+    ]
+]
 KIND_BY_NAME = {k.kind: k for k in KINDS}
 ISVC = KindInfo(f"{C.API_GROUP}/{C.API_VERSION}", C.KIND, C.PLURAL)
 
@@ -52,6 +58,12 @@ def connection_info(cfg: client.Configuration) -> kopf.ConnectionInfo:
     """The same credentials for kopf's own API connection."""
     header = cfg.get_api_key_with_prefix("BearerToken") or cfg.get_api_key_with_prefix("authorization")
     scheme, _, token = (header or "").rpartition(" ")
-    return kopf.ConnectionInfo(server=cfg.host, ca_path=cfg.ssl_ca_cert, insecure=not cfg.verify_ssl,
-                               scheme=scheme or None, token=token or None,
-                               certificate_path=cfg.cert_file, private_key_path=cfg.key_file)
+    return kopf.ConnectionInfo(
+        server=cfg.host,
+        ca_path=cfg.ssl_ca_cert,
+        insecure=not cfg.verify_ssl,
+        scheme=scheme or None,
+        token=token or None,
+        certificate_path=cfg.cert_file,
+        private_key_path=cfg.key_file,
+    )

@@ -36,8 +36,8 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 SERVER_NAME = "splitserve-worker"
 CA_DAYS = 365
 LEAF_DAYS = 90
-RENEW_FRACTION = 1 / 3      # renew when less than this fraction of the lifetime is left
-BACKDATE = datetime.timedelta(minutes=5)   # tolerate clock skew between the operator and the pods
+RENEW_FRACTION = 1 / 3  # renew when less than this fraction of the lifetime is left
+BACKDATE = datetime.timedelta(minutes=5)  # tolerate clock skew between the operator and the pods
 PEM = serialization.Encoding.PEM
 
 
@@ -61,20 +61,34 @@ def _key_pem(key: ec.EllipticCurvePrivateKey) -> bytes:
 
 
 def _usage(ca: bool) -> x509.KeyUsage:
-    return x509.KeyUsage(digital_signature=True, key_cert_sign=ca, crl_sign=ca, content_commitment=False,
-                         key_encipherment=False, data_encipherment=False, key_agreement=False,
-                         encipher_only=False, decipher_only=False)
+    return x509.KeyUsage(
+        digital_signature=True,
+        key_cert_sign=ca,
+        crl_sign=ca,
+        content_commitment=False,
+        key_encipherment=False,
+        data_encipherment=False,
+        key_agreement=False,
+        encipher_only=False,
+        decipher_only=False,
+    )
 
 
 def make_ca(service: str, now: datetime.datetime, days: int = CA_DAYS) -> KeyPair:
     key = ec.generate_private_key(ec.SECP256R1())
     name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, f"splitserve CA of {service}"[:64])])
-    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
-            .serial_number(x509.random_serial_number())
-            .not_valid_before(now - BACKDATE).not_valid_after(now + datetime.timedelta(days=days))
-            .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
-            .add_extension(_usage(ca=True), critical=True)
-            .sign(key, hashes.SHA256()))
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - BACKDATE)
+        .not_valid_after(now + datetime.timedelta(days=days))
+        .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+        .add_extension(_usage(ca=True), critical=True)
+        .sign(key, hashes.SHA256())
+    )
     return KeyPair(cert.public_bytes(PEM), _key_pem(key))
 
 
@@ -82,37 +96,48 @@ ROUTER_NAME = "splitserve-router"
 ROLES = ("worker", "router")
 
 
-def issue_leaf(ca: KeyPair, pool_name: str, now: datetime.datetime, days: int = LEAF_DAYS,
-               role: str = "worker") -> KeyPair:
+def issue_leaf(
+    ca: KeyPair, pool_name: str, now: datetime.datetime, days: int = LEAF_DAYS, role: str = "worker"
+) -> KeyPair:
     """A certificate for one component of `role` (see the module docstring), signed by `ca` (never
     valid past the CA itself)."""
     if role not in ROLES:
         raise ValueError(f"role {role!r} is not one of {', '.join(ROLES)}")
     role_name = SERVER_NAME if role == "worker" else ROUTER_NAME
-    usages = [ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH] if role == "worker" else \
-        [ExtendedKeyUsageOID.CLIENT_AUTH]
+    usages = (
+        [ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]
+        if role == "worker"
+        else [ExtendedKeyUsageOID.CLIENT_AUTH]
+    )
     ca_cert = ca.certificate
     ca_key = serialization.load_pem_private_key(ca.key, password=None)
     key = ec.generate_private_key(ec.SECP256R1())
     not_after = min(now + datetime.timedelta(days=days), ca_cert.not_valid_after_utc)
-    cert = (x509.CertificateBuilder()
-            .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, role_name)]))
-            .issuer_name(ca_cert.subject).public_key(key.public_key()).serial_number(x509.random_serial_number())
-            .not_valid_before(now - BACKDATE).not_valid_after(not_after)
-            .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-            .add_extension(_usage(ca=False), critical=True)
-            .add_extension(x509.SubjectAlternativeName([x509.DNSName(role_name), x509.DNSName(pool_name)]),
-                           critical=False)
-            .add_extension(x509.ExtendedKeyUsage(usages), critical=False)
-            .sign(ca_key, hashes.SHA256()))
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, role_name)]))
+        .issuer_name(ca_cert.subject)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - BACKDATE)
+        .not_valid_after(not_after)
+        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+        .add_extension(_usage(ca=False), critical=True)
+        .add_extension(x509.SubjectAlternativeName([x509.DNSName(role_name), x509.DNSName(pool_name)]), critical=False)
+        .add_extension(x509.ExtendedKeyUsage(usages), critical=False)
+        .sign(ca_key, hashes.SHA256())
+    )
     return KeyPair(cert.public_bytes(PEM), _key_pem(key))
 
 
 def role_of(cert_pem: bytes) -> str | None:
     """The role a leaf certificate names in its SANs (None: unreadable, or neither or both)."""
     try:
-        sans = x509.load_pem_x509_certificate(cert_pem).extensions.get_extension_for_class(
-            x509.SubjectAlternativeName).value.get_values_for_type(x509.DNSName)
+        sans = (
+            x509.load_pem_x509_certificate(cert_pem)
+            .extensions.get_extension_for_class(x509.SubjectAlternativeName)
+            .value.get_values_for_type(x509.DNSName)
+        )
     except (ValueError, x509.ExtensionNotFound):
         return None
     roles = {r for r, n in (("worker", SERVER_NAME), ("router", ROUTER_NAME)) if n in sans}

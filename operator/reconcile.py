@@ -85,8 +85,9 @@ def _gateway_url(ctx: Context, result: ApplyResult) -> str:
     return f"http://{host}:{ctx.spec.router.service.port}" if host else ctx.gateway_url()
 
 
-def reconcile(kube: KubeClient, settings: OperatorSettings, namespace: str, name: str,
-              now: datetime.datetime | None = None) -> Outcome:
+def reconcile(
+    kube: KubeClient, settings: OperatorSettings, namespace: str, name: str, now: datetime.datetime | None = None
+) -> Outcome:
     """`now` (default: the clock) decides which certificates are due for renewal (credentials.py)."""
     body = kube.get(K.path(K.ISVC, namespace, name))
     if body is None or body["metadata"].get("deletionTimestamp"):
@@ -102,22 +103,35 @@ def reconcile(kube: KubeClient, settings: OperatorSettings, namespace: str, name
     ctx = Context(spec, name, namespace, meta["uid"], settings)
     revisions = ensure_credentials(kube, ctx, now or datetime.datetime.now(datetime.UTC))
     try:
-        result = apply_all(kube, render(spec, name, namespace, meta["uid"], settings, revisions), namespace,
-                           instance_selector(name), meta["uid"])
+        result = apply_all(
+            kube,
+            render(spec, name, namespace, meta["uid"], settings, revisions),
+            namespace,
+            instance_selector(name),
+            meta["uid"],
+        )
     except MissingApiError as exc:
         message = f"{exc}: install it or change the InferenceService"
         _write_status(kube, body, blocked_status("MissingAPI", message, generation, body.get("status"), now_rfc3339()))
         return Outcome(waiting=message)
-    observations = {pool: observe_deployment(result.live.get(("Deployment", ctx.child(pool))))
-                    for pool in (*ctx.pools, "router")}
+    observations = {
+        pool: observe_deployment(result.live.get(("Deployment", ctx.child(pool)))) for pool in (*ctx.pools, "router")
+    }
     observations.setdefault("prefill", None)
     router_cm = result.live.get(("ConfigMap", ctx.child("router"))) or {}
     annotations = router_cm.get("metadata", {}).get("annotations") or {}
     report = parse_adapter_report(annotations.get(C.ANNOTATION_ADAPTERS_LOADED))
-    status = build_status(observations, generation, _gateway_url(ctx, result), body.get("status"), now_rfc3339(),
-                          [a.name for a in spec.adapters], report, security_condition(spec),
-                          authentication_condition(spec))
+    status = build_status(
+        observations,
+        generation,
+        _gateway_url(ctx, result),
+        body.get("status"),
+        now_rfc3339(),
+        [a.name for a in spec.adapters],
+        report,
+        security_condition(spec),
+        authentication_condition(spec),
+    )
     _write_status(kube, body, status)
     waiting = None if is_ready(status) else status["conditions"][0]["message"]
     return Outcome(waiting=waiting, result=result)
-

@@ -46,8 +46,14 @@ from splitserve.operator.settings import OperatorSettings
 from splitserve.operator.spec import InferenceServiceSpec
 
 
-def render(spec: InferenceServiceSpec, name: str, namespace: str, uid: str,
-           settings: OperatorSettings | None = None, tls_revisions: dict[str, str] | None = None) -> list[Manifest]:
+def render(
+    spec: InferenceServiceSpec,
+    name: str,
+    namespace: str,
+    uid: str,
+    settings: OperatorSettings | None = None,
+    tls_revisions: dict[str, str] | None = None,
+) -> list[Manifest]:
     ctx = Context(spec, name, namespace, uid, settings or OperatorSettings(), dict(tls_revisions or {}))
     out = [*render_services.router_access(ctx)]
     if (cert := render_pods.certificate(ctx)) is not None:
@@ -57,8 +63,9 @@ def render(spec: InferenceServiceSpec, name: str, namespace: str, uid: str,
     out += [m for m in gateway if m["kind"] in ("ConfigMap", "Service")]
     workers = [render_pods.worker_deployment(ctx, pool) for pool in ctx.pools]
     if gateway:
-        workers = [render_gateway.with_sidecar(ctx, d) if d["metadata"]["name"] == ctx.child("decode") else d
-                   for d in workers]
+        workers = [
+            render_gateway.with_sidecar(ctx, d) if d["metadata"]["name"] == ctx.child("decode") else d for d in workers
+        ]
     out += workers
     out.append(render_pods.router_deployment(ctx))
     out += [m for m in gateway if m["kind"] not in ("ConfigMap", "Service")]

@@ -52,8 +52,10 @@ def _peer(peer: Any) -> dict[str, Any]:
 
 
 def _workers_selector(ctx: Context) -> dict[str, Any]:
-    return {"matchLabels": {C.LABEL_NAME: C.APP_NAME, C.LABEL_INSTANCE: ctx.name},
-            "matchExpressions": [{"key": C.LABEL_COMPONENT, "operator": "In", "values": ["prefill", "decode"]}]}
+    return {
+        "matchLabels": {C.LABEL_NAME: C.APP_NAME, C.LABEL_INSTANCE: ctx.name},
+        "matchExpressions": [{"key": C.LABEL_COMPONENT, "operator": "In", "values": ["prefill", "decode"]}],
+    }
 
 
 def _ports(*names: str) -> list[dict[str, Any]]:
@@ -61,9 +63,12 @@ def _ports(*names: str) -> list[dict[str, Any]]:
 
 
 def _policy(ctx: Context, component: str, pods: dict[str, Any], ingress: list[dict[str, Any]]) -> Manifest:
-    return {"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
-            "metadata": ctx.meta(ctx.child(component), component),
-            "spec": {"podSelector": pods, "policyTypes": ["Ingress"], "ingress": ingress}}
+    return {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": ctx.meta(ctx.child(component), component),
+        "spec": {"podSelector": pods, "policyTypes": ["Ingress"], "ingress": ingress},
+    }
 
 
 def network_policies(ctx: Context) -> list[Manifest]:
@@ -73,7 +78,7 @@ def network_policies(ctx: Context) -> list[Manifest]:
     defaults = ctx.settings.network_policy.workloads
     scrapers = [_peer(defaults.monitoring)]
     if any(ctx.autoscaling(p).enabled and ctx.autoscaling(p).provider == "planner" for p in ctx.pools):
-        scrapers.append(_peer(defaults.planner))   # the SLA planner reads every pod's /metrics
+        scrapers.append(_peer(defaults.planner))  # the SLA planner reads every pod's /metrics
     monitoring = {"from": scrapers, "ports": _ports(C.METRICS_PORT_NAME)}
     router = {"podSelector": {"matchLabels": ctx.selector("router")}}
     workers = {"podSelector": _workers_selector(ctx)}
@@ -82,15 +87,16 @@ def network_policies(ctx: Context) -> list[Manifest]:
     # An empty `from` would allow everyone: gatewayFrom [] means no rule for the port at all.
     gateway = [{"from": sources, "ports": _ports(C.HTTP_PORT_NAME)}] if sources else []
     worker_ports = _ports(C.GRPC_PORT_NAME, C.KV_PORT_NAME)
-    if ctx.spec.kv_transfer.transport == "ucx":   # UCX's TCP transport listens on its own ports (render_pods)
+    if ctx.spec.kv_transfer.transport == "ucx":  # UCX's TCP transport listens on its own ports (render_pods)
         worker_ports.append({"port": C.UCX_TCP_PORTS[0], "endPort": C.UCX_TCP_PORTS[1], "protocol": "TCP"})
     worker_rules = [{"from": [router, workers], "ports": worker_ports}, monitoring]
     out = [_policy(ctx, "router", {"matchLabels": ctx.selector("router")}, [*gateway, monitoring])]
     if render_gateway.is_inference_pool(ctx):
         if gateway_from is None and defaults.inference_gateway_from is not None:
             sources = [_peer(p) for p in defaults.inference_gateway_from]
-        worker_rules.insert(1, {"from": [{"podSelector": {"matchLabels": ctx.selector("epp")}}],
-                                "ports": _ports(C.GRPC_PORT_NAME)})
+        worker_rules.insert(
+            1, {"from": [{"podSelector": {"matchLabels": ctx.selector("epp")}}], "ports": _ports(C.GRPC_PORT_NAME)}
+        )
         if sources:
             worker_rules.insert(2, {"from": sources, "ports": _ports(render_gateway.SIDECAR_PORT_NAME)})
         epp = [{"from": sources, "ports": _ports(C.GRPC_PORT_NAME)}] if sources else []

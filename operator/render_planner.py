@@ -30,8 +30,9 @@ CONFIG_KEY, PROFILE_KEY = "config.json", "profile.json"
 
 def planned(ctx: Context) -> bool:
     autos = [ctx.autoscaling(p) for p in ctx.pools]
-    return len(ctx.pools) == 2 and ctx.spec.slo is not None and all(a.enabled and a.provider == "planner"
-                                                                     for a in autos)
+    return (
+        len(ctx.pools) == 2 and ctx.spec.slo is not None and all(a.enabled and a.provider == "planner" for a in autos)
+    )
 
 
 def _selector(ctx: Context, component: str) -> str:
@@ -43,12 +44,21 @@ def planner_config(ctx: Context) -> dict:
     pools = {}
     for pool in ctx.pools:
         auto = ctx.autoscaling(pool)
-        pools[pool] = {"deployment": ctx.child(pool), "selector": _selector(ctx, pool),
-                       "minReplicas": auto.min_replicas, "maxReplicas": auto.max_replicas}
-    return {"name": ctx.name, "slo": {"ttftP90Ms": slo.ttft_p90_ms, "itlP90Ms": slo.itl_p90_ms},
-            "export": ctx.settings.autoscaling.planner_export, "pools": pools,
-            "router": {"selector": _selector(ctx, "router"), "metricsPort": C.ROUTER_METRICS_PORT},
-            "workerMetricsPort": C.METRICS_PORT, "profileConfigMap": slo.profile_config_map}
+        pools[pool] = {
+            "deployment": ctx.child(pool),
+            "selector": _selector(ctx, pool),
+            "minReplicas": auto.min_replicas,
+            "maxReplicas": auto.max_replicas,
+        }
+    return {
+        "name": ctx.name,
+        "slo": {"ttftP90Ms": slo.ttft_p90_ms, "itlP90Ms": slo.itl_p90_ms},
+        "export": ctx.settings.autoscaling.planner_export,
+        "pools": pools,
+        "router": {"selector": _selector(ctx, "router"), "metricsPort": C.ROUTER_METRICS_PORT},
+        "workerMetricsPort": C.METRICS_PORT,
+        "profileConfigMap": slo.profile_config_map,
+    }
 
 
 def planner_config_map(ctx: Context) -> Manifest | None:
@@ -57,5 +67,9 @@ def planner_config_map(ctx: Context) -> Manifest | None:
     data = {CONFIG_KEY: json.dumps(planner_config(ctx), indent=1, sort_keys=True)}
     if ctx.spec.slo.profile_config_map is None and ctx.settings.autoscaling.planner_profile:
         data[PROFILE_KEY] = ctx.settings.autoscaling.planner_profile
-    return {"apiVersion": "v1", "kind": "ConfigMap", "metadata": ctx.meta(ctx.child("planner"), "planner"),
-            "data": data}
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": ctx.meta(ctx.child("planner"), "planner"),
+        "data": data,
+    }

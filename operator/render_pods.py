@@ -35,10 +35,10 @@ from splitserve.operator.spec import EnvVar, PoolSpec, Resources, Toleration
 GPU_RESOURCE = "nvidia.com/gpu"
 STARTUP_SECONDS = 600
 # Defaults where the spec gives no resources (docs/security.md): (request, limit) in GiB.
-CPU_WORKER_HEADROOM_GIB = (1.0, 2.0)     # over engine.kvCacheMemoryGiB: weights, activations, runtime
-GPU_HOST_MEMORY_GIB = (16.0, 32.0)       # host memory of a GPU worker (weights pass through it on load)
+CPU_WORKER_HEADROOM_GIB = (1.0, 2.0)  # over engine.kvCacheMemoryGiB: weights, activations, runtime
+GPU_HOST_MEMORY_GIB = (16.0, 32.0)  # host memory of a GPU worker (weights pass through it on load)
 ROUTER_RESOURCES = {"requests": {"cpu": "500m", "memory": "512Mi"}, "limits": {"memory": "2Gi"}}
-TMP_SIZE = {"worker": "4Gi", "router": "1Gi"}   # the /tmp emptyDir (compiler caches, HOME)
+TMP_SIZE = {"worker": "4Gi", "router": "1Gi"}  # the /tmp emptyDir (compiler caches, HOME)
 
 
 def _field_env(name: str, path: str) -> dict[str, Any]:
@@ -56,8 +56,12 @@ def _resources(resources: Resources, defaults: dict[str, dict[str, str]], gpus: 
     below the memory request the spec gives)."""
     requests = dict(resources.requests) or dict(defaults["requests"])
     limits = dict(resources.limits) or dict(defaults["limits"])
-    if not resources.limits and "memory" in requests and "memory" in limits and \
-            parse_quantity(requests["memory"]) > parse_quantity(limits["memory"]):
+    if (
+        not resources.limits
+        and "memory" in requests
+        and "memory" in limits
+        and parse_quantity(requests["memory"]) > parse_quantity(limits["memory"])
+    ):
         limits["memory"] = requests["memory"]
     if gpus:
         limits[GPU_RESOURCE] = gpus
@@ -75,11 +79,15 @@ def worker_resource_defaults(ctx: Context, pool_spec: PoolSpec) -> dict[str, dic
     kv = ctx.kv_cache()
     host_tier = kv.tier_gib if (pool_spec.gpus > 0 or kv.tier_medium == "memory") else 0
     if pool_spec.gpus > 0:
-        return {"requests": {"cpu": "2", "memory": _mib(GPU_HOST_MEMORY_GIB[0] + host_tier)},
-                "limits": {"memory": _mib(GPU_HOST_MEMORY_GIB[1] + host_tier)}}
+        return {
+            "requests": {"cpu": "2", "memory": _mib(GPU_HOST_MEMORY_GIB[0] + host_tier)},
+            "limits": {"memory": _mib(GPU_HOST_MEMORY_GIB[1] + host_tier)},
+        }
     kv_gib = ctx.spec.engine.kv_cache_memory_gib
-    return {"requests": {"cpu": "1", "memory": _mib(kv_gib + CPU_WORKER_HEADROOM_GIB[0])},
-            "limits": {"memory": _mib(kv_gib + CPU_WORKER_HEADROOM_GIB[1] + host_tier)}}
+    return {
+        "requests": {"cpu": "1", "memory": _mib(kv_gib + CPU_WORKER_HEADROOM_GIB[0])},
+        "limits": {"memory": _mib(kv_gib + CPU_WORKER_HEADROOM_GIB[1] + host_tier)},
+    }
 
 
 def _tolerations(tolerations: list[Toleration], gpus: int = 0) -> list[dict[str, Any]]:
@@ -90,19 +98,27 @@ def _tolerations(tolerations: list[Toleration], gpus: int = 0) -> list[dict[str,
 
 
 def _probe(path: str, port: str, period: int, failures: int) -> dict[str, Any]:
-    return {"httpGet": {"path": path, "port": port}, "periodSeconds": period, "timeoutSeconds": 5,
-            "failureThreshold": failures}
+    return {
+        "httpGet": {"path": path, "port": port},
+        "periodSeconds": period,
+        "timeoutSeconds": 5,
+        "failureThreshold": failures,
+    }
 
 
 def _probes(port: str) -> dict[str, Any]:
-    return {"startupProbe": _probe("/health", port, 5, STARTUP_SECONDS // 5),
-            "livenessProbe": _probe("/health", port, 10, 3),
-            "readinessProbe": _probe("/ready", port, 5, 2)}
+    return {
+        "startupProbe": _probe("/health", port, 5, STARTUP_SECONDS // 5),
+        "livenessProbe": _probe("/health", port, 10, 3),
+        "readinessProbe": _probe("/ready", port, 5, 2),
+    }
 
 
 def _volumes(ctx: Context, tmp_size: str) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    volumes = [{"name": "tmp", "emptyDir": {"sizeLimit": tmp_size}},
-               {"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": "1Gi"}}]
+    volumes = [
+        {"name": "tmp", "emptyDir": {"sizeLimit": tmp_size}},
+        {"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": "1Gi"}},
+    ]
     mounts = [{"name": "tmp", "mountPath": "/tmp"}, {"name": "shm", "mountPath": "/dev/shm"}]
     storage = ctx.spec.model.storage
     if storage is not None:
@@ -111,20 +127,34 @@ def _volumes(ctx: Context, tmp_size: str) -> tuple[list[dict[str, Any]], list[di
     return volumes, mounts
 
 
-CONTAINER_SECURITY = {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
-                      "runAsNonRoot": True, "capabilities": {"drop": ["ALL"]}}
-POD_SECURITY = {"runAsNonRoot": True, "runAsUser": C.RUN_AS_USER, "runAsGroup": C.RUN_AS_USER,
-                "fsGroup": C.RUN_AS_USER, "seccompProfile": {"type": "RuntimeDefault"}}
-BASE_ENV = [{"name": "HOME", "value": "/tmp"}, {"name": "XDG_CACHE_HOME", "value": "/tmp/.cache"},
-            {"name": "PYTHONUNBUFFERED", "value": "1"}, _field_env("POD_NAME", "metadata.name"),
-            _field_env("POD_NAMESPACE", "metadata.namespace"), _field_env("POD_IP", "status.podIP")]
+CONTAINER_SECURITY = {
+    "allowPrivilegeEscalation": False,
+    "readOnlyRootFilesystem": True,
+    "runAsNonRoot": True,
+    "capabilities": {"drop": ["ALL"]},
+}
+POD_SECURITY = {
+    "runAsNonRoot": True,
+    "runAsUser": C.RUN_AS_USER,
+    "runAsGroup": C.RUN_AS_USER,
+    "fsGroup": C.RUN_AS_USER,
+    "seccompProfile": {"type": "RuntimeDefault"},
+}
+BASE_ENV = [
+    {"name": "HOME", "value": "/tmp"},
+    {"name": "XDG_CACHE_HOME", "value": "/tmp/.cache"},
+    {"name": "PYTHONUNBUFFERED", "value": "1"},
+    _field_env("POD_NAME", "metadata.name"),
+    _field_env("POD_NAMESPACE", "metadata.namespace"),
+    _field_env("POD_IP", "status.podIP"),
+]
 
 
 KV_SECRET_DIR = "/etc/splitserve/kv"
 TLS_DIR = "/etc/splitserve/tls"
 API_KEYS_DIR = "/etc/splitserve/api-keys"
 API_KEYS_FILE = "keys.yaml"
-KV_TIER_DIR = "/var/cache/splitserve-kv"   # the kv-tier emptyDir (spec.kvCache.tierGiB on CPU pools)
+KV_TIER_DIR = "/var/cache/splitserve-kv"  # the kv-tier emptyDir (spec.kvCache.tierGiB on CPU pools)
 
 
 def tls_secret_name(ctx: Context, component: str) -> str | None:
@@ -142,8 +172,11 @@ def api_keys_ref(ctx: Context) -> tuple[str, str] | None:
     ref = ctx.spec.router.api_keys
     if ref is not None:
         return ref.name, ref.key
-    return (credentials.api_keys_secret_name(ctx), credentials.API_KEYS_FILE_KEY) \
-        if credentials.manages_api_keys(ctx) else None
+    return (
+        (credentials.api_keys_secret_name(ctx), credentials.API_KEYS_FILE_KEY)
+        if credentials.manages_api_keys(ctx)
+        else None
+    )
 
 
 def _add_api_keys(ctx: Context, volumes: list[dict[str, Any]], mounts: list[dict[str, Any]]) -> list[str]:
@@ -152,8 +185,12 @@ def _add_api_keys(ctx: Context, volumes: list[dict[str, Any]], mounts: list[dict
     ref = api_keys_ref(ctx)
     if ref is None:
         return []
-    volumes.append({"name": "api-keys", "secret": {"secretName": ref[0], "defaultMode": 0o440,
-                                                  "items": [{"key": ref[1], "path": API_KEYS_FILE}]}})
+    volumes.append(
+        {
+            "name": "api-keys",
+            "secret": {"secretName": ref[0], "defaultMode": 0o440, "items": [{"key": ref[1], "path": API_KEYS_FILE}]},
+        }
+    )
     mounts.append({"name": "api-keys", "mountPath": API_KEYS_DIR, "readOnly": True})
     return ["--api-keys-file", f"{API_KEYS_DIR}/{API_KEYS_FILE}"]
 
@@ -184,33 +221,63 @@ def certificate(ctx: Context) -> Manifest | None:
     tls = ctx.spec.tls
     if tls is None or tls.issuer is None:
         return None
-    return {"apiVersion": "cert-manager.io/v1", "kind": "Certificate", "metadata": ctx.meta(ctx.child("tls"), "tls"),
-            "spec": {"secretName": ctx.child("tls"), "commonName": "splitserve-worker",
-                     "dnsNames": ["splitserve-worker"],
-                     "usages": ["server auth", "client auth", "digital signature", "key encipherment"],
-                     "duration": "2160h", "renewBefore": "360h",
-                     "privateKey": {"algorithm": "ECDSA", "size": 256, "rotationPolicy": "Always"},
-                     "issuerRef": {"name": tls.issuer.name, "kind": tls.issuer.kind, "group": "cert-manager.io"}}}
+    return {
+        "apiVersion": "cert-manager.io/v1",
+        "kind": "Certificate",
+        "metadata": ctx.meta(ctx.child("tls"), "tls"),
+        "spec": {
+            "secretName": ctx.child("tls"),
+            "commonName": "splitserve-worker",
+            "dnsNames": ["splitserve-worker"],
+            "usages": ["server auth", "client auth", "digital signature", "key encipherment"],
+            "duration": "2160h",
+            "renewBefore": "360h",
+            "privateKey": {"algorithm": "ECDSA", "size": 256, "rotationPolicy": "Always"},
+            "issuerRef": {"name": tls.issuer.name, "kind": tls.issuer.kind, "group": "cert-manager.io"},
+        },
+    }
 
 
 def worker_args(ctx: Context, pool: str) -> list[str]:
     spec, pool_spec = ctx.spec, getattr(ctx.spec, pool)
-    args = ["worker", "--role", pool, "--model", spec.model.uri, "--dtype", spec.model.dtype,
-            "--max-model-len", str(spec.model.max_model_len), "--block-size", str(spec.engine.block_size),
-            "--max-num-seqs", str(spec.engine.max_num_seqs),
-            "--kv-cache-memory", f"{spec.engine.kv_cache_memory_gib:g}",
-            "--host", "0.0.0.0", "--advertise-host", "$(POD_IP)",
-            "--grpc-port", str(C.GRPC_PORT), "--metrics-port", str(C.METRICS_PORT),
-            "--kv-transport", spec.kv_transfer.transport, "--kv-port", str(C.KV_PORT)]
+    args = [
+        "worker",
+        "--role",
+        pool,
+        "--model",
+        spec.model.uri,
+        "--dtype",
+        spec.model.dtype,
+        "--max-model-len",
+        str(spec.model.max_model_len),
+        "--block-size",
+        str(spec.engine.block_size),
+        "--max-num-seqs",
+        str(spec.engine.max_num_seqs),
+        "--kv-cache-memory",
+        f"{spec.engine.kv_cache_memory_gib:g}",
+        "--host",
+        "0.0.0.0",
+        "--advertise-host",
+        "$(POD_IP)",
+        "--grpc-port",
+        str(C.GRPC_PORT),
+        "--metrics-port",
+        str(C.METRICS_PORT),
+        "--kv-transport",
+        spec.kv_transfer.transport,
+        "--kv-port",
+        str(C.KV_PORT),
+    ]
     if kv_secret_ref(ctx) is not None:
         args += ["--kv-secret-file", f"{KV_SECRET_DIR}/secret"]
     args += tls_args(ctx, pool)
-    if credentials.manages_tls(ctx):   # per-role certificates: each RPC only for its callers' role
+    if credentials.manages_tls(ctx):  # per-role certificates: each RPC only for its callers' role
         args.append("--tls-check-peer-roles")
-    if pool == "decode" and spec.speculative is not None:   # the prefill pool samples one token: nothing to speculate
+    if pool == "decode" and spec.speculative is not None:  # the prefill pool samples one token: nothing to speculate
         args += ["--speculative-config", spec.speculative.config_json()]
     args += kv_cache_args(ctx.kv_cache(), pool_spec.gpus)
-    if effective_flow_control(spec.flow_control, ctx.settings).enabled:   # the router sends each request's band
+    if effective_flow_control(spec.flow_control, ctx.settings).enabled:  # the router sends each request's band
         args += ["--scheduling-policy", "priority"]
     return args + (["--device", "cuda"] if pool_spec.gpus > 0 else [])
 
@@ -226,19 +293,24 @@ def kv_cache_args(kv: KvCacheDefaults, gpus: int) -> list[str]:
             args += ["--kv-tier-dir", KV_TIER_DIR]
     if not kv.pull:
         args.append("--no-kv-pull")
-    elif kv.max_pull_blocks != KvCacheDefaults().max_pull_blocks:   # the worker's default needs no flag
+    elif kv.max_pull_blocks != KvCacheDefaults().max_pull_blocks:  # the worker's default needs no flag
         args += ["--max-pull-blocks", str(kv.max_pull_blocks)]
     return args
 
 
-def _add_kv_tier(ctx: Context, pool_spec: PoolSpec, volumes: list[dict[str, Any]],
-                 mounts: list[dict[str, Any]]) -> None:
+def _add_kv_tier(
+    ctx: Context, pool_spec: PoolSpec, volumes: list[dict[str, Any]], mounts: list[dict[str, Any]]
+) -> None:
     kv = ctx.kv_cache()
     if kv.tier_gib > 0 and pool_spec.gpus == 0:
         # the tier's files plus headroom for one block being written and the folder itself
         size = f"{int(kv.tier_gib * 1024 + 64)}Mi"
-        volumes.append({"name": "kv-tier", "emptyDir": {"sizeLimit": size, **(
-            {"medium": "Memory"} if kv.tier_medium == "memory" else {})}})
+        volumes.append(
+            {
+                "name": "kv-tier",
+                "emptyDir": {"sizeLimit": size, **({"medium": "Memory"} if kv.tier_medium == "memory" else {})},
+            }
+        )
         mounts.append({"name": "kv-tier", "mountPath": KV_TIER_DIR})
 
 
@@ -256,20 +328,35 @@ def _worker_env(ctx: Context, pool_spec: PoolSpec) -> list[dict[str, Any]]:
 
 def _anti_affinity(ctx: Context, component: str) -> dict[str, Any]:
     term = {"labelSelector": {"matchLabels": ctx.selector(component)}, "topologyKey": "kubernetes.io/hostname"}
-    return {"podAntiAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": [
-        {"weight": 100, "podAffinityTerm": term}]}}
+    return {
+        "podAntiAffinity": {
+            "preferredDuringSchedulingIgnoredDuringExecution": [{"weight": 100, "podAffinityTerm": term}]
+        }
+    }
 
 
-def _deployment(ctx: Context, component: str, replicas: int, owner: str, pod: dict[str, Any],
-                pod_annotations: dict[str, str] | None = None) -> Manifest:
+def _deployment(
+    ctx: Context,
+    component: str,
+    replicas: int,
+    owner: str,
+    pod: dict[str, Any],
+    pod_annotations: dict[str, str] | None = None,
+) -> Manifest:
     template_meta: dict[str, Any] = {"labels": ctx.labels(component)}
     if pod_annotations:
         template_meta["annotations"] = pod_annotations
-    return {"apiVersion": "apps/v1", "kind": "Deployment",
-            "metadata": ctx.meta(ctx.child(component), component, {C.ANNOTATION_REPLICAS_OWNER: owner}),
-            "spec": {"replicas": replicas, "revisionHistoryLimit": 3,
-                     "selector": {"matchLabels": ctx.selector(component)},
-                     "template": {"metadata": template_meta, "spec": pod}}}
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": ctx.meta(ctx.child(component), component, {C.ANNOTATION_REPLICAS_OWNER: owner}),
+        "spec": {
+            "replicas": replicas,
+            "revisionHistoryLimit": 3,
+            "selector": {"matchLabels": ctx.selector(component)},
+            "template": {"metadata": template_meta, "spec": pod},
+        },
+    }
 
 
 def worker_deployment(ctx: Context, pool: str) -> Manifest:
@@ -280,24 +367,41 @@ def worker_deployment(ctx: Context, pool: str) -> Manifest:
     _add_kv_tier(ctx, pool_spec, volumes, mounts)
     auth = kv_secret_ref(ctx)
     if auth is not None:
-        volumes.append({"name": "kv-secret", "secret": {"secretName": auth[0], "defaultMode": 0o440,
-                                                       "items": [{"key": auth[1], "path": "secret"}]}})
+        volumes.append(
+            {
+                "name": "kv-secret",
+                "secret": {"secretName": auth[0], "defaultMode": 0o440, "items": [{"key": auth[1], "path": "secret"}]},
+            }
+        )
         mounts.append({"name": "kv-secret", "mountPath": KV_SECRET_DIR, "readOnly": True})
-    container = {"name": "worker", "image": ctx.image(pool_spec.image, pool_spec.gpus),
-                 "imagePullPolicy": ctx.spec.image.pull_policy, "command": ["splitserve"],
-                 "args": worker_args(ctx, pool),
-                 "ports": [{"name": C.GRPC_PORT_NAME, "containerPort": C.GRPC_PORT, "protocol": "TCP"},
-                           {"name": C.METRICS_PORT_NAME, "containerPort": C.METRICS_PORT, "protocol": "TCP"},
-                           {"name": C.KV_PORT_NAME, "containerPort": C.KV_PORT, "protocol": "TCP"}],
-                 "env": _worker_env(ctx, pool_spec),
-                 "resources": _resources(pool_spec.resources, worker_resource_defaults(ctx, pool_spec), pool_spec.gpus),
-                 **_probes(C.METRICS_PORT_NAME), "securityContext": CONTAINER_SECURITY, "volumeMounts": mounts}
-    pod = {"automountServiceAccountToken": False, "enableServiceLinks": False,
-           "terminationGracePeriodSeconds": pool_spec.termination_grace_period_seconds,
-           "securityContext": POD_SECURITY, "affinity": _anti_affinity(ctx, pool),
-           "nodeSelector": dict(pool_spec.node_selector),
-           "tolerations": _tolerations(pool_spec.tolerations, pool_spec.gpus),
-           "containers": [container], "volumes": volumes}
+    container = {
+        "name": "worker",
+        "image": ctx.image(pool_spec.image, pool_spec.gpus),
+        "imagePullPolicy": ctx.spec.image.pull_policy,
+        "command": ["splitserve"],
+        "args": worker_args(ctx, pool),
+        "ports": [
+            {"name": C.GRPC_PORT_NAME, "containerPort": C.GRPC_PORT, "protocol": "TCP"},
+            {"name": C.METRICS_PORT_NAME, "containerPort": C.METRICS_PORT, "protocol": "TCP"},
+            {"name": C.KV_PORT_NAME, "containerPort": C.KV_PORT, "protocol": "TCP"},
+        ],
+        "env": _worker_env(ctx, pool_spec),
+        "resources": _resources(pool_spec.resources, worker_resource_defaults(ctx, pool_spec), pool_spec.gpus),
+        **_probes(C.METRICS_PORT_NAME),
+        "securityContext": CONTAINER_SECURITY,
+        "volumeMounts": mounts,
+    }
+    pod = {
+        "automountServiceAccountToken": False,
+        "enableServiceLinks": False,
+        "terminationGracePeriodSeconds": pool_spec.termination_grace_period_seconds,
+        "securityContext": POD_SECURITY,
+        "affinity": _anti_affinity(ctx, pool),
+        "nodeSelector": dict(pool_spec.node_selector),
+        "tolerations": _tolerations(pool_spec.tolerations, pool_spec.gpus),
+        "containers": [container],
+        "volumes": volumes,
+    }
     replicas, owner = (auto.min_replicas, auto.provider) if auto.enabled else (pool_spec.replicas, "operator")
     return _deployment(ctx, pool, replicas, owner, _drop_empty(pod), _tls_revision(ctx, pool))
 
@@ -315,27 +419,59 @@ def router_deployment(ctx: Context) -> Manifest:
     mounts.append({"name": "config", "mountPath": C.ROUTER_CONFIG_DIR, "readOnly": True})
     _add_tls(ctx, "router", volumes, mounts)
     key_args = _add_api_keys(ctx, volumes, mounts)
-    if ctx.spec.model.storage is not None:   # runtime LoRA loads (admin keys) may read the model volume only
+    if ctx.spec.model.storage is not None:  # runtime LoRA loads (admin keys) may read the model volume only
         key_args += ["--lora-roots", ctx.spec.model.storage.mount_path]
     env = list(BASE_ENV)
     if router.redis is not None and router.redis.password_secret is not None:
         ref = router.redis.password_secret
         env.append({"name": "REDIS_PASSWORD", "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.key}}})
-    container = {"name": "router", "image": ctx.image(router.image, 0), "imagePullPolicy": ctx.spec.image.pull_policy,
-                 "command": ["splitserve"],
-                 "args": ["router", "--config", f"{C.ROUTER_CONFIG_DIR}/{C.ROUTER_CONFIG_FILE}", "--host", "0.0.0.0",
-                          "--port", str(C.ROUTER_HTTP_PORT), "--metrics-port", str(C.ROUTER_METRICS_PORT),
-                          *tls_args(ctx, "router"), *key_args],
-                 "ports": [{"name": C.HTTP_PORT_NAME, "containerPort": C.ROUTER_HTTP_PORT, "protocol": "TCP"},
-                           {"name": C.METRICS_PORT_NAME, "containerPort": C.ROUTER_METRICS_PORT, "protocol": "TCP"}],
-                 "env": _env(env, router.env), "resources": _resources(router.resources, ROUTER_RESOURCES),
-                 **_probes(C.HTTP_PORT_NAME), "securityContext": CONTAINER_SECURITY, "volumeMounts": mounts}
-    pod = {"serviceAccountName": ctx.child("router"), "enableServiceLinks": False,
-           "terminationGracePeriodSeconds": 30, "securityContext": POD_SECURITY,
-           "affinity": _anti_affinity(ctx, "router"), "nodeSelector": dict(router.node_selector),
-           "tolerations": _tolerations(router.tolerations), "containers": [container], "volumes": volumes}
-    return _deployment(ctx, "router", router.replicas, "operator", _drop_empty(pod),
-                       {C.ANNOTATION_CONFIG_HASH: config_hash(ctx), **_tls_revision(ctx, "router")})
+    container = {
+        "name": "router",
+        "image": ctx.image(router.image, 0),
+        "imagePullPolicy": ctx.spec.image.pull_policy,
+        "command": ["splitserve"],
+        "args": [
+            "router",
+            "--config",
+            f"{C.ROUTER_CONFIG_DIR}/{C.ROUTER_CONFIG_FILE}",
+            "--host",
+            "0.0.0.0",
+            "--port",
+            str(C.ROUTER_HTTP_PORT),
+            "--metrics-port",
+            str(C.ROUTER_METRICS_PORT),
+            *tls_args(ctx, "router"),
+            *key_args,
+        ],
+        "ports": [
+            {"name": C.HTTP_PORT_NAME, "containerPort": C.ROUTER_HTTP_PORT, "protocol": "TCP"},
+            {"name": C.METRICS_PORT_NAME, "containerPort": C.ROUTER_METRICS_PORT, "protocol": "TCP"},
+        ],
+        "env": _env(env, router.env),
+        "resources": _resources(router.resources, ROUTER_RESOURCES),
+        **_probes(C.HTTP_PORT_NAME),
+        "securityContext": CONTAINER_SECURITY,
+        "volumeMounts": mounts,
+    }
+    pod = {
+        "serviceAccountName": ctx.child("router"),
+        "enableServiceLinks": False,
+        "terminationGracePeriodSeconds": 30,
+        "securityContext": POD_SECURITY,
+        "affinity": _anti_affinity(ctx, "router"),
+        "nodeSelector": dict(router.node_selector),
+        "tolerations": _tolerations(router.tolerations),
+        "containers": [container],
+        "volumes": volumes,
+    }
+    return _deployment(
+        ctx,
+        "router",
+        router.replicas,
+        "operator",
+        _drop_empty(pod),
+        {C.ANNOTATION_CONFIG_HASH: config_hash(ctx), **_tls_revision(ctx, "router")},
+    )
 
 
 def _drop_empty(pod: dict[str, Any]) -> dict[str, Any]:

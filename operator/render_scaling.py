@@ -55,8 +55,10 @@ def queue_query(ctx: Context, pool: str) -> str:
     # With flow control the queue builds in the routers, not on the workers: the decode pool
     # scales on both (each `or vector(0)`: a sum over no series is empty, not 0).
     routers = f"{ctx.child('router')}-[a-z0-9]+-[a-z0-9]+"
-    return (f'({query} or vector(0)) + (sum({C.FLOW_QUEUE_METRIC}{{namespace="{ctx.namespace}",pod=~"{routers}"}}) '
-            "or vector(0))")
+    return (
+        f'({query} or vector(0)) + (sum({C.FLOW_QUEUE_METRIC}{{namespace="{ctx.namespace}",pod=~"{routers}"}}) '
+        "or vector(0))"
+    )
 
 
 def _target(ctx: Context, pool: str) -> dict[str, str]:
@@ -64,13 +66,28 @@ def _target(ctx: Context, pool: str) -> dict[str, str]:
 
 
 def scaled_object(ctx: Context, pool: str, auto: Autoscaling) -> Manifest:
-    trigger = {"type": "prometheus", "metricType": "AverageValue",
-               "metadata": {"serverAddress": auto.prometheus_address, "query": queue_query(ctx, pool),
-                            "threshold": format_threshold(auto.target_queue_depth)}}
-    return {"apiVersion": "keda.sh/v1alpha1", "kind": "ScaledObject", "metadata": ctx.meta(ctx.child(pool), pool),
-            "spec": {"scaleTargetRef": _target(ctx, pool), "pollingInterval": auto.polling_interval,
-                     "cooldownPeriod": auto.cooldown_period, "minReplicaCount": auto.min_replicas,
-                     "maxReplicaCount": auto.max_replicas, "triggers": [trigger]}}
+    trigger = {
+        "type": "prometheus",
+        "metricType": "AverageValue",
+        "metadata": {
+            "serverAddress": auto.prometheus_address,
+            "query": queue_query(ctx, pool),
+            "threshold": format_threshold(auto.target_queue_depth),
+        },
+    }
+    return {
+        "apiVersion": "keda.sh/v1alpha1",
+        "kind": "ScaledObject",
+        "metadata": ctx.meta(ctx.child(pool), pool),
+        "spec": {
+            "scaleTargetRef": _target(ctx, pool),
+            "pollingInterval": auto.polling_interval,
+            "cooldownPeriod": auto.cooldown_period,
+            "minReplicaCount": auto.min_replicas,
+            "maxReplicaCount": auto.max_replicas,
+            "triggers": [trigger],
+        },
+    }
 
 
 def planner_url(ctx: Context, auto: Autoscaling) -> str:
@@ -78,27 +95,56 @@ def planner_url(ctx: Context, auto: Autoscaling) -> str:
 
 
 def planner_scaled_object(ctx: Context, pool: str, auto: Autoscaling) -> Manifest:
-    trigger = {"type": "metrics-api", "metricType": "AverageValue",
-               "metadata": {"url": planner_url(ctx, auto), "format": "json", "valueLocation": pool,
-                            "targetValue": "1", "activationTargetValue": "0"}}
-    return {"apiVersion": "keda.sh/v1alpha1", "kind": "ScaledObject", "metadata": ctx.meta(ctx.child(pool), pool),
-            "spec": {"scaleTargetRef": _target(ctx, pool), "pollingInterval": auto.polling_interval,
-                     "cooldownPeriod": auto.cooldown_period, "minReplicaCount": auto.min_replicas,
-                     "maxReplicaCount": auto.max_replicas, "triggers": [trigger],
-                     # the planner already waited out its own scale-down window
-                     "advanced": {"horizontalPodAutoscalerConfig": {"behavior": {
-                         "scaleDown": {"stabilizationWindowSeconds": 0}}}}}}
+    trigger = {
+        "type": "metrics-api",
+        "metricType": "AverageValue",
+        "metadata": {
+            "url": planner_url(ctx, auto),
+            "format": "json",
+            "valueLocation": pool,
+            "targetValue": "1",
+            "activationTargetValue": "0",
+        },
+    }
+    return {
+        "apiVersion": "keda.sh/v1alpha1",
+        "kind": "ScaledObject",
+        "metadata": ctx.meta(ctx.child(pool), pool),
+        "spec": {
+            "scaleTargetRef": _target(ctx, pool),
+            "pollingInterval": auto.polling_interval,
+            "cooldownPeriod": auto.cooldown_period,
+            "minReplicaCount": auto.min_replicas,
+            "maxReplicaCount": auto.max_replicas,
+            "triggers": [trigger],
+            # the planner already waited out its own scale-down window
+            "advanced": {
+                "horizontalPodAutoscalerConfig": {"behavior": {"scaleDown": {"stabilizationWindowSeconds": 0}}}
+            },
+        },
+    }
 
 
 def horizontal_pod_autoscaler(ctx: Context, pool: str, auto: Autoscaling) -> Manifest:
-    metric = {"type": "Pods", "pods": {"metric": {"name": C.QUEUE_METRIC_ADAPTER},
-                                       "target": {"type": "AverageValue",
-                                                  "averageValue": format_quantity(auto.target_queue_depth)}}}
-    return {"apiVersion": "autoscaling/v2", "kind": "HorizontalPodAutoscaler",
-            "metadata": ctx.meta(ctx.child(pool), pool),
-            "spec": {"scaleTargetRef": _target(ctx, pool), "minReplicas": auto.min_replicas,
-                     "maxReplicas": auto.max_replicas, "metrics": [metric],
-                     "behavior": {"scaleDown": {"stabilizationWindowSeconds": auto.cooldown_period}}}}
+    metric = {
+        "type": "Pods",
+        "pods": {
+            "metric": {"name": C.QUEUE_METRIC_ADAPTER},
+            "target": {"type": "AverageValue", "averageValue": format_quantity(auto.target_queue_depth)},
+        },
+    }
+    return {
+        "apiVersion": "autoscaling/v2",
+        "kind": "HorizontalPodAutoscaler",
+        "metadata": ctx.meta(ctx.child(pool), pool),
+        "spec": {
+            "scaleTargetRef": _target(ctx, pool),
+            "minReplicas": auto.min_replicas,
+            "maxReplicas": auto.max_replicas,
+            "metrics": [metric],
+            "behavior": {"scaleDown": {"stabilizationWindowSeconds": auto.cooldown_period}},
+        },
+    }
 
 
 def autoscaler(ctx: Context, pool: str) -> Manifest | None:
@@ -110,18 +156,30 @@ def autoscaler(ctx: Context, pool: str) -> Manifest | None:
 
 
 def disruption_budgets(ctx: Context) -> list[Manifest]:
-    return [{"apiVersion": "policy/v1", "kind": "PodDisruptionBudget",
-             "metadata": ctx.meta(ctx.child(component), component),
-             "spec": {"maxUnavailable": 1, "selector": {"matchLabels": ctx.selector(component)}}}
-            for component in (*ctx.pools, "router")]
+    return [
+        {
+            "apiVersion": "policy/v1",
+            "kind": "PodDisruptionBudget",
+            "metadata": ctx.meta(ctx.child(component), component),
+            "spec": {"maxUnavailable": 1, "selector": {"matchLabels": ctx.selector(component)}},
+        }
+        for component in (*ctx.pools, "router")
+    ]
 
 
 def service_monitor(ctx: Context) -> Manifest:
     monitor = ctx.spec.monitoring.service_monitor
     selector: dict[str, Any] = {
         "matchLabels": {C.LABEL_NAME: C.APP_NAME, C.LABEL_INSTANCE: ctx.name},
-        "matchExpressions": [{"key": C.LABEL_COMPONENT, "operator": "In", "values": [*ctx.pools, "router"]}]}
-    return {"apiVersion": "monitoring.coreos.com/v1", "kind": "ServiceMonitor",
-            "metadata": ctx.meta(ctx.name, "monitoring"),
-            "spec": {"selector": selector, "namespaceSelector": {"matchNames": [ctx.namespace]},
-                     "endpoints": [{"port": C.METRICS_PORT_NAME, "path": "/metrics", "interval": monitor.interval}]}}
+        "matchExpressions": [{"key": C.LABEL_COMPONENT, "operator": "In", "values": [*ctx.pools, "router"]}],
+    }
+    return {
+        "apiVersion": "monitoring.coreos.com/v1",
+        "kind": "ServiceMonitor",
+        "metadata": ctx.meta(ctx.name, "monitoring"),
+        "spec": {
+            "selector": selector,
+            "namespaceSelector": {"matchNames": [ctx.namespace]},
+            "endpoints": [{"port": C.METRICS_PORT_NAME, "path": "/metrics", "interval": monitor.interval}],
+        },
+    }

@@ -45,24 +45,39 @@ def router_config(ctx: Context) -> dict[str, Any]:
         "max_model_len": spec.model.max_model_len,
         "gateway": {"served_model_names": [spec.served_model_name]},
         "discovery": {"k8s_namespace": ctx.namespace, "k8s_services": pools, "k8s_port_name": C.GRPC_PORT_NAME},
-        "index": ({"backend": "redis", "redis_url": spec.router.redis.url} if spec.router.redis
-                  else {"backend": "memory"}),
+        "index": (
+            {"backend": "redis", "redis_url": spec.router.redis.url} if spec.router.redis else {"backend": "memory"}
+        ),
         "placement": {
-            "disaggregation": {"mode": spec.disaggregation.mode,
-                               "min_prefill_tokens": spec.disaggregation.min_prefill_tokens},
-            "decode": {"scorers": [{"name": "prefix-overlap", "weight": w.prefix},
-                                   {"name": "queue-depth", "weight": w.queue},
-                                   {"name": "kv-usage", "weight": w.kv_usage},
-                                   {"name": "pending-assignments", "weight": w.pending},
-                                   {"name": "lora-affinity", "weight": w.lora}]},
-            "prefill": {"scorers": [{"name": "prefix-overlap", "weight": w.prefix},
-                                    {"name": "queued-prefill-tokens", "weight": w.queue},
-                                    {"name": "pending-assignments", "weight": w.pending}]},
+            "disaggregation": {
+                "mode": spec.disaggregation.mode,
+                "min_prefill_tokens": spec.disaggregation.min_prefill_tokens,
+            },
+            "decode": {
+                "scorers": [
+                    {"name": "prefix-overlap", "weight": w.prefix},
+                    {"name": "queue-depth", "weight": w.queue},
+                    {"name": "kv-usage", "weight": w.kv_usage},
+                    {"name": "pending-assignments", "weight": w.pending},
+                    {"name": "lora-affinity", "weight": w.lora},
+                ]
+            },
+            "prefill": {
+                "scorers": [
+                    {"name": "prefix-overlap", "weight": w.prefix},
+                    {"name": "queued-prefill-tokens", "weight": w.queue},
+                    {"name": "pending-assignments", "weight": w.pending},
+                ]
+            },
         },
-        "adapters": {"file": f"{C.ROUTER_CONFIG_DIR}/{C.ROUTER_ADAPTERS_FILE}", "report_namespace": ctx.namespace,
-                     "report_configmap": ctx.child("router"), "report_annotation": C.ANNOTATION_ADAPTERS_LOADED},
+        "adapters": {
+            "file": f"{C.ROUTER_CONFIG_DIR}/{C.ROUTER_ADAPTERS_FILE}",
+            "report_namespace": ctx.namespace,
+            "report_configmap": ctx.child("router"),
+            "report_annotation": C.ANNOTATION_ADAPTERS_LOADED,
+        },
     }
-    if not ctx.kv_cache().pull:   # on by default in the router too (router/config.py KVPullConfig)
+    if not ctx.kv_cache().pull:  # on by default in the router too (router/config.py KVPullConfig)
         config["placement"]["kv_pull"] = {"enabled": False}
     flow = flow_control_config(ctx)
     if flow:
@@ -78,13 +93,18 @@ def flow_control_config(ctx: Context) -> dict[str, Any]:
     if not eff.enabled:
         return {}
     objectives = {o.name: o.priority for o in spec.objectives}
-    return {"enabled": True, "objectives": objectives,
-            "default_objectives": ({ctx.spec.served_model_name: spec.default_objective}
-                                   if spec.default_objective else {}),
-            "fairness_header": eff.fairness_header, "max_queued_per_band": eff.max_queued_per_band,
-            "max_queue_wait_s": eff.max_queue_wait_seconds, "max_running_per_worker": eff.max_running_per_worker,
-            "reserved_running": eff.reserved_running, "queue_depth_threshold": eff.queue_depth_threshold,
-            "kv_cache_threshold": eff.kv_cache_threshold}
+    return {
+        "enabled": True,
+        "objectives": objectives,
+        "default_objectives": ({ctx.spec.served_model_name: spec.default_objective} if spec.default_objective else {}),
+        "fairness_header": eff.fairness_header,
+        "max_queued_per_band": eff.max_queued_per_band,
+        "max_queue_wait_s": eff.max_queue_wait_seconds,
+        "max_running_per_worker": eff.max_running_per_worker,
+        "reserved_running": eff.reserved_running,
+        "queue_depth_threshold": eff.queue_depth_threshold,
+        "kv_cache_threshold": eff.kv_cache_threshold,
+    }
 
 
 def adapters_text(ctx: Context) -> str:
@@ -106,16 +126,34 @@ def router_access(ctx: Context) -> list[Manifest]:
     name = ctx.child("router")
     subject = {"kind": "ServiceAccount", "name": name, "namespace": ctx.namespace}
     return [
-        {"apiVersion": "v1", "kind": "ConfigMap", "metadata": ctx.meta(name, "router"),
-         "data": {C.ROUTER_CONFIG_FILE: router_config_text(ctx), C.ROUTER_ADAPTERS_FILE: adapters_text(ctx)}},
-        {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": ctx.meta(name, "router"),
-         "automountServiceAccountToken": True},
-        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role", "metadata": ctx.meta(name, "router"),
-         "rules": [{"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"], "verbs": ["list", "watch"]},
-                   {"apiGroups": [""], "resources": ["configmaps"], "resourceNames": [name],
-                    "verbs": ["get", "patch"]}]},
-        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding", "metadata": ctx.meta(name, "router"),
-         "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name}, "subjects": [subject]},
+        {
+            "apiVersion": "v1",
+            "kind": "ConfigMap",
+            "metadata": ctx.meta(name, "router"),
+            "data": {C.ROUTER_CONFIG_FILE: router_config_text(ctx), C.ROUTER_ADAPTERS_FILE: adapters_text(ctx)},
+        },
+        {
+            "apiVersion": "v1",
+            "kind": "ServiceAccount",
+            "metadata": ctx.meta(name, "router"),
+            "automountServiceAccountToken": True,
+        },
+        {
+            "apiVersion": "rbac.authorization.k8s.io/v1",
+            "kind": "Role",
+            "metadata": ctx.meta(name, "router"),
+            "rules": [
+                {"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"], "verbs": ["list", "watch"]},
+                {"apiGroups": [""], "resources": ["configmaps"], "resourceNames": [name], "verbs": ["get", "patch"]},
+            ],
+        },
+        {
+            "apiVersion": "rbac.authorization.k8s.io/v1",
+            "kind": "RoleBinding",
+            "metadata": ctx.meta(name, "router"),
+            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
+            "subjects": [subject],
+        },
     ]
 
 
@@ -124,20 +162,31 @@ def _port(name: str, port: int) -> dict[str, Any]:
 
 
 def worker_ports() -> list[dict[str, Any]]:
-    return [_port(C.GRPC_PORT_NAME, C.GRPC_PORT), _port(C.METRICS_PORT_NAME, C.METRICS_PORT),
-            _port(C.KV_PORT_NAME, C.KV_PORT)]
+    return [
+        _port(C.GRPC_PORT_NAME, C.GRPC_PORT),
+        _port(C.METRICS_PORT_NAME, C.METRICS_PORT),
+        _port(C.KV_PORT_NAME, C.KV_PORT),
+    ]
 
 
 def headless_service(ctx: Context, component: str, ports: list[dict[str, Any]]) -> Manifest:
-    return {"apiVersion": "v1", "kind": "Service", "metadata": ctx.meta(ctx.child(component), component),
-            "spec": {"clusterIP": "None", "selector": ctx.selector(component), "ports": ports}}
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": ctx.meta(ctx.child(component), component),
+        "spec": {"clusterIP": "None", "selector": ctx.selector(component), "ports": ports},
+    }
 
 
 def gateway_service(ctx: Context) -> Manifest:
     service = ctx.spec.router.service
     port = {**_port(C.HTTP_PORT_NAME, service.port), "targetPort": C.HTTP_PORT_NAME}
-    return {"apiVersion": "v1", "kind": "Service", "metadata": ctx.meta(ctx.name, "gateway"),
-            "spec": {"type": service.type, "selector": ctx.selector("router"), "ports": [port]}}
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": ctx.meta(ctx.name, "gateway"),
+        "spec": {"type": service.type, "selector": ctx.selector("router"), "ports": [port]},
+    }
 
 
 def services(ctx: Context) -> list[Manifest]:

@@ -87,16 +87,20 @@ class WorkloadPolicies(_Settings):
 
     monitoring: Peer = Peer(namespace_labels={"kubernetes.io/metadata.name": "monitoring"}, pod_labels={})
     """Who may scrape the metrics ports (default: every pod of the namespace named monitoring)."""
-    gateway_from: list[Peer] = [Peer(pod_labels={}),
-                                Peer(namespace_labels={"kubernetes.io/metadata.name": "ingress-nginx"}, pod_labels={})]
+    gateway_from: list[Peer] = [
+        Peer(pod_labels={}),
+        Peer(namespace_labels={"kubernetes.io/metadata.name": "ingress-nginx"}, pod_labels={}),
+    ]
     """Who may call the router's HTTP port unless the InferenceService says (default: every pod of the
     service's namespace, and the ingress controller's namespace)."""
     inference_gateway_from: list[Peer] | None = None
     """With spec.gateway.mode inferencePool: who may call the EPP's ext_proc port and the decode pods'
     sidecar port unless the InferenceService sets gatewayFrom (the inference gateway's proxies, e.g. the
     namespace of Istio's, kgateway's or Envoy Gateway's Gateway pods); unset: gatewayFrom."""
-    planner: Peer = Peer(namespace_labels={"kubernetes.io/metadata.name": "splitserve-system"},
-                         pod_labels={"app.kubernetes.io/name": "splitserve-planner"})
+    planner: Peer = Peer(
+        namespace_labels={"kubernetes.io/metadata.name": "splitserve-system"},
+        pod_labels={"app.kubernetes.io/name": "splitserve-planner"},
+    )
     """Who else may scrape the metrics ports of a service with autoscaling provider planner: the SLA
     planner reads every router and worker pod's /metrics."""
 
@@ -198,6 +202,6 @@ def effective_flow_control(spec: FlowControlSpec, settings: OperatorSettings) ->
     """A service's flow-control bounds: each spec.flowControl field if set, else the chart's
     (objectives and the default objective are the service's own)."""
     fields = set(FlowControlDefaults.model_fields)
-    return settings.flow_control.model_copy(update={k: v for k, v in spec.model_dump().items()
-                                                    if v is not None and k in fields})
-
+    return settings.flow_control.model_copy(
+        update={k: v for k, v in spec.model_dump().items() if v is not None and k in fields}
+    )

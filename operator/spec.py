@@ -19,12 +19,19 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt, StringConstraints,
 from pydantic.alias_generators import to_camel
 
 # Kubernetes' resource.Quantity: an integer or a string like "500m", "16Gi", "1e3".
-QUANTITY_PATTERN = (r"^(\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))"
-                    r"(([KMGTPE]i)|[numkMGTPE]|([eE](\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?$")
+QUANTITY_PATTERN = (
+    r"^(\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))"
+    r"(([KMGTPE]i)|[numkMGTPE]|([eE](\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?$"
+)
 Quantity = Annotated[
     StrictInt | Annotated[str, StringConstraints(pattern=QUANTITY_PATTERN)],
-    WithJsonSchema({"x-kubernetes-int-or-string": True, "anyOf": [{"type": "integer"}, {"type": "string"}],
-                    "pattern": QUANTITY_PATTERN}),
+    WithJsonSchema(
+        {
+            "x-kubernetes-int-or-string": True,
+            "anyOf": [{"type": "integer"}, {"type": "string"}],
+            "pattern": QUANTITY_PATTERN,
+        }
+    ),
 ]
 LABEL_VALUE = r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$"
 ENV_NAME = r"^[-._a-zA-Z][-._a-zA-Z0-9]*$"
@@ -35,8 +42,9 @@ def rule(expr: str, message: str) -> dict[str, str]:
 
 
 class _Spec(BaseModel):
-    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="forbid", frozen=True,
-                              use_attribute_docstrings=True)
+    model_config = ConfigDict(
+        alias_generator=to_camel, populate_by_name=True, extra="forbid", frozen=True, use_attribute_docstrings=True
+    )
 
 
 class ModelStorage(_Spec):
@@ -88,10 +96,16 @@ class EngineSpec(_Spec):
 class SpeculativeSpec(_Spec):
     """Speculative decoding on the decode pool, vLLM's `--speculative-config` (docs/engine.md)."""
 
-    model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": [
-        rule("self.promptLookupMin <= self.promptLookupMax",
-             "speculative.promptLookupMin must be at most promptLookupMax"),
-    ]})
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                rule(
+                    "self.promptLookupMin <= self.promptLookupMax",
+                    "speculative.promptLookupMin must be at most promptLookupMax",
+                ),
+            ]
+        }
+    )
 
     # An enum, not pydantic's `const` for a one-value Literal: structural CRD schemas drop const.
     method: Annotated[Literal["ngram"], WithJsonSchema({"type": "string", "enum": ["ngram"]})] = "ngram"
@@ -108,8 +122,14 @@ class SpeculativeSpec(_Spec):
         """The worker's --speculative-config value."""
         import json
 
-        return json.dumps({"method": self.method, "num_speculative_tokens": self.num_speculative_tokens,
-                           "prompt_lookup_max": self.prompt_lookup_max, "prompt_lookup_min": self.prompt_lookup_min})
+        return json.dumps(
+            {
+                "method": self.method,
+                "num_speculative_tokens": self.num_speculative_tokens,
+                "prompt_lookup_max": self.prompt_lookup_max,
+                "prompt_lookup_min": self.prompt_lookup_min,
+            }
+        )
 
 
 class KvCacheSpec(_Spec):
@@ -133,12 +153,20 @@ class AutoscalingSpec(_Spec):
     """Queue-depth autoscaling of one pool. Every unset field takes the cluster default from the Helm chart's
     `autoscaling.*` values."""
 
-    model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": [
-        rule("!has(self.minReplicas) || !has(self.maxReplicas) || self.minReplicas <= self.maxReplicas",
-             "autoscaling.minReplicas must not exceed autoscaling.maxReplicas"),
-        rule("!has(self.provider) || self.provider != 'hpa' || !has(self.minReplicas) || self.minReplicas >= 1",
-             "autoscaling.minReplicas 0 (scale to zero) needs provider keda; an HPA keeps at least 1 replica"),
-    ]})
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                rule(
+                    "!has(self.minReplicas) || !has(self.maxReplicas) || self.minReplicas <= self.maxReplicas",
+                    "autoscaling.minReplicas must not exceed autoscaling.maxReplicas",
+                ),
+                rule(
+                    "!has(self.provider) || self.provider != 'hpa' || !has(self.minReplicas) || self.minReplicas >= 1",
+                    "autoscaling.minReplicas 0 (scale to zero) needs provider keda; an HPA keeps at least 1 replica",
+                ),
+            ]
+        }
+    )
 
     enabled: bool | None = None
     """Let an autoscaler own this pool's replicas (the operator then leaves `replicas` alone)."""
@@ -165,8 +193,9 @@ class SloSpec(_Spec):
     """90th percentile time to first token, in milliseconds."""
     itl_p90_ms: int = Field(alias="itlP90Ms", ge=1, le=60000)
     """90th percentile inter-token latency, in milliseconds."""
-    profile_config_map: str | None = Field(None, alias="profileConfigMap", min_length=1, max_length=253,
-                                           pattern=r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$")
+    profile_config_map: str | None = Field(
+        None, alias="profileConfigMap", min_length=1, max_length=253, pattern=r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$"
+    )
     """A ConfigMap in this namespace whose key profile.json is this service's capacity profile (`splitserve profile` on
     its hardware); default: the chart's autoscaling.plannerProfile."""
 
@@ -184,8 +213,13 @@ class Toleration(_Spec):
 class EnvVar(_Spec):
     """An environment variable: a literal value or a Kubernetes valueFrom source."""
 
-    model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": [
-        rule("!(has(self.value) && has(self.valueFrom))", "env: set value or valueFrom, not both")]})
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                rule("!(has(self.value) && has(self.valueFrom))", "env: set value or valueFrom, not both")
+            ]
+        }
+    )
 
     name: str = Field(min_length=1, max_length=256, pattern=ENV_NAME)
     value: str | None = None
@@ -256,12 +290,21 @@ class GatewayService(_Spec):
 class RouterSpec(_Spec):
     """The KV-cache-aware router and OpenAI gateway."""
 
-    model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": [
-        rule("self.replicas <= 1 || has(self.redis)",
-             "router.redis is required when router.replicas > 1: "
-             "the replicas share one prefix index through Redis"),
-        rule("!has(self.apiKeys) || !has(self.allowUnauthenticated) || !self.allowUnauthenticated",
-             "router: set apiKeys or allowUnauthenticated, not both")]})
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                rule(
+                    "self.replicas <= 1 || has(self.redis)",
+                    "router.redis is required when router.replicas > 1: "
+                    "the replicas share one prefix index through Redis",
+                ),
+                rule(
+                    "!has(self.apiKeys) || !has(self.allowUnauthenticated) || !self.allowUnauthenticated",
+                    "router: set apiKeys or allowUnauthenticated, not both",
+                ),
+            ]
+        }
+    )
 
     replicas: int = Field(1, ge=1, le=100)
     scorer_weights: ScorerWeights = ScorerWeights()
@@ -300,8 +343,13 @@ class UcxSpec(_Spec):
 class KvTransferSpec(_Spec):
     """How prefill workers ship KV blocks to decode workers."""
 
-    model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": [
-        rule("self.transport == 'ucx' || !has(self.ucx)", "kvTransfer.ucx applies only to transport ucx")]})
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                rule("self.transport == 'ucx' || !has(self.ucx)", "kvTransfer.ucx applies only to transport ucx")
+            ]
+        }
+    )
 
     transport: Literal["ucx", "tcp"] = "ucx"
     ucx: UcxSpec | None = None
@@ -335,9 +383,16 @@ class PeerSpec(_Spec):
     `namespaceLabels` (either alone: any namespace's matching pods in this namespace / every pod of
     the matching namespaces), or an address range `cidr`."""
 
-    model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": [
-        rule("has(self.cidr) != (has(self.namespaceLabels) || has(self.podLabels))",
-             "a peer is either a cidr or namespaceLabels/podLabels, not both and not neither")]})
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                rule(
+                    "has(self.cidr) != (has(self.namespaceLabels) || has(self.podLabels))",
+                    "a peer is either a cidr or namespaceLabels/podLabels, not both and not neither",
+                )
+            ]
+        }
+    )
 
     namespace_labels: dict[str, Annotated[str, StringConstraints(max_length=63, pattern=LABEL_VALUE)]] | None = None
     """Labels of the source namespaces ({} = every namespace)."""
@@ -358,8 +413,13 @@ class TlsSpec(_Spec):
     `secretName`, or the Secret of the cert-manager Certificate `<name>-tls` the operator renders
     when `issuer` is set. The certificate must name `splitserve-worker` and allow server and client auth."""
 
-    model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": [
-        rule("has(self.secretName) != has(self.issuer)", "tls: set exactly one of secretName or issuer")]})
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                rule("has(self.secretName) != has(self.issuer)", "tls: set exactly one of secretName or issuer")
+            ]
+        }
+    )
 
     secret_name: str | None = Field(None, min_length=1, max_length=253)
     """An existing Secret (tls.crt, tls.key, ca.crt)."""
@@ -439,13 +499,21 @@ class FlowControlSpec(_Spec):
     tenants of a band share fairly, sheddable bands are turned away first. Every unset field takes
     the Helm chart's `flowControl.*` value."""
 
-    model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": [
-        rule("!has(self.defaultObjective) || (has(self.objectives) && "
-             "self.objectives.exists(o, o.name == self.defaultObjective))",
-             "flowControl.defaultObjective must name one of flowControl.objectives"),
-        rule("!has(self.objectives) || self.objectives.all(a, self.objectives.exists_one(b, b.name == a.name))",
-             "flowControl.objectives must have unique names"),
-    ]})
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                rule(
+                    "!has(self.defaultObjective) || (has(self.objectives) && "
+                    "self.objectives.exists(o, o.name == self.defaultObjective))",
+                    "flowControl.defaultObjective must name one of flowControl.objectives",
+                ),
+                rule(
+                    "!has(self.objectives) || self.objectives.all(a, self.objectives.exists_one(b, b.name == a.name))",
+                    "flowControl.objectives must have unique names",
+                ),
+            ]
+        }
+    )
 
     enabled: bool | None = None
     """Queue requests in the router while the workers are saturated (off: dispatch at once, first come first served)."""
@@ -474,28 +542,40 @@ class FlowControlSpec(_Spec):
         if len(set(names)) != len(names):
             raise ValueError("flowControl.objectives must have unique names")
         if self.default_objective is not None and self.default_objective not in names:
-            raise ValueError(f"flowControl.defaultObjective {self.default_objective!r} is not one of the objectives "
-                             f"({', '.join(names) or 'none'})")
+            raise ValueError(
+                f"flowControl.defaultObjective {self.default_objective!r} is not one of the objectives "
+                f"({', '.join(names) or 'none'})"
+            )
         return self
 
 
 class InferenceServiceSpec(_Spec):
     """A disaggregated LLM service: a prefill pool, a decode pool and a router in front."""
 
-    model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": [
-        rule("self.disaggregation.mode != 'always' || self.prefill.replicas >= 1 || "
-             "(has(self.prefill.autoscaling.enabled) && self.prefill.autoscaling.enabled)",
-             "disaggregation.mode always needs a prefill pool: "
-             "set prefill.replicas >= 1 or enable its autoscaling"),
-        rule("self.decode.replicas >= 1 || "
-             "(has(self.decode.autoscaling.enabled) && self.decode.autoscaling.enabled)",
-             "decode.replicas must be at least 1 unless an autoscaler owns the pool"),
-        rule("has(self.slo) || "
-             "!((has(self.prefill.autoscaling.provider) && self.prefill.autoscaling.provider == 'planner')"
-             " || (has(self.decode.autoscaling.provider) && self.decode.autoscaling.provider == 'planner'))",
-             "autoscaling.provider planner needs spec.slo (ttftP90Ms and itlP90Ms): "
-             "the planner sizes the pools for them"),
-    ]})
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                rule(
+                    "self.disaggregation.mode != 'always' || self.prefill.replicas >= 1 || "
+                    "(has(self.prefill.autoscaling.enabled) && self.prefill.autoscaling.enabled)",
+                    "disaggregation.mode always needs a prefill pool: "
+                    "set prefill.replicas >= 1 or enable its autoscaling",
+                ),
+                rule(
+                    "self.decode.replicas >= 1 || "
+                    "(has(self.decode.autoscaling.enabled) && self.decode.autoscaling.enabled)",
+                    "decode.replicas must be at least 1 unless an autoscaler owns the pool",
+                ),
+                rule(
+                    "has(self.slo) || "
+                    "!((has(self.prefill.autoscaling.provider) && self.prefill.autoscaling.provider == 'planner')"
+                    " || (has(self.decode.autoscaling.provider) && self.decode.autoscaling.provider == 'planner'))",
+                    "autoscaling.provider planner needs spec.slo (ttftP90Ms and itlP90Ms): "
+                    "the planner sizes the pools for them",
+                ),
+            ]
+        }
+    )
 
     model: ModelSpec
     engine: EngineSpec = EngineSpec()

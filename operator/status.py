@@ -69,8 +69,9 @@ class InferenceServiceStatus(_Status):
     prefill: PoolStatus | None = None
     decode: PoolStatus | None = None
     router: PoolStatus | None = None
-    conditions: list[Condition] = Field([], json_schema_extra={"x-kubernetes-list-type": "map",
-                                                               "x-kubernetes-list-map-keys": ["type"]})
+    conditions: list[Condition] = Field(
+        [], json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]}
+    )
 
 
 @dataclass(frozen=True)
@@ -90,8 +91,12 @@ def observe_deployment(live: dict[str, Any] | None) -> PoolObservation:
     generation = live.get("metadata", {}).get("generation")
     seen = status.get("observedGeneration")
     rolled_out = generation is None or (seen is not None and seen >= generation)
-    return PoolObservation(exists=True, desired=int(live.get("spec", {}).get("replicas", 1)),
-                           ready=int(status.get("readyReplicas") or 0), rolled_out=rolled_out)
+    return PoolObservation(
+        exists=True,
+        desired=int(live.get("spec", {}).get("replicas", 1)),
+        ready=int(status.get("readyReplicas") or 0),
+        rolled_out=rolled_out,
+    )
 
 
 def pool_condition(role: str, obs: PoolObservation | None) -> tuple[bool, str, str]:
@@ -109,14 +114,21 @@ def pool_condition(role: str, obs: PoolObservation | None) -> tuple[bool, str, s
     return True, "Ready", f"{obs.ready} of {obs.desired} {role} replicas are ready"
 
 
-def _condition(ctype: str, ok: bool | str, reason: str, message: str, generation: int | None,
-               previous: dict[str, dict], now: str) -> dict[str, Any]:
+def _condition(
+    ctype: str, ok: bool | str, reason: str, message: str, generation: int | None, previous: dict[str, dict], now: str
+) -> dict[str, Any]:
     """One condition; `ok` is a bool or the status itself ("Unknown")."""
     status = ok if isinstance(ok, str) else ("True" if ok else "False")
     old = previous.get(ctype)
     since = old.get("lastTransitionTime") if old and old.get("status") == status else None
-    return {"type": ctype, "status": status, "reason": reason, "message": message,
-            "observedGeneration": generation, "lastTransitionTime": since or now}
+    return {
+        "type": ctype,
+        "status": status,
+        "reason": reason,
+        "message": message,
+        "observedGeneration": generation,
+        "lastTransitionTime": since or now,
+    }
 
 
 def now_rfc3339() -> str:
@@ -129,8 +141,10 @@ def parse_adapter_report(text: str | None) -> dict[str, dict[str, Any]] | None:
         return None
     try:
         report = json.loads(text)
-        return {pool: {"workers": int(v["workers"]), "adapters": {str(n): int(c) for n, c in v["adapters"].items()}}
-                for pool, v in report.items()}
+        return {
+            pool: {"workers": int(v["workers"]), "adapters": {str(n): int(c) for n, c in v["adapters"].items()}}
+            for pool, v in report.items()
+        }
     except (ValueError, TypeError, KeyError, AttributeError):
         return None
 
@@ -164,8 +178,12 @@ def authentication_condition(spec: Any) -> tuple[bool, str, str]:
     """(authenticated, reason, message) of the condition Authenticated: whether the gateway needs an API key."""
     router = spec.router
     if router.allow_unauthenticated:
-        return (False, "UnauthenticatedByRequest", "spec.router.allowUnauthenticated is true: anyone who reaches the "
-                "gateway may call every endpoint, including LoRA load and unload")
+        return (
+            False,
+            "UnauthenticatedByRequest",
+            "spec.router.allowUnauthenticated is true: anyone who reaches the "
+            "gateway may call every endpoint, including LoRA load and unload",
+        )
     if router.api_keys is not None:
         return True, "UserSuppliedKeys", f"the gateway takes the keys of Secret {router.api_keys.name}"
     return True, "GeneratedAdminKey", "the gateway takes the operator's generated admin key (Secret <name>-api-keys)"
@@ -180,16 +198,25 @@ def security_condition(spec: Any) -> tuple[bool, str, str]:
         off.append("worker gRPC is plaintext (no mTLS)")
     if spec.kv_transfer.auth_secret is None:
         off.append("decode workers accept KV blocks from anyone who reaches their port")
-    return (not off, "InsecureByRequest" if off else "UserSuppliedSecurity",
-            "spec.security.insecure is true: " + ("; ".join(off) if off else "only the spec's own tls and "
-                                                  "kvTransfer.authSecret apply"))
+    return (
+        not off,
+        "InsecureByRequest" if off else "UserSuppliedSecurity",
+        "spec.security.insecure is true: "
+        + ("; ".join(off) if off else "only the spec's own tls and kvTransfer.authSecret apply"),
+    )
 
 
-def build_status(observations: dict[str, PoolObservation | None], generation: int | None, url: str,
-                 previous: dict[str, Any] | None, now: str, declared_adapters: list[str] | None = None,
-                 adapter_report: dict[str, dict] | None = None,
-                 security: tuple[bool, str, str] | None = None,
-                 authentication: tuple[bool, str, str] | None = None) -> dict[str, Any]:
+def build_status(
+    observations: dict[str, PoolObservation | None],
+    generation: int | None,
+    url: str,
+    previous: dict[str, Any] | None,
+    now: str,
+    declared_adapters: list[str] | None = None,
+    adapter_report: dict[str, dict] | None = None,
+    security: tuple[bool, str, str] | None = None,
+    authentication: tuple[bool, str, str] | None = None,
+) -> dict[str, Any]:
     """The status of a valid spec from its pools (role -> observation; None = pool not wanted),
     the router's adapter report (parse_adapter_report) and security_condition (None: left out)."""
     old = {c["type"]: c for c in (previous or {}).get("conditions", [])}
@@ -199,12 +226,26 @@ def build_status(observations: dict[str, PoolObservation | None], generation: in
         conditions.append(_condition(CONDITION_OF_ROLE[role], ok, reason, message, generation, old, now))
         if not ok:
             not_ready.append(f"{role}: {message}")
-    ready = _condition("Ready", not not_ready, "Ready" if not not_ready else "ComponentsNotReady",
-                       "; ".join(not_ready) or "all pools are ready", generation, old, now)
+    ready = _condition(
+        "Ready",
+        not not_ready,
+        "Ready" if not not_ready else "ComponentsNotReady",
+        "; ".join(not_ready) or "all pools are ready",
+        generation,
+        old,
+        now,
+    )
     worker_pools = [role for role in ROLES[:2] if observations.get(role) is not None]
     if declared_adapters or any(e["adapters"] for e in (adapter_report or {}).values()):
-        conditions.append(_condition("AdaptersLoaded", *adapters_condition(declared_adapters or [], worker_pools,
-                                                                           adapter_report), generation, old, now))
+        conditions.append(
+            _condition(
+                "AdaptersLoaded",
+                *adapters_condition(declared_adapters or [], worker_pools, adapter_report),
+                generation,
+                old,
+                now,
+            )
+        )
     if security is not None:
         conditions.append(_condition("Secure", *security, generation, old, now))
     if authentication is not None:
@@ -219,8 +260,9 @@ def build_status(observations: dict[str, PoolObservation | None], generation: in
     return status
 
 
-def blocked_status(reason: str, message: str, generation: int | None, previous: dict[str, Any] | None,
-                   now: str) -> dict[str, Any]:
+def blocked_status(
+    reason: str, message: str, generation: int | None, previous: dict[str, Any] | None, now: str
+) -> dict[str, Any]:
     """Ready=False for a reason that stops the operator before it applies anything (InvalidSpec,
     MissingAPI); the pool conditions and replica counts of the last good run are kept."""
     old = {c["type"]: c for c in (previous or {}).get("conditions", [])}

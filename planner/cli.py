@@ -40,22 +40,39 @@ log = logging.getLogger(__name__)
 
 def register(subparsers) -> None:
     p = subparsers.add_parser("planner", help="the SLA planner (serves KEDA's JSON or writes scale)")
-    p.add_argument("--cluster", action="store_true",
-                   help="plan every InferenceService with provider planner, leader-elected on a Lease")
+    p.add_argument(
+        "--cluster",
+        action="store_true",
+        help="plan every InferenceService with provider planner, leader-elected on a Lease",
+    )
     p.add_argument("--kubeconfig", help="--cluster outside a cluster (default: in-cluster, $KUBECONFIG)")
-    p.add_argument("--lease-namespace", default=os.environ.get("POD_NAMESPACE", ""),
-                   help="namespace of the Lease (default: $POD_NAMESPACE)")
+    p.add_argument(
+        "--lease-namespace",
+        default=os.environ.get("POD_NAMESPACE", ""),
+        help="namespace of the Lease (default: $POD_NAMESPACE)",
+    )
     p.add_argument("--lease-name", default="splitserve-planner")
-    p.add_argument("--identity", default=os.environ.get("POD_NAME") or socket.gethostname(),
-                   help="this replica's name in the Lease (default: $POD_NAME, else the host name)")
+    p.add_argument(
+        "--identity",
+        default=os.environ.get("POD_NAME") or socket.gethostname(),
+        help="this replica's name in the Lease (default: $POD_NAME, else the host name)",
+    )
     p.add_argument("--lease-duration", type=float, default=15.0, help="seconds; renew deadline 2/3, retry 1/5 of it")
     p.add_argument("--namespace", help="one InferenceService's namespace (without --cluster)")
     p.add_argument("--name", help="the InferenceService (without --cluster)")
-    p.add_argument("--router-metrics", action="append", metavar="URL",
-                   help="a router replica's /metrics URL (repeatable; without --cluster)")
-    p.add_argument("--decode-metrics", action="append", default=[], metavar="URL",
-                   help="a decode worker's /metrics URL, for measured ITL and KV-transfer time (repeatable; "
-                        "without --cluster)")
+    p.add_argument(
+        "--router-metrics",
+        action="append",
+        metavar="URL",
+        help="a router replica's /metrics URL (repeatable; without --cluster)",
+    )
+    p.add_argument(
+        "--decode-metrics",
+        action="append",
+        default=[],
+        metavar="URL",
+        help="a decode worker's /metrics URL, for measured ITL and KV-transfer time (repeatable; without --cluster)",
+    )
     p.add_argument("--profile", help="capacity profile JSON (`splitserve profile`; without --cluster)")
     p.add_argument("--ttft-slo-ms", type=int, default=2000)
     p.add_argument("--itl-slo-ms", type=int, default=100)
@@ -74,10 +91,19 @@ def register(subparsers) -> None:
 
 def config_from_args(args) -> PlannerConfig:
     bounds = PoolBounds(args.min_replicas, args.max_replicas)
-    return PlannerConfig(ttft_p90_s=args.ttft_slo_ms / 1000, itl_p90_s=args.itl_slo_ms / 1000, tick_s=args.tick,
-                         headroom=args.headroom, utilization=args.utilization, down_threshold=args.down_threshold,
-                         scale_down_window_s=args.scale_down_window, peak_window_s=max(60.0, 4 * args.tick),
-                         budget=args.budget, prefill=bounds, decode=bounds)
+    return PlannerConfig(
+        ttft_p90_s=args.ttft_slo_ms / 1000,
+        itl_p90_s=args.itl_slo_ms / 1000,
+        tick_s=args.tick,
+        headroom=args.headroom,
+        utilization=args.utilization,
+        down_threshold=args.down_threshold,
+        scale_down_window_s=args.scale_down_window,
+        peak_window_s=max(60.0, 4 * args.tick),
+        budget=args.budget,
+        prefill=bounds,
+        decode=bounds,
+    )
 
 
 def _get(url: str) -> str:
@@ -99,8 +125,11 @@ def scrape(urls: list[str]) -> dict | None:
             for s in family.samples:
                 if s.name == "splitserve_router_demand_tokens_total" and s.labels.get("kind") in out:
                     out[s.labels["kind"]] += s.value
-                elif s.name == "splitserve_router_workers" and s.labels.get("state") == "healthy" \
-                        and s.labels.get("role") in ("prefill", "decode"):
+                elif (
+                    s.name == "splitserve_router_workers"
+                    and s.labels.get("state") == "healthy"
+                    and s.labels.get("role") in ("prefill", "decode")
+                ):
                     out[s.labels["role"]] += int(s.value)
     return out
 
@@ -108,8 +137,15 @@ def scrape(urls: list[str]) -> dict | None:
 class PlannerProcess:
     """One tick = scrape, rates, decide, publish. `tick` is separate from the loop for tests."""
 
-    def __init__(self, planner: Planner, store: DesiredStore, namespace: str, name: str, urls: list[str],
-                 decode_urls: list[str] = ()):
+    def __init__(
+        self,
+        planner: Planner,
+        store: DesiredStore,
+        namespace: str,
+        name: str,
+        urls: list[str],
+        decode_urls: list[str] = (),
+    ):
         self.planner, self.store, self.namespace, self.name, self.urls = planner, store, namespace, name, urls
         self.decode_urls = list(decode_urls)
         self.last: tuple[float, dict] | None = None
@@ -140,18 +176,24 @@ class PlannerProcess:
         self._scrape_decode(now)
         ttft, itl = measured_latency(self.latency.delta("router/"), self.latency.delta("decode/"))
         current = self.planner.targets()
-        obs = Observation(now=now, uncached_prompt_tokens_per_s=prompt_rate, output_tokens_per_s=output_rate,
-                          prefill=PoolObservation(ready["prefill"], max(0, current["prefill"] - ready["prefill"])),
-                          decode=PoolObservation(ready["decode"], max(0, current["decode"] - ready["decode"])),
-                          ttft_p90_s=ttft, itl_p90_s=itl)
+        obs = Observation(
+            now=now,
+            uncached_prompt_tokens_per_s=prompt_rate,
+            output_tokens_per_s=output_rate,
+            prefill=PoolObservation(ready["prefill"], max(0, current["prefill"] - ready["prefill"])),
+            decode=PoolObservation(ready["decode"], max(0, current["decode"] - ready["decode"])),
+            ttft_p90_s=ttft,
+            itl_p90_s=itl,
+        )
         self.store.publish(self.namespace, self.name, self.planner.tick(obs))
 
 
 def cmd_planner(args) -> int:
     if args.cluster:
         return cmd_cluster(args)
-    missing = [f"--{n.replace('_', '-')}" for n in ("namespace", "name", "router_metrics", "profile")
-               if not getattr(args, n)]
+    missing = [
+        f"--{n.replace('_', '-')}" for n in ("namespace", "name", "router_metrics", "profile") if not getattr(args, n)
+    ]
     if missing:
         raise SystemExit(f"splitserve planner: without --cluster, {', '.join(missing)} are required")
     planner = Planner(config_from_args(args), CapacityProfile.load(args.profile))
@@ -184,8 +226,11 @@ def cmd_cluster(args) -> int:
     cluster = ClusterPlanner(kube, LeaderElector(kube, lease), store, config_from_args(args))
     server = serve(store, args.host, args.port)
     signal.signal(signal.SIGTERM, _interrupt)  # the pod's stop: release the lease on the way out
-    print(f"splitserve planner: cluster mode as {args.identity}, lease {args.lease_namespace}/{args.lease_name}, "
-          f"serving :{server.server_port}", flush=True)
+    print(
+        f"splitserve planner: cluster mode as {args.identity}, lease {args.lease_namespace}/{args.lease_name}, "
+        f"serving :{server.server_port}",
+        flush=True,
+    )
     try:
         while True:
             try:

@@ -43,8 +43,15 @@ def http_fetch(url: str) -> str:
 
 
 class ClusterPlanner:
-    def __init__(self, kube: KubeClient, elector: LeaderElector, store: DesiredStore, base: PlannerConfig,
-                 fetch: Callable[[str], str] = http_fetch, clock=time.monotonic) -> None:
+    def __init__(
+        self,
+        kube: KubeClient,
+        elector: LeaderElector,
+        store: DesiredStore,
+        base: PlannerConfig,
+        fetch: Callable[[str], str] = http_fetch,
+        clock=time.monotonic,
+    ) -> None:
         self.kube, self.elector, self.store, self.base = kube, elector, store, base
         self.fetch, self.clock = fetch, clock
         self.loops: dict[tuple[str, str], ServiceLoop] = {}
@@ -93,12 +100,13 @@ class ClusterPlanner:
 
     def decide(self, plan: ServicePlan, now: float) -> None:
         key = (plan.namespace, plan.name)
-        deployments = {p: self.kube.get(ns_path(APPS, plan.namespace, "deployments", plan.pool(p).deployment))
-                       for p in POOLS}
+        deployments = {
+            p: self.kube.get(ns_path(APPS, plan.namespace, "deployments", plan.pool(p).deployment)) for p in POOLS
+        }
         if any(d is None for d in deployments.values()):
             raise ConfigError("its Deployments do not exist yet")
         replicas = {p: int(d["spec"].get("replicas") or 0) for p, d in deployments.items()}
-        profile = self._profile_text(plan)         # read every tick: an edited profile takes effect
+        profile = self._profile_text(plan)  # read every tick: an edited profile takes effect
         loop = self.loops.get(key)
         if loop is None or loop.plan != plan or loop.profile_text != profile:
             planner = Planner(plan.planner_config(self.base), CapacityProfile.from_json(profile), initial=replicas)

@@ -21,8 +21,9 @@ class PoolBounds:
         if self.min_replicas < 0:
             raise ConfigError(f"min_replicas must be >= 0, got {self.min_replicas}")
         if self.max_replicas < max(1, self.min_replicas):
-            raise ConfigError(f"max_replicas must be >= max(1, min_replicas={self.min_replicas}), "
-                              f"got {self.max_replicas}")
+            raise ConfigError(
+                f"max_replicas must be >= max(1, min_replicas={self.min_replicas}), got {self.max_replicas}"
+            )
 
 
 @dataclass(frozen=True)
@@ -68,15 +69,18 @@ class PlannerConfig:
         if not 0 <= self.headroom <= 4:
             raise ConfigError(f"planner headroom must be in [0, 4], got {self.headroom}")
         if self.down_threshold > self.utilization:
-            raise ConfigError(f"planner down_threshold ({self.down_threshold}) must be <= utilization "
-                              f"({self.utilization}), or a pool would shrink into a scale-up")
+            raise ConfigError(
+                f"planner down_threshold ({self.down_threshold}) must be <= utilization "
+                f"({self.utilization}), or a pool would shrink into a scale-up"
+            )
         for name in ("scale_down_window_s", "peak_window_s", "pending_timeout_s", "warmup_s"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"planner {name} must be >= 0, got {getattr(self, name)}")
         floor = self.prefill.min_replicas + self.decode.min_replicas
         if self.budget < 0 or (self.budget and self.budget < max(floor, 2)):
-            raise ConfigError(f"planner budget must be 0 (none) or >= the pools' floors "
-                              f"({max(floor, 2)}), got {self.budget}")
+            raise ConfigError(
+                f"planner budget must be 0 (none) or >= the pools' floors ({max(floor, 2)}), got {self.budget}"
+            )
 
     def bounds(self, pool: str) -> PoolBounds:
         if pool not in POOLS:

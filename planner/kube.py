@@ -40,8 +40,9 @@ def load_configuration(kubeconfig: str | None = None) -> client.Configuration:
     try:
         config.load_incluster_config(client_configuration=cfg)
     except config.ConfigException:
-        config.load_kube_config(config_file=kubeconfig or os.environ.get("KUBECONFIG") or None,
-                                client_configuration=cfg)
+        config.load_kube_config(
+            config_file=kubeconfig or os.environ.get("KUBECONFIG") or None, client_configuration=cfg
+        )
     return cfg
 
 
@@ -60,11 +61,22 @@ class KubeClient:
         self.api = client.ApiClient(cfg)
         self.timeout = timeout
 
-    def _call(self, method: str, url: str, body: Any = None, query: list[tuple[str, str]] | None = None,
-              content_type: str = "application/json") -> Any:
-        request = self.api.param_serialize(method=method, resource_path=url, query_params=query or [],
-                                           header_params={"Content-Type": content_type, "Accept": "application/json"},
-                                           body=body, auth_settings=["BearerToken"])
+    def _call(
+        self,
+        method: str,
+        url: str,
+        body: Any = None,
+        query: list[tuple[str, str]] | None = None,
+        content_type: str = "application/json",
+    ) -> Any:
+        request = self.api.param_serialize(
+            method=method,
+            resource_path=url,
+            query_params=query or [],
+            header_params={"Content-Type": content_type, "Accept": "application/json"},
+            body=body,
+            auth_settings=["BearerToken"],
+        )
         try:
             response = self.api.call_api(*request, _request_timeout=self.timeout)
             response.read()

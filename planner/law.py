@@ -45,9 +45,19 @@ from splitserve.planner.capacity import OnlineCapacity, ReplicaSample
 from splitserve.planner.config import POOLS, PlannerConfig
 from splitserve.planner.profile import CapacityProfile
 
-REASONS = ("hold", "scale_up", "scale_down", "hold_missing_metrics", "wait_scale_down_window",
-           "hold_survivors_would_not_fit", "wait_pending", "capped_pending", "capped_budget",
-           "raise_to_min", "cap_at_max")
+REASONS = (
+    "hold",
+    "scale_up",
+    "scale_down",
+    "hold_missing_metrics",
+    "wait_scale_down_window",
+    "hold_survivors_would_not_fit",
+    "wait_pending",
+    "capped_pending",
+    "capped_budget",
+    "raise_to_min",
+    "cap_at_max",
+)
 
 
 @dataclass(frozen=True)
@@ -71,8 +81,8 @@ class Observation:
     mean_prompt_tokens: float = 512.0
     mean_output_tokens: float = 128.0
     inflight_decode_seqs: float = 0.0
-    queued_requests: float = 0.0       # in the gateways' flow-control queues
-    ttft_p90_s: float | None = None   # prefill's share: TTFT minus KV transfer
+    queued_requests: float = 0.0  # in the gateways' flow-control queues
+    ttft_p90_s: float | None = None  # prefill's share: TTFT minus KV transfer
     itl_p90_s: float | None = None
     samples: tuple[ReplicaSample, ...] = ()
 
@@ -100,7 +110,7 @@ class Decision:
 @dataclass
 class _PoolState:
     target: int
-    peak: deque = field(default_factory=deque)   # (t, demand) within peak_window_s
+    peak: deque = field(default_factory=deque)  # (t, demand) within peak_window_s
     ewma: float | None = None
     below_since: float | None = None
 
@@ -108,8 +118,7 @@ class _PoolState:
 class Planner:
     """Holds the per-pool state between ticks; `tick` is the only mutator."""
 
-    def __init__(self, cfg: PlannerConfig, profile: CapacityProfile,
-                 initial: dict[str, int] | None = None) -> None:
+    def __init__(self, cfg: PlannerConfig, profile: CapacityProfile, initial: dict[str, int] | None = None) -> None:
         self.cfg, self.profile = cfg, profile
         self.online = OnlineCapacity(cfg.warmup_s)
         initial = initial or {}
@@ -124,12 +133,26 @@ class Planner:
         mu_p = self.online.capacity("prefill", self.profile.prefill_tokens_per_s(obs.mean_prompt_tokens))
         mu_d = self.online.capacity("decode", self.profile.decode_tokens_per_s(self.cfg.itl_p90_s, ctx))
         kv_need = math.ceil(obs.inflight_decode_seqs * ctx / (self.profile.kv_tokens * self.cfg.kv_utilization) - 1e-9)
-        p = self._pool("prefill", obs.now, self._with_queue(obs.uncached_prompt_tokens_per_s, obs.queued_requests,
-                                                             obs.mean_prompt_tokens), mu_p, 0,
-                       obs.ttft_p90_s, self.cfg.ttft_p90_s, obs.prefill)
-        d = self._pool("decode", obs.now, self._with_queue(obs.output_tokens_per_s, obs.queued_requests,
-                                                            obs.mean_output_tokens), mu_d, kv_need,
-                       obs.itl_p90_s, self.cfg.itl_p90_s, obs.decode)
+        p = self._pool(
+            "prefill",
+            obs.now,
+            self._with_queue(obs.uncached_prompt_tokens_per_s, obs.queued_requests, obs.mean_prompt_tokens),
+            mu_p,
+            0,
+            obs.ttft_p90_s,
+            self.cfg.ttft_p90_s,
+            obs.prefill,
+        )
+        d = self._pool(
+            "decode",
+            obs.now,
+            self._with_queue(obs.output_tokens_per_s, obs.queued_requests, obs.mean_output_tokens),
+            mu_d,
+            kv_need,
+            obs.itl_p90_s,
+            self.cfg.itl_p90_s,
+            obs.decode,
+        )
         p, d = self._budget(p, d)
         self._state["prefill"].target, self._state["decode"].target = p.desired, d.desired
         return Decision(prefill=p, decode=d)
@@ -145,8 +168,17 @@ class Planner:
     def _need(self, demand: float, mu: float, floor: int) -> int:
         return max(floor, math.ceil(demand * (1 + self.cfg.headroom) / (mu * self.cfg.utilization) - 1e-9))
 
-    def _pool(self, pool: str, now: float, demand: float | None, mu: float, kv_need: int,
-              latency: float | None, slo: float, obs: PoolObservation) -> PoolDecision:
+    def _pool(
+        self,
+        pool: str,
+        now: float,
+        demand: float | None,
+        mu: float,
+        kv_need: int,
+        latency: float | None,
+        slo: float,
+        obs: PoolObservation,
+    ) -> PoolDecision:
         st, cfg, bounds = self._state[pool], self.cfg, self.cfg.bounds(pool)
         current = st.target
         if demand is None:
@@ -155,8 +187,13 @@ class Planner:
         while st.peak and st.peak[0][0] < now - cfg.peak_window_s:
             st.peak.popleft()
         peak = max(d for _, d in st.peak)
-        st.ewma = 0.0 if peak == 0 else demand if st.ewma is None else \
-            cfg.ewma_alpha * demand + (1 - cfg.ewma_alpha) * st.ewma
+        st.ewma = (
+            0.0
+            if peak == 0
+            else demand
+            if st.ewma is None
+            else cfg.ewma_alpha * demand + (1 - cfg.ewma_alpha) * st.ewma
+        )
         trim = 1 if latency is not None and latency > slo and demand > 0 else 0
         need_up = self._need(peak, mu, kv_need) + trim
         need_down = self._need(st.ewma, mu, kv_need) + trim
@@ -189,8 +226,9 @@ class Planner:
         if survivors == 0:
             fits = st.ewma == 0 and kv_need == 0
         else:
-            fits = st.ewma * (1 + self.cfg.headroom) / (mu * survivors) < self.cfg.down_threshold \
-                and kv_need <= survivors
+            fits = (
+                st.ewma * (1 + self.cfg.headroom) / (mu * survivors) < self.cfg.down_threshold and kv_need <= survivors
+            )
         return (survivors, "scale_down") if fits else (current, "hold_survivors_would_not_fit")
 
     # -- both pools ----------------------------------------------------------------------------
@@ -204,7 +242,11 @@ class Planner:
         n_p = max(lo_p, min(p.desired, round(budget * want_p / (want_p + want_d))))
         n_d = max(lo_d, min(d.desired, budget - n_p))
         n_p = min(n_p, budget - n_d)
-        return (PoolDecision(p.pool, n_p, "capped_budget" if n_p < p.desired else p.reason, p.demand,
-                             p.capacity, p.need, p.trim),
-                PoolDecision(d.pool, n_d, "capped_budget" if n_d < d.desired else d.reason, d.demand,
-                             d.capacity, d.need, d.trim))
+        return (
+            PoolDecision(
+                p.pool, n_p, "capped_budget" if n_p < p.desired else p.reason, p.demand, p.capacity, p.need, p.trim
+            ),
+            PoolDecision(
+                d.pool, n_d, "capped_budget" if n_d < d.desired else d.reason, d.demand, d.capacity, d.need, d.trim
+            ),
+        )

@@ -50,8 +50,10 @@ class LeaseConfig:
         if not self.namespace or not self.name or not self.identity:
             raise ConfigError("a lease needs a namespace, a name and this replica's identity")
         if not 0 < self.retry_s < self.renew_deadline_s < self.duration_s:
-            raise ConfigError(f"lease timings must satisfy 0 < retry ({self.retry_s}) < renew deadline "
-                              f"({self.renew_deadline_s}) < duration ({self.duration_s})")
+            raise ConfigError(
+                f"lease timings must satisfy 0 < retry ({self.retry_s}) < renew deadline "
+                f"({self.renew_deadline_s}) < duration ({self.duration_s})"
+            )
 
 
 def _micro_time() -> str:
@@ -62,7 +64,7 @@ class LeaderElector:
     def __init__(self, kube: KubeClient, cfg: LeaseConfig, clock=time.monotonic) -> None:
         self.kube, self.cfg, self.clock = kube, cfg, clock
         self.url = ns_path(LEASES, cfg.namespace, "leases", cfg.name)
-        self._seen: tuple[str, float] | None = None   # (resourceVersion, when we first saw it)
+        self._seen: tuple[str, float] | None = None  # (resourceVersion, when we first saw it)
         self._renewed_at: float | None = None
         self.holder: str | None = None
 
@@ -93,28 +95,49 @@ class LeaderElector:
             self._renewed_at = None
             return
         mine = self.holder == self.cfg.identity
-        new_spec = {"holderIdentity": self.cfg.identity, "leaseDurationSeconds": int(round(self.cfg.duration_s)),
-                    "acquireTime": spec.get("acquireTime") if mine else _micro_time(), "renewTime": _micro_time(),
-                    "leaseTransitions": int(spec.get("leaseTransitions") or 0) + (0 if mine else 1)}
+        new_spec = {
+            "holderIdentity": self.cfg.identity,
+            "leaseDurationSeconds": int(round(self.cfg.duration_s)),
+            "acquireTime": spec.get("acquireTime") if mine else _micro_time(),
+            "renewTime": _micro_time(),
+            "leaseTransitions": int(spec.get("leaseTransitions") or 0) + (0 if mine else 1),
+        }
         try:
-            out = self.kube.json_patch(self.url, [{"op": "test", "path": "/metadata/resourceVersion", "value": rv},
-                                                  {"op": "replace" if "spec" in lease else "add", "path": "/spec",
-                                                   "value": new_spec}])
+            out = self.kube.json_patch(
+                self.url,
+                [
+                    {"op": "test", "path": "/metadata/resourceVersion", "value": rv},
+                    {"op": "replace" if "spec" in lease else "add", "path": "/spec", "value": new_spec},
+                ],
+            )
         except KubeError as exc:
             if exc.status in LOST_RACE:
                 self._renewed_at = None
                 return
             raise
         if not mine:
-            log.warning("planner: %s now leads (lease %s/%s, previous holder %s)", self.cfg.identity,
-                        self.cfg.namespace, self.cfg.name, self.holder or "none")
+            log.warning(
+                "planner: %s now leads (lease %s/%s, previous holder %s)",
+                self.cfg.identity,
+                self.cfg.namespace,
+                self.cfg.name,
+                self.holder or "none",
+            )
         self._won(now, out)
 
     def _create(self, now: float) -> None:
-        body = {"apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
-                "metadata": {"name": self.cfg.name, "namespace": self.cfg.namespace},
-                "spec": {"holderIdentity": self.cfg.identity, "leaseDurationSeconds": int(round(self.cfg.duration_s)),
-                         "acquireTime": _micro_time(), "renewTime": _micro_time(), "leaseTransitions": 0}}
+        body = {
+            "apiVersion": "coordination.k8s.io/v1",
+            "kind": "Lease",
+            "metadata": {"name": self.cfg.name, "namespace": self.cfg.namespace},
+            "spec": {
+                "holderIdentity": self.cfg.identity,
+                "leaseDurationSeconds": int(round(self.cfg.duration_s)),
+                "acquireTime": _micro_time(),
+                "renewTime": _micro_time(),
+                "leaseTransitions": 0,
+            },
+        }
         try:
             out = self.kube.create(ns_path(LEASES, self.cfg.namespace, "leases"), body)
         except KubeError as exc:

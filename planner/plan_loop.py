@@ -65,15 +65,29 @@ class ServicePlan:
         data = cm.get("data") or {}
         try:
             raw = json.loads(data[CONFIG_KEY])
-            pools = {p: PoolPlan(raw["pools"][p]["deployment"], raw["pools"][p]["selector"],
-                                 int(raw["pools"][p]["minReplicas"]), int(raw["pools"][p]["maxReplicas"]))
-                     for p in POOLS}
-            return cls(namespace=cm["metadata"]["namespace"], name=raw["name"],
-                       ttft_p90_ms=int(raw["slo"]["ttftP90Ms"]), itl_p90_ms=int(raw["slo"]["itlP90Ms"]),
-                       export=raw["export"], prefill=pools["prefill"], decode=pools["decode"],
-                       router_selector=raw["router"]["selector"], router_metrics_port=int(raw["router"]["metricsPort"]),
-                       worker_metrics_port=int(raw["workerMetricsPort"]),
-                       profile_config_map=raw.get("profileConfigMap"), profile_json=data.get(PROFILE_KEY))
+            pools = {
+                p: PoolPlan(
+                    raw["pools"][p]["deployment"],
+                    raw["pools"][p]["selector"],
+                    int(raw["pools"][p]["minReplicas"]),
+                    int(raw["pools"][p]["maxReplicas"]),
+                )
+                for p in POOLS
+            }
+            return cls(
+                namespace=cm["metadata"]["namespace"],
+                name=raw["name"],
+                ttft_p90_ms=int(raw["slo"]["ttftP90Ms"]),
+                itl_p90_ms=int(raw["slo"]["itlP90Ms"]),
+                export=raw["export"],
+                prefill=pools["prefill"],
+                decode=pools["decode"],
+                router_selector=raw["router"]["selector"],
+                router_metrics_port=int(raw["router"]["metricsPort"]),
+                worker_metrics_port=int(raw["workerMetricsPort"]),
+                profile_config_map=raw.get("profileConfigMap"),
+                profile_json=data.get(PROFILE_KEY),
+            )
         except (KeyError, TypeError, ValueError) as e:
             raise ConfigError(f"ConfigMap {cm.get('metadata', {}).get('name')}: not a planner config: {e!r}") from e
 
@@ -81,16 +95,20 @@ class ServicePlan:
         return self.prefill if pool == "prefill" else self.decode
 
     def planner_config(self, base: PlannerConfig) -> PlannerConfig:
-        return dataclasses.replace(base, ttft_p90_s=self.ttft_p90_ms / 1000, itl_p90_s=self.itl_p90_ms / 1000,
-                                   prefill=PoolBounds(self.prefill.min_replicas, self.prefill.max_replicas),
-                                   decode=PoolBounds(self.decode.min_replicas, self.decode.max_replicas))
+        return dataclasses.replace(
+            base,
+            ttft_p90_s=self.ttft_p90_ms / 1000,
+            itl_p90_s=self.itl_p90_ms / 1000,
+            prefill=PoolBounds(self.prefill.min_replicas, self.prefill.max_replicas),
+            decode=PoolBounds(self.decode.min_replicas, self.decode.max_replicas),
+        )
 
 
 @dataclass(frozen=True)
 class PodScrape:
     """One pod's /metrics this tick (`flat` None: it could not be read)."""
 
-    role: str          # "router", "prefill" or "decode"
+    role: str  # "router", "prefill" or "decode"
     pod: ReadyPod
     flat: dict[str, float] | None
 
@@ -129,13 +147,19 @@ class ServiceLoop:
         n = dec.get("ttft/count", 0.0) or r.get("rttft/count", 0.0)
         ttft, itl = measured_latency(r, dec)
         return Observation(
-            now=now, uncached_prompt_tokens_per_s=prompt_rate, output_tokens_per_s=output_rate,
-            prefill=pools["prefill"], decode=pools["decode"],
+            now=now,
+            uncached_prompt_tokens_per_s=prompt_rate,
+            output_tokens_per_s=output_rate,
+            prefill=pools["prefill"],
+            decode=pools["decode"],
             mean_prompt_tokens=r.get("demand/uncached_prompt", 0.0) / n if n else 512.0,
             mean_output_tokens=r.get("demand/output", 0.0) / n if n else 128.0,
             inflight_decode_seqs=sum(s.flat.get("running", 0.0) for s in scrapes if s.role == "decode" and s.flat),
             queued_requests=sum(s.flat.get("queued", 0.0) for s in scrapes if s.role == "router" and s.flat),
-            ttft_p90_s=ttft, itl_p90_s=itl, samples=tuple(self._samples(deltas)))
+            ttft_p90_s=ttft,
+            itl_p90_s=itl,
+            samples=tuple(self._samples(deltas)),
+        )
 
     def _samples(self, deltas: dict) -> list[ReplicaSample]:
         out = []
@@ -143,8 +167,14 @@ class ServiceLoop:
         for pool, latency_key, slo_ms in targets:
             for s, d, dt in deltas[pool]:
                 lat = S.p90(d, latency_key)
-                out.append(ReplicaSample(pool=pool, replica_id=s.pod.name, age_s=s.pod.age_s,
-                                         tokens_per_s=S.replica_tokens(d, pool) / dt,
-                                         within_slo=lat is None or lat <= slo_ms / 1000,
-                                         saturated=s.flat.get("waiting", 0.0) > 0))
+                out.append(
+                    ReplicaSample(
+                        pool=pool,
+                        replica_id=s.pod.name,
+                        age_s=s.pod.age_s,
+                        tokens_per_s=S.replica_tokens(d, pool) / dt,
+                        within_slo=lat is None or lat <= slo_ms / 1000,
+                        saturated=s.flat.get("waiting", 0.0) > 0,
+                    )
+                )
         return out

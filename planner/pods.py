@@ -50,8 +50,13 @@ def pool_state(pods: list[dict], wanted: int, now: datetime.datetime) -> tuple[P
             continue
         since = _ready_since(pod)
         if since is not None:
-            ready.append(ReadyPod(meta.get("name", ""), (pod.get("status") or {}).get("podIP", ""),
-                                  max(0.0, (now - since).total_seconds())))
+            ready.append(
+                ReadyPod(
+                    meta.get("name", ""),
+                    (pod.get("status") or {}).get("podIP", ""),
+                    max(0.0, (now - since).total_seconds()),
+                )
+            )
         else:
             created = parse_time(meta.get("creationTimestamp")) or now
             pending_ages.append(max(0.0, (now - created).total_seconds()))

@@ -92,10 +92,13 @@ class CapacityProfile:
     def from_json(cls, text: str) -> CapacityProfile:
         try:
             raw = json.loads(text)
-            return cls(prefill=tuple(PrefillPoint(**p) for p in raw["prefill"]),
-                       decode=tuple(DecodePoint(**d) for d in raw["decode"]),
-                       kv_tokens=int(raw["kv_tokens"]), notes=raw.get("notes", ""),
-                       meta=raw.get("meta", {}))
+            return cls(
+                prefill=tuple(PrefillPoint(**p) for p in raw["prefill"]),
+                decode=tuple(DecodePoint(**d) for d in raw["decode"]),
+                kv_tokens=int(raw["kv_tokens"]),
+                notes=raw.get("notes", ""),
+                meta=raw.get("meta", {}),
+            )
         except (KeyError, TypeError, ValueError) as e:
             if isinstance(e, ConfigError):
                 raise

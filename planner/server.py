@@ -37,20 +37,31 @@ class DesiredStore:
         labels = ["namespace", "name", "pool"]
         gauges = {
             "desired": ("splitserve_planner_desired_replicas", "Replicas the planner wants"),
-            "demand": ("splitserve_planner_demand_tokens_per_second",
-                       "Demand: uncached prompt (prefill) or output (decode) tokens/s"),
-            "capacity": ("splitserve_planner_capacity_tokens_per_second",
-                         "One replica's capacity at the SLO (profiled, corrected online)"),
-            "need": ("splitserve_planner_feedforward_replicas",
-                     "Replicas needed by demand over capacity, with the latency trim"),
+            "demand": (
+                "splitserve_planner_demand_tokens_per_second",
+                "Demand: uncached prompt (prefill) or output (decode) tokens/s",
+            ),
+            "capacity": (
+                "splitserve_planner_capacity_tokens_per_second",
+                "One replica's capacity at the SLO (profiled, corrected online)",
+            ),
+            "need": (
+                "splitserve_planner_feedforward_replicas",
+                "Replicas needed by demand over capacity, with the latency trim",
+            ),
             "trim": ("splitserve_planner_latency_trim_replicas", "1 while the measured latency misses the SLO"),
         }
         self._g = {key: Gauge(name, doc, labels, registry=self.registry) for key, (name, doc) in gauges.items()}
-        self._leader = Gauge("splitserve_planner_leader", "1 while this replica holds the planner lease",
-                             registry=self.registry)
+        self._leader = Gauge(
+            "splitserve_planner_leader", "1 while this replica holds the planner lease", registry=self.registry
+        )
         self._leader.set(1)
-        self._reason = Gauge("splitserve_planner_decision", "1 for the reason of the last decision",
-                             labels + ["reason"], registry=self.registry)
+        self._reason = Gauge(
+            "splitserve_planner_decision",
+            "1 for the reason of the last decision",
+            labels + ["reason"],
+            registry=self.registry,
+        )
 
     def publish(self, namespace: str, name: str, decision: Decision) -> None:
         body = {**decision.desired(), "reasons": {p.pool: p.reason for p in (decision.prefill, decision.decode)}}
@@ -101,15 +112,19 @@ def serve(store: DesiredStore, host: str = "0.0.0.0", port: int = 8090) -> Threa
                 return self._send(200, generate_latest(store.registry), CONTENT_TYPE_LATEST)
             if parts == ["ready"] or (len(parts) == 4 and parts[:2] == ["v1", "desired"] and not store.leader):
                 if not store.leader:
-                    return self._send(503, b'{"error": "not the leader: another planner replica decides"}',
-                                      "application/json")
+                    return self._send(
+                        503, b'{"error": "not the leader: another planner replica decides"}', "application/json"
+                    )
                 return self._send(200, b'{"leader": true}', "application/json")
             if len(parts) == 4 and parts[:2] == ["v1", "desired"]:
                 body = store.desired(parts[2], parts[3])
                 if body is not None:
                     return self._send(200, json.dumps(body).encode(), "application/json")
-                return self._send(404, json.dumps({"error": f"no decision yet for {parts[2]}/{parts[3]}"}).encode(),
-                                  "application/json")
+                return self._send(
+                    404,
+                    json.dumps({"error": f"no decision yet for {parts[2]}/{parts[3]}"}).encode(),
+                    "application/json",
+                )
             self._send(404, b'{"error": "paths: /v1/desired/<namespace>/<name>, /ready, /metrics"}', "application/json")
 
         def _send(self, code: int, body: bytes, ctype: str) -> None:

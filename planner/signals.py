@@ -29,13 +29,18 @@ import math
 
 from prometheus_client.parser import text_string_to_metric_families
 
-_HISTOGRAMS = {"splitserve_router_time_to_first_token_seconds": "rttft",
-               "splitserve_time_to_first_token_seconds": "ttft",
-               "splitserve_inter_token_latency_seconds": "itl",
-               "splitserve_kv_transfer_seconds": "kvt"}
+_HISTOGRAMS = {
+    "splitserve_router_time_to_first_token_seconds": "rttft",
+    "splitserve_time_to_first_token_seconds": "ttft",
+    "splitserve_inter_token_latency_seconds": "itl",
+    "splitserve_kv_transfer_seconds": "kvt",
+}
 _COUNTERS = {"vllm:prefix_cache_queries_total": "prompt_queries", "vllm:prefix_cache_hits_total": "prompt_hits"}
-_GAUGES = {"vllm:num_requests_waiting": "waiting", "vllm:num_requests_running": "running",
-           "splitserve_router_flow_queue_length": "queued"}
+_GAUGES = {
+    "vllm:num_requests_waiting": "waiting",
+    "vllm:num_requests_running": "running",
+    "splitserve_router_flow_queue_length": "queued",
+}
 
 
 def flatten(text: str) -> dict[str, float]:
@@ -89,7 +94,7 @@ def p90(d: dict[str, float], key: str) -> float | None:
     if total <= 0:
         return None
     prefix = f"{key}/le/"
-    bounds = sorted((float(k[len(prefix):]), v) for k, v in d.items() if k.startswith(prefix))
+    bounds = sorted((float(k[len(prefix) :]), v) for k, v in d.items() if k.startswith(prefix))
     rank, lo, below = 0.9 * total, 0.0, 0.0
     for le, cum in bounds:
         if cum >= rank:

@@ -53,8 +53,9 @@ class ScrapeWindow:
 
     def delta(self, prefix: str = "") -> dict[str, float]:
         """What happened within the window, summed over the sources whose name starts with `prefix`."""
-        parts = [S.delta(h[-1][1], h[0][1]) for src, h in self._history.items()
-                 if src.startswith(prefix) and len(h) > 1]
+        parts = [
+            S.delta(h[-1][1], h[0][1]) for src, h in self._history.items() if src.startswith(prefix) and len(h) > 1
+        ]
         return S.add_up(parts)
 
 
@@ -62,7 +63,7 @@ def measured_latency(router: dict[str, float], decode: dict[str, float]) -> tupl
     """(prefill TTFT p90 without KV transfer, decode ITL p90) from a router and a decode delta."""
     ttft = S.p90(router, "rttft")
     if ttft is None:
-        ttft = S.p90(decode, "ttft")         # no streamed response in the window: the workers' TTFT
+        ttft = S.p90(decode, "ttft")  # no streamed response in the window: the workers' TTFT
     if ttft is not None:
         ttft = max(0.0, ttft - S.mean(decode, "kvt"))
     return ttft, S.p90(decode, "itl")

@@ -32,8 +32,9 @@ def validate_messages(messages: object) -> list[dict]:
         raise InvalidRequestError(f"messages must be a non-empty list of dicts, got {_describe(messages)}")
     for index, message in enumerate(messages):
         if not isinstance(message, dict):
-            raise InvalidRequestError(f"messages[{index}] must be a dict with 'role' and 'content', "
-                                      f"got {_describe(message)}")
+            raise InvalidRequestError(
+                f"messages[{index}] must be a dict with 'role' and 'content', got {_describe(message)}"
+            )
         role, content = message.get("role"), message.get("content")
         if not isinstance(role, str) or not role:
             raise InvalidRequestError(f"messages[{index}]['role'] must be a non-empty string, got {_describe(role)}")
@@ -42,14 +43,16 @@ def validate_messages(messages: object) -> list[dict]:
     return [dict(message) for message in messages]
 
 
-def render_chat_template(source: str, messages: list[dict], add_generation_prompt: bool,
-                         special_tokens: dict[str, str], **kwargs) -> str:
+def render_chat_template(
+    source: str, messages: list[dict], add_generation_prompt: bool, special_tokens: dict[str, str], **kwargs
+) -> str:
     """The template's text for `messages` (already validated). A `raise_exception` in the
     template (e.g. "roles must alternate") is the caller's mistake: InvalidRequestError."""
     variables = {"tools": None, "documents": None, **special_tokens, **kwargs}
     try:
         return compile_chat_template(source).render(
-            messages=messages, add_generation_prompt=add_generation_prompt, **variables)
+            messages=messages, add_generation_prompt=add_generation_prompt, **variables
+        )
     except jinja2.TemplateError as exc:
         raise InvalidRequestError(f"the chat template rejected the conversation: {exc}") from exc
 
@@ -57,8 +60,9 @@ def render_chat_template(source: str, messages: list[dict], add_generation_promp
 @functools.lru_cache(maxsize=16)
 def compile_chat_template(source: str) -> jinja2.Template:
     """The compiled template (cached per source); a syntax error is the model's: ConfigError."""
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=[_GenerationTag, jinja2.ext.loopcontrols])
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, jinja2.ext.loopcontrols]
+    )
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)

@@ -29,46 +29,91 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2-135m", help="alias, .gguf path, HF folder or random:<preset>")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
-    p.add_argument("--quantization", default="auto", choices=list(QUANTIZATION_MODES),
-                   help="how weights are served: auto (default: each weight in the fast packed format nearest "
-                        "its stored type on an AVX2 CPU), none (dequantize to --dtype: the reference), or one "
-                        "format for all: int4, w4a16, w4a8, int8, fp16 (docs/engine.md)")
-    p.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES),
-                   help="the KV cache's precision: auto (default: float16 where a fast --quantization mode serves "
-                        "the weights on a CPU, else --dtype), or float32, float16, bfloat16")
+    p.add_argument(
+        "--quantization",
+        default="auto",
+        choices=list(QUANTIZATION_MODES),
+        help="how weights are served: auto (default: each weight in the fast packed format nearest "
+        "its stored type on an AVX2 CPU), none (dequantize to --dtype: the reference), or one "
+        "format for all: int4, w4a16, w4a8, int8, fp16 (docs/engine.md)",
+    )
+    p.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=list(KV_CACHE_DTYPES),
+        help="the KV cache's precision: auto (default: float16 where a fast --quantization mode serves "
+        "the weights on a CPU, else --dtype), or float32, float16, bfloat16",
+    )
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
-    p.add_argument("--enforce-eager", action="store_true",
-                   help="CUDA: no CUDA graphs, every step eager "
-                        "(default: decode steps replay graphs captured at start)")
-    p.add_argument("--kv-cache-memory", type=float, default=0.5, metavar="GIB",
-                   help="memory for the KV cache in GiB (default 0.5)")
+    p.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        help="CUDA: no CUDA graphs, every step eager (default: decode steps replay graphs captured at start)",
+    )
+    p.add_argument(
+        "--kv-cache-memory", type=float, default=0.5, metavar="GIB", help="memory for the KV cache in GiB (default 0.5)"
+    )
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=64)
-    p.add_argument("--max-num-batched-tokens", type=int, default=None,
-                   help="tokens per engine step (default 512; with --no-chunked-prefill, max_model_len)")
+    p.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=None,
+        help="tokens per engine step (default 512; with --no-chunked-prefill, max_model_len)",
+    )
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--no-chunked-prefill", action="store_true")
-    p.add_argument("--scheduling-policy", default="fcfs", choices=("fcfs", "priority"),
-                   help="vLLM's: fcfs (arrival order) or priority (waiting requests by the gateway's band, then "
-                        "the request's priority, lower first; docs/router.md)")
-    p.add_argument("--no-share-prefix-in-flight", action="store_true",
-                   help="compute a prefix again when another request is computing it in the same batch")
-    p.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH",
-                   help="PEFT LoRA adapters to load at start; a request selects one with model=NAME")
+    p.add_argument(
+        "--scheduling-policy",
+        default="fcfs",
+        choices=("fcfs", "priority"),
+        help="vLLM's: fcfs (arrival order) or priority (waiting requests by the gateway's band, then "
+        "the request's priority, lower first; docs/router.md)",
+    )
+    p.add_argument(
+        "--no-share-prefix-in-flight",
+        action="store_true",
+        help="compute a prefix again when another request is computing it in the same batch",
+    )
+    p.add_argument(
+        "--lora-modules",
+        nargs="+",
+        default=[],
+        metavar="NAME=PATH",
+        help="PEFT LoRA adapters to load at start; a request selects one with model=NAME",
+    )
     p.add_argument("--max-loras", type=int, default=4, help="distinct LoRA adapters one engine step may mix")
     p.add_argument("--max-lora-rank", type=int, default=64, help="the largest LoRA rank accepted")
-    p.add_argument("--max-cpu-loras", type=int, default=None,
-                   help="LoRA adapters kept in memory, least recently used evicted (default: --max-loras)")
-    p.add_argument("--speculative-config", type=speculative_config, default=None, metavar="JSON",
-                   help='speculative decoding, vLLM\'s shape: \'{"method": "ngram", "num_speculative_tokens": 4, '
-                        '"prompt_lookup_max": 4, "prompt_lookup_min": 2}\' (default: off; docs/engine.md)')
-    p.add_argument("--kv-tier-bytes", type=byte_size, default=None, metavar="SIZE",
-                   help="a second KV tier of this size (e.g. 4GiB, 512MiB, or bytes) that keeps the blocks the "
-                        "cache evicts and copies them back on a prefix hit (default: off; docs/kv-tiers.md)")
-    p.add_argument("--kv-tier-dir", default=None, metavar="DIR",
-                   help="keep the second tier in files under this folder (CPU workers); without it the tier is "
-                        "host memory. Needs --kv-tier-bytes")
+    p.add_argument(
+        "--max-cpu-loras",
+        type=int,
+        default=None,
+        help="LoRA adapters kept in memory, least recently used evicted (default: --max-loras)",
+    )
+    p.add_argument(
+        "--speculative-config",
+        type=speculative_config,
+        default=None,
+        metavar="JSON",
+        help='speculative decoding, vLLM\'s shape: \'{"method": "ngram", "num_speculative_tokens": 4, '
+        '"prompt_lookup_max": 4, "prompt_lookup_min": 2}\' (default: off; docs/engine.md)',
+    )
+    p.add_argument(
+        "--kv-tier-bytes",
+        type=byte_size,
+        default=None,
+        metavar="SIZE",
+        help="a second KV tier of this size (e.g. 4GiB, 512MiB, or bytes) that keeps the blocks the "
+        "cache evicts and copies them back on a prefix hit (default: off; docs/kv-tiers.md)",
+    )
+    p.add_argument(
+        "--kv-tier-dir",
+        default=None,
+        metavar="DIR",
+        help="keep the second tier in files under this folder (CPU workers); without it the tier is "
+        "host memory. Needs --kv-tier-bytes",
+    )
 
 
 def speculative_config(text: str):
@@ -103,7 +148,7 @@ def kv_tier_config(args):
         if directory is not None:
             raise ConfigError("--kv-tier-dir needs --kv-tier-bytes (the tier's size limit, e.g. 4GiB)")
         return None
-    secret_file = getattr(args, "kv_secret_file", "") or ""   # a worker's service secret keys the file tier
+    secret_file = getattr(args, "kv_secret_file", "") or ""  # a worker's service secret keys the file tier
     secret = None
     if secret_file:
         import pathlib
@@ -120,17 +165,33 @@ def engine_config(args):
 
     return EngineConfig(
         model=args.model,
-        cache=CacheConfig(block_size=args.block_size, kv_cache_memory_bytes=int(args.kv_cache_memory * GiB),
-                          enable_prefix_caching=not args.no_prefix_caching),
-        scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                                  max_model_len=args.max_model_len, enable_chunked_prefill=not args.no_chunked_prefill,
-                                  share_prefix_in_flight=not args.no_share_prefix_in_flight,
-                                  policy=getattr(args, "scheduling_policy", "fcfs")),
-        device=DeviceConfig(device=args.device, dtype=args.dtype, num_threads=args.threads,
-                            quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
-                            enforce_eager=getattr(args, "enforce_eager", False)),
-        lora=LoraConfig(max_loras=args.max_loras, max_lora_rank=args.max_lora_rank, max_cpu_loras=args.max_cpu_loras,
-                        modules=tuple(parse_lora_modules(args.lora_modules))),
+        cache=CacheConfig(
+            block_size=args.block_size,
+            kv_cache_memory_bytes=int(args.kv_cache_memory * GiB),
+            enable_prefix_caching=not args.no_prefix_caching,
+        ),
+        scheduler=SchedulerConfig(
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            max_model_len=args.max_model_len,
+            enable_chunked_prefill=not args.no_chunked_prefill,
+            share_prefix_in_flight=not args.no_share_prefix_in_flight,
+            policy=getattr(args, "scheduling_policy", "fcfs"),
+        ),
+        device=DeviceConfig(
+            device=args.device,
+            dtype=args.dtype,
+            num_threads=args.threads,
+            quantization=args.quantization,
+            kv_cache_dtype=args.kv_cache_dtype,
+            enforce_eager=getattr(args, "enforce_eager", False),
+        ),
+        lora=LoraConfig(
+            max_loras=args.max_loras,
+            max_lora_rank=args.max_lora_rank,
+            max_cpu_loras=args.max_cpu_loras,
+            modules=tuple(parse_lora_modules(args.lora_modules)),
+        ),
         speculative=getattr(args, "speculative_config", None),
         kv_tier=kv_tier_config(args),
     )
@@ -160,8 +221,9 @@ def add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
 def sampling_params(args):
     from splitserve.platform.sampling.params import SamplingParams
 
-    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                          top_k=args.top_k, seed=args.seed)
+    return SamplingParams(
+        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed
+    )
 
 
 def cmd_generate(args) -> int:
@@ -212,9 +274,13 @@ def cmd_chat(args) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="splitserve", description=__doc__.split("\n\n")[0])
     parser.add_argument("--log-level", default="WARNING")
-    parser.add_argument("--log-format", default=None, choices=list(logfmt.FORMATS),
-                        help="text (default) or json, one object per line with trace_id and span_id "
-                             "(default: $SPLITSERVE_LOG_FORMAT or text)")
+    parser.add_argument(
+        "--log-format",
+        default=None,
+        choices=list(logfmt.FORMATS),
+        help="text (default) or json, one object per line with trace_id and span_id "
+        "(default: $SPLITSERVE_LOG_FORMAT or text)",
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="complete one prompt and print the text")
     add_engine_args(gen)
@@ -235,7 +301,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         logfmt.setup(args.log_level, logfmt.log_format(args.log_format))
-    except ValueError as exc:   # a bad $SPLITSERVE_LOG_FORMAT
+    except ValueError as exc:  # a bad $SPLITSERVE_LOG_FORMAT
         print(f"splitserve: error: {exc}", file=sys.stderr)
         return 2
     try:

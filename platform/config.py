@@ -30,8 +30,9 @@ class RopeScaling:
 
     def __post_init__(self) -> None:
         if self.rope_type not in ("llama3", "linear"):
-            raise ConfigError(f"rope_scaling.rope_type={self.rope_type!r} is not supported; "
-                              "allowed: 'llama3', 'linear'")
+            raise ConfigError(
+                f"rope_scaling.rope_type={self.rope_type!r} is not supported; allowed: 'llama3', 'linear'"
+            )
         if self.factor <= 0:
             raise ConfigError(f"rope_scaling.factor must be > 0, got {self.factor}")
 
@@ -76,27 +77,36 @@ class ModelConfig:
     norm_topk_prob: bool = False
     decoder_sparse_step: int = 1
     mlp_only_layers: tuple[int, ...] = ()
-    hidden_act: str = "silu"                      # the MLP's gate activation: SwiGLU or GeGLU (gelu_tanh)
-    query_pre_attn_scalar: float | None = None    # attention scale = this ** -0.5 (None: head_dim)
-    rope_local_theta: float | None = None         # rope base of sliding-window layers (None: rope_theta)
+    hidden_act: str = "silu"  # the MLP's gate activation: SwiGLU or GeGLU (gelu_tanh)
+    query_pre_attn_scalar: float | None = None  # attention scale = this ** -0.5 (None: head_dim)
+    rope_local_theta: float | None = None  # rope base of sliding-window layers (None: rope_theta)
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
             raise ConfigError(
-                f"architecture {self.architecture!r} is not supported; allowed: {', '.join(SUPPORTED_ARCHITECTURES)}")
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
-                     "num_kv_heads", "head_dim", "max_position_embeddings"):
+                f"architecture {self.architecture!r} is not supported; allowed: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_layers",
+            "num_heads",
+            "num_kv_heads",
+            "head_dim",
+            "max_position_embeddings",
+        ):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"model {name} must be > 0, got {getattr(self, name)}")
         if self.num_heads % self.num_kv_heads:
-            raise ConfigError(
-                f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
+            raise ConfigError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
         self._check_windows()
         if self.hidden_act not in HIDDEN_ACTS:
             raise ConfigError(f"hidden_act {self.hidden_act!r} is not supported; allowed: {', '.join(HIDDEN_ACTS)}")
         if self.num_experts and not 0 < self.num_experts_per_tok <= self.num_experts:
-            raise ConfigError(f"num_experts_per_tok must be in [1, num_experts={self.num_experts}], "
-                              f"got {self.num_experts_per_tok}")
+            raise ConfigError(
+                f"num_experts_per_tok must be in [1, num_experts={self.num_experts}], got {self.num_experts_per_tok}"
+            )
         if self.num_experts and (self.moe_intermediate_size <= 0 or self.decoder_sparse_step < 1):
             raise ConfigError("a mixture-of-experts model needs moe_intermediate_size > 0 and decoder_sparse_step >= 1")
 
@@ -117,8 +127,9 @@ class ModelConfig:
 
     def is_moe_layer(self, layer: int) -> bool:
         """True when decoder layer `layer` has a sparse mixture-of-experts MLP."""
-        return (self.num_experts > 0 and layer not in self.mlp_only_layers
-                and (layer + 1) % self.decoder_sparse_step == 0)
+        return (
+            self.num_experts > 0 and layer not in self.mlp_only_layers and (layer + 1) % self.decoder_sparse_step == 0
+        )
 
     def replace(self, **changes) -> ModelConfig:
         return dataclasses.replace(self, **changes)
@@ -172,8 +183,9 @@ class SchedulerConfig:
 
     def __post_init__(self) -> None:
         if self.policy not in SCHEDULING_POLICIES:
-            raise ConfigError(f"scheduling policy {self.policy!r} is unknown; "
-                              f"allowed: {', '.join(SCHEDULING_POLICIES)}")
+            raise ConfigError(
+                f"scheduling policy {self.policy!r} is unknown; allowed: {', '.join(SCHEDULING_POLICIES)}"
+            )
         if self.max_num_seqs < 1:
             raise ConfigError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
@@ -191,7 +203,8 @@ class SchedulerConfig:
             raise ConfigError(
                 f"max_num_batched_tokens={budget} is below max_model_len={max_model_len} with chunked prefill "
                 f"off, so longer prompts could never run; allowed: max_num_batched_tokens >= {max_model_len}, "
-                "a smaller max_model_len, or chunked prefill on")
+                "a smaller max_model_len, or chunked prefill on"
+            )
         return dataclasses.replace(self, max_num_batched_tokens=budget)
 
 
@@ -226,19 +239,24 @@ class DeviceConfig:
         if not isinstance(self.enforce_eager, bool):
             raise ConfigError(f"enforce_eager must be true or false, got {self.enforce_eager!r}")
         if self.quantization not in QUANTIZATION_MODES:
-            raise ConfigError(f"quantization {self.quantization!r} is not supported; "
-                              f"allowed: {', '.join(QUANTIZATION_MODES)}")
+            raise ConfigError(
+                f"quantization {self.quantization!r} is not supported; allowed: {', '.join(QUANTIZATION_MODES)}"
+            )
         if self.quantization not in ("none", "auto") and self.device != "cpu":
-            raise ConfigError(f"quantization {self.quantization!r} runs on the CPU only; on {self.device} "
-                              "allowed: none, auto")
+            raise ConfigError(
+                f"quantization {self.quantization!r} runs on the CPU only; on {self.device} allowed: none, auto"
+            )
         if self.dtype not in SUPPORTED_DTYPES:
             raise ConfigError(f"dtype {self.dtype!r} is not supported; allowed: {', '.join(SUPPORTED_DTYPES)}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise ConfigError(f"kv_cache_dtype {self.kv_cache_dtype!r} is not supported; "
-                              f"allowed: {', '.join(KV_CACHE_DTYPES)}")
+            raise ConfigError(
+                f"kv_cache_dtype {self.kv_cache_dtype!r} is not supported; allowed: {', '.join(KV_CACHE_DTYPES)}"
+            )
         if self.device != "cpu" and self.kv_cache_dtype not in ("auto", self.dtype):
-            raise ConfigError(f"kv_cache_dtype {self.kv_cache_dtype!r} differs from dtype {self.dtype!r}, which "
-                              f"{self.device} does not support; allowed there: auto, {self.dtype}")
+            raise ConfigError(
+                f"kv_cache_dtype {self.kv_cache_dtype!r} differs from dtype {self.dtype!r}, which "
+                f"{self.device} does not support; allowed there: auto, {self.dtype}"
+            )
         if not (self.device == "cpu" or self.device.startswith("cuda")):
             raise ConfigError(f"device {self.device!r} is not supported; allowed: 'cpu', 'cuda', 'cuda:N'")
         if self.num_threads < 0:
@@ -275,8 +293,10 @@ class LoraConfig:
         if self.max_lora_rank < 1:
             raise ConfigError(f"max_lora_rank must be >= 1, got {self.max_lora_rank}")
         if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
-            raise ConfigError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras}): "
-                              "every adapter of a step must be loaded; raise max_cpu_loras or lower max_loras")
+            raise ConfigError(
+                f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras}): "
+                "every adapter of a step must be loaded; raise max_cpu_loras or lower max_loras"
+            )
         names = [name for name, _ in self.modules]
         for name in names:
             check_lora_name(name)
@@ -291,10 +311,15 @@ class LoraConfig:
 def check_lora_name(name: str) -> str:
     """An adapter name is what a client puts in `model`: 1-128 printable characters, no ',' or
     whitespace (the `vllm:lora_requests_info` labels are comma-separated lists of names)."""
-    if not isinstance(name, str) or not 0 < len(name) <= 128 or not name.isprintable() \
-            or any(c in name for c in ", \t"):
-        raise ConfigError(f"adapter name {name!r} is invalid; allowed: 1-128 printable characters "
-                          "without spaces or commas")
+    if (
+        not isinstance(name, str)
+        or not 0 < len(name) <= 128
+        or not name.isprintable()
+        or any(c in name for c in ", \t")
+    ):
+        raise ConfigError(
+            f"adapter name {name!r} is invalid; allowed: 1-128 printable characters without spaces or commas"
+        )
     return name
 
 
@@ -323,22 +348,32 @@ class SpeculativeConfig:
 
     def __post_init__(self):
         if self.method not in SPECULATIVE_METHODS:
-            raise ConfigError(f"speculative method {self.method!r} is not supported; allowed: "
-                              f"{', '.join(SPECULATIVE_METHODS)}")
-        for name in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "max_batch_size",
-                     "min_proposals"):
+            raise ConfigError(
+                f"speculative method {self.method!r} is not supported; allowed: {', '.join(SPECULATIVE_METHODS)}"
+            )
+        for name in (
+            "num_speculative_tokens",
+            "prompt_lookup_max",
+            "prompt_lookup_min",
+            "max_batch_size",
+            "min_proposals",
+        ):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ConfigError(f"speculative {name}={value!r} is invalid; allowed: an integer >= 1")
         if self.num_speculative_tokens > 16:
-            raise ConfigError(f"speculative num_speculative_tokens={self.num_speculative_tokens} is too large; "
-                              "allowed: 1 to 16")
+            raise ConfigError(
+                f"speculative num_speculative_tokens={self.num_speculative_tokens} is too large; allowed: 1 to 16"
+            )
         if self.prompt_lookup_min > self.prompt_lookup_max:
-            raise ConfigError(f"speculative prompt_lookup_min={self.prompt_lookup_min} is above prompt_lookup_max="
-                              f"{self.prompt_lookup_max}; allowed: min <= max")
+            raise ConfigError(
+                f"speculative prompt_lookup_min={self.prompt_lookup_min} is above prompt_lookup_max="
+                f"{self.prompt_lookup_max}; allowed: min <= max"
+            )
         if not 0.0 <= self.min_acceptance_rate <= 1.0:
-            raise ConfigError(f"speculative min_acceptance_rate={self.min_acceptance_rate!r} is invalid; "
-                              "allowed: 0 to 1")
+            raise ConfigError(
+                f"speculative min_acceptance_rate={self.min_acceptance_rate!r} is invalid; allowed: 0 to 1"
+            )
 
     @classmethod
     def from_json(cls, text: str) -> SpeculativeConfig:
@@ -348,8 +383,10 @@ class SpeculativeConfig:
         try:
             data = json.loads(text)
         except ValueError as exc:
-            raise ConfigError(f"--speculative-config is not valid JSON ({exc}); example: "
-                              '\'{"method": "ngram", "num_speculative_tokens": 4}\'') from None
+            raise ConfigError(
+                f"--speculative-config is not valid JSON ({exc}); example: "
+                '\'{"method": "ngram", "num_speculative_tokens": 4}\''
+            ) from None
         if not isinstance(data, dict):
             raise ConfigError("--speculative-config must be a JSON object")
         known = {f.name for f in dataclasses.fields(cls)}
@@ -369,8 +406,8 @@ class EngineConfig:
     device: DeviceConfig = field(default_factory=DeviceConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
     seed: int = 0
-    speculative: SpeculativeConfig | None = None   # None: no speculative decoding
-    kv_tier: KVTierConfig | None = None   # None: no second KV tier (platform/kv/tier.py)
+    speculative: SpeculativeConfig | None = None  # None: no speculative decoding
+    kv_tier: KVTierConfig | None = None  # None: no second KV tier (platform/kv/tier.py)
 
 
 @dataclass(frozen=True)
@@ -390,16 +427,27 @@ class KVTierConfig:
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_bytes, int) or self.max_bytes <= 0:
-            raise ConfigError(f"the KV tier size must be a positive number of bytes (--kv-tier-bytes), "
-                              f"got {self.max_bytes!r}")
+            raise ConfigError(
+                f"the KV tier size must be a positive number of bytes (--kv-tier-bytes), got {self.max_bytes!r}"
+            )
         if self.directory is not None and not self.directory:
             raise ConfigError("--kv-tier-dir must name a folder (or be left out for a host-memory tier)")
         if self.secret is not None and (not isinstance(self.secret, bytes) or len(self.secret) < 16):
             raise ConfigError("the KV tier's secret must be at least 16 bytes (the service's --kv-secret-file)")
 
 
-_SIZE_UNITS = {"": 1, "B": 1, "KIB": 1024, "MIB": 1024**2, "GIB": 1024**3, "TIB": 1024**4,
-               "KB": 1000, "MB": 1000**2, "GB": 1000**3, "TB": 1000**4}
+_SIZE_UNITS = {
+    "": 1,
+    "B": 1,
+    "KIB": 1024,
+    "MIB": 1024**2,
+    "GIB": 1024**3,
+    "TIB": 1024**4,
+    "KB": 1000,
+    "MB": 1000**2,
+    "GB": 1000**3,
+    "TB": 1000**4,
+}
 
 
 def parse_byte_size(text: str) -> int:
@@ -410,6 +458,8 @@ def parse_byte_size(text: str) -> int:
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", text)
     unit = m.group(2).upper() if m else None
     if m is None or unit not in _SIZE_UNITS or float(m.group(1)) * _SIZE_UNITS[unit] < 1:
-        raise ConfigError(f"{text!r} is not a size; allowed: a positive number of bytes, or a number "
-                          "with one of the units KiB, MiB, GiB, TiB, KB, MB, GB, TB (e.g. 4GiB)")
+        raise ConfigError(
+            f"{text!r} is not a size; allowed: a positive number of bytes, or a number "
+            "with one of the units KiB, MiB, GiB, TiB, KB, MB, GB, TB (e.g. 4GiB)"
+        )
     return int(float(m.group(1)) * _SIZE_UNITS[unit])

@@ -56,7 +56,7 @@ class IncrementalDetokenizer:
         prefix_text, new_text = self._decode_window()
         if len(new_text) <= len(prefix_text) or new_text.endswith(_INCOMPLETE):
             return ""
-        return self._emit(new_text[len(prefix_text):])
+        return self._emit(new_text[len(prefix_text) :])
 
     def flush(self) -> str:
         """At the end of generation: the held-back text, U+FFFD included for a character that
@@ -64,11 +64,13 @@ class IncrementalDetokenizer:
         if self._read_offset == len(self._output_ids):
             return ""
         prefix_text, new_text = self._decode_window()
-        return self._emit(new_text[len(prefix_text):])
+        return self._emit(new_text[len(prefix_text) :])
 
     def _decode_window(self) -> tuple[str, str]:
         ids, start = self._output_ids, self._prefix_offset
-        prefix_text = self._backend.decode(ids[start:self._read_offset], skip_special_tokens=self._skip_special_tokens)
+        prefix_text = self._backend.decode(
+            ids[start : self._read_offset], skip_special_tokens=self._skip_special_tokens
+        )
         new_text = self._backend.decode(ids[start:], skip_special_tokens=self._skip_special_tokens)
         return prefix_text, new_text
 

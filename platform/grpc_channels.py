@@ -19,9 +19,10 @@ from splitserve.platform.wire import worker_pb2_grpc as pb_grpc
 
 
 class ChannelPool:
-    def __init__(self, tls: TlsFiles | None = None, options: list | tuple = (), idle_s: float | None = None,
-                 clock=time.monotonic):
-        self.tls = tls   # mutual TLS to every worker when set
+    def __init__(
+        self, tls: TlsFiles | None = None, options: list | tuple = (), idle_s: float | None = None, clock=time.monotonic
+    ):
+        self.tls = tls  # mutual TLS to every worker when set
         self.options = list(options)
         self.idle_s = idle_s
         self.clock = clock

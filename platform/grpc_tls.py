@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import grpc
 
 DEFAULT_SERVER_NAME = "splitserve-worker"
-ROUTER_NAME = "splitserve-router"   # the router role's SAN (workers/grpc_guard.py checks callers' roles)
+ROUTER_NAME = "splitserve-router"  # the router role's SAN (workers/grpc_guard.py checks callers' roles)
 
 
 class TlsConfigError(ValueError):
@@ -49,8 +49,11 @@ class TlsFiles:
             raise TlsConfigError("TLS server_name must not be empty")
 
     def read(self) -> tuple[bytes, bytes, bytes]:
-        return (pathlib.Path(self.cert).read_bytes(), pathlib.Path(self.key).read_bytes(),
-                pathlib.Path(self.ca).read_bytes())
+        return (
+            pathlib.Path(self.cert).read_bytes(),
+            pathlib.Path(self.key).read_bytes(),
+            pathlib.Path(self.ca).read_bytes(),
+        )
 
 
 def tls_from(cert: str = "", key: str = "", ca: str = "", server_name: str = "") -> TlsFiles | None:
@@ -71,12 +74,12 @@ def aio_channel(address: str, tls: TlsFiles | None, options: list | tuple = ()) 
         return grpc.aio.insecure_channel(address, options=list(options))
     cert, key, ca = tls.read()
     creds = grpc.ssl_channel_credentials(root_certificates=ca, private_key=key, certificate_chain=cert)
-    return grpc.aio.secure_channel(address, creds,
-                                   options=[*options, ("grpc.ssl_target_name_override", tls.server_name)])
+    return grpc.aio.secure_channel(
+        address, creds, options=[*options, ("grpc.ssl_target_name_override", tls.server_name)]
+    )
 
 
-def generate_dev_pki(directory: str | os.PathLike, server_name: str = DEFAULT_SERVER_NAME,
-                     days: int = 7) -> TlsFiles:
+def generate_dev_pki(directory: str | os.PathLike, server_name: str = DEFAULT_SERVER_NAME, days: int = 7) -> TlsFiles:
     """A throwaway CA and one leaf (server and client auth, SANs `server_name`, `splitserve-router`,
     localhost, 127.0.0.1) in `directory` (files mode 0600): for local runs and tests, never production."""
     import ipaddress
@@ -91,29 +94,58 @@ def generate_dev_pki(directory: str | os.PathLike, server_name: str = DEFAULT_SE
     now = datetime.datetime.now(datetime.UTC)
     ca_key = ec.generate_private_key(ec.SECP256R1())
     ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "splitserve throwaway CA")])
-    ca_cert = (x509.CertificateBuilder().subject_name(ca_name).issuer_name(ca_name)
-               .public_key(ca_key.public_key()).serial_number(x509.random_serial_number())
-               .not_valid_before(now - datetime.timedelta(minutes=5))
-               .not_valid_after(now + datetime.timedelta(days=days))
-               .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
-               .add_extension(x509.KeyUsage(digital_signature=True, key_cert_sign=True, crl_sign=True,
-                                            content_commitment=False, key_encipherment=False, data_encipherment=False,
-                                            key_agreement=False, encipher_only=False, decipher_only=False),
-                              critical=True)
-               .sign(ca_key, hashes.SHA256()))
+    ca_cert = (
+        x509.CertificateBuilder()
+        .subject_name(ca_name)
+        .issuer_name(ca_name)
+        .public_key(ca_key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=days))
+        .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+        .add_extension(
+            x509.KeyUsage(
+                digital_signature=True,
+                key_cert_sign=True,
+                crl_sign=True,
+                content_commitment=False,
+                key_encipherment=False,
+                data_encipherment=False,
+                key_agreement=False,
+                encipher_only=False,
+                decipher_only=False,
+            ),
+            critical=True,
+        )
+        .sign(ca_key, hashes.SHA256())
+    )
     key = ec.generate_private_key(ec.SECP256R1())
-    sans = [x509.DNSName(server_name), x509.DNSName(ROUTER_NAME), x509.DNSName("localhost"),
-            x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]
-    cert = (x509.CertificateBuilder().subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, server_name)]))
-            .issuer_name(ca_name).public_key(key.public_key()).serial_number(x509.random_serial_number())
-            .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=days))
-            .add_extension(x509.SubjectAlternativeName(sans), critical=False)
-            .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]),
-                           critical=False)
-            .sign(ca_key, hashes.SHA256()))
+    sans = [
+        x509.DNSName(server_name),
+        x509.DNSName(ROUTER_NAME),
+        x509.DNSName("localhost"),
+        x509.IPAddress(ipaddress.ip_address("127.0.0.1")),
+    ]
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, server_name)]))
+        .issuer_name(ca_name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=days))
+        .add_extension(x509.SubjectAlternativeName(sans), critical=False)
+        .add_extension(
+            x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False
+        )
+        .sign(ca_key, hashes.SHA256())
+    )
     pem = serialization.Encoding.PEM
-    files = {"ca.crt": ca_cert.public_bytes(pem), "tls.crt": cert.public_bytes(pem),
-             "tls.key": key.private_bytes(pem, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())}
+    files = {
+        "ca.crt": ca_cert.public_bytes(pem),
+        "tls.crt": cert.public_bytes(pem),
+        "tls.key": key.private_bytes(pem, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()),
+    }
     for name, data in files.items():
         path = out / name
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)

@@ -79,8 +79,13 @@ class BlockHasher:
         self.block_size = block_size
         self.root = root_hash(model_id, block_size)
 
-    def hash_blocks(self, token_ids: Sequence[int], extra_keys: Sequence[ExtraKey] = (),
-                    parent: BlockHash | None = None, start_block: int = 0) -> list[BlockHash]:
+    def hash_blocks(
+        self,
+        token_ids: Sequence[int],
+        extra_keys: Sequence[ExtraKey] = (),
+        parent: BlockHash | None = None,
+        start_block: int = 0,
+    ) -> list[BlockHash]:
         """Hashes of the full blocks from `start_block` on; `parent` is block start_block-1's hash."""
         if parent is None:
             assert start_block == 0, "a parent hash is needed to continue a chain"
@@ -88,6 +93,6 @@ class BlockHasher:
         hashes = []
         bs = self.block_size
         for i in range(start_block, len(token_ids) // bs):
-            parent = hash_block(parent, token_ids[i * bs:(i + 1) * bs], extra_keys)
+            parent = hash_block(parent, token_ids[i * bs : (i + 1) * bs], extra_keys)
             hashes.append(parent)
         return hashes

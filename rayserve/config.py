@@ -68,7 +68,7 @@ class EngineSettings:
     dtype: str = "float32"
     device: str = "cpu"
     threads: int = 1
-    quantization: str = "auto"    # as `splitserve worker --quantization` (platform/quant)
+    quantization: str = "auto"  # as `splitserve worker --quantization` (platform/quant)
     kv_cache_memory_gib: float = 0.25
     block_size: int = 16
     max_num_seqs: int = 64
@@ -79,8 +79,11 @@ class EngineSettings:
         # The engine's own dataclasses check these (torch-free); the replicas build the same ones.
         DeviceConfig(device=self.device, dtype=self.dtype, num_threads=self.threads, quantization=self.quantization)
         CacheConfig(block_size=self.block_size, kv_cache_memory_bytes=int(self.kv_cache_memory_gib * GiB))
-        SchedulerConfig(max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
-                        max_model_len=self.max_model_len)
+        SchedulerConfig(
+            max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            max_model_len=self.max_model_len,
+        )
         if self.kv_cache_memory_gib <= 0:
             raise ConfigError(f"engine.kv_cache_memory_gib={self.kv_cache_memory_gib} must be > 0")
 
@@ -98,19 +101,24 @@ class PoolConfig:
 
     def check(self, role: str) -> None:
         if self.min_replicas < 1:
-            raise ConfigError(f"{role}.min_replicas={self.min_replicas}: a pool needs at least 1 replica "
-                              "(the router cannot wake a pool from zero); allowed: >= 1")
+            raise ConfigError(
+                f"{role}.min_replicas={self.min_replicas}: a pool needs at least 1 replica "
+                "(the router cannot wake a pool from zero); allowed: >= 1"
+            )
         if self.max_replicas < self.min_replicas:
-            raise ConfigError(f"{role}.max_replicas={self.max_replicas} is below {role}.min_replicas="
-                              f"{self.min_replicas}; allowed: max_replicas >= min_replicas")
+            raise ConfigError(
+                f"{role}.max_replicas={self.max_replicas} is below {role}.min_replicas="
+                f"{self.min_replicas}; allowed: max_replicas >= min_replicas"
+            )
         if self.target_queue_depth <= 0:
             raise ConfigError(f"{role}.target_queue_depth={self.target_queue_depth} must be > 0")
         if not isinstance(self.ray_actor_options, dict):
             raise ConfigError(f"{role}.ray_actor_options must be a mapping; allowed keys: {', '.join(ACTOR_OPTIONS)}")
         unknown = sorted(set(self.ray_actor_options) - set(ACTOR_OPTIONS))
         if unknown:
-            raise ConfigError(f"unknown key(s) {unknown} in {role}.ray_actor_options; "
-                              f"allowed: {', '.join(ACTOR_OPTIONS)}")
+            raise ConfigError(
+                f"unknown key(s) {unknown} in {role}.ray_actor_options; allowed: {', '.join(ACTOR_OPTIONS)}"
+            )
 
 
 @dataclass(frozen=True)
@@ -125,8 +133,10 @@ class AutoscalingTiming:
 
     def __post_init__(self) -> None:
         if self.look_back_period_s <= self.metrics_interval_s or self.metrics_interval_s <= 0:
-            raise ConfigError(f"autoscaling: need 0 < metrics_interval_s ({self.metrics_interval_s}) < "
-                              f"look_back_period_s ({self.look_back_period_s})")
+            raise ConfigError(
+                f"autoscaling: need 0 < metrics_interval_s ({self.metrics_interval_s}) < "
+                f"look_back_period_s ({self.look_back_period_s})"
+            )
         if self.upscale_delay_s < 0 or self.downscale_delay_s < 0:
             raise ConfigError("autoscaling: upscale_delay_s and downscale_delay_s must be >= 0")
 
@@ -161,8 +171,12 @@ class SecuritySettings:
         """What each replica gets (render): the four files, or none when insecure."""
         if self.insecure:
             return {}
-        return {"tls_cert": self.tls_cert, "tls_key": self.tls_key, "tls_ca": self.tls_ca,
-                "kv_secret_file": self.kv_secret_file}
+        return {
+            "tls_cert": self.tls_cert,
+            "tls_key": self.tls_key,
+            "tls_ca": self.tls_ca,
+            "kv_secret_file": self.kv_secret_file,
+        }
 
 
 @dataclass(frozen=True)
@@ -171,7 +185,7 @@ class RayServeConfig:
     name: str = "splitserve"
     model: str = "smollm2-135m"
     kv_transport: str = "tcp"
-    worker_host: str = ""             # "" : bind all interfaces, advertise the replica's node IP
+    worker_host: str = ""  # "" : bind all interfaces, advertise the replica's node IP
     ray: RayClusterConfig = field(default_factory=RayClusterConfig)
     router: dict = field(default_factory=dict)
     engine: EngineSettings = field(default_factory=EngineSettings)
@@ -184,18 +198,22 @@ class RayServeConfig:
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
-            raise ConfigError(f"backend={self.backend!r} is not supported by `splitserve serve`; allowed: "
-                              f"{', '.join(BACKENDS)} (Kubernetes: the operator, docs/ray.md)")
+            raise ConfigError(
+                f"backend={self.backend!r} is not supported by `splitserve serve`; allowed: "
+                f"{', '.join(BACKENDS)} (Kubernetes: the operator, docs/ray.md)"
+            )
         if self.kv_transport not in TRANSPORTS:
             raise ConfigError(f"kv_transport={self.kv_transport!r} is not supported; allowed: {', '.join(TRANSPORTS)}")
         self.prefill.check("prefill")
         self.decode.check("decode")
         if not (self.security.insecure or self.security.is_complete or self.ray.address == "local"):
-            raise ConfigError(f"security: on a Ray cluster (ray.address {self.ray.address!r}) name tls_cert, tls_key, "
-                              "tls_ca and kv_secret_file (files every node can read, e.g. a mounted Secret), or set "
-                              "security.insecure: true (plaintext gRPC, unauthenticated KV transfer)")
-        self.router_config()   # fail now on a bad router section
-        self.tracing("decode")   # fail now on a bad endpoint or ratio
+            raise ConfigError(
+                f"security: on a Ray cluster (ray.address {self.ray.address!r}) name tls_cert, tls_key, "
+                "tls_ca and kv_secret_file (files every node can read, e.g. a mounted Secret), or set "
+                "security.insecure: true (plaintext gRPC, unauthenticated KV transfer)"
+            )
+        self.router_config()  # fail now on a bad router section
+        self.tracing("decode")  # fail now on a bad endpoint or ratio
 
     def tracing(self, role: str):
         """The TracingConfig of a replica of `role` (the OTEL_* variables of its process apply under it)."""
@@ -207,12 +225,21 @@ class RayServeConfig:
         """The router section with what the engines decide (model, lengths, block size) on top, and
         the Ray default of gateway.worker_wait_s (RAY_WORKER_WAIT_S) unless the section sets one."""
         gateway = self.router.get("gateway") if isinstance(self.router.get("gateway"), dict) else {}
-        out = {**self.router, "gateway": {"worker_wait_s": RAY_WORKER_WAIT_S, **gateway}, "model": self.model,
-               "max_model_len": self.engine.max_model_len, "block_size": self.engine.block_size}
-        if self.security.tls_cert and not self.security.insecure:   # the gateway dials replicas with mTLS
+        out = {
+            **self.router,
+            "gateway": {"worker_wait_s": RAY_WORKER_WAIT_S, **gateway},
+            "model": self.model,
+            "max_model_len": self.engine.max_model_len,
+            "block_size": self.engine.block_size,
+        }
+        if self.security.tls_cert and not self.security.insecure:  # the gateway dials replicas with mTLS
             discovery = self.router.get("discovery") if isinstance(self.router.get("discovery"), dict) else {}
-            out["discovery"] = {**discovery, "tls_cert": self.security.tls_cert, "tls_key": self.security.tls_key,
-                                "tls_ca": self.security.tls_ca}
+            out["discovery"] = {
+                **discovery,
+                "tls_cert": self.security.tls_cert,
+                "tls_key": self.security.tls_key,
+                "tls_ca": self.security.tls_ca,
+            }
         return out
 
     def router_config(self) -> RouterConfig:
@@ -224,8 +251,14 @@ class RayServeConfig:
         return gw.host, gw.port
 
 
-_SECTIONS = {"ray": RayClusterConfig, "engine": EngineSettings, "prefill": PoolConfig, "decode": PoolConfig,
-             "autoscaling": AutoscalingTiming, "security": SecuritySettings}
+_SECTIONS = {
+    "ray": RayClusterConfig,
+    "engine": EngineSettings,
+    "prefill": PoolConfig,
+    "decode": PoolConfig,
+    "autoscaling": AutoscalingTiming,
+    "security": SecuritySettings,
+}
 
 
 def load(path: str, **overrides) -> RayServeConfig:
@@ -244,7 +277,7 @@ def parse(data: dict) -> RayServeConfig:
         raise ConfigError(f"router must be a mapping (docs/router.md), got {type(kwargs['router']).__name__}")
     try:
         return RayServeConfig(**kwargs)
-    except TypeError as exc:   # a value of the wrong type that a comparison tripped over
+    except TypeError as exc:  # a value of the wrong type that a comparison tripped over
         raise ConfigError(f"bad value in the config: {exc}") from None
 
 
@@ -256,20 +289,41 @@ def render(config: RayServeConfig) -> dict:
     """The Serve deploy config (ServeDeploySchema as a dict): what `serve run`, `serve deploy`
     and a KubeRay RayService's `serveConfigV2` take. Pure: no Ray needed."""
     host, port = config.gateway
-    apps = [{"name": config.name, "route_prefix": "/", "import_path": "splitserve.rayserve.ingress:build_gateway",
-             "args": {"router": config.router_config_dict(), "registry": registry_ref(config),
-                      "tracing": {"endpoint": config.otlp_traces_endpoint,
-                                  "sample_ratio": config.otlp_traces_sample_ratio}}}]
+    apps = [
+        {
+            "name": config.name,
+            "route_prefix": "/",
+            "import_path": "splitserve.rayserve.ingress:build_gateway",
+            "args": {
+                "router": config.router_config_dict(),
+                "registry": registry_ref(config),
+                "tracing": {"endpoint": config.otlp_traces_endpoint, "sample_ratio": config.otlp_traces_sample_ratio},
+            },
+        }
+    ]
     for role in ("prefill", "decode"):
-        apps.append({"name": f"{config.name}-{role}", "route_prefix": None,
-                     "import_path": "splitserve.rayserve.replica:build_pool",
-                     "args": {"role": role, "model": config.model, "kv_transport": config.kv_transport,
-                              "engine": dataclasses.asdict(config.engine), "registry": registry_ref(config),
-                              "host": config.worker_host, "security": config.security.worker_args(),
-                              "tracing": {"endpoint": config.otlp_traces_endpoint,
-                                          "sample_ratio": config.otlp_traces_sample_ratio}},
-                     # Serve's own per-deployment overrides: what a RayService user tunes.
-                     "deployments": [deployment_options(config, role)]})
+        apps.append(
+            {
+                "name": f"{config.name}-{role}",
+                "route_prefix": None,
+                "import_path": "splitserve.rayserve.replica:build_pool",
+                "args": {
+                    "role": role,
+                    "model": config.model,
+                    "kv_transport": config.kv_transport,
+                    "engine": dataclasses.asdict(config.engine),
+                    "registry": registry_ref(config),
+                    "host": config.worker_host,
+                    "security": config.security.worker_args(),
+                    "tracing": {
+                        "endpoint": config.otlp_traces_endpoint,
+                        "sample_ratio": config.otlp_traces_sample_ratio,
+                    },
+                },
+                # Serve's own per-deployment overrides: what a RayService user tunes.
+                "deployments": [deployment_options(config, role)],
+            }
+        )
     return {"proxy_location": "HeadOnly", "http_options": {"host": host, "port": port}, "applications": apps}
 
 
@@ -280,9 +334,12 @@ def deployment_options(config: RayServeConfig, role: str) -> dict:
         "name": f"{role}",
         "ray_actor_options": dict(pool.ray_actor_options),
         "autoscaling_config": {
-            "min_replicas": pool.min_replicas, "max_replicas": pool.max_replicas,
-            "initial_replicas": pool.min_replicas, "target_ongoing_requests": pool.target_queue_depth,
-            "look_back_period_s": timing.look_back_period_s, "metrics_interval_s": timing.metrics_interval_s,
+            "min_replicas": pool.min_replicas,
+            "max_replicas": pool.max_replicas,
+            "initial_replicas": pool.min_replicas,
+            "target_ongoing_requests": pool.target_queue_depth,
+            "look_back_period_s": timing.look_back_period_s,
+            "metrics_interval_s": timing.metrics_interval_s,
             "upscale_delay_s": timing.upscale_delay_s,
             "downscale_delay_s": timing.downscale_delay_s,
             # target_ongoing_requests above is read by the policy as the target queue depth.
@@ -294,4 +351,3 @@ def deployment_options(config: RayServeConfig, role: str) -> dict:
         "health_check_period_s": 2,
         "health_check_timeout_s": 10,
     }
-

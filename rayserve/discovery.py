@@ -28,7 +28,7 @@ class RayDiscovery:
         while True:
             try:
                 addresses = {info["address"] for info in await self.fetch()}
-            except Exception as exc:   # noqa: BLE001 — the registry is (re)starting; keep the last set
+            except Exception as exc:  # noqa: BLE001 — the registry is (re)starting; keep the last set
                 log.warning("worker registry unavailable (%s); keeping %d known workers", exc, len(known or ()))
             else:
                 if addresses != known:

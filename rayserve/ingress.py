@@ -28,7 +28,7 @@ class Gateway:
         from splitserve.router.router import Router
 
         logctx.install()
-        t = tracing_args or {}   # the gateway's span export, as the replicas' (rayserve/config.py)
+        t = tracing_args or {}  # the gateway's span export, as the replicas' (rayserve/config.py)
         tracing.configure(tracing.config_from("router", t.get("endpoint") or None, t.get("sample_ratio")))
         self.registry = registry
         self.router = Router(from_dict(router), discovery=RayDiscovery(lambda: registry.workers.remote()))
@@ -47,8 +47,12 @@ class Gateway:
 
 def build_gateway(args: dict):
     """Serve application builder: the ingress and the worker registry it reads."""
-    registry = serve.deployment(WorkerRegistry).options(
-        name=args["registry"]["deployment"], num_replicas=1, ray_actor_options={"num_cpus": 0}).bind()
-    gateway = serve.deployment(Gateway).options(name="gateway", num_replicas=1, ray_actor_options={"num_cpus": 0},
-                                                max_ongoing_requests=1000)
+    registry = (
+        serve.deployment(WorkerRegistry)
+        .options(name=args["registry"]["deployment"], num_replicas=1, ray_actor_options={"num_cpus": 0})
+        .bind()
+    )
+    gateway = serve.deployment(Gateway).options(
+        name="gateway", num_replicas=1, ray_actor_options={"num_cpus": 0}, max_ongoing_requests=1000
+    )
     return gateway.bind(args["router"], registry, args.get("tracing") or {})

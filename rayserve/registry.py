@@ -22,7 +22,7 @@ class WorkerRegistry:
         self.stale_after_s = stale_after_s
         self.clock = clock
         self._entries: dict[str, tuple[dict, float]] = {}
-        self._gone: dict[str, float] = {}       # unregistered address -> when
+        self._gone: dict[str, float] = {}  # unregistered address -> when
 
     def register(self, info: dict) -> None:
         """A heartbeat: add or refresh the replica at `info["address"]`."""

@@ -37,8 +37,17 @@ READY_TIMEOUT_S = 600.0
 
 
 class WorkerReplica:
-    async def __init__(self, role: str, model: str, kv_transport: str, engine: dict, registry: dict,
-                       host: str = "", security: dict | None = None, tracing_args: dict | None = None):
+    async def __init__(
+        self,
+        role: str,
+        model: str,
+        kv_transport: str,
+        engine: dict,
+        registry: dict,
+        host: str = "",
+        security: dict | None = None,
+        tracing_args: dict | None = None,
+    ):
         """`host`: the address to bind and advertise; "" binds all interfaces and advertises the
         replica's Ray node IP (what other nodes of the cluster reach). `security`: the worker's
         tls_cert/tls_key/tls_ca/kv_secret_file (rayserve/config.py SecuritySettings; {}: none).
@@ -53,28 +62,46 @@ class WorkerReplica:
         advertise = "" if host else ray.util.get_node_ip_address()
         host = host or "0.0.0.0"
         grpc_port, metrics_port, kv_port = (_free_port(host) for _ in range(3))
-        config = WorkerConfig(role=role, host=host, advertise_host=advertise, grpc_port=grpc_port,
-                              metrics_port=metrics_port, kv_transport=kv_transport, kv_port=kv_port, drain_grace_s=10.0,
-                              **{k: v for k, v in (security or {}).items()
-                                 if k in ("tls_cert", "tls_key", "tls_ca", "kv_secret_file")})
+        config = WorkerConfig(
+            role=role,
+            host=host,
+            advertise_host=advertise,
+            grpc_port=grpc_port,
+            metrics_port=metrics_port,
+            kv_transport=kv_transport,
+            kv_port=kv_port,
+            drain_grace_s=10.0,
+            **{k: v for k, v in (security or {}).items() if k in ("tls_cert", "tls_key", "tls_ca", "kv_secret_file")},
+        )
         engine_config = EngineConfig(
             model=model,
-            cache=CacheConfig(block_size=engine["block_size"],
-                              kv_cache_memory_bytes=int(engine["kv_cache_memory_gib"] * 1024**3)),
-            scheduler=SchedulerConfig(max_num_seqs=engine["max_num_seqs"],
-                                      max_num_batched_tokens=engine["max_num_batched_tokens"],
-                                      max_model_len=engine["max_model_len"]),
-            device=DeviceConfig(device=engine["device"], dtype=engine["dtype"], num_threads=engine["threads"],
-                                quantization=engine.get("quantization", "auto")))
+            cache=CacheConfig(
+                block_size=engine["block_size"], kv_cache_memory_bytes=int(engine["kv_cache_memory_gib"] * 1024**3)
+            ),
+            scheduler=SchedulerConfig(
+                max_num_seqs=engine["max_num_seqs"],
+                max_num_batched_tokens=engine["max_num_batched_tokens"],
+                max_model_len=engine["max_model_len"],
+            ),
+            device=DeviceConfig(
+                device=engine["device"],
+                dtype=engine["dtype"],
+                num_threads=engine["threads"],
+                quantization=engine.get("quantization", "auto"),
+            ),
+        )
         t = tracing_args or {}
         tracing.configure(tracing.config_from(trace_role(role), t.get("endpoint") or None, t.get("sample_ratio")))
         self.worker = Worker(config, LLMEngine(engine_config))
         self.task = asyncio.create_task(self.worker.run(handle_signals=False), name=f"{role} worker")
         await self._wait_ready()
-        self.info = {"address": f"{advertise or host}:{grpc_port}", "role": role,
-                     "metrics": f"{advertise or host}:{metrics_port}",
-                     "actor_name": ray.get_runtime_context().get_actor_name() or "",
-                     "replica_id": serve.get_replica_context().replica_id.unique_id}
+        self.info = {
+            "address": f"{advertise or host}:{grpc_port}",
+            "role": role,
+            "metrics": f"{advertise or host}:{metrics_port}",
+            "actor_name": ray.get_runtime_context().get_actor_name() or "",
+            "replica_id": serve.get_replica_context().replica_id.unique_id,
+        }
         self.registry = registry
         self.heartbeat = asyncio.create_task(self._heartbeat(), name="registry heartbeat")
         log.info("%s replica serving on %s", role, self.info["address"])
@@ -84,7 +111,7 @@ class WorkerReplica:
         deadline = loop.time() + READY_TIMEOUT_S
         while not self.worker.ready:
             if self.task.done():
-                self.task.result()     # raises the worker's own error
+                self.task.result()  # raises the worker's own error
                 raise RuntimeError("the worker stopped before it was ready")
             if loop.time() > deadline:
                 raise TimeoutError(f"the worker was not ready after {READY_TIMEOUT_S:.0f} s")
@@ -97,7 +124,7 @@ class WorkerReplica:
                 if handle is None:
                     handle = serve.get_deployment_handle(self.registry["deployment"], self.registry["app"])
                 await handle.register.remote(self.info)
-            except Exception as exc:   # the registry is not deployed yet, or restarting: keep trying
+            except Exception as exc:  # the registry is not deployed yet, or restarting: keep trying
                 log.debug("registry heartbeat failed: %s", exc)
                 handle = None
             await asyncio.sleep(HEARTBEAT_S)
@@ -127,8 +154,16 @@ def build_pool(args: dict):
     """Serve application builder: one pool, the deployment named for its role. Replicas, autoscaling
     and actor options come from the Serve config's `deployments:` overrides (rayserve/config.py `render`)."""
     deployment = serve.deployment(WorkerReplica).options(name=args["role"])
-    return deployment.bind(args["role"], args["model"], args["kv_transport"], args["engine"], args["registry"],
-                           args.get("host", ""), args.get("security") or {}, args.get("tracing") or {})
+    return deployment.bind(
+        args["role"],
+        args["model"],
+        args["kv_transport"],
+        args["engine"],
+        args["registry"],
+        args.get("host", ""),
+        args.get("security") or {},
+        args.get("tracing") or {},
+    )
 
 
 def _free_port(host: str) -> int:

@@ -44,28 +44,41 @@ START_TIMEOUT_S = 600.0
 
 def register(subparsers) -> None:
     p = subparsers.add_parser("serve", help="run the router and worker pools on a cluster backend (Ray Serve)")
-    p.add_argument("--backend", default=None,
-                   help=f"overrides the config's backend; allowed: {', '.join(ray_config.BACKENDS)}")
+    p.add_argument(
+        "--backend", default=None, help=f"overrides the config's backend; allowed: {', '.join(ray_config.BACKENDS)}"
+    )
     p.add_argument("--config", required=True, help="the backend's config file (deploy/ray/serve.yaml, docs/ray.md)")
     p.add_argument("--model", default=None, help="overrides the config's model")
-    p.add_argument("--otlp-traces-endpoint", default=None, metavar="URL",
-                   help="overrides the config's otlp_traces_endpoint: export request traces of the replicas "
-                        "to this OTLP gRPC collector")
-    p.add_argument("--print-serve-config", action="store_true",
-                   help="print the Ray Serve config (serveConfigV2 of a KubeRay RayService) and exit")
+    p.add_argument(
+        "--otlp-traces-endpoint",
+        default=None,
+        metavar="URL",
+        help="overrides the config's otlp_traces_endpoint: export request traces of the replicas "
+        "to this OTLP gRPC collector",
+    )
+    p.add_argument(
+        "--print-serve-config",
+        action="store_true",
+        help="print the Ray Serve config (serveConfigV2 of a KubeRay RayService) and exit",
+    )
     p.set_defaults(func=cmd_serve)
 
 
 def cmd_serve(args) -> int:
-    config = ray_config.load(args.config, backend=args.backend, model=args.model,
-                             otlp_traces_endpoint=args.otlp_traces_endpoint)
+    config = ray_config.load(
+        args.config, backend=args.backend, model=args.model, otlp_traces_endpoint=args.otlp_traces_endpoint
+    )
     if args.print_serve_config:
         print(yaml.safe_dump(ray_config.render(config), sort_keys=False), end="")
         return 0
     stop = threading.Event()
     take_signals(stop)
-    print(f"splitserve serve: starting Ray Serve ({config.prefill.min_replicas} prefill, "
-          f"{config.decode.min_replicas} decode replicas of {config.model})", file=sys.stderr, flush=True)
+    print(
+        f"splitserve serve: starting Ray Serve ({config.prefill.min_replicas} prefill, "
+        f"{config.decode.min_replicas} decode replicas of {config.model})",
+        file=sys.stderr,
+        flush=True,
+    )
     app = RayServe(config, stop_event=stop)
     try:
         app.start()
@@ -160,8 +173,12 @@ class RayServe:
         fd = os.open(secret, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "w") as f:
             f.write(secrets.token_hex(32))
-        return dataclasses.replace(config, security=ray_config.SecuritySettings(
-            tls_cert=tls.cert, tls_key=tls.key, tls_ca=tls.ca, kv_secret_file=secret))
+        return dataclasses.replace(
+            config,
+            security=ray_config.SecuritySettings(
+                tls_cert=tls.cert, tls_key=tls.key, tls_ca=tls.ca, kv_secret_file=secret
+            ),
+        )
 
     def _init_ray(self, ray) -> None:
         cluster = self.config.ray
@@ -169,12 +186,17 @@ class RayServe:
             return
         # Read by the Serve processes at import: replicas push their queue depth this often, and a
         # busy machine gets longer for the proxy's first health check (docs/design.md, environment notes).
-        os.environ.setdefault("RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S",
-                              str(self.config.autoscaling.metrics_interval_s))
+        os.environ.setdefault(
+            "RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S", str(self.config.autoscaling.metrics_interval_s)
+        )
         os.environ.setdefault("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", "60")
         if cluster.address == "local":
-            kwargs = {"num_cpus": cluster.num_cpus, "include_dashboard": cluster.include_dashboard,
-                      "namespace": cluster.namespace, "log_to_driver": False}
+            kwargs = {
+                "num_cpus": cluster.num_cpus,
+                "include_dashboard": cluster.include_dashboard,
+                "namespace": cluster.namespace,
+                "log_to_driver": False,
+            }
             if cluster.temp_dir:
                 kwargs["_temp_dir"] = cluster.temp_dir
             ray.init(**kwargs)
@@ -193,8 +215,11 @@ class RayServe:
         while time.monotonic() < deadline:
             if self.stop_event is not None and self.stop_event.is_set():
                 raise StartInterrupted("stopped by a signal during start-up")
-            failed = [f"{name}: {app.message}" for name, app in serve.status().applications.items()
-                      if app.status in ("DEPLOY_FAILED", "UNHEALTHY")]
+            failed = [
+                f"{name}: {app.message}"
+                for name, app in serve.status().applications.items()
+                if app.status in ("DEPLOY_FAILED", "UNHEALTHY")
+            ]
             if failed:
                 raise RuntimeError("Ray Serve could not deploy splitserve:\n" + "\n".join(failed))
             try:
@@ -202,7 +227,7 @@ class RayServe:
                 last = f"registered replicas {counts}, need {need}"
                 if all(counts[r] >= n for r, n in need.items()) and self.is_ready():
                     return
-            except Exception as exc:   # noqa: BLE001 — the registry is not deployed yet
+            except Exception as exc:  # noqa: BLE001 — the registry is not deployed yet
                 last = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
             time.sleep(0.5)
         raise TimeoutError(f"splitserve on Ray Serve was not ready after {timeout_s:.0f} s ({last})")
@@ -237,5 +262,6 @@ class RayServe:
         finally:
             if getattr(self, "_security_dir", None):
                 import shutil
+
                 shutil.rmtree(self._security_dir, ignore_errors=True)
                 self._security_dir = None

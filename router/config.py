@@ -99,13 +99,14 @@ class ApiKey:
     max_concurrent: int | None = None
     role: str = "user"
     """`admin` may also load and unload LoRA adapters at run time; `user` (the default) may not."""
-    priority: int | None = None      # flow-control band of the key's requests (router/flow/classify.py)
-    weight: float | None = None      # the key's share in fair queuing (None: 1)
+    priority: int | None = None  # flow-control band of the key's requests (router/flow/classify.py)
+    weight: float | None = None  # the key's share in fair queuing (None: 1)
 
     def __post_init__(self) -> None:
         if self.role not in KEY_ROLES:
-            raise ConfigError(f"API key {self.name or '(unnamed)'}: role={self.role!r} is unknown; "
-                              f"allowed: {', '.join(KEY_ROLES)}")
+            raise ConfigError(
+                f"API key {self.name or '(unnamed)'}: role={self.role!r} is unknown; allowed: {', '.join(KEY_ROLES)}"
+            )
 
 
 @dataclass(frozen=True)
@@ -128,16 +129,16 @@ class GatewayConfig:
     burst: int = 0
     rate_limit_redis_url: str = ""
     max_attempts: int = 3
-    cold_start_hold_s: float = 0.0      # scale from zero: wait this long for a decode worker (0: off)
-    cold_start_max_held: int = 64       # ...with at most this many requests waiting (router/core/hold.py)
+    cold_start_hold_s: float = 0.0  # scale from zero: wait this long for a decode worker (0: off)
+    cold_start_max_held: int = 64  # ...with at most this many requests waiting (router/core/hold.py)
     api_keys_file: str = ""
     """A YAML key file (router/tenancy/), reloaded on change; its keys add to `api_keys`."""
     quota_window_s: float = 60.0
     """The window of the per-key rpm / tpm limits (60: per minute, as OpenAI's)."""
     max_concurrent_per_key: int = 0
     """Requests one key may have in flight on one router (0: only max_concurrent_requests bounds them)."""
-    tool_call_parser: str = "hermes"   # how `tool_choice: auto` answers are read: hermes | json
-    worker_wait_s: float = 1.0          # a request finding no worker waits this long for one, then 503
+    tool_call_parser: str = "hermes"  # how `tool_choice: auto` answers are read: hermes | json
+    worker_wait_s: float = 1.0  # a request finding no worker waits this long for one, then 503
     lora_roots: tuple[str, ...] = ()
     """Folders runtime LoRA loads may read from (`--lora-roots`): a `lora_path` elsewhere is 403. Empty:
     with API keys configured no runtime load is allowed; without keys (an open gateway) any path is."""
@@ -155,15 +156,18 @@ class GatewayConfig:
 
     def __post_init__(self) -> None:
         if self.cold_start_hold_s < 0 or self.cold_start_max_held < 0:
-            raise ConfigError(f"gateway: cold_start_hold_s={self.cold_start_hold_s} and cold_start_max_held="
-                              f"{self.cold_start_max_held} must be >= 0 (0 s turns holding off)")
+            raise ConfigError(
+                f"gateway: cold_start_hold_s={self.cold_start_hold_s} and cold_start_max_held="
+                f"{self.cold_start_max_held} must be >= 0 (0 s turns holding off)"
+            )
         if not isinstance(self.worker_wait_s, (int, float)) or not 0 <= self.worker_wait_s <= 600:
             raise ConfigError(f"gateway.worker_wait_s={self.worker_wait_s!r} is invalid; allowed: 0 to 600 seconds")
         if not 0 <= self.port < 65536:
             raise ConfigError(f"gateway.port={self.port} is not a port; allowed: 0-65535")
         if self.max_body_bytes < 1024 or self.max_concurrent_requests < 1 or self.max_queued_requests < 0:
-            raise ConfigError("gateway: need max_body_bytes >= 1024, max_concurrent_requests >= 1, "
-                              "max_queued_requests >= 0")
+            raise ConfigError(
+                "gateway: need max_body_bytes >= 1024, max_concurrent_requests >= 1, max_queued_requests >= 0"
+            )
         if self.tool_call_parser not in ("hermes", "json"):
             raise ConfigError(f"gateway.tool_call_parser={self.tool_call_parser!r} is unknown; allowed: hermes, json")
         if self.rate_per_s < 0 or self.burst < 0 or self.max_attempts < 1:

@@ -56,9 +56,14 @@ def load_config(path: str | None = None, **overrides) -> RouterConfig:
 
 
 def from_dict(data: dict) -> RouterConfig:
-    sections = {"gateway": _gateway, "discovery": _discovery, "index": _index, "placement": _placement,
-                "adapters": lambda d: AdaptersConfig(**checked_mapping(d, AdaptersConfig, "adapters")),
-                "flow_control": _flow_control}
+    sections = {
+        "gateway": _gateway,
+        "discovery": _discovery,
+        "index": _index,
+        "placement": _placement,
+        "adapters": lambda d: AdaptersConfig(**checked_mapping(d, AdaptersConfig, "adapters")),
+        "flow_control": _flow_control,
+    }
     kwargs = {}
     for key, value in checked_mapping(data, RouterConfig, "").items():
         kwargs[key] = sections[key](value) if key in sections else value
@@ -91,15 +96,19 @@ def _gateway(data) -> GatewayConfig:
     keys = data.get("api_keys", ())
     if isinstance(keys, str):
         keys = [k for k in keys.split(",") if k]
-    data["api_keys"] = tuple(ApiKey(**_tuple_fields(checked_mapping(k, ApiKey, "gateway.api_keys[]"), "models"))
-                             if isinstance(k, dict)
-                             else ApiKey(key=str(k)) for k in keys)
+    data["api_keys"] = tuple(
+        ApiKey(**_tuple_fields(checked_mapping(k, ApiKey, "gateway.api_keys[]"), "models"))
+        if isinstance(k, dict)
+        else ApiKey(key=str(k))
+        for k in keys
+    )
     return GatewayConfig(**data)
 
 
 def _discovery(data) -> DiscoveryConfig:
-    return DiscoveryConfig(**_tuple_fields(checked_mapping(data, DiscoveryConfig, "discovery"),
-                                           "workers", "k8s_services"))
+    return DiscoveryConfig(
+        **_tuple_fields(checked_mapping(data, DiscoveryConfig, "discovery"), "workers", "k8s_services")
+    )
 
 
 def _index(data) -> IndexConfig:
@@ -116,6 +125,7 @@ def with_password(url: str, password: str) -> str:
     if not password or not sep or "@" in rest:
         return url
     from urllib.parse import quote
+
     return f"{scheme}://:{quote(password, safe='')}@{rest}"
 
 
@@ -123,8 +133,9 @@ def _placement(data) -> PlacementConfig:
     data = checked_mapping(data, PlacementConfig, "placement")
     kwargs = {}
     if "disaggregation" in data:
-        kwargs["disaggregation"] = DisaggregationConfig(**checked_mapping(data["disaggregation"], DisaggregationConfig,
-                                                                   "placement.disaggregation"))
+        kwargs["disaggregation"] = DisaggregationConfig(
+            **checked_mapping(data["disaggregation"], DisaggregationConfig, "placement.disaggregation")
+        )
     if "kv_pull" in data:
         kwargs["kv_pull"] = KVPullConfig(**checked_mapping(data["kv_pull"], KVPullConfig, "placement.kv_pull"))
     for role, default in (("decode", default_decode_profile()), ("prefill", default_prefill_profile())):
@@ -140,5 +151,8 @@ def _profile(data, default: ProfileConfig, where: str) -> ProfileConfig:
         if not isinstance(data["scorers"], list):
             raise ConfigError(f"{where}.scorers must be a list of {{name, weight, params}}")
         scorers = tuple(ScorerSpec(**checked_mapping(s, ScorerSpec, f"{where}.scorers[]")) for s in data["scorers"])
-    return ProfileConfig(filters=tuple(data.get("filters", default.filters)), scorers=scorers,
-                         filter_params=dict(data.get("filter_params", default.filter_params)))
+    return ProfileConfig(
+        filters=tuple(data.get("filters", default.filters)),
+        scorers=scorers,
+        filter_params=dict(data.get("filter_params", default.filter_params)),
+    )

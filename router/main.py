@@ -31,8 +31,12 @@ def register(subparsers) -> None:
     p.add_argument("--config", default=None, help="YAML/JSON router config (docs/router.md)")
     add_router_args(p)
     add_discovery_args(p, "workers")
-    p.add_argument("--metrics-port", type=int, default=None,
-                   help="also serve /metrics on this port (the gateway port always serves it)")
+    p.add_argument(
+        "--metrics-port",
+        type=int,
+        default=None,
+        help="also serve /metrics on this port (the gateway port always serves it)",
+    )
     p.set_defaults(func=cmd_router)
 
 
@@ -56,37 +60,68 @@ def add_router_args(p) -> None:
     p.add_argument("--tls-cert", default=None, help="mTLS to the workers: this router's certificate (PEM)")
     p.add_argument("--tls-key", default=None, help="mTLS to the workers: this router's private key (PEM)")
     p.add_argument("--tls-ca", default=None, help="mTLS to the workers: the CA that signed the workers' certificates")
-    p.add_argument("--api-keys-file", default=None, help="YAML key file: hashed keys, model scopes, rpm/tpm/monthly "
-                   "token limits (reloaded on change; see router/tenancy/)")
-    p.add_argument("--lora-roots", default=None, help="comma-separated folders runtime LoRA loads may read from "
-                   "(a lora_path elsewhere is 403; with API keys and no roots, runtime loads are off)")
-    p.add_argument("--tool-call-parser", default=None, choices=("hermes", "json"),
-                   help="how tool_choice=auto answers are read (default hermes)")
+    p.add_argument(
+        "--api-keys-file",
+        default=None,
+        help="YAML key file: hashed keys, model scopes, rpm/tpm/monthly "
+        "token limits (reloaded on change; see router/tenancy/)",
+    )
+    p.add_argument(
+        "--lora-roots",
+        default=None,
+        help="comma-separated folders runtime LoRA loads may read from "
+        "(a lora_path elsewhere is 403; with API keys and no roots, runtime loads are off)",
+    )
+    p.add_argument(
+        "--tool-call-parser",
+        default=None,
+        choices=("hermes", "json"),
+        help="how tool_choice=auto answers are read (default hermes)",
+    )
     tracing.add_tracing_args(p)
     flow_cli.add_args(p)
 
 
 def config_from_args(args, **extra) -> RouterConfig:
-    overrides = {"model": args.model, "max_model_len": args.max_model_len, "gateway.host": args.host,
-                 "gateway.port": args.port, "gateway.served_model_names": args.served_model_name,
-                 "gateway.api_keys": args.api_key, "gateway.rate_per_s": args.rate_limit,
-                 "gateway.api_keys_file": getattr(args, "api_keys_file", None),
-                 "discovery.tls_cert": getattr(args, "tls_cert", None),
-                 "discovery.tls_key": getattr(args, "tls_key", None),
-                 "discovery.tls_ca": getattr(args, "tls_ca", None),
-                 "gateway.tool_call_parser": args.tool_call_parser,
-                 "gateway.lora_roots": getattr(args, "lora_roots", None), **flow_cli.overrides(args), **extra}
+    overrides = {
+        "model": args.model,
+        "max_model_len": args.max_model_len,
+        "gateway.host": args.host,
+        "gateway.port": args.port,
+        "gateway.served_model_names": args.served_model_name,
+        "gateway.api_keys": args.api_key,
+        "gateway.rate_per_s": args.rate_limit,
+        "gateway.api_keys_file": getattr(args, "api_keys_file", None),
+        "discovery.tls_cert": getattr(args, "tls_cert", None),
+        "discovery.tls_key": getattr(args, "tls_key", None),
+        "discovery.tls_ca": getattr(args, "tls_ca", None),
+        "gateway.tool_call_parser": args.tool_call_parser,
+        "gateway.lora_roots": getattr(args, "lora_roots", None),
+        **flow_cli.overrides(args),
+        **extra,
+    }
     if args.redis_url:
-        overrides.update({"index.backend": "redis", "index.redis_url": args.redis_url,
-                          "gateway.rate_limit_redis_url": args.redis_url})
+        overrides.update(
+            {
+                "index.backend": "redis",
+                "index.redis_url": args.redis_url,
+                "gateway.rate_limit_redis_url": args.redis_url,
+            }
+        )
     return load_config(getattr(args, "config", None), **overrides)
 
 
 def cmd_router(args) -> int:
     logctx.install()
     tracing.configure(tracing.config_from_args("router", args))
-    config = config_from_args(args, **{"discovery.workers": args.workers, "discovery.k8s_namespace": args.k8s_namespace,
-                                       "discovery.k8s_services": args.k8s_services})
+    config = config_from_args(
+        args,
+        **{
+            "discovery.workers": args.workers,
+            "discovery.k8s_namespace": args.k8s_namespace,
+            "discovery.k8s_services": args.k8s_services,
+        },
+    )
     from splitserve.router.router import Router
 
     router = Router(config)
@@ -98,7 +133,7 @@ def cmd_router(args) -> int:
     try:
         asyncio.run(serve(router, sock))
     finally:
-        tracing.tracer().shutdown()   # export the spans still buffered
+        tracing.tracer().shutdown()  # export the spans still buffered
     return 0
 
 
@@ -112,12 +147,13 @@ def bind(host: str, port: int) -> socket.socket:
         sock.bind((host, port))
     except OSError as exc:
         sock.close()
-        raise ConfigError(f"cannot listen on {host}:{port} ({exc.strerror}); pass another --port "
-                          "(0 picks a free one)") from None
+        raise ConfigError(
+            f"cannot listen on {host}:{port} ({exc.strerror}); pass another --port (0 picks a free one)"
+        ) from None
     # Accepted connections inherit this; without it each response's second write waits out the
     # client's delayed ACK (+40 ms per request, measured).
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    sock.listen(2048)          # early clients wait in the backlog instead of being refused
+    sock.listen(2048)  # early clients wait in the backlog instead of being refused
     sock.set_inheritable(True)
     return sock
 
@@ -136,8 +172,7 @@ class _Server(uvicorn.Server):
 
 
 def uvicorn_server(app, log_level: str = "warning") -> uvicorn.Server:
-    config = uvicorn.Config(app, log_level=log_level, access_log=False, timeout_graceful_shutdown=5,
-                            lifespan="on")
+    config = uvicorn.Config(app, log_level=log_level, access_log=False, timeout_graceful_shutdown=5, lifespan="on")
     return _Server(config)
 
 

@@ -40,14 +40,23 @@ def make_index(config: IndexConfig) -> PrefixIndex:
         from splitserve.router.placement.index_redis import RedisPrefixIndex
         from splitserve.router.placement.index_resilient import ResilientIndex
 
-        return ResilientIndex(RedisPrefixIndex(config.redis_url, config.key_prefix, config.speculative_ttl_s,
-                                               config.max_blocks_per_worker))
+        return ResilientIndex(
+            RedisPrefixIndex(
+                config.redis_url, config.key_prefix, config.speculative_ttl_s, config.max_blocks_per_worker
+            )
+        )
     return InMemoryPrefixIndex(config.speculative_ttl_s, config.max_blocks_per_worker)
 
 
 class Router:
-    def __init__(self, config: RouterConfig, tokenizer: Tokenizer | None = None, index: PrefixIndex | None = None,
-                 discovery: Discovery | None = None, rng: random.Random | None = None):
+    def __init__(
+        self,
+        config: RouterConfig,
+        tokenizer: Tokenizer | None = None,
+        index: PrefixIndex | None = None,
+        discovery: Discovery | None = None,
+        rng: random.Random | None = None,
+    ):
         self.config = config
         self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(config.model)
         self.hasher = BlockHasher(config.model, config.block_size)
@@ -58,16 +67,23 @@ class Router:
         self.channels = ChannelPool(tls_from(d.tls_cert, d.tls_key, d.tls_ca, d.tls_server_name), CHANNEL_OPTIONS)
         self.metrics = RouterMetrics()
         self.adapters = AdapterCatalog(self.pool, self.channels)
-        if config.adapters.file:   # declared adapters (router/placement/adapter_sync.py); a bad file stops the start
+        if config.adapters.file:  # declared adapters (router/placement/adapter_sync.py); a bad file stops the start
             self.adapters.declare(adapter_sync.read_declared(config.adapters.file))
         self._adapter_tasks: list[asyncio.Task] = []
         self._reconciles: dict[str, asyncio.Task] = {}
         self.placer = Placer(config.placement, self.pool, self.index, rng)
-        self.dispatcher = Dispatcher(self.pool, self.placer, self.hasher, self.tokenizer, self.channels,
-                                     config.gateway.max_attempts, self.metrics,
-                                     ColdStartHold(config.gateway.cold_start_hold_s, config.gateway.cold_start_max_held,
-                                                   self.metrics.held),
-                                     config.gateway.worker_wait_s, self.adapters)
+        self.dispatcher = Dispatcher(
+            self.pool,
+            self.placer,
+            self.hasher,
+            self.tokenizer,
+            self.channels,
+            config.gateway.max_attempts,
+            self.metrics,
+            ColdStartHold(config.gateway.cold_start_hold_s, config.gateway.cold_start_max_held, self.metrics.held),
+            config.gateway.worker_wait_s,
+            self.adapters,
+        )
         self._watchers: dict[str, asyncio.Task] = {}
         self._discovery_task: asyncio.Task | None = None
 
@@ -75,17 +91,26 @@ class Router:
         self._discovery_task = asyncio.create_task(self.discovery.run(self._on_workers), name="discovery")
         a = self.config.adapters
         if a.file:
-            self._adapter_tasks.append(asyncio.create_task(adapter_sync.follow_file(self.adapters, a),
-                                                           name="adapters file"))
+            self._adapter_tasks.append(
+                asyncio.create_task(adapter_sync.follow_file(self.adapters, a), name="adapters file")
+            )
         if a.report_configmap:
-            self._adapter_tasks.append(asyncio.create_task(adapter_sync.report_loop(self.pool, a),
-                                                           name="adapters report"))
+            self._adapter_tasks.append(
+                asyncio.create_task(adapter_sync.report_loop(self.pool, a), name="adapters report")
+            )
 
     async def _on_workers(self, addresses: set[str]) -> None:
         for address in sorted(addresses - set(self._watchers)):
             self.pool.add(address)
-            watcher = WorkerWatcher(address, self.pool, self.index, self.channels, self.config.discovery,
-                                    on_down=self.dispatcher.worker_down, on_load=self._on_load)
+            watcher = WorkerWatcher(
+                address,
+                self.pool,
+                self.index,
+                self.channels,
+                self.config.discovery,
+                on_down=self.dispatcher.worker_down,
+                on_load=self._on_load,
+            )
             self._watchers[address] = asyncio.create_task(watcher.run(), name=f"watch {address}")
             log.info("watching worker %s", address)
         for address in sorted(set(self._watchers) - addresses):
@@ -119,8 +144,11 @@ class Router:
         log.info("worker %s left", address)
 
     async def stop(self) -> None:
-        tasks = [t for t in (self._discovery_task, *self._watchers.values(), *self._reconciles.values(),
-                             *self._adapter_tasks) if t is not None]
+        tasks = [
+            t
+            for t in (self._discovery_task, *self._watchers.values(), *self._reconciles.values(), *self._adapter_tasks)
+            if t is not None
+        ]
         for task in tasks:
             task.cancel()
         for task in tasks:
@@ -138,11 +166,14 @@ class Router:
     async def wait_ready(self, timeout_s: float = 60.0, num_decode: int = 1, num_prefill: int = 0) -> None:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
-        while (self.pool.num_healthy() < num_decode
-               or self.pool.num_healthy(lambda w: w.role == "prefill") < num_prefill):
+        while (
+            self.pool.num_healthy() < num_decode or self.pool.num_healthy(lambda w: w.role == "prefill") < num_prefill
+        ):
             if loop.time() > deadline:
-                raise TimeoutError(f"router: fewer than {num_decode} decode / {num_prefill} prefill workers "
-                                   f"healthy after {timeout_s:.0f} s")
+                raise TimeoutError(
+                    f"router: fewer than {num_decode} decode / {num_prefill} prefill workers "
+                    f"healthy after {timeout_s:.0f} s"
+                )
             await asyncio.sleep(0.05)
 
 
@@ -151,6 +182,7 @@ def make_discovery(config: DiscoveryConfig) -> Discovery:
     if config.k8s_services:
         from splitserve.router.placement.discovery_k8s import EndpointSliceDiscovery, KubernetesSliceSource
 
-        return EndpointSliceDiscovery(KubernetesSliceSource(config.k8s_namespace), config.k8s_services,
-                                      config.k8s_port_name)
+        return EndpointSliceDiscovery(
+            KubernetesSliceSource(config.k8s_namespace), config.k8s_services, config.k8s_port_name
+        )
     return StaticDiscovery(config.workers)

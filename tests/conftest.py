@@ -41,6 +41,7 @@ def smollm2_models(smollm2_model):
             engine = LLMEngine(EngineConfig(model="smollm2-135m", device=DeviceConfig(quantization=quantization)))
             models[quantization] = engine.model
         return models[quantization]
+
     return get
 
 
@@ -52,12 +53,20 @@ def make_engine(smollm2_models):
     from splitserve.platform.engine.llm_engine import LLMEngine
 
     def make(num_blocks=None, enable_prefix_caching=True, quantization="none", speculative=None, **sched):
-        cache = CacheConfig(num_blocks=num_blocks, kv_cache_memory_bytes=128 * 1024**2,
-                            enable_prefix_caching=enable_prefix_caching)
+        cache = CacheConfig(
+            num_blocks=num_blocks, kv_cache_memory_bytes=128 * 1024**2, enable_prefix_caching=enable_prefix_caching
+        )
         sched.setdefault("max_model_len", 2048)
-        return LLMEngine(EngineConfig(model="smollm2-135m", cache=cache, scheduler=SchedulerConfig(**sched),
-                                      device=DeviceConfig(quantization=quantization), speculative=speculative),
-                         model=smollm2_models(quantization))
+        return LLMEngine(
+            EngineConfig(
+                model="smollm2-135m",
+                cache=cache,
+                scheduler=SchedulerConfig(**sched),
+                device=DeviceConfig(quantization=quantization),
+                speculative=speculative,
+            ),
+            model=smollm2_models(quantization),
+        )
 
     return make
 

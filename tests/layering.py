@@ -12,67 +12,129 @@ import ast
 import pathlib
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-FOLDERS = {"platform": "splitserve.platform", "workers": "splitserve.workers",
-           "router": "splitserve.router", "operator": "splitserve.operator",
-           "planner": "splitserve.planner", "rayserve": "splitserve.rayserve", "launch": "splitserve.launch",
-           "bench/loadgen": "splitserve.bench.loadgen"}   # bench/'s scripts are not in the package
-SERVING = ["splitserve.platform", "splitserve.workers", "splitserve.router", "splitserve.operator",
-           "splitserve.planner"]
+FOLDERS = {
+    "platform": "splitserve.platform",
+    "workers": "splitserve.workers",
+    "router": "splitserve.router",
+    "operator": "splitserve.operator",
+    "planner": "splitserve.planner",
+    "rayserve": "splitserve.rayserve",
+    "launch": "splitserve.launch",
+    "bench/loadgen": "splitserve.bench.loadgen",
+}  # bench/'s scripts are not in the package
+SERVING = [
+    "splitserve.platform",
+    "splitserve.workers",
+    "splitserve.router",
+    "splitserve.operator",
+    "splitserve.planner",
+]
 
 # The layers, lowest first: a package imports only packages of a lower layer (never one beside or
 # above it). The planner is a torch-free control-plane library: the router (`up --planner`), the
 # workers (`splitserve profile` measures its CapacityProfile) and the operator build on it.
 # The launchers (`splitserve up`) and the Ray Serve layer each compose router and workers.
-LAYERS = [["splitserve.platform"],
-          ["splitserve.planner", "splitserve.bench.loadgen"],
-          ["splitserve.workers", "splitserve.router", "splitserve.operator"],
-          ["splitserve.rayserve", "splitserve.launch"]]
+LAYERS = [
+    ["splitserve.platform"],
+    ["splitserve.planner", "splitserve.bench.loadgen"],
+    ["splitserve.workers", "splitserve.router", "splitserve.operator"],
+    ["splitserve.rayserve", "splitserve.launch"],
+]
 
 # (source modules, forbidden modules): a forbidden module must not be reachable from a source.
-ENGINE = ["splitserve.platform.engine", "splitserve.platform.models", "splitserve.platform.kv",
-          "splitserve.platform.sched", "splitserve.platform.weights", "splitserve.platform.sampling.sampler"]
+ENGINE = [
+    "splitserve.platform.engine",
+    "splitserve.platform.models",
+    "splitserve.platform.kv",
+    "splitserve.platform.sched",
+    "splitserve.platform.weights",
+    "splitserve.platform.sampling.sampler",
+]
 CONTRACTS = [
-    ("platform imports nothing else of ours", ["splitserve.platform"],
-     ["splitserve.workers", "splitserve.router", "splitserve.operator"]),
-    ("workers do not import router or operator", ["splitserve.workers"],
-     ["splitserve.router", "splitserve.operator"]),
-    ("router never imports torch nor the engine", ["splitserve.router"],
-     ["torch", "splitserve.workers", "splitserve.operator", *ENGINE]),
-    ("operator imports only shared config", ["splitserve.operator"],
-     ["torch", "splitserve.workers", "splitserve.router", "splitserve.platform.tokenizer", *ENGINE]),
-    ("shared modules stay torch-free", ["splitserve.platform.hashing", "splitserve.platform.tokenizer",
-                                        "splitserve.platform.config", "splitserve.platform.model_source",
-                                        "splitserve.platform.detokenizer", "splitserve.platform.stop",
-                                        "splitserve.platform.tracing", "splitserve.platform.logfmt"],
-     ["torch"]),
+    (
+        "platform imports nothing else of ours",
+        ["splitserve.platform"],
+        ["splitserve.workers", "splitserve.router", "splitserve.operator"],
+    ),
+    ("workers do not import router or operator", ["splitserve.workers"], ["splitserve.router", "splitserve.operator"]),
+    (
+        "router never imports torch nor the engine",
+        ["splitserve.router"],
+        ["torch", "splitserve.workers", "splitserve.operator", *ENGINE],
+    ),
+    (
+        "operator imports only shared config",
+        ["splitserve.operator"],
+        ["torch", "splitserve.workers", "splitserve.router", "splitserve.platform.tokenizer", *ENGINE],
+    ),
+    (
+        "shared modules stay torch-free",
+        [
+            "splitserve.platform.hashing",
+            "splitserve.platform.tokenizer",
+            "splitserve.platform.config",
+            "splitserve.platform.model_source",
+            "splitserve.platform.detokenizer",
+            "splitserve.platform.stop",
+            "splitserve.platform.tracing",
+            "splitserve.platform.logfmt",
+        ],
+        ["torch"],
+    ),
     # The planner runs in its own small pod and inside `splitserve up`: control law only.
-    ("the planner imports only shared config", ["splitserve.planner"],
-     ["torch", "splitserve.workers", "splitserve.router", "splitserve.operator",
-      "splitserve.platform.tokenizer", *ENGINE]),
+    (
+        "the planner imports only shared config",
+        ["splitserve.planner"],
+        [
+            "torch",
+            "splitserve.workers",
+            "splitserve.router",
+            "splitserve.operator",
+            "splitserve.platform.tokenizer",
+            *ENGINE,
+        ],
+    ),
     # rayserve/ composes router and workers for Ray Serve (rayserve/__init__.py): it may import
     # both, nothing of ours imports it, and only the replica (in its own Ray process) loads the
     # engine; the driver, the ingress and the policy the Serve controller imports stay torch-free.
-    ("nothing of ours imports the Ray Serve layer", [*SERVING, "splitserve.bench.loadgen"],
-     ["splitserve.rayserve"]),
-    ("the Ray Serve driver and ingress never load the engine",
-     ["splitserve.rayserve.config", "splitserve.rayserve.serve", "splitserve.rayserve.ingress",
-      "splitserve.rayserve.registry", "splitserve.rayserve.discovery", "splitserve.rayserve.autoscale"],
-     ["torch", "splitserve.workers", "splitserve.rayserve.replica", *ENGINE]),
-    ("the Ray Serve autoscaling policy imports nothing of ours", ["splitserve.rayserve.autoscale"],
-     ["torch", "splitserve.platform", "splitserve.workers", "splitserve.router"]),
+    ("nothing of ours imports the Ray Serve layer", [*SERVING, "splitserve.bench.loadgen"], ["splitserve.rayserve"]),
+    (
+        "the Ray Serve driver and ingress never load the engine",
+        [
+            "splitserve.rayserve.config",
+            "splitserve.rayserve.serve",
+            "splitserve.rayserve.ingress",
+            "splitserve.rayserve.registry",
+            "splitserve.rayserve.discovery",
+            "splitserve.rayserve.autoscale",
+        ],
+        ["torch", "splitserve.workers", "splitserve.rayserve.replica", *ENGINE],
+    ),
+    (
+        "the Ray Serve autoscaling policy imports nothing of ours",
+        ["splitserve.rayserve.autoscale"],
+        ["torch", "splitserve.platform", "splitserve.workers", "splitserve.router"],
+    ),
     # The load generator (`splitserve bench`) is an OpenAI-API client that must measure any server:
     # torch-free, platform's errors and tokenizer only. Only the bench scripts and tests import it.
-    ("the load generator is a torch-free client", ["splitserve.bench.loadgen"],
-     ["torch", "splitserve.workers", "splitserve.router", "splitserve.operator", "splitserve.planner",
-      *ENGINE]),
-    ("nothing that serves imports the benchmark tools", [*SERVING, "splitserve.rayserve", "splitserve.launch"],
-     ["splitserve.bench"]),
+    (
+        "the load generator is a torch-free client",
+        ["splitserve.bench.loadgen"],
+        ["torch", "splitserve.workers", "splitserve.router", "splitserve.operator", "splitserve.planner", *ENGINE],
+    ),
+    (
+        "nothing that serves imports the benchmark tools",
+        [*SERVING, "splitserve.rayserve", "splitserve.launch"],
+        ["splitserve.bench"],
+    ),
     # launch/ (`splitserve up`) runs the router in its own process and starts each worker as a
     # child process: it never loads the engine itself, and nothing below it imports it.
-    ("nothing of ours imports the launchers", [*SERVING, "splitserve.rayserve", "splitserve.bench.loadgen"],
-     ["splitserve.launch"]),
-    ("the launchers start workers as processes and never load the engine", ["splitserve.launch"],
-     ["torch", *ENGINE]),
+    (
+        "nothing of ours imports the launchers",
+        [*SERVING, "splitserve.rayserve", "splitserve.bench.loadgen"],
+        ["splitserve.launch"],
+    ),
+    ("the launchers start workers as processes and never load the engine", ["splitserve.launch"], ["torch", *ENGINE]),
 ]
 
 
@@ -118,7 +180,7 @@ def layer_violations(graph: dict[str, set[str]]) -> list[str]:
     problems = []
     for src in sorted(graph):
         src_pkg, reported = _package(src), set()
-        for imp in sorted(graph[src]):   # `from m import x` lists m and m.x: one line per package
+        for imp in sorted(graph[src]):  # `from m import x` lists m and m.x: one line per package
             imp_pkg = _package(imp)
             if src_pkg is None or imp_pkg is None or imp_pkg == src_pkg or imp_pkg in reported:
                 continue
@@ -144,7 +206,7 @@ def _find_forbidden(src: str, graph: dict[str, set[str]], forbidden: list[str]) 
     stack, seen = [[src]], {src}
     while stack:
         path = stack.pop()
-        for imp in sorted(graph.get(path[-1], ())):   # sorted: the same chain on every run
+        for imp in sorted(graph.get(path[-1], ())):  # sorted: the same chain on every run
             if any(imp == f or imp.startswith(f + ".") for f in forbidden):
                 return path + [imp]
             if imp in graph and imp not in seen:

@@ -16,8 +16,11 @@ def tracked_text_files() -> list[pathlib.Path]:
 
 
 def test_nothing_cites_notes_outside_the_repository():
-    citing = [str(p.relative_to(ROOT)) for p in tracked_text_files()
-              if p.name != "test_docs.py" and OUTSIDE.search(p.read_text(errors="replace"))]
+    citing = [
+        str(p.relative_to(ROOT))
+        for p in tracked_text_files()
+        if p.name != "test_docs.py" and OUTSIDE.search(p.read_text(errors="replace"))
+    ]
     assert citing == []
 
 

@@ -8,8 +8,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 def run_py(code: str) -> str:
-    return subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
-                          check=True).stdout
+    return subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True).stdout
 
 
 def test_root_does_not_shadow_stdlib_platform_and_operator():
@@ -20,8 +19,10 @@ def test_root_does_not_shadow_stdlib_platform_and_operator():
     assert not (ROOT / "platform" / "__init__.py").exists()
     assert not (ROOT / "operator" / "__init__.py").exists()
     # ...and the stdlib modules still work while our package is importable from the root.
-    out = run_py("import platform, splitserve.platform.config as c, splitserve.operator.constants as k;"
-                 "print(platform.system(), c.__file__, k.API_GROUP)")
+    out = run_py(
+        "import platform, splitserve.platform.config as c, splitserve.operator.constants as k;"
+        "print(platform.system(), c.__file__, k.API_GROUP)"
+    )
     assert str(ROOT / "platform" / "config.py") in out
     assert "serving.splitserve.io" in out
 
@@ -37,26 +38,33 @@ def test_layering_checker_catches_a_violation(tmp_path, monkeypatch):
 
     bad = tmp_path / "router"
     bad.mkdir()
-    (bad / "placement.py").write_text("from splitserve.platform import tokenizer\n"
-                                      "import splitserve.platform.kv.manager\n")
+    (bad / "placement.py").write_text(
+        "from splitserve.platform import tokenizer\nimport splitserve.platform.kv.manager\n"
+    )
     monkeypatch.setattr(layering, "ROOT", tmp_path)
     monkeypatch.setattr(layering, "FOLDERS", {"router": "splitserve.router"})
     assert layering.violations() == [
-        "router never imports torch nor the engine: splitserve.router.placement -> splitserve.platform.kv.manager"]
+        "router never imports torch nor the engine: splitserve.router.placement -> splitserve.platform.kv.manager"
+    ]
 
 
 def test_layering_checker_catches_ray_and_load_generator_violations(tmp_path, monkeypatch):
     import layering
 
-    for rel, code in {"router/app.py": "import splitserve.rayserve.registry\n",
-                      "rayserve/ingress.py": "from splitserve.rayserve.replica import build_pool\n",
-                      "rayserve/replica.py": "import torch\n",
-                      "bench/loadgen/client.py": "import splitserve.router.config\n"}.items():
+    for rel, code in {
+        "router/app.py": "import splitserve.rayserve.registry\n",
+        "rayserve/ingress.py": "from splitserve.rayserve.replica import build_pool\n",
+        "rayserve/replica.py": "import torch\n",
+        "bench/loadgen/client.py": "import splitserve.router.config\n",
+    }.items():
         (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / rel).write_text(code)
     monkeypatch.setattr(layering, "ROOT", tmp_path)
-    monkeypatch.setattr(layering, "FOLDERS", {"router": "splitserve.router", "rayserve": "splitserve.rayserve",
-                                              "bench/loadgen": "splitserve.bench.loadgen"})
+    monkeypatch.setattr(
+        layering,
+        "FOLDERS",
+        {"router": "splitserve.router", "rayserve": "splitserve.rayserve", "bench/loadgen": "splitserve.bench.loadgen"},
+    )
     assert sorted(layering.violations()) == [
         "layers: splitserve.bench.loadgen.client imports splitserve.router.config (splitserve.router is not below "
         "splitserve.bench.loadgen)",
@@ -65,34 +73,46 @@ def test_layering_checker_catches_ray_and_load_generator_violations(tmp_path, mo
         "nothing of ours imports the Ray Serve layer: splitserve.router.app -> splitserve.rayserve.registry",
         "the Ray Serve driver and ingress never load the engine: splitserve.rayserve.ingress -> "
         "splitserve.rayserve.replica",
-        "the load generator is a torch-free client: splitserve.bench.loadgen.client -> splitserve.router.config"]
+        "the load generator is a torch-free client: splitserve.bench.loadgen.client -> splitserve.router.config",
+    ]
 
 
 def test_layering_checker_keeps_the_planner_below_router_workers_and_operator(tmp_path, monkeypatch):
     import layering
 
-    for rel, code in {"planner/law.py": "from splitserve.router.config import RouterConfig\n",
-                      "launch/up_planner.py": "from splitserve.planner.law import Planner\n",
-                      "workers/profile.py": "from splitserve.planner.profile import CapacityProfile\n",
-                      "operator/render_planner.py": "import splitserve.planner.config\n",
-                      "workers/main.py": "import splitserve.router.app\n"}.items():
+    for rel, code in {
+        "planner/law.py": "from splitserve.router.config import RouterConfig\n",
+        "launch/up_planner.py": "from splitserve.planner.law import Planner\n",
+        "workers/profile.py": "from splitserve.planner.profile import CapacityProfile\n",
+        "operator/render_planner.py": "import splitserve.planner.config\n",
+        "workers/main.py": "import splitserve.router.app\n",
+    }.items():
         (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / rel).write_text(code)
     monkeypatch.setattr(layering, "ROOT", tmp_path)
-    monkeypatch.setattr(layering, "FOLDERS",
-                        {f: f"splitserve.{f}" for f in ("planner", "router", "workers", "operator", "launch")})
+    monkeypatch.setattr(
+        layering, "FOLDERS", {f: f"splitserve.{f}" for f in ("planner", "router", "workers", "operator", "launch")}
+    )
     problems = layering.layer_violations({m: layering.direct_imports(m, p) for m, p in layering.module_files().items()})
     assert problems == [
         "layers: splitserve.planner.law imports splitserve.router.config (splitserve.router is not below "
         "splitserve.planner)",
         "layers: splitserve.workers.main imports splitserve.router.app (splitserve.router is not below "
-        "splitserve.workers)"]
+        "splitserve.workers)",
+    ]
 
 
 # Packages whose modules import one another without a circle (TYPE_CHECKING imports included). Not yet
 # workers/: workers/transfer/__init__.py re-exports its submodules, which import the package back.
-ACYCLIC = ["splitserve.platform", "splitserve.router", "splitserve.launch", "splitserve.operator",
-           "splitserve.planner", "splitserve.rayserve", "splitserve.bench.loadgen"]
+ACYCLIC = [
+    "splitserve.platform",
+    "splitserve.router",
+    "splitserve.launch",
+    "splitserve.operator",
+    "splitserve.planner",
+    "splitserve.rayserve",
+    "splitserve.bench.loadgen",
+]
 
 
 def test_no_import_cycle_in_any_package():
@@ -105,35 +125,48 @@ def test_no_import_cycle_in_any_package():
 def test_cycle_finder_reports_each_circle_once(tmp_path, monkeypatch):
     import layering
 
-    for rel, code in {"platform/a.py": "from splitserve.platform import b\n",
-                      "platform/b.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
-                                       "    from splitserve.platform.c import X\n",
-                      "platform/c.py": "import splitserve.platform.a\nimport splitserve.platform.d\n",
-                      "platform/d.py": "import json\n",
-                      "platform/e.py": "import splitserve.platform.e\n"}.items():
+    for rel, code in {
+        "platform/a.py": "from splitserve.platform import b\n",
+        "platform/b.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+        "    from splitserve.platform.c import X\n",
+        "platform/c.py": "import splitserve.platform.a\nimport splitserve.platform.d\n",
+        "platform/d.py": "import json\n",
+        "platform/e.py": "import splitserve.platform.e\n",
+    }.items():
         (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / rel).write_text(code)
     monkeypatch.setattr(layering, "ROOT", tmp_path)
     monkeypatch.setattr(layering, "FOLDERS", {"platform": "splitserve.platform"})
     graph = {m: layering.direct_imports(m, p) for m, p in layering.module_files().items()}
     assert sorted(layering.import_cycles(graph, "splitserve.platform")) == [
-        ["splitserve.platform.a", "splitserve.platform.b", "splitserve.platform.c"], ["splitserve.platform.e"]]
+        ["splitserve.platform.a", "splitserve.platform.b", "splitserve.platform.c"],
+        ["splitserve.platform.e"],
+    ]
 
 
 def test_torch_free_modules_do_not_import_torch():
-    out = run_py("import sys, splitserve.platform.hashing, splitserve.platform.config, "
-                 "splitserve.platform.model_source, splitserve.platform.tokenizer, "
-                 "splitserve.platform.sampling.params; print('torch' in sys.modules)")
+    out = run_py(
+        "import sys, splitserve.platform.hashing, splitserve.platform.config, "
+        "splitserve.platform.model_source, splitserve.platform.tokenizer, "
+        "splitserve.platform.sampling.params; print('torch' in sys.modules)"
+    )
     assert out.strip() == "False"
 
 
 def test_every_package_folder_is_declared_in_pyproject():
     import tomllib
+
     declared = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
-    folders = {"platform": "splitserve.platform", "workers": "splitserve.workers",
-               "router": "splitserve.router", "operator": "splitserve.operator",
-               "planner": "splitserve.planner", "rayserve": "splitserve.rayserve",
-               "launch": "splitserve.launch", "bench": "splitserve.bench"}
+    folders = {
+        "platform": "splitserve.platform",
+        "workers": "splitserve.workers",
+        "router": "splitserve.router",
+        "operator": "splitserve.operator",
+        "planner": "splitserve.planner",
+        "rayserve": "splitserve.rayserve",
+        "launch": "splitserve.launch",
+        "bench": "splitserve.bench",
+    }
     for folder, pkg in folders.items():
         for init in (ROOT / folder).rglob("__init__.py"):
             rel = init.parent.relative_to(ROOT / folder)
@@ -176,16 +209,33 @@ def test_the_wheel_ships_every_package_and_command_but_no_bench_script(tmp_path)
     import tomllib
     import zipfile
 
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w",
-                    str(tmp_path), str(ROOT)], check=True, capture_output=True, timeout=600)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "-q",
+            "-w",
+            str(tmp_path),
+            str(ROOT),
+        ],
+        check=True,
+        capture_output=True,
+        timeout=600,
+    )
     [wheel] = tmp_path.glob("splitserve-*.whl")
     zf = zipfile.ZipFile(wheel)
     names = set(zf.namelist())
     setuptools = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
     for pkg in setuptools["packages"]:
-        folder = next(ROOT / d / pkg[len(p):].lstrip(".").replace(".", "/")
-                      for p, d in sorted(setuptools["package-dir"].items(), key=lambda kv: -len(kv[0]))
-                      if pkg == p or pkg.startswith(p + "."))
+        folder = next(
+            ROOT / d / pkg[len(p) :].lstrip(".").replace(".", "/")
+            for p, d in sorted(setuptools["package-dir"].items(), key=lambda kv: -len(kv[0]))
+            if pkg == p or pkg.startswith(p + ".")
+        )
         for module in folder.glob("*.py"):
             assert f"{pkg.replace('.', '/')}/{module.name}" in names, f"{module} is not in the wheel"
     [ep_file] = [n for n in names if n.endswith(".dist-info/entry_points.txt")]
@@ -196,12 +246,16 @@ def test_the_wheel_ships_every_package_and_command_but_no_bench_script(tmp_path)
         assert module in names, f"`splitserve {command}` points at {target}, which is not in the wheel"
     assert {"bench", "serve"} <= set(entry_points["splitserve.commands"])
     assert "splitserve/bench/loadgen/cli.py" in names
-    assert not [n for n in names if n.startswith("splitserve/bench/") and n.count("/") == 2], \
+    assert not [n for n in names if n.startswith("splitserve/bench/") and n.count("/") == 2], (
         "a bench/ script is in the wheel"
+    )
 
 
 def test_no_router_module_is_over_300_lines():
     """A gateway module owns one job; past 300 lines it is split by phase (docs/architecture.md)."""
-    long = {str(p.relative_to(ROOT)): n for p in (ROOT / "router").rglob("*.py")
-            if (n := len(p.read_text().splitlines())) > 300}
+    long = {
+        str(p.relative_to(ROOT)): n
+        for p in (ROOT / "router").rglob("*.py")
+        if (n := len(p.read_text().splitlines())) > 300
+    }
     assert long == {}

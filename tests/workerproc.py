@@ -78,16 +78,46 @@ class WorkerProc:
     serves mTLS and authenticates KV transfers (the module docstring); `extra` arguments come
     after those flags, so a test's own --kv-secret-file or --tls-* wins."""
 
-    def __init__(self, role: str, transport: str = "tcp", *extra: str, env: dict | None = None,
-                 kv_cache_gib: float = 0.25, ports: tuple[int, int, int] | None = None, secure: bool = True):
+    def __init__(
+        self,
+        role: str,
+        transport: str = "tcp",
+        *extra: str,
+        env: dict | None = None,
+        kv_cache_gib: float = 0.25,
+        ports: tuple[int, int, int] | None = None,
+        secure: bool = True,
+    ):
         self.role, self.transport = role, transport
         self.secure = secure
         self.grpc_port, self.metrics_port, self.kv_port = ports or (free_port(), free_port(), free_port())
         secure_args = security().worker_args if secure else ()
-        self.args = [CLI, "--log-level", "INFO", "worker", "--role", role, "--model", "smollm2-135m",
-                     "--threads", "1", "--kv-transport", transport, "--grpc-port", str(self.grpc_port),
-                     "--metrics-port", str(self.metrics_port), "--kv-port", str(self.kv_port),
-                     "--kv-cache-memory", str(kv_cache_gib), "--max-model-len", "2048", *secure_args, *extra]
+        self.args = [
+            CLI,
+            "--log-level",
+            "INFO",
+            "worker",
+            "--role",
+            role,
+            "--model",
+            "smollm2-135m",
+            "--threads",
+            "1",
+            "--kv-transport",
+            transport,
+            "--grpc-port",
+            str(self.grpc_port),
+            "--metrics-port",
+            str(self.metrics_port),
+            "--kv-port",
+            str(self.kv_port),
+            "--kv-cache-memory",
+            str(kv_cache_gib),
+            "--max-model-len",
+            "2048",
+            *secure_args,
+            *extra,
+        ]
         self.env = {**os.environ, **(env or {})}
         self.proc: subprocess.Popen | None = None
         self.lines: list[str] = []
@@ -102,8 +132,9 @@ class WorkerProc:
 
     def start(self, timeout: float = 180) -> WorkerProc:
         self.lines = []
-        self.proc = subprocess.Popen(self.args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                     env=self.env)
+        self.proc = subprocess.Popen(
+            self.args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=self.env
+        )
         ready = threading.Event()
         threading.Thread(target=self._pump, args=(self.proc, ready), daemon=True).start()
         if not ready.wait(timeout):

@@ -41,19 +41,35 @@ log = logging.getLogger(__name__)
 
 
 class RemotePrefill:
-    def __init__(self, engine: AsyncEngine, receiver: KVReceiver, layout: KVLayout, deadline_s: float,
-                 metrics=None, kv_address: str = "", tls: TlsFiles | None = None):
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        receiver: KVReceiver,
+        layout: KVLayout,
+        deadline_s: float,
+        metrics=None,
+        kv_address: str = "",
+        tls: TlsFiles | None = None,
+    ):
         self.engine = engine
         self.receiver = receiver
-        self.kv_address = kv_address or receiver.address   # what the prefill worker dials
+        self.kv_address = kv_address or receiver.address  # what the prefill worker dials
         self.layout = layout
         self.deadline_s = deadline_s
         self.metrics = metrics
         # Channels to prefill workers: dropped after a failed call or 5 idle minutes (grpc_channels).
         self.stubs = ChannelPool(tls, [("grpc.max_receive_message_length", 64 << 20)], idle_s=300.0)
 
-    async def run(self, req_id: str, token_ids: list[int], params: SamplingParams, ready: KVReady,
-                  prefill_workers: list[str], lora=None, span=tracing.NOOP) -> tuple[str, pb.PrefillResponse | None]:
+    async def run(
+        self,
+        req_id: str,
+        token_ids: list[int],
+        params: SamplingParams,
+        ready: KVReady,
+        prefill_workers: list[str],
+        lora=None,
+        span=tracing.NOOP,
+    ) -> tuple[str, pb.PrefillResponse | None]:
         """Fill the request's missing KV from a prefill worker; returns its address and answer,
         or ("", None) when the request fell back to local prefill. `lora`: the request's
         LoraAdapter (its name, folder and digest go along; a prefill worker that cannot run
@@ -68,28 +84,50 @@ class RemotePrefill:
         self._count("local_fallback")
         return "", None
 
-    async def _attempt(self, address, req_id, token_ids, params, ready: KVReady, lora=None,
-                       call=tracing.NOOP) -> pb.PrefillResponse | None:
+    async def _attempt(
+        self, address, req_id, token_ids, params, ready: KVReady, lora=None, call=tracing.NOOP
+    ) -> pb.PrefillResponse | None:
         transfer_id = f"{req_id}/{uuid.uuid4().hex[:12]}"
         call.set("splitserve.kv.transfer_id", transfer_id)
-        dst = ready.block_ids[ready.start_block:]
+        dst = ready.block_ids[ready.start_block :]
         write = self.engine.write_kv_layer
         # The adapter is part of the layout: KV computed with other weights is refused (prefill.py).
         layout = dataclasses.replace(self.layout, lora_digest=lora.digest.hex() if lora else "")
-        self.receiver.expect(transfer_id, layout, len(dst),
-                             lambda layer, payload, first: write(dst[first:first + payload.shape[1]], layer, payload),
-                             self.deadline_s, block_ids=dst)
+        self.receiver.expect(
+            transfer_id,
+            layout,
+            len(dst),
+            lambda layer, payload, first: write(dst[first : first + payload.shape[1]], layer, payload),
+            self.deadline_s,
+            block_ids=dst,
+        )
         t0 = time.monotonic()
-        receive = call.child("kv.receive", start=t0, attributes={
-            "splitserve.kv.transfer_id": transfer_id, "splitserve.kv.num_blocks": len(dst),
-            "splitserve.kv.path": self.kv_address.partition("://")[0] or "unknown"})
+        receive = call.child(
+            "kv.receive",
+            start=t0,
+            attributes={
+                "splitserve.kv.transfer_id": transfer_id,
+                "splitserve.kv.num_blocks": len(dst),
+                "splitserve.kv.path": self.kv_address.partition("://")[0] or "unknown",
+            },
+        )
         try:
-            resp = await self.stubs.stub(address).Prefill(pb.PrefillRequest(
-                request_id=req_id, prompt_token_ids=token_ids, params=wire.sampling_params_to_proto(params),
-                skip_blocks=ready.start_block, kv_address=self.kv_address, transfer_id=transfer_id,
-                layout=pb.KVLayout(**layout.to_dict()), deadline_s=self.deadline_s,
-                lora_name=lora.name if lora else "", lora_path=lora.path if lora else ""), timeout=self.deadline_s,
-                metadata=tracing.outgoing_metadata(call))
+            resp = await self.stubs.stub(address).Prefill(
+                pb.PrefillRequest(
+                    request_id=req_id,
+                    prompt_token_ids=token_ids,
+                    params=wire.sampling_params_to_proto(params),
+                    skip_blocks=ready.start_block,
+                    kv_address=self.kv_address,
+                    transfer_id=transfer_id,
+                    layout=pb.KVLayout(**layout.to_dict()),
+                    deadline_s=self.deadline_s,
+                    lora_name=lora.name if lora else "",
+                    lora_path=lora.path if lora else "",
+                ),
+                timeout=self.deadline_s,
+                metadata=tracing.outgoing_metadata(call),
+            )
             status = await asyncio.wait_for(self.receiver.wait(transfer_id), timeout=self.deadline_s)
             receive.set("splitserve.kv.num_bytes", status.num_bytes)
             if status.state != TransferState.DONE:
@@ -99,7 +137,7 @@ class RemotePrefill:
             call.fail(exc)
             self.receiver.abort(transfer_id)
             if isinstance(exc, grpc.aio.AioRpcError) and exc.code() == grpc.StatusCode.UNAVAILABLE:
-                await self.stubs.drop(address)   # gone or restarting: the next request dials afresh
+                await self.stubs.drop(address)  # gone or restarting: the next request dials afresh
             log.warning("request %s: remote prefill on %s failed (%s)", req_id, address, _describe(exc))
             self._count("failed")
             return None

@@ -31,8 +31,8 @@ class EventHub:
     def __init__(self, loop: asyncio.AbstractEventLoop, info: pb.WorkerInfo):
         self.loop = loop
         self.info = info
-        self._cached: dict[bytes, None] = {}     # insertion-ordered set: the KV cache (tier 1)
-        self._second: dict[bytes, None] = {}     # the second tier (platform/kv/tier.py)
+        self._cached: dict[bytes, None] = {}  # insertion-ordered set: the KV cache (tier 1)
+        self._second: dict[bytes, None] = {}  # the second tier (platform/kv/tier.py)
         self._subscribers: set[asyncio.Queue] = set()
         self._seq = itertools.count(1)
         self._last_load: pb.LoadReport | None = None
@@ -78,8 +78,9 @@ class EventHub:
         if self._cached:
             first.append(pb.WorkerEvent(kv=pb.KVEvent(stored=pb.BlockStored(block_hashes=list(self._cached)))))
         if self._second:
-            first.append(pb.WorkerEvent(kv=pb.KVEvent(stored=pb.BlockStored(block_hashes=list(self._second),
-                                                                            tier=TIER_SECOND))))
+            first.append(
+                pb.WorkerEvent(kv=pb.KVEvent(stored=pb.BlockStored(block_hashes=list(self._second), tier=TIER_SECOND)))
+            )
         if self._last_load is not None:
             first.append(pb.WorkerEvent(load=self._last_load))
         for msg in first:
@@ -103,8 +104,11 @@ class EventHub:
 
 def to_proto(event: KVEvent) -> pb.KVEvent:
     if isinstance(event, BlockStored):
-        return pb.KVEvent(stored=pb.BlockStored(block_hashes=list(event.block_hashes),
-                                                parent_hash=event.parent_hash or b"", tier=event.tier))
+        return pb.KVEvent(
+            stored=pb.BlockStored(
+                block_hashes=list(event.block_hashes), parent_hash=event.parent_hash or b"", tier=event.tier
+            )
+        )
     if isinstance(event, BlockRemoved):
         return pb.KVEvent(removed=pb.BlockRemoved(block_hashes=list(event.block_hashes), tier=event.tier))
     assert isinstance(event, AllCleared)

@@ -35,8 +35,14 @@ METHODS = {
 
 
 ROLE_OF_SAN = {b"splitserve-router": "router", b"splitserve-worker": "worker"}
-ALLOWED_ROLES = {"Generate": {"router"}, "WatchEvents": {"router"}, "LoadLoraAdapter": {"router"},
-                 "UnloadLoraAdapter": {"router"}, "Prefill": {"worker"}, "Abort": {"router", "worker"}}
+ALLOWED_ROLES = {
+    "Generate": {"router"},
+    "WatchEvents": {"router"},
+    "LoadLoraAdapter": {"router"},
+    "UnloadLoraAdapter": {"router"},
+    "Prefill": {"worker"},
+    "Abort": {"router", "worker"},
+}
 
 
 def add_worker_servicer(servicer, server, check_peer_roles: bool = False) -> None:
@@ -48,10 +54,12 @@ def add_worker_servicer(servicer, server, check_peer_roles: bool = False) -> Non
         roles = ALLOWED_ROLES[name] if check_peer_roles else None
         if streaming:
             handlers[name] = grpc.unary_stream_rpc_method_handler(
-                _streaming(name, behavior, request_type, roles), response_serializer=response_type.SerializeToString)
+                _streaming(name, behavior, request_type, roles), response_serializer=response_type.SerializeToString
+            )
         else:
             handlers[name] = grpc.unary_unary_rpc_method_handler(
-                _unary(name, behavior, request_type, roles), response_serializer=response_type.SerializeToString)
+                _unary(name, behavior, request_type, roles), response_serializer=response_type.SerializeToString
+            )
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
 
 
@@ -59,8 +67,10 @@ async def _parse(name: str, request_type, data: bytes, context):
     try:
         return request_type.FromString(data)
     except (DecodeError, UnicodeDecodeError, ValueError) as exc:
-        await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                            f"{name}: the request is not a valid {request_type.DESCRIPTOR.full_name} ({exc})")
+        await context.abort(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            f"{name}: the request is not a valid {request_type.DESCRIPTOR.full_name} ({exc})",
+        )
 
 
 def peer_roles(context) -> set[str]:
@@ -74,9 +84,11 @@ async def _check_role(name: str, roles: set[str] | None, context) -> None:
         return
     have = peer_roles(context)
     if not have & roles:
-        await context.abort(grpc.StatusCode.PERMISSION_DENIED,
-                            f"{name} is for the {' or '.join(sorted(roles))} role; the caller's certificate names "
-                            f"{', '.join(sorted(have)) or 'no role'} (SAN splitserve-router or splitserve-worker)")
+        await context.abort(
+            grpc.StatusCode.PERMISSION_DENIED,
+            f"{name} is for the {' or '.join(sorted(roles))} role; the caller's certificate names "
+            f"{', '.join(sorted(have)) or 'no role'} (SAN splitserve-router or splitserve-worker)",
+        )
 
 
 def _streaming(name: str, behavior, request_type, roles: set[str] | None = None):
@@ -85,6 +97,7 @@ def _streaming(name: str, behavior, request_type, roles: set[str] | None = None)
         request = await _parse(name, request_type, data, context)
         async for message in behavior(request, context):
             yield message
+
     return handler
 
 
@@ -93,4 +106,5 @@ def _unary(name: str, behavior, request_type, roles: set[str] | None = None):
         await _check_role(name, roles, context)
         request = await _parse(name, request_type, data, context)
         return await behavior(request, context)
+
     return handler

@@ -16,9 +16,15 @@ CONTENT_TYPE_METRICS = "text/plain; version=0.0.4; charset=utf-8"
 
 
 class HealthServer:
-    def __init__(self, host: str, port: int, is_ready: Callable[[], tuple[bool, str]],
-                 render_metrics: Callable[[], bytes], debug_kv: Callable[[], Awaitable[dict]] | None = None,
-                 debug_request: Callable[[str], dict | None] | None = None):
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        is_ready: Callable[[], tuple[bool, str]],
+        render_metrics: Callable[[], bytes],
+        debug_kv: Callable[[], Awaitable[dict]] | None = None,
+        debug_request: Callable[[str], dict | None] | None = None,
+    ):
         self.host, self.port = host, port
         self.debug_request = debug_request
         self.debug_kv = debug_kv
@@ -44,8 +50,10 @@ class HealthServer:
                 status, ctype, body = "200 OK", "application/json", json.dumps(await self.debug_kv()).encode()
             else:
                 status, ctype, body = self._route(parts)
-            head = (f"HTTP/1.1 {status}\r\nContent-Type: {ctype}\r\nContent-Length: {len(body)}\r\n"
-                    "Connection: close\r\n\r\n")
+            head = (
+                f"HTTP/1.1 {status}\r\nContent-Type: {ctype}\r\nContent-Length: {len(body)}\r\n"
+                "Connection: close\r\n\r\n"
+            )
             writer.write(head.encode() + body)
             await writer.drain()
         except (TimeoutError, ConnectionError):
@@ -65,7 +73,7 @@ class HealthServer:
         if path == "/metrics":
             return "200 OK", CONTENT_TYPE_METRICS, self.render_metrics()
         if path.startswith("/debug/requests/") and self.debug_request is not None:
-            record = self.debug_request(urllib.parse.unquote(path[len("/debug/requests/"):]))
+            record = self.debug_request(urllib.parse.unquote(path[len("/debug/requests/") :]))
             if record is None:
                 return "404 Not Found", "text/plain", b"no recent request with that id on this worker\n"
             return "200 OK", "application/json", json.dumps(record).encode()

@@ -58,27 +58,33 @@ def layer_digest(payload: torch.Tensor) -> bytes:
 
 
 # -- the holder ------------------------------------------------------------------------------
-async def serve_cached(engine: AsyncEngine, sender: KVSender, layout: KVLayout, request: pb.PrefillRequest,
-                       metrics=None) -> pb.PrefillResponse:
+async def serve_cached(
+    engine: AsyncEngine, sender: KVSender, layout: KVLayout, request: pb.PrefillRequest, metrics=None
+) -> pb.PrefillResponse:
     """Send the KV of cached blocks, computing nothing. Raises InvalidRequestError,
     LayoutMismatchError, BlocksNotHeldError, TransferError."""
-    token_ids = wire.prompt_token_ids(request.request_id, request.prompt_token_ids,
-                                         engine.model_config.vocab_size, engine.max_model_len)
+    token_ids = wire.prompt_token_ids(
+        request.request_id, request.prompt_token_ids, engine.model_config.vocab_size, engine.max_model_len
+    )
     if not request.transfer_id or not request.kv_address:
         raise InvalidRequestError("transfer_id and kv_address are required for a pull")
-    layout.check_compatible(_request_layout(request))   # a pull is for the base model: no adapter digest
+    layout.check_compatible(_request_layout(request))  # a pull is for the base model: no adapter digest
     bs = layout.block_size
     start, num_blocks = request.skip_blocks, request.num_blocks
     if start < 0 or num_blocks < 1 or start + num_blocks > len(token_ids) // bs:
-        raise InvalidRequestError(f"skip_blocks={start}, num_blocks={num_blocks} is invalid for a pull of a "
-                                  f"{len(token_ids)}-token prompt; allowed: skip_blocks >= 0, num_blocks >= 1, "
-                                  f"their sum at most {len(token_ids) // bs} (its full blocks)")
+        raise InvalidRequestError(
+            f"skip_blocks={start}, num_blocks={num_blocks} is invalid for a pull of a "
+            f"{len(token_ids)}-token prompt; allowed: skip_blocks >= 0, num_blocks >= 1, "
+            f"their sum at most {len(token_ids) // bs} (its full blocks)"
+        )
     if len(request.block_hashes) != num_blocks:
-        raise InvalidRequestError(f"a pull of {num_blocks} blocks needs {num_blocks} block_hashes, "
-                                  f"got {len(request.block_hashes)}")
+        raise InvalidRequestError(
+            f"a pull of {num_blocks} blocks needs {num_blocks} block_hashes, got {len(request.block_hashes)}"
+        )
     t0 = time.monotonic()
-    payloads = await engine.call(lambda e: _copy_blocks(e, token_ids[:(start + num_blocks) * bs], start,
-                                                        list(request.block_hashes)))
+    payloads = await engine.call(
+        lambda e: _copy_blocks(e, token_ids[: (start + num_blocks) * bs], start, list(request.block_hashes))
+    )
     handle = await sender.open(request.kv_address, request.transfer_id, layout, num_blocks)
     digests = []
     try:
@@ -93,8 +99,7 @@ async def serve_cached(engine: AsyncEngine, sender: KVSender, layout: KVLayout, 
     if metrics is not None:
         metrics.kv_pull_blocks.labels(direction="out").inc(num_blocks)
         metrics.kv_transfer_bytes.labels(direction="out").observe(handle.bytes_sent)
-    return pb.PrefillResponse(kv_bytes=handle.bytes_sent, transfer_wait_s=time.monotonic() - t0,
-                              layer_digests=digests)
+    return pb.PrefillResponse(kv_bytes=handle.bytes_sent, transfer_wait_s=time.monotonic() - t0, layer_digests=digests)
 
 
 def _copy_blocks(engine, token_ids: list[int], start: int, expected: list[bytes]) -> list[torch.Tensor]:
@@ -102,8 +107,10 @@ def _copy_blocks(engine, token_ids: list[int], start: int, expected: list[bytes]
     this prompt ([2, n, block_size, kv_heads, head_dim]) from the cache or the second tier."""
     hashes = engine.hasher.hash_blocks(token_ids)[start:]
     if hashes != expected:
-        raise BlocksNotHeldError("the requested block hashes are not this worker's hashes of the prompt "
-                                 "(another model, block size or hash version)")
+        raise BlocksNotHeldError(
+            "the requested block hashes are not this worker's hashes of the prompt "
+            "(another model, block size or hash version)"
+        )
     kv_caches = engine.kv_connector.kv_caches
     per_block = []
     for i, block_hash in enumerate(hashes):
@@ -111,25 +118,37 @@ def _copy_blocks(engine, token_ids: list[int], start: int, expected: list[bytes]
         if block is not None:
             per_block.append(torch.stack([torch.stack((k[block.block_id], v[block.block_id])) for k, v in kv_caches]))
             continue
-        kv = engine.kv_tier.store.get(block_hash) if engine.kv_tier is not None and engine.kv_tier.holds(block_hash) \
+        kv = (
+            engine.kv_tier.store.get(block_hash)
+            if engine.kv_tier is not None and engine.kv_tier.holds(block_hash)
             else None
+        )
         if kv is None:
             raise BlocksNotHeldError(f"block {start + i} of the prompt is no longer cached here (evicted)")
         per_block.append(kv.to(kv_caches[0][0].device))
-    stacked = torch.stack(per_block)            # [n, layers, 2, block_size, kv_heads, head_dim]
+    stacked = torch.stack(per_block)  # [n, layers, 2, block_size, kv_heads, head_dim]
     return [stacked[:, layer].transpose(0, 1).contiguous() for layer in range(len(kv_caches))]
 
 
 # -- the puller ------------------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
 class PullOutcome:
-    num_tokens: int     # prompt tokens whose KV arrived (0: the pull failed or was not tried)
+    num_tokens: int  # prompt tokens whose KV arrived (0: the pull failed or was not tried)
     seconds: float
 
 
 class KVPuller:
-    def __init__(self, engine: AsyncEngine, receiver: KVReceiver, layout: KVLayout, deadline_s: float,
-                 max_pull_blocks: int, metrics=None, kv_address: str = "", tls: TlsFiles | None = None):
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        receiver: KVReceiver,
+        layout: KVLayout,
+        deadline_s: float,
+        max_pull_blocks: int,
+        metrics=None,
+        kv_address: str = "",
+        tls: TlsFiles | None = None,
+    ):
         self.engine = engine
         self.receiver = receiver
         self.kv_address = kv_address or receiver.address
@@ -168,15 +187,27 @@ class KVPuller:
 
         def on_layer(layer, payload, first):
             received.setdefault(layer, hashlib.sha256()).update(
-                payload.detach().to("cpu").contiguous().view(torch.uint8).numpy().tobytes())
-            write(dst[first:first + payload.shape[1]], layer, payload)
+                payload.detach().to("cpu").contiguous().view(torch.uint8).numpy().tobytes()
+            )
+            write(dst[first : first + payload.shape[1]], layer, payload)
 
         self.receiver.expect(transfer_id, self.layout, len(dst), on_layer, self.deadline_s)
         try:
-            resp = await self.stubs.stub(holder).Prefill(pb.PrefillRequest(
-                request_id=req_id, prompt_token_ids=token_ids, skip_blocks=start, num_blocks=len(dst),
-                block_hashes=hashes[start:], cached_only=True, kv_address=self.kv_address, transfer_id=transfer_id,
-                layout=pb.KVLayout(**self.layout.to_dict()), deadline_s=self.deadline_s), timeout=self.deadline_s)
+            resp = await self.stubs.stub(holder).Prefill(
+                pb.PrefillRequest(
+                    request_id=req_id,
+                    prompt_token_ids=token_ids,
+                    skip_blocks=start,
+                    num_blocks=len(dst),
+                    block_hashes=hashes[start:],
+                    cached_only=True,
+                    kv_address=self.kv_address,
+                    transfer_id=transfer_id,
+                    layout=pb.KVLayout(**self.layout.to_dict()),
+                    deadline_s=self.deadline_s,
+                ),
+                timeout=self.deadline_s,
+            )
             status = await asyncio.wait_for(self.receiver.wait(transfer_id), timeout=self.deadline_s)
             if status.state != TransferState.DONE:
                 raise TransferError(f"transfer ended {status.state.name}: {status.error}")
@@ -187,11 +218,18 @@ class KVPuller:
             self.receiver.abort(transfer_id)
             if isinstance(exc, grpc.aio.AioRpcError) and exc.code() == grpc.StatusCode.UNAVAILABLE:
                 await self.stubs.drop(holder)
-            log.warning("request %s: pull from %s failed, recomputing (%s)", req_id, holder,
-                        f"{exc.code().name}: {exc.details()}" if isinstance(exc, grpc.aio.AioRpcError) else
-                        "deadline exceeded" if isinstance(exc, asyncio.TimeoutError) else exc)
+            log.warning(
+                "request %s: pull from %s failed, recomputing (%s)",
+                req_id,
+                holder,
+                f"{exc.code().name}: {exc.details()}"
+                if isinstance(exc, grpc.aio.AioRpcError)
+                else "deadline exceeded"
+                if isinstance(exc, asyncio.TimeoutError)
+                else exc,
+            )
             return False
-        except BaseException:   # cancelled by the client: stop the transfer; the caller frees the request
+        except BaseException:  # cancelled by the client: stop the transfer; the caller frees the request
             self.receiver.abort(transfer_id)
             raise
         finally:

@@ -49,37 +49,69 @@ def register(subparsers) -> None:
     add_engine_args(p)
     p.add_argument("--role", default="both", choices=["prefill", "decode", "both"])
     p.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 in a pod)")
-    p.add_argument("--advertise-host", default=None,
-                   help="address other workers reach this one at (default: --host; in a pod, the pod IP)")
+    p.add_argument(
+        "--advertise-host",
+        default=None,
+        help="address other workers reach this one at (default: --host; in a pod, the pod IP)",
+    )
     p.add_argument("--grpc-port", type=int, default=50051)
     p.add_argument("--metrics-port", type=int, default=9090)
-    p.add_argument("--kv-transport", default="ucx", choices=["ucx", "tcp", "auto"],
-                   help="how KV blocks travel: ucx, tcp, or auto (tcp, plus CUDA IPC between workers on one node "
-                        "that can reach each other's GPU memory; needs --kv-secret-file)")
+    p.add_argument(
+        "--kv-transport",
+        default="ucx",
+        choices=["ucx", "tcp", "auto"],
+        help="how KV blocks travel: ucx, tcp, or auto (tcp, plus CUDA IPC between workers on one node "
+        "that can reach each other's GPU memory; needs --kv-secret-file)",
+    )
     p.add_argument("--kv-port", type=int, default=13337)
-    p.add_argument("--tls-cert", default=os.environ.get("SPLITSERVE_TLS_CERT", ""),
-                   help="serve gRPC over mutual TLS: this worker's certificate "
-                        "(PEM; also used to call prefill workers)")
+    p.add_argument(
+        "--tls-cert",
+        default=os.environ.get("SPLITSERVE_TLS_CERT", ""),
+        help="serve gRPC over mutual TLS: this worker's certificate (PEM; also used to call prefill workers)",
+    )
     p.add_argument("--tls-key", default=os.environ.get("SPLITSERVE_TLS_KEY", ""), help="its private key (PEM)")
-    p.add_argument("--tls-ca", default=os.environ.get("SPLITSERVE_TLS_CA", ""),
-                   help="the CA every client certificate must be signed by")
-    p.add_argument("--tls-check-peer-roles", action="store_true",
-                   help="with mTLS: serve each RPC only to callers whose certificate names the right role "
-                        "(SAN splitserve-router: Generate, WatchEvents, LoRA; splitserve-worker: Prefill)")
-    p.add_argument("--kv-secret-file", default=os.environ.get("SPLITSERVE_KV_SECRET_FILE", ""),
-                   help="file holding the service's KV-transfer secret: peers must prove they hold it "
-                        "(default: $SPLITSERVE_KV_SECRET_FILE; empty: no KV authentication)")
+    p.add_argument(
+        "--tls-ca",
+        default=os.environ.get("SPLITSERVE_TLS_CA", ""),
+        help="the CA every client certificate must be signed by",
+    )
+    p.add_argument(
+        "--tls-check-peer-roles",
+        action="store_true",
+        help="with mTLS: serve each RPC only to callers whose certificate names the right role "
+        "(SAN splitserve-router: Generate, WatchEvents, LoRA; splitserve-worker: Prefill)",
+    )
+    p.add_argument(
+        "--kv-secret-file",
+        default=os.environ.get("SPLITSERVE_KV_SECRET_FILE", ""),
+        help="file holding the service's KV-transfer secret: peers must prove they hold it "
+        "(default: $SPLITSERVE_KV_SECRET_FILE; empty: no KV authentication)",
+    )
     p.add_argument("--disaggregation", default="conditional", choices=["conditional", "always", "never"])
-    p.add_argument("--min-prefill-tokens", type=int, default=256,
-                   help="conditional mode: remote prefill only when at least this many prompt tokens are uncached")
+    p.add_argument(
+        "--min-prefill-tokens",
+        type=int,
+        default=256,
+        help="conditional mode: remote prefill only when at least this many prompt tokens are uncached",
+    )
     p.add_argument("--transfer-deadline", type=float, default=30.0, help="seconds for a remote prefill")
     p.add_argument("--drain-grace", type=float, default=120.0, help="seconds to finish in-flight work on SIGTERM")
-    p.add_argument("--no-kv-layer-streaming", action="store_true",
-                   help="prefill role: send the KV after the whole prompt is computed instead of per layer")
-    p.add_argument("--no-kv-pull", action="store_true",
-                   help="recompute a prefix another worker holds instead of pulling its KV (docs/kv-tiers.md)")
-    p.add_argument("--max-pull-blocks", type=int, default=1024,
-                   help="the most KV blocks one pull fetches (default 1024); the rest of the prompt is computed")
+    p.add_argument(
+        "--no-kv-layer-streaming",
+        action="store_true",
+        help="prefill role: send the KV after the whole prompt is computed instead of per layer",
+    )
+    p.add_argument(
+        "--no-kv-pull",
+        action="store_true",
+        help="recompute a prefix another worker holds instead of pulling its KV (docs/kv-tiers.md)",
+    )
+    p.add_argument(
+        "--max-pull-blocks",
+        type=int,
+        default=1024,
+        help="the most KV blocks one pull fetches (default 1024); the rest of the prompt is computed",
+    )
     tracing.add_tracing_args(p)
     p.set_defaults(func=cmd_worker)
 
@@ -90,28 +122,47 @@ def trace_role(role: str) -> str:
 
 
 def cmd_worker(args) -> int:
-    config = WorkerConfig(role=args.role, host=args.host, grpc_port=args.grpc_port, metrics_port=args.metrics_port,
-                          kv_transport=args.kv_transport, kv_port=args.kv_port, disaggregation=args.disaggregation,
-                          min_prefill_tokens=args.min_prefill_tokens, transfer_deadline_s=args.transfer_deadline,
-                          drain_grace_s=args.drain_grace, kv_layer_streaming=not args.no_kv_layer_streaming,
-                          advertise_host=args.advertise_host or "", kv_secret_file=args.kv_secret_file,
-                          tls_cert=args.tls_cert, tls_key=args.tls_key, tls_ca=args.tls_ca,
-                          tls_check_peer_roles=args.tls_check_peer_roles,
-                          kv_pull=not args.no_kv_pull, max_pull_blocks=args.max_pull_blocks)
+    config = WorkerConfig(
+        role=args.role,
+        host=args.host,
+        grpc_port=args.grpc_port,
+        metrics_port=args.metrics_port,
+        kv_transport=args.kv_transport,
+        kv_port=args.kv_port,
+        disaggregation=args.disaggregation,
+        min_prefill_tokens=args.min_prefill_tokens,
+        transfer_deadline_s=args.transfer_deadline,
+        drain_grace_s=args.drain_grace,
+        kv_layer_streaming=not args.no_kv_layer_streaming,
+        advertise_host=args.advertise_host or "",
+        kv_secret_file=args.kv_secret_file,
+        tls_cert=args.tls_cert,
+        tls_key=args.tls_key,
+        tls_ca=args.tls_ca,
+        tls_check_peer_roles=args.tls_check_peer_roles,
+        kv_pull=not args.no_kv_pull,
+        max_pull_blocks=args.max_pull_blocks,
+    )
     # Before the model loads: a bad value fails fast.
     tracing.configure(tracing.config_from_args(trace_role(args.role), args))
     engine = LLMEngine(engine_config(args))
     try:
         return asyncio.run(Worker(config, engine).run())
     finally:
-        tracing.tracer().shutdown()   # export the spans still buffered
+        tracing.tracer().shutdown()  # export the spans still buffered
 
 
 def kv_layout(engine: LLMEngine) -> KVLayout:
     m = engine.model_config
-    return KVLayout(model_id=m.model_id, dtype=engine.kv_cache_dtype, block_size=engine.config.cache.block_size,
-                    num_layers=m.num_layers, num_kv_heads=m.num_kv_heads, head_dim=m.head_dim,
-                    weights=engine.quantization)
+    return KVLayout(
+        model_id=m.model_id,
+        dtype=engine.kv_cache_dtype,
+        block_size=engine.config.cache.block_size,
+        num_layers=m.num_layers,
+        num_kv_heads=m.num_kv_heads,
+        head_dim=m.head_dim,
+        weights=engine.quantization,
+    )
 
 
 def advertised(address: str, advertise_host: str) -> str:
@@ -129,16 +180,24 @@ def kv_state(engine: LLMEngine) -> dict:
         error = ""
     except AssertionError as exc:
         error = str(exc) or "invariant violated"
-    return dict(num_blocks=engine.pool.num_blocks, num_free_blocks=engine.pool.num_free_blocks,
-                num_requests=engine.scheduler.num_unfinished, num_requests_holding_blocks=engine.kv.num_requests,
-                invariants_ok=not error, error=error)
+    return dict(
+        num_blocks=engine.pool.num_blocks,
+        num_free_blocks=engine.pool.num_free_blocks,
+        num_requests=engine.scheduler.num_unfinished,
+        num_requests_holding_blocks=engine.kv.num_requests,
+        invariants_ok=not error,
+        error=error,
+    )
 
 
 def kv_tier_report(engine: LLMEngine) -> tuple:
     """(the second tier's stats or None, bytes of the prefix-cache blocks in the cache) for the metrics
     (plain counters: read from any thread)."""
-    per_block = engine.kv_tier.block_bytes if engine.kv_tier is not None else bytes_per_block(
-        engine.model_config, engine.config.cache.block_size, engine.kv_dtype)
+    per_block = (
+        engine.kv_tier.block_bytes
+        if engine.kv_tier is not None
+        else bytes_per_block(engine.model_config, engine.config.cache.block_size, engine.kv_dtype)
+    )
     return engine.kv_tier.stats if engine.kv_tier is not None else None, engine.pool.num_cached_blocks * per_block
 
 
@@ -147,15 +206,24 @@ def warn_if_insecure(cfg: WorkerConfig, logger: logging.Logger) -> None:
     operator and `splitserve up` always pass both; the metrics splitserve_kv_auth_enabled and
     splitserve_grpc_tls_enabled say it too)."""
     if not cfg.kv_secret_file and cfg.role != "prefill":
-        logger.warning("INSECURE: no --kv-secret-file: this %s worker accepts KV blocks from anyone who can reach "
-                       "port %d (splitserve_kv_auth_enabled 0); give every worker of the service the same secret "
-                       "file, e.g. `openssl rand -hex 32 > kv-secret`", cfg.role, cfg.kv_port)
+        logger.warning(
+            "INSECURE: no --kv-secret-file: this %s worker accepts KV blocks from anyone who can reach "
+            "port %d (splitserve_kv_auth_enabled 0); give every worker of the service the same secret "
+            "file, e.g. `openssl rand -hex 32 > kv-secret`",
+            cfg.role,
+            cfg.kv_port,
+        )
     elif not cfg.kv_secret_file:
-        logger.warning("INSECURE: no --kv-secret-file: this prefill worker cannot prove itself to decode workers "
-                       "that require KV authentication, and sends to any that do not (splitserve_kv_auth_enabled 0)")
+        logger.warning(
+            "INSECURE: no --kv-secret-file: this prefill worker cannot prove itself to decode workers "
+            "that require KV authentication, and sends to any that do not (splitserve_kv_auth_enabled 0)"
+        )
     if not cfg.tls_cert:
-        logger.warning("INSECURE: no --tls-cert/--tls-key/--tls-ca: the worker gRPC API on port %d is plaintext and "
-                       "accepts any caller (splitserve_grpc_tls_enabled 0)", cfg.grpc_port)
+        logger.warning(
+            "INSECURE: no --tls-cert/--tls-key/--tls-ca: the worker gRPC API on port %d is plaintext and "
+            "accepts any caller (splitserve_grpc_tls_enabled 0)",
+            cfg.grpc_port,
+        )
 
 
 class Worker:
@@ -164,7 +232,7 @@ class Worker:
         self.llm = engine
         self.ready = False
         self.stopping = asyncio.Event()
-        self.engine: AsyncEngine | None = None      # set by run(); its `load` is the queue depth
+        self.engine: AsyncEngine | None = None  # set by run(); its `load` is the queue depth
 
     async def run(self, handle_signals: bool = True) -> int:
         """Serve until SIGTERM/SIGINT (or `stopping` is set by the owner when `handle_signals` is
@@ -174,8 +242,9 @@ class Worker:
         engine = self.engine = AsyncEngine(self.llm)
         layout = kv_layout(self.llm)
         metrics = WorkerMetrics(cfg.role, self.llm.config.model)
-        metrics.cache_info.labels(block_size=str(layout.block_size), num_gpu_blocks=str(self.llm.pool.num_blocks),
-                                  role=cfg.role).set(1)
+        metrics.cache_info.labels(
+            block_size=str(layout.block_size), num_gpu_blocks=str(self.llm.pool.num_blocks), role=cfg.role
+        ).set(1)
         auth_key = load_key(cfg.kv_secret_file) if cfg.kv_secret_file else None
         metrics.kv_auth_enabled.set(1 if auth_key else 0)
         metrics.grpc_tls_enabled.set(1 if cfg.tls_cert else 0)
@@ -183,8 +252,13 @@ class Worker:
         path = choose_path(cfg.kv_transport, self.llm.device.type == "cuda", auth_key is not None)
         log.info("KV path: %s%s (%s)", path.wire, " + CUDA IPC" if path.ipc else "", path.reason)
         metrics.kv_path_info.labels(transport=path.wire, cuda_ipc=str(path.ipc).lower(), reason=path.reason).set(1)
-        receiver = (make_receiver(path.wire, cfg.host, cfg.kv_port, auth_key=auth_key,
-                                  on_auth_failure=metrics.kv_auth_failures.inc) if cfg.role != "prefill" else None)
+        receiver = (
+            make_receiver(
+                path.wire, cfg.host, cfg.kv_port, auth_key=auth_key, on_auth_failure=metrics.kv_auth_failures.inc
+            )
+            if cfg.role != "prefill"
+            else None
+        )
         sender = make_sender(path.wire, auth_key=auth_key) if cfg.role != "decode" else None
         if path.ipc and receiver is not None:
             receiver.ipc = (self.llm.kv_connector.kv_caches, CudaIpcBackend())
@@ -194,23 +268,47 @@ class Worker:
             await receiver.start()
         kv_address = advertised(receiver.address, cfg.advertise_host) if receiver else ""
         if receiver is not None:
-            receiver.identity = kv_address   # what senders dial: the KV handshake binds proofs to it
-        info = pb.WorkerInfo(worker_id=uuid.uuid4().hex, role=cfg.role, model_id=layout.model_id,
-                             layout=pb.KVLayout(**layout.to_dict()), kv_address=kv_address,
-                             num_total_blocks=self.llm.pool.num_blocks)
+            receiver.identity = kv_address  # what senders dial: the KV handshake binds proofs to it
+        info = pb.WorkerInfo(
+            worker_id=uuid.uuid4().hex,
+            role=cfg.role,
+            model_id=layout.model_id,
+            layout=pb.KVLayout(**layout.to_dict()),
+            kv_address=kv_address,
+            num_total_blocks=self.llm.pool.num_blocks,
+        )
         hub = EventHub(loop, info)
         engine.on_kv_events = hub.publish
         tls = tls_from(cfg.tls_cert, cfg.tls_key, cfg.tls_ca)
-        remote = (RemotePrefill(engine, receiver, layout, cfg.transfer_deadline_s, metrics, kv_address=kv_address,
-                                tls=tls)
-                  if receiver else None)
-        puller = (KVPuller(engine, receiver, layout, cfg.transfer_deadline_s, cfg.max_pull_blocks, metrics,
-                           kv_address=kv_address, tls=tls) if receiver and cfg.kv_pull else None)
+        remote = (
+            RemotePrefill(engine, receiver, layout, cfg.transfer_deadline_s, metrics, kv_address=kv_address, tls=tls)
+            if receiver
+            else None
+        )
+        puller = (
+            KVPuller(
+                engine,
+                receiver,
+                layout,
+                cfg.transfer_deadline_s,
+                cfg.max_pull_blocks,
+                metrics,
+                kv_address=kv_address,
+                tls=tls,
+            )
+            if receiver and cfg.kv_pull
+            else None
+        )
         service = WorkerService(cfg, engine, hub, remote, sender, layout, metrics, puller)
         server, health_servicer = await self._start_grpc(service)
-        http = HealthServer(cfg.host, cfg.metrics_port, lambda: self._readiness(service),
-                            lambda: metrics.render(engine.load, kv_tier_report(self.llm)),
-                            debug_kv=lambda: engine.call(kv_state), debug_request=service.records.get)
+        http = HealthServer(
+            cfg.host,
+            cfg.metrics_port,
+            lambda: self._readiness(service),
+            lambda: metrics.render(engine.load, kv_tier_report(self.llm)),
+            debug_kv=lambda: engine.call(kv_state),
+            debug_request=service.records.get,
+        )
         await http.start()
         load_task = asyncio.create_task(publish_load(service, cfg.load_interval_s))
         await self._warm_up(engine)
@@ -218,25 +316,34 @@ class Worker:
         await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
         for sig in (signal.SIGTERM, signal.SIGINT) if handle_signals else ():
             loop.add_signal_handler(sig, self.stopping.set)
-        log.info("worker %s ready: grpc %s:%d, metrics %d, kv %s", cfg.role, cfg.host, cfg.grpc_port,
-                 cfg.metrics_port, info.kv_address or "-")
+        log.info(
+            "worker %s ready: grpc %s:%d, metrics %d, kv %s",
+            cfg.role,
+            cfg.host,
+            cfg.grpc_port,
+            cfg.metrics_port,
+            info.kv_address or "-",
+        )
         print(f"READY grpc={cfg.host}:{cfg.grpc_port} metrics={cfg.metrics_port} kv={info.kv_address}", flush=True)
         await self.stopping.wait()
         await self._drain(service, health_servicer)
         load_task.cancel()
         await server.stop(grace=1.0)
         await http.close()
-        for closer in (remote.stubs.close() if remote else None, puller.close() if puller else None,
-                       receiver.close() if receiver else None, sender.close() if sender else None):
+        for closer in (
+            remote.stubs.close() if remote else None,
+            puller.close() if puller else None,
+            receiver.close() if receiver else None,
+            sender.close() if sender else None,
+        ):
             if closer is not None:
                 await closer
         engine.shutdown()
-        tracing.tracer().shutdown()   # export the spans still buffered
+        tracing.tracer().shutdown()  # export the spans still buffered
         return 0
 
     async def _start_grpc(self, service: WorkerService):
-        server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 << 20),
-                                          ("grpc.so_reuseport", 0)])
+        server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 << 20), ("grpc.so_reuseport", 0)])
         # malformed bytes: INVALID_ARGUMENT; a caller of the wrong role: PERMISSION_DENIED (workers/grpc_guard.py)
         add_worker_servicer(service, server, check_peer_roles=self.config.tls_check_peer_roles)
         health_servicer = health.aio.HealthServicer()
@@ -245,14 +352,15 @@ class Worker:
         tls = tls_from(self.config.tls_cert, self.config.tls_key, self.config.tls_ca)
         if tls is None:
             server.add_insecure_port(f"{self.config.host}:{self.config.grpc_port}")
-        else:   # mutual TLS: a caller without a certificate from our CA fails the handshake
+        else:  # mutual TLS: a caller without a certificate from our CA fails the handshake
             server.add_secure_port(f"{self.config.host}:{self.config.grpc_port}", server_credentials(tls))
         await server.start()
         return server, health_servicer
 
     async def _warm_up(self, engine: AsyncEngine) -> None:
-        async for _ in engine.generate(prompt_token_ids=[1, 2, 3], params=SamplingParams(temperature=0, max_tokens=2),
-                                       req_id="warmup"):
+        async for _ in engine.generate(
+            prompt_token_ids=[1, 2, 3], params=SamplingParams(temperature=0, max_tokens=2), req_id="warmup"
+        ):
             pass
 
     def _readiness(self, service: WorkerService) -> tuple[bool, str]:

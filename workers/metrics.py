@@ -26,102 +26,200 @@ class WorkerMetrics:
     def __init__(self, role: str, model: str):
         self.registry = r = CollectorRegistry()
         labels = {"model_name": model}
-        self.waiting = Gauge("vllm:num_requests_waiting", "Requests waiting to be scheduled", ["model_name"],
-                             registry=r).labels(**labels)
-        self.running = Gauge("vllm:num_requests_running", "Requests in the running batch", ["model_name"],
-                             registry=r).labels(**labels)
-        self.kv_usage = Gauge("vllm:kv_cache_usage_perc", "Fraction of KV blocks in use (0-1)", ["model_name"],
-                              registry=r).labels(**labels)
-        self.cache_info = Gauge("vllm:cache_config_info", "KV cache configuration",
-                                ["block_size", "num_gpu_blocks", "role"], registry=r)
-        self.lora_info = Gauge("vllm:lora_requests_info", "LoRA adapters in use: running and waiting adapter names "
-                               "(comma-separated), the per-step adapter limit; value = update time",
-                               ["max_lora", "running_lora_adapters", "waiting_lora_adapters"], registry=r)
-        self.prefix_queries = Counter("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
-                                      ["model_name"], registry=r).labels(**labels)
-        self.prefix_hits = Counter("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache",
-                                   ["model_name"], registry=r).labels(**labels)
-        self.prefix_waits = Counter("splitserve_prefix_waits", "Engine steps a waiting request sat out to reuse a "
-                                    "prefix another request was computing", registry=r)
+        self.waiting = Gauge(
+            "vllm:num_requests_waiting", "Requests waiting to be scheduled", ["model_name"], registry=r
+        ).labels(**labels)
+        self.running = Gauge(
+            "vllm:num_requests_running", "Requests in the running batch", ["model_name"], registry=r
+        ).labels(**labels)
+        self.kv_usage = Gauge(
+            "vllm:kv_cache_usage_perc", "Fraction of KV blocks in use (0-1)", ["model_name"], registry=r
+        ).labels(**labels)
+        self.cache_info = Gauge(
+            "vllm:cache_config_info", "KV cache configuration", ["block_size", "num_gpu_blocks", "role"], registry=r
+        )
+        self.lora_info = Gauge(
+            "vllm:lora_requests_info",
+            "LoRA adapters in use: running and waiting adapter names "
+            "(comma-separated), the per-step adapter limit; value = update time",
+            ["max_lora", "running_lora_adapters", "waiting_lora_adapters"],
+            registry=r,
+        )
+        self.prefix_queries = Counter(
+            "vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache", ["model_name"], registry=r
+        ).labels(**labels)
+        self.prefix_hits = Counter(
+            "vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache", ["model_name"], registry=r
+        ).labels(**labels)
+        self.prefix_waits = Counter(
+            "splitserve_prefix_waits",
+            "Engine steps a waiting request sat out to reuse a prefix another request was computing",
+            registry=r,
+        )
         self._seen_queries = self._seen_hits = self._seen_waits = 0
         # Speculative decoding, with vLLM's names (platform/spec/): proposals, accepted proposals,
         # verification steps, and verification steps by how many proposals they accepted.
-        self.spec_drafts = Counter("vllm:spec_decode_num_drafts", "Verification steps (a request's proposals "
-                                   "checked in one step)", ["model_name"], registry=r).labels(**labels)
-        self.spec_draft_tokens = Counter("vllm:spec_decode_num_draft_tokens", "Speculative tokens proposed",
-                                         ["model_name"], registry=r).labels(**labels)
-        self.spec_accepted_tokens = Counter("vllm:spec_decode_num_accepted_tokens", "Speculative tokens accepted",
-                                            ["model_name"], registry=r).labels(**labels)
-        self.spec_accepted_length = Counter("splitserve_spec_decode_accepted_length", "Verification steps by the "
-                                            "number of proposals they accepted", ["accepted"], registry=r)
+        self.spec_drafts = Counter(
+            "vllm:spec_decode_num_drafts",
+            "Verification steps (a request's proposals checked in one step)",
+            ["model_name"],
+            registry=r,
+        ).labels(**labels)
+        self.spec_draft_tokens = Counter(
+            "vllm:spec_decode_num_draft_tokens", "Speculative tokens proposed", ["model_name"], registry=r
+        ).labels(**labels)
+        self.spec_accepted_tokens = Counter(
+            "vllm:spec_decode_num_accepted_tokens", "Speculative tokens accepted", ["model_name"], registry=r
+        ).labels(**labels)
+        self.spec_accepted_length = Counter(
+            "splitserve_spec_decode_accepted_length",
+            "Verification steps by the number of proposals they accepted",
+            ["accepted"],
+            registry=r,
+        )
         self._seen_spec = (0, 0, 0)
         self._seen_lengths: tuple[int, ...] = ()
         self._update_lock = threading.Lock()
-        self.queued_prefill_tokens = Gauge("splitserve_queued_prefill_tokens", "Prompt tokens not yet computed",
-                                           registry=r)
+        self.queued_prefill_tokens = Gauge(
+            "splitserve_queued_prefill_tokens", "Prompt tokens not yet computed", registry=r
+        )
         # Per request: labelled by the base model and the LoRA adapter ("" for none), so the
         # dashboards show TTFT and ITL by model and adapter; `latency(lora_name)` gives the children.
         per_request = ["role", "model_name", "lora_name"]
-        self._ttft = Histogram("splitserve_time_to_first_token_seconds", "Time to first token", per_request,
-                               buckets=LATENCY_BUCKETS, registry=r)
-        self._itl = Histogram("splitserve_inter_token_latency_seconds", "Time between output tokens", per_request,
-                              buckets=ITL_BUCKETS, registry=r)
-        self._e2e = Histogram("splitserve_e2e_request_latency_seconds", "Request latency", per_request,
-                              buckets=LATENCY_BUCKETS, registry=r)
+        self._ttft = Histogram(
+            "splitserve_time_to_first_token_seconds",
+            "Time to first token",
+            per_request,
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self._itl = Histogram(
+            "splitserve_inter_token_latency_seconds",
+            "Time between output tokens",
+            per_request,
+            buckets=ITL_BUCKETS,
+            registry=r,
+        )
+        self._e2e = Histogram(
+            "splitserve_e2e_request_latency_seconds",
+            "Request latency",
+            per_request,
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
         self._role, self._model = role, model
         self.ttft, self.itl, self.e2e = self.latency("")
-        self.queue_time = Histogram("splitserve_request_queue_time_seconds", "Time until KV blocks were allocated",
-                                    ["role"], buckets=LATENCY_BUCKETS, registry=r).labels(role=role)
-        self.kv_transfer_bytes = Histogram("splitserve_kv_transfer_bytes", "KV bytes per transfer", ["direction"],
-                                           buckets=BYTES_BUCKETS, registry=r)
-        self.kv_transfer_seconds = Histogram("splitserve_kv_transfer_seconds", "KV transfer duration", ["direction"],
-                                             buckets=LATENCY_BUCKETS, registry=r)
-        self.remote_prefills = Counter("splitserve_remote_prefills", "Remote prefill attempts by outcome",
-                                       ["outcome"], registry=r)
-        self.kv_transfers = Counter("splitserve_kv_transfers", "KV transfers sent, by the path the KV took "
-                                    "(cuda_ipc: device to device; tcp / ucx / inproc: bytes)", ["path"], registry=r)
-        self.kv_path_info = Gauge("splitserve_kv_path_info", "The KV path --kv-transport resolved to: the byte "
-                                  "transport, whether CUDA IPC is on, and why", ["transport", "cuda_ipc", "reason"],
-                                  registry=r)
-        self.requests = Counter("splitserve_requests", "Finished requests by finish reason", ["finish_reason"],
-                                registry=r)
-        self.kv_auth_enabled = Gauge("splitserve_kv_auth_enabled", "1 when KV-transfer connections must prove the "
-                                     "service's secret (--kv-secret-file), 0 when anyone may send KV blocks",
-                                     registry=r)
-        self.grpc_tls_enabled = Gauge("splitserve_grpc_tls_enabled", "1 when the worker gRPC API requires mutual TLS",
-                                      registry=r)
-        self.kv_auth_failures = Counter("splitserve_kv_auth_failures", "KV-transfer connections rejected for a "
-                                        "wrong or missing token (transfer/auth.py)", registry=r)
-        self.grammar_compile = Histogram("splitserve_grammar_compile_seconds", "Grammar compile time (cache misses)",
-                                         buckets=COMPILE_BUCKETS, registry=r)
-        self.grammar_mask = Counter("splitserve_grammar_mask_seconds", "Time spent computing and applying grammar "
-                                    "masks (divide by _rows for the time per constrained row)", registry=r)
+        self.queue_time = Histogram(
+            "splitserve_request_queue_time_seconds",
+            "Time until KV blocks were allocated",
+            ["role"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        ).labels(role=role)
+        self.kv_transfer_bytes = Histogram(
+            "splitserve_kv_transfer_bytes", "KV bytes per transfer", ["direction"], buckets=BYTES_BUCKETS, registry=r
+        )
+        self.kv_transfer_seconds = Histogram(
+            "splitserve_kv_transfer_seconds", "KV transfer duration", ["direction"], buckets=LATENCY_BUCKETS, registry=r
+        )
+        self.remote_prefills = Counter(
+            "splitserve_remote_prefills", "Remote prefill attempts by outcome", ["outcome"], registry=r
+        )
+        self.kv_transfers = Counter(
+            "splitserve_kv_transfers",
+            "KV transfers sent, by the path the KV took (cuda_ipc: device to device; tcp / ucx / inproc: bytes)",
+            ["path"],
+            registry=r,
+        )
+        self.kv_path_info = Gauge(
+            "splitserve_kv_path_info",
+            "The KV path --kv-transport resolved to: the byte transport, whether CUDA IPC is on, and why",
+            ["transport", "cuda_ipc", "reason"],
+            registry=r,
+        )
+        self.requests = Counter(
+            "splitserve_requests", "Finished requests by finish reason", ["finish_reason"], registry=r
+        )
+        self.kv_auth_enabled = Gauge(
+            "splitserve_kv_auth_enabled",
+            "1 when KV-transfer connections must prove the "
+            "service's secret (--kv-secret-file), 0 when anyone may send KV blocks",
+            registry=r,
+        )
+        self.grpc_tls_enabled = Gauge(
+            "splitserve_grpc_tls_enabled", "1 when the worker gRPC API requires mutual TLS", registry=r
+        )
+        self.kv_auth_failures = Counter(
+            "splitserve_kv_auth_failures",
+            "KV-transfer connections rejected for a wrong or missing token (transfer/auth.py)",
+            registry=r,
+        )
+        self.grammar_compile = Histogram(
+            "splitserve_grammar_compile_seconds",
+            "Grammar compile time (cache misses)",
+            buckets=COMPILE_BUCKETS,
+            registry=r,
+        )
+        self.grammar_mask = Counter(
+            "splitserve_grammar_mask_seconds",
+            "Time spent computing and applying grammar masks (divide by _rows for the time per constrained row)",
+            registry=r,
+        )
         self.grammar_mask_rows = Counter("splitserve_grammar_mask_rows", "Constrained rows masked", registry=r)
-        self.structured_requests = Counter("splitserve_structured_requests", "Constrained requests by kind",
-                                           ["kind"], registry=r)
+        self.structured_requests = Counter(
+            "splitserve_structured_requests", "Constrained requests by kind", ["kind"], registry=r
+        )
         # an adapter a request named that was not in memory (evicted under --max-cpu-loras): its folder
         # was read again, and that request waited for the read (bench/lora.py's W5 reports these)
-        self.lora_reads = Counter("splitserve_lora_adapter_reads", "LoRA adapter folders read again from disk "
-                                  "for a request (evicted from memory under --max-cpu-loras)", registry=r)
-        self.lora_read_seconds = Counter("splitserve_lora_adapter_read_seconds", "Time requests waited for those "
-                                         "reads (read, checksum and pack, off the engine thread)", registry=r)
-        self.lora_hinted_evictions = Counter("splitserve_lora_adapter_hinted_evictions", "Adapters evicted from "
-                                             "memory before less recently used ones because other workers also "
-                                             "hold them (the router's lora_evict_first hint)", registry=r)
+        self.lora_reads = Counter(
+            "splitserve_lora_adapter_reads",
+            "LoRA adapter folders read again from disk for a request (evicted from memory under --max-cpu-loras)",
+            registry=r,
+        )
+        self.lora_read_seconds = Counter(
+            "splitserve_lora_adapter_read_seconds",
+            "Time requests waited for those reads (read, checksum and pack, off the engine thread)",
+            registry=r,
+        )
+        self.lora_hinted_evictions = Counter(
+            "splitserve_lora_adapter_hinted_evictions",
+            "Adapters evicted from "
+            "memory before less recently used ones because other workers also "
+            "hold them (the router's lora_evict_first hint)",
+            registry=r,
+        )
         self._seen_mask = (0.0, 0)
         self._seen_kinds: dict[str, int] = {}
         # KV reuse across workers and tiers (docs/kv-tiers.md)
-        self.kv_tier_blocks = Counter("splitserve_kv_tier_blocks", "Second KV tier: blocks stored (evicted from "
-                                      "the cache), hits (copied back), evicted (dropped by the tier's LRU), "
-                                      "rejected (failed verification)", ["event"], registry=r)
-        self.kv_tier_bytes = Gauge("splitserve_kv_tier_bytes", "Prefix-cache KV bytes per tier (1: blocks of the "
-                                   "cache registered under a hash, 2: the second tier)", ["tier"], registry=r)
-        self.kv_pull_blocks = Counter("splitserve_kv_pull_blocks", "Prefix blocks pulled from another worker (in) "
-                                      "or served to one (out)", ["direction"], registry=r)
-        self.kv_pulls = Counter("splitserve_kv_pulls", "Pull attempts by outcome (ok, failed: recomputed)",
-                                ["outcome"], registry=r)
-        self.kv_pull_seconds = Histogram("splitserve_kv_pull_seconds", "Duration of a pull, asked to acknowledged",
-                                         buckets=LATENCY_BUCKETS, registry=r)
+        self.kv_tier_blocks = Counter(
+            "splitserve_kv_tier_blocks",
+            "Second KV tier: blocks stored (evicted from "
+            "the cache), hits (copied back), evicted (dropped by the tier's LRU), "
+            "rejected (failed verification)",
+            ["event"],
+            registry=r,
+        )
+        self.kv_tier_bytes = Gauge(
+            "splitserve_kv_tier_bytes",
+            "Prefix-cache KV bytes per tier (1: blocks of the cache registered under a hash, 2: the second tier)",
+            ["tier"],
+            registry=r,
+        )
+        self.kv_pull_blocks = Counter(
+            "splitserve_kv_pull_blocks",
+            "Prefix blocks pulled from another worker (in) or served to one (out)",
+            ["direction"],
+            registry=r,
+        )
+        self.kv_pulls = Counter(
+            "splitserve_kv_pulls", "Pull attempts by outcome (ok, failed: recomputed)", ["outcome"], registry=r
+        )
+        self.kv_pull_seconds = Histogram(
+            "splitserve_kv_pull_seconds",
+            "Duration of a pull, asked to acknowledged",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
         self._seen_tier = (0, 0, 0, 0)
         Info("splitserve_worker", "Worker identity", registry=r).info({"role": role, "model": model})
 
@@ -131,20 +229,26 @@ class WorkerMetrics:
         return self._ttft.labels(**labels), self._itl.labels(**labels), self._e2e.labels(**labels)
 
     def update_load(self, load) -> None:
-        with self._update_lock:   # the counters advance by the difference to the last snapshot seen
+        with self._update_lock:  # the counters advance by the difference to the last snapshot seen
             self._update_load(load)
 
     def _update_load(self, load) -> None:
-        if (load.prefix_cache_queries < self._seen_queries or load.prefix_cache_hits < self._seen_hits
-                or load.num_prefix_waits < self._seen_waits):   # older than a snapshot already counted
+        if (
+            load.prefix_cache_queries < self._seen_queries
+            or load.prefix_cache_hits < self._seen_hits
+            or load.num_prefix_waits < self._seen_waits
+        ):  # older than a snapshot already counted
             return
         self.waiting.set(load.num_waiting)
         self.running.set(load.num_running)
         self.kv_usage.set(load.kv_usage)
         self.queued_prefill_tokens.set(load.queued_prefill_tokens)
         self.lora_info.clear()
-        self.lora_info.labels(max_lora=str(load.max_loras), running_lora_adapters=",".join(load.running_loras),
-                              waiting_lora_adapters=",".join(load.waiting_loras)).set(time.time())
+        self.lora_info.labels(
+            max_lora=str(load.max_loras),
+            running_lora_adapters=",".join(load.running_loras),
+            waiting_lora_adapters=",".join(load.waiting_loras),
+        ).set(time.time())
         self.prefix_queries.inc(load.prefix_cache_queries - self._seen_queries)
         self.prefix_hits.inc(load.prefix_cache_hits - self._seen_hits)
         self.prefix_waits.inc(load.num_prefix_waits - self._seen_waits)
@@ -152,8 +256,9 @@ class WorkerMetrics:
         self._seen_waits = load.num_prefix_waits
         spec = (load.spec_num_drafts, load.spec_num_draft_tokens, load.spec_num_accepted_tokens)
         if spec[0] > self._seen_spec[0]:
-            for counter, now, seen in zip((self.spec_drafts, self.spec_draft_tokens, self.spec_accepted_tokens),
-                                          spec, self._seen_spec):
+            for counter, now, seen in zip(
+                (self.spec_drafts, self.spec_draft_tokens, self.spec_accepted_tokens), spec, self._seen_spec
+            ):
                 counter.inc(now - seen)
             seen_lengths = self._seen_lengths or (0,) * len(load.spec_accepted_lengths)
             for n, (now, seen) in enumerate(zip(load.spec_accepted_lengths, seen_lengths)):

@@ -35,8 +35,15 @@ from splitserve.workers.transfer.base import KVLayout, KVSender, LayoutMismatchE
 log = logging.getLogger(__name__)
 
 
-async def serve_prefill(engine: AsyncEngine, sender: KVSender, layout: KVLayout, request: pb.PrefillRequest,
-                        metrics=None, streaming: bool = True, span=tracing.NOOP) -> pb.PrefillResponse:
+async def serve_prefill(
+    engine: AsyncEngine,
+    sender: KVSender,
+    layout: KVLayout,
+    request: pb.PrefillRequest,
+    metrics=None,
+    streaming: bool = True,
+    span=tracing.NOOP,
+) -> pb.PrefillResponse:
     """Raises InvalidRequestError (bad input), LayoutMismatchError, TransferError.
 
     `span` (the request's span on this worker) gets the children prefill.queue, prefill.compute
@@ -47,25 +54,34 @@ async def serve_prefill(engine: AsyncEngine, sender: KVSender, layout: KVLayout,
     """
     if faults.PREFILL_HANG:
         await asyncio.Event().wait()
-    token_ids = wire.prompt_token_ids(request.request_id, request.prompt_token_ids,
-                                         engine.model_config.vocab_size, engine.max_model_len)
+    token_ids = wire.prompt_token_ids(
+        request.request_id, request.prompt_token_ids, engine.model_config.vocab_size, engine.max_model_len
+    )
     if not request.transfer_id or not request.kv_address:
         raise InvalidRequestError("transfer_id and kv_address are required for Prefill")
     theirs = _request_layout(request)
-    layout.check_compatible(dataclasses.replace(theirs, lora_digest=""))   # the model's shape first
+    layout.check_compatible(dataclasses.replace(theirs, lora_digest=""))  # the model's shape first
     lora_name, layout = await _same_adapter(engine, request, layout, theirs)
     params = wire.sampling_params(request.params)
     # Only the first token is sampled here; stop strings and logprob width follow the request.
     params = dataclasses.replace(params, max_tokens=1, min_tokens=min(params.min_tokens, 1), stop=())
     num_blocks = -(-len(token_ids) // layout.block_size) - request.skip_blocks
     if num_blocks <= 0 or request.skip_blocks < 0:
-        raise InvalidRequestError(f"skip_blocks={request.skip_blocks} is invalid for a prompt of {len(token_ids)} "
-                                  f"tokens; allowed: 0 to {-(-len(token_ids) // layout.block_size) - 1}")
+        raise InvalidRequestError(
+            f"skip_blocks={request.skip_blocks} is invalid for a prompt of {len(token_ids)} "
+            f"tokens; allowed: 0 to {-(-len(token_ids) // layout.block_size) - 1}"
+        )
     t0 = time.monotonic()
-    send = span.child("kv.send", start=t0, attributes={
-        "splitserve.kv.transfer_id": request.transfer_id, "splitserve.kv.num_blocks": num_blocks,
-        "splitserve.kv.path": request.kv_address.partition("://")[0] or "unknown",
-        "server.address": request.kv_address})
+    send = span.child(
+        "kv.send",
+        start=t0,
+        attributes={
+            "splitserve.kv.transfer_id": request.transfer_id,
+            "splitserve.kv.num_blocks": num_blocks,
+            "splitserve.kv.path": request.kv_address.partition("://")[0] or "unknown",
+            "server.address": request.kv_address,
+        },
+    )
     try:
         handle = await sender.open(request.kv_address, request.transfer_id, layout, num_blocks)
     except BaseException as exc:
@@ -74,7 +90,7 @@ async def serve_prefill(engine: AsyncEngine, sender: KVSender, layout: KVLayout,
         raise
     loop = asyncio.get_running_loop()
     layers: asyncio.Queue = asyncio.Queue()
-    is_closed = False   # after a failure: what still arrives goes straight back to the buffer pool
+    is_closed = False  # after a failure: what still arrives goes straight back to the buffer pool
 
     def deliver(item) -> None:
         if is_closed:
@@ -86,11 +102,11 @@ async def serve_prefill(engine: AsyncEngine, sender: KVSender, layout: KVLayout,
         loop.call_soon_threadsafe(deliver, (layer, payload, first_block))
 
     async def pump():
-        remaining = layout.num_layers * num_blocks   # (layer, block) pairs still to send
+        remaining = layout.num_layers * num_blocks  # (layer, block) pairs still to send
         while remaining:
             layer, staged, first_block = await layers.get()
             try:
-                if not staged.ready.is_ready():   # the device copy (CUDA): waited for here, never on the engine thread
+                if not staged.ready.is_ready():  # the device copy (CUDA): waited for here, never on the engine thread
                     await asyncio.to_thread(staged.ready.wait)
                 await handle.send_layer(layer, staged.tensor, first_block, on_sent=staged.release)
             except BaseException:
@@ -109,11 +125,13 @@ async def serve_prefill(engine: AsyncEngine, sender: KVSender, layout: KVLayout,
     pump_task = asyncio.create_task(pump()) if streaming else asyncio.create_task(asyncio.sleep(0))
     final = None
     try:
-        async for out in engine.generate(params=params, prompt_token_ids=token_ids,
-                                         req_id=f"prefill/{request.transfer_id}",
-                                         kv_export=KVExport(request.skip_blocks, sink,
-                                                            on_device=getattr(handle, "wants_device_payloads", False)),
-                                         lora_name=lora_name):
+        async for out in engine.generate(
+            params=params,
+            prompt_token_ids=token_ids,
+            req_id=f"prefill/{request.transfer_id}",
+            kv_export=KVExport(request.skip_blocks, sink, on_device=getattr(handle, "wants_device_payloads", False)),
+            lora_name=lora_name,
+        ):
             final = out
         if final is None or not final.new_token_ids:
             raise InvalidRequestError(f"prefill of {request.request_id} was aborted")
@@ -131,21 +149,29 @@ async def serve_prefill(engine: AsyncEngine, sender: KVSender, layout: KVLayout,
         raise
     t_acked = time.monotonic()
     send.set("splitserve.kv.num_bytes", handle.bytes_sent)
-    send.set("splitserve.kv.path", getattr(handle, "path", "") or "unknown")   # cuda_ipc, or the transport's scheme
+    send.set("splitserve.kv.path", getattr(handle, "path", "") or "unknown")  # cuda_ipc, or the transport's scheme
     send.end(t_acked)
     if final.first_scheduled_time is not None:
         span.record("prefill.queue", t0, final.first_scheduled_time)
-        span.record("prefill.compute", final.first_scheduled_time, t_computed,
-                    {"splitserve.cached_tokens": final.num_cached_tokens})
+        span.record(
+            "prefill.compute",
+            final.first_scheduled_time,
+            t_computed,
+            {"splitserve.cached_tokens": final.num_cached_tokens},
+        )
     span.update({"gen_ai.usage.output_tokens": 1, "splitserve.cached_tokens": final.num_cached_tokens})
     seconds = t_acked - t0
     if metrics is not None:
         metrics.kv_transfer_bytes.labels(direction="out").observe(handle.bytes_sent)
         metrics.kv_transfer_seconds.labels(direction="out").observe(seconds)
         metrics.kv_transfers.labels(path=getattr(handle, "path", "")).inc()
-    resp = pb.PrefillResponse(first_token_id=final.new_token_ids[0], cached_tokens=final.num_cached_tokens,
-                              kv_bytes=handle.bytes_sent, prefill_s=t_computed - t0,
-                              transfer_wait_s=t_acked - t_computed)
+    resp = pb.PrefillResponse(
+        first_token_id=final.new_token_ids[0],
+        cached_tokens=final.num_cached_tokens,
+        kv_bytes=handle.bytes_sent,
+        prefill_s=t_computed - t0,
+        transfer_wait_s=t_acked - t_computed,
+    )
     if final.new_logprobs:
         resp.logprob.CopyFrom(wire.logprob_to_proto(final.new_logprobs[0]))
     return resp
@@ -153,17 +179,25 @@ async def serve_prefill(engine: AsyncEngine, sender: KVSender, layout: KVLayout,
 
 def _request_layout(request: pb.PrefillRequest) -> KVLayout:
     try:
-        return KVLayout.from_dict(dict(
-            model_id=request.layout.model_id, dtype=request.layout.dtype, block_size=request.layout.block_size,
-            num_layers=request.layout.num_layers, num_kv_heads=request.layout.num_kv_heads,
-            head_dim=request.layout.head_dim, weights=request.layout.weights or "none",
-            lora_digest=request.layout.lora_digest))
+        return KVLayout.from_dict(
+            dict(
+                model_id=request.layout.model_id,
+                dtype=request.layout.dtype,
+                block_size=request.layout.block_size,
+                num_layers=request.layout.num_layers,
+                num_kv_heads=request.layout.num_kv_heads,
+                head_dim=request.layout.head_dim,
+                weights=request.layout.weights or "none",
+                lora_digest=request.layout.lora_digest,
+            )
+        )
     except ValueError as exc:
         raise InvalidRequestError(f"bad KV layout in the prefill request: {exc}") from None
 
 
-async def _same_adapter(engine: AsyncEngine, request: pb.PrefillRequest, layout: KVLayout,
-                        theirs: KVLayout) -> tuple[str | None, KVLayout]:
+async def _same_adapter(
+    engine: AsyncEngine, request: pb.PrefillRequest, layout: KVLayout, theirs: KVLayout
+) -> tuple[str | None, KVLayout]:
     """The adapter name to prefill with and this worker's layout for the request (its adapter's
     digest in it), after loading the decode worker's folder when this worker holds other weights
     under that name (or none). LayoutMismatchError when the digests still differ."""

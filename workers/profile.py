@@ -58,8 +58,9 @@ def cmd_profile(args) -> int:
     if args.max_model_len is None or args.max_model_len < need_len:
         args.max_model_len = need_len
     engine = LLMEngine(engine_config(args))
-    prof = measure(engine, args.prompt_lens, args.concurrency, args.context, args.decode_steps, args.repeats,
-                   notes=args.notes)
+    prof = measure(
+        engine, args.prompt_lens, args.concurrency, args.context, args.decode_steps, args.repeats, notes=args.notes
+    )
     with open(args.out, "w") as f:
         f.write(prof.to_json() + "\n")
     print(prof.to_json())
@@ -78,8 +79,9 @@ def measure(engine, prompt_lens, concurrencies, context, decode_steps, repeats=2
         for _ in range(repeats):
             engine.pool.reset_prefix_cache()
             t = time.perf_counter()
-            engine.add_request(params=SamplingParams(temperature=0, max_tokens=1, ignore_eos=True),
-                               prompt_token_ids=tokens(n))
+            engine.add_request(
+                params=SamplingParams(temperature=0, max_tokens=1, ignore_eos=True), prompt_token_ids=tokens(n)
+            )
             while engine.has_unfinished_requests():
                 engine.step()
             best = max(best, n / (time.perf_counter() - t))
@@ -87,16 +89,25 @@ def measure(engine, prompt_lens, concurrencies, context, decode_steps, repeats=2
     decode = []
     for c in concurrencies:
         runs = [_decode_steps(engine, tokens, c, context, decode_steps) for _ in range(repeats)]
-        times = min(runs, key=statistics.mean)        # least disturbed run, like prefill's best-of
-        decode.append(DecodePoint(context, c, round(c / statistics.mean(times), 2),
-                                  round(times[int(0.9 * (len(times) - 1))], 5)))
+        times = min(runs, key=statistics.mean)  # least disturbed run, like prefill's best-of
+        decode.append(
+            DecodePoint(context, c, round(c / statistics.mean(times), 2), round(times[int(0.9 * (len(times) - 1))], 5))
+        )
     cfg = engine.config
     return CapacityProfile(
-        prefill=tuple(prefill), decode=tuple(decode), kv_tokens=engine.pool.num_blocks * cfg.cache.block_size,
-        notes=notes, meta={"model": cfg.model, "dtype": cfg.device.dtype, "threads": cfg.device.num_threads,
-                           "cpu_count": os.cpu_count(),
-                           "machine": stdlib_platform.processor() or stdlib_platform.machine(),
-                           "measured": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
+        prefill=tuple(prefill),
+        decode=tuple(decode),
+        kv_tokens=engine.pool.num_blocks * cfg.cache.block_size,
+        notes=notes,
+        meta={
+            "model": cfg.model,
+            "dtype": cfg.device.dtype,
+            "threads": cfg.device.num_threads,
+            "cpu_count": os.cpu_count(),
+            "machine": stdlib_platform.processor() or stdlib_platform.machine(),
+            "measured": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        },
+    )
 
 
 def _decode_steps(engine, tokens, c: int, context: int, steps: int) -> list[float]:
@@ -108,7 +119,7 @@ def _decode_steps(engine, tokens, c: int, context: int, steps: int) -> list[floa
     for _ in range(c):
         engine.add_request(params=params, prompt_token_ids=tokens(context))
     started: set[str] = set()
-    while len(started) < c:                           # prefill all (and their first token)
+    while len(started) < c:  # prefill all (and their first token)
         started.update(o.req_id for o in engine.step() if o.new_token_ids)
     times = []
     for _ in range(steps):

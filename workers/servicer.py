@@ -86,14 +86,23 @@ async def _caller_errors(context):
 class PrefillSource(enum.Enum):
     """Where a Generate's prompt KV comes from."""
 
-    LOCAL = "local"     # this decode worker computes it
-    PULL = "pull"       # copied from another decode worker that holds the prefix (workers/kv_pull.py)
-    REMOTE = "remote"   # computed by a prefill worker and pushed here (workers/decode.py)
+    LOCAL = "local"  # this decode worker computes it
+    PULL = "pull"  # copied from another decode worker that holds the prefix (workers/kv_pull.py)
+    REMOTE = "remote"  # computed by a prefill worker and pushed here (workers/decode.py)
 
 
 class WorkerService(pb_grpc.WorkerServicer):
-    def __init__(self, config: WorkerConfig, engine: AsyncEngine, hub: EventHub, remote: RemotePrefill | None,
-                 sender: KVSender | None, layout: KVLayout, metrics, puller: KVPuller | None = None):
+    def __init__(
+        self,
+        config: WorkerConfig,
+        engine: AsyncEngine,
+        hub: EventHub,
+        remote: RemotePrefill | None,
+        sender: KVSender | None,
+        layout: KVLayout,
+        metrics,
+        puller: KVPuller | None = None,
+    ):
         self.config = config
         self.engine = engine
         self.hub = hub
@@ -101,8 +110,8 @@ class WorkerService(pb_grpc.WorkerServicer):
         self.sender = sender
         self.layout = layout
         self.metrics = metrics
-        self.puller = puller   # None: pulls off (--no-kv-pull) or no KV receiver (prefill role)
-        self.records = RequestRecords()   # /debug/requests/<id>, `splitserve trace`
+        self.puller = puller  # None: pulls off (--no-kv-pull) or no KV receiver (prefill role)
+        self.records = RequestRecords()  # /debug/requests/<id>, `splitserve trace`
         self.draining = False
         self.num_inflight = 0
         self.idle = asyncio.Event()
@@ -111,11 +120,14 @@ class WorkerService(pb_grpc.WorkerServicer):
     # -- admission -------------------------------------------------------------------------
     async def _admit(self, context, allowed_roles: tuple[str, ...], rpc: str) -> None:
         if self.draining:
-            await context.abort(grpc.StatusCode.UNAVAILABLE,
-                                "worker is draining (shutting down); retry on another worker")
+            await context.abort(
+                grpc.StatusCode.UNAVAILABLE, "worker is draining (shutting down); retry on another worker"
+            )
         if self.config.role not in allowed_roles:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"{rpc} is not served by a {self.config.role} "
-                                f"worker; allowed roles: {', '.join(allowed_roles)}")
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"{rpc} is not served by a {self.config.role} worker; allowed roles: {', '.join(allowed_roles)}",
+            )
 
     def _enter(self) -> None:
         self.num_inflight += 1
@@ -130,8 +142,12 @@ class WorkerService(pb_grpc.WorkerServicer):
     async def Generate(self, request: pb.GenerateRequest, context):
         await self._admit(context, ("decode", "both"), "Generate")
         async with _caller_errors(context):
-            token_ids = wire.prompt_token_ids(request.request_id, request.prompt_token_ids,
-                                              self.engine.model_config.vocab_size, self.engine.max_model_len)
+            token_ids = wire.prompt_token_ids(
+                request.request_id,
+                request.prompt_token_ids,
+                self.engine.model_config.vocab_size,
+                self.engine.max_model_len,
+            )
             params = wire.sampling_params(request.params)
             lora = await self._adapter(request.lora_name, request.lora_evict_first)
             source = await self._prefill_source(request, params, token_ids, lora)
@@ -142,7 +158,7 @@ class WorkerService(pb_grpc.WorkerServicer):
             async with _caller_errors(context):
                 async for msg in self._generate(request, token_ids, params, source, lora, span):
                     yield msg
-        except BaseException as exc:   # an error, or cancelled by the caller: the span says so
+        except BaseException as exc:  # an error, or cancelled by the caller: the span says so
             span.fail(exc)
             raise
         finally:
@@ -155,12 +171,19 @@ class WorkerService(pb_grpc.WorkerServicer):
         tracer = tracing.tracer()
         if not tracer.enabled:
             return tracing.NOOP
-        span = tracer.start(name, tracing.metadata_carrier(context.invocation_metadata()), attributes={
-            "gen_ai.operation.name": "text_completion", "gen_ai.system": "splitserve",
-            "gen_ai.request.model": request.lora_name or self.engine.model_config.model_id,
-            "gen_ai.request.max_tokens": request.params.max_tokens or None,
-            "gen_ai.usage.input_tokens": len(token_ids), "splitserve.request_id": request.request_id,
-            "splitserve.role": self.config.role})
+        span = tracer.start(
+            name,
+            tracing.metadata_carrier(context.invocation_metadata()),
+            attributes={
+                "gen_ai.operation.name": "text_completion",
+                "gen_ai.system": "splitserve",
+                "gen_ai.request.model": request.lora_name or self.engine.model_config.model_id,
+                "gen_ai.request.max_tokens": request.params.max_tokens or None,
+                "gen_ai.usage.input_tokens": len(token_ids),
+                "splitserve.request_id": request.request_id,
+                "splitserve.role": self.config.role,
+            },
+        )
         if tracer.include_prompt:
             span.set("gen_ai.prompt.token_ids", list(token_ids))
         span.activate()
@@ -202,8 +225,15 @@ class WorkerService(pb_grpc.WorkerServicer):
             self.metrics.lora_hinted_evictions.inc(hinted)
         return adapter
 
-    async def _generate(self, request: pb.GenerateRequest, token_ids: list[int], params, source: PrefillSource,
-                        lora=None, span=tracing.NOOP):
+    async def _generate(
+        self,
+        request: pb.GenerateRequest,
+        token_ids: list[int],
+        params,
+        source: PrefillSource,
+        lora=None,
+        span=tracing.NOOP,
+    ):
         t0 = time.monotonic()
         req_id = request.request_id
         pull = request.kv_pull if source is PrefillSource.PULL else None
@@ -211,13 +241,18 @@ class WorkerService(pb_grpc.WorkerServicer):
         prefill_worker, last_token_t = "", None
         timings = pb.Timings()
         pulled_tokens = 0
-        t_kv = None   # when the remote prefill or pull ended (the KV is here)
+        t_kv = None  # when the remote prefill or pull ended (the KV is here)
         ttft, itl, e2e = self.metrics.latency(lora.name if lora else "")
-        async for out in self.engine.generate(prompt_token_ids=token_ids, params=params, req_id=req_id,
-                                              remote_prefill=source is not PrefillSource.LOCAL,
-                                              resume_output_token_ids=list(request.resume_output_token_ids),
-                                              lora_name=lora.name if lora else None, priority=request.priority,
-                                              band=request.band):
+        async for out in self.engine.generate(
+            prompt_token_ids=token_ids,
+            params=params,
+            req_id=req_id,
+            remote_prefill=source is not PrefillSource.LOCAL,
+            resume_output_token_ids=list(request.resume_output_token_ids),
+            lora_name=lora.name if lora else None,
+            priority=request.priority,
+            band=request.band,
+        ):
             if out.kv_ready is not None:
                 timings.queue_s = time.monotonic() - t0
                 self.metrics.queue_time.observe(timings.queue_s)
@@ -230,8 +265,9 @@ class WorkerService(pb_grpc.WorkerServicer):
                     t_kv = time.monotonic()
                     continue
                 with span.child("worker.remote_prefill") as wait:
-                    prefill_worker, resp = await self.remote.run(req_id, token_ids, params, out.kv_ready,
-                                                                 prefill_workers, lora, span=wait)
+                    prefill_worker, resp = await self.remote.run(
+                        req_id, token_ids, params, out.kv_ready, prefill_workers, lora, span=wait
+                    )
                     wait.set("splitserve.prefill_worker", prefill_worker or "local fallback")
                 t_kv = time.monotonic()
                 if resp is not None:
@@ -244,12 +280,20 @@ class WorkerService(pb_grpc.WorkerServicer):
                 _local_timings(timings, t0, out.first_scheduled_time, now)
                 timings.first_token_s = now - t0
                 msg.timings.CopyFrom(timings)
-                self.records.update(req_id, role=self.config.role, queue_s=timings.queue_s,
-                                    prefill_s=timings.prefill_s, transfer_wait_s=timings.transfer_wait_s,
-                                    kv_pull_s=timings.kv_pull_s, first_token_s=timings.first_token_s,
-                                    remote_prefill=source is PrefillSource.REMOTE, prefill_worker=prefill_worker,
-                                    num_prompt_tokens=len(token_ids), num_cached_tokens=out.num_cached_tokens,
-                                    trace_id=span.trace_id or None)
+                self.records.update(
+                    req_id,
+                    role=self.config.role,
+                    queue_s=timings.queue_s,
+                    prefill_s=timings.prefill_s,
+                    transfer_wait_s=timings.transfer_wait_s,
+                    kv_pull_s=timings.kv_pull_s,
+                    first_token_s=timings.first_token_s,
+                    remote_prefill=source is PrefillSource.REMOTE,
+                    prefill_worker=prefill_worker,
+                    num_prompt_tokens=len(token_ids),
+                    num_cached_tokens=out.num_cached_tokens,
+                    trace_id=span.trace_id or None,
+                )
                 ttft.observe(now - t0)
                 _trace_first_token(span, timings, t0, t_kv, now)
             elif out.new_token_ids:
@@ -257,14 +301,19 @@ class WorkerService(pb_grpc.WorkerServicer):
             last_token_t = now
             if out.finished:
                 e2e.observe(now - t0)
-                self.records.update(req_id, e2e_s=now - t0, num_output_tokens=out.num_output_tokens,
-                                    finish_reason=out.finish_reason)
+                self.records.update(
+                    req_id, e2e_s=now - t0, num_output_tokens=out.num_output_tokens, finish_reason=out.finish_reason
+                )
                 self.metrics.requests.labels(finish_reason=out.finish_reason).inc()
                 if span.is_recording:
-                    span.update({"gen_ai.usage.output_tokens": out.num_output_tokens,
-                                 "gen_ai.response.finish_reasons": [out.finish_reason or ""],
-                                 "splitserve.cached_tokens": out.num_cached_tokens,
-                                 "splitserve.prefill_worker": prefill_worker or None})
+                    span.update(
+                        {
+                            "gen_ai.usage.output_tokens": out.num_output_tokens,
+                            "gen_ai.response.finish_reasons": [out.finish_reason or ""],
+                            "splitserve.cached_tokens": out.num_cached_tokens,
+                            "splitserve.prefill_worker": prefill_worker or None,
+                        }
+                    )
             yield msg
 
     async def _wants_remote(self, request: pb.GenerateRequest, token_ids: list[int]) -> bool:
@@ -275,42 +324,60 @@ class WorkerService(pb_grpc.WorkerServicer):
             return False
         if mode == "always":
             return True
-        threshold = (request.min_prefill_tokens if request.HasField("min_prefill_tokens")
-                     else self.config.min_prefill_tokens)
+        threshold = (
+            request.min_prefill_tokens if request.HasField("min_prefill_tokens") else self.config.min_prefill_tokens
+        )
         try:
             # Asked on the engine thread, the prefix cache's only reader and writer.
             cached = await self.engine.call(lambda e: e.num_cached_prefix_tokens(token_ids, request.lora_name or None))
         except AdapterNotFoundError:
-            return False   # unloaded since the check: admission answers NOT_FOUND
+            return False  # unloaded since the check: admission answers NOT_FOUND
         uncached = len(token_ids) - cached
         return uncached >= threshold
 
     # -- Prefill ---------------------------------------------------------------------------
     async def Prefill(self, request: pb.PrefillRequest, context):
         await self._admit(context, ("prefill", "both"), "Prefill")
-        span = self._request_span("prefill.serve_cached" if request.cached_only else "prefill.request", request,
-                                  context, request.prompt_token_ids)
+        span = self._request_span(
+            "prefill.serve_cached" if request.cached_only else "prefill.request",
+            request,
+            context,
+            request.prompt_token_ids,
+        )
         span.set("splitserve.kv.transfer_id", request.transfer_id)
         self._enter()
         try:
             async with _caller_errors(context):
-                with span:   # ends it; an exception marks it failed
+                with span:  # ends it; an exception marks it failed
                     if request.cached_only:
                         return await serve_cached(self.engine, self.sender, self.layout, request, self.metrics)
-                    resp = await serve_prefill(self.engine, self.sender, self.layout, request, self.metrics,
-                                               streaming=self.config.kv_layer_streaming, span=span)
-                    self.records.update(request.request_id, role=self.config.role, prefill_s=resp.prefill_s,
-                                        transfer_wait_s=resp.transfer_wait_s, kv_bytes=resp.kv_bytes,
-                                        transfer_id=request.transfer_id,
-                                        num_prompt_tokens=len(request.prompt_token_ids),
-                                        num_cached_tokens=resp.cached_tokens, trace_id=span.trace_id or None)
+                    resp = await serve_prefill(
+                        self.engine,
+                        self.sender,
+                        self.layout,
+                        request,
+                        self.metrics,
+                        streaming=self.config.kv_layer_streaming,
+                        span=span,
+                    )
+                    self.records.update(
+                        request.request_id,
+                        role=self.config.role,
+                        prefill_s=resp.prefill_s,
+                        transfer_wait_s=resp.transfer_wait_s,
+                        kv_bytes=resp.kv_bytes,
+                        transfer_id=request.transfer_id,
+                        num_prompt_tokens=len(request.prompt_token_ids),
+                        num_cached_tokens=resp.cached_tokens,
+                        trace_id=span.trace_id or None,
+                    )
                     return resp
         finally:
             self._leave()
 
     # -- Abort / WatchEvents -----------------------------------------------------------------
     async def Abort(self, request: pb.AbortRequest, context):
-        found = await self.engine.call(lambda e: e.abort(request.request_id))   # on the engine thread
+        found = await self.engine.call(lambda e: e.abort(request.request_id))  # on the engine thread
         if not found:
             await context.abort(grpc.StatusCode.NOT_FOUND, f"no request with id {request.request_id!r} on this worker")
         return pb.AbortResponse(found=True)
@@ -339,12 +406,21 @@ async def publish_load(service: WorkerService, interval_s: float) -> None:
         service.metrics.update_load(load)
         service.metrics.update_structured(service.engine.grammar_stats)
         adapters = [pb.LoraAdapterInfo(name=n, digest=d, path=p) for n, d, p in load.lora_adapters]
-        service.hub.send_load(pb.LoadReport(
-            num_waiting=load.num_waiting, num_running=load.num_running, kv_usage=load.kv_usage,
-            queued_prefill_tokens=load.queued_prefill_tokens, num_free_blocks=load.num_free_blocks,
-            draining=service.draining, adapters=adapters, running_lora_adapters=load.running_loras,
-            waiting_lora_adapters=load.waiting_loras, max_loras=load.max_loras,
-            resident_lora_adapters=load.resident_loras))
+        service.hub.send_load(
+            pb.LoadReport(
+                num_waiting=load.num_waiting,
+                num_running=load.num_running,
+                kv_usage=load.kv_usage,
+                queued_prefill_tokens=load.queued_prefill_tokens,
+                num_free_blocks=load.num_free_blocks,
+                draining=service.draining,
+                adapters=adapters,
+                running_lora_adapters=load.running_loras,
+                waiting_lora_adapters=load.waiting_loras,
+                max_loras=load.max_loras,
+                resident_lora_adapters=load.resident_loras,
+            )
+        )
         await asyncio.sleep(interval_s)
 
 

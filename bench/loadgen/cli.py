@@ -32,6 +32,7 @@ def _positive(unit: str):
         if not value > 0:  # also rejects nan
             raise argparse.ArgumentTypeError(f"must be a positive number{unit}, got {text!r}")
         return value
+
     return parse
 
 
@@ -47,6 +48,7 @@ def _int_at_least(low: int):
         if value < low:
             raise argparse.ArgumentTypeError(f"must be an integer >= {low}, got {text!r}")
         return value
+
     return parse
 
 
@@ -81,8 +83,9 @@ def _extra_body(text: str) -> dict:
         raise argparse.ArgumentTypeError(f"must be a JSON object, got {type(value).__name__}")
     taken = sorted(set(value) & set(RESERVED_FIELDS))
     if taken:
-        raise argparse.ArgumentTypeError(f"{taken} are set by the workload; allowed: any field but "
-                                         f"{', '.join(RESERVED_FIELDS)}")
+        raise argparse.ArgumentTypeError(
+            f"{taken} are set by the workload; allowed: any field but {', '.join(RESERVED_FIELDS)}"
+        )
     return value
 
 
@@ -91,25 +94,48 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2-135m", help="the `model` field of every request")
     p.add_argument("--workload", required=True, choices=list(workloads.WORKLOADS), help="docs/bench.md")
     load = p.add_mutually_exclusive_group(required=True)
-    load.add_argument("--rate", type=_rate,
-                      help="open loop: arrivals per second (requests; sessions for w2); inf: all at once")
+    load.add_argument(
+        "--rate", type=_rate, help="open loop: arrivals per second (requests; sessions for w2); inf: all at once"
+    )
     load.add_argument("--concurrency", type=_int_at_least(1), help="closed loop: at most N requests in flight")
-    p.add_argument("--burstiness", type=_positive(" or inf"), default=None,
-                   help="gamma shape of the inter-arrival times with --rate (1: Poisson, default)")
-    p.add_argument("--num-requests", type=_int_at_least(1), default=None,
-                   help="measured requests (default: the workload's)")
+    p.add_argument(
+        "--burstiness",
+        type=_positive(" or inf"),
+        default=None,
+        help="gamma shape of the inter-arrival times with --rate (1: Poisson, default)",
+    )
+    p.add_argument(
+        "--num-requests", type=_int_at_least(1), default=None, help="measured requests (default: the workload's)"
+    )
     p.add_argument("--warmup", type=_int_at_least(0), default=0, help="warm-up requests, excluded from the metrics")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--slo", type=_slo, default=None, metavar="ttft=S,tpot=S,e2e=S", help="goodput SLOs in seconds")
-    p.add_argument("--workload-param", type=_param, action="append", default=[], metavar="KEY=VALUE",
-                   help="override a workload parameter (repeatable), e.g. zipf=1.1")
-    p.add_argument("--extra-body", type=_extra_body, default={}, metavar="JSON",
-                   help="fields merged into every request, e.g. '{\"logit_bias\": {\"2\": -100}}' for a server "
-                        "without ignore_eos")
-    p.add_argument("--prompt-format", choices=["token-ids", "text"], default="token-ids",
-                   help="text: send each prompt as the text of its ids, for servers without token-id prompts")
-    p.add_argument("--tokenizer", default=None, help="with --prompt-format text: the model whose tokenizer "
-                                                     "turns ids into text (default: --model)")
+    p.add_argument(
+        "--workload-param",
+        type=_param,
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a workload parameter (repeatable), e.g. zipf=1.1",
+    )
+    p.add_argument(
+        "--extra-body",
+        type=_extra_body,
+        default={},
+        metavar="JSON",
+        help='fields merged into every request, e.g. \'{"logit_bias": {"2": -100}}\' for a server without ignore_eos',
+    )
+    p.add_argument(
+        "--prompt-format",
+        choices=["token-ids", "text"],
+        default="token-ids",
+        help="text: send each prompt as the text of its ids, for servers without token-id prompts",
+    )
+    p.add_argument(
+        "--tokenizer",
+        default=None,
+        help="with --prompt-format text: the model whose tokenizer turns ids into text (default: --model)",
+    )
     p.add_argument("--output", default=None, help="write the JSON results here")
     p.add_argument("--request-timeout", type=_positive(" of seconds"), default=600.0, metavar="SECONDS")
     p.add_argument("--api-key", default=None, help="sent as Authorization: Bearer KEY")
@@ -117,8 +143,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def register(subparsers) -> None:
-    p = subparsers.add_parser("bench", help="load-test an OpenAI-compatible endpoint (vLLM bench serve metrics)",
-                              description=__doc__.split("\n\n")[0])
+    p = subparsers.add_parser(
+        "bench",
+        help="load-test an OpenAI-compatible endpoint (vLLM bench serve metrics)",
+        description=__doc__.split("\n\n")[0],
+    )
     add_arguments(p)
     p.set_defaults(func=cmd_bench)
 
@@ -129,8 +158,9 @@ def cmd_bench(args) -> int:
     if args.burstiness is not None and args.concurrency is not None:
         raise ConfigError("--burstiness shapes the arrivals of --rate; it has no meaning with --concurrency")
     if args.output and not pathlib.Path(args.output).resolve().parent.is_dir():
-        raise ConfigError(f"--output {args.output}: the folder {pathlib.Path(args.output).resolve().parent} "
-                          "does not exist")
+        raise ConfigError(
+            f"--output {args.output}: the folder {pathlib.Path(args.output).resolve().parent} does not exist"
+        )
     if args.tokenizer and args.prompt_format != "text":
         raise ConfigError("--tokenizer is used only with --prompt-format text")
     wl = workloads.build(args.workload, dict(args.workload_param), args.num_requests, args.warmup, args.seed)
@@ -145,11 +175,19 @@ def cmd_bench(args) -> int:
         if tokenizer is None:
             raise ConfigError(f"--prompt-format text: {name} has no tokenizer; pass --tokenizer MODEL")
         wl = workloads.as_text(wl, tokenizer)
-    cfg = runner.RunConfig(url=args.url, model=args.model, rate=args.rate, concurrency=args.concurrency,
-                           burstiness=1.0 if args.burstiness is None else args.burstiness, seed=args.seed,
-                           request_timeout_s=args.request_timeout, api_key=args.api_key,
-                           progress=not args.no_progress, extra_body=args.extra_body,
-                           prompt_format=args.prompt_format)
+    cfg = runner.RunConfig(
+        url=args.url,
+        model=args.model,
+        rate=args.rate,
+        concurrency=args.concurrency,
+        burstiness=1.0 if args.burstiness is None else args.burstiness,
+        seed=args.seed,
+        request_timeout_s=args.request_timeout,
+        api_key=args.api_key,
+        progress=not args.no_progress,
+        extra_body=args.extra_body,
+        prompt_format=args.prompt_format,
+    )
     result = asyncio.run(runner.run(cfg, wl))
     doc = report.build_report(cfg, wl, result, args.slo)
     if args.output:

@@ -52,8 +52,14 @@ RESERVED_FIELDS = ("model", "prompt", "max_tokens", "stream", "stream_options")
 def encode_payload(model: str, req: BenchRequest, extra: dict | None = None) -> bytes:
     """The request body, built before the run so the client does no work at send time."""
     prompt = req.prompt_text if req.prompt_text is not None else list(req.prompt_token_ids)
-    body = {"model": model, "prompt": prompt, "max_tokens": req.max_tokens,
-            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": req.max_tokens,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     return json.dumps({**body, **(extra or {})}, separators=(",", ":")).encode()
 
 

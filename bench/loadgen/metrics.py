@@ -52,8 +52,10 @@ def parse_slo(text: str) -> SLO:
         key, sep, value = item.partition("=")
         key = key.strip()
         if not sep or key not in SLO_KEYS:
-            raise ConfigError(f"bad SLO item {item.strip()!r} in {text!r}: expected KEY=SECONDS with KEY one of "
-                              f"{', '.join(SLO_KEYS)}, e.g. ttft=0.5,tpot=0.1,e2e=10")
+            raise ConfigError(
+                f"bad SLO item {item.strip()!r} in {text!r}: expected KEY=SECONDS with KEY one of "
+                f"{', '.join(SLO_KEYS)}, e.g. ttft=0.5,tpot=0.1,e2e=10"
+            )
         if key in values:
             raise ConfigError(f"SLO key {key!r} given twice in {text!r}")
         try:
@@ -99,8 +101,10 @@ def compute(results: list[RequestResult], duration_s: float, slo: SLO | None) ->
     with_cache = [r for r in ok if r.num_cached_tokens is not None]
     good = sum(slo.is_met(r) for r in ok) if slo else None
     return {
-        "completed": len(ok), "failed": len(results) - len(ok),
-        "total_input_tokens": total_in, "total_output_tokens": total_out,
+        "completed": len(ok),
+        "failed": len(results) - len(ok),
+        "total_input_tokens": total_in,
+        "total_output_tokens": total_out,
         "request_throughput": len(ok) / duration_s,
         "output_throughput": total_out / duration_s,
         "total_token_throughput": (total_in + total_out) / duration_s,
@@ -114,8 +118,11 @@ def compute(results: list[RequestResult], duration_s: float, slo: SLO | None) ->
         # of gaps sits below p99), this one counts it once per request that met it.
         "max_itl_ms": stats_ms([max(r.itl_s) for r in ok if r.itl_s]),
         "e2e_ms": stats_ms([r.e2e_s for r in ok]),
-        "prefix_cache_hit_rate": (sum(r.num_cached_tokens for r in with_cache) /
-                                  max(1, sum(r.num_prompt_tokens for r in with_cache))) if with_cache else None,
+        "prefix_cache_hit_rate": (
+            sum(r.num_cached_tokens for r in with_cache) / max(1, sum(r.num_prompt_tokens for r in with_cache))
+        )
+        if with_cache
+        else None,
         "peak_in_flight": peak_in_flight(ok),
         "output_len_mismatch": sum(r.output_tokens != r.max_tokens for r in ok),
     }

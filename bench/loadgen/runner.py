@@ -33,17 +33,17 @@ from splitserve.bench.loadgen.workloads import BenchRequest, Workload
 
 @dataclass(frozen=True)
 class RunConfig:
-    url: str                    # base URL; requests go to {url}/v1/completions
+    url: str  # base URL; requests go to {url}/v1/completions
     model: str
-    rate: float | None = None   # sessions per second (inf: all at t0); None with concurrency
+    rate: float | None = None  # sessions per second (inf: all at t0); None with concurrency
     concurrency: int | None = None
     burstiness: float = 1.0
     seed: int = 0
     request_timeout_s: float = 600.0
     api_key: str | None = None
     progress: bool = True
-    extra_body: dict = field(default_factory=dict)   # merged into every request body
-    prompt_format: str = "token-ids"                  # or "text" (workloads.as_text)
+    extra_body: dict = field(default_factory=dict)  # merged into every request body
+    prompt_format: str = "token-ids"  # or "text" (workloads.as_text)
 
 
 @dataclass
@@ -73,16 +73,23 @@ class Progress:
         if self.enabled and (self.done == self.total or now - self._last_print >= step):
             self._last_print = now
             start, end = ("\r", "\n" if self.done == self.total else "") if self.is_tty else ("", "\n")
-            print(f"{start}{self.label}: {self.done}/{self.total} done, {self.failed} failed, "
-                  f"{now - self.t0:.1f} s", end=end, file=sys.stderr, flush=True)
+            print(
+                f"{start}{self.label}: {self.done}/{self.total} done, {self.failed} failed, {now - self.t0:.1f} s",
+                end=end,
+                file=sys.stderr,
+                flush=True,
+            )
 
 
 def _client(cfg: RunConfig) -> httpx.AsyncClient:
     # trust_env=False: a proxy from the environment would sit inside every measurement.
     headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
-    return httpx.AsyncClient(timeout=httpx.Timeout(cfg.request_timeout_s, connect=30.0), trust_env=False,
-                             limits=httpx.Limits(max_connections=None, max_keepalive_connections=None),
-                             headers=headers)
+    return httpx.AsyncClient(
+        timeout=httpx.Timeout(cfg.request_timeout_s, connect=30.0),
+        trust_env=False,
+        limits=httpx.Limits(max_connections=None, max_keepalive_connections=None),
+        headers=headers,
+    )
 
 
 def _record(index: int, req: BenchRequest) -> RequestResult:
@@ -103,16 +110,24 @@ async def _warmup(cfg: RunConfig, wl: Workload, client, url, limit) -> list[Requ
         return []
     progress = Progress(len(wl.warmup), "warm-up", cfg.progress)
     t0 = time.perf_counter()
-    return list(await asyncio.gather(*[
-        _limited(limit, client, url, encode_payload(cfg.model, r, cfg.extra_body), _record(i, r), t0, progress)
-        for i, r in enumerate(wl.warmup)]))
+    return list(
+        await asyncio.gather(
+            *[
+                _limited(limit, client, url, encode_payload(cfg.model, r, cfg.extra_body), _record(i, r), t0, progress)
+                for i, r in enumerate(wl.warmup)
+            ]
+        )
+    )
 
 
 async def run(cfg: RunConfig, wl: Workload) -> RunResult:
     url = cfg.url.rstrip("/") + "/v1/completions"
     limit = asyncio.Semaphore(cfg.concurrency) if cfg.concurrency else contextlib.nullcontext()
-    offsets = (arrival_offsets(len(wl.sessions), cfg.rate, cfg.burstiness, np.random.default_rng([cfg.seed, 1]))
-               if cfg.rate else [0.0] * len(wl.sessions))
+    offsets = (
+        arrival_offsets(len(wl.sessions), cfg.rate, cfg.burstiness, np.random.default_rng([cfg.seed, 1]))
+        if cfg.rate
+        else [0.0] * len(wl.sessions)
+    )
     bodies = [[encode_payload(cfg.model, r, cfg.extra_body) for r in s] for s in wl.sessions]
     async with _client(cfg) as client:
         warm = await _warmup(cfg, wl, client, url, limit)

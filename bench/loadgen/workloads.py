@@ -108,8 +108,11 @@ class W2Params:
     shared_system: int = 0  # 1: every session has the same system prompt
 
     def __post_init__(self):
-        _check(min(self.sessions, self.turns, self.user_len, self.output_len) >= 1, "w2",
-               "sessions, turns, user_len and output_len must be >= 1")
+        _check(
+            min(self.sessions, self.turns, self.user_len, self.output_len) >= 1,
+            "w2",
+            "sessions, turns, user_len and output_len must be >= 1",
+        )
         _check(self.system_len >= 0 and self.reply_len >= 0, "w2", "system_len and reply_len must be >= 0")
         _check(self.think_s >= 0, "w2", f"think_s must be >= 0, got {self.think_s}")
         _check(self.shared_system in (0, 1), "w2", f"shared_system must be 0 or 1, got {self.shared_system}")
@@ -133,8 +136,11 @@ class W3Params:
     def __post_init__(self):
         _check(0 <= self.long_fraction <= 1, "w3", f"long_fraction must be in [0, 1], got {self.long_fraction}")
         _check_range("w3 long", self.long_min, self.long_max)
-        _check(min(self.long_output, self.interactive_len, self.interactive_output, self.num_requests) >= 1,
-               "w3", "long_output, interactive_len, interactive_output and num_requests must be >= 1")
+        _check(
+            min(self.long_output, self.interactive_len, self.interactive_output, self.num_requests) >= 1,
+            "w3",
+            "long_output, interactive_len, interactive_output and num_requests must be >= 1",
+        )
 
     def default_num_requests(self) -> int:
         return self.num_requests
@@ -194,8 +200,14 @@ def build_w1(p: W1Params, n: int, rng: np.random.Generator) -> list[Session]:
     else:
         groups = [i % p.groups for i in range(n)]
         rng.shuffle(groups)
-    return [(BenchRequest(systems[g] + _tokens(rng, _uniform(rng, p.question_min, p.question_max)),
-                          p.output_len, tag=f"group-{g}"),) for g in groups]
+    return [
+        (
+            BenchRequest(
+                systems[g] + _tokens(rng, _uniform(rng, p.question_min, p.question_max)), p.output_len, tag=f"group-{g}"
+            ),
+        )
+        for g in groups
+    ]
 
 
 def build_w2(p: W2Params, n: int, rng: np.random.Generator) -> list[Session]:
@@ -217,15 +229,25 @@ def build_w3(p: W3Params, n: int, rng: np.random.Generator) -> list[Session]:
     num_long = round(n * p.long_fraction)
     is_long = [True] * num_long + [False] * (n - num_long)
     rng.shuffle(is_long)
-    return [(BenchRequest(_tokens(rng, _uniform(rng, p.long_min, p.long_max)), p.long_output, category="long")
-             if long else
-             BenchRequest(_tokens(rng, p.interactive_len), p.interactive_output, category="interactive"),)
-            for long in is_long]
+    return [
+        (
+            BenchRequest(_tokens(rng, _uniform(rng, p.long_min, p.long_max)), p.long_output, category="long")
+            if long
+            else BenchRequest(_tokens(rng, p.interactive_len), p.interactive_output, category="interactive"),
+        )
+        for long in is_long
+    ]
 
 
 def build_w4(p: W4Params, n: int, rng: np.random.Generator) -> list[Session]:
-    return [(BenchRequest(_tokens(rng, _uniform(rng, p.input_min, p.input_max)),
-                          _uniform(rng, p.output_min, p.output_max)),) for _ in range(n)]
+    return [
+        (
+            BenchRequest(
+                _tokens(rng, _uniform(rng, p.input_min, p.input_max)), _uniform(rng, p.output_min, p.output_max)
+            ),
+        )
+        for _ in range(n)
+    ]
 
 
 def build_random(p: RandomParams, n: int, rng: np.random.Generator) -> list[Session]:
@@ -237,8 +259,13 @@ def build_random(p: RandomParams, n: int, rng: np.random.Generator) -> list[Sess
     return [(BenchRequest(prefix + _tokens(rng, length(p.input_len)), length(p.output_len)),) for _ in range(n)]
 
 
-WORKLOADS = {"w1": (W1Params, build_w1), "w2": (W2Params, build_w2), "w3": (W3Params, build_w3),
-             "w4": (W4Params, build_w4), "random": (RandomParams, build_random)}
+WORKLOADS = {
+    "w1": (W1Params, build_w1),
+    "w2": (W2Params, build_w2),
+    "w3": (W3Params, build_w3),
+    "w4": (W4Params, build_w4),
+    "random": (RandomParams, build_random),
+}
 
 
 @dataclass(frozen=True)
@@ -271,8 +298,13 @@ def parse_params(name: str, overrides: dict[str, str]):
     return cls(**values)
 
 
-def build(name: str, overrides: dict[str, str] | None = None, num_requests: int | None = None,
-          num_warmup: int = 0, seed: int = 0) -> Workload:
+def build(
+    name: str,
+    overrides: dict[str, str] | None = None,
+    num_requests: int | None = None,
+    num_warmup: int = 0,
+    seed: int = 0,
+) -> Workload:
     """Build a workload. Its content and its warm-ups draw from separate streams seeded with
     (seed, workload name), so adding warm-ups leaves the measured requests identical, and two
     workloads with the same seed share no token sequences (no prefix-cache hits across them)."""
@@ -283,8 +315,10 @@ def build(name: str, overrides: dict[str, str] | None = None, num_requests: int 
     if name == "w2" and n % params.turns:
         lower, upper = n - n % params.turns, n - n % params.turns + params.turns
         hint = f"{lower} or {upper}" if lower else f"{upper}"
-        raise ConfigError(f"w2 sends whole sessions of turns={params.turns} requests: the number of requests "
-                          f"({n}) is not a multiple of it; use {hint}")
+        raise ConfigError(
+            f"w2 sends whole sessions of turns={params.turns} requests: the number of requests "
+            f"({n}) is not a multiple of it; use {hint}"
+        )
     stream = zlib.crc32(name.encode())
     sessions = WORKLOADS[name][1](params, n, np.random.default_rng([seed, 0, stream]))
     warm_rng = np.random.default_rng([seed, 2, stream])
@@ -299,8 +333,12 @@ def _warmup(sessions: list[Session], n: int, rng: np.random.Generator) -> list[B
     """Warm-up requests shaped like the first measured ones but with fresh tokens: they warm the
     server's code paths and connections without seeding its prefix cache with measured prompts."""
     flat = [r for s in sessions for r in s]
-    return [BenchRequest(_tokens(rng, flat[i % len(flat)].num_prompt_tokens), flat[i % len(flat)].max_tokens,
-                         category="warmup") for i in range(n)]
+    return [
+        BenchRequest(
+            _tokens(rng, flat[i % len(flat)].num_prompt_tokens), flat[i % len(flat)].max_tokens, category="warmup"
+        )
+        for i in range(n)
+    ]
 
 
 def _w1_warmup(p: W1Params, sessions: list[Session], n: int, rng: np.random.Generator) -> list[BenchRequest]:
@@ -308,10 +346,17 @@ def _w1_warmup(p: W1Params, sessions: list[Session], n: int, rng: np.random.Gene
     requests use (in group order): the server's caches reach steady state before measuring."""
     systems = {}
     for (req,) in sessions:
-        systems.setdefault(req.tag, req.prompt_token_ids[:p.system_len])
+        systems.setdefault(req.tag, req.prompt_token_ids[: p.system_len])
     tags = sorted(systems, key=lambda t: int(t.split("-")[1]))
-    return [BenchRequest(systems[tags[i % len(tags)]] + _tokens(rng, _uniform(rng, p.question_min, p.question_max)),
-                         p.output_len, category="warmup", tag=tags[i % len(tags)]) for i in range(n)]
+    return [
+        BenchRequest(
+            systems[tags[i % len(tags)]] + _tokens(rng, _uniform(rng, p.question_min, p.question_max)),
+            p.output_len,
+            category="warmup",
+            tag=tags[i % len(tags)],
+        )
+        for i in range(n)
+    ]
 
 
 def as_text(wl: Workload, tokenizer) -> Workload:
@@ -319,9 +364,12 @@ def as_text(wl: Workload, tokenizer) -> Workload:
     text of its ids, and its ids become what the tokenizer makes of that text again, so lengths
     are those the server sees (the round trip of random ids changes a few; vLLM's random dataset
     has the same property)."""
+
     def convert(req: BenchRequest) -> BenchRequest:
         text = tokenizer.decode(list(req.prompt_token_ids))
         ids = tuple(tokenizer.encode(text, add_special_tokens=False))
         return dataclasses.replace(req, prompt_token_ids=ids, prompt_text=text)
-    return dataclasses.replace(wl, sessions=[tuple(convert(r) for r in s) for s in wl.sessions],
-                               warmup=[convert(r) for r in wl.warmup])
+
+    return dataclasses.replace(
+        wl, sessions=[tuple(convert(r) for r in s) for s in wl.sessions], warmup=[convert(r) for r in wl.warmup]
+    )

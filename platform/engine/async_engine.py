@@ -43,11 +43,11 @@ class AsyncEngine:
     # -- what the event loop may read or call directly -------------------------------------------
     @property
     def model_config(self):
-        return self._engine.model_config      # fixed at load
+        return self._engine.model_config  # fixed at load
 
     @property
     def max_model_len(self) -> int:
-        return self._engine.max_model_len     # fixed at load
+        return self._engine.max_model_len  # fixed at load
 
     @property
     def grammar_stats(self):
@@ -67,9 +67,15 @@ class AsyncEngine:
     def from_config(cls, config: EngineConfig) -> AsyncEngine:
         return cls(LLMEngine(config))
 
-    async def generate(self, prompt: str | None = None, params: SamplingParams | None = None, *,
-                       prompt_token_ids: Sequence[int] | None = None, req_id: str | None = None,
-                       **options) -> AsyncIterator[RequestOutput]:
+    async def generate(
+        self,
+        prompt: str | None = None,
+        params: SamplingParams | None = None,
+        *,
+        prompt_token_ids: Sequence[int] | None = None,
+        req_id: str | None = None,
+        **options,
+    ) -> AsyncIterator[RequestOutput]:
         """Stream a request's outputs; raises InvalidRequestError before the first output.
 
         `options` go to LLMEngine.add_request (remote_prefill, kv_export, resume_output_token_ids).
@@ -186,6 +192,7 @@ class AsyncEngine:
                 self._engine.abort(req_id)
             return
         loop = entry[0]
+
         def settle():
             if not done.done():
                 done.set_exception(error) if error else done.set_result(None)

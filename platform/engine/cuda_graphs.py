@@ -79,16 +79,29 @@ def bucket_for(batch: int, sizes: Sequence[int]) -> int | None:
     return sizes[i] if batch >= 1 and i < len(sizes) else None
 
 
-def graph_memory_bytes(max_num_seqs: int, hidden_size: int, intermediate_size: int, num_heads: int,
-                       num_kv_heads: int, head_dim: int, vocab_size: int, dtype_bytes: int,
-                       max_splits: int = 16) -> int:
+def graph_memory_bytes(
+    max_num_seqs: int,
+    hidden_size: int,
+    intermediate_size: int,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    vocab_size: int,
+    dtype_bytes: int,
+    max_splits: int = 16,
+) -> int:
     """Estimate of the graph pool plus per-graph overhead: the largest bucket's live activations at
     the widest point of a layer (residual, normed input, fused qkv, attention output and split
     partials, gate|up and its product) plus the float logits, doubled for the allocator's rounding
     and the tensors freed late; and GRAPH_OVERHEAD_BYTES per bucket."""
     n = max_num_seqs
-    per_row = dtype_bytes * (3 * hidden_size + (num_heads + 2 * num_kv_heads) * head_dim + num_heads * head_dim
-                             + 3 * intermediate_size + vocab_size)
+    per_row = dtype_bytes * (
+        3 * hidden_size
+        + (num_heads + 2 * num_kv_heads) * head_dim
+        + num_heads * head_dim
+        + 3 * intermediate_size
+        + vocab_size
+    )
     partials = 4 * num_heads * max_splits * (head_dim + 1)
     return 2 * n * (per_row + partials) + GRAPH_OVERHEAD_BYTES * len(capture_sizes(max_num_seqs))
 
@@ -106,8 +119,11 @@ class DecodeBuffers:
         self.input_ids, self.positions, self.slot_mapping, self.context_lens = self.flat.view(4, max_rows)
         self.block_tables = torch.zeros(max_rows, max_blocks, dtype=torch.long, device=device)
         # The torch attention path (CPU) masks by position; the Triton kernels read context_lens.
-        self.decode_mask = (torch.zeros(max_rows, max_blocks * block_size, dtype=torch.bool, device=device)
-                            if device.type == "cpu" else None)
+        self.decode_mask = (
+            torch.zeros(max_rows, max_blocks * block_size, dtype=torch.bool, device=device)
+            if device.type == "cpu"
+            else None
+        )
 
     def fill(self, seqs: Sequence[ScheduledSeq], bucket: int) -> None:
         """Write the rows of `seqs` (decode slices: one row per token, so a verifying slice of
@@ -126,7 +142,7 @@ class DecodeBuffers:
                 ids[row], pos[row], ctx[row] = token, p, p + 1
                 slots[row] = seq.block_ids[p // bs] * bs + p % bs
                 counts.append(-(-(p + 1) // bs))
-                block_ids += seq.block_ids[:counts[-1]]
+                block_ids += seq.block_ids[: counts[-1]]
                 row += 1
         tables = self._host_tables
         tables[:bucket] = 0
@@ -138,7 +154,7 @@ class DecodeBuffers:
         slots[n:] = [PAD_SLOT] * (bucket - n)
         ctx[n:] = [1] * (bucket - n)
         host[:, :bucket] = torch.tensor([ids, pos, slots, ctx], dtype=torch.long)
-        self.flat.copy_(self._host, non_blocking=True)          # one transfer for the four vectors
+        self.flat.copy_(self._host, non_blocking=True)  # one transfer for the four vectors
         self.block_tables[:bucket].copy_(tables[:bucket], non_blocking=True)
         if self.decode_mask is not None:
             width = self.decode_mask.shape[1]
@@ -157,10 +173,14 @@ class DecodeBuffers:
     def metadata(self, bucket: int, num_splits: int) -> AttentionMetadata:
         """The attention metadata of a `bucket`-row decode step, as views of the static buffers."""
         meta = AttentionMetadata(
-            slot_mapping=self.slot_mapping[:bucket], num_decodes=bucket,
+            slot_mapping=self.slot_mapping[:bucket],
+            num_decodes=bucket,
             decode_block_table=self.block_tables[:bucket],
             decode_mask=None if self.decode_mask is None else self.decode_mask[:bucket],
-            prefills=[], decode_context_lens=self.context_lens[:bucket], decode_num_splits=num_splits)
+            prefills=[],
+            decode_context_lens=self.context_lens[:bucket],
+            decode_num_splits=num_splits,
+        )
         if self.device.type == "cuda":
             meta.triton = TritonAttentionMetadata(self.context_lens[:bucket], None, None, None, 0)
         return meta
@@ -170,12 +190,13 @@ class DecodeGraphs:
     """Decode steps through the buckets' static buffers: graph replay once `capture()` ran, else the
     same forward run eagerly. Owned by the ModelRunner; `run()` returns logits of the real rows."""
 
-    def __init__(self, model, kv_caches, block_size: int, device: torch.device, max_num_seqs: int,
-                 max_model_len: int):
+    def __init__(self, model, kv_caches, block_size: int, device: torch.device, max_num_seqs: int, max_model_len: int):
         ops = getattr(model, "fused_ops", None)
         if not (getattr(ops, "attends_paged", False) or (ops is None and device.type == "cpu")):
-            raise ValueError("decode graphs need the Triton ops (CUDA) or the torch path (CPU): other paths "
-                             "would write the padded rows' KV (slot -1) out of bounds")
+            raise ValueError(
+                "decode graphs need the Triton ops (CUDA) or the torch path (CPU): other paths "
+                "would write the padded rows' KV (slot -1) out of bounds"
+            )
         self.model, self.kv_caches, self.device = model, kv_caches, device
         self.sizes = capture_sizes(max_num_seqs)
         self.buffers = DecodeBuffers(self.sizes[-1], -(-max_model_len // block_size), block_size, device)
@@ -183,14 +204,16 @@ class DecodeGraphs:
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._logits: dict[int, torch.Tensor] = {}
         self.captured_bytes = 0
-        self.free_bytes_around_capture: tuple[int, int] | None = None   # (before, after), CUDA only
+        self.free_bytes_around_capture: tuple[int, int] | None = None  # (before, after), CUDA only
 
     def can_run(self, seqs: Sequence[ScheduledSeq], rows) -> bool:
         """A step of decode slices (single tokens, or a last token and its proposals) that all
         sample, without a grammar, whose rows fit the buckets."""
-        return (bucket_for(num_rows(seqs), self.sizes) is not None
-                and all(s.is_decode and s.do_sample for s in seqs)
-                and all(getattr(rows[s.req_id], "matcher", None) is None for s in seqs))
+        return (
+            bucket_for(num_rows(seqs), self.sizes) is not None
+            and all(s.is_decode and s.do_sample for s in seqs)
+            and all(getattr(rows[s.req_id], "matcher", None) is None for s in seqs)
+        )
 
     @torch.inference_mode()
     def run(self, seqs: Sequence[ScheduledSeq]) -> torch.Tensor:
@@ -215,24 +238,29 @@ class DecodeGraphs:
         """Record one graph per bucket, largest first, into one shared memory pool (CUDA only)."""
         assert self.device.type == "cuda", "CUDA graphs need a CUDA device"
         torch.cuda.synchronize(self.device)
-        torch.cuda.empty_cache()          # as torch.cuda.graph does on entry: "before" without idle blocks
+        torch.cuda.empty_cache()  # as torch.cuda.graph does on entry: "before" without idle blocks
         free_before = torch.cuda.mem_get_info(self.device)[0]
         pool = torch.cuda.graph_pool_handle()
         for bucket in reversed(self.sizes):
             self.buffers.fill_padding(bucket)
-            self._forward(bucket)                                  # compiles the Triton kernels
+            self._forward(bucket)  # compiles the Triton kernels
             torch.cuda.synchronize(self.device)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
                 self._logits[bucket] = self._forward(bucket)
             self._graphs[bucket] = graph
         torch.cuda.synchronize(self.device)
-        torch.cuda.empty_cache()          # the warm-up forwards' blocks, outside the graphs' pool
+        torch.cuda.empty_cache()  # the warm-up forwards' blocks, outside the graphs' pool
         free_after = torch.cuda.mem_get_info(self.device)[0]
         self.free_bytes_around_capture = (free_before, free_after)
         self.captured_bytes = capture_cost(free_before, free_after)
-        log.info("captured %d decode graphs (batch %d..%d) in %.0f MiB", len(self._graphs), self.sizes[0],
-                 self.sizes[-1], self.captured_bytes / 2**20)
+        log.info(
+            "captured %d decode graphs (batch %d..%d) in %.0f MiB",
+            len(self._graphs),
+            self.sizes[0],
+            self.sizes[-1],
+            self.captured_bytes / 2**20,
+        )
 
 
 def capture_cost(free_before: int, free_after: int) -> int:
@@ -243,8 +271,11 @@ def capture_cost(free_before: int, free_after: int) -> int:
         raise ValueError(f"free memory cannot be negative: before {free_before}, after {free_after}")
     cost = free_before - free_after
     if cost < 0:
-        log.warning("free device memory grew by %d bytes across the graph capture (memory released meanwhile); "
-                    "counting the graphs as 0 bytes", -cost)
+        log.warning(
+            "free device memory grew by %d bytes across the graph capture (memory released meanwhile); "
+            "counting the graphs as 0 bytes",
+            -cost,
+        )
     return max(0, cost)
 
 
@@ -269,11 +300,20 @@ def uses_decode_graphs(enforce_eager: bool, device: torch.device) -> bool:
     return not enforce_eager and triton_available(device)
 
 
-def decode_graph_bytes(enforce_eager: bool, device: torch.device, model_config, max_num_seqs: int,
-                       dtype: torch.dtype) -> int:
+def decode_graph_bytes(
+    enforce_eager: bool, device: torch.device, model_config, max_num_seqs: int, dtype: torch.dtype
+) -> int:
     """What the KV budget leaves for the decode graphs (0 when there are none)."""
     if not uses_decode_graphs(enforce_eager, device):
         return 0
     c = model_config
-    return graph_memory_bytes(max_num_seqs, c.hidden_size, c.intermediate_size, c.num_heads, c.num_kv_heads,
-                              c.head_dim, c.vocab_size, torch.empty((), dtype=dtype).element_size())
+    return graph_memory_bytes(
+        max_num_seqs,
+        c.hidden_size,
+        c.intermediate_size,
+        c.num_heads,
+        c.num_kv_heads,
+        c.head_dim,
+        c.vocab_size,
+        torch.empty((), dtype=dtype).element_size(),
+    )

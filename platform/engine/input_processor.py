@@ -29,9 +29,19 @@ from splitserve.platform.sched.request import Request
 
 
 class InputProcessor:
-    def __init__(self, model_name: str, model_config: ModelConfig, tokenizer, max_model_len: int,
-                 hasher: BlockHasher, eos_token_ids: frozenset[int], loras: LoraRegistry, connector: KVConnector,
-                 device: torch.device, on_grammars: Callable[[GrammarBackend], None]):
+    def __init__(
+        self,
+        model_name: str,
+        model_config: ModelConfig,
+        tokenizer,
+        max_model_len: int,
+        hasher: BlockHasher,
+        eos_token_ids: frozenset[int],
+        loras: LoraRegistry,
+        connector: KVConnector,
+        device: torch.device,
+        on_grammars: Callable[[GrammarBackend], None],
+    ):
         self.model_name = model_name
         self.model_config = model_config
         self.tokenizer = tokenizer
@@ -59,10 +69,21 @@ class InputProcessor:
         """The grammar backend's CompileStats, or None before the first constrained request."""
         return None if self._grammars is None else self._grammars.stats
 
-    def process(self, req_id: str, prompt: str | None, params: SamplingParams | None, *,
-                prompt_token_ids: Sequence[int] | None, arrival_time: float | None, remote_prefill: bool,
-                kv_export: KVExport | None, resume_output_token_ids: Sequence[int],
-                lora_name: str | None, priority: int = 0, band: int = 0) -> RequestState:
+    def process(
+        self,
+        req_id: str,
+        prompt: str | None,
+        params: SamplingParams | None,
+        *,
+        prompt_token_ids: Sequence[int] | None,
+        arrival_time: float | None,
+        remote_prefill: bool,
+        kv_export: KVExport | None,
+        resume_output_token_ids: Sequence[int],
+        lora_name: str | None,
+        priority: int = 0,
+        band: int = 0,
+    ) -> RequestState:
         """The validated state of a new request (see LLMEngine.add_request for the arguments)."""
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
@@ -78,16 +99,31 @@ class InputProcessor:
         adapter = self.loras.get(lora_name) if lora_name is not None else None
         if kv_export is not None and (problem := self.connector.check_export(kv_export, len(token_ids))):
             raise InvalidRequestError(problem)
-        req = Request(req_id, token_ids, params, self.hasher, self.eos_token_ids, arrival_time,
-                      remote_prefill=remote_prefill, output_token_ids=resumed,
-                      lora_id=adapter.lora_id if adapter else None,
-                      extra_keys=lora_extra_keys(lora_name, adapter.digest if adapter else None),
-                      priority=priority, band=band)
+        req = Request(
+            req_id,
+            token_ids,
+            params,
+            self.hasher,
+            self.eos_token_ids,
+            arrival_time,
+            remote_prefill=remote_prefill,
+            output_token_ids=resumed,
+            lora_id=adapter.lora_id if adapter else None,
+            extra_keys=lora_extra_keys(lora_name, adapter.digest if adapter else None),
+            priority=priority,
+            band=band,
+        )
         generator = make_generator(params.seed, self.device)
-        for _ in resumed:   # a seeded request continues its random stream where the first attempt left it
+        for _ in resumed:  # a seeded request continues its random stream where the first attempt left it
             skip_draw(params, generator)
-        return RequestState(req, generator, matcher=matcher, adapter=adapter, export=kv_export,
-                            num_exported_blocks=kv_export.start_block if kv_export else 0)
+        return RequestState(
+            req,
+            generator,
+            matcher=matcher,
+            adapter=adapter,
+            export=kv_export,
+            num_exported_blocks=kv_export.start_block if kv_export else 0,
+        )
 
     def _matcher(self, params: SamplingParams, resumed: Sequence[int]) -> Matcher | None:
         """A fresh matcher for a constrained request, advanced past tokens it already generated."""
@@ -114,7 +150,8 @@ class InputProcessor:
         if len(token_ids) >= self.max_model_len:
             raise InvalidRequestError(
                 f"the prompt has {len(token_ids)} tokens but max_model_len is {self.max_model_len}; "
-                f"allowed: at most {self.max_model_len - 1} prompt tokens (one is needed to generate)")
+                f"allowed: at most {self.max_model_len - 1} prompt tokens (one is needed to generate)"
+            )
         return token_ids
 
     def _checked_ids(self, name: str, token_ids: Sequence[int]) -> list[int]:
@@ -130,10 +167,13 @@ class InputProcessor:
         if not token_ids:
             return token_ids
         if len(token_ids) >= params.max_tokens:
-            raise InvalidRequestError(f"{len(token_ids)} resumed tokens leave nothing to generate under "
-                                      f"max_tokens={params.max_tokens}; allowed: fewer than max_tokens")
+            raise InvalidRequestError(
+                f"{len(token_ids)} resumed tokens leave nothing to generate under "
+                f"max_tokens={params.max_tokens}; allowed: fewer than max_tokens"
+            )
         if num_prompt + len(token_ids) >= self.max_model_len:
             raise InvalidRequestError(
                 f"the prompt ({num_prompt} tokens) and the resumed output ({len(token_ids)}) reach max_model_len "
-                f"{self.max_model_len}; allowed: at most {self.max_model_len - 1} tokens together")
+                f"{self.max_model_len}; allowed: at most {self.max_model_len - 1} tokens together"
+            )
         return token_ids

@@ -57,7 +57,8 @@ def import_layer(kv_caches, layer: int, block_ids: torch.Tensor, payload: torch.
     """Write a received layer payload into the blocks `block_ids` of this engine's cache."""
     k_cache, v_cache = kv_caches[layer]
     assert payload.shape[0] == 2 and payload.shape[1] == block_ids.numel(), (
-        f"payload {tuple(payload.shape)} does not match {block_ids.numel()} blocks")
+        f"payload {tuple(payload.shape)} does not match {block_ids.numel()} blocks"
+    )
     k_cache.index_copy_(0, block_ids, payload[0].to(k_cache.dtype))
     v_cache.index_copy_(0, block_ids, payload[1].to(v_cache.dtype))
 
@@ -69,8 +70,15 @@ class KVConnector:
     buffers on a side stream on CUDA, the plain synchronous copies on a CPU. Tests pass their own
     to check the ordering on a CPU."""
 
-    def __init__(self, kv_caches, kv_manager, block_size: int, device: torch.device,
-                 copy_stream: CopyStream | None = None, host_pool: HostBufferPool | None = None):
+    def __init__(
+        self,
+        kv_caches,
+        kv_manager,
+        block_size: int,
+        device: torch.device,
+        copy_stream: CopyStream | None = None,
+        host_pool: HostBufferPool | None = None,
+    ):
         self.kv_caches = kv_caches
         self.kv_manager = kv_manager
         self.block_size = block_size
@@ -89,8 +97,10 @@ class KVConnector:
         num_prompt_blocks = -(-num_prompt_tokens // self.block_size)
         if 0 <= export.start_block < num_prompt_blocks:
             return None
-        return (f"skip_blocks={export.start_block} is invalid for a prompt of {num_prompt_tokens} tokens; "
-                f"allowed: 0 to {num_prompt_blocks - 1}")
+        return (
+            f"skip_blocks={export.start_block} is invalid for a prompt of {num_prompt_tokens} tokens; "
+            f"allowed: 0 to {num_prompt_blocks - 1}"
+        )
 
     def kv_ready(self, req: Request) -> KVReady:
         return KVReady(tuple(self.kv_manager.block_ids(req.req_id)), req.num_cached_tokens, self.block_size)
@@ -122,6 +132,7 @@ class KVConnector:
         def hook(layer: int) -> None:
             for export, first_block, ids in exports:
                 export.sink(layer, self._stage_export(layer, ids, export.on_device), first_block)
+
         return hook
 
     def _stage_export(self, layer: int, ids: torch.Tensor, on_device: bool = False) -> StagedPayload:
@@ -131,6 +142,7 @@ class KVConnector:
             @torch.inference_mode()
             def gather() -> None:
                 out.append(export_layer(self.kv_caches, layer, ids))
+
             ready = self.copy_stream.submit(gather, keep=(ids,)) if on_device else self.copy_stream.submit(gather)
             return StagedPayload(out[0], ready)
         k_cache = self.kv_caches[layer][0]
@@ -142,6 +154,7 @@ class KVConnector:
         @torch.inference_mode()
         def copy() -> None:
             payload.copy_(export_layer(self.kv_caches, layer, ids), non_blocking=True)
+
         ready = self.copy_stream.submit(copy, keep=(ids,))
         return StagedPayload(payload, ready, lambda: self.host_pool.release(buf, ready))
 
@@ -152,8 +165,12 @@ class KVConnector:
         the engine completes its remote prefill or falls back to a local one.
         """
         if self.host_pool is None:
-            import_layer(self.kv_caches, layer, torch.tensor(block_ids, dtype=torch.long, device=self.device),
-                         payload.to(self.device))
+            import_layer(
+                self.kv_caches,
+                layer,
+                torch.tensor(block_ids, dtype=torch.long, device=self.device),
+                payload.to(self.device),
+            )
             return
         # `payload` is only valid during this call: land it in a pooled (pinned) buffer first
         nbytes = payload.numel() * payload.element_size()
@@ -164,7 +181,9 @@ class KVConnector:
 
         @torch.inference_mode()
         def copy() -> None:
-            import_layer(self.kv_caches, layer, ids.to(self.device, non_blocking=True),
-                         staged.to(self.device, non_blocking=True))
+            import_layer(
+                self.kv_caches, layer, ids.to(self.device, non_blocking=True), staged.to(self.device, non_blocking=True)
+            )
+
         ready = self.copy_stream.submit(copy)
         self.host_pool.release(buf, ready)

@@ -76,17 +76,28 @@ class LLMEngine:
         source = resolve_model(config.model)
         self.model_config: ModelConfig = load_model_config(source)
         self.tokenizer = load_tokenizer(config.model)
-        self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids if self.tokenizer is not None
-                                       else self.model_config.eos_token_ids)
-        self.model = load_model(config, source, self.model_config, self.quantization, self.dtype, self.kv_dtype,
-                                self.device, model)
-        self.max_model_len = min(config.scheduler.max_model_len or self.model_config.max_position_embeddings,
-                                 self.model_config.max_position_embeddings)
+        self.eos_token_ids = frozenset(
+            self.tokenizer.eos_token_ids if self.tokenizer is not None else self.model_config.eos_token_ids
+        )
+        self.model = load_model(
+            config, source, self.model_config, self.quantization, self.dtype, self.kv_dtype, self.device, model
+        )
+        self.max_model_len = min(
+            config.scheduler.max_model_len or self.model_config.max_position_embeddings,
+            self.model_config.max_position_embeddings,
+        )
         block_size = config.cache.block_size
         eager = config.device.enforce_eager
-        num_blocks = plan_num_blocks(config.cache, self.model_config, self.kv_dtype, self.max_model_len, self.device,
-                                     graph_bytes=decode_graph_bytes(eager, self.device, self.model_config,
-                                                                    config.scheduler.max_num_seqs, self.dtype))
+        num_blocks = plan_num_blocks(
+            config.cache,
+            self.model_config,
+            self.kv_dtype,
+            self.max_model_len,
+            self.device,
+            graph_bytes=decode_graph_bytes(
+                eager, self.device, self.model_config, config.scheduler.max_num_seqs, self.dtype
+            ),
+        )
         self.pool = BlockPool(num_blocks, enable_caching=config.cache.enable_prefix_caching)
         self.kv = KVCacheManager(self.pool, block_size)
         self.hasher = BlockHasher(self.model_config.model_id, block_size)
@@ -100,12 +111,21 @@ class LLMEngine:
         if uses_decode_graphs(eager, self.device):
             self.runner.enable_decode_graphs(config.scheduler.max_num_seqs, self.max_model_len, capture=True)
         self.kv_connector = KVConnector(kv_caches, self.kv, block_size, self.device)
-        self.inputs = InputProcessor(config.model, self.model_config, self.tokenizer, self.max_model_len, self.hasher,
-                                     self.eos_token_ids, self.loras, self.kv_connector, self.device,
-                                     on_grammars=lambda backend: setattr(self.runner.sampler, "stats", backend.stats))
+        self.inputs = InputProcessor(
+            config.model,
+            self.model_config,
+            self.tokenizer,
+            self.max_model_len,
+            self.hasher,
+            self.eos_token_ids,
+            self.loras,
+            self.kv_connector,
+            self.device,
+            on_grammars=lambda backend: setattr(self.runner.sampler, "stats", backend.stats),
+        )
         self.outputs = OutputProcessor(self.tokenizer)
         self.speculator = Speculator(config.speculative, self.max_model_len) if config.speculative else None
-        self._states: dict[str, RequestState] = {}   # every live request's engine state, by req_id
+        self._states: dict[str, RequestState] = {}  # every live request's engine state, by req_id
         self._aborted: list[RequestOutput] = []
         self._ids = itertools.count()
 
@@ -120,11 +140,21 @@ class LLMEngine:
         return self.inputs.grammar_stats
 
     # -- requests --------------------------------------------------------------------------
-    def add_request(self, prompt: str | None = None, params: SamplingParams | None = None, *,
-                    prompt_token_ids: Sequence[int] | None = None, req_id: str | None = None,
-                    arrival_time: float | None = None, remote_prefill: bool = False,
-                    kv_export: KVExport | None = None, resume_output_token_ids: Sequence[int] = (),
-                    lora_name: str | None = None, priority: int = 0, band: int = 0) -> str:
+    def add_request(
+        self,
+        prompt: str | None = None,
+        params: SamplingParams | None = None,
+        *,
+        prompt_token_ids: Sequence[int] | None = None,
+        req_id: str | None = None,
+        arrival_time: float | None = None,
+        remote_prefill: bool = False,
+        kv_export: KVExport | None = None,
+        resume_output_token_ids: Sequence[int] = (),
+        lora_name: str | None = None,
+        priority: int = 0,
+        band: int = 0,
+    ) -> str:
         """Validate and queue a request; returns its id. Raises InvalidRequestError.
 
         `remote_prefill`: the prompt's KV will be written from outside (see kv_connector);
@@ -139,10 +169,19 @@ class LLMEngine:
         req_id = req_id if req_id is not None else f"req-{next(self._ids)}"
         if req_id in self.scheduler.requests:
             raise InvalidRequestError(f"request id {req_id!r} is already in use")
-        state = self.inputs.process(req_id, prompt, params, prompt_token_ids=prompt_token_ids,
-                                    arrival_time=arrival_time, remote_prefill=remote_prefill, kv_export=kv_export,
-                                    resume_output_token_ids=resume_output_token_ids, lora_name=lora_name,
-                                    priority=priority, band=band)
+        state = self.inputs.process(
+            req_id,
+            prompt,
+            params,
+            prompt_token_ids=prompt_token_ids,
+            arrival_time=arrival_time,
+            remote_prefill=remote_prefill,
+            kv_export=kv_export,
+            resume_output_token_ids=resume_output_token_ids,
+            lora_name=lora_name,
+            priority=priority,
+            band=band,
+        )
         self.outputs.start(state)
         self._states[req_id] = state
         self.scheduler.add_request(state.req)
@@ -175,8 +214,14 @@ class LLMEngine:
 
     def load(self) -> LoadSnapshot:
         """Queue depth and KV usage now (call on the engine thread; the snapshot is immutable)."""
-        return take_snapshot(self.scheduler, self.pool, self._states, self.loras, self.config.lora.max_loras,
-                             self.speculator.stats if self.speculator else None)
+        return take_snapshot(
+            self.scheduler,
+            self.pool,
+            self._states,
+            self.loras,
+            self.config.lora.max_loras,
+            self.speculator.stats if self.speculator else None,
+        )
 
     # -- adapters (platform/lora) ----------------------------------------------------------
     def load_lora_adapter(self, name: str, path: str) -> LoraAdapter:
@@ -203,8 +248,9 @@ class LLMEngine:
         """How many leading tokens this engine's prefix cache holds (a read-only estimate)."""
         if not self.pool.enable_caching:
             return 0
-        return self.kv.num_cached_prefix_tokens(len(token_ids),
-                                                self.hasher.hash_blocks(token_ids, self.lora_extra_keys(lora_name)))
+        return self.kv.num_cached_prefix_tokens(
+            len(token_ids), self.hasher.hash_blocks(token_ids, self.lora_extra_keys(lora_name))
+        )
 
     # -- stepping --------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -212,8 +258,9 @@ class LLMEngine:
         if self.speculator is not None:
             self.speculator.propose(self.scheduler.running, self._states)
         plan = self.scheduler.schedule()
-        outputs += [self.outputs.kv_ready(req, self.kv_connector.kv_ready(req))
-                    for req in self.scheduler.take_kv_ready()]
+        outputs += [
+            self.outputs.kv_ready(req, self.kv_connector.kv_ready(req)) for req in self.scheduler.take_kv_ready()
+        ]
         if plan.is_empty:
             return outputs
         states = self._states
@@ -221,9 +268,10 @@ class LLMEngine:
         loras = {s.req_id: states[s.req_id].adapter for s in plan.seqs if states[s.req_id].adapter is not None}
         scoring = {rid: st.prompt_logprobs for rid, st in states.items() if st.prompt_logprobs is not None}
         wants = prompt_logprobs.wants(plan.seqs, scoring) if scoring else None
-        self.kv_connector.before_step()   # after the KV copies in flight, on the device (kv_staging.py)
-        result = self.runner.execute(plan, rows, self.eos_token_ids, self.kv_connector.export_hook(plan, states), loras,
-                                     wants)
+        self.kv_connector.before_step()  # after the KV copies in flight, on the device (kv_staging.py)
+        result = self.runner.execute(
+            plan, rows, self.eos_token_ids, self.kv_connector.export_hook(plan, states), loras, wants
+        )
         prompt_logprobs.absorb(plan.seqs, result.prompt_logprobs, scoring)
         self._advance_matchers(result.sampled)
         if self.speculator is not None:
@@ -231,7 +279,7 @@ class LLMEngine:
         emitted: dict[str, int] = {}
         for update in self.scheduler.update(plan, result):
             if update.req_id not in states:
-                continue   # a stop string ended it at an earlier token of this step
+                continue  # a stop string ended it at an earlier token of this step
             i = emitted[update.req_id] = emitted.get(update.req_id, -1) + 1
             outputs.append(self._emit(update, token_result(result, update.req_id, i)))
         return outputs
@@ -256,8 +304,9 @@ class LLMEngine:
         """Copy one received layer into a WAITING_FOR_KV request's blocks (safe from another thread)."""
         self.kv_connector.write_layer(block_ids, layer, payload)
 
-    def complete_remote_prefill(self, req_id: str, first_token_id: int,
-                                logprob: TokenLogprob | None = None) -> RequestOutput | None:
+    def complete_remote_prefill(
+        self, req_id: str, first_token_id: int, logprob: TokenLogprob | None = None
+    ) -> RequestOutput | None:
         """All KV landed and the prefill worker sampled the first token: start decoding."""
         if not 0 <= first_token_id < self.model_config.vocab_size:
             raise InvalidRequestError(f"first token id {first_token_id} is outside the vocabulary")
@@ -267,9 +316,11 @@ class LLMEngine:
         skip_draw(req.params, self._states[req_id].generator)
         self._advance_matchers({req_id: first_token_id})
         update = self.scheduler.complete_remote_prefill(req_id, first_token_id)
-        result = StepResult(sampled={req_id: first_token_id},
-                            logprobs={req_id: logprob.logprob} if logprob else None,
-                            top_logprobs={req_id: list(logprob.top)} if logprob else None)
+        result = StepResult(
+            sampled={req_id: first_token_id},
+            logprobs={req_id: logprob.logprob} if logprob else None,
+            top_logprobs={req_id: list(logprob.top)} if logprob else None,
+        )
         return self._emit(update, result)
 
     def fallback_to_local_prefill(self, req_id: str, num_computed_tokens: int | None = None) -> bool:
@@ -278,8 +329,9 @@ class LLMEngine:
         return self.scheduler.fallback_to_local_prefill(req_id, num_computed_tokens)
 
     # -- convenience -----------------------------------------------------------------------
-    def generate(self, prompts: Sequence[str | Sequence[int]],
-                 params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
+    def generate(
+        self, prompts: Sequence[str | Sequence[int]], params: SamplingParams | Sequence[SamplingParams] | None = None
+    ) -> list[RequestOutput]:
         """Run prompts to completion (offline batch); returns the final output of each, in order."""
         if params is None or isinstance(params, SamplingParams):
             params = [params or SamplingParams()] * len(prompts)

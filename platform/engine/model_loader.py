@@ -25,21 +25,36 @@ log = logging.getLogger(__name__)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def load_model(config: EngineConfig, source, model_config: ModelConfig, quantization: str, dtype: torch.dtype,
-               kv_dtype: torch.dtype, device: torch.device, model: torch.nn.Module | None = None) -> torch.nn.Module:
+def load_model(
+    config: EngineConfig,
+    source,
+    model_config: ModelConfig,
+    quantization: str,
+    dtype: torch.dtype,
+    kv_dtype: torch.dtype,
+    device: torch.device,
+    model: torch.nn.Module | None = None,
+) -> torch.nn.Module:
     """The engine's model in eval mode, with the fused CPU kernels on where the mode takes them."""
     t0 = time.perf_counter()
     if model is not None and getattr(model, "quantization", "none") != quantization:
-        raise ConfigError(f"the model passed in was built with quantization {model.quantization!r}, "
-                          f"this engine's config resolves to {quantization!r}")
+        raise ConfigError(
+            f"the model passed in was built with quantization {model.quantization!r}, "
+            f"this engine's config resolves to {quantization!r}"
+        )
     if model is None:
         with torch.device(device):
             model = build_model(model_config, quantization).to(dtype)
-        model.load_weights(iter_weights(source, model_config, dtype, device, seed=config.seed,
-                                        keep_quantized=quantization != "none"))
+        model.load_weights(
+            iter_weights(source, model_config, dtype, device, seed=config.seed, keep_quantized=quantization != "none")
+        )
         if quantization != "none":
-            log.info("quantization %s: %s; weights resident %.0f MB", quantization,
-                     describe_kernels(model), weight_nbytes(model) / 1e6)
+            log.info(
+                "quantization %s: %s; weights resident %.0f MB",
+                quantization,
+                describe_kernels(model),
+                weight_nbytes(model) / 1e6,
+            )
         model = model.eval()
     if quantization != "none" and kv_dtype in KV_DTYPES:
         model.use_fused_ops(fused_cpu_ops(device, dtype))

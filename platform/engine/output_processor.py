@@ -30,8 +30,9 @@ class OutputProcessor:
         req = state.req
         if self.tokenizer is not None:
             # A resumed request's earlier output is context, like the prompt: text starts after it.
-            state.detok = IncrementalDetokenizer(self.tokenizer, list(req.all_token_ids),
-                                                 skip_special_tokens=req.params.skip_special_tokens)
+            state.detok = IncrementalDetokenizer(
+                self.tokenizer, list(req.all_token_ids), skip_special_tokens=req.params.skip_special_tokens
+            )
         state.stops = StopStringMatcher(req.params.stop, req.params.include_stop_str_in_output)
         if req.params.prompt_logprobs is not None:
             state.prompt_logprobs = prompt_logprobs.Collected.start(req.params.prompt_logprobs, req.prompt_token_ids)
@@ -57,27 +58,51 @@ class OutputProcessor:
             text += state.stops.flush()
         state.text += text
         scored = None
-        if state.prompt_logprobs is not None:   # handed over once, with the first output
+        if state.prompt_logprobs is not None:  # handed over once, with the first output
             scored, state.prompt_logprobs = prompt_logprobs.finished(state.prompt_logprobs, req.req_id), None
         return RequestOutput(
-            req_id=req.req_id, new_token_ids=[token], new_text=text,
-            num_prompt_tokens=req.num_prompt_tokens, num_cached_tokens=max(req.num_cached_tokens, 0),
-            num_output_tokens=req.num_output_tokens, finished=finished, finish_reason=reason,
-            stop_reason=stop_reason, new_logprobs=_logprobs(update.req_id, token, result),
-            output_token_ids=req.output_token_ids, text=state.text, prompt_logprobs=scored,
-            embedding=(result.embeddings or {}).get(req.req_id), first_scheduled_time=req.first_scheduled_time)
+            req_id=req.req_id,
+            new_token_ids=[token],
+            new_text=text,
+            num_prompt_tokens=req.num_prompt_tokens,
+            num_cached_tokens=max(req.num_cached_tokens, 0),
+            num_output_tokens=req.num_output_tokens,
+            finished=finished,
+            finish_reason=reason,
+            stop_reason=stop_reason,
+            new_logprobs=_logprobs(update.req_id, token, result),
+            output_token_ids=req.output_token_ids,
+            text=state.text,
+            prompt_logprobs=scored,
+            embedding=(result.embeddings or {}).get(req.req_id),
+            first_scheduled_time=req.first_scheduled_time,
+        )
 
     def kv_ready(self, req: Request, ready) -> RequestOutput:
         return RequestOutput(
-            req_id=req.req_id, new_token_ids=[], new_text="", num_prompt_tokens=req.num_prompt_tokens,
-            num_cached_tokens=max(req.num_cached_tokens, 0), num_output_tokens=0, kv_ready=ready,
-            first_scheduled_time=req.first_scheduled_time)
+            req_id=req.req_id,
+            new_token_ids=[],
+            new_text="",
+            num_prompt_tokens=req.num_prompt_tokens,
+            num_cached_tokens=max(req.num_cached_tokens, 0),
+            num_output_tokens=0,
+            kv_ready=ready,
+            first_scheduled_time=req.first_scheduled_time,
+        )
 
     def finish_aborted(self, req: Request, text: str = "") -> RequestOutput:
         return RequestOutput(
-            req_id=req.req_id, new_token_ids=[], new_text="", num_prompt_tokens=req.num_prompt_tokens,
-            num_cached_tokens=max(req.num_cached_tokens, 0), num_output_tokens=req.num_output_tokens,
-            finished=True, finish_reason="abort", output_token_ids=req.output_token_ids, text=text)
+            req_id=req.req_id,
+            new_token_ids=[],
+            new_text="",
+            num_prompt_tokens=req.num_prompt_tokens,
+            num_cached_tokens=max(req.num_cached_tokens, 0),
+            num_output_tokens=req.num_output_tokens,
+            finished=True,
+            finish_reason="abort",
+            output_token_ids=req.output_token_ids,
+            text=text,
+        )
 
 
 def _logprobs(req_id: str, token: int, result: StepResult) -> list[TokenLogprob] | None:

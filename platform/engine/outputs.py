@@ -13,7 +13,7 @@ if TYPE_CHECKING:
 class TokenLogprob:
     token_id: int
     logprob: float
-    top: tuple[tuple[int, float], ...] = ()   # (token_id, logprob), most likely first
+    top: tuple[tuple[int, float], ...] = ()  # (token_id, logprob), most likely first
 
 
 @dataclass
@@ -37,7 +37,7 @@ class RequestOutput:
     new_logprobs: list[TokenLogprob] | None = None
     output_token_ids: list[int] = field(default_factory=list)
     text: str = ""
-    kv_ready: KVReady | None = None   # set once for a remote-prefill request: where its KV goes
+    kv_ready: KVReady | None = None  # set once for a remote-prefill request: where its KV goes
     # With params.prompt_logprobs, on the request's first output: one entry per prompt token,
     # None for the first (nothing precedes it); see prompt_logprobs.py.
     prompt_logprobs: list[TokenLogprob | None] | None = None

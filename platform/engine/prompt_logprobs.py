@@ -38,8 +38,8 @@ SLICE_ROWS = 256
 class Want:
     """One request's slice of this step whose logits give prompt logprobs."""
 
-    num_top: int                       # top-k alternatives per position (0: the chosen token only)
-    targets: tuple[int, ...]           # the prompt tokens the slice's positions predict, in order
+    num_top: int  # top-k alternatives per position (0: the chosen token only)
+    targets: tuple[int, ...]  # the prompt tokens the slice's positions predict, in order
 
 
 @dataclass
@@ -64,7 +64,7 @@ def compute(model, hidden: torch.Tensor, rows: dict[str, tuple[int, Want]]) -> d
         targets = torch.tensor(want.targets, dtype=torch.long, device=hidden.device)
         for start in range(0, len(want.targets), SLICE_ROWS):
             end = min(start + SLICE_ROWS, len(want.targets))
-            logprobs = torch.log_softmax(model.compute_logits(hidden[first + start:first + end]).float(), dim=-1)
+            logprobs = torch.log_softmax(model.compute_logits(hidden[first + start : first + end]).float(), dim=-1)
             chosen = logprobs.gather(1, targets[start:end, None]).squeeze(1).tolist()
             if want.num_top:
                 top_values, top_ids = logprobs.topk(want.num_top, dim=-1)
@@ -86,7 +86,7 @@ def wants(seqs, collected: Mapping[str, Collected]) -> dict[str, Want]:
             continue
         end = min(seq.context_len, len(st.prompt_token_ids) - 1)
         if seq.start_pos < end:
-            out[seq.req_id] = Want(st.num_top, tuple(st.prompt_token_ids[seq.start_pos + 1:end + 1]))
+            out[seq.req_id] = Want(st.num_top, tuple(st.prompt_token_ids[seq.start_pos + 1 : end + 1]))
     return out
 
 
@@ -99,7 +99,7 @@ def absorb(seqs, computed: dict[str, list[TokenLogprob]] | None, collected: Mapp
         st = collected.get(seq.req_id)
         if entries is None or st is None:
             continue
-        st.entries[seq.start_pos + 1:seq.start_pos + 1 + len(entries)] = entries
+        st.entries[seq.start_pos + 1 : seq.start_pos + 1 + len(entries)] = entries
 
 
 def finished(st: Collected, req_id: str) -> list[TokenLogprob | None]:

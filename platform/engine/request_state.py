@@ -27,19 +27,19 @@ from splitserve.platform.stop import StopStringMatcher
 @dataclass(eq=False)
 class RequestState:
     req: Request
-    generator: torch.Generator | None      # seeded per request; None draws from the global RNG
-    matcher: Matcher | None = None         # the grammar state of a constrained request
-    adapter: LoraAdapter | None = None     # the LoRA adapter it runs through; None: the base model
-    export: KVExport | None = None         # where its prompt KV goes (a prefill worker's request)
-    num_exported_blocks: int = 0           # prompt blocks exported so far, counted from block 0
-    detok: IncrementalDetokenizer | None = None   # set by OutputProcessor.start (None: no tokenizer)
+    generator: torch.Generator | None  # seeded per request; None draws from the global RNG
+    matcher: Matcher | None = None  # the grammar state of a constrained request
+    adapter: LoraAdapter | None = None  # the LoRA adapter it runs through; None: the base model
+    export: KVExport | None = None  # where its prompt KV goes (a prefill worker's request)
+    num_exported_blocks: int = 0  # prompt blocks exported so far, counted from block 0
+    detok: IncrementalDetokenizer | None = None  # set by OutputProcessor.start (None: no tokenizer)
     stops: StopStringMatcher | None = None
-    text: str = ""                         # the output text emitted so far
-    num_spec_proposed: int = 0             # speculative tokens proposed for it, and accepted
+    text: str = ""  # the output text emitted so far
+    num_spec_proposed: int = 0  # speculative tokens proposed for it, and accepted
     num_spec_accepted: int = 0
-    num_spec_rounds: int = 0               # verification steps that carried its proposals
-    spec_k: int = 0                        # proposals it may carry next step (spec/speculator.py); 0: not yet set
-    prompt_logprobs: Collected | None = None   # its prompt logprobs so far, if it asked (prompt_logprobs.py)
+    num_spec_rounds: int = 0  # verification steps that carried its proposals
+    spec_k: int = 0  # proposals it may carry next step (spec/speculator.py); 0: not yet set
+    prompt_logprobs: Collected | None = None  # its prompt logprobs so far, if it asked (prompt_logprobs.py)
 
     @property
     def req_id(self) -> str:

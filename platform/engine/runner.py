@@ -34,8 +34,9 @@ log = logging.getLogger(__name__)
 
 
 class ModelRunner:
-    def __init__(self, model, kv_caches, block_size: int, device: torch.device,
-                 lora_context: LoraContext | None = None):
+    def __init__(
+        self, model, kv_caches, block_size: int, device: torch.device, lora_context: LoraContext | None = None
+    ):
         self.model = model
         self.lora_context = lora_context
         self.kv_caches = kv_caches
@@ -55,21 +56,25 @@ class ModelRunner:
         """Run plain decode steps through static buffers per batch bucket (engine/cuda_graphs.py);
         `capture`: record the CUDA graphs now (CUDA only), else the buffers run eagerly."""
         try:
-            graphs = DecodeGraphs(self.model, self.kv_caches, self.block_size, self.device, max_num_seqs,
-                                  max_model_len)
+            graphs = DecodeGraphs(self.model, self.kv_caches, self.block_size, self.device, max_num_seqs, max_model_len)
             if capture:
                 graphs.capture()
-        except Exception:   # serve eagerly rather than not at all; the log says why
+        except Exception:  # serve eagerly rather than not at all; the log says why
             log.exception("CUDA graphs for decode are off; every step runs eagerly (as with --enforce-eager)")
             graphs = None
         self.graphs = graphs
         return graphs
 
     @torch.inference_mode()
-    def execute(self, plan: SchedulerPlan, rows: dict[str, SamplingRow], eos_token_ids: Collection[int],
-                layer_hook: Callable[[int], None] | None = None,
-                loras: dict[str, LoraAdapter] | None = None,
-                prompt_logprobs: dict[str, prompt_lp.Want] | None = None) -> StepResult:
+    def execute(
+        self,
+        plan: SchedulerPlan,
+        rows: dict[str, SamplingRow],
+        eos_token_ids: Collection[int],
+        layer_hook: Callable[[int], None] | None = None,
+        loras: dict[str, LoraAdapter] | None = None,
+        prompt_logprobs: dict[str, prompt_lp.Want] | None = None,
+    ) -> StepResult:
         """`prompt_logprobs`: req_id -> the prompt positions of its slice to score (prompt_logprobs.py)."""
         seqs = _decodes_first(plan.seqs)
         if self.graphs is not None and not loras and layer_hook is None and self.graphs.can_run(seqs, rows):
@@ -93,15 +98,25 @@ class ModelRunner:
             return result
         return replace(result, prompt_logprobs=scored, embeddings=embeddings)
 
-    def _pick(self, logits: torch.Tensor, sampling: list[ScheduledSeq], rows: dict[str, SamplingRow],
-              eos_token_ids: Collection[int]) -> StepResult:
+    def _pick(
+        self,
+        logits: torch.Tensor,
+        sampling: list[ScheduledSeq],
+        rows: dict[str, SamplingRow],
+        eos_token_ids: Collection[int],
+    ) -> StepResult:
         """Sample each slice's row, or verify a speculating slice's k + 1 rows."""
         if any(s.num_draft_tokens for s in sampling):
             return self._sample_with_verification(logits, sampling, rows, eos_token_ids)
         return self._sample(logits, sampling, rows, eos_token_ids)
 
-    def _sample(self, logits: torch.Tensor, sampling: list[ScheduledSeq], rows: dict[str, SamplingRow],
-                eos_token_ids: Collection[int]) -> StepResult:
+    def _sample(
+        self,
+        logits: torch.Tensor,
+        sampling: list[ScheduledSeq],
+        rows: dict[str, SamplingRow],
+        eos_token_ids: Collection[int],
+    ) -> StepResult:
         out = self.sampler(logits, [rows[s.req_id] for s in sampling], eos_token_ids)
         ids = [s.req_id for s in sampling]
         return StepResult(
@@ -125,14 +140,20 @@ class ModelRunner:
             ids = [s.req_id for s in plain]
             result.sampled.update(zip(ids, out.token_ids))
             if out.logprobs is not None:
-                result = replace(result, logprobs=dict(zip(ids, out.logprobs)),
-                                 top_logprobs=dict(zip(ids, out.top_logprobs)))
+                result = replace(
+                    result, logprobs=dict(zip(ids, out.logprobs)), top_logprobs=dict(zip(ids, out.top_logprobs))
+                )
         for s in sampling:
             if not s.num_draft_tokens:
                 continue
             first = offsets[s.req_id]
-            tokens, logprobs = verify(self.sampler, logits[first:first + s.num_draft_tokens + 1],
-                                      s.token_ids[-s.num_draft_tokens:], rows[s.req_id], eos_token_ids)
+            tokens, logprobs = verify(
+                self.sampler,
+                logits[first : first + s.num_draft_tokens + 1],
+                s.token_ids[-s.num_draft_tokens :],
+                rows[s.req_id],
+                eos_token_ids,
+            )
             result.sampled[s.req_id] = tokens[0]
             result.spec_tokens[s.req_id] = tokens
             if logprobs is not None:
@@ -148,7 +169,7 @@ class ModelRunner:
             for pos in range(seq.start_pos, seq.context_len):
                 positions.append(pos)
                 slots.append(seq.block_ids[pos // bs] * bs + pos % bs)
-            if seq.do_sample:   # a verifying slice samples at its last known token and each proposal
+            if seq.do_sample:  # a verifying slice samples at its last known token and each proposal
                 sample_idx.extend(range(start + seq.num_tokens - 1 - seq.num_draft_tokens, start + seq.num_tokens))
         decodes = [s for s in seqs if s.is_decode]
         num_decodes = sum(s.num_tokens for s in decodes)
@@ -156,17 +177,22 @@ class ModelRunner:
         meta = AttentionMetadata(
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
             num_decodes=num_decodes,
-            decode_block_table=None, decode_mask=None,
-            prefills=self._prefill_chunks(seqs[len(decodes):], num_decodes),
+            decode_block_table=None,
+            decode_mask=None,
+            prefills=self._prefill_chunks(seqs[len(decodes) :], num_decodes),
         )
         if num_decodes:
             meta.decode_block_table, meta.decode_mask, meta.decode_context_lens = self._decode_tables(decodes)
             if self._num_sms:
-                meta.decode_num_splits = choose_num_splits(num_decodes, self.model.config.num_kv_heads, self._num_sms,
-                                                           max(s.context_len for s in decodes))
-        return (torch.tensor(tokens, dtype=torch.long, device=dev),
-                torch.tensor(positions, dtype=torch.long, device=dev), meta,
-                torch.tensor(sample_idx, dtype=torch.long, device=dev))
+                meta.decode_num_splits = choose_num_splits(
+                    num_decodes, self.model.config.num_kv_heads, self._num_sms, max(s.context_len for s in decodes)
+                )
+        return (
+            torch.tensor(tokens, dtype=torch.long, device=dev),
+            torch.tensor(positions, dtype=torch.long, device=dev),
+            meta,
+            torch.tensor(sample_idx, dtype=torch.long, device=dev),
+        )
 
     def _decode_tables(self, seqs: list[ScheduledSeq]):
         """One row per decode token: its sequence's block table and its own causal context length
@@ -191,15 +217,17 @@ class ModelRunner:
                 n_blocks = -(-seq.context_len // self.block_size)
                 table = torch.tensor(seq.block_ids[:n_blocks], dtype=torch.long, device=self.device)
                 # query i (absolute position start_pos + i) sees keys 0..start_pos + i
-                mask = torch.ones(seq.num_tokens, seq.context_len, dtype=torch.bool,
-                                  device=self.device).tril(seq.start_pos)
+                mask = torch.ones(seq.num_tokens, seq.context_len, dtype=torch.bool, device=self.device).tril(
+                    seq.start_pos
+                )
             chunks.append(PrefillChunk(q_start, seq.num_tokens, seq.start_pos, table, mask))
             q_start += seq.num_tokens
         return chunks
 
 
-def _embeddings(hidden: torch.Tensor, sample_idx: torch.Tensor, sampling: list[ScheduledSeq],
-                rows: dict[str, SamplingRow]) -> dict[str, list[float]] | None:
+def _embeddings(
+    hidden: torch.Tensor, sample_idx: torch.Tensor, sampling: list[ScheduledSeq], rows: dict[str, SamplingRow]
+) -> dict[str, list[float]] | None:
     """Last-token pooling for the requests with params.embed whose prompt ends in this step: the
     final-norm hidden state of the prompt's last token, L2-normalized in float32. `sample_idx`
     holds each sampling slice's rows in order (a verifying slice has num_draft_tokens + 1, its

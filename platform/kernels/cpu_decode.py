@@ -24,8 +24,16 @@ class _Linear(ctypes.Structure):
 
 
 class _Layer(ctypes.Structure):
-    _fields_ = [("input_norm", _P), ("post_norm", _P), ("qkv", _Linear), ("o", _Linear), ("gate_up", _Linear),
-                ("down", _Linear), ("k_cache", _P), ("v_cache", _P)]
+    _fields_ = [
+        ("input_norm", _P),
+        ("post_norm", _P),
+        ("qkv", _Linear),
+        ("o", _Linear),
+        ("gate_up", _Linear),
+        ("down", _Linear),
+        ("k_cache", _P),
+        ("v_cache", _P),
+    ]
 
 
 class _LoraStep(ctypes.Structure):
@@ -49,10 +57,20 @@ def _lora_table(model, packed) -> ctypes.Array:
 
 
 class _Dims(ctypes.Structure):
-    _fields_ = [("hidden", ctypes.c_int64), ("num_heads", ctypes.c_int64), ("num_kv_heads", ctypes.c_int64),
-                ("head_dim", ctypes.c_int64), ("intermediate", ctypes.c_int64), ("block_size", ctypes.c_int64),
-                ("max_blocks", ctypes.c_int64), ("eps", ctypes.c_float), ("scale", ctypes.c_float),
-                ("digits", ctypes.c_int), ("threads", ctypes.c_int), ("kv16", ctypes.c_int)]
+    _fields_ = [
+        ("hidden", ctypes.c_int64),
+        ("num_heads", ctypes.c_int64),
+        ("num_kv_heads", ctypes.c_int64),
+        ("head_dim", ctypes.c_int64),
+        ("intermediate", ctypes.c_int64),
+        ("block_size", ctypes.c_int64),
+        ("max_blocks", ctypes.c_int64),
+        ("eps", ctypes.c_float),
+        ("scale", ctypes.c_float),
+        ("digits", ctypes.c_int),
+        ("threads", ctypes.c_int),
+        ("kv16", ctypes.c_int),
+    ]
 
 
 def _linear(kernel) -> _Linear | None:
@@ -77,8 +95,13 @@ class DecodePlan:
             return
         layers = (_Layer * len(self.model.layers))()
         for i, (layer, (k, v)) in enumerate(zip(self.model.layers, kv_caches, strict=True)):
-            layers[i] = _Layer(_p(layer.input_layernorm.weight), _p(layer.post_attention_layernorm.weight),
-                               *(_linear(module.kernel) for module in _linears(layer)), _p(k), _p(v))
+            layers[i] = _Layer(
+                _p(layer.input_layernorm.weight),
+                _p(layer.post_attention_layernorm.weight),
+                *(_linear(module.kernel) for module in _linears(layer)),
+                _p(k),
+                _p(v),
+            )
         self._layers, self._caches = layers, list(kv_caches)
 
     def run(self, x: torch.Tensor, positions: torch.Tensor, kv_caches, meta, lora=None) -> torch.Tensor:
@@ -92,17 +115,38 @@ class DecodePlan:
             step = _LoraStep(ctypes.addressof(lora.packed.decode_table), len(lora.packed.adapters), _p(lora.row_group))
         m, c = self.model, self.model.config
         k_cache = kv_caches[0][0]
-        dims = _Dims(c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size, k_cache.shape[1],
-                     meta.decode_block_table.shape[1], c.rms_norm_eps, c.head_dim ** -0.5, self.digits,
-                     torch.get_num_threads(), k_cache.dtype == torch.float16)
+        dims = _Dims(
+            c.hidden_size,
+            c.num_heads,
+            c.num_kv_heads,
+            c.head_dim,
+            c.intermediate_size,
+            k_cache.shape[1],
+            meta.decode_block_table.shape[1],
+            c.rms_norm_eps,
+            c.head_dim**-0.5,
+            self.digits,
+            torch.get_num_threads(),
+            k_cache.dtype == torch.float16,
+        )
         residual = x.contiguous()
         out = torch.empty_like(residual)
-        rc = self.ops.lib.ss_decode_layers(ctypes.addressof(self._layers), len(m.layers), _p(m.norm.weight),
-                                           ctypes.addressof(dims), residual.shape[0], _p(residual), _p(out),
-                                           _p(positions), _p(m.rotary.cos_cache), _p(m.rotary.sin_cache),
-                                           _p(meta.slot_mapping), _p(meta.decode_block_table),
-                                           _p(meta.decode_context_lens),
-                                           None if step is None else ctypes.addressof(step))
+        rc = self.ops.lib.ss_decode_layers(
+            ctypes.addressof(self._layers),
+            len(m.layers),
+            _p(m.norm.weight),
+            ctypes.addressof(dims),
+            residual.shape[0],
+            _p(residual),
+            _p(out),
+            _p(positions),
+            _p(m.rotary.cos_cache),
+            _p(m.rotary.sin_cache),
+            _p(meta.slot_mapping),
+            _p(meta.decode_block_table),
+            _p(meta.decode_context_lens),
+            None if step is None else ctypes.addressof(step),
+        )
         if rc != 0:
             raise MemoryError("ss_decode_layers could not allocate its scratch buffers")
         return out

@@ -43,9 +43,15 @@ class LoraEntry(ctypes.Structure):
     [k, width] and per shard B_s^T [rank, size] added at output column `start` (float32,
     contiguous; a NULL `a`: the adapter leaves this linear alone)."""
 
-    _fields_ = [("a", ctypes.c_void_p), ("width", ctypes.c_int64), ("rank", ctypes.c_int64),
-                ("shards", ctypes.c_int64), ("b", ctypes.c_void_p * LORA_SHARDS),
-                ("start", ctypes.c_int64 * LORA_SHARDS), ("size", ctypes.c_int64 * LORA_SHARDS)]
+    _fields_ = [
+        ("a", ctypes.c_void_p),
+        ("width", ctypes.c_int64),
+        ("rank", ctypes.c_int64),
+        ("shards", ctypes.c_int64),
+        ("b", ctypes.c_void_p * LORA_SHARDS),
+        ("start", ctypes.c_int64 * LORA_SHARDS),
+        ("size", ctypes.c_int64 * LORA_SHARDS),
+    ]
 
     @classmethod
     def of(cls, linear) -> LoraEntry:
@@ -53,10 +59,15 @@ class LoraEntry(ctypes.Structure):
         assert len(blocks) <= LORA_SHARDS and linear.a_t.dtype == torch.float32
         n = len(blocks)
         pad = (0,) * (LORA_SHARDS - n)
-        return cls(linear.a_t.data_ptr(), linear.a_t.shape[1], linear.rank, n,
-                   (ctypes.c_void_p * LORA_SHARDS)(*(b.data_ptr() for _, b in blocks), *pad),
-                   (ctypes.c_int64 * LORA_SHARDS)(*(start for start, _ in blocks), *pad),
-                   (ctypes.c_int64 * LORA_SHARDS)(*(b.shape[1] for _, b in blocks), *pad))
+        return cls(
+            linear.a_t.data_ptr(),
+            linear.a_t.shape[1],
+            linear.rank,
+            n,
+            (ctypes.c_void_p * LORA_SHARDS)(*(b.data_ptr() for _, b in blocks), *pad),
+            (ctypes.c_int64 * LORA_SHARDS)(*(start for start, _ in blocks), *pad),
+            (ctypes.c_int64 * LORA_SHARDS)(*(b.shape[1] for _, b in blocks), *pad),
+        )
 
 
 class CpuOps:
@@ -71,27 +82,71 @@ class CpuOps:
     def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """residual += x (in place); returns rms_norm(residual) * weight."""
         out = torch.empty_like(x)
-        self.lib.ss_add_rms_norm(_p(x), _p(residual), _p(weight), _p(out), x.shape[0], x.shape[1], eps,
-                                 torch.get_num_threads())
+        self.lib.ss_add_rms_norm(
+            _p(x), _p(residual), _p(weight), _p(out), x.shape[0], x.shape[1], eps, torch.get_num_threads()
+        )
         return out
 
-    def rope_write_kv(self, qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                      k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, num_heads: int,
-                      num_kv_heads: int, head_dim: int) -> None:
+    def rope_write_kv(
+        self,
+        qkv: torch.Tensor,
+        positions: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        slots: torch.Tensor,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+    ) -> None:
         """Rotate the q and k heads of each fused qkv row in place; store k and v in their cache slots
         (rounded to nearest even in a float16 cache)."""
-        self.lib.ss_rope_write_kv(_p(qkv), _p(positions), _p(cos), _p(sin), _p(k_cache), _p(v_cache),
-                                  _p(slots), qkv.shape[0], num_heads, num_kv_heads, head_dim,
-                                  k_cache.dtype == torch.float16, torch.get_num_threads())
+        self.lib.ss_rope_write_kv(
+            _p(qkv),
+            _p(positions),
+            _p(cos),
+            _p(sin),
+            _p(k_cache),
+            _p(v_cache),
+            _p(slots),
+            qkv.shape[0],
+            num_heads,
+            num_kv_heads,
+            head_dim,
+            k_cache.dtype == torch.float16,
+            torch.get_num_threads(),
+        )
 
-    def decode_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                         block_table: torch.Tensor, context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    def decode_attention(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        block_table: torch.Tensor,
+        context_lens: torch.Tensor,
+        scale: float,
+    ) -> torch.Tensor:
         """q [B, H, D] (one token per sequence) -> [B, H, D], K/V read in place through the block table."""
         b, h, d = q.shape
         out = torch.empty_like(q)
-        self.lib.ss_decode_attention(_p(q), _p(k_cache), _p(v_cache), _p(block_table), _p(context_lens),
-                                     _p(out), b, h, k_cache.shape[2], d, k_cache.shape[1], block_table.shape[1],
-                                     scale, k_cache.dtype == torch.float16, torch.get_num_threads())
+        self.lib.ss_decode_attention(
+            _p(q),
+            _p(k_cache),
+            _p(v_cache),
+            _p(block_table),
+            _p(context_lens),
+            _p(out),
+            b,
+            h,
+            k_cache.shape[2],
+            d,
+            k_cache.shape[1],
+            block_table.shape[1],
+            scale,
+            k_cache.dtype == torch.float16,
+            torch.get_num_threads(),
+        )
         return out
 
     def to_half(self, x: torch.Tensor) -> torch.Tensor:
@@ -126,8 +181,17 @@ class CpuOps:
     def lora_delta(self, x: torch.Tensor, entries, row_group: torch.Tensor, y: torch.Tensor) -> None:
         """y [M, N] += each adapter's delta on its own rows: `entries` a LoraEntry array, one per
         adapter group, `row_group` [M] int64 each row's group (-1: none). See cpu_ops.c."""
-        rc = self.lib.ss_lora_delta(_p(x), x.shape[0], x.shape[1], ctypes.addressof(entries), len(entries),
-                                    _p(row_group), y.shape[1], _p(y), torch.get_num_threads())
+        rc = self.lib.ss_lora_delta(
+            _p(x),
+            x.shape[0],
+            x.shape[1],
+            ctypes.addressof(entries),
+            len(entries),
+            _p(row_group),
+            y.shape[1],
+            _p(y),
+            torch.get_num_threads(),
+        )
         if rc != 0:
             raise MemoryError("ss_lora_delta could not allocate its scratch buffers")
 
@@ -159,19 +223,22 @@ class CpuOps:
         self.lib.ss_quantize_a8(_p(x), m, k, digits, _p(q), _p(dx), _p(xs), torch.get_num_threads())
         return q, dx, xs
 
-    def q4a8_linear(self, a8: tuple[torch.Tensor, torch.Tensor, torch.Tensor], w: torch.Tensor, d: torch.Tensor,
-                    mn: torch.Tensor) -> torch.Tensor:
+    def q4a8_linear(
+        self, a8: tuple[torch.Tensor, torch.Tensor, torch.Tensor], w: torch.Tensor, d: torch.Tensor, mn: torch.Tensor
+    ) -> torch.Tensor:
         """quantize_a8(x) against 4-bit weights packed in 16-row tiles (quant/a8.py) -> [M, N] float32."""
         q, dx, xs = a8
         m, k = q.shape[0], xs.shape[1] * 32
         n = d.shape[0] * 16
         y = torch.empty(m, n)
-        self.lib.ss_q4a8_linear(_p(q), _p(dx), _p(xs), m, k, q.shape[1] // k, _p(w), _p(d), _p(mn), n, _p(y),
-                                torch.get_num_threads())
+        self.lib.ss_q4a8_linear(
+            _p(q), _p(dx), _p(xs), m, k, q.shape[1] // k, _p(w), _p(d), _p(mn), n, _p(y), torch.get_num_threads()
+        )
         return y
 
-    def q8a8_linear(self, a8: tuple[torch.Tensor, torch.Tensor, torch.Tensor], w: torch.Tensor,
-                    d: torch.Tensor) -> torch.Tensor:
+    def q8a8_linear(
+        self, a8: tuple[torch.Tensor, torch.Tensor, torch.Tensor], w: torch.Tensor, d: torch.Tensor
+    ) -> torch.Tensor:
         """quantize_a8(x) against int8 weights packed in 16-row tiles (quant/a8.py) -> [M, N] float32."""
         q, dx, xs = a8
         m, k = q.shape[0], xs.shape[1] * 32

@@ -39,4 +39,3 @@ def choose_num_splits(batch: int, num_kv_heads: int, num_sms: int, max_context: 
         return 1
     wanted = -(-PROGRAMS_PER_SM * num_sms // programs)
     return max(1, min(wanted, MAX_SPLITS, max_context // MIN_SPLIT_TOKENS))
-

@@ -54,7 +54,7 @@ import triton
 import triton.language as tl
 
 LOG2E = 1.4426950408889634
-MIN_DOT = 16          # tl.dot needs every tile dimension >= 16
+MIN_DOT = 16  # tl.dot needs every tile dimension >= 16
 
 
 @triton.jit
@@ -66,8 +66,9 @@ def _dot(a, b, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
 
 
 @triton.jit
-def _online_softmax_step(q, k_ptrs, v_ptrs, kv_mask, score_mask, m, l, acc, scale_log2,
-                         PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+def _online_softmax_step(
+    q, k_ptrs, v_ptrs, kv_mask, score_mask, m, l, acc, scale_log2, PRECISION: tl.constexpr, UPCAST: tl.constexpr
+):
     """One key tile: k_ptrs/v_ptrs [BLOCK_N, D_PAD]; returns the updated (m, l, acc)."""
     k = tl.load(k_ptrs, mask=kv_mask, other=0.0)
     s = _dot(q, tl.trans(k), PRECISION, UPCAST) * scale_log2
@@ -82,9 +83,30 @@ def _online_softmax_step(q, k_ptrs, v_ptrs, kv_mask, score_mask, m, l, acc, scal
 
 
 @triton.jit
-def _paged_keys(q, k_ptr, v_ptr, table_row_ptr, kv_head, lo, hi, dims, scale_log2, stride_kb, stride_ks, stride_kh,
-                stride_vb, stride_vs, stride_vh, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
-                BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+def _paged_keys(
+    q,
+    k_ptr,
+    v_ptr,
+    table_row_ptr,
+    kv_head,
+    lo,
+    hi,
+    dims,
+    scale_log2,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    stride_vb,
+    stride_vs,
+    stride_vh,
+    GROUP_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    D_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
     """One sequence's keys at positions [lo, hi) of its paged cache (`table_row_ptr`: its block
     table row), in BLOCK_N tiles from the tile holding `lo`: the (m, l, acc) of the online softmax."""
     m = tl.full([GROUP_PAD], -1e30, tl.float32)
@@ -98,45 +120,125 @@ def _paged_keys(q, k_ptr, v_ptr, table_row_ptr, kv_head, lo, hi, dims, scale_log
         k_rows = block * stride_kb + slot * stride_ks + kv_head * stride_kh
         v_rows = block * stride_vb + slot * stride_vs + kv_head * stride_vh
         kv_mask = pos_ok[:, None] & (dims < HEAD_DIM)[None, :]
-        m, l, acc = _online_softmax_step(q, k_ptr + k_rows[:, None] + dims[None, :],
-                                         v_ptr + v_rows[:, None] + dims[None, :], kv_mask,
-                                         pos_ok[None, :], m, l, acc, scale_log2, PRECISION, UPCAST)
+        m, l, acc = _online_softmax_step(
+            q,
+            k_ptr + k_rows[:, None] + dims[None, :],
+            v_ptr + v_rows[:, None] + dims[None, :],
+            kv_mask,
+            pos_ok[None, :],
+            m,
+            l,
+            acc,
+            scale_log2,
+            PRECISION,
+            UPCAST,
+        )
     return m, l, acc
 
 
 @triton.jit
-def _decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, table_ptr, ctx_ptr, scale_log2, WINDOW,
-                   stride_qb, stride_qh, stride_ob, stride_oh, stride_tb,
-                   stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-                   GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
-                   D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-                   PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+def _decode_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    out_ptr,
+    table_ptr,
+    ctx_ptr,
+    scale_log2,
+    WINDOW,
+    stride_qb,
+    stride_qh,
+    stride_ob,
+    stride_oh,
+    stride_tb,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    stride_vb,
+    stride_vs,
+    stride_vh,
+    GROUP: tl.constexpr,
+    GROUP_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    D_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     rows = tl.arange(0, GROUP_PAD)
     dims = tl.arange(0, D_PAD)
     row_dim_mask = (rows < GROUP)[:, None] & (dims < HEAD_DIM)[None, :]
     heads = kv_head * GROUP + rows
-    q = tl.load(q_ptr + seq * stride_qb + heads[:, None] * stride_qh + dims[None, :],
-                mask=row_dim_mask, other=0.0)
-    context_len = tl.load(ctx_ptr + seq).to(tl.int32)   # int32 or int64 lengths
+    q = tl.load(q_ptr + seq * stride_qb + heads[:, None] * stride_qh + dims[None, :], mask=row_dim_mask, other=0.0)
+    context_len = tl.load(ctx_ptr + seq).to(tl.int32)  # int32 or int64 lengths
     kv_lo = tl.where(WINDOW > 0, tl.maximum(context_len - WINDOW, 0), 0)
 
-    m, l, acc = _paged_keys(q, k_ptr, v_ptr, table_ptr + seq * stride_tb, kv_head, kv_lo, context_len, dims,
-                            scale_log2, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, GROUP_PAD,
-                            HEAD_DIM, D_PAD, BLOCK_SIZE, BLOCK_N, PRECISION, UPCAST)
+    m, l, acc = _paged_keys(
+        q,
+        k_ptr,
+        v_ptr,
+        table_ptr + seq * stride_tb,
+        kv_head,
+        kv_lo,
+        context_len,
+        dims,
+        scale_log2,
+        stride_kb,
+        stride_ks,
+        stride_kh,
+        stride_vb,
+        stride_vs,
+        stride_vh,
+        GROUP_PAD,
+        HEAD_DIM,
+        D_PAD,
+        BLOCK_SIZE,
+        BLOCK_N,
+        PRECISION,
+        UPCAST,
+    )
     acc = acc / tl.where(l > 0, l, 1.0)[:, None]
-    tl.store(out_ptr + seq * stride_ob + heads[:, None] * stride_oh + dims[None, :],
-             acc.to(out_ptr.dtype.element_ty), mask=row_dim_mask)
+    tl.store(
+        out_ptr + seq * stride_ob + heads[:, None] * stride_oh + dims[None, :],
+        acc.to(out_ptr.dtype.element_ty),
+        mask=row_dim_mask,
+    )
 
 
 @triton.jit
-def _prefill_kernel(q_ptr, k_ptr, v_ptr, out_ptr, cu_ptr, start_ptr, table_ptr, scale_log2, WINDOW,
-                    stride_qt, stride_qh, stride_ot, stride_oh, stride_tb,
-                    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-                    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
-                    BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+def _prefill_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    out_ptr,
+    cu_ptr,
+    start_ptr,
+    table_ptr,
+    scale_log2,
+    WINDOW,
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    stride_tb,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    stride_vb,
+    stride_vs,
+    stride_vh,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    D_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
     chunk = tl.program_id(0)
     tile = tl.program_id(1)
     head = tl.program_id(2)
@@ -147,8 +249,9 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, out_ptr, cu_ptr, start_ptr, table_ptr, 
     rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
     dims = tl.arange(0, D_PAD)
     row_dim_mask = (rows < q_len)[:, None] & (dims < HEAD_DIM)[None, :]
-    q = tl.load(q_ptr + (q_begin + rows)[:, None] * stride_qt + head * stride_qh + dims[None, :],
-                mask=row_dim_mask, other=0.0)
+    q = tl.load(
+        q_ptr + (q_begin + rows)[:, None] * stride_qt + head * stride_qh + dims[None, :], mask=row_dim_mask, other=0.0
+    )
     q_pos = start_pos + rows
     # keys 0 .. (position of this tile's last real query); none for a tile past the chunk
     kv_end = tl.where(tile * BLOCK_M < q_len, start_pos + tl.minimum(tile * BLOCK_M + BLOCK_M, q_len), 0)
@@ -169,17 +272,39 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, out_ptr, cu_ptr, start_ptr, table_ptr, 
         kv_mask = pos_ok[:, None] & (dims < HEAD_DIM)[None, :]
         causal = pos_ok[None, :] & (pos[None, :] <= q_pos[:, None])
         causal = causal & ((WINDOW == 0) | (pos[None, :] > q_pos[:, None] - WINDOW))
-        m, l, acc = _online_softmax_step(q, k_ptr + k_rows[:, None] + dims[None, :],
-                                         v_ptr + v_rows[:, None] + dims[None, :], kv_mask,
-                                         causal, m, l, acc, scale_log2, PRECISION, UPCAST)
+        m, l, acc = _online_softmax_step(
+            q,
+            k_ptr + k_rows[:, None] + dims[None, :],
+            v_ptr + v_rows[:, None] + dims[None, :],
+            kv_mask,
+            causal,
+            m,
+            l,
+            acc,
+            scale_log2,
+            PRECISION,
+            UPCAST,
+        )
     acc = acc / tl.where(l > 0, l, 1.0)[:, None]
-    tl.store(out_ptr + (q_begin + rows)[:, None] * stride_ot + head * stride_oh + dims[None, :],
-             acc.to(out_ptr.dtype.element_ty), mask=row_dim_mask)
+    tl.store(
+        out_ptr + (q_begin + rows)[:, None] * stride_ot + head * stride_oh + dims[None, :],
+        acc.to(out_ptr.dtype.element_ty),
+        mask=row_dim_mask,
+    )
 
 
-def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                           block_table: torch.Tensor, context_lens: torch.Tensor, scale: float, *,
-                           out: torch.Tensor | None = None, block_n: int = 64, window: int = 0) -> torch.Tensor:
+def paged_decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    *,
+    out: torch.Tensor | None = None,
+    block_n: int = 64,
+    window: int = 0,
+) -> torch.Tensor:
     """q [B, H, D], caches [num_blocks, block_size, Hkv, D], block_table [B, max_blocks] int,
     context_lens [B] int -> [B, H, D] in q's dtype (written into `out` when given).
 
@@ -194,18 +319,47 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         return out
     group = num_heads // num_kv_heads
     _decode_kernel[(num_seqs, num_kv_heads)](
-        q, k_cache, v_cache, out, block_table, context_lens, scale * LOG2E, window,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_table.stride(0),
-        *k_cache.stride()[:3], *v_cache.stride()[:3],
-        GROUP=group, GROUP_PAD=_pad(group), HEAD_DIM=head_dim, D_PAD=_pad(head_dim),
-        BLOCK_SIZE=k_cache.shape[1], BLOCK_N=max(block_n, MIN_DOT), **_precision(q))
+        q,
+        k_cache,
+        v_cache,
+        out,
+        block_table,
+        context_lens,
+        scale * LOG2E,
+        window,
+        q.stride(0),
+        q.stride(1),
+        out.stride(0),
+        out.stride(1),
+        block_table.stride(0),
+        *k_cache.stride()[:3],
+        *v_cache.stride()[:3],
+        GROUP=group,
+        GROUP_PAD=_pad(group),
+        HEAD_DIM=head_dim,
+        D_PAD=_pad(head_dim),
+        BLOCK_SIZE=k_cache.shape[1],
+        BLOCK_N=max(block_n, MIN_DOT),
+        **_precision(q),
+    )
     return out
 
 
-def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                            cu_q_lens: torch.Tensor, start_pos: torch.Tensor, block_tables: torch.Tensor,
-                            scale: float, *, max_q_len: int | None = None, out: torch.Tensor | None = None,
-                            block_m: int = 64, block_n: int = 64, window: int = 0) -> torch.Tensor:
+def paged_prefill_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cu_q_lens: torch.Tensor,
+    start_pos: torch.Tensor,
+    block_tables: torch.Tensor,
+    scale: float,
+    *,
+    max_q_len: int | None = None,
+    out: torch.Tensor | None = None,
+    block_m: int = 64,
+    block_n: int = 64,
+    window: int = 0,
+) -> torch.Tensor:
     """q [T, H, D] (S chunks back to back), cu_q_lens [S + 1] int, start_pos [S] int,
     block_tables [S, max_blocks] int -> [T, H, D] in q's dtype (written into `out` when given).
 
@@ -224,11 +378,30 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         return out
     block_m, block_n = max(block_m, MIN_DOT), max(block_n, MIN_DOT)
     _prefill_kernel[(num_chunks, triton.cdiv(max_q_len, block_m), num_heads)](
-        q, k_cache, v_cache, out, cu_q_lens, start_pos, block_tables, scale * LOG2E, window,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
-        *k_cache.stride()[:3], *v_cache.stride()[:3],
-        GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, D_PAD=_pad(head_dim),
-        BLOCK_SIZE=k_cache.shape[1], BLOCK_M=block_m, BLOCK_N=block_n, **_precision(q))
+        q,
+        k_cache,
+        v_cache,
+        out,
+        cu_q_lens,
+        start_pos,
+        block_tables,
+        scale * LOG2E,
+        window,
+        q.stride(0),
+        q.stride(1),
+        out.stride(0),
+        out.stride(1),
+        block_tables.stride(0),
+        *k_cache.stride()[:3],
+        *v_cache.stride()[:3],
+        GROUP=num_heads // num_kv_heads,
+        HEAD_DIM=head_dim,
+        D_PAD=_pad(head_dim),
+        BLOCK_SIZE=k_cache.shape[1],
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        **_precision(q),
+    )
     return out
 
 

@@ -39,7 +39,7 @@ import triton.language as tl
 from splitserve.platform.kernels.triton_attention import _dot
 from splitserve.platform.kernels.triton_ops import _round, _rtne
 
-MIN_DOT = 16          # tl.dot needs every tile dimension >= 16
+MIN_DOT = 16  # tl.dot needs every tile dimension >= 16
 
 
 @triton.jit
@@ -55,10 +55,28 @@ def _tile_expert(tile_off_ptr, NUM_EXPERTS: tl.constexpr, E_PAD: tl.constexpr):
 
 
 @triton.jit
-def _gate_up_kernel(x_ptr, tok_ptr, w_ptr, h_ptr, row_off_ptr, tile_off_ptr, stride_x, stride_we, stride_wn,
-                    stride_h, K, INTER, NUM_EXPERTS: tl.constexpr, E_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
-                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
-                    RTNE: tl.constexpr):
+def _gate_up_kernel(
+    x_ptr,
+    tok_ptr,
+    w_ptr,
+    h_ptr,
+    row_off_ptr,
+    tile_off_ptr,
+    stride_x,
+    stride_we,
+    stride_wn,
+    stride_h,
+    K,
+    INTER,
+    NUM_EXPERTS: tl.constexpr,
+    E_PAD: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
+    RTNE: tl.constexpr,
+):
     expert, tile, valid = _tile_expert(tile_off_ptr, NUM_EXPERTS, E_PAD)
     rows = tl.load(row_off_ptr + expert) + tile * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < tl.where(valid, tl.load(row_off_ptr + expert + 1), 0)
@@ -82,15 +100,37 @@ def _gate_up_kernel(x_ptr, tok_ptr, w_ptr, h_ptr, row_off_ptr, tile_off_ptr, str
     gate = _round(acc_gate, dtype, RTNE).to(tl.float32)
     up = _round(acc_up, dtype, RTNE).to(tl.float32)
     act = _round(gate / (1.0 + tl.exp(-gate)), dtype, RTNE).to(tl.float32)
-    tl.store(h_ptr + rows[:, None].to(tl.int64) * stride_h + cols[None, :], _round(act * up, dtype, RTNE),
-             mask=row_ok[:, None] & col_ok[None, :])
+    tl.store(
+        h_ptr + rows[:, None].to(tl.int64) * stride_h + cols[None, :],
+        _round(act * up, dtype, RTNE),
+        mask=row_ok[:, None] & col_ok[None, :],
+    )
 
 
 @triton.jit
-def _down_kernel(h_ptr, w_ptr, out_ptr, dest_ptr, scale_ptr, row_off_ptr, tile_off_ptr, stride_h, stride_we,
-                 stride_wn, stride_o, K, N, NUM_EXPERTS: tl.constexpr, E_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
-                 RTNE: tl.constexpr):
+def _down_kernel(
+    h_ptr,
+    w_ptr,
+    out_ptr,
+    dest_ptr,
+    scale_ptr,
+    row_off_ptr,
+    tile_off_ptr,
+    stride_h,
+    stride_we,
+    stride_wn,
+    stride_o,
+    K,
+    N,
+    NUM_EXPERTS: tl.constexpr,
+    E_PAD: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
+    RTNE: tl.constexpr,
+):
     expert, tile, valid = _tile_expert(tile_off_ptr, NUM_EXPERTS, E_PAD)
     rows = tl.load(row_off_ptr + expert) + tile * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < tl.where(valid, tl.load(row_off_ptr + expert + 1), 0)
@@ -102,16 +142,20 @@ def _down_kernel(h_ptr, w_ptr, out_ptr, dest_ptr, scale_ptr, row_off_ptr, tile_o
     for k0 in range(0, k_end, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_ok = ks < K
-        a = tl.load(h_ptr + rows[:, None].to(tl.int64) * stride_h + ks[None, :],
-                    mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        a = tl.load(
+            h_ptr + rows[:, None].to(tl.int64) * stride_h + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0
+        )
         b = tl.load(w + cols[None, :] * stride_wn + ks[:, None], mask=col_ok[None, :] & k_ok[:, None], other=0.0)
         acc += _dot(a, b, PRECISION, UPCAST)
     dtype = out_ptr.dtype.element_ty
     dest = tl.load(dest_ptr + rows, mask=row_ok, other=0).to(tl.int64)
     scale = tl.load(scale_ptr + dest, mask=row_ok, other=0.0).to(tl.float32)
     y = _round(acc, dtype, RTNE).to(tl.float32)
-    tl.store(out_ptr + dest[:, None] * stride_o + cols[None, :], _round(y * scale[:, None], dtype, RTNE),
-             mask=row_ok[:, None] & col_ok[None, :])
+    tl.store(
+        out_ptr + dest[:, None] * stride_o + cols[None, :],
+        _round(y * scale[:, None], dtype, RTNE),
+        mask=row_ok[:, None] & col_ok[None, :],
+    )
 
 
 def expert_offsets(flat_experts: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -131,8 +175,9 @@ def block_m_for(num_rows: int, num_experts: int) -> int:
     return min(64, max(MIN_DOT, triton.next_power_of_2(max(1, -(-num_rows // num_experts)))))
 
 
-def moe_experts(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, gate_up: torch.Tensor,
-                down: torch.Tensor, **blocks) -> torch.Tensor:
+def moe_experts(
+    x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, **blocks
+) -> torch.Tensor:
     """sum_j weights[t, j] * MLP_{experts[t, j]}(x[t]) for x [T, hidden]; weights, experts [T, k];
     gate_up [E, 2I, hidden] (gate rows then up rows), down [E, hidden, I]. Returns [T, hidden].
     `blocks`: block_n / block_k for grouped_experts (the tests use small ones to get several tiles)."""
@@ -142,14 +187,34 @@ def moe_experts(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, g
     token_of = (order // top_k).to(torch.int32)
     block_m = block_m_for(flat.numel(), gate_up.shape[0])
     row_offsets, tile_offsets = expert_offsets(flat, gate_up.shape[0], block_m)
-    pairs = grouped_experts(x, token_of, order.to(torch.int32), weights.reshape(-1), row_offsets, tile_offsets,
-                            gate_up, down, block_m, **blocks)
+    pairs = grouped_experts(
+        x,
+        token_of,
+        order.to(torch.int32),
+        weights.reshape(-1),
+        row_offsets,
+        tile_offsets,
+        gate_up,
+        down,
+        block_m,
+        **blocks,
+    )
     return pairs.view(num_tokens, top_k, x.shape[1]).sum(dim=1)
 
 
-def grouped_experts(x: torch.Tensor, token_of: torch.Tensor, dest: torch.Tensor, scale: torch.Tensor,
-                    row_offsets: torch.Tensor, tile_offsets: torch.Tensor, gate_up: torch.Tensor,
-                    down: torch.Tensor, block_m: int, block_n: int = 64, block_k: int = 64) -> torch.Tensor:
+def grouped_experts(
+    x: torch.Tensor,
+    token_of: torch.Tensor,
+    dest: torch.Tensor,
+    scale: torch.Tensor,
+    row_offsets: torch.Tensor,
+    tile_offsets: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    block_m: int,
+    block_n: int = 64,
+    block_k: int = 64,
+) -> torch.Tensor:
     """The two launches over M sorted rows: row r is token token_of[r] of x, its result lands, times
     scale[dest[r]], in row dest[r] of the returned [M, hidden] buffer (rows no r maps to are
     left unwritten: with dest a permutation, none)."""
@@ -161,13 +226,45 @@ def grouped_experts(x: torch.Tensor, token_of: torch.Tensor, dest: torch.Tensor,
         return out
     h = torch.empty(num_rows, inter, dtype=x.dtype, device=x.device)
     grid_m = min(triton.cdiv(num_rows, block_m) + num_experts, num_rows)
-    common = dict(NUM_EXPERTS=num_experts, E_PAD=triton.next_power_of_2(num_experts), BLOCK_M=block_m,
-                  BLOCK_N=block_n, BLOCK_K=block_k, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-                  UPCAST=bool(triton.knobs.runtime.interpret), RTNE=_rtne(x.dtype))
+    common = dict(
+        NUM_EXPERTS=num_experts,
+        E_PAD=triton.next_power_of_2(num_experts),
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        UPCAST=bool(triton.knobs.runtime.interpret),
+        RTNE=_rtne(x.dtype),
+    )
     _gate_up_kernel[(grid_m, triton.cdiv(inter, block_n))](
-        x, token_of, gate_up, h, row_offsets, tile_offsets, x.stride(0), gate_up.stride(0), gate_up.stride(1),
-        h.stride(0), hidden, inter, **common)
+        x,
+        token_of,
+        gate_up,
+        h,
+        row_offsets,
+        tile_offsets,
+        x.stride(0),
+        gate_up.stride(0),
+        gate_up.stride(1),
+        h.stride(0),
+        hidden,
+        inter,
+        **common,
+    )
     _down_kernel[(grid_m, triton.cdiv(hidden, block_n))](
-        h, down, out, dest, scale, row_offsets, tile_offsets, h.stride(0), down.stride(0), down.stride(1),
-        out.stride(0), inter, hidden, **common)
+        h,
+        down,
+        out,
+        dest,
+        scale,
+        row_offsets,
+        tile_offsets,
+        h.stride(0),
+        down.stride(0),
+        down.stride(1),
+        out.stride(0),
+        inter,
+        hidden,
+        **common,
+    )
     return out

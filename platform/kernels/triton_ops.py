@@ -42,14 +42,26 @@ def _round(x, dtype: tl.constexpr, RTNE: tl.constexpr):
 
 
 @triton.jit
-def _add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, stride_x, stride_r, stride_o, eps,
-                         HIDDEN: tl.constexpr, BLOCK: tl.constexpr, ADD: tl.constexpr, RTNE: tl.constexpr):
+def _add_rms_norm_kernel(
+    x_ptr,
+    res_ptr,
+    w_ptr,
+    out_ptr,
+    stride_x,
+    stride_r,
+    stride_o,
+    eps,
+    HIDDEN: tl.constexpr,
+    BLOCK: tl.constexpr,
+    ADD: tl.constexpr,
+    RTNE: tl.constexpr,
+):
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     ok = cols < HIDDEN
     x = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0)
     if ADD:
-        x = (x.to(tl.float32) + tl.load(res_ptr + row * stride_r + cols, mask=ok, other=0.0).to(tl.float32))
+        x = x.to(tl.float32) + tl.load(res_ptr + row * stride_r + cols, mask=ok, other=0.0).to(tl.float32)
         x = _round(x, res_ptr.dtype.element_ty, RTNE)
         tl.store(res_ptr + row * stride_r + cols, x, mask=ok)
     xf = x.to(tl.float32)
@@ -60,11 +72,30 @@ def _add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, stride_x, stride_r, str
 
 
 @triton.jit
-def _rope_write_kv_kernel(qkv_ptr, pos_ptr, cos_ptr, sin_ptr, k_ptr, v_ptr, slot_ptr, stride_t, stride_c,
-                          stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-                          NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                          HALF: tl.constexpr, HALF_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                          RTNE: tl.constexpr):
+def _rope_write_kv_kernel(
+    qkv_ptr,
+    pos_ptr,
+    cos_ptr,
+    sin_ptr,
+    k_ptr,
+    v_ptr,
+    slot_ptr,
+    stride_t,
+    stride_c,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    stride_vb,
+    stride_vs,
+    stride_vh,
+    NUM_HEADS: tl.constexpr,
+    NUM_KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HALF: tl.constexpr,
+    HALF_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    RTNE: tl.constexpr,
+):
     token = tl.program_id(0)
     head = tl.program_id(1)
     dims = tl.arange(0, HALF_PAD)
@@ -75,7 +106,7 @@ def _rope_write_kv_kernel(qkv_ptr, pos_ptr, cos_ptr, sin_ptr, k_ptr, v_ptr, slot
     slot = tl.load(slot_ptr + token).to(tl.int64)
     block = slot // BLOCK_SIZE
     offset = slot % BLOCK_SIZE
-    if head < NUM_HEADS + NUM_KV_HEADS:                     # q or k: rotate in place
+    if head < NUM_HEADS + NUM_KV_HEADS:  # q or k: rotate in place
         pos = tl.load(pos_ptr + token).to(tl.int64)
         c = tl.load(cos_ptr + pos * stride_c + dims, mask=ok, other=0.0)
         s = tl.load(sin_ptr + pos * stride_c + dims, mask=ok, other=0.0)
@@ -88,15 +119,14 @@ def _rope_write_kv_kernel(qkv_ptr, pos_ptr, cos_ptr, sin_ptr, k_ptr, v_ptr, slot
             dst = k_ptr + block * stride_kb + offset * stride_ks + (head - NUM_HEADS) * stride_kh
             tl.store(dst + dims, y1.to(k_ptr.dtype.element_ty), mask=ok)
             tl.store(dst + HALF + dims, y2.to(k_ptr.dtype.element_ty), mask=ok)
-    elif slot >= 0:                                          # v: copy into the cache
+    elif slot >= 0:  # v: copy into the cache
         dst = v_ptr + block * stride_vb + offset * stride_vs + (head - NUM_HEADS - NUM_KV_HEADS) * stride_vh
         tl.store(dst + dims, x1.to(v_ptr.dtype.element_ty), mask=ok)
         tl.store(dst + HALF + dims, x2.to(v_ptr.dtype.element_ty), mask=ok)
 
 
 @triton.jit
-def _silu_mul_kernel(gu_ptr, out_ptr, stride_g, stride_o, INTER: tl.constexpr, BLOCK: tl.constexpr,
-                     RTNE: tl.constexpr):
+def _silu_mul_kernel(gu_ptr, out_ptr, stride_g, stride_o, INTER: tl.constexpr, BLOCK: tl.constexpr, RTNE: tl.constexpr):
     row = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < INTER
@@ -121,15 +151,35 @@ def _norm(x, residual, weight, eps: float, add: bool) -> torch.Tensor:
     out = torch.empty_like(x)
     if x.shape[0]:
         hidden = x.shape[1]
-        _add_rms_norm_kernel[(x.shape[0],)](x, residual, weight, out, x.stride(0), residual.stride(0), out.stride(0),
-                                            eps, HIDDEN=hidden, BLOCK=triton.next_power_of_2(hidden), ADD=add,
-                                            RTNE=_rtne(x.dtype))
+        _add_rms_norm_kernel[(x.shape[0],)](
+            x,
+            residual,
+            weight,
+            out,
+            x.stride(0),
+            residual.stride(0),
+            out.stride(0),
+            eps,
+            HIDDEN=hidden,
+            BLOCK=triton.next_power_of_2(hidden),
+            ADD=add,
+            RTNE=_rtne(x.dtype),
+        )
     return out
 
 
-def rope_write_kv(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                  k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, num_heads: int,
-                  num_kv_heads: int, head_dim: int) -> None:
+def rope_write_kv(
+    qkv: torch.Tensor,
+    positions: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slots: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+) -> None:
     """qkv [T, (H + 2 Hkv) * D] fused rows: rotate q and k heads in place, store k and v at `slots`
     (negative: not stored). cos/sin [max_position, D] float32, positions/slots [T] int."""
     assert qkv.stride(-1) == 1 and head_dim % 2 == 0 and cos.stride() == sin.stride()
@@ -138,10 +188,25 @@ def rope_write_kv(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
         return
     half = head_dim // 2
     _rope_write_kv_kernel[(num_tokens, num_heads + 2 * num_kv_heads)](
-        qkv, positions, cos, sin, k_cache, v_cache, slots, qkv.stride(0), cos.stride(0),
-        *k_cache.stride()[:3], *v_cache.stride()[:3], NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads,
-        HEAD_DIM=head_dim, HALF=half, HALF_PAD=triton.next_power_of_2(half), BLOCK_SIZE=k_cache.shape[1],
-        RTNE=_rtne(qkv.dtype))
+        qkv,
+        positions,
+        cos,
+        sin,
+        k_cache,
+        v_cache,
+        slots,
+        qkv.stride(0),
+        cos.stride(0),
+        *k_cache.stride()[:3],
+        *v_cache.stride()[:3],
+        NUM_HEADS=num_heads,
+        NUM_KV_HEADS=num_kv_heads,
+        HEAD_DIM=head_dim,
+        HALF=half,
+        HALF_PAD=triton.next_power_of_2(half),
+        BLOCK_SIZE=k_cache.shape[1],
+        RTNE=_rtne(qkv.dtype),
+    )
 
 
 def silu_mul(gate_up: torch.Tensor, block: int = 1024) -> torch.Tensor:
@@ -151,8 +216,9 @@ def silu_mul(gate_up: torch.Tensor, block: int = 1024) -> torch.Tensor:
     out = gate_up.new_empty(num_tokens, inter)
     if num_tokens:
         block = min(block, triton.next_power_of_2(inter))
-        _silu_mul_kernel[(num_tokens, triton.cdiv(inter, block))](gate_up, out, gate_up.stride(0), out.stride(0),
-                                                                  INTER=inter, BLOCK=block, RTNE=_rtne(out.dtype))
+        _silu_mul_kernel[(num_tokens, triton.cdiv(inter, block))](
+            gate_up, out, gate_up.stride(0), out.stride(0), INTER=inter, BLOCK=block, RTNE=_rtne(out.dtype)
+        )
     return out
 
 
@@ -164,7 +230,7 @@ class TritonOps:
     """The model's fused-op interface (LlamaForCausalLM.use_fused_ops) on CUDA: these kernels plus
     the Triton paged attention, which reads K/V that rope_write_kv already stored."""
 
-    attends_paged = True   # paged_attention_fused hands the whole step to paged_attention below
+    attends_paged = True  # paged_attention_fused hands the whole step to paged_attention below
 
     rms_norm = staticmethod(rms_norm)
     add_rms_norm = staticmethod(add_rms_norm)

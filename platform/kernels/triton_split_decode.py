@@ -47,12 +47,35 @@ from splitserve.platform.kernels.triton_attention import (
 
 
 @triton.jit
-def _partial_kernel(q_ptr, k_ptr, v_ptr, po_ptr, plse_ptr, table_ptr, ctx_ptr, scale_log2,
-                    stride_qb, stride_qh, stride_tb, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs,
-                    stride_vh, NUM_HEADS: tl.constexpr, NUM_SPLITS: tl.constexpr, GROUP: tl.constexpr,
-                    GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
-                    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
-                    UPCAST: tl.constexpr):
+def _partial_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    po_ptr,
+    plse_ptr,
+    table_ptr,
+    ctx_ptr,
+    scale_log2,
+    stride_qb,
+    stride_qh,
+    stride_tb,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    stride_vb,
+    stride_vs,
+    stride_vh,
+    NUM_HEADS: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    GROUP: tl.constexpr,
+    GROUP_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    D_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -62,26 +85,57 @@ def _partial_kernel(q_ptr, k_ptr, v_ptr, po_ptr, plse_ptr, table_ptr, ctx_ptr, s
     row_dim_mask = row_ok[:, None] & (dims < HEAD_DIM)[None, :]
     heads = kv_head * GROUP + rows
     q = tl.load(q_ptr + seq * stride_qb + heads[:, None] * stride_qh + dims[None, :], mask=row_dim_mask, other=0.0)
-    context_len = tl.load(ctx_ptr + seq).to(tl.int32)   # int32 or int64 lengths
+    context_len = tl.load(ctx_ptr + seq).to(tl.int32)  # int32 or int64 lengths
     split_len = tl.cdiv(tl.cdiv(context_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
     begin = split * split_len
     end = tl.minimum(begin + split_len, context_len)
 
     # begin is a multiple of BLOCK_N (split_len is), so the tiles are those of begin..end
-    m, l, acc = _paged_keys(q, k_ptr, v_ptr, table_ptr + seq * stride_tb, kv_head, begin, end, dims, scale_log2,
-                            stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, GROUP_PAD, HEAD_DIM,
-                            D_PAD, BLOCK_SIZE, BLOCK_N, PRECISION, UPCAST)
+    m, l, acc = _paged_keys(
+        q,
+        k_ptr,
+        v_ptr,
+        table_ptr + seq * stride_tb,
+        kv_head,
+        begin,
+        end,
+        dims,
+        scale_log2,
+        stride_kb,
+        stride_ks,
+        stride_kh,
+        stride_vb,
+        stride_vs,
+        stride_vh,
+        GROUP_PAD,
+        HEAD_DIM,
+        D_PAD,
+        BLOCK_SIZE,
+        BLOCK_N,
+        PRECISION,
+        UPCAST,
+    )
     has_keys = l > 0
     acc = acc / tl.where(has_keys, l, 1.0)[:, None]
     lse = tl.where(has_keys, m + tl.log2(tl.where(has_keys, l, 1.0)), float("-inf"))
-    part = (seq * NUM_HEADS + heads) * NUM_SPLITS + split                     # [GROUP_PAD]
+    part = (seq * NUM_HEADS + heads) * NUM_SPLITS + split  # [GROUP_PAD]
     tl.store(po_ptr + part[:, None] * HEAD_DIM + dims[None, :], acc, mask=row_dim_mask)
     tl.store(plse_ptr + part, lse, mask=row_ok)
 
 
 @triton.jit
-def _reduce_kernel(po_ptr, plse_ptr, out_ptr, stride_ob, stride_oh, NUM_HEADS: tl.constexpr,
-                   NUM_SPLITS: tl.constexpr, S_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr):
+def _reduce_kernel(
+    po_ptr,
+    plse_ptr,
+    out_ptr,
+    stride_ob,
+    stride_oh,
+    NUM_HEADS: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    S_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    D_PAD: tl.constexpr,
+):
     seq = tl.program_id(0)
     head = tl.program_id(1)
     splits = tl.arange(0, S_PAD)
@@ -91,18 +145,31 @@ def _reduce_kernel(po_ptr, plse_ptr, out_ptr, stride_ob, stride_oh, NUM_HEADS: t
     lse = tl.load(plse_ptr + part, mask=split_ok, other=float("-inf"))
     top = tl.max(lse, 0)
     top = tl.where(top == float("-inf"), 0.0, top)
-    weights = tl.exp2(lse - top)                                              # empty split: 0
-    o = tl.load(po_ptr + part[:, None] * HEAD_DIM + dims[None, :],
-                mask=split_ok[:, None] & (dims < HEAD_DIM)[None, :], other=0.0)
+    weights = tl.exp2(lse - top)  # empty split: 0
+    o = tl.load(
+        po_ptr + part[:, None] * HEAD_DIM + dims[None, :],
+        mask=split_ok[:, None] & (dims < HEAD_DIM)[None, :],
+        other=0.0,
+    )
     total = tl.sum(weights, 0)
     out = tl.sum(weights[:, None] * o, 0) / tl.where(total > 0, total, 1.0)
-    tl.store(out_ptr + seq * stride_ob + head * stride_oh + dims, out.to(out_ptr.dtype.element_ty),
-             mask=dims < HEAD_DIM)
+    tl.store(
+        out_ptr + seq * stride_ob + head * stride_oh + dims, out.to(out_ptr.dtype.element_ty), mask=dims < HEAD_DIM
+    )
 
 
-def split_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                           block_table: torch.Tensor, context_lens: torch.Tensor, scale: float, num_splits: int,
-                           *, out: torch.Tensor | None = None, block_n: int = 64) -> torch.Tensor:
+def split_decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    num_splits: int,
+    *,
+    out: torch.Tensor | None = None,
+    block_n: int = 64,
+) -> torch.Tensor:
     """paged_decode_attention with each context cut into `num_splits` pieces (see the module doc).
 
     q [B, H, D], caches [num_blocks, block_size, Hkv, D], block_table [B, max_blocks] int,
@@ -123,11 +190,39 @@ def split_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     part_out = torch.empty(num_seqs, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
     part_lse = torch.empty(num_seqs, num_heads, num_splits, dtype=torch.float32, device=q.device)
     _partial_kernel[(num_seqs, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, part_out, part_lse, block_table, context_lens, scale * LOG2E,
-        q.stride(0), q.stride(1), block_table.stride(0), *k_cache.stride()[:3], *v_cache.stride()[:3],
-        NUM_HEADS=num_heads, NUM_SPLITS=num_splits, GROUP=group, GROUP_PAD=_pad(group), HEAD_DIM=head_dim,
-        D_PAD=_pad(head_dim), BLOCK_SIZE=k_cache.shape[1], BLOCK_N=max(block_n, MIN_DOT), **_precision(q))
+        q,
+        k_cache,
+        v_cache,
+        part_out,
+        part_lse,
+        block_table,
+        context_lens,
+        scale * LOG2E,
+        q.stride(0),
+        q.stride(1),
+        block_table.stride(0),
+        *k_cache.stride()[:3],
+        *v_cache.stride()[:3],
+        NUM_HEADS=num_heads,
+        NUM_SPLITS=num_splits,
+        GROUP=group,
+        GROUP_PAD=_pad(group),
+        HEAD_DIM=head_dim,
+        D_PAD=_pad(head_dim),
+        BLOCK_SIZE=k_cache.shape[1],
+        BLOCK_N=max(block_n, MIN_DOT),
+        **_precision(q),
+    )
     _reduce_kernel[(num_seqs, num_heads)](
-        part_out, part_lse, out, out.stride(0), out.stride(1), NUM_HEADS=num_heads, NUM_SPLITS=num_splits,
-        S_PAD=max(2, triton.next_power_of_2(num_splits)), HEAD_DIM=head_dim, D_PAD=triton.next_power_of_2(head_dim))
+        part_out,
+        part_lse,
+        out,
+        out.stride(0),
+        out.stride(1),
+        NUM_HEADS=num_heads,
+        NUM_SPLITS=num_splits,
+        S_PAD=max(2, triton.next_power_of_2(num_splits)),
+        HEAD_DIM=head_dim,
+        D_PAD=triton.next_power_of_2(head_dim),
+    )
     return out

@@ -44,8 +44,8 @@ class Block:
     block_hash: BlockHash | None = None
 
 
-TIER_CACHE = 1    # the pool's own blocks (device memory)
-TIER_SECOND = 2   # the second tier: host memory or a local file tier
+TIER_CACHE = 1  # the pool's own blocks (device memory)
+TIER_SECOND = 2  # the second tier: host memory or a local file tier
 
 
 @dataclass(frozen=True)
@@ -87,17 +87,22 @@ class EvictionSink(Protocol):
 class PoolStats:
     """Counters for metrics and tests; monotonically increasing."""
 
-    num_evictions: int = 0     # cached blocks reused for something else
-    num_sink_failures: int = 0       # offloads the second tier raised on (its copy is lost, the blocks are not)
-    num_event_compactions: int = 0   # times the undrained event list was replaced by a snapshot
+    num_evictions: int = 0  # cached blocks reused for something else
+    num_sink_failures: int = 0  # offloads the second tier raised on (its copy is lost, the blocks are not)
+    num_event_compactions: int = 0  # times the undrained event list was replaced by a snapshot
 
 
-MAX_PENDING_EVENTS = 4096   # undrained events kept before the list is compacted into a snapshot
+MAX_PENDING_EVENTS = 4096  # undrained events kept before the list is compacted into a snapshot
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int, enable_caching: bool = True, eviction_sink: EvictionSink | None = None,
-                 max_pending_events: int = MAX_PENDING_EVENTS):
+    def __init__(
+        self,
+        num_blocks: int,
+        enable_caching: bool = True,
+        eviction_sink: EvictionSink | None = None,
+        max_pending_events: int = MAX_PENDING_EVENTS,
+    ):
         assert num_blocks > 0
         if not isinstance(max_pending_events, int) or max_pending_events < 8:
             raise ValueError(f"max_pending_events must be an integer >= 8, got {max_pending_events!r}")
@@ -206,7 +211,7 @@ class BlockPool:
         self._cached.clear()
         self._events.append(AllCleared())
         if self.eviction_sink is not None:
-            self.eviction_sink.clear()   # AllCleared covers every tier
+            self.eviction_sink.clear()  # AllCleared covers every tier
         return True
 
     def record_events(self, events: list[KVEvent]) -> None:
@@ -225,8 +230,7 @@ class BlockPool:
             self._events += self.eviction_sink.offload(evicted)
         except Exception:
             self.stats.num_sink_failures += 1
-            log.exception("the second KV tier failed to take %d evicted blocks; they are dropped from it",
-                          len(evicted))
+            log.exception("the second KV tier failed to take %d evicted blocks; they are dropped from it", len(evicted))
 
     @property
     def num_pending_events(self) -> int:
@@ -259,7 +263,8 @@ class BlockPool:
             assert block.ref_cnt >= 0, f"block {block.block_id} has ref_cnt {block.ref_cnt}"
             in_free = block.block_id in self._free
             assert in_free == (block.ref_cnt == 0), (
-                f"block {block.block_id}: ref_cnt {block.ref_cnt} but in_free_queue={in_free}")
+                f"block {block.block_id}: ref_cnt {block.ref_cnt} but in_free_queue={in_free}"
+            )
             if block.block_hash is not None:
                 assert self._cached.get(block.block_hash) is block, f"block {block.block_id} hash not mapped"
         for block_hash, block in self._cached.items():

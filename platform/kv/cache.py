@@ -31,8 +31,15 @@ def free_device_memory(device: torch.device) -> int:
     return psutil.virtual_memory().available
 
 
-def plan_num_blocks(cache: CacheConfig, model: ModelConfig, dtype: torch.dtype, max_model_len: int,
-                    device: torch.device, free_bytes: int | None = None, graph_bytes: int = 0) -> int:
+def plan_num_blocks(
+    cache: CacheConfig,
+    model: ModelConfig,
+    dtype: torch.dtype,
+    max_model_len: int,
+    device: torch.device,
+    free_bytes: int | None = None,
+    graph_bytes: int = 0,
+) -> int:
     """How many KV blocks to allocate, or ConfigError with the numbers and the remedy.
 
     `graph_bytes`: memory the decode CUDA graphs will take after the cache is allocated
@@ -43,12 +50,16 @@ def plan_num_blocks(cache: CacheConfig, model: ModelConfig, dtype: torch.dtype, 
     free = free_device_memory(device) if free_bytes is None else free_bytes
     if want + graph_bytes > free * MEMORY_HEADROOM:
         fits = max(0, int(free * MEMORY_HEADROOM) - graph_bytes) // per_block * per_block
-        graphs = (f" plus {graph_bytes / GiB:.2f} GiB for the decode CUDA graphs (--enforce-eager: none)"
-                  if graph_bytes else "")
+        graphs = (
+            f" plus {graph_bytes / GiB:.2f} GiB for the decode CUDA graphs (--enforce-eager: none)"
+            if graph_bytes
+            else ""
+        )
         raise ConfigError(
             f"the KV cache needs {want / GiB:.2f} GiB ({num_blocks} blocks x {per_block} bytes){graphs} but "
             f"{device} has {free / GiB:.2f} GiB free; lower --kv-cache-memory to at most "
-            f"{fits / GiB:.2f} GiB (or use a smaller dtype or model{', or --enforce-eager' if graph_bytes else ''})")
+            f"{fits / GiB:.2f} GiB (or use a smaller dtype or model{', or --enforce-eager' if graph_bytes else ''})"
+        )
     need_blocks = -(-max_model_len // cache.block_size)
     if num_blocks < need_blocks:
         raise ConfigError(
@@ -56,12 +67,16 @@ def plan_num_blocks(cache: CacheConfig, model: ModelConfig, dtype: torch.dtype, 
             f"({want / GiB:.3f} GiB), fewer than one sequence of max_model_len={max_model_len} tokens needs "
             f"({need_blocks} blocks, {need_blocks * per_block / GiB:.3f} GiB); raise --kv-cache-memory to at "
             f"least {need_blocks * per_block / GiB:.3f} GiB or lower --max-model-len to "
-            f"{num_blocks * cache.block_size}")
+            f"{num_blocks * cache.block_size}"
+        )
     return num_blocks
 
 
-def allocate_kv_cache(model: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
-                      device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def allocate_kv_cache(
+    model: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
     shape = (num_blocks, block_size, model.num_kv_heads, model.head_dim)
-    return [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
-            for _ in range(model.num_layers)]
+    return [
+        (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+        for _ in range(model.num_layers)
+    ]

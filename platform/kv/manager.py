@@ -24,7 +24,7 @@ class KVCacheManager:
 
     def __init__(self, pool: BlockPool, block_size: int, tier=None):
         self.pool = pool
-        self.tier = tier   # the second tier (KVTier) or None
+        self.tier = tier  # the second tier (KVTier) or None
         self.block_size = block_size
         self._req_blocks: dict[str, list[Block]] = {}
         self._num_registered: dict[str, int] = {}
@@ -44,7 +44,7 @@ class KVCacheManager:
             hits.append(block)
         if self.tier is not None and len(hits) < len(hashes):
             parent = hashes[len(hits) - 1] if hits else None
-            hits += self.tier.restore(self.pool, hashes[len(hits):], parent, hits)
+            hits += self.tier.restore(self.pool, hashes[len(hits) :], parent, hits)
         return hits
 
     def num_cached_prefix_tokens(self, num_tokens: int, block_hashes) -> int:
@@ -74,8 +74,9 @@ class KVCacheManager:
         blocks.extend(cached)
         self._num_registered.setdefault(req.req_id, 0)
         self._num_registered[req.req_id] += len(cached)
-        num_new_blocks = cdiv(req.num_computed_tokens + len(cached) * self.block_size + num_new_tokens,
-                              self.block_size) - len(blocks)
+        num_new_blocks = cdiv(
+            req.num_computed_tokens + len(cached) * self.block_size + num_new_tokens, self.block_size
+        ) - len(blocks)
         if num_new_blocks > 0:
             blocks.extend(self.pool.allocate(num_new_blocks))
         return True
@@ -135,4 +136,5 @@ class KVCacheManager:
                 holders[b.block_id] = holders.get(b.block_id, 0) + 1
         for block in self.pool.blocks:
             assert block.ref_cnt == holders.get(block.block_id, 0), (
-                f"block {block.block_id}: ref_cnt {block.ref_cnt}, held by {holders.get(block.block_id, 0)} requests")
+                f"block {block.block_id}: ref_cnt {block.ref_cnt}, held by {holders.get(block.block_id, 0)} requests"
+            )

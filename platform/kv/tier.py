@@ -64,7 +64,7 @@ _MAC_BYTES = 32
 _FOLDER_PREFIX = "splitserve-kv-"
 _OWNER_LOCK = ".owner"
 _TIER_CONTEXT = b"splitserve-kv-tier-v1"
-_UNLOCKED_GRACE_S = 60.0   # a folder without a lock file this old is a dead one (lock never created)
+_UNLOCKED_GRACE_S = 60.0  # a folder without a lock file this old is a dead one (lock never created)
 
 log = logging.getLogger(__name__)
 
@@ -89,26 +89,30 @@ def reclaim_dead_folders(parent: str) -> list[str]:
         shutil.rmtree(folder, ignore_errors=True)
         removed.append(folder)
     if removed:
-        log.warning("reclaimed %d KV tier folder(s) left by dead workers under %s: %s", len(removed), parent,
-                    ", ".join(os.path.basename(f) for f in removed))
+        log.warning(
+            "reclaimed %d KV tier folder(s) left by dead workers under %s: %s",
+            len(removed),
+            parent,
+            ", ".join(os.path.basename(f) for f in removed),
+        )
     return removed
 
 
 def _owner_is_alive(folder: str) -> bool:
     try:
         fd = os.open(os.path.join(folder, _OWNER_LOCK), os.O_RDWR)
-    except FileNotFoundError:   # being created right now, or its creator died before locking
+    except FileNotFoundError:  # being created right now, or its creator died before locking
         with contextlib.suppress(OSError):
             return time.time() - os.stat(folder).st_mtime < _UNLOCKED_GRACE_S
         return False
     except OSError:
-        return True   # not ours to judge (permissions): leave it
+        return True  # not ours to judge (permissions): leave it
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError as e:
         return e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES)
     finally:
-        os.close(fd)   # closing drops a lock we took
+        os.close(fd)  # closing drops a lock we took
     return False
 
 
@@ -116,13 +120,13 @@ def _owner_is_alive(folder: str) -> bool:
 class TierStats:
     """Counters for metrics (monotonically increasing) and the tier's size now."""
 
-    num_stored: int = 0      # blocks written into the tier
-    num_hits: int = 0        # blocks copied back into the pool
-    num_evictions: int = 0   # blocks dropped by the tier's own LRU
-    num_rejected: int = 0    # entries that failed verification (corrupt, forged, wrong layout)
-    num_write_failures: int = 0   # blocks the store could not write (disk full, I/O error): skipped
-    num_bytes: int = 0       # payload bytes held now
-    num_blocks: int = 0      # entries held now
+    num_stored: int = 0  # blocks written into the tier
+    num_hits: int = 0  # blocks copied back into the pool
+    num_evictions: int = 0  # blocks dropped by the tier's own LRU
+    num_rejected: int = 0  # entries that failed verification (corrupt, forged, wrong layout)
+    num_write_failures: int = 0  # blocks the store could not write (disk full, I/O error): skipped
+    num_bytes: int = 0  # payload bytes held now
+    num_blocks: int = 0  # entries held now
 
 
 class MemoryStore:
@@ -155,7 +159,7 @@ class FileStore:
         self.reclaimed = reclaim_dead_folders(parent)
         self.directory = tempfile.mkdtemp(prefix=_FOLDER_PREFIX, dir=parent)
         self._lock_fd = os.open(os.path.join(self.directory, _OWNER_LOCK), os.O_RDWR | os.O_CREAT, 0o600)
-        fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)   # held until this process exits or closes
+        fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # held until this process exits or closes
         # removes the folder on close(), when the store is collected, or at interpreter exit
         self._remove = weakref.finalize(self, _remove_folder, self.directory, self._lock_fd)
         self.key = key
@@ -177,7 +181,7 @@ class FileStore:
                 f.write(prefix)
                 f.write(self._mac(prefix, data))
                 f.write(data)
-            os.replace(tmp, self.path(block_hash))   # a reader never sees a half-written file
+            os.replace(tmp, self.path(block_hash))  # a reader never sees a half-written file
         except OSError:
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
@@ -196,14 +200,18 @@ class FileStore:
         except OSError:
             return None
         head = len(_MAGIC) + 4
-        if raw[:len(_MAGIC)] != _MAGIC or len(raw) < head:
+        if raw[: len(_MAGIC)] != _MAGIC or len(raw) < head:
             return None
-        (n,) = struct.unpack("<I", raw[len(_MAGIC):head])
-        layout, stored_hash = raw[head:head + n], raw[head + n:head + n + len(block_hash)]
+        (n,) = struct.unpack("<I", raw[len(_MAGIC) : head])
+        layout, stored_hash = raw[head : head + n], raw[head + n : head + n + len(block_hash)]
         mac_at = head + n + len(block_hash)
-        mac, data = raw[mac_at:mac_at + _MAC_BYTES], raw[mac_at + _MAC_BYTES:]
-        if (layout != self.layout or stored_hash != block_hash or len(data) != self.num_payload_bytes
-                or not hmac.compare_digest(mac, self._mac(raw[:mac_at], data))):
+        mac, data = raw[mac_at : mac_at + _MAC_BYTES], raw[mac_at + _MAC_BYTES :]
+        if (
+            layout != self.layout
+            or stored_hash != block_hash
+            or len(data) != self.num_payload_bytes
+            or not hmac.compare_digest(mac, self._mac(raw[:mac_at], data))
+        ):
             return None
         return torch.frombuffer(bytearray(data), dtype=torch.uint8).view(self.dtype).view(self.shape)
 
@@ -231,18 +239,21 @@ class KVTier:
         self.kv_caches = kv_caches
         k0 = kv_caches[0][0]
         self.device = k0.device
-        self.shape = (len(kv_caches), 2, *k0.shape[1:])    # [layers, K/V, block_size, kv_heads, head_dim]
+        self.shape = (len(kv_caches), 2, *k0.shape[1:])  # [layers, K/V, block_size, kv_heads, head_dim]
         self.block_bytes = k0[0].numel() * k0.element_size() * 2 * len(kv_caches)
         if config.max_bytes < self.block_bytes:
             from splitserve.platform.errors import ConfigError
-            raise ConfigError(f"the KV tier holds {config.max_bytes} bytes, less than one block "
-                              f"({self.block_bytes} bytes); raise --kv-tier-bytes to at least {self.block_bytes}")
+
+            raise ConfigError(
+                f"the KV tier holds {config.max_bytes} bytes, less than one block "
+                f"({self.block_bytes} bytes); raise --kv-tier-bytes to at least {self.block_bytes}"
+            )
         self.max_blocks = config.max_bytes // self.block_bytes
         if config.directory is not None:
             self.store = FileStore(config.directory, layout, self.shape, k0.dtype, tier_key(config.secret))
         else:
             self.store = MemoryStore(pin=self.device.type == "cuda")
-        self._lru: OrderedDict[BlockHash, None] = OrderedDict()   # head = next to drop
+        self._lru: OrderedDict[BlockHash, None] = OrderedDict()  # head = next to drop
         self.stats = TierStats()
 
     def holds(self, block_hash: BlockHash) -> bool:
@@ -256,17 +267,20 @@ class KVTier:
         stored, dropped = [], []
         for block_id, block_hash in evicted:
             if block_hash in self._lru:
-                self._lru.move_to_end(block_hash)   # inclusive: the copy here is the same KV
+                self._lru.move_to_end(block_hash)  # inclusive: the copy here is the same KV
                 continue
             while len(self._lru) >= self.max_blocks:
                 dropped.append(self._drop_oldest())
             try:
                 self.store.put(block_hash, self._gather(block_id))
-            except OSError as e:   # disk full, I/O error: skip this block, the pool goes on
+            except OSError as e:  # disk full, I/O error: skip this block, the pool goes on
                 self.stats.num_write_failures += 1
                 if self.stats.num_write_failures == 1 or self.stats.num_write_failures % 1000 == 0:
-                    log.warning("KV tier write failed (%s); the block is skipped (%d failures so far)",
-                                e, self.stats.num_write_failures)
+                    log.warning(
+                        "KV tier write failed (%s); the block is skipped (%d failures so far)",
+                        e,
+                        self.stats.num_write_failures,
+                    )
                 continue
             self._lru[block_hash] = None
             stored.append(block_hash)
@@ -287,8 +301,9 @@ class KVTier:
         return []
 
     # -- restore ---------------------------------------------------------------------------
-    def restore(self, pool: BlockPool, hashes: list[BlockHash], parent: BlockHash | None,
-                held: list[Block]) -> list[Block]:
+    def restore(
+        self, pool: BlockPool, hashes: list[BlockHash], parent: BlockHash | None, held: list[Block]
+    ) -> list[Block]:
         """Copy the tier's blocks for the leading run of `hashes` back into `pool`.
 
         `held`: the pool hits found before these (they must survive the allocation, so they are
@@ -296,7 +311,7 @@ class KVTier:
         (ref_cnt 0), like any other cached block; the caller references them. Stops at the first
         hash the tier lacks or whose entry fails verification (that entry is dropped)."""
         payloads, rejected = [], []
-        for block_hash in hashes[:pool.num_free_blocks - sum(b.ref_cnt == 0 for b in held)]:
+        for block_hash in hashes[: pool.num_free_blocks - sum(b.ref_cnt == 0 for b in held)]:
             if block_hash not in self._lru or pool.peek(block_hash):
                 break
             payload = self.store.get(block_hash)
@@ -313,10 +328,10 @@ class KVTier:
             pool.touch(held)
             blocks = pool.allocate(len(payloads))
             self._scatter([b.block_id for b in blocks], payloads)
-            pool.cache_blocks(blocks, hashes[:len(blocks)], parent)
+            pool.cache_blocks(blocks, hashes[: len(blocks)], parent)
             pool.free(reversed(held + blocks))
-            for block_hash in hashes[:len(blocks)]:
-                if block_hash in self._lru:   # the allocation's own offload may have dropped it
+            for block_hash in hashes[: len(blocks)]:
+                if block_hash in self._lru:  # the allocation's own offload may have dropped it
                     self._lru.move_to_end(block_hash)
             self.stats.num_hits += len(blocks)
         self._sync_size()
@@ -333,7 +348,7 @@ class KVTier:
 
     def _scatter(self, block_ids: list[int], payloads: list[torch.Tensor]) -> None:
         ids = torch.tensor(block_ids, dtype=torch.long, device=self.device)
-        stacked = torch.stack(payloads).to(self.device, non_blocking=True)   # [n, layers, 2, ...]
+        stacked = torch.stack(payloads).to(self.device, non_blocking=True)  # [n, layers, 2, ...]
         for layer, (k, v) in enumerate(self.kv_caches):
             k.index_copy_(0, ids, stacked[:, layer, 0].to(k.dtype))
             v.index_copy_(0, ids, stacked[:, layer, 1].to(v.dtype))

@@ -41,14 +41,27 @@ CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
 # PEFT module name -> (our fused linear, its shard); the same fusion as models/llama.py
 TARGETS = {
-    "q_proj": ("self_attn.qkv_proj", "q"), "k_proj": ("self_attn.qkv_proj", "k"),
-    "v_proj": ("self_attn.qkv_proj", "v"), "o_proj": ("self_attn.o_proj", "o"),
-    "gate_proj": ("mlp.gate_up_proj", "gate"), "up_proj": ("mlp.gate_up_proj", "up"),
+    "q_proj": ("self_attn.qkv_proj", "q"),
+    "k_proj": ("self_attn.qkv_proj", "k"),
+    "v_proj": ("self_attn.qkv_proj", "v"),
+    "o_proj": ("self_attn.o_proj", "o"),
+    "gate_proj": ("mlp.gate_up_proj", "gate"),
+    "up_proj": ("mlp.gate_up_proj", "up"),
     "down_proj": ("mlp.down_proj", "down"),
 }
 # adapter_config.json fields that change the math beyond plain LoRA: refused when set
-_UNSUPPORTED = ("use_dora", "modules_to_save", "rank_pattern", "alpha_pattern", "lora_bias", "use_qalora",
-                "trainable_token_indices", "layer_replication", "target_parameters", "use_bdlora")
+_UNSUPPORTED = (
+    "use_dora",
+    "modules_to_save",
+    "rank_pattern",
+    "alpha_pattern",
+    "lora_bias",
+    "use_qalora",
+    "trainable_token_indices",
+    "layer_replication",
+    "target_parameters",
+    "use_bdlora",
+)
 _TENSOR = re.compile(r"(?:base_model\.model\.)?model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
 
 
@@ -78,7 +91,7 @@ class LoraLinear:
     x @ A_T), (scale * B_s)^T [r, size_s] added into output columns start_s.. (shard order)."""
 
     a_t: torch.Tensor
-    blocks: tuple[tuple[int, torch.Tensor], ...]   # (start, B_s^T scaled) per adapted shard
+    blocks: tuple[tuple[int, torch.Tensor], ...]  # (start, B_s^T scaled) per adapted shard
     out_features: int
 
     @property
@@ -94,7 +107,7 @@ class LoraLinear:
         r = self.rank
         b_t = self.a_t.new_zeros(len(self.blocks) * r, self.out_features)
         for i, (start, b) in enumerate(self.blocks):
-            b_t[i * r:(i + 1) * r, start:start + b.shape[1]] = b
+            b_t[i * r : (i + 1) * r, start : start + b.shape[1]] = b
         return b_t
 
 
@@ -129,12 +142,15 @@ class LoraAdapter:
         return sum(w.nbytes for w in self.weights.values())
 
 
-def read_adapter(name: str, path: str, layout: dict[str, LinearLayout], max_rank: int,
-                 dtype: torch.dtype = torch.float32) -> LoraAdapter:
+def read_adapter(
+    name: str, path: str, layout: dict[str, LinearLayout], max_rank: int, dtype: torch.dtype = torch.float32
+) -> LoraAdapter:
     """Read, check and pack the PEFT adapter in folder `path`. Raises AdapterError."""
     if not isinstance(path, str) or not os.path.isdir(path):
-        raise AdapterFolderNotFoundError(f"adapter {name!r}: {path!r} is not a folder; allowed: a PEFT adapter folder "
-                           f"with {CONFIG_FILE} and {WEIGHTS_FILE}")
+        raise AdapterFolderNotFoundError(
+            f"adapter {name!r}: {path!r} is not a folder; allowed: a PEFT adapter folder "
+            f"with {CONFIG_FILE} and {WEIGHTS_FILE}"
+        )
     config_bytes = _read(path, CONFIG_FILE)
     weight_bytes = _read(path, WEIGHTS_FILE)
     config = _parse_config(name, config_bytes)
@@ -145,7 +161,7 @@ def read_adapter(name: str, path: str, layout: dict[str, LinearLayout], max_rank
     weights = {key: _pack(parts, layout[key], scale, dtype) for key, parts in shards.items()}
     targets = sorted({proj for key, parts in shards.items() for proj in parts})
     hasher = hashlib.sha256(json.dumps(config, sort_keys=True).encode() + b"\0")
-    hasher.update(weight_bytes)   # not concatenated: a rank-64 adapter's 78 MB would be copied once more
+    hasher.update(weight_bytes)  # not concatenated: a rank-64 adapter's 78 MB would be copied once more
     return LoraAdapter(name, path, rank, alpha, use_rslora, tuple(targets), hasher.digest(), weights)
 
 
@@ -154,8 +170,9 @@ def _read(path: str, filename: str) -> bytes:
         with open(os.path.join(path, filename), "rb") as f:
             return f.read()
     except OSError as e:
-        raise AdapterError(f"{path}: cannot read {filename} ({e.strerror}); a PEFT adapter folder has "
-                           f"{CONFIG_FILE} and {WEIGHTS_FILE}") from None
+        raise AdapterError(
+            f"{path}: cannot read {filename} ({e.strerror}); a PEFT adapter folder has {CONFIG_FILE} and {WEIGHTS_FILE}"
+        ) from None
 
 
 def _parse_config(name: str, raw: bytes) -> dict:
@@ -173,14 +190,17 @@ def _parse_config(name: str, raw: bytes) -> dict:
     if config.get("fan_in_fan_out"):
         unsupported.append(("fan_in_fan_out", True))
     if unsupported:
-        raise AdapterError(f"adapter {name!r}: unsupported settings {dict(unsupported)}; allowed: plain LoRA on "
-                           f"{', '.join(TARGETS)} (none of {', '.join(_UNSUPPORTED)}, bias)")
+        raise AdapterError(
+            f"adapter {name!r}: unsupported settings {dict(unsupported)}; allowed: plain LoRA on "
+            f"{', '.join(TARGETS)} (none of {', '.join(_UNSUPPORTED)}, bias)"
+        )
     targets = config.get("target_modules")
     if isinstance(targets, list):
         unknown = sorted(set(targets) - set(TARGETS))
         if unknown:
-            raise AdapterError(f"adapter {name!r}: target_modules {unknown} are not supported; "
-                               f"allowed: {', '.join(TARGETS)}")
+            raise AdapterError(
+                f"adapter {name!r}: target_modules {unknown} are not supported; allowed: {', '.join(TARGETS)}"
+            )
     elif not isinstance(targets, str):  # PEFT also takes a regex string; the tensors then say what is adapted
         raise AdapterError(f"adapter {name!r}: target_modules must be a list of module names or a regex string")
     return config
@@ -191,8 +211,9 @@ def _hyper_parameters(name: str, config: dict, max_rank: int) -> tuple[int, floa
     if not isinstance(rank, int) or isinstance(rank, bool) or rank < 1:
         raise AdapterError(f"adapter {name!r}: r must be an integer >= 1, got {rank!r}")
     if rank > max_rank:
-        raise AdapterError(f"adapter {name!r}: rank {rank} is over this server's max_lora_rank {max_rank}; "
-                           f"allowed: r <= {max_rank}")
+        raise AdapterError(
+            f"adapter {name!r}: rank {rank} is over this server's max_lora_rank {max_rank}; allowed: r <= {max_rank}"
+        )
     if not isinstance(alpha, (int, float)) or isinstance(alpha, bool) or not math.isfinite(alpha):
         raise AdapterError(f"adapter {name!r}: lora_alpha must be a finite number, got {alpha!r}")
     return rank, float(alpha), bool(config.get("use_rslora", False))
@@ -207,15 +228,18 @@ def _load_tensors(name: str, raw: bytes) -> dict[str, torch.Tensor]:
         raise AdapterError(f"adapter {name!r}: {WEIGHTS_FILE} is not a readable safetensors file ({e})") from None
 
 
-def _group_tensors(name: str, tensors: dict[str, torch.Tensor], rank: int,
-                   layout: dict[str, LinearLayout]) -> dict[str, dict[str, dict[str, torch.Tensor]]]:
+def _group_tensors(
+    name: str, tensors: dict[str, torch.Tensor], rank: int, layout: dict[str, LinearLayout]
+) -> dict[str, dict[str, dict[str, torch.Tensor]]]:
     """fused linear key -> PEFT projection -> {"A": [r, in], "B": [out, r]}, shapes checked."""
     grouped: dict[str, dict[str, dict[str, torch.Tensor]]] = {}
     for tensor_name, tensor in tensors.items():
         m = _TENSOR.match(tensor_name)
         if m is None or m.group(2) not in TARGETS:
-            raise AdapterError(f"adapter {name!r}: tensor {tensor_name!r} adapts a module we do not have; "
-                               f"allowed: lora_A/lora_B of {', '.join(TARGETS)} in model.layers.N")
+            raise AdapterError(
+                f"adapter {name!r}: tensor {tensor_name!r} adapts a module we do not have; "
+                f"allowed: lora_A/lora_B of {', '.join(TARGETS)} in model.layers.N"
+            )
         layer, proj, half = m.groups()
         key = f"layers.{int(layer)}.{TARGETS[proj][0]}"
         if key not in layout:
@@ -236,16 +260,18 @@ def _check_pair(name: str, key: str, proj: str, pair: dict[str, torch.Tensor], r
     want = {"A": (rank, lin.in_features), "B": (rows, rank)}
     for half, shape in want.items():
         if tuple(pair[half].shape) != shape:
-            raise AdapterError(f"adapter {name!r}: {key} {proj}.lora_{half} has shape {tuple(pair[half].shape)}; "
-                               f"this model needs {shape} for r={rank}")
+            raise AdapterError(
+                f"adapter {name!r}: {key} {proj}.lora_{half} has shape {tuple(pair[half].shape)}; "
+                f"this model needs {shape} for r={rank}"
+            )
 
 
-def _pack(parts: dict[str, dict[str, torch.Tensor]], lin: LinearLayout, scale: float,
-          dtype: torch.dtype) -> LoraLinear:
+def _pack(parts: dict[str, dict[str, torch.Tensor]], lin: LinearLayout, scale: float, dtype: torch.dtype) -> LoraLinear:
     """One fused linear's LoraLinear, shards in the linear's order."""
     order = [proj for proj in TARGETS if proj in parts]
     order.sort(key=lambda p: lin.shard_offsets[TARGETS[p][1]][0])
     a_t = torch.cat([parts[p]["A"].float() for p in order]).t().contiguous()
-    blocks = tuple((lin.shard_offsets[TARGETS[p][1]][0], (parts[p]["B"].float().t() * scale).to(dtype).contiguous())
-                   for p in order)
+    blocks = tuple(
+        (lin.shard_offsets[TARGETS[p][1]][0], (parts[p]["B"].float().t() * scale).to(dtype).contiguous()) for p in order
+    )
     return LoraLinear(a_t.to(dtype), blocks, lin.out_features)

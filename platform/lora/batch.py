@@ -85,7 +85,7 @@ class LoraBatch:
     def __init__(self, packed: PackedSet, row_group: torch.Tensor, is_uniform: bool, ops: CpuOps | None = None):
         self.packed = packed
         self.row_group = row_group
-        self.is_uniform = is_uniform   # one adapter on every row: no mask needed
+        self.is_uniform = is_uniform  # one adapter on every row: no mask needed
         self.ops = ops
         self._masks: dict[tuple, torch.Tensor] = {}
 
@@ -111,11 +111,16 @@ class LoraContext:
             self.batch = None
             return
         group = {id(a): g for g, a in enumerate(distinct)}
-        rows = [group[id(a)] if a is not None else -1
-                for a, n in zip(adapters, num_tokens, strict=True) for _ in range(n)]
+        rows = [
+            group[id(a)] if a is not None else -1 for a, n in zip(adapters, num_tokens, strict=True) for _ in range(n)
+        ]
         row_group = torch.tensor(rows, dtype=torch.long, device=device)
-        self.batch = LoraBatch(self._packed_set(distinct), row_group, is_uniform=len(distinct) == 1 and -1 not in rows,
-                               ops=cpu_ops() if torch.device(device).type == "cpu" else None)
+        self.batch = LoraBatch(
+            self._packed_set(distinct),
+            row_group,
+            is_uniform=len(distinct) == 1 and -1 not in rows,
+            ops=cpu_ops() if torch.device(device).type == "cpu" else None,
+        )
 
     def end(self) -> None:
         self.batch = None

@@ -38,10 +38,10 @@ class LoraRegistry:
         self.layout = layout
         self.dtype = dtype
         self._paths: dict[str, str] = {}
-        self._digests: dict[str, bytes] = {}   # of the latest read of each known adapter
+        self._digests: dict[str, bytes] = {}  # of the latest read of each known adapter
         self._loaded: OrderedDict[str, LoraAdapter] = OrderedDict()
         self.num_loads = 0
-        self.num_hinted_evictions = 0   # evictions that followed the router's evict_first hint
+        self.num_hinted_evictions = 0  # evictions that followed the router's evict_first hint
 
     def load_modules(self) -> None:
         """Load the adapters of --lora-modules; a bad one stops the start (ConfigError)."""
@@ -83,8 +83,10 @@ class LoraRegistry:
         """(the adapter if it is in memory, now the most recently used, else None; its folder).
         Raises AdapterNotFoundError for a name this engine does not know."""
         if name not in self._paths:
-            raise AdapterNotFoundError(f"model {name!r} is neither the base model nor a loaded adapter; "
-                                       f"adapters: {', '.join(self.names()) or 'none'}")
+            raise AdapterNotFoundError(
+                f"model {name!r} is neither the base model nor a loaded adapter; "
+                f"adapters: {', '.join(self.names()) or 'none'}"
+            )
         adapter = self._loaded.get(name)
         if adapter is not None:
             self._loaded.move_to_end(name)

@@ -11,9 +11,16 @@ from splitserve.platform.models.qwen2 import Qwen2ForCausalLM
 from splitserve.platform.models.qwen3 import Qwen3ForCausalLM
 from splitserve.platform.models.qwen3_moe import Qwen3MoeForCausalLM
 
-MODEL_CLASSES = {"llama": LlamaForCausalLM, "qwen2": Qwen2ForCausalLM, "qwen3": Qwen3ForCausalLM,
-                 "mistral": MistralForCausalLM, "phi3": Phi3ForCausalLM, "qwen3_moe": Qwen3MoeForCausalLM,
-                 "gemma3": Gemma3ForCausalLM, "mixtral": MixtralForCausalLM}
+MODEL_CLASSES = {
+    "llama": LlamaForCausalLM,
+    "qwen2": Qwen2ForCausalLM,
+    "qwen3": Qwen3ForCausalLM,
+    "mistral": MistralForCausalLM,
+    "phi3": Phi3ForCausalLM,
+    "qwen3_moe": Qwen3MoeForCausalLM,
+    "gemma3": Gemma3ForCausalLM,
+    "mixtral": MixtralForCausalLM,
+}
 
 
 def build_model(config: ModelConfig, quantization: str = "none") -> LlamaForCausalLM:

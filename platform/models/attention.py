@@ -39,17 +39,17 @@ class PrefillChunk:
 
     q_start: int
     q_len: int
-    start_pos: int                      # tokens of this sequence already in the cache
-    block_table: torch.Tensor | None    # [num_blocks] when start_pos > 0
-    mask: torch.Tensor | None           # [q_len, start_pos + q_len] bool, when start_pos > 0
+    start_pos: int  # tokens of this sequence already in the cache
+    block_table: torch.Tensor | None  # [num_blocks] when start_pos > 0
+    mask: torch.Tensor | None  # [q_len, start_pos + q_len] bool, when start_pos > 0
 
 
 @dataclass
 class AttentionMetadata:
-    slot_mapping: torch.Tensor                  # [T] long
-    num_decodes: int                            # tokens [0, num_decodes) are decodes
-    decode_block_table: torch.Tensor | None     # [num_decodes, max_blocks] long
-    decode_mask: torch.Tensor | None            # [num_decodes, max_blocks * block_size] bool, True = attend
+    slot_mapping: torch.Tensor  # [T] long
+    num_decodes: int  # tokens [0, num_decodes) are decodes
+    decode_block_table: torch.Tensor | None  # [num_decodes, max_blocks] long
+    decode_mask: torch.Tensor | None  # [num_decodes, max_blocks * block_size] bool, True = attend
     prefills: list[PrefillChunk]
     decode_context_lens: torch.Tensor | None = None  # [num_decodes] long, for the fused CPU kernel
     # Every token of the step as one query row for the fused CPU kernel (its sequence's block
@@ -69,18 +69,19 @@ class AttentionMetadata:
 class TritonAttentionMetadata:
     """AttentionMetadata laid out for the Triton kernels; prefill rows count from num_decodes."""
 
-    decode_context_lens: torch.Tensor | None    # [num_decodes] int32
-    cu_q_lens: torch.Tensor | None              # [S + 1] int32, chunk s is prefill rows cu[s] .. cu[s + 1]
-    start_pos: torch.Tensor | None              # [S] int32
-    prefill_block_tables: torch.Tensor | None   # [S, max_blocks] long, zero-padded
-    max_q_len: int                              # the longest chunk, to size the grid without a sync
+    decode_context_lens: torch.Tensor | None  # [num_decodes] int32
+    cu_q_lens: torch.Tensor | None  # [S + 1] int32, chunk s is prefill rows cu[s] .. cu[s + 1]
+    start_pos: torch.Tensor | None  # [S] int32
+    prefill_block_tables: torch.Tensor | None  # [S, max_blocks] long, zero-padded
+    max_q_len: int  # the longest chunk, to size the grid without a sync
 
 
-def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
+def write_kv(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
     """Scatter new K/V ([T, kv_heads, dim]) into the paged caches ([blocks, block_size, kv_heads, dim])."""
     if slot_mapping.numel() and not slot_mapping.is_cuda and int(slot_mapping[-1]) < 0:
-        real = int((slot_mapping >= 0).sum())          # graph padding (slot -1) sits at the end
+        real = int((slot_mapping >= 0).sum())  # graph padding (slot -1) sits at the end
         k, v, slot_mapping = k[:real], v[:real], slot_mapping[:real]
     k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
     v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
@@ -92,8 +93,9 @@ def gather_kv(cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
     return flat.view(*block_table.shape[:-1], -1, *cache.shape[2:])
 
 
-def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-                     mask: torch.Tensor) -> torch.Tensor:
+def decode_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, mask: torch.Tensor
+) -> torch.Tensor:
     """q [B, H, D], k/v [B, Lk, Hkv, D], mask [B, Lk] -> [B, H, D].
 
     GQA by grouping query heads per KV head ([B, Hkv, group, D]); on CPU this beats SDPA with
@@ -102,28 +104,42 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
     b, h, d = q.shape
     hkv = k.shape[2]
     qg = q.view(b, hkv, h // hkv, d).float()
-    scores = torch.matmul(qg, k.permute(0, 2, 3, 1).float()) * scale            # [B, Hkv, G, Lk]
+    scores = torch.matmul(qg, k.permute(0, 2, 3, 1).float()) * scale  # [B, Hkv, G, Lk]
     scores = scores.masked_fill(~mask.view(b, 1, 1, -1), float("-inf"))
     probs = torch.softmax(scores, dim=-1)
-    out = torch.matmul(probs, v.permute(0, 2, 1, 3).float())                     # [B, Hkv, G, D]
+    out = torch.matmul(probs, v.permute(0, 2, 1, 3).float())  # [B, Hkv, G, D]
     return out.view(b, h, d).to(q.dtype)
 
 
-def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-                      mask: torch.Tensor | None) -> torch.Tensor:
+def prefill_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, mask: torch.Tensor | None
+) -> torch.Tensor:
     """q [Lq, H, D], k/v [Lk, Hkv, D] -> [Lq, H, D]; causal (mask None, Lk == Lq) or masked.
 
     SDPA's fused kernel keeps memory linear in the prompt length (no Lq x Lk score matrix).
     """
     out = F.scaled_dot_product_attention(
-        q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
-        attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=True)
+        q.transpose(0, 1)[None],
+        k.transpose(0, 1)[None],
+        v.transpose(0, 1)[None],
+        attn_mask=mask,
+        is_causal=mask is None,
+        scale=scale,
+        enable_gqa=True,
+    )
     return out[0].transpose(0, 1)
 
 
-def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                    v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
-                    window: int | None = None) -> torch.Tensor:
+def paged_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    window: int | None = None,
+) -> torch.Tensor:
     """q [T, H, D], k/v [T, Hkv, D] for this step's tokens -> attention output [T, H, D].
 
     `window`: a sliding-window layer's W (None: full attention). On CUDA with triton installed
@@ -175,8 +191,17 @@ def as_cached(x: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
     return x if cache.dtype == x.dtype else x.to(cache.dtype).to(x.dtype)
 
 
-def _prefill_chunks(q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float, out: torch.Tensor,
-                    masks: list[torch.Tensor | None]) -> None:
+def _prefill_chunks(
+    q,
+    k,
+    v,
+    k_cache,
+    v_cache,
+    meta: AttentionMetadata,
+    scale: float,
+    out: torch.Tensor,
+    masks: list[torch.Tensor | None],
+) -> None:
     """Each prefill chunk attends to its cached prefix plus itself (or, without a prefix, to its
     own fresh K/V, rounded as the cache holds them); results go into their rows of `out`.
     `masks`: each chunk's mask (None: plain causal)."""
@@ -191,15 +216,23 @@ def _prefill_chunks(q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: f
         out[sl] = prefill_attention(q[sl], keys, values, scale, mask)
 
 
-def paged_attention_fused(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                          v_cache: torch.Tensor, meta: AttentionMetadata, scale: float, ops) -> torch.Tensor:
+def paged_attention_fused(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    ops,
+) -> torch.Tensor:
     """paged_attention with K/V already written (CpuOps.rope_write_kv): every token, decode or
     prefill, is one query row of the fused CPU kernel, which reads the paged cache in place with
     a reduction order fixed per row. A prompt token's attention therefore has the same bits
     whether its prompt is computed in one chunk or several, after a prefix-cache hit, or beside
     any batch-mates (SDPA's blocking would differ with the chunk's shape; with a float16 cache an
     ulp of difference upstream can round a K element differently, and greedy ties then flip)."""
-    if getattr(ops, "attends_paged", False):          # kernels/triton_ops.TritonOps on CUDA
+    if getattr(ops, "attends_paged", False):  # kernels/triton_ops.TritonOps on CUDA
         return ops.paged_attention(q, k_cache, v_cache, meta, scale)
     if meta.prefills:
         if meta.rows is None:
@@ -220,15 +253,24 @@ def query_rows(meta: AttentionMetadata, block_size: int) -> tuple[torch.Tensor, 
         tables += list(meta.decode_block_table)
         lens.append(meta.decode_context_lens)
     for c in meta.prefills:
-        table = (c.block_table if c.block_table is not None
-                 else meta.slot_mapping[c.q_start:c.q_start + c.q_len:block_size] // block_size)
+        table = (
+            c.block_table
+            if c.block_table is not None
+            else meta.slot_mapping[c.q_start : c.q_start + c.q_len : block_size] // block_size
+        )
         tables += [table] * c.q_len
         lens.append(torch.arange(c.start_pos + 1, c.start_pos + c.q_len + 1, device=table.device))
     return torch.nn.utils.rnn.pad_sequence(tables, batch_first=True), torch.cat(lens)
 
 
-def _paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                            meta: AttentionMetadata, scale: float, window: int | None = None) -> torch.Tensor:
+def _paged_attention_triton(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    window: int | None = None,
+) -> torch.Tensor:
     """The Triton path of paged_attention, K/V already written; fills meta.triton on first use."""
     from splitserve.platform.kernels.triton_attention import paged_decode_attention, paged_prefill_attention
     from splitserve.platform.kernels.triton_split_decode import split_decode_attention
@@ -239,15 +281,41 @@ def _paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     out = torch.empty_like(q)
     nd = meta.num_decodes
     if nd:
-        if window:   # sliding-window layers: the single-pass kernel, which masks by window
-            paged_decode_attention(q[:nd], k_cache, v_cache, meta.decode_block_table, tm.decode_context_lens,
-                                   scale, out=out[:nd], window=window)
+        if window:  # sliding-window layers: the single-pass kernel, which masks by window
+            paged_decode_attention(
+                q[:nd],
+                k_cache,
+                v_cache,
+                meta.decode_block_table,
+                tm.decode_context_lens,
+                scale,
+                out=out[:nd],
+                window=window,
+            )
         else:
-            split_decode_attention(q[:nd], k_cache, v_cache, meta.decode_block_table, tm.decode_context_lens,
-                                   scale, meta.decode_num_splits, out=out[:nd])
+            split_decode_attention(
+                q[:nd],
+                k_cache,
+                v_cache,
+                meta.decode_block_table,
+                tm.decode_context_lens,
+                scale,
+                meta.decode_num_splits,
+                out=out[:nd],
+            )
     if meta.prefills:
-        paged_prefill_attention(q[nd:], k_cache, v_cache, tm.cu_q_lens, tm.start_pos, tm.prefill_block_tables,
-                                scale, max_q_len=tm.max_q_len, out=out[nd:], window=window or 0)
+        paged_prefill_attention(
+            q[nd:],
+            k_cache,
+            v_cache,
+            tm.cu_q_lens,
+            tm.start_pos,
+            tm.prefill_block_tables,
+            scale,
+            max_q_len=tm.max_q_len,
+            out=out[nd:],
+            window=window or 0,
+        )
     return out
 
 
@@ -260,9 +328,12 @@ def build_triton_metadata(meta: AttentionMetadata, block_size: int) -> TritonAtt
     if not meta.prefills:
         return TritonAttentionMetadata(context_lens, None, None, None, 0)
     nd, dev = meta.num_decodes, meta.slot_mapping.device
-    tables = [c.block_table if c.block_table is not None
-              else meta.slot_mapping[c.q_start:c.q_start + c.q_len:block_size] // block_size
-              for c in meta.prefills]
+    tables = [
+        c.block_table
+        if c.block_table is not None
+        else meta.slot_mapping[c.q_start : c.q_start + c.q_len : block_size] // block_size
+        for c in meta.prefills
+    ]
     ends = [c.q_start + c.q_len - nd for c in meta.prefills]
     assert [c.q_start - nd for c in meta.prefills] == [0, *ends[:-1]], "prefill chunks must be back to back"
     return TritonAttentionMetadata(
@@ -270,4 +341,5 @@ def build_triton_metadata(meta: AttentionMetadata, block_size: int) -> TritonAtt
         cu_q_lens=torch.tensor([0, *ends], dtype=torch.int32, device=dev),
         start_pos=torch.tensor([c.start_pos for c in meta.prefills], dtype=torch.int32, device=dev),
         prefill_block_tables=torch.nn.utils.rnn.pad_sequence(tables, batch_first=True),
-        max_q_len=max(c.q_len for c in meta.prefills))
+        max_q_len=max(c.q_len for c in meta.prefills),
+    )

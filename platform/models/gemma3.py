@@ -30,7 +30,7 @@ from splitserve.platform.models.layers import OffsetRMSNorm, RotaryEmbedding
 from splitserve.platform.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP
 from splitserve.platform.quant.kernels import AUTO_EXACT
 
-AUTO_MODE = AUTO_EXACT   # what `--quantization auto` builds for this family (module docstring)
+AUTO_MODE = AUTO_EXACT  # what `--quantization auto` builds for this family (module docstring)
 
 
 class Gemma3DecoderLayer(nn.Module):
@@ -56,9 +56,10 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
 
     def __init__(self, config: ModelConfig, quantization: str = "none"):
         super().__init__(config, AUTO_MODE if quantization == "auto" else quantization)
-        self.local_rotary = RotaryEmbedding(config.head_dim, config.max_position_embeddings,
-                                            config.rope_local_theta or config.rope_theta, None)
-        self.register_buffer("embed_scale", torch.tensor(config.hidden_size ** 0.5), persistent=False)
+        self.local_rotary = RotaryEmbedding(
+            config.head_dim, config.max_position_embeddings, config.rope_local_theta or config.rope_theta, None
+        )
+        self.register_buffer("embed_scale", torch.tensor(config.hidden_size**0.5), persistent=False)
 
     def use_fused_ops(self, ops) -> None:
         """Gemma's block is not the fused graph's (is_plain_llama_graph), but its norms take the
@@ -68,9 +69,14 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
             if isinstance(module, OffsetRMSNorm):
                 module.use_ops(ops)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata,
-                layer_hook=None) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        meta: AttentionMetadata,
+        layer_hook=None,
+    ) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
         x = x * self.embed_scale.to(x.dtype)
         rotary = {False: self.rotary.cos_sin(positions, x.dtype), True: self.local_rotary.cos_sin(positions, x.dtype)}

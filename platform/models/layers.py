@@ -108,7 +108,7 @@ class MergedLinear(nn.Module):
             return
         target = self.weight if kind == "weight" else self.bias
         assert target is not None, f"checkpoint has a {shard} bias but the layer has none"
-        target.data[start:start + size].copy_(tensor)
+        target.data[start : start + size].copy_(tensor)
 
     def finalize(self, name: str, dtype: torch.dtype) -> None:
         """Pack the collected shards into this layer's kernel (fast modes; no-op for "none")."""
@@ -178,7 +178,8 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> t
     wavelen = 2 * math.pi / inv_freq
     scaled = torch.where(wavelen > low_wavelen, inv_freq / scaling.factor, inv_freq)
     smooth = (scaling.original_max_position_embeddings / wavelen - scaling.low_freq_factor) / (
-        scaling.high_freq_factor - scaling.low_freq_factor)
+        scaling.high_freq_factor - scaling.low_freq_factor
+    )
     blended = (1 - smooth) * scaled / scaling.factor + smooth * scaled
     is_medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
     return torch.where(is_medium, blended, scaled)
@@ -201,8 +202,7 @@ class RotaryEmbedding(nn.Module):
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """[T, 1, head_dim] cos and sin for the given positions, ready to broadcast over heads."""
-        return (self.cos_cache[positions].unsqueeze(1).to(dtype),
-                self.sin_cache[positions].unsqueeze(1).to(dtype))
+        return (self.cos_cache[positions].unsqueeze(1).to(dtype), self.sin_cache[positions].unsqueeze(1).to(dtype))
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

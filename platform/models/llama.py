@@ -35,8 +35,9 @@ from splitserve.platform.quant.kernels import LinearKernel, build_head
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: ModelConfig, quantization: str = "none", layer: int = 0,
-                 norm_class: type[RMSNorm] = RMSNorm):
+    def __init__(
+        self, config: ModelConfig, quantization: str = "none", layer: int = 0, norm_class: type[RMSNorm] = RMSNorm
+    ):
         super().__init__()
         self.window = config.layer_window(layer)
         self.q_norm = norm_class(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
@@ -47,21 +48,25 @@ class LlamaAttention(nn.Module):
         self.scale = (config.query_pre_attn_scalar or config.head_dim) ** -0.5
         q_size = config.num_heads * config.head_dim
         kv_size = config.num_kv_heads * config.head_dim
-        self.qkv_proj = MergedLinear(config.hidden_size, {"q": q_size, "k": kv_size, "v": kv_size},
-                                     bias=config.attention_bias, quantization=quantization)
+        self.qkv_proj = MergedLinear(
+            config.hidden_size,
+            {"q": q_size, "k": kv_size, "v": kv_size},
+            bias=config.attention_bias,
+            quantization=quantization,
+        )
         self.o_proj = MergedLinear(q_size, {"o": config.hidden_size}, bias=False, quantization=quantization)
 
     def forward(self, x, cos, sin, kv_cache, meta: AttentionMetadata):
         n = x.shape[0]
         qkv = self.qkv_proj(x).view(n, -1, self.head_dim)
-        qk = qkv[:, :self.num_heads + self.num_kv_heads]
+        qk = qkv[:, : self.num_heads + self.num_kv_heads]
         if self.q_norm is not None:
             q, k = qk.split((self.num_heads, self.num_kv_heads), dim=1)
             qk = torch.cat((self.q_norm(q), self.k_norm(k)), dim=1)
         # Rotate q and k heads together: one set of ops instead of two.
         qk = apply_rotary(qk, cos, sin)
         q, k = qk.split((self.num_heads, self.num_kv_heads), dim=1)
-        v = qkv[:, self.num_heads + self.num_kv_heads:]
+        v = qkv[:, self.num_heads + self.num_kv_heads :]
         out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, self.window)
         return self.o_proj(out.reshape(n, -1))
 
@@ -69,16 +74,25 @@ class LlamaAttention(nn.Module):
         """forward() with rotary, the KV write and decode attention in the fused CPU kernels."""
         n = x.shape[0]
         qkv = self.qkv_proj(x)
-        ops.rope_write_kv(qkv, positions, rotary.cos_cache, rotary.sin_cache, kv_cache[0], kv_cache[1],
-                          meta.slot_mapping, self.num_heads, self.num_kv_heads, self.head_dim)
+        ops.rope_write_kv(
+            qkv,
+            positions,
+            rotary.cos_cache,
+            rotary.sin_cache,
+            kv_cache[0],
+            kv_cache[1],
+            meta.slot_mapping,
+            self.num_heads,
+            self.num_kv_heads,
+            self.head_dim,
+        )
         qkv = qkv.view(n, -1, self.head_dim)
         q, k, v = qkv.split((self.num_heads, self.num_kv_heads, self.num_kv_heads), dim=1)
         out = paged_attention_fused(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, ops)
         return self.o_proj(out.reshape(n, -1))
 
 
-_ACTIVATIONS = {"silu": nn.functional.silu,
-                "gelu_tanh": lambda x: nn.functional.gelu(x, approximate="tanh")}
+_ACTIVATIONS = {"silu": nn.functional.silu, "gelu_tanh": lambda x: nn.functional.gelu(x, approximate="tanh")}
 
 
 class LlamaMLP(nn.Module):
@@ -86,11 +100,15 @@ class LlamaMLP(nn.Module):
         super().__init__()
         self.intermediate_size = config.intermediate_size
         self.act = _ACTIVATIONS[config.hidden_act]
-        self.gate_up_proj = MergedLinear(config.hidden_size, {"gate": config.intermediate_size,
-                                                              "up": config.intermediate_size}, bias=False,
-                                         quantization=quantization)
-        self.down_proj = MergedLinear(config.intermediate_size, {"down": config.hidden_size}, bias=False,
-                                      quantization=quantization)
+        self.gate_up_proj = MergedLinear(
+            config.hidden_size,
+            {"gate": config.intermediate_size, "up": config.intermediate_size},
+            bias=False,
+            quantization=quantization,
+        )
+        self.down_proj = MergedLinear(
+            config.intermediate_size, {"down": config.hidden_size}, bias=False, quantization=quantization
+        )
 
     def forward(self, x):
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
@@ -115,9 +133,12 @@ class LlamaDecoderLayer(nn.Module):
 
 # checkpoint name -> (module path, shard) for tensors that land in (fused) MergedLinear projections
 _FUSED = {
-    "q_proj": ("self_attn.qkv_proj", "q"), "k_proj": ("self_attn.qkv_proj", "k"),
-    "v_proj": ("self_attn.qkv_proj", "v"), "o_proj": ("self_attn.o_proj", "o"),
-    "gate_proj": ("mlp.gate_up_proj", "gate"), "up_proj": ("mlp.gate_up_proj", "up"),
+    "q_proj": ("self_attn.qkv_proj", "q"),
+    "k_proj": ("self_attn.qkv_proj", "k"),
+    "v_proj": ("self_attn.qkv_proj", "v"),
+    "o_proj": ("self_attn.o_proj", "o"),
+    "gate_proj": ("mlp.gate_up_proj", "gate"),
+    "up_proj": ("mlp.gate_up_proj", "up"),
     "down_proj": ("mlp.down_proj", "down"),
 }
 _LAYER_NAME = re.compile(r"model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.(weight|bias)$")
@@ -147,8 +168,9 @@ class LlamaForCausalLM(nn.Module):
         self.decode_plan: DecodePlan | None = None
         self.layers = nn.ModuleList(self.DECODER_LAYER(config, quantization, i) for i in range(config.num_layers))
         self.norm = self.NORM(config.hidden_size, config.rms_norm_eps)
-        self.rotary = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope_theta,
-                                      config.rope_scaling)
+        self.rotary = RotaryEmbedding(
+            config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling
+        )
         if config.tie_word_embeddings:
             self.lm_head = None
         elif quantization == "none":
@@ -156,9 +178,14 @@ class LlamaForCausalLM(nn.Module):
         else:
             self.lm_head = QuantizedEmbedding(config.vocab_size, config.hidden_size)  # its int8 table
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata,
-                layer_hook: Callable[[int], None] | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        meta: AttentionMetadata,
+        layer_hook: Callable[[int], None] | None = None,
+    ) -> torch.Tensor:
         """input_ids/positions [T] -> final hidden states [T, hidden] (normed).
 
         `layer_hook(i)` runs right after layer i has written its K/V (KV export per layer).
@@ -186,8 +213,14 @@ class LlamaForCausalLM(nn.Module):
     def is_plain_llama_graph(self) -> bool:
         """True when the fused CPU graph computes this model: no q/k norm, window or experts."""
         c = self.config
-        return not (c.qk_norm or c.layer_types and "sliding_attention" in c.layer_types or c.num_experts
-                    or c.hidden_act != "silu" or self.NORM is not RMSNorm)
+        return not (
+            c.qk_norm
+            or c.layer_types
+            and "sliding_attention" in c.layer_types
+            or c.num_experts
+            or c.hidden_act != "silu"
+            or self.NORM is not RMSNorm
+        )
 
     def _forward_fused(self, x, positions, kv_caches, meta, layer_hook):
         """The same graph as forward(), with each residual add fused into the next norm:
@@ -240,8 +273,11 @@ class LlamaForCausalLM(nn.Module):
         return name
 
     def _expected_keys(self, params: dict[str, nn.Parameter]) -> set[str]:
-        keys = {name for name in params
-                if not isinstance(self.get_submodule(name.rsplit(".", 1)[0]), (MergedLinear, SparseMoeBlock))}
+        keys = {
+            name
+            for name in params
+            if not isinstance(self.get_submodule(name.rsplit(".", 1)[0]), (MergedLinear, SparseMoeBlock))
+        }
         for name, module in self.named_modules():
             if isinstance(module, SparseMoeBlock):
                 keys.update(module.checkpoint_keys(name))
@@ -264,7 +300,7 @@ class LlamaForCausalLM(nn.Module):
             module = self.layers[int(layer)].get_submodule(module_path)
             tensor = formats.as_float(tensor)
             for shard, (start, size) in module.shard_offsets.items():
-                module.load_weight(shard, kind, tensor[start:start + size])
+                module.load_weight(shard, kind, tensor[start : start + size])
             return [f"layers.{layer}.{module_path}.{kind}#{shard}" for shard in module.shard_offsets]
         if m and m.group(3) in _FUSED:
             layer, _, proj, kind = m.groups()
@@ -288,7 +324,8 @@ class LlamaForCausalLM(nn.Module):
             tensor = tensor.dequantize()
         if own not in params:
             raise ValueError(f"unexpected checkpoint tensor {name!r}")
-        assert params[own].shape == tensor.shape, \
+        assert params[own].shape == tensor.shape, (
             f"{name}: expected {tuple(params[own].shape)}, got {tuple(tensor.shape)}"
+        )
         params[own].data.copy_(tensor)
         return [own]

@@ -38,10 +38,10 @@ class SparseMoeBlock(nn.Module):
         experts, hidden, inter = config.num_experts, config.hidden_size, config.moe_intermediate_size
         self.num_experts, self.top_k, self.intermediate_size = experts, config.num_experts_per_tok, inter
         self.norm_topk_prob = config.norm_topk_prob
-        self.gate = nn.Linear(hidden, experts, bias=False)        # the router
+        self.gate = nn.Linear(hidden, experts, bias=False)  # the router
         self.gate_up = nn.Parameter(torch.empty(experts, 2 * inter, hidden))
         self.down = nn.Parameter(torch.empty(experts, hidden, inter))
-        self.use_grouped_mm = True     # on a CPU; False: the per-expert loop (bench/moe_step.py compares)
+        self.use_grouped_mm = True  # on a CPU; False: the per-expert loop (bench/moe_step.py compares)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, hidden] -> (weights [T, k] in x's dtype, expert ids [T, k])."""
@@ -59,13 +59,14 @@ class SparseMoeBlock(nn.Module):
             return moe_experts(x, weights, experts, self.gate_up, self.down)
         return self.experts_torch(x, weights, experts, grouped=self.use_grouped_mm and x.device.type == "cpu")
 
-    def experts_torch(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
-                      grouped: bool) -> torch.Tensor:
+    def experts_torch(
+        self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, grouped: bool
+    ) -> torch.Tensor:
         """sum_j weights[t, j] * MLP_{experts[t, j]}(x[t]) in torch: one grouped matmul per projection
         (`grouped`) or one matmul pair per expert with rows (the loop)."""
         flat = experts.reshape(-1)
         order = torch.argsort(flat, stable=True)
-        token_of = order // self.top_k                              # the token of each sorted pair
+        token_of = order // self.top_k  # the token of each sorted pair
         counts = torch.bincount(flat, minlength=self.num_experts)
         rows = x.index_select(0, token_of)
         out = self._grouped_mlp(rows, counts) if grouped else self._looped_mlp(rows, counts.tolist())
@@ -73,7 +74,7 @@ class SparseMoeBlock(nn.Module):
         return torch.zeros_like(x).index_add_(0, token_of, out)
 
     def _grouped_mlp(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        ends = torch.cumsum(counts, 0, dtype=torch.int32)          # group e: rows ends[e-1] .. ends[e]
+        ends = torch.cumsum(counts, 0, dtype=torch.int32)  # group e: rows ends[e-1] .. ends[e]
         gate_up = nn.functional.grouped_mm(rows, self.gate_up.transpose(1, 2), offs=ends)
         gate, up = gate_up.split(self.intermediate_size, dim=-1)
         return nn.functional.grouped_mm(nn.functional.silu(gate) * up, self.down.transpose(1, 2), offs=ends)
@@ -83,7 +84,7 @@ class SparseMoeBlock(nn.Module):
         start = 0
         for expert, n in enumerate(counts):
             if n:
-                out[start:start + n] = self.expert_mlp(expert, rows[start:start + n])
+                out[start : start + n] = self.expert_mlp(expert, rows[start : start + n])
                 start += n
         return out
 
@@ -103,5 +104,8 @@ class SparseMoeBlock(nn.Module):
 
     def checkpoint_keys(self, prefix: str) -> set[str]:
         """The keys LlamaForCausalLM.load_weights expects for this block's stacked weights."""
-        return {f"{prefix}.experts.{e}.{proj}" for e in range(self.num_experts)
-                for proj in ("gate_proj", "up_proj", "down_proj")}
+        return {
+            f"{prefix}.experts.{e}.{proj}"
+            for e in range(self.num_experts)
+            for proj in ("gate_proj", "up_proj", "down_proj")
+        }

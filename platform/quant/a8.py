@@ -33,7 +33,7 @@ def pack_q4_tiles(codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tenso
     (tiles [N/16, K/32 * 256] uint8, scale and minimum [N/16, K/32, 16] float16)."""
     n, k = codes.shape
     t, g = n // TILE, k // formats.GROUP
-    c = codes.view(t, TILE, g, 2, 4, 4)                          # (tile, row, group, half, i, c)
+    c = codes.view(t, TILE, g, 2, 4, 4)  # (tile, row, group, half, i, c)
     packed = (c[:, :, :, 0] | (c[:, :, :, 1] << 4)).permute(0, 2, 3, 1, 4).contiguous()  # (tile, group, i, row, c)
     return packed.view(t, g * 256), _lanes(scale, t, g), _lanes(minimum, t, g)
 
@@ -42,7 +42,7 @@ def pack_q8_tiles(codes: torch.Tensor, scale: torch.Tensor):
     """codes [N, K] int8, scale [N, K/32] -> (tiles [N/16, K/32 * 512] int8, scale [N/16, K/32, 16] float16)."""
     n, k = codes.shape
     t, g = n // TILE, k // formats.GROUP
-    packed = codes.view(t, TILE, g, 8, 4).permute(0, 2, 3, 1, 4).contiguous()          # (tile, group, j, row, c)
+    packed = codes.view(t, TILE, g, 8, 4).permute(0, 2, 3, 1, 4).contiguous()  # (tile, group, j, row, c)
     return packed.view(t, g * 512), _lanes(scale, t, g)
 
 

@@ -43,6 +43,17 @@ def has_fast_quant_kernels(flags: frozenset[str] | None = None) -> bool:
 def isa_summary(flags: frozenset[str] | None = None) -> str:
     """The instruction sets that matter for the kernels, e.g. 'avx2 avx512f avx512_bf16 amx_tile'."""
     flags = cpu_flags() if flags is None else flags
-    keep = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16", "avx_vnni",
-            "amx_tile", "amx_bf16", "amx_int8")
+    keep = (
+        "avx2",
+        "fma",
+        "f16c",
+        "avx512f",
+        "avx512bw",
+        "avx512_vnni",
+        "avx512_bf16",
+        "avx_vnni",
+        "amx_tile",
+        "amx_bf16",
+        "amx_int8",
+    )
     return " ".join(f for f in keep if f in flags) or "none of avx2/avx512/amx"

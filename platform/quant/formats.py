@@ -62,9 +62,9 @@ class RawQuant:
 
 @dataclass
 class Int4Groups:
-    codes: torch.Tensor   # [rows, cols] uint8 in 0..15
-    scale: torch.Tensor   # [rows, cols // 32] float32
-    zero: torch.Tensor    # [rows, cols // 32] float32
+    codes: torch.Tensor  # [rows, cols] uint8 in 0..15
+    scale: torch.Tensor  # [rows, cols // 32] float32
+    zero: torch.Tensor  # [rows, cols // 32] float32
     exact_minimum: torch.Tensor | None = field(default=None, repr=False)  # as stored, where read from blocks
 
     @property
@@ -82,8 +82,8 @@ class Int4Groups:
 
 @dataclass
 class Int8Groups:
-    codes: torch.Tensor   # [rows, cols] int8
-    scale: torch.Tensor   # [rows, cols // 32] float32
+    codes: torch.Tensor  # [rows, cols] int8
+    scale: torch.Tensor  # [rows, cols // 32] float32
 
     def dequantize(self) -> torch.Tensor:
         rows, cols = self.codes.shape
@@ -96,7 +96,7 @@ def _blocks(raw: RawQuant, block_bytes: int) -> np.ndarray:
 
 
 def _f16(blocks: np.ndarray, offset: int) -> torch.Tensor:
-    halves = np.ascontiguousarray(blocks[..., offset:offset + 2]).view(np.float16)
+    halves = np.ascontiguousarray(blocks[..., offset : offset + 2]).view(np.float16)
     return torch.from_numpy(halves[..., 0].astype(np.float32))
 
 
@@ -115,7 +115,7 @@ def int4_groups(weight: torch.Tensor | RawQuant) -> tuple[Int4Groups, bool]:
         blocks = _blocks(weight, 20 if is_q4_1 else 18)
         d = _f16(blocks, 0)
         zero = (_f16(blocks, 2) + 8 * d) if is_q4_1 else torch.zeros_like(d)
-        codes = _nibbles(blocks[..., 4 if is_q4_1 else 2:]).reshape(rows, cols)
+        codes = _nibbles(blocks[..., 4 if is_q4_1 else 2 :]).reshape(rows, cols)
         return Int4Groups(codes.contiguous(), d, zero), True
     values = weight.dequantize() if isinstance(weight, RawQuant) else weight.float()
     return quantize_int4(values), False
@@ -141,8 +141,8 @@ def q5_0_codes(raw: RawQuant) -> tuple[torch.Tensor, torch.Tensor]:
     """Q5_0's codes as int8 (q - 16, in -16..15) [rows, cols] and its scales d [rows, cols / 32]."""
     rows, cols = raw.shape
     blocks = _blocks(raw, 22)
-    qh = np.ascontiguousarray(blocks[..., 2:6]).view("<u4")                     # [rows, groups, 1]
-    high = ((qh >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8) << 4     # bit j -> element j
+    qh = np.ascontiguousarray(blocks[..., 2:6]).view("<u4")  # [rows, groups, 1]
+    high = ((qh >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8) << 4  # bit j -> element j
     codes = (_nibbles(blocks[..., 6:]).numpy() | high).astype(np.int8) - 16
     return torch.from_numpy(codes.reshape(rows, cols)).contiguous(), _f16(blocks, 0)
 

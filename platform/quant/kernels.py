@@ -94,8 +94,9 @@ class Int4Kernel:
 
     def __call__(self, x):
         if self.ops is None:
-            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16), self.packed, formats.GROUP,
-                                                          self.scales_zeros).to(x.dtype)
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(
+                x.to(torch.bfloat16), self.packed, formats.GROUP, self.scales_zeros
+            ).to(x.dtype)
         elif x.shape[0] >= self.GEMM_MIN_ROWS:
             return F.linear(x.float(), self.ops.q4_dequant(self.qs, self.d, self.mn), self.bias).to(x.dtype)
         else:
@@ -169,10 +170,10 @@ class RescoredHead:
 
     def __call__(self, hidden):
         logits = self.approx(hidden).float()
-        ids = top_ids(logits, self.top)                                                  # [M, top]
+        ids = top_ids(logits, self.top)  # [M, top]
         rows = self.codes.index_select(0, ids.view(-1)).view(*ids.shape, -1, formats.GROUP).float()
         rows = rows * self.scale.index_select(0, ids.view(-1)).view(*ids.shape, -1, 1)
-        exact = (rows.view(*ids.shape, -1) * hidden.float()[:, None, :]).sum(-1)       # [M, top]
+        exact = (rows.view(*ids.shape, -1) * hidden.float()[:, None, :]).sum(-1)  # [M, top]
         return logits.scatter_(1, ids, exact)
 
 
@@ -196,8 +197,14 @@ def top_ids(logits: torch.Tensor, top: int) -> torch.Tensor:
     return columns.gather(1, logits.gather(1, columns).topk(top, dim=-1, sorted=False).indices)
 
 
-KERNELS = {"int4": Int4Kernel, "int8": Int8Kernel, "fp16": Fp16Kernel, "w4a8": a8.Int4A8Kernel,
-           "w4a16": a8.Int4A8Kernel, "w8a16": a8.Int8A16Kernel}
+KERNELS = {
+    "int4": Int4Kernel,
+    "int8": Int8Kernel,
+    "fp16": Fp16Kernel,
+    "w4a8": a8.Int4A8Kernel,
+    "w4a16": a8.Int4A8Kernel,
+    "w8a16": a8.Int8A16Kernel,
+}
 A8_DIGITS = {"w4a8": 1, "w4a16": 2, "w8a16": 2}
 # A mode a family may build with instead of `auto` (never a user's --quantization value): every
 # linear in the kernel that keeps its stored codes (exact_kernel).
@@ -239,8 +246,9 @@ def kernel_for(mode: str, weight: torch.Tensor | RawQuant) -> str:
     return mode
 
 
-def build_kernel(mode: str, name: str, weight: torch.Tensor | RawQuant, bias: torch.Tensor | None,
-                 dtype: torch.dtype) -> LinearKernel:
+def build_kernel(
+    mode: str, name: str, weight: torch.Tensor | RawQuant, bias: torch.Tensor | None, dtype: torch.dtype
+) -> LinearKernel:
     """The kernel of `mode` (a fast mode or `auto`) for the linear `name`; dense if it cannot take it."""
     kind = kernel_for(mode, weight)
     ops = cpu_ops() if kind in A8_DIGITS else None
@@ -250,9 +258,16 @@ def build_kernel(mode: str, name: str, weight: torch.Tensor | RawQuant, bias: to
     out_features, in_features = weight.shape
     kernel_cls = KERNELS[kind]
     if not kernel_cls.fits(out_features, in_features):
-        log.warning("%s: %s weights need inputs in groups of %d and outputs in multiples of 16, got %dx%d; "
-                    "this layer runs dense in %s", name, kind, formats.GROUP, out_features, in_features,
-                    str(dtype).removeprefix("torch."))
+        log.warning(
+            "%s: %s weights need inputs in groups of %d and outputs in multiples of 16, got %dx%d; "
+            "this layer runs dense in %s",
+            name,
+            kind,
+            formats.GROUP,
+            out_features,
+            in_features,
+            str(dtype).removeprefix("torch."),
+        )
         return DenseKernel(formats.as_float(weight), bias, dtype)
     kernel = kernel_cls(weight, bias, ops, A8_DIGITS[kind]) if kind in A8_DIGITS else kernel_cls(weight, bias)
     if isinstance(weight, RawQuant) and not kernel.exact:

@@ -27,8 +27,9 @@ class StructuredSpec:
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
-            raise InvalidRequestError(f"{self.field}: constraint kind {self.kind!r} is unknown; "
-                                      f"allowed: {', '.join(KINDS)}")
+            raise InvalidRequestError(
+                f"{self.field}: constraint kind {self.kind!r} is unknown; allowed: {', '.join(KINDS)}"
+            )
         if not isinstance(self.value, str):
             raise InvalidRequestError(f"{self.field}: the {self.kind} constraint must be given as text")
         if self.kind == "json":
@@ -37,8 +38,9 @@ class StructuredSpec:
             except ValueError as exc:
                 raise InvalidRequestError(f"{self.field}: the JSON schema is not valid JSON ({exc})") from None
             if not isinstance(schema, (dict, bool)):
-                raise InvalidRequestError(f"{self.field}: a JSON schema must be an object or a boolean, "
-                                          f"got {type(schema).__name__}")
+                raise InvalidRequestError(
+                    f"{self.field}: a JSON schema must be an object or a boolean, got {type(schema).__name__}"
+                )
         if self.kind == "choice":
             try:
                 choices = json.loads(self.value)
@@ -69,7 +71,8 @@ def validate_logit_bias(logit_bias, field: str = "logit_bias") -> tuple[tuple[in
             raise InvalidRequestError(f"{field}: token id {key!r} is invalid; allowed: ids >= 0 in the vocabulary")
         is_number = isinstance(value, (int, float)) and not isinstance(value, bool)
         if not is_number or not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:
-            raise InvalidRequestError(f"{field}: the bias {value!r} of token {token_id} is invalid; "
-                                      f"allowed: numbers in [-100, 100]")
+            raise InvalidRequestError(
+                f"{field}: the bias {value!r} of token {token_id} is invalid; allowed: numbers in [-100, 100]"
+            )
         pairs[token_id] = float(value)
     return tuple(sorted(pairs.items()))

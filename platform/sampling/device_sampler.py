@@ -33,9 +33,16 @@ from splitserve.platform.sampling import logits_ops
 def pack_params(rows: Sequence, uniforms: torch.Tensor, device: torch.device) -> torch.Tensor:
     """[5, R] float64 on `device`: greedy flag, temperature, top_k, top_p, min_p; plus the uniforms
     as a sixth row. One host-to-device copy (float64 holds every int top_k exactly)."""
-    host = torch.tensor([[float(r.params.is_greedy) for r in rows], [r.params.temperature for r in rows],
-                         [float(r.params.top_k) for r in rows], [r.params.top_p for r in rows],
-                         [r.params.min_p for r in rows]], dtype=torch.float64)
+    host = torch.tensor(
+        [
+            [float(r.params.is_greedy) for r in rows],
+            [r.params.temperature for r in rows],
+            [float(r.params.top_k) for r in rows],
+            [r.params.top_p for r in rows],
+            [r.params.min_p for r in rows],
+        ],
+        dtype=torch.float64,
+    )
     return torch.cat([host, uniforms.to(torch.float64)[None]]).to(device, non_blocking=True)
 
 
@@ -54,21 +61,22 @@ def pick_tokens(logits: torch.Tensor, packed: torch.Tensor, any_truncated: bool)
         truncated = ((top_k > 0) & (top_k < vocab)) | (top_p < 1.0) | (min_p > 0.0)
         values, ids = scaled.sort(dim=-1, descending=True)
         kept = _truncate_sorted(values, probs.gather(1, ids), top_k, top_p, min_p)
-        by_id = torch.empty_like(kept).scatter_(1, ids, kept)          # back to token-id order
+        by_id = torch.empty_like(kept).scatter_(1, ids, kept)  # back to token-id order
         drawn = torch.where(truncated, logits_ops.sample_from_probs(by_id, uniforms), drawn)
     return torch.where(greedy, logits.max(dim=-1).indices, drawn)
 
 
-def _truncate_sorted(values: torch.Tensor, probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
-                     min_p: torch.Tensor) -> torch.Tensor:
+def _truncate_sorted(
+    values: torch.Tensor, probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor
+) -> torch.Tensor:
     """logits_ops.truncate on whole rows sorted descending, without host syncs: the kept
     probabilities (0 where dropped), in the sorted order."""
     vocab = values.shape[1]
     has_top_k = ((top_k > 0) & (top_k < vocab))[:, None]
     kth = values.gather(1, (top_k.clamp(1, vocab) - 1)[:, None])
-    probs = torch.where(~has_top_k | (values >= kth), probs, 0.0)          # ties with the k-th stay
+    probs = torch.where(~has_top_k | (values >= kth), probs, 0.0)  # ties with the k-th stay
     mass = probs.cumsum(dim=-1)[:, -1:]
-    nucleus = torch.where(has_top_k, probs / mass, probs)                   # still descending
+    nucleus = torch.where(has_top_k, probs / mass, probs)  # still descending
     reach = (top_p - logits_ops.TOP_P_TOLERANCE).to(probs.dtype)[:, None]
     num_before = (nucleus.cumsum(dim=-1) < reach).sum(dim=-1, keepdim=True)
     threshold = torch.where((top_p < 1.0)[:, None], nucleus.gather(1, num_before.clamp(max=vocab - 1)), 0.0)
@@ -88,6 +96,8 @@ def to_host(token_ids: torch.Tensor, raw_logprobs: torch.Tensor | None, num_top:
     rows = packed.cpu().tolist()
     ids = [int(r[0]) for r in rows]
     logprobs = [r[1] for r in rows]
-    tops = [None if n is None else [(int(t), v) for v, t in zip(r[2:2 + n], r[2 + most:2 + most + n])]
-            for r, n in zip(rows, num_top)]
+    tops = [
+        None if n is None else [(int(t), v) for v, t in zip(r[2 : 2 + n], r[2 + most : 2 + most + n])]
+        for r, n in zip(rows, num_top)
+    ]
     return ids, logprobs, tops

@@ -46,9 +46,14 @@ _GROWTH = 8
 _CHUNK = 64  # `largest` looks for the top-k among the k chunks of 64 with the largest maxima
 
 
-def apply_penalties(logits: torch.Tensor, prompt_ids: torch.Tensor, output_ids: torch.Tensor,
-                    repetition: torch.Tensor, frequency: torch.Tensor,
-                    presence: torch.Tensor) -> torch.Tensor:
+def apply_penalties(
+    logits: torch.Tensor,
+    prompt_ids: torch.Tensor,
+    output_ids: torch.Tensor,
+    repetition: torch.Tensor,
+    frequency: torch.Tensor,
+    presence: torch.Tensor,
+) -> torch.Tensor:
     """Penalised copy of `logits` [R, V].
 
     prompt_ids [R, Lp] and output_ids [R, Lo] are token ids padded with V (the vocab size);
@@ -62,8 +67,9 @@ def apply_penalties(logits: torch.Tensor, prompt_ids: torch.Tensor, output_ids: 
     seen = is_real | (ids == 0).any(dim=1, keepdim=True)
     ids = torch.where(is_real, ids, 0)
     sorted_output = torch.where(output_ids == vocab, -1, output_ids).sort(dim=1).values
-    counts = (torch.searchsorted(sorted_output, ids, right=True)
-              - torch.searchsorted(sorted_output, ids, right=False)).to(logits.dtype)
+    counts = (
+        torch.searchsorted(sorted_output, ids, right=True) - torch.searchsorted(sorted_output, ids, right=False)
+    ).to(logits.dtype)
     values = logits.gather(1, ids)
     scale = torch.where(seen, repetition[:, None].to(logits.dtype), 1.0)
     values = torch.where(values > 0, values / scale, values * scale)
@@ -82,8 +88,7 @@ def apply_top_k(logits: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
         return logits
     k = top_k[active].long()
     top_values = logits[active].topk(int(k.max()), dim=-1).values
-    thresholds = torch.full((logits.shape[0], 1), -torch.inf, dtype=logits.dtype,
-                            device=logits.device)
+    thresholds = torch.full((logits.shape[0], 1), -torch.inf, dtype=logits.dtype, device=logits.device)
     thresholds[active] = top_values.gather(1, (k - 1)[:, None])
     return logits.masked_fill(logits < thresholds, -torch.inf)
 
@@ -113,8 +118,9 @@ def apply_min_p(probs: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     return probs.masked_fill(probs < thresholds, 0.0)
 
 
-def truncate(logits: torch.Tensor, probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
-             min_p: torch.Tensor, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+def truncate(
+    logits: torch.Tensor, probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor, vocab: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Probabilities [R, W] of the tokens left by top-k, top-p then min-p (0 where dropped), and
     whether each row's answer is exact ([R] bool).
 
@@ -162,9 +168,14 @@ def sample_from_probs(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tens
     return torch.minimum(picked, last_positive).squeeze(1)
 
 
-def sample_truncated(logits: torch.Tensor, probs: torch.Tensor, top_k: torch.Tensor,
-                     top_p: torch.Tensor, min_p: torch.Tensor,
-                     uniforms: torch.Tensor) -> torch.Tensor:
+def sample_truncated(
+    logits: torch.Tensor,
+    probs: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    min_p: torch.Tensor,
+    uniforms: torch.Tensor,
+) -> torch.Tensor:
     """One token id per row, drawn from `probs` [R, V] (softmax of `logits`) after top-k,
     top-p and min-p, each row with its uniform number; see the module docstring."""
     num_rows, vocab = logits.shape
@@ -174,8 +185,7 @@ def sample_truncated(logits: torch.Tensor, probs: torch.Tensor, top_k: torch.Ten
     while todo.numel() > 0:
         width = int(need[todo].max())
         values, ids = largest(logits if len(todo) == num_rows else logits[todo], width)
-        kept, done = truncate(values, probs[todo[:, None], ids], top_k[todo], top_p[todo],
-                              min_p[todo], vocab)
+        kept, done = truncate(values, probs[todo[:, None], ids], top_k[todo], top_p[todo], min_p[todo], vocab)
         ids, order = ids[done].sort(dim=-1)  # draw in token-id order: see the module docstring
         picked = sample_from_probs(kept[done].gather(1, order), uniforms[todo[done]])
         token_ids[todo[done]] = ids.gather(1, picked[:, None]).squeeze(1)

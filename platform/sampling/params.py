@@ -75,29 +75,58 @@ class SamplingParams:
         self._validate()
 
     def _validate(self) -> None:
-        _check(0 <= self.temperature < math.inf, "temperature", self.temperature,
-               "a finite number >= 0 (below 1e-5 is greedy)")
+        _check(
+            0 <= self.temperature < math.inf,
+            "temperature",
+            self.temperature,
+            "a finite number >= 0 (below 1e-5 is greedy)",
+        )
         _check(0 < self.top_p <= 1, "top_p", self.top_p, "a number in (0, 1]")
-        _check(isinstance(self.top_k, int) and self.top_k >= -1, "top_k", self.top_k,
-               "an integer >= 1, or 0 / -1 to disable")
+        _check(
+            isinstance(self.top_k, int) and self.top_k >= -1,
+            "top_k",
+            self.top_k,
+            "an integer >= 1, or 0 / -1 to disable",
+        )
         _check(0 <= self.min_p <= 1, "min_p", self.min_p, "a number in [0, 1]")
-        _check(0 < self.repetition_penalty < math.inf, "repetition_penalty", self.repetition_penalty,
-               "a finite number > 0 (1 is off)")
+        _check(
+            0 < self.repetition_penalty < math.inf,
+            "repetition_penalty",
+            self.repetition_penalty,
+            "a finite number > 0 (1 is off)",
+        )
         _check(-2 <= self.presence_penalty <= 2, "presence_penalty", self.presence_penalty, "a number in [-2, 2]")
         _check(-2 <= self.frequency_penalty <= 2, "frequency_penalty", self.frequency_penalty, "a number in [-2, 2]")
-        _check(isinstance(self.max_tokens, int) and self.max_tokens >= 1, "max_tokens", self.max_tokens,
-               "an integer >= 1")
-        _check(isinstance(self.min_tokens, int) and 0 <= self.min_tokens <= self.max_tokens, "min_tokens",
-               self.min_tokens, f"an integer in [0, max_tokens={self.max_tokens}]")
+        _check(
+            isinstance(self.max_tokens, int) and self.max_tokens >= 1, "max_tokens", self.max_tokens, "an integer >= 1"
+        )
+        _check(
+            isinstance(self.min_tokens, int) and 0 <= self.min_tokens <= self.max_tokens,
+            "min_tokens",
+            self.min_tokens,
+            f"an integer in [0, max_tokens={self.max_tokens}]",
+        )
         _check(self.seed is None or isinstance(self.seed, int), "seed", self.seed, "an integer or null")
-        _check(self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= MAX_LOGPROBS),
-               "logprobs", self.logprobs, f"null or an integer in [0, {MAX_LOGPROBS}]")
-        _check(self.prompt_logprobs is None or (isinstance(self.prompt_logprobs, int)
-                                                and 0 <= self.prompt_logprobs <= MAX_LOGPROBS),
-               "prompt_logprobs", self.prompt_logprobs, f"null or an integer in [0, {MAX_LOGPROBS}]")
+        _check(
+            self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= MAX_LOGPROBS),
+            "logprobs",
+            self.logprobs,
+            f"null or an integer in [0, {MAX_LOGPROBS}]",
+        )
+        _check(
+            self.prompt_logprobs is None
+            or (isinstance(self.prompt_logprobs, int) and 0 <= self.prompt_logprobs <= MAX_LOGPROBS),
+            "prompt_logprobs",
+            self.prompt_logprobs,
+            f"null or an integer in [0, {MAX_LOGPROBS}]",
+        )
         _check(all(isinstance(s, str) and s for s in self.stop), "stop", list(self.stop), "non-empty strings")
-        _check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
-               list(self.stop_token_ids), "non-negative token ids")
+        _check(
+            all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
+            "stop_token_ids",
+            list(self.stop_token_ids),
+            "non-negative token ids",
+        )
 
     @property
     def is_greedy(self) -> bool:

@@ -74,8 +74,7 @@ def make_generator(seed: int | None, device: str | torch.device = "cpu") -> torc
 
 
 def _has_penalties(params: SamplingParams) -> bool:
-    return (params.repetition_penalty != 1.0 or params.presence_penalty != 0.0
-            or params.frequency_penalty != 0.0)
+    return params.repetition_penalty != 1.0 or params.presence_penalty != 0.0 or params.frequency_penalty != 0.0
 
 
 def _is_min_tokens_active(row: SamplingRow) -> bool:
@@ -84,8 +83,13 @@ def _is_min_tokens_active(row: SamplingRow) -> bool:
 
 def _is_plain_greedy(row: SamplingRow) -> bool:
     params = row.params
-    return (params.is_greedy and params.logprobs is None and not _has_penalties(params)
-            and not _is_min_tokens_active(row) and not structured.needs_constraints(row))
+    return (
+        params.is_greedy
+        and params.logprobs is None
+        and not _has_penalties(params)
+        and not _is_min_tokens_active(row)
+        and not structured.needs_constraints(row)
+    )
 
 
 class Sampler:
@@ -94,8 +98,9 @@ class Sampler:
     stats: structured.CompileStats | None = None  # set by the engine to count mask time
     on_device: bool | None = None  # the device path; None: when the logits are on CUDA
 
-    def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRow],
-                 eos_token_ids: Collection[int]) -> SamplerOutput:
+    def __call__(
+        self, logits: torch.Tensor, rows: Sequence[SamplingRow], eos_token_ids: Collection[int]
+    ) -> SamplerOutput:
         """Pick one token per row. `logits` [len(rows), vocab] is not modified."""
         assert logits.dim() == 2 and logits.shape[0] == len(rows), (tuple(logits.shape), len(rows))
         if all(_is_plain_greedy(row) for row in rows):
@@ -132,8 +137,9 @@ def _argmax(logits: torch.Tensor) -> torch.Tensor:
     return logits.max(dim=-1).indices
 
 
-def _apply_min_tokens(logits: torch.Tensor, rows: Sequence[SamplingRow],
-                      eos_token_ids: Collection[int]) -> torch.Tensor:
+def _apply_min_tokens(
+    logits: torch.Tensor, rows: Sequence[SamplingRow], eos_token_ids: Collection[int]
+) -> torch.Tensor:
     vocab = logits.shape[1]
     row_index: list[int] = []
     token_index: list[int] = []
@@ -165,10 +171,13 @@ def _apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch
     outputs = [rows[i].output_token_ids for i in picked]
     dev = logits.device
     penalised = logits_ops.apply_penalties(
-        _select(logits, picked), _pad(prompts, vocab).to(dev), _pad(outputs, vocab).to(dev),
+        _select(logits, picked),
+        _pad(prompts, vocab).to(dev),
+        _pad(outputs, vocab).to(dev),
         repetition=torch.tensor([p.repetition_penalty for p in params], device=dev),
         frequency=torch.tensor([p.frequency_penalty for p in params], device=dev),
-        presence=torch.tensor([p.presence_penalty for p in params], device=dev))
+        presence=torch.tensor([p.presence_penalty for p in params], device=dev),
+    )
     if len(picked) == len(rows):
         return penalised
     return logits.index_copy(0, torch.tensor(picked, device=dev), penalised)
@@ -213,10 +222,13 @@ def _sample(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
     if whole:
         token_ids[whole] = logits_ops.sample_from_probs(_select(probs, whole), uniforms[whole])
     token_ids[truncated] = logits_ops.sample_truncated(
-        _select(logits, truncated), _select(probs, truncated),
+        _select(logits, truncated),
+        _select(probs, truncated),
         top_k=torch.tensor([params[i].top_k for i in truncated]),
         top_p=torch.tensor([params[i].top_p for i in truncated]),
-        min_p=torch.tensor([params[i].min_p for i in truncated]), uniforms=uniforms[truncated])
+        min_p=torch.tensor([params[i].min_p for i in truncated]),
+        uniforms=uniforms[truncated],
+    )
     return token_ids
 
 
@@ -243,14 +255,12 @@ def _uniforms(rows: Sequence[SamplingRow]) -> torch.Tensor:
     return uniforms
 
 
-def _with_logprobs(token_ids: torch.Tensor, raw_logprobs: torch.Tensor,
-                   rows: Sequence[SamplingRow]) -> SamplerOutput:
+def _with_logprobs(token_ids: torch.Tensor, raw_logprobs: torch.Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
     sampled = raw_logprobs.gather(1, token_ids[:, None]).squeeze(1)
     num_top = [row.params.logprobs for row in rows]
     most = max((n for n in num_top if n is not None), default=0)
     top_values, top_ids = (t.tolist() for t in logits_ops.largest(raw_logprobs, most))
-    top_logprobs = [None if n is None else list(zip(top_ids[i][:n], top_values[i][:n]))
-                    for i, n in enumerate(num_top)]
+    top_logprobs = [None if n is None else list(zip(top_ids[i][:n], top_values[i][:n])) for i, n in enumerate(num_top)]
     return SamplerOutput(token_ids.tolist(), sampled.tolist(), top_logprobs)
 
 
@@ -277,10 +287,14 @@ def target_probs(logits: torch.Tensor, rows: Sequence[SamplingRow], eos_token_id
     truncated = [i for i, p in enumerate(params) if _is_truncated(p, vocab)]
     if truncated:
         values, ids = _select(logits, truncated).sort(dim=-1, descending=True)
-        kept, _ = logits_ops.truncate(values, _select(probs, truncated).gather(1, ids),
-                                      top_k=torch.tensor([params[i].top_k for i in truncated]),
-                                      top_p=torch.tensor([params[i].top_p for i in truncated]),
-                                      min_p=torch.tensor([params[i].min_p for i in truncated]), vocab=vocab)
+        kept, _ = logits_ops.truncate(
+            values,
+            _select(probs, truncated).gather(1, ids),
+            top_k=torch.tensor([params[i].top_k for i in truncated]),
+            top_p=torch.tensor([params[i].top_p for i in truncated]),
+            min_p=torch.tensor([params[i].min_p for i in truncated]),
+            vocab=vocab,
+        )
         probs = probs.clone()
         probs[truncated] = torch.zeros_like(kept).scatter(1, ids, kept)
     return probs / probs.sum(dim=-1, keepdim=True)

@@ -45,6 +45,7 @@ JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separ
 
 def _llg():
     import llguidance  # imported on first use: engines that never constrain never load it
+
     return llguidance
 
 
@@ -103,10 +104,10 @@ class CompileStats:
 
     compiles: int = 0
     cache_hits: int = 0
-    compile_seconds: list[float] = field(default_factory=list)   # the last 1,024 compile durations
+    compile_seconds: list[float] = field(default_factory=list)  # the last 1,024 compile durations
     mask_seconds: float = 0.0
     mask_rows: int = 0
-    requests: dict[str, int] = field(default_factory=dict)       # constrained requests by kind
+    requests: dict[str, int] = field(default_factory=dict)  # constrained requests by kind
     _unexported: list[float] = field(default_factory=list)
 
     def record_compile(self, seconds: float) -> None:
@@ -122,8 +123,14 @@ class CompileStats:
 class GrammarBackend:
     """Compiles specs for one tokenizer; thread-safe. See the module docstring."""
 
-    def __init__(self, tokenizer, *, compile_timeout_s: float = DEFAULT_COMPILE_TIMEOUT_S,
-                 cache_size: int = 512, max_workers: int = 2):
+    def __init__(
+        self,
+        tokenizer,
+        *,
+        compile_timeout_s: float = DEFAULT_COMPILE_TIMEOUT_S,
+        cache_size: int = 512,
+        max_workers: int = 2,
+    ):
         if not compile_timeout_s > 0:
             raise InvalidRequestError(f"compile_timeout_s={compile_timeout_s!r} is invalid; allowed: a number > 0")
         self.compile_timeout_s = compile_timeout_s
@@ -141,8 +148,9 @@ class GrammarBackend:
         with self._lock:
             if self._llg_tokenizer is None:
                 tok = self._tokenizer
-                self._llg_tokenizer = _llg().LLTokenizer(tok.backend.to_str(), n_vocab=tok.vocab_size,
-                                                         eos_token=sorted(tok.eos_token_ids))
+                self._llg_tokenizer = _llg().LLTokenizer(
+                    tok.backend.to_str(), n_vocab=tok.vocab_size, eos_token=sorted(tok.eos_token_ids)
+                )
             return self._llg_tokenizer
 
     def compile(self, spec: StructuredSpec):
@@ -183,14 +191,17 @@ class GrammarBackend:
             raise InvalidRequestError(f"{spec.field}: {exc}") from None
         inner = _llg().LLMatcher(tokenizer, text, log_level=0)
         if inner.is_error():
-            raise InvalidRequestError(f"{spec.field}: the {spec.kind} constraint does not compile: "
-                                      f"{_first_line(inner.get_error())}")
+            raise InvalidRequestError(
+                f"{spec.field}: the {spec.kind} constraint does not compile: {_first_line(inner.get_error())}"
+            )
         self.stats.record_compile(time.perf_counter() - t0)
         return inner
 
     def _timeout_error(self, spec: StructuredSpec) -> InvalidRequestError:
-        return InvalidRequestError(f"{spec.field}: the {spec.kind} constraint did not compile within "
-                                   f"{self.compile_timeout_s:g} s; allowed: a simpler schema or pattern")
+        return InvalidRequestError(
+            f"{spec.field}: the {spec.kind} constraint did not compile within "
+            f"{self.compile_timeout_s:g} s; allowed: a simpler schema or pattern"
+        )
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

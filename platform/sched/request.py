@@ -12,7 +12,7 @@ from splitserve.platform.sampling.params import SamplingParams
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
-    WAITING_FOR_KV = "waiting_for_kv"   # blocks allocated; the prompt's KV comes from a prefill worker
+    WAITING_FOR_KV = "waiting_for_kv"  # blocks allocated; the prompt's KV comes from a prefill worker
     RUNNING = "running"
     PREEMPTED = "preempted"
     FINISHED_STOPPED = "stop"
@@ -21,8 +21,7 @@ class RequestStatus(enum.Enum):
 
     @property
     def is_finished(self) -> bool:
-        return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
-                        RequestStatus.FINISHED_ABORTED)
+        return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED)
 
 
 class Request:
@@ -33,11 +32,21 @@ class Request:
     `num_cached_tokens` is how many of them came from the prefix cache at first scheduling.
     """
 
-    def __init__(self, req_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
-                 hasher: BlockHasher, eos_token_ids: frozenset[int] = frozenset(),
-                 arrival_time: float | None = None, remote_prefill: bool = False,
-                 output_token_ids: Sequence[int] = (), lora_id: str | None = None,
-                 extra_keys: tuple[ExtraKey, ...] = (), priority: int = 0, band: int = 0):
+    def __init__(
+        self,
+        req_id: str,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        hasher: BlockHasher,
+        eos_token_ids: frozenset[int] = frozenset(),
+        arrival_time: float | None = None,
+        remote_prefill: bool = False,
+        output_token_ids: Sequence[int] = (),
+        lora_id: str | None = None,
+        extra_keys: tuple[ExtraKey, ...] = (),
+        priority: int = 0,
+        band: int = 0,
+    ):
         self.req_id = req_id
         # The "priority" scheduling policy's order: the gateway's band (higher first), then the
         # body's priority (vLLM's: lower first). The "fcfs" policy ignores both.
@@ -92,8 +101,11 @@ class Request:
         bs = self._hasher.block_size
         if self.num_tokens % bs == 0:
             parent = self.block_hashes[-1] if self.block_hashes else None
-            self.block_hashes.extend(self._hasher.hash_blocks(
-                self.all_token_ids, self.extra_keys, parent=parent, start_block=len(self.block_hashes)))
+            self.block_hashes.extend(
+                self._hasher.hash_blocks(
+                    self.all_token_ids, self.extra_keys, parent=parent, start_block=len(self.block_hashes)
+                )
+            )
 
     def check_stop(self) -> RequestStatus | None:
         """The finish status after the latest token, or None to keep going (stop strings aside)."""

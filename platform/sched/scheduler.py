@@ -79,11 +79,11 @@ class SchedulerStats:
     # up again on the next step is not counted twice.
     num_prefix_query_tokens: int = 0
     num_prefix_hit_tokens: int = 0
-    num_computed_tokens: int = 0   # tokens run through the model, all requests
+    num_computed_tokens: int = 0  # tokens run through the model, all requests
     num_preemptions: int = 0
     num_remote_prefill_tokens: int = 0  # prompt tokens whose KV came from a prefill worker
     num_prefix_waits: int = 0  # steps a waiting request sat out for a prefix in flight (rule 3)
-    num_lora_waits: int = 0    # steps a waiting request sat out for an adapter slot (rule 4)
+    num_lora_waits: int = 0  # steps a waiting request sat out for an adapter slot (rule 4)
 
 
 class Scheduler:
@@ -176,8 +176,7 @@ class Scheduler:
 
     def _allocate_or_preempt(self, req: Request, n: int, preempted: list[str]) -> bool:
         while not self.kv.allocate(req, n):
-            victim = (self.running[-1] if self.config.policy == "fcfs"
-                      else max(self.running, key=Request.priority_key))
+            victim = self.running[-1] if self.config.policy == "fcfs" else max(self.running, key=Request.priority_key)
             self._preempt(victim)
             preempted.append(victim.req_id)
             if victim is req:
@@ -242,7 +241,7 @@ class Scheduler:
 
     def _uncomputed_prompt_blocks(self, req: Request) -> list:
         bs = self.kv.block_size
-        return req.block_hashes[req.num_computed_tokens // bs:req.num_prompt_tokens // bs]
+        return req.block_hashes[req.num_computed_tokens // bs : req.num_prompt_tokens // bs]
 
     def _waits_for_prefix(self, req: Request, cached: list, in_flight: set) -> bool:
         """Rule 3: the next MIN_SHARED_BLOCKS blocks `req` would compute are being computed by
@@ -252,7 +251,7 @@ class Scheduler:
             return False
         start = len(cached)
         reusable = (req.num_tokens - 1) // self.kv.block_size
-        upcoming = req.block_hashes[start:min(start + MIN_SHARED_BLOCKS, reusable)]
+        upcoming = req.block_hashes[start : min(start + MIN_SHARED_BLOCKS, reusable)]
         return len(upcoming) == MIN_SHARED_BLOCKS and all(h in in_flight for h in upcoming)
 
     def _admit_remote(self, req: Request, cached, num_hit_tokens: int) -> bool:
@@ -293,7 +292,8 @@ class Scheduler:
             return False
         if num_computed_tokens is not None:
             assert req.num_computed_tokens <= num_computed_tokens < req.num_tokens, (
-                f"pulled up to {num_computed_tokens} of {req.num_tokens} tokens")
+                f"pulled up to {num_computed_tokens} of {req.num_tokens} tokens"
+            )
             req.num_computed_tokens = num_computed_tokens
         req.status = RequestStatus.RUNNING
         self.running.append(req)
@@ -315,10 +315,10 @@ class Scheduler:
     def _seq(self, req: Request, n: int) -> ScheduledSeq:
         start = req.num_computed_tokens
         num_known = min(n, req.num_tokens - start)
-        drafts = tuple(req.spec_token_ids[:n - num_known])
+        drafts = tuple(req.spec_token_ids[: n - num_known])
         return ScheduledSeq(
             req_id=req.req_id,
-            token_ids=tuple(req.all_token_ids[start:start + num_known]) + drafts,
+            token_ids=tuple(req.all_token_ids[start : start + num_known]) + drafts,
             start_pos=start,
             block_ids=tuple(self.kv.block_ids(req.req_id)),
             do_sample=start + num_known == req.num_tokens,

@@ -18,11 +18,11 @@ def propose(token_ids: Sequence[int], k: int, min_n: int, max_n: int) -> list[in
     if k <= 0 or num_tokens < min_n + 1:
         return []
     for n in range(min(max_n, num_tokens - 1), min_n - 1, -1):
-        suffix = list(token_ids[num_tokens - n:])
+        suffix = list(token_ids[num_tokens - n :])
         first = suffix[0]
         # Scan right to left over starts i with token_ids[i:i+n] == suffix and i + n < num_tokens
         # (the occurrence must be followed by at least one token and not be the suffix itself).
         for i in range(num_tokens - n - 1, -1, -1):
-            if token_ids[i] == first and list(token_ids[i:i + n]) == suffix:
-                return list(token_ids[i + n:i + n + k])
+            if token_ids[i] == first and list(token_ids[i : i + n]) == suffix:
+                return list(token_ids[i + n : i + n + k])
     return []

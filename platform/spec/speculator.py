@@ -36,9 +36,9 @@ from splitserve.platform.spec import ngram
 class SpecStats:
     """Counters since start (vLLM's names in the worker's /metrics)."""
 
-    num_drafts: int = 0             # verification steps (requests x steps that carried proposals)
-    num_draft_tokens: int = 0       # tokens proposed
-    num_accepted_tokens: int = 0    # proposals accepted
+    num_drafts: int = 0  # verification steps (requests x steps that carried proposals)
+    num_draft_tokens: int = 0  # tokens proposed
+    num_accepted_tokens: int = 0  # proposals accepted
     # accepted_lengths[n]: verification steps that accepted exactly n proposals
     accepted_lengths: list[int] = field(default_factory=list)
 
@@ -59,14 +59,20 @@ class Speculator:
             state = states[req.req_id]
             if not on or state.matcher is not None or req.num_computed_tokens != req.num_tokens - 1:
                 continue
-            if state.num_spec_rounds >= cfg.min_proposals \
-                    and state.num_spec_accepted < cfg.min_acceptance_rate * state.num_spec_proposed:
+            if (
+                state.num_spec_rounds >= cfg.min_proposals
+                and state.num_spec_accepted < cfg.min_acceptance_rate * state.num_spec_proposed
+            ):
                 continue
-            room = min(state.spec_k or cfg.num_speculative_tokens, req.params.max_tokens - req.num_output_tokens - 1,
-                       self.max_model_len - req.num_tokens - 1)
+            room = min(
+                state.spec_k or cfg.num_speculative_tokens,
+                req.params.max_tokens - req.num_output_tokens - 1,
+                self.max_model_len - req.num_tokens - 1,
+            )
             if room > 0:
-                req.spec_token_ids = ngram.propose(req.all_token_ids, room, cfg.prompt_lookup_min,
-                                                   cfg.prompt_lookup_max)
+                req.spec_token_ids = ngram.propose(
+                    req.all_token_ids, room, cfg.prompt_lookup_min, cfg.prompt_lookup_max
+                )
 
     def record(self, plan: SchedulerPlan, result: StepResult, states: Mapping[str, RequestState]) -> None:
         """After a step: count each verification, per request and in total."""
@@ -79,8 +85,12 @@ class Speculator:
             state.num_spec_proposed += seq.num_draft_tokens
             state.num_spec_accepted += num_accepted
             state.num_spec_rounds += 1
-            state.spec_k = next_k(state.spec_k or self.config.num_speculative_tokens, seq.num_draft_tokens,
-                                  num_accepted, self.config.num_speculative_tokens)
+            state.spec_k = next_k(
+                state.spec_k or self.config.num_speculative_tokens,
+                seq.num_draft_tokens,
+                num_accepted,
+                self.config.num_speculative_tokens,
+            )
             self.stats.num_drafts += 1
             self.stats.num_draft_tokens += seq.num_draft_tokens
             self.stats.num_accepted_tokens += num_accepted

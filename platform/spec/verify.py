@@ -28,8 +28,9 @@ import torch
 from splitserve.platform.sampling.sampler import Sampler, SamplingRow, draw_uniform, target_probs
 
 
-def verify(sampler: Sampler, logits: torch.Tensor, drafts: Sequence[int], row: SamplingRow,
-           eos_token_ids: Collection[int]) -> tuple[list[int], list[tuple[float, list]] | None]:
+def verify(
+    sampler: Sampler, logits: torch.Tensor, drafts: Sequence[int], row: SamplingRow, eos_token_ids: Collection[int]
+) -> tuple[list[int], list[tuple[float, list]] | None]:
     """(tokens the step emits, per-token (logprob, top-n) if the request asked for logprobs).
 
     `logits` [len(drafts) + 1, vocab] are the raw logits at the last known token and at each
@@ -77,7 +78,7 @@ def _logprobs(logits: torch.Tensor, tokens: list[int], row: SamplingRow):
     num_top = row.params.logprobs
     if num_top is None:
         return None
-    raw = torch.log_softmax(logits[:len(tokens)].to(torch.float32), dim=-1)
+    raw = torch.log_softmax(logits[: len(tokens)].to(torch.float32), dim=-1)
     out = []
     for i, token in enumerate(tokens):
         top = []

@@ -39,9 +39,14 @@ def load_model_config(source: ModelSource) -> ModelConfig:
     raise ConfigError(f"model source kind {source.kind!r} is not supported; allowed: gguf, hf, random")
 
 
-def iter_weights(source: ModelSource, config: ModelConfig, dtype: torch.dtype,
-                 device: str | torch.device = "cpu", seed: int = 0,
-                 keep_quantized: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_weights(
+    source: ModelSource,
+    config: ModelConfig,
+    dtype: torch.dtype,
+    device: str | torch.device = "cpu",
+    seed: int = 0,
+    keep_quantized: bool = False,
+) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (HF name, tensor) for every weight of `config`, one at a time, in `dtype` on `device`.
 
     `config` is what `load_model_config(source)` returned. `seed` only matters for random

@@ -49,8 +49,21 @@ from splitserve.platform.weights.gguf_file import GGUFFile, TensorInfo
 from splitserve.platform.weights.rope_freqs import llama3_scaling_from_divisors
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "gemma3")
-SUPPORTED_TENSOR_TYPES = (Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1,
-                          Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K)
+SUPPORTED_TENSOR_TYPES = (
+    Q.F32,
+    Q.F16,
+    Q.BF16,
+    Q.Q8_0,
+    Q.Q4_0,
+    Q.Q4_1,
+    Q.Q5_0,
+    Q.Q5_1,
+    Q.Q2_K,
+    Q.Q3_K,
+    Q.Q4_K,
+    Q.Q5_K,
+    Q.Q6_K,
+)
 
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -58,17 +71,25 @@ _GLOBAL_NAMES = {
     "output.weight": "lm_head.weight",
 }
 _LAYER_NAMES = {
-    "attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
-    "ffn_norm": "post_attention_layernorm", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
 _GEMMA3_LAYER_NAMES = {
-    **_LAYER_NAMES, "ffn_norm": "pre_feedforward_layernorm", "post_attention_norm": "post_attention_layernorm",
-    "post_ffw_norm": "post_feedforward_layernorm", "attn_q_norm": "self_attn.q_norm",
+    **_LAYER_NAMES,
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_attention_norm": "post_attention_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+    "attn_q_norm": "self_attn.q_norm",
     "attn_k_norm": "self_attn.k_norm",
 }
-GEMMA3_GLOBAL_EVERY = 6            # layer i is global when (i + 1) % 6 == 0 (transformers' default)
+GEMMA3_GLOBAL_EVERY = 6  # layer i is global when (i + 1) % 6 == 0 (transformers' default)
 GEMMA3_LOCAL_ROPE_THETA = 10000.0
 GEMMA3_QUERY_PRE_ATTN_SCALAR = 256.0
 _LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
@@ -97,12 +118,17 @@ def config_from_gguf(file: GGUFFile, model_id: str) -> ModelConfig:
     rope_theta = float(key("rope.freq_base", 10000.0))
     eog = [file.metadata[k] for k in _EOG_KEYS if k in file.metadata]
     return ModelConfig(
-        model_id=model_id, architecture=arch,
+        model_id=model_id,
+        architecture=arch,
         vocab_size=_tensor_info(file, "token_embd.weight").shape[0],
-        hidden_size=hidden_size, intermediate_size=key("feed_forward_length"),
-        num_layers=key("block_count"), num_heads=num_heads,
-        num_kv_heads=key("attention.head_count_kv", num_heads), head_dim=head_dim,
-        rms_norm_eps=float(key("attention.layer_norm_rms_epsilon")), rope_theta=rope_theta,
+        hidden_size=hidden_size,
+        intermediate_size=key("feed_forward_length"),
+        num_layers=key("block_count"),
+        num_heads=num_heads,
+        num_kv_heads=key("attention.head_count_kv", num_heads),
+        head_dim=head_dim,
+        rms_norm_eps=float(key("attention.layer_norm_rms_epsilon")),
+        rope_theta=rope_theta,
         rope_scaling=_rope_scaling(file, arch, rope_theta, head_dim),
         max_position_embeddings=key("context_length"),
         tie_word_embeddings="output.weight" not in file.tensors,
@@ -117,15 +143,22 @@ def _gemma3_options(file: GGUFFile, num_layers: int) -> dict[str, Any]:
     window = file.metadata.get("gemma3.attention.sliding_window")
     if not window:
         raise ConfigError(f"{file.path}: metadata key gemma3.attention.sliding_window is missing")
-    types = tuple("full_attention" if (i + 1) % GEMMA3_GLOBAL_EVERY == 0 else "sliding_attention"
-                  for i in range(num_layers))
-    return dict(sliding_window=int(window), layer_types=types, qk_norm=True, hidden_act="gelu_tanh",
-                query_pre_attn_scalar=GEMMA3_QUERY_PRE_ATTN_SCALAR, rope_local_theta=GEMMA3_LOCAL_ROPE_THETA)
+    types = tuple(
+        "full_attention" if (i + 1) % GEMMA3_GLOBAL_EVERY == 0 else "sliding_attention" for i in range(num_layers)
+    )
+    return dict(
+        sliding_window=int(window),
+        layer_types=types,
+        qk_norm=True,
+        hidden_act="gelu_tanh",
+        query_pre_attn_scalar=GEMMA3_QUERY_PRE_ATTN_SCALAR,
+        rope_local_theta=GEMMA3_LOCAL_ROPE_THETA,
+    )
 
 
-def iter_gguf_weights(path: str, config: ModelConfig, dtype: torch.dtype,
-                      device: str | torch.device = "cpu",
-                      keep_quantized: bool = False) -> Iterator[tuple[str, torch.Tensor | RawQuant]]:
+def iter_gguf_weights(
+    path: str, config: ModelConfig, dtype: torch.dtype, device: str | torch.device = "cpu", keep_quantized: bool = False
+) -> Iterator[tuple[str, torch.Tensor | RawQuant]]:
     """Yield (HF name, tensor in `dtype` on `device`) for every weight, one at a time, file order.
 
     `keep_quantized`: a 2-D tensor stored in a quantized type comes as a RawQuant (its blocks,
@@ -161,7 +194,8 @@ def hf_tensor_name(gguf_name: str, arch: str = "llama") -> str:
     if match is None or match.group(2) not in names:
         raise UnsupportedModelError(
             f"GGUF tensor {gguf_name!r} is not part of a supported {arch} model "
-            f"(supported architectures: {', '.join(SUPPORTED_ARCHITECTURES)})")
+            f"(supported architectures: {', '.join(SUPPORTED_ARCHITECTURES)})"
+        )
     layer, part, kind = match.groups()
     return f"model.layers.{layer}.{names[part]}.{kind}"
 
@@ -181,7 +215,8 @@ def _check_type(file: GGUFFile, info: TensorInfo) -> None:
         type_name = getattr(info.tensor_type, "name", f"unknown type id {info.tensor_type}")
         raise UnsupportedModelError(
             f"{file.path}: tensor {info.name!r} has type {type_name}; supported types: "
-            f"{', '.join(t.name for t in SUPPORTED_TENSOR_TYPES)}")
+            f"{', '.join(t.name for t in SUPPORTED_TENSOR_TYPES)}"
+        )
 
 
 def unpermute_qk(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
@@ -197,8 +232,8 @@ def _architecture(file: GGUFFile) -> str:
         raise ConfigError(f"{file.path}: metadata key general.architecture is missing")
     if arch not in SUPPORTED_ARCHITECTURES:
         raise UnsupportedModelError(
-            f"{file.path}: GGUF architecture {arch!r} is not supported; "
-            f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+            f"{file.path}: GGUF architecture {arch!r} is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
     return arch
 
 
@@ -206,8 +241,9 @@ def _uniform(value: Any, key: str) -> Any:
     """Some GGUF files store per-layer arrays (e.g. head counts); we need one value for all."""
     if isinstance(value, list):
         if not value or any(v != value[0] for v in value):
-            raise UnsupportedModelError(f"metadata {key} varies per layer ({value[:8]}...); "
-                                        "only uniform models are supported")
+            raise UnsupportedModelError(
+                f"metadata {key} varies per layer ({value[:8]}...); only uniform models are supported"
+            )
         return value[0]
     return value
 
@@ -218,7 +254,8 @@ def _check_head_dims(file: GGUFFile, arch: str, head_dim: int) -> None:
         if value != head_dim:
             raise UnsupportedModelError(
                 f"{file.path}: {arch}.{name} = {value} differs from head_dim {head_dim}; "
-                "only models with full-width RoPE and equal key/value head sizes are supported")
+                "only models with full-width RoPE and equal key/value head sizes are supported"
+            )
 
 
 def _rope_scaling(file: GGUFFile, arch: str, rope_theta: float, head_dim: int) -> RopeScaling | None:
@@ -226,7 +263,8 @@ def _rope_scaling(file: GGUFFile, arch: str, rope_theta: float, head_dim: int) -
     if _ROPE_FREQS in file.tensors:
         if scaling_type != "none":
             raise UnsupportedModelError(
-                f"{file.path}: both {_ROPE_FREQS} and RoPE scaling {scaling_type!r}; only one is supported")
+                f"{file.path}: both {_ROPE_FREQS} and RoPE scaling {scaling_type!r}; only one is supported"
+            )
         divisors = dequantize_tensor(file, file.tensors[_ROPE_FREQS])
         original_context = file.metadata.get(f"{arch}.rope.scaling.original_context_length")
         return llama3_scaling_from_divisors(divisors, rope_theta, head_dim, original_context)
@@ -237,7 +275,8 @@ def _rope_scaling(file: GGUFFile, arch: str, rope_theta: float, head_dim: int) -
         return RopeScaling(rope_type="linear", factor=factor)
     raise UnsupportedModelError(
         f"{file.path}: RoPE scaling {scaling_type!r} is not supported; supported: none, linear, "
-        "llama3 (a rope_freqs.weight tensor)")
+        "llama3 (a rope_freqs.weight tensor)"
+    )
 
 
 def _tensor_info(file: GGUFFile, name: str) -> TensorInfo:

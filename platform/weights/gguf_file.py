@@ -40,10 +40,17 @@ SUPPORTED_VERSIONS = (2, 3)
 DEFAULT_ALIGNMENT = 32
 
 _SCALAR_FORMATS = {
-    GGUFValueType.UINT8: "<B", GGUFValueType.INT8: "<b", GGUFValueType.UINT16: "<H",
-    GGUFValueType.INT16: "<h", GGUFValueType.UINT32: "<I", GGUFValueType.INT32: "<i",
-    GGUFValueType.FLOAT32: "<f", GGUFValueType.BOOL: "<?", GGUFValueType.UINT64: "<Q",
-    GGUFValueType.INT64: "<q", GGUFValueType.FLOAT64: "<d",
+    GGUFValueType.UINT8: "<B",
+    GGUFValueType.INT8: "<b",
+    GGUFValueType.UINT16: "<H",
+    GGUFValueType.INT16: "<h",
+    GGUFValueType.UINT32: "<I",
+    GGUFValueType.INT32: "<i",
+    GGUFValueType.FLOAT32: "<f",
+    GGUFValueType.BOOL: "<?",
+    GGUFValueType.UINT64: "<Q",
+    GGUFValueType.INT64: "<q",
+    GGUFValueType.FLOAT64: "<d",
 }
 
 
@@ -77,7 +84,7 @@ class GGUFFile:
     def raw(self, name: str) -> np.ndarray:
         """The stored bytes of tensor `name` as uint8 of shape (*numpy_shape[:-1], bytes_per_row)."""
         info = self.tensors[name]
-        flat = self._data[info.offset:info.offset + info.num_bytes]
+        flat = self._data[info.offset : info.offset + info.num_bytes]
         rows = int(np.prod(info.shape[:-1], dtype=np.int64)) if len(info.shape) > 1 else 1
         return flat.reshape(*info.shape[:-1], info.num_bytes // rows)
 
@@ -91,7 +98,8 @@ class GGUFFile:
         if version not in SUPPORTED_VERSIONS:
             raise UnsupportedModelError(
                 f"{self.path}: GGUF version {version} is not supported (big-endian or too old); "
-                f"allowed versions: {SUPPORTED_VERSIONS}")
+                f"allowed versions: {SUPPORTED_VERSIONS}"
+            )
         tensor_count, kv_count = self._read("<Q"), self._read("<Q")
         for _ in range(kv_count):
             key = self._read_str()
@@ -113,7 +121,7 @@ class GGUFFile:
 
     def _read_str(self) -> str:
         length = self._read("<Q")
-        text = bytes(self._buf[self._pos:self._pos + length]).decode("utf-8", errors="replace")
+        text = bytes(self._buf[self._pos : self._pos + length]).decode("utf-8", errors="replace")
         self._pos += length
         return text
 

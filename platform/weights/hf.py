@@ -36,9 +36,16 @@ from splitserve.platform.config import ModelConfig, RopeScaling
 from splitserve.platform.errors import ConfigError, UnsupportedModelError
 
 # model_type -> architecture (ModelConfig.architecture, a family of platform/models)
-SUPPORTED_MODEL_TYPES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3",
-                         "qwen3_moe": "qwen3_moe", "phi3": "phi3", "gemma3_text": "gemma3",
-                         "mixtral": "mixtral"}
+SUPPORTED_MODEL_TYPES = {
+    "llama": "llama",
+    "mistral": "mistral",
+    "qwen2": "qwen2",
+    "qwen3": "qwen3",
+    "qwen3_moe": "qwen3_moe",
+    "phi3": "phi3",
+    "gemma3_text": "gemma3",
+    "mixtral": "mixtral",
+}
 INDEX_FILE = "model.safetensors.index.json"
 
 
@@ -48,27 +55,37 @@ def load_hf_config(folder: str, model_id: str) -> ModelConfig:
     model_type = raw.get("model_type")
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise UnsupportedModelError(
-            f"{folder}: model_type {model_type!r} is not supported; supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
+            f"{folder}: model_type {model_type!r} is not supported; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
+        )
     _check_supported_options(folder, raw)
     num_heads = raw["num_attention_heads"]
     rope_theta, rope_scaling = _rope(folder, raw)
     return ModelConfig(
-        model_id=model_id, architecture=SUPPORTED_MODEL_TYPES[model_type],
-        vocab_size=raw["vocab_size"], hidden_size=raw["hidden_size"],
-        intermediate_size=raw["intermediate_size"], num_layers=raw["num_hidden_layers"],
-        num_heads=num_heads, num_kv_heads=raw.get("num_key_value_heads") or num_heads,
+        model_id=model_id,
+        architecture=SUPPORTED_MODEL_TYPES[model_type],
+        vocab_size=raw["vocab_size"],
+        hidden_size=raw["hidden_size"],
+        intermediate_size=raw["intermediate_size"],
+        num_layers=raw["num_hidden_layers"],
+        num_heads=num_heads,
+        num_kv_heads=raw.get("num_key_value_heads") or num_heads,
         head_dim=raw.get("head_dim") or raw["hidden_size"] // num_heads,
-        rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)), rope_theta=rope_theta,
-        rope_scaling=rope_scaling, max_position_embeddings=raw.get("max_position_embeddings", 2048),
+        rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+        rope_theta=rope_theta,
+        rope_scaling=rope_scaling,
+        max_position_embeddings=raw.get("max_position_embeddings", 2048),
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
         attention_bias=model_type == "qwen2",
-        bos_token_id=raw.get("bos_token_id"), eos_token_ids=_eos_token_ids(folder, raw),
-        **_windows(raw), **_family_options(raw),
+        bos_token_id=raw.get("bos_token_id"),
+        eos_token_ids=_eos_token_ids(folder, raw),
+        **_windows(raw),
+        **_family_options(raw),
     )
 
 
-def iter_hf_weights(folder: str, config: ModelConfig, dtype: torch.dtype,
-                    device: str | torch.device = "cpu") -> Iterator[tuple[str, torch.Tensor]]:
+def iter_hf_weights(
+    folder: str, config: ModelConfig, dtype: torch.dtype, device: str | torch.device = "cpu"
+) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (HF name, tensor in `dtype` on `device`) for every weight, one at a time."""
     for path, names in safetensors_files(folder).items():
         with safe_open(path, framework="pt") as file:
@@ -88,8 +105,9 @@ def safetensors_files(folder: str) -> dict[str, list[str]]:
         return shards
     paths = sorted(glob.glob(os.path.join(folder, "*.safetensors")))
     if not paths:
-        raise ConfigError(f"{folder}: no *.safetensors file; "
-                          "convert .bin checkpoints with transformers' save_pretrained")
+        raise ConfigError(
+            f"{folder}: no *.safetensors file; convert .bin checkpoints with transformers' save_pretrained"
+        )
     shards = {}
     for path in paths:
         with safe_open(path, framework="pt") as file:
@@ -109,8 +127,9 @@ def _check_supported_options(folder: str, raw: dict[str, Any]) -> None:
     if raw.get("model_type") == "gemma3_text":
         act = raw.get("hidden_activation", "gelu_pytorch_tanh")
         if act != "gelu_pytorch_tanh":
-            raise UnsupportedModelError(f"{folder}: hidden_activation {act!r} is not supported; "
-                                        "supported: gelu_pytorch_tanh")
+            raise UnsupportedModelError(
+                f"{folder}: hidden_activation {act!r} is not supported; supported: gelu_pytorch_tanh"
+            )
         for cap in ("final_logit_softcapping", "attn_logit_softcapping"):
             if raw.get(cap) is not None:
                 raise UnsupportedModelError(f"{folder}: {cap}={raw[cap]} is not supported; supported: null")
@@ -123,7 +142,8 @@ def _check_supported_options(folder: str, raw: dict[str, Any]) -> None:
     partial = params.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))
     if partial != 1.0:
         raise UnsupportedModelError(
-            f"{folder}: partial_rotary_factor={partial} is not supported; supported: 1.0 (rotary over the whole head)")
+            f"{folder}: partial_rotary_factor={partial} is not supported; supported: 1.0 (rotary over the whole head)"
+        )
 
 
 def _global_rope_params(raw: dict[str, Any]) -> dict[str, Any]:
@@ -143,11 +163,15 @@ def _rope(folder: str, raw: dict[str, Any]) -> tuple[float, RopeScaling | None]:
         return rope_theta, RopeScaling(rope_type="linear", factor=float(params["factor"]))
     if rope_type == "llama3":
         return rope_theta, RopeScaling(
-            rope_type="llama3", factor=float(params["factor"]),
-            low_freq_factor=float(params["low_freq_factor"]), high_freq_factor=float(params["high_freq_factor"]),
-            original_max_position_embeddings=int(params["original_max_position_embeddings"]))
+            rope_type="llama3",
+            factor=float(params["factor"]),
+            low_freq_factor=float(params["low_freq_factor"]),
+            high_freq_factor=float(params["high_freq_factor"]),
+            original_max_position_embeddings=int(params["original_max_position_embeddings"]),
+        )
     raise UnsupportedModelError(
-        f"{folder}: RoPE type {rope_type!r} is not supported; supported: default, linear, llama3")
+        f"{folder}: RoPE type {rope_type!r} is not supported; supported: default, linear, llama3"
+    )
 
 
 def _windows(raw: dict[str, Any]) -> dict[str, Any]:
@@ -178,12 +202,19 @@ def _family_options(raw: dict[str, Any]) -> dict[str, Any]:
     if model_type in ("qwen3", "qwen3_moe", "gemma3_text"):
         options["qk_norm"] = True
     if model_type == "mixtral":  # every layer sparse, always renormalised, experts as wide as intermediate_size
-        options.update(num_experts=int(raw["num_local_experts"]), num_experts_per_tok=int(raw["num_experts_per_tok"]),
-                       moe_intermediate_size=int(raw["intermediate_size"]), norm_topk_prob=True)
+        options.update(
+            num_experts=int(raw["num_local_experts"]),
+            num_experts_per_tok=int(raw["num_experts_per_tok"]),
+            moe_intermediate_size=int(raw["intermediate_size"]),
+            norm_topk_prob=True,
+        )
     if model_type == "gemma3_text":
         local = (raw.get("rope_parameters") or {}).get("sliding_attention") or {}
-        options.update(hidden_act="gelu_tanh", query_pre_attn_scalar=float(raw.get("query_pre_attn_scalar", 256)),
-                       rope_local_theta=float(local.get("rope_theta", raw.get("rope_local_base_freq", 10000.0))))
+        options.update(
+            hidden_act="gelu_tanh",
+            query_pre_attn_scalar=float(raw.get("query_pre_attn_scalar", 256)),
+            rope_local_theta=float(local.get("rope_theta", raw.get("rope_local_base_freq", 10000.0))),
+        )
     if model_type == "qwen3_moe":
         options.update(
             num_experts=int(raw.get("num_experts") or raw["num_local_experts"]),
@@ -191,7 +222,8 @@ def _family_options(raw: dict[str, Any]) -> dict[str, Any]:
             moe_intermediate_size=int(raw["moe_intermediate_size"]),
             norm_topk_prob=bool(raw.get("norm_topk_prob", False)),
             decoder_sparse_step=int(raw.get("decoder_sparse_step", 1)),
-            mlp_only_layers=tuple(raw.get("mlp_only_layers") or ()))
+            mlp_only_layers=tuple(raw.get("mlp_only_layers") or ()),
+        )
     return options
 
 

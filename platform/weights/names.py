@@ -19,8 +19,12 @@ from splitserve.platform.errors import ConfigError, UnsupportedModelError
 def layer_weight_shapes(config: ModelConfig, layer: int) -> dict[str, tuple[int, ...]]:
     """Name -> shape of the tensors of decoder layer `layer`, as the family's checkpoints name them."""
     prefix = f"model.layers.{layer}."
-    shapes = {"input_layernorm.weight": (config.hidden_size,), **_attention_shapes(config),
-              "post_attention_layernorm.weight": (config.hidden_size,), **_mlp_shapes(config, layer)}
+    shapes = {
+        "input_layernorm.weight": (config.hidden_size,),
+        **_attention_shapes(config),
+        "post_attention_layernorm.weight": (config.hidden_size,),
+        **_mlp_shapes(config, layer),
+    }
     if config.architecture == "gemma3":  # norms before and after the MLP too
         shapes["pre_feedforward_layernorm.weight"] = (config.hidden_size,)
         shapes["post_feedforward_layernorm.weight"] = (config.hidden_size,)
@@ -33,9 +37,11 @@ def _attention_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     if config.architecture == "phi3":  # Phi-3 stores q|k|v as one matrix
         shapes = {"self_attn.qkv_proj.weight": (q_size + 2 * kv_size, config.hidden_size)}
     else:
-        shapes = {"self_attn.q_proj.weight": (q_size, config.hidden_size),
-                  "self_attn.k_proj.weight": (kv_size, config.hidden_size),
-                  "self_attn.v_proj.weight": (kv_size, config.hidden_size)}
+        shapes = {
+            "self_attn.q_proj.weight": (q_size, config.hidden_size),
+            "self_attn.k_proj.weight": (kv_size, config.hidden_size),
+            "self_attn.v_proj.weight": (kv_size, config.hidden_size),
+        }
     shapes["self_attn.o_proj.weight"] = (config.hidden_size, q_size)
     if config.attention_bias:
         shapes["self_attn.q_proj.bias"] = (q_size,)
@@ -67,8 +73,11 @@ def _mlp_shapes(config: ModelConfig, layer: int) -> dict[str, tuple[int, ...]]:
     inter = config.intermediate_size
     if config.architecture == "phi3":  # Phi-3 stores gate|up as one matrix
         return {"mlp.gate_up_proj.weight": (2 * inter, hidden), "mlp.down_proj.weight": (hidden, inter)}
-    return {"mlp.gate_proj.weight": (inter, hidden), "mlp.up_proj.weight": (inter, hidden),
-            "mlp.down_proj.weight": (hidden, inter)}
+    return {
+        "mlp.gate_proj.weight": (inter, hidden),
+        "mlp.up_proj.weight": (inter, hidden),
+        "mlp.down_proj.weight": (hidden, inter),
+    }
 
 
 def expected_weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -86,8 +95,9 @@ def expected_weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def check_weights(named_tensors: Iterable[tuple[str, torch.Tensor]], config: ModelConfig,
-                  source: str) -> Iterator[tuple[str, torch.Tensor]]:
+def check_weights(
+    named_tensors: Iterable[tuple[str, torch.Tensor]], config: ModelConfig, source: str
+) -> Iterator[tuple[str, torch.Tensor]]:
     """Pass the tensors through, raising as soon as one is unexpected, misshapen or repeated,
     and at the end if any expected one never came. `source` names the file for the message."""
     expected = expected_weight_shapes(config)
@@ -99,7 +109,8 @@ def check_weights(named_tensors: Iterable[tuple[str, torch.Tensor]], config: Mod
             raise ConfigError(f"{source}: tensor {name!r} appears twice")
         if tuple(tensor.shape) != expected[name]:
             raise ConfigError(
-                f"{source}: tensor {name!r} has shape {tuple(tensor.shape)}, the config implies {expected[name]}")
+                f"{source}: tensor {name!r} has shape {tuple(tensor.shape)}, the config implies {expected[name]}"
+            )
         seen.add(name)
         yield name, tensor
     missing = [name for name in expected if name not in seen]

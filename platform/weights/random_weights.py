@@ -21,16 +21,18 @@ from splitserve.platform.weights.names import expected_weight_shapes
 INIT_STD = 0.02
 
 
-def iter_random_weights(config: ModelConfig, dtype: torch.dtype, device: str | torch.device = "cpu",
-                        seed: int = 0) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_random_weights(
+    config: ModelConfig, dtype: torch.dtype, device: str | torch.device = "cpu", seed: int = 0
+) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (HF name, random tensor in `dtype` on `device`) in `expected_weight_shapes` order."""
     device = torch.device(device)
     for name, shape in expected_weight_shapes(config).items():
         yield name, random_tensor(name, shape, dtype, device, seed)
 
 
-def random_tensor(name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
-                  seed: int) -> torch.Tensor:
+def random_tensor(
+    name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, seed: int
+) -> torch.Tensor:
     """The tensor `name` of the random model `seed` (a pure function of its arguments)."""
     if name.endswith("norm.weight"):
         return torch.ones(shape, dtype=dtype, device=device)

@@ -42,29 +42,36 @@ def llama3_divisors(scaling: RopeScaling, rope_theta: float, head_dim: int) -> n
     return np.where(wavelen < orig / scaling.high_freq_factor, 1.0, divisors)
 
 
-def llama3_scaling_from_divisors(divisors: np.ndarray, rope_theta: float, head_dim: int,
-                                 original_context: int | None = None) -> RopeScaling | None:
+def llama3_scaling_from_divisors(
+    divisors: np.ndarray, rope_theta: float, head_dim: int, original_context: int | None = None
+) -> RopeScaling | None:
     """The RopeScaling whose divisors equal `divisors`, or None when they are all 1."""
     divisors = np.asarray(divisors, dtype=np.float64).reshape(-1)
     if divisors.shape != (head_dim // 2,):
         raise UnsupportedModelError(
-            f"rope_freqs.weight has {divisors.size} values, expected head_dim/2 = {head_dim // 2}")
+            f"rope_freqs.weight has {divisors.size} values, expected head_dim/2 = {head_dim // 2}"
+        )
     factor = float(divisors.max())
     if np.allclose(divisors, 1.0, rtol=0, atol=_RTOL):
         return None
     orig = original_context or DEFAULT_ORIGINAL_CONTEXT
     low, high = _fit_band(divisors, factor, rope_theta, head_dim, orig)
-    scaling = RopeScaling(rope_type="llama3", factor=_tidy(factor), low_freq_factor=_tidy(low),
-                          high_freq_factor=_tidy(high), original_max_position_embeddings=orig)
+    scaling = RopeScaling(
+        rope_type="llama3",
+        factor=_tidy(factor),
+        low_freq_factor=_tidy(low),
+        high_freq_factor=_tidy(high),
+        original_max_position_embeddings=orig,
+    )
     if not np.allclose(llama3_divisors(scaling, rope_theta, head_dim), divisors, rtol=_RTOL, atol=0):
         raise UnsupportedModelError(
             "rope_freqs.weight does not follow Llama-3 RoPE scaling; supported: Llama-3 (llama3) "
-            f"frequency divisors; got {np.round(divisors, 4).tolist()}")
+            f"frequency divisors; got {np.round(divisors, 4).tolist()}"
+        )
     return scaling
 
 
-def _fit_band(divisors: np.ndarray, factor: float, rope_theta: float, head_dim: int,
-              orig: int) -> tuple[float, float]:
+def _fit_band(divisors: np.ndarray, factor: float, rope_theta: float, head_dim: int, orig: int) -> tuple[float, float]:
     """(low_freq_factor, high_freq_factor) from the divisors strictly between 1 and factor."""
     freqs = 1.0 / (rope_theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim))
     x = orig * freqs / (2 * math.pi)

@@ -24,14 +24,21 @@ def generate(out: pathlib.Path) -> list[pathlib.Path]:
     from grpc_tools import protoc
 
     with tempfile.TemporaryDirectory() as tmp:
-        args = ["protoc", f"-I{PROTO_ROOT}", f"--python_out={tmp}", f"--pyi_out={tmp}", f"--grpc_python_out={tmp}",
-                *[str(PROTO_ROOT / p) for p in PROTOS]]
+        args = [
+            "protoc",
+            f"-I{PROTO_ROOT}",
+            f"--python_out={tmp}",
+            f"--pyi_out={tmp}",
+            f"--grpc_python_out={tmp}",
+            *[str(PROTO_ROOT / p) for p in PROTOS],
+        ]
         if protoc.main(args) != 0:
             raise RuntimeError(f"protoc failed: {' '.join(args)}")
         written = []
         for src in sorted(pathlib.Path(tmp, "splitserve", "v1").glob("*_pb2*.py*")):
-            text = re.sub(r"from splitserve\.v1 import (\w+)", r"from splitserve.platform.wire import \1",
-                          src.read_text())
+            text = re.sub(
+                r"from splitserve\.v1 import (\w+)", r"from splitserve.platform.wire import \1", src.read_text()
+            )
             dest = out / src.name
             dest.write_text(text)
             written.append(dest)

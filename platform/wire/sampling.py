@@ -10,15 +10,31 @@ from splitserve.platform.sampling.constraints import StructuredSpec
 from splitserve.platform.sampling.params import SamplingParams
 from splitserve.platform.wire import worker_pb2 as pb
 
-OPTIONAL_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
-                   "frequency_penalty", "seed", "max_tokens", "min_tokens", "logprobs", "skip_special_tokens",
-                   "prompt_logprobs")
+OPTIONAL_FIELDS = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+    "seed",
+    "max_tokens",
+    "min_tokens",
+    "logprobs",
+    "skip_special_tokens",
+    "prompt_logprobs",
+)
 
 
 def to_proto(params: SamplingParams) -> pb.SamplingParams:
-    msg = pb.SamplingParams(stop=list(params.stop), stop_token_ids=list(params.stop_token_ids),
-                            ignore_eos=params.ignore_eos, include_stop_str_in_output=params.include_stop_str_in_output,
-                            embed=params.embed)
+    msg = pb.SamplingParams(
+        stop=list(params.stop),
+        stop_token_ids=list(params.stop_token_ids),
+        ignore_eos=params.ignore_eos,
+        include_stop_str_in_output=params.include_stop_str_in_output,
+        embed=params.embed,
+    )
     for name in OPTIONAL_FIELDS:
         value = getattr(params, name)
         if value is not None:
@@ -33,10 +49,16 @@ def to_proto(params: SamplingParams) -> pb.SamplingParams:
 
 def from_proto(msg: pb.SamplingParams) -> SamplingParams:
     kwargs = {name: getattr(msg, name) for name in OPTIONAL_FIELDS if msg.HasField(name)}
-    kwargs.update(stop=tuple(msg.stop), stop_token_ids=tuple(msg.stop_token_ids), ignore_eos=msg.ignore_eos,
-                  include_stop_str_in_output=msg.include_stop_str_in_output, logit_bias=dict(msg.logit_bias),
-                  embed=msg.embed)
+    kwargs.update(
+        stop=tuple(msg.stop),
+        stop_token_ids=tuple(msg.stop_token_ids),
+        ignore_eos=msg.ignore_eos,
+        include_stop_str_in_output=msg.include_stop_str_in_output,
+        logit_bias=dict(msg.logit_bias),
+        embed=msg.embed,
+    )
     if msg.HasField("structured"):
-        kwargs["structured"] = StructuredSpec(msg.structured.kind, msg.structured.value,
-                                              msg.structured.field or "structured_outputs")
+        kwargs["structured"] = StructuredSpec(
+            msg.structured.kind, msg.structured.value, msg.structured.field or "structured_outputs"
+        )
     return SamplingParams(**kwargs)

@@ -59,9 +59,15 @@ def create_app(router: Router, manage_router: bool = True) -> FastAPI:
             await gateway.limiter.buckets.close()
             await gateway.quota.close()
 
-    app = FastAPI(title="splitserve gateway", version="0.1.0", lifespan=lifespan,
-                  description="OpenAI-compatible API in front of splitserve's prefill/decode workers",
-                  docs_url=None, redoc_url=None, openapi_url=None)   # _add_docs serves them behind the API's auth
+    app = FastAPI(
+        title="splitserve gateway",
+        version="0.1.0",
+        lifespan=lifespan,
+        description="OpenAI-compatible API in front of splitserve's prefill/decode workers",
+        docs_url=None,
+        redoc_url=None,
+        openapi_url=None,
+    )  # _add_docs serves them behind the API's auth
     gateway = Gateway(router)
     router.metrics.watch_admission(gateway.admission, router.dispatcher)
     app.state.router = router
@@ -72,8 +78,9 @@ def create_app(router: Router, manage_router: bool = True) -> FastAPI:
     tokenize_api.add_routes(app, router, gateway)
     embeddings.add_routes(app, gateway)
     responses_api.add_routes(app, gateway)
-    openapi.install(app, router.config.served_model_names,
-                    router.tokenizer.vocab_size if router.tokenizer is not None else None)
+    openapi.install(
+        app, router.config.served_model_names, router.tokenizer.vocab_size if router.tokenizer is not None else None
+    )
     app.add_middleware(EdgeMiddleware, max_body_bytes=router.config.gateway.max_body_bytes, metrics=router.metrics)
     return app
 
@@ -94,34 +101,63 @@ def _add_routes(app: FastAPI, router: Router, gateway: Gateway) -> None:
         created = int(time.time())
         if not router.is_ready:
             return {"object": "list", "data": []}
-        base = [{"id": name, "object": "model", "created": created, "owned_by": "splitserve",
-                 "max_model_len": router.config.max_model_len, "root": router.config.model, "parent": None}
-                for name in router.config.served_model_names]
+        base = [
+            {
+                "id": name,
+                "object": "model",
+                "created": created,
+                "owned_by": "splitserve",
+                "max_model_len": router.config.max_model_len,
+                "root": router.config.model,
+                "parent": None,
+            }
+            for name in router.config.served_model_names
+        ]
         parent = router.config.served_model_names[0]
-        adapters = [{"id": name, "object": "model", "created": created, "owned_by": "splitserve",
-                     "max_model_len": router.config.max_model_len, "root": name, "parent": parent}
-                    for name in router.adapters.names()]
+        adapters = [
+            {
+                "id": name,
+                "object": "model",
+                "created": created,
+                "owned_by": "splitserve",
+                "max_model_len": router.config.max_model_len,
+                "root": name,
+                "parent": parent,
+            }
+            for name in router.adapters.names()
+        ]
         return {"object": "list", "data": base + adapters}
 
-    @app.post("/v1/load_lora_adapter", dependencies=access,
-              summary="Load a LoRA adapter on every worker (vLLM; an admin key)")
+    @app.post(
+        "/v1/load_lora_adapter", dependencies=access, summary="Load a LoRA adapter on every worker (vLLM; an admin key)"
+    )
     async def load_lora_adapter(body: LoadLoraAdapterRequest, request: Request):
         check_admin(gateway.auth, request.state.api_key)
         lora_path = check_lora_path(gateway.auth, router.config.gateway.lora_roots, body.lora_path)
         if body.lora_name in router.config.served_model_names:
-            raise APIError(400, f"lora_name {body.lora_name!r} is the base model's name; choose another",
-                           param="lora_name")
+            raise APIError(
+                400, f"lora_name {body.lora_name!r} is the base model's name; choose another", param="lora_name"
+            )
         await router.adapters.load(body.lora_name, lora_path)
-        return {"object": "lora_adapter", "lora_name": body.lora_name, "status": "loaded",
-                "message": f"Success: LoRA adapter '{body.lora_name}' added successfully."}
+        return {
+            "object": "lora_adapter",
+            "lora_name": body.lora_name,
+            "status": "loaded",
+            "message": f"Success: LoRA adapter '{body.lora_name}' added successfully.",
+        }
 
-    @app.post("/v1/unload_lora_adapter", dependencies=access,
-              summary="Unload a LoRA adapter everywhere (vLLM; an admin key)")
+    @app.post(
+        "/v1/unload_lora_adapter", dependencies=access, summary="Unload a LoRA adapter everywhere (vLLM; an admin key)"
+    )
     async def unload_lora_adapter(body: UnloadLoraAdapterRequest, request: Request):
         check_admin(gateway.auth, request.state.api_key)
         await router.adapters.unload(body.lora_name)
-        return {"object": "lora_adapter", "lora_name": body.lora_name, "status": "unloaded",
-                "message": f"Success: LoRA adapter '{body.lora_name}' removed successfully."}
+        return {
+            "object": "lora_adapter",
+            "lora_name": body.lora_name,
+            "status": "unloaded",
+            "message": f"Success: LoRA adapter '{body.lora_name}' removed successfully.",
+        }
 
     @app.get("/health", summary="Liveness: the gateway process serves")
     async def health():
@@ -132,8 +168,11 @@ def _add_routes(app: FastAPI, router: Router, gateway: Gateway) -> None:
         healthy, reason = router.pool.num_healthy(), readiness.unready_reason(router)
         if reason:
             return JSONResponse(error_body(503, reason, code="no_worker_available"), 503, headers={"Retry-After": "1"})
-        return {"status": "ready", "healthy_decode_workers": healthy,
-                "healthy_prefill_workers": router.pool.num_healthy(lambda w: w.role == "prefill")}
+        return {
+            "status": "ready",
+            "healthy_decode_workers": healthy,
+            "healthy_prefill_workers": router.pool.num_healthy(lambda w: w.role == "prefill"),
+        }
 
     metrics_access = [] if router.config.gateway.public_metrics else [Depends(gateway.auth_only)]
 

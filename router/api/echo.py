@@ -34,22 +34,22 @@ class PromptHead:
 
 @dataclass(frozen=True)
 class EchoPlan:
-    texts: tuple[str, ...]                  # per choice: the prompt as it comes back in `text`
+    texts: tuple[str, ...]  # per choice: the prompt as it comes back in `text`
     token_ids: tuple[tuple[int, ...], ...]  # per choice: the prompt's token ids
-    is_echo: bool                           # prompt text (and logprobs) at the start of the choice
-    is_prompt_only: bool                    # max_tokens 0: no generated token in the answer
-    has_prompt_logprobs_field: bool         # vLLM's `prompt_logprobs` was asked for
+    is_echo: bool  # prompt text (and logprobs) at the start of the choice
+    is_prompt_only: bool  # max_tokens 0: no generated token in the answer
+    has_prompt_logprobs_field: bool  # vLLM's `prompt_logprobs` was asked for
 
 
 def check(req: CompletionRequest) -> None:
     if req.echo and (req.n > 1 or (req.best_of or 1) > 1):
         raise bad_request(f"echo allows one choice per prompt; got n={req.n}, best_of={req.best_of}", "echo")
     if req.max_tokens == 0 and not req.echo:
-        raise bad_request("max_tokens=0 is only allowed with echo=true (the prompt alone); allowed: >= 1",
-                          "max_tokens")
+        raise bad_request("max_tokens=0 is only allowed with echo=true (the prompt alone); allowed: >= 1", "max_tokens")
     if req.prompt_logprobs is not None and req.stream:
-        raise bad_request("prompt_logprobs is not available with stream=true; use echo with logprobs",
-                          "prompt_logprobs")
+        raise bad_request(
+            "prompt_logprobs is not available with stream=true; use echo with logprobs", "prompt_logprobs"
+        )
 
 
 def worker_prompt_logprobs(req: CompletionRequest) -> int | None:
@@ -69,8 +69,13 @@ def plan(req: CompletionRequest, prompts: list[list[int]], tokenizer) -> EchoPla
     else:
         texts = [tokenizer.decode(ids, skip_special_tokens=False) if tokenizer is not None else "" for ids in prompts]
     per_choice = [(texts[p], tuple(ids)) for p, ids in enumerate(prompts) for _ in range(req.n)]
-    return EchoPlan(tuple(t for t, _ in per_choice), tuple(i for _, i in per_choice), req.echo,
-                    req.echo and req.max_tokens == 0, req.prompt_logprobs is not None)
+    return EchoPlan(
+        tuple(t for t, _ in per_choice),
+        tuple(i for _, i in per_choice),
+        req.echo,
+        req.echo and req.max_tokens == 0,
+        req.prompt_logprobs is not None,
+    )
 
 
 def prompt_entries(plan: EchoPlan, index: int, prompt_logprobs: list) -> list:
@@ -78,8 +83,9 @@ def prompt_entries(plan: EchoPlan, index: int, prompt_logprobs: list) -> list:
     return [PromptHead(plan.token_ids[index][0]), *prompt_logprobs]
 
 
-def echoed(plan: EchoPlan, index: int, text: str, logprobs: list, prompt_logprobs: list,
-           is_first: bool) -> tuple[str, list]:
+def echoed(
+    plan: EchoPlan, index: int, text: str, logprobs: list, prompt_logprobs: list, is_first: bool
+) -> tuple[str, list]:
     """A choice's (text, logprob entries) with the prompt in front (on its first piece) and the
     generated part dropped for max_tokens 0."""
     if plan.is_prompt_only:

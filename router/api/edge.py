@@ -19,7 +19,7 @@ from splitserve.router.api.errors import error_body
 log = logging.getLogger("splitserve.router.api.app")
 
 _PREFIXES = {"/v1/chat/completions": "chatcmpl", "/v1/completions": "cmpl"}
-_DRAIN_LIMIT = 64 * 1024 * 1024   # past this an oversized body is not read before answering
+_DRAIN_LIMIT = 64 * 1024 * 1024  # past this an oversized body is not read before answering
 
 
 MAX_HEADER_BYTES = 16 * 1024
@@ -29,8 +29,11 @@ def _request_span(scope, headers: dict, path: str, rid: str):
     tracer = tracing.tracer()
     if not tracer.enabled or not path.startswith("/v1/"):
         return tracing.NOOP
-    return tracer.start("gateway.request", tracing.http_carrier(headers), attributes={
-        "http.request.method": scope.get("method", ""), "url.path": path, "splitserve.request_id": rid})
+    return tracer.start(
+        "gateway.request",
+        tracing.http_carrier(headers),
+        attributes={"http.request.method": scope.get("method", ""), "url.path": path, "splitserve.request_id": rid},
+    )
 
 
 class EdgeMiddleware:
@@ -65,9 +68,15 @@ class EdgeMiddleware:
 
         try:
             header_bytes = sum(len(k) + len(v) for k, v in scope.get("headers") or [])
-            if header_bytes > MAX_HEADER_BYTES:   # whatever the HTTP parser allowed
-                response = JSONResponse(error_body(431, f"request headers too large: {header_bytes} bytes, the "
-                                                   f"limit is {MAX_HEADER_BYTES}", code="headers_too_large"), 431)
+            if header_bytes > MAX_HEADER_BYTES:  # whatever the HTTP parser allowed
+                response = JSONResponse(
+                    error_body(
+                        431,
+                        f"request headers too large: {header_bytes} bytes, the limit is {MAX_HEADER_BYTES}",
+                        code="headers_too_large",
+                    ),
+                    431,
+                )
                 await response({"type": "http"}, receive, send_with_id)
                 return
             length = headers.get(b"content-length", b"")
@@ -99,13 +108,14 @@ class EdgeMiddleware:
                 if seen[0] > self.max_body_bytes:
                     raise StarletteHTTPException(413, self._too_large())
             return message
+
         return wrapped
 
     def _too_large(self) -> str:
         return f"request body too large; the limit is {self.max_body_bytes} bytes"
 
     async def _reject_oversized(self, receive, send, length: int) -> None:
-        if length <= _DRAIN_LIMIT:   # read it so the client can finish sending and read our answer
+        if length <= _DRAIN_LIMIT:  # read it so the client can finish sending and read our answer
             more = True
             while more:
                 message = await receive()

@@ -31,7 +31,7 @@ from splitserve.router.api.prompts import Prepared
 from splitserve.router.api.schemas import Int
 from splitserve.router.core.job import Job
 
-MAX_INPUTS = 2048   # OpenAI's limit per request
+MAX_INPUTS = 2048  # OpenAI's limit per request
 
 
 class EmbeddingRequest(BaseModel):
@@ -46,8 +46,9 @@ class EmbeddingRequest(BaseModel):
 def token_ids(req: EmbeddingRequest, tokenizer, max_model_len: int) -> list[list[int]]:
     """Each input's token ids; a 400 naming `input` for anything that cannot be embedded."""
     if req.dimensions is not None:
-        raise bad_request("dimensions is not supported: the embeddings have the model's hidden size; "
-                          "leave it unset", "dimensions")
+        raise bad_request(
+            "dimensions is not supported: the embeddings have the model's hidden size; leave it unset", "dimensions"
+        )
     raw = req.input
     texts_or_ids = [raw] if isinstance(raw, str) or (raw and isinstance(raw[0], int)) else list(raw)
     if not texts_or_ids:
@@ -62,8 +63,9 @@ def token_ids(req: EmbeddingRequest, tokenizer, max_model_len: int) -> list[list
             try:
                 ids = tokenizer.encode(item)
             except UnicodeEncodeError:
-                raise bad_request(f"input[{i}] holds a lone UTF-16 surrogate; allowed: valid Unicode",
-                                  "input") from None
+                raise bad_request(
+                    f"input[{i}] holds a lone UTF-16 surrogate; allowed: valid Unicode", "input"
+                ) from None
         else:
             ids = list(item)
         if not ids:
@@ -72,8 +74,11 @@ def token_ids(req: EmbeddingRequest, tokenizer, max_model_len: int) -> list[list
         if any(t < 0 or (vocab is not None and t >= vocab) for t in ids):
             raise bad_request(f"input[{i}] has token ids outside the vocabulary; allowed: [0, {vocab})", "input")
         if len(ids) >= max_model_len:
-            raise bad_request(f"input[{i}] has {len(ids)} tokens; this model's context is {max_model_len} "
-                              f"tokens: at most {max_model_len - 1}", "input")
+            raise bad_request(
+                f"input[{i}] has {len(ids)} tokens; this model's context is {max_model_len} "
+                f"tokens: at most {max_model_len - 1}",
+                "input",
+            )
         out.append(ids)
     return out
 
@@ -90,20 +95,27 @@ async def serve(gateway, request: Request, body: EmbeddingRequest) -> dict:
     prompts = token_ids(body, router.tokenizer, router.config.max_model_len)
     params = SamplingParams(temperature=0, max_tokens=1, embed=True)
     jobs = [Job(f"{caller.job_id}-{i}", ids, params, caller.lora_name) for i, ids in enumerate(prompts)]
-    prepared = Prepared(caller.request_id, body.model, jobs, sum(map(len, prompts)), logprobs=None,
-                        stream=False, include_usage=False)
+    prepared = Prepared(
+        caller.request_id, body.model, jobs, sum(map(len, prompts)), logprobs=None, stream=False, include_usage=False
+    )
     vectors: list[list[float] | None] = [None] * len(jobs)
-    async with await gateway.pipeline.open(caller.key, body.model, prepared, bills_completion=False,
-                                         num_slots=len(jobs)) as run:
+    async with await gateway.pipeline.open(
+        caller.key, body.model, prepared, bills_completion=False, num_slots=len(jobs)
+    ) as run:
         async for index, chunk in run:
             vectors[index] = list(chunk.embedding) or vectors[index]
     if any(v is None for v in vectors):
         raise APIError(500, "a worker answered without an embedding")
     usage = run.usage()
-    return {"object": "list", "model": body.model,
-            "data": [{"object": "embedding", "index": i, "embedding": encode(v, body.encoding_format)}
-                     for i, v in enumerate(vectors)],
-            "usage": {"prompt_tokens": usage.prompt_tokens, "total_tokens": usage.prompt_tokens}}
+    return {
+        "object": "list",
+        "model": body.model,
+        "data": [
+            {"object": "embedding", "index": i, "embedding": encode(v, body.encoding_format)}
+            for i, v in enumerate(vectors)
+        ],
+        "usage": {"prompt_tokens": usage.prompt_tokens, "total_tokens": usage.prompt_tokens},
+    }
 
 
 def add_routes(app: FastAPI, gateway) -> None:

@@ -12,16 +12,31 @@ from __future__ import annotations
 
 import math
 
-_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
-          409: "invalid_request_error",
-          413: "invalid_request_error", 429: "rate_limit_error", 500: "server_error", 503: "service_unavailable"}
+_TYPES = {
+    400: "invalid_request_error",
+    401: "invalid_request_error",
+    404: "invalid_request_error",
+    409: "invalid_request_error",
+    413: "invalid_request_error",
+    429: "rate_limit_error",
+    500: "server_error",
+    503: "service_unavailable",
+}
 
 
 class APIError(Exception):
     """An answer for the client: HTTP `status`, a message saying what was wrong and what is allowed."""
 
-    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
-                 retry_after_s: float | None = None, headers: dict[str, str] | None = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        retry_after_s: float | None = None,
+        headers: dict[str, str] | None = None,
+    ):
         super().__init__(message)
         self.extra_headers = headers or {}
         self.status = status
@@ -40,8 +55,9 @@ class APIError(Exception):
 
 
 def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
-    return {"error": {"message": message, "type": _TYPES.get(status, "invalid_request_error"),
-                      "param": param, "code": code}}
+    return {
+        "error": {"message": message, "type": _TYPES.get(status, "invalid_request_error"), "param": param, "code": code}
+    }
 
 
 def bad_request(message: str, param: str | None = None) -> APIError:
@@ -52,5 +68,6 @@ class NoWorkerError(APIError):
     """Placement found no worker for the request (503, or 429 when all are saturated)."""
 
     def __init__(self, message: str, status: int = 503):
-        super().__init__(status, message, code="no_worker_available" if status == 503 else "workers_saturated",
-                         retry_after_s=1.0)
+        super().__init__(
+            status, message, code="no_worker_available" if status == 503 else "workers_saturated", retry_after_s=1.0
+        )

@@ -17,7 +17,7 @@ from splitserve.router.api.prompts import Prepared
 from splitserve.router.core.job import Chunk
 from splitserve.router.core.usage import ChoiceState, Usage
 
-MAX_CACHED_TOKENS = 65536   # token texts a TokenText keeps
+MAX_CACHED_TOKENS = 65536  # token texts a TokenText keeps
 
 
 class TokenText:
@@ -39,15 +39,29 @@ class TokenText:
 
     def chat_entry(self, lp) -> dict:
         text = self.text(lp.token_id)
-        return {"token": text, "logprob": lp.logprob, "bytes": list(text.encode("utf-8")),
-                "top_logprobs": [{"token": self.text(t.token_id), "logprob": t.logprob,
-                                  "bytes": list(self.text(t.token_id).encode("utf-8"))} for t in lp.top]}
+        return {
+            "token": text,
+            "logprob": lp.logprob,
+            "bytes": list(text.encode("utf-8")),
+            "top_logprobs": [
+                {
+                    "token": self.text(t.token_id),
+                    "logprob": t.logprob,
+                    "bytes": list(self.text(t.token_id).encode("utf-8")),
+                }
+                for t in lp.top
+            ],
+        }
 
 
 def usage_json(usage: Usage) -> dict:
     """OpenAI's usage object."""
-    return {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
-            "total_tokens": usage.total_tokens, "prompt_tokens_details": {"cached_tokens": usage.cached_tokens}}
+    return {
+        "prompt_tokens": usage.prompt_tokens,
+        "completion_tokens": usage.completion_tokens,
+        "total_tokens": usage.total_tokens,
+        "prompt_tokens_details": {"cached_tokens": usage.cached_tokens},
+    }
 
 
 class Formatter:
@@ -72,10 +86,14 @@ class Formatter:
         for text in texts:
             offsets.append(pos)
             pos += len(text)
-        return {"tokens": texts, "token_logprobs": [lp.logprob for lp in entries],
-                "top_logprobs": [None if lp.top is None else {self.tokens.text(t.token_id): t.logprob for t in lp.top}
-                                 for lp in entries],
-                "text_offset": offsets}
+        return {
+            "tokens": texts,
+            "token_logprobs": [lp.logprob for lp in entries],
+            "top_logprobs": [
+                None if lp.top is None else {self.tokens.text(t.token_id): t.logprob for t in lp.top} for lp in entries
+            ],
+            "text_offset": offsets,
+        }
 
     def complete(self, choices: list[ChoiceState], usage: Usage) -> dict:
         out = self._head("chat.completion" if self.is_chat else "text_completion")
@@ -115,8 +133,9 @@ class Formatter:
         """The stream events for one chunk (`state` already holds it). With tools the answer is
         held back until it finishes, then sent as tool-call deltas or as content."""
         if self.prepared.echo is not None and not self.is_chat:
-            text, entries = echo.echoed(self.prepared.echo, index, chunk.text, chunk.logprobs, state.prompt_logprobs,
-                                        not state.is_echoed)
+            text, entries = echo.echoed(
+                self.prepared.echo, index, chunk.text, chunk.logprobs, state.prompt_logprobs, not state.is_echoed
+            )
             state.is_echoed = True
             return [self.chunk(index, dataclasses.replace(chunk, text=text, logprobs=entries))]
         if self.prepared.tools is None or not self.is_chat:

@@ -21,28 +21,48 @@ from splitserve.platform.sampling.params import MAX_LOGPROBS
 from splitserve.router.api.sampling import INT32, INT64
 
 ERROR_SCHEMA = {
-    "type": "object", "required": ["error"], "title": "ErrorResponse",
-    "properties": {"error": {
-        "type": "object", "required": ["message", "type", "param", "code"],
-        "properties": {"message": {"type": "string"}, "type": {"type": "string"},
-                       "param": {"type": ["string", "null"]}, "code": {"type": ["string", "null"]}}}},
+    "type": "object",
+    "required": ["error"],
+    "title": "ErrorResponse",
+    "properties": {
+        "error": {
+            "type": "object",
+            "required": ["message", "type", "param", "code"],
+            "properties": {
+                "message": {"type": "string"},
+                "type": {"type": "string"},
+                "param": {"type": ["string", "null"]},
+                "code": {"type": ["string", "null"]},
+            },
+        }
+    },
 }
-_DESCRIPTIONS = {400: "Invalid request (OpenAI error body naming the field)", 401: "Missing or wrong API key",
-                 404: "Unknown model, adapter or path",
-                 409: "The adapters are declared (spec.adapters / adapters.file), not loaded through the API",
-                 413: "Request body over gateway.max_body_bytes",
-                 429: "Rate limited, admission queue full, or every worker saturated",
-                 500: "Internal error", 503: "No worker can serve the request (after gateway.worker_wait_s)"}
+_DESCRIPTIONS = {
+    400: "Invalid request (OpenAI error body naming the field)",
+    401: "Missing or wrong API key",
+    404: "Unknown model, adapter or path",
+    409: "The adapters are declared (spec.adapters / adapters.file), not loaded through the API",
+    413: "Request body over gateway.max_body_bytes",
+    429: "Rate limited, admission queue full, or every worker saturated",
+    500: "Internal error",
+    503: "No worker can serve the request (after gateway.worker_wait_s)",
+}
 _RETRY_AFTER = {"Retry-After": {"description": "Seconds to wait before retrying", "schema": {"type": "string"}}}
 
 # property -> JSON-schema bounds, as the engine and the gateway enforce them
 BOUNDS = {
-    "temperature": {"minimum": 0}, "top_p": {"exclusiveMinimum": 0, "maximum": 1},
-    "min_p": {"minimum": 0, "maximum": 1}, "repetition_penalty": {"exclusiveMinimum": 0},
-    "presence_penalty": {"minimum": -2, "maximum": 2}, "frequency_penalty": {"minimum": -2, "maximum": 2},
-    "max_tokens": {"minimum": 1}, "max_completion_tokens": {"minimum": 1}, "max_output_tokens": {"minimum": 1},
+    "temperature": {"minimum": 0},
+    "top_p": {"exclusiveMinimum": 0, "maximum": 1},
+    "min_p": {"minimum": 0, "maximum": 1},
+    "repetition_penalty": {"exclusiveMinimum": 0},
+    "presence_penalty": {"minimum": -2, "maximum": 2},
+    "frequency_penalty": {"minimum": -2, "maximum": 2},
+    "max_tokens": {"minimum": 1},
+    "max_completion_tokens": {"minimum": 1},
+    "max_output_tokens": {"minimum": 1},
     "min_tokens": {"minimum": 0, "maximum": INT32 - 1},
-    "seed": {"minimum": -INT64, "maximum": INT64 - 1}, "top_k": {"minimum": -1, "maximum": INT32 - 1},
+    "seed": {"minimum": -INT64, "maximum": INT64 - 1},
+    "top_k": {"minimum": -1, "maximum": INT32 - 1},
     "top_logprobs": {"minimum": 0, "maximum": MAX_LOGPROBS},
 }
 _ITEM_BOUNDS = {"stop_token_ids": {"minimum": 0, "maximum": INT32 - 1}}
@@ -90,6 +110,7 @@ def install(app, model_names: tuple[str, ...], vocab_size: int | None = None) ->
         if app.openapi_schema is None:
             app.openapi_schema = build(app, model_names, vocab_size)
         return app.openapi_schema
+
     app.openapi = openapi
 
 
@@ -97,26 +118,47 @@ _LORA_PATHS = ("/v1/load_lora_adapter", "/v1/unload_lora_adapter")
 _INT_LIST = {"type": "array", "items": {"type": "integer"}}
 # Endpoints answering one JSON object of their own (vLLM's shapes), never a stream.
 _OBJECT_ANSWERS = {
-    "/tokenize": {"type": "object", "required": ["count", "max_model_len", "tokens"],
-                  "properties": {"count": {"type": "integer"}, "max_model_len": {"type": "integer"},
-                                 "tokens": _INT_LIST,
-                                 "token_strs": {"anyOf": [{"type": "array", "items": {"type": "string"}},
-                                                          {"type": "null"}]}}},
+    "/tokenize": {
+        "type": "object",
+        "required": ["count", "max_model_len", "tokens"],
+        "properties": {
+            "count": {"type": "integer"},
+            "max_model_len": {"type": "integer"},
+            "tokens": _INT_LIST,
+            "token_strs": {"anyOf": [{"type": "array", "items": {"type": "string"}}, {"type": "null"}]},
+        },
+    },
     "/detokenize": {"type": "object", "required": ["prompt"], "properties": {"prompt": {"type": "string"}}},
     "/version": {"type": "object", "required": ["version"], "properties": {"version": {"type": "string"}}},
-    "/v1/embeddings": {"type": "object", "required": ["object", "data", "model", "usage"], "properties": {
-        "object": {"type": "string", "enum": ["list"]}, "model": {"type": "string"},
-        "data": {"type": "array", "items": {
-            "type": "object", "required": ["object", "index", "embedding"], "properties": {
-            "object": {"type": "string"}, "index": {"type": "integer"},
-            "embedding": {"anyOf": [{"type": "array", "items": {"type": "number"}}, {"type": "string"}]}}}},
-        "usage": {"type": "object", "required": ["prompt_tokens", "total_tokens"]}}},
+    "/v1/embeddings": {
+        "type": "object",
+        "required": ["object", "data", "model", "usage"],
+        "properties": {
+            "object": {"type": "string", "enum": ["list"]},
+            "model": {"type": "string"},
+            "data": {
+                "type": "array",
+                "items": {
+                    "type": "object",
+                    "required": ["object", "index", "embedding"],
+                    "properties": {
+                        "object": {"type": "string"},
+                        "index": {"type": "integer"},
+                        "embedding": {"anyOf": [{"type": "array", "items": {"type": "number"}}, {"type": "string"}]},
+                    },
+                },
+            },
+            "usage": {"type": "object", "required": ["prompt_tokens", "total_tokens"]},
+        },
+    },
 }
 
 
 def _error(status: int) -> dict:
-    out = {"description": _DESCRIPTIONS[status],
-           "content": {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorResponse"}}}}
+    out = {
+        "description": _DESCRIPTIONS[status],
+        "content": {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorResponse"}}},
+    }
     if status in (429, 503):
         out["headers"] = _RETRY_AFTER
     return out
@@ -138,26 +180,41 @@ def _responses(path: str, method: str, op: dict) -> None:
     elif path in _LORA_PATHS:
         statuses += [400, 404, 409, 413, 503]
         ok = responses.setdefault("200", {"description": "Successful Response"})
-        ok["content"] = {"application/json": {"schema": {
-            "type": "object", "required": ["lora_name", "status"],
-            "properties": {"lora_name": {"type": "string"},
-                           "status": {"type": "string", "enum": ["loaded", "unloaded"]},
-                           "message": {"type": "string"}, "object": {"type": "string"}}}}}
+        ok["content"] = {
+            "application/json": {
+                "schema": {
+                    "type": "object",
+                    "required": ["lora_name", "status"],
+                    "properties": {
+                        "lora_name": {"type": "string"},
+                        "status": {"type": "string", "enum": ["loaded", "unloaded"]},
+                        "message": {"type": "string"},
+                        "object": {"type": "string"},
+                    },
+                }
+            }
+        }
     elif method == "post":
         statuses += [400, 404, 413, 503]
         ok = responses.setdefault("200", {"description": "Successful Response"})
         is_responses = path == "/v1/responses"
         required = ["id", "object", "output", "status"] if is_responses else ["id", "object", "choices"]
-        events = ("With stream=true: `event: <type>` + `data: {event}` pairs, response.created first, "
-                  "response.completed (or response.incomplete) last" if is_responses else
-                  "With stream=true: `data: {chunk}` events, then `data: [DONE]`")
-        ok["content"] = {"application/json": {"schema": {"type": "object", "required": required}},
-                         "text/event-stream": {"schema": {"type": "string"}, "description": events}}
+        events = (
+            "With stream=true: `event: <type>` + `data: {event}` pairs, response.created first, "
+            "response.completed (or response.incomplete) last"
+            if is_responses
+            else "With stream=true: `data: {chunk}` events, then `data: [DONE]`"
+        )
+        ok["content"] = {
+            "application/json": {"schema": {"type": "object", "required": required}},
+            "text/event-stream": {"schema": {"type": "string"}, "description": events},
+        }
     if path == "/ready":
         statuses.append(503)
     if path == "/metrics":
-        responses["200"]["content"] = {"text/plain": {"schema": {"type": "string"},
-                                                      "description": "Prometheus text exposition format 0.0.4"}}
+        responses["200"]["content"] = {
+            "text/plain": {"schema": {"type": "string"}, "description": "Prometheus text exposition format 0.0.4"}
+        }
     for status in sorted(set(statuses)):
         responses[str(status)] = _error(status)
 
@@ -175,7 +232,7 @@ def _bound(name: str, schema: dict, model_names: tuple[str, ...]) -> None:
     if name == "CompletionRequest" and "logprobs" in props:
         _apply(props["logprobs"], _COMPLETION_LOGPROBS)
         _apply(props["prompt_logprobs"], _COMPLETION_LOGPROBS)
-        _apply(props["max_tokens"], {"minimum": 0})   # 0 with echo: the prompt alone (router/api/echo.py)
+        _apply(props["max_tokens"], {"minimum": 0})  # 0 with echo: the prompt alone (router/api/echo.py)
     if "model" in props and model_names and name.endswith("Request"):
         props["model"]["description"] = f"A served model: {', '.join(model_names)} (others: 404)"
 

@@ -41,17 +41,23 @@ class Prepared:
     request_id: str
     model: str
     jobs: list[Job]
-    num_prompt_tokens: int           # summed over distinct prompts
-    logprobs: int | None             # top-n alternatives per token, None: no logprobs
+    num_prompt_tokens: int  # summed over distinct prompts
+    logprobs: int | None  # top-n alternatives per token, None: no logprobs
     stream: bool
     include_usage: bool
-    tools: ToolPlan | None = None    # chat with tools: how to read tool calls from the answer
-    return_token_ids: bool = False   # answer the generated token ids too (vLLM's extension)
-    echo: EchoPlan | None = None     # completions with echo / prompt_logprobs (router/api/echo.py)
+    tools: ToolPlan | None = None  # chat with tools: how to read tool calls from the answer
+    return_token_ids: bool = False  # answer the generated token ids too (vLLM's extension)
+    echo: EchoPlan | None = None  # completions with echo / prompt_logprobs (router/api/echo.py)
 
 
-def prepare_chat(req: ChatCompletionRequest, request_id: str, job_id: str, tokenizer: Tokenizer | None,
-                 max_model_len: int, tool_call_parser: str = "hermes") -> Prepared:
+def prepare_chat(
+    req: ChatCompletionRequest,
+    request_id: str,
+    job_id: str,
+    tokenizer: Tokenizer | None,
+    max_model_len: int,
+    tool_call_parser: str = "hermes",
+) -> Prepared:
     """`request_id` names the response; `job_id` (unique) prefixes the workers' request ids."""
     _reject_unsupported(req)
     if tokenizer is None:
@@ -64,8 +70,9 @@ def prepare_chat(req: ChatCompletionRequest, request_id: str, job_id: str, token
         messages, template_kwargs = render_messages(messages, req.tools, tokenizer.chat_template)
     try:
         check_chat_template_kwargs(req.chat_template_kwargs)
-        token_ids = tokenizer.encode_chat(messages, req.add_generation_prompt,
-                                          **{**(req.chat_template_kwargs or {}), **template_kwargs})
+        token_ids = tokenizer.encode_chat(
+            messages, req.add_generation_prompt, **{**(req.chat_template_kwargs or {}), **template_kwargs}
+        )
     except InvalidRequestError as exc:
         raise bad_request(str(exc), "messages") from None
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
@@ -73,12 +80,22 @@ def prepare_chat(req: ChatCompletionRequest, request_id: str, job_id: str, token
     constraints = constraint_fields(req, tokenizer.vocab_size)
     if forced is not None:
         if constraints["structured"] is not None:
-            raise bad_request("a forced tool_choice cannot be combined with response_format/structured_outputs",
-                              "tool_choice")
+            raise bad_request(
+                "a forced tool_choice cannot be combined with response_format/structured_outputs", "tool_choice"
+            )
         constraints["structured"] = forced
     jobs = _jobs(req, job_id, [token_ids], max_tokens, None, logprobs, max_model_len, constraints)
-    return Prepared(request_id, req.model, jobs, len(token_ids), logprobs, req.stream, _include_usage(req), plan,
-                    return_token_ids=req.return_token_ids)
+    return Prepared(
+        request_id,
+        req.model,
+        jobs,
+        len(token_ids),
+        logprobs,
+        req.stream,
+        _include_usage(req),
+        plan,
+        return_token_ids=req.return_token_ids,
+    )
 
 
 def num_choices(req: CompletionRequest | ChatCompletionRequest) -> int:
@@ -88,28 +105,55 @@ def num_choices(req: CompletionRequest | ChatCompletionRequest) -> int:
     return num_prompts * req.n
 
 
-def prepare_completion(req: CompletionRequest, request_id: str, job_id: str, tokenizer: Tokenizer | None,
-                       max_model_len: int, max_prompt_tokens: int | None = None) -> Prepared:
+def prepare_completion(
+    req: CompletionRequest,
+    request_id: str,
+    job_id: str,
+    tokenizer: Tokenizer | None,
+    max_model_len: int,
+    max_prompt_tokens: int | None = None,
+) -> Prepared:
     echo.check(req)
     _reject_unsupported(req)
     prompts = _prompt_token_ids(req.prompt, tokenizer)
     num_prompt_tokens = sum(map(len, prompts))
     if max_prompt_tokens is not None and num_prompt_tokens > max_prompt_tokens:
-        raise bad_request(f"the prompts hold {num_prompt_tokens} tokens in all; one request may send at most "
-                          f"{max_prompt_tokens} (gateway.max_prompt_tokens_per_request): split the request", "prompt")
-    max_tokens = 1 if req.echo and req.max_tokens == 0 else req.max_tokens   # the token is dropped (echo.py)
-    jobs = _jobs(req, job_id, prompts, max_tokens, COMPLETIONS_DEFAULT_MAX_TOKENS, req.logprobs, max_model_len,
-                 constraint_fields(req, tokenizer.vocab_size if tokenizer is not None else None))
+        raise bad_request(
+            f"the prompts hold {num_prompt_tokens} tokens in all; one request may send at most "
+            f"{max_prompt_tokens} (gateway.max_prompt_tokens_per_request): split the request",
+            "prompt",
+        )
+    max_tokens = 1 if req.echo and req.max_tokens == 0 else req.max_tokens  # the token is dropped (echo.py)
+    jobs = _jobs(
+        req,
+        job_id,
+        prompts,
+        max_tokens,
+        COMPLETIONS_DEFAULT_MAX_TOKENS,
+        req.logprobs,
+        max_model_len,
+        constraint_fields(req, tokenizer.vocab_size if tokenizer is not None else None),
+    )
     scored = echo.worker_prompt_logprobs(req)
     if scored is not None:
         if not 0 <= scored <= MAX_LOGPROBS:
-            raise bad_request(f"prompt_logprobs={scored} is invalid; allowed: an integer in [0, {MAX_LOGPROBS}]",
-                              "prompt_logprobs")
-        jobs = [dataclasses.replace(job, params=dataclasses.replace(job.params, prompt_logprobs=scored))
-                for job in jobs]
-    return Prepared(request_id, req.model, jobs, sum(map(len, prompts)), req.logprobs, req.stream,
-                    _include_usage(req), return_token_ids=req.return_token_ids,
-                    echo=echo.plan(req, prompts, tokenizer))
+            raise bad_request(
+                f"prompt_logprobs={scored} is invalid; allowed: an integer in [0, {MAX_LOGPROBS}]", "prompt_logprobs"
+            )
+        jobs = [
+            dataclasses.replace(job, params=dataclasses.replace(job.params, prompt_logprobs=scored)) for job in jobs
+        ]
+    return Prepared(
+        request_id,
+        req.model,
+        jobs,
+        sum(map(len, prompts)),
+        req.logprobs,
+        req.stream,
+        _include_usage(req),
+        return_token_ids=req.return_token_ids,
+        echo=echo.plan(req, prompts, tokenizer),
+    )
 
 
 def _reject_unsupported(req: SamplingFields) -> None:
@@ -126,8 +170,9 @@ def _reject_lone_surrogates(value, where: str) -> None:
         try:
             value.encode("utf-8")
         except UnicodeEncodeError:
-            raise bad_request(f"{where or 'body'}: a string holds a lone UTF-16 surrogate; allowed: valid Unicode",
-                              where or None) from None
+            raise bad_request(
+                f"{where or 'body'}: a string holds a lone UTF-16 surrogate; allowed: valid Unicode", where or None
+            ) from None
     elif isinstance(value, dict):
         for key, item in value.items():
             _reject_lone_surrogates(item, f"{where}.{key}" if where else str(key))
@@ -160,9 +205,16 @@ def _prompt_token_ids(prompt, tokenizer: Tokenizer | None) -> list[list[int]]:
     return prompts
 
 
-def _jobs(req: SamplingFields, job_id: str, prompts: list[list[int]], max_tokens: int | None,
-          default_max_tokens: int | None, logprobs: int | None, max_model_len: int,
-          constraints: dict | None = None) -> list[Job]:
+def _jobs(
+    req: SamplingFields,
+    job_id: str,
+    prompts: list[list[int]],
+    max_tokens: int | None,
+    default_max_tokens: int | None,
+    logprobs: int | None,
+    max_model_len: int,
+    constraints: dict | None = None,
+) -> list[Job]:
     if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
         raise bad_request(f"logprobs={logprobs} is invalid; allowed: an integer in [0, {MAX_LOGPROBS}]", "logprobs")
     jobs = []
@@ -178,13 +230,19 @@ def _jobs(req: SamplingFields, job_id: str, prompts: list[list[int]], max_tokens
 
 def _max_tokens(num_prompt: int, requested: int | None, default: int | None, max_model_len: int) -> int:
     if num_prompt >= max_model_len:
-        raise bad_request(f"this model's maximum context length is {max_model_len} tokens, but the prompt has "
-                          f"{num_prompt} tokens; shorten the prompt to at most {max_model_len - 1} tokens", "messages")
+        raise bad_request(
+            f"this model's maximum context length is {max_model_len} tokens, but the prompt has "
+            f"{num_prompt} tokens; shorten the prompt to at most {max_model_len - 1} tokens",
+            "messages",
+        )
     if requested is None:
         left = max_model_len - num_prompt
         return left if default is None else min(default, left)
     if requested >= 1 and num_prompt + requested > max_model_len:
-        raise bad_request(f"this model's maximum context length is {max_model_len} tokens, but "
-                          f"{num_prompt + requested} were requested ({num_prompt} in the prompt, {requested} for "
-                          "the completion); reduce the prompt or max_tokens", "max_tokens")
+        raise bad_request(
+            f"this model's maximum context length is {max_model_len} tokens, but "
+            f"{num_prompt + requested} were requested ({num_prompt} in the prompt, {requested} for "
+            "the completion); reduce the prompt or max_tokens",
+            "max_tokens",
+        )
     return requested

@@ -37,14 +37,29 @@ class _Builder:
 
     def response(self) -> dict:
         req = self.req
-        return {"id": self.id, "object": "response", "created_at": self.created_at, "status": self.status,
-                "model": req.model, "output": self.output, "error": None,
-                "incomplete_details": self.incomplete_details, "instructions": req.instructions,
-                "max_output_tokens": req.max_output_tokens, "temperature": req.temperature, "top_p": req.top_p,
-                "tools": req.tools or [], "tool_choice": req.tool_choice or "auto",
-                "parallel_tool_calls": req.parallel_tool_calls is not False,
-                "text": req.text or {"format": {"type": "text"}}, "store": False, "previous_response_id": None,
-                "metadata": req.metadata or {}, "truncation": "disabled", "usage": self.usage}
+        return {
+            "id": self.id,
+            "object": "response",
+            "created_at": self.created_at,
+            "status": self.status,
+            "model": req.model,
+            "output": self.output,
+            "error": None,
+            "incomplete_details": self.incomplete_details,
+            "instructions": req.instructions,
+            "max_output_tokens": req.max_output_tokens,
+            "temperature": req.temperature,
+            "top_p": req.top_p,
+            "tools": req.tools or [],
+            "tool_choice": req.tool_choice or "auto",
+            "parallel_tool_calls": req.parallel_tool_calls is not False,
+            "text": req.text or {"format": {"type": "text"}},
+            "store": False,
+            "previous_response_id": None,
+            "metadata": req.metadata or {},
+            "truncation": "disabled",
+            "usage": self.usage,
+        }
 
     def finish(self, finish_reason: str | None, usage: Usage | None) -> None:
         if finish_reason == "length":
@@ -52,21 +67,36 @@ class _Builder:
         else:
             self.status = "completed"
         if usage is not None:
-            self.usage = {"input_tokens": usage.prompt_tokens,
-                          "input_tokens_details": {"cached_tokens": usage.cached_tokens},
-                          "output_tokens": usage.completion_tokens,
-                          "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": usage.total_tokens}
+            self.usage = {
+                "input_tokens": usage.prompt_tokens,
+                "input_tokens_details": {"cached_tokens": usage.cached_tokens},
+                "output_tokens": usage.completion_tokens,
+                "output_tokens_details": {"reasoning_tokens": 0},
+                "total_tokens": usage.total_tokens,
+            }
 
 
 def message_item(text: str, status: str = "completed") -> dict:
-    return {"type": "message", "id": f"msg_{uuid.uuid4().hex}", "status": status, "role": "assistant",
-            "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}] if status ==
-            "completed" else []}
+    return {
+        "type": "message",
+        "id": f"msg_{uuid.uuid4().hex}",
+        "status": status,
+        "role": "assistant",
+        "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]
+        if status == "completed"
+        else [],
+    }
 
 
 def call_item(call_id: str, name: str, arguments: str, status: str = "completed") -> dict:
-    return {"type": "function_call", "id": f"fc_{uuid.uuid4().hex}", "call_id": call_id, "name": name,
-            "arguments": arguments, "status": status}
+    return {
+        "type": "function_call",
+        "id": f"fc_{uuid.uuid4().hex}",
+        "call_id": call_id,
+        "name": name,
+        "arguments": arguments,
+        "status": status,
+    }
 
 
 def from_completion(req: ResponsesRequest, completion: dict, usage: Usage) -> dict:
@@ -92,7 +122,7 @@ class ResponseEvents:
         self.seq = 0
         self.text_item: dict | None = None
         self.text = ""
-        self.calls: dict[int, dict] = {}   # chat tool-call index -> its function_call item
+        self.calls: dict[int, dict] = {}  # chat tool-call index -> its function_call item
         self.finish_reason: str | None = None
 
     def event(self, kind: str, **fields) -> bytes:
@@ -101,8 +131,10 @@ class ResponseEvents:
         return f"event: {kind}\ndata: {json.dumps(data, ensure_ascii=False, separators=(',', ':'))}\n\n".encode()
 
     def start(self, run: Run) -> list[bytes]:
-        return [self.event("response.created", response=self.builder.response()),
-                self.event("response.in_progress", response=self.builder.response())]
+        return [
+            self.event("response.created", response=self.builder.response()),
+            self.event("response.in_progress", response=self.builder.response()),
+        ]
 
     def chunk(self, run: Run, item: ChoiceChunk) -> list[bytes]:
         out = []
@@ -135,12 +167,26 @@ class ResponseEvents:
             self.builder.output.append(self.text_item)
             index = len(self.builder.output) - 1
             out.append(self.event("response.output_item.added", output_index=index, item=self.text_item))
-            out.append(self.event("response.content_part.added", item_id=self.text_item["id"], output_index=index,
-                                  content_index=0, part={"type": "output_text", "text": "", "annotations": []}))
+            out.append(
+                self.event(
+                    "response.content_part.added",
+                    item_id=self.text_item["id"],
+                    output_index=index,
+                    content_index=0,
+                    part={"type": "output_text", "text": "", "annotations": []},
+                )
+            )
         self.text += text
-        out.append(self.event("response.output_text.delta", item_id=self.text_item["id"],
-                              output_index=self.builder.output.index(self.text_item), content_index=0, delta=text,
-                              logprobs=[]))
+        out.append(
+            self.event(
+                "response.output_text.delta",
+                item_id=self.text_item["id"],
+                output_index=self.builder.output.index(self.text_item),
+                content_index=0,
+                delta=text,
+                logprobs=[],
+            )
+        )
         return out
 
     def _call_delta(self, call: dict) -> list[bytes]:
@@ -152,12 +198,19 @@ class ResponseEvents:
             item = call_item(call.get("id", f"call_{uuid.uuid4().hex}"), function.get("name", ""), "", "in_progress")
             self.calls[call.get("index", 0)] = item
             self.builder.output.append(item)
-            out.append(self.event("response.output_item.added", output_index=len(self.builder.output) - 1,
-                                  item=dict(item)))
+            out.append(
+                self.event("response.output_item.added", output_index=len(self.builder.output) - 1, item=dict(item))
+            )
         if function.get("arguments"):
             item["arguments"] += function["arguments"]
-            out.append(self.event("response.function_call_arguments.delta", item_id=item["id"],
-                                  output_index=self.builder.output.index(item), delta=function["arguments"]))
+            out.append(
+                self.event(
+                    "response.function_call_arguments.delta",
+                    item_id=item["id"],
+                    output_index=self.builder.output.index(item),
+                    delta=function["arguments"],
+                )
+            )
         return out
 
     def _close_text(self) -> list[bytes]:
@@ -167,19 +220,35 @@ class ResponseEvents:
         index = self.builder.output.index(item)
         part = {"type": "output_text", "text": self.text, "annotations": [], "logprobs": []}
         item.update(status="completed", content=[part])
-        return [self.event("response.output_text.done", item_id=item["id"], output_index=index, content_index=0,
-                           text=self.text, logprobs=[]),
-                self.event("response.content_part.done", item_id=item["id"], output_index=index, content_index=0,
-                           part=part),
-                self.event("response.output_item.done", output_index=index, item=item)]
+        return [
+            self.event(
+                "response.output_text.done",
+                item_id=item["id"],
+                output_index=index,
+                content_index=0,
+                text=self.text,
+                logprobs=[],
+            ),
+            self.event(
+                "response.content_part.done", item_id=item["id"], output_index=index, content_index=0, part=part
+            ),
+            self.event("response.output_item.done", output_index=index, item=item),
+        ]
 
     def _end(self, usage: Usage | None) -> list[bytes]:
         out = self._close_text()
         for item in self.calls.values():
             index = self.builder.output.index(item)
             item["status"] = "completed"
-            out.append(self.event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
-                                  name=item["name"], arguments=item["arguments"]))
+            out.append(
+                self.event(
+                    "response.function_call_arguments.done",
+                    item_id=item["id"],
+                    output_index=index,
+                    name=item["name"],
+                    arguments=item["arguments"],
+                )
+            )
             out.append(self.event("response.output_item.done", output_index=index, item=item))
         self.builder.finish(self.finish_reason, usage)
         kind = "response.incomplete" if self.builder.status == "incomplete" else "response.completed"
@@ -188,16 +257,18 @@ class ResponseEvents:
 
 
 async def serve(gateway, request: Request, body: ResponsesRequest) -> Response:
-    gateway.check_model(body.model)   # 404 before the body's content, as for chat completions
+    gateway.check_model(body.model)  # 404 before the body's content, as for chat completions
     chat = chat_request(body)
     run, formatter = await gateway.open(request, chat, is_chat=True)
-    return await gateway.respond(request, run, ResponseEvents(body, formatter),
-                                 lambda run: from_completion(body, formatter.complete(run.choices, run.usage()),
-                                                             run.usage()))
+    return await gateway.respond(
+        request,
+        run,
+        ResponseEvents(body, formatter),
+        lambda run: from_completion(body, formatter.complete(run.choices, run.usage()), run.usage()),
+    )
 
 
 def add_routes(app: FastAPI, gateway) -> None:
     @app.post("/v1/responses", dependencies=[Depends(gateway.access)], summary="Responses (OpenAI, a subset)")
     async def responses(body: ResponsesRequest, request: Request):
         return await serve(gateway, request, body)
-

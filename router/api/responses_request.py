@@ -73,8 +73,11 @@ class ResponsesRequest(BaseModel):
 
 def check(req: ResponsesRequest) -> None:
     if req.previous_response_id is not None:
-        raise bad_request("previous_response_id is not supported: this server stores no responses; send the "
-                          "whole conversation in `input` (with store=false)", "previous_response_id")
+        raise bad_request(
+            "previous_response_id is not supported: this server stores no responses; send the "
+            "whole conversation in `input` (with store=false)",
+            "previous_response_id",
+        )
     if req.store:
         raise bad_request("store=true is not supported: this server keeps no responses; send store=false", "store")
     for name in UNSUPPORTED:
@@ -92,8 +95,12 @@ def chat_request(req: ResponsesRequest) -> ChatCompletionRequest:
     body: dict[str, Any] = {"model": req.model, "messages": messages, "stream": req.stream}
     if req.stream:
         body["stream_options"] = {"include_usage": True}
-    for name, value in (("max_completion_tokens", req.max_output_tokens), ("temperature", req.temperature),
-                        ("top_p", req.top_p), ("parallel_tool_calls", req.parallel_tool_calls)):
+    for name, value in (
+        ("max_completion_tokens", req.max_output_tokens),
+        ("temperature", req.temperature),
+        ("top_p", req.top_p),
+        ("parallel_tool_calls", req.parallel_tool_calls),
+    ):
         if value is not None:
             body[name] = value
     if req.tools:
@@ -114,12 +121,16 @@ def _messages(value) -> list[dict]:
         if kind == "message":
             role = item.get("role")
             if role not in ("user", "system", "developer", "assistant"):
-                raise bad_request(f"input[{i}].role={role!r} is invalid; allowed: user, system, developer, assistant",
-                                  "input")
+                raise bad_request(
+                    f"input[{i}].role={role!r} is invalid; allowed: user, system, developer, assistant", "input"
+                )
             out.append({"role": "system" if role == "developer" else role, "content": _text(item.get("content"), i)})
         elif kind == "function_call":
-            call = {"id": _str(item, "call_id", i), "type": "function",
-                    "function": {"name": _str(item, "name", i), "arguments": _str(item, "arguments", i)}}
+            call = {
+                "id": _str(item, "call_id", i),
+                "type": "function",
+                "function": {"name": _str(item, "name", i), "arguments": _str(item, "arguments", i)},
+            }
             if out and out[-1]["role"] == "assistant" and out[-1].get("tool_calls"):
                 out[-1]["tool_calls"].append(call)
             else:
@@ -129,8 +140,10 @@ def _messages(value) -> list[dict]:
             text = output if isinstance(output, str) else _text(output, i)
             out.append({"role": "tool", "tool_call_id": _str(item, "call_id", i), "content": text})
         else:
-            raise bad_request(f"input[{i}].type={kind!r} is not supported; allowed: message, function_call, "
-                              "function_call_output", "input")
+            raise bad_request(
+                f"input[{i}].type={kind!r} is not supported; allowed: message, function_call, function_call_output",
+                "input",
+            )
     return out
 
 
@@ -150,16 +163,22 @@ def _text(content, i: int) -> str:
     for part in content:
         kind = part.get("type") if isinstance(part, dict) else None
         if kind not in ("input_text", "output_text", "text") or not isinstance(part.get("text"), str):
-            raise bad_request(f"input[{i}].content: part type {kind!r} is not supported; allowed: input_text, "
-                              "output_text (this model reads text only)", "input")
+            raise bad_request(
+                f"input[{i}].content: part type {kind!r} is not supported; allowed: input_text, "
+                "output_text (this model reads text only)",
+                "input",
+            )
         texts.append(part["text"])
     return "".join(texts)
 
 
 def _tool(tool: dict, i: int) -> dict:
     if tool.get("type") != "function" or not isinstance(tool.get("name"), str):
-        raise bad_request(f"tools[{i}]: only function tools {{type: 'function', name, parameters}} are supported, "
-                          f"got type {tool.get('type')!r}", "tools")
+        raise bad_request(
+            f"tools[{i}]: only function tools {{type: 'function', name, parameters}} are supported, "
+            f"got type {tool.get('type')!r}",
+            "tools",
+        )
     function = {k: tool[k] for k in ("name", "description", "parameters") if tool.get(k) is not None}
     return {"type": "function", "function": function}
 
@@ -169,8 +188,10 @@ def _tool_choice(choice):
         return choice
     if choice.get("type") == "function" and isinstance(choice.get("name"), str):
         return {"type": "function", "function": {"name": choice["name"]}}
-    raise bad_request(f"tool_choice={choice!r} is not supported; allowed: auto, none, required, "
-                      "{type: 'function', name}", "tool_choice")
+    raise bad_request(
+        f"tool_choice={choice!r} is not supported; allowed: auto, none, required, {{type: 'function', name}}",
+        "tool_choice",
+    )
 
 
 def _format(text: dict) -> dict:
@@ -181,6 +202,12 @@ def _format(text: dict) -> dict:
     if kind == "json_schema":
         if not isinstance(fmt.get("schema"), dict):
             raise bad_request("text.format.schema must be a JSON schema object", "text")
-        return {"type": "json_schema", "json_schema": {"name": fmt.get("name", "output"), "schema": fmt["schema"],
-                                                       "strict": fmt.get("strict", False)}}
+        return {
+            "type": "json_schema",
+            "json_schema": {
+                "name": fmt.get("name", "output"),
+                "schema": fmt["schema"],
+                "strict": fmt.get("strict", False),
+            },
+        }
     raise bad_request(f"text.format.type={kind!r} is unknown; allowed: text, json_object, json_schema", "text")

@@ -9,22 +9,42 @@ from splitserve.platform.sampling.params import SamplingParams
 from splitserve.router.api.errors import APIError, bad_request
 from splitserve.router.api.schemas import SamplingFields
 
-INT32, INT64 = 2**31, 2**63   # the worker protocol's int32 and int64 bounds (openapi.py publishes them)
+INT32, INT64 = 2**31, 2**63  # the worker protocol's int32 and int64 bounds (openapi.py publishes them)
 
 
-def sampling_params(req: SamplingFields, max_tokens: int, logprobs: int | None, seed: int | None,
-                    constraints: dict | None = None) -> SamplingParams:
+def sampling_params(
+    req: SamplingFields, max_tokens: int, logprobs: int | None, seed: int | None, constraints: dict | None = None
+) -> SamplingParams:
     """The engine's SamplingParams; its own validation errors become 400s naming the field."""
-    optional = {name: getattr(req, name) for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty",
-                                                       "frequency_penalty", "repetition_penalty")
-                if getattr(req, name) is not None}
+    optional = {
+        name: getattr(req, name)
+        for name in (
+            "temperature",
+            "top_p",
+            "top_k",
+            "min_p",
+            "presence_penalty",
+            "frequency_penalty",
+            "repetition_penalty",
+        )
+        if getattr(req, name) is not None
+    }
     stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
     _check_wire_ranges(req, seed)
     try:
-        return SamplingParams(**optional, seed=seed, max_tokens=max_tokens, min_tokens=req.min_tokens, stop=stop,
-                              stop_token_ids=tuple(req.stop_token_ids or ()), ignore_eos=req.ignore_eos,
-                              include_stop_str_in_output=req.include_stop_str_in_output, logprobs=logprobs,
-                              skip_special_tokens=req.skip_special_tokens, **(constraints or {}))
+        return SamplingParams(
+            **optional,
+            seed=seed,
+            max_tokens=max_tokens,
+            min_tokens=req.min_tokens,
+            stop=stop,
+            stop_token_ids=tuple(req.stop_token_ids or ()),
+            ignore_eos=req.ignore_eos,
+            include_stop_str_in_output=req.include_stop_str_in_output,
+            logprobs=logprobs,
+            skip_special_tokens=req.skip_special_tokens,
+            **(constraints or {}),
+        )
     except InvalidRequestError as exc:
         message = str(exc)
         raise APIError(400, message, param=message.split("=", 1)[0]) from None

@@ -73,13 +73,13 @@ class SamplingFields(BaseModel):
     ignore_eos: bool = False
     stop_token_ids: list[Int] | None = None
     skip_special_tokens: bool = True
-    return_token_ids: bool = False          # vLLM's extension: each choice (and stream chunk) carries `token_ids`
+    return_token_ids: bool = False  # vLLM's extension: each choice (and stream chunk) carries `token_ids`
     include_stop_str_in_output: bool = False
     logit_bias: dict | None = None
     user: str | None = None
-    response_format: dict | None = None      # see router/api/structured.py
-    structured_outputs: dict | None = None   # vLLM's extension (extra_body)
-    priority: Int = Field(0, ge=-(2**31), lt=2**31)   # vLLM's: lower first, within a flow-control band
+    response_format: dict | None = None  # see router/api/structured.py
+    structured_outputs: dict | None = None  # vLLM's extension (extra_body)
+    priority: Int = Field(0, ge=-(2**31), lt=2**31)  # vLLM's: lower first, within a flow-control band
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -100,7 +100,7 @@ class CompletionRequest(SamplingFields):
     echo: bool = False
     suffix: str | None = None
     best_of: Int | None = None
-    prompt_logprobs: Int | None = None   # vLLM's extension: top-n per prompt token, in `prompt_logprobs`
+    prompt_logprobs: Int | None = None  # vLLM's extension: top-n per prompt token, in `prompt_logprobs`
 
 
 def unsupported_fields(req: SamplingFields) -> list[str]:

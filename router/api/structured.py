@@ -52,28 +52,35 @@ def _from_response_format(value: dict) -> StructuredSpec | None:
     field = "response_format"
     kind = value.get("type")
     if kind not in RESPONSE_FORMAT_TYPES:
-        raise bad_request(f"response_format.type={kind!r} is unknown; allowed: {', '.join(RESPONSE_FORMAT_TYPES)}",
-                          field)
+        raise bad_request(
+            f"response_format.type={kind!r} is unknown; allowed: {', '.join(RESPONSE_FORMAT_TYPES)}", field
+        )
     if kind == "text":
         return None
     if kind == "json_object":
         return StructuredSpec("json_object", "", field)
     spec = value.get("json_schema")
     if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), (dict, bool)):
-        raise bad_request("response_format.json_schema must be an object {name, schema, strict} whose schema is "
-                          "a JSON schema object", field)
+        raise bad_request(
+            "response_format.json_schema must be an object {name, schema, strict} whose schema is a JSON schema object",
+            field,
+        )
     return StructuredSpec("json", json.dumps(spec.get("schema", {})), field)
 
 
 def _from_structured_outputs(value: dict) -> StructuredSpec:
     field = "structured_outputs"
     if not isinstance(value, dict):
-        raise bad_request("structured_outputs must be an object with one of: " + ", ".join(STRUCTURED_OUTPUT_KEYS),
-                          field)
+        raise bad_request(
+            "structured_outputs must be an object with one of: " + ", ".join(STRUCTURED_OUTPUT_KEYS), field
+        )
     given = [key for key in STRUCTURED_OUTPUT_KEYS if value.get(key) is not None]
     if len(given) != 1:
-        raise bad_request(f"structured_outputs must set exactly one of {', '.join(STRUCTURED_OUTPUT_KEYS)}; "
-                          f"got {given or list(value)}", field)
+        raise bad_request(
+            f"structured_outputs must set exactly one of {', '.join(STRUCTURED_OUTPUT_KEYS)}; "
+            f"got {given or list(value)}",
+            field,
+        )
     key = given[0]
     item = value[key]
     if key == "json":
@@ -99,6 +106,7 @@ def _logit_bias(value, vocab_size: int | None) -> tuple[tuple[int, float], ...]:
         raise bad_request(str(exc), "logit_bias") from None
     bad = [t for t, _ in pairs if vocab_size is not None and t >= vocab_size]
     if bad:
-        raise bad_request(f"logit_bias: token ids {bad[:5]} are outside the vocabulary; allowed: [0, {vocab_size})",
-                          "logit_bias")
+        raise bad_request(
+            f"logit_bias: token ids {bad[:5]} are outside the vocabulary; allowed: [0, {vocab_size})", "logit_bias"
+        )
     return pairs

@@ -68,20 +68,26 @@ def add_routes(app: FastAPI, router, gateway) -> None:
     @app.post("/tokenize", dependencies=access, summary="Tokenize a prompt or a conversation (vLLM)")
     async def tokenize(body: TokenizeCompletionRequest | TokenizeChatRequest, request: Request):
         tok = tokenizer(body.model)
-        size = len(body.prompt) if isinstance(body, TokenizeCompletionRequest) else \
-            sum(len(str(m.content or "")) for m in body.messages)
+        size = (
+            len(body.prompt)
+            if isinstance(body, TokenizeCompletionRequest)
+            else sum(len(str(m.content or "")) for m in body.messages)
+        )
         limit = router.config.gateway.max_tokenize_chars
         if size > limit:
-            raise bad_request(f"the input holds {size} characters; /tokenize takes at most {limit} "
-                              "(gateway.max_tokenize_chars)", "prompt" if isinstance(body, TokenizeCompletionRequest)
-                              else "messages")
+            raise bad_request(
+                f"the input holds {size} characters; /tokenize takes at most {limit} (gateway.max_tokenize_chars)",
+                "prompt" if isinstance(body, TokenizeCompletionRequest) else "messages",
+            )
         # through admission (a slot like any request) and off the event loop when large
-        ticket = await gateway.admission.admit(getattr(request.state, "api_key", ANONYMOUS),
-                                               body.model or router.config.served_model_names[0], 0)
+        ticket = await gateway.admission.admit(
+            getattr(request.state, "api_key", ANONYMOUS), body.model or router.config.served_model_names[0], 0
+        )
         try:
-            if is_large(request):   # tokenizing and encoding a large answer (a million ids) both take seconds
+            if is_large(request):  # tokenizing and encoding a large answer (a million ids) both take seconds
                 content = await asyncio.to_thread(
-                    lambda: json.dumps(_tokenize(tok, body, router.config.max_model_len)).encode())
+                    lambda: json.dumps(_tokenize(tok, body, router.config.max_model_len)).encode()
+                )
                 return Response(content, media_type="application/json")
             return _tokenize(tok, body, router.config.max_model_len)
         finally:
@@ -105,8 +111,9 @@ def _tokenize(tok, body, max_model_len: int) -> dict:
     try:
         if isinstance(body, TokenizeChatRequest):
             check_chat_template_kwargs(body.chat_template_kwargs)
-            text = tok.apply_chat_template(message_dicts(body.messages), body.add_generation_prompt,
-                                           **(body.chat_template_kwargs or {}))
+            text = tok.apply_chat_template(
+                message_dicts(body.messages), body.add_generation_prompt, **(body.chat_template_kwargs or {})
+            )
             ids = tok.encode(text, add_special_tokens=body.add_special_tokens)
         else:
             ids = tok.encode(body.prompt, add_special_tokens=body.add_special_tokens)

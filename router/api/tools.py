@@ -31,18 +31,19 @@ from splitserve.platform.sampling.constraints import StructuredSpec
 from splitserve.router.api.errors import bad_request
 
 PARSERS = ("hermes", "json")
-ARGUMENT_PIECE = 16   # characters of arguments per streamed delta
+ARGUMENT_PIECE = 16  # characters of arguments per streamed delta
 DEFAULT_TOOL_BLOCK = (
     "You may call functions. Available functions (JSON schema of their parameters):\n{tools}\n"
-    "To call one, answer only with <tool_call>{{\"name\": <function name>, \"arguments\": <arguments object>}}"
-    "</tool_call> (one block per call).")
+    'To call one, answer only with <tool_call>{{"name": <function name>, "arguments": <arguments object>}}'
+    "</tool_call> (one block per call)."
+)
 _HERMES = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
 
 
 @dataclass(frozen=True)
 class ToolPlan:
-    forced: bool                     # required or named: the output is the forced JSON list
-    parser: str                      # for auto
+    forced: bool  # required or named: the output is the forced JSON list
+    parser: str  # for auto
     names: tuple[str, ...]
 
 
@@ -62,14 +63,26 @@ def plan_tools(req, parser: str) -> tuple[ToolPlan | None, StructuredSpec | None
     elif isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("function"), dict):
         name = choice["function"].get("name")
         if name not in functions:
-            raise bad_request(f"tool_choice names the function {name!r}, which is not in tools; allowed: "
-                              f"{', '.join(functions)}", "tool_choice")
+            raise bad_request(
+                f"tool_choice names the function {name!r}, which is not in tools; allowed: {', '.join(functions)}",
+                "tool_choice",
+            )
         chosen = [name]
     else:
-        raise bad_request(f"tool_choice={choice!r} is invalid; allowed: none, auto, required, or "
-                          '{"type": "function", "function": {"name": ...}}', "tool_choice")
-    items = [{"type": "object", "properties": {"name": {"const": n}, "arguments": functions[n]},
-              "required": ["name", "arguments"], "additionalProperties": False} for n in chosen]
+        raise bad_request(
+            f"tool_choice={choice!r} is invalid; allowed: none, auto, required, or "
+            '{"type": "function", "function": {"name": ...}}',
+            "tool_choice",
+        )
+    items = [
+        {
+            "type": "object",
+            "properties": {"name": {"const": n}, "arguments": functions[n]},
+            "required": ["name", "arguments"],
+            "additionalProperties": False,
+        }
+        for n in chosen
+    ]
     single = isinstance(choice, dict) or req.parallel_tool_calls is False
     schema = {"type": "array", "items": items[0] if len(items) == 1 else {"anyOf": items}, "minItems": 1}
     if single:
@@ -82,10 +95,17 @@ def _functions(tools: list) -> dict[str, dict]:
     functions: dict[str, dict] = {}
     for i, tool in enumerate(tools):
         fn = tool.get("function") if isinstance(tool, dict) else None
-        if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(fn, dict) \
-                or not isinstance(fn.get("name"), str) or not fn["name"]:
-            raise bad_request(f"tools[{i}] must be {{\"type\": \"function\", \"function\": {{\"name\", "
-                              "\"description\", \"parameters\"}}}", "tools")
+        if (
+            not isinstance(tool, dict)
+            or tool.get("type") != "function"
+            or not isinstance(fn, dict)
+            or not isinstance(fn.get("name"), str)
+            or not fn["name"]
+        ):
+            raise bad_request(
+                f'tools[{i}] must be {{"type": "function", "function": {{"name", "description", "parameters"}}}}}}',
+                "tools",
+            )
         params = fn.get("parameters", {"type": "object", "properties": {}})
         if not isinstance(params, dict):
             raise bad_request(f"tools[{i}].function.parameters must be a JSON schema object", "tools")
@@ -131,30 +151,48 @@ def _calls(value, plan: ToolPlan) -> list[dict]:
     items = value if isinstance(value, list) else [value]
     calls = []
     for item in items:
-        if not (isinstance(item, dict) and item.get("name") in plan.names and isinstance(item.get("arguments"),
-                                                                                        (dict, str))):
+        if not (
+            isinstance(item, dict) and item.get("name") in plan.names and isinstance(item.get("arguments"), (dict, str))
+        ):
             if plan.forced:
                 raise ValueError(f"not a tool call: {item!r}")
             return []
         args = item["arguments"]
-        calls.append({"name": item["name"],
-                      "arguments": args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)})
+        calls.append(
+            {"name": item["name"], "arguments": args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)}
+        )
     return calls
 
 
 def openai_tool_calls(calls: list[dict]) -> list[dict]:
-    return [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-             "function": {"name": c["name"], "arguments": c["arguments"]}} for c in calls]
+    return [
+        {
+            "id": f"call_{uuid.uuid4().hex[:24]}",
+            "type": "function",
+            "function": {"name": c["name"], "arguments": c["arguments"]},
+        }
+        for c in calls
+    ]
 
 
 def stream_deltas(tool_calls: list[dict]) -> list[dict]:
     """The `delta` objects OpenAI streams for these calls: name first, then arguments in pieces."""
     deltas = []
     for index, call in enumerate(tool_calls):
-        deltas.append({"tool_calls": [{"index": index, "id": call["id"], "type": "function",
-                                       "function": {"name": call["function"]["name"], "arguments": ""}}]})
+        deltas.append(
+            {
+                "tool_calls": [
+                    {
+                        "index": index,
+                        "id": call["id"],
+                        "type": "function",
+                        "function": {"name": call["function"]["name"], "arguments": ""},
+                    }
+                ]
+            }
+        )
         args = call["function"]["arguments"]
         for start in range(0, len(args), ARGUMENT_PIECE):
-            piece = args[start:start + ARGUMENT_PIECE]
+            piece = args[start : start + ARGUMENT_PIECE]
             deltas.append({"tool_calls": [{"index": index, "function": {"arguments": piece}}]})
     return deltas

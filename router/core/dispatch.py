@@ -47,17 +47,27 @@ log = logging.getLogger(__name__)
 
 
 class Dispatcher:
-    def __init__(self, pool: WorkerPool, placer: Placer, hasher: BlockHasher, tokenizer: Tokenizer | None,
-                 channels, max_attempts: int = 3, metrics=None, hold=None, worker_wait_s: float = 0.0,
-                 adapters=None):
+    def __init__(
+        self,
+        pool: WorkerPool,
+        placer: Placer,
+        hasher: BlockHasher,
+        tokenizer: Tokenizer | None,
+        channels,
+        max_attempts: int = 3,
+        metrics=None,
+        hold=None,
+        worker_wait_s: float = 0.0,
+        adapters=None,
+    ):
         self.pool = pool
         self.placer = placer
         self.hasher = hasher
         self.max_attempts = max_attempts
         self.metrics = metrics
-        self.hold = hold                                         # router/core/hold.py, or None
-        self.worker_wait_s = worker_wait_s                       # see _place_or_wait
-        self.adapters = adapters                                 # placement/adapters.py, or None
+        self.hold = hold  # router/core/hold.py, or None
+        self.worker_wait_s = worker_wait_s  # see _place_or_wait
+        self.adapters = adapters  # placement/adapters.py, or None
         self.calls = WorkerCalls(pool, placer, tokenizer, channels, metrics)
 
     @property
@@ -75,9 +85,14 @@ class Dispatcher:
         for attempt in range(1, self.max_attempts + 1):
             remaining = job.params.max_tokens - len(progress.token_ids)
             if remaining <= 0:
-                yield Chunk([], "", finish_reason="length", num_prompt_tokens=len(job.prompt_token_ids),
-                            num_completion_tokens=len(progress.token_ids),
-                            num_cached_tokens=progress.num_cached_tokens or 0)
+                yield Chunk(
+                    [],
+                    "",
+                    finish_reason="length",
+                    num_prompt_tokens=len(job.prompt_token_ids),
+                    num_completion_tokens=len(progress.token_ids),
+                    num_cached_tokens=progress.num_cached_tokens or 0,
+                )
                 return
             decision = await self._place_or_wait(job, progress, excluded, attempt, wait_until)
             try:
@@ -89,12 +104,20 @@ class Dispatcher:
                 progress.is_resumed = bool(progress.token_ids)
                 self.pool.report_failure(decision.decode, str(exc))
                 self._count("resumes" if progress.token_ids else "retries")
-                log.warning("%s: decode worker %s failed after %d tokens (%s); attempt %d of %d", job.request_id,
-                            decision.decode, len(progress.token_ids), exc, attempt, self.max_attempts)
+                log.warning(
+                    "%s: decode worker %s failed after %d tokens (%s); attempt %d of %d",
+                    job.request_id,
+                    decision.decode,
+                    len(progress.token_ids),
+                    exc,
+                    attempt,
+                    self.max_attempts,
+                )
         raise NoWorkerError(f"request failed on {self.max_attempts} workers; last error above in the router log")
 
-    async def _place_or_wait(self, job: Job, progress: Progress, excluded: set[str], attempt: int,
-                             wait_until: float) -> Decision:
+    async def _place_or_wait(
+        self, job: Job, progress: Progress, excluded: set[str], attempt: int, wait_until: float
+    ) -> Decision:
         """Place; while nothing can serve (503), retry every POLL_S until `wait_until`, then raise."""
         loop = asyncio.get_running_loop()
         while True:
@@ -113,13 +136,24 @@ class Dispatcher:
         lora_workers = None
         if job.lora_name is not None and self.adapters is not None:
             lora_workers = self.adapters.workers_with(job.lora_name)
-        decision = await self.placer.place(len(token_ids), self._hashes(job, token_ids), frozenset(excluded),
-                                           lora_name=job.lora_name, lora_workers=lora_workers)
+        decision = await self.placer.place(
+            len(token_ids),
+            self._hashes(job, token_ids),
+            frozenset(excluded),
+            lora_name=job.lora_name,
+            lora_workers=lora_workers,
+        )
         seconds = time.perf_counter() - t0
         _trace_placement(decision, attempt, seconds)
-        log.info("%s attempt %d: decode %s, prefill %s, %d cached blocks, %d uncached tokens", job.request_id,
-                 attempt, decision.decode, ",".join(decision.prefill) or "local", decision.num_cached_blocks,
-                 decision.num_uncached_tokens)
+        log.info(
+            "%s attempt %d: decode %s, prefill %s, %d cached blocks, %d uncached tokens",
+            job.request_id,
+            attempt,
+            decision.decode,
+            ",".join(decision.prefill) or "local",
+            decision.num_cached_blocks,
+            decision.num_uncached_tokens,
+        )
         if self.metrics is not None:
             self.metrics.observe_decision(decision, len(token_ids) // self.hasher.block_size, seconds)
         return decision
@@ -145,12 +179,22 @@ def _trace_placement(decision: Decision, attempt: int, seconds: float) -> None:
     if not parent.is_recording:
         return
     end = time.monotonic()
-    reason = ("kv pull" if decision.pull else "remote prefill" if decision.prefill else "local prefill")
-    scores = {f"splitserve.placement.score.{role}": [f"{address}={score:.3f}" for address, score in by.items()]
-              for role, by in decision.scores.items()}
-    parent.record("gateway.placement", end - seconds, end, {
-        "splitserve.placement.attempt": attempt, "splitserve.placement.decode": decision.decode,
-        "splitserve.placement.prefill": list(decision.prefill), "splitserve.placement.reason": reason,
-        "splitserve.placement.cached_blocks": decision.num_cached_blocks,
-        "splitserve.placement.uncached_tokens": decision.num_uncached_tokens, **scores})
-
+    reason = "kv pull" if decision.pull else "remote prefill" if decision.prefill else "local prefill"
+    scores = {
+        f"splitserve.placement.score.{role}": [f"{address}={score:.3f}" for address, score in by.items()]
+        for role, by in decision.scores.items()
+    }
+    parent.record(
+        "gateway.placement",
+        end - seconds,
+        end,
+        {
+            "splitserve.placement.attempt": attempt,
+            "splitserve.placement.decode": decision.decode,
+            "splitserve.placement.prefill": list(decision.prefill),
+            "splitserve.placement.reason": reason,
+            "splitserve.placement.cached_blocks": decision.num_cached_blocks,
+            "splitserve.placement.uncached_tokens": decision.num_uncached_tokens,
+            **scores,
+        },
+    )

@@ -46,12 +46,12 @@ class Caller:
     """Who asks, for what: set up once per request, before anything is held."""
 
     key: ApiKey
-    lora_name: str | None   # the LoRA adapter `model` names; None: the base model
-    request_id: str         # names the response (and the log lines)
-    job_id: str             # unique: prefixes the workers' request ids
+    lora_name: str | None  # the LoRA adapter `model` names; None: the base model
+    request_id: str  # names the response (and the log lines)
+    job_id: str  # unique: prefixes the workers' request ids
 
 
-OFFLOAD_BYTES = 64 * 1024   # bodies at least this large are tokenized in a worker thread
+OFFLOAD_BYTES = 64 * 1024  # bodies at least this large are tokenized in a worker thread
 
 
 def is_large(request: Request) -> bool:
@@ -64,12 +64,19 @@ class Gateway:
         self.router = router
         gateway = router.config.gateway
         self.auth = Authenticator(gateway.api_keys, gateway.api_keys_file)
-        self.quota = Quota(router.metrics.registry, gateway.rate_limit_redis_url, router.config.index.key_prefix,
-                           gateway.quota_window_s)
+        self.quota = Quota(
+            router.metrics.registry,
+            gateway.rate_limit_redis_url,
+            router.config.index.key_prefix,
+            gateway.quota_window_s,
+        )
         self.limiter = RateLimiter(gateway, router.config.index.key_prefix)
-        self.admission = AdmissionPipeline(Concurrency(gateway.max_concurrent_per_key), self.quota,
-                                           Slots(gateway.max_concurrent_requests, gateway.max_queued_requests),
-                                           router.metrics.rejected)
+        self.admission = AdmissionPipeline(
+            Concurrency(gateway.max_concurrent_per_key),
+            self.quota,
+            Slots(gateway.max_concurrent_requests, gateway.max_queued_requests),
+            router.metrics.rejected,
+        )
         self.flow = build_controller(router.config.flow_control, router.pool, router.metrics.registry)
         self.pipeline = Pipeline(self.admission, router.dispatcher, self.flow)
         self.tokens = TokenText(router.tokenizer)
@@ -101,8 +108,12 @@ class Gateway:
         if model in adapters:
             return model
         served = ", ".join([*names, *adapters])
-        raise APIError(404, f"the model {model!r} does not exist; this server serves: {served}",
-                       param="model", code="model_not_found")
+        raise APIError(
+            404,
+            f"the model {model!r} does not exist; this server serves: {served}",
+            param="model",
+            code="model_not_found",
+        )
 
     def caller(self, request: Request, model: str) -> Caller:
         """The model (404), the key's scope (404) and the ids of one request."""
@@ -122,35 +133,56 @@ class Gateway:
         limits = self.router.config.gateway
         choices = num_choices(body)
         if choices > limits.max_choices_per_request:
-            raise APIError(400, f"the request asks for {choices} choices (prompts x n); one request may ask for at "
-                           f"most {limits.max_choices_per_request} (gateway.max_choices_per_request)", param="n")
+            raise APIError(
+                400,
+                f"the request asks for {choices} choices (prompts x n); one request may ask for at "
+                f"most {limits.max_choices_per_request} (gateway.max_choices_per_request)",
+                param="n",
+            )
         prepare = functools.partial(
-            prepare_chat if is_chat else prepare_completion, body, caller.request_id, caller.job_id,
-            self.router.tokenizer, self.router.config.max_model_len,
-            **({"tool_call_parser": limits.tool_call_parser} if is_chat
-               else {"max_prompt_tokens": limits.max_prompt_tokens_per_request}))
+            prepare_chat if is_chat else prepare_completion,
+            body,
+            caller.request_id,
+            caller.job_id,
+            self.router.tokenizer,
+            self.router.config.max_model_len,
+            **(
+                {"tool_call_parser": limits.tool_call_parser}
+                if is_chat
+                else {"max_prompt_tokens": limits.max_prompt_tokens_per_request}
+            ),
+        )
         # tokenizing a large body takes a while: off the event loop, so /health and streams keep flowing
         prepared = await asyncio.to_thread(prepare) if is_large(request) else prepare()
         if caller.lora_name is not None or body.priority:
-            prepared.jobs[:] = [dataclasses.replace(job, lora_name=caller.lora_name, priority=body.priority)
-                                for job in prepared.jobs]
+            prepared.jobs[:] = [
+                dataclasses.replace(job, lora_name=caller.lora_name, priority=body.priority) for job in prepared.jobs
+            ]
         if span.is_recording:
             _trace_request(span, body.model, caller.lora_name, prepared, t_parse, is_chat)
-        origin = None if self.flow is None else Origin(request.headers, request.client.host if request.client else "",
-                                                       lambda: wait_disconnect(request))
+        origin = (
+            None
+            if self.flow is None
+            else Origin(
+                request.headers, request.client.host if request.client else "", lambda: wait_disconnect(request)
+            )
+        )
         run = await self.pipeline.open(caller.key, body.model, prepared, origin=origin)
         return run, Formatter(prepared, is_chat, self.tokens)
 
     async def serve(self, request: Request, body, *, is_chat: bool) -> Response:
         """POST /v1/chat/completions (is_chat) and /v1/completions."""
         run, formatter = await self.open(request, body, is_chat=is_chat)
-        return await self.respond(request, run, ChatEvents(formatter),
-                                  lambda run: formatter.complete(run.choices, run.usage()))
+        return await self.respond(
+            request, run, ChatEvents(formatter), lambda run: formatter.complete(run.choices, run.usage())
+        )
 
-    async def respond(self, request: Request, run: Run, events: StreamEvents,
-                      answer: Callable[[Run], dict]) -> Response:
+    async def respond(
+        self, request: Request, run: Run, events: StreamEvents, answer: Callable[[Run], dict]
+    ) -> Response:
         """An open run's HTTP response (core/respond.py), timing a stream's first increment."""
         return await respond(request, run, events, answer, ttft=self.router.metrics.ttft)
+
 
 class ChatEvents:
     """The SSE stream of a chat or text completion."""
@@ -178,8 +210,15 @@ def _trace_request(span, model: str, lora_name: str | None, prepared, t_parse: f
     """The request's gen_ai attributes, and its parse (model check, template, tokenization) span."""
     num_tokens = prepared.num_prompt_tokens
     span.record("gateway.parse", t_parse, time.monotonic(), {"gen_ai.usage.input_tokens": num_tokens})
-    span.update({"gen_ai.operation.name": "chat" if is_chat else "text_completion", "gen_ai.system": "splitserve",
-                 "gen_ai.request.model": model, "splitserve.lora_name": lora_name,
-                 "gen_ai.usage.input_tokens": num_tokens,
-                 "gen_ai.request.max_tokens": max(job.params.max_tokens for job in prepared.jobs),
-                 "splitserve.stream": prepared.stream, "gen_ai.request.choice.count": len(prepared.jobs)})
+    span.update(
+        {
+            "gen_ai.operation.name": "chat" if is_chat else "text_completion",
+            "gen_ai.system": "splitserve",
+            "gen_ai.request.model": model,
+            "splitserve.lora_name": lora_name,
+            "gen_ai.usage.input_tokens": num_tokens,
+            "gen_ai.request.max_tokens": max(job.params.max_tokens for job in prepared.jobs),
+            "splitserve.stream": prepared.stream,
+            "gen_ai.request.choice.count": len(prepared.jobs),
+        }
+    )

@@ -31,15 +31,19 @@ class ColdStartHold:
         if has_worker() or self.timeout_s <= 0:
             return
         if self.num_held >= self.max_held:
-            raise NoWorkerError(f"no decode worker yet and {self.num_held} requests already wait for one "
-                                f"(gateway.cold_start_max_held={self.max_held}); retry later")
+            raise NoWorkerError(
+                f"no decode worker yet and {self.num_held} requests already wait for one "
+                f"(gateway.cold_start_max_held={self.max_held}); retry later"
+            )
         self._add(1)
         try:
             deadline = time.monotonic() + self.timeout_s
             while not has_worker():
                 if time.monotonic() >= deadline:
-                    raise NoWorkerError(f"no decode worker became ready within {self.timeout_s:g} s "
-                                        "(gateway.cold_start_hold_s); retry later")
+                    raise NoWorkerError(
+                        f"no decode worker became ready within {self.timeout_s:g} s "
+                        "(gateway.cold_start_hold_s); retry later"
+                    )
                 await asyncio.sleep(self.poll_s)
         finally:
             self._add(-1)

@@ -14,9 +14,9 @@ class Job:
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
-    lora_name: str | None = None   # a LoRA adapter the workers have loaded; None: the base model
-    priority: int = 0              # the body's priority (vLLM's: lower first) and the flow-control band
-    band: int = 0                  # (higher first): the workers' "priority" scheduling policy reads both
+    lora_name: str | None = None  # a LoRA adapter the workers have loaded; None: the base model
+    priority: int = 0  # the body's priority (vLLM's: lower first) and the flow-control band
+    band: int = 0  # (higher first): the workers' "priority" scheduling policy reads both
 
 
 @dataclass
@@ -25,7 +25,7 @@ class Chunk:
 
     token_ids: list[int]
     text: str
-    logprobs: list = field(default_factory=list)        # pb.TokenLogprob
+    logprobs: list = field(default_factory=list)  # pb.TokenLogprob
     finish_reason: str | None = None
     num_prompt_tokens: int = 0
     num_completion_tokens: int = 0
@@ -33,7 +33,7 @@ class Chunk:
     decode_worker: str = ""
     prefill_worker: str = ""
     prompt_logprobs: list = field(default_factory=list)  # pb.TokenLogprob of prompt tokens 1..n-1 (first chunk)
-    embedding: list = field(default_factory=list)        # the prompt's embedding (params.embed; first chunk)
+    embedding: list = field(default_factory=list)  # the prompt's embedding (params.embed; first chunk)
 
 
 class WorkerLost(Exception):
@@ -47,7 +47,7 @@ class Progress:
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
     num_cached_tokens: int | None = None
-    is_resumed: bool = False   # the next text is the first after a resume
+    is_resumed: bool = False  # the next text is the first after a resume
 
     def add(self, token_ids: list[int], text: str, tokenizer: Tokenizer | None, params: SamplingParams) -> str:
         """Record an increment; returns its text, re-derived from the token ids for the first one
@@ -59,8 +59,7 @@ class Progress:
         self.text += text
         return text
 
-    def _resumed_text(self, new_ids: list[int], text: str, tokenizer: Tokenizer | None,
-                      params: SamplingParams) -> str:
+    def _resumed_text(self, new_ids: list[int], text: str, tokenizer: Tokenizer | None, params: SamplingParams) -> str:
         """The new worker's first text, from the token ids when they explain it: a character the old
         worker held back (half of a UTF-8 sequence) or a leading space a SentencePiece decoder strips
         from the new worker's first word is not lost."""
@@ -68,7 +67,7 @@ class Progress:
             return text
         full = tokenizer.decode(self.token_ids + new_ids, skip_special_tokens=params.skip_special_tokens)
         if full.startswith(self.text) and not full.endswith("\ufffd"):
-            derived = full[len(self.text):]
+            derived = full[len(self.text) :]
             if derived.endswith(text):
                 return derived
         return text

@@ -49,7 +49,7 @@ _END = object()
 
 
 class ChoiceChunk(NamedTuple):
-    index: int      # the choice (job) it belongs to
+    index: int  # the choice (job) it belongs to
     chunk: Chunk
 
 
@@ -66,10 +66,18 @@ class Pipeline:
     def __init__(self, admission: AdmissionPipeline, dispatcher: Dispatcher, flow: FlowController | None = None):
         self.admission = admission
         self.dispatcher = dispatcher
-        self.flow = flow   # None: flow control is off, every admitted request is dispatched at once
+        self.flow = flow  # None: flow control is off, every admitted request is dispatched at once
 
-    async def open(self, key: ApiKey, model: str, prepared: Prepared, *, bills_completion: bool = True,
-                   num_slots: int = 1, origin: Origin | None = None) -> Run:
+    async def open(
+        self,
+        key: ApiKey,
+        model: str,
+        prepared: Prepared,
+        *,
+        bills_completion: bool = True,
+        num_slots: int = 1,
+        origin: Origin | None = None,
+    ) -> Run:
         """Admit the request and start its generations; raises the admission's APIError (429)
         with nothing held. The quota holds the prompt plus every choice's max_tokens until the
         request ends; bills_completion=False (embeddings) reserves and bills the prompt only.
@@ -88,23 +96,32 @@ class Pipeline:
                 await self.admission.release(ticket, None)
                 raise
             prepared.jobs[:] = [dataclasses.replace(job, band=item.band) for job in prepared.jobs]
-        return Run(prepared, ticket, self.admission, self._dispatch(prepared), bills_completion=bills_completion,
-                   flow=self.flow, flow_item=item)
+        return Run(
+            prepared,
+            ticket,
+            self.admission,
+            self._dispatch(prepared),
+            bills_completion=bills_completion,
+            flow=self.flow,
+            flow_item=item,
+        )
 
     async def _admit(self, key: ApiKey, model: str, reserve_tokens: int, num_slots: int) -> Ticket:
         with tracing.current().child("gateway.admission") as span:
             return await self.admission.admit(key, model, reserve_tokens, num_slots=num_slots, span=span)
 
-    async def _queue(self, key: ApiKey, model: str, prepared: Prepared, reserve_tokens: int,
-                     origin: Origin) -> FlowItem:
+    async def _queue(
+        self, key: ApiKey, model: str, prepared: Prepared, reserve_tokens: int, origin: Origin
+    ) -> FlowItem:
         """The request's FlowItem once it may be dispatched (Run.close releases it); raises flow
         control's APIError (400 unknown objective, 429 over its share, 503 saturated), or a 499
         if the client disconnects while it waits (it leaves the queue at once)."""
         cls = classify(self.flow.config, origin.headers, model, key.name, key.priority, key.weight, origin.client)
         priority = prepared.jobs[0].priority if prepared.jobs else 0
         item = FlowItem(prepared.request_id, cls.band, cls.flow_id, reserve_tokens, cls.weight, priority)
-        with tracing.current().child("gateway.flow", attributes={"splitserve.flow.band": cls.band,
-                                                                 "splitserve.flow.id": cls.flow_id}) as span:
+        with tracing.current().child(
+            "gateway.flow", attributes={"splitserve.flow.band": cls.band, "splitserve.flow.id": cls.flow_id}
+        ) as span:
             if self.flow.try_acquire(item):
                 span.set("splitserve.flow.queued", False)
                 return item
@@ -112,8 +129,9 @@ class Pipeline:
             acquire = await unless_gone(self.flow.acquire(item), origin.disconnected())
             if acquire.cancelled():
                 log.info("client disconnected while its request was queued")
-                raise APIError(499, "the client closed the connection while its request was queued",
-                               code="client_closed")
+                raise APIError(
+                    499, "the client closed the connection while its request was queued", code="client_closed"
+                )
             acquire.result()
             return item
 
@@ -124,9 +142,17 @@ class Pipeline:
 class Run:
     """One admitted request in flight: iterate it for its chunks, close it once it is over."""
 
-    def __init__(self, prepared: Prepared, ticket: Ticket, admission: AdmissionPipeline,
-                 events: AsyncIterator[ChoiceChunk], *, bills_completion: bool = True,
-                 flow: FlowController | None = None, flow_item: FlowItem | None = None):
+    def __init__(
+        self,
+        prepared: Prepared,
+        ticket: Ticket,
+        admission: AdmissionPipeline,
+        events: AsyncIterator[ChoiceChunk],
+        *,
+        bills_completion: bool = True,
+        flow: FlowController | None = None,
+        flow_item: FlowItem | None = None,
+    ):
         self.prepared = prepared
         self.ticket = ticket
         self.choices = [ChoiceState() for _ in prepared.jobs]

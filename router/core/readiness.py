@@ -23,8 +23,9 @@ def unready_reason(router) -> str:
     if pool.num_healthy() == 0:
         known = len(pool.decode_workers())
         return f"no healthy decode worker ({known} known)" if known else "no decode worker is known to the router"
-    if router.config.placement.disaggregation.mode == "always" and \
-            pool.num_healthy(lambda w: w.can_prefill and w.role != "decode") == 0:
+    if (
+        router.config.placement.disaggregation.mode == "always"
+        and pool.num_healthy(lambda w: w.can_prefill and w.role != "decode") == 0
+    ):
         return "no healthy prefill worker (placement.disaggregation.mode is always)"
     return ""
-

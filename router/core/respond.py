@@ -38,8 +38,9 @@ class StreamEvents(Protocol):
     def error(self, run: Run, exc: APIError) -> list[bytes]: ...
 
 
-async def respond(request: Request, run: Run, events: StreamEvents, answer: Callable[[Run], dict],
-                  ttft=None) -> Response:
+async def respond(
+    request: Request, run: Run, events: StreamEvents, answer: Callable[[Run], dict], ttft=None
+) -> Response:
     """The HTTP response of an open run: `events` write a stream, `answer` the whole JSON body
     once every choice has finished; `ttft` (a histogram) observes a stream's first increment.
     The run is closed however this ends."""
@@ -85,13 +86,18 @@ async def _stream(run: Run, events: StreamEvents, ttft) -> Response:
         for data in out:
             yield data
 
-    return ClosingStreamingResponse(body(), run.close, media_type="text/event-stream",
-                                    headers={**_worker_headers(first.chunk if first else None), **run.quota_headers})
+    return ClosingStreamingResponse(
+        body(),
+        run.close,
+        media_type="text/event-stream",
+        headers={**_worker_headers(first.chunk if first else None), **run.quota_headers},
+    )
 
 
 async def _collect(request: Request, run: Run) -> bool:
     """Every chunk of the run; False if the client went away first (the run is then closed).
     Closes the run and raises the generation's APIError, if any."""
+
     async def collect():
         async for _ in run:
             pass

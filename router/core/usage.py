@@ -38,8 +38,8 @@ class ChoiceState:
         self.logprobs: list = []
         self.finish_reason: str | None = None
         self.last: Chunk | None = None
-        self.prompt_logprobs: list = []   # what the worker scored of the prompt (api/echo.py)
-        self.is_echoed = False            # a stream sent the echoed prompt
+        self.prompt_logprobs: list = []  # what the worker scored of the prompt (api/echo.py)
+        self.is_echoed = False  # a stream sent the echoed prompt
 
     def add(self, chunk: Chunk) -> None:
         self.prompt_logprobs = chunk.prompt_logprobs or self.prompt_logprobs

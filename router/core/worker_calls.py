@@ -36,8 +36,8 @@ class WorkerCalls:
         self.tokenizer = tokenizer
         self.channels = channels
         self.metrics = metrics
-        self._calls: dict[str, dict[int, grpc.aio.Call]] = {}   # worker -> in-flight calls
-        self._lost: set[int] = set()                             # ids of calls cancelled by worker_down
+        self._calls: dict[str, dict[int, grpc.aio.Call]] = {}  # worker -> in-flight calls
+        self._lost: set[int] = set()  # ids of calls cancelled by worker_down
 
     @property
     def num_open(self) -> int:
@@ -51,17 +51,29 @@ class WorkerCalls:
     async def attempt(self, job: Job, decision: Decision, progress: Progress) -> AsyncIterator[Chunk]:
         """Run `job` on `decision`'s workers from `progress` (a resume when it holds tokens)."""
         params = without_prompt_scoring(job.params) if progress.token_ids else job.params
-        request = generate_request(job.request_id, job.prompt_token_ids, params, decision,
-                                   self.placer.config.disaggregation, resume_output_token_ids=progress.token_ids,
-                                   lora_name=job.lora_name, priority=job.priority, band=job.band)
-        prefill = request.prefill_workers[0] if request.prefill_workers else ""   # none for a resume
+        request = generate_request(
+            job.request_id,
+            job.prompt_token_ids,
+            params,
+            decision,
+            self.placer.config.disaggregation,
+            resume_output_token_ids=progress.token_ids,
+            lora_name=job.lora_name,
+            priority=job.priority,
+            band=job.band,
+        )
+        prefill = request.prefill_workers[0] if request.prefill_workers else ""  # none for a resume
         assignment = self.pool.assign(decision.decode, prefill, decision.num_uncached_tokens)
         trace_id = logctx.request_id.get() or job.request_id
-        span = tracing.current().child("gateway.dispatch", kind="client", attributes={
-            "server.address": decision.decode, "splitserve.worker_request_id": job.request_id})
+        span = tracing.current().child(
+            "gateway.dispatch",
+            kind="client",
+            attributes={"server.address": decision.decode, "splitserve.worker_request_id": job.request_id},
+        )
         stream = tracing.NOOP
         call = self.channels.stub(decision.decode).Generate(
-            request, metadata=(("x-request-id", trace_id), *(tracing.outgoing_metadata(span) or ())))
+            request, metadata=(("x-request-id", trace_id), *(tracing.outgoing_metadata(span) or ()))
+        )
         key = id(call)
         self._calls.setdefault(decision.decode, {})[key] = call
         try:
@@ -73,8 +85,12 @@ class WorkerCalls:
                     stream = tracing.current().child("gateway.stream")
                 if chunk.finish_reason is not None:
                     self.pool.report_success(decision.decode)
-                    stream.update({"gen_ai.usage.output_tokens": chunk.num_completion_tokens,
-                                   "gen_ai.response.finish_reasons": [chunk.finish_reason]})
+                    stream.update(
+                        {
+                            "gen_ai.usage.output_tokens": chunk.num_completion_tokens,
+                            "gen_ai.response.finish_reasons": [chunk.finish_reason],
+                        }
+                    )
                 yield chunk
                 if chunk.finish_reason is not None:
                     return
@@ -114,14 +130,22 @@ class WorkerCalls:
         is_first = progress.num_cached_tokens is None
         if is_first:
             progress.num_cached_tokens = msg.usage.cached_tokens
-            if not progress.token_ids:   # not a resume: the timings describe this prompt's prefill
+            if not progress.token_ids:  # not a resume: the timings describe this prompt's prefill
                 self.placer.pull_cost.observe(len(job.prompt_token_ids), msg)
         if self.metrics is not None:
             uncached = max(0, len(job.prompt_token_ids) - msg.usage.cached_tokens) if is_first else 0
             self.metrics.count_tokens(uncached, len(new_ids), is_first)
         text = progress.add(new_ids, msg.text, self.tokenizer, job.params)
-        return Chunk(new_ids, text, list(msg.logprobs), _FINISH.get(msg.finish_reason),
-                     num_prompt_tokens=len(job.prompt_token_ids), num_completion_tokens=len(progress.token_ids),
-                     num_cached_tokens=progress.num_cached_tokens, decode_worker=decision.decode,
-                     prefill_worker=msg.prefill_worker, prompt_logprobs=list(msg.prompt_logprobs),
-                     embedding=list(msg.embedding))
+        return Chunk(
+            new_ids,
+            text,
+            list(msg.logprobs),
+            _FINISH.get(msg.finish_reason),
+            num_prompt_tokens=len(job.prompt_token_ids),
+            num_completion_tokens=len(progress.token_ids),
+            num_cached_tokens=progress.num_cached_tokens,
+            decode_worker=decision.decode,
+            prefill_worker=msg.prefill_worker,
+            prompt_logprobs=list(msg.prompt_logprobs),
+            embedding=list(msg.embedding),
+        )

@@ -114,10 +114,15 @@ class ExternalProcessor(ep_grpc.ExternalProcessorServicer):
                 log.warning("no endpoint for %s: %s", headers.get(":path"), exc.message)
                 span.set("http.response.status_code", exc.status)
                 return _immediate(exc), None
-            span.update({"splitserve.placement.decode": pick.decode, "splitserve.placement.prefill": pick.prefill,
-                         "splitserve.placement.endpoint": pick.endpoint,
-                         "splitserve.placement.cached_blocks": pick.num_cached_blocks,
-                         "gen_ai.usage.input_tokens": pick.num_prompt_tokens})
+            span.update(
+                {
+                    "splitserve.placement.decode": pick.decode,
+                    "splitserve.placement.prefill": pick.prefill,
+                    "splitserve.placement.endpoint": pick.endpoint,
+                    "splitserve.placement.cached_blocks": pick.num_cached_blocks,
+                    "gen_ai.usage.input_tokens": pick.num_prompt_tokens,
+                }
+            )
         carried: dict[str, str] = {}
         span.inject(carried)
         self.metrics.picks.labels(result="pd" if pick.prefill else "picked").inc()

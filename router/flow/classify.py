@@ -31,15 +31,26 @@ class FlowClass:
     weight: float
 
 
-def classify(config: FlowControlConfig, headers: Mapping[str, str], model: str, key_id: str = "",
-             key_priority: int | None = None, key_weight: float | None = None, client: str = "") -> FlowClass:
+def classify(
+    config: FlowControlConfig,
+    headers: Mapping[str, str],
+    model: str,
+    key_id: str = "",
+    key_priority: int | None = None,
+    key_weight: float | None = None,
+    client: str = "",
+) -> FlowClass:
     """The request's band, flow and weight; APIError 400 for an unknown objective or a bad flow id."""
     objective = headers.get(config.objective_header) or config.default_objectives.get(model)
     if objective:
         if objective not in config.objectives:
             allowed = ", ".join(sorted(config.objectives)) or "none are configured"
-            raise APIError(400, f"objective {objective!r} (header {config.objective_header}) is unknown; allowed: "
-                           f"{allowed}", param=config.objective_header, code="unknown_objective")
+            raise APIError(
+                400,
+                f"objective {objective!r} (header {config.objective_header}) is unknown; allowed: {allowed}",
+                param=config.objective_header,
+                code="unknown_objective",
+            )
         band = config.objectives[objective]
     elif key_priority is not None:
         band = key_priority
@@ -47,7 +58,14 @@ def classify(config: FlowControlConfig, headers: Mapping[str, str], model: str, 
         band = 0
     flow_id = headers.get(config.fairness_header)
     if flow_id is not None and not FLOW_ID_PATTERN.fullmatch(flow_id):
-        raise APIError(400, f"header {config.fairness_header} must be 1-128 printable ASCII characters without "
-                       "spaces", param=config.fairness_header, code="invalid_fairness_id")
-    return FlowClass(band=band, flow_id=flow_id or key_id or client or "anonymous",
-                     weight=key_weight if key_weight is not None else 1.0)
+        raise APIError(
+            400,
+            f"header {config.fairness_header} must be 1-128 printable ASCII characters without spaces",
+            param=config.fairness_header,
+            code="invalid_fairness_id",
+        )
+    return FlowClass(
+        band=band,
+        flow_id=flow_id or key_id or client or "anonymous",
+        weight=key_weight if key_weight is not None else 1.0,
+    )

@@ -69,15 +69,19 @@ class FlowControlConfig:
             raise ConfigError("flow_control.objectives must be a mapping {name: band}")
         for name, band in self.objectives.items():
             if not isinstance(name, str) or not NAME_PATTERN.fullmatch(name):
-                raise ConfigError(f"flow_control.objectives: {name!r} is not a valid name; allowed: 1-63 letters, "
-                                  "digits, '.', '_' or '-', starting with a letter or digit")
+                raise ConfigError(
+                    f"flow_control.objectives: {name!r} is not a valid name; allowed: 1-63 letters, "
+                    "digits, '.', '_' or '-', starting with a letter or digit"
+                )
             _number(band, f"objectives.{name}", -MAX_BAND, MAX_BAND, integer=True)
         if not isinstance(self.default_objectives, dict):
             raise ConfigError("flow_control.default_objectives must be a mapping {model: objective}")
         for model, objective in self.default_objectives.items():
             if objective not in self.objectives:
-                raise ConfigError(f"flow_control.default_objectives.{model}={objective!r} is not an objective; "
-                                  f"allowed: {', '.join(sorted(self.objectives)) or 'none are declared'}")
+                raise ConfigError(
+                    f"flow_control.default_objectives.{model}={objective!r} is not an objective; "
+                    f"allowed: {', '.join(sorted(self.objectives)) or 'none are declared'}"
+                )
         for name in ("fairness_header", "objective_header"):
             value = getattr(self, name)
             if not isinstance(value, str) or not re.fullmatch(r"[a-z0-9-]{1,64}", value):
@@ -92,8 +96,10 @@ class FlowControlConfig:
         _number(self.load_staleness_s, "load_staleness_s", 0.1, 3600)
         _number(self.retry_after_s, "retry_after_s", 1, 3600, integer=True)
         if self.reserved_running and self.reserved_running >= self.max_running_per_worker:
-            raise ConfigError(f"flow_control.reserved_running={self.reserved_running} needs max_running_per_worker "
-                              f"above it (now {self.max_running_per_worker})")
+            raise ConfigError(
+                f"flow_control.reserved_running={self.reserved_running} needs max_running_per_worker "
+                f"above it (now {self.max_running_per_worker})"
+            )
 
     def running_limit(self, band: int) -> int:
         """Running requests per worker that a request of `band` may dispatch beside (0: no limit)."""

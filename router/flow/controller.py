@@ -45,14 +45,19 @@ TICK_S = 0.02
 
 
 class FlowController:
-    def __init__(self, config: FlowControlConfig, detector: SaturationDetector, metrics: FlowMetrics | None = None,
-                 clock=time.monotonic):
+    def __init__(
+        self,
+        config: FlowControlConfig,
+        detector: SaturationDetector,
+        metrics: FlowMetrics | None = None,
+        clock=time.monotonic,
+    ):
         self.config = config
         self.detector = detector
         self.metrics = metrics
         self.clock = clock
         self.bands: dict[int, Band] = {}
-        self.num_dispatched = 0          # released to the workers and not yet ended
+        self.num_dispatched = 0  # released to the workers and not yet ended
         self._waiters: dict[FlowItem, asyncio.Future] = {}
         self._ticker: asyncio.Task | None = None
 
@@ -90,16 +95,22 @@ class FlowController:
         self._ensure_ticker()
         self._dispatch_all()
         try:
-            await asyncio.wait({future}, timeout=max(0.0, item.enqueue_time + self.config.max_queue_wait_s
-                                                      - self.clock()))
+            await asyncio.wait(
+                {future}, timeout=max(0.0, item.enqueue_time + self.config.max_queue_wait_s - self.clock())
+            )
         except asyncio.CancelledError:
             if not self._leave_queue(item, "cancelled") and future.done() and future.exception() is None:
-                self.release(item, 0)    # dispatched as its client left: give the room back
+                self.release(item, 0)  # dispatched as its client left: give the room back
             raise
         if not future.done() and self._leave_queue(item, "shed"):
-            raise self._error(503, item, f"the workers stayed saturated for the {self.config.max_queue_wait_s:g} s "
-                              f"a request of band {item.band} may wait; retry later", "queue_timeout")
-        future.result()   # raises the 429 of a request turned away from a full queue
+            raise self._error(
+                503,
+                item,
+                f"the workers stayed saturated for the {self.config.max_queue_wait_s:g} s "
+                f"a request of band {item.band} may wait; retry later",
+                "queue_timeout",
+            )
+        future.result()  # raises the 429 of a request turned away from a full queue
 
     def release(self, item: FlowItem, used_tokens: int | None) -> None:
         """A dispatched request ended: settle its flow's charge to `used_tokens` (prompt +
@@ -121,26 +132,43 @@ class FlowController:
         """Rules 3 and 4: raise if `item` cannot queue; evict an over-share request if that makes room."""
         if item.is_sheddable:
             self._count_left(item, "shed")
-            raise self._error(503, item, f"the workers are saturated and band {item.band} is sheddable; "
-                              "retry later", "sheddable_shed")
+            raise self._error(
+                503, item, f"the workers are saturated and band {item.band} is sheddable; retry later", "sheddable_shed"
+            )
         if self.config.max_queue_wait_s == 0 or band.num_queued < self.config.max_queued_per_band:
             return
         over = band.most_over_share(item)
         if over == item.flow_id:
             self._count_left(item, "rejected")
-            raise self._error(429, item, f"flow {item.flow_id!r} already holds more than its share of the "
-                              f"{self.config.max_queued_per_band} queued requests band {item.band} may hold; "
-                              "retry later", "flow_share_exceeded")
+            raise self._error(
+                429,
+                item,
+                f"flow {item.flow_id!r} already holds more than its share of the "
+                f"{self.config.max_queued_per_band} queued requests band {item.band} may hold; "
+                "retry later",
+                "flow_share_exceeded",
+            )
         if over is None:
             self._count_left(item, "shed")
-            raise self._error(503, item, f"the workers are saturated and band {item.band}'s queue is full "
-                              f"({self.config.max_queued_per_band} requests); retry later", "queue_full")
+            raise self._error(
+                503,
+                item,
+                f"the workers are saturated and band {item.band}'s queue is full "
+                f"({self.config.max_queued_per_band} requests); retry later",
+                "queue_full",
+            )
         victim = band.newest_of(over)
         future = self._waiters[victim]
         self._leave_queue(victim, "rejected")
-        future.set_exception(self._error(
-            429, victim, f"flow {over!r} holds more than its share of band {victim.band}'s full queue and "
-            "another tenant needed the place; retry later", "flow_share_exceeded"))
+        future.set_exception(
+            self._error(
+                429,
+                victim,
+                f"flow {over!r} holds more than its share of band {victim.band}'s full queue and "
+                "another tenant needed the place; retry later",
+                "flow_share_exceeded",
+            )
+        )
 
     def _dispatch_all(self) -> None:
         """Rules 1 and 2: release queued requests, highest band first, while there is room."""
@@ -168,8 +196,9 @@ class FlowController:
         return True
 
     def _error(self, status: int, item: FlowItem, message: str, code: str) -> APIError:
-        log.info("flow control: %s (band %d, flow %s) answered %d: %s", item.req_id, item.band, item.flow_id,
-                 status, code)
+        log.info(
+            "flow control: %s (band %d, flow %s) answered %d: %s", item.req_id, item.band, item.flow_id, status, code
+        )
         return APIError(status, message, code=code, retry_after_s=self.config.retry_after_s)
 
     # -- the tick -------------------------------------------------------------------------------

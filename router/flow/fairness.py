@@ -35,9 +35,9 @@ class FlowItem:
     req_id: str
     band: int
     flow_id: str
-    cost_tokens: int                 # charged at dispatch: prompt tokens + max_tokens of every choice
+    cost_tokens: int  # charged at dispatch: prompt tokens + max_tokens of every choice
     weight: float = 1.0
-    priority: int = 0                # the body's `priority`: lower first within the flow (vLLM)
+    priority: int = 0  # the body's `priority`: lower first within the flow (vLLM)
     enqueue_time: float = 0.0
     seq: int = field(default_factory=lambda: next(_sequence))
     is_dispatched: bool = False
@@ -53,8 +53,8 @@ class FlowItem:
 @dataclass
 class _Flow:
     weight: float = 1.0
-    counter: float = 0.0              # tokens served / weight
-    queue: list[FlowItem] = field(default_factory=list)   # kept sorted by FlowItem.order()
+    counter: float = 0.0  # tokens served / weight
+    queue: list[FlowItem] = field(default_factory=list)  # kept sorted by FlowItem.order()
     num_inflight: int = 0
 
 

@@ -19,15 +19,30 @@ MAX_FLOW_LABELS = 100
 
 class FlowMetrics:
     def __init__(self, registry: CollectorRegistry):
-        self.queue = Gauge("splitserve_router_flow_queue_length", "Requests waiting in the gateway's flow-control "
-                           "queues, by band and flow", ["band", "flow"], registry=registry)
-        self.wait = Histogram("splitserve_router_flow_queue_wait_seconds", "Time a request spent in flow control "
-                              "before it was dispatched or turned away, by band", ["band"], buckets=WAIT_BUCKETS,
-                              registry=registry)
-        self.requests = Counter("splitserve_router_flow_requests", "Requests leaving flow control, by band, flow and "
-                                "outcome (each request once)", ["band", "flow", "outcome"], registry=registry)
-        self.saturated = Gauge("splitserve_router_flow_saturated", "1 while the saturation detector finds no room "
-                               "for band 0", registry=registry)
+        self.queue = Gauge(
+            "splitserve_router_flow_queue_length",
+            "Requests waiting in the gateway's flow-control queues, by band and flow",
+            ["band", "flow"],
+            registry=registry,
+        )
+        self.wait = Histogram(
+            "splitserve_router_flow_queue_wait_seconds",
+            "Time a request spent in flow control before it was dispatched or turned away, by band",
+            ["band"],
+            buckets=WAIT_BUCKETS,
+            registry=registry,
+        )
+        self.requests = Counter(
+            "splitserve_router_flow_requests",
+            "Requests leaving flow control, by band, flow and outcome (each request once)",
+            ["band", "flow", "outcome"],
+            registry=registry,
+        )
+        self.saturated = Gauge(
+            "splitserve_router_flow_saturated",
+            "1 while the saturation detector finds no room for band 0",
+            registry=registry,
+        )
         self._flows: set[str] = set()
 
     def flow_label(self, flow_id: str) -> str:

@@ -42,8 +42,9 @@ class SaturationDetector:
         self.clock = clock
 
     def _candidates(self, now: float) -> list:
-        return [w for w in self.workers() if w.can_decode and w.is_healthy(now)
-                and (w.load is None or not w.load.draining)]
+        return [
+            w for w in self.workers() if w.can_decode and w.is_healthy(now) and (w.load is None or not w.load.draining)
+        ]
 
     def is_full(self, worker, band: int, now: float) -> bool:
         cfg, load = self.config, worker.load

@@ -56,8 +56,9 @@ def parse_declared(text: str, where: str = "adapters file") -> dict[str, str]:
             raise ConfigError(f"{where}: each adapter is {{name, path}}, got {entry!r}")
         name, path = entry["name"], entry["path"]
         if not isinstance(name, str) or not NAME.match(name) or not isinstance(path, str) or not path:
-            raise ConfigError(f"{where}: adapter {entry!r}: name is 1-128 characters without spaces or commas, "
-                              "path a folder")
+            raise ConfigError(
+                f"{where}: adapter {entry!r}: name is 1-128 characters without spaces or commas, path a folder"
+            )
         if name in out:
             raise ConfigError(f"{where}: adapter {name!r} is declared twice")
         out[name] = path
@@ -97,7 +98,7 @@ def pool_report(pool: WorkerPool) -> dict[str, dict]:
             continue
         entry = out.setdefault(w.role, {"workers": 0, "adapters": {}})
         entry["workers"] += 1
-        for a in (w.load.adapters if w.load is not None else ()):
+        for a in w.load.adapters if w.load is not None else ():
             entry["adapters"][a.name] = entry["adapters"].get(a.name, 0) + 1
     for entry in out.values():
         entry["adapters"] = dict(sorted(entry["adapters"].items()))
@@ -121,8 +122,13 @@ class ConfigMapReporter:
 
     def write(self, report: dict) -> None:
         body = {"metadata": {"annotations": {self.config.report_annotation: json.dumps(report, sort_keys=True)}}}
-        self.api.patch_namespaced_config_map(self.config.report_configmap, self.config.report_namespace, body,
-                                             _content_type="application/merge-patch+json", _request_timeout=10)
+        self.api.patch_namespaced_config_map(
+            self.config.report_configmap,
+            self.config.report_namespace,
+            body,
+            _content_type="application/merge-patch+json",
+            _request_timeout=10,
+        )
 
 
 async def report_loop(pool: WorkerPool, config: AdaptersConfig, reporter: ConfigMapReporter | None = None) -> None:
@@ -136,6 +142,10 @@ async def report_loop(pool: WorkerPool, config: AdaptersConfig, reporter: Config
                 await asyncio.to_thread(reporter.write, report)
                 written = report
             except Exception as exc:  # noqa: BLE001 - the API being away must not stop the router
-                log.warning("cannot report the loaded adapters to ConfigMap %s/%s: %s", config.report_namespace,
-                            config.report_configmap, exc)
+                log.warning(
+                    "cannot report the loaded adapters to ConfigMap %s/%s: %s",
+                    config.report_namespace,
+                    config.report_configmap,
+                    exc,
+                )
         await asyncio.sleep(config.poll_s)

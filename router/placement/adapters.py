@@ -37,7 +37,7 @@ log = logging.getLogger(__name__)
 
 CALL_TIMEOUT_S = 60.0
 FAILED_RETRY_S = 30.0
-REPORT_GRACE_S = 5.0   # a load report sent while a load ran still lacks the adapter: no second load
+REPORT_GRACE_S = 5.0  # a load report sent while a load ran still lacks the adapter: no second load
 
 
 def reported(worker: WorkerState) -> dict[str, bytes]:
@@ -49,10 +49,10 @@ class AdapterCatalog:
     def __init__(self, pool: WorkerPool, channels):
         self.pool = pool
         self.channels = channels
-        self.runtime: dict[str, tuple[str, bytes]] = {}   # loaded through the API: name -> (folder, digest)
-        self.unloaded: set[str] = set()                     # unloaded through the API since
-        self._pushing: set[tuple[str, str]] = set()        # (worker, name) reconcile calls in flight
-        self.declared: dict[str, str] | None = None         # declared mode: name -> folder (None: off)
+        self.runtime: dict[str, tuple[str, bytes]] = {}  # loaded through the API: name -> (folder, digest)
+        self.unloaded: set[str] = set()  # unloaded through the API since
+        self._pushing: set[tuple[str, str]] = set()  # (worker, name) reconcile calls in flight
+        self.declared: dict[str, str] | None = None  # declared mode: name -> folder (None: off)
         self._hold: dict[tuple[str, str, str], float] = {}  # (worker, name, folder) -> no load before this time
 
     # -- reading ---------------------------------------------------------------------------
@@ -90,8 +90,13 @@ class AdapterCatalog:
 
     def _refuse_in_declared_mode(self, verb: str) -> None:
         if self.declared is not None:
-            raise APIError(409, f"this router's adapters are declared (an InferenceService's spec.adapters, or "
-                                f"the router's adapters.file); {verb} them there", param="lora_name", code="conflict")
+            raise APIError(
+                409,
+                f"this router's adapters are declared (an InferenceService's spec.adapters, or "
+                f"the router's adapters.file); {verb} them there",
+                param="lora_name",
+                code="conflict",
+            )
 
     async def load(self, name: str, path: str) -> bytes:
         """Load on every connected worker; the digest. APIError 400 (bad adapter), 409
@@ -111,8 +116,12 @@ class AdapterCatalog:
         """Unload everywhere; APIError 404 for a name no one serves, 409 in declared mode."""
         self._refuse_in_declared_mode("unload")
         if name not in self.names():
-            raise APIError(404, f"adapter {name!r} is not loaded; loaded: {', '.join(self.names()) or 'none'}",
-                           param="lora_name", code="model_not_found")
+            raise APIError(
+                404,
+                f"adapter {name!r} is not loaded; loaded: {', '.join(self.names()) or 'none'}",
+                param="lora_name",
+                code="model_not_found",
+            )
         self.runtime.pop(name, None)
         self.unloaded.add(name)
         await asyncio.gather(*(self._unload_on(w, name) for w in self._connected()))
@@ -160,28 +169,37 @@ class AdapterCatalog:
             log.info("LoRA adapter %s unloaded from %s: no longer declared", name, worker.address)
 
     def _connected(self) -> list[WorkerState]:
-        return sorted((w for w in self.pool.workers.values() if w.is_connected and not w.incompatible),
-                      key=lambda w: (not w.can_decode, w.address))
+        return sorted(
+            (w for w in self.pool.workers.values() if w.is_connected and not w.incompatible),
+            key=lambda w: (not w.can_decode, w.address),
+        )
 
     async def _load_on(self, worker: WorkerState, name: str, path: str, strict: bool) -> pb.LoraAdapterInfo | None:
         try:
             return await self.channels.stub(worker.address).LoadLoraAdapter(
-                pb.LoadLoraAdapterRequest(lora_name=name, lora_path=path), timeout=CALL_TIMEOUT_S)
+                pb.LoadLoraAdapterRequest(lora_name=name, lora_path=path), timeout=CALL_TIMEOUT_S
+            )
         except grpc.aio.AioRpcError as exc:
             if strict and exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
                 raise APIError(400, exc.details(), param="lora_path") from None
-            if strict and exc.code() == grpc.StatusCode.NOT_FOUND:   # no such folder on the worker
+            if strict and exc.code() == grpc.StatusCode.NOT_FOUND:  # no such folder on the worker
                 raise APIError(404, exc.details(), param="lora_path", code="adapter_not_found") from None
             if strict:
                 raise NoWorkerError(f"loading the adapter on {worker.address} failed: {exc.code().name}") from None
-            log.warning("loading adapter %s on %s failed (%s: %s); retried after its next load report", name,
-                        worker.address, exc.code().name, exc.details())
+            log.warning(
+                "loading adapter %s on %s failed (%s: %s); retried after its next load report",
+                name,
+                worker.address,
+                exc.code().name,
+                exc.details(),
+            )
             return None
 
     async def _unload_on(self, worker: WorkerState, name: str) -> None:
         try:
             await self.channels.stub(worker.address).UnloadLoraAdapter(
-                pb.UnloadLoraAdapterRequest(lora_name=name), timeout=CALL_TIMEOUT_S)
+                pb.UnloadLoraAdapterRequest(lora_name=name), timeout=CALL_TIMEOUT_S
+            )
         except grpc.aio.AioRpcError as exc:
             if exc.code() != grpc.StatusCode.NOT_FOUND:
                 log.warning("unloading adapter %s on %s failed (%s)", name, worker.address, exc.code().name)

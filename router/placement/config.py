@@ -44,16 +44,27 @@ class ProfileConfig:
 def default_decode_profile() -> ProfileConfig:
     # Load outweighs a prefix hit once a worker's queue is much deeper (docs/router.md); past
     # the load scorers' saturation points, `balanced` keeps that true.
-    return ProfileConfig(filters=("healthy", "not-draining", "not-saturated", "balanced"),
-                         scorers=(ScorerSpec("prefix-overlap", 2.0), ScorerSpec("queue-depth", 3.0),
-                                  ScorerSpec("kv-usage", 1.0), ScorerSpec("pending-assignments", 1.0),
-                                  ScorerSpec("lora-affinity", 2.0)))
+    return ProfileConfig(
+        filters=("healthy", "not-draining", "not-saturated", "balanced"),
+        scorers=(
+            ScorerSpec("prefix-overlap", 2.0),
+            ScorerSpec("queue-depth", 3.0),
+            ScorerSpec("kv-usage", 1.0),
+            ScorerSpec("pending-assignments", 1.0),
+            ScorerSpec("lora-affinity", 2.0),
+        ),
+    )
 
 
 def default_prefill_profile() -> ProfileConfig:
-    return ProfileConfig(filters=("healthy", "not-draining", "not-saturated"),
-                         scorers=(ScorerSpec("prefix-overlap", 2.0), ScorerSpec("queued-prefill-tokens", 3.0),
-                                  ScorerSpec("pending-assignments", 1.0)))
+    return ProfileConfig(
+        filters=("healthy", "not-draining", "not-saturated"),
+        scorers=(
+            ScorerSpec("prefix-overlap", 2.0),
+            ScorerSpec("queued-prefill-tokens", 3.0),
+            ScorerSpec("pending-assignments", 1.0),
+        ),
+    )
 
 
 @dataclass(frozen=True)
@@ -82,8 +93,8 @@ class KVPullConfig:
 
     enabled: bool = True
     min_blocks: int = 2
-    block_transfer_s: float = 0.005   # bench/w6_multiturn.py --probe-pull on a 2-vCPU host: 4-5.5 ms
-    prefill_token_s: float = 0.003    # the same probe: SmolLM2-135M, 1 thread, 2.8 ms a token
+    block_transfer_s: float = 0.005  # bench/w6_multiturn.py --probe-pull on a 2-vCPU host: 4-5.5 ms
+    prefill_token_s: float = 0.003  # the same probe: SmolLM2-135M, 1 thread, 2.8 ms a token
 
     def __post_init__(self) -> None:
         if not isinstance(self.enabled, bool):

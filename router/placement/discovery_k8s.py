@@ -64,14 +64,20 @@ def slice_addresses(obj: dict, port_name: str) -> set[str]:
 
 
 class EndpointSliceDiscovery:
-    def __init__(self, source: SliceSource, services, port_name: str = "grpc",
-                 backoff_initial_s: float = 1.0, backoff_max_s: float = 30.0):
+    def __init__(
+        self,
+        source: SliceSource,
+        services,
+        port_name: str = "grpc",
+        backoff_initial_s: float = 1.0,
+        backoff_max_s: float = 30.0,
+    ):
         self.source = source
         self.selector = label_selector(services)
         self.port_name = port_name
         self.backoff_initial_s = backoff_initial_s
         self.backoff_max_s = backoff_max_s
-        self._slices: dict[str, set[str]] = {}     # "namespace/name" -> addresses
+        self._slices: dict[str, set[str]] = {}  # "namespace/name" -> addresses
         self._reported: set[str] | None = None
 
     async def run(self, on_change: OnChange) -> None:
@@ -136,7 +142,7 @@ def _pump(stream, loop: asyncio.AbstractEventLoop, queue: asyncio.Queue) -> None
     except BaseException as exc:  # noqa: BLE001 - handed to the event loop, which decides
         try:
             loop.call_soon_threadsafe(queue.put_nowait, exc)
-        except RuntimeError:      # the loop is closed: nobody is listening any more
+        except RuntimeError:  # the loop is closed: nobody is listening any more
             pass
 
 
@@ -164,9 +170,14 @@ class KubernetesSliceSource:
         from kubernetes.client.exceptions import ApiException
 
         try:
-            for event in watch.Watch().stream(self.api.list_namespaced_endpoint_slice, self.namespace,
-                                              label_selector=label_selector, resource_version=resource_version,
-                                              timeout_seconds=self.watch_timeout_s, allow_watch_bookmarks=True):
+            for event in watch.Watch().stream(
+                self.api.list_namespaced_endpoint_slice,
+                self.namespace,
+                label_selector=label_selector,
+                resource_version=resource_version,
+                timeout_seconds=self.watch_timeout_s,
+                allow_watch_bookmarks=True,
+            ):
                 raw = event.get("raw_object") or {}
                 if event["type"] == "ERROR":
                     if raw.get("code") == 410:

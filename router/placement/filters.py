@@ -91,8 +91,11 @@ class Balanced(Filter):
 
     def select(self, workers, now):
         floor = min((load_of(w) for w in workers), default=0)
-        return [w for w in workers
-                if load_of(w) - floor <= self.params["slack"] or load_of(w) <= self.params["ratio"] * floor]
+        return [
+            w
+            for w in workers
+            if load_of(w) - floor <= self.params["slack"] or load_of(w) <= self.params["ratio"] * floor
+        ]
 
 
 FILTERS: dict[str, type[Filter]] = {cls.name: cls for cls in (Healthy, NotDraining, NotSaturated, Balanced)}

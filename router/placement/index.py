@@ -32,7 +32,7 @@ from typing import Protocol
 
 from splitserve.platform.wire import worker_pb2 as pb
 
-SECOND_TIER = 2   # KV events' tier of a worker's second tier (0 or 1: its cache)
+SECOND_TIER = 2  # KV events' tier of a worker's second tier (0 or 1: its cache)
 
 
 class PrefixIndex(Protocol):
@@ -62,7 +62,7 @@ class _WorkerEntries:
 
     def __init__(self):
         self.stored: OrderedDict[bytes, None] = OrderedDict()
-        self.second: OrderedDict[bytes, None] = OrderedDict()   # the worker's second tier
+        self.second: OrderedDict[bytes, None] = OrderedDict()  # the worker's second tier
         self.speculative: dict[bytes, float] = {}
 
     def tier(self, tier: int) -> OrderedDict[bytes, None]:
@@ -100,10 +100,10 @@ class InMemoryPrefixIndex:
             entries.speculative.clear()
 
     def _store(self, entries: _WorkerEntries, hashes, stored: OrderedDict[bytes, None]) -> None:
-        for h in reversed(hashes):   # a chain's head ends most recent: its tail is dropped first
+        for h in reversed(hashes):  # a chain's head ends most recent: its tail is dropped first
             stored[h] = None
             stored.move_to_end(h)
-            entries.speculative.pop(h, None)   # confirmed
+            entries.speculative.pop(h, None)  # confirmed
         excess = len(stored) - self.max_blocks_per_worker
         for _ in range(max(excess, 0)):
             stored.popitem(last=False)
@@ -147,4 +147,3 @@ class InMemoryPrefixIndex:
 
     async def close(self) -> None:
         pass
-

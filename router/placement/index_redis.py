@@ -52,10 +52,16 @@ return out
 
 
 class RedisPrefixIndex:
-    def __init__(self, url: str, key_prefix: str = "splitserve", ttl_s: float = 10.0,
-                 max_blocks_per_worker: int = 262_144, clock=time.time):
+    def __init__(
+        self,
+        url: str,
+        key_prefix: str = "splitserve",
+        ttl_s: float = 10.0,
+        max_blocks_per_worker: int = 262_144,
+        clock=time.time,
+    ):
         self.redis = aioredis.from_url(url)
-        self.prefix = "{" + key_prefix + "}"    # a hash tag: all keys in one cluster slot, for the script
+        self.prefix = "{" + key_prefix + "}"  # a hash tag: all keys in one cluster slot, for the script
         self._match_script = self.redis.register_script(_MATCH)
         self.ttl_s = ttl_s
         self.max_blocks_per_worker = max_blocks_per_worker
@@ -104,8 +110,9 @@ class RedisPrefixIndex:
     async def match(self, workers: list[str], hashes: list[bytes]) -> dict[str, int]:
         if not hashes or not workers:
             return dict.fromkeys(workers, 0)
-        keys = [key for worker in workers
-                for key in (self._kv(worker), self._tier(worker, SECOND_TIER), self._spec(worker))]
+        keys = [
+            key for worker in workers for key in (self._kv(worker), self._tier(worker, SECOND_TIER), self._spec(worker))
+        ]
         counts = await self._match_script(keys=keys, args=[repr(self.clock()), *hashes])
         return dict(zip(workers, (int(c) for c in counts), strict=False))
 

@@ -21,7 +21,7 @@ log = logging.getLogger(__name__)
 def _store_errors() -> tuple[type[BaseException], ...]:
     try:
         from redis.exceptions import RedisError
-    except ImportError:   # redis is not installed: only OSError can come from a store
+    except ImportError:  # redis is not installed: only OSError can come from a store
         return (OSError,)
     return (RedisError, OSError)
 

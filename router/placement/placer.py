@@ -40,18 +40,18 @@ from splitserve.router.placement.scorers import LoraAffinity, ScoringContext, ma
 
 log = logging.getLogger(__name__)
 
-TIE_DIGITS = 9   # scores equal to 9 decimals are a tie
+TIE_DIGITS = 9  # scores equal to 9 decimals are a tie
 
 
 @dataclass(frozen=True)
 class Decision:
     decode: str
     prefill: tuple[str, ...] = ()
-    num_cached_blocks: int = 0           # the decode worker's matched prefix, per the index
+    num_cached_blocks: int = 0  # the decode worker's matched prefix, per the index
     num_uncached_tokens: int = 0
-    scores: dict = field(default_factory=dict)   # role -> {address: total}
-    lora_evict_first: tuple[str, ...] = ()        # step 6 of the module docstring
-    pull: tuple[str, int] | None = None           # step 4a: (holder's address, its matched blocks)
+    scores: dict = field(default_factory=dict)  # role -> {address: total}
+    lora_evict_first: tuple[str, ...] = ()  # step 6 of the module docstring
+    pull: tuple[str, int] | None = None  # step 4a: (holder's address, its matched blocks)
 
 
 class Profile:
@@ -82,14 +82,13 @@ class Profile:
                 assert 0.0 <= value <= 1.0, f"scorer {scorer.name} gave {value} for {address}"
                 totals[address] += weight * value
         order = list(totals.items())
-        rng.shuffle(order)                      # random tie-break survives the stable sort
+        rng.shuffle(order)  # random tie-break survives the stable sort
         order.sort(key=lambda item: -round(item[1], TIE_DIGITS))
         return order
 
 
 class Placer:
-    def __init__(self, config: PlacementConfig, pool: WorkerPool, index: PrefixIndex,
-                 rng: random.Random | None = None):
+    def __init__(self, config: PlacementConfig, pool: WorkerPool, index: PrefixIndex, rng: random.Random | None = None):
         self.config = config
         self.pool = pool
         self.index = index
@@ -98,8 +97,14 @@ class Placer:
         self.prefill_profile = Profile("prefill", config.prefill)
         self.pull_cost = PullCost(config.kv_pull, pool.block_size)
 
-    async def place(self, num_tokens: int, hashes: list[bytes], exclude: frozenset[str] = frozenset(),
-                    lora_name: str | None = None, lora_workers: set[str] | None = None) -> Decision:
+    async def place(
+        self,
+        num_tokens: int,
+        hashes: list[bytes],
+        exclude: frozenset[str] = frozenset(),
+        lora_name: str | None = None,
+        lora_workers: set[str] | None = None,
+    ) -> Decision:
         """`lora_workers`: for a LoRA request, the workers that have its adapter (the others
         would refuse it): decode candidates are only those."""
         now = self.pool.clock()
@@ -129,14 +134,19 @@ class Placer:
         evict_first = self._evict_first(chosen, lora_name, now) if self.decode_profile.scores_adapters else ()
         return Decision(chosen, prefill_list, cached, uncached, scores, evict_first, pull)
 
-    def _pull_from(self, ctx: ScoringContext, workers: list[WorkerState], chosen: str, cached: int,
-                   now: float) -> tuple[str, int] | None:
+    def _pull_from(
+        self, ctx: ScoringContext, workers: list[WorkerState], chosen: str, cached: int, now: float
+    ) -> tuple[str, int] | None:
         """Step 4a: (the holder with the longest match, its match) when pulling beats computing."""
         best, best_blocks = None, cached
         for w in workers:
             blocks = ctx.matched_blocks.get(w.address, 0)
-            if (w.address != chosen and blocks > best_blocks and w.is_healthy(now)
-                    and not (w.load is not None and w.load.draining)):
+            if (
+                w.address != chosen
+                and blocks > best_blocks
+                and w.is_healthy(now)
+                and not (w.load is not None and w.load.draining)
+            ):
                 best, best_blocks = w.address, blocks
         if best is None or not self.pull_cost.is_worth(best_blocks - cached):
             return None
@@ -179,6 +189,5 @@ class Placer:
             log.info("prefilling on the decode worker: %s", exc)
             return (), {}
         ranked = self.prefill_profile.rank(ctx, kept, self.rng)
-        top = tuple(address for address, _ in ranked[:self.config.disaggregation.max_prefill_candidates])
+        top = tuple(address for address, _ in ranked[: self.config.disaggregation.max_prefill_candidates])
         return top, dict(ranked)
-

@@ -25,19 +25,19 @@ PREFILL_ROLES = ("prefill", "both")
 @dataclass
 class WorkerState:
     address: str
-    role: str = ""                  # from WorkerInfo; "" until the worker said
+    role: str = ""  # from WorkerInfo; "" until the worker said
     worker_id: str = ""
     kv_address: str = ""
     num_total_blocks: int = 0
     is_connected: bool = False
-    incompatible: str = ""          # why this worker cannot serve the router's model
+    incompatible: str = ""  # why this worker cannot serve the router's model
     load: pb.LoadReport | None = None
     load_time: float = 0.0
     down_until: float = 0.0
     num_failures: int = 0
-    num_pending: int = 0            # assigned by this router, first token not yet seen
+    num_pending: int = 0  # assigned by this router, first token not yet seen
     num_pending_prefill_tokens: int = 0
-    num_inflight: int = 0           # assigned by this router, not finished
+    num_inflight: int = 0  # assigned by this router, not finished
 
     def is_healthy(self, now: float) -> bool:
         return self.is_connected and not self.incompatible and now >= self.down_until

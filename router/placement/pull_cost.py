@@ -15,8 +15,8 @@ from __future__ import annotations
 
 from splitserve.router.placement.config import KVPullConfig
 
-ALPHA = 0.2           # weight of each new observation
-MIN_PREFILL_TOKENS = 16   # shorter prefills are dominated by fixed costs: not observed
+ALPHA = 0.2  # weight of each new observation
+MIN_PREFILL_TOKENS = 16  # shorter prefills are dominated by fixed costs: not observed
 
 
 class PullCost:

@@ -30,10 +30,10 @@ class ScoringContext:
     """What a scorer may read about the request being placed."""
 
     num_prompt_tokens: int
-    num_prompt_blocks: int                 # full blocks of the prompt
-    matched_blocks: dict[str, int] = field(default_factory=dict)   # per worker address
+    num_prompt_blocks: int  # full blocks of the prompt
+    matched_blocks: dict[str, int] = field(default_factory=dict)  # per worker address
     now: float = 0.0
-    lora_name: str | None = None           # the LoRA adapter the request runs (None: base model)
+    lora_name: str | None = None  # the LoRA adapter the request runs (None: base model)
 
 
 class Scorer:
@@ -86,7 +86,7 @@ class PrefixOverlap(Scorer):
 
     def score(self, ctx, workers):
         if ctx.num_prompt_blocks == 0:
-            return {w.address: NEUTRAL for w in workers}   # nothing to reuse: no preference
+            return {w.address: NEUTRAL for w in workers}  # nothing to reuse: no preference
         return {w.address: min(ctx.matched_blocks.get(w.address, 0) / ctx.num_prompt_blocks, 1.0) for w in workers}
 
 
@@ -98,8 +98,14 @@ class QueueDepth(Scorer):
 
     def score(self, ctx, workers):
         sat = self.params["saturation"]
-        return {w.address: (_headroom(w.load.num_waiting + w.load.num_running, sat) if w.load is not None
-                            else missing(self.name, w.address, "load report")) for w in workers}
+        return {
+            w.address: (
+                _headroom(w.load.num_waiting + w.load.num_running, sat)
+                if w.load is not None
+                else missing(self.name, w.address, "load report")
+            )
+            for w in workers
+        }
 
 
 class KVUsage(Scorer):
@@ -108,8 +114,14 @@ class KVUsage(Scorer):
     name = "kv-usage"
 
     def score(self, ctx, workers):
-        return {w.address: (1.0 - min(max(w.load.kv_usage, 0.0), 1.0) if w.load is not None
-                            else missing(self.name, w.address, "load report")) for w in workers}
+        return {
+            w.address: (
+                1.0 - min(max(w.load.kv_usage, 0.0), 1.0)
+                if w.load is not None
+                else missing(self.name, w.address, "load report")
+            )
+            for w in workers
+        }
 
 
 class PendingAssignments(Scorer):
@@ -197,8 +209,10 @@ class RoundRobin(Scorer):
         return {a: 1.0 if a == chosen else 0.0 for a in addresses}
 
 
-SCORERS: dict[str, type[Scorer]] = {cls.name: cls for cls in (PrefixOverlap, QueueDepth, KVUsage, PendingAssignments,
-                                                              QueuedPrefillTokens, LoraAffinity, RoundRobin)}
+SCORERS: dict[str, type[Scorer]] = {
+    cls.name: cls
+    for cls in (PrefixOverlap, QueueDepth, KVUsage, PendingAssignments, QueuedPrefillTokens, LoraAffinity, RoundRobin)
+}
 
 
 def make_scorer(name: str, params: dict | None = None) -> Scorer:

@@ -37,15 +37,23 @@ CHANNEL_OPTIONS = [
 
 
 class WorkerWatcher:
-    def __init__(self, address: str, pool: WorkerPool, index: PrefixIndex, channels: ChannelPool,
-                 config: DiscoveryConfig, on_down=None, on_load=None):
+    def __init__(
+        self,
+        address: str,
+        pool: WorkerPool,
+        index: PrefixIndex,
+        channels: ChannelPool,
+        config: DiscoveryConfig,
+        on_down=None,
+        on_load=None,
+    ):
         self.address = address
         self.pool = pool
         self.index = index
         self.channels = channels
         self.config = config
         self.on_down = on_down or (lambda address: None)
-        self.on_load = on_load or (lambda address: None)   # after each load report (adapter reconcile)
+        self.on_load = on_load or (lambda address: None)  # after each load report (adapter reconcile)
         self.num_subscriptions = 0
 
     async def run(self) -> None:

@@ -46,8 +46,9 @@ class Authenticator:
         if self.is_open:
             return ANONYMOUS
         if not authorization:
-            raise APIError(401, "missing API key: send the header 'Authorization: Bearer YOUR_KEY'",
-                           code="invalid_api_key")
+            raise APIError(
+                401, "missing API key: send the header 'Authorization: Bearer YOUR_KEY'", code="invalid_api_key"
+            )
         scheme, _, token = authorization.partition(" ")
         token = token.strip()
         if scheme.lower() == "bearer":
@@ -63,8 +64,12 @@ class Authenticator:
 def check_admin(auth: Authenticator, key: ApiKey) -> None:
     """403 unless the gateway is open or `key` has role admin (router/config.py ApiKey)."""
     if not auth.is_open and key.role != "admin":
-        raise APIError(403, f"this call needs an API key with role admin; the key {key_label(key)} has role "
-                       f"{key.role} (set `role: admin` on it in the key file)", code="permission_denied")
+        raise APIError(
+            403,
+            f"this call needs an API key with role admin; the key {key_label(key)} has role "
+            f"{key.role} (set `role: admin` on it in the key file)",
+            code="permission_denied",
+        )
 
 
 def check_lora_path(auth: Authenticator, roots: tuple[str, ...], lora_path: str) -> str:
@@ -74,16 +79,24 @@ def check_lora_path(auth: Authenticator, roots: tuple[str, ...], lora_path: str)
     if not roots:
         if auth.is_open:
             return lora_path
-        raise APIError(403, "runtime LoRA loading is off: start the router with --lora-roots DIR[,DIR] "
-                       "(gateway.lora_roots) naming the folders adapters may be loaded from",
-                       param="lora_path", code="permission_denied")
+        raise APIError(
+            403,
+            "runtime LoRA loading is off: start the router with --lora-roots DIR[,DIR] "
+            "(gateway.lora_roots) naming the folders adapters may be loaded from",
+            param="lora_path",
+            code="permission_denied",
+        )
     resolved = os.path.realpath(lora_path)
     for root in roots:
         base = os.path.realpath(root)
         if resolved == base or resolved.startswith(base.rstrip(os.sep) + os.sep):
             return resolved
-    raise APIError(403, f"lora_path {lora_path!r} is outside the allowed folders (--lora-roots): "
-                   f"{', '.join(roots)}", param="lora_path", code="permission_denied")
+    raise APIError(
+        403,
+        f"lora_path {lora_path!r} is outside the allowed folders (--lora-roots): {', '.join(roots)}",
+        param="lora_path",
+        code="permission_denied",
+    )
 
 
 class MemoryBuckets:
@@ -140,8 +153,9 @@ class RedisBuckets:
 class RateLimiter:
     def __init__(self, config: GatewayConfig, key_prefix: str = "splitserve"):
         self.config = config
-        self.buckets = RedisBuckets(config.rate_limit_redis_url, key_prefix) if config.rate_limit_redis_url \
-            else MemoryBuckets()
+        self.buckets = (
+            RedisBuckets(config.rate_limit_redis_url, key_prefix) if config.rate_limit_redis_url else MemoryBuckets()
+        )
 
     async def check(self, key: ApiKey) -> None:
         rate = key.rate_per_s if key.rate_per_s is not None else self.config.rate_per_s
@@ -151,5 +165,9 @@ class RateLimiter:
         label = key_label(key)
         wait = await self.buckets.take(label, rate, burst)
         if wait > 0:
-            raise APIError(429, f"rate limit reached for {label}: {rate:g} requests/s, "
-                           f"burst {burst}; retry after {wait:.2f} s", code="rate_limit_exceeded", retry_after_s=wait)
+            raise APIError(
+                429,
+                f"rate limit reached for {label}: {rate:g} requests/s, burst {burst}; retry after {wait:.2f} s",
+                code="rate_limit_exceeded",
+                retry_after_s=wait,
+            )

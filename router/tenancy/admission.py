@@ -43,13 +43,18 @@ class Slots:
         self.num_running = 0
         self.num_queued = 0
         self._slots = asyncio.Semaphore(max_concurrent)
-        self._multi = asyncio.Lock()   # one multi-slot taker at a time: two cannot each hold half and wait
+        self._multi = asyncio.Lock()  # one multi-slot taker at a time: two cannot each hold half and wait
 
     async def acquire(self, num_slots: int = 1) -> int:
         """Take `num_slots` slots (at most max_concurrent); returns how many were taken, for release()."""
         if self.num_running >= self.max_concurrent and self.num_queued >= self.max_queued:
-            raise APIError(429, f"the server is at capacity ({self.num_running} requests running, "
-                           f"{self.num_queued} queued); retry shortly", code="queue_full", retry_after_s=1)
+            raise APIError(
+                429,
+                f"the server is at capacity ({self.num_running} requests running, "
+                f"{self.num_queued} queued); retry shortly",
+                code="queue_full",
+                retry_after_s=1,
+            )
         num_slots = max(1, min(num_slots, self.max_concurrent))
         self.num_queued += 1
         taken = 0
@@ -83,11 +88,11 @@ class Ticket:
 
     key: ApiKey
     model: str
-    reserve_tokens: int              # prompt tokens + max_tokens of every choice
-    counted: bool = False            # the key-concurrency gate counted it
-    grant: Grant | None = None       # the quota gate's reservation
+    reserve_tokens: int  # prompt tokens + max_tokens of every choice
+    counted: bool = False  # the key-concurrency gate counted it
+    grant: Grant | None = None  # the quota gate's reservation
     has_slot: bool = False
-    num_slots: int = 1               # slots asked for (an embeddings request: one per input)
+    num_slots: int = 1  # slots asked for (an embeddings request: one per input)
     entered: list[Gate] = field(default_factory=list)
 
     @property
@@ -96,7 +101,7 @@ class Ticket:
 
 
 class Gate(Protocol):
-    reason: str   # the `reason` label of a refusal
+    reason: str  # the `reason` label of a refusal
 
     async def enter(self, ticket: Ticket) -> None:
         """Take what the request needs, or raise APIError (having taken nothing)."""
@@ -121,7 +126,7 @@ class KeyConcurrencyGate:
 
 class QuotaGate:
     reason = "token_limit"
-    name = "quota"          # its span: admission.quota
+    name = "quota"  # its span: admission.quota
 
     def __init__(self, quota: Quota):
         self.quota = quota
@@ -138,7 +143,7 @@ class QuotaGate:
 
 class SlotGate:
     reason = "queue_full"
-    name = "slot"           # its span, admission.slot: the time queued for a slot
+    name = "slot"  # its span, admission.slot: the time queued for a slot
 
     def __init__(self, slots: Slots):
         self.slots = slots
@@ -157,7 +162,7 @@ class AdmissionPipeline:
     def __init__(self, concurrency: Concurrency, quota: Quota, slots: Slots, rejected):
         self.slots = slots
         self.gates: tuple[Gate, ...] = (KeyConcurrencyGate(concurrency), QuotaGate(quota), SlotGate(slots))
-        self.rejected = rejected    # the Counter of refusals, labelled by reason
+        self.rejected = rejected  # the Counter of refusals, labelled by reason
 
     @property
     def num_running(self) -> int:
@@ -169,8 +174,7 @@ class AdmissionPipeline:
         """Requests waiting for a server slot."""
         return self.slots.num_queued
 
-    async def admit(self, key: ApiKey, model: str, reserve_tokens: int, *, num_slots: int = 1,
-                    span=NOOP) -> Ticket:
+    async def admit(self, key: ApiKey, model: str, reserve_tokens: int, *, num_slots: int = 1, span=NOOP) -> Ticket:
         """Pass every gate in order, or raise the first refusal with nothing left held. `num_slots`:
         concurrency slots the request takes (work in proportion, e.g. one per embeddings input).
         `span`: the request's admission span; each gate is a child (the slot gate's is the queue time)."""
@@ -179,7 +183,7 @@ class AdmissionPipeline:
             try:
                 with span.child(f"admission.{getattr(gate, 'name', gate.reason)}"):
                     await gate.enter(ticket)
-            except BaseException as exc:   # a refusal, or the client gone while it waited for a slot
+            except BaseException as exc:  # a refusal, or the client gone while it waited for a slot
                 if isinstance(exc, APIError) and exc.status == 429:
                     self.rejected.labels(reason=gate.reason).inc()
                 await self.release(ticket, None)

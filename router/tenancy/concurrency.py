@@ -23,8 +23,12 @@ class Concurrency:
         label = key_label(key)
         n = self.in_flight.get(label, 0)
         if n >= limit:
-            raise APIError(429, f"{label} already has {n} requests in flight; the limit is {limit} at once",
-                           code="too_many_concurrent_requests", retry_after_s=1)
+            raise APIError(
+                429,
+                f"{label} already has {n} requests in flight; the limit is {limit} at once",
+                code="too_many_concurrent_requests",
+                retry_after_s=1,
+            )
         self.in_flight[label] = n + 1
         return True
 

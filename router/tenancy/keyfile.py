@@ -35,8 +35,19 @@ from splitserve.router.api.errors import APIError
 from splitserve.router.config import KEY_ROLES, ApiKey, ConfigError
 
 ID_PATTERN = re.compile(r"[A-Za-z0-9._-]{1,64}")
-KEY_FIELDS = {"id", "sha256", "key", "models", "rpm", "tpm", "monthly_tokens", "max_concurrent", "role", "priority",
-              "weight"}
+KEY_FIELDS = {
+    "id",
+    "sha256",
+    "key",
+    "models",
+    "rpm",
+    "tpm",
+    "monthly_tokens",
+    "max_concurrent",
+    "role",
+    "priority",
+    "weight",
+}
 
 
 def digest(key: str) -> str:
@@ -55,12 +66,16 @@ def _positive(entry: dict, name: str, where: str) -> int | None:
 def _flow_fields(entry: dict, where: str) -> dict:
     """The key's flow-control `priority` (a band: any integer) and `weight` (a positive number)."""
     priority, weight = entry.get("priority"), entry.get("weight")
-    if priority is not None and (not isinstance(priority, int) or isinstance(priority, bool)
-                                 or abs(priority) > 1_000_000):
-        raise ConfigError(f"{where}.priority={priority!r}: need an integer from -1000000 to 1000000 "
-                          "(higher is more important, negative is sheddable)")
-    if weight is not None and (not isinstance(weight, (int, float)) or isinstance(weight, bool)
-                               or not 0 < weight <= 1_000_000):
+    if priority is not None and (
+        not isinstance(priority, int) or isinstance(priority, bool) or abs(priority) > 1_000_000
+    ):
+        raise ConfigError(
+            f"{where}.priority={priority!r}: need an integer from -1000000 to 1000000 "
+            "(higher is more important, negative is sheddable)"
+        )
+    if weight is not None and (
+        not isinstance(weight, (int, float)) or isinstance(weight, bool) or not 0 < weight <= 1_000_000
+    ):
         raise ConfigError(f"{where}.weight={weight!r}: need a number above 0 (1 is an equal share)")
     return {"priority": priority, "weight": float(weight) if weight is not None else None}
 
@@ -76,8 +91,9 @@ def parse_keys(data: Any, source: str) -> tuple[tuple[str, ApiKey], ...]:
             raise ConfigError(f"{where}: need a mapping with fields from {sorted(KEY_FIELDS)}")
         key_id = entry.get("id")
         if not isinstance(key_id, str) or not ID_PATTERN.fullmatch(key_id) or key_id in ids:
-            raise ConfigError(f"{where}.id={key_id!r}: need an id of 1-64 letters, digits, '.', '_' or '-', "
-                              "unique in the file")
+            raise ConfigError(
+                f"{where}.id={key_id!r}: need an id of 1-64 letters, digits, '.', '_' or '-', unique in the file"
+            )
         ids.add(key_id)
         if ("sha256" in entry) == ("key" in entry):
             raise ConfigError(f"{where}: give exactly one of sha256 (hex digest of the key) or key")
@@ -90,12 +106,22 @@ def parse_keys(data: Any, source: str) -> tuple[tuple[str, ApiKey], ...]:
         role = entry.get("role", "user")
         if role not in KEY_ROLES:
             raise ConfigError(f"{where}.role={role!r}: allowed: {', '.join(KEY_ROLES)}")
-        out.append((hexdigest, ApiKey(key="", name=key_id, models=tuple(models) if models is not None else None,
-                                      role=role,
-                                      rpm=_positive(entry, "rpm", where), tpm=_positive(entry, "tpm", where),
-                                      monthly_tokens=_positive(entry, "monthly_tokens", where),
-                                      max_concurrent=_positive(entry, "max_concurrent", where),
-                                      **_flow_fields(entry, where))))
+        out.append(
+            (
+                hexdigest,
+                ApiKey(
+                    key="",
+                    name=key_id,
+                    models=tuple(models) if models is not None else None,
+                    role=role,
+                    rpm=_positive(entry, "rpm", where),
+                    tpm=_positive(entry, "tpm", where),
+                    monthly_tokens=_positive(entry, "monthly_tokens", where),
+                    max_concurrent=_positive(entry, "max_concurrent", where),
+                    **_flow_fields(entry, where),
+                ),
+            )
+        )
     return tuple(out)
 
 
@@ -133,7 +159,7 @@ class KeyFile:
         self._maybe_reload()
         presented = digest(token).encode()
         found = None
-        for hexdigest, key in self.keys:   # no early exit: the time does not depend on which key matched
+        for hexdigest, key in self.keys:  # no early exit: the time does not depend on which key matched
             if hmac.compare_digest(presented, hexdigest.encode()):
                 found = key
         return found
@@ -141,6 +167,9 @@ class KeyFile:
 
 def check_scope(key: ApiKey, model: str) -> None:
     if key.models is not None and model not in key.models:
-        raise APIError(404, f"the model {model!r} does not exist or this API key has no access to it",
-                       param="model", code="model_not_found")
-
+        raise APIError(
+            404,
+            f"the model {model!r} does not exist or this API key has no access to it",
+            param="model",
+            code="model_not_found",
+        )

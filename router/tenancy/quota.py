@@ -49,29 +49,55 @@ class Grant:
 def _headers(key: ApiKey, reset: float, req: int, tok: int) -> dict[str, str]:
     out = {}
     if key.rpm:
-        out.update({"x-ratelimit-limit-requests": str(key.rpm),
-                    "x-ratelimit-remaining-requests": str(max(0, key.rpm - req)),
-                    "x-ratelimit-reset-requests": f"{reset:.3f}s"})
+        out.update(
+            {
+                "x-ratelimit-limit-requests": str(key.rpm),
+                "x-ratelimit-remaining-requests": str(max(0, key.rpm - req)),
+                "x-ratelimit-reset-requests": f"{reset:.3f}s",
+            }
+        )
     if key.tpm:
-        out.update({"x-ratelimit-limit-tokens": str(key.tpm),
-                    "x-ratelimit-remaining-tokens": str(max(0, key.tpm - tok)),
-                    "x-ratelimit-reset-tokens": f"{reset:.3f}s"})
+        out.update(
+            {
+                "x-ratelimit-limit-tokens": str(key.tpm),
+                "x-ratelimit-remaining-tokens": str(max(0, key.tpm - tok)),
+                "x-ratelimit-reset-tokens": f"{reset:.3f}s",
+            }
+        )
     return out
 
 
 class Quota:
     """Per-key admission (scope, rpm, tpm, monthly budget), settlement and usage accounting."""
 
-    def __init__(self, registry: CollectorRegistry, redis_url: str = "", prefix: str = "splitserve",
-                 window_s: float = 60.0, clock=time.time):
+    def __init__(
+        self,
+        registry: CollectorRegistry,
+        redis_url: str = "",
+        prefix: str = "splitserve",
+        window_s: float = 60.0,
+        clock=time.time,
+    ):
         self.store = RedisQuotaStore(redis_url) if redis_url else MemoryQuotaStore(clock)
         self.prefix, self.window_s, self.clock = prefix, window_s, clock
-        self.requests = Counter("splitserve_key_requests", "Finished requests per API key id and model",
-                                ["key_id", "model"], registry=registry)
-        self.tokens = Counter("splitserve_key_tokens", "Tokens per API key id, model and kind "
-                              "(prompt, cached, completion)", ["key_id", "model", "kind"], registry=registry)
-        self.store_errors = Counter("splitserve_router_quota_store_errors", "Quota or usage operations the "
-                                    "store (Redis) could not take; the request went on", ["op"], registry=registry)
+        self.requests = Counter(
+            "splitserve_key_requests",
+            "Finished requests per API key id and model",
+            ["key_id", "model"],
+            registry=registry,
+        )
+        self.tokens = Counter(
+            "splitserve_key_tokens",
+            "Tokens per API key id, model and kind (prompt, cached, completion)",
+            ["key_id", "model", "kind"],
+            registry=registry,
+        )
+        self.store_errors = Counter(
+            "splitserve_router_quota_store_errors",
+            "Quota or usage operations the store (Redis) could not take; the request went on",
+            ["op"],
+            registry=registry,
+        )
 
     async def _store(self, op: str, call, fallback=None):
         """A store call that never fails a request: while Redis is unreachable (a restart, an
@@ -102,26 +128,48 @@ class Quota:
         if not self.needed(key):
             return grant
         month = month_of(self.clock())
-        admitted = await self._store("admit", self.store.admit(
-            f"{self.prefix}:quota:{key_label(key)}", f"{self.prefix}:budget:{month}:{key_label(key)}", self.window_s,
-            key.rpm, key.tpm, reserve, key.monthly_tokens))
-        if admitted is None:   # the store is unreachable: admitted without limits, nothing to settle
+        admitted = await self._store(
+            "admit",
+            self.store.admit(
+                f"{self.prefix}:quota:{key_label(key)}",
+                f"{self.prefix}:budget:{month}:{key_label(key)}",
+                self.window_s,
+                key.rpm,
+                key.tpm,
+                reserve,
+                key.monthly_tokens,
+            ),
+        )
+        if admitted is None:  # the store is unreachable: admitted without limits, nothing to settle
             return grant
         ok, why, reset, req, tok, used, window_key = admitted
         headers = _headers(key, reset, req, tok)
         if not ok:
             if why == "tokens" and reserve > (key.tpm or 0):
-                raise APIError(429, f"request too large for {key_label(key)}: prompt + max_tokens = {reserve} tokens, "
-                               f"the limit is {key.tpm} tokens per {self.window_s:g} s; lower max_tokens",
-                               code="rate_limit_exceeded", retry_after_s=reset, headers=headers)
+                raise APIError(
+                    429,
+                    f"request too large for {key_label(key)}: prompt + max_tokens = {reserve} tokens, "
+                    f"the limit is {key.tpm} tokens per {self.window_s:g} s; lower max_tokens",
+                    code="rate_limit_exceeded",
+                    retry_after_s=reset,
+                    headers=headers,
+                )
             what = {"requests": f"{key.rpm} requests", "tokens": f"{key.tpm} tokens"}.get(why)
             if what is None:
-                raise APIError(429, f"monthly token budget of {key_label(key)} ({key.monthly_tokens}) is used up "
-                               f"({used} used, this request needs {reserve})", code="insufficient_quota",
-                               headers=headers)
-            raise APIError(429, f"rate limit reached for {key_label(key)}: {what} per {self.window_s:g} s; "
-                           f"retry after {reset:.2f} s", code="rate_limit_exceeded", retry_after_s=reset,
-                           headers=headers)
+                raise APIError(
+                    429,
+                    f"monthly token budget of {key_label(key)} ({key.monthly_tokens}) is used up "
+                    f"({used} used, this request needs {reserve})",
+                    code="insufficient_quota",
+                    headers=headers,
+                )
+            raise APIError(
+                429,
+                f"rate limit reached for {key_label(key)}: {what} per {self.window_s:g} s; retry after {reset:.2f} s",
+                code="rate_limit_exceeded",
+                retry_after_s=reset,
+                headers=headers,
+            )
         grant.window_key, grant.headers = window_key, headers
         grant.month_key = f"{self.prefix}:budget:{month}:{key_label(key)}"
         return grant
@@ -136,17 +184,29 @@ class Quota:
         self.requests.labels(key_id, grant.model).inc()
         for kind, n in (("prompt", prompt), ("cached", cached), ("completion", completion)):
             self.tokens.labels(key_id, grant.model, kind).inc(n)
-        await self._store("usage", self.store.add_usage(
-            f"{self.prefix}:usage:{month_of(self.clock())}:{key_id}:{grant.model}",
-            {"requests": 1, "prompt_tokens": prompt, "cached_tokens": cached, "completion_tokens": completion}))
+        await self._store(
+            "usage",
+            self.store.add_usage(
+                f"{self.prefix}:usage:{month_of(self.clock())}:{key_id}:{grant.model}",
+                {"requests": 1, "prompt_tokens": prompt, "cached_tokens": cached, "completion_tokens": completion},
+            ),
+        )
         await self._settle_window(grant, prompt + completion - grant.reserved)
 
     async def _settle_window(self, grant: Grant, delta: int) -> None:
         """Move the reservation to the tokens used; the headers then show the window as it is now
         (a whole answer carries these; a stream sent its headers at admission)."""
         if grant.window_key:
-            settled = await self._store("settle", self.store.settle(
-                grant.window_key, grant.month_key, delta, f"{self.prefix}:quota:{key_label(grant.key)}", self.window_s))
+            settled = await self._store(
+                "settle",
+                self.store.settle(
+                    grant.window_key,
+                    grant.month_key,
+                    delta,
+                    f"{self.prefix}:quota:{key_label(grant.key)}",
+                    self.window_s,
+                ),
+            )
             if settled is not None:
                 grant.headers.update(_headers(grant.key, *settled))
 
@@ -160,10 +220,11 @@ class Quota:
         """Rows {period, key_id, model, requests, prompt/cached/completion tokens}, sorted."""
         rows = []
         for hash_key, values in await self.store.usage_rows(self.prefix):
-            period, rest = hash_key[len(self.prefix) + len(":usage:"):].split(":", 1)
+            period, rest = hash_key[len(self.prefix) + len(":usage:") :].split(":", 1)
             key_id, model = rest.split(":", 1)
-            rows.append({"period": period, "key_id": key_id, "model": model,
-                         **{f: values.get(f, 0) for f in USAGE_FIELDS}})
+            rows.append(
+                {"period": period, "key_id": key_id, "model": model, **{f: values.get(f, 0) for f in USAGE_FIELDS}}
+            )
         return sorted(rows, key=lambda r: (r["period"], r["key_id"], r["model"]))
 
     async def close(self) -> None:

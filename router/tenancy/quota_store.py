@@ -71,8 +71,15 @@ class MemoryQuotaStore:
         h = self.hashes.setdefault(key, {"req": 0, "tok": 0})
         used = self.counters.get(month_key, 0)
         reset = (win + 1) * window_s - now
-        why = ("requests" if rpm and h["req"] + 1 > rpm else "tokens" if tpm and h["tok"] + reserve > tpm
-               else "budget" if budget and used + reserve > budget else "")
+        why = (
+            "requests"
+            if rpm and h["req"] + 1 > rpm
+            else "tokens"
+            if tpm and h["tok"] + reserve > tpm
+            else "budget"
+            if budget and used + reserve > budget
+            else ""
+        )
         if why:
             return False, why, reset, h["req"], h["tok"], used, key
         h["req"] += 1
@@ -112,7 +119,8 @@ class RedisQuotaStore:
 
     async def admit(self, window_prefix, month_key, window_s, rpm, tpm, reserve, budget):
         ok, why, reset, req, tok, used, key = await self._admit(
-            keys=[window_prefix, month_key], args=[window_s, rpm or 0, tpm or 0, reserve, budget or 0, MONTH_TTL_MS])
+            keys=[window_prefix, month_key], args=[window_s, rpm or 0, tpm or 0, reserve, budget or 0, MONTH_TTL_MS]
+        )
         as_str = lambda v: v.decode() if isinstance(v, bytes) else str(v)  # noqa: E731
         return bool(ok), as_str(why), float(as_str(reset)), int(req), int(tok), int(used), as_str(key)
 

@@ -29,8 +29,10 @@ def format_table(rows: list[dict]) -> str:
     cells = [[str(r[c]) for c in COLUMNS] + [str(r["prompt_tokens"] + r["completion_tokens"])] for r in rows]
     widths = [max([len(h)] + [len(row[i]) for row in cells]) for i, h in enumerate(head)]
     lines = ["  ".join(h.upper().ljust(w) for h, w in zip(head, widths, strict=True))]
-    lines += ["  ".join(v.rjust(w) if i >= 3 else v.ljust(w) for i, (v, w) in enumerate(zip(row, widths, strict=True)))
-              for row in cells]
+    lines += [
+        "  ".join(v.rjust(w) if i >= 3 else v.ljust(w) for i, (v, w) in enumerate(zip(row, widths, strict=True)))
+        for row in cells
+    ]
     return "\n".join(lines)
 
 
@@ -52,8 +54,11 @@ def cmd_usage(args) -> int:
     if args.period and not re.fullmatch(r"\d{4}-\d{2}", args.period):
         raise SystemExit(f"splitserve usage: --period={args.period!r}: need YYYY-MM")
     rows = asyncio.run(read_rows(args.redis_url, args.prefix))
-    rows = [r for r in rows if (not args.period or r["period"] == args.period)
-            and (not args.key_id or r["key_id"] == args.key_id)]
+    rows = [
+        r
+        for r in rows
+        if (not args.period or r["period"] == args.period) and (not args.key_id or r["key_id"] == args.key_id)
+    ]
     if args.json:
         for r in rows:
             print(json.dumps(r))

@@ -24,11 +24,11 @@ from dataclasses import dataclass, field
 class Script:
     ttft_s: float = 0.0
     gaps_s: tuple[float, ...] = ()
-    completion_tokens: int | None = None   # usage value; default: the number of chunks; -1: no usage
+    completion_tokens: int | None = None  # usage value; default: the number of chunks; -1: no usage
     cached_tokens: int | None = None
     status: int = 200
-    usage_delay_s: float = 0.0             # between the last token and the usage event
-    closing_chunk_s: float | None = None   # after the last token: a chunk with no text and a finish_reason
+    usage_delay_s: float = 0.0  # between the last token and the usage event
+    closing_chunk_s: float | None = None  # after the last token: a chunk with no text and a finish_reason
 
 
 @dataclass
@@ -75,8 +75,9 @@ def retry_timing(scenario, attempts: int = 5):
             except AssertionError as exc:
                 error = exc
         if attempt == attempts - 1:
-            raise AssertionError(f"{error}\n(in this run the test process waited {1000 * stall.seconds:.0f} ms "
-                                 "for a CPU)") from error
+            raise AssertionError(
+                f"{error}\n(in this run the test process waited {1000 * stall.seconds:.0f} ms for a CPU)"
+            ) from error
 
 
 class ScriptedServer:
@@ -142,13 +143,15 @@ class ScriptedServer:
             await asyncio.sleep(delay)
             await _event(writer, {"choices": [{"index": 0, "text": f"t{i}", "finish_reason": None}], "usage": None})
             served.sent.append(time.perf_counter())
-        if script.closing_chunk_s is not None:        # as llama-cpp-python's server ends a stream
+        if script.closing_chunk_s is not None:  # as llama-cpp-python's server ends a stream
             await asyncio.sleep(script.closing_chunk_s)
             await _event(writer, {"choices": [{"index": 0, "text": "", "finish_reason": "length"}]})
         await asyncio.sleep(script.usage_delay_s)
         if script.completion_tokens != -1:
-            usage = {"prompt_tokens": len(served.payload["prompt"]),
-                     "completion_tokens": script.completion_tokens or len(served.sent)}
+            usage = {
+                "prompt_tokens": len(served.payload["prompt"]),
+                "completion_tokens": script.completion_tokens or len(served.sent),
+            }
             if script.cached_tokens is not None:
                 usage["prompt_tokens_details"] = {"cached_tokens": script.cached_tokens}
             await _event(writer, {"choices": [], "usage": usage})

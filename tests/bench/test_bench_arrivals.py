@@ -13,9 +13,9 @@ def gaps(n, rate, burstiness, seed=0):
 
 def test_poisson_schedule_statistics():
     g = gaps(4000, rate=4.0, burstiness=1.0)
-    assert g.mean() == pytest.approx(1 / 4.0, rel=1e-9)     # n arrivals span exactly n/rate
+    assert g.mean() == pytest.approx(1 / 4.0, rel=1e-9)  # n arrivals span exactly n/rate
     assert np.all(g >= 0)
-    assert g.std() / g.mean() == pytest.approx(1.0, abs=0.05)        # exponential: CV 1
+    assert g.std() / g.mean() == pytest.approx(1.0, abs=0.05)  # exponential: CV 1
     assert np.mean(g < g.mean()) == pytest.approx(1 - np.exp(-1), abs=0.02)
     # memoryless: the gap after a long gap is no longer on average
     assert g[1:][g[:-1] > g.mean()].mean() == pytest.approx(g.mean(), rel=0.08)

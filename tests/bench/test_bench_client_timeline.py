@@ -19,10 +19,10 @@ from splitserve.bench.loadgen.arrivals import arrival_offsets
 from splitserve.bench.loadgen.runner import RunConfig, run
 from splitserve.bench.loadgen.workloads import BenchRequest, Workload
 
-GAP_TOL = 0.004    # client vs wire, between two chunks
-SEND_TOL = 0.035   # client vs wire, from send: the client's send path and the server's parsing (below the
-                   # scripts' smallest gap, 0.05 s, so TTFT cannot be confused with the second token)
-NOMINAL = 0.04     # wire vs script: sleep overshoot on a busy machine
+GAP_TOL = 0.004  # client vs wire, between two chunks
+SEND_TOL = 0.035  # client vs wire, from send: the client's send path and the server's parsing (below the
+# scripts' smallest gap, 0.05 s, so TTFT cannot be confused with the second token)
+NOMINAL = 0.04  # wire vs script: sleep overshoot on a busy machine
 
 
 def hand_workload(max_tokens: list[int], prompt_len: int = 8, warmup: int = 0) -> Workload:
@@ -30,8 +30,9 @@ def hand_workload(max_tokens: list[int], prompt_len: int = 8, warmup: int = 0) -
     connections, so that no measured request pays for a TCP connect)."""
     wl = workloads.build("random", {"input_len": str(prompt_len)}, num_requests=len(max_tokens), num_warmup=warmup)
     sessions = [(BenchRequest(s[0].prompt_token_ids, m),) for s, m in zip(wl.sessions, max_tokens)]
-    warm = [BenchRequest(w.prompt_token_ids, max_tokens[i % len(max_tokens)], "warmup")
-            for i, w in enumerate(wl.warmup)]
+    warm = [
+        BenchRequest(w.prompt_token_ids, max_tokens[i % len(max_tokens)], "warmup") for i, w in enumerate(wl.warmup)
+    ]
     return Workload("random", wl.params, sessions, warm)
 
 
@@ -43,8 +44,11 @@ def bench(server, wl: Workload, **cfg):
 def test_metrics_follow_the_scripted_token_times(server):
     # The usage event comes 0.2 s after the last token: an E2E that ran to it (or to [DONE])
     # would be 0.2 s too long.
-    scripts = {3: Script(0.20, (0.05, 0.10), usage_delay_s=0.2), 5: Script(0.10, (0.05, 0.15, 0.05, 0.10)),
-               1: Script(0.15, usage_delay_s=0.2)}
+    scripts = {
+        3: Script(0.20, (0.05, 0.10), usage_delay_s=0.2),
+        5: Script(0.10, (0.05, 0.15, 0.05, 0.10)),
+        1: Script(0.15, usage_delay_s=0.2),
+    }
 
     def scenario():
         server.reset(lambda n, p: scripts[p["max_tokens"]] if n >= 3 else Script(0.05))
@@ -61,15 +65,15 @@ def test_metrics_follow_the_scripted_token_times(server):
     s = metrics.compute(result.results, result.duration_s, None)
     assert (s["completed"], s["failed"], s["total_output_tokens"], s["total_input_tokens"]) == (3, 0, 9, 24)
     itls = [g for r in result.results for g in r.itl_s]
-    assert len(itls) == 6                                  # pooled over requests, 1-token request adds none
+    assert len(itls) == 6  # pooled over requests, 1-token request adds none
     assert s["itl_ms"]["mean"] == pytest.approx(1000 * np.mean(itls))
     assert s["itl_ms"]["p90"] == pytest.approx(1000 * np.percentile(itls, 90))
     assert s["tpot_ms"]["mean"] == pytest.approx(1000 * np.mean([metrics.tpot(by_len[3]), metrics.tpot(by_len[5])]))
-    assert s["ttft_ms"]["p50"] == pytest.approx(1000 * by_len[1].ttft_s)   # the median of 0.10, 0.15, 0.20
+    assert s["ttft_ms"]["p50"] == pytest.approx(1000 * by_len[1].ttft_s)  # the median of 0.10, 0.15, 0.20
     assert s["e2e_ms"]["p99"] == pytest.approx(1000 * np.percentile([r.e2e_s for r in result.results], 99))
     assert s["request_throughput"] == 3 / result.duration_s
     assert s["output_throughput"] == 9 / result.duration_s
-    assert result.duration_s == pytest.approx(0.55, abs=NOMINAL)   # the 3-token request's stream ends at 0.55 s
+    assert result.duration_s == pytest.approx(0.55, abs=NOMINAL)  # the 3-token request's stream ends at 0.55 s
     assert s["request_goodput"] is None
 
 
@@ -87,11 +91,13 @@ def check_timeline(server, result, scripts) -> None:
 
 
 def test_goodput_counts_only_requests_meeting_every_slo(server):
-    scripts = [Script(0.05, (0.02,) * 3),    # meets all
-               Script(0.25, (0.02,) * 3),    # TTFT too slow
-               Script(0.05, (0.10,) * 3),    # TPOT too slow
-               Script(0.05, (0.04,) * 14),   # E2E too slow (0.61 s), TTFT and TPOT fine
-               Script(0.02, (0.01,) * 3)]    # meets all
+    scripts = [
+        Script(0.05, (0.02,) * 3),  # meets all
+        Script(0.25, (0.02,) * 3),  # TTFT too slow
+        Script(0.05, (0.10,) * 3),  # TPOT too slow
+        Script(0.05, (0.04,) * 14),  # E2E too slow (0.61 s), TTFT and TPOT fine
+        Script(0.02, (0.01,) * 3),
+    ]  # meets all
 
     def scenario():
         server.reset(lambda n, p: scripts[n - 1] if n else Script())
@@ -112,7 +118,7 @@ def test_concurrency_limit_is_respected(server):
     result = bench(server, hand_workload([4] * 12), concurrency=3)
     assert server.max_in_flight == 3
     assert metrics.peak_in_flight(result.results) == 3
-    assert sorted(r.client_queue_s > 0.05 for r in result.results).count(True) >= 6   # later ones waited
+    assert sorted(r.client_queue_s > 0.05 for r in result.results).count(True) >= 6  # later ones waited
 
 
 def test_warmup_requests_are_sent_first_and_excluded(server):
@@ -122,17 +128,17 @@ def test_warmup_requests_are_sent_first_and_excluded(server):
         assert len(server.served) == 6 and len(result.warmup) == 2 and len(result.results) == 4
         assert all(w.ttft_s > 0.25 for w in result.warmup)
         assert all(r.ttft_s < 0.2 for r in result.results)
-        assert result.duration_s < 0.25                   # the measured phase starts after the warm-up
+        assert result.duration_s < 0.25  # the measured phase starts after the warm-up
 
     retry_timing(scenario)
     measured = {tuple(s.payload["prompt"]) for s in server.served[2:]}
     assert not measured & {tuple(s.payload["prompt"]) for s in server.served[:2]}
-    assert [s.payload["max_tokens"] for s in server.served[:2]] == [2, 2]   # shaped like the measured ones
+    assert [s.payload["max_tokens"] for s in server.served[:2]] == [2, 2]  # shaped like the measured ones
 
 
 def test_poisson_arrivals_reach_the_server_on_schedule(server):
     expected = arrival_offsets(30, 25.0, 1.0, np.random.default_rng([7, 1]))
-    assert expected[-1] == pytest.approx(30 / 25.0)       # rescaled: n requests span n/rate
+    assert expected[-1] == pytest.approx(30 / 25.0)  # rescaled: n requests span n/rate
 
     def scenario():
         server.reset(lambda n, p: Script(0.0))
@@ -162,8 +168,13 @@ def test_requests_carry_exact_token_ids_and_streaming_fields(server):
 
 def test_failures_missing_usage_and_cached_tokens(server):
     def script(n, p):
-        return [Script(), Script(status=500), Script(0.01, (0.01,), completion_tokens=-1),
-                Script(0.01, (0.01,), cached_tokens=6), Script(0.01, (0.01,), cached_tokens=2)][n]
+        return [
+            Script(),
+            Script(status=500),
+            Script(0.01, (0.01,), completion_tokens=-1),
+            Script(0.01, (0.01,), cached_tokens=6),
+            Script(0.01, (0.01,), cached_tokens=2),
+        ][n]
 
     server.reset(script)
     result = bench(server, hand_workload([2] * 4, warmup=1), concurrency=1)
@@ -172,7 +183,7 @@ def test_failures_missing_usage_and_cached_tokens(server):
     assert no_usage.success and no_usage.num_output_tokens is None and no_usage.output_tokens == 2
     s = metrics.compute(result.results, result.duration_s, metrics.parse_slo("ttft=10"))
     assert (s["completed"], s["failed"]) == (3, 1)
-    assert s["request_goodput"] * result.duration_s == pytest.approx(3)   # a failed request is never good
+    assert s["request_goodput"] * result.duration_s == pytest.approx(3)  # a failed request is never good
     assert s["prefix_cache_hit_rate"] == pytest.approx((6 + 2) / (8 + 8))  # only requests that report it
 
 
@@ -180,6 +191,7 @@ def test_a_closing_chunk_without_text_is_not_a_token(server):
     """llama-cpp-python ends a stream with an empty-text chunk carrying finish_reason, and sends no
     usage: it must count neither as a token nor as an inter-token gap (the 0.3 s before it would
     otherwise be an ITL and stretch E2E)."""
+
     def scenario():
         server.reset(lambda n, p: Script(0.01, (0.02, 0.02), completion_tokens=-1, closing_chunk_s=0.3))
         result = bench(server, hand_workload([3]))

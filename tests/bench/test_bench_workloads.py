@@ -15,13 +15,16 @@ def flat(wl):
     return [r for s in wl.sessions for r in s]
 
 
-@pytest.mark.parametrize("name, num_requests, prompt_range, output_range", [
-    ("w1", 128, (384 + 16, 384 + 48), (16, 16)),
-    ("w2", 48, (160, 480), (32, 32)),
-    ("w3", 100, (32, 448), (8, 64)),
-    ("w4", 64, (32, 64), (128, 256)),
-    ("random", 100, (128, 128), (32, 32)),
-])
+@pytest.mark.parametrize(
+    "name, num_requests, prompt_range, output_range",
+    [
+        ("w1", 128, (384 + 16, 384 + 48), (16, 16)),
+        ("w2", 48, (160, 480), (32, 32)),
+        ("w3", 100, (32, 448), (8, 64)),
+        ("w4", 64, (32, 64), (128, 256)),
+        ("random", 100, (128, 128), (32, 32)),
+    ],
+)
 def test_defaults_have_exact_lengths_and_safe_token_ids(name, num_requests, prompt_range, output_range):
     wl = workloads.build(name, seed=3)
     reqs = flat(wl)
@@ -44,11 +47,11 @@ def test_w1_groups_share_exactly_their_system_prompt():
     for prompts in by_group.values():
         system = prompts[0][:384]
         assert all(p[:384] == system for p in prompts)
-        assert len({p[384] for p in prompts}) > 1            # questions differ right after the system prompt
+        assert len({p[384] for p in prompts}) > 1  # questions differ right after the system prompt
         assert all(16 <= len(p) - 384 <= 48 for p in prompts)
-        systems.add(system[:16])                             # groups differ from their first block
+        systems.add(system[:16])  # groups differ from their first block
     assert len(systems) == 8
-    assert [r.tag for r in flat(wl)][:16] != [f"group-{i % 8}" for i in range(16)]   # shuffled
+    assert [r.tag for r in flat(wl)][:16] != [f"group-{i % 8}" for i in range(16)]  # shuffled
 
 
 def test_w1_zipf_skews_group_popularity():
@@ -64,9 +67,9 @@ def test_w2_turns_extend_the_previous_prompt():
         assert [r.category for r in s] == [f"turn-{k}" for k in range(1, 7)]
         assert [r.num_prompt_tokens for r in s] == [128 + 64 * (k - 1) + 32 for k in range(1, 7)]
         for prev, turn in zip(s, s[1:]):
-            assert turn.prompt_token_ids[:prev.num_prompt_tokens] == prev.prompt_token_ids
+            assert turn.prompt_token_ids[: prev.num_prompt_tokens] == prev.prompt_token_ids
         assert s[0].think_s == 0 and all(r.think_s > 0 for r in s[1:])
-    assert len({s[0].prompt_token_ids[:16] for s in wl.sessions}) == 8       # own system prompts
+    assert len({s[0].prompt_token_ids[:16] for s in wl.sessions}) == 8  # own system prompts
     shared = workloads.build("w2", {"shared_system": "1"})
     assert len({s[0].prompt_token_ids[:128] for s in shared.sessions}) == 1
     thinks = [r.think_s for s in workloads.build("w2", {"sessions": "200"}).sessions for r in s[1:]]
@@ -85,8 +88,13 @@ def test_w3_mixes_long_and_interactive_requests():
 
 def test_w4_prompts_are_unique_and_random_follows_vllm_range_ratio():
     assert len({r.prompt_token_ids[:16] for r in flat(workloads.build("w4"))}) == 64
-    reqs = flat(workloads.build("random", {"input_len": "100", "range_ratio": "0.5", "prefix_len": "20",
-                                           "output_len": "10"}, num_requests=300))
+    reqs = flat(
+        workloads.build(
+            "random",
+            {"input_len": "100", "range_ratio": "0.5", "prefix_len": "20", "output_len": "10"},
+            num_requests=300,
+        )
+    )
     assert len({r.prompt_token_ids[:20] for r in reqs}) == 1
     assert min(r.num_prompt_tokens for r in reqs) == 20 + 50 and max(r.num_prompt_tokens for r in reqs) == 20 + 150
     assert {r.max_tokens for r in reqs} == set(range(5, 16))
@@ -102,27 +110,30 @@ def test_warmup_requests_are_fresh_and_leave_measured_requests_unchanged():
 
 def test_w1_warm_prefixes_warms_every_group_system_prompt_with_fresh_questions():
     wl = workloads.build("w1", {"warm_prefixes": "1", "groups": "3", "per_group": "4"}, num_warmup=5)
-    assert flat(wl) == flat(workloads.build("w1", {"groups": "3", "per_group": "4"}))   # measured set unchanged
+    assert flat(wl) == flat(workloads.build("w1", {"groups": "3", "per_group": "4"}))  # measured set unchanged
     systems = {r.tag: r.prompt_token_ids[:384] for r in flat(wl)}
     assert [w.tag for w in wl.warmup] == ["group-0", "group-1", "group-2", "group-0", "group-1"]
     for w in wl.warmup:
         assert w.prompt_token_ids[:384] == systems[w.tag] and w.category == "warmup"
         assert 384 + 16 <= w.num_prompt_tokens <= 384 + 48
     measured = {r.prompt_token_ids for r in flat(wl)}
-    assert not measured & {w.prompt_token_ids for w in wl.warmup}          # the questions are fresh
+    assert not measured & {w.prompt_token_ids for w in wl.warmup}  # the questions are fresh
 
 
-@pytest.mark.parametrize("name, overrides, num_requests, message", [
-    ("w1", {"zipff": "1"}, None, "w1 has no parameter 'zipff'; valid: groups, per_group"),
-    ("w1", {"groups": "two"}, None, "w1 parameter groups='two' is not a int"),
-    ("w1", {"zipf": "-1"}, None, "zipf must be >= 0"),
-    ("w1", {"warm_prefixes": "2"}, None, "warm_prefixes must be 0 or 1"),
-    ("w1", {"question_min": "50"}, None, "needs 0 <= min <= max, got min=50, max=48"),
-    ("w2", {}, 50, "not a multiple of it; use 48 or 54"),
-    ("w3", {"long_fraction": "1.5"}, None, "long_fraction must be in [0, 1]"),
-    ("random", {}, 0, "the number of requests must be >= 1"),
-    ("w9", {}, None, "unknown workload 'w9'; valid: w1, w2, w3, w4, random"),
-])
+@pytest.mark.parametrize(
+    "name, overrides, num_requests, message",
+    [
+        ("w1", {"zipff": "1"}, None, "w1 has no parameter 'zipff'; valid: groups, per_group"),
+        ("w1", {"groups": "two"}, None, "w1 parameter groups='two' is not a int"),
+        ("w1", {"zipf": "-1"}, None, "zipf must be >= 0"),
+        ("w1", {"warm_prefixes": "2"}, None, "warm_prefixes must be 0 or 1"),
+        ("w1", {"question_min": "50"}, None, "needs 0 <= min <= max, got min=50, max=48"),
+        ("w2", {}, 50, "not a multiple of it; use 48 or 54"),
+        ("w3", {"long_fraction": "1.5"}, None, "long_fraction must be in [0, 1]"),
+        ("random", {}, 0, "the number of requests must be >= 1"),
+        ("w9", {}, None, "unknown workload 'w9'; valid: w1, w2, w3, w4, random"),
+    ],
+)
 def test_invalid_workload_parameters_are_explained(name, overrides, num_requests, message):
     with pytest.raises(ConfigError, match=re.escape(message)):
         workloads.build(name, overrides, num_requests)
@@ -130,6 +141,8 @@ def test_invalid_workload_parameters_are_explained(name, overrides, num_requests
 
 def test_workloads_with_the_same_seed_share_no_tokens():
     """Runs of different workloads against one server must not hit each other's prefix cache."""
-    starts = [{r.prompt_token_ids[:8] for r in flat(workloads.build(name, seed=0, num_warmup=2))}
-              for name in workloads.WORKLOADS]
+    starts = [
+        {r.prompt_token_ids[:8] for r in flat(workloads.build(name, seed=0, num_warmup=2))}
+        for name in workloads.WORKLOADS
+    ]
     assert sum(map(len, starts)) == len(set().union(*starts))

@@ -35,21 +35,31 @@ from typing import Any
 import kmock
 
 WRITE_METHODS = {"POST", "PATCH", "PUT", "DELETE"}
-BUILTIN = [("v1/namespaces", "Namespace", False), ("v1/events", "Event", True),
-           ("apiextensions.k8s.io/v1/customresourcedefinitions", "CustomResourceDefinition", False),
-           ("v1/configmaps", "ConfigMap", True), ("v1/secrets", "Secret", True), ("v1/serviceaccounts", "ServiceAccount", True),
-           ("v1/services", "Service", True), ("rbac.authorization.k8s.io/v1/roles", "Role", True),
-           ("rbac.authorization.k8s.io/v1/rolebindings", "RoleBinding", True),
-           ("apps/v1/deployments", "Deployment", True), ("policy/v1/poddisruptionbudgets", "PodDisruptionBudget", True),
-           ("autoscaling/v2/horizontalpodautoscalers", "HorizontalPodAutoscaler", True),
-           ("networking.k8s.io/v1/networkpolicies", "NetworkPolicy", True),
-           ("serving.splitserve.io/v1alpha1/inferenceservices", "InferenceService", True),
-           ("coordination.k8s.io/v1/leases", "Lease", True), ("v1/pods", "Pod", True)]
+BUILTIN = [
+    ("v1/namespaces", "Namespace", False),
+    ("v1/events", "Event", True),
+    ("apiextensions.k8s.io/v1/customresourcedefinitions", "CustomResourceDefinition", False),
+    ("v1/configmaps", "ConfigMap", True),
+    ("v1/secrets", "Secret", True),
+    ("v1/serviceaccounts", "ServiceAccount", True),
+    ("v1/services", "Service", True),
+    ("rbac.authorization.k8s.io/v1/roles", "Role", True),
+    ("rbac.authorization.k8s.io/v1/rolebindings", "RoleBinding", True),
+    ("apps/v1/deployments", "Deployment", True),
+    ("policy/v1/poddisruptionbudgets", "PodDisruptionBudget", True),
+    ("autoscaling/v2/horizontalpodautoscalers", "HorizontalPodAutoscaler", True),
+    ("networking.k8s.io/v1/networkpolicies", "NetworkPolicy", True),
+    ("serving.splitserve.io/v1alpha1/inferenceservices", "InferenceService", True),
+    ("coordination.k8s.io/v1/leases", "Lease", True),
+    ("v1/pods", "Pod", True),
+]
 KEDA = ("keda.sh/v1alpha1/scaledobjects", "ScaledObject", True)
 PROMETHEUS_OPERATOR = ("monitoring.coreos.com/v1/servicemonitors", "ServiceMonitor", True)
 # An inference gateway's CRDs (GIE's InferencePool, the Gateway API's HTTPRoute): opt-in.
-INFERENCE_GATEWAY = [("inference.networking.k8s.io/v1/inferencepools", "InferencePool", True),
-                     ("gateway.networking.k8s.io/v1/httproutes", "HTTPRoute", True)]
+INFERENCE_GATEWAY = [
+    ("inference.networking.k8s.io/v1/inferencepools", "InferencePool", True),
+    ("gateway.networking.k8s.io/v1/httproutes", "HTTPRoute", True),
+]
 VERBS = ["get", "list", "watch", "create", "patch", "update", "delete"]
 
 
@@ -73,8 +83,11 @@ class Cluster(kmock.KubernetesEmulator):
     async def _handle(self, request: kmock.Request):  # noqa: ANN201 (aiohttp response)
         if request.resource is not None and request.method.value in WRITE_METHODS:
             self._check_version(request)
-            self.writes.append(Write(request.method.value, request.resource.plural, request.namespace,
-                                     request.name, request.subresource))
+            self.writes.append(
+                Write(
+                    request.method.value, request.resource.plural, request.namespace, request.name, request.subresource
+                )
+            )
             self._stamp(request)
         return await super()._handle(request)
 
@@ -82,8 +95,11 @@ class Cluster(kmock.KubernetesEmulator):
         listed = await super()._serve_list(request)
         terms = [t.split("=", 1) for t in (request.params.get("labelSelector") or "").split(",") if "=" in t]
         if terms:
-            listed["items"] = [o for o in listed["items"]
-                               if all((o.get("metadata", {}).get("labels") or {}).get(k) == v for k, v in terms)]
+            listed["items"] = [
+                o
+                for o in listed["items"]
+                if all((o.get("metadata", {}).get("labels") or {}).get(k) == v for k, v in terms)
+            ]
         return listed
 
     def _check_version(self, request: kmock.Request) -> None:
@@ -93,16 +109,23 @@ class Cluster(kmock.KubernetesEmulator):
         for op in request.data:
             if op.get("op") == "test" and op.get("path") == "/metadata/resourceVersion":
                 if current.get("metadata", {}).get("resourceVersion") != op.get("value"):
-                    raise kmock.KubernetesError(status=422, reason="Invalid",
-                                                message="the object has been modified (resourceVersion test failed)")
+                    raise kmock.KubernetesError(
+                        status=422,
+                        reason="Invalid",
+                        message="the object has been modified (resourceVersion test failed)",
+                    )
 
     def _stamp(self, request: kmock.Request) -> None:
         rv = str(next(self.versions))
         data = request.data
         if request.action == kmock.action.CREATE and isinstance(data, dict):
             meta = data.setdefault("metadata", {})
-            meta.update(uid=str(uuid.uuid4()), resourceVersion=rv, generation=1,
-                        creationTimestamp=datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"))
+            meta.update(
+                uid=str(uuid.uuid4()),
+                resourceVersion=rv,
+                generation=1,
+                creationTimestamp=datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
+            )
             meta.setdefault("namespace", request.namespace)
         elif request.action == kmock.action.UPDATE and isinstance(data, dict):
             meta = data.setdefault("metadata", {})
@@ -110,7 +133,8 @@ class Cluster(kmock.KubernetesEmulator):
             current = self._current(request)
             if current is not None and "spec" in data and request.subresource is None:
                 if json.dumps(current.get("spec"), sort_keys=True) != json.dumps(
-                        _merged(current.get("spec"), data["spec"]), sort_keys=True):
+                    _merged(current.get("spec"), data["spec"]), sort_keys=True
+                ):
                     meta["generation"] = current["metadata"].get("generation", 1) + 1
         elif request.action == kmock.action.UPDATE and isinstance(data, list):
             data.append({"op": "add", "path": "/metadata/resourceVersion", "value": rv})
@@ -148,9 +172,12 @@ def _merged(old: Any, patch: Any) -> Any:
 class ClusterThread:
     """Runs a Cluster and its HTTP server on an event loop in a background thread."""
 
-    def __init__(self, with_keda: bool = True, with_prometheus_operator: bool = True,
-                 with_inference_gateway: bool = False):
-        self.apis = BUILTIN + ([KEDA] if with_keda else []) + ([PROMETHEUS_OPERATOR] if with_prometheus_operator else [])
+    def __init__(
+        self, with_keda: bool = True, with_prometheus_operator: bool = True, with_inference_gateway: bool = False
+    ):
+        self.apis = (
+            BUILTIN + ([KEDA] if with_keda else []) + ([PROMETHEUS_OPERATOR] if with_prometheus_operator else [])
+        )
         self.apis += INFERENCE_GATEWAY if with_inference_gateway else []
         self.loop = asyncio.new_event_loop()
         self._ready = threading.Event()
@@ -160,8 +187,9 @@ class ClusterThread:
         self._stop = asyncio.Event()
         async with Cluster() as cluster, kmock.Server(cluster) as server:
             for resource, kind, namespaced in self.apis:
-                cluster.resources[resource] = kmock.ResourceInfo(kind=kind, namespaced=namespaced, verbs=VERBS,
-                                                                 subresources=["status", "scale"])
+                cluster.resources[resource] = kmock.ResourceInfo(
+                    kind=kind, namespaced=namespaced, verbs=VERBS, subresources=["status", "scale"]
+                )
             self.cluster, self.url = cluster, str(server.url).rstrip("/")
             gc = asyncio.ensure_future(self._collect_garbage())
             self._ready.set()
@@ -183,25 +211,32 @@ class ClusterThread:
         self._thread.join(10)
 
     def kubeconfig(self, path: str) -> str:
-        cfg = {"apiVersion": "v1", "kind": "Config", "current-context": "emulator",
-               "clusters": [{"name": "emulator", "cluster": {"server": self.url}}],
-               "users": [{"name": "tester", "user": {"token": "emulator-token"}}],
-               "contexts": [{"name": "emulator", "context": {"cluster": "emulator", "user": "tester"}}]}
+        cfg = {
+            "apiVersion": "v1",
+            "kind": "Config",
+            "current-context": "emulator",
+            "clusters": [{"name": "emulator", "cluster": {"server": self.url}}],
+            "users": [{"name": "tester", "user": {"token": "emulator-token"}}],
+            "contexts": [{"name": "emulator", "context": {"cluster": "emulator", "user": "tester"}}],
+        }
         with open(path, "w") as f:
             json.dump(cfg, f)
         return path
 
     def _in_loop(self, fn):  # noqa: ANN001, ANN202
         """Run fn(cluster) on the emulator's loop: a consistent read without an HTTP round trip."""
+
         async def call():  # noqa: ANN202
             return fn(self.cluster)
+
         return asyncio.run_coroutine_threadsafe(call(), self.loop).result(10)
 
     def get(self, resource: str, namespace: str, name: str) -> dict[str, Any] | None:
         """The stored object (`resource` like "apps/v1/deployments"), None if absent or deleted."""
         key = (kmock.resource(resource), namespace, name)
-        return self._in_loop(lambda c: copy.deepcopy(c.objects[key].raw)
-                             if key in c.objects and not c.objects[key].deleted else None)
+        return self._in_loop(
+            lambda c: copy.deepcopy(c.objects[key].raw) if key in c.objects and not c.objects[key].deleted else None
+        )
 
     def history(self, resource: str, namespace: str, name: str) -> int:
         """How many versions of one object the emulator has stored (1 = created, never changed)."""

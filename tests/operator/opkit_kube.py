@@ -16,8 +16,12 @@ DEPLOYMENT = K.KIND_BY_NAME["Deployment"]
 
 
 def isvc_body(name: str, namespace: str, spec: dict[str, Any]) -> dict[str, Any]:
-    return {"apiVersion": "serving.splitserve.io/v1alpha1", "kind": "InferenceService",
-            "metadata": {"name": name, "namespace": namespace}, "spec": spec}
+    return {
+        "apiVersion": "serving.splitserve.io/v1alpha1",
+        "kind": "InferenceService",
+        "metadata": {"name": name, "namespace": namespace},
+        "spec": spec,
+    }
 
 
 def create_isvc(kube: KubeClient, name: str, namespace: str, spec: dict[str, Any]) -> dict[str, Any]:
@@ -32,8 +36,18 @@ def mark_ready(kube: KubeClient, namespace: str, name: str) -> None:
     url = K.path(K.KIND_BY_NAME["Deployment"], namespace, name)
     live = kube.get(url)
     n = live["spec"]["replicas"]
-    kube.merge_patch(url + "/status", {"status": {"observedGeneration": live["metadata"]["generation"], "replicas": n,
-                                            "readyReplicas": n, "availableReplicas": n, "updatedReplicas": n}})
+    kube.merge_patch(
+        url + "/status",
+        {
+            "status": {
+                "observedGeneration": live["metadata"]["generation"],
+                "replicas": n,
+                "readyReplicas": n,
+                "availableReplicas": n,
+                "updatedReplicas": n,
+            }
+        },
+    )
 
 
 def wait_for(predicate: Callable[[], Any], timeout: float = 30.0, what: str = "condition") -> Any:

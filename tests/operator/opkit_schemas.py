@@ -27,12 +27,26 @@ from splitserve.operator.crd import crd_manifest
 
 K8S_VERSION = "1.31"
 INT32 = {"type": "integer", "minimum": 0, "maximum": 2**31 - 1}
-LABEL_SELECTOR = {"type": "object", "additionalProperties": False, "properties": {
-    "matchLabels": {"type": "object", "additionalProperties": {"type": "string"}},
-    "matchExpressions": {"type": "array", "items": {
-        "type": "object", "additionalProperties": False, "required": ["key", "operator"],
-        "properties": {"key": {"type": "string"}, "operator": {"enum": ["In", "NotIn", "Exists", "DoesNotExist"]},
-                       "values": {"type": "array", "items": {"type": "string"}}}}}}}
+LABEL_SELECTOR = {
+    "type": "object",
+    "additionalProperties": False,
+    "properties": {
+        "matchLabels": {"type": "object", "additionalProperties": {"type": "string"}},
+        "matchExpressions": {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "additionalProperties": False,
+                "required": ["key", "operator"],
+                "properties": {
+                    "key": {"type": "string"},
+                    "operator": {"enum": ["In", "NotIn", "Exists", "DoesNotExist"]},
+                    "values": {"type": "array", "items": {"type": "string"}},
+                },
+            },
+        },
+    },
+}
 META = {"type": "object", "required": ["name", "namespace"]}
 
 
@@ -41,62 +55,160 @@ def _closed(properties: dict[str, Any], required: list[str]) -> dict[str, Any]:
 
 
 SUBSET_SCHEMAS = {
-    ("keda.sh/v1alpha1", "ScaledObject"): _closed({
-        "apiVersion": {"const": "keda.sh/v1alpha1"}, "kind": {"const": "ScaledObject"}, "metadata": META,
-        "spec": _closed({
-            "scaleTargetRef": _closed({"apiVersion": {"type": "string"}, "kind": {"type": "string"},
-                                       "name": {"type": "string"}}, ["name"]),
-            "pollingInterval": INT32, "cooldownPeriod": INT32, "minReplicaCount": INT32, "maxReplicaCount": INT32,
-            "triggers": {"type": "array", "minItems": 1, "items": _closed({
-                "type": {"type": "string"}, "name": {"type": "string"},
-                "metricType": {"enum": ["AverageValue", "Value", "Utilization"]},
-                "metadata": {"type": "object", "additionalProperties": {"type": "string"}}}, ["type", "metadata"])},
-        }, ["scaleTargetRef", "triggers"])}, ["apiVersion", "kind", "metadata", "spec"]),
-    ("cert-manager.io/v1", "Certificate"): _closed({
-        "apiVersion": {"const": "cert-manager.io/v1"}, "kind": {"const": "Certificate"}, "metadata": META,
-        "spec": _closed({
-            "secretName": {"type": "string"}, "commonName": {"type": "string", "maxLength": 64},
-            "dnsNames": {"type": "array", "items": {"type": "string"}},
-            "usages": {"type": "array", "items": {"enum": ["server auth", "client auth", "digital signature",
-                                                           "key encipherment"]}},
-            "duration": {"type": "string"}, "renewBefore": {"type": "string"},
-            "privateKey": _closed({"algorithm": {"enum": ["RSA", "ECDSA", "Ed25519"]}, "size": {"type": "integer"},
-                                   "rotationPolicy": {"enum": ["Never", "Always"]}}, []),
-            "issuerRef": _closed({"name": {"type": "string"}, "kind": {"type": "string"},
-                                  "group": {"type": "string"}}, ["name"]),
-        }, ["secretName", "issuerRef"])}, ["apiVersion", "kind", "metadata", "spec"]),
-    ("monitoring.coreos.com/v1", "ServiceMonitor"): _closed({
-        "apiVersion": {"const": "monitoring.coreos.com/v1"}, "kind": {"const": "ServiceMonitor"}, "metadata": META,
-        "spec": _closed({
-            "selector": LABEL_SELECTOR,
-            "namespaceSelector": _closed({"any": {"type": "boolean"},
-                                          "matchNames": {"type": "array", "items": {"type": "string"}}}, []),
-            "endpoints": {"type": "array", "items": _closed({
-                "port": {"type": "string"}, "path": {"type": "string"},
-                "interval": {"type": "string", "pattern": r"^(0|(([0-9]+)h)?(([0-9]+)m)?(([0-9]+)s)?(([0-9]+)ms)?)$"}},
-                [])},
-        }, ["selector", "endpoints"])}, ["apiVersion", "kind", "metadata", "spec"]),
-    ("monitoring.coreos.com/v1", "PrometheusRule"): _closed({
-        "apiVersion": {"const": "monitoring.coreos.com/v1"}, "kind": {"const": "PrometheusRule"}, "metadata": META,
-        "spec": _closed({"groups": {"type": "array", "items": _closed({
-            "name": {"type": "string", "minLength": 1}, "interval": {"type": "string"},
-            "rules": {"type": "array", "items": {
-                "type": "object", "additionalProperties": False, "required": ["expr"],
-                "oneOf": [{"required": ["record"]}, {"required": ["alert"]}],
-                "properties": {"record": {"type": "string"}, "alert": {"type": "string"},
-                               "expr": {"type": "string", "minLength": 1},
-                               "for": {"type": "string", "pattern": r"^(0|(([0-9]+)h)?(([0-9]+)m)?(([0-9]+)s)?)$"},
-                               "labels": {"type": "object", "additionalProperties": {"type": "string"}},
-                               "annotations": {"type": "object", "additionalProperties": {"type": "string"}}}}},
-        }, ["name", "rules"])}}, ["groups"])}, ["apiVersion", "kind", "metadata", "spec"]),
+    ("keda.sh/v1alpha1", "ScaledObject"): _closed(
+        {
+            "apiVersion": {"const": "keda.sh/v1alpha1"},
+            "kind": {"const": "ScaledObject"},
+            "metadata": META,
+            "spec": _closed(
+                {
+                    "scaleTargetRef": _closed(
+                        {"apiVersion": {"type": "string"}, "kind": {"type": "string"}, "name": {"type": "string"}},
+                        ["name"],
+                    ),
+                    "pollingInterval": INT32,
+                    "cooldownPeriod": INT32,
+                    "minReplicaCount": INT32,
+                    "maxReplicaCount": INT32,
+                    "triggers": {
+                        "type": "array",
+                        "minItems": 1,
+                        "items": _closed(
+                            {
+                                "type": {"type": "string"},
+                                "name": {"type": "string"},
+                                "metricType": {"enum": ["AverageValue", "Value", "Utilization"]},
+                                "metadata": {"type": "object", "additionalProperties": {"type": "string"}},
+                            },
+                            ["type", "metadata"],
+                        ),
+                    },
+                },
+                ["scaleTargetRef", "triggers"],
+            ),
+        },
+        ["apiVersion", "kind", "metadata", "spec"],
+    ),
+    ("cert-manager.io/v1", "Certificate"): _closed(
+        {
+            "apiVersion": {"const": "cert-manager.io/v1"},
+            "kind": {"const": "Certificate"},
+            "metadata": META,
+            "spec": _closed(
+                {
+                    "secretName": {"type": "string"},
+                    "commonName": {"type": "string", "maxLength": 64},
+                    "dnsNames": {"type": "array", "items": {"type": "string"}},
+                    "usages": {
+                        "type": "array",
+                        "items": {"enum": ["server auth", "client auth", "digital signature", "key encipherment"]},
+                    },
+                    "duration": {"type": "string"},
+                    "renewBefore": {"type": "string"},
+                    "privateKey": _closed(
+                        {
+                            "algorithm": {"enum": ["RSA", "ECDSA", "Ed25519"]},
+                            "size": {"type": "integer"},
+                            "rotationPolicy": {"enum": ["Never", "Always"]},
+                        },
+                        [],
+                    ),
+                    "issuerRef": _closed(
+                        {"name": {"type": "string"}, "kind": {"type": "string"}, "group": {"type": "string"}}, ["name"]
+                    ),
+                },
+                ["secretName", "issuerRef"],
+            ),
+        },
+        ["apiVersion", "kind", "metadata", "spec"],
+    ),
+    ("monitoring.coreos.com/v1", "ServiceMonitor"): _closed(
+        {
+            "apiVersion": {"const": "monitoring.coreos.com/v1"},
+            "kind": {"const": "ServiceMonitor"},
+            "metadata": META,
+            "spec": _closed(
+                {
+                    "selector": LABEL_SELECTOR,
+                    "namespaceSelector": _closed(
+                        {"any": {"type": "boolean"}, "matchNames": {"type": "array", "items": {"type": "string"}}}, []
+                    ),
+                    "endpoints": {
+                        "type": "array",
+                        "items": _closed(
+                            {
+                                "port": {"type": "string"},
+                                "path": {"type": "string"},
+                                "interval": {
+                                    "type": "string",
+                                    "pattern": r"^(0|(([0-9]+)h)?(([0-9]+)m)?(([0-9]+)s)?(([0-9]+)ms)?)$",
+                                },
+                            },
+                            [],
+                        ),
+                    },
+                },
+                ["selector", "endpoints"],
+            ),
+        },
+        ["apiVersion", "kind", "metadata", "spec"],
+    ),
+    ("monitoring.coreos.com/v1", "PrometheusRule"): _closed(
+        {
+            "apiVersion": {"const": "monitoring.coreos.com/v1"},
+            "kind": {"const": "PrometheusRule"},
+            "metadata": META,
+            "spec": _closed(
+                {
+                    "groups": {
+                        "type": "array",
+                        "items": _closed(
+                            {
+                                "name": {"type": "string", "minLength": 1},
+                                "interval": {"type": "string"},
+                                "rules": {
+                                    "type": "array",
+                                    "items": {
+                                        "type": "object",
+                                        "additionalProperties": False,
+                                        "required": ["expr"],
+                                        "oneOf": [{"required": ["record"]}, {"required": ["alert"]}],
+                                        "properties": {
+                                            "record": {"type": "string"},
+                                            "alert": {"type": "string"},
+                                            "expr": {"type": "string", "minLength": 1},
+                                            "for": {
+                                                "type": "string",
+                                                "pattern": r"^(0|(([0-9]+)h)?(([0-9]+)m)?(([0-9]+)s)?)$",
+                                            },
+                                            "labels": {"type": "object", "additionalProperties": {"type": "string"}},
+                                            "annotations": {
+                                                "type": "object",
+                                                "additionalProperties": {"type": "string"},
+                                            },
+                                        },
+                                    },
+                                },
+                            },
+                            ["name", "rules"],
+                        ),
+                    }
+                },
+                ["groups"],
+            ),
+        },
+        ["apiVersion", "kind", "metadata", "spec"],
+    ),
 }
 
 
 # Upstream CRDs shipped as test data (tests/operator/schemas/): GIE's InferencePool and the
 # Gateway API's HTTPRoute (standard channel). Their objects are admitted as an API server would
 # (defaults, closed schema, CEL rules), as the InferenceService is below.
-CRD_FILES = {("inference.networking.k8s.io/v1", "InferencePool"): "inference.networking.k8s.io_inferencepools.yaml",
-             ("gateway.networking.k8s.io/v1", "HTTPRoute"): "gateway.networking.k8s.io_httproutes.yaml"}
+CRD_FILES = {
+    ("inference.networking.k8s.io/v1", "InferencePool"): "inference.networking.k8s.io_inferencepools.yaml",
+    ("gateway.networking.k8s.io/v1", "HTTPRoute"): "gateway.networking.k8s.io_httproutes.yaml",
+}
 
 
 @cache

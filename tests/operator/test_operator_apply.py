@@ -31,19 +31,22 @@ def apply(kube, namespace, spec, name="svc"):
     return apply_all(kube, manifests, namespace, instance_selector(name), uid), manifests
 
 
-@pytest.mark.parametrize("want,have,expected", [
-    ({"a": 1}, {"a": 1, "b": 2}, True),
-    ({"a": {"b": [1, 2]}}, {"a": {"b": [1, 2], "c": 3}}, True),
-    ({"a": [1, 2]}, {"a": [1, 2, 3]}, False),
-    ({"a": [{"x": 1}]}, {"a": [{"x": 1, "defaulted": "y"}]}, True),
-    ({"memory": "1024Mi", "cpu": "1"}, {"memory": "1Gi", "cpu": "1000m"}, True),
-    ({"memory": "1Gi"}, {"memory": "2Gi"}, False),
-    ({"nodeSelector": {}}, {}, True),
-    ({"tolerations": []}, {"tolerations": None}, True),
-    ({"a": "grpc"}, {"a": "http"}, False),
-    ({"a": True}, {"a": 1}, False),
-    ({"a": 1}, {}, False),
-])
+@pytest.mark.parametrize(
+    "want,have,expected",
+    [
+        ({"a": 1}, {"a": 1, "b": 2}, True),
+        ({"a": {"b": [1, 2]}}, {"a": {"b": [1, 2], "c": 3}}, True),
+        ({"a": [1, 2]}, {"a": [1, 2, 3]}, False),
+        ({"a": [{"x": 1}]}, {"a": [{"x": 1, "defaulted": "y"}]}, True),
+        ({"memory": "1024Mi", "cpu": "1"}, {"memory": "1Gi", "cpu": "1000m"}, True),
+        ({"memory": "1Gi"}, {"memory": "2Gi"}, False),
+        ({"nodeSelector": {}}, {}, True),
+        ({"tolerations": []}, {"tolerations": None}, True),
+        ({"a": "grpc"}, {"a": "http"}, False),
+        ({"a": True}, {"a": 1}, False),
+        ({"a": 1}, {}, False),
+    ],
+)
 def test_is_subset(want, have, expected):
     assert is_subset(want, have) is expected
 
@@ -65,11 +68,22 @@ def test_fields_the_api_server_adds_do_not_cause_patches(cluster, kube, namespac
     dep = K.KIND_BY_NAME["Deployment"]
     url = K.path(dep, namespace, "svc-decode")
     live = kube.get(url)
-    container = {**live["spec"]["template"]["spec"]["containers"][0],
-                 "terminationMessagePath": "/dev/termination-log", "terminationMessagePolicy": "File"}
+    container = {
+        **live["spec"]["template"]["spec"]["containers"][0],
+        "terminationMessagePath": "/dev/termination-log",
+        "terminationMessagePolicy": "File",
+    }
     container["resources"]["requests"]["ephemeral-storage"] = "1Gi"  # a request we did not set (a LimitRange's)
-    kube.merge_patch(url, {"spec": {"progressDeadlineSeconds": 600, "strategy": {"type": "RollingUpdate"},
-                              "template": {"spec": {"dnsPolicy": "ClusterFirst", "containers": [container]}}}})
+    kube.merge_patch(
+        url,
+        {
+            "spec": {
+                "progressDeadlineSeconds": 600,
+                "strategy": {"type": "RollingUpdate"},
+                "template": {"spec": {"dnsPolicy": "ClusterFirst", "containers": [container]}},
+            }
+        },
+    )
     svc = K.path(K.KIND_BY_NAME["Service"], namespace, "svc-decode")
     kube.merge_patch(svc, {"spec": {"clusterIPs": ["None"], "sessionAffinity": "None", "ipFamilies": ["IPv4"]}})
     mark = len(cluster.cluster.writes)
@@ -109,10 +123,16 @@ def test_switching_provider_prunes_only_our_old_autoscaler(cluster, kube, namesp
     keda = {**TINY, "decode": {"autoscaling": {"enabled": True, "provider": "keda"}}}
     apply(kube, namespace, keda)
     so = K.KIND_BY_NAME["ScaledObject"]
-    foreign = {"apiVersion": "keda.sh/v1alpha1", "kind": "ScaledObject",
-               "metadata": {"name": "someone-elses", "namespace": namespace, "labels": {
-                   "app.kubernetes.io/instance": "svc", "app.kubernetes.io/managed-by": "splitserve-operator"}},
-               "spec": {"scaleTargetRef": {"name": "x"}, "triggers": []}}
+    foreign = {
+        "apiVersion": "keda.sh/v1alpha1",
+        "kind": "ScaledObject",
+        "metadata": {
+            "name": "someone-elses",
+            "namespace": namespace,
+            "labels": {"app.kubernetes.io/instance": "svc", "app.kubernetes.io/managed-by": "splitserve-operator"},
+        },
+        "spec": {"scaleTargetRef": {"name": "x"}, "triggers": []},
+    }
     kube.create(K.path(so, namespace), foreign)
     hpa = {**TINY, "decode": {"autoscaling": {"enabled": True, "provider": "hpa"}}}
     result, _ = apply(kube, namespace, hpa)
@@ -154,7 +174,8 @@ def test_invalid_spec_sets_a_condition_and_creates_nothing(cluster, kube, namesp
     assert (ready["status"], ready["reason"]) == ("False", "InvalidSpec")
     assert ready["message"] == outcome.invalid
     assert [(w.method, w.plural, w.subresource) for w in cluster.writes_since(mark, namespace)] == [
-        ("PATCH", "inferenceservices", "status")]
+        ("PATCH", "inferenceservices", "status")
+    ]
 
 
 def test_reconcile_of_a_missing_object_is_a_no_op(kube, namespace):
@@ -166,13 +187,15 @@ def test_missing_keda_api_is_reported_in_the_status(tmp_path):
         kube = KubeClient(load_configuration(bare.kubeconfig(str(tmp_path / "config"))))
         create_isvc(kube, "svc", "ns", {**TINY, "decode": {"autoscaling": {"enabled": True, "provider": "keda"}}})
         outcome = reconcile(kube, SETTINGS, "ns", "svc")
-        assert outcome.waiting == ("the cluster has no keda.sh/v1alpha1 ScaledObject API: "
-                                   "install it or change the InferenceService")
+        assert outcome.waiting == (
+            "the cluster has no keda.sh/v1alpha1 ScaledObject API: install it or change the InferenceService"
+        )
         assert condition(isvc(kube, "ns", "svc"))["reason"] == "MissingAPI"
         hpa = {"decode": {"autoscaling": {"enabled": True, "provider": "hpa"}}}
         kube.merge_patch(K.path(K.ISVC, "ns", "svc"), {"spec": hpa})
         assert reconcile(kube, SETTINGS, "ns", "svc").waiting.startswith(
-            "prefill: the prefill Deployment has not observed its latest template yet")
+            "prefill: the prefill Deployment has not observed its latest template yet"
+        )
 
 
 def test_status_url_follows_the_load_balancer(cluster, kube, namespace):

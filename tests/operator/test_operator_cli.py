@@ -33,22 +33,38 @@ def test_render_prints_the_children_of_an_example(capsys):
     docs = list(yaml.safe_load_all(capsys.readouterr().out))
     assert len(docs) == 19  # the 16 children of every service, 2 ScaledObjects, 1 ServiceMonitor
     assert {d["metadata"]["namespace"] for d in docs} == {"llm"}
-    assert [d["metadata"]["name"] for d in docs if d["kind"] == "ScaledObject"] == ["llama3-8b-prefill", "llama3-8b-decode"]
+    assert [d["metadata"]["name"] for d in docs if d["kind"] == "ScaledObject"] == [
+        "llama3-8b-prefill",
+        "llama3-8b-decode",
+    ]
 
 
 def test_render_rejects_an_invalid_spec_with_a_clear_error(tmp_path):
     bad = tmp_path / "bad.yaml"
-    bad.write_text(yaml.safe_dump({"apiVersion": "serving.splitserve.io/v1alpha1", "kind": "InferenceService",
-                                   "metadata": {"name": "bad"}, "spec": {"model": {"uri": "m", "dtype": "int8"}}}))
+    bad.write_text(
+        yaml.safe_dump(
+            {
+                "apiVersion": "serving.splitserve.io/v1alpha1",
+                "kind": "InferenceService",
+                "metadata": {"name": "bad"},
+                "spec": {"model": {"uri": "m", "dtype": "int8"}},
+            }
+        )
+    )
     with pytest.raises(InvalidSpecError) as err:
         cli.run(parse("--render", str(bad)))
     assert isinstance(err.value, SplitserveError)  # the splitserve command prints it and exits 2
     assert str(err.value).startswith("spec.model.dtype: Input should be 'float32', 'bfloat16' or 'float16'")
 
 
-@pytest.mark.parametrize("argv,clusterwide,namespaces", [
-    ((), True, []), (("--all-namespaces",), True, []), (("-n", "llm", "--namespace", "staging"), False, ["llm", "staging"]),
-])
+@pytest.mark.parametrize(
+    "argv,clusterwide,namespaces",
+    [
+        ((), True, []),
+        (("--all-namespaces",), True, []),
+        (("-n", "llm", "--namespace", "staging"), False, ["llm", "staging"]),
+    ],
+)
 def test_run_starts_kopf_standalone_with_the_chosen_scope(monkeypatch, tmp_path, argv, clusterwide, namespaces):
     defaults = tmp_path / "defaults.yaml"
     defaults.write_text("reconcile: {resyncSeconds: 7}\n")

@@ -20,14 +20,19 @@ EXAMPLES = sorted((ROOT / "deploy" / "examples").glob("*.yaml"))
 
 
 def isvc(spec: dict, name: str = "svc") -> dict:
-    return {"apiVersion": "serving.splitserve.io/v1alpha1", "kind": "InferenceService",
-            "metadata": {"name": name, "namespace": "default"}, "spec": spec}
+    return {
+        "apiVersion": "serving.splitserve.io/v1alpha1",
+        "kind": "InferenceService",
+        "metadata": {"name": name, "namespace": "default"},
+        "spec": spec,
+    }
 
 
 def test_committed_crd_is_the_generated_one():
     assert COMMITTED.read_text() == crd_yaml(), (
         "helm/splitserve/crds drifted from operator/spec.py: run "
-        f"`splitserve operator --print-crd > helm/splitserve/crds/{CRD_FILE}`")
+        f"`splitserve operator --print-crd > helm/splitserve/crds/{CRD_FILE}`"
+    )
 
 
 def test_crd_is_a_valid_kubernetes_object():
@@ -69,9 +74,20 @@ def test_crd_shape():
     crd = crd_manifest()
     version = crd["spec"]["versions"][0]
     assert crd["metadata"]["name"] == "inferenceservices.serving.splitserve.io"
-    assert (crd["spec"]["group"], version["name"], crd["spec"]["scope"]) == ("serving.splitserve.io", "v1alpha1", "Namespaced")
+    assert (crd["spec"]["group"], version["name"], crd["spec"]["scope"]) == (
+        "serving.splitserve.io",
+        "v1alpha1",
+        "Namespaced",
+    )
     assert version["subresources"] == {"status": {}}
-    assert [c["name"] for c in version["additionalPrinterColumns"]] == ["Model", "Prefill", "Decode", "Ready", "URL", "Age"]
+    assert [c["name"] for c in version["additionalPrinterColumns"]] == [
+        "Model",
+        "Prefill",
+        "Decode",
+        "Ready",
+        "URL",
+        "Age",
+    ]
     status = version["schema"]["openAPIV3Schema"]["properties"]["status"]["properties"]
     assert set(status) == {"observedGeneration", "url", "prefill", "decode", "router", "conditions"}
 
@@ -93,48 +109,86 @@ def test_defaults_are_filled_by_the_schema():
     assert spec["disaggregation"] == {"mode": "conditional", "minPrefillTokens": 256}
     assert spec["kvTransfer"] == {"transport": "ucx"}
     assert spec["decode"]["autoscaling"] == {}  # no defaults: the chart's values apply
-    assert spec["kvCache"] == {}                # no defaults either: the chart's kvCache values apply
+    assert spec["kvCache"] == {}  # no defaults either: the chart's kvCache values apply
     assert spec["router"]["scorerWeights"] == {"prefix": 3.0, "queue": 2.0, "kvUsage": 2.0, "pending": 1.0, "lora": 2.0}
     # The operator's model sees the same defaults as the API server stored.
     assert parse_spec(stored["spec"]) == parse_spec({"model": {"uri": "smollm2-135m"}})
 
 
 INVALID = [
-    ({"model": {"uri": "m"}, "speculative": {"promptLookupMin": 5, "promptLookupMax": 3}},
-     "spec.speculative: speculative.promptLookupMin must be at most promptLookupMax"),
-    ({"model": {"uri": "m"}, "speculative": {"numSpeculativeTokens": 0}},
-     "spec.speculative.numSpeculativeTokens: 0 is less than the minimum of 1"),
-    ({"model": {"uri": "m"}, "speculative": {"method": "eagle"}},
-     "spec.speculative.method: 'eagle' is not one of ['ngram']"),
+    (
+        {"model": {"uri": "m"}, "speculative": {"promptLookupMin": 5, "promptLookupMax": 3}},
+        "spec.speculative: speculative.promptLookupMin must be at most promptLookupMax",
+    ),
+    (
+        {"model": {"uri": "m"}, "speculative": {"numSpeculativeTokens": 0}},
+        "spec.speculative.numSpeculativeTokens: 0 is less than the minimum of 1",
+    ),
+    (
+        {"model": {"uri": "m"}, "speculative": {"method": "eagle"}},
+        "spec.speculative.method: 'eagle' is not one of ['ngram']",
+    ),
     ({"model": {}}, "spec.model: 'uri' is a required property"),
-    ({"model": {"uri": "m", "dtype": "int8"}}, "spec.model.dtype: 'int8' is not one of ['float32', 'bfloat16', 'float16']"),
-    ({"model": {"uri": "m"}, "engine": {"blockSize": 24}}, "spec.engine.blockSize: 24 is not one of [8, 16, 32, 64, 128]"),
-    ({"model": {"uri": "m"}, "engine": {"kvCacheMemoryGiB": 0}},
-     "spec.engine.kvCacheMemoryGiB: 0 is less than or equal to the minimum of 0"),
-    ({"model": {"uri": "m"}, "decode": {"replica": 2}},
-     "spec.decode: Additional properties are not allowed ('replica' was unexpected)"),
-    ({"model": {"uri": "m"}, "decode": {"resources": {"limits": {"memory": "2 GB"}}}},
-     "spec.decode.resources.limits.memory: '2 GB' does not match"),
-    ({"model": {"uri": "m"}, "router": {"replicas": 2, "redis": {"url": "http://redis:6379"}}},
-     "spec.router.redis.url: 'http://redis:6379' does not match '^rediss?://'"),
-    ({"model": {"uri": "m"}, "decode": {"autoscaling": {"minReplicas": 5, "maxReplicas": 2}}},
-     "spec.decode.autoscaling: autoscaling.minReplicas must not exceed autoscaling.maxReplicas"),
-    ({"model": {"uri": "m"}, "prefill": {"autoscaling": {"provider": "hpa", "minReplicas": 0}}},
-     "spec.prefill.autoscaling: autoscaling.minReplicas 0 (scale to zero) needs provider keda"),
-    ({"model": {"uri": "m"}, "router": {"replicas": 3}},
-     "spec.router: router.redis is required when router.replicas > 1"),
-    ({"model": {"uri": "m"}, "kvTransfer": {"transport": "tcp", "ucx": {"tls": "tcp"}}},
-     "spec.kvTransfer: kvTransfer.ucx applies only to transport ucx"),
-    ({"model": {"uri": "m"}, "disaggregation": {"mode": "always"}, "prefill": {"replicas": 0}},
-     "spec: disaggregation.mode always needs a prefill pool"),
-    ({"model": {"uri": "m"}, "decode": {"replicas": 0}},
-     "spec: decode.replicas must be at least 1 unless an autoscaler owns the pool"),
-    ({"model": {"uri": "m"}, "decode": {"env": [{"name": "A", "value": "1", "valueFrom": {"fieldRef": {}}}]}},
-     "spec.decode.env[0]: env: set value or valueFrom, not both"),
-    ({"model": {"uri": "m"}, "adapters": [{"name": "sql", "uri": "adapters/sql"}]},
-     "spec.adapters.0.uri: 'adapters/sql' does not match '^/'"),
-    ({"model": {"uri": "m"}, "adapters": [{"name": "has space", "uri": "/a"}]},
-     "spec.adapters.0.name: 'has space' does not match"),
+    (
+        {"model": {"uri": "m", "dtype": "int8"}},
+        "spec.model.dtype: 'int8' is not one of ['float32', 'bfloat16', 'float16']",
+    ),
+    (
+        {"model": {"uri": "m"}, "engine": {"blockSize": 24}},
+        "spec.engine.blockSize: 24 is not one of [8, 16, 32, 64, 128]",
+    ),
+    (
+        {"model": {"uri": "m"}, "engine": {"kvCacheMemoryGiB": 0}},
+        "spec.engine.kvCacheMemoryGiB: 0 is less than or equal to the minimum of 0",
+    ),
+    (
+        {"model": {"uri": "m"}, "decode": {"replica": 2}},
+        "spec.decode: Additional properties are not allowed ('replica' was unexpected)",
+    ),
+    (
+        {"model": {"uri": "m"}, "decode": {"resources": {"limits": {"memory": "2 GB"}}}},
+        "spec.decode.resources.limits.memory: '2 GB' does not match",
+    ),
+    (
+        {"model": {"uri": "m"}, "router": {"replicas": 2, "redis": {"url": "http://redis:6379"}}},
+        "spec.router.redis.url: 'http://redis:6379' does not match '^rediss?://'",
+    ),
+    (
+        {"model": {"uri": "m"}, "decode": {"autoscaling": {"minReplicas": 5, "maxReplicas": 2}}},
+        "spec.decode.autoscaling: autoscaling.minReplicas must not exceed autoscaling.maxReplicas",
+    ),
+    (
+        {"model": {"uri": "m"}, "prefill": {"autoscaling": {"provider": "hpa", "minReplicas": 0}}},
+        "spec.prefill.autoscaling: autoscaling.minReplicas 0 (scale to zero) needs provider keda",
+    ),
+    (
+        {"model": {"uri": "m"}, "router": {"replicas": 3}},
+        "spec.router: router.redis is required when router.replicas > 1",
+    ),
+    (
+        {"model": {"uri": "m"}, "kvTransfer": {"transport": "tcp", "ucx": {"tls": "tcp"}}},
+        "spec.kvTransfer: kvTransfer.ucx applies only to transport ucx",
+    ),
+    (
+        {"model": {"uri": "m"}, "disaggregation": {"mode": "always"}, "prefill": {"replicas": 0}},
+        "spec: disaggregation.mode always needs a prefill pool",
+    ),
+    (
+        {"model": {"uri": "m"}, "decode": {"replicas": 0}},
+        "spec: decode.replicas must be at least 1 unless an autoscaler owns the pool",
+    ),
+    (
+        {"model": {"uri": "m"}, "decode": {"env": [{"name": "A", "value": "1", "valueFrom": {"fieldRef": {}}}]}},
+        "spec.decode.env[0]: env: set value or valueFrom, not both",
+    ),
+    (
+        {"model": {"uri": "m"}, "adapters": [{"name": "sql", "uri": "adapters/sql"}]},
+        "spec.adapters.0.uri: 'adapters/sql' does not match '^/'",
+    ),
+    (
+        {"model": {"uri": "m"}, "adapters": [{"name": "has space", "uri": "/a"}]},
+        "spec.adapters.0.name: 'has space' does not match",
+    ),
 ]
 
 
@@ -147,21 +201,29 @@ def test_invalid_specs_are_rejected_with_their_message(spec, message):
 
 def test_valid_edge_cases_are_admitted():
     for spec in [
-        {"model": {"uri": "m"}, "disaggregation": {"mode": "always"}, "prefill": {"replicas": 0,
-                                                                                "autoscaling": {"enabled": True}}},
-        {"model": {"uri": "m"}, "decode": {"replicas": 0, "autoscaling": {"enabled": True, "minReplicas": 0,
-                                                                          "provider": "keda"}}},
+        {
+            "model": {"uri": "m"},
+            "disaggregation": {"mode": "always"},
+            "prefill": {"replicas": 0, "autoscaling": {"enabled": True}},
+        },
+        {
+            "model": {"uri": "m"},
+            "decode": {"replicas": 0, "autoscaling": {"enabled": True, "minReplicas": 0, "provider": "keda"}},
+        },
         {"model": {"uri": "m"}, "router": {"replicas": 3, "redis": {"url": "rediss://r:6380/1"}}},
         {"model": {"uri": "m"}, "decode": {"resources": {"limits": {"memory": "1.5Gi", "cpu": 2}}}},
     ]:
         assert admit(isvc(spec))[1] == [], spec
 
 
-@pytest.mark.parametrize("kv_cache, message", [
-    ({"tierGiB": -1}, "spec.kvCache.tierGiB: -1 is less than the minimum of 0"),
-    ({"maxPullBlocks": 0}, "spec.kvCache.maxPullBlocks: 0 is less than the minimum of 1"),
-    ({"tierMedium": "ssd"}, "spec.kvCache.tierMedium: 'ssd' is not one of ['disk', 'memory']"),
-])
+@pytest.mark.parametrize(
+    "kv_cache, message",
+    [
+        ({"tierGiB": -1}, "spec.kvCache.tierGiB: -1 is less than the minimum of 0"),
+        ({"maxPullBlocks": 0}, "spec.kvCache.maxPullBlocks: 0 is less than the minimum of 1"),
+        ({"tierMedium": "ssd"}, "spec.kvCache.tierMedium: 'ssd' is not one of ['disk', 'memory']"),
+    ],
+)
 def test_kv_cache_spec_is_validated(kv_cache, message):
     _, errors = admit(isvc({"model": {"uri": "m"}, "kvCache": kv_cache}))
     assert len(errors) == 1 and errors[0].startswith(message), errors

@@ -20,8 +20,12 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
 CHART = ROOT / "helm" / "splitserve"
 GRAFANA_VARS = {"$namespace": "ns", "$isvc": "svc", "$__rate_interval": "5m", "${datasource}": "prom"}
-STANDARD = {"up", "kube_horizontalpodautoscaler_status_current_replicas", "kube_horizontalpodautoscaler_spec_max_replicas"}
-RECORDED = re.compile(r"^splitserve:[a-z0-9_:]+$")   # the chart's own recording rules
+STANDARD = {
+    "up",
+    "kube_horizontalpodautoscaler_status_current_replicas",
+    "kube_horizontalpodautoscaler_spec_max_replicas",
+}
+RECORDED = re.compile(r"^splitserve:[a-z0-9_:]+$")  # the chart's own recording rules
 
 
 def documented_metrics() -> set[str]:
@@ -35,8 +39,10 @@ def metric_names(expr: str) -> set[str]:
 
     def visit(node):
         if isinstance(node, promql_parser.VectorSelector):
-            names.add(re.sub(r"_(bucket|sum|count)$", "", node.name)
-                      if node.name.startswith("splitserve_") else node.name)
+            names.add(
+                re.sub(r"_(bucket|sum|count)$", "", node.name) if node.name.startswith("splitserve_") else node.name
+            )
+
     promql_parser.walk(promql_parser.parse(expr), pre_visit=visit)
     return names
 
@@ -49,11 +55,21 @@ def dockerfile_instructions() -> list[tuple[str, str]]:
 
 def test_documented_metrics():
     assert documented_metrics() >= {
-        "vllm:num_requests_waiting", "vllm:num_requests_running", "vllm:kv_cache_usage_perc",
-        "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total", "splitserve_time_to_first_token_seconds",
-        "splitserve_inter_token_latency_seconds", "splitserve_e2e_request_latency_seconds",
-        "splitserve_kv_transfer_seconds", "splitserve_kv_transfer_bytes", "splitserve_router_requests_total",
-        "splitserve_router_rejected_total", "splitserve_planner_decision", "splitserve_router_workers"}
+        "vllm:num_requests_waiting",
+        "vllm:num_requests_running",
+        "vllm:kv_cache_usage_perc",
+        "vllm:prefix_cache_queries_total",
+        "vllm:prefix_cache_hits_total",
+        "splitserve_time_to_first_token_seconds",
+        "splitserve_inter_token_latency_seconds",
+        "splitserve_e2e_request_latency_seconds",
+        "splitserve_kv_transfer_seconds",
+        "splitserve_kv_transfer_bytes",
+        "splitserve_router_requests_total",
+        "splitserve_router_rejected_total",
+        "splitserve_planner_decision",
+        "splitserve_router_workers",
+    }
     assert C.QUEUE_METRIC in documented_metrics()
 
 
@@ -75,9 +91,9 @@ def test_dockerfile_builds_both_variants_from_existing_sources():
     setuptools = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
     for package in setuptools["packages"]:
         prefix = max((p for p in setuptools["package-dir"] if package == p or package.startswith(p + ".")), key=len)
-        folder = "/".join([setuptools["package-dir"][prefix], *package[len(prefix):].split(".")[1:]])
+        folder = "/".join([setuptools["package-dir"][prefix], *package[len(prefix) :].split(".")[1:]])
         assert any(folder == c or folder.startswith(c + "/") for c in copied), f"the Dockerfile does not COPY {folder}"
-    last_stage = instructions[max(i for i, (op, _) in enumerate(instructions) if op == "FROM"):]
+    last_stage = instructions[max(i for i, (op, _) in enumerate(instructions) if op == "FROM") :]
     assert ("USER", f"{C.RUN_AS_USER}:{C.RUN_AS_USER}") in last_stage  # numeric, as runAsNonRoot needs
     assert ("ENTRYPOINT", '["splitserve"]') in last_stage
 
@@ -87,8 +103,12 @@ def monitoring() -> list[dict]:
     """The chart's monitoring objects (dashboard ConfigMap, PrometheusRule), rendered with both on."""
     import helm_python as helm
 
-    values = {"monitoring": {"dashboards": {"enabled": True, "annotations": {"grafana_folder": "llm"}},
-                             "rules": {"enabled": True, "labels": {"release": "kube-prometheus-stack"}}}}
+    values = {
+        "monitoring": {
+            "dashboards": {"enabled": True, "annotations": {"grafana_folder": "llm"}},
+            "rules": {"enabled": True, "labels": {"release": "kube-prometheus-stack"}},
+        }
+    }
     with helm.Chart.load(CHART) as chart:
         rendered = chart.render(values, name="splitserve", namespace="splitserve-system")
     return [d for path, text in rendered.items() if "monitoring" in path for d in yaml.safe_load_all(text) if d]
@@ -107,8 +127,9 @@ def test_monitoring_is_off_by_default_and_switched_by_values():
 
     with helm.Chart.load(CHART) as chart:
         defaults = chart.render({}, name="splitserve", namespace="ns")
-        only_rules = chart.render({"monitoring": {"rules": {"enabled": True, "alerts": False}}}, name="splitserve",
-                                  namespace="ns")
+        only_rules = chart.render(
+            {"monitoring": {"rules": {"enabled": True, "alerts": False}}}, name="splitserve", namespace="ns"
+        )
     assert all(not text.strip() for path, text in defaults.items() if "monitoring" in path)
     docs = [d for path, text in only_rules.items() if "monitoring" in path for d in yaml.safe_load_all(text) if d]
     (rule,) = docs
@@ -117,10 +138,19 @@ def test_monitoring_is_off_by_default_and_switched_by_values():
 
 def test_dashboard_covers_the_service(dashboard):
     titles = [p["title"] for p in dashboard["panels"] if p["type"] != "row"]
-    for wanted in ("Gateway requests by status", "Time to first token by model and adapter",
-                   "Inter-token latency by model and adapter", "Queue depth per pool", "KV cache usage per pool",
-                   "P/D split", "KV transfer time", "Prefix cache hit rate", "Planner decisions",
-                   "Refusals by reason", "Errors by class"):
+    for wanted in (
+        "Gateway requests by status",
+        "Time to first token by model and adapter",
+        "Inter-token latency by model and adapter",
+        "Queue depth per pool",
+        "KV cache usage per pool",
+        "P/D split",
+        "KV transfer time",
+        "Prefix cache hit rate",
+        "Planner decisions",
+        "Refusals by reason",
+        "Errors by class",
+    ):
         assert wanted in titles
     assert len({p["id"] for p in dashboard["panels"]}) == len(dashboard["panels"])
     assert [v["name"] for v in dashboard["templating"]["list"]] == ["datasource", "namespace", "isvc"]
@@ -136,9 +166,14 @@ def test_dashboard_queries_parse_and_read_documented_metrics(dashboard):
                 expr = expr.replace(var, value)
             used |= metric_names(expr)
     assert used <= documented_metrics()
-    assert used >= {"vllm:num_requests_waiting", "vllm:kv_cache_usage_perc", "splitserve_kv_transfer_seconds",
-                    "splitserve_time_to_first_token_seconds", "splitserve_inter_token_latency_seconds",
-                    "vllm:prefix_cache_hits_total"}
+    assert used >= {
+        "vllm:num_requests_waiting",
+        "vllm:kv_cache_usage_perc",
+        "splitserve_kv_transfer_seconds",
+        "splitserve_time_to_first_token_seconds",
+        "splitserve_inter_token_latency_seconds",
+        "vllm:prefix_cache_hits_total",
+    }
 
 
 def test_dashboard_pool_regex_matches_rendered_pod_names(dashboard):
@@ -146,10 +181,11 @@ def test_dashboard_pool_regex_matches_rendered_pod_names(dashboard):
     from splitserve.operator.render import render
     from splitserve.operator.spec import parse_spec
 
-    manifests = {(m["kind"], m["metadata"]["name"]): m for m in render(parse_spec({"model": {"uri": "m"}}), "svc",
-                                                                        "ns", "uid")}
+    manifests = {
+        (m["kind"], m["metadata"]["name"]): m for m in render(parse_spec({"model": {"uri": "m"}}), "svc", "ns", "uid")
+    }
     regex = dashboard["templating"]["list"][2]["regex"].strip("/")
-    router_pods = re.compile(r".+-router-[a-z0-9]+-[a-z0-9]+")   # the rules' and panels' router selector
+    router_pods = re.compile(r".+-router-[a-z0-9]+-[a-z0-9]+")  # the rules' and panels' router selector
     for pool in ("prefill", "decode", "router"):
         (pod,) = pods_of(manifests[("Deployment", f"svc-{pool}")], ["10.0.0.1"])
         if pool == "router":
@@ -164,10 +200,19 @@ def test_rules(monitoring):
     rules = [r for g in rule["spec"]["groups"] for r in g["rules"]]
     alerts = [r for r in rules if "alert" in r]
     assert {r["alert"] for r in alerts} == {
-        "SplitserveTTFTBudgetBurnFast", "SplitserveTTFTBudgetBurnSlow", "SplitserveHighErrorRate",
-        "SplitserveWorkersNotReady", "SplitserveWorkerDown", "SplitserveKVTransferFailures", "SplitserveKVCacheFull",
-        "SplitserveQueueBacklog", "SplitserveAutoscalerAtMaximum", "SplitservePlannerAtMaximum",
-        "SplitserveSlowInterTokenLatency", "SplitserveSlowKVTransfer"}
+        "SplitserveTTFTBudgetBurnFast",
+        "SplitserveTTFTBudgetBurnSlow",
+        "SplitserveHighErrorRate",
+        "SplitserveWorkersNotReady",
+        "SplitserveWorkerDown",
+        "SplitserveKVTransferFailures",
+        "SplitserveKVCacheFull",
+        "SplitserveQueueBacklog",
+        "SplitserveAutoscalerAtMaximum",
+        "SplitservePlannerAtMaximum",
+        "SplitserveSlowInterTokenLatency",
+        "SplitserveSlowKVTransfer",
+    }
     recorded = {r["record"] for r in rules if "record" in r}
     assert all(RECORDED.match(name) for name in recorded)
     for r in rules:

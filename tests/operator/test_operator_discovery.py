@@ -53,9 +53,11 @@ def test_pool_slices_carry_the_service_name_label_and_named_ports(cluster_view):
     decode = next(s for s in slices if s["metadata"]["labels"][C.LABEL_SERVICE_NAME] == "svc-decode")
     assert decode["metadata"]["labels"][C.LABEL_ROLE] == "decode"
     assert decode["metadata"]["labels"]["service.kubernetes.io/headless"] == ""
-    assert decode["ports"] == [{"name": "grpc", "protocol": "TCP", "port": 50051},
-                               {"name": "metrics", "protocol": "TCP", "port": 9090},
-                               {"name": "kv", "protocol": "TCP", "port": 13337}]
+    assert decode["ports"] == [
+        {"name": "grpc", "protocol": "TCP", "port": 50051},
+        {"name": "metrics", "protocol": "TCP", "port": 9090},
+        {"name": "kv", "protocol": "TCP", "port": 13337},
+    ]
     assert sorted(e["addresses"][0] for e in decode["endpoints"]) == IPS["decode"]
     assert all(e["targetRef"]["name"].startswith("svc-decode-") for e in decode["endpoints"])
 
@@ -64,20 +66,34 @@ def test_the_router_finds_each_pool_from_its_config_alone(cluster_view):
     manifests, _, slices = cluster_view
     text = manifests[("ConfigMap", "svc-router")]["data"]["router.yaml"]
     assert from_dict(yaml.safe_load(text)).discovery.k8s_namespace == "ns"
-    assert label_selector(from_dict(yaml.safe_load(text)).discovery.k8s_services) == \
-        "kubernetes.io/service-name in (svc-decode,svc-prefill)"
+    assert (
+        label_selector(from_dict(yaml.safe_load(text)).discovery.k8s_services)
+        == "kubernetes.io/service-name in (svc-decode,svc-prefill)"
+    )
     assert router_side_discovery(text, slices) == [
-        "10.1.0.1:50051", "10.1.0.2:50051", "10.2.0.1:50051", "10.2.0.2:50051", "10.2.0.3:50051"]
+        "10.1.0.1:50051",
+        "10.1.0.2:50051",
+        "10.2.0.1:50051",
+        "10.2.0.2:50051",
+        "10.2.0.3:50051",
+    ]
 
 
 def test_the_router_role_allows_exactly_what_discovery_and_the_adapter_report_need(cluster_view):
     manifests, _, _ = cluster_view
     rule, report = manifests[("Role", "svc-router")]["rules"]
     assert (rule["apiGroups"], rule["resources"], sorted(rule["verbs"])) == (
-        ["discovery.k8s.io"], ["endpointslices"], ["list", "watch"])
+        ["discovery.k8s.io"],
+        ["endpointslices"],
+        ["list", "watch"],
+    )
     # the adapter report (router/placement/adapter_sync.py): its own ConfigMap only, read and patch only
-    assert report == {"apiGroups": [""], "resources": ["configmaps"], "resourceNames": ["svc-router"],
-                      "verbs": ["get", "patch"]}
+    assert report == {
+        "apiGroups": [""],
+        "resources": ["configmaps"],
+        "resourceNames": ["svc-router"],
+        "verbs": ["get", "patch"],
+    }
 
 
 def test_unready_workers_are_not_routed_to():

@@ -35,20 +35,43 @@ CHART = pathlib.Path(__file__).resolve().parents[2] / "helm" / "splitserve"
 VALUES = {
     "defaults": {},
     "keda": {"autoscaling": {"enabled": True, "provider": "keda"}},
-    "hpa": {"autoscaling": {"enabled": True, "provider": "hpa", "cooldownPeriod": 600,
-                            "decode": {"minReplicas": 2, "maxReplicas": 16, "targetQueueDepth": 12.5}},
-            "operator": {"resyncSeconds": 30}},
-    "namespaced-locked-down": {"operator": {"watchNamespaces": ["llm", "llm-staging"], "logLevel": "debug"},
-                               "networkPolicy": {"enabled": True, "apiServerCIDRs": ["10.0.0.1/32"]},
-                               "serviceAccount": {"name": "ops"}, "image": {"tag": "0.2.0"}},
+    "hpa": {
+        "autoscaling": {
+            "enabled": True,
+            "provider": "hpa",
+            "cooldownPeriod": 600,
+            "decode": {"minReplicas": 2, "maxReplicas": 16, "targetQueueDepth": 12.5},
+        },
+        "operator": {"resyncSeconds": 30},
+    },
+    "namespaced-locked-down": {
+        "operator": {"watchNamespaces": ["llm", "llm-staging"], "logLevel": "debug"},
+        "networkPolicy": {"enabled": True, "apiServerCIDRs": ["10.0.0.1/32"]},
+        "serviceAccount": {"name": "ops"},
+        "image": {"tag": "0.2.0"},
+    },
     "external-service-account": {"serviceAccount": {"create": False, "name": "prebuilt"}, "rbac": {"create": False}},
-    "planner": {"autoscaling": {"enabled": True, "provider": "planner", "plannerExport": "scale"},
-                "planner": {"enabled": True, "profile": '{"prefill": [], "decode": [], "kv_tokens": 1}',
-                            "replicaBudget": 8, "leaseDurationSeconds": 30}},
+    "planner": {
+        "autoscaling": {"enabled": True, "provider": "planner", "plannerExport": "scale"},
+        "planner": {
+            "enabled": True,
+            "profile": '{"prefill": [], "decode": [], "kv_tokens": 1}',
+            "replicaBudget": 8,
+            "leaseDurationSeconds": 30,
+        },
+    },
     "kv-cache": {"kvCache": {"tierGiB": 4, "tierMedium": "memory", "pull": False, "maxPullBlocks": 256}},
-    "monitoring": {"monitoring": {"dashboards": {"enabled": True, "namespace": "grafana"},
-                                  "rules": {"enabled": True, "ttftSloSeconds": "1.0", "ttftObjective": 0.995,
-                                            "for": {"workersNotReady": "1m"}}}},
+    "monitoring": {
+        "monitoring": {
+            "dashboards": {"enabled": True, "namespace": "grafana"},
+            "rules": {
+                "enabled": True,
+                "ttftSloSeconds": "1.0",
+                "ttftObjective": 0.995,
+                "for": {"workersNotReady": "1m"},
+            },
+        }
+    },
 }
 
 
@@ -65,8 +88,13 @@ def objects(chart, values: dict) -> list[dict]:
 
 
 def find(objs, kind, name=None, namespace=None):
-    return [o for o in objs if o["kind"] == kind and name in (None, o["metadata"]["name"])
-            and namespace in (None, o["metadata"].get("namespace"))]
+    return [
+        o
+        for o in objs
+        if o["kind"] == kind
+        and name in (None, o["metadata"]["name"])
+        and namespace in (None, o["metadata"].get("namespace"))
+    ]
 
 
 @pytest.mark.parametrize("case", VALUES)
@@ -82,9 +110,14 @@ def test_chart_renders_valid_objects_and_lints_clean(chart, case):
 def test_default_objects(chart):
     objs = objects(chart, {})
     assert sorted((o["kind"], o["metadata"]["name"]) for o in objs) == [
-        ("ClusterRole", "splitserve-observer"), ("ClusterRoleBinding", "splitserve-observer"),
-        ("ConfigMap", "splitserve-defaults"), ("Deployment", "splitserve"),
-        ("Role", "splitserve"), ("RoleBinding", "splitserve"), ("ServiceAccount", "splitserve")]   # namespaced
+        ("ClusterRole", "splitserve-observer"),
+        ("ClusterRoleBinding", "splitserve-observer"),
+        ("ConfigMap", "splitserve-defaults"),
+        ("Deployment", "splitserve"),
+        ("Role", "splitserve"),
+        ("RoleBinding", "splitserve"),
+        ("ServiceAccount", "splitserve"),
+    ]  # namespaced
     (deploy,) = find(objs, "Deployment")
     pod = deploy["spec"]["template"]["spec"]
     (c,) = pod["containers"]
@@ -127,14 +160,21 @@ def test_values_reach_the_operator_settings(chart, tmp_path):
     path.write_text(cm["data"]["defaults.yaml"])
     assert load_settings(str(path)) == OperatorSettings(
         image=ImageDefaults(tag="0.1.0"),
-        autoscaling=AutoscalingDefaults(enabled=True, provider="hpa", cooldown_period=600,
-                                        decode=PoolDefaults(min_replicas=2, max_replicas=16, target_queue_depth=12.5)),
-        reconcile=ReconcileSettings(resync_seconds=30))
+        autoscaling=AutoscalingDefaults(
+            enabled=True,
+            provider="hpa",
+            cooldown_period=600,
+            decode=PoolDefaults(min_replicas=2, max_replicas=16, target_queue_depth=12.5),
+        ),
+        reconcile=ReconcileSettings(resync_seconds=30),
+    )
     (deploy,) = find(objects(chart, VALUES["hpa"]), "Deployment")
     (default_deploy,) = find(objects(chart, {}), "Deployment")
     # A values change rolls the operator so that it reads the new defaults.
-    assert (deploy["spec"]["template"]["metadata"]["annotations"]["checksum/defaults"]
-            != default_deploy["spec"]["template"]["metadata"]["annotations"]["checksum/defaults"])
+    assert (
+        deploy["spec"]["template"]["metadata"]["annotations"]["checksum/defaults"]
+        != default_deploy["spec"]["template"]["metadata"]["annotations"]["checksum/defaults"]
+    )
 
 
 def needed_permissions() -> set[tuple[str, str, str]]:
@@ -146,8 +186,9 @@ def needed_permissions() -> set[tuple[str, str, str]]:
     need |= {("", "secrets", v) for v in ("get", "create", "patch")}  # credentials.py
     ctx = Context(parse_spec({"model": {"uri": "m"}}), "svc", "ns", "uid", OperatorSettings())
     (role,) = [m for m in router_access(ctx) if m["kind"] == "Role"]
-    need |= {(g, r, v) for rule in role["rules"] for g in rule["apiGroups"] for r in rule["resources"]
-             for v in rule["verbs"]}  # RBAC lets one grant only what one holds
+    need |= {
+        (g, r, v) for rule in role["rules"] for g in rule["apiGroups"] for r in rule["resources"] for v in rule["verbs"]
+    }  # RBAC lets one grant only what one holds
     return need
 
 
@@ -156,9 +197,9 @@ def granted(rules) -> set[tuple[str, str, str]]:
 
 
 def test_rbac_grants_what_the_operator_does_and_no_wildcards(chart):
-    (role,) = find(objects(chart, {}), "Role", "splitserve", "splitserve-system")   # the default: namespaced
+    (role,) = find(objects(chart, {}), "Role", "splitserve", "splitserve-system")  # the default: namespaced
     assert needed_permissions() <= granted(role["rules"])
-    objs = objects(chart, {"operator": {"clusterWide": True}})   # cluster-wide only when asked for
+    objs = objects(chart, {"operator": {"clusterWide": True}})  # cluster-wide only when asked for
     (role,) = find(objs, "ClusterRole", "splitserve")
     assert needed_permissions() <= granted(role["rules"])
     for r in find(objs, "ClusterRole"):
@@ -190,20 +231,26 @@ def test_external_service_account_and_no_rbac(chart):
     assert deploy["spec"]["template"]["spec"]["serviceAccountName"] == "prebuilt"
 
 
-@pytest.mark.parametrize("values,message", [
-    ({"autoscaling": {"enabled": "yes"}}, "at '/autoscaling/enabled': got string, want boolean"),
-    ({"autoscaling": {"provider": "vpa"}}, "at '/autoscaling/provider': value must be one of 'keda', 'hpa'"),
-    ({"autoscaling": {"decode": {"minReplicas": -1}}}, "at '/autoscaling/decode/minReplicas'"),
-    ({"autoscaling": {"prefill": {"targetQueueDepth": "4"}}}, "at '/autoscaling/prefill/targetQueueDepth': got string, want number"),
-    ({"operator": {"resyncSeconds": "60s"}}, "at '/operator/resyncSeconds': got string, want number"),
-    ({"operator": {"watchNamespaces": ["Bad_NS"]}}, "at '/operator/watchNamespaces/0'"),
-    ({"autoscalling": {"enabled": True}}, "additional properties 'autoscalling' not allowed"),
-    ({"kvCache": {"tierGiB": -1}}, "at '/kvCache/tierGiB': minimum: got -1, want 0"),
-    ({"kvCache": {"tierMedium": "ssd"}}, "at '/kvCache/tierMedium': value must be one of 'disk', 'memory'"),
-    ({"kvCache": {"pull": "no"}}, "at '/kvCache/pull': got string, want boolean"),
-    ({"kvCache": {"maxPullBlocks": 0}}, "at '/kvCache/maxPullBlocks': minimum: got 0, want 1"),
-    ({"kvCache": {"tierGB": 4}}, "additional properties 'tierGB' not allowed"),
-])
+@pytest.mark.parametrize(
+    "values,message",
+    [
+        ({"autoscaling": {"enabled": "yes"}}, "at '/autoscaling/enabled': got string, want boolean"),
+        ({"autoscaling": {"provider": "vpa"}}, "at '/autoscaling/provider': value must be one of 'keda', 'hpa'"),
+        ({"autoscaling": {"decode": {"minReplicas": -1}}}, "at '/autoscaling/decode/minReplicas'"),
+        (
+            {"autoscaling": {"prefill": {"targetQueueDepth": "4"}}},
+            "at '/autoscaling/prefill/targetQueueDepth': got string, want number",
+        ),
+        ({"operator": {"resyncSeconds": "60s"}}, "at '/operator/resyncSeconds': got string, want number"),
+        ({"operator": {"watchNamespaces": ["Bad_NS"]}}, "at '/operator/watchNamespaces/0'"),
+        ({"autoscalling": {"enabled": True}}, "additional properties 'autoscalling' not allowed"),
+        ({"kvCache": {"tierGiB": -1}}, "at '/kvCache/tierGiB': minimum: got -1, want 0"),
+        ({"kvCache": {"tierMedium": "ssd"}}, "at '/kvCache/tierMedium': value must be one of 'disk', 'memory'"),
+        ({"kvCache": {"pull": "no"}}, "at '/kvCache/pull': got string, want boolean"),
+        ({"kvCache": {"maxPullBlocks": 0}}, "at '/kvCache/maxPullBlocks': minimum: got 0, want 1"),
+        ({"kvCache": {"tierGB": 4}}, "additional properties 'tierGB' not allowed"),
+    ],
+)
 def test_values_schema_rejects_wrong_values(chart, values, message):
     with pytest.raises(helm.HelmValuesError) as err:
         chart.validate_schema(values)
@@ -238,7 +285,7 @@ def test_planner_is_rendered_behind_its_value_where_the_scaled_objects_look(char
     objs = objects(chart, VALUES["planner"])
     (svc,) = find(objs, "Service", "splitserve-planner", "splitserve-system")
     url = f"http://{svc['metadata']['name']}.{svc['metadata']['namespace']}.svc:{svc['spec']['ports'][0]['port']}"
-    assert url == OperatorSettings().autoscaling.planner_url          # the operator's default reaches it
+    assert url == OperatorSettings().autoscaling.planner_url  # the operator's default reaches it
     (deploy,) = find(objs, "Deployment", "splitserve-planner")
     pod = deploy["spec"]["template"]["spec"]
     container = pod["containers"][0]
@@ -246,17 +293,27 @@ def test_planner_is_rendered_behind_its_value_where_the_scaled_objects_look(char
     planner_cli.register(parser.add_subparsers(dest="command"))
     args = parser.parse_args(container["args"])
     assert args.cluster and args.lease_name == "splitserve-planner" and args.lease_duration == 30
-    assert args.budget == 8 and not args.name                       # every service, not one
+    assert args.budget == 8 and not args.name  # every service, not one
     assert deploy["spec"]["replicas"] == 2 and container["readinessProbe"]["httpGet"]["path"] == "/ready"
     env = {e["name"]: e.get("valueFrom", {}).get("fieldRef", {}).get("fieldPath") for e in container["env"]}
     assert env["POD_NAME"] == "metadata.name" and env["POD_NAMESPACE"] == "metadata.namespace"
     assert pod["serviceAccountName"] == "splitserve-planner" and pod["automountServiceAccountToken"] is True
     # the planner's RBAC: leases in its namespace; configmaps, pods, deployments (scale) everywhere
-    granted = {(g, r, v) for o in find(objs, "ClusterRole", "splitserve-planner") + find(objs, "Role", "splitserve-planner")
-               for rule in o["rules"] for g in rule["apiGroups"] for r in rule["resources"] for v in rule["verbs"]}
+    granted = {
+        (g, r, v)
+        for o in find(objs, "ClusterRole", "splitserve-planner") + find(objs, "Role", "splitserve-planner")
+        for rule in o["rules"]
+        for g in rule["apiGroups"]
+        for r in rule["resources"]
+        for v in rule["verbs"]
+    }
     need = {("coordination.k8s.io", "leases", v) for v in ("get", "create", "patch")} | {
-        ("", "configmaps", "list"), ("", "configmaps", "get"), ("", "pods", "list"), ("apps", "deployments", "get"),
-        ("apps", "deployments/scale", "patch")}
+        ("", "configmaps", "list"),
+        ("", "configmaps", "get"),
+        ("", "pods", "list"),
+        ("apps", "deployments", "get"),
+        ("apps", "deployments/scale", "patch"),
+    }
     assert need <= granted
     (binding,) = find(objs, "RoleBinding", "splitserve-planner")
     assert binding["subjects"][0]["name"] == "splitserve-planner"
@@ -267,8 +324,9 @@ def test_planner_is_rendered_behind_its_value_where_the_scaled_objects_look(char
     settings = load_settings(str(path))
     assert settings.autoscaling.planner_profile == VALUES["planner"]["planner"]["profile"]
     assert settings.autoscaling.planner_export == "scale"
-    assert settings.network_policy.workloads.planner.namespace_labels == {"kubernetes.io/metadata.name":
-                                                                           "splitserve-system"}
+    assert settings.network_policy.workloads.planner.namespace_labels == {
+        "kubernetes.io/metadata.name": "splitserve-system"
+    }
 
 
 def test_a_bad_planner_export_is_refused_by_the_values_schema(chart):
@@ -303,7 +361,7 @@ def test_kv_cache_values_are_every_services_defaults_and_its_own_fields_win(char
     assert {"name": "kv-tier", "emptyDir": {"sizeLimit": "4160Mi", "medium": "Memory"}} in pod["volumes"]
     assert "--no-kv-pull" in args and "--max-pull-blocks" not in args and kv_pull == {"enabled": False}
 
-    own = {**base, "kvCache": {"tierGiB": 0, "pull": True}}   # tierMedium and maxPullBlocks from the chart
+    own = {**base, "kvCache": {"tierGiB": 0, "pull": True}}  # tierMedium and maxPullBlocks from the chart
     pod, args, kv_pull = _worker_and_router(render(parse_spec(own), "svc", "ns", "uid", settings), "decode")
     assert "--kv-tier-bytes" not in args and not [v for v in pod["volumes"] if v["name"] == "kv-tier"]
     assert "--no-kv-pull" not in args and args[args.index("--max-pull-blocks") + 1] == "256" and kv_pull is None
@@ -311,7 +369,8 @@ def test_kv_cache_values_are_every_services_defaults_and_its_own_fields_win(char
     # The chart's defaults (no kvCache values): no tier, pulls on with the worker's own limit.
     (cm,) = find(objects(chart, {}), "ConfigMap")
     path.write_text(cm["data"]["defaults.yaml"])
-    pod, args, kv_pull = _worker_and_router(render(parse_spec(base), "svc", "ns", "uid", load_settings(str(path))),
-                                            "decode")
+    pod, args, kv_pull = _worker_and_router(
+        render(parse_spec(base), "svc", "ns", "uid", load_settings(str(path))), "decode"
+    )
     assert not {"--kv-tier-bytes", "--kv-tier-dir", "--no-kv-pull", "--max-pull-blocks"} & set(args)
     assert kv_pull is None

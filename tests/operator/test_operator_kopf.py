@@ -22,11 +22,22 @@ from splitserve.operator.settings import OperatorSettings, ReconcileSettings
 
 FAST = OperatorSettings(reconcile=ReconcileSettings(resync_seconds=0.5, not_ready_retry_seconds=0.3))
 TINY = {"model": {"uri": "smollm2-135m"}, "kvTransfer": {"transport": "tcp"}}
-CHILDREN = [("ConfigMap", "svc-router"), ("ServiceAccount", "svc-router"), ("Role", "svc-router"),
-            ("RoleBinding", "svc-router"), ("Service", "svc-prefill"), ("Service", "svc-decode"),
-            ("Service", "svc-router"), ("Service", "svc"), ("Deployment", "svc-prefill"),
-            ("Deployment", "svc-decode"), ("Deployment", "svc-router"), ("PodDisruptionBudget", "svc-prefill"),
-            ("PodDisruptionBudget", "svc-decode"), ("PodDisruptionBudget", "svc-router")]
+CHILDREN = [
+    ("ConfigMap", "svc-router"),
+    ("ServiceAccount", "svc-router"),
+    ("Role", "svc-router"),
+    ("RoleBinding", "svc-router"),
+    ("Service", "svc-prefill"),
+    ("Service", "svc-decode"),
+    ("Service", "svc-router"),
+    ("Service", "svc"),
+    ("Deployment", "svc-prefill"),
+    ("Deployment", "svc-decode"),
+    ("Deployment", "svc-router"),
+    ("PodDisruptionBudget", "svc-prefill"),
+    ("PodDisruptionBudget", "svc-decode"),
+    ("PodDisruptionBudget", "svc-router"),
+]
 POOLS = ("svc-prefill", "svc-decode", "svc-router")
 
 
@@ -42,8 +53,9 @@ def quick_exit_settings() -> kopf.OperatorSettings:
 @contextlib.contextmanager
 def operator(cluster):
     registry = build_registry(FAST, kubeconfig=cluster.kubeconfig_path)
-    with KopfRunner(["run", "--standalone", "--all-namespaces"], registry=registry, settings=quick_exit_settings(),
-                    timeout=30) as runner:
+    with KopfRunner(
+        ["run", "--standalone", "--all-namespaces"], registry=registry, settings=quick_exit_settings(), timeout=30
+    ) as runner:
         yield runner
     assert runner.exit_code == 0 and runner.exception is None
 
@@ -73,18 +85,27 @@ def progress(cluster, namespace) -> dict:
 
 def children_writes(cluster, mark, namespace):
     """Writes to the children since `mark`, other than the tests' own status updates."""
-    return [(w.method, w.plural, w.name) for w in cluster.writes_since(mark, namespace)
-            if w.plural not in ("inferenceservices", "events") and w.subresource != "status"]
+    return [
+        (w.method, w.plural, w.name)
+        for w in cluster.writes_since(mark, namespace)
+        if w.plural not in ("inferenceservices", "events") and w.subresource != "status"
+    ]
 
 
 def settle(cluster, namespace, name="svc"):
     """Wait until the service is Ready and kopf has no handler in progress (no retry pending),
     so that stopping the operator does not race a handler (kopf then waits 5 s for it)."""
+
     def settled():
         obj = isvc(cluster, namespace, name)
-        busy = [k for k in obj["metadata"].get("annotations", {}) if k.startswith("serving.splitserve.io/")
-                and k.rsplit("/", 1)[1] not in ("kopf-managed", "last-handled-configuration")]
+        busy = [
+            k
+            for k in obj["metadata"].get("annotations", {})
+            if k.startswith("serving.splitserve.io/")
+            and k.rsplit("/", 1)[1] not in ("kopf-managed", "last-handled-configuration")
+        ]
         return (condition(obj) or {}).get("status") == "True" and not busy
+
     wait_for(settled, what="Ready with no handler in progress")
 
 
@@ -101,18 +122,31 @@ def test_create_makes_every_child_reports_status_then_writes_nothing(cluster, ku
     with operator(cluster) as runner:
         obj = create_isvc(kube, "svc", namespace, TINY)
         uid = obj["metadata"]["uid"]
-        found = wait_for(lambda: (c := children(cluster, namespace)) and len(c) == len(CHILDREN) and c,
-                         what="all children")
+        found = wait_for(
+            lambda: (c := children(cluster, namespace)) and len(c) == len(CHILDREN) and c, what="all children"
+        )
         for (kind, name), live in found.items():
-            assert live["metadata"]["ownerReferences"] == [{
-                "apiVersion": "serving.splitserve.io/v1alpha1", "kind": "InferenceService", "name": "svc",
-                "uid": uid, "controller": True, "blockOwnerDeletion": True}], (kind, name)
+            assert live["metadata"]["ownerReferences"] == [
+                {
+                    "apiVersion": "serving.splitserve.io/v1alpha1",
+                    "kind": "InferenceService",
+                    "name": "svc",
+                    "uid": uid,
+                    "controller": True,
+                    "blockOwnerDeletion": True,
+                }
+            ], (kind, name)
             assert live["metadata"]["labels"]["app.kubernetes.io/instance"] == "svc"
         waiting = wait_for(lambda: condition(isvc(cluster, namespace)), what="a Ready condition")
-        assert (waiting["status"], waiting["reason"], waiting["observedGeneration"]) == ("False", "ComponentsNotReady", 1)
+        assert (waiting["status"], waiting["reason"], waiting["observedGeneration"]) == (
+            "False",
+            "ComponentsNotReady",
+            1,
+        )
         # kopf records the handler's TemporaryError (and its retry) on the object.
-        retry = wait_for(lambda: (p := progress(cluster, namespace)).get("delayed") and p,
-                         what="the create handler's retry")
+        retry = wait_for(
+            lambda: (p := progress(cluster, namespace)).get("delayed") and p, what="the create handler's retry"
+        )
         assert retry["message"].startswith("not ready yet: prefill: ") and retry["success"] is False
         for name in POOLS:
             mark_ready(kube, namespace, name)
@@ -121,8 +155,13 @@ def test_create_makes_every_child_reports_status_then_writes_nothing(cluster, ku
         assert status["url"] == f"http://svc.{namespace}.svc:8000"
         assert [status[p]["ready"] for p in ("prefill", "decode", "router")] == ["1/1", "1/1", "1/1"]
         assert {c["type"]: c["status"] for c in status["conditions"]} == {
-            "Ready": "True", "PrefillReady": "True", "DecodeReady": "True", "RouterReady": "True", "Secure": "True",
-            "Authenticated": "True"}
+            "Ready": "True",
+            "PrefillReady": "True",
+            "DecodeReady": "True",
+            "RouterReady": "True",
+            "Secure": "True",
+            "Authenticated": "True",
+        }
         settle(cluster, namespace)
         time.sleep(0.5)  # the last status write and kopf's bookkeeping land
         mark = len(cluster.cluster.writes)
@@ -136,7 +175,9 @@ def test_changing_decode_replicas_patches_only_that_deployment(cluster, kube, na
         ready_service(cluster, kube, namespace)
         mark = len(cluster.cluster.writes)
         kube.merge_patch(K.path(K.ISVC, namespace, "svc"), {"spec": {"decode": {"replicas": 3}}})
-        wait_for(lambda: deployment(cluster, namespace, "svc-decode")["spec"]["replicas"] == 3, what="3 decode replicas")
+        wait_for(
+            lambda: deployment(cluster, namespace, "svc-decode")["spec"]["replicas"] == 3, what="3 decode replicas"
+        )
         wait_for(lambda: isvc(cluster, namespace)["status"]["decode"]["ready"] == "1/3", what="decode 1/3")
         time.sleep(1.2)
         assert children_writes(cluster, mark, namespace) == [("PATCH", "deployments", "svc-decode")]
@@ -152,12 +193,22 @@ def test_a_deleted_or_edited_child_comes_back(cluster, kube, namespace):
         router = deployment(cluster, namespace, "svc-router")
         kube.delete(K.path(K.KIND_BY_NAME["Deployment"], namespace, "svc-router"))
         svc_url = K.path(K.KIND_BY_NAME["Service"], namespace, "svc")
-        kube.merge_patch(svc_url, {"spec": {"ports": [{"name": "http", "port": 80, "targetPort": "http", "protocol": "TCP"}]}})
-        back = wait_for(lambda: (d := deployment(cluster, namespace, "svc-router")) and
-                        d["metadata"]["uid"] != router["metadata"]["uid"] and d, what="the router Deployment back")
+        kube.merge_patch(
+            svc_url, {"spec": {"ports": [{"name": "http", "port": 80, "targetPort": "http", "protocol": "TCP"}]}}
+        )
+        back = wait_for(
+            lambda: (
+                (d := deployment(cluster, namespace, "svc-router"))
+                and d["metadata"]["uid"] != router["metadata"]["uid"]
+                and d
+            ),
+            what="the router Deployment back",
+        )
         assert back["spec"]["template"] == router["spec"]["template"]
-        wait_for(lambda: child(cluster, namespace, "Service", "svc")["spec"]["ports"][0]["port"] == 8000,
-                 what="the gateway port restored")
+        wait_for(
+            lambda: child(cluster, namespace, "Service", "svc")["spec"]["ports"][0]["port"] == 8000,
+            what="the gateway port restored",
+        )
         mark_ready(kube, namespace, "svc-router")
         settle(cluster, namespace)
 
@@ -178,8 +229,10 @@ def test_an_autoscaled_pool_keeps_the_autoscalers_replicas(cluster, kube, namesp
         assert deployment(cluster, namespace, "svc-decode")["spec"]["replicas"] == 5
         assert ("PATCH", "deployments", "svc-decode") not in children_writes(cluster, mark, namespace)
         kube.merge_patch(K.path(K.ISVC, namespace, "svc"), {"spec": {"decode": {"autoscaling": {"maxReplicas": 10}}}})
-        wait_for(lambda: child(cluster, namespace, "HorizontalPodAutoscaler", "svc-decode")["spec"]["maxReplicas"] == 10,
-                 what="the HPA updated")
+        wait_for(
+            lambda: child(cluster, namespace, "HorizontalPodAutoscaler", "svc-decode")["spec"]["maxReplicas"] == 10,
+            what="the HPA updated",
+        )
         assert deployment(cluster, namespace, "svc-decode")["spec"]["replicas"] == 5
         settle(cluster, namespace)
 
@@ -205,7 +258,9 @@ def test_invalid_spec_is_a_permanent_error_until_fixed(cluster, kube, namespace)
         assert "decode.resources.limits.memory is 512Mi" in ready["message"]
         time.sleep(1.2)
         assert children(cluster, namespace) == {}
-        kube.merge_patch(K.path(K.ISVC, namespace, "svc"), {"spec": {"decode": {"resources": {"limits": {"memory": "2Gi"}}}}})
+        kube.merge_patch(
+            K.path(K.ISVC, namespace, "svc"), {"spec": {"decode": {"resources": {"limits": {"memory": "2Gi"}}}}}
+        )
         wait_for(lambda: len(children(cluster, namespace)) == len(CHILDREN), what="children after the fix")
         wait_for(lambda: condition(isvc(cluster, namespace))["reason"] == "ComponentsNotReady", what="progress")
         for name in POOLS:

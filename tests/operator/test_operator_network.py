@@ -29,9 +29,12 @@ from splitserve.operator.settings import OperatorSettings, Peer
 from splitserve.operator.spec import parse_spec
 
 UID = "6f1c7c4e-0000-4000-8000-000000000002"
-NAMESPACES = {"team": {"kubernetes.io/metadata.name": "team"}, "other": {"kubernetes.io/metadata.name": "other"},
-              "monitoring": {"kubernetes.io/metadata.name": "monitoring"},
-              "ingress-nginx": {"kubernetes.io/metadata.name": "ingress-nginx"}}
+NAMESPACES = {
+    "team": {"kubernetes.io/metadata.name": "team"},
+    "other": {"kubernetes.io/metadata.name": "other"},
+    "monitoring": {"kubernetes.io/metadata.name": "monitoring"},
+    "ingress-nginx": {"kubernetes.io/metadata.name": "ingress-nginx"},
+}
 EXTERNAL_IP = "203.0.113.7"
 
 
@@ -48,8 +51,12 @@ def _selects(selector: dict[str, Any], labels: dict[str, str]) -> bool:
         return False
     for e in selector.get("matchExpressions", []):
         present, value = e["key"] in labels, labels.get(e["key"])
-        ok = {"In": present and value in e.get("values", []), "NotIn": not present or value not in e.get("values", []),
-              "Exists": present, "DoesNotExist": not present}[e["operator"]]
+        ok = {
+            "In": present and value in e.get("values", []),
+            "NotIn": not present or value not in e.get("values", []),
+            "Exists": present,
+            "DoesNotExist": not present,
+        }[e["operator"]]
         if not ok:
             return False
     return True
@@ -58,8 +65,13 @@ def _selects(selector: dict[str, Any], labels: dict[str, str]) -> bool:
 def _peer_matches(peer: dict[str, Any], policy_ns: str, src: Pod) -> bool:
     if "ipBlock" in peer:
         net = ipaddress.ip_network(peer["ipBlock"]["cidr"])
-        return src.namespace is None and ipaddress.ip_address(EXTERNAL_IP) in net and not any(
-            ipaddress.ip_address(EXTERNAL_IP) in ipaddress.ip_network(c) for c in peer["ipBlock"].get("except", []))
+        return (
+            src.namespace is None
+            and ipaddress.ip_address(EXTERNAL_IP) in net
+            and not any(
+                ipaddress.ip_address(EXTERNAL_IP) in ipaddress.ip_network(c) for c in peer["ipBlock"].get("except", [])
+            )
+        )
     if src.namespace is None:
         return False
     if "namespaceSelector" in peer:
@@ -81,8 +93,13 @@ class Cluster:
         self.pods, self.policies = pods, policies
 
     def allowed(self, src: Pod, dst: Pod, port: int) -> bool:
-        selecting = [p for p in self.policies if p["metadata"]["namespace"] == dst.namespace
-                     and "Ingress" in p["spec"]["policyTypes"] and _selects(p["spec"]["podSelector"], dst.labels)]
+        selecting = [
+            p
+            for p in self.policies
+            if p["metadata"]["namespace"] == dst.namespace
+            and "Ingress" in p["spec"]["policyTypes"]
+            and _selects(p["spec"]["podSelector"], dst.labels)
+        ]
         if not selecting:
             return True
         for policy in selecting:
@@ -96,8 +113,14 @@ class Cluster:
 
 
 def _render(name: str, spec: dict[str, Any], settings: OperatorSettings | None = None) -> list[dict[str, Any]]:
-    stored, errors = admit({"apiVersion": "serving.splitserve.io/v1alpha1", "kind": "InferenceService",
-                            "metadata": {"name": name, "namespace": "team"}, "spec": spec})
+    stored, errors = admit(
+        {
+            "apiVersion": "serving.splitserve.io/v1alpha1",
+            "kind": "InferenceService",
+            "metadata": {"name": name, "namespace": "team"},
+            "spec": spec,
+        }
+    )
     assert errors == []
     return render(parse_spec(stored["spec"]), name, "team", UID, settings)
 
@@ -110,11 +133,12 @@ def _pods_of(manifests: list[dict[str, Any]]) -> dict[str, Pod]:
             template = m["spec"]["template"]
             ports = {p["name"]: p["containerPort"] for c in template["spec"]["containers"] for p in c.get("ports", [])}
             env = {e["name"]: e.get("value") for c in template["spec"]["containers"] for e in c.get("env", [])}
-            if "UCX_TCP_PORT_RANGE" in env:   # UCX's own TCP listeners: probe both ends of the range
+            if "UCX_TCP_PORT_RANGE" in env:  # UCX's own TCP listeners: probe both ends of the range
                 low, high = map(int, env["UCX_TCP_PORT_RANGE"].split("-"))
                 ports.update({"ucx-low": low, "ucx-high": high})
-            out[m["metadata"]["name"]] = Pod(m["metadata"]["name"], m["metadata"]["namespace"],
-                                             template["metadata"]["labels"], ports)
+            out[m["metadata"]["name"]] = Pod(
+                m["metadata"]["name"], m["metadata"]["namespace"], template["metadata"]["labels"], ports
+            )
     return out
 
 
@@ -122,10 +146,13 @@ def _policies(manifests):
     return [m for m in manifests if m["kind"] == "NetworkPolicy"]
 
 
-BYSTANDERS = [Pod("team-shell", "team", {"app": "shell"}), Pod("other-shell", "other", {"app": "shell"}),
-              Pod("prometheus", "monitoring", {"app.kubernetes.io/name": "prometheus"}),
-              Pod("ingress", "ingress-nginx", {"app.kubernetes.io/name": "ingress-nginx"}),
-              Pod("internet", None)]
+BYSTANDERS = [
+    Pod("team-shell", "team", {"app": "shell"}),
+    Pod("other-shell", "other", {"app": "shell"}),
+    Pod("prometheus", "monitoring", {"app.kubernetes.io/name": "prometheus"}),
+    Pod("ingress", "ingress-nginx", {"app.kubernetes.io/name": "ingress-nginx"}),
+    Pod("internet", None),
+]
 
 
 def _expected(src: str, dst: str, port_name: str, gateway_sources: set[str]) -> bool:
@@ -184,9 +211,18 @@ def test_two_services_side_by_side_every_path():
 
 
 def test_gateway_from_a_cidr_and_configured_monitoring():
-    settings = OperatorSettings.model_validate({"networkPolicy": {"workloads": {
-        "monitoring": {"namespaceLabels": {"kubernetes.io/metadata.name": "monitoring"},
-                       "podLabels": {"app.kubernetes.io/name": "prometheus"}}}}})
+    settings = OperatorSettings.model_validate(
+        {
+            "networkPolicy": {
+                "workloads": {
+                    "monitoring": {
+                        "namespaceLabels": {"kubernetes.io/metadata.name": "monitoring"},
+                        "podLabels": {"app.kubernetes.io/name": "prometheus"},
+                    }
+                }
+            }
+        }
+    )
     spec_b = {"model": {"uri": "m"}, "networkPolicy": {"gatewayFrom": [{"cidr": "203.0.113.0/24"}]}}
     got, want, manifests = _matrix(spec_b, {"internet"}, settings)
     assert _diff(got, want) == []
@@ -204,8 +240,9 @@ def test_an_empty_gateway_from_admits_nobody_not_everybody():
 
 
 def test_disabled_renders_no_policy_and_the_service_is_open():
-    manifests = _render("b", {"model": {"uri": "m"}, "disaggregation": {"mode": "never"},
-                              "networkPolicy": {"enabled": False}})
+    manifests = _render(
+        "b", {"model": {"uri": "m"}, "disaggregation": {"mode": "never"}, "networkPolicy": {"enabled": False}}
+    )
     assert _policies(manifests) == []
     decode = _pods_of(manifests)["b-decode"]
     assert Cluster([decode], []).allowed(BYSTANDERS[1], decode, decode.ports["grpc"])
@@ -216,15 +253,21 @@ def test_a_peer_must_be_labels_or_a_cidr():
         Peer()
     with pytest.raises(ValueError, match="either a cidr or namespaceLabels/podLabels"):
         Peer(cidr="10.0.0.0/8", pod_labels={})
-    _, errors = admit({"apiVersion": "serving.splitserve.io/v1alpha1", "kind": "InferenceService",
-                       "metadata": {"name": "x", "namespace": "team"},
-                       "spec": {"model": {"uri": "m"}, "networkPolicy": {"gatewayFrom": [{}]}}})
+    _, errors = admit(
+        {
+            "apiVersion": "serving.splitserve.io/v1alpha1",
+            "kind": "InferenceService",
+            "metadata": {"name": "x", "namespace": "team"},
+            "spec": {"model": {"uri": "m"}, "networkPolicy": {"gatewayFrom": [{}]}},
+        }
+    )
     assert any("either a cidr" in e for e in errors)
 
 
 def test_kv_auth_secret_is_mounted_and_passed_to_the_workers():
-    manifests = _render("b", {"model": {"uri": "m"}, "kvTransfer": {
-        "transport": "tcp", "authSecret": {"name": "b-kv", "key": "token"}}})
+    manifests = _render(
+        "b", {"model": {"uri": "m"}, "kvTransfer": {"transport": "tcp", "authSecret": {"name": "b-kv", "key": "token"}}}
+    )
     for m in manifests:
         validate_manifest(m)
     for pool in ("b-prefill", "b-decode"):
@@ -232,15 +275,19 @@ def test_kv_auth_secret_is_mounted_and_passed_to_the_workers():
         pod = dep["spec"]["template"]["spec"]
         (container,) = pod["containers"]
         i = container["args"].index("--kv-secret-file")
-        assert container["args"][i:i + 2] == ["--kv-secret-file", "/etc/splitserve/kv/secret"]
+        assert container["args"][i : i + 2] == ["--kv-secret-file", "/etc/splitserve/kv/secret"]
         assert {"name": "kv-secret", "mountPath": "/etc/splitserve/kv", "readOnly": True} in container["volumeMounts"]
         (volume,) = [v for v in pod["volumes"] if v["name"] == "kv-secret"]
-        assert volume["secret"]["secretName"] == "b-kv" and volume["secret"]["items"] == [{"key": "token", "path": "secret"}]
+        assert volume["secret"]["secretName"] == "b-kv" and volume["secret"]["items"] == [
+            {"key": "token", "path": "secret"}
+        ]
     (router,) = [m for m in manifests if m["kind"] == "Deployment" and m["metadata"]["name"] == "b-router"]
     assert "kv-secret" not in str(router)
 
 
-@pytest.mark.parametrize("tls,secret", [({"issuer": {"name": "internal-ca"}}, "b-tls"), ({"secretName": "mine"}, "mine")])
+@pytest.mark.parametrize(
+    "tls,secret", [({"issuer": {"name": "internal-ca"}}, "b-tls"), ({"secretName": "mine"}, "mine")]
+)
 def test_mtls_mounts_the_secret_into_router_and_workers(tls, secret):
     manifests = _render("b", {"model": {"uri": "m"}, "tls": tls})
     for m in manifests:
@@ -265,7 +312,12 @@ def test_mtls_mounts_the_secret_into_router_and_workers(tls, secret):
 
 
 def test_tls_needs_exactly_one_source():
-    _, errors = admit({"apiVersion": "serving.splitserve.io/v1alpha1", "kind": "InferenceService",
-                       "metadata": {"name": "x", "namespace": "team"},
-                       "spec": {"model": {"uri": "m"}, "tls": {"secretName": "a", "issuer": {"name": "i"}}}})
+    _, errors = admit(
+        {
+            "apiVersion": "serving.splitserve.io/v1alpha1",
+            "kind": "InferenceService",
+            "metadata": {"name": "x", "namespace": "team"},
+            "spec": {"model": {"uri": "m"}, "tls": {"secretName": "a", "issuer": {"name": "i"}}},
+        }
+    )
     assert any("exactly one of secretName or issuer" in e for e in errors)

@@ -32,18 +32,25 @@ from splitserve.planner.server import DesiredStore, serve
 
 SETTINGS = OperatorSettings()
 AUTO = {"enabled": True, "provider": "planner", "minReplicas": 1, "maxReplicas": 9}
-SPEC = {"model": {"uri": "smollm2-135m"}, "kvTransfer": {"transport": "tcp"},
-        "slo": {"ttftP90Ms": 2000, "itlP90Ms": 100},
-        "prefill": {"autoscaling": AUTO}, "decode": {"autoscaling": AUTO}}
-PROFILE = CapacityProfile(prefill=(PrefillPoint(512, 1000.0),),
-                          decode=(DecodePoint(512, 1, 20.0, 0.05), DecodePoint(512, 8, 80.0, 0.1)), kv_tokens=100_000)
+SPEC = {
+    "model": {"uri": "smollm2-135m"},
+    "kvTransfer": {"transport": "tcp"},
+    "slo": {"ttftP90Ms": 2000, "itlP90Ms": 100},
+    "prefill": {"autoscaling": AUTO},
+    "decode": {"autoscaling": AUTO},
+}
+PROFILE = CapacityProfile(
+    prefill=(PrefillPoint(512, 1000.0),),
+    decode=(DecodePoint(512, 1, 20.0, 0.05), DecodePoint(512, 8, 80.0, 0.1)),
+    kv_tokens=100_000,
+)
 
 
 def keda_replicas(trigger: dict, so_spec: dict, body: dict) -> int:
     """What KEDA's HPA aims for with a metrics-api trigger, metricType AverageValue:
     ceil(value / targetValue), within [minReplicaCount, maxReplicaCount]."""
     meta = trigger["metadata"]
-    value = float(body[meta["valueLocation"]])          # a top-level GJSON path
+    value = float(body[meta["valueLocation"]])  # a top-level GJSON path
     want = math.ceil(value / float(meta["targetValue"]))
     return max(so_spec["minReplicaCount"], min(so_spec["maxReplicaCount"], want))
 
@@ -57,10 +64,18 @@ def test_scaler_reads_the_planners_desired_count(cluster, kube, namespace):
 
     cfg = PlannerConfig(ttft_p90_s=2.0, itl_p90_s=0.1, prefill=PoolBounds(1, 9), decode=PoolBounds(1, 9))
     planner = Planner(cfg, PROFILE, initial={"prefill": 2, "decode": 2})
-    decision = planner.tick(Observation(now=0.0, uncached_prompt_tokens_per_s=3000.0, output_tokens_per_s=250.0,
-                                        prefill=PoolObservation(2), decode=PoolObservation(2),
-                                        mean_prompt_tokens=512, mean_output_tokens=64))
-    assert decision.desired() == {"prefill": 4, "decode": 4}   # ceil(3300/800) = 5 capped at ×2; ceil(275/64) = 5 → 4
+    decision = planner.tick(
+        Observation(
+            now=0.0,
+            uncached_prompt_tokens_per_s=3000.0,
+            output_tokens_per_s=250.0,
+            prefill=PoolObservation(2),
+            decode=PoolObservation(2),
+            mean_prompt_tokens=512,
+            mean_output_tokens=64,
+        )
+    )
+    assert decision.desired() == {"prefill": 4, "decode": 4}  # ceil(3300/800) = 5 capped at ×2; ceil(275/64) = 5 → 4
     store = DesiredStore()
     store.publish(namespace, "svc", decision)
     server = serve(store, "127.0.0.1", free_port())
@@ -79,7 +94,9 @@ def test_scaler_reads_the_planners_desired_count(cluster, kube, namespace):
             dep = kube.get(K.path(K.KIND_BY_NAME["Deployment"], namespace, f"svc-{pool}"))
             assert dep["metadata"]["annotations"][C.ANNOTATION_REPLICAS_OWNER] == "planner"
         metrics = urllib.request.urlopen(f"http://127.0.0.1:{server.server_port}/metrics", timeout=30).read().decode()
-        assert f'splitserve_planner_desired_replicas{{name="svc",namespace="{namespace}",pool="prefill"}} 4.0' in metrics
+        assert (
+            f'splitserve_planner_desired_replicas{{name="svc",namespace="{namespace}",pool="prefill"}} 4.0' in metrics
+        )
         assert 'reason="scale_up"} 1.0' in metrics
         with pytest.raises(urllib.error.HTTPError) as e:
             urllib.request.urlopen(f"http://127.0.0.1:{server.server_port}/v1/desired/{namespace}/other", timeout=30)
@@ -91,17 +108,32 @@ def test_scaler_reads_the_planners_desired_count(cluster, kube, namespace):
 
 def test_planner_without_slo_is_rejected_by_the_schema():
     spec = {k: v for k, v in SPEC.items() if k != "slo"}
-    _, errors = admit({"apiVersion": "serving.splitserve.io/v1alpha1", "kind": "InferenceService",
-                       "metadata": {"name": "svc", "namespace": "default"}, "spec": spec})
-    assert errors == ["spec: autoscaling.provider planner needs spec.slo (ttftP90Ms and itlP90Ms): "
-                      "the planner sizes the pools for them"]
+    _, errors = admit(
+        {
+            "apiVersion": "serving.splitserve.io/v1alpha1",
+            "kind": "InferenceService",
+            "metadata": {"name": "svc", "namespace": "default"},
+            "spec": spec,
+        }
+    )
+    assert errors == [
+        "spec: autoscaling.provider planner needs spec.slo (ttftP90Ms and itlP90Ms): "
+        "the planner sizes the pools for them"
+    ]
 
 
-@pytest.mark.parametrize("slo", [{"ttftP90Ms": 0, "itlP90Ms": 50}, {"ttftP90Ms": 500, "itlP90Ms": 0},
-                                 {"ttftP90Ms": 500}])
+@pytest.mark.parametrize(
+    "slo", [{"ttftP90Ms": 0, "itlP90Ms": 50}, {"ttftP90Ms": 500, "itlP90Ms": 0}, {"ttftP90Ms": 500}]
+)
 def test_bad_slo_values_are_rejected_by_the_schema(slo):
-    _, errors = admit({"apiVersion": "serving.splitserve.io/v1alpha1", "kind": "InferenceService",
-                       "metadata": {"name": "svc", "namespace": "default"}, "spec": {**SPEC, "slo": slo}})
+    _, errors = admit(
+        {
+            "apiVersion": "serving.splitserve.io/v1alpha1",
+            "kind": "InferenceService",
+            "metadata": {"name": "svc", "namespace": "default"},
+            "spec": {**SPEC, "slo": slo},
+        }
+    )
     assert errors and all(e.startswith("spec.slo") for e in errors), errors
 
 
@@ -129,10 +161,16 @@ def test_operator_renders_the_planner_configmap_the_planner_reads():
     settings = OperatorSettings.model_validate({"autoscaling": {"plannerProfile": PROFILE.to_json()}})
     objs = _render(SPEC, settings)
     cm = objs[("ConfigMap", "svc-planner")]
-    assert _labels_match(PLANNER_SELECTOR, cm["metadata"]["labels"])      # the planner's LIST finds it
-    assert cm["metadata"]["ownerReferences"][0]["uid"] == "uid-1"         # gone with the InferenceService
+    assert _labels_match(PLANNER_SELECTOR, cm["metadata"]["labels"])  # the planner's LIST finds it
+    assert cm["metadata"]["ownerReferences"][0]["uid"] == "uid-1"  # gone with the InferenceService
     plan = ServicePlan.from_configmap(cm)
-    assert (plan.namespace, plan.name, plan.ttft_p90_ms, plan.itl_p90_ms, plan.export) == ("llm", "svc", 2000, 100, "keda")
+    assert (plan.namespace, plan.name, plan.ttft_p90_ms, plan.itl_p90_ms, plan.export) == (
+        "llm",
+        "svc",
+        2000,
+        100,
+        "keda",
+    )
     for pool in ("prefill", "decode"):
         pp = plan.pool(pool)
         dep = objs[("Deployment", pp.deployment)]
@@ -142,18 +180,21 @@ def test_operator_renders_the_planner_configmap_the_planner_reads():
         assert plan.worker_metrics_port == port["metrics"]
     router = objs[("Deployment", "svc-router")]
     assert _labels_match(plan.router_selector, router["spec"]["template"]["metadata"]["labels"])
-    assert CapacityProfile.from_json(plan.profile_json) == PROFILE              # the chart's default profile
+    assert CapacityProfile.from_json(plan.profile_json) == PROFILE  # the chart's default profile
     assert plan.profile_config_map is None
     # the planner may scrape the metrics ports (NetworkPolicy), besides the monitoring peer
     workers = objs[("NetworkPolicy", "svc-workers")]
     metrics_rule = next(r for r in workers["spec"]["ingress"] if r["ports"] == [{"port": "metrics", "protocol": "TCP"}])
-    assert {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "splitserve-system"}},
-            "podSelector": {"matchLabels": {"app.kubernetes.io/name": "splitserve-planner"}}} in metrics_rule["from"]
+    assert {
+        "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "splitserve-system"}},
+        "podSelector": {"matchLabels": {"app.kubernetes.io/name": "splitserve-planner"}},
+    } in metrics_rule["from"]
 
 
 def test_a_service_profile_configmap_replaces_the_chart_default_and_scale_export_drops_keda():
-    settings = OperatorSettings.model_validate({"autoscaling": {"plannerProfile": PROFILE.to_json(),
-                                                                "plannerExport": "scale"}})
+    settings = OperatorSettings.model_validate(
+        {"autoscaling": {"plannerProfile": PROFILE.to_json(), "plannerExport": "scale"}}
+    )
     objs = _render({**SPEC, "slo": {**SPEC["slo"], "profileConfigMap": "h100-profile"}}, settings)
     cm = objs[("ConfigMap", "svc-planner")]
     plan = ServicePlan.from_configmap(cm)
@@ -164,18 +205,29 @@ def test_a_service_profile_configmap_replaces_the_chart_default_and_scale_export
 
 
 def test_no_planner_configmap_without_provider_planner():
-    keda = {**SPEC, "prefill": {"autoscaling": {**AUTO, "provider": "keda"}},
-            "decode": {"autoscaling": {**AUTO, "provider": "keda"}}}
+    keda = {
+        **SPEC,
+        "prefill": {"autoscaling": {**AUTO, "provider": "keda"}},
+        "decode": {"autoscaling": {**AUTO, "provider": "keda"}},
+    }
     objs = _render(keda, SETTINGS)
     assert ("ConfigMap", "svc-planner") not in objs
-    metrics_rule = next(r for r in objs[("NetworkPolicy", "svc-workers")]["spec"]["ingress"]
-                        if r["ports"] == [{"port": "metrics", "protocol": "TCP"}])
-    assert len(metrics_rule["from"]) == 1                                # the monitoring peer only
+    metrics_rule = next(
+        r
+        for r in objs[("NetworkPolicy", "svc-workers")]["spec"]["ingress"]
+        if r["ports"] == [{"port": "metrics", "protocol": "TCP"}]
+    )
+    assert len(metrics_rule["from"]) == 1  # the monitoring peer only
 
 
 @pytest.mark.parametrize("bad", ["Upper", "-x", "a" * 254])
 def test_bad_profile_configmap_names_are_rejected_by_the_schema(bad):
-    _, errors = admit({"apiVersion": "serving.splitserve.io/v1alpha1", "kind": "InferenceService",
-                       "metadata": {"name": "svc", "namespace": "default"},
-                       "spec": {**SPEC, "slo": {**SPEC["slo"], "profileConfigMap": bad}}})
+    _, errors = admit(
+        {
+            "apiVersion": "serving.splitserve.io/v1alpha1",
+            "kind": "InferenceService",
+            "metadata": {"name": "svc", "namespace": "default"},
+            "spec": {**SPEC, "slo": {**SPEC["slo"], "profileConfigMap": bad}},
+        }
+    )
     assert errors and all(e.startswith("spec.slo.profileConfigMap") for e in errors), errors

@@ -30,8 +30,14 @@ def example(name: str) -> dict:
 
 
 def rendered(spec: dict, name: str = "svc", namespace: str = "ns", settings: OperatorSettings | None = None):
-    stored, errors = admit({"apiVersion": "serving.splitserve.io/v1alpha1", "kind": "InferenceService",
-                            "metadata": {"name": name, "namespace": namespace}, "spec": spec})
+    stored, errors = admit(
+        {
+            "apiVersion": "serving.splitserve.io/v1alpha1",
+            "kind": "InferenceService",
+            "metadata": {"name": name, "namespace": namespace},
+            "spec": spec,
+        }
+    )
     assert errors == []
     return render(parse_spec(stored["spec"]), name, namespace, UID, settings)
 
@@ -44,26 +50,75 @@ CASES = {
     "tiny-cpu": (example("smollm2-cpu.yaml")["spec"], None),
     "llama-gpu-keda": (example("llama-3-8b-gpu.yaml")["spec"], None),
     "no-disaggregation": ({"model": {"uri": "smollm2-135m"}, "disaggregation": {"mode": "never"}}, None),
-    "hpa-fractional-target": ({"model": {"uri": "m"}, "prefill": {"autoscaling": {
-        "enabled": True, "provider": "hpa", "targetQueueDepth": 2.5}}, "decode": {"autoscaling": {
-            "enabled": True, "provider": "hpa", "minReplicas": 2, "maxReplicas": 9}}}, None),
-    "keda-scale-to-zero": ({"model": {"uri": "m"}, "decode": {"replicas": 0, "autoscaling": {
-        "enabled": True, "minReplicas": 0, "maxReplicas": 3}}}, None),
-    "routers-with-redis-secret": ({"model": {"uri": "m"}, "router": {"replicas": 3, "redis": {
-        "url": "redis://r:6379", "passwordSecret": {"name": "redis", "key": "password"}}}}, None),
-    "user-env-and-scheduling": ({"model": {"uri": "m"}, "decode": {
-        "env": [{"name": "HOME", "value": "/work"}, {"name": "TOKEN", "valueFrom": {"secretKeyRef": {
-            "name": "s", "key": "k"}}}],
-        "tolerations": [{"key": "dedicated", "operator": "Equal", "value": "llm", "effect": "NoSchedule"}],
-        "nodeSelector": {"pool": "llm"}}}, None),
-    "image-overrides": ({"model": {"uri": "m"}, "image": {"repository": "registry.local/ss", "tag": "dev"},
-                         "prefill": {"image": "registry.local/custom:1", "gpus": 2}}, None),
-    "chart-enables-autoscaling": ({"model": {"uri": "m"}}, OperatorSettings(
-        autoscaling=AutoscalingDefaults(enabled=True, provider="hpa"))),
-    "lora-adapters": ({"model": {"uri": "m", "storage": {"pvcName": "weights"}}, "adapters": [
-        {"name": "sql", "uri": "/models/adapters/sql"}, {"name": "chat-v2", "uri": "/models/adapters/chat"}]}, None),
-    "service-monitor-no-prefill": ({"model": {"uri": "m"}, "disaggregation": {"mode": "never"},
-                                    "monitoring": {"serviceMonitor": {"enabled": True, "interval": "30s"}}}, None),
+    "hpa-fractional-target": (
+        {
+            "model": {"uri": "m"},
+            "prefill": {"autoscaling": {"enabled": True, "provider": "hpa", "targetQueueDepth": 2.5}},
+            "decode": {"autoscaling": {"enabled": True, "provider": "hpa", "minReplicas": 2, "maxReplicas": 9}},
+        },
+        None,
+    ),
+    "keda-scale-to-zero": (
+        {
+            "model": {"uri": "m"},
+            "decode": {"replicas": 0, "autoscaling": {"enabled": True, "minReplicas": 0, "maxReplicas": 3}},
+        },
+        None,
+    ),
+    "routers-with-redis-secret": (
+        {
+            "model": {"uri": "m"},
+            "router": {
+                "replicas": 3,
+                "redis": {"url": "redis://r:6379", "passwordSecret": {"name": "redis", "key": "password"}},
+            },
+        },
+        None,
+    ),
+    "user-env-and-scheduling": (
+        {
+            "model": {"uri": "m"},
+            "decode": {
+                "env": [
+                    {"name": "HOME", "value": "/work"},
+                    {"name": "TOKEN", "valueFrom": {"secretKeyRef": {"name": "s", "key": "k"}}},
+                ],
+                "tolerations": [{"key": "dedicated", "operator": "Equal", "value": "llm", "effect": "NoSchedule"}],
+                "nodeSelector": {"pool": "llm"},
+            },
+        },
+        None,
+    ),
+    "image-overrides": (
+        {
+            "model": {"uri": "m"},
+            "image": {"repository": "registry.local/ss", "tag": "dev"},
+            "prefill": {"image": "registry.local/custom:1", "gpus": 2},
+        },
+        None,
+    ),
+    "chart-enables-autoscaling": (
+        {"model": {"uri": "m"}},
+        OperatorSettings(autoscaling=AutoscalingDefaults(enabled=True, provider="hpa")),
+    ),
+    "lora-adapters": (
+        {
+            "model": {"uri": "m", "storage": {"pvcName": "weights"}},
+            "adapters": [
+                {"name": "sql", "uri": "/models/adapters/sql"},
+                {"name": "chat-v2", "uri": "/models/adapters/chat"},
+            ],
+        },
+        None,
+    ),
+    "service-monitor-no-prefill": (
+        {
+            "model": {"uri": "m"},
+            "disaggregation": {"mode": "never"},
+            "monitoring": {"serviceMonitor": {"enabled": True, "interval": "30s"}},
+        },
+        None,
+    ),
 }
 
 
@@ -76,8 +131,16 @@ def test_every_manifest_is_valid_and_owned(case):
         validate_manifest(m)
         meta = m["metadata"]
         assert meta["namespace"] == "ns"
-        assert meta["ownerReferences"] == [{"apiVersion": "serving.splitserve.io/v1alpha1", "kind": "InferenceService",
-                                            "name": "svc", "uid": UID, "controller": True, "blockOwnerDeletion": True}]
+        assert meta["ownerReferences"] == [
+            {
+                "apiVersion": "serving.splitserve.io/v1alpha1",
+                "kind": "InferenceService",
+                "name": "svc",
+                "uid": UID,
+                "controller": True,
+                "blockOwnerDeletion": True,
+            }
+        ]
         assert meta["labels"][C.LABEL_INSTANCE] == "svc"
         assert meta["labels"][C.LABEL_NAME] == "splitserve"
         assert meta["labels"][C.LABEL_MANAGED_BY] == "splitserve-operator"
@@ -87,11 +150,23 @@ def test_every_manifest_is_valid_and_owned(case):
 def test_children_of_the_tiny_example():
     keys = list(by_key(rendered(example("smollm2-cpu.yaml")["spec"])))
     assert keys == [
-        ("ConfigMap", "svc-router"), ("ServiceAccount", "svc-router"), ("Role", "svc-router"),
-        ("RoleBinding", "svc-router"), ("Service", "svc-prefill"), ("Service", "svc-decode"),
-        ("Service", "svc-router"), ("Service", "svc"), ("Deployment", "svc-prefill"), ("Deployment", "svc-decode"),
-        ("Deployment", "svc-router"), ("PodDisruptionBudget", "svc-prefill"), ("PodDisruptionBudget", "svc-decode"),
-        ("PodDisruptionBudget", "svc-router"), ("NetworkPolicy", "svc-workers"), ("NetworkPolicy", "svc-router")]
+        ("ConfigMap", "svc-router"),
+        ("ServiceAccount", "svc-router"),
+        ("Role", "svc-router"),
+        ("RoleBinding", "svc-router"),
+        ("Service", "svc-prefill"),
+        ("Service", "svc-decode"),
+        ("Service", "svc-router"),
+        ("Service", "svc"),
+        ("Deployment", "svc-prefill"),
+        ("Deployment", "svc-decode"),
+        ("Deployment", "svc-router"),
+        ("PodDisruptionBudget", "svc-prefill"),
+        ("PodDisruptionBudget", "svc-decode"),
+        ("PodDisruptionBudget", "svc-router"),
+        ("NetworkPolicy", "svc-workers"),
+        ("NetworkPolicy", "svc-router"),
+    ]
 
 
 def test_worker_container_follows_the_worker_contract():
@@ -99,31 +174,74 @@ def test_worker_container_follows_the_worker_contract():
     pod = deploy["spec"]["template"]["spec"]
     (c,) = pod["containers"]
     assert c["command"] == ["splitserve"]
-    assert c["args"] == ["worker", "--role", "decode", "--model", "smollm2-135m", "--dtype", "float32",
-                         "--max-model-len", "2048", "--block-size", "16", "--max-num-seqs", "32",
-                         "--kv-cache-memory", "0.5", "--host", "0.0.0.0", "--advertise-host", "$(POD_IP)", "--grpc-port", "50051", "--metrics-port", "9090",
-                         "--kv-transport", "tcp", "--kv-port", "13337",
-                         # secure by default: the operator's KV secret and per-pool certificate
-                         "--kv-secret-file", "/etc/splitserve/kv/secret", "--tls-cert", "/etc/splitserve/tls/tls.crt",
-                         "--tls-key", "/etc/splitserve/tls/tls.key", "--tls-ca", "/etc/splitserve/tls/ca.crt",
-                         "--tls-check-peer-roles"]   # per-role certificates: callers checked by role
+    assert c["args"] == [
+        "worker",
+        "--role",
+        "decode",
+        "--model",
+        "smollm2-135m",
+        "--dtype",
+        "float32",
+        "--max-model-len",
+        "2048",
+        "--block-size",
+        "16",
+        "--max-num-seqs",
+        "32",
+        "--kv-cache-memory",
+        "0.5",
+        "--host",
+        "0.0.0.0",
+        "--advertise-host",
+        "$(POD_IP)",
+        "--grpc-port",
+        "50051",
+        "--metrics-port",
+        "9090",
+        "--kv-transport",
+        "tcp",
+        "--kv-port",
+        "13337",
+        # secure by default: the operator's KV secret and per-pool certificate
+        "--kv-secret-file",
+        "/etc/splitserve/kv/secret",
+        "--tls-cert",
+        "/etc/splitserve/tls/tls.crt",
+        "--tls-key",
+        "/etc/splitserve/tls/tls.key",
+        "--tls-ca",
+        "/etc/splitserve/tls/ca.crt",
+        "--tls-check-peer-roles",
+    ]  # per-role certificates: callers checked by role
     assert c["image"] == "ghcr.io/splitserve/splitserve:0.1.0"
     assert [(p["name"], p["containerPort"]) for p in c["ports"]] == [("grpc", 50051), ("metrics", 9090), ("kv", 13337)]
     assert c["livenessProbe"]["httpGet"] == {"path": "/health", "port": "metrics"}
     assert c["readinessProbe"]["httpGet"] == {"path": "/ready", "port": "metrics"}
     assert c["startupProbe"]["httpGet"] == {"path": "/health", "port": "metrics"}
     assert c["startupProbe"]["periodSeconds"] * c["startupProbe"]["failureThreshold"] == 600
-    assert c["securityContext"] == {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
-                                    "runAsNonRoot": True, "capabilities": {"drop": ["ALL"]}}
+    assert c["securityContext"] == {
+        "allowPrivilegeEscalation": False,
+        "readOnlyRootFilesystem": True,
+        "runAsNonRoot": True,
+        "capabilities": {"drop": ["ALL"]},
+    }
     assert c["resources"] == {"requests": {"cpu": "1", "memory": "1Gi"}, "limits": {"memory": "2Gi"}}
-    assert {m["mountPath"] for m in c["volumeMounts"]} == {"/tmp", "/dev/shm", "/etc/splitserve/kv", "/etc/splitserve/tls"}
+    assert {m["mountPath"] for m in c["volumeMounts"]} == {
+        "/tmp",
+        "/dev/shm",
+        "/etc/splitserve/kv",
+        "/etc/splitserve/tls",
+    }
     assert pod["terminationGracePeriodSeconds"] == 120
     assert pod["securityContext"]["runAsNonRoot"] is True and pod["securityContext"]["runAsUser"] == 10001
     assert pod["automountServiceAccountToken"] is False
     term = pod["affinity"]["podAntiAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"][0]["podAffinityTerm"]
     assert term["topologyKey"] == "kubernetes.io/hostname"
-    assert term["labelSelector"]["matchLabels"] == deploy["spec"]["selector"]["matchLabels"] == {
-        C.LABEL_NAME: "splitserve", C.LABEL_INSTANCE: "svc", C.LABEL_COMPONENT: "decode"}
+    assert (
+        term["labelSelector"]["matchLabels"]
+        == deploy["spec"]["selector"]["matchLabels"]
+        == {C.LABEL_NAME: "splitserve", C.LABEL_INSTANCE: "svc", C.LABEL_COMPONENT: "decode"}
+    )
     assert deploy["spec"]["template"]["metadata"]["labels"][C.LABEL_ROLE] == "decode"
 
 
@@ -132,11 +250,19 @@ def test_adapters_are_declared_to_the_router_and_kept_out_of_every_pod_template(
     adapter list changes no pod template (no pod restarts), only that one ConfigMap key."""
     with_adapters = by_key(rendered(CASES["lora-adapters"][0]))
     cm = with_adapters[("ConfigMap", "svc-router")]
-    assert yaml.safe_load(cm["data"][C.ROUTER_ADAPTERS_FILE]) == {"adapters": [
-        {"name": "sql", "path": "/models/adapters/sql"}, {"name": "chat-v2", "path": "/models/adapters/chat"}]}
+    assert yaml.safe_load(cm["data"][C.ROUTER_ADAPTERS_FILE]) == {
+        "adapters": [
+            {"name": "sql", "path": "/models/adapters/sql"},
+            {"name": "chat-v2", "path": "/models/adapters/chat"},
+        ]
+    }
     router_yaml = yaml.safe_load(cm["data"][C.ROUTER_CONFIG_FILE])
-    assert router_yaml["adapters"] == {"file": "/etc/splitserve/adapters.yaml", "report_namespace": "ns",
-                                       "report_configmap": "svc-router", "report_annotation": C.ANNOTATION_ADAPTERS_LOADED}
+    assert router_yaml["adapters"] == {
+        "file": "/etc/splitserve/adapters.yaml",
+        "report_namespace": "ns",
+        "report_configmap": "svc-router",
+        "report_annotation": C.ANNOTATION_ADAPTERS_LOADED,
+    }
     assert {"name": "lora-affinity", "weight": 2.0} in router_yaml["placement"]["decode"]["scorers"]
     changed = dict(CASES["lora-adapters"][0], adapters=[{"name": "sql", "uri": "/models/adapters/sql-v2"}])
     for other in (by_key(rendered(changed)), by_key(rendered({**changed, "adapters": []}))):
@@ -150,8 +276,12 @@ def test_adapters_are_declared_to_the_router_and_kept_out_of_every_pod_template(
         (c,) = with_adapters[("Deployment", f"svc-{pool}")]["spec"]["template"]["spec"]["containers"]
         assert "--lora-modules" not in c["args"]
     role = with_adapters[("Role", "svc-router")]
-    assert {"apiGroups": [""], "resources": ["configmaps"], "resourceNames": ["svc-router"],
-            "verbs": ["get", "patch"]} in role["rules"]
+    assert {
+        "apiGroups": [""],
+        "resources": ["configmaps"],
+        "resourceNames": ["svc-router"],
+        "verbs": ["get", "patch"],
+    } in role["rules"]
 
 
 def test_gpu_pool_gets_cuda_image_gpu_limit_toleration_and_device():
@@ -177,10 +307,25 @@ def test_router_container_and_config():
     deploy = manifests[("Deployment", "svc-router")]
     pod = deploy["spec"]["template"]["spec"]
     (c,) = pod["containers"]
-    assert c["args"] == ["router", "--config", "/etc/splitserve/router.yaml", "--host", "0.0.0.0", "--port", "8000",
-                         "--metrics-port", "9090", "--tls-cert", "/etc/splitserve/tls/tls.crt",
-                         "--tls-key", "/etc/splitserve/tls/tls.key", "--tls-ca", "/etc/splitserve/tls/ca.crt",
-                         "--api-keys-file", "/etc/splitserve/api-keys/keys.yaml"]   # closed by default
+    assert c["args"] == [
+        "router",
+        "--config",
+        "/etc/splitserve/router.yaml",
+        "--host",
+        "0.0.0.0",
+        "--port",
+        "8000",
+        "--metrics-port",
+        "9090",
+        "--tls-cert",
+        "/etc/splitserve/tls/tls.crt",
+        "--tls-key",
+        "/etc/splitserve/tls/tls.key",
+        "--tls-ca",
+        "/etc/splitserve/tls/ca.crt",
+        "--api-keys-file",
+        "/etc/splitserve/api-keys/keys.yaml",
+    ]  # closed by default
     assert [(p["name"], p["containerPort"]) for p in c["ports"]] == [("http", 8000), ("metrics", 9090)]
     assert c["readinessProbe"]["httpGet"] == {"path": "/ready", "port": "http"}
     assert c["livenessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
@@ -188,30 +333,49 @@ def test_router_container_and_config():
     assert {"name": "config", "configMap": {"name": "svc-router"}} in pod["volumes"]
     config = yaml.safe_load(manifests[("ConfigMap", "svc-router")]["data"]["router.yaml"])
     assert config == {
-        "model": "smollm2-135m", "block_size": 16, "max_model_len": 2048,
+        "model": "smollm2-135m",
+        "block_size": 16,
+        "max_model_len": 2048,
         "gateway": {"served_model_names": ["smollm2-135m"]},
         "discovery": {"k8s_namespace": "ns", "k8s_services": ["svc-prefill", "svc-decode"], "k8s_port_name": "grpc"},
         "index": {"backend": "memory"},
         "placement": {
             "disaggregation": {"mode": "conditional", "min_prefill_tokens": 64},
-            "decode": {"scorers": [{"name": "prefix-overlap", "weight": 3.0}, {"name": "queue-depth", "weight": 2.0},
-                                   {"name": "kv-usage", "weight": 2.0}, {"name": "pending-assignments", "weight": 1.0},
-                                   {"name": "lora-affinity", "weight": 2.0}]},
-            "prefill": {"scorers": [{"name": "prefix-overlap", "weight": 3.0},
-                                    {"name": "queued-prefill-tokens", "weight": 2.0},
-                                    {"name": "pending-assignments", "weight": 1.0}]}},
-        "adapters": {"file": "/etc/splitserve/adapters.yaml", "report_namespace": "ns", "report_configmap": "svc-router",
-                     "report_annotation": "serving.splitserve.io/adapters-loaded"}}
+            "decode": {
+                "scorers": [
+                    {"name": "prefix-overlap", "weight": 3.0},
+                    {"name": "queue-depth", "weight": 2.0},
+                    {"name": "kv-usage", "weight": 2.0},
+                    {"name": "pending-assignments", "weight": 1.0},
+                    {"name": "lora-affinity", "weight": 2.0},
+                ]
+            },
+            "prefill": {
+                "scorers": [
+                    {"name": "prefix-overlap", "weight": 3.0},
+                    {"name": "queued-prefill-tokens", "weight": 2.0},
+                    {"name": "pending-assignments", "weight": 1.0},
+                ]
+            },
+        },
+        "adapters": {
+            "file": "/etc/splitserve/adapters.yaml",
+            "report_namespace": "ns",
+            "report_configmap": "svc-router",
+            "report_annotation": "serving.splitserve.io/adapters-loaded",
+        },
+    }
     # ...and the router itself accepts it.
     from splitserve.router.config_file import from_dict
+
     loaded = from_dict(config)
     assert loaded.discovery.k8s_services == ("svc-prefill", "svc-decode")
     assert loaded.placement.decode.scorers[1].name == "queue-depth"
     role = manifests[("Role", "svc-router")]
-    assert role["rules"] == [{"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"],
-                              "verbs": ["list", "watch"]},
-                             {"apiGroups": [""], "resources": ["configmaps"], "resourceNames": ["svc-router"],
-                              "verbs": ["get", "patch"]}]
+    assert role["rules"] == [
+        {"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"], "verbs": ["list", "watch"]},
+        {"apiGroups": [""], "resources": ["configmaps"], "resourceNames": ["svc-router"], "verbs": ["get", "patch"]},
+    ]
     binding = manifests[("RoleBinding", "svc-router")]
     assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "svc-router", "namespace": "ns"}]
     assert binding["roleRef"]["name"] == "svc-router"
@@ -224,7 +388,10 @@ def test_services():
         assert svc["spec"]["clusterIP"] == "None"
         assert svc["spec"]["selector"] == {C.LABEL_NAME: "splitserve", C.LABEL_INSTANCE: "svc", C.LABEL_COMPONENT: pool}
         assert [(p["name"], p["port"], p["targetPort"]) for p in svc["spec"]["ports"]] == [
-            ("grpc", 50051, "grpc"), ("metrics", 9090, "metrics"), ("kv", 13337, "kv")]
+            ("grpc", 50051, "grpc"),
+            ("metrics", 9090, "metrics"),
+            ("kv", 13337, "kv"),
+        ]
     gateway = manifests[("Service", "svc")]
     assert gateway["spec"]["selector"][C.LABEL_COMPONENT] == "router"
     assert gateway["spec"]["ports"] == [{"name": "http", "port": 8000, "targetPort": "http", "protocol": "TCP"}]
@@ -255,8 +422,15 @@ def test_keda_scaled_object_queries_the_pool_queue_depth():
     assert (so["spec"]["pollingInterval"], so["spec"]["cooldownPeriod"]) == (15, 600)
     (trigger,) = so["spec"]["triggers"]
     query = 'sum(vllm:num_requests_waiting{namespace="llm",pod=~"llama3-8b-decode-[a-z0-9]+-[a-z0-9]+"})'
-    assert trigger == {"type": "prometheus", "metricType": "AverageValue", "metadata": {
-        "serverAddress": "http://prometheus-operated.monitoring.svc:9090", "query": query, "threshold": "16"}}
+    assert trigger == {
+        "type": "prometheus",
+        "metricType": "AverageValue",
+        "metadata": {
+            "serverAddress": "http://prometheus-operated.monitoring.svc:9090",
+            "query": query,
+            "threshold": "16",
+        },
+    }
     promql_parser.parse(query)
     pod_regex = re.fullmatch(r'.*pod=~"([^"]+)".*', query).group(1)
     deploy = manifests[("Deployment", "llama3-8b-decode")]
@@ -270,8 +444,15 @@ def test_keda_scaled_object_queries_the_pool_queue_depth():
 def test_hpa_uses_the_adapter_metric():
     manifests = by_key(rendered(CASES["hpa-fractional-target"][0]))
     hpa = manifests[("HorizontalPodAutoscaler", "svc-prefill")]
-    assert hpa["spec"]["metrics"] == [{"type": "Pods", "pods": {"metric": {"name": "vllm_num_requests_waiting"},
-                                                              "target": {"type": "AverageValue", "averageValue": "2500m"}}}]
+    assert hpa["spec"]["metrics"] == [
+        {
+            "type": "Pods",
+            "pods": {
+                "metric": {"name": "vllm_num_requests_waiting"},
+                "target": {"type": "AverageValue", "averageValue": "2500m"},
+            },
+        }
+    ]
     assert (hpa["spec"]["minReplicas"], hpa["spec"]["maxReplicas"]) == (1, 4)  # the chart's prefill defaults
     assert hpa["spec"]["behavior"]["scaleDown"]["stabilizationWindowSeconds"] == 300
     decode = manifests[("HorizontalPodAutoscaler", "svc-decode")]
@@ -283,15 +464,20 @@ def test_chart_defaults_apply_when_the_spec_is_silent():
     spec, settings = CASES["chart-enables-autoscaling"]
     manifests = by_key(rendered(spec, settings=settings))
     assert {k for k in manifests if k[0] == "HorizontalPodAutoscaler"} == {
-        ("HorizontalPodAutoscaler", "svc-prefill"), ("HorizontalPodAutoscaler", "svc-decode")}
-    spec_wins = by_key(rendered({"model": {"uri": "m"}, "decode": {"autoscaling": {"enabled": False}}},
-                                settings=settings))
+        ("HorizontalPodAutoscaler", "svc-prefill"),
+        ("HorizontalPodAutoscaler", "svc-decode"),
+    }
+    spec_wins = by_key(
+        rendered({"model": {"uri": "m"}, "decode": {"autoscaling": {"enabled": False}}}, settings=settings)
+    )
     assert ("HorizontalPodAutoscaler", "svc-decode") not in spec_wins
     assert ("HorizontalPodAutoscaler", "svc-prefill") in spec_wins
 
 
 def test_user_env_overrides_ours_and_scheduling_is_kept():
-    pod = by_key(rendered(CASES["user-env-and-scheduling"][0]))[("Deployment", "svc-decode")]["spec"]["template"]["spec"]
+    pod = by_key(rendered(CASES["user-env-and-scheduling"][0]))[("Deployment", "svc-decode")]["spec"]["template"][
+        "spec"
+    ]
     env = pod["containers"][0]["env"]
     assert [e for e in env if e["name"] == "HOME"] == [{"name": "HOME", "value": "/work"}]
     assert env[-1] == {"name": "TOKEN", "valueFrom": {"secretKeyRef": {"name": "s", "key": "k"}}}
@@ -322,8 +508,11 @@ def test_service_monitor_selects_the_headless_services_only():
     monitor = manifests[("ServiceMonitor", "svc")]
     assert monitor["spec"]["endpoints"] == [{"port": "metrics", "path": "/metrics", "interval": "30s"}]
     expr = monitor["spec"]["selector"]["matchExpressions"][0]
-    selected = [k for k, m in manifests.items() if k[0] == "Service"
-                and m["metadata"]["labels"][C.LABEL_COMPONENT] in expr["values"]]
+    selected = [
+        k
+        for k, m in manifests.items()
+        if k[0] == "Service" and m["metadata"]["labels"][C.LABEL_COMPONENT] in expr["values"]
+    ]
     assert selected == [("Service", "svc-decode"), ("Service", "svc-router")]
 
 
@@ -339,10 +528,16 @@ def test_render_is_pure_and_the_config_hash_rolls_only_the_router():
     spec = {"model": {"uri": "m"}}
     assert rendered(spec) == rendered(spec)
     hashes = {}
-    for variant, change in {"base": {}, "replicas": {"decode": {"replicas": 3}},
-                            "weights": {"router": {"scorerWeights": {"prefix": 9}}}}.items():
-        parsed = parse_spec(admit({"apiVersion": "x", "kind": "InferenceService", "metadata": {"name": "svc"},
-                                   "spec": {**spec, **change}})[0]["spec"])
+    for variant, change in {
+        "base": {},
+        "replicas": {"decode": {"replicas": 3}},
+        "weights": {"router": {"scorerWeights": {"prefix": 9}}},
+    }.items():
+        parsed = parse_spec(
+            admit(
+                {"apiVersion": "x", "kind": "InferenceService", "metadata": {"name": "svc"}, "spec": {**spec, **change}}
+            )[0]["spec"]
+        )
         hashes[variant] = config_hash(Context(parsed, "svc", "ns", UID, OperatorSettings()))
     assert hashes["base"] == hashes["replicas"] != hashes["weights"]
 
@@ -354,11 +549,16 @@ def test_speculative_decoding_goes_to_the_decode_pool_only():
     decode = manifests[("Deployment", "svc-decode")]["spec"]["template"]["spec"]["containers"][0]["args"]
     prefill = manifests[("Deployment", "svc-prefill")]["spec"]["template"]["spec"]["containers"][0]["args"]
     value = decode[decode.index("--speculative-config") + 1]
-    assert json.loads(value) == {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4,
-                                 "prompt_lookup_min": 1}
+    assert json.loads(value) == {
+        "method": "ngram",
+        "num_speculative_tokens": 3,
+        "prompt_lookup_max": 4,
+        "prompt_lookup_min": 1,
+    }
     assert "--speculative-config" not in prefill
     # What the operator renders is what the worker's own flag accepts.
     from splitserve.platform.config import SpeculativeConfig
+
     assert SpeculativeConfig.from_json(value).num_speculative_tokens == 3
 
 
@@ -387,6 +587,8 @@ def test_kv_cache_spec_renders_the_second_tier_and_pulls(gpus):
     import argparse
 
     from splitserve.platform.cli import byte_size, kv_tier_config
-    tier = kv_tier_config(argparse.Namespace(kv_tier_bytes=byte_size(args[args.index("--kv-tier-bytes") + 1]),
-                                             kv_tier_dir=None))
+
+    tier = kv_tier_config(
+        argparse.Namespace(kv_tier_bytes=byte_size(args[args.index("--kv-tier-bytes") + 1]), kv_tier_dir=None)
+    )
     assert tier.max_bytes == 2 * 1024**3

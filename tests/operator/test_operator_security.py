@@ -36,8 +36,14 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 SETTINGS = OperatorSettings()
 TINY = {"model": {"uri": "smollm2-135m"}, "kvTransfer": {"transport": "tcp"}}
 T0 = datetime.datetime(2026, 1, 1, tzinfo=datetime.UTC)
-TLS_ARGS = ["--tls-cert", "/etc/splitserve/tls/tls.crt", "--tls-key", "/etc/splitserve/tls/tls.key",
-            "--tls-ca", "/etc/splitserve/tls/ca.crt"]
+TLS_ARGS = [
+    "--tls-cert",
+    "/etc/splitserve/tls/tls.crt",
+    "--tls-key",
+    "/etc/splitserve/tls/tls.key",
+    "--tls-ca",
+    "/etc/splitserve/tls/ca.crt",
+]
 
 
 def deployments(manifests):
@@ -45,8 +51,11 @@ def deployments(manifests):
 
 
 def secret_volumes(dep) -> dict[str, str]:
-    return {v["name"]: v["secret"]["secretName"] for v in dep["spec"]["template"]["spec"].get("volumes", [])
-            if "secret" in v}
+    return {
+        v["name"]: v["secret"]["secretName"]
+        for v in dep["spec"]["template"]["spec"].get("volumes", [])
+        if "secret" in v
+    }
 
 
 def args_of(dep) -> list[str]:
@@ -63,6 +72,7 @@ def test_there_are_examples():
 @pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
 def test_every_shipped_example_renders_secure(path):
     import yaml
+
     for doc in yaml.safe_load_all(path.read_text()):
         if not doc or doc.get("kind") != C.KIND:
             continue
@@ -74,7 +84,7 @@ def test_every_shipped_example_renders_secure(path):
             if spec.security.insecure:
                 continue
             assert "tls" in secret_volumes(dep), f"{path.name}: {name} runs without mTLS"
-            if component not in ("router", "epp"):   # the EPP, like the router, moves no KV
+            if component not in ("router", "epp"):  # the EPP, like the router, moves no KV
                 assert "--kv-secret-file" in args_of(dep), f"{path.name}: {name} accepts unauthenticated KV"
 
 
@@ -84,11 +94,18 @@ def test_default_render_mounts_a_kv_secret_and_a_certificate_per_pool():
     for pool in ("prefill", "decode"):
         dep = deps[f"svc-{pool}"]
         assert secret_volumes(dep) == {"tls": f"svc-{pool}-tls", "kv-secret": "svc-kv"}
-        assert args_of(dep)[-len(TLS_ARGS) - 3:] == ["--kv-secret-file", "/etc/splitserve/kv/secret", *TLS_ARGS,
-                                                     "--tls-check-peer-roles"]
+        assert args_of(dep)[-len(TLS_ARGS) - 3 :] == [
+            "--kv-secret-file",
+            "/etc/splitserve/kv/secret",
+            *TLS_ARGS,
+            "--tls-check-peer-roles",
+        ]
     assert secret_volumes(deps["svc-router"]) == {"tls": "svc-router-tls", "api-keys": "svc-api-keys"}
-    assert args_of(deps["svc-router"])[-len(TLS_ARGS) - 2:] == [*TLS_ARGS, "--api-keys-file",
-                                                                "/etc/splitserve/api-keys/keys.yaml"]
+    assert args_of(deps["svc-router"])[-len(TLS_ARGS) - 2 :] == [
+        *TLS_ARGS,
+        "--api-keys-file",
+        "/etc/splitserve/api-keys/keys.yaml",
+    ]
     assert not [m for m in manifests if m["kind"] in ("Secret", "Certificate")]  # credentials.py writes those
 
 
@@ -97,9 +114,19 @@ def test_insecure_renders_plaintext_and_the_users_own_secret_still_applies():
     for name, dep in deployments(insecure).items():
         assert secret_volumes(dep) == ({"api-keys": "svc-api-keys"} if name == "svc-router" else {})
         assert "--kv-secret-file" not in args_of(dep) and "--tls-cert" not in args_of(dep)
-    own = render(parse_spec({**TINY, "security": {"insecure": True},
-                             "kvTransfer": {"transport": "tcp", "authSecret": {"name": "mine", "key": "k"}}}),
-                 "svc", "ns", "uid", SETTINGS)
+    own = render(
+        parse_spec(
+            {
+                **TINY,
+                "security": {"insecure": True},
+                "kvTransfer": {"transport": "tcp", "authSecret": {"name": "mine", "key": "k"}},
+            }
+        ),
+        "svc",
+        "ns",
+        "uid",
+        SETTINGS,
+    )
     assert secret_volumes(deployments(own)["svc-decode"]) == {"kv-secret": "mine"}
 
 
@@ -144,9 +171,11 @@ def test_reconcile_creates_the_kv_secret_ca_and_pool_certificates_once(cluster, 
         assert leaf["type"] == "kubernetes.io/tls" and data(leaf, "ca.crt") == ca
         assert pki.is_signed_by(data(leaf, "tls.crt"), ca)
         cert = x509.load_pem_x509_certificate(data(leaf, "tls.crt"))
-        names = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value.get_values_for_type(x509.DNSName)
+        names = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value.get_values_for_type(
+            x509.DNSName
+        )
         role_name = "splitserve-router" if component == "router" else "splitserve-worker"
-        assert names == [role_name, f"svc-{component}"]   # per-role certificates
+        assert names == [role_name, f"svc-{component}"]  # per-role certificates
         assert cert.not_valid_after_utc - T0 > datetime.timedelta(days=89)
     assert condition(isvc(kube, namespace, "svc"), "Secure")["status"] == "True"
     mark = len(cluster.cluster.writes)
@@ -166,7 +195,7 @@ def test_certificates_are_renewed_before_expiry_and_roll_their_pools(cluster, ku
     leaf = cert_of(kube, namespace, "svc-decode-tls")
     assert leaf.serial_number != serial0 and leaf.not_valid_after_utc > T0 + datetime.timedelta(days=150)
     assert data(secret(kube, namespace, "svc-ca"), "tls.crt") == ca0
-    assert revision(kube, namespace, "decode") != rev0   # the pool rolls onto the new certificate
+    assert revision(kube, namespace, "decode") != rev0  # the pool rolls onto the new certificate
     assert data(secret(kube, namespace, "svc-kv"), "secret") == kv0
 
     # 250 of 365 days: the CA itself is renewed; leaves move to it, trusting old and new CA meanwhile.
@@ -189,7 +218,7 @@ def test_insecure_sets_a_warning_condition_and_creates_no_transport_secrets(clus
     create_isvc(kube, "svc", namespace, {**TINY, "security": {"insecure": True}})
     mark = len(cluster.cluster.writes)
     reconcile(kube, SETTINGS, namespace, "svc", now=T0)
-    assert [w.plural for w in secret_writes(cluster, mark, namespace)] == ["secrets"]   # the API keys' create
+    assert [w.plural for w in secret_writes(cluster, mark, namespace)] == ["secrets"]  # the API keys' create
     assert secret(kube, namespace, "svc-kv") is None and secret(kube, namespace, "svc-ca") is None
     secure = condition(isvc(kube, namespace, "svc"), "Secure")
     assert (secure["status"], secure["reason"]) == ("False", "InsecureByRequest")
@@ -198,8 +227,9 @@ def test_insecure_sets_a_warning_condition_and_creates_no_transport_secrets(clus
 
 
 def test_a_users_kv_secret_is_used_instead_of_a_generated_one(cluster, kube, namespace):
-    create_isvc(kube, "svc", namespace, {**TINY, "kvTransfer": {"transport": "tcp",
-                                                               "authSecret": {"name": "mine", "key": "k"}}})
+    create_isvc(
+        kube, "svc", namespace, {**TINY, "kvTransfer": {"transport": "tcp", "authSecret": {"name": "mine", "key": "k"}}}
+    )
     reconcile(kube, SETTINGS, namespace, "svc", now=T0)
     assert secret(kube, namespace, "svc-kv") is None
     assert secret(kube, namespace, "svc-decode-tls") is not None
@@ -226,8 +256,9 @@ def test_issued_certificates_carry_a_grpc_mutual_tls_handshake(cluster, kube, na
             async with grpc_tls.aio_channel(f"127.0.0.1:{port}", files["router"]) as channel:
                 reply = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
             ca_only = grpc.ssl_channel_credentials(root_certificates=data(secret(kube, namespace, "svc-ca"), "tls.crt"))
-            async with grpc.aio.secure_channel(f"127.0.0.1:{port}", ca_only, options=[
-                    ("grpc.ssl_target_name_override", "splitserve-worker")]) as anonymous:
+            async with grpc.aio.secure_channel(
+                f"127.0.0.1:{port}", ca_only, options=[("grpc.ssl_target_name_override", "splitserve-worker")]
+            ) as anonymous:
                 with pytest.raises(grpc.aio.AioRpcError):
                     await health_pb2_grpc.HealthStub(anonymous).Check(health_pb2.HealthCheckRequest(), timeout=10)
             return reply.status

@@ -36,12 +36,19 @@ from splitserve.planner.server import DesiredStore, serve
 from splitserve.router.metrics import RouterMetrics
 from splitserve.workers.metrics import WorkerMetrics
 
-PROFILE = CapacityProfile(prefill=(PrefillPoint(512, 1000.0),),
-                          decode=(DecodePoint(512, 1, 20.0, 0.05), DecodePoint(512, 8, 80.0, 0.1)), kv_tokens=100_000)
+PROFILE = CapacityProfile(
+    prefill=(PrefillPoint(512, 1000.0),),
+    decode=(DecodePoint(512, 1, 20.0, 0.05), DecodePoint(512, 8, 80.0, 0.1)),
+    kv_tokens=100_000,
+)
 AUTO = {"enabled": True, "provider": "planner", "minReplicas": 1, "maxReplicas": 6}
-SPEC = {"model": {"uri": "smollm2-135m"}, "kvTransfer": {"transport": "tcp"},
-        "slo": {"ttftP90Ms": 2000, "itlP90Ms": 100},
-        "prefill": {"autoscaling": AUTO}, "decode": {"autoscaling": AUTO}}
+SPEC = {
+    "model": {"uri": "smollm2-135m"},
+    "kvTransfer": {"transport": "tcp"},
+    "slo": {"ttftP90Ms": 2000, "itlP90Ms": 100},
+    "prefill": {"autoscaling": AUTO},
+    "decode": {"autoscaling": AUTO},
+}
 # tick 10 s; a scale-down window longer than any test, so only scale-up happens here; pod ages come
 # from the wall clock, so the warm-up (1 h) is far from both the young (5 s) and the warm (1 day) pods
 BASE = PlannerConfig(tick_s=10.0, scale_down_window_s=3600.0, warmup_s=3600.0)
@@ -62,10 +69,11 @@ class Service:
     def __init__(self, cluster, kube, namespace, export="scale", settings=None, spec=None):
         self.cluster, self.kube, self.ns, self.spec = cluster, kube, namespace, spec or SPEC
         self.settings = settings or OperatorSettings.model_validate(
-            {"autoscaling": {"plannerExport": export, "plannerProfile": PROFILE.to_json()}})
+            {"autoscaling": {"plannerExport": export, "plannerProfile": PROFILE.to_json()}}
+        )
         self.owner = create_isvc(kube, "svc", namespace, self.spec)
         self.apply()
-        self.metrics: dict[str, object] = {}   # pod IP -> metrics object
+        self.metrics: dict[str, object] = {}  # pod IP -> metrics object
         self.router = RouterMetrics()
         self.add_pod("router", "svc-router-0", self.router, ready_since_s=3600)
         self.workers = {p: WorkerMetrics(p, "smollm2") for p in ("prefill", "decode")}
@@ -79,18 +87,29 @@ class Service:
     def add_pod(self, component, name, metrics=None, ready_since_s=None, created_s_ago=0.0):
         now = datetime.datetime.now(datetime.UTC)
         ip = f"10.0.0.{len(self.metrics) + 1}"
-        labels = {"app.kubernetes.io/name": "splitserve", "app.kubernetes.io/instance": "svc",
-                  "app.kubernetes.io/component": component, "app.kubernetes.io/managed-by": "splitserve-operator"}
-        body = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "namespace": self.ns, "labels": labels},
-                "status": {"phase": "Pending", "conditions": [{"type": "Ready", "status": "False"}]}}
+        labels = {
+            "app.kubernetes.io/name": "splitserve",
+            "app.kubernetes.io/instance": "svc",
+            "app.kubernetes.io/component": component,
+            "app.kubernetes.io/managed-by": "splitserve-operator",
+        }
+        body = {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {"name": name, "namespace": self.ns, "labels": labels},
+            "status": {"phase": "Pending", "conditions": [{"type": "Ready", "status": "False"}]},
+        }
         url = K.path(K.KindInfo("v1", "Pod", "pods"), self.ns)
         self.kube.create(url, body)
         created = (now - datetime.timedelta(seconds=created_s_ago)).strftime("%Y-%m-%dT%H:%M:%SZ")
         patch = {"metadata": {"creationTimestamp": created}}
         if ready_since_s is not None:
             since = (now - datetime.timedelta(seconds=ready_since_s)).strftime("%Y-%m-%dT%H:%M:%SZ")
-            patch["status"] = {"phase": "Running", "podIP": ip,
-                               "conditions": [{"type": "Ready", "status": "True", "lastTransitionTime": since}]}
+            patch["status"] = {
+                "phase": "Running",
+                "podIP": ip,
+                "conditions": [{"type": "Ready", "status": "True", "lastTransitionTime": since}],
+            }
             self.metrics[ip] = metrics
         self.kube.merge_patch(f"{url}/{name}", patch)
 
@@ -131,7 +150,7 @@ def test_two_replicas_one_decides_and_the_standby_takes_over_when_the_lease_laps
     assert a.step() is True and b.step() is False
     server_a, server_b = serve(a.store, "127.0.0.1", free_port()), serve(b.store, "127.0.0.1", free_port())
     try:
-        run_for([(a, ca), (b, cb)], 10)                         # baseline scrape, then a tick of load
+        run_for([(a, ca), (b, cb)], 10)  # baseline scrape, then a tick of load
         svc.load(10, 3000, 64)
         run_for([(a, ca), (b, cb)], 10)
         # prefill: ceil(3,300 / 800) = 5, at most doubling from 1 → 2, written by the leader alone
@@ -160,7 +179,7 @@ def test_two_replicas_one_decides_and_the_standby_takes_over_when_the_lease_laps
         assert b.store.desired(namespace, "svc")["prefill"] == 2 and svc.replicas("prefill") == 2
         svc.load(10, 3000, 64)
         run_for([(b, cb)], 10)
-        assert svc.replicas("prefill") == 4 and b.scale_writes >= 1      # 2 → min(5, 2×2)
+        assert svc.replicas("prefill") == 4 and b.scale_writes >= 1  # 2 → min(5, 2×2)
         # planner-a comes back: it sees planner-b's live lease and stays a follower
         ca.t = cb.t
         assert a.step() is False and a.store.leader is False and not a.loops
@@ -179,19 +198,26 @@ def test_released_lease_is_taken_at_once_and_a_lost_race_leaves_one_leader(clust
     ca, cb = Clock(), Clock()
     a, b = planner_replica(cluster, "planner-a", svc, ca), planner_replica(cluster, "planner-b", svc, cb)
     assert a.step() and not b.step()
-    a.elector.release()                                  # planner-a shuts down cleanly
-    assert not a.elector.is_leader and b.step()          # no lease duration to wait out
+    a.elector.release()  # planner-a shuts down cleanly
+    assert not a.elector.is_leader and b.step()  # no lease duration to wait out
     # A stale view: planner-a patches with the resourceVersion it saw before planner-b's write.
     lease_url = "/apis/coordination.k8s.io/v1/namespaces/planner-system/leases/splitserve-planner"
     stale = a.elector.kube.get(lease_url)["metadata"]["resourceVersion"]
     cb.t += 2
-    assert b.step()                                      # planner-b renews: the version moves on
+    assert b.step()  # planner-b renews: the version moves on
     with pytest.raises(KubeError) as e:
-        a.elector.kube.json_patch(lease_url, [{"op": "test", "path": "/metadata/resourceVersion", "value": stale},
-                                              {"op": "replace", "path": "/spec/holderIdentity", "value": "planner-a"}])
+        a.elector.kube.json_patch(
+            lease_url,
+            [
+                {"op": "test", "path": "/metadata/resourceVersion", "value": stale},
+                {"op": "replace", "path": "/spec/holderIdentity", "value": "planner-a"},
+            ],
+        )
     assert e.value.status in (409, 422)
-    assert cluster.get("coordination.k8s.io/v1/leases", "planner-system",
-                       "splitserve-planner")["spec"]["holderIdentity"] == "planner-b"
+    assert (
+        cluster.get("coordination.k8s.io/v1/leases", "planner-system", "splitserve-planner")["spec"]["holderIdentity"]
+        == "planner-b"
+    )
 
 
 def test_scale_export_renders_no_autoscaler_and_the_operator_leaves_planner_replicas_alone(cluster, kube, namespace):
@@ -201,16 +227,17 @@ def test_scale_export_renders_no_autoscaler_and_the_operator_leaves_planner_repl
     clock = Clock()
     p = planner_replica(cluster, "planner-a", svc, clock)
     run_for([(p, clock)], 10)
-    svc.load(10, 0, 250)                                  # decode: ceil(275 / 64) = 5 → at most ×2 = 2
+    svc.load(10, 0, 250)  # decode: ceil(275 / 64) = 5 → at most ×2 = 2
     run_for([(p, clock)], 10)
     assert svc.replicas("decode") == 2 and svc.replicas("prefill") == 1
     mark = len(cluster.cluster.writes)
-    result = svc.apply()                                  # the operator's resync
+    result = svc.apply()  # the operator's resync
     assert svc.replicas("decode") == 2, "the operator must not reset a planner-owned pool's replicas"
     assert not [w for w in cluster.writes_since(mark, namespace) if w.plural == "deployments"], result
     # and with export keda, the same service gets KEDA ScaledObjects instead of scale writes
-    keda = OperatorSettings.model_validate({"autoscaling": {"plannerExport": "keda",
-                                                            "plannerProfile": PROFILE.to_json()}})
+    keda = OperatorSettings.model_validate(
+        {"autoscaling": {"plannerExport": "keda", "plannerProfile": PROFILE.to_json()}}
+    )
     svc.settings = keda
     svc.apply()
     assert cluster.get("keda.sh/v1alpha1/scaledobjects", namespace, "svc-decode") is not None
@@ -224,19 +251,25 @@ def test_pending_pods_from_the_api_hold_scale_up_and_a_stuck_one_caps_it(cluster
     svc.load(10, 0, 250)
     run_for([(p, clock)], 10)
     assert svc.replicas("decode") == 2
-    svc.add_pod("decode", "svc-decode-1")                 # the second pod: created, not Ready yet
-    svc.load(10, 0, 500)                                  # more load while it is Pending
+    svc.add_pod("decode", "svc-decode-1")  # the second pod: created, not Ready yet
+    svc.load(10, 0, 500)  # more load while it is Pending
     run_for([(p, clock)], 10)
     assert svc.replicas("decode") == 2
     assert p.store.desired(namespace, "svc")["reasons"]["decode"] == "wait_pending"
-    svc.kube.merge_patch(K.path(K.KindInfo("v1", "Pod", "pods"), namespace, "svc-decode-1"),   # it turns Ready
-                   {"status": {"phase": "Running", "podIP": "10.0.1.1",
-                               "conditions": [{"type": "Ready", "status": "True",
-                                               "lastTransitionTime": "2020-01-01T00:00:00Z"}]}})
+    svc.kube.merge_patch(
+        K.path(K.KindInfo("v1", "Pod", "pods"), namespace, "svc-decode-1"),  # it turns Ready
+        {
+            "status": {
+                "phase": "Running",
+                "podIP": "10.0.1.1",
+                "conditions": [{"type": "Ready", "status": "True", "lastTransitionTime": "2020-01-01T00:00:00Z"}],
+            }
+        },
+    )
     svc.metrics["10.0.1.1"] = WorkerMetrics("decode", "smollm2")
     svc.load(10, 0, 500)
     run_for([(p, clock)], 10)
-    assert svc.replicas("decode") == 4                    # 2 ready → ×2
+    assert svc.replicas("decode") == 4  # 2 ready → ×2
     # two new pods stay Pending past the timeout (no room in the cluster): at most ready + 1
     svc.add_pod("decode", "svc-decode-2", created_s_ago=1000)
     svc.add_pod("decode", "svc-decode-3", created_s_ago=1000)
@@ -289,17 +322,26 @@ def test_the_planner_reads_the_profile_configmap_the_service_names_and_holds_wit
     clock = Clock()
     p = planner_replica(cluster, "planner-a", svc, clock)
     p.step()
-    assert p.store.desired(namespace, "svc") is None          # no profile yet: no decision, KEDA would keep its count
+    assert p.store.desired(namespace, "svc") is None  # no profile yet: no decision, KEDA would keep its count
     fast = CapacityProfile(prefill=(PrefillPoint(512, 4000.0),), decode=PROFILE.decode, kv_tokens=100_000)
-    kube.create(K.path(K.KIND_BY_NAME["ConfigMap"], namespace),
-                {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "h100-profile", "namespace": namespace},
-                 "data": {"profile.json": fast.to_json()}})
+    kube.create(
+        K.path(K.KIND_BY_NAME["ConfigMap"], namespace),
+        {
+            "apiVersion": "v1",
+            "kind": "ConfigMap",
+            "metadata": {"name": "h100-profile", "namespace": namespace},
+            "data": {"profile.json": fast.to_json()},
+        },
+    )
     run_for([(p, clock)], 10)
     svc.load(10, 3000, 64)
     run_for([(p, clock)], 10)
     # prefill with the named profile: ceil(3,300 / (4,000 × 0.8)) = 2
     text = generate_latest(p.store.registry).decode()
-    assert f'splitserve_planner_capacity_tokens_per_second{{name="svc",namespace="{namespace}",pool="prefill"}} 4000.0' in text
+    assert (
+        f'splitserve_planner_capacity_tokens_per_second{{name="svc",namespace="{namespace}",pool="prefill"}} 4000.0'
+        in text
+    )
     assert p.store.desired(namespace, "svc")["prefill"] == 2
 
 
@@ -311,9 +353,25 @@ def test_the_planner_command_leads_serves_ready_and_releases_its_lease_on_sigter
     import time
 
     port = free_port()
-    cmd = [sys.executable, "-m", "splitserve.platform.cli", "planner", "--cluster", "--kubeconfig",
-           cluster.kubeconfig_path, "--lease-namespace", "planner-system", "--identity", "planner-p1",
-           "--lease-duration", "6", "--host", "127.0.0.1", "--port", str(port)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "splitserve.platform.cli",
+        "planner",
+        "--cluster",
+        "--kubeconfig",
+        cluster.kubeconfig_path,
+        "--lease-namespace",
+        "planner-system",
+        "--identity",
+        "planner-p1",
+        "--lease-duration",
+        "6",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+    ]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         deadline = time.monotonic() + 180
@@ -330,7 +388,7 @@ def test_the_planner_command_leads_serves_ready_and_releases_its_lease_on_sigter
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=120) == 0
         lease = cluster.get("coordination.k8s.io/v1/leases", "planner-system", "splitserve-planner")
-        assert lease["spec"]["holderIdentity"] == ""           # released: a standby need not wait
+        assert lease["spec"]["holderIdentity"] == ""  # released: a standby need not wait
     finally:
         if proc.poll() is None:
             proc.kill()

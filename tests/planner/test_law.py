@@ -16,9 +16,14 @@ from splitserve.platform.errors import ConfigError
 # 64 sequences giving 1,600 tokens/s; 200k KV tokens.
 PROFILE = CapacityProfile(
     prefill=(PrefillPoint(128, 8000.0), PrefillPoint(8192, 8000.0)),
-    decode=(DecodePoint(1000, 1, 50.0, 0.020), DecodePoint(1000, 8, 320.0, 0.025),
-            DecodePoint(1000, 64, 1600.0, 0.040), DecodePoint(1000, 128, 2000.0, 0.064)),
-    kv_tokens=200_000)
+    decode=(
+        DecodePoint(1000, 1, 50.0, 0.020),
+        DecodePoint(1000, 8, 320.0, 0.025),
+        DecodePoint(1000, 64, 1600.0, 0.040),
+        DecodePoint(1000, 128, 2000.0, 0.064),
+    ),
+    kv_tokens=200_000,
+)
 BIG = PoolBounds(min_replicas=1, max_replicas=64)
 
 
@@ -30,9 +35,14 @@ def cfg(**kw) -> PlannerConfig:
 
 def obs(t, prompt_tps, output_tps, ready=None, pending=(0, 0), pending_age=(0.0, 0.0), **kw):
     ready = ready or (1, 1)
-    return Observation(now=t, uncached_prompt_tokens_per_s=prompt_tps, output_tokens_per_s=output_tps,
-                       prefill=PoolObservation(ready[0], pending[0], pending_age[0]),
-                       decode=PoolObservation(ready[1], pending[1], pending_age[1]), **kw)
+    return Observation(
+        now=t,
+        uncached_prompt_tokens_per_s=prompt_tps,
+        output_tokens_per_s=output_tps,
+        prefill=PoolObservation(ready[0], pending[0], pending_age[0]),
+        decode=PoolObservation(ready[1], pending[1], pending_age[1]),
+        **kw,
+    )
 
 
 def traffic(rps, isl, osl, cached=0.0):
@@ -45,8 +55,17 @@ def run(planner, t, rates, ticks, **kw):
     out = []
     for _ in range(ticks):
         cur = planner.targets()
-        d = planner.tick(obs(t, rates[0], rates[1], ready=(cur["prefill"], cur["decode"]),
-                             mean_prompt_tokens=rates[2], mean_output_tokens=rates[3], **kw))
+        d = planner.tick(
+            obs(
+                t,
+                rates[0],
+                rates[1],
+                ready=(cur["prefill"], cur["decode"]),
+                mean_prompt_tokens=rates[2],
+                mean_output_tokens=rates[3],
+                **kw,
+            )
+        )
         out.append(d.desired())
         t += planner.cfg.tick_s
     return out
@@ -69,6 +88,7 @@ def test_ratio_follows_the_length_mix():
     def steady(mix):
         p = Planner(cfg(), PROFILE)
         return run(p, 0.0, traffic(10, *mix), 8)[-1]
+
     a, b = steady((4000, 100)), steady((100, 1000))
     ratio_a, ratio_b = a["prefill"] / a["decode"], b["prefill"] / b["decode"]
     assert ratio_a >= 2 * ratio_b, (a, b)
@@ -78,9 +98,9 @@ def test_ratio_follows_the_length_mix():
 
 def test_load_step_reaches_target_within_two_ticks_overshoot_at_most_one():
     p = Planner(cfg(), PROFILE)
-    low = traffic(4, 2000, 300)                  # 8,000 / 6,400 → 2 prefill; 1,200 / 1,280 → 1 decode
+    low = traffic(4, 2000, 300)  # 8,000 / 6,400 → 2 prefill; 1,200 / 1,280 → 1 decode
     assert run(p, 0.0, low, 6)[-1] == {"prefill": 2, "decode": 1}
-    high = traffic(8, 2000, 600)                 # 16,000 / 6,400 → 3; 4,800 / 1,280 → 4
+    high = traffic(8, 2000, 600)  # 16,000 / 6,400 → 3; 4,800 / 1,280 → 4
     # The first tick after the step sees latency over the SLO as well (queues built up).
     first = run(p, 100.0, high, 1, ttft_p90_s=5.0, itl_p90_s=0.2)
     rest = run(p, 115.0, high, 40)
@@ -88,18 +108,18 @@ def test_load_step_reaches_target_within_two_ticks_overshoot_at_most_one():
     for k, target in {"prefill": 3, "decode": 4}.items():
         assert seq[1][k] >= target, seq[:3]
         assert max(s[k] for s in seq) <= target + 1, seq
-        assert seq[-1][k] == target                 # the trim's extra replica is given back
+        assert seq[-1][k] == target  # the trim's extra replica is given back
 
 
 @pytest.mark.parametrize("seed", range(6))
 def test_noise_of_five_percent_for_an_hour_makes_at_most_one_scale_event_per_pool(seed):
     rng = random.Random(seed)
-    rps = rng.uniform(2, 20)                     # anywhere, including near a replica boundary
+    rps = rng.uniform(2, 20)  # anywhere, including near a replica boundary
     base = traffic(rps, 2000, 400)
     p = Planner(cfg(headroom=0.1), PROFILE)
-    run(p, 0.0, base, 10)                        # converge without noise
+    run(p, 0.0, base, 10)  # converge without noise
     t, events, last = 150.0, {"prefill": 0, "decode": 0}, p.targets()
-    for _ in range(240):                         # one hour of 15 s ticks
+    for _ in range(240):  # one hour of 15 s ticks
         noisy = (base[0] * rng.uniform(0.95, 1.05), base[1] * rng.uniform(0.95, 1.05), *base[2:])
         now = run(p, t, noisy, 1)[0]
         for k in events:
@@ -123,21 +143,40 @@ def test_zero_traffic_drains_each_pool_to_its_minimum_in_bounded_time():
 def test_pods_stuck_pending_cause_at_most_one_replica_beyond_the_ready_ones():
     c = cfg()
     p = Planner(c, PROFILE, initial={"prefill": 2, "decode": 1})
-    heavy = traffic(20, 2000, 100)               # needs 7 prefill
+    heavy = traffic(20, 2000, 100)  # needs 7 prefill
     asked, t, first_pending = [], 0.0, None
-    for _ in range(40):                          # 10 minutes: the new pods never start
+    for _ in range(40):  # 10 minutes: the new pods never start
         cur = p.targets()["prefill"]
         pending = cur - 2
         first_pending = t if pending and first_pending is None else first_pending
         age = t - first_pending if pending else 0.0
-        d = p.tick(obs(t, heavy[0], heavy[1], ready=(2, 1), pending=(pending, 0), pending_age=(age, 0.0),
-                       mean_prompt_tokens=2000, mean_output_tokens=100))
+        d = p.tick(
+            obs(
+                t,
+                heavy[0],
+                heavy[1],
+                ready=(2, 1),
+                pending=(pending, 0),
+                pending_age=(age, 0.0),
+                mean_prompt_tokens=2000,
+                mean_output_tokens=100,
+            )
+        )
         asked.append(d.prefill.desired)
         t += c.tick_s
-    assert max(asked) <= 4                       # one doubling, then no more while pods are Pending
-    assert asked[-1] == 3 and p.tick(obs(t, heavy[0], heavy[1], ready=(2, 1), pending=(1, 0),
-                                         pending_age=(999.0, 0.0), mean_prompt_tokens=2000,
-                                         mean_output_tokens=100)).prefill.reason in ("capped_pending", "wait_pending")
+    assert max(asked) <= 4  # one doubling, then no more while pods are Pending
+    assert asked[-1] == 3 and p.tick(
+        obs(
+            t,
+            heavy[0],
+            heavy[1],
+            ready=(2, 1),
+            pending=(1, 0),
+            pending_age=(999.0, 0.0),
+            mean_prompt_tokens=2000,
+            mean_output_tokens=100,
+        )
+    ).prefill.reason in ("capped_pending", "wait_pending")
     # Load falls: scale-down still works although a pod is stuck.
     seq = run(p, t + 15, (0.0, 0.0, 2000, 100), 60)
     assert seq[-1]["prefill"] == 1
@@ -150,7 +189,7 @@ def test_warm_up_samples_do_not_change_capacity():
     assert online.capacity("decode", 1600.0) == 1600.0
     warm = [ReplicaSample("decode", "d1", age_s=300.0, tokens_per_s=1000.0, within_slo=False)]
     assert online.observe(warm) == 1
-    assert online.capacity("decode", 1600.0) == 1000.0   # saturated and missing the SLO at 1,000
+    assert online.capacity("decode", 1600.0) == 1000.0  # saturated and missing the SLO at 1,000
     ok = [ReplicaSample("prefill", "p1", age_s=300.0, tokens_per_s=9000.0, within_slo=True)]
     online.observe(ok)
     assert online.capacity("prefill", 8000.0) == 9000.0  # served more within the SLO
@@ -167,7 +206,7 @@ def test_missing_metrics_hold_the_last_target():
     p = Planner(cfg(), PROFILE)
     run(p, 0.0, traffic(10, 2000, 600), 6)
     before = p.targets()
-    for i in range(100):                        # 25 minutes without metrics
+    for i in range(100):  # 25 minutes without metrics
         d = p.tick(obs(200.0 + 15 * i, None, None, ready=(before["prefill"], before["decode"])))
         assert d.desired() == before
         assert d.prefill.reason == d.decode.reason == "hold_missing_metrics"
@@ -194,15 +233,20 @@ def test_decode_kv_need_adds_replicas():
     assert seq[-1]["decode"] == 3
 
 
-@pytest.mark.parametrize("kw, msg", [
-    (dict(utilization=1.5), "utilization must be in (0, 1]"),
-    (dict(down_threshold=0.9, utilization=0.8), "down_threshold"),
-    (dict(ttft_p90_s=0), "ttft_p90_s must be > 0"),
-    (dict(budget=1), "budget"),
-    (dict(prefill=PoolBounds(3, 64), decode=PoolBounds(3, 64), budget=5), "budget"),
-])
+@pytest.mark.parametrize(
+    "kw, msg",
+    [
+        (dict(utilization=1.5), "utilization must be in (0, 1]"),
+        (dict(down_threshold=0.9, utilization=0.8), "down_threshold"),
+        (dict(ttft_p90_s=0), "ttft_p90_s must be > 0"),
+        (dict(budget=1), "budget"),
+        (dict(prefill=PoolBounds(3, 64), decode=PoolBounds(3, 64), budget=5), "budget"),
+    ],
+)
 def test_bad_config_is_rejected_with_a_clear_message(kw, msg):
-    with pytest.raises(ConfigError, match=msg.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[").replace("]", r"\]")):
+    with pytest.raises(
+        ConfigError, match=msg.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[").replace("]", r"\]")
+    ):
         PlannerConfig(**kw)
 
 
@@ -220,8 +264,9 @@ def test_profile_round_trips_through_json_and_rejects_garbage():
 
 
 def test_profile_interpolates_and_clamps():
-    prof = CapacityProfile(prefill=(PrefillPoint(100, 1000.0), PrefillPoint(300, 3000.0)),
-                           decode=PROFILE.decode, kv_tokens=1)
+    prof = CapacityProfile(
+        prefill=(PrefillPoint(100, 1000.0), PrefillPoint(300, 3000.0)), decode=PROFILE.decode, kv_tokens=1
+    )
     assert prof.prefill_tokens_per_s(200) == 2000.0
     assert prof.prefill_tokens_per_s(10_000) == 3000.0
     # ITL target 52 ms lies halfway between 40 ms (1,600 tok/s) and 64 ms (2,000): 1,800.

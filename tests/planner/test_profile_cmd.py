@@ -18,9 +18,32 @@ SPLITSERVE = pathlib.Path(sys.executable).parent / "splitserve"
 @pytest.mark.slow
 def test_profile_measures_the_real_worker_and_writes_json(tmp_path):
     out = tmp_path / "profile.json"
-    subprocess.run([str(SPLITSERVE), "profile", "--threads", "1", "--out", str(out), "--prompt-lens", "32,96",
-                    "--concurrency", "1,3", "--context", "32", "--decode-steps", "3", "--repeats", "1",
-                    "--notes", "test"], check=True, capture_output=True, text=True, timeout=300)
+    subprocess.run(
+        [
+            str(SPLITSERVE),
+            "profile",
+            "--threads",
+            "1",
+            "--out",
+            str(out),
+            "--prompt-lens",
+            "32,96",
+            "--concurrency",
+            "1,3",
+            "--context",
+            "32",
+            "--decode-steps",
+            "3",
+            "--repeats",
+            "1",
+            "--notes",
+            "test",
+        ],
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     prof = CapacityProfile.load(str(out))
     assert [p.prompt_tokens for p in prof.prefill] == [32, 96]
     assert [(d.concurrency, d.context_tokens) for d in prof.decode] == [(1, 32), (3, 32)]
@@ -30,6 +53,10 @@ def test_profile_measures_the_real_worker_and_writes_json(tmp_path):
 
 
 def test_profile_rejects_bad_lists():
-    r = subprocess.run([str(SPLITSERVE), "profile", "--out", "/dev/null", "--concurrency", "0,4"],
-                       capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [str(SPLITSERVE), "profile", "--out", "/dev/null", "--concurrency", "0,4"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 2 and "expected positive integers" in r.stderr

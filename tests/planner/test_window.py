@@ -30,22 +30,22 @@ def test_window_counts_only_what_happened_within_it():
     h = Histogram("splitserve_inter_token_latency_seconds", "", buckets=(0.1, 0.2, 0.4), registry=reg)
     w = ScrapeWindow(30.0)
     for _ in range(100):
-        h.observe(0.05)                                 # old, fast tokens
+        h.observe(0.05)  # old, fast tokens
     w.add(0.0, "decode/a", _itl_scrape(reg))
-    assert w.delta("decode/") == {}                     # one scrape is a baseline, not a sample
+    assert w.delta("decode/") == {}  # one scrape is a baseline, not a sample
     for _ in range(10):
-        h.observe(0.3)                                  # slow tokens within the window
+        h.observe(0.3)  # slow tokens within the window
     w.add(10.0, "decode/a", _itl_scrape(reg))
     d = w.delta("decode/")
-    assert d["itl/count"] == 10 and abs(S.p90(d, "itl") - 0.38) < 1e-9   # 0.2 + 0.2 × 9/10
+    assert d["itl/count"] == 10 and abs(S.p90(d, "itl") - 0.38) < 1e-9  # 0.2 + 0.2 × 9/10
     for _ in range(90):
         h.observe(0.05)
-    w.add(40.0, "decode/a", _itl_scrape(reg))           # the baseline moves to t=10: only the fast 90
+    w.add(40.0, "decode/a", _itl_scrape(reg))  # the baseline moves to t=10: only the fast 90
     d = w.delta("decode/")
     assert d["itl/count"] == 90 and S.p90(d, "itl") <= 0.1
-    w.add(50.0, "decode/a", None)                       # an unreadable scrape changes nothing
+    w.add(50.0, "decode/a", None)  # an unreadable scrape changes nothing
     assert w.delta("decode/")["itl/count"] == 90
-    w.keep_only({"router"})                             # the worker was stopped: its samples go
+    w.keep_only({"router"})  # the worker was stopped: its samples go
     assert w.delta("decode/") == {}
     with pytest.raises(ValueError, match="window_s"):
         ScrapeWindow(0)
@@ -56,11 +56,14 @@ def test_ttft_for_prefill_is_the_routers_p90_minus_the_kv_transfer_and_none_with
     decode = {"kvt/sum": 0.5, "kvt/count": 10.0, "itl/le/0.1": 10.0, "itl/le/+Inf": 10.0, "itl/count": 10.0}
     ttft, itl = measured_latency(router, decode)
     assert abs(ttft - (1.9 - 0.05)) < 1e-9 and abs(itl - 0.09) < 1e-9
-    assert measured_latency({}, {}) == (None, None)     # nothing measured: no trim, not "zero latency"
+    assert measured_latency({}, {}) == (None, None)  # nothing measured: no trim, not "zero latency"
 
 
-PROFILE = CapacityProfile(prefill=(PrefillPoint(64, 1000.0), PrefillPoint(2048, 1000.0)),
-                          decode=(DecodePoint(256, 1, 20.0, 0.05), DecodePoint(256, 4, 40.0, 0.1)), kv_tokens=100000)
+PROFILE = CapacityProfile(
+    prefill=(PrefillPoint(64, 1000.0), PrefillPoint(2048, 1000.0)),
+    decode=(DecodePoint(256, 1, 20.0, 0.05), DecodePoint(256, 4, 40.0, 0.1)),
+    kv_tokens=100000,
+)
 
 
 class _Proc:
@@ -76,20 +79,23 @@ def test_local_loop_feeds_measured_latency_to_the_law():
     server, thread = start_http_server(0, addr="127.0.0.1", registry=worker.registry)
     try:
         port = server.server_address[1]
-        router = types.SimpleNamespace(metrics=RouterMetrics(),
-                                       pool=types.SimpleNamespace(decode_workers=lambda: [], workers={}))
+        router = types.SimpleNamespace(
+            metrics=RouterMetrics(), pool=types.SimpleNamespace(decode_workers=lambda: [], workers={})
+        )
         cfg = PlannerConfig(ttft_p90_s=2.0, itl_p90_s=0.1, tick_s=1.0, peak_window_s=2.0, budget=4)
-        workers = {"prefill": [_Proc("p", "unused")],
-                   "decode": [_Proc("127.0.0.1:1", f"http://127.0.0.1:{port}/metrics")]}
+        workers = {
+            "prefill": [_Proc("p", "unused")],
+            "decode": [_Proc("127.0.0.1:1", f"http://127.0.0.1:{port}/metrics")],
+        }
         spawned = []
         loop = LocalPlannerLoop(Planner(cfg, PROFILE), router, spawned.append, workers, tick_s=1.0)
-        loop._start = spawned.append                    # record the decision, start no process
+        loop._start = spawned.append  # record the decision, start no process
 
         async def two_ticks():
             await loop.scrape(0.0)
             loop.observe(0.0)
             for _ in range(20):
-                worker.itl.observe(0.24)                # tokens slower than the 100 ms SLO
+                worker.itl.observe(0.24)  # tokens slower than the 100 ms SLO
                 router.metrics.ttft.observe(0.3)
             router.metrics.count_tokens(200, 20, is_first=True)
             await loop.scrape(1.0)
@@ -113,7 +119,7 @@ def test_without_streamed_responses_the_decode_workers_ttft_stands_in():
     w = ScrapeWindow(30.0)
     w.add(0.0, "decode/a", _itl_scrape(worker.registry))
     for _ in range(10):
-        worker.ttft.observe(3.0)                        # in (2.5, 5]
+        worker.ttft.observe(3.0)  # in (2.5, 5]
         worker.kv_transfer_seconds.labels(direction="in").observe(0.2)
     w.add(5.0, "decode/a", _itl_scrape(worker.registry))
     ttft, itl = measured_latency({}, w.delta("decode/"))

@@ -18,7 +18,10 @@ ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_pro
 ADAPTERS = {
     "all-r8": (dict(r=8, lora_alpha=16, target_modules=ALL), 1),
     "qv-down-r16": (dict(r=16, lora_alpha=32, target_modules=["q_proj", "v_proj", "down_proj"]), 2),
-    "rslora-r16": (dict(r=16, lora_alpha=8, use_rslora=True, target_modules=["k_proj", "o_proj", "gate_proj", "up_proj"]), 3),
+    "rslora-r16": (
+        dict(r=16, lora_alpha=8, use_rslora=True, target_modules=["k_proj", "o_proj", "gate_proj", "up_proj"]),
+        3,
+    ),
 }
 
 

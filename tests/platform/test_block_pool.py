@@ -41,7 +41,7 @@ def test_prefix_hit_revives_free_block_and_eviction_emits_events():
     kv.register_computed_blocks(r1)
     assert pool.take_events() == [BlockStored(tuple(r1.block_hashes[:2]), None)]
     kv.free(r1)
-    assert free_order(pool) == [3, 2, 1, 0]   # tail of the chain first
+    assert free_order(pool) == [3, 2, 1, 0]  # tail of the chain first
     # Same prefix: both full blocks hit (the request has 12 tokens, at most 11 can be reused).
     r2 = make_req("r2", list(range(8)) + [99, 98, 97, 96])
     hits = kv.find_cached_prefix(r2)

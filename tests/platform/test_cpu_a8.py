@@ -53,7 +53,7 @@ def test_quantized_activations_round_within_their_bound(digits):
     codes = q.view(6, digits, 18, 32).double()
     if digits == 2:  # the inputs' own sum
         assert torch.equal(sums, groups.sum(-1)) or torch.allclose(sums, groups.sum(-1), atol=1e-4)
-    else:            # the sum of what the codes stand for, so the minimum term sees the same inputs
+    else:  # the sum of what the codes stand for, so the minimum term sees the same inputs
         assert torch.equal(sums, unit * codes[:, 0].sum(-1).float())
     value = codes[:, 0] * 254 + codes[:, 1] if digits == 2 else codes[:, 0]
     approx = value * unit.double()[..., None]
@@ -70,8 +70,10 @@ def q4_reference(a, codes, scale, minimum):
     qd = q.view(m, digits, g, 32).double()
     value = qd[:, 0] * 254 + qd[:, 1] if digits == 2 else qd[:, 0]
     dots = torch.einsum("mgi,ngi->mng", value, codes.double().view(-1, g, 32))
-    return (dots * scale.half().double()[None] * unit.double()[:, None]
-            + minimum.half().double()[None] * sums.double()[:, None]).sum(-1)
+    return (
+        dots * scale.half().double()[None] * unit.double()[:, None]
+        + minimum.half().double()[None] * sums.double()[:, None]
+    ).sum(-1)
 
 
 @pytest.mark.parametrize("digits", [1, 2])
@@ -108,7 +110,7 @@ def unpack_q4(kernel: a8.Int4A8Kernel):
     """The codes, scales and minimums back out of the tile layout cpu_a8.c documents."""
     t, gb = kernel.tiles.shape
     g = gb // 256
-    b = kernel.tiles.view(t, g, 4, 16, 4)                                    # (tile, group, i, row, c)
+    b = kernel.tiles.view(t, g, 4, 16, 4)  # (tile, group, i, row, c)
     low, high = (b & 0x0F), (b >> 4)
     codes = torch.stack([low, high], dim=2).permute(0, 4, 1, 2, 3, 5).reshape(t * 16, g * 32)
     scale = kernel.d.permute(0, 2, 1).reshape(t * 16, g).float()
@@ -186,7 +188,10 @@ def test_every_instruction_set_path_gives_the_same_bits(arch):
     table.codes[0, :32] = -128  # the extreme code a GGUF Q8_0 table may hold
     heads = a8.Int8A8Head(table.codes, table.scale, ops), a8.Int8A8Head(table.codes, table.scale, other)
     for digits in (1, 2):
-        here, there = a8.Int4A8Kernel(w.dequantize(), None, ops, digits), a8.Int4A8Kernel(w.dequantize(), None, other, digits)
+        here, there = (
+            a8.Int4A8Kernel(w.dequantize(), None, ops, digits),
+            a8.Int4A8Kernel(w.dequantize(), None, other, digits),
+        )
         assert torch.equal(ops.quantize_a8(x, digits)[0], other.quantize_a8(x, digits)[0])
         for m in range(1, 10):  # every count of rows a pass over a tile can be left with (blocks of 1-4 rows)
             assert torch.equal(here(x[:m]), there(x[:m])), (digits, m)
@@ -211,7 +216,7 @@ def quantize_reference(x: torch.Tensor, digits: int) -> tuple[torch.Tensor, torc
         rest = (g.double() - v.double() * unit.double()).float()
         codes.append(torch.round(rest * inv * 254).clamp(-127, 127))
     q = torch.cat([c.reshape(m, k) for c in codes], 1).to(torch.int8)
-    if digits == 1:   # one digit: the rounded inputs' sum, unit * sum(codes), one rounding
+    if digits == 1:  # one digit: the rounded inputs' sum, unit * sum(codes), one rounding
         return q, unit.squeeze(-1), unit.squeeze(-1) * v.sum(-1)
     s16 = g[..., :16] + g[..., 16:]
     s8 = s16[..., :8] + s16[..., 8:]
@@ -229,10 +234,10 @@ def test_activation_quantizer_is_its_definition_on_every_instruction_set(arch):
         pytest.skip(f"this CPU cannot run a {' '.join(arch)} build (lacks {sorted(needs - cpu_flags())})")
     kernels = ops if arch == ("-march=native",) else _other_isa(arch)
     x = activations(300, 576) * torch.rand(300, 1) * 4
-    x[0, :32] = 0                                         # an all-zero group: unit 0, codes 0
-    x[1, :32] = torch.arange(32) - 15.5                   # amax 15.5: x * 127 / 15.5 hits exact halves
+    x[0, :32] = 0  # an all-zero group: unit 0, codes 0
+    x[1, :32] = torch.arange(32) - 15.5  # amax 15.5: x * 127 / 15.5 hits exact halves
     x[2, :32] = torch.tensor([127.0, 0.5, 1.5, 2.5, -0.5, -1.5] + [0.25] * 26)  # unit 1: ties to even
-    x[3, :32] = 1e-30                                     # tiny but not zero
+    x[3, :32] = 1e-30  # tiny but not zero
     for digits in (1, 2):
         got, want = kernels.quantize_a8(x, digits), quantize_reference(x, digits)
         for name, a, b in zip(("codes", "units", "sums"), got, want):
@@ -299,10 +304,16 @@ def float16_edges() -> torch.Tensor:
     """Every rounding case of float32 -> float16: ties to even both ways, the subnormal range and
     its ties, the largest finite half and the first value that rounds to inf, signed zeros, inf."""
     h = torch.arange(0, 0x7C00, dtype=torch.int32).to(torch.int16).view(torch.float16).float()  # every finite half
-    mid = (h[:-1].double() + h[1:].double()) / 2                                               # exact ties
-    x = torch.cat([h, mid.float(), torch.nextafter(mid.float(), torch.tensor(0.0)),
-                   torch.nextafter(mid.float(), torch.tensor(1e9)), torch.tensor([65519.0, 65520.0, 1e6, float("inf"),
-                                                                                2.0 ** -25, 2.0 ** -26, 0.0])])
+    mid = (h[:-1].double() + h[1:].double()) / 2  # exact ties
+    x = torch.cat(
+        [
+            h,
+            mid.float(),
+            torch.nextafter(mid.float(), torch.tensor(0.0)),
+            torch.nextafter(mid.float(), torch.tensor(1e9)),
+            torch.tensor([65519.0, 65520.0, 1e6, float("inf"), 2.0**-25, 2.0**-26, 0.0]),
+        ]
+    )
     return torch.cat([x, -x, torch.randn(4096) * 100])
 
 
@@ -353,12 +364,21 @@ def test_amx_tiles_give_the_vnni_paths_bits(amx, m):
 
 
 def test_amx_can_be_turned_off_for_a_process(amx):
-    code = ("import torch; from splitserve.platform.kernels.cpu_ops import cpu_ops; "
-            "from splitserve.platform.quant import a8;"
-            "ops = cpu_ops(); a8.Int4A8Kernel(torch.randn(32, 64), None, ops, 2)(torch.randn(16, 64)); print(ops.a8_path)")
-    paths = [subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                            env={**__import__("os").environ, "SPLITSERVE_AMX": flag}).stdout.strip()
-             for flag in ("0", "1")]
+    code = (
+        "import torch; from splitserve.platform.kernels.cpu_ops import cpu_ops; "
+        "from splitserve.platform.quant import a8;"
+        "ops = cpu_ops(); a8.Int4A8Kernel(torch.randn(32, 64), None, ops, 2)(torch.randn(16, 64)); print(ops.a8_path)"
+    )
+    paths = [
+        subprocess.run(
+            [sys.executable, "-c", code],
+            capture_output=True,
+            text=True,
+            check=True,
+            env={**__import__("os").environ, "SPLITSERVE_AMX": flag},
+        ).stdout.strip()
+        for flag in ("0", "1")
+    ]
     assert paths == ["avx512-vnni", "avx512-amx"]
 
 

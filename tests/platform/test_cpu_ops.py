@@ -50,12 +50,12 @@ def test_rope_rotates_q_and_k_in_place_and_writes_kv_slots(kv_dtype):
     slots = torch.tensor([1, 50, 33, 99, 200, 17, 300])
     rotary = RotaryEmbedding(D, 2048, 10000.0, None)
     heads = qkv.view(7, -1, D).clone()
-    ref = apply_rotary(heads[:, :NH + NKV], *rotary.cos_sin(positions, torch.float32))
+    ref = apply_rotary(heads[:, : NH + NKV], *rotary.cos_sin(positions, torch.float32))
     ops.rope_write_kv(qkv, positions, rotary.cos_cache, rotary.sin_cache, k_cache, v_cache, slots, NH, NKV, D)
-    assert torch.allclose(qkv.view(7, -1, D)[:, :NH + NKV], ref, atol=1e-5)
-    assert torch.equal(k_cache.view(-1, NKV, D)[slots], qkv.view(7, -1, D)[:, NH:NH + NKV].to(kv_dtype))
+    assert torch.allclose(qkv.view(7, -1, D)[:, : NH + NKV], ref, atol=1e-5)
+    assert torch.equal(k_cache.view(-1, NKV, D)[slots], qkv.view(7, -1, D)[:, NH : NH + NKV].to(kv_dtype))
     assert torch.allclose(k_cache.view(-1, NKV, D)[slots].float(), ref[:, NH:], atol=1e-5, rtol=1e-3)
-    assert torch.equal(v_cache.view(-1, NKV, D)[slots], heads[:, NH + NKV:].to(kv_dtype))
+    assert torch.equal(v_cache.view(-1, NKV, D)[slots], heads[:, NH + NKV :].to(kv_dtype))
 
 
 def check_decode_attention(kernels, bs: int, d: int, contexts: list[int], kv_dtype=torch.float32) -> None:
@@ -67,11 +67,12 @@ def check_decode_attention(kernels, bs: int, d: int, contexts: list[int], kv_dty
     table = torch.stack([torch.randperm(NB)[:16] for _ in range(len(contexts))])
     q = torch.randn(len(contexts), NH, d)
     mask = torch.arange(16 * bs)[None] < context[:, None]
-    ref = decode_attention(q, gather_kv(k_cache, table), gather_kv(v_cache, table), d ** -0.5, mask)
-    got = kernels.decode_attention(q, k_cache, v_cache, table, context, d ** -0.5)
+    ref = decode_attention(q, gather_kv(k_cache, table), gather_kv(v_cache, table), d**-0.5, mask)
+    got = kernels.decode_attention(q, k_cache, v_cache, table, context, d**-0.5)
     assert torch.allclose(got, ref, atol=1e-5)
-    alone = kernels.decode_attention(q[2:3].contiguous(), k_cache, v_cache, table[2:3].contiguous(),
-                                     context[2:3].contiguous(), d ** -0.5)
+    alone = kernels.decode_attention(
+        q[2:3].contiguous(), k_cache, v_cache, table[2:3].contiguous(), context[2:3].contiguous(), d**-0.5
+    )
     assert torch.equal(alone[0], got[2])
 
 
@@ -83,15 +84,21 @@ def check_heads_alone(kernels, group: int, d: int, kv_dtype) -> None:
     context = torch.tensor([1, 30, 200])
     table = torch.stack([torch.randperm(NB)[:16] for _ in range(3)])
     q = torch.randn(3, 2 * group, d)
-    got = kernels.decode_attention(q, k_cache, v_cache, table, context, d ** -0.5)
+    got = kernels.decode_attention(q, k_cache, v_cache, table, context, d**-0.5)
     mask = torch.arange(256)[None] < context[:, None]
-    ref = decode_attention(q, gather_kv(k_cache, table), gather_kv(v_cache, table), d ** -0.5, mask)
+    ref = decode_attention(q, gather_kv(k_cache, table), gather_kv(v_cache, table), d**-0.5, mask)
     assert torch.allclose(got, ref, atol=1e-5)
     for kv_head in range(2):
         for j in range(group):
             h = kv_head * group + j
-            alone = kernels.decode_attention(q[:, h:h + 1].contiguous(), k_cache[:, :, kv_head:kv_head + 1].contiguous(),
-                                             v_cache[:, :, kv_head:kv_head + 1].contiguous(), table, context, d ** -0.5)
+            alone = kernels.decode_attention(
+                q[:, h : h + 1].contiguous(),
+                k_cache[:, :, kv_head : kv_head + 1].contiguous(),
+                v_cache[:, :, kv_head : kv_head + 1].contiguous(),
+                table,
+                context,
+                d**-0.5,
+            )
             assert torch.equal(alone[:, 0], got[:, h]), (kv_head, j)
 
 
@@ -126,7 +133,7 @@ def test_q4_linear_is_float32_math_on_the_int4_weights_and_batch_invariant(n, k)
     ref = x.double() @ weight.double().t()
     assert ((y.double() - ref).norm() / ref.norm()).item() < 1e-5
     for i in range(7):
-        assert torch.equal(ops.q4_linear(x[i:i + 1].contiguous(), qs, d, mn)[0], y[i])
+        assert torch.equal(ops.q4_linear(x[i : i + 1].contiguous(), qs, d, mn)[0], y[i])
 
 
 def test_disabled_kernels_leave_the_torch_path(monkeypatch):
@@ -156,8 +163,23 @@ def test_the_c_source_ships_in_the_wheel(tmp_path):
     import zipfile
 
     root = pathlib.Path(__file__).resolve().parents[2]
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w",
-                    str(tmp_path), str(root)], check=True, capture_output=True, timeout=300)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "-q",
+            "-w",
+            str(tmp_path),
+            str(root),
+        ],
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
     [wheel] = tmp_path.glob("splitserve-*.whl")
     assert "splitserve/platform/kernels/cpu_ops.c" in zipfile.ZipFile(wheel).namelist()
 
@@ -166,12 +188,12 @@ def test_gemm_fixed_is_a_matmul_whose_rows_ignore_their_batch_and_zero_columns()
     """LoRA's shrink and expand (platform/lora/batch.py): the values of x @ w, and a row's bits
     the same whatever rows share the call and wherever exact zeros pad its inner dimension (a
     mixed-adapter step's masked-out columns)."""
-    x, w = torch.randn(13, 576), torch.randn(576, 37) * 0.05      # 37 columns: a 16-, a 16- and a 5-wide tile
+    x, w = torch.randn(13, 576), torch.randn(576, 37) * 0.05  # 37 columns: a 16-, a 16- and a 5-wide tile
     y = ops.gemm_fixed(x, w)
     assert torch.allclose(y, x @ w, atol=1e-5)
     for rows in (slice(0, 1), slice(3, 4), slice(2, 9)):
         assert torch.equal(ops.gemm_fixed(x[rows].contiguous(), w), y[rows])
-    for cols in (slice(0, 8), slice(16, 32), slice(33, 37)):     # a column's chain is its own
+    for cols in (slice(0, 8), slice(16, 32), slice(33, 37)):  # a column's chain is its own
         assert torch.equal(ops.gemm_fixed(x, w[:, cols].contiguous()), y[:, cols])
     # expand: h [M, r] with its adapter's columns among zeros of others, added into y
     h, b = torch.randn(6, 8), torch.randn(8, 96) * 0.1

@@ -28,21 +28,25 @@ from splitserve.platform.sched.plan import ScheduledSeq
 GiB = 1024**3
 
 
-@pytest.mark.parametrize("max_num_seqs,expected", [
-    (1, [1]),
-    (3, [1, 2, 3]),
-    (6, [1, 2, 4, 6]),
-    (8, [1, 2, 4, 8]),
-    (20, [1, 2, 4, 8, 16, 20]),
-    (64, [1, 2, 4, *range(8, 65, 8)]),
-    (300, [1, 2, 4, *range(8, 256, 8), 256, 272, 288, 300]),
-])
+@pytest.mark.parametrize(
+    "max_num_seqs,expected",
+    [
+        (1, [1]),
+        (3, [1, 2, 3]),
+        (6, [1, 2, 4, 6]),
+        (8, [1, 2, 4, 8]),
+        (20, [1, 2, 4, 8, 16, 20]),
+        (64, [1, 2, 4, *range(8, 65, 8)]),
+        (300, [1, 2, 4, *range(8, 256, 8), 256, 272, 288, 300]),
+    ],
+)
 def test_capture_sizes_are_vllms_list_up_to_max_num_seqs(max_num_seqs, expected):
     assert capture_sizes(max_num_seqs) == expected
 
 
-@pytest.mark.parametrize("batch,bucket", [(1, 1), (2, 2), (3, 4), (4, 4), (5, 8), (8, 8), (9, 16), (63, 64),
-                                          (64, 64), (65, None), (0, None)])
+@pytest.mark.parametrize(
+    "batch,bucket", [(1, 1), (2, 2), (3, 4), (4, 4), (5, 8), (8, 8), (9, 16), (63, 64), (64, 64), (65, None), (0, None)]
+)
 def test_a_batch_runs_in_the_smallest_bucket_that_holds_it(batch, bucket):
     assert bucket_for(batch, capture_sizes(64)) == bucket
 
@@ -50,9 +54,11 @@ def test_a_batch_runs_in_the_smallest_bucket_that_holds_it(batch, bucket):
 def test_fill_writes_real_rows_and_harmless_padding():
     bs = 4
     buffers = DecodeBuffers(max_rows=8, max_blocks=5, block_size=bs, device=torch.device("cpu"))
-    seqs = [ScheduledSeq("a", (11,), 6, (7, 3), True),           # position 6: block 3, offset 2
-            ScheduledSeq("b", (12,), 0, (9,), True),             # the first token
-            ScheduledSeq("c", (13,), 16, (1, 2, 4, 5, 6), True)]  # the table's full width
+    seqs = [
+        ScheduledSeq("a", (11,), 6, (7, 3), True),  # position 6: block 3, offset 2
+        ScheduledSeq("b", (12,), 0, (9,), True),  # the first token
+        ScheduledSeq("c", (13,), 16, (1, 2, 4, 5, 6), True),
+    ]  # the table's full width
     buffers.fill(seqs, bucket=4)
     assert buffers.input_ids[:4].tolist() == [11, 12, 13, 0]
     assert buffers.positions[:4].tolist() == [6, 0, 16, 0]
@@ -73,8 +79,10 @@ def test_fill_gives_a_verifying_slice_one_row_per_token():
     three rows, each seeing keys up to its own position; a plain decode beside it keeps one row."""
     bs = 4
     buffers = DecodeBuffers(max_rows=8, max_blocks=3, block_size=bs, device=torch.device("cpu"))
-    seqs = [ScheduledSeq("v", (21, 22, 23), 5, (7, 3), True, num_draft_tokens=2),
-            ScheduledSeq("d", (31,), 2, (9,), True)]
+    seqs = [
+        ScheduledSeq("v", (21, 22, 23), 5, (7, 3), True, num_draft_tokens=2),
+        ScheduledSeq("d", (31,), 2, (9,), True),
+    ]
     buffers.fill(seqs, bucket=4)
     assert buffers.input_ids[:4].tolist() == [21, 22, 23, 31]
     assert buffers.positions[:4].tolist() == [5, 6, 7, 2]
@@ -85,11 +93,13 @@ def test_fill_gives_a_verifying_slice_one_row_per_token():
 
 
 PROMPTS = ["The capital of France is", "def fib(n):", "Once upon a time", "1, 2, 3, 4,", "Why is the sky blue?"]
-PARAMS = [SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
-          SamplingParams(temperature=0.8, top_p=0.9, top_k=40, seed=7, max_tokens=10, ignore_eos=True),
-          SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
-          SamplingParams(temperature=1.0, seed=8, presence_penalty=0.5, max_tokens=12, ignore_eos=True),
-          SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)]
+PARAMS = [
+    SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+    SamplingParams(temperature=0.8, top_p=0.9, top_k=40, seed=7, max_tokens=10, ignore_eos=True),
+    SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
+    SamplingParams(temperature=1.0, seed=8, presence_penalty=0.5, max_tokens=12, ignore_eos=True),
+    SamplingParams(temperature=0, max_tokens=6, ignore_eos=True),
+]
 
 
 def test_padded_buckets_give_the_plain_runners_tokens(make_engine):
@@ -116,9 +126,11 @@ def test_speculative_verification_replays_the_decode_buffers_with_plain_tokens(m
     the output without speculation and without graphs."""
     from splitserve.platform.config import SpeculativeConfig
 
-    prompts = ["Repeat this list exactly: apple, banana, cherry, date, elderberry, fig.\nList: apple, banana,",
-               "def add(a, b):\n    return a + b\n\n# The same function again:\ndef add(a, b):",
-               "The capital of France is"]
+    prompts = [
+        "Repeat this list exactly: apple, banana, cherry, date, elderberry, fig.\nList: apple, banana,",
+        "def add(a, b):\n    return a + b\n\n# The same function again:\ndef add(a, b):",
+        "The capital of France is",
+    ]
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     expected = [o.output_token_ids for o in make_engine(max_num_seqs=8).generate(prompts, params)]
 
@@ -139,16 +151,17 @@ def test_graph_memory_is_counted_in_the_kv_budget():
     from splitserve.platform.weights.presets import preset_config
 
     cfg = preset_config("llama-3-8b", "random:llama-3-8b")
-    graph = graph_memory_bytes(256, cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads,
-                               cfg.head_dim, cfg.vocab_size, 2)
-    assert 100 * 2**20 < graph < 2 * GiB          # the largest bucket's activations, not the model
+    graph = graph_memory_bytes(
+        256, cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.vocab_size, 2
+    )
+    assert 100 * 2**20 < graph < 2 * GiB  # the largest bucket's activations, not the model
     cache = CacheConfig(kv_cache_memory_bytes=8 * GiB)
-    free = int((8 * GiB + graph // 2) / 0.9)       # room for the cache, not for cache + graphs
+    free = int((8 * GiB + graph // 2) / 0.9)  # room for the cache, not for cache + graphs
     cuda = torch.device("cuda")
     assert plan_num_blocks(cache, cfg, torch.bfloat16, 8192, cuda, free_bytes=free) > 0
     with pytest.raises(ConfigError, match="decode CUDA graphs.*--enforce-eager"):
         plan_num_blocks(cache, cfg, torch.bfloat16, 8192, cuda, free_bytes=free, graph_bytes=graph)
-    assert decode_graph_bytes(True, cuda, cfg, 256, torch.bfloat16) == 0            # --enforce-eager
+    assert decode_graph_bytes(True, cuda, cfg, 256, torch.bfloat16) == 0  # --enforce-eager
     assert decode_graph_bytes(False, torch.device("cpu"), cfg, 256, torch.bfloat16) == 0
     assert not uses_decode_graphs(False, torch.device("cpu"))
 
@@ -179,7 +192,7 @@ def test_graph_buffers_refuse_the_fused_cpu_kernels():
     from splitserve.platform.engine.cuda_graphs import DecodeGraphs
 
     class Model:
-        fused_ops = object()     # a CpuOps stand-in: no attends_paged
+        fused_ops = object()  # a CpuOps stand-in: no attends_paged
 
     with pytest.raises(ValueError, match="Triton ops .CUDA. or the torch path .CPU."):
         DecodeGraphs(Model(), [], 16, torch.device("cpu"), 4, 64)
@@ -211,11 +224,14 @@ def test_only_plain_decode_steps_go_through_the_graphs():
 GiB_ = 2**30
 
 
-@pytest.mark.parametrize("before, after, cost", [
-    (80 * GiB_, 79 * GiB_, GiB_),          # the graphs took 1 GiB
-    (10 * GiB_, 10 * GiB_, 0),             # nothing
-    (10 * GiB_, 10 * GiB_ + 30 * 2**20, 0),  # memory was released meanwhile: never negative (was "-30 MiB")
-])
+@pytest.mark.parametrize(
+    "before, after, cost",
+    [
+        (80 * GiB_, 79 * GiB_, GiB_),  # the graphs took 1 GiB
+        (10 * GiB_, 10 * GiB_, 0),  # nothing
+        (10 * GiB_, 10 * GiB_ + 30 * 2**20, 0),  # memory was released meanwhile: never negative (was "-30 MiB")
+    ],
+)
 def test_capture_cost_is_free_memory_before_minus_after_and_never_negative(before, after, cost, caplog):
     assert capture_cost(before, after) == cost
     assert ("counting the graphs as 0 bytes" in caplog.text) == (after > before)

@@ -21,8 +21,31 @@ TEXTS = [
 ]
 
 # A tiny SentencePiece vocabulary (see test_tokenizer.py), built from metadata without a file.
-SPM_PIECES = ["▁", "h", "e", "l", "o", "w", "r", "d", "t", "a",
-              "he", "ll", "llo", "hello", "▁hello", "or", "wor", "ld", "world", "▁world", "▁t", "▁the", "th"]
+SPM_PIECES = [
+    "▁",
+    "h",
+    "e",
+    "l",
+    "o",
+    "w",
+    "r",
+    "d",
+    "t",
+    "a",
+    "he",
+    "ll",
+    "llo",
+    "hello",
+    "▁hello",
+    "or",
+    "wor",
+    "ld",
+    "world",
+    "▁world",
+    "▁t",
+    "▁the",
+    "th",
+]
 SPM_TOKENS = ["<unk>", "<s>", "</s>", *[f"<0x{b:02X}>" for b in range(256)], *SPM_PIECES, "<|user|>"]
 SPM_ID = {token: index for index, token in enumerate(SPM_TOKENS)}
 
@@ -49,7 +72,7 @@ def stream(tokenizer, ids, chunk_sizes=(1,), skip_special_tokens=True):
     deltas, start, index = [], 0, 0
     while start < len(ids):
         size = chunk_sizes[index % len(chunk_sizes)]
-        deltas.append(detok.push(ids[start:start + size]))
+        deltas.append(detok.push(ids[start : start + size]))
         start, index = start + size, index + 1
     deltas.append(detok.flush())
     assert detok.text == "".join(deltas)
@@ -78,10 +101,13 @@ def test_a_character_that_never_completes_is_flushed_as_replacement(smollm):
     assert "".join(deltas) == smollm.decode(ids)
 
 
-@pytest.mark.parametrize("skip_special_tokens, expected", [
-    (True, ["", "Hi", "", " there", "", "", ""]),
-    (False, ["<|im_start|>", "Hi", "<|im_end|>", " there", "<|endoftext|>", "<|im_end|>", ""]),
-])
+@pytest.mark.parametrize(
+    "skip_special_tokens, expected",
+    [
+        (True, ["", "Hi", "", " there", "", "", ""]),
+        (False, ["<|im_start|>", "Hi", "<|im_end|>", " there", "<|endoftext|>", "<|im_end|>", ""]),
+    ],
+)
 def test_skip_special_tokens(smollm, skip_special_tokens, expected):
     ids = [1, *smollm.encode("Hi"), 2, *smollm.encode(" there"), 0, 2]
     deltas = stream(smollm, ids, skip_special_tokens=skip_special_tokens)
@@ -112,8 +138,10 @@ def test_sentencepiece_invalid_byte_run_keeps_what_was_shown(spm):
 
 def random_smollm_ids(rng, tokenizer):
     # low ids are specials, 100..300 are single bytes (emoji pieces among them), then anything
-    return [rng.choice([rng.randrange(20), rng.randrange(100, 300), rng.randrange(tokenizer.vocab_size)])
-            for _ in range(rng.randrange(1, 30))]
+    return [
+        rng.choice([rng.randrange(20), rng.randrange(100, 300), rng.randrange(tokenizer.vocab_size)])
+        for _ in range(rng.randrange(1, 30))
+    ]
 
 
 def random_spm_ids(rng, tokenizer):

@@ -20,24 +20,24 @@ ROWS = [
     P(temperature=0),
     P(temperature=0.7, seed=1),
     P(temperature=1.0, top_k=5, seed=2),
-    P(temperature=1.0, top_k=3, seed=3),                  # row 3 has ties at its 3rd logit
+    P(temperature=1.0, top_k=3, seed=3),  # row 3 has ties at its 3rd logit
     P(temperature=1.3, top_p=0.9, seed=4),
-    P(temperature=2.0, top_p=0.995, seed=5),              # flat row: the CPU list grows twice
+    P(temperature=2.0, top_p=0.995, seed=5),  # flat row: the CPU list grows twice
     P(temperature=0.9, min_p=0.05, seed=6),
     P(temperature=0.8, top_k=50, top_p=0.8, min_p=0.02, seed=7),
     P(temperature=1.0, top_p=0.95, repetition_penalty=1.3, frequency_penalty=0.4, presence_penalty=0.2, seed=8),
     P(temperature=1.0, logprobs=3, seed=9),
     P(temperature=0, logprobs=0, min_tokens=4, stop_token_ids=[11]),
-    P(temperature=0.6, top_k=20),                         # unseeded: the global RNG
+    P(temperature=0.6, top_k=20),  # unseeded: the global RNG
 ]
 
 
 def _logits(step: int, device) -> torch.Tensor:
     gen = torch.Generator().manual_seed(100 + step)
     logits = torch.randn(len(ROWS), VOCAB, generator=gen) * 3
-    logits[3, [40, 41, 42, 43]] = logits[3].max() + 1     # a four-way tie at the top of a top-k 3 row
-    logits[5] *= 0.01                                     # nearly uniform
-    logits[10, 11] = 50.0                                 # a stop token min_tokens must block
+    logits[3, [40, 41, 42, 43]] = logits[3].max() + 1  # a four-way tie at the top of a top-k 3 row
+    logits[5] *= 0.01  # nearly uniform
+    logits[10, 11] = 50.0  # a stop token min_tokens must block
     return logits.to(device)
 
 
@@ -53,9 +53,10 @@ def _run(sampler: Sampler, device) -> list:
     return outs
 
 
-DEVICES = [pytest.param("cpu", id="cpu"),
-           pytest.param("cuda", id="cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(),
-                                                                     reason="needs a CUDA GPU"))]
+DEVICES = [
+    pytest.param("cpu", id="cpu"),
+    pytest.param("cuda", id="cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")),
+]
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -79,7 +80,7 @@ def test_device_path_synchronises_only_for_its_one_copy():
     from splitserve.platform.sampling import device_sampler
 
     rows = [SamplingRow(p, [3, 5], [9], make_generator(p.seed)) for p in ROWS if not p.min_tokens]
-    logits = _logits(0, "cuda")[:len(rows)]
+    logits = _logits(0, "cuda")[: len(rows)]
     uniforms = torch.rand(len(rows))
     packed = device_sampler.pack_params(rows, uniforms, logits.device)
     torch.cuda.synchronize()

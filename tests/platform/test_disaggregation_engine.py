@@ -32,15 +32,16 @@ def disaggregated(p_engine, d_engine, prompt, params=GREEDY, req_id="r"):
     received, steps = [], [0]
 
     def sink(layer, staged, first_block):
-        staged.ready.wait()   # the export's copy (done at once on a CPU)
+        staged.ready.wait()  # the export's copy (done at once on a CPU)
         payload = staged.tensor
         received.append((steps[0], layer, first_block, tuple(payload.shape)))
-        dst = kv_ready.block_ids[kv_ready.start_block + first_block:][:payload.shape[1]]
+        dst = kv_ready.block_ids[kv_ready.start_block + first_block :][: payload.shape[1]]
         d_engine.write_kv_layer(dst, layer, payload)
 
     p_params = SamplingParams(**{**params.__dict__, "max_tokens": 1, "min_tokens": 0})
-    p_engine.add_request(params=p_params, prompt_token_ids=prompt, req_id=req_id + "-p",
-                         kv_export=KVExport(kv_ready.start_block, sink))
+    p_engine.add_request(
+        params=p_params, prompt_token_ids=prompt, req_id=req_id + "-p", kv_export=KVExport(kv_ready.start_block, sink)
+    )
     p_outs = []
     while p_engine.has_work():
         steps[0] += 1
@@ -80,8 +81,12 @@ def test_chunked_prefill_exports_each_chunks_blocks_as_it_completes(make_engine)
     pieces = sorted({(step, first, shape[1]) for step, _, first, shape in received})
     assert pieces == [(1, 0, 8), (2, 8, 8), (3, 16, 8), (4, 24, 8)]
     for layer in range(30):
-        assert [(first, shape[1]) for _, lay, first, shape in received if lay == layer] == \
-            [(0, 8), (8, 8), (16, 8), (24, 8)]
+        assert [(first, shape[1]) for _, lay, first, shape in received if lay == layer] == [
+            (0, 8),
+            (8, 8),
+            (16, 8),
+            (24, 8),
+        ]
     for e in (p_engine, d_engine):
         e.kv.check_invariants()
         assert e.pool.num_free_blocks == e.pool.num_blocks
@@ -91,7 +96,7 @@ def test_only_missing_blocks_travel_when_decode_holds_a_prefix(make_engine):
     p_engine, d_engine, local = make_engine(), make_engine(), make_engine()
     turn1 = [(i * 31) % 30000 + 200 for i in range(100)]
     turn2 = turn1 + [(i * 17) % 30000 + 300 for i in range(60)]
-    d_engine.generate([turn1], GREEDY)          # D now caches turn1's 6 full blocks
+    d_engine.generate([turn1], GREEDY)  # D now caches turn1's 6 full blocks
     [ref] = local.generate([turn2], GREEDY)
     outs, received, kv_ready = disaggregated(p_engine, d_engine, turn2)
     assert kv_ready.num_cached_tokens == 96 and kv_ready.start_block == 6
@@ -109,6 +114,7 @@ def test_fallback_to_local_prefill_after_a_failed_transfer(make_engine):
     assert ready.kv_ready is not None and not d_engine.has_work()
     # Half the layers arrive, then the prefill worker dies: D computes the prompt itself.
     import torch
+
     garbage = torch.full((2, 3, 16, 3, 64), 7.0)
     for layer in range(15):
         d_engine.write_kv_layer(ready.kv_ready.block_ids, layer, garbage)
@@ -125,7 +131,7 @@ def test_abort_while_waiting_for_kv_frees_blocks(make_engine):
     assert d_engine.pool.num_free_blocks == d_engine.pool.num_blocks - 4
     assert d_engine.abort("r")
     assert d_engine.step()[0].finish_reason == "abort"
-    assert d_engine.complete_remote_prefill("r", 5) is None   # a late completion is ignored
+    assert d_engine.complete_remote_prefill("r", 5) is None  # a late completion is ignored
     d_engine.kv.check_invariants()
     assert d_engine.pool.num_free_blocks == d_engine.pool.num_blocks
 
@@ -133,6 +139,11 @@ def test_abort_while_waiting_for_kv_frees_blocks(make_engine):
 def test_export_start_block_is_validated(make_engine):
     from splitserve.platform.errors import InvalidRequestError
 
-    with pytest.raises(InvalidRequestError, match="skip_blocks=2 is invalid for a prompt of 20 tokens; allowed: 0 to 1"):
-        make_engine().add_request(params=GREEDY, prompt_token_ids=list(range(1, 21)),
-                                  kv_export=KVExport(2, lambda layer, payload, first_block: None))
+    with pytest.raises(
+        InvalidRequestError, match="skip_blocks=2 is invalid for a prompt of 20 tokens; allowed: 0 to 1"
+    ):
+        make_engine().add_request(
+            params=GREEDY,
+            prompt_token_ids=list(range(1, 21)),
+            kv_export=KVExport(2, lambda layer, payload, first_block: None),
+        )

@@ -79,12 +79,15 @@ def test_seeded_sampling_is_reproducible_in_any_batch(make_engine):
     engine = make_engine()
     params = SamplingParams(temperature=1.0, top_p=0.9, seed=1234, max_tokens=20, ignore_eos=True)
     [solo] = engine.generate(["Tell me a story about a dragon."], params)
-    mixed = engine.generate(["Hello there", "Tell me a story about a dragon.", "Count: 1, 2,"],
-                            [SamplingParams(temperature=0.7, max_tokens=20), params,
-                             SamplingParams(temperature=0, max_tokens=5)])
+    mixed = engine.generate(
+        ["Hello there", "Tell me a story about a dragon.", "Count: 1, 2,"],
+        [SamplingParams(temperature=0.7, max_tokens=20), params, SamplingParams(temperature=0, max_tokens=5)],
+    )
     assert mixed[1].text == solo.text
-    [other] = engine.generate(["Tell me a story about a dragon."],
-                              SamplingParams(temperature=1.0, top_p=0.9, seed=99, max_tokens=20, ignore_eos=True))
+    [other] = engine.generate(
+        ["Tell me a story about a dragon."],
+        SamplingParams(temperature=1.0, top_p=0.9, seed=99, max_tokens=20, ignore_eos=True),
+    )
     assert other.output_token_ids != solo.output_token_ids
 
 
@@ -115,13 +118,16 @@ def test_logprobs_are_reported(make_engine):
         assert [x[1] for x in lp.top] == sorted((x[1] for x in lp.top), reverse=True)
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    (dict(prompt=""), "the prompt is empty"),
-    (dict(prompt_token_ids=[]), "the prompt is empty"),
-    (dict(prompt_token_ids=[1, 99999999]), "allowed: integers in [0, 49152)"),
-    (dict(prompt_token_ids=[5] * 2048), "the prompt has 2048 tokens but max_model_len is 2048"),
-    (dict(prompt="hi", prompt_token_ids=[1]), "exactly one of prompt"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(prompt=""), "the prompt is empty"),
+        (dict(prompt_token_ids=[]), "the prompt is empty"),
+        (dict(prompt_token_ids=[1, 99999999]), "allowed: integers in [0, 49152)"),
+        (dict(prompt_token_ids=[5] * 2048), "the prompt has 2048 tokens but max_model_len is 2048"),
+        (dict(prompt="hi", prompt_token_ids=[1]), "exactly one of prompt"),
+    ],
+)
 def test_bad_requests_are_rejected_and_engine_keeps_serving(make_engine, kwargs, message):
     engine = make_engine()
     engine.add_request("Good morning", SamplingParams(temperature=0, max_tokens=4), req_id="ok")
@@ -136,13 +142,16 @@ def test_bad_requests_are_rejected_and_engine_keeps_serving(make_engine, kwargs,
     assert_no_leak(engine)
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    (dict(max_tokens=0), "max_tokens=0 is invalid; allowed: an integer >= 1"),
-    (dict(max_tokens=-3), "max_tokens=-3 is invalid"),
-    (dict(temperature=-0.5), "temperature=-0.5 is invalid; allowed: a finite number >= 0"),
-    (dict(top_p=0.0), "top_p=0.0 is invalid; allowed: a number in (0, 1]"),
-    (dict(top_p=1.5), "top_p=1.5 is invalid; allowed: a number in (0, 1]"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(max_tokens=0), "max_tokens=0 is invalid; allowed: an integer >= 1"),
+        (dict(max_tokens=-3), "max_tokens=-3 is invalid"),
+        (dict(temperature=-0.5), "temperature=-0.5 is invalid; allowed: a finite number >= 0"),
+        (dict(top_p=0.0), "top_p=0.0 is invalid; allowed: a number in (0, 1]"),
+        (dict(top_p=1.5), "top_p=1.5 is invalid; allowed: a number in (0, 1]"),
+    ],
+)
 def test_bad_sampling_params(kwargs, message):
     with pytest.raises(InvalidRequestError) as err:
         SamplingParams(**kwargs)
@@ -173,15 +182,19 @@ def test_kv_cache_dtype_float16_holds_twice_the_blocks_and_bad_values_say_what_i
     the blocks) and the model dtype under `none`; a bad value, or a cache dtype other than the model's
     on CUDA, is a ConfigError naming what is allowed."""
     budget = CacheConfig(kv_cache_memory_bytes=64 * 1024**2)
-    fast, wide, reference = (LLMEngine(EngineConfig(model="random:tiny", cache=budget,
-                                                    device=DeviceConfig(quantization=quant, kv_cache_dtype=kv)))
-                             for kv, quant in (("auto", "int8"), ("float32", "int8"), ("auto", "none")))
+    fast, wide, reference = (
+        LLMEngine(
+            EngineConfig(model="random:tiny", cache=budget, device=DeviceConfig(quantization=quant, kv_cache_dtype=kv))
+        )
+        for kv, quant in (("auto", "int8"), ("float32", "int8"), ("auto", "none"))
+    )
     assert (fast.kv_cache_dtype, wide.kv_cache_dtype, reference.kv_cache_dtype) == ("float16", "float32", "float32")
     assert fast.runner.kv_caches[0][0].dtype == torch.float16
     assert fast.pool.num_blocks == 2 * wide.pool.num_blocks
     assert wide.pool.num_blocks == 64 * 1024**2 // bytes_per_block(wide.model_config, 16, torch.float32)
-    with pytest.raises(ConfigError, match="kv_cache_dtype 'fp8' is not supported; allowed: auto, float32, bfloat16, "
-                                          "float16"):
+    with pytest.raises(
+        ConfigError, match="kv_cache_dtype 'fp8' is not supported; allowed: auto, float32, bfloat16, float16"
+    ):
         DeviceConfig(kv_cache_dtype="fp8")
     with pytest.raises(ConfigError, match="allowed there: auto, float32"):
         DeviceConfig(device="cuda", kv_cache_dtype="float16")
@@ -214,8 +227,12 @@ def test_async_engine_streams_and_cancellation_aborts(make_engine):
     aeng = AsyncEngine(engine)
 
     async def main():
-        chunks = [o async for o in aeng.generate("The capital of France is",
-                                                 SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))]
+        chunks = [
+            o
+            async for o in aeng.generate(
+                "The capital of France is", SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+            )
+        ]
         assert len(chunks) == 6 and chunks[-1].finished
         with pytest.raises(InvalidRequestError):
             async for _ in aeng.generate("", SamplingParams()):
@@ -241,8 +258,16 @@ def test_resumed_request_continues_exactly_as_if_undisturbed(make_engine):
     """Resume (a router's failover mid-stream): a second engine given the prompt and the first
     k generated tokens continues with the undisturbed run's tokens — seeded sampling with
     penalties and min_tokens included — and reports only what it generated itself."""
-    params = SamplingParams(temperature=0.9, top_p=0.95, seed=11, max_tokens=24, min_tokens=16,
-                            presence_penalty=0.5, frequency_penalty=0.3, repetition_penalty=1.2)
+    params = SamplingParams(
+        temperature=0.9,
+        top_p=0.95,
+        seed=11,
+        max_tokens=24,
+        min_tokens=16,
+        presence_penalty=0.5,
+        frequency_penalty=0.3,
+        repetition_penalty=1.2,
+    )
     prompt = [(i * 7919) % 40000 + 100 for i in range(37)]
     first, second = make_engine(), make_engine()
     [whole] = first.generate([prompt], params)
@@ -255,17 +280,23 @@ def test_resumed_request_continues_exactly_as_if_undisturbed(make_engine):
     assert [t for o in outs for t in o.new_token_ids] == whole.output_token_ids[k:]
     assert outs[-1].output_token_ids == whole.output_token_ids and outs[-1].num_output_tokens == 24
     assert outs[-1].finish_reason == "length"
-    assert "".join(o.new_text for o in outs) == second.tokenizer.decode(whole.output_token_ids)[
-        len(second.tokenizer.decode(whole.output_token_ids[:k])):]
+    assert (
+        "".join(o.new_text for o in outs)
+        == second.tokenizer.decode(whole.output_token_ids)[len(second.tokenizer.decode(whole.output_token_ids[:k])) :]
+    )
     second.kv.check_invariants()
     assert second.pool.num_free_blocks == second.pool.num_blocks
 
 
-@pytest.mark.parametrize("resume, message", [
-    ([5] * 8, "8 resumed tokens leave nothing to generate under max_tokens=8; allowed: fewer than max_tokens"),
-    ([-1, 3], r"resume_output_token_ids has invalid ids \[-1\]; allowed: integers in \[0, 49152\)"),
-])
+@pytest.mark.parametrize(
+    "resume, message",
+    [
+        ([5] * 8, "8 resumed tokens leave nothing to generate under max_tokens=8; allowed: fewer than max_tokens"),
+        ([-1, 3], r"resume_output_token_ids has invalid ids \[-1\]; allowed: integers in \[0, 49152\)"),
+    ],
+)
 def test_bad_resume_is_rejected(make_engine, resume, message):
     with pytest.raises(InvalidRequestError, match=message):
-        make_engine().add_request(params=SamplingParams(max_tokens=8), prompt_token_ids=[1, 2, 3],
-                                  resume_output_token_ids=resume)
+        make_engine().add_request(
+            params=SamplingParams(max_tokens=8), prompt_token_ids=[1, 2, 3], resume_output_token_ids=resume
+        )

@@ -34,8 +34,13 @@ def prompt_logits(model, token_ids: list[int], block_size: int = 16) -> torch.Te
     n = len(token_ids)
     num_blocks = -(-n // block_size)
     caches = allocate_kv_cache(model.config, num_blocks, block_size, torch.float32, torch.device("cpu"))
-    meta = AttentionMetadata(slot_mapping=torch.arange(n), num_decodes=0, decode_block_table=None,
-                             decode_mask=None, prefills=[PrefillChunk(0, n, 0, None, None)])
+    meta = AttentionMetadata(
+        slot_mapping=torch.arange(n),
+        num_decodes=0,
+        decode_block_table=None,
+        decode_mask=None,
+        prefills=[PrefillChunk(0, n, 0, None, None)],
+    )
     with torch.inference_mode():
         hidden = model(torch.tensor(token_ids), torch.arange(n), caches, meta)
         return model.compute_logits(hidden)
@@ -82,10 +87,20 @@ def save_random_qwen2(folder, gguf_path: str, seed: int, init_std: float):
     from splitserve.platform.tokenizer import Tokenizer
 
     torch.manual_seed(seed)
-    cfg = Qwen2Config(vocab_size=49152, hidden_size=128, intermediate_size=256, num_hidden_layers=3,
-                      num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=1024,
-                      rope_theta=1000000.0, tie_word_embeddings=False, initializer_range=init_std,
-                      bos_token_id=1, eos_token_id=2)
+    cfg = Qwen2Config(
+        vocab_size=49152,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=3,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        rope_theta=1000000.0,
+        tie_word_embeddings=False,
+        initializer_range=init_std,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
     model = Qwen2ForCausalLM(cfg).eval()
     with torch.no_grad():  # transformers initialises biases to zero: make them count
         for layer in model.model.layers:
@@ -104,8 +119,11 @@ def qwen2_folder(tmp_path_factory, smollm2_gguf_path):
 
 def test_random_qwen2_matches_transformers(qwen2_folder):
     folder, hf_model = qwen2_folder
-    engine = LLMEngine(EngineConfig(model=str(folder), cache=CacheConfig(num_blocks=256),
-                                    scheduler=SchedulerConfig(max_num_batched_tokens=64)))
+    engine = LLMEngine(
+        EngineConfig(
+            model=str(folder), cache=CacheConfig(num_blocks=256), scheduler=SchedulerConfig(max_num_batched_tokens=64)
+        )
+    )
     assert engine.model_config.architecture == "qwen2" and engine.model_config.attention_bias
     prompt_ids = [[(7 * i + 3 * j) % 49000 + 100 for j in range(5 + 9 * i)] for i in range(8)]
     worst = 0.0

@@ -40,9 +40,14 @@ def hf_gemma(gemma_path):
 
 @pytest.fixture(scope="module")
 def gemma_engine():
-    return LLMEngine(EngineConfig(model="gemma3-270m", cache=CacheConfig(num_blocks=192),
-                                  scheduler=SchedulerConfig(max_model_len=2048),
-                                  device=DeviceConfig(dtype="float32", quantization="none")))
+    return LLMEngine(
+        EngineConfig(
+            model="gemma3-270m",
+            cache=CacheConfig(num_blocks=192),
+            scheduler=SchedulerConfig(max_model_len=2048),
+            device=DeviceConfig(dtype="float32", quantization="none"),
+        )
+    )
 
 
 def test_tokenizer_from_the_gguf_matches_transformers(gemma_engine, hf_gemma):
@@ -56,7 +61,11 @@ def test_tokenizer_from_the_gguf_matches_transformers(gemma_engine, hf_gemma):
 def test_greedy_equals_transformers_fp32_on_8_of_8(gemma_engine, hf_gemma):
     hf_model, _ = hf_gemma
     config = gemma_engine.model_config
-    assert (config.architecture, config.sliding_window, config.layer_types.count("full_attention")) == ("gemma3", 512, 3)
+    assert (config.architecture, config.sliding_window, config.layer_types.count("full_attention")) == (
+        "gemma3",
+        512,
+        3,
+    )
     prompt_ids = [gemma_engine.tokenizer.encode(p) for p in PROMPTS]
     assert len(prompt_ids[-1]) > config.sliding_window
     outs = gemma_engine.generate(prompt_ids, GREEDY)
@@ -86,9 +95,14 @@ def test_default_mode_agrees_with_transformers_on_at_least_7_of_8(hf_gemma):
     from splitserve.platform.quant.report import describe_kernels
 
     hf_model, _ = hf_gemma
-    engine = LLMEngine(EngineConfig(model="gemma3-270m", cache=CacheConfig(num_blocks=192),
-                                    scheduler=SchedulerConfig(max_model_len=2048),
-                                    device=DeviceConfig(quantization="auto")))
+    engine = LLMEngine(
+        EngineConfig(
+            model="gemma3-270m",
+            cache=CacheConfig(num_blocks=192),
+            scheduler=SchedulerConfig(max_model_len=2048),
+            device=DeviceConfig(quantization="auto"),
+        )
+    )
     assert engine.model.quantization in ("auto-exact", "none")
     if engine.model.quantization == "auto-exact" and cpu_ops() is not None:
         assert engine.kv_cache_dtype == "float16"

@@ -59,7 +59,7 @@ def test_q4_k_in_the_w4a16_tiles_keeps_the_codes_and_rounds_only_scales_to_float
     codes, scale, minimum = unpack_q4(kernel)
     assert torch.equal(codes, groups.codes)
     assert torch.equal(scale, groups.scale.half().float()) and torch.equal(minimum, groups.minimum.half().float())
-    bound = 2.0 ** -11
+    bound = 2.0**-11
     assert ((scale - groups.scale).abs() <= bound * groups.scale.abs()).all()
     assert ((minimum - groups.minimum).abs() <= bound * groups.minimum.abs()).all()
 
@@ -75,8 +75,11 @@ def test_q5_0_codes_are_int8_groups_exactly_and_widen_to_q8_0_blocks(gemma_file)
 
 def test_q5_0_and_q8_0_shards_stack_into_one_linear_with_their_codes(gemma_file):
     """Gemma 3 270M's qkv: q and k are Q5_0, v is Q8_0 on half the layers."""
-    parts = [raw_tensor(gemma_file, "blk.0.attn_q.weight", Q.Q5_0), raw_tensor(gemma_file, "blk.0.attn_k.weight", Q.Q5_0),
-             raw_tensor(gemma_file, "blk.0.attn_v.weight", Q.Q8_0)]
+    parts = [
+        raw_tensor(gemma_file, "blk.0.attn_q.weight", Q.Q5_0),
+        raw_tensor(gemma_file, "blk.0.attn_k.weight", Q.Q5_0),
+        raw_tensor(gemma_file, "blk.0.attn_v.weight", Q.Q8_0),
+    ]
     stacked = _concat_rows(parts)
     assert isinstance(stacked, formats.RawQuant) and stacked.tensor_type == Q.Q8_0
     assert torch.equal(stacked.dequantize(), torch.cat([p.dequantize() for p in parts]))
@@ -97,9 +100,19 @@ def test_w8a16_linear_is_the_file_weights_times_two_digit_inputs_and_batch_invar
 
 
 @needs_kernels
-@pytest.mark.parametrize(("tensor_type", "kernel"), [
-    (Q.Q4_K, "w4a16"), (Q.Q4_0, "w4a16"), (Q.Q4_1, "w4a16"), (Q.Q5_0, "w8a16"), (Q.Q8_0, "w8a16"),
-    (Q.Q6_K, "fp16"), (Q.Q5_K, "fp16"), (None, "fp16")])
+@pytest.mark.parametrize(
+    ("tensor_type", "kernel"),
+    [
+        (Q.Q4_K, "w4a16"),
+        (Q.Q4_0, "w4a16"),
+        (Q.Q4_1, "w4a16"),
+        (Q.Q5_0, "w8a16"),
+        (Q.Q8_0, "w8a16"),
+        (Q.Q6_K, "fp16"),
+        (Q.Q5_K, "fp16"),
+        (None, "fp16"),
+    ],
+)
 def test_exact_kernel_keeps_the_codes_of_the_types_it_can_hold(tensor_type, kernel):
     assert exact_kernel(tensor_type) == kernel
 
@@ -127,7 +140,7 @@ def test_top_ids_of_a_large_vocabulary_are_topks(rows):
     largest values crowded into one chunk and spread over many."""
     torch.manual_seed(0)
     logits = torch.randn(rows, 262144) * 3
-    logits[0, 64 * 100:64 * 100 + 64] += 50  # one chunk holds all 64 largest of row 0
+    logits[0, 64 * 100 : 64 * 100 + 64] += 50  # one chunk holds all 64 largest of row 0
     ids = top_ids(logits, 64)
     for r in range(rows):
         assert sorted(ids[r].tolist()) == sorted(logits[r].topk(64).indices.tolist())

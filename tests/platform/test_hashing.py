@@ -10,7 +10,7 @@ import pytest
 from splitserve.platform.hashing import BlockHasher, hash_block, lora_extra_keys, root_hash
 
 # Golden vectors: changing the encoding must change HASH_VERSION and these values on purpose.
-GOLDEN_ROOT = "3deebad64e8dc0c301a2bded56788df2"            # root_hash("smollm2-135m", 16)
+GOLDEN_ROOT = "3deebad64e8dc0c301a2bded56788df2"  # root_hash("smollm2-135m", 16)
 GOLDEN_CHAIN = ["844b5a263f69bee847a420c6f12bd8d2", "f8b3fa6ef6aa6d44d6ac711f77b6c68e"]  # tokens 0..39
 
 
@@ -21,9 +21,13 @@ def test_golden_root_and_chain():
 
 
 # hash_block(root_hash("m", 4), [1, 2, 3, 4], extra_keys) for each extra_keys below
-GOLDEN_EXTRA = {("lora-a", 7, b"salt"): "9785fc6992045bee1604447be86a6eef", ("1",): "dd2ff68b4f790a8a73c532b7b1c821f7",
-                (1,): "4fdf948abb0e495a0d4a448d73018a04", (b"1",): "e1d84a6b79a82a1b1440184d3c3445fd",
-                (): "687babb712e11adef621c8bddaab0edb"}
+GOLDEN_EXTRA = {
+    ("lora-a", 7, b"salt"): "9785fc6992045bee1604447be86a6eef",
+    ("1",): "dd2ff68b4f790a8a73c532b7b1c821f7",
+    (1,): "4fdf948abb0e495a0d4a448d73018a04",
+    (b"1",): "e1d84a6b79a82a1b1440184d3c3445fd",
+    (): "687babb712e11adef621c8bddaab0edb",
+}
 
 
 def test_golden_extra_keys():
@@ -34,8 +38,20 @@ def test_golden_extra_keys():
     # value regenerated from a changed implementation still has to match the documented format.
     import hashlib
     import struct
-    spec = hashlib.sha256(parent + struct.pack("<5I", 4, 1, 2, 3, 4) + b"s" + struct.pack("<I", 6) + b"lora-a"
-                          + b"i" + struct.pack("<I", 1) + b"7" + b"b" + struct.pack("<I", 4) + b"salt").digest()[:16]
+
+    spec = hashlib.sha256(
+        parent
+        + struct.pack("<5I", 4, 1, 2, 3, 4)
+        + b"s"
+        + struct.pack("<I", 6)
+        + b"lora-a"
+        + b"i"
+        + struct.pack("<I", 1)
+        + b"7"
+        + b"b"
+        + struct.pack("<I", 4)
+        + b"salt"
+    ).digest()[:16]
     assert spec.hex() == GOLDEN_EXTRA[("lora-a", 7, b"salt")]
 
 
@@ -50,10 +66,13 @@ def test_lora_identity_is_in_every_block_and_base_hashes_are_unchanged():
     base = hasher.hash_blocks(toks, lora_extra_keys(None, None))
     assert [h.hex() for h in base] == GOLDEN_CHAIN  # a base request hashes as before LoRA existed
     sql = hasher.hash_blocks(toks, lora_extra_keys("sql", digest_1))
-    chains = [base, sql,
-              hasher.hash_blocks(toks, lora_extra_keys("sql", digest_2)),    # same name, other weights
-              hasher.hash_blocks(toks, lora_extra_keys("chat", digest_1)),   # same weights, other name
-              hasher.hash_blocks(toks, ("sql",))]                            # an untagged key of that name
+    chains = [
+        base,
+        sql,
+        hasher.hash_blocks(toks, lora_extra_keys("sql", digest_2)),  # same name, other weights
+        hasher.hash_blocks(toks, lora_extra_keys("chat", digest_1)),  # same weights, other name
+        hasher.hash_blocks(toks, ("sql",)),
+    ]  # an untagged key of that name
     blocks = [h for chain in chains for h in chain]
     assert len(set(blocks)) == len(blocks), "no block may be shared across adapters or with the base model"
     assert [h.hex() for h in sql] == GOLDEN_LORA_CHAIN
@@ -90,10 +109,16 @@ def test_incremental_equals_full():
 
 def test_stable_across_processes():
     # Python's hash() is salted per process; ours must not be.
-    code = ("from splitserve.platform.hashing import BlockHasher; "
-            "print(BlockHasher('x', 16).hash_blocks(list(range(32)))[1].hex())")
-    outs = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                           env={"PYTHONHASHSEED": str(seed)}).stdout for seed in (1, 2)}
+    code = (
+        "from splitserve.platform.hashing import BlockHasher; "
+        "print(BlockHasher('x', 16).hash_blocks(list(range(32)))[1].hex())"
+    )
+    outs = {
+        subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, check=True, env={"PYTHONHASHSEED": str(seed)}
+        ).stdout
+        for seed in (1, 2)
+    }
     assert len(outs) == 1
 
 
@@ -102,8 +127,9 @@ def test_never_uses_builtin_hash_nor_torch():
     tree = ast.parse(src.read_text())
     calls = [n.func.id for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)]
     assert "hash" not in calls
-    imports = {a.name for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom))
-               for a in getattr(n, "names", [])} | {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+    imports = {
+        a.name for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom)) for a in getattr(n, "names", [])
+    } | {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
     assert "torch" not in imports
 
 

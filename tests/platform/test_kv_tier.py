@@ -19,7 +19,7 @@ from splitserve.platform.sampling.params import SamplingParams
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 NUM_BLOCKS = 16
-BLOCK_BYTES = 2 * 30 * 16 * 3 * 64 * 4   # K and V, 30 layers, 16 tokens, 3 KV heads x 64, fp32
+BLOCK_BYTES = 2 * 30 * 16 * 3 * 64 * 4  # K and V, 30 layers, 16 tokens, 3 KV heads x 64, fp32
 
 
 def prompt(seed: int, num_tokens: int = 7 * 16 + 5) -> list[int]:
@@ -27,15 +27,22 @@ def prompt(seed: int, num_tokens: int = 7 * 16 + 5) -> list[int]:
 
 
 def engine(model, tier: KVTierConfig | None) -> LLMEngine:
-    return LLMEngine(EngineConfig(model="smollm2-135m", cache=CacheConfig(num_blocks=NUM_BLOCKS),
-                                  scheduler=SchedulerConfig(max_model_len=NUM_BLOCKS * 16),
-                                  device=DeviceConfig(quantization="none"), kv_tier=tier), model=model)
+    return LLMEngine(
+        EngineConfig(
+            model="smollm2-135m",
+            cache=CacheConfig(num_blocks=NUM_BLOCKS),
+            scheduler=SchedulerConfig(max_model_len=NUM_BLOCKS * 16),
+            device=DeviceConfig(quantization="none"),
+            kv_tier=tier,
+        ),
+        model=model,
+    )
 
 
 def serve(eng: LLMEngine, token_ids: list[int]) -> list[int]:
     [out] = eng.generate([token_ids], GREEDY)
     eng.kv.check_invariants()
-    assert eng.pool.num_free_blocks == NUM_BLOCKS   # nothing leaked
+    assert eng.pool.num_free_blocks == NUM_BLOCKS  # nothing leaked
     return out.output_token_ids
 
 
@@ -66,7 +73,7 @@ def test_restored_prefix_gives_identical_output(smollm2_model, computed, tmp_pat
     push_out(eng, a)
     hashes = eng.hasher.hash_blocks(a)
     assert all(eng.kv_tier.holds(h) for h in hashes)
-    assert eng.num_cached_prefix_tokens(a) == 7 * 16   # the estimate counts the tier
+    assert eng.num_cached_prefix_tokens(a) == 7 * 16  # the estimate counts the tier
     events = eng.take_kv_events()
     assert any(isinstance(e, BlockStored) and e.tier == TIER_SECOND and hashes[0] in e.block_hashes for e in events)
 
@@ -85,10 +92,11 @@ def test_tier_evicts_its_own_lru(smollm2_model, computed, tmp_path):
     stats = eng.kv_tier.stats
     assert stats.num_blocks == 4 and stats.num_evictions == stats.num_stored - 4 > 0
     assert num_block_files(eng) == 4
-    dropped = {h for e in eng.take_kv_events() if isinstance(e, BlockRemoved) and e.tier == TIER_SECOND
-               for h in e.block_hashes}
+    dropped = {
+        h for e in eng.take_kv_events() if isinstance(e, BlockRemoved) and e.tier == TIER_SECOND for h in e.block_hashes
+    }
     assert len(dropped) == stats.num_evictions
-    assert serve(eng, a) == computed[1]   # a's blocks fell out of both tiers: recomputed, same answer
+    assert serve(eng, a) == computed[1]  # a's blocks fell out of both tiers: recomputed, same answer
 
 
 def test_corrupt_tier_file_is_rejected_and_recomputed(smollm2_model, computed, tmp_path):
@@ -98,7 +106,7 @@ def test_corrupt_tier_file_is_rejected_and_recomputed(smollm2_model, computed, t
     push_out(eng, b)
     hashes = eng.hasher.hash_blocks(b)
     path = eng.kv_tier.store.path(hashes[3])
-    with open(path, "r+b") as f:   # flip one byte of the payload's end
+    with open(path, "r+b") as f:  # flip one byte of the payload's end
         f.seek(-1, os.SEEK_END)
         last = f.read(1)
         f.seek(-1, os.SEEK_END)
@@ -106,11 +114,10 @@ def test_corrupt_tier_file_is_rejected_and_recomputed(smollm2_model, computed, t
     eng.take_kv_events()
     assert serve(eng, b) == computed[2]
     stats = eng.kv_tier.stats
-    assert stats.num_rejected == 1 and stats.num_hits == 3   # blocks 0..2 restored, 3.. recomputed
+    assert stats.num_rejected == 1 and stats.num_hits == 3  # blocks 0..2 restored, 3.. recomputed
     assert not os.path.exists(path)
     events = eng.take_kv_events()
-    assert any(isinstance(e, BlockRemoved) and e.tier == TIER_SECOND and e.block_hashes == (hashes[3],)
-               for e in events)
+    assert any(isinstance(e, BlockRemoved) and e.tier == TIER_SECOND and e.block_hashes == (hashes[3],) for e in events)
 
 
 def test_host_memory_tier_restores_too(smollm2_model, computed):
@@ -130,10 +137,13 @@ def test_file_tier_folder_is_removed_on_close(smollm2_model, tmp_path):
     assert not os.path.exists(folder)
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    (dict(max_bytes=0), "positive number of bytes"),
-    (dict(max_bytes=1024, directory=""), "must name a folder"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(max_bytes=0), "positive number of bytes"),
+        (dict(max_bytes=1024, directory=""), "must name a folder"),
+    ],
+)
 def test_tier_config_is_validated(kwargs, message):
     with pytest.raises(ConfigError, match=message):
         KVTierConfig(**kwargs)
@@ -144,11 +154,14 @@ def test_tier_smaller_than_a_block_is_refused(smollm2_model, tmp_path):
         engine(smollm2_model, KVTierConfig(max_bytes=BLOCK_BYTES - 1, directory=str(tmp_path)))
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--kv-tier-bytes", "0"], "'0' is not a size; allowed: a positive number of bytes"),
-    (["--kv-tier-bytes", "4 parsecs"], "allowed: a positive number of bytes, or a number with one of the units"),
-    (["--kv-tier-dir", "/tmp/kv"], "--kv-tier-dir needs --kv-tier-bytes"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--kv-tier-bytes", "0"], "'0' is not a size; allowed: a positive number of bytes"),
+        (["--kv-tier-bytes", "4 parsecs"], "allowed: a positive number of bytes, or a number with one of the units"),
+        (["--kv-tier-dir", "/tmp/kv"], "--kv-tier-dir needs --kv-tier-bytes"),
+    ],
+)
 def test_worker_flags_are_validated(args, message):
     import pathlib
     import subprocess
@@ -166,10 +179,10 @@ def test_restore_whose_own_evictions_overflow_the_tier(smollm2_model, computed, 
     eng = engine(smollm2_model, KVTierConfig(max_bytes=9 * BLOCK_BYTES, directory=str(tmp_path)))
     a = prompt(1)
     serve(eng, a)
-    push_out(eng, a)          # a's 7 blocks are the tier's only entries; the pool holds 101's and 102's
+    push_out(eng, a)  # a's 7 blocks are the tier's only entries; the pool holds 101's and 102's
     hashes = eng.hasher.hash_blocks(a)
     assert all(eng.kv_tier.holds(h) for h in hashes) and eng.kv_tier.stats.num_blocks == 7
-    assert serve(eng, a) == computed[1]   # its 7 allocations evict 101's blocks into the tier: a's drop out
+    assert serve(eng, a) == computed[1]  # its 7 allocations evict 101's blocks into the tier: a's drop out
     stats = eng.kv_tier.stats
     assert stats.num_hits == 7 and stats.num_blocks == 9 and stats.num_evictions >= 5
     assert all(eng.pool.peek(h) for h in hashes) and not all(eng.kv_tier.holds(h) for h in hashes)

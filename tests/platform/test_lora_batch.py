@@ -18,8 +18,9 @@ KEY = "layers.0.self_attn.qkv_proj"
 def adapter(name, rank, projs, seed, scale=2.0):
     gen = torch.Generator().manual_seed(seed)
     sizes = {"q_proj": 8, "k_proj": 4, "v_proj": 4}
-    parts = {p: {"A": torch.randn(rank, 12, generator=gen), "B": torch.randn(sizes[p], rank, generator=gen)}
-             for p in projs}
+    parts = {
+        p: {"A": torch.randn(rank, 12, generator=gen), "B": torch.randn(sizes[p], rank, generator=gen)} for p in projs
+    }
     weights = {KEY: _pack(parts, LAYOUT, scale, torch.float32)} if parts else {}
     return LoraAdapter(name, "/x", rank, scale * rank, False, tuple(projs), name.encode() * 4, weights), parts
 
@@ -29,7 +30,7 @@ def reference(x, y, parts, scale=2.0):
     offsets = {"q_proj": (0, 8), "k_proj": (8, 4), "v_proj": (12, 4)}
     for p, ab in parts.items():
         start, size = offsets[p]
-        out[:, start:start + size] += scale * (x @ ab["A"].T) @ ab["B"].T
+        out[:, start : start + size] += scale * (x @ ab["A"].T) @ ab["B"].T
     return out
 
 
@@ -52,11 +53,11 @@ def begin(ctx, num_tokens, adapters, path):
 def test_mixed_rows_get_their_own_adapter_and_base_rows_nothing(path):
     a, pa = adapter("a", 4, ["q_proj", "v_proj"], 1)
     b, pb = adapter("b", 8, ["k_proj", "q_proj", "v_proj"], 2)
-    c, _ = adapter("c", 2, [], 3)                      # touches no projection of this linear
+    c, _ = adapter("c", 2, [], 3)  # touches no projection of this linear
     ctx = LoraContext()
-    seqs = [(3, a), (1, None), (2, b), (1, c), (2, a)]   # rows: a a a - b b c a a
+    seqs = [(3, a), (1, None), (2, b), (1, c), (2, a)]  # rows: a a a - b b c a a
     x, y = torch.randn(9, 12), torch.randn(9, 16)
-    for _ in range(2):                                   # the second step reuses the cached concatenation
+    for _ in range(2):  # the second step reuses the cached concatenation
         begin(ctx, [n for n, _ in seqs], [ad for _, ad in seqs], path)
         out = y.clone()
         ctx.add_delta(KEY, x, out)
@@ -65,7 +66,7 @@ def test_mixed_rows_get_their_own_adapter_and_base_rows_nothing(path):
         expected[[0, 1, 2, 7, 8]] = reference(x[[0, 1, 2, 7, 8]], y[[0, 1, 2, 7, 8]], pa)
         expected[[4, 5]] = reference(x[[4, 5]], y[[4, 5]], pb)
         torch.testing.assert_close(out, expected)
-        assert torch.equal(out[3], y[3]) and torch.equal(out[6], y[6])   # base and untouched rows: exact
+        assert torch.equal(out[3], y[3]) and torch.equal(out[6], y[6])  # base and untouched rows: exact
     assert ctx.batch is None and len(ctx._packed) == 1
 
 
@@ -85,7 +86,7 @@ def test_one_adapter_on_every_row_and_a_changed_set(path):
     torch.testing.assert_close(out[:2], reference(x[:2], y[:2], pb))
     torch.testing.assert_close(out[2:], reference(x[2:], y[2:], pa))
     ctx.begin([5], [None], "cpu")
-    assert ctx.batch is None   # no adapter in the step: nothing published
+    assert ctx.batch is None  # no adapter in the step: nothing published
 
 
 def test_c_kernel_gives_a_row_the_same_bits_alone_and_in_any_mix():
@@ -108,9 +109,9 @@ def test_c_kernel_gives_a_row_the_same_bits_alone_and_in_any_mix():
     row = 0
     for n, ad in seqs:
         for r in range(row, row + n):
-            alone = y[r:r + 1].clone()
+            alone = y[r : r + 1].clone()
             begin(ctx, [1], [ad], path)
             if ctx.batch is not None:
-                ctx.add_delta(KEY, x[r:r + 1].contiguous(), alone)
+                ctx.add_delta(KEY, x[r : r + 1].contiguous(), alone)
             assert torch.equal(mixed[r], alone[0]), f"row {r} ({'base' if ad is None else ad.name})"
         row += n

@@ -26,11 +26,13 @@ GREEDY = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
 PEFT_GREEDY = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
 NAMES = list(ADAPTERS)
 
+
 @pytest.fixture(scope="module")
 def peft_adapters(tmp_path_factory, hf_smollm2):
     folder = tmp_path_factory.mktemp("peft-adapters")
     model, tok = make_peft_adapters(*hf_smollm2, folder)
     return model, tok, {name: str(folder / name) for name in NAMES}
+
 
 def lora_engine(make_engine, paths, quantization="none"):
     engine = make_engine(quantization=quantization)
@@ -38,6 +40,7 @@ def lora_engine(make_engine, paths, quantization="none"):
     for name, path in paths.items():
         engine.load_lora_adapter(name, path)
     return engine
+
 
 def test_mixed_batch_equals_transformers_peft_per_request(make_engine, peft_adapters):
     model, tok, paths = peft_adapters
@@ -52,6 +55,7 @@ def test_mixed_batch_equals_transformers_peft_per_request(make_engine, peft_adap
     for name in NAMES:  # the adapters are not no-ops: each changes what the model says
         assert by_adapter[name] != by_adapter[None], name
 
+
 def test_max_loras_skips_a_request_without_a_slot_but_not_the_queue(make_engine, peft_adapters):
     model, tok, paths = peft_adapters
     engine = make_engine()
@@ -60,9 +64,9 @@ def test_max_loras_skips_a_request_without_a_slot_but_not_the_queue(make_engine,
         engine.load_lora_adapter(name, path)
     ids = tok(PROMPTS[0]).input_ids
     a = engine.add_request(params=GREEDY, prompt_token_ids=ids, lora_name=NAMES[0])
-    b = engine.add_request(params=GREEDY, prompt_token_ids=ids, lora_name=NAMES[1])   # no slot: waits
-    c = engine.add_request(params=GREEDY, prompt_token_ids=ids)                       # base: admitted
-    d = engine.add_request(params=GREEDY, prompt_token_ids=ids, lora_name=NAMES[0])   # same adapter: admitted
+    b = engine.add_request(params=GREEDY, prompt_token_ids=ids, lora_name=NAMES[1])  # no slot: waits
+    c = engine.add_request(params=GREEDY, prompt_token_ids=ids)  # base: admitted
+    d = engine.add_request(params=GREEDY, prompt_token_ids=ids, lora_name=NAMES[0])  # same adapter: admitted
     engine.step()
     running = {r.req_id for r in engine.scheduler.running}
     assert running == {a, c, d} and [r.req_id for r in engine.scheduler.waiting] == [b]
@@ -72,6 +76,7 @@ def test_max_loras_skips_a_request_without_a_slot_but_not_the_queue(make_engine,
         final.update({o.req_id: o for o in engine.step() if o.finished})
     assert engine.scheduler.stats.num_lora_waits >= 1
     assert final[b].output_token_ids == peft_greedy(model, NAMES[1], ids, GREEDY.max_tokens)
+
 
 @needs_kernels
 def test_auto_mode_adapter_logits_within_the_fast_mode_gates(smollm2_models, peft_adapters, make_engine):
@@ -92,6 +97,7 @@ def test_auto_mode_adapter_logits_within_the_fast_mode_gates(smollm2_models, pef
         assert mean <= MEAN_TOLERANCE, f"{name}: mean |dlogit| = {mean:.3f}"
         assert agree / positions >= MIN_TOP1_AGREEMENT, f"{name}: top-1 agrees at {agree}/{positions}"
 
+
 @needs_kernels
 def test_auto_mode_mixed_batch_gives_each_request_its_tokens_alone(make_engine, peft_adapters, monkeypatch):
     """In the fast mode a request's tokens and logprob floats do not depend on its batch-mates
@@ -102,8 +108,10 @@ def test_auto_mode_mixed_batch_gives_each_request_its_tokens_alone(make_engine, 
     plan = engine.model.decode_plan
     assert plan is not None
     with_adapters = []
-    run_plan = plan.run   # the model is shared by the session's engines: monkeypatch restores it
-    monkeypatch.setattr(plan, "run", lambda *a, lora=None: with_adapters.append(lora is not None) or run_plan(*a, lora=lora))
+    run_plan = plan.run  # the model is shared by the session's engines: monkeypatch restores it
+    monkeypatch.setattr(
+        plan, "run", lambda *a, lora=None: with_adapters.append(lora is not None) or run_plan(*a, lora=lora)
+    )
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=3)
     prompts = [tok(p).input_ids for p in PROMPTS[4:7]]
     requests = [(ids, lora) for ids in prompts for lora in (None, *NAMES)]
@@ -122,8 +130,9 @@ def test_auto_mode_mixed_batch_gives_each_request_its_tokens_alone(make_engine, 
     assert with_adapters.count(True) >= 9 * (params.max_tokens - 1)  # the adapter requests' decode steps
     assert all(len(m) == params.max_tokens for m in mixed)
     assert mixed == alone  # the same tokens and the same logprob floats, not merely close ones
-    monkeypatch.setattr(engine.model, "decode_plan", None)   # the per-layer Python path
+    monkeypatch.setattr(engine.model, "decode_plan", None)  # the per-layer Python path
     assert run(requests) == mixed
+
 
 def adapter_logits(engine, name, ids) -> torch.Tensor:
     """All-position logits of one prompt through the engine's model with adapter `name` on all rows."""

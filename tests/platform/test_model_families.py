@@ -28,25 +28,57 @@ pytestmark = pytest.mark.slow
 WINDOW = 24
 GREEDY = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
 PROMPTS = [[(7 * i + 3 * j) % 49000 + 100 for j in range(5 + 9 * i)] for i in range(8)]
-COMMON = dict(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
-              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-              initializer_range=0.15, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
+COMMON = dict(
+    vocab_size=49152,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    initializer_range=0.15,
+    tie_word_embeddings=False,
+    bos_token_id=1,
+    eos_token_id=2,
+)
 FAMILIES = {
     # model_type: (config class, model class, options)
-    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM",
-              dict(head_dim=16, use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1)),
+    "qwen3": (
+        "Qwen3Config",
+        "Qwen3ForCausalLM",
+        dict(head_dim=16, use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1),
+    ),
     "mistral": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=WINDOW)),
     "phi3": ("Phi3Config", "Phi3ForCausalLM", dict(sliding_window=WINDOW, pad_token_id=0)),
-    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
-                  dict(head_dim=16, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=48,
-                       norm_topk_prob=True, mlp_only_layers=[1])),
-    "mixtral": ("MixtralConfig", "MixtralForCausalLM",
-                dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=WINDOW, pad_token_id=0)),
-    "gemma3_text": ("Gemma3TextConfig", "Gemma3ForCausalLM",
-                    dict(head_dim=16, sliding_window=WINDOW, query_pre_attn_scalar=12,
-                         layer_types=["sliding_attention", "full_attention", "sliding_attention"])),
+    "qwen3_moe": (
+        "Qwen3MoeConfig",
+        "Qwen3MoeForCausalLM",
+        dict(
+            head_dim=16,
+            num_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=48,
+            norm_topk_prob=True,
+            mlp_only_layers=[1],
+        ),
+    ),
+    "mixtral": (
+        "MixtralConfig",
+        "MixtralForCausalLM",
+        dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=WINDOW, pad_token_id=0),
+    ),
+    "gemma3_text": (
+        "Gemma3TextConfig",
+        "Gemma3ForCausalLM",
+        dict(
+            head_dim=16,
+            sliding_window=WINDOW,
+            query_pre_attn_scalar=12,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        ),
+    ),
 }
-ARCHITECTURE = {"gemma3_text": "gemma3"}   # model_type -> ModelConfig.architecture where they differ
+ARCHITECTURE = {"gemma3_text": "gemma3"}  # model_type -> ModelConfig.architecture where they differ
 
 
 def save_family(folder, model_type: str, gguf_path: str):
@@ -79,9 +111,14 @@ def family(request, tmp_path_factory, smollm2_gguf_path):
 
 
 def engine_for(folder, **sched) -> LLMEngine:
-    return LLMEngine(EngineConfig(model=str(folder), cache=CacheConfig(num_blocks=128),
-                                  scheduler=SchedulerConfig(**sched),
-                                  device=DeviceConfig(dtype="float32", quantization="none")))
+    return LLMEngine(
+        EngineConfig(
+            model=str(folder),
+            cache=CacheConfig(num_blocks=128),
+            scheduler=SchedulerConfig(**sched),
+            device=DeviceConfig(dtype="float32", quantization="none"),
+        )
+    )
 
 
 def test_greedy_equals_transformers_batched_chunked_and_cached(family):
@@ -102,7 +139,7 @@ def test_greedy_equals_transformers_batched_chunked_and_cached(family):
     chunked = engine_for(folder, max_num_batched_tokens=16)
     assert [out.output_token_ids for out in chunked.generate(PROMPTS[4:], GREEDY)] == reference[4:]
     hits = chunked.scheduler.stats.num_prefix_hit_tokens
-    again = chunked.generate([PROMPTS[7]], GREEDY)[0]          # every full block of it is cached now
+    again = chunked.generate([PROMPTS[7]], GREEDY)[0]  # every full block of it is cached now
     assert chunked.scheduler.stats.num_prefix_hit_tokens - hits >= 64
     assert again.output_token_ids == reference[7]
 
@@ -121,10 +158,17 @@ def test_disaggregated_equals_colocated(tmp_path, smollm2_gguf_path, model_type)
         assert e.pool.num_free_blocks == e.pool.num_blocks
 
 
-@pytest.mark.parametrize("preset", ["tiny-qwen3", "tiny-mistral", "tiny-phi3", "tiny-qwen3-moe", "tiny-gemma3", "tiny-mixtral"])
+@pytest.mark.parametrize(
+    "preset", ["tiny-qwen3", "tiny-mistral", "tiny-phi3", "tiny-qwen3-moe", "tiny-gemma3", "tiny-mixtral"]
+)
 def test_random_presets_of_each_family_generate(preset):
-    engine = LLMEngine(EngineConfig(model=f"random:{preset}", cache=CacheConfig(num_blocks=160),
-                                    device=DeviceConfig(dtype="float32", quantization="none")))
+    engine = LLMEngine(
+        EngineConfig(
+            model=f"random:{preset}",
+            cache=CacheConfig(num_blocks=160),
+            device=DeviceConfig(dtype="float32", quantization="none"),
+        )
+    )
     [out] = engine.generate([PROMPTS[7]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
     assert len(out.output_token_ids) == 4
 

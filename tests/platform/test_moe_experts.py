@@ -16,10 +16,23 @@ HIDDEN, INTER = 96, 56
 
 
 def _block(num_experts: int, top_k: int, dtype, seed: int) -> SparseMoeBlock:
-    config = ModelConfig(model_id="t", architecture="qwen3_moe", vocab_size=16, hidden_size=HIDDEN, num_layers=1,
-                         num_heads=2, num_kv_heads=1, head_dim=48, intermediate_size=64, num_experts=num_experts,
-                         num_experts_per_tok=top_k, moe_intermediate_size=INTER, norm_topk_prob=False,
-                         rms_norm_eps=1e-6, max_position_embeddings=64)
+    config = ModelConfig(
+        model_id="t",
+        architecture="qwen3_moe",
+        vocab_size=16,
+        hidden_size=HIDDEN,
+        num_layers=1,
+        num_heads=2,
+        num_kv_heads=1,
+        head_dim=48,
+        intermediate_size=64,
+        num_experts=num_experts,
+        num_experts_per_tok=top_k,
+        moe_intermediate_size=INTER,
+        norm_topk_prob=False,
+        rms_norm_eps=1e-6,
+        max_position_embeddings=64,
+    )
     block = SparseMoeBlock(config)
     gen = torch.Generator().manual_seed(seed)
     for p in block.parameters():
@@ -28,15 +41,20 @@ def _block(num_experts: int, top_k: int, dtype, seed: int) -> SparseMoeBlock:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("num_experts,top_k,num_tokens,empty", [
-    (4, 1, 1, (0, 1, 3)), (4, 1, 9, (3,)), (8, 2, 13, (0, 4, 7)), (16, 2, 40, (5, 6)), (8, 2, 0, ())])
+@pytest.mark.parametrize(
+    "num_experts,top_k,num_tokens,empty",
+    [(4, 1, 1, (0, 1, 3)), (4, 1, 9, (3,)), (8, 2, 13, (0, 4, 7)), (16, 2, 40, (5, 6)), (8, 2, 0, ())],
+)
 def test_grouped_matmul_gives_the_loops_bits(dtype, num_experts, top_k, num_tokens, empty):
     block = _block(num_experts, top_k, dtype, seed=num_experts * 100 + num_tokens)
     gen = torch.Generator().manual_seed(num_tokens)
     x = torch.randn(num_tokens, HIDDEN, generator=gen).to(dtype)
     allowed = torch.tensor([e for e in range(num_experts) if e not in empty])
-    experts = torch.stack([allowed[torch.randperm(len(allowed), generator=gen)[:top_k]]
-                           for _ in range(num_tokens)]) if num_tokens else torch.zeros(0, top_k, dtype=torch.long)
+    experts = (
+        torch.stack([allowed[torch.randperm(len(allowed), generator=gen)[:top_k]] for _ in range(num_tokens)])
+        if num_tokens
+        else torch.zeros(0, top_k, dtype=torch.long)
+    )
     weights = torch.rand(num_tokens, top_k, generator=gen).to(dtype)
     counts = torch.bincount(experts.reshape(-1), minlength=num_experts)
     assert all(counts[e] == 0 for e in empty)

@@ -11,8 +11,10 @@ from splitserve.platform.sampling.params import SamplingParams
 
 pytestmark = pytest.mark.slow
 
-PROMPT = ("Question: Which gas do plants take in from the air to make sugar? Answer: carbon dioxide, "
-          "which they turn into glucose using light from the sun and water from the soil.")
+PROMPT = (
+    "Question: Which gas do plants take in from the air to make sugar? Answer: carbon dioxide, "
+    "which they turn into glucose using light from the sun and water from the soil."
+)
 
 
 def reference(hf_model, ids: list[int]) -> torch.Tensor:
@@ -31,13 +33,14 @@ def check(out, ids, ref, k):
         top_ref = ref[p - 1].topk(k)
         for (tid, lp), ref_lp in zip(entry.top, top_ref.values.tolist()):
             assert lp == pytest.approx(ref_lp, abs=1e-3)
-            assert float(ref[p - 1, tid]) == pytest.approx(lp, abs=1e-3)   # the id carries that logprob
+            assert float(ref[p - 1, tid]) == pytest.approx(lp, abs=1e-3)  # the id carries that logprob
 
 
-def test_prompt_logprobs_match_transformers_through_chunks_and_a_warm_prefix_cache(make_engine, hf_smollm2,
-                                                                                  monkeypatch):
+def test_prompt_logprobs_match_transformers_through_chunks_and_a_warm_prefix_cache(
+    make_engine, hf_smollm2, monkeypatch
+):
     hf_model, _ = hf_smollm2
-    engine = make_engine(max_num_batched_tokens=16)   # the prompt spans several chunks
+    engine = make_engine(max_num_batched_tokens=16)  # the prompt spans several chunks
     ids = engine.tokenizer.encode(PROMPT)
     assert len(ids) > 32
     ref = reference(hf_model, ids)
@@ -46,7 +49,7 @@ def test_prompt_logprobs_match_transformers_through_chunks_and_a_warm_prefix_cac
     assert plain.prompt_logprobs is None
     again = engine.generate([ids], SamplingParams(temperature=0, max_tokens=1))[0]
     assert again.num_cached_tokens > 0
-    monkeypatch.setattr(prompt_lp, "SLICE_ROWS", 5)   # slices inside each 16-token chunk
+    monkeypatch.setattr(prompt_lp, "SLICE_ROWS", 5)  # slices inside each 16-token chunk
     out = engine.generate([ids], SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=3))[0]
     assert out.num_cached_tokens == 0
     check(out, ids, ref, 3)
@@ -61,11 +64,17 @@ def test_prompt_logprobs_alone_and_beside_other_requests(make_engine, hf_smollm2
     engine = make_engine()
     ids = engine.tokenizer.encode(PROMPT)
     ref = reference(hf_model, ids)
-    engine.add_request(prompt_token_ids=engine.tokenizer.encode("Once upon a time"),
-                       params=SamplingParams(temperature=0, max_tokens=8), req_id="plain")
-    engine.step()   # "plain" decodes in the next steps beside the scored prompt
-    engine.add_request(prompt_token_ids=ids, params=SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, prompt_logprobs=0),
-                       req_id="scored")
+    engine.add_request(
+        prompt_token_ids=engine.tokenizer.encode("Once upon a time"),
+        params=SamplingParams(temperature=0, max_tokens=8),
+        req_id="plain",
+    )
+    engine.step()  # "plain" decodes in the next steps beside the scored prompt
+    engine.add_request(
+        prompt_token_ids=ids,
+        params=SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, prompt_logprobs=0),
+        req_id="scored",
+    )
     firsts = []
     while engine.has_unfinished_requests():
         firsts += [o for o in engine.step() if o.req_id == "scored"]
@@ -80,8 +89,11 @@ def test_prompt_logprobs_survive_preemption(make_engine, hf_smollm2):
     ids = engine.tokenizer.encode(PROMPT)[:40]
     ref = reference(hf_model, ids)
     engine.add_request(prompt_token_ids=ids[:30], params=SamplingParams(temperature=0, max_tokens=60, ignore_eos=True))
-    engine.add_request(prompt_token_ids=ids, req_id="scored",
-                       params=SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, prompt_logprobs=1))
+    engine.add_request(
+        prompt_token_ids=ids,
+        req_id="scored",
+        params=SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, prompt_logprobs=1),
+    )
     scored = []
     while engine.has_unfinished_requests():
         scored += [o for o in engine.step() if o.req_id == "scored"]
@@ -110,9 +122,13 @@ def test_prompt_logprobs_through_a_lora_adapter_match_peft(make_engine, hf_smoll
     peft_model.set_adapter(name)
     ref = reference(peft_model, ids)
     base = reference(hf_smollm2[0], ids)
-    assert float((ref - base).abs().max()) > 0.01   # the adapter changes the numbers
-    engine.add_request(prompt_token_ids=ids, params=SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=2),
-                       req_id="lora", lora_name=name)
+    assert float((ref - base).abs().max()) > 0.01  # the adapter changes the numbers
+    engine.add_request(
+        prompt_token_ids=ids,
+        params=SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=2),
+        req_id="lora",
+        lora_name=name,
+    )
     outs = []
     while engine.has_unfinished_requests():
         outs += engine.step()

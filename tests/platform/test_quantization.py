@@ -56,8 +56,9 @@ RANDOM_TOP20_TOLERANCE = {"int4": 0.3, "w4a16": 0.3, "w4a8": 0.3, "int8": 0.1, "
 RANDOM_MEAN_TOLERANCE = 0.1
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 
-needs_kernels = pytest.mark.skipif(not has_fast_quant_kernels(),
-                                   reason="this CPU lacks AVX2/FMA: `auto` resolves to `none` here")
+needs_kernels = pytest.mark.skipif(
+    not has_fast_quant_kernels(), reason="this CPU lacks AVX2/FMA: `auto` resolves to `none` here"
+)
 
 
 @needs_kernels
@@ -77,7 +78,9 @@ def test_smollm2_logits_within_tolerance_of_float32(mode, smollm2_models, hf_smo
     print(f"{mode}: top-20 {worst_top:.3f} mean {mean:.3f} top-1 {agree}/{positions}")
     assert worst_top <= TOP20_TOLERANCE[mode], f"{mode}: max |dlogit| over the top 20 = {worst_top:.3f}"
     assert mean <= MEAN_TOLERANCE, f"{mode}: mean |dlogit| = {mean:.3f}"
-    assert agree / positions >= MIN_TOP1_AGREEMENT_BY_MODE.get(mode, MIN_TOP1_AGREEMENT), f"{mode}: top-1 agrees at {agree}/{positions} positions"
+    assert agree / positions >= MIN_TOP1_AGREEMENT_BY_MODE.get(mode, MIN_TOP1_AGREEMENT), (
+        f"{mode}: top-1 agrees at {agree}/{positions} positions"
+    )
 
 
 @needs_kernels
@@ -107,9 +110,14 @@ def random_qwen2_folder(tmp_path_factory, smollm2_gguf_path):
 @pytest.mark.parametrize("mode", FAST)
 def test_random_qwen2_logits_within_tolerance_of_float32(mode, random_qwen2_folder):
     """Float weights (safetensors) are re-quantized; q/k/v biases ride along the packed kernels."""
+
     def engine(q):
-        return LLMEngine(EngineConfig(model=random_qwen2_folder, cache=CacheConfig(num_blocks=64),
-                                      device=DeviceConfig(quantization=q)))
+        return LLMEngine(
+            EngineConfig(
+                model=random_qwen2_folder, cache=CacheConfig(num_blocks=64), device=DeviceConfig(quantization=q)
+            )
+        )
+
     reference, fast = engine("none"), engine(mode)
     prompts = [[(7 * i + 3 * j) % 49000 + 100 for j in range(5 + 9 * i)] for i in range(8)]
     worst_top, mean, scale = 0.0, 0.0, 0.0
@@ -169,7 +177,7 @@ def test_disaggregated_equals_colocated_in_auto(make_engine, prompt_len):
     prompt = [(i * 7919) % 40000 + 100 for i in range(prompt_len)]
     [ref] = local.generate([prompt], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
     outs, _, _ = disaggregated(p_engine, d_engine, prompt)
-    assert outs[-1].finished and outs[-1].output_token_ids == ref.output_token_ids[:len(outs[-1].output_token_ids)]
+    assert outs[-1].finished and outs[-1].output_token_ids == ref.output_token_ids[: len(outs[-1].output_token_ids)]
     for e in (p_engine, d_engine):
         e.kv.check_invariants()
         assert e.pool.num_free_blocks == e.pool.num_blocks

@@ -28,14 +28,24 @@ def row(params: SamplingParams, output=(), prompt=(), seeded: bool = True) -> Sa
 
 # ---------------------------------------------------------------- truncation, one op at a time
 
-@pytest.mark.parametrize("probs, top_p, expected", [
-    (PROBS, 0.3, {0}), (PROBS, 0.5, {0}), (PROBS, 0.51, {0, 1}), (PROBS, 0.8, {0, 1}),
-    (PROBS, 0.81, {0, 1, 2}), (PROBS, 0.95, {0, 1, 2}), (PROBS, 0.951, {0, 1, 2, 3}),
-    (PROBS, 1.0, {0, 1, 2, 3}),
-    # exact sums that float32 rounds below top_p: the tolerance keeps the boundary exact
-    ([0.48, 0.44, 0.06, 0.02], 0.98, {0, 1, 2}), ([0.39, 0.32, 0.29], 0.71, {0, 1}),
-    ([0.71, 0.22, 0.07], 0.93, {0, 1}),
-])
+
+@pytest.mark.parametrize(
+    "probs, top_p, expected",
+    [
+        (PROBS, 0.3, {0}),
+        (PROBS, 0.5, {0}),
+        (PROBS, 0.51, {0, 1}),
+        (PROBS, 0.8, {0, 1}),
+        (PROBS, 0.81, {0, 1, 2}),
+        (PROBS, 0.95, {0, 1, 2}),
+        (PROBS, 0.951, {0, 1, 2, 3}),
+        (PROBS, 1.0, {0, 1, 2, 3}),
+        # exact sums that float32 rounds below top_p: the tolerance keeps the boundary exact
+        ([0.48, 0.44, 0.06, 0.02], 0.98, {0, 1, 2}),
+        ([0.39, 0.32, 0.29], 0.71, {0, 1}),
+        ([0.71, 0.22, 0.07], 0.93, {0, 1}),
+    ],
+)
 @pytest.mark.parametrize("via_softmax", [False, True])
 def test_top_p_keeps_smallest_set_reaching_top_p(probs, top_p, expected, via_softmax):
     probs = torch.tensor([probs])
@@ -53,12 +63,15 @@ def test_top_p_depends_on_probabilities_not_positions():
     assert kept(out[0], 0.0) == {1, 3}
 
 
-@pytest.mark.parametrize("probs, top_p, expected", [
-    ([0.4, 0.3, 0.3], 0.5, {0, 1, 2}),  # the crossing token ties with token 2: both kept
-    ([0.3, 0.4, 0.3], 0.5, {0, 1, 2}),
-    ([0.25, 0.25, 0.25, 0.25], 0.1, {0, 1, 2, 3}),
-    ([0.4, 0.2, 0.2, 0.2], 0.4, {0}),
-])
+@pytest.mark.parametrize(
+    "probs, top_p, expected",
+    [
+        ([0.4, 0.3, 0.3], 0.5, {0, 1, 2}),  # the crossing token ties with token 2: both kept
+        ([0.3, 0.4, 0.3], 0.5, {0, 1, 2}),
+        ([0.25, 0.25, 0.25, 0.25], 0.1, {0, 1, 2, 3}),
+        ([0.4, 0.2, 0.2, 0.2], 0.4, {0}),
+    ],
+)
 def test_top_p_keeps_ties_with_the_crossing_token(probs, top_p, expected):
     out = logits_ops.apply_top_p(torch.tensor([probs]), torch.tensor([top_p]))
     assert kept(out[0], 0.0) == expected
@@ -76,8 +89,17 @@ def test_largest_matches_topk():
 
 
 TRUNCATIONS = [  # (top_k, top_p, min_p)
-    (0, 0.9, 0.0), (0, 0.5, 0.0), (0, 0.99, 0.0), (5, 1.0, 0.0), (40, 0.9, 0.0), (300, 0.95, 0.0),
-    (2000, 1.0, 0.0), (0, 1.0, 0.05), (0, 1.0, 0.001), (50, 0.8, 0.1), (0, 0.95, 0.01),
+    (0, 0.9, 0.0),
+    (0, 0.5, 0.0),
+    (0, 0.99, 0.0),
+    (5, 1.0, 0.0),
+    (40, 0.9, 0.0),
+    (300, 0.95, 0.0),
+    (2000, 1.0, 0.0),
+    (0, 1.0, 0.05),
+    (0, 1.0, 0.001),
+    (50, 0.8, 0.1),
+    (0, 0.95, 0.01),
 ]
 
 
@@ -99,8 +121,9 @@ def test_sample_truncated_equals_dense_definition(scale):
     assert fast.tolist() == logits_ops.sample_from_probs(kept, uniforms).tolist()
 
 
-@pytest.mark.parametrize("top_k, top_p, min_p", [(2, 1.0, 0.0), (2, 0.6, 0.0), (0, 0.6, 0.0),
-                                                 (0, 1.0, 0.1), (150, 0.9, 0.0)])
+@pytest.mark.parametrize(
+    "top_k, top_p, min_p", [(2, 1.0, 0.0), (2, 0.6, 0.0), (0, 0.6, 0.0), (0, 1.0, 0.1), (150, 0.9, 0.0)]
+)
 def test_sample_truncated_keeps_ties_past_the_first_list(top_k, top_p, min_p):
     """200 tokens tie for second place, far more than the first short list holds."""
     vocab = 16384
@@ -116,10 +139,18 @@ def test_sample_truncated_keeps_ties_past_the_first_list(top_k, top_p, min_p):
     assert set(fast.tolist()) - {7} <= set(range(1000, 1200)) and len(set(fast.tolist())) > 40
 
 
-@pytest.mark.parametrize("top_k, expected", [
-    (1, {1}), (2, {1, 2}), (3, {1, 2, 3}), (4, {0, 1, 2, 3}), (5, {0, 1, 2, 3}),
-    (0, {0, 1, 2, 3}), (-1, {0, 1, 2, 3}),
-])
+@pytest.mark.parametrize(
+    "top_k, expected",
+    [
+        (1, {1}),
+        (2, {1, 2}),
+        (3, {1, 2, 3}),
+        (4, {0, 1, 2, 3}),
+        (5, {0, 1, 2, 3}),
+        (0, {0, 1, 2, 3}),
+        (-1, {0, 1, 2, 3}),
+    ],
+)
 def test_top_k_keeps_the_k_largest(top_k, expected):
     out = logits_ops.apply_top_k(torch.tensor([[1.0, 4.0, 3.0, 2.0]]), torch.tensor([top_k]))
     assert kept(out[0], -INF) == expected
@@ -133,9 +164,16 @@ def test_top_k_keeps_ties_and_only_touches_rows_that_ask():
     assert kept(out[2], -INF) == {0, 2}
 
 
-@pytest.mark.parametrize("min_p, expected", [
-    (0.0, {0, 1, 2, 3}), (0.05, {0, 1, 2, 3}), (0.2, {0, 1, 2}), (0.6, {0, 1}), (1.0, {0}),
-])
+@pytest.mark.parametrize(
+    "min_p, expected",
+    [
+        (0.0, {0, 1, 2, 3}),
+        (0.05, {0, 1, 2, 3}),
+        (0.2, {0, 1, 2}),
+        (0.6, {0, 1}),
+        (1.0, {0}),
+    ],
+)
 def test_min_p_drops_tokens_below_fraction_of_max(min_p, expected):
     out = logits_ops.apply_min_p(torch.tensor([PROBS]), torch.tensor([min_p]))
     assert kept(out[0], 0.0) == expected
@@ -146,49 +184,64 @@ def test_min_p_drops_tokens_below_fraction_of_max(min_p, expected):
 LOGITS = [2.0, -2.0, 1.0, 0.5, -1.0]
 
 
-@pytest.mark.parametrize("repetition, frequency, presence, expected", [
-    (1.0, 0.0, 0.0, LOGITS),
-    # seen = prompt {0} | output {1, 3}: positive logits divided, negative multiplied
-    (2.0, 0.0, 0.0, [1.0, -4.0, 1.0, 0.25, -1.0]),
-    # output counts: token 1 once, token 3 twice; the prompt token 0 is not counted
-    (1.0, 0.5, 0.0, [2.0, -2.5, 1.0, -0.5, -1.0]),
-    (1.0, 0.0, 0.25, [2.0, -2.25, 1.0, 0.25, -1.0]),
-    (2.0, 0.5, 0.25, [1.0, -4.75, 1.0, -1.0, -1.0]),
-    (1.0, -1.0, 0.0, [2.0, -1.0, 1.0, 2.5, -1.0]),
-])
+@pytest.mark.parametrize(
+    "repetition, frequency, presence, expected",
+    [
+        (1.0, 0.0, 0.0, LOGITS),
+        # seen = prompt {0} | output {1, 3}: positive logits divided, negative multiplied
+        (2.0, 0.0, 0.0, [1.0, -4.0, 1.0, 0.25, -1.0]),
+        # output counts: token 1 once, token 3 twice; the prompt token 0 is not counted
+        (1.0, 0.5, 0.0, [2.0, -2.5, 1.0, -0.5, -1.0]),
+        (1.0, 0.0, 0.25, [2.0, -2.25, 1.0, 0.25, -1.0]),
+        (2.0, 0.5, 0.25, [1.0, -4.75, 1.0, -1.0, -1.0]),
+        (1.0, -1.0, 0.0, [2.0, -1.0, 1.0, 2.5, -1.0]),
+    ],
+)
 def test_penalties_change_logits_exactly(repetition, frequency, presence, expected):
     out = logits_ops.apply_penalties(
-        torch.tensor([LOGITS, LOGITS]), prompt_ids=torch.tensor([[0, 5], [5, 5]]),
+        torch.tensor([LOGITS, LOGITS]),
+        prompt_ids=torch.tensor([[0, 5], [5, 5]]),
         output_ids=torch.tensor([[1, 3, 3], [5, 5, 5]]),
         repetition=torch.tensor([repetition, repetition]),
-        frequency=torch.tensor([frequency, frequency]), presence=torch.tensor([presence, presence]))
+        frequency=torch.tensor([frequency, frequency]),
+        presence=torch.tensor([presence, presence]),
+    )
     assert out[0].tolist() == expected
     assert out[1].tolist() == LOGITS  # nothing seen: untouched whatever the penalties
 
 
 def test_sampler_penalises_only_rows_that_asked():
     logits = torch.tensor([[5.0, 4.9, 0.0]] * 3)
-    rows = [row(SamplingParams(temperature=0, presence_penalty=0.5), output=[0]),
-            row(SamplingParams(temperature=0), output=[0]),
-            row(SamplingParams(temperature=0, repetition_penalty=1.1), prompt=[0])]
+    rows = [
+        row(SamplingParams(temperature=0, presence_penalty=0.5), output=[0]),
+        row(SamplingParams(temperature=0), output=[0]),
+        row(SamplingParams(temperature=0, repetition_penalty=1.1), prompt=[0]),
+    ]
     assert Sampler()(logits, rows, eos_token_ids=[]).token_ids == [1, 0, 1]
 
 
 # ---------------------------------------------------------------- drawing
 
-@pytest.mark.parametrize("probs, u, expected", [
-    ([0.0, 0.5, 0.0, 0.5], 0.0, 1), ([0.0, 0.5, 0.0, 0.5], 0.49, 1),
-    ([0.0, 0.5, 0.0, 0.5], 0.5, 3), ([0.0, 0.5, 0.0, 0.5], 0.9999999, 3),
-    ([0.0, 2.0, 0.0, 2.0], 0.75, 3),  # unnormalised
-    ([0.5, 0.5, 0.0], 0.99999994, 1),  # the largest float32 below 1: never the 0-prob tail
-    ([0.5, 0.5, 0.0], 1.0, 1),  # u * total reaching total still stops at the last positive
-])
+
+@pytest.mark.parametrize(
+    "probs, u, expected",
+    [
+        ([0.0, 0.5, 0.0, 0.5], 0.0, 1),
+        ([0.0, 0.5, 0.0, 0.5], 0.49, 1),
+        ([0.0, 0.5, 0.0, 0.5], 0.5, 3),
+        ([0.0, 0.5, 0.0, 0.5], 0.9999999, 3),
+        ([0.0, 2.0, 0.0, 2.0], 0.75, 3),  # unnormalised
+        ([0.5, 0.5, 0.0], 0.99999994, 1),  # the largest float32 below 1: never the 0-prob tail
+        ([0.5, 0.5, 0.0], 1.0, 1),  # u * total reaching total still stops at the last positive
+    ],
+)
 def test_sample_from_probs_inverts_the_cumulative_distribution(probs, u, expected):
     uniforms = torch.tensor([u], dtype=torch.float32)
     assert logits_ops.sample_from_probs(torch.tensor([probs]), uniforms).tolist() == [expected]
 
 
 # ---------------------------------------------------------------- the sampler
+
 
 def test_greedy_is_argmax_with_lowest_id_on_ties():
     logits = torch.tensor([[0.0, 3.0, 1.0, 3.0], [2.0, 2.0, 2.0, 2.0], [0.0, 1.0, 5.0, 2.0]])
@@ -208,21 +261,32 @@ def test_tiny_temperature_is_greedy():
 def test_sampler_does_not_modify_the_logits():
     logits = torch.randn(2, 50, generator=torch.Generator().manual_seed(0))
     before = logits.clone()
-    rows = [row(SamplingParams(temperature=0.7, top_p=0.5, repetition_penalty=1.3, min_tokens=3,
-                               stop_token_ids=(4,), seed=1), output=[1, 2], prompt=[3]),
-            row(SamplingParams(temperature=0, frequency_penalty=1.0, logprobs=2), output=[5])]
+    rows = [
+        row(
+            SamplingParams(
+                temperature=0.7, top_p=0.5, repetition_penalty=1.3, min_tokens=3, stop_token_ids=(4,), seed=1
+            ),
+            output=[1, 2],
+            prompt=[3],
+        ),
+        row(SamplingParams(temperature=0, frequency_penalty=1.0, logprobs=2), output=[5]),
+    ]
     Sampler()(logits, rows, eos_token_ids=[7])
     assert torch.equal(logits, before)
 
 
-@pytest.mark.parametrize("ignore_eos, num_output, expected", [
-    (False, 0, 1), (False, 2, 1), (False, 3, 3),  # EOS (3) and stop (2) blocked until 3 tokens
-    (True, 0, 3),  # ignore_eos: EOS ends nothing, so min_tokens leaves it alone
-])
+@pytest.mark.parametrize(
+    "ignore_eos, num_output, expected",
+    [
+        (False, 0, 1),
+        (False, 2, 1),
+        (False, 3, 3),  # EOS (3) and stop (2) blocked until 3 tokens
+        (True, 0, 3),  # ignore_eos: EOS ends nothing, so min_tokens leaves it alone
+    ],
+)
 def test_min_tokens_blocks_eos_and_stop_ids_until_reached(ignore_eos, num_output, expected):
     logits = torch.tensor([[0.0, 1.0, 5.0, 9.0]])
-    params = SamplingParams(temperature=0, min_tokens=3, stop_token_ids=(2, 99),
-                            ignore_eos=ignore_eos)
+    params = SamplingParams(temperature=0, min_tokens=3, stop_token_ids=(2, 99), ignore_eos=ignore_eos)
     rows = [row(params, output=[0] * num_output)]
     assert Sampler()(logits, rows, eos_token_ids={3}).token_ids == [expected]
 
@@ -240,8 +304,7 @@ def test_min_tokens_blocks_stop_ids_when_sampling():
     assert set(tokens) == {0, 1}
 
 
-def sample_sequence(seed: int | None, position: int, others: list[SamplingRow],
-                    num_steps: int = 10) -> list[int]:
+def sample_sequence(seed: int | None, position: int, others: list[SamplingRow], num_steps: int = 10) -> list[int]:
     """Tokens a row with `seed` draws over `num_steps` steps at `position` among `others`."""
     vocab = 49152  # long rows: CPU kernels may split a row across threads when the batch is small
     target_logits = torch.randn(1, vocab, generator=torch.Generator().manual_seed(42))
@@ -254,9 +317,12 @@ def sample_sequence(seed: int | None, position: int, others: list[SamplingRow],
 
 
 def other_rows() -> list[SamplingRow]:
-    return [row(SamplingParams(temperature=0)), row(SamplingParams(seed=5, top_k=3)),
-            row(SamplingParams(temperature=1.5), seeded=False),
-            row(SamplingParams(seed=9, repetition_penalty=1.2, logprobs=3), output=[1], prompt=[2])]
+    return [
+        row(SamplingParams(temperature=0)),
+        row(SamplingParams(seed=5, top_k=3)),
+        row(SamplingParams(temperature=1.5), seeded=False),
+        row(SamplingParams(seed=9, repetition_penalty=1.2, logprobs=3), output=[1], prompt=[2]),
+    ]
 
 
 def test_same_seed_reproduces_regardless_of_batch():
@@ -315,13 +381,15 @@ def test_truncated_sampling_matches_renormalised_nucleus():
 
 # ---------------------------------------------------------------- logprobs
 
+
 def test_logprobs_are_raw_and_sorted():
     vocab = MAX_LOGPROBS
     logits = torch.randn(3, vocab, generator=torch.Generator().manual_seed(0)) * 3
-    rows = [row(SamplingParams(temperature=0.5, repetition_penalty=2.0, logprobs=vocab, seed=0),
-                prompt=list(range(10))),
-            row(SamplingParams(temperature=0, logprobs=0, frequency_penalty=2.0), output=[3, 3]),
-            row(SamplingParams(temperature=0, logprobs=None))]
+    rows = [
+        row(SamplingParams(temperature=0.5, repetition_penalty=2.0, logprobs=vocab, seed=0), prompt=list(range(10))),
+        row(SamplingParams(temperature=0, logprobs=0, frequency_penalty=2.0), output=[3, 3]),
+        row(SamplingParams(temperature=0, logprobs=None)),
+    ]
     out = Sampler()(logits, rows, eos_token_ids=[])
     raw = torch.log_softmax(logits, dim=-1)
     for i, token in enumerate(out.token_ids):
@@ -330,8 +398,7 @@ def test_logprobs_are_raw_and_sorted():
     assert len(top) == vocab and sorted(top, key=lambda t: -t[1]) == top
     assert sorted(token for token, _ in top) == list(range(vocab))
     assert math.fsum(math.exp(lp) for _, lp in top) == pytest.approx(1.0, abs=1e-5)
-    assert [lp for _, lp in top] == pytest.approx(raw[0].sort(descending=True).values.tolist(),
-                                                  abs=1e-6)
+    assert [lp for _, lp in top] == pytest.approx(raw[0].sort(descending=True).values.tolist(), abs=1e-6)
     assert out.top_logprobs[1] == [] and out.top_logprobs[2] is None
 
 
@@ -353,9 +420,15 @@ def test_no_logprobs_when_no_row_asks():
 
 # ---------------------------------------------------------------- params validation fixed here
 
-@pytest.mark.parametrize("field, value", [
-    ("temperature", INF), ("temperature", float("nan")), ("repetition_penalty", INF),
-])
+
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("temperature", INF),
+        ("temperature", float("nan")),
+        ("repetition_penalty", INF),
+    ],
+)
 def test_params_reject_non_finite_values(field, value):
     with pytest.raises(InvalidRequestError, match=field):
         SamplingParams(**{field: value})

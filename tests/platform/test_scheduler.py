@@ -21,14 +21,19 @@ HASHER = BlockHasher("test-model", BS)
 def make(num_blocks=64, max_num_seqs=8, budget=16, chunked=True, caching=True, max_model_len=256, share=True):
     pool = BlockPool(num_blocks, enable_caching=caching)
     kv = KVCacheManager(pool, BS)
-    cfg = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
-                          enable_chunked_prefill=chunked, share_prefix_in_flight=share)
+    cfg = SchedulerConfig(
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=budget,
+        enable_chunked_prefill=chunked,
+        share_prefix_in_flight=share,
+    )
     return Scheduler(cfg, kv, max_model_len), pool, kv
 
 
 def req(rid, tokens, max_tokens=4, **kw):
-    return Request(rid, tokens, SamplingParams(max_tokens=max_tokens, ignore_eos=True, **kw), HASHER,
-                   eos_token_ids=frozenset({0}))
+    return Request(
+        rid, tokens, SamplingParams(max_tokens=max_tokens, ignore_eos=True, **kw), HASHER, eos_token_ids=frozenset({0})
+    )
 
 
 def fake_token(seq):
@@ -68,7 +73,7 @@ def test_without_chunking_a_long_prompt_waits_for_a_full_budget():
     sched.add_request(req("a", [5] * 6, max_tokens=3))
     sched.add_request(req("b", [6] * 7, max_tokens=3))
     plan, _ = run_step(sched)
-    assert [s.req_id for s in plan.seqs] == ["a"]          # b (7) does not fit in 8 - 6
+    assert [s.req_id for s in plan.seqs] == ["a"]  # b (7) does not fit in 8 - 6
     plan, _ = run_step(sched)
     assert [(s.req_id, s.num_tokens) for s in plan.seqs] == [("a", 1), ("b", 7)]
 
@@ -144,7 +149,9 @@ def test_randomised_add_abort_finish_never_leaks(seed):
     n = 0
     for _ in range(400):
         if rng.random() < 0.3 and n < 60:
-            tokens = rng.choice(prefixes)[: rng.choice([0, 4, 8])] + [rng.randrange(1, 90) for _ in range(rng.randrange(1, 12))]
+            tokens = rng.choice(prefixes)[: rng.choice([0, 4, 8])] + [
+                rng.randrange(1, 90) for _ in range(rng.randrange(1, 12))
+            ]
             sched.add_request(req(f"r{n}", tokens, max_tokens=rng.randrange(1, 10)))
             n += 1
         if sched.requests and rng.random() < 0.1:
@@ -172,8 +179,11 @@ def test_scheduler_budget_resolution_and_its_error():
     assert SchedulerConfig().resolved(2048).max_num_batched_tokens == 512
     assert SchedulerConfig(enable_chunked_prefill=False).resolved(2048).max_num_batched_tokens == 2048
     assert SchedulerConfig(max_num_batched_tokens=64).resolved(2048).max_num_batched_tokens == 64
-    with pytest.raises(ConfigError, match=r"max_num_batched_tokens=512 is below max_model_len=2048 with chunked "
-                                          r"prefill off.*allowed: max_num_batched_tokens >= 2048"):
+    with pytest.raises(
+        ConfigError,
+        match=r"max_num_batched_tokens=512 is below max_model_len=2048 with chunked "
+        r"prefill off.*allowed: max_num_batched_tokens >= 2048",
+    ):
         SchedulerConfig(max_num_batched_tokens=512, enable_chunked_prefill=False).resolved(2048)
 
 
@@ -186,7 +196,7 @@ def test_a_burst_sharing_a_prefix_computes_it_once():
     sched, pool, kv = make(budget=64)
     sched.add_request(req("a", SHARED + [50, 51], max_tokens=1))
     sched.add_request(req("b", SHARED + [60, 61, 62], max_tokens=1))
-    sched.add_request(req("c", [70] * 6, max_tokens=1))   # unrelated: not held back
+    sched.add_request(req("c", [70] * 6, max_tokens=1))  # unrelated: not held back
     plan, _ = run_step(sched)
     assert [s.req_id for s in plan.seqs] == ["a", "c"]
     assert sched.stats.num_prefix_waits == 1
@@ -202,7 +212,7 @@ def test_a_burst_sharing_a_prefix_computes_it_once():
 def test_one_shared_block_is_not_worth_a_wait():
     sched, _, _ = make(budget=64)
     sched.add_request(req("a", SHARED + [50, 51], max_tokens=1))
-    sched.add_request(req("b", SHARED[:4] + [60] * 14, max_tokens=1))   # shares only a's first block
+    sched.add_request(req("b", SHARED[:4] + [60] * 14, max_tokens=1))  # shares only a's first block
     plan, _ = run_step(sched)
     assert [(s.req_id, s.start_pos) for s in plan.seqs] == [("a", 0), ("b", 0)]
     assert sched.stats.num_prefix_waits == 0
@@ -219,7 +229,7 @@ def test_without_sharing_the_burst_computes_the_prefix_twice():
 
 def test_a_follower_waits_through_every_chunk_of_the_leaders_prefill():
     sched, _, kv = make(budget=8)
-    sched.add_request(req("a", SHARED + [50], max_tokens=1))     # 17 tokens: chunks 8, 8, 1
+    sched.add_request(req("a", SHARED + [50], max_tokens=1))  # 17 tokens: chunks 8, 8, 1
     sched.add_request(req("b", SHARED + [60], max_tokens=1))
     steps = [[(s.req_id, s.start_pos) for s in run_step(sched)[0].seqs] for _ in range(3)]
     # b sits out while a fills the shared blocks, and joins as soon as all four are cached.
@@ -231,10 +241,10 @@ def test_a_follower_is_freed_when_the_leader_is_aborted():
     sched, pool, kv = make(budget=8)
     sched.add_request(req("a", SHARED + [50], max_tokens=1))
     sched.add_request(req("b", SHARED + [60], max_tokens=1))
-    run_step(sched)                       # a computes 8 tokens (2 blocks, cached); b waits
+    run_step(sched)  # a computes 8 tokens (2 blocks, cached); b waits
     sched.finish_request("a", RequestStatus.FINISHED_ABORTED)
     plan, _ = run_step(sched)
-    assert [(s.req_id, s.start_pos) for s in plan.seqs] == [("b", 8)]   # reuses what a finished
+    assert [(s.req_id, s.start_pos) for s in plan.seqs] == [("b", 8)]  # reuses what a finished
     kv.check_invariants()
 
 
@@ -247,9 +257,9 @@ def test_a_remote_follower_waits_for_the_leaders_kv_and_transfers_less():
     sched.schedule()
     assert [r.req_id for r in sched.take_kv_ready()] == ["a"]
     sched.schedule()
-    assert sched.take_kv_ready() == []      # b still waits: a's KV has not landed
+    assert sched.take_kv_ready() == []  # b still waits: a's KV has not landed
     sched.complete_remote_prefill("a", 7)
     sched.schedule()
     assert [r.req_id for r in sched.take_kv_ready()] == ["b"]
-    assert follow.num_cached_tokens == 16   # only its last block must travel
+    assert follow.num_cached_tokens == 16  # only its last block must travel
     kv.check_invariants()

@@ -29,22 +29,28 @@ PROMPTS = [
 ]
 
 
-@pytest.mark.parametrize("token_ids,k,expected", [
-    ([1, 2, 3, 4, 1, 2, 3], 3, [4, 1, 2]),          # the longest n (3) that matches
-    ([5, 6, 7, 8, 9, 5, 6], 4, [7, 8, 9, 5]),
-    ([1, 2, 9, 1, 2, 8, 1, 2], 2, [8, 1]),          # the most recent occurrence wins
-    ([1, 2, 3], 2, []),                             # no earlier occurrence
-    ([7, 7, 7, 7], 2, [7]),                         # only what follows the occurrence
-])
+@pytest.mark.parametrize(
+    "token_ids,k,expected",
+    [
+        ([1, 2, 3, 4, 1, 2, 3], 3, [4, 1, 2]),  # the longest n (3) that matches
+        ([5, 6, 7, 8, 9, 5, 6], 4, [7, 8, 9, 5]),
+        ([1, 2, 9, 1, 2, 8, 1, 2], 2, [8, 1]),  # the most recent occurrence wins
+        ([1, 2, 3], 2, []),  # no earlier occurrence
+        ([7, 7, 7, 7], 2, [7]),  # only what follows the occurrence
+    ],
+)
 def test_ngram_proposals(token_ids, k, expected):
     assert propose(token_ids, k, 2, 4) == expected
 
 
-@pytest.mark.parametrize("fields,message", [
-    ({"num_speculative_tokens": 0}, "num_speculative_tokens=0 is invalid; allowed: an integer >= 1"),
-    ({"prompt_lookup_min": 5, "prompt_lookup_max": 3}, "allowed: min <= max"),
-    ({"method": "eagle"}, "speculative method 'eagle' is not supported; allowed: ngram"),
-])
+@pytest.mark.parametrize(
+    "fields,message",
+    [
+        ({"num_speculative_tokens": 0}, "num_speculative_tokens=0 is invalid; allowed: an integer >= 1"),
+        ({"prompt_lookup_min": 5, "prompt_lookup_max": 3}, "allowed: min <= max"),
+        ({"method": "eagle"}, "speculative method 'eagle' is not supported; allowed: ngram"),
+    ],
+)
 def test_bad_config_names_what_is_allowed(fields, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
         SpeculativeConfig(**fields)
@@ -52,10 +58,15 @@ def test_bad_config_names_what_is_allowed(fields, message):
 
 def test_bad_config_on_the_command_line_exits_2():
     cli = str(pathlib.Path(sys.executable).parent / "splitserve")
-    for text, says in [('{"method": "eagle"}', "allowed: ngram"), ('{"num_speculative_tokens": 0}', ">= 1"),
-                       ('{"k": 3}', "unknown keys ['k']"), ("not json", "not valid JSON")]:
-        proc = subprocess.run([cli, "generate", "--speculative-config", text, "hi"], capture_output=True, text=True,
-                              timeout=120)
+    for text, says in [
+        ('{"method": "eagle"}', "allowed: ngram"),
+        ('{"num_speculative_tokens": 0}', ">= 1"),
+        ('{"k": 3}', "unknown keys ['k']"),
+        ("not json", "not valid JSON"),
+    ]:
+        proc = subprocess.run(
+            [cli, "generate", "--speculative-config", text, "hi"], capture_output=True, text=True, timeout=120
+        )
         assert proc.returncode == 2 and says in proc.stderr, (text, proc.returncode, proc.stderr[-300:])
 
 
@@ -66,12 +77,12 @@ def run(engine, prompts, params):
 def test_greedy_with_speculation_equals_without_alone_and_in_a_batch(make_engine):
     plain = make_engine()
     spec = make_engine(speculative=SPEC)
-    want = run(plain, PROMPTS, GREEDY)                  # batch invariance is pinned in test_engine.py
-    assert [run(spec, [p], GREEDY)[0] for p in PROMPTS[:2]] == want[:2]    # alone
-    assert run(spec, PROMPTS, GREEDY) == want                              # in one batch
+    want = run(plain, PROMPTS, GREEDY)  # batch invariance is pinned in test_engine.py
+    assert [run(spec, [p], GREEDY)[0] for p in PROMPTS[:2]] == want[:2]  # alone
+    assert run(spec, PROMPTS, GREEDY) == want  # in one batch
     stats = spec.speculator.stats
-    assert stats.num_accepted_tokens > 0 and stats.num_drafts > 0          # it really speculated
-    assert stats.num_accepted_tokens < stats.num_draft_tokens              # and really rejected some
+    assert stats.num_accepted_tokens > 0 and stats.num_drafts > 0  # it really speculated
+    assert stats.num_accepted_tokens < stats.num_draft_tokens  # and really rejected some
     assert_no_leak(spec)
 
 
@@ -98,14 +109,17 @@ def test_fused_cpu_decode_verifies_in_one_call_and_equals_plain(make_engine):
     assert_no_leak(spec)
 
 
-@pytest.mark.parametrize("k,proposed,accepted,expected", [
-    (4, 4, 4, 4),      # all accepted at the maximum: stays there
-    (2, 2, 2, 4),      # all accepted: doubles
-    (4, 1, 1, 4),      # a short proposal (the n-gram's continuation ended) fully accepted: no shrink
-    (4, 4, 0, 1),      # rejected at once: one proposal next
-    (4, 4, 2, 3),      # two accepted: three next
-    (1, 1, 1, 2),
-])
+@pytest.mark.parametrize(
+    "k,proposed,accepted,expected",
+    [
+        (4, 4, 4, 4),  # all accepted at the maximum: stays there
+        (2, 2, 2, 4),  # all accepted: doubles
+        (4, 1, 1, 4),  # a short proposal (the n-gram's continuation ended) fully accepted: no shrink
+        (4, 4, 0, 1),  # rejected at once: one proposal next
+        (4, 4, 2, 3),  # two accepted: three next
+        (1, 1, 1, 2),
+    ],
+)
 def test_proposal_budget_follows_the_last_verification(k, proposed, accepted, expected):
     assert next_k(k, proposed, accepted, max_k=4) == expected
 
@@ -120,21 +134,33 @@ def test_switch_offs_by_batch_size_and_by_a_requests_acceptance():
 
     cfg = SpeculativeConfig(num_speculative_tokens=4, max_batch_size=2, min_proposals=3, min_acceptance_rate=0.25)
     spec = Speculator(cfg, max_model_len=1000)
-    copy = [1, 2, 3, 4, 5, 6, 7, 8, 1, 2]          # "1, 2" occurred before: proposes 3, 4, 5, 6
+    copy = [1, 2, 3, 4, 5, 6, 7, 8, 1, 2]  # "1, 2" occurred before: proposes 3, 4, 5, 6
 
     def request(name):
-        return SimpleNamespace(req_id=name, num_computed_tokens=len(copy) - 1, num_tokens=len(copy),
-                               num_output_tokens=2, params=SimpleNamespace(max_tokens=100), all_token_ids=copy,
-                               spec_token_ids=[])
+        return SimpleNamespace(
+            req_id=name,
+            num_computed_tokens=len(copy) - 1,
+            num_tokens=len(copy),
+            num_output_tokens=2,
+            params=SimpleNamespace(max_tokens=100),
+            all_token_ids=copy,
+            spec_token_ids=[],
+        )
 
     good, bad = request("good"), request("bad")
-    states = {r.req_id: SimpleNamespace(matcher=None, spec_k=0, num_spec_proposed=0, num_spec_accepted=0,
-                                        num_spec_rounds=0) for r in (good, bad)}
+    states = {
+        r.req_id: SimpleNamespace(matcher=None, spec_k=0, num_spec_proposed=0, num_spec_accepted=0, num_spec_rounds=0)
+        for r in (good, bad)
+    }
     spec.propose([good, bad], states)
     assert good.spec_token_ids == [3, 4, 5, 6] and bad.spec_token_ids == [3, 4, 5, 6]
-    for rounds in range(3):                         # bad: nothing accepted; good: everything
-        plan = SimpleNamespace(seqs=[SimpleNamespace(req_id="good", num_draft_tokens=len(good.spec_token_ids)),
-                                     SimpleNamespace(req_id="bad", num_draft_tokens=len(bad.spec_token_ids))])
+    for rounds in range(3):  # bad: nothing accepted; good: everything
+        plan = SimpleNamespace(
+            seqs=[
+                SimpleNamespace(req_id="good", num_draft_tokens=len(good.spec_token_ids)),
+                SimpleNamespace(req_id="bad", num_draft_tokens=len(bad.spec_token_ids)),
+            ]
+        )
         result = SimpleNamespace(spec_tokens={"good": [0] * (len(good.spec_token_ids) + 1), "bad": [0]})
         spec.record(plan, result, states)
         spec.propose([good, bad], states)
@@ -150,14 +176,15 @@ def test_switch_offs_by_batch_size_and_by_a_requests_acceptance():
 def test_greedy_equal_with_chunked_prefill_stop_strings_and_max_tokens(make_engine):
     plain = make_engine(max_num_batched_tokens=32)
     spec = make_engine(max_num_batched_tokens=32, speculative=SPEC)
-    for max_tokens in (1, 3, 7):                  # boundaries inside and at the end of a proposal
+    for max_tokens in (1, 3, 7):  # boundaries inside and at the end of a proposal
         params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
         assert run(spec, PROMPTS[:3], params) == run(plain, PROMPTS[:3], params), max_tokens
     stop = SamplingParams(temperature=0, max_tokens=48, stop=["grape", "a - b"], ignore_eos=True)
     want = plain.generate(PROMPTS[:2], stop)
     got = spec.generate(PROMPTS[:2], stop)
-    assert [(o.text, o.finish_reason, o.stop_reason) for o in got] == \
-        [(o.text, o.finish_reason, o.stop_reason) for o in want]
+    assert [(o.text, o.finish_reason, o.stop_reason) for o in got] == [
+        (o.text, o.finish_reason, o.stop_reason) for o in want
+    ]
     assert_no_leak(spec)
 
 
@@ -198,7 +225,7 @@ def test_seeded_sampling_with_speculation_is_reproducible(make_engine):
 # deterministic; the mutation below shows the statistic does move when the rule is wrong.
 CHI2_DF7_P001 = 24.32
 P = torch.tensor([0.30, 0.20, 0.15, 0.12, 0.10, 0.07, 0.04, 0.02])
-DRAFTS = [6, 1]          # an unlikely and a likely proposal
+DRAFTS = [6, 1]  # an unlikely and a likely proposal
 
 
 def _chi2_of_emitted_tokens(n: int = 6_000) -> tuple[float, float]:
@@ -210,12 +237,13 @@ def _chi2_of_emitted_tokens(n: int = 6_000) -> tuple[float, float]:
     for _ in range(n):
         tokens, _ = verify_mod.verify(sampler, logits, DRAFTS, row, eos_token_ids=())
         first[tokens[0]] += 1
-        if len(tokens) > 1:       # the first proposal was accepted: the next token is again ~ p
+        if len(tokens) > 1:  # the first proposal was accepted: the next token is again ~ p
             second[tokens[1]] += 1
 
     def chi2(counts):
         expected = P * counts.sum()
         return float(((counts - expected) ** 2 / expected).sum())
+
     return chi2(first), chi2(second)
 
 
@@ -237,6 +265,7 @@ def test_a_wrong_acceptance_rule_is_detected(monkeypatch):
             residual[draft] = 0.0
             return tokens + [verify_mod._draw(residual, row)]
         return tokens + [verify_mod._draw(probs[len(drafts)].clone(), row)]
+
     monkeypatch.setattr(verify_mod, "_rejection_sample", lenient)
     first, _ = _chi2_of_emitted_tokens()
     assert first > CHI2_DF7_P001, first

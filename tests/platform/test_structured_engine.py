@@ -19,11 +19,16 @@ from splitserve.platform.sampling.params import SamplingParams
 from splitserve.platform.sampling.structured import GrammarBackend, StructuredSpec
 
 PROMPT = "<|im_start|>user\nDescribe a person as JSON.<|im_end|>\n<|im_start|>assistant\n"
-PERSON = {"type": "object", "properties": {
-    "name": {"type": "string", "minLength": 1, "maxLength": 20},
-    "age": {"type": "integer", "minimum": 0, "maximum": 120},
-    "tags": {"type": "array", "items": {"type": "string", "enum": ["a", "b"]}, "minItems": 1, "maxItems": 3}},
-    "required": ["name", "age", "tags"], "additionalProperties": False}
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "minLength": 1, "maxLength": 20},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "tags": {"type": "array", "items": {"type": "string", "enum": ["a", "b"]}, "minItems": 1, "maxItems": 3},
+    },
+    "required": ["name", "age", "tags"],
+    "additionalProperties": False,
+}
 
 
 def json_spec(schema):
@@ -42,7 +47,8 @@ def finish(engine, prompt, params_list):
 def test_json_schema_greedy_and_sampled_in_one_batch(engine):
     spec = json_spec(PERSON)
     params = [SamplingParams(temperature=0, max_tokens=120, structured=spec)] + [
-        SamplingParams(temperature=1.0, seed=s, max_tokens=120, structured=spec) for s in range(3)]
+        SamplingParams(temperature=1.0, seed=s, max_tokens=120, structured=spec) for s in range(3)
+    ]
     for out in finish(engine, PROMPT, params):
         assert out.finish_reason == "stop", out.text
         jsonschema.validate(json.loads(out.text), PERSON)
@@ -51,10 +57,16 @@ def test_json_schema_greedy_and_sampled_in_one_batch(engine):
 def test_regex_and_choice_hold_and_eos_only_at_the_end(engine):
     regex = StructuredSpec("regex", r"[0-9]{3}-[a-z]{2,4}")
     choice = StructuredSpec("choice", json.dumps(["positive", "negative", "neutral"]))
-    outs = finish(engine, PROMPT, [SamplingParams(temperature=0, max_tokens=30, structured=regex),
-                                   SamplingParams(temperature=1.5, seed=7, max_tokens=30, structured=regex),
-                                   SamplingParams(temperature=0, max_tokens=30, structured=choice),
-                                   SamplingParams(temperature=2.0, seed=3, max_tokens=30, structured=choice)])
+    outs = finish(
+        engine,
+        PROMPT,
+        [
+            SamplingParams(temperature=0, max_tokens=30, structured=regex),
+            SamplingParams(temperature=1.5, seed=7, max_tokens=30, structured=regex),
+            SamplingParams(temperature=0, max_tokens=30, structured=choice),
+            SamplingParams(temperature=2.0, seed=3, max_tokens=30, structured=choice),
+        ],
+    )
     for out in outs[:2]:
         assert re.fullmatch(r"[0-9]{3}-[a-z]{2,4}", out.text) and out.finish_reason == "stop", out.text
     for out in outs[2:]:
@@ -64,8 +76,9 @@ def test_regex_and_choice_hold_and_eos_only_at_the_end(engine):
 def test_unconstrained_rows_in_the_same_batch_are_unchanged(engine):
     plain = SamplingParams(temperature=0, max_tokens=8)
     alone = finish(engine, PROMPT, [plain])[0]
-    mixed = finish(engine, PROMPT, [plain, SamplingParams(temperature=0, max_tokens=8,
-                                                          structured=StructuredSpec("json_object"))])
+    mixed = finish(
+        engine, PROMPT, [plain, SamplingParams(temperature=0, max_tokens=8, structured=StructuredSpec("json_object"))]
+    )
     assert mixed[0].output_token_ids == alone.output_token_ids
     assert mixed[1].text.startswith("{")
 
@@ -101,7 +114,7 @@ def test_chunked_prefill_and_prefix_hits_give_the_same_constrained_output(make_e
     long_prompt = PROMPT.replace("Describe a person", "Describe a person. " + "Be brief. " * 25 + "Now")
     params = SamplingParams(temperature=0, max_tokens=60, structured=json_spec(PERSON))
     reference = finish(engine, long_prompt, [params])[0]
-    again = finish(engine, long_prompt, [params])[0]   # second run: prefix-cache hit
+    again = finish(engine, long_prompt, [params])[0]  # second run: prefix-cache hit
     assert again.num_cached_tokens > 0 and again.output_token_ids == reference.output_token_ids
     chunked = make_engine(enable_prefix_caching=False, max_num_batched_tokens=64, enable_chunked_prefill=True)
     assert finish(chunked, long_prompt, [params])[0].output_token_ids == reference.output_token_ids
@@ -116,8 +129,9 @@ def test_bad_grammars_are_clear_errors_and_the_engine_keeps_serving(engine):
         engine.add_request(PROMPT, SamplingParams(structured=StructuredSpec("regex", "([a-")))
     with pytest.raises(InvalidRequestError, match="does not compile"):
         engine.add_request(PROMPT, SamplingParams(structured=json_spec({"type": "nosuchtype"})))
-    assert json.loads(finish(engine, PROMPT, [SamplingParams(temperature=0, max_tokens=100,
-                                                             structured=json_spec(PERSON))])[0].text)
+    assert json.loads(
+        finish(engine, PROMPT, [SamplingParams(temperature=0, max_tokens=100, structured=json_spec(PERSON))])[0].text
+    )
 
 
 def test_compile_timeout_refuses_at_once_and_is_remembered(engine):
@@ -128,7 +142,7 @@ def test_compile_timeout_refuses_at_once_and_is_remembered(engine):
     with pytest.raises(InvalidRequestError, match="did not compile within"):
         backend.compile(spec)
     with pytest.raises(InvalidRequestError, match="did not compile within"):
-        backend.compile(spec)   # refused at once, not compiled again
+        backend.compile(spec)  # refused at once, not compiled again
     release.set()
     backend.close()
 
@@ -138,12 +152,18 @@ def test_worker_metrics_export_compile_time_mask_time_and_kinds(engine):
 
     from splitserve.workers.metrics import WorkerMetrics
 
-    finish(engine, PROMPT, [SamplingParams(temperature=0, max_tokens=5,
-                                           structured=StructuredSpec("regex", "[a-z]{1,3}[0-9]{2}"))])
+    finish(
+        engine,
+        PROMPT,
+        [SamplingParams(temperature=0, max_tokens=5, structured=StructuredSpec("regex", "[a-z]{1,3}[0-9]{2}"))],
+    )
     metrics = WorkerMetrics("decode", "smollm2-135m")
     metrics.update_structured(engine.grammar_stats)
-    samples = {(s.name, s.labels.get("kind")): s.value
-               for family in text_string_to_metric_families(metrics.render().decode()) for s in family.samples}
+    samples = {
+        (s.name, s.labels.get("kind")): s.value
+        for family in text_string_to_metric_families(metrics.render().decode())
+        for s in family.samples
+    }
     assert samples[("splitserve_grammar_compile_seconds_count", None)] >= 1
     assert samples[("splitserve_grammar_mask_rows_total", None)] >= 1
     assert samples[("splitserve_grammar_mask_seconds_total", None)] > 0

@@ -36,10 +36,17 @@ TEXTS = [
 CONVERSATIONS = {
     "single": [{"role": "user", "content": "What is 2+2?"}],
     "system": [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Hi"}],
-    "multi_turn": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello! 😀"},
-                   {"role": "user", "content": "Write code:\n```py\nprint(1)\n```"}],
-    "system_multi_turn": [{"role": "system", "content": "Be kind."}, {"role": "user", "content": "a"},
-                          {"role": "assistant", "content": "b"}, {"role": "user", "content": "c"}],
+    "multi_turn": [
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Hello! 😀"},
+        {"role": "user", "content": "Write code:\n```py\nprint(1)\n```"},
+    ],
+    "system_multi_turn": [
+        {"role": "system", "content": "Be kind."},
+        {"role": "user", "content": "a"},
+        {"role": "assistant", "content": "b"},
+        {"role": "user", "content": "c"},
+    ],
 }
 
 
@@ -92,24 +99,30 @@ def test_smollm2_vocabulary(ours):
     assert ours.convert_ids_to_tokens([6004, 216, 198]) == ["hi", "Ġ", "Ċ"]
 
 
-@pytest.mark.parametrize("template, eos_ids", [
-    ("{% for m in messages %}{{ m['content'] }}<|im_end|>{% endfor %}", {0, 2}),
-    ("{% for m in messages %}{{ m['content'] }}{% endfor %}", {0}),
-])
+@pytest.mark.parametrize(
+    "template, eos_ids",
+    [
+        ("{% for m in messages %}{{ m['content'] }}<|im_end|>{% endfor %}", {0, 2}),
+        ("{% for m in messages %}{{ m['content'] }}{% endfor %}", {0}),
+    ],
+)
 def test_eos_ids_add_end_of_turn_tokens_the_template_uses(ours, template, eos_ids):
     tok = Tokenizer(ours.backend, special_tokens={"eos": "<|endoftext|>"}, chat_template=template)
     assert tok.eos_token_ids == frozenset(eos_ids)
 
 
-@pytest.mark.parametrize("messages, error", [
-    ([], "non-empty list"),
-    ("hello", "non-empty list"),
-    (["hello"], r"messages\[0\] must be a dict"),
-    ([{"content": "hi"}], r"messages\[0\]\['role'\] must be a non-empty string"),
-    ([{"role": "", "content": "hi"}], r"messages\[0\]\['role'\]"),
-    ([{"role": "user", "content": "a"}, {"role": "user"}], r"messages\[1\]\['content'\] must be a string"),
-    ([{"role": "user", "content": ["parts"]}], r"messages\[0\]\['content'\] must be a string, got list"),
-])
+@pytest.mark.parametrize(
+    "messages, error",
+    [
+        ([], "non-empty list"),
+        ("hello", "non-empty list"),
+        (["hello"], r"messages\[0\] must be a dict"),
+        ([{"content": "hi"}], r"messages\[0\]\['role'\] must be a non-empty string"),
+        ([{"role": "", "content": "hi"}], r"messages\[0\]\['role'\]"),
+        ([{"role": "user", "content": "a"}, {"role": "user"}], r"messages\[1\]\['content'\] must be a string"),
+        ([{"role": "user", "content": ["parts"]}], r"messages\[0\]\['content'\] must be a string, got list"),
+    ],
+)
 def test_invalid_messages_are_rejected(ours, messages, error):
     with pytest.raises(InvalidRequestError, match=error):
         ours.apply_chat_template(messages)
@@ -123,16 +136,20 @@ def test_template_errors_and_missing_template(ours):
         Tokenizer(ours.backend, special_tokens={}).apply_chat_template([{"role": "user", "content": "hi"}])
     with pytest.raises(ConfigError, match="does not parse"):
         Tokenizer(ours.backend, special_tokens={}, chat_template="{% if %}").apply_chat_template(
-            [{"role": "user", "content": "hi"}])
+            [{"role": "user", "content": "hi"}]
+        )
 
 
 def test_template_helpers_render_like_transformers(ours):
-    template = ("{{ bos_token }}{{ messages | tojson }}{% for m in messages %}{% if loop.index > 1 %}{% break %}"
-                "{% endif %}{% generation %}{{ m.content }}{% endgeneration %}{% endfor %}{{ extra }}")
+    template = (
+        "{{ bos_token }}{{ messages | tojson }}{% for m in messages %}{% if loop.index > 1 %}{% break %}"
+        "{% endif %}{% generation %}{{ m.content }}{% endgeneration %}{% endfor %}{{ extra }}"
+    )
     tok = Tokenizer(ours.backend, special_tokens={"bos": "<|im_start|>"}, chat_template=template)
     messages = [{"role": "user", "content": "é<b>"}, {"role": "user", "content": "no"}]
     assert tok.apply_chat_template(messages, extra="!") == (
-        '<|im_start|>[{"role": "user", "content": "é<b>"}, {"role": "user", "content": "no"}]é<b>!')
+        '<|im_start|>[{"role": "user", "content": "é<b>"}, {"role": "user", "content": "no"}]é<b>!'
+    )
 
 
 def test_invalid_inputs(ours):
@@ -152,9 +169,16 @@ def test_saved_tokenizer_json_encodes_identically(ours, tmp_path):
 
 def test_hf_folder_round_trip(ours, tmp_path):
     ours.save_tokenizer_json(str(tmp_path / "tokenizer.json"))
-    (tmp_path / "tokenizer_config.json").write_text(json.dumps({
-        "bos_token": "<|im_start|>", "eos_token": {"content": "<|im_end|>"}, "add_bos_token": True,
-        "chat_template": ours.chat_template}))
+    (tmp_path / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "bos_token": "<|im_start|>",
+                "eos_token": {"content": "<|im_end|>"},
+                "add_bos_token": True,
+                "chat_template": ours.chat_template,
+            }
+        )
+    )
     (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 0]}))
     (tmp_path / "config.json").write_text("{}")
     tok = Tokenizer.from_model(str(tmp_path))
@@ -187,8 +211,10 @@ def test_unreadable_gguf_files(tmp_path):
 
 
 def test_modules_do_not_import_torch():
-    code = ("import sys, splitserve.platform.tokenizer, splitserve.platform.detokenizer, "
-            "splitserve.platform.stop; assert 'torch' not in sys.modules, 'torch was imported'")
+    code = (
+        "import sys, splitserve.platform.tokenizer, splitserve.platform.detokenizer, "
+        "splitserve.platform.stop; assert 'torch' not in sys.modules, 'torch was imported'"
+    )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
 
@@ -238,12 +264,46 @@ def test_byte_level_pre_tokenizers_match_transformers(tmp_path, pre):
 
 # ---- A SentencePiece ("llama") vocabulary, written to a GGUF here -------------------------------
 # Scores make BPE merge h+e, l+l, ll+o, he+llo, ▁+hello (and the same for "world"), best first.
-SPM_PIECES = ["▁", "h", "e", "l", "o", "w", "r", "d", "t", "a",
-              "he", "ll", "llo", "hello", "▁hello", "or", "wor", "ld", "world", "▁world", "▁t", "▁the", "th"]
+SPM_PIECES = [
+    "▁",
+    "h",
+    "e",
+    "l",
+    "o",
+    "w",
+    "r",
+    "d",
+    "t",
+    "a",
+    "he",
+    "ll",
+    "llo",
+    "hello",
+    "▁hello",
+    "or",
+    "wor",
+    "ld",
+    "world",
+    "▁world",
+    "▁t",
+    "▁the",
+    "th",
+]
 SPM_TOKENS = ["<unk>", "<s>", "</s>", *[f"<0x{b:02X}>" for b in range(256)], *SPM_PIECES, "<|user|>", "<think>"]
 SPM_ID = {token: index for index, token in enumerate(SPM_TOKENS)}
-SPM_TEXTS = ["hello world", " hello", "hello  world", "<s>hello<|user|>the world</s>", "héllo ☃ 😀",
-             "hello<think>world", "", " ", "the\nworld\t", "<unk>x", "world hello the"]
+SPM_TEXTS = [
+    "hello world",
+    " hello",
+    "hello  world",
+    "<s>hello<|user|>the world</s>",
+    "héllo ☃ 😀",
+    "hello<think>world",
+    "",
+    " ",
+    "the\nworld\t",
+    "<unk>x",
+    "world hello the",
+]
 
 
 def write_spm_gguf(path: str) -> None:
@@ -302,16 +362,18 @@ def test_spm_leading_space_joins_the_dummy_prefix(spm):
 @pytest.mark.slow
 def test_spm_matches_transformers(spm, spm_path):
     transformers = pytest.importorskip("transformers")
-    reference = transformers.AutoTokenizer.from_pretrained(os.path.dirname(spm_path),
-                                                           gguf_file=os.path.basename(spm_path))
+    reference = transformers.AutoTokenizer.from_pretrained(
+        os.path.dirname(spm_path), gguf_file=os.path.basename(spm_path)
+    )
     for text in SPM_TEXTS:
         ids = spm.encode(text)
         assert ids == reference.encode(text), text
         for skip in (True, False):
             assert spm.decode(ids, skip_special_tokens=skip) == reference.decode(ids, skip_special_tokens=skip)
     messages = CONVERSATIONS["multi_turn"]
-    assert spm.apply_chat_template(messages) == reference.apply_chat_template(messages, tokenize=False,
-                                                                              add_generation_prompt=True)
+    assert spm.apply_chat_template(messages) == reference.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=True
+    )
 
 
 def test_spm_saved_tokenizer_json_keeps_bos(spm, tmp_path):

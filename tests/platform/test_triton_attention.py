@@ -80,22 +80,28 @@ def random_block_tables(num_blocks_per_seq: list[int], num_blocks: int, gen) -> 
 def test_decode_matches_reference(dtype, num_heads, num_kv_heads, head_dim, block_size):
     gen = make_generator("decode", dtype, num_heads, head_dim)
     context_lens = torch.randint(1, 80, (5,), generator=gen)
-    context_lens[0] = 1                                    # a single key
+    context_lens[0] = 1  # a single key
     num_blocks_per_seq = [-(-int(c) // block_size) for c in context_lens]
     k_cache, v_cache = random_caches(64, block_size, num_kv_heads, head_dim, dtype, gen)
-    width = max(num_blocks_per_seq) + 1                    # a padded column is never read
+    width = max(num_blocks_per_seq) + 1  # a padded column is never read
     block_table = torch.zeros(5, width, dtype=torch.long)
     for row, ids in enumerate(random_block_tables(num_blocks_per_seq, 64, gen)):
-        block_table[row, :len(ids)] = ids
+        block_table[row, : len(ids)] = ids
     q = torch.randn(5, num_heads, head_dim, generator=gen).to(dtype)
 
     out = torch.full_like(q, float("nan"), device=DEVICE)
-    paged_decode_attention(*on_device(q, k_cache, v_cache, block_table, context_lens.to(torch.int32)),
-                           head_dim ** -0.5, out=out, block_n=16)
+    paged_decode_attention(
+        *on_device(q, k_cache, v_cache, block_table, context_lens.to(torch.int32)), head_dim**-0.5, out=out, block_n=16
+    )
 
     mask = torch.arange(width * block_size)[None, :] < context_lens[:, None]
-    ref = decode_attention(q.float(), gather_kv(k_cache.float(), block_table),
-                           gather_kv(v_cache.float(), block_table), head_dim ** -0.5, mask)
+    ref = decode_attention(
+        q.float(),
+        gather_kv(k_cache.float(), block_table),
+        gather_kv(v_cache.float(), block_table),
+        head_dim**-0.5,
+        mask,
+    )
     check(f"decode-{dtype}-{num_heads}x{num_kv_heads}-d{head_dim}", out, ref, dtype)
 
 
@@ -116,8 +122,13 @@ def test_prefill_matches_reference(dtype, num_heads, num_kv_heads):
     q = torch.randn(sum(q_lens), num_heads, head_dim, generator=gen).to(dtype)
 
     out = torch.full_like(q, float("nan"), device=DEVICE)
-    paged_prefill_attention(*on_device(q, k_cache, v_cache, cu_q_lens, torch.tensor(start_pos, dtype=torch.int32),
-                                       block_tables), head_dim ** -0.5, out=out, block_m=16, block_n=16)
+    paged_prefill_attention(
+        *on_device(q, k_cache, v_cache, cu_q_lens, torch.tensor(start_pos, dtype=torch.int32), block_tables),
+        head_dim**-0.5,
+        out=out,
+        block_m=16,
+        block_n=16,
+    )
 
     ref = torch.empty_like(q, dtype=torch.float32)
     for s, (n, start, ctx) in enumerate(zip(q_lens, start_pos, context_lens)):
@@ -125,7 +136,7 @@ def test_prefill_matches_reference(dtype, num_heads, num_kv_heads):
         keys = gather_kv(k_cache.float(), tables[s])[:ctx]
         values = gather_kv(v_cache.float(), tables[s])[:ctx]
         mask = torch.ones(n, ctx, dtype=torch.bool).tril(start)
-        ref[rows] = prefill_attention(q[rows].float(), keys, values, head_dim ** -0.5, mask)
+        ref[rows] = prefill_attention(q[rows].float(), keys, values, head_dim**-0.5, mask)
     check(f"prefill-{dtype}-{num_heads}x{num_kv_heads}", out, ref, dtype)
 
 
@@ -138,8 +149,12 @@ def test_paged_attention_triton_path_matches_torch_path(dtype):
     # (context_len after this step, tokens this step): decodes, a prefix hit, a fresh prompt
     shapes = [(37, 1), (5, 1), (64, 1), (35, 15), (19, 19)]
     tables = random_block_tables([-(-c // block_size) for c, _ in shapes], 40, gen)
-    seqs = _decodes_first([ScheduledSeq(f"r{i}", (0,) * n, c - n, tuple(t.tolist()), True)
-                           for i, ((c, n), t) in enumerate(zip(shapes, tables))])
+    seqs = _decodes_first(
+        [
+            ScheduledSeq(f"r{i}", (0,) * n, c - n, tuple(t.tolist()), True)
+            for i, ((c, n), t) in enumerate(zip(shapes, tables))
+        ]
+    )
     _, _, meta, _ = ModelRunner(None, None, block_size, torch.device("cpu"))._prepare(seqs)
     _, _, device_meta, _ = ModelRunner(None, None, block_size, DEVICE)._prepare(seqs)
     num_tokens = sum(n for _, n in shapes)
@@ -147,24 +162,24 @@ def test_paged_attention_triton_path_matches_torch_path(dtype):
     k, v = (torch.randn(num_tokens, num_kv_heads, head_dim, generator=gen).to(dtype) for _ in range(2))
     k_cache, v_cache = random_caches(40, block_size, num_kv_heads, head_dim, dtype, gen)
 
-    ref = paged_attention(q.float(), k.float(), v.float(), k_cache.float(), v_cache.float(), meta,
-                          head_dim ** -0.5)
-    assert meta.triton is None                             # the CPU path never builds it
+    ref = paged_attention(q.float(), k.float(), v.float(), k_cache.float(), v_cache.float(), meta, head_dim**-0.5)
+    assert meta.triton is None  # the CPU path never builds it
     q, k, v, k_cache, v_cache = on_device(q, k, v, k_cache, v_cache)
     write_kv(k_cache, v_cache, k, v, device_meta.slot_mapping)
-    out = _paged_attention_triton(q, k_cache, v_cache, device_meta, head_dim ** -0.5)
+    out = _paged_attention_triton(q, k_cache, v_cache, device_meta, head_dim**-0.5)
 
     tm = device_meta.triton
     assert tm.cu_q_lens.tolist() == [0, 15, 34] and tm.max_q_len == 19
     assert tm.decode_context_lens.tolist() == [37, 5, 64]
-    assert tm.prefill_block_tables[1, :3].tolist() == tables[4].tolist()   # from the slot mapping
+    assert tm.prefill_block_tables[1, :3].tolist() == tables[4].tolist()  # from the slot mapping
     check(f"paged-{dtype}", out, ref, dtype)
 
 
 def test_empty_batches_write_nothing():
     k_cache, v_cache = on_device(*random_caches(4, 8, 2, 16, torch.float32, torch.Generator().manual_seed(0)))
-    q, table, lens = on_device(torch.empty(0, 4, 16), torch.zeros(0, 1, dtype=torch.long),
-                               torch.zeros(0, dtype=torch.int32))
+    q, table, lens = on_device(
+        torch.empty(0, 4, 16), torch.zeros(0, 1, dtype=torch.long), torch.zeros(0, dtype=torch.int32)
+    )
     assert paged_decode_attention(q, k_cache, v_cache, table, lens, 0.25).shape == (0, 4, 16)
     cu_q_lens = torch.zeros(1, dtype=torch.int32, device=DEVICE)
     assert paged_prefill_attention(q, k_cache, v_cache, cu_q_lens, lens, table, 0.25).shape == (0, 4, 16)
@@ -172,7 +187,7 @@ def test_empty_batches_write_nothing():
 
 def test_triton_dispatch_only_on_cuda():
     assert triton_available("cpu") is False
-    assert triton_available(torch.device("cuda", 0)) is True   # triton imports in this module
+    assert triton_available(torch.device("cuda", 0)) is True  # triton imports in this module
 
 
 def dense_windowed_reference(q, k_cache, v_cache, seqs, block_size, scale, window):
@@ -185,7 +200,7 @@ def dense_windowed_reference(q, k_cache, v_cache, seqs, block_size, scale, windo
             lo = max(0, pos - window + 1)
             mask = torch.zeros(1, pos + 1, dtype=torch.bool)
             mask[:, lo:] = True
-            out.append(prefill_attention(q[row:row + 1].float(), keys[:pos + 1], values[:pos + 1], scale, mask))
+            out.append(prefill_attention(q[row : row + 1].float(), keys[: pos + 1], values[: pos + 1], scale, mask))
             row += 1
     return torch.cat(out)
 
@@ -200,18 +215,23 @@ def test_sliding_window_triton_and_torch_paths_match_a_dense_reference(dtype):
     gen = make_generator("window", dtype)
     shapes = [(37, 1), (5, 1), (64, 1), (35, 15), (30, 30)]
     tables = random_block_tables([-(-c // block_size) for c, _ in shapes], 40, gen)
-    seqs = _decodes_first([ScheduledSeq(f"r{i}", (0,) * n, c - n, tuple(t.tolist()), True)
-                           for i, ((c, n), t) in enumerate(zip(shapes, tables))])
+    seqs = _decodes_first(
+        [
+            ScheduledSeq(f"r{i}", (0,) * n, c - n, tuple(t.tolist()), True)
+            for i, ((c, n), t) in enumerate(zip(shapes, tables))
+        ]
+    )
     _, _, meta, _ = ModelRunner(None, None, block_size, torch.device("cpu"))._prepare(seqs)
     _, _, device_meta, _ = ModelRunner(None, None, block_size, DEVICE)._prepare(seqs)
     num_tokens = sum(n for _, n in shapes)
     q = torch.randn(num_tokens, num_heads, head_dim, generator=gen).to(dtype)
     k, v = (torch.randn(num_tokens, num_kv_heads, head_dim, generator=gen).to(dtype) for _ in range(2))
     k_cache, v_cache = random_caches(40, block_size, num_kv_heads, head_dim, dtype, gen)
-    scale = head_dim ** -0.5
+    scale = head_dim**-0.5
 
-    torch_out = paged_attention(q.float(), k.float(), v.float(), k_cache.float(), v_cache.float(), meta, scale,
-                                window=window)
+    torch_out = paged_attention(
+        q.float(), k.float(), v.float(), k_cache.float(), v_cache.float(), meta, scale, window=window
+    )
     write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
     ref = dense_windowed_reference(q, k_cache, v_cache, seqs, block_size, scale, window)
     check(f"window-torch-{dtype}", torch_out.to(dtype), ref, dtype)

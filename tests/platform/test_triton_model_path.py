@@ -23,12 +23,16 @@ from splitserve.platform.engine.llm_engine import LLMEngine  # noqa: E402
 from splitserve.platform.kernels.triton_ops import TritonOps  # noqa: E402
 from splitserve.platform.sampling.params import SamplingParams  # noqa: E402
 
-pytestmark = pytest.mark.skipif(torch.cuda.is_available(),
-                                reason="a CPU test of the CUDA path's logic; on a GPU the device script runs it for real")
+pytestmark = pytest.mark.skipif(
+    torch.cuda.is_available(), reason="a CPU test of the CUDA path's logic; on a GPU the device script runs it for real"
+)
 
-CONFIG = EngineConfig(model="random:tiny", device=DeviceConfig(quantization="none"),
-                      cache=CacheConfig(kv_cache_memory_bytes=8 * 1024**2),
-                      scheduler=SchedulerConfig(max_num_seqs=4, max_model_len=256))
+CONFIG = EngineConfig(
+    model="random:tiny",
+    device=DeviceConfig(quantization="none"),
+    cache=CacheConfig(kv_cache_memory_bytes=8 * 1024**2),
+    scheduler=SchedulerConfig(max_num_seqs=4, max_model_len=256),
+)
 PROMPTS = [[5 + i for i in range(n)] for n in (3, 17, 40)]
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 
@@ -46,7 +50,7 @@ def test_triton_ops_and_graph_buffers_give_the_torch_paths_tokens():
     model.use_fused_ops(TritonOps())
     engine = LLMEngine(CONFIG, model=model)
     graphs = engine.runner.enable_decode_graphs(4, engine.max_model_len, capture=False)
-    graphs.num_splits = {n: 3 for n in graphs.sizes}        # the split kernel and its reduce
+    graphs.num_splits = {n: 3 for n in graphs.sizes}  # the split kernel and its reduce
     buckets = []
     run = graphs.run
     graphs.run = lambda seqs: buckets.append(len(seqs)) or run(seqs)

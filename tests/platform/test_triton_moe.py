@@ -27,8 +27,11 @@ from splitserve.platform.kernels import triton_moe  # noqa: E402
 from splitserve.platform.models import moe  # noqa: E402
 from splitserve.platform.sampling.params import SamplingParams  # noqa: E402
 
-DTYPES = [pytest.param(torch.float32, id="fp32"), pytest.param(torch.float16, id="fp16"),
-          pytest.param(torch.bfloat16, id="bf16")]
+DTYPES = [
+    pytest.param(torch.float32, id="fp32"),
+    pytest.param(torch.float16, id="fp16"),
+    pytest.param(torch.bfloat16, id="bf16"),
+]
 # fp32 agrees to accumulation order; fp16/bf16 also differ by the torch loop's index_add, which
 # rounds after each of a token's k additions where the kernel's pair sum rounds once, and on a GPU
 # by an intermediate rounded the other way (two ulps of headroom)
@@ -46,10 +49,23 @@ def _gen(*case) -> torch.Generator:
 
 
 def _block(num_experts: int, top_k: int, dtype, gen) -> moe.SparseMoeBlock:
-    config = ModelConfig(model_id="t", architecture="qwen3_moe", vocab_size=16, hidden_size=HIDDEN, num_layers=1,
-                         num_heads=2, num_kv_heads=1, head_dim=40, intermediate_size=64, num_experts=num_experts,
-                         num_experts_per_tok=top_k, moe_intermediate_size=INTER, norm_topk_prob=True,
-                         rms_norm_eps=1e-6, max_position_embeddings=64)
+    config = ModelConfig(
+        model_id="t",
+        architecture="qwen3_moe",
+        vocab_size=16,
+        hidden_size=HIDDEN,
+        num_layers=1,
+        num_heads=2,
+        num_kv_heads=1,
+        head_dim=40,
+        intermediate_size=64,
+        num_experts=num_experts,
+        num_experts_per_tok=top_k,
+        moe_intermediate_size=INTER,
+        norm_topk_prob=True,
+        rms_norm_eps=1e-6,
+        max_position_embeddings=64,
+    )
     block = moe.SparseMoeBlock(config)
     for p in block.parameters():
         p.data = (0.2 * torch.randn(p.shape, generator=gen)).to(dtype)
@@ -84,7 +100,7 @@ def test_grouped_experts_match_the_torch_loop(dtype, num_experts, top_k, num_tok
     ref = block.experts_torch(x, weights, experts, grouped=False)
 
     dev = [t.to(DEVICE) for t in (x, weights, experts, block.gate_up.data, block.down.data)]
-    out = triton_moe.moe_experts(*dev, block_n=16, block_k=32)    # 3 column tiles of I, 3 K steps of hidden
+    out = triton_moe.moe_experts(*dev, block_n=16, block_k=32)  # 3 column tiles of I, 3 K steps of hidden
     err = _rel_err(out, ref)
     assert out.dtype == dtype and out.shape == ref.shape
     assert err <= TOLERANCE[dtype], f"relative error {err:.2e} > {TOLERANCE[dtype]}"
@@ -92,10 +108,10 @@ def test_grouped_experts_match_the_torch_loop(dtype, num_experts, top_k, num_tok
 
 
 def test_expert_offsets_are_row_and_tile_starts():
-    flat = torch.tensor([2, 0, 2, 3, 2])                  # counts 1, 0, 3, 1, 0 over five experts
+    flat = torch.tensor([2, 0, 2, 3, 2])  # counts 1, 0, 3, 1, 0 over five experts
     rows, tiles = triton_moe.expert_offsets(flat.to(DEVICE), 5, block_m=2)
     assert rows.tolist() == [0, 1, 1, 4, 5, 5]
-    assert tiles.tolist() == [0, 1, 1, 3, 4, 4]           # expert 2's three rows take two tiles of 2
+    assert tiles.tolist() == [0, 1, 1, 3, 4, 4]  # expert 2's three rows take two tiles of 2
 
 
 def test_a_wrong_expert_offset_shows():
@@ -117,7 +133,7 @@ def test_a_wrong_expert_offset_shows():
 
     assert _rel_err(run(row_offsets), ref) <= TOLERANCE[torch.float32]
     shifted = row_offsets.clone()
-    shifted[3] += 1                       # expert 3's first row computed with expert 2's weights
+    shifted[3] += 1  # expert 3's first row computed with expert 2's weights
     assert _rel_err(run(shifted), ref) > 1e-2
 
 
@@ -135,13 +151,17 @@ GREEDY = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
 
 def _greedy_both_paths(monkeypatch, device: str, dtype: str) -> tuple[list, list]:
     """Greedy tokens of one random tiny Qwen3-MoE engine, torch loop then Triton experts."""
-    engine = LLMEngine(EngineConfig(model="random:tiny-qwen3-moe", cache=CacheConfig(num_blocks=160),
-                                    device=DeviceConfig(device=device, dtype=dtype, quantization="none",
-                                                        enforce_eager=True)))
+    engine = LLMEngine(
+        EngineConfig(
+            model="random:tiny-qwen3-moe",
+            cache=CacheConfig(num_blocks=160),
+            device=DeviceConfig(device=device, dtype=dtype, quantization="none", enforce_eager=True),
+        )
+    )
     gen = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for name, p in engine.model.named_parameters():
-            if "gate_up" in name or name.endswith(".down"):       # wider experts: tokens depend on them
+            if "gate_up" in name or name.endswith(".down"):  # wider experts: tokens depend on them
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
     calls = []
     monkeypatch.setattr(moe, "triton_available", lambda device: calls.append(device) or False)
@@ -152,8 +172,9 @@ def _greedy_both_paths(monkeypatch, device: str, dtype: str) -> tuple[list, list
     return expected, got
 
 
-@pytest.mark.skipif(torch.cuda.is_available(),
-                    reason="the CPU run of the CUDA path's logic; on a GPU the test below runs it compiled")
+@pytest.mark.skipif(
+    torch.cuda.is_available(), reason="the CPU run of the CUDA path's logic; on a GPU the test below runs it compiled"
+)
 def test_model_with_triton_experts_gives_the_torch_loops_tokens(monkeypatch):
     expected, got = _greedy_both_paths(monkeypatch, "cpu", "float32")
     assert got == expected

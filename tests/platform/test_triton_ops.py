@@ -59,29 +59,42 @@ def test_add_rms_norm_matches_residual_add_then_rmsnorm(dtype, hidden):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("num_heads,num_kv_heads", [pytest.param(4, 2, id="gqa4x2"), pytest.param(3, 3, id="mha3")])
 def test_rope_write_kv_matches_apply_rotary_and_write_kv(dtype, num_heads, num_kv_heads):
-    head_dim, block_size, num_blocks = 24, 4, 6          # half = 12: padded to 16 in the kernel
+    head_dim, block_size, num_blocks = 24, 4, 6  # half = 12: padded to 16 in the kernel
     gen = _gen("rope", dtype, num_heads)
     rotary = RotaryEmbedding(head_dim, 128, 10000.0, RopeScaling("llama3", 8.0, 1.0, 4.0, 64))
     positions = torch.tensor([0, 7, 33, 127, 5])
-    slots = torch.tensor([3, 9, 22, -1, 17])              # row 3 is graph padding
+    slots = torch.tensor([3, 9, 22, -1, 17])  # row 3 is graph padding
     width = (num_heads + 2 * num_kv_heads) * head_dim
     qkv = torch.randn(5, width, generator=gen).to(dtype)
 
     heads = qkv.view(5, -1, head_dim)
     cos, sin = rotary.cos_sin(positions, torch.float32)
-    rotated = apply_rotary(heads[:, :num_heads + num_kv_heads].float(), cos, sin)
+    rotated = apply_rotary(heads[:, : num_heads + num_kv_heads].float(), cos, sin)
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
     k_ref, v_ref = torch.full(shape, float("nan"), dtype=dtype), torch.full(shape, float("nan"), dtype=dtype)
     keep = slots >= 0
-    write_kv(k_ref, v_ref, rotated[keep, num_heads:].to(dtype), heads[keep, num_heads + num_kv_heads:], slots[keep])
+    write_kv(k_ref, v_ref, rotated[keep, num_heads:].to(dtype), heads[keep, num_heads + num_kv_heads :], slots[keep])
 
     qkv_dev = qkv.to(DEVICE)
-    k_cache, v_cache = torch.full_like(k_ref, float("nan"), device=DEVICE), torch.full_like(v_ref, float("nan"), device=DEVICE)
-    triton_ops.rope_write_kv(qkv_dev, positions.to(DEVICE), rotary.cos_cache.to(DEVICE), rotary.sin_cache.to(DEVICE),
-                             k_cache, v_cache, slots.to(DEVICE), num_heads, num_kv_heads, head_dim)
+    k_cache, v_cache = (
+        torch.full_like(k_ref, float("nan"), device=DEVICE),
+        torch.full_like(v_ref, float("nan"), device=DEVICE),
+    )
+    triton_ops.rope_write_kv(
+        qkv_dev,
+        positions.to(DEVICE),
+        rotary.cos_cache.to(DEVICE),
+        rotary.sin_cache.to(DEVICE),
+        k_cache,
+        v_cache,
+        slots.to(DEVICE),
+        num_heads,
+        num_kv_heads,
+        head_dim,
+    )
     out = qkv_dev.view(5, -1, head_dim).cpu()
-    _close(out[:, :num_heads + num_kv_heads], rotated, dtype)
-    assert torch.equal(out[:, num_heads + num_kv_heads:], heads[:, num_heads + num_kv_heads:]), "v is not touched"
+    _close(out[:, : num_heads + num_kv_heads], rotated, dtype)
+    assert torch.equal(out[:, num_heads + num_kv_heads :], heads[:, num_heads + num_kv_heads :]), "v is not touched"
     written = torch.zeros(num_blocks * block_size, dtype=torch.bool)
     written[slots[keep]] = True
     k_flat, v_flat = k_cache.cpu().view(-1, num_kv_heads, head_dim), v_cache.cpu().view(-1, num_kv_heads, head_dim)
@@ -96,4 +109,4 @@ def test_silu_mul_matches_torch(dtype):
     gate_up = (3 * torch.randn(3, 2 * 40, generator=gen)).to(dtype)
     gate, up = gate_up.float().split(40, dim=-1)
     ref = torch.nn.functional.silu(gate) * up
-    _close(triton_ops.silu_mul(gate_up.to(DEVICE), block=16), ref, dtype)   # 40 = 16 + 16 + 8: a ragged tile
+    _close(triton_ops.silu_mul(gate_up.to(DEVICE), block=16), ref, dtype)  # 40 = 16 + 16 + 8: a ragged tile

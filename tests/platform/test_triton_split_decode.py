@@ -47,19 +47,29 @@ def test_split_decode_matches_reference(dtype, num_heads, num_kv_heads, num_spli
     table = torch.zeros(len(per_seq), width, dtype=torch.long)
     at = 0
     for row, n in enumerate(per_seq):
-        table[row, :n] = perm[at:at + n]
+        table[row, :n] = perm[at : at + n]
         at += n
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
     k_cache, v_cache = (torch.randn(shape, generator=gen).to(dtype) for _ in range(2))
     q = torch.randn(len(per_seq), num_heads, head_dim, generator=gen).to(dtype)
 
     out = torch.full_like(q, float("nan"), device=DEVICE)
-    split_decode_attention(q.to(DEVICE), k_cache.to(DEVICE), v_cache.to(DEVICE), table.to(DEVICE),
-                           context_lens.to(torch.int32).to(DEVICE), head_dim ** -0.5, num_splits, out=out, block_n=16)
+    split_decode_attention(
+        q.to(DEVICE),
+        k_cache.to(DEVICE),
+        v_cache.to(DEVICE),
+        table.to(DEVICE),
+        context_lens.to(torch.int32).to(DEVICE),
+        head_dim**-0.5,
+        num_splits,
+        out=out,
+        block_n=16,
+    )
 
     mask = torch.arange(width * block_size)[None, :] < context_lens[:, None]
-    ref = decode_attention(q.float(), gather_kv(k_cache.float(), table), gather_kv(v_cache.float(), table),
-                           head_dim ** -0.5, mask)
+    ref = decode_attention(
+        q.float(), gather_kv(k_cache.float(), table), gather_kv(v_cache.float(), table), head_dim**-0.5, mask
+    )
     assert not out.isnan().any(), "an output element was never written"
     err = _rel_error(out, ref)
     assert err <= TOLERANCE[dtype], f"relative error {err:.2e} > {TOLERANCE[dtype]}"
@@ -72,21 +82,29 @@ def test_a_row_without_context_comes_out_zero():
     k_cache, v_cache = (torch.randn(4, 8, 2, 16, generator=gen) for _ in range(2))
     q = torch.randn(2, 4, 16, generator=gen)
     table = torch.tensor([[0, 1], [2, 3]])
-    out = split_decode_attention(*(t.to(DEVICE) for t in (q, k_cache, v_cache, table)),
-                                 torch.tensor([0, 9], dtype=torch.int64, device=DEVICE), 0.25, 4, block_n=16)
+    out = split_decode_attention(
+        *(t.to(DEVICE) for t in (q, k_cache, v_cache, table)),
+        torch.tensor([0, 9], dtype=torch.int64, device=DEVICE),
+        0.25,
+        4,
+        block_n=16,
+    )
     assert out[0].abs().max().item() == 0.0 and not out.isnan().any()
 
 
-@pytest.mark.parametrize("batch,kv_heads,sms,max_context,expected", [
-    (1, 8, 132, 1024, 4),       # 8 programs: 33 splits wanted, capped by 1024 // 256 = 4
-    (1, 8, 132, 8192, MAX_SPLITS),
-    (4, 8, 132, 8192, 9),       # ceil(264 / 32) = 9
-    (16, 8, 132, 8192, 3),      # 128 programs: ceil(264 / 128) = 3
-    (17, 8, 132, 8192, 1),      # 136 programs fill 132 SMs
-    (64, 8, 132, 8192, 1),
-    (1, 8, 132, 256, 1),        # too short to split
-    (2, 32, 132, 4096, 5),      # MHA-like: 64 programs
-])
+@pytest.mark.parametrize(
+    "batch,kv_heads,sms,max_context,expected",
+    [
+        (1, 8, 132, 1024, 4),  # 8 programs: 33 splits wanted, capped by 1024 // 256 = 4
+        (1, 8, 132, 8192, MAX_SPLITS),
+        (4, 8, 132, 8192, 9),  # ceil(264 / 32) = 9
+        (16, 8, 132, 8192, 3),  # 128 programs: ceil(264 / 128) = 3
+        (17, 8, 132, 8192, 1),  # 136 programs fill 132 SMs
+        (64, 8, 132, 8192, 1),
+        (1, 8, 132, 256, 1),  # too short to split
+        (2, 32, 132, 4096, 5),  # MHA-like: 64 programs
+    ],
+)
 def test_split_count_rule(batch, kv_heads, sms, max_context, expected):
     assert choose_num_splits(batch, kv_heads, sms, max_context) == expected
 

@@ -22,8 +22,16 @@ K_QUANTS = (Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K)  # gguf can only read these
 # Byte offsets of the float16 scale fields (d, dmin) inside one 256-element K-quant block.
 K_SCALE_OFFSETS = {Q.Q2_K: (80, 82), Q.Q3_K: (108,), Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,)}
 # Worst-case |dequantized - original| for normal(0, 1) data, per type (loose: catches garbage).
-QUANT_TOLERANCE = {Q.F32: 0.0, Q.F16: 1e-2, Q.BF16: 5e-2, Q.Q8_0: 0.05, Q.Q5_0: 0.3, Q.Q5_1: 0.3,
-                   Q.Q4_0: 0.6, Q.Q4_1: 0.6}
+QUANT_TOLERANCE = {
+    Q.F32: 0.0,
+    Q.F16: 1e-2,
+    Q.BF16: 5e-2,
+    Q.Q8_0: 0.05,
+    Q.Q5_0: 0.3,
+    Q.Q5_1: 0.3,
+    Q.Q4_0: 0.6,
+    Q.Q4_1: 0.6,
+}
 
 # A one-layer llama whose every row is one K-quant block long (256 elements).
 TINY = dict(hidden=256, intermediate=256, vocab=64, heads=4, kv_heads=2, head_dim=64)
@@ -31,20 +39,33 @@ TINY = dict(hidden=256, intermediate=256, vocab=64, heads=4, kv_heads=2, head_di
 
 # -- helpers: write GGUF files the way llama.cpp's converter does --------------------------------
 
+
 def llama_cpp_permute(weight: np.ndarray, num_heads: int) -> np.ndarray:
     """convert_hf_to_gguf.py LlamaModel.permute: HF half-split RoPE rows -> interleaved rows."""
-    return (weight.reshape(num_heads, 2, weight.shape[0] // num_heads // 2, *weight.shape[1:])
-            .swapaxes(1, 2).reshape(weight.shape))
+    return (
+        weight.reshape(num_heads, 2, weight.shape[0] // num_heads // 2, *weight.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(weight.shape)
+    )
 
 
 def hf_tiny_weights(arch: str, tied: bool, rng: np.random.Generator) -> dict[str, np.ndarray]:
     """GGUF name -> float32 values in HF layout ([out, in]) for the TINY shape."""
     h, i, v = TINY["hidden"], TINY["intermediate"], TINY["vocab"]
     q, kv = TINY["heads"] * TINY["head_dim"], TINY["kv_heads"] * TINY["head_dim"]
-    shapes = {"token_embd.weight": (v, h), "output_norm.weight": (h,), "blk.0.attn_norm.weight": (h,),
-              "blk.0.attn_q.weight": (q, h), "blk.0.attn_k.weight": (kv, h), "blk.0.attn_v.weight": (kv, h),
-              "blk.0.attn_output.weight": (h, q), "blk.0.ffn_norm.weight": (h,),
-              "blk.0.ffn_gate.weight": (i, h), "blk.0.ffn_up.weight": (i, h), "blk.0.ffn_down.weight": (h, i)}
+    shapes = {
+        "token_embd.weight": (v, h),
+        "output_norm.weight": (h,),
+        "blk.0.attn_norm.weight": (h,),
+        "blk.0.attn_q.weight": (q, h),
+        "blk.0.attn_k.weight": (kv, h),
+        "blk.0.attn_v.weight": (kv, h),
+        "blk.0.attn_output.weight": (h, q),
+        "blk.0.ffn_norm.weight": (h,),
+        "blk.0.ffn_gate.weight": (i, h),
+        "blk.0.ffn_up.weight": (i, h),
+        "blk.0.ffn_down.weight": (h, i),
+    }
     if not tied:
         shapes["output.weight"] = (v, h)
     if arch == "qwen2":
@@ -58,7 +79,7 @@ def random_k_quant_bytes(qtype: Q, shape: tuple[int, int], rng: np.random.Genera
     blocks = rng.integers(0, 256, size=(shape[0] * shape[1] // block_size, type_size), dtype=np.uint8)
     for offset in K_SCALE_OFFSETS[qtype]:
         scales = rng.uniform(0.001, 0.01, size=blocks.shape[0]).astype(np.float16)
-        blocks[:, offset:offset + 2] = scales.view(np.uint8).reshape(-1, 2)
+        blocks[:, offset : offset + 2] = scales.view(np.uint8).reshape(-1, 2)
     return blocks.reshape(shape[0], -1)
 
 
@@ -103,11 +124,20 @@ def load_all(path: str) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
 
 
 def gguf_to_hf_name(name: str) -> str:
-    table = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
-             "output.weight": "lm_head.weight", "attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj",
-             "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
-             "ffn_norm": "post_attention_layernorm", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
-             "ffn_down": "mlp.down_proj"}
+    table = {
+        "token_embd.weight": "model.embed_tokens.weight",
+        "output_norm.weight": "model.norm.weight",
+        "output.weight": "lm_head.weight",
+        "attn_norm": "input_layernorm",
+        "attn_q": "self_attn.q_proj",
+        "attn_k": "self_attn.k_proj",
+        "attn_v": "self_attn.v_proj",
+        "attn_output": "self_attn.o_proj",
+        "ffn_norm": "post_attention_layernorm",
+        "ffn_gate": "mlp.gate_proj",
+        "ffn_up": "mlp.up_proj",
+        "ffn_down": "mlp.down_proj",
+    }
     if name in table:
         return table[name]
     _, layer, part, kind = name.split(".")
@@ -124,13 +154,28 @@ def unpermute_reference(stored: np.ndarray, num_heads: int) -> np.ndarray:
 
 # -- the real SmolLM2 file ------------------------------------------------------------------------
 
+
 def test_smollm2_config(smollm2_gguf_path):
     config = load_model_config(resolve_model("smollm2-135m"))
     assert config == ModelConfig(
-        model_id="smollm2-135m", architecture="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536,
-        num_layers=30, num_heads=9, num_kv_heads=3, head_dim=64, rms_norm_eps=1e-5, rope_theta=100000.0,
-        rope_scaling=None, max_position_embeddings=8192, tie_word_embeddings=True, attention_bias=False,
-        bos_token_id=1, eos_token_ids=(2,))
+        model_id="smollm2-135m",
+        architecture="llama",
+        vocab_size=49152,
+        hidden_size=576,
+        intermediate_size=1536,
+        num_layers=30,
+        num_heads=9,
+        num_kv_heads=3,
+        head_dim=64,
+        rms_norm_eps=1e-5,
+        rope_theta=100000.0,
+        rope_scaling=None,
+        max_position_embeddings=8192,
+        tie_word_embeddings=True,
+        attention_bias=False,
+        bos_token_id=1,
+        eos_token_ids=(2,),
+    )
 
 
 @pytest.fixture(scope="module")
@@ -155,12 +200,18 @@ def test_smollm2_weights_equal_transformers(smollm2_transformers_state):
 
 # -- hand-written GGUF files ----------------------------------------------------------------------
 
+
 def test_bf16_is_the_rounded_fp32(tmp_path):
     rng = np.random.default_rng(7)
     values = hf_tiny_weights("llama", tied=True, rng=rng)
-    write_gguf(tmp_path / "m.gguf", "llama",
-               {name: (stored_tensor(name, v, Q.Q4_K, "llama", rng), Q.Q4_K if v.ndim == 2 else Q.F32)
-                for name, v in values.items()})
+    write_gguf(
+        tmp_path / "m.gguf",
+        "llama",
+        {
+            name: (stored_tensor(name, v, Q.Q4_K, "llama", rng), Q.Q4_K if v.ndim == 2 else Q.F32)
+            for name, v in values.items()
+        },
+    )
     source = ModelSource(model_id="m", kind="gguf", path=str(tmp_path / "m.gguf"))
     config = load_model_config(source)
     fp32 = dict(iter_weights(source, config, torch.float32))
@@ -192,8 +243,11 @@ def test_every_supported_type_dequantizes(tmp_path, qtype):
 def test_llama_qk_rows_are_unpermuted_exactly(tmp_path):
     rng = np.random.default_rng(1)
     values = hf_tiny_weights("llama", tied=True, rng=rng)
-    write_gguf(tmp_path / "m.gguf", "llama",
-               {name: (stored_tensor(name, v, Q.F32, "llama", rng), Q.F32) for name, v in values.items()})
+    write_gguf(
+        tmp_path / "m.gguf",
+        "llama",
+        {name: (stored_tensor(name, v, Q.F32, "llama", rng), Q.F32) for name, v in values.items()},
+    )
     config, loaded = load_all(tmp_path / "m.gguf")
     assert config.tie_word_embeddings and "lm_head.weight" not in loaded
     for name, value in values.items():
@@ -228,7 +282,9 @@ def test_unsupported_tensor_type_names_tensor_and_type(tmp_path):
 @pytest.mark.parametrize("arch", ["gpt2", "mamba"])
 def test_unsupported_architecture_is_named(tmp_path, arch):
     write_gguf(tmp_path / "m.gguf", arch, {"token_embd.weight": (np.zeros((64, 256), np.float32), Q.F32)})
-    with pytest.raises(UnsupportedModelError, match=rf"architecture '{arch}' is not supported; supported: llama, qwen2"):
+    with pytest.raises(
+        UnsupportedModelError, match=rf"architecture '{arch}' is not supported; supported: llama, qwen2"
+    ):
         load_model_config(ModelSource(model_id="m", kind="gguf", path=str(tmp_path / "m.gguf")))
 
 
@@ -242,8 +298,9 @@ def test_missing_tensor_is_reported(tmp_path):
 
 def test_llama3_rope_freqs_tensor_becomes_rope_scaling(tmp_path):
     values = hf_tiny_weights("llama", tied=True, rng=np.random.default_rng(5))
-    scaling = RopeScaling(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
-                          original_max_position_embeddings=8192)
+    scaling = RopeScaling(
+        rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192
+    )
     divisors = llama3_divisors(scaling, 500000.0, TINY["head_dim"]).astype(np.float32)
     assert ((divisors > 1) & (divisors < 8)).sum() >= 2  # the smoothed band is present
     tensors = {name: (v, Q.F32) for name, v in values.items()} | {"rope_freqs.weight": (divisors, Q.F32)}
@@ -255,9 +312,14 @@ def test_llama3_rope_freqs_tensor_becomes_rope_scaling(tmp_path):
 
 def test_linear_and_unsupported_rope_scaling_keys(tmp_path):
     from gguf import GGUFValueType as V
+
     values = {name: (v, Q.F32) for name, v in hf_tiny_weights("llama", True, np.random.default_rng(6)).items()}
-    write_gguf(tmp_path / "linear.gguf", "llama", values,
-               {"llama.rope.scaling.type": ("linear", V.STRING), "llama.rope.scaling.factor": (4.0, V.FLOAT32)})
+    write_gguf(
+        tmp_path / "linear.gguf",
+        "llama",
+        values,
+        {"llama.rope.scaling.type": ("linear", V.STRING), "llama.rope.scaling.factor": (4.0, V.FLOAT32)},
+    )
     config, _ = load_all(tmp_path / "linear.gguf")
     assert config.rope_scaling == RopeScaling(rope_type="linear", factor=4.0)
     write_gguf(tmp_path / "yarn.gguf", "llama", values, {"llama.rope.scaling.type": ("yarn", V.STRING)})
@@ -267,15 +329,28 @@ def test_linear_and_unsupported_rope_scaling_keys(tmp_path):
 
 # -- Hugging Face folders -------------------------------------------------------------------------
 
+
 def save_hf_model(folder, model_type: str, max_shard_size: str = "5GB", **overrides):
     transformers = pytest.importorskip("transformers")
-    kwargs = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                  bos_token_id=1, eos_token_id=2) | overrides
+    kwargs = (
+        dict(
+            vocab_size=96,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=512,
+            bos_token_id=1,
+            eos_token_id=2,
+        )
+        | overrides
+    )
     config_class, model_class = {
         "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
         "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
-        "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM)}[model_type]
+        "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
+    }[model_type]
     torch.manual_seed(0)
     model = model_class(config_class(**kwargs)).eval()
     with torch.no_grad():  # norms start at 1 and biases at 0: make them distinguishable
@@ -300,15 +375,35 @@ def assert_same_tensors(loaded: dict[str, torch.Tensor], state: dict[str, torch.
 
 
 def test_hf_llama_folder_with_llama3_rope(tmp_path):
-    rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0, "original_max_position_embeddings": 256}
+    rope = {
+        "rope_type": "llama3",
+        "rope_theta": 500000.0,
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 256,
+    }
     state = save_hf_model(tmp_path, "llama", rope_parameters=rope, head_dim=16, tie_word_embeddings=False)
     config, loaded = load_folder(tmp_path)
     assert config == ModelConfig(
-        model_id=str(tmp_path), architecture="llama", vocab_size=96, hidden_size=32, intermediate_size=64,
-        num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, rms_norm_eps=1e-6, rope_theta=500000.0,
-        rope_scaling=RopeScaling("llama3", 8.0, 1.0, 4.0, 256), max_position_embeddings=512,
-        tie_word_embeddings=False, attention_bias=False, bos_token_id=1, eos_token_ids=(2,))
+        model_id=str(tmp_path),
+        architecture="llama",
+        vocab_size=96,
+        hidden_size=32,
+        intermediate_size=64,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        rms_norm_eps=1e-6,
+        rope_theta=500000.0,
+        rope_scaling=RopeScaling("llama3", 8.0, 1.0, 4.0, 256),
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+        attention_bias=False,
+        bos_token_id=1,
+        eos_token_ids=(2,),
+    )
     assert_same_tensors(loaded, state, tied=False)
 
 
@@ -339,14 +434,18 @@ def test_hf_mistral_keeps_its_full_context_with_the_window_per_layer(tmp_path):
 
 def test_hf_partial_rotary_is_a_clear_error(tmp_path):
     (tmp_path / "config.json").write_text(
-        '{"model_type": "phi3", "rope_parameters": {"rope_theta": 10000.0, "partial_rotary_factor": 0.75}}')
+        '{"model_type": "phi3", "rope_parameters": {"rope_theta": 10000.0, "partial_rotary_factor": 0.75}}'
+    )
     with pytest.raises(UnsupportedModelError, match="partial_rotary_factor=0.75 is not supported; supported: 1.0"):
         load_model_config(resolve_model(str(tmp_path)))
 
 
 def test_hf_unknown_model_type(tmp_path):
     (tmp_path / "config.json").write_text('{"model_type": "gpt2"}')
-    with pytest.raises(UnsupportedModelError, match="model_type 'gpt2' is not supported; supported: llama, mistral, qwen2, qwen3, qwen3_moe, phi3"):
+    with pytest.raises(
+        UnsupportedModelError,
+        match="model_type 'gpt2' is not supported; supported: llama, mistral, qwen2, qwen3, qwen3_moe, phi3",
+    ):
         load_model_config(resolve_model(str(tmp_path)))
 
 
@@ -359,14 +458,18 @@ def test_hf_eos_ids_merge_generation_config(tmp_path):
 
 # -- random presets -------------------------------------------------------------------------------
 
+
 def test_random_tiny_shapes_values_and_seed():
     source = resolve_model("random:tiny")
     config = load_model_config(source)
     assert (config.vocab_size, config.hidden_size, config.num_layers, config.head_dim) == (49152, 64, 2, 16)
     first = dict(iter_weights(source, config, torch.float32))
     assert {name: tuple(t.shape) for name, t in first.items()} == expected_weight_shapes(config)
-    assert list(first)[:3] == ["model.embed_tokens.weight", "model.layers.0.input_layernorm.weight",
-                               "model.layers.0.self_attn.q_proj.weight"]
+    assert list(first)[:3] == [
+        "model.embed_tokens.weight",
+        "model.layers.0.input_layernorm.weight",
+        "model.layers.0.self_attn.q_proj.weight",
+    ]
     assert torch.equal(first["model.norm.weight"], torch.ones(64))
     assert abs(first["model.embed_tokens.weight"].std().item() - 0.02) < 0.001
     again = dict(iter_weights(source, config, torch.float32))
@@ -389,11 +492,23 @@ def test_random_tiny_qwen2_bf16():
 def test_random_llama3_8b_config_and_shapes_without_materialising():
     config = load_model_config(resolve_model("random:llama-3-8b"))
     assert config == ModelConfig(
-        model_id="random:llama-3-8b", architecture="llama", vocab_size=128256, hidden_size=4096,
-        intermediate_size=14336, num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128, rms_norm_eps=1e-5,
-        rope_theta=500000.0, rope_scaling=RopeScaling("llama3", 8.0, 1.0, 4.0, 8192),
-        max_position_embeddings=131072, tie_word_embeddings=False, bos_token_id=128000,
-        eos_token_ids=(128001, 128008, 128009))
+        model_id="random:llama-3-8b",
+        architecture="llama",
+        vocab_size=128256,
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_layers=32,
+        num_heads=32,
+        num_kv_heads=8,
+        head_dim=128,
+        rms_norm_eps=1e-5,
+        rope_theta=500000.0,
+        rope_scaling=RopeScaling("llama3", 8.0, 1.0, 4.0, 8192),
+        max_position_embeddings=131072,
+        tie_word_embeddings=False,
+        bos_token_id=128000,
+        eos_token_ids=(128001, 128008, 128009),
+    )
     shapes = expected_weight_shapes(config)
     assert len(shapes) == 1 + 32 * 9 + 2
     assert shapes["model.layers.31.self_attn.k_proj.weight"] == (1024, 4096)

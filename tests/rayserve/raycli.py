@@ -37,11 +37,16 @@ def free_port() -> int:
 
 
 def write_config(temp_dir: str, port: int) -> str:
-    config = {"backend": "ray", "model": MODEL, "kv_transport": "tcp", "worker_host": "127.0.0.1",
-              "ray": {"address": "local", "num_cpus": 2, "include_dashboard": False, "temp_dir": temp_dir},
-              "router": {"gateway": {"host": "127.0.0.1", "port": port}},
-              "prefill": {"min_replicas": 1, "max_replicas": 1, "ray_actor_options": {"num_cpus": 0.5}},
-              "decode": {"min_replicas": 1, "max_replicas": 1, "ray_actor_options": {"num_cpus": 0.5}}}
+    config = {
+        "backend": "ray",
+        "model": MODEL,
+        "kv_transport": "tcp",
+        "worker_host": "127.0.0.1",
+        "ray": {"address": "local", "num_cpus": 2, "include_dashboard": False, "temp_dir": temp_dir},
+        "router": {"gateway": {"host": "127.0.0.1", "port": port}},
+        "prefill": {"min_replicas": 1, "max_replicas": 1, "ray_actor_options": {"num_cpus": 0.5}},
+        "decode": {"min_replicas": 1, "max_replicas": 1, "ray_actor_options": {"num_cpus": 0.5}},
+    }
     path = pathlib.Path(temp_dir) / "serve.yaml"
     path.write_text(yaml.safe_dump(config))
     return str(path)
@@ -49,10 +54,10 @@ def write_config(temp_dir: str, port: int) -> str:
 
 @dataclasses.dataclass
 class ColdStart:
-    listed_at: float | None = None           # seconds from launch until /v1/models listed the model
-    first_status: int | None = None          # the first request's HTTP status
+    listed_at: float | None = None  # seconds from launch until /v1/models listed the model
+    first_status: int | None = None  # the first request's HTTP status
     first_text: str = ""
-    disagreements: list = dataclasses.field(default_factory=list)   # /v1/models listed, then /ready 503
+    disagreements: list = dataclasses.field(default_factory=list)  # /v1/models listed, then /ready 503
     exit_code: int | None = None
     output: str = ""
     insecure_lines: list = dataclasses.field(default_factory=list)  # replicas that logged INSECURE
@@ -65,8 +70,9 @@ def cold_start(temp_dir: str, before_ready=None) -> ColdStart:
     cli = [sys.executable, "-m", "splitserve.platform.cli", "serve", "--backend", "ray", "--config", config]
     out = ColdStart()
     t0 = time.monotonic()
-    proc = subprocess.Popen(cli, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    proc = subprocess.Popen(
+        cli, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"}
+    )
     lines: list[str] = []
     threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True).start()
     try:

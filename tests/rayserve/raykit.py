@@ -13,8 +13,17 @@ import psutil
 from splitserve.rayserve import config as ray_config
 
 ROOT_CONFIG = "deploy/ray/serve.yaml"
-RAY_PROCESS_NAMES = ("raylet", "gcs_server", "plasma_store", "dashboard", "log_monitor", "monitor.py",
-                     "default_worker", "ray::", "runtime_env_agent")
+RAY_PROCESS_NAMES = (
+    "raylet",
+    "gcs_server",
+    "plasma_store",
+    "dashboard",
+    "log_monitor",
+    "monitor.py",
+    "default_worker",
+    "ray::",
+    "runtime_env_agent",
+)
 
 
 def free_port() -> int:
@@ -30,12 +39,16 @@ def local_config(temp_dir: str, port: int, **changes) -> ray_config.RayServeConf
     return dataclasses.replace(
         base,
         ray=dataclasses.replace(base.ray, num_cpus=2, include_dashboard=False, temp_dir=temp_dir),
-        router={"gateway": {"host": "127.0.0.1", "port": port},
-                "placement": {"disaggregation": {"mode": "always"}}},   # every request goes through prefill
+        router={
+            "gateway": {"host": "127.0.0.1", "port": port},
+            "placement": {"disaggregation": {"mode": "always"}},
+        },  # every request goes through prefill
         decode=dataclasses.replace(base.decode, min_replicas=1, max_replicas=2, target_queue_depth=2),
-        autoscaling=ray_config.AutoscalingTiming(look_back_period_s=2.0, upscale_delay_s=0.0,
-                                                 downscale_delay_s=4.0, metrics_interval_s=0.5),
-        **changes)
+        autoscaling=ray_config.AutoscalingTiming(
+            look_back_period_s=2.0, upscale_delay_s=0.0, downscale_delay_s=4.0, metrics_interval_s=0.5
+        ),
+        **changes,
+    )
 
 
 def num_target_replicas(app: str, deployment: str) -> int:
@@ -43,8 +56,11 @@ def num_target_replicas(app: str, deployment: str) -> int:
     from ray import serve
 
     states = serve.status().applications[app].deployments[deployment].replica_states
-    return sum(n for state, n in states.items() if str(state).rsplit(".", 1)[-1] in ("STARTING", "RUNNING",
-                                                                                    "UPDATING", "RECOVERING"))
+    return sum(
+        n
+        for state, n in states.items()
+        if str(state).rsplit(".", 1)[-1] in ("STARTING", "RUNNING", "UPDATING", "RECOVERING")
+    )
 
 
 def wait_for(predicate, timeout_s: float, what: str, interval_s: float = 0.25):
@@ -66,8 +82,9 @@ def ray_processes(since: float, temp_dir: str) -> list[psutil.Process]:
             text = f"{proc.info['name']} {cmdline}"
             if proc.pid == psutil.Process().pid:
                 continue
-            if temp_dir in cmdline or (proc.info["create_time"] >= since - 1
-                                       and any(name in text for name in RAY_PROCESS_NAMES)):
+            if temp_dir in cmdline or (
+                proc.info["create_time"] >= since - 1 and any(name in text for name in RAY_PROCESS_NAMES)
+            ):
                 found.append(proc)
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             continue

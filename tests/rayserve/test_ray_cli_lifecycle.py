@@ -29,9 +29,12 @@ def test_sigterm_during_start_up_exits_0(tmp_path_factory):
 
         import psutil
 
-        def ours_started():   # a process of this run's Ray (its temp dir on the command line), not the CLI's
-            return any(temp_dir in " ".join(p.info["cmdline"] or []) and p.pid != proc.pid
-                       for p in psutil.process_iter(["cmdline"]))
+        def ours_started():  # a process of this run's Ray (its temp dir on the command line), not the CLI's
+            return any(
+                temp_dir in " ".join(p.info["cmdline"] or []) and p.pid != proc.pid
+                for p in psutil.process_iter(["cmdline"])
+            )
+
         wait_for(ours_started, 120, "this run's Ray to start")
         proc.send_signal(signal.SIGTERM)
 

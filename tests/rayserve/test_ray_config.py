@@ -21,29 +21,38 @@ from splitserve.rayserve.registry import WorkerRegistry
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
-@pytest.mark.parametrize("data, message", [
-    ({"backend": "kubernetes"}, "backend='kubernetes' is not supported by `splitserve serve`; allowed: ray"),
-    ({"bogus": 1}, "unknown key(s) ['bogus'] in the config; allowed: backend, name"),
-    ({"decode": {"min_replicas": 3, "max_replicas": 2}},
-     "decode.max_replicas=2 is below decode.min_replicas=3; allowed: max_replicas >= min_replicas"),
-    ({"prefill": {"min_replicas": 0}}, "prefill.min_replicas=0"),
-    ({"decode": {"target_queue_depth": 0}}, "decode.target_queue_depth=0 must be > 0"),
-    ({"decode": {"replicas": 2}}, "unknown key(s) ['replicas'] in decode; allowed: min_replicas, max_replicas"),
-    ({"decode": {"ray_actor_options": {"num_cpu": 1}}},
-     "unknown key(s) ['num_cpu'] in decode.ray_actor_options; allowed: num_cpus, num_gpus"),
-    ({"kv_transport": "rdma"}, "kv_transport='rdma' is not supported; allowed: ucx, tcp"),
-    ({"engine": {"dtype": "int3"}}, "dtype 'int3' is not supported; allowed:"),
-    ({"router": {"gateway": {"prot": 1}}}, "unknown key(s) ['prot'] in gateway"),
-    ({"autoscaling": {"look_back_period_s": 1, "metrics_interval_s": 2}}, "need 0 < metrics_interval_s"),
-    ({"ray": {"num_cpus": 0}}, "ray.num_cpus=0 must be >= 1"),
-    ({"decode": [1, 2]}, "decode must be a mapping, got list"),
-    ({"ray": {"address": "auto"}}, "security: on a Ray cluster (ray.address 'auto') name tls_cert, tls_key, tls_ca "
-                                   "and kv_secret_file"),
-    ({"security": {"tls_cert": "/c"}}, "security: tls_cert, tls_key and tls_ca go together"),
-    ({"security": {"insecure": "yes"}}, "security.insecure='yes' must be true or false"),
-    ({"security": {"tls": 1}}, "unknown key(s) ['tls'] in security; allowed: tls_cert"),
-    ({"otlp_traces_sample_ratio": 2.0}, "trace sample ratio 2.0 is invalid; allowed: 0.0 to 1.0"),
-])
+@pytest.mark.parametrize(
+    "data, message",
+    [
+        ({"backend": "kubernetes"}, "backend='kubernetes' is not supported by `splitserve serve`; allowed: ray"),
+        ({"bogus": 1}, "unknown key(s) ['bogus'] in the config; allowed: backend, name"),
+        (
+            {"decode": {"min_replicas": 3, "max_replicas": 2}},
+            "decode.max_replicas=2 is below decode.min_replicas=3; allowed: max_replicas >= min_replicas",
+        ),
+        ({"prefill": {"min_replicas": 0}}, "prefill.min_replicas=0"),
+        ({"decode": {"target_queue_depth": 0}}, "decode.target_queue_depth=0 must be > 0"),
+        ({"decode": {"replicas": 2}}, "unknown key(s) ['replicas'] in decode; allowed: min_replicas, max_replicas"),
+        (
+            {"decode": {"ray_actor_options": {"num_cpu": 1}}},
+            "unknown key(s) ['num_cpu'] in decode.ray_actor_options; allowed: num_cpus, num_gpus",
+        ),
+        ({"kv_transport": "rdma"}, "kv_transport='rdma' is not supported; allowed: ucx, tcp"),
+        ({"engine": {"dtype": "int3"}}, "dtype 'int3' is not supported; allowed:"),
+        ({"router": {"gateway": {"prot": 1}}}, "unknown key(s) ['prot'] in gateway"),
+        ({"autoscaling": {"look_back_period_s": 1, "metrics_interval_s": 2}}, "need 0 < metrics_interval_s"),
+        ({"ray": {"num_cpus": 0}}, "ray.num_cpus=0 must be >= 1"),
+        ({"decode": [1, 2]}, "decode must be a mapping, got list"),
+        (
+            {"ray": {"address": "auto"}},
+            "security: on a Ray cluster (ray.address 'auto') name tls_cert, tls_key, tls_ca and kv_secret_file",
+        ),
+        ({"security": {"tls_cert": "/c"}}, "security: tls_cert, tls_key and tls_ca go together"),
+        ({"security": {"insecure": "yes"}}, "security.insecure='yes' must be true or false"),
+        ({"security": {"tls": 1}}, "unknown key(s) ['tls'] in security; allowed: tls_cert"),
+        ({"otlp_traces_sample_ratio": 2.0}, "trace sample ratio 2.0 is invalid; allowed: 0.0 to 1.0"),
+    ],
+)
 def test_bad_config_says_what_is_wrong_and_what_is_allowed(data, message):
     with pytest.raises(ConfigError) as err:
         ray_config.parse(data)
@@ -86,7 +95,10 @@ def test_render_is_a_valid_serve_config_with_queue_depth_autoscaling():
     assert apps["splitserve"].route_prefix == "/" and apps["splitserve-decode"].route_prefix is None
     [decode] = apps["splitserve-decode"].deployments
     scaling = decode.autoscaling_config
-    assert (scaling["min_replicas"], scaling["max_replicas"]) == (config.decode.min_replicas, config.decode.max_replicas)
+    assert (scaling["min_replicas"], scaling["max_replicas"]) == (
+        config.decode.min_replicas,
+        config.decode.max_replicas,
+    )
     assert scaling["policy"]["policy_function"] == "splitserve.rayserve.autoscale:queue_depth_policy"
     assert scaling["target_ongoing_requests"] == config.decode.target_queue_depth
     assert decode.ray_actor_options.num_cpus == 0.5
@@ -105,7 +117,9 @@ def test_kuberay_rayservice_example_matches_the_cluster_config():
     assert service["apiVersion"] == "ray.io/v1" and service["kind"] == "RayService"
     embedded = yaml.safe_load(service["spec"]["serveConfigV2"])
     cluster = ray_config.load(str(ROOT / "deploy/ray/cluster.yaml"))
-    assert embedded == ray_config.render(cluster), "regenerate: splitserve serve --config deploy/ray/cluster.yaml --print-serve-config"
+    assert embedded == ray_config.render(cluster), (
+        "regenerate: splitserve serve --config deploy/ray/cluster.yaml --print-serve-config"
+    )
     decode = cluster.decode
     assert decode.ray_actor_options.get("num_gpus") == 1 and decode.max_replicas > decode.min_replicas
 
@@ -115,13 +129,16 @@ def context(metrics: dict, target: int = 1, target_ongoing: float = 2.0):
     return types.SimpleNamespace(aggregated_metrics=metrics, target_num_replicas=target, config=config)
 
 
-@pytest.mark.parametrize("per_replica, desired", [
-    ({}, 1),                              # nothing reported yet: the current target stands
-    ({"r1": 0.0}, 0.0),                   # idle: Serve's bounds keep min_replicas
-    ({"r1": 2.0}, 1.0),
-    ({"r1": 7.0}, 3.5),                   # Serve rounds up and caps at max_replicas
-    ({"r1": 3.0, "r2": 5.0}, 4.0),
-])
+@pytest.mark.parametrize(
+    "per_replica, desired",
+    [
+        ({}, 1),  # nothing reported yet: the current target stands
+        ({"r1": 0.0}, 0.0),  # idle: Serve's bounds keep min_replicas
+        ({"r1": 2.0}, 1.0),
+        ({"r1": 7.0}, 3.5),  # Serve rounds up and caps at max_replicas
+        ({"r1": 3.0, "r2": 5.0}, 4.0),
+    ],
+)
 def test_queue_depth_policy(per_replica, desired):
     metrics = {QUEUE_DEPTH: per_replica} if per_replica else {}
     assert queue_depth_policy(context(metrics))[0] == desired
@@ -137,16 +154,21 @@ def test_registry_drops_replicas_that_stop_heartbeating():
     now[0] = 4.0
     assert [w["address"] for w in registry.workers()] == ["a:1"]
     registry.unregister("a:1")
-    registry.register({"address": "a:1", "role": "decode"})   # a heartbeat sent before it stopped
+    registry.register({"address": "a:1", "role": "decode"})  # a heartbeat sent before it stopped
     assert registry.workers() == []
     now[0] = 8.0
-    registry.register({"address": "a:1", "role": "decode"})   # the port reused by a new replica later
+    registry.register({"address": "a:1", "role": "decode"})  # the port reused by a new replica later
     assert [w["address"] for w in registry.workers()] == ["a:1"]
 
 
 def test_ray_discovery_reports_changes_and_survives_a_failed_poll():
-    polls = [[{"address": "a:1"}], RuntimeError("registry restarting"), [{"address": "a:1"}],
-             [{"address": "a:1"}, {"address": "b:1"}], [{"address": "b:1"}]]
+    polls = [
+        [{"address": "a:1"}],
+        RuntimeError("registry restarting"),
+        [{"address": "a:1"}],
+        [{"address": "a:1"}, {"address": "b:1"}],
+        [{"address": "b:1"}],
+    ]
     seen = []
 
     async def fetch():
@@ -180,8 +202,11 @@ def test_security_reaches_the_gateway_and_every_replica():
     config = ray_config.parse({"ray": {"address": "auto"}, "security": files})
     rendered = ray_config.render(config)
     gateway, *pools = rendered["applications"]
-    assert gateway["args"]["router"]["discovery"] == {"tls_cert": "/s/tls.crt", "tls_key": "/s/tls.key",
-                                                      "tls_ca": "/s/ca.crt"}
+    assert gateway["args"]["router"]["discovery"] == {
+        "tls_cert": "/s/tls.crt",
+        "tls_key": "/s/tls.key",
+        "tls_ca": "/s/ca.crt",
+    }
     assert [p["args"]["security"] for p in pools] == [files, files]
     insecure = ray_config.render(ray_config.parse({"ray": {"address": "auto"}, "security": {"insecure": True}}))
     assert "discovery" not in insecure["applications"][0]["args"]["router"]
@@ -193,9 +218,10 @@ def test_security_reaches_the_gateway_and_every_replica():
 
 
 def test_tracing_reaches_the_gateway_and_every_replica(tmp_path):
-    config = ray_config.load(write(tmp_path, {"otlp_traces_sample_ratio": 0.25}),
-                             otlp_traces_endpoint="http://collector:4317")   # `serve --otlp-traces-endpoint`
-    apps = ray_config.render(config)["applications"]   # the gateway ingress and both pools
+    config = ray_config.load(
+        write(tmp_path, {"otlp_traces_sample_ratio": 0.25}), otlp_traces_endpoint="http://collector:4317"
+    )  # `serve --otlp-traces-endpoint`
+    apps = ray_config.render(config)["applications"]  # the gateway ingress and both pools
     assert [a["args"]["tracing"] for a in apps] == [{"endpoint": "http://collector:4317", "sample_ratio": 0.25}] * 3
     traced = config.tracing("prefill")
     assert (traced.enabled, traced.name, traced.sample_ratio) == (True, "splitserve-prefill", 0.25)
@@ -205,8 +231,12 @@ def test_tracing_reaches_the_gateway_and_every_replica(tmp_path):
 def test_a_local_run_gets_throwaway_credentials_removed_at_stop(tmp_path):
     from splitserve.rayserve.serve import RayServe
 
-    app = RayServe(dataclasses.replace(ray_config.load(str(ROOT / "deploy/ray/serve.yaml")),
-                                       ray=ray_config.RayClusterConfig(temp_dir=str(tmp_path))))
+    app = RayServe(
+        dataclasses.replace(
+            ray_config.load(str(ROOT / "deploy/ray/serve.yaml")),
+            ray=ray_config.RayClusterConfig(temp_dir=str(tmp_path)),
+        )
+    )
     secured = app._with_security(app.config)
     sec = secured.security
     for path in (sec.tls_cert, sec.tls_key, sec.tls_ca, sec.kv_secret_file):

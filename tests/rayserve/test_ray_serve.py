@@ -54,7 +54,8 @@ def test_openai_client_gets_the_same_greedy_answer_as_splitserve_up(served, clie
     out = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=24, temperature=0)
     prompt_ids = load_tokenizer(MODEL).encode_chat(MESSAGES)
     [ref] = make_engine(quantization=WORKER_QUANTIZATION).generate(
-        [prompt_ids], SamplingParams(temperature=0, max_tokens=24))
+        [prompt_ids], SamplingParams(temperature=0, max_tokens=24)
+    )
     assert out.choices[0].message.content == ref.text
     assert out.usage.prompt_tokens == len(prompt_ids)
     assert out.usage.completion_tokens == len(ref.output_token_ids)
@@ -74,9 +75,14 @@ def test_decode_pool_scales_up_on_queue_depth_and_back_down(served, client):
     def load():
         while not stop.is_set():
             try:
-                client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=64, temperature=0,
-                                          extra_body={"ignore_eos": True})
-            except openai.APIError as exc:   # a draining replica's requests are retried by the router
+                client.completions.create(
+                    model=MODEL,
+                    prompt="Once upon a time",
+                    max_tokens=64,
+                    temperature=0,
+                    extra_body={"ignore_eos": True},
+                )
+            except openai.APIError as exc:  # a draining replica's requests are retried by the router
                 errors.append(exc)
 
     threads = [threading.Thread(target=load, daemon=True) for _ in range(8)]
@@ -84,8 +90,11 @@ def test_decode_pool_scales_up_on_queue_depth_and_back_down(served, client):
         t.start()
     try:
         wait_for(lambda: num_target_replicas("splitserve-decode", "decode") > 1, 90, "the decode pool to scale up")
-        wait_for(lambda: sum(w["role"] == "decode" for w in served.workers()) == 2, REPLICA_START_S,
-                 "the new decode replica to register with the router")
+        wait_for(
+            lambda: sum(w["role"] == "decode" for w in served.workers()) == 2,
+            REPLICA_START_S,
+            "the new decode replica to register with the router",
+        )
     finally:
         stop.set()
         for t in threads:
@@ -110,7 +119,9 @@ def judge_killed_stream(outcome: dict) -> None:
     if "error" in outcome:
         body = outcome["error"].body
         assert isinstance(body, dict) and (body.get("type"), body.get("code")) == (
-            "service_unavailable", "no_worker_available"), f"not the router's retryable error event: {body!r}"
+            "service_unavailable",
+            "no_worker_available",
+        ), f"not the router's retryable error event: {body!r}"
         assert body.get("message"), body
     else:
         assert outcome.get("finish_reason") == "length", outcome
@@ -122,17 +133,36 @@ class _ErrorEvent(openai.APIError):
         super().__init__("stream error", request=None, body=body)
 
 
-@pytest.mark.parametrize("outcome,ok", [
-    ({"text": "Once", "finish_reason": "length", "completion_tokens": KILLED_STREAM_TOKENS}, True),
-    ({"text": "Once", "error": _ErrorEvent({"message": "request failed on 3 workers", "type": "service_unavailable",
-                                             "code": "no_worker_available"})}, True),
-    ({"text": "Once", "finish_reason": "length", "completion_tokens": 37}, False),          # cut short, "complete"
-    ({"text": "Once", "error": _ErrorEvent({"message": "decode worker crashed", "type": "server_error",
-                                             "code": None})}, False),                      # not the retryable error
-    ({"text": "Once", "error": _ErrorEvent(None)}, False),                                  # a broken stream
-    ({"text": "", "finish_reason": "length", "completion_tokens": KILLED_STREAM_TOKENS}, False),
-    ({"text": "Once", "status_error": "503"}, False),
-])
+@pytest.mark.parametrize(
+    "outcome,ok",
+    [
+        ({"text": "Once", "finish_reason": "length", "completion_tokens": KILLED_STREAM_TOKENS}, True),
+        (
+            {
+                "text": "Once",
+                "error": _ErrorEvent(
+                    {
+                        "message": "request failed on 3 workers",
+                        "type": "service_unavailable",
+                        "code": "no_worker_available",
+                    }
+                ),
+            },
+            True,
+        ),
+        ({"text": "Once", "finish_reason": "length", "completion_tokens": 37}, False),  # cut short, "complete"
+        (
+            {
+                "text": "Once",
+                "error": _ErrorEvent({"message": "decode worker crashed", "type": "server_error", "code": None}),
+            },
+            False,
+        ),  # not the retryable error
+        ({"text": "Once", "error": _ErrorEvent(None)}, False),  # a broken stream
+        ({"text": "", "finish_reason": "length", "completion_tokens": KILLED_STREAM_TOKENS}, False),
+        ({"text": "Once", "status_error": "503"}, False),
+    ],
+)
 def test_the_killed_stream_judge_rejects_what_a_client_must_not_see(outcome, ok):
     """The judge the Ray test below applies, on outcomes written out (no Ray needed)."""
     if ok:
@@ -148,7 +178,7 @@ def test_killed_decode_replica_is_replaced_and_the_stream_ends(served, client):
     replica, which serves again."""
     import ray
 
-    def one_decode_replica():   # the pool may still be scaling down after the previous test
+    def one_decode_replica():  # the pool may still be scaling down after the previous test
         decode = [w for w in served.workers() if w["role"] == "decode"]
         return decode if len(decode) == 1 else None
 
@@ -158,10 +188,15 @@ def test_killed_decode_replica_is_replaced_and_the_stream_ends(served, client):
 
     def stream():
         try:
-            for chunk in client.completions.create(model=MODEL, prompt="Once upon a time",
-                                                   max_tokens=KILLED_STREAM_TOKENS, temperature=0, stream=True,
-                                                   stream_options={"include_usage": True},
-                                                   extra_body={"ignore_eos": True}):
+            for chunk in client.completions.create(
+                model=MODEL,
+                prompt="Once upon a time",
+                max_tokens=KILLED_STREAM_TOKENS,
+                temperature=0,
+                stream=True,
+                stream_options={"include_usage": True},
+                extra_body={"ignore_eos": True},
+            ):
                 if chunk.usage is not None:
                     outcome["completion_tokens"] = chunk.usage.completion_tokens
                 if chunk.choices:
@@ -169,9 +204,9 @@ def test_killed_decode_replica_is_replaced_and_the_stream_ends(served, client):
                     outcome["finish_reason"] = chunk.choices[0].finish_reason or outcome.get("finish_reason")
                     if len(outcome["text"]) > 20:
                         got_tokens.set()
-        except openai.APIStatusError as exc:   # an HTTP status: only possible before the stream began
+        except openai.APIStatusError as exc:  # an HTTP status: only possible before the stream began
             outcome["status_error"] = exc
-        except openai.APIError as exc:         # an error event inside the stream
+        except openai.APIError as exc:  # an error event inside the stream
             outcome["error"] = exc
         got_tokens.set()
 
@@ -194,6 +229,7 @@ def test_killed_decode_replica_is_replaced_and_the_stream_ends(served, client):
         wait_for(served.is_ready, REPLICA_START_S, "the router to watch the new decode replica (/ready)")
     except AssertionError as exc:
         import urllib.error
+
         try:
             body = urllib.request.urlopen(served.url.removesuffix("/v1") + "/ready", timeout=5).read()
         except urllib.error.HTTPError as err:

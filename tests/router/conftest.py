@@ -42,6 +42,7 @@ def cluster():
             w.start()
         except Exception as exc:  # noqa: BLE001 - reported below
             errors.append(exc)
+
     threads = [threading.Thread(target=start, args=(w,)) for w in workers]
     for t in threads:
         t.start()

@@ -52,6 +52,7 @@ class LoopThread:
     def call(self, fn, *args):
         async def wrapper():
             return fn(*args)
+
         return self.run(wrapper())
 
     def stop(self) -> None:
@@ -91,6 +92,7 @@ class RouterServer:
         async def _stop():
             self.server.should_exit = True
             await asyncio.wait_for(self.task, 30)
+
         self.loop.run(_stop(), 60)
 
 
@@ -100,10 +102,17 @@ def router_config(workers=(), tls=None, stale_after_s: float = 2.0, **sections) 
     down (2 s suits FakeWorkers; in front of worker processes use workerproc.ROUTER_STALE_AFTER_S);
     `sections` replace fields, e.g. gateway=GatewayConfig(...)."""
     config = RouterConfig()
-    secure = {} if tls is None else dict(tls_cert=tls.cert, tls_key=tls.key, tls_ca=tls.ca,
-                                         tls_server_name=tls.server_name)
-    discovery = dataclasses.replace(config.discovery, workers=tuple(workers), backoff_initial_s=0.1,
-                                    backoff_max_s=0.5, stale_after_s=stale_after_s, **secure)
+    secure = (
+        {} if tls is None else dict(tls_cert=tls.cert, tls_key=tls.key, tls_ca=tls.ca, tls_server_name=tls.server_name)
+    )
+    discovery = dataclasses.replace(
+        config.discovery,
+        workers=tuple(workers),
+        backoff_initial_s=0.1,
+        backoff_max_s=0.5,
+        stale_after_s=stale_after_s,
+        **secure,
+    )
     return dataclasses.replace(config, discovery=discovery, **sections)
 
 
@@ -111,8 +120,15 @@ def router_config(workers=(), tls=None, stale_after_s: float = 2.0, **sections) 
 class FakeWorker(pb_grpc.WorkerServicer):
     """A Worker gRPC server in the test's LoopThread (see the module docstring)."""
 
-    def __init__(self, role: str = "decode", tokenizer=None, model_id: str = "smollm2-135m", block_size: int = 16,
-                 token_delay_s: float = 0.0, port: int | None = None):
+    def __init__(
+        self,
+        role: str = "decode",
+        tokenizer=None,
+        model_id: str = "smollm2-135m",
+        block_size: int = 16,
+        token_delay_s: float = 0.0,
+        port: int | None = None,
+    ):
         self.role = role
         self.tokenizer = tokenizer
         self.model_id, self.block_size = model_id, block_size
@@ -123,9 +139,9 @@ class FakeWorker(pb_grpc.WorkerServicer):
         self.requests: list[pb.GenerateRequest] = []
         self.metadata: list[dict] = []
         self.cancelled: list[str] = []
-        self.fail_next: list[grpc.StatusCode] = []     # codes for the next Generate calls, before any token
-        self.crash_after_tokens: int | None = None     # stop the server abruptly after this many tokens
-        self.stall_after_tokens: int | None = None     # go silent (no tokens, no events), as if SIGSTOPped
+        self.fail_next: list[grpc.StatusCode] = []  # codes for the next Generate calls, before any token
+        self.crash_after_tokens: int | None = None  # stop the server abruptly after this many tokens
+        self.stall_after_tokens: int | None = None  # go silent (no tokens, no events), as if SIGSTOPped
         self.is_stalled = False
         self.load = pb.LoadReport()
         self.cached: dict[bytes, None] = {}
@@ -189,20 +205,31 @@ class FakeWorker(pb_grpc.WorkerServicer):
                 await asyncio.sleep(0.05)
             out.append(self.token_at(len(prompt) + i))
             full = self.tokenizer.decode(out) if self.tokenizer else "".join(f" w{t}" for t in out)
-            delta, text = full[len(text):], full
+            delta, text = full[len(text) :], full
             finish = pb.FINISH_REASON_LENGTH if i == max_tokens - 1 else pb.FINISH_REASON_UNSPECIFIED
-            lps = [pb.TokenLogprob(token_id=out[-1], logprob=-0.5, top=[pb.TopLogprob(token_id=out[-1], logprob=-0.5)])] \
-                if request.params.HasField("logprobs") else []
-            first = i == 0   # the prompt's scores and embedding come on the first message, as a worker's do
-            prompt_lps = [pb.TokenLogprob(token_id=t, logprob=-1.0) for t in prompt[1:]] \
-                if first and request.params.HasField("prompt_logprobs") else []
+            lps = (
+                [pb.TokenLogprob(token_id=out[-1], logprob=-0.5, top=[pb.TopLogprob(token_id=out[-1], logprob=-0.5)])]
+                if request.params.HasField("logprobs")
+                else []
+            )
+            first = i == 0  # the prompt's scores and embedding come on the first message, as a worker's do
+            prompt_lps = (
+                [pb.TokenLogprob(token_id=t, logprob=-1.0) for t in prompt[1:]]
+                if first and request.params.HasField("prompt_logprobs")
+                else []
+            )
             embedding = [1.0, 0.0, 0.0] if first and request.params.embed else []
-            yield pb.GenerateResponse(request_id=request.request_id, token_ids=[out[-1]], text=delta, logprobs=lps,
-                                      finish_reason=finish, usage=pb.Usage(prompt_tokens=len(prompt),
-                                                                           completion_tokens=len(out),
-                                                                           cached_tokens=cached),
-                                      prefill_worker=request.prefill_workers[0] if request.prefill_workers else "",
-                                      prompt_logprobs=prompt_lps, embedding=embedding)
+            yield pb.GenerateResponse(
+                request_id=request.request_id,
+                token_ids=[out[-1]],
+                text=delta,
+                logprobs=lps,
+                finish_reason=finish,
+                usage=pb.Usage(prompt_tokens=len(prompt), completion_tokens=len(out), cached_tokens=cached),
+                prefill_worker=request.prefill_workers[0] if request.prefill_workers else "",
+                prompt_logprobs=prompt_lps,
+                embedding=embedding,
+            )
 
     async def Abort(self, request, context):
         return pb.AbortResponse(found=False)
@@ -218,7 +245,9 @@ class FakeWorker(pb_grpc.WorkerServicer):
         if not os.path.isdir(request.lora_path):
             await context.abort(grpc.StatusCode.NOT_FOUND, f"{request.lora_path!r} is not a folder")
         if not request.lora_name or not os.path.isfile(config):
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{request.lora_path}: cannot read adapter_config.json")
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, f"{request.lora_path}: cannot read adapter_config.json"
+            )
         with open(config, "rb") as f:
             digest = hashlib.sha256(f.read()).digest()
         info = pb.LoraAdapterInfo(name=request.lora_name, digest=digest, path=request.lora_path)
@@ -242,13 +271,18 @@ class FakeWorker(pb_grpc.WorkerServicer):
         queue: asyncio.Queue = asyncio.Queue()
         self._queues.add(queue)
         try:
-            yield pb.WorkerEvent(info=pb.WorkerInfo(worker_id=self.worker_id, role=self.role, model_id=self.model_id,
-                                                    layout=pb.KVLayout(model_id=self.model_id,
-                                                                       block_size=self.block_size)))
+            yield pb.WorkerEvent(
+                info=pb.WorkerInfo(
+                    worker_id=self.worker_id,
+                    role=self.role,
+                    model_id=self.model_id,
+                    layout=pb.KVLayout(model_id=self.model_id, block_size=self.block_size),
+                )
+            )
             yield pb.WorkerEvent(kv=pb.KVEvent(cleared=pb.AllCleared()))
             if self.cached:
                 yield pb.WorkerEvent(kv=pb.KVEvent(stored=pb.BlockStored(block_hashes=list(self.cached))))
-            yield pb.WorkerEvent(load=self.load)        # as the real hub: the latest report with the snapshot
+            yield pb.WorkerEvent(load=self.load)  # as the real hub: the latest report with the snapshot
             while True:
                 try:
                     event = await asyncio.wait_for(queue.get(), 0.1)
@@ -276,9 +310,23 @@ class RedisServer:
             raise RuntimeError("redis-server is not installed: apt-get install -y redis-server")
         self.port = free_port()
         self.url = f"redis://127.0.0.1:{self.port}/0"
-        self.proc = subprocess.Popen([binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-                                      "--appendonly", "no", "--daemonize", "no"],
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.proc = subprocess.Popen(
+            [
+                binary,
+                "--port",
+                str(self.port),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+                "--daemonize",
+                "no",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         client = redis.Redis(port=self.port)
         deadline = time.monotonic() + 20
         while True:

@@ -50,14 +50,17 @@ def declare(path, **adapters):
     tmp.replace(path)
 
 
-@pytest.mark.parametrize("text, message", [
-    ("adapters: {sql: /a}", "must be a list"),
-    ("adapters:\n  - {name: sql}", "each adapter is {name, path}"),
-    ("adapters:\n  - {name: 'has space', path: /a}", "without spaces or commas"),
-    ("adapters:\n  - {name: sql, path: /a}\n  - {name: sql, path: /b}", "declared twice"),
-    ("other: 1", "the one key 'adapters'"),
-    ("", "an empty set is 'adapters: \\[\\]'"),   # a half-written file never unloads everything
-])
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("adapters: {sql: /a}", "must be a list"),
+        ("adapters:\n  - {name: sql}", "each adapter is {name, path}"),
+        ("adapters:\n  - {name: 'has space', path: /a}", "without spaces or commas"),
+        ("adapters:\n  - {name: sql, path: /a}\n  - {name: sql, path: /b}", "declared twice"),
+        ("other: 1", "the one key 'adapters'"),
+        ("", "an empty set is 'adapters: \\[\\]'"),  # a half-written file never unloads everything
+    ],
+)
 def test_a_bad_adapters_file_is_a_config_error_naming_the_problem(text, message):
     with pytest.raises(ConfigError, match=message):
         parse_declared(text)
@@ -77,11 +80,21 @@ def test_pool_report_counts_connected_workers_and_their_adapters():
     def state(address, role, names, connected=True):
         load = pb.LoadReport(adapters=[pb.LoraAdapterInfo(name=n) for n in names])
         return WorkerState(address, role=role, is_connected=connected, load=load)
+
     pool = WorkerPool("m", 16)
-    pool.workers = {w.address: w for w in [state("a", "decode", ["sql", "chat"]), state("b", "decode", ["sql"]),
-                                           state("c", "prefill", []), state("d", "decode", ["x"], connected=False)]}
-    assert pool_report(pool) == {"decode": {"workers": 2, "adapters": {"chat": 1, "sql": 2}},
-                                 "prefill": {"workers": 1, "adapters": {}}}
+    pool.workers = {
+        w.address: w
+        for w in [
+            state("a", "decode", ["sql", "chat"]),
+            state("b", "decode", ["sql"]),
+            state("c", "prefill", []),
+            state("d", "decode", ["x"], connected=False),
+        ]
+    }
+    assert pool_report(pool) == {
+        "decode": {"workers": 2, "adapters": {"chat": 1, "sql": 2}},
+        "prefill": {"workers": 1, "adapters": {}},
+    }
 
 
 class Reporter:
@@ -98,10 +111,11 @@ def fleet(loop, tmp_path, tokenizer):
     adapters_file = tmp_path / "adapters.yaml"
     declare(adapters_file, sql=folders["sql"])
     w1 = loop.run(FakeWorker(tokenizer=tokenizer).start())
-    w1._set_adapters([pb.LoraAdapterInfo(name="stale", path=folders["stale"])])   # left from an earlier set
-    w2 = FakeWorker(role="prefill", tokenizer=tokenizer, port=free_port())       # joins later
-    config = dataclasses.replace(router_config([w1.address, w2.address]),
-                                 adapters=AdaptersConfig(file=str(adapters_file), poll_s=0.2))
+    w1._set_adapters([pb.LoraAdapterInfo(name="stale", path=folders["stale"])])  # left from an earlier set
+    w2 = FakeWorker(role="prefill", tokenizer=tokenizer, port=free_port())  # joins later
+    config = dataclasses.replace(
+        router_config([w1.address, w2.address]), adapters=AdaptersConfig(file=str(adapters_file), poll_s=0.2)
+    )
     server = RouterServer(loop, config, tokenizer=tokenizer).start(num_decode=1)
     yield server, w1, w2, folders, adapters_file
     server.stop()
@@ -117,15 +131,15 @@ def test_workers_follow_the_declared_file(loop, fleet):
     models = httpx.get(server.url + "/v1/models", timeout=30).json()
     assert [m["id"] for m in models["data"]][1:] == ["sql"]
 
-    declare(adapters_file, chat=folders["chat"], sql=folders["stale"])   # sql now from another folder
+    declare(adapters_file, chat=folders["chat"], sql=folders["stale"])  # sql now from another folder
     for w in (w1, w2):
         wait_for(lambda w=w: held(w) == {"chat": folders["chat"], "sql": folders["stale"]}, what="the new set")
 
-    adapters_file.with_suffix(".tmp").write_text("adapters: [not, a, mapping")   # a broken file keeps the last set
+    adapters_file.with_suffix(".tmp").write_text("adapters: [not, a, mapping")  # a broken file keeps the last set
     adapters_file.with_suffix(".tmp").replace(adapters_file)
     time.sleep(1.0)
     assert held(w1) == {"chat": folders["chat"], "sql": folders["stale"]}
-    declare(adapters_file)                                           # an empty set unloads everything
+    declare(adapters_file)  # an empty set unloads everything
     for w in (w1, w2):
         wait_for(lambda w=w: held(w) == {}, what="everything unloaded")
 
@@ -133,8 +147,10 @@ def test_workers_follow_the_declared_file(loop, fleet):
 def test_the_api_cannot_change_a_declared_set(fleet):
     server, w1, w2, folders, _ = fleet
     wait_for(lambda: "sql" in held(w1))
-    for path, body in (("/v1/load_lora_adapter", {"lora_name": "chat", "lora_path": folders["chat"]}),
-                       ("/v1/unload_lora_adapter", {"lora_name": "sql"})):
+    for path, body in (
+        ("/v1/load_lora_adapter", {"lora_name": "chat", "lora_path": folders["chat"]}),
+        ("/v1/unload_lora_adapter", {"lora_name": "sql"}),
+    ):
         resp = httpx.post(server.url + path, json=body, timeout=30)
         assert resp.status_code == 409 and "spec.adapters" in resp.json()["error"]["message"], resp.text
     assert held(w1) == {"sql": folders["sql"]}
@@ -147,9 +163,10 @@ def test_a_declared_folder_that_fails_is_retried_later_not_on_every_report(loop,
 
     def failures():
         return [r for r in caplog.records if r.getMessage().startswith("loading adapter bad on")]
+
     wait_for(lambda: failures(), what="the failed load logged")
-    time.sleep(3.0)   # six load reports at 0.5 s; the retry waits FAILED_RETRY_S (30 s)
-    assert len(failures()) == 1 and "is not a folder" in failures()[0].getMessage()   # the worker's NOT_FOUND
+    time.sleep(3.0)  # six load reports at 0.5 s; the retry waits FAILED_RETRY_S (30 s)
+    assert len(failures()) == 1 and "is not a folder" in failures()[0].getMessage()  # the worker's NOT_FOUND
     assert held(w1) == {"sql": folders["sql"]}
 
 
@@ -168,6 +185,9 @@ def test_the_report_is_written_when_it_changes(loop):
         w.load = pb.LoadReport(adapters=[pb.LoraAdapterInfo(name="sql")])
         await asyncio.sleep(0.35)
         task.cancel()
+
     loop.run(run())
-    assert reporter.written == [{"decode": {"workers": 1, "adapters": {}}},
-                                {"decode": {"workers": 1, "adapters": {"sql": 1}}}]
+    assert reporter.written == [
+        {"decode": {"workers": 1, "adapters": {}}},
+        {"decode": {"workers": 1, "adapters": {"sql": 1}}},
+    ]

@@ -30,7 +30,7 @@ async def test_held_request_proceeds_when_a_worker_appears_and_the_gauge_counts_
     waiters = [asyncio.create_task(hold.wait(lambda: bool(workers))) for _ in range(3)]
     await _until(lambda: hold.num_held == 3)
     assert b"splitserve_router_held_requests 3.0" in generate_latest(metrics.registry)
-    workers.append("decode-1")                       # the scaler brought a worker up
+    workers.append("decode-1")  # the scaler brought a worker up
     await asyncio.gather(*waiters)
     assert hold.num_held == 0
     assert b"splitserve_router_held_requests 0.0" in generate_latest(metrics.registry)
@@ -52,7 +52,7 @@ async def test_full_hold_queue_and_timeout_give_503_with_retry_after():
 
 @pytest.mark.asyncio
 async def test_hold_off_or_worker_present_returns_at_once():
-    await ColdStartHold(timeout_s=0.0, max_held=4).wait(lambda: False)   # off: placement answers 503 itself
+    await ColdStartHold(timeout_s=0.0, max_held=4).wait(lambda: False)  # off: placement answers 503 itself
     await ColdStartHold(timeout_s=60.0, max_held=0).wait(lambda: True)
 
 

@@ -75,9 +75,12 @@ def test_lm_eval_local_completions_scores_as_transformers(up, hf_smollm2, tmp_pa
     results = lm_eval.simple_evaluate(
         model="local-completions",
         model_args=f"model={MODEL},base_url={up.url}/completions,tokenizer={tokenizer_dir},"
-                   "tokenizer_backend=huggingface,max_retries=1,timeout=300",
-        tasks=["splitserve_mc"], task_manager=TaskManager(include_path=str(tasks)), log_samples=True,
-        batch_size=4)
+        "tokenizer_backend=huggingface,max_retries=1,timeout=300",
+        tasks=["splitserve_mc"],
+        task_manager=TaskManager(include_path=str(tasks)),
+        log_samples=True,
+        batch_size=4,
+    )
     samples = sorted(results["samples"]["splitserve_mc"], key=lambda s: s["doc_id"])
     assert len(samples) == len(QUESTIONS)
     num_correct = 0
@@ -109,14 +112,14 @@ def test_echo_shapes_with_the_openai_client(client, hf_smollm2):
         assert len(choice.logprobs.top_logprobs[p]) == 2
     assert "".join(choice.logprobs.tokens) == prompt
 
-    generated = client.completions.create(model=MODEL, prompt=ids, echo=True, max_tokens=3, temperature=0,
-                                          logprobs=0)
+    generated = client.completions.create(model=MODEL, prompt=ids, echo=True, max_tokens=3, temperature=0, logprobs=0)
     text = generated.choices[0].text
     assert text.startswith(prompt) and len(text) > len(prompt)
     assert len(generated.choices[0].logprobs.token_logprobs) == len(ids) + generated.usage.completion_tokens
 
-    streamed = client.completions.create(model=MODEL, prompt=prompt, echo=True, max_tokens=3, temperature=0,
-                                         stream=True)
+    streamed = client.completions.create(
+        model=MODEL, prompt=prompt, echo=True, max_tokens=3, temperature=0, stream=True
+    )
     assert "".join(c.choices[0].text for c in streamed) == text
 
     vllm = client.completions.create(model=MODEL, prompt=prompt, max_tokens=1, extra_body={"prompt_logprobs": 1})
@@ -126,13 +129,16 @@ def test_echo_shapes_with_the_openai_client(client, hf_smollm2):
     assert math.isclose(max(e["logprob"] for e in scored[1].values()), float(ref[0].max()), abs_tol=1e-3)
 
 
-@pytest.mark.parametrize("body, param", [
-    ({"echo": True, "n": 2}, "echo"),
-    ({"echo": True, "best_of": 2, "n": 1}, "echo"),
-    ({"max_tokens": 0}, "max_tokens"),
-    ({"prompt_logprobs": 21}, "prompt_logprobs"),
-    ({"prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),
-])
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        ({"echo": True, "n": 2}, "echo"),
+        ({"echo": True, "best_of": 2, "n": 1}, "echo"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"prompt_logprobs": 21}, "prompt_logprobs"),
+        ({"prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),
+    ],
+)
 def test_bad_echo_requests_get_a_clear_400(client, body, param):
     with pytest.raises(openai.BadRequestError) as err:
         client.completions.create(model=MODEL, prompt="Hi", max_tokens=2, extra_body=body)

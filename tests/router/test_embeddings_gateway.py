@@ -14,9 +14,13 @@ from test_router_up import running_up
 pytestmark = pytest.mark.slow
 
 MODEL = "smollm2-135m"
-TEXTS = ["The cat sat on the mat.", "Paris is the capital of France.",
-         "def add(a, b):\n    return a + b", "A much longer sentence about the weather, which today is sunny "
-         "with a light breeze from the west and a few clouds over the hills."]
+TEXTS = [
+    "The cat sat on the mat.",
+    "Paris is the capital of France.",
+    "def add(a, b):\n    return a + b",
+    "A much longer sentence about the weather, which today is sunny "
+    "with a light breeze from the west and a few clouds over the hills.",
+]
 
 
 @pytest.fixture(scope="module")
@@ -64,15 +68,18 @@ def test_embeddings_of_token_ids_and_one_string(client, hf_smollm2):
     assert float(torch.tensor(by_ids) @ torch.tensor(by_text)) >= 0.9999
 
 
-@pytest.mark.parametrize("kwargs, param", [
-    ({"input": ""}, "input"),
-    ({"input": []}, "input"),
-    ({"input": ["fine", ""]}, "input"),
-    ({"input": [[]]}, "input"),
-    ({"input": [10**9]}, "input"),
-    ({"input": "Hi", "dimensions": 8}, "dimensions"),
-    ({"input": "Hi", "encoding_format": "int8"}, "encoding_format"),
-])
+@pytest.mark.parametrize(
+    "kwargs, param",
+    [
+        ({"input": ""}, "input"),
+        ({"input": []}, "input"),
+        ({"input": ["fine", ""]}, "input"),
+        ({"input": [[]]}, "input"),
+        ({"input": [10**9]}, "input"),
+        ({"input": "Hi", "dimensions": 8}, "dimensions"),
+        ({"input": "Hi", "encoding_format": "int8"}, "encoding_format"),
+    ],
+)
 def test_bad_embedding_requests_get_a_clear_400(client, kwargs, param):
     with pytest.raises(openai.BadRequestError) as err:
         client.embeddings.create(model=MODEL, **kwargs)

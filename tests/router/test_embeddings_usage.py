@@ -22,9 +22,15 @@ def stack(loop, tokenizer):
     decode = loop.run(FakeWorker(tokenizer=tokenizer).start())
     prefill = loop.run(FakeWorker("prefill", tokenizer=tokenizer).start())
     placement = PlacementConfig(disaggregation=DisaggregationConfig(mode="always"))
-    server = RouterServer(loop, router_config([decode.address, prefill.address], placement=placement,
-                                              gateway=GatewayConfig(api_keys=(ApiKey(KEY, "team"),))),
-                          tokenizer=tokenizer).start(num_decode=1, num_prefill=1)
+    server = RouterServer(
+        loop,
+        router_config(
+            [decode.address, prefill.address],
+            placement=placement,
+            gateway=GatewayConfig(api_keys=(ApiKey(KEY, "team"),)),
+        ),
+        tokenizer=tokenizer,
+    ).start(num_decode=1, num_prefill=1)
     with httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {KEY}"}, timeout=30) as http:
         yield server, decode, http
     server.stop()
@@ -62,8 +68,9 @@ def test_echo_is_prefilled_by_the_decode_worker_but_plain_requests_use_the_prefi
     decode.requests.clear()
     prompt = "A prompt long enough to be worth a remote prefill " * 4
     plain = http.post("/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 2})
-    echo = http.post("/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 0, "echo": True,
-                                              "logprobs": 1})
+    echo = http.post(
+        "/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 0, "echo": True, "logprobs": 1}
+    )
     assert plain.status_code == echo.status_code == 200
     assert decode.requests[0].prefill_workers and not decode.requests[1].prefill_workers
     assert decode.requests[1].params.prompt_logprobs == 1 and decode.requests[1].params.max_tokens == 1
@@ -77,15 +84,18 @@ def test_streamed_echo_sends_the_prompt_and_its_logprobs_first(stack):
     server, decode, http = stack
     prompt = "Score this prompt"
     chunks = []
-    with http.stream("POST", "/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 2, "echo": True,
-                                                      "logprobs": 1, "stream": True}) as response:
+    with http.stream(
+        "POST",
+        "/v1/completions",
+        json={"model": MODEL, "prompt": prompt, "max_tokens": 2, "echo": True, "logprobs": 1, "stream": True},
+    ) as response:
         for line in response.iter_lines():
             if line.startswith("data: {"):
-                chunks.append(json.loads(line[len("data: "):])["choices"][0])
+                chunks.append(json.loads(line[len("data: ") :])["choices"][0])
     assert chunks[0]["text"].startswith(prompt)
     first = chunks[0]["logprobs"]
     assert first["token_logprobs"][0] is None and first["top_logprobs"][0] is None
-    num_prompt = len(first["tokens"]) - 1   # the prompt's tokens, then the first generated one
+    num_prompt = len(first["tokens"]) - 1  # the prompt's tokens, then the first generated one
     assert first["token_logprobs"][1:num_prompt] == [-1.0] * (num_prompt - 1)
     assert all(not c["text"].startswith(prompt) for c in chunks[1:])
     assert "".join(c["text"] for c in chunks).startswith(prompt) and chunks[-1]["finish_reason"] == "length"

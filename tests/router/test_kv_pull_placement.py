@@ -23,7 +23,7 @@ from splitserve.router.placement.placer import Decision, Placer
 from splitserve.router.placement.pool import WorkerPool
 from splitserve.router.placement.pull_cost import PullCost
 
-BUSY = dict(waiting=60, running=60, kv=0.99, pending=10, queued=20000)   # the holder the placer avoids
+BUSY = dict(waiting=60, running=60, kv=0.99, pending=10, queued=20000)  # the holder the placer avoids
 
 
 def placer(workers, kv_pull=None, mode="never", stored=None):
@@ -34,29 +34,34 @@ def placer(workers, kv_pull=None, mode="never", stored=None):
     index = InMemoryPrefixIndex(clock=lambda: 0.0)
     for address, hashes in (stored or {}).items():
         index.apply_now(address, pb.KVEvent(stored=pb.BlockStored(block_hashes=hashes)))
-    config = PlacementConfig(decode=default_decode_profile(), disaggregation=DisaggregationConfig(mode=mode),
-                             kv_pull=kv_pull)
+    config = PlacementConfig(
+        decode=default_decode_profile(), disaggregation=DisaggregationConfig(mode=mode), kv_pull=kv_pull
+    )
     return Placer(config, pool, index, random.Random(0))
 
 
 def decide(p, ids, lora_name=None):
-    return asyncio.run(p.place(len(ids), HASHER.hash_blocks(ids), lora_name=lora_name,
-                               lora_workers={"h", "w"} if lora_name else None))
+    return asyncio.run(
+        p.place(len(ids), HASHER.hash_blocks(ids), lora_name=lora_name, lora_workers={"h", "w"} if lora_name else None)
+    )
 
 
-IDS = tokens(600, salt=9)                   # 37 full blocks
+IDS = tokens(600, salt=9)  # 37 full blocks
 HELD = {"h": HASHER.hash_blocks(IDS)[:30]}
 
 
-@pytest.mark.parametrize("holder, kv_pull, mode, expected", [
-    (dict(), KVPullConfig(), "never", ("h", 30)),
-    (dict(), KVPullConfig(enabled=False), "never", None),
-    (dict(connected=False), KVPullConfig(), "never", None),                 # an unhealthy holder is not asked
-    (dict(draining=True), KVPullConfig(), "never", None),
-    (dict(), KVPullConfig(min_blocks=31), "never", None),                  # too little to gain
-    (dict(), KVPullConfig(block_transfer_s=1.0), "never", None),           # slower than computing
-    (dict(), KVPullConfig(), "always", ("h", 30)),   # the busy holder is filtered as a prefill worker: pull
-])
+@pytest.mark.parametrize(
+    "holder, kv_pull, mode, expected",
+    [
+        (dict(), KVPullConfig(), "never", ("h", 30)),
+        (dict(), KVPullConfig(enabled=False), "never", None),
+        (dict(connected=False), KVPullConfig(), "never", None),  # an unhealthy holder is not asked
+        (dict(draining=True), KVPullConfig(), "never", None),
+        (dict(), KVPullConfig(min_blocks=31), "never", None),  # too little to gain
+        (dict(), KVPullConfig(block_transfer_s=1.0), "never", None),  # slower than computing
+        (dict(), KVPullConfig(), "always", ("h", 30)),  # the busy holder is filtered as a prefill worker: pull
+    ],
+)
 def test_pull_decision(holder, kv_pull, mode, expected):
     p = placer([worker("h", role="both", **BUSY, **holder), worker("w", role="both")], kv_pull, mode, HELD)
     decision = decide(p, IDS)
@@ -65,15 +70,19 @@ def test_pull_decision(holder, kv_pull, mode, expected):
 
 
 def test_a_remote_prefill_replaces_the_pull():
-    p = placer([worker("h", role="both", **BUSY), worker("w", role="both"), worker("p", role="prefill")],
-               mode="always", stored=HELD)
+    p = placer(
+        [worker("h", role="both", **BUSY), worker("w", role="both"), worker("p", role="prefill")],
+        mode="always",
+        stored=HELD,
+    )
     decision = decide(p, IDS)
     assert decision.prefill and decision.pull is None
 
 
 def test_no_pull_when_the_chosen_worker_holds_as_much():
-    p = placer([worker("h", role="both", **BUSY), worker("w", role="both")],
-               stored={**HELD, "w": HASHER.hash_blocks(IDS)[:30]})
+    p = placer(
+        [worker("h", role="both", **BUSY), worker("w", role="both")], stored={**HELD, "w": HASHER.hash_blocks(IDS)[:30]}
+    )
     assert decide(p, IDS).pull is None
 
 
@@ -96,21 +105,26 @@ def test_the_request_carries_the_pull_only_where_the_worker_prefills_the_base_mo
 def test_cost_model_follows_observed_pulls_and_prefills():
     cost = PullCost(KVPullConfig(block_transfer_s=0.004, prefill_token_s=0.002, min_blocks=2), BS)
     assert cost.is_worth(2) and not cost.is_worth(1)
-    first = pb.GenerateResponse(usage=pb.Usage(cached_tokens=0, pulled_tokens=10 * BS),
-                                timings=pb.Timings(queue_s=0.01, kv_pull_s=5.0, first_token_s=5.5))
-    for _ in range(40):   # pulls of 0.5 s a block; 0.49 s for the 22 tokens computed after them
+    first = pb.GenerateResponse(
+        usage=pb.Usage(cached_tokens=0, pulled_tokens=10 * BS),
+        timings=pb.Timings(queue_s=0.01, kv_pull_s=5.0, first_token_s=5.5),
+    )
+    for _ in range(40):  # pulls of 0.5 s a block; 0.49 s for the 22 tokens computed after them
         cost.observe(10 * BS + 22, first)
     assert cost.block_transfer_s == pytest.approx(0.5, rel=1e-2)
     assert cost.prefill_token_s == pytest.approx(0.49 / 22, rel=1e-2)
-    assert not cost.is_worth(30)    # 0.5 s a block > 16 x 0.022 s: computing is cheaper now
+    assert not cost.is_worth(30)  # 0.5 s a block > 16 x 0.022 s: computing is cheaper now
 
 
-@pytest.mark.parametrize("section, message", [
-    ({"min_blocks": 0}, "placement.kv_pull.min_blocks must be >= 1"),
-    ({"enabled": "yes"}, "placement.kv_pull.enabled must be true or false"),
-    ({"block_transfer_s": 0}, "must be > 0"),
-    ({"max_blocks": 3}, "unknown key(s) ['max_blocks'] in placement.kv_pull; allowed: enabled, min_blocks"),
-])
+@pytest.mark.parametrize(
+    "section, message",
+    [
+        ({"min_blocks": 0}, "placement.kv_pull.min_blocks must be >= 1"),
+        ({"enabled": "yes"}, "placement.kv_pull.enabled must be true or false"),
+        ({"block_transfer_s": 0}, "must be > 0"),
+        ({"max_blocks": 3}, "unknown key(s) ['max_blocks'] in placement.kv_pull; allowed: enabled, min_blocks"),
+    ],
+)
 def test_router_config_validates_kv_pull(section, message):
     with pytest.raises(ConfigError) as err:
         from_dict({"placement": {"kv_pull": section}})

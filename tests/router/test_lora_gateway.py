@@ -28,17 +28,20 @@ PROMPT = "The best way to learn a language is"
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
     root = tmp_path_factory.mktemp("gateway-adapters")
-    return {"sql": write_adapter(root / "sql", alpha=128, modules=("q_proj", "v_proj", "gate_proj"), seed=21),
-            "chat": write_adapter(root / "chat", r=16, alpha=256, modules=("k_proj", "o_proj", "down_proj"), seed=22),
-            "big": write_adapter(root / "big", r=32, seed=23),
-            "lmhead": write_adapter(root / "lmhead", modules=("q_proj", "lm_head"), seed=24),
-            "root": root}
+    return {
+        "sql": write_adapter(root / "sql", alpha=128, modules=("q_proj", "v_proj", "gate_proj"), seed=21),
+        "chat": write_adapter(root / "chat", r=16, alpha=256, modules=("k_proj", "o_proj", "down_proj"), seed=22),
+        "big": write_adapter(root / "big", r=32, seed=23),
+        "lmhead": write_adapter(root / "lmhead", modules=("q_proj", "lm_head"), seed=24),
+        "root": root,
+    }
 
 
 @pytest.fixture(scope="module")
 def up(folders):
-    yield from running_up("--lora-modules", f"sql={folders['sql']}", "--max-loras", "2",
-                          "--worker-arg=--max-lora-rank", "--worker-arg=16")
+    yield from running_up(
+        "--lora-modules", f"sql={folders['sql']}", "--max-loras", "2", "--worker-arg=--max-lora-rank", "--worker-arg=16"
+    )
 
 
 @pytest.fixture(scope="module")
@@ -53,18 +56,21 @@ def reference(make_engine, folders):
         engine.load_lora_adapter(name, folders[name])
 
     def ref(lora, max_tokens=16):
-        rid = engine.add_request(PROMPT, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True),
-                                 lora_name=lora)
+        rid = engine.add_request(
+            PROMPT, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True), lora_name=lora
+        )
         final = {}
         while engine.has_unfinished_requests():
             final.update({o.req_id: o for o in engine.step() if o.finished})
         return final[rid].text
+
     return ref
 
 
 def complete(client, model, max_tokens=16):
-    out = client.completions.create(model=model, prompt=PROMPT, max_tokens=max_tokens, temperature=0,
-                                    extra_body={"ignore_eos": True})
+    out = client.completions.create(
+        model=model, prompt=PROMPT, max_tokens=max_tokens, temperature=0, extra_body={"ignore_eos": True}
+    )
     return out.choices[0].text
 
 
@@ -93,24 +99,28 @@ def test_load_use_and_unload_under_traffic(client, reference, folders):
     assert complete(client, "chat") == reference("chat")
     results, errors, started = [], [], [threading.Event() for _ in range(3)]
 
-    def stream(first_chunk: threading.Event):   # long streams with the adapter, running while it is unloaded
+    def stream(first_chunk: threading.Event):  # long streams with the adapter, running while it is unloaded
         try:
             chunks = []
-            for chunk in client.completions.create(model="chat", prompt=PROMPT, max_tokens=48, temperature=0,
-                                                   stream=True, extra_body={"ignore_eos": True}):
+            for chunk in client.completions.create(
+                model="chat", prompt=PROMPT, max_tokens=48, temperature=0, stream=True, extra_body={"ignore_eos": True}
+            ):
                 chunks.append(chunk)
                 first_chunk.set()
-            results.append(("".join(c.choices[0].text for c in chunks if c.choices), chunks[-1].choices[0].finish_reason))
-        except Exception as exc:   # noqa: BLE001 - reported by the assertion below
+            results.append(
+                ("".join(c.choices[0].text for c in chunks if c.choices), chunks[-1].choices[0].finish_reason)
+            )
+        except Exception as exc:  # noqa: BLE001 - reported by the assertion below
             errors.append(exc)
         finally:
             first_chunk.set()
+
     threads = [threading.Thread(target=stream, args=(e,)) for e in started]
     for t in threads:
         t.start()
-    for e in started:   # every stream is running on the workers before the unload
+    for e in started:  # every stream is running on the workers before the unload
         assert e.wait(300)
-    base_during = complete(client, BASE, max_tokens=4)   # traffic of the base model goes on too
+    base_during = complete(client, BASE, max_tokens=4)  # traffic of the base model goes on too
     assert unload(client, "chat")["status"] == "unloaded"
     for t in threads:
         t.join(300)
@@ -123,15 +133,18 @@ def test_load_use_and_unload_under_traffic(client, reference, folders):
     assert "chat" not in {m.id for m in client.models.list().data}
 
 
-@pytest.mark.parametrize("body, status, reason", [
-    ({"lora_name": "x", "lora_path": "/does/not/exist"}, 404, "is not a folder"),   # as vLLM: not found
-    ({"lora_name": "big", "lora_path": "big"}, 400, "rank 32 is over this server's max_lora_rank 16"),
-    ({"lora_name": "lmhead", "lora_path": "lmhead"}, 400, "lm_head"),
-    ({"lora_name": "cfg", "lora_path": "badcfg"}, 400, "not valid JSON"),
-    ({"lora_name": BASE, "lora_path": "sql"}, 400, "base model"),
-    ({"lora_name": "x"}, 400, "lora_path"),
-    ({"lora_name": "has space", "lora_path": "sql"}, 400, "lora_name"),
-])
+@pytest.mark.parametrize(
+    "body, status, reason",
+    [
+        ({"lora_name": "x", "lora_path": "/does/not/exist"}, 404, "is not a folder"),  # as vLLM: not found
+        ({"lora_name": "big", "lora_path": "big"}, 400, "rank 32 is over this server's max_lora_rank 16"),
+        ({"lora_name": "lmhead", "lora_path": "lmhead"}, 400, "lm_head"),
+        ({"lora_name": "cfg", "lora_path": "badcfg"}, 400, "not valid JSON"),
+        ({"lora_name": BASE, "lora_path": "sql"}, 400, "base model"),
+        ({"lora_name": "x"}, 400, "lora_path"),
+        ({"lora_name": "has space", "lora_path": "sql"}, 400, "lora_name"),
+    ],
+)
 def test_bad_loads_are_4xx_with_the_reason(client, folders, body, status, reason):
     bad = folders["root"] / "badcfg"
     if not bad.exists():

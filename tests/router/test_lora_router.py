@@ -35,27 +35,40 @@ MODEL = "smollm2-135m"
 
 
 def worker(address, running=(), waiting=(), max_loras=2, load=True, resident=()):
-    report = pb.LoadReport(running_lora_adapters=list(running), waiting_lora_adapters=list(waiting),
-                           max_loras=max_loras, resident_lora_adapters=list(resident)) if load else None
+    report = (
+        pb.LoadReport(
+            running_lora_adapters=list(running),
+            waiting_lora_adapters=list(waiting),
+            max_loras=max_loras,
+            resident_lora_adapters=list(resident),
+        )
+        if load
+        else None
+    )
     return WorkerState(address, role="decode", is_connected=True, load=report)
 
 
-@pytest.mark.parametrize("lora, workers, expected", [
-    # GIE semantics: active 1.0, a free slot 0.8, only waiting there 0.6, else 0
-    ("a", [worker("w1", running=["a"]), worker("w2", running=["b"]), worker("w3", running=["b", "c"])],
-     {"w1": 1.0, "w2": 0.8, "w3": 0.0}),
-    ("a", [worker("w1", running=["b", "c"], waiting=["a"]), worker("w2", waiting=["a"])],
-     {"w1": 0.6, "w2": 0.8}),
-    ("a", [worker("w1", running=["a", "b"], waiting=["c"])], {"w1": 1.0}),           # active beats a full worker
-    ("a", [worker("w1", running=["b"], waiting=["c"])], {"w1": 0.0}),                # full: 2 adapters, 2 slots
-    ("a", [worker("w1", max_loras=1)], {"w1": 0.8}),
-    # a free slot where the adapter is still in memory beats one that must read it from disk
-    ("a", [worker("w1", resident=["a", "b"]), worker("w2", resident=["b"])], {"w1": 0.9, "w2": 0.8}),
-    ("a", [worker("w1", running=["b", "c"], resident=["a"])], {"w1": 0.0}),      # resident, but no slot
-    ("a", [worker("w1", running=["a"], resident=["a"])], {"w1": 1.0}),
-    ("a", [worker("w1", load=False)], {"w1": 0.5}),                                  # no report: neutral
-    (None, [worker("w1", running=["b"]), worker("w2")], {"w1": 1.0, "w2": 1.0}),     # base: no preference
-])
+@pytest.mark.parametrize(
+    "lora, workers, expected",
+    [
+        # GIE semantics: active 1.0, a free slot 0.8, only waiting there 0.6, else 0
+        (
+            "a",
+            [worker("w1", running=["a"]), worker("w2", running=["b"]), worker("w3", running=["b", "c"])],
+            {"w1": 1.0, "w2": 0.8, "w3": 0.0},
+        ),
+        ("a", [worker("w1", running=["b", "c"], waiting=["a"]), worker("w2", waiting=["a"])], {"w1": 0.6, "w2": 0.8}),
+        ("a", [worker("w1", running=["a", "b"], waiting=["c"])], {"w1": 1.0}),  # active beats a full worker
+        ("a", [worker("w1", running=["b"], waiting=["c"])], {"w1": 0.0}),  # full: 2 adapters, 2 slots
+        ("a", [worker("w1", max_loras=1)], {"w1": 0.8}),
+        # a free slot where the adapter is still in memory beats one that must read it from disk
+        ("a", [worker("w1", resident=["a", "b"]), worker("w2", resident=["b"])], {"w1": 0.9, "w2": 0.8}),
+        ("a", [worker("w1", running=["b", "c"], resident=["a"])], {"w1": 0.0}),  # resident, but no slot
+        ("a", [worker("w1", running=["a"], resident=["a"])], {"w1": 1.0}),
+        ("a", [worker("w1", load=False)], {"w1": 0.5}),  # no report: neutral
+        (None, [worker("w1", running=["b"]), worker("w2")], {"w1": 1.0, "w2": 1.0}),  # base: no preference
+    ],
+)
 def test_lora_affinity_scores(lora, workers, expected):
     ctx = ScoringContext(num_prompt_tokens=10, num_prompt_blocks=0, lora_name=lora)
     assert LoraAffinity().score(ctx, workers) == expected
@@ -66,10 +79,17 @@ def hint(lora, workers, scorers=None):
     pool = WorkerPool(MODEL, 16, clock=lambda: 0.0)
     for w in workers:
         pool.workers[w.address] = w
-    profile = default_decode_profile() if scorers is None else ProfileConfig(
-        filters=("healthy",), scorers=tuple(ScorerSpec(n, 1.0) for n in scorers))
-    placer = Placer(PlacementConfig(decode=profile, disaggregation=DisaggregationConfig(mode="never")), pool,
-                    InMemoryPrefixIndex(ttl_s=10.0, clock=lambda: 0.0), random.Random(0))
+    profile = (
+        default_decode_profile()
+        if scorers is None
+        else ProfileConfig(filters=("healthy",), scorers=tuple(ScorerSpec(n, 1.0) for n in scorers))
+    )
+    placer = Placer(
+        PlacementConfig(decode=profile, disaggregation=DisaggregationConfig(mode="never")),
+        pool,
+        InMemoryPrefixIndex(ttl_s=10.0, clock=lambda: 0.0),
+        random.Random(0),
+    )
     others = frozenset(w.address for w in workers if w.address != "w1")
     decision = asyncio.run(placer.place(16, [], exclude=others, lora_name=lora))
     assert decision.decode == "w1"
@@ -87,7 +107,9 @@ def test_a_request_tells_its_worker_which_adapters_others_also_hold():
     assert hint("c", pool, scorers=["queue-depth"]) == ()
     assert hint("c", pool, scorers=["lora-affinity"]) == ("a", "b")
     down = WorkerState("w3", role="decode", is_connected=False, load=pb.LoadReport(resident_lora_adapters=["a"]))
-    assert hint("c", [worker("w1", **w1), worker("w2", resident=["b"]), down]) == ("b",)   # a down worker's memory is gone
+    assert hint("c", [worker("w1", **w1), worker("w2", resident=["b"]), down]) == (
+        "b",
+    )  # a down worker's memory is gone
     assert hint("c", [worker("w1", **w1), worker("w2", load=False)]) == ()
 
 
@@ -105,7 +127,7 @@ def fleet(loop, tmp_path, tokenizer):
         folders[name].mkdir()
         (folders[name] / "adapter_config.json").write_text(f'{{"r": 8, "name": "{name}"}}')
     w1 = loop.run(FakeWorker(tokenizer=tokenizer).start())
-    w2 = FakeWorker(tokenizer=tokenizer, port=free_port())   # joins later
+    w2 = FakeWorker(tokenizer=tokenizer, port=free_port())  # joins later
     server = RouterServer(loop, router_config([w1.address, w2.address]), tokenizer=tokenizer).start(num_decode=1)
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
     yield server, client, w1, w2, folders
@@ -127,11 +149,12 @@ def names(worker: FakeWorker) -> set[str]:
 
 def test_loads_reach_every_worker_including_one_that_joins_later(loop, fleet, tokenizer):
     server, client, w1, w2, folders = fleet
-    answer = client.post("/load_lora_adapter", body={"lora_name": "sql", "lora_path": str(folders["sql"])},
-                         cast_to=object)
+    answer = client.post(
+        "/load_lora_adapter", body={"lora_name": "sql", "lora_path": str(folders["sql"])}, cast_to=object
+    )
     assert answer["status"] == "loaded" and names(w1) == {"sql"}
     loop.run(w2.start())
-    wait_for(lambda: names(w2) == {"sql"})        # pushed after its first load report
+    wait_for(lambda: names(w2) == {"sql"})  # pushed after its first load report
     wait_for(lambda: "sql" in {m.id for m in client.models.list().data})
     out = client.completions.create(model="sql", prompt="one two three four five", max_tokens=3)
     sent = [r for w in (w1, w2) for r in w.requests][-1]
@@ -146,7 +169,7 @@ def test_requests_go_only_to_workers_with_the_adapter_and_hash_with_its_identity
     server, client, w1, w2, folders = fleet
     loop.run(w2.start())
     wait_for(lambda: server.router.pool.num_healthy() == 2)
-    digest = b"\x01" * 32   # as if w2 alone had been started with --lora-modules sql=...
+    digest = b"\x01" * 32  # as if w2 alone had been started with --lora-modules sql=...
     w2._set_adapters([pb.LoraAdapterInfo(name="sql", digest=digest, path="/x")])
     wait_for(lambda: "sql" in {m.id for m in client.models.list().data})
     for _ in range(4):
@@ -160,8 +183,9 @@ def test_requests_go_only_to_workers_with_the_adapter_and_hash_with_its_identity
 
 def test_bad_load_is_400_missing_folder_404_and_neither_changes_anything(fleet, tmp_path):
     server, client, w1, w2, folders = fleet
-    resp = httpx.post(server.url + "/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": str(tmp_path)},
-                      timeout=30)
+    resp = httpx.post(
+        server.url + "/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": str(tmp_path)}, timeout=30
+    )
     assert resp.status_code == 400 and "adapter_config.json" in resp.json()["error"]["message"]
     resp = httpx.post(server.url + "/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": "/nope"}, timeout=30)
     error = resp.json()["error"]

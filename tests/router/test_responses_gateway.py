@@ -13,11 +13,23 @@ from test_router_up import running_up
 pytestmark = pytest.mark.slow
 
 MODEL = "smollm2-135m"
-WEATHER = {"type": "function", "name": "get_weather", "description": "The weather in a city",
-           "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"],
-                          "additionalProperties": False}}
-PERSON = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
-          "required": ["name", "age"], "additionalProperties": False}
+WEATHER = {
+    "type": "function",
+    "name": "get_weather",
+    "description": "The weather in a city",
+    "parameters": {
+        "type": "object",
+        "properties": {"city": {"type": "string"}},
+        "required": ["city"],
+        "additionalProperties": False,
+    },
+}
+PERSON = {
+    "type": "object",
+    "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+    "required": ["name", "age"],
+    "additionalProperties": False,
+}
 
 
 @pytest.fixture(scope="module")
@@ -33,18 +45,32 @@ def collect(stream) -> tuple[list[str], list, object]:
 
 
 def test_plain_answer_equals_the_chat_completion_streamed_or_not(client):
-    ask = dict(model=MODEL, input="Name three colors.", instructions="Answer briefly.", max_output_tokens=24,
-               temperature=0, store=False)
+    ask = dict(
+        model=MODEL,
+        input="Name three colors.",
+        instructions="Answer briefly.",
+        max_output_tokens=24,
+        temperature=0,
+        store=False,
+    )
     whole = client.responses.create(**ask)
-    chat = client.chat.completions.create(model=MODEL, max_tokens=24, temperature=0, messages=[
-        {"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "Name three colors."}])
+    chat = client.chat.completions.create(
+        model=MODEL,
+        max_tokens=24,
+        temperature=0,
+        messages=[{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "Name three colors."}],
+    )
     assert whole.output_text == chat.choices[0].message.content and whole.output_text
     assert whole.status == ("incomplete" if chat.choices[0].finish_reason == "length" else "completed")
     assert whole.usage.input_tokens == chat.usage.prompt_tokens
     assert whole.usage.output_tokens == chat.usage.completion_tokens
     types, events, final = collect(client.responses.create(**ask, stream=True))
-    assert types[:4] == ["response.created", "response.in_progress", "response.output_item.added",
-                         "response.content_part.added"]
+    assert types[:4] == [
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        "response.content_part.added",
+    ]
     assert types[-4:-1] == ["response.output_text.done", "response.content_part.done", "response.output_item.done"]
     assert types[-1] in ("response.completed", "response.incomplete")
     assert [e.sequence_number for e in events] == list(range(len(events)))
@@ -53,8 +79,15 @@ def test_plain_answer_equals_the_chat_completion_streamed_or_not(client):
 
 
 def test_function_tool_call_and_its_output_sent_back(client):
-    ask = dict(model=MODEL, input="What is the weather in Paris?", tools=[WEATHER], tool_choice="required",
-               parallel_tool_calls=False, temperature=0, max_output_tokens=60)
+    ask = dict(
+        model=MODEL,
+        input="What is the weather in Paris?",
+        tools=[WEATHER],
+        tool_choice="required",
+        parallel_tool_calls=False,
+        temperature=0,
+        max_output_tokens=60,
+    )
     whole = client.responses.create(**ask)
     calls = [item for item in whole.output if item.type == "function_call"]
     assert calls and calls[0].name == "get_weather" and calls[0].call_id
@@ -66,10 +99,22 @@ def test_function_tool_call_and_its_output_sent_back(client):
     streamed = [item for item in final.output if item.type == "function_call"]
     assert streamed[0].arguments == done.arguments and final.status == "completed"
     # The agent runs the tool and sends the whole conversation back (nothing is stored).
-    follow = client.responses.create(model=MODEL, temperature=0, max_output_tokens=20, tools=[WEATHER], input=[
-        {"role": "user", "content": "What is the weather in Paris?"},
-        {"type": "function_call", "call_id": calls[0].call_id, "name": "get_weather", "arguments": calls[0].arguments},
-        {"type": "function_call_output", "call_id": calls[0].call_id, "output": "sunny, 24 C"}])
+    follow = client.responses.create(
+        model=MODEL,
+        temperature=0,
+        max_output_tokens=20,
+        tools=[WEATHER],
+        input=[
+            {"role": "user", "content": "What is the weather in Paris?"},
+            {
+                "type": "function_call",
+                "call_id": calls[0].call_id,
+                "name": "get_weather",
+                "arguments": calls[0].arguments,
+            },
+            {"type": "function_call_output", "call_id": calls[0].call_id, "output": "sunny, 24 C"},
+        ],
+    )
     assert follow.status in ("completed", "incomplete") and follow.output
 
 
@@ -82,17 +127,20 @@ def test_json_schema_output_streamed_and_not(client):
     assert final.output_text == whole.output_text
 
 
-@pytest.mark.parametrize("extra, param", [
-    ({"previous_response_id": "resp_123"}, "previous_response_id"),
-    ({"store": True}, "store"),
-    ({"background": True}, "background"),
-    ({"reasoning": {"effort": "high"}}, "reasoning"),
-    ({"tools": [{"type": "web_search"}]}, "tools"),
-    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x"}]}]}, "input"),
-    ({"input": []}, "input"),
-    ({"text": {"format": {"type": "yaml"}}}, "text"),
-    ({"frobnicate": 1}, "frobnicate"),
-])
+@pytest.mark.parametrize(
+    "extra, param",
+    [
+        ({"previous_response_id": "resp_123"}, "previous_response_id"),
+        ({"store": True}, "store"),
+        ({"background": True}, "background"),
+        ({"reasoning": {"effort": "high"}}, "reasoning"),
+        ({"tools": [{"type": "web_search"}]}, "tools"),
+        ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x"}]}]}, "input"),
+        ({"input": []}, "input"),
+        ({"text": {"format": {"type": "yaml"}}}, "text"),
+        ({"frobnicate": 1}, "frobnicate"),
+    ],
+)
 def test_what_is_not_served_gets_a_clear_400(client, extra, param):
     with pytest.raises(openai.BadRequestError) as err:
         client.responses.create(model=MODEL, input="Hi", max_output_tokens=4, extra_body=extra)

@@ -41,8 +41,9 @@ def test_token_ids_come_with_the_text_and_only_when_asked(gateway, tokenizer, pa
 
 def test_streamed_token_ids_add_up_to_the_whole_answers(gateway):
     body = {"model": MODEL, "max_tokens": 6, "temperature": 0, "messages": [{"role": "user", "content": "Hello there"}]}
-    whole = httpx.post(gateway.url + "/v1/chat/completions", json={**body, "return_token_ids": True},
-                       timeout=60).json()["choices"][0]["token_ids"]
+    whole = httpx.post(
+        gateway.url + "/v1/chat/completions", json={**body, "return_token_ids": True}, timeout=60
+    ).json()["choices"][0]["token_ids"]
     events = stream_events(gateway, {**body, "stream": True, "return_token_ids": True})
     assert [t for e in events for c in e["choices"] for t in c["token_ids"]] == whole
     assert all("token_ids" not in c for e in stream_events(gateway, {**body, "stream": True}) for c in e["choices"])

@@ -10,10 +10,19 @@ from splitserve.router.tenancy.access import Authenticator, MemoryBuckets, RateL
 from splitserve.router.tenancy.admission import Slots
 
 
-@pytest.mark.parametrize("header,ok", [
-    ("Bearer sk-one", True), ("bearer sk-two", True), ("Bearer  sk-one ", True),
-    (None, False), ("", False), ("Bearer sk-wrong", False), ("Basic sk-one", False), ("sk-one", False),
-])
+@pytest.mark.parametrize(
+    "header,ok",
+    [
+        ("Bearer sk-one", True),
+        ("bearer sk-two", True),
+        ("Bearer  sk-one ", True),
+        (None, False),
+        ("", False),
+        ("Bearer sk-wrong", False),
+        ("Basic sk-one", False),
+        ("sk-one", False),
+    ],
+)
 def test_api_keys(header, ok):
     auth = Authenticator((ApiKey("sk-one", "one"), ApiKey("sk-two")))
     if ok:
@@ -38,13 +47,14 @@ def test_memory_bucket_refills_at_the_rate():
     buckets = MemoryBuckets(clock=lambda: now[0])
 
     async def steps():
-        assert [await buckets.take("k", 2.0, 3) for _ in range(3)] == [0.0, 0.0, 0.0]   # the burst
-        assert await buckets.take("k", 2.0, 3) == pytest.approx(0.5)                  # 1 token / 2 per s
+        assert [await buckets.take("k", 2.0, 3) for _ in range(3)] == [0.0, 0.0, 0.0]  # the burst
+        assert await buckets.take("k", 2.0, 3) == pytest.approx(0.5)  # 1 token / 2 per s
         now[0] += 0.5
         assert await buckets.take("k", 2.0, 3) == 0.0
-        assert await buckets.take("other", 2.0, 3) == 0.0                              # per identity
+        assert await buckets.take("other", 2.0, 3) == 0.0  # per identity
         now[0] += 100
-        assert [await buckets.take("k", 2.0, 3) for _ in range(4)][-1] > 0             # capped at burst
+        assert [await buckets.take("k", 2.0, 3) for _ in range(4)][-1] > 0  # capped at burst
+
     asyncio.run(steps())
 
 
@@ -60,6 +70,7 @@ def test_redis_bucket_is_shared(redis_server):
         assert await two.take("k", 1.0, 2) == 0.0
         await one.close()
         await two.close()
+
     asyncio.run(steps())
 
 
@@ -74,6 +85,7 @@ def test_rate_limiter_uses_per_key_overrides():
         assert exc.value.status == 429 and exc.value.headers() == {"Retry-After": "2"}
         for _ in range(50):
             await limiter.check(ApiKey("sk-fast", "fast"))
+
     asyncio.run(steps())
 
 
@@ -91,4 +103,5 @@ def test_admission_queue_bounds():
         await waiter
         assert admission.num_running == 1 and admission.num_queued == 0
         admission.release()
+
     asyncio.run(steps())

@@ -36,11 +36,12 @@ def test_a_refused_slot_gives_back_the_quota_and_the_key_count():
             await pipe.admit(KEY, "m", 200)
         assert exc.value.code == "queue_full"
         assert rejected.labels(reason="queue_full")._value.get() == 1
-        assert await _window_tokens(quota) == 300            # the refused request's 200 were released
+        assert await _window_tokens(quota) == 300  # the refused request's 200 were released
         assert pipe.gates[0].concurrency.in_flight == {"team-a": 1}
         await pipe.release(first, None)
         assert pipe.gates[0].concurrency.in_flight == {} and pipe.num_running == 0
         assert await _window_tokens(quota) == 0
+
     asyncio.run(steps())
 
 
@@ -58,6 +59,7 @@ def test_a_client_that_leaves_while_queued_holds_nothing():
         assert await _window_tokens(quota) == 100
         await pipe.release(first, None)
         assert pipe.gates[0].concurrency.in_flight == {} and pipe.slots.num_queued == 0
+
     asyncio.run(steps())
 
 
@@ -71,10 +73,12 @@ def test_release_is_once_and_in_reverse_order():
             async def traced(ticket, outcome, gate=gate, leave=leave):
                 order.append(gate.reason)
                 await leave(ticket, outcome)
+
             gate.leave = traced
         ticket = await pipe.admit(KEY, "m", 10)
         await pipe.release(ticket, None)
         await pipe.release(ticket, None)
         assert order == ["queue_full", "token_limit", "key_concurrency"]
         assert pipe.num_running == 0
+
     asyncio.run(steps())

@@ -24,10 +24,17 @@ def gateway(loop, tokenizer):
 
 def gauges(gateway) -> dict[str, float]:
     text = httpx.get(gateway.url + "/metrics", timeout=10).text
-    wanted = ('splitserve_router_admission_requests{state="running"}', 'splitserve_router_admission_requests{state="queued"}',
-              "splitserve_router_inflight_worker_calls")
-    return {name: float(line.rsplit(" ", 1)[1]) for line in text.splitlines() for name in wanted
-            if line.startswith(name + " ")}
+    wanted = (
+        'splitserve_router_admission_requests{state="running"}',
+        'splitserve_router_admission_requests{state="queued"}',
+        "splitserve_router_inflight_worker_calls",
+    )
+    return {
+        name: float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        for name in wanted
+        if line.startswith(name + " ")
+    }
 
 
 def test_admission_and_open_calls_are_exported_and_drain_to_zero(gateway):
@@ -35,8 +42,9 @@ def test_admission_and_open_calls_are_exported_and_drain_to_zero(gateway):
     assert len(idle) == 3 and set(idle.values()) == {0.0}, idle
     body = {"model": MODEL, "prompt": "Hello", "max_tokens": 15, "temperature": 0}
     answer = {}
-    t = threading.Thread(target=lambda: answer.update(r=httpx.post(gateway.url + "/v1/completions", json=body,
-                                                                   timeout=60)))
+    t = threading.Thread(
+        target=lambda: answer.update(r=httpx.post(gateway.url + "/v1/completions", json=body, timeout=60))
+    )
     t.start()
     deadline = time.monotonic() + 10
     while gauges(gateway)['splitserve_router_admission_requests{state="running"}'] != 1:

@@ -49,10 +49,12 @@ def test_full_file(tmp_path):
     assert config.index.backend == "redis" and config.index.speculative_ttl_s == 3
     decode = config.placement.decode
     assert [(s.name, s.weight, s.params) for s in decode.scorers] == [
-        ("prefix-overlap", 5, {}), ("queue-depth", 1, {"saturation": 16})]
+        ("prefix-overlap", 5, {}),
+        ("queue-depth", 1, {"saturation": 16}),
+    ]
     assert decode.filters == ("healthy", "not-draining", "not-saturated", "balanced")
     assert decode.filter_params == {"not-saturated": {"max_waiting": 8}}
-    assert config.placement.prefill.scorers[0].name == "prefix-overlap"     # default kept
+    assert config.placement.prefill.scorers[0].name == "prefix-overlap"  # default kept
     assert config.placement.disaggregation.mode == "always"
 
 
@@ -60,20 +62,28 @@ def test_defaults():
     config = load_config(None)
     assert config.model == "smollm2-135m" and config.gateway.port == 8000
     assert {s.name: s.weight for s in config.placement.decode.scorers} == {
-        "prefix-overlap": 2.0, "queue-depth": 3.0, "kv-usage": 1.0, "pending-assignments": 1.0, "lora-affinity": 2.0}
+        "prefix-overlap": 2.0,
+        "queue-depth": 3.0,
+        "kv-usage": 1.0,
+        "pending-assignments": 1.0,
+        "lora-affinity": 2.0,
+    }
     assert config.index.backend == "memory"
 
 
-@pytest.mark.parametrize("text,message", [
-    ("gatway: {}", "unknown key(s) ['gatway'] in the router config; allowed: model"),
-    ("gateway: {prot: 1}", "unknown key(s) ['prot'] in gateway; allowed: host, port"),
-    ("index: {backend: etcd}", "index.backend='etcd'; allowed: memory, redis"),
-    ("index: {backend: redis}", "needs index.redis_url"),
-    ("placement: {disaggregation: {mode: sometimes}}", "allowed: conditional, always, never"),
-    ("placement: {decode: {scorers: [{name: prefix-overlap, weight: -1}]}}", "weight=-1 is invalid"),
-    ("discovery: {workers: [nohost]}", "worker address 'nohost' is invalid; allowed: host:port"),
-    ("- a list", "must be a mapping"),
-])
+@pytest.mark.parametrize(
+    "text,message",
+    [
+        ("gatway: {}", "unknown key(s) ['gatway'] in the router config; allowed: model"),
+        ("gateway: {prot: 1}", "unknown key(s) ['prot'] in gateway; allowed: host, port"),
+        ("index: {backend: etcd}", "index.backend='etcd'; allowed: memory, redis"),
+        ("index: {backend: redis}", "needs index.redis_url"),
+        ("placement: {disaggregation: {mode: sometimes}}", "allowed: conditional, always, never"),
+        ("placement: {decode: {scorers: [{name: prefix-overlap, weight: -1}]}}", "weight=-1 is invalid"),
+        ("discovery: {workers: [nohost]}", "worker address 'nohost' is invalid; allowed: host:port"),
+        ("- a list", "must be a mapping"),
+    ],
+)
 def test_errors_name_the_key_and_the_allowed_values(tmp_path, text, message):
     path = tmp_path / "router.yaml"
     path.write_text(text)
@@ -93,13 +103,30 @@ def test_unknown_scorer_fails_at_startup(tmp_path):
         Placer(config.placement, WorkerPool("m", 16), index=None)
 
 
-@pytest.mark.parametrize("params", [
-    SamplingParams(),
-    SamplingParams(temperature=0.75, top_p=0.875, top_k=40, min_p=0.0625, repetition_penalty=1.125, presence_penalty=0.5,
-                   frequency_penalty=-0.5, seed=2**40, max_tokens=300, min_tokens=3, stop=("\n\n", "END"),
-                   stop_token_ids=(2, 7), ignore_eos=True, include_stop_str_in_output=True, logprobs=5,
-                   skip_special_tokens=False),
-])
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(),
+        SamplingParams(
+            temperature=0.75,
+            top_p=0.875,
+            top_k=40,
+            min_p=0.0625,
+            repetition_penalty=1.125,
+            presence_penalty=0.5,
+            frequency_penalty=-0.5,
+            seed=2**40,
+            max_tokens=300,
+            min_tokens=3,
+            stop=("\n\n", "END"),
+            stop_token_ids=(2, 7),
+            ignore_eos=True,
+            include_stop_str_in_output=True,
+            logprobs=5,
+            skip_special_tokens=False,
+        ),
+    ],
+)
 def test_wire_sampling_params_round_trip_through_the_workers_decoder(params):
     """router/core/worker_messages.py writes what workers/wire.py reads back, field for field (floats chosen
     exact in float32, the wire type)."""
@@ -110,13 +137,14 @@ def test_generate_request_carries_the_disaggregation_decision():
     config = load_config(None).placement.disaggregation
     remote = generate_request("r1", [1, 2, 3], SamplingParams(), Decision("d", ("p1", "p2")), config)
     assert list(remote.prefill_workers) == ["p1", "p2"]
-    assert remote.min_prefill_tokens == 256 and remote.disaggregation == 1    # CONDITIONAL
+    assert remote.min_prefill_tokens == 256 and remote.disaggregation == 1  # CONDITIONAL
     local = generate_request("r2", [1, 2, 3], SamplingParams(), Decision("d"), config)
-    assert list(local.prefill_workers) == [] and local.disaggregation == 3   # NEVER
-    resumed = generate_request("r3", [1, 2, 3], SamplingParams(), Decision("d", ("p1",)), config,
-                               resume_output_token_ids=[7, 8])
+    assert list(local.prefill_workers) == [] and local.disaggregation == 3  # NEVER
+    resumed = generate_request(
+        "r3", [1, 2, 3], SamplingParams(), Decision("d", ("p1",)), config, resume_output_token_ids=[7, 8]
+    )
     assert list(resumed.resume_output_token_ids) == [7, 8]
-    assert list(resumed.prefill_workers) == [] and resumed.disaggregation == 3   # a resume prefills locally
+    assert list(resumed.prefill_workers) == [] and resumed.disaggregation == 3  # a resume prefills locally
 
 
 def test_redis_password_from_the_environment_goes_into_the_url(monkeypatch):

@@ -18,10 +18,17 @@ def endpoint_slice(name, addresses, port=50051, port_name="grpc", ready=True, te
         if terminating is not None:
             conditions["terminating"] = terminating
         endpoints.append({"addresses": [address], "conditions": conditions})
-    return {"metadata": {"name": name, "namespace": "llm", "resourceVersion": version,
-                         "labels": {"kubernetes.io/service-name": name.rsplit("-", 1)[0]}},
-            "addressType": "IPv4", "endpoints": endpoints,
-            "ports": [{"name": "metrics", "port": 9090}, {"name": port_name, "port": port}]}
+    return {
+        "metadata": {
+            "name": name,
+            "namespace": "llm",
+            "resourceVersion": version,
+            "labels": {"kubernetes.io/service-name": name.rsplit("-", 1)[0]},
+        },
+        "addressType": "IPv4",
+        "endpoints": endpoints,
+        "ports": [{"name": "metrics", "port": 9090}, {"name": port_name, "port": port}],
+    }
 
 
 class FakeSliceSource:
@@ -45,15 +52,18 @@ class FakeSliceSource:
         yield from script
 
 
-@pytest.mark.parametrize("obj,expected", [
-    (endpoint_slice("m-decode-abc", ["10.0.0.1", "10.0.0.2"]), {"10.0.0.1:50051", "10.0.0.2:50051"}),
-    (endpoint_slice("m-decode-abc", ["10.0.0.1"], ready=False), set()),
-    (endpoint_slice("m-decode-abc", ["10.0.0.1"], ready=None), {"10.0.0.1:50051"}),   # unknown = ready
-    (endpoint_slice("m-decode-abc", ["10.0.0.1"], terminating=True), set()),
-    (endpoint_slice("m-decode-abc", ["10.0.0.1"], port_name="http"), set()),        # no port named grpc
-    (endpoint_slice("m-decode-abc", ["fd00::1"]), {"[fd00::1]:50051"}),
-    ({"metadata": {"name": "x"}, "endpoints": None, "ports": None}, set()),
-])
+@pytest.mark.parametrize(
+    "obj,expected",
+    [
+        (endpoint_slice("m-decode-abc", ["10.0.0.1", "10.0.0.2"]), {"10.0.0.1:50051", "10.0.0.2:50051"}),
+        (endpoint_slice("m-decode-abc", ["10.0.0.1"], ready=False), set()),
+        (endpoint_slice("m-decode-abc", ["10.0.0.1"], ready=None), {"10.0.0.1:50051"}),  # unknown = ready
+        (endpoint_slice("m-decode-abc", ["10.0.0.1"], terminating=True), set()),
+        (endpoint_slice("m-decode-abc", ["10.0.0.1"], port_name="http"), set()),  # no port named grpc
+        (endpoint_slice("m-decode-abc", ["fd00::1"]), {"[fd00::1]:50051"}),
+        ({"metadata": {"name": "x"}, "endpoints": None, "ports": None}, set()),
+    ],
+)
 def test_slice_addresses(obj, expected):
     assert slice_addresses(obj, "grpc") == expected
 
@@ -63,8 +73,9 @@ def test_label_selector_names_every_pool_service():
 
 
 def test_list_then_watch_add_modify_delete_and_relist_on_gone():
-    source = FakeSliceSource([endpoint_slice("m-prefill-1", ["10.0.0.1"]),
-                              endpoint_slice("m-decode-1", ["10.0.1.1"], ready=False)])
+    source = FakeSliceSource(
+        [endpoint_slice("m-prefill-1", ["10.0.0.1"]), endpoint_slice("m-decode-1", ["10.0.1.1"], ready=False)]
+    )
     seen = []
 
     async def main():
@@ -74,14 +85,16 @@ def test_list_then_watch_add_modify_delete_and_relist_on_gone():
             seen.append(addresses)
 
         task = asyncio.create_task(discovery.run(on_change))
-        source.streams.put([
-            ("MODIFIED", endpoint_slice("m-decode-1", ["10.0.1.1"], version="11")),          # became ready
-            ("ADDED", endpoint_slice("m-decode-2", ["10.0.1.2"], version="12")),
-            ("MODIFIED", endpoint_slice("m-decode-2", ["10.0.1.2"], version="13")),         # no change
-            ("DELETED", endpoint_slice("m-prefill-1", ["10.0.0.1"], version="14")),
-        ])                                      # then the server ends the watch: resume from 14
-        source.streams.put(Gone("too old"))     # 410: relist
-        source.streams.put(RuntimeError("connection refused"))   # any error: relist after a backoff
+        source.streams.put(
+            [
+                ("MODIFIED", endpoint_slice("m-decode-1", ["10.0.1.1"], version="11")),  # became ready
+                ("ADDED", endpoint_slice("m-decode-2", ["10.0.1.2"], version="12")),
+                ("MODIFIED", endpoint_slice("m-decode-2", ["10.0.1.2"], version="13")),  # no change
+                ("DELETED", endpoint_slice("m-prefill-1", ["10.0.0.1"], version="14")),
+            ]
+        )  # then the server ends the watch: resume from 14
+        source.streams.put(Gone("too old"))  # 410: relist
+        source.streams.put(RuntimeError("connection refused"))  # any error: relist after a backoff
         while len(source.lists) < 3:
             await asyncio.sleep(0.01)
         task.cancel()
@@ -94,7 +107,7 @@ def test_list_then_watch_add_modify_delete_and_relist_on_gone():
         {"10.0.0.1:50051", "10.0.1.1:50051"},
         {"10.0.0.1:50051", "10.0.1.1:50051", "10.0.1.2:50051"},
         {"10.0.1.1:50051", "10.0.1.2:50051"},
-        {"10.0.0.1:50051"},                      # the relist shows the source's list again
+        {"10.0.0.1:50051"},  # the relist shows the source's list again
     ]
 
 
@@ -103,6 +116,7 @@ def test_static_discovery_reports_once():
 
     async def on_change(addresses):
         seen.append(addresses)
+
     asyncio.run(StaticDiscovery(["a:1", "b:2"]).run(on_change))
     assert seen == [{"a:1", "b:2"}]
 
@@ -124,6 +138,7 @@ def test_router_follows_the_discovered_set(loop, tokenizer):
         assert set(router.pool.workers) == {workers[1].address}
         assert router.pool.num_healthy() == 1
         await router.stop()
+
     loop.run(steps())
     for w in workers:
         loop.run(w.stop())

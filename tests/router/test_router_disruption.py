@@ -21,8 +21,11 @@ def stack(loop, tokenizer):
     workers = [WorkerProc("decode", "tcp") for _ in range(2)]
     for w in workers:
         w.start()
-    server = RouterServer(loop, router_config([w.address for w in workers], tls=security().tls,
-                                        stale_after_s=ROUTER_STALE_AFTER_S), tokenizer=tokenizer).start(num_decode=2)
+    server = RouterServer(
+        loop,
+        router_config([w.address for w in workers], tls=security().tls, stale_after_s=ROUTER_STALE_AFTER_S),
+        tokenizer=tokenizer,
+    ).start(num_decode=2)
     client = httpx.Client(base_url=server.url, timeout=120)
     yield server, workers, client
     client.close()
@@ -35,8 +38,7 @@ def body(**kw):
     return {"model": MODEL, "messages": MESSAGES, "max_tokens": 40, "temperature": 0, "ignore_eos": True, **kw}
 
 
-SEEDED = dict(temperature=0.8, top_p=0.95, seed=5, presence_penalty=0.4, frequency_penalty=0.3,
-              repetition_penalty=1.1)
+SEEDED = dict(temperature=0.8, top_p=0.95, seed=5, presence_penalty=0.4, frequency_penalty=0.3, repetition_penalty=1.1)
 
 
 @pytest.mark.parametrize("sampling", [{}, SEEDED], ids=["greedy", "seeded-with-penalties"])
@@ -51,9 +53,10 @@ def test_decode_worker_killed_mid_stream(stack, sampling):
     home = undisturbed.headers["x-splitserve-decode-worker"]
     victim = next(w for w in workers if w.address == home)
     text, finish, usage = "", None, None
-    with client.stream("POST", "/v1/chat/completions",
-                       json=body(stream=True, stream_options={"include_usage": True}, **sampling)) as r:
-        assert r.headers["x-splitserve-decode-worker"] == home          # the prompt is cached there
+    with client.stream(
+        "POST", "/v1/chat/completions", json=body(stream=True, stream_options={"include_usage": True}, **sampling)
+    ) as r:
+        assert r.headers["x-splitserve-decode-worker"] == home  # the prompt is cached there
         num_deltas = 0
         for line in r.iter_lines():
             if not line.startswith("data: {"):
@@ -65,13 +68,13 @@ def test_decode_worker_killed_mid_stream(stack, sampling):
                 finish = chunk["choices"][0]["finish_reason"] or finish
                 num_deltas += 1
                 if num_deltas == 6:
-                    victim.kill()                                          # SIGKILL mid-stream
+                    victim.kill()  # SIGKILL mid-stream
             else:
                 usage = chunk["usage"]
     assert victim.proc.poll() is not None
     assert text == expected
     assert finish == "length" and usage["completion_tokens"] == 40
-    victim.start()                      # same ports: back for the next case
+    victim.start()  # same ports: back for the next case
     deadline = time.monotonic() + 60
     while server.router.pool.num_healthy() < 2:
         assert time.monotonic() < deadline, "the restarted worker did not rejoin"
@@ -81,13 +84,13 @@ def test_decode_worker_killed_mid_stream(stack, sampling):
 def test_every_worker_killed_gives_503_quickly_then_recovers(stack):
     server, workers, client = stack
     for w in workers:
-        w.kill()                        # a no-op for one the previous test killed
+        w.kill()  # a no-op for one the previous test killed
     t0 = time.monotonic()
     r = client.post("/v1/chat/completions", json=body(max_tokens=4))
     elapsed = time.monotonic() - t0
     assert r.status_code == 503 and elapsed < 2.0 + server.config.gateway.worker_wait_s, (r.status_code, elapsed)
     assert r.json()["error"]["code"] == "no_worker_available" and int(r.headers["retry-after"]) >= 1
-    workers[0].start()                  # same ports: the router's watcher finds it again
+    workers[0].start()  # same ports: the router's watcher finds it again
     deadline = time.monotonic() + 30
     while True:
         r = client.post("/v1/chat/completions", json=body(max_tokens=4))
@@ -102,8 +105,9 @@ def test_constrained_stream_resumed_after_a_kill_is_valid_and_undisturbed(stack)
     """A decode worker SIGKILLed mid-stream under a grammar: the new worker replays the tokens
     already sent into a fresh matcher, so the answer still matches and equals the undisturbed one."""
     import re
+
     server, workers, client = stack
-    for w in workers:                               # the test before leaves one worker down
+    for w in workers:  # the test before leaves one worker down
         if w.proc is None or w.proc.poll() is not None:
             w.start()
     deadline = time.monotonic() + 60
@@ -129,7 +133,7 @@ def test_constrained_stream_resumed_after_a_kill_is_valid_and_undisturbed(stack)
                 victim.kill()
     assert victim.proc.poll() is not None
     assert text == expected
-    assert re.fullmatch(pattern + " ?", text), text   # cut by max_tokens, maybe right after a space
+    assert re.fullmatch(pattern + " ?", text), text  # cut by max_tokens, maybe right after a space
     victim.start()
     deadline = time.monotonic() + 60
     while server.router.pool.num_healthy() < 2:

@@ -22,8 +22,9 @@ def stack(loop, tokenizer):
     workers = [loop.run(FakeWorker(tokenizer=tokenizer).start()) for _ in range(2)]
     prefill = loop.run(FakeWorker("prefill", tokenizer=tokenizer).start())
     gateway = GatewayConfig(api_keys=(ApiKey(KEY, "test"), ApiKey("sk-limited", "limited", rate_per_s=0.1, burst=2)))
-    server = RouterServer(loop, router_config([w.address for w in workers] + [prefill.address], gateway=gateway),
-                          tokenizer=tokenizer).start(num_decode=2, num_prefill=1)
+    server = RouterServer(
+        loop, router_config([w.address for w in workers] + [prefill.address], gateway=gateway), tokenizer=tokenizer
+    ).start(num_decode=2, num_prefill=1)
     client = httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {KEY}"}, timeout=30)
     yield server, workers, client
     client.close()
@@ -45,6 +46,7 @@ def healthy(stack, loop):
     def reset():
         for state in server.router.pool.workers.values():
             state.down_until, state.num_failures = 0.0, 0
+
     loop.call(reset)
     loop.run(server.router.wait_ready(10, num_decode=2))
     return stack
@@ -89,8 +91,9 @@ def test_chat_completion_and_usage(healthy, tokenizer):
 def test_streamed_chat_equals_whole_answer(healthy):
     _, _, client = healthy
     whole = client.post("/v1/chat/completions", json=chat_body(seed=3)).json()
-    with client.stream("POST", "/v1/chat/completions",
-                       json=chat_body(seed=3, stream=True, stream_options={"include_usage": True})) as r:
+    with client.stream(
+        "POST", "/v1/chat/completions", json=chat_body(seed=3, stream=True, stream_options={"include_usage": True})
+    ) as r:
         assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
         events = sse_events(r)
     assert events[-1] == "[DONE]"
@@ -109,10 +112,24 @@ def test_completions_several_prompts_n_and_sampling_fields(healthy, tokenizer):
     server, workers, client = healthy
     for w in workers:
         w.requests.clear()
-    body = {"model": MODEL, "prompt": ["Once upon a time", "The weather today"], "n": 2, "max_tokens": 4, "seed": 11,
-            "stop": ["\n\n", "END"], "temperature": 0.5, "top_p": 0.9, "top_k": 5, "min_p": 0.1, "min_tokens": 2,
-            "presence_penalty": 0.5, "frequency_penalty": 0.25, "repetition_penalty": 1.1, "ignore_eos": True,
-            "logprobs": 1}
+    body = {
+        "model": MODEL,
+        "prompt": ["Once upon a time", "The weather today"],
+        "n": 2,
+        "max_tokens": 4,
+        "seed": 11,
+        "stop": ["\n\n", "END"],
+        "temperature": 0.5,
+        "top_p": 0.9,
+        "top_k": 5,
+        "min_p": 0.1,
+        "min_tokens": 2,
+        "presence_penalty": 0.5,
+        "frequency_penalty": 0.25,
+        "repetition_penalty": 1.1,
+        "ignore_eos": True,
+        "logprobs": 1,
+    }
     r = client.post("/v1/completions", json=body)
     assert r.status_code == 200, r.text
     out = r.json()
@@ -127,7 +144,7 @@ def test_completions_several_prompts_n_and_sampling_fields(healthy, tokenizer):
     assert lp["text_offset"][0] == 0
     sent = sorted((r for w in workers for r in w.requests), key=lambda r: r.request_id)
     assert [r.request_id.rsplit("-", 1)[1] for r in sent] == ["0", "1", "2", "3"]
-    assert [r.params.seed for r in sent] == [11, 12, 11, 12]          # choice i: seed + i
+    assert [r.params.seed for r in sent] == [11, 12, 11, 12]  # choice i: seed + i
     p = sent[0].params
     assert list(p.stop) == ["\n\n", "END"] and p.top_k == 5 and p.min_tokens == 2 and p.ignore_eos
     assert p.max_tokens == 4 and p.logprobs == 1 and p.temperature == pytest.approx(0.5)
@@ -162,14 +179,17 @@ def test_request_id_flows_to_the_worker(healthy):
     r = client.post("/v1/chat/completions", json=chat_body(max_tokens=2), headers={"X-Request-Id": "trace-42"})
     assert r.headers["x-request-id"] == "trace-42" and r.json()["id"] == "trace-42"
     served = worker_by_address(workers, r.headers["x-splitserve-decode-worker"])
-    assert served.requests[-1].request_id.startswith("trace-42-")     # unique per request on the worker
+    assert served.requests[-1].request_id.startswith("trace-42-")  # unique per request on the worker
     assert served.metadata[-1]["x-request-id"] == "trace-42"
     generated = client.post("/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 1})
-    assert generated.headers["x-request-id"].startswith("cmpl-") and generated.json()["id"] == generated.headers["x-request-id"]
+    assert (
+        generated.headers["x-request-id"].startswith("cmpl-")
+        and generated.json()["id"] == generated.headers["x-request-id"]
+    )
 
 
 # ---- errors (acceptance 5): status, OpenAI error JSON with a message, and the gateway keeps serving ------
-LONG = list(range(100, 2200))   # 2100 token ids: over the 2048-token context
+LONG = list(range(100, 2200))  # 2100 token ids: over the 2048-token context
 
 BAD_INPUTS = [
     ("malformed JSON", dict(content=b'{"model": "smollm2-135m", "messages": ['), 400, "not valid JSON"),
@@ -180,18 +200,33 @@ BAD_INPUTS = [
     ("missing model", dict(json={"messages": [{"role": "user", "content": "x"}]}), 400, "model: required field"),
     ("negative max_tokens", dict(json=chat_body(max_tokens=-5)), 400, "max_tokens=-5 is invalid"),
     ("temperature out of range", dict(json=chat_body(temperature=-1.0)), 400, "temperature=-1.0 is invalid"),
-    ("prompt over the context", dict(path="/v1/completions", json={"model": MODEL, "prompt": LONG}), 400,
-     "maximum context length is 2048 tokens, but the prompt has 2100 tokens"),
-    ("prompt + max_tokens over", dict(path="/v1/completions",
-                                      json={"model": MODEL, "prompt": LONG[:2000], "max_tokens": 100}), 400,
-     "2100 were requested (2000 in the prompt, 100 for the completion)"),
-    ("token id outside the vocabulary", dict(path="/v1/completions", json={"model": MODEL, "prompt": [10**7]}),
-     400, "outside the vocabulary"),
+    (
+        "prompt over the context",
+        dict(path="/v1/completions", json={"model": MODEL, "prompt": LONG}),
+        400,
+        "maximum context length is 2048 tokens, but the prompt has 2100 tokens",
+    ),
+    (
+        "prompt + max_tokens over",
+        dict(path="/v1/completions", json={"model": MODEL, "prompt": LONG[:2000], "max_tokens": 100}),
+        400,
+        "2100 were requested (2000 in the prompt, 100 for the completion)",
+    ),
+    (
+        "token id outside the vocabulary",
+        dict(path="/v1/completions", json={"model": MODEL, "prompt": [10**7]}),
+        400,
+        "outside the vocabulary",
+    ),
     ("malformed tool", dict(json=chat_body(tools=[{"type": "function"}])), 400, "tools[0] must be"),
     ("unknown model", dict(json={**chat_body(), "model": "gpt-9"}), 404, "the model 'gpt-9' does not exist"),
     ("20 MB body", dict(content=b'{"model": "' + b"x" * (20 << 20) + b'"}'), 413, "request body too large"),
-    ("invalid UTF-8", dict(content=b'{"model": "smollm2-135m", "messages": [{"role": "user", "content": "\xff\xfe"}]}'),
-     400, ""),
+    (
+        "invalid UTF-8",
+        dict(content=b'{"model": "smollm2-135m", "messages": [{"role": "user", "content": "\xff\xfe"}]}'),
+        400,
+        "",
+    ),
     ("missing key", dict(json=chat_body(), headers={"Authorization": ""}), 401, "missing API key"),
     ("wrong key", dict(json=chat_body(), headers={"Authorization": "Bearer sk-nope"}), 401, "incorrect API key"),
     ("unknown path", dict(path="/v1/audio/speech", json={}), 404, "Not Found"),
@@ -219,7 +254,7 @@ def test_rate_limited_key_gets_429_with_retry_after(healthy):
     assert [r.status_code for r in statuses] == [200, 200, 429]
     assert int(statuses[2].headers["retry-after"]) >= 1
     assert statuses[2].json()["error"]["code"] == "rate_limit_exceeded"
-    assert client.post("/v1/chat/completions", json=chat_body(max_tokens=1)).status_code == 200   # other keys
+    assert client.post("/v1/chat/completions", json=chat_body(max_tokens=1)).status_code == 200  # other keys
 
 
 def test_worker_rejecting_input_is_a_400_not_a_retry(healthy):
@@ -228,7 +263,7 @@ def test_worker_rejecting_input_is_a_400_not_a_retry(healthy):
         w.fail_next = [grpc.StatusCode.INVALID_ARGUMENT]
     r = client.post("/v1/chat/completions", json=chat_body(max_tokens=2))
     assert r.status_code == 400 and "injected failure" in r.json()["error"]["message"]
-    assert sum(len(w.fail_next) for w in workers) == 1      # exactly one worker was asked
+    assert sum(len(w.fail_next) for w in workers) == 1  # exactly one worker was asked
 
 
 # ---- failures: retry, resume, 503 and recovery, disconnects ------------------------------------
@@ -249,8 +284,10 @@ def test_decode_worker_crash_mid_stream_resumes_on_the_other(healthy, tokenizer,
     prompt = "The history of the city of Rome, told from its founding to the fall of the empire"
     prompt_ids = tokenizer.encode(prompt)
     body = {"model": MODEL, "prompt": prompt, "max_tokens": 12}
-    crashed = worker_by_address(workers, client.post("/v1/completions", json=body).headers["x-splitserve-decode-worker"])
-    crashed.crash_after_tokens = 5        # the prompt is cached there, so the stream lands there again
+    crashed = worker_by_address(
+        workers, client.post("/v1/completions", json=body).headers["x-splitserve-decode-worker"]
+    )
+    crashed.crash_after_tokens = 5  # the prompt is cached there, so the stream lands there again
     with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
         assert r.headers["x-splitserve-decode-worker"] == crashed.address
         events = sse_events(r)
@@ -265,7 +302,7 @@ def test_decode_worker_crash_mid_stream_resumes_on_the_other(healthy, tokenizer,
     assert 1 <= k <= 5
     assert list(resumed.prompt_token_ids) == prompt_ids
     assert list(resumed.resume_output_token_ids) == [FakeWorker.token_at(len(prompt_ids) + i) for i in range(k)]
-    assert resumed.params.max_tokens == 12 and not resumed.prefill_workers   # the worker counts what was sent
+    assert resumed.params.max_tokens == 12 and not resumed.prefill_workers  # the worker counts what was sent
     assert 'splitserve_router_failovers_total{kind="resumes"}' in client.get("/metrics").text
 
 
@@ -275,8 +312,10 @@ def test_silent_worker_is_marked_down_and_its_stream_moves(healthy, tokenizer):
     server, workers, client = healthy
     # Long enough for full blocks: the prefix scorer then sends the second request to the worker
     # that served the first (a prompt under one block scores neutral everywhere: a coin flip).
-    prompt = ("A silent worker should not hold a stream hostage, so the router moves it to another worker "
-              "once the silent one has been quiet for longer than the staleness limit of the watcher")
+    prompt = (
+        "A silent worker should not hold a stream hostage, so the router moves it to another worker "
+        "once the silent one has been quiet for longer than the staleness limit of the watcher"
+    )
     prompt_ids = tokenizer.encode(prompt)
     body = {"model": MODEL, "prompt": prompt, "max_tokens": 10}
     silent = worker_by_address(workers, client.post("/v1/completions", json=body).headers["x-splitserve-decode-worker"])
@@ -314,8 +353,9 @@ def test_client_disconnect_cancels_the_worker_call(healthy, stream):
         w.cancelled.clear()
     body = chat_body(f"disconnect me {stream}", max_tokens=500, stream=stream)
     rid = f"gone-{stream}"
-    with httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {KEY}", "X-Request-Id": rid},
-                      timeout=0.5) as short:
+    with httpx.Client(
+        base_url=server.url, headers={"Authorization": f"Bearer {KEY}", "X-Request-Id": rid}, timeout=0.5
+    ) as short:
         if stream:
             with short.stream("POST", "/v1/chat/completions", json=body) as r:
                 lines = r.iter_lines()
@@ -336,7 +376,7 @@ def test_full_admission_queue_gets_429(loop, tokenizer):
     try:
         with httpx.Client(base_url=server.url, timeout=30) as client:
             with client.stream("POST", "/v1/chat/completions", json=chat_body(max_tokens=40, stream=True)) as r:
-                lines = r.iter_lines()      # keep a reference: a collected iterator closes the stream
+                lines = r.iter_lines()  # keep a reference: a collected iterator closes the stream
                 next(lines)
                 busy = client.post("/v1/chat/completions", json=chat_body(max_tokens=1))
                 assert len(list(lines)) > 40

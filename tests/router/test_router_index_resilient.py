@@ -21,6 +21,7 @@ def test_index_without_redis_places_without_prefix_hints():
         assert index.is_down and index.num_failures >= 3
         await index.clear("w1")
         await index.close()
+
     asyncio.run(scenario())
 
 
@@ -32,4 +33,5 @@ def test_index_recovers_when_redis_returns(redis_server):
         assert (await index.match(["w9"], hashes))["w9"] == 2 and not index.is_down
         await index.clear("w9")
         await index.close()
+
     asyncio.run(scenario())

@@ -25,11 +25,15 @@ OBSERVED: set[tuple[str, str, int]] = set()
 
 @pytest.fixture(scope="module")
 def gateway(loop, tokenizer):
-    workers = [loop.run(FakeWorker(tokenizer=tokenizer).start()),
-               loop.run(FakeWorker("prefill", tokenizer=tokenizer).start())]
-    server = RouterServer(loop, router_config([w.address for w in workers],
-                                              gateway=GatewayConfig(max_body_bytes=256 * 1024, worker_wait_s=0)),
-                          tokenizer=tokenizer).start(num_decode=1, num_prefill=1)
+    workers = [
+        loop.run(FakeWorker(tokenizer=tokenizer).start()),
+        loop.run(FakeWorker("prefill", tokenizer=tokenizer).start()),
+    ]
+    server = RouterServer(
+        loop,
+        router_config([w.address for w in workers], gateway=GatewayConfig(max_body_bytes=256 * 1024, worker_wait_s=0)),
+        tokenizer=tokenizer,
+    ).start(num_decode=1, num_prefill=1)
     yield server
     server.stop()
     for w in workers:
@@ -50,16 +54,28 @@ def test_every_answer_matches_the_openapi_document(api_schema, gateway, mode):
     """Driven through hypothesis directly (schemathesis' pytest plugin does not load under this
     pytest); `call_and_validate` runs every check schemathesis has."""
     ops = operations(api_schema)
-    assert {op.path for op in ops} >= {"/v1/chat/completions", "/v1/completions", "/v1/models", "/ready", "/metrics",
-                                       "/v1/responses", "/v1/embeddings", "/tokenize", "/detokenize", "/version"}
+    assert {op.path for op in ops} >= {
+        "/v1/chat/completions",
+        "/v1/completions",
+        "/v1/models",
+        "/ready",
+        "/metrics",
+        "/v1/responses",
+        "/v1/embeddings",
+        "/tokenize",
+        "/detokenize",
+        "/version",
+    }
     for op in ops:
         if mode == schemathesis.GenerationMode.NEGATIVE and op.method.lower() == "get":
-            continue        # no parameters or body: nothing can be made invalid
+            continue  # no parameters or body: nothing can be made invalid
+
         @given(op.as_strategy(mode))
         @settings(max_examples=50, deadline=None, suppress_health_check=list(HealthCheck), database=None)
         def check(case):
             response = case.call_and_validate(base_url=gateway.url, timeout=60)
             OBSERVED.add((case.path, case.method.lower(), response.status_code))
+
         check()
 
 
@@ -90,18 +106,32 @@ BOUNDARY = {
     "empty prompt list": ("/v1/completions", json.dumps({"model": MODEL, "prompt": []})),
     "prompt over the context": ("/v1/completions", json.dumps({"model": MODEL, "prompt": "hello " * 5000})),
     "body over the limit": ("/v1/completions", json.dumps({"model": MODEL, "prompt": "x" * 300_000})),
-    "invalid UTF-8": ("/v1/chat/completions", b'{"model": "smollm2-135m", "messages": [{"role": "user", '
-                                                b'"content": "\xff\xfe"}]}'),
-    "lone surrogate": ("/v1/chat/completions", '{"model": "smollm2-135m", "messages": '
-                                               '[{"role": "user", "content": "a\\ud800b"}]}'),
-    "NaN temperature": ("/v1/chat/completions", '{"model": "smollm2-135m", "temperature": NaN, '
-                                                '"messages": [{"role": "user", "content": "hi"}]}'),
-    "Infinity top_p": ("/v1/chat/completions", '{"model": "smollm2-135m", "top_p": Infinity, '
-                                               '"messages": [{"role": "user", "content": "hi"}]}'),
-    "float overflowing to inf": ("/v1/chat/completions", '{"model": "smollm2-135m", "temperature": 1e999, '
-                                                         '"messages": [{"role": "user", "content": "hi"}]}'),
-    "nested content parts": ("/v1/chat/completions", json.dumps(
-        {"model": MODEL, "messages": [{"role": "user", "content": [{"type": "text", "text": [{"type": "text"}]}]}]})),
+    "invalid UTF-8": (
+        "/v1/chat/completions",
+        b'{"model": "smollm2-135m", "messages": [{"role": "user", "content": "\xff\xfe"}]}',
+    ),
+    "lone surrogate": (
+        "/v1/chat/completions",
+        '{"model": "smollm2-135m", "messages": [{"role": "user", "content": "a\\ud800b"}]}',
+    ),
+    "NaN temperature": (
+        "/v1/chat/completions",
+        '{"model": "smollm2-135m", "temperature": NaN, "messages": [{"role": "user", "content": "hi"}]}',
+    ),
+    "Infinity top_p": (
+        "/v1/chat/completions",
+        '{"model": "smollm2-135m", "top_p": Infinity, "messages": [{"role": "user", "content": "hi"}]}',
+    ),
+    "float overflowing to inf": (
+        "/v1/chat/completions",
+        '{"model": "smollm2-135m", "temperature": 1e999, "messages": [{"role": "user", "content": "hi"}]}',
+    ),
+    "nested content parts": (
+        "/v1/chat/completions",
+        json.dumps(
+            {"model": MODEL, "messages": [{"role": "user", "content": [{"type": "text", "text": [{"type": "text"}]}]}]}
+        ),
+    ),
     "deeply nested JSON": ("/v1/completions", nested(100_000)),
     "negative logprobs": ("/v1/completions", json.dumps({"model": MODEL, "prompt": "x", "logprobs": -1})),
     "token id out of vocabulary": ("/v1/completions", json.dumps({"model": MODEL, "prompt": [2**40]})),
@@ -111,9 +141,11 @@ BOUNDARY = {
 
 def test_integer_fields_take_whole_number_floats_and_nothing_else(gateway):
     """JSON Schema's `integer` (what the document promises) includes 2.0; 2.5 and "2" are not integers."""
+
     def post(**fields):
         body = {"model": MODEL, "prompt": [1.0, 2.0, 3.0], "max_tokens": 2.0, **fields}
         return httpx.post(gateway.url + "/v1/completions", json=body, timeout=60)
+
     ok = post(n=2.0, seed=7.0, stop_token_ids=[5.0])
     assert ok.status_code == 200 and len(ok.json()["choices"]) == 2, ok.text
     for bad in ({"n": 2.5}, {"n": "2"}, {"n": True}, {"seed": 1.5}):

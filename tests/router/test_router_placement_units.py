@@ -25,13 +25,26 @@ from splitserve.router.placement.scorers import NEUTRAL, SCORERS, ScoringContext
 MODEL, BS = "smollm2-135m", 16
 
 
-def worker(address="w", role="decode", waiting=0, running=0, kv=0.0, queued=0, pending=0, pending_tokens=0,
-           draining=False, load=True, connected=True):
-    w = WorkerState(address, role=role, is_connected=connected, num_pending=pending,
-                    num_pending_prefill_tokens=pending_tokens)
+def worker(
+    address="w",
+    role="decode",
+    waiting=0,
+    running=0,
+    kv=0.0,
+    queued=0,
+    pending=0,
+    pending_tokens=0,
+    draining=False,
+    load=True,
+    connected=True,
+):
+    w = WorkerState(
+        address, role=role, is_connected=connected, num_pending=pending, num_pending_prefill_tokens=pending_tokens
+    )
     if load:
-        w.load = pb.LoadReport(num_waiting=waiting, num_running=running, kv_usage=kv, queued_prefill_tokens=queued,
-                               draining=draining)
+        w.load = pb.LoadReport(
+            num_waiting=waiting, num_running=running, kv_usage=kv, queued_prefill_tokens=queued, draining=draining
+        )
     return w
 
 
@@ -40,12 +53,12 @@ SCORER_CASES = [
     ("prefix-overlap", {}, {}, 8, 8, 1.0),
     ("prefix-overlap", {}, {}, 2, 8, 0.25),
     ("prefix-overlap", {}, {}, 0, 8, 0.0),
-    ("prefix-overlap", {}, {}, 0, 0, NEUTRAL),           # nothing to reuse: neutral
+    ("prefix-overlap", {}, {}, 0, 0, NEUTRAL),  # nothing to reuse: neutral
     ("queue-depth", {}, dict(waiting=0, running=0), 0, 1, 1.0),
-    ("queue-depth", {}, dict(waiting=2, running=2), 0, 1, 0.5),   # 4 of saturation 8
+    ("queue-depth", {}, dict(waiting=2, running=2), 0, 1, 0.5),  # 4 of saturation 8
     ("queue-depth", {}, dict(waiting=20), 0, 1, 0.0),
     ("queue-depth", {"saturation": 4}, dict(running=1), 0, 1, 0.75),
-    ("queue-depth", {}, dict(load=False), 0, 1, NEUTRAL),          # no load report yet
+    ("queue-depth", {}, dict(load=False), 0, 1, NEUTRAL),  # no load report yet
     ("kv-usage", {}, dict(kv=0.25), 0, 1, 0.75),
     ("kv-usage", {}, dict(kv=1.0), 0, 1, 0.0),
     ("kv-usage", {}, dict(load=False), 0, 1, NEUTRAL),
@@ -55,8 +68,8 @@ SCORER_CASES = [
     ("queued-prefill-tokens", {}, dict(queued=2048, pending_tokens=2048), 0, 1, 0.5),
     ("queued-prefill-tokens", {"saturation": 100}, dict(queued=500), 0, 1, 0.0),
     ("queued-prefill-tokens", {}, dict(load=False), 0, 1, NEUTRAL),
-    ("round-robin", {}, {}, 0, 1, 1.0),                  # a single worker always has the turn
-    ("lora-affinity", {}, {}, 0, 1, 1.0),                # a base-model request: no preference
+    ("round-robin", {}, {}, 0, 1, 1.0),  # a single worker always has the turn
+    ("lora-affinity", {}, {}, 0, 1, 1.0),  # a base-model request: no preference
     # (adapter requests: the table in tests/router/test_lora_router.py)
 ]
 
@@ -73,8 +86,14 @@ def test_every_registered_scorer_has_a_case_and_stays_in_range():
     rng = random.Random(0)
     for name in SCORERS:
         for _ in range(50):
-            w = worker(waiting=rng.randint(0, 100), running=rng.randint(0, 100), kv=rng.random(),
-                       queued=rng.randint(0, 10**5), pending=rng.randint(0, 10), pending_tokens=rng.randint(0, 10**4))
+            w = worker(
+                waiting=rng.randint(0, 100),
+                running=rng.randint(0, 100),
+                kv=rng.random(),
+                queued=rng.randint(0, 10**5),
+                pending=rng.randint(0, 10),
+                pending_tokens=rng.randint(0, 10**4),
+            )
             blocks = rng.randint(0, 20)
             ctx = ScoringContext(blocks * BS, blocks, {"w": rng.randint(0, blocks)})
             assert 0.0 <= make_scorer(name).score(ctx, [w])["w"] <= 1.0
@@ -92,15 +111,19 @@ def test_round_robin_takes_turns_in_address_order_regardless_of_load_and_cache()
     assert picks == ["a", "b", "c", "a", "b", "c", "a"]
 
 
-@pytest.mark.parametrize("name,params,message", [
-    ("nope", {}, "unknown scorer 'nope'; allowed: prefix-overlap"),
-    ("queue-depth", {"saturatoin": 3}, "unknown parameter(s) ['saturatoin']; allowed: saturation"),
-    ("queue-depth", {"saturation": -1}, "saturation=-1 is invalid"),
-    ("kv-usage", {"x": 1}, "allowed: none"),
-])
+@pytest.mark.parametrize(
+    "name,params,message",
+    [
+        ("nope", {}, "unknown scorer 'nope'; allowed: prefix-overlap"),
+        ("queue-depth", {"saturatoin": 3}, "unknown parameter(s) ['saturatoin']; allowed: saturation"),
+        ("queue-depth", {"saturation": -1}, "saturation=-1 is invalid"),
+        ("kv-usage", {"x": 1}, "allowed: none"),
+    ],
+)
 def test_scorer_params_are_checked(name, params, message):
-    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")
-                       .replace("]", r"\]")):
+    with pytest.raises(
+        ConfigError, match=message.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[").replace("]", r"\]")
+    ):
         make_scorer(name, params)
 
 
@@ -115,7 +138,7 @@ FILTER_CASES = [
     ("not-saturated", {"max_waiting": 2}, dict(waiting=2), False),
     ("not-saturated", {}, dict(kv=0.995), False),
     ("not-saturated", {}, dict(load=False), True),
-    ("balanced", {}, dict(waiting=100, pending=9), True),   # a worker alone is never out of balance
+    ("balanced", {}, dict(waiting=100, pending=9), True),  # a worker alone is never out of balance
 ]
 
 
@@ -127,10 +150,10 @@ def test_filter_table(name, params, kw, kept):
 
 # (params, {address: worker kwargs}, addresses kept): load = waiting + running + router-side pending
 BALANCE_CASES = [
-    ({}, dict(a=dict(), b=dict(running=4)), "ab"),                     # 4 more: within the slack
-    ({}, dict(a=dict(), b=dict(running=3, waiting=2)), "a"),           # 5 more than an idle worker
-    ({}, dict(a=dict(running=10), b=dict(running=15)), "ab"),          # 15 <= 1.5 x 10
-    ({}, dict(a=dict(running=10), b=dict(running=16)), "a"),           # 6 more and over 1.5 x
+    ({}, dict(a=dict(), b=dict(running=4)), "ab"),  # 4 more: within the slack
+    ({}, dict(a=dict(), b=dict(running=3, waiting=2)), "a"),  # 5 more than an idle worker
+    ({}, dict(a=dict(running=10), b=dict(running=15)), "ab"),  # 15 <= 1.5 x 10
+    ({}, dict(a=dict(running=10), b=dict(running=16)), "a"),  # 6 more and over 1.5 x
     ({}, dict(a=dict(load=False), b=dict(load=False, pending=5)), "a"),  # sent, not yet reported
     ({"slack": 8}, dict(a=dict(), b=dict(running=8), c=dict(waiting=9)), "ab"),
     ({"ratio": 3, "slack": 1}, dict(a=dict(running=4), b=dict(running=12), c=dict(running=13)), "ab"),
@@ -213,11 +236,14 @@ def test_ties_are_broken_at_random():
     assert winners == set("abcd")
 
 
-@pytest.mark.parametrize("kw,status,reason", [
-    (dict(connected=False), 503, "no healthy worker"),
-    (dict(draining=True), 503, "every worker is draining"),
-    (dict(waiting=100), 429, "every worker is saturated"),
-])
+@pytest.mark.parametrize(
+    "kw,status,reason",
+    [
+        (dict(connected=False), 503, "no healthy worker"),
+        (dict(draining=True), 503, "every worker is draining"),
+        (dict(waiting=100), 429, "every worker is saturated"),
+    ],
+)
 def test_profile_empty_after_filter(kw, status, reason):
     p = profile(("queue-depth", 1), filters=("healthy", "not-draining", "not-saturated"))
     with pytest.raises(NoWorkerError, match=reason) as exc:
@@ -233,8 +259,9 @@ def placer(workers: list[WorkerState], mode="conditional", min_prefill=256, stor
     index = InMemoryPrefixIndex(ttl_s=ttl, clock=lambda: 0.0)
     for address, hashes in (stored or {}).items():
         index.apply_now(address, pb.KVEvent(stored=pb.BlockStored(block_hashes=hashes)))
-    config = PlacementConfig(decode=default_decode_profile(),
-                             disaggregation=DisaggregationConfig(mode=mode, min_prefill_tokens=min_prefill))
+    config = PlacementConfig(
+        decode=default_decode_profile(), disaggregation=DisaggregationConfig(mode=mode, min_prefill_tokens=min_prefill)
+    )
     return Placer(config, pool, index, random.Random(0)), index
 
 
@@ -252,7 +279,7 @@ def place(p, token_ids, exclude=frozenset()):
 DISAGG_CASES = [
     # (mode, prompt tokens, blocks cached on d1, expect remote)
     ("conditional", 600, 0, True),
-    ("conditional", 600, 30, False),        # 600 - 480 = 120 uncached < 256
+    ("conditional", 600, 30, False),  # 600 - 480 = 120 uncached < 256
     ("conditional", 200, 0, False),
     ("always", 40, 0, True),
     ("never", 1500, 0, False),
@@ -278,7 +305,7 @@ def test_prefill_choice_follows_its_prefix_and_lists_fallbacks():
     p, _ = placer(ws, stored=stored)
     decision = place(p, ids)
     assert decision.prefill[0] == "p2"
-    assert len(decision.prefill) == 2          # max_prefill_candidates
+    assert len(decision.prefill) == 2  # max_prefill_candidates
 
 
 def test_no_usable_prefill_worker_means_local_prefill():

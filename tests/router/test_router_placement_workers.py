@@ -27,8 +27,11 @@ def ids(n, salt):
 
 @pytest.fixture(scope="module")
 def gateway(cluster, loop, tokenizer):
-    server = RouterServer(loop, router_config([w.address for w in cluster], tls=security().tls,
-                                                 stale_after_s=ROUTER_STALE_AFTER_S), tokenizer=tokenizer)
+    server = RouterServer(
+        loop,
+        router_config([w.address for w in cluster], tls=security().tls, stale_after_s=ROUTER_STALE_AFTER_S),
+        tokenizer=tokenizer,
+    )
     server.start(num_decode=2, num_prefill=2, timeout=60)
     client = httpx.Client(base_url=server.url, timeout=120)
     yield server, client
@@ -55,8 +58,10 @@ def test_the_cluster_is_secured(cluster):
 
 
 def complete(client, prompt, max_tokens=2):
-    r = client.post("/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": max_tokens,
-                                             "temperature": 0, "ignore_eos": True})
+    r = client.post(
+        "/v1/completions",
+        json={"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True},
+    )
     assert r.status_code == 200, r.text
     return r
 
@@ -73,7 +78,7 @@ def wait_for_index(loop, server, address, hashes, expected, timeout=10):
 def test_shared_prefix_lands_where_it_is_cached(gateway, cluster, loop):
     server, client = gateway
     prefix = ids(600, salt=1)
-    blocks = HASHER.hash_blocks(prefix)                      # 37 full blocks
+    blocks = HASHER.hash_blocks(prefix)  # 37 full blocks
     first = complete(client, prefix + ids(20, salt=100))
     home = first.headers["x-splitserve-decode-worker"]
     prefill = first.headers.get("x-splitserve-prefill-worker")
@@ -88,8 +93,8 @@ def test_shared_prefix_lands_where_it_is_cached(gateway, cluster, loop):
         assert r.headers["x-splitserve-decode-worker"] == home
         usage = r.json()["usage"]
         assert usage["prompt_tokens"] == 620
-        assert usage["prompt_tokens_details"]["cached_tokens"] >= len(blocks) * 16   # the worker's own count
-        assert "x-splitserve-prefill-worker" not in r.headers   # only 20-odd uncached tokens: local prefill
+        assert usage["prompt_tokens_details"]["cached_tokens"] >= len(blocks) * 16  # the worker's own count
+        assert "x-splitserve-prefill-worker" not in r.headers  # only 20-odd uncached tokens: local prefill
 
 
 def test_much_deeper_queue_outweighs_the_prefix_hit(gateway, cluster, loop):
@@ -127,8 +132,11 @@ class Background:
 
     async def _one(self, address, i):
         async with worker_channel(address) as ch:
-            request = pb.GenerateRequest(request_id=f"busy-{i}-{time.monotonic_ns()}", prompt_token_ids=ids(20, 900 + i),
-                                         params=pb.SamplingParams(temperature=0, max_tokens=400, ignore_eos=True))
+            request = pb.GenerateRequest(
+                request_id=f"busy-{i}-{time.monotonic_ns()}",
+                prompt_token_ids=ids(20, 900 + i),
+                params=pb.SamplingParams(temperature=0, max_tokens=400, ignore_eos=True),
+            )
             async for _ in pb_grpc.WorkerStub(ch).Generate(request):
                 pass
 
@@ -140,10 +148,15 @@ class Background:
         self.thread.join(10)
 
 
-PD_SCHEMA = {"type": "object", "properties": {"id": {"type": "integer", "minimum": 1, "maximum": 999},
-                                              "tags": {"type": "array", "items": {"enum": ["x", "y", "z"]},
-                                                       "minItems": 1, "maxItems": 3}},
-             "required": ["id", "tags"], "additionalProperties": False}
+PD_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "id": {"type": "integer", "minimum": 1, "maximum": 999},
+        "tags": {"type": "array", "items": {"enum": ["x", "y", "z"]}, "minItems": 1, "maxItems": 3},
+    },
+    "required": ["id", "tags"],
+    "additionalProperties": False,
+}
 
 
 @pytest.mark.parametrize("sampling", [{"temperature": 0}, {"temperature": 1.0, "seed": 11}], ids=["greedy", "seeded"])
@@ -156,14 +169,21 @@ def test_constrained_output_is_the_same_prefilled_remotely_or_locally(gateway, s
     import jsonschema
 
     _, client = gateway
-    body = {"model": MODEL, "prompt": ids(400, salt=17 + len(sampling)), "max_tokens": 80,
-            "structured_outputs": {"json": PD_SCHEMA}, **sampling}
+    body = {
+        "model": MODEL,
+        "prompt": ids(400, salt=17 + len(sampling)),
+        "max_tokens": 80,
+        "structured_outputs": {"json": PD_SCHEMA},
+        **sampling,
+    }
     remote = client.post("/v1/completions", json=body)
     assert remote.status_code == 200, remote.text
     assert remote.headers.get("x-splitserve-prefill-worker"), "400 uncached tokens: prefilled remotely"
     local = client.post("/v1/completions", json=body)
-    assert "x-splitserve-prefill-worker" not in local.headers and local.json()["usage"]["prompt_tokens_details"][
-        "cached_tokens"] > 0
+    assert (
+        "x-splitserve-prefill-worker" not in local.headers
+        and local.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+    )
     text = remote.json()["choices"][0]["text"]
     assert remote.json()["choices"][0]["finish_reason"] == "stop"
     jsonschema.validate(json.loads(text), PD_SCHEMA)

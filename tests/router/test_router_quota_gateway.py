@@ -39,14 +39,16 @@ from splitserve.router.tenancy.keyfile import digest
 
 CLI = str(pathlib.Path(sys.executable).parent / "splitserve")
 MODEL = "smollm2-135m"
-WINDOW_S = float(os.environ.get("SPLITSERVE_QUOTA_WINDOW_S", "3"))   # gateway.quota_window_s of the routers
-NUM_WINDOWS = int(os.environ.get("SPLITSERVE_QUOTA_WINDOWS", "6"))    # how long the limit test runs
+WINDOW_S = float(os.environ.get("SPLITSERVE_QUOTA_WINDOW_S", "3"))  # gateway.quota_window_s of the routers
+NUM_WINDOWS = int(os.environ.get("SPLITSERVE_QUOTA_WINDOWS", "6"))  # how long the limit test runs
 assert WINDOW_S >= 1 and NUM_WINDOWS >= 2, "SPLITSERVE_QUOTA_WINDOW_S >= 1 and SPLITSERVE_QUOTA_WINDOWS >= 2"
-TPM = int(200 * WINDOW_S)   # tokens per WINDOW_S for key `team`
-KEYS = [{"id": "team", "sha256": digest("sk-team"), "models": [MODEL], "tpm": TPM},
-        {"id": "usage", "sha256": digest("sk-usage")},
-        {"id": "headers", "sha256": digest("sk-headers"), "tpm": 100000, "rpm": 1000},
-        {"id": "elsewhere", "sha256": digest("sk-elsewhere"), "models": ["another-model"]}]
+TPM = int(200 * WINDOW_S)  # tokens per WINDOW_S for key `team`
+KEYS = [
+    {"id": "team", "sha256": digest("sk-team"), "models": [MODEL], "tpm": TPM},
+    {"id": "usage", "sha256": digest("sk-usage")},
+    {"id": "headers", "sha256": digest("sk-headers"), "tpm": 100000, "rpm": 1000},
+    {"id": "elsewhere", "sha256": digest("sk-elsewhere"), "models": ["another-model"]},
+]
 
 
 class RouterProc:
@@ -54,9 +56,24 @@ class RouterProc:
         self.port = free_port()
         config = workdir / f"{name}.yaml"
         config.write_text(yaml.safe_dump({"gateway": {"quota_window_s": WINDOW_S}}))
-        self.args = [CLI, "--log-level", "INFO", "router", "--config", str(config), "--model", MODEL,
-                     "--workers", ",".join(w.address for w in workers), "--port", str(self.port),
-                     "--redis-url", redis_url, "--api-keys-file", str(workdir / "keys.yaml")]
+        self.args = [
+            CLI,
+            "--log-level",
+            "INFO",
+            "router",
+            "--config",
+            str(config),
+            "--model",
+            MODEL,
+            "--workers",
+            ",".join(w.address for w in workers),
+            "--port",
+            str(self.port),
+            "--redis-url",
+            redis_url,
+            "--api-keys-file",
+            str(workdir / "keys.yaml"),
+        ]
         self.url = f"http://127.0.0.1:{self.port}"
         self.lines: list[str] = []
         self.proc = None
@@ -132,9 +149,11 @@ def test_headers_say_what_the_client_can_still_use(routers):
     while True:
         t0 = time.time()
         raw1 = client(procs[0].url, "sk-headers").chat.completions.with_raw_response.create(
-            model=MODEL, messages=MESSAGES, max_tokens=5)
+            model=MODEL, messages=MESSAGES, max_tokens=5
+        )
         raw2 = client(procs[1].url, "sk-headers").chat.completions.with_raw_response.create(
-            model=MODEL, messages=MESSAGES, max_tokens=7)
+            model=MODEL, messages=MESSAGES, max_tokens=7
+        )
         if int(t0 // WINDOW_S) == int(time.time() // WINDOW_S):
             break
         assert time.monotonic() < deadline, "never managed two requests inside one window"
@@ -155,7 +174,8 @@ def test_usage_equals_what_clients_received_including_cut_streams(routers, loop)
         r = client(url, "sk-usage").chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=3 + i)
         want.update(requests=1, prompt=r.usage.prompt_tokens, completion=r.usage.completion_tokens)
         stream = client(url, "sk-usage").chat.completions.create(
-            model=MODEL, messages=MESSAGES, max_tokens=4, stream=True, stream_options={"include_usage": True})
+            model=MODEL, messages=MESSAGES, max_tokens=4, stream=True, stream_options={"include_usage": True}
+        )
         usage = [chunk.usage for chunk in stream if chunk.usage][-1]
         want.update(requests=1, prompt=usage.prompt_tokens, completion=usage.completion_tokens)
     # Streams the client cuts after 3 tokens: billed for what was streamed, not for max_tokens.
@@ -164,31 +184,44 @@ def test_usage_equals_what_clients_received_including_cut_streams(routers, loop)
     cut_prompt, got_tokens = 0, 0
     try:
         for i in range(2):
-            with httpx.stream("POST", f"{procs[i].url}/v1/chat/completions", timeout=30,
-                              headers={"Authorization": "Bearer sk-usage"},
-                              json={"model": MODEL, "messages": MESSAGES, "max_tokens": 400, "stream": True}) as r:
+            with httpx.stream(
+                "POST",
+                f"{procs[i].url}/v1/chat/completions",
+                timeout=30,
+                headers={"Authorization": "Bearer sk-usage"},
+                json={"model": MODEL, "messages": MESSAGES, "max_tokens": 400, "stream": True},
+            ) as r:
                 for line in r.iter_lines():
                     if line.startswith("data: {") and json.loads(line[6:])["choices"][0]["delta"].get("content"):
                         got_tokens += 1
                         if got_tokens % 3 == 0:
                             break
-            cut_prompt += want["prompt"] // want["requests"]       # the same prompt every time
+            cut_prompt += want["prompt"] // want["requests"]  # the same prompt every time
     finally:
         for w in workers:
             w.token_delay_s = 0.005
     want.update(requests=2, prompt=cut_prompt)
 
     def billed():
-        out = subprocess.run([CLI, "usage", "--redis-url", routers_redis(procs), "--key-id", "usage", "--json"],
-                             capture_output=True, text=True, check=True).stdout
+        out = subprocess.run(
+            [CLI, "usage", "--redis-url", routers_redis(procs), "--key-id", "usage", "--json"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
         return [json.loads(line) for line in out.splitlines()]
+
     deadline = time.monotonic() + 30
     while (rows := billed()) == [] or rows[0]["requests"] < want["requests"]:
         assert time.monotonic() < deadline, f"usage never reached {want['requests']} requests: {rows}"
         time.sleep(0.1)
     (row,) = rows
     assert (row["key_id"], row["model"], row["requests"], row["prompt_tokens"]) == (
-        "usage", MODEL, want["requests"], want["prompt"])
+        "usage",
+        MODEL,
+        want["requests"],
+        want["prompt"],
+    )
     cut_billed = row["completion_tokens"] - want["completion"]
     assert got_tokens <= cut_billed <= got_tokens + 2 * 5, "a cut stream is billed for what it streamed"
     # Prometheus counters (key id, never the key) of both routers add up to the same.
@@ -202,11 +235,13 @@ def test_usage_equals_what_clients_received_including_cut_streams(routers, loop)
             if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
                 total += float(line.rsplit(" ", 1)[1])
         return total
+
     assert counter("splitserve_key_requests_total", key_id="usage") == want["requests"]
     assert counter("splitserve_key_tokens_total", key_id="usage", kind="prompt") == want["prompt"]
     assert counter("splitserve_key_tokens_total", key_id="usage", kind="completion") == row["completion_tokens"]
-    table = subprocess.run([CLI, "usage", "--redis-url", routers_redis(procs)], capture_output=True, text=True,
-                           check=True).stdout
+    table = subprocess.run(
+        [CLI, "usage", "--redis-url", routers_redis(procs)], capture_output=True, text=True, check=True
+    ).stdout
     assert "KEY_ID" in table and "usage" in table and "team" not in table.split("\n", 1)[0]
 
 
@@ -229,7 +264,7 @@ def test_tokens_per_window_hold_across_replicas_when_one_dies(routers):
     alive = [True, True]
     start = (int(time.time() // WINDOW_S) + 1) * WINDOW_S
     end = start + NUM_WINDOWS * WINDOW_S
-    kill_at = start + (NUM_WINDOWS / 2 + 0.25) * WINDOW_S   # mid-run and mid-window: its reservations stay
+    kill_at = start + (NUM_WINDOWS / 2 + 0.25) * WINDOW_S  # mid-run and mid-window: its reservations stay
     while time.time() < start:
         time.sleep(0.01)
 
@@ -265,9 +300,11 @@ def test_tokens_per_window_hold_across_replicas_when_one_dies(routers):
         windows.update(range(w0, w1 + 1))
         if w0 == w1:
             per_window[w0] += tokens
-    print(f"tokens per window (send and receive in one window): {dict(sorted(per_window.items()))}; "
-          f"total {total_tokens(results)} over {len(windows)} windows of {WINDOW_S} s, limit {TPM}; "
-          f"{len(results)} answered, {len(rejected)} got 429")
+    print(
+        f"tokens per window (send and receive in one window): {dict(sorted(per_window.items()))}; "
+        f"total {total_tokens(results)} over {len(windows)} windows of {WINDOW_S} s, limit {TPM}; "
+        f"{len(results)} answered, {len(rejected)} got 429"
+    )
     assert rejected, "the limit never applied: the test sent too little"
     assert max(per_window.values()) <= TPM * 1.05, per_window
     total = total_tokens(results)

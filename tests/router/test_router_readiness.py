@@ -34,16 +34,20 @@ def listed_models(client) -> list[str]:
 def test_cold_start_first_request_after_model_list_succeeds(loop, tokenizer, attempt):
     """20 cold starts: gateway up first, workers start concurrently with a client that waits for
     /v1/models and sends its request the moment the model is listed."""
-    workers = [FakeWorker("decode", tokenizer=tokenizer, port=free_port()),
-               FakeWorker("prefill", tokenizer=tokenizer, port=free_port())]
-    server = RouterServer(loop, router_config([w.address for w in workers],
-                                              gateway=GatewayConfig(worker_wait_s=0.0)),
-                          tokenizer=tokenizer).start(num_decode=0)
+    workers = [
+        FakeWorker("decode", tokenizer=tokenizer, port=free_port()),
+        FakeWorker("prefill", tokenizer=tokenizer, port=free_port()),
+    ]
+    server = RouterServer(
+        loop, router_config([w.address for w in workers], gateway=GatewayConfig(worker_wait_s=0.0)), tokenizer=tokenizer
+    ).start(num_decode=0)
     try:
         with httpx.Client(base_url=server.url, timeout=30) as client:
             assert client.get("/ready").status_code == 503
             assert listed_models(client) == []
-            starter = threading.Thread(target=lambda: [loop.run(w.start()) for w in (workers if attempt % 2 else workers[::-1])])
+            starter = threading.Thread(
+                target=lambda: [loop.run(w.start()) for w in (workers if attempt % 2 else workers[::-1])]
+            )
             starter.start()
             poll(lambda: listed_models(client) == [MODEL], what="the model on /v1/models")
             r = client.post("/v1/chat/completions", json=BODY)
@@ -58,8 +62,9 @@ def test_cold_start_first_request_after_model_list_succeeds(loop, tokenizer, att
 
 def test_request_during_startup_waits_for_a_worker(loop, tokenizer):
     worker = FakeWorker("decode", tokenizer=tokenizer, port=free_port())
-    server = RouterServer(loop, router_config([worker.address], gateway=GatewayConfig(worker_wait_s=60.0)),
-                          tokenizer=tokenizer).start(num_decode=0)
+    server = RouterServer(
+        loop, router_config([worker.address], gateway=GatewayConfig(worker_wait_s=60.0)), tokenizer=tokenizer
+    ).start(num_decode=0)
     result = {}
     try:
         with httpx.Client(base_url=server.url, timeout=90) as client:
@@ -81,13 +86,14 @@ def waiting_requests(server) -> int:
 
 
 def test_no_worker_within_the_wait_gives_503_with_retry_after(loop, tokenizer):
-    server = RouterServer(loop, router_config([f"127.0.0.1:{free_port()}"], gateway=GatewayConfig(worker_wait_s=0.3)),
-                          tokenizer=tokenizer).start(num_decode=0)
+    server = RouterServer(
+        loop, router_config([f"127.0.0.1:{free_port()}"], gateway=GatewayConfig(worker_wait_s=0.3)), tokenizer=tokenizer
+    ).start(num_decode=0)
     try:
         with httpx.Client(base_url=server.url, timeout=30) as client:
             t0 = time.monotonic()
             r = client.post("/v1/chat/completions", json=BODY)
-            assert time.monotonic() - t0 >= 0.3          # it did wait
+            assert time.monotonic() - t0 >= 0.3  # it did wait
             assert r.status_code == 503 and int(r.headers["retry-after"]) >= 1
             assert r.json()["error"]["code"] == "no_worker_available"
             ready = client.get("/ready")
@@ -100,8 +106,9 @@ def test_ready_requires_a_prefill_worker_when_disaggregation_is_always(loop, tok
     decode = loop.run(FakeWorker("decode", tokenizer=tokenizer).start())
     prefill = FakeWorker("prefill", tokenizer=tokenizer, port=free_port())
     placement = PlacementConfig(disaggregation=DisaggregationConfig(mode="always"))
-    server = RouterServer(loop, router_config([decode.address, prefill.address], placement=placement),
-                          tokenizer=tokenizer).start(num_decode=1)
+    server = RouterServer(
+        loop, router_config([decode.address, prefill.address], placement=placement), tokenizer=tokenizer
+    ).start(num_decode=1)
     try:
         with httpx.Client(base_url=server.url, timeout=30) as client:
             ready = client.get("/ready")

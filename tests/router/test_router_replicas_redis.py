@@ -43,8 +43,13 @@ def run_workload(urls, salt):
             prefix = ids(320, salt * 1000 + group)
             futures = []
             for k in range(GROUP_SIZE):
-                body = {"model": MODEL, "prompt": prefix + ids(24, salt * 1000 + 500 + group * 10 + k),
-                        "max_tokens": 2, "temperature": 0, "ignore_eos": True}
+                body = {
+                    "model": MODEL,
+                    "prompt": prefix + ids(24, salt * 1000 + 500 + group * 10 + k),
+                    "max_tokens": 2,
+                    "temperature": 0,
+                    "ignore_eos": True,
+                }
                 futures.append(pool.submit(client.post, f"{urls[k % len(urls)]}/v1/completions", json=body))
                 time.sleep(0.2 if k == 0 else 0.05)
             responses = [f.result() for f in futures]
@@ -59,12 +64,15 @@ def run_workload(urls, salt):
 
 def test_two_replicas_on_redis_match_one_router(cluster, loop, tokenizer, redis_server):
     redis_server.flush()
-    local = dataclasses.replace(router_config([w.address for w in cluster], tls=security().tls,
-                                              stale_after_s=ROUTER_STALE_AFTER_S),
-                                placement=PlacementConfig(disaggregation=DisaggregationConfig(mode="never")))
+    local = dataclasses.replace(
+        router_config([w.address for w in cluster], tls=security().tls, stale_after_s=ROUTER_STALE_AFTER_S),
+        placement=PlacementConfig(disaggregation=DisaggregationConfig(mode="never")),
+    )
     redis_index = IndexConfig(backend="redis", redis_url=redis_server.url, key_prefix="replicas")
-    replicas = [RouterServer(loop, dataclasses.replace(local, index=redis_index), tokenizer=tokenizer).start(2, 2)
-                for _ in range(2)]
+    replicas = [
+        RouterServer(loop, dataclasses.replace(local, index=redis_index), tokenizer=tokenizer).start(2, 2)
+        for _ in range(2)
+    ]
     single = RouterServer(loop, local, tokenizer=tokenizer).start(2, 2)
     unshared = [RouterServer(loop, local, tokenizer=tokenizer).start(2, 2) for _ in range(2)]
     try:
@@ -80,8 +88,10 @@ def test_two_replicas_on_redis_match_one_router(cluster, loop, tokenizer, redis_
         one_rate, two_rate = one_cached / one_total, two_cached / two_total
         # For comparison only (not asserted: it depends on timing): replicas with separate
         # in-memory indexes, which learn of each other's placements only through KV events.
-        print(f"prefix hit rate: one router {one_rate:.3f}, two replicas on Redis {two_rate:.3f}, "
-              f"two replicas with separate indexes {apart_cached / apart_total:.3f}")
+        print(
+            f"prefix hit rate: one router {one_rate:.3f}, two replicas on Redis {two_rate:.3f}, "
+            f"two replicas with separate indexes {apart_cached / apart_total:.3f}"
+        )
         assert one_rate > 0.5, one_places
         assert two_rate >= one_rate - 0.05, (one_rate, two_rate, one_places, two_places)
     finally:

@@ -24,8 +24,13 @@ MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
 class UpProcess:
     def __init__(self, *args):
         self.port = free_port()
-        self.proc = subprocess.Popen([CLI, "up", "--port", str(self.port), *args], stdout=subprocess.PIPE,
-                                     stderr=subprocess.STDOUT, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        self.proc = subprocess.Popen(
+            [CLI, "up", "--port", str(self.port), *args],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
         self.lines: list[str] = []
         self.url = None
         self.ready = threading.Event()
@@ -76,7 +81,8 @@ def test_openai_client_chat_completion_is_correct(client, tokenizer, make_engine
     out = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=24, temperature=0)
     prompt_ids = tokenizer.encode_chat(MESSAGES)
     [ref] = make_engine(quantization=WORKER_QUANTIZATION).generate(
-        [prompt_ids], SamplingParams(temperature=0, max_tokens=24))
+        [prompt_ids], SamplingParams(temperature=0, max_tokens=24)
+    )
     assert out.choices[0].message.role == "assistant"
     assert out.choices[0].message.content == ref.text
     assert out.choices[0].finish_reason == ("length" if len(ref.output_token_ids) == 24 else "stop")
@@ -129,8 +135,9 @@ def readme_curl_example() -> str:
 def test_readme_curl_example_works(up):
     command = readme_curl_example()
     assert "127.0.0.1:8000" in command or "localhost:8000" in command
-    command = command.replace("127.0.0.1:8000", f"127.0.0.1:{up.port}").replace("localhost:8000",
-                                                                                 f"127.0.0.1:{up.port}")
+    command = command.replace("127.0.0.1:8000", f"127.0.0.1:{up.port}").replace(
+        "localhost:8000", f"127.0.0.1:{up.port}"
+    )
     result = subprocess.run(["bash", "-c", command], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     import json

@@ -8,7 +8,6 @@ tests/platform/test_gemma3.py, this one among them; `auto`, which keeps the file
 8; docs/models.md), so the answer is transformers' own greedy continuation.
 """
 
-
 import json
 import shlex
 import subprocess
@@ -21,7 +20,7 @@ pytestmark = pytest.mark.slow
 
 MODEL = "gemma3-270m"
 PROMPT = "The capital of France is"
-ANSWER = " the capital of the country of France. It is the largest"   # 12 greedy tokens
+ANSWER = " the capital of the country of France. It is the largest"  # 12 greedy tokens
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +46,7 @@ def test_the_printed_example_is_a_completion_and_it_works(up):
 def test_completions_streamed_or_not_give_the_greedy_answer(client):
     out = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0)
     assert out.choices[0].text == ANSWER
-    assert (out.usage.prompt_tokens, out.usage.completion_tokens) == (6, 12)   # <bos> + 5 pieces
+    assert (out.usage.prompt_tokens, out.usage.completion_tokens) == (6, 12)  # <bos> + 5 pieces
     stream = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0, stream=True)
     assert "".join(chunk.choices[0].text for chunk in stream if chunk.choices) == ANSWER
 

@@ -46,6 +46,7 @@ class _Channels:
             def WatchEvents(self, request):
                 channels.streams.append(_Stream())
                 return channels.streams[-1]
+
         return Stub()
 
 

@@ -51,8 +51,11 @@ def test_json_schemas_validate_greedy_sampled_streamed_both_endpoints(client):
         schema = SCHEMAS[i]
         sampling = {"temperature": 0} if i % 2 == 0 else {"temperature": 0.9, "seed": i}
         chat, stream = i % 4 < 2, i % 8 < 4
-        extra = ({"response_format": {"type": "json_schema", "json_schema": {"name": f"s{i}", "schema": schema}}}
-                 if chat and i % 3 else {"extra_body": {"structured_outputs": {"json": schema}}})
+        extra = (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": f"s{i}", "schema": schema}}}
+            if chat and i % 3
+            else {"extra_body": {"structured_outputs": {"json": schema}}}
+        )
         return ask(client, chat=chat, stream=stream, **sampling, **extra)
 
     with ThreadPoolExecutor(len(SCHEMAS)) as pool:
@@ -63,15 +66,33 @@ def test_json_schemas_validate_greedy_sampled_streamed_both_endpoints(client):
 
 
 def test_json_object_regex_and_choice_hold(client):
-    text, finish = ask(client, chat=True, stream=False, temperature=0, max_tokens=200,
-                       prompt='Repeat exactly: {"ok": true}', response_format={"type": "json_object"})
+    text, finish = ask(
+        client,
+        chat=True,
+        stream=False,
+        temperature=0,
+        max_tokens=200,
+        prompt='Repeat exactly: {"ok": true}',
+        response_format={"type": "json_object"},
+    )
     assert finish == "stop" and isinstance(json.loads(text), dict)
     for chat, stream in ((True, True), (False, False)):
-        text, finish = ask(client, chat=chat, stream=stream, temperature=1.0, seed=3,
-                           extra_body={"structured_outputs": {"regex": r"[0-9]{3}-[a-z]{2,4}"}})
+        text, finish = ask(
+            client,
+            chat=chat,
+            stream=stream,
+            temperature=1.0,
+            seed=3,
+            extra_body={"structured_outputs": {"regex": r"[0-9]{3}-[a-z]{2,4}"}},
+        )
         assert re.fullmatch(r"[0-9]{3}-[a-z]{2,4}", text) and finish == "stop", text
-        text, finish = ask(client, chat=chat, stream=stream, temperature=0,
-                           extra_body={"structured_outputs": {"choice": ["alpha", "beta", "gamma"]}})
+        text, finish = ask(
+            client,
+            chat=chat,
+            stream=stream,
+            temperature=0,
+            extra_body={"structured_outputs": {"choice": ["alpha", "beta", "gamma"]}},
+        )
         assert text in ("alpha", "beta", "gamma") and finish == "stop", text
 
 
@@ -79,20 +100,33 @@ def test_logit_bias_minus_100_on_the_greedy_token_changes_the_answer(client, tok
     for chat in (False, True):
         base, _ = ask(client, chat=chat, stream=False, prompt="The capital of France is", temperature=0, max_tokens=1)
         [token_id] = tokenizer.encode(base, add_special_tokens=False)
-        biased, _ = ask(client, chat=chat, stream=False, prompt="The capital of France is", temperature=0,
-                        max_tokens=1, logit_bias={str(token_id): -100})
+        biased, _ = ask(
+            client,
+            chat=chat,
+            stream=False,
+            prompt="The capital of France is",
+            temperature=0,
+            max_tokens=1,
+            logit_bias={str(token_id): -100},
+        )
         assert biased != base, (chat, base)
 
 
-@pytest.mark.parametrize("kw, param", [
-    ({"response_format": {"type": "xml"}}, "response_format"),
-    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nosuch"}}}},
-     "response_format"),
-    ({"extra_body": {"structured_outputs": {"regex": "([a-"}}}, "structured_outputs.regex"),
-    ({"extra_body": {"structured_outputs": {"json": "{not json"}}}, "structured_outputs.json"),
-    ({"logit_bias": {"999999": -100}}, "logit_bias"),
-    ({"logit_bias": {"5": 500}}, "logit_bias"),
-], ids=["unknown-type", "bad-schema", "bad-regex", "malformed-json", "id-outside-vocab", "bias-out-of-range"])
+@pytest.mark.parametrize(
+    "kw, param",
+    [
+        ({"response_format": {"type": "xml"}}, "response_format"),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nosuch"}}}},
+            "response_format",
+        ),
+        ({"extra_body": {"structured_outputs": {"regex": "([a-"}}}, "structured_outputs.regex"),
+        ({"extra_body": {"structured_outputs": {"json": "{not json"}}}, "structured_outputs.json"),
+        ({"logit_bias": {"999999": -100}}, "logit_bias"),
+        ({"logit_bias": {"5": 500}}, "logit_bias"),
+    ],
+    ids=["unknown-type", "bad-schema", "bad-regex", "malformed-json", "id-outside-vocab", "bias-out-of-range"],
+)
 def test_bad_input_is_a_400_naming_the_field_and_the_server_keeps_serving(client, kw, param):
     with pytest.raises(openai.BadRequestError) as info:
         client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": ASK}], max_tokens=5, **kw)
@@ -101,14 +135,31 @@ def test_bad_input_is_a_400_naming_the_field_and_the_server_keeps_serving(client
     assert finish == "length" and text
 
 
-WEATHER = {"type": "function", "function": {
-    "name": "get_weather", "description": "The weather in a city",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
-                                                    "unit": {"enum": ["celsius", "fahrenheit"]}},
-                   "required": ["city", "unit"], "additionalProperties": False}}}
-CLOCK = {"type": "function", "function": {
-    "name": "get_time", "parameters": {"type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}},
-                                       "required": ["zone"], "additionalProperties": False}}}
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 12}, "unit": {"enum": ["celsius", "fahrenheit"]}},
+            "required": ["city", "unit"],
+            "additionalProperties": False,
+        },
+    },
+}
+CLOCK = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "parameters": {
+            "type": "object",
+            "properties": {"zone": {"enum": ["UTC", "CET"]}},
+            "required": ["zone"],
+            "additionalProperties": False,
+        },
+    },
+}
 TOOL_ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 
@@ -127,11 +178,19 @@ def streamed_tool_calls(stream):
     return [calls[i] for i in sorted(calls)], finish
 
 
-@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "get_weather"}}],
-                         ids=["required", "named"])
+@pytest.mark.parametrize(
+    "tool_choice", ["required", {"type": "function", "function": {"name": "get_weather"}}], ids=["required", "named"]
+)
 def test_forced_tool_calls_validate_and_stream_the_same(client, tool_choice):
-    kw = dict(model=MODEL, messages=TOOL_ASK, tools=[WEATHER, CLOCK], tool_choice=tool_choice, temperature=0,
-              max_tokens=120, parallel_tool_calls=False)
+    kw = dict(
+        model=MODEL,
+        messages=TOOL_ASK,
+        tools=[WEATHER, CLOCK],
+        tool_choice=tool_choice,
+        temperature=0,
+        max_tokens=120,
+        parallel_tool_calls=False,
+    )
     message = client.chat.completions.create(**kw)
     choice = message.choices[0]
     assert choice.finish_reason == "tool_calls" and choice.message.content is None
@@ -148,9 +207,15 @@ def test_forced_tool_calls_validate_and_stream_the_same(client, tool_choice):
 
 def test_tool_choice_errors_and_none(client):
     with pytest.raises(openai.BadRequestError) as info:
-        client.chat.completions.create(model=MODEL, messages=TOOL_ASK, tools=[WEATHER], max_tokens=5,
-                                       tool_choice={"type": "function", "function": {"name": "nope"}})
+        client.chat.completions.create(
+            model=MODEL,
+            messages=TOOL_ASK,
+            tools=[WEATHER],
+            max_tokens=5,
+            tool_choice={"type": "function", "function": {"name": "nope"}},
+        )
     assert info.value.body["param"] == "tool_choice" and "not in tools" in info.value.body["message"]
-    plain = client.chat.completions.create(model=MODEL, messages=TOOL_ASK, tools=[WEATHER], tool_choice="none",
-                                           max_tokens=5, temperature=0)
+    plain = client.chat.completions.create(
+        model=MODEL, messages=TOOL_ASK, tools=[WEATHER], tool_choice="none", max_tokens=5, temperature=0
+    )
     assert plain.choices[0].message.tool_calls is None and plain.choices[0].message.content

@@ -17,8 +17,9 @@ TEXTS = ["Hello, world!", "  leading spaces and\ttabs\nnew lines", "naïve café
 @pytest.fixture(scope="module")
 def client(loop, tokenizer):
     worker = loop.run(FakeWorker(tokenizer=tokenizer).start())
-    server = RouterServer(loop, router_config([worker.address], gateway=GatewayConfig(api_keys=(ApiKey(KEY, "t"),))),
-                          tokenizer=tokenizer).start(num_decode=1)
+    server = RouterServer(
+        loop, router_config([worker.address], gateway=GatewayConfig(api_keys=(ApiKey(KEY, "t"),))), tokenizer=tokenizer
+    ).start(num_decode=1)
     with httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {KEY}"}, timeout=30) as http:
         yield http
     server.stop()
@@ -42,7 +43,7 @@ def test_tokenize_chat_form_is_the_chat_template(client, tokenizer):
     assert without["tokens"] == tokenizer.encode_chat(messages, False)
     assert answer["count"] > without["count"]
     text = client.post("/detokenize", json={"tokens": answer["tokens"]}).json()["prompt"]
-    assert text == tokenizer.apply_chat_template(messages, True)   # special tokens kept
+    assert text == tokenizer.apply_chat_template(messages, True)  # special tokens kept
 
 
 def test_version_and_api_keys(client, tokenizer):
@@ -51,16 +52,19 @@ def test_version_and_api_keys(client, tokenizer):
     assert denied.status_code == 401
 
 
-@pytest.mark.parametrize("path, body, status, param", [
-    ("/tokenize", {"prompt": "Hi", "model": "nope"}, 404, "model"),
-    ("/tokenize", {"prompt": 5}, 400, None),
-    ("/tokenize", {"messages": []}, 400, None),
-    ("/tokenize", {"prompt": "Hi", "unknown_field": 1}, 400, None),
-    ("/tokenize", {"messages": [{"role": 5, "content": "x"}]}, 400, None),
-    ("/detokenize", {"tokens": [10, 10**9]}, 400, "tokens"),
-    ("/detokenize", {"tokens": [-1]}, 400, "tokens"),
-    ("/detokenize", {"tokens": "abc"}, 400, "tokens"),
-])
+@pytest.mark.parametrize(
+    "path, body, status, param",
+    [
+        ("/tokenize", {"prompt": "Hi", "model": "nope"}, 404, "model"),
+        ("/tokenize", {"prompt": 5}, 400, None),
+        ("/tokenize", {"messages": []}, 400, None),
+        ("/tokenize", {"prompt": "Hi", "unknown_field": 1}, 400, None),
+        ("/tokenize", {"messages": [{"role": 5, "content": "x"}]}, 400, None),
+        ("/detokenize", {"tokens": [10, 10**9]}, 400, "tokens"),
+        ("/detokenize", {"tokens": [-1]}, 400, "tokens"),
+        ("/detokenize", {"tokens": "abc"}, 400, "tokens"),
+    ],
+)
 def test_bad_input_is_a_clear_4xx(client, path, body, status, param):
     response = client.post(path, json=body)
     assert response.status_code == status, response.text

@@ -14,9 +14,14 @@ from splitserve.router.api.tools import (
     stream_deltas,
 )
 
-WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
-                                            "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
-                                                           "required": ["city"]}}}
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Weather in a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
 TIME = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}}}
 
 
@@ -24,11 +29,17 @@ def request(**kw):
     return ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "hi"}], tools=[WEATHER, TIME], **kw)
 
 
-@pytest.mark.parametrize("parser, text", [
-    ("hermes", 'Let me check.<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
-               '<tool_call>{"name": "get_time", "arguments": {}}</tool_call>'),
-    ("json", '[{"name": "get_weather", "arguments": {"city": "Paris"}}, {"name": "get_time", "arguments": {}}]'),
-])
+@pytest.mark.parametrize(
+    "parser, text",
+    [
+        (
+            "hermes",
+            'Let me check.<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+            '<tool_call>{"name": "get_time", "arguments": {}}</tool_call>',
+        ),
+        ("json", '[{"name": "get_weather", "arguments": {"city": "Paris"}}, {"name": "get_time", "arguments": {}}]'),
+    ],
+)
 def test_auto_parsers_read_scripted_outputs(parser, text):
     plan, forced = plan_tools(request(), parser)
     assert forced is None and not plan.forced
@@ -37,8 +48,14 @@ def test_auto_parsers_read_scripted_outputs(parser, text):
     assert content == ("Let me check." if parser == "hermes" else None)
 
 
-@pytest.mark.parametrize("text", ["The weather is nice.", "<tool_call>{broken</tool_call>",
-                                  '<tool_call>{"name": "unknown", "arguments": {}}</tool_call>'])
+@pytest.mark.parametrize(
+    "text",
+    [
+        "The weather is nice.",
+        "<tool_call>{broken</tool_call>",
+        '<tool_call>{"name": "unknown", "arguments": {}}</tool_call>',
+    ],
+)
 def test_auto_without_a_valid_call_is_plain_content(text):
     plan, _ = plan_tools(request(), "hermes")
     assert parse_calls(plan, text) == (text, [])
@@ -57,8 +74,9 @@ def test_forced_plans_and_errors():
         plan_tools(request(tool_choice={"type": "function", "function": {"name": "nope"}}), "hermes")
     assert info.value.param == "tool_choice"
     with pytest.raises(APIError, match="tools\\[0\\]"):
-        plan_tools(ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "x"}], tools=[{"x": 1}]),
-                   "hermes")
+        plan_tools(
+            ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "x"}], tools=[{"x": 1}]), "hermes"
+        )
 
 
 def test_default_block_and_stream_deltas_reassemble():

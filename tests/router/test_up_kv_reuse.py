@@ -50,7 +50,7 @@ def test_each_worker_gets_the_tier_and_pull_flags_its_parser_accepts(monkeypatch
 def test_without_the_flags_the_workers_get_their_defaults(monkeypatch):
     for argv in worker_argvs(monkeypatch, parse()).values():
         worker = build_parser().parse_args(["worker", *argv])
-        assert kv_tier_config(worker) is None                         # no second tier
+        assert kv_tier_config(worker) is None  # no second tier
         assert worker.max_pull_blocks == 1024 and not worker.no_kv_pull
 
 
@@ -92,7 +92,7 @@ def test_bad_values_exit_2_naming_what_is_allowed(capsys, tmp_path, monkeypatch)
     for argv, message in cases:
         try:
             rc = main(["up", "--no-tls", *argv])
-        except SystemExit as exc:   # argparse's usage errors
+        except SystemExit as exc:  # argparse's usage errors
             rc = exc.code
         assert rc == 2, argv
         assert message in capsys.readouterr().err, argv

@@ -16,9 +16,12 @@ from splitserve.planner.profile import CapacityProfile, DecodePoint, PrefillPoin
 from splitserve.planner.shipped import SOURCES, shipped_profile
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-MEASURED = CapacityProfile(prefill=(PrefillPoint(128, 900.0), PrefillPoint(1024, 700.0)),
-                           decode=(DecodePoint(256, 1, 20.0, 0.05), DecodePoint(256, 4, 40.0, 0.1)),
-                           kv_tokens=10000, meta={"cpu_count": 8, "threads": 1, "measured": "2026-11-26T08:00:00Z"})
+MEASURED = CapacityProfile(
+    prefill=(PrefillPoint(128, 900.0), PrefillPoint(1024, 700.0)),
+    decode=(DecodePoint(256, 1, 20.0, 0.05), DecodePoint(256, 4, 40.0, 0.1)),
+    kv_tokens=10000,
+    meta={"cpu_count": 8, "threads": 1, "measured": "2026-11-26T08:00:00Z"},
+)
 
 
 def test_the_default_model_has_a_shipped_profile_identical_to_the_benchmarked_one():
@@ -43,6 +46,7 @@ class FakeProfileRun:
 
         class Done:
             returncode, stderr = self.returncode, "profile: out of memory\n"
+
         return Done()
 
 
@@ -51,8 +55,10 @@ def test_the_default_model_plans_with_the_shipped_profile_and_says_so(tmp_path, 
     path = resolve_profile("smollm2-135m", None, cores=2, cache_home=str(tmp_path), run=run)
     assert path == str(shipped_profile("smollm2-135m")) and run.calls == []
     err = capsys.readouterr().err
-    assert "splitserve up: planner: using the capacity profile shipped for smollm2-135m (measured on 2 CPU cores, " \
-           "1 thread(s) at 2026-11-23T09:12:33Z)" in err
+    assert (
+        "splitserve up: planner: using the capacity profile shipped for smollm2-135m (measured on 2 CPU cores, "
+        "1 thread(s) at 2026-11-23T09:12:33Z)" in err
+    )
     assert resolve_profile("smollm2-135m", "/mine.json", run=run) == "/mine.json"
 
 
@@ -75,7 +81,10 @@ def test_another_model_is_measured_once_with_a_progress_line_then_cached(tmp_pat
 
 
 def test_a_failed_measurement_says_what_to_do_and_caches_nothing(tmp_path):
-    with pytest.raises(SystemExit, match=r"measuring a capacity profile for m failed \(exit 1\):\n"
-                                         r"profile: out of memory\n\npass one with --profile"):
+    with pytest.raises(
+        SystemExit,
+        match=r"measuring a capacity profile for m failed \(exit 1\):\n"
+        r"profile: out of memory\n\npass one with --profile",
+    ):
         resolve_profile("m", None, cores=2, cache_home=str(tmp_path), run=FakeProfileRun(returncode=1))
     assert list(tmp_path.rglob("*.json")) == [] and list(tmp_path.rglob("*.partial")) == []

@@ -16,6 +16,7 @@ def reference(make_engine):
     def ref(token_ids, max_tokens=8):
         [out] = engine.generate([token_ids], SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
         return out.output_token_ids
+
     return ref
 
 

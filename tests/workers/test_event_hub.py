@@ -19,7 +19,7 @@ def test_subscription_starts_with_snapshot_and_latest_load():
     async def main():
         hub = EventHub(asyncio.get_running_loop(), pb.WorkerInfo(worker_id="w1", role="decode"))
         hub.publish([BlockStored(block_hashes=[b"a" * 32, b"b" * 32], parent_hash=None)])
-        await asyncio.sleep(0)                       # publish hops through call_soon_threadsafe
+        await asyncio.sleep(0)  # publish hops through call_soon_threadsafe
         hub.send_load(pb.LoadReport(num_running=3, kv_usage=0.25))
         msgs = await asyncio.wait_for(first_messages(hub, 4), 5)
         assert [m.WhichOneof("payload") for m in msgs] == ["info", "kv", "kv", "load"]

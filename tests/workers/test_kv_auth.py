@@ -61,7 +61,7 @@ def test_wrong_or_missing_token_is_refused_and_the_worker_keeps_serving(pair, lo
     assert loop.run_until_complete(_knock(kind, d.kv_port, derive_key(b"another-service-secret-000"))) is None
     assert loop.run_until_complete(_knock(kind, d.kv_port, None)) is None
     assert d.metric("splitserve_kv_auth_failures_total") - before == 2
-    deadline = time.monotonic() + 30   # the log line reaches us through the process's stdout pipe
+    deadline = time.monotonic() + 30  # the log line reaches us through the process's stdout pipe
     while "rejected a KV transfer connection: wrong KV-transfer proof" not in d.log():
         assert time.monotonic() < deadline, d.log()[-2000:]
         time.sleep(0.05)
@@ -95,8 +95,10 @@ def test_a_worker_started_by_hand_without_a_secret_says_so_in_its_log_and_metric
     try:
         assert w.metric("splitserve_kv_auth_enabled") == 0 and w.metric("splitserve_grpc_tls_enabled") == 0
         log = w.log()
-        assert f"INSECURE: no --kv-secret-file: this decode worker accepts KV blocks from anyone who can reach port " \
-               f"{w.kv_port}" in log
+        assert (
+            f"INSECURE: no --kv-secret-file: this decode worker accepts KV blocks from anyone who can reach port "
+            f"{w.kv_port}" in log
+        )
         assert "INSECURE: no --tls-cert/--tls-key/--tls-ca" in log
     finally:
         w.terminate()

@@ -78,6 +78,7 @@ def test_the_honest_sender_authenticates_and_delivers():
         await sender.close()
         await receiver.close()
         return status, written, receiver.num_auth_failures
+
     status, written, failures = asyncio.run(main())
     assert status.state.name == "DONE" and sorted(written) == [0, 1] and failures == 0
 
@@ -86,6 +87,7 @@ def test_a_relaying_rogue_receiver_gets_the_honest_senders_proof_refused():
     """The rogue relays the whole handshake between an honest prefill worker (which dialed the
     rogue) and the real decode worker; the proof names the rogue's address, so the decode
     worker refuses it, and the honest sender, getting no receiver proof, sends nothing."""
+
     async def main():
         receiver = await decode_receiver()
         relay = ByteRelay(port_of(receiver.address))
@@ -103,7 +105,8 @@ def test_a_relaying_rogue_receiver_gets_the_honest_senders_proof_refused():
         await relay.close()
         await receiver.close()
         return relay.num_connections, receiver.num_auth_failures
-    written: list[int] = []   # layers written; the callback records, the test asserts (a raise there is swallowed)
+
+    written: list[int] = []  # layers written; the callback records, the test asserts (a raise there is swallowed)
     assert asyncio.run(main()) == (1, 1)
     assert written == [], "a relayed block was written"
 
@@ -116,10 +119,12 @@ def test_a_rogue_receiver_without_the_secret_gets_no_blocks():
     async def main():
         async def rogue(reader, writer):
             from splitserve.workers.transfer.stream import encode_header
+
             writer.write(encode_header({"type": "challenge", "nonce": "ab" * 16}))
             await writer.drain()
             n = int.from_bytes(await reader.readexactly(4), "little")
             import json
+
             msg = json.loads(await reader.readexactly(n))
             seen.append(msg)
             writer.write(encode_header({"type": "auth_ok", "mac": msg["mac"]}))
@@ -127,6 +132,7 @@ def test_a_rogue_receiver_without_the_secret_gets_no_blocks():
             with contextlib.suppress(Exception):
                 while data := await reader.read(65536):
                     seen.append({"bytes": len(data)})
+
         server = await asyncio.start_server(rogue, "127.0.0.1", 0)
         address = f"tcp://127.0.0.1:{server.sockets[0].getsockname()[1]}"
         sender = make_sender("tcp", auth_key=KEY)
@@ -135,8 +141,9 @@ def test_a_rogue_receiver_without_the_secret_gets_no_blocks():
         await sender.close()
         await asyncio.sleep(0.1)
         server.close()
+
     asyncio.run(main())
-    assert [m.get("op") for m in seen] == ["auth"]   # the handshake answer, then nothing
+    assert [m.get("op") for m in seen] == ["auth"]  # the handshake answer, then nothing
 
 
 def test_a_replayed_proof_and_an_untagged_open_are_refused():
@@ -146,7 +153,7 @@ def test_a_replayed_proof_and_an_untagged_open_are_refused():
 
     async def main():
         receiver = await decode_receiver()
-        sender = TcpSender()   # no key: we play the peer by hand
+        sender = TcpSender()  # no key: we play the peer by hand
         channel = await sender._connect(receiver.address.removeprefix("tcp://"))
         challenge = await channel.recv()
         ns = "cd" * 16
@@ -154,13 +161,14 @@ def test_a_replayed_proof_and_an_untagged_open_are_refused():
         await channel.send({"op": "auth", "nonce": ns, "mac": recorded})
         assert (await channel.recv())["type"] == "auth_ok"
         receiver.expect("req-2/0123456789ab", LAYOUT, 1, lambda *a: written.append(a[0]), 10)
-        await channel.send({"op": "open", "transfer_id": "req-2/0123456789ab", "layout": LAYOUT.to_dict(),
-                            "num_blocks": 1})
+        await channel.send(
+            {"op": "open", "transfer_id": "req-2/0123456789ab", "layout": LAYOUT.to_dict(), "num_blocks": 1}
+        )
         with pytest.raises(ChannelClosed):
             await asyncio.wait_for(channel.recv(), 10)
         await channel.close()
         replay = await sender._connect(receiver.address.removeprefix("tcp://"))
-        await replay.recv()   # a new challenge, with a new nonce
+        await replay.recv()  # a new challenge, with a new nonce
         await replay.send({"op": "auth", "nonce": ns, "mac": recorded})
         with pytest.raises(ChannelClosed):
             await asyncio.wait_for(replay.recv(), 10)
@@ -168,6 +176,7 @@ def test_a_replayed_proof_and_an_untagged_open_are_refused():
         receiver.abort("req-2/0123456789ab")
         await receiver.close()
         return receiver.num_auth_failures
-    written: list[int] = []   # layers written; the callback records, the test asserts (a raise there is swallowed)
+
+    written: list[int] = []  # layers written; the callback records, the test asserts (a raise there is swallowed)
     assert asyncio.run(main()) == 2
     assert written == [], "an untagged open wrote a block"

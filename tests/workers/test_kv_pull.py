@@ -26,21 +26,23 @@ from splitserve.platform.wire import worker_pb2_grpc as pb_grpc
 
 pytestmark = pytest.mark.slow
 
-NUM_TOKENS = 300                          # 18 full blocks below the last prompt token
+NUM_TOKENS = 300  # 18 full blocks below the last prompt token
 NUM_PULL_BLOCKS = (NUM_TOKENS - 1) // 16
 
 
 async def generate(address: str, token_ids, holder: str = "", num_blocks: int = 0, max_tokens: int = 8):
     async with worker_channel(address) as channel:
         request = pb.GenerateRequest(
-            request_id=f"t-{time.monotonic_ns()}", prompt_token_ids=token_ids,
+            request_id=f"t-{time.monotonic_ns()}",
+            prompt_token_ids=token_ids,
             params=pb.SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True),
-            disaggregation=pb.DISAGGREGATION_MODE_NEVER)
+            disaggregation=pb.DISAGGREGATION_MODE_NEVER,
+        )
         if holder:
             request.kv_pull.CopyFrom(pb.KVPull(holder=holder, num_blocks=num_blocks))
         msgs = [m async for m in pb_grpc.WorkerStub(channel).Generate(request)]
     last = msgs[-1]
-    last.timings.CopyFrom(msgs[0].timings)   # the timings come with the first message
+    last.timings.CopyFrom(msgs[0].timings)  # the timings come with the first message
     return [t for m in msgs for t in m.token_ids], last
 
 
@@ -120,26 +122,45 @@ def test_blocks_evicted_before_the_pull_are_recomputed(small_holder, tcp_puller,
     assert got == reference(tokens) and last.usage.pulled_tokens == 0
     assert "no longer cached here (evicted)" in b.log()
 
-    async def direct():   # what B was told: FAILED_PRECONDITION, nothing sent
+    async def direct():  # what B was told: FAILED_PRECONDITION, nothing sent
         async with worker_channel(small_holder.address) as ch:
             with pytest.raises(grpc.aio.AioRpcError) as err:
-                await pb_grpc.WorkerStub(ch).Prefill(pb.PrefillRequest(
-                    request_id="x", prompt_token_ids=tokens, cached_only=True, skip_blocks=0, num_blocks=2,
-                    block_hashes=[b"\0" * 16] * 2, transfer_id="t", kv_address="tcp://127.0.0.1:1",
-                    layout=pb.KVLayout(model_id="smollm2-135m", dtype="float16", block_size=16, num_layers=30,
-                                       num_kv_heads=3, head_dim=64, weights="auto")))
+                await pb_grpc.WorkerStub(ch).Prefill(
+                    pb.PrefillRequest(
+                        request_id="x",
+                        prompt_token_ids=tokens,
+                        cached_only=True,
+                        skip_blocks=0,
+                        num_blocks=2,
+                        block_hashes=[b"\0" * 16] * 2,
+                        transfer_id="t",
+                        kv_address="tcp://127.0.0.1:1",
+                        layout=pb.KVLayout(
+                            model_id="smollm2-135m",
+                            dtype="float16",
+                            block_size=16,
+                            num_layers=30,
+                            num_kv_heads=3,
+                            head_dim=64,
+                            weights="auto",
+                        ),
+                    )
+                )
             return err.value
+
     err = run(direct())
     assert err.code() == grpc.StatusCode.FAILED_PRECONDITION and "not this worker's hashes" in err.details()
     assert_clean(small_holder, b)
 
 
-@pytest.mark.parametrize("holder_args, env, message, salt", [
-    ((), {"SPLITSERVE_FAULT_TAMPER_PULL": "1"}, "digest mismatch", 16),
-    (("--kv-cache-dtype", "float32"), {}, "KV layout mismatch", 20),
-])
-def test_tampered_or_mismatched_pull_is_rejected_and_recomputed(holder_args, env, message, salt, tcp_puller,
-                                                               reference):
+@pytest.mark.parametrize(
+    "holder_args, env, message, salt",
+    [
+        ((), {"SPLITSERVE_FAULT_TAMPER_PULL": "1"}, "digest mismatch", 16),
+        (("--kv-cache-dtype", "float32"), {}, "KV layout mismatch", 20),
+    ],
+)
+def test_tampered_or_mismatched_pull_is_rejected_and_recomputed(holder_args, env, message, salt, tcp_puller, reference):
     a = WorkerProc("both", "tcp", *holder_args, env=env).start()
     b = tcp_puller
     try:
@@ -169,6 +190,7 @@ def test_pull_racing_evictions_on_the_holder(small_holder, tcp_puller, reference
         load = [generate(small_holder.address, prompt(1500, salt=s), max_tokens=1) for s in (18, 19)]
         pulled = generate(b.address, tokens, small_holder.address, NUM_PULL_BLOCKS)
         return (await asyncio.gather(pulled, *load))[0]
+
     got, last = run(race())
     assert got == reference(tokens) and last.usage.pulled_tokens in (0, NUM_PULL_BLOCKS * 16)
     assert_clean(small_holder, b)

@@ -51,7 +51,6 @@ def _append(layers: dict, layer: int, first: int, t: torch.Tensor) -> None:
     layers[layer] = t.clone() if have is None else torch.cat((have, t), dim=1)
 
 
-
 async def _serve_commands(kind: str, conn) -> None:
     receiver = make_receiver(kind, "127.0.0.1", 0)
     await receiver.start()
@@ -62,8 +61,13 @@ async def _serve_commands(kind: str, conn) -> None:
         if cmd == "expect":
             tid, layout, num_blocks, deadline_s = args
             received[tid] = {}
-            receiver.expect(tid, KVLayout.from_dict(layout), num_blocks,
-                            lambda layer, t, first: _append(received[tid], layer, first, t), deadline_s)
+            receiver.expect(
+                tid,
+                KVLayout.from_dict(layout),
+                num_blocks,
+                lambda layer, t, first: _append(received[tid], layer, first, t),
+                deadline_s,
+            )
         elif cmd == "wait":
             t0 = time.monotonic()
             status = await receiver.wait(args[0])
@@ -184,7 +188,11 @@ def test_layers_arrive_bit_identical(remote, run, dtype):
 
     handle, status, received, num_transfers = run(go())
     assert (status.state, status.num_layers_done, status.num_bytes, status.error) == (
-        TransferState.DONE, 4, 4 * layer_bytes, None)
+        TransferState.DONE,
+        4,
+        4 * layer_bytes,
+        None,
+    )
     assert handle.bytes_sent == 4 * layer_bytes and handle.error is None
     assert sorted(received) == [0, 1, 2, 3]
     for layer, p in enumerate(payloads):
@@ -360,7 +368,10 @@ def test_three_interleaved_transfers(remote, run):
     out, got, pooled, reused, num_transfers = run(go())
     for tid, n in sizes.items():
         assert (out[tid].state, out[tid].num_layers_done, out[tid].num_bytes) == (
-            TransferState.DONE, 4, 4 * LAYOUT.layer_payload_nbytes(n))
+            TransferState.DONE,
+            4,
+            4 * LAYOUT.layer_payload_nbytes(n),
+        )
         for layer in range(4):
             assert torch.equal(bits(got[tid][layer]), bits(payloads[tid][layer]))
     assert pooled == (3, 3) and reused == 3

@@ -29,8 +29,16 @@ def payload(layout=LAYOUT, num_blocks=NUM_BLOCKS, value=1.0):
 # -- the layout descriptor ---------------------------------------------------------------------
 def test_layout_round_trips_and_sizes():
     assert KVLayout.from_dict(LAYOUT.to_dict()) == LAYOUT
-    assert LAYOUT.to_dict() == {"model_id": "smollm2-135m", "dtype": "float32", "block_size": 16, "num_layers": 4,
-                                "num_kv_heads": 3, "head_dim": 64, "weights": "none", "lora_digest": ""}
+    assert LAYOUT.to_dict() == {
+        "model_id": "smollm2-135m",
+        "dtype": "float32",
+        "block_size": 16,
+        "num_layers": 4,
+        "num_kv_heads": 3,
+        "head_dim": 64,
+        "weights": "none",
+        "lora_digest": "",
+    }
     # a peer from before the `weights` field: its layout reads as "none"
     assert KVLayout.from_dict({k: v for k, v in LAYOUT.to_dict().items() if k != "weights"}) == LAYOUT
     assert LAYOUT.layer_payload_shape(94) == (2, 94, 16, 3, 64)
@@ -49,9 +57,11 @@ def test_kv_from_another_adapter_is_a_layout_mismatch():
     """Same adapter name, other weights: the digests differ, so the KV would not be the decode's."""
     a, b = "ab" * 32, "cd" * 32
     with pytest.raises(LayoutMismatchError, match=f"lora_digest: expected '{a}', got '{b}'") as err:
-        KVLayout(**{**LAYOUT.to_dict(), "lora_digest": a}).check_compatible(KVLayout(**{**LAYOUT.to_dict(), "lora_digest": b}))
+        KVLayout(**{**LAYOUT.to_dict(), "lora_digest": a}).check_compatible(
+            KVLayout(**{**LAYOUT.to_dict(), "lora_digest": b})
+        )
     assert list(err.value.mismatches) == ["lora_digest"]
-    with pytest.raises(LayoutMismatchError, match=f"lora_digest: expected '', got '{a}'"):   # base KV vs adapter KV
+    with pytest.raises(LayoutMismatchError, match=f"lora_digest: expected '', got '{a}'"):  # base KV vs adapter KV
         LAYOUT.check_compatible(KVLayout(**{**LAYOUT.to_dict(), "lora_digest": a}))
     with pytest.raises(ValueError, match="lora_digest must be '' or 64 hex digits"):
         KVLayout(**{**LAYOUT.to_dict(), "lora_digest": "xyz"})
@@ -64,7 +74,8 @@ def test_layout_mismatch_names_every_field_with_both_values():
     assert str(err.value) == (
         "KV layout mismatch: model_id: expected 'smollm2-135m', got 'qwen'; dtype: expected 'float32', got "
         "'bfloat16'; block_size: expected 16, got 32; num_layers: expected 4, got 5; num_kv_heads: expected 3, "
-        "got 2; head_dim: expected 64, got 128")
+        "got 2; head_dim: expected 64, got 128"
+    )
     assert err.value.mismatches["num_kv_heads"] == (3, 2) and len(err.value.mismatches) == 6
     assert isinstance(err.value, TransferError)
 
@@ -100,8 +111,9 @@ async def setup(deadline_s=10.0, write_layer=None):
     receiver = make_receiver("inproc")
     await receiver.start()
     written = {}
-    receiver.expect("t", LAYOUT, NUM_BLOCKS, write_layer or (lambda i, t, first: written.__setitem__(i, t.clone())),
-                    deadline_s)
+    receiver.expect(
+        "t", LAYOUT, NUM_BLOCKS, write_layer or (lambda i, t, first: written.__setitem__(i, t.clone())), deadline_s
+    )
     sender = make_sender("inproc")
     handle = await sender.open(receiver.address, "t", LAYOUT, NUM_BLOCKS)
     return receiver, sender, handle, written
@@ -120,13 +132,18 @@ def test_send_layer_checks_its_arguments():
     async def go():
         receiver, sender, handle, _ = await setup()
         errors = []
-        for layer, p, first in [(0, payload()[:, :1], 0), (0, payload().to(torch.bfloat16), 0),
-                                (0, payload().transpose(3, 4), 0), (4, payload(), 0), (1, payload(num_blocks=1), 1)]:
+        for layer, p, first in [
+            (0, payload()[:, :1], 0),
+            (0, payload().to(torch.bfloat16), 0),
+            (0, payload().transpose(3, 4), 0),
+            (4, payload(), 0),
+            (1, payload(num_blocks=1), 1),
+        ]:
             with pytest.raises(ValueError) as err:
                 await handle.send_layer(layer, p, first)
             errors.append(str(err.value))
         await handle.send_layer(2, payload())
-        with pytest.raises(ValueError) as err:    # layer 2 is complete: nothing more of it
+        with pytest.raises(ValueError) as err:  # layer 2 is complete: nothing more of it
             await handle.send_layer(2, payload(num_blocks=1), 2)
         errors.append(str(err.value))
         await handle.abort()
@@ -137,8 +154,10 @@ def test_send_layer_checks_its_arguments():
         return errors, status
 
     errors, status = asyncio.run(go())
-    assert errors[0] == ("layer payload must be a contiguous float32 tensor of shape (2, 2, 16, 3, 64) (or fewer "
-                         "blocks), got torch.float32 (2, 1, 16, 3, 64) (contiguous=False)")
+    assert errors[0] == (
+        "layer payload must be a contiguous float32 tensor of shape (2, 2, 16, 3, 64) (or fewer "
+        "blocks), got torch.float32 (2, 1, 16, 3, 64) (contiguous=False)"
+    )
     assert "got torch.bfloat16 (2, 2, 16, 3, 64) (contiguous=True)" in errors[1]
     assert "got torch.float32 (2, 2, 16, 64, 3) (contiguous=False)" in errors[2]
     assert errors[3] == "layer 4 is outside 0..3"
@@ -166,10 +185,12 @@ def test_write_layer_raising_fails_the_transfer():
 def test_layers_in_pieces_land_in_order():
     """With chunked prefill a layer goes in pieces, one per chunk: write_layer sees each piece
     with its first block; the transfer is DONE once every block of every layer landed."""
+
     async def go():
         pieces = []
         receiver, sender, handle, _ = await setup(
-            write_layer=lambda layer, t, first: pieces.append((layer, first, t[0, :, 0, 0, 0].tolist())))
+            write_layer=lambda layer, t, first: pieces.append((layer, first, t[0, :, 0, 0, 0].tolist()))
+        )
         for layer in range(4):
             await handle.send_layer(layer, payload(num_blocks=1, value=1.0), 0)
         for layer in range(4):
@@ -193,9 +214,14 @@ def test_duplicate_layer_and_missing_layers_fail():
         return await outcome(receiver, handle)
 
     message, status = asyncio.run(go([0, 0]))
-    assert message == status.error == (
-        "protocol error: layer 0, blocks from 0, 49152 bytes (expected layers 0...3, "
-        "each layer's 2 blocks once and in order in pieces of whole blocks of 24576 bytes; layer 0 has 2 so far)")
+    assert (
+        message
+        == status.error
+        == (
+            "protocol error: layer 0, blocks from 0, 49152 bytes (expected layers 0...3, "
+            "each layer's 2 blocks once and in order in pieces of whole blocks of 24576 bytes; layer 0 has 2 so far)"
+        )
+    )
     message, status = asyncio.run(go([0, 2]))
     assert message == status.error == "sender finished after 2 of 4 layers"
     assert (status.state, status.num_layers_done, status.num_bytes) == (TransferState.FAILED, 2, 2 * 49152)

@@ -9,8 +9,13 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 def test_generated_modules_match_the_proto():
-    proc = subprocess.run([sys.executable, "-m", "splitserve.platform.wire.generate", "--check"], cwd=ROOT,
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "splitserve.platform.wire.generate", "--check"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 

@@ -15,7 +15,7 @@ from splitserve.platform.wire import worker_pb2_grpc as pb_grpc
 
 pytestmark = pytest.mark.slow
 
-BYTES_PER_BLOCK_LAYER = 2 * 16 * 3 * 64 * 2   # K+V of one block of one layer, SmolLM2, float16 KV (auto)
+BYTES_PER_BLOCK_LAYER = 2 * 16 * 3 * 64 * 2  # K+V of one block of one layer, SmolLM2, float16 KV (auto)
 NUM_LAYERS = 30
 
 
@@ -23,14 +23,18 @@ def prompt(n: int, salt: int = 0) -> list[int]:
     return [(i * 7919 + salt * 104729) % 40000 + 100 for i in range(n)]
 
 
-async def generate(address: str, token_ids, prefill_workers=(), mode=pb.DISAGGREGATION_MODE_ALWAYS,
-                   max_tokens=8, req_id=None, **params):
+async def generate(
+    address: str, token_ids, prefill_workers=(), mode=pb.DISAGGREGATION_MODE_ALWAYS, max_tokens=8, req_id=None, **params
+):
     async with worker_channel(address) as channel:
         stub = pb_grpc.WorkerStub(channel)
         request = pb.GenerateRequest(
-            request_id=req_id or f"t-{time.monotonic_ns()}", prompt_token_ids=token_ids,
+            request_id=req_id or f"t-{time.monotonic_ns()}",
+            prompt_token_ids=token_ids,
             params=pb.SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, **params),
-            prefill_workers=list(prefill_workers), disaggregation=mode)
+            prefill_workers=list(prefill_workers),
+            disaggregation=mode,
+        )
         msgs = [m async for m in stub.Generate(request)]
     return [t for m in msgs for t in m.token_ids], msgs[-1]
 
@@ -64,7 +68,7 @@ def test_only_missing_blocks_travel(pair, reference):
     d, p = pair
     turn1 = prompt(200, salt=77)
     turn2 = turn1 + prompt(90, salt=78)
-    run(generate(d.address, turn1, mode=pb.DISAGGREGATION_MODE_NEVER))   # D caches 12 full blocks
+    run(generate(d.address, turn1, mode=pb.DISAGGREGATION_MODE_NEVER))  # D caches 12 full blocks
     before = d.metric('splitserve_kv_transfer_bytes_sum{direction="in"}')
     tokens, last = run(generate(d.address, turn2, [p.address]))
     moved = d.metric('splitserve_kv_transfer_bytes_sum{direction="in"}') - before
@@ -75,10 +79,10 @@ def test_only_missing_blocks_travel(pair, reference):
 
 def test_conditional_mode_prefills_short_prompts_locally(pair, reference):
     d, p = pair
-    before = d.metric('splitserve_remote_prefills_total')
+    before = d.metric("splitserve_remote_prefills_total")
     tokens, last = run(generate(d.address, prompt(40, salt=5), [p.address], mode=pb.DISAGGREGATION_MODE_CONDITIONAL))
-    assert last.prefill_worker == ""   # 40 uncached tokens < the default threshold of 256
-    assert d.metric('splitserve_remote_prefills_total') == before
+    assert last.prefill_worker == ""  # 40 uncached tokens < the default threshold of 256
+    assert d.metric("splitserve_remote_prefills_total") == before
     assert tokens == reference(prompt(40, salt=5))
 
 
@@ -87,15 +91,20 @@ def test_cancel_during_prefill_and_decode_frees_blocks_on_both(pair):
 
     async def cancel_after(delay, n, max_tokens):
         async with worker_channel(d.address) as channel:
-            call = pb_grpc.WorkerStub(channel).Generate(pb.GenerateRequest(
-                request_id=f"cancel-{n}-{max_tokens}", prompt_token_ids=prompt(n, salt=900 + n),
-                params=pb.SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True),
-                prefill_workers=[p.address], disaggregation=pb.DISAGGREGATION_MODE_ALWAYS))
+            call = pb_grpc.WorkerStub(channel).Generate(
+                pb.GenerateRequest(
+                    request_id=f"cancel-{n}-{max_tokens}",
+                    prompt_token_ids=prompt(n, salt=900 + n),
+                    params=pb.SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True),
+                    prefill_workers=[p.address],
+                    disaggregation=pb.DISAGGREGATION_MODE_ALWAYS,
+                )
+            )
             await asyncio.sleep(delay)
             call.cancel()
 
-    run(cancel_after(0.3, 1500, 8))      # while the prefill worker computes
-    run(cancel_after(3.0, 64, 2000))     # while the decode worker streams
+    run(cancel_after(0.3, 1500, 8))  # while the prefill worker computes
+    run(cancel_after(3.0, 64, 2000))  # while the decode worker streams
     for w in (d, p):
         state = w.wait_idle()
         assert state["invariants_ok"], state
@@ -104,13 +113,19 @@ def test_cancel_during_prefill_and_decode_frees_blocks_on_both(pair):
 
 def test_health_ready_and_metrics_names(pair):
     d, p = pair
-    run(generate(d.address, prompt(40, salt=6), [p.address]))   # one transfer, so the histograms have a sample
+    run(generate(d.address, prompt(40, salt=6), [p.address]))  # one transfer, so the histograms have a sample
     for w in (d, p):
         assert w.get("/health")[0] == 200 and w.get("/ready")[0] == 200
         assert w.get("/nope")[0] == 404
     text = d.get("/metrics")[1].decode()
-    for name in ("vllm:num_requests_waiting", "vllm:num_requests_running", "vllm:kv_cache_usage_perc",
-                 "vllm:cache_config_info", "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total"):
+    for name in (
+        "vllm:num_requests_waiting",
+        "vllm:num_requests_running",
+        "vllm:kv_cache_usage_perc",
+        "vllm:cache_config_info",
+        "vllm:prefix_cache_queries_total",
+        "vllm:prefix_cache_hits_total",
+    ):
         assert f"\n{name}{{" in text, name
     assert d.metric("splitserve_time_to_first_token_seconds_count") >= 1
     assert d.metric("splitserve_inter_token_latency_seconds_count") >= 1
@@ -126,12 +141,16 @@ def test_prefix_cache_metrics_count_each_request_once(pair):
     run(generate(d.address, ids, mode=pb.DISAGGREGATION_MODE_NEVER))
     queries, hits = d.metric("vllm:prefix_cache_queries_total"), d.metric("vllm:prefix_cache_hits_total")
     _, last = run(generate(d.address, ids, mode=pb.DISAGGREGATION_MODE_NEVER))
-    assert last.usage.cached_tokens == 32   # two full blocks of 40 tokens
-    deadline = time.monotonic() + 10        # a scrape brings the counters up to date (test_worker_metrics_units)
-    while (d.metric("vllm:prefix_cache_queries_total") - queries, d.metric("vllm:prefix_cache_hits_total") - hits) \
-            != (40, 32):
-        assert time.monotonic() < deadline, (d.metric("vllm:prefix_cache_queries_total") - queries,
-                                             d.metric("vllm:prefix_cache_hits_total") - hits)
+    assert last.usage.cached_tokens == 32  # two full blocks of 40 tokens
+    deadline = time.monotonic() + 10  # a scrape brings the counters up to date (test_worker_metrics_units)
+    while (d.metric("vllm:prefix_cache_queries_total") - queries, d.metric("vllm:prefix_cache_hits_total") - hits) != (
+        40,
+        32,
+    ):
+        assert time.monotonic() < deadline, (
+            d.metric("vllm:prefix_cache_queries_total") - queries,
+            d.metric("vllm:prefix_cache_hits_total") - hits,
+        )
         time.sleep(0.1)
 
 
@@ -150,8 +169,8 @@ def test_concurrent_requests_sharing_a_prompt_compute_it_once(pair, reference):
     results = run(both())
     for p, (tokens, _) in zip(prompts, results):
         assert tokens == reference(p)
-    assert sorted(last.usage.cached_tokens for _, last in results) == [0, 1488]   # the 93 whole shared blocks
-    deadline = time.monotonic() + 10        # the counter follows the worker's load reports
+    assert sorted(last.usage.cached_tokens for _, last in results) == [0, 1488]  # the 93 whole shared blocks
+    deadline = time.monotonic() + 10  # the counter follows the worker's load reports
     while d.metric("splitserve_prefix_waits_total") - waits < 1:
         assert time.monotonic() < deadline, "no prefix wait was counted"
         time.sleep(0.1)

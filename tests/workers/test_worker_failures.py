@@ -48,7 +48,7 @@ def test_prefill_worker_killed_mid_transfer(decode, reference):
     tokens, last = run(generate(decode.address, prompt(600, salt=1), [p.address]))
     assert p.proc.wait(10) == -signal.SIGKILL, "the fault switch should have killed the prefill worker"
     assert tokens == reference(prompt(600, salt=1))
-    assert last.prefill_worker == ""          # fell back to local prefill
+    assert last.prefill_worker == ""  # fell back to local prefill
     assert decode.metric('splitserve_remote_prefills_total{outcome="failed"}') >= 1
     assert_clean(decode)
 
@@ -61,21 +61,22 @@ def test_prefill_worker_that_never_answers(decode, reference):
         elapsed = time.monotonic() - t0
         assert tokens == reference(prompt(300, salt=2))
         assert last.prefill_worker == ""
-        assert DEADLINE_S <= elapsed < DEADLINE_S + 30   # deadline plus local prefill and decode
+        assert DEADLINE_S <= elapsed < DEADLINE_S + 30  # deadline plus local prefill and decode
         assert_clean(decode)
     finally:
         p.kill()
 
 
 def test_next_prefill_worker_is_tried_before_local(decode, prefill, reference):
-    dead = "127.0.0.1:1"   # nothing listens there
+    dead = "127.0.0.1:1"  # nothing listens there
     tokens, last = run(generate(decode.address, prompt(300, salt=3), [dead, prefill.address]))
     assert last.prefill_worker == prefill.address
     assert tokens == reference(prompt(300, salt=3))
 
 
-@pytest.mark.parametrize("flags, theirs", [(("--dtype", "bfloat16"), "bfloat16"),
-                                           (("--kv-cache-dtype", "float32"), "float32")])
+@pytest.mark.parametrize(
+    "flags, theirs", [(("--dtype", "bfloat16"), "bfloat16"), (("--kv-cache-dtype", "float32"), "float32")]
+)
 def test_layout_mismatch_is_a_clear_error_and_falls_back(decode, reference, flags, theirs):
     """A prefill worker whose KV cache holds another dtype (the decode worker's default is float16
     under --quantization auto) is refused with a message naming both, and the prompt is prefilled
@@ -89,11 +90,24 @@ def test_layout_mismatch_is_a_clear_error_and_falls_back(decode, reference, flag
         async def direct():
             async with worker_channel(bf16.address) as ch:
                 with pytest.raises(grpc.aio.AioRpcError) as err:
-                    await pb_grpc.WorkerStub(ch).Prefill(pb.PrefillRequest(
-                        request_id="x", prompt_token_ids=[5, 6, 7], transfer_id="t", kv_address="tcp://127.0.0.1:1",
-                        layout=pb.KVLayout(model_id="smollm2-135m", dtype="float16", block_size=16, num_layers=30,
-                                           num_kv_heads=3, head_dim=64)))
+                    await pb_grpc.WorkerStub(ch).Prefill(
+                        pb.PrefillRequest(
+                            request_id="x",
+                            prompt_token_ids=[5, 6, 7],
+                            transfer_id="t",
+                            kv_address="tcp://127.0.0.1:1",
+                            layout=pb.KVLayout(
+                                model_id="smollm2-135m",
+                                dtype="float16",
+                                block_size=16,
+                                num_layers=30,
+                                num_kv_heads=3,
+                                head_dim=64,
+                            ),
+                        )
+                    )
                 return err.value
+
         err = run(direct())
         assert err.code() == grpc.StatusCode.FAILED_PRECONDITION
         assert "dtype" in err.details() and "float16" in err.details() and theirs in err.details()
@@ -101,17 +115,34 @@ def test_layout_mismatch_is_a_clear_error_and_falls_back(decode, reference, flag
         bf16.terminate()
 
 
-@pytest.mark.parametrize("request_kwargs, code, message", [
-    (dict(request_id="", prompt_token_ids=[1, 2]), grpc.StatusCode.INVALID_ARGUMENT, "request_id is empty"),
-    (dict(request_id="a", prompt_token_ids=[]), grpc.StatusCode.INVALID_ARGUMENT, "prompt_token_ids is empty"),
-    (dict(request_id="b", prompt_token_ids=[1, 49152]), grpc.StatusCode.INVALID_ARGUMENT, "outside the vocabulary"),
-    (dict(request_id="c", prompt_token_ids=[5] * 2048), grpc.StatusCode.INVALID_ARGUMENT,
-     "the prompt has 2048 tokens but max_model_len is 2048"),
-    (dict(request_id="d", prompt_token_ids=[5], params=pb.SamplingParams(top_p=0)), grpc.StatusCode.INVALID_ARGUMENT,
-     "top_p=0.0 is invalid"),
-    (dict(request_id="e", prompt_token_ids=[5], params=pb.SamplingParams(max_tokens=2), resume_output_token_ids=[6, 7]),
-     grpc.StatusCode.INVALID_ARGUMENT, "2 resumed tokens leave nothing to generate under max_tokens=2"),
-])
+@pytest.mark.parametrize(
+    "request_kwargs, code, message",
+    [
+        (dict(request_id="", prompt_token_ids=[1, 2]), grpc.StatusCode.INVALID_ARGUMENT, "request_id is empty"),
+        (dict(request_id="a", prompt_token_ids=[]), grpc.StatusCode.INVALID_ARGUMENT, "prompt_token_ids is empty"),
+        (dict(request_id="b", prompt_token_ids=[1, 49152]), grpc.StatusCode.INVALID_ARGUMENT, "outside the vocabulary"),
+        (
+            dict(request_id="c", prompt_token_ids=[5] * 2048),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "the prompt has 2048 tokens but max_model_len is 2048",
+        ),
+        (
+            dict(request_id="d", prompt_token_ids=[5], params=pb.SamplingParams(top_p=0)),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "top_p=0.0 is invalid",
+        ),
+        (
+            dict(
+                request_id="e",
+                prompt_token_ids=[5],
+                params=pb.SamplingParams(max_tokens=2),
+                resume_output_token_ids=[6, 7],
+            ),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "2 resumed tokens leave nothing to generate under max_tokens=2",
+        ),
+    ],
+)
 def test_bad_generate_requests(decode, request_kwargs, code, message):
     async def call():
         async with worker_channel(decode.address) as ch:
@@ -119,9 +150,10 @@ def test_bad_generate_requests(decode, request_kwargs, code, message):
                 async for _ in pb_grpc.WorkerStub(ch).Generate(pb.GenerateRequest(**request_kwargs)):
                     pass
             return err.value
+
     err = run(call())
     assert err.code() == code and message in err.details()
-    tokens, _ = run(generate(decode.address, prompt(20), max_tokens=3))   # still serving
+    tokens, _ = run(generate(decode.address, prompt(20), max_tokens=3))  # still serving
     assert len(tokens) == 3
 
 
@@ -132,13 +164,21 @@ def test_unknown_ids_are_not_found(decode, prefill):
     async def calls():
         async with worker_channel(p.address) as ch:
             with pytest.raises(grpc.aio.AioRpcError) as prefill_err:
-                await pb_grpc.WorkerStub(ch).Prefill(pb.PrefillRequest(
-                    request_id="x", prompt_token_ids=[5, 6, 7], transfer_id="no-such-transfer",
-                    kv_address=info.kv_address, layout=info.layout, deadline_s=5))
+                await pb_grpc.WorkerStub(ch).Prefill(
+                    pb.PrefillRequest(
+                        request_id="x",
+                        prompt_token_ids=[5, 6, 7],
+                        transfer_id="no-such-transfer",
+                        kv_address=info.kv_address,
+                        layout=info.layout,
+                        deadline_s=5,
+                    )
+                )
         async with worker_channel(decode.address) as ch:
             with pytest.raises(grpc.aio.AioRpcError) as abort_err:
                 await pb_grpc.WorkerStub(ch).Abort(pb.AbortRequest(request_id="no-such-request"))
         return prefill_err.value, abort_err.value
+
     prefill_err, abort_err = run(calls())
     assert prefill_err.code() == grpc.StatusCode.NOT_FOUND and "unknown transfer id" in prefill_err.details()
     assert abort_err.code() == grpc.StatusCode.NOT_FOUND and "no-such-request" in abort_err.details()
@@ -178,12 +218,20 @@ def test_events_eviction_restart_and_graceful_drain():
         events = run(events_during(w, [prompt(1000, salt=s) for s in (10, 11, 12)]))
         kinds = [m.WhichOneof("payload") for m in events]
         assert kinds[:2] == ["info", "kv"] and events[1].kv.WhichOneof("event") == "cleared"
-        stored = [h for m in events if m.WhichOneof("payload") == "kv" and m.kv.WhichOneof("event") == "stored"
-                  for h in m.kv.stored.block_hashes]
-        removed = [h for m in events if m.WhichOneof("payload") == "kv" and m.kv.WhichOneof("event") == "removed"
-                   for h in m.kv.removed.block_hashes]
+        stored = [
+            h
+            for m in events
+            if m.WhichOneof("payload") == "kv" and m.kv.WhichOneof("event") == "stored"
+            for h in m.kv.stored.block_hashes
+        ]
+        removed = [
+            h
+            for m in events
+            if m.WhichOneof("payload") == "kv" and m.kv.WhichOneof("event") == "removed"
+            for h in m.kv.removed.block_hashes
+        ]
         expected = hasher.hash_blocks(prompt(1000, salt=10))
-        assert expected == stored[:len(expected)]   # the first prompt's 62 full blocks, in order
+        assert expected == stored[: len(expected)]  # the first prompt's 62 full blocks, in order
         assert set(removed) and set(removed) <= set(stored)
         assert any(m.WhichOneof("payload") == "load" for m in events)
         old_id = events[0].info.worker_id
@@ -211,9 +259,13 @@ async def events_during(w, prompts):
 async def drain_during_stream(w):
     async with worker_channel(w.address) as ch:
         stub = pb_grpc.WorkerStub(ch)
-        stream = stub.Generate(pb.GenerateRequest(request_id="long", prompt_token_ids=prompt(30),
-                                                  params=pb.SamplingParams(temperature=0, max_tokens=200,
-                                                                           ignore_eos=True)))
+        stream = stub.Generate(
+            pb.GenerateRequest(
+                request_id="long",
+                prompt_token_ids=prompt(30),
+                params=pb.SamplingParams(temperature=0, max_tokens=200, ignore_eos=True),
+            )
+        )
         tokens, last = [], None
         async for msg in stream:
             tokens += msg.token_ids

@@ -26,9 +26,16 @@ SEED = 1717
 SERVICE = "/splitserve.v1.Worker/"
 STREAMING = {"Generate": True, "WatchEvents": True, "Prefill": False, "Abort": False}
 # the codes a worker may answer a well-formed but wrong request with (never INTERNAL/UNKNOWN)
-CALLER_ERRORS = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND, grpc.StatusCode.FAILED_PRECONDITION,
-                 grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.OUT_OF_RANGE, grpc.StatusCode.CANCELLED,
-                 grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE}
+CALLER_ERRORS = {
+    grpc.StatusCode.INVALID_ARGUMENT,
+    grpc.StatusCode.NOT_FOUND,
+    grpc.StatusCode.FAILED_PRECONDITION,
+    grpc.StatusCode.RESOURCE_EXHAUSTED,
+    grpc.StatusCode.OUT_OF_RANGE,
+    grpc.StatusCode.CANCELLED,
+    grpc.StatusCode.DEADLINE_EXCEEDED,
+    grpc.StatusCode.UNAVAILABLE,
+}
 
 
 @pytest.fixture(scope="module")
@@ -39,34 +46,40 @@ def worker():
 
 
 def valid_generate(rng: random.Random, max_tokens: int = 3) -> pb.GenerateRequest:
-    return pb.GenerateRequest(request_id=f"fuzz-{rng.getrandbits(40)}",
-                              prompt_token_ids=[rng.randrange(1, 40000) for _ in range(rng.randrange(1, 40))],
-                              params=pb.SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
+    return pb.GenerateRequest(
+        request_id=f"fuzz-{rng.getrandbits(40)}",
+        prompt_token_ids=[rng.randrange(1, 40000) for _ in range(rng.randrange(1, 40))],
+        params=pb.SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True),
+    )
 
 
 def mutate(rng: random.Random, data: bytes) -> bytes:
     b = bytearray(data)
     kind = rng.randrange(4)
-    if kind == 0 and b:                                  # bit flips
+    if kind == 0 and b:  # bit flips
         for _ in range(rng.randrange(1, 6)):
             b[rng.randrange(len(b))] ^= 1 << rng.randrange(8)
-    elif kind == 1 and b:                                # truncation
-        del b[rng.randrange(len(b)):]
-    elif kind == 2:                                      # spliced random bytes
+    elif kind == 1 and b:  # truncation
+        del b[rng.randrange(len(b)) :]
+    elif kind == 2:  # spliced random bytes
         at = rng.randrange(len(b) + 1)
         b[at:at] = rng.randbytes(rng.randrange(1, 16))
-    else:                                                # a varint that never ends
+    else:  # a varint that never ends
         b += b"\x08" + b"\xff" * rng.randrange(1, 12)
     return bytes(b)
 
 
 def wrong_wire_types() -> list[bytes]:
-    return [b"\x0a\x03abc",                  # field 1 (request_id: string) is fine; then
-            b"\x12\x05hello",                # field 2 (prompt ids: packed varints) as a string of junk varints
-            b"\x0d\x00\x00\x80\x3f",         # field 1 as a fixed32
-            b"\x0a\x02\xff\xfe",             # request_id with invalid UTF-8
-            b"\x1a\x03\x0d\x00\x00",         # params (message) truncated inside
-            b"\x0f", b"\x07", b"\x0a\xff\xff\xff\xff\x0f"]   # bad wire types, a length past the end
+    return [
+        b"\x0a\x03abc",  # field 1 (request_id: string) is fine; then
+        b"\x12\x05hello",  # field 2 (prompt ids: packed varints) as a string of junk varints
+        b"\x0d\x00\x00\x80\x3f",  # field 1 as a fixed32
+        b"\x0a\x02\xff\xfe",  # request_id with invalid UTF-8
+        b"\x1a\x03\x0d\x00\x00",  # params (message) truncated inside
+        b"\x0f",
+        b"\x07",
+        b"\x0a\xff\xff\xff\xff\x0f",
+    ]  # bad wire types, a length past the end
 
 
 async def call_raw(channel, method: str, data: bytes):
@@ -93,8 +106,12 @@ async def call_raw(channel, method: str, data: bytes):
 
 
 def parses(method: str, data: bytes) -> bool:
-    types = {"Generate": pb.GenerateRequest, "WatchEvents": pb.WatchEventsRequest, "Prefill": pb.PrefillRequest,
-             "Abort": pb.AbortRequest}
+    types = {
+        "Generate": pb.GenerateRequest,
+        "WatchEvents": pb.WatchEventsRequest,
+        "Prefill": pb.PrefillRequest,
+        "Abort": pb.AbortRequest,
+    }
     try:
         types[method].FromString(data)
         return True
@@ -119,7 +136,9 @@ def test_fuzzed_requests_never_crash_or_leak(worker):
                 elif choice == 2:
                     data = rng.choice(wrong_wire_types())
                 else:
-                    data = mutate(rng, pb.PrefillRequest(request_id="p", prompt_token_ids=[1, 2, 3]).SerializeToString())
+                    data = mutate(
+                        rng, pb.PrefillRequest(request_id="p", prompt_token_ids=[1, 2, 3]).SerializeToString()
+                    )
                 cases.append((method, data))
             for method, data in cases:
                 code, _ = await call_raw(channel, method, data)
@@ -129,26 +148,37 @@ def test_fuzzed_requests_never_crash_or_leak(worker):
                 else:
                     assert code == grpc.StatusCode.OK or code in CALLER_ERRORS, (method, data, code)
             # extreme but well-formed values
-            for params in (pb.SamplingParams(max_tokens=2**31 - 1), pb.SamplingParams(temperature=float("nan")),
-                           pb.SamplingParams(top_p=float("inf")), pb.SamplingParams(top_k=-2**31),
-                           pb.SamplingParams(seed=-2**63, max_tokens=2)):
+            for params in (
+                pb.SamplingParams(max_tokens=2**31 - 1),
+                pb.SamplingParams(temperature=float("nan")),
+                pb.SamplingParams(top_p=float("inf")),
+                pb.SamplingParams(top_k=-(2**31)),
+                pb.SamplingParams(seed=-(2**63), max_tokens=2),
+            ):
                 request = pb.GenerateRequest(request_id="x", prompt_token_ids=[1, 2], params=params)
                 code, _ = await call_raw(channel, "Generate", request.SerializeToString())
                 assert code == grpc.StatusCode.OK or code in CALLER_ERRORS, (params, code)
             for ids in ([], [-1], [2**31 - 1], list(range(5000))):
-                request = pb.GenerateRequest(request_id="y", prompt_token_ids=ids, params=pb.SamplingParams(max_tokens=2))
+                request = pb.GenerateRequest(
+                    request_id="y", prompt_token_ids=ids, params=pb.SamplingParams(max_tokens=2)
+                )
                 code, _ = await call_raw(channel, "Generate", request.SerializeToString())
                 assert code in CALLER_ERRORS, (len(ids), code)
             # oversized: past the worker's 64 MiB receive limit
             code, _ = await call_raw(channel, "Generate", b"\x0a" + b"\x80\x80\x80\x28" + b"x" * (80 << 20))
             assert code == grpc.StatusCode.RESOURCE_EXHAUSTED, code
             # streams cut mid-message: cancel after the first token, many at once
-            calls = [channel.unary_stream(SERVICE + "Generate")(
-                valid_generate(rng, max_tokens=64).SerializeToString(), timeout=60) for _ in range(6)]
+            calls = [
+                channel.unary_stream(SERVICE + "Generate")(
+                    valid_generate(rng, max_tokens=64).SerializeToString(), timeout=60
+                )
+                for _ in range(6)
+            ]
             for call in calls:
                 async for _ in call:
                     break
                 call.cancel()
+
     asyncio.run(fuzz())
     cut_raw_connections(worker, rng)
 
@@ -158,7 +188,7 @@ def test_fuzzed_requests_never_crash_or_leak(worker):
     assert state["num_requests"] == 0 and state["num_requests_holding_blocks"] == 0, state
     assert state["num_free_blocks"] > 0
 
-    async def normal():   # still serves, deterministically
+    async def normal():  # still serves, deterministically
         request = valid_generate(random.Random(1), max_tokens=4)
         async with worker.channel() as channel:
             outs = []
@@ -166,6 +196,7 @@ def test_fuzzed_requests_never_crash_or_leak(worker):
                 call = channel.unary_stream(SERVICE + "Generate", response_deserializer=pb.GenerateResponse.FromString)
                 outs.append([t async for m in call(request.SerializeToString(), timeout=60) for t in m.token_ids])
         return outs
+
     a, b = asyncio.run(normal())
     assert len(a) == 4 and a == b
     assert "INVALID_ARGUMENT" in codes
@@ -177,8 +208,13 @@ def cut_raw_connections(worker, rng: random.Random) -> None:
     or garbage) to the TLS port."""
     preface = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
     settings = b"\x00\x00\x00\x04\x00\x00\x00\x00\x00"
-    payloads = (preface[:10], preface + settings[:5], preface + settings + b"\x00\x10\x00\x01\x04",
-                rng.randbytes(64), preface + settings + rng.randbytes(200))
+    payloads = (
+        preface[:10],
+        preface + settings[:5],
+        preface + settings + b"\x00\x10\x00\x01\x04",
+        rng.randbytes(64),
+        preface + settings + rng.randbytes(200),
+    )
     tls = security().tls
     context = ssl.create_default_context(cafile=tls.ca)
     context.load_cert_chain(tls.cert, tls.key)

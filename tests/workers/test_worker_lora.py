@@ -30,14 +30,17 @@ def prompt(n: int, salt: int = 0) -> list[int]:
     return [(i * 7919 + salt * 104729) % 40000 + 100 for i in range(n)]
 
 
-async def generate(address, token_ids, lora="", prefill_workers=(), mode=pb.DISAGGREGATION_MODE_ALWAYS,
-                   evict_first=()):
+async def generate(address, token_ids, lora="", prefill_workers=(), mode=pb.DISAGGREGATION_MODE_ALWAYS, evict_first=()):
     async with worker_channel(address) as channel:
         request = pb.GenerateRequest(
-            request_id=f"t-{time.monotonic_ns()}", prompt_token_ids=token_ids, lora_name=lora,
+            request_id=f"t-{time.monotonic_ns()}",
+            prompt_token_ids=token_ids,
+            lora_name=lora,
             lora_evict_first=list(evict_first),
             params=pb.SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
-            prefill_workers=list(prefill_workers), disaggregation=mode)
+            prefill_workers=list(prefill_workers),
+            disaggregation=mode,
+        )
         msgs = [m async for m in pb_grpc.WorkerStub(channel).Generate(request)]
     return [t for m in msgs for t in m.token_ids], msgs[-1]
 
@@ -61,6 +64,7 @@ async def load_report(address, has: str, deadline_s: float = 30.0, resident: boo
                     last = msg.load
                     if has in (last.resident_lora_adapters if resident else {a.name for a in last.adapters}):
                         return
+
     try:
         await asyncio.wait_for(watch(), deadline_s)
     except TimeoutError:
@@ -94,8 +98,8 @@ def test_pd_with_an_adapter_equals_colocated(lora_pair):
     tokens = prompt(100, salt=1)
     local, _ = asyncio.run(generate(d.address, tokens, "sql", mode=pb.DISAGGREGATION_MODE_NEVER))
     base, _ = asyncio.run(generate(d.address, tokens, mode=pb.DISAGGREGATION_MODE_NEVER))
-    assert local != base   # the adapter changes the answer
-    other = prompt(100, salt=2)   # uncached on both workers
+    assert local != base  # the adapter changes the answer
+    other = prompt(100, salt=2)  # uncached on both workers
     local_other, _ = asyncio.run(generate(d.address, other, "sql", mode=pb.DISAGGREGATION_MODE_NEVER))
     d_fresh = prompt(100, salt=3)
     ref_fresh, _ = asyncio.run(generate(d.address, d_fresh, "sql", mode=pb.DISAGGREGATION_MODE_NEVER))
@@ -115,7 +119,7 @@ def test_prefill_worker_that_cannot_load_the_adapter_falls_back_to_local(lora_pa
     gone = write_adapter(folder / "gone", r=4, seed=9)
     info = asyncio.run(call(d.address, "LoadLoraAdapter", pb.LoadLoraAdapterRequest(lora_name="gone", lora_path=gone)))
     assert info.name == "gone" and len(info.digest) == 32
-    shutil.rmtree(gone)   # the decode worker keeps it in memory; the prefill worker cannot read it
+    shutil.rmtree(gone)  # the decode worker keeps it in memory; the prefill worker cannot read it
     tokens = prompt(80, salt=4)
     assert_prefilled_locally(d, p, tokens, "gone")
 
@@ -127,14 +131,20 @@ def test_same_adapter_name_with_other_weights_is_a_layout_mismatch_and_falls_bac
     d, p, folder = lora_pair
     theirs = write_adapter(folder / "twin-p", r=8, seed=11)
     mine = write_adapter(folder / "twin-d", r=8, seed=12)
-    p_info = asyncio.run(call(p.address, "LoadLoraAdapter", pb.LoadLoraAdapterRequest(lora_name="twin", lora_path=theirs)))
-    d_info = asyncio.run(call(d.address, "LoadLoraAdapter", pb.LoadLoraAdapterRequest(lora_name="twin", lora_path=mine)))
+    p_info = asyncio.run(
+        call(p.address, "LoadLoraAdapter", pb.LoadLoraAdapterRequest(lora_name="twin", lora_path=theirs))
+    )
+    d_info = asyncio.run(
+        call(d.address, "LoadLoraAdapter", pb.LoadLoraAdapterRequest(lora_name="twin", lora_path=mine))
+    )
     assert p_info.digest != d_info.digest
     shutil.rmtree(mine)
     tokens = prompt(80, salt=6)
     assert_prefilled_locally(d, p, tokens, "twin")
-    assert (f"lora_digest: expected '{p_info.digest.hex()}', got '{d_info.digest.hex()}'" in d.log()
-            and "could not be loaded here" in d.log()), d.log()[-3000:]
+    assert (
+        f"lora_digest: expected '{p_info.digest.hex()}', got '{d_info.digest.hex()}'" in d.log()
+        and "could not be loaded here" in d.log()
+    ), d.log()[-3000:]
     # the prefill worker kept its own "twin"
     held = {a.name: a.digest for a in asyncio.run(load_report(p.address, "twin")).adapters}
     assert held["twin"] == p_info.digest
@@ -187,11 +197,21 @@ def test_an_evicted_adapter_is_read_again_while_other_streams_keep_decoding(tmp_
     a = write_adapter(tmp_path / "a", alpha=64, modules=modules, seed=21)
     b = write_adapter(tmp_path / "b", alpha=64, modules=modules, seed=22)
     # one adapter in memory: b, read last at start, evicted a; reading a again takes 2 s more
-    w = WorkerProc("both", "tcp", "--lora-modules", f"a={a}", f"b={b}", "--max-loras", "1", "--max-cpu-loras", "1",
-                   env={"SPLITSERVE_FAULT_ADAPTER_READ_S": "2"}).start()
+    w = WorkerProc(
+        "both",
+        "tcp",
+        "--lora-modules",
+        f"a={a}",
+        f"b={b}",
+        "--max-loras",
+        "1",
+        "--max-cpu-loras",
+        "1",
+        env={"SPLITSERVE_FAULT_ADAPTER_READ_S": "2"},
+    ).start()
     try:
         asyncio.run(evicted_read_beside_a_stream(w.address))
-        assert w.metric("splitserve_lora_adapter_reads_total") == 1   # a, once; then from memory
+        assert w.metric("splitserve_lora_adapter_reads_total") == 1  # a, once; then from memory
         assert w.metric("splitserve_lora_adapter_read_seconds_total") >= 2.0
     finally:
         w.terminate()
@@ -202,8 +222,11 @@ async def evicted_read_beside_a_stream(address):
 
     async def base_stream():
         async with worker_channel(address) as channel:
-            request = pb.GenerateRequest(request_id="base", prompt_token_ids=prompt(20),
-                                         params=pb.SamplingParams(temperature=0, max_tokens=1500, ignore_eos=True))
+            request = pb.GenerateRequest(
+                request_id="base",
+                prompt_token_ids=prompt(20),
+                params=pb.SamplingParams(temperature=0, max_tokens=1500, ignore_eos=True),
+            )
             async for msg in pb_grpc.WorkerStub(channel).Generate(request):
                 arrivals.extend([time.monotonic()] * len(msg.token_ids))
 
@@ -214,11 +237,11 @@ async def evicted_read_beside_a_stream(address):
     out, last = await generate(address, prompt(30, salt=4), "a")
     took = time.monotonic() - sent
     stream.cancel()
-    assert took >= 2.0   # a was read again (the injected 2 s), not served from memory
+    assert took >= 2.0  # a was read again (the injected 2 s), not served from memory
     during_read = sum(1 for t in arrivals if sent + 0.3 < t < sent + 1.8)
     assert during_read >= 5, f"the base stream got {during_read} tokens during the adapter's read"
     assert last.finish_reason == pb.FINISH_REASON_LENGTH and len(out) == 8
-    again, _ = await generate(address, prompt(30, salt=4), "a")   # in memory now
+    again, _ = await generate(address, prompt(30, salt=4), "a")  # in memory now
     assert again == out
     base, _ = await generate(address, prompt(30, salt=4))
-    assert base != out   # the adapter was applied
+    assert base != out  # the adapter was applied

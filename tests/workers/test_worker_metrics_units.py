@@ -22,11 +22,11 @@ def snapshot(queries: int, hits: int) -> LoadSnapshot:
 
 def test_a_scrape_reflects_the_latest_snapshot_without_double_counting():
     m = WorkerMetrics("decode", "smollm2-135m")
-    m.update_load(snapshot(40, 0))                      # the periodic report after request 1
-    m.render(snapshot(80, 32))                          # a scrape after request 2, before the report
+    m.update_load(snapshot(40, 0))  # the periodic report after request 1
+    m.render(snapshot(80, 32))  # a scrape after request 2, before the report
     assert (counter(m, "vllm:prefix_cache_queries"), counter(m, "vllm:prefix_cache_hits")) == (80, 32)
-    m.update_load(snapshot(80, 32))                     # the late periodic report adds nothing
-    m.update_load(snapshot(40, 0))                      # nor does an older snapshot
+    m.update_load(snapshot(80, 32))  # the late periodic report adds nothing
+    m.update_load(snapshot(40, 0))  # nor does an older snapshot
     assert (counter(m, "vllm:prefix_cache_queries"), counter(m, "vllm:prefix_cache_hits")) == (80, 32)
 
 

@@ -24,8 +24,9 @@ def pki(tmp_path_factory):
 def worker(pki):
     tls, _ = pki
     # secure=False: this worker gets this test's own CA, not the suite's (workerproc.security)
-    w = WorkerProc("both", "tcp", "--tls-cert", tls.cert, "--tls-key", tls.key, "--tls-ca", tls.ca,
-                   secure=False).start()
+    w = WorkerProc(
+        "both", "tcp", "--tls-cert", tls.cert, "--tls-key", tls.key, "--tls-ca", tls.ca, secure=False
+    ).start()
     yield w
     w.terminate()
 
@@ -33,8 +34,11 @@ def worker(pki):
 async def _generate_on(make_channel) -> list[int]:
     async with make_channel() as channel:
         stub = pb_grpc.WorkerStub(channel)
-        request = pb.GenerateRequest(request_id="mtls", prompt_token_ids=[1, 2, 3, 4],
-                                     params=pb.SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+        request = pb.GenerateRequest(
+            request_id="mtls",
+            prompt_token_ids=[1, 2, 3, 4],
+            params=pb.SamplingParams(temperature=0, max_tokens=3, ignore_eos=True),
+        )
         msgs = [m async for m in stub.Generate(request, timeout=60)]
     return [t for m in msgs for t in m.token_ids]
 
@@ -57,13 +61,15 @@ def test_right_certificate_is_served_and_others_are_refused(worker, pki):
     options = [("grpc.ssl_target_name_override", tls.server_name)]
     # A stranger's certificate, checked by its own CA: our worker does not accept it.
     stranger = TlsFiles(other.cert, other.key, tls.ca, tls.server_name)
-    for make in (lambda: grpc.aio.insecure_channel(worker.address),                          # plaintext
-                 lambda: grpc.aio.secure_channel(worker.address, ca_only, options=options),  # no client cert
-                 lambda: aio_channel(worker.address, stranger)):
+    for make in (
+        lambda: grpc.aio.insecure_channel(worker.address),  # plaintext
+        lambda: grpc.aio.secure_channel(worker.address, ca_only, options=options),  # no client cert
+        lambda: aio_channel(worker.address, stranger),
+    ):
         assert _refused(make) == grpc.StatusCode.UNAVAILABLE
     # A client that trusts another CA refuses the worker in turn.
     assert _refused(lambda: aio_channel(worker.address, other)) == grpc.StatusCode.UNAVAILABLE
-    assert len(_generate(lambda: aio_channel(worker.address, tls))) == 3   # still serving
+    assert len(_generate(lambda: aio_channel(worker.address, tls))) == 3  # still serving
     assert worker.proc.poll() is None
 
 

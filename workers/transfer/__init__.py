@@ -27,17 +27,19 @@ def _check_kind(kind: str) -> None:
         raise ValueError(f"unknown KV transport {kind!r}; allowed: {', '.join(KINDS)}")
 
 
-def make_receiver(kind: str, host: str = "127.0.0.1", port: int = 0, *, name: str | None = None,
-                  **kw) -> KVReceiver:
+def make_receiver(kind: str, host: str = "127.0.0.1", port: int = 0, *, name: str | None = None, **kw) -> KVReceiver:
     """A receiver that listens on host:port once started (port 0: a free one; inproc: `name`)."""
     _check_kind(kind)
     if kind == "ucx":
         from splitserve.workers.transfer.ucx import UcxReceiver
+
         return UcxReceiver(host, port, **kw)
     if kind == "tcp":
         from splitserve.workers.transfer.tcp import TcpReceiver
+
         return TcpReceiver(host, port, **kw)
     from splitserve.workers.transfer.inproc import InprocReceiver
+
     return InprocReceiver(name, **kw)
 
 
@@ -46,13 +48,28 @@ def make_sender(kind: str, **kw) -> KVSender:
     _check_kind(kind)
     if kind == "ucx":
         from splitserve.workers.transfer.ucx import UcxSender
+
         return UcxSender(**kw)
     if kind == "tcp":
         from splitserve.workers.transfer.tcp import TcpSender
+
         return TcpSender(**kw)
     from splitserve.workers.transfer.inproc import InprocSender
+
     return InprocSender(**kw)
 
 
-__all__ = ["KINDS", "KVLayout", "KVReceiver", "KVSender", "LayoutMismatchError", "SendHandle", "TransferError",
-           "TransferState", "TransferStatus", "UnknownTransferError", "make_receiver", "make_sender"]
+__all__ = [
+    "KINDS",
+    "KVLayout",
+    "KVReceiver",
+    "KVSender",
+    "LayoutMismatchError",
+    "SendHandle",
+    "TransferError",
+    "TransferState",
+    "TransferStatus",
+    "UnknownTransferError",
+    "make_receiver",
+    "make_sender",
+]

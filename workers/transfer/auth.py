@@ -115,8 +115,11 @@ async def challenge(channel: Channel, key: bytes, identity: str, timeout_s: floa
     if msg.get("op") != "auth":
         raise AuthError(f"expected an auth message first, got op={msg.get('op')!r}")
     ns = _nonce(msg)
-    _check(msg.get("mac"), proof(key, "sender", nr, ns, identity),
-           f"wrong KV-transfer proof (the peer's secret differs, or it answered for another receiver than {identity})")
+    _check(
+        msg.get("mac"),
+        proof(key, "sender", nr, ns, identity),
+        f"wrong KV-transfer proof (the peer's secret differs, or it answered for another receiver than {identity})",
+    )
     await channel.send({"type": "auth_ok", "mac": proof(key, "receiver", nr, ns, identity)})
     return _mac(key, "session", nr, ns, identity)
 
@@ -132,6 +135,9 @@ async def answer(channel: Channel, key: bytes, receiver: str, timeout_s: float =
     reply = await _recv(channel, timeout_s, "proof from the receiver")
     if reply.get("type") != "auth_ok":
         raise AuthError(f"the receiver did not accept our proof: {reply!r}")
-    _check(reply.get("mac"), proof(key, "receiver", nr, ns, receiver),
-           f"the receiver at {receiver} could not prove it holds the service's secret")
+    _check(
+        reply.get("mac"),
+        proof(key, "receiver", nr, ns, receiver),
+        f"the receiver at {receiver} could not prove it holds the service's secret",
+    )
     return _mac(key, "session", nr, ns, receiver)

@@ -86,8 +86,11 @@ class KVLayout:
     def check_compatible(self, other: KVLayout) -> None:
         """Raise LayoutMismatchError naming every differing field as `field: expected X, got Y`
         (self is what this side expects, `other` what the peer has)."""
-        diff = {f.name: (getattr(self, f.name), getattr(other, f.name)) for f in fields(self)
-                if getattr(self, f.name) != getattr(other, f.name)}
+        diff = {
+            f.name: (getattr(self, f.name), getattr(other, f.name))
+            for f in fields(self)
+            if getattr(self, f.name) != getattr(other, f.name)
+        }
         if diff:
             parts = "; ".join(f"{name}: expected {a!r}, got {b!r}" for name, (a, b) in diff.items())
             raise LayoutMismatchError(f"KV layout mismatch: {parts}", diff)
@@ -115,11 +118,11 @@ class KVLayout:
 
 
 class TransferState(enum.Enum):
-    WAITING = "waiting"      # expected, nothing arrived yet
+    WAITING = "waiting"  # expected, nothing arrived yet
     RECEIVING = "receiving"  # the sender opened it with a matching layout
-    DONE = "done"            # every layer written and acknowledged
-    FAILED = "failed"        # layout mismatch, protocol error, write_layer raised, sender lost
-    ABORTED = "aborted"      # abort() on the receiver
+    DONE = "done"  # every layer written and acknowledged
+    FAILED = "failed"  # layout mismatch, protocol error, write_layer raised, sender lost
+    ABORTED = "aborted"  # abort() on the receiver
     TIMED_OUT = "timed_out"  # deadline passed before DONE
 
     @property
@@ -159,8 +162,15 @@ class KVReceiver(ABC):
         """Stop listening, drop connections; transfers not yet terminal become FAILED."""
 
     @abstractmethod
-    def expect(self, transfer_id: str, layout: KVLayout, num_blocks: int, write_layer: WriteLayer,
-               deadline_s: float, block_ids=None) -> None:
+    def expect(
+        self,
+        transfer_id: str,
+        layout: KVLayout,
+        num_blocks: int,
+        write_layer: WriteLayer,
+        deadline_s: float,
+        block_ids=None,
+    ) -> None:
         """Register an incoming transfer (WAITING) before asking the sender to send it.
 
         `write_layer(layer, payload, first_block)` is called in the loop as each piece of a layer

@@ -34,8 +34,8 @@ from splitserve.workers.transfer.table import TransferTable
 
 log = logging.getLogger(__name__)
 
-IDLE_TIMEOUT_S = 120.0          # a connection silent this long is closed
-MAX_PENDING_HANDSHAKES = 64     # connections waiting for the handshake at once
+IDLE_TIMEOUT_S = 120.0  # a connection silent this long is closed
+MAX_PENDING_HANDSHAKES = 64  # connections waiting for the handshake at once
 
 
 class ProtocolError(Exception):
@@ -45,8 +45,10 @@ class ProtocolError(Exception):
 def _check_bound(op: object, msg: dict, bound: str | None) -> None:
     """'layers', 'ipc_layers' and 'end' act only on the transfer this connection opened (ProtocolError otherwise)."""
     if op in ("layers", "end", "ipc_layers") and (bound is None or msg.get("transfer_id") != bound):
-        raise ProtocolError(f"{op!r} for {msg.get('transfer_id')!r} on a connection that "
-                            + (f"opened {bound!r}" if bound is not None else "opened no transfer"))
+        raise ProtocolError(
+            f"{op!r} for {msg.get('transfer_id')!r} on a connection that "
+            + (f"opened {bound!r}" if bound is not None else "opened no transfer")
+        )
 
 
 class IdleTimeoutChannel(Channel):
@@ -78,15 +80,21 @@ class IdleTimeoutChannel(Channel):
         return self.inner.is_alive
 
 
-async def serve_channel(channel: Channel, table: TransferTable, max_payload_bytes: int = MAX_PAYLOAD_BYTES,
-                        session_key: bytes | None = None, on_auth_failure=None, ipc=None) -> None:
+async def serve_channel(
+    channel: Channel,
+    table: TransferTable,
+    max_payload_bytes: int = MAX_PAYLOAD_BYTES,
+    session_key: bytes | None = None,
+    on_auth_failure=None,
+    ipc=None,
+) -> None:
     """Run one incoming connection until it closes; a bound transfer is failed if it drops. With
     the handshake's `session_key`, an "open" without the transfer's tag (auth.py) closes the
     connection before the transfer is bound, and calls `on_auth_failure`. `ipc`: (kv_caches,
     backend) when this receiver offers its cache over CUDA IPC (cuda_ipc.py)."""
     bound: str | None = None
-    is_ipc = False   # this connection's sender got (and may use) the cache's IPC handles
-    said_hello = False   # the one "ipc_hello" of this connection was answered
+    is_ipc = False  # this connection's sender got (and may use) the cache's IPC handles
+    said_hello = False  # the one "ipc_hello" of this connection was answered
     scratch = torch.empty(0, dtype=torch.uint8)
     background: set[asyncio.Task] = set()
 
@@ -111,24 +119,40 @@ async def serve_channel(channel: Channel, table: TransferTable, max_payload_byte
                 reply = table.bind(bound, msg["layout"], msg["num_blocks"], notify)
                 if reply is not None:
                     await channel.send(reply)
-                elif msg.get("ipc"):   # where to write; None: this transfer goes as bytes
-                    await channel.send({"transfer_id": bound, "type": "ipc_ready",
-                                        "block_ids": table.block_ids(bound) if is_ipc else None})
+                elif msg.get("ipc"):  # where to write; None: this transfer goes as bytes
+                    await channel.send(
+                        {
+                            "transfer_id": bound,
+                            "type": "ipc_ready",
+                            "block_ids": table.block_ids(bound) if is_ipc else None,
+                        }
+                    )
             elif op == "ipc_hello":
                 if bound is not None or said_hello:
-                    raise ProtocolError("'ipc_hello' " + ("after an 'open'" if bound is not None else "twice")
-                                        + " on one connection (it comes once, before the first transfer)")
+                    raise ProtocolError(
+                        "'ipc_hello' "
+                        + ("after an 'open'" if bound is not None else "twice")
+                        + " on one connection (it comes once, before the first transfer)"
+                    )
                 said_hello = True
-                reply = (cuda_ipc.offer(*ipc, hello=msg, session_key=session_key) if ipc is not None else
-                         {"type": "ipc_declined", "reason": "this decode worker does not offer CUDA IPC "
-                                                            "(--kv-transport auto on a GPU does)"})
+                reply = (
+                    cuda_ipc.offer(*ipc, hello=msg, session_key=session_key)
+                    if ipc is not None
+                    else {
+                        "type": "ipc_declined",
+                        "reason": "this decode worker does not offer CUDA IPC (--kv-transport auto on a GPU does)",
+                    }
+                )
                 is_ipc = reply["type"] == "ipc_offer"
                 await channel.send(reply)
             elif op == "ipc_layers" and is_ipc and 1 <= len(msg["layers"]) <= MAX_LAYERS_PER_HEADER:
-                for layer in msg["layers"]:   # bound to this connection's transfer (_check_bound)
+                for layer in msg["layers"]:  # bound to this connection's transfer (_check_bound)
                     table.mark_written(bound, layer, msg["first_block"], msg["num_blocks"])
-            elif op == "layers" and 0 <= msg["nbytes"] <= max_payload_bytes and \
-                    1 <= len(msg["layers"]) <= MAX_LAYERS_PER_HEADER:
+            elif (
+                op == "layers"
+                and 0 <= msg["nbytes"] <= max_payload_bytes
+                and 1 <= len(msg["layers"]) <= MAX_LAYERS_PER_HEADER
+            ):
                 nbytes, layers = msg["nbytes"], msg["layers"]
                 if scratch.numel() < nbytes:
                     scratch = torch.empty(nbytes, dtype=torch.uint8)
@@ -166,9 +190,14 @@ class ChannelReceiver(KVReceiver):
     `address`): the handshake binds the sender's proof to it. `idle_timeout_s` and
     `max_pending_handshakes`: see the module docstring."""
 
-    def __init__(self, max_payload_bytes: int = MAX_PAYLOAD_BYTES, auth_key: bytes | None = None,
-                 on_auth_failure=None, idle_timeout_s: float = IDLE_TIMEOUT_S,
-                 max_pending_handshakes: int = MAX_PENDING_HANDSHAKES):
+    def __init__(
+        self,
+        max_payload_bytes: int = MAX_PAYLOAD_BYTES,
+        auth_key: bytes | None = None,
+        on_auth_failure=None,
+        idle_timeout_s: float = IDLE_TIMEOUT_S,
+        max_pending_handshakes: int = MAX_PENDING_HANDSHAKES,
+    ):
         if not idle_timeout_s > 0:
             raise ValueError(f"idle_timeout_s must be a positive number of seconds, got {idle_timeout_s!r}")
         if not isinstance(max_pending_handshakes, int) or max_pending_handshakes < 1:
@@ -179,14 +208,14 @@ class ChannelReceiver(KVReceiver):
         self.idle_timeout_s = idle_timeout_s
         self.max_pending_handshakes = max_pending_handshakes
         self.num_pending_handshakes = 0
-        self.num_refused_connections = 0   # closed on arrival: too many waiting for the handshake
+        self.num_refused_connections = 0  # closed on arrival: too many waiting for the handshake
         self.address = ""
         self.identity = ""
         self._table = TransferTable()
         self._channels: set[Channel] = set()
         self._max_payload_bytes = max_payload_bytes
         self._is_closed = False
-        self.ipc = None   # (kv_caches, cuda_ipc backend): offer the cache over CUDA IPC (set by the worker)
+        self.ipc = None  # (kv_caches, cuda_ipc backend): offer the cache over CUDA IPC (set by the worker)
 
     @abstractmethod
     async def _listen(self) -> str:
@@ -219,8 +248,11 @@ class ChannelReceiver(KVReceiver):
         if self.auth_key is not None and self.num_pending_handshakes >= self.max_pending_handshakes:
             self.num_refused_connections += 1
             if self.num_refused_connections == 1 or self.num_refused_connections % 1000 == 0:
-                log.warning("refused a KV transfer connection: %d already wait for the handshake (%d refused so far)",
-                            self.num_pending_handshakes, self.num_refused_connections)
+                log.warning(
+                    "refused a KV transfer connection: %d already wait for the handshake (%d refused so far)",
+                    self.num_pending_handshakes,
+                    self.num_refused_connections,
+                )
             with contextlib.suppress(Exception):
                 await channel.close()
             return
@@ -240,8 +272,9 @@ class ChannelReceiver(KVReceiver):
                     return
                 finally:
                     self.num_pending_handshakes -= 1
-            await serve_channel(channel, self._table, self._max_payload_bytes, session_key, self._count_auth_failure,
-                                self.ipc)
+            await serve_channel(
+                channel, self._table, self._max_payload_bytes, session_key, self._count_auth_failure, self.ipc
+            )
         finally:
             self._channels.discard(channel)
 
@@ -258,8 +291,15 @@ class ChannelReceiver(KVReceiver):
     def num_transfers(self) -> int:
         return len(self._table)
 
-    def expect(self, transfer_id: str, layout: KVLayout, num_blocks: int, write_layer: WriteLayer,
-               deadline_s: float, block_ids=None) -> None:
+    def expect(
+        self,
+        transfer_id: str,
+        layout: KVLayout,
+        num_blocks: int,
+        write_layer: WriteLayer,
+        deadline_s: float,
+        block_ids=None,
+    ) -> None:
         self._table.expect(transfer_id, layout, num_blocks, write_layer, deadline_s, block_ids)
 
     def poll(self, transfer_id: str) -> TransferStatus:

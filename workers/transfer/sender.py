@@ -38,8 +38,8 @@ class _Conn:
 
     def __init__(self, channel: Channel, session_key: bytes | None = None, ipc_writer=None):
         self.channel = channel
-        self.session_key = session_key   # from the KV-auth handshake; tags every "open" (auth.py)
-        self.ipc_writer = ipc_writer     # a cuda_ipc.BlockWriter into the receiver's cache, or None
+        self.session_key = session_key  # from the KV-auth handshake; tags every "open" (auth.py)
+        self.ipc_writer = ipc_writer  # a cuda_ipc.BlockWriter into the receiver's cache, or None
         self.handle: ChannelSendHandle | None = None
         self.is_dead = False
         self.reader = asyncio.ensure_future(self._read())
@@ -73,21 +73,23 @@ def _error_from_reply(reply: dict) -> TransferError:
 
 
 class ChannelSendHandle(SendHandle):
-    def __init__(self, sender: ChannelSender, conn: _Conn, address: str, transfer_id: str,
-                 layout: KVLayout, num_blocks: int):
+    def __init__(
+        self, sender: ChannelSender, conn: _Conn, address: str, transfer_id: str, layout: KVLayout, num_blocks: int
+    ):
         self._sender, self._conn, self._address = sender, conn, address
         self.transfer_id, self.layout, self.num_blocks = transfer_id, layout, num_blocks
         self.bytes_sent = 0
         self.error: TransferError | None = None
         self._queue: asyncio.Queue = asyncio.Queue()
-        self._blocks_queued: dict[int, int] = {}   # layer -> blocks queued so far
+        self._blocks_queued: dict[int, int] = {}  # layer -> blocks queued so far
         self._final: asyncio.Future = asyncio.get_running_loop().create_future()
         self._is_closed = False
-        self._on_sent: list = []   # send_layer's callbacks, called once the transport is done with the payloads
+        self._on_sent: list = []  # send_layer's callbacks, called once the transport is done with the payloads
         # CUDA IPC: the receiver's destination blocks, once its "ipc_ready" came (None: send bytes)
-        self._ipc_blocks: asyncio.Future | None = (asyncio.get_running_loop().create_future()
-                                                   if conn.ipc_writer is not None else None)
-        self.path = sender.scheme   # how the KV went: the transport's scheme, or "cuda_ipc"
+        self._ipc_blocks: asyncio.Future | None = (
+            asyncio.get_running_loop().create_future() if conn.ipc_writer is not None else None
+        )
+        self.path = sender.scheme  # how the KV went: the transport's scheme, or "cuda_ipc"
         conn.handle = self
         self._pump = asyncio.ensure_future(self._send_all())
 
@@ -121,8 +123,12 @@ class ChannelSendHandle(SendHandle):
         layers are queued for the same blocks under one header each time, until the queue's end
         marker."""
         try:
-            header = {"op": "open", "transfer_id": self.transfer_id, "layout": self.layout.to_dict(),
-                      "num_blocks": self.num_blocks}
+            header = {
+                "op": "open",
+                "transfer_id": self.transfer_id,
+                "layout": self.layout.to_dict(),
+                "num_blocks": self.num_blocks,
+            }
             if self._conn.session_key is not None:
                 header["tag"] = auth.transfer_tag(self._conn.session_key, self.transfer_id)
             if self._ipc_blocks is not None:
@@ -132,14 +138,14 @@ class ChannelSendHandle(SendHandle):
             if ipc_blocks is not None:
                 self.path = "cuda_ipc"
             is_ended = False
-            held = None   # an item taken from the queue that belongs under the next header
+            held = None  # an item taken from the queue that belongs under the next header
             while not is_ended:
                 batch = [held if held is not None else await self._queue.get()]
                 held = None
                 while batch[-1] is not None and not self._queue.empty() and len(batch) < MAX_LAYERS_PER_HEADER:
                     item = self._queue.get_nowait()
                     if item is not None and (item[1].shape != batch[0][1].shape or item[2] != batch[0][2]):
-                        held = item   # another block range: its own header
+                        held = item  # another block range: its own header
                         break
                     batch.append(item)
                 if batch[-1] is None:
@@ -150,11 +156,16 @@ class ChannelSendHandle(SendHandle):
                 if ipc_blocks is not None:
                     await self._write_ipc(batch, ipc_blocks)
                     continue
-                if any(payload.device.type != "cpu" for _, payload, _ in batch):   # IPC fell back: stage here
+                if any(payload.device.type != "cpu" for _, payload, _ in batch):  # IPC fell back: stage here
                     batch = await asyncio.to_thread(lambda b=batch: [(i, p.cpu(), f) for i, p, f in b])
                 data = [payload_bytes(payload) for _, payload, _ in batch]
-                header = {"op": "layers", "transfer_id": self.transfer_id, "layers": [layer for layer, _, _ in batch],
-                          "first_block": batch[0][2], "nbytes": data[0].nbytes}
+                header = {
+                    "op": "layers",
+                    "transfer_id": self.transfer_id,
+                    "layers": [layer for layer, _, _ in batch],
+                    "first_block": batch[0][2],
+                    "nbytes": data[0].nbytes,
+                }
                 await self._conn.channel.send(header, data)
                 self.bytes_sent += sum(d.nbytes for d in data)
         except Exception as e:
@@ -165,13 +176,19 @@ class ChannelSendHandle(SendHandle):
         """Write the pieces straight into the receiver's blocks (in a worker thread, which waits for
         the copies), then tell it which blocks of which layers landed."""
         first, n = batch[0][2], batch[0][1].shape[1]
-        dst = block_ids[first:first + n]
+        dst = block_ids[first : first + n]
         for layer, payload, _ in batch:
             await asyncio.to_thread(self._conn.ipc_writer.write, layer, dst, payload)
             self.bytes_sent += payload.numel() * payload.element_size()
-        await self._conn.channel.send({"op": "ipc_layers", "transfer_id": self.transfer_id,
-                                       "layers": [layer for layer, _, _ in batch], "first_block": first,
-                                       "num_blocks": n})
+        await self._conn.channel.send(
+            {
+                "op": "ipc_layers",
+                "transfer_id": self.transfer_id,
+                "layers": [layer for layer, _, _ in batch],
+                "first_block": first,
+                "num_blocks": n,
+            }
+        )
 
     async def send_layer(self, layer: int, payload: torch.Tensor, first_block: int = 0, on_sent=None) -> None:
         if not 0 <= layer < self.layout.num_layers:
@@ -179,14 +196,22 @@ class ChannelSendHandle(SendHandle):
         queued = self._blocks_queued.get(layer, 0)
         n = payload.shape[1] if payload.dim() == 5 else 0
         shape = self.layout.layer_payload_shape(n)
-        if n < 1 or tuple(payload.shape) != shape or payload.dtype != self.layout.torch_dtype \
-                or not payload.is_contiguous():
-            raise ValueError(f"layer payload must be a contiguous {self.layout.dtype} tensor of shape "
-                             f"{self.layout.layer_payload_shape(self.num_blocks - queued)} (or fewer blocks), got "
-                             f"{payload.dtype} {tuple(payload.shape)} (contiguous={payload.is_contiguous()})")
+        if (
+            n < 1
+            or tuple(payload.shape) != shape
+            or payload.dtype != self.layout.torch_dtype
+            or not payload.is_contiguous()
+        ):
+            raise ValueError(
+                f"layer payload must be a contiguous {self.layout.dtype} tensor of shape "
+                f"{self.layout.layer_payload_shape(self.num_blocks - queued)} (or fewer blocks), got "
+                f"{payload.dtype} {tuple(payload.shape)} (contiguous={payload.is_contiguous()})"
+            )
         if first_block != queued or queued + n > self.num_blocks:
-            raise ValueError(f"layer {layer}: blocks {first_block}..{first_block + n - 1} do not continue its "
-                             f"{queued} blocks queued so far within the transfer's {self.num_blocks}")
+            raise ValueError(
+                f"layer {layer}: blocks {first_block}..{first_block + n - 1} do not continue its "
+                f"{queued} blocks queued so far within the transfer's {self.num_blocks}"
+            )
         if self._is_closed:
             raise RuntimeError(f"send_layer after finish/abort of transfer {self.transfer_id!r}")
         self._blocks_queued[layer] = queued + n
@@ -210,7 +235,7 @@ class ChannelSendHandle(SendHandle):
         self._is_closed = True
         try:
             await self._settle(aborted, timeout_s)
-        finally:   # the final reply came (every byte was read) or the connection is closed
+        finally:  # the final reply came (every byte was read) or the connection is closed
             callbacks, self._on_sent = self._on_sent, []
             for on_sent in callbacks:
                 on_sent()
@@ -243,11 +268,12 @@ class ChannelSender(KVSender):
 
     scheme: str
 
-    def __init__(self, connect: Callable[[str], Awaitable[Channel]], ack_timeout_s: float = 30.0,
-                 auth_key: bytes | None = None):
-        self.auth_key = auth_key   # answer each new connection's challenge (auth.py)
-        self.ipc_backend = None    # a cuda_ipc backend: try CUDA IPC on each new authenticated connection
-        self.ipc_fallbacks: list[str] = []   # why connections that tried CUDA IPC use bytes (most recent last)
+    def __init__(
+        self, connect: Callable[[str], Awaitable[Channel]], ack_timeout_s: float = 30.0, auth_key: bytes | None = None
+    ):
+        self.auth_key = auth_key  # answer each new connection's challenge (auth.py)
+        self.ipc_backend = None  # a cuda_ipc backend: try CUDA IPC on each new authenticated connection
+        self.ipc_fallbacks: list[str] = []  # why connections that tried CUDA IPC use bytes (most recent last)
         self._connect = connect
         self.ack_timeout_s = ack_timeout_s
         self._idle: dict[str, list[_Conn]] = {}
@@ -261,8 +287,10 @@ class ChannelSender(KVSender):
         if not address.startswith(prefix):
             # the two workers use different KV transports: like a layout mismatch, FAILED_PRECONDITION
             # to the decode worker, which tries its next prefill worker or prefills locally
-            raise LayoutMismatchError(f"a {self.scheme} sender cannot send to {address!r} (expected {prefix}...)",
-                                      {"kv_transport": (address.split("://", 1)[0], self.scheme)})
+            raise LayoutMismatchError(
+                f"a {self.scheme} sender cannot send to {address!r} (expected {prefix}...)",
+                {"kv_transport": (address.split("://", 1)[0], self.scheme)},
+            )
         idle = self._idle.get(address, [])
         while idle:
             conn = idle.pop()
@@ -271,7 +299,7 @@ class ChannelSender(KVSender):
             await conn.close()
         else:
             try:
-                channel = await self._connect(address[len(prefix):])
+                channel = await self._connect(address[len(prefix) :])
             except Exception as e:
                 raise TransferError(f"cannot connect to {address}: {e!r}") from e
             session_key = None
@@ -283,7 +311,7 @@ class ChannelSender(KVSender):
                     raise TransferError(f"KV-transfer handshake with {address} failed: {e}") from e
             try:
                 writer = await self._try_ipc(channel, session_key, layout) if self.ipc_backend is not None else None
-            except Exception as e:   # the channel is out of step (no reply in time, closed): not reusable
+            except Exception as e:  # the channel is out of step (no reply in time, closed): not reusable
                 await channel.close()
                 raise TransferError(f"CUDA IPC hello to {address} failed: {e!r}") from e
             conn = _Conn(channel, session_key, writer)

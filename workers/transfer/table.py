@@ -37,9 +37,9 @@ class _Transfer:
     num_blocks: int
     write_layer: WriteLayer
     deadline_s: float
-    block_ids: list[int] | None = None   # the decode worker's destination blocks (CUDA IPC writes there)
+    block_ids: list[int] | None = None  # the decode worker's destination blocks (CUDA IPC writes there)
     state: TransferState = TransferState.WAITING
-    blocks_done: dict[int, int] = field(default_factory=dict)   # layer -> blocks landed
+    blocks_done: dict[int, int] = field(default_factory=dict)  # layer -> blocks landed
     num_bytes: int = 0
     error: str | None = None
     error_kind: str = "transfer"
@@ -57,16 +57,24 @@ class TransferTable:
         return len(self._transfers)
 
     # -- the decode worker's side --------------------------------------------------------------
-    def expect(self, transfer_id: str, layout: KVLayout, num_blocks: int, write_layer: WriteLayer,
-               deadline_s: float, block_ids=None) -> None:
+    def expect(
+        self,
+        transfer_id: str,
+        layout: KVLayout,
+        num_blocks: int,
+        write_layer: WriteLayer,
+        deadline_s: float,
+        block_ids=None,
+    ) -> None:
         if transfer_id in self._transfers:
             raise ValueError(f"transfer id {transfer_id!r} is already registered")
         if num_blocks <= 0:
             raise ValueError(f"num_blocks must be positive, got {num_blocks}")
         if block_ids is not None and len(block_ids) != num_blocks:
             raise ValueError(f"block_ids must name the {num_blocks} destination blocks, got {len(block_ids)}")
-        t = _Transfer(layout, num_blocks, write_layer, deadline_s,
-                      None if block_ids is None else [int(b) for b in block_ids])
+        t = _Transfer(
+            layout, num_blocks, write_layer, deadline_s, None if block_ids is None else [int(b) for b in block_ids]
+        )
         t.timer = asyncio.get_running_loop().call_later(deadline_s, self._on_deadline, transfer_id)
         self._transfers[transfer_id] = t
 
@@ -107,8 +115,14 @@ class TransferTable:
             return self._unknown(transfer_id, "failed")
         if t.state is not TransferState.WAITING:
             if not t.state.is_terminal:  # RECEIVING from another connection: leave that one alone
-                return {"transfer_id": transfer_id, "type": "failed", "ok": False, "state": t.state.name,
-                        "error": f"transfer {transfer_id!r} is already being received", "error_kind": "transfer"}
+                return {
+                    "transfer_id": transfer_id,
+                    "type": "failed",
+                    "ok": False,
+                    "state": t.state.name,
+                    "error": f"transfer {transfer_id!r} is already being received",
+                    "error_kind": "transfer",
+                }
             return self._reply(transfer_id, t, "failed")
         try:
             got = KVLayout.from_dict(layout_dict)
@@ -137,8 +151,12 @@ class TransferTable:
         if t is None or t.state is not TransferState.RECEIVING:
             return
         if t.block_ids is None or not isinstance(num_blocks, int) or not isinstance(first_block, int):
-            self._end(t, transfer_id, TransferState.FAILED, f"protocol error: an IPC write of layer {layer} for a "
-                      "transfer without destination blocks")
+            self._end(
+                t,
+                transfer_id,
+                TransferState.FAILED,
+                f"protocol error: an IPC write of layer {layer} for a transfer without destination blocks",
+            )
             return
         self._land(t, transfer_id, layer, first_block, num_blocks, 0, None)
 
@@ -151,19 +169,37 @@ class TransferTable:
         num_blocks, rest = divmod(data.numel(), t.layout.layer_payload_nbytes(1))
         self._land(t, transfer_id, layer, first_block, num_blocks, rest, data)
 
-    def _land(self, t: _Transfer, transfer_id: str, layer: int, first_block: int, num_blocks: int, rest: int,
-              data: torch.Tensor | None) -> None:
+    def _land(
+        self,
+        t: _Transfer,
+        transfer_id: str,
+        layer: int,
+        first_block: int,
+        num_blocks: int,
+        rest: int,
+        data: torch.Tensor | None,
+    ) -> None:
         block_nbytes = t.layout.layer_payload_nbytes(1)
         done = t.blocks_done.get(layer, 0) if isinstance(layer, int) else 0
-        if not isinstance(layer, int) or not 0 <= layer < t.layout.num_layers or rest or num_blocks < 1 \
-                or first_block != done or done + num_blocks > t.num_blocks:
+        if (
+            not isinstance(layer, int)
+            or not 0 <= layer < t.layout.num_layers
+            or rest
+            or num_blocks < 1
+            or first_block != done
+            or done + num_blocks > t.num_blocks
+        ):
             what = f"{data.numel()} bytes" if data is not None else f"{num_blocks} blocks over CUDA IPC"
-            self._end(t, transfer_id, TransferState.FAILED,
-                      f"protocol error: layer {layer}, blocks from {first_block}, {what} (expected "
-                      f"layers 0...{t.layout.num_layers - 1}, each layer's {t.num_blocks} blocks once and in order "
-                      f"in pieces of whole blocks of {block_nbytes} bytes; layer {layer} has {done} so far)")
+            self._end(
+                t,
+                transfer_id,
+                TransferState.FAILED,
+                f"protocol error: layer {layer}, blocks from {first_block}, {what} (expected "
+                f"layers 0...{t.layout.num_layers - 1}, each layer's {t.num_blocks} blocks once and in order "
+                f"in pieces of whole blocks of {block_nbytes} bytes; layer {layer} has {done} so far)",
+            )
             return
-        if data is not None:   # bytes on the wire; a CUDA IPC sender already wrote the blocks
+        if data is not None:  # bytes on the wire; a CUDA IPC sender already wrote the blocks
             payload = data.view(t.layout.torch_dtype).view(t.layout.layer_payload_shape(num_blocks))
             try:
                 t.write_layer(layer, payload, first_block)
@@ -185,16 +221,24 @@ class TransferTable:
             elif _layers_done(t) == t.layout.num_layers:
                 self._end(t, transfer_id, TransferState.DONE, None)
             else:
-                self._end(t, transfer_id, TransferState.FAILED, f"sender finished after {_layers_done(t)} "
-                          f"of {t.layout.num_layers} layers")
+                self._end(
+                    t,
+                    transfer_id,
+                    TransferState.FAILED,
+                    f"sender finished after {_layers_done(t)} of {t.layout.num_layers} layers",
+                )
         return self._reply(transfer_id, t, "final")
 
     def disconnect(self, transfer_id: str) -> None:
         t = self._transfers.get(transfer_id)
         if t is not None and t.state is TransferState.RECEIVING:
             t.notify = None
-            self._end(t, transfer_id, TransferState.FAILED, f"sender disconnected after "
-                      f"{_layers_done(t)} of {t.layout.num_layers} layers")
+            self._end(
+                t,
+                transfer_id,
+                TransferState.FAILED,
+                f"sender disconnected after {_layers_done(t)} of {t.layout.num_layers} layers",
+            )
 
     # -- internals ---------------------------------------------------------------------
     def _get(self, transfer_id: str) -> _Transfer:
@@ -206,8 +250,13 @@ class TransferTable:
     def _on_deadline(self, transfer_id: str) -> None:
         t = self._transfers.get(transfer_id)
         if t is not None:
-            self._end(t, transfer_id, TransferState.TIMED_OUT, f"transfer not complete within its deadline of "
-                      f"{t.deadline_s:g} s ({_layers_done(t)} of {t.layout.num_layers} layers landed)")
+            self._end(
+                t,
+                transfer_id,
+                TransferState.TIMED_OUT,
+                f"transfer not complete within its deadline of "
+                f"{t.deadline_s:g} s ({_layers_done(t)} of {t.layout.num_layers} layers landed)",
+            )
 
     def _end(self, t: _Transfer, transfer_id: str, state: TransferState, error: str | None) -> None:
         if t.state.is_terminal:
@@ -224,14 +273,26 @@ class TransferTable:
     @staticmethod
     def _reply(transfer_id: str, t: _Transfer, kind: str) -> dict:
         ok = t.state is TransferState.DONE
-        return {"transfer_id": transfer_id, "type": kind, "ok": ok, "state": t.state.name,
-                "error": t.error, "error_kind": t.error_kind, "mismatches": t.mismatches}
+        return {
+            "transfer_id": transfer_id,
+            "type": kind,
+            "ok": ok,
+            "state": t.state.name,
+            "error": t.error,
+            "error_kind": t.error_kind,
+            "mismatches": t.mismatches,
+        }
 
     @staticmethod
     def _unknown(transfer_id: str, kind: str) -> dict:
-        return {"transfer_id": transfer_id, "type": kind, "ok": False, "state": None,
-                "error": f"unknown transfer id {transfer_id!r} (never expected by the receiver, or released)",
-                "error_kind": "unknown"}
+        return {
+            "transfer_id": transfer_id,
+            "type": kind,
+            "ok": False,
+            "state": None,
+            "error": f"unknown transfer id {transfer_id!r} (never expected by the receiver, or released)",
+            "error_kind": "unknown",
+        }
 
 
 def _layers_done(t: _Transfer) -> int:

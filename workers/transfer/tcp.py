@@ -54,7 +54,7 @@ class TcpChannel(Channel):
                 chunk = await self._reader.read(len(view) - pos)
                 if not chunk:
                     raise ChannelClosed(f"connection closed after {pos} of {len(view)} payload bytes")
-                view[pos:pos + len(chunk)] = chunk
+                view[pos : pos + len(chunk)] = chunk
                 pos += len(chunk)
         except ConnectionError as e:
             raise ChannelClosed(repr(e)) from e
@@ -77,7 +77,8 @@ class TcpReceiver(ChannelReceiver):
 
     async def _listen(self) -> str:
         self._server = await asyncio.start_server(
-            lambda r, w: self._serve(TcpChannel(r, w)), self._host, self._port, limit=STREAM_LIMIT)
+            lambda r, w: self._serve(TcpChannel(r, w)), self._host, self._port, limit=STREAM_LIMIT
+        )
         port = self._server.sockets[0].getsockname()[1]
         return f"tcp://{self._host}:{port}"
 
@@ -96,5 +97,6 @@ class TcpSender(ChannelSender):
     async def _open_channel(self, hostport: str) -> Channel:
         host, port = hostport.rsplit(":", 1)
         reader, writer = await asyncio.wait_for(
-            asyncio.open_connection(host, int(port), limit=STREAM_LIMIT), self._connect_timeout_s)
+            asyncio.open_connection(host, int(port), limit=STREAM_LIMIT), self._connect_timeout_s
+        )
         return TcpChannel(reader, writer)

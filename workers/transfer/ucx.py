@@ -48,6 +48,7 @@ def configure_ucx_env(environ=os.environ, has_gpu: bool | None = None) -> dict[s
     """
     if has_gpu is None:
         import torch
+
         has_gpu = torch.cuda.is_available()
     defaults = {"UCXPY_ENABLE_PYTHON_FUTURE": "1", "UCX_WARN_UNUSED_ENV_VARS": "n"}
     if not has_gpu:
@@ -67,11 +68,13 @@ def _ucxx():
         threading._register_atexit(_stop_notifier_thread)
         _is_configured = True
     import ucxx
+
     return ucxx
 
 
 def _stop_notifier_thread() -> None:
     import ucxx
+
     with contextlib.suppress(Exception):
         ucxx.stop_notifier_thread()
 
@@ -111,7 +114,7 @@ class UcxChannel(Channel):
         except self._error_types as e:
             raise ChannelClosed(repr(e)) from e
         n = int.from_bytes(buf[:4].tobytes(), "little")
-        return json.loads(buf[4:4 + n].tobytes())
+        return json.loads(buf[4 : 4 + n].tobytes())
 
     async def recv_payload(self, out: np.ndarray, is_last: bool) -> None:
         payload = asyncio.ensure_future(self._ep.recv(out))
@@ -166,5 +169,6 @@ class UcxSender(ChannelSender):
         ucxx = _ucxx()
         endpoint = await asyncio.wait_for(
             ucxx.create_endpoint(host, int(port), connect_timeout=self._connect_timeout_s),
-            self._connect_timeout_s + 1.0)
+            self._connect_timeout_s + 1.0,
+        )
         return UcxChannel(endpoint)
