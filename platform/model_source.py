@@ -9,6 +9,7 @@ file's sha256 every time it is asked; we ask once per process).
 
 from __future__ import annotations
 
+import fcntl
 import functools
 import importlib
 import importlib.util
@@ -75,7 +76,15 @@ def _assembled_path(alias: str, package: str, hint: str) -> str:
     """The GGUF a parts package assembles (idempotent: an existing file is only checked)."""
     if importlib.util.find_spec(package) is None:
         raise ConfigError(f"model alias {alias!r} needs the package {package!r}; install it with: {hint}")
+    parts = importlib.import_module(package)
     try:
-        return str(importlib.import_module(package).assemble())
+        # The package writes the file in place: a second process (the prefill and decode workers of
+        # one `splitserve up` start together) would read it half-written and fail its checksum. One
+        # at a time; whoever comes second only checks the finished file.
+        target = parts.default_output_path()
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with open(f"{target}.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            return str(parts.assemble())
     except (OSError, ValueError) as exc:
         raise ConfigError(f"model alias {alias!r}: assembling its GGUF failed ({exc}); reinstall with: {hint}") from exc
