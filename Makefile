@@ -51,8 +51,11 @@ $(STAMP): pyproject.toml
 run: setup
 	$(VENV)/bin/splitserve up
 
+# Two pytest-xdist workers: the files run whole, each on one worker (tests/conftest.py says what keeps
+# that sound). TEST_JOBS=0 runs the suite in this one process.
+TEST_JOBS ?= 2
 test: setup
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(TEST_JOBS)
 
 # ruff (pinned in the test extras; its rules and the reasons for each one left off are in pyproject.toml).
 # Fix what it finds with `$(VENV)/bin/ruff check --fix .` and `$(VENV)/bin/ruff format .`.

@@ -77,3 +77,47 @@ def hf_smollm2(smollm2_gguf_path):
     from gguf_reference import hf_from_gguf
 
     return hf_from_gguf(smollm2_gguf_path)
+
+
+# --- Running the suite on several processes (`make test` runs `pytest -n 2`: pytest-xdist) -----------
+#
+# On the 2-core machines CI uses, the suite keeps about 1.2 cores busy when run in one process:
+# most process tests wait on servers, children and windows. Two xdist workers fill the gaps. What
+# keeps that sound:
+# - a file runs whole on one worker (its module fixtures, the servers it starts, are built once),
+#   and the Ray tests run on one worker, one after another: each starts a local Ray and counts
+#   every Ray process started since it began (tests/rayserve/raykit.py);
+# - torch in each worker uses its share of the cores (2 workers on 2 cores: 1 thread each), so two
+#   engines do not oversubscribe the cores; the worker processes the tests start pass --threads;
+# - the files marked slow (real model servers, reference models, the e2e runs) are handed out
+#   first and the quick unit files last, so no long file starts when the other worker is done.
+
+SERIAL_GROUPS = ("tests/rayserve/",)
+
+
+def pytest_xdist_make_scheduler(config, log):
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByFile(LoadScopeScheduling):
+        """A file is a unit of work; each of SERIAL_GROUPS is one unit."""
+
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return next((group for group in SERIAL_GROUPS if path.startswith(group)), path)
+
+    config.option.loadscopereorder = False  # keep the order pytest_collection_modifyitems sets
+    return ByFile(config, log)
+
+
+def pytest_configure(config):
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers > 1:
+        import torch
+
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
+
+
+def pytest_collection_modifyitems(config, items):
+    """Files with a slow test first (a stable sort: each file's tests stay together, in order)."""
+    slow_files = {item.nodeid.split("::", 1)[0] for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: item.nodeid.split("::", 1)[0] not in slow_files)
