@@ -50,6 +50,18 @@ def gemma_engine():
     )
 
 
+@pytest.fixture(scope="module")
+def prompt_ids(gemma_engine) -> list[list[int]]:
+    return [gemma_engine.tokenizer.encode(p) for p in PROMPTS]
+
+
+@pytest.fixture(scope="module")
+def reference(hf_gemma, prompt_ids) -> list[list[int]]:
+    """transformers' greedy tokens for PROMPTS, computed once for both engine modes."""
+    hf_model, _ = hf_gemma
+    return [hf_greedy(hf_model, ids, 32) for ids in prompt_ids]
+
+
 def test_tokenizer_from_the_gguf_matches_transformers(gemma_engine, hf_gemma):
     _, hf_tok = hf_gemma
     tok = gemma_engine.tokenizer
@@ -58,19 +70,16 @@ def test_tokenizer_from_the_gguf_matches_transformers(gemma_engine, hf_gemma):
     assert tok.chat_template is None and tok.bos_token_id == 2
 
 
-def test_greedy_equals_transformers_fp32_on_8_of_8(gemma_engine, hf_gemma):
-    hf_model, _ = hf_gemma
+def test_greedy_equals_transformers_fp32_on_8_of_8(gemma_engine, prompt_ids, reference):
     config = gemma_engine.model_config
     assert (config.architecture, config.sliding_window, config.layer_types.count("full_attention")) == (
         "gemma3",
         512,
         3,
     )
-    prompt_ids = [gemma_engine.tokenizer.encode(p) for p in PROMPTS]
     assert len(prompt_ids[-1]) > config.sliding_window
     outs = gemma_engine.generate(prompt_ids, GREEDY)
-    matches = [out.output_token_ids == hf_greedy(hf_model, ids, 32) for ids, out in zip(prompt_ids, outs)]
-    assert matches == [True] * 8
+    assert [out.output_token_ids for out in outs] == reference
 
 
 def test_chat_request_to_the_base_model_is_a_clear_400(gemma_engine):
@@ -87,14 +96,13 @@ def test_chat_request_to_the_base_model_is_a_clear_400(gemma_engine):
     assert "no chat template; send a plain prompt (completions)" in str(info.value.message)
 
 
-def test_default_mode_agrees_with_transformers_on_at_least_7_of_8(hf_gemma):
+def test_default_mode_agrees_with_transformers_on_at_least_7_of_8(prompt_ids, reference):
     """`--quantization auto` (the CLI's default) against transformers fp32. For Gemma 3 on a CPU
     with the fast kernels that is `auto-exact`: every linear on the file's own codes (Q4_K ->
     w4a16, Q5_0/Q8_0 -> w8a16, Q6_K -> fp16), the head a 4-bit pass re-scored exactly at the
     top, the float16 KV cache; the `none` reference elsewhere. Measured 8 of 8; the gate is 7."""
     from splitserve.platform.quant.report import describe_kernels
 
-    hf_model, _ = hf_gemma
     engine = LLMEngine(
         EngineConfig(
             model="gemma3-270m",
@@ -107,7 +115,6 @@ def test_default_mode_agrees_with_transformers_on_at_least_7_of_8(hf_gemma):
     if engine.model.quantization == "auto-exact" and cpu_ops() is not None:
         assert engine.kv_cache_dtype == "float16"
         assert describe_kernels(engine.model).startswith("linears: 36 w8a16, 27 w4a16, 9 fp16 (63 exact from the file)")
-    prompt_ids = [engine.tokenizer.encode(p) for p in PROMPTS]
     outs = engine.generate(prompt_ids, GREEDY)
-    matches = [out.output_token_ids == hf_greedy(hf_model, ids, 32) for ids, out in zip(prompt_ids, outs)]
+    matches = [out.output_token_ids == ref for out, ref in zip(outs, reference)]
     assert sum(matches) >= 7, matches

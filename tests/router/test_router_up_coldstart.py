@@ -1,7 +1,7 @@
 """Cold starts of `splitserve up` with real workers and the real model: a client polls
 /v1/models from the moment the gateway's port answers and sends its first request as soon as
 the model is listed; that request must succeed. (The 20-start version of this race is
-test_router_readiness.py against fake workers; real starts cost ~30 s each here, so three.)"""
+test_router_readiness.py against fake workers; a real start costs ~10 s of CPU here, so one.)"""
 
 import signal
 import subprocess
@@ -34,8 +34,7 @@ def first_request_after_model_list(base: str, proc: subprocess.Popen, timeout: f
             time.sleep(0.02)
 
 
-@pytest.mark.parametrize("attempt", range(3))
-def test_up_first_request_after_model_list_succeeds(attempt):
+def test_up_first_request_after_model_list_succeeds():
     port = free_port()
     proc = subprocess.Popen([CLI, "up", "--port", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
