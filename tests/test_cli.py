@@ -1,5 +1,6 @@
 """The `splitserve` command as a user runs it: only generated text on stdout, clear errors."""
 
+import json
 import pathlib
 import subprocess
 import sys
@@ -112,3 +113,28 @@ def test_unsupported_architecture_and_missing_tensor_exit_2_without_a_traceback(
     proc = run("generate", "--model", str(folder), "--max-tokens", "1", "hi")
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert "1 weight(s) missing, first: model.layers.1.self_attn.k_norm.weight" in proc.stderr
+
+
+def test_each_command_loads_only_what_it_runs():
+    """The gateway, the launcher and the small tools never import torch (the worker's engine):
+    a router pod and `splitserve up`'s own process stay small and start in a fraction of a
+    second. `splitserve --help` and an unknown command still list every command."""
+    probe = (
+        "import sys, json; from splitserve.platform.cli import build_parser; "
+        "parser = build_parser(sys.argv[1:]); "
+        "print(json.dumps(['torch' in sys.modules, parser.format_help()]))"
+    )
+
+    def load(*argv):
+        proc = subprocess.run([sys.executable, "-c", probe, *argv], capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0, proc.stderr
+        return json.loads(proc.stdout)
+
+    for argv in (["router", "--port", "1"], ["--log-level", "INFO", "up"], ["usage"], ["trace"], ["epp"]):
+        torch_loaded, _ = load(*argv)
+        assert not torch_loaded, argv
+    torch_loaded, _ = load("worker", "--role", "decode")
+    assert torch_loaded
+    for argv in ([], ["nope"]):
+        _, text = load(*argv)
+        assert all(name in text for name in ("worker", "router", "up", "epp", "usage", "envoy-config")), text
