@@ -27,10 +27,14 @@ MODEL = "smollm2-135m"
 BIN = os.path.join(os.path.dirname(sys.executable), "splitserve")
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+try:  # under pytest (tests/ is on the path): the suite's ports, below the ephemeral range (tests/ports.py)
+    from ports import free_port
+except ImportError:  # `make chaos`: nothing else runs beside the soak
+
+    def free_port() -> int:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return s.getsockname()[1]
 
 
 def wait_for(predicate, timeout: float, what: str) -> None:

@@ -16,13 +16,14 @@ import json
 import os
 import pathlib
 import signal
-import socket
 import subprocess
 import sys
 import threading
 import time
 import urllib.request
 from dataclasses import dataclass
+
+from ports import free_port
 
 from splitserve.platform.grpc_tls import TlsFiles, aio_channel
 
@@ -35,12 +36,6 @@ WORKER_QUANTIZATION = "auto"
 # many seconds, and a router that marks it down fails the requests in flight on it: a flake
 # seen at 2 s. A SIGKILLed worker is noticed at once by its broken stream, not by this.
 ROUTER_STALE_AFTER_S = 30.0
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,6 @@ import dataclasses
 import os
 import pathlib
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -22,18 +21,13 @@ import time
 
 import httpx
 import yaml
+from ports import free_port
 
 MODEL = "smollm2-135m"
 POLL_S = 0.1
 START_S = 300.0
 STOP_S = 120.0
 BODY = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, "temperature": 0}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def write_config(temp_dir: str, port: int) -> str:

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import socket
 import time
 
 import psutil
+from ports import free_port
 
 from splitserve.rayserve import config as ray_config
 
@@ -24,12 +24,6 @@ RAY_PROCESS_NAMES = (
     "ray::",
     "runtime_env_agent",
 )
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def local_config(temp_dir: str, port: int, **changes) -> ray_config.RayServeConfig:

@@ -16,7 +16,6 @@ import asyncio
 import contextlib
 import dataclasses
 import shutil
-import socket
 import subprocess
 import threading
 import time
@@ -24,18 +23,13 @@ import uuid
 
 import grpc
 import redis
+from ports import free_port
 
 from splitserve.platform.hashing import BlockHasher
 from splitserve.platform.wire import worker_pb2 as pb
 from splitserve.platform.wire import worker_pb2_grpc as pb_grpc
 from splitserve.router.config import RouterConfig
 from splitserve.router.main import bind, uvicorn_server
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class LoopThread:

@@ -241,11 +241,9 @@ def test_oversized_headers_get_431(loop, tokenizer):
 def test_an_unreachable_store_never_fails_a_request(caplog):
     """Redis down (the chaos soak restarts it): admission goes on without limits, settling and
     usage are skipped, each miss is logged and counted (fail open, docs/security.md)."""
-    import socket
+    from ports import free_port
 
-    with socket.socket() as s:  # a port nothing listens on
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()  # a port nothing listens on
     registry = CollectorRegistry()
     quota = Quota(registry, redis_url=f"redis://127.0.0.1:{port}/0")
     key = ApiKey("", "team-c", rpm=1, tpm=10)

@@ -11,12 +11,12 @@ import asyncio
 import multiprocessing as mp
 import os
 import signal
-import socket
 import threading
 import time
 
 import pytest
 import torch
+from ports import free_port
 
 from splitserve.workers.transfer import (
     KVLayout,
@@ -442,15 +442,9 @@ def test_receiver_killed_mid_transfer_fails_finish(kind, loop, run):
     assert num_idle == 0  # a broken connection is never pooled
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.parametrize("kind", KINDS)
 def test_unreachable_receiver_fails_open(kind, run):
-    address = "inproc://nobody" if kind == "inproc" else f"{kind}://127.0.0.1:{_free_port()}"
+    address = "inproc://nobody" if kind == "inproc" else f"{kind}://127.0.0.1:{free_port()}"
 
     async def go():
         sender = make_sender(kind, connect_timeout_s=1.0) if kind != "inproc" else make_sender(kind)
