@@ -2,8 +2,8 @@
 
     splitserve up [--port 8000] [--model smollm2-135m] [--kv-transport auto|ucx|tcp]
 
-Starts the two workers as subprocesses (`python -m splitserve.platform.cli worker ...`) on free
-ports, waits for their READY lines, runs the router and gateway in this process with the
+Starts the two workers as subprocesses (`python -m splitserve.platform.cli worker ...`) on port 0
+(each binds what the kernel picks), reads their ports from their READY lines, runs the router and gateway in this process with the
 in-memory index, and prints the URL and a curl example. Ctrl-C (SIGINT) or SIGTERM stops the
 gateway, then the workers (SIGTERM, a short drain, SIGKILL after 15 s). A worker that fails to
 start stops everything with its last log lines.
@@ -17,6 +17,7 @@ import importlib.util
 import json
 import logging
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -30,6 +31,7 @@ from splitserve.router.main import add_router_args, bind, config_from_args, serv
 log = logging.getLogger("splitserve.up")
 
 READY_TIMEOUT_S = 300
+READY_LINE = re.compile(r"READY grpc=(?P<grpc>\S+) metrics=(?P<metrics>\d+) ")
 STOP_TIMEOUT_S = 15
 
 
@@ -204,10 +206,11 @@ class WorkerProcess:
 
     def __init__(self, role: str, args: list[str], log_level: str):
         self.role = role
-        self.ports = [_free_port() for _ in range(3)]
-        grpc_port, metrics_port, kv_port = self.ports
-        self.address = f"127.0.0.1:{grpc_port}"
-        self.metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"  # the local planner reads ITL here
+        # Port 0 everywhere: the worker binds what the kernel picks and names the ports on its READY
+        # line. (A port probed free here could be taken, by any process's outgoing connection,
+        # before the worker binds it.) Both are set from that line before `ready` is.
+        self.address = ""
+        self.metrics_url = ""  # the local planner reads ITL here
         self.argv = [
             sys.executable,
             "-m",
@@ -218,11 +221,11 @@ class WorkerProcess:
             "--role",
             role,
             "--grpc-port",
-            str(grpc_port),
+            "0",
             "--metrics-port",
-            str(metrics_port),
+            "0",
             "--kv-port",
-            str(kv_port),
+            "0",
             "--drain-grace",
             "5",
             *args,
@@ -247,7 +250,10 @@ class WorkerProcess:
     def _pump(self) -> None:
         for line in self.proc.stdout:
             self.tail = (self.tail + [line])[-40:]
-            if line.startswith("READY"):
+            ready = READY_LINE.match(line)
+            if ready:
+                self.address = ready["grpc"]
+                self.metrics_url = f"http://127.0.0.1:{ready['metrics']}/metrics"
                 self.ready.set()
             sys.stderr.write(f"[{self.role}] {line}")
         self.ready.set()  # EOF: the process ended; wait_ready checks which
@@ -505,14 +511,6 @@ def _die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
     except OSError:
         pass
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _speculative_config(text: str) -> str:

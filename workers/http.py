@@ -34,6 +34,7 @@ class HealthServer:
 
     async def start(self) -> None:
         self._server = await asyncio.start_server(self._handle, self.host, self.port)
+        self.port = self._server.sockets[0].getsockname()[1]  # the port bound (port 0: the kernel's pick)
 
     async def close(self) -> None:
         if self._server is not None:

@@ -300,7 +300,7 @@ class Worker:
             else None
         )
         service = WorkerService(cfg, engine, hub, remote, sender, layout, metrics, puller)
-        server, health_servicer = await self._start_grpc(service)
+        server, health_servicer, grpc_port = await self._start_grpc(service)
         http = HealthServer(
             cfg.host,
             cfg.metrics_port,
@@ -316,15 +316,17 @@ class Worker:
         await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
         for sig in (signal.SIGTERM, signal.SIGINT) if handle_signals else ():
             loop.add_signal_handler(sig, self.stopping.set)
+        # The ports bound: with port 0 the kernel picks them, and the READY line tells a launcher
+        # (launch/up.py) which, so no port is probed free and then taken by someone else.
         log.info(
             "worker %s ready: grpc %s:%d, metrics %d, kv %s",
             cfg.role,
             cfg.host,
-            cfg.grpc_port,
-            cfg.metrics_port,
+            grpc_port,
+            http.port,
             info.kv_address or "-",
         )
-        print(f"READY grpc={cfg.host}:{cfg.grpc_port} metrics={cfg.metrics_port} kv={info.kv_address}", flush=True)
+        print(f"READY grpc={cfg.host}:{grpc_port} metrics={http.port} kv={info.kv_address}", flush=True)
         await self.stopping.wait()
         await self._drain(service, health_servicer)
         load_task.cancel()
@@ -351,11 +353,11 @@ class Worker:
         await health_servicer.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
         tls = tls_from(self.config.tls_cert, self.config.tls_key, self.config.tls_ca)
         if tls is None:
-            server.add_insecure_port(f"{self.config.host}:{self.config.grpc_port}")
+            port = server.add_insecure_port(f"{self.config.host}:{self.config.grpc_port}")
         else:  # mutual TLS: a caller without a certificate from our CA fails the handshake
-            server.add_secure_port(f"{self.config.host}:{self.config.grpc_port}", server_credentials(tls))
+            port = server.add_secure_port(f"{self.config.host}:{self.config.grpc_port}", server_credentials(tls))
         await server.start()
-        return server, health_servicer
+        return server, health_servicer, port
 
     async def _warm_up(self, engine: AsyncEngine) -> None:
         async for _ in engine.generate(
