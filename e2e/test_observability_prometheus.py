@@ -180,20 +180,14 @@ def load(base_url: str, round_: int = 0) -> None:
 
 
 def worker_pid(metrics_port: str) -> int:
-    """The pid of the `splitserve worker` (started by this test's `up`) serving metrics on that port."""
-    for entry in pathlib.Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                argv = (entry / "cmdline").read_bytes().split(b"\0")
-            except OSError:
-                continue
-            if (
-                b"worker" in argv
-                and b"--metrics-port" in argv
-                and argv[argv.index(b"--metrics-port") + 1] == metrics_port.encode()
-            ):
-                return int(entry.name)
-    raise AssertionError(f"no worker with --metrics-port {metrics_port}")
+    """The pid of the `splitserve worker` (started by this test's `up`) listening on that metrics port
+    (`up` starts its workers on port 0; the READY line names the port each one bound)."""
+    import psutil
+
+    for conn in psutil.net_connections(kind="tcp"):
+        if conn.status == psutil.CONN_LISTEN and conn.laddr.port == int(metrics_port) and conn.pid:
+            return conn.pid
+    raise AssertionError(f"no process listens on metrics port {metrics_port}")
 
 
 def test_dashboards_and_alerts_against_a_real_prometheus(tmp_path):
