@@ -3,10 +3,10 @@
     splitserve up [--port 8000] [--model smollm2-135m] [--kv-transport auto|ucx|tcp]
 
 Starts the two workers as subprocesses (`python -m splitserve.platform.cli worker ...`) on port 0
-(each binds what the kernel picks), reads their ports from their READY lines, runs the router and gateway in this process with the
-in-memory index, and prints the URL and a curl example. Ctrl-C (SIGINT) or SIGTERM stops the
-gateway, then the workers (SIGTERM, a short drain, SIGKILL after 15 s). A worker that fails to
-start stops everything with its last log lines.
+(each binds what the kernel picks), reads their ports from their READY lines, runs the router and
+gateway in this process with the in-memory index, and prints the URL and a curl example. Ctrl-C
+(SIGINT) or SIGTERM stops the gateway, then the workers (SIGTERM, a short drain, SIGKILL after
+15 s). A worker that fails to start stops everything with its last log lines.
 """
 
 from __future__ import annotations
