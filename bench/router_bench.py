@@ -46,7 +46,7 @@ from splitserve.platform.wire import worker_pb2 as pb
 from splitserve.platform.wire import worker_pb2_grpc as pb_grpc
 from splitserve.router.config import RouterConfig
 from splitserve.router.placement.index import InMemoryPrefixIndex
-from splitserve.router.placement.placer import Placer
+from splitserve.router.placement.placer import PlacementRequest, Placer
 from splitserve.router.placement.pool import WorkerPool, WorkerState
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -114,7 +114,7 @@ async def time_decisions(placer, hasher, prompts, warmup=50):
     times = []
     for i, token_ids in enumerate(prompts):
         t0, c0 = time.perf_counter(), time.thread_time()
-        await placer.place(len(token_ids), hasher.hash_blocks(token_ids))
+        await placer.place(PlacementRequest(len(token_ids), hasher.hash_blocks(token_ids)))
         if i >= warmup:
             times.append((time.perf_counter() - t0, time.thread_time() - c0))
     return times

@@ -52,7 +52,7 @@ from splitserve.router.config import (  # noqa: E402
 )
 from splitserve.router.core.worker_messages import generate_request  # noqa: E402
 from splitserve.router.placement.index import InMemoryPrefixIndex  # noqa: E402
-from splitserve.router.placement.placer import Placer  # noqa: E402
+from splitserve.router.placement.placer import PlacementRequest, Placer  # noqa: E402
 from splitserve.router.placement.pool import WorkerPool  # noqa: E402
 
 MODEL, BS = "smollm2-135m", 16
@@ -111,7 +111,7 @@ class Router:
             await asyncio.sleep(0.1)
 
     async def generate(self, token_ids: list[int], max_tokens: int, req_id: str) -> tuple[float, list[int], pb.Usage]:
-        decision = await self.placer.place(len(token_ids), self.hasher.hash_blocks(token_ids))
+        decision = await self.placer.place(PlacementRequest(len(token_ids), self.hasher.hash_blocks(token_ids)))
         params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
         request = generate_request(req_id, token_ids, params, decision, self.config.disaggregation)
         assignment = self.pool.assign(decision.decode, "", decision.num_uncached_tokens)

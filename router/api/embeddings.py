@@ -28,7 +28,7 @@ from pydantic import BaseModel, ConfigDict
 from splitserve.platform.sampling.params import SamplingParams
 from splitserve.router.api.errors import APIError, bad_request
 from splitserve.router.api.prompts import Prepared
-from splitserve.router.api.schemas import Int
+from splitserve.router.api.schemas import Int, Prompt
 from splitserve.router.core.job import Job
 
 MAX_INPUTS = 2048  # OpenAI's limit per request
@@ -37,7 +37,7 @@ MAX_INPUTS = 2048  # OpenAI's limit per request
 class EmbeddingRequest(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
     model: str
-    input: str | list[str] | list[Int] | list[list[Int]]
+    input: Prompt
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: Int | None = None
     user: str | None = None

@@ -26,7 +26,7 @@ from splitserve.platform.__about__ import __version__
 from splitserve.platform.errors import InvalidRequestError
 from splitserve.platform.tokenizer import check_chat_template_kwargs
 from splitserve.router.api.errors import bad_request
-from splitserve.router.api.schemas import ChatMessage, Int, message_dicts
+from splitserve.router.api.schemas import ChatMessage, TokenIds, message_dicts
 from splitserve.router.core.gateway import is_large
 from splitserve.router.tenancy.access import ANONYMOUS
 
@@ -52,7 +52,7 @@ class TokenizeChatRequest(BaseModel):
 class DetokenizeRequest(BaseModel):
     model_config = ConfigDict(strict=True, extra="forbid")
     model: str | None = None
-    tokens: list[Int] = Field(max_length=1 << 20)
+    tokens: TokenIds = Field(max_length=1 << 20)
 
 
 def add_routes(app: FastAPI, router, gateway) -> None:

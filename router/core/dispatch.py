@@ -40,7 +40,7 @@ from splitserve.router.api.errors import NoWorkerError
 from splitserve.router.core import readiness
 from splitserve.router.core.job import Chunk, Job, Progress, WorkerLost
 from splitserve.router.core.worker_calls import WorkerCalls
-from splitserve.router.placement.placer import Decision, Placer
+from splitserve.router.placement.placer import Decision, PlacementRequest, Placer
 from splitserve.router.placement.pool import WorkerPool
 
 log = logging.getLogger(__name__)
@@ -137,11 +137,13 @@ class Dispatcher:
         if job.lora_name is not None and self.adapters is not None:
             lora_workers = self.adapters.workers_with(job.lora_name)
         decision = await self.placer.place(
-            len(token_ids),
-            self._hashes(job, token_ids),
-            frozenset(excluded),
-            lora_name=job.lora_name,
-            lora_workers=lora_workers,
+            PlacementRequest(
+                len(token_ids),
+                self._hashes(job, token_ids),
+                frozenset(excluded),
+                lora_name=job.lora_name,
+                lora_workers=lora_workers,
+            )
         )
         seconds = time.perf_counter() - t0
         _trace_placement(decision, attempt, seconds)

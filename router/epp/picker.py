@@ -27,6 +27,7 @@ from splitserve.router.api.errors import APIError, NoWorkerError
 from splitserve.router.api.prompts import prepare_chat, prepare_completion
 from splitserve.router.api.schemas import ChatCompletionRequest, CompletionRequest
 from splitserve.router.epp.endpoints import EndpointMap
+from splitserve.router.placement.placer import PlacementRequest
 from splitserve.router.placement.pool import Assignment
 from splitserve.router.router import Router
 
@@ -58,11 +59,13 @@ class Picker:
         exclude = self._excluded(subset)
         t0 = time.perf_counter()
         decision = await self.router.placer.place(
-            len(token_ids),
-            hashes,
-            exclude,
-            lora_name=lora_name,
-            lora_workers=self.router.adapters.workers_with(lora_name) if lora_name else None,
+            PlacementRequest(
+                len(token_ids),
+                hashes,
+                exclude,
+                lora_name=lora_name,
+                lora_workers=self.router.adapters.workers_with(lora_name) if lora_name else None,
+            )
         )
         self.router.metrics.observe_decision(decision, len(hashes), time.perf_counter() - t0)
         prefill = decision.prefill[0] if decision.prefill else ""

@@ -30,7 +30,7 @@ from splitserve.router import logctx
 from splitserve.router.api.errors import NoWorkerError, error_body
 from splitserve.router.epp.endpoints import check_address
 from splitserve.router.epp.extproc import PREFILLER
-from splitserve.router.placement.placer import Decision, Placer
+from splitserve.router.placement.placer import Decision, PlacementRequest, Placer
 from splitserve.router.router import Router, make_discovery
 
 log = logging.getLogger("splitserve.sidecar")
@@ -45,21 +45,15 @@ class LocalPlacer(Placer):
         super().__init__(placer.config, placer.pool, placer.index, placer.rng)
         self.local = local
 
-    async def place(
-        self,
-        num_tokens: int,
-        hashes: list[bytes],
-        exclude: frozenset[str] = frozenset(),
-        lora_name: str | None = None,
-        lora_workers: set[str] | None = None,
-    ) -> Decision:
+    async def place(self, request: PlacementRequest) -> Decision:
         worker = self.pool.workers.get(self.local)
-        if self.local in exclude or worker is None or not worker.is_healthy(self.pool.clock()):
+        if self.local in request.exclude or worker is None or not worker.is_healthy(self.pool.clock()):
             raise NoWorkerError(f"this pod's decode worker {self.local} is not healthy")
-        if lora_workers is not None and self.local not in lora_workers:
-            raise NoWorkerError(f"this pod's decode worker has no adapter {lora_name!r} loaded")
+        if request.lora_workers is not None and self.local not in request.lora_workers:
+            raise NoWorkerError(f"this pod's decode worker has no adapter {request.lora_name!r} loaded")
+        hashes = request.hashes
         matched = (await self.index.match([self.local], hashes)).get(self.local, 0) if hashes else 0
-        uncached = max(num_tokens - matched * self.pool.block_size, 0)
+        uncached = max(request.num_tokens - matched * self.pool.block_size, 0)
         named = prefiller.get()
         return Decision(self.local, (named,) if named else (), matched, uncached)
 

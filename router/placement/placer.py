@@ -44,6 +44,17 @@ TIE_DIGITS = 9  # scores equal to 9 decimals are a tie
 
 
 @dataclass(frozen=True)
+class PlacementRequest:
+    """What placement reads of one attempt: the gateway's dispatcher and the EPP each build one."""
+
+    num_tokens: int  # the prompt (plus, on a resume, the output so far)
+    hashes: list[bytes]  # its full blocks' prefix hashes (empty: no prefix matching, e.g. LoRA)
+    exclude: frozenset[str] = frozenset()  # workers this request already failed on
+    lora_name: str | None = None  # a LoRA adapter; None: the base model
+    lora_workers: set[str] | None = None  # for a LoRA request: the workers that have it loaded
+
+
+@dataclass(frozen=True)
 class Decision:
     decode: str
     prefill: tuple[str, ...] = ()
@@ -97,20 +108,14 @@ class Placer:
         self.prefill_profile = Profile("prefill", config.prefill)
         self.pull_cost = PullCost(config.kv_pull, pool.block_size)
 
-    async def place(
-        self,
-        num_tokens: int,
-        hashes: list[bytes],
-        exclude: frozenset[str] = frozenset(),
-        lora_name: str | None = None,
-        lora_workers: set[str] | None = None,
-    ) -> Decision:
-        """`lora_workers`: for a LoRA request, the workers that have its adapter (the others
-        would refuse it): decode candidates are only those."""
+    async def place(self, request: PlacementRequest) -> Decision:
+        """For a LoRA request the decode candidates are only `request.lora_workers` (the others
+        would refuse it)."""
+        num_tokens, hashes, exclude, lora_name = request.num_tokens, request.hashes, request.exclude, request.lora_name
         now = self.pool.clock()
         candidates = [w for w in self.pool.decode_workers() if w.address not in exclude]
-        if lora_workers is not None:
-            candidates = [w for w in candidates if w.address in lora_workers]
+        if request.lora_workers is not None:
+            candidates = [w for w in candidates if w.address in request.lora_workers]
             if not candidates:
                 raise NoWorkerError(f"no decode worker has adapter {lora_name!r} loaded")
         decode = self.decode_profile.filter(candidates, now)

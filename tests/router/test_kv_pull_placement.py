@@ -19,7 +19,7 @@ from splitserve.router.config import (
 from splitserve.router.config_file import from_dict
 from splitserve.router.core.worker_messages import generate_request
 from splitserve.router.placement.index import InMemoryPrefixIndex
-from splitserve.router.placement.placer import Decision, Placer
+from splitserve.router.placement.placer import Decision, PlacementRequest, Placer
 from splitserve.router.placement.pool import WorkerPool
 from splitserve.router.placement.pull_cost import PullCost
 
@@ -42,7 +42,11 @@ def placer(workers, kv_pull=None, mode="never", stored=None):
 
 def decide(p, ids, lora_name=None):
     return asyncio.run(
-        p.place(len(ids), HASHER.hash_blocks(ids), lora_name=lora_name, lora_workers={"h", "w"} if lora_name else None)
+        p.place(
+            PlacementRequest(
+                len(ids), HASHER.hash_blocks(ids), lora_name=lora_name, lora_workers={"h", "w"} if lora_name else None
+            )
+        )
     )
 
 

@@ -27,7 +27,7 @@ from splitserve.router.config import (
 )
 from splitserve.router.core.worker_messages import generate_request
 from splitserve.router.placement.index import InMemoryPrefixIndex
-from splitserve.router.placement.placer import Decision, Placer
+from splitserve.router.placement.placer import Decision, PlacementRequest, Placer
 from splitserve.router.placement.pool import WorkerPool, WorkerState
 from splitserve.router.placement.scorers import LoraAffinity, ScoringContext
 
@@ -91,7 +91,7 @@ def hint(lora, workers, scorers=None):
         random.Random(0),
     )
     others = frozenset(w.address for w in workers if w.address != "w1")
-    decision = asyncio.run(placer.place(16, [], exclude=others, lora_name=lora))
+    decision = asyncio.run(placer.place(PlacementRequest(16, [], exclude=others, lora_name=lora)))
     assert decision.decode == "w1"
     return decision.lora_evict_first
 

@@ -18,7 +18,7 @@ from splitserve.router.config import (
 )
 from splitserve.router.placement.filters import FILTERS, make_filter
 from splitserve.router.placement.index import InMemoryPrefixIndex
-from splitserve.router.placement.placer import Placer, Profile
+from splitserve.router.placement.placer import PlacementRequest, Placer, Profile
 from splitserve.router.placement.pool import WorkerPool, WorkerState
 from splitserve.router.placement.scorers import NEUTRAL, SCORERS, ScoringContext, make_scorer
 
@@ -273,7 +273,7 @@ HASHER = BlockHasher(MODEL, BS)
 
 
 def place(p, token_ids, exclude=frozenset()):
-    return asyncio.run(p.place(len(token_ids), HASHER.hash_blocks(token_ids), exclude))
+    return asyncio.run(p.place(PlacementRequest(len(token_ids), HASHER.hash_blocks(token_ids), exclude)))
 
 
 DISAGG_CASES = [
