@@ -12,6 +12,7 @@ on SIGINT or SIGTERM stops Envoy, the EPP and the sidecar (the caller stops the 
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -21,7 +22,7 @@ import threading
 import time
 import urllib.request
 
-from splitserve.router.epp.envoy import envoy_config, envoy_log, start_envoy
+from splitserve.router.epp.envoy import envoy_admin_address, envoy_config, envoy_log, start_envoy
 
 START_TIMEOUT_S = 120
 
@@ -42,10 +43,10 @@ def epp_args(workers: list[str], endpoints: list[str], grpc_port: int, health_po
     ]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+# What the sidecar and the EPP print once they listen: they bind port 0 and name the ports the
+# kernel picked, so no port is probed free here and then taken by another process first.
+SIDECAR_LINE = re.compile(r"splitserve sidecar: serving http://[^ ]+:(?P<port>\d+)/v1")
+EPP_LINE = re.compile(r"splitserve epp: ext_proc on [^ ]+:(?P<grpc>\d+), health on http://[^ ]+:(?P<health>\d+)/")
 
 
 def _ready(url: str) -> bool:
@@ -57,18 +58,30 @@ def _ready(url: str) -> bool:
 
 
 class _Child:
-    def __init__(self, name: str, argv: list[str]):
+    def __init__(self, name: str, argv: list[str], ready_line: re.Pattern):
         self.name = name
         self.proc = subprocess.Popen(
             argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
         )
         self.tail: list[str] = []
+        self._ready_line, self._ready = ready_line, None
+        self._printed = threading.Event()  # set by the ready line, or when the output ends
         threading.Thread(target=self._pump, daemon=True).start()
 
     def _pump(self) -> None:
         for line in self.proc.stdout:
             self.tail = (self.tail + [line])[-40:]
+            if self._ready is None and (match := self._ready_line.search(line)):
+                self._ready = match
+                self._printed.set()
             sys.stderr.write(f"[{self.name}] {line}")
+        self._printed.set()
+
+    def listening(self) -> re.Match:
+        """The child's ready line (the ports it bound), once printed."""
+        if not self._printed.wait(START_TIMEOUT_S) or self._ready is None:
+            raise RuntimeError(f"the {self.name} did not start:\n" + "".join(self.tail[-20:]))
+        return self._ready
 
     def wait(self, url: str) -> None:
         deadline = time.monotonic() + START_TIMEOUT_S
@@ -114,7 +127,6 @@ def serve_envoy(config, workers, sock: socket.socket, config_file: str | None = 
     prefill = [w.address for w in workers if w.role == "prefill"]
     cli = [sys.executable, "-m", "splitserve.platform.cli", "--log-level", "WARNING"]
     common = common_args(config, config_file)
-    sidecar_port, grpc_port, health_port, admin_port = (_free_port() for _ in range(4))
     children: list[_Child] = []
     envoy = None
     stop = threading.Event()
@@ -134,35 +146,32 @@ def serve_envoy(config, workers, sock: socket.socket, config_file: str | None = 
                     "--host",
                     "127.0.0.1",
                     "--port",
-                    str(sidecar_port),
+                    "0",
                 ],
+                SIDECAR_LINE,
             )
         )
+        sidecar_port = children[0].listening()["port"]
         children.append(
             _Child(
                 "epp",
                 [
                     *cli,
-                    *epp_args(
-                        [w.address for w in workers],
-                        [f"{decode.address}=127.0.0.1:{sidecar_port}"],
-                        grpc_port,
-                        health_port,
-                    ),
+                    *epp_args([w.address for w in workers], [f"{decode.address}=127.0.0.1:{sidecar_port}"], 0, 0),
                     *common,
                 ],
+                EPP_LINE,
             )
         )
+        epp = children[1].listening()
         children[0].wait(f"http://127.0.0.1:{sidecar_port}/ready")
-        children[1].wait(f"http://127.0.0.1:{health_port}/ready")
+        children[1].wait(f"http://127.0.0.1:{epp['health']}/ready")
         with tempfile.TemporaryDirectory(prefix="splitserve-envoy-") as tmp:
-            bootstrap = envoy_config(
-                port, [f"127.0.0.1:{sidecar_port}"], f"127.0.0.1:{grpc_port}", admin_port, host=host
-            )
+            bootstrap = envoy_config(port, [f"127.0.0.1:{sidecar_port}"], f"127.0.0.1:{epp['grpc']}", 0, host=host)
             path = os.path.join(tmp, "envoy.yaml")
             envoy = start_envoy(bootstrap, path)
             deadline = time.monotonic() + START_TIMEOUT_S
-            while not _ready(f"http://{host}:{admin_port}/ready"):
+            while not ((admin := envoy_admin_address(path)) and _ready(f"http://{admin}/ready")):
                 if envoy.poll() is not None or time.monotonic() > deadline:
                     raise RuntimeError("envoy did not start:\n" + envoy_log(path))
                 time.sleep(0.2)

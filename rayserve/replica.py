@@ -23,7 +23,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import socket
 
 from ray import serve
 
@@ -61,15 +60,16 @@ class WorkerReplica:
 
         advertise = "" if host else ray.util.get_node_ip_address()
         host = host or "0.0.0.0"
-        grpc_port, metrics_port, kv_port = (_free_port(host) for _ in range(3))
+        # Port 0 everywhere: the worker binds what the kernel picks and says which once ready (a
+        # port probed free here could be taken by another process before the worker bound it).
         config = WorkerConfig(
             role=role,
             host=host,
             advertise_host=advertise,
-            grpc_port=grpc_port,
-            metrics_port=metrics_port,
+            grpc_port=0,
+            metrics_port=0,
             kv_transport=kv_transport,
-            kv_port=kv_port,
+            kv_port=0,
             drain_grace_s=10.0,
             **{k: v for k, v in (security or {}).items() if k in ("tls_cert", "tls_key", "tls_ca", "kv_secret_file")},
         )
@@ -96,9 +96,9 @@ class WorkerReplica:
         self.task = asyncio.create_task(self.worker.run(handle_signals=False), name=f"{role} worker")
         await self._wait_ready()
         self.info = {
-            "address": f"{advertise or host}:{grpc_port}",
+            "address": f"{advertise or host}:{self.worker.grpc_port}",
             "role": role,
-            "metrics": f"{advertise or host}:{metrics_port}",
+            "metrics": f"{advertise or host}:{self.worker.metrics_port}",
             "actor_name": ray.get_runtime_context().get_actor_name() or "",
             "replica_id": serve.get_replica_context().replica_id.unique_id,
         }
@@ -164,9 +164,3 @@ def build_pool(args: dict):
         args.get("security") or {},
         args.get("tracing") or {},
     )
-
-
-def _free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]

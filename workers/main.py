@@ -233,6 +233,7 @@ class Worker:
         self.ready = False
         self.stopping = asyncio.Event()
         self.engine: AsyncEngine | None = None  # set by run(); its `load` is the queue depth
+        self.grpc_port = self.metrics_port = 0  # the ports bound (port 0: the kernel's pick), once ready
 
     async def run(self, handle_signals: bool = True) -> int:
         """Serve until SIGTERM/SIGINT (or `stopping` is set by the owner when `handle_signals` is
@@ -312,6 +313,7 @@ class Worker:
         await http.start()
         load_task = asyncio.create_task(publish_load(service, cfg.load_interval_s))
         await self._warm_up(engine)
+        self.grpc_port, self.metrics_port = grpc_port, http.port
         self.ready = True
         await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
         for sig in (signal.SIGTERM, signal.SIGINT) if handle_signals else ():
