@@ -2,9 +2,9 @@
 revision's code against the working tree's, each in its own process, arms interleaved.
 
 Each arm is a fresh `python -S` process whose `splitserve` package is a folder of links to that
-arm's code folders (the revision from `git worktree add`, the working tree as it is), so both run
-the same interpreter, torch and model file, and the editable install does not leak the working
-tree into the revision's arm. Each process loads SmolLM2 (the default `--quantization auto`,
+arm's code folders (bench/revision_arms.py: the revision from `git worktree add`, the working
+tree as it is), so both run the same interpreter, torch and model file, and the editable install
+does not leak the working tree into the revision's arm. Each process loads SmolLM2 (the default `--quantization auto`,
 float16 KV), prefills BATCH sequences of 256 random tokens and reports the median of 12 decode
 steps, wall clock and the thread's CPU clock. Rounds alternate the arms' order, so drifting
 machine load hits both alike; the report gives each arm's median over rounds and the ratio.
@@ -18,7 +18,6 @@ import argparse
 import json
 import os
 import pathlib
-import site
 import statistics
 import subprocess
 import sys
@@ -27,17 +26,8 @@ import time
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
 from report import write_section  # noqa: E402
+from revision_arms import ROOT, arm_env, package_dir, revision_tree  # noqa: E402
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-FOLDERS = {
-    "platform": "platform",
-    "workers": "workers",
-    "router": "router",
-    "operator": "operator",
-    "planner": "planner",
-    "rayserve": "rayserve",
-    "bench": "bench",
-}
 BATCHES = (1, 8, 32)
 
 ARM = r"""
@@ -73,21 +63,12 @@ print(json.dumps(out))
 """
 
 
-def package_dir(code_root: pathlib.Path, into: pathlib.Path) -> pathlib.Path:
-    pkg = into / "splitserve"
-    pkg.mkdir(parents=True)
-    for name, folder in FOLDERS.items():
-        (pkg / name).symlink_to(code_root / folder)
-    return into
-
-
 def run_arm(path: pathlib.Path, threads: int) -> dict[int, list[float]]:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(path), *site.getsitepackages()])}
     proc = subprocess.run(
         [sys.executable, "-S", "-c", ARM, str(threads), ",".join(map(str, BATCHES))],
         capture_output=True,
         text=True,
-        env=env,
+        env=arm_env(path),
         timeout=1800,
     )
     if proc.returncode != 0:
@@ -104,23 +85,14 @@ def main() -> None:
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         tmp = pathlib.Path(tmp)
-        subprocess.run(
-            ["git", "-C", str(ROOT), "worktree", "add", "--detach", str(tmp / "base-tree"), args.base],
-            check=True,
-            capture_output=True,
-        )
-        try:
-            arms = {"base": package_dir(tmp / "base-tree", tmp / "base"), "head": package_dir(ROOT, tmp / "head")}
+        with revision_tree(args.base, tmp / "base-tree") as base_tree:
+            arms = {"base": package_dir(base_tree, tmp / "base"), "head": package_dir(ROOT, tmp / "head")}
             results = {name: {b: [] for b in BATCHES} for name in arms}
             for r in range(args.rounds):
                 for name in ("base", "head") if r % 2 == 0 else ("head", "base"):
                     for batch, times in run_arm(arms[name], args.threads).items():
                         results[name][batch].append(times)
                     print(f"round {r + 1} {name}: {results[name]}", file=sys.stderr, flush=True)
-        finally:
-            subprocess.run(
-                ["git", "-C", str(ROOT), "worktree", "remove", "--force", str(tmp / "base-tree")], capture_output=True
-            )
     report = render(results, args)
     print(report)
     if args.write:
