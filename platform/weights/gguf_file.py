@@ -39,6 +39,7 @@ GGUF_MAGIC = b"GGUF"
 SUPPORTED_VERSIONS = (2, 3)
 DEFAULT_ALIGNMENT = 32
 
+_U64 = struct.Struct("<Q")
 _SCALAR_FORMATS = {
     GGUFValueType.UINT8: "<B",
     GGUFValueType.INT8: "<b",
@@ -138,12 +139,27 @@ class GGUFFile:
     def _read_array(self) -> list:
         element_type = GGUFValueType(self._read("<I"))
         count = self._read("<Q")
-        if element_type in (GGUFValueType.STRING, GGUFValueType.ARRAY):
+        if element_type == GGUFValueType.STRING:
+            return self._read_strings(count)
+        if element_type == GGUFValueType.ARRAY:
             return [self._read_value(element_type) for _ in range(count)]
         dtype = np.dtype(_SCALAR_FORMATS[element_type])
         values = np.frombuffer(self._buf, dtype=dtype, count=count, offset=self._pos)
         self._pos += count * dtype.itemsize
         return values.tolist()
+
+    def _read_strings(self, count: int) -> list[str]:
+        """`count` length-prefixed strings in one loop: a vocabulary array (Gemma's 262k tokens) is
+        most of a header, and reading it a string at a time through _read_value took ~1 s a parse."""
+        buf, pos, out = self._buf, self._pos, []
+        length_at = _U64.unpack_from
+        for _ in range(count):
+            (length,) = length_at(buf, pos)
+            pos += 8
+            out.append(str(buf[pos : pos + length], "utf-8", "replace"))
+            pos += length
+        self._pos = pos
+        return out
 
     def _read_tensor_entry(self) -> tuple[str, tuple[int, ...], GGMLQuantizationType | int, int]:
         name = self._read_str()
