@@ -26,7 +26,7 @@ import time
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
 from report import write_section  # noqa: E402
-from revision_arms import ROOT, arm_env, package_dir, revision_tree  # noqa: E402
+from revision_arms import ROOT, arm_env, head_revision, package_dir, revision_tree  # noqa: E402
 
 BATCHES = (1, 8, 32)
 
@@ -100,9 +100,7 @@ def main() -> None:
 
 
 def render(results, args) -> str:
-    head = subprocess.run(
-        ["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True
-    ).stdout.strip()
+    head = head_revision()
     lines = [
         "<!-- engine-ab:begin -->",
         "## Engine decode step: a revision against the working tree",

@@ -27,7 +27,7 @@ import time
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
 from report import write_section  # noqa: E402
-from revision_arms import ROOT, arm_env, package_dir, revision_tree  # noqa: E402
+from revision_arms import ROOT, arm_env, head_revision, package_dir, revision_tree  # noqa: E402
 
 # Runs in the arm's tree, with the arm's router_bench (whose helpers every revision since the
 # gateway benchmark has had): prints the medians of direct and gateway latency, in seconds.
@@ -93,9 +93,7 @@ def main() -> None:
 
 
 def render(results, args, lens: list[int]) -> str:
-    head = subprocess.run(
-        ["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True
-    ).stdout.strip()
+    head = head_revision()
     lines = [
         "<!-- gateway-ab:begin -->",
         "## Gateway overhead: a revision against the working tree",

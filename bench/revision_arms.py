@@ -33,6 +33,13 @@ def revision_tree(revision: str, into: pathlib.Path) -> Iterator[pathlib.Path]:
         subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(into)], capture_output=True)
 
 
+def head_revision() -> str:
+    """The working tree's commit, short (a report names both arms)."""
+    return subprocess.run(
+        ["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+    ).stdout.strip()
+
+
 def package_dir(code_root: pathlib.Path, into: pathlib.Path) -> pathlib.Path:
     """An arm (see the module docstring) for the tree at `code_root`, made at `into`."""
     project = tomllib.loads((code_root / "pyproject.toml").read_text())
