@@ -18,11 +18,9 @@ import json
 import logging
 import os
 import re
-import signal
-import subprocess
 import sys
-import threading
 
+from splitserve.launch.child import Child
 from splitserve.platform import tracing
 from splitserve.platform.config import KV_CACHE_DTYPES, QUANTIZATION_MODES
 from splitserve.router import logctx
@@ -32,7 +30,6 @@ log = logging.getLogger("splitserve.up")
 
 READY_TIMEOUT_S = 300
 READY_LINE = re.compile(r"READY grpc=(?P<grpc>\S+) metrics=(?P<metrics>\d+) ")
-STOP_TIMEOUT_S = 15
 
 
 def register(subparsers) -> None:
@@ -201,17 +198,14 @@ def curl_example(base_url: str, model: str, api_key: str | None = None, chat: bo
     return f"curl {base_url}/{path} -H 'Content-Type: application/json'{auth} -d '{body}'"
 
 
-class WorkerProcess:
-    """One `splitserve worker` subprocess; its output is forwarded to stderr with a role prefix."""
+class WorkerProcess(Child):
+    """One `splitserve worker` subprocess (launch/child.py: its output forwarded to stderr with a
+    role prefix). It binds port 0 everywhere and names its ports on its READY line, which is where
+    `address` and `metrics_url` come from."""
 
     def __init__(self, role: str, args: list[str], log_level: str):
         self.role = role
-        # Port 0 everywhere: the worker binds what the kernel picks and names the ports on its READY
-        # line. (A port probed free here could be taken, by any process's outgoing connection,
-        # before the worker binds it.) Both are set from that line before `ready` is.
-        self.address = ""
-        self.metrics_url = ""  # the local planner reads ITL here
-        self.argv = [
+        argv = [
             sys.executable,
             "-m",
             "splitserve.platform.cli",
@@ -230,47 +224,17 @@ class WorkerProcess:
             "5",
             *args,
         ]
-        self.proc: subprocess.Popen | None = None
-        self.ready = threading.Event()
-        self.tail: list[str] = []
+        super().__init__(role, argv, READY_LINE, title=f"{role} worker")
 
-    def start(self) -> None:
-        # Own session: the terminal's Ctrl-C reaches only us, and we stop the workers in order.
-        # PDEATHSIG: if we are killed outright, the kernel sends the workers SIGTERM.
-        self.proc = subprocess.Popen(
-            self.argv,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            start_new_session=True,
-            preexec_fn=_die_with_parent,
-        )
-        threading.Thread(target=self._pump, daemon=True).start()
+    @property
+    def address(self) -> str:
+        """Its gRPC host:port ("" until it is ready)."""
+        return self.ready["grpc"] if self.ready else ""
 
-    def _pump(self) -> None:
-        for line in self.proc.stdout:
-            self.tail = (self.tail + [line])[-40:]
-            ready = READY_LINE.match(line)
-            if ready:
-                self.address = ready["grpc"]
-                self.metrics_url = f"http://127.0.0.1:{ready['metrics']}/metrics"
-                self.ready.set()
-            sys.stderr.write(f"[{self.role}] {line}")
-        self.ready.set()  # EOF: the process ended; wait_ready checks which
-
-    def wait_ready(self, timeout_s: float) -> None:
-        if not self.ready.wait(timeout_s) or self.proc.poll() is not None:
-            raise RuntimeError(f"the {self.role} worker did not start:\n" + "".join(self.tail[-20:]))
-
-    def stop(self) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            self.proc.wait(STOP_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(5)
+    @property
+    def metrics_url(self) -> str:
+        """Its /metrics, where the local planner reads ITL ("" until it is ready)."""
+        return f"http://127.0.0.1:{self.ready['metrics']}/metrics" if self.ready else ""
 
 
 def throwaway_security(directory: str) -> tuple[dict[str, str], list[str]]:
@@ -502,15 +466,6 @@ def _spawn(role: str, common: list[str], level: str) -> WorkerProcess:
     w = WorkerProcess(role, common, level)
     w.start()
     return w
-
-
-def _die_with_parent() -> None:
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
 
 
 def _speculative_config(text: str) -> str:

@@ -15,13 +15,13 @@ import os
 import re
 import signal
 import socket
-import subprocess
 import sys
 import tempfile
 import threading
 import time
 import urllib.request
 
+from splitserve.launch.child import Child
 from splitserve.router.epp.envoy import envoy_admin_address, envoy_config, envoy_log, start_envoy
 
 START_TIMEOUT_S = 120
@@ -43,8 +43,7 @@ def epp_args(workers: list[str], endpoints: list[str], grpc_port: int, health_po
     ]
 
 
-# What the sidecar and the EPP print once they listen: they bind port 0 and name the ports the
-# kernel picked, so no port is probed free here and then taken by another process first.
+# What the sidecar and the EPP print once they listen on the ports they bound (launch/child.py).
 SIDECAR_LINE = re.compile(r"splitserve sidecar: serving http://[^ ]+:(?P<port>\d+)/v1")
 EPP_LINE = re.compile(r"splitserve epp: ext_proc on [^ ]+:(?P<grpc>\d+), health on http://[^ ]+:(?P<health>\d+)/")
 
@@ -57,47 +56,13 @@ def _ready(url: str) -> bool:
         return False
 
 
-class _Child:
-    def __init__(self, name: str, argv: list[str], ready_line: re.Pattern):
-        self.name = name
-        self.proc = subprocess.Popen(
-            argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
-        )
-        self.tail: list[str] = []
-        self._ready_line, self._ready = ready_line, None
-        self._printed = threading.Event()  # set by the ready line, or when the output ends
-        threading.Thread(target=self._pump, daemon=True).start()
-
-    def _pump(self) -> None:
-        for line in self.proc.stdout:
-            self.tail = (self.tail + [line])[-40:]
-            if self._ready is None and (match := self._ready_line.search(line)):
-                self._ready = match
-                self._printed.set()
-            sys.stderr.write(f"[{self.name}] {line}")
-        self._printed.set()
-
-    def listening(self) -> re.Match:
-        """The child's ready line (the ports it bound), once printed."""
-        if not self._printed.wait(START_TIMEOUT_S) or self._ready is None:
-            raise RuntimeError(f"the {self.name} did not start:\n" + "".join(self.tail[-20:]))
-        return self._ready
-
-    def wait(self, url: str) -> None:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while not _ready(url):
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"the {self.name} did not start:\n" + "".join(self.tail[-20:]))
-            time.sleep(0.2)
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
+def _wait_http(child: Child, url: str) -> None:
+    """Until `url` answers 200 (the child sees its workers); RuntimeError if the child exits first."""
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while not _ready(url):
+        if child.proc.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError(f"the {child.title} did not start:\n" + child.last_lines())
+        time.sleep(0.2)
 
 
 def common_args(config, config_file: str | None) -> list[str]:
@@ -127,13 +92,13 @@ def serve_envoy(config, workers, sock: socket.socket, config_file: str | None = 
     prefill = [w.address for w in workers if w.role == "prefill"]
     cli = [sys.executable, "-m", "splitserve.platform.cli", "--log-level", "WARNING"]
     common = common_args(config, config_file)
-    children: list[_Child] = []
+    children: list[Child] = []
     envoy = None
     stop = threading.Event()
     previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         children.append(
-            _Child(
+            Child(
                 "sidecar",
                 [
                     *cli,
@@ -149,11 +114,11 @@ def serve_envoy(config, workers, sock: socket.socket, config_file: str | None = 
                     "0",
                 ],
                 SIDECAR_LINE,
-            )
+            ).start()
         )
-        sidecar_port = children[0].listening()["port"]
+        sidecar_port = children[0].wait_ready(START_TIMEOUT_S)["port"]
         children.append(
-            _Child(
+            Child(
                 "epp",
                 [
                     *cli,
@@ -161,11 +126,11 @@ def serve_envoy(config, workers, sock: socket.socket, config_file: str | None = 
                     *common,
                 ],
                 EPP_LINE,
-            )
+            ).start()
         )
-        epp = children[1].listening()
-        children[0].wait(f"http://127.0.0.1:{sidecar_port}/ready")
-        children[1].wait(f"http://127.0.0.1:{epp['health']}/ready")
+        epp = children[1].wait_ready(START_TIMEOUT_S)
+        _wait_http(children[0], f"http://127.0.0.1:{sidecar_port}/ready")
+        _wait_http(children[1], f"http://127.0.0.1:{epp['health']}/ready")
         with tempfile.TemporaryDirectory(prefix="splitserve-envoy-") as tmp:
             bootstrap = envoy_config(port, [f"127.0.0.1:{sidecar_port}"], f"127.0.0.1:{epp['grpc']}", 0, host=host)
             path = os.path.join(tmp, "envoy.yaml")
@@ -183,7 +148,7 @@ def serve_envoy(config, workers, sock: socket.socket, config_file: str | None = 
             while not stop.wait(0.5):
                 for child in children:
                     if child.proc.poll() is not None:
-                        raise RuntimeError(f"the {child.name} exited:\n" + "".join(child.tail[-20:]))
+                        raise RuntimeError(f"the {child.name} exited:\n" + child.last_lines())
     finally:
         if envoy is not None and envoy.poll() is None:
             envoy.terminate()
