@@ -199,21 +199,21 @@ def _sentencepiece_bpe(metadata: dict) -> Tokenizer:
 
 def merges_from_scores(tokens: list[str], scores: list[float], vocab: dict[str, int]) -> list[tuple[str, str]]:
     """SentencePiece merges implied by a scored vocabulary: every way to cut a token into two
-    vocab pieces, best score first, then shorter left and right pieces first (transformers'
+    vocab pieces, best score first, then the longer left and right pieces first (transformers'
     `generate_merges` order, so the BPE model agrees with it).
 
-    That order as one sort key, compared in C: score, left length and right length descending;
-    ties in the token's vocabulary order, then by the pieces' ids (262k tokens: 0.8x the time of
-    a per-token sort followed by a stable keyed sort)."""
+    That order as one sort key, compared in C: score, left length and right length descending,
+    ties in vocabulary order (transformers also sorts each token's cuts by the pieces' ids, but a
+    token's cuts all differ in left length, so that never decides). 262k tokens: 0.7x the time of
+    the two keyed sorts."""
     candidates = []
-    get = vocab.get
     for order, (token, score) in enumerate(dict(zip(tokens, scores)).items()):
         for i in range(1, len(token)):
             left, right = token[:i], token[i:]
-            if (left_id := get(left)) is not None and (right_id := get(right)) is not None:
-                candidates.append((-score, -i, i - len(token), order, left_id, right_id, left, right))
-    candidates.sort()  # (order, left_id) is unique: the pieces themselves are never compared
-    return [(c[6], c[7]) for c in candidates]
+            if left in vocab and right in vocab:
+                candidates.append((-score, -i, -len(right), order, left, right))
+    candidates.sort()  # (order, i) is unique: the pieces themselves are never compared
+    return [(left, right) for *_, left, right in candidates]
 
 
 def _add_typed_tokens(tokenizer: Tokenizer, metadata: dict, byte_level: bool) -> None:
