@@ -15,10 +15,9 @@ import pathlib
 import statistics
 import subprocess
 import sys
-import tempfile
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
-from revision_arms import ROOT, arm_env, head_revision, package_dir, revision_tree  # noqa: E402
+from revision_arms import Arm, alternating, arm_env, base_and_head, head_revision  # noqa: E402
 
 ARM = r"""
 import sys, time, torch
@@ -34,11 +33,11 @@ print(time.perf_counter() - t)
 MODES = ("none", "auto")
 
 
-def load_seconds(arm: pathlib.Path, model: str, quantization: str, threads: int, cwd: pathlib.Path) -> float:
+def load_seconds(arm: Arm, model: str, quantization: str, threads: int) -> float:
     proc = subprocess.run(
         [sys.executable, "-S", "-c", ARM, model, quantization, str(threads)],
-        env=arm_env(arm),
-        cwd=cwd,  # not the repository root, whose egg-info would name the working tree's commands
+        env=arm_env(arm.path),
+        cwd=arm.path,  # not the repository root, whose egg-info would name the working tree's commands
         capture_output=True,
         text=True,
         timeout=900,
@@ -56,15 +55,11 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
     seconds = {(name, mode): [] for name in ("base", "head") for mode in MODES}
-    with tempfile.TemporaryDirectory() as tmp:
-        tmp = pathlib.Path(tmp)
-        with revision_tree(args.base, tmp / "base-tree") as base_tree:
-            arms = {"base": package_dir(base_tree, tmp / "base"), "head": package_dir(ROOT, tmp / "head")}
-            for r in range(args.rounds):
-                for name in ("base", "head") if r % 2 == 0 else ("head", "base"):
-                    for mode in MODES:
-                        seconds[name, mode].append(load_seconds(arms[name], args.model, mode, args.threads, tmp))
-                    print(f"round {r + 1} {name}: {seconds}", file=sys.stderr, flush=True)
+    with base_and_head(args.base) as arms:
+        for r, name in alternating(args.rounds):
+            for mode in MODES:
+                seconds[name, mode].append(load_seconds(arms[name], args.model, mode, args.threads))
+            print(f"round {r + 1} {name}: {seconds}", file=sys.stderr, flush=True)
     print(f"{args.model} cold start, base {args.base} vs head {head_revision()}, {args.rounds} rounds alternating")
     print("| --quantization | base s | head s | head / base |\n|---|---|---|---|")
     for mode in MODES:

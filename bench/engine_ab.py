@@ -21,12 +21,11 @@ import pathlib
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
 from report import write_section  # noqa: E402
-from revision_arms import ROOT, arm_env, head_revision, package_dir, revision_tree  # noqa: E402
+from revision_arms import alternating, arm_env, base_and_head, head_revision  # noqa: E402
 
 BATCHES = (1, 8, 32)
 
@@ -83,16 +82,12 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--write", default=None)
     args = ap.parse_args()
-    with tempfile.TemporaryDirectory() as tmp:
-        tmp = pathlib.Path(tmp)
-        with revision_tree(args.base, tmp / "base-tree") as base_tree:
-            arms = {"base": package_dir(base_tree, tmp / "base"), "head": package_dir(ROOT, tmp / "head")}
-            results = {name: {b: [] for b in BATCHES} for name in arms}
-            for r in range(args.rounds):
-                for name in ("base", "head") if r % 2 == 0 else ("head", "base"):
-                    for batch, times in run_arm(arms[name], args.threads).items():
-                        results[name][batch].append(times)
-                    print(f"round {r + 1} {name}: {results[name]}", file=sys.stderr, flush=True)
+    results = {name: {b: [] for b in BATCHES} for name in ("base", "head")}
+    with base_and_head(args.base) as arms:
+        for r, name in alternating(args.rounds):
+            for batch, times in run_arm(arms[name].path, args.threads).items():
+                results[name][batch].append(times)
+            print(f"round {r + 1} {name}: {results[name]}", file=sys.stderr, flush=True)
     report = render(results, args)
     print(report)
     if args.write:

@@ -22,12 +22,11 @@ import pathlib
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
 from report import write_section  # noqa: E402
-from revision_arms import ROOT, arm_env, head_revision, package_dir, revision_tree  # noqa: E402
+from revision_arms import Arm, alternating, arm_env, base_and_head, head_revision  # noqa: E402
 
 # Runs in the arm's tree, with the arm's router_bench (whose helpers every revision since the
 # gateway benchmark has had): prints the medians of direct and gateway latency, in seconds.
@@ -51,11 +50,11 @@ print(json.dumps({"direct": statistics.median(r["direct"]), "via": statistics.me
 """
 
 
-def overhead_ms(tree: pathlib.Path, arm: pathlib.Path, requests: int, prompt_len: int) -> float:
+def overhead_ms(arm: Arm, requests: int, prompt_len: int) -> float:
     proc = subprocess.run(
         [sys.executable, "-S", "-c", ARM, str(requests), str(prompt_len)],
-        cwd=tree,
-        env=arm_env(arm),
+        cwd=arm.tree,  # the arm's own bench/router_bench.py
+        env=arm_env(arm.path),
         capture_output=True,
         text=True,
         timeout=600,
@@ -76,16 +75,11 @@ def main() -> None:
     args = ap.parse_args()
     lens = [int(n) for n in args.prompt_lens.split(",")]
     results = {name: {n: [] for n in lens} for name in ("base", "head")}
-    with tempfile.TemporaryDirectory() as tmp:
-        tmp = pathlib.Path(tmp)
-        with revision_tree(args.base, tmp / "base-tree") as base_tree:
-            trees = {"base": base_tree, "head": ROOT}
-            arms = {name: package_dir(tree, tmp / name) for name, tree in trees.items()}
-            for r in range(args.rounds):
-                for name in ("base", "head") if r % 2 == 0 else ("head", "base"):
-                    for n in lens:
-                        results[name][n].append(overhead_ms(trees[name], arms[name], args.requests, n))
-                    print(f"round {r + 1} {name}: {results[name]}", file=sys.stderr, flush=True)
+    with base_and_head(args.base) as arms:
+        for r, name in alternating(args.rounds):
+            for n in lens:
+                results[name][n].append(overhead_ms(arms[name], args.requests, n))
+            print(f"round {r + 1} {name}: {results[name]}", file=sys.stderr, flush=True)
     report = render(results, args, lens)
     print(report)
     if args.write:

@@ -15,10 +15,38 @@ import os
 import pathlib
 import site
 import subprocess
+import tempfile
 import tomllib
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+@dataclass(frozen=True)
+class Arm:
+    tree: pathlib.Path  # its checkout: the revision's worktree, or the working tree for "head"
+    path: pathlib.Path  # its package folder (the module docstring); a folder to run its processes in
+
+
+@contextlib.contextmanager
+def base_and_head(base: str) -> Iterator[dict[str, Arm]]:
+    """{"base": revision `base`, "head": the working tree as it is}, each an Arm, for the duration."""
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = pathlib.Path(tmp)
+        with revision_tree(base, tmp / "base-tree") as tree:
+            yield {
+                "base": Arm(tree, package_dir(tree, tmp / "base")),
+                "head": Arm(ROOT, package_dir(ROOT, tmp / "head")),
+            }
+
+
+def alternating(rounds: int) -> Iterator[tuple[int, str]]:
+    """(round, arm name) in the order the arms run: base first in even rounds, head first in odd,
+    so load that drifts over the run hits both alike."""
+    for r in range(rounds):
+        for name in ("base", "head") if r % 2 == 0 else ("head", "base"):
+            yield r, name
 
 
 @contextlib.contextmanager

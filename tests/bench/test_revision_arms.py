@@ -12,7 +12,7 @@ import sys
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "bench"))
 
-from revision_arms import arm_env, package_dir  # noqa: E402
+from revision_arms import alternating, arm_env, package_dir  # noqa: E402
 
 PROBE = r"""
 import json
@@ -45,3 +45,8 @@ def test_an_arm_imports_its_own_tree_and_commands(tmp_path):
     assert found["cli"].startswith(str(arm)) and found["pipeline"].startswith(str(arm)), found
     assert "router-renamed" in found["commands"] and "router" not in found["commands"], found["commands"]
     assert found["commands"]["router-renamed"] == "splitserve.router.main:register"
+
+
+def test_rounds_alternate_which_arm_runs_first():
+    # Load that drifts over a run must not always favour the arm that runs first in each round.
+    assert list(alternating(3)) == [(0, "base"), (0, "head"), (1, "head"), (1, "base"), (2, "base"), (2, "head")]
