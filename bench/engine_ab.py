@@ -24,7 +24,7 @@ import sys
 import time
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
-from report import write_section  # noqa: E402
+from report import cpu_model, write_section  # noqa: E402
 from revision_arms import alternating, arm_env, base_and_head, head_revision  # noqa: E402
 
 BATCHES = (1, 8, 32)
@@ -100,7 +100,7 @@ def render(results, args) -> str:
         "<!-- engine-ab:begin -->",
         "## Engine decode step: a revision against the working tree",
         "",
-        f"Run {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {os.cpu_count()} cores, {args.threads} "
+        f"Run {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {os.cpu_count()} vCPU {cpu_model()}, {args.threads} "
         f"threads, SmolLM2-135M `--quantization auto`, 256 tokens of context, median of 12 steps per process, "
         f"{args.rounds} rounds alternating. Base `{args.base}`, head `{head}` (and its uncommitted changes). "
         f"Command: `python bench/engine_ab.py --base {args.base} --rounds {args.rounds}`.",

@@ -42,7 +42,7 @@ MARK_BEGIN = "<!-- engine-offline:begin -->"
 MARK_END = "<!-- engine-offline:end -->"
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from report import write_section  # noqa: E402
+from report import cpu_model, write_section  # noqa: E402
 
 
 def make_prompts(vocab: int, seed: int = 0) -> list[list[int]]:
@@ -143,7 +143,7 @@ def run_dtype(dtype_name: str) -> dict:
 
 
 def machine() -> str:
-    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), "?")
+    cpu = cpu_model()
     flags = open("/proc/cpuinfo").read()
     isa = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_tile") if f" {f}" in flags]
     import transformers

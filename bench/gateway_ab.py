@@ -25,7 +25,7 @@ import sys
 import time
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
-from report import write_section  # noqa: E402
+from report import cpu_model, write_section  # noqa: E402
 from revision_arms import Arm, alternating, arm_env, base_and_head, head_revision  # noqa: E402
 
 # Runs in the arm's tree, with the arm's router_bench (whose helpers every revision since the
@@ -92,7 +92,7 @@ def render(results, args, lens: list[int]) -> str:
         "<!-- gateway-ab:begin -->",
         "## Gateway overhead: a revision against the working tree",
         "",
-        f"Run {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {os.cpu_count()} cores. Overhead = median "
+        f"Run {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {os.cpu_count()} vCPU {cpu_model()}. Overhead = median "
         f"latency through `splitserve router` minus median latency calling the stub worker directly, "
         f"{args.requests} one-token requests each way per arm and round, {args.rounds} rounds alternating the "
         f"arms. Base `{args.base}`, head `{head}` (and its uncommitted changes). Command: "

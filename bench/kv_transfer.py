@@ -89,7 +89,7 @@ async def receive(conn) -> None:
 
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from report import write_section  # noqa: E402
+from report import cpu_model, write_section  # noqa: E402
 
 
 def receiver_main(conn) -> None:
@@ -171,7 +171,7 @@ class Bench:
 
 
 def machine() -> str:
-    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), "?")
+    cpu = cpu_model()
     from importlib.metadata import version
 
     return (

@@ -38,7 +38,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform as stdlib_platform
 import random
 import subprocess
 import sys
@@ -54,7 +53,7 @@ from splitserve.platform.engine.llm_engine import LLMEngine
 from splitserve.platform.sampling.params import SamplingParams
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from report import write_section  # noqa: E402
+from report import cpu_model, write_section  # noqa: E402
 
 NUM_REQUESTS = 16
 PROMPT_LEN = 64
@@ -136,17 +135,9 @@ def run(threads: int, repeats: int) -> dict:
         "repeats": repeats,
         "quantization": engine.quantization,
         "tok_s": best,
-        "cpu": _cpu(),
+        "cpu": cpu_model(),
         "torch": torch.__version__,
     }
-
-
-def _cpu() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        return stdlib_platform.processor() or "unknown"
 
 
 # ---- W5: adapter-aware routing ---------------------------------------------------------------

@@ -15,10 +15,22 @@ section)`, which
 from __future__ import annotations
 
 import pathlib
+import platform as stdlib_platform
 import re
 import sys
 
 TABLE = "sections"
+
+
+def cpu_model() -> str:
+    """The host's CPU as /proc/cpuinfo names it (a figure is only read beside the CPU it ran on)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return stdlib_platform.processor() or "unknown"
+
+
 TABLE_HEAD = "| section | written by |\n|---|---|\n"
 
 

@@ -54,7 +54,7 @@ import urllib.request
 import yaml
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from report import markers, section_path, write_section  # noqa: E402
+from report import cpu_model, markers, section_path, write_section  # noqa: E402
 
 MODEL = "smollm2-135m"
 # Per worker: 2,048 tokens in 16-token blocks. W1's 8 system prompts (8 x 16 blocks) fill one
@@ -858,10 +858,7 @@ def make_plots(results: dict[str, list[dict]], folder: pathlib.Path, rel: str) -
 
 
 def machine() -> str:
-    model = next(
-        (line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
-        stdlib_platform.processor(),
-    )
+    model = cpu_model()
     import torch
 
     memory_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
