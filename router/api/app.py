@@ -29,7 +29,6 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from splitserve.router.api import embeddings, openapi, responses_api, tokenize_api
 from splitserve.router.api.edge import EdgeMiddleware
-from splitserve.router.api.errors import APIError, error_body
 from splitserve.router.api.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -38,6 +37,7 @@ from splitserve.router.api.schemas import (
 )
 from splitserve.router.core import readiness
 from splitserve.router.core.gateway import Gateway
+from splitserve.router.errors import APIError, error_body
 from splitserve.router.router import Router
 from splitserve.router.tenancy.access import check_admin, check_lora_path
 

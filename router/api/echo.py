@@ -19,8 +19,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from splitserve.router.api.errors import bad_request
 from splitserve.router.api.schemas import CompletionRequest
+from splitserve.router.errors import bad_request
 
 
 @dataclass(frozen=True)

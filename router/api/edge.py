@@ -14,7 +14,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from splitserve.platform import tracing
 from splitserve.router import logctx
-from splitserve.router.api.errors import error_body
+from splitserve.router.errors import error_body
 
 log = logging.getLogger("splitserve.router.api.app")
 

@@ -20,7 +20,6 @@ from splitserve.platform.sampling.params import MAX_LOGPROBS
 from splitserve.platform.tokenizer import Tokenizer, check_chat_template_kwargs
 from splitserve.router.api import echo
 from splitserve.router.api.echo import EchoPlan
-from splitserve.router.api.errors import bad_request
 from splitserve.router.api.sampling import sampling_params
 from splitserve.router.api.schemas import (
     ChatCompletionRequest,
@@ -32,6 +31,7 @@ from splitserve.router.api.schemas import (
 from splitserve.router.api.structured import constraint_fields
 from splitserve.router.api.tools import ToolPlan, plan_tools, render_messages
 from splitserve.router.core.job import Job
+from splitserve.router.errors import bad_request
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 

@@ -31,8 +31,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from splitserve.router.api.errors import bad_request
 from splitserve.router.api.schemas import ChatCompletionRequest, Int
+from splitserve.router.errors import bad_request
 
 # Fields of the API that would change the answer and are not implemented: a 400 naming them.
 UNSUPPORTED = ("background", "conversation", "include", "reasoning", "prompt", "max_tool_calls", "top_logprobs")

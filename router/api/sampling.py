@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from splitserve.platform.errors import InvalidRequestError
 from splitserve.platform.sampling.params import SamplingParams
-from splitserve.router.api.errors import APIError, bad_request
 from splitserve.router.api.schemas import SamplingFields
+from splitserve.router.errors import APIError, bad_request
 
 INT32, INT64 = 2**31, 2**63  # the worker protocol's int32 and int64 bounds (openapi.py publishes them)
 

@@ -20,7 +20,7 @@ import json
 
 from splitserve.platform.errors import InvalidRequestError
 from splitserve.platform.sampling.constraints import StructuredSpec, validate_logit_bias
-from splitserve.router.api.errors import bad_request
+from splitserve.router.errors import bad_request
 
 RESPONSE_FORMAT_TYPES = ("text", "json_object", "json_schema")
 STRUCTURED_OUTPUT_KEYS = ("json", "regex", "choice", "grammar")

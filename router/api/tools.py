@@ -28,7 +28,7 @@ import uuid
 from dataclasses import dataclass
 
 from splitserve.platform.sampling.constraints import StructuredSpec
-from splitserve.router.api.errors import bad_request
+from splitserve.router.errors import bad_request
 
 PARSERS = ("hermes", "json")
 ARGUMENT_PIECE = 16  # characters of arguments per streamed delta

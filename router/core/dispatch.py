@@ -36,10 +36,10 @@ from collections.abc import AsyncIterator
 from splitserve.platform import tracing
 from splitserve.platform.hashing import BlockHasher, lora_extra_keys
 from splitserve.platform.tokenizer import Tokenizer
-from splitserve.router.api.errors import NoWorkerError
 from splitserve.router.core import readiness
 from splitserve.router.core.job import Chunk, Job, Progress, WorkerLost
 from splitserve.router.core.worker_calls import WorkerCalls
+from splitserve.router.errors import NoWorkerError
 from splitserve.router.placement.placer import Decision, PlacementRequest, Placer
 from splitserve.router.placement.pool import WorkerPool
 

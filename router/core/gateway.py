@@ -26,12 +26,12 @@ from fastapi.responses import Response
 
 from splitserve.platform import tracing
 from splitserve.router import logctx
-from splitserve.router.api.errors import APIError
 from splitserve.router.api.formatting import Formatter, TokenText, sse
 from splitserve.router.api.prompts import num_choices, prepare_chat, prepare_completion
 from splitserve.router.config import ApiKey
 from splitserve.router.core.pipeline import ChoiceChunk, Origin, Pipeline, Run
 from splitserve.router.core.respond import DONE, StreamEvents, respond, wait_disconnect
+from splitserve.router.errors import APIError
 from splitserve.router.flow import build_controller
 from splitserve.router.router import Router
 from splitserve.router.tenancy.access import ANONYMOUS, Authenticator, RateLimiter

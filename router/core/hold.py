@@ -14,7 +14,7 @@ import asyncio
 import time
 from collections.abc import Callable
 
-from splitserve.router.api.errors import NoWorkerError
+from splitserve.router.errors import NoWorkerError
 
 
 class ColdStartHold:

@@ -17,9 +17,9 @@ from typing import Protocol
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from splitserve.router.api.errors import APIError
 from splitserve.router.core.job import Chunk
 from splitserve.router.core.pipeline import ChoiceChunk, Run, unless_gone
+from splitserve.router.errors import APIError
 
 log = logging.getLogger(__name__)
 

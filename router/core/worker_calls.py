@@ -20,9 +20,9 @@ from splitserve.platform.tokenizer import Tokenizer
 from splitserve.platform.wire import worker_pb2 as pb
 from splitserve.router import logctx
 from splitserve.router.api.echo import without_prompt_scoring
-from splitserve.router.api.errors import APIError
 from splitserve.router.core.job import Chunk, Job, Progress, WorkerLost
 from splitserve.router.core.worker_messages import generate_request
+from splitserve.router.errors import APIError
 from splitserve.router.placement.placer import Decision, Placer
 from splitserve.router.placement.pool import WorkerPool
 

@@ -35,8 +35,8 @@ from google.protobuf import struct_pb2
 from prometheus_client import Counter, Histogram
 
 from splitserve.platform import tracing
-from splitserve.router.api.errors import APIError
 from splitserve.router.epp.picker import Pick, Picker
+from splitserve.router.errors import APIError
 
 log = logging.getLogger(__name__)
 

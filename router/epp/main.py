@@ -25,12 +25,12 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from splitserve.platform import tracing
 from splitserve.router import logctx
-from splitserve.router.api.errors import error_body
 from splitserve.router.config_file import load_config
 from splitserve.router.core import readiness
 from splitserve.router.epp.endpoints import EndpointMap
 from splitserve.router.epp.extproc import ExternalProcessor, Metrics, add_to_server
 from splitserve.router.epp.picker import Picker
+from splitserve.router.errors import error_body
 from splitserve.router.main import bind, uvicorn_server
 
 log = logging.getLogger("splitserve.epp")

@@ -23,10 +23,10 @@ from dataclasses import dataclass
 
 from pydantic import ValidationError
 
-from splitserve.router.api.errors import APIError, NoWorkerError
 from splitserve.router.api.prompts import prepare_chat, prepare_completion
 from splitserve.router.api.schemas import ChatCompletionRequest, CompletionRequest
 from splitserve.router.epp.endpoints import EndpointMap
+from splitserve.router.errors import APIError, NoWorkerError
 from splitserve.router.placement.placer import PlacementRequest
 from splitserve.router.placement.pool import Assignment
 from splitserve.router.router import Router

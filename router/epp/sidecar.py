@@ -27,9 +27,9 @@ import logging
 from prometheus_client import Counter
 
 from splitserve.router import logctx
-from splitserve.router.api.errors import NoWorkerError, error_body
 from splitserve.router.epp.endpoints import check_address
 from splitserve.router.epp.extproc import PREFILLER
+from splitserve.router.errors import NoWorkerError, error_body
 from splitserve.router.placement.placer import Decision, PlacementRequest, Placer
 from splitserve.router.router import Router, make_discovery
 

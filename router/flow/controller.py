@@ -33,7 +33,7 @@ import contextlib
 import logging
 import time
 
-from splitserve.router.api.errors import APIError
+from splitserve.router.errors import APIError
 from splitserve.router.flow.config import FlowControlConfig
 from splitserve.router.flow.fairness import Band, FlowItem
 from splitserve.router.flow.metrics import FlowMetrics

@@ -30,7 +30,7 @@ import logging
 import grpc
 
 from splitserve.platform.wire import worker_pb2 as pb
-from splitserve.router.api.errors import APIError, NoWorkerError
+from splitserve.router.errors import APIError, NoWorkerError
 from splitserve.router.placement.pool import WorkerPool, WorkerState
 
 log = logging.getLogger(__name__)

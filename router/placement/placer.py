@@ -30,7 +30,7 @@ import logging
 import random
 from dataclasses import dataclass, field
 
-from splitserve.router.api.errors import NoWorkerError
+from splitserve.router.errors import NoWorkerError
 from splitserve.router.placement.config import PlacementConfig, ProfileConfig
 from splitserve.router.placement.filters import make_filter
 from splitserve.router.placement.index import PrefixIndex

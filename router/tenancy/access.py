@@ -17,8 +17,8 @@ import hashlib
 import hmac
 import time
 
-from splitserve.router.api.errors import APIError
 from splitserve.router.config import ApiKey, GatewayConfig
+from splitserve.router.errors import APIError
 
 ANONYMOUS = ApiKey(key="", name="anonymous")
 

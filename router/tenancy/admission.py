@@ -26,9 +26,9 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from splitserve.platform.tracing import NOOP
-from splitserve.router.api.errors import APIError
 from splitserve.router.config import ApiKey
 from splitserve.router.core.usage import Usage
+from splitserve.router.errors import APIError
 from splitserve.router.tenancy.concurrency import Concurrency
 from splitserve.router.tenancy.quota import Grant, Quota
 

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from splitserve.router.api.errors import APIError
 from splitserve.router.config import ApiKey
+from splitserve.router.errors import APIError
 from splitserve.router.tenancy.access import key_label
 
 

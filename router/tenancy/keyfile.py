@@ -31,8 +31,8 @@ from typing import Any
 
 import yaml
 
-from splitserve.router.api.errors import APIError
 from splitserve.router.config import KEY_ROLES, ApiKey, ConfigError
+from splitserve.router.errors import APIError
 
 ID_PATTERN = re.compile(r"[A-Za-z0-9._-]{1,64}")
 KEY_FIELDS = {

@@ -85,9 +85,9 @@ def test_greedy_equals_transformers_fp32_on_8_of_8(gemma_engine, prompt_ids, ref
 def test_chat_request_to_the_base_model_is_a_clear_400(gemma_engine):
     """Gemma 3 270M is a base model: its GGUF has no chat template. The gateway answers a chat
     request with 400 and says to use completions (no default template is invented)."""
-    from splitserve.router.api.errors import APIError
     from splitserve.router.api.prompts import prepare_chat
     from splitserve.router.api.schemas import ChatCompletionRequest
+    from splitserve.router.errors import APIError
 
     req = ChatCompletionRequest(model="gemma3-270m", messages=[{"role": "user", "content": "Hi"}])
     with pytest.raises(APIError) as info:

@@ -9,9 +9,9 @@ import pytest
 from prometheus_client import generate_latest
 
 from splitserve.platform.errors import ConfigError
-from splitserve.router.api.errors import NoWorkerError
 from splitserve.router.config import GatewayConfig
 from splitserve.router.core.hold import ColdStartHold
+from splitserve.router.errors import NoWorkerError
 from splitserve.router.metrics import RouterMetrics
 
 

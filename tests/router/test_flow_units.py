@@ -11,7 +11,7 @@ from prometheus_client import CollectorRegistry
 
 from splitserve.platform.errors import ConfigError
 from splitserve.platform.wire import worker_pb2 as pb
-from splitserve.router.api.errors import APIError
+from splitserve.router.errors import APIError
 from splitserve.router.flow.classify import classify
 from splitserve.router.flow.config import FlowControlConfig, from_mapping
 from splitserve.router.flow.controller import FlowController

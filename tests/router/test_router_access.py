@@ -4,8 +4,8 @@ import asyncio
 
 import pytest
 
-from splitserve.router.api.errors import APIError
 from splitserve.router.config import ApiKey, GatewayConfig
+from splitserve.router.errors import APIError
 from splitserve.router.tenancy.access import Authenticator, MemoryBuckets, RateLimiter, RedisBuckets, key_label
 from splitserve.router.tenancy.admission import Slots
 

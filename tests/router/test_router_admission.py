@@ -5,8 +5,8 @@ import asyncio
 import pytest
 from prometheus_client import CollectorRegistry, Counter
 
-from splitserve.router.api.errors import APIError
 from splitserve.router.config import ApiKey
+from splitserve.router.errors import APIError
 from splitserve.router.tenancy.admission import AdmissionPipeline, Slots
 from splitserve.router.tenancy.concurrency import Concurrency
 from splitserve.router.tenancy.quota import Quota

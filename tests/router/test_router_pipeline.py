@@ -9,12 +9,12 @@ import pytest
 from prometheus_client import CollectorRegistry, Counter
 
 from splitserve.platform.sampling.params import SamplingParams
-from splitserve.router.api.errors import APIError
 from splitserve.router.api.prompts import Prepared
 from splitserve.router.config import ApiKey
 from splitserve.router.core.job import Chunk, Job
 from splitserve.router.core.pipeline import ChoiceChunk, Pipeline
 from splitserve.router.core.usage import Usage
+from splitserve.router.errors import APIError
 from splitserve.router.tenancy.admission import AdmissionPipeline, Slots
 from splitserve.router.tenancy.concurrency import Concurrency
 from splitserve.router.tenancy.quota import Quota

@@ -8,7 +8,6 @@ import pytest
 from splitserve.platform.errors import ConfigError
 from splitserve.platform.hashing import BlockHasher
 from splitserve.platform.wire import worker_pb2 as pb
-from splitserve.router.api.errors import NoWorkerError
 from splitserve.router.config import (
     DisaggregationConfig,
     PlacementConfig,
@@ -16,6 +15,7 @@ from splitserve.router.config import (
     ScorerSpec,
     default_decode_profile,
 )
+from splitserve.router.errors import NoWorkerError
 from splitserve.router.placement.filters import FILTERS, make_filter
 from splitserve.router.placement.index import InMemoryPrefixIndex
 from splitserve.router.placement.placer import PlacementRequest, Placer, Profile

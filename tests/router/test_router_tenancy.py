@@ -11,10 +11,10 @@ import pytest
 import yaml
 from prometheus_client import CollectorRegistry
 
-from splitserve.router.api.errors import APIError
 from splitserve.router.config import ApiKey, ConfigError
 from splitserve.router.config_file import load_config
 from splitserve.router.core.usage import Usage
+from splitserve.router.errors import APIError
 from splitserve.router.tenancy.access import Authenticator
 from splitserve.router.tenancy.keyfile import KeyFile, digest, parse_keys
 from splitserve.router.tenancy.quota import Quota

@@ -4,7 +4,6 @@ import json
 
 import pytest
 
-from splitserve.router.api.errors import APIError
 from splitserve.router.api.schemas import ChatCompletionRequest
 from splitserve.router.api.tools import (
     openai_tool_calls,
@@ -13,6 +12,7 @@ from splitserve.router.api.tools import (
     render_messages,
     stream_deltas,
 )
+from splitserve.router.errors import APIError
 
 WEATHER = {
     "type": "function",

@@ -6,6 +6,9 @@
 wrong API key, 404 unknown model, 409 an adapter load/unload while the adapters are declared,
 413 body too large, 429 rate limit or full admission queue or saturated workers (with
 Retry-After), 503 no worker can serve (with Retry-After), 500 a bug.
+
+This module is at the bottom of the router: placement/, flow/, tenancy/ and core/ raise these
+errors without importing the API layer, and api/app.py answers them.
 """
 
 from __future__ import annotations
