@@ -1,7 +1,7 @@
 """OpenAI response JSON of chat and text completions: whole answers, stream chunks, usage, logprobs.
 
 The Formatter reads what the pipeline (core/pipeline.py) accumulated per choice and the request's
-typed Usage (core/usage.py); `usage_json` writes that record as OpenAI's usage object, with
+typed Usage (router/usage.py); `usage_json` writes that record as OpenAI's usage object, with
 `prompt_tokens_details.cached_tokens` the prompt tokens served from the decode worker's prefix cache.
 """
 
@@ -14,8 +14,9 @@ import time
 from splitserve.platform.tokenizer import Tokenizer
 from splitserve.router.api import echo, tools
 from splitserve.router.api.prompts import Prepared
+from splitserve.router.core.choices import ChoiceState
 from splitserve.router.core.job import Chunk
-from splitserve.router.core.usage import ChoiceState, Usage
+from splitserve.router.usage import Usage
 
 MAX_CACHED_TOKENS = 65536  # token texts a TokenText keeps
 

@@ -19,8 +19,8 @@ from fastapi.responses import Response
 from splitserve.router.api.formatting import Formatter
 from splitserve.router.api.responses_request import ResponsesRequest, chat_request
 from splitserve.router.core.pipeline import ChoiceChunk, Run
-from splitserve.router.core.usage import Usage
 from splitserve.router.errors import APIError
+from splitserve.router.usage import Usage
 
 
 class _Builder:

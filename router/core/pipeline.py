@@ -34,14 +34,15 @@ from typing import NamedTuple
 from splitserve.platform import tracing
 from splitserve.router.api.prompts import Prepared
 from splitserve.router.config import ApiKey
+from splitserve.router.core.choices import ChoiceState, count_usage
 from splitserve.router.core.dispatch import Dispatcher
 from splitserve.router.core.job import Chunk
-from splitserve.router.core.usage import ChoiceState, Usage, count_usage
 from splitserve.router.errors import APIError
 from splitserve.router.flow.classify import classify
 from splitserve.router.flow.controller import FlowController
 from splitserve.router.flow.fairness import FlowItem
 from splitserve.router.tenancy.admission import AdmissionPipeline, Ticket
+from splitserve.router.usage import Usage
 
 log = logging.getLogger(__name__)
 

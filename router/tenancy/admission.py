@@ -27,10 +27,10 @@ from typing import Protocol
 
 from splitserve.platform.tracing import NOOP
 from splitserve.router.config import ApiKey
-from splitserve.router.core.usage import Usage
 from splitserve.router.errors import APIError
 from splitserve.router.tenancy.concurrency import Concurrency
 from splitserve.router.tenancy.quota import Grant, Quota
+from splitserve.router.usage import Usage
 
 
 class Slots:

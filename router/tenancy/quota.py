@@ -24,11 +24,11 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter
 
 from splitserve.router.config import ApiKey
-from splitserve.router.core.usage import Usage
 from splitserve.router.errors import APIError
 from splitserve.router.tenancy.access import key_label
 from splitserve.router.tenancy.keyfile import check_scope
 from splitserve.router.tenancy.quota_store import USAGE_FIELDS, MemoryQuotaStore, RedisQuotaStore, month_of
+from splitserve.router.usage import Usage
 
 log = logging.getLogger(__name__)
 

@@ -13,11 +13,11 @@ from splitserve.router.api.prompts import Prepared
 from splitserve.router.config import ApiKey
 from splitserve.router.core.job import Chunk, Job
 from splitserve.router.core.pipeline import ChoiceChunk, Pipeline
-from splitserve.router.core.usage import Usage
 from splitserve.router.errors import APIError
 from splitserve.router.tenancy.admission import AdmissionPipeline, Slots
 from splitserve.router.tenancy.concurrency import Concurrency
 from splitserve.router.tenancy.quota import Quota
+from splitserve.router.usage import Usage
 
 KEY = ApiKey("", name="team-a", rpm=100, tpm=1000, max_concurrent=4)
 

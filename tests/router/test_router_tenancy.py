@@ -13,11 +13,11 @@ from prometheus_client import CollectorRegistry
 
 from splitserve.router.config import ApiKey, ConfigError
 from splitserve.router.config_file import load_config
-from splitserve.router.core.usage import Usage
 from splitserve.router.errors import APIError
 from splitserve.router.tenancy.access import Authenticator
 from splitserve.router.tenancy.keyfile import KeyFile, digest, parse_keys
 from splitserve.router.tenancy.quota import Quota
+from splitserve.router.usage import Usage
 
 
 def write_keys(path, keys) -> None:

@@ -1,32 +1,19 @@
-"""What a request used: the typed usage record, and the per-choice state it is counted from.
+"""The per-choice state a request's usage is counted from.
 
 The pipeline (core/pipeline.py) adds every chunk to its choice's `ChoiceState` and, when the
-request ends, counts one `Usage` from them. The same record settles the key's quota
-(tenancy/quota.py: its counters and its Redis usage rows) and is written into every answer
-(api/formatting.py turns it into OpenAI's usage object; the Responses API and embeddings into
-theirs). A distinct prompt is counted once (n choices of one prompt share it); completion
-tokens are summed over choices; `cached_tokens` are prompt tokens the decode worker served from
-its prefix cache.
+request ends, `count_usage` turns them into the one `Usage` record (router/usage.py): a distinct
+prompt is counted once, completion tokens are summed over choices, and the cached tokens are those
+the decode worker reported.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
+
+from splitserve.router.usage import Usage
 
 if TYPE_CHECKING:
     from splitserve.router.core.job import Chunk
-
-
-@dataclass(frozen=True)
-class Usage:
-    prompt_tokens: int
-    completion_tokens: int
-    cached_tokens: int = 0
-
-    @property
-    def total_tokens(self) -> int:
-        return self.prompt_tokens + self.completion_tokens
 
 
 class ChoiceState:
