@@ -269,7 +269,7 @@ async def main_async(args) -> tuple[dict, dict]:
 
 
 async def probe_pull(rounds: int = 3) -> None:
-    """The pull's starting constants (router/config.py KVPullConfig): worker A computes a
+    """The pull's starting constants (router/config/placement.py KVPullConfig): worker A computes a
     300-token prompt, worker B pulls its 18 full blocks from A; prints A's prefill time per
     token, B's pull time per block and both TTFTs."""
     a, b = WorkerProc("both", "tcp").start(), WorkerProc("both", "tcp").start()

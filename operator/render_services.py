@@ -32,7 +32,7 @@ from splitserve.operator.settings import effective_flow_control
 
 
 def router_config(ctx: Context) -> dict[str, Any]:
-    """The content of router.yaml, in the router's own format (router/config.py, docs/router.md):
+    """The content of router.yaml, in the router's own format (router/config/, docs/router.md):
     what `splitserve router --config` reads. Discovery: the EndpointSlices of the pool Services
     (label kubernetes.io/service-name), port `grpc`; `model` and `block_size` seed the block
     hashes and must equal the workers'."""
@@ -77,7 +77,7 @@ def router_config(ctx: Context) -> dict[str, Any]:
             "report_annotation": C.ANNOTATION_ADAPTERS_LOADED,
         },
     }
-    if not ctx.kv_cache().pull:  # on by default in the router too (router/config.py KVPullConfig)
+    if not ctx.kv_cache().pull:  # on by default in the router too (router/config/placement.py KVPullConfig)
         config["placement"]["kv_pull"] = {"enabled": False}
     flow = flow_control_config(ctx)
     if flow:
@@ -86,7 +86,7 @@ def router_config(ctx: Context) -> dict[str, Any]:
 
 
 def flow_control_config(ctx: Context) -> dict[str, Any]:
-    """router.yaml's flow_control section (router/flow/config.py) from spec.flowControl over the
+    """router.yaml's flow_control section (router/config/flow.py) from spec.flowControl over the
     chart's flowControl values; {} while flow control is off."""
     spec = ctx.spec.flow_control
     eff = effective_flow_control(spec, ctx.settings)

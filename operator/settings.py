@@ -132,7 +132,7 @@ class KvCacheDefaults(_Settings):
 class FlowControlDefaults(_Settings):
     """Every InferenceService's spec.flowControl where it leaves a field unset (chart: flowControl.*);
     also the effective flowControl of one service (effective_flow_control). The built-in values
-    are the router's own (router/flow/config.py)."""
+    are the router's own (router/config/flow.py)."""
 
     enabled: bool = False
     fairness_header: str = Field("x-gateway-inference-fairness-id", pattern=r"^[a-z0-9-]{1,64}$")

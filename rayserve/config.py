@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from splitserve.platform.config import CacheConfig, DeviceConfig, SchedulerConfig
 from splitserve.platform.errors import ConfigError
 from splitserve.router.config import RouterConfig
-from splitserve.router.config_file import checked_mapping, from_dict, read_mapping
+from splitserve.router.config.file import checked_mapping, from_dict, read_mapping
 
 BACKENDS = ("ray",)
 TRANSPORTS = ("ucx", "tcp")

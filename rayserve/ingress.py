@@ -17,7 +17,7 @@ from ray import serve
 
 from splitserve.rayserve.discovery import RayDiscovery
 from splitserve.rayserve.registry import WorkerRegistry
-from splitserve.router.config_file import from_dict
+from splitserve.router.config.file import from_dict
 
 
 @serve.ingress()

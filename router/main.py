@@ -20,7 +20,7 @@ from splitserve.platform import tracing
 from splitserve.platform.errors import ConfigError
 from splitserve.router import logctx
 from splitserve.router.config import RouterConfig
-from splitserve.router.config_file import load_config
+from splitserve.router.config.file import load_config
 from splitserve.router.flow import cli as flow_cli
 
 log = logging.getLogger("splitserve.router")

@@ -10,7 +10,7 @@ from splitserve.platform.sampling.params import SamplingParams
 from splitserve.platform.wire import sampling as wire_sampling
 from splitserve.platform.wire import worker_pb2 as pb
 from splitserve.platform.wire.disaggregation import DISAGGREGATION_MODES as _MODES
-from splitserve.router.placement.config import DisaggregationConfig
+from splitserve.router.config.placement import DisaggregationConfig
 
 sampling_params = wire_sampling.to_proto
 

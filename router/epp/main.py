@@ -25,7 +25,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from splitserve.platform import tracing
 from splitserve.router import logctx
-from splitserve.router.config_file import load_config
+from splitserve.router.config.file import load_config
 from splitserve.router.core import readiness
 from splitserve.router.epp.endpoints import EndpointMap
 from splitserve.router.epp.extproc import ExternalProcessor, Metrics, add_to_server

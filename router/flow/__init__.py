@@ -2,11 +2,12 @@
 while the workers are saturated, sheddable traffic turned away first (GIE's flow control).
 
     classify.py    band and flow of a request (objective header, model default, key priority)
-    config.py      FlowControlConfig
     fairness.py    one band's queue: per-flow queues, weighted fair queuing charged in tokens
     saturation.py  the saturation detector over the router's view of the decode workers
     controller.py  FlowController: acquire / release, the bounds, 503 vs 429
     metrics.py     queue length, time in queue, outcome counts per band and flow
+
+Its settings, FlowControlConfig, are router/config/flow.py (with the router's other settings).
 
 Torch-free and independent of FastAPI: the gateway calls `FlowController.acquire` between
 admission and placement and `release` when the request ends (docs/router.md).
@@ -14,7 +15,7 @@ admission and placement and `release` when the request ends (docs/router.md).
 
 from __future__ import annotations
 
-from splitserve.router.flow.config import FlowControlConfig
+from splitserve.router.config.flow import FlowControlConfig
 from splitserve.router.flow.controller import FlowController
 from splitserve.router.flow.metrics import FlowMetrics
 from splitserve.router.flow.saturation import SaturationDetector

@@ -18,8 +18,8 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from splitserve.router.config.flow import FlowControlConfig
 from splitserve.router.errors import APIError
-from splitserve.router.flow.config import FlowControlConfig
 
 FLOW_ID_PATTERN = re.compile(r"[\x21-\x7e]{1,128}")
 

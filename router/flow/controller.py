@@ -33,8 +33,8 @@ import contextlib
 import logging
 import time
 
+from splitserve.router.config.flow import FlowControlConfig
 from splitserve.router.errors import APIError
-from splitserve.router.flow.config import FlowControlConfig
 from splitserve.router.flow.fairness import Band, FlowItem
 from splitserve.router.flow.metrics import FlowMetrics
 from splitserve.router.flow.saturation import SaturationDetector

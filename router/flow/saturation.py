@@ -31,7 +31,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable
 
-from splitserve.router.flow.config import FlowControlConfig
+from splitserve.router.config.flow import FlowControlConfig
 
 
 class SaturationDetector:

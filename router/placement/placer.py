@@ -30,8 +30,8 @@ import logging
 import random
 from dataclasses import dataclass, field
 
+from splitserve.router.config.placement import PlacementConfig, ProfileConfig
 from splitserve.router.errors import NoWorkerError
-from splitserve.router.placement.config import PlacementConfig, ProfileConfig
 from splitserve.router.placement.filters import make_filter
 from splitserve.router.placement.index import PrefixIndex
 from splitserve.router.placement.pool import WorkerPool, WorkerState

@@ -13,7 +13,7 @@ A rate measured on one worker stands for all: the pool is assumed to be one hard
 
 from __future__ import annotations
 
-from splitserve.router.placement.config import KVPullConfig
+from splitserve.router.config.placement import KVPullConfig
 
 ALPHA = 0.2  # weight of each new observation
 MIN_PREFILL_TOKENS = 16  # shorter prefills are dominated by fixed costs: not observed

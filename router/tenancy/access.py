@@ -62,7 +62,7 @@ class Authenticator:
 
 
 def check_admin(auth: Authenticator, key: ApiKey) -> None:
-    """403 unless the gateway is open or `key` has role admin (router/config.py ApiKey)."""
+    """403 unless the gateway is open or `key` has role admin (router/config/ ApiKey)."""
     if not auth.is_open and key.role != "admin":
         raise APIError(
             403,

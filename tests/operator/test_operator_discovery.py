@@ -13,7 +13,7 @@ from splitserve.operator import constants as C
 from splitserve.operator.endpoints import endpoint_slice, pods_of
 from splitserve.operator.render import render
 from splitserve.operator.spec import parse_spec
-from splitserve.router.config_file import from_dict
+from splitserve.router.config.file import from_dict
 from splitserve.router.placement.discovery_k8s import SERVICE_LABEL, label_selector, slice_addresses
 
 SPEC = parse_spec({"model": {"uri": "smollm2-135m"}})

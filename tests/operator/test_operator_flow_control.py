@@ -16,7 +16,7 @@ from opkit_schemas import admit
 from splitserve.operator.render import render
 from splitserve.operator.settings import FlowControlDefaults, OperatorSettings, load_settings
 from splitserve.operator.spec import parse_spec
-from splitserve.router.config_file import from_dict
+from splitserve.router.config.file import from_dict
 
 UID = "6f1c7c4e-0000-4000-8000-000000000001"
 FLOW = {

@@ -12,7 +12,7 @@ from opkit_schemas import admit, crd_errors, validate_manifest
 
 from splitserve.operator.render import render
 from splitserve.operator.spec import parse_spec
-from splitserve.router.config_file import load_config
+from splitserve.router.config.file import load_config
 
 UID = "6f1c7c4e-0000-4000-8000-000000000041"
 

@@ -366,7 +366,7 @@ def test_router_container_and_config():
         },
     }
     # ...and the router itself accepts it.
-    from splitserve.router.config_file import from_dict
+    from splitserve.router.config.file import from_dict
 
     loaded = from_dict(config)
     assert loaded.discovery.k8s_services == ("svc-prefill", "svc-decode")

@@ -20,7 +20,7 @@ from routerkit import FakeWorker, RouterServer, free_port, router_config
 from splitserve.platform.errors import ConfigError
 from splitserve.platform.wire import worker_pb2 as pb
 from splitserve.router.config import AdaptersConfig
-from splitserve.router.config_file import from_dict
+from splitserve.router.config.file import from_dict
 from splitserve.router.placement import adapter_sync
 from splitserve.router.placement.adapter_sync import parse_declared, pool_report
 from splitserve.router.placement.pool import WorkerPool, WorkerState

@@ -17,7 +17,7 @@ import yaml
 from routerkit import FakeWorker, RouterServer, router_config
 
 from splitserve.router.config import GatewayConfig
-from splitserve.router.flow.config import FlowControlConfig
+from splitserve.router.config.flow import FlowControlConfig
 
 KEYS = [{"id": "team-a", "key": "sk-a", "priority": 0}, {"id": "team-b", "key": "sk-b", "priority": 10, "weight": 2}]
 MESSAGES = [{"role": "user", "content": "Count the stars."}]
@@ -182,7 +182,7 @@ def test_key_file_rejects_a_bad_weight(tmp_path):
 
 
 def test_config_section_from_yaml():
-    from splitserve.router.config_file import from_dict
+    from splitserve.router.config.file import from_dict
 
     config = from_dict({"flow_control": {"enabled": True, "objectives": {"chat": 10}}})
     assert config.flow_control.objectives == {"chat": 10}

@@ -16,9 +16,9 @@ from test_router_pipeline import ScriptedDispatcher, chunk, prepared
 
 from splitserve.platform import tracing
 from splitserve.router.config import ApiKey
+from splitserve.router.config.flow import FlowControlConfig
 from splitserve.router.core.pipeline import Origin, Pipeline
 from splitserve.router.errors import APIError
-from splitserve.router.flow.config import FlowControlConfig
 from splitserve.router.flow.controller import FlowController
 from splitserve.router.flow.saturation import SaturationDetector
 from splitserve.router.tenancy.admission import AdmissionPipeline, Slots

@@ -11,9 +11,9 @@ from prometheus_client import CollectorRegistry
 
 from splitserve.platform.errors import ConfigError
 from splitserve.platform.wire import worker_pb2 as pb
+from splitserve.router.config.flow import FlowControlConfig, from_mapping
 from splitserve.router.errors import APIError
 from splitserve.router.flow.classify import classify
-from splitserve.router.flow.config import FlowControlConfig, from_mapping
 from splitserve.router.flow.controller import FlowController
 from splitserve.router.flow.fairness import Band, FlowItem
 from splitserve.router.flow.metrics import FlowMetrics

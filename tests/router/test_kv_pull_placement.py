@@ -16,7 +16,7 @@ from splitserve.router.config import (
     PlacementConfig,
     default_decode_profile,
 )
-from splitserve.router.config_file import from_dict
+from splitserve.router.config.file import from_dict
 from splitserve.router.core.worker_messages import generate_request
 from splitserve.router.placement.index import InMemoryPrefixIndex
 from splitserve.router.placement.placer import Decision, PlacementRequest, Placer

@@ -5,7 +5,7 @@ import pytest
 from splitserve.platform.errors import ConfigError
 from splitserve.platform.sampling.params import SamplingParams
 from splitserve.router.config import ApiKey
-from splitserve.router.config_file import load_config
+from splitserve.router.config.file import load_config
 from splitserve.router.core.worker_messages import generate_request, sampling_params
 from splitserve.router.placement.placer import Decision
 from splitserve.workers import wire as worker_wire
@@ -148,7 +148,7 @@ def test_generate_request_carries_the_disaggregation_decision():
 
 
 def test_redis_password_from_the_environment_goes_into_the_url(monkeypatch):
-    from splitserve.router.config_file import from_dict
+    from splitserve.router.config.file import from_dict
 
     monkeypatch.setenv("REDIS_PASSWORD", "s3cr/t")
     config = from_dict({"index": {"backend": "redis", "redis_url": "redis://r:6379/0"}})

@@ -12,7 +12,7 @@ import yaml
 from prometheus_client import CollectorRegistry
 
 from splitserve.router.config import ApiKey, ConfigError
-from splitserve.router.config_file import load_config
+from splitserve.router.config.file import load_config
 from splitserve.router.errors import APIError
 from splitserve.router.tenancy.access import Authenticator
 from splitserve.router.tenancy.keyfile import KeyFile, digest, parse_keys

@@ -1,6 +1,6 @@
 """Where requests are placed: the placement profiles (filters, weighted scorers), disaggregation
-and KV pulls; the `placement:` section of the router config (router/config.py composes it,
-router/config_file.py reads it).
+and KV pulls; the `placement:` section of the router config (config/__init__.py composes it,
+config/file.py reads it).
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Reading the router's config: a YAML or JSON file, or a mapping, plus dotted overrides, into the
-dataclasses of router/config.py, each section checked for unknown keys.
+dataclasses of router/config/, each section checked for unknown keys.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from splitserve.router.config import (
     default_decode_profile,
     default_prefill_profile,
 )
-from splitserve.router.flow.config import from_mapping as _flow_control
+from splitserve.router.config.flow import from_mapping as _flow_control
 
 
 def read_mapping(path: str, what: str) -> dict:

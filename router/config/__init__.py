@@ -2,9 +2,12 @@
 
 A YAML (or JSON) file gives any subset of the keys below; command-line flags override it. Every
 unknown key or bad value is a ConfigError that names the key and lists what is allowed
-(router/config_file.py reads the file into these). The `placement:` section's dataclasses, with
-the scorer weights, live in router/placement/config.py (importable from here too) and the file,
-never in the placement code. See docs/router.md for the file format with every default.
+(config/file.py reads the file into these). The `placement:` section's dataclasses, with the
+scorer weights, live in config/placement.py (importable from here too) and the `flow_control:`
+section in config/flow.py: the settings sit at the router's bottom, beside its errors, so every
+folder that reads them (placement/, flow/, tenancy/, core/) is above them, and the weights live in
+the config and the file, never in the placement code. See docs/router.md for the file format with
+every default.
 """
 
 from __future__ import annotations
@@ -13,15 +16,15 @@ from dataclasses import dataclass, field
 
 from splitserve.platform.errors import ConfigError
 from splitserve.platform.model_source import DEFAULT_MODEL
-from splitserve.router.flow.config import FlowControlConfig
-from splitserve.router.placement.config import DISAGGREGATION_MODES as DISAGGREGATION_MODES
-from splitserve.router.placement.config import DisaggregationConfig as DisaggregationConfig
-from splitserve.router.placement.config import KVPullConfig as KVPullConfig
-from splitserve.router.placement.config import PlacementConfig, check_choice
-from splitserve.router.placement.config import ProfileConfig as ProfileConfig
-from splitserve.router.placement.config import ScorerSpec as ScorerSpec
-from splitserve.router.placement.config import default_decode_profile as default_decode_profile
-from splitserve.router.placement.config import default_prefill_profile as default_prefill_profile
+from splitserve.router.config.flow import FlowControlConfig
+from splitserve.router.config.placement import DISAGGREGATION_MODES as DISAGGREGATION_MODES
+from splitserve.router.config.placement import DisaggregationConfig as DisaggregationConfig
+from splitserve.router.config.placement import KVPullConfig as KVPullConfig
+from splitserve.router.config.placement import PlacementConfig, check_choice
+from splitserve.router.config.placement import ProfileConfig as ProfileConfig
+from splitserve.router.config.placement import ScorerSpec as ScorerSpec
+from splitserve.router.config.placement import default_decode_profile as default_decode_profile
+from splitserve.router.config.placement import default_prefill_profile as default_prefill_profile
 
 INDEX_BACKENDS = ("memory", "redis")
 
