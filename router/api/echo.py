@@ -16,10 +16,10 @@ echo (n > 1 or best_of > 1 is a 400): a scoring request has one answer.
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 from splitserve.router.api.schemas import CompletionRequest
+from splitserve.router.core.prepared import EchoPlan
 from splitserve.router.errors import bad_request
 
 
@@ -30,15 +30,6 @@ class PromptHead:
     token_id: int
     logprob: None = None
     top: None = None
-
-
-@dataclass(frozen=True)
-class EchoPlan:
-    texts: tuple[str, ...]  # per choice: the prompt as it comes back in `text`
-    token_ids: tuple[tuple[int, ...], ...]  # per choice: the prompt's token ids
-    is_echo: bool  # prompt text (and logprobs) at the start of the choice
-    is_prompt_only: bool  # max_tokens 0: no generated token in the answer
-    has_prompt_logprobs_field: bool  # vLLM's `prompt_logprobs` was asked for
 
 
 def check(req: CompletionRequest) -> None:
@@ -106,8 +97,3 @@ def vllm_prompt_logprobs(plan: EchoPlan, index: int, prompt_logprobs: list, toke
         entry[str(lp.token_id)] = {"logprob": lp.logprob, "decoded_token": token_text(lp.token_id)}
         out.append(entry)
     return out
-
-
-def without_prompt_scoring(params):
-    """A resumed attempt's params: the prompt's logprobs went out with the first attempt's first message."""
-    return dataclasses.replace(params, prompt_logprobs=None) if params.prompt_logprobs is not None else params

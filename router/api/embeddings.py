@@ -26,9 +26,9 @@ from fastapi import Depends, FastAPI, Request
 from pydantic import BaseModel, ConfigDict
 
 from splitserve.platform.sampling.params import SamplingParams
-from splitserve.router.api.prompts import Prepared
 from splitserve.router.api.schemas import Int, Prompt
 from splitserve.router.core.job import Job
+from splitserve.router.core.prepared import Prepared
 from splitserve.router.errors import APIError, bad_request
 
 MAX_INPUTS = 2048  # OpenAI's limit per request

@@ -13,9 +13,9 @@ import time
 
 from splitserve.platform.tokenizer import Tokenizer
 from splitserve.router.api import echo, tools
-from splitserve.router.api.prompts import Prepared
 from splitserve.router.core.choices import ChoiceState
 from splitserve.router.core.job import Chunk
+from splitserve.router.core.prepared import Prepared
 from splitserve.router.usage import Usage
 
 MAX_CACHED_TOKENS = 65536  # token texts a TokenText keeps

@@ -13,13 +13,11 @@ max_tokens, chat completions may use the whole rest of the context and completio
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
 
 from splitserve.platform.errors import InvalidRequestError
 from splitserve.platform.sampling.params import MAX_LOGPROBS
 from splitserve.platform.tokenizer import Tokenizer, check_chat_template_kwargs
 from splitserve.router.api import echo
-from splitserve.router.api.echo import EchoPlan
 from splitserve.router.api.sampling import sampling_params
 from splitserve.router.api.schemas import (
     ChatCompletionRequest,
@@ -29,25 +27,12 @@ from splitserve.router.api.schemas import (
     unsupported_fields,
 )
 from splitserve.router.api.structured import constraint_fields
-from splitserve.router.api.tools import ToolPlan, plan_tools, render_messages
+from splitserve.router.api.tools import plan_tools, render_messages
 from splitserve.router.core.job import Job
+from splitserve.router.core.prepared import Prepared
 from splitserve.router.errors import bad_request
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
-
-
-@dataclass(frozen=True)
-class Prepared:
-    request_id: str
-    model: str
-    jobs: list[Job]
-    num_prompt_tokens: int  # summed over distinct prompts
-    logprobs: int | None  # top-n alternatives per token, None: no logprobs
-    stream: bool
-    include_usage: bool
-    tools: ToolPlan | None = None  # chat with tools: how to read tool calls from the answer
-    return_token_ids: bool = False  # answer the generated token ids too (vLLM's extension)
-    echo: EchoPlan | None = None  # completions with echo / prompt_logprobs (router/api/echo.py)
 
 
 def prepare_chat(

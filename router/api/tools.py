@@ -25,9 +25,9 @@ from __future__ import annotations
 import json
 import re
 import uuid
-from dataclasses import dataclass
 
 from splitserve.platform.sampling.constraints import StructuredSpec
+from splitserve.router.core.prepared import ToolPlan
 from splitserve.router.errors import bad_request
 
 PARSERS = ("hermes", "json")
@@ -38,13 +38,6 @@ DEFAULT_TOOL_BLOCK = (
     "</tool_call> (one block per call)."
 )
 _HERMES = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
-
-
-@dataclass(frozen=True)
-class ToolPlan:
-    forced: bool  # required or named: the output is the forced JSON list
-    parser: str  # for auto
-    names: tuple[str, ...]
 
 
 def plan_tools(req, parser: str) -> tuple[ToolPlan | None, StructuredSpec | None]:

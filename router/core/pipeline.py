@@ -32,11 +32,11 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from typing import NamedTuple
 
 from splitserve.platform import tracing
-from splitserve.router.api.prompts import Prepared
 from splitserve.router.config import ApiKey
 from splitserve.router.core.choices import ChoiceState, count_usage
 from splitserve.router.core.dispatch import Dispatcher
 from splitserve.router.core.job import Chunk
+from splitserve.router.core.prepared import Prepared
 from splitserve.router.errors import APIError
 from splitserve.router.flow.classify import classify
 from splitserve.router.flow.controller import FlowController

@@ -11,6 +11,7 @@ the worker aborts the request and frees its blocks (and the prefill worker's).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import AsyncIterator
 
 import grpc
@@ -19,7 +20,6 @@ from splitserve.platform import tracing
 from splitserve.platform.tokenizer import Tokenizer
 from splitserve.platform.wire import worker_pb2 as pb
 from splitserve.router import logctx
-from splitserve.router.api.echo import without_prompt_scoring
 from splitserve.router.core.job import Chunk, Job, Progress, WorkerLost
 from splitserve.router.core.worker_messages import generate_request
 from splitserve.router.errors import APIError
@@ -149,3 +149,8 @@ class WorkerCalls:
             prompt_logprobs=list(msg.prompt_logprobs),
             embedding=list(msg.embedding),
         )
+
+
+def without_prompt_scoring(params):
+    """A resumed attempt's params: the prompt's logprobs went out with the first attempt's first message."""
+    return dataclasses.replace(params, prompt_logprobs=None) if params.prompt_logprobs is not None else params

@@ -9,10 +9,10 @@ import pytest
 from prometheus_client import CollectorRegistry, Counter
 
 from splitserve.platform.sampling.params import SamplingParams
-from splitserve.router.api.prompts import Prepared
 from splitserve.router.config import ApiKey
 from splitserve.router.core.job import Chunk, Job
 from splitserve.router.core.pipeline import ChoiceChunk, Pipeline
+from splitserve.router.core.prepared import Prepared
 from splitserve.router.errors import APIError
 from splitserve.router.tenancy.admission import AdmissionPipeline, Slots
 from splitserve.router.tenancy.concurrency import Concurrency
