@@ -29,6 +29,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from splitserve.router.api import embeddings, openapi, responses_api, tokenize_api
 from splitserve.router.api.edge import EdgeMiddleware
+from splitserve.router.api.gateway import Gateway
 from splitserve.router.api.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -36,7 +37,6 @@ from splitserve.router.api.schemas import (
     UnloadLoraAdapterRequest,
 )
 from splitserve.router.core import readiness
-from splitserve.router.core.gateway import Gateway
 from splitserve.router.errors import APIError, error_body
 from splitserve.router.router import Router
 from splitserve.router.tenancy.access import check_admin, check_lora_path

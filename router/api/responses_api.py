@@ -2,7 +2,7 @@
 
 The request (api/responses_request.py) becomes a chat completion that runs the ordinary path —
 access, quota, admission, placement, tool-call parsing and the structured-output grammar
-(core/gateway.py, core/pipeline.py). Its chunks go through the chat formatter (api/formatting.py),
+(api/gateway.py, core/pipeline.py). Its chunks go through the chat formatter (api/formatting.py),
 whose deltas and whole answers are rewritten here as Responses output items and events; the
 usage is the pipeline's Usage record.
 """

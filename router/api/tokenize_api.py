@@ -25,8 +25,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from splitserve.platform.__about__ import __version__
 from splitserve.platform.errors import InvalidRequestError
 from splitserve.platform.tokenizer import check_chat_template_kwargs
+from splitserve.router.api.gateway import is_large
 from splitserve.router.api.schemas import ChatMessage, TokenIds, message_dicts
-from splitserve.router.core.gateway import is_large
 from splitserve.router.errors import bad_request
 from splitserve.router.tenancy.access import ANONYMOUS
 

@@ -5,7 +5,7 @@
        router/flow/, when enabled), dispatch (core/dispatch.py)
     -> a stream of events, or one JSON answer, written by the endpoint's formatter
 
-The run is written as a stream of events or one JSON answer by core/respond.py, and closed (its
+The run is written as a stream of events or one JSON answer by api/respond.py, and closed (its
 admission released, the workers' calls cancelled) however the response ends.
 
 Each endpoint is a formatter over this: chat and completions (api/formatting.py, the
@@ -28,9 +28,9 @@ from splitserve.platform import tracing
 from splitserve.router import logctx
 from splitserve.router.api.formatting import Formatter, TokenText, sse
 from splitserve.router.api.prompts import num_choices, prepare_chat, prepare_completion
+from splitserve.router.api.respond import DONE, StreamEvents, respond, wait_disconnect
 from splitserve.router.config import ApiKey
 from splitserve.router.core.pipeline import ChoiceChunk, Origin, Pipeline, Run
-from splitserve.router.core.respond import DONE, StreamEvents, respond, wait_disconnect
 from splitserve.router.errors import APIError
 from splitserve.router.flow import build_controller
 from splitserve.router.router import Router
@@ -180,7 +180,7 @@ class Gateway:
     async def respond(
         self, request: Request, run: Run, events: StreamEvents, answer: Callable[[Run], dict]
     ) -> Response:
-        """An open run's HTTP response (core/respond.py), timing a stream's first increment."""
+        """An open run's HTTP response (api/respond.py), timing a stream's first increment."""
         return await respond(request, run, events, answer, ttft=self.router.metrics.ttft)
 
 
