@@ -41,6 +41,29 @@ LAYERS = [
     ["splitserve.rayserve", "splitserve.launch"],
 ]
 
+# The router's own layers, lowest first, by the same rule (docs/architecture.md, "router/"): the
+# settings, errors and usage record every folder shares; the subsystems (where a request goes, its
+# queue, who may ask); core/, one request from admission to the last chunk; router.py, those pieces
+# assembled; api/, the HTTP edge (the one user of FastAPI); main.py (`splitserve router`); and epp/,
+# the inference-gateway processes built on all of it. A subsystem raises router/errors.py's errors
+# and api/ answers them, so no lower folder imports a higher one to report a failure.
+ROUTER_LAYERS = [
+    [
+        "splitserve.router.errors",
+        "splitserve.router.usage",
+        "splitserve.router.config",
+        "splitserve.router.logctx",
+        "splitserve.router.metrics",
+    ],
+    ["splitserve.router.placement", "splitserve.router.flow", "splitserve.router.tenancy"],
+    ["splitserve.router.core"],
+    ["splitserve.router.router"],
+    ["splitserve.router.api"],
+    ["splitserve.router.main"],
+    ["splitserve.router.epp"],
+]
+BELOW_THE_EDGE = [pkg for layer in ROUTER_LAYERS[:3] for pkg in layer]
+
 # (source modules, forbidden modules): a forbidden module must not be reachable from a source.
 ENGINE = [
     "splitserve.platform.engine",
@@ -135,6 +158,7 @@ CONTRACTS = [
         ["splitserve.launch"],
     ),
     ("the launchers start workers as processes and never load the engine", ["splitserve.launch"], ["torch", *ENGINE]),
+    ("router core and the layers below it never import FastAPI", BELOW_THE_EDGE, ["fastapi", "starlette"]),
 ]
 
 
@@ -166,22 +190,23 @@ def direct_imports(name: str, path: pathlib.Path) -> set[str]:
     return out
 
 
-def _package(module: str) -> str | None:
-    for layer in LAYERS:
+def _package(module: str, layers: list[list[str]]) -> str | None:
+    for layer in layers:
         for pkg in layer:
             if module == pkg or module.startswith(pkg + "."):
                 return pkg
     return None
 
 
-def layer_violations(graph: dict[str, set[str]]) -> list[str]:
-    """Direct imports of a package in the same layer or a higher one."""
-    rank = {pkg: i for i, layer in enumerate(LAYERS) for pkg in layer}
+def layer_violations(graph: dict[str, set[str]], layers: list[list[str]] | None = None) -> list[str]:
+    """Direct imports of a package in the same layer or a higher one (`layers`: LAYERS by default)."""
+    layers = LAYERS if layers is None else layers
+    rank = {pkg: i for i, layer in enumerate(layers) for pkg in layer}
     problems = []
     for src in sorted(graph):
-        src_pkg, reported = _package(src), set()
+        src_pkg, reported = _package(src, layers), set()
         for imp in sorted(graph[src]):  # `from m import x` lists m and m.x: one line per package
-            imp_pkg = _package(imp)
+            imp_pkg = _package(imp, layers)
             if src_pkg is None or imp_pkg is None or imp_pkg == src_pkg or imp_pkg in reported:
                 continue
             if rank[imp_pkg] >= rank[src_pkg]:
@@ -193,7 +218,10 @@ def layer_violations(graph: dict[str, set[str]]) -> list[str]:
 def violations() -> list[str]:
     mods = module_files()
     graph = {m: direct_imports(m, p) for m, p in mods.items()}
-    problems = layer_violations(graph)
+    problems = layer_violations(graph) + layer_violations(graph, ROUTER_LAYERS)
+    for module in sorted(m for m in mods if m.startswith("splitserve.router.")):
+        if _package(module, ROUTER_LAYERS) is None:
+            problems.append(f"router layers: {module} is in none of ROUTER_LAYERS")
     for title, sources, forbidden in CONTRACTS:
         for src in [m for m in mods if any(m == s or m.startswith(s + ".") for s in sources)]:
             chain = _find_forbidden(src, graph, forbidden)

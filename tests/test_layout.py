@@ -52,7 +52,7 @@ def test_layering_checker_catches_ray_and_load_generator_violations(tmp_path, mo
     import layering
 
     for rel, code in {
-        "router/app.py": "import splitserve.rayserve.registry\n",
+        "router/api/app.py": "import splitserve.rayserve.registry\n",
         "rayserve/ingress.py": "from splitserve.rayserve.replica import build_pool\n",
         "rayserve/replica.py": "import torch\n",
         "bench/loadgen/client.py": "import splitserve.router.config\n",
@@ -68,9 +68,9 @@ def test_layering_checker_catches_ray_and_load_generator_violations(tmp_path, mo
     assert sorted(layering.violations()) == [
         "layers: splitserve.bench.loadgen.client imports splitserve.router.config (splitserve.router is not below "
         "splitserve.bench.loadgen)",
-        "layers: splitserve.router.app imports splitserve.rayserve.registry (splitserve.rayserve is not below "
+        "layers: splitserve.router.api.app imports splitserve.rayserve.registry (splitserve.rayserve is not below "
         "splitserve.router)",
-        "nothing of ours imports the Ray Serve layer: splitserve.router.app -> splitserve.rayserve.registry",
+        "nothing of ours imports the Ray Serve layer: splitserve.router.api.app -> splitserve.rayserve.registry",
         "the Ray Serve driver and ingress never load the engine: splitserve.rayserve.ingress -> "
         "splitserve.rayserve.replica",
         "the load generator is a torch-free client: splitserve.bench.loadgen.client -> splitserve.router.config",
@@ -99,6 +99,37 @@ def test_layering_checker_keeps_the_planner_below_router_workers_and_operator(tm
         "splitserve.planner)",
         "layers: splitserve.workers.main imports splitserve.router.app (splitserve.router is not below "
         "splitserve.workers)",
+    ]
+
+
+def test_layering_checker_keeps_the_router_folders_in_order(tmp_path, monkeypatch):
+    """The router's own layers: a subsystem importing the API layer (or a folder beside it) or core
+    importing FastAPI is reported, an import downwards is not, and a module outside every layer is."""
+    import layering
+
+    for rel, code in {
+        "router/placement/placer.py": "from splitserve.router.api.errors import APIError\n",
+        "router/placement/scorers.py": "import splitserve.router.flow.controller\n",
+        "router/tenancy/quota.py": "from splitserve.router.core.usage import Usage\n",
+        "router/core/respond.py": "from fastapi import Request\n",
+        "router/api/app.py": "from splitserve.router.core import pipeline\nfrom splitserve.router.errors import APIError\n",
+        "router/epp/main.py": "import splitserve.router.main\nimport splitserve.router.api.app\n",
+        "router/errors.py": "import math\n",
+        "router/extra.py": "import json\n",
+    }.items():
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text(code)
+    monkeypatch.setattr(layering, "ROOT", tmp_path)
+    monkeypatch.setattr(layering, "FOLDERS", {"router": "splitserve.router"})
+    assert layering.violations() == [
+        "layers: splitserve.router.placement.placer imports splitserve.router.api.errors (splitserve.router.api "
+        "is not below splitserve.router.placement)",
+        "layers: splitserve.router.placement.scorers imports splitserve.router.flow.controller "
+        "(splitserve.router.flow is not below splitserve.router.placement)",
+        "layers: splitserve.router.tenancy.quota imports splitserve.router.core.usage (splitserve.router.core "
+        "is not below splitserve.router.tenancy)",
+        "router layers: splitserve.router.extra is in none of ROUTER_LAYERS",
+        "router core and the layers below it never import FastAPI: splitserve.router.core.respond -> fastapi",
     ]
 
 
