@@ -44,8 +44,8 @@ from gguf.quants import dequantize
 
 from splitserve.platform.config import ModelConfig, RopeScaling
 from splitserve.platform.errors import ConfigError, UnsupportedModelError
+from splitserve.platform.formats.gguf_file import GGUFFile, TensorInfo
 from splitserve.platform.quant.formats import RawQuant
-from splitserve.platform.weights.gguf_file import GGUFFile, TensorInfo
 from splitserve.platform.weights.rope_freqs import llama3_scaling_from_divisors
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "gemma3")

@@ -1,6 +1,6 @@
 """From an OpenAI request to the jobs the dispatcher runs: tokenize, check lengths, map sampling.
 
-Token ids come from the engine's own tokenizer and chat template (platform/tokenizer.py), so
+Token ids come from the engine's own tokenizer and chat template (platform/tokenizer/), so
 the router hashes exactly the ids the workers cache. A completions request may carry several
 prompts; each prompt gets `n` choices, numbered prompt-major as OpenAI does. Choice i of a
 seeded request uses seed + i, so choice 0 equals an n=1 request with the same seed.

@@ -8,7 +8,7 @@
     GET  /version     -> {version}
 
 Both forms use the router's tokenizer, the one the workers and the completions endpoints use
-(platform/tokenizer.py), so the ids are exactly what a completion of the same text would run.
+(platform/tokenizer/), so the ids are exactly what a completion of the same text would run.
 `model` is optional (the served model); when given it must name a served model or adapter (404).
 Detokenizing keeps special tokens, as vLLM's does.
 """

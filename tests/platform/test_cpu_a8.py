@@ -134,7 +134,7 @@ def test_q4_1_blocks_keep_their_exact_scales_and_minimums(smollm2_gguf_path):
     import numpy as np
     from gguf import GGMLQuantizationType as Q
 
-    from splitserve.platform.weights.gguf_file import GGUFFile
+    from splitserve.platform.formats.gguf_file import GGUFFile
 
     file = GGUFFile(smollm2_gguf_path)
     info = file.tensors["blk.3.ffn_down.weight"]

@@ -7,7 +7,7 @@ import pytest
 
 from splitserve.platform.detokenizer import IncrementalDetokenizer
 from splitserve.platform.tokenizer import Tokenizer
-from splitserve.platform.tokenizer_gguf import build_gguf_tokenizer
+from splitserve.platform.tokenizer.gguf_vocab import build_gguf_tokenizer
 
 REPLACEMENT = "\ufffd"
 TEXTS = [

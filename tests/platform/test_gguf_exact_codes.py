@@ -17,12 +17,12 @@ import torch
 from gguf import GGMLQuantizationType as Q
 from test_cpu_a8 import unpack_q4
 
+from splitserve.platform.formats.gguf_file import GGUFFile
 from splitserve.platform.kernels.cpu_ops import cpu_ops
 from splitserve.platform.model_source import resolve_model
 from splitserve.platform.models.layers import _concat_rows
 from splitserve.platform.quant import a8, formats
 from splitserve.platform.quant.kernels import RescoredHead, build_kernel, exact_kernel, top_ids
-from splitserve.platform.weights.gguf_file import GGUFFile
 
 ops = cpu_ops()
 needs_kernels = pytest.mark.skipif(ops is None, reason="no C compiler could build the fused CPU kernels here")

@@ -206,7 +206,7 @@ def test_q4_blocks_are_read_exactly_and_other_types_requantized(smollm2_gguf_pat
     (which int4 cannot hold exactly) is re-quantized and still close."""
     from gguf import GGMLQuantizationType as Q
 
-    from splitserve.platform.weights.gguf_file import GGUFFile
+    from splitserve.platform.formats.gguf_file import GGUFFile
 
     file = GGUFFile(smollm2_gguf_path)
     q4 = file.tensors["blk.0.ffn_up.weight"]

@@ -2,7 +2,7 @@
 
 The router and the engine both load it (the router to hash prompt token ids), so it imports
 only `tokenizers`, `jinja2`, numpy and the stdlib. One `Tokenizer` wraps a
-`tokenizers.Tokenizer` built from a GGUF file's metadata (`tokenizer_gguf`) or loaded from a
+`tokenizers.Tokenizer` built from a GGUF file's metadata (tokenizer/gguf_vocab.py) or loaded from a
 Hugging Face folder's tokenizer.json. Whether `encode` adds BOS/EOS is baked into the wrapped
 tokenizer's post-processor, so `save_tokenizer_json` writes a file that encodes identically.
 
@@ -20,10 +20,11 @@ import os
 from tokenizers import AddedToken, processors
 from tokenizers import Tokenizer as Backend
 
-from splitserve.platform.chat_template import render_chat_template, validate_messages
 from splitserve.platform.errors import ConfigError, InvalidRequestError
+from splitserve.platform.formats.gguf_file import GGUFFile
 from splitserve.platform.model_source import resolve_model
-from splitserve.platform.tokenizer_gguf import build_gguf_tokenizer, read_gguf_metadata
+from splitserve.platform.tokenizer.chat_template import render_chat_template, validate_messages
+from splitserve.platform.tokenizer.gguf_vocab import build_gguf_tokenizer
 
 END_OF_TURN_TOKENS = (
     "<|im_end|>",
@@ -79,8 +80,8 @@ class Tokenizer:
     # ---- loading -------------------------------------------------------------------------
     @classmethod
     def from_gguf(cls, path: str) -> Tokenizer:
-        """The tokenizer a GGUF file's metadata describes (see tokenizer_gguf for the rules)."""
-        metadata = read_gguf_metadata(path)
+        """The tokenizer a GGUF file's metadata describes (see tokenizer/gguf_vocab.py for the rules)."""
+        metadata = GGUFFile(path, with_tensors=False).metadata
         backend = build_gguf_tokenizer(metadata)
         tokens = metadata["tokenizer.ggml.tokens"]
         keys = {"bos": "bos_token_id", "eos": "eos_token_id", "unk": "unknown_token_id", "pad": "padding_token_id"}

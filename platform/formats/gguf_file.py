@@ -21,6 +21,12 @@ intermediate array of the dequantizer and cost ~0.5 s per model).
 
 FLOAT32 scalars are returned as the shortest decimal that rounds to the same float32 (so a
 stored `1e-5` reads back as `1e-05`, not `9.999999747378752e-06`).
+
+This is the one GGUF reader: the weight loader (weights/gguf.py) reads tensors through it, and the
+tokenizer (tokenizer/gguf_vocab.py) reads only the metadata (`with_tensors=False`: the header stops
+before the tensor directory). The metadata path imports neither torch nor the `gguf` package
+(~0.9 s to import), so the router, which loads the tokenizer, stays torch-free and starts fast;
+the tensor directory needs `gguf`'s quantization tables and imports them when it is read.
 """
 
 from __future__ import annotations
@@ -28,18 +34,41 @@ from __future__ import annotations
 import mmap
 import struct
 from dataclasses import dataclass
-from typing import Any
+from enum import IntEnum
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 
 from splitserve.platform.errors import ConfigError, UnsupportedModelError
+
+if TYPE_CHECKING:
+    from gguf import GGMLQuantizationType
 
 GGUF_MAGIC = b"GGUF"
 SUPPORTED_VERSIONS = (2, 3)
 DEFAULT_ALIGNMENT = 32
 
 _U64 = struct.Struct("<Q")
+
+
+class GGUFValueType(IntEnum):
+    """The metadata value types of the GGUF format (the same numbers as gguf-py's enum)."""
+
+    UINT8 = 0
+    INT8 = 1
+    UINT16 = 2
+    INT16 = 3
+    UINT32 = 4
+    INT32 = 5
+    FLOAT32 = 6
+    BOOL = 7
+    STRING = 8
+    ARRAY = 9
+    UINT64 = 10
+    INT64 = 11
+    FLOAT64 = 12
+
+
 _SCALAR_FORMATS = {
     GGUFValueType.UINT8: "<B",
     GGUFValueType.INT8: "<b",
@@ -68,19 +97,22 @@ class TensorInfo:
 
 class GGUFFile:
     """Parses the header on construction; tensor bytes stay on disk until `raw(name)`.
+    `with_tensors=False` reads the metadata alone (`tensors` stays empty).
 
     Owns one read-only memory map of the file; the arrays `raw` returns are views of it, valid
     as long as this object (or the array) lives.
     """
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, *, with_tensors: bool = True) -> None:
         self.path = path
         self._data = _map_file(path)
         self._buf = memoryview(self._data)
         self.metadata: dict[str, Any] = {}
         self.tensors: dict[str, TensorInfo] = {}
         self._pos = 0
-        self._parse()
+        tensor_count = self._parse_metadata()
+        if with_tensors:
+            self._parse_tensors(tensor_count)
 
     def raw(self, name: str) -> np.ndarray:
         """The stored bytes of tensor `name` as uint8 of shape (*numpy_shape[:-1], bytes_per_row)."""
@@ -91,9 +123,12 @@ class GGUFFile:
 
     # -- parsing -------------------------------------------------------------------------
 
-    def _parse(self) -> None:
+    def _parse_metadata(self) -> int:
+        """Reads the header and the metadata; returns the number of tensors in the directory."""
         if bytes(self._buf[:4]) != GGUF_MAGIC:
-            raise ConfigError(f"{self.path} is not a GGUF file (magic {bytes(self._buf[:4])!r}, expected b'GGUF')")
+            raise UnsupportedModelError(
+                f"{self.path} is not a GGUF file (magic {bytes(self._buf[:4])!r}, expected b'GGUF')"
+            )
         self._pos = 4
         version = self._read("<I")
         if version not in SUPPORTED_VERSIONS:
@@ -102,9 +137,18 @@ class GGUFFile:
                 f"allowed versions: {SUPPORTED_VERSIONS}"
             )
         tensor_count, kv_count = self._read("<Q"), self._read("<Q")
-        for _ in range(kv_count):
-            key = self._read_str()
-            self.metadata[key] = self._read_value(GGUFValueType(self._read("<I")))
+        try:
+            for _ in range(kv_count):
+                key = self._read_str()
+                self.metadata[key] = self._read_value(GGUFValueType(self._read("<I")))
+        except (struct.error, ValueError) as exc:  # ValueError: an unknown value type
+            raise UnsupportedModelError(
+                f"{self.path}: corrupt GGUF metadata near byte {self._pos} ({exc!r}); "
+                "re-download or re-convert the file"
+            ) from exc
+        return tensor_count
+
+    def _parse_tensors(self, tensor_count: int) -> None:
         directory = [self._read_tensor_entry() for _ in range(tensor_count)]
         alignment = int(self.metadata.get("general.alignment", DEFAULT_ALIGNMENT))
         data_start = -(-self._pos // alignment) * alignment
@@ -162,6 +206,8 @@ class GGUFFile:
         return out
 
     def _read_tensor_entry(self) -> tuple[str, tuple[int, ...], GGMLQuantizationType | int, int]:
+        from gguf import GGMLQuantizationType
+
         name = self._read_str()
         n_dims = self._read("<I")
         dims = [self._read("<Q") for _ in range(n_dims)]
@@ -184,6 +230,8 @@ def _map_file(path: str) -> np.ndarray:
 
 
 def _num_bytes(shape: tuple[int, ...], tensor_type: GGMLQuantizationType | int) -> int:
+    from gguf import GGML_QUANT_SIZES
+
     if tensor_type not in GGML_QUANT_SIZES:
         return 0  # unknown type: rejected when the tensor is read, not when the file is opened
     block_size, type_size = GGML_QUANT_SIZES[tensor_type]

@@ -1,13 +1,9 @@
-"""A GGUF file's tokenizer metadata, read fast and turned into a `tokenizers.Tokenizer`.
+"""A GGUF file's tokenizer metadata turned into a `tokenizers.Tokenizer`.
 
 A GGUF has no tokenizer.json: llama.cpp stores the vocabulary (`tokenizer.ggml.tokens`), its
-token types, scores, merges and special ids as metadata key/values at the head of the file.
-
-Reading. `gguf.GGUFReader` builds a numpy view per array element and parses every tensor
-header: 3.4 s for SmolLM2's 49152 tokens + 48900 merges. The metadata is a flat sequence of
-(key, type, value) records, so we walk it once over an mmap with `struct` and stop before the
-tensor infos (~0.1 s). Strings are UTF-8 with a u64 length; arrays are (elem type u32, count
-u64, elems); numeric arrays are sliced out whole with numpy.
+token types, scores, merges and special ids as metadata key/values at the head of the file. They
+are read by the one GGUF reader (formats/gguf_file.py, metadata only: ~0.1 s for SmolLM2's 49152
+tokens + 48900 merges, where `gguf.GGUFReader` takes 3.4 s).
 
 Building, mirroring what transformers' GGUF converter does (so ids match it exactly):
 - "gpt2" (byte-level BPE): tokens not spelled in the byte alphabet are respelled byte by byte;
@@ -27,18 +23,11 @@ but kept on decode, as transformers and llama.cpp render them (e.g. `<think>`).
 
 from __future__ import annotations
 
-import mmap
-import struct
-
-import numpy as np
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
 
 from splitserve.platform.errors import UnsupportedModelError
 
 TOKEN_TYPE_CONTROL, TOKEN_TYPE_USER_DEFINED = 3, 4
-_STRING, _ARRAY = 8, 9
-_SCALAR_FORMAT = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
-_NUMPY_DTYPE = {0: "u1", 1: "i1", 2: "u2", 3: "i2", 4: "u4", 5: "i4", 6: "f4", 7: "?", 10: "u8", 11: "i8", 12: "f8"}
 
 _LLAMA3_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
@@ -50,65 +39,6 @@ _QWEN2_SPLIT = (
 )
 _PRE_SPLITS = {name: _LLAMA3_SPLIT for name in ("llama3", "llama-v3", "llama-bpe", "falcon3", "smaug-bpe", "dbrx")}
 _PRE_SPLITS.update({name: _QWEN2_SPLIT for name in ("qwen2", "deepseek-r1-qwen")})
-
-
-def read_gguf_metadata(path: str, prefixes: tuple[str, ...] = ("tokenizer.", "general.")) -> dict:
-    """The metadata values whose keys start with one of `prefixes` (others are skipped unread)."""
-    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
-        if buf[:4] != b"GGUF":
-            raise UnsupportedModelError(f"{path} is not a GGUF file (magic {buf[:4]!r})")
-        endian = "<" if struct.unpack_from("<I", buf, 4)[0] in (2, 3) else ">"
-        version = struct.unpack_from(endian + "I", buf, 4)[0]
-        if version not in (2, 3):
-            raise UnsupportedModelError(f"{path}: GGUF version {version} is not supported (2 and 3 are)")
-        _, num_kv = struct.unpack_from(endian + "QQ", buf, 8)
-        reader, metadata = _Reader(buf, 24, endian), {}
-        try:
-            for _ in range(num_kv):
-                key = reader.string()
-                value = reader.value(reader.scalar(4), keep=key.startswith(prefixes))
-                if key.startswith(prefixes):
-                    metadata[key] = value
-        except (struct.error, KeyError, UnicodeDecodeError) as exc:
-            raise UnsupportedModelError(
-                f"{path}: corrupt GGUF metadata near byte {reader.pos} ({exc!r}); re-download or re-convert the file"
-            ) from exc
-        return metadata
-
-
-class _Reader:
-    """A cursor over the metadata section; `keep=False` skips a value without decoding it."""
-
-    def __init__(self, buf: mmap.mmap, pos: int, endian: str):
-        self.buf, self.pos, self.endian = buf, pos, endian
-
-    def scalar(self, vtype: int):
-        fmt = self.endian + _SCALAR_FORMAT[vtype]
-        (value,) = struct.unpack_from(fmt, self.buf, self.pos)
-        self.pos += struct.calcsize(fmt)
-        return value
-
-    def string(self, keep: bool = True) -> str | None:
-        (size,) = struct.unpack_from(self.endian + "Q", self.buf, self.pos)
-        start, self.pos = self.pos + 8, self.pos + 8 + size
-        return self.buf[start : self.pos].decode("utf-8") if keep else None
-
-    def value(self, vtype: int, keep: bool = True):
-        if vtype == _STRING:
-            return self.string(keep)
-        if vtype != _ARRAY:
-            return self.scalar(vtype)
-        elem_type, count = self.scalar(4), self.scalar(10)
-        if elem_type in _NUMPY_DTYPE:
-            dtype = np.dtype(_NUMPY_DTYPE[elem_type]).newbyteorder(self.endian)
-            start, self.pos = self.pos, self.pos + count * dtype.itemsize
-            # Slicing the mmap copies, so no numpy view pins the mapping open.
-            return np.frombuffer(self.buf[start : self.pos], dtype=dtype).tolist() if keep else None
-        return [self.value(elem_type, keep) for _ in range(count)] if keep else self._skip(elem_type, count)
-
-    def _skip(self, elem_type: int, count: int) -> None:
-        for _ in range(count):
-            self.value(elem_type, keep=False)
 
 
 def build_gguf_tokenizer(metadata: dict) -> Tokenizer:
