@@ -11,14 +11,14 @@ list, collected on its RequestState while its prompt was computed.
 
 from __future__ import annotations
 
-from splitserve.platform.detokenizer import IncrementalDetokenizer
 from splitserve.platform.engine import prompt_logprobs
+from splitserve.platform.engine.detokenizer import IncrementalDetokenizer
 from splitserve.platform.engine.outputs import RequestOutput, TokenLogprob
 from splitserve.platform.engine.request_state import RequestState
+from splitserve.platform.engine.stop import StopStringMatcher
 from splitserve.platform.sched.plan import StepResult
 from splitserve.platform.sched.request import Request, RequestStatus
 from splitserve.platform.sched.scheduler import TokenUpdate
-from splitserve.platform.stop import StopStringMatcher
 
 
 class OutputProcessor:

@@ -14,14 +14,14 @@ from dataclasses import dataclass
 
 import torch
 
-from splitserve.platform.detokenizer import IncrementalDetokenizer
+from splitserve.platform.engine.detokenizer import IncrementalDetokenizer
 from splitserve.platform.engine.kv_handoff import KVExport
 from splitserve.platform.engine.prompt_logprobs import Collected
+from splitserve.platform.engine.stop import StopStringMatcher
 from splitserve.platform.lora.adapter import LoraAdapter
 from splitserve.platform.sampling.sampler import SamplingRow
 from splitserve.platform.sampling.structured import Matcher
 from splitserve.platform.sched.request import Request
-from splitserve.platform.stop import StopStringMatcher
 
 
 @dataclass(eq=False)

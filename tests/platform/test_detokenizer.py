@@ -5,7 +5,7 @@ import random
 
 import pytest
 
-from splitserve.platform.detokenizer import IncrementalDetokenizer
+from splitserve.platform.engine.detokenizer import IncrementalDetokenizer
 from splitserve.platform.tokenizer import Tokenizer
 from splitserve.platform.tokenizer.gguf_vocab import build_gguf_tokenizer
 

@@ -2,8 +2,8 @@
 
 import pytest
 
+from splitserve.platform.engine.stop import StopStringMatcher
 from splitserve.platform.errors import InvalidRequestError
-from splitserve.platform.stop import StopStringMatcher
 
 # (stops, include_stop_str_in_output, deltas, expected (emitted, stopped) per feed, flush, matched)
 CASES = {

@@ -212,8 +212,8 @@ def test_unreadable_gguf_files(tmp_path):
 
 def test_modules_do_not_import_torch():
     code = (
-        "import sys, splitserve.platform.tokenizer, splitserve.platform.detokenizer, "
-        "splitserve.platform.stop; assert 'torch' not in sys.modules, 'torch was imported'"
+        "import sys, splitserve.platform.tokenizer, splitserve.platform.engine.detokenizer, "
+        "splitserve.platform.engine.stop; assert 'torch' not in sys.modules, 'torch was imported'"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
