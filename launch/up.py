@@ -243,7 +243,7 @@ def throwaway_security(directory: str) -> tuple[dict[str, str], list[str]]:
     import os
     import secrets
 
-    from splitserve.platform.grpc_tls import generate_dev_pki
+    from splitserve.platform.wire.grpc_tls import generate_dev_pki
 
     tls = generate_dev_pki(directory)
     secret = os.path.join(directory, "kv-secret")

@@ -6,7 +6,7 @@ Objects (one set per InferenceService, all ECDSA P-256, SHA-256 signatures):
     CA      self-signed, CA_DAYS valid, path length 0; renewed when less than a third of
             its lifetime is left (then every leaf is re-issued by the new CA)
     leaf    one per component, by role. A worker pool's (prefill, decode): SANs `splitserve-worker`
-            (the name every client checks, platform/grpc_tls.py) and the pool's own name; server
+            (the name every client checks, platform/wire/grpc_tls.py) and the pool's own name; server
             and client auth (a decode worker calls prefill workers). The router's: SANs
             `splitserve-router` and its own name, client auth only, so it can neither serve as a
             worker nor call a worker's Prefill (workers check the caller's role, grpc_guard.py);

@@ -165,7 +165,7 @@ class RayServe:
         import secrets
         import tempfile
 
-        from splitserve.platform.grpc_tls import generate_dev_pki
+        from splitserve.platform.wire.grpc_tls import generate_dev_pki
 
         self._security_dir = tempfile.mkdtemp(prefix="splitserve-serve-", dir=config.ray.temp_dir or None)
         tls = generate_dev_pki(self._security_dir)

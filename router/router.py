@@ -14,10 +14,10 @@ import contextlib
 import logging
 import random
 
-from splitserve.platform.grpc_channels import ChannelPool
-from splitserve.platform.grpc_tls import tls_from
 from splitserve.platform.hashing import BlockHasher
 from splitserve.platform.tokenizer import Tokenizer, load_tokenizer
+from splitserve.platform.wire.grpc_channels import ChannelPool
+from splitserve.platform.wire.grpc_tls import tls_from
 from splitserve.router.config import DiscoveryConfig, IndexConfig, RouterConfig
 from splitserve.router.core import readiness
 from splitserve.router.core.dispatch import Dispatcher

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 from ports import free_port
 
-from splitserve.platform.grpc_tls import TlsFiles, aio_channel
+from splitserve.platform.wire.grpc_tls import TlsFiles, aio_channel
 
 CLI = str(pathlib.Path(sys.executable).parent / "splitserve")
 # What `splitserve worker` and `splitserve up` serve by default (their --quantization default):

@@ -33,7 +33,7 @@ class WorkerConfig:
     load_interval_s: float = 0.5
     kv_layer_streaming: bool = True  # send each layer as it is computed (False: after the whole prompt)
     kv_secret_file: str = ""  # the service's KV-transfer secret (transfer/auth.py); "" = no auth
-    tls_cert: str = ""  # mTLS on the gRPC API (platform/grpc_tls.py): all three or none
+    tls_cert: str = ""  # mTLS on the gRPC API (platform/wire/grpc_tls.py): all three or none
     tls_key: str = ""
     tls_ca: str = ""
     tls_check_peer_roles: bool = False  # each RPC only for the caller roles its certificate names (grpc_guard.py)

@@ -30,10 +30,10 @@ import grpc
 from splitserve.platform import tracing
 from splitserve.platform.engine.async_engine import AsyncEngine
 from splitserve.platform.engine.kv_handoff import KVReady
-from splitserve.platform.grpc_channels import ChannelPool
-from splitserve.platform.grpc_tls import TlsFiles
 from splitserve.platform.sampling.params import SamplingParams
 from splitserve.platform.wire import worker_pb2 as pb
+from splitserve.platform.wire.grpc_channels import ChannelPool
+from splitserve.platform.wire.grpc_tls import TlsFiles
 from splitserve.workers import wire
 from splitserve.workers.transfer.base import KVLayout, KVReceiver, TransferError, TransferState
 

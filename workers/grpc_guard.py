@@ -9,7 +9,7 @@ servicer exactly as the generated registration would (same method names, same se
 
 Peer roles (`check_peer_roles`, on behind mutual TLS with per-role certificates): the caller's
 certificate names its role in a SAN, `splitserve-router` or `splitserve-worker`
-(platform/grpc_tls.py). Each method admits the roles that call it: Generate, WatchEvents and the
+(platform/wire/grpc_tls.py). Each method admits the roles that call it: Generate, WatchEvents and the
 LoRA calls the router; Prefill a decode worker; Abort either. Another caller gets
 PERMISSION_DENIED before its request is parsed, so a stolen router certificate cannot pose as a
 decode worker, nor a worker's as the router.

@@ -39,9 +39,9 @@ import torch
 from splitserve.platform.engine.async_engine import AsyncEngine
 from splitserve.platform.engine.kv_handoff import KVReady
 from splitserve.platform.errors import InvalidRequestError
-from splitserve.platform.grpc_channels import ChannelPool
-from splitserve.platform.grpc_tls import TlsFiles
 from splitserve.platform.wire import worker_pb2 as pb
+from splitserve.platform.wire.grpc_channels import ChannelPool
+from splitserve.platform.wire.grpc_tls import TlsFiles
 from splitserve.workers import faults, wire
 from splitserve.workers.prefill import _request_layout
 from splitserve.workers.transfer.base import KVLayout, KVReceiver, KVSender, TransferError, TransferState

@@ -24,10 +24,10 @@ from splitserve.platform import tracing
 from splitserve.platform.cli import add_engine_args, engine_config
 from splitserve.platform.engine.async_engine import AsyncEngine
 from splitserve.platform.engine.llm_engine import LLMEngine
-from splitserve.platform.grpc_tls import server_credentials, tls_from
 from splitserve.platform.kv.cache import bytes_per_block
 from splitserve.platform.sampling.params import SamplingParams
 from splitserve.platform.wire import worker_pb2 as pb
+from splitserve.platform.wire.grpc_tls import server_credentials, tls_from
 from splitserve.workers.config import WorkerConfig
 from splitserve.workers.decode import RemotePrefill
 from splitserve.workers.events import EventHub

@@ -64,7 +64,7 @@ class DiscoveryConfig:
     backoff_max_s: float = 5.0
     stale_after_s: float = 5.0
     tls_cert: str = ""
-    """mTLS to the workers (platform/grpc_tls.py): this router's certificate, key and the CA (all three or none)."""
+    """mTLS to the workers (platform/wire/grpc_tls.py): this router's certificate, key and CA (all three or none)."""
     tls_key: str = ""
     tls_ca: str = ""
     tls_server_name: str = ""

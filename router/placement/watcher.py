@@ -18,8 +18,8 @@ import logging
 
 import grpc
 
-from splitserve.platform.grpc_channels import ChannelPool
 from splitserve.platform.wire import worker_pb2 as pb
+from splitserve.platform.wire.grpc_channels import ChannelPool
 from splitserve.router.config import DiscoveryConfig
 from splitserve.router.placement.index import PrefixIndex
 from splitserve.router.placement.pool import WorkerPool

@@ -30,7 +30,7 @@ from splitserve.operator.reconcile import reconcile
 from splitserve.operator.render import render
 from splitserve.operator.settings import OperatorSettings
 from splitserve.operator.spec import parse_spec
-from splitserve.platform import grpc_tls
+from splitserve.platform.wire import grpc_tls
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 SETTINGS = OperatorSettings()

@@ -91,7 +91,7 @@ class RouterServer:
 
 
 def router_config(workers=(), tls=None, stale_after_s: float = 2.0, **sections) -> RouterConfig:
-    """RouterConfig with static workers; `tls` (platform.grpc_tls.TlsFiles, e.g. workerproc's
+    """RouterConfig with static workers; `tls` (platform.wire.grpc_tls.TlsFiles, e.g. workerproc's
     `security().tls`) for mTLS to real workers; a worker silent for `stale_after_s` is marked
     down (2 s suits FakeWorkers; in front of worker processes use workerproc.ROUTER_STALE_AFTER_S);
     `sections` replace fields, e.g. gateway=GatewayConfig(...)."""

@@ -2,7 +2,7 @@
 
 import asyncio
 
-from splitserve.platform.grpc_channels import ChannelPool
+from splitserve.platform.wire.grpc_channels import ChannelPool
 
 
 def test_one_channel_per_address_and_idle_channels_are_dropped():

@@ -1,4 +1,4 @@
-"""Mutual TLS on a real `splitserve worker` process (platform/grpc_tls.py): a client holding a
+"""Mutual TLS on a real `splitserve worker` process (platform/wire/grpc_tls.py): a client holding a
 certificate from the service's CA is served; one without a certificate, with only the CA, or
 with a certificate from another CA is refused in the handshake, and the worker keeps serving."""
 
@@ -10,9 +10,9 @@ import grpc
 import pytest
 from workerproc import WorkerProc
 
-from splitserve.platform.grpc_tls import TlsFiles, aio_channel, generate_dev_pki
 from splitserve.platform.wire import worker_pb2 as pb
 from splitserve.platform.wire import worker_pb2_grpc as pb_grpc
+from splitserve.platform.wire.grpc_tls import TlsFiles, aio_channel, generate_dev_pki
 
 
 @pytest.fixture(scope="module")

@@ -17,9 +17,9 @@ from workerproc import WorkerProc
 
 from splitserve.operator import pki
 from splitserve.platform.errors import ConfigError
-from splitserve.platform.grpc_tls import TlsFiles, aio_channel
 from splitserve.platform.wire import worker_pb2 as pb
 from splitserve.platform.wire import worker_pb2_grpc as pb_grpc
+from splitserve.platform.wire.grpc_tls import TlsFiles, aio_channel
 from splitserve.workers.config import WorkerConfig
 
 NOW = datetime.datetime.now(datetime.UTC)

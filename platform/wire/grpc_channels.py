@@ -14,8 +14,8 @@ import time
 
 import grpc
 
-from splitserve.platform.grpc_tls import TlsFiles, aio_channel
 from splitserve.platform.wire import worker_pb2_grpc as pb_grpc
+from splitserve.platform.wire.grpc_tls import TlsFiles, aio_channel
 
 
 class ChannelPool:
