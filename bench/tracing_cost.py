@@ -1,4 +1,4 @@
-"""What request tracing costs (platform/tracing.py): off, and on at ratio 1.0.
+"""What request tracing costs (platform/observability/tracing.py): off, and on at ratio 1.0.
 
     python bench/tracing_cost.py [--requests 60] [--write docs/benchmarks.md]
 
@@ -29,7 +29,7 @@ import grpc
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2 as tsvc
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2_grpc as tsvc_grpc
 
-from splitserve.platform import tracing
+from splitserve.platform.observability import tracing
 from splitserve.platform.wire import worker_pb2 as pb
 from splitserve.platform.wire import worker_pb2_grpc as pb_grpc
 

@@ -21,8 +21,8 @@ import re
 import sys
 
 from splitserve.launch.child import Child
-from splitserve.platform import tracing
 from splitserve.platform.config import KV_CACHE_DTYPES, QUANTIZATION_MODES
+from splitserve.platform.observability import tracing
 from splitserve.router import logctx
 from splitserve.router.main import add_router_args, bind, config_from_args, serve, url_host
 

@@ -17,9 +17,9 @@ import argparse
 import sys
 from importlib.metadata import entry_points
 
-from splitserve.platform import logfmt
 from splitserve.platform.config import KV_CACHE_DTYPES
 from splitserve.platform.errors import SplitserveError
+from splitserve.platform.observability import logfmt
 from splitserve.platform.quant import QUANTIZATION_MODES
 
 GiB = 1024**3

@@ -12,7 +12,7 @@ deploy config (the `applications:` document `serve run`/KubeRay's `serveConfigV2
     decode:   {min_replicas: 1, max_replicas: 4, target_queue_depth: 8, ray_actor_options: {num_gpus: 1}}
     autoscaling: {look_back_period_s: 10, upscale_delay_s: 5, downscale_delay_s: 60, metrics_interval_s: 1}
     security: {tls_cert, tls_key, tls_ca, kv_secret_file, insecure: false}   # local: throwaway if empty
-    otlp_traces_endpoint: ""          # OTLP gRPC collector for request traces (platform/tracing.py); "": off
+    otlp_traces_endpoint: ""          # OTLP gRPC collector for request traces (observability/tracing.py); "": off
     otlp_traces_sample_ratio: 1.0     # for requests without a sampled traceparent
 
 Three Serve applications come out of `render()`, wired only by names and import paths (so the
@@ -217,7 +217,7 @@ class RayServeConfig:
 
     def tracing(self, role: str):
         """The TracingConfig of a replica of `role` (the OTEL_* variables of its process apply under it)."""
-        from splitserve.platform import tracing
+        from splitserve.platform.observability import tracing
 
         return tracing.config_from(role, self.otlp_traces_endpoint or None, self.otlp_traces_sample_ratio)
 

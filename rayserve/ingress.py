@@ -23,7 +23,7 @@ from splitserve.router.config.file import from_dict
 @serve.ingress()
 class Gateway:
     def __init__(self, router: dict, registry, tracing_args: dict | None = None):
-        from splitserve.platform import tracing
+        from splitserve.platform.observability import tracing
         from splitserve.router import logctx
         from splitserve.router.router import Router
 

@@ -50,12 +50,12 @@ class WorkerReplica:
         """`host`: the address to bind and advertise; "" binds all interfaces and advertises the
         replica's Ray node IP (what other nodes of the cluster reach). `security`: the worker's
         tls_cert/tls_key/tls_ca/kv_secret_file (rayserve/config.py SecuritySettings; {}: none).
-        `tracing_args`: {"endpoint", "sample_ratio"} of the replica's span export (platform/tracing.py)."""
+        `tracing_args`: {"endpoint", "sample_ratio"} of its span export (platform/observability/tracing.py)."""
         import ray
 
-        from splitserve.platform import tracing
         from splitserve.platform.config import CacheConfig, DeviceConfig, EngineConfig, SchedulerConfig
         from splitserve.platform.engine.llm_engine import LLMEngine
+        from splitserve.platform.observability import tracing
         from splitserve.workers.main import Worker, trace_role
 
         advertise = "" if host else ray.util.get_node_ip_address()

@@ -16,8 +16,8 @@ import socket
 import uvicorn
 from prometheus_client import start_http_server
 
-from splitserve.platform import tracing
 from splitserve.platform.errors import ConfigError
+from splitserve.platform.observability import tracing
 from splitserve.router import logctx
 from splitserve.router.config import RouterConfig
 from splitserve.router.config.file import load_config

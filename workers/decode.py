@@ -27,9 +27,9 @@ import uuid
 
 import grpc
 
-from splitserve.platform import tracing
 from splitserve.platform.engine.async_engine import AsyncEngine
 from splitserve.platform.engine.kv_handoff import KVReady
+from splitserve.platform.observability import tracing
 from splitserve.platform.sampling.params import SamplingParams
 from splitserve.platform.wire import worker_pb2 as pb
 from splitserve.platform.wire.grpc_channels import ChannelPool

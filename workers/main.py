@@ -20,11 +20,11 @@ import uuid
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from splitserve.platform import tracing
 from splitserve.platform.cli import add_engine_args, engine_config
 from splitserve.platform.engine.async_engine import AsyncEngine
 from splitserve.platform.engine.llm_engine import LLMEngine
 from splitserve.platform.kv.cache import bytes_per_block
+from splitserve.platform.observability import tracing
 from splitserve.platform.sampling.params import SamplingParams
 from splitserve.platform.wire import worker_pb2 as pb
 from splitserve.platform.wire.grpc_tls import server_credentials, tls_from

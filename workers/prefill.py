@@ -24,10 +24,10 @@ import dataclasses
 import logging
 import time
 
-from splitserve.platform import tracing
 from splitserve.platform.engine.async_engine import AsyncEngine
 from splitserve.platform.engine.kv_handoff import KVExport
 from splitserve.platform.errors import InvalidRequestError
+from splitserve.platform.observability import tracing
 from splitserve.platform.wire import worker_pb2 as pb
 from splitserve.workers import faults, wire
 from splitserve.workers.transfer.base import KVLayout, KVSender, LayoutMismatchError

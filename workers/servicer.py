@@ -24,11 +24,11 @@ import time
 
 import grpc
 
-from splitserve.platform import tracing
 from splitserve.platform.engine.async_engine import AsyncEngine
 from splitserve.platform.errors import InvalidRequestError
 from splitserve.platform.lora.adapter import AdapterFolderNotFoundError
 from splitserve.platform.lora.registry import AdapterNotFoundError
+from splitserve.platform.observability import tracing
 from splitserve.platform.wire import worker_pb2 as pb
 from splitserve.platform.wire import worker_pb2_grpc as pb_grpc
 from splitserve.platform.wire.disaggregation import mode_name

@@ -12,7 +12,7 @@ import time
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from splitserve.platform import tracing
+from splitserve.platform.observability import tracing
 from splitserve.router import logctx
 from splitserve.router.errors import error_body
 

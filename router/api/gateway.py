@@ -24,7 +24,7 @@ from collections.abc import Callable
 from fastapi import Request
 from fastapi.responses import Response
 
-from splitserve.platform import tracing
+from splitserve.platform.observability import tracing
 from splitserve.router import logctx
 from splitserve.router.api.formatting import Formatter, TokenText, sse
 from splitserve.router.api.prompts import num_choices, prepare_chat, prepare_completion

@@ -33,8 +33,8 @@ import logging
 import time
 from collections.abc import AsyncIterator
 
-from splitserve.platform import tracing
 from splitserve.platform.hashing import BlockHasher, lora_extra_keys
+from splitserve.platform.observability import tracing
 from splitserve.platform.tokenizer import Tokenizer
 from splitserve.router.core import readiness
 from splitserve.router.core.job import Chunk, Job, Progress, WorkerLost

@@ -31,7 +31,7 @@ import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from typing import NamedTuple
 
-from splitserve.platform import tracing
+from splitserve.platform.observability import tracing
 from splitserve.router.config import ApiKey
 from splitserve.router.core.choices import ChoiceState, count_usage
 from splitserve.router.core.dispatch import Dispatcher

@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-from splitserve.platform import tracing
+from splitserve.platform.observability import tracing
 from splitserve.platform.tokenizer import Tokenizer
 from splitserve.platform.wire import worker_pb2 as pb
 from splitserve.router import logctx

@@ -34,7 +34,7 @@ from envoy.type.v3 import http_status_pb2
 from google.protobuf import struct_pb2
 from prometheus_client import Counter, Histogram
 
-from splitserve.platform import tracing
+from splitserve.platform.observability import tracing
 from splitserve.router.epp.picker import Pick, Picker
 from splitserve.router.errors import APIError
 

@@ -23,7 +23,7 @@ from fastapi.responses import JSONResponse, Response
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from splitserve.platform import tracing
+from splitserve.platform.observability import tracing
 from splitserve.router import logctx
 from splitserve.router.config.file import load_config
 from splitserve.router.core import readiness

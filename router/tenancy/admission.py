@@ -25,7 +25,7 @@ import asyncio
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from splitserve.platform.tracing import NOOP
+from splitserve.platform.observability.tracing import NOOP
 from splitserve.router.config import ApiKey
 from splitserve.router.errors import APIError
 from splitserve.router.tenancy.concurrency import Concurrency

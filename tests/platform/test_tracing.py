@@ -1,4 +1,4 @@
-"""platform/tracing.py and platform/logfmt.py: spans exported over real OTLP gRPC to a receiver
+"""platform/observability/tracing.py and platform/observability/logfmt.py: spans exported over real OTLP gRPC to a receiver
 (opentelemetry-proto's TraceService, tests/otlp_receiver.py), W3C propagation, parent-based
 sampling, no cost when off, and log lines that carry the trace ids."""
 
@@ -13,8 +13,8 @@ import time
 import pytest
 from otlp_receiver import OtlpReceiver
 
-from splitserve.platform import logfmt, tracing
 from splitserve.platform.errors import ConfigError
+from splitserve.platform.observability import logfmt, tracing
 
 CLIENT_TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
 CLIENT_SPAN = "00f067aa0ba902b7"
@@ -36,7 +36,7 @@ def tracer_to(receiver, role="router", ratio=1.0):
 
 def test_off_imports_no_opentelemetry_and_spans_are_noop():
     code = (
-        "import sys; from splitserve.platform import tracing as t; "
+        "import sys; from splitserve.platform.observability import tracing as t; "
         "tr = t.configure(t.config_from('router', env={})); s = tr.start('x', {'traceparent': 'junk'}); "
         "c = {}; s.inject(c); s.child('y').end(); "
         "print(tr.enabled, s is t.NOOP, c, sorted(m for m in sys.modules if m.startswith('opentelemetry')))"

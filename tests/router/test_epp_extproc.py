@@ -209,7 +209,7 @@ def test_the_pick_is_a_span_of_the_clients_trace_and_its_context_travels_on(epp)
     a real receiver), and the request goes on to the sidecar carrying the pick's context."""
     from otlp_receiver import OtlpReceiver
 
-    from splitserve.platform import tracing
+    from splitserve.platform.observability import tracing
 
     client_trace, client_span = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
     with OtlpReceiver() as receiver:

@@ -14,7 +14,7 @@ from prometheus_client import CollectorRegistry, Counter
 from test_flow_units import Clock, Worker
 from test_router_pipeline import ScriptedDispatcher, chunk, prepared
 
-from splitserve.platform import tracing
+from splitserve.platform.observability import tracing
 from splitserve.router.config import ApiKey
 from splitserve.router.config.flow import FlowControlConfig
 from splitserve.router.core.pipeline import Origin, Pipeline

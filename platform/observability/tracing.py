@@ -18,7 +18,7 @@ Off costs nothing: `configure()` imports no OpenTelemetry module, and every span
 `NOOP` object whose methods do nothing. The callers hold spans explicitly (a child is made from
 its parent), so nothing depends on a global context that an async generator could lose across
 `yield`; `enter(span)` makes a span the running task's (and the tasks it starts): `current()`
-returns it, and its ids go on the task's log lines (platform/logfmt.py); `Span.activate()` does
+returns it, and its ids go on the task's log lines (observability/logfmt.py); `Span.activate()` does
 the latter alone. Times are `time.monotonic()` seconds, as everywhere else in splitserve,
 converted to wall-clock nanoseconds here.
 

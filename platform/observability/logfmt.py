@@ -1,7 +1,7 @@
 """Log lines that correlate with traces, as text or as JSON.
 
 `setup(level, fmt)` configures the root logger on stderr. Every record gets `trace_id` and
-`span_id`: those of the span the running task activated (platform/tracing.py, `Span.activate`),
+`span_id`: those of the span the running task activated (observability/tracing.py, `Span.activate`),
 empty outside a traced request. Text lines append ` trace_id=… span_id=…` when there are ids;
 `fmt="json"` (`--log-format json` or SPLITSERVE_LOG_FORMAT=json) writes one JSON object per
 line with `time`, `level`, `logger`, `message`, the ids, `request_id` where the gateway set one,
@@ -16,7 +16,7 @@ import os
 import sys
 import time
 
-from splitserve.platform import tracing
+from splitserve.platform.observability import tracing
 
 FORMATS = ("text", "json")
 TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s%(trace_suffix)s"
