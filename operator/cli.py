@@ -81,7 +81,7 @@ def run(args: argparse.Namespace) -> int:
     kopf.run(
         registry=registry,
         standalone=True,
-        clusterwide=not args.namespace,
+        clusterwide=args.all_namespaces or not args.namespace,  # -A, or no namespace named (the same scope)
         namespaces=args.namespace,
         liveness_endpoint=args.liveness,
     )
