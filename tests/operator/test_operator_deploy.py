@@ -177,7 +177,8 @@ def test_dashboard_queries_parse_and_read_documented_metrics(dashboard):
 
 
 def test_dashboard_pool_regex_matches_rendered_pod_names(dashboard):
-    from splitserve.operator.endpoints import pods_of
+    from k8s_controllers import pods_of
+
     from splitserve.operator.render import render
     from splitserve.operator.spec import parse_spec
 

@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import pytest
 import yaml
+from k8s_controllers import endpoint_slice, pods_of
 from opkit_schemas import validate_manifest
 
 from splitserve.operator import constants as C
-from splitserve.operator.endpoints import endpoint_slice, pods_of
 from splitserve.operator.render import render
 from splitserve.operator.spec import parse_spec
 from splitserve.router.config.file import from_dict

@@ -11,11 +11,11 @@ import re
 import promql_parser
 import pytest
 import yaml
+from k8s_controllers import pods_of
 from opkit_schemas import admit, validate_manifest
 
 from splitserve.operator import constants as C
 from splitserve.operator.context import Context
-from splitserve.operator.endpoints import pods_of
 from splitserve.operator.render import render
 from splitserve.operator.render_services import config_hash
 from splitserve.operator.settings import AutoscalingDefaults, OperatorSettings
