@@ -66,9 +66,6 @@ class FlowController:
     def num_queued(self) -> int:
         return sum(band.num_queued for band in self.bands.values())
 
-    def num_queued_in(self, band: int) -> int:
-        return self.bands[band].num_queued if band in self.bands else 0
-
     # -- the request's side ---------------------------------------------------------------------
     def try_acquire(self, item: FlowItem) -> bool:
         """Dispatch `item` at once if nothing of its band or above waits and there is room (the
@@ -118,10 +115,6 @@ class FlowController:
         self.bands[item.band].settle(item, used_tokens)
         self.num_dispatched -= 1
         assert self.num_dispatched >= 0
-        self._dispatch_all()
-
-    def kick(self) -> None:
-        """Capacity may have changed (a load report, a worker joined): dispatch what now fits."""
         self._dispatch_all()
 
     # -- rules ----------------------------------------------------------------------------------
