@@ -189,7 +189,6 @@ def transformers_greedy(cfg, tensors: dict, prompts, lengths, device: str) -> li
         rope_theta=cfg.rope_theta,
         max_position_embeddings=cfg.max_position_embeddings,
         tie_word_embeddings=cfg.tie_word_embeddings,
-        bos_token_id=cfg.bos_token_id,
         eos_token_id=None,
         pad_token_id=0,
     )

@@ -405,7 +405,6 @@ def measure_hf(cfg: ModelConfig, sizes: Sizes, device: torch.device, rng: random
         rope_theta=cfg.rope_theta,
         max_position_embeddings=cfg.max_position_embeddings,
         tie_word_embeddings=cfg.tie_word_embeddings,
-        bos_token_id=cfg.bos_token_id,
         eos_token_id=None,
     )
     # rope scaling is left out: it changes the frequencies, not the cost

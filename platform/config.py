@@ -60,7 +60,6 @@ class ModelConfig:
     max_position_embeddings: int = 2048
     tie_word_embeddings: bool = False
     attention_bias: bool = False  # Qwen2 has q/k/v biases
-    bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     # Sliding-window attention: a "sliding_attention" layer's query at position p sees keys
     # p - sliding_window < j <= p (the transformers convention); `layer_types` has one entry per

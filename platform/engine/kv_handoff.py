@@ -42,7 +42,3 @@ class KVReady:
     @property
     def start_block(self) -> int:
         return self.num_cached_tokens // self.block_size
-
-    @property
-    def num_blocks_to_receive(self) -> int:
-        return len(self.block_ids) - self.start_block

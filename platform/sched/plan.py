@@ -47,10 +47,6 @@ class SchedulerPlan:
     preempted_req_ids: tuple[str, ...] = ()
 
     @property
-    def num_batched_tokens(self) -> int:
-        return sum(s.num_tokens for s in self.seqs)
-
-    @property
     def is_empty(self) -> bool:
         return not self.seqs
 

@@ -133,7 +133,6 @@ def config_from_gguf(file: GGUFFile, model_id: str) -> ModelConfig:
         max_position_embeddings=key("context_length"),
         tie_word_embeddings="output.weight" not in file.tensors,
         attention_bias=arch == "qwen2",
-        bos_token_id=file.metadata.get("tokenizer.ggml.bos_token_id"),
         eos_token_ids=tuple(dict.fromkeys(eog)),
         **(_gemma3_options(file, key("block_count")) if arch == "gemma3" else {}),
     )

@@ -76,7 +76,6 @@ def load_hf_config(folder: str, model_id: str) -> ModelConfig:
         max_position_embeddings=raw.get("max_position_embeddings", 2048),
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
         attention_bias=model_type == "qwen2",
-        bos_token_id=raw.get("bos_token_id"),
         eos_token_ids=_eos_token_ids(folder, raw),
         **_windows(raw),
         **_family_options(raw),

@@ -26,7 +26,6 @@ _TINY = dict(
     rope_theta=10000.0,
     max_position_embeddings=2048,
     tie_word_embeddings=False,
-    bos_token_id=1,
     eos_token_ids=(2,),
 )
 
@@ -44,7 +43,6 @@ PRESETS: dict[str, dict[str, Any]] = {
         rope_theta=10000.0,
         max_position_embeddings=2048,
         tie_word_embeddings=True,
-        bos_token_id=1,
         eos_token_ids=(2,),
     ),
     # Untied, unlike `tiny`, so the random presets cover both lm_head paths.
@@ -62,7 +60,6 @@ PRESETS: dict[str, dict[str, Any]] = {
         max_position_embeddings=2048,
         tie_word_embeddings=False,
         attention_bias=True,
-        bos_token_id=1,
         eos_token_ids=(2,),
     ),
     "smollm2-135m": dict(
@@ -78,7 +75,6 @@ PRESETS: dict[str, dict[str, Any]] = {
         rope_theta=100000.0,
         max_position_embeddings=8192,
         tie_word_embeddings=True,
-        bos_token_id=1,
         eos_token_ids=(2,),
     ),
     "llama-3.2-1b": dict(
@@ -101,7 +97,6 @@ PRESETS: dict[str, dict[str, Any]] = {
         ),
         max_position_embeddings=131072,
         tie_word_embeddings=True,
-        bos_token_id=128000,
         eos_token_ids=_LLAMA3_EOS,
     ),
     "llama-3-8b": dict(
@@ -124,7 +119,6 @@ PRESETS: dict[str, dict[str, Any]] = {
         ),
         max_position_embeddings=131072,
         tie_word_embeddings=False,
-        bos_token_id=128000,
         eos_token_ids=_LLAMA3_EOS,
     ),
     "qwen2-0.5b": dict(
@@ -141,7 +135,6 @@ PRESETS: dict[str, dict[str, Any]] = {
         max_position_embeddings=32768,
         tie_word_embeddings=True,
         attention_bias=True,
-        bos_token_id=151643,
         eos_token_ids=(151645, 151643),
     ),  # <|im_end|>, <|endoftext|>
     "tiny-qwen3": dict(_TINY, architecture="qwen3", qk_norm=True),
@@ -186,7 +179,6 @@ PRESETS: dict[str, dict[str, Any]] = {
         layer_types=tuple("full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(18)),
         query_pre_attn_scalar=256.0,
         rope_local_theta=10000.0,
-        bos_token_id=2,
         eos_token_ids=(1,),
     ),
     "tiny-mixtral": dict(
@@ -214,7 +206,6 @@ PRESETS: dict[str, dict[str, Any]] = {
         num_experts_per_tok=2,
         moe_intermediate_size=14336,
         norm_topk_prob=True,
-        bos_token_id=1,
         eos_token_ids=(2,),
     ),
     "qwen3-0.6b": dict(
@@ -231,7 +222,6 @@ PRESETS: dict[str, dict[str, Any]] = {
         max_position_embeddings=40960,
         tie_word_embeddings=True,
         qk_norm=True,
-        bos_token_id=151643,
         eos_token_ids=_QWEN3_EOS,
     ),
     "mistral-7b": dict(  # Mistral-7B-v0.1: a 4096-token window on every layer, 32k context
@@ -249,7 +239,6 @@ PRESETS: dict[str, dict[str, Any]] = {
         tie_word_embeddings=False,
         sliding_window=4096,
         layer_types=("sliding_attention",) * 32,
-        bos_token_id=1,
         eos_token_ids=(2,),
     ),
     "phi-3-mini": dict(  # Phi-3-mini-4k-instruct
@@ -267,7 +256,6 @@ PRESETS: dict[str, dict[str, Any]] = {
         tie_word_embeddings=False,
         sliding_window=2047,
         layer_types=("sliding_attention",) * 32,
-        bos_token_id=1,
         eos_token_ids=(32000,),
     ),
     "qwen3-30b-a3b": dict(  # 128 experts, 8 per token
@@ -288,7 +276,6 @@ PRESETS: dict[str, dict[str, Any]] = {
         num_experts_per_tok=8,
         moe_intermediate_size=768,
         norm_topk_prob=True,
-        bos_token_id=151643,
         eos_token_ids=_QWEN3_EOS,
     ),
 }

@@ -173,7 +173,6 @@ def test_smollm2_config(smollm2_gguf_path):
         max_position_embeddings=8192,
         tie_word_embeddings=True,
         attention_bias=False,
-        bos_token_id=1,
         eos_token_ids=(2,),
     )
 
@@ -401,7 +400,6 @@ def test_hf_llama_folder_with_llama3_rope(tmp_path):
         max_position_embeddings=512,
         tie_word_embeddings=False,
         attention_bias=False,
-        bos_token_id=1,
         eos_token_ids=(2,),
     )
     assert_same_tensors(loaded, state, tied=False)
@@ -506,7 +504,6 @@ def test_random_llama3_8b_config_and_shapes_without_materialising():
         rope_scaling=RopeScaling("llama3", 8.0, 1.0, 4.0, 8192),
         max_position_embeddings=131072,
         tie_word_embeddings=False,
-        bos_token_id=128000,
         eos_token_ids=(128001, 128008, 128009),
     )
     shapes = expected_weight_shapes(config)
