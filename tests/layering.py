@@ -283,3 +283,37 @@ def import_cycles(graph: dict[str, set[str]], package: str) -> list[list[str]]:
                 if len(component) > 1 or node in edges[node]:
                     cycles.append(sorted(component))
     return cycles
+
+
+# Shipped modules that nothing imports by design: run with `python -m` (proto/README.md).
+PYTHON_M_TOOLS = {"splitserve.platform.wire.generate"}
+
+
+def entry_point_modules(pyproject: dict) -> set[str]:
+    """The modules pyproject's console scripts and entry points name (`module:function`)."""
+    project = pyproject["project"]
+    targets = [*project.get("scripts", {}).values()]
+    for group in project.get("entry-points", {}).values():
+        targets += group.values()
+    return {target.split(":")[0] for target in targets}
+
+
+def named_modules(path: pathlib.Path) -> set[str]:
+    """Modules a file names in a string, as an import path does (Ray Serve's "pkg.module:attr")."""
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value.startswith("splitserve."):
+            name = node.value.split(":")[0]
+            if name.replace(".", "").replace("_", "").isalnum():
+                out.add(name)
+    return out
+
+
+def unimported_modules(roots: set[str]) -> list[str]:
+    """Shipped modules (packages' __init__ aside) that no other shipped module imports or names,
+    and that are not in `roots` (entry points, `python -m` tools): code only tests reach."""
+    mods = module_files()
+    reached = set(roots)
+    for name, path in mods.items():
+        reached |= {i for i in direct_imports(name, path) | named_modules(path) if i != name}
+    return sorted(m for m, p in mods.items() if p.name != "__init__.py" and m not in reached)

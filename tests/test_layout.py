@@ -133,6 +133,43 @@ def test_layering_checker_keeps_the_router_folders_in_order(tmp_path, monkeypatc
     ]
 
 
+def test_every_shipped_module_is_used_outside_the_tests():
+    """A module that only tests import is dead weight in the wheel: delete it or move it under tests/."""
+    import tomllib
+
+    import layering
+
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    roots = layering.entry_point_modules(pyproject) | layering.PYTHON_M_TOOLS
+    assert layering.unimported_modules(roots) == []
+
+
+def test_unused_module_finder_sees_imports_import_paths_and_entry_points(tmp_path, monkeypatch):
+    import layering
+
+    for rel, code in {
+        "platform/a.py": "from splitserve.platform import b\n",
+        "platform/b.py": "import json\n",
+        "platform/dead.py": "import splitserve.platform.dead\n",  # importing itself does not count
+        "platform/sub/__init__.py": "",
+        "platform/sub/served.py": "x = 1\n",
+        "platform/sub/cli.py": "APP = 'splitserve.platform.sub.served:build'\n",
+    }.items():
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text(code)
+    monkeypatch.setattr(layering, "ROOT", tmp_path)
+    monkeypatch.setattr(layering, "FOLDERS", {"platform": "splitserve.platform"})
+    pyproject = {"project": {"entry-points": {"splitserve.commands": {"x": "splitserve.platform.sub.cli:register"}}}}
+    roots = layering.entry_point_modules(pyproject)
+    assert layering.unimported_modules(roots) == ["splitserve.platform.a", "splitserve.platform.dead"]
+
+
+def test_platform_root_keeps_at_most_six_modules():
+    """platform/'s root holds what every layer shares; the rest lives in a subpackage named for its job."""
+    root = sorted(p.name for p in (ROOT / "platform").glob("*.py"))
+    assert len(root) <= 6, root
+
+
 # Packages whose modules import one another without a circle (TYPE_CHECKING imports included). Not yet
 # workers/: workers/transfer/__init__.py re-exports its submodules, which import the package back.
 ACYCLIC = [
