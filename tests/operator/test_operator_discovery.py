@@ -1,5 +1,5 @@
 """The discovery contract between the rendered Services and the router: the EndpointSlices
-Kubernetes makes for the pool Services (modelled by operator/endpoints.py) carry the label the
+Kubernetes makes for the pool Services (modelled by k8s_controllers.py) carry the label the
 router config selects on and a port named as the config says, so a router that reads only its
 router.yaml finds exactly the workers of each pool at their gRPC port."""
 
