@@ -97,6 +97,7 @@ CONTRACTS = [
             "splitserve.platform.tokenizer",
             "splitserve.platform.config",
             "splitserve.platform.model_source",
+            "splitserve.platform.formats",
             "splitserve.platform.engine.detokenizer",
             "splitserve.platform.engine.stop",
             "splitserve.platform.observability.tracing",
