@@ -21,7 +21,7 @@ import grpc
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from prometheus_client import CONTENT_TYPE_LATEST
+from prometheus_client import CONTENT_TYPE_LATEST, Gauge
 
 from splitserve.platform import tracing
 from splitserve.router import logctx
@@ -31,6 +31,7 @@ from splitserve.router.core import readiness
 from splitserve.router.epp.endpoints import EndpointMap
 from splitserve.router.epp.extproc import ExternalProcessor, Metrics, add_to_server
 from splitserve.router.epp.picker import Picker
+from splitserve.router.epp.probes import EndpointProbe
 from splitserve.router.main import bind, uvicorn_server
 
 log = logging.getLogger("splitserve.epp")
@@ -62,7 +63,11 @@ def register(subparsers) -> None:
         help="the sidecars listen on this port of their worker's host (the InferencePool's targetPort)",
     )
     p.add_argument("--redis-url", default=None, help="share the prefix index with other EPP or router replicas")
-    p.add_argument("--host", default="0.0.0.0", help="listen address of both ports (default 0.0.0.0)")
+    p.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="listen address of both ports (default 127.0.0.1; in a pod: 0.0.0.0 behind a NetworkPolicy)",
+    )
     p.add_argument("--grpc-port", type=int, default=9002, help="ext_proc + gRPC health port (default 9002)")
     p.add_argument("--health-port", type=int, default=9003, help="HTTP /health, /ready, /metrics (default 9003)")
     p.add_argument("--tls-cert", default=None, help="mTLS to the workers: this EPP's certificate (PEM)")
@@ -70,6 +75,11 @@ def register(subparsers) -> None:
     p.add_argument("--tls-ca", default=None, help="mTLS to the workers: the CA of the workers' certificates")
     p.add_argument("--serve-tls-cert", default=None, help="serve ext_proc over TLS with this certificate (PEM)")
     p.add_argument("--serve-tls-key", default=None, help="... and this private key (PEM)")
+    p.add_argument(
+        "--serve-tls-client-ca",
+        default=None,
+        help="... and admit only gateways whose client certificate this CA signed (mTLS)",
+    )
     tracing.add_tracing_args(p)
     p.set_defaults(func=cmd_epp)
 
@@ -103,6 +113,8 @@ def cmd_epp(args) -> int:
         )
     if bool(args.serve_tls_cert) != bool(args.serve_tls_key):
         raise ConfigError("--serve-tls-cert and --serve-tls-key go together; allowed: both or neither")
+    if args.serve_tls_client_ca and not args.serve_tls_cert:
+        raise ConfigError("--serve-tls-client-ca needs --serve-tls-cert and --serve-tls-key (mTLS is TLS first)")
     config = config_from_args(args)
     health_sock = bind(args.host, args.health_port)
     asyncio.run(
@@ -112,7 +124,7 @@ def cmd_epp(args) -> int:
             args.host,
             args.grpc_port,
             health_sock,
-            (args.serve_tls_cert, args.serve_tls_key) if args.serve_tls_cert else None,
+            (args.serve_tls_cert, args.serve_tls_key, args.serve_tls_client_ca) if args.serve_tls_cert else None,
         )
     )
     return 0
@@ -124,13 +136,24 @@ async def serve(config, endpoints: EndpointMap, host: str, grpc_port: int, healt
 
     router = Router(config)
     metrics = Metrics(router.metrics.registry)
-    server = grpc.aio.server()
-    add_to_server(server, ExternalProcessor(Picker(router, endpoints), metrics))
+    # Envoy buffers a whole body (up to the gateway's max_body_bytes) into one message.
+    size = config.gateway.max_body_bytes + (1 << 16)
+    server = grpc.aio.server(options=[("grpc.max_receive_message_length", size)])
+    picker = Picker(router, endpoints)
+    ready = Gauge(
+        "splitserve_epp_endpoint_ready",
+        "1 while the endpoint (a decode pod's sidecar) answers /ready, 0 while it does not",
+        ["endpoint"],
+        registry=router.metrics.registry,
+    )
+    picker.probe = probe = EndpointProbe(picker.all_endpoints, gauge=ready)
+    add_to_server(server, ExternalProcessor(picker, metrics))
     status = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(status, server)
     address = f"{host}:{grpc_port}"
     port = server.add_secure_port(address, _server_credentials(*tls)) if tls else server.add_insecure_port(address)
     await router.start()
+    probe.start()
     await server.start()
     print(
         f"splitserve epp: ext_proc on {host}:{port}, health on http://{host}:{health_sock.getsockname()[1]}/ready",
@@ -143,6 +166,7 @@ async def serve(config, endpoints: EndpointMap, host: str, grpc_port: int, healt
     finally:
         watch.cancel()
         await server.stop(5)
+        await probe.stop()
         await router.stop()
 
 
@@ -181,7 +205,12 @@ def health_app(router) -> FastAPI:
     return app
 
 
-def _server_credentials(cert: str, key: str) -> grpc.ServerCredentials:
-    """TLS for the gateway's ext_proc calls (server authentication, as GIE gateways expect)."""
+def _server_credentials(cert: str, key: str, client_ca: str | None = None) -> grpc.ServerCredentials:
+    """TLS for the gateway's ext_proc calls; with `client_ca`, mutual: a caller without a client
+    certificate that CA signed is refused in the handshake, before any message is read."""
     with open(key, "rb") as k, open(cert, "rb") as c:
-        return grpc.ssl_server_credentials([(k.read(), c.read())])
+        pair = [(k.read(), c.read())]
+    if client_ca is None:
+        return grpc.ssl_server_credentials(pair)
+    with open(client_ca, "rb") as ca:
+        return grpc.ssl_server_credentials(pair, root_certificates=ca.read(), require_client_auth=True)
