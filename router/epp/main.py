@@ -167,6 +167,7 @@ async def serve(config, endpoints: EndpointMap, host: str, grpc_port: int, healt
         watch.cancel()
         await server.stop(5)
         await probe.stop()
+        picker.close()
         await router.stop()
 
 

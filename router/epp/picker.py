@@ -8,11 +8,12 @@ This is the only module of the EPP that touches the router's internals (Router, 
 prompt rendering), so a change of their layout changes its imports and nothing else.
 
 Bounded work, whoever sent the body. Before anything is parsed, a body over the gateway's
-`max_body_bytes` is a 413. The body is parsed off the event loop, one at a time (PARSE_SLOTS), so
-the EPP's health and other picks keep flowing while a large body is read. A body that is not
-JSON (also one nested too deep to parse), not an OpenAI request, or over the gateway's caps
-(prompts x n over `max_choices_per_request`, the placed prompt over `max_prompt_tokens_per_request`
-or the context) is a 400 in OpenAI's error JSON, as the gateway would answer it. Only the first
+`max_body_bytes` is a 413. The body is parsed off the event loop, one at a time, a large one in a
+child process (bodies.py), so the EPP's health and other picks keep flowing while it is read. A
+body that is not JSON (also one nested too deep to parse), not an OpenAI request, or over the
+gateway's caps (prompts x n over `max_choices_per_request`, the placed prompt over
+`max_prompt_tokens_per_request` or the context) is a 400 in OpenAI's error JSON, as the gateway
+would answer it. Only the first
 prompt is tokenized: placement hashes one prompt, and the sidecar (the gateway's own pipeline)
 tokenizes and checks every prompt of the request again.
 
@@ -26,7 +27,6 @@ goes to them, in that order.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 from dataclasses import dataclass, field
@@ -36,6 +36,7 @@ from pydantic import ValidationError
 from splitserve.router.api.errors import APIError, NoWorkerError, bad_request
 from splitserve.router.api.prompts import prepare_chat, prepare_completion
 from splitserve.router.api.schemas import ChatCompletionRequest, CompletionRequest
+from splitserve.router.epp.bodies import BodyReader, Refusal
 from splitserve.router.epp.endpoints import EndpointMap
 from splitserve.router.epp.probes import EndpointProbe
 from splitserve.router.placement.placer import PlacementRequest
@@ -46,7 +47,6 @@ log = logging.getLogger(__name__)
 
 CHAT_PATH = "/v1/chat/completions"
 COMPLETIONS_PATH = "/v1/completions"
-PARSE_SLOTS = 1  # bodies parsed at once, off the event loop
 MAX_FALLBACKS = 2
 
 
@@ -67,7 +67,7 @@ class Picker:
         self.router = router
         self.endpoints = endpoints
         self.probe = probe
-        self._parse_slots = asyncio.Semaphore(PARSE_SLOTS)
+        self._bodies = BodyReader()
 
     def all_endpoints(self) -> set[str]:
         """The endpoints of the pool's decode workers now (what the probe asks)."""
@@ -142,29 +142,23 @@ class Picker:
         path placement does not read (placed by load alone)."""
         if path not in (CHAT_PATH, COMPLETIONS_PATH) or not body:
             return [], None
-        limit = self.router.config.gateway.max_body_bytes
-        if len(body) > limit:
-            raise APIError(413, f"request body too large; the limit is {limit} bytes (gateway.max_body_bytes)")
-        async with self._parse_slots:
-            return await asyncio.to_thread(self._read_prompt, path == CHAT_PATH, body)
-
-    def _read_prompt(self, is_chat: bool, body: bytes) -> tuple[list[int], str | None]:
-        """In a worker thread: parse, check the caps, render and tokenize the first prompt."""
-        data = _json_object(body)
         gateway = self.router.config.gateway
-        choices = _num_choices(data)
-        if choices > gateway.max_choices_per_request:
+        if len(body) > gateway.max_body_bytes:
             raise APIError(
-                400,
-                f"the request asks for {choices} choices (prompts x n); one request may ask for at "
-                f"most {gateway.max_choices_per_request} (gateway.max_choices_per_request)",
-                param="n",
+                413, f"request body too large; the limit is {gateway.max_body_bytes} bytes (gateway.max_body_bytes)"
             )
-        placed = _first_prompt_only(data)
+        placed = await self._bodies.read(body, gateway.max_choices_per_request)
+        if isinstance(placed, Refusal):
+            raise APIError(placed.status, placed.message, param=placed.param)
+        return await asyncio.to_thread(self._tokenize, path == CHAT_PATH, placed)
+
+    def _tokenize(self, is_chat: bool, placed: dict) -> tuple[list[int], str | None]:
+        """In a worker thread: validate the cut body, render and tokenize its one prompt."""
+        config = self.router.config
         try:
             if is_chat:
                 request = ChatCompletionRequest.model_validate(placed)
-                prepared = prepare_chat(request, "epp", "epp", self.router.tokenizer, self.router.config.max_model_len)
+                prepared = prepare_chat(request, "epp", "epp", self.router.tokenizer, config.max_model_len)
             else:
                 request = CompletionRequest.model_validate(placed)
                 prepared = prepare_completion(
@@ -172,8 +166,8 @@ class Picker:
                     "epp",
                     "epp",
                     self.router.tokenizer,
-                    self.router.config.max_model_len,
-                    gateway.max_prompt_tokens_per_request,
+                    config.max_model_len,
+                    config.gateway.max_prompt_tokens_per_request,
                 )
         except ValidationError as exc:
             raise bad_request(_validation_message(exc)) from None
@@ -181,47 +175,12 @@ class Picker:
             log.debug("unreadable body: %s", exc)
             raise bad_request("the request body could not be read as an OpenAI request") from None
         model = request.model
-        adapters = self.router.adapters
-        is_adapter = model not in self.router.config.served_model_names and model in adapters.names()
+        is_adapter = model not in config.served_model_names and model in self.router.adapters.names()
         token_ids = list(prepared.jobs[0].prompt_token_ids) if prepared.jobs else []
         return token_ids, model if is_adapter else None
 
-
-def _json_object(body: bytes) -> dict:
-    try:
-        data = json.loads(body)
-    except RecursionError:
-        raise bad_request("the request body nests too deeply to be read") from None
-    except ValueError:
-        raise bad_request("the request body is not valid JSON") from None
-    if not isinstance(data, dict):
-        raise bad_request("the request body must be a JSON object")
-    return data
-
-
-def _prompts(data: dict) -> list | None:
-    """A completions body's prompts as a list (each a string or token ids); None for chat or one prompt."""
-    prompt = data.get("prompt")
-    if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
-        return prompt
-    return None
-
-
-def _num_choices(data: dict) -> int:
-    """Prompts x n, from the raw body (nothing validated or tokenized yet)."""
-    n = data.get("n", 1)
-    n = n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else 1
-    prompts = _prompts(data)
-    return (len(prompts) if prompts is not None else 1) * n
-
-
-def _first_prompt_only(data: dict) -> dict:
-    """The body with one choice of its first prompt: all placement reads."""
-    out = {**data, "n": 1}
-    prompts = _prompts(data)
-    if prompts is not None:
-        out["prompt"] = prompts[:1]
-    return out
+    def close(self) -> None:
+        self._bodies.close()
 
 
 def _validation_message(exc: ValidationError) -> str:
