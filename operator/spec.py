@@ -475,7 +475,14 @@ class GatewaySpec(_Spec):
 
     mode: Literal["splitserve", "inferencePool"] = "splitserve"
     failure_mode: Literal["FailOpen", "FailClose"] = "FailClose"
-    """What the gateway does when the EPP does not answer (InferencePool endpointPickerRef.failureMode)."""
+    """What the gateway does when the EPP does not answer (InferencePool endpointPickerRef.failureMode).
+    FailClose (default): a quick 503, and nothing reaches a pod the EPP did not choose; FailOpen keeps
+    serving through an EPP outage, placed without prefix awareness (docs/router.md)."""
+    epp_client_auth: bool = True
+    """With TLS on (spec.security / spec.tls): the EPP admits only an ext_proc client presenting a
+    certificate of the service's CA (mutual TLS), so only the gateway configured with one can make it
+    work. false: TLS without client certificates (gateways that cannot present one, e.g. Istio's); the
+    NetworkPolicy is then the only gate (docs/security.md)."""
     sidecar_port: int = Field(8200, ge=1024, le=65535)
     """The decode pods' sidecar port: the InferencePool's targetPort."""
     epp_replicas: int = Field(1, ge=1, le=100)
