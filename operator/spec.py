@@ -474,10 +474,11 @@ class GatewaySpec(_Spec):
     Endpoint Picker; each decode pod gets the P/D sidecar on `sidecarPort` (docs/operator.md)."""
 
     mode: Literal["splitserve", "inferencePool"] = "splitserve"
-    failure_mode: Literal["FailOpen", "FailClose"] = "FailClose"
+    failure_mode: Literal["FailOpen", "FailClose"] = "FailOpen"
     """What the gateway does when the EPP does not answer (InferencePool endpointPickerRef.failureMode).
-    FailClose (default): a quick 503, and nothing reaches a pod the EPP did not choose; FailOpen keeps
-    serving through an EPP outage, placed without prefix awareness (docs/router.md)."""
+    FailOpen (default): the gateway picks one of the pool's pods itself, so an EPP restart costs no
+    request (the pick is only placed without prefix or load awareness, and the sidecars still check
+    keys and limits); FailClose: a quick 503 until the EPP answers again (docs/router.md)."""
     epp_client_auth: bool = True
     """With TLS on (spec.security / spec.tls): the EPP admits only an ext_proc client presenting a
     certificate of the service's CA (mutual TLS), so only the gateway configured with one can make it

@@ -320,3 +320,29 @@ def test_the_pick_is_a_span_of_the_clients_trace_and_its_context_travels_on(epp)
     assert pick.parent_id == client_span and pick.service == "splitserve-epp"
     assert pick.attributes["splitserve.placement.endpoint"] == set_headers["x-gateway-destination-endpoint"]
     assert set_headers["traceparent"] == f"00-{client_trace}-{pick.span_id}-01"
+
+
+def test_no_request_content_in_the_epps_logs_at_info(epp, caplog):
+    secret = "zebra-octopus-71"
+    bodies = [
+        chat(f"My secret is {secret}"),
+        {"model": "smollm2-135m", "messages": [{"role": "user", "content": secret}], "n": f"{secret}"},
+        b'{"model": "' + secret.encode() + b'", "messages": 5}',
+        secret.encode(),
+    ]
+    with caplog.at_level("INFO", logger="splitserve"):
+        for body in bodies:
+            exchange(epp, [headers_message(CHAT), body_message(body)])
+    assert len(caplog.records) >= len(bodies)  # picks and refusals were logged...
+    assert not [r for r in caplog.records if secret in r.getMessage()]  # ...without what the client sent
+
+
+def test_epp_listens_on_loopback_unless_told():
+    import argparse
+
+    from splitserve.router.epp.main import register
+
+    parser = argparse.ArgumentParser()
+    register(parser.add_subparsers())
+    args = parser.parse_args(["epp", "--sidecar-port", "8200"])
+    assert args.host == "127.0.0.1" and args.serve_tls_client_ca is None

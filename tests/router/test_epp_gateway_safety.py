@@ -220,6 +220,18 @@ def test_a_member_that_goes_away_costs_no_request_and_is_no_longer_picked(gatewa
     assert metric(text, "splitserve_epp_endpoint_ready") == 2
 
 
+def test_the_shipped_envoy_config_is_what_envoy_config_prints():
+    import pathlib
+
+    import yaml
+
+    from splitserve.router.epp.envoy import envoy_config
+
+    shipped = pathlib.Path(__file__).resolve().parents[2] / "deploy" / "envoy" / "envoy.yaml"
+    expected = envoy_config(8080, ["127.0.0.1:8201", "127.0.0.1:8202"], "127.0.0.1:9002", 9901, fail_open=True)
+    assert yaml.safe_load(shipped.read_text()) == expected, "regenerate deploy/envoy/envoy.yaml (its header says how)"
+
+
 def test_epp_down_fail_closed_is_a_quick_503_and_fail_open_stays_in_the_pool(gateway):
     """Last: it kills the EPP."""
     gateway.epp.stop(signal.SIGKILL)
