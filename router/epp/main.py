@@ -38,6 +38,7 @@ log = logging.getLogger("splitserve.epp")
 
 EXT_PROC_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
 HEALTH_POLL_S = 0.5
+START_WAIT_S = 60.0
 
 
 def register(subparsers) -> None:
@@ -154,6 +155,7 @@ async def serve(config, endpoints: EndpointMap, host: str, grpc_port: int, healt
     port = server.add_secure_port(address, _server_credentials(*tls)) if tls else server.add_insecure_port(address)
     await router.start()
     probe.start()
+    await _until_pickable(router, picker)
     await server.start()
     print(
         f"splitserve epp: ext_proc on {host}:{port}, health on http://{host}:{health_sock.getsockname()[1]}/ready",
@@ -169,6 +171,18 @@ async def serve(config, endpoints: EndpointMap, host: str, grpc_port: int, healt
         await probe.stop()
         picker.close()
         await router.stop()
+
+
+async def _until_pickable(router, picker: Picker) -> None:
+    """Hold ext_proc back until a decode worker is healthy and its endpoint ready (at most
+    START_WAIT_S): until then a gateway failing open places requests itself, where an EPP that
+    answered would refuse them with 503."""
+    deadline = asyncio.get_running_loop().time() + START_WAIT_S
+    while asyncio.get_running_loop().time() < deadline:
+        if router.is_ready and any(picker.probe.is_ready(e) for e in picker.all_endpoints()):
+            return
+        await asyncio.sleep(0.1)
+    log.warning("no decode worker with a ready endpoint after %.0f s; serving ext_proc anyway", START_WAIT_S)
 
 
 async def _follow_readiness(router, status) -> None:

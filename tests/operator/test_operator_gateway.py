@@ -230,7 +230,7 @@ def test_gateway_spec_is_checked_on_admission():
     assert errors
     obj["spec"]["gateway"] = {"mode": "inferencePool"}
     stored, errors = admit(obj)
-    assert errors == [] and stored["spec"]["gateway"]["failureMode"] == "FailClose"
+    assert errors == [] and stored["spec"]["gateway"]["failureMode"] == "FailOpen"
 
 
 def test_chart_default_names_the_inference_gateway_peers():

@@ -28,7 +28,8 @@ import urllib.request
 from routerkit import free_port
 from workerproc import CLI, ROUTER_STALE_AFTER_S, security
 
-from splitserve.router.epp.envoy import EppTls, envoy_config, envoy_log, start_envoy
+from splitserve.router.epp.envoy import EppTls, envoy_config
+from splitserve.router.epp.envoy_process import envoy_log, start_envoy
 
 
 def http_get(url: str, timeout: float = 10) -> tuple[int, bytes]:

@@ -24,7 +24,8 @@ from eppkit import CliProcess, PoolMember, h2_request, http_get, metric
 from routerkit import FakeWorker, free_port
 from workerproc import security
 
-from splitserve.router.epp.envoy import EppTls, envoy_config, envoy_log, start_envoy
+from splitserve.router.epp.envoy import EppTls, envoy_config
+from splitserve.router.epp.envoy_process import envoy_log, start_envoy
 
 CHAT = "/v1/chat/completions"
 DESTINATION, SUBSET, PREFILLER = (
