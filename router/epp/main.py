@@ -9,7 +9,10 @@ Serves Envoy's ext_proc API and gRPC health (`grpc.health.v1`, service "" and
 --grpc-port (9002, GIE's default), and HTTP /health, /ready and /metrics on --health-port. The
 workers come from the same discovery as `splitserve router` (a static list or EndpointSlices);
 roles come from the workers themselves. Placement settings (scorer weights, disaggregation)
-come from --config, the router's file (docs/router.md).
+come from --config, the router's file (docs/router.md). Both ports bind --host, 127.0.0.1 by
+default; --serve-tls-cert/--serve-tls-key serve ext_proc over TLS and --serve-tls-client-ca
+admits only callers with a client certificate of that CA (the gateway). ext_proc is served once
+a decode worker with a ready sidecar exists (a gateway failing open places requests until then).
 """
 
 from __future__ import annotations
