@@ -158,6 +158,17 @@ def test_client_routing_headers_never_leave_the_pool(gateway, envoy, how):
         assert all(headers.get(DESTINATION) == member.address for _, _, headers in member.hits)
 
 
+@pytest.mark.parametrize("envoy", ["closed", "open"])
+def test_a_bodiless_request_with_only_trailers_stays_in_the_pool(gateway, envoy):
+    """HEADERS then trailers, no DATA: the EPP picks on the trailers (metadata only)."""
+    hostile = hostile_headers(gateway, gateway.decoy.address)
+    trailers = {DESTINATION: gateway.decoy.address}
+    for _ in range(3):
+        status, _, data = h2_request(gateway.ports[envoy], "/v1/models", hostile, b"", trailers)
+        assert_in_pool(gateway, status, json.loads(data))
+    assert not gateway.decoy.hits
+
+
 def test_admin_is_unreachable_through_the_data_port(gateway):
     admin = f"127.0.0.1:{gateway.admins['closed']}"
     for path in ("/server_info", "/config_dump", "/quitquitquit"):
