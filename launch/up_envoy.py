@@ -173,7 +173,13 @@ def serve_envoy(config, workers, sock: socket.socket, config_file: str | None = 
         _wait_http(children[0], f"http://127.0.0.1:{sidecar_port}/ready")
         _wait_http(children[1], f"http://127.0.0.1:{epp['health']}/ready")
         bootstrap = envoy_config(
-            port, [f"127.0.0.1:{sidecar_port}"], f"127.0.0.1:{epp['grpc']}", 0, host=host, tls=epp_tls
+            port,
+            [f"127.0.0.1:{sidecar_port}"],
+            f"127.0.0.1:{epp['grpc']}",
+            fail_open=True,
+            host=host,
+            tls=epp_tls,
+            max_body_bytes=config.gateway.max_body_bytes,
         )
         path = os.path.join(secrets.name, "envoy.yaml")
         envoy = start_envoy(bootstrap, path)
