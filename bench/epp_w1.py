@@ -45,7 +45,8 @@ from serving_suite import (
     wait_http,  # noqa: E402
 )
 
-from splitserve.router.epp.envoy import envoy_config, envoy_log, start_envoy  # noqa: E402
+from splitserve.router.epp.envoy import envoy_config  # noqa: E402
+from splitserve.router.epp.envoy_process import envoy_log, start_envoy  # noqa: E402
 
 ARMS = ("round-robin", "epp")
 

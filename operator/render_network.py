@@ -16,8 +16,10 @@ and a policy there adds breakage without protecting the workers):
 
 With spec.gateway.mode inferencePool (render_gateway.py) the inference gateway's proxies are
 gateway peers (spec.networkPolicy.gatewayFrom, else the chart's workloads.inferenceGatewayFrom,
-else its gatewayFrom): the workers policy also lets the EPP reach the workers' gRPC and the gateway peers
-reach the decode pods' sidecar port, and a third policy guards the EPP:
+else the proxy pods of spec.gateway.parentRefs, by the labels Gateway API implementations put on
+them: render_gateway.gateway_peers; never the namespace's every pod): the workers policy also
+lets the EPP reach the workers' gRPC and the gateway peers reach the decode pods' sidecar port,
+and a third policy guards the EPP:
 
     <name>-epp       pods: this service's EPP
         grpc          (ext_proc) from the gateway peers
@@ -92,8 +94,9 @@ def network_policies(ctx: Context) -> list[Manifest]:
     worker_rules = [{"from": [router, workers], "ports": worker_ports}, monitoring]
     out = [_policy(ctx, "router", {"matchLabels": ctx.selector("router")}, [*gateway, monitoring])]
     if render_gateway.is_inference_pool(ctx):
-        if gateway_from is None and defaults.inference_gateway_from is not None:
-            sources = [_peer(p) for p in defaults.inference_gateway_from]
+        if gateway_from is None:  # not the router's callers (every pod of the namespace, by default)
+            chart = defaults.inference_gateway_from
+            sources = [_peer(p) for p in chart] if chart is not None else render_gateway.gateway_peers(ctx)
         worker_rules.insert(
             1, {"from": [{"podSelector": {"matchLabels": ctx.selector("epp")}}], "ports": _ports(C.GRPC_PORT_NAME)}
         )

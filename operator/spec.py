@@ -474,8 +474,16 @@ class GatewaySpec(_Spec):
     Endpoint Picker; each decode pod gets the P/D sidecar on `sidecarPort` (docs/operator.md)."""
 
     mode: Literal["splitserve", "inferencePool"] = "splitserve"
-    failure_mode: Literal["FailOpen", "FailClose"] = "FailClose"
-    """What the gateway does when the EPP does not answer (InferencePool endpointPickerRef.failureMode)."""
+    failure_mode: Literal["FailOpen", "FailClose"] = "FailOpen"
+    """What the gateway does when the EPP does not answer (InferencePool endpointPickerRef.failureMode).
+    FailOpen (default): the gateway picks one of the pool's pods itself, so an EPP restart costs no
+    request (the pick is only placed without prefix or load awareness, and the sidecars still check
+    keys and limits); FailClose: a quick 503 until the EPP answers again (docs/router.md)."""
+    epp_client_auth: bool = True
+    """With TLS on (spec.security / spec.tls): the EPP admits only an ext_proc client presenting a
+    certificate of the service's CA (mutual TLS), so only the gateway configured with one can make it
+    work. false: TLS without client certificates (gateways that cannot present one, e.g. Istio's); the
+    NetworkPolicy is then the only gate (docs/security.md)."""
     sidecar_port: int = Field(8200, ge=1024, le=65535)
     """The decode pods' sidecar port: the InferencePool's targetPort."""
     epp_replicas: int = Field(1, ge=1, le=100)

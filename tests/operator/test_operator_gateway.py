@@ -124,6 +124,11 @@ def test_tls_follows_the_security_settings():
     epp_args = containers(secure["Deployment", "chat-epp"])["epp"]["args"]
     for flag in ("--tls-cert", "--tls-key", "--tls-ca", "--serve-tls-cert", "--serve-tls-key"):
         assert flag in epp_args
+    # mutual TLS on ext_proc: only a gateway with a certificate of the service's CA is admitted
+    assert epp_args[epp_args.index("--serve-tls-client-ca") + 1] == epp_args[epp_args.index("--tls-ca") + 1]
+    assert "--host" in epp_args and epp_args[epp_args.index("--host") + 1] == "0.0.0.0"  # in a pod, behind the policy
+    no_client_auth = rendered({"mode": "inferencePool", "eppClientAuth": False})
+    assert "--serve-tls-client-ca" not in containers(no_client_auth["Deployment", "chat-epp"])["epp"]["args"]
     assert "appProtocol" not in secure["Service", "chat-epp"]["spec"]["ports"][0]
     sidecar_args = containers(secure["Deployment", "chat-decode"])["sidecar"]["args"]
     assert "--tls-ca" in sidecar_args and "--api-keys-file" in sidecar_args
@@ -164,6 +169,53 @@ def test_network_policies_let_the_gateway_reach_sidecars_and_epp():
     assert ("NetworkPolicy", "chat-epp") not in rendered()
 
 
+def test_by_default_only_the_parent_gateways_proxies_reach_the_epp_and_sidecars():
+    """Without gatewayFrom (service or chart), the EPP's ext_proc port and the sidecars admit the
+    proxy pods of spec.gateway.parentRefs only: by the Gateway API's gateway-name label in the
+    Gateway's namespace, or Envoy Gateway's owning-gateway labels (its proxies live in its own
+    namespace) - never the namespace's every pod, which the router's HTTP port admits."""
+    out = rendered(
+        {"mode": "inferencePool", "parentRefs": [{"name": "inference", "namespace": "gw"}, {"name": "edge"}]}
+    )
+    peers = [
+        {
+            "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "gw"}},
+            "podSelector": {"matchLabels": {"gateway.networking.k8s.io/gateway-name": "inference"}},
+        },
+        {
+            "namespaceSelector": {},
+            "podSelector": {
+                "matchLabels": {
+                    "gateway.envoyproxy.io/owning-gateway-name": "inference",
+                    "gateway.envoyproxy.io/owning-gateway-namespace": "gw",
+                }
+            },
+        },
+        {
+            "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "llm"}},
+            "podSelector": {"matchLabels": {"gateway.networking.k8s.io/gateway-name": "edge"}},
+        },
+        {
+            "namespaceSelector": {},
+            "podSelector": {
+                "matchLabels": {
+                    "gateway.envoyproxy.io/owning-gateway-name": "edge",
+                    "gateway.envoyproxy.io/owning-gateway-namespace": "llm",
+                }
+            },
+        },
+    ]
+    epp = out["NetworkPolicy", "chat-epp"]["spec"]["ingress"]
+    assert epp[0] == {"from": peers, "ports": [{"port": "grpc", "protocol": "TCP"}]}
+    assert [r for r in epp if {p["port"] for p in r["ports"]} == {"grpc"}] == [epp[0]]  # no other rule opens it
+    workers = out["NetworkPolicy", "chat-workers"]["spec"]["ingress"]
+    assert {"from": peers, "ports": [{"port": "sidecar", "protocol": "TCP"}]} in workers
+    every_pod = {"podSelector": {}}
+    assert not [r for r in epp + workers if every_pod in r["from"]]
+    for manifest in (out["NetworkPolicy", "chat-epp"], out["NetworkPolicy", "chat-workers"]):
+        validate_manifest(manifest)
+
+
 def test_gateway_spec_is_checked_on_admission():
     obj = {
         "apiVersion": "serving.splitserve.io/v1alpha1",
@@ -178,7 +230,7 @@ def test_gateway_spec_is_checked_on_admission():
     assert errors
     obj["spec"]["gateway"] = {"mode": "inferencePool"}
     stored, errors = admit(obj)
-    assert errors == [] and stored["spec"]["gateway"]["failureMode"] == "FailClose"
+    assert errors == [] and stored["spec"]["gateway"]["failureMode"] == "FailOpen"
 
 
 def test_chart_default_names_the_inference_gateway_peers():

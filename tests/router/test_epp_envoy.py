@@ -1,6 +1,6 @@
 """splitserve behind a real Envoy as a Gateway API Inference Extension gateway programs it.
 
-    openai client -> Envoy (ext_proc filter, ORIGINAL_DST on x-gateway-destination-endpoint)
+    openai client -> Envoy (ext_proc filter over mTLS, override_host on the EPP's envoy.lb metadata)
                   -> `splitserve epp` picks a decode pod's sidecar (and a prefill worker for a long prompt)
                   -> `splitserve sidecar` -> its decode worker (-> the named prefill worker)
 
@@ -138,17 +138,6 @@ def test_requests_sharing_a_prefix_land_on_the_worker_holding_it(envoy, workers,
     assert after[holder] - before[holder] >= 4 * 64, "the holder did not reuse the shared prefix"
 
 
-def test_subset_hint_limits_the_pick(envoy, workers, stack):
-    for index in (0, 1, 1, 0):
-        raw = envoy.completions.with_raw_response.create(
-            model=MODEL,
-            prompt="Count to three:",
-            max_tokens=2,
-            extra_headers={"x-gateway-destination-endpoint-subset": stack.sidecar_endpoints[index]},
-        )
-        assert raw.headers["x-splitserve-decode-worker"] == workers[index].address
-
-
 def test_a_client_cannot_name_the_prefill_worker(envoy, stack, workers):
     # Through the gateway the EPP overwrites or removes the header: a short prompt is served locally.
     raw = envoy.completions.with_raw_response.create(
@@ -173,7 +162,10 @@ def test_epp_health_readiness_and_metrics(stack):
     status, body = http_get(f"http://127.0.0.1:{stack.health_port}/ready")
     assert status == 200 and b'"healthy_decode_workers":2' in body
     assert http_get(f"http://127.0.0.1:{stack.health_port}/health")[0] == 200
-    with grpc.insecure_channel(f"127.0.0.1:{stack.grpc_port}") as channel:
+    tls = stack.epp_tls  # ext_proc and its health are served over mTLS
+    with open(tls.ca, "rb") as ca, open(tls.key, "rb") as key, open(tls.cert, "rb") as cert:
+        credentials = grpc.ssl_channel_credentials(ca.read(), key.read(), cert.read())
+    with grpc.secure_channel(f"127.0.0.1:{stack.grpc_port}", credentials) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         for service in ("", "envoy.service.ext_proc.v3.ExternalProcessor"):
             reply = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=10)
@@ -202,7 +194,7 @@ def test_fail_close_and_fail_open_when_the_epp_dies(stack):
     closed = openai.OpenAI(base_url=stack.url("epp"), api_key="unused", max_retries=0, timeout=120)
     with pytest.raises(openai.APIStatusError) as err:
         closed.completions.create(model=MODEL, prompt="Hi", max_tokens=2)
-    assert err.value.status_code >= 500
+    assert err.value.status_code == 503 and "endpoint picker" in err.value.message
     served = {
         fail_open.completions.with_raw_response.create(model=MODEL, prompt="Hi", max_tokens=2).headers[
             "x-splitserve-decode-worker"

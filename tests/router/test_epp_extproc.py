@@ -6,6 +6,7 @@ Envoy here; tests/router/test_epp_envoy.py runs the whole path with both."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 
 import grpc
@@ -23,6 +24,8 @@ from splitserve.router.epp.picker import Picker
 from splitserve.router.router import Router
 
 CHAT = "/v1/chat/completions"
+COMPLETIONS = "/v1/completions"
+MAX_BODY_BYTES = 1 << 20
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +36,9 @@ def epp(loop, tokenizer):
     endpoints = EndpointMap({decode[0].address: "10.0.0.1:8200", decode[1].address: "10.0.0.2:8200"})
 
     async def start():
-        router = Router(router_config([w.address for w in decode + [prefill]]))
+        config = router_config([w.address for w in decode + [prefill]])
+        config = dataclasses.replace(config, gateway=dataclasses.replace(config.gateway, max_body_bytes=MAX_BODY_BYTES))
+        router = Router(config)
         await router.start()
         await router.wait_ready(30, num_decode=2, num_prefill=1)
         server = grpc.aio.server()
@@ -121,7 +126,9 @@ def test_pick_sets_the_destination_header_and_lb_metadata(epp):
     assert set_headers["x-gateway-destination-endpoint"] in ("10.0.0.1:8200", "10.0.0.2:8200")
     assert cleared
     lb = answers[1].dynamic_metadata.fields["envoy.lb"].struct_value.fields
-    assert lb["x-gateway-destination-endpoint"].string_value == set_headers["x-gateway-destination-endpoint"]
+    primary, *fallbacks = lb["x-gateway-destination-endpoint"].string_value.split(",")
+    assert primary == set_headers["x-gateway-destination-endpoint"]
+    assert fallbacks == [e for e in ("10.0.0.1:8200", "10.0.0.2:8200") if e != primary], "the other endpoint follows"
     assert "x-prefiller-host-port" in removed and "x-prefiller-host-port" not in set_headers
     assert answers[2].WhichOneof("response") == "response_headers"
 
@@ -136,18 +143,22 @@ def test_a_long_prompt_names_the_prefill_worker_and_a_client_cannot(epp):
     assert "x-prefiller-host-port" not in set_headers and "x-prefiller-host-port" in removed
 
 
-def test_subset_hint_from_metadata_or_header(epp):
+def test_subset_hint_from_metadata_only(epp):
     for _ in range(3):
         answers = exchange(epp, [headers_message(CHAT, subset=["10.0.0.2:8200"]), body_message(chat("Hello"))])
         assert mutation(answers[1])[0]["x-gateway-destination-endpoint"] == "10.0.0.2:8200"
+    # A client's header of that name is not the gateway's hint: it pins nothing.
+    picked = set()
+    for _ in range(8):
         answers = exchange(
             epp,
             [
-                headers_message(CHAT, {"x-gateway-destination-endpoint-subset": "10.0.0.1:8200"}),
+                headers_message(CHAT, {"x-gateway-destination-endpoint-subset": "10.9.9.9:1"}),
                 body_message(chat("Hello")),
             ],
         )
-        assert mutation(answers[1])[0]["x-gateway-destination-endpoint"] == "10.0.0.1:8200"
+        picked.add(mutation(answers[1])[0]["x-gateway-destination-endpoint"])
+    assert picked <= {"10.0.0.1:8200", "10.0.0.2:8200"} and picked
 
 
 def test_no_endpoint_in_the_subset_is_an_immediate_503(epp):
@@ -158,12 +169,92 @@ def test_no_endpoint_in_the_subset_is_an_immediate_503(epp):
     assert error["code"] == "no_worker_available" and "subset" in error["message"]
 
 
-def test_unreadable_body_and_bodiless_requests_are_still_placed(epp):
-    answers = exchange(epp, [headers_message(CHAT), body_message(b"{not json")])
-    assert mutation(answers[1])[0]["x-gateway-destination-endpoint"]
+def immediate_error(answers) -> tuple[int, dict]:
+    assert answers[-1].HasField("immediate_response"), answers[-1]
+    immediate = answers[-1].immediate_response
+    return immediate.status.code, json.loads(immediate.body)["error"]
+
+
+@pytest.mark.parametrize(
+    "body, status, needle",
+    [
+        (b"{not json", 400, "not valid JSON"),
+        (b"[" * 100_000 + b"]" * 100_000, 400, "nests too deeply"),  # RecursionError in the parser
+        (b'{"model": "m", "messages": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", 400, "nests too deeply"),
+        (b"[1, 2]", 400, "JSON object"),
+        (json.dumps({"model": "m", "messages": "not a list"}).encode(), 400, "messages"),
+    ],
+    ids=["not-json", "deep-array", "deep-field", "not-object", "invalid-field"],
+)
+def test_a_body_the_gateway_would_refuse_is_a_400_in_openai_json(epp, body, status, needle):
+    code, error = immediate_error(exchange(epp, [headers_message(CHAT), body_message(body)]))
+    assert code == status and needle in error["message"] and error["type"] == "invalid_request_error"
+
+
+def test_a_bodiless_request_is_placed_by_load(epp):
     answers = exchange(epp, [headers_message("/v1/models", end_of_stream=True)])
     assert answers[0].WhichOneof("response") == "request_headers"
     assert mutation(answers[0])[0]["x-gateway-destination-endpoint"]
+
+
+def test_the_gateways_caps_apply_before_any_work(epp):
+    """prompts x n over max_choices_per_request (1024) is a 400 read from the raw body; a body
+    over max_body_bytes (1 MiB here) a 413; neither builds a job or tokenizes a prompt."""
+    many = {"model": "smollm2-135m", "prompt": ["x"] * 65, "n": 16}
+    code, error = immediate_error(exchange(epp, [headers_message(COMPLETIONS), body_message(many)]))
+    assert code == 400 and "1040 choices" in error["message"] and error["param"] == "n"
+    huge = b'{"model": "smollm2-135m", "prompt": "' + b"a" * MAX_BODY_BYTES + b'"}'
+    code, error = immediate_error(exchange(epp, [headers_message(COMPLETIONS), body_message(huge)]))
+    assert code == 413 and "max_body_bytes" in error["message"]
+    ok = {"model": "smollm2-135m", "prompt": ["first prompt", "second"], "n": 2}
+    assert mutation(exchange(epp, [headers_message(COMPLETIONS), body_message(ok)])[1])[0]
+
+
+def test_the_pick_comes_with_the_body_when_trailers_follow_or_with_the_trailers(epp):
+    """HTTP/2 request trailers: Envoy sends the whole body with end_of_stream=false, then the
+    trailers. The EPP picks on that body; with no body at all, on the trailers (metadata only)."""
+    body = ep.ProcessingRequest(request_body=ep.HttpBody(body=json.dumps(chat("Hi")).encode(), end_of_stream=False))
+    trailers = ep.ProcessingRequest(request_trailers=ep.HttpTrailers())
+    answers = exchange(epp, [headers_message(CHAT), body, trailers])
+    assert mutation(answers[1])[0]["x-gateway-destination-endpoint"]
+    assert answers[2].WhichOneof("response") == "request_trailers"
+    answers = exchange(epp, [headers_message("/v1/models"), trailers])
+    assert answers[1].WhichOneof("response") == "request_trailers"
+    assert answers[1].dynamic_metadata.fields["envoy.lb"].struct_value.fields["x-gateway-destination-endpoint"]
+
+
+def test_fifty_bodies_on_one_stream_make_one_pick_and_leave_no_pending_count(epp):
+    pool = epp["router"].pool
+    metrics = epp["router"].metrics.registry
+    before = metrics.get_sample_value("splitserve_epp_picks_total", {"result": "picked"}) or 0
+    bodies = [body_message(chat(f"Hello {i}")) for i in range(50)]
+    answers = exchange(epp, [headers_message(CHAT), *bodies])
+    assert sum(1 for a in answers if a.WhichOneof("response") == "request_body" and mutation(a)[0]) == 1
+    assert metrics.get_sample_value("splitserve_epp_picks_total", {"result": "picked"}) == before + 1
+    assert epp["loop"].run(settled(pool))
+
+
+def test_the_pending_count_ends_with_the_response_not_the_stream(epp):
+    """The response's last body chunk finishes the request while the ext_proc stream stays open."""
+    pool = epp["router"].pool
+
+    async def run():
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{epp['port']}") as channel:
+            call = ep_grpc.ExternalProcessorStub(channel).Process()
+            for message in (headers_message(CHAT), body_message(chat("Hello"))):
+                await call.write(message)
+                await call.read()
+            await call.write(ep.ProcessingRequest(response_headers=ep.HttpHeaders()))
+            await call.read()
+            busy = sum(w.num_inflight for w in pool.workers.values())
+            await call.write(ep.ProcessingRequest(response_body=ep.HttpBody(body=b"data: x", end_of_stream=True)))
+            await call.read()
+            done = await settled(pool)
+            await call.done_writing()
+            return busy, done
+
+    busy, done = epp["loop"].run(run())
+    assert busy == 1 and done
 
 
 def test_flow_control_headers_pass_through(epp):
@@ -180,18 +271,18 @@ def test_flow_control_headers_pass_through(epp):
     assert not {"x-gateway-inference-objective", "x-gateway-inference-fairness-id"} & (set(set_headers) | set(removed))
 
 
+async def settled(pool) -> bool:
+    for _ in range(100):
+        if all(w.num_inflight == 0 and w.num_pending == 0 for w in pool.workers.values()):
+            return True
+        await asyncio.sleep(0.02)
+    return False
+
+
 def test_assignments_are_released_when_the_stream_ends(epp):
     pool = epp["router"].pool
     exchange(epp, [headers_message(CHAT), body_message(chat("Hello"))])
-
-    async def settled():
-        for _ in range(100):
-            if all(w.num_inflight == 0 and w.num_pending == 0 for w in pool.workers.values()):
-                return True
-            await asyncio.sleep(0.02)
-        return False
-
-    assert epp["loop"].run(settled())
+    assert epp["loop"].run(settled(pool))
 
 
 def test_endpoint_map_rules():
@@ -229,3 +320,29 @@ def test_the_pick_is_a_span_of_the_clients_trace_and_its_context_travels_on(epp)
     assert pick.parent_id == client_span and pick.service == "splitserve-epp"
     assert pick.attributes["splitserve.placement.endpoint"] == set_headers["x-gateway-destination-endpoint"]
     assert set_headers["traceparent"] == f"00-{client_trace}-{pick.span_id}-01"
+
+
+def test_no_request_content_in_the_epps_logs_at_info(epp, caplog):
+    secret = "zebra-octopus-71"
+    bodies = [
+        chat(f"My secret is {secret}"),
+        {"model": "smollm2-135m", "messages": [{"role": "user", "content": secret}], "n": f"{secret}"},
+        b'{"model": "' + secret.encode() + b'", "messages": 5}',
+        secret.encode(),
+    ]
+    with caplog.at_level("INFO", logger="splitserve"):
+        for body in bodies:
+            exchange(epp, [headers_message(CHAT), body_message(body)])
+    assert len(caplog.records) >= len(bodies)  # picks and refusals were logged...
+    assert not [r for r in caplog.records if secret in r.getMessage()]  # ...without what the client sent
+
+
+def test_epp_listens_on_loopback_unless_told():
+    import argparse
+
+    from splitserve.router.epp.main import register
+
+    parser = argparse.ArgumentParser()
+    register(parser.add_subparsers())
+    args = parser.parse_args(["epp", "--sidecar-port", "8200"])
+    assert args.host == "127.0.0.1" and args.serve_tls_client_ca is None
