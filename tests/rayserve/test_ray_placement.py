@@ -75,32 +75,48 @@ def test_bad_tp_settings_say_what_is_allowed(engine, pool, message):
     assert message in str(err.value)
 
 
-def start_local_ray(tmp_path_factory, attempts: int = 2) -> None:
-    """ray.init on 2 CPUs; once more when Ray's head times out starting its raylet (the start-up flake
-    raykit.start_local_serve also retries: Ray failing to start on a loaded machine, not this code)."""
-    import ray
-
-    for attempt in range(1, attempts + 1):
-        try:
-            ray.init(num_cpus=2, include_dashboard=False, _temp_dir=str(tmp_path_factory.mktemp("ray")))
-            return
-        except Exception as exc:  # noqa: BLE001 - only the start-up timeout is retried
-            ray.shutdown()
-            if "timed out during startup" not in str(exc) or attempt == attempts:
-                raise
-
-
-def test_serve_places_a_tp_2_replica_in_its_bundles(tmp_path_factory):
-    """A local Ray: the probe replica runs in a placement group of the two rendered bundles, STRICT_PACK, and
-    a task in bundle 1 runs on the replica's node."""
+@pytest.fixture(scope="module")
+def local_ray(tmp_path_factory):
+    """A local Ray with 2 CPUs and 2 logical GPUs (Ray hands out GPU ids 0 and 1 without any device: enough to
+    check which ids a replica's bundles hold). Started once more when its head times out starting the raylet
+    (Ray's start-up flake on a loaded machine, which raykit.start_local_serve retries too)."""
     import ray
     from ray import serve
 
-    rendered = options({"threads": 1}, {"tensor_parallel_size": 2, "ray_actor_options": {"num_cpus": 1}})
+    for attempt in range(1, 4):
+        try:
+            ray.init(num_cpus=2, num_gpus=2, include_dashboard=False, _temp_dir=str(tmp_path_factory.mktemp("ray")))
+            break
+        except Exception as exc:  # noqa: BLE001 - only the start-up timeout is retried
+            ray.shutdown()
+            if "timed out during startup" not in str(exc) or attempt == 3:
+                raise
+    yield ray
+    serve.shutdown()
+    ray.shutdown()
 
-    @serve.deployment
-    class Probe:
+
+def deploy_probe(probe_class, rendered: dict):
+    """Deploy `probe_class` with the rendered placement options, return what its replica reports, remove it."""
+    from ray import serve
+
+    keys = ("ray_actor_options", "placement_group_bundles", "placement_group_strategy")
+    handle = serve.run(
+        serve.deployment(probe_class).options(**{k: rendered[k] for k in keys}).bind(), name="probe", route_prefix=None
+    )
+    try:
+        return handle.report.remote().result(timeout_s=180)
+    finally:
+        serve.delete("probe")
+
+
+def probes() -> tuple[type, type]:
+    """The probe deployments, defined in a function so that Ray ships them by value (its workers cannot import
+    this test module)."""
+
+    class CpuProbe:
         def report(self) -> dict:
+            import ray
             from ray.util.placement_group import get_current_placement_group, placement_group_table
             from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -118,21 +134,46 @@ def test_serve_places_a_tp_2_replica_in_its_bundles(tmp_path_factory):
                 "same_node": ray.get(rank1) == ray.get_runtime_context().get_node_id(),
             }
 
-    keys = ("ray_actor_options", "placement_group_bundles", "placement_group_strategy")
-    start_local_ray(tmp_path_factory)
-    try:
-        handle = serve.run(Probe.options(**{k: rendered[k] for k in keys}).bind(), name="probe", route_prefix=None)
-        report = handle.report.remote().result(timeout_s=120)
-    finally:
-        serve.shutdown()
-        ray.shutdown()
+    class GpuProbe:
+        def report(self) -> dict:
+            import os
+
+            import ray
+
+            own = [str(i) for i in ray.get_gpu_ids()]
+            visible = placement.claim_bundle_gpus(2)
+            return {"own": own, "visible": visible, "env": os.environ["CUDA_VISIBLE_DEVICES"]}
+
+    return CpuProbe, GpuProbe
+
+
+def test_serve_places_a_tp_2_replica_in_its_bundles(local_ray):
+    """The probe replica runs in a placement group of the two rendered bundles, STRICT_PACK, and a task in
+    bundle 1 (where rank 1 runs) lands on the replica's node."""
+    rendered = options({"threads": 1}, {"tensor_parallel_size": 2, "ray_actor_options": {"num_cpus": 1}})
+    report = deploy_probe(probes()[0], rendered)
     assert report == {"bundles": [{"CPU": 1.0}, {"CPU": 1.0}], "strategy": "STRICT_PACK", "same_node": True}
+
+
+def test_a_cuda_tp_2_replica_sees_the_gpus_of_both_bundles(local_ray):
+    """Ray shows the replica only its own GPU; claim_bundle_gpus makes both bundles' GPUs visible, its own first."""
+    rendered = options(
+        {"device": "cuda", "threads": 1},
+        {"tensor_parallel_size": 2, "ray_actor_options": {"num_cpus": 0.5, "num_gpus": 1}},
+    )
+    assert rendered["placement_group_bundles"] == [{"CPU": 1.0, "GPU": 1.0}, {"CPU": 1.0, "GPU": 1.0}]
+    report = deploy_probe(probes()[1], rendered)
+    assert len(report["own"]) == 1
+    assert report["visible"] == report["env"] and report["visible"].split(",")[0] == report["own"][0]
+    assert sorted(report["visible"].split(",")) == ["0", "1"]
 
 
 def test_claim_bundle_gpus_needs_the_placement_group(monkeypatch):
     """Outside a placement group (a replica deployed without the rendered options) the claim fails clearly."""
-    import ray.util.placement_group as pg
+    import sys
 
-    monkeypatch.setattr(pg, "get_current_placement_group", lambda: None)
+    import ray.util.placement_group  # noqa: F401 - the module, which ray.util's function of that name hides
+
+    monkeypatch.setattr(sys.modules["ray.util.placement_group"], "get_current_placement_group", lambda: None)
     with pytest.raises(RuntimeError, match="tensor_parallel_size 2 needs the replica's placement group"):
         placement.claim_bundle_gpus(2)
