@@ -27,6 +27,7 @@ from splitserve.operator.context import Context
 from splitserve.operator.endpoints import endpoint_slice, group_pods
 from splitserve.operator.reconcile import reconcile
 from splitserve.operator.render import render
+from splitserve.operator.render_pods import serving_template
 from splitserve.operator.render_scaling import serving_pods
 from splitserve.operator.settings import OperatorSettings
 from splitserve.operator.spec import parse_spec
@@ -52,9 +53,7 @@ def rendered(spec: dict, settings: OperatorSettings | None = None) -> dict[tuple
 
 def worker(workload: dict) -> dict:
     """The serving pod's worker container."""
-    template = workload["spec"]["template"] if workload["kind"] == "Deployment" else None
-    template = template or workload["spec"]["leaderWorkerTemplate"]["leaderTemplate"]
-    return template["spec"]["containers"][0]
+    return serving_template(workload)["spec"]["containers"][0]
 
 
 @pytest.mark.parametrize("tp,nodes", VALID)
@@ -81,7 +80,7 @@ def test_each_pod_gets_a_gpu_per_rank_shared_memory_and_the_tp_flags(tp, nodes):
     container = worker(workload)
     ranks = tp // nodes
     assert container["resources"]["limits"]["nvidia.com/gpu"] == ranks
-    pod = (workload["spec"].get("template") or workload["spec"]["leaderWorkerTemplate"]["leaderTemplate"])["spec"]
+    pod = serving_template(workload)["spec"]
     shm = next(v for v in pod["volumes"] if v["name"] == "shm")
     assert shm["emptyDir"] == {"medium": "Memory", "sizeLimit": f"{ranks}Gi"}
     assert {"name": "shm", "mountPath": "/dev/shm"} in container["volumeMounts"]
@@ -100,6 +99,21 @@ def test_each_pod_gets_a_gpu_per_rank_shared_memory_and_the_tp_flags(tp, nodes):
         "--master-port": "29500",
     }
     assert {flag: args[args.index(flag) + 1] for flag in wanted} == wanted
+
+
+@pytest.mark.parametrize("tp,nodes", [(2, 1), (8, 2)])
+def test_a_cpu_pool_runs_its_ranks_as_processes(tp, nodes):
+    out = rendered(pools(tp, nodes, gpus=False))
+    for manifest in out.values():
+        validate_manifest(manifest)
+    workload = out[("LeaderWorkerSet", "svc-decode-group") if nodes > 1 else ("Deployment", "svc-decode")]
+    container = worker(workload)
+    ranks = tp // nodes
+    assert "nvidia.com/gpu" not in container["resources"]["limits"] and "--device" not in container["args"]
+    assert container["resources"]["requests"]["cpu"] == str(ranks)  # a core per rank
+    one_rank = worker(rendered(BASE)["Deployment", "svc-decode"])["resources"]
+    extra_mib = int(container["resources"]["limits"]["memory"][:-2]) - int(one_rank["limits"]["memory"][:-2])
+    assert extra_mib == (ranks - 1) * 1536  # 1.5 GiB per extra rank: its /dev/shm and a process's runtime
 
 
 def test_a_multi_node_pool_is_a_leader_worker_set_whose_leaders_serve():
