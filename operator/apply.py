@@ -13,7 +13,7 @@ labels gives the live children. Then, for each rendered manifest:
 (defaults, status, clusterIP) never cause a patch. Quantities compare by value ("1024Mi" ==
 "1Gi"). An empty map, empty list or null we render matches an absent field.
 
-Autoscaled pools: a Deployment annotated `replicas-owner: keda|hpa|planner` gets `spec.replicas`
+Autoscaled pools: a Deployment or LeaderWorkerSet annotated `replicas-owner: keda|hpa|planner` gets `spec.replicas`
 only when created; later patches and comparisons leave it out, so the operator never
 fights the autoscaler.
 
@@ -37,6 +37,7 @@ from splitserve.operator.kube import KINDS, KindInfo, path
 from splitserve.planner.kube import KubeClient, KubeError
 
 AUTOSCALERS = ("keda", "hpa", "planner")  # who owns an autoscaled pool's replicas (render_pods)
+SCALABLE = ("Deployment", C.LWS_KIND)  # the kinds a pool is: their spec.replicas is what autoscalers write
 
 
 class MissingApiError(Exception):
@@ -92,7 +93,7 @@ def is_subset(want: Any, have: Any) -> bool:
 def patch_body(manifest: dict[str, Any]) -> dict[str, Any]:
     """The manifest without fields that belong to someone else once the object exists."""
     owner = manifest["metadata"].get("annotations", {}).get(C.ANNOTATION_REPLICAS_OWNER)
-    if manifest["kind"] != "Deployment" or owner not in AUTOSCALERS:
+    if manifest["kind"] not in SCALABLE or owner not in AUTOSCALERS:
         return manifest
     body = copy.deepcopy(manifest)
     del body["spec"]["replicas"]

@@ -12,7 +12,15 @@ remains needs knowledge the schema does not have:
 - quantity arithmetic: on a CPU pool (gpus 0) the KV cache lives in the container's memory,
   so it must fit in the memory limit with room for the weights and the runtime (at least
   256 MiB); on a GPU pool it lives in GPU memory and the limit does not bound it;
-- GPUs are requested through `gpus`, not a hand-written `nvidia.com/gpu` resource.
+- GPUs are requested through `gpus`; a hand-written `nvidia.com/gpu` resource only overrides that
+  count on a GPU pool. Either way every rank of a pod needs its own GPU: a pod runs
+  tensorParallelSize / nodes ranks (spec.py rejects a tp that nodes does not divide), so it needs
+  at least that many GPUs, and requests and limits of the resource must agree (Kubernetes'
+  rule for extended resources);
+- a multi-node pool (nodes > 1) is a LeaderWorkerSet `<name>-<pool>-group` whose StatefulSets
+  are named `<lws>-<group index>`; a StatefulSet name must leave room for its pods'
+  `controller-revision-hash` label (63 characters), which allows 52, so the InferenceService's
+  name must be shorter than for a Deployment pool.
 
 All problems are collected into one message, each with the numbers and the remedy.
 """
@@ -34,6 +42,9 @@ MAX_NAME_LENGTH = 63 - len(LONGEST_SUFFIX)
 GiB = Decimal(1024**3)
 MIN_HEADROOM = Decimal(256 * 1024**2)
 GPU_RESOURCE = "nvidia.com/gpu"
+GROUP_SUFFIX = "-group"  # a multi-node pool's LeaderWorkerSet: <name>-<pool>-group (render_pods.workload_name)
+MAX_STATEFULSET_NAME = 52  # 63 for the controller-revision-hash label, minus "-" and a 10-character hash
+MAX_GROUP_INDEX_DIGITS = 3  # replicas <= 1000: the worker StatefulSets <lws>-0 ... <lws>-999
 
 
 class InvalidSpecError(ConfigError):
@@ -46,8 +57,8 @@ def check_spec(spec: InferenceServiceSpec, name: str, settings: OperatorSettings
         pool: PoolSpec = getattr(spec, role)
         problems += _autoscaling_problems(spec, role, settings)
         problems += _memory_problems(pool, role, spec.engine.kv_cache_memory_gib)
-        if GPU_RESOURCE in pool.resources.limits or GPU_RESOURCE in pool.resources.requests:
-            problems.append(f"{role}.resources must not name {GPU_RESOURCE}: set {role}.gpus instead")
+        problems += _gpu_problems(pool, role)
+        problems += _group_name_problems(name, pool, role)
     problems += _planner_problems(spec, settings)
     if spec.security.insecure and not settings.security.allow_insecure:
         problems.append(
@@ -127,4 +138,41 @@ def _memory_problems(pool: PoolSpec, role: str, kv_cache_gib: float) -> list[str
         f"engine.kvCacheMemoryGiB={kv_cache_gib} plus 0.25 GiB for weights and runtime needs "
         f"{needed / GiB:.2f} GiB but {role}.resources.limits.memory is {limit} ({limit_bytes / GiB:.2f} GiB): "
         "raise the memory limit or lower kvCacheMemoryGiB"
+    ]
+
+
+def _gpu_problems(pool: PoolSpec, role: str) -> list[str]:
+    named = {
+        k: v.get(GPU_RESOURCE) for k, v in (("requests", pool.resources.requests), ("limits", pool.resources.limits))
+    }
+    counts = {k: int(parse_quantity(v)) for k, v in named.items() if v is not None}
+    if counts and pool.gpus == 0:
+        return [f"{role}.resources must not name {GPU_RESOURCE}: set {role}.gpus instead"]
+    if len(set(counts.values())) > 1:
+        return [
+            f"{role}.resources names {GPU_RESOURCE} {counts['requests']} in requests but {counts['limits']} in "
+            "limits: Kubernetes needs them equal (or name it in limits only)"
+        ]
+    ranks = pool.ranks_per_pod
+    have, source = (min(counts.values()), f"{role}.resources {GPU_RESOURCE}") if counts else (pool.gpus, f"{role}.gpus")
+    if pool.gpus == 0 or have >= ranks:
+        return []
+    return [
+        f"{source} is {have} but each pod runs {ranks} ranks (tensorParallelSize {pool.tensor_parallel_size} / "
+        f"nodes {pool.nodes}) and every rank needs its own GPU: set it to {ranks} (or {role}.gpus to 0 to run the "
+        "ranks on CPU)"
+    ]
+
+
+def _group_name_problems(name: str, pool: PoolSpec, role: str) -> list[str]:
+    if not pool.is_multi_node:
+        return []
+    lws = f"{name}-{role}{GROUP_SUFFIX}"
+    longest = MAX_STATEFULSET_NAME - 1 - MAX_GROUP_INDEX_DIGITS
+    if len(lws) <= longest:
+        return []
+    return [
+        f"{role}.nodes {pool.nodes} makes a LeaderWorkerSet {lws!r} ({len(lws)} characters) whose StatefulSets "
+        f"'<name>-<group index>' must fit in {MAX_STATEFULSET_NAME} characters: at most {longest} characters "
+        f"for it, so metadata.name may have at most {longest - len(lws) + len(name)}; choose a shorter name"
     ]

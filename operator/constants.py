@@ -15,6 +15,9 @@ SHORT_NAMES = ("isvc", "ssvc")
 GRPC_PORT = 50051
 METRICS_PORT = 9090
 KV_PORT = 13337
+# A multi-node worker's rendezvous: the leader pod (node rank 0) listens here for the other pods'
+# ranks (torch.distributed's TCP store; torchrun's default port).
+DIST_PORT = 29500
 # UCX's TCP transport listens on ports of its own beside KV_PORT (its connection manager's
 # port); the workers pin them to this range (UCX_TCP_PORT_RANGE) so the NetworkPolicy can allow them.
 UCX_TCP_PORTS = (13340, 13399)
@@ -42,6 +45,14 @@ APP_NAME = "splitserve"
 MANAGER = "splitserve-operator"
 # Set by Kubernetes' EndpointSlice controller on every slice of a Service.
 LABEL_SERVICE_NAME = "kubernetes.io/service-name"
+
+# LeaderWorkerSet (leaderworkerset.x-k8s.io/v1) for multi-node workers: the label its controller
+# puts on every pod of a group (0 on the leader), and the variables its webhook gives each container.
+LWS_API_VERSION = "leaderworkerset.x-k8s.io/v1"
+LWS_KIND = "LeaderWorkerSet"
+LABEL_LWS_WORKER_INDEX = "leaderworkerset.sigs.k8s.io/worker-index"
+LWS_LEADER_ADDRESS_ENV = "LWS_LEADER_ADDRESS"
+LWS_WORKER_INDEX_ENV = "LWS_WORKER_INDEX"
 
 ANNOTATION_REPLICAS_OWNER = f"{API_GROUP}/replicas-owner"
 ANNOTATION_CONFIG_HASH = f"{API_GROUP}/config-hash"

@@ -49,6 +49,23 @@ class Context:
             labels[C.LABEL_ROLE] = component
         return labels
 
+    def workload(self, pool: str) -> tuple[str, str, str]:
+        """(apiVersion, kind, name) of a worker pool: a Deployment `<name>-<pool>` of one-pod workers, or, when
+        the pool's workers span nodes, a LeaderWorkerSet `<name>-<pool>-group` (its own name: the LeaderWorkerSet
+        controller creates a headless Service named after it, which the pool's Service `<name>-<pool>` must not be)."""
+        if getattr(self.spec, pool).is_multi_node:
+            return C.LWS_API_VERSION, C.LWS_KIND, self.child(f"{pool}-group")
+        return "apps/v1", "Deployment", self.child(pool)
+
+    def serving_selector(self, pool: str) -> dict[str, str]:
+        """The pods of a pool that serve: every pod of a Deployment pool, the leaders (worker index 0, the label the
+        LeaderWorkerSet controller sets) of a multi-node one. The pool's Service, the InferencePool, the planner and
+        the autoscaler queries select these, so a group of pods counts as one worker."""
+        selector = self.selector(pool)
+        if getattr(self.spec, pool).is_multi_node:
+            selector[C.LABEL_LWS_WORKER_INDEX] = "0"
+        return selector
+
     def owner_reference(self) -> dict[str, Any]:
         return {
             "apiVersion": f"{C.API_GROUP}/{C.API_VERSION}",

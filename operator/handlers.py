@@ -1,7 +1,9 @@
 """The kopf wiring: which events run a reconcile, and what kopf is told about the outcome.
 
-    create / update / resume  -> reconcile; invalid spec -> kopf.PermanentError (no retry until
-                                 the spec changes); children not ready -> kopf.TemporaryError
+    create / update / resume  -> reconcile; invalid spec -> a Warning Event InvalidSpec with the
+                                 status's message (`kubectl describe` shows it), then
+                                 kopf.PermanentError (no retry until the spec changes);
+                                 children not ready -> kopf.TemporaryError
                                  with a delay (kopf retries the handler, which re-observes)
     timer (resyncSeconds)     -> reconcile; a deleted or edited child is restored, the status
                                  follows the pods; problems are already in the status, so the
@@ -82,9 +84,10 @@ def build_registry(settings: OperatorSettings, kubeconfig: str | None = None) ->
     @kopf.on.create(*RESOURCE, registry=registry, id="reconcile")
     @kopf.on.update(*RESOURCE, registry=registry, id="reconcile")
     @kopf.on.resume(*RESOURCE, registry=registry, id="reconcile")
-    def on_change(namespace: str, name: str, **_: Any) -> None:
+    def on_change(namespace: str, name: str, body: kopf.Body, **_: Any) -> None:
         outcome = reconciler.run(namespace, name)
         if outcome.invalid:
+            kopf.warn(body, reason="InvalidSpec", message=outcome.invalid)
             raise kopf.PermanentError(f"invalid InferenceService: {outcome.invalid}")
         if outcome.waiting:
             raise kopf.TemporaryError(f"not ready yet: {outcome.waiting}", delay=retry)

@@ -34,6 +34,7 @@ KINDS = [
         ("rbac.authorization.k8s.io/v1", "RoleBinding", "rolebindings"),
         ("v1", "Service", "services"),
         ("apps/v1", "Deployment", "deployments"),
+        (C.LWS_API_VERSION, C.LWS_KIND, "leaderworkersets"),
         ("inference.networking.k8s.io/v1", "InferencePool", "inferencepools"),
         ("gateway.networking.k8s.io/v1", "HTTPRoute", "httproutes"),
         ("policy/v1", "PodDisruptionBudget", "poddisruptionbudgets"),

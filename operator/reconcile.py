@@ -5,7 +5,7 @@
     creds  = ensure_credentials(spec, now)       KV secret, CA, per-pool certificates (credentials.py)
     wanted = render(spec, creds' fingerprints)   pure
     result = apply_all(wanted)                   idempotent: no request when nothing differs
-    status = build_status(live Deployments,      written only when it changed
+    status = build_status(live workloads,        written only when it changed
                           the router's adapter report on its ConfigMap)
 
 Every trigger (create, update, resume, the periodic timer) runs the same function, so a child
@@ -36,7 +36,7 @@ from splitserve.operator.status import (
     build_status,
     is_ready,
     now_rfc3339,
-    observe_deployment,
+    observe_workload,
     parse_adapter_report,
     security_condition,
 )
@@ -114,9 +114,11 @@ def reconcile(
         message = f"{exc}: install it or change the InferenceService"
         _write_status(kube, body, blocked_status("MissingAPI", message, generation, body.get("status"), now_rfc3339()))
         return Outcome(waiting=message)
-    observations = {
-        pool: observe_deployment(result.live.get(("Deployment", ctx.child(pool)))) for pool in (*ctx.pools, "router")
-    }
+    observations = {}
+    for pool in ctx.pools:
+        _, kind, name = ctx.workload(pool)
+        observations[pool] = observe_workload(result.live.get((kind, name)), kind)
+    observations["router"] = observe_workload(result.live.get(("Deployment", ctx.child("router"))))
     observations.setdefault("prefill", None)
     router_cm = result.live.get(("ConfigMap", ctx.child("router"))) or {}
     annotations = router_cm.get("metadata", {}).get("annotations") or {}

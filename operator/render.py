@@ -13,6 +13,7 @@ disaggregation.mode is never):
     Service (headless)                             <name>-<pool>, <name>-router
     Service (gateway)                              <name>
     Deployment                                     <name>-<pool>, <name>-router
+    LeaderWorkerSet (instead of the Deployment)    <name>-<pool>-group   when the pool's workers span nodes
     PodDisruptionBudget                            <name>-<pool>, <name>-router
     ScaledObject (KEDA) or HorizontalPodAutoscaler <name>-<pool>   when the pool is autoscaled (none with
                                                    provider planner and chart autoscaling.plannerExport scale)
@@ -61,12 +62,10 @@ def render(
     out += render_services.services(ctx)
     gateway = render_gateway.manifests(ctx)
     out += [m for m in gateway if m["kind"] in ("ConfigMap", "Service")]
-    workers = [render_pods.worker_deployment(ctx, pool) for pool in ctx.pools]
+    workers = {pool: render_pods.worker_workload(ctx, pool) for pool in ctx.pools}
     if gateway:
-        workers = [
-            render_gateway.with_sidecar(ctx, d) if d["metadata"]["name"] == ctx.child("decode") else d for d in workers
-        ]
-    out += workers
+        workers["decode"] = render_gateway.with_sidecar(ctx, workers["decode"])
+    out += workers.values()
     out.append(render_pods.router_deployment(ctx))
     out += [m for m in gateway if m["kind"] not in ("ConfigMap", "Service")]
     out += render_scaling.disruption_budgets(ctx)

@@ -1,6 +1,7 @@
 """Builders for `spec.gateway.mode: inferencePool`: splitserve behind a Gateway API inference gateway.
 
-    InferencePool (inference.networking.k8s.io/v1) <name>   selector: the decode pods; targetPorts: the
+    InferencePool (inference.networking.k8s.io/v1) <name>   selector: the decode pods (a multi-node pool's
+                                                            leaders only); targetPorts: the
                                                             sidecar port; endpointPickerRef: <name>-epp:9002
                                                             with spec.gateway.failureMode
     ConfigMap  <name>-epp        epp.yaml (the router's config without its adapter duties: the router
@@ -72,7 +73,7 @@ def inference_pool(ctx: Context) -> Manifest:
         "kind": "InferencePool",
         "metadata": ctx.meta(ctx.name, "inference-pool"),
         "spec": {
-            "selector": {"matchLabels": ctx.selector("decode")},
+            "selector": {"matchLabels": ctx.serving_selector("decode")},
             "targetPorts": [{"number": ctx.spec.gateway.sidecar_port}],
             "endpointPickerRef": {
                 "name": ctx.child("epp"),
@@ -201,10 +202,11 @@ def gateway_peers(ctx: Context) -> list[dict]:
     return peers
 
 
-def with_sidecar(ctx: Context, deployment: Manifest) -> Manifest:
-    """The decode Deployment with the P/D sidecar beside its worker (a copy; the input is not changed)."""
-    out = copy.deepcopy(deployment)
-    pod = out["spec"]["template"]["spec"]
+def with_sidecar(ctx: Context, workload: Manifest) -> Manifest:
+    """The decode pool with the P/D sidecar beside the worker of each serving pod (a Deployment's pods, a
+    LeaderWorkerSet's leaders); a copy, the input is not changed."""
+    out = copy.deepcopy(workload)
+    pod = pods.serving_template(out)["spec"]
     worker = pod["containers"][0]
     port = ctx.spec.gateway.sidecar_port
     mounts = [m for m in worker.get("volumeMounts", []) if m["name"] == "tmp"]

@@ -14,6 +14,12 @@ and a policy there adds breakage without protecting the workers):
                       (default: every pod of the namespace and the ingress controller's namespace)
         metrics       from the monitoring peer
 
+A pool whose workers span nodes (a LeaderWorkerSet) gets one more policy, because its ranks
+talk to each other on ports torch.distributed and NCCL pick at run time:
+
+    <name>-<pool>-ranks   pods: the pool's pods
+        every port    from the pool's own pods
+
 With spec.gateway.mode inferencePool (render_gateway.py) the inference gateway's proxies are
 gateway peers (spec.networkPolicy.gatewayFrom, else the chart's workloads.inferenceGatewayFrom,
 else the proxy pods of spec.gateway.parentRefs, by the labels Gateway API implementations put on
@@ -73,6 +79,12 @@ def _policy(ctx: Context, component: str, pods: dict[str, Any], ingress: list[di
     }
 
 
+def _ranks_policy(ctx: Context, pool: str) -> Manifest:
+    """Every port between the pods of one multi-node pool (its ranks' collectives)."""
+    group = {"matchLabels": ctx.selector(pool)}
+    return _policy(ctx, f"{pool}-ranks", group, [{"from": [{"podSelector": group}]}])
+
+
 def network_policies(ctx: Context) -> list[Manifest]:
     """The two policies above; none when spec.networkPolicy.enabled is false."""
     if not ctx.spec.network_policy.enabled:
@@ -104,4 +116,5 @@ def network_policies(ctx: Context) -> list[Manifest]:
             worker_rules.insert(2, {"from": sources, "ports": _ports(render_gateway.SIDECAR_PORT_NAME)})
         epp = [{"from": sources, "ports": _ports(C.GRPC_PORT_NAME)}] if sources else []
         out.append(_policy(ctx, "epp", {"matchLabels": ctx.selector("epp")}, [*epp, monitoring]))
-    return [_policy(ctx, "workers", _workers_selector(ctx), worker_rules), *out]
+    ranks = [_ranks_policy(ctx, pool) for pool in ctx.pools if getattr(ctx.spec, pool).is_multi_node]
+    return [_policy(ctx, "workers", _workers_selector(ctx), worker_rules), *out, *ranks]

@@ -7,14 +7,16 @@ ConfigMap; the operator's garbage collection removes it with the InferenceServic
 provider changes, so a service leaves the planner's care exactly when this object goes.
 
     config.json    what is effective after the chart's defaults: spec.slo, each pool's
-                   Deployment, pod selector and min/max replicas, the router's pod selector,
+                   workload (its Deployment, or LeaderWorkerSet when its workers span nodes),
+                   the selector of its serving pods (a LeaderWorkerSet's leaders: a group of pods
+                   is one replica) and min/max replicas, the router's pod selector,
                    the metrics ports, the export (keda | scale, chart autoscaling.plannerExport)
                    and spec.slo.profileConfigMap if the service names its own capacity profile
     profile.json   the chart's default capacity profile (autoscaling.plannerProfile, the JSON
                    of `splitserve profile`), when the service names none and the chart has one
 
 Export `keda`: render_scaling.py adds a ScaledObject with a metrics-api trigger per pool.
-Export `scale`: no autoscaler object at all; the planner writes the Deployments' scale
+Export `scale`: no autoscaler object at all; the planner writes the workloads' scale
 subresource, and apply.py leaves their replicas alone (annotation replicas-owner: planner).
 """
 
@@ -35,8 +37,8 @@ def planned(ctx: Context) -> bool:
     )
 
 
-def _selector(ctx: Context, component: str) -> str:
-    return ",".join(f"{k}={v}" for k, v in ctx.selector(component).items())
+def _selector(labels: dict[str, str]) -> str:
+    return ",".join(f"{k}={v}" for k, v in labels.items())
 
 
 def planner_config(ctx: Context) -> dict:
@@ -44,9 +46,10 @@ def planner_config(ctx: Context) -> dict:
     pools = {}
     for pool in ctx.pools:
         auto = ctx.autoscaling(pool)
+        api_version, kind, name = ctx.workload(pool)
         pools[pool] = {
-            "deployment": ctx.child(pool),
-            "selector": _selector(ctx, pool),
+            "workload": {"apiVersion": api_version, "kind": kind, "name": name},
+            "selector": _selector(ctx.serving_selector(pool)),
             "minReplicas": auto.min_replicas,
             "maxReplicas": auto.max_replicas,
         }
@@ -55,7 +58,7 @@ def planner_config(ctx: Context) -> dict:
         "slo": {"ttftP90Ms": slo.ttft_p90_ms, "itlP90Ms": slo.itl_p90_ms},
         "export": ctx.settings.autoscaling.planner_export,
         "pools": pools,
-        "router": {"selector": _selector(ctx, "router"), "metricsPort": C.ROUTER_METRICS_PORT},
+        "router": {"selector": _selector(ctx.selector("router")), "metricsPort": C.ROUTER_METRICS_PORT},
         "workerMetricsPort": C.METRICS_PORT,
         "profileConfigMap": slo.profile_config_map,
     }

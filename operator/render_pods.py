@@ -1,4 +1,5 @@
-"""Builders for the three Deployments: the prefill and decode worker pools and the router.
+"""Builders for the worker pools (a Deployment each, or a LeaderWorkerSet when a pool's workers span
+nodes) and the router's Deployment.
 
 Every pod runs as a non-root user on a read-only root filesystem with all capabilities
 dropped; what must be writable is an emptyDir (/tmp, and /dev/shm in memory for torch and
@@ -12,6 +13,18 @@ Replicas: a pool without autoscaling gets `spec.replicas`; an autoscaled pool ge
 `minReplicas` and the annotation `serving.splitserve.io/replicas-owner: keda|hpa|planner`, which
 tells apply.py to set replicas only when it creates the Deployment and never afterwards.
 
+Tensor parallelism (spec.<pool>.tensorParallelSize, nodes): a worker is `nodes` pods that run
+tensorParallelSize / nodes ranks each, so each pod gets that many GPUs (`gpus`, or an
+`nvidia.com/gpu` in `resources`; checks.py makes sure every rank has one), a /dev/shm of 1 GiB
+per rank, and the engine's TP flags (parallel_args). nodes 1 keeps the Deployment. nodes > 1
+renders a LeaderWorkerSet (leaderworkerset.x-k8s.io/v1, `Context.workload`): `replicas` groups of
+`size: nodes` pods, created together and recreated together when one of them restarts. Its
+leader template is the pool's pod as a Deployment would run it (probes, ports, the P/D
+sidecar); its worker template runs the same command without probes or ports, since only the
+leader serves. Each pod passes `--node-rank $(LWS_WORKER_INDEX) --master-addr
+$(LWS_LEADER_ADDRESS)`, the variables the LeaderWorkerSet webhook gives every container (the
+leader's address is its name in the set's own headless Service, resolvable before it is ready).
+
 Security (secure by default): every worker gets `--kv-secret-file` and every pod the mTLS
 flags, from the spec's own Secrets or, where it names none, from the ones credentials.py
 manages; only `spec.security.insecure: true` leaves them out. A pod template carries the
@@ -20,6 +33,7 @@ fingerprint of its issued certificate, so a renewal rolls the pool.
 
 from __future__ import annotations
 
+import copy
 import math
 from typing import Any
 
@@ -39,6 +53,10 @@ CPU_WORKER_HEADROOM_GIB = (1.0, 2.0)  # over engine.kvCacheMemoryGiB: weights, a
 GPU_HOST_MEMORY_GIB = (16.0, 32.0)  # host memory of a GPU worker (weights pass through it on load)
 ROUTER_RESOURCES = {"requests": {"cpu": "500m", "memory": "512Mi"}, "limits": {"memory": "2Gi"}}
 TMP_SIZE = {"worker": "4Gi", "router": "1Gi"}  # the /tmp emptyDir (compiler caches, HOME)
+# Per extra rank of a tensor-parallel pod: its /dev/shm (torch's shared tensors, the step plan
+# sent to the ranks, NCCL's buffers) and a process's runtime, in GiB of the pod's memory.
+SHM_GIB_PER_RANK = 1
+RANK_HEADROOM_GIB = 1.5
 
 
 def _field_env(name: str, path: str) -> dict[str, Any]:
@@ -63,8 +81,8 @@ def _resources(resources: Resources, defaults: dict[str, dict[str, str]], gpus: 
         and parse_quantity(requests["memory"]) > parse_quantity(limits["memory"])
     ):
         limits["memory"] = requests["memory"]
-    if gpus:
-        limits[GPU_RESOURCE] = gpus
+    if gpus:  # an nvidia.com/gpu the spec names overrides `gpus` (checks.py: at least one per rank)
+        limits.setdefault(GPU_RESOURCE, requests.get(GPU_RESOURCE, gpus))
     return {"requests": requests, "limits": limits}
 
 
@@ -78,15 +96,17 @@ def worker_resource_defaults(ctx: Context, pool_spec: PoolSpec) -> dict[str, dic
     memory (GPU pools) or in a memory-backed emptyDir (CPU pools) counts in the limit."""
     kv = ctx.kv_cache()
     host_tier = kv.tier_gib if (pool_spec.gpus > 0 or kv.tier_medium == "memory") else 0
+    ranks = pool_spec.ranks_per_pod
+    ranks_gib = (ranks - 1) * RANK_HEADROOM_GIB
     if pool_spec.gpus > 0:
         return {
-            "requests": {"cpu": "2", "memory": _mib(GPU_HOST_MEMORY_GIB[0] + host_tier)},
-            "limits": {"memory": _mib(GPU_HOST_MEMORY_GIB[1] + host_tier)},
+            "requests": {"cpu": str(2 * ranks), "memory": _mib(GPU_HOST_MEMORY_GIB[0] + ranks_gib + host_tier)},
+            "limits": {"memory": _mib(GPU_HOST_MEMORY_GIB[1] + ranks_gib + host_tier)},
         }
     kv_gib = ctx.spec.engine.kv_cache_memory_gib
     return {
-        "requests": {"cpu": "1", "memory": _mib(kv_gib + CPU_WORKER_HEADROOM_GIB[0])},
-        "limits": {"memory": _mib(kv_gib + CPU_WORKER_HEADROOM_GIB[1] + host_tier)},
+        "requests": {"cpu": str(ranks), "memory": _mib(kv_gib + CPU_WORKER_HEADROOM_GIB[0] + ranks_gib)},
+        "limits": {"memory": _mib(kv_gib + CPU_WORKER_HEADROOM_GIB[1] + ranks_gib + host_tier)},
     }
 
 
@@ -114,10 +134,10 @@ def _probes(port: str) -> dict[str, Any]:
     }
 
 
-def _volumes(ctx: Context, tmp_size: str) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+def _volumes(ctx: Context, tmp_size: str, shm_gib: int = 1) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     volumes = [
         {"name": "tmp", "emptyDir": {"sizeLimit": tmp_size}},
-        {"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": "1Gi"}},
+        {"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": f"{shm_gib}Gi"}},
     ]
     mounts = [{"name": "tmp", "mountPath": "/tmp"}, {"name": "shm", "mountPath": "/dev/shm"}]
     storage = ctx.spec.model.storage
@@ -279,7 +299,29 @@ def worker_args(ctx: Context, pool: str) -> list[str]:
     args += kv_cache_args(ctx.kv_cache(), pool_spec.gpus)
     if effective_flow_control(spec.flow_control, ctx.settings).enabled:  # the router sends each request's band
         args += ["--scheduling-policy", "priority"]
+    args += parallel_args(pool_spec)
     return args + (["--device", "cuda"] if pool_spec.gpus > 0 else [])
+
+
+def parallel_args(pool_spec: PoolSpec) -> list[str]:
+    """The engine's tensor-parallel flags: the ranks of one worker and, for a worker spanning pods, the group's
+    size, this pod's node rank and the rendezvous on the leader (from the LeaderWorkerSet's variables, which
+    the kubelet expands in `$(...)`). None at tensorParallelSize 1."""
+    if pool_spec.tensor_parallel_size == 1:
+        return []
+    args = ["--tensor-parallel-size", str(pool_spec.tensor_parallel_size)]
+    if pool_spec.is_multi_node:
+        args += [
+            "--nnodes",
+            str(pool_spec.nodes),
+            "--node-rank",
+            f"$({C.LWS_WORKER_INDEX_ENV})",
+            "--master-addr",
+            f"$({C.LWS_LEADER_ADDRESS_ENV})",
+            "--master-port",
+            str(C.DIST_PORT),
+        ]
+    return args
 
 
 def kv_cache_args(kv: KvCacheDefaults, gpus: int) -> list[str]:
@@ -335,6 +377,13 @@ def _anti_affinity(ctx: Context, component: str) -> dict[str, Any]:
     }
 
 
+def _template(ctx: Context, component: str, pod: dict[str, Any], annotations: dict[str, str] | None) -> Manifest:
+    meta: dict[str, Any] = {"labels": ctx.labels(component)}
+    if annotations:
+        meta["annotations"] = annotations
+    return {"metadata": meta, "spec": pod}
+
+
 def _deployment(
     ctx: Context,
     component: str,
@@ -343,9 +392,6 @@ def _deployment(
     pod: dict[str, Any],
     pod_annotations: dict[str, str] | None = None,
 ) -> Manifest:
-    template_meta: dict[str, Any] = {"labels": ctx.labels(component)}
-    if pod_annotations:
-        template_meta["annotations"] = pod_annotations
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
@@ -354,27 +400,48 @@ def _deployment(
             "replicas": replicas,
             "revisionHistoryLimit": 3,
             "selector": {"matchLabels": ctx.selector(component)},
-            "template": {"metadata": template_meta, "spec": pod},
+            "template": _template(ctx, component, pod, pod_annotations),
         },
     }
 
 
-def worker_deployment(ctx: Context, pool: str) -> Manifest:
+def _leader_worker_set(
+    ctx: Context, pool: str, replicas: int, owner: str, leader: dict[str, Any], annotations: dict[str, str]
+) -> Manifest:
+    """A LeaderWorkerSet of `replicas` groups, `nodes` pods each: the leader serves, the others run ranks only."""
+    api_version, kind, name = ctx.workload(pool)
+    follower = copy.deepcopy(leader)
+    for container in follower["containers"]:
+        for key in ("ports", "startupProbe", "livenessProbe", "readinessProbe"):
+            container.pop(key, None)
+    return {
+        "apiVersion": api_version,
+        "kind": kind,
+        "metadata": ctx.meta(name, pool, {C.ANNOTATION_REPLICAS_OWNER: owner}),
+        "spec": {
+            "replicas": replicas,
+            "startupPolicy": "LeaderCreated",  # the leader's address resolves before it is ready
+            "rolloutStrategy": {"type": "RollingUpdate"},
+            "leaderWorkerTemplate": {
+                "size": getattr(ctx.spec, pool).nodes,
+                "restartPolicy": "RecreateGroupOnPodRestart",  # a lost rank takes its whole group down
+                "leaderTemplate": _template(ctx, pool, leader, annotations),
+                "workerTemplate": _template(ctx, pool, follower, annotations),
+            },
+        },
+    }
+
+
+def serving_template(workload: Manifest) -> Manifest:
+    """The pod template of a pool's serving pods: a Deployment's, or a LeaderWorkerSet's leader template."""
+    if workload["kind"] == C.LWS_KIND:
+        return workload["spec"]["leaderWorkerTemplate"]["leaderTemplate"]
+    return workload["spec"]["template"]
+
+
+def _worker_container(ctx: Context, pool: str, mounts: list[dict[str, Any]]) -> dict[str, Any]:
     pool_spec: PoolSpec = getattr(ctx.spec, pool)
-    auto = ctx.autoscaling(pool)
-    volumes, mounts = _volumes(ctx, TMP_SIZE["worker"])
-    _add_tls(ctx, pool, volumes, mounts)
-    _add_kv_tier(ctx, pool_spec, volumes, mounts)
-    auth = kv_secret_ref(ctx)
-    if auth is not None:
-        volumes.append(
-            {
-                "name": "kv-secret",
-                "secret": {"secretName": auth[0], "defaultMode": 0o440, "items": [{"key": auth[1], "path": "secret"}]},
-            }
-        )
-        mounts.append({"name": "kv-secret", "mountPath": KV_SECRET_DIR, "readOnly": True})
-    container = {
+    return {
         "name": "worker",
         "image": ctx.image(pool_spec.image, pool_spec.gpus),
         "imagePullPolicy": ctx.spec.image.pull_policy,
@@ -391,6 +458,24 @@ def worker_deployment(ctx: Context, pool: str) -> Manifest:
         "securityContext": CONTAINER_SECURITY,
         "volumeMounts": mounts,
     }
+
+
+def worker_workload(ctx: Context, pool: str) -> Manifest:
+    """The pool's Deployment, or its LeaderWorkerSet when its workers span nodes (Context.workload)."""
+    pool_spec: PoolSpec = getattr(ctx.spec, pool)
+    auto = ctx.autoscaling(pool)
+    volumes, mounts = _volumes(ctx, TMP_SIZE["worker"], SHM_GIB_PER_RANK * pool_spec.ranks_per_pod)
+    _add_tls(ctx, pool, volumes, mounts)
+    _add_kv_tier(ctx, pool_spec, volumes, mounts)
+    auth = kv_secret_ref(ctx)
+    if auth is not None:
+        volumes.append(
+            {
+                "name": "kv-secret",
+                "secret": {"secretName": auth[0], "defaultMode": 0o440, "items": [{"key": auth[1], "path": "secret"}]},
+            }
+        )
+        mounts.append({"name": "kv-secret", "mountPath": KV_SECRET_DIR, "readOnly": True})
     pod = {
         "automountServiceAccountToken": False,
         "enableServiceLinks": False,
@@ -399,10 +484,12 @@ def worker_deployment(ctx: Context, pool: str) -> Manifest:
         "affinity": _anti_affinity(ctx, pool),
         "nodeSelector": dict(pool_spec.node_selector),
         "tolerations": _tolerations(pool_spec.tolerations, pool_spec.gpus),
-        "containers": [container],
+        "containers": [_worker_container(ctx, pool, mounts)],
         "volumes": volumes,
     }
     replicas, owner = (auto.min_replicas, auto.provider) if auto.enabled else (pool_spec.replicas, "operator")
+    if pool_spec.is_multi_node:
+        return _leader_worker_set(ctx, pool, replicas, owner, _drop_empty(pod), _tls_revision(ctx, pool))
     return _deployment(ctx, pool, replicas, owner, _drop_empty(pod), _tls_revision(ctx, pool))
 
 

@@ -25,6 +25,12 @@ scales on its own queue so that the replicas average `targetQueueDepth` waiting 
   documented in docs/operator.md. With the chart's autoscaling.plannerExport `scale` (no KEDA)
   there is no autoscaler object: the planner writes the Deployments' scale subresource.
 
+Multi-node pools (a LeaderWorkerSet, render_pods.py) scale by groups: the autoscaler targets the
+LeaderWorkerSet's scale subresource, whose replicas are groups and whose pod selector
+(status.hpaPodSelector) selects the leaders; the query sums the leaders' queues, since only a
+leader serves and exports the group's metrics. So a worker of N pods counts once, for KEDA, the
+HPA and the planner alike.
+
 PodDisruptionBudgets allow one voluntary disruption per pool at a time (maxUnavailable 1),
 so a node drain never takes a whole pool down while each drained worker finishes its work.
 """
@@ -47,8 +53,15 @@ def format_threshold(value: float) -> str:
     return str(int(value)) if float(value).is_integer() else repr(float(value))
 
 
+def serving_pods(ctx: Context, pool: str) -> str:
+    """A regex of the names of a pool's serving pods: `<deployment>-<hash>-<id>`, or a LeaderWorkerSet's leaders
+    `<lws>-<group index>` (its other pods, `<lws>-<group index>-<worker index>`, do not match: the regex is whole)."""
+    _, kind, name = ctx.workload(pool)
+    return f"{name}-[0-9]+" if kind == C.LWS_KIND else f"{name}-[a-z0-9]+-[a-z0-9]+"
+
+
 def queue_query(ctx: Context, pool: str) -> str:
-    pods = f"{ctx.child(pool)}-[a-z0-9]+-[a-z0-9]+"
+    pods = serving_pods(ctx, pool)
     query = f'sum({C.QUEUE_METRIC}{{namespace="{ctx.namespace}",pod=~"{pods}"}})'
     if pool != "decode" or not effective_flow_control(ctx.spec.flow_control, ctx.settings).enabled:
         return query
@@ -62,7 +75,8 @@ def queue_query(ctx: Context, pool: str) -> str:
 
 
 def _target(ctx: Context, pool: str) -> dict[str, str]:
-    return {"apiVersion": "apps/v1", "kind": "Deployment", "name": ctx.child(pool)}
+    api_version, kind, name = ctx.workload(pool)
+    return {"apiVersion": api_version, "kind": kind, "name": name}
 
 
 def scaled_object(ctx: Context, pool: str, auto: Autoscaling) -> Manifest:

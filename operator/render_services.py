@@ -2,7 +2,8 @@
 Services.
 
 The pool Services are headless (`clusterIP: None`): the router talks to each worker
-directly, so it needs every endpoint, not a virtual IP. Kubernetes' EndpointSlice controller
+directly, so it needs every endpoint, not a virtual IP. A multi-node pool's Service selects
+the group leaders only (Context.serving_selector): one endpoint per worker. Kubernetes' EndpointSlice controller
 labels each slice of a Service with `kubernetes.io/service-name=<service>` and names its
 ports after the Service's port names; the router's discovery lists the slices by that label
 and takes the port named `grpc` (endpoints.py builds the same slices for tests). The router
@@ -169,12 +170,14 @@ def worker_ports() -> list[dict[str, Any]]:
     ]
 
 
-def headless_service(ctx: Context, component: str, ports: list[dict[str, Any]]) -> Manifest:
+def headless_service(
+    ctx: Context, component: str, ports: list[dict[str, Any]], selector: dict[str, str] | None = None
+) -> Manifest:
     return {
         "apiVersion": "v1",
         "kind": "Service",
         "metadata": ctx.meta(ctx.child(component), component),
-        "spec": {"clusterIP": "None", "selector": ctx.selector(component), "ports": ports},
+        "spec": {"clusterIP": "None", "selector": selector or ctx.selector(component), "ports": ports},
     }
 
 
@@ -191,5 +194,5 @@ def gateway_service(ctx: Context) -> Manifest:
 
 def services(ctx: Context) -> list[Manifest]:
     router_ports = [_port(C.HTTP_PORT_NAME, C.ROUTER_HTTP_PORT), _port(C.METRICS_PORT_NAME, C.ROUTER_METRICS_PORT)]
-    out = [headless_service(ctx, pool, worker_ports()) for pool in ctx.pools]
+    out = [headless_service(ctx, pool, worker_ports(), ctx.serving_selector(pool)) for pool in ctx.pools]
     return [*out, headless_service(ctx, "router", router_ports), gateway_service(ctx)]

@@ -228,19 +228,42 @@ class EnvVar(_Spec):
 
 
 class Resources(_Spec):
-    """CPU and memory requests and limits of one container (GPUs: use `gpus`)."""
+    """CPU and memory requests and limits of one container. GPUs: use `gpus`; a GPU pool may name `nvidia.com/gpu`
+    here to override that count (at least the ranks each pod runs)."""
 
     requests: dict[str, Quantity] = {}
     limits: dict[str, Quantity] = {}
 
 
 class PoolSpec(_Spec):
-    """One worker pool (prefill or decode)."""
+    """One worker pool (prefill or decode). A replica is one worker: a group of `nodes` pods that together run
+    `tensorParallelSize` ranks of one engine (docs/operator.md, "Models larger than one device")."""
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                rule(
+                    "self.tensorParallelSize % self.nodes == 0",
+                    "tensorParallelSize must be divisible by nodes: each pod of a worker runs "
+                    "tensorParallelSize / nodes ranks",
+                ),
+            ]
+        }
+    )
 
     replicas: int = Field(1, ge=0, le=1000)
-    """Replicas when not autoscaled; with autoscaling the autoscaler owns the count."""
+    """Replicas (workers) when not autoscaled; with autoscaling the autoscaler owns the count. A worker with
+    `nodes` > 1 counts once, however many pods it has."""
     gpus: int = Field(0, ge=0, le=16)
-    """NVIDIA GPUs per worker; > 0 selects the CUDA image and adds the GPU toleration."""
+    """NVIDIA GPUs per pod; > 0 selects the CUDA image and adds the GPU toleration. With tensor parallelism every rank
+    needs its own GPU: at least tensorParallelSize / nodes."""
+    tensor_parallel_size: int = Field(1, ge=1, le=64)
+    """Ranks one worker splits the model across (the engine's --tensor-parallel-size): one GPU each on a GPU pool,
+    one process each on CPU."""
+    nodes: int = Field(1, ge=1, le=64)
+    """Pods (nodes) one worker spans. 1: a Deployment of single-pod workers. > 1: a LeaderWorkerSet whose groups of
+    `nodes` pods each run tensorParallelSize / nodes ranks; the leader pod (worker index 0) is the one the router,
+    the EPP and the KV peers talk to."""
     resources: Resources = Resources()
     node_selector: dict[str, Annotated[str, StringConstraints(max_length=63, pattern=LABEL_VALUE)]] = {}
     tolerations: list[Toleration] = Field([], max_length=32)
@@ -251,6 +274,26 @@ class PoolSpec(_Spec):
     termination_grace_period_seconds: int = Field(120, ge=0, le=3600)
     """SIGTERM drains a worker: no new requests, in-flight ones finish within this time."""
     autoscaling: AutoscalingSpec = AutoscalingSpec()
+
+    @model_validator(mode="after")
+    def _ranks_fit_the_pods(self) -> PoolSpec:
+        if self.tensor_parallel_size % self.nodes:
+            divisors = [n for n in range(1, self.tensor_parallel_size + 1) if self.tensor_parallel_size % n == 0]
+            raise ValueError(
+                f"tensorParallelSize {self.tensor_parallel_size} is not divisible by nodes {self.nodes}: each pod "
+                f"of a worker runs tensorParallelSize / nodes ranks; allowed nodes: {', '.join(map(str, divisors))}"
+            )
+        return self
+
+    @property
+    def ranks_per_pod(self) -> int:
+        """Engine ranks in each pod of a worker (each owns one GPU on a GPU pool)."""
+        return self.tensor_parallel_size // self.nodes
+
+    @property
+    def is_multi_node(self) -> bool:
+        """A worker spans several pods: the pool is a LeaderWorkerSet, not a Deployment."""
+        return self.nodes > 1
 
 
 class ScorerWeights(_Spec):

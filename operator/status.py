@@ -1,8 +1,9 @@
 """The InferenceService status: its schema (a pydantic model, rendered into the CRD) and the pure
 functions that compute it from the observed children.
 
-Algorithm: each pool's live Deployment is reduced to a PoolObservation (desired replicas as
-the Deployment says, which is the autoscaler's choice when one owns the pool; ready replicas;
+Algorithm: each pool's live workload (a Deployment, or a LeaderWorkerSet when its workers span
+nodes: the same fields, counted in groups) is reduced to a PoolObservation (desired replicas as
+the workload says, which is the autoscaler's choice when one owns the pool; ready replicas;
 whether its controller has seen the latest template). A pool is ready when it exists, its
 controller observed the current generation, and at least `desired` replicas are ready (a
 pool scaled to zero by KEDA counts as ready). Ready is the conjunction of PrefillReady,
@@ -76,17 +77,20 @@ class InferenceServiceStatus(_Status):
 
 @dataclass(frozen=True)
 class PoolObservation:
-    """One pool as its live Deployment shows it (None: the Deployment does not exist)."""
+    """One pool as its live workload shows it (exists False: the workload does not exist)."""
 
     exists: bool
     desired: int = 0
     ready: int = 0
     rolled_out: bool = False
+    kind: str = "Deployment"
 
 
-def observe_deployment(live: dict[str, Any] | None) -> PoolObservation:
+def observe_workload(live: dict[str, Any] | None, kind: str = "Deployment") -> PoolObservation:
+    """A Deployment or a LeaderWorkerSet: both keep spec.replicas, status.readyReplicas (a LeaderWorkerSet counts
+    groups whose pods are all ready) and status.observedGeneration."""
     if live is None:
-        return PoolObservation(exists=False)
+        return PoolObservation(exists=False, kind=kind)
     status = live.get("status") or {}
     generation = live.get("metadata", {}).get("generation")
     seen = status.get("observedGeneration")
@@ -96,6 +100,7 @@ def observe_deployment(live: dict[str, Any] | None) -> PoolObservation:
         desired=int(live.get("spec", {}).get("replicas", 1)),
         ready=int(status.get("readyReplicas") or 0),
         rolled_out=rolled_out,
+        kind=live.get("kind", kind),
     )
 
 
@@ -104,9 +109,9 @@ def pool_condition(role: str, obs: PoolObservation | None) -> tuple[bool, str, s
     if obs is None:
         return True, "NotRequired", f"no {role} pool: disaggregation.mode is never"
     if not obs.exists:
-        return False, "Creating", f"the {role} Deployment does not exist yet"
+        return False, "Creating", f"the {role} {obs.kind} does not exist yet"
     if not obs.rolled_out:
-        return False, "RollingOut", f"the {role} Deployment has not observed its latest template yet"
+        return False, "RollingOut", f"the {role} {obs.kind} has not observed its latest template yet"
     if obs.desired == 0:
         return True, "ScaledToZero", f"the {role} pool is scaled to zero"
     if obs.ready < obs.desired:

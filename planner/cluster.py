@@ -7,11 +7,12 @@
    (plan_loop.py): one control loop per InferenceService, created on first sight with the
    Deployments' current replicas as its targets, so a new leader continues where the old one
    stopped instead of restarting from the floor. A loop whose ConfigMap is gone is dropped.
-3. Per service: the Deployments and pods of both pools (pods.py: ready, pending, ages), the
+3. Per service: the workloads (Deployments, or LeaderWorkerSets counted in groups) and serving
+   pods of both pools (pods.py: ready, pending, ages), the
    /metrics of every ready router and worker pod at its pod IP (signals.py), the law's decision,
    published to the store (KEDA reads it) and, with export `scale`, written to each Deployment's
    scale subresource when it differs. The operator leaves a planner pool's replicas alone after
-   creating it, so the planner is that Deployment's one writer.
+   creating it, so the planner is that workload's one writer.
 One service's failure (a bad ConfigMap, an API error) is logged and held; the others go on.
 """
 
@@ -35,7 +36,6 @@ from splitserve.planner.server import DesiredStore
 from splitserve.platform.errors import ConfigError
 
 log = logging.getLogger(__name__)
-APPS = "/apis/apps/v1"
 
 
 def http_fetch(url: str) -> str:
@@ -100,12 +100,10 @@ class ClusterPlanner:
 
     def decide(self, plan: ServicePlan, now: float) -> None:
         key = (plan.namespace, plan.name)
-        deployments = {
-            p: self.kube.get(ns_path(APPS, plan.namespace, "deployments", plan.pool(p).deployment)) for p in POOLS
-        }
-        if any(d is None for d in deployments.values()):
-            raise ConfigError("its Deployments do not exist yet")
-        replicas = {p: int(d["spec"].get("replicas") or 0) for p, d in deployments.items()}
+        workloads = {p: self.kube.get(plan.pool(p).workload.path(plan.namespace)) for p in POOLS}
+        if any(w is None for w in workloads.values()):
+            raise ConfigError("its workloads (Deployments or LeaderWorkerSets) do not exist yet")
+        replicas = {p: int(w["spec"].get("replicas") or 0) for p, w in workloads.items()}
         profile = self._profile_text(plan)  # read every tick: an edited profile takes effect
         loop = self.loops.get(key)
         if loop is None or loop.plan != plan or loop.profile_text != profile:
@@ -138,7 +136,7 @@ class ClusterPlanner:
             return None
 
     def _write_scale(self, plan: ServicePlan, pool: str, want: int, have: int, reason: str) -> None:
-        url = ns_path(APPS, plan.namespace, "deployments", plan.pool(pool).deployment) + "/scale"
+        url = plan.pool(pool).workload.path(plan.namespace) + "/scale"
         self.kube.merge_patch(url, {"spec": {"replicas": want}})
         self.scale_writes += 1
         log.warning("planner: %s/%s %s %d -> %d (%s)", plan.namespace, plan.name, pool, have, want, reason)

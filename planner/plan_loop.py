@@ -3,9 +3,12 @@ and its control loop (scrapes in, law.py's Observation out).
 
 The operator renders, for every InferenceService whose pools use autoscaling provider planner,
 a ConfigMap `<name>-planner` labelled component=planner (operator/render_planner.py) holding
-- config.json: the SLO, each pool's Deployment, pod selector and replica bounds (after the
-  chart's defaults), the router's pod selector, the metrics ports, the export (keda: KEDA reads
-  the planner's JSON; scale: the planner writes the Deployments' scale subresource) and, if the
+- config.json: the SLO, each pool's workload (a Deployment, or a LeaderWorkerSet when its
+  workers span nodes), the selector of its serving pods and replica bounds (after the chart's
+  defaults; a LeaderWorkerSet's replicas and serving pods are its groups and their leaders, so
+  a group of pods counts as one replica here), the router's pod selector, the metrics ports,
+  the export (keda: KEDA reads the planner's JSON; scale: the planner writes the workloads'
+  scale subresource) and, if the
   InferenceService names one, the ConfigMap holding its capacity profile;
 - profile.json: the chart's default capacity profile, when the service names none.
 The operator owns what is effective; the planner only reads it, so the two never disagree on
@@ -21,6 +24,7 @@ from dataclasses import dataclass
 from splitserve.planner import signals as S
 from splitserve.planner.capacity import ReplicaSample
 from splitserve.planner.config import POOLS, PlannerConfig, PoolBounds
+from splitserve.planner.kube import ns_path
 from splitserve.planner.law import Observation, Planner, PoolObservation
 from splitserve.planner.pods import ReadyPod
 from splitserve.planner.window import measured_latency
@@ -31,9 +35,36 @@ CONFIG_KEY, PROFILE_KEY = "config.json", "profile.json"
 EXPORTS = ("keda", "scale")
 
 
+WORKLOAD_PLURALS = {"Deployment": "deployments", "LeaderWorkerSet": "leaderworkersets"}
+
+
+@dataclass(frozen=True)
+class Workload:
+    """The object that owns a pool's replica count (spec.replicas and a scale subresource)."""
+
+    api_version: str
+    kind: str
+    name: str
+
+    def __post_init__(self) -> None:
+        if self.kind not in WORKLOAD_PLURALS:
+            raise ConfigError(f"a pool's workload must be one of {', '.join(WORKLOAD_PLURALS)}, got {self.kind!r}")
+
+    def path(self, namespace: str) -> str:
+        return ns_path(f"/apis/{self.api_version}", namespace, WORKLOAD_PLURALS[self.kind], self.name)
+
+    @classmethod
+    def from_config(cls, pool: dict) -> Workload:
+        """The pool's `workload`; a ConfigMap from an operator before LeaderWorkerSets names a `deployment`."""
+        if "workload" not in pool:
+            return cls("apps/v1", "Deployment", pool["deployment"])
+        w = pool["workload"]
+        return cls(w["apiVersion"], w["kind"], w["name"])
+
+
 @dataclass(frozen=True)
 class PoolPlan:
-    deployment: str
+    workload: Workload
     selector: str
     min_replicas: int
     max_replicas: int
@@ -67,7 +98,7 @@ class ServicePlan:
             raw = json.loads(data[CONFIG_KEY])
             pools = {
                 p: PoolPlan(
-                    raw["pools"][p]["deployment"],
+                    Workload.from_config(raw["pools"][p]),
                     raw["pools"][p]["selector"],
                     int(raw["pools"][p]["minReplicas"]),
                     int(raw["pools"][p]["maxReplicas"]),

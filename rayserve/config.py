@@ -9,7 +9,8 @@ deploy config (the `applications:` document `serve run`/KubeRay's `serveConfigV2
     router:   {gateway: {host: 127.0.0.1, port: 8000}, placement: ...}   # docs/router.md
     engine:   {dtype: float32, device: cpu, threads: 1, kv_cache_memory_gib: 0.25, ...}
     prefill:  {min_replicas: 1, max_replicas: 2, target_queue_depth: 4, ray_actor_options: {num_cpus: 1}}
-    decode:   {min_replicas: 1, max_replicas: 4, target_queue_depth: 8, ray_actor_options: {num_gpus: 1}}
+    decode:   {min_replicas: 1, max_replicas: 4, target_queue_depth: 8, ray_actor_options: {num_gpus: 1},
+               tensor_parallel_size: 1}   # > 1: one placement group per replica, a bundle per rank (placement.py)
     autoscaling: {look_back_period_s: 10, upscale_delay_s: 5, downscale_delay_s: 60, metrics_interval_s: 1}
     security: {tls_cert, tls_key, tls_ca, kv_secret_file, insecure: false}   # local: throwaway if empty
     otlp_traces_endpoint: ""          # OTLP gRPC collector for request traces (observability/tracing.py); "": off
@@ -29,6 +30,7 @@ from dataclasses import dataclass, field
 
 from splitserve.platform.config import CacheConfig, DeviceConfig, SchedulerConfig
 from splitserve.platform.errors import ConfigError
+from splitserve.rayserve import placement
 from splitserve.router.config import RouterConfig
 from splitserve.router.config.file import checked_mapping, from_dict, read_mapping
 
@@ -37,6 +39,7 @@ TRANSPORTS = ("ucx", "tcp")
 ACTOR_OPTIONS = ("num_cpus", "num_gpus", "memory", "resources", "accelerator_type", "runtime_env")
 POLICY = "splitserve.rayserve.autoscale:queue_depth_policy"
 GiB = 1024**3
+MAX_TENSOR_PARALLEL_SIZE = 64
 # How long a request that finds no decode replica waits for one (router gateway.worker_wait_s):
 # the router's 1 s default suits a fleet that is up; on Ray the gateway answers while replicas
 # still load (Serve's proxy and the ingress come up first), and a replica Serve replaces takes
@@ -92,12 +95,15 @@ class EngineSettings:
 class PoolConfig:
     """One worker pool as a Serve deployment: replicas between `min_replicas` and `max_replicas`,
     targeting `target_queue_depth` waiting+running requests per replica. `ray_actor_options`
-    are passed to Serve as they are (CPUs, GPUs, memory, custom resources, runtime_env)."""
+    are passed to Serve as they are (CPUs, GPUs, memory, custom resources, runtime_env).
+    `tensor_parallel_size` (the worker's --tensor-parallel-size): ranks per replica, each reserved
+    as a bundle of the replica's placement group (rayserve/placement.py)."""
 
     min_replicas: int = 1
     max_replicas: int = 1
     target_queue_depth: float = 4.0
     ray_actor_options: dict = field(default_factory=lambda: {"num_cpus": 1})
+    tensor_parallel_size: int = 1
 
     def check(self, role: str) -> None:
         if self.min_replicas < 1:
@@ -112,6 +118,11 @@ class PoolConfig:
             )
         if self.target_queue_depth <= 0:
             raise ConfigError(f"{role}.target_queue_depth={self.target_queue_depth} must be > 0")
+        tp = self.tensor_parallel_size
+        if isinstance(tp, bool) or not isinstance(tp, int) or not 1 <= tp <= MAX_TENSOR_PARALLEL_SIZE:
+            raise ConfigError(
+                f"{role}.tensor_parallel_size={tp!r}; allowed: an integer from 1 to {MAX_TENSOR_PARALLEL_SIZE}"
+            )
         if not isinstance(self.ray_actor_options, dict):
             raise ConfigError(f"{role}.ray_actor_options must be a mapping; allowed keys: {', '.join(ACTOR_OPTIONS)}")
         unknown = sorted(set(self.ray_actor_options) - set(ACTOR_OPTIONS))
@@ -206,6 +217,11 @@ class RayServeConfig:
             raise ConfigError(f"kv_transport={self.kv_transport!r} is not supported; allowed: {', '.join(TRANSPORTS)}")
         self.prefill.check("prefill")
         self.decode.check("decode")
+        for role in ("prefill", "decode"):
+            try:
+                deployment_options(self, role)  # a placement the pool cannot have fails now, not at deploy
+            except ConfigError as exc:
+                raise ConfigError(f"{role}: {exc}") from None
         if not (self.security.insecure or self.security.is_complete or self.ray.address == "local"):
             raise ConfigError(
                 f"security: on a Ray cluster (ray.address {self.ray.address!r}) name tls_cert, tls_key, "
@@ -311,7 +327,10 @@ def render(config: RayServeConfig) -> dict:
                     "role": role,
                     "model": config.model,
                     "kv_transport": config.kv_transport,
-                    "engine": dataclasses.asdict(config.engine),
+                    "engine": {
+                        **dataclasses.asdict(config.engine),
+                        "tensor_parallel_size": getattr(config, role).tensor_parallel_size,
+                    },
                     "registry": registry_ref(config),
                     "host": config.worker_host,
                     "security": config.security.worker_args(),
@@ -333,6 +352,9 @@ def deployment_options(config: RayServeConfig, role: str) -> dict:
     return {
         "name": f"{role}",
         "ray_actor_options": dict(pool.ray_actor_options),
+        **placement.placement_options(
+            pool.tensor_parallel_size, config.engine.device, config.engine.threads, pool.ray_actor_options
+        ),
         "autoscaling_config": {
             "min_replicas": pool.min_replicas,
             "max_replicas": pool.max_replicas,

@@ -11,6 +11,9 @@ transport (UCX or TCP). So a replica only has to make itself known and report it
 - `record_autoscaling_stats()` reports the engine's waiting+running requests, which drives the
   pool's replica count (rayserve/autoscale.py);
 - `check_health()` fails once the worker task has ended, so Serve replaces the replica;
+- with `tensor_parallel_size` N the replica runs in the first of its N placement-group bundles and
+  its engine starts the other ranks as child processes (on CUDA after making the bundles' GPUs
+  visible, rayserve/placement.py);
 - on a graceful stop (`__del__`, downscaling or `serve shutdown`) it unregisters, then drains as
   on SIGTERM: new requests get UNAVAILABLE (the router retries elsewhere), in-flight ones finish.
 
@@ -26,6 +29,7 @@ import logging
 
 from ray import serve
 
+from splitserve.rayserve import placement
 from splitserve.rayserve.autoscale import QUEUE_DEPTH
 from splitserve.workers.config import WorkerConfig
 
@@ -73,6 +77,9 @@ class WorkerReplica:
             drain_grace_s=10.0,
             **{k: v for k, v in (security or {}).items() if k in ("tls_cert", "tls_key", "tls_ca", "kv_secret_file")},
         )
+        tp = engine.get("tensor_parallel_size", 1)
+        if tp > 1 and engine["device"] == "cuda":  # the ranks see their bundles' GPUs (rayserve/placement.py)
+            placement.claim_bundle_gpus(tp)
         engine_config = EngineConfig(
             model=model,
             cache=CacheConfig(

@@ -131,6 +131,7 @@ CONTRACTS = [
             "splitserve.rayserve.registry",
             "splitserve.rayserve.discovery",
             "splitserve.rayserve.autoscale",
+            "splitserve.rayserve.placement",
         ],
         ["torch", "splitserve.workers", "splitserve.rayserve.replica", *ENGINE],
     ),

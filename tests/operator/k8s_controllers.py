@@ -5,6 +5,10 @@ contract (the operator renders Services; the router lists their EndpointSlices):
 
 - `pods_of(deployment, ips)`: the Pods a Deployment's ReplicaSet creates (template labels
   and containers, one IP each, Running and Ready);
+- `group_pods(lws, groups)`: the Pods a LeaderWorkerSet's controller creates: per group g a
+  leader `<lws>-<g>` from the leader template and workers `<lws>-<g>-<w>` from the worker
+  template, labelled with the set's name, the group index and the worker index (0 on the
+  leader);
 - `endpoint_slice(service, pods)`: the slice the EndpointSlice controller keeps for a
   Service: the pods its selector matches, each Service port named as in the Service with
   its targetPort resolved against the container ports, and the labels
@@ -24,30 +28,49 @@ CONTROLLER = "endpointslice-controller.k8s.io"
 HEADLESS_LABEL = "service.kubernetes.io/headless"
 
 
+LWS_LABELS = ("leaderworkerset.sigs.k8s.io/name", "leaderworkerset.sigs.k8s.io/group-index", C.LABEL_LWS_WORKER_INDEX)
+
+
+def _pod(
+    name: str, namespace: str, template: dict[str, Any], ip: str, ready: bool, labels: dict[str, str] | None = None
+) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {
+            "name": name,
+            "namespace": namespace,
+            "labels": {**template["metadata"]["labels"], **(labels or {})},
+        },
+        "spec": template["spec"],
+        "status": {
+            "phase": "Running",
+            "podIP": ip,
+            "conditions": [{"type": "Ready", "status": "True" if ready else "False"}],
+        },
+    }
+
+
 def pods_of(deployment: dict[str, Any], ips: list[str], ready: bool = True) -> list[dict[str, Any]]:
     template = deployment["spec"]["template"]
-    base = deployment["metadata"]["name"]
+    base, namespace = deployment["metadata"]["name"], deployment["metadata"]["namespace"]
     digest = hashlib.sha256(base.encode()).hexdigest()
+    return [
+        _pod(f"{base}-{digest[:10]}-{digest[10 + i * 5 : 15 + i * 5]}", namespace, template, ip, ready)
+        for i, ip in enumerate(ips)
+    ]
+
+
+def group_pods(lws: dict[str, Any], groups: list[list[str]], ready: bool = True) -> list[dict[str, Any]]:
+    """`groups`: per group, the IPs of its pods, the leader's first (as many as the set's size)."""
+    templates = lws["spec"]["leaderWorkerTemplate"]
+    base, namespace = lws["metadata"]["name"], lws["metadata"]["namespace"]
     pods = []
-    for i, ip in enumerate(ips):
-        name = f"{base}-{digest[:10]}-{digest[10 + i * 5 : 15 + i * 5]}"
-        pods.append(
-            {
-                "apiVersion": "v1",
-                "kind": "Pod",
-                "metadata": {
-                    "name": name,
-                    "namespace": deployment["metadata"]["namespace"],
-                    "labels": dict(template["metadata"]["labels"]),
-                },
-                "spec": template["spec"],
-                "status": {
-                    "phase": "Running",
-                    "podIP": ip,
-                    "conditions": [{"type": "Ready", "status": "True" if ready else "False"}],
-                },
-            }
-        )
+    for g, ips in enumerate(groups):
+        for w, ip in enumerate(ips):
+            template = templates["leaderTemplate"] if w == 0 else templates["workerTemplate"]
+            name = f"{base}-{g}" if w == 0 else f"{base}-{g}-{w}"
+            pods.append(_pod(name, namespace, template, ip, ready, dict(zip(LWS_LABELS, (base, str(g), str(w))))))
     return pods
 
 

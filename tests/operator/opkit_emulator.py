@@ -13,9 +13,9 @@ behaviours the operator relies on:
   answered 422, as Kubernetes does (kmock answers 500, which kopf would retry for seconds);
 - a log of every write (method, plural, namespace, name, subresource) for assertions;
 - label selectors on lists (`key=value` terms joined by commas; kmock ignores them);
-- Leases (coordination.k8s.io) and Pods stored like any object, and Deployments' `scale`
-  subresource: a merge patch of {"spec": {"replicas": n}} to `.../scale` lands on the
-  Deployment's spec.replicas, as with the API server's Scale object.
+- Leases (coordination.k8s.io) and Pods stored like any object, and the `scale` subresource of
+  Deployments and LeaderWorkerSets: a merge patch of {"spec": {"replicas": n}} to `.../scale`
+  lands on the object's spec.replicas, as with the API server's Scale object.
 
 Tests act as the missing controllers themselves (e.g. marking a Deployment's pods ready).
 """
@@ -60,6 +60,8 @@ INFERENCE_GATEWAY = [
     ("inference.networking.k8s.io/v1/inferencepools", "InferencePool", True),
     ("gateway.networking.k8s.io/v1/httproutes", "HTTPRoute", True),
 ]
+# The LeaderWorkerSet API (kubernetes-sigs/lws), for pools whose workers span nodes: opt-in.
+LEADER_WORKER_SET = ("leaderworkerset.x-k8s.io/v1/leaderworkersets", "LeaderWorkerSet", True)
 VERBS = ["get", "list", "watch", "create", "patch", "update", "delete"]
 
 
@@ -173,12 +175,17 @@ class ClusterThread:
     """Runs a Cluster and its HTTP server on an event loop in a background thread."""
 
     def __init__(
-        self, with_keda: bool = True, with_prometheus_operator: bool = True, with_inference_gateway: bool = False
+        self,
+        with_keda: bool = True,
+        with_prometheus_operator: bool = True,
+        with_inference_gateway: bool = False,
+        with_leader_worker_set: bool = False,
     ):
         self.apis = (
             BUILTIN + ([KEDA] if with_keda else []) + ([PROMETHEUS_OPERATOR] if with_prometheus_operator else [])
         )
         self.apis += INFERENCE_GATEWAY if with_inference_gateway else []
+        self.apis += [LEADER_WORKER_SET] if with_leader_worker_set else []
         self.loop = asyncio.new_event_loop()
         self._ready = threading.Event()
         self._thread = threading.Thread(target=self.loop.run_until_complete, args=(self._main(),), daemon=True)

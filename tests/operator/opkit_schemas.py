@@ -203,11 +203,14 @@ SUBSET_SCHEMAS = {
 
 
 # Upstream CRDs shipped as test data (tests/operator/schemas/): GIE's InferencePool and the
-# Gateway API's HTTPRoute (standard channel). Their objects are admitted as an API server would
-# (defaults, closed schema, CEL rules), as the InferenceService is below.
+# Gateway API's HTTPRoute (standard channel), and the LeaderWorkerSet's (its pod templates
+# cut down to their shape: each is validated as a core/v1 PodTemplateSpec instead, see
+# pod_template_errors). Their objects are admitted as an API server would (defaults, closed
+# schema, CEL rules), as the InferenceService is below.
 CRD_FILES = {
     ("inference.networking.k8s.io/v1", "InferencePool"): "inference.networking.k8s.io_inferencepools.yaml",
     ("gateway.networking.k8s.io/v1", "HTTPRoute"): "gateway.networking.k8s.io_httproutes.yaml",
+    ("leaderworkerset.x-k8s.io/v1", "LeaderWorkerSet"): "leaderworkerset.x-k8s.io_leaderworkersets.yaml",
 }
 
 
@@ -228,7 +231,31 @@ def crd_errors(manifest: dict[str, Any]) -> list[str]:
     stored = apply_defaults(schema, copy.deepcopy(manifest))
     validator = jsonschema.Draft4Validator(_closed_schema(schema))
     errors = [f"{'.'.join(map(str, e.absolute_path))}: {e.message}" for e in validator.iter_errors(stored)]
-    return errors or cel_errors(schema["properties"]["spec"], stored["spec"], "spec")
+    errors = errors or cel_errors(schema["properties"]["spec"], stored["spec"], "spec")
+    if manifest["kind"] == "LeaderWorkerSet":
+        errors += pod_template_errors(manifest)
+    return errors
+
+
+def pod_template_errors(lws: dict[str, Any]) -> list[str]:
+    """A LeaderWorkerSet's leader and worker templates, each checked strictly as a core/v1 PodTemplateSpec (the type
+    upstream's CRD inlines) by wrapping it in a PodTemplate object."""
+    errors = []
+    templates = lws["spec"]["leaderWorkerTemplate"]
+    for key in ("leaderTemplate", "workerTemplate"):
+        if key not in templates:
+            continue
+        wrapper = {
+            "apiVersion": "v1",
+            "kind": "PodTemplate",
+            "metadata": {"name": lws["metadata"]["name"], "namespace": lws["metadata"]["namespace"]},
+            "template": templates[key],
+        }
+        try:
+            kubernetes_validate.validate(wrapper, K8S_VERSION, strict=True)
+        except kubernetes_validate.ValidationError as exc:
+            errors.append(f"spec.leaderWorkerTemplate.{key}: {exc}")
+    return errors
 
 
 def validate_manifest(manifest: dict[str, Any]) -> None:

@@ -173,7 +173,8 @@ def test_operator_renders_the_planner_configmap_the_planner_reads():
     )
     for pool in ("prefill", "decode"):
         pp = plan.pool(pool)
-        dep = objs[("Deployment", pp.deployment)]
+        assert pp.workload.kind == "Deployment"
+        dep = objs[("Deployment", pp.workload.name)]
         assert _labels_match(pp.selector, dep["spec"]["template"]["metadata"]["labels"])
         assert (pp.min_replicas, pp.max_replicas) == (1, 9)
         port = {p["name"]: p["containerPort"] for p in dep["spec"]["template"]["spec"]["containers"][0]["ports"]}

@@ -12,7 +12,7 @@ from splitserve.operator.status import (
     blocked_status,
     build_status,
     is_ready,
-    observe_deployment,
+    observe_workload,
     pool_condition,
 )
 
@@ -39,8 +39,8 @@ def deployment(replicas: int, ready: int | None, generation: int = 2, observed: 
         ),
     ],
 )
-def test_observe_deployment(live, expected):
-    assert observe_deployment(live) == expected
+def test_observe_workload(live, expected):
+    assert observe_workload(live) == expected
 
 
 @pytest.mark.parametrize(

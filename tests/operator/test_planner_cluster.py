@@ -23,7 +23,8 @@ from workerproc import free_port
 
 from splitserve.operator import kube as K
 from splitserve.operator.apply import apply_all
-from splitserve.operator.context import instance_selector
+from splitserve.operator.constants import LABEL_LWS_WORKER_INDEX as LWS_INDEX
+from splitserve.operator.context import Context, instance_selector
 from splitserve.operator.render import render
 from splitserve.operator.settings import OperatorSettings
 from splitserve.operator.spec import parse_spec
@@ -78,13 +79,20 @@ class Service:
         self.add_pod("router", "svc-router-0", self.router, ready_since_s=3600)
         self.workers = {p: WorkerMetrics(p, "smollm2") for p in ("prefill", "decode")}
         for pool, m in self.workers.items():
-            self.add_pod(pool, f"svc-{pool}-0", m, ready_since_s=86400)
+            if self.context().spec.decode.is_multi_node and pool == "decode":  # a group: a leader and a worker pod
+                self.add_pod(pool, "svc-decode-group-0", m, ready_since_s=86400, labels={LWS_INDEX: "0"})
+                self.add_pod(pool, "svc-decode-group-0-1", ready_since_s=86400, labels={LWS_INDEX: "1"})
+            else:
+                self.add_pod(pool, f"svc-{pool}-0", m, ready_since_s=86400)
 
     def apply(self):
         manifests = render(parse_spec(self.spec), "svc", self.ns, self.owner["metadata"]["uid"], self.settings)
         return apply_all(self.kube, manifests, self.ns, instance_selector("svc"), self.owner["metadata"]["uid"])
 
-    def add_pod(self, component, name, metrics=None, ready_since_s=None, created_s_ago=0.0):
+    def context(self) -> Context:
+        return Context(parse_spec(self.spec), "svc", self.ns, self.owner["metadata"]["uid"], self.settings)
+
+    def add_pod(self, component, name, metrics=None, ready_since_s=None, created_s_ago=0.0, labels=None):
         now = datetime.datetime.now(datetime.UTC)
         ip = f"10.0.0.{len(self.metrics) + 1}"
         labels = {
@@ -92,6 +100,7 @@ class Service:
             "app.kubernetes.io/instance": "svc",
             "app.kubernetes.io/component": component,
             "app.kubernetes.io/managed-by": "splitserve-operator",
+            **(labels or {}),
         }
         body = {
             "apiVersion": "v1",
@@ -119,7 +128,9 @@ class Service:
         return (m.render() if isinstance(m, WorkerMetrics) else generate_latest(m.registry)).decode()
 
     def replicas(self, pool: str) -> int:
-        return self.cluster.get(DEPLOYMENTS, self.ns, f"svc-{pool}")["spec"]["replicas"]
+        api_version, kind, name = self.context().workload(pool)
+        resource = DEPLOYMENTS if kind == "Deployment" else f"{api_version}/leaderworkersets"
+        return self.cluster.get(resource, self.ns, name)["spec"]["replicas"]
 
     def load(self, seconds: float, prompt_per_s: float, output_per_s: float) -> None:
         self.router.count_tokens(int(prompt_per_s * seconds), int(output_per_s * seconds), True)
@@ -393,3 +404,27 @@ def test_the_planner_command_leads_serves_ready_and_releases_its_lease_on_sigter
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_a_multi_node_pool_is_planned_and_scaled_in_groups(tmp_path):
+    """A decode pool of 2-pod workers (a LeaderWorkerSet) on kmock's emulated API with the LeaderWorkerSet API
+    installed: the planner reads the set's replicas, counts its leader pod (not the other pod of the group) as
+    the one ready decode replica, and writes the set's scale subresource."""
+    from opkit_emulator import ClusterThread
+
+    spec = {**SPEC, "decode": {"autoscaling": AUTO, "tensorParallelSize": 2, "nodes": 2}}
+    with ClusterThread(with_leader_worker_set=True) as cluster:
+        cluster.kubeconfig_path = cluster.kubeconfig(str(tmp_path / "kubeconfig"))
+        kube = KubeClient(load_configuration(cluster.kubeconfig_path))
+        svc = Service(cluster, kube, "llm", export="scale", spec=spec)
+        clock = Clock()
+        p = planner_replica(cluster, "planner-a", svc, clock)
+        run_for([(p, clock)], 10)
+        selector = p.loops[("llm", "svc")].plan.decode.selector  # what the planner lists as decode replicas
+        listed = kube.list(K.path(K.KindInfo("v1", "Pod", "pods"), "llm"), selector)
+        assert [pod["metadata"]["name"] for pod in listed] == ["svc-decode-group-0"]
+        svc.load(10, 0, 250)  # decode: ceil(275 / 64) = 5 → at most ×2 = 2 groups
+        run_for([(p, clock)], 10)
+        assert svc.replicas("decode") == 2 and svc.replicas("prefill") == 1
+        writes = [(w.plural, w.name) for w in scale_writes(cluster, "llm")]
+        assert writes and set(writes) == {("leaderworkersets", "svc-decode-group")}
