@@ -73,6 +73,7 @@ CONTRACTS = [
             "splitserve.platform.hashing",
             "splitserve.platform.tokenizer",
             "splitserve.platform.config",
+            "splitserve.platform.settings",
             "splitserve.platform.model_source",
             "splitserve.platform.detokenizer",
             "splitserve.platform.stop",

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import signal
 import uuid
 
@@ -21,12 +20,13 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from splitserve.platform import tracing
-from splitserve.platform.cli import add_engine_args, engine_config
 from splitserve.platform.engine.async_engine import AsyncEngine
 from splitserve.platform.engine.llm_engine import LLMEngine
 from splitserve.platform.grpc_tls import server_credentials, tls_from
 from splitserve.platform.kv.cache import bytes_per_block
 from splitserve.platform.sampling.params import SamplingParams
+from splitserve.platform.settings import worker_args
+from splitserve.platform.settings.worker_args import WorkerArgs
 from splitserve.platform.wire import worker_pb2 as pb
 from splitserve.workers.config import WorkerConfig
 from splitserve.workers.decode import RemotePrefill
@@ -46,72 +46,7 @@ log = logging.getLogger("splitserve.worker")
 
 def register(subparsers) -> None:
     p = subparsers.add_parser("worker", help="run a prefill / decode / colocated gRPC worker")
-    add_engine_args(p)
-    p.add_argument("--role", default="both", choices=["prefill", "decode", "both"])
-    p.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 in a pod)")
-    p.add_argument(
-        "--advertise-host",
-        default=None,
-        help="address other workers reach this one at (default: --host; in a pod, the pod IP)",
-    )
-    p.add_argument("--grpc-port", type=int, default=50051)
-    p.add_argument("--metrics-port", type=int, default=9090)
-    p.add_argument(
-        "--kv-transport",
-        default="ucx",
-        choices=["ucx", "tcp", "auto"],
-        help="how KV blocks travel: ucx, tcp, or auto (tcp, plus CUDA IPC between workers on one node "
-        "that can reach each other's GPU memory; needs --kv-secret-file)",
-    )
-    p.add_argument("--kv-port", type=int, default=13337)
-    p.add_argument(
-        "--tls-cert",
-        default=os.environ.get("SPLITSERVE_TLS_CERT", ""),
-        help="serve gRPC over mutual TLS: this worker's certificate (PEM; also used to call prefill workers)",
-    )
-    p.add_argument("--tls-key", default=os.environ.get("SPLITSERVE_TLS_KEY", ""), help="its private key (PEM)")
-    p.add_argument(
-        "--tls-ca",
-        default=os.environ.get("SPLITSERVE_TLS_CA", ""),
-        help="the CA every client certificate must be signed by",
-    )
-    p.add_argument(
-        "--tls-check-peer-roles",
-        action="store_true",
-        help="with mTLS: serve each RPC only to callers whose certificate names the right role "
-        "(SAN splitserve-router: Generate, WatchEvents, LoRA; splitserve-worker: Prefill)",
-    )
-    p.add_argument(
-        "--kv-secret-file",
-        default=os.environ.get("SPLITSERVE_KV_SECRET_FILE", ""),
-        help="file holding the service's KV-transfer secret: peers must prove they hold it "
-        "(default: $SPLITSERVE_KV_SECRET_FILE; empty: no KV authentication)",
-    )
-    p.add_argument("--disaggregation", default="conditional", choices=["conditional", "always", "never"])
-    p.add_argument(
-        "--min-prefill-tokens",
-        type=int,
-        default=256,
-        help="conditional mode: remote prefill only when at least this many prompt tokens are uncached",
-    )
-    p.add_argument("--transfer-deadline", type=float, default=30.0, help="seconds for a remote prefill")
-    p.add_argument("--drain-grace", type=float, default=120.0, help="seconds to finish in-flight work on SIGTERM")
-    p.add_argument(
-        "--no-kv-layer-streaming",
-        action="store_true",
-        help="prefill role: send the KV after the whole prompt is computed instead of per layer",
-    )
-    p.add_argument(
-        "--no-kv-pull",
-        action="store_true",
-        help="recompute a prefix another worker holds instead of pulling its KV (docs/kv-tiers.md)",
-    )
-    p.add_argument(
-        "--max-pull-blocks",
-        type=int,
-        default=1024,
-        help="the most KV blocks one pull fetches (default 1024); the rest of the prompt is computed",
-    )
+    worker_args.add_arguments(p)  # every flag: platform/settings/worker_args.py
     tracing.add_tracing_args(p)
     p.set_defaults(func=cmd_worker)
 
@@ -122,30 +57,11 @@ def trace_role(role: str) -> str:
 
 
 def cmd_worker(args) -> int:
-    config = WorkerConfig(
-        role=args.role,
-        host=args.host,
-        grpc_port=args.grpc_port,
-        metrics_port=args.metrics_port,
-        kv_transport=args.kv_transport,
-        kv_port=args.kv_port,
-        disaggregation=args.disaggregation,
-        min_prefill_tokens=args.min_prefill_tokens,
-        transfer_deadline_s=args.transfer_deadline,
-        drain_grace_s=args.drain_grace,
-        kv_layer_streaming=not args.no_kv_layer_streaming,
-        advertise_host=args.advertise_host or "",
-        kv_secret_file=args.kv_secret_file,
-        tls_cert=args.tls_cert,
-        tls_key=args.tls_key,
-        tls_ca=args.tls_ca,
-        tls_check_peer_roles=args.tls_check_peer_roles,
-        kv_pull=not args.no_kv_pull,
-        max_pull_blocks=args.max_pull_blocks,
-    )
+    settings = WorkerArgs.from_namespace(args)
+    config = WorkerConfig.from_args(settings)
     # Before the model loads: a bad value fails fast.
-    tracing.configure(tracing.config_from_args(trace_role(args.role), args))
-    engine = LLMEngine(engine_config(args))
+    tracing.configure(tracing.config_from_args(trace_role(settings.role), args))
+    engine = LLMEngine(settings.engine_config())
     try:
         return asyncio.run(Worker(config, engine).run())
     finally:
