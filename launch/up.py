@@ -31,27 +31,9 @@ from splitserve.router.main import add_router_args, bind, config_from_args, serv
 log = logging.getLogger("splitserve.up")
 
 READY_TIMEOUT_S = 300
-# The worker settings `up` decides itself (from the router's config, its own --threads and
-# --kv-transport, its TLS choice, port 0); it takes every other worker flag and passes it on.
-UP_DECIDES = (
-    "role",
-    "model",
-    "max_model_len",
-    "block_size",
-    "host",
-    "advertise_host",
-    "grpc_port",
-    "metrics_port",
-    "kv_port",
-    "kv_transport",
-    "kv_secret_file",
-    "tls_cert",
-    "tls_key",
-    "tls_ca",
-    "tls_check_peer_roles",
-    "threads",
-    "drain_grace_s",
-)
+# The worker settings `up` decides itself (a launcher's, plus from the router's config and its own
+# per-role --threads); it takes every other worker flag and passes it on.
+UP_DECIDES = (*worker_args.LAUNCHER_DECIDES, "max_model_len", "block_size", "threads")
 # Every worker `up` starts binds port 0 everywhere (it names its ports on its READY line) and
 # drains briefly on stop.
 CHILD = {"grpc_port": 0, "metrics_port": 0, "kv_port": 0, "drain_grace_s": 5.0}

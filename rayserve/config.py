@@ -27,7 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from splitserve.platform.errors import ConfigError
-from splitserve.platform.settings.worker_args import WorkerArgs, for_role, with_flow_control
+from splitserve.platform.settings.worker_args import LAUNCHER_DECIDES, WorkerArgs, for_role, with_flow_control
 from splitserve.router.config import RouterConfig
 from splitserve.router.config_file import checked_mapping, from_dict, read_mapping
 
@@ -61,22 +61,7 @@ class RayClusterConfig:
 # The worker settings the config decides with its own keys (model, kv_transport, worker_host,
 # security) or per replica (role, port 0 everywhere); `engine:` takes every other worker setting
 # (platform/settings/worker_args.py), over Ray's defaults: one thread and a small cache per replica.
-RAY_DECIDES = (
-    "role",
-    "model",
-    "host",
-    "advertise_host",
-    "grpc_port",
-    "metrics_port",
-    "kv_port",
-    "kv_transport",
-    "kv_secret_file",
-    "tls_cert",
-    "tls_key",
-    "tls_ca",
-    "tls_check_peer_roles",
-    "drain_grace_s",
-)
+RAY_DECIDES = LAUNCHER_DECIDES
 ENGINE_DEFAULTS = {"threads": 1, "kv_cache_memory_gib": 0.25, "max_num_batched_tokens": 512, "max_model_len": 2048}
 # What every rendered `engine:` spells out, even at the worker's default.
 ENGINE_EXPLICIT = ("dtype", "device", "threads", "quantization", "kv_cache_memory_gib", "block_size", "max_num_seqs")

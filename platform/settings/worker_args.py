@@ -438,6 +438,26 @@ def _scalar(hint) -> type:
     return args[0] if args else hint
 
 
+# The settings a launcher (`up`, the Ray replica) decides for each worker it starts: its role and
+# model, where it listens, its credentials and its drain; it passes every other field on as given.
+LAUNCHER_DECIDES = (
+    "role",
+    "model",
+    "host",
+    "advertise_host",
+    "grpc_port",
+    "metrics_port",
+    "kv_port",
+    "kv_transport",
+    "kv_secret_file",
+    "tls_cert",
+    "tls_key",
+    "tls_ca",
+    "tls_check_peer_roles",
+    "drain_grace_s",
+)
+
+
 # -- the rules that tie settings together (each written once) ---------------------------------
 
 
