@@ -318,7 +318,8 @@ def alternate(address: str, url: str, prompt: list[int], max_tokens: int, n: int
 
 
 def overhead_bench(n: int) -> dict:
-    from splitserve.launch.up import WorkerProcess
+    from splitserve.launch.up import CHILD, WorkerProcess
+    from splitserve.platform.settings.worker_args import WorkerArgs
 
     prompt = [(i * 7919) % 40000 + 100 for i in range(64)]
     results = {}
@@ -332,22 +333,10 @@ def overhead_bench(n: int) -> dict:
             gateway.stop()
     finally:
         stub.stop()
-    worker = WorkerProcess(
-        "decode",
-        [
-            "--model",
-            MODEL,
-            "--threads",
-            "1",
-            "--kv-transport",
-            "tcp",
-            "--kv-cache-memory",
-            "0.25",
-            "--max-model-len",
-            "2048",
-        ],
-        "WARNING",
+    settings = WorkerArgs(
+        role="decode", model=MODEL, threads=1, kv_transport="tcp", kv_cache_memory_gib=0.25, max_model_len=2048
     )
+    worker = WorkerProcess(settings.replace(**CHILD), "WARNING")
     worker.start()
     try:
         worker.wait_ready(300)

@@ -96,23 +96,15 @@ def span_cost(sink: Sink, n: int) -> dict[str, float]:
 
 
 def end_to_end(sink: Sink, n: int) -> dict[str, list[float]]:
-    from splitserve.launch.up import WorkerProcess
+    from splitserve.launch.up import CHILD, WorkerProcess
+    from splitserve.platform.settings.worker_args import WorkerArgs
 
-    common = [
-        "--model",
-        "smollm2-135m",
-        "--threads",
-        "1",
-        "--kv-transport",
-        "tcp",
-        "--kv-cache-memory",
-        "0.25",
-        "--max-model-len",
-        "2048",
-    ]
+    settings = WorkerArgs(
+        role="decode", model="smollm2-135m", threads=1, kv_transport="tcp", kv_cache_memory_gib=0.25, max_model_len=2048
+    ).replace(**CHILD)
     workers = {
-        "off": WorkerProcess("decode", common, "WARNING"),
-        "on": WorkerProcess("decode", [*common, "--otlp-traces-endpoint", f"http://127.0.0.1:{sink.port}"], "WARNING"),
+        "off": WorkerProcess(settings, "WARNING"),
+        "on": WorkerProcess(settings, "WARNING", ("--otlp-traces-endpoint", f"http://127.0.0.1:{sink.port}")),
     }
     for w in workers.values():
         w.start()

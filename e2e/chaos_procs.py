@@ -66,8 +66,10 @@ class Security:
     @classmethod
     def make(cls, directory: str) -> Security:
         from splitserve.launch.up import throwaway_security
+        from splitserve.platform.settings.worker_args import WorkerArgs
 
-        _, worker_args = throwaway_security(directory)
+        _, files = throwaway_security(directory)
+        worker_args = WorkerArgs(**files).to_argv()
         tls = dict(zip(worker_args[::2], worker_args[1::2]))
         router_args = ("--tls-cert", tls["--tls-cert"], "--tls-key", tls["--tls-key"], "--tls-ca", tls["--tls-ca"])
         return cls(tuple(worker_args), router_args)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import importlib.util
 import json
 import logging
@@ -21,14 +22,22 @@ import re
 import sys
 
 from splitserve.launch.child import Child
-from splitserve.platform.config import KV_CACHE_DTYPES, QUANTIZATION_MODES
 from splitserve.platform.observability import tracing
+from splitserve.platform.settings import worker_args
+from splitserve.platform.settings.worker_args import WorkerArgs, for_role, with_flow_control
 from splitserve.router import logctx
 from splitserve.router.main import add_router_args, bind, config_from_args, serve, url_host
 
 log = logging.getLogger("splitserve.up")
 
 READY_TIMEOUT_S = 300
+# The worker settings `up` decides itself (a launcher's, plus from the router's config and its own
+# per-role --threads); it takes every other worker flag and passes it on.
+UP_DECIDES = (*worker_args.LAUNCHER_DECIDES, "max_model_len", "block_size", "threads")
+# Every worker `up` starts binds port 0 everywhere (it names its ports on its READY line) and
+# drains briefly on stop.
+CHILD = {"grpc_port": 0, "metrics_port": 0, "kv_port": 0, "drain_grace_s": 5.0}
+UP_PASSES = tuple(f.name for f in worker_args.flags() if f.name not in UP_DECIDES)
 READY_LINE = re.compile(r"READY grpc=(?P<grpc>\S+) metrics=(?P<metrics>\d+) ")
 
 
@@ -60,63 +69,9 @@ def register(subparsers) -> None:
         default=None,
         help="threads of the prefill worker (default: half the cores, at least 1)",
     )
-    p.add_argument(
-        "--quantization",
-        default="auto",
-        choices=list(QUANTIZATION_MODES),
-        help="how both workers serve the weights (default auto; none is the dequantized reference)",
-    )
-    p.add_argument("--kv-cache-memory", type=float, default=0.25, metavar="GIB", help="KV cache per worker")
-    p.add_argument(
-        "--kv-cache-dtype",
-        default="auto",
-        choices=list(KV_CACHE_DTYPES),
-        help="both workers' KV cache precision (default auto: float16 with a fast --quantization)",
-    )
-    p.add_argument(
-        "--lora-modules",
-        nargs="+",
-        default=[],
-        metavar="NAME=PATH",
-        help="PEFT LoRA adapters both workers load at start (model=NAME selects one)",
-    )
-    p.add_argument("--max-loras", type=int, default=None, help="distinct LoRA adapters one engine step may mix")
-    p.add_argument(
-        "--speculative-config",
-        type=_speculative_config,
-        default=None,
-        metavar="JSON",
-        help='speculative decoding on the decode worker, e.g. \'{"method": "ngram", '
-        '"num_speculative_tokens": 4}\' (default: off)',
-    )
     p.add_argument("--worker-arg", action="append", default=[], help="extra argument for both workers (repeatable)")
-    k = p.add_argument_group("KV reuse, passed to both workers (docs/kv-tiers.md)")
-    k.add_argument(
-        "--kv-tier-bytes",
-        type=byte_size,
-        default=None,
-        metavar="SIZE",
-        help="a second KV tier of this size per worker (e.g. 1GiB, 512MiB, or bytes; default: off)",
-    )
-    k.add_argument(
-        "--kv-tier-dir",
-        default=None,
-        metavar="DIR",
-        help="keep the tiers in files under this folder (each worker its own subfolder); "
-        "without it they are host memory. Needs --kv-tier-bytes",
-    )
-    k.add_argument(
-        "--no-kv-pull",
-        action="store_true",
-        help="never pull a prefix the other worker holds: the router plans no pulls, the workers recompute",
-    )
-    k.add_argument(
-        "--max-pull-blocks",
-        type=positive_int,
-        default=None,
-        metavar="N",
-        help="the most KV blocks one pull fetches (default: the worker's, 1024)",
-    )
+    w = p.add_argument_group("worker settings, passed to both workers (as `splitserve worker` takes them)")
+    worker_args.add_arguments(w, UP_PASSES, defaults={"kv_cache_memory_gib": 0.25})  # the KV cache per worker
     g = p.add_argument_group("SLA planner (launch/up_planner.py)")
     g.add_argument("--planner", action="store_true", help="start and stop workers from the planner's decisions")
     g.add_argument("--max-workers", type=int, default=4, help="most prefill + decode workers together")
@@ -159,17 +114,6 @@ def role_threads(both: int | None, prefill: int | None, decode: int | None, core
     }
 
 
-def byte_size(text: str) -> int:
-    """argparse type of --kv-tier-bytes, checked as the worker checks it (platform/config.py)."""
-    from splitserve.platform.config import parse_byte_size
-    from splitserve.platform.errors import ConfigError
-
-    try:
-        return parse_byte_size(text)
-    except ConfigError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-
-
 def positive_int(text: str) -> int:
     try:
         value = int(text)
@@ -200,31 +144,13 @@ def curl_example(base_url: str, model: str, api_key: str | None = None, chat: bo
 
 class WorkerProcess(Child):
     """One `splitserve worker` subprocess (launch/child.py: its output forwarded to stderr with a
-    role prefix). It binds port 0 everywhere and names its ports on its READY line, which is where
-    `address` and `metrics_url` come from."""
+    role prefix). `settings` bind port 0 everywhere and the worker names its ports on its READY
+    line, which is where `address` and `metrics_url` come from; `extra` flags come last (they win)."""
 
-    def __init__(self, role: str, args: list[str], log_level: str):
-        self.role = role
-        argv = [
-            sys.executable,
-            "-m",
-            "splitserve.platform.cli",
-            "--log-level",
-            log_level,
-            "worker",
-            "--role",
-            role,
-            "--grpc-port",
-            "0",
-            "--metrics-port",
-            "0",
-            "--kv-port",
-            "0",
-            "--drain-grace",
-            "5",
-            *args,
-        ]
-        super().__init__(role, argv, READY_LINE, title=f"{role} worker")
+    def __init__(self, settings: WorkerArgs, log_level: str, extra: tuple[str, ...] = ()):
+        self.role = settings.role
+        argv = [sys.executable, "-m", "splitserve.platform.cli", "--log-level", log_level, "worker"]
+        super().__init__(self.role, [*argv, *settings.to_argv(), *extra], READY_LINE, title=f"{self.role} worker")
 
     @property
     def address(self) -> str:
@@ -237,10 +163,9 @@ class WorkerProcess(Child):
         return f"http://127.0.0.1:{self.ready['metrics']}/metrics" if self.ready else ""
 
 
-def throwaway_security(directory: str) -> tuple[dict[str, str], list[str]]:
+def throwaway_security(directory: str) -> tuple[dict[str, str], dict[str, str]]:
     """A throwaway CA + key pair (mTLS) and KV-transfer secret in `directory`: the router config
-    overrides and the worker arguments that turn them on."""
-    import os
+    overrides and the worker settings (WorkerArgs fields) that turn them on."""
     import secrets
 
     from splitserve.platform.wire.grpc_tls import generate_dev_pki
@@ -251,132 +176,108 @@ def throwaway_security(directory: str) -> tuple[dict[str, str], list[str]]:
     with os.fdopen(fd, "w") as f:
         f.write(secrets.token_hex(32))
     overrides = {"discovery.tls_cert": tls.cert, "discovery.tls_key": tls.key, "discovery.tls_ca": tls.ca}
-    return overrides, ["--tls-cert", tls.cert, "--tls-key", tls.key, "--tls-ca", tls.ca, "--kv-secret-file", secret]
+    return overrides, {"tls_cert": tls.cert, "tls_key": tls.key, "tls_ca": tls.ca, "kv_secret_file": secret}
 
 
-def kv_reuse_args(args) -> list[str]:
-    """The workers' second-tier and pull flags from `up`'s; ConfigError (exit 2) naming what is allowed."""
+def shared_settings(args) -> WorkerArgs:
+    """The worker settings of `up`'s flags that both workers share; a ConfigError (exit 2) naming
+    what is allowed, before anything starts."""
     from splitserve.platform.errors import ConfigError
+    from splitserve.workers.config import WorkerConfig
 
-    out = []
-    if args.kv_tier_dir is not None:
-        if args.kv_tier_bytes is None:
-            raise ConfigError("--kv-tier-dir needs --kv-tier-bytes (the size of each worker's tier, e.g. 1GiB)")
-        if os.path.exists(args.kv_tier_dir) and not os.path.isdir(args.kv_tier_dir):
+    settings = WorkerArgs.from_namespace(args, UP_PASSES)
+    if settings.kv_tier_dir is not None:
+        if os.path.exists(settings.kv_tier_dir) and not os.path.isdir(settings.kv_tier_dir):
             raise ConfigError(
-                f"--kv-tier-dir {args.kv_tier_dir} is not a folder; allowed: a folder (created if "
+                f"--kv-tier-dir {settings.kv_tier_dir} is not a folder; allowed: a folder (created if "
                 "missing), or no --kv-tier-dir for a host-memory tier"
             )
-    if args.kv_tier_bytes is not None:
-        out += ["--kv-tier-bytes", str(args.kv_tier_bytes)]
-        if args.kv_tier_dir is not None:
-            out += ["--kv-tier-dir", os.path.abspath(args.kv_tier_dir)]
-    if args.no_kv_pull:
-        if args.max_pull_blocks is not None:
-            raise ConfigError("--max-pull-blocks limits pulls and --no-kv-pull turns them off; allowed: one of the two")
-        out.append("--no-kv-pull")
-    elif args.max_pull_blocks is not None:
-        out += ["--max-pull-blocks", str(args.max_pull_blocks)]
-    return out
+        settings = settings.replace(kv_tier_dir=os.path.abspath(settings.kv_tier_dir))
+    WorkerConfig.from_args(settings)  # the worker's own checks
+    return settings
+
+
+def role_settings(args, config, shared: WorkerArgs) -> dict[str, WorkerArgs]:
+    """Each worker's settings: `shared`, with what the router decides (model, lengths, block size,
+    flow control), port 0 everywhere, and the threads of its role."""
+    planner = getattr(args, "planner", False)
+    # With the planner many workers share the cores: one thread each unless told otherwise.
+    threads = (
+        {"prefill": args.prefill_threads or args.threads or 1, "decode": args.decode_threads or args.threads or 1}
+        if planner
+        else role_threads(args.threads, args.prefill_threads, args.decode_threads, os.cpu_count() or 1)
+    )
+    common = shared.replace(
+        model=config.model,
+        max_model_len=config.max_model_len,
+        block_size=config.block_size,
+        kv_transport=kv_transport(args.kv_transport),
+        **CHILD,
+    )
+    common = with_flow_control(common, config.flow_control.enabled)
+    return {role: for_role(common, role).replace(threads=n) for role, n in threads.items()}
 
 
 def cmd_up(args) -> int:
-    kv_reuse_args(args)  # refuse bad flags before anything starts
+    """One owner of everything `up` starts: an ExitStack that stops the workers (the planner's
+    too), then removes their temporary folder, then flushes the gateway's spans."""
+    shared = shared_settings(args)  # refuse bad flags before anything starts
     if args.gateway == "envoy" and args.planner:
         from splitserve.platform.errors import ConfigError
 
         raise ConfigError("--gateway envoy serves one decode worker's sidecar; allowed: --gateway envoy or --planner")
-    logctx.install()
-    traced = tracing.configure(tracing.config_from_args("router", args))
-    try:
-        return _cmd_up(args)
-    finally:
-        traced.shutdown()  # export the gateway's spans still buffered
-
-
-def _cmd_up(args) -> int:
     import tempfile
 
-    with tempfile.TemporaryDirectory(prefix="splitserve-up-") as tmp:
-        if args.tls_cert:  # the caller's own certificates: the workers use them too
-            overrides, secure_args = (
-                {},
-                ["--tls-cert", args.tls_cert, "--tls-key", args.tls_key or "", "--tls-ca", args.tls_ca or ""],
-            )
-        else:
-            overrides, secure_args = ({}, []) if args.no_tls else throwaway_security(tmp)
-        if args.no_kv_pull:  # the router plans no pull the workers would ignore
+    logctx.install()
+    with contextlib.ExitStack() as owner:
+        owner.callback(tracing.configure(tracing.config_from_args("router", args)).shutdown)
+        tmp = owner.enter_context(tempfile.TemporaryDirectory(prefix="splitserve-up-"))
+        overrides, security = up_security(args, tmp)
+        if not shared.kv_pull:  # the router plans no pull the workers would ignore
             overrides["placement.kv_pull.enabled"] = False
-        return _up(args, config_from_args(args, **overrides), secure_args)
+        config = config_from_args(args, **overrides)
+        return _up(args, config, role_settings(args, config, shared.replace(**security)), owner)
 
 
-def _up(args, config, secure_args: list[str]) -> int:
-    transport = kv_transport(args.kv_transport)
-    common = [
-        "--model",
-        config.model,
-        "--quantization",
-        args.quantization,
-        "--kv-cache-dtype",
-        args.kv_cache_dtype,
-        "--kv-transport",
-        transport,
-        *tracing.tracing_argv(tracing.config_from_args("router", args)),
-        "--kv-cache-memory",
-        str(args.kv_cache_memory),
-        "--max-model-len",
-        str(config.max_model_len),
-        *secure_args,
-        *lora_args(args),
-        *kv_reuse_args(args),
-        *args.worker_arg,
-        *(["--speculative-config", args.speculative_config] if args.speculative_config else []),
-    ]
-    if config.flow_control.enabled and not any("--scheduling-policy" in a for a in args.worker_arg):
-        common += ["--scheduling-policy", "priority"]  # the workers order by the band the gateway sends
+def up_security(args, directory: str) -> tuple[dict, dict[str, str]]:
+    """The router config overrides and worker settings of up's TLS choice: the caller's own
+    certificates (the workers use them too), none (--no-tls), or throwaway ones in `directory`."""
+    if args.tls_cert:
+        return {}, {"tls_cert": args.tls_cert, "tls_key": args.tls_key or "", "tls_ca": args.tls_ca or ""}
+    return ({}, {}) if args.no_tls else throwaway_security(directory)
+
+
+def _up(args, config, settings: dict[str, WorkerArgs], owner: contextlib.ExitStack) -> int:
     level = logging.getLevelName(logging.getLogger().level)
-    planner = make_planner(args, config.model) if args.planner else None
-    # With the planner many workers share the cores: one thread each unless told otherwise.
-    threads = (
-        {"prefill": args.prefill_threads or args.threads or 1, "decode": args.decode_threads or args.threads or 1}
-        if planner is not None
-        else role_threads(args.threads, args.prefill_threads, args.decode_threads, os.cpu_count() or 1)
-    )
-    role_args = {role: ["--threads", str(n), *common] for role, n in threads.items()}
-    workers = [WorkerProcess(role, role_args[role], level) for role in ("prefill", "decode")]
+    planner = make_planner(args, config.model, settings["decode"]) if args.planner else None
+    extra = (*tracing.tracing_argv(tracing.config_from_args("router", args)), *args.worker_arg)
+
+    def start(role: str) -> WorkerProcess:
+        worker = WorkerProcess(settings[role], level, extra)
+        owner.callback(worker.stop)  # registered first: stopped even if starting fails
+        worker.start()
+        return worker
+
     sock = bind(config.gateway.host, config.gateway.port)  # fail now, not after loading two models
-    try:
-        for w in workers:
-            w.start()
-        print(
-            f"splitserve up: starting 1 prefill + 1 decode worker for {config.model} (kv transport {transport})",
-            file=sys.stderr,
-            flush=True,
-        )
-        for w in workers:
-            w.wait_ready(READY_TIMEOUT_S)
-        if args.gateway == "envoy":
-            from splitserve.launch.up_envoy import serve_envoy
+    owner.callback(sock.close)
+    workers = [start(role) for role in ("prefill", "decode")]
+    print(
+        f"splitserve up: starting 1 prefill + 1 decode worker for {config.model} "
+        f"(kv transport {settings['decode'].kv_transport})",
+        file=sys.stderr,
+        flush=True,
+    )
+    for w in workers:
+        w.wait_ready(READY_TIMEOUT_S)
+    if args.gateway == "envoy":
+        from splitserve.launch.up_envoy import serve_envoy
 
-            return serve_envoy(config, workers, sock, args.config)
-        return _serve(config, workers, sock, planner, spawn=lambda role: _spawn(role, role_args[role], level))
-    finally:
-        for w in workers:
-            w.stop()
+        return serve_envoy(config, workers, sock, args.config)
+    return _serve(config, workers, sock, planner, spawn=start)
 
 
-def lora_args(args) -> list[str]:
-    """The workers' LoRA flags from `up`'s (checked by the workers' own parser)."""
-    out = ["--lora-modules", *args.lora_modules] if args.lora_modules else []
-    if args.max_loras is not None:
-        out += ["--max-loras", str(args.max_loras)]
-    return out
-
-
-def make_planner(args, model: str):
+def make_planner(args, model: str, settings: WorkerArgs):
     """The planner of `up --planner` from its flags; SystemExit (usage error) for bad ones."""
-    import os
-
     from splitserve.planner.config import PlannerConfig, PoolBounds
     from splitserve.planner.law import Planner
     from splitserve.planner.profile import CapacityProfile
@@ -404,14 +305,9 @@ def make_planner(args, model: str):
         profile = resolve_profile(
             model,
             args.profile,
-            worker_args=[
-                "--threads",
-                "1",
-                "--quantization",
-                args.quantization,
-                "--kv-cache-dtype",
-                args.kv_cache_dtype,
-            ],
+            worker_args=WorkerArgs(
+                threads=1, quantization=settings.quantization, kv_cache_dtype=settings.kv_cache_dtype
+            ).to_argv(),
         )
         return Planner(cfg, CapacityProfile.load(profile))
     except (ConfigError, OSError) as e:
@@ -449,32 +345,6 @@ def _serve(config, workers: list[WorkerProcess], sock, planner=None, spawn=None)
             flush=True,
         )
 
-    try:
-        asyncio.run(serve(router, sock, on_started=announce))
-    finally:
-        for local, _ in loop_holder:
-            local.stop_all()
-            for ps in local.workers.values():
-                for w in ps:
-                    if w not in workers:
-                        workers.append(w)  # the caller stops them with the first two
+    asyncio.run(serve(router, sock, on_started=announce))  # the planner's workers: stopped by up's owner
     print("splitserve up: stopping", file=sys.stderr, flush=True)
     return 0
-
-
-def _spawn(role: str, common: list[str], level: str) -> WorkerProcess:
-    w = WorkerProcess(role, common, level)
-    w.start()
-    return w
-
-
-def _speculative_config(text: str) -> str:
-    """Validate --speculative-config here (exit 2 naming what is allowed) and pass the JSON on."""
-    from splitserve.platform.config import SpeculativeConfig
-    from splitserve.platform.errors import ConfigError
-
-    try:
-        SpeculativeConfig.from_json(text)
-    except (ConfigError, TypeError) as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-    return text

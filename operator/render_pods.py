@@ -45,6 +45,7 @@ from splitserve.operator.context import Context, Manifest
 from splitserve.operator.render_services import config_hash
 from splitserve.operator.settings import KvCacheDefaults, effective_flow_control
 from splitserve.operator.spec import EnvVar, PoolSpec, Resources, Toleration
+from splitserve.platform.settings.worker_args import WorkerArgs, for_role, with_flow_control
 
 GPU_RESOURCE = "nvidia.com/gpu"
 STARTUP_SECONDS = 600
@@ -223,10 +224,15 @@ def kv_secret_ref(ctx: Context) -> tuple[str, str] | None:
     return (credentials.kv_secret_name(ctx), credentials.KV_SECRET_KEY) if credentials.manages_kv_secret(ctx) else None
 
 
-def tls_args(ctx: Context, component: str) -> list[str]:
+def tls_files(ctx: Context, component: str) -> dict[str, str]:
+    """The certificate files a component's pod mounts (_add_tls), as tls_cert/tls_key/tls_ca."""
     if tls_secret_name(ctx, component) is None:
-        return []
-    return ["--tls-cert", f"{TLS_DIR}/tls.crt", "--tls-key", f"{TLS_DIR}/tls.key", "--tls-ca", f"{TLS_DIR}/ca.crt"]
+        return {}
+    return {"tls_cert": f"{TLS_DIR}/tls.crt", "tls_key": f"{TLS_DIR}/tls.key", "tls_ca": f"{TLS_DIR}/ca.crt"}
+
+
+def tls_args(ctx: Context, component: str) -> list[str]:
+    return [arg for name, path in tls_files(ctx, component).items() for arg in (f"--{name.replace('_', '-')}", path)]
 
 
 def _add_tls(ctx: Context, component: str, volumes: list[dict[str, Any]], mounts: list[dict[str, Any]]) -> None:
@@ -258,49 +264,54 @@ def certificate(ctx: Context) -> Manifest | None:
     }
 
 
+# What every worker pod spells out, even at the worker's default (the pod spec documents itself).
+POD_EXPLICIT = (
+    "role",
+    "model",
+    "dtype",
+    "max_model_len",
+    "block_size",
+    "max_num_seqs",
+    "kv_cache_memory_gib",
+    "host",
+    "advertise_host",
+    "grpc_port",
+    "metrics_port",
+    "kv_transport",
+    "kv_port",
+)
+
+
 def worker_args(ctx: Context, pool: str) -> list[str]:
+    settings = worker_settings(ctx, pool)
+    return ["worker", *settings.to_argv(explicit=POD_EXPLICIT), *parallel_args(getattr(ctx.spec, pool))]
+
+
+def worker_settings(ctx: Context, pool: str) -> WorkerArgs:
+    """The settings of a worker of `pool` (platform/settings/worker_args.py) from the spec."""
     spec, pool_spec = ctx.spec, getattr(ctx.spec, pool)
-    args = [
-        "worker",
-        "--role",
-        pool,
-        "--model",
-        spec.model.uri,
-        "--dtype",
-        spec.model.dtype,
-        "--max-model-len",
-        str(spec.model.max_model_len),
-        "--block-size",
-        str(spec.engine.block_size),
-        "--max-num-seqs",
-        str(spec.engine.max_num_seqs),
-        "--kv-cache-memory",
-        f"{spec.engine.kv_cache_memory_gib:g}",
-        "--host",
-        "0.0.0.0",
-        "--advertise-host",
-        "$(POD_IP)",
-        "--grpc-port",
-        str(C.GRPC_PORT),
-        "--metrics-port",
-        str(C.METRICS_PORT),
-        "--kv-transport",
-        spec.kv_transfer.transport,
-        "--kv-port",
-        str(C.KV_PORT),
-    ]
-    if kv_secret_ref(ctx) is not None:
-        args += ["--kv-secret-file", f"{KV_SECRET_DIR}/secret"]
-    args += tls_args(ctx, pool)
-    if credentials.manages_tls(ctx):  # per-role certificates: each RPC only for its callers' role
-        args.append("--tls-check-peer-roles")
-    if pool == "decode" and spec.speculative is not None:  # the prefill pool samples one token: nothing to speculate
-        args += ["--speculative-config", spec.speculative.config_json()]
-    args += kv_cache_args(ctx.kv_cache(), pool_spec.gpus)
-    if effective_flow_control(spec.flow_control, ctx.settings).enabled:  # the router sends each request's band
-        args += ["--scheduling-policy", "priority"]
-    args += parallel_args(pool_spec)
-    return args + (["--device", "cuda"] if pool_spec.gpus > 0 else [])
+    settings = WorkerArgs(
+        model=spec.model.uri,
+        dtype=spec.model.dtype,
+        max_model_len=spec.model.max_model_len,
+        block_size=spec.engine.block_size,
+        max_num_seqs=spec.engine.max_num_seqs,
+        kv_cache_memory_gib=spec.engine.kv_cache_memory_gib,
+        host="0.0.0.0",
+        advertise_host="$(POD_IP)",
+        grpc_port=C.GRPC_PORT,
+        metrics_port=C.METRICS_PORT,
+        kv_transport=spec.kv_transfer.transport,
+        kv_port=C.KV_PORT,
+        kv_secret_file=f"{KV_SECRET_DIR}/secret" if kv_secret_ref(ctx) is not None else "",
+        **tls_files(ctx, pool),
+        # per-role certificates: each RPC only for its callers' role
+        tls_check_peer_roles=credentials.manages_tls(ctx),
+        speculative_config=spec.speculative.config_json() if spec.speculative is not None else None,
+        **kv_cache_settings(ctx.kv_cache(), pool_spec.gpus),
+        device="cuda" if pool_spec.gpus > 0 else "cpu",
+    )
+    return for_role(with_flow_control(settings, effective_flow_control(spec.flow_control, ctx.settings).enabled), pool)
 
 
 def parallel_args(pool_spec: PoolSpec) -> list[str]:
@@ -324,20 +335,17 @@ def parallel_args(pool_spec: PoolSpec) -> list[str]:
     return args
 
 
-def kv_cache_args(kv: KvCacheDefaults, gpus: int) -> list[str]:
-    """The worker flags of the effective spec.kvCache (chart defaults merged, Context.kv_cache): a
+def kv_cache_settings(kv: KvCacheDefaults, gpus: int) -> dict[str, Any]:
+    """The worker settings of the effective spec.kvCache (chart defaults merged, Context.kv_cache): a
     host-memory tier on GPU pools, a file tier in the kv-tier emptyDir (_add_kv_tier) on CPU pools;
     pulls on or off and their limit."""
-    args = []
-    if kv.tier_gib > 0:
-        args += ["--kv-tier-bytes", str(int(kv.tier_gib * 1024**3))]
-        if gpus == 0:
-            args += ["--kv-tier-dir", KV_TIER_DIR]
-    if not kv.pull:
-        args.append("--no-kv-pull")
-    elif kv.max_pull_blocks != KvCacheDefaults().max_pull_blocks:  # the worker's default needs no flag
-        args += ["--max-pull-blocks", str(kv.max_pull_blocks)]
-    return args
+    tier = int(kv.tier_gib * 1024**3) if kv.tier_gib > 0 else None
+    return {
+        "kv_tier_bytes": tier,
+        "kv_tier_dir": KV_TIER_DIR if tier is not None and gpus == 0 else None,
+        "kv_pull": kv.pull,
+        "max_pull_blocks": kv.max_pull_blocks if kv.pull else WorkerArgs.max_pull_blocks,
+    }
 
 
 def _add_kv_tier(

@@ -7,7 +7,7 @@ deploy config (the `applications:` document `serve run`/KubeRay's `serveConfigV2
     worker_host: ""                   # "": replicas bind 0.0.0.0 and advertise their node IP
     ray:      {address: local, num_cpus: 2, include_dashboard: false, temp_dir: ""}
     router:   {gateway: {host: 127.0.0.1, port: 8000}, placement: ...}   # docs/router.md
-    engine:   {dtype: float32, device: cpu, threads: 1, kv_cache_memory_gib: 0.25, ...}
+    engine:   {dtype: float32, device: cpu, threads: 1, kv_cache_memory_gib: 0.25, ...}   # any worker setting
     prefill:  {min_replicas: 1, max_replicas: 2, target_queue_depth: 4, ray_actor_options: {num_cpus: 1}}
     decode:   {min_replicas: 1, max_replicas: 4, target_queue_depth: 8, ray_actor_options: {num_gpus: 1},
                tensor_parallel_size: 1}   # > 1: one placement group per replica, a bundle per rank (placement.py)
@@ -25,11 +25,10 @@ Each pool autoscales on the engines' queue depth (rayserve/autoscale.py, docs/ra
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 
-from splitserve.platform.config import CacheConfig, DeviceConfig, SchedulerConfig
 from splitserve.platform.errors import ConfigError
+from splitserve.platform.settings.worker_args import LAUNCHER_DECIDES, WorkerArgs, for_role, with_flow_control
 from splitserve.rayserve import placement
 from splitserve.router.config import RouterConfig
 from splitserve.router.config.file import checked_mapping, from_dict, read_mapping
@@ -63,32 +62,52 @@ class RayClusterConfig:
             raise ConfigError(f"ray.num_cpus={self.num_cpus} must be >= 1 (or left out: all cores)")
 
 
-@dataclass(frozen=True)
-class EngineSettings:
-    """The engine flags of `splitserve worker`, shared by both pools; `threads` is torch threads
-    per replica (1 keeps replicas from fighting over cores)."""
+# The worker settings the config decides with its own keys (model, kv_transport, worker_host,
+# security) or per replica (role, port 0 everywhere); `engine:` takes every other worker setting
+# (platform/settings/worker_args.py), over Ray's defaults: one thread and a small cache per replica.
+RAY_DECIDES = LAUNCHER_DECIDES
+ENGINE_DEFAULTS = {"threads": 1, "kv_cache_memory_gib": 0.25, "max_num_batched_tokens": 512, "max_model_len": 2048}
+# What every rendered `engine:` spells out, even at the worker's default.
+ENGINE_EXPLICIT = ("dtype", "device", "threads", "quantization", "kv_cache_memory_gib", "block_size", "max_num_seqs")
 
-    dtype: str = "float32"
-    device: str = "cpu"
-    threads: int = 1
-    quantization: str = "auto"  # as `splitserve worker --quantization` (platform/quant)
-    kv_cache_memory_gib: float = 0.25
-    block_size: int = 16
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 512
-    max_model_len: int = 2048
 
-    def __post_init__(self) -> None:
-        # The engine's own dataclasses check these (torch-free); the replicas build the same ones.
-        DeviceConfig(device=self.device, dtype=self.dtype, num_threads=self.threads, quantization=self.quantization)
-        CacheConfig(block_size=self.block_size, kv_cache_memory_bytes=int(self.kv_cache_memory_gib * GiB))
-        SchedulerConfig(
-            max_num_seqs=self.max_num_seqs,
-            max_num_batched_tokens=self.max_num_batched_tokens,
-            max_model_len=self.max_model_len,
+def engine_settings(data: dict | None = None) -> WorkerArgs:
+    """The config's `engine:` section as worker settings; a ConfigError names what is not allowed."""
+    data = {} if data is None else checked_mapping(data, WorkerArgs, "engine")
+    decided = sorted(set(data) & set(RAY_DECIDES))
+    if decided:
+        raise ConfigError(
+            f"engine: {decided} are decided by the config's own keys (model, kv_transport, worker_host, "
+            "security) and per replica; allowed in engine: every other `splitserve worker` setting"
         )
-        if self.kv_cache_memory_gib <= 0:
-            raise ConfigError(f"engine.kv_cache_memory_gib={self.kv_cache_memory_gib} must be > 0")
+    return WorkerArgs.from_dict({**ENGINE_DEFAULTS, **data}, "engine")
+
+
+def engine_args(settings: WorkerArgs) -> dict:
+    """The `engine` a replica gets (render): the non-default settings and ENGINE_EXPLICIT, as YAML values."""
+    keep = {**{name: getattr(settings, name) for name in ENGINE_EXPLICIT}, **settings.non_defaults()}
+    return {name: list(v) if isinstance(v, tuple) else v for name, v in keep.items() if name not in RAY_DECIDES}
+
+
+def replica_settings(
+    role: str, model: str, kv_transport: str, engine: dict, host: str, advertise: str, security: dict
+) -> WorkerArgs:
+    """A replica's worker settings from its app's args (render). `host` "" binds all interfaces and
+    advertises `advertise` (the replica's node IP). Port 0 everywhere: the worker binds what the
+    kernel picks and says which once ready (a port probed free could be taken before it is bound)."""
+    files = {k: v for k, v in security.items() if k in ("tls_cert", "tls_key", "tls_ca", "kv_secret_file")}
+    settings = WorkerArgs.from_dict(engine, "engine").replace(
+        model=model,
+        kv_transport=kv_transport,
+        host=host or "0.0.0.0",
+        advertise_host="" if host else advertise,
+        grpc_port=0,
+        metrics_port=0,
+        kv_port=0,
+        drain_grace_s=10.0,
+        **files,
+    )
+    return for_role(settings, role)
 
 
 @dataclass(frozen=True)
@@ -199,7 +218,7 @@ class RayServeConfig:
     worker_host: str = ""  # "" : bind all interfaces, advertise the replica's node IP
     ray: RayClusterConfig = field(default_factory=RayClusterConfig)
     router: dict = field(default_factory=dict)
-    engine: EngineSettings = field(default_factory=EngineSettings)
+    engine: WorkerArgs = field(default_factory=engine_settings)
     prefill: PoolConfig = field(default_factory=PoolConfig)
     decode: PoolConfig = field(default_factory=PoolConfig)
     autoscaling: AutoscalingTiming = field(default_factory=AutoscalingTiming)
@@ -269,7 +288,6 @@ class RayServeConfig:
 
 _SECTIONS = {
     "ray": RayClusterConfig,
-    "engine": EngineSettings,
     "prefill": PoolConfig,
     "decode": PoolConfig,
     "autoscaling": AutoscalingTiming,
@@ -289,6 +307,8 @@ def parse(data: dict) -> RayServeConfig:
     for key, cls in _SECTIONS.items():
         if key in kwargs:
             kwargs[key] = cls(**checked_mapping(kwargs[key], cls, key))
+    if "engine" in kwargs:
+        kwargs["engine"] = engine_settings(kwargs["engine"])
     if "router" in kwargs and not isinstance(kwargs["router"], dict):
         raise ConfigError(f"router must be a mapping (docs/router.md), got {type(kwargs['router']).__name__}")
     try:
@@ -305,6 +325,7 @@ def render(config: RayServeConfig) -> dict:
     """The Serve deploy config (ServeDeploySchema as a dict): what `serve run`, `serve deploy`
     and a KubeRay RayService's `serveConfigV2` take. Pure: no Ray needed."""
     host, port = config.gateway
+    engine = with_flow_control(config.engine, config.router_config().flow_control.enabled)
     apps = [
         {
             "name": config.name,
@@ -327,10 +348,7 @@ def render(config: RayServeConfig) -> dict:
                     "role": role,
                     "model": config.model,
                     "kv_transport": config.kv_transport,
-                    "engine": {
-                        **dataclasses.asdict(config.engine),
-                        "tensor_parallel_size": getattr(config, role).tensor_parallel_size,
-                    },
+                    "engine": engine_args(engine),
                     "registry": registry_ref(config),
                     "host": config.worker_host,
                     "security": config.security.worker_args(),

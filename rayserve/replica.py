@@ -29,7 +29,6 @@ import logging
 
 from ray import serve
 
-from splitserve.rayserve import placement
 from splitserve.rayserve.autoscale import QUEUE_DEPTH
 from splitserve.workers.config import WorkerConfig
 
@@ -57,55 +56,22 @@ class WorkerReplica:
         `tracing_args`: {"endpoint", "sample_ratio"} of its span export (platform/observability/tracing.py)."""
         import ray
 
-        from splitserve.platform.config import CacheConfig, DeviceConfig, EngineConfig, SchedulerConfig
         from splitserve.platform.engine.llm_engine import LLMEngine
         from splitserve.platform.observability import tracing
+        from splitserve.rayserve.config import replica_settings
         from splitserve.workers.main import Worker, trace_role
 
         advertise = "" if host else ray.util.get_node_ip_address()
-        host = host or "0.0.0.0"
-        # Port 0 everywhere: the worker binds what the kernel picks and says which once ready (a
-        # port probed free here could be taken by another process before the worker bound it).
-        config = WorkerConfig(
-            role=role,
-            host=host,
-            advertise_host=advertise,
-            grpc_port=0,
-            metrics_port=0,
-            kv_transport=kv_transport,
-            kv_port=0,
-            drain_grace_s=10.0,
-            **{k: v for k, v in (security or {}).items() if k in ("tls_cert", "tls_key", "tls_ca", "kv_secret_file")},
-        )
-        tp = engine.get("tensor_parallel_size", 1)
-        if tp > 1 and engine["device"] == "cuda":  # the ranks see their bundles' GPUs (rayserve/placement.py)
-            placement.claim_bundle_gpus(tp)
-        engine_config = EngineConfig(
-            model=model,
-            cache=CacheConfig(
-                block_size=engine["block_size"], kv_cache_memory_bytes=int(engine["kv_cache_memory_gib"] * 1024**3)
-            ),
-            scheduler=SchedulerConfig(
-                max_num_seqs=engine["max_num_seqs"],
-                max_num_batched_tokens=engine["max_num_batched_tokens"],
-                max_model_len=engine["max_model_len"],
-            ),
-            device=DeviceConfig(
-                device=engine["device"],
-                dtype=engine["dtype"],
-                num_threads=engine["threads"],
-                quantization=engine.get("quantization", "auto"),
-            ),
-        )
+        settings = replica_settings(role, model, kv_transport, engine, host, advertise, security or {})
         t = tracing_args or {}
         tracing.configure(tracing.config_from(trace_role(role), t.get("endpoint") or None, t.get("sample_ratio")))
-        self.worker = Worker(config, LLMEngine(engine_config))
+        self.worker = Worker(WorkerConfig.from_args(settings), LLMEngine(settings.engine_config()))
         self.task = asyncio.create_task(self.worker.run(handle_signals=False), name=f"{role} worker")
         await self._wait_ready()
         self.info = {
-            "address": f"{advertise or host}:{self.worker.grpc_port}",
+            "address": f"{advertise or settings.host}:{self.worker.grpc_port}",
             "role": role,
-            "metrics": f"{advertise or host}:{self.worker.metrics_port}",
+            "metrics": f"{advertise or settings.host}:{self.worker.metrics_port}",
             "actor_name": ray.get_runtime_context().get_actor_name() or "",
             "replica_id": serve.get_replica_context().replica_id.unique_id,
         }

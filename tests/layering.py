@@ -96,6 +96,7 @@ CONTRACTS = [
             "splitserve.platform.hashing",
             "splitserve.platform.tokenizer",
             "splitserve.platform.config",
+            "splitserve.platform.settings",
             "splitserve.platform.model_source",
             "splitserve.platform.formats",
             "splitserve.platform.engine.detokenizer",

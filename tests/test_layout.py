@@ -1,5 +1,6 @@
 """The repository layout: no stdlib shadowing, and the layering of docs/architecture.md."""
 
+import ast
 import pathlib
 import subprocess
 import sys
@@ -170,10 +171,10 @@ def test_platform_root_keeps_at_most_six_modules():
     assert len(root) <= 6, root
 
 
-# Packages whose modules import one another without a circle (TYPE_CHECKING imports included). Not yet
-# workers/: workers/transfer/__init__.py re-exports its submodules, which import the package back.
+# Packages whose modules import one another without a circle (TYPE_CHECKING imports included).
 ACYCLIC = [
     "splitserve.platform",
+    "splitserve.workers",
     "splitserve.router",
     "splitserve.launch",
     "splitserve.operator",
@@ -188,6 +189,37 @@ def test_no_import_cycle_in_any_package():
 
     graph = {m: direct_imports(m, p) for m, p in module_files().items()}
     assert {pkg: import_cycles(graph, pkg) for pkg in ACYCLIC} == {pkg: [] for pkg in ACYCLIC}
+
+
+MAX_FUNCTION_LINES = 60
+SMALL_FUNCTIONS = ["workers"]  # folders whose every function (and method) fits on a screen
+
+
+def long_functions(folder: pathlib.Path, limit: int = MAX_FUNCTION_LINES) -> list[str]:
+    """`path:line name (N lines)` of each function or method in `folder` longer than `limit`
+    lines, decorators and docstring included."""
+    found = []
+    for path in sorted(folder.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                first = min([node.lineno, *(d.lineno for d in node.decorator_list)])
+                length = node.end_lineno - first + 1
+                if length > limit:
+                    found.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name} ({length} lines)")
+    return found
+
+
+def test_no_function_is_over_60_lines():
+    assert {folder: long_functions(ROOT / folder) for folder in SMALL_FUNCTIONS} == {f: [] for f in SMALL_FUNCTIONS}
+
+
+def test_long_function_finder_counts_decorators_and_bodies(tmp_path, monkeypatch):
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
+    body = "".join(f"    x{i} = {i}\n" for i in range(58))
+    # fits: decorator + def + 58 lines = 60; over: def + 59 lines + return = 61 (from line 63)
+    (tmp_path / "m.py").write_text(f"@dec\ndef fits():\n{body}\n\nasync def over():\n{body}    y = 0\n    return y\n")
+    assert long_functions(tmp_path) == ["m.py:63 over (61 lines)"]
+    assert long_functions(tmp_path, 59) == ["m.py:2 fits (60 lines)", "m.py:63 over (61 lines)"]
 
 
 def test_cycle_finder_reports_each_circle_once(tmp_path, monkeypatch):

@@ -54,10 +54,12 @@ def security() -> Security:
     import tempfile
 
     from splitserve.launch.up import throwaway_security
+    from splitserve.platform.settings.worker_args import WorkerArgs
 
     directory = tempfile.mkdtemp(prefix="splitserve-test-pki-")
     atexit.register(shutil.rmtree, directory, True)
-    overrides, worker_args = throwaway_security(directory)
+    overrides, files = throwaway_security(directory)
+    worker_args = WorkerArgs(**files).to_argv()
     tls = TlsFiles(overrides["discovery.tls_cert"], overrides["discovery.tls_key"], overrides["discovery.tls_ca"])
     return Security(tls, tuple(worker_args))
 

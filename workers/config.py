@@ -5,9 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from splitserve.platform.errors import ConfigError
+from splitserve.platform.settings.worker_args import ROLES, WorkerArgs
 from splitserve.platform.wire.disaggregation import DISAGGREGATION_MODES
 
-ROLES = ("prefill", "decode", "both")
 TRANSPORTS = ("ucx", "tcp", "inproc", "auto")  # auto: tcp, plus CUDA IPC on a GPU (transfer/cuda_ipc.py)
 MODES = tuple(DISAGGREGATION_MODES)
 
@@ -39,6 +39,11 @@ class WorkerConfig:
     tls_check_peer_roles: bool = False  # each RPC only for the caller roles its certificate names (grpc_guard.py)
     kv_pull: bool = True  # accept a router's kv_pull (workers/kv_pull.py); False: always recompute
     max_pull_blocks: int = 1024  # the largest pull, in blocks; more of a prefix is computed here
+
+    @classmethod
+    def from_args(cls, args: WorkerArgs) -> WorkerConfig:
+        """The worker's part of its settings (platform/settings/worker_args.py)."""
+        return cls(**args.worker_fields())
 
     def __post_init__(self) -> None:
         for name, value, allowed in (

@@ -113,18 +113,7 @@ class RemotePrefill:
         )
         try:
             resp = await self.stubs.stub(address).Prefill(
-                pb.PrefillRequest(
-                    request_id=req_id,
-                    prompt_token_ids=token_ids,
-                    params=wire.sampling_params_to_proto(params),
-                    skip_blocks=ready.start_block,
-                    kv_address=self.kv_address,
-                    transfer_id=transfer_id,
-                    layout=pb.KVLayout(**layout.to_dict()),
-                    deadline_s=self.deadline_s,
-                    lora_name=lora.name if lora else "",
-                    lora_path=lora.path if lora else "",
-                ),
+                self._request(req_id, token_ids, params, ready, transfer_id, layout, lora),
                 timeout=self.deadline_s,
                 metadata=tracing.outgoing_metadata(call),
             )
@@ -152,6 +141,21 @@ class RemotePrefill:
         self.engine.complete_remote_prefill(req_id, resp.first_token_id, logprob)
         self._count("ok")
         return resp
+
+    def _request(self, req_id, token_ids, params, ready: KVReady, transfer_id: str, layout, lora):
+        """The PrefillRequest of one attempt: the blocks from `ready.start_block` on, to this receiver."""
+        return pb.PrefillRequest(
+            request_id=req_id,
+            prompt_token_ids=token_ids,
+            params=wire.sampling_params_to_proto(params),
+            skip_blocks=ready.start_block,
+            kv_address=self.kv_address,
+            transfer_id=transfer_id,
+            layout=pb.KVLayout(**layout.to_dict()),
+            deadline_s=self.deadline_s,
+            lora_name=lora.name if lora else "",
+            lora_path=lora.path if lora else "",
+        )
 
     def _count(self, outcome: str) -> None:
         if self.metrics is not None:

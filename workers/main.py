@@ -12,20 +12,21 @@ roles), the gRPC server, the health/metrics port; /ready turns 200. On SIGTERM (
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
-import os
 import signal
 import uuid
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from splitserve.platform.cli import add_engine_args, engine_config
 from splitserve.platform.engine.async_engine import AsyncEngine
 from splitserve.platform.engine.llm_engine import LLMEngine
 from splitserve.platform.kv.cache import bytes_per_block
 from splitserve.platform.observability import tracing
 from splitserve.platform.sampling.params import SamplingParams
+from splitserve.platform.settings import worker_args
+from splitserve.platform.settings.worker_args import WorkerArgs
 from splitserve.platform.wire import worker_pb2 as pb
 from splitserve.platform.wire.grpc_tls import server_credentials, tls_from
 from splitserve.workers.config import WorkerConfig
@@ -46,72 +47,7 @@ log = logging.getLogger("splitserve.worker")
 
 def register(subparsers) -> None:
     p = subparsers.add_parser("worker", help="run a prefill / decode / colocated gRPC worker")
-    add_engine_args(p)
-    p.add_argument("--role", default="both", choices=["prefill", "decode", "both"])
-    p.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 in a pod)")
-    p.add_argument(
-        "--advertise-host",
-        default=None,
-        help="address other workers reach this one at (default: --host; in a pod, the pod IP)",
-    )
-    p.add_argument("--grpc-port", type=int, default=50051)
-    p.add_argument("--metrics-port", type=int, default=9090)
-    p.add_argument(
-        "--kv-transport",
-        default="ucx",
-        choices=["ucx", "tcp", "auto"],
-        help="how KV blocks travel: ucx, tcp, or auto (tcp, plus CUDA IPC between workers on one node "
-        "that can reach each other's GPU memory; needs --kv-secret-file)",
-    )
-    p.add_argument("--kv-port", type=int, default=13337)
-    p.add_argument(
-        "--tls-cert",
-        default=os.environ.get("SPLITSERVE_TLS_CERT", ""),
-        help="serve gRPC over mutual TLS: this worker's certificate (PEM; also used to call prefill workers)",
-    )
-    p.add_argument("--tls-key", default=os.environ.get("SPLITSERVE_TLS_KEY", ""), help="its private key (PEM)")
-    p.add_argument(
-        "--tls-ca",
-        default=os.environ.get("SPLITSERVE_TLS_CA", ""),
-        help="the CA every client certificate must be signed by",
-    )
-    p.add_argument(
-        "--tls-check-peer-roles",
-        action="store_true",
-        help="with mTLS: serve each RPC only to callers whose certificate names the right role "
-        "(SAN splitserve-router: Generate, WatchEvents, LoRA; splitserve-worker: Prefill)",
-    )
-    p.add_argument(
-        "--kv-secret-file",
-        default=os.environ.get("SPLITSERVE_KV_SECRET_FILE", ""),
-        help="file holding the service's KV-transfer secret: peers must prove they hold it "
-        "(default: $SPLITSERVE_KV_SECRET_FILE; empty: no KV authentication)",
-    )
-    p.add_argument("--disaggregation", default="conditional", choices=["conditional", "always", "never"])
-    p.add_argument(
-        "--min-prefill-tokens",
-        type=int,
-        default=256,
-        help="conditional mode: remote prefill only when at least this many prompt tokens are uncached",
-    )
-    p.add_argument("--transfer-deadline", type=float, default=30.0, help="seconds for a remote prefill")
-    p.add_argument("--drain-grace", type=float, default=120.0, help="seconds to finish in-flight work on SIGTERM")
-    p.add_argument(
-        "--no-kv-layer-streaming",
-        action="store_true",
-        help="prefill role: send the KV after the whole prompt is computed instead of per layer",
-    )
-    p.add_argument(
-        "--no-kv-pull",
-        action="store_true",
-        help="recompute a prefix another worker holds instead of pulling its KV (docs/kv-tiers.md)",
-    )
-    p.add_argument(
-        "--max-pull-blocks",
-        type=int,
-        default=1024,
-        help="the most KV blocks one pull fetches (default 1024); the rest of the prompt is computed",
-    )
+    worker_args.add_arguments(p)  # every flag: platform/settings/worker_args.py
     tracing.add_tracing_args(p)
     p.set_defaults(func=cmd_worker)
 
@@ -122,34 +58,12 @@ def trace_role(role: str) -> str:
 
 
 def cmd_worker(args) -> int:
-    config = WorkerConfig(
-        role=args.role,
-        host=args.host,
-        grpc_port=args.grpc_port,
-        metrics_port=args.metrics_port,
-        kv_transport=args.kv_transport,
-        kv_port=args.kv_port,
-        disaggregation=args.disaggregation,
-        min_prefill_tokens=args.min_prefill_tokens,
-        transfer_deadline_s=args.transfer_deadline,
-        drain_grace_s=args.drain_grace,
-        kv_layer_streaming=not args.no_kv_layer_streaming,
-        advertise_host=args.advertise_host or "",
-        kv_secret_file=args.kv_secret_file,
-        tls_cert=args.tls_cert,
-        tls_key=args.tls_key,
-        tls_ca=args.tls_ca,
-        tls_check_peer_roles=args.tls_check_peer_roles,
-        kv_pull=not args.no_kv_pull,
-        max_pull_blocks=args.max_pull_blocks,
-    )
+    settings = WorkerArgs.from_namespace(args)
+    config = WorkerConfig.from_args(settings)
     # Before the model loads: a bad value fails fast.
-    tracing.configure(tracing.config_from_args(trace_role(args.role), args))
-    engine = LLMEngine(engine_config(args))
-    try:
-        return asyncio.run(Worker(config, engine).run())
-    finally:
-        tracing.tracer().shutdown()  # export the spans still buffered
+    tracing.configure(tracing.config_from_args(trace_role(settings.role), args))
+    engine = LLMEngine(settings.engine_config())
+    return asyncio.run(Worker(config, engine).run())  # run() shuts the tracer down, exporting what is buffered
 
 
 def kv_layout(engine: LLMEngine) -> KVLayout:
@@ -163,14 +77,6 @@ def kv_layout(engine: LLMEngine) -> KVLayout:
         head_dim=m.head_dim,
         weights=engine.quantization,
     )
-
-
-def advertised(address: str, advertise_host: str) -> str:
-    """The receiver's `scheme://host:port` with the host others should dial."""
-    if not advertise_host:
-        return address
-    scheme, _, rest = address.partition("://")
-    return f"{scheme}://{advertise_host}:{rest.rsplit(':', 1)[1]}"
 
 
 def kv_state(engine: LLMEngine) -> dict:
@@ -227,6 +133,11 @@ def warn_if_insecure(cfg: WorkerConfig, logger: logging.Logger) -> None:
 
 
 class Worker:
+    """One worker's parts, built by `_build` (metrics, KV transport, event hub, async engine,
+    remote prefill and pulls, the gRPC service) and `_start` (gRPC server, health port, load
+    reports, warm-up), and run by `run` under one AsyncExitStack: each part registers its close
+    as it is made, so whatever was built is closed once, in reverse order, however run() ends."""
+
     def __init__(self, config: WorkerConfig, engine: LLMEngine):
         self.config = config
         self.llm = engine
@@ -234,13 +145,24 @@ class Worker:
         self.stopping = asyncio.Event()
         self.engine: AsyncEngine | None = None  # set by run(); its `load` is the queue depth
         self.grpc_port = self.metrics_port = 0  # the ports bound (port 0: the kernel's pick), once ready
+        self.kv_address = ""  # what KV senders dial (the receiver's advertised address), once built
 
     async def run(self, handle_signals: bool = True) -> int:
         """Serve until SIGTERM/SIGINT (or `stopping` is set by the owner when `handle_signals` is
         False, as in a Ray Serve replica, whose event loop is not the main thread's)."""
+        async with contextlib.AsyncExitStack() as parts:
+            parts.callback(tracing.tracer().shutdown)  # last: export the spans still buffered
+            parts.callback(self._shutdown_engine)  # after every part that calls into the engine
+            service, tls = await self._build(parts)
+            health_servicer = await self._start(service, tls, parts)
+            self._announce(handle_signals)
+            await self.stopping.wait()
+            await self._drain(service, health_servicer)
+        return 0
+
+    async def _build(self, parts: contextlib.AsyncExitStack) -> tuple[WorkerService, object]:
+        """Every part but the servers, each registered with `parts`; the service and the TLS files."""
         cfg = self.config
-        loop = asyncio.get_running_loop()
-        engine = self.engine = AsyncEngine(self.llm)
         layout = kv_layout(self.llm)
         metrics = WorkerMetrics(cfg.role, self.llm.config.model)
         metrics.cache_info.labels(
@@ -250,72 +172,83 @@ class Worker:
         metrics.kv_auth_enabled.set(1 if auth_key else 0)
         metrics.grpc_tls_enabled.set(1 if cfg.tls_cert else 0)
         warn_if_insecure(cfg, log)
-        path = choose_path(cfg.kv_transport, self.llm.device.type == "cuda", auth_key is not None)
-        log.info("KV path: %s%s (%s)", path.wire, " + CUDA IPC" if path.ipc else "", path.reason)
-        metrics.kv_path_info.labels(transport=path.wire, cuda_ipc=str(path.ipc).lower(), reason=path.reason).set(1)
-        receiver = (
-            make_receiver(
-                path.wire, cfg.host, cfg.kv_port, auth_key=auth_key, on_auth_failure=metrics.kv_auth_failures.inc
-            )
-            if cfg.role != "prefill"
-            else None
-        )
-        sender = make_sender(path.wire, auth_key=auth_key) if cfg.role != "decode" else None
-        if path.ipc and receiver is not None:
-            receiver.ipc = (self.llm.kv_connector.kv_caches, CudaIpcBackend())
-        if path.ipc and sender is not None:
-            sender.ipc_backend = CudaIpcBackend()
-        if receiver is not None:
-            await receiver.start()
-        kv_address = advertised(receiver.address, cfg.advertise_host) if receiver else ""
-        if receiver is not None:
-            receiver.identity = kv_address  # what senders dial: the KV handshake binds proofs to it
+        receiver, sender = await self._transport(auth_key, metrics, parts)
+        self.kv_address = receiver.identity if receiver is not None else ""
         info = pb.WorkerInfo(
             worker_id=uuid.uuid4().hex,
             role=cfg.role,
             model_id=layout.model_id,
             layout=pb.KVLayout(**layout.to_dict()),
-            kv_address=kv_address,
+            kv_address=self.kv_address,
             num_total_blocks=self.llm.pool.num_blocks,
         )
-        hub = EventHub(loop, info)
-        engine.on_kv_events = hub.publish
+        hub = EventHub(asyncio.get_running_loop(), info)
+        engine = self.engine = AsyncEngine(self.llm, on_kv_events=hub.publish)
         tls = tls_from(cfg.tls_cert, cfg.tls_key, cfg.tls_ca)
-        remote = (
-            RemotePrefill(engine, receiver, layout, cfg.transfer_deadline_s, metrics, kv_address=kv_address, tls=tls)
-            if receiver
-            else None
-        )
-        puller = (
-            KVPuller(
-                engine,
-                receiver,
-                layout,
-                cfg.transfer_deadline_s,
-                cfg.max_pull_blocks,
-                metrics,
-                kv_address=kv_address,
-                tls=tls,
+        remote = puller = None
+        if receiver is not None:
+            deadline, address = cfg.transfer_deadline_s, self.kv_address
+            remote = RemotePrefill(engine, receiver, layout, deadline, metrics, kv_address=address, tls=tls)
+            parts.push_async_callback(remote.stubs.close)
+        if receiver is not None and cfg.kv_pull:
+            puller = KVPuller(
+                engine, receiver, layout, cfg.transfer_deadline_s, cfg.max_pull_blocks, metrics, self.kv_address, tls
             )
-            if receiver and cfg.kv_pull
-            else None
-        )
-        service = WorkerService(cfg, engine, hub, remote, sender, layout, metrics, puller)
-        server, health_servicer, grpc_port = await self._start_grpc(service)
+            parts.push_async_callback(puller.close)
+        return WorkerService(cfg, engine, hub, remote, sender, layout, metrics, puller), tls
+
+    async def _transport(self, auth_key: bytes | None, metrics: WorkerMetrics, parts: contextlib.AsyncExitStack):
+        """The KV receiver (decode roles; started, so its address is known) and sender (prefill
+        roles), each with its CUDA IPC backend when the path takes one; None for a role without."""
+        cfg = self.config
+        path = choose_path(cfg.kv_transport, self.llm.device.type == "cuda", auth_key is not None)
+        log.info("KV path: %s%s (%s)", path.wire, " + CUDA IPC" if path.ipc else "", path.reason)
+        metrics.kv_path_info.labels(transport=path.wire, cuda_ipc=str(path.ipc).lower(), reason=path.reason).set(1)
+        receiver = sender = None
+        if cfg.role != "prefill":
+            receiver = make_receiver(
+                path.wire,
+                cfg.host,
+                cfg.kv_port,
+                auth_key=auth_key,
+                on_auth_failure=metrics.kv_auth_failures.inc,
+                ipc=(self.llm.kv_connector.kv_caches, CudaIpcBackend()) if path.ipc else None,
+                advertise_host=cfg.advertise_host,  # the KV handshake binds proofs to what senders dial
+            )
+            await receiver.start()
+            parts.push_async_callback(receiver.close)
+        if cfg.role != "decode":
+            sender = make_sender(path.wire, auth_key=auth_key, ipc_backend=CudaIpcBackend() if path.ipc else None)
+            parts.push_async_callback(sender.close)
+        return receiver, sender
+
+    async def _start(self, service: WorkerService, tls, parts: contextlib.AsyncExitStack):
+        """The gRPC server, the health/metrics port and the load reports, registered with `parts`;
+        then the warm-up, and the health service says SERVING. Returns the health servicer."""
+        engine, metrics = self.engine, service.metrics
+        server, health_servicer, grpc_port = await self._start_grpc(service, tls)
+        parts.push_async_callback(server.stop, 1.0)
         http = HealthServer(
-            cfg.host,
-            cfg.metrics_port,
+            self.config.host,
+            self.config.metrics_port,
             lambda: self._readiness(service),
             lambda: metrics.render(engine.load, kv_tier_report(self.llm)),
             debug_kv=lambda: engine.call(kv_state),
             debug_request=service.records.get,
         )
         await http.start()
-        load_task = asyncio.create_task(publish_load(service, cfg.load_interval_s))
+        parts.push_async_callback(http.close)
+        load_task = asyncio.create_task(publish_load(service, self.config.load_interval_s))
+        parts.callback(load_task.cancel)
         await self._warm_up(engine)
         self.grpc_port, self.metrics_port = grpc_port, http.port
         self.ready = True
         await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+        return health_servicer
+
+    def _announce(self, handle_signals: bool) -> None:
+        cfg = self.config
+        loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT) if handle_signals else ():
             loop.add_signal_handler(sig, self.stopping.set)
         # The ports bound: with port 0 the kernel picks them, and the READY line tells a launcher
@@ -324,36 +257,23 @@ class Worker:
             "worker %s ready: grpc %s:%d, metrics %d, kv %s",
             cfg.role,
             cfg.host,
-            grpc_port,
-            http.port,
-            info.kv_address or "-",
+            self.grpc_port,
+            self.metrics_port,
+            self.kv_address or "-",
         )
-        print(f"READY grpc={cfg.host}:{grpc_port} metrics={http.port} kv={info.kv_address}", flush=True)
-        await self.stopping.wait()
-        await self._drain(service, health_servicer)
-        load_task.cancel()
-        await server.stop(grace=1.0)
-        await http.close()
-        for closer in (
-            remote.stubs.close() if remote else None,
-            puller.close() if puller else None,
-            receiver.close() if receiver else None,
-            sender.close() if sender else None,
-        ):
-            if closer is not None:
-                await closer
-        engine.shutdown()
-        tracing.tracer().shutdown()  # export the spans still buffered
-        return 0
+        print(f"READY grpc={cfg.host}:{self.grpc_port} metrics={self.metrics_port} kv={self.kv_address}", flush=True)
 
-    async def _start_grpc(self, service: WorkerService):
+    def _shutdown_engine(self) -> None:
+        if self.engine is not None:
+            self.engine.shutdown()
+
+    async def _start_grpc(self, service: WorkerService, tls):
         server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 << 20), ("grpc.so_reuseport", 0)])
         # malformed bytes: INVALID_ARGUMENT; a caller of the wrong role: PERMISSION_DENIED (workers/grpc_guard.py)
         add_worker_servicer(service, server, check_peer_roles=self.config.tls_check_peer_roles)
         health_servicer = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
         await health_servicer.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
-        tls = tls_from(self.config.tls_cert, self.config.tls_key, self.config.tls_ca)
         if tls is None:
             port = server.add_insecure_port(f"{self.config.host}:{self.config.grpc_port}")
         else:  # mutual TLS: a caller without a certificate from our CA fails the handshake

@@ -26,6 +26,25 @@ class WorkerMetrics:
     def __init__(self, role: str, model: str):
         self.registry = r = CollectorRegistry()
         labels = {"model_name": model}
+        self._engine_gauges(r, labels)
+        self._cache_and_spec(r, labels)
+        self._latency_histograms(r, role)
+        self._transfer(r)
+        self._structured_and_lora(r)
+        self._kv_reuse(r)
+        self._seen_queries = self._seen_hits = self._seen_waits = 0
+        self._seen_spec = (0, 0, 0)
+        self._seen_lengths: tuple[int, ...] = ()
+        self._update_lock = threading.Lock()
+        self._role, self._model = role, model
+        self.ttft, self.itl, self.e2e = self.latency("")
+        self._seen_mask = (0.0, 0)
+        self._seen_kinds: dict[str, int] = {}
+        self._seen_tier = (0, 0, 0, 0)
+        Info("splitserve_worker", "Worker identity", registry=r).info({"role": role, "model": model})
+
+    def _engine_gauges(self, r: CollectorRegistry, labels: dict) -> None:
+        """Gauges the GIE and llm-d read (vLLM's names), and the LoRA info."""
         self.waiting = Gauge(
             "vllm:num_requests_waiting", "Requests waiting to be scheduled", ["model_name"], registry=r
         ).labels(**labels)
@@ -45,6 +64,9 @@ class WorkerMetrics:
             ["max_lora", "running_lora_adapters", "waiting_lora_adapters"],
             registry=r,
         )
+
+    def _cache_and_spec(self, r: CollectorRegistry, labels: dict) -> None:
+        """The prefix cache and speculative decoding (vLLM's names where vLLM has one)."""
         self.prefix_queries = Counter(
             "vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache", ["model_name"], registry=r
         ).labels(**labels)
@@ -56,7 +78,6 @@ class WorkerMetrics:
             "Engine steps a waiting request sat out to reuse a prefix another request was computing",
             registry=r,
         )
-        self._seen_queries = self._seen_hits = self._seen_waits = 0
         # Speculative decoding, with vLLM's names (platform/spec/): proposals, accepted proposals,
         # verification steps, and verification steps by how many proposals they accepted.
         self.spec_drafts = Counter(
@@ -77,9 +98,9 @@ class WorkerMetrics:
             ["accepted"],
             registry=r,
         )
-        self._seen_spec = (0, 0, 0)
-        self._seen_lengths: tuple[int, ...] = ()
-        self._update_lock = threading.Lock()
+
+    def _latency_histograms(self, r: CollectorRegistry, role: str) -> None:
+        """Queued prompt tokens and the per-request latency histograms."""
         self.queued_prefill_tokens = Gauge(
             "splitserve_queued_prefill_tokens", "Prompt tokens not yet computed", registry=r
         )
@@ -107,8 +128,6 @@ class WorkerMetrics:
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
-        self._role, self._model = role, model
-        self.ttft, self.itl, self.e2e = self.latency("")
         self.queue_time = Histogram(
             "splitserve_request_queue_time_seconds",
             "Time until KV blocks were allocated",
@@ -116,6 +135,9 @@ class WorkerMetrics:
             buckets=LATENCY_BUCKETS,
             registry=r,
         ).labels(role=role)
+
+    def _transfer(self, r: CollectorRegistry) -> None:
+        """KV transfers, remote prefills, finished requests and the security switches."""
         self.kv_transfer_bytes = Histogram(
             "splitserve_kv_transfer_bytes", "KV bytes per transfer", ["direction"], buckets=BYTES_BUCKETS, registry=r
         )
@@ -154,6 +176,9 @@ class WorkerMetrics:
             "KV-transfer connections rejected for a wrong or missing token (transfer/auth.py)",
             registry=r,
         )
+
+    def _structured_and_lora(self, r: CollectorRegistry) -> None:
+        """Structured output and LoRA adapter reads."""
         self.grammar_compile = Histogram(
             "splitserve_grammar_compile_seconds",
             "Grammar compile time (cache misses)",
@@ -188,8 +213,9 @@ class WorkerMetrics:
             "hold them (the router's lora_evict_first hint)",
             registry=r,
         )
-        self._seen_mask = (0.0, 0)
-        self._seen_kinds: dict[str, int] = {}
+
+    def _kv_reuse(self, r: CollectorRegistry) -> None:
+        """KV reuse across workers and tiers (docs/kv-tiers.md)."""
         # KV reuse across workers and tiers (docs/kv-tiers.md)
         self.kv_tier_blocks = Counter(
             "splitserve_kv_tier_blocks",
@@ -220,8 +246,6 @@ class WorkerMetrics:
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
-        self._seen_tier = (0, 0, 0, 0)
-        Info("splitserve_worker", "Worker identity", registry=r).info({"role": role, "model": model})
 
     def latency(self, lora_name: str = "") -> tuple:
         """The (TTFT, ITL, e2e) histograms of requests for `lora_name` ("": the base model)."""

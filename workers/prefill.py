@@ -30,7 +30,7 @@ from splitserve.platform.errors import InvalidRequestError
 from splitserve.platform.observability import tracing
 from splitserve.platform.wire import worker_pb2 as pb
 from splitserve.workers import faults, wire
-from splitserve.workers.transfer.base import KVLayout, KVSender, LayoutMismatchError
+from splitserve.workers.transfer.base import KVLayout, KVSender, LayoutMismatchError, SendHandle
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +54,57 @@ async def serve_prefill(
     """
     if faults.PREFILL_HANG:
         await asyncio.Event().wait()
+    job = await _prepare(engine, layout, request)
+    t0 = time.monotonic()
+    send = span.child("kv.send", start=t0, attributes=_send_attributes(request, job.num_blocks))
+    try:
+        handle = await sender.open(request.kv_address, request.transfer_id, job.layout, job.num_blocks)
+    except BaseException as exc:
+        send.fail(exc)
+        send.end()
+        raise
+    pump = KVPump(handle, job.layout.num_layers, job.num_blocks)
+    try:
+        final, t_computed = await pump.run(engine, job, request, streaming)
+    except BaseException as exc:
+        await pump.abort()
+        send.fail(exc)
+        send.end()
+        raise
+    t_acked = time.monotonic()
+    send.set("splitserve.kv.num_bytes", handle.bytes_sent)
+    send.set("splitserve.kv.path", handle.path or "unknown")  # cuda_ipc, or the transport's scheme
+    send.end(t_acked)
+    _trace_compute(span, final, t0, t_computed)
+    if metrics is not None:
+        metrics.kv_transfer_bytes.labels(direction="out").observe(handle.bytes_sent)
+        metrics.kv_transfer_seconds.labels(direction="out").observe(t_acked - t0)
+        metrics.kv_transfers.labels(path=handle.path).inc()
+    resp = pb.PrefillResponse(
+        first_token_id=final.new_token_ids[0],
+        cached_tokens=final.num_cached_tokens,
+        kv_bytes=handle.bytes_sent,
+        prefill_s=t_computed - t0,
+        transfer_wait_s=t_acked - t_computed,
+    )
+    if final.new_logprobs:
+        resp.logprob.CopyFrom(wire.logprob_to_proto(final.new_logprobs[0]))
+    return resp
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefillJob:
+    """A checked Prefill request: what to run and which blocks to send."""
+
+    token_ids: list[int]
+    params: object  # SamplingParams: the first token only
+    lora_name: str | None
+    layout: KVLayout  # this worker's, with its adapter's digest
+    num_blocks: int  # blocks [skip_blocks, skip_blocks + num_blocks) of the prompt go out
+
+
+async def _prepare(engine: AsyncEngine, layout: KVLayout, request: pb.PrefillRequest) -> PrefillJob:
+    """The request checked (InvalidRequestError, LayoutMismatchError) and turned into a PrefillJob."""
     token_ids = wire.prompt_token_ids(
         request.request_id, request.prompt_token_ids, engine.model_config.vocab_size, engine.max_model_len
     )
@@ -71,86 +122,19 @@ async def serve_prefill(
             f"skip_blocks={request.skip_blocks} is invalid for a prompt of {len(token_ids)} "
             f"tokens; allowed: 0 to {-(-len(token_ids) // layout.block_size) - 1}"
         )
-    t0 = time.monotonic()
-    send = span.child(
-        "kv.send",
-        start=t0,
-        attributes={
-            "splitserve.kv.transfer_id": request.transfer_id,
-            "splitserve.kv.num_blocks": num_blocks,
-            "splitserve.kv.path": request.kv_address.partition("://")[0] or "unknown",
-            "server.address": request.kv_address,
-        },
-    )
-    try:
-        handle = await sender.open(request.kv_address, request.transfer_id, layout, num_blocks)
-    except BaseException as exc:
-        send.fail(exc)
-        send.end()
-        raise
-    loop = asyncio.get_running_loop()
-    layers: asyncio.Queue = asyncio.Queue()
-    is_closed = False  # after a failure: what still arrives goes straight back to the buffer pool
+    return PrefillJob(token_ids, params, lora_name, layout, num_blocks)
 
-    def deliver(item) -> None:
-        if is_closed:
-            item[1].release()
-        else:
-            layers.put_nowait(item)
 
-    def sink(layer, payload, first_block):  # engine thread
-        loop.call_soon_threadsafe(deliver, (layer, payload, first_block))
+def _send_attributes(request: pb.PrefillRequest, num_blocks: int) -> dict:
+    return {
+        "splitserve.kv.transfer_id": request.transfer_id,
+        "splitserve.kv.num_blocks": num_blocks,
+        "splitserve.kv.path": request.kv_address.partition("://")[0] or "unknown",
+        "server.address": request.kv_address,
+    }
 
-    async def pump():
-        remaining = layout.num_layers * num_blocks  # (layer, block) pairs still to send
-        while remaining:
-            layer, staged, first_block = await layers.get()
-            try:
-                if not staged.ready.is_ready():  # the device copy (CUDA): waited for here, never on the engine thread
-                    await asyncio.to_thread(staged.ready.wait)
-                await handle.send_layer(layer, staged.tensor, first_block, on_sent=staged.release)
-            except BaseException:
-                staged.release()
-                raise
-            remaining -= staged.num_blocks
-            if first_block + staged.num_blocks == num_blocks:
-                faults.after_layer_sent(layer)
 
-    def drop_queued() -> None:
-        nonlocal is_closed
-        is_closed = True
-        while not layers.empty():
-            layers.get_nowait()[1].release()
-
-    pump_task = asyncio.create_task(pump()) if streaming else asyncio.create_task(asyncio.sleep(0))
-    final = None
-    try:
-        async for out in engine.generate(
-            params=params,
-            prompt_token_ids=token_ids,
-            req_id=f"prefill/{request.transfer_id}",
-            kv_export=KVExport(request.skip_blocks, sink, on_device=getattr(handle, "wants_device_payloads", False)),
-            lora_name=lora_name,
-        ):
-            final = out
-        if final is None or not final.new_token_ids:
-            raise InvalidRequestError(f"prefill of {request.request_id} was aborted")
-        t_computed = time.monotonic()
-        if not streaming:  # the baseline: nothing leaves before the whole prompt is computed
-            pump_task = asyncio.create_task(pump())
-        await asyncio.wait_for(pump_task, timeout=request.deadline_s or None)
-        await handle.finish()
-    except BaseException as exc:
-        pump_task.cancel()
-        await handle.abort()
-        drop_queued()
-        send.fail(exc)
-        send.end()
-        raise
-    t_acked = time.monotonic()
-    send.set("splitserve.kv.num_bytes", handle.bytes_sent)
-    send.set("splitserve.kv.path", getattr(handle, "path", "") or "unknown")  # cuda_ipc, or the transport's scheme
-    send.end(t_acked)
+def _trace_compute(span, final, t0: float, t_computed: float) -> None:
     if final.first_scheduled_time is not None:
         span.record("prefill.queue", t0, final.first_scheduled_time)
         span.record(
@@ -160,21 +144,76 @@ async def serve_prefill(
             {"splitserve.cached_tokens": final.num_cached_tokens},
         )
     span.update({"gen_ai.usage.output_tokens": 1, "splitserve.cached_tokens": final.num_cached_tokens})
-    seconds = t_acked - t0
-    if metrics is not None:
-        metrics.kv_transfer_bytes.labels(direction="out").observe(handle.bytes_sent)
-        metrics.kv_transfer_seconds.labels(direction="out").observe(seconds)
-        metrics.kv_transfers.labels(path=getattr(handle, "path", "")).inc()
-    resp = pb.PrefillResponse(
-        first_token_id=final.new_token_ids[0],
-        cached_tokens=final.num_cached_tokens,
-        kv_bytes=handle.bytes_sent,
-        prefill_s=t_computed - t0,
-        transfer_wait_s=t_acked - t_computed,
-    )
-    if final.new_logprobs:
-        resp.logprob.CopyFrom(wire.logprob_to_proto(final.new_logprobs[0]))
-    return resp
+
+
+class KVPump:
+    """One Prefill's KV on its way out: the engine thread hands each layer's staged blocks to
+    `sink`; `pump` sends them (the one caller of the handle's send_layer) until every (layer,
+    block) pair went. After a failure (`abort`) whatever still arrives goes straight back to the
+    buffer pool, so no staged buffer is held."""
+
+    def __init__(self, handle: SendHandle, num_layers: int, num_blocks: int):
+        self.handle = handle
+        self.num_blocks = num_blocks
+        self.num_pending = num_layers * num_blocks  # (layer, block) pairs still to send
+        self.loop = asyncio.get_running_loop()
+        self.layers: asyncio.Queue = asyncio.Queue()
+        self.is_closed = False
+        self.task: asyncio.Task | None = None
+
+    def sink(self, layer: int, payload, first_block: int) -> None:  # engine thread
+        self.loop.call_soon_threadsafe(self._deliver, (layer, payload, first_block))
+
+    def _deliver(self, item) -> None:
+        if self.is_closed:
+            item[1].release()
+        else:
+            self.layers.put_nowait(item)
+
+    async def pump(self) -> None:
+        while self.num_pending:
+            layer, staged, first_block = await self.layers.get()
+            try:
+                if not staged.ready.is_ready():  # the device copy (CUDA): waited for here, never on the engine thread
+                    await asyncio.to_thread(staged.ready.wait)
+                await self.handle.send_layer(layer, staged.tensor, first_block, on_sent=staged.release)
+            except BaseException:
+                staged.release()
+                raise
+            self.num_pending -= staged.num_blocks
+            if first_block + staged.num_blocks == self.num_blocks:
+                faults.after_layer_sent(layer)
+
+    async def run(self, engine: AsyncEngine, job: PrefillJob, request: pb.PrefillRequest, streaming: bool):
+        """Compute the prompt while the pump sends (or after, without `streaming`), then wait for
+        the receiver's ack; the final output and when the compute ended."""
+        self.task = asyncio.create_task(self.pump()) if streaming else None
+        final = None
+        async for out in engine.generate(
+            params=job.params,
+            prompt_token_ids=job.token_ids,
+            req_id=f"prefill/{request.transfer_id}",
+            kv_export=KVExport(request.skip_blocks, self.sink, on_device=self.handle.wants_device_payloads),
+            lora_name=job.lora_name,
+        ):
+            final = out
+        if final is None or not final.new_token_ids:
+            raise InvalidRequestError(f"prefill of {request.request_id} was aborted")
+        t_computed = time.monotonic()
+        if self.task is None:  # the baseline: nothing leaves before the whole prompt is computed
+            self.task = asyncio.create_task(self.pump())
+        await asyncio.wait_for(self.task, timeout=request.deadline_s or None)
+        await self.handle.finish()
+        return final, t_computed
+
+    async def abort(self) -> None:
+        """After a failure or cancellation: stop sending, tell the receiver, free what is queued."""
+        if self.task is not None:
+            self.task.cancel()
+        await self.handle.abort()
+        self.is_closed = True
+        while not self.layers.empty():
+            self.layers.get_nowait()[1].release()
 
 
 def _request_layout(request: pb.PrefillRequest) -> KVLayout:

@@ -36,6 +36,7 @@ from splitserve.workers import faults, wire
 from splitserve.workers.config import WorkerConfig
 from splitserve.workers.decode import RemotePrefill
 from splitserve.workers.events import EventHub
+from splitserve.workers.generate_observer import GenerateObserver
 from splitserve.workers.kv_pull import BlocksNotHeldError, KVPuller, serve_cached
 from splitserve.workers.prefill import serve_prefill
 from splitserve.workers.records import RequestRecords
@@ -234,19 +235,21 @@ class WorkerService(pb_grpc.WorkerServicer):
         lora=None,
         span=tracing.NOOP,
     ):
-        t0 = time.monotonic()
-        req_id = request.request_id
-        pull = request.kv_pull if source is PrefillSource.PULL else None
-        prefill_workers = list(request.prefill_workers)
-        prefill_worker, last_token_t = "", None
-        timings = pb.Timings()
-        pulled_tokens = 0
-        t_kv = None  # when the remote prefill or pull ended (the KV is here)
-        ttft, itl, e2e = self.metrics.latency(lora.name if lora else "")
+        observer = GenerateObserver(
+            self.metrics,
+            self.records,
+            request.request_id,
+            self.config.role,
+            lora.name if lora else "",
+            len(token_ids),
+            remote_prefill=source is PrefillSource.REMOTE,
+            span=span,
+        )
+        prefill_worker = ""
         async for out in self.engine.generate(
             prompt_token_ids=token_ids,
             params=params,
-            req_id=req_id,
+            req_id=request.request_id,
             remote_prefill=source is not PrefillSource.LOCAL,
             resume_output_token_ids=list(request.resume_output_token_ids),
             lora_name=lora.name if lora else None,
@@ -254,67 +257,36 @@ class WorkerService(pb_grpc.WorkerServicer):
             band=request.band,
         ):
             if out.kv_ready is not None:
-                timings.queue_s = time.monotonic() - t0
-                self.metrics.queue_time.observe(timings.queue_s)
-                span.record("worker.queue", t0, t0 + timings.queue_s)
-                if pull is not None:
-                    with span.child("kv.pull", attributes={"splitserve.kv.holder": pull.holder}) as pull_span:
-                        outcome = await self.puller.run(req_id, token_ids, out.kv_ready, pull)
-                        pull_span.set("splitserve.kv.pulled_tokens", outcome.num_tokens)
-                    pulled_tokens, timings.kv_pull_s = outcome.num_tokens, outcome.seconds
-                    t_kv = time.monotonic()
-                    continue
-                with span.child("worker.remote_prefill") as wait:
-                    prefill_worker, resp = await self.remote.run(
-                        req_id, token_ids, params, out.kv_ready, prefill_workers, lora, span=wait
-                    )
-                    wait.set("splitserve.prefill_worker", prefill_worker or "local fallback")
-                t_kv = time.monotonic()
-                if resp is not None:
-                    timings.prefill_s, timings.transfer_wait_s = resp.prefill_s, resp.transfer_wait_s
+                observer.on_kv_ready()
+                prefill_worker = await self._land_kv(request, token_ids, params, source, out.kv_ready, lora, observer)
                 continue
             msg = wire.generate_response(out, prefill_worker)
-            msg.usage.pulled_tokens = pulled_tokens
-            now = time.monotonic()
-            if last_token_t is None:
-                _local_timings(timings, t0, out.first_scheduled_time, now)
-                timings.first_token_s = now - t0
-                msg.timings.CopyFrom(timings)
-                self.records.update(
-                    req_id,
-                    role=self.config.role,
-                    queue_s=timings.queue_s,
-                    prefill_s=timings.prefill_s,
-                    transfer_wait_s=timings.transfer_wait_s,
-                    kv_pull_s=timings.kv_pull_s,
-                    first_token_s=timings.first_token_s,
-                    remote_prefill=source is PrefillSource.REMOTE,
-                    prefill_worker=prefill_worker,
-                    num_prompt_tokens=len(token_ids),
-                    num_cached_tokens=out.num_cached_tokens,
-                    trace_id=span.trace_id or None,
-                )
-                ttft.observe(now - t0)
-                _trace_first_token(span, timings, t0, t_kv, now)
-            elif out.new_token_ids:
-                itl.observe(now - last_token_t)
-            last_token_t = now
-            if out.finished:
-                e2e.observe(now - t0)
-                self.records.update(
-                    req_id, e2e_s=now - t0, num_output_tokens=out.num_output_tokens, finish_reason=out.finish_reason
-                )
-                self.metrics.requests.labels(finish_reason=out.finish_reason).inc()
-                if span.is_recording:
-                    span.update(
-                        {
-                            "gen_ai.usage.output_tokens": out.num_output_tokens,
-                            "gen_ai.response.finish_reasons": [out.finish_reason or ""],
-                            "splitserve.cached_tokens": out.num_cached_tokens,
-                            "splitserve.prefill_worker": prefill_worker or None,
-                        }
-                    )
+            msg.usage.pulled_tokens = observer.num_pulled_tokens
+            observer.on_token(out, msg, prefill_worker)
             yield msg
+
+    async def _land_kv(self, request, token_ids, params, source, kv_ready, lora, observer: GenerateObserver) -> str:
+        """Bring the prompt's KV into the blocks `kv_ready` names: pulled from the decode worker
+        that holds it (PULL), or pushed by a prefill worker (REMOTE; on failure the engine
+        prefills locally). The prefill worker that served it ("" for a pull or a fallback)."""
+        span = observer.span
+        if source is PrefillSource.PULL:
+            pull = request.kv_pull
+            with span.child("kv.pull", attributes={"splitserve.kv.holder": pull.holder}) as pull_span:
+                outcome = await self.puller.run(request.request_id, token_ids, kv_ready, pull)
+                pull_span.set("splitserve.kv.pulled_tokens", outcome.num_tokens)
+            observer.on_kv_landed(kv_pull_s=outcome.seconds, num_pulled_tokens=outcome.num_tokens)
+            return ""
+        with span.child("worker.remote_prefill") as wait:
+            prefill_worker, resp = await self.remote.run(
+                request.request_id, token_ids, params, kv_ready, list(request.prefill_workers), lora, span=wait
+            )
+            wait.set("splitserve.prefill_worker", prefill_worker or "local fallback")
+        if resp is None:
+            observer.on_kv_landed()
+        else:
+            observer.on_kv_landed(prefill_s=resp.prefill_s, transfer_wait_s=resp.transfer_wait_s)
+        return prefill_worker
 
     async def _wants_remote(self, request: pb.GenerateRequest, token_ids: list[int]) -> bool:
         if not request.prefill_workers or self.remote is None:
@@ -422,28 +394,6 @@ async def publish_load(service: WorkerService, interval_s: float) -> None:
             )
         )
         await asyncio.sleep(interval_s)
-
-
-def _local_timings(timings: pb.Timings, t0: float, first_scheduled: float | None, now: float) -> None:
-    """A request prefilled here (no KVReady came): its queue (submitted -> first scheduled) and
-    prefill (scheduled -> first token) from the engine's first-scheduling time."""
-    if timings.queue_s or first_scheduled is None or first_scheduled < t0:
-        return
-    timings.queue_s = first_scheduled - t0
-    timings.prefill_s = now - first_scheduled
-
-
-def _trace_first_token(span, timings: pb.Timings, t0: float, t_kv: float | None, now: float) -> None:
-    """The first token's spans: a local prefill's queue and prefill, or, after a remote
-    prefill or pull, the wait from the KV landing to the first token out."""
-    if not span.is_recording:
-        return
-    if t_kv is None:
-        span.record("worker.queue", t0, t0 + timings.queue_s)
-        span.record("worker.prefill", t0 + timings.queue_s, now)
-    else:
-        span.record("worker.first_token", t_kv, now)
-    span.set("gen_ai.latency.time_to_first_token", timings.first_token_s)
 
 
 def _read_adapter(engine: AsyncEngine, name: str, path: str):

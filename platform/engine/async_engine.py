@@ -25,7 +25,7 @@ log = logging.getLogger(__name__)
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine):
+    def __init__(self, engine: LLMEngine, on_kv_events: Callable[[list], None] | None = None):
         self._engine = engine
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
@@ -36,7 +36,7 @@ class AsyncEngine:
         # writer): the immutable load snapshot, refreshed after every step, and the values below.
         self.load = engine.load()
         # Called on the engine thread with each batch of KV events; must not block.
-        self.on_kv_events: Callable[[list], None] | None = None
+        self.on_kv_events = on_kv_events
         self._thread = threading.Thread(target=self._loop, name="engine-loop", daemon=True)
         self._thread.start()
 

@@ -584,11 +584,8 @@ def test_kv_cache_spec_renders_the_second_tier_and_pulls(gpus):
         assert {"name": "kv-tier", "mountPath": "/var/cache/splitserve-kv"} in pod["containers"][0]["volumeMounts"]
     config = yaml.safe_load(manifests[("ConfigMap", "svc-router")]["data"]["router.yaml"])
     assert config["placement"]["kv_pull"] == {"enabled": False}
-    import argparse
+    from splitserve.platform.cli import build_parser
+    from splitserve.platform.settings.worker_args import WorkerArgs
 
-    from splitserve.platform.cli import byte_size, kv_tier_config
-
-    tier = kv_tier_config(
-        argparse.Namespace(kv_tier_bytes=byte_size(args[args.index("--kv-tier-bytes") + 1]), kv_tier_dir=None)
-    )
+    tier = WorkerArgs.from_namespace(build_parser(args).parse_args(args)).kv_tier_config(read_secret=False)
     assert tier.max_bytes == 2 * 1024**3

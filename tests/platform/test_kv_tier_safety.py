@@ -193,14 +193,12 @@ def test_the_service_secret_keys_the_tier_and_is_validated(tmp_path):
 
 
 def test_the_worker_passes_its_kv_secret_to_the_tier(tmp_path):
-    import argparse
-
-    from splitserve.platform.cli import kv_tier_config
+    from splitserve.platform.settings.worker_args import WorkerArgs
 
     secret_file = tmp_path / "kv-secret"
     secret_file.write_bytes(SECRET + b"\n")
-    args = argparse.Namespace(kv_tier_bytes=1 << 20, kv_tier_dir=str(tmp_path), kv_secret_file=str(secret_file))
-    assert kv_tier_config(args).secret == SECRET
+    args = WorkerArgs(kv_tier_bytes=1 << 20, kv_tier_dir=str(tmp_path), kv_secret_file=str(secret_file))
+    assert args.kv_tier_config().secret == SECRET
 
 
 # -- bounded events --------------------------------------------------------------------------------

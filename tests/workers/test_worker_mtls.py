@@ -78,8 +78,10 @@ def test_splitserve_up_makes_throwaway_credentials(tmp_path):
     import stat
 
     from splitserve.launch.up import throwaway_security
+    from splitserve.platform.settings.worker_args import WorkerArgs
 
-    overrides, args = throwaway_security(str(tmp_path))
+    overrides, files = throwaway_security(str(tmp_path))
+    args = WorkerArgs(**files).to_argv()
     assert set(overrides) == {"discovery.tls_cert", "discovery.tls_key", "discovery.tls_ca"}
     flags = dict(zip(args[::2], args[1::2]))
     assert set(flags) == {"--tls-cert", "--tls-key", "--tls-ca", "--kv-secret-file"}

@@ -218,6 +218,15 @@ class SendHandle(ABC):
 
     bytes_sent: int
     error: TransferError | None
+    path: str
+    """How the KV goes: the transport's scheme, or "cuda_ipc" once the receiver took a CUDA IPC
+    transfer (the kv.send span and splitserve_kv_transfers_total{path} report it)."""
+
+    @property
+    @abstractmethod
+    def wants_device_payloads(self) -> bool:
+        """Whether send_layer should get device tensors (a CUDA IPC connection copies them
+        itself); False: host tensors (the engine stages each layer to host memory first)."""
 
     @abstractmethod
     async def send_layer(self, layer: int, payload: torch.Tensor, first_block: int = 0, on_sent=None) -> None:

@@ -90,8 +90,8 @@ class InprocReceiver(ChannelReceiver):
 class InprocSender(ChannelSender):
     scheme = "inproc"
 
-    def __init__(self, ack_timeout_s: float = 30.0, auth_key: bytes | None = None):
-        super().__init__(self._open_channel, ack_timeout_s, auth_key)
+    def __init__(self, ack_timeout_s: float = 30.0, auth_key: bytes | None = None, ipc_backend=None):
+        super().__init__(self._open_channel, ack_timeout_s, auth_key, ipc_backend)
 
     async def _open_channel(self, name: str) -> Channel:
         receiver = _RECEIVERS.get(name)

@@ -1,9 +1,9 @@
 """The receiver half every transport shares: a TransferTable plus the connections it serves.
 
 A transport subclass only listens (`_listen`, `_stop_listening`) and hands each accepted
-connection, wrapped as a Channel, to `_serve`, which runs `serve_channel`: read a header, act
-on it through the table, repeat (see stream.py for the messages). The decode worker's calls
-go straight to the table, which is the one writer of transfer state.
+connection, wrapped as a Channel, to `_serve`, which runs a `Connection`: read a header, act on
+it through the table (one handler per op), repeat (see stream.py for the messages). The decode
+worker's calls go straight to the table, which is the one writer of transfer state.
 
 Connection hardening (each closes the offending connection and leaves every other one alone):
 - "layers", "ipc_layers" and "end" must name the transfer this connection opened (`_check_bound`):
@@ -27,7 +27,8 @@ from abc import abstractmethod
 
 import torch
 
-from splitserve.workers.transfer import auth, cuda_ipc
+import splitserve.workers.transfer.auth as auth
+import splitserve.workers.transfer.cuda_ipc as cuda_ipc
 from splitserve.workers.transfer.base import KVLayout, KVReceiver, TransferStatus, WriteLayer
 from splitserve.workers.transfer.stream import MAX_LAYERS_PER_HEADER, MAX_PAYLOAD_BYTES, Channel, ChannelClosed
 from splitserve.workers.transfer.table import TransferTable
@@ -36,6 +37,14 @@ log = logging.getLogger(__name__)
 
 IDLE_TIMEOUT_S = 120.0  # a connection silent this long is closed
 MAX_PENDING_HANDSHAKES = 64  # connections waiting for the handshake at once
+
+
+def advertised(address: str, advertise_host: str) -> str:
+    """A receiver's `scheme://host:port` with the host others should dial ("": the bound one)."""
+    if not advertise_host:
+        return address
+    scheme, _, rest = address.partition("://")
+    return f"{scheme}://{advertise_host}:{rest.rsplit(':', 1)[1]}"
 
 
 class ProtocolError(Exception):
@@ -80,115 +89,138 @@ class IdleTimeoutChannel(Channel):
         return self.inner.is_alive
 
 
-async def serve_channel(
-    channel: Channel,
-    table: TransferTable,
-    max_payload_bytes: int = MAX_PAYLOAD_BYTES,
-    session_key: bytes | None = None,
-    on_auth_failure=None,
-    ipc=None,
-) -> None:
-    """Run one incoming connection until it closes; a bound transfer is failed if it drops. With
-    the handshake's `session_key`, an "open" without the transfer's tag (auth.py) closes the
-    connection before the transfer is bound, and calls `on_auth_failure`. `ipc`: (kv_caches,
-    backend) when this receiver offers its cache over CUDA IPC (cuda_ipc.py)."""
-    bound: str | None = None
-    is_ipc = False  # this connection's sender got (and may use) the cache's IPC handles
-    said_hello = False  # the one "ipc_hello" of this connection was answered
-    scratch = torch.empty(0, dtype=torch.uint8)
-    background: set[asyncio.Task] = set()
+class Connection:
+    """One incoming connection: its state (the transfer it opened, whether its sender got the
+    cache's CUDA IPC handles, its payload scratch buffer) and one handler per header op. `serve()`
+    runs it until it closes; a bound transfer is failed if it drops. With the handshake's
+    `session_key`, an "open" without the transfer's tag (auth.py) closes the connection before
+    the transfer is bound. `ipc`: (kv_caches, backend) when this receiver offers its cache over
+    CUDA IPC (cuda_ipc.py)."""
 
-    async def send_quietly(reply: dict) -> None:
+    def __init__(
+        self,
+        channel: Channel,
+        table: TransferTable,
+        max_payload_bytes: int = MAX_PAYLOAD_BYTES,
+        session_key: bytes | None = None,
+        ipc=None,
+    ):
+        self.channel, self.table, self.max_payload_bytes = channel, table, max_payload_bytes
+        self.session_key, self.ipc = session_key, ipc
+        self.bound: str | None = None  # the transfer this connection opened
+        self.is_ipc = False  # this connection's sender got (and may use) the cache's IPC handles
+        self.said_hello = False  # the one "ipc_hello" of this connection was answered
+        self.scratch = torch.empty(0, dtype=torch.uint8)
+        self.background: set[asyncio.Task] = set()
+        self.handlers = {
+            "open": self.on_open,
+            "ipc_hello": self.on_ipc_hello,
+            "ipc_layers": self.on_ipc_layers,
+            "layers": self.on_layers,
+            "end": self.on_end,
+        }
+
+    async def serve(self, on_auth_failure=None) -> None:
+        """Read a header, run its op's handler, repeat; `on_auth_failure` is called when an
+        "open" fails its tag check. Every way the connection ends closes it."""
+        try:
+            while True:
+                msg = await self.channel.recv()
+                op = msg.get("op")
+                _check_bound(op, msg, self.bound)
+                handler = self.handlers.get(op)
+                if handler is None:
+                    raise _unexpected(msg)
+                await handler(msg)
+        except (ChannelClosed, ConnectionError, asyncio.IncompleteReadError):
+            pass
+        except ProtocolError as e:
+            log.warning("closing a KV transfer connection: %s", e)
+        except auth.AuthError as e:
+            log.warning("rejected a KV transfer connection: %s", e)
+            if on_auth_failure is not None:
+                on_auth_failure()
+        except Exception as e:  # a malformed header, or the transport failing in its own way
+            log.warning("closing a KV transfer connection: %r", e)
+        finally:
+            if self.bound is not None:
+                self.table.disconnect(self.bound)
+            with contextlib.suppress(Exception):
+                await self.channel.close()
+
+    async def on_open(self, msg: dict) -> None:
+        if self.session_key is not None and not auth.is_valid_tag(self.session_key, msg["transfer_id"], msg.get("tag")):
+            raise auth.AuthError(f"an open of {msg['transfer_id']!r} without this connection's tag")
+        self.bound = msg["transfer_id"]
+        reply = self.table.bind(self.bound, msg["layout"], msg["num_blocks"], self.notify)
+        if reply is not None:
+            await self.channel.send(reply)
+        elif msg.get("ipc"):  # where to write; None: this transfer goes as bytes
+            block_ids = self.table.block_ids(self.bound) if self.is_ipc else None
+            await self.channel.send({"transfer_id": self.bound, "type": "ipc_ready", "block_ids": block_ids})
+
+    async def on_ipc_hello(self, msg: dict) -> None:
+        if self.bound is not None or self.said_hello:
+            raise ProtocolError(
+                "'ipc_hello' "
+                + ("after an 'open'" if self.bound is not None else "twice")
+                + " on one connection (it comes once, before the first transfer)"
+            )
+        self.said_hello = True
+        reply = (
+            cuda_ipc.offer(*self.ipc, hello=msg, session_key=self.session_key)
+            if self.ipc is not None
+            else {
+                "type": "ipc_declined",
+                "reason": "this decode worker does not offer CUDA IPC (--kv-transport auto on a GPU does)",
+            }
+        )
+        self.is_ipc = reply["type"] == "ipc_offer"
+        await self.channel.send(reply)
+
+    async def on_ipc_layers(self, msg: dict) -> None:
+        if not self.is_ipc or not 1 <= len(msg["layers"]) <= MAX_LAYERS_PER_HEADER:
+            raise _unexpected(msg)
+        for layer in msg["layers"]:  # bound to this connection's transfer (_check_bound)
+            self.table.mark_written(self.bound, layer, msg["first_block"], msg["num_blocks"])
+
+    async def on_layers(self, msg: dict) -> None:
+        nbytes, layers = msg["nbytes"], msg["layers"]
+        if not 0 <= nbytes <= self.max_payload_bytes or not 1 <= len(layers) <= MAX_LAYERS_PER_HEADER:
+            raise _unexpected(msg)
+        if self.scratch.numel() < nbytes:
+            self.scratch = torch.empty(nbytes, dtype=torch.uint8)
+        view = self.scratch[:nbytes]
+        for i, layer in enumerate(layers):
+            await self.channel.recv_payload(view.numpy(), is_last=i == len(layers) - 1)
+            if msg["transfer_id"] == self.bound:  # else: not this connection's transfer, discard
+                self.table.write(self.bound, layer, int(msg.get("first_block", 0)), view)
+
+    async def on_end(self, msg: dict) -> None:
+        await self.channel.send(self.table.finish(msg["transfer_id"], bool(msg.get("aborted"))))
+        self.bound = None
+
+    def notify(self, reply: dict) -> None:  # called by the table, possibly from another task
+        task = asyncio.ensure_future(self._send_quietly(reply))
+        self.background.add(task)
+        task.add_done_callback(self.background.discard)
+
+    async def _send_quietly(self, reply: dict) -> None:
         with contextlib.suppress(Exception):  # the peer is gone: the table already settled it
-            await channel.send(reply)
+            await self.channel.send(reply)
 
-    def notify(reply: dict) -> None:  # called by the table, possibly from another task
-        task = asyncio.ensure_future(send_quietly(reply))
-        background.add(task)
-        task.add_done_callback(background.discard)
 
-    try:
-        while True:
-            msg = await channel.recv()
-            op = msg.get("op")
-            _check_bound(op, msg, bound)
-            if op == "open":
-                if session_key is not None and not auth.is_valid_tag(session_key, msg["transfer_id"], msg.get("tag")):
-                    raise auth.AuthError(f"an open of {msg['transfer_id']!r} without this connection's tag")
-                bound = msg["transfer_id"]
-                reply = table.bind(bound, msg["layout"], msg["num_blocks"], notify)
-                if reply is not None:
-                    await channel.send(reply)
-                elif msg.get("ipc"):  # where to write; None: this transfer goes as bytes
-                    await channel.send(
-                        {
-                            "transfer_id": bound,
-                            "type": "ipc_ready",
-                            "block_ids": table.block_ids(bound) if is_ipc else None,
-                        }
-                    )
-            elif op == "ipc_hello":
-                if bound is not None or said_hello:
-                    raise ProtocolError(
-                        "'ipc_hello' "
-                        + ("after an 'open'" if bound is not None else "twice")
-                        + " on one connection (it comes once, before the first transfer)"
-                    )
-                said_hello = True
-                reply = (
-                    cuda_ipc.offer(*ipc, hello=msg, session_key=session_key)
-                    if ipc is not None
-                    else {
-                        "type": "ipc_declined",
-                        "reason": "this decode worker does not offer CUDA IPC (--kv-transport auto on a GPU does)",
-                    }
-                )
-                is_ipc = reply["type"] == "ipc_offer"
-                await channel.send(reply)
-            elif op == "ipc_layers" and is_ipc and 1 <= len(msg["layers"]) <= MAX_LAYERS_PER_HEADER:
-                for layer in msg["layers"]:  # bound to this connection's transfer (_check_bound)
-                    table.mark_written(bound, layer, msg["first_block"], msg["num_blocks"])
-            elif (
-                op == "layers"
-                and 0 <= msg["nbytes"] <= max_payload_bytes
-                and 1 <= len(msg["layers"]) <= MAX_LAYERS_PER_HEADER
-            ):
-                nbytes, layers = msg["nbytes"], msg["layers"]
-                if scratch.numel() < nbytes:
-                    scratch = torch.empty(nbytes, dtype=torch.uint8)
-                view = scratch[:nbytes]
-                for i, layer in enumerate(layers):
-                    await channel.recv_payload(view.numpy(), is_last=i == len(layers) - 1)
-                    if msg["transfer_id"] == bound:  # else: not this connection's transfer, discard
-                        table.write(bound, layer, int(msg.get("first_block", 0)), view)
-            elif op == "end":
-                await channel.send(table.finish(msg["transfer_id"], bool(msg.get("aborted"))))
-                bound = None
-            else:
-                raise ValueError(f"protocol error: unexpected header {msg!r}")
-    except (ChannelClosed, ConnectionError, asyncio.IncompleteReadError):
-        pass
-    except ProtocolError as e:
-        log.warning("closing a KV transfer connection: %s", e)
-    except auth.AuthError as e:
-        log.warning("rejected a KV transfer connection: %s", e)
-        if on_auth_failure is not None:
-            on_auth_failure()
-    except Exception as e:  # a malformed header, or the transport failing in its own way
-        log.warning("closing a KV transfer connection: %r", e)
-    finally:
-        if bound is not None:
-            table.disconnect(bound)
-        with contextlib.suppress(Exception):
-            await channel.close()
+def _unexpected(msg: dict) -> ValueError:
+    return ValueError(f"protocol error: unexpected header {msg!r}")
 
 
 class ChannelReceiver(KVReceiver):
     """`auth_key` (auth.py): every connection must answer a challenge before its first header is
     acted on; `on_auth_failure` is called once per rejected connection (the worker's metric).
-    `identity` is the address senders dial this receiver by (the advertised KV address; default
-    `address`): the handshake binds the sender's proof to it. `idle_timeout_s` and
-    `max_pending_handshakes`: see the module docstring."""
+    `identity` (set by start()) is the address senders dial this receiver by: `address` with
+    `advertise_host` for its host (a pod IP; "" keeps the bound one); the handshake binds the
+    sender's proof to it. `ipc`: (kv_caches, cuda_ipc backend) to offer the cache over CUDA IPC.
+    `idle_timeout_s` and `max_pending_handshakes`: see the module docstring."""
 
     def __init__(
         self,
@@ -197,6 +229,8 @@ class ChannelReceiver(KVReceiver):
         on_auth_failure=None,
         idle_timeout_s: float = IDLE_TIMEOUT_S,
         max_pending_handshakes: int = MAX_PENDING_HANDSHAKES,
+        ipc=None,
+        advertise_host: str = "",
     ):
         if not idle_timeout_s > 0:
             raise ValueError(f"idle_timeout_s must be a positive number of seconds, got {idle_timeout_s!r}")
@@ -215,7 +249,8 @@ class ChannelReceiver(KVReceiver):
         self._channels: set[Channel] = set()
         self._max_payload_bytes = max_payload_bytes
         self._is_closed = False
-        self.ipc = None  # (kv_caches, cuda_ipc backend): offer the cache over CUDA IPC (set by the worker)
+        self.ipc = ipc
+        self.advertise_host = advertise_host
 
     @abstractmethod
     async def _listen(self) -> str:
@@ -226,6 +261,7 @@ class ChannelReceiver(KVReceiver):
 
     async def start(self) -> None:
         self.address = await self._listen()
+        self.identity = advertised(self.address, self.advertise_host)
 
     async def close(self) -> None:
         if self._is_closed:
@@ -272,9 +308,8 @@ class ChannelReceiver(KVReceiver):
                     return
                 finally:
                     self.num_pending_handshakes -= 1
-            await serve_channel(
-                channel, self._table, self._max_payload_bytes, session_key, self._count_auth_failure, self.ipc
-            )
+            connection = Connection(channel, self._table, self._max_payload_bytes, session_key, self.ipc)
+            await connection.serve(self._count_auth_failure)
         finally:
             self._channels.discard(channel)
 

@@ -18,7 +18,8 @@ from collections.abc import Awaitable, Callable
 
 import torch
 
-from splitserve.workers.transfer import auth, cuda_ipc
+import splitserve.workers.transfer.auth as auth
+import splitserve.workers.transfer.cuda_ipc as cuda_ipc
 from splitserve.workers.transfer.base import (
     KVLayout,
     KVSender,
@@ -269,10 +270,14 @@ class ChannelSender(KVSender):
     scheme: str
 
     def __init__(
-        self, connect: Callable[[str], Awaitable[Channel]], ack_timeout_s: float = 30.0, auth_key: bytes | None = None
+        self,
+        connect: Callable[[str], Awaitable[Channel]],
+        ack_timeout_s: float = 30.0,
+        auth_key: bytes | None = None,
+        ipc_backend=None,
     ):
         self.auth_key = auth_key  # answer each new connection's challenge (auth.py)
-        self.ipc_backend = None  # a cuda_ipc backend: try CUDA IPC on each new authenticated connection
+        self.ipc_backend = ipc_backend  # a cuda_ipc backend: try CUDA IPC on each new authenticated connection
         self.ipc_fallbacks: list[str] = []  # why connections that tried CUDA IPC use bytes (most recent last)
         self._connect = connect
         self.ack_timeout_s = ack_timeout_s

@@ -90,8 +90,14 @@ class TcpReceiver(ChannelReceiver):
 class TcpSender(ChannelSender):
     scheme = "tcp"
 
-    def __init__(self, ack_timeout_s: float = 30.0, connect_timeout_s: float = 5.0, auth_key: bytes | None = None):
-        super().__init__(self._open_channel, ack_timeout_s, auth_key)
+    def __init__(
+        self,
+        ack_timeout_s: float = 30.0,
+        connect_timeout_s: float = 5.0,
+        auth_key: bytes | None = None,
+        ipc_backend=None,
+    ):
+        super().__init__(self._open_channel, ack_timeout_s, auth_key, ipc_backend)
         self._connect_timeout_s = connect_timeout_s
 
     async def _open_channel(self, hostport: str) -> Channel:
