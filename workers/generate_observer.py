@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import time
 
-from splitserve.platform import tracing
+from splitserve.platform.observability import tracing
 from splitserve.platform.wire import worker_pb2 as pb
 from splitserve.workers.records import RequestRecords
 
