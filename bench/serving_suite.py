@@ -107,7 +107,8 @@ class Arm:
             "model": MODEL,
             "max_model_len": max_model_len,
             "gateway": {"host": "127.0.0.1", "port": port, "max_concurrent_requests": 512, "max_queued_requests": 4096},
-            "discovery": {"workers": workers},
+            # a pinned worker on a busy host can report late: not down (as bench/epp_w1.py's EPP)
+            "discovery": {"workers": workers, "stale_after_s": 30},
             "placement": placement,
         }
 

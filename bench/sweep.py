@@ -2,7 +2,7 @@
 
     python bench/sweep.py [--write docs/benchmarks.md] [--plots docs/benchmarks]
         [--slo 2] [--search-slo S] [--rates 0.5,1,...] [--requests 24] [--arms round-robin,...]
-        [--workload-param KEY=VALUE ...] [--kv-prefixes H]
+        [--workload-param KEY=VALUE ...] [--kv-prefixes H] [--raw DIR [--report-only]]
 
 Arms (all: two colocated workers, `--role both`, each pinned to one core with one torch thread
 and the same KV budget; bench/serving_suite.py starts them):
@@ -31,7 +31,10 @@ groups plus one) beside room for 4 requests' own question and output blocks: few
 groups' prompts, so round robin, which sends every group to both workers, keeps evicting, while
 a router that keeps each group on one worker fits its half of the groups.
 
-Before any cluster starts it checks its imports (matplotlib for the plots). The lone prefills
+Every point's bench JSON (and its workers' KV blocks) goes to --raw as it finishes, the run's
+facts to --raw/sweep-meta.json before the first: `--report-only --raw DIR` writes the report of
+a finished or interrupted run from them. Before any cluster starts it checks its imports
+(matplotlib for the plots). The lone prefills
 of one cold and one warm request (`probe`) on a fresh cluster are printed and reported: the
 cost of a miss against a hit on this host is what the ratio follows.
 """
@@ -197,7 +200,29 @@ def run_point(arm: str, rate: float, setup: Setup, raw: pathlib.Path) -> tuple[P
         doc = bench(run, cluster.url, raw, tag)
     finally:
         cluster.stop()
+    (raw / f"{tag}.kv.json").write_text(json.dumps(cluster.kv_blocks))
     return Point.from_summary(arm, rate, doc["summary"]), cluster.kv_blocks
+
+
+def tag_arm(tag: str) -> str:
+    """The arm of a raw file's tag (`sweep-prefix-queue-r0.5` -> prefix+queue)."""
+    name = tag.removeprefix("sweep-").rsplit("-r", 1)[0]
+    return next(a for a in ARMS if a.replace("+", "-") == name)
+
+
+def points_from_raw(raw: pathlib.Path) -> tuple[list[Point], list[int]]:
+    """Every finished point of a run's raw folder (the bench JSON of each arm and rate), and the
+    KV blocks its workers read back: a finished or interrupted sweep is reported from these."""
+    points, kv = [], set()
+    for path in sorted(raw.glob("sweep-*-r*.json")):
+        if path.name.endswith(".kv.json"):
+            continue
+        doc = json.loads(path.read_text())
+        points.append(Point.from_summary(tag_arm(path.stem), float(doc["config"]["rate"]), doc["summary"]))
+        kv_file = path.with_name(path.stem + ".kv.json")
+        if kv_file.exists():
+            kv.update(json.loads(kv_file.read_text()))
+    return points, sorted(kv)
 
 
 def probe(setup: Setup, workdir: pathlib.Path) -> dict:
@@ -384,6 +409,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--workload-param", action="append", default=[], metavar="KEY=VALUE", help="shared-prefix shape")
     ap.add_argument("--kv-prefixes", type=int, default=None, help="system prompts one worker's KV holds")
     ap.add_argument("--raw", default=None, help="folder for the raw JSON (default: a new temp folder)")
+    ap.add_argument(
+        "--report-only",
+        action="store_true",
+        help="run nothing: write the report of the (finished or interrupted) run in --raw",
+    )
     args = ap.parse_args(argv)
     args.arms = tuple(a.strip() for a in args.arms.split(",") if a.strip())
     if not args.arms or set(args.arms) - set(ARMS):
@@ -398,6 +428,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if not args.slo <= args.search_slo < math.inf:
         ap.error(f"--search-slo must be a number of seconds >= --slo ({args.slo:g}), got {args.search_slo:g}")
     args.slos = sorted({args.slo, args.search_slo})
+    if args.report_only and not (args.raw and pathlib.Path(args.raw, "sweep-meta.json").is_file()):
+        ap.error("--report-only needs --raw DIR holding a run's sweep-meta.json")
     return args
 
 
@@ -425,46 +457,62 @@ def make_setup(args) -> tuple[Setup, str]:
     return setup, holds
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    # SIGTERM unwinds like Ctrl-C, so the running cluster's `finally` stops its processes.
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    require("bench/sweep.py", ["matplotlib", "yaml"])
+def start_meta(args, setup: Setup, holds: str, argv: list[str] | None) -> dict:
     from serving_suite import machine
 
-    setup, holds = make_setup(args)
-    raw = pathlib.Path(args.raw) if args.raw else pathlib.Path(tempfile.mkdtemp(prefix="splitserve-sweep-"))
-    raw.mkdir(parents=True, exist_ok=True)
-    print(f"raw results in {raw}; KV per worker: {setup.kv_blocks} blocks = {holds}", flush=True)
-    t0, load = time.monotonic(), " / ".join(f"{x:.1f}" for x in os.getloadavg())
-    lone = probe(setup, raw)
-    points, kv = sweep(args.arms, args.rates, setup, raw)
     p = setup.params
-    meta = {
+    return {
         "machine": machine(),
-        "loadavg": load,
+        "loadavg": " / ".join(f"{x:.1f}" for x in os.getloadavg()),
         "date": datetime.date.today().isoformat(),
-        "minutes": (time.monotonic() - t0) / 60,
+        "started": time.time(),
         "command": "python bench/sweep.py " + " ".join(argv if argv is not None else sys.argv[1:]),
         "shape": f"{p['groups']} groups × {p['system_len']}-token system prompt + {p['question_len']}-token "
         f"question → {p['output_len']} output tokens, group skew {p['group_skew']}",
         "requests": setup.requests,
         "kv_blocks_asked": setup.kv_blocks,
-        "kv_blocks": ", ".join(map(str, kv)),
         "kv_holds": holds,
         "slos": args.slos,
-        **lone,
+        "arms": list(args.arms),
     }
-    folder = pathlib.Path(args.plots)
-    rel = os.path.relpath(folder, section_path(args.write, "sweep").parent) if args.write else str(folder)
-    plots = make_plots(points, args.arms, args.slos, folder, rel)
+
+
+def report(raw: pathlib.Path, write: str | None, plots_dir: str) -> None:
+    """The section, plots and summary of the run in `raw` (its sweep-meta.json and points)."""
+    meta = json.loads((raw / "sweep-meta.json").read_text())
+    points, kv = points_from_raw(raw)
+    arms = tuple(meta["arms"])
+    last = max((f.stat().st_mtime for f in raw.glob("sweep-*-r*.json")), default=meta["started"])
+    meta.update(minutes=(last - meta["started"]) / 60, kv_blocks=", ".join(map(str, kv)) or "not recorded")
+    folder = pathlib.Path(plots_dir)
+    rel = os.path.relpath(folder, section_path(write, "sweep").parent) if write else str(folder)
+    plots = make_plots(points, arms, meta["slos"], folder, rel)
     (folder / "sweep-summary.json").write_text(
         json.dumps({"meta": meta, "points": [dataclasses.asdict(p) for p in points]}, indent=1) + "\n"
     )
-    section = render(points, args.arms, meta, plots)
+    section = render(points, arms, meta, plots)
     print(section)
-    if args.write:
-        write_section(args.write, "sweep", section)
+    if write:
+        write_section(write, "sweep", section)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    # SIGTERM unwinds like Ctrl-C, so the running cluster's `finally` stops its processes.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    require("bench/sweep.py", ["matplotlib", "yaml"])
+    if args.report_only:
+        report(pathlib.Path(args.raw), args.write, args.plots)
+        return 0
+    setup, holds = make_setup(args)
+    raw = pathlib.Path(args.raw) if args.raw else pathlib.Path(tempfile.mkdtemp(prefix="splitserve-sweep-"))
+    raw.mkdir(parents=True, exist_ok=True)
+    print(f"raw results in {raw}; KV per worker: {setup.kv_blocks} blocks = {holds}", flush=True)
+    meta = start_meta(args, setup, holds, argv)
+    meta.update(probe(setup, raw))
+    (raw / "sweep-meta.json").write_text(json.dumps(meta, indent=1) + "\n")
+    sweep(args.arms, args.rates, setup, raw)
+    report(raw, args.write, args.plots)
     return 0
 
 

@@ -145,3 +145,29 @@ def test_search_slo_must_not_be_below_the_slo(capsys):
     assert "--search-slo must be a number of seconds >= --slo (2)" in capsys.readouterr().err
     args = sweep.parse_args(["--search-slo", "8"])
     assert args.slos == [2.0, 8.0] and sweep.make_setup(args)[0].slo_s == 8.0
+
+
+def test_an_interrupted_run_is_reported_from_its_raw_folder(tmp_path):
+    def bench_doc(rate, p90_ms, hit):
+        ms = {"p50": p90_ms / 2, "p90": p90_ms}
+        summary = {"ttft_ms": ms, "itl_ms": ms, "e2e_ms": ms, "output_throughput": rate * 16}
+        summary.update(prefix_cache_hit_rate=hit, completed=24, failed=0)
+        return {"config": {"rate": rate}, "summary": summary}
+
+    write = {
+        "sweep-prefix-queue-r0.5.json": bench_doc(0.5, 900.0, 0.78),
+        "sweep-prefix-queue-r0.5.kv.json": [28, 28],
+        "sweep-round-robin-r0.35.json": bench_doc(0.35, 2100.0, 0.43),
+        "sweep-epp-r1.json": bench_doc(1.0, 1500.0, 0.7),
+        "sweep-meta.json": {"arms": ["round-robin"]},
+    }
+    for name, doc in write.items():
+        (tmp_path / name).write_text(sweep.json.dumps(doc))
+    points, kv = sweep.points_from_raw(tmp_path)
+    assert [(p.arm, p.rate, p.ttft_p90_ms, p.prefix_hit) for p in points] == [
+        ("epp", 1.0, 1500.0, 0.7),
+        ("prefix+queue", 0.5, 900.0, 0.78),
+        ("round-robin", 0.35, 2100.0, 0.43),
+    ]
+    assert kv == [28]
+    assert sweep.tag_arm("sweep-least-queue-r1.5") == "least-queue"
