@@ -61,7 +61,7 @@ from report import markers, require, section_path, write_section  # noqa: E402
 ARMS = ("round-robin", "least-queue", "prefix+queue", "epp")
 BLOCK_TOKENS = 16
 ROOM_REQUESTS = 4  # requests in flight per worker whose own blocks the budget leaves room for
-DEFAULT_RATES = (0.5, 1.0, 1.5, 2.0, 3.0, 4.0)
+DEFAULT_RATES = (0.2, 0.35, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0)
 
 
 # ---- the search and its results (pure; tests/bench/test_sweep.py) ------------------------------------
