@@ -94,6 +94,7 @@ bench: setup peer
 	$(PY) bench/serving_suite.py --write docs/benchmarks.md --plots docs/bench --peer-python $(PEER)/bin/python
 	$(PY) bench/w6_multiturn.py --write docs/benchmarks.md
 	$(PY) bench/epp_w1.py --write docs/benchmarks.md
+	$(PY) bench/sweep.py --write docs/benchmarks.md --plots docs/benchmarks
 
 peer: $(PEER_STAMP)
 

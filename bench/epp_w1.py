@@ -32,17 +32,17 @@ from splitserve.launch.up_envoy import epp_args
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from report import markers, write_section  # noqa: E402
-from serving_suite import (
-    BLOCK_BYTES,
+from serving_suite import (  # noqa: E402
     KV_BLOCKS,
     MODEL,
     Proc,
     Run,
     bench,
     free_port,
-    kv_transport,
     machine,
-    wait_http,  # noqa: E402
+    read_kv_blocks,
+    start_worker,
+    wait_http,
 )
 
 from splitserve.router.epp.envoy import envoy_config  # noqa: E402
@@ -54,9 +54,10 @@ ARMS = ("round-robin", "epp")
 class GatewayCluster:
     """Two pinned colocated workers, their sidecars, the EPP and one Envoy for `arm`."""
 
-    def __init__(self, arm: str, workdir: pathlib.Path):
+    def __init__(self, arm: str, workdir: pathlib.Path, kv_blocks: int = KV_BLOCKS, max_model_len: int = 2048):
         self.procs: list[Proc] = []
         self.envoy = None
+        self.kv_blocks_asked, self.max_model_len, self.kv_blocks = kv_blocks, max_model_len, []
         try:
             self._start(arm, workdir)
         except BaseException:
@@ -64,54 +65,23 @@ class GatewayCluster:
             raise
 
     def _start(self, arm: str, workdir: pathlib.Path) -> None:
-        gib = (KV_BLOCKS * BLOCK_BYTES + BLOCK_BYTES // 2) / 2**30
-        cores = sorted(os.sched_getaffinity(0))
-        workers = []
+        workers, metrics = [], []
         for i in range(2):
-            grpc_port, metrics_port, kv_port = free_port(), free_port(), free_port()
-            argv = [
-                "taskset",
-                "-c",
-                str(cores[i % len(cores)]),
-                sys.executable,
-                "-m",
-                "splitserve.platform.cli",
-                "--log-level",
-                "WARNING",
-                "worker",
-                "--role",
-                "both",
-                "--model",
-                MODEL,
-                "--threads",
-                "1",
-                "--kv-transport",
-                kv_transport(),
-                "--kv-cache-memory",
-                f"{gib:.6f}",
-                "--kv-cache-dtype",
-                "float16",
-                "--max-model-len",
-                "2048",
-                "--grpc-port",
-                str(grpc_port),
-                "--metrics-port",
-                str(metrics_port),
-                "--kv-port",
-                str(kv_port),
-                "--drain-grace",
-                "2",
-            ]
-            self.procs.append(Proc(f"worker {i}", argv, ready_prefix="READY"))
-            workers.append(f"127.0.0.1:{grpc_port}")
+            proc, address, metrics_port = start_worker(
+                f"worker {i}", i, "both", self.kv_blocks_asked, self.max_model_len
+            )
+            self.procs.append(proc)
+            workers.append(address)
+            metrics.append(metrics_port)
         for p in self.procs:
             p.wait_ready(300)
+        self.kv_blocks = read_kv_blocks(metrics)
         config = workdir / f"router-{arm}.yaml"
         config.write_text(
             yaml.safe_dump(
                 {
                     "model": MODEL,
-                    "max_model_len": 2048,
+                    "max_model_len": self.max_model_len,
                     "gateway": {"max_concurrent_requests": 512, "max_queued_requests": 4096},
                     "placement": {"disaggregation": {"mode": "never"}},
                     # a pinned worker on a busy host can report late; not down

@@ -14,6 +14,7 @@ section)`, which
 
 from __future__ import annotations
 
+import importlib.util
 import pathlib
 import platform as stdlib_platform
 import re
@@ -29,6 +30,22 @@ def cpu_model() -> str:
             return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
     except (OSError, StopIteration):
         return stdlib_platform.processor() or "unknown"
+
+
+# What provides each module a benchmark script may need beyond the package's own dependencies.
+INSTALL = {"matplotlib": "the `bench` extra: `make bench` installs it, or {python} -m pip install -e '.[bench]'"}
+
+
+def require(script: str, modules: list[str]) -> None:
+    """Exit (status 1) before any run when one of `modules` cannot be imported, saying how to
+    install it: a benchmark that needs a module only for its last step (the plots) must not find
+    out after its runs."""
+    missing = [m for m in modules if importlib.util.find_spec(m) is None]
+    if missing:
+        how = "; ".join(
+            f"{m}: " + INSTALL.get(m, "{python} -m pip install " + m).format(python=sys.executable) for m in missing
+        )
+        raise SystemExit(f"{script}: missing {', '.join(missing)} (needed before any run starts). Install: {how}")
 
 
 TABLE_HEAD = "| section | written by |\n|---|---|\n"

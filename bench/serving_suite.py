@@ -54,7 +54,7 @@ import urllib.request
 import yaml
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from report import cpu_model, markers, section_path, write_section  # noqa: E402
+from report import cpu_model, markers, require, section_path, write_section  # noqa: E402
 
 MODEL = "smollm2-135m"
 # Per worker: 2,048 tokens in 16-token blocks. W1's 8 system prompts (8 x 16 blocks) fill one
@@ -99,15 +99,16 @@ class Arm:
     worker_args: tuple[str, ...] = ()
     prefill_args: tuple[str, ...] = ()  # extra, prefill role only
 
-    def router_config(self, port: int, workers: list[str]) -> dict:
+    def router_config(self, port: int, workers: list[str], max_model_len: int = 2048) -> dict:
         placement = {"disaggregation": {"mode": self.mode, "min_prefill_tokens": COND_TOKENS}}
         if SCORERS[self.scorers] is not None:
             placement["decode"] = {"scorers": SCORERS[self.scorers]}
         return {
             "model": MODEL,
-            "max_model_len": 2048,
+            "max_model_len": max_model_len,
             "gateway": {"host": "127.0.0.1", "port": port, "max_concurrent_requests": 512, "max_queued_requests": 4096},
-            "discovery": {"workers": workers},
+            # a pinned worker on a busy host can report late: not down (as bench/epp_w1.py's EPP)
+            "discovery": {"workers": workers, "stale_after_s": 30},
             "placement": placement,
         }
 
@@ -342,11 +343,62 @@ def kv_transport() -> str:
     return "ucx" if importlib.util.find_spec("ucxx") is not None else "tcp"
 
 
+def start_worker(
+    name: str, index: int, role: str, kv_blocks: int, max_model_len: int, extra: tuple[str, ...] = ()
+) -> tuple[Proc, str, int]:
+    """One worker pinned to the index-th core of this process's (one torch thread), with
+    `kv_blocks` float16 KV blocks: (its process, its gRPC address, its metrics port)."""
+    gib = (kv_blocks * BLOCK_BYTES + BLOCK_BYTES // 2) / 2**30
+    grpc_port, metrics_port, kv_port = free_port(), free_port(), free_port()
+    cores = sorted(os.sched_getaffinity(0))
+    argv = [
+        "taskset",
+        "-c",
+        str(cores[index % len(cores)]),
+        sys.executable,
+        "-m",
+        "splitserve.platform.cli",
+        "--log-level",
+        "WARNING",
+        "worker",
+        "--role",
+        role,
+        "--model",
+        MODEL,
+        "--threads",
+        "1",
+        "--kv-transport",
+        kv_transport(),
+        "--kv-cache-memory",
+        f"{gib:.6f}",
+        "--kv-cache-dtype",
+        "float16",
+        "--max-model-len",
+        str(max_model_len),
+        "--grpc-port",
+        str(grpc_port),
+        "--metrics-port",
+        str(metrics_port),
+        "--kv-port",
+        str(kv_port),
+        "--drain-grace",
+        "2",
+        *extra,
+    ]
+    return Proc(name, argv, ready_prefix="READY"), f"127.0.0.1:{grpc_port}", metrics_port
+
+
+def read_kv_blocks(metrics_ports: list[int]) -> list[int]:
+    """Each ready worker's KV blocks as it reports them (/debug/kv): what the budget became."""
+    return [json.loads(http_get(f"http://127.0.0.1:{port}/debug/kv")[1])["num_blocks"] for port in metrics_ports]
+
+
 class Cluster:
     """Two pinned workers and a router, for one arm."""
 
-    def __init__(self, arm: Arm, workdir: pathlib.Path):
+    def __init__(self, arm: Arm, workdir: pathlib.Path, kv_blocks: int = KV_BLOCKS, max_model_len: int = 2048):
         self.arm, self.procs, self.kv_blocks = arm, [], []
+        self.kv_blocks_asked, self.max_model_len = kv_blocks, max_model_len
         try:
             self._start(arm, workdir)
         except BaseException:
@@ -354,59 +406,25 @@ class Cluster:
             raise
 
     def _start(self, arm: Arm, workdir: pathlib.Path) -> None:
-        gib = (KV_BLOCKS * BLOCK_BYTES + BLOCK_BYTES // 2) / 2**30
         addresses, metrics = [], []
-        cores = os.sched_getaffinity(0)
         for i, role in enumerate(arm.roles):
-            grpc_port, metrics_port, kv_port = free_port(), free_port(), free_port()
-            core = sorted(cores)[i % len(cores)]
-            extra = arm.prefill_args if role == "prefill" else ()
-            argv = [
-                "taskset",
-                "-c",
-                str(core),
-                sys.executable,
-                "-m",
-                "splitserve.platform.cli",
-                "--log-level",
-                "WARNING",
-                "worker",
-                "--role",
+            proc, address, metrics_port = start_worker(
+                f"{role} worker {i}",
+                i,
                 role,
-                "--model",
-                MODEL,
-                "--threads",
-                "1",
-                "--kv-transport",
-                kv_transport(),
-                "--kv-cache-memory",
-                f"{gib:.6f}",
-                "--kv-cache-dtype",
-                "float16",
-                "--max-model-len",
-                "2048",
-                "--grpc-port",
-                str(grpc_port),
-                "--metrics-port",
-                str(metrics_port),
-                "--kv-port",
-                str(kv_port),
-                "--drain-grace",
-                "2",
-                *arm.worker_args,
-                *extra,
-            ]
-            self.procs.append(Proc(f"{role} worker {i}", argv, ready_prefix="READY"))
-            addresses.append(f"127.0.0.1:{grpc_port}")
+                self.kv_blocks_asked,
+                self.max_model_len,
+                (*arm.worker_args, *(arm.prefill_args if role == "prefill" else ())),
+            )
+            self.procs.append(proc)
+            addresses.append(address)
             metrics.append(metrics_port)
         for p in self.procs:
             p.wait_ready(300)
-        for port in metrics:
-            _, body = http_get(f"http://127.0.0.1:{port}/debug/kv")
-            self.kv_blocks.append(json.loads(body)["num_blocks"])
+        self.kv_blocks = read_kv_blocks(metrics)
         port = free_port()
         config = workdir / f"router-{arm.name}.yaml"
-        config.write_text(yaml.safe_dump(arm.router_config(port, addresses)))
+        config.write_text(yaml.safe_dump(arm.router_config(port, addresses, self.max_model_len)))
         self.router = Proc(
             "router",
             [
@@ -896,6 +914,7 @@ def main() -> int:
         help="the Python with llama-cpp-python[server] installed (make bench builds it)",
     )
     args = ap.parse_args()
+    require("bench/serving_suite.py", ["matplotlib"])  # the plots come last, after an hour of runs
     only = [x.strip() for x in args.only.split(",") if x.strip()]
     unknown = sorted(set(only) - {"w1", "w2", "w3", "w4", "peer"})
     if unknown:

@@ -71,3 +71,21 @@ def test_the_page_links_every_section_file_and_each_holds_its_markers():
     assert with_markers == set(linked)
     for script in re.findall(r"`bench/([a-z_]+\.py)`", "\n".join(table_rows(page))):
         assert (ROOT / "bench" / script).is_file(), script
+
+
+def test_require_names_what_is_missing_and_how_to_install_it_before_any_run():
+    report.require("bench/x.py", ["json", "pathlib"])  # present: returns
+    with pytest.raises(SystemExit) as exc:
+        report.require("bench/x.py", ["json", "no_such_module_h7", "matplotlib_missing_probe"])
+    message = str(exc.value)
+    assert message.startswith("bench/x.py: missing no_such_module_h7, matplotlib_missing_probe")
+    assert f"{sys.executable} -m pip install no_such_module_h7" in message
+
+
+def test_require_points_matplotlib_at_the_bench_extra(monkeypatch):
+    monkeypatch.setattr(report.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(
+        SystemExit,
+        match=r"matplotlib: the `bench` extra: `make bench` installs it, or .* -m pip install -e '\.\[bench\]'",
+    ):
+        report.require("bench/serving_suite.py", ["matplotlib"])

@@ -14,6 +14,13 @@ max_tokens.
   per group, shuffled, or (zipf > 0) each request's group drawn with P(g) ∝ 1/(g+1)^zipf.
   `warm_prefixes=1`: the warm-ups carry the groups' system prompts (with fresh questions), so
   the measured phase sees a server in steady state instead of paying one cold miss per group.
+- shared-prefix: llm-d's shared-prefix generator (inference-perf's `shared_prefix` data): `groups`
+  system prompts of exactly `system_len` tokens; a request is its group's system prompt plus a
+  unique question of exactly `question_len` tokens, answered with exactly `output_len` tokens.
+  `group_skew` 0: every group gets `per_group` requests, shuffled; > 0: each request's group is
+  drawn with P(g) ∝ 1/(g+1)^group_skew (group 0 the most popular). The warm-ups carry the groups'
+  system prompts (as w1's `warm_prefixes=1`), so a run measures the cache in steady state. The
+  defaults are the CPU shape; GPU_SHAPE is llm-d's full one (docs/bench.md states both).
 - w2: `sessions` chats of `turns` turns. Turn k's prompt = system + (user_1 + reply_1) + … +
   user_k. The replies are pre-drawn tokens standing for the assistant's answers (the client
   cannot know the ids the server generated; pre-drawing keeps every prompt fixed and seeded),
@@ -92,6 +99,36 @@ class W1Params:
 
     def default_num_requests(self) -> int:
         return self.groups * self.per_group
+
+
+@dataclass(frozen=True)
+class SharedPrefixParams:
+    """llm-d's shared-prefix workload; the defaults are its shape scaled to the 2-core CPU host
+    shared by other jobs, where a lone prefill runs at ~18 ms a token (docs/bench.md)."""
+
+    groups: int = 8
+    per_group: int = 6
+    system_len: int = 64
+    question_len: int = 16
+    output_len: int = 16
+    group_skew: float = 0.0  # 0: per_group requests each; > 0: Zipf(group_skew) popularity
+
+    def __post_init__(self):
+        _check(self.groups >= 1 and self.per_group >= 1, "shared-prefix", "groups and per_group must be >= 1")
+        _check(
+            min(self.system_len, self.question_len, self.output_len) >= 1,
+            "shared-prefix",
+            "system_len, question_len and output_len must be >= 1",
+        )
+        _check(self.group_skew >= 0, "shared-prefix", f"group_skew must be >= 0, got {self.group_skew}")
+
+    def default_num_requests(self) -> int:
+        return self.groups * self.per_group
+
+
+# llm-d's precise prefix-cache routing benchmark (16 H100s): 6,000-token system prompts, 1,200-token
+# questions, 1,000 output tokens. Pass as --workload-param KEY=VALUE on a GPU.
+GPU_SHAPE = {"groups": 32, "per_group": 32, "system_len": 6000, "question_len": 1200, "output_len": 1000}
 
 
 @dataclass(frozen=True)
@@ -192,14 +229,20 @@ def _uniform(rng: np.random.Generator, lo: int, hi: int) -> int:
     return int(rng.integers(lo, hi + 1))
 
 
+def group_order(num_groups: int, n: int, skew: float, rng: np.random.Generator) -> list[int]:
+    """The group of each of `n` requests: round robin over the groups then shuffled (skew 0), or
+    drawn with P(g) ∝ 1/(g+1)^skew."""
+    if skew > 0:
+        weights = 1.0 / np.arange(1, num_groups + 1) ** skew
+        return rng.choice(num_groups, size=n, p=weights / weights.sum()).tolist()
+    groups = [i % num_groups for i in range(n)]
+    rng.shuffle(groups)
+    return groups
+
+
 def build_w1(p: W1Params, n: int, rng: np.random.Generator) -> list[Session]:
     systems = [_tokens(rng, p.system_len) for _ in range(p.groups)]
-    if p.zipf > 0:
-        weights = 1.0 / np.arange(1, p.groups + 1) ** p.zipf
-        groups = rng.choice(p.groups, size=n, p=weights / weights.sum()).tolist()
-    else:
-        groups = [i % p.groups for i in range(n)]
-        rng.shuffle(groups)
+    groups = group_order(p.groups, n, p.zipf, rng)
     return [
         (
             BenchRequest(
@@ -207,6 +250,14 @@ def build_w1(p: W1Params, n: int, rng: np.random.Generator) -> list[Session]:
             ),
         )
         for g in groups
+    ]
+
+
+def build_shared_prefix(p: SharedPrefixParams, n: int, rng: np.random.Generator) -> list[Session]:
+    systems = [_tokens(rng, p.system_len) for _ in range(p.groups)]
+    return [
+        (BenchRequest(systems[g] + _tokens(rng, p.question_len), p.output_len, tag=f"group-{g}"),)
+        for g in group_order(p.groups, n, p.group_skew, rng)
     ]
 
 
@@ -265,6 +316,7 @@ WORKLOADS = {
     "w3": (W3Params, build_w3),
     "w4": (W4Params, build_w4),
     "random": (RandomParams, build_random),
+    "shared-prefix": (SharedPrefixParams, build_shared_prefix),
 }
 
 
@@ -323,7 +375,11 @@ def build(
     sessions = WORKLOADS[name][1](params, n, np.random.default_rng([seed, 0, stream]))
     warm_rng = np.random.default_rng([seed, 2, stream])
     if name == "w1" and params.warm_prefixes:
-        warmup = _w1_warmup(params, sessions, num_warmup, warm_rng)
+        question = (params.question_min, params.question_max)
+        warmup = _prefix_warmup(params.system_len, question, params.output_len, sessions, num_warmup, warm_rng)
+    elif name == "shared-prefix":
+        question = (params.question_len, params.question_len)
+        warmup = _prefix_warmup(params.system_len, question, params.output_len, sessions, num_warmup, warm_rng)
     else:
         warmup = _warmup(sessions, num_warmup, warm_rng)
     return Workload(name, params, sessions, warmup)
@@ -341,17 +397,25 @@ def _warmup(sessions: list[Session], n: int, rng: np.random.Generator) -> list[B
     ]
 
 
-def _w1_warmup(p: W1Params, sessions: list[Session], n: int, rng: np.random.Generator) -> list[BenchRequest]:
-    """Group g's system prompt + a fresh question, cycling through the groups the measured
-    requests use (in group order): the server's caches reach steady state before measuring."""
+def _prefix_warmup(
+    system_len: int,
+    question: tuple[int, int],
+    output_len: int,
+    sessions: list[Session],
+    n: int,
+    rng: np.random.Generator,
+) -> list[BenchRequest]:
+    """Group g's system prompt + a fresh question of uniform [question] tokens, cycling through the
+    groups the measured requests use (in group order): the server's caches reach steady state
+    before measuring."""
     systems = {}
     for (req,) in sessions:
-        systems.setdefault(req.tag, req.prompt_token_ids[: p.system_len])
+        systems.setdefault(req.tag, req.prompt_token_ids[:system_len])
     tags = sorted(systems, key=lambda t: int(t.split("-")[1]))
     return [
         BenchRequest(
-            systems[tags[i % len(tags)]] + _tokens(rng, _uniform(rng, p.question_min, p.question_max)),
-            p.output_len,
+            systems[tags[i % len(tags)]] + _tokens(rng, _uniform(rng, *question)),
+            output_len,
             category="warmup",
             tag=tags[i % len(tags)],
         )

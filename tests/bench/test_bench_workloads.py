@@ -146,3 +146,49 @@ def test_workloads_with_the_same_seed_share_no_tokens():
         for name in workloads.WORKLOADS
     ]
     assert sum(map(len, starts)) == len(set().union(*starts))
+
+
+def test_shared_prefix_lengths_are_exact_and_groups_share_only_their_system_prompt():
+    params = {"groups": "5", "per_group": "4", "system_len": "96", "question_len": "20", "output_len": "7"}
+    wl = workloads.build("shared-prefix", params, num_warmup=5, seed=1)
+    reqs = flat(wl)
+    assert wl.num_requests == 20 and all(r.num_prompt_tokens == 116 and r.max_tokens == 7 for r in reqs)
+    by_group = collections.defaultdict(list)
+    for r in reqs:
+        by_group[r.tag].append(r.prompt_token_ids)
+    assert sorted(by_group) == [f"group-{g}" for g in range(5)] and all(len(v) == 4 for v in by_group.values())
+    for prompts in by_group.values():
+        assert len({p[:96] for p in prompts}) == 1 and len({p[96:] for p in prompts}) == 4
+    assert len({v[0][:16] for v in by_group.values()}) == 5  # groups differ from their first block
+    # the warm-ups: each group's system prompt once, with a fresh question of the same length
+    assert [w.tag for w in wl.warmup] == [f"group-{g}" for g in range(5)]
+    for w in wl.warmup:
+        assert w.prompt_token_ids[:96] == by_group[w.tag][0][:96] and w.num_prompt_tokens == 116
+        assert all(w.prompt_token_ids[96:] != p[96:] for p in by_group[w.tag])
+
+
+def test_shared_prefix_is_deterministic_by_seed():
+    def build(seed):
+        return flat(workloads.build("shared-prefix", {"system_len": "64", "question_len": "8"}, seed=seed))
+
+    assert build(7) == build(7) and build(7) != build(8)
+    assert [r.tag for r in build(7)] != sorted(r.tag for r in build(7))  # shuffled, not in group order
+
+
+def test_shared_prefix_group_skew_follows_zipf():
+    params = {"groups": "6", "system_len": "16", "question_len": "4", "group_skew": "1.5"}
+    counts = collections.Counter(r.tag for r in flat(workloads.build("shared-prefix", params, num_requests=3000)))
+    expected = [1 / k**1.5 for k in range(1, 7)]
+    for g in range(6):
+        assert counts[f"group-{g}"] / 3000 == pytest.approx(expected[g] / sum(expected), abs=0.02)
+    flat_counts = collections.Counter(r.tag for r in flat(workloads.build("shared-prefix", {"groups": "6"})))
+    assert set(flat_counts.values()) == {workloads.SharedPrefixParams().per_group}  # skew 0: equal shares
+
+
+def test_shared_prefix_rejects_bad_parameters():
+    with pytest.raises(ConfigError, match="group_skew must be >= 0"):
+        workloads.build("shared-prefix", {"group_skew": "-1"})
+    with pytest.raises(ConfigError, match="question_len and output_len must be >= 1"):
+        workloads.build("shared-prefix", {"question_len": "0"})
+    with pytest.raises(ConfigError, match="shared-prefix has no parameter 'zipf'"):
+        workloads.build("shared-prefix", {"zipf": "1"})

@@ -1,0 +1,173 @@
+"""bench/sweep.py's search and goodput on synthetic results (the sweep itself is a benchmark)."""
+
+import pathlib
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "bench"))
+
+import sweep  # noqa: E402
+
+
+def point(arm, rate, p90_s, tps=None, failed=0, hit=0.5):
+    return sweep.Point(arm, rate, p90_s * 500, p90_s * 1000, 50.0, 900.0, 1200.0, tps or rate * 16, hit, 24, failed)
+
+
+def test_goodput_is_the_highest_rate_meeting_the_slo_below_the_first_miss():
+    points = [point("a", 0.5, 0.4), point("a", 1.0, 1.9), point("a", 1.5, 2.1), point("a", 2.0, 1.0)]
+    assert sweep.goodput(points, "a", 2.0).rate == 1.0  # 2.0 met again after a miss: not counted
+    assert sweep.goodput(points, "a", 3.0).rate == 2.0
+    assert sweep.goodput(points, "a", 0.3) is None  # met at no rate
+    assert sweep.goodput([point("a", 0.5, 2.0)], "a", 2.0).rate == 0.5  # the SLO itself meets it
+    assert sweep.goodput(points, "b", 2.0) is None
+
+
+def test_a_failed_request_misses_the_slo_whatever_the_latency():
+    assert not point("a", 1.0, 0.1, failed=1).meets(2.0)
+    empty = sweep.Point("a", 1.0, None, None, None, None, None, 0.0, None, 0, 24)
+    assert not empty.meets(2.0)
+
+
+def test_an_arm_leaves_the_search_at_its_first_miss_and_the_order_rotates():
+    points = [point("rr", 0.5, 1.0), point("pq", 0.5, 0.3), point("rr", 1.0, 2.5), point("pq", 1.0, 0.4)]
+    assert not sweep.still_searching("rr", points, 2.0)
+    assert sweep.still_searching("pq", points, 2.0) and sweep.still_searching("new", points, 2.0)
+    arms = ("a", "b", "c")
+    assert [sweep.step_order(arms, k) for k in range(4)] == [
+        ["a", "b", "c"],
+        ["b", "c", "a"],
+        ["c", "a", "b"],
+        ["a", "b", "c"],
+    ]
+
+
+def test_the_sweep_runs_each_rate_for_the_arms_still_in_and_stops_when_none_is(monkeypatch):
+    p90 = {"round-robin": {0.5: 1.5, 1.0: 3.0}, "prefix+queue": {0.5: 0.3, 1.0: 0.5, 2.0: 2.5}}
+    ran = []
+
+    def fake_run(arm, rate, setup, raw):
+        ran.append((arm, rate))
+        return point(arm, rate, p90[arm][rate]), [28, 28]
+
+    monkeypatch.setattr(sweep, "run_point", fake_run)
+    setup = sweep.Setup({}, 28, 256, 24, 2.0)
+    points, kv = sweep.sweep(("round-robin", "prefix+queue"), [0.5, 1.0, 2.0, 4.0], setup, pathlib.Path("."))
+    assert ran == [
+        ("round-robin", 0.5),
+        ("prefix+queue", 0.5),
+        ("prefix+queue", 1.0),  # step 1 starts with the second arm
+        ("round-robin", 1.0),
+        ("prefix+queue", 2.0),  # round robin has left; prefix+queue leaves here and 4.0 never runs
+    ]
+    assert kv == [28] and len(points) == 5
+
+
+def test_the_verdict_reads_goodput_and_throughput_ratios():
+    points = [
+        point("round-robin", 0.5, 1.0, tps=8.0),
+        point("round-robin", 1.0, 2.5, tps=12.0),
+        point("prefix+queue", 0.5, 0.3, tps=8.1),
+        point("prefix+queue", 1.0, 0.6, tps=16.0),
+        point("prefix+queue", 2.0, 1.5, tps=31.0),
+        point("epp", 0.5, 0.3),
+        point("epp", 1.0, 0.7),
+        point("epp", 2.0, 2.2),
+    ]
+    v = sweep.verdict(points, 2.0)
+    assert v.goodput_ratio == pytest.approx(4.0)
+    assert v.tps_at_goodput_ratio == pytest.approx(31.0 / 8.0)
+    assert v.tps_at_rr_rate_ratio == pytest.approx(8.1 / 8.0)
+    assert v.epp_vs_gateway == pytest.approx(0.5)
+    assert sweep.verdict(points[:2], 0.1) == sweep.Verdict(None, None, None, None)
+
+
+def test_the_kv_budget_holds_the_prefixes_asked_for_and_room_for_four_requests():
+    # 64-token prompts are 4 blocks; a request's own 16 + 16 tokens are 2 more blocks
+    assert sweep.kv_budget(64, 16, 16, 5) == 5 * 4 + 4 * 2
+    # a prompt that ends mid-block: its last partial block is the request's own
+    assert sweep.kv_budget(1536, 300, 64, 3) == 3 * 96 + 4 * (119 - 96)
+
+
+def test_arguments_are_checked_before_any_run(capsys):
+    for argv, message in [
+        (["--rates", "1,0.5"], "distinct and ascending"),
+        (["--rates", "0,1"], "> 0"),
+        (["--arms", "round-robin,magic"], "unknown ['magic']"),
+        (["--requests", "3"], "--requests must be >= 10"),
+    ]:
+        with pytest.raises(SystemExit):
+            sweep.parse_args(argv)
+        assert message in capsys.readouterr().err
+    args = sweep.parse_args(["--workload-param", "groups=4", "--kv-prefixes", "4"])
+    with pytest.raises(SystemExit, match=r"--kv-prefixes must be in \[1, groups - 1 = 3\]"):
+        sweep.make_setup(args)
+    setup, holds = sweep.make_setup(sweep.parse_args(["--workload-param", "groups=8"]))
+    assert setup.kv_blocks == 5 * 4 + 4 * 2 and holds.startswith("5 of the 8 system prompts")
+    assert setup.max_model_len == 256 and setup.params["groups"] == "8"
+
+
+def test_the_section_has_every_point_the_goodputs_and_the_ratios():
+    points = [
+        point("round-robin", 0.5, 1.0, tps=8.0),
+        point("round-robin", 1.0, 2.5, tps=12.0, hit=0.31),
+        point("prefix+queue", 0.5, 0.3, tps=8.1),
+        point("prefix+queue", 1.0, 0.6, tps=16.0),
+    ]
+    meta = {
+        "slos": [2.0, 8.0],
+        "machine": "2 vCPU test",
+        "loadavg": "1.0",
+        "date": "2026-11-28",
+        "minutes": 3,
+        "command": "python bench/sweep.py",
+        "shape": "8 groups",
+        "requests": 24,
+        "kv_blocks_asked": 28,
+        "kv_blocks": "28",
+        "kv_holds": "5 of the 8 system prompts",
+        "miss_s": 1.5,
+        "hit_s": 0.4,
+    }
+    text = sweep.render(points, ("round-robin", "prefix+queue"), meta, {"ttft": "t.png", "goodput": "g.png"})
+    assert text.startswith("<!-- sweep:begin -->") and text.endswith("<!-- sweep:end -->")
+    assert "| round-robin | 1 | 24/24 | 1250 | 2500 | 50 | 900 | 1200 | 12.0 | 31 % | **no** / yes |" in text
+    assert "| arm | goodput at p90 TTFT ≤ 2 s | goodput at p90 TTFT ≤ 8 s |" in text
+    assert "| round-robin | 0.5; 8.0 tok/s | 1 (the ladder's top: at least); 12.0 tok/s |" in text
+    assert "- at 2 s: goodput prefix+queue ÷ round robin **2.00×**" in text
+    assert "- at 8 s: goodput prefix+queue ÷ round robin **1.00×**" in text and "![TTFT vs load](t.png)" in text
+
+
+def test_search_slo_must_not_be_below_the_slo(capsys):
+    with pytest.raises(SystemExit):
+        sweep.parse_args(["--slo", "2", "--search-slo", "1"])
+    assert "--search-slo must be a number of seconds >= --slo (2)" in capsys.readouterr().err
+    args = sweep.parse_args(["--search-slo", "8"])
+    assert args.slos == [2.0, 8.0] and sweep.make_setup(args)[0].slo_s == 8.0
+
+
+def test_an_interrupted_run_is_reported_from_its_raw_folder(tmp_path):
+    def bench_doc(rate, p90_ms, hit):
+        ms = {"p50": p90_ms / 2, "p90": p90_ms}
+        summary = {"ttft_ms": ms, "itl_ms": ms, "e2e_ms": ms, "output_throughput": rate * 16}
+        summary.update(prefix_cache_hit_rate=hit, completed=24, failed=0)
+        return {"config": {"rate": rate}, "summary": summary}
+
+    write = {
+        "sweep-prefix-queue-r0.5.json": bench_doc(0.5, 900.0, 0.78),
+        "sweep-prefix-queue-r0.5.kv.json": [28, 28],
+        "sweep-round-robin-r0.35.json": bench_doc(0.35, 2100.0, 0.43),
+        "sweep-epp-r1.json": bench_doc(1.0, 1500.0, 0.7),
+        "sweep-meta.json": {"arms": ["round-robin"]},
+    }
+    for name, doc in write.items():
+        (tmp_path / name).write_text(sweep.json.dumps(doc))
+    points, kv = sweep.points_from_raw(tmp_path)
+    assert [(p.arm, p.rate, p.ttft_p90_ms, p.prefix_hit) for p in points] == [
+        ("epp", 1.0, 1500.0, 0.7),
+        ("prefix+queue", 0.5, 900.0, 0.78),
+        ("round-robin", 0.35, 2100.0, 0.43),
+    ]
+    assert kv == [28]
+    assert sweep.tag_arm("sweep-least-queue-r1.5") == "least-queue"
