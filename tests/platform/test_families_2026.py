@@ -1,0 +1,161 @@
+"""The 2026 families against transformers: GLM-4.5, gpt-oss, DeepSeek-V3 and a Kimi-K2-shaped
+DeepSeek-V3 (more experts, one group), each on a tiny random checkpoint transformers writes.
+
+Per family a randomly initialised transformers model (every weight but the norms drawn at std
+0.15, biases, sinks and the routers' correction biases included, so greedy references do not
+sit on near-ties and every term is exercised) is saved with `save_pretrained` next to SmolLM2's
+tokenizer.json and loaded by our engine from that folder, fp32, quantization "none". Greedy on
+6 prompts (5 to 68 tokens, 24 generated) must equal transformers' own greedy decoding:
+batched, after a prefix-cache hit, and through prefill/decode disaggregation in the engine;
+seeded sampling through P/D equals the colocated run. tests/workers/test_families_2026_pd.py
+runs the same folders through two worker processes over TCP.
+"""
+
+import json
+
+import pytest
+import torch
+from test_disaggregation_engine import disaggregated
+from test_engine_vs_transformers import hf_greedy
+
+from splitserve.platform.config import CacheConfig, DeviceConfig, EngineConfig
+from splitserve.platform.engine.llm_engine import LLMEngine
+from splitserve.platform.errors import ConfigError, UnsupportedModelError
+from splitserve.platform.model_source import resolve_model
+from splitserve.platform.sampling.params import SamplingParams
+from splitserve.platform.weights import load_model_config
+
+pytestmark = pytest.mark.slow
+
+MAX_TOKENS = 24
+GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+SEEDED = SamplingParams(temperature=0.9, top_p=0.95, seed=1234, max_tokens=MAX_TOKENS, ignore_eos=True)
+PROMPTS = [[(7 * i + 3 * j) % 49000 + 100 for j in range(5 + 12 * i)] for i in range(6)]
+COMMON = dict(
+    vocab_size=49152,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    tie_word_embeddings=False,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+SIGMOID_MOE = dict(moe_intermediate_size=32, num_experts_per_tok=2, first_k_dense_replace=1, norm_topk_prob=True)
+FAMILIES = {
+    # name: (config class, model class, options)
+    "glm4_moe": (
+        "Glm4MoeConfig",
+        "Glm4MoeForCausalLM",
+        dict(
+            SIGMOID_MOE,
+            head_dim=16,
+            n_routed_experts=8,
+            n_group=2,
+            topk_group=1,
+            routed_scaling_factor=1.5,
+            use_qk_norm=True,
+            attention_bias=True,
+        ),
+    ),
+}
+
+
+def save_family(folder, name: str, gguf_path: str):
+    """A random transformers model of family `name` saved in `folder` with SmolLM2's tokenizer."""
+    import transformers
+
+    from splitserve.platform.tokenizer import Tokenizer
+
+    config_name, model_name, options = FAMILIES[name]
+    torch.manual_seed(0)
+    config = getattr(transformers, config_name)(**{**COMMON, **options})
+    model = getattr(transformers, model_name)(config).eval()
+    with torch.no_grad():
+        for key, tensor in [*model.named_parameters(), *model.named_buffers()]:
+            if "norm" not in key and tensor.is_floating_point() and "inv_freq" not in key:
+                tensor.normal_(0.0, 0.15)
+    model.save_pretrained(folder)
+    Tokenizer.from_gguf(gguf_path).save_tokenizer_json(str(folder / "tokenizer.json"))
+    return model
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def family(request, tmp_path_factory, smollm2_gguf_path):
+    folder = tmp_path_factory.mktemp(request.param)
+    model = save_family(folder, request.param, smollm2_gguf_path)
+    return request.param, folder, model, [hf_greedy(model, ids, MAX_TOKENS) for ids in PROMPTS]
+
+
+def engine_for(folder, **device) -> LLMEngine:
+    return LLMEngine(
+        EngineConfig(
+            model=str(folder),
+            cache=CacheConfig(num_blocks=96),
+            device=DeviceConfig(**{"dtype": "float32", "quantization": "none", **device}),
+        )
+    )
+
+
+def test_greedy_equals_transformers_batched_and_after_a_prefix_hit(family):
+    name, folder, _, reference = family
+    engine = engine_for(folder)
+    assert [out.output_token_ids for out in engine.generate(PROMPTS, GREEDY)] == reference
+    hits = engine.scheduler.stats.num_prefix_hit_tokens
+    again = engine.generate([PROMPTS[5]], GREEDY)[0]  # every full block of it is cached now
+    assert engine.scheduler.stats.num_prefix_hit_tokens - hits == 64
+    assert again.output_token_ids == reference[5]
+    engine.kv.check_invariants()
+
+
+def test_disaggregated_greedy_and_seeded_sampling_equal_colocated(family):
+    name, folder, _, reference = family
+    p_engine, d_engine, local = engine_for(folder), engine_for(folder), engine_for(folder)
+    prompt = PROMPTS[4]
+    outs, received, _ = disaggregated(p_engine, d_engine, prompt, params=GREEDY, req_id="g")
+    assert outs[-1].finished and outs[-1].output_token_ids == reference[4]
+    assert sorted({layer for _, layer, _, _ in received}) == [0, 1, 2]
+    [colocated] = local.generate([prompt], SEEDED)
+    outs, _, _ = disaggregated(p_engine, d_engine, prompt, params=SEEDED, req_id="s")
+    assert outs[-1].output_token_ids == colocated.output_token_ids
+    assert colocated.output_token_ids != reference[4], "sampling at 0.9 should leave the greedy path"
+    for e in (p_engine, d_engine):
+        e.kv.check_invariants()
+        assert e.pool.num_free_blocks == e.pool.num_blocks
+
+
+def test_multi_token_prediction_layers_are_skipped(tmp_path, smollm2_gguf_path):
+    """A release's MTP layer (model.layers.<num_hidden_layers>) is in the file but not loaded."""
+    from safetensors.torch import load_file, save_file
+
+    model = save_family(tmp_path, "glm4_moe", smollm2_gguf_path)
+    weights = load_file(str(tmp_path / "model.safetensors"))
+    weights["model.layers.3.eh_proj.weight"] = torch.zeros(64, 128)
+    save_file(weights, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    [out] = engine_for(tmp_path).generate([PROMPTS[2]], GREEDY)
+    assert out.output_token_ids == hf_greedy(model, PROMPTS[2], MAX_TOKENS)
+
+
+@pytest.mark.parametrize(
+    ("name", "change", "message"),
+    [
+        ("glm4_moe", {"model_type": "glm5_moe"}, "model_type 'glm5_moe' is not supported"),
+        ("glm4_moe", {"index_topk": 2048}, "index_topk=2048 .DeepSeek-V3.2's sparse attention"),
+        ("glm4_moe", {"quantization_config": {"quant_method": "fp8"}}, "quant_method 'fp8' is not supported"),
+        ("glm4_moe", {"hidden_act": "gelu"}, "hidden_act 'gelu' is not supported"),
+    ],
+)
+def test_config_fields_the_engine_cannot_honour_are_named(tmp_path, smollm2_gguf_path, name, change, message):
+    save_family(tmp_path, name, smollm2_gguf_path)
+    raw = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps(raw | change))
+    with pytest.raises(UnsupportedModelError, match=message):
+        load_model_config(resolve_model(str(tmp_path)))
+
+
+def test_features_a_family_cannot_run_are_refused_at_start(tmp_path, smollm2_gguf_path):
+    save_family(tmp_path, "glm4_moe", smollm2_gguf_path)
+    with pytest.raises(ConfigError, match="glm4_moe .* quantization 'int8'"):
+        engine_for(tmp_path, quantization="int8")
