@@ -4,6 +4,7 @@ Llama block (llama.py), layers (layers.py), attention (attention.py) and experts
 from splitserve.platform.config import ModelConfig
 from splitserve.platform.models.gemma3 import Gemma3ForCausalLM
 from splitserve.platform.models.glm4_moe import Glm4MoeForCausalLM
+from splitserve.platform.models.gpt_oss import GptOssForCausalLM
 from splitserve.platform.models.llama import LlamaForCausalLM
 from splitserve.platform.models.mistral import MistralForCausalLM
 from splitserve.platform.models.mixtral import MixtralForCausalLM
@@ -22,6 +23,7 @@ MODEL_CLASSES = {
     "gemma3": Gemma3ForCausalLM,
     "mixtral": MixtralForCausalLM,
     "glm4_moe": Glm4MoeForCausalLM,
+    "gpt_oss": GptOssForCausalLM,
 }
 
 

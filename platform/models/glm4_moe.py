@@ -13,24 +13,19 @@ from __future__ import annotations
 from torch import nn
 
 from splitserve.platform.config import ModelConfig
-from splitserve.platform.models.layers import RMSNorm
-from splitserve.platform.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
+from splitserve.platform.models.block import FamilyDecoderLayer
+from splitserve.platform.models.llama import LlamaForCausalLM
 from splitserve.platform.models.sigmoid_moe import SHARED_NAME, SigmoidMoeBlock
 from splitserve.platform.models.yarn import rotary_for
 
 
-class SigmoidMoeDecoderLayer(LlamaDecoderLayer):
-    """Llama's pre-norm block over `ATTENTION`, with a SigmoidMoeBlock on the sparse layers."""
+class SigmoidMoeDecoderLayer(FamilyDecoderLayer):
+    """The shared block with a SigmoidMoeBlock on the sparse layers, a dense MLP before them."""
 
-    ATTENTION: type[nn.Module] = LlamaAttention
-
-    def __init__(self, config: ModelConfig, quantization: str = "none", layer: int = 0):
-        nn.Module.__init__(self)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = self.ATTENTION(config, quantization, layer)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        moe = config.is_moe_layer(layer)
-        self.mlp = SigmoidMoeBlock(config, quantization) if moe else LlamaMLP(config, quantization)
+    def mlp_for(self, config: ModelConfig, quantization: str, layer: int) -> nn.Module:
+        if config.is_moe_layer(layer):
+            return SigmoidMoeBlock(config, quantization)
+        return super().mlp_for(config, quantization, layer)
 
 
 class SigmoidMoeForCausalLM(LlamaForCausalLM):

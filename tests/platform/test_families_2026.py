@@ -11,6 +11,7 @@ seeded sampling through P/D equals the colocated run. tests/workers/test_familie
 runs the same folders through two worker processes over TCP.
 """
 
+import copy
 import json
 
 import pytest
@@ -18,7 +19,7 @@ import torch
 from test_disaggregation_engine import disaggregated
 from test_engine_vs_transformers import hf_greedy
 
-from splitserve.platform.config import CacheConfig, DeviceConfig, EngineConfig
+from splitserve.platform.config import CacheConfig, DeviceConfig, EngineConfig, LoraConfig, SpeculativeConfig
 from splitserve.platform.engine.llm_engine import LLMEngine
 from splitserve.platform.errors import ConfigError, UnsupportedModelError
 from splitserve.platform.model_source import resolve_model
@@ -28,6 +29,7 @@ from splitserve.platform.weights import load_model_config
 pytestmark = pytest.mark.slow
 
 MAX_TOKENS = 24
+WINDOW = 16  # gpt-oss's sliding layers: most prompts and all generations run past it
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
 SEEDED = SamplingParams(temperature=0.9, top_p=0.95, seed=1234, max_tokens=MAX_TOKENS, ignore_eos=True)
 PROMPTS = [[(7 * i + 3 * j) % 49000 + 100 for j in range(5 + 12 * i)] for i in range(6)]
@@ -60,6 +62,27 @@ FAMILIES = {
             attention_bias=True,
         ),
     ),
+    "gpt_oss": (
+        "GptOssConfig",
+        "GptOssForCausalLM",
+        dict(
+            head_dim=16,
+            num_local_experts=8,
+            num_experts_per_tok=4,
+            sliding_window=WINDOW,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+            swiglu_limit=1.5,  # low enough that the clamps bite at std 0.15
+            rope_parameters=dict(
+                rope_type="yarn",
+                rope_theta=150000.0,
+                factor=4.0,
+                original_max_position_embeddings=128,
+                beta_fast=32.0,
+                beta_slow=1.0,
+                truncate=False,
+            ),
+        ),
+    ),
 }
 
 
@@ -82,10 +105,32 @@ def save_family(folder, name: str, gguf_path: str):
     return model
 
 
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory, smollm2_gguf_path):
+    """name -> (folder, transformers model): each family saved once per module; a test that
+    changes a folder works on a copy (`copy_of`)."""
+    cache = {}
+
+    def get(name: str):
+        if name not in cache:
+            folder = tmp_path_factory.mktemp(name)
+            cache[name] = folder, save_family(folder, name, smollm2_gguf_path)
+        return cache[name]
+
+    return get
+
+
+def copy_of(saved, name: str, tmp_path):
+    import shutil
+
+    folder, model = saved(name)
+    shutil.copytree(folder, tmp_path / name)
+    return tmp_path / name, model
+
+
 @pytest.fixture(scope="module", params=list(FAMILIES))
-def family(request, tmp_path_factory, smollm2_gguf_path):
-    folder = tmp_path_factory.mktemp(request.param)
-    model = save_family(folder, request.param, smollm2_gguf_path)
+def family(request, saved):
+    folder, model = saved(request.param)
     return request.param, folder, model, [hf_greedy(model, ids, MAX_TOKENS) for ids in PROMPTS]
 
 
@@ -126,11 +171,50 @@ def test_disaggregated_greedy_and_seeded_sampling_equal_colocated(family):
         assert e.pool.num_free_blocks == e.pool.num_blocks
 
 
-def test_multi_token_prediction_layers_are_skipped(tmp_path, smollm2_gguf_path):
+def mxfp4_quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[experts, in, out] floats -> MXFP4 as gpt-oss releases store it: blocks [experts, out,
+    in / 32, 16] (two E2M1 codes a byte, low nibble first) and scales [experts, out, in / 32]
+    (a power of two per 32 values, biased by 127), each value rounded to the nearest code."""
+    magnitudes = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+    groups = weight.transpose(1, 2).reshape(weight.shape[0], weight.shape[2], -1, 32)
+    exponent = torch.ceil(torch.log2(groups.abs().amax(-1).clamp_min(1e-30) / 6.0))
+    scaled = groups / torch.exp2(exponent)[..., None]
+    codes = (scaled.abs()[..., None] - magnitudes).abs().argmin(-1) + 8 * (scaled < 0)
+    blocks = (codes[..., 0::2] | (codes[..., 1::2] << 4)).to(torch.uint8)
+    return blocks, (exponent + 127).to(torch.uint8)
+
+
+def test_mxfp4_experts_equal_transformers_dequantized_reference(tmp_path, saved):
+    """A gpt-oss folder whose experts are MXFP4 (quantized here from the random weights) gives
+    transformers' greedy over the weights transformers' own MXFP4 dequantizer reads from it."""
+    from safetensors.torch import load_file, save_file
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    from splitserve.platform.weights.mxfp4 import dequantize
+
+    tmp_path, model = copy_of(saved, "gpt_oss", tmp_path)
+    model = copy.deepcopy(model)  # its experts get the dequantized weights
+    weights = load_file(str(tmp_path / "model.safetensors"))
+    for name in [n for n in weights if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        original = weights.pop(name)
+        blocks, scales = mxfp4_quantize(original)
+        weights[name + "_blocks"], weights[name + "_scales"] = blocks, scales
+        reference = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)
+        assert torch.equal(dequantize(blocks, scales, torch.float32).transpose(-1, -2), reference)
+        assert not torch.equal(reference, original) and (reference - original).abs().max() < 0.2
+        model.get_parameter(name).data.copy_(reference)
+    save_file(weights, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    raw = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps(raw | {"quantization_config": {"quant_method": "mxfp4"}}))
+    reference = [hf_greedy(model, ids, MAX_TOKENS) for ids in PROMPTS]
+    assert [out.output_token_ids for out in engine_for(tmp_path).generate(PROMPTS, GREEDY)] == reference
+
+
+def test_multi_token_prediction_layers_are_skipped(tmp_path, saved):
     """A release's MTP layer (model.layers.<num_hidden_layers>) is in the file but not loaded."""
     from safetensors.torch import load_file, save_file
 
-    model = save_family(tmp_path, "glm4_moe", smollm2_gguf_path)
+    tmp_path, model = copy_of(saved, "glm4_moe", tmp_path)
     weights = load_file(str(tmp_path / "model.safetensors"))
     weights["model.layers.3.eh_proj.weight"] = torch.zeros(64, 128)
     save_file(weights, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
@@ -145,17 +229,44 @@ def test_multi_token_prediction_layers_are_skipped(tmp_path, smollm2_gguf_path):
         ("glm4_moe", {"index_topk": 2048}, "index_topk=2048 .DeepSeek-V3.2's sparse attention"),
         ("glm4_moe", {"quantization_config": {"quant_method": "fp8"}}, "quant_method 'fp8' is not supported"),
         ("glm4_moe", {"hidden_act": "gelu"}, "hidden_act 'gelu' is not supported"),
+        ("gpt_oss", {"quantization_config": {"quant_method": "bitsandbytes"}}, "supported: none, mxfp4"),
+        ("gpt_oss", {"rope_parameters": {"rope_type": "longrope"}}, "RoPE type 'longrope' is not supported"),
     ],
 )
-def test_config_fields_the_engine_cannot_honour_are_named(tmp_path, smollm2_gguf_path, name, change, message):
-    save_family(tmp_path, name, smollm2_gguf_path)
+def test_config_fields_the_engine_cannot_honour_are_named(tmp_path, saved, name, change, message):
+    tmp_path, _ = copy_of(saved, name, tmp_path)
     raw = json.loads((tmp_path / "config.json").read_text())
     (tmp_path / "config.json").write_text(json.dumps(raw | change))
     with pytest.raises(UnsupportedModelError, match=message):
         load_model_config(resolve_model(str(tmp_path)))
 
 
-def test_features_a_family_cannot_run_are_refused_at_start(tmp_path, smollm2_gguf_path):
-    save_family(tmp_path, "glm4_moe", smollm2_gguf_path)
-    with pytest.raises(ConfigError, match="glm4_moe .* quantization 'int8'"):
-        engine_for(tmp_path, quantization="int8")
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (dict(device=DeviceConfig(dtype="float32", quantization="int8")), "quantization 'int8' is not supported"),
+        (dict(lora=LoraConfig(modules=(("a", "/nowhere"),))), "does not run LoRA adapters; remove --lora-modules"),
+        (dict(speculative=SpeculativeConfig()), "does not run speculative decoding"),
+        (
+            dict(device=DeviceConfig(device="cuda", dtype="bfloat16")),
+            "does not run decode CUDA graphs yet; pass --enforce-eager",
+        ),
+    ],
+)
+def test_features_a_family_cannot_run_are_refused_at_start(saved, change, message):
+    folder, _ = saved("gpt_oss")
+    with pytest.raises(ConfigError, match=f"gpt_oss {message}|gpt_oss runs .*{message}"):
+        LLMEngine(EngineConfig(model=str(folder), cache=CacheConfig(num_blocks=96), **change))
+
+
+def test_auto_quantization_runs_the_reference_and_adapters_are_refused(family):
+    """`--quantization auto` (the workers' default) serves these families in the model dtype:
+    the same tokens as "none"; a runtime adapter load is refused, naming the family."""
+    from splitserve.platform.lora.adapter import AdapterError
+
+    name, folder, _, reference = family
+    engine = engine_for(folder, quantization="auto")
+    assert engine.quantization == "none"
+    assert engine.generate([PROMPTS[3]], GREEDY)[0].output_token_ids == reference[3]
+    with pytest.raises(AdapterError, match=f"{name} does not run LoRA adapters"):
+        engine.loras.add("a", str(folder))
