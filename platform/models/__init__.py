@@ -2,6 +2,7 @@
 Llama block (llama.py), layers (layers.py), attention (attention.py) and experts (moe.py)."""
 
 from splitserve.platform.config import ModelConfig
+from splitserve.platform.models.deepseek_v3 import DeepseekV3ForCausalLM
 from splitserve.platform.models.gemma3 import Gemma3ForCausalLM
 from splitserve.platform.models.glm4_moe import Glm4MoeForCausalLM
 from splitserve.platform.models.gpt_oss import GptOssForCausalLM
@@ -24,6 +25,7 @@ MODEL_CLASSES = {
     "mixtral": MixtralForCausalLM,
     "glm4_moe": Glm4MoeForCausalLM,
     "gpt_oss": GptOssForCausalLM,
+    "deepseek_v3": DeepseekV3ForCausalLM,
 }
 
 

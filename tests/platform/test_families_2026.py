@@ -83,6 +83,53 @@ FAMILIES = {
             ),
         ),
     ),
+    "deepseek_v3": (
+        "DeepseekV3Config",
+        "DeepseekV3ForCausalLM",
+        dict(
+            SIGMOID_MOE,
+            num_key_value_heads=4,  # the reference expands K/V to every head, as the releases say
+            n_routed_experts=8,
+            n_group=4,
+            topk_group=2,
+            routed_scaling_factor=2.5,
+            kv_lora_rank=32,
+            q_lora_rank=48,
+            qk_nope_head_dim=16,
+            qk_rope_head_dim=8,
+            v_head_dim=16,
+            rope_parameters=dict(
+                rope_type="yarn",
+                rope_theta=10000.0,
+                factor=4.0,
+                original_max_position_embeddings=128,
+                mscale=1.0,
+                mscale_all_dim=0.8,
+                beta_fast=32.0,
+                beta_slow=1.0,
+            ),
+        ),
+    ),
+    # Kimi K2's shape: more experts in one group; and no q_lora_rank (DeepSeek-V2-Lite's q_proj)
+    "kimi_k2": (
+        "DeepseekV3Config",
+        "DeepseekV3ForCausalLM",
+        dict(
+            SIGMOID_MOE,
+            num_key_value_heads=4,
+            n_routed_experts=16,
+            num_experts_per_tok=4,
+            n_group=1,
+            topk_group=1,
+            routed_scaling_factor=2.827,
+            kv_lora_rank=24,
+            q_lora_rank=None,
+            qk_nope_head_dim=16,
+            qk_rope_head_dim=8,
+            v_head_dim=12,
+            rope_interleave=False,
+        ),
+    ),
 }
 
 
@@ -226,8 +273,10 @@ def test_multi_token_prediction_layers_are_skipped(tmp_path, saved):
     ("name", "change", "message"),
     [
         ("glm4_moe", {"model_type": "glm5_moe"}, "model_type 'glm5_moe' is not supported"),
-        ("glm4_moe", {"index_topk": 2048}, "index_topk=2048 .DeepSeek-V3.2's sparse attention"),
-        ("glm4_moe", {"quantization_config": {"quant_method": "fp8"}}, "quant_method 'fp8' is not supported"),
+        ("deepseek_v3", {"index_topk": 2048}, "index_topk=2048 .DeepSeek-V3.2's sparse attention"),
+        ("deepseek_v3", {"model_type": "deepseek_v32"}, "model_type 'deepseek_v32' is not supported"),
+        ("deepseek_v3", {"scoring_func": "softmax"}, "scoring_func='softmax' is not supported; supported: 'sigmoid'"),
+        ("kimi_k2", {"quantization_config": {"quant_method": "fp8"}}, "quant_method 'fp8' is not supported"),
         ("glm4_moe", {"hidden_act": "gelu"}, "hidden_act 'gelu' is not supported"),
         ("gpt_oss", {"quantization_config": {"quant_method": "bitsandbytes"}}, "supported: none, mxfp4"),
         ("gpt_oss", {"rope_parameters": {"rope_type": "longrope"}}, "RoPE type 'longrope' is not supported"),
@@ -268,5 +317,5 @@ def test_auto_quantization_runs_the_reference_and_adapters_are_refused(family):
     engine = engine_for(folder, quantization="auto")
     assert engine.quantization == "none"
     assert engine.generate([PROMPTS[3]], GREEDY)[0].output_token_ids == reference[3]
-    with pytest.raises(AdapterError, match=f"{name} does not run LoRA adapters"):
+    with pytest.raises(AdapterError, match=f"{engine.model_config.architecture} does not run LoRA adapters"):
         engine.loras.add("a", str(folder))
