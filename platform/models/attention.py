@@ -17,9 +17,9 @@ decode mask and each chunk's mask get that lower bound too (built once per step 
 kept in the metadata for the step's other layers); the Triton kernels take W directly. The
 cache still holds every position: blocks no window can see are not freed (docs/models.md).
 
-Attention sinks (gpt-oss, `sinks`: a logit per query head in the softmax's denominator) run
-models/sink_attention.py for decodes and prefill chunks alike, on every device: the Triton
-kernels have no sink term.
+Attention sinks (gpt-oss, `sinks`: a logit per query head in the softmax's denominator): the
+torch path runs models/sink_attention.py for decodes and prefill chunks alike; the Triton
+kernels add the sink to their softmax denominators (interpreter-tested, no GPU run yet).
 
 Scores and softmax run in float32 whatever the KV dtype. With a narrower KV cache (float16 K/V
 beside float32 activations) every attention reads K/V as the cache holds them: a prefill chunk
@@ -148,13 +148,12 @@ def paged_attention(
 ) -> torch.Tensor:
     """q [T, H, D], k/v [T, Hkv, D] for this step's tokens -> attention output [T, H, D].
 
-    `window`: a sliding-window layer's W (None: full attention). `sinks` [H]: attention sinks
-    (the torch path on every device). On CUDA with triton installed the Triton kernels run;
-    everywhere else the torch reference.
+    `window`: a sliding-window layer's W (None: full attention). `sinks` [H]: attention sinks.
+    On CUDA with triton installed the Triton kernels run; everywhere else the torch reference.
     """
     write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
-    if q.is_cuda and triton_available(q.device) and sinks is None:
-        return _paged_attention_triton(q, k_cache, v_cache, meta, scale, window)
+    if q.is_cuda and triton_available(q.device):
+        return _paged_attention_triton(q, k_cache, v_cache, meta, scale, window, sinks)
     decode_mask, chunk_masks = meta.decode_mask, [c.mask for c in meta.prefills]
     if window is not None:
         if window not in meta.windowed:
@@ -292,6 +291,7 @@ def _paged_attention_triton(
     meta: AttentionMetadata,
     scale: float,
     window: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The Triton path of paged_attention, K/V already written; fills meta.triton on first use."""
     from splitserve.platform.kernels.triton_attention import paged_decode_attention, paged_prefill_attention
@@ -313,6 +313,7 @@ def _paged_attention_triton(
                 scale,
                 out=out[:nd],
                 window=window,
+                sinks=sinks,
             )
         else:
             split_decode_attention(
@@ -324,6 +325,7 @@ def _paged_attention_triton(
                 scale,
                 meta.decode_num_splits,
                 out=out[:nd],
+                sinks=sinks,
             )
     if meta.prefills:
         paged_prefill_attention(
@@ -337,6 +339,7 @@ def _paged_attention_triton(
             max_q_len=tm.max_q_len,
             out=out[nd:],
             window=window or 0,
+            sinks=sinks,
         )
     return out
 

@@ -99,6 +99,14 @@ def test_disaggregated_greedy_and_seeded_sampling_equal_colocated(family):
         assert e.pool.num_free_blocks == e.pool.num_blocks
 
 
+@pytest.mark.parametrize("preset", ["tiny-glm4-moe", "tiny-gpt-oss", "tiny-deepseek-v3"])
+def test_random_presets_generate(preset):
+    """`random:<preset>` (weights/presets.py) builds each family from its config alone."""
+    engine = LLMEngine(EngineConfig(model=f"random:{preset}", cache=CacheConfig(num_blocks=160)))
+    [out] = engine.generate([PROMPTS[5]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    assert len(out.output_token_ids) == 4 and engine.model_config.architecture == preset[5:].replace("-", "_")
+
+
 def mxfp4_quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """[experts, in, out] floats -> MXFP4 as gpt-oss releases store it: blocks [experts, out,
     in / 32, 16] (two E2M1 codes a byte, low nibble first) and scales [experts, out, in / 32]
