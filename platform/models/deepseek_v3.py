@@ -12,8 +12,8 @@ from __future__ import annotations
 import re
 
 from splitserve.platform.config import ModelConfig
-from splitserve.platform.models.glm4_moe import SigmoidMoeDecoderLayer, SigmoidMoeForCausalLM
 from splitserve.platform.models.mla import MlaAttention
+from splitserve.platform.models.sigmoid_moe import SigmoidMoeDecoderLayer, SigmoidMoeForCausalLM
 
 _Q_PROJ = re.compile(r"(model\.layers\.\d+\.self_attn)\.q_proj\.weight$")
 

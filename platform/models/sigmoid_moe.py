@@ -12,6 +12,8 @@ of moe_intermediate_size * n_shared_experts).
 
 Checkpoints name the router `mlp.gate.weight` and `mlp.gate.e_score_correction_bias`, the
 shared experts `mlp.shared_experts.{gate,up,down}_proj.weight` (`load_shared` takes those).
+SigmoidMoeForCausalLM is what both families' models share: the block with these experts from
+layer first_k_dense_replace on, the shared experts' loading, a rotary table of the family's width.
 """
 
 from __future__ import annotations
@@ -22,8 +24,10 @@ import torch
 from torch import nn
 
 from splitserve.platform.config import ModelConfig
-from splitserve.platform.models.llama import LlamaMLP
+from splitserve.platform.models.block import FamilyDecoderLayer
+from splitserve.platform.models.llama import LlamaForCausalLM, LlamaMLP
 from splitserve.platform.models.moe import SparseMoeBlock
+from splitserve.platform.models.yarn import rotary_for
 
 SHARED_NAME = re.compile(r"model\.layers\.(\d+)\.mlp\.shared_experts\.(gate_proj|up_proj|down_proj)\.weight$")
 
@@ -78,3 +82,33 @@ class SigmoidMoeBlock(SparseMoeBlock):
         shard = proj.removesuffix("_proj")
         self.shared_experts.gate_up_proj.load_weight(shard, "weight", tensor)
         return f"shared_experts.gate_up_proj.weight#{shard}"
+
+
+class SigmoidMoeDecoderLayer(FamilyDecoderLayer):
+    """The shared block with a SigmoidMoeBlock on the sparse layers, a dense MLP before them."""
+
+    def mlp_for(self, config: ModelConfig, quantization: str, layer: int) -> nn.Module:
+        if config.is_moe_layer(layer):
+            return SigmoidMoeBlock(config, quantization)
+        return super().mlp_for(config, quantization, layer)
+
+
+class SigmoidMoeForCausalLM(LlamaForCausalLM):
+    """The loading both sigmoid-routed families share: shared-expert tensors, rotary table."""
+
+    DECODER_LAYER = SigmoidMoeDecoderLayer
+
+    def __init__(self, config: ModelConfig, quantization: str = "none"):
+        super().__init__(config, quantization)
+        self.rotary = rotary_for(config, self.rotary_width(config))
+
+    @staticmethod
+    def rotary_width(config: ModelConfig) -> int:
+        return config.rotary_dim
+
+    def _load_one(self, name, tensor, params):
+        m = SHARED_NAME.match(name)
+        if m is None:
+            return super()._load_one(name, tensor, params)
+        layer, proj = m.groups()
+        return [f"layers.{layer}.mlp." + self.layers[int(layer)].mlp.load_shared(proj, tensor)]
