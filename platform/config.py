@@ -11,27 +11,51 @@ from dataclasses import dataclass, field
 from splitserve.platform.errors import ConfigError
 from splitserve.platform.quant import QUANTIZATION_MODES
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral", "phi3", "qwen3_moe", "gemma3", "mixtral")
+SUPPORTED_ARCHITECTURES = (
+    "llama",
+    "qwen2",
+    "qwen3",
+    "mistral",
+    "phi3",
+    "qwen3_moe",
+    "gemma3",
+    "mixtral",
+    "glm4_moe",
+    "gpt_oss",
+    "deepseek_v3",
+)
 HIDDEN_ACTS = ("silu", "gelu_tanh")
 LAYER_TYPES = ("full_attention", "sliding_attention")
 SUPPORTED_DTYPES = ("float32", "bfloat16", "float16")
 KV_CACHE_DTYPES = ("auto", *SUPPORTED_DTYPES)
 
 
+ROPE_TYPES = ("llama3", "linear", "yarn")
+
+
 @dataclass(frozen=True)
 class RopeScaling:
-    """Llama-3 style frequency scaling (`rope_type == "llama3"`); `linear` divides positions."""
+    """Llama-3 style frequency scaling (`rope_type == "llama3"`); `linear` divides positions;
+    `yarn` (gpt-oss, DeepSeek-V3) blends interpolated and original frequencies between the
+    `beta_fast` and `beta_slow` rotations and scales cos/sin by its attention factor
+    (models/yarn.py); `mscale_all_dim` also scales DeepSeek's attention."""
 
     rope_type: str = "llama3"
     factor: float = 8.0
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float = 0.0
+    mscale_all_dim: float = 0.0
+    attention_factor: float | None = None
+    truncate: bool = True
 
     def __post_init__(self) -> None:
-        if self.rope_type not in ("llama3", "linear"):
+        if self.rope_type not in ROPE_TYPES:
             raise ConfigError(
-                f"rope_scaling.rope_type={self.rope_type!r} is not supported; allowed: 'llama3', 'linear'"
+                f"rope_scaling.rope_type={self.rope_type!r} is not supported; allowed: {', '.join(ROPE_TYPES)}"
             )
         if self.factor <= 0:
             raise ConfigError(f"rope_scaling.factor must be > 0, got {self.factor}")
@@ -79,6 +103,28 @@ class ModelConfig:
     hidden_act: str = "silu"  # the MLP's gate activation: SwiGLU or GeGLU (gelu_tanh)
     query_pre_attn_scalar: float | None = None  # attention scale = this ** -0.5 (None: head_dim)
     rope_local_theta: float | None = None  # rope base of sliding-window layers (None: rope_theta)
+    # The 2026 families (models/glm4_moe.py, gpt_oss.py, deepseek_v3.py). Rotary over the first
+    # partial_rotary_factor of each head (GLM-4.5: 0.5). Sigmoid-routed experts (GLM-4.5,
+    # DeepSeek-V3): n_shared_experts always-on experts beside the routed ones, experts chosen
+    # within the topk_group best of n_group groups, weights times routed_scaling_factor; the
+    # first first_k_dense_replace layers are dense.
+    partial_rotary_factor: float = 1.0
+    n_shared_experts: int = 0
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    first_k_dense_replace: int = 0
+    swiglu_limit: float = 7.0  # gpt-oss's clamp of the expert SwiGLU (its alpha is swiglu_alpha)
+    swiglu_alpha: float = 1.702
+    # Multi-head latent attention (DeepSeek-V3): kv_lora_rank > 0. Then num_kv_heads (1) and
+    # head_dim describe the KV cache, not the attention: one latent head of kv_lora_rank +
+    # qk_rope_head_dim per token, its halves in the K and V planes (models/mla.py).
+    kv_lora_rank: int = 0
+    q_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    rope_interleave: bool = False  # DeepSeek: rotary over interleaved pairs (x0, x1), (x2, x3), ...
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -100,6 +146,7 @@ class ModelConfig:
         if self.num_heads % self.num_kv_heads:
             raise ConfigError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
         self._check_windows()
+        self._check_routing_and_latent()
         if self.hidden_act not in HIDDEN_ACTS:
             raise ConfigError(f"hidden_act {self.hidden_act!r} is not supported; allowed: {', '.join(HIDDEN_ACTS)}")
         if self.num_experts and not 0 < self.num_experts_per_tok <= self.num_experts:
@@ -118,6 +165,25 @@ class ModelConfig:
         if "sliding_attention" in self.layer_types and not (self.sliding_window and self.sliding_window > 0):
             raise ConfigError(f"sliding_attention layers need sliding_window > 0, got {self.sliding_window}")
 
+    def _check_routing_and_latent(self) -> None:
+        if not 0 < self.partial_rotary_factor <= 1 or self.rotary_dim % 2:
+            raise ConfigError(
+                f"partial_rotary_factor={self.partial_rotary_factor} must be in (0, 1] and turn an even number "
+                f"of the {self.head_dim} head dimensions"
+            )
+        if self.num_experts and (self.n_group < 1 or self.num_experts % self.n_group):
+            raise ConfigError(f"n_group={self.n_group} must divide num_experts={self.num_experts}")
+        if not 1 <= self.topk_group <= self.n_group:
+            raise ConfigError(f"topk_group={self.topk_group} must be in [1, n_group={self.n_group}]")
+        if self.kv_lora_rank and (
+            self.num_kv_heads != 1 or 2 * self.head_dim != self.kv_lora_rank + self.qk_rope_head_dim
+        ):
+            raise ConfigError(
+                "a latent-attention model caches one head of kv_lora_rank + qk_rope_head_dim = "
+                f"{self.kv_lora_rank + self.qk_rope_head_dim} values in two halves; got num_kv_heads="
+                f"{self.num_kv_heads}, head_dim={self.head_dim} (the sum must be even)"
+            )
+
     def layer_window(self, layer: int) -> int | None:
         """The sliding window of decoder layer `layer` in tokens, or None for full attention."""
         if self.layer_types and self.layer_types[layer] == "sliding_attention":
@@ -127,8 +193,16 @@ class ModelConfig:
     def is_moe_layer(self, layer: int) -> bool:
         """True when decoder layer `layer` has a sparse mixture-of-experts MLP."""
         return (
-            self.num_experts > 0 and layer not in self.mlp_only_layers and (layer + 1) % self.decoder_sparse_step == 0
+            self.num_experts > 0
+            and layer not in self.mlp_only_layers
+            and (layer + 1) % self.decoder_sparse_step == 0
+            and layer >= self.first_k_dense_replace
         )
+
+    @property
+    def rotary_dim(self) -> int:
+        """How many leading dimensions of each head rotary turns (the rest pass through)."""
+        return int(self.head_dim * self.partial_rotary_factor)
 
     def replace(self, **changes) -> ModelConfig:
         return dataclasses.replace(self, **changes)

@@ -1,4 +1,5 @@
-"""The reference implementation the fidelity tests compare against: transformers reading a GGUF."""
+"""The reference implementation the fidelity tests compare against: transformers reading a GGUF,
+and transformers' own greedy decoding (`hf_greedy`)."""
 
 import contextlib
 import os
@@ -37,3 +38,17 @@ def _one_parse_per_file():
         yield
     finally:
         gguf.GGUFReader = parse
+
+
+def hf_greedy(model, token_ids: list[int], max_new: int) -> list[int]:
+    """Greedy decoding with transformers' own KV cache, EOS not special (like ignore_eos)."""
+    import torch
+
+    out, past, cur = [], None, torch.tensor([token_ids])
+    with torch.inference_mode():
+        for _ in range(max_new):
+            step = model(input_ids=cur, past_key_values=past, use_cache=True)
+            past = step.past_key_values
+            out.append(int(step.logits[0, -1].argmax()))
+            cur = torch.tensor([[out[-1]]])
+    return out

@@ -46,6 +46,7 @@ from splitserve.platform.lora.adapter import LoraAdapter
 from splitserve.platform.lora.batch import attach as attach_lora
 from splitserve.platform.lora.registry import LoraRegistry
 from splitserve.platform.model_source import resolve_model
+from splitserve.platform.models.features import family_quantization, lora_refusal
 from splitserve.platform.quant import resolve_quantization
 from splitserve.platform.sampling.params import SamplingParams
 from splitserve.platform.sampling.sampler import skip_draw
@@ -70,11 +71,13 @@ class LLMEngine:
             torch.set_num_threads(config.device.num_threads)
         self.device = torch.device(config.device.device)
         self.dtype = DTYPES[config.device.dtype]
-        self.quantization = resolve_quantization(config.device.quantization, config.device.device)
-        self.kv_cache_dtype = resolve_kv_cache_dtype(config.device, self.quantization)
-        self.kv_dtype = DTYPES[self.kv_cache_dtype]
         source = resolve_model(config.model)
         self.model_config: ModelConfig = load_model_config(source)
+        self.quantization = family_quantization(
+            self.model_config, config, resolve_quantization(config.device.quantization, config.device.device)
+        )
+        self.kv_cache_dtype = resolve_kv_cache_dtype(config.device, self.quantization)
+        self.kv_dtype = DTYPES[self.kv_cache_dtype]
         self.tokenizer = load_tokenizer(config.model)
         self.eos_token_ids = frozenset(
             self.tokenizer.eos_token_ids if self.tokenizer is not None else self.model_config.eos_token_ids
@@ -106,6 +109,7 @@ class LLMEngine:
         self.kv_tier = attach_tier(config.kv_tier, self.pool, self.kv, kv_caches, self.model_config.model_id)
         lora_context, layout = attach_lora(self.model)
         self.loras = LoraRegistry(config.lora, layout, self.dtype)
+        self.loras.refusal = lora_refusal(self.model_config)
         self.loras.load_modules()
         self.runner = ModelRunner(self.model, kv_caches, block_size, self.device, lora_context)
         if uses_decode_graphs(eager, self.device):

@@ -41,6 +41,10 @@ sees keys p - WINDOW < j <= p. Each program starts its key loop at the tile hold
 visible key and masks the rest, so a windowed layer reads O(WINDOW) keys per query, not the
 whole context.
 
+Attention sinks (gpt-oss; HAS_SINKS, `sinks` [heads] logits): a sink joins the softmax's
+denominator only, so after the key loop l += 2^(sink * log2 e - m) per row, once; the online
+loop itself is unchanged. The split-context decode kernel adds it once in its reduce.
+
 Callers guarantee: block-table entries for positions below the context length are valid block
 ids (entries past it are never read), q/k_cache/v_cache have a contiguous last dimension.
 """
@@ -144,6 +148,7 @@ def _decode_kernel(
     out_ptr,
     table_ptr,
     ctx_ptr,
+    sinks_ptr,
     scale_log2,
     WINDOW,
     stride_qb,
@@ -165,6 +170,7 @@ def _decode_kernel(
     BLOCK_N: tl.constexpr,
     PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,
+    HAS_SINKS: tl.constexpr = False,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -200,6 +206,8 @@ def _decode_kernel(
         PRECISION,
         UPCAST,
     )
+    if HAS_SINKS:
+        l += tl.exp2(tl.load(sinks_ptr + heads, mask=rows < GROUP, other=0.0).to(tl.float32) * 1.4426950408889634 - m)
     acc = acc / tl.where(l > 0, l, 1.0)[:, None]
     tl.store(
         out_ptr + seq * stride_ob + heads[:, None] * stride_oh + dims[None, :],
@@ -217,6 +225,7 @@ def _prefill_kernel(
     cu_ptr,
     start_ptr,
     table_ptr,
+    sinks_ptr,
     scale_log2,
     WINDOW,
     stride_qt,
@@ -238,6 +247,7 @@ def _prefill_kernel(
     BLOCK_N: tl.constexpr,
     PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,
+    HAS_SINKS: tl.constexpr = False,
 ):
     chunk = tl.program_id(0)
     tile = tl.program_id(1)
@@ -285,6 +295,8 @@ def _prefill_kernel(
             PRECISION,
             UPCAST,
         )
+    if HAS_SINKS:
+        l += tl.exp2(tl.load(sinks_ptr + head).to(tl.float32) * 1.4426950408889634 - m)
     acc = acc / tl.where(l > 0, l, 1.0)[:, None]
     tl.store(
         out_ptr + (q_begin + rows)[:, None] * stride_ot + head * stride_oh + dims[None, :],
@@ -304,12 +316,13 @@ def paged_decode_attention(
     out: torch.Tensor | None = None,
     block_n: int = 64,
     window: int = 0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q [B, H, D], caches [num_blocks, block_size, Hkv, D], block_table [B, max_blocks] int,
     context_lens [B] int -> [B, H, D] in q's dtype (written into `out` when given).
 
     Sequence b attends to its cache positions 0 .. context_lens[b] - 1, or only the last
-    `window` of them when window > 0.
+    `window` of them when window > 0. `sinks` [H]: attention sinks (module docstring).
     """
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
@@ -325,6 +338,7 @@ def paged_decode_attention(
         out,
         block_table,
         context_lens,
+        q if sinks is None else sinks,  # an unread pointer without sinks
         scale * LOG2E,
         window,
         q.stride(0),
@@ -341,6 +355,7 @@ def paged_decode_attention(
         BLOCK_SIZE=k_cache.shape[1],
         BLOCK_N=max(block_n, MIN_DOT),
         **_precision(q),
+        HAS_SINKS=sinks is not None,
     )
     return out
 
@@ -359,12 +374,13 @@ def paged_prefill_attention(
     block_m: int = 64,
     block_n: int = 64,
     window: int = 0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q [T, H, D] (S chunks back to back), cu_q_lens [S + 1] int, start_pos [S] int,
     block_tables [S, max_blocks] int -> [T, H, D] in q's dtype (written into `out` when given).
 
     Query i of chunk s attends causally to cache positions 0 .. start_pos[s] + i (only the
-    last `window` of them when window > 0). `max_q_len`
+    last `window` of them when window > 0; `sinks` [H]: attention sinks). `max_q_len`
     (the longest chunk) sizes the grid; pass it to avoid a device-to-host sync.
     """
     num_heads, head_dim = q.shape[1:]
@@ -385,6 +401,7 @@ def paged_prefill_attention(
         cu_q_lens,
         start_pos,
         block_tables,
+        q if sinks is None else sinks,
         scale * LOG2E,
         window,
         q.stride(0),
@@ -401,6 +418,7 @@ def paged_prefill_attention(
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         **_precision(q),
+        HAS_SINKS=sinks is not None,
     )
     return out
 

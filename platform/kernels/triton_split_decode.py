@@ -13,7 +13,8 @@ into NUM_SPLITS pieces and each piece is one program, (sequence, kv head, split)
    A split with no keys (short contexts leave the last splits empty) stores lse = -inf, o = 0.
 2. Reduce, one program per (sequence, query head): M = max_s lse_s, w_s = 2^(lse_s - M),
    out = sum_s w_s o_s / sum_s w_s, cast to q's dtype. A row whose splits are all empty (a
-   padded graph row with no context) comes out as zeros, never NaN.
+   padded graph row with no context) comes out as zeros, never NaN. With attention sinks
+   (HAS_SINKS) the denominator also gets the head's sink once: + 2^(sink * log2 e - M).
 
 The split count is a constexpr chosen once per batch shape by `choose_num_splits` (in
 kernels/dispatch.py, which imports no triton, so the runner can use it anywhere), a pure
@@ -128,6 +129,7 @@ def _reduce_kernel(
     po_ptr,
     plse_ptr,
     out_ptr,
+    sinks_ptr,
     stride_ob,
     stride_oh,
     NUM_HEADS: tl.constexpr,
@@ -135,6 +137,7 @@ def _reduce_kernel(
     S_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     D_PAD: tl.constexpr,
+    HAS_SINKS: tl.constexpr = False,
 ):
     seq = tl.program_id(0)
     head = tl.program_id(1)
@@ -152,6 +155,8 @@ def _reduce_kernel(
         other=0.0,
     )
     total = tl.sum(weights, 0)
+    if HAS_SINKS:
+        total += tl.exp2(tl.load(sinks_ptr + head).to(tl.float32) * 1.4426950408889634 - top)
     out = tl.sum(weights[:, None] * o, 0) / tl.where(total > 0, total, 1.0)
     tl.store(
         out_ptr + seq * stride_ob + head * stride_oh + dims, out.to(out_ptr.dtype.element_ty), mask=dims < HEAD_DIM
@@ -169,17 +174,21 @@ def split_decode_attention(
     *,
     out: torch.Tensor | None = None,
     block_n: int = 64,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """paged_decode_attention with each context cut into `num_splits` pieces (see the module doc).
 
     q [B, H, D], caches [num_blocks, block_size, Hkv, D], block_table [B, max_blocks] int,
     context_lens [B] int -> [B, H, D] in q's dtype. num_splits 1 runs the single-pass kernel.
+    `sinks` [H]: attention sinks (module docstring).
     Launches no host synchronisation, so it can be captured in a CUDA graph.
     """
     if num_splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
     if num_splits == 1:
-        return paged_decode_attention(q, k_cache, v_cache, block_table, context_lens, scale, out=out, block_n=block_n)
+        return paged_decode_attention(
+            q, k_cache, v_cache, block_table, context_lens, scale, out=out, block_n=block_n, sinks=sinks
+        )
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     _check(q, k_cache, v_cache, num_heads, num_kv_heads)
@@ -217,6 +226,7 @@ def split_decode_attention(
         part_out,
         part_lse,
         out,
+        q if sinks is None else sinks,  # an unread pointer without sinks
         out.stride(0),
         out.stride(1),
         NUM_HEADS=num_heads,
@@ -224,5 +234,6 @@ def split_decode_attention(
         S_PAD=max(2, triton.next_power_of_2(num_splits)),
         HEAD_DIM=head_dim,
         D_PAD=triton.next_power_of_2(head_dim),
+        HAS_SINKS=sinks is not None,
     )
     return out

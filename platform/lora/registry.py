@@ -42,6 +42,7 @@ class LoraRegistry:
         self._loaded: OrderedDict[str, LoraAdapter] = OrderedDict()
         self.num_loads = 0
         self.num_hinted_evictions = 0  # evictions that followed the router's evict_first hint
+        self.refusal: str | None = None  # why this model takes no adapter (models/features.py), if it does not
 
     def load_modules(self) -> None:
         """Load the adapters of --lora-modules; a bad one stops the start (ConfigError)."""
@@ -54,6 +55,8 @@ class LoraRegistry:
     def add(self, name: str, path: str) -> LoraAdapter:
         """Register `name` -> `path` and load it now (so a bad folder is reported to whoever
         adds it). Re-adding a known name replaces it (new requests get the new weights)."""
+        if self.refusal is not None:
+            raise AdapterError(self.refusal)
         try:
             check_lora_name(name)
         except ConfigError as e:

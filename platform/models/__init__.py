@@ -2,7 +2,10 @@
 Llama block (llama.py), layers (layers.py), attention (attention.py) and experts (moe.py)."""
 
 from splitserve.platform.config import ModelConfig
+from splitserve.platform.models.deepseek_v3 import DeepseekV3ForCausalLM
 from splitserve.platform.models.gemma3 import Gemma3ForCausalLM
+from splitserve.platform.models.glm4_moe import Glm4MoeForCausalLM
+from splitserve.platform.models.gpt_oss import GptOssForCausalLM
 from splitserve.platform.models.llama import LlamaForCausalLM
 from splitserve.platform.models.mistral import MistralForCausalLM
 from splitserve.platform.models.mixtral import MixtralForCausalLM
@@ -20,6 +23,9 @@ MODEL_CLASSES = {
     "qwen3_moe": Qwen3MoeForCausalLM,
     "gemma3": Gemma3ForCausalLM,
     "mixtral": MixtralForCausalLM,
+    "glm4_moe": Glm4MoeForCausalLM,
+    "gpt_oss": GptOssForCausalLM,
+    "deepseek_v3": DeepseekV3ForCausalLM,
 }
 
 

@@ -17,6 +17,10 @@ decode mask and each chunk's mask get that lower bound too (built once per step 
 kept in the metadata for the step's other layers); the Triton kernels take W directly. The
 cache still holds every position: blocks no window can see are not freed (docs/models.md).
 
+Attention sinks (gpt-oss, `sinks`: a logit per query head in the softmax's denominator): the
+torch path runs models/sink_attention.py for decodes and prefill chunks alike; the Triton
+kernels add the sink to their softmax denominators (interpreter-tested, no GPU run yet).
+
 Scores and softmax run in float32 whatever the KV dtype. With a narrower KV cache (float16 K/V
 beside float32 activations) every attention reads K/V as the cache holds them: a prefill chunk
 rounds its own fresh K/V the same way, so a prompt gives the same numbers whether it is computed
@@ -31,6 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from splitserve.platform.kernels.dispatch import triton_available
+from splitserve.platform.models.sink_attention import causal_mask, sink_attention
 
 
 @dataclass
@@ -139,15 +144,16 @@ def paged_attention(
     meta: AttentionMetadata,
     scale: float,
     window: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q [T, H, D], k/v [T, Hkv, D] for this step's tokens -> attention output [T, H, D].
 
-    `window`: a sliding-window layer's W (None: full attention). On CUDA with triton installed
-    the Triton kernels run; everywhere else the torch reference.
+    `window`: a sliding-window layer's W (None: full attention). `sinks` [H]: attention sinks.
+    On CUDA with triton installed the Triton kernels run; everywhere else the torch reference.
     """
     write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
     if q.is_cuda and triton_available(q.device):
-        return _paged_attention_triton(q, k_cache, v_cache, meta, scale, window)
+        return _paged_attention_triton(q, k_cache, v_cache, meta, scale, window, sinks)
     decode_mask, chunk_masks = meta.decode_mask, [c.mask for c in meta.prefills]
     if window is not None:
         if window not in meta.windowed:
@@ -158,9 +164,19 @@ def paged_attention(
     if nd:
         keys = gather_kv(k_cache, meta.decode_block_table)
         values = gather_kv(v_cache, meta.decode_block_table)
-        out[:nd] = decode_attention(q[:nd], keys, values, scale, decode_mask)
-    _prefill_chunks(q, k, v, k_cache, v_cache, meta, scale, out, chunk_masks)
+        if sinks is None:
+            out[:nd] = decode_attention(q[:nd], keys, values, scale, decode_mask)
+        else:
+            out[:nd] = sink_attention(q[:nd, None], keys, values, scale, decode_mask[:, None], sinks)[:, 0]
+    _prefill_chunks(q, k, v, k_cache, v_cache, meta, scale, out, chunk_masks, sinks)
     return out
+
+
+def _sink_prefill(q, k, v, scale, mask, sinks):
+    """prefill_attention with attention sinks."""
+    if mask is None:
+        mask = causal_mask(q.shape[0], k.shape[0], q.device)
+    return sink_attention(q[None], k[None], v[None], scale, mask[None], sinks)[0]
 
 
 def window_masks(meta: AttentionMetadata, window: int) -> tuple[torch.Tensor | None, list[torch.Tensor | None]]:
@@ -201,19 +217,24 @@ def _prefill_chunks(
     scale: float,
     out: torch.Tensor,
     masks: list[torch.Tensor | None],
+    sinks: torch.Tensor | None = None,
 ) -> None:
     """Each prefill chunk attends to its cached prefix plus itself (or, without a prefix, to its
     own fresh K/V, rounded as the cache holds them); results go into their rows of `out`.
-    `masks`: each chunk's mask (None: plain causal)."""
+    `masks`: each chunk's mask (None: plain causal); `sinks`: attention sinks, if any."""
+
+    def attend(q, k, v, scale, mask):
+        return prefill_attention(q, k, v, scale, mask) if sinks is None else _sink_prefill(q, k, v, scale, mask, sinks)
+
     for chunk, mask in zip(meta.prefills, masks, strict=True):
         sl = slice(chunk.q_start, chunk.q_start + chunk.q_len)
         if chunk.block_table is None:
-            out[sl] = prefill_attention(q[sl], as_cached(k[sl], k_cache), as_cached(v[sl], v_cache), scale, mask)
+            out[sl] = attend(q[sl], as_cached(k[sl], k_cache), as_cached(v[sl], v_cache), scale, mask)
             continue
         ctx = chunk.start_pos + chunk.q_len
         keys = gather_kv(k_cache, chunk.block_table)[:ctx].to(q.dtype)
         values = gather_kv(v_cache, chunk.block_table)[:ctx].to(q.dtype)
-        out[sl] = prefill_attention(q[sl], keys, values, scale, mask)
+        out[sl] = attend(q[sl], keys, values, scale, mask)
 
 
 def paged_attention_fused(
@@ -270,6 +291,7 @@ def _paged_attention_triton(
     meta: AttentionMetadata,
     scale: float,
     window: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The Triton path of paged_attention, K/V already written; fills meta.triton on first use."""
     from splitserve.platform.kernels.triton_attention import paged_decode_attention, paged_prefill_attention
@@ -291,6 +313,7 @@ def _paged_attention_triton(
                 scale,
                 out=out[:nd],
                 window=window,
+                sinks=sinks,
             )
         else:
             split_decode_attention(
@@ -302,6 +325,7 @@ def _paged_attention_triton(
                 scale,
                 meta.decode_num_splits,
                 out=out[:nd],
+                sinks=sinks,
             )
     if meta.prefills:
         paged_prefill_attention(
@@ -315,6 +339,7 @@ def _paged_attention_triton(
             max_q_len=tm.max_q_len,
             out=out[nd:],
             window=window or 0,
+            sinks=sinks,
         )
     return out
 

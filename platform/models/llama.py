@@ -67,7 +67,8 @@ class LlamaAttention(nn.Module):
         qk = apply_rotary(qk, cos, sin)
         q, k = qk.split((self.num_heads, self.num_kv_heads), dim=1)
         v = qkv[:, self.num_heads + self.num_kv_heads :]
-        out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, self.window)
+        sinks = getattr(self, "sinks", None)  # a logit per head in the softmax (gpt-oss's parameter)
+        out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, self.window, sinks)
         return self.o_proj(out.reshape(n, -1))
 
     def forward_fused(self, x, positions, rotary, kv_cache, meta: AttentionMetadata, ops: CpuOps):

@@ -21,6 +21,7 @@ from splitserve.platform.errors import ConfigError
 from splitserve.platform.model_source import ModelSource
 from splitserve.platform.weights.gguf import iter_gguf_weights, load_gguf_config
 from splitserve.platform.weights.hf import iter_hf_weights, load_hf_config
+from splitserve.platform.weights.mxfp4 import join_mxfp4
 from splitserve.platform.weights.names import check_weights, expected_weight_shapes
 from splitserve.platform.weights.presets import PRESETS, preset_config
 from splitserve.platform.weights.random_weights import iter_random_weights
@@ -57,7 +58,7 @@ def iter_weights(
     if source.kind == "gguf":
         tensors = iter_gguf_weights(source.path, config, dtype, device, keep_quantized)
     elif source.kind == "hf":
-        tensors = iter_hf_weights(source.path, config, dtype, device)
+        tensors = join_mxfp4(iter_hf_weights(source.path, config, dtype, device), dtype)
     elif source.kind == "random":
         tensors = iter_random_weights(config, dtype, device, seed)
     else:

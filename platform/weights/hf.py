@@ -1,4 +1,7 @@
-"""Llama, Mistral, Mixtral, Qwen2, Qwen3, Qwen3-MoE, Phi-3 and Gemma 3 (text) models from a Hugging Face folder.
+"""Llama, Mistral, Mixtral, Qwen2, Qwen3, Qwen3-MoE, Phi-3 and Gemma 3 (text) models from a Hugging Face folder;
+GLM-4.5, gpt-oss and DeepSeek-V3 / Kimi K2 through weights/hf_families.py (their fields, what is
+refused, multi-token-prediction layers skipped). RoPE also `yarn` (models/yarn.py). Packed uint8
+tensors (gpt-oss's MXFP4 `*_blocks` / `*_scales`) pass through unconverted for weights/mxfp4.py.
 
 Config: config.json, as written by transformers 4.x (`rope_theta` + `rope_scaling`) or 5.x
 (`rope_parameters`). `eos_token_id` from config.json and generation_config.json together
@@ -34,6 +37,12 @@ from safetensors import safe_open
 
 from splitserve.platform.config import ModelConfig, RopeScaling
 from splitserve.platform.errors import ConfigError, UnsupportedModelError
+from splitserve.platform.weights.hf_families import (
+    FAMILY_MODEL_TYPES,
+    check_family_options,
+    family_options,
+    is_extra_layer,
+)
 
 # model_type -> architecture (ModelConfig.architecture, a family of platform/models)
 SUPPORTED_MODEL_TYPES = {
@@ -45,6 +54,7 @@ SUPPORTED_MODEL_TYPES = {
     "phi3": "phi3",
     "gemma3_text": "gemma3",
     "mixtral": "mixtral",
+    **FAMILY_MODEL_TYPES,
 }
 INDEX_FILE = "model.safetensors.index.json"
 
@@ -57,10 +67,14 @@ def load_hf_config(folder: str, model_id: str) -> ModelConfig:
         raise UnsupportedModelError(
             f"{folder}: model_type {model_type!r} is not supported; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
         )
-    _check_supported_options(folder, raw)
+    is_2026_family = model_type in FAMILY_MODEL_TYPES
+    if is_2026_family:
+        check_family_options(folder, raw)
+    else:
+        _check_supported_options(folder, raw)
     num_heads = raw["num_attention_heads"]
     rope_theta, rope_scaling = _rope(folder, raw)
-    return ModelConfig(
+    fields = dict(
         model_id=model_id,
         architecture=SUPPORTED_MODEL_TYPES[model_type],
         vocab_size=raw["vocab_size"],
@@ -80,6 +94,9 @@ def load_hf_config(folder: str, model_id: str) -> ModelConfig:
         **_windows(raw),
         **_family_options(raw),
     )
+    if is_2026_family:
+        fields.update(family_options(raw))
+    return ModelConfig(**fields)
 
 
 def iter_hf_weights(
@@ -91,7 +108,13 @@ def iter_hf_weights(
             for name in names:
                 if name.endswith("rotary_emb.inv_freq") or (name == "lm_head.weight" and config.tie_word_embeddings):
                     continue
-                yield name, file.get_tensor(name).to(device=device, dtype=dtype)
+                if is_extra_layer(name, config.num_layers):
+                    continue  # a multi-token-prediction layer (hf_families)
+                tensor = file.get_tensor(name)
+                if tensor.dtype == torch.uint8:  # packed codes (MXFP4 blocks and scales): weights/mxfp4.py
+                    yield name, tensor.to(device=device)
+                    continue
+                yield name, tensor.to(device=device, dtype=dtype)
 
 
 def safetensors_files(folder: str) -> dict[str, list[str]]:
@@ -160,6 +183,8 @@ def _rope(folder: str, raw: dict[str, Any]) -> tuple[float, RopeScaling | None]:
         return rope_theta, None
     if rope_type == "linear":
         return rope_theta, RopeScaling(rope_type="linear", factor=float(params["factor"]))
+    if rope_type == "yarn":
+        return rope_theta, _yarn(params)
     if rope_type == "llama3":
         return rope_theta, RopeScaling(
             rope_type="llama3",
@@ -169,7 +194,22 @@ def _rope(folder: str, raw: dict[str, Any]) -> tuple[float, RopeScaling | None]:
             original_max_position_embeddings=int(params["original_max_position_embeddings"]),
         )
     raise UnsupportedModelError(
-        f"{folder}: RoPE type {rope_type!r} is not supported; supported: default, linear, llama3"
+        f"{folder}: RoPE type {rope_type!r} is not supported; supported: default, linear, llama3, yarn"
+    )
+
+
+def _yarn(params: dict[str, Any]) -> RopeScaling:
+    attention_factor = params.get("attention_factor")
+    return RopeScaling(
+        rope_type="yarn",
+        factor=float(params["factor"]),
+        original_max_position_embeddings=int(params["original_max_position_embeddings"]),
+        beta_fast=float(params.get("beta_fast") or 32.0),
+        beta_slow=float(params.get("beta_slow") or 1.0),
+        mscale=float(params.get("mscale") or 0.0),
+        mscale_all_dim=float(params.get("mscale_all_dim") or 0.0),
+        attention_factor=None if attention_factor is None else float(attention_factor),
+        truncate=bool(params.get("truncate", True)),
     )
 
 

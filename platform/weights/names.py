@@ -19,6 +19,9 @@ from splitserve.platform.errors import ConfigError, UnsupportedModelError
 def layer_weight_shapes(config: ModelConfig, layer: int) -> dict[str, tuple[int, ...]]:
     """Name -> shape of the tensors of decoder layer `layer`, as the family's checkpoints name them."""
     prefix = f"model.layers.{layer}."
+    if config.architecture in _FAMILY_LAYER_SHAPES:
+        shapes = _FAMILY_LAYER_SHAPES[config.architecture](config, layer)
+        return {prefix + name: shape for name, shape in shapes.items()}
     shapes = {
         "input_layernorm.weight": (config.hidden_size,),
         **_attention_shapes(config),
@@ -78,6 +81,75 @@ def _mlp_shapes(config: ModelConfig, layer: int) -> dict[str, tuple[int, ...]]:
         "mlp.up_proj.weight": (inter, hidden),
         "mlp.down_proj.weight": (hidden, inter),
     }
+
+
+def _norms(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    return {"input_layernorm.weight": (config.hidden_size,), "post_attention_layernorm.weight": (config.hidden_size,)}
+
+
+def _sigmoid_moe_shapes(config: ModelConfig, layer: int) -> dict[str, tuple[int, ...]]:
+    """GLM-4.5's and DeepSeek-V3's MLP: dense below first_k_dense_replace, else routed experts
+    (with the router's e_score_correction_bias) plus the shared experts."""
+    shapes = _mlp_shapes(config, layer)
+    if config.is_moe_layer(layer):
+        shared, hidden = config.moe_intermediate_size * config.n_shared_experts, config.hidden_size
+        shapes["mlp.gate.e_score_correction_bias"] = (config.num_experts,)
+        shapes["mlp.shared_experts.gate_proj.weight"] = (shared, hidden)
+        shapes["mlp.shared_experts.up_proj.weight"] = (shared, hidden)
+        shapes["mlp.shared_experts.down_proj.weight"] = (hidden, shared)
+    return shapes
+
+
+def _glm4_moe_shapes(config: ModelConfig, layer: int) -> dict[str, tuple[int, ...]]:
+    return {**_norms(config), **_attention_shapes(config), **_sigmoid_moe_shapes(config, layer)}
+
+
+def _gpt_oss_shapes(config: ModelConfig, layer: int) -> dict[str, tuple[int, ...]]:
+    """gpt-oss: q/k/v/o with biases, a sink logit per head, experts stored stacked as [E, in, out]
+    (gate and up interleaved) with biases; MXFP4 checkpoints arrive here dequantized."""
+    hidden, experts, inter = config.hidden_size, config.num_experts, config.moe_intermediate_size
+    return {
+        **_norms(config),
+        **_attention_shapes(config),
+        "self_attn.o_proj.bias": (hidden,),
+        "self_attn.sinks": (config.num_heads,),
+        "mlp.router.weight": (experts, hidden),
+        "mlp.router.bias": (experts,),
+        "mlp.experts.gate_up_proj": (experts, hidden, 2 * inter),
+        "mlp.experts.gate_up_proj_bias": (experts, 2 * inter),
+        "mlp.experts.down_proj": (experts, inter, hidden),
+        "mlp.experts.down_proj_bias": (experts, hidden),
+    }
+
+
+def _deepseek_v3_shapes(config: ModelConfig, layer: int) -> dict[str, tuple[int, ...]]:
+    """DeepSeek-V3's latent attention (q through a low-rank q_a/q_b pair when q_lora_rank is set)."""
+    hidden, heads = config.hidden_size, config.num_heads
+    qk_head = config.qk_nope_head_dim + config.qk_rope_head_dim
+    if config.q_lora_rank:
+        q = {
+            "self_attn.q_a_proj.weight": (config.q_lora_rank, hidden),
+            "self_attn.q_a_layernorm.weight": (config.q_lora_rank,),
+            "self_attn.q_b_proj.weight": (heads * qk_head, config.q_lora_rank),
+        }
+    else:
+        q = {"self_attn.q_proj.weight": (heads * qk_head, hidden)}
+    return {
+        **_norms(config),
+        **q,
+        "self_attn.kv_a_proj_with_mqa.weight": (config.kv_lora_rank + config.qk_rope_head_dim, hidden),
+        "self_attn.kv_a_layernorm.weight": (config.kv_lora_rank,),
+        "self_attn.kv_b_proj.weight": (heads * (config.qk_nope_head_dim + config.v_head_dim), config.kv_lora_rank),
+        "self_attn.o_proj.weight": (hidden, heads * config.v_head_dim),
+        **_sigmoid_moe_shapes(config, layer),
+    }
+
+
+_FAMILY_LAYER_SHAPES = {
+    "glm4_moe": _glm4_moe_shapes,
+    "gpt_oss": _gpt_oss_shapes,
+    "deepseek_v3": _deepseek_v3_shapes,
+}
 
 
 def expected_weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:

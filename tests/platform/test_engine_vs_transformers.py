@@ -7,6 +7,7 @@ saved as a Hugging Face folder and loaded by both.
 
 import pytest
 import torch
+from gguf_reference import hf_greedy  # noqa: F401 (other test files import it from here)
 
 from splitserve.platform.config import CacheConfig, EngineConfig, SchedulerConfig
 from splitserve.platform.engine.llm_engine import LLMEngine
@@ -44,18 +45,6 @@ def prompt_logits(model, token_ids: list[int], block_size: int = 16) -> torch.Te
     with torch.inference_mode():
         hidden = model(torch.tensor(token_ids), torch.arange(n), caches, meta)
         return model.compute_logits(hidden)
-
-
-def hf_greedy(model, token_ids: list[int], max_new: int) -> list[int]:
-    """Greedy decoding with transformers' own KV cache, EOS not special (like ignore_eos)."""
-    out, past, cur = [], None, torch.tensor([token_ids])
-    with torch.inference_mode():
-        for _ in range(max_new):
-            step = model(input_ids=cur, past_key_values=past, use_cache=True)
-            past = step.past_key_values
-            out.append(int(step.logits[0, -1].argmax()))
-            cur = torch.tensor([[out[-1]]])
-    return out
 
 
 def test_smollm2_logits_match_transformers(smollm2_model, hf_smollm2):
