@@ -3,10 +3,16 @@ release. Every OpenAI endpoint (chat, completions, embeddings, the Responses API
 path and formats what it yields.
 
     Pipeline.open(key, model, prepared, origin)
+        queue      flow control (router/flow/, when enabled and the request has an origin): classify
+                   by key (band, flow), then wait in the gateway's queue by band and flow while the
+                   workers are saturated (503 / 429)
         admit      the admission gates (tenancy/admission.py): key concurrency, quota, server slot
-        queue      flow control (router/flow/, when enabled and the request has an origin): wait in
-                   the gateway's queue by band and flow while the workers are saturated (503 / 429)
+                   (the slot queue ordered by band)
         dispatch   one Dispatcher.generate per job (core/dispatch.py: place, Generate, retry, resume)
+
+Flow control comes first so that a queued request holds nothing: no server slot and no quota
+reservation that a request of a higher band would wait behind. The body priority of every job is
+clamped to the key's range before either (router/flow/classify.py's clamp_priority).
     -> Run: async iteration yields ChoiceChunk(index, chunk) as the choices' workers send them,
        each already added to run.choices[index]
     Run.close()   closes the generations (the workers abort what still runs), settles the flow
@@ -14,7 +20,7 @@ path and formats what it yields.
                   Usage, once, however the request ended
 
 The stages are methods of their own so a stage can be wrapped or inserted without touching the
-others: the flow-control queue sits between `_admit` and `_dispatch`; tracing wraps each of them;
+others: the flow-control queue sits before `_admit`; tracing wraps each of them;
 a process that serves a single local decode worker builds a Pipeline over a Dispatcher whose
 pool holds only that worker.
 
@@ -38,7 +44,7 @@ from splitserve.router.config import ApiKey
 from splitserve.router.core.dispatch import Dispatcher
 from splitserve.router.core.job import Chunk
 from splitserve.router.core.usage import ChoiceState, Usage, count_usage
-from splitserve.router.flow.classify import classify
+from splitserve.router.flow.classify import clamp_priority, classify
 from splitserve.router.flow.controller import FlowController
 from splitserve.router.flow.fairness import FlowItem
 from splitserve.router.tenancy.admission import AdmissionPipeline, Ticket
@@ -82,20 +88,23 @@ class Pipeline:
         with nothing held. The quota holds the prompt plus every choice's max_tokens until the
         request ends; bills_completion=False (embeddings) reserves and bills the prompt only.
         `num_slots`: the server slots it takes (embeddings: one per input, so 2,048 inputs weigh as
-        2,048 requests). With flow control on, a request with an `origin` then waits for its turn:
-        flow control's 400 / 429 / 503, or 499 when its client leaves the queue, release the ticket."""
+        2,048 requests). With flow control on, a request with an `origin` first waits for its turn
+        (flow control's 400 / 429 / 503, or 499 when its client leaves the queue); a refusal of
+        admission after that gives the flow item back."""
         reserve_tokens = prepared.num_prompt_tokens
         if bills_completion:
             reserve_tokens += sum(job.params.max_tokens for job in prepared.jobs)
-        ticket = await self._admit(key, model, reserve_tokens, num_slots)
+        clamp_priorities(prepared, key)
         item = None
         if self.flow is not None and origin is not None:
-            try:
-                item = await self._queue(key, model, prepared, reserve_tokens, origin)
-            except BaseException:
-                await self.admission.release(ticket, None)
-                raise
+            item = await self._queue(key, model, prepared, reserve_tokens, origin)
             prepared.jobs[:] = [dataclasses.replace(job, band=item.band) for job in prepared.jobs]
+        try:
+            ticket = await self._admit(key, model, reserve_tokens, num_slots, item.band if item else 0)
+        except BaseException:
+            if item is not None:
+                self.flow.release(item, 0)
+            raise
         return Run(
             prepared,
             ticket,
@@ -106,9 +115,9 @@ class Pipeline:
             flow_item=item,
         )
 
-    async def _admit(self, key: ApiKey, model: str, reserve_tokens: int, num_slots: int) -> Ticket:
+    async def _admit(self, key: ApiKey, model: str, reserve_tokens: int, num_slots: int, band: int) -> Ticket:
         with tracing.current().child("gateway.admission") as span:
-            return await self.admission.admit(key, model, reserve_tokens, num_slots=num_slots, span=span)
+            return await self.admission.admit(key, model, reserve_tokens, num_slots=num_slots, band=band, span=span)
 
     async def _queue(
         self, key: ApiKey, model: str, prepared: Prepared, reserve_tokens: int, origin: Origin
@@ -116,11 +125,25 @@ class Pipeline:
         """The request's FlowItem once it may be dispatched (Run.close releases it); raises flow
         control's APIError (400 unknown objective, 429 over its share, 503 saturated), or a 499
         if the client disconnects while it waits (it leaves the queue at once)."""
-        cls = classify(self.flow.config, origin.headers, model, key.name, key.priority, key.weight, origin.client)
+        cls = classify(self.flow.config, origin.headers, model, key, origin.client)
         priority = prepared.jobs[0].priority if prepared.jobs else 0
-        item = FlowItem(prepared.request_id, cls.band, cls.flow_id, reserve_tokens, cls.weight, priority)
+        item = FlowItem(
+            prepared.request_id,
+            cls.band,
+            cls.flow_id,
+            reserve_tokens,
+            cls.weight,
+            priority,
+            sub_flow=cls.sub_flow,
+            label=cls.tenant_label,
+        )
         with tracing.current().child(
-            "gateway.flow", attributes={"splitserve.flow.band": cls.band, "splitserve.flow.id": cls.flow_id}
+            "gateway.flow",
+            attributes={
+                "splitserve.flow.band": cls.band,
+                "splitserve.flow.id": cls.flow_id,
+                **({"splitserve.flow.sub_flow": cls.sub_flow} if cls.sub_flow else {}),
+            },
         ) as span:
             if self.flow.try_acquire(item):
                 span.set("splitserve.flow.queued", False)
@@ -213,6 +236,14 @@ class Run:
 
     async def __aexit__(self, *exc) -> None:
         await self.close()
+
+
+def clamp_priorities(prepared: Prepared, key: ApiKey) -> None:
+    """Every job's body priority raised to the key's floor (the engine orders a band by it)."""
+    if any(job.priority < key.min_request_priority for job in prepared.jobs):
+        prepared.jobs[:] = [
+            dataclasses.replace(job, priority=clamp_priority(job.priority, key)) for job in prepared.jobs
+        ]
 
 
 async def unless_gone(work: Awaitable, gone: Awaitable) -> asyncio.Future:

@@ -220,8 +220,8 @@ class FlowController:
     # -- metrics --------------------------------------------------------------------------------
     def _count_queued(self, item: FlowItem, delta: int) -> None:
         if self.metrics is not None:
-            self.metrics.queued(item.band, item.flow_id, delta)
+            self.metrics.queued(item.band, item.label or item.flow_id, delta)
 
     def _count_left(self, item: FlowItem, outcome: str) -> None:
         if self.metrics is not None:
-            self.metrics.left(item.band, item.flow_id, outcome, self.clock() - item.enqueue_time)
+            self.metrics.left(item.band, item.label or item.flow_id, outcome, self.clock() - item.enqueue_time)

@@ -13,7 +13,9 @@ The file (YAML, `gateway.api_keys_file`, e.g. a mounted Secret), reloaded when i
         max_concurrent: 8         # requests (streams) of this key in flight at once, per router replica
         role: admin               # may load/unload LoRA adapters at run time (default: user, may not)
         priority: 0               # flow-control band of its requests without an objective (negative: sheddable)
+        max_priority: 10          # the highest band an objective header may ask for (default: priority)
         weight: 1                 # its share in fair queuing against other keys of the same band
+        min_request_priority: 0   # body `priority` below this is raised to it (default 0: none ahead of others)
 
 A presented key is hashed and compared with every digest by hmac.compare_digest.
 
@@ -46,7 +48,9 @@ KEY_FIELDS = {
     "max_concurrent",
     "role",
     "priority",
+    "max_priority",
     "weight",
+    "min_request_priority",
 }
 
 
@@ -63,21 +67,36 @@ def _positive(entry: dict, name: str, where: str) -> int | None:
     return value
 
 
-def _flow_fields(entry: dict, where: str) -> dict:
-    """The key's flow-control `priority` (a band: any integer) and `weight` (a positive number)."""
-    priority, weight = entry.get("priority"), entry.get("weight")
-    if priority is not None and (
-        not isinstance(priority, int) or isinstance(priority, bool) or abs(priority) > 1_000_000
-    ):
+def _band(entry: dict, name: str, where: str) -> int | None:
+    value = entry.get(name)
+    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or abs(value) > 1_000_000):
         raise ConfigError(
-            f"{where}.priority={priority!r}: need an integer from -1000000 to 1000000 "
+            f"{where}.{name}={value!r}: need an integer from -1000000 to 1000000 "
             "(higher is more important, negative is sheddable)"
         )
+    return value
+
+
+def _flow_fields(entry: dict, where: str) -> dict:
+    """The key's flow-control `priority` and `max_priority` (bands: integers, the ceiling not below
+    the band), `weight` (a positive number) and `min_request_priority` (the body priority's floor)."""
+    priority, max_priority = _band(entry, "priority", where), _band(entry, "max_priority", where)
+    if max_priority is not None and max_priority < (priority or 0):
+        raise ConfigError(f"{where}.max_priority={max_priority} is below its priority ({priority or 0})")
+    floor = entry.get("min_request_priority", 0)
+    if not isinstance(floor, int) or isinstance(floor, bool) or not -(2**31) <= floor < 2**31:
+        raise ConfigError(f"{where}.min_request_priority={floor!r}: need a 32-bit integer (default 0)")
+    weight = entry.get("weight")
     if weight is not None and (
         not isinstance(weight, (int, float)) or isinstance(weight, bool) or not 0 < weight <= 1_000_000
     ):
         raise ConfigError(f"{where}.weight={weight!r}: need a number above 0 (1 is an equal share)")
-    return {"priority": priority, "weight": float(weight) if weight is not None else None}
+    return {
+        "priority": priority,
+        "max_priority": max_priority,
+        "weight": float(weight) if weight is not None else None,
+        "min_request_priority": floor,
+    }
 
 
 def parse_keys(data: Any, source: str) -> tuple[tuple[str, ApiKey], ...]:

@@ -19,7 +19,7 @@ from routerkit import FakeWorker, RouterServer, router_config
 from splitserve.router.config import GatewayConfig
 from splitserve.router.flow.config import FlowControlConfig
 
-KEYS = [{"id": "team-a", "key": "sk-a", "priority": 0}, {"id": "team-b", "key": "sk-b", "priority": 10, "weight": 2}]
+KEYS = [{"id": "team-a", "key": "sk-a", "priority": 0, "max_priority": 10}, {"id": "team-b", "key": "sk-b", "priority": 10, "weight": 2}]
 MESSAGES = [{"role": "user", "content": "Count the stars."}]
 
 
