@@ -77,7 +77,9 @@ class Gateway:
             Slots(gateway.max_concurrent_requests, gateway.max_queued_requests),
             router.metrics.rejected,
         )
-        self.flow = build_controller(router.config.flow_control, router.pool, router.metrics.registry)
+        self.flow = build_controller(
+            router.config.flow_control, router.pool, router.metrics.registry, getattr(router.dispatcher, "calls", None)
+        )
         self.pipeline = Pipeline(self.admission, router.dispatcher, self.flow)
         self.tokens = TokenText(router.tokenizer)
 

@@ -11,7 +11,9 @@ own live counts of the requests it assigned there. A healthy, non-draining decod
 - its load report is older than `load_staleness_s` (no news is treated as no room);
 - with `max_running_per_worker` > 0: the requests this router has in flight there reach the
   band's running limit, which is lower by `reserved_running` for bands under
-  `reserved_min_band`. The router's own count, not the load report's: it changes the moment a
+  `reserved_min_band`; without it (and `latency_cap` on, the default) the limit is the worker's
+  latency cap (router/flow/latency.py: the batch whose measured step time stays within the
+  target, one more for the reserved bands). The router's own count, not the load report's: it changes the moment a
   request ends, where a report lags by up to its interval (0.5 s), long enough to hold an
   interactive request back for nothing. So the cap is per router replica (as
   `max_concurrent_per_key` is); other replicas' requests show through the waiting threshold.
@@ -32,6 +34,7 @@ import time
 from collections.abc import Callable, Iterable
 
 from splitserve.router.flow.config import FlowControlConfig
+from splitserve.router.flow.latency import StepFit, band_limit
 
 
 class SaturationDetector:
@@ -40,6 +43,22 @@ class SaturationDetector:
         self.config = config
         self.workers = workers
         self.clock = clock
+        self.fits: dict[str, StepFit] = {}  # worker address -> its step-time line (latency caps)
+
+    def observe_step(self, worker, step_s: float) -> None:
+        """A token message from `worker` came `step_s` seconds per token after the previous one
+        (router/core/worker_calls.py calls this when latency caps are on)."""
+        load = worker.load
+        num_running = max(worker.num_inflight, load.num_running if load is not None else 0)
+        self.fits.setdefault(worker.address, StepFit()).observe(num_running, step_s)
+
+    def limit(self, worker, band: int) -> int:
+        """The running limit of `band` on `worker` (0: none)."""
+        cfg = self.config
+        if not cfg.is_latency_capped:
+            return cfg.running_limit(band)
+        fit = self.fits.get(worker.address) or StepFit()
+        return band_limit(fit.max_running(cfg.latency_slack, cfg.itl_target_s), band >= cfg.reserved_min_band)
 
     def _candidates(self, now: float) -> list:
         return [
@@ -54,7 +73,7 @@ class SaturationDetector:
             return True
         if load.kv_usage >= cfg.kv_cache_threshold:
             return True
-        limit = cfg.running_limit(band)
+        limit = self.limit(worker, band)
         return bool(limit) and self.busy(worker) >= limit
 
     @staticmethod
@@ -69,13 +88,13 @@ class SaturationDetector:
         is_open = [not self.is_full(w, band, now) for w in candidates]
         if not any(is_open):
             return False
-        limit = self.config.running_limit(band)
-        if not limit:
+        limits = [self.limit(w, band) for w in candidates]
+        if not any(limits):
             return True
         # Slots: the band's limit on each worker with room; a full worker only what it holds.
         # Released requests count before placement assigns them to a worker.
         busy = [self.busy(w) for w in candidates]
-        num_slots = sum(limit if o else min(b, limit) for o, b in zip(is_open, busy, strict=True))
+        num_slots = sum(limit if o else min(b, limit) for o, b, limit in zip(is_open, busy, limits, strict=True))
         return max(num_dispatched, sum(busy)) < num_slots
 
     def is_saturated(self) -> bool:

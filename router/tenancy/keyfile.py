@@ -144,6 +144,17 @@ def parse_keys(data: Any, source: str) -> tuple[tuple[str, ApiKey], ...]:
     return tuple(out)
 
 
+def sets_flow_fields(path: str) -> bool:
+    """Does the key file give any key a `priority`, `max_priority` or `weight` (flow control's)?
+    An unreadable or invalid file is False here: the gateway reports it when it loads the keys."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            keys = parse_keys(yaml.safe_load(f), path)
+    except (ConfigError, yaml.YAMLError, OSError):
+        return False
+    return any(k.priority is not None or k.max_priority is not None or k.weight is not None for _, k in keys)
+
+
 class KeyFile:
     """The keys of one file, re-read whenever the file changes (a bad new file keeps the old keys)."""
 

@@ -121,7 +121,7 @@ def pipeline_with_slots(num_slots: int, script):
         Slots(num_slots, 16),
         Counter("rej", "", ["reason"], registry=registry),
     )
-    config = dataclasses.replace(CFG, max_queued_per_band=256)
+    config = dataclasses.replace(CFG, max_queued_per_band=256, latency_cap=False)  # the slots are the limit here
     clock = Clock()
     flow = FlowController(config, SaturationDetector(config, lambda: [Worker()], clock), clock=clock)
     dispatcher = ScriptedDispatcher(script)

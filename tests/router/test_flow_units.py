@@ -34,6 +34,7 @@ class Worker:
     """The WorkerState fields the detector reads."""
 
     load: pb.LoadReport | None = field(default_factory=pb.LoadReport)
+    address: str = "d:1"
     load_time: float = 100.0
     num_pending: int = 0
     num_inflight: int = 0
