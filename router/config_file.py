@@ -125,6 +125,8 @@ def _gateway(data) -> GatewayConfig:
         else ApiKey(key=str(k))
         for k in keys
     )
+    if data.get("rate_limit_redis_url"):
+        data["rate_limit_redis_url"] = with_password(data["rate_limit_redis_url"], os.environ.get("REDIS_PASSWORD", ""))
     return GatewayConfig(**data)
 
 

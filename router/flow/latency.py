@@ -28,10 +28,11 @@ An explicit `max_running_per_worker` turns all of this off (docs/router.md, "Flo
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 DECAY = 0.995  # per sample: ~200 samples of memory, a few seconds of a busy worker
 MIN_SPREAD = 0.05  # weighted variance of n below which the slope is unknown
+STEPS_PER_LEVEL = 8  # steps measured at a batch size before the cap may pass it
 MAX_CAP = 1024
 
 
@@ -44,14 +45,19 @@ class StepFit:
     s2: float = 0.0  # of n^2
     sy: float = 0.0  # of step seconds
     sny: float = 0.0  # of n * step seconds
-    max_n: int = 0  # the largest batch a sample came from
+    max_n: int = 0  # the largest batch measured for STEPS_PER_LEVEL steps
+    num_samples_at: dict[int, int] = field(default_factory=dict)  # batch -> samples, up to max_n + 1
 
     def observe(self, num_running: int, step_s: float) -> None:
         if num_running < 1 or not math.isfinite(step_s) or step_s <= 0:
             return
         self.s0, self.s1, self.s2 = self.s0 * DECAY + 1, self.s1 * DECAY + num_running, self.s2 * DECAY + num_running**2
         self.sy, self.sny = self.sy * DECAY + step_s, self.sny * DECAY + num_running * step_s
-        self.max_n = max(self.max_n, num_running)
+        if num_running > self.max_n:
+            count = self.num_samples_at[num_running] = self.num_samples_at.get(num_running, 0) + 1
+            if count >= STEPS_PER_LEVEL * num_running:  # each step yields one sample per running stream
+                self.max_n = num_running
+                self.num_samples_at = {n: c for n, c in self.num_samples_at.items() if n > num_running}
 
     def line(self) -> tuple[float, float] | None:
         """(a, b) of t(n) = a + b*n, or None while the samples do not span two batch sizes."""
@@ -63,6 +69,8 @@ class StepFit:
             return None
         b = max(0.0, (self.sny / self.s0 - mean_n * self.sy / self.s0) / spread)
         a = self.sy / self.s0 - b * mean_n
+        if a < 0:  # noise tilted the line past the origin: a step costs at least nothing at n = 0
+            return 0.0, self.sny / self.s2
         return a, b
 
     def max_running(self, slack: float, itl_target_s: float = 0.0) -> int:
@@ -77,7 +85,7 @@ class StepFit:
             n = MAX_CAP
         else:
             n = math.floor((target - a) / b + 1e-9)
-        return max(1, min(n, 2 * max(self.max_n, 1), MAX_CAP))
+        return max(1, min(n, explore, MAX_CAP))
 
 
 def band_limit(max_running: int, is_reserved_band: bool) -> int:

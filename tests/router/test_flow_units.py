@@ -188,7 +188,7 @@ class Gate:
     def __init__(self, slots: int):
         self.slots = slots
 
-    def has_room(self, band: int, num_dispatched: int) -> bool:
+    def has_room(self, band: int, num_dispatched: int, num_reserved_dispatched: int = 0) -> bool:
         return num_dispatched < self.slots
 
     def is_saturated(self) -> bool:

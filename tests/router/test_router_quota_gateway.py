@@ -48,6 +48,7 @@ KEYS = [
     {"id": "usage", "sha256": digest("sk-usage")},
     {"id": "headers", "sha256": digest("sk-headers"), "tpm": 100000, "rpm": 1000},
     {"id": "elsewhere", "sha256": digest("sk-elsewhere"), "models": ["another-model"]},
+    {"id": "prometheus", "sha256": digest("sk-prometheus"), "role": "metrics"},
 ]
 
 
@@ -225,8 +226,11 @@ def test_usage_equals_what_clients_received_including_cut_streams(routers, loop)
     cut_billed = row["completion_tokens"] - want["completion"]
     assert got_tokens <= cut_billed <= got_tokens + 2 * 5, "a cut stream is billed for what it streamed"
     # Prometheus counters (key id, never the key) of both routers add up to the same.
-    # /metrics names the key ids, so with keys set it asks for one (docs/security.md)
-    metrics = "".join(httpx.get(f"{p.url}/metrics", headers={"Authorization": "Bearer sk-usage"}).text for p in procs)
+    # /metrics names every tenant's key id and usage: it asks for a metrics (or admin) key (docs/security.md)
+    assert httpx.get(f"{procs[0].url}/metrics", headers={"Authorization": "Bearer sk-usage"}).status_code == 403
+    metrics = "".join(
+        httpx.get(f"{p.url}/metrics", headers={"Authorization": "Bearer sk-prometheus"}).text for p in procs
+    )
     assert "sk-usage" not in metrics
 
     def counter(name, **labels):
