@@ -151,7 +151,7 @@ def epp_deployment(ctx: Context) -> Manifest:
             {"name": C.GRPC_PORT_NAME, "containerPort": EPP_GRPC_PORT, "protocol": "TCP"},
             {"name": C.METRICS_PORT_NAME, "containerPort": EPP_HEALTH_PORT, "protocol": "TCP"},
         ],
-        "env": pods.BASE_ENV,
+        "env": [*pods.BASE_ENV, *pods.redis_env(ctx)],
         "resources": pods._resources(router.resources, pods.ROUTER_RESOURCES),
         **pods._probes(C.METRICS_PORT_NAME),
         "securityContext": pods.CONTAINER_SECURITY,
@@ -217,7 +217,7 @@ def with_sidecar(ctx: Context, deployment: Manifest) -> Manifest:
             *key_args,
         ],
         "ports": [{"name": SIDECAR_PORT_NAME, "containerPort": port, "protocol": "TCP"}],
-        "env": pods.BASE_ENV,
+        "env": [*pods.BASE_ENV, *pods.redis_env(ctx)],
         # the router's pipeline for one pod: sized as the router is (spec.router.resources, else its defaults)
         "resources": pods._resources(ctx.spec.router.resources, pods.ROUTER_RESOURCES),
         **pods._probes(SIDECAR_PORT_NAME),
