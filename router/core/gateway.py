@@ -44,6 +44,7 @@ from splitserve.router.tenancy.access import (
 from splitserve.router.tenancy.admission import AdmissionPipeline, Slots
 from splitserve.router.tenancy.concurrency import Concurrency
 from splitserve.router.tenancy.keyfile import check_scope
+from splitserve.router.tenancy.prefix_owners import PrefixOwners
 from splitserve.router.tenancy.quota import Quota
 
 
@@ -86,7 +87,9 @@ class Gateway:
         self.flow = build_controller(
             router.config.flow_control, router.pool, router.metrics.registry, getattr(router.dispatcher, "calls", None)
         )
-        self.pipeline = Pipeline(self.admission, router.dispatcher, self.flow)
+        # With keys, cached_tokens tells a tenant only about prefixes it sent itself (tenancy/prefix_owners.py).
+        owners = None if self.auth.is_open else PrefixOwners(router.dispatcher.hasher.block_size)
+        self.pipeline = Pipeline(self.admission, router.dispatcher, self.flow, owners)
         self.tokens = TokenText(router.tokenizer)
 
     async def access(self, request: Request) -> ApiKey:

@@ -47,7 +47,9 @@ from splitserve.router.core.usage import ChoiceState, Usage, count_usage
 from splitserve.router.flow.classify import clamp_priority, classify
 from splitserve.router.flow.controller import FlowController
 from splitserve.router.flow.fairness import FlowItem
+from splitserve.router.tenancy.access import key_label
 from splitserve.router.tenancy.admission import AdmissionPipeline, Ticket
+from splitserve.router.tenancy.prefix_owners import PrefixOwners
 
 log = logging.getLogger(__name__)
 
@@ -69,10 +71,17 @@ class Origin(NamedTuple):
 
 
 class Pipeline:
-    def __init__(self, admission: AdmissionPipeline, dispatcher: Dispatcher, flow: FlowController | None = None):
+    def __init__(
+        self,
+        admission: AdmissionPipeline,
+        dispatcher: Dispatcher,
+        flow: FlowController | None = None,
+        owners: PrefixOwners | None = None,
+    ):
         self.admission = admission
         self.dispatcher = dispatcher
         self.flow = flow  # None: flow control is off, every admitted request is dispatched at once
+        self.owners = owners  # None: cached_tokens reported as the workers say (no tenants to tell apart)
 
     async def open(
         self,
@@ -113,7 +122,20 @@ class Pipeline:
             bills_completion=bills_completion,
             flow=self.flow,
             flow_item=item,
+            cached_caps=self._cached_caps(key, prepared),
         )
+
+    def _cached_caps(self, key: ApiKey, prepared: Prepared) -> list[int] | None:
+        """Per job, the cached_tokens the key may be told: the prefix it sent before
+        (router/tenancy/prefix_owners.py); None without tenants."""
+        if self.owners is None:
+            return None
+        tenant = key_label(key)
+        hashes = [self.dispatcher.hasher.hash_blocks(job.prompt_token_ids) for job in prepared.jobs]
+        caps = [self.owners.owned_tokens(tenant, h) for h in hashes]
+        for h in hashes:
+            self.owners.record(tenant, h)
+        return caps
 
     async def _admit(self, key: ApiKey, model: str, reserve_tokens: int, num_slots: int, band: int) -> Ticket:
         with tracing.current().child("gateway.admission") as span:
@@ -175,6 +197,7 @@ class Run:
         bills_completion: bool = True,
         flow: FlowController | None = None,
         flow_item: FlowItem | None = None,
+        cached_caps: list[int] | None = None,
     ):
         self.prepared = prepared
         self.ticket = ticket
@@ -184,6 +207,7 @@ class Run:
         self._admission = admission
         self._events = events
         self._flow, self._flow_item = flow, flow_item
+        self._cached_caps = cached_caps  # per choice: the most cached_tokens its key may see
         self.is_closed = False
 
     @property
@@ -204,6 +228,8 @@ class Run:
         """The next chunk (already added to its choice), or None once every choice has finished."""
         item = await anext(self._events, None)
         if item is not None:
+            if self._cached_caps is not None:
+                item.chunk.num_cached_tokens = min(item.chunk.num_cached_tokens, self._cached_caps[item.index])
             self.choices[item.index].add(item.chunk)
         return item
 
