@@ -78,3 +78,28 @@ def test_a_key_file_on_several_gateway_processes_needs_the_shared_store():
     autoscaled = {**pool, "decode": {"autoscaling": {"enabled": True, "maxReplicas": 8}}}
     with pytest.raises(InvalidSpecError, match="with 10 gateway processes"):
         check_spec(parse_spec(autoscaled), "svc", settings)
+
+
+def test_the_sidecar_has_its_own_tmp_user_and_service_account():
+    out = rendered(router={"apiKeys": KEYS, "redis": REDIS}, gateway={"mode": "inferencePool"})
+    pod = out["Deployment", "chat-decode"]["spec"]["template"]["spec"]
+    worker, sidecar = container(out, "chat-decode", "worker"), container(out, "chat-decode", "sidecar")
+    tmp = {c["name"]: next(m["name"] for m in c["volumeMounts"] if m["mountPath"] == "/tmp") for c in (worker, sidecar)}
+    assert tmp["worker"] != tmp["sidecar"]
+    assert not {m["name"] for m in worker["volumeMounts"]} & {m["name"] for m in sidecar["volumeMounts"]}
+    assert sidecar["securityContext"]["runAsUser"] != pod["securityContext"]["runAsUser"]
+    # its own ServiceAccount, no automounted token: the projected token is the sidecar's alone
+    assert pod["serviceAccountName"] == "chat-sidecar" and pod["automountServiceAccountToken"] is False
+    token = "/var/run/secrets/kubernetes.io/serviceaccount"
+    assert [m["name"] for m in sidecar["volumeMounts"] if m["mountPath"] == token] == ["sidecar-token"]
+    assert all(m["mountPath"] != token for m in worker["volumeMounts"])
+    (volume,) = [v for v in pod["volumes"] if v["name"] == "sidecar-token"]
+    assert volume["projected"]["sources"][0]["serviceAccountToken"]["path"] == "token"
+    assert out["ServiceAccount", "chat-sidecar"]["automountServiceAccountToken"] is False
+    assert out["Role", "chat-sidecar"]["rules"] == [
+        {"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"], "verbs": ["list", "watch"]}
+    ]
+    binding = out["RoleBinding", "chat-sidecar"]
+    assert binding["roleRef"]["name"] == "chat-sidecar" and binding["subjects"][0]["name"] == "chat-sidecar"
+    # the router keeps its own account, which may also patch its ConfigMap
+    assert out["Deployment", "chat-router"]["spec"]["template"]["spec"]["serviceAccountName"] == "chat-router"
