@@ -295,3 +295,41 @@ def test_an_offer_too_large_for_one_header_falls_back_to_bytes():
     assert status.state is TransferState.DONE and path == "inproc" and sorted(written) == list(range(126))
     assert any("more than one KV header holds" in f for f in fallbacks), fallbacks
     assert all(torch.all(t == 0) for pair in kv for t in pair)  # nothing went through a mapping
+
+
+def test_after_the_receiver_aborts_no_layer_is_written_through_the_mapping():
+    """The decode worker aborts a transfer after layer 0 landed and hands block 1 to its next
+    request; the sender's later layers do not reach that block (CPU reference backend)."""
+    kv, backend = caches(), cuda_ipc.LocalIpcBackend()
+
+    async def go():
+        receiver = make_receiver("inproc", auth_key=KEY)
+        await receiver.start()
+        receiver.ipc = (kv, backend)
+        receiver.expect("t", LAYOUT, 1, lambda *a: None, 10.0, block_ids=[1])
+        sender = make_sender("inproc", auth_key=KEY)
+        sender.ipc_backend = backend
+        try:
+            handle = await sender.open(receiver.address, "t", LAYOUT, 1)
+            await handle.send_layer(0, payload(5, 1), 0)
+            for _ in range(200):
+                if receiver.poll("t").num_layers_done == 1:
+                    break
+                await asyncio.sleep(0.01)
+            assert handle.path == "cuda_ipc" and torch.all(kv[0][0][1] == 5)
+            receiver.abort("t")
+            kv[1][0][1].fill_(-1.0)  # the next request's KV in the freed block
+            for _ in range(200):
+                if handle.error is not None:
+                    break
+                await asyncio.sleep(0.01)
+            await handle.send_layer(1, payload(7, 1), 0)
+            with pytest.raises(TransferError):
+                await handle.finish()
+        finally:
+            receiver.release("t")
+            await sender.close()
+            await receiver.close()
+
+    asyncio.run(go())
+    assert torch.all(kv[1][0][1] == -1.0) and torch.all(kv[1][1][1] == 0)  # layer 1 never written
