@@ -69,8 +69,10 @@ class Outcome:
     token_times: list[float] = field(default_factory=list)
 
 
-async def stream_chat(client: httpx.AsyncClient, key: str, max_tokens: int, objective: str | None) -> Outcome:
-    headers = {"authorization": f"Bearer {key}"}
+async def stream_chat(
+    client: httpx.AsyncClient, key: str, max_tokens: int, objective: str | None, extra_headers: dict | None = None
+) -> Outcome:
+    headers = {"authorization": f"Bearer {key}", **(extra_headers or {})}
     if objective:
         headers["x-gateway-inference-objective"] = objective
     body = {
@@ -112,14 +114,22 @@ async def stream_chat(client: httpx.AsyncClient, key: str, max_tokens: int, obje
 
 
 async def closed_loop(
-    client, key, concurrency, max_tokens, objective, until: float, sink: list, retry_s: float | None = None
+    client,
+    key,
+    concurrency,
+    max_tokens,
+    objective,
+    until: float,
+    sink: list,
+    retry_s: float | None = None,
+    extra_headers: dict | None = None,
 ) -> None:
     """`concurrency` clients sending back to back until `until`; a 503/429 waits its Retry-After
     (or `retry_s`) before the next."""
 
     async def one():
         while time.monotonic() < until:
-            out = await stream_chat(client, key, max_tokens, objective)
+            out = await stream_chat(client, key, max_tokens, objective, extra_headers)
             sink.append(out)
             if out.status in (429, 503):
                 await asyncio.sleep(retry_s if retry_s is not None else float(out.retry_after or 1))

@@ -21,6 +21,11 @@ remains needs knowledge the schema does not have:
   are named `<lws>-<group index>`; a StatefulSet name must leave room for its pods'
   `controller-revision-hash` label (63 characters), which allows 52, so the InferenceService's
   name must be shorter than for a Deployment pool.
+- GPUs are requested through `gpus`, not a hand-written `nvidia.com/gpu` resource;
+- a key file (router.apiKeys) may give keys rpm, tpm, monthly_tokens and max_concurrent, which
+  only hold when every gateway process counts them in one store: with more than one gateway
+  process (router replicas; with gateway.mode inferencePool also the EPP replicas and a sidecar
+  per decode pod, up to its autoscaling maximum) router.redis is required.
 
 All problems are collected into one message, each with the numbers and the remedy.
 """
@@ -60,6 +65,7 @@ def check_spec(spec: InferenceServiceSpec, name: str, settings: OperatorSettings
         problems += _gpu_problems(pool, role)
         problems += _group_name_problems(name, pool, role)
     problems += _planner_problems(spec, settings)
+    problems += _shared_quota_problems(spec, settings)
     if spec.security.insecure and not settings.security.allow_insecure:
         problems.append(
             "security.insecure is not allowed in this cluster (the chart's security.allowInsecure is "
@@ -93,6 +99,30 @@ def _planner_problems(spec: InferenceServiceSpec, settings: OperatorSettings) ->
             f"planner on {', '.join(other)} too (now only {', '.join(planned)})"
         )
     return problems
+
+
+def gateway_processes(spec: InferenceServiceSpec, settings: OperatorSettings) -> int:
+    """How many processes may answer the OpenAI API at once (each checks the keys and their limits)."""
+    count = spec.router.replicas
+    if spec.gateway.mode == "inferencePool":
+        auto = effective_autoscaling(spec.decode.autoscaling, settings, "decode")
+        count += spec.gateway.epp_replicas + (auto.max_replicas if auto.enabled else spec.decode.replicas)
+    return count
+
+
+def _shared_quota_problems(spec: InferenceServiceSpec, settings: OperatorSettings) -> list[str]:
+    if spec.router.api_keys is None or spec.router.redis is not None:
+        return []
+    count = gateway_processes(spec, settings)
+    if count <= 1:
+        return []
+    return [
+        f"router.apiKeys with {count} gateway processes (router replicas, and with gateway.mode inferencePool "
+        "the EPP and a sidecar per decode pod) needs router.redis: without a shared store each process counts "
+        "every key's rpm, tpm, monthly_tokens and max_concurrent alone, so a key gets up to "
+        f"{count}x its limits and usage resets on every restart; set router.redis (url, passwordSecret) "
+        "or run one router replica in splitserve mode"
+    ]
 
 
 def _name_problems(name: str) -> list[str]:

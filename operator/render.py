@@ -21,6 +21,8 @@ disaggregation.mode is never):
     ServiceMonitor                                 <name>          when monitoring.serviceMonitor.enabled
     NetworkPolicy                                  <name>-workers, <name>-router   unless networkPolicy.enabled is false
     Certificate (cert-manager)                     <name>-tls      when tls.issuer is set (mTLS, see render_pods)
+    ServiceAccount, Role, RoleBinding              <name>-sidecar  with gateway.mode inferencePool: the sidecar's
+                                                                   EndpointSlice read access
     ConfigMap, Service, Deployment                 <name>-epp      with gateway.mode inferencePool (render_gateway),
     InferencePool, HTTPRoute                       <name>          which also adds the sidecar to the decode pods
 
@@ -61,7 +63,7 @@ def render(
         out.append(cert)
     out += render_services.services(ctx)
     gateway = render_gateway.manifests(ctx)
-    out += [m for m in gateway if m["kind"] in ("ConfigMap", "Service")]
+    out += [m for m in gateway if m["kind"] in ("ServiceAccount", "Role", "RoleBinding", "ConfigMap", "Service")]
     workers = {pool: render_pods.worker_workload(ctx, pool) for pool in ctx.pools}
     if gateway:
         workers["decode"] = render_gateway.with_sidecar(ctx, workers["decode"])

@@ -11,8 +11,17 @@
                                  on 9003; the router's ServiceAccount (EndpointSlices list/watch)
     Service    <name>-epp        the port the InferencePool names (appProtocol h2c when it is plaintext)
     HTTPRoute  <name>            an example: every path of spec.gateway.parentRefs to the InferencePool
+    ServiceAccount, Role, RoleBinding <name>-sidecar   EndpointSlices list/watch, nothing else
     decode pods                  + container `sidecar` (`splitserve sidecar` on the sidecar port, the pod's
-                                 decode worker on 127.0.0.1), the router's ServiceAccount for discovery
+                                 decode worker on 127.0.0.1): its own /tmp, its own user, the sidecar's
+                                 ServiceAccount, whose token is mounted into the sidecar alone
+
+The decode pod mixes trust levels: the sidecar faces the gateway (the internet, through it), the
+worker holds the model and the KV cache and loads native kernels from its own /tmp. So they share
+no writable folder (the sidecar gets its own emptyDir at /tmp), run as different users, and the
+pod's token is not automounted: a projected volume gives the sidecar container, and only it, the
+token of a ServiceAccount that may list and watch EndpointSlices and nothing else (not the
+router's, which may also patch its ConfigMap).
 
 Security follows spec.security / spec.tls as everywhere else: the EPP talks mTLS to the workers
 with the router's certificate and serves ext_proc over TLS with it (gateways connect to an EPP
@@ -37,6 +46,8 @@ from splitserve.operator import render_pods as pods
 from splitserve.operator.context import Context, Manifest
 from splitserve.operator.render_services import router_config
 
+SIDECAR_USER = C.RUN_AS_USER + 1  # not the worker's: no file of the worker's is the sidecar's
+TOKEN_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"
 EPP_GRPC_PORT = 9002
 EPP_HEALTH_PORT = 9003
 SIDECAR_PORT_NAME = "sidecar"
@@ -156,7 +167,7 @@ def epp_deployment(ctx: Context) -> Manifest:
             {"name": C.GRPC_PORT_NAME, "containerPort": EPP_GRPC_PORT, "protocol": "TCP"},
             {"name": C.METRICS_PORT_NAME, "containerPort": EPP_HEALTH_PORT, "protocol": "TCP"},
         ],
-        "env": pods.BASE_ENV,
+        "env": [*pods.BASE_ENV, *pods.redis_env(ctx)],
         "resources": pods._resources(router.resources, pods.ROUTER_RESOURCES),
         **pods._probes(C.METRICS_PORT_NAME),
         "securityContext": pods.CONTAINER_SECURITY,
@@ -207,12 +218,18 @@ def with_sidecar(ctx: Context, workload: Manifest) -> Manifest:
     LeaderWorkerSet's leaders); a copy, the input is not changed."""
     out = copy.deepcopy(workload)
     pod = pods.serving_template(out)["spec"]
-    worker = pod["containers"][0]
     port = ctx.spec.gateway.sidecar_port
-    mounts = [m for m in worker.get("volumeMounts", []) if m["name"] == "tmp"]
-    mounts.append({"name": "epp-config", "mountPath": EPP_CONFIG_DIR, "readOnly": True})
+    mounts = [
+        {"name": "sidecar-tmp", "mountPath": "/tmp"},
+        {"name": "epp-config", "mountPath": EPP_CONFIG_DIR, "readOnly": True},
+        {"name": "sidecar-token", "mountPath": TOKEN_DIR, "readOnly": True},
+    ]
     volumes = pod.setdefault("volumes", [])
-    volumes.append({"name": "epp-config", "configMap": {"name": ctx.child("epp")}})
+    volumes += [
+        {"name": "sidecar-tmp", "emptyDir": {"sizeLimit": pods.TMP_SIZE["router"]}},
+        {"name": "epp-config", "configMap": {"name": ctx.child("epp")}},
+        _token_volume(),
+    ]
     # The sidecar calls Generate and WatchEvents, which workers admit from the router role only:
     # it carries the router's certificate (mounted apart from the worker's), and, as the OpenAI
     # endpoint of the pod, checks the service's API keys as the router does.
@@ -247,22 +264,67 @@ def with_sidecar(ctx: Context, workload: Manifest) -> Manifest:
             *key_args,
         ],
         "ports": [{"name": SIDECAR_PORT_NAME, "containerPort": port, "protocol": "TCP"}],
-        "env": pods.BASE_ENV,
+        "env": [*pods.BASE_ENV, *pods.redis_env(ctx)],
         # the router's pipeline for one pod: sized as the router is (spec.router.resources, else its defaults)
         "resources": pods._resources(ctx.spec.router.resources, pods.ROUTER_RESOURCES),
         **pods._probes(SIDECAR_PORT_NAME),
-        "securityContext": pods.CONTAINER_SECURITY,
+        "securityContext": {**pods.CONTAINER_SECURITY, "runAsUser": SIDECAR_USER},
         "volumeMounts": mounts,
     }
     pod["containers"].append(sidecar)
-    # The sidecar discovers the prefill pool through EndpointSlices: the router's read-only access.
-    pod["serviceAccountName"] = ctx.child("router")
-    pod["automountServiceAccountToken"] = True
+    # The sidecar discovers the prefill pool through EndpointSlices: its own ServiceAccount, its
+    # token in the sidecar container only (the worker container gets none).
+    pod["serviceAccountName"] = ctx.child("sidecar")
+    pod["automountServiceAccountToken"] = False
     return out
+
+
+def _token_volume() -> dict:
+    """The ServiceAccount token, CA and namespace where client libraries look for them, as the
+    automount would put them, for the one container that mounts this volume."""
+    return {
+        "name": "sidecar-token",
+        "projected": {
+            "sources": [
+                {"serviceAccountToken": {"path": "token", "expirationSeconds": 3607}},
+                {"configMap": {"name": "kube-root-ca.crt", "items": [{"key": "ca.crt", "path": "ca.crt"}]}},
+                {"downwardAPI": {"items": [{"path": "namespace", "fieldRef": {"fieldPath": "metadata.namespace"}}]}},
+            ]
+        },
+    }
+
+
+def sidecar_access(ctx: Context) -> list[Manifest]:
+    """The sidecar's ServiceAccount (no automount), and its Role: EndpointSlices list and watch."""
+    name = ctx.child("sidecar")
+    return [
+        {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": ctx.meta(name, "sidecar"),
+         "automountServiceAccountToken": False},
+        {
+            "apiVersion": "rbac.authorization.k8s.io/v1",
+            "kind": "Role",
+            "metadata": ctx.meta(name, "sidecar"),
+            "rules": [{"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"], "verbs": ["list", "watch"]}],
+        },
+        {
+            "apiVersion": "rbac.authorization.k8s.io/v1",
+            "kind": "RoleBinding",
+            "metadata": ctx.meta(name, "sidecar"),
+            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
+            "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": ctx.namespace}],
+        },
+    ]  # fmt: skip
 
 
 def manifests(ctx: Context) -> list[Manifest]:
     """The children above, in apply order (none in splitserve mode); the decode pods via with_sidecar."""
     if not is_inference_pool(ctx):
         return []
-    return [epp_config_map(ctx), epp_service(ctx), epp_deployment(ctx), inference_pool(ctx), http_route(ctx)]
+    return [
+        *sidecar_access(ctx),
+        epp_config_map(ctx),
+        epp_service(ctx),
+        epp_deployment(ctx),
+        inference_pool(ctx),
+        http_route(ctx),
+    ]

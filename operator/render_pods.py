@@ -507,6 +507,16 @@ def _tls_revision(ctx: Context, component: str) -> dict[str, str]:
     return {C.ANNOTATION_TLS_REVISION: revision} if revision else {}
 
 
+def redis_env(ctx: Context) -> list[dict]:
+    """REDIS_PASSWORD from its Secret, for every gateway process (router, EPP, sidecar): the router
+    config's Redis URLs carry none (router/config_file.py puts it in)."""
+    redis = ctx.spec.router.redis
+    if redis is None or redis.password_secret is None:
+        return []
+    ref = redis.password_secret
+    return [{"name": "REDIS_PASSWORD", "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.key}}}]
+
+
 def router_deployment(ctx: Context) -> Manifest:
     router = ctx.spec.router
     volumes, mounts = _volumes(ctx, TMP_SIZE["router"])
@@ -516,10 +526,7 @@ def router_deployment(ctx: Context) -> Manifest:
     key_args = _add_api_keys(ctx, volumes, mounts)
     if ctx.spec.model.storage is not None:  # runtime LoRA loads (admin keys) may read the model volume only
         key_args += ["--lora-roots", ctx.spec.model.storage.mount_path]
-    env = list(BASE_ENV)
-    if router.redis is not None and router.redis.password_secret is not None:
-        ref = router.redis.password_secret
-        env.append({"name": "REDIS_PASSWORD", "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.key}}})
+    env = [*BASE_ENV, *redis_env(ctx)]
     container = {
         "name": "router",
         "image": ctx.image(router.image, 0),

@@ -10,8 +10,10 @@ and takes the port named `grpc` (endpoints.py builds the same slices for tests).
 may list and watch EndpointSlices in its namespace and nothing else.
 
 The router config (router.yaml in the ConfigMap) is the router's whole view of the service:
-model, block size (for hashing), scorer weights, disaggregation policy, Redis, and where the
-two pools are. Its hash goes on the router pod template, so a config change rolls the router.
+model, block size (for hashing), scorer weights, disaggregation policy, Redis (the prefix index
+and the quota store, so every gateway process counts a key's limits together; its password is
+never in the ConfigMap but in each process's REDIS_PASSWORD), and where the two pools are. Its
+hash goes on the router pod template, so a config change rolls the router.
 
 The declared LoRA adapters (spec.adapters) are the ConfigMap's second key, adapters.yaml. It is
 not hashed: the kubelet refreshes the mounted file in place and the running router follows it
@@ -44,7 +46,11 @@ def router_config(ctx: Context) -> dict[str, Any]:
         "model": spec.model.uri,
         "block_size": spec.engine.block_size,
         "max_model_len": spec.model.max_model_len,
-        "gateway": {"served_model_names": [spec.served_model_name]},
+        "gateway": {
+            "served_model_names": [spec.served_model_name],
+            # quotas, usage and rate limits shared by every gateway process (password: REDIS_PASSWORD)
+            **({"rate_limit_redis_url": spec.router.redis.url} if spec.router.redis else {}),
+        },
         "discovery": {"k8s_namespace": ctx.namespace, "k8s_services": pools, "k8s_port_name": C.GRPC_PORT_NAME},
         "index": (
             {"backend": "redis", "redis_url": spec.router.redis.url} if spec.router.redis else {"backend": "memory"}

@@ -318,11 +318,14 @@ class SecretKeyRef(_Spec):
 
 
 class RedisSpec(_Spec):
-    """The Redis the router replicas share their prefix index and rate limits through."""
+    """The Redis every gateway process (router replicas, the EPP, the decode pods' sidecars) shares
+    its prefix index, rate limits, quotas and usage through. The URL lands in a ConfigMap, so it
+    may not carry credentials (no `user:password@`): the password comes from `passwordSecret`."""
 
-    url: str = Field(pattern=r"^rediss?://", max_length=1024)
+    url: str = Field(pattern=r"^rediss?://[^@]+$", max_length=1024)
+    """redis:// or rediss:// host, port and database, without credentials (no '@')."""
     password_secret: SecretKeyRef | None = None
-    """A Secret key holding the password (passed as REDIS_PASSWORD)."""
+    """A Secret key holding the password (passed to each gateway process as REDIS_PASSWORD)."""
 
 
 class GatewayService(_Spec):

@@ -97,8 +97,9 @@ def _add_routes(app: FastAPI, router: Router, gateway: Gateway) -> None:
         return await gateway.serve(request, body, is_chat=False)
 
     @app.get("/v1/models", dependencies=access, summary="Served models (OpenAI)")
-    async def models():
+    async def models(request: Request):
         created = int(time.time())
+        names, adapter_names = gateway.visible_models(request.state.api_key)
         if not router.is_ready:
             return {"object": "list", "data": []}
         base = [
@@ -111,7 +112,7 @@ def _add_routes(app: FastAPI, router: Router, gateway: Gateway) -> None:
                 "root": router.config.model,
                 "parent": None,
             }
-            for name in router.config.served_model_names
+            for name in names
         ]
         parent = router.config.served_model_names[0]
         adapters = [
@@ -124,7 +125,7 @@ def _add_routes(app: FastAPI, router: Router, gateway: Gateway) -> None:
                 "root": name,
                 "parent": parent,
             }
-            for name in router.adapters.names()
+            for name in adapter_names
         ]
         return {"object": "list", "data": base + adapters}
 
@@ -174,9 +175,11 @@ def _add_routes(app: FastAPI, router: Router, gateway: Gateway) -> None:
             "healthy_prefill_workers": router.pool.num_healthy(lambda w: w.role == "prefill"),
         }
 
-    metrics_access = [] if router.config.gateway.public_metrics else [Depends(gateway.auth_only)]
+    metrics_access = [] if router.config.gateway.public_metrics else [Depends(gateway.metrics_reader)]
 
-    @app.get("/metrics", dependencies=metrics_access, summary="Prometheus metrics (a key unless public_metrics)")
+    @app.get(
+        "/metrics", dependencies=metrics_access, summary="Prometheus metrics (an admin or metrics key unless public)"
+    )
     async def metrics():
         return Response(router.metrics.render(router.pool), media_type=CONTENT_TYPE_LATEST)
 

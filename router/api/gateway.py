@@ -34,10 +34,17 @@ from splitserve.router.core.pipeline import ChoiceChunk, Origin, Pipeline, Run
 from splitserve.router.errors import APIError
 from splitserve.router.flow import build_controller
 from splitserve.router.router import Router
-from splitserve.router.tenancy.access import ANONYMOUS, Authenticator, RateLimiter
+from splitserve.router.tenancy.access import (
+    ANONYMOUS,
+    Authenticator,
+    RateLimiter,
+    check_api_caller,
+    check_metrics_reader,
+)
 from splitserve.router.tenancy.admission import AdmissionPipeline, Slots
 from splitserve.router.tenancy.concurrency import Concurrency
 from splitserve.router.tenancy.keyfile import check_scope
+from splitserve.router.tenancy.prefix_owners import PrefixOwners
 from splitserve.router.tenancy.quota import Quota
 
 
@@ -77,13 +84,18 @@ class Gateway:
             Slots(gateway.max_concurrent_requests, gateway.max_queued_requests),
             router.metrics.rejected,
         )
-        self.flow = build_controller(router.config.flow_control, router.pool, router.metrics.registry)
-        self.pipeline = Pipeline(self.admission, router.dispatcher, self.flow)
+        self.flow = build_controller(
+            router.config.flow_control, router.pool, router.metrics.registry, getattr(router.dispatcher, "calls", None)
+        )
+        # With keys, cached_tokens tells a tenant only about prefixes it sent itself (tenancy/prefix_owners.py).
+        owners = None if self.auth.is_open else PrefixOwners(router.dispatcher.hasher.block_size)
+        self.pipeline = Pipeline(self.admission, router.dispatcher, self.flow, owners)
         self.tokens = TokenText(router.tokenizer)
 
     async def access(self, request: Request) -> ApiKey:
         """FastAPI dependency of every /v1 route: API key, then its rate limit."""
         key = self.auth.check(request.headers.get("authorization"))
+        check_api_caller(key)
         with tracing.current().child("admission.rate_limit"):
             try:
                 await self.limiter.check(key)
@@ -94,20 +106,34 @@ class Gateway:
         return key
 
     async def auth_only(self, request: Request) -> ApiKey:
-        """FastAPI dependency of /metrics, /docs and /openapi.json: the API key, no rate limit."""
+        """FastAPI dependency of /docs and /openapi.json: the API key, no rate limit."""
         key = self.auth.check(request.headers.get("authorization"))
         request.state.api_key = key
         return key
 
-    def check_model(self, model: str) -> str | None:
-        """The LoRA adapter `model` names (None: the base model); 404 for anything else."""
+    async def metrics_reader(self, request: Request) -> ApiKey:
+        """FastAPI dependency of /metrics: a key with role admin or metrics (403 otherwise)."""
+        key = await self.auth_only(request)
+        check_metrics_reader(self.auth, key)
+        return key
+
+    def visible_models(self, key: ApiKey) -> tuple[list[str], list[str]]:
+        """The served model names and adapter names `key` may use (its scope), in order."""
+        names, adapters = list(self.router.config.served_model_names), self.router.adapters.names()
+        if key.models is None:
+            return names, list(adapters)
+        return [n for n in names if n in key.models], [a for a in adapters if a in key.models]
+
+    def check_model(self, model: str, key: ApiKey = ANONYMOUS) -> str | None:
+        """The LoRA adapter `model` names (None: the base model); 404 for anything else, naming
+        only the models within `key`'s scope (its scope is checked first, by the caller)."""
         names = self.router.config.served_model_names
         if model in names:
             return None
         adapters = self.router.adapters.names()
         if model in adapters:
             return model
-        served = ", ".join([*names, *adapters])
+        served = ", ".join(part for group in self.visible_models(key) for part in group) or "none for this key"
         raise APIError(
             404,
             f"the model {model!r} does not exist; this server serves: {served}",
@@ -115,11 +141,16 @@ class Gateway:
             code="model_not_found",
         )
 
-    def caller(self, request: Request, model: str) -> Caller:
-        """The model (404), the key's scope (404) and the ids of one request."""
-        lora_name = self.check_model(model)
+    def scoped_model(self, request: Request, model: str) -> str | None:
+        """The key's scope (404), then the model (404): check_model for the request's key."""
         key = getattr(request.state, "api_key", ANONYMOUS)
         check_scope(key, model)
+        return self.check_model(model, key)
+
+    def caller(self, request: Request, model: str) -> Caller:
+        """The key's scope (404), the model (404) and the ids of one request."""
+        key = getattr(request.state, "api_key", ANONYMOUS)
+        lora_name = self.scoped_model(request, model)
         request_id = logctx.request_id.get()
         # A client's X-Request-Id may repeat; the workers get it with a unique suffix.
         job_id = f"{request_id}-{uuid.uuid4().hex[:8]}" if request.state.is_client_request_id else request_id

@@ -257,7 +257,7 @@ class ResponseEvents:
 
 
 async def serve(gateway, request: Request, body: ResponsesRequest) -> Response:
-    gateway.check_model(body.model)  # 404 before the body's content, as for chat completions
+    gateway.scoped_model(request, body.model)  # 404 before the body's content, as for chat completions
     chat = chat_request(body)
     run, formatter = await gateway.open(request, chat, is_chat=True)
     return await gateway.respond(

@@ -58,16 +58,16 @@ class DetokenizeRequest(BaseModel):
 def add_routes(app: FastAPI, router, gateway) -> None:
     access = [Depends(gateway.access)]
 
-    def tokenizer(model: str | None):
+    def tokenizer(model: str | None, request: Request):
         if model is not None:
-            gateway.check_model(model)
+            gateway.scoped_model(request, model)
         if router.tokenizer is None:
             raise bad_request("this model has no tokenizer", "model")
         return router.tokenizer
 
     @app.post("/tokenize", dependencies=access, summary="Tokenize a prompt or a conversation (vLLM)")
     async def tokenize(body: TokenizeCompletionRequest | TokenizeChatRequest, request: Request):
-        tok = tokenizer(body.model)
+        tok = tokenizer(body.model, request)
         size = (
             len(body.prompt)
             if isinstance(body, TokenizeCompletionRequest)
@@ -94,8 +94,8 @@ def add_routes(app: FastAPI, router, gateway) -> None:
             await gateway.admission.release(ticket, None)
 
     @app.post("/detokenize", dependencies=access, summary="Token ids back to text (vLLM)")
-    async def detokenize(body: DetokenizeRequest):
-        tok = tokenizer(body.model)
+    async def detokenize(body: DetokenizeRequest, request: Request):
+        tok = tokenizer(body.model, request)
         try:
             return {"prompt": tok.decode(body.tokens, skip_special_tokens=False)}
         except InvalidRequestError as exc:

@@ -81,7 +81,9 @@ class DiscoveryConfig:
             raise ConfigError("discovery: need 0 < backoff_initial_s <= backoff_max_s and stale_after_s > 0")
 
 
-KEY_ROLES = ("user", "admin")
+KEY_ROLES = ("user", "admin", "metrics")
+"""`user` calls the /v1 API; `admin` also loads LoRA adapters and reads /metrics; `metrics` (a
+scraper) reads /metrics and nothing else."""
 
 
 @dataclass(frozen=True)
@@ -101,9 +103,15 @@ class ApiKey:
     monthly_tokens: int | None = None
     max_concurrent: int | None = None
     role: str = "user"
-    """`admin` may also load and unload LoRA adapters at run time; `user` (the default) may not."""
+    """`admin` may also load and unload LoRA adapters at run time and read /metrics; `user` (the
+    default) may not; `metrics` may only read /metrics (KEY_ROLES)."""
     priority: int | None = None  # flow-control band of the key's requests (router/flow/classify.py)
     weight: float | None = None  # the key's share in fair queuing (None: 1)
+    max_priority: int | None = None
+    """The highest band an objective header may raise the key's requests to (None: its own band)."""
+    min_request_priority: int = 0
+    """The lowest body `priority` the key's requests keep (lower first in the engine): a lower one is
+    raised to it, so by default a tenant can only put its own requests later, never ahead of others'."""
 
     def __post_init__(self) -> None:
         if self.role not in KEY_ROLES:

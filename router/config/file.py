@@ -5,6 +5,7 @@ dataclasses of router/config/, each section checked for unknown keys.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 
 import yaml
@@ -26,6 +27,9 @@ from splitserve.router.config import (
     default_prefill_profile,
 )
 from splitserve.router.config.flow import from_mapping as _flow_control
+from splitserve.router.config.keys import sets_flow_fields
+
+log = logging.getLogger(__name__)
 
 
 def read_mapping(path: str, what: str) -> dict:
@@ -67,7 +71,26 @@ def from_dict(data: dict) -> RouterConfig:
     kwargs = {}
     for key, value in checked_mapping(data, RouterConfig, "").items():
         kwargs[key] = sections[key](value) if key in sections else value
-    return RouterConfig(**kwargs)
+    return resolve_flow_control(RouterConfig(**kwargs))
+
+
+def resolve_flow_control(config: RouterConfig) -> RouterConfig:
+    """Flow control left unset (enabled None) is on when the key file sets a key's priority,
+    max_priority or weight, which only flow control reads; set off explicitly, such a key file
+    is warned about, since its priorities then do nothing."""
+    flow, keys_file = config.flow_control, config.gateway.api_keys_file
+    sets_priorities = bool(keys_file) and sets_flow_fields(keys_file)
+    if flow.enabled is None:
+        if sets_priorities:
+            log.info("flow control is on: the key file %s sets priorities or weights", keys_file)
+        return dataclasses.replace(config, flow_control=dataclasses.replace(flow, enabled=sets_priorities))
+    if sets_priorities and not flow.enabled:
+        log.warning(
+            "the key file %s sets priorities or weights, but flow control is off "
+            "(flow_control.enabled: false): they do nothing; leave it unset or pass --flow-control",
+            keys_file,
+        )
+    return config
 
 
 def checked_mapping(data, cls, where: str) -> dict:
@@ -102,6 +125,8 @@ def _gateway(data) -> GatewayConfig:
         else ApiKey(key=str(k))
         for k in keys
     )
+    if data.get("rate_limit_redis_url"):
+        data["rate_limit_redis_url"] = with_password(data["rate_limit_redis_url"], os.environ.get("REDIS_PASSWORD", ""))
     return GatewayConfig(**data)
 
 

@@ -31,8 +31,9 @@ def _number(value, where: str, low: float, high: float, integer: bool = False) -
 
 @dataclass(frozen=True)
 class FlowControlConfig:
-    """Flow control at the gateway (router/flow/). Off by default: every admitted request is
-    dispatched at once, first come first served, as before.
+    """Flow control at the gateway (router/flow/). `enabled`: None (the default) turns it on when
+    the key file gives a key a `priority`, `max_priority` or `weight` (router/config/file.py), so
+    a priority never silently does nothing; off, every admitted request is dispatched at once.
 
     - `objectives`: objective name -> band (an integer; higher is more important, negative is
       sheddable). A request names one in the `objective_header`; `default_objectives` maps a
@@ -44,12 +45,16 @@ class FlowControlConfig:
       `queue_depth_threshold`, its KV use `kv_cache_threshold`, or (when > 0) its running
       requests `max_running_per_worker`; its load report older than `load_staleness_s` counts as
       full. The pool is saturated when every healthy decode worker is full.
+    - With `max_running_per_worker` 0 and `latency_cap` on (the default), each worker's running
+      cap is derived from the step time the router measures there (router/flow/latency.py): the
+      largest batch whose step stays within `(1 + latency_slack)` of a lone request's step, or
+      within `itl_target_s` seconds when that is set.
     - `reserved_running`: of `max_running_per_worker`, the slots per worker that only requests of
       band >= `reserved_min_band` may take, so an interactive band starts without waiting for a
       batch job's request to end.
     """
 
-    enabled: bool = False
+    enabled: bool | None = None
     objectives: dict[str, int] = field(default_factory=dict)
     default_objectives: dict[str, str] = field(default_factory=dict)
     fairness_header: str = FAIRNESS_HEADER
@@ -61,6 +66,9 @@ class FlowControlConfig:
     max_running_per_worker: int = 0
     reserved_running: int = 0
     reserved_min_band: int = 1
+    latency_cap: bool = True
+    latency_slack: float = 0.5
+    itl_target_s: float = 0.0
     load_staleness_s: float = 5.0
     retry_after_s: int = 1
 
@@ -93,6 +101,12 @@ class FlowControlConfig:
         _number(self.max_running_per_worker, "max_running_per_worker", 0, 1_000_000, integer=True)
         _number(self.reserved_running, "reserved_running", 0, 1_000_000, integer=True)
         _number(self.reserved_min_band, "reserved_min_band", -MAX_BAND, MAX_BAND, integer=True)
+        _number(self.latency_slack, "latency_slack", 0.01, 100)
+        _number(self.itl_target_s, "itl_target_s", 0, 60)
+        if self.enabled not in (None, True, False):
+            raise ConfigError(f"flow_control.enabled={self.enabled!r} is invalid; allowed: true, false or unset")
+        if not isinstance(self.latency_cap, bool):
+            raise ConfigError(f"flow_control.latency_cap={self.latency_cap!r} is invalid; allowed: true or false")
         _number(self.load_staleness_s, "load_staleness_s", 0.1, 3600)
         _number(self.retry_after_s, "retry_after_s", 1, 3600, integer=True)
         if self.reserved_running and self.reserved_running >= self.max_running_per_worker:
@@ -101,8 +115,14 @@ class FlowControlConfig:
                 f"above it (now {self.max_running_per_worker})"
             )
 
+    @property
+    def is_latency_capped(self) -> bool:
+        """The running cap per worker comes from its measured step time (router/flow/latency.py)."""
+        return self.latency_cap and not self.max_running_per_worker
+
     def running_limit(self, band: int) -> int:
-        """Running requests per worker that a request of `band` may dispatch beside (0: no limit)."""
+        """Running requests per worker that a request of `band` may dispatch beside (0: no limit
+        set; see is_latency_capped)."""
         if not self.max_running_per_worker:
             return 0
         return self.max_running_per_worker - (self.reserved_running if band < self.reserved_min_band else 0)

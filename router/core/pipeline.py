@@ -3,10 +3,16 @@ release. Every OpenAI endpoint (chat, completions, embeddings, the Responses API
 path and formats what it yields.
 
     Pipeline.open(key, model, prepared, origin)
+        queue      flow control (router/flow/, when enabled and the request has an origin): classify
+                   by key (band, flow), then wait in the gateway's queue by band and flow while the
+                   workers are saturated (503 / 429)
         admit      the admission gates (tenancy/admission.py): key concurrency, quota, server slot
-        queue      flow control (router/flow/, when enabled and the request has an origin): wait in
-                   the gateway's queue by band and flow while the workers are saturated (503 / 429)
+                   (the slot queue ordered by band)
         dispatch   one Dispatcher.generate per job (core/dispatch.py: place, Generate, retry, resume)
+
+Flow control comes first so that a queued request holds nothing: no server slot and no quota
+reservation that a request of a higher band would wait behind. The body priority of every job is
+clamped to the key's range before either (router/flow/classify.py's clamp_priority).
     -> Run: async iteration yields ChoiceChunk(index, chunk) as the choices' workers send them,
        each already added to run.choices[index]
     Run.close()   closes the generations (the workers abort what still runs), settles the flow
@@ -14,7 +20,7 @@ path and formats what it yields.
                   Usage, once, however the request ended
 
 The stages are methods of their own so a stage can be wrapped or inserted without touching the
-others: the flow-control queue sits between `_admit` and `_dispatch`; tracing wraps each of them;
+others: the flow-control queue sits before `_admit`; tracing wraps each of them;
 a process that serves a single local decode worker builds a Pipeline over a Dispatcher whose
 pool holds only that worker.
 
@@ -25,7 +31,6 @@ iterated still releases everything on close.
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
@@ -35,23 +40,18 @@ from splitserve.platform.observability import tracing
 from splitserve.router.config import ApiKey
 from splitserve.router.core.choices import ChoiceState, count_usage
 from splitserve.router.core.dispatch import Dispatcher
-from splitserve.router.core.job import Chunk
 from splitserve.router.core.prepared import Prepared
+from splitserve.router.core.streams import ChoiceChunk, merged, unless_gone
 from splitserve.router.errors import APIError
-from splitserve.router.flow.classify import classify
+from splitserve.router.flow.classify import clamp_priority, classify
 from splitserve.router.flow.controller import FlowController
 from splitserve.router.flow.fairness import FlowItem
+from splitserve.router.tenancy.access import key_label
 from splitserve.router.tenancy.admission import AdmissionPipeline, Ticket
+from splitserve.router.tenancy.prefix_owners import PrefixOwners
 from splitserve.router.usage import Usage
 
 log = logging.getLogger(__name__)
-
-_END = object()
-
-
-class ChoiceChunk(NamedTuple):
-    index: int  # the choice (job) it belongs to
-    chunk: Chunk
 
 
 class Origin(NamedTuple):
@@ -64,10 +64,17 @@ class Origin(NamedTuple):
 
 
 class Pipeline:
-    def __init__(self, admission: AdmissionPipeline, dispatcher: Dispatcher, flow: FlowController | None = None):
+    def __init__(
+        self,
+        admission: AdmissionPipeline,
+        dispatcher: Dispatcher,
+        flow: FlowController | None = None,
+        owners: PrefixOwners | None = None,
+    ):
         self.admission = admission
         self.dispatcher = dispatcher
         self.flow = flow  # None: flow control is off, every admitted request is dispatched at once
+        self.owners = owners  # None: cached_tokens reported as the workers say (no tenants to tell apart)
 
     async def open(
         self,
@@ -83,20 +90,23 @@ class Pipeline:
         with nothing held. The quota holds the prompt plus every choice's max_tokens until the
         request ends; bills_completion=False (embeddings) reserves and bills the prompt only.
         `num_slots`: the server slots it takes (embeddings: one per input, so 2,048 inputs weigh as
-        2,048 requests). With flow control on, a request with an `origin` then waits for its turn:
-        flow control's 400 / 429 / 503, or 499 when its client leaves the queue, release the ticket."""
+        2,048 requests). With flow control on, a request with an `origin` first waits for its turn
+        (flow control's 400 / 429 / 503, or 499 when its client leaves the queue); a refusal of
+        admission after that gives the flow item back."""
         reserve_tokens = prepared.num_prompt_tokens
         if bills_completion:
             reserve_tokens += sum(job.params.max_tokens for job in prepared.jobs)
-        ticket = await self._admit(key, model, reserve_tokens, num_slots)
+        clamp_priorities(prepared, key)
         item = None
         if self.flow is not None and origin is not None:
-            try:
-                item = await self._queue(key, model, prepared, reserve_tokens, origin)
-            except BaseException:
-                await self.admission.release(ticket, None)
-                raise
+            item = await self._queue(key, model, prepared, reserve_tokens, origin)
             prepared.jobs[:] = [dataclasses.replace(job, band=item.band) for job in prepared.jobs]
+        try:
+            ticket = await self._admit(key, model, reserve_tokens, num_slots, item.band if item else 0)
+        except BaseException:
+            if item is not None:
+                self.flow.release(item, 0)
+            raise
         return Run(
             prepared,
             ticket,
@@ -105,11 +115,24 @@ class Pipeline:
             bills_completion=bills_completion,
             flow=self.flow,
             flow_item=item,
+            cached_caps=self._cached_caps(key, prepared),
         )
 
-    async def _admit(self, key: ApiKey, model: str, reserve_tokens: int, num_slots: int) -> Ticket:
+    def _cached_caps(self, key: ApiKey, prepared: Prepared) -> list[int] | None:
+        """Per job, the cached_tokens the key may be told: the prefix it sent before
+        (router/tenancy/prefix_owners.py); None without tenants."""
+        if self.owners is None:
+            return None
+        tenant = key_label(key)
+        hashes = [self.dispatcher.hasher.hash_blocks(job.prompt_token_ids) for job in prepared.jobs]
+        caps = [self.owners.owned_tokens(tenant, h) for h in hashes]
+        for h in hashes:
+            self.owners.record(tenant, h)
+        return caps
+
+    async def _admit(self, key: ApiKey, model: str, reserve_tokens: int, num_slots: int, band: int) -> Ticket:
         with tracing.current().child("gateway.admission") as span:
-            return await self.admission.admit(key, model, reserve_tokens, num_slots=num_slots, span=span)
+            return await self.admission.admit(key, model, reserve_tokens, num_slots=num_slots, band=band, span=span)
 
     async def _queue(
         self, key: ApiKey, model: str, prepared: Prepared, reserve_tokens: int, origin: Origin
@@ -117,11 +140,25 @@ class Pipeline:
         """The request's FlowItem once it may be dispatched (Run.close releases it); raises flow
         control's APIError (400 unknown objective, 429 over its share, 503 saturated), or a 499
         if the client disconnects while it waits (it leaves the queue at once)."""
-        cls = classify(self.flow.config, origin.headers, model, key.name, key.priority, key.weight, origin.client)
+        cls = classify(self.flow.config, origin.headers, model, key, origin.client)
         priority = prepared.jobs[0].priority if prepared.jobs else 0
-        item = FlowItem(prepared.request_id, cls.band, cls.flow_id, reserve_tokens, cls.weight, priority)
+        item = FlowItem(
+            prepared.request_id,
+            cls.band,
+            cls.flow_id,
+            reserve_tokens,
+            cls.weight,
+            priority,
+            sub_flow=cls.sub_flow,
+            label=cls.tenant_label,
+        )
         with tracing.current().child(
-            "gateway.flow", attributes={"splitserve.flow.band": cls.band, "splitserve.flow.id": cls.flow_id}
+            "gateway.flow",
+            attributes={
+                "splitserve.flow.band": cls.band,
+                "splitserve.flow.id": cls.flow_id,
+                **({"splitserve.flow.sub_flow": cls.sub_flow} if cls.sub_flow else {}),
+            },
         ) as span:
             if self.flow.try_acquire(item):
                 span.set("splitserve.flow.queued", False)
@@ -153,6 +190,7 @@ class Run:
         bills_completion: bool = True,
         flow: FlowController | None = None,
         flow_item: FlowItem | None = None,
+        cached_caps: list[int] | None = None,
     ):
         self.prepared = prepared
         self.ticket = ticket
@@ -162,6 +200,7 @@ class Run:
         self._admission = admission
         self._events = events
         self._flow, self._flow_item = flow, flow_item
+        self._cached_caps = cached_caps  # per choice: the most cached_tokens its key may see
         self.is_closed = False
 
     @property
@@ -182,6 +221,8 @@ class Run:
         """The next chunk (already added to its choice), or None once every choice has finished."""
         item = await anext(self._events, None)
         if item is not None:
+            if self._cached_caps is not None:
+                item.chunk.num_cached_tokens = min(item.chunk.num_cached_tokens, self._cached_caps[item.index])
             self.choices[item.index].add(item.chunk)
         return item
 
@@ -216,56 +257,9 @@ class Run:
         await self.close()
 
 
-async def unless_gone(work: Awaitable, gone: Awaitable) -> asyncio.Future:
-    """Run `work` until it ends or `gone` (the client's disconnect) does, whichever comes first.
-    Returns the work's task: done (its result or error inside), or cancelled if the client left
-    first. Neither is left running, however this returns."""
-    task, watch = asyncio.ensure_future(work), asyncio.ensure_future(gone)
-    try:
-        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        # The watcher only waits on the connection: cancelled, it ends at the loop's next turn,
-        # and waiting for that would add a turn to every request's latency.
-        watch.cancel()
-        if not task.done():
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
-    return task
-
-
-async def merged(gens: list) -> AsyncIterator[ChoiceChunk]:
-    """ChoiceChunks from several generations as they come; closing this closes them all."""
-    if len(gens) == 1:
-        try:
-            async for chunk in gens[0]:
-                yield ChoiceChunk(0, chunk)
-        finally:
-            await gens[0].aclose()
-        return
-    queue: asyncio.Queue = asyncio.Queue()
-
-    async def pump(index: int, gen) -> None:
-        try:
-            async for chunk in gen:
-                await queue.put(ChoiceChunk(index, chunk))
-            await queue.put(_END)
-        except Exception as exc:  # noqa: BLE001 - handed to the consumer, which raises it
-            await queue.put(exc)
-        finally:
-            await gen.aclose()
-
-    tasks = [asyncio.create_task(pump(i, gen)) for i, gen in enumerate(gens)]
-    remaining = len(tasks)
-    try:
-        while remaining:
-            item = await queue.get()
-            if item is _END:
-                remaining -= 1
-            elif isinstance(item, BaseException):
-                raise item
-            else:
-                yield item
-    finally:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+def clamp_priorities(prepared: Prepared, key: ApiKey) -> None:
+    """Every job's body priority raised to the key's floor (the engine orders a band by it)."""
+    if any(job.priority < key.min_request_priority for job in prepared.jobs):
+        prepared.jobs[:] = [
+            dataclasses.replace(job, priority=clamp_priority(job.priority, key)) for job in prepared.jobs
+        ]

@@ -6,13 +6,17 @@ error other than INVALID_ARGUMENT, a stream that ends without a finish reason or
 its worker being marked down (`worker_down` cancels the call). INVALID_ARGUMENT is the caller's:
 APIError(400), with the API field the worker's message names. Closing the stream cancels the call:
 the worker aborts the request and frees its blocks (and the prefill worker's).
+
+`on_step(worker, seconds)`, when set (flow control's latency caps, router/flow/latency.py), hears
+the time per token between two messages of one stream: the worker's step time as the router sees it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
-from collections.abc import AsyncIterator
+import time
+from collections.abc import AsyncIterator, Callable
 
 import grpc
 
@@ -38,6 +42,7 @@ class WorkerCalls:
         self.metrics = metrics
         self._calls: dict[str, dict[int, grpc.aio.Call]] = {}  # worker -> in-flight calls
         self._lost: set[int] = set()  # ids of calls cancelled by worker_down
+        self.on_step: Callable | None = None  # (WorkerState, seconds per token) after each message but the first
 
     @property
     def num_open(self) -> int:
@@ -76,9 +81,11 @@ class WorkerCalls:
         )
         key = id(call)
         self._calls.setdefault(decision.decode, {})[key] = call
+        last = None
         try:
             async for msg in self._read(call, key):
                 self.pool.first_token(assignment)
+                last = self._time_step(decision.decode, last, len(msg.token_ids))
                 chunk = self._chunk(job, decision, progress, msg)
                 if stream is tracing.NOOP and span.is_recording:
                     span.event("first_token")
@@ -105,6 +112,15 @@ class WorkerCalls:
             self._calls.get(decision.decode, {}).pop(key, None)
             self._lost.discard(key)
             self.pool.finish(assignment)
+
+    def _time_step(self, address: str, last: float | None, num_tokens: int) -> float:
+        """Report the time per token since the stream's previous message to on_step; the time now."""
+        now = time.monotonic()
+        if self.on_step is not None and last is not None and num_tokens:
+            worker = self.pool.workers.get(address)
+            if worker is not None:
+                self.on_step(worker, (now - last) / num_tokens)
+        return now
 
     async def _read(self, call, key: int) -> AsyncIterator[pb.GenerateResponse]:
         """The call's messages; WorkerLost for a worker failure, APIError(400) for bad input."""

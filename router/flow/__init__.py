@@ -4,6 +4,7 @@ while the workers are saturated, sheddable traffic turned away first (GIE's flow
     classify.py    band and flow of a request (objective header, model default, key priority)
     fairness.py    one band's queue: per-flow queues, weighted fair queuing charged in tokens
     saturation.py  the saturation detector over the router's view of the decode workers
+    latency.py     the running cap per worker from its measured step time (the default cap)
     controller.py  FlowController: acquire / release, the bounds, 503 vs 429
     metrics.py     queue length, time in queue, outcome counts per band and flow
 
@@ -21,12 +22,15 @@ from splitserve.router.flow.metrics import FlowMetrics
 from splitserve.router.flow.saturation import SaturationDetector
 
 
-def build_controller(config: FlowControlConfig, pool, registry) -> FlowController | None:
+def build_controller(config: FlowControlConfig, pool, registry, calls=None) -> FlowController | None:
     """The gateway's controller over `pool` (router/placement/pool.py's WorkerPool), metrics in `registry`;
-    None when flow control is off."""
+    None when flow control is off. With latency caps, `calls` (core/worker_calls.py's WorkerCalls)
+    reports each stream's step times to the detector."""
     if not config.enabled:
         return None
     metrics = FlowMetrics(registry)
     detector = SaturationDetector(config, lambda: pool.workers.values(), pool.clock)
+    if config.is_latency_capped and calls is not None:
+        calls.on_step = detector.observe_step
     metrics.saturated.set_function(lambda: float(detector.is_saturated()))
     return FlowController(config, detector, metrics)

@@ -58,6 +58,7 @@ class FlowController:
         self.clock = clock
         self.bands: dict[int, Band] = {}
         self.num_dispatched = 0  # released to the workers and not yet ended
+        self.num_reserved_dispatched = 0  # of them, of the bands >= reserved_min_band
         self._waiters: dict[FlowItem, asyncio.Future] = {}
         self._ticker: asyncio.Task | None = None
 
@@ -71,7 +72,7 @@ class FlowController:
         """Dispatch `item` at once if nothing of its band or above waits and there is room (the
         idle path, without a task); False: call acquire()."""
         item.enqueue_time = self.clock()
-        if self._queued_from(item.band) or not self.detector.has_room(item.band, self.num_dispatched):
+        if self._queued_from(item.band) or not self._has_room(item.band):
             return False
         band = self.bands.setdefault(item.band, Band(item.band))
         band.push(item)
@@ -114,10 +115,17 @@ class FlowController:
         completion tokens; None keeps the reservation) and let the next one go."""
         self.bands[item.band].settle(item, used_tokens)
         self.num_dispatched -= 1
-        assert self.num_dispatched >= 0
+        self.num_reserved_dispatched -= self._is_reserved(item)
+        assert self.num_dispatched >= 0 and self.num_reserved_dispatched >= 0
         self._dispatch_all()
 
     # -- rules ----------------------------------------------------------------------------------
+    def _is_reserved(self, item: FlowItem) -> bool:
+        return item.band >= self.config.reserved_min_band
+
+    def _has_room(self, band: int) -> bool:
+        return self.detector.has_room(band, self.num_dispatched, self.num_reserved_dispatched)
+
     def _queued_from(self, band: int) -> bool:
         return any(b >= band and q.num_queued for b, q in self.bands.items())
 
@@ -168,7 +176,7 @@ class FlowController:
         for number in sorted(self.bands, reverse=True):
             band = self.bands[number]
             while band.num_queued:
-                if not self.detector.has_room(number, self.num_dispatched):
+                if not self._has_room(number):
                     return
                 item = self._dispatch_next(band)
                 self._count_queued(item, -1)
@@ -177,6 +185,7 @@ class FlowController:
     def _dispatch_next(self, band: Band) -> FlowItem:
         item = band.pop()
         self.num_dispatched += 1
+        self.num_reserved_dispatched += self._is_reserved(item)
         self._count_left(item, "dispatched")
         return item
 
@@ -213,8 +222,8 @@ class FlowController:
     # -- metrics --------------------------------------------------------------------------------
     def _count_queued(self, item: FlowItem, delta: int) -> None:
         if self.metrics is not None:
-            self.metrics.queued(item.band, item.flow_id, delta)
+            self.metrics.queued(item.band, item.label or item.flow_id, delta)
 
     def _count_left(self, item: FlowItem, outcome: str) -> None:
         if self.metrics is not None:
-            self.metrics.left(item.band, item.flow_id, outcome, self.clock() - item.enqueue_time)
+            self.metrics.left(item.band, item.label or item.flow_id, outcome, self.clock() - item.enqueue_time)

@@ -7,7 +7,8 @@ al., "Fairness in Serving Large Language Models", OSDI 2024, which AIBrix also u
   was served divided by its weight.
 - The next request of the band comes from the backlogged flow with the smallest counter (ties:
   the flow that has waited longest); within a flow, the lowest body `priority` first (vLLM's
-  meaning), then arrival order.
+  meaning), then round robin between the flow's sub-flows (the fairness header's ids under one
+  key: an item ranks after the items of its sub-flow already queued), then arrival order.
 - At dispatch the flow is charged the request's reservation (prompt + max_tokens) / weight; when
   the request ends the charge is settled to what it used (prompt + completion tokens streamed),
   so a request that stopped early gives its unused share back.
@@ -16,7 +17,12 @@ al., "Fairness in Serving Large Language Models", OSDI 2024, which AIBrix also u
   instead of starving the others to catch up.
 
 So two backlogged flows of equal weight get equal tokens whatever their concurrency: one that
-floods only lengthens its own queue. The band is a single-writer structure: the controller
+floods only lengthens its own queue.
+
+Memory is bounded by what is queued or running: a flow with nothing queued or running is kept
+only while its counter is above the floor (its debt still matters), and of those at most
+`MAX_IDLE_FLOWS`, the longest idle dropped first (dropping forgives a debt; it never grants credit).
+Sub-flows hold no state of their own beyond their queued items. The band is a single-writer structure: the controller
 (router/flow/controller.py) is the only caller.
 """
 
@@ -26,6 +32,7 @@ import itertools
 from dataclasses import dataclass, field
 
 _sequence = itertools.count()
+MAX_IDLE_FLOWS = 1024
 
 
 @dataclass(eq=False)
@@ -38,16 +45,19 @@ class FlowItem:
     cost_tokens: int  # charged at dispatch: prompt tokens + max_tokens of every choice
     weight: float = 1.0
     priority: int = 0  # the body's `priority`: lower first within the flow (vLLM)
+    sub_flow: str = ""  # the fairness header's id under the flow's key: round robin within the flow
+    label: str = ""  # the metrics label (a key id, bounded); "" : the flow id
     enqueue_time: float = 0.0
     seq: int = field(default_factory=lambda: next(_sequence))
     is_dispatched: bool = False
+    rank: int = 0  # set at push: items of its sub-flow queued ahead of it
 
     @property
     def is_sheddable(self) -> bool:
         return self.band < 0
 
-    def order(self) -> tuple[int, int]:
-        return self.priority, self.seq
+    def order(self) -> tuple[int, int, int]:
+        return self.priority, self.rank, self.seq
 
 
 @dataclass
@@ -64,6 +74,7 @@ class Band:
     def __init__(self, band: int):
         self.band = band
         self.flows: dict[str, _Flow] = {}
+        self.idle: dict[str, None] = {}  # idle flows kept for their debt, oldest first
         self.floor = 0.0
         self.num_queued = 0
 
@@ -71,9 +82,11 @@ class Band:
         flow = self.flows.get(item.flow_id)
         if flow is None:
             flow = self.flows[item.flow_id] = _Flow(counter=self.floor)
+        self.idle.pop(item.flow_id, None)
         flow.weight = item.weight
         if not flow.queue:
             flow.counter = max(flow.counter, self.floor)
+        item.rank = sum(other.sub_flow == item.sub_flow for other in flow.queue)
         position = len(flow.queue)
         while position and flow.queue[position - 1].order() > item.order():
             position -= 1
@@ -124,10 +137,19 @@ class Band:
 
     def _forget_if_idle(self, flow_id: str) -> None:
         """A flow with nothing queued or running is dropped once it is at or below the floor
-        (it would be lifted to the floor anyway), so the band holds only flows that matter."""
+        (it would be lifted to the floor anyway); above it, it is kept as one of the band's idle
+        flows, of which the oldest go beyond MAX_IDLE_FLOWS."""
         flow = self.flows[flow_id]
-        if not flow.queue and not flow.num_inflight and flow.counter <= self.floor:
+        if flow.queue or flow.num_inflight:
+            return
+        if flow.counter <= self.floor:
             del self.flows[flow_id]
+            self.idle.pop(flow_id, None)
+            return
+        self.idle[flow_id] = None
+        while len(self.idle) > MAX_IDLE_FLOWS:
+            oldest = next(iter(self.idle))
+            del self.idle[oldest], self.flows[oldest]
 
     # -- reading ------------------------------------------------------------------------------
     def queued_of(self, flow_id: str) -> int:

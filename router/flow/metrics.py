@@ -4,8 +4,9 @@ leaves flow control: dispatched, shed (503: saturated, sheddable, queue full or 
 long), rejected (429: its flow is over its share of a full queue) or cancelled (its client left
 while it was queued). The queue gauge and the wait histogram are what the planner and KEDA read.
 
-Flow ids come from a header a client sets, so at most `MAX_FLOW_LABELS` distinct flows get their
-own label; later ones are counted under "other".
+The flow label is the key's id (router/flow/classify.py: never a header or a client's address;
+keyless requests are "anonymous"), so its values are bounded by the key file; as a guard against
+a huge key file, at most `MAX_FLOW_LABELS` distinct labels exist, later ones counted as "other".
 """
 
 from __future__ import annotations

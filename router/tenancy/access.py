@@ -5,6 +5,8 @@
 - Admin scope: with keys configured, runtime LoRA load and unload need a key with role `admin`
   (403 otherwise), and a `lora_path` must lie under `gateway.lora_roots` (403 otherwise; no roots:
   no runtime loads). An open gateway (no keys) keeps both open, as it keeps everything open.
+- /metrics (every tenant's token counts and flows) needs role `admin` or `metrics` (a scraper's
+  key, which may read /metrics and call nothing else: 403 on /v1); a user key gets 403.
 - Rate limits: a token bucket per key (one shared bucket when no keys are configured):
   `burst` tokens, refilled at `rate_per_s`; a request takes one token or gets 429 with
   Retry-After = seconds until the next token. In Redis (one atomic Lua script, Redis' own clock,
@@ -69,6 +71,25 @@ def check_admin(auth: Authenticator, key: ApiKey) -> None:
             f"this call needs an API key with role admin; the key {key_label(key)} has role "
             f"{key.role} (set `role: admin` on it in the key file)",
             code="permission_denied",
+        )
+
+
+def check_metrics_reader(auth: Authenticator, key: ApiKey) -> None:
+    """403 unless the gateway is open or `key` may read /metrics (role admin or metrics)."""
+    if not auth.is_open and key.role not in ("admin", "metrics"):
+        raise APIError(
+            403,
+            f"/metrics shows every tenant's usage: it needs an API key with role admin or metrics; the key "
+            f"{key_label(key)} has role {key.role} (or set gateway.public_metrics)",
+            code="permission_denied",
+        )
+
+
+def check_api_caller(key: ApiKey) -> None:
+    """403 for a `metrics` key on the /v1 API: it may only read /metrics."""
+    if key.role == "metrics":
+        raise APIError(
+            403, f"the key {key_label(key)} has role metrics: it may read /metrics only", code="permission_denied"
         )
 
 

@@ -22,6 +22,8 @@ Two per-key limits with distinct jobs (docs/router.md):
 from __future__ import annotations
 
 import asyncio
+import heapq
+import itertools
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -35,19 +37,34 @@ from splitserve.router.usage import Usage
 
 class Slots:
     """Bounded concurrency with a bounded wait queue (one instance per gateway): at most
-    `max_concurrent` requests run, `max_queued` more wait in arrival order, beyond that 429."""
+    `max_concurrent` slots are held, `max_queued` more requests wait, beyond that 429.
+
+    Waiters are served by band (the request's flow-control band, higher first), then in arrival
+    order, so a high band is never queued behind a lower one. The head waits for all the slots it
+    asks for (an embeddings request: one per input) and nobody passes it: two multi-slot takers
+    cannot each hold half and wait forever."""
 
     def __init__(self, max_concurrent: int, max_queued: int):
         self.max_concurrent = max_concurrent
         self.max_queued = max_queued
-        self.num_running = 0
-        self.num_queued = 0
-        self._slots = asyncio.Semaphore(max_concurrent)
-        self._multi = asyncio.Lock()  # one multi-slot taker at a time: two cannot each hold half and wait
+        self.num_running = 0  # slots held
+        self._waiters: list[tuple[int, int, int, asyncio.Future]] = []  # heap of (-band, seq, num_slots, future)
+        self._seq = itertools.count()
 
-    async def acquire(self, num_slots: int = 1) -> int:
+    @property
+    def num_queued(self) -> int:
+        return len(self._waiters)
+
+    def _fits(self, num_slots: int) -> bool:
+        return self.num_running + num_slots <= self.max_concurrent
+
+    async def acquire(self, num_slots: int = 1, band: int = 0) -> int:
         """Take `num_slots` slots (at most max_concurrent); returns how many were taken, for release()."""
-        if self.num_running >= self.max_concurrent and self.num_queued >= self.max_queued:
+        num_slots = max(1, min(num_slots, self.max_concurrent))
+        if not self._waiters and self._fits(num_slots):
+            self.num_running += num_slots
+            return num_slots
+        if len(self._waiters) >= self.max_queued:
             raise APIError(
                 429,
                 f"the server is at capacity ({self.num_running} requests running, "
@@ -55,31 +72,30 @@ class Slots:
                 code="queue_full",
                 retry_after_s=1,
             )
-        num_slots = max(1, min(num_slots, self.max_concurrent))
-        self.num_queued += 1
-        taken = 0
+        entry = (-band, next(self._seq), num_slots, asyncio.get_running_loop().create_future())
+        heapq.heappush(self._waiters, entry)
         try:
-            if num_slots == 1:
-                await self._slots.acquire()
-                taken = 1
-            else:
-                async with self._multi:
-                    for _ in range(num_slots):
-                        await self._slots.acquire()
-                        taken += 1
+            await entry[3]
         except BaseException:
-            for _ in range(taken):
-                self._slots.release()
+            if entry[3].done() and not entry[3].cancelled():
+                self.release(num_slots)  # granted as its caller left: give the slots back
+            else:
+                self._waiters.remove(entry)
+                heapq.heapify(self._waiters)
+                self._wake()
             raise
-        finally:
-            self.num_queued -= 1
-        self.num_running += num_slots
         return num_slots
 
     def release(self, num_slots: int = 1) -> None:
         self.num_running -= num_slots
-        for _ in range(num_slots):
-            self._slots.release()
+        assert self.num_running >= 0
+        self._wake()
+
+    def _wake(self) -> None:
+        while self._waiters and self._fits(self._waiters[0][2]):
+            _, _, num_slots, future = heapq.heappop(self._waiters)
+            self.num_running += num_slots
+            future.set_result(None)
 
 
 @dataclass
@@ -93,6 +109,7 @@ class Ticket:
     grant: Grant | None = None  # the quota gate's reservation
     has_slot: bool = False
     num_slots: int = 1  # slots asked for (an embeddings request: one per input)
+    band: int = 0  # its flow-control band: the slot queue serves higher bands first
     entered: list[Gate] = field(default_factory=list)
 
     @property
@@ -149,7 +166,7 @@ class SlotGate:
         self.slots = slots
 
     async def enter(self, ticket: Ticket) -> None:
-        ticket.num_slots = await self.slots.acquire(ticket.num_slots)
+        ticket.num_slots = await self.slots.acquire(ticket.num_slots, band=ticket.band)
         ticket.has_slot = True
 
     async def leave(self, ticket: Ticket, usage: Usage | None) -> None:
@@ -174,11 +191,14 @@ class AdmissionPipeline:
         """Requests waiting for a server slot."""
         return self.slots.num_queued
 
-    async def admit(self, key: ApiKey, model: str, reserve_tokens: int, *, num_slots: int = 1, span=NOOP) -> Ticket:
+    async def admit(
+        self, key: ApiKey, model: str, reserve_tokens: int, *, num_slots: int = 1, band: int = 0, span=NOOP
+    ) -> Ticket:
         """Pass every gate in order, or raise the first refusal with nothing left held. `num_slots`:
-        concurrency slots the request takes (work in proportion, e.g. one per embeddings input).
+        concurrency slots the request takes (work in proportion, e.g. one per embeddings input);
+        `band`: its flow-control band (the slot queue's order).
         `span`: the request's admission span; each gate is a child (the slot gate's is the queue time)."""
-        ticket = Ticket(key, model, reserve_tokens, num_slots=num_slots)
+        ticket = Ticket(key, model, reserve_tokens, num_slots=num_slots, band=band)
         for gate in self.gates:
             try:
                 with span.child(f"admission.{getattr(gate, 'name', gate.reason)}"):

@@ -1,128 +1,18 @@
-"""The key file: API keys as data, hashed, reloaded on change, and per-key model scopes.
-
-The file (YAML, `gateway.api_keys_file`, e.g. a mounted Secret), reloaded when its stat
-(inode, size, mtime) changes, so a Secret update or an edit needs no restart:
-
-    keys:
-      - id: team-a                # logs, metrics and usage name the key by its id, never the key
-        sha256: 9f86d0...         # hex SHA-256 of the key (or `key: sk-...`, hashed on load)
-        models: [smollm2-135m]    # allowed models (base names and adapters); absent: all
-        rpm: 60                   # requests per window (window: gateway.quota_window_s, 60 s)
-        tpm: 20000                # prompt + completion tokens per window
-        monthly_tokens: 5000000   # prompt + completion tokens per calendar month (UTC)
-        max_concurrent: 8         # requests (streams) of this key in flight at once, per router replica
-        role: admin               # may load/unload LoRA adapters at run time (default: user, may not)
-        priority: 0               # flow-control band of its requests without an objective (negative: sheddable)
-        weight: 1                 # its share in fair queuing against other keys of the same band
-
-A presented key is hashed and compared with every digest by hmac.compare_digest.
-
-A model outside the key's scope is 404 `model_not_found`, as OpenAI answers for a model a key
-cannot see: the answer does not tell a caller which models exist.
+"""The key file served: reloaded when its stat (inode, size, mtime) changes, so a Secret update or an
+edit needs no restart; and the per-key model scope. The file's format and parser are in
+router/config/keys.py.
 """
 
 from __future__ import annotations
 
-import hashlib
 import hmac
 import os
-import re
-from typing import Any
 
 import yaml
 
-from splitserve.router.config import KEY_ROLES, ApiKey, ConfigError
+from splitserve.router.config import ApiKey, ConfigError
+from splitserve.router.config.keys import digest, parse_keys
 from splitserve.router.errors import APIError
-
-ID_PATTERN = re.compile(r"[A-Za-z0-9._-]{1,64}")
-KEY_FIELDS = {
-    "id",
-    "sha256",
-    "key",
-    "models",
-    "rpm",
-    "tpm",
-    "monthly_tokens",
-    "max_concurrent",
-    "role",
-    "priority",
-    "weight",
-}
-
-
-def digest(key: str) -> str:
-    return hashlib.sha256(key.encode()).hexdigest()
-
-
-def _positive(entry: dict, name: str, where: str) -> int | None:
-    value = entry.get(name)
-    if value is None:
-        return None
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ConfigError(f"{where}.{name}={value!r}: need a positive integer (or leave it out for no limit)")
-    return value
-
-
-def _flow_fields(entry: dict, where: str) -> dict:
-    """The key's flow-control `priority` (a band: any integer) and `weight` (a positive number)."""
-    priority, weight = entry.get("priority"), entry.get("weight")
-    if priority is not None and (
-        not isinstance(priority, int) or isinstance(priority, bool) or abs(priority) > 1_000_000
-    ):
-        raise ConfigError(
-            f"{where}.priority={priority!r}: need an integer from -1000000 to 1000000 "
-            "(higher is more important, negative is sheddable)"
-        )
-    if weight is not None and (
-        not isinstance(weight, (int, float)) or isinstance(weight, bool) or not 0 < weight <= 1_000_000
-    ):
-        raise ConfigError(f"{where}.weight={weight!r}: need a number above 0 (1 is an equal share)")
-    return {"priority": priority, "weight": float(weight) if weight is not None else None}
-
-
-def parse_keys(data: Any, source: str) -> tuple[tuple[str, ApiKey], ...]:
-    """(hex digest, key) pairs of a key file's content; raises ConfigError naming what is wrong."""
-    if not isinstance(data, dict) or not isinstance(data.get("keys"), list):
-        raise ConfigError(f"{source}: need a mapping with a list `keys:`")
-    out, ids = [], set()
-    for i, entry in enumerate(data["keys"]):
-        where = f"{source}: keys[{i}]"
-        if not isinstance(entry, dict) or set(entry) - KEY_FIELDS:
-            raise ConfigError(f"{where}: need a mapping with fields from {sorted(KEY_FIELDS)}")
-        key_id = entry.get("id")
-        if not isinstance(key_id, str) or not ID_PATTERN.fullmatch(key_id) or key_id in ids:
-            raise ConfigError(
-                f"{where}.id={key_id!r}: need an id of 1-64 letters, digits, '.', '_' or '-', unique in the file"
-            )
-        ids.add(key_id)
-        if ("sha256" in entry) == ("key" in entry):
-            raise ConfigError(f"{where}: give exactly one of sha256 (hex digest of the key) or key")
-        hexdigest = str(entry["sha256"]).lower() if "sha256" in entry else digest(str(entry["key"]))
-        if len(hexdigest) != 64 or any(c not in "0123456789abcdef" for c in hexdigest):
-            raise ConfigError(f"{where}.sha256: need 64 hex digits")
-        models = entry.get("models")
-        if models is not None and (not isinstance(models, list) or not all(isinstance(m, str) for m in models)):
-            raise ConfigError(f"{where}.models: need a list of model names")
-        role = entry.get("role", "user")
-        if role not in KEY_ROLES:
-            raise ConfigError(f"{where}.role={role!r}: allowed: {', '.join(KEY_ROLES)}")
-        out.append(
-            (
-                hexdigest,
-                ApiKey(
-                    key="",
-                    name=key_id,
-                    models=tuple(models) if models is not None else None,
-                    role=role,
-                    rpm=_positive(entry, "rpm", where),
-                    tpm=_positive(entry, "tpm", where),
-                    monthly_tokens=_positive(entry, "monthly_tokens", where),
-                    max_concurrent=_positive(entry, "max_concurrent", where),
-                    **_flow_fields(entry, where),
-                ),
-            )
-        )
-    return tuple(out)
 
 
 class KeyFile:

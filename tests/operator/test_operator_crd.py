@@ -151,7 +151,7 @@ INVALID = [
     ),
     (
         {"model": {"uri": "m"}, "router": {"replicas": 2, "redis": {"url": "http://redis:6379"}}},
-        "spec.router.redis.url: 'http://redis:6379' does not match '^rediss?://'",
+        "spec.router.redis.url: 'http://redis:6379' does not match '^rediss?://[^@]+$'",
     ),
     (
         {"model": {"uri": "m"}, "decode": {"autoscaling": {"minReplicas": 5, "maxReplicas": 2}}},

@@ -19,7 +19,10 @@ from routerkit import FakeWorker, RouterServer, router_config
 from splitserve.router.config import GatewayConfig
 from splitserve.router.config.flow import FlowControlConfig
 
-KEYS = [{"id": "team-a", "key": "sk-a", "priority": 0}, {"id": "team-b", "key": "sk-b", "priority": 10, "weight": 2}]
+KEYS = [
+    {"id": "team-a", "key": "sk-a", "priority": 0, "max_priority": 10},
+    {"id": "team-b", "key": "sk-b", "priority": 10, "weight": 2},
+]
 MESSAGES = [{"role": "user", "content": "Count the stars."}]
 
 
@@ -49,8 +52,8 @@ def chat(url: str, key: str, max_tokens: int, headers: dict | None = None, **ext
 
 
 def metrics_text(url: str) -> str:
-    """/metrics (it takes a key when keys are configured)."""
-    return httpx.get(f"{url}/metrics", headers={"authorization": "Bearer sk-a"}).raise_for_status().text
+    """/metrics (it takes a metrics or admin key when keys are configured)."""
+    return httpx.get(f"{url}/metrics", headers={"authorization": "Bearer sk-prometheus"}).raise_for_status().text
 
 
 def flow_counts(url: str) -> dict[tuple[str, str], float]:
@@ -171,7 +174,7 @@ def test_a_client_that_leaves_the_queue_is_gone_at_once(stack):
 
 def test_key_file_rejects_a_bad_weight(tmp_path):
     from splitserve.platform.errors import ConfigError
-    from splitserve.router.tenancy.keyfile import parse_keys
+    from splitserve.router.config.keys import parse_keys
 
     with pytest.raises(ConfigError, match="weight"):
         parse_keys({"keys": [{"id": "a", "key": "k", "weight": 0}]}, "keys.yaml")

@@ -25,7 +25,7 @@ from splitserve.router.tenancy.admission import AdmissionPipeline, Slots
 from splitserve.router.tenancy.concurrency import Concurrency
 from splitserve.router.tenancy.quota import Quota
 
-KEY = ApiKey("", name="team-a", priority=0, weight=2.0)
+KEY = ApiKey("", name="team-a", priority=0, max_priority=10, weight=2.0)
 
 
 class RecordingController(FlowController):
@@ -101,7 +101,7 @@ def test_a_queued_request_whose_client_leaves_is_gone_at_once_and_holds_nothing(
             await asyncio.sleep(0.01)
             if flow.num_queued:
                 break
-        assert flow.num_queued == 1 and admission.num_running == 1
+        assert flow.num_queued == 1 and admission.num_running == 0  # queued before admission: holds no slot
         gone.set()
         with pytest.raises(APIError) as err:
             await asyncio.wait_for(task, 5)
@@ -131,7 +131,7 @@ def test_flow_controls_refusal_gives_the_admission_back():
     asyncio.run(steps())
 
 
-def test_the_queue_wait_is_a_gateway_flow_span_beside_admission():
+def test_the_queue_wait_is_a_gateway_flow_span_before_admission():
     """Exported over real OTLP gRPC to tests/otlp_receiver.py, as in tests/platform/test_tracing.py."""
     trace_id = "4bf92f3577b34da6a3ce929d0e0e4736"
     with OtlpReceiver() as receiver:
@@ -155,7 +155,8 @@ def test_the_queue_wait_is_a_gateway_flow_span_beside_admission():
     assert spans["gateway.flow"].parent_id == spans["gateway.admission"].parent_id == spans["gateway.request"].span_id
     assert spans["gateway.flow"].attributes == {
         "splitserve.flow.band": 10,
-        "splitserve.flow.id": "team-x",
+        "splitserve.flow.id": "team-a",  # the key's flow: the header names a sub-flow under it
+        "splitserve.flow.sub_flow": "team-x",
         "splitserve.flow.queued": False,
     }
-    assert spans["gateway.flow"].start_s >= spans["gateway.admission"].start_s
+    assert spans["gateway.admission"].start_s >= spans["gateway.flow"].start_s  # flow control comes first

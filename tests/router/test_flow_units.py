@@ -11,6 +11,7 @@ from prometheus_client import CollectorRegistry
 
 from splitserve.platform.errors import ConfigError
 from splitserve.platform.wire import worker_pb2 as pb
+from splitserve.router.config import ApiKey
 from splitserve.router.config.flow import FlowControlConfig, from_mapping
 from splitserve.router.errors import APIError
 from splitserve.router.flow.classify import classify
@@ -33,6 +34,7 @@ class Worker:
     """The WorkerState fields the detector reads."""
 
     load: pb.LoadReport | None = field(default_factory=pb.LoadReport)
+    address: str = "d:1"
     load_time: float = 100.0
     num_pending: int = 0
     num_inflight: int = 0
@@ -113,26 +115,33 @@ def test_remove_and_idle_flows_are_forgotten():
 
 
 # -- classification --------------------------------------------------------------------------
-def test_band_comes_from_objective_then_model_default_then_key_then_zero():
+def test_band_comes_from_model_default_then_key_then_zero_and_a_header_moves_it_within_the_key():
     cfg = FlowControlConfig(enabled=True, objectives={"chat": 10, "batch": -1}, default_objectives={"m2": "batch"})
-    hdr = {"x-gateway-inference-objective": "chat"}
-    assert classify(cfg, hdr, "m", key_priority=3).band == 10
-    assert classify(cfg, {}, "m2", key_priority=3).band == -1
-    assert classify(cfg, {}, "m", key_priority=3).band == 3
-    assert classify(cfg, {}, "m").band == 0
+    chat = {"x-gateway-inference-objective": "chat"}
+    batch = {"x-gateway-inference-objective": "batch"}
+    key = ApiKey("", name="k", priority=3)
+    assert classify(cfg, {}, "m2", key).band == -1
+    assert classify(cfg, {}, "m", key).band == 3
+    assert classify(cfg, {}, "m", ApiKey("", name="k")).band == 0
+    assert classify(cfg, batch, "m", key).band == -1  # lowering is free
+    assert classify(cfg, chat, "m", key).band == 3  # raising needs max_priority
+    assert classify(cfg, chat, "m", ApiKey("", name="k", priority=3, max_priority=5)).band == 5
+    assert classify(cfg, chat, "m", ApiKey("", name="k", priority=3, max_priority=50)).band == 10
     with pytest.raises(APIError) as exc:
-        classify(cfg, {"x-gateway-inference-objective": "nope"}, "m")
+        classify(cfg, {"x-gateway-inference-objective": "nope"}, "m", key)
     assert exc.value.status == 400 and "batch, chat" in exc.value.message
 
 
-def test_flow_comes_from_header_then_key_then_client():
+def test_flow_is_the_key_and_the_header_only_a_sub_flow_under_it():
     cfg = FlowControlConfig(enabled=True)
-    assert classify(cfg, {"x-gateway-inference-fairness-id": "t1"}, "m", key_id="k", client="1.2.3.4").flow_id == "t1"
-    assert classify(cfg, {}, "m", key_id="k", client="1.2.3.4").flow_id == "k"
-    assert classify(cfg, {}, "m", client="1.2.3.4").flow_id == "1.2.3.4"
-    assert classify(cfg, {}, "m", key_weight=3.0).weight == 3.0
+    own = classify(cfg, {"x-gateway-inference-fairness-id": "t1"}, "m", ApiKey("", name="k"), client="1.2.3.4")
+    assert (own.flow_id, own.sub_flow, own.tenant_label) == ("k", "t1", "k")
+    assert classify(cfg, {}, "m", ApiKey("", name="k"), client="1.2.3.4").flow_id == "k"
+    keyless = classify(cfg, {}, "m", ApiKey(""), client="1.2.3.4")
+    assert (keyless.flow_id, keyless.tenant_label) == ("1.2.3.4", "anonymous")
+    assert classify(cfg, {}, "m", ApiKey("", name="k", weight=3.0)).weight == 3.0
     with pytest.raises(APIError, match="printable"):
-        classify(cfg, {"x-gateway-inference-fairness-id": "a b"}, "m")
+        classify(cfg, {"x-gateway-inference-fairness-id": "a b"}, "m", ApiKey(""))
 
 
 def test_config_rejects_what_it_cannot_use():
@@ -179,7 +188,7 @@ class Gate:
     def __init__(self, slots: int):
         self.slots = slots
 
-    def has_room(self, band: int, num_dispatched: int) -> bool:
+    def has_room(self, band: int, num_dispatched: int, num_reserved_dispatched: int = 0) -> bool:
         return num_dispatched < self.slots
 
     def is_saturated(self) -> bool:

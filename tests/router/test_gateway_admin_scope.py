@@ -5,6 +5,8 @@ a fake engine) and the official `openai` client:
 * runtime LoRA load/unload need a key with role admin; `lora_path` must lie under
   `gateway.lora_roots` (403 otherwise, `..` resolved first); with keys and no roots they are off;
 * /metrics, /openapi.json and /docs need a key when keys are configured, unless made public;
+  /metrics (every tenant's usage) an admin or metrics key, and a metrics key calls nothing else;
+* a model outside a key's scope is a 404 that names only the key's models; /v1/models lists those;
 * `chat_template_kwargs` naming `messages` or `add_generation_prompt` is a 400, not a 500;
 * a key given as a plain `--api-key` is counted under its own label, not as "anonymous".
 """
@@ -20,10 +22,10 @@ from routerkit import FakeWorker, RouterServer, router_config
 
 from splitserve.platform.errors import ConfigError
 from splitserve.router.config import ApiKey, GatewayConfig
-from splitserve.router.tenancy.keyfile import parse_keys
+from splitserve.router.config.keys import parse_keys
 
 MODEL = "smollm2-135m"
-ADMIN, USER, PLAIN = "sk-admin", "sk-user", "sk-plain"
+ADMIN, USER, PLAIN, SCRAPER, SCOPED = "sk-admin", "sk-user", "sk-plain", "sk-scraper", "sk-scoped"
 
 
 def adapter_folder(path) -> str:
@@ -45,7 +47,13 @@ def roots(tmp_path_factory):
 @pytest.fixture(scope="module")
 def stack(loop, tokenizer, roots):
     worker = loop.run(FakeWorker(tokenizer=tokenizer).start())
-    keys = (ApiKey(ADMIN, "ops", role="admin"), ApiKey(USER, "team"), ApiKey(PLAIN))  # PLAIN: as --api-key makes it
+    keys = (
+        ApiKey(ADMIN, "ops", role="admin"),
+        ApiKey(USER, "team"),
+        ApiKey(PLAIN),  # as --api-key makes it
+        ApiKey(SCRAPER, "prometheus", role="metrics"),
+        ApiKey(SCOPED, "scoped", models=(MODEL,)),
+    )
     server = RouterServer(
         loop,
         router_config([worker.address], gateway=GatewayConfig(api_keys=keys, lora_roots=(roots["root"],))),
@@ -101,11 +109,40 @@ def test_without_roots_a_keyed_gateway_loads_nothing(loop, tokenizer, roots):
         loop.run(worker.stop())
 
 
-@pytest.mark.parametrize("path", ["/metrics", "/openapi.json", "/docs", "/redoc"])
-def test_metrics_and_docs_follow_the_apis_auth(stack, path):
+@pytest.mark.parametrize("path", ["/openapi.json", "/docs", "/redoc"])
+def test_docs_follow_the_apis_auth(stack, path):
     assert get(stack, path).status_code == 401
     assert get(stack, path, USER).status_code == 200
     assert get(stack, "/health").status_code == 200  # liveness stays open for probes
+
+
+def test_metrics_need_an_admin_or_metrics_key_which_calls_nothing_else(stack):
+    assert get(stack, "/metrics").status_code == 401
+    denied = get(stack, "/metrics", USER)
+    assert denied.status_code == 403 and "role admin or metrics" in denied.json()["error"]["message"]
+    assert get(stack, "/metrics", ADMIN).status_code == 200
+    assert "splitserve_key_requests_total" in get(stack, "/metrics", SCRAPER).text
+    scraper = openai.OpenAI(base_url=stack.url + "/v1", api_key=SCRAPER, max_retries=0, timeout=30)
+    with pytest.raises(openai.PermissionDeniedError, match="may read /metrics only"):
+        scraper.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+
+
+def test_a_scoped_key_sees_only_its_models_in_the_list_and_in_a_404(stack, roots):
+    assert post(
+        stack, "/v1/load_lora_adapter", ADMIN, {"lora_name": "secret-x", "lora_path": roots["inside"]}
+    ).is_success
+    try:
+        client = openai.OpenAI(base_url=stack.url + "/v1", api_key=SCOPED, max_retries=0, timeout=30)
+        assert [m.id for m in client.models.list()] == [MODEL]
+        for model in ("secret-x", "no-such-model"):
+            with pytest.raises(openai.NotFoundError) as exc:
+                client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+            assert "secret-x" not in str(exc.value) or model == "secret-x"
+            assert "serves" not in str(exc.value)  # the scope's 404: it names nothing else
+        user = openai.OpenAI(base_url=stack.url + "/v1", api_key=USER, max_retries=0, timeout=30)
+        assert "secret-x" in [m.id for m in user.models.list()]
+    finally:
+        post(stack, "/v1/unload_lora_adapter", ADMIN, {"lora_name": "secret-x"})
 
 
 def test_metrics_and_docs_can_be_made_public(loop, tokenizer):
@@ -146,7 +183,7 @@ def test_reserved_chat_template_kwargs_are_a_400(stack, kwargs):
 def test_a_plain_api_key_is_counted_under_its_own_label(stack):
     client = openai.OpenAI(base_url=stack.url + "/v1", api_key=PLAIN, max_retries=0, timeout=30)
     client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2)
-    metrics = get(stack, "/metrics", USER).text
+    metrics = get(stack, "/metrics", ADMIN).text
     label = "key-" + hashlib.sha256(PLAIN.encode()).hexdigest()[:12]
     assert f'splitserve_key_requests_total{{key_id="{label}",model="{MODEL}"}}' in metrics
     assert 'key_id="anonymous"' not in metrics

@@ -123,9 +123,9 @@ def test_embeddings_take_a_slot_per_input(stack, loop):
     seen = []
     original = gateway.admission.slots.acquire
 
-    async def spy(num_slots=1):
+    async def spy(num_slots=1, band=0):
         seen.append(num_slots)
-        return await original(num_slots)
+        return await original(num_slots, band)
 
     gateway.admission.slots.acquire = spy
     try:

@@ -21,7 +21,9 @@ MODEL = "smollm2-135m"
 def stack(loop, tokenizer):
     workers = [loop.run(FakeWorker(tokenizer=tokenizer).start()) for _ in range(2)]
     prefill = loop.run(FakeWorker("prefill", tokenizer=tokenizer).start())
-    gateway = GatewayConfig(api_keys=(ApiKey(KEY, "test"), ApiKey("sk-limited", "limited", rate_per_s=0.1, burst=2)))
+    gateway = GatewayConfig(
+        api_keys=(ApiKey(KEY, "test", role="admin"), ApiKey("sk-limited", "limited", rate_per_s=0.1, burst=2))
+    )  # the admin key also reads /metrics
     server = RouterServer(
         loop, router_config([w.address for w in workers] + [prefill.address], gateway=gateway), tokenizer=tokenizer
     ).start(num_decode=2, num_prefill=1)

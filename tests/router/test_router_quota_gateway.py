@@ -35,7 +35,7 @@ import pytest
 import yaml
 from routerkit import FakeWorker, free_port
 
-from splitserve.router.tenancy.keyfile import digest
+from splitserve.router.config.keys import digest
 
 CLI = str(pathlib.Path(sys.executable).parent / "splitserve")
 MODEL = "smollm2-135m"
@@ -48,6 +48,9 @@ KEYS = [
     {"id": "usage", "sha256": digest("sk-usage")},
     {"id": "headers", "sha256": digest("sk-headers"), "tpm": 100000, "rpm": 1000},
     {"id": "elsewhere", "sha256": digest("sk-elsewhere"), "models": ["another-model"]},
+    {"id": "prometheus", "sha256": digest("sk-prometheus"), "role": "metrics"},
+    {"id": "rpm10", "sha256": digest("sk-rpm10"), "rpm": 10},
+    {"id": "budget", "sha256": digest("sk-budget"), "monthly_tokens": 150},
 ]
 
 
@@ -225,8 +228,11 @@ def test_usage_equals_what_clients_received_including_cut_streams(routers, loop)
     cut_billed = row["completion_tokens"] - want["completion"]
     assert got_tokens <= cut_billed <= got_tokens + 2 * 5, "a cut stream is billed for what it streamed"
     # Prometheus counters (key id, never the key) of both routers add up to the same.
-    # /metrics names the key ids, so with keys set it asks for one (docs/security.md)
-    metrics = "".join(httpx.get(f"{p.url}/metrics", headers={"Authorization": "Bearer sk-usage"}).text for p in procs)
+    # /metrics names every tenant's key id and usage: it asks for a metrics (or admin) key (docs/security.md)
+    assert httpx.get(f"{procs[0].url}/metrics", headers={"Authorization": "Bearer sk-usage"}).status_code == 403
+    metrics = "".join(
+        httpx.get(f"{p.url}/metrics", headers={"Authorization": "Bearer sk-prometheus"}).text for p in procs
+    )
     assert "sk-usage" not in metrics
 
     def counter(name, **labels):
@@ -251,6 +257,66 @@ def total_tokens(results) -> int:
 
 def routers_redis(procs) -> str:
     return procs[0].args[procs[0].args.index("--redis-url") + 1]
+
+
+def test_a_key_with_rpm_10_gets_10_not_20_across_both_replicas(routers):
+    """20 requests at once, half through each router, inside one quota window: 10 are answered."""
+    procs, _ = routers
+    clients = [client(p.url, "sk-rpm10") for p in procs]
+
+    def one(i: int) -> tuple[float, float, bool]:
+        t0 = time.time()
+        try:
+            clients[i % 2].chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=1)
+            return t0, time.time(), True
+        except openai.RateLimitError:
+            return t0, time.time(), False
+
+    for _ in range(3):  # a loaded host may spill the burst into the next window: then try again
+        start = (int(time.time() // WINDOW_S) + 1) * WINDOW_S
+        while time.time() < start:
+            time.sleep(0.01)
+        with concurrent.futures.ThreadPoolExecutor(20) as pool:
+            results = list(pool.map(one, range(20)))
+        windows = {int(t // WINDOW_S) for t0, t1, _ in results for t in (t0, t1)}
+        answered = sum(ok for *_, ok in results)
+        assert answered <= 10 * len(windows), (answered, windows)
+        if len(windows) == 1:
+            assert answered == 10
+            return
+    raise AssertionError(f"three bursts of 20 requests each spilled over a {WINDOW_S} s window")
+
+
+def test_the_monthly_budget_and_usage_survive_a_router_restart(routers):
+    procs, _ = routers
+
+    def ask(url: str) -> bool:
+        try:
+            client(url, "sk-budget").chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=5)
+            return True
+        except openai.RateLimitError as exc:
+            assert "monthly token budget" in str(exc)
+            return False
+
+    def billed() -> list[dict]:
+        out = subprocess.run(
+            [CLI, "usage", "--redis-url", routers_redis(procs), "--key-id", "budget", "--json"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+        return [json.loads(line) for line in out.splitlines()]
+
+    answered = 0
+    while ask(procs[answered % 2].url):
+        answered += 1
+        assert answered < 20, "the monthly budget never applied"
+    assert answered >= 1
+    before = billed()
+    procs[0].stop()
+    procs[0].start()
+    assert not ask(procs[0].url)  # a restarted router still sees the budget used up
+    assert billed() == before and before[0]["requests"] == answered
 
 
 def test_tokens_per_window_hold_across_replicas_when_one_dies(routers):

@@ -13,9 +13,10 @@ from prometheus_client import CollectorRegistry
 
 from splitserve.router.config import ApiKey, ConfigError
 from splitserve.router.config.file import load_config
+from splitserve.router.config.keys import digest, parse_keys
 from splitserve.router.errors import APIError
 from splitserve.router.tenancy.access import Authenticator
-from splitserve.router.tenancy.keyfile import KeyFile, digest, parse_keys
+from splitserve.router.tenancy.keyfile import KeyFile
 from splitserve.router.tenancy.quota import Quota
 from splitserve.router.usage import Usage
 

@@ -260,3 +260,76 @@ def test_a_failing_ipc_copy_leaves_the_request_answered_correctly_and_no_block_h
     assert outs[-1].finished and outs[-1].output_token_ids == ref.output_token_ids
     d_engine.kv.check_invariants()
     assert d_engine.kv.num_requests == 0 and d_engine.pool.num_free_blocks == free_before
+
+
+def test_an_offer_too_large_for_one_header_falls_back_to_bytes():
+    """126 layers with handles the size of CUDA's (~400 bytes a tensor): the offer would not fit
+    the 64 KiB header, so the decode worker declines it and the transfer goes as bytes."""
+    big = KVLayout("m", "float32", block_size=4, num_layers=126, num_kv_heads=1, head_dim=8)
+    kv, backend = caches(num_blocks=2, layout=big), cuda_ipc.LocalIpcBackend(handle_bytes=400)
+    declined = cuda_ipc.offer(kv, backend, hello=cuda_ipc.hello(), session_key=KEY)
+    assert declined["type"] == "ipc_declined" and "more than one KV header holds" in declined["reason"]
+    small = cuda_ipc.offer(caches(), backend, hello=cuda_ipc.hello(), session_key=KEY)
+    assert small["type"] == "ipc_offer"  # two layers of the same handles fit
+
+    async def go():
+        receiver = make_receiver("inproc", auth_key=KEY)
+        await receiver.start()
+        receiver.ipc = (kv, backend)
+        written = []
+        receiver.expect("t", big, 1, lambda layer, p, first: written.append(layer), 10.0, block_ids=[1])
+        sender = make_sender("inproc", auth_key=KEY)
+        sender.ipc_backend = backend
+        try:
+            handle = await sender.open(receiver.address, "t", big, 1)
+            for layer in range(big.num_layers):
+                await handle.send_layer(layer, payload(layer, 1, big), 0)
+            await handle.finish()
+            return written, await receiver.wait("t"), handle.path, sender.ipc_fallbacks
+        finally:
+            receiver.release("t")
+            await sender.close()
+            await receiver.close()
+
+    written, status, path, fallbacks = asyncio.run(go())
+    assert status.state is TransferState.DONE and path == "inproc" and sorted(written) == list(range(126))
+    assert any("more than one KV header holds" in f for f in fallbacks), fallbacks
+    assert all(torch.all(t == 0) for pair in kv for t in pair)  # nothing went through a mapping
+
+
+def test_after_the_receiver_aborts_no_layer_is_written_through_the_mapping():
+    """The decode worker aborts a transfer after layer 0 landed and hands block 1 to its next
+    request; the sender's later layers do not reach that block (CPU reference backend)."""
+    kv, backend = caches(), cuda_ipc.LocalIpcBackend()
+
+    async def go():
+        receiver = make_receiver("inproc", auth_key=KEY)
+        await receiver.start()
+        receiver.ipc = (kv, backend)
+        receiver.expect("t", LAYOUT, 1, lambda *a: None, 10.0, block_ids=[1])
+        sender = make_sender("inproc", auth_key=KEY)
+        sender.ipc_backend = backend
+        try:
+            handle = await sender.open(receiver.address, "t", LAYOUT, 1)
+            await handle.send_layer(0, payload(5, 1), 0)
+            for _ in range(200):
+                if receiver.poll("t").num_layers_done == 1:
+                    break
+                await asyncio.sleep(0.01)
+            assert handle.path == "cuda_ipc" and torch.all(kv[0][0][1] == 5)
+            receiver.abort("t")
+            kv[1][0][1].fill_(-1.0)  # the next request's KV in the freed block
+            for _ in range(200):
+                if handle.error is not None:
+                    break
+                await asyncio.sleep(0.01)
+            await handle.send_layer(1, payload(7, 1), 0)
+            with pytest.raises(TransferError):
+                await handle.finish()
+        finally:
+            receiver.release("t")
+            await sender.close()
+            await receiver.close()
+
+    asyncio.run(go())
+    assert torch.all(kv[1][0][1] == -1.0) and torch.all(kv[1][1][1] == 0)  # layer 1 never written

@@ -26,7 +26,8 @@ event), so the decode worker's later kernels read finished bytes.
 
 Any failure falls back to bytes on the same connection, never failing the request: a declined
 or unverifiable offer (another node, a GPU not visible here, no peer access, a bad tag, handles
-that do not open) makes the connection a plain one; a transfer whose receiver has no block ids
+that do not open, an offer too large for one header: about 800 bytes a layer, so past ~80
+layers) makes the connection a plain one; a transfer whose receiver has no block ids
 for it ("ipc_ready" with none) sends bytes; a copy that raises fails that transfer, and the
 decode worker falls back as for any failed transfer (its next prefill worker, or local prefill).
 `choose_path` decides what `--kv-transport auto` means on a worker and says why.
@@ -45,6 +46,8 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
 import torch
+
+from splitserve.workers.transfer.stream import MAX_HEADER_BYTES
 
 log = logging.getLogger(__name__)
 
@@ -201,9 +204,16 @@ def offer(kv_caches, backend: IpcBackend, *, hello: dict, session_key: bytes | N
             "cache_shape": list(k0.shape),
             "tensors": [backend.share(t) for kv in kv_caches for t in kv],
         }
+        reply = {**body, "tag": offer_tag(session_key, body)}
+        size = len(json.dumps(reply, separators=(",", ":")))
+        if size > MAX_HEADER_BYTES - 4:  # the offer is one header: too many layers' handles for it
+            raise IpcUnavailable(
+                f"the offer of {len(body['tensors'])} cache tensors' handles is {size} bytes, more than "
+                f"one KV header holds ({MAX_HEADER_BYTES - 4})"
+            )
     except IpcUnavailable as exc:
         return {"type": "ipc_declined", "reason": str(exc)}
-    return {**body, "tag": offer_tag(session_key, body)}
+    return reply
 
 
 def offer_tag(session_key: bytes, body: dict) -> str:
@@ -286,8 +296,9 @@ class LocalIpcBackend(IpcBackend):
     registry, so both workers must live in one process (the inproc transport); everything else —
     the offer, its tag, the checks, the writes, the fallbacks — is the real code path."""
 
-    def __init__(self, device_uuid: str = "local-device", reachable: bool = True):
+    def __init__(self, device_uuid: str = "local-device", reachable: bool = True, handle_bytes: int = 0):
         self._uuid, self._reachable = device_uuid, reachable
+        self._padding = "h" * handle_bytes  # the size of a real handle entry (CUDA's: ~400 bytes a tensor)
         self._shared: dict[str, torch.Tensor] = {}
         self.fail_open = False  # a fault to inject: handles that do not open
 
@@ -297,7 +308,7 @@ class LocalIpcBackend(IpcBackend):
     def share(self, tensor: torch.Tensor) -> dict:
         key = f"t{len(self._shared)}"
         self._shared[key] = tensor
-        return {"handle": key}
+        return {"handle": key, **({"padding": self._padding} if self._padding else {})}
 
     def reach(self, device_uuid: str) -> torch.device:
         if not self._reachable or device_uuid != self._uuid:

@@ -179,6 +179,8 @@ class ChannelSendHandle(SendHandle):
         first, n = batch[0][2], batch[0][1].shape[1]
         dst = block_ids[first : first + n]
         for layer, payload, _ in batch:
+            if self.error is not None:  # the receiver aborted (its "failed" reply came): no more writes
+                return
             await asyncio.to_thread(self._conn.ipc_writer.write, layer, dst, payload)
             self.bytes_sent += payload.numel() * payload.element_size()
         await self._conn.channel.send(
