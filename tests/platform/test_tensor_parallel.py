@@ -1,0 +1,243 @@
+"""Tensor parallelism on the CPU (gloo): every family at TP 2 gives TP 1's greedy tokens, TP 4
+does on Llama, the features that sample on rank 0 (seeded, structured output, n-gram
+speculation, prefix-cache hits) give TP 1's tokens, a rank killed or stopped under load takes
+the group down with a clean error and no process left, and bad sizes are refused at start.
+
+The models are the tiny random transformers checkpoints of test_model_families (4 heads, 2 KV
+heads, weights at std 0.15 so greedy tokens do not sit on near-ties), fp32. Each TP engine
+starts real rank processes; TP 1 runs in this process. Summation order differs between TP 1 and
+TP 2 (each all-reduce adds two partial sums), so logits differ in the last bits: what must be
+equal is the tokens.
+"""
+
+import json
+import os
+import signal
+import time
+
+import psutil
+import pytest
+from test_model_families import FAMILIES, save_family
+
+from splitserve.platform.config import (
+    CacheConfig,
+    DeviceConfig,
+    EngineConfig,
+    KVTierConfig,
+    LoraConfig,
+    ModelConfig,
+    ParallelConfig,
+    SpeculativeConfig,
+    resolve_parallel,
+)
+from splitserve.platform.engine.llm_engine import LLMEngine
+from splitserve.platform.errors import ConfigError, TensorParallelError
+from splitserve.platform.parallel.layout import ShardLayout, check_tensor_parallel
+from splitserve.platform.sampling.params import SamplingParams
+from splitserve.platform.sampling.structured import StructuredSpec
+
+TP_FAMILIES = {
+    **FAMILIES,
+    "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
+}
+PROMPTS = [[(7 * i + 3 * j) % 49000 + 100 for j in range(5 + 9 * i)] for i in range(6)]
+GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+
+
+def engine(model: str, tp: int, **options) -> LLMEngine:
+    return LLMEngine(
+        EngineConfig(
+            model=model,
+            cache=CacheConfig(num_blocks=96),
+            device=DeviceConfig(dtype="float32", quantization="none"),
+            parallel=ParallelConfig(tensor_parallel_size=tp),
+            **options,
+        )
+    )
+
+
+def tokens(eng: LLMEngine, prompts, params=GREEDY) -> list[list[int]]:
+    return [out.output_token_ids for out in eng.generate(prompts, params)]
+
+
+def children() -> list[psutil.Process]:
+    """Rank processes of this test process (multiprocessing's resource tracker, which the shared
+    memory segment starts once per process, is not one)."""
+    ranks = []
+    for p in psutil.Process().children(recursive=True):
+        try:
+            if "splitserve.platform.parallel.rank" in " ".join(p.cmdline()) and p.status() != psutil.STATUS_ZOMBIE:
+                ranks.append(p)
+        except psutil.NoSuchProcess:
+            pass
+    return ranks
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory, smollm2_gguf_path):
+    made = {}
+
+    def get(model_type: str) -> str:
+        if model_type not in made:
+            folder = tmp_path_factory.mktemp(f"tp-{model_type}")
+            save_family(folder, model_type, smollm2_gguf_path, TP_FAMILIES)
+            made[model_type] = str(folder)
+        return made[model_type]
+
+    return get
+
+
+def run_tp(model: str, tp: int, prompts=PROMPTS, params=GREEDY, **options) -> list[list[int]]:
+    eng = engine(model, tp, **options)
+    try:
+        assert eng.executor is not None and len(eng.executor.pids) == tp - 1
+        return tokens(eng, prompts, params)
+    finally:
+        eng.close()
+        assert not children(), "a rank outlived close()"
+
+
+@pytest.mark.parametrize("model_type", sorted(TP_FAMILIES))
+def test_tp2_greedy_equals_tp1_on_every_family(folders, model_type):
+    model = folders(model_type)
+    reference = tokens(engine(model, 1), PROMPTS)
+    assert run_tp(model, 2) == reference
+
+
+def test_tp4_greedy_equals_tp1_with_replicated_kv_heads(folders):
+    model = folders("llama")
+    reference = tokens(engine(model, 1), PROMPTS[:3])
+    assert ShardLayout(engine(model, 1).model_config, 3, 4).kv_head_start == 1  # 2 KV heads over 4 ranks
+    assert run_tp(model, 4, PROMPTS[:3]) == reference
+
+
+def test_seeded_structured_ngram_and_prefix_hits_under_tp2_equal_tp1(folders):
+    """One TP 2 and one TP 1 engine with n-gram speculation: greedy with proposals, seeded
+    sampling, a regex-constrained request, then a prompt again from the prefix cache."""
+    model = folders("llama")
+    spec = SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_min=2)
+    repetitive = [[100 + j % 7 for j in range(40)], [200 + j % 5 for j in range(33)]]
+    seeded = [SamplingParams(temperature=0.9, top_p=0.9, seed=s, max_tokens=8, ignore_eos=True) for s in (1, 2)]
+    structured = SamplingParams(temperature=0, max_tokens=12, structured=StructuredSpec("regex", r"[a-z]{2,6}-[0-9]{2}"))
+    prompts = repetitive + PROMPTS[:2] + [PROMPTS[3]]
+    params = [GREEDY, GREEDY, *seeded, structured]
+    runs = {}
+    for tp in (1, 2):
+        eng = engine(model, tp, speculative=spec)
+        try:
+            outs = eng.generate(prompts, params)
+            hits = eng.scheduler.stats.num_prefix_hit_tokens
+            again = eng.generate([PROMPTS[4], PROMPTS[4]], GREEDY)
+            runs[tp] = (
+                [o.output_token_ids for o in outs],
+                outs[-1].text,
+                [o.output_token_ids for o in again],
+                eng.scheduler.stats.num_prefix_hit_tokens - hits,
+                eng.speculator.stats.num_draft_tokens,
+            )
+        finally:
+            eng.close()
+    assert runs[2][:3] == runs[1][:3]
+    assert runs[2][3] >= 32, "the second copy of the prompt hit the prefix cache"
+    assert runs[2][4] > 0, "n-gram proposals were verified under TP 2"
+    assert len(runs[2][1]) > 0 and runs[2][1].split("-")[0].isalpha()
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP], ids=["SIGKILL", "SIGSTOP"])
+def test_a_rank_killed_or_stopped_under_load_takes_the_group_down(folders, sig):
+    eng = engine(folders("llama"), 2)
+    ids = [eng.add_request(params=SamplingParams(max_tokens=400, ignore_eos=True), prompt_token_ids=p) for p in PROMPTS]
+    for _ in range(3):
+        eng.step()
+    [rank1] = eng.executor.pids
+    os.kill(rank1, sig)
+    t0 = time.monotonic()
+    with pytest.raises(TensorParallelError, match="tensor-parallel group is down"):
+        while eng.has_unfinished_requests() and time.monotonic() - t0 < 60:
+            eng.step()
+    assert time.monotonic() - t0 < 30
+    assert not psutil.pid_exists(rank1) or psutil.Process(rank1).status() == psutil.STATUS_ZOMBIE
+    finals = eng.abort_all()
+    assert sorted(o.req_id for o in finals) == sorted(ids)
+    assert all(o.finished and o.finish_reason == "abort" for o in finals)
+    with pytest.raises(TensorParallelError):
+        eng.step() if eng.add_request(prompt_token_ids=PROMPTS[0], params=GREEDY) else None
+    eng.close()
+    assert not children()
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        (dict(tp=3), "does not divide the 4 attention heads.*allowed: \\[1, 2, 4\\]"),
+        (dict(tp=2, quantization="w4a16"), "--quantization w4a16 .*use --quantization none"),
+        (dict(tp=2, kv_tier=KVTierConfig(max_bytes=2**20)), "KV tier .* does not support"),
+        (dict(tp=2, lora=LoraConfig(modules=(("a", "/nowhere"),))), "LoRA adapters"),
+        (dict(tp=2, nnodes=2), "not implemented yet"),
+    ],
+)
+def test_bad_sizes_and_combinations_fail_at_start_within_10s(folders, options, message):
+    model = folders("llama")
+    tp = options.pop("tp")
+    parallel = ParallelConfig(tensor_parallel_size=tp, nnodes=options.pop("nnodes", 1), master_port=29999)
+    device = DeviceConfig(dtype="float32", quantization=options.pop("quantization", "none"))
+    t0 = time.monotonic()
+    with pytest.raises(ConfigError, match=message):
+        LLMEngine(EngineConfig(model=model, cache=CacheConfig(num_blocks=96), device=device, parallel=parallel, **options))
+    assert time.monotonic() - t0 < 10
+    assert not children()
+
+
+def test_head_splits_and_devices_are_checked_before_anything_starts():
+    def shape(heads, kv, inter=96):
+        return ModelConfig("m", "llama", 256, 96, inter, 2, heads, kv, 96 // heads)
+
+    check_tensor_parallel(shape(8, 2), ParallelConfig(tensor_parallel_size=8), "cpu", "none")  # KV replicated
+    with pytest.raises(ConfigError, match="the 3 KV heads .* do not split.*allowed: \\[1, 3, 6\\]"):
+        check_tensor_parallel(shape(6, 3), ParallelConfig(tensor_parallel_size=2), "cpu", "none")
+    with pytest.raises(ConfigError, match="the 4 KV heads .* do not split"):  # 6 ranks over 4 KV heads
+        check_tensor_parallel(shape(12, 4), ParallelConfig(tensor_parallel_size=6), "cpu", "none")
+    with pytest.raises(ConfigError, match="does not divide intermediate_size=90"):
+        check_tensor_parallel(shape(4, 2, inter=90), ParallelConfig(tensor_parallel_size=4), "cpu", "none")
+    with pytest.raises(ConfigError, match="needs 2 GPUs on this node but 0 are visible"):
+        check_tensor_parallel(shape(4, 2), ParallelConfig(tensor_parallel_size=2), "cuda", "none")
+    with pytest.raises(ConfigError, match="use --device cuda"):
+        check_tensor_parallel(shape(4, 2), ParallelConfig(tensor_parallel_size=2), "cuda:1", "none")
+
+
+def test_kv_heads_and_weight_slices_of_each_rank():
+    config = ModelConfig("m", "phi3", 10, 64, 96, 2, 4, 2, 16)
+    ranks = [ShardLayout(config, r, 2) for r in range(2)]
+    assert [r.vocab_range for r in ranks] == [(0, 5), (5, 10)]
+    assert ranks[1].slices("model.layers.0.self_attn.qkv_proj.weight") == (0, ((32, 64), (80, 96), (112, 128)))
+    assert ranks[1].slices("model.layers.0.mlp.gate_up_proj.weight") == (0, ((48, 96), (144, 192)))
+    assert ranks[1].slices("model.layers.0.self_attn.o_proj.weight") == (1, ((32, 64),))
+    assert ranks[0].slices("model.layers.1.input_layernorm.weight") is None
+    assert ranks[0].slices("model.layers.1.self_attn.q_norm.weight") is None
+    odd = ShardLayout(config.replace(vocab_size=11), 1, 2)
+    assert (odd.vocab_per_rank, odd.vocab_range) == (6, (6, 11))  # the last rank's table padded to 6 rows
+
+
+def test_lws_environment_fills_what_the_flags_leave_unset():
+    env = {"LWS_LEADER_ADDRESS": "leader.svc", "LWS_GROUP_SIZE": "2", "LWS_WORKER_INDEX": "1"}
+    p = resolve_parallel(env, tensor_parallel_size=8, master_port=29500)
+    assert (p.tensor_parallel_size, p.nnodes, p.node_rank, p.master_addr, p.master_port) == (
+        8,
+        2,
+        1,
+        "leader.svc",
+        29500,
+    )
+    assert p.ranks_per_node == 4
+    assert resolve_parallel(env, tensor_parallel_size=8, nnodes=1, node_rank=0, master_port=1).nnodes == 1  # flags win
+    assert resolve_parallel({}) == ParallelConfig()
+    with pytest.raises(ConfigError, match="must be integers"):
+        resolve_parallel({"LWS_GROUP_SIZE": "two"})
+    with pytest.raises(ConfigError, match="needs --master-port"):
+        resolve_parallel(env, tensor_parallel_size=8)
+    with pytest.raises(ConfigError, match="does not split evenly over nnodes=2"):
+        resolve_parallel(env, tensor_parallel_size=3, master_port=1)
+    with pytest.raises(ConfigError, match="node_rank must be in"):
+        ParallelConfig(node_rank=1)
+    assert json.dumps(ParallelConfig().__dict__)  # plain values: the worker spec renders them
