@@ -116,12 +116,13 @@ def test_seeded_structured_ngram_and_prefix_hits_under_tp2_equal_tp1(folders):
     """One TP 2 and one TP 1 engine with n-gram speculation: greedy with proposals, seeded
     sampling, a regex-constrained request, then a prompt again from the prefix cache."""
     model = folders("llama")
-    spec = SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_min=2)
-    repetitive = [[100 + j % 7 for j in range(40)], [200 + j % 5 for j in range(33)]]
+    spec = SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_min=1)
+    repetitive = [[100 + j % 7 for j in range(40)], PROMPTS[0]]  # their greedy outputs repeat tokens
     seeded = [SamplingParams(temperature=0.9, top_p=0.9, seed=s, max_tokens=8, ignore_eos=True) for s in (1, 2)]
     structured = SamplingParams(temperature=0, max_tokens=12, structured=StructuredSpec("regex", r"[a-z]{2,6}-[0-9]{2}"))
     prompts = repetitive + PROMPTS[:2] + [PROMPTS[3]]
-    params = [GREEDY, GREEDY, *seeded, structured]
+    longer = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    params = [longer, longer, *seeded, structured]
     runs = {}
     for tp in (1, 2):
         eng = engine(model, tp, speculative=spec)
