@@ -1,6 +1,6 @@
 """The `splitserve` command line.
 
-    splitserve generate --model smollm2-135m [--chat] [--max-tokens N] [--temperature T] [--seed S] "prompt"
+    splitserve generate --model smollm2-135m [--chat] [--max-tokens N] [--temperature T] [--seed S] [-tp N] "prompt"
     splitserve chat --model smollm2-135m
 
 `generate` prints only the generated text on stdout (logs go to stderr); errors print one
@@ -116,6 +116,39 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     )
 
 
+def add_parallel_args(p: argparse.ArgumentParser) -> None:
+    """Tensor parallelism (vLLM's and torchrun's names); unset ones come from a LeaderWorkerSet's
+    environment, else the defaults (config.resolve_parallel)."""
+    p.add_argument(
+        "--tensor-parallel-size",
+        "-tp",
+        type=int,
+        default=None,
+        help="ranks the model is split over, one process each (default 1; docs/engine.md)",
+    )
+    p.add_argument("--nnodes", type=int, default=None, help="nodes the ranks span (default 1, or LWS_GROUP_SIZE)")
+    p.add_argument("--node-rank", type=int, default=None, help="this node's index (default 0, or LWS_WORKER_INDEX)")
+    p.add_argument("--master-addr", default=None, help="rank 0's host (default 127.0.0.1, or LWS_LEADER_ADDRESS)")
+    p.add_argument("--master-port", type=int, default=None, help="rank 0's port (default: a free one)")
+
+
+def parallel_config(args):
+    """The ParallelConfig of the flags of add_parallel_args (absent ones: unset), the
+    LeaderWorkerSet environment filling the rest."""
+    import os
+
+    from splitserve.platform.config import resolve_parallel
+
+    return resolve_parallel(
+        os.environ,
+        getattr(args, "tensor_parallel_size", None),
+        getattr(args, "nnodes", None),
+        getattr(args, "node_rank", None),
+        getattr(args, "master_addr", None),
+        getattr(args, "master_port", None),
+    )
+
+
 def speculative_config(text: str):
     """argparse type of --speculative-config: a bad value exits with status 2 and says what is allowed."""
     from splitserve.platform.config import SpeculativeConfig
@@ -194,6 +227,7 @@ def engine_config(args):
         ),
         speculative=getattr(args, "speculative_config", None),
         kv_tier=kv_tier_config(args),
+        parallel=parallel_config(args),
     )
 
 
@@ -231,6 +265,14 @@ def cmd_generate(args) -> int:
 
     params = sampling_params(args)  # validate before loading the model
     engine = LLMEngine(engine_config(args))
+    try:
+        _generate(engine, args, params)
+    finally:
+        engine.close()  # the other ranks of a tensor-parallel group
+    return 0
+
+
+def _generate(engine, args, params) -> None:
     if args.chat:
         token_ids = engine.tokenizer.encode_chat([{"role": "user", "content": args.prompt}])
         engine.add_request(params=params, prompt_token_ids=token_ids)
@@ -241,7 +283,6 @@ def cmd_generate(args) -> int:
             sys.stdout.write(out.new_text)
             sys.stdout.flush()
     sys.stdout.write("\n")
-    return 0
 
 
 def cmd_chat(args) -> int:
@@ -291,6 +332,7 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="complete one prompt and print the text")
     add_engine_args(gen)
+    add_parallel_args(gen)
     add_sampling_args(gen, max_tokens=128)
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     gen.add_argument("prompt")

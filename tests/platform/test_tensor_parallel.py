@@ -119,7 +119,9 @@ def test_seeded_structured_ngram_and_prefix_hits_under_tp2_equal_tp1(folders):
     spec = SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_min=1)
     repetitive = [[100 + j % 7 for j in range(40)], PROMPTS[0]]  # their greedy outputs repeat tokens
     seeded = [SamplingParams(temperature=0.9, top_p=0.9, seed=s, max_tokens=8, ignore_eos=True) for s in (1, 2)]
-    structured = SamplingParams(temperature=0, max_tokens=12, structured=StructuredSpec("regex", r"[a-z]{2,6}-[0-9]{2}"))
+    structured = SamplingParams(
+        temperature=0, max_tokens=12, structured=StructuredSpec("regex", r"[a-z]{2,6}-[0-9]{2}")
+    )
     prompts = repetitive + PROMPTS[:2] + [PROMPTS[3]]
     longer = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
     params = [longer, longer, *seeded, structured]
@@ -185,7 +187,9 @@ def test_bad_sizes_and_combinations_fail_at_start_within_10s(folders, options, m
     device = DeviceConfig(dtype="float32", quantization=options.pop("quantization", "none"))
     t0 = time.monotonic()
     with pytest.raises(ConfigError, match=message):
-        LLMEngine(EngineConfig(model=model, cache=CacheConfig(num_blocks=96), device=device, parallel=parallel, **options))
+        LLMEngine(
+            EngineConfig(model=model, cache=CacheConfig(num_blocks=96), device=device, parallel=parallel, **options)
+        )
     assert time.monotonic() - t0 < 10
     assert not children()
 
