@@ -102,6 +102,7 @@ class TPExecutor:
             self.close()
             raise
         self._watchdog: threading.Thread | None = None
+        self.rank_weight_bytes: list[int] = []  # ranks 1.. : their parameters' bytes, once ready
 
     @property
     def pids(self) -> list[int]:
@@ -110,14 +111,16 @@ class TPExecutor:
     def wait_ready(self) -> None:
         """Block until every rank loaded its shard; ConfigError (all ranks ended) if one failed."""
         try:
-            self._collect("ready", timeout=START_TIMEOUT_S)
+            self.rank_weight_bytes = self._collect("ready", timeout=START_TIMEOUT_S)
         except BaseException:
             self.close()
             raise
         self._watchdog = threading.Thread(target=self._watch, name="splitserve-tp-watchdog", daemon=True)
         self._watchdog.start()
 
-    def _collect(self, kind: str, timeout: float) -> None:
+    def _collect(self, kind: str, timeout: float) -> list:
+        """Each rank's next answer, which must be `kind`; returns their details in rank order."""
+        details = []
         deadline = time.monotonic() + timeout
         for rank, (proc, conn) in enumerate(zip(self.procs, self.sender.conns, strict=True), start=1):
             while not conn.poll(0.1):
@@ -129,6 +132,8 @@ class TPExecutor:
             if got == "error":
                 raise ConfigError(f"tensor-parallel rank {rank} failed to start: {detail}")
             assert got == kind, f"rank {rank} sent {got!r}, expected {kind!r}"
+            details.append(detail)
+        return details
 
     def send_step(self, message) -> None:
         """Ship one step to every rank; TensorParallelError if the group is down."""

@@ -44,7 +44,7 @@ def rank_main(spec: RankSpec, conn) -> None:
         device = _rank_device(spec.config.device.device, spec.rank % spec.config.parallel.ranks_per_node)
         group = init_group(spec.rank, spec.size, spec.master_addr, spec.master_port, device)
         runner, wants_graphs = build_runner(spec, group, device)
-        receiver.reply(("ready", spec.rank))
+        receiver.reply(("ready", sum(p.nbytes for p in runner.model.parameters())))
     except BaseException as exc:
         receiver.reply(("error", f"{type(exc).__name__}: {exc}"))
         os._exit(1)
