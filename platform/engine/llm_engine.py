@@ -37,7 +37,7 @@ from splitserve.platform.engine.output_processor import OutputProcessor
 from splitserve.platform.engine.outputs import RequestOutput, TokenLogprob
 from splitserve.platform.engine.request_state import RequestState
 from splitserve.platform.engine.runner import ModelRunner
-from splitserve.platform.errors import ConfigError, InvalidRequestError
+from splitserve.platform.errors import InvalidRequestError
 from splitserve.platform.hashing import BlockHasher, lora_extra_keys
 from splitserve.platform.kv.block_pool import BlockPool, KVEvent
 from splitserve.platform.kv.cache import allocate_kv_cache, plan_num_blocks
@@ -96,8 +96,6 @@ class LLMEngine:
         check_tensor_parallel(
             self.model_config, config.parallel, config.device.device, self.quantization, config.kv_tier is not None
         )
-        if tp > 1 and config.lora.modules:
-            raise ConfigError("LoRA adapters (--lora-modules) do not support --tensor-parallel-size > 1 yet")
         local_config = ShardLayout(self.model_config, 0, tp).local_model_config()  # rank 0's KV heads
         eager = config.device.enforce_eager
         num_blocks = plan_num_blocks(
@@ -138,7 +136,10 @@ class LLMEngine:
         kv_caches = allocate_kv_cache(local_config, num_blocks, block_size, self.kv_dtype, self.device)
         self.kv_tier = attach_tier(config.kv_tier, self.pool, self.kv, kv_caches, self.model_config.model_id)
         lora_context, layout = attach_lora(self.model)
-        self.loras = LoraRegistry(config.lora, layout, self.dtype)
+        tp = config.parallel.tensor_parallel_size
+        self.loras = LoraRegistry(
+            config.lora, layout, self.dtype, ShardLayout(self.model_config, 0, tp) if tp > 1 else None
+        )
         self.loras.load_modules()
         self.runner = ModelRunner(self.model, kv_caches, block_size, self.device, lora_context)
         self.runner.executor = self.executor
@@ -210,10 +211,10 @@ class LLMEngine:
         `lora_name`: run the request through this loaded adapter (AdapterNotFoundError if unknown);
         `priority` / `band`: its place under the "priority" scheduling policy (platform/sched).
         """
-        if self.executor is not None and (remote_prefill or kv_export is not None or lora_name is not None):
+        if self.executor is not None and (remote_prefill or kv_export is not None):
             raise InvalidRequestError(
-                "KV transfer and LoRA adapters are not supported with --tensor-parallel-size > 1 yet; "
-                "allowed: plain requests (or a worker with --tensor-parallel-size 1)"
+                "KV transfer (P/D) is not supported with --tensor-parallel-size > 1 yet; allowed: "
+                "local prefill (or a worker with --tensor-parallel-size 1)"
             )
         req_id = req_id if req_id is not None else f"req-{next(self._ids)}"
         if req_id in self.scheduler.requests:

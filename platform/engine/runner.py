@@ -32,6 +32,8 @@ from splitserve.platform.spec.verify import verify
 
 log = logging.getLogger(__name__)
 
+MAX_RANK_ADAPTERS = 16
+
 
 class ModelRunner:
     def __init__(
@@ -45,7 +47,8 @@ class ModelRunner:
         self.sampler = Sampler()
         self.graphs: DecodeGraphs | None = None
         self.executor = None  # parallel.executor.TPExecutor on rank 0 of a tensor-parallel group
-        self.adapters: dict[str, LoraAdapter] = {}  # a rank > 0's LoRA shards, by lora_id
+        self.adapters: dict[str, LoraAdapter] = {}  # a rank > 0's LoRA shards, by lora_id, oldest first
+        self.read_lora: Callable[[str, str], LoraAdapter] | None = None  # a rank > 0's adapter reader
         self._num_sms = 0
         if model is not None and triton_available(device) and hasattr(model, "use_fused_ops"):
             from splitserve.platform.kernels.triton_ops import TritonOps
@@ -85,7 +88,8 @@ class ModelRunner:
         prompt_rows = _rows(seqs, prompt_logprobs) if prompt_logprobs else None
         if self.executor is None:
             return self._execute(seqs, rows, eos_token_ids, use_graphs, layer_hook, loras, prompt_rows)
-        self.executor.send_step(StepMessage(tuple(seqs), use_graphs, prompt_rows, _lora_keys(seqs, loras)))
+        message = StepMessage(tuple(seqs), use_graphs, prompt_rows, *_lora_keys(seqs, loras))
+        self.executor.send_step(message)
         try:
             return self._execute(seqs, rows, eos_token_ids, use_graphs, layer_hook, loras, prompt_rows)
         except Exception as exc:  # a collective failed or timed out: the ranks are out of step for good
@@ -129,12 +133,27 @@ class ModelRunner:
             assert self.graphs is not None, "rank 0 replays decode graphs this rank could not capture"
             self.graphs.run(seqs)
             return
-        loras = {rid: self.adapters[key] for rid, key in message.lora_keys.items()} if message.lora_keys else None
+        loras = None
+        if message.lora_keys:
+            loras = {rid: self._adapter(key, message.lora_sources[key]) for rid, key in message.lora_keys.items()}
         hidden, sample_idx = self._forward(seqs, None, loras)
         if message.prompt_rows:
             prompt_lp.compute(self.model, hidden, message.prompt_rows)
         if any(s.do_sample for s in seqs):
             self.model.compute_logits(hidden[sample_idx])
+
+    def _adapter(self, lora_id: str, source: tuple[str, str]) -> LoraAdapter:
+        """A rank > 0's shard of adapter `lora_id`, read from its folder the first time a step
+        uses it (`read_lora`, set by parallel/rank.py); the most recent MAX_RANK_ADAPTERS kept."""
+        adapter = self.adapters.pop(lora_id, None)
+        if adapter is None:
+            adapter = self.read_lora(*source)
+            if adapter.lora_id != lora_id:
+                raise RuntimeError(f"adapter folder {source[1]} changed since rank 0 read it ({lora_id})")
+        self.adapters[lora_id] = adapter
+        while len(self.adapters) > MAX_RANK_ADAPTERS:
+            self.adapters.pop(next(iter(self.adapters)))
+        return adapter
 
     def _pick(
         self,
@@ -272,13 +291,18 @@ class StepMessage:
     seqs: tuple[ScheduledSeq, ...]
     use_graphs: bool
     prompt_rows: dict | None
-    lora_keys: dict[str, str] | None
+    lora_keys: dict[str, str] | None  # req_id -> lora_id
+    lora_sources: dict[str, tuple[str, str]] | None  # lora_id -> (name, folder), to read it once
 
 
-def _lora_keys(seqs: list[ScheduledSeq], loras: dict[str, LoraAdapter] | None) -> dict[str, str] | None:
+def _lora_keys(seqs: list[ScheduledSeq], loras: dict[str, LoraAdapter] | None):
     if not loras:
-        return None
-    return {s.req_id: loras[s.req_id].lora_id for s in seqs if s.req_id in loras}
+        return None, None
+    used = [loras[s.req_id] for s in seqs if s.req_id in loras]
+    return (
+        {s.req_id: loras[s.req_id].lora_id for s in seqs if s.req_id in loras},
+        {a.lora_id: (a.name, a.path) for a in used},
+    )
 
 
 def _embeddings(

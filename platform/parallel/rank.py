@@ -81,6 +81,7 @@ def build_runner(spec: RankSpec, group, device: torch.device):
     from splitserve.platform.engine.model_loader import DTYPES, load_model
     from splitserve.platform.engine.runner import ModelRunner
     from splitserve.platform.kv.cache import allocate_kv_cache
+    from splitserve.platform.lora.adapter import read_adapter
     from splitserve.platform.lora.batch import attach as attach_lora
     from splitserve.platform.model_source import resolve_model
     from splitserve.platform.parallel.layout import ShardLayout
@@ -95,8 +96,10 @@ def build_runner(spec: RankSpec, group, device: torch.device):
     local = ShardLayout(model_config, group.rank, group.size).local_model_config()
     block_size = config.cache.block_size
     kv_caches = allocate_kv_cache(local, spec.num_blocks, block_size, kv_dtype, device)
-    lora_context, _ = attach_lora(model)
+    lora_context, layout = attach_lora(model)
     runner = ModelRunner(model, kv_caches, block_size, device, lora_context)
+    shard = ShardLayout(model_config, group.rank, group.size)
+    runner.read_lora = lambda name, path: read_adapter(name, path, layout, config.lora.max_lora_rank, dtype, shard)
     return runner, uses_decode_graphs(config.device.enforce_eager, device)
 
 
