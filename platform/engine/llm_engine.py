@@ -211,6 +211,8 @@ class LLMEngine:
         `lora_name`: run the request through this loaded adapter (AdapterNotFoundError if unknown);
         `priority` / `band`: its place under the "priority" scheduling policy (platform/sched).
         """
+        if self.executor is not None:
+            self.executor.check()  # TensorParallelError once the group is down
         if self.executor is not None and (remote_prefill or kv_export is not None):
             raise InvalidRequestError(
                 "KV transfer (P/D) is not supported with --tensor-parallel-size > 1 yet; allowed: "

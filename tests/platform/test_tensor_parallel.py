@@ -191,27 +191,67 @@ def test_lora_adapters_sharded_like_their_base_layers_give_tp1_tokens(folders, t
     assert runs[1][0] != base[0], "the adapter changes the tokens"
 
 
-@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP], ids=["SIGKILL", "SIGSTOP"])
-def test_a_rank_killed_or_stopped_under_load_takes_the_group_down(folders, sig):
+def rank_gone(pid: int) -> bool:
+    return not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+
+
+def test_a_rank_killed_under_load_ends_every_request_with_an_error(folders):
+    """SIGKILL of rank 1 mid-generation: the step in flight raises TensorParallelError, every
+    request ends (abort), the engine refuses new ones, no rank process is left."""
     eng = engine(folders("llama"), 2)
     ids = [eng.add_request(params=SamplingParams(max_tokens=400, ignore_eos=True), prompt_token_ids=p) for p in PROMPTS]
     for _ in range(3):
         eng.step()
     [rank1] = eng.executor.pids
-    os.kill(rank1, sig)
+    os.kill(rank1, signal.SIGKILL)
     t0 = time.monotonic()
     with pytest.raises(TensorParallelError, match="tensor-parallel group is down"):
         while eng.has_unfinished_requests() and time.monotonic() - t0 < 60:
             eng.step()
-    assert time.monotonic() - t0 < 30
-    assert not psutil.pid_exists(rank1) or psutil.Process(rank1).status() == psutil.STATUS_ZOMBIE
+    assert time.monotonic() - t0 < 30 and rank_gone(rank1)
     finals = eng.abort_all()
     assert sorted(o.req_id for o in finals) == sorted(ids)
     assert all(o.finished and o.finish_reason == "abort" for o in finals)
     with pytest.raises(TensorParallelError):
-        eng.step() if eng.add_request(prompt_token_ids=PROMPTS[0], params=GREEDY) else None
+        eng.add_request(prompt_token_ids=PROMPTS[0], params=GREEDY)
     eng.close()
     assert not children()
+
+
+def test_a_rank_stopped_under_load_fails_every_stream_and_calls_on_fatal(folders):
+    """SIGSTOP of rank 1 (a hung rank) under the AsyncEngine a worker runs: the watchdog ends
+    the group within seconds, every stream ends with finish reason abort (none hangs), on_fatal
+    fires once, and the stopped rank is killed, not left behind."""
+    import asyncio
+
+    from splitserve.platform.engine.async_engine import AsyncEngine
+
+    async_engine = AsyncEngine(engine(folders("llama"), 2))
+    fatal = []
+    async_engine.on_fatal = fatal.append
+    [rank1] = async_engine._engine.executor.pids
+    params = SamplingParams(max_tokens=400, ignore_eos=True)
+
+    async def stream(prompt):
+        outs = [o async for o in async_engine.generate(params=params, prompt_token_ids=prompt)]
+        return outs[-1]
+
+    async def run():
+        tasks = [asyncio.create_task(stream(p)) for p in PROMPTS]
+        await asyncio.sleep(3)
+        os.kill(rank1, signal.SIGSTOP)
+        t0 = time.monotonic()
+        finals = await asyncio.wait_for(asyncio.gather(*tasks), timeout=60)
+        return finals, time.monotonic() - t0
+
+    try:
+        finals, elapsed = asyncio.run(run())
+    finally:
+        async_engine.shutdown()
+    assert elapsed < 30
+    assert all(o.finished and o.finish_reason == "abort" for o in finals)
+    assert len(fatal) == 1 and isinstance(fatal[0], TensorParallelError) and "stopped" in str(fatal[0])
+    assert rank_gone(rank1) and not children()
 
 
 @pytest.mark.parametrize(
