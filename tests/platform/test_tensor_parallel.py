@@ -113,9 +113,20 @@ def test_tp4_greedy_equals_tp1_with_replicated_kv_heads(folders):
     assert run_tp(model, 4, PROMPTS[:3]) == reference
 
 
+def prompt_logprobs(eng: LLMEngine, prompt: list[int]) -> list:
+    """The prompt logprobs (top 2) of `prompt`, from the request's first output."""
+    req_id = eng.add_request(prompt_token_ids=prompt, params=SamplingParams(max_tokens=2, prompt_logprobs=2))
+    found = None
+    while eng.has_unfinished_requests():
+        found = next((o.prompt_logprobs for o in eng.step() if o.req_id == req_id and o.prompt_logprobs), found)
+    assert found is not None and len(found) == len(prompt)
+    return found
+
+
 def test_seeded_structured_ngram_and_prefix_hits_under_tp2_equal_tp1(folders):
     """One TP 2 and one TP 1 engine with n-gram speculation: greedy with proposals, seeded
-    sampling, a regex-constrained request, then a prompt again from the prefix cache."""
+    sampling, a regex-constrained request, prompt logprobs, then a prompt again from the
+    prefix cache."""
     model = folders("llama")
     spec = SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_min=1)
     repetitive = [[100 + j % 7 for j in range(40)], PROMPTS[0]]  # their greedy outputs repeat tokens
@@ -133,8 +144,9 @@ def test_seeded_structured_ngram_and_prefix_hits_under_tp2_equal_tp1(folders):
             outs = eng.generate(prompts, params)
             hits = eng.scheduler.stats.num_prefix_hit_tokens
             again = eng.generate([PROMPTS[4], PROMPTS[4]], GREEDY)
+            scored = prompt_logprobs(eng, PROMPTS[5])  # each scored piece gathers logits too
             runs[tp] = (
-                [o.output_token_ids for o in outs],
+                [o.output_token_ids for o in outs] + [[t.top[0][0] for t in scored[1:]]],
                 outs[-1].text,
                 [o.output_token_ids for o in again],
                 eng.scheduler.stats.num_prefix_hit_tokens - hits,
