@@ -79,7 +79,9 @@ class LLMEngine:
         # (the packed CPU modes have no sharded form; asking for one by name is refused below).
         mode = "none" if tp > 1 and config.device.quantization == "auto" else config.device.quantization
         self.quantization = resolve_quantization(mode, config.device.device)
+        self._threads_before: int | None = None  # restored by close() (tests run engines of both kinds)
         if tp > 1 and not config.device.num_threads and config.device.device == "cpu":
+            self._threads_before = torch.get_num_threads()
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // tp))  # the node's cores split over its ranks
         self.kv_cache_dtype = resolve_kv_cache_dtype(config.device, self.quantization)
         self.kv_dtype = DTYPES[self.kv_cache_dtype]
@@ -173,6 +175,9 @@ class LLMEngine:
         process). The engine cannot step afterwards."""
         if getattr(self, "executor", None) is not None:
             self.executor.close()
+        if self._threads_before is not None:
+            torch.set_num_threads(self._threads_before)
+            self._threads_before = None
 
     @property
     def grammars(self):

@@ -78,7 +78,7 @@ class TPExecutor:
                 "with --tensor-parallel-size up to the node's GPUs"
             )
         self.size = parallel.tensor_parallel_size
-        self.device = _rank_device(config.device.device, 0)
+        self.device = rank_device(config.device.device, 0)
         addr = parallel.master_addr
         port = parallel.master_port or _free_port(addr)
         pipes = [Pipe() for _ in range(1, self.size)]
@@ -225,6 +225,6 @@ def _free_port(addr: str) -> int:
         return s.getsockname()[1]
 
 
-def _rank_device(device: str, local_rank: int) -> torch.device:
+def rank_device(device: str, local_rank: int) -> torch.device:
     """Rank r of a node runs on cuda:r (one GPU per rank), or the CPU."""
     return torch.device("cuda", local_rank) if device.startswith("cuda") else torch.device("cpu")

@@ -21,7 +21,7 @@ from multiprocessing.connection import Connection
 import torch
 
 from splitserve.platform.parallel.channel import PlanReceiver, RankGoneError
-from splitserve.platform.parallel.executor import RankSpec, Stop, _rank_device
+from splitserve.platform.parallel.executor import RankSpec, Stop, rank_device
 from splitserve.platform.parallel.group import close_group, init_group
 
 log = logging.getLogger(__name__)
@@ -41,7 +41,7 @@ def rank_main(spec: RankSpec, conn) -> None:
     try:
         torch.set_num_threads(spec.num_threads)
         receiver.reply(("hello", spec.rank))
-        device = _rank_device(spec.config.device.device, spec.rank % spec.config.parallel.ranks_per_node)
+        device = rank_device(spec.config.device.device, spec.rank % spec.config.parallel.ranks_per_node)
         group = init_group(spec.rank, spec.size, spec.master_addr, spec.master_port, device)
         runner, wants_graphs = build_runner(spec, group, device)
         receiver.reply(("ready", sum(p.nbytes for p in runner.model.parameters())))
