@@ -108,8 +108,9 @@ def test_tp2_greedy_equals_tp1_on_every_family(folders, model_type):
 
 def test_tp4_greedy_equals_tp1_with_replicated_kv_heads(folders):
     model = folders("llama")
-    reference = tokens(engine(model, 1), PROMPTS[:3])
-    assert ShardLayout(engine(model, 1).model_config, 3, 4).kv_head_start == 1  # 2 KV heads over 4 ranks
+    single = engine(model, 1)
+    reference = tokens(single, PROMPTS[:3])
+    assert ShardLayout(single.model_config, 3, 4).kv_head_start == 1  # 2 KV heads over 4 ranks
     assert run_tp(model, 4, PROMPTS[:3]) == reference
 
 
