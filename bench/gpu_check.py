@@ -27,6 +27,9 @@ after BUDGET_S is skipped and says so:
 4. `fp32_prefill`: why fp32 prefill is slow: an 8k prefill of `random:llama-3.2-1b` in fp32 with
    IEEE fp32 GEMMs and attention (the default) and with torch's TF32 switch on.
 5. `kernel_tests`: the Triton kernel and device-sampler tests compiled on the GPU (pytest).
+6. `tensor_parallel` (bench/gpu_check_tp.py): with two or more visible GPUs, TP 2 against TP 1 on
+   `random:llama-3.2-1b`: greedy fp32 tokens equal, decode step at batch 1 and 64 (bf16); with
+   fewer it records that it skipped and why.
 
 `--smoke` runs phases 1-3 on CPU with `random:tiny` to check the script itself (no numbers).
 Usage: OUT=dir python bench/gpu_check.py [--smoke]; `python bench/gpu_check.py worker ...` runs a
@@ -52,6 +55,7 @@ import torch
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 import gpu_check_pd  # noqa: E402  (phase 3)
+import gpu_check_tp  # noqa: E402  (phase 6)
 
 BUDGET_S = float(os.environ.get("GPU_CHECK_BUDGET_S", "380"))
 HARD_STOP_S = float(os.environ.get("GPU_CHECK_HARD_STOP_S", "430"))  # gpu_check.sh cuts the process at 440 s
@@ -498,6 +502,7 @@ def main() -> int:
     report.phase("fp32_prefill", fp32_prefill, args.smoke)
     if not args.smoke:
         report.phase("kernel_tests", kernel_tests)
+    report.phase("tensor_parallel", gpu_check_tp.tensor_parallel, args.smoke)
     report.data["total_s"] = round(time.monotonic() - T0, 1)
     report.path.write_text(json.dumps(report.data, indent=1, default=str))
     log(f"wrote {report.path}")

@@ -17,6 +17,9 @@ command -v "$PY" >/dev/null || PY=python
 {
   echo "== $(date -u)  $($PY --version 2>&1)"
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>&1 || true
+  gpus=$(nvidia-smi --query-gpu=index --format=csv,noheader 2>/dev/null | wc -l)
+  if [ "$gpus" -ge 2 ]; then echo "$gpus GPUs visible: the tensor_parallel phase runs TP 2 against TP 1"
+  else echo "$gpus GPU(s) visible: the tensor_parallel phase (TP 2) needs 2 and is skipped"; fi
   SITE="$(mktemp -d)/site"
   missing=$("$PY" - <<'PYEOF'
 import importlib.metadata as md

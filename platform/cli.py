@@ -1,6 +1,6 @@
 """The `splitserve` command line.
 
-    splitserve generate --model smollm2-135m [--chat] [--max-tokens N] [--temperature T] [--seed S] "prompt"
+    splitserve generate --model smollm2-135m [--chat] [--max-tokens N] [--temperature T] [--seed S] [-tp N] "prompt"
     splitserve chat --model smollm2-135m
 
 `generate` prints only the generated text on stdout (logs go to stderr); errors print one
@@ -53,6 +53,14 @@ def cmd_generate(args) -> int:
 
     params = sampling_params(args)  # validate before loading the model
     engine = LLMEngine(engine_config(args))
+    try:
+        _generate(engine, args, params)
+    finally:
+        engine.close()  # the other ranks of a tensor-parallel group
+    return 0
+
+
+def _generate(engine, args, params) -> None:
     if args.chat:
         token_ids = engine.tokenizer.encode_chat([{"role": "user", "content": args.prompt}])
         engine.add_request(params=params, prompt_token_ids=token_ids)
@@ -63,7 +71,6 @@ def cmd_generate(args) -> int:
             sys.stdout.write(out.new_text)
             sys.stdout.flush()
     sys.stdout.write("\n")
-    return 0
 
 
 def cmd_chat(args) -> int:

@@ -470,6 +470,47 @@ class SpeculativeConfig:
 
 
 @dataclass(frozen=True)
+class ParallelConfig:
+    """Tensor parallelism (platform/parallel): one process per rank, `tensor_parallel_size` ranks
+    in all, spread over `nnodes` nodes of tensor_parallel_size // nnodes ranks each.
+
+    Rank 0 (node 0) owns the scheduler and starts its node's other ranks; a node `node_rank` > 0
+    starts its own. Ranks meet at `master_addr`:`master_port` (torchrun's and vLLM's names; port 0:
+    rank 0 picks a free one, single node only). In a LeaderWorkerSet pod the worker's flags
+    default to the controller's environment (platform/settings/worker_args.py).
+    """
+
+    tensor_parallel_size: int = 1
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("tensor_parallel_size", "nnodes"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ConfigError(f"{name} must be an integer >= 1, got {value!r}")
+        if self.tensor_parallel_size % self.nnodes:
+            raise ConfigError(
+                f"tensor_parallel_size={self.tensor_parallel_size} does not split evenly over nnodes={self.nnodes}; "
+                "allowed: a multiple of --nnodes (the same number of ranks on every node)"
+            )
+        if not isinstance(self.node_rank, int) or not 0 <= self.node_rank < self.nnodes:
+            raise ConfigError(f"node_rank must be in [0, nnodes={self.nnodes}), got {self.node_rank!r}")
+        if not isinstance(self.master_port, int) or not 0 <= self.master_port <= 65535:
+            raise ConfigError(f"master_port must be in [0, 65535] (0: pick a free one), got {self.master_port!r}")
+        if self.nnodes > 1 and self.master_port == 0:
+            raise ConfigError("a group over several nodes needs --master-port (the port rank 0 listens on)")
+        if not self.master_addr:
+            raise ConfigError("master_addr must name rank 0's host")
+
+    @property
+    def ranks_per_node(self) -> int:
+        return self.tensor_parallel_size // self.nnodes
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """Everything one engine instance needs; `model` is an alias, a path or `random:<preset>`."""
 
@@ -481,6 +522,7 @@ class EngineConfig:
     seed: int = 0
     speculative: SpeculativeConfig | None = None  # None: no speculative decoding
     kv_tier: KVTierConfig | None = None  # None: no second KV tier (platform/kv/tier.py)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
 
 @dataclass(frozen=True)

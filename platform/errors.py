@@ -20,3 +20,8 @@ class ConfigError(SplitserveError, ValueError):
 
 class UnsupportedModelError(ConfigError):
     """The weights use an architecture or tensor type the engine does not implement."""
+
+
+class TensorParallelError(SplitserveError, RuntimeError):
+    """A rank of the engine's tensor-parallel group died, stopped or failed: the group is down
+    (every rank ended) and the engine cannot step again."""

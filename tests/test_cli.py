@@ -61,6 +61,11 @@ def test_chat_reads_turns_from_stdin():
             ["generate", "--quantization", "int4", "--device", "cuda", "hi"],
             "quantization 'int4' runs on the CPU only; on cuda allowed: none, auto",
         ),
+        (
+            ["generate", "--model", "random:tiny", "-tp", "3", "hi"],
+            "--tensor-parallel-size 3 does not divide the 4 attention heads of model 'random:tiny'; allowed: [1, 2, 4]",
+        ),
+        (["generate", "-tp", "0", "hi"], "tensor_parallel_size must be an integer >= 1, got 0"),
     ],
 )
 def test_bad_arguments_exit_2_with_a_message(args, message):

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import signal
 import uuid
@@ -143,6 +144,7 @@ class Worker:
         self.llm = engine
         self.ready = False
         self.stopping = asyncio.Event()
+        self.fatal: Exception | None = None  # why the engine can never step again, if it cannot
         self.engine: AsyncEngine | None = None  # set by run(); its `load` is the queue depth
         self.grpc_port = self.metrics_port = 0  # the ports bound (port 0: the kernel's pick), once ready
         self.kv_address = ""  # what KV senders dial (the receiver's advertised address), once built
@@ -158,7 +160,15 @@ class Worker:
             self._announce(handle_signals)
             await self.stopping.wait()
             await self._drain(service, health_servicer)
+        if self.fatal is not None:  # the engine can never step again: exit non-zero, so it is restarted
+            log.error("worker stopped: %s", self.fatal)
+            return 1
         return 0
+
+    def _on_fatal(self, loop: asyncio.AbstractEventLoop, exc: Exception) -> None:
+        """The engine thread's report that the engine is gone (a tensor-parallel rank failed): stop."""
+        self.fatal = exc
+        loop.call_soon_threadsafe(self.stopping.set)
 
     async def _build(self, parts: contextlib.AsyncExitStack) -> tuple[WorkerService, object]:
         """Every part but the servers, each registered with `parts`; the service and the TLS files."""
@@ -184,6 +194,7 @@ class Worker:
         )
         hub = EventHub(asyncio.get_running_loop(), info)
         engine = self.engine = AsyncEngine(self.llm, on_kv_events=hub.publish)
+        engine.on_fatal = functools.partial(self._on_fatal, asyncio.get_running_loop())
         tls = tls_from(cfg.tls_cert, cfg.tls_key, cfg.tls_ca)
         remote = puller = None
         if receiver is not None:

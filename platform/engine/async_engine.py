@@ -19,6 +19,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from splitserve.platform.config import EngineConfig
 from splitserve.platform.engine.llm_engine import LLMEngine
 from splitserve.platform.engine.outputs import RequestOutput
+from splitserve.platform.errors import TensorParallelError
 from splitserve.platform.sampling.params import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -37,6 +38,10 @@ class AsyncEngine:
         self.load = engine.load()
         # Called on the engine thread with each batch of KV events; must not block.
         self.on_kv_events = on_kv_events
+        # Called once on the engine thread when the engine can never step again (a rank of its
+        # tensor-parallel group failed: TensorParallelError); a worker exits non-zero from it.
+        self.on_fatal: Callable[[Exception], None] | None = None
+        self.fatal: Exception | None = None
         self._thread = threading.Thread(target=self._loop, name="engine-loop", daemon=True)
         self._thread.start()
 
@@ -122,9 +127,11 @@ class AsyncEngine:
         self._wake.set()
 
     def shutdown(self) -> None:
+        """Stop the engine thread, then end the engine's other ranks (tensor parallelism)."""
         self._stopped = True
         self._wake.set()
         self._thread.join(timeout=30)
+        self._engine.close()
 
     # -- engine thread ---------------------------------------------------------------------
     def _loop(self) -> None:
@@ -137,9 +144,13 @@ class AsyncEngine:
                 continue
             try:
                 outputs = self._engine.step()
-            except Exception:  # a bug in a step must not hang every client: fail them all
+            except Exception as exc:  # a bug in a step must not hang every client: fail them all
                 log.exception("engine step failed; aborting all requests")
                 outputs = self._engine.abort_all()
+                if isinstance(exc, TensorParallelError) and self.fatal is None:
+                    self.fatal = exc
+                    if self.on_fatal is not None:
+                        self.on_fatal(exc)
             for out in outputs:
                 self._deliver(out)
 

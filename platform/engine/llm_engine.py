@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 from collections.abc import Sequence
 
 import torch
@@ -47,6 +48,9 @@ from splitserve.platform.lora.batch import attach as attach_lora
 from splitserve.platform.lora.registry import LoraRegistry
 from splitserve.platform.model_source import resolve_model
 from splitserve.platform.models.features import family_quantization, lora_refusal
+from splitserve.platform.parallel.executor import TPExecutor
+from splitserve.platform.parallel.group import SINGLE
+from splitserve.platform.parallel.layout import ShardLayout, check_tensor_parallel
 from splitserve.platform.quant import resolve_quantization
 from splitserve.platform.sampling.params import SamplingParams
 from splitserve.platform.sampling.sampler import skip_draw
@@ -71,10 +75,18 @@ class LLMEngine:
             torch.set_num_threads(config.device.num_threads)
         self.device = torch.device(config.device.device)
         self.dtype = DTYPES[config.device.dtype]
+        tp = config.parallel.tensor_parallel_size
+        self._threads_before: int | None = None  # restored by close() (tests run engines of both kinds)
+        if tp > 1 and not config.device.num_threads and config.device.device == "cpu":
+            self._threads_before = torch.get_num_threads()
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // tp))  # the node's cores split over its ranks
         source = resolve_model(config.model)
         self.model_config: ModelConfig = load_model_config(source)
+        # "auto" picks the best mode that runs here; under tensor parallelism that is "none"
+        # (the packed CPU modes have no sharded form; asking for one by name is refused below).
+        mode = "none" if tp > 1 and config.device.quantization == "auto" else config.device.quantization
         self.quantization = family_quantization(
-            self.model_config, config, resolve_quantization(config.device.quantization, config.device.device)
+            self.model_config, config, resolve_quantization(mode, config.device.device)
         )
         self.kv_cache_dtype = resolve_kv_cache_dtype(config.device, self.quantization)
         self.kv_dtype = DTYPES[self.kv_cache_dtype]
@@ -82,18 +94,18 @@ class LLMEngine:
         self.eos_token_ids = frozenset(
             self.tokenizer.eos_token_ids if self.tokenizer is not None else self.model_config.eos_token_ids
         )
-        self.model = load_model(
-            config, source, self.model_config, self.quantization, self.dtype, self.kv_dtype, self.device, model
-        )
         self.max_model_len = min(
             config.scheduler.max_model_len or self.model_config.max_position_embeddings,
             self.model_config.max_position_embeddings,
         )
-        block_size = config.cache.block_size
+        check_tensor_parallel(
+            self.model_config, config.parallel, config.device.device, self.quantization, config.kv_tier is not None
+        )
+        local_config = ShardLayout(self.model_config, 0, tp).local_model_config()  # rank 0's KV heads
         eager = config.device.enforce_eager
         num_blocks = plan_num_blocks(
             config.cache,
-            self.model_config,
+            local_config,
             self.kv_dtype,
             self.max_model_len,
             self.device,
@@ -101,17 +113,42 @@ class LLMEngine:
                 eager, self.device, self.model_config, config.scheduler.max_num_seqs, self.dtype
             ),
         )
+        # Under tensor parallelism the other ranks start now and load their shards while rank 0
+        # loads its own (parallel/executor.py); None: one process.
+        self.executor = TPExecutor(config, num_blocks, self.max_model_len) if tp > 1 else None
+        try:
+            self._load(config, source, model, num_blocks, local_config)
+        except BaseException:
+            self.close()
+            raise
+
+    def _load(self, config: EngineConfig, source, model, num_blocks: int, local_config: ModelConfig) -> None:
+        """Load the weights (rank 0's shard under tensor parallelism) and build what runs them."""
+        group = self.executor.group if self.executor is not None else SINGLE
+        if self.executor is not None:
+            self.device = self.executor.device
+        self.model = load_model(
+            config, source, self.model_config, self.quantization, self.dtype, self.kv_dtype, self.device, model, group
+        )
+        if self.executor is not None:
+            self.executor.wait_ready()
+        block_size = config.cache.block_size
+        eager = config.device.enforce_eager
         self.pool = BlockPool(num_blocks, enable_caching=config.cache.enable_prefix_caching)
         self.kv = KVCacheManager(self.pool, block_size)
         self.hasher = BlockHasher(self.model_config.model_id, block_size)
         self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len, max_loras=config.lora.max_loras)
-        kv_caches = allocate_kv_cache(self.model_config, num_blocks, block_size, self.kv_dtype, self.device)
+        kv_caches = allocate_kv_cache(local_config, num_blocks, block_size, self.kv_dtype, self.device)
         self.kv_tier = attach_tier(config.kv_tier, self.pool, self.kv, kv_caches, self.model_config.model_id)
         lora_context, layout = attach_lora(self.model)
-        self.loras = LoraRegistry(config.lora, layout, self.dtype)
+        tp = config.parallel.tensor_parallel_size
+        self.loras = LoraRegistry(
+            config.lora, layout, self.dtype, ShardLayout(self.model_config, 0, tp) if tp > 1 else None
+        )
         self.loras.refusal = lora_refusal(self.model_config)
         self.loras.load_modules()
         self.runner = ModelRunner(self.model, kv_caches, block_size, self.device, lora_context)
+        self.runner.executor = self.executor
         if uses_decode_graphs(eager, self.device):
             self.runner.enable_decode_graphs(config.scheduler.max_num_seqs, self.max_model_len, capture=True)
         self.kv_connector = KVConnector(kv_caches, self.kv, block_size, self.device)
@@ -132,6 +169,19 @@ class LLMEngine:
         self._states: dict[str, RequestState] = {}  # every live request's engine state, by req_id
         self._aborted: list[RequestOutput] = []
         self._ids = itertools.count()
+
+    @property
+    def tensor_parallel_size(self) -> int:
+        return self.config.parallel.tensor_parallel_size
+
+    def close(self) -> None:
+        """End the other ranks of a tensor-parallel group (idempotent; nothing to do for one
+        process). The engine cannot step afterwards."""
+        if getattr(self, "executor", None) is not None:
+            self.executor.close()
+        if self._threads_before is not None:
+            torch.set_num_threads(self._threads_before)
+            self._threads_before = None
 
     @property
     def grammars(self):
@@ -170,6 +220,13 @@ class LLMEngine:
         `lora_name`: run the request through this loaded adapter (AdapterNotFoundError if unknown);
         `priority` / `band`: its place under the "priority" scheduling policy (platform/sched).
         """
+        if self.executor is not None:
+            self.executor.check()  # TensorParallelError once the group is down
+        if self.executor is not None and (remote_prefill or kv_export is not None):
+            raise InvalidRequestError(
+                "KV transfer (P/D) is not supported with --tensor-parallel-size > 1 yet; allowed: "
+                "local prefill (or a worker with --tensor-parallel-size 1)"
+            )
         req_id = req_id if req_id is not None else f"req-{next(self._ids)}"
         if req_id in self.scheduler.requests:
             raise InvalidRequestError(f"request id {req_id!r} is already in use")

@@ -17,6 +17,8 @@ from splitserve.platform.config import EngineConfig, ModelConfig
 from splitserve.platform.errors import ConfigError
 from splitserve.platform.kernels.cpu_ops import KV_DTYPES, fused_cpu_ops
 from splitserve.platform.models import build_model
+from splitserve.platform.parallel.group import SINGLE, TPGroup, building
+from splitserve.platform.parallel.layout import ShardLayout
 from splitserve.platform.quant.report import describe_kernels, weight_nbytes
 from splitserve.platform.weights import iter_weights
 
@@ -34,19 +36,35 @@ def load_model(
     kv_dtype: torch.dtype,
     device: torch.device,
     model: torch.nn.Module | None = None,
+    group: TPGroup = SINGLE,
 ) -> torch.nn.Module:
-    """The engine's model in eval mode, with the fused CPU kernels on where the mode takes them."""
+    """The engine's model in eval mode, with the fused CPU kernels on where the mode takes them.
+    `group`: this rank's tensor-parallel group; the model is built and loaded as its shard."""
     t0 = time.perf_counter()
     if model is not None and getattr(model, "quantization", "none") != quantization:
         raise ConfigError(
             f"the model passed in was built with quantization {model.quantization!r}, "
             f"this engine's config resolves to {quantization!r}"
         )
+    if model is not None and group.is_parallel:
+        raise ConfigError("a tensor-parallel engine cannot take a model passed in (each rank loads its shard)")
     if model is None:
-        with torch.device(device):
+        with building(group), torch.device(device):
             model = build_model(model_config, quantization).to(dtype)
+        shard = None
+        if group.is_parallel:
+            layout = ShardLayout(model_config, group.rank, group.size)
+            shard = lambda name: layout.slices(model.own_name(name))  # noqa: E731
         model.load_weights(
-            iter_weights(source, model_config, dtype, device, seed=config.seed, keep_quantized=quantization != "none")
+            iter_weights(
+                source,
+                model_config,
+                dtype,
+                device,
+                seed=config.seed,
+                keep_quantized=quantization != "none",
+                shard=shard,
+            )
         )
         if quantization != "none":
             log.info(

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Collection
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -32,6 +32,8 @@ from splitserve.platform.spec.verify import verify
 
 log = logging.getLogger(__name__)
 
+MAX_RANK_ADAPTERS = 16
+
 
 class ModelRunner:
     def __init__(
@@ -44,6 +46,9 @@ class ModelRunner:
         self.device = device
         self.sampler = Sampler()
         self.graphs: DecodeGraphs | None = None
+        self.executor = None  # parallel.executor.TPExecutor on rank 0 of a tensor-parallel group
+        self.adapters: dict[str, LoraAdapter] = {}  # a rank > 0's LoRA shards, by lora_id, oldest first
+        self.read_lora: Callable[[str, str], LoraAdapter] | None = None  # a rank > 0's adapter reader
         self._num_sms = 0
         if model is not None and triton_available(device) and hasattr(model, "use_fused_ops"):
             from splitserve.platform.kernels.triton_ops import TritonOps
@@ -75,10 +80,39 @@ class ModelRunner:
         loras: dict[str, LoraAdapter] | None = None,
         prompt_logprobs: dict[str, prompt_lp.Want] | None = None,
     ) -> StepResult:
-        """`prompt_logprobs`: req_id -> the prompt positions of its slice to score (prompt_logprobs.py)."""
+        """`prompt_logprobs`: req_id -> the prompt positions of its slice to score (prompt_logprobs.py).
+        Under tensor parallelism the step goes to the other ranks first (`executor`); they run the
+        same forward (`follow`) and only this rank samples."""
         seqs = _decodes_first(plan.seqs)
-        if self.graphs is not None and not loras and layer_hook is None and self.graphs.can_run(seqs, rows):
+        use_graphs = self.graphs is not None and not loras and layer_hook is None and self.graphs.can_run(seqs, rows)
+        prompt_rows = _rows(seqs, prompt_logprobs) if prompt_logprobs else None
+        if self.executor is None:
+            return self._execute(seqs, rows, eos_token_ids, use_graphs, layer_hook, loras, prompt_rows)
+        message = StepMessage(tuple(seqs), use_graphs, prompt_rows, *_lora_keys(seqs, loras))
+        self.executor.send_step(message)
+        try:
+            return self._execute(seqs, rows, eos_token_ids, use_graphs, layer_hook, loras, prompt_rows)
+        except Exception as exc:  # a collective failed or timed out: the ranks are out of step for good
+            self.executor.fail(f"step failed on rank 0: {type(exc).__name__}: {exc}")
+            self.executor.check()
+            raise
+
+    def _execute(self, seqs, rows, eos_token_ids, use_graphs, layer_hook, loras, prompt_rows) -> StepResult:
+        if use_graphs:
             return self._pick(self.graphs.run(seqs), seqs, rows, eos_token_ids)
+        hidden, sample_idx = self._forward(seqs, layer_hook, loras)
+        scored = prompt_lp.compute(self.model, hidden, prompt_rows) if prompt_rows else None
+        sampling = [s for s in seqs if s.do_sample]
+        if not sampling:
+            return StepResult(sampled={}, prompt_logprobs=scored)
+        result = self._pick(self.model.compute_logits(hidden[sample_idx]), sampling, rows, eos_token_ids)
+        embeddings = _embeddings(hidden, sample_idx, sampling, rows)
+        if scored is None and embeddings is None:
+            return result
+        return replace(result, prompt_logprobs=scored, embeddings=embeddings)
+
+    def _forward(self, seqs: list[ScheduledSeq], layer_hook, loras) -> tuple[torch.Tensor, torch.Tensor]:
+        """The model over the step's tokens: final hidden states and the rows that sample."""
         input_ids, positions, meta, sample_idx = self._prepare(seqs)
         if loras:
             assert self.lora_context is not None, "adapters in a step need the model's LoraContext"
@@ -88,15 +122,38 @@ class ModelRunner:
         finally:
             if loras:
                 self.lora_context.end()
-        scored = prompt_lp.compute(self.model, hidden, _rows(seqs, prompt_logprobs)) if prompt_logprobs else None
-        sampling = [s for s in seqs if s.do_sample]
-        if not sampling:
-            return StepResult(sampled={}, prompt_logprobs=scored)
-        result = self._pick(self.model.compute_logits(hidden[sample_idx]), sampling, rows, eos_token_ids)
-        embeddings = _embeddings(hidden, sample_idx, sampling, rows)
-        if scored is None and embeddings is None:
-            return result
-        return replace(result, prompt_logprobs=scored, embeddings=embeddings)
+        return hidden, sample_idx
+
+    @torch.inference_mode()
+    def follow(self, message: StepMessage) -> None:
+        """A rank > 0's step: the forward and the logits rank 0 computes, in the same order, so
+        every collective meets its peers; nothing is sampled here."""
+        seqs = list(message.seqs)
+        if message.use_graphs:
+            assert self.graphs is not None, "rank 0 replays decode graphs this rank could not capture"
+            self.graphs.run(seqs)
+            return
+        loras = None
+        if message.lora_keys:
+            loras = {rid: self._adapter(key, message.lora_sources[key]) for rid, key in message.lora_keys.items()}
+        hidden, sample_idx = self._forward(seqs, None, loras)
+        if message.prompt_rows:
+            prompt_lp.compute(self.model, hidden, message.prompt_rows)
+        if any(s.do_sample for s in seqs):
+            self.model.compute_logits(hidden[sample_idx])
+
+    def _adapter(self, lora_id: str, source: tuple[str, str]) -> LoraAdapter:
+        """A rank > 0's shard of adapter `lora_id`, read from its folder the first time a step
+        uses it (`read_lora`, set by parallel/rank.py); the most recent MAX_RANK_ADAPTERS kept."""
+        adapter = self.adapters.pop(lora_id, None)
+        if adapter is None:
+            adapter = self.read_lora(*source)
+            if adapter.lora_id != lora_id:
+                raise RuntimeError(f"adapter folder {source[1]} changed since rank 0 read it ({lora_id})")
+        self.adapters[lora_id] = adapter
+        while len(self.adapters) > MAX_RANK_ADAPTERS:
+            self.adapters.pop(next(iter(self.adapters)))
+        return adapter
 
     def _pick(
         self,
@@ -223,6 +280,29 @@ class ModelRunner:
             chunks.append(PrefillChunk(q_start, seq.num_tokens, seq.start_pos, table, mask))
             q_start += seq.num_tokens
         return chunks
+
+
+@dataclass(frozen=True)
+class StepMessage:
+    """What rank 0 sends the other ranks of a tensor-parallel group for one step: the slices
+    (decodes first, as executed), whether the step replays decode graphs, the prompt-logprob
+    rows (each adds logits gathers) and each slice's adapter (by lora_id)."""
+
+    seqs: tuple[ScheduledSeq, ...]
+    use_graphs: bool
+    prompt_rows: dict | None
+    lora_keys: dict[str, str] | None  # req_id -> lora_id
+    lora_sources: dict[str, tuple[str, str]] | None  # lora_id -> (name, folder), to read it once
+
+
+def _lora_keys(seqs: list[ScheduledSeq], loras: dict[str, LoraAdapter] | None):
+    if not loras:
+        return None, None
+    used = [loras[s.req_id] for s in seqs if s.req_id in loras]
+    return (
+        {s.req_id: loras[s.req_id].lora_id for s in seqs if s.req_id in loras},
+        {a.lora_id: (a.name, a.path) for a in used},
+    )
 
 
 def _embeddings(

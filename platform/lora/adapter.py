@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 import torch
 
 from splitserve.platform.errors import InvalidRequestError
+from splitserve.platform.parallel.layout import ShardLayout, cut
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -143,9 +144,16 @@ class LoraAdapter:
 
 
 def read_adapter(
-    name: str, path: str, layout: dict[str, LinearLayout], max_rank: int, dtype: torch.dtype = torch.float32
+    name: str,
+    path: str,
+    layout: dict[str, LinearLayout],
+    max_rank: int,
+    dtype: torch.dtype = torch.float32,
+    shard: ShardLayout | None = None,
 ) -> LoraAdapter:
-    """Read, check and pack the PEFT adapter in folder `path`. Raises AdapterError."""
+    """Read, check and pack the PEFT adapter in folder `path`. Raises AdapterError.
+    `shard` (tensor parallelism): `layout` is this rank's; each pair is cut to match its base
+    layer (`shard_pair`) after the full shapes were checked. The digest is of the whole files."""
     if not isinstance(path, str) or not os.path.isdir(path):
         raise AdapterFolderNotFoundError(
             f"adapter {name!r}: {path!r} is not a folder; allowed: a PEFT adapter folder "
@@ -156,13 +164,42 @@ def read_adapter(
     config = _parse_config(name, config_bytes)
     rank, alpha, use_rslora = _hyper_parameters(name, config, max_rank)
     tensors = _load_tensors(name, weight_bytes)
-    shards = _group_tensors(name, tensors, rank, layout)
+    shards = _group_tensors(name, tensors, rank, layout if shard is None else _full_layout(layout, shard))
+    if shard is not None:
+        shards = {
+            key: {proj: shard_pair(shard, key, proj, pair) for proj, pair in p.items()} for key, p in shards.items()
+        }
     scale = alpha / (math.sqrt(rank) if use_rslora else rank)
     weights = {key: _pack(parts, layout[key], scale, dtype) for key, parts in shards.items()}
     targets = sorted({proj for key, parts in shards.items() for proj in parts})
     hasher = hashlib.sha256(json.dumps(config, sort_keys=True).encode() + b"\0")
     hasher.update(weight_bytes)  # not concatenated: a rank-64 adapter's 78 MB would be copied once more
     return LoraAdapter(name, path, rank, alpha, use_rslora, tuple(targets), hasher.digest(), weights)
+
+
+def shard_pair(shard: ShardLayout, key: str, proj: str, pair: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """One projection's (A, B) cut like its base layer: a column-parallel base (q/k/v, gate/up)
+    keeps its output rows, so B is cut by rows and A is whole; a row-parallel one (o, down) keeps
+    input columns, so A is cut by columns and B is whole (each rank adds its partial delta
+    before the layer's all-reduce)."""
+    slices = shard.slices(f"model.{key.rsplit('.', 1)[0]}.{proj}.weight")
+    if slices is None:
+        return pair
+    half = "B" if slices[0] == 0 else "A"
+    return {**pair, half: cut(pair[half], slices)}
+
+
+def _full_layout(layout: dict[str, LinearLayout], shard: ShardLayout) -> dict[str, LinearLayout]:
+    """The unsharded layout of each linear (what a PEFT adapter's shapes are checked against)."""
+    c = shard.config
+    q, kv, inter = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.intermediate_size
+    full = {
+        "self_attn.qkv_proj": LinearLayout(c.hidden_size, {"q": (0, q), "k": (q, kv), "v": (q + kv, kv)}),
+        "self_attn.o_proj": LinearLayout(q, {"o": (0, c.hidden_size)}),
+        "mlp.gate_up_proj": LinearLayout(c.hidden_size, {"gate": (0, inter), "up": (inter, inter)}),
+        "mlp.down_proj": LinearLayout(inter, {"down": (0, c.hidden_size)}),
+    }
+    return {key: full[key.split(".", 2)[2]] for key in layout}
 
 
 def _read(path: str, filename: str) -> bytes:

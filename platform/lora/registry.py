@@ -26,6 +26,7 @@ import torch
 from splitserve.platform.config import LoraConfig, check_lora_name
 from splitserve.platform.errors import ConfigError, InvalidRequestError
 from splitserve.platform.lora.adapter import AdapterError, LinearLayout, LoraAdapter, read_adapter
+from splitserve.platform.parallel.layout import ShardLayout
 
 
 class AdapterNotFoundError(InvalidRequestError):
@@ -33,9 +34,13 @@ class AdapterNotFoundError(InvalidRequestError):
 
 
 class LoraRegistry:
-    def __init__(self, config: LoraConfig, layout: dict[str, LinearLayout], dtype: torch.dtype):
+    def __init__(
+        self, config: LoraConfig, layout: dict[str, LinearLayout], dtype: torch.dtype, shard: ShardLayout | None = None
+    ):
+        """`shard`: this rank's part of the model under tensor parallelism (adapters are cut to it)."""
         self.config = config
         self.layout = layout
+        self.shard = shard
         self.dtype = dtype
         self._paths: dict[str, str] = {}
         self._digests: dict[str, bytes] = {}  # of the latest read of each known adapter
@@ -97,7 +102,7 @@ class LoraRegistry:
 
     def read(self, name: str, path: str) -> LoraAdapter:
         """Read and pack an adapter; touches no state of the registry, so any thread may call it."""
-        return read_adapter(name, path, self.layout, self.config.max_lora_rank, self.dtype)
+        return read_adapter(name, path, self.layout, self.config.max_lora_rank, self.dtype, self.shard)
 
     def install(self, adapter: LoraAdapter, evict_first: Iterable[str] = ()) -> LoraAdapter:
         """Keep an adapter that `read` returned off the engine thread, and return the one new

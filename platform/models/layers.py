@@ -21,6 +21,7 @@ from gguf import GGMLQuantizationType as Q
 from torch import nn
 
 from splitserve.platform.config import RopeScaling
+from splitserve.platform.parallel.group import current as current_group
 from splitserve.platform.quant import formats
 from splitserve.platform.quant.formats import RawQuant
 from splitserve.platform.quant.kernels import LinearKernel, build_head, build_kernel
@@ -75,8 +76,19 @@ class MergedLinear(nn.Module):
     lora_context = None  # a lora.batch.LoraContext shared by the model's linears, once attached
     lora_key = ""
 
-    def __init__(self, in_features: int, shard_sizes: dict[str, int], bias: bool, quantization: str = "none"):
+    def __init__(
+        self,
+        in_features: int,
+        shard_sizes: dict[str, int],
+        bias: bool,
+        quantization: str = "none",
+        row_parallel: bool = False,
+    ):
+        """Sizes are this rank's (platform/parallel/layout.py). `row_parallel`: the input is split
+        over the ranks, so each output is a partial sum, all-reduced here (the bias added once,
+        after it); otherwise (column-parallel, or no parallelism) each rank owns its rows."""
         super().__init__()
+        self.tp = current_group() if row_parallel else None
         self.shard_offsets: dict[str, tuple[int, int]] = {}
         offset = 0
         for name, size in shard_sizes.items():
@@ -94,9 +106,17 @@ class MergedLinear(nn.Module):
             self.weight = self.bias = None  # the kernel owns the values after finalize()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.kernel(x) if self.kernel is not None else nn.functional.linear(x, self.weight, self.bias)
+        reduce = self.tp is not None and self.tp.is_parallel
+        if self.kernel is not None:
+            y = self.kernel(x)
+        else:
+            y = nn.functional.linear(x, self.weight, None if reduce else self.bias)
         if self.lora_context is not None and self.lora_context.batch is not None:
-            self.lora_context.add_delta(self.lora_key, x, y)
+            self.lora_context.add_delta(self.lora_key, x, y)  # a partial sum too when reduced
+        if reduce:
+            self.tp.all_reduce(y)
+            if self.bias is not None:
+                y += self.bias
         return y
 
     def load_weight(self, shard: str, kind: str, tensor: torch.Tensor | RawQuant) -> None:
@@ -133,6 +153,38 @@ def _concat_rows(parts: list[torch.Tensor | RawQuant]) -> torch.Tensor | RawQuan
         rows = sum(p.shape[0] for p in parts)
         return RawQuant(first.tensor_type, np.concatenate([p.blocks for p in parts]), (rows, first.shape[1]))
     return torch.cat([formats.as_float(p) for p in parts])
+
+
+class VocabParallelEmbedding(nn.Module):
+    """A token table split by vocabulary (vLLM's VocabParallelEmbedding and ParallelLMHead):
+    this rank holds rows [vocab_start, vocab_start + rows) of `vocab_size`, padded with zeros to
+    ceil(vocab_size / tp) rows so every rank's logits have one width.
+
+    As the embedding: a token outside the rank's rows looks up a zero row; the all-reduce sums
+    the one rank that has it with zeros, which is exact. As the LM head (`logits`): each rank's
+    logits for its rows, gathered in rank order and cut to vocab_size."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, vocab_start: int, rows: int):
+        super().__init__()
+        self.tp = current_group()
+        self.vocab_size, self.vocab_start = vocab_size, vocab_start
+        self.weight = nn.Parameter(torch.empty(rows, hidden_size))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        local = ids - self.vocab_start
+        outside = (local < 0) | (local >= self.weight.shape[0])
+        x = nn.functional.embedding(local.masked_fill(outside, 0), self.weight)
+        x.masked_fill_(outside[:, None], 0.0)
+        return self.tp.all_reduce(x)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.tp.all_gather(nn.functional.linear(hidden, self.weight))[:, : self.vocab_size]
+
+    def load(self, tensor: torch.Tensor) -> None:
+        """This rank's rows of the checkpoint's table (fewer than weight's rows on the last rank
+        when the vocabulary does not split evenly; the rest stay zero)."""
+        self.weight.data.zero_()
+        self.weight.data[: tensor.shape[0]].copy_(tensor)
 
 
 class QuantizedEmbedding(nn.Module):

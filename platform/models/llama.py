@@ -27,11 +27,31 @@ from splitserve.platform.config import ModelConfig
 from splitserve.platform.kernels.cpu_decode import DecodePlan, plan_for
 from splitserve.platform.kernels.cpu_ops import CpuOps
 from splitserve.platform.models.attention import AttentionMetadata, paged_attention, paged_attention_fused
-from splitserve.platform.models.layers import MergedLinear, QuantizedEmbedding, RMSNorm, RotaryEmbedding, apply_rotary
+from splitserve.platform.models.layers import (
+    MergedLinear,
+    QuantizedEmbedding,
+    RMSNorm,
+    RotaryEmbedding,
+    VocabParallelEmbedding,
+    apply_rotary,
+)
 from splitserve.platform.models.moe import SparseMoeBlock
+from splitserve.platform.parallel.group import current as current_group
+from splitserve.platform.parallel.layout import ShardLayout
 from splitserve.platform.quant import formats
 from splitserve.platform.quant.formats import RawQuant
 from splitserve.platform.quant.kernels import LinearKernel, build_head
+
+
+def local_shard(config: ModelConfig) -> ShardLayout:
+    """The heads and rows of the rank whose model is being built (platform/parallel)."""
+    group = current_group()
+    return ShardLayout(config, group.rank, group.size)
+
+
+def _vocab_parallel(config: ModelConfig) -> VocabParallelEmbedding:
+    shard = local_shard(config)
+    return VocabParallelEmbedding(config.vocab_size, config.hidden_size, shard.vocab_range[0], shard.vocab_per_rank)
 
 
 class LlamaAttention(nn.Module):
@@ -42,19 +62,22 @@ class LlamaAttention(nn.Module):
         self.window = config.layer_window(layer)
         self.q_norm = norm_class(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = norm_class(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
-        self.num_heads = config.num_heads
-        self.num_kv_heads = config.num_kv_heads
+        shard = local_shard(config)  # this rank's heads (all of them without tensor parallelism)
+        self.num_heads = shard.num_heads
+        self.num_kv_heads = shard.num_kv_heads
         self.head_dim = config.head_dim
         self.scale = (config.query_pre_attn_scalar or config.head_dim) ** -0.5
-        q_size = config.num_heads * config.head_dim
-        kv_size = config.num_kv_heads * config.head_dim
+        q_size = self.num_heads * config.head_dim
+        kv_size = self.num_kv_heads * config.head_dim
         self.qkv_proj = MergedLinear(
             config.hidden_size,
             {"q": q_size, "k": kv_size, "v": kv_size},
             bias=config.attention_bias,
             quantization=quantization,
         )
-        self.o_proj = MergedLinear(q_size, {"o": config.hidden_size}, bias=False, quantization=quantization)
+        self.o_proj = MergedLinear(
+            q_size, {"o": config.hidden_size}, bias=False, quantization=quantization, row_parallel=True
+        )
 
     def forward(self, x, cos, sin, kv_cache, meta: AttentionMetadata):
         n = x.shape[0]
@@ -99,16 +122,13 @@ _ACTIVATIONS = {"silu": nn.functional.silu, "gelu_tanh": lambda x: nn.functional
 class LlamaMLP(nn.Module):
     def __init__(self, config: ModelConfig, quantization: str = "none"):
         super().__init__()
-        self.intermediate_size = config.intermediate_size
+        self.intermediate_size = inter = config.intermediate_size // current_group().size
         self.act = _ACTIVATIONS[config.hidden_act]
         self.gate_up_proj = MergedLinear(
-            config.hidden_size,
-            {"gate": config.intermediate_size, "up": config.intermediate_size},
-            bias=False,
-            quantization=quantization,
+            config.hidden_size, {"gate": inter, "up": inter}, bias=False, quantization=quantization
         )
         self.down_proj = MergedLinear(
-            config.intermediate_size, {"down": config.hidden_size}, bias=False, quantization=quantization
+            inter, {"down": config.hidden_size}, bias=False, quantization=quantization, row_parallel=True
         )
 
     def forward(self, x):
@@ -159,7 +179,10 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.quantization = quantization
-        if quantization == "none":
+        self.tp = current_group()
+        if self.tp.is_parallel:  # split by vocabulary (platform/parallel/layout.py)
+            self.embed_tokens = _vocab_parallel(config)
+        elif quantization == "none":
             # Left empty, not drawn at random: load_weights fills every row (check_weights refuses a
             # checkpoint without it), and Gemma's 262k x 640 normal_ took 2 s of each cold start.
             shape = (config.vocab_size, config.hidden_size)
@@ -177,6 +200,8 @@ class LlamaForCausalLM(nn.Module):
         )
         if config.tie_word_embeddings:
             self.lm_head = None
+        elif self.tp.is_parallel:
+            self.lm_head = _vocab_parallel(config)
         elif quantization == "none":
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         else:
@@ -247,8 +272,11 @@ class LlamaForCausalLM(nn.Module):
         return h
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits [rows, vocab]; under tensor parallelism every rank gets all of them (a gather)."""
         if self.lm_head_kernel is not None:
             return self.lm_head_kernel(hidden)
+        if self.tp.is_parallel:
+            return (self.embed_tokens if self.lm_head is None else self.lm_head).logits(hidden)
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return nn.functional.linear(hidden, weight)
 
@@ -318,6 +346,10 @@ class LlamaForCausalLM(nn.Module):
             self.layers[int(layer)].mlp.load_expert(int(expert), proj, formats.as_float(tensor))
             return [f"layers.{layer}.mlp.experts.{expert}.{proj}"]
         own = name.removeprefix("model.")
+        table = {"embed_tokens.weight": self.embed_tokens, "lm_head.weight": self.lm_head}.get(own)
+        if isinstance(table, VocabParallelEmbedding):
+            table.load(formats.as_float(tensor))
+            return [own]
         if own == "embed_tokens.weight" and isinstance(self.embed_tokens, QuantizedEmbedding):
             self.embed_tokens.load(tensor)
             return [own]

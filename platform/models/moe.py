@@ -18,7 +18,9 @@ ways to run the matmuls, all over the same sorted rows and none looping over tok
   (kernels/triton_moe.py).
 - Elsewhere (`use_grouped_mm` off, or CUDA without triton, where torch's grouped matmul wants
   bf16 on recent GPUs): a Python loop over the experts that received rows, one matmul pair each.
-Expert weights are stacked per layer ([E, 2 * I, hidden] gate|up and [E, hidden, I] down) and
+Under tensor parallelism each rank holds every expert's slice of the intermediate rows (gate
+and up rows, down columns) and the block's output is all-reduced (docs/engine.md says why not
+whole experts per rank). Expert weights are stacked per layer ([E, 2 * I, hidden] gate|up and [E, hidden, I] down) and
 kept in the model dtype under every quantization mode: the fast modes' packed kernels serve
 the dense linears only (docs/models.md).
 """
@@ -30,12 +32,14 @@ from torch import nn
 
 from splitserve.platform.config import ModelConfig
 from splitserve.platform.kernels.dispatch import triton_available
+from splitserve.platform.parallel.group import current as current_group
 
 
 class SparseMoeBlock(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
-        experts, hidden, inter = config.num_experts, config.hidden_size, config.moe_intermediate_size
+        self.tp = current_group()  # each expert's intermediate rows split over the ranks (docs/engine.md)
+        experts, hidden, inter = config.num_experts, config.hidden_size, config.moe_intermediate_size // self.tp.size
         self.num_experts, self.top_k, self.intermediate_size = experts, config.num_experts_per_tok, inter
         self.norm_topk_prob = config.norm_topk_prob
         self.gate = nn.Linear(hidden, experts, bias=False)  # the router
@@ -52,12 +56,16 @@ class SparseMoeBlock(nn.Module):
         return weights.to(x.dtype), experts
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Every rank routes the same (replicated router), runs its slice of each chosen expert,
+        and the partial sums are all-reduced, as after a row-parallel down projection."""
         weights, experts = self.route(x)
         if triton_available(x.device):
             from splitserve.platform.kernels.triton_moe import moe_experts
 
-            return moe_experts(x, weights, experts, self.gate_up, self.down)
-        return self.experts_torch(x, weights, experts, grouped=self.use_grouped_mm and x.device.type == "cpu")
+            out = moe_experts(x, weights, experts, self.gate_up, self.down)
+        else:
+            out = self.experts_torch(x, weights, experts, grouped=self.use_grouped_mm and x.device.type == "cpu")
+        return self.tp.all_reduce(out)
 
     def experts_torch(
         self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, grouped: bool

@@ -54,7 +54,8 @@ class Flag:
     `to`: "engine.<section>.<field>" / "engine.<field>" / "worker.<field>"; "" for a value
     that `engine_config` composes itself (the KV tier). `parse`: the argparse type (None: the
     field's type). `convert`: the flag's value -> the config's (e.g. GiB -> bytes). `env`: an
-    environment variable that supplies the default when the parser is built."""
+    environment variable that supplies the default when the parser is built. `aliases`: other
+    spellings of the flag (vLLM's `-tp`)."""
 
     name: str
     help: str = ""
@@ -64,6 +65,7 @@ class Flag:
     convert: Callable[[Any], Any] | None = None
     env: str = ""
     metavar: str | None = None
+    aliases: tuple[str, ...] = ()
 
 
 def setting(default, name: str, help: str = "", **flag) -> Any:
@@ -229,6 +231,37 @@ class WorkerArgs:
         choices=KV_CACHE_DTYPES,
     )
     threads: int = setting(0, "--threads", "torch CPU threads (0: torch's default)", to="engine.device.num_threads")
+    # Tensor parallelism (vLLM's and torchrun's names). In a LeaderWorkerSet pod the group's size,
+    # this pod's index and the leader's address come from the controller's environment.
+    tensor_parallel_size: int = setting(
+        1,
+        "--tensor-parallel-size",
+        "ranks the model is split over, one process each (docs/engine.md)",
+        to="engine.parallel.tensor_parallel_size",
+        aliases=("-tp",),
+    )
+    nnodes: int = setting(
+        1,
+        "--nnodes",
+        "nodes the ranks span (default 1, or LWS_GROUP_SIZE)",
+        to="engine.parallel.nnodes",
+        env="LWS_GROUP_SIZE",
+    )
+    node_rank: int = setting(
+        0,
+        "--node-rank",
+        "this node's index (default 0, or LWS_WORKER_INDEX)",
+        to="engine.parallel.node_rank",
+        env="LWS_WORKER_INDEX",
+    )
+    master_addr: str = setting(
+        "127.0.0.1",
+        "--master-addr",
+        "rank 0's host (default 127.0.0.1, or LWS_LEADER_ADDRESS)",
+        to="engine.parallel.master_addr",
+        env="LWS_LEADER_ADDRESS",
+    )
+    master_port: int = setting(0, "--master-port", "rank 0's port (0: a free one)", to="engine.parallel.master_port")
     enforce_eager: bool = setting(
         False,
         "--enforce-eager",
@@ -429,7 +462,7 @@ def add_arguments(parser, names: typing.Iterable[str] | None = None, defaults: d
             kwargs.update(metavar=flag.metavar, choices=list(flag.choices) or None)
             if isinstance(f.default, tuple):
                 kwargs.update(nargs="+", type=str)
-        parser.add_argument(flag.name, **kwargs)
+        parser.add_argument(flag.name, *flag.aliases, **kwargs)
 
 
 def _scalar(hint) -> type:

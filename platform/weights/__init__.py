@@ -12,13 +12,14 @@ of `expected_weight_shapes(config)` (names.py), one tensor at a time, already in
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 
 from splitserve.platform.config import ModelConfig
 from splitserve.platform.errors import ConfigError
 from splitserve.platform.model_source import ModelSource
+from splitserve.platform.parallel.layout import Slices, cut
 from splitserve.platform.weights.gguf import iter_gguf_weights, load_gguf_config
 from splitserve.platform.weights.hf import iter_hf_weights, load_hf_config
 from splitserve.platform.weights.mxfp4 import join_mxfp4
@@ -47,6 +48,7 @@ def iter_weights(
     device: str | torch.device = "cpu",
     seed: int = 0,
     keep_quantized: bool = False,
+    shard: Callable[[str], Slices | None] | None = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (HF name, tensor) for every weight of `config`, one at a time, in `dtype` on `device`.
 
@@ -54,13 +56,19 @@ def iter_weights(
     sources. Nothing is read until the iterator is advanced; each yielded tensor is new memory
     the caller may keep or drop. `keep_quantized` (GGUF only): quantized matrices come as
     their stored blocks (quant.formats.RawQuant) for the fast kernels to pack.
+    `shard` (tensor parallelism, parallel/layout.py): the ranges of each tensor this rank keeps;
+    safetensors reads only them, GGUF and random sources cut them after dequantizing or drawing
+    the whole tensor (one tensor at a time, so the full model never exists in one rank).
     """
-    if source.kind == "gguf":
-        tensors = iter_gguf_weights(source.path, config, dtype, device, keep_quantized)
-    elif source.kind == "hf":
-        tensors = join_mxfp4(iter_hf_weights(source.path, config, dtype, device), dtype)
-    elif source.kind == "random":
-        tensors = iter_random_weights(config, dtype, device, seed)
+    if source.kind == "hf":
+        tensors = join_mxfp4(iter_hf_weights(source.path, config, dtype, device, shard), dtype)
     else:
-        raise ConfigError(f"model source kind {source.kind!r} is not supported; allowed: gguf, hf, random")
-    return check_weights(tensors, config, source.path or source.model_id)
+        if source.kind == "gguf":
+            tensors = iter_gguf_weights(source.path, config, dtype, device, keep_quantized)
+        elif source.kind == "random":
+            tensors = iter_random_weights(config, dtype, device, seed)
+        else:
+            raise ConfigError(f"model source kind {source.kind!r} is not supported; allowed: gguf, hf, random")
+        if shard is not None:
+            tensors = ((name, cut(tensor, shard(name))) for name, tensor in tensors)
+    return check_weights(tensors, config, source.path or source.model_id, shard)

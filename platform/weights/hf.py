@@ -29,7 +29,7 @@ from __future__ import annotations
 import glob
 import json
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -37,6 +37,7 @@ from safetensors import safe_open
 
 from splitserve.platform.config import ModelConfig, RopeScaling
 from splitserve.platform.errors import ConfigError, UnsupportedModelError
+from splitserve.platform.parallel.layout import Slices
 from splitserve.platform.weights.hf_families import (
     FAMILY_MODEL_TYPES,
     check_family_options,
@@ -100,9 +101,14 @@ def load_hf_config(folder: str, model_id: str) -> ModelConfig:
 
 
 def iter_hf_weights(
-    folder: str, config: ModelConfig, dtype: torch.dtype, device: str | torch.device = "cpu"
+    folder: str,
+    config: ModelConfig,
+    dtype: torch.dtype,
+    device: str | torch.device = "cpu",
+    shard: Callable[[str], Slices | None] | None = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (HF name, tensor in `dtype` on `device`) for every weight, one at a time."""
+    """Yield (HF name, tensor in `dtype` on `device`) for every weight, one at a time.
+    `shard` (tensor parallelism): the ranges of each tensor to read; only those bytes are read."""
     for path, names in safetensors_files(folder).items():
         with safe_open(path, framework="pt") as file:
             for name in names:
@@ -110,11 +116,19 @@ def iter_hf_weights(
                     continue
                 if is_extra_layer(name, config.num_layers):
                     continue  # a multi-token-prediction layer (hf_families)
-                tensor = file.get_tensor(name)
+                slices = shard(name) if shard is not None else None
+                tensor = file.get_tensor(name) if slices is None else _read_slices(file.get_slice(name), slices)
                 if tensor.dtype == torch.uint8:  # packed codes (MXFP4 blocks and scales): weights/mxfp4.py
                     yield name, tensor.to(device=device)
                     continue
                 yield name, tensor.to(device=device, dtype=dtype)
+
+
+def _read_slices(lazy, slices: Slices) -> torch.Tensor:
+    """The ranges of a safetensors slice handle along one dimension, concatenated."""
+    dim, ranges = slices
+    parts = [lazy[start:stop] if dim == 0 else lazy[:, start:stop] for start, stop in ranges]
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=dim)
 
 
 def safetensors_files(folder: str) -> dict[str, list[str]]:

@@ -8,12 +8,13 @@ misshapen tensor.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 
 from splitserve.platform.config import ModelConfig
 from splitserve.platform.errors import ConfigError, UnsupportedModelError
+from splitserve.platform.parallel.layout import Slices, sliced_shape
 
 
 def layer_weight_shapes(config: ModelConfig, layer: int) -> dict[str, tuple[int, ...]]:
@@ -168,11 +169,17 @@ def expected_weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
 
 
 def check_weights(
-    named_tensors: Iterable[tuple[str, torch.Tensor]], config: ModelConfig, source: str
+    named_tensors: Iterable[tuple[str, torch.Tensor]],
+    config: ModelConfig,
+    source: str,
+    shard: Callable[[str], Slices | None] | None = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Pass the tensors through, raising as soon as one is unexpected, misshapen or repeated,
-    and at the end if any expected one never came. `source` names the file for the message."""
+    and at the end if any expected one never came. `source` names the file for the message;
+    `shard`: the tensors are a rank's slices (parallel/layout.py), checked against those shapes."""
     expected = expected_weight_shapes(config)
+    if shard is not None:
+        expected = {name: sliced_shape(shape, shard(name)) for name, shape in expected.items()}
     seen: set[str] = set()
     for name, tensor in named_tensors:
         if name not in expected:

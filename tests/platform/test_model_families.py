@@ -81,13 +81,14 @@ FAMILIES = {
 ARCHITECTURE = {"gemma3_text": "gemma3"}  # model_type -> ModelConfig.architecture where they differ
 
 
-def save_family(folder, model_type: str, gguf_path: str):
-    """A random transformers model of `model_type` saved in `folder` with SmolLM2's tokenizer."""
+def save_family(folder, model_type: str, gguf_path: str, families: dict = FAMILIES):
+    """A random transformers model of `model_type` (a key of `families`) saved in `folder` with
+    SmolLM2's tokenizer."""
     import transformers
 
     from splitserve.platform.tokenizer import Tokenizer
 
-    config_name, model_name, options = FAMILIES[model_type]
+    config_name, model_name, options = families[model_type]
     torch.manual_seed(0)
     config = getattr(transformers, config_name)(**{**COMMON, **options})
     if model_type == "gemma3_text":
