@@ -65,7 +65,9 @@ class RayClusterConfig:
 # The worker settings the config decides with its own keys (model, kv_transport, worker_host,
 # security) or per replica (role, port 0 everywhere); `engine:` takes every other worker setting
 # (platform/settings/worker_args.py), over Ray's defaults: one thread and a small cache per replica.
-RAY_DECIDES = LAUNCHER_DECIDES
+# Tensor parallelism is a pool's (`prefill.tensor_parallel_size`: its placement group is sized by
+# it), and a Ray replica's ranks share one node (STRICT_PACK), so the multi-node flags stay unset.
+RAY_DECIDES = (*LAUNCHER_DECIDES, "tensor_parallel_size", "nnodes", "node_rank", "master_addr", "master_port")
 ENGINE_DEFAULTS = {"threads": 1, "kv_cache_memory_gib": 0.25, "max_num_batched_tokens": 512, "max_model_len": 2048}
 # What every rendered `engine:` spells out, even at the worker's default.
 ENGINE_EXPLICIT = ("dtype", "device", "threads", "quantization", "kv_cache_memory_gib", "block_size", "max_num_seqs")
@@ -87,6 +89,12 @@ def engine_args(settings: WorkerArgs) -> dict:
     """The `engine` a replica gets (render): the non-default settings and ENGINE_EXPLICIT, as YAML values."""
     keep = {**{name: getattr(settings, name) for name in ENGINE_EXPLICIT}, **settings.non_defaults()}
     return {name: list(v) if isinstance(v, tuple) else v for name, v in keep.items() if name not in RAY_DECIDES}
+
+
+def pool_engine_args(config: RayServeConfig, role: str) -> dict:
+    """The engine settings a pool decides for its replicas: its tensor-parallel size."""
+    tp = getattr(config, role).tensor_parallel_size
+    return {"tensor_parallel_size": tp} if tp > 1 else {}
 
 
 def replica_settings(
@@ -348,7 +356,7 @@ def render(config: RayServeConfig) -> dict:
                     "role": role,
                     "model": config.model,
                     "kv_transport": config.kv_transport,
-                    "engine": engine_args(engine),
+                    "engine": {**engine_args(engine), **pool_engine_args(config, role)},
                     "registry": registry_ref(config),
                     "host": config.worker_host,
                     "security": config.security.worker_args(),

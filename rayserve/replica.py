@@ -58,11 +58,14 @@ class WorkerReplica:
 
         from splitserve.platform.engine.llm_engine import LLMEngine
         from splitserve.platform.observability import tracing
+        from splitserve.rayserve import placement
         from splitserve.rayserve.config import replica_settings
         from splitserve.workers.main import Worker, trace_role
 
         advertise = "" if host else ray.util.get_node_ip_address()
         settings = replica_settings(role, model, kv_transport, engine, host, advertise, security or {})
+        if settings.tensor_parallel_size > 1 and settings.device.startswith("cuda"):
+            placement.claim_bundle_gpus(settings.tensor_parallel_size)  # the ranks see their bundles' GPUs
         t = tracing_args or {}
         tracing.configure(tracing.config_from(trace_role(role), t.get("endpoint") or None, t.get("sample_ratio")))
         self.worker = Worker(WorkerConfig.from_args(settings), LLMEngine(settings.engine_config()))

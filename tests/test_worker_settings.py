@@ -64,6 +64,11 @@ def samples(tmp_path) -> list[WorkerArgs]:
         quantization="none",
         kv_cache_dtype="bfloat16",
         threads=3,
+        tensor_parallel_size=4,
+        nnodes=2,
+        node_rank=1,
+        master_addr="leader.example",
+        master_port=29500,
         enforce_eager=True,
         max_num_batched_tokens=256,
         enable_prefix_caching=False,
@@ -159,6 +164,9 @@ def test_the_ray_replica_gets_every_field(tmp_path):
                 "kv_transport": settings.kv_transport,
                 "engine": engine,
                 "security": {**security, "kv_secret_file": settings.kv_secret_file},
+                # tensor parallelism is each pool's; a replica's ranks share its node (STRICT_PACK)
+                "prefill": {"tensor_parallel_size": settings.tensor_parallel_size},
+                "decode": {"tensor_parallel_size": settings.tensor_parallel_size},
             }
         )
         for app in ray_config.render(config)["applications"][1:]:
@@ -167,7 +175,8 @@ def test_the_ray_replica_gets_every_field(tmp_path):
                 a["role"], a["model"], a["kv_transport"], a["engine"], a["host"], "10.1.2.3", a["security"]
             )
             decided = dict(host="0.0.0.0", advertise_host="10.1.2.3", grpc_port=0, metrics_port=0, kv_port=0)
-            want = settings.replace(tls_check_peer_roles=False, drain_grace_s=10.0, **decided)
+            one_node = dict(nnodes=1, node_rank=0, master_addr="127.0.0.1", master_port=0)
+            want = settings.replace(tls_check_peer_roles=False, drain_grace_s=10.0, **decided, **one_node)
             assert_same_worker(got, for_role(want, a["role"]))
 
 
@@ -190,6 +199,7 @@ def test_the_operator_renders_every_field_its_spec_has():
         "speculative": {"numSpeculativeTokens": 3, "promptLookupMax": 5, "promptLookupMin": 2},
         "kvCache": {"tierGiB": 2, "maxPullBlocks": 64},
         "flowControl": {"enabled": True},
+        "prefill": {"tensorParallelSize": 2},
         "decode": {"gpus": 1},
     }
     pod_layout = dict(
@@ -220,7 +230,10 @@ def test_the_operator_renders_every_field_its_spec_has():
     )
     args = rendered_worker_args(spec)
     for pool, want in (
-        ("prefill", for_role(from_spec.replace(kv_tier_dir="/var/cache/splitserve-kv"), "prefill")),
+        (
+            "prefill",
+            for_role(from_spec.replace(kv_tier_dir="/var/cache/splitserve-kv", tensor_parallel_size=2), "prefill"),
+        ),
         ("decode", for_role(from_spec.replace(device="cuda"), "decode")),
     ):
         assert args[pool][0] == "worker"
