@@ -189,3 +189,17 @@ class WorkerProc:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait(10)
+
+
+def rank_processes(parent) -> list:
+    """The live tensor-parallel rank processes below `parent` (a psutil.Process; zombies are gone already)."""
+    import psutil
+
+    ranks = []
+    for p in parent.children(recursive=True):
+        try:
+            if "splitserve.platform.parallel.rank" in " ".join(p.cmdline()) and p.status() != psutil.STATUS_ZOMBIE:
+                ranks.append(p)
+        except psutil.NoSuchProcess:
+            pass
+    return ranks

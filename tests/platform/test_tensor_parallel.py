@@ -19,6 +19,7 @@ import psutil
 import pytest
 import torch
 from test_model_families import FAMILIES, save_family
+from workerproc import rank_processes
 
 from splitserve.platform.config import (
     CacheConfig,
@@ -64,14 +65,7 @@ def tokens(eng: LLMEngine, prompts, params=GREEDY) -> list[list[int]]:
 def children() -> list[psutil.Process]:
     """Rank processes of this test process (multiprocessing's resource tracker, which the shared
     memory segment starts once per process, is not one)."""
-    ranks = []
-    for p in psutil.Process().children(recursive=True):
-        try:
-            if "splitserve.platform.parallel.rank" in " ".join(p.cmdline()) and p.status() != psutil.STATUS_ZOMBIE:
-                ranks.append(p)
-        except psutil.NoSuchProcess:
-            pass
-    return ranks
+    return rank_processes(psutil.Process())
 
 
 @pytest.fixture(scope="module")

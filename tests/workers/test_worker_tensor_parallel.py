@@ -18,7 +18,7 @@ import grpc
 import psutil
 import pytest
 from test_worker_disaggregation import generate, prompt, run
-from workerproc import WorkerProc, worker_channel
+from workerproc import WorkerProc, rank_processes, worker_channel
 
 from splitserve.platform.config import CacheConfig, DeviceConfig, EngineConfig
 from splitserve.platform.engine.llm_engine import LLMEngine
@@ -33,14 +33,7 @@ PROMPTS = [prompt(n, salt=n) for n in (5, 17, 40)]
 
 def ranks_of(worker: WorkerProc) -> list[psutil.Process]:
     """The live rank processes the worker started."""
-    out = []
-    for p in psutil.Process(worker.proc.pid).children(recursive=True):
-        try:
-            if "splitserve.platform.parallel.rank" in " ".join(p.cmdline()) and p.status() != psutil.STATUS_ZOMBIE:
-                out.append(p)
-        except psutil.NoSuchProcess:
-            pass
-    return out
+    return rank_processes(psutil.Process(worker.proc.pid))
 
 
 def gone(pid: int) -> bool:
