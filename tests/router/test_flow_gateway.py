@@ -22,6 +22,7 @@ from splitserve.router.config.flow import FlowControlConfig
 KEYS = [
     {"id": "team-a", "key": "sk-a", "priority": 0, "max_priority": 10},
     {"id": "team-b", "key": "sk-b", "priority": 10, "weight": 2},
+    {"id": "prometheus", "key": "sk-prometheus", "role": "metrics"},  # reads /metrics, calls nothing else
 ]
 MESSAGES = [{"role": "user", "content": "Count the stars."}]
 
