@@ -29,6 +29,19 @@ _TINY = dict(
     eos_token_ids=(2,),
 )
 
+# The sigmoid-routed experts GLM-4.5 and DeepSeek-V3 share (models/sigmoid_moe.py), at tiny sizes:
+# two groups of four experts, one group per token, a shared expert, the first layer dense.
+_TINY_SIGMOID_MOE = dict(
+    num_experts=8,
+    num_experts_per_tok=2,
+    moe_intermediate_size=32,
+    norm_topk_prob=True,
+    n_shared_experts=1,
+    n_group=2,
+    topk_group=1,
+    first_k_dense_replace=1,
+)
+
 PRESETS: dict[str, dict[str, Any]] = {
     "tiny": dict(
         architecture="llama",
@@ -195,14 +208,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         attention_bias=True,
         qk_norm=True,
         partial_rotary_factor=0.5,
-        num_experts=8,
-        num_experts_per_tok=2,
-        moe_intermediate_size=32,
-        norm_topk_prob=True,
-        n_shared_experts=1,
-        n_group=2,
-        topk_group=1,
-        first_k_dense_replace=1,
+        **_TINY_SIGMOID_MOE,
     ),
     "tiny-gpt-oss": dict(
         _TINY,
@@ -225,15 +231,8 @@ PRESETS: dict[str, dict[str, Any]] = {
         qk_rope_head_dim=8,
         v_head_dim=16,
         rope_interleave=True,
-        num_experts=8,
-        num_experts_per_tok=2,
-        moe_intermediate_size=32,
-        norm_topk_prob=True,
-        n_shared_experts=1,
-        n_group=2,
-        topk_group=1,
+        **_TINY_SIGMOID_MOE,
         routed_scaling_factor=2.5,
-        first_k_dense_replace=1,
     ),
     "mixtral-8x7b": dict(  # Mixtral-8x7B-v0.1: 8 experts, 2 per token, full attention
         architecture="mixtral",
