@@ -74,7 +74,7 @@ def mask_time(engine: LLMEngine, batch: int, steps: int = 50) -> float:
     prefix = engine.tokenizer.encode('["alpha", "be', add_special_tokens=False)
     rows = []
     for _ in range(batch):
-        matcher = engine.grammars.matcher(ARRAY)
+        matcher = engine.inputs.grammars.matcher(ARRAY)
         assert matcher.accept_all(prefix)
         rows.append(SamplingRow(SamplingParams(temperature=0), [1], prefix, None, matcher))
     logits = torch.randn(batch, engine.model_config.vocab_size)

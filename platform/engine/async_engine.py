@@ -87,7 +87,7 @@ class AsyncEngine:
         """
         req_id = req_id or f"async-{next(self._ids)}"
         if params is not None and params.structured is not None:  # compile off the engine thread (cached)
-            await asyncio.to_thread(self._engine.grammars.compile, params.structured)
+            await asyncio.to_thread(self._engine.inputs.grammars.compile, params.structured)
         loop = asyncio.get_running_loop()
         stream: asyncio.Queue = asyncio.Queue()
         done = loop.create_future()

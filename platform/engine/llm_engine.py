@@ -20,46 +20,26 @@ from __future__ import annotations
 
 import itertools
 import logging
-import os
 from collections.abc import Sequence
 
 import torch
 
-from splitserve.platform.config import EngineConfig, ModelConfig, resolve_kv_cache_dtype
+from splitserve.platform.config import EngineConfig
 from splitserve.platform.engine import prompt_logprobs
-from splitserve.platform.engine.cuda_graphs import decode_graph_bytes, uses_decode_graphs
-from splitserve.platform.engine.input_processor import InputProcessor
-from splitserve.platform.engine.kv_connector import KVConnector
+from splitserve.platform.engine.assembly import assemble
 from splitserve.platform.engine.kv_handoff import KVExport
 from splitserve.platform.engine.load_snapshot import LoadSnapshot, take_snapshot
-from splitserve.platform.engine.model_loader import DTYPES, load_model
-from splitserve.platform.engine.output_processor import OutputProcessor
 from splitserve.platform.engine.outputs import RequestOutput, TokenLogprob
 from splitserve.platform.engine.request_state import RequestState
-from splitserve.platform.engine.runner import ModelRunner
 from splitserve.platform.errors import InvalidRequestError
-from splitserve.platform.hashing import BlockHasher, lora_extra_keys
-from splitserve.platform.kv.block_pool import BlockPool, KVEvent
-from splitserve.platform.kv.cache import allocate_kv_cache, plan_num_blocks
-from splitserve.platform.kv.manager import KVCacheManager
-from splitserve.platform.kv.tier import attach_tier
+from splitserve.platform.hashing import lora_extra_keys
+from splitserve.platform.kv.block_pool import KVEvent
 from splitserve.platform.lora.adapter import LoraAdapter
-from splitserve.platform.lora.batch import attach as attach_lora
-from splitserve.platform.lora.registry import LoraRegistry
-from splitserve.platform.model_source import resolve_model
-from splitserve.platform.models.features import family_quantization, lora_refusal
-from splitserve.platform.parallel.executor import TPExecutor
-from splitserve.platform.parallel.group import SINGLE
-from splitserve.platform.parallel.layout import ShardLayout, check_tensor_parallel
-from splitserve.platform.quant import resolve_quantization
 from splitserve.platform.sampling.params import SamplingParams
 from splitserve.platform.sampling.sampler import skip_draw
 from splitserve.platform.sched.plan import StepResult
 from splitserve.platform.sched.request import RequestStatus
-from splitserve.platform.sched.scheduler import Scheduler
-from splitserve.platform.spec.speculator import Speculator, token_result
-from splitserve.platform.tokenizer import load_tokenizer
-from splitserve.platform.weights import load_model_config
+from splitserve.platform.spec.speculator import token_result
 
 __all__ = ["LLMEngine", "LoadSnapshot"]
 
@@ -69,103 +49,20 @@ log = logging.getLogger(__name__)
 class LLMEngine:
     def __init__(self, config: EngineConfig, model: torch.nn.Module | None = None):
         """Load the model named by `config` (or reuse `model`, already loaded for the same
-        config.model, dtype and device: tests and benchmarks share weights between engines)."""
+        config.model, dtype and device: tests and benchmarks share weights between engines).
+        assembly.py builds the parts; this class wires them."""
         self.config = config
-        if config.device.num_threads:
-            torch.set_num_threads(config.device.num_threads)
-        self.device = torch.device(config.device.device)
-        self.dtype = DTYPES[config.device.dtype]
-        tp = config.parallel.tensor_parallel_size
-        self._threads_before: int | None = None  # restored by close() (tests run engines of both kinds)
-        if tp > 1 and not config.device.num_threads and config.device.device == "cpu":
-            self._threads_before = torch.get_num_threads()
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // tp))  # the node's cores split over its ranks
-        source = resolve_model(config.model)
-        self.model_config: ModelConfig = load_model_config(source)
-        # "auto" picks the best mode that runs here; under tensor parallelism that is "none"
-        # (the packed CPU modes have no sharded form; asking for one by name is refused below).
-        mode = "none" if tp > 1 and config.device.quantization == "auto" else config.device.quantization
-        self.quantization = family_quantization(
-            self.model_config, config, resolve_quantization(mode, config.device.device)
-        )
-        self.kv_cache_dtype = resolve_kv_cache_dtype(config.device, self.quantization)
-        self.kv_dtype = DTYPES[self.kv_cache_dtype]
-        self.tokenizer = load_tokenizer(config.model)
-        self.eos_token_ids = frozenset(
-            self.tokenizer.eos_token_ids if self.tokenizer is not None else self.model_config.eos_token_ids
-        )
-        self.max_model_len = min(
-            config.scheduler.max_model_len or self.model_config.max_position_embeddings,
-            self.model_config.max_position_embeddings,
-        )
-        check_tensor_parallel(
-            self.model_config, config.parallel, config.device.device, self.quantization, config.kv_tier is not None
-        )
-        local_config = ShardLayout(self.model_config, 0, tp).local_model_config()  # rank 0's KV heads
-        eager = config.device.enforce_eager
-        num_blocks = plan_num_blocks(
-            config.cache,
-            local_config,
-            self.kv_dtype,
-            self.max_model_len,
-            self.device,
-            graph_bytes=decode_graph_bytes(
-                eager, self.device, self.model_config, config.scheduler.max_num_seqs, self.dtype
-            ),
-        )
-        # Under tensor parallelism the other ranks start now and load their shards while rank 0
-        # loads its own (parallel/executor.py); None: one process.
-        self.executor = TPExecutor(config, num_blocks, self.max_model_len) if tp > 1 else None
-        try:
-            self._load(config, source, model, num_blocks, local_config)
-        except BaseException:
-            self.close()
-            raise
-
-    def _load(self, config: EngineConfig, source, model, num_blocks: int, local_config: ModelConfig) -> None:
-        """Load the weights (rank 0's shard under tensor parallelism) and build what runs them."""
-        group = self.executor.group if self.executor is not None else SINGLE
-        if self.executor is not None:
-            self.device = self.executor.device
-        self.model = load_model(
-            config, source, self.model_config, self.quantization, self.dtype, self.kv_dtype, self.device, model, group
-        )
-        if self.executor is not None:
-            self.executor.wait_ready()
-        block_size = config.cache.block_size
-        eager = config.device.enforce_eager
-        self.pool = BlockPool(num_blocks, enable_caching=config.cache.enable_prefix_caching)
-        self.kv = KVCacheManager(self.pool, block_size)
-        self.hasher = BlockHasher(self.model_config.model_id, block_size)
-        self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len, max_loras=config.lora.max_loras)
-        kv_caches = allocate_kv_cache(local_config, num_blocks, block_size, self.kv_dtype, self.device)
-        self.kv_tier = attach_tier(config.kv_tier, self.pool, self.kv, kv_caches, self.model_config.model_id)
-        lora_context, layout = attach_lora(self.model)
-        tp = config.parallel.tensor_parallel_size
-        self.loras = LoraRegistry(
-            config.lora, layout, self.dtype, ShardLayout(self.model_config, 0, tp) if tp > 1 else None
-        )
-        self.loras.refusal = lora_refusal(self.model_config)
-        self.loras.load_modules()
-        self.runner = ModelRunner(self.model, kv_caches, block_size, self.device, lora_context)
-        self.runner.executor = self.executor
-        if uses_decode_graphs(eager, self.device):
-            self.runner.enable_decode_graphs(config.scheduler.max_num_seqs, self.max_model_len, capture=True)
-        self.kv_connector = KVConnector(kv_caches, self.kv, block_size, self.device)
-        self.inputs = InputProcessor(
-            config.model,
-            self.model_config,
-            self.tokenizer,
-            self.max_model_len,
-            self.hasher,
-            self.eos_token_ids,
-            self.loras,
-            self.kv_connector,
-            self.device,
-            on_grammars=lambda backend: setattr(self.runner.sampler, "stats", backend.stats),
-        )
-        self.outputs = OutputProcessor(self.tokenizer)
-        self.speculator = Speculator(config.speculative, self.max_model_len) if config.speculative else None
+        parts = assemble(config, model)
+        s = parts.sizing
+        self.device, self.dtype, self.model_config = s.device, s.dtype, s.model_config
+        self.quantization, self.kv_cache_dtype, self.kv_dtype = s.quantization, s.kv_cache_dtype, s.kv_dtype
+        self.tokenizer, self.eos_token_ids, self.max_model_len = s.tokenizer, s.eos_token_ids, s.max_model_len
+        self.executor, self._threads_before = parts.executor, parts.threads_before
+        self.model, self.pool, self.kv, self.hasher = parts.model, parts.pool, parts.kv, parts.hasher
+        self.scheduler, self.kv_tier, self.loras = parts.scheduler, parts.kv_tier, parts.loras
+        self.runner, self.kv_connector = parts.runner, parts.kv_connector
+        self.inputs, self.outputs = parts.inputs, parts.outputs
+        self.speculator = parts.speculator
         self._states: dict[str, RequestState] = {}  # every live request's engine state, by req_id
         self._aborted: list[RequestOutput] = []
         self._ids = itertools.count()
@@ -177,16 +74,11 @@ class LLMEngine:
     def close(self) -> None:
         """End the other ranks of a tensor-parallel group (idempotent; nothing to do for one
         process). The engine cannot step afterwards."""
-        if getattr(self, "executor", None) is not None:
+        if self.executor is not None:
             self.executor.close()
         if self._threads_before is not None:
             torch.set_num_threads(self._threads_before)
             self._threads_before = None
-
-    @property
-    def grammars(self):
-        """The grammar backend (built on first use; its compile() is safe from any thread)."""
-        return self.inputs.grammars
 
     @property
     def grammar_stats(self):
@@ -222,11 +114,6 @@ class LLMEngine:
         """
         if self.executor is not None:
             self.executor.check()  # TensorParallelError once the group is down
-        if self.executor is not None and (remote_prefill or kv_export is not None):
-            raise InvalidRequestError(
-                "KV transfer (P/D) is not supported with --tensor-parallel-size > 1 yet; allowed: "
-                "local prefill (or a worker with --tensor-parallel-size 1)"
-            )
         req_id = req_id if req_id is not None else f"req-{next(self._ids)}"
         if req_id in self.scheduler.requests:
             raise InvalidRequestError(f"request id {req_id!r} is already in use")
