@@ -12,9 +12,12 @@ hits (KVReady). For each prefill worker the router offered, in order:
 
 Any failure — the prefill worker unreachable, erroring, killed mid-transfer, silent past the
 deadline, or a layout mismatch — aborts that transfer (late bytes are discarded, never written)
-and moves on to the next prefill worker; when none is left the engine prefills locally in the
-blocks it already holds. A cancelled client request cancels the Prefill call (the prefill
-worker then frees its blocks) and aborts the transfer; the engine frees ours.
+and moves on to the next prefill worker; over CUDA IPC, where a sender writes the blocks itself,
+an aborted transfer's blocks are quarantined (workers/transfer/table.py): the engine holds them
+until the receiver lifts it, and the next attempt waits for that. When no prefill worker is left
+the engine prefills locally in the blocks it already holds. A cancelled client request cancels
+the Prefill call (the prefill worker then frees its blocks) and aborts the transfer; the engine
+frees ours (quarantined ones once the receiver lifts the quarantine).
 """
 
 from __future__ import annotations
@@ -59,6 +62,7 @@ class RemotePrefill:
         self.metrics = metrics
         # Channels to prefill workers: dropped after a failed call or 5 idle minutes (grpc_channels).
         self.stubs = ChannelPool(tls, [("grpc.max_receive_message_length", 64 << 20)], idle_s=300.0)
+        self._holds: set[asyncio.Task] = set()  # quarantined blocks, released when the receiver lifts them
 
     async def run(
         self,
@@ -124,14 +128,16 @@ class RemotePrefill:
         except (TimeoutError, grpc.aio.AioRpcError, TransferError) as exc:
             receive.fail(exc)
             call.fail(exc)
-            self.receiver.abort(transfer_id)
+            lifted = self._abort(transfer_id, dst)
             if isinstance(exc, grpc.aio.AioRpcError) and exc.code() == grpc.StatusCode.UNAVAILABLE:
                 await self.stubs.drop(address)  # gone or restarting: the next request dials afresh
             log.warning("request %s: remote prefill on %s failed (%s)", req_id, address, _describe(exc))
             self._count("failed")
+            if lifted is not None:  # the next attempt, or the local prefill, writes these blocks again
+                await lifted.wait()
             return None
         except BaseException:  # cancelled by the client: stop the transfer, let the caller clean up
-            self.receiver.abort(transfer_id)
+            self._abort(transfer_id, dst)
             raise
         finally:
             receive.end()
@@ -141,6 +147,25 @@ class RemotePrefill:
         self.engine.complete_remote_prefill(req_id, resp.first_token_id, logprob)
         self._count("ok")
         return resp
+
+    def _abort(self, transfer_id: str, block_ids) -> asyncio.Event | None:
+        """Abort the transfer. If a CUDA IPC sender may still write its blocks (the receiver's
+        quarantine), the engine holds them, so no other request gets them, until the receiver
+        lifts it; returns the event that says so, or None. Called while the request still holds
+        the blocks: its own abort (a client gone) is queued to the engine after the hold."""
+        self.receiver.abort(transfer_id)
+        lifted = self.receiver.quarantine(transfer_id)
+        if lifted is None:
+            return None
+        self.engine.hold_blocks(block_ids)
+        task = asyncio.ensure_future(self._release_when(lifted, block_ids))
+        self._holds.add(task)
+        task.add_done_callback(self._holds.discard)
+        return lifted
+
+    async def _release_when(self, lifted: asyncio.Event, block_ids) -> None:
+        await lifted.wait()
+        self.engine.release_blocks(block_ids)
 
     def _request(self, req_id, token_ids, params, ready: KVReady, transfer_id: str, layout, lora):
         """The PrefillRequest of one attempt: the blocks from `ready.start_block` on, to this receiver."""

@@ -116,6 +116,14 @@ class AsyncEngine:
     def fallback_to_local_prefill(self, req_id: str, num_computed_tokens: int | None = None) -> None:
         self._command("fallback", req_id, num_computed_tokens)
 
+    def hold_blocks(self, block_ids) -> None:
+        """LLMEngine.hold_blocks, applied between steps in order with the other commands: a hold
+        issued before a request's abort takes its reference while the request still has them."""
+        self._command("hold", tuple(block_ids))
+
+    def release_blocks(self, block_ids) -> None:
+        self._command("release", tuple(block_ids))
+
     async def call(self, fn: Callable[[LLMEngine], object]):
         """Run fn(engine) on the engine thread between steps and return its result."""
         future = asyncio.get_running_loop().create_future()
@@ -174,6 +182,10 @@ class AsyncEngine:
                     self._deliver(out)
             elif cmd[0] == "fallback":
                 self._engine.fallback_to_local_prefill(*cmd[1:])
+            elif cmd[0] == "hold":
+                self._engine.hold_blocks(cmd[1])
+            elif cmd[0] == "release":
+                self._engine.release_blocks(cmd[1])
             elif cmd[0] == "call":
                 self._call(*cmd[1:])
             else:

@@ -202,6 +202,13 @@ class KVReceiver(ABC):
         """Forget a transfer (aborting it first if not terminal): afterwards the receiver holds
         no state for it and a sender using the id is told "unknown transfer id". Idempotent."""
 
+    @abstractmethod
+    def quarantine(self, transfer_id: str):
+        """After a CUDA IPC transfer ended other than DONE: an asyncio.Event set once its
+        destination blocks may go to another request (its sender can no longer write them: it
+        sent its "end", or its connection closed a grace period ago), or None when nothing
+        holds them back. Valid after release() too; the caller holds the blocks meanwhile."""
+
     @property
     @abstractmethod
     def num_transfers(self) -> int:

@@ -31,7 +31,7 @@ import splitserve.workers.transfer.auth as auth
 import splitserve.workers.transfer.cuda_ipc as cuda_ipc
 from splitserve.workers.transfer.base import KVLayout, KVReceiver, TransferStatus, WriteLayer
 from splitserve.workers.transfer.stream import MAX_LAYERS_PER_HEADER, MAX_PAYLOAD_BYTES, Channel, ChannelClosed
-from splitserve.workers.transfer.table import TransferTable
+from splitserve.workers.transfer.table import QUARANTINE_GRACE_S, TransferTable
 
 log = logging.getLogger(__name__)
 
@@ -152,11 +152,11 @@ class Connection:
         if self.session_key is not None and not auth.is_valid_tag(self.session_key, msg["transfer_id"], msg.get("tag")):
             raise auth.AuthError(f"an open of {msg['transfer_id']!r} without this connection's tag")
         self.bound = msg["transfer_id"]
-        reply = self.table.bind(self.bound, msg["layout"], msg["num_blocks"], self.notify)
+        reply = self.table.bind(self.bound, msg["layout"], msg["num_blocks"], self.notify, self.hang_up)
         if reply is not None:
             await self.channel.send(reply)
         elif msg.get("ipc"):  # where to write; None: this transfer goes as bytes
-            block_ids = self.table.block_ids(self.bound) if self.is_ipc else None
+            block_ids = self.table.expose_blocks(self.bound) if self.is_ipc else None
             await self.channel.send({"transfer_id": self.bound, "type": "ipc_ready", "block_ids": block_ids})
 
     async def on_ipc_hello(self, msg: dict) -> None:
@@ -205,6 +205,12 @@ class Connection:
         self.background.add(task)
         task.add_done_callback(self.background.discard)
 
+    def hang_up(self) -> None:  # called by the table: a quarantined transfer's sender never ended it
+        log.warning("closing a KV transfer connection: no 'end' for %r within the quarantine's grace", self.bound)
+        task = asyncio.ensure_future(self.channel.close())
+        self.background.add(task)
+        task.add_done_callback(self.background.discard)
+
     async def _send_quietly(self, reply: dict) -> None:
         with contextlib.suppress(Exception):  # the peer is gone: the table already settled it
             await self.channel.send(reply)
@@ -219,8 +225,10 @@ class ChannelReceiver(KVReceiver):
     acted on; `on_auth_failure` is called once per rejected connection (the worker's metric).
     `identity` (set by start()) is the address senders dial this receiver by: `address` with
     `advertise_host` for its host (a pod IP; "" keeps the bound one); the handshake binds the
-    sender's proof to it. `ipc`: (kv_caches, cuda_ipc backend) to offer the cache over CUDA IPC.
-    `idle_timeout_s` and `max_pending_handshakes`: see the module docstring."""
+    sender's proof to it. `ipc`: (kv_caches, cuda_ipc backend) to offer the cache over CUDA IPC;
+    `quarantine_grace_s`: how long an ended CUDA IPC transfer's blocks stay held back after its
+    sender's connection closed (table.py). `idle_timeout_s` and `max_pending_handshakes`: see the
+    module docstring."""
 
     def __init__(
         self,
@@ -231,6 +239,7 @@ class ChannelReceiver(KVReceiver):
         max_pending_handshakes: int = MAX_PENDING_HANDSHAKES,
         ipc=None,
         advertise_host: str = "",
+        quarantine_grace_s: float = QUARANTINE_GRACE_S,
     ):
         if not idle_timeout_s > 0:
             raise ValueError(f"idle_timeout_s must be a positive number of seconds, got {idle_timeout_s!r}")
@@ -245,7 +254,7 @@ class ChannelReceiver(KVReceiver):
         self.num_refused_connections = 0  # closed on arrival: too many waiting for the handshake
         self.address = ""
         self.identity = ""
-        self._table = TransferTable()
+        self._table = TransferTable(quarantine_grace_s)
         self._channels: set[Channel] = set()
         self._max_payload_bytes = max_payload_bytes
         self._is_closed = False
@@ -348,3 +357,10 @@ class ChannelReceiver(KVReceiver):
 
     def release(self, transfer_id: str) -> None:
         self._table.release(transfer_id)
+
+    def quarantine(self, transfer_id: str) -> asyncio.Event | None:
+        return self._table.quarantine(transfer_id)
+
+    @property
+    def num_quarantined(self) -> int:
+        return self._table.num_quarantined

@@ -13,6 +13,18 @@ the sender disconnecting or finishing with layers missing). A terminal state nev
 When a transfer bound to a connection fails early, `notify` sends the sender a "failed"
 event at once, so it can stop sending; the final reply to its "end" repeats the outcome.
 
+Quarantine (CUDA IPC). A transfer whose destination blocks went to a CUDA IPC sender
+(`expose_blocks`) can be written by that sender without passing through this table: a layer
+copy under way when the transfer fails, or started before the "failed" event arrives, lands
+anyway. So a transfer that ends any other way than DONE while its sender may still write is
+quarantined: `quarantine(transfer_id)` gives the decode worker an event set once those blocks may
+go to another request — when the sender's "end" for it arrives (an honest sender sends it only
+after its last copy completed), or `grace_s` after its connection closed (a copy already
+submitted finishes within that). A sender that sends neither within `grace_s` of the
+quarantine has its connection closed by the receiver, so a quarantine lasts at most
+2 x `grace_s` past the failure. The blocks are the decode worker's to hold meanwhile
+(workers/decode.py holds them in the engine); the table only says when.
+
 Replies are plain dicts (the stream module frames them): `{"transfer_id", "type": "failed" |
 "final", "ok", "state", "error", "error_kind": "layout" | "unknown" | "transfer",
 "mismatches"}`.
@@ -29,6 +41,16 @@ import torch
 from splitserve.workers.transfer.base import KVLayout, LayoutMismatchError, TransferState, TransferStatus, WriteLayer
 
 Notify = Callable[[dict], None]
+QUARANTINE_GRACE_S = 2.0  # after a CUDA IPC sender's connection closed, its copies have landed
+
+
+@dataclass
+class _Quarantine:
+    """An ended CUDA IPC transfer's destination blocks, which its sender may still be writing."""
+
+    lifted: asyncio.Event = field(default_factory=asyncio.Event)
+    timer: asyncio.TimerHandle | None = None
+    hang_up: Callable[[], None] | None = None  # closes the sender's connection
 
 
 @dataclass
@@ -47,11 +69,17 @@ class _Transfer:
     done: asyncio.Event = field(default_factory=asyncio.Event)
     timer: asyncio.TimerHandle | None = None
     notify: Notify | None = None
+    hang_up: Callable[[], None] | None = None  # closes the connection the transfer is bound to
+    is_exposed: bool = False  # its block ids went to a CUDA IPC sender that has not said "end"
 
 
 class TransferTable:
-    def __init__(self):
+    def __init__(self, grace_s: float = QUARANTINE_GRACE_S):
+        if not grace_s > 0:
+            raise ValueError(f"the quarantine's grace_s must be a positive number of seconds, got {grace_s!r}")
+        self.grace_s = grace_s
         self._transfers: dict[str, _Transfer] = {}
+        self._quarantined: dict[str, _Quarantine] = {}
 
     def __len__(self) -> int:
         return len(self._transfers)
@@ -103,13 +131,28 @@ class TransferTable:
             self.abort(transfer_id)
             del self._transfers[transfer_id]
 
+    def quarantine(self, transfer_id: str) -> asyncio.Event | None:
+        """The event set when an ended CUDA IPC transfer's blocks may be given to another request,
+        or None when nothing holds them back (no IPC sender had them, or it already ended)."""
+        q = self._quarantined.get(transfer_id)
+        return None if q is None else q.lifted
+
+    @property
+    def num_quarantined(self) -> int:
+        return len(self._quarantined)
+
     def close_all(self, reason: str) -> None:
         for tid, t in list(self._transfers.items()):
             self._end(t, tid, TransferState.FAILED, reason)
+        for tid in list(self._quarantined):  # the worker is stopping: its cache goes with it
+            self._lift(tid)
 
     # -- a connection's side ---------------------------------------------------------------
-    def bind(self, transfer_id: str, layout_dict: dict, num_blocks: int, notify: Notify) -> dict | None:
-        """The sender opened `transfer_id`: None if accepted, else the "failed" reply to send."""
+    def bind(
+        self, transfer_id: str, layout_dict: dict, num_blocks: int, notify: Notify, hang_up: Callable[[], None]
+    ) -> dict | None:
+        """The sender opened `transfer_id`: None if accepted, else the "failed" reply to send.
+        `hang_up()` closes its connection (a quarantine whose sender never ends)."""
         t = self._transfers.get(transfer_id)
         if t is None:
             return self._unknown(transfer_id, "failed")
@@ -136,13 +179,17 @@ class TransferTable:
         except ValueError as e:
             self._end(t, transfer_id, TransferState.FAILED, f"receiver rejected {transfer_id!r}: {e}")
             return self._reply(transfer_id, t, "failed")
-        t.state, t.notify = TransferState.RECEIVING, notify
+        t.state, t.notify, t.hang_up = TransferState.RECEIVING, notify, hang_up
         return None
 
-    def block_ids(self, transfer_id: str) -> list[int] | None:
-        """The destination blocks given to expect() (for a CUDA IPC sender), or None."""
+    def expose_blocks(self, transfer_id: str) -> list[int] | None:
+        """The destination blocks given to expect(), handed to a CUDA IPC sender: from now on the
+        transfer is quarantined if it ends before the sender's "end". None: send bytes."""
         t = self._transfers.get(transfer_id)
-        return None if t is None else t.block_ids
+        if t is None or t.block_ids is None or t.state is not TransferState.RECEIVING:
+            return None
+        t.is_exposed = True
+        return t.block_ids
 
     def mark_written(self, transfer_id: str, layer: int, first_block: int, num_blocks: int) -> None:
         """A CUDA IPC sender wrote `num_blocks` blocks of `layer` from `first_block` on straight
@@ -210,10 +257,13 @@ class TransferTable:
         t.num_bytes += num_blocks * block_nbytes
 
     def finish(self, transfer_id: str, aborted_by_sender: bool) -> dict:
-        """The sender's "end": settle the transfer and return the final reply."""
+        """The sender's "end": settle the transfer and return the final reply. The sender writes
+        nothing more for it, so its quarantine, if any, is lifted."""
+        self._lift(transfer_id)
         t = self._transfers.get(transfer_id)
         if t is None:
             return self._unknown(transfer_id, "final")
+        t.is_exposed = False
         if t.state is TransferState.RECEIVING:
             t.notify = None  # the final reply carries the outcome
             if aborted_by_sender:
@@ -230,15 +280,22 @@ class TransferTable:
         return self._reply(transfer_id, t, "final")
 
     def disconnect(self, transfer_id: str) -> None:
+        """The connection `transfer_id` is bound to closed before its "end": the transfer fails, and
+        a quarantine of its blocks is lifted `grace_s` from now."""
         t = self._transfers.get(transfer_id)
         if t is not None and t.state is TransferState.RECEIVING:
-            t.notify = None
+            t.notify = t.hang_up = None
             self._end(
                 t,
                 transfer_id,
                 TransferState.FAILED,
                 f"sender disconnected after {_layers_done(t)} of {t.layout.num_layers} layers",
             )
+        q = self._quarantined.get(transfer_id)
+        if q is not None:
+            q.hang_up = None
+            q.timer.cancel()
+            q.timer = asyncio.get_running_loop().call_later(self.grace_s, self._lift, transfer_id)
 
     # -- internals ---------------------------------------------------------------------
     def _get(self, transfer_id: str) -> _Transfer:
@@ -266,9 +323,35 @@ class TransferTable:
             t.timer.cancel()
             t.timer = None
         t.done.set()
+        if t.is_exposed and state is not TransferState.DONE:
+            self._start_quarantine(transfer_id, t.hang_up)
         notify, t.notify = t.notify, None
         if notify is not None and state is not TransferState.DONE:
             notify(self._reply(transfer_id, t, "failed"))
+
+    def _start_quarantine(self, transfer_id: str, hang_up) -> None:
+        """Hold the blocks back until the sender's end; past `grace_s` without it, hang up on it
+        (its disconnect then lifts the quarantine `grace_s` later)."""
+        q = self._quarantined[transfer_id] = _Quarantine(hang_up=hang_up)
+        q.timer = asyncio.get_running_loop().call_later(self.grace_s, self._overdue, transfer_id)
+
+    def _overdue(self, transfer_id: str) -> None:
+        q = self._quarantined.get(transfer_id)
+        if q is None:
+            return
+        if q.hang_up is None:  # its connection was closed here `grace_s` ago
+            self._lift(transfer_id)
+            return
+        hang_up, q.hang_up = q.hang_up, None
+        hang_up()
+        q.timer = asyncio.get_running_loop().call_later(self.grace_s, self._overdue, transfer_id)
+
+    def _lift(self, transfer_id: str) -> None:
+        q = self._quarantined.pop(transfer_id, None)
+        if q is not None:
+            if q.timer is not None:
+                q.timer.cancel()
+            q.lifted.set()
 
     @staticmethod
     def _reply(transfer_id: str, t: _Transfer, kind: str) -> dict:
