@@ -7,6 +7,11 @@ for batch invariance (a row's bits do not depend on the other rows of the call).
 
 from __future__ import annotations
 
+import hashlib
+import os
+import re
+import shutil
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -220,3 +225,94 @@ def test_gemma_norm_in_c_is_torchs_within_float32_rounding_on_views():
     assert y.shape == ref.shape and torch.allclose(y, ref, rtol=1e-6, atol=1e-5)
     norm.use_ops(None)
     assert torch.equal(norm(x), ref)
+
+
+# -- what the worker agrees to load (cpu_build.open_verified) ---------------------------------------
+@pytest.fixture(scope="module")
+def pristine(tmp_path_factory):
+    """One library built for this host with its digest (compiled once: the tests copy it)."""
+    return cpu_build._build(cpu_build._compiler(), folder=tmp_path_factory.mktemp("pristine"))
+
+
+def _install(pristine, folder):
+    """The pristine library and its digest, copied into `folder` (what a build there leaves)."""
+    folder.mkdir(mode=0o700)
+    for path in (pristine, cpu_build._digest_path(pristine)):
+        shutil.copy2(path, folder / path.name)
+    return folder / pristine.name
+
+
+@pytest.fixture
+def loads(monkeypatch):
+    """Every library path ctypes is asked to load, in order."""
+    seen = []
+    real = cpu_build.ctypes.CDLL
+
+    def spy(name, *args, **kwargs):
+        seen.append(name)
+        return real(name, *args, **kwargs)
+
+    monkeypatch.setattr(cpu_build.ctypes, "CDLL", spy)
+    return seen
+
+
+def _tamper(library, how):
+    if how == "bytes appended":
+        with open(library, "ab") as f:
+            f.write(b"\0planted")
+    elif how == "group-writable":
+        library.chmod(0o775)
+    elif how == "no digest recorded":
+        cpu_build._digest_path(library).unlink()
+    else:  # a link to another library in its place
+        other = library.with_name("elsewhere.so")
+        library.rename(other)
+        library.symlink_to(other)
+
+
+@pytest.mark.parametrize(
+    "how, message",
+    [
+        ("bytes appended", "changed after the build"),
+        ("group-writable", "writable by its group or others"),
+        ("no digest recorded", "none recorded"),
+        ("symlink", "does not open as a plain file"),
+    ],
+)
+def test_a_changed_kernel_library_is_refused(tmp_path, pristine, loads, how, message):
+    library = _install(pristine, tmp_path / "kernels")
+    assert cpu_build.open_verified(library)._name and len(loads) == 1  # as built: loaded
+    _tamper(library, how)
+    with pytest.raises(cpu_build.KernelRefused, match=message):
+        cpu_build.open_verified(library)
+    assert len(loads) == 1  # refused before ctypes saw it
+
+
+def test_the_worker_rebuilds_a_refused_library_and_loads_that(tmp_path, pristine, monkeypatch, loads, caplog):
+    library = _install(pristine, tmp_path / "kernels")
+    _tamper(library, "bytes appended")
+    monkeypatch.setenv(cpu_build.ENV_CACHE, str(library.parent))
+    lib = cpu_build.declare(cpu_build._build_and_open(cpu_build._compiler()))  # what load() does
+    assert lib.ss_a8_path() and len(loads) == 1 and "changed after the build" in caplog.text
+    recorded = cpu_build._digest_path(library).read_text()
+    assert hashlib.sha256(library.read_bytes()).hexdigest() == recorded  # rebuilt, its digest recorded
+
+
+def test_a_world_writable_kernel_folder_is_neither_built_into_nor_loaded_from(
+    tmp_path, pristine, monkeypatch, loads, caplog
+):
+    """Anyone could have planted a library there, with a matching digest file: the worker builds
+    and loads a private copy instead and leaves the folder as it found it."""
+    planted = _install(pristine, tmp_path / "shared")
+    planted.parent.chmod(0o777)
+    monkeypatch.setenv(cpu_build.ENV_CACHE, str(planted.parent))
+    with pytest.raises(cpu_build.KernelRefused, match="writable by its group or others"):
+        cpu_build.open_verified(planted)
+    lib = cpu_build.declare(cpu_build._build_and_open(cpu_build._compiler()))
+    [private] = re.findall(r"building a private copy in (\S+)", caplog.text)
+    try:
+        assert lib.ss_a8_path() and len(loads) == 1
+        assert sorted(p.name for p in planted.parent.iterdir()) == sorted([planted.name, planted.name + ".sha256"])
+        assert os.stat(private).st_mode & 0o777 == 0o700
+    finally:
+        shutil.rmtree(private)
