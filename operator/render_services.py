@@ -30,6 +30,7 @@ from typing import Any
 import yaml
 
 from splitserve.operator import constants as C
+from splitserve.operator.checks import gateway_processes
 from splitserve.operator.context import Context, Manifest
 from splitserve.operator.settings import effective_flow_control
 
@@ -50,6 +51,8 @@ def router_config(ctx: Context) -> dict[str, Any]:
             "served_model_names": [spec.served_model_name],
             # quotas, usage and rate limits shared by every gateway process (password: REDIS_PASSWORD)
             **({"rate_limit_redis_url": spec.router.redis.url} if spec.router.redis else {}),
+            # how many there are: with keys that have limits and no store above, each refuses to start
+            "num_processes": gateway_processes(spec, ctx.settings),
         },
         "discovery": {"k8s_namespace": ctx.namespace, "k8s_services": pools, "k8s_port_name": C.GRPC_PORT_NAME},
         "index": (

@@ -143,3 +143,17 @@ def test_each_command_loads_only_what_it_runs():
     assert torch_loaded
     for text in helps:
         assert all(name in text for name in ("worker", "router", "up", "epp", "usage", "envoy-config")), text
+
+
+@pytest.mark.parametrize("command", ["router", "up"])
+def test_keys_with_limits_on_several_gateway_processes_without_redis_exit_2(tmp_path, command):
+    """A config that says several gateway processes serve these keys (gateway.num_processes, as the
+    operator renders it) and no shared store: refused at start, before `up` starts any worker."""
+    keys, config = tmp_path / "keys.yaml", tmp_path / "router.yaml"
+    keys.write_text("keys:\n- {id: team-a, key: sk-a, rpm: 10}\n")
+    config.write_text("gateway:\n  num_processes: 2\n")
+    proc = run(command, "--config", str(config), "--api-keys-file", str(keys))
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert "2 gateway processes (gateway.num_processes) serve keys with rpm, tpm or monthly_tokens" in proc.stderr
+    assert "Set gateway.rate_limit_redis_url (splitserve router --redis-url" in proc.stderr
+    assert "starting 1 prefill" not in proc.stderr

@@ -30,6 +30,7 @@ from splitserve.router.api.formatting import Formatter, TokenText, sse
 from splitserve.router.api.prompts import num_choices, prepare_chat, prepare_completion
 from splitserve.router.api.respond import DONE, StreamEvents, respond, wait_disconnect
 from splitserve.router.config import ApiKey
+from splitserve.router.config.keys import check_shared_quotas
 from splitserve.router.core.pipeline import ChoiceChunk, Origin, Pipeline, Run
 from splitserve.router.errors import APIError
 from splitserve.router.flow import build_controller
@@ -70,7 +71,9 @@ class Gateway:
     def __init__(self, router: Router):
         self.router = router
         gateway = router.config.gateway
-        self.auth = Authenticator(gateway.api_keys, gateway.api_keys_file)
+        self.auth = Authenticator(
+            gateway.api_keys, gateway.api_keys_file, functools.partial(check_shared_quotas, gateway)
+        )
         self.quota = Quota(
             router.metrics.registry,
             gateway.rate_limit_redis_url,

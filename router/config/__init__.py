@@ -164,6 +164,11 @@ class GatewayConfig:
     """Characters one /tokenize call may send (its prompt, or its messages' contents); more is a 400."""
     public_docs: bool = False
     """Serve /docs and /openapi.json without a key even when keys are configured (default: they need one)."""
+    num_processes: int = 1
+    """How many gateway processes answer the API with these keys together: router replicas, and
+    behind an inference gateway the EPP and each decode pod's sidecar (the operator renders it). Above
+    1, keys with rpm, tpm or monthly_tokens need `rate_limit_redis_url`, or each process would count
+    them alone: the router refuses to start (router/config/keys.py, check_shared_quotas)."""
 
     def __post_init__(self) -> None:
         if self.cold_start_hold_s < 0 or self.cold_start_max_held < 0:
@@ -190,6 +195,8 @@ class GatewayConfig:
         for name in ("max_choices_per_request", "max_prompt_tokens_per_request", "max_tokenize_chars"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ConfigError(f"gateway.{name}={getattr(self, name)!r}: need a positive integer")
+        if not isinstance(self.num_processes, int) or isinstance(self.num_processes, bool) or self.num_processes < 1:
+            raise ConfigError(f"gateway.num_processes={self.num_processes!r}: need a positive integer (1: this one)")
         if any(not root.startswith("/") for root in self.lora_roots):
             raise ConfigError(f"gateway.lora_roots={list(self.lora_roots)}: need absolute folders (--lora-roots)")
 

@@ -27,7 +27,7 @@ from splitserve.router.config import (
     default_prefill_profile,
 )
 from splitserve.router.config.flow import from_mapping as _flow_control
-from splitserve.router.config.keys import sets_flow_fields
+from splitserve.router.config.keys import check_shared_quotas, read_keys, sets_flow_fields
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +71,10 @@ def from_dict(data: dict) -> RouterConfig:
     kwargs = {}
     for key, value in checked_mapping(data, RouterConfig, "").items():
         kwargs[key] = sections[key](value) if key in sections else value
-    return resolve_flow_control(RouterConfig(**kwargs))
+    config = RouterConfig(**kwargs)
+    gateway = config.gateway
+    check_shared_quotas(gateway, gateway.api_keys + (read_keys(gateway.api_keys_file) if gateway.api_keys_file else ()))
+    return resolve_flow_control(config)
 
 
 def resolve_flow_control(config: RouterConfig) -> RouterConfig:

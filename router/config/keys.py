@@ -30,11 +30,12 @@ from __future__ import annotations
 
 import hashlib
 import re
+from collections.abc import Iterable
 from typing import Any
 
 import yaml
 
-from splitserve.router.config import KEY_ROLES, ApiKey, ConfigError
+from splitserve.router.config import KEY_ROLES, ApiKey, ConfigError, GatewayConfig
 
 ID_PATTERN = re.compile(r"[A-Za-z0-9._-]{1,64}")
 KEY_FIELDS = {
@@ -147,9 +148,32 @@ def parse_keys(data: Any, source: str) -> tuple[tuple[str, ApiKey], ...]:
 def sets_flow_fields(path: str) -> bool:
     """Does the key file give any key a `priority`, `max_priority` or `weight` (flow control's)?
     An unreadable or invalid file is False here: the gateway reports it when it loads the keys."""
+    return any(k.priority is not None or k.max_priority is not None or k.weight is not None for k in read_keys(path))
+
+
+def read_keys(path: str) -> tuple[ApiKey, ...]:
+    """The keys of a key file, or () when it cannot be read or parsed: the gateway reports that
+    when it loads the keys (router/tenancy/keyfile.py)."""
     try:
         with open(path, encoding="utf-8") as f:
-            keys = parse_keys(yaml.safe_load(f), path)
+            return tuple(k for _, k in parse_keys(yaml.safe_load(f), path))
     except (ConfigError, yaml.YAMLError, OSError):
-        return False
-    return any(k.priority is not None or k.max_priority is not None or k.weight is not None for _, k in keys)
+        return ()
+
+
+def check_shared_quotas(gateway: GatewayConfig, keys: Iterable[ApiKey]) -> None:
+    """ConfigError when keys with rpm, tpm or monthly_tokens are served by more than one gateway
+    process (`gateway.num_processes`) without a shared quota store: each would count them alone."""
+    if gateway.num_processes <= 1 or gateway.rate_limit_redis_url:
+        return
+    limited = [k.name or "an inline key" for k in keys if k.rpm or k.tpm or k.monthly_tokens]
+    if not limited:
+        return
+    n = gateway.num_processes
+    raise ConfigError(
+        f"{n} gateway processes (gateway.num_processes) serve keys with rpm, tpm or monthly_tokens "
+        f"({', '.join(limited[:5])}{', ...' if len(limited) > 5 else ''}) without a shared quota store: each "
+        f"process would count them alone, so a key would get up to {n}x its limits and its usage would reset "
+        "on every restart. Set gateway.rate_limit_redis_url (splitserve router --redis-url; in Kubernetes "
+        "spec.router.redis), or gateway.num_processes: 1 when this process alone serves these keys"
+    )

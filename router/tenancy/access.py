@@ -33,11 +33,11 @@ def key_label(key: ApiKey) -> str:
 class Authenticator:
     """Keys from the config (plain, `--api-key`) and from a key file (hashed, reloaded on change)."""
 
-    def __init__(self, keys: tuple[ApiKey, ...], key_file: str = ""):
+    def __init__(self, keys: tuple[ApiKey, ...], key_file: str = "", check=None):
         from splitserve.router.tenancy.keyfile import KeyFile
 
         self.keys = keys
-        self.key_file = KeyFile(key_file) if key_file else None
+        self.key_file = KeyFile(key_file, check) if key_file else None
 
     @property
     def is_open(self) -> bool:

@@ -6,6 +6,7 @@ router/config/keys.py.
 from __future__ import annotations
 
 import hmac
+import logging
 import os
 
 import yaml
@@ -14,12 +15,17 @@ from splitserve.router.config import ApiKey, ConfigError
 from splitserve.router.config.keys import digest, parse_keys
 from splitserve.router.errors import APIError
 
+log = logging.getLogger(__name__)
+
 
 class KeyFile:
-    """The keys of one file, re-read whenever the file changes (a bad new file keeps the old keys)."""
+    """The keys of one file, re-read whenever the file changes (a bad new file keeps the old keys).
+    `check(keys)` may refuse a file's keys with a ConfigError, as a parse error does (the gateway's
+    check_shared_quotas: a file that gains limits at run time is refused as one at start is)."""
 
-    def __init__(self, path: str):
+    def __init__(self, path: str, check=None):
         self.path = path
+        self.check = check
         self._stamp: tuple | None = None
         self.keys: tuple[tuple[str, ApiKey], ...] = ()
         self.reload_error: str | None = None
@@ -38,9 +44,13 @@ class KeyFile:
         try:
             with open(self.path, encoding="utf-8") as f:
                 keys = parse_keys(yaml.safe_load(f), self.path)
+            if self.check is not None:
+                self.check(k for _, k in keys)
         except (ConfigError, yaml.YAMLError, OSError) as exc:
             if strict:
                 raise ConfigError(str(exc)) from None
+            if str(exc) != self.reload_error:
+                log.error("the key file %s was not reloaded (its previous keys stay): %s", self.path, exc)
             self.reload_error = str(exc)
             return
         self.keys, self._stamp, self.reload_error = keys, stamp, None

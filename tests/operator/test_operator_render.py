@@ -336,7 +336,7 @@ def test_router_container_and_config():
         "model": "smollm2-135m",
         "block_size": 16,
         "max_model_len": 2048,
-        "gateway": {"served_model_names": ["smollm2-135m"]},
+        "gateway": {"served_model_names": ["smollm2-135m"], "num_processes": 1},
         "discovery": {"k8s_namespace": "ns", "k8s_services": ["svc-prefill", "svc-decode"], "k8s_port_name": "grpc"},
         "index": {"backend": "memory"},
         "placement": {

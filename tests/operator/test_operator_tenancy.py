@@ -13,6 +13,7 @@ from splitserve.operator.checks import InvalidSpecError, check_spec
 from splitserve.operator.render import render
 from splitserve.operator.settings import OperatorSettings
 from splitserve.operator.spec import parse_spec
+from splitserve.platform.errors import ConfigError
 from splitserve.router.config.file import from_dict
 
 UID = "6f1c7c4e-0000-4000-8000-000000000053"
@@ -103,3 +104,51 @@ def test_the_sidecar_has_its_own_tmp_user_and_service_account():
     assert binding["roleRef"]["name"] == "chat-sidecar" and binding["subjects"][0]["name"] == "chat-sidecar"
     # the router keeps its own account, which may also patch its ConfigMap
     assert out["Deployment", "chat-router"]["spec"]["template"]["spec"]["serviceAccountName"] == "chat-router"
+
+
+def test_each_gateway_config_counts_the_processes_and_a_router_without_the_store_refuses(tmp_path):
+    """Every gateway process's config says how many serve the keys (gateway.num_processes); a router
+    reading one of them with the store taken out (a ConfigMap edited by hand) refuses to start when
+    its key file has limits, and starts when no key has any."""
+    out = rendered(
+        router={"replicas": 2, "redis": REDIS, "apiKeys": KEYS},
+        gateway={"mode": "inferencePool", "eppReplicas": 2},
+        decode={"replicas": 3},
+    )
+    configs = [
+        yaml.safe_load(out["ConfigMap", "chat-router"]["data"]["router.yaml"]),
+        *(yaml.safe_load(text) for text in out["ConfigMap", "chat-epp"]["data"].values()),
+    ]
+    assert [c["gateway"]["num_processes"] for c in configs] == [7, 7, 7]  # 2 routers + 2 EPPs + 3 sidecars
+    limited, unlimited = tmp_path / "limited.yaml", tmp_path / "unlimited.yaml"
+    limited.write_text(yaml.safe_dump({"keys": [{"id": "team-a", "key": "sk-a", "rpm": 10}]}))
+    unlimited.write_text(yaml.safe_dump({"keys": [{"id": "team-a", "key": "sk-a", "max_concurrent": 4}]}))
+    for config in configs:
+        without_store = {k: v for k, v in config["gateway"].items() if k != "rate_limit_redis_url"}
+        with pytest.raises(ConfigError, match=r"7 gateway processes .*\(team-a\) without a shared quota store"):
+            from_dict({**config, "gateway": {**without_store, "api_keys_file": str(limited)}})
+        from_dict({**config, "gateway": {**without_store, "api_keys_file": str(unlimited)}})
+        from_dict({**config, "gateway": {**config["gateway"], "api_keys_file": str(limited)}})
+
+
+def test_the_status_says_what_to_set_when_several_processes_would_count_alone(cluster, kube, namespace):
+    """Through the reconcile loop on the emulated API server (kmock, an in-memory emulator): two
+    one router, the EPP and a decode pod's sidecar serving a key file without router.redis get
+    Ready=False/InvalidSpec naming the number of processes and what to set, and nothing is created;
+    with router.redis the spec is accepted. (Two router replicas without Redis are refused earlier,
+    by the CRD schema, for the prefix index.)"""
+    from opkit_kube import condition, create_isvc, isvc
+
+    from splitserve.operator import kube as K
+    from splitserve.operator.reconcile import reconcile
+
+    spec = {"model": {"uri": "smollm2-135m"}, "router": {"apiKeys": KEYS}, "gateway": {"mode": "inferencePool"}}
+    create_isvc(kube, "svc", namespace, spec)
+    outcome = reconcile(kube, OperatorSettings(), namespace, "svc")
+    ready = condition(isvc(kube, namespace, "svc"))
+    assert (ready["status"], ready["reason"]) == ("False", "InvalidSpec")
+    assert "router.apiKeys with 3 gateway processes" in ready["message"]
+    assert "set router.redis (url, passwordSecret)" in ready["message"] and outcome.result is None
+    kube.merge_patch(K.path(K.ISVC, namespace, "svc"), {"spec": {"router": {"redis": REDIS}}})
+    outcome = reconcile(kube, OperatorSettings(), namespace, "svc")
+    assert outcome.invalid is None and condition(isvc(kube, namespace, "svc"))["reason"] != "InvalidSpec"

@@ -155,3 +155,67 @@ def test_redis_password_from_the_environment_goes_into_the_url(monkeypatch):
     assert config.index.redis_url == "redis://:s3cr%2Ft@r:6379/0"
     kept = from_dict({"index": {"backend": "redis", "redis_url": "redis://u:own@r:6379"}})
     assert kept.index.redis_url == "redis://u:own@r:6379"
+
+
+# -- keys with limits on several gateway processes need the shared store (router/config/keys.py) ----
+def _key_file(path, **limits):
+    import yaml
+
+    path.write_text(yaml.safe_dump({"keys": [{"id": "team-a", "key": "sk-a", **limits}]}))
+    return str(path)
+
+
+@pytest.mark.parametrize(
+    "limits, num_processes, redis, refused",
+    [
+        ({"rpm": 10}, 2, "", True),
+        ({"tpm": 1000}, 3, "", True),
+        ({"monthly_tokens": 10**6}, 2, "", True),
+        ({"rpm": 10}, 2, "redis://127.0.0.1:6379", False),  # counted in one store
+        ({"rpm": 10}, 1, "", False),  # one process counts for itself
+        ({"max_concurrent": 4}, 2, "", False),  # per process by design (docs/security.md)
+    ],
+)
+def test_keys_with_limits_on_several_processes_need_the_shared_store(tmp_path, limits, num_processes, redis, refused):
+    overrides = {
+        "gateway.api_keys_file": _key_file(tmp_path / "keys.yaml", **limits),
+        "gateway.num_processes": num_processes,
+        "gateway.rate_limit_redis_url": redis or None,
+    }
+    if not refused:
+        load_config(None, **overrides)
+        return
+    with pytest.raises(ConfigError) as err:
+        load_config(None, **overrides)
+    assert f"{num_processes} gateway processes (gateway.num_processes) serve keys" in str(err.value)
+    assert "(team-a) without a shared quota store" in str(err.value)
+    assert "Set gateway.rate_limit_redis_url" in str(err.value)
+    inline = {"gateway.api_keys": [{"key": "sk-b", "rpm": 5}], "gateway.num_processes": num_processes}
+    with pytest.raises(ConfigError, match=r"\(an inline key\) without a shared quota store"):
+        load_config(None, **inline)
+
+
+def test_num_processes_is_validated():
+    with pytest.raises(ConfigError, match="gateway.num_processes=0: need a positive integer"):
+        load_config(None, **{"gateway.num_processes": 0})
+
+
+def test_a_key_file_that_gains_limits_at_run_time_is_refused_like_one_at_start(tmp_path):
+    """The gateway re-reads its key file on change: a new file that adds limits on a multi-process
+    gateway without the store is refused as a bad file is (logged; the previous keys stay)."""
+    import functools
+
+    from splitserve.router.config import GatewayConfig
+    from splitserve.router.config.keys import check_shared_quotas
+    from splitserve.router.errors import APIError
+    from splitserve.router.tenancy.access import Authenticator
+
+    path = tmp_path / "keys.yaml"
+    _key_file(path)
+    auth = Authenticator((), str(path), functools.partial(check_shared_quotas, GatewayConfig(num_processes=2)))
+    assert auth.check("Bearer sk-a").name == "team-a"
+    path.write_text("keys:\n- {id: team-a, key: sk-a, rpm: 10}\n- {id: team-b, key: sk-b}\n")
+    assert auth.check("Bearer sk-a").rpm is None  # the keys it started with
+    with pytest.raises(APIError):
+        auth.check("Bearer sk-b")
+    assert "without a shared quota store" in auth.key_file.reload_error
