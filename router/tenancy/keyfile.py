@@ -49,9 +49,10 @@ class KeyFile:
         except (ConfigError, yaml.YAMLError, OSError) as exc:
             if strict:
                 raise ConfigError(str(exc)) from None
-            if str(exc) != self.reload_error:
-                log.error("the key file %s was not reloaded (its previous keys stay): %s", self.path, exc)
+            log.error("the key file %s was not reloaded (its previous keys stay): %s", self.path, exc)
             self.reload_error = str(exc)
+            if not isinstance(exc, OSError):  # its content is wrong: read it again once it changes
+                self._stamp = stamp
             return
         self.keys, self._stamp, self.reload_error = keys, stamp, None
 

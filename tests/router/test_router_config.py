@@ -200,7 +200,7 @@ def test_num_processes_is_validated():
         load_config(None, **{"gateway.num_processes": 0})
 
 
-def test_a_key_file_that_gains_limits_at_run_time_is_refused_like_one_at_start(tmp_path):
+def test_a_key_file_that_gains_limits_at_run_time_is_refused_like_one_at_start(tmp_path, caplog):
     """The gateway re-reads its key file on change: a new file that adds limits on a multi-process
     gateway without the store is refused as a bad file is (logged; the previous keys stay)."""
     import functools
@@ -219,3 +219,4 @@ def test_a_key_file_that_gains_limits_at_run_time_is_refused_like_one_at_start(t
     with pytest.raises(APIError):
         auth.check("Bearer sk-b")
     assert "without a shared quota store" in auth.key_file.reload_error
+    assert caplog.text.count("was not reloaded") == 1  # read once, not again per request
