@@ -13,7 +13,7 @@ hits (KVReady). For each prefill worker the router offered, in order:
 Any failure — the prefill worker unreachable, erroring, killed mid-transfer, silent past the
 deadline, or a layout mismatch — aborts that transfer (late bytes are discarded, never written)
 and moves on to the next prefill worker; over CUDA IPC, where a sender writes the blocks itself,
-an aborted transfer's blocks are quarantined (workers/transfer/table.py): the engine holds them
+an aborted transfer's blocks are quarantined (workers/transfer/quarantine.py): the engine holds them
 until the receiver lifts it, and the next attempt waits for that. When no prefill worker is left
 the engine prefills locally in the blocks it already holds. A cancelled client request cancels
 the Prefill call (the prefill worker then frees its blocks) and aborts the transfer; the engine

@@ -1,4 +1,4 @@
-"""The quarantine of an aborted CUDA IPC transfer's blocks (workers/transfer/table.py,
+"""The quarantine of an aborted CUDA IPC transfer's blocks (workers/transfer/quarantine.py,
 workers/decode.py), checked on a CPU with the reference IPC backend (cuda_ipc.LocalIpcBackend).
 
 A CUDA IPC sender writes the decode worker's blocks itself, so a copy under way at an abort can

@@ -30,8 +30,9 @@ import torch
 import splitserve.workers.transfer.auth as auth
 import splitserve.workers.transfer.cuda_ipc as cuda_ipc
 from splitserve.workers.transfer.base import KVLayout, KVReceiver, TransferStatus, WriteLayer
+from splitserve.workers.transfer.quarantine import GRACE_S
 from splitserve.workers.transfer.stream import MAX_LAYERS_PER_HEADER, MAX_PAYLOAD_BYTES, Channel, ChannelClosed
-from splitserve.workers.transfer.table import QUARANTINE_GRACE_S, TransferTable
+from splitserve.workers.transfer.table import TransferTable
 
 log = logging.getLogger(__name__)
 
@@ -227,7 +228,7 @@ class ChannelReceiver(KVReceiver):
     `advertise_host` for its host (a pod IP; "" keeps the bound one); the handshake binds the
     sender's proof to it. `ipc`: (kv_caches, cuda_ipc backend) to offer the cache over CUDA IPC;
     `quarantine_grace_s`: how long an ended CUDA IPC transfer's blocks stay held back after its
-    sender's connection closed (table.py). `idle_timeout_s` and `max_pending_handshakes`: see the
+    sender's connection closed (quarantine.py). `idle_timeout_s` and `max_pending_handshakes`: see the
     module docstring."""
 
     def __init__(
@@ -239,7 +240,7 @@ class ChannelReceiver(KVReceiver):
         max_pending_handshakes: int = MAX_PENDING_HANDSHAKES,
         ipc=None,
         advertise_host: str = "",
-        quarantine_grace_s: float = QUARANTINE_GRACE_S,
+        quarantine_grace_s: float = GRACE_S,
     ):
         if not idle_timeout_s > 0:
             raise ValueError(f"idle_timeout_s must be a positive number of seconds, got {idle_timeout_s!r}")

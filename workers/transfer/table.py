@@ -14,16 +14,8 @@ When a transfer bound to a connection fails early, `notify` sends the sender a "
 event at once, so it can stop sending; the final reply to its "end" repeats the outcome.
 
 Quarantine (CUDA IPC). A transfer whose destination blocks went to a CUDA IPC sender
-(`expose_blocks`) can be written by that sender without passing through this table: a layer
-copy under way when the transfer fails, or started before the "failed" event arrives, lands
-anyway. So a transfer that ends any other way than DONE while its sender may still write is
-quarantined: `quarantine(transfer_id)` gives the decode worker an event set once those blocks may
-go to another request — when the sender's "end" for it arrives (an honest sender sends it only
-after its last copy completed), or `grace_s` after its connection closed (a copy already
-submitted finishes within that). A sender that sends neither within `grace_s` of the
-quarantine has its connection closed by the receiver, so a quarantine lasts at most
-2 x `grace_s` past the failure. The blocks are the decode worker's to hold meanwhile
-(workers/decode.py holds them in the engine); the table only says when.
+(`expose_blocks`) and that ends other than DONE before that sender's "end" is quarantined
+(quarantine.py): `quarantine(transfer_id)` says when its blocks may go to another request.
 
 Replies are plain dicts (the stream module frames them): `{"transfer_id", "type": "failed" |
 "final", "ok", "state", "error", "error_kind": "layout" | "unknown" | "transfer",
@@ -39,18 +31,9 @@ from dataclasses import dataclass, field
 import torch
 
 from splitserve.workers.transfer.base import KVLayout, LayoutMismatchError, TransferState, TransferStatus, WriteLayer
+from splitserve.workers.transfer.quarantine import GRACE_S, Quarantines
 
 Notify = Callable[[dict], None]
-QUARANTINE_GRACE_S = 2.0  # after a CUDA IPC sender's connection closed, its copies have landed
-
-
-@dataclass
-class _Quarantine:
-    """An ended CUDA IPC transfer's destination blocks, which its sender may still be writing."""
-
-    lifted: asyncio.Event = field(default_factory=asyncio.Event)
-    timer: asyncio.TimerHandle | None = None
-    hang_up: Callable[[], None] | None = None  # closes the sender's connection
 
 
 @dataclass
@@ -74,12 +57,9 @@ class _Transfer:
 
 
 class TransferTable:
-    def __init__(self, grace_s: float = QUARANTINE_GRACE_S):
-        if not grace_s > 0:
-            raise ValueError(f"the quarantine's grace_s must be a positive number of seconds, got {grace_s!r}")
-        self.grace_s = grace_s
+    def __init__(self, grace_s: float = GRACE_S):
         self._transfers: dict[str, _Transfer] = {}
-        self._quarantined: dict[str, _Quarantine] = {}
+        self._quarantines = Quarantines(grace_s)
 
     def __len__(self) -> int:
         return len(self._transfers)
@@ -134,18 +114,16 @@ class TransferTable:
     def quarantine(self, transfer_id: str) -> asyncio.Event | None:
         """The event set when an ended CUDA IPC transfer's blocks may be given to another request,
         or None when nothing holds them back (no IPC sender had them, or it already ended)."""
-        q = self._quarantined.get(transfer_id)
-        return None if q is None else q.lifted
+        return self._quarantines.event(transfer_id)
 
     @property
     def num_quarantined(self) -> int:
-        return len(self._quarantined)
+        return len(self._quarantines)
 
     def close_all(self, reason: str) -> None:
         for tid, t in list(self._transfers.items()):
             self._end(t, tid, TransferState.FAILED, reason)
-        for tid in list(self._quarantined):  # the worker is stopping: its cache goes with it
-            self._lift(tid)
+        self._quarantines.lift_all()  # the worker is stopping: its cache goes with it
 
     # -- a connection's side ---------------------------------------------------------------
     def bind(
@@ -259,7 +237,7 @@ class TransferTable:
     def finish(self, transfer_id: str, aborted_by_sender: bool) -> dict:
         """The sender's "end": settle the transfer and return the final reply. The sender writes
         nothing more for it, so its quarantine, if any, is lifted."""
-        self._lift(transfer_id)
+        self._quarantines.lift(transfer_id)
         t = self._transfers.get(transfer_id)
         if t is None:
             return self._unknown(transfer_id, "final")
@@ -291,11 +269,7 @@ class TransferTable:
                 TransferState.FAILED,
                 f"sender disconnected after {_layers_done(t)} of {t.layout.num_layers} layers",
             )
-        q = self._quarantined.get(transfer_id)
-        if q is not None:
-            q.hang_up = None
-            q.timer.cancel()
-            q.timer = asyncio.get_running_loop().call_later(self.grace_s, self._lift, transfer_id)
+        self._quarantines.disconnected(transfer_id)
 
     # -- internals ---------------------------------------------------------------------
     def _get(self, transfer_id: str) -> _Transfer:
@@ -324,34 +298,10 @@ class TransferTable:
             t.timer = None
         t.done.set()
         if t.is_exposed and state is not TransferState.DONE:
-            self._start_quarantine(transfer_id, t.hang_up)
+            self._quarantines.start(transfer_id, t.hang_up)
         notify, t.notify = t.notify, None
         if notify is not None and state is not TransferState.DONE:
             notify(self._reply(transfer_id, t, "failed"))
-
-    def _start_quarantine(self, transfer_id: str, hang_up) -> None:
-        """Hold the blocks back until the sender's end; past `grace_s` without it, hang up on it
-        (its disconnect then lifts the quarantine `grace_s` later)."""
-        q = self._quarantined[transfer_id] = _Quarantine(hang_up=hang_up)
-        q.timer = asyncio.get_running_loop().call_later(self.grace_s, self._overdue, transfer_id)
-
-    def _overdue(self, transfer_id: str) -> None:
-        q = self._quarantined.get(transfer_id)
-        if q is None:
-            return
-        if q.hang_up is None:  # its connection was closed here `grace_s` ago
-            self._lift(transfer_id)
-            return
-        hang_up, q.hang_up = q.hang_up, None
-        hang_up()
-        q.timer = asyncio.get_running_loop().call_later(self.grace_s, self._overdue, transfer_id)
-
-    def _lift(self, transfer_id: str) -> None:
-        q = self._quarantined.pop(transfer_id, None)
-        if q is not None:
-            if q.timer is not None:
-                q.timer.cancel()
-            q.lifted.set()
 
     @staticmethod
     def _reply(transfer_id: str, t: _Transfer, kind: str) -> dict:
