@@ -30,7 +30,7 @@ from splitserve.workers.main import kv_layout
 from splitserve.workers.servicer import WorkerService
 from splitserve.workers.transfer import auth, cuda_ipc, make_receiver, make_sender
 
-GRACE_S = 0.4
+GRACE_S = 1.0
 SLACK_S = 0.02  # asyncio may run a timer up to its clock resolution early
 
 
