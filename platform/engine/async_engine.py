@@ -117,7 +117,7 @@ class AsyncEngine:
         self._command("fallback", req_id, num_computed_tokens)
 
     def hold_blocks(self, block_ids) -> None:
-        """LLMEngine.hold_blocks, applied between steps in order with the other commands: a hold
+        """KVConnector.hold_blocks, applied between steps in order with the other commands: a hold
         issued before a request's abort takes its reference while the request still has them."""
         self._command("hold", tuple(block_ids))
 
@@ -183,9 +183,9 @@ class AsyncEngine:
             elif cmd[0] == "fallback":
                 self._engine.fallback_to_local_prefill(*cmd[1:])
             elif cmd[0] == "hold":
-                self._engine.hold_blocks(cmd[1])
+                self._engine.kv_connector.hold_blocks(cmd[1])
             elif cmd[0] == "release":
-                self._engine.release_blocks(cmd[1])
+                self._engine.kv_connector.release_blocks(cmd[1])
             elif cmd[0] == "call":
                 self._call(*cmd[1:])
             else:

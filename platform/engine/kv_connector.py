@@ -102,6 +102,18 @@ class KVConnector:
             f"allowed: 0 to {num_prompt_blocks - 1}"
         )
 
+    def hold_blocks(self, block_ids: Sequence[int]) -> None:
+        """Take one more reference on these blocks, so no request is given them until
+        release_blocks(): an aborted CUDA IPC transfer's sender may still be writing them
+        (workers/transfer/quarantine.py)."""
+        pool = self.kv_manager.pool
+        pool.touch(pool.blocks[i] for i in block_ids)
+
+    def release_blocks(self, block_ids: Sequence[int]) -> None:
+        """Drop the references hold_blocks() took (blocks nobody else holds become free)."""
+        pool = self.kv_manager.pool
+        pool.free(pool.blocks[i] for i in reversed(block_ids))
+
     def kv_ready(self, req: Request) -> KVReady:
         return KVReady(tuple(self.kv_manager.block_ids(req.req_id)), req.num_cached_tokens, self.block_size)
 

@@ -271,16 +271,6 @@ class LLMEngine:
         )
         return self._emit(update, result)
 
-    def hold_blocks(self, block_ids: Sequence[int]) -> None:
-        """Take one more reference on these blocks, so no request is given them until
-        release_blocks(): an aborted CUDA IPC transfer's sender may still be writing them
-        (workers/transfer/table.py, the quarantine)."""
-        self.pool.touch(self.pool.blocks[i] for i in block_ids)
-
-    def release_blocks(self, block_ids: Sequence[int]) -> None:
-        """Drop the references hold_blocks() took (blocks nobody else holds become free)."""
-        self.pool.free(self.pool.blocks[i] for i in reversed(block_ids))
-
     def fallback_to_local_prefill(self, req_id: str, num_computed_tokens: int | None = None) -> bool:
         """The remote prefill failed (or a pull brought the KV of `num_computed_tokens` tokens):
         compute the rest of the prompt locally."""
