@@ -18,6 +18,7 @@ from splitserve.platform.config import EngineConfig, ModelConfig, resolve_kv_cac
 from splitserve.platform.engine.cuda_graphs import decode_graph_bytes, uses_decode_graphs
 from splitserve.platform.engine.input_processor import InputProcessor
 from splitserve.platform.engine.kv_connector import KVConnector
+from splitserve.platform.engine.kv_parallel import TPKVConnector
 from splitserve.platform.engine.model_loader import DTYPES, load_model
 from splitserve.platform.engine.output_processor import OutputProcessor
 from splitserve.platform.engine.runner import ModelRunner
@@ -163,11 +164,13 @@ def _build(config: EngineConfig, sizing: Sizing, executor, threads_before, model
     runner.executor = executor
     if uses_decode_graphs(config.device.enforce_eager, s.device):
         runner.enable_decode_graphs(config.scheduler.max_num_seqs, s.max_model_len, capture=True)
-    kv_connector = KVConnector(kv_caches, kv, block_size, s.device)
+    if executor is None:
+        kv_connector = KVConnector(kv_caches, kv, block_size, s.device)
+    else:  # full-head payloads in and out; each rank's heads gathered and scattered (kv_parallel.py)
+        kv_connector = TPKVConnector(kv_caches, kv, block_size, s.device, executor, ShardLayout(s.model_config, 0, tp))
     inputs = InputProcessor(
         config.model, s.model_config, s.tokenizer, s.max_model_len, hasher, s.eos_token_ids, loras, kv_connector,
         s.device, on_grammars=lambda backend: setattr(runner.sampler, "stats", backend.stats),
-        tensor_parallel_size=tp,
     )  # fmt: skip
     speculator = Speculator(config.speculative, s.max_model_len) if config.speculative else None
     return EngineParts(
