@@ -112,6 +112,11 @@ def _copy_blocks(engine, token_ids: list[int], start: int, expected: list[bytes]
             "(another model, block size or hash version)"
         )
     kv_caches = engine.kv_connector.kv_caches
+    if engine.tensor_parallel_size > 1:  # each rank caches its heads: rank 0 gathers them (no second tier)
+        blocks = [engine.pool.lookup(h) for h in hashes]
+        if None in blocks:
+            raise BlocksNotHeldError(f"block {start + blocks.index(None)} of the prompt is no longer cached here")
+        return engine.kv_connector.read_blocks([b.block_id for b in blocks])
     per_block = []
     for i, block_hash in enumerate(hashes):
         block = engine.pool.lookup(block_hash)
