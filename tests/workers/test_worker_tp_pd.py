@@ -6,7 +6,8 @@ Per transport four workers run side by side: a prefill and a decode worker at TP
 2 -> 2) answers each prompt with the tokens of a one-process engine on the same random weights,
 prefilled remotely (the answer names the prefill worker), with the same bytes on the wire
 whatever the TP sizes (the payload carries every KV head). Afterwards no worker holds a block:
-every pool's free count is back to its total and its invariants hold.
+every pool's free count is back to its total and its invariants hold. A KV pull between TP
+sizes (a TP 2 holder to a TP 1 puller, and back) gives the computed answer too.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+from test_kv_pull import generate as pull
 from test_worker_disaggregation import generate, prompt, run
 from workerproc import WorkerProc
 
@@ -37,14 +39,18 @@ def worker_args(tp: int) -> tuple[str, ...]:
 
 
 @pytest.fixture(scope="module")
-def reference():
+def tiny():
+    """(greedy tokens of a one-process engine on the workers' weights, the KV bytes of one block
+    with every layer and every KV head of the model: what a transfer moves per block)."""
     engine = LLMEngine(
         EngineConfig(model=MODEL, cache=CacheConfig(num_blocks=256), device=DeviceConfig(quantization="none"))
     )
-    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-    tokens = {pair: [out.output_token_ids for out in engine.generate(PROMPTS[pair], params)] for pair in PAIRS}
-    # K and V of one block, every layer and every KV head of the model: what a transfer moves per block
-    return tokens, bytes_per_block(engine.model_config, engine.config.cache.block_size, engine.kv_dtype)
+
+    def ref(token_ids):
+        [out] = engine.generate([token_ids], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+        return out.output_token_ids
+
+    return ref, bytes_per_block(engine.model_config, engine.config.cache.block_size, engine.kv_dtype)
 
 
 @pytest.fixture(scope="module", params=["tcp", "ucx"])
@@ -64,16 +70,33 @@ def workers(request):
             w.terminate()
 
 
-def test_pd_across_tp_sizes_gives_the_colocated_tokens_and_leaks_no_block(workers, reference):
-    tokens_of, block_bytes = reference
+def test_pd_across_tp_sizes_gives_the_colocated_tokens_and_leaks_no_block(workers, tiny):
+    ref, block_bytes = tiny
     for p, d in PAIRS:
         prefill, decode = workers[p], workers[d]
-        for n, token_ids, expected in zip(LENGTHS, PROMPTS[p, d], tokens_of[p, d], strict=True):
+        for n, token_ids in zip(LENGTHS, PROMPTS[p, d], strict=True):
             before = decode.metric(IN_BYTES)
             tokens, last = run(generate(decode.address, token_ids, [prefill.address]))
             assert last.prefill_worker == prefill.address, f"{p} -> {d}: prefilled locally"
-            assert tokens == expected, f"{p} -> {d}, a {n}-token prompt"
+            assert tokens == ref(token_ids), f"{p} -> {d}, a {n}-token prompt"
             assert decode.metric(IN_BYTES) - before == -(-n // 16) * block_bytes, f"{p} -> {d}: not every head"
+    assert_clean(workers)
+
+
+@pytest.mark.parametrize("holder, puller, via", [("p2", "d1", "d2"), ("p1", "d2", "d1")], ids=["2to1", "1to2"])
+def test_a_pull_between_tp_sizes_gives_the_computed_answer(workers, tiny, holder, puller, via):
+    """The holder caches a prompt by prefilling it for `via`; `puller` then pulls its full blocks."""
+    ref, _ = tiny
+    token_ids = prompt(70, salt=len(holder + puller) * 31 + int(holder[1]))
+    run(generate(workers[via].address, token_ids, [workers[holder].address]))
+    num_blocks = (len(token_ids) - 1) // 16
+    tokens, last = run(pull(workers[puller].address, token_ids, workers[holder].address, num_blocks))
+    assert last.usage.pulled_tokens == num_blocks * 16, "the pull failed (recomputed)"
+    assert tokens == ref(token_ids)
+    assert_clean(workers)
+
+
+def assert_clean(workers: dict) -> None:
     for name, w in workers.items():
         state = w.wait_idle()
         assert state["invariants_ok"], (name, state)
