@@ -156,8 +156,15 @@ class TPKVConnector(KVConnector):
         full = self.shards.read(layer, ids)  # on the engine thread, in the forward: every rank is here
         return self._stage(lambda: full, full.shape, full.dtype, full, on_device)
 
+    @property
+    def block_shape(self) -> tuple[int, int, int]:
+        """One block of one layer's K (or V) with every KV head: [block_size, kv_heads, head_dim]."""
+        k_cache = self.kv_caches[0][0]
+        return (k_cache.shape[1], self.shards.num_kv_heads, k_cache.shape[3])
+
     def write_layer(self, block_ids: Sequence[int], layer: int, payload: torch.Tensor) -> None:
-        """Queue a received full-head layer; it lands on every rank before the next step."""
+        """Queue a received full-head layer (a transfer's, or the KV tier's restore); it lands on
+        every rank before the next step (or the next read_blocks)."""
         self._writes.put((tuple(block_ids), layer, payload.to("cpu", copy=True)))
 
     def before_step(self) -> None:
@@ -177,7 +184,9 @@ class TPKVConnector(KVConnector):
 
     def read_blocks(self, block_ids: Sequence[int]) -> list[torch.Tensor]:
         """Every layer's K and V of `block_ids` with all heads, [2, n, block_size, kv_heads,
-        head_dim] each (a pull's holder; on the engine thread)."""
+        head_dim] each (a pull's holder, the KV tier's offload; on the engine thread). Writes
+        still queued land first, so what is read is what the blocks hold."""
+        self._land_writes()
         self.executor.send_step(KVGather(tuple(block_ids)))
         ids = torch.tensor(list(block_ids), dtype=torch.long, device=self.device)
         with _or_group_down(self.executor, "gathering KV for a pull"):

@@ -8,13 +8,16 @@ transport would hand them over. Every pair (1 -> 2, 2 -> 1, 2 -> 2) gives the co
 tokens, the payloads have the same shape and the same bytes up to summation order at every TP
 size, and both block pools are whole again afterwards. tests/workers/test_worker_tp_pd.py runs
 the same pairs as worker processes over tcp and ucx.
+
+The second KV tier under TP 2 keeps every head of an evicted block (gathered from the ranks) and
+restores it to every rank: a prompt evicted to the tier and asked again gives TP 1's tokens.
 """
 
 import pytest
 import torch
 from test_tensor_parallel import GREEDY, children, engine, folders  # noqa: F401  (folders: a fixture)
 
-from splitserve.platform.config import ModelConfig
+from splitserve.platform.config import KVTierConfig, ModelConfig, SchedulerConfig
 from splitserve.platform.engine.kv_handoff import KVExport
 from splitserve.platform.engine.kv_parallel import HeadShards
 from splitserve.platform.parallel.group import TPGroup
@@ -57,9 +60,9 @@ def decode(eng, prompt: list[int], first_token: int, pieces) -> list[int]:
     return outs[-1].output_token_ids
 
 
-def run(model: str, tp: int, job):
+def run(model: str, tp: int, job, **options):
     """`job(engine)` on a fresh engine of TP `tp`, then its pool checked whole and its ranks ended."""
-    eng = engine(model, tp)
+    eng = engine(model, tp, **options)
     try:
         start = eng.pool.num_free_blocks
         result = job(eng)
@@ -112,3 +115,21 @@ def test_head_shards_cut_and_reassemble_replicated_heads():
     full = torch.arange(2 * 1 * 4 * 2 * 3, dtype=torch.float32).view(2, 1, 4, 2, 3)
     assert torch.equal(shards.cut(full, 3), full[..., 1:2, :])
     assert torch.equal(shards.cut(full, 1), full[..., 0:1, :])
+
+
+def test_the_kv_tier_under_tp2_restores_every_ranks_heads(folders):  # noqa: F811
+    """8 blocks: B takes the 4 A did not use, C evicts A's 3 cached blocks to the tier, then A
+    again is restored from it (tier hits) and decodes TP 1's tokens."""
+    model = folders("llama")
+    a, b, c = ([(13 * k + 7 * j) % 49000 + 100 for j in range(50)] for k in range(3))
+    reference = [o.output_token_ids for o in engine(model, 1).generate([a, b, c, a], GREEDY)]
+
+    def job(eng):
+        got = [eng.generate([p], GREEDY)[0].output_token_ids for p in (a, b, c, a)]
+        return got, eng.kv_tier.stats.num_hits, eng.kv_tier.block_bytes
+
+    tiered = dict(num_blocks=8, scheduler=SchedulerConfig(max_model_len=128), kv_tier=KVTierConfig(max_bytes=2**20))
+    got, hits, block_bytes = run(model, 2, job, **tiered)
+    assert got == reference
+    assert hits == 3, "A's three full blocks came back from the tier"
+    assert block_bytes == 3 * 2 * 16 * 2 * 16 * 4  # layers, K/V, block size, both KV heads, head dim, fp32
