@@ -6,7 +6,7 @@ A rank's cache holds only its heads (parallel/layout.py), so a TP-N prefill feed
 with nothing to reshard on the wire. The block ids are the same on every rank (one scheduler on
 rank 0 owns the one block table), and rank 0 is the only rank the worker's transport talks to.
 
-Export (a prefill worker, or a pull's holder):
+Export (a prefill worker), inside the forward:
 
     rank 0   the step's StepMessage carries each export's block ids, in the order rank 0
              stages them (`ExportHook.block_ids`)
@@ -14,17 +14,21 @@ Export (a prefill worker, or a pull's holder):
     rank 0   put the heads in order (a KV head replicated over ranks, tp > KV heads, is taken
              once) and stage the full payload as one process does (kv_connector.py)
 
-Import (a decode worker, or a puller):
+Reading blocks between steps (a pull's holder, the KV tier's offload): a KVGather message names
+the blocks; every rank gathers its heads of them, layer by layer, to rank 0 (`read_blocks`).
+
+Import (a decode worker, a puller, the KV tier's restore):
 
     transport thread   `write_layer(ids, layer, payload)`: a copy of the full payload queued
     engine thread      before the next step (`before_step`): a KVWrites message names the queued
                        writes (ids, layer, shape); each payload is cut into the ranks' head
                        slices and `scatter`ed; every rank writes its slice into the same ids
 
-A request reads imported KV only in a step after its transfer completed, and every queued write
-lands before that step's forward. Writes land in the order they came; one into blocks freed
-meanwhile (an aborted transfer) lands before the forward that first uses them again, which
-overwrites them, as a late write does with one process.
+A request reads imported KV only in a step after its transfer completed (or its restore), and
+every queued write lands before that step's forward and before any `read_blocks`. Writes land
+in the order they came, so one into blocks freed meanwhile (an aborted transfer) lands before
+whatever is written into them next (a later queued write, or the forward that computes them),
+as a late write does with one process.
 
 Every byte goes through rank 0 (gathered to it, scattered from it): simple and enough on a CPU
 and for a few GPUs on one node, but on GPUs rank 0's link carries all the heads. Each rank
@@ -48,7 +52,7 @@ from splitserve.platform.engine.kv_staging import StagedPayload
 from splitserve.platform.parallel.group import TPGroup
 from splitserve.platform.parallel.layout import ShardLayout
 
-__all__ = ["ExportHook", "HeadShards", "KVWrites", "TPKVConnector"]
+__all__ = ["ExportHook", "HeadShards", "KVGather", "KVWrites", "TPKVConnector"]
 
 
 class HeadShards:
@@ -189,7 +193,7 @@ class TPKVConnector(KVConnector):
         self._land_writes()
         self.executor.send_step(KVGather(tuple(block_ids)))
         ids = torch.tensor(list(block_ids), dtype=torch.long, device=self.device)
-        with _or_group_down(self.executor, "gathering KV for a pull"):
+        with _or_group_down(self.executor, "gathering KV (a pull, the KV tier)"):
             return [self.shards.read(layer, ids) for layer in range(len(self.kv_caches))]
 
 
