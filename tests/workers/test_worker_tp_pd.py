@@ -7,7 +7,8 @@ Per transport four workers run side by side: a prefill and a decode worker at TP
 prefilled remotely (the answer names the prefill worker), with the same bytes on the wire
 whatever the TP sizes (the payload carries every KV head). Afterwards no worker holds a block:
 every pool's free count is back to its total and its invariants hold. A KV pull between TP
-sizes (a TP 2 holder to a TP 1 puller, and back) gives the computed answer too.
+sizes (a TP 2 holder to a TP 1 puller, and back) gives the computed answer too, and a TP 2
+holder copies every head of a block whether it is in its cache or its KV tier.
 """
 
 from __future__ import annotations
@@ -15,14 +16,23 @@ from __future__ import annotations
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+import torch
 from test_kv_pull import generate as pull
 from test_worker_disaggregation import generate, prompt, run
 from workerproc import WorkerProc
 
-from splitserve.platform.config import CacheConfig, DeviceConfig, EngineConfig
+from splitserve.platform.config import (
+    CacheConfig,
+    DeviceConfig,
+    EngineConfig,
+    KVTierConfig,
+    ParallelConfig,
+    SchedulerConfig,
+)
 from splitserve.platform.engine.llm_engine import LLMEngine
 from splitserve.platform.kv.cache import bytes_per_block
 from splitserve.platform.sampling.params import SamplingParams
+from splitserve.workers.kv_pull import _copy_blocks
 
 pytestmark = pytest.mark.slow
 
@@ -101,3 +111,37 @@ def assert_clean(workers: dict) -> None:
         state = w.wait_idle()
         assert state["invariants_ok"], (name, state)
         assert state["num_free_blocks"] == state["num_blocks"], (name, state)
+
+
+def test_a_tp2_holder_copies_a_pull_from_its_cache_and_its_tier():
+    """The holder's side of a pull, in this process: a TP 2 engine with 8 blocks and a KV tier
+    gives every head of B's blocks (still cached: gathered from the ranks) and of A's (evicted to
+    the tier by C), as a TP 1 engine that computed both has them."""
+    a, b, c = (prompt(50, salt=400 + k) for k in range(3))
+    single = LLMEngine(
+        EngineConfig(model=MODEL, cache=CacheConfig(num_blocks=128), device=DeviceConfig(quantization="none"))
+    )
+    single.generate([a, b], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    tp2 = LLMEngine(
+        EngineConfig(
+            model=MODEL,
+            cache=CacheConfig(num_blocks=8),
+            device=DeviceConfig(quantization="none"),
+            scheduler=SchedulerConfig(max_model_len=128),
+            parallel=ParallelConfig(tensor_parallel_size=2),
+            kv_tier=KVTierConfig(max_bytes=2**20),
+        )
+    )
+    try:
+        for p in (a, b, c):
+            tp2.generate([p], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+        assert tp2.kv_tier.stats.num_stored >= 3 and tp2.pool.lookup(tp2.hasher.hash_blocks(a)[0]) is None
+        for p in (a, b):
+            hashes = tp2.hasher.hash_blocks(p[:48])
+            got = _copy_blocks(tp2, p[:48], 0, hashes)
+            want = _copy_blocks(single, p[:48], 0, hashes)
+            assert [tuple(t.shape) for t in got] == [tuple(t.shape) for t in want]  # every head
+            for g, w in zip(got, want, strict=True):
+                torch.testing.assert_close(g, w.to(g.dtype), rtol=1e-2, atol=1e-2)  # up to summation order
+    finally:
+        tp2.close()
