@@ -7,7 +7,9 @@ engine runs first and its payloads are kept, then the decode engine receives the
 transport would hand them over. Every pair (1 -> 2, 2 -> 1, 2 -> 2) gives the colocated TP 1
 tokens, the payloads have the same shape and the same bytes up to summation order at every TP
 size, and both block pools are whole again afterwards. tests/workers/test_worker_tp_pd.py runs
-the same pairs as worker processes over tcp and ucx.
+the same pairs as worker processes over tcp and ucx. The prompts prefill together, so each
+step exports several requests (one gather per request per layer, in the order rank 0 stages
+them), and once in 16-token chunks, so a prompt's blocks leave over several steps.
 
 The second KV tier under TP 2 keeps every head of an evicted block (gathered from the ranks) and
 restores it to every rank: a prompt evicted to the tier and asked again gives TP 1's tokens.
@@ -28,22 +30,35 @@ PROMPTS = [[(11 * i + 5 * j) % 49000 + 100 for j in range(n)] for i, n in enumer
 FIRST = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
 
 
-def prefill(eng, prompt: list[int]) -> tuple[int, list[tuple[int, int, torch.Tensor]]]:
-    """Run `prompt` on a prefill engine exporting from block 0: (first token, [(layer, first
-    block, payload)])."""
-    pieces = []
+def prefill(eng, prompts: list[list[int]]) -> list[tuple[int, list[tuple[int, int, torch.Tensor]]]]:
+    """Run `prompts` together (their exports share the steps) on a prefill engine exporting from
+    block 0: per prompt (first token, [(layer, first block, payload)])."""
+    pieces: list[list] = [[] for _ in prompts]
 
-    def sink(layer, staged, first_block):
-        staged.ready.wait()
-        pieces.append((layer, first_block, staged.tensor.clone()))
-        staged.release()
+    def sink_of(i):
+        def sink(layer, staged, first_block):
+            staged.ready.wait()
+            pieces[i].append((layer, first_block, staged.tensor.clone()))
+            staged.release()
 
-    eng.add_request(params=FIRST, prompt_token_ids=prompt, kv_export=KVExport(0, sink))
-    outs = []
+        return sink
+
+    ids = [
+        eng.add_request(params=FIRST, prompt_token_ids=p, kv_export=KVExport(0, sink_of(i)))
+        for i, p in enumerate(prompts)
+    ]
+    first = {}
     while eng.has_unfinished_requests():
-        outs += eng.step()
-    [out] = [o for o in outs if o.finished]
-    return out.new_token_ids[0], pieces
+        first.update({o.req_id: o.new_token_ids[0] for o in eng.step() if o.finished})
+    return [(first[req_id], got) for req_id, got in zip(ids, pieces, strict=True)]
+
+
+def layers(pieces) -> list[torch.Tensor]:
+    """Each layer's whole payload (its pieces in block order)."""
+    by_layer: dict[int, list] = {}
+    for layer, _, payload in sorted(pieces, key=lambda p: (p[0], p[1])):
+        by_layer.setdefault(layer, []).append(payload)
+    return [torch.cat(by_layer[layer], dim=1) for layer in sorted(by_layer)]
 
 
 def decode(eng, prompt: list[int], first_token: int, pieces) -> list[int]:
@@ -76,26 +91,31 @@ def run(model: str, tp: int, job, **options):
 
 @pytest.fixture(scope="module")
 def exported(folders):  # noqa: F811
-    """Per prefill TP: each prompt's first token and exported pieces; and the TP 1 reference."""
+    """Per prefill engine (TP 1, TP 2, TP 2 in 16-token chunks): each prompt's first token and
+    exported pieces; and the TP 1 reference."""
     model = folders("llama")
-    out = {tp: run(model, tp, lambda e: [prefill(e, p) for p in PROMPTS]) for tp in (1, 2)}
+    out = {tp: run(model, tp, lambda e: prefill(e, PROMPTS)) for tp in (1, 2)}
+    chunked = SchedulerConfig(max_num_batched_tokens=16, max_model_len=512)
+    out["2c"] = run(model, 2, lambda e: prefill(e, PROMPTS), scheduler=chunked)
     reference = run(model, 1, lambda e: [o.output_token_ids for o in e.generate(PROMPTS, GREEDY)])
     return model, out, reference
 
 
-def test_exports_carry_every_head_whatever_the_prefill_tp(exported):
+@pytest.mark.parametrize("prefill", [2, "2c"], ids=["tp2", "tp2-chunked"])
+def test_exports_carry_every_head_whatever_the_prefill_tp(exported, prefill):
     _, out, _ = exported
-    for (t1, p1), (t2, p2) in zip(out[1], out[2], strict=True):
+    for (t1, p1), (t2, p2) in zip(out[1], out[prefill], strict=True):
         assert t1 == t2
-        assert [(layer, first, tuple(t.shape)) for layer, first, t in p1] == [
-            (layer, first, tuple(t.shape)) for layer, first, t in p2
-        ]
         assert p1[0][2].shape[-2] == 2  # both KV heads of the model, not rank 0's one
-        for (_, _, a), (_, _, b) in zip(p1, p2, strict=True):
+        if prefill == 2:  # the same pieces; chunked, each chunk sends the blocks it completed
+            assert [(layer, first, t.shape) for layer, first, t in p1] == [(ly, f, t.shape) for ly, f, t in p2]
+        for a, b in zip(layers(p1), layers(p2), strict=True):
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)  # equal up to summation order
 
 
-@pytest.mark.parametrize("prefill_tp, decode_tp", [(1, 2), (2, 1), (2, 2)], ids=["1to2", "2to1", "2to2"])
+@pytest.mark.parametrize(
+    "prefill_tp, decode_tp", [(1, 2), (2, 1), (2, 2), ("2c", 2)], ids=["1to2", "2to1", "2to2", "2chunkedto2"]
+)
 def test_pd_across_tp_sizes_gives_the_colocated_tokens(exported, prefill_tp, decode_tp):
     model, out, reference = exported
     got = run(
