@@ -112,13 +112,14 @@ FAMILIES = {
 }
 
 
-def save_family(folder, name: str, gguf_path: str):
-    """A random transformers model of family `name` saved in `folder` with SmolLM2's tokenizer."""
+def save_family(folder, name: str, gguf_path: str, families: dict = FAMILIES):
+    """A random transformers model of family `name` (a key of `families`) saved in `folder` with
+    SmolLM2's tokenizer."""
     import transformers
 
     from splitserve.platform.tokenizer import Tokenizer
 
-    config_name, model_name, options = FAMILIES[name]
+    config_name, model_name, options = families[name]
     torch.manual_seed(0)
     config = getattr(transformers, config_name)(**{**COMMON, **options})
     model = getattr(transformers, model_name)(config).eval()

@@ -112,11 +112,12 @@ def _copy_blocks(engine, token_ids: list[int], start: int, expected: list[bytes]
             "(another model, block size or hash version)"
         )
     kv_caches = engine.kv_connector.kv_caches
+    blocks = [engine.pool.lookup(h) for h in hashes]
+    cached = _cached_payloads(engine, [b.block_id for b in blocks if b is not None])
     per_block = []
-    for i, block_hash in enumerate(hashes):
-        block = engine.pool.lookup(block_hash)
+    for i, (block_hash, block) in enumerate(zip(hashes, blocks, strict=True)):
         if block is not None:
-            per_block.append(torch.stack([torch.stack((k[block.block_id], v[block.block_id])) for k, v in kv_caches]))
+            per_block.append(next(cached))
             continue
         kv = (
             engine.kv_tier.store.get(block_hash)
@@ -128,6 +129,18 @@ def _copy_blocks(engine, token_ids: list[int], start: int, expected: list[bytes]
         per_block.append(kv.to(kv_caches[0][0].device))
     stacked = torch.stack(per_block)  # [n, layers, 2, block_size, kv_heads, head_dim]
     return [stacked[:, layer].transpose(0, 1).contiguous() for layer in range(len(kv_caches))]
+
+
+def _cached_payloads(engine, block_ids: list[int]):
+    """Each of `block_ids`' KV in the cache, in order, [layers, 2, block_size, kv_heads, head_dim];
+    under tensor parallelism every rank's heads, gathered to rank 0 at once (engine/kv_parallel.py)."""
+    kv_caches = engine.kv_connector.kv_caches
+    if engine.tensor_parallel_size == 1:
+        return (torch.stack([torch.stack((k[b], v[b])) for k, v in kv_caches]) for b in block_ids)
+    if not block_ids:
+        return iter(())
+    layers = engine.kv_connector.read_blocks(block_ids)  # per layer [2, n, block_size, kv_heads, head_dim]
+    return iter(torch.stack(layers).permute(2, 0, 1, 3, 4, 5))
 
 
 # -- the puller ------------------------------------------------------------------------------

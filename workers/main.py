@@ -216,6 +216,9 @@ class Worker:
         log.info("KV path: %s%s (%s)", path.wire, " + CUDA IPC" if path.ipc else "", path.reason)
         metrics.kv_path_info.labels(transport=path.wire, cuda_ipc=str(path.ipc).lower(), reason=path.reason).set(1)
         receiver = sender = None
+        receive_ipc = path.ipc and self.llm.tensor_parallel_size == 1
+        if path.ipc and not receive_ipc:
+            log.info("KV path: no CUDA IPC into this worker's cache (--tensor-parallel-size > 1: KV lands via rank 0)")
         if cfg.role != "prefill":
             receiver = make_receiver(
                 path.wire,
@@ -223,7 +226,8 @@ class Worker:
                 cfg.kv_port,
                 auth_key=auth_key,
                 on_auth_failure=metrics.kv_auth_failures.inc,
-                ipc=(self.llm.kv_connector.kv_caches, CudaIpcBackend()) if path.ipc else None,
+                # a rank's cache holds its heads only: under TP the KV lands through rank 0 (kv_parallel.py)
+                ipc=(self.llm.kv_connector.kv_caches, CudaIpcBackend()) if receive_ipc else None,
                 advertise_host=cfg.advertise_host,  # the KV handshake binds proofs to what senders dial
             )
             await receiver.start()

@@ -18,6 +18,7 @@ from splitserve.platform.config import EngineConfig, ModelConfig, resolve_kv_cac
 from splitserve.platform.engine.cuda_graphs import decode_graph_bytes, uses_decode_graphs
 from splitserve.platform.engine.input_processor import InputProcessor
 from splitserve.platform.engine.kv_connector import KVConnector
+from splitserve.platform.engine.kv_parallel import TPKVConnector
 from splitserve.platform.engine.model_loader import DTYPES, load_model
 from splitserve.platform.engine.output_processor import OutputProcessor
 from splitserve.platform.engine.runner import ModelRunner
@@ -99,7 +100,7 @@ def size(config: EngineConfig) -> Sizing:
     max_model_len = min(
         config.scheduler.max_model_len or model_config.max_position_embeddings, model_config.max_position_embeddings
     )
-    check_tensor_parallel(model_config, config.parallel, config.device.device, quantization, config.kv_tier is not None)
+    check_tensor_parallel(model_config, config.parallel, config.device.device, quantization)
     local_config = ShardLayout(model_config, 0, tp).local_model_config()
     graph_bytes = decode_graph_bytes(
         config.device.enforce_eager, device, model_config, config.scheduler.max_num_seqs, dtype
@@ -153,7 +154,6 @@ def _build(config: EngineConfig, sizing: Sizing, executor, threads_before, model
     hasher = BlockHasher(s.model_config.model_id, block_size)
     scheduler = Scheduler(config.scheduler, kv, s.max_model_len, max_loras=config.lora.max_loras)
     kv_caches = allocate_kv_cache(s.local_config, s.num_blocks, block_size, s.kv_dtype, s.device)
-    kv_tier = attach_tier(config.kv_tier, pool, kv, kv_caches, s.model_config.model_id)
     lora_context, layout = attach_lora(loaded)
     tp = config.parallel.tensor_parallel_size
     loras = LoraRegistry(config.lora, layout, s.dtype, ShardLayout(s.model_config, 0, tp) if tp > 1 else None)
@@ -163,11 +163,15 @@ def _build(config: EngineConfig, sizing: Sizing, executor, threads_before, model
     runner.executor = executor
     if uses_decode_graphs(config.device.enforce_eager, s.device):
         runner.enable_decode_graphs(config.scheduler.max_num_seqs, s.max_model_len, capture=True)
-    kv_connector = KVConnector(kv_caches, kv, block_size, s.device)
+    if executor is None:
+        kv_connector = KVConnector(kv_caches, kv, block_size, s.device)
+    else:  # full-head payloads in and out; each rank's heads gathered and scattered (kv_parallel.py)
+        kv_connector = TPKVConnector(kv_caches, kv, block_size, s.device, executor, ShardLayout(s.model_config, 0, tp))
+    copier = kv_connector if executor is not None else None  # a tier under TP keeps every rank's heads
+    kv_tier = attach_tier(config.kv_tier, pool, kv, kv_caches, s.model_config.model_id, copier)
     inputs = InputProcessor(
         config.model, s.model_config, s.tokenizer, s.max_model_len, hasher, s.eos_token_ids, loras, kv_connector,
         s.device, on_grammars=lambda backend: setattr(runner.sampler, "stats", backend.stats),
-        tensor_parallel_size=tp,
     )  # fmt: skip
     speculator = Speculator(config.speculative, s.max_model_len) if config.speculative else None
     return EngineParts(

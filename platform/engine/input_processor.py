@@ -41,7 +41,6 @@ class InputProcessor:
         connector: KVConnector,
         device: torch.device,
         on_grammars: Callable[[GrammarBackend], None],
-        tensor_parallel_size: int = 1,
     ):
         self.model_name = model_name
         self.model_config = model_config
@@ -53,7 +52,6 @@ class InputProcessor:
         self.connector = connector
         self.device = device
         self._on_grammars = on_grammars
-        self.tensor_parallel_size = tensor_parallel_size
         self._grammars: GrammarBackend | None = None
 
     @property
@@ -94,11 +92,6 @@ class InputProcessor:
         resumed = self._resume_token_ids(resume_output_token_ids, params, len(token_ids))
         if resumed and (remote_prefill or kv_export is not None):
             raise InvalidRequestError("a resumed request is prefilled locally; it cannot use remote prefill or export")
-        if self.tensor_parallel_size > 1 and (remote_prefill or kv_export is not None):
-            raise InvalidRequestError(
-                "KV transfer (P/D) is not supported with --tensor-parallel-size > 1 yet; allowed: "
-                "local prefill (or a worker with --tensor-parallel-size 1)"
-            )
         if (params.prompt_logprobs is not None or params.embed) and remote_prefill:
             raise InvalidRequestError("prompt_logprobs and embed need the prompt computed here; not remote prefill")
         self._checked_ids("logit_bias", [t for t, _ in params.logit_bias])

@@ -33,7 +33,7 @@ only state it writes is each exporting request's `num_exported_blocks`.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -140,6 +140,10 @@ class KVConnector:
             exports.append((state.export, first - state.export.start_block, ids))
         if not exports:
             return None
+        return self._layer_hook(exports)
+
+    def _layer_hook(self, exports: list[tuple[KVExport, int, torch.Tensor]]) -> Callable[[int], None]:
+        """The hook the model calls after each layer: each export's blocks of that layer, staged."""
 
         def hook(layer: int) -> None:
             for export, first_block, ids in exports:
@@ -148,26 +152,34 @@ class KVConnector:
         return hook
 
     def _stage_export(self, layer: int, ids: torch.Tensor, on_device: bool = False) -> StagedPayload:
+        k_cache = self.kv_caches[layer][0]
+        shape = (2, ids.numel(), *k_cache.shape[1:])
+        return self._stage(lambda: export_layer(self.kv_caches, layer, ids), shape, k_cache.dtype, ids, on_device)
+
+    def _stage(
+        self, read: Callable[[], torch.Tensor], shape, dtype: torch.dtype, keep: torch.Tensor, on_device: bool
+    ) -> StagedPayload:
+        """`read()`'s payload of `shape` staged for the sink: copied on the copy stream into a
+        pooled host buffer, or (no pool, or `on_device`) taken as it is. `keep`: the device
+        tensor `read` uses, kept alive for the copy stream."""
         if self.host_pool is None or on_device:
             out: list[torch.Tensor] = []
 
             @torch.inference_mode()
             def gather() -> None:
-                out.append(export_layer(self.kv_caches, layer, ids))
+                out.append(read())
 
-            ready = self.copy_stream.submit(gather, keep=(ids,)) if on_device else self.copy_stream.submit(gather)
+            ready = self.copy_stream.submit(gather, keep=(keep,)) if on_device else self.copy_stream.submit(gather)
             return StagedPayload(out[0], ready)
-        k_cache = self.kv_caches[layer][0]
-        shape = (2, ids.numel(), *k_cache.shape[1:])
-        nbytes = k_cache.element_size() * torch.Size(shape).numel()
+        nbytes = torch.empty((), dtype=dtype).element_size() * torch.Size(shape).numel()
         buf = self.host_pool.acquire(nbytes)
-        payload = buf[:nbytes].view(k_cache.dtype).view(shape)
+        payload = buf[:nbytes].view(dtype).view(shape)
 
         @torch.inference_mode()
         def copy() -> None:
-            payload.copy_(export_layer(self.kv_caches, layer, ids), non_blocking=True)
+            payload.copy_(read(), non_blocking=True)
 
-        ready = self.copy_stream.submit(copy, keep=(ids,))
+        ready = self.copy_stream.submit(copy, keep=(keep,))
         return StagedPayload(payload, ready, lambda: self.host_pool.release(buf, ready))
 
     def write_layer(self, block_ids: Sequence[int], layer: int, payload: torch.Tensor) -> None:

@@ -49,6 +49,7 @@ class ModelRunner:
         self.executor = None  # parallel.executor.TPExecutor on rank 0 of a tensor-parallel group
         self.adapters: dict[str, LoraAdapter] = {}  # a rank > 0's LoRA shards, by lora_id, oldest first
         self.read_lora: Callable[[str, str], LoraAdapter] | None = None  # a rank > 0's adapter reader
+        self.kv_shards = None  # a rank > 0's engine.kv_parallel.HeadShards (KV transfer's gathers)
         self._num_sms = 0
         if model is not None and triton_available(device) and hasattr(model, "use_fused_ops"):
             from splitserve.platform.kernels.triton_ops import TritonOps
@@ -88,7 +89,8 @@ class ModelRunner:
         prompt_rows = _rows(seqs, prompt_logprobs) if prompt_logprobs else None
         if self.executor is None:
             return self._execute(seqs, rows, eos_token_ids, use_graphs, layer_hook, loras, prompt_rows)
-        message = StepMessage(tuple(seqs), use_graphs, prompt_rows, *_lora_keys(seqs, loras))
+        kv_exports = getattr(layer_hook, "block_ids", ())  # kv_parallel.ExportHook: the ranks gather too
+        message = StepMessage(tuple(seqs), use_graphs, prompt_rows, *_lora_keys(seqs, loras), kv_exports)
         self.executor.send_step(message)
         try:
             return self._execute(seqs, rows, eos_token_ids, use_graphs, layer_hook, loras, prompt_rows)
@@ -136,7 +138,8 @@ class ModelRunner:
         loras = None
         if message.lora_keys:
             loras = {rid: self._adapter(key, message.lora_sources[key]) for rid, key in message.lora_keys.items()}
-        hidden, sample_idx = self._forward(seqs, None, loras)
+        hook = self.kv_shards.export_hook(message.kv_exports) if message.kv_exports else None
+        hidden, sample_idx = self._forward(seqs, hook, loras)
         if message.prompt_rows:
             prompt_lp.compute(self.model, hidden, message.prompt_rows)
         if any(s.do_sample for s in seqs):
@@ -286,13 +289,15 @@ class ModelRunner:
 class StepMessage:
     """What rank 0 sends the other ranks of a tensor-parallel group for one step: the slices
     (decodes first, as executed), whether the step replays decode graphs, the prompt-logprob
-    rows (each adds logits gathers) and each slice's adapter (by lora_id)."""
+    rows (each adds logits gathers), each slice's adapter (by lora_id) and the block ids of each
+    KV export (the ranks gather their heads of them after every layer, engine/kv_parallel.py)."""
 
     seqs: tuple[ScheduledSeq, ...]
     use_graphs: bool
     prompt_rows: dict | None
     lora_keys: dict[str, str] | None  # req_id -> lora_id
     lora_sources: dict[str, tuple[str, str]] | None  # lora_id -> (name, folder), to read it once
+    kv_exports: tuple[tuple[int, ...], ...] = ()
 
 
 def _lora_keys(seqs: list[ScheduledSeq], loras: dict[str, LoraAdapter] | None):

@@ -234,13 +234,17 @@ def _remove_folder(directory: str, lock_fd: int) -> None:
 class KVTier:
     """The pool's EvictionSink and the prefix walk's second chance (see the module docstring)."""
 
-    def __init__(self, config: KVTierConfig, kv_caches, layout: str):
+    def __init__(self, config: KVTierConfig, kv_caches, layout: str, copier=None):
         self.config = config
         self.kv_caches = kv_caches
+        # under tensor parallelism rank 0's TPKVConnector (engine/kv_parallel.py): the tier keeps
+        # every KV head of a block, gathered from the ranks and scattered back to them
+        self.copier = copier
         k0 = kv_caches[0][0]
         self.device = k0.device
-        self.shape = (len(kv_caches), 2, *k0.shape[1:])  # [layers, K/V, block_size, kv_heads, head_dim]
-        self.block_bytes = k0[0].numel() * k0.element_size() * 2 * len(kv_caches)
+        block_shape = tuple(k0.shape[1:]) if copier is None else copier.block_shape
+        self.shape = (len(kv_caches), 2, *block_shape)  # [layers, K/V, block_size, kv_heads, head_dim]
+        self.block_bytes = torch.Size(self.shape).numel() * k0.element_size()
         if config.max_bytes < self.block_bytes:
             from splitserve.platform.errors import ConfigError
 
@@ -344,9 +348,16 @@ class KVTier:
 
     # -- internals -------------------------------------------------------------------------
     def _gather(self, block_id: int) -> torch.Tensor:
+        if self.copier is not None:  # every rank's heads: [2, 1, block_size, kv_heads, head_dim] per layer
+            return torch.stack([layer[:, 0] for layer in self.copier.read_blocks([block_id])])
         return torch.stack([torch.stack((k[block_id], v[block_id])) for k, v in self.kv_caches])
 
     def _scatter(self, block_ids: list[int], payloads: list[torch.Tensor]) -> None:
+        if self.copier is not None:  # lands on every rank before the step that reads it
+            stacked = torch.stack(payloads)  # [n, layers, 2, ...]
+            for layer in range(len(self.kv_caches)):
+                self.copier.write_layer(block_ids, layer, stacked[:, layer].transpose(0, 1))
+            return
         ids = torch.tensor(block_ids, dtype=torch.long, device=self.device)
         stacked = torch.stack(payloads).to(self.device, non_blocking=True)  # [n, layers, 2, ...]
         for layer, (k, v) in enumerate(self.kv_caches):
@@ -368,14 +379,17 @@ class KVTier:
         self.stats.num_bytes = len(self._lru) * self.block_bytes
 
 
-def attach_tier(config: KVTierConfig | None, pool: BlockPool, kv_manager, kv_caches, model_id: str) -> KVTier | None:
+def attach_tier(
+    config: KVTierConfig | None, pool: BlockPool, kv_manager, kv_caches, model_id: str, copier=None
+) -> KVTier | None:
     """Build the second tier named by `config` (None: none) and hook it into the pool (evictions)
-    and the KV manager (prefix lookups)."""
+    and the KV manager (prefix lookups). `copier`: see KVTier (tensor parallelism)."""
     if config is None:
         return None
     k0 = kv_caches[0][0]
-    layout = f"{model_id}|{k0.dtype}|{len(kv_caches)}x{tuple(k0.shape[1:])}"
-    tier = KVTier(config, kv_caches, layout)
+    block_shape = tuple(k0.shape[1:]) if copier is None else copier.block_shape
+    layout = f"{model_id}|{k0.dtype}|{len(kv_caches)}x{block_shape}"
+    tier = KVTier(config, kv_caches, layout, copier)
     pool.eviction_sink = tier
     kv_manager.tier = tier
     return tier

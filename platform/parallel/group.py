@@ -2,7 +2,8 @@
 
 `TPGroup` is what a layer holds: its rank, the group size and two collectives, `all_reduce`
 (the row-parallel linears, the vocabulary-parallel embedding, the experts) and `all_gather`
-(the LM head's logits). With size 1 both return their input untouched, so an unsharded model
+(the LM head's logits); `gather` and `scatter` (to and from rank 0) move a KV transfer's heads
+(engine/kv_parallel.py). With size 1 both return their input untouched, so an unsharded model
 pays one attribute check per call. Each call is timed (`stats`): on a CPU the time is the
 collective itself plus the wait for the slowest rank; on CUDA it is the launch only.
 
@@ -74,6 +75,27 @@ class TPGroup:
         dist.all_gather(parts, x, group=self.device_group)
         self._count(t0)
         return torch.cat(parts, dim=-1)
+
+    def gather(self, x: torch.Tensor) -> list[torch.Tensor] | None:
+        """Every rank's `x` (same shapes), in rank order, on rank 0; None on the other ranks."""
+        if self.size == 1:
+            return [x]
+        t0 = time.perf_counter()
+        x = x.contiguous()
+        parts = [torch.empty_like(x) for _ in range(self.size)] if self.rank == 0 else None
+        dist.gather(x, parts, dst=0, group=self.device_group)
+        self._count(t0)
+        return parts
+
+    def scatter(self, parts: list[torch.Tensor] | None, out: torch.Tensor) -> torch.Tensor:
+        """Rank r receives rank 0's `parts[r]` into `out` (same shape on every rank); `parts` is
+        read on rank 0 only. Returns `out`."""
+        if self.size == 1:
+            return out.copy_(parts[0])
+        t0 = time.perf_counter()
+        dist.scatter(out, [p.contiguous() for p in parts] if self.rank == 0 else None, src=0, group=self.device_group)
+        self._count(t0)
+        return out
 
     def _count(self, t0: float) -> None:
         self.stats.num_calls += 1

@@ -128,9 +128,7 @@ def sliced_shape(shape: tuple[int, ...], slices: Slices | None) -> tuple[int, ..
     return tuple(out)
 
 
-def check_tensor_parallel(
-    model: ModelConfig, parallel: ParallelConfig, device: str, quantization: str, has_kv_tier: bool = False
-) -> None:
+def check_tensor_parallel(model: ModelConfig, parallel: ParallelConfig, device: str, quantization: str) -> None:
     """ConfigError, with what is allowed, when `parallel.tensor_parallel_size` cannot run `model`
     here. Reads no weights and starts nothing: called before any rank exists."""
     tp = parallel.tensor_parallel_size
@@ -164,10 +162,6 @@ def check_tensor_parallel(
         raise ConfigError(
             f"--quantization {quantization} packs weights for one CPU process and has no tensor-parallel "
             f"form; use --quantization none with --tensor-parallel-size {tp} (or --tensor-parallel-size 1)"
-        )
-    if has_kv_tier:
-        raise ConfigError(
-            "the second KV tier (--kv-tier-bytes) does not support --tensor-parallel-size > 1 yet; drop one of them"
         )
     _check_devices(tp // parallel.nnodes, device)
 

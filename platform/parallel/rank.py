@@ -3,7 +3,8 @@
     hello -> join the group -> load this rank's shard of the weights, allocate its KV heads
     (rank 0's number of blocks: the block ids of every plan are rank 0's) -> ready
     -> loop: next message; Stop ends it, a StepMessage runs ModelRunner.follow (the forward and
-       the collectives of that step, no sampling)
+       the collectives of that step, no sampling), a KV transfer's KVWrites or KVGather runs
+       HeadShards.follow (engine/kv_parallel.py: this rank's heads scattered to it or gathered)
 
 Anything that goes wrong ends the process with a non-zero code (rank 0's watchdog then takes
 the group down). A thread checks every second that rank 0's process still exists, so a rank
@@ -54,13 +55,18 @@ def rank_main(spec: RankSpec, conn) -> None:
 
 
 def _serve(receiver: PlanReceiver, runner, parent: int) -> None:
+    from splitserve.platform.engine.runner import StepMessage
+
     code = 0
     try:
         while True:
             message = receiver.recv(lambda: os.getppid() == parent)
             if isinstance(message, Stop):
                 break
-            runner.follow(message)
+            if isinstance(message, StepMessage):
+                runner.follow(message)
+            else:  # a KV transfer's writes or gather (engine/kv_parallel.py)
+                runner.kv_shards.follow(message)
     except RankGoneError:
         code = 1
     except BaseException:
@@ -78,6 +84,7 @@ def build_runner(spec: RankSpec, group, device: torch.device):
     it captures decode graphs."""
     from splitserve.platform.config import resolve_kv_cache_dtype
     from splitserve.platform.engine.cuda_graphs import uses_decode_graphs
+    from splitserve.platform.engine.kv_parallel import HeadShards
     from splitserve.platform.engine.model_loader import DTYPES, load_model
     from splitserve.platform.engine.runner import ModelRunner
     from splitserve.platform.kv.cache import allocate_kv_cache
@@ -100,6 +107,7 @@ def build_runner(spec: RankSpec, group, device: torch.device):
     runner = ModelRunner(model, kv_caches, block_size, device, lora_context)
     shard = ShardLayout(model_config, group.rank, group.size)
     runner.read_lora = lambda name, path: read_adapter(name, path, layout, config.lora.max_lora_rank, dtype, shard)
+    runner.kv_shards = HeadShards(group, shard, kv_caches, device)
     return runner, uses_decode_graphs(config.device.enforce_eager, device)
 
 

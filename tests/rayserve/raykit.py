@@ -85,18 +85,20 @@ def ray_processes(since: float, temp_dir: str) -> list[psutil.Process]:
     return found
 
 
-def start_local_serve(tmp_path_factory, attempts: int = 2):
+def start_local_serve(tmp_path_factory, attempts: int = 2, adjust=None):
     """RayServe on a fresh local Ray, its temp dir and start time kept on it. One more attempt
     when Ray's head never registers its raylet ("The current node timed out during startup",
     an open Ray start-up flake: ray-project/ray#62883): a fresh-clone `make test` hit it once,
     with the GCS up and no raylet log at all, and the same tests passed when run again. That is
-    Ray failing to start, not splitserve; the failed attempt's processes are killed first."""
+    Ray failing to start, not splitserve; the failed attempt's processes are killed first.
+    `adjust(config) -> config`: a test's changes to local_config's."""
     from splitserve.rayserve.serve import RayServe
 
     for attempt in range(1, attempts + 1):
         temp_dir = str(tmp_path_factory.mktemp("ray"))
         started_at = time.time()
-        app = RayServe(local_config(temp_dir, free_port()))
+        config = local_config(temp_dir, free_port())
+        app = RayServe(adjust(config) if adjust else config)
         try:
             app.start(timeout_s=300)
         except Exception as exc:  # noqa: BLE001 - only Ray's start-up timeout is retried
