@@ -9,10 +9,8 @@ What a GIE gateway programs for an InferencePool, written out, the pool's safety
                       x-prefiller-host-port are removed before anything reads them
                    -> ext_proc (cluster `epp`, over mTLS when `tls` is given): request headers
                       SEND, body BUFFERED, trailers SEND (the EPP picks on the body whether or not
-                      HTTP/2 trailers follow), response headers SEND (the first token), response
-                      body NONE: Envoy keeps the ext_proc stream open until the response is over,
-                      and its end ends the request's pending count (STREAMED would cost a round
-                      trip to the EPP per token: tests/router/test_epp_envoy_stream.py)
+                      HTTP/2 trailers follow), response headers SEND, response body NONE (the
+                      stream's end, with the response's, ends the pending count; no trip per token)
                    -> one route to cluster `pool`: the sidecars, and nothing else
     cluster `pool`  -> override_host load balancing: the hosts the EPP named in its dynamic
                       metadata `envoy.lb` / x-gateway-destination-endpoint ("primary,fallback,...",
