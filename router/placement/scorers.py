@@ -34,6 +34,7 @@ class ScoringContext:
     matched_blocks: dict[str, int] = field(default_factory=dict)  # per worker address
     now: float = 0.0
     lora_name: str | None = None  # the LoRA adapter the request runs (None: base model)
+    block_size: int = 16  # tokens per KV block (the pool's)
 
 
 class Scorer:
@@ -191,6 +192,45 @@ class LoraAffinity(Scorer):
         return out
 
 
+class ExpectedLatency(Scorer):
+    """The prefix hit and the load in one unit: the prompt tokens the worker must compute before
+    this request's first token, the request's own uncached part included (docs/router.md):
+
+        work(w) = uncached(w) + queued_prefill_tokens(w) + pending_prefill_tokens(w)
+                  + request_tokens * (running(w) + waiting(w) + pending(w))
+        score(w) = (min_w work + floor_tokens) / (work(w) + floor_tokens)
+
+    uncached(w) is the prompt less the blocks w holds (a miss costs its tokens, not a fixed
+    weight); the queue and this router's pending prefills are tokens too, and each request on
+    the worker adds `request_tokens` for its share of every step (a decode step of one sequence
+    costs about what that many prompt tokens do). The best worker scores 1, one expected to take
+    twice as long about 0.5: a group moves off the worker holding its prompt only once that
+    worker's queue holds more work than recomputing the prompt elsewhere would cost.
+    `floor_tokens` keeps a few tokens' difference between idle workers from counting as a ratio."""
+
+    name = "expected-latency"
+    DEFAULTS = {"request_tokens": 4, "floor_tokens": 16}
+
+    def score(self, ctx, workers):
+        work = {w.address: self.work(ctx, w) for w in workers if w.load is not None}
+        floor = self.params["floor_tokens"]
+        best = min(work.values(), default=0.0) + floor
+        return {
+            w.address: best / (work[w.address] + floor)
+            if w.address in work
+            else missing(self.name, w.address, "load report")
+            for w in workers
+        }
+
+    def work(self, ctx: ScoringContext, w: WorkerState) -> float:
+        """Prompt tokens w computes before this request's first token (w has a load report)."""
+        cached = ctx.matched_blocks.get(w.address, 0) * ctx.block_size
+        uncached = max(ctx.num_prompt_tokens - cached, 0)
+        queued = w.load.queued_prefill_tokens + w.num_pending_prefill_tokens
+        requests = w.load.num_running + w.load.num_waiting + w.num_pending
+        return uncached + queued + self.params["request_tokens"] * requests
+
+
 class RoundRobin(Scorer):
     """A baseline, not a policy: 1 for the next worker in address order, 0 for the others; each
     placement moves the turn on. Used alone it is plain round-robin (the benchmarks' arm (a));
@@ -211,7 +251,16 @@ class RoundRobin(Scorer):
 
 SCORERS: dict[str, type[Scorer]] = {
     cls.name: cls
-    for cls in (PrefixOverlap, QueueDepth, KVUsage, PendingAssignments, QueuedPrefillTokens, LoraAffinity, RoundRobin)
+    for cls in (
+        PrefixOverlap,
+        QueueDepth,
+        KVUsage,
+        PendingAssignments,
+        QueuedPrefillTokens,
+        ExpectedLatency,
+        LoraAffinity,
+        RoundRobin,
+    )
 }
 
 
