@@ -39,16 +39,20 @@ def score(workers, matched, params=None):
 
 def test_idle_workers_the_holder_of_the_prompt_wins_by_the_tokens_it_saves():
     s = score([worker("hit"), worker("miss")], {"hit": SYSTEM_BLOCKS})
-    # 16 uncached tokens against 80 (floor 16): 32 / 32 against 32 / 96
-    assert s == {"hit": pytest.approx(1.0), "miss": pytest.approx(1 / 3)}
+    # 16 uncached tokens against 80 plus the 64 held elsewhere (floor 16): 32 / 32 against 32 / 160
+    assert s == {"hit": pytest.approx(1.0), "miss": pytest.approx(0.2)}
+    once = score([worker("hit"), worker("miss")], {"hit": SYSTEM_BLOCKS}, {"duplicate_cost": 1e-9})
+    assert once["miss"] == pytest.approx(1 / 3)  # the copy's later cost off: 32 / 96
 
 
 def test_a_few_queued_requests_do_not_move_a_group_off_its_prompt():
-    """Three more running requests (prefix+queue's default weights move the group at about this
-    imbalance) cost 12 tokens; the miss costs 64: the holder still wins."""
-    hit = worker("hit", running=3, waiting=1, queued=16)
+    """Three more running requests and a waiting miss of another group (prefix+queue's default
+    weights move the group at about this imbalance) cost 12 + 4 + 80 tokens; the copy of the
+    prompt costs 64 now and 64 later: the holder still wins. Counted once, the copy would win."""
+    hit = worker("hit", running=3, waiting=1, queued=80)
     miss = worker("miss", running=1)
     assert ranked(score([hit, miss], {"hit": SYSTEM_BLOCKS})) == ["hit", "miss"]
+    assert ranked(score([hit, miss], {"hit": SYSTEM_BLOCKS}, {"duplicate_cost": 1e-9})) == ["miss", "hit"]
 
 
 def test_a_queue_deeper_than_the_prompt_sends_the_request_to_the_idle_worker():
@@ -73,8 +77,8 @@ def test_equal_load_and_cache_is_a_tie_and_more_cache_is_better_at_equal_load():
 def test_request_tokens_sets_what_one_request_on_a_worker_weighs():
     hit = worker("hit", running=8)
     miss = worker("miss")
-    assert ranked(score([hit, miss], {"hit": SYSTEM_BLOCKS})) == ["hit", "miss"]  # 8 x 4 < 64
-    assert ranked(score([hit, miss], {"hit": SYSTEM_BLOCKS}, {"request_tokens": 16})) == ["miss", "hit"]
+    assert ranked(score([hit, miss], {"hit": SYSTEM_BLOCKS})) == ["hit", "miss"]  # 8 x 4 < 2 x 64
+    assert ranked(score([hit, miss], {"hit": SYSTEM_BLOCKS}, {"request_tokens": 20})) == ["miss", "hit"]
 
 
 def test_scores_stay_in_range_and_the_least_work_scores_one():
@@ -93,9 +97,9 @@ def test_scores_stay_in_range_and_the_least_work_scores_one():
 def test_a_placer_with_the_scorer_keeps_a_group_on_its_worker_through_a_burst():
     """The Placer end to end: eight requests of one group arrive before any load report changes;
     each placement adds a pending request and its uncached tokens on its worker. `a` holds the
-    system prompt: the k-th request there waits for 16 + 20k tokens (its question, k pending
-    questions and 4 per pending request), `b` for 80 (the whole prompt), so `a` takes four
-    before the fifth is cheaper on `b`."""
+    system prompt: the k-th request there costs 16 + 20k tokens (its question, k pending
+    questions and 4 per pending request), on `b` 80 + 64 (the whole prompt, and the copy's
+    later cost), so `a` takes seven before the eighth is cheaper on `b`."""
     pool = WorkerPool("smollm2-135m", BS)
     for address in ("a", "b"):
         state = pool.add(address)
@@ -117,4 +121,4 @@ def test_a_placer_with_the_scorer_keeps_a_group_on_its_worker_through_a_burst():
         return picks
 
     picks = asyncio.run(run())
-    assert picks[:5] == ["a", "a", "a", "a", "b"]
+    assert picks == ["a"] * 7 + ["b"]
