@@ -94,7 +94,7 @@ bench: setup peer
 	$(PY) bench/serving_suite.py --write docs/benchmarks.md --plots docs/bench --peer-python $(PEER)/bin/python
 	$(PY) bench/w6_multiturn.py --write docs/benchmarks.md
 	$(PY) bench/epp_w1.py --write docs/benchmarks.md
-	$(PY) bench/sweep.py --write docs/benchmarks.md --plots docs/benchmarks
+	$(PY) bench/sweep.py --write docs/benchmarks.md --plots docs/benchmarks --rates 0.5,1,2,3 --arms round-robin,prefix+queue,expected-latency,epp
 
 peer: $(PEER_STAMP)
 

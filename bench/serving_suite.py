@@ -87,6 +87,7 @@ SCORERS = {
     "least-queue": [{"name": "queue-depth", "weight": 3}, {"name": "pending-assignments", "weight": 1}],
     "prefix-only": [{"name": "prefix-overlap", "weight": 1}],
     "prefix+queue": None,  # the default decode profile
+    "expected-latency": [{"name": "expected-latency", "weight": 1}],  # bench/sweep.py's arm only
 }
 
 
@@ -113,7 +114,7 @@ class Arm:
         }
 
 
-ROUTING = [Arm(name, scorers=name) for name in SCORERS]
+ROUTING = [Arm(name, scorers=name) for name in ("round-robin", "least-queue", "prefix-only", "prefix+queue")]
 NO_CACHE = Arm("no-cache", worker_args=("--no-prefix-caching",))
 DISAGG = [
     Arm("colocated", worker_args=("--no-chunked-prefill",)),

@@ -9,6 +9,8 @@ and the same KV budget; bench/serving_suite.py starts them):
     round-robin    the splitserve gateway, decode profile = round-robin alone
     least-queue    queue-depth (weight 3) + pending-assignments (1)
     prefix+queue   the default decode profile (prefix-overlap, queue-depth, kv-usage, ...)
+    expected-latency  the expected-latency scorer alone (the prefix hit and the load as prompt
+                   tokens to compute before the first token; docs/router.md), default filters
     epp            Envoy with ext_proc to `splitserve epp` (the default profile) in front of
                    one sidecar per worker (bench/epp_w1.py's GatewayCluster)
 
@@ -58,7 +60,7 @@ import urllib.request
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from report import markers, require, section_path, write_section  # noqa: E402
 
-ARMS = ("round-robin", "least-queue", "prefix+queue", "epp")
+ARMS = ("round-robin", "least-queue", "prefix+queue", "expected-latency", "epp")
 BLOCK_TOKENS = 16
 ROOM_REQUESTS = 4  # requests in flight per worker whose own blocks the budget leaves room for
 DEFAULT_RATES = (0.2, 0.35, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0)
@@ -145,20 +147,22 @@ def ratio(a: float | None, b: float | None) -> float | None:
 class Verdict:
     """The acceptance's ratios (None where a side has no value)."""
 
-    goodput_ratio: float | None  # goodput prefix+queue ÷ round robin
+    goodput_ratio: float | None  # goodput of the arm (prefix+queue) ÷ round robin
     tps_at_goodput_ratio: float | None  # output tok/s, each at its own goodput rate
     tps_at_rr_rate_ratio: float | None  # output tok/s at round robin's goodput rate, both arms
     epp_vs_gateway: float | None  # goodput epp ÷ prefix+queue
 
 
-def verdict(points: list[Point], slo_s: float) -> Verdict:
-    rr, pq, epp = (goodput(points, a, slo_s) for a in ("round-robin", "prefix+queue", "epp"))
-    same = at_rate(points, "prefix+queue", rr.rate) if rr else None
+def verdict(points: list[Point], slo_s: float, arm: str = "prefix+queue") -> Verdict:
+    """`arm` against round robin; the EPP always against prefix+queue (the profile it runs)."""
+    rr, pq, epp = (goodput(points, a, slo_s) for a in ("round-robin", arm, "epp"))
+    gw = goodput(points, "prefix+queue", slo_s)
+    same = at_rate(points, arm, rr.rate) if rr else None
     return Verdict(
         ratio(pq and pq.rate, rr and rr.rate),
         ratio(pq and pq.output_tps, rr and rr.output_tps),
         ratio(same and same.output_tps, rr and rr.output_tps),
-        ratio(epp and epp.rate, pq and pq.rate),
+        ratio(epp and epp.rate, gw and gw.rate),
     )
 
 
@@ -302,12 +306,20 @@ def goodput_cell(points: list[Point], arm: str, slo_s: float) -> str:
 
 def verdict_lines(points: list[Point], slo_s: float) -> list[str]:
     v = verdict(points, slo_s)
-    return [
+    lines = [
         f"- at {slo_s:g} s: goodput prefix+queue ÷ round robin **{_x(v.goodput_ratio)}** (target ≥ 2×); "
         f"output tok/s, each at its goodput rate, **{_x(v.tps_at_goodput_ratio)}** (target ≥ 2×); "
         f"output tok/s at round robin's goodput rate {_x(v.tps_at_rr_rate_ratio)}; "
         f"goodput epp (Envoy) ÷ prefix+queue (splitserve gateway) **{_x(v.epp_vs_gateway)}** (target within 10 %)"
     ]
+    if any(p.arm == "expected-latency" for p in points):
+        e = verdict(points, slo_s, "expected-latency")
+        lines.append(
+            f"- at {slo_s:g} s: goodput expected-latency ÷ round robin **{_x(e.goodput_ratio)}**; output tok/s, "
+            f"each at its goodput rate, **{_x(e.tps_at_goodput_ratio)}**; at round robin's goodput rate "
+            f"{_x(e.tps_at_rr_rate_ratio)}"
+        )
+    return lines
 
 
 def render(points: list[Point], arms: tuple[str, ...], meta: dict, plots: dict[str, str]) -> str:

@@ -9,8 +9,8 @@ What a GIE gateway programs for an InferencePool, written out, the pool's safety
                       x-prefiller-host-port are removed before anything reads them
                    -> ext_proc (cluster `epp`, over mTLS when `tls` is given): request headers
                       SEND, body BUFFERED, trailers SEND (the EPP picks on the body whether or not
-                      HTTP/2 trailers follow), response headers SEND, response body STREAMED (the
-                      EPP sees the response end, which ends the request's pending count)
+                      HTTP/2 trailers follow), response headers SEND, response body NONE (the
+                      stream's end, with the response's, ends the pending count; no trip per token)
                    -> one route to cluster `pool`: the sidecars, and nothing else
     cluster `pool`  -> override_host load balancing: the hosts the EPP named in its dynamic
                       metadata `envoy.lb` / x-gateway-destination-endpoint ("primary,fallback,...",
@@ -153,7 +153,7 @@ def _ext_proc_filter(fail_open: bool, message_timeout_s: float) -> dict:
                 "request_body_mode": "BUFFERED",
                 "request_trailer_mode": "SEND",
                 "response_header_mode": "SEND",
-                "response_body_mode": "STREAMED",
+                "response_body_mode": "NONE",
                 "response_trailer_mode": "SKIP",
             },
             "metadata_options": {"receiving_namespaces": {"untyped": [LB_NAMESPACE]}},

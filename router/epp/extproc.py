@@ -22,7 +22,8 @@ count.
                                        failing open would take as "route anywhere"
     response headers                -> the request got its first token (the sidecar sends headers with it)
     response body end_of_stream,
-    or the stream's end             -> the request is finished on the picked workers
+    or the stream's end             -> the request is finished on the picked workers (the shipped
+                                       Envoy config sends no response body: the stream's end)
 
 The gateway's subset hint, the endpoints it allows, comes as filter metadata only
 (`envoy.lb.subset_hint` / `x-gateway-destination-endpoint-subset`, a list or a comma-separated

@@ -4,10 +4,13 @@ The EPP watches the decode workers over gRPC, but the gateway dials their sideca
 that is gone (killed, OOM, its pod deleted) leaves its worker healthy in the EPP's eyes, and
 every pick of that pod would be a failed request. So a probe loop asks each endpoint for
 `/ready` every PROBE_INTERVAL_S (the sidecar answers 200 when it is up and its decode worker is
-healthy):
+healthy), on one kept-alive connection per endpoint: a new TCP connection and its setup in both
+processes ten times a second was most of an idle EPP path's CPU (bench/epp_overhead.py):
 
     200                              -> ready
-    any other status, refused, reset -> not ready at once (a dead process refuses at once)
+    any other status, refused, reset -> not ready at once (a dead process refuses at once; a kept
+                                        connection the endpoint closed is retried once on a
+                                        new one first, so its keep-alive timeout is no outage)
     no answer within PROBE_TIMEOUT_S -> not ready after SLOW_PROBES_DOWN such probes in a row (a
                                         busy sidecar on a loaded node answers late, not never)
 
@@ -39,6 +42,7 @@ class EndpointProbe:
         self._ready: set[str] = set()
         self._known: set[str] = set()
         self._slow: dict[str, int] = {}
+        self._conns: dict[str, tuple[asyncio.StreamReader, asyncio.StreamWriter]] = {}
         self._task: asyncio.Task | None = None
 
     def is_ready(self, endpoint: str) -> bool:
@@ -51,12 +55,19 @@ class EndpointProbe:
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
+        await self.close()
+
+    async def close(self) -> None:
+        """Close the kept connections."""
+        for endpoint in list(self._conns):
+            self._drop(endpoint)
 
     async def probe_once(self) -> None:
         """One round over every endpoint, concurrently."""
         current = set(self.endpoints())
         await asyncio.gather(*(self._probe(e) for e in current))
         for gone in self._known - current:
+            self._drop(gone)
             self._ready.discard(gone)
             if self.gauge is not None:
                 self.gauge.remove(gone)
@@ -72,28 +83,56 @@ class EndpointProbe:
         try:
             status = await asyncio.wait_for(self._status(endpoint), PROBE_TIMEOUT_S)
         except TimeoutError:
+            self._drop(endpoint)  # an answer may still come on it: its state is unknown
             self._slow[endpoint] = self._slow.get(endpoint, 0) + 1
             if self._slow[endpoint] >= SLOW_PROBES_DOWN:
                 self._set(endpoint, False, "no answer")
             return
         except (OSError, ValueError) as exc:
+            self._drop(endpoint)
             self._set(endpoint, False, type(exc).__name__)
             return
         self._slow.pop(endpoint, None)
         self._set(endpoint, status == 200, f"status {status}")
 
     async def _status(self, endpoint: str) -> int:
+        """The status of one GET on the endpoint's kept connection (a new one if it has none, or
+        if the kept one fails: the endpoint may have closed it)."""
+        kept = self._conns.get(endpoint)
+        if kept is not None:
+            try:
+                return await self._ask(endpoint, *kept)
+            except (OSError, ValueError, asyncio.IncompleteReadError):
+                self._drop(endpoint)
         host, _, port = endpoint.rpartition(":")
-        reader, writer = await asyncio.open_connection(host.strip("[]"), int(port))
+        self._conns[endpoint] = await asyncio.open_connection(host.strip("[]"), int(port))
         try:
-            writer.write(f"GET {self.path} HTTP/1.1\r\nHost: {endpoint}\r\nConnection: close\r\n\r\n".encode())
-            await writer.drain()
-            line = await reader.readline()
-            return int(line.split()[1])
-        except IndexError:
+            return await self._ask(endpoint, *self._conns[endpoint])
+        except asyncio.IncompleteReadError:
+            raise ValueError(f"{endpoint} closed the connection mid-answer") from None
+
+    async def _ask(self, endpoint: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> int:
+        writer.write(f"GET {self.path} HTTP/1.1\r\nHost: {endpoint}\r\n\r\n".encode())
+        await writer.drain()
+        status_line = await reader.readline()
+        headers = {}
+        while (line := await reader.readline()) not in (b"\r\n", b"\n", b""):
+            name, _, value = line.decode("latin-1").partition(":")
+            headers[name.strip().lower()] = value.strip().lower()
+        try:
+            status = int(status_line.split()[1])
+        except (IndexError, ValueError):
             raise ValueError(f"no HTTP status line from {endpoint}") from None
-        finally:
-            writer.close()
+        if "content-length" in headers and headers.get("connection") != "close":
+            await reader.readexactly(int(headers["content-length"]))
+        else:  # a body of unknown length, or the endpoint closes: no reuse
+            self._drop(endpoint)
+        return status
+
+    def _drop(self, endpoint: str) -> None:
+        conn = self._conns.pop(endpoint, None)
+        if conn is not None:
+            conn[1].close()
 
     def _set(self, endpoint: str, is_ready: bool, why: str) -> None:
         if self.gauge is not None:

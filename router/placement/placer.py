@@ -121,7 +121,8 @@ class Placer:
         decode = self.decode_profile.filter(candidates, now)
         prefill = [w for w in self.pool.prefill_workers() if w.address not in exclude]
         addresses = list(dict.fromkeys([w.address for w in decode] + [w.address for w in prefill]))
-        ctx = ScoringContext(num_tokens, len(hashes), await self.index.match(addresses, hashes), now, lora_name)
+        matched = await self.index.match(addresses, hashes)
+        ctx = ScoringContext(num_tokens, len(hashes), matched, now, lora_name, self.pool.block_size)
         ranked = self.decode_profile.rank(ctx, decode, self.rng)
         chosen = ranked[0][0]
         cached = ctx.matched_blocks.get(chosen, 0)

@@ -34,6 +34,7 @@ class ScoringContext:
     matched_blocks: dict[str, int] = field(default_factory=dict)  # per worker address
     now: float = 0.0
     lora_name: str | None = None  # the LoRA adapter the request runs (None: base model)
+    block_size: int = 16  # tokens per KV block (the pool's)
 
 
 class Scorer:
@@ -191,6 +192,49 @@ class LoraAffinity(Scorer):
         return out
 
 
+class ExpectedLatency(Scorer):
+    """The prefix hit and the load in one unit: the prompt tokens the worker must compute before
+    this request's first token, plus what a copy of a prefix costs the caches (docs/router.md):
+
+        work(w) = uncached(w) + duplicate_cost * (max_v cached(v) - cached(w))
+                  + queued_prefill_tokens(w) + pending_prefill_tokens(w)
+                  + request_tokens * (running(w) + waiting(w) + pending(w))
+        score(w) = (min_v work(v) + floor_tokens) / (work(w) + floor_tokens)
+
+    uncached(w) is the prompt less the tokens w holds as cached blocks: a miss costs its tokens,
+    not a fixed weight. Recomputing a prefix another worker holds costs twice (duplicate_cost
+    1): now, and again later, because the copy takes cache room from another group's prefix,
+    which that group then recomputes (a cache smaller than all prefixes holds fewer of them the
+    more are held twice). The queue and this router's pending prefills are tokens too; each
+    request on the worker adds `request_tokens` for its share of every step. The best worker
+    scores 1, one expected to take twice as long about 0.5. `floor_tokens` keeps a few tokens'
+    difference between idle workers from counting as a large ratio."""
+
+    name = "expected-latency"
+    DEFAULTS = {"request_tokens": 4, "floor_tokens": 16, "duplicate_cost": 1}
+
+    def score(self, ctx, workers):
+        most = max((ctx.matched_blocks.get(w.address, 0) for w in workers), default=0) * ctx.block_size
+        work = {w.address: self.work(ctx, w, most) for w in workers if w.load is not None}
+        floor = self.params["floor_tokens"]
+        best = min(work.values(), default=0.0) + floor
+        return {
+            w.address: best / (work[w.address] + floor)
+            if w.address in work
+            else missing(self.name, w.address, "load report")
+            for w in workers
+        }
+
+    def work(self, ctx: ScoringContext, w: WorkerState, most_cached: int) -> float:
+        """Token-equivalents of w for this request (w has a load report); `most_cached`: the
+        longest cached prefix, in tokens, of any candidate."""
+        cached = min(ctx.matched_blocks.get(w.address, 0) * ctx.block_size, ctx.num_prompt_tokens)
+        duplicate = self.params["duplicate_cost"] * (min(most_cached, ctx.num_prompt_tokens) - cached)
+        queued = w.load.queued_prefill_tokens + w.num_pending_prefill_tokens
+        requests = w.load.num_running + w.load.num_waiting + w.num_pending
+        return ctx.num_prompt_tokens - cached + duplicate + queued + self.params["request_tokens"] * requests
+
+
 class RoundRobin(Scorer):
     """A baseline, not a policy: 1 for the next worker in address order, 0 for the others; each
     placement moves the turn on. Used alone it is plain round-robin (the benchmarks' arm (a));
@@ -211,7 +255,16 @@ class RoundRobin(Scorer):
 
 SCORERS: dict[str, type[Scorer]] = {
     cls.name: cls
-    for cls in (PrefixOverlap, QueueDepth, KVUsage, PendingAssignments, QueuedPrefillTokens, LoraAffinity, RoundRobin)
+    for cls in (
+        PrefixOverlap,
+        QueueDepth,
+        KVUsage,
+        PendingAssignments,
+        QueuedPrefillTokens,
+        ExpectedLatency,
+        LoraAffinity,
+        RoundRobin,
+    )
 }
 
 

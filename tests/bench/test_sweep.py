@@ -81,6 +81,11 @@ def test_the_verdict_reads_goodput_and_throughput_ratios():
     assert v.tps_at_rr_rate_ratio == pytest.approx(8.1 / 8.0)
     assert v.epp_vs_gateway == pytest.approx(0.5)
     assert sweep.verdict(points[:2], 0.1) == sweep.Verdict(None, None, None, None)
+    # another arm against round robin; the EPP still against prefix+queue, the profile it runs
+    other = [point("expected-latency", 0.5, 0.2, tps=8.0), point("expected-latency", 1.0, 0.5, tps=16.5)]
+    e = sweep.verdict(points + other, 2.0, "expected-latency")
+    assert e.goodput_ratio == pytest.approx(2.0) and e.tps_at_goodput_ratio == pytest.approx(16.5 / 8.0)
+    assert e.epp_vs_gateway == pytest.approx(0.5)
 
 
 def test_the_kv_budget_holds_the_prefixes_asked_for_and_room_for_four_requests():

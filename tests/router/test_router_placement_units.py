@@ -69,6 +69,8 @@ SCORER_CASES = [
     ("queued-prefill-tokens", {"saturation": 100}, dict(queued=500), 0, 1, 0.0),
     ("queued-prefill-tokens", {}, dict(load=False), 0, 1, NEUTRAL),
     ("round-robin", {}, {}, 0, 1, 1.0),  # a single worker always has the turn
+    ("expected-latency", {}, dict(queued=500, running=3), 0, 4, 1.0),  # relative: a lone worker is the best
+    ("expected-latency", {}, dict(load=False), 0, 4, NEUTRAL),
     ("lora-affinity", {}, {}, 0, 1, 1.0),  # a base-model request: no preference
     # (adapter requests: the table in tests/router/test_lora_router.py)
 ]
