@@ -113,10 +113,14 @@ def _copy_blocks(engine, token_ids: list[int], start: int, expected: list[bytes]
         )
     kv_caches = engine.kv_connector.kv_caches
     per_block = []
+    # each layer's block from its KV group's cache (one group for most models; platform/kv/groups.py)
+    layer_group = engine.kv_connector.layer_group or (0,) * len(kv_caches)
     for i, block_hash in enumerate(hashes):
-        block = engine.pool.lookup(block_hash)
-        if block is not None:
-            per_block.append(torch.stack([torch.stack((k[block.block_id], v[block.block_id])) for k, v in kv_caches]))
+        blocks = [engine.pool.lookup(block_hash, g) for g in layer_group]
+        if all(b is not None for b in blocks):
+            per_block.append(
+                torch.stack([torch.stack((k[b.block_id], v[b.block_id])) for (k, v), b in zip(kv_caches, blocks)])
+            )
             continue
         kv = (
             engine.kv_tier.store.get(block_hash)

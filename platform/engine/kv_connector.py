@@ -23,6 +23,11 @@ the engine decides which blocks to export or to fill; the worker's transport mov
   the engine's next step waits (on the device) for those copies, so the request's first decode
   step reads its KV after it landed, without a device-wide synchronize.
 
+A model with several KV groups (platform/kv/groups.py): layer i's blocks are those of its group
+(`layer_group`). Export reads each layer's K/V through its group's table; KVReady names group 0's
+blocks, and `write_layer` maps them to the layer's group through `_group_ids` (filled by
+`kv_ready` on the engine thread, read by the transport's thread: one dict get per block).
+
 `KVExport` and `KVReady`, the two descriptors the engine and a worker hand each other, live in
 kv_handoff.py: requests and outputs carry them without importing the connector.
 
@@ -86,6 +91,8 @@ class KVConnector:
         self.copy_stream = copy_stream or make_copy_stream(device)
         # staged: through reused host buffers (CUDA, or a test's pool); else fresh tensors (CPU)
         self.host_pool = host_pool or (HostBufferPool(pin=True) if device.type == "cuda" else None)
+        self.layer_group: tuple[int, ...] = ()  # decoder layer -> KV group; () for one group
+        self._group_ids: dict[int, tuple[int, ...]] = {}  # group 0's block id -> that block in every group
 
     def before_step(self) -> None:
         """Called by the engine before each step: that step's work waits (on the device) for the
@@ -103,7 +110,15 @@ class KVConnector:
         )
 
     def kv_ready(self, req: Request) -> KVReady:
+        if self.kv_manager.is_grouped:
+            self._group_ids.update(zip(*self.kv_manager.group_block_ids(req.req_id)))
         return KVReady(tuple(self.kv_manager.block_ids(req.req_id)), req.num_cached_tokens, self.block_size)
+
+    def _layer_ids(self, block_ids: Sequence[int], layer: int) -> Sequence[int]:
+        """Group 0's `block_ids` as the blocks of `layer`'s group."""
+        if not self.layer_group or self.layer_group[layer] == 0:
+            return block_ids
+        return [self._group_ids[b][self.layer_group[layer]] for b in block_ids]
 
     def export_hook(self, plan: SchedulerPlan, states: Mapping[str, RequestState]):
         """A per-layer hook exporting the prompt blocks this step completes, or None.
@@ -124,14 +139,17 @@ class KVConnector:
             if end <= first:
                 continue
             state.num_exported_blocks = end
-            ids = torch.tensor(seq.block_ids[first:end], dtype=torch.long, device=self.device)
+            tables = (seq.block_ids,) if seq.group_block_ids is None else seq.group_block_ids
+            ids = [torch.tensor(t[first:end], dtype=torch.long, device=self.device) for t in tables]
             exports.append((state.export, first - state.export.start_block, ids))
         if not exports:
             return None
+        layer_group = self.layer_group
 
         def hook(layer: int) -> None:
             for export, first_block, ids in exports:
-                export.sink(layer, self._stage_export(layer, ids, export.on_device), first_block)
+                group_ids = ids[layer_group[layer]] if len(ids) > 1 else ids[0]
+                export.sink(layer, self._stage_export(layer, group_ids, export.on_device), first_block)
 
         return hook
 
@@ -164,6 +182,7 @@ class KVConnector:
         Safe from another thread: those blocks belong to a request no step touches until
         the engine completes its remote prefill or falls back to a local one.
         """
+        block_ids = self._layer_ids(block_ids, layer)
         if self.host_pool is None:
             import_layer(
                 self.kv_caches,

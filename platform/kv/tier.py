@@ -56,6 +56,7 @@ from dataclasses import dataclass
 import torch
 
 from splitserve.platform.config import KVTierConfig
+from splitserve.platform.errors import ConfigError
 from splitserve.platform.hashing import BlockHash
 from splitserve.platform.kv.block_pool import TIER_SECOND, Block, BlockPool, BlockRemoved, BlockStored, KVEvent
 
@@ -242,8 +243,6 @@ class KVTier:
         self.shape = (len(kv_caches), 2, *k0.shape[1:])  # [layers, K/V, block_size, kv_heads, head_dim]
         self.block_bytes = k0[0].numel() * k0.element_size() * 2 * len(kv_caches)
         if config.max_bytes < self.block_bytes:
-            from splitserve.platform.errors import ConfigError
-
             raise ConfigError(
                 f"the KV tier holds {config.max_bytes} bytes, less than one block "
                 f"({self.block_bytes} bytes); raise --kv-tier-bytes to at least {self.block_bytes}"
@@ -373,6 +372,12 @@ def attach_tier(config: KVTierConfig | None, pool: BlockPool, kv_manager, kv_cac
     and the KV manager (prefix lookups)."""
     if config is None:
         return None
+    if kv_manager.is_grouped:
+        raise ConfigError(
+            "--kv-tier needs a model with one KV group; this one mixes layer types (sliding-window and "
+            "full layers: one KV group per type, platform/kv/groups.py) and the tier moves one block "
+            "table per request; allowed: no --kv-tier for this model"
+        )
     k0 = kv_caches[0][0]
     layout = f"{model_id}|{k0.dtype}|{len(kv_caches)}x{tuple(k0.shape[1:])}"
     tier = KVTier(config, kv_caches, layout)

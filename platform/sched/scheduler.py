@@ -54,6 +54,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from splitserve.platform.config import SchedulerConfig
+from splitserve.platform.kv.grouped import GroupedKVCacheManager
 from splitserve.platform.kv.manager import KVCacheManager
 from splitserve.platform.sched.plan import ScheduledSeq, SchedulerPlan, StepResult
 from splitserve.platform.sched.request import Request, RequestStatus
@@ -87,7 +88,13 @@ class SchedulerStats:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int, max_loras: int = 1):
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        kv: KVCacheManager | GroupedKVCacheManager,
+        max_model_len: int,
+        max_loras: int = 1,
+    ):
         self.config = config.resolved(max_model_len)
         self.max_loras = max_loras
         self.kv = kv
@@ -323,6 +330,7 @@ class Scheduler:
             block_ids=tuple(self.kv.block_ids(req.req_id)),
             do_sample=start + num_known == req.num_tokens,
             num_draft_tokens=len(drafts),
+            group_block_ids=self.kv.group_block_ids(req.req_id) if self.kv.is_grouped else None,
         )
 
     # -- applying results ------------------------------------------------------------------
