@@ -111,7 +111,7 @@ class KVConnector:
 
     def kv_ready(self, req: Request) -> KVReady:
         if self.kv_manager.is_grouped:
-            self._group_ids.update(zip(*self.kv_manager.group_block_ids(req.req_id)))
+            self._group_ids.update((ids[0], ids) for ids in zip(*self.kv_manager.group_block_ids(req.req_id)))
         return KVReady(tuple(self.kv_manager.block_ids(req.req_id)), req.num_cached_tokens, self.block_size)
 
     def _layer_ids(self, block_ids: Sequence[int], layer: int) -> Sequence[int]:

@@ -1,0 +1,225 @@
+"""KV groups (platform/kv/groups.py, kv/grouped.py): one group per layer type over one pool.
+
+The block accounting runs the real scheduler and KV managers on plain requests (no tensors):
+  * Gemma 3 270M's layout read from its real GGUF: 1 full group and 5 sliding groups of 3 layers;
+  * at 32k tokens of context its request holds <= 0.25x the KV bytes of the one-group cache;
+  * at a fixed KV budget >= 3x as many 8k-token requests decode at once;
+  * a sliding group holds only its window as prefill and decode advance, and a prefix hit needs
+    only the last window's blocks of it (exact block-level assertions, invariants every step).
+The engine part runs a tiny random Gemma 3 (transformers' save_pretrained, window 24, block 16):
+greedy through P/D over the engine's KV export/import equals transformers', with the sliding
+layers' blocks released as decode goes on. tests/platform/test_model_families.py checks the same
+family colocated, chunked and after a prefix hit, and test_gemma3.py the real 270M model (with a
+prompt longer than its window) against transformers.
+"""
+
+import pytest
+import torch
+from test_disaggregation_engine import disaggregated
+from test_model_families import PROMPTS, engine_for, save_family
+
+from splitserve.platform.config import SchedulerConfig
+from splitserve.platform.hashing import BlockHasher
+from splitserve.platform.kv.block_pool import BlockPool, BlockStored
+from splitserve.platform.kv.cache import bytes_per_block
+from splitserve.platform.kv.grouped import GroupedKVCacheManager
+from splitserve.platform.kv.groups import KVGroup, KVLayout, plan_layout
+from splitserve.platform.kv.manager import KVCacheManager
+from splitserve.platform.model_source import resolve_model
+from splitserve.platform.sampling.params import SamplingParams
+from splitserve.platform.sched.plan import StepResult
+from splitserve.platform.sched.request import Request, RequestStatus
+from splitserve.platform.sched.scheduler import Scheduler
+from splitserve.platform.weights import load_model_config
+from splitserve.platform.weights.presets import preset_config
+
+BS = 16
+
+
+@pytest.fixture(scope="module")
+def gemma_config():
+    return load_model_config(resolve_model("gemma3-270m"))
+
+
+def request(req_id: str, num_tokens: int, max_tokens: int = 4, seed: int = 0) -> Request:
+    tokens = [(seed * 7919 + i * 31) % 50000 + 10 for i in range(num_tokens)]
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    return Request(req_id, tokens, params, BlockHasher("m", BS))
+
+
+def step(scheduler: Scheduler):
+    """One scheduler step with a fixed sampled token: plan, (no model), apply."""
+    plan = scheduler.schedule()
+    scheduler.update(plan, StepResult(sampled={s.req_id: 5 for s in plan.seqs if s.do_sample}))
+    return plan
+
+
+def manager(layout: KVLayout, num_blocks: int):
+    pool = BlockPool(num_blocks)
+    return GroupedKVCacheManager(pool, BS, layout) if not layout.is_single else KVCacheManager(pool, BS)
+
+
+def test_gemma3_270m_layout_is_one_full_and_five_sliding_groups_of_three(gemma_config):
+    layout = plan_layout(gemma_config)
+    sliding = [layer for layer in range(18) if (layer + 1) % 6]
+    assert [(g.layers, g.window) for g in layout.groups] == [((5, 11, 17), None)] + [
+        (tuple(sliding[i : i + 3]), 512) for i in range(0, 15, 3)
+    ]
+    assert layout.num_slots == 3 and layout.layer_group[17] == 0 and layout.layer_slot[17] == 2
+    for name in ("tiny-qwen3", "tiny-mistral"):  # one layer type: one group, as before
+        assert plan_layout(preset_config(name, "m")).is_single
+
+
+def held_bytes(config, layout, kv, req_id) -> int:
+    return sum(kv.num_blocks_held(req_id)) * bytes_per_block(config, BS, torch.float32, layout)
+
+
+def test_gemma3_270m_holds_under_a_quarter_of_the_kv_at_32k_context(gemma_config):
+    """A 32k-token request through the real scheduler and managers: bytes held after its prompt
+    and a few decode steps, by the engine's accounting (blocks held x bytes_per_block)."""
+    num_prompt = gemma_config.max_position_embeddings - 8
+    held = {}
+    for grouped in (False, True):
+        layout = plan_layout(gemma_config) if grouped else None
+        kv = manager(layout, 3000) if grouped else KVCacheManager(BlockPool(2100), BS)
+        scheduler = Scheduler(SchedulerConfig(max_num_batched_tokens=512), kv, gemma_config.max_position_embeddings)
+        scheduler.add_request(request("long", num_prompt, max_tokens=8))
+        while scheduler.requests["long"].num_output_tokens < 4:
+            step(scheduler)
+            kv.check_invariants()
+        held[grouped] = held_bytes(gemma_config, layout, kv, "long")
+        assert scheduler.stats.num_preemptions == 0
+    ratio = held[True] / held[False]
+    print(f"KV bytes at {num_prompt + 4} tokens: {held[True]} grouped vs {held[False]} one group ({ratio:.3f}x)")
+    assert ratio <= 0.25
+    # the full group keeps all 2048 blocks, each sliding group at most its window plus one chunk
+    assert held[False] == 2048 * bytes_per_block(gemma_config, BS, torch.float32)
+
+
+def decoding_at_once(config, grouped: bool, budget_bytes: int, num_requests: int = 20) -> int:
+    """The most requests of 8k tokens (7k of prompt, 1k generated) decoding at the same time at
+    this KV budget, until the first one finishes (each decodes far longer than the others take to
+    prefill, so memory, not the token budget, is what limits them)."""
+    layout = plan_layout(config) if grouped else None
+    num_blocks = budget_bytes // bytes_per_block(config, BS, torch.float32, layout)
+    kv = manager(layout, num_blocks) if grouped else KVCacheManager(BlockPool(num_blocks), BS)
+    scheduler = Scheduler(SchedulerConfig(max_num_batched_tokens=512, max_num_seqs=64), kv, 8192)
+    for i in range(num_requests):
+        scheduler.add_request(request(f"r{i}", 8192 - 1024, max_tokens=1024, seed=i + 1))
+    best = 0
+    while scheduler.num_unfinished == num_requests:
+        step(scheduler)
+        best = max(best, sum(r.num_computed_tokens >= r.num_prompt_tokens for r in scheduler.running))
+    kv.check_invariants()
+    for req_id in list(scheduler.requests):
+        scheduler.finish_request(req_id, RequestStatus.FINISHED_ABORTED)
+    assert kv.pool.num_free_blocks == kv.pool.num_blocks
+    return best
+
+
+def test_gemma3_270m_admits_over_3x_the_concurrent_8k_requests_at_a_fixed_budget(gemma_config):
+    budget = 4 * 512 * bytes_per_block(gemma_config, BS, torch.float32)  # four 8k requests today
+    today = decoding_at_once(gemma_config, False, budget)
+    grouped = decoding_at_once(gemma_config, True, budget)
+    print(f"8k-token requests decoding at once at {budget / 2**20:.0f} MiB: {grouped} grouped vs {today} one group")
+    assert today == 4 and grouped >= 3 * today
+
+
+# -- a sliding group's blocks, step by step --------------------------------------------------------
+
+WINDOW_LAYOUT = KVLayout((KVGroup((1,), None), KVGroup((0,), 32)), (1, 0), (0, 0))
+
+
+def test_sliding_group_holds_only_its_window_as_prefill_and_decode_advance():
+    kv = manager(WINDOW_LAYOUT, 64)
+    scheduler = Scheduler(SchedulerConfig(max_num_batched_tokens=16), kv, 512)
+    req = request("a", 100, max_tokens=40)
+    scheduler.add_request(req)
+    while not req.is_finished:
+        computed = req.num_computed_tokens
+        plan = step(scheduler)
+        kv.check_invariants()
+        if req.is_finished:
+            break
+        full, sliding = plan.seqs[0].group_block_ids
+        # the full table is dense; the sliding one has holes before the window of the step's first query
+        first_needed = max(0, computed - 32 + 1) // BS
+        assert 0 not in full[1:] or full.count(0) <= 1
+        assert all(b == 0 for b in sliding[:first_needed]) and kv.num_blocks_held("a")[1] <= 4
+        assert kv.num_blocks_held("a")[0] == -(-req.num_computed_tokens // BS) or req.num_computed_tokens % BS == 0
+    assert kv.pool.num_free_blocks == kv.pool.num_blocks  # nothing leaks
+
+
+def cache(pool: BlockPool, group: int, hashes, indices) -> None:
+    blocks = pool.allocate(len(indices))
+    pool.cache_blocks(blocks, [hashes[i] for i in indices], None, group=group)
+    pool.free(blocks)
+
+
+def test_a_prefix_hit_needs_the_whole_full_group_and_only_the_window_of_a_sliding_one():
+    req = request("b", 10 * BS + 1)
+    hashes = req.block_hashes
+    # the full group holds all 10 blocks; the sliding group (window 32: 2 blocks back) lost 0..5
+    kv = manager(WINDOW_LAYOUT, 32)
+    cache(kv.pool, 0, hashes, range(10))
+    cache(kv.pool, 1, hashes, range(6, 10))
+    hits = kv.find_cached_prefix(req)
+    assert len(hits) == 10 and hits.tables[1][:8] == [None] * 8 and None not in hits.tables[1][8:]
+    assert kv.num_cached_prefix_tokens(req.num_tokens, hashes) == 10 * BS
+    # a shorter prompt sharing only the first 4 blocks cannot reuse them: the sliding group dropped them
+    short = request("c", 4 * BS + 1)
+    assert short.block_hashes == hashes[:4] and len(kv.find_cached_prefix(short)) == 0
+    # the sliding group holding only blocks 4, 5 and 8: the hit stops where a window is whole
+    # (a hit of L blocks needs sliding blocks (L*16 - 31) // 16 .. L - 1: 6 needs 4 and 5)
+    kv = manager(WINDOW_LAYOUT, 32)
+    cache(kv.pool, 0, hashes, range(10))
+    cache(kv.pool, 1, hashes, [4, 5, 8])
+    assert len(kv.find_cached_prefix(req)) == 6
+    assert kv.allocate(req, req.num_tokens - 6 * BS, kv.find_cached_prefix(req))
+    kv.check_invariants()
+    assert kv.num_blocks_held("b") == [11, 7]  # 6 hits + 5 new; sliding: hits 4, 5 + 5 new
+    kv.free(req)
+    kv.check_invariants()
+
+
+def test_events_name_their_group():
+    pool = BlockPool(8)
+    req = request("d", 2 * BS)
+    cache(pool, 0, req.block_hashes, [0, 1])
+    cache(pool, 3, req.block_hashes, [1])
+    stored = [e for e in pool.take_events() if isinstance(e, BlockStored)]
+    assert [(e.group, e.block_hashes) for e in stored] == [(0, tuple(req.block_hashes)), (3, (req.block_hashes[1],))]
+    pool.allocate(8)  # evicts all three cached blocks
+    removed = pool.take_events()
+    assert sorted((e.group, len(e.block_hashes)) for e in removed) == [(0, 2), (3, 1)]
+    pool.check_invariants()
+
+
+# -- the engine on a tiny random Gemma 3 -----------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def gemma_folder(tmp_path_factory, smollm2_gguf_path):
+    folder = tmp_path_factory.mktemp("gemma3")
+    return folder, save_family(folder, "gemma3_text", smollm2_gguf_path)
+
+
+def test_tiny_gemma3_through_pd_equals_transformers_and_releases_window_blocks(gemma_folder):
+    from gguf_reference import hf_greedy
+
+    folder, hf_model = gemma_folder
+    p_engine, d_engine = engine_for(folder), engine_for(folder)
+    assert [g.window for g in d_engine.kv_layout.groups] == [None, 24, 24]
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    prompt = PROMPTS[7]  # 68 tokens, longer than the window of 24
+    outs, _, _ = disaggregated(p_engine, d_engine, prompt, params=params)
+    assert outs[-1].output_token_ids == hf_greedy(hf_model, prompt, 32)
+    for engine in (p_engine, d_engine):
+        engine.kv.check_invariants()
+        assert engine.pool.num_free_blocks == engine.pool.num_blocks
+    # decoding alone, a long request's sliding groups hold about two blocks while the full one grows
+    d_engine.add_request(params=params, prompt_token_ids=prompt, req_id="alone")
+    for _ in range(3):
+        d_engine.step()
+    full, *sliding = d_engine.kv.num_blocks_held("alone")
+    assert full == -(-(len(prompt) + 2) // 16) and all(n <= 3 for n in sliding)
