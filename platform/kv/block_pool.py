@@ -60,6 +60,8 @@ class BlockStored:
     parent_hash: BlockHash | None
     tier: int = TIER_CACHE
     group: int = 0  # the KV group (platform/kv/groups.py) whose blocks these are
+    # a hit of L blocks needs this group's blocks [L - window_blocks, L); 0: all of [0, L)
+    window_blocks: int = 0
 
 
 @dataclass(frozen=True)
@@ -123,6 +125,7 @@ class BlockPool:
         self._free: OrderedDict[int, Block] = OrderedDict((b.block_id, b) for b in self.blocks)
         self._cached: dict[BlockHash, Block] = {}  # group 0's hash map
         self._group_cached: dict[int, dict[BlockHash, Block]] = {}  # the other groups'
+        self._window_blocks: dict[int, int] = {}  # group -> its events' window_blocks
         self._events: list[KVEvent] = []
         self.stats = PoolStats()
 
@@ -201,7 +204,12 @@ class BlockPool:
                 self._free[block.block_id] = block
 
     def cache_blocks(
-        self, blocks: list[Block], hashes: list[BlockHash], parent_hash: BlockHash | None, group: int = 0
+        self,
+        blocks: list[Block],
+        hashes: list[BlockHash],
+        parent_hash: BlockHash | None,
+        group: int = 0,
+        window_blocks: int = 0,
     ) -> None:
         """Register full, computed blocks under their hashes (in chain order) in `group`'s map.
 
@@ -221,7 +229,8 @@ class BlockPool:
             cached[block_hash] = block
             stored.append(block_hash)
         if stored:
-            self._events.append(BlockStored(tuple(stored), parent_hash, group=group))
+            self._window_blocks[group] = window_blocks
+            self._events.append(BlockStored(tuple(stored), parent_hash, group=group, window_blocks=window_blocks))
             self._bound_events()
 
     def reset_prefix_cache(self) -> bool:
@@ -275,7 +284,7 @@ class BlockPool:
             snapshot.append(BlockStored(tuple(self._cached), None))
         for group, cached in sorted(self._group_cached.items()):
             if cached:
-                snapshot.append(BlockStored(tuple(cached), None, group=group))
+                snapshot.append(BlockStored(tuple(cached), None, group=group, window_blocks=self._window_blocks[group]))
         held = self.eviction_sink.held_hashes() if self.eviction_sink is not None else []
         if held:
             snapshot.append(BlockStored(tuple(held), None, tier=TIER_SECOND))

@@ -161,7 +161,8 @@ class GroupedKVCacheManager:
         for g, table in enumerate(tables):
             pairs = [(b, h) for b, h in zip(table[start:end], req.block_hashes[start:end]) if b is not None]
             if pairs:
-                self.pool.cache_blocks([b for b, _ in pairs], [h for _, h in pairs], parent, group=g)
+                window_blocks = self.layout.groups[g].window_blocks(self.block_size)
+                self.pool.cache_blocks([b for b, _ in pairs], [h for _, h in pairs], parent, g, window_blocks)
         self._num_registered[req.req_id] = end
 
     def trim(self, req: Request, num_tokens: int) -> None:

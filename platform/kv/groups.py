@@ -66,6 +66,10 @@ class KVGroup:
             return full
         return min(full, cdiv(self.window - 1 + chunk, block_size) + 1)
 
+    def window_blocks(self, block_size: int) -> int:
+        """How many blocks before a hit point the group needs (cdiv(W - 1, B)); 0: every one."""
+        return 0 if self.window is None else max(1, cdiv(self.window - 1, block_size))
+
     @property
     def kind(self) -> str:
         return "full" if self.window is None else f"sliding_window_{self.window}"

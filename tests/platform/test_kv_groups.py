@@ -223,3 +223,45 @@ def test_tiny_gemma3_through_pd_equals_transformers_and_releases_window_blocks(g
         d_engine.step()
     full, *sliding = d_engine.kv.num_blocks_held("alone")
     assert full == -(-(len(prompt) + 2) // 16) and all(n <= 3 for n in sliding)
+
+
+# -- the router's prefix index over a worker's group events ----------------------------------------
+
+
+def worker_after_conversation(evict: int):
+    """A worker (scheduler + grouped manager, window 32) that ran one 8-block conversation, then
+    lent `evict` blocks to other work (evicting the oldest free blocks: the sliding group's first)."""
+    kv = manager(WINDOW_LAYOUT, 24)
+    scheduler = Scheduler(SchedulerConfig(max_num_batched_tokens=16), kv, 512)
+    scheduler.add_request(request("conv", 8 * BS + 1, max_tokens=3))
+    while scheduler.num_unfinished:
+        step(scheduler)
+    if evict:
+        kv.pool.free(kv.pool.allocate(evict))
+    kv.check_invariants()
+    return kv
+
+
+def test_router_index_scores_a_worker_only_on_the_blocks_its_groups_can_reuse():
+    import asyncio
+
+    from splitserve.router.placement.index import InMemoryPrefixIndex
+    from splitserve.workers.events import to_proto
+
+    workers = {"dropped": worker_after_conversation(evict=10), "kept": worker_after_conversation(evict=0)}
+    index = InMemoryPrefixIndex()
+    for name, kv in workers.items():
+        for event in kv.pool.take_events():
+            index.apply_now(name, to_proto(event))
+    conv = request("conv", 8 * BS + 1).block_hashes
+    # a prompt sharing the conversation's first 4 blocks: "dropped" lost its sliding blocks 0..3
+    short = conv[:4]
+    assert workers["dropped"].num_cached_prefix_tokens(4 * BS + 1, short) == 0
+    assert workers["kept"].num_cached_prefix_tokens(4 * BS + 1, short) == 4 * BS
+    assert index.match_now(list(workers), short) == {"dropped": 0, "kept": 4}
+    # the router's score equals what each engine can reuse, for every prefix of the conversation
+    for n in range(1, 9):
+        engine_hits = {name: kv.num_cached_prefix_tokens(n * BS + 1, conv[:n]) // BS for name, kv in workers.items()}
+        assert index.match_now(list(workers), conv[:n]) == engine_hits, n
+    assert index.match_now(["dropped"], conv[:8]) == {"dropped": 8}  # the window at its end is still held
+    asyncio.run(index.close())
