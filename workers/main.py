@@ -92,6 +92,7 @@ def kv_state(engine: LLMEngine) -> dict:
         num_free_blocks=engine.pool.num_free_blocks,
         num_requests=engine.scheduler.num_unfinished,
         num_requests_holding_blocks=engine.kv.num_requests,
+        groups=engine.kv.group_usage(),  # per KV group (platform/kv/groups.py): one for most models
         invariants_ok=not error,
         error=error,
     )

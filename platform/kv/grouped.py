@@ -58,6 +58,9 @@ class GroupedKVCacheManager:
         self.layout = layout
         self._tables: dict[str, list[Table]] = {}
         self._num_registered: dict[str, int] = {}
+        # per group, distinct blocks requests hold (a block is held by one group only): plain
+        # ints, so /metrics may read them from another thread
+        self.num_blocks_in_use = [0] * len(layout.groups)
 
     # -- prefix cache ----------------------------------------------------------------------
     def _hit_length(self, hashes) -> int:
@@ -106,7 +109,7 @@ class GroupedKVCacheManager:
             dropped = [b for b in table[:end] if b is not None]
             if dropped:
                 table[:end] = [None] * end
-                self.pool.free(reversed(dropped))
+                self._release(g, dropped[::-1])
                 num_released += len(dropped)
         return num_released
 
@@ -137,16 +140,24 @@ class GroupedKVCacheManager:
             tables = self._tables[req.req_id] = [[] for _ in self.layout.groups]
             self._num_registered[req.req_id] = 0
         if cached:
-            for table, hit in zip(tables, cached.tables, strict=True):
-                self.pool.touch(b for b in hit if b is not None)
+            for g, (table, hit) in enumerate(zip(tables, cached.tables, strict=True)):
+                blocks = [b for b in hit if b is not None]
+                self.num_blocks_in_use[g] += sum(b.ref_cnt == 0 for b in blocks)
+                self.pool.touch(blocks)
                 table.extend(hit)
             self._num_registered[req.req_id] += len(cached)
         num_tokens = req.num_computed_tokens + len(cached) * self.block_size + num_new_tokens
-        for table in tables:
+        for g, table in enumerate(tables):
             num_new = cdiv(num_tokens, self.block_size) - len(table)
             if num_new > 0:
                 table.extend(self.pool.allocate(num_new))
+                self.num_blocks_in_use[g] += num_new
         return True
+
+    def _release(self, group: int, blocks: list[Block]) -> None:
+        """Drop one reference on `blocks` (in this order) of `group`."""
+        self.pool.free(blocks)
+        self.num_blocks_in_use[group] -= sum(b.ref_cnt == 0 for b in blocks)
 
     def register_computed_blocks(self, req: Request) -> None:
         """Put the blocks that are now full and computed into each group's prefix cache."""
@@ -172,17 +183,17 @@ class GroupedKVCacheManager:
         if not tables or len(tables[0]) <= keep:
             return
         assert self._num_registered[req.req_id] <= keep, "a registered block would be trimmed"
-        for table in tables:
+        for g, table in enumerate(tables):
             extra = [b for b in table[keep:] if b is not None]
             del table[keep:]
-            self.pool.free(reversed(extra))
+            self._release(g, extra[::-1])
 
     def free(self, req: Request) -> None:
         """Release all of `req`'s blocks, each group tail first."""
         tables = self._tables.pop(req.req_id, [])
         self._num_registered.pop(req.req_id, None)
-        for table in tables:
-            self.pool.free(reversed([b for b in table if b is not None]))
+        for g, table in enumerate(tables):
+            self._release(g, [b for b in reversed(table) if b is not None])
 
     # -- queries ---------------------------------------------------------------------------
     def block_ids(self, req_id: str) -> list[int]:
@@ -198,17 +209,14 @@ class GroupedKVCacheManager:
         return [sum(b is not None for b in table) for table in self._tables.get(req_id, ())]
 
     def group_usage(self) -> list[dict]:
-        """Per group: its kind, layers, blocks held by requests and hashes cached (for /debug/kv)."""
-        held = [set() for _ in self.layout.groups]
-        for tables in self._tables.values():
-            for g, table in enumerate(tables):
-                held[g].update(b.block_id for b in table if b is not None)
+        """Per group: its kind, layers, blocks held by requests and hashes cached (/debug/kv,
+        /metrics; reads counters only)."""
         return [
             {
                 "group": g,
                 "kind": group.kind,
                 "layers": list(group.layers),
-                "num_blocks_in_use": len(held[g]),
+                "num_blocks_in_use": self.num_blocks_in_use[g],
                 "num_cached_blocks": self.pool.num_cached_blocks_of(g),
             }
             for g, group in enumerate(self.layout.groups)
@@ -223,12 +231,15 @@ class GroupedKVCacheManager:
         table of a request covers the same blocks of tokens."""
         self.pool.check_invariants()
         holders: dict[int, int] = {}
+        in_use = [set() for _ in self.layout.groups]
         for tables in self._tables.values():
             assert len({len(t) for t in tables}) == 1, "a request's group tables differ in length"
-            for table in tables:
+            for g, table in enumerate(tables):
                 for b in table:
                     if b is not None:
                         holders[b.block_id] = holders.get(b.block_id, 0) + 1
+                        in_use[g].add(b.block_id)
+        assert [len(s) for s in in_use] == self.num_blocks_in_use, (in_use, self.num_blocks_in_use)
         for block in self.pool.blocks:
             assert block.ref_cnt == holders.get(block.block_id, 0), (
                 f"block {block.block_id}: ref_cnt {block.ref_cnt}, held {holders.get(block.block_id, 0)} times"

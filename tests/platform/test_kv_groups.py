@@ -223,6 +223,20 @@ def test_tiny_gemma3_through_pd_equals_transformers_and_releases_window_blocks(g
         d_engine.step()
     full, *sliding = d_engine.kv.num_blocks_held("alone")
     assert full == -(-(len(prompt) + 2) // 16) and all(n <= 3 for n in sliding)
+    # /metrics and /debug/kv report each group's blocks
+    from splitserve.workers.main import kv_state
+    from splitserve.workers.metrics import WorkerMetrics
+
+    groups = kv_state(d_engine)["groups"]
+    assert [(g["kind"], g["num_blocks_in_use"]) for g in groups] == [
+        ("full", full),
+        *(("sliding_window_24", n) for n in sliding),
+    ]
+    metrics = WorkerMetrics("decode", "tiny-gemma3")
+    metrics.update_load(d_engine.load())
+    text = metrics.render().decode()
+    assert f'splitserve_kv_group_blocks{{group="1",kind="sliding_window_24",state="in_use"}} {sliding[0]}.0' in text
+    assert f'splitserve_kv_group_blocks{{group="0",kind="full",state="in_use"}} {full}.0' in text
 
 
 # -- the router's prefix index over a worker's group events ----------------------------------------
