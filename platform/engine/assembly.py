@@ -160,8 +160,13 @@ def _build(config: EngineConfig, sizing: Sizing, executor, threads_before, model
     if executor is not None:
         executor.wait_ready()
     block_size = config.cache.block_size
-    pool = BlockPool(s.num_blocks, enable_caching=config.cache.enable_prefix_caching)
     kv_layout = s.kv_layout
+    # a grouped cache sets its first block aside as the null block (kv/grouped.py)
+    pool = BlockPool(
+        s.num_blocks - (not kv_layout.is_single),
+        enable_caching=config.cache.enable_prefix_caching,
+        null_block=not kv_layout.is_single,
+    )
     kv = KVCacheManager(pool, block_size) if kv_layout.is_single else GroupedKVCacheManager(pool, block_size, kv_layout)
     block_bytes = bytes_per_block(s.local_config, block_size, s.kv_dtype, kv_layout)
     log.info("%s", describe(kv_layout, s.num_blocks, block_size, block_bytes, s.max_model_len, s.chunk))

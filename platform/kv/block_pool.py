@@ -112,7 +112,10 @@ class BlockPool:
         enable_caching: bool = True,
         eviction_sink: EvictionSink | None = None,
         max_pending_events: int = MAX_PENDING_EVENTS,
+        null_block: bool = False,
     ):
+        """`null_block`: block 0 is set aside, held for ever, as what the holes of a KV group's
+        table read (kv/grouped.py); the `num_blocks` usable blocks are 1..num_blocks."""
         assert num_blocks > 0
         if not isinstance(max_pending_events, int) or max_pending_events < 8:
             raise ValueError(f"max_pending_events must be an integer >= 8, got {max_pending_events!r}")
@@ -120,9 +123,13 @@ class BlockPool:
         self.eviction_sink = eviction_sink
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
-        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.blocks = [Block(i) for i in range(num_blocks + null_block)]
+        self.null_block = Block(-1)
+        if null_block:
+            self.null_block = self.blocks[0]
+            self.null_block.ref_cnt = 1
         # block_id -> Block, head = next to allocate (LRU order).
-        self._free: OrderedDict[int, Block] = OrderedDict((b.block_id, b) for b in self.blocks)
+        self._free: OrderedDict[int, Block] = OrderedDict((b.block_id, b) for b in self.blocks[null_block:])
         self._cached: dict[BlockHash, Block] = {}  # group 0's hash map
         self._group_cached: dict[int, dict[BlockHash, Block]] = {}  # the other groups'
         self._window_blocks: dict[int, int] = {}  # group -> its events' window_blocks

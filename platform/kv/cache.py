@@ -73,7 +73,7 @@ def plan_num_blocks(
     need_blocks = (
         -(-max_model_len // cache.block_size)
         if layout is None
-        else layout.blocks_per_request(max_model_len, cache.block_size, chunk or max_model_len)
+        else layout.blocks_per_request(max_model_len, cache.block_size, chunk or max_model_len) + 1  # + the null block
     )
     if num_blocks < need_blocks:
         single = layout is None or layout.is_single

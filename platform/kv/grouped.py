@@ -8,11 +8,17 @@ releases the blocks its window has left behind (those wholly before position
 num_computed_tokens - W + 1, see KVGroup.first_needed_block): they go back to the pool's free
 queue, still hashed (a later prefix hit may revive them until they are evicted), and the table
 keeps a hole (NULL_BLOCK_ID) in their place, so block i still covers tokens [i*B, (i+1)*B).
-Then every group needs blocks up to cdiv(num_computed_tokens + num_new_tokens, B); the request
-fits when the sum of the groups' new blocks (plus cached hits revived from the free queue) fits
-the free queue. Releasing first is always right (those blocks are never read again), so
-admission and preemption count what each group really holds: a long request whose sliding
-layers hold a window of blocks is admitted where a full-length table would not fit.
+Then every group needs blocks up to cdiv(num_computed_tokens + num_new_tokens, B), and a sliding
+group also a block in every hole its window can see again (a request whose remote KV failed
+recomputes from its own prefix hits); the request fits when the sum of the groups' new blocks
+(plus cached hits revived from the free queue) fits the free queue. Releasing first is always
+right (those blocks are never read again), so admission and preemption count what each group
+really holds: a long request whose sliding layers hold a window of blocks is admitted where a
+full-length table would not fit.
+
+The pool's first block is the null block (BlockPool(null_block=True): set aside, never free) and
+a hole reads as its id (NULL_BLOCK_ID), so a hole never names a block another request owns (a KV write that
+lands on a hole, such as a pulled block out of the window, is dropped by the engine's connector).
 
 Prefix hits. Block i of every group has the request's i-th block hash, in that group's own hash
 map. A hit of L blocks (the next query at position L*B) needs every full group to hold blocks
@@ -61,6 +67,7 @@ class GroupedKVCacheManager:
         # per group, distinct blocks requests hold (a block is held by one group only): plain
         # ints, so /metrics may read them from another thread
         self.num_blocks_in_use = [0] * len(layout.groups)
+        assert pool.null_block.block_id == NULL_BLOCK_ID, "a grouped cache needs BlockPool(null_block=True)"
 
     # -- prefix cache ----------------------------------------------------------------------
     def _hit_length(self, hashes) -> int:
@@ -113,13 +120,25 @@ class GroupedKVCacheManager:
                 num_released += len(dropped)
         return num_released
 
+    def _holes_to_fill(self, group: int, table: Table, num_computed_tokens: int) -> list[int]:
+        """Indices of holes in a sliding group's `table` that the next query (at position
+        num_computed_tokens) can see; none for a full group (it has no holes)."""
+        window_group = self.layout.groups[group]
+        if window_group.window is None:
+            return []
+        start = window_group.first_needed_block(num_computed_tokens, self.block_size)
+        return [i for i in range(start, len(table)) if table[i] is None]
+
     def _num_blocks_needed(self, req: Request, num_new_tokens: int, hits) -> int:
         num_tokens = req.num_computed_tokens + len(hits) * self.block_size + num_new_tokens
-        tables = self._tables.get(req.req_id) or (hits.tables if hits else None)
+        own = self._tables.get(req.req_id)
+        tables = own or (hits.tables if hits else None)
         need = 0
         for g in range(len(self.layout.groups)):
             held = len(tables[g]) if tables is not None else 0
             need += max(0, cdiv(num_tokens, self.block_size) - held)
+            if own is not None:
+                need += len(self._holes_to_fill(g, own[g], req.num_computed_tokens))
         if hits:
             need += sum(1 for table in hits.tables for b in table if b is not None and b.ref_cnt == 0)
         return need
@@ -146,8 +165,13 @@ class GroupedKVCacheManager:
                 self.pool.touch(blocks)
                 table.extend(hit)
             self._num_registered[req.req_id] += len(cached)
-        num_tokens = req.num_computed_tokens + len(cached) * self.block_size + num_new_tokens
+        start = req.num_computed_tokens + len(cached) * self.block_size
+        num_tokens = start + num_new_tokens
         for g, table in enumerate(tables):
+            holes = self._holes_to_fill(g, table, start)
+            for i, block in zip(holes, self.pool.allocate(len(holes))):
+                table[i] = block
+            self.num_blocks_in_use[g] += len(holes)
             num_new = cdiv(num_tokens, self.block_size) - len(table)
             if num_new > 0:
                 table.extend(self.pool.allocate(num_new))
@@ -230,7 +254,7 @@ class GroupedKVCacheManager:
         """Pool invariants, plus: every held block's ref count covers its holders, and every
         table of a request covers the same blocks of tokens."""
         self.pool.check_invariants()
-        holders: dict[int, int] = {}
+        holders: dict[int, int] = {NULL_BLOCK_ID: 1}  # the null block, set aside by the pool
         in_use = [set() for _ in self.layout.groups]
         for tables in self._tables.values():
             assert len({len(t) for t in tables}) == 1, "a request's group tables differ in length"

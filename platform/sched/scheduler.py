@@ -265,6 +265,8 @@ class Scheduler:
         """Blocks for the whole prompt, no compute: the KV of the uncached part will arrive."""
         if not self.kv.allocate(req, req.num_tokens - num_hit_tokens, cached):
             return False
+        if self.kv.is_grouped:  # sliding-window layers receive only the window their first decode sees
+            self.kv.release_out_of_window(req, req.num_tokens)
         self.waiting.popleft()
         self._record_first_scheduling(req, num_hit_tokens)
         req.num_computed_tokens = num_hit_tokens

@@ -55,8 +55,9 @@ def step(scheduler: Scheduler):
 
 
 def manager(layout: KVLayout, num_blocks: int):
-    pool = BlockPool(num_blocks)
-    return GroupedKVCacheManager(pool, BS, layout) if not layout.is_single else KVCacheManager(pool, BS)
+    if layout.is_single:
+        return KVCacheManager(BlockPool(num_blocks), BS)
+    return GroupedKVCacheManager(BlockPool(num_blocks - 1, null_block=True), BS, layout)
 
 
 def test_gemma3_270m_layout_is_one_full_and_five_sliding_groups_of_three(gemma_config):
