@@ -187,7 +187,8 @@ def _build(config: EngineConfig, sizing: Sizing, executor, threads_before, model
     elif not kv_layout.is_single:
         log.info("CUDA graphs for decode are off: the model has %d KV groups (kv/groups.py)", len(kv_layout.groups))
     kv_connector = KVConnector(kv_caches, kv, block_size, s.device)
-    kv_connector.layer_group = () if kv_layout.is_single else kv_layout.layer_group
+    if not kv_layout.is_single:
+        kv_connector.kv_layout, kv_connector.layer_group = kv_layout, kv_layout.layer_group
     inputs = InputProcessor(
         config.model, s.model_config, s.tokenizer, s.max_model_len, hasher, s.eos_token_ids, loras, kv_connector,
         s.device, on_grammars=lambda backend: setattr(runner.sampler, "stats", backend.stats),

@@ -151,3 +151,9 @@ def describe(layout: KVLayout, num_blocks: int, block_size: int, block_bytes: in
         f"({num_blocks * block_bytes / 2**30:.3f} GiB, one pool); {groups}; Maximum concurrency for "
         f"{max_len} tokens per request: {max_concurrency(layout, num_blocks, max_len, block_size, chunk):.2f}x"
     )
+
+
+def first_blocks_sent(layout: KVLayout, num_prompt_tokens: int, block_size: int) -> tuple[int, ...]:
+    """Per group, the first prompt block P/D moves: 0 for a full group; for a sliding group the
+    first block its window still sees from the first decode step (at position num_prompt_tokens)."""
+    return tuple(g.first_needed_block(num_prompt_tokens, block_size) for g in layout.groups)

@@ -16,7 +16,7 @@ prompt longer than its window) against transformers.
 import pytest
 import torch
 from test_disaggregation_engine import disaggregated
-from test_model_families import PROMPTS, engine_for, save_family
+from test_model_families import engine_for, save_family
 
 from splitserve.platform.config import SchedulerConfig
 from splitserve.platform.hashing import BlockHasher
@@ -212,9 +212,19 @@ def test_tiny_gemma3_through_pd_equals_transformers_and_releases_window_blocks(g
     p_engine, d_engine = engine_for(folder), engine_for(folder)
     assert [g.window for g in d_engine.kv_layout.groups] == [None, 24, 24]
     params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
-    prompt = PROMPTS[7]  # 68 tokens, longer than the window of 24
-    outs, _, _ = disaggregated(p_engine, d_engine, prompt, params=params)
+    prompt = [(11 * i) % 40000 + 100 for i in range(130)]  # over 4x the window of 24
+    outs, received, ready = disaggregated(p_engine, d_engine, prompt, params=params)
     assert outs[-1].output_token_ids == hf_greedy(hf_model, prompt, 32)
+    # sliding layers (0 and 2) receive only blocks 6..8: the window of position 130 starts at 107
+    assert ready.layer_skip == (6, 0, 6)
+    per_layer = {layer: sum(shape[1] for _, l_, _, shape in received if l_ == layer) for layer in range(3)}
+    assert per_layer == {0: 3, 1: 9, 2: 3}
+    m = d_engine.model_config
+    block_bytes = 2 * 16 * m.num_kv_heads * m.head_dim * 4  # one layer's K and V of a block, float32
+    sent = sum(per_layer.values()) * block_bytes
+    today = 9 * m.num_layers * block_bytes
+    print(f"P/D of a 130-token prompt, window 24: {sent} bytes vs {today} with every block ({sent / today:.2f}x)")
+    assert sent == 15 * block_bytes
     for engine in (p_engine, d_engine):
         engine.kv.check_invariants()
         assert engine.pool.num_free_blocks == engine.pool.num_blocks
