@@ -126,6 +126,26 @@ def test_gemma3_270m_admits_over_3x_the_concurrent_8k_requests_at_a_fixed_budget
     assert today == 4 and grouped >= 3 * today
 
 
+def test_gemma3_270m_pd_of_a_prompt_over_4x_the_window_sends_the_window_of_sliding_layers(gemma_config):
+    """The bytes P/D puts on the wire for a 2100-token prompt, by the engine's own plan
+    (KVConnector.layer_skip, what the export and the receiver follow)."""
+    from splitserve.platform.engine.kv_connector import KVConnector
+
+    layout = plan_layout(gemma_config)
+    connector = KVConnector(None, None, BS, torch.device("cpu"))
+    connector.kv_layout, connector.layer_group = layout, layout.layer_group
+    num_prompt = 2100
+    num_blocks = -(-num_prompt // BS)
+    skip = connector.layer_skip(num_prompt, 0)
+    sent_blocks = [num_blocks - k for k in skip]
+    assert [sent_blocks[layer] for layer in (5, 11, 17)] == [num_blocks] * 3  # full layers: everything
+    assert {sent_blocks[layer] for layer in range(18) if (layer + 1) % 6} == {num_blocks - (2100 - 511) // BS}
+    layer_block = 2 * BS * gemma_config.num_kv_heads * gemma_config.head_dim * 4  # float32 K and V
+    sent, today = sum(sent_blocks) * layer_block, 18 * num_blocks * layer_block
+    print(f"Gemma 3 270M P/D of {num_prompt} tokens: {sent} bytes vs {today} ({sent / today:.3f}x)")
+    assert sent / today < 0.4
+
+
 # -- a sliding group's blocks, step by step --------------------------------------------------------
 
 WINDOW_LAYOUT = KVLayout((KVGroup((1,), None), KVGroup((0,), 32)), (1, 0), (0, 0))
