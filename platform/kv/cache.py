@@ -58,7 +58,7 @@ def plan_num_blocks(
     # --num-blocks counts blocks of every layer; a grouped pool's blocks span one group's layers,
     # so the same memory holds num_layers / num_slots times as many
     scale = 1 if layout is None else model.num_layers // layout.num_slots
-    num_blocks = cache.num_blocks * scale or cache.kv_cache_memory_bytes // per_block
+    num_blocks = (cache.num_blocks or 0) * scale or cache.kv_cache_memory_bytes // per_block
     want = num_blocks * per_block
     free = free_device_memory(device) if free_bytes is None else free_bytes
     if want + graph_bytes > free * MEMORY_HEADROOM:
