@@ -23,7 +23,7 @@ from splitserve.platform.hashing import BlockHasher
 from splitserve.platform.kv.block_pool import BlockPool, BlockStored
 from splitserve.platform.kv.cache import bytes_per_block
 from splitserve.platform.kv.grouped import GroupedKVCacheManager
-from splitserve.platform.kv.groups import KVGroup, KVLayout, plan_layout
+from splitserve.platform.kv.groups import KVGroup, KVLayout, describe, plan_layout
 from splitserve.platform.kv.manager import KVCacheManager
 from splitserve.platform.model_source import resolve_model
 from splitserve.platform.sampling.params import SamplingParams
@@ -69,6 +69,16 @@ def test_gemma3_270m_layout_is_one_full_and_five_sliding_groups_of_three(gemma_c
     assert layout.num_slots == 3 and layout.layer_group[17] == 0 and layout.layer_slot[17] == 2
     for name in ("tiny-qwen3", "tiny-mistral"):  # one layer type: one group, as before
         assert plan_layout(preset_config(name, "m")).is_single
+
+
+def test_start_up_line_reports_each_group_and_the_maximum_concurrency(gemma_config):
+    layout = plan_layout(gemma_config)
+    block_bytes = bytes_per_block(gemma_config, BS, torch.float32, layout)
+    line = describe(layout, 13_000, BS, block_bytes, 32768, 512)
+    # per request of 32768 tokens: 2048 blocks of the full group, cdiv(511 + 512, 16) + 1 = 65 per sliding group
+    assert "group 0 full layers [5, 11, 17]: 2048 blocks per 32768-token request" in line
+    assert line.count("sliding_window_512") == 5 and "65 blocks per 32768-token request" in line
+    assert line.endswith(f"Maximum concurrency for 32768 tokens per request: {13_000 / (2048 + 5 * 65):.2f}x")
 
 
 def held_bytes(config, layout, kv, req_id) -> int:
