@@ -43,6 +43,12 @@ waits in WAITING_FOR_KV, outside the running batch, until the engine reports the
 rest of its prompt here). `take_kv_ready()` hands the engine the requests whose blocks are
 ready to be written.
 
+A model with several KV groups (platform/kv/groups.py) changes nothing here but the KV manager
+(kv/grouped.py): its `allocate` counts what each group really needs (a sliding-window group
+releases the blocks its window left behind first), so a long request that fits only thanks to
+the window is admitted, and a request waiting for remote KV keeps only the window of its
+sliding groups (the KV its first decode step reads). Each slice carries every group's table.
+
 The scheduler never touches a tensor: `schedule()` returns an immutable SchedulerPlan, the
 model runner executes it, and `update(plan, result)` applies the sampled tokens.
 """
