@@ -320,3 +320,19 @@ def test_router_index_scores_a_worker_only_on_the_blocks_its_groups_can_reuse():
         assert index.match_now(list(workers), conv[:n]) == engine_hits, n
     assert index.match_now(["dropped"], conv[:8]) == {"dropped": 8}  # the window at its end is still held
     asyncio.run(index.close())
+
+
+def test_kv_tier_refuses_a_grouped_model_at_start(gemma_folder):
+    from splitserve.platform.config import CacheConfig, DeviceConfig, EngineConfig, KVTierConfig
+    from splitserve.platform.engine.llm_engine import LLMEngine
+    from splitserve.platform.errors import ConfigError
+
+    folder, _ = gemma_folder
+    config = EngineConfig(
+        model=str(folder),
+        cache=CacheConfig(num_blocks=64),
+        device=DeviceConfig(dtype="float32", quantization="none"),
+        kv_tier=KVTierConfig(max_bytes=1 << 20),
+    )
+    with pytest.raises(ConfigError, match="--kv-tier needs a model with one KV group"):
+        LLMEngine(config)
