@@ -181,6 +181,26 @@ def test_sliding_group_holds_only_its_window_as_prefill_and_decode_advance():
     assert kv.pool.num_free_blocks == kv.pool.num_blocks  # nothing leaks
 
 
+def test_remote_prefill_keeps_the_window_and_a_fallback_refills_the_holes_it_computes():
+    kv = manager(WINDOW_LAYOUT, 64)
+    scheduler = Scheduler(SchedulerConfig(max_num_batched_tokens=16), kv, 512)
+    req = request("r", 100, max_tokens=3)
+    req.remote_prefill = True
+    scheduler.add_request(req)
+    scheduler.schedule()
+    assert scheduler.take_kv_ready() == [req]
+    # the full group holds all 7 blocks; the sliding one only blocks 4..6 (the window of position 100)
+    assert kv.num_blocks_held("r") == [7, 3] and kv.group_block_ids("r")[1][:4] == (0, 0, 0, 0)
+    assert scheduler.fallback_to_local_prefill("r")  # the KV never came: compute the prompt here
+    while not req.is_finished:
+        plan = step(scheduler)
+        kv.check_invariants()
+        for seq in plan.seqs:  # every slot the step writes is a real block of its group
+            for table in seq.group_block_ids:
+                assert all(table[pos // BS] != 0 for pos in range(seq.start_pos, seq.context_len))
+    assert kv.pool.num_free_blocks == kv.pool.num_blocks
+
+
 def cache(pool: BlockPool, group: int, hashes, indices) -> None:
     blocks = pool.allocate(len(indices))
     pool.cache_blocks(blocks, [hashes[i] for i in indices], None, group=group)
