@@ -108,15 +108,15 @@ def test_gemma3_270m_holds_under_a_quarter_of_the_kv_at_32k_context(gemma_config
 
 
 def decoding_at_once(config, grouped: bool, budget_bytes: int, num_requests: int = 20) -> int:
-    """The most requests of 8k tokens (7k of prompt, 1k generated) decoding at the same time at
-    this KV budget, until the first one finishes (each decodes far longer than the others take to
-    prefill, so memory, not the token budget, is what limits them)."""
+    """The most requests of 8k tokens (7808 of prompt, 384 generated) decoding at the same time at
+    this KV budget, until the first one finishes (each decodes longer than 20 others take to
+    prefill at 512 tokens a step, so memory, not the token budget, is what limits them)."""
     layout = plan_layout(config) if grouped else None
     num_blocks = budget_bytes // bytes_per_block(config, BS, torch.float32, layout)
     kv = manager(layout, num_blocks) if grouped else KVCacheManager(BlockPool(num_blocks), BS)
     scheduler = Scheduler(SchedulerConfig(max_num_batched_tokens=512, max_num_seqs=64), kv, 8192)
     for i in range(num_requests):
-        scheduler.add_request(request(f"r{i}", 8192 - 1024, max_tokens=1024, seed=i + 1))
+        scheduler.add_request(request(f"r{i}", 8192 - 384, max_tokens=384, seed=i + 1))
     best = 0
     while scheduler.num_unfinished == num_requests:
         step(scheduler)
