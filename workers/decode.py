@@ -103,7 +103,10 @@ class RemotePrefill:
             len(dst),
             lambda layer, payload, first: write(dst[first : first + payload.shape[1]], layer, payload),
             self.deadline_s,
-            block_ids=dst,
+            # KV groups (ready.layer_skip): sliding-window layers get only their window, through
+            # write_kv_layer (CUDA IPC would write every layer into group 0's blocks)
+            block_ids=None if ready.layer_skip else dst,
+            layer_skip=ready.layer_skip,
         )
         t0 = time.monotonic()
         receive = call.child(

@@ -4,7 +4,8 @@ The engine thread hands batches of KV events to `publish()` (thread-safe); the h
 the hashes the worker currently caches. A new subscriber first gets WorkerInfo (with this process's
 worker_id), then AllCleared followed by one BlockStored of the whole mirror (and one more of the
 second tier's, tier=2) — a snapshot that replaces whatever the subscriber knew, which is also how a
-restarted worker (new worker_id, empty cache) tells routers to forget it — and the latest load
+restarted worker (new worker_id, empty cache) tells routers to forget it; a model with several KV
+groups gets one BlockStored per group, naming it and its window — and the latest load
 report (so a resubscribing router does not score the worker as unknown until the next interval),
 then live events and a load report every interval. A slow subscriber's queue is bounded; on overflow
 it is disconnected and must resubscribe (getting a fresh snapshot) rather than silently missing
@@ -33,6 +34,7 @@ class EventHub:
         self.info = info
         self._cached: dict[bytes, None] = {}  # insertion-ordered set: the KV cache (tier 1)
         self._second: dict[bytes, None] = {}  # the second tier (platform/kv/tier.py)
+        self._groups: dict[int, tuple[int, dict[bytes, None]]] = {}  # KV group > 0 -> (window_blocks, its hashes)
         self._subscribers: set[asyncio.Queue] = set()
         self._seq = itertools.count(1)
         self._last_load: pb.LoadReport | None = None
@@ -49,6 +51,9 @@ class EventHub:
     def _mirror(self, event: KVEvent) -> None:
         if isinstance(event, (BlockStored, BlockRemoved)):
             mirror = self._second if event.tier == TIER_SECOND else self._cached
+            if event.group:
+                window = event.window_blocks if isinstance(event, BlockStored) else 0
+                window, mirror = self._groups.setdefault(event.group, (window, {}))
             if isinstance(event, BlockStored):
                 mirror.update(dict.fromkeys(event.block_hashes))
             else:
@@ -57,6 +62,7 @@ class EventHub:
         else:
             self._cached.clear()
             self._second.clear()
+            self._groups.clear()
 
     def _send(self, msg: pb.WorkerEvent) -> None:
         msg.seq, msg.timestamp = next(self._seq), time.time()
@@ -81,6 +87,10 @@ class EventHub:
             first.append(
                 pb.WorkerEvent(kv=pb.KVEvent(stored=pb.BlockStored(block_hashes=list(self._second), tier=TIER_SECOND)))
             )
+        for group, (window, hashes) in sorted(self._groups.items()):
+            if hashes:
+                stored = pb.BlockStored(block_hashes=list(hashes), group=group, window_blocks=window)
+                first.append(pb.WorkerEvent(kv=pb.KVEvent(stored=stored)))
         if self._last_load is not None:
             first.append(pb.WorkerEvent(load=self._last_load))
         for msg in first:
@@ -106,10 +116,16 @@ def to_proto(event: KVEvent) -> pb.KVEvent:
     if isinstance(event, BlockStored):
         return pb.KVEvent(
             stored=pb.BlockStored(
-                block_hashes=list(event.block_hashes), parent_hash=event.parent_hash or b"", tier=event.tier
+                block_hashes=list(event.block_hashes),
+                parent_hash=event.parent_hash or b"",
+                tier=event.tier,
+                group=event.group,
+                window_blocks=event.window_blocks,
             )
         )
     if isinstance(event, BlockRemoved):
-        return pb.KVEvent(removed=pb.BlockRemoved(block_hashes=list(event.block_hashes), tier=event.tier))
+        return pb.KVEvent(
+            removed=pb.BlockRemoved(block_hashes=list(event.block_hashes), tier=event.tier, group=event.group)
+        )
     assert isinstance(event, AllCleared)
     return pb.KVEvent(cleared=pb.AllCleared())

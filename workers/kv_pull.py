@@ -112,11 +112,10 @@ def _copy_blocks(engine, token_ids: list[int], start: int, expected: list[bytes]
             "(another model, block size or hash version)"
         )
     kv_caches = engine.kv_connector.kv_caches
-    blocks = [engine.pool.lookup(h) for h in hashes]
-    cached = _cached_payloads(engine, [b.block_id for b in blocks if b is not None])
+    held, cached = _held_payloads(engine, hashes)
     per_block = []
-    for i, (block_hash, block) in enumerate(zip(hashes, blocks, strict=True)):
-        if block is not None:
+    for i, block_hash in enumerate(hashes):
+        if held[i]:
             per_block.append(next(cached))
             continue
         kv = (
@@ -129,6 +128,26 @@ def _copy_blocks(engine, token_ids: list[int], start: int, expected: list[bytes]
         per_block.append(kv.to(kv_caches[0][0].device))
     stacked = torch.stack(per_block)  # [n, layers, 2, block_size, kv_heads, head_dim]
     return [stacked[:, layer].transpose(0, 1).contiguous() for layer in range(len(kv_caches))]
+
+
+def _held_payloads(engine, hashes: list[bytes]):
+    """Which of the prompt's blocks the cache holds (for a model with KV groups, in every
+    layer's group: platform/kv/groups.py), and an iterator over their payloads, in order."""
+    layer_group = engine.kv_connector.layer_group
+    if not layer_group:
+        blocks = [engine.pool.lookup(h) for h in hashes]
+        return [b is not None for b in blocks], _cached_payloads(engine, [b.block_id for b in blocks if b is not None])
+    if engine.tensor_parallel_size > 1:  # the gather reads one block list for every layer
+        raise BlocksNotHeldError("a pull from a model with KV groups under tensor parallelism is not supported")
+    kv_caches = engine.kv_connector.kv_caches
+    groups = [[engine.pool.lookup(h, g) for g in layer_group] for h in hashes]
+    held = [all(b is not None for b in blocks) for blocks in groups]
+    payloads = (
+        torch.stack([torch.stack((k[b.block_id], v[b.block_id])) for (k, v), b in zip(kv_caches, blocks)])
+        for blocks, ok in zip(groups, held)
+        if ok
+    )
+    return held, payloads
 
 
 def _cached_payloads(engine, block_ids: list[int]):

@@ -92,6 +92,7 @@ def kv_state(engine: LLMEngine) -> dict:
         num_free_blocks=engine.pool.num_free_blocks,
         num_requests=engine.scheduler.num_unfinished,
         num_requests_holding_blocks=engine.kv.num_requests,
+        groups=engine.kv.group_usage(),  # per KV group (platform/kv/groups.py): one for most models
         invariants_ok=not error,
         error=error,
     )
@@ -103,7 +104,12 @@ def kv_tier_report(engine: LLMEngine) -> tuple:
     per_block = (
         engine.kv_tier.block_bytes
         if engine.kv_tier is not None
-        else bytes_per_block(engine.model_config, engine.config.cache.block_size, engine.kv_dtype)
+        else bytes_per_block(
+            engine.model_config,
+            engine.config.cache.block_size,
+            engine.kv_dtype,
+            None if engine.kv_layout.is_single else engine.kv_layout,  # a block of one KV group's layers
+        )
     )
     return engine.kv_tier.stats if engine.kv_tier is not None else None, engine.pool.num_cached_blocks * per_block
 

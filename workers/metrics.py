@@ -51,6 +51,13 @@ class WorkerMetrics:
         self.running = Gauge(
             "vllm:num_requests_running", "Requests in the running batch", ["model_name"], registry=r
         ).labels(**labels)
+        self.kv_group_blocks = Gauge(
+            "splitserve_kv_group_blocks",
+            "Blocks per KV group (a model mixing layer types; docs/engine.md): held by requests (in_use) "
+            "or registered in the prefix cache (cached)",
+            ["group", "kind", "state"],
+            registry=r,
+        )
         self.kv_usage = Gauge(
             "vllm:kv_cache_usage_perc", "Fraction of KV blocks in use (0-1)", ["model_name"], registry=r
         ).labels(**labels)
@@ -266,6 +273,9 @@ class WorkerMetrics:
         self.waiting.set(load.num_waiting)
         self.running.set(load.num_running)
         self.kv_usage.set(load.kv_usage)
+        for group, kind, in_use, cached in load.kv_groups:
+            self.kv_group_blocks.labels(group=str(group), kind=kind, state="in_use").set(in_use)
+            self.kv_group_blocks.labels(group=str(group), kind=kind, state="cached").set(cached)
         self.queued_prefill_tokens.set(load.queued_prefill_tokens)
         self.lora_info.clear()
         self.lora_info.labels(

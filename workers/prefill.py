@@ -63,7 +63,9 @@ async def serve_prefill(
         send.fail(exc)
         send.end()
         raise
-    pump = KVPump(handle, job.layout.num_layers, job.num_blocks)
+    if job.layer_skip:
+        handle.skip_leading(job.layer_skip)
+    pump = KVPump(handle, job.layout.num_layers, job.num_blocks, job.layer_skip)
     try:
         final, t_computed = await pump.run(engine, job, request, streaming)
     except BaseException as exc:
@@ -101,6 +103,7 @@ class PrefillJob:
     lora_name: str | None
     layout: KVLayout  # this worker's, with its adapter's digest
     num_blocks: int  # blocks [skip_blocks, skip_blocks + num_blocks) of the prompt go out
+    layer_skip: tuple[int, ...] = ()  # per layer, of those the leading ones not sent (KV groups' windows)
 
 
 async def _prepare(engine: AsyncEngine, layout: KVLayout, request: pb.PrefillRequest) -> PrefillJob:
@@ -122,7 +125,8 @@ async def _prepare(engine: AsyncEngine, layout: KVLayout, request: pb.PrefillReq
             f"skip_blocks={request.skip_blocks} is invalid for a prompt of {len(token_ids)} "
             f"tokens; allowed: 0 to {-(-len(token_ids) // layout.block_size) - 1}"
         )
-    return PrefillJob(token_ids, params, lora_name, layout, num_blocks)
+    layer_skip = engine.kv_layer_skip(len(token_ids), request.skip_blocks)
+    return PrefillJob(token_ids, params, lora_name, layout, num_blocks, layer_skip)
 
 
 def _send_attributes(request: pb.PrefillRequest, num_blocks: int) -> dict:
@@ -152,10 +156,12 @@ class KVPump:
     block) pair went. After a failure (`abort`) whatever still arrives goes straight back to the
     buffer pool, so no staged buffer is held."""
 
-    def __init__(self, handle: SendHandle, num_layers: int, num_blocks: int):
+    def __init__(self, handle: SendHandle, num_layers: int, num_blocks: int, layer_skip: tuple[int, ...] = ()):
         self.handle = handle
         self.num_blocks = num_blocks
-        self.num_pending = num_layers * num_blocks  # (layer, block) pairs still to send
+        # (layer, block) pairs still to send; a sliding-window layer of a model with KV groups
+        # sends only the blocks of its window (`layer_skip`, the engine's KVConnector.layer_skip)
+        self.num_pending = num_layers * num_blocks - sum(layer_skip)
         self.loop = asyncio.get_running_loop()
         self.layers: asyncio.Queue = asyncio.Queue()
         self.is_closed = False

@@ -9,6 +9,7 @@ stage ends the ranks it started and restores torch's thread count before it rais
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass
 
@@ -24,7 +25,9 @@ from splitserve.platform.engine.output_processor import OutputProcessor
 from splitserve.platform.engine.runner import ModelRunner
 from splitserve.platform.hashing import BlockHasher
 from splitserve.platform.kv.block_pool import BlockPool
-from splitserve.platform.kv.cache import allocate_kv_cache, plan_num_blocks
+from splitserve.platform.kv.cache import allocate_kv_cache, bytes_per_block, plan_num_blocks
+from splitserve.platform.kv.grouped import GroupedKVCacheManager
+from splitserve.platform.kv.groups import KVLayout, describe, plan_layout
 from splitserve.platform.kv.manager import KVCacheManager
 from splitserve.platform.kv.tier import attach_tier
 from splitserve.platform.lora.batch import attach as attach_lora
@@ -41,6 +44,8 @@ from splitserve.platform.tokenizer import load_tokenizer
 from splitserve.platform.weights import load_model_config
 
 __all__ = ["EngineParts", "Sizing", "assemble", "size"]
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -59,6 +64,8 @@ class Sizing:
     eos_token_ids: frozenset[int]
     max_model_len: int
     num_blocks: int
+    kv_layout: KVLayout  # the KV groups (kv/groups.py): one for most models
+    chunk: int  # the most tokens one step computes for a request (the scheduler's token budget)
 
 
 @dataclass
@@ -70,7 +77,7 @@ class EngineParts:
     threads_before: int | None  # torch's thread count to restore on close
     model: torch.nn.Module
     pool: BlockPool
-    kv: KVCacheManager
+    kv: KVCacheManager | GroupedKVCacheManager
     hasher: BlockHasher
     scheduler: Scheduler
     kv_tier: object
@@ -105,10 +112,15 @@ def size(config: EngineConfig) -> Sizing:
     graph_bytes = decode_graph_bytes(
         config.device.enforce_eager, device, model_config, config.scheduler.max_num_seqs, dtype
     )
-    num_blocks = plan_num_blocks(config.cache, local_config, kv_dtype, max_model_len, device, graph_bytes=graph_bytes)
+    layout = plan_layout(local_config)
+    chunk = config.scheduler.resolved(max_model_len).max_num_batched_tokens
+    num_blocks = plan_num_blocks(
+        config.cache, local_config, kv_dtype, max_model_len, device, graph_bytes=graph_bytes,
+        layout=None if layout.is_single else layout, chunk=chunk,
+    )  # fmt: skip
     return Sizing(
         source, model_config, local_config, device, dtype, quantization, kv_cache_dtype, kv_dtype, tokenizer,
-        frozenset(eos), max_model_len, num_blocks,
+        frozenset(eos), max_model_len, num_blocks, layout, chunk,
     )  # fmt: skip
 
 
@@ -149,11 +161,19 @@ def _build(config: EngineConfig, sizing: Sizing, executor, threads_before, model
     if executor is not None:
         executor.wait_ready()
     block_size = config.cache.block_size
-    pool = BlockPool(s.num_blocks, enable_caching=config.cache.enable_prefix_caching)
-    kv = KVCacheManager(pool, block_size)
+    kv_layout = s.kv_layout
+    # a grouped cache sets its first block aside as the null block (kv/grouped.py)
+    pool = BlockPool(
+        s.num_blocks - (not kv_layout.is_single),
+        enable_caching=config.cache.enable_prefix_caching,
+        null_block=not kv_layout.is_single,
+    )
+    kv = KVCacheManager(pool, block_size) if kv_layout.is_single else GroupedKVCacheManager(pool, block_size, kv_layout)
+    block_bytes = bytes_per_block(s.local_config, block_size, s.kv_dtype, kv_layout)
+    log.info("%s", describe(kv_layout, s.num_blocks, block_size, block_bytes, s.max_model_len, s.chunk))
     hasher = BlockHasher(s.model_config.model_id, block_size)
     scheduler = Scheduler(config.scheduler, kv, s.max_model_len, max_loras=config.lora.max_loras)
-    kv_caches = allocate_kv_cache(s.local_config, s.num_blocks, block_size, s.kv_dtype, s.device)
+    kv_caches = allocate_kv_cache(s.local_config, s.num_blocks, block_size, s.kv_dtype, s.device, kv_layout)
     lora_context, layout = attach_lora(loaded)
     tp = config.parallel.tensor_parallel_size
     loras = LoraRegistry(config.lora, layout, s.dtype, ShardLayout(s.model_config, 0, tp) if tp > 1 else None)
@@ -161,12 +181,17 @@ def _build(config: EngineConfig, sizing: Sizing, executor, threads_before, model
     loras.load_modules()
     runner = ModelRunner(loaded, kv_caches, block_size, s.device, lora_context)
     runner.executor = executor
-    if uses_decode_graphs(config.device.enforce_eager, s.device):
+    runner.layer_group = kv_layout.layer_group
+    if uses_decode_graphs(config.device.enforce_eager, s.device) and kv_layout.is_single:
         runner.enable_decode_graphs(config.scheduler.max_num_seqs, s.max_model_len, capture=True)
+    elif not kv_layout.is_single:
+        log.info("CUDA graphs for decode are off: the model has %d KV groups (kv/groups.py)", len(kv_layout.groups))
     if executor is None:
         kv_connector = KVConnector(kv_caches, kv, block_size, s.device)
     else:  # full-head payloads in and out; each rank's heads gathered and scattered (kv_parallel.py)
         kv_connector = TPKVConnector(kv_caches, kv, block_size, s.device, executor, ShardLayout(s.model_config, 0, tp))
+    if not kv_layout.is_single:
+        kv_connector.kv_layout, kv_connector.layer_group = kv_layout, kv_layout.layer_group
     copier = kv_connector if executor is not None else None  # a tier under TP keeps every rank's heads
     kv_tier = attach_tier(config.kv_tier, pool, kv, kv_caches, s.model_config.model_id, copier)
     inputs = InputProcessor(

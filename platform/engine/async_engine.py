@@ -59,6 +59,10 @@ class AsyncEngine:
         """The grammar backend's compile counters (monotonic, read without a lock), or None."""
         return self._engine.grammar_stats
 
+    def kv_layer_skip(self, num_prompt_tokens: int, start_block: int) -> tuple[int, ...]:
+        """Per layer, the prompt blocks P/D does not move (KVConnector.layer_skip; any thread)."""
+        return self._engine.kv_connector.layer_skip(num_prompt_tokens, start_block)
+
     def write_kv_layer(self, block_ids, layer: int, payload) -> None:
         """Copy a received KV layer into a request's blocks (safe off the engine thread: see
         KVConnector.write_layer)."""

@@ -92,6 +92,8 @@ class InputProcessor:
         resumed = self._resume_token_ids(resume_output_token_ids, params, len(token_ids))
         if resumed and (remote_prefill or kv_export is not None):
             raise InvalidRequestError("a resumed request is prefilled locally; it cannot use remote prefill or export")
+        if (remote_prefill or kv_export is not None) and (problem := self.connector.transfer_refusal()):
+            raise InvalidRequestError(problem)
         if (params.prompt_logprobs is not None or params.embed) and remote_prefill:
             raise InvalidRequestError("prompt_logprobs and embed need the prompt computed here; not remote prefill")
         self._checked_ids("logit_bias", [t for t, _ in params.logit_bias])

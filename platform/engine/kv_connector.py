@@ -23,6 +23,14 @@ the engine decides which blocks to export or to fill; the worker's transport mov
   the engine's next step waits (on the device) for those copies, so the request's first decode
   step reads its KV after it landed, without a device-wide synchronize.
 
+A model with several KV groups (platform/kv/groups.py): layer i's blocks are those of its group
+(`layer_group`). Export reads each layer's K/V through its group's table and a sliding-window
+layer sends only the blocks its window sees from the first decode step on (groups.
+first_blocks_sent; KVReady.layer_skip tells the receiver). KVReady names group 0's blocks, and
+`write_layer` maps them to the layer's group through `_group_ids` (filled by `kv_ready` on the
+engine thread, read by the transport's thread: one dict get per block), dropping any block that
+lands on a hole (a pulled block out of the window).
+
 `KVExport` and `KVReady`, the two descriptors the engine and a worker hand each other, live in
 kv_handoff.py: requests and outputs carry them without importing the connector.
 
@@ -34,12 +42,14 @@ only state it writes is each exporting request's `num_exported_blocks`.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import torch
 
 from splitserve.platform.engine.kv_handoff import KVExport, KVReady
 from splitserve.platform.engine.kv_staging import CopyStream, HostBufferPool, StagedPayload, make_copy_stream
+from splitserve.platform.kv.groups import NULL_BLOCK_ID, KVLayout, first_blocks_sent
 
 if TYPE_CHECKING:
     from splitserve.platform.engine.request_state import RequestState
@@ -86,6 +96,9 @@ class KVConnector:
         self.copy_stream = copy_stream or make_copy_stream(device)
         # staged: through reused host buffers (CUDA, or a test's pool); else fresh tensors (CPU)
         self.host_pool = host_pool or (HostBufferPool(pin=True) if device.type == "cuda" else None)
+        self.kv_layout: KVLayout | None = None  # the KV groups; None for one group
+        self.layer_group: tuple[int, ...] = ()  # decoder layer -> KV group; () for one group
+        self._group_ids: dict[int, tuple[int, ...]] = {}  # group 0's block id -> that block in every group
 
     def before_step(self) -> None:
         """Called by the engine before each step: that step's work waits (on the device) for the
@@ -102,6 +115,10 @@ class KVConnector:
             f"allowed: 0 to {num_prompt_blocks - 1}"
         )
 
+    def transfer_refusal(self) -> str | None:
+        """Why this engine cannot move a request's KV (P/D, the pull), or None: it can."""
+        return None
+
     def hold_blocks(self, block_ids: Sequence[int]) -> None:
         """Take one more reference on these blocks, so no request is given them until
         release_blocks(): an aborted CUDA IPC transfer's sender may still be writing them
@@ -115,7 +132,40 @@ class KVConnector:
         pool.free(pool.blocks[i] for i in reversed(block_ids))
 
     def kv_ready(self, req: Request) -> KVReady:
-        return KVReady(tuple(self.kv_manager.block_ids(req.req_id)), req.num_cached_tokens, self.block_size)
+        ready = KVReady(tuple(self.kv_manager.block_ids(req.req_id)), req.num_cached_tokens, self.block_size)
+        if self.kv_layout is None:
+            return ready
+        self._group_ids.update((ids[0], ids) for ids in zip(*self.kv_manager.group_block_ids(req.req_id)))
+        return replace(ready, layer_skip=self.layer_skip(req.num_tokens, ready.start_block))
+
+    def layer_skip(self, num_prompt_tokens: int, start_block: int) -> tuple[int, ...]:
+        """Per layer, the blocks from `start_block` on that P/D does not move for a prompt this long
+        (a sliding-window layer's blocks before its window); () for a single-group model. Reads
+        the layout only: safe from any thread."""
+        if self.kv_layout is None:
+            return ()
+        firsts = first_blocks_sent(self.kv_layout, num_prompt_tokens, self.block_size)
+        return tuple(max(0, firsts[g] - start_block) for g in self.layer_group)
+
+    def _layer_ids(self, block_ids: Sequence[int], layer: int) -> Sequence[int]:
+        """Group 0's `block_ids` as the blocks of `layer`'s group."""
+        if not self.layer_group or self.layer_group[layer] == 0:
+            return block_ids
+        return [self._group_ids[b][self.layer_group[layer]] for b in block_ids]
+
+    def _group_exports(self, seq, state, first: int, end: int) -> list:
+        """Per KV group, (its first block counted from the export's start_block, block ids) of
+        blocks [first, end) it sends, or None when it sends none of them this step."""
+        if seq.group_block_ids is None:
+            ids = torch.tensor(seq.block_ids[first:end], dtype=torch.long, device=self.device)
+            return [(first - state.export.start_block, ids)]
+        out = []
+        firsts = first_blocks_sent(self.kv_layout, state.req.num_prompt_tokens, self.block_size)
+        for table, group_first in zip(seq.group_block_ids, firsts):
+            a = max(first, group_first)
+            ids = torch.tensor(table[a:end], dtype=torch.long, device=self.device) if a < end else None
+            out.append(None if ids is None else (a - state.export.start_block, ids))
+        return out
 
     def export_hook(self, plan: SchedulerPlan, states: Mapping[str, RequestState]):
         """A per-layer hook exporting the prompt blocks this step completes, or None.
@@ -136,18 +186,21 @@ class KVConnector:
             if end <= first:
                 continue
             state.num_exported_blocks = end
-            ids = torch.tensor(seq.block_ids[first:end], dtype=torch.long, device=self.device)
-            exports.append((state.export, first - state.export.start_block, ids))
+            exports.append((state.export, self._group_exports(seq, state, first, end)))
         if not exports:
             return None
         return self._layer_hook(exports)
 
-    def _layer_hook(self, exports: list[tuple[KVExport, int, torch.Tensor]]) -> Callable[[int], None]:
-        """The hook the model calls after each layer: each export's blocks of that layer, staged."""
+    def _layer_hook(self, exports: list[tuple[KVExport, list]]) -> Callable[[int], None]:
+        """The hook the model calls after each layer: each export's blocks of that layer (its KV
+        group's piece, see _group_exports), staged."""
+        layer_group = self.layer_group
 
         def hook(layer: int) -> None:
-            for export, first_block, ids in exports:
-                export.sink(layer, self._stage_export(layer, ids, export.on_device), first_block)
+            for export, pieces in exports:
+                piece = pieces[layer_group[layer]] if len(pieces) > 1 else pieces[0]
+                if piece is not None:
+                    export.sink(layer, self._stage_export(layer, piece[1], export.on_device), piece[0])
 
         return hook
 
@@ -188,6 +241,12 @@ class KVConnector:
         Safe from another thread: those blocks belong to a request no step touches until
         the engine completes its remote prefill or falls back to a local one.
         """
+        block_ids = self._layer_ids(block_ids, layer)
+        if self.kv_layout is not None and NULL_BLOCK_ID in block_ids:  # holes: out of the window
+            keep = [i for i, b in enumerate(block_ids) if b != NULL_BLOCK_ID]
+            block_ids, payload = [block_ids[i] for i in keep], payload[:, keep]
+            if not keep:
+                return
         if self.host_pool is None:
             import_layer(
                 self.kv_caches,

@@ -38,6 +38,9 @@ class KVReady:
     block_ids: tuple[int, ...]
     num_cached_tokens: int
     block_size: int
+    # Per layer, how many blocks from start_block on are not sent: a sliding-window layer's blocks
+    # before its window (platform/kv/groups.py); () when every layer gets every block.
+    layer_skip: tuple[int, ...] = ()
 
     @property
     def start_block(self) -> int:

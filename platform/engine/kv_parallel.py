@@ -153,8 +153,19 @@ class TPKVConnector(KVConnector):
         self.shards = HeadShards(executor.group, layout, kv_caches, device)
         self._writes: queue.SimpleQueue = queue.SimpleQueue()  # (ids, layer, full payload), from any thread
 
-    def _layer_hook(self, exports: list[tuple[KVExport, int, torch.Tensor]]) -> ExportHook:
-        return ExportHook(super()._layer_hook(exports), tuple(tuple(ids.tolist()) for _, _, ids in exports))
+    def transfer_refusal(self) -> str | None:
+        if self.kv_layout is None:
+            return None
+        return (
+            "P/D of a model with several KV groups (sliding-window layers) is not supported with "
+            "--tensor-parallel-size > 1 yet; allowed: local prefill, or --tensor-parallel-size 1"
+        )
+
+    def _layer_hook(self, exports: list[tuple[KVExport, list]]) -> ExportHook:
+        # one KV group under TP (a grouped model's P/D is refused: input_processor.py), so each
+        # export has one piece, the same block ids for every layer
+        ids = tuple(tuple(pieces[0][1].tolist()) for _, pieces in exports)
+        return ExportHook(super()._layer_hook(exports), ids)
 
     def _stage_export(self, layer: int, ids: torch.Tensor, on_device: bool = False) -> StagedPayload:
         full = self.shards.read(layer, ids)  # on the engine thread, in the forward: every rank is here

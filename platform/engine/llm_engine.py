@@ -63,6 +63,7 @@ class LLMEngine:
         self.runner, self.kv_connector = parts.runner, parts.kv_connector
         self.inputs, self.outputs = parts.inputs, parts.outputs
         self.speculator = parts.speculator
+        self.kv_layout = s.kv_layout  # the KV groups (kv/groups.py)
         self._states: dict[str, RequestState] = {}  # every live request's engine state, by req_id
         self._aborted: list[RequestOutput] = []
         self._ids = itertools.count()

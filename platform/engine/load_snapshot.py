@@ -34,6 +34,9 @@ class LoadSnapshot:
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
     spec_accepted_lengths: tuple[int, ...] = ()  # [n]: verification steps that accepted n proposals
+    # A model with several KV groups (platform/kv/groups.py): per group (group, kind, blocks held by
+    # requests, blocks cached under a hash); () for a single-group model.
+    kv_groups: tuple[tuple[int, str, int, int], ...] = ()
 
 
 def take_snapshot(
@@ -66,6 +69,7 @@ def take_snapshot(
         max_loras=max_loras,
         resident_loras=tuple(sorted(a.name for a in loras.loaded())),
         lora_adapters=tuple(loras.known()),
+        kv_groups=_kv_groups(sched.kv),
         **(
             {}
             if spec is None
@@ -86,3 +90,9 @@ def _lora_names(reqs: Iterable[Request], states: Mapping[str, RequestState]) -> 
         if state is not None and state.adapter is not None:
             names.add(state.adapter.name)
     return tuple(sorted(names))
+
+
+def _kv_groups(kv) -> tuple[tuple[int, str, int, int], ...]:
+    if not kv.is_grouped:
+        return ()
+    return tuple((u["group"], u["kind"], u["num_blocks_in_use"], u["num_cached_blocks"]) for u in kv.group_usage())

@@ -51,6 +51,8 @@ class ModelRunner:
         self.read_lora: Callable[[str, str], LoraAdapter] | None = None  # a rank > 0's adapter reader
         self.kv_shards = None  # a rank > 0's engine.kv_parallel.HeadShards (KV transfer's gathers)
         self._num_sms = 0
+        # decoder layer -> KV group (kv/groups.KVLayout.layer_group); used when slices carry group tables
+        self.layer_group: tuple[int, ...] = ()
         if model is not None and triton_available(device) and hasattr(model, "use_fused_ops"):
             from splitserve.platform.kernels.triton_ops import TritonOps
 
@@ -232,10 +234,22 @@ class ModelRunner:
             if seq.do_sample:  # a verifying slice samples at its last known token and each proposal
                 sample_idx.extend(range(start + seq.num_tokens - 1 - seq.num_draft_tokens, start + seq.num_tokens))
         decodes = [s for s in seqs if s.is_decode]
-        num_decodes = sum(s.num_tokens for s in decodes)
+        meta = self._metadata(seqs, decodes, slots)
+        if seqs and seqs[0].group_block_ids is not None:
+            meta.layer_metas = self._group_metadata(seqs, meta)
         dev = self.device
+        return (
+            torch.tensor(tokens, dtype=torch.long, device=dev),
+            torch.tensor(positions, dtype=torch.long, device=dev),
+            meta,
+            torch.tensor(sample_idx, dtype=torch.long, device=dev),
+        )
+
+    def _metadata(self, seqs: list[ScheduledSeq], decodes: list[ScheduledSeq], slots: list[int]) -> AttentionMetadata:
+        """The attention metadata of a step whose slices read `block_ids` (slots: theirs)."""
+        num_decodes = sum(s.num_tokens for s in decodes)
         meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=self.device),
             num_decodes=num_decodes,
             decode_block_table=None,
             decode_mask=None,
@@ -247,12 +261,18 @@ class ModelRunner:
                 meta.decode_num_splits = choose_num_splits(
                     num_decodes, self.model.config.num_kv_heads, self._num_sms, max(s.context_len for s in decodes)
                 )
-        return (
-            torch.tensor(tokens, dtype=torch.long, device=dev),
-            torch.tensor(positions, dtype=torch.long, device=dev),
-            meta,
-            torch.tensor(sample_idx, dtype=torch.long, device=dev),
-        )
+        return meta
+
+    def _group_metadata(self, seqs: list[ScheduledSeq], meta: AttentionMetadata) -> tuple[AttentionMetadata, ...]:
+        """Per decoder layer, the metadata of its KV group (platform/kv/groups.py): each group's
+        slices read that group's block table; group 0's is `meta` itself."""
+        bs = self.block_size
+        metas = [meta]
+        for g in range(1, len(seqs[0].group_block_ids)):
+            group_seqs = [replace(s, block_ids=s.group_block_ids[g]) for s in seqs]
+            slots = [s.block_ids[p // bs] * bs + p % bs for s in group_seqs for p in range(s.start_pos, s.context_len)]
+            metas.append(self._metadata(group_seqs, [s for s in group_seqs if s.is_decode], slots))
+        return tuple(metas[g] for g in self.layer_group)
 
     def _decode_tables(self, seqs: list[ScheduledSeq]):
         """One row per decode token: its sequence's block table and its own causal context length

@@ -20,6 +20,11 @@ they describe: 1 is this pool, 2 the second tier (platform/kv/tier.py), which an
 `EvictionSink` fills with the KV of every block the pool evicts and whose own events the pool
 appends to its stream right after the BlockRemoved of that eviction, so the order stays causal.
 
+KV groups (platform/kv/groups.py) share the pool and its free queue, each with its own hash map:
+the same token block is a different entry in each group (a sliding-window group may have released
+and lost it while the full group still holds it). `group` names it in every lookup, cache call
+and event; a single-group engine only ever uses group 0.
+
 The pool is the only writer of ref counts, hashes and the free queue; callers hold Block
 handles and go through these methods. `check_invariants()` verifies the whole state.
 """
@@ -42,6 +47,7 @@ class Block:
     block_id: int
     ref_cnt: int = 0
     block_hash: BlockHash | None = None
+    group: int = 0  # the KV group whose hash map holds block_hash
 
 
 TIER_CACHE = 1  # the pool's own blocks (device memory)
@@ -53,12 +59,16 @@ class BlockStored:
     block_hashes: tuple[BlockHash, ...]
     parent_hash: BlockHash | None
     tier: int = TIER_CACHE
+    group: int = 0  # the KV group (platform/kv/groups.py) whose blocks these are
+    # a hit of L blocks needs this group's blocks [L - window_blocks, L); 0: all of [0, L)
+    window_blocks: int = 0
 
 
 @dataclass(frozen=True)
 class BlockRemoved:
     block_hashes: tuple[BlockHash, ...]
     tier: int = TIER_CACHE
+    group: int = 0
 
 
 @dataclass(frozen=True)
@@ -102,7 +112,10 @@ class BlockPool:
         enable_caching: bool = True,
         eviction_sink: EvictionSink | None = None,
         max_pending_events: int = MAX_PENDING_EVENTS,
+        null_block: bool = False,
     ):
+        """`null_block`: block 0 is set aside, held for ever, as what the holes of a KV group's
+        table read (kv/grouped.py); the `num_blocks` usable blocks are 1..num_blocks."""
         assert num_blocks > 0
         if not isinstance(max_pending_events, int) or max_pending_events < 8:
             raise ValueError(f"max_pending_events must be an integer >= 8, got {max_pending_events!r}")
@@ -110,10 +123,16 @@ class BlockPool:
         self.eviction_sink = eviction_sink
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
-        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.blocks = [Block(i) for i in range(num_blocks + null_block)]
+        self.null_block = Block(-1)
+        if null_block:
+            self.null_block = self.blocks[0]
+            self.null_block.ref_cnt = 1
         # block_id -> Block, head = next to allocate (LRU order).
-        self._free: OrderedDict[int, Block] = OrderedDict((b.block_id, b) for b in self.blocks)
-        self._cached: dict[BlockHash, Block] = {}
+        self._free: OrderedDict[int, Block] = OrderedDict((b.block_id, b) for b in self.blocks[null_block:])
+        self._cached: dict[BlockHash, Block] = {}  # group 0's hash map
+        self._group_cached: dict[int, dict[BlockHash, Block]] = {}  # the other groups'
+        self._window_blocks: dict[int, int] = {}  # group -> its events' window_blocks
         self._events: list[KVEvent] = []
         self.stats = PoolStats()
 
@@ -129,19 +148,27 @@ class BlockPool:
 
     @property
     def num_cached_blocks(self) -> int:
-        """Blocks registered under a hash, in use or free (one len(): safe from another thread)."""
-        return len(self._cached)
+        """Blocks registered under a hash, in use or free, every group (len()s: safe from another thread)."""
+        return len(self._cached) + sum(len(m) for m in list(self._group_cached.values()))
 
-    def lookup(self, block_hash: BlockHash) -> Block | None:
-        """The cached block with this hash, or None. Changes nothing."""
-        return self._cached.get(block_hash)
+    def num_cached_blocks_of(self, group: int) -> int:
+        return len(self._map(group))
 
-    def peek(self, block_hash: BlockHash) -> bool:
+    def lookup(self, block_hash: BlockHash, group: int = 0) -> Block | None:
+        """The cached block with this hash in `group`, or None. Changes nothing."""
+        return self._map(group).get(block_hash)
+
+    def peek(self, block_hash: BlockHash, group: int = 0) -> bool:
         """Whether the hash is cached; no stats, no mutation (safe to call from another thread)."""
-        return block_hash in self._cached
+        return block_hash in self._map(group)
 
-    def cached_hashes(self) -> list[BlockHash]:
-        return list(self._cached)
+    def cached_hashes(self, group: int = 0) -> list[BlockHash]:
+        return list(self._map(group))
+
+    def _map(self, group: int) -> dict[BlockHash, Block]:
+        if group == 0:
+            return self._cached
+        return self._group_cached.setdefault(group, {})
 
     # -- mutations -------------------------------------------------------------------------
     def allocate(self, num_blocks: int) -> list[Block]:
@@ -153,12 +180,13 @@ class BlockPool:
         for _ in range(num_blocks):
             _, block = self._free.popitem(last=False)
             if block.block_hash is not None:
-                evicted.append((block.block_id, self._uncache(block)))
+                group = block.group
+                evicted.append((block.block_id, self._uncache(block), group))
             block.ref_cnt = 1
             out.append(block)
         if evicted:
             self.stats.num_evictions += len(evicted)
-            self._events.append(BlockRemoved(tuple(h for _, h in evicted)))
+            self._record_removed(evicted)
             if self.eviction_sink is not None:
                 self._offload(evicted)
             self._bound_events()
@@ -182,8 +210,15 @@ class BlockPool:
             if block.ref_cnt == 0:
                 self._free[block.block_id] = block
 
-    def cache_blocks(self, blocks: list[Block], hashes: list[BlockHash], parent_hash: BlockHash | None) -> None:
-        """Register full, computed blocks under their hashes (in chain order).
+    def cache_blocks(
+        self,
+        blocks: list[Block],
+        hashes: list[BlockHash],
+        parent_hash: BlockHash | None,
+        group: int = 0,
+        window_blocks: int = 0,
+    ) -> None:
+        """Register full, computed blocks under their hashes (in chain order) in `group`'s map.
 
         A hash that is already cached under another block keeps the older block: the new one
         stays a private copy and is simply not shared.
@@ -191,15 +226,18 @@ class BlockPool:
         if not self.enable_caching:
             return
         stored = []
+        cached = self._map(group)
         for block, block_hash in zip(blocks, hashes, strict=True):
             assert block.block_hash is None, f"block {block.block_id} is cached already"
-            if block_hash in self._cached:
+            if block_hash in cached:
                 continue
             block.block_hash = block_hash
-            self._cached[block_hash] = block
+            block.group = group
+            cached[block_hash] = block
             stored.append(block_hash)
         if stored:
-            self._events.append(BlockStored(tuple(stored), parent_hash))
+            self._window_blocks[group] = window_blocks
+            self._events.append(BlockStored(tuple(stored), parent_hash, group=group, window_blocks=window_blocks))
             self._bound_events()
 
     def reset_prefix_cache(self) -> bool:
@@ -209,6 +247,7 @@ class BlockPool:
         for block in self.blocks:
             block.block_hash = None
         self._cached.clear()
+        self._group_cached.clear()
         self._events.append(AllCleared())
         if self.eviction_sink is not None:
             self.eviction_sink.clear()  # AllCleared covers every tier
@@ -223,11 +262,18 @@ class BlockPool:
         events, self._events = self._events, []
         return events
 
-    def _offload(self, evicted: list[tuple[int, BlockHash]]) -> None:
+    def _record_removed(self, evicted: list[tuple[int, BlockHash, int]]) -> None:
+        """One BlockRemoved per group of the evicted (block_id, hash, group) triples."""
+        groups = sorted({g for _, _, g in evicted})
+        for group in groups:
+            self._events.append(BlockRemoved(tuple(h for _, h, g in evicted if g == group), group=group))
+
+    def _offload(self, evicted: list[tuple[int, BlockHash, int]]) -> None:
         """Hand evicted blocks to the second tier. The blocks are off the free list already and
-        go to the caller whatever happens there: a failing tier loses its copy, never a block."""
+        go to the caller whatever happens there: a failing tier loses its copy, never a block.
+        (The tier serves single-group engines only: kv/tier.py refuses the others.)"""
         try:
-            self._events += self.eviction_sink.offload(evicted)
+            self._events += self.eviction_sink.offload([(b, h) for b, h, _ in evicted])
         except Exception:
             self.stats.num_sink_failures += 1
             log.exception("the second KV tier failed to take %d evicted blocks; they are dropped from it", len(evicted))
@@ -243,6 +289,9 @@ class BlockPool:
         snapshot: list[KVEvent] = [AllCleared()]
         if self._cached:
             snapshot.append(BlockStored(tuple(self._cached), None))
+        for group, cached in sorted(self._group_cached.items()):
+            if cached:
+                snapshot.append(BlockStored(tuple(cached), None, group=group, window_blocks=self._window_blocks[group]))
         held = self.eviction_sink.held_hashes() if self.eviction_sink is not None else []
         if held:
             snapshot.append(BlockStored(tuple(held), None, tier=TIER_SECOND))
@@ -251,9 +300,11 @@ class BlockPool:
 
     def _uncache(self, block: Block) -> BlockHash:
         block_hash = block.block_hash
-        assert self._cached.get(block_hash) is block
-        del self._cached[block_hash]
+        cached = self._map(block.group)
+        assert cached.get(block_hash) is block
+        del cached[block_hash]
         block.block_hash = None
+        block.group = 0
         return block_hash
 
     # -- invariants ------------------------------------------------------------------------
@@ -266,7 +317,10 @@ class BlockPool:
                 f"block {block.block_id}: ref_cnt {block.ref_cnt} but in_free_queue={in_free}"
             )
             if block.block_hash is not None:
-                assert self._cached.get(block.block_hash) is block, f"block {block.block_id} hash not mapped"
-        for block_hash, block in self._cached.items():
-            assert block.block_hash == block_hash, f"hash map points to block {block.block_id} with another hash"
+                assert self._map(block.group).get(block.block_hash) is block, f"block {block.block_id} hash not mapped"
+        for group, cached in ((0, self._cached), *self._group_cached.items()):
+            for block_hash, block in cached.items():
+                assert block.block_hash == block_hash and block.group == group, (
+                    f"group {group}'s hash map points to block {block.block_id} with another hash or group"
+                )
         assert all(self._free[i] is self.blocks[i] for i in self._free)

@@ -20,7 +20,10 @@ def cdiv(a: int, b: int) -> int:
 
 
 class KVCacheManager:
-    """Owns the mapping req_id -> blocks; the pool owns the blocks themselves."""
+    """Owns the mapping req_id -> blocks; the pool owns the blocks themselves. A single-group
+    model's manager (a model mixing layer types has grouped.GroupedKVCacheManager)."""
+
+    is_grouped = False
 
     def __init__(self, pool: BlockPool, block_size: int, tier=None):
         self.pool = pool
@@ -122,6 +125,23 @@ class KVCacheManager:
 
     def block_ids(self, req_id: str) -> list[int]:
         return [b.block_id for b in self._req_blocks.get(req_id, ())]
+
+    def num_blocks_held(self, req_id: str) -> list[int]:
+        """Blocks `req_id` holds now, as a one-group list (grouped.GroupedKVCacheManager's shape)."""
+        return [len(self._req_blocks.get(req_id, ()))]
+
+    def group_usage(self) -> list[dict]:
+        """The one group's usage, in GroupedKVCacheManager.group_usage's shape."""
+        held = {b.block_id for blocks in self._req_blocks.values() for b in blocks}
+        return [
+            {
+                "group": 0,
+                "kind": "full",
+                "layers": "all",
+                "num_blocks_in_use": len(held),
+                "num_cached_blocks": self.pool.num_cached_blocks,
+            }
+        ]
 
     @property
     def num_requests(self) -> int:

@@ -56,6 +56,7 @@ from dataclasses import dataclass
 import torch
 
 from splitserve.platform.config import KVTierConfig
+from splitserve.platform.errors import ConfigError
 from splitserve.platform.hashing import BlockHash
 from splitserve.platform.kv.block_pool import TIER_SECOND, Block, BlockPool, BlockRemoved, BlockStored, KVEvent
 
@@ -246,8 +247,6 @@ class KVTier:
         self.shape = (len(kv_caches), 2, *block_shape)  # [layers, K/V, block_size, kv_heads, head_dim]
         self.block_bytes = torch.Size(self.shape).numel() * k0.element_size()
         if config.max_bytes < self.block_bytes:
-            from splitserve.platform.errors import ConfigError
-
             raise ConfigError(
                 f"the KV tier holds {config.max_bytes} bytes, less than one block "
                 f"({self.block_bytes} bytes); raise --kv-tier-bytes to at least {self.block_bytes}"
@@ -386,6 +385,12 @@ def attach_tier(
     and the KV manager (prefix lookups). `copier`: see KVTier (tensor parallelism)."""
     if config is None:
         return None
+    if kv_manager.is_grouped:
+        raise ConfigError(
+            "--kv-tier needs a model with one KV group; this one mixes layer types (sliding-window and "
+            "full layers: one KV group per type, platform/kv/groups.py) and the tier moves one block "
+            "table per request; allowed: no --kv-tier for this model"
+        )
     k0 = kv_caches[0][0]
     block_shape = tuple(k0.shape[1:]) if copier is None else copier.block_shape
     layout = f"{model_id}|{k0.dtype}|{len(kv_caches)}x{block_shape}"

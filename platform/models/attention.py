@@ -14,8 +14,11 @@ then each prefill chunk. Per layer:
 
 Sliding-window layers (`window` W) let the query at position p see keys p - W < j <= p: the
 decode mask and each chunk's mask get that lower bound too (built once per step and window,
-kept in the metadata for the step's other layers); the Triton kernels take W directly. The
-cache still holds every position: blocks no window can see are not freed (docs/models.md).
+kept in the metadata for the step's other layers); the Triton kernels take W directly. A model
+that mixes layer types keeps one KV group per type (platform/kv/groups.py): the model hands each
+layer its group's metadata (`AttentionMetadata.for_layer`), whose block tables have holes
+(NULL_BLOCK_ID) where a sliding group released blocks its window left behind; every path here
+masks (torch) or skips (Triton) those positions, so a hole is never attended to.
 
 Attention sinks (gpt-oss, `sinks`: a logit per query head in the softmax's denominator): the
 torch path runs models/sink_attention.py for decodes and prefill chunks alike; the Triton
@@ -68,6 +71,13 @@ class AttentionMetadata:
     # Context splits of the Triton decode kernel (kernels/triton_split_decode.py), fixed by the
     # runner per batch shape; 1 is the single-pass kernel. The torch paths ignore it.
     decode_num_splits: int = 1
+    # A model with several KV groups: per decoder layer, the metadata of its group (group 0's is
+    # this one). None: one group, every layer reads this metadata.
+    layer_metas: tuple[AttentionMetadata, ...] | None = None
+
+    def for_layer(self, layer: int) -> AttentionMetadata:
+        """The metadata decoder layer `layer` attends with."""
+        return self if self.layer_metas is None else self.layer_metas[layer]
 
 
 @dataclass

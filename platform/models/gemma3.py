@@ -81,7 +81,7 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         x = x * self.embed_scale.to(x.dtype)
         rotary = {False: self.rotary.cos_sin(positions, x.dtype), True: self.local_rotary.cos_sin(positions, x.dtype)}
         for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
-            x = layer(x, *rotary[layer.is_sliding], kv_cache, meta)
+            x = layer(x, *rotary[layer.is_sliding], kv_cache, meta.for_layer(i))
             if layer_hook is not None:
                 layer_hook(i)
         return self.norm(x)

@@ -224,7 +224,7 @@ class LlamaForCausalLM(nn.Module):
             return self._forward_fused(x, positions, kv_caches, meta, layer_hook)
         cos, sin = self.rotary.cos_sin(positions, x.dtype)
         for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
-            x = layer(x, cos, sin, kv_cache, meta)
+            x = layer(x, cos, sin, kv_cache, meta.for_layer(i))
             if layer_hook is not None:
                 layer_hook(i)
         return self.norm(x)

@@ -88,6 +88,7 @@ def build_runner(spec: RankSpec, group, device: torch.device):
     from splitserve.platform.engine.model_loader import DTYPES, load_model
     from splitserve.platform.engine.runner import ModelRunner
     from splitserve.platform.kv.cache import allocate_kv_cache
+    from splitserve.platform.kv.groups import plan_layout
     from splitserve.platform.lora.adapter import read_adapter
     from splitserve.platform.lora.batch import attach as attach_lora
     from splitserve.platform.model_source import resolve_model
@@ -102,9 +103,11 @@ def build_runner(spec: RankSpec, group, device: torch.device):
     model = load_model(config, source, model_config, "none", dtype, kv_dtype, device, group=group)
     local = ShardLayout(model_config, group.rank, group.size).local_model_config()
     block_size = config.cache.block_size
-    kv_caches = allocate_kv_cache(local, spec.num_blocks, block_size, kv_dtype, device)
+    kv_layout = plan_layout(local)  # the KV groups, as rank 0 plans them (kv/groups.py)
+    kv_caches = allocate_kv_cache(local, spec.num_blocks, block_size, kv_dtype, device, kv_layout)
     lora_context, layout = attach_lora(model)
     runner = ModelRunner(model, kv_caches, block_size, device, lora_context)
+    runner.layer_group = kv_layout.layer_group
     shard = ShardLayout(model_config, group.rank, group.size)
     runner.read_lora = lambda name, path: read_adapter(name, path, layout, config.lora.max_lora_rank, dtype, shard)
     runner.kv_shards = HeadShards(group, shard, kv_caches, device)

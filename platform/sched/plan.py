@@ -15,6 +15,9 @@ class ScheduledSeq:
     pick the next token (a chunk in the middle of a prompt samples nothing).
     `num_draft_tokens`: the last this many of `token_ids` are speculative proposals to verify
     (the slice then samples at each of its last num_draft_tokens + 1 positions).
+    `group_block_ids`: a model with several KV groups (platform/kv/groups.py) has one table per
+    group (holes out of a sliding window read as NULL_BLOCK_ID) and `block_ids` is group 0's;
+    None for a single-group model.
     """
 
     req_id: str
@@ -23,6 +26,7 @@ class ScheduledSeq:
     block_ids: tuple[int, ...]
     do_sample: bool
     num_draft_tokens: int = 0
+    group_block_ids: tuple[tuple[int, ...], ...] | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -43,6 +43,12 @@ waits in WAITING_FOR_KV, outside the running batch, until the engine reports the
 rest of its prompt here). `take_kv_ready()` hands the engine the requests whose blocks are
 ready to be written.
 
+A model with several KV groups (platform/kv/groups.py) changes nothing here but the KV manager
+(kv/grouped.py): its `allocate` counts what each group really needs (a sliding-window group
+releases the blocks its window left behind first), so a long request that fits only thanks to
+the window is admitted, and a request waiting for remote KV keeps only the window of its
+sliding groups (the KV its first decode step reads). Each slice carries every group's table.
+
 The scheduler never touches a tensor: `schedule()` returns an immutable SchedulerPlan, the
 model runner executes it, and `update(plan, result)` applies the sampled tokens.
 """
@@ -54,6 +60,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from splitserve.platform.config import SchedulerConfig
+from splitserve.platform.kv.grouped import GroupedKVCacheManager
 from splitserve.platform.kv.manager import KVCacheManager
 from splitserve.platform.sched.plan import ScheduledSeq, SchedulerPlan, StepResult
 from splitserve.platform.sched.request import Request, RequestStatus
@@ -87,7 +94,13 @@ class SchedulerStats:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int, max_loras: int = 1):
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        kv: KVCacheManager | GroupedKVCacheManager,
+        max_model_len: int,
+        max_loras: int = 1,
+    ):
         self.config = config.resolved(max_model_len)
         self.max_loras = max_loras
         self.kv = kv
@@ -258,6 +271,8 @@ class Scheduler:
         """Blocks for the whole prompt, no compute: the KV of the uncached part will arrive."""
         if not self.kv.allocate(req, req.num_tokens - num_hit_tokens, cached):
             return False
+        if self.kv.is_grouped:  # sliding-window layers receive only the window their first decode sees
+            self.kv.release_out_of_window(req, req.num_tokens)
         self.waiting.popleft()
         self._record_first_scheduling(req, num_hit_tokens)
         req.num_computed_tokens = num_hit_tokens
@@ -323,6 +338,7 @@ class Scheduler:
             block_ids=tuple(self.kv.block_ids(req.req_id)),
             do_sample=start + num_known == req.num_tokens,
             num_draft_tokens=len(drafts),
+            group_block_ids=self.kv.group_block_ids(req.req_id) if self.kv.is_grouped else None,
         )
 
     # -- applying results ------------------------------------------------------------------

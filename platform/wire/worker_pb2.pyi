@@ -301,22 +301,28 @@ class WorkerInfo(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., model_id: _Optional[str] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., kv_address: _Optional[str] = ..., num_total_blocks: _Optional[int] = ...) -> None: ...
 
 class BlockStored(_message.Message):
-    __slots__ = ("block_hashes", "parent_hash", "tier")
+    __slots__ = ("block_hashes", "parent_hash", "tier", "group", "window_blocks")
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     PARENT_HASH_FIELD_NUMBER: _ClassVar[int]
     TIER_FIELD_NUMBER: _ClassVar[int]
+    GROUP_FIELD_NUMBER: _ClassVar[int]
+    WINDOW_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
     parent_hash: bytes
     tier: int
-    def __init__(self, block_hashes: _Optional[_Iterable[bytes]] = ..., parent_hash: _Optional[bytes] = ..., tier: _Optional[int] = ...) -> None: ...
+    group: int
+    window_blocks: int
+    def __init__(self, block_hashes: _Optional[_Iterable[bytes]] = ..., parent_hash: _Optional[bytes] = ..., tier: _Optional[int] = ..., group: _Optional[int] = ..., window_blocks: _Optional[int] = ...) -> None: ...
 
 class BlockRemoved(_message.Message):
-    __slots__ = ("block_hashes", "tier")
+    __slots__ = ("block_hashes", "tier", "group")
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     TIER_FIELD_NUMBER: _ClassVar[int]
+    GROUP_FIELD_NUMBER: _ClassVar[int]
     block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
     tier: int
-    def __init__(self, block_hashes: _Optional[_Iterable[bytes]] = ..., tier: _Optional[int] = ...) -> None: ...
+    group: int
+    def __init__(self, block_hashes: _Optional[_Iterable[bytes]] = ..., tier: _Optional[int] = ..., group: _Optional[int] = ...) -> None: ...
 
 class AllCleared(_message.Message):
     __slots__ = ()

@@ -19,6 +19,12 @@ that the worker holds (stored or unexpired speculative): a block whose parent is
 be reused by the engine, so a hole ends the match. The walk stops at the first miss, so a worker
 holding nothing costs one lookup.
 
+KV groups (a model mixing layer types, docs/engine.md): events of group g > 0 name the group and
+its `window_blocks` w. The engine reuses L blocks only if every such group holds blocks
+[L - w, L) (w = 0: all of [0, L)), so the match shrinks from group 0's run until every group's
+window before it is held (speculative entries count for every group). A worker whose sliding
+group dropped a window's old blocks is then not scored for a prefix that ends among them.
+
 Backends: `InMemoryPrefixIndex` (one router) here, `RedisPrefixIndex` (router replicas share
 one view) in index_redis.py. Both are written only by the router's event watchers and the
 placement's speculative inserts; the methods are async because the Redis backend is.
@@ -58,14 +64,17 @@ class PrefixIndex(Protocol):
 class _WorkerEntries:
     """One worker's hashes: stored (LRU order) and speculative (hash -> expiry time)."""
 
-    __slots__ = ("stored", "second", "speculative")
+    __slots__ = ("stored", "second", "speculative", "groups")
 
     def __init__(self):
         self.stored: OrderedDict[bytes, None] = OrderedDict()
         self.second: OrderedDict[bytes, None] = OrderedDict()  # the worker's second tier
         self.speculative: dict[bytes, float] = {}
+        self.groups: dict[int, tuple[int, OrderedDict[bytes, None]]] = {}  # KV group > 0 -> (window_blocks, hashes)
 
-    def tier(self, tier: int) -> OrderedDict[bytes, None]:
+    def tier(self, tier: int, group: int = 0, window_blocks: int = 0) -> OrderedDict[bytes, None]:
+        if group:
+            return self.groups.setdefault(group, (window_blocks, OrderedDict()))[1]
         return self.second if tier == SECOND_TIER else self.stored
 
 
@@ -89,15 +98,17 @@ class InMemoryPrefixIndex:
         kind = event.WhichOneof("event")
         entries = self._entries(worker)
         if kind == "stored":
-            self._store(entries, event.stored.block_hashes, entries.tier(event.stored.tier))
+            s = event.stored
+            self._store(entries, s.block_hashes, entries.tier(s.tier, s.group, s.window_blocks))
         elif kind == "removed":
-            stored = entries.tier(event.removed.tier)
+            stored = entries.tier(event.removed.tier, event.removed.group)
             for h in event.removed.block_hashes:
                 stored.pop(h, None)
         elif kind == "cleared":
             entries.stored.clear()
             entries.second.clear()
             entries.speculative.clear()
+            entries.groups.clear()
 
     def _store(self, entries: _WorkerEntries, hashes, stored: OrderedDict[bytes, None]) -> None:
         for h in reversed(hashes):  # a chain's head ends most recent: its tail is dropped first
@@ -138,6 +149,8 @@ class InMemoryPrefixIndex:
                     if h not in stored and h not in second and spec.get(h, 0.0) <= now:
                         break
                     n += 1
+                if entries.groups:
+                    n = _group_match(entries, hashes, n, now)
             out[worker] = n
         return out
 
@@ -147,3 +160,14 @@ class InMemoryPrefixIndex:
 
     async def close(self) -> None:
         pass
+
+
+def _group_match(entries: _WorkerEntries, hashes: list[bytes], n: int, now: float) -> int:
+    """Shrink group 0's match `n` until every other KV group holds its window before it."""
+    spec = entries.speculative
+    for window_blocks, held in entries.groups.values():
+        while n and not all(
+            h in held or spec.get(h, 0.0) > now for h in hashes[max(0, n - window_blocks) if window_blocks else 0 : n]
+        ):
+            n -= 1
+    return n

@@ -15,6 +15,11 @@ spread over replicas on the same worker. `match` is one round trip: a Lua script
 candidate's entries server-side and returns one count per worker (the keys share the hash tag
 {P}, so the script also runs on a Redis Cluster). Expiry uses wall-clock time, so replicas need
 synchronised clocks (NTP) only to within a fraction of the TTL.
+
+Events of KV groups > 0 (a model mixing layer types) are not kept here yet: this backend matches on
+group 0 alone, as if every group held what group 0 holds (the in-memory index applies the groups'
+windows, index.py); a worker may then be scored for a prefix its sliding layers dropped, which
+costs that request a recompute there, never a wrong token.
 """
 
 from __future__ import annotations
@@ -78,6 +83,8 @@ class RedisPrefixIndex:
 
     async def apply(self, worker: str, event: pb.KVEvent) -> None:
         kind = event.WhichOneof("event")
+        if kind in ("stored", "removed") and getattr(event, kind).group:
+            return  # KV groups > 0: module docstring
         pipe = self.redis.pipeline(transaction=False)
         if kind == "stored" and event.stored.block_hashes:
             hashes = list(event.stored.block_hashes)

@@ -170,6 +170,7 @@ class KVReceiver(ABC):
         write_layer: WriteLayer,
         deadline_s: float,
         block_ids=None,
+        layer_skip: tuple[int, ...] = (),
     ) -> None:
         """Register an incoming transfer (WAITING) before asking the sender to send it.
 
@@ -181,6 +182,8 @@ class KVReceiver(ABC):
         DONE becomes TIMED_OUT. A transfer_id already registered is a ValueError. `block_ids`: the
         `num_blocks` cache blocks the KV goes to, which a CUDA IPC sender writes directly
         (cuda_ipc.py); without them the transfer always goes as bytes through `write_layer`.
+        `layer_skip`: per layer, the leading blocks the sender does not send (a sliding-window
+        layer's blocks before its window, engine KVReady.layer_skip); () for none.
         """
 
     @abstractmethod

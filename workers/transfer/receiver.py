@@ -344,8 +344,9 @@ class ChannelReceiver(KVReceiver):
         write_layer: WriteLayer,
         deadline_s: float,
         block_ids=None,
+        layer_skip: tuple[int, ...] = (),
     ) -> None:
-        self._table.expect(transfer_id, layout, num_blocks, write_layer, deadline_s, block_ids)
+        self._table.expect(transfer_id, layout, num_blocks, write_layer, deadline_s, block_ids, layer_skip)
 
     def poll(self, transfer_id: str) -> TransferStatus:
         return self._table.poll(transfer_id)

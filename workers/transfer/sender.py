@@ -94,6 +94,12 @@ class ChannelSendHandle(SendHandle):
         conn.handle = self
         self._pump = asyncio.ensure_future(self._send_all())
 
+    def skip_leading(self, layer_skip: tuple[int, ...]) -> None:
+        """Before any send_layer: layer i sends blocks from layer_skip[i] on (a sliding-window layer
+        of a model with KV groups sends its window only; the receiver expects the same skip)."""
+        assert not self._blocks_queued, "skip_leading after send_layer"
+        self._blocks_queued = {layer: k for layer, k in enumerate(layer_skip) if k}
+
     @property
     def wants_device_payloads(self) -> bool:
         """Whether send_layer should get device tensors (a CUDA IPC connection copies them itself)."""

@@ -6,7 +6,9 @@ as messages arrive. Both run in the receiver's asyncio loop, so no locks.
 
 State machine (see base.TransferState): WAITING -bind-> RECEIVING -finish, all blocks of all
 layers-> DONE. Each layer arrives as one or more pieces, runs of blocks in order; a piece that
-does not start where the layer's previous one ended is a protocol error. Any non-terminal
+does not start where the layer's previous one ended is a protocol error. A layer with a
+`layer_skip` of k (a sliding-window layer of a model with KV groups: only its window is sent)
+starts at block k. Any non-terminal
 state goes to ABORTED (abort), TIMED_OUT (the deadline timer armed by
 expect), or FAILED (layout mismatch at bind, a bad or out-of-order piece, write_layer raising,
 the sender disconnecting or finishing with layers missing). A terminal state never changes.
@@ -43,6 +45,7 @@ class _Transfer:
     write_layer: WriteLayer
     deadline_s: float
     block_ids: list[int] | None = None  # the decode worker's destination blocks (CUDA IPC writes there)
+    layer_skip: tuple[int, ...] = ()  # per layer, the leading blocks not sent (() : none)
     state: TransferState = TransferState.WAITING
     blocks_done: dict[int, int] = field(default_factory=dict)  # layer -> blocks landed
     num_bytes: int = 0
@@ -73,6 +76,7 @@ class TransferTable:
         write_layer: WriteLayer,
         deadline_s: float,
         block_ids=None,
+        layer_skip: tuple[int, ...] = (),
     ) -> None:
         if transfer_id in self._transfers:
             raise ValueError(f"transfer id {transfer_id!r} is already registered")
@@ -80,8 +84,15 @@ class TransferTable:
             raise ValueError(f"num_blocks must be positive, got {num_blocks}")
         if block_ids is not None and len(block_ids) != num_blocks:
             raise ValueError(f"block_ids must name the {num_blocks} destination blocks, got {len(block_ids)}")
+        if layer_skip and (len(layer_skip) != layout.num_layers or not all(0 <= k < num_blocks for k in layer_skip)):
+            raise ValueError(f"layer_skip must give each of {layout.num_layers} layers 0..{num_blocks - 1} blocks")
         t = _Transfer(
-            layout, num_blocks, write_layer, deadline_s, None if block_ids is None else [int(b) for b in block_ids]
+            layout,
+            num_blocks,
+            write_layer,
+            deadline_s,
+            None if block_ids is None else [int(b) for b in block_ids],
+            tuple(layer_skip),
         )
         t.timer = asyncio.get_running_loop().call_later(deadline_s, self._on_deadline, transfer_id)
         self._transfers[transfer_id] = t
@@ -205,7 +216,8 @@ class TransferTable:
         data: torch.Tensor | None,
     ) -> None:
         block_nbytes = t.layout.layer_payload_nbytes(1)
-        done = t.blocks_done.get(layer, 0) if isinstance(layer, int) else 0
+        skip = t.layer_skip[layer] if t.layer_skip and isinstance(layer, int) and 0 <= layer < len(t.layer_skip) else 0
+        done = t.blocks_done.get(layer, skip) if isinstance(layer, int) else 0
         if (
             not isinstance(layer, int)
             or not 0 <= layer < t.layout.num_layers
@@ -232,7 +244,7 @@ class TransferTable:
                 self._end(t, transfer_id, TransferState.FAILED, f"write_layer({layer}) raised {e!r}")
                 return
         t.blocks_done[layer] = done + num_blocks
-        t.num_bytes += num_blocks * block_nbytes
+        t.num_bytes += num_blocks * block_nbytes  # the bytes on the wire (or over CUDA IPC)
 
     def finish(self, transfer_id: str, aborted_by_sender: bool) -> dict:
         """The sender's "end": settle the transfer and return the final reply. The sender writes
