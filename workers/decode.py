@@ -93,21 +93,7 @@ class RemotePrefill:
     ) -> pb.PrefillResponse | None:
         transfer_id = f"{req_id}/{uuid.uuid4().hex[:12]}"
         call.set("splitserve.kv.transfer_id", transfer_id)
-        dst = ready.block_ids[ready.start_block :]
-        write = self.engine.write_kv_layer
-        # The adapter is part of the layout: KV computed with other weights is refused (prefill.py).
-        layout = dataclasses.replace(self.layout, lora_digest=lora.digest.hex() if lora else "")
-        self.receiver.expect(
-            transfer_id,
-            layout,
-            len(dst),
-            lambda layer, payload, first: write(dst[first : first + payload.shape[1]], layer, payload),
-            self.deadline_s,
-            # KV groups (ready.layer_skip): sliding-window layers get only their window, through
-            # write_kv_layer (CUDA IPC would write every layer into group 0's blocks)
-            block_ids=None if ready.layer_skip else dst,
-            layer_skip=ready.layer_skip,
-        )
+        dst, layout = self._expect(transfer_id, ready, lora)
         t0 = time.monotonic()
         receive = call.child(
             "kv.receive",
@@ -150,6 +136,26 @@ class RemotePrefill:
         self.engine.complete_remote_prefill(req_id, resp.first_token_id, logprob)
         self._count("ok")
         return resp
+
+    def _expect(self, transfer_id: str, ready: KVReady, lora) -> tuple:
+        """Register the transfer with the receiver: its blocks land in the request's blocks from
+        `ready.start_block` on. Returns those block ids and the layout the prefill must match."""
+        dst = ready.block_ids[ready.start_block :]
+        write = self.engine.write_kv_layer
+        # The adapter is part of the layout: KV computed with other weights is refused (prefill.py).
+        layout = dataclasses.replace(self.layout, lora_digest=lora.digest.hex() if lora else "")
+        self.receiver.expect(
+            transfer_id,
+            layout,
+            len(dst),
+            lambda layer, payload, first: write(dst[first : first + payload.shape[1]], layer, payload),
+            self.deadline_s,
+            # KV groups (ready.layer_skip): sliding-window layers get only their window, through
+            # write_kv_layer (CUDA IPC would write every layer into group 0's blocks)
+            block_ids=None if ready.layer_skip else dst,
+            layer_skip=ready.layer_skip,
+        )
+        return dst, layout
 
     def _abort(self, transfer_id: str, block_ids) -> asyncio.Event | None:
         """Abort the transfer. If a CUDA IPC sender may still write its blocks (the receiver's
