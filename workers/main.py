@@ -25,6 +25,7 @@ from splitserve.platform.engine.async_engine import AsyncEngine
 from splitserve.platform.engine.llm_engine import LLMEngine
 from splitserve.platform.kv.cache import bytes_per_block
 from splitserve.platform.observability import tracing
+from splitserve.platform.parallel.agent import run_node
 from splitserve.platform.sampling.params import SamplingParams
 from splitserve.platform.settings import worker_args
 from splitserve.platform.settings.worker_args import WorkerArgs
@@ -60,6 +61,8 @@ def trace_role(role: str) -> str:
 
 def cmd_worker(args) -> int:
     settings = WorkerArgs.from_namespace(args)
+    if settings.node_rank > 0:  # another node of a tensor-parallel group: its ranks, no server
+        return run_node(settings.engine_config())
     config = WorkerConfig.from_args(settings)
     # Before the model loads: a bad value fails fast.
     tracing.configure(tracing.config_from_args(trace_role(settings.role), args))

@@ -60,7 +60,9 @@ class PlanSender:
     def segment_name(self) -> str:
         return self.segment.name
 
-    def send(self, message: object, inline: bool = False) -> None:
+    def send(self, message: object, inline: bool = False) -> bytes:
+        """Send `message` to every local rank; returns its pickled bytes (relayed to the other
+        nodes as they are: node.py)."""
         t0 = time.perf_counter()
         payload = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
         if inline or len(payload) > self.segment.size:
@@ -73,6 +75,7 @@ class PlanSender:
         self.stats.num_messages += 1
         self.stats.num_bytes += len(payload)
         self.stats.seconds += time.perf_counter() - t0
+        return payload
 
     def close(self) -> None:
         for conn in self.conns:

@@ -23,6 +23,7 @@ watch rank 0 in turn (rank.py), so no rank outlives the engine's process.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import signal
@@ -41,6 +42,7 @@ from splitserve.platform.config import EngineConfig
 from splitserve.platform.errors import ConfigError, TensorParallelError
 from splitserve.platform.parallel.channel import PlanSender
 from splitserve.platform.parallel.group import TPGroup, close_group, init_group
+from splitserve.platform.parallel.node import NodeLinks
 
 log = logging.getLogger(__name__)
 
@@ -72,30 +74,27 @@ class Stop:
 class TPExecutor:
     def __init__(self, config: EngineConfig, num_blocks: int, max_model_len: int):
         parallel = config.parallel
-        if parallel.nnodes > 1:
-            raise ConfigError(
-                "--nnodes > 1: a group over several nodes is not implemented yet; allowed: --nnodes 1 "
-                "with --tensor-parallel-size up to the node's GPUs"
-            )
         self.size = parallel.tensor_parallel_size
         self.device = rank_device(config.device.device, 0)
         addr = parallel.master_addr
         port = parallel.master_port or _free_port(addr)
-        pipes = [Pipe() for _ in range(1, self.size)]
+        pipes = [Pipe() for _ in range(1, parallel.ranks_per_node)]
         self.sender = PlanSender([parent for parent, _ in pipes])
-        threads = config.device.num_threads or max(1, (os.cpu_count() or 1) // self.size)
+        threads = config.device.num_threads or max(1, (os.cpu_count() or 1) // parallel.ranks_per_node)
         self.procs: list[subprocess.Popen] = []
         self.failure: str | None = None
         self._closed = False
-        self._finalizer = weakref.finalize(self, _kill, self.procs)
+        self._finalizer = weakref.finalize(self, kill, self.procs)
+        # the other nodes' agents (node.py); None on one node
+        self.nodes = NodeLinks(addr, port, parallel.nnodes) if parallel.nnodes > 1 else None
+        spec = RankSpec(config, 0, self.size, addr, port, num_blocks, max_model_len, "", threads)
         for rank, (parent, child) in enumerate(pipes, start=1):
-            spec = RankSpec(
-                config, rank, self.size, addr, port, num_blocks, max_model_len, self.sender.segment_name, threads
-            )
-            self.procs.append(_spawn(child))
+            self.procs.append(spawn(child))
             child.close()
-            parent.send(spec)
+            parent.send(dataclasses.replace(spec, rank=rank, segment_name=self.sender.segment_name))
         try:
+            if self.nodes is not None:
+                self.nodes.accept(spec, START_TIMEOUT_S)
             self._collect("hello", timeout=START_TIMEOUT_S)
             self.group: TPGroup = init_group(0, self.size, addr, port, self.device)
         except BaseException:
@@ -119,27 +118,21 @@ class TPExecutor:
         self._watchdog.start()
 
     def _collect(self, kind: str, timeout: float) -> list:
-        """Each rank's next answer, which must be `kind`; returns their details in rank order."""
-        details = []
-        deadline = time.monotonic() + timeout
-        for rank, (proc, conn) in enumerate(zip(self.procs, self.sender.conns, strict=True), start=1):
-            while not conn.poll(0.1):
-                if proc.poll() is not None:
-                    raise ConfigError(f"tensor-parallel rank {rank} exited with code {proc.returncode} while starting")
-                if time.monotonic() > deadline:
-                    raise ConfigError(f"tensor-parallel rank {rank} did not report {kind} within {timeout:.0f} s")
-            got, detail = conn.recv()
-            if got == "error":
-                raise ConfigError(f"tensor-parallel rank {rank} failed to start: {detail}")
-            assert got == kind, f"rank {rank} sent {got!r}, expected {kind!r}"
-            details.append(detail)
+        """Each rank's next answer (the other nodes' ranks through their agents), which must be
+        `kind`; their details in rank order."""
+        details = collect(self.procs, self.sender.conns, kind, timeout)
+        if self.nodes is not None:
+            for node_details in self.nodes.collect(kind, timeout):
+                details += node_details or []
         return details
 
     def send_step(self, message) -> None:
         """Ship one step to every rank; TensorParallelError if the group is down."""
         self.check()
         try:
-            self.sender.send(message)
+            payload = self.sender.send(message)
+            if self.nodes is not None:
+                self.nodes.forward(payload)
         except OSError as exc:
             self.fail(f"a rank's pipe broke ({exc})")
             self.check()
@@ -153,11 +146,16 @@ class TPExecutor:
         if self.failure is None:
             self.failure = reason
             log.error("tensor-parallel group down: %s; ending every rank", reason)
-        _kill(self.procs)
+        kill(self.procs)
+        if self.nodes is not None:
+            self.nodes.close()  # each agent sees its link close and ends its node's ranks
 
     def _watch(self) -> None:
         stopped_since: dict[int, float] = {}
         while not self._closed and self.failure is None:
+            if self.nodes is not None and (problem := self.nodes.problem()) is not None:
+                self.fail(problem)
+                return
             for rank, proc in enumerate(self.procs, start=1):
                 if proc.poll() is not None:
                     self.fail(f"rank {rank} (pid {proc.pid}) exited with code {proc.returncode}")
@@ -178,18 +176,22 @@ class TPExecutor:
         self._closed = True
         if self.failure is None:
             with contextlib.suppress(OSError, ValueError):
-                self.sender.send(Stop(), inline=True)
+                payload = self.sender.send(Stop(), inline=True)
+                if self.nodes is not None:
+                    self.nodes.forward(payload)
             deadline = time.monotonic() + 5.0
             for proc in self.procs:
                 with contextlib.suppress(subprocess.TimeoutExpired):
                     proc.wait(max(0.0, deadline - time.monotonic()))
-        _kill(self.procs)
+        kill(self.procs)
+        if self.nodes is not None:
+            self.nodes.close()
         with contextlib.suppress(OSError):
             self.sender.close()
         close_group()
 
 
-def _spawn(child: Connection) -> subprocess.Popen:
+def spawn(child: Connection) -> subprocess.Popen:
     """A fresh interpreter running rank.py, its end of the pipe passed as an inherited fd (not
     multiprocessing's spawn, which re-runs the caller's __main__ module in the child)."""
     fd = child.fileno()
@@ -198,7 +200,26 @@ def _spawn(child: Connection) -> subprocess.Popen:
     )
 
 
-def _kill(procs: list[subprocess.Popen]) -> None:
+def collect(procs: list[subprocess.Popen], conns: list[Connection], kind: str, timeout: float, first: int = 1) -> list:
+    """Each spawned rank's next answer, which must be `kind`; their details in rank order
+    (`first`: the rank number of procs[0], for the messages)."""
+    details = []
+    deadline = time.monotonic() + timeout
+    for rank, (proc, conn) in enumerate(zip(procs, conns, strict=True), start=first):
+        while not conn.poll(0.1):
+            if proc.poll() is not None:
+                raise ConfigError(f"tensor-parallel rank {rank} exited with code {proc.returncode} while starting")
+            if time.monotonic() > deadline:
+                raise ConfigError(f"tensor-parallel rank {rank} did not report {kind} within {timeout:.0f} s")
+        got, detail = conn.recv()
+        if got == "error":
+            raise ConfigError(f"tensor-parallel rank {rank} failed to start: {detail}")
+        assert got == kind, f"rank {rank} sent {got!r}, expected {kind!r}"
+        details.append(detail)
+    return details
+
+
+def kill(procs: list[subprocess.Popen]) -> None:
     """SIGKILL every rank still running (a stopped one too) and reap it."""
     for proc in procs:
         if proc.poll() is None:

@@ -264,7 +264,6 @@ def test_a_rank_stopped_under_load_fails_every_stream_and_calls_on_fatal(folders
     [
         (dict(tp=3), "does not divide the 4 attention heads.*allowed: \\[1, 2, 4\\]"),
         (dict(tp=2, quantization="w4a16"), "--quantization w4a16 .*use --quantization none"),
-        (dict(tp=2, nnodes=2), "not implemented yet"),
     ],
 )
 def test_bad_sizes_and_combinations_fail_at_start_within_10s(folders, options, message):
