@@ -66,18 +66,21 @@ async def rounds(probe: EndpointProbe, n: int) -> None:
         await probe.probe_once()
 
 
-def test_one_connection_serves_every_round():
-    async def run():
-        endpoint = Endpoint()
-        address = await endpoint.start()
-        probe = EndpointProbe(lambda: {address})
-        await rounds(probe, 10)
-        ready = probe.is_ready(address)
-        await probe.close()
-        await endpoint.stop()
-        return ready, endpoint.connections, endpoint.answers
+async def probed(endpoint: Endpoint, n: int) -> bool:
+    """Probe one endpoint for n rounds; whether it reads ready after them (both ends closed)."""
+    address = await endpoint.start()
+    probe = EndpointProbe(lambda: {address})
+    await rounds(probe, n)
+    ready = probe.is_ready(address)
+    await probe.close()
+    await endpoint.stop()
+    return ready
 
-    assert asyncio.run(run()) == (True, 1, 10)
+
+def test_one_connection_serves_every_round():
+    endpoint = Endpoint()
+    ready = asyncio.run(probed(endpoint, 10))
+    assert (ready, endpoint.connections, endpoint.answers) == (True, 1, 10)
 
 
 def test_a_connection_the_endpoint_closed_is_retried_without_a_not_ready_round():
@@ -99,17 +102,7 @@ def test_a_connection_the_endpoint_closed_is_retried_without_a_not_ready_round()
 
 
 def test_a_chunked_answer_still_reads_as_its_status():
-    async def run():
-        endpoint = Endpoint(chunked=True)
-        address = await endpoint.start()
-        probe = EndpointProbe(lambda: {address})
-        await rounds(probe, 3)
-        ready = probe.is_ready(address)
-        await probe.close()
-        await endpoint.stop()
-        return ready
-
-    assert asyncio.run(run())
+    assert asyncio.run(probed(Endpoint(chunked=True), 3))
 
 
 def test_a_gone_endpoint_is_not_ready_at_the_next_round_and_a_503_is_not_ready():
