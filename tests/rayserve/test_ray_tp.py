@@ -45,11 +45,18 @@ def served(tmp_path_factory, tiny_llama):
 
 
 def rank_processes_since(started_at: float) -> list[psutil.Process]:
+    """Rank processes a Ray actor started since `started_at` (not those of the tests another
+    xdist worker runs beside this one: their parent is a pytest process)."""
     found = []
     for proc in psutil.process_iter(["cmdline", "create_time"]):
         cmdline = " ".join(proc.info["cmdline"] or [])
         if "splitserve.platform.parallel.rank" in cmdline and proc.info["create_time"] >= started_at - 1:
-            found.append(proc)
+            try:
+                parent = " ".join(proc.parent().cmdline())
+            except (psutil.NoSuchProcess, AttributeError):
+                continue
+            if "ray" in parent and "pytest" not in parent:
+                found.append(proc)
     return found
 
 
