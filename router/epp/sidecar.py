@@ -27,6 +27,7 @@ import logging
 from prometheus_client import Counter
 
 from splitserve.router import logctx
+from splitserve.router.core.readiness import POLL_S
 from splitserve.router.epp.endpoints import check_address
 from splitserve.router.epp.extproc import PREFILLER
 from splitserve.router.errors import NoWorkerError, error_body
@@ -85,7 +86,7 @@ class PrefillerGate:
         named = headers.get(PREFILLER.encode(), b"").decode("latin-1").strip()
         if not is_http:
             return await self.app(scope, receive, send)
-        if named and not self._in_pool(named):
+        if named and not await self._in_pool(named):
             self.refused.inc()
             log.warning("refused %s naming prefill worker %r, which is not in the pool", scope.get("path"), named)
             await _send_json(
@@ -106,9 +107,18 @@ class PrefillerGate:
         finally:
             prefiller.reset(token)
 
-    def _in_pool(self, address: str) -> bool:
-        worker = self.router.pool.workers.get(address)
-        return worker is not None and worker.role in ("prefill", "both") and address != self.router.placer.local
+    async def _in_pool(self, address: str) -> bool:
+        """A discovered prefill worker other than this pod's. A worker discovery listed whose role
+        is not known yet (this sidecar started a moment ago and its probe has not answered, while
+        the EPP, running longer, already picks it) is waited for up to gateway.worker_wait_s, as a
+        request finding no decode worker is; an address discovery never listed is refused at once."""
+        if address == self.router.placer.local:
+            return False
+        pool, clock = self.router.pool, self.router.pool.clock
+        deadline = clock() + self.router.config.gateway.worker_wait_s
+        while (worker := pool.workers.get(address)) is not None and not worker.role and clock() < deadline:
+            await asyncio.sleep(POLL_S)
+        return worker is not None and worker.can_prefill
 
 
 async def _send_json(send, status: int, body: dict) -> None:
