@@ -93,6 +93,7 @@ def kv_state(engine: LLMEngine) -> dict:
     return dict(
         num_blocks=engine.pool.num_blocks,
         num_free_blocks=engine.pool.num_free_blocks,
+        num_cached_blocks=engine.pool.num_cached_blocks,  # hashed prefix blocks, in use or evictable
         num_requests=engine.scheduler.num_unfinished,
         num_requests_holding_blocks=engine.kv.num_requests,
         groups=engine.kv.group_usage(),  # per KV group (platform/kv/groups.py): one for most models

@@ -385,6 +385,7 @@ async def publish_load(service: WorkerService, interval_s: float) -> None:
                 kv_usage=load.kv_usage,
                 queued_prefill_tokens=load.queued_prefill_tokens,
                 num_free_blocks=load.num_free_blocks,
+                num_cached_blocks=load.num_cached_blocks,
                 draining=service.draining,
                 adapters=adapters,
                 running_lora_adapters=load.running_loras,

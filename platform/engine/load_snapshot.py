@@ -22,6 +22,8 @@ class LoadSnapshot:
     queued_prefill_tokens: int  # prompt tokens admitted or waiting but not yet computed
     num_free_blocks: int
     num_total_blocks: int
+    # Blocks holding a cached (hashed) prefix, in use or evictable: how full the prefix cache is.
+    num_cached_blocks: int = 0
     prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache since start
     prefix_cache_hits: int = 0  # of which were found (counted once per request)
     num_prefix_waits: int = 0  # steps requests sat out to reuse a prefix in flight (scheduler rule 3)
@@ -61,6 +63,7 @@ def take_snapshot(
         queued_prefill_tokens=queued,
         num_free_blocks=pool.num_free_blocks,
         num_total_blocks=pool.num_blocks,
+        num_cached_blocks=pool.num_cached_blocks,
         prefix_cache_queries=sched.stats.num_prefix_query_tokens,
         prefix_cache_hits=sched.stats.num_prefix_hit_tokens,
         num_prefix_waits=sched.stats.num_prefix_waits,

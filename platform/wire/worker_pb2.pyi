@@ -339,7 +339,7 @@ class KVEvent(_message.Message):
     def __init__(self, stored: _Optional[_Union[BlockStored, _Mapping]] = ..., removed: _Optional[_Union[BlockRemoved, _Mapping]] = ..., cleared: _Optional[_Union[AllCleared, _Mapping]] = ...) -> None: ...
 
 class LoadReport(_message.Message):
-    __slots__ = ("num_waiting", "num_running", "kv_usage", "queued_prefill_tokens", "num_free_blocks", "draining", "adapters", "running_lora_adapters", "waiting_lora_adapters", "max_loras", "resident_lora_adapters")
+    __slots__ = ("num_waiting", "num_running", "kv_usage", "queued_prefill_tokens", "num_free_blocks", "draining", "adapters", "running_lora_adapters", "waiting_lora_adapters", "max_loras", "resident_lora_adapters", "num_cached_blocks")
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     KV_USAGE_FIELD_NUMBER: _ClassVar[int]
@@ -351,6 +351,7 @@ class LoadReport(_message.Message):
     WAITING_LORA_ADAPTERS_FIELD_NUMBER: _ClassVar[int]
     MAX_LORAS_FIELD_NUMBER: _ClassVar[int]
     RESIDENT_LORA_ADAPTERS_FIELD_NUMBER: _ClassVar[int]
+    NUM_CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     num_waiting: int
     num_running: int
     kv_usage: float
@@ -362,7 +363,8 @@ class LoadReport(_message.Message):
     waiting_lora_adapters: _containers.RepeatedScalarFieldContainer[str]
     max_loras: int
     resident_lora_adapters: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., kv_usage: _Optional[float] = ..., queued_prefill_tokens: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., draining: _Optional[bool] = ..., adapters: _Optional[_Iterable[_Union[LoraAdapterInfo, _Mapping]]] = ..., running_lora_adapters: _Optional[_Iterable[str]] = ..., waiting_lora_adapters: _Optional[_Iterable[str]] = ..., max_loras: _Optional[int] = ..., resident_lora_adapters: _Optional[_Iterable[str]] = ...) -> None: ...
+    num_cached_blocks: int
+    def __init__(self, num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., kv_usage: _Optional[float] = ..., queued_prefill_tokens: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., draining: _Optional[bool] = ..., adapters: _Optional[_Iterable[_Union[LoraAdapterInfo, _Mapping]]] = ..., running_lora_adapters: _Optional[_Iterable[str]] = ..., waiting_lora_adapters: _Optional[_Iterable[str]] = ..., max_loras: _Optional[int] = ..., resident_lora_adapters: _Optional[_Iterable[str]] = ..., num_cached_blocks: _Optional[int] = ...) -> None: ...
 
 class LoraAdapterInfo(_message.Message):
     __slots__ = ("name", "digest", "path")

@@ -43,13 +43,16 @@ class ProfileConfig:
 
 def default_decode_profile() -> ProfileConfig:
     # Load outweighs a prefix hit once a worker's queue is much deeper (docs/router.md); past
-    # the load scorers' saturation points, `balanced` keeps that true.
+    # the load scorers' saturation points, `balanced` keeps that true. cache-room spreads prompts
+    # no worker holds over the emptier caches; a full hit plus its weight (2 + 0.5) stays below a
+    # saturated queue's 3.
     return ProfileConfig(
         filters=("healthy", "not-draining", "not-saturated", "balanced"),
         scorers=(
             ScorerSpec("prefix-overlap", 2.0),
             ScorerSpec("queue-depth", 3.0),
             ScorerSpec("kv-usage", 1.0),
+            ScorerSpec("cache-room", 0.5),
             ScorerSpec("pending-assignments", 1.0),
             ScorerSpec("lora-affinity", 2.0),
         ),

@@ -125,6 +125,46 @@ class KVUsage(Scorer):
         }
 
 
+class CacheRoom(Scorer):
+    """Room in the worker's prefix cache for the blocks this request would add to it, so that a
+    prompt no worker holds (a new prefix group) goes where it evicts no other group's prefix:
+
+        fullness(w) = (num_cached_blocks(w) + pending_prefill_tokens(w) / block_size) / num_total_blocks(w)
+        score(w)    = 1 - fullness(w) * (prompt_blocks - matched(w)) / prompt_blocks
+
+    num_cached_blocks is the load report's count of blocks under a hash, held or evictable; the
+    pending tokens are this router's requests on w with no first token yet, which no report
+    shows. Each group's prefix then lives in one worker's cache, as llm-d's precise prefix-cache
+    scorer spreads them. Without it two idle workers tie and a coin places the group: 8 new
+    groups split 6 to 2 or worse 29 % of the time (2 * (28 + 8 + 1) / 256), and a cache with room
+    for 5 prefixes then evicts its own groups' while the other has room.
+
+    It decides only among workers that would add the prompt's blocks. A worker holding the
+    whole prompt adds none and scores 1 whatever its fullness, so a holder never loses by this
+    term; against a non-holder with a full cache it gains the weight, since a copy there would
+    evict another group's prefix. In the default decode profile its weight (0.5) keeps a full
+    prefix hit with that gain (2 + 0.5) below a saturated queue's 3 (docs/router.md).
+
+    Every full block a request computes stays cached until it is evicted, so a worker that has
+    served for long reads full; among such workers only the holder's gain is left."""
+
+    name = "cache-room"
+
+    def score(self, ctx, workers):
+        if ctx.num_prompt_blocks == 0:
+            return {w.address: NEUTRAL for w in workers}  # nothing to cache: no preference
+        out = {}
+        for w in workers:
+            if w.load is None or w.num_total_blocks <= 0:
+                out[w.address] = missing(self.name, w.address, "load report")
+                continue
+            claimed = w.load.num_cached_blocks + w.num_pending_prefill_tokens / ctx.block_size
+            fullness = min(max(claimed / w.num_total_blocks, 0.0), 1.0)
+            added = max(ctx.num_prompt_blocks - ctx.matched_blocks.get(w.address, 0), 0) / ctx.num_prompt_blocks
+            out[w.address] = 1.0 - fullness * added
+        return out
+
+
 class PendingAssignments(Scorer):
     """Requests this router sent to the worker that have no first token yet (so no load report
     shows them): 1 at none, 0 at `saturation` or more."""
@@ -259,6 +299,7 @@ SCORERS: dict[str, type[Scorer]] = {
         PrefixOverlap,
         QueueDepth,
         KVUsage,
+        CacheRoom,
         PendingAssignments,
         QueuedPrefillTokens,
         ExpectedLatency,

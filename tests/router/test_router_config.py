@@ -65,6 +65,7 @@ def test_defaults():
         "prefix-overlap": 2.0,
         "queue-depth": 3.0,
         "kv-usage": 1.0,
+        "cache-room": 0.5,
         "pending-assignments": 1.0,
         "lora-affinity": 2.0,
     }

@@ -37,13 +37,25 @@ def worker(
     draining=False,
     load=True,
     connected=True,
+    cached=0,
+    total=0,
 ):
     w = WorkerState(
-        address, role=role, is_connected=connected, num_pending=pending, num_pending_prefill_tokens=pending_tokens
+        address,
+        role=role,
+        is_connected=connected,
+        num_pending=pending,
+        num_pending_prefill_tokens=pending_tokens,
+        num_total_blocks=total,
     )
     if load:
         w.load = pb.LoadReport(
-            num_waiting=waiting, num_running=running, kv_usage=kv, queued_prefill_tokens=queued, draining=draining
+            num_waiting=waiting,
+            num_running=running,
+            kv_usage=kv,
+            queued_prefill_tokens=queued,
+            draining=draining,
+            num_cached_blocks=cached,
         )
     return w
 
@@ -62,6 +74,15 @@ SCORER_CASES = [
     ("kv-usage", {}, dict(kv=0.25), 0, 1, 0.75),
     ("kv-usage", {}, dict(kv=1.0), 0, 1, 0.0),
     ("kv-usage", {}, dict(load=False), 0, 1, NEUTRAL),
+    ("cache-room", {}, dict(cached=7, total=28), 0, 4, 0.75),  # a quarter full, all 4 blocks to add
+    ("cache-room", {}, dict(cached=28, total=28), 0, 4, 0.0),  # full: adding evicts cached prefixes
+    ("cache-room", {}, dict(cached=28, total=28), 2, 4, 0.5),  # full, half the prompt to add
+    ("cache-room", {}, dict(cached=28, total=28), 4, 4, 1.0),  # holds the whole prompt: adds nothing
+    ("cache-room", {}, dict(cached=40, total=28), 0, 4, 0.0),  # more than the total (a stale pair): clamped
+    ("cache-room", {}, dict(cached=8, total=32, pending_tokens=128), 0, 4, 0.5),  # 8 blocks on their way
+    ("cache-room", {}, dict(cached=8, total=28), 0, 0, NEUTRAL),  # no full block to cache
+    ("cache-room", {}, dict(load=False, total=28), 0, 4, NEUTRAL),
+    ("cache-room", {}, dict(cached=8), 0, 4, NEUTRAL),  # no WorkerInfo yet: size unknown
     ("pending-assignments", {}, dict(pending=0), 0, 1, 1.0),
     ("pending-assignments", {}, dict(pending=1), 0, 1, 0.75),
     ("pending-assignments", {"saturation": 2}, dict(pending=5), 0, 1, 0.0),
@@ -95,6 +116,8 @@ def test_every_registered_scorer_has_a_case_and_stays_in_range():
                 queued=rng.randint(0, 10**5),
                 pending=rng.randint(0, 10),
                 pending_tokens=rng.randint(0, 10**4),
+                cached=rng.randint(0, 100),
+                total=rng.randint(0, 64),
             )
             blocks = rng.randint(0, 20)
             ctx = ScoringContext(blocks * BS, blocks, {"w": rng.randint(0, blocks)})
@@ -228,6 +251,50 @@ def test_profile_rank_table(workers, matched, scorers, winner):
     ctx = ScoringContext(8 * BS, 8, matched)
     ranked = profile(*scorers).rank(ctx, ws, random.Random(0))
     assert ranked[0][0] == winner, ranked
+
+
+# The default decode profile with cache-room: two workers with 28 blocks each, a prompt of 8 blocks;
+# (workers, matched blocks, winner). docs/router.md ("Default weights") states these levels.
+T = 28
+DEFAULT_RANK_CASES = [
+    # (a) a prompt no worker holds goes to the emptier cache, whichever address it has
+    (dict(a=dict(cached=20), b=dict(cached=4)), dict(a=0, b=0), "b"),
+    (dict(a=dict(cached=4), b=dict(cached=20)), dict(a=0, b=0), "a"),
+    (dict(a=dict(cached=0, pending_tokens=320), b=dict(cached=8)), dict(a=0, b=0), "b"),  # 20 blocks sent to a
+    # (a) ...while the queue decides beyond about 1.3 requests: full against empty is worth 0.5 = 4/3 x 3/8
+    (dict(a=dict(cached=T), b=dict(cached=0, running=1)), dict(a=0, b=0), "b"),
+    (dict(a=dict(cached=T), b=dict(cached=0, running=2)), dict(a=0, b=0), "a"),
+    # (b) the holder wins over an empty non-holder, its own cache full
+    (dict(a=dict(cached=T), b=dict(cached=0)), dict(a=8, b=0), "a"),
+    # (b) ...and stays ahead with a queue of 5 (a full hit, 2, against 5 x 3/8), the other's cache empty or full
+    (dict(a=dict(cached=T, running=5), b=dict(cached=0)), dict(a=8, b=0), "a"),
+    (dict(a=dict(cached=T, running=5), b=dict(cached=T)), dict(a=8, b=0), "a"),
+    # (b) against a full non-holder, where a copy would evict another prefix, it keeps up to 6 (2.5 / (3/8))
+    (dict(a=dict(cached=T, running=6), b=dict(cached=T)), dict(a=8, b=0), "a"),
+    (dict(a=dict(cached=T, running=7), b=dict(cached=T)), dict(a=8, b=0), "b"),
+    # (c) a holder with 6 loses to an idle worker with room: cache-room does not make it stickier there
+    (dict(a=dict(cached=T, running=6), b=dict(cached=0)), dict(a=8, b=0), "b"),
+    # (c) a saturated holder loses even to a non-holder whose cache is full, its only other gain
+    #     (2 + 0.5 < 3), with kv usage equal (as if the holder's requests held no block)
+    (dict(a=dict(cached=T, running=8), b=dict(cached=T)), dict(a=8, b=0), "b"),
+]
+
+
+@pytest.mark.parametrize("workers,matched,winner", DEFAULT_RANK_CASES)
+def test_default_profile_with_cache_room(workers, matched, winner):
+    ws = [worker(address, total=T, **kw) for address, kw in workers.items()]
+    ctx = ScoringContext(8 * BS, 8, matched, block_size=BS)
+    for seed in range(5):  # no tie decides it: the same winner for every tie-break order
+        ranked = Profile("decode", default_decode_profile()).rank(ctx, ws, random.Random(seed))
+        assert ranked[0][0] == winner, ranked
+        assert ranked[0][1] > ranked[1][1], ranked
+
+
+def test_cache_room_is_in_the_default_decode_profile_below_a_saturated_queue():
+    """The levels above hold for the shipped weights: a full hit plus cache-room's whole weight
+    stays below queue-depth's (docs/router.md)."""
+    weights = {s.name: s.weight for s in default_decode_profile().scorers}
+    assert weights["prefix-overlap"] + weights["cache-room"] < weights["queue-depth"]
 
 
 def test_ties_are_broken_at_random():
