@@ -134,10 +134,11 @@ class CacheRoom(Scorer):
 
     num_cached_blocks is the load report's count of blocks under a hash, held or evictable; the
     pending tokens are this router's requests on w with no first token yet, which no report
-    shows. Each group's prefix then lives in one worker's cache, as llm-d's precise prefix-cache
-    scorer spreads them. Without it two idle workers tie and a coin places the group: 8 new
-    groups split 6 to 2 or worse 29 % of the time (2 * (28 + 8 + 1) / 256), and a cache with room
-    for 5 prefixes then evicts its own groups' while the other has room.
+    shows. Each group's prefix then lives in one worker's cache. Without it two idle workers tie
+    and a coin places the group: 8 new groups split 6 to 2 or worse 29 % of the time
+    (2 * (28 + 8 + 1) / 256), and a cache with room for 5 prefixes then evicts its own groups'
+    while the other has room. llm-d spreads such cold requests with its no-hit-lru-scorer (the
+    pod least recently sent one); this measures the room instead of taking turns.
 
     It decides only among workers that would add the prompt's blocks. A worker holding the
     whole prompt adds none and scores 1 whatever its fullness, so a holder never loses by this
