@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from splitserve.platform.errors import ConfigError
 from splitserve.router.placement.pool import WorkerState
-from splitserve.router.placement.scorers import parse_params
+from splitserve.router.placement.scoring import parse_params
 
 
 class Filter:

@@ -1,83 +1,15 @@
-"""Scorers: each rates every candidate worker in [0, 1] for one request (1 = best).
-
-A placement profile sums `weight * score` over its scorers (weights from the config file) and
-picks the maximum. Each scorer has a stable `name` (the config refers to it), parses its own
-`params` over its `DEFAULTS`, and never fails a request: a worker it has no data for (no load
-report yet) gets the neutral score 0.5 and one log line per worker per minute. Registered in
+"""Scorers: each rates every candidate worker in [0, 1] for one request (1 = best), by the rules
+of scoring.py (neutral 0.5 without data, load terms against a saturation point). Registered in
 SCORERS; docs/router.md has a paragraph per scorer.
-
-Load terms use a fixed saturation point rather than min-max normalisation across workers:
-with min-max, one extra queued request swings a score from 1 to 0 and outweighs any prefix hit;
-with a saturation point the weight says how many queued requests a full prefix hit is worth.
 """
 
 from __future__ import annotations
 
-import logging
-import time
-from dataclasses import dataclass, field
-
 from splitserve.platform.errors import ConfigError
 from splitserve.router.placement.pool import WorkerState
+from splitserve.router.placement.scoring import NEUTRAL, Scorer, ScoringContext, headroom, missing
 
-log = logging.getLogger(__name__)
-
-NEUTRAL = 0.5
-
-
-@dataclass
-class ScoringContext:
-    """What a scorer may read about the request being placed."""
-
-    num_prompt_tokens: int
-    num_prompt_blocks: int  # full blocks of the prompt
-    matched_blocks: dict[str, int] = field(default_factory=dict)  # per worker address
-    now: float = 0.0
-    lora_name: str | None = None  # the LoRA adapter the request runs (None: base model)
-    block_size: int = 16  # tokens per KV block (the pool's)
-
-
-class Scorer:
-    name = ""
-    DEFAULTS: dict = {}
-
-    def __init__(self, params: dict | None = None):
-        self.params = parse_params(self.name, self.DEFAULTS, params or {})
-
-    def score(self, ctx: ScoringContext, workers: list[WorkerState]) -> dict[str, float]:
-        """Scores in [0, 1] for every worker in `workers`, by address."""
-        raise NotImplementedError
-
-
-def parse_params(owner: str, defaults: dict, params: dict) -> dict:
-    """`params` over `defaults`; ConfigError for an unknown key or a value of the wrong type."""
-    unknown = sorted(set(params) - set(defaults))
-    if unknown:
-        raise ConfigError(f"{owner}: unknown parameter(s) {unknown}; allowed: {', '.join(defaults) or 'none'}")
-    out = dict(defaults)
-    for key, value in params.items():
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-            raise ConfigError(f"{owner}: {key}={value!r} is invalid; allowed: a number > 0")
-        out[key] = value
-    return out
-
-
-_last_logged: dict[tuple[str, str], float] = {}
-
-
-def missing(scorer: str, worker: str, what: str) -> float:
-    """The neutral score, logging why at most once a minute per scorer and worker."""
-    now = time.monotonic()
-    if now - _last_logged.get((scorer, worker), -1e9) > 60:
-        _last_logged[(scorer, worker)] = now
-        log.info("scorer %s: no %s for worker %s yet; neutral score %.1f", scorer, what, worker, NEUTRAL)
-    return NEUTRAL
-
-
-def _headroom(value: float, saturation: float) -> float:
-    """1 at 0, falling linearly to 0 at `saturation` and beyond (clamped to [0, 1])."""
-    score = 1.0 - value / saturation
-    return 0.0 if score < 0.0 else 1.0 if score > 1.0 else score
+__all__ = ["NEUTRAL", "SCORERS", "Scorer", "ScoringContext", "make_scorer"]
 
 
 class PrefixOverlap(Scorer):
@@ -101,7 +33,7 @@ class QueueDepth(Scorer):
         sat = self.params["saturation"]
         return {
             w.address: (
-                _headroom(w.load.num_waiting + w.load.num_running, sat)
+                headroom(w.load.num_waiting + w.load.num_running, sat)
                 if w.load is not None
                 else missing(self.name, w.address, "load report")
             )
@@ -175,7 +107,7 @@ class PendingAssignments(Scorer):
 
     def score(self, ctx, workers):
         sat = self.params["saturation"]
-        return {w.address: _headroom(w.num_pending, sat) for w in workers}
+        return {w.address: headroom(w.num_pending, sat) for w in workers}
 
 
 class QueuedPrefillTokens(Scorer):
@@ -192,7 +124,7 @@ class QueuedPrefillTokens(Scorer):
             if w.load is None:
                 out[w.address] = missing(self.name, w.address, "load report")
             else:
-                out[w.address] = _headroom(w.load.queued_prefill_tokens + w.num_pending_prefill_tokens, sat)
+                out[w.address] = headroom(w.load.queued_prefill_tokens + w.num_pending_prefill_tokens, sat)
         return out
 
 
