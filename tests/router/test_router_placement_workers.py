@@ -1,6 +1,7 @@
 """Placement against real worker processes (two decode, two prefill; the SmolLM2 model):
 requests sharing a long prefix land where it is cached — shown by the router's index and by
-the workers' own cached-token counts — and a much deeper queue outweighs the prefix hit."""
+the workers' own cached-token counts — a much deeper queue outweighs the prefix hit, and a
+prefix no worker holds goes to the emptier prefix cache (cache-room, from the load reports)."""
 
 import asyncio
 import threading
@@ -119,6 +120,61 @@ def test_much_deeper_queue_outweighs_the_prefix_hit(gateway, cluster, loop):
         assert r.headers["x-splitserve-prefill-worker"] == prefill_home
     finally:
         busy.stop()
+
+
+def test_a_new_prefix_goes_to_the_emptier_cache_and_a_held_one_to_its_holder(gateway, cluster, loop):
+    """cache-room on real load reports (`num_cached_blocks`): between two idle decode workers,
+    a prefix neither holds goes to the one whose prefix cache holds fewer blocks; a prefix the
+    fuller one holds still goes there."""
+    server, client = gateway
+    decode = [w.address for w in cluster if w.role == "decode"]
+
+    def report(address):
+        load = loop.call(lambda: server.router.pool.workers[address].load)
+        assert load is not None, f"no load report from {address}"
+        return load
+
+    def wait_for(what, predicate, timeout=60):
+        deadline = time.monotonic() + timeout
+        while not predicate():
+            assert time.monotonic() < deadline, f"{what} within {timeout} s"
+            time.sleep(0.1)
+
+    fuller = max(decode, key=lambda a: report(a).num_cached_blocks)
+    emptier = next(a for a in decode if a != fuller)
+
+    def gap():
+        return report(fuller).num_cached_blocks - report(emptier).num_cached_blocks
+
+    def idle():
+        return all(report(a).num_running + report(a).num_waiting == 0 and report(a).kv_usage == 0 for a in decode)
+
+    group = ids(600, salt=3)  # 37 full blocks no worker holds yet
+    for tokens in [group] + [ids(1600, salt=salt) for salt in range(30, 34)]:  # then up to 4 x 100 blocks
+        loop.run(compute_on(fuller, tokens))
+        if gap() >= 150:
+            break
+    wait_for("the router seeing 150 more cached blocks on one worker", lambda: gap() >= 150)
+    wait_for("both decode workers idle", idle)
+    r = complete(client, ids(600, salt=4) + ids(20, salt=400))
+    assert r.headers["x-splitserve-decode-worker"] == emptier, (report(fuller), report(emptier))
+    wait_for("both decode workers idle", idle)
+    r = complete(client, group + ids(20, salt=300))
+    assert r.headers["x-splitserve-decode-worker"] == fuller
+    assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] >= 37 * 16
+
+
+async def compute_on(address, tokens):
+    """One prompt prefilled on the worker itself (no remote prefill), one token out."""
+    async with worker_channel(address) as ch:
+        request = pb.GenerateRequest(
+            request_id=f"fill-{time.monotonic_ns()}",
+            prompt_token_ids=tokens,
+            params=pb.SamplingParams(temperature=0, max_tokens=1, ignore_eos=True),
+            disaggregation=pb.DISAGGREGATION_MODE_NEVER,
+        )
+        async for _ in pb_grpc.WorkerStub(ch).Generate(request):
+            pass
 
 
 class Background:
