@@ -65,12 +65,14 @@ class CacheRoom(Scorer):
         score(w)    = 1 - fullness(w) * (prompt_blocks - matched(w)) / prompt_blocks
 
     num_cached_blocks is the load report's count of blocks under a hash, held or evictable; the
-    pending tokens are this router's requests on w with no first token yet, which no report
-    shows. Each group's prefix then lives in one worker's cache. Without it two idle workers tie
-    and a coin places the group: 8 new groups split 6 to 2 or worse 29 % of the time
-    (2 * (28 + 8 + 1) / 256), and a cache with room for 5 prefixes then evicts its own groups'
-    while the other has room. llm-d spreads such cold requests with its no-hit-lru-scorer (the
-    pod least recently sent one); this measures the room instead of taking turns.
+    pending tokens are the uncached prompt tokens of this router's requests that w computes and
+    that have no first token yet, which no report shows (a remote prefill counts them on the
+    prefill worker; w's report catches up within 0.5 s). Each group's prefix then lives in one
+    worker's cache. Without it two idle workers tie and a coin places the group: 8 new groups
+    split 6 to 2 or worse 29 % of the time (2 * (28 + 8 + 1) / 256), and a cache with room for 5
+    prefixes then evicts its own groups' while the other has room. llm-d spreads such cold
+    requests with its no-hit-lru-scorer (the pod least recently sent one); this measures the
+    room instead of taking turns.
 
     It decides only among workers that would add the prompt's blocks. A worker holding the
     whole prompt adds none and scores 1 whatever its fullness, so a holder never loses by this
@@ -89,7 +91,7 @@ class CacheRoom(Scorer):
         out = {}
         for w in workers:
             if w.load is None or w.num_total_blocks <= 0:
-                out[w.address] = missing(self.name, w.address, "load report")
+                out[w.address] = missing(self.name, w.address, "load report" if w.load is None else "pool size")
                 continue
             claimed = w.load.num_cached_blocks + w.num_pending_prefill_tokens / ctx.block_size
             fullness = min(max(claimed / w.num_total_blocks, 0.0), 1.0)
