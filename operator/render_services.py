@@ -70,6 +70,7 @@ def router_config(ctx: Context) -> dict[str, Any]:
                     {"name": "kv-usage", "weight": w.kv_usage},
                     {"name": "pending-assignments", "weight": w.pending},
                     {"name": "lora-affinity", "weight": w.lora},
+                    {"name": "cache-room", "weight": w.cache_room},
                 ]
             },
             "prefill": {

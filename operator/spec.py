@@ -310,6 +310,9 @@ class ScorerWeights(_Spec):
     lora: float = Field(2.0, ge=0, le=1000)
     """LoRA adapter affinity (decode only): the request's adapter already runs on the worker, or it has a free adapter
     slot."""
+    cache_room: float = Field(0.5, ge=0, le=1000)
+    """Room in the worker's prefix cache for the blocks the request adds (decode only): a prefix no worker holds goes
+    where it evicts the least."""
 
 
 class SecretKeyRef(_Spec):

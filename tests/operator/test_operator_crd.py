@@ -110,7 +110,14 @@ def test_defaults_are_filled_by_the_schema():
     assert spec["kvTransfer"] == {"transport": "ucx"}
     assert spec["decode"]["autoscaling"] == {}  # no defaults: the chart's values apply
     assert spec["kvCache"] == {}  # no defaults either: the chart's kvCache values apply
-    assert spec["router"]["scorerWeights"] == {"prefix": 3.0, "queue": 2.0, "kvUsage": 2.0, "pending": 1.0, "lora": 2.0}
+    assert spec["router"]["scorerWeights"] == {
+        "prefix": 3.0,
+        "queue": 2.0,
+        "kvUsage": 2.0,
+        "pending": 1.0,
+        "lora": 2.0,
+        "cacheRoom": 0.5,
+    }
     # The operator's model sees the same defaults as the API server stored.
     assert parse_spec(stored["spec"]) == parse_spec({"model": {"uri": "smollm2-135m"}})
 

@@ -348,6 +348,7 @@ def test_router_container_and_config():
                     {"name": "kv-usage", "weight": 2.0},
                     {"name": "pending-assignments", "weight": 1.0},
                     {"name": "lora-affinity", "weight": 2.0},
+                    {"name": "cache-room", "weight": 0.5},
                 ]
             },
             "prefill": {

@@ -18,6 +18,27 @@ def redis_server():
     server.stop()
 
 
+@pytest.fixture(scope="session")
+def shared_up():
+    """`get(*flags)`: a running `splitserve up` with those flags, one per flag list in this test
+    process, started on first use and stopped (SIGINT) at the session's end. For files that only
+    send requests: each `up` costs two model loads, and the gateway files would otherwise start
+    the same one each. A file that stops, reconfigures or counts from a fresh `up` runs its own
+    (upkit.running_up)."""
+    from upkit import UpProcess, stop
+
+    processes: dict[tuple[str, ...], UpProcess] = {}
+
+    def get(*flags: str) -> UpProcess:
+        if flags not in processes or processes[flags].proc.poll() is not None:
+            processes[flags] = UpProcess(*flags).wait()
+        return processes[flags]
+
+    yield get
+    for process in processes.values():
+        stop(process)
+
+
 @pytest.fixture(scope="module")
 def loop():
     thread = LoopThread()

@@ -13,7 +13,6 @@ import math
 import openai
 import pytest
 import torch
-from test_router_up import running_up
 
 pytestmark = pytest.mark.slow
 
@@ -45,8 +44,8 @@ metric_list:
 
 
 @pytest.fixture(scope="module")
-def up():
-    yield from running_up("--quantization", "none", "--kv-transport", "tcp")
+def up(shared_up):
+    return shared_up("--quantization", "none", "--kv-transport", "tcp")
 
 
 @pytest.fixture(scope="module")

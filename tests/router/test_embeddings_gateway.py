@@ -9,7 +9,6 @@ import numpy as np
 import openai
 import pytest
 import torch
-from test_router_up import running_up
 
 pytestmark = pytest.mark.slow
 
@@ -24,9 +23,9 @@ TEXTS = [
 
 
 @pytest.fixture(scope="module")
-def client():
-    for process in running_up("--quantization", "none", "--kv-transport", "tcp"):
-        yield openai.OpenAI(base_url=process.url, api_key="unused", max_retries=0, timeout=300)
+def client(shared_up):
+    process = shared_up("--quantization", "none", "--kv-transport", "tcp")
+    return openai.OpenAI(base_url=process.url, api_key="unused", max_retries=0, timeout=300)
 
 
 def decode(embedding):

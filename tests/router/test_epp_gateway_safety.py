@@ -244,8 +244,21 @@ def test_the_shipped_envoy_config_is_what_envoy_config_prints():
     assert yaml.safe_load(shipped.read_text()) == expected, "regenerate deploy/envoy/envoy.yaml (its header says how)"
 
 
+def wait_until_envoy_sees_the_pool_healthy(gateway, envoy: str, timeout_s: float = 30.0) -> None:
+    """Envoy's own health checks (1 s apart) re-admit a member some time after its /ready says yes
+    again (the member test before this one takes member-0 out): on a loaded host, longer than a
+    fixed sleep. Its admin /clusters lists each host's health flags."""
+    admin = f"http://127.0.0.1:{gateway.admins[envoy]}/clusters"
+    wanted = {f"pool::{m.address}::health_flags::healthy" for m in gateway.members}
+    deadline = time.monotonic() + timeout_s
+    while not wanted <= set(http_get(admin, 2)[1].decode().splitlines()):
+        assert time.monotonic() < deadline, f"envoy {envoy} did not see both members healthy in {timeout_s} s"
+        time.sleep(0.2)
+
+
 def test_epp_down_fail_closed_is_a_quick_503_and_fail_open_stays_in_the_pool(gateway):
     """Last: it kills the EPP."""
+    wait_until_envoy_sees_the_pool_healthy(gateway, "open")
     gateway.epp.stop(signal.SIGKILL)
     hostile = hostile_headers(gateway, gateway.decoy.address)
     for how in ("http1", "h2", "h2-trailers"):

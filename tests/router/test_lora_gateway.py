@@ -14,7 +14,7 @@ import threading
 import openai
 import pytest
 from lora_folders import write_adapter
-from test_router_up import running_up
+from upkit import running_up
 from workerproc import WORKER_QUANTIZATION
 
 from splitserve.platform.sampling.params import SamplingParams

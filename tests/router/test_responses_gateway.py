@@ -8,7 +8,6 @@ import json
 import jsonschema
 import openai
 import pytest
-from test_router_up import running_up
 
 pytestmark = pytest.mark.slow
 
@@ -33,9 +32,8 @@ PERSON = {
 
 
 @pytest.fixture(scope="module")
-def client():
-    for process in running_up():
-        yield openai.OpenAI(base_url=process.url, api_key="unused", max_retries=0, timeout=300)
+def client(shared_up):
+    return openai.OpenAI(base_url=shared_up().url, api_key="unused", max_retries=0, timeout=300)
 
 
 def collect(stream) -> tuple[list[str], list, object]:

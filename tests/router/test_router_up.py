@@ -1,63 +1,22 @@
 """`splitserve up` — the embedded default — as a user meets it: the official `openai` client
 against its URL, the README's curl example, `make run` calling it, Ctrl-C stopping everything."""
 
-import os
 import pathlib
 import re
 import signal
 import subprocess
-import threading
 
 import openai
 import psutil
 import pytest
-from routerkit import free_port
-from workerproc import CLI, WORKER_QUANTIZATION
+from upkit import running_up
+from workerproc import WORKER_QUANTIZATION
 
 pytestmark = pytest.mark.slow
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 MODEL = "smollm2-135m"
 MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
-
-
-class UpProcess:
-    def __init__(self, *args):
-        self.port = free_port()
-        self.proc = subprocess.Popen(
-            [CLI, "up", "--port", str(self.port), *args],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
-        )
-        self.lines: list[str] = []
-        self.url = None
-        self.ready = threading.Event()
-        threading.Thread(target=self._pump, daemon=True).start()
-
-    def _pump(self):
-        for line in self.proc.stdout:
-            self.lines.append(line)
-            match = re.match(r"splitserve up: serving (\S+)", line)
-            if match:
-                self.url = match.group(1)
-                self.ready.set()
-        self.ready.set()
-
-    def wait(self, timeout=300):
-        assert self.ready.wait(timeout) and self.url, "splitserve up did not start:\n" + "".join(self.lines[-30:])
-        return self
-
-
-def running_up(*args: str):
-    """The body of a module fixture: `splitserve up` with `args`, yielded once it serves, stopped
-    (SIGINT, as Ctrl-C) after the module's tests."""
-    process = UpProcess(*args).wait()
-    yield process
-    if process.proc.poll() is None:
-        process.proc.send_signal(signal.SIGINT)
-        process.proc.wait(60)
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,7 @@ import subprocess
 
 import openai
 import pytest
-from test_router_up import running_up
+from upkit import running_up
 
 pytestmark = pytest.mark.slow
 

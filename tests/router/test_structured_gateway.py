@@ -12,7 +12,6 @@ import jsonschema
 import openai
 import pytest
 from structured_schemas import SCHEMAS
-from test_router_up import running_up
 
 pytestmark = pytest.mark.slow
 
@@ -21,9 +20,8 @@ ASK = "Reply with a JSON value."
 
 
 @pytest.fixture(scope="module")
-def client():
-    for process in running_up():
-        yield openai.OpenAI(base_url=process.url, api_key="unused", max_retries=0, timeout=300)
+def client(shared_up):
+    return openai.OpenAI(base_url=shared_up().url, api_key="unused", max_retries=0, timeout=300)
 
 
 def ask(client, *, chat, stream, max_tokens=120, **kw):

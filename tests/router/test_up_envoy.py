@@ -9,7 +9,8 @@ import signal
 import openai
 import psutil
 import pytest
-from test_router_up import MESSAGES, MODEL, UpProcess
+from test_router_up import MESSAGES, MODEL
+from upkit import UpProcess
 
 pytestmark = pytest.mark.slow
 
