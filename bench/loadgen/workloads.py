@@ -103,13 +103,13 @@ class W1Params:
 
 @dataclass(frozen=True)
 class SharedPrefixParams:
-    """llm-d's shared-prefix workload; the defaults are its shape scaled to the 2-core CPU host
-    shared by other jobs, where a lone prefill runs at ~18 ms a token (docs/bench.md)."""
+    """llm-d's shared-prefix workload; the defaults are its shape scaled to a quiet 2-core CPU
+    host, where a lone miss (224 tokens) takes about half the sweep's 2 s SLO (docs/bench.md)."""
 
     groups: int = 8
     per_group: int = 6
-    system_len: int = 64
-    question_len: int = 16
+    system_len: int = 192
+    question_len: int = 32
     output_len: int = 16
     group_skew: float = 0.0  # 0: per_group requests each; > 0: Zipf(group_skew) popularity
 

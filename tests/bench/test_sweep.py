@@ -109,7 +109,8 @@ def test_arguments_are_checked_before_any_run(capsys):
     with pytest.raises(SystemExit, match=r"--kv-prefixes must be in \[1, groups - 1 = 3\]"):
         sweep.make_setup(args)
     setup, holds = sweep.make_setup(sweep.parse_args(["--workload-param", "groups=8"]))
-    assert setup.kv_blocks == 5 * 4 + 4 * 2 and holds.startswith("5 of the 8 system prompts")
+    # the CPU default shape, 192 + 32 -> 16: a system prompt is 12 blocks, a request's own 3
+    assert setup.kv_blocks == 5 * 12 + 4 * 3 and holds.startswith("5 of the 8 system prompts")
     assert setup.max_model_len == 256 and setup.params["groups"] == "8"
 
 
