@@ -130,9 +130,7 @@ class TPExecutor:
         """Ship one step to every rank; TensorParallelError if the group is down."""
         self.check()
         try:
-            payload = self.sender.send(message)
-            if self.nodes is not None:
-                self.nodes.forward(payload)
+            self._broadcast(message)
         except OSError as exc:
             self.fail(f"a rank's pipe broke ({exc})")
             self.check()
@@ -140,6 +138,12 @@ class TPExecutor:
     def check(self) -> None:
         if self.failure is not None:
             raise TensorParallelError(f"the tensor-parallel group is down: {self.failure}")
+
+    def _broadcast(self, message, inline: bool = False) -> None:
+        """`message` to every local rank, and its bytes as they are to the other nodes' agents."""
+        payload = self.sender.send(message, inline=inline)
+        if self.nodes is not None:
+            self.nodes.forward(payload)
 
     def fail(self, reason: str) -> None:
         """Take the group down: record why (the first reason wins) and SIGKILL every rank."""
@@ -176,9 +180,7 @@ class TPExecutor:
         self._closed = True
         if self.failure is None:
             with contextlib.suppress(OSError, ValueError):
-                payload = self.sender.send(Stop(), inline=True)
-                if self.nodes is not None:
-                    self.nodes.forward(payload)
+                self._broadcast(Stop(), inline=True)
             deadline = time.monotonic() + 5.0
             for proc in self.procs:
                 with contextlib.suppress(subprocess.TimeoutExpired):
