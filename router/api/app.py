@@ -166,14 +166,8 @@ def _add_routes(app: FastAPI, router: Router, gateway: Gateway) -> None:
 
     @app.get("/ready", summary="Readiness: a healthy decode worker (and prefill worker where required)")
     async def ready():
-        healthy, reason = router.pool.num_healthy(), readiness.unready_reason(router)
-        if reason:
-            return JSONResponse(error_body(503, reason, code="no_worker_available"), 503, headers={"Retry-After": "1"})
-        return {
-            "status": "ready",
-            "healthy_decode_workers": healthy,
-            "healthy_prefill_workers": router.pool.num_healthy(lambda w: w.role == "prefill"),
-        }
+        status, body = readiness.ready_answer(router)
+        return JSONResponse(body, status, headers={"Retry-After": "1"} if status != 200 else None)
 
     metrics_access = [] if router.config.gateway.public_metrics else [Depends(gateway.metrics_reader)]
 

@@ -14,6 +14,8 @@ interval is short next to a worker's start-up or backoff, so it adds no visible 
 
 from __future__ import annotations
 
+from splitserve.router.errors import error_body
+
 POLL_S = 0.05
 
 
@@ -29,3 +31,16 @@ def unready_reason(router) -> str:
     ):
         return "no healthy prefill worker (placement.disaggregation.mode is always)"
     return ""
+
+
+def ready_answer(router) -> tuple[int, dict]:
+    """GET /ready's status and JSON body, the same from the gateway, the EPP and a sidecar: 200
+    with the healthy worker counts, or 503 (the caller adds Retry-After: 1) with the reason."""
+    reason = unready_reason(router)
+    if reason:
+        return 503, error_body(503, reason, code="no_worker_available")
+    return 200, {
+        "status": "ready",
+        "healthy_decode_workers": router.pool.num_healthy(),
+        "healthy_prefill_workers": router.pool.num_healthy(lambda w: w.role == "prefill"),
+    }

@@ -34,7 +34,6 @@ from splitserve.router.epp.endpoints import EndpointMap
 from splitserve.router.epp.extproc import ExternalProcessor, Metrics, add_to_server
 from splitserve.router.epp.picker import Picker
 from splitserve.router.epp.probes import EndpointProbe
-from splitserve.router.errors import error_body
 from splitserve.router.main import bind, uvicorn_server
 
 log = logging.getLogger("splitserve.epp")
@@ -207,14 +206,8 @@ def health_app(router) -> FastAPI:
 
     @app.get("/ready")
     async def ready():
-        reason = readiness.unready_reason(router)
-        if reason:
-            return JSONResponse(error_body(503, reason, code="no_worker_available"), 503)
-        return {
-            "status": "ready",
-            "healthy_decode_workers": router.pool.num_healthy(),
-            "healthy_prefill_workers": router.pool.num_healthy(lambda w: w.role == "prefill"),
-        }
+        status, body = readiness.ready_answer(router)
+        return JSONResponse(body, status, headers={"Retry-After": "1"} if status != 200 else None)
 
     @app.get("/metrics")
     async def metrics():

@@ -30,6 +30,7 @@ log = logging.getLogger(__name__)
 PROBE_INTERVAL_S = 0.2
 PROBE_TIMEOUT_S = 0.4
 SLOW_PROBES_DOWN = 2
+MAX_HEAD_BYTES = 16 * 1024  # a probe answer's status line and headers
 
 
 class EndpointProbe:
@@ -105,7 +106,7 @@ class EndpointProbe:
             except (OSError, ValueError, asyncio.IncompleteReadError):
                 self._drop(endpoint)
         host, _, port = endpoint.rpartition(":")
-        self._conns[endpoint] = await asyncio.open_connection(host.strip("[]"), int(port))
+        self._conns[endpoint] = await asyncio.open_connection(host.strip("[]"), int(port), limit=MAX_HEAD_BYTES)
         try:
             return await self._ask(endpoint, *self._conns[endpoint])
         except asyncio.IncompleteReadError:
@@ -114,10 +115,14 @@ class EndpointProbe:
     async def _ask(self, endpoint: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> int:
         writer.write(f"GET {self.path} HTTP/1.1\r\nHost: {endpoint}\r\n\r\n".encode())
         await writer.drain()
-        status_line = await reader.readline()
+        try:  # the status line and headers in one read: a probe is most of an idle EPP's work
+            head = await reader.readuntil(b"\r\n\r\n")
+        except asyncio.LimitOverrunError:
+            raise ValueError(f"{endpoint} answered with headers over {MAX_HEAD_BYTES} bytes") from None
+        status_line, *lines = head.decode("latin-1").split("\r\n")
         headers = {}
-        while (line := await reader.readline()) not in (b"\r\n", b"\n", b""):
-            name, _, value = line.decode("latin-1").partition(":")
+        for line in lines:
+            name, _, value = line.partition(":")
             headers[name.strip().lower()] = value.strip().lower()
         try:
             status = int(status_line.split()[1])

@@ -40,7 +40,7 @@ def _counter() -> Counter:
     return Counter("refused", "refused", registry=CollectorRegistry())
 
 
-async def call(gate, named: str) -> tuple[int, dict]:
+async def call(gate, named: str, method: str = "POST", path: str = "/v1/completions") -> tuple[int, dict]:
     sent = []
 
     async def send(message):
@@ -49,7 +49,8 @@ async def call(gate, named: str) -> tuple[int, dict]:
     async def receive():
         return {"type": "http.request", "body": b"", "more_body": False}
 
-    scope = {"type": "http", "path": "/v1/completions", "headers": [(b"x-prefiller-host-port", named.encode())]}
+    headers = [(b"x-prefiller-host-port", named.encode())] if named else []
+    scope = {"type": "http", "method": method, "path": path, "headers": headers}
     await gate(scope, receive, send)
     body = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
     return sent[0]["status"], json.loads(body)
@@ -94,3 +95,21 @@ def test_a_listed_worker_that_never_answers_is_refused_after_the_wait():
     status, _ = asyncio.run(call(gate, PREFILL))
     assert status == 400 and time.monotonic() - t0 >= 0.3
     assert seen == []
+
+
+def test_the_probes_are_answered_by_the_gate_with_the_apps_answers():
+    """The EPP probes each sidecar five times a second: /ready and /health are answered before
+    the gateway app, with what its own routes would say (readiness.ready_answer)."""
+    router, gate, seen = gate_for(wait_s=5.0)
+    status, body = asyncio.run(call(gate, "", "GET", "/ready"))
+    assert status == 503 and body["error"]["code"] == "no_worker_available"
+    assert "decode worker" in body["error"]["message"]
+    local = router.pool.add(LOCAL)
+    local.role, local.is_connected = "decode", True
+    router.pool.add(PREFILL).role = "prefill"
+    status, body = asyncio.run(call(gate, "", "GET", "/ready"))
+    assert (status, body["status"], body["healthy_decode_workers"]) == (200, "ready", 1)
+    assert asyncio.run(call(gate, "", "GET", "/health")) == (200, {"status": "ok"})
+    assert seen == []  # the app behind never saw a probe
+    status, _ = asyncio.run(call(gate, "", "POST", "/ready"))  # not a probe: the app answers
+    assert status == 200 and seen == [""]
