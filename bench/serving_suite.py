@@ -142,6 +142,7 @@ class Run:
     params: tuple[tuple[str, str], ...] = ()
     extra_body: str = ""
     text_prompts: bool = False
+    seed: int = SEED  # the workload's and the arrivals' seed
 
     @property
     def load(self) -> str:
@@ -160,7 +161,7 @@ class Run:
             "--warmup",
             str(self.warmup),
             "--seed",
-            str(SEED),
+            str(self.seed),
             "--no-progress",
             "--output",
             output,

@@ -181,6 +181,7 @@ class Setup:
     max_model_len: int
     requests: int
     slo_s: float  # the SLO whose first miss ends an arm's search
+    seeds: int = 1  # traces per point: seeds 0..seeds-1, each on a fresh cluster, their requests pooled
 
 
 def start_cluster(arm: str, setup: Setup, workdir: pathlib.Path):
@@ -193,39 +194,67 @@ def start_cluster(arm: str, setup: Setup, workdir: pathlib.Path):
 
 
 def run_point(arm: str, rate: float, setup: Setup, raw: pathlib.Path) -> tuple[Point, list[int]]:
+    """The arm at the rate: one run per seed, each on a fresh cluster, pooled into one point."""
     from serving_suite import Run, bench
 
     groups = int(setup.params["groups"])
-    run = Run("shared-prefix", None, setup.requests, rate=rate, warmup=groups, params=tuple(setup.params.items()))
-    tag = f"sweep-{arm.replace('+', '-')}-r{rate:g}"
-    print(f"== {tag}", flush=True)
-    cluster = start_cluster(arm, setup, raw)
-    try:
-        doc = bench(run, cluster.url, raw, tag)
-    finally:
-        cluster.stop()
-    (raw / f"{tag}.kv.json").write_text(json.dumps(cluster.kv_blocks))
-    return Point.from_summary(arm, rate, doc["summary"]), cluster.kv_blocks
+    docs, kv = [], set()
+    for seed in range(setup.seeds):
+        run = Run(
+            "shared-prefix",
+            None,
+            setup.requests,
+            rate=rate,
+            warmup=groups,
+            params=tuple(setup.params.items()),
+            seed=seed,
+        )
+        tag = f"sweep-{arm.replace('+', '-')}-r{rate:g}" + (f"-s{seed}" if seed else "")
+        print(f"== {tag}", flush=True)
+        cluster = start_cluster(arm, setup, raw)
+        try:
+            docs.append(bench(run, cluster.url, raw, tag))
+        finally:
+            cluster.stop()
+        (raw / f"{tag}.kv.json").write_text(json.dumps(cluster.kv_blocks))
+        kv.update(cluster.kv_blocks)
+    return Point.from_summary(arm, rate, pooled_summary(docs)), sorted(kv)
+
+
+def pooled_summary(docs: list[dict]) -> dict:
+    """The summary of several runs of one point as one set of requests: percentiles over all of
+    them, throughput over their summed durations (one run: its own summary)."""
+    from splitserve.bench.loadgen import metrics
+    from splitserve.bench.loadgen.report import from_record
+
+    if len(docs) == 1:
+        return docs[0]["summary"]
+    results = [from_record(r) for doc in docs for r in doc["requests"]]
+    return metrics.compute(results, sum(doc["duration_s"] for doc in docs), None)
 
 
 def tag_arm(tag: str) -> str:
-    """The arm of a raw file's tag (`sweep-prefix-queue-r0.5` -> prefix+queue)."""
+    """The arm of a raw file's tag (`sweep-prefix-queue-r0.5`, or `...-r0.5-s1` for seed 1 ->
+    prefix+queue)."""
     name = tag.removeprefix("sweep-").rsplit("-r", 1)[0]
     return next(a for a in ARMS if a.replace("+", "-") == name)
 
 
 def points_from_raw(raw: pathlib.Path) -> tuple[list[Point], list[int]]:
-    """Every finished point of a run's raw folder (the bench JSON of each arm and rate), and the
-    KV blocks its workers read back: a finished or interrupted sweep is reported from these."""
-    points, kv = [], set()
+    """Every finished point of a run's raw folder (the bench JSON of each arm, rate and seed; a
+    point's seeds pooled), and the KV blocks its workers read back: a finished or interrupted
+    sweep is reported from these."""
+    docs: dict[tuple[str, float], list[dict]] = {}
+    kv = set()
     for path in sorted(raw.glob("sweep-*-r*.json")):
         if path.name.endswith(".kv.json"):
             continue
         doc = json.loads(path.read_text())
-        points.append(Point.from_summary(tag_arm(path.stem), float(doc["config"]["rate"]), doc["summary"]))
+        docs.setdefault((tag_arm(path.stem), float(doc["config"]["rate"])), []).append(doc)
         kv_file = path.with_name(path.stem + ".kv.json")
         if kv_file.exists():
             kv.update(json.loads(kv_file.read_text()))
+    points = [Point.from_summary(arm, rate, pooled_summary(d)) for (arm, rate), d in docs.items()]
     return points, sorted(kv)
 
 
@@ -284,6 +313,16 @@ def _x(value: float | None) -> str:
     return "–" if value is None else f"{value:.2f}×"
 
 
+def _per_point(meta: dict) -> str:
+    seeds = meta.get("seeds", 1)
+    if seeds == 1:
+        return f"{meta['requests']} measured requests per rate"
+    return (
+        f"{meta['requests']} measured requests per run, {seeds} runs per arm and rate (seeds 0–{seeds - 1}, "
+        f"the same {seeds} traces for every arm), each point the {seeds * meta['requests']} requests pooled"
+    )
+
+
 def point_row(p: Point, slos: list[float]) -> str:
     hit = "–" if p.prefix_hit is None else f"{100 * p.prefix_hit:.0f} %"
     meets = " / ".join("yes" if p.meets(slo) else "**no**" for slo in slos)
@@ -334,7 +373,7 @@ def render(points: list[Point], arms: tuple[str, ...], meta: dict, plots: dict[s
             f"Host: {meta['machine']}; load average at the start {meta['loadavg']}. Run of {meta['date']}, "
             f"{meta['minutes']:.0f} minutes, command: `{meta['command']}`.",
             "",
-            f"Workload `shared-prefix` ({meta['shape']}); {meta['requests']} measured requests per rate, "
+            f"Workload `shared-prefix` ({meta['shape']}); {_per_point(meta)}, "
             "Poisson arrivals, after a warm-up of each group's system prompt once. Every arm: two colocated "
             "workers pinned to one core each (one torch thread), "
             f"{meta['kv_blocks_asked']} KV blocks per worker (read back: {meta['kv_blocks']}): "
@@ -417,6 +456,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     ap.add_argument("--rates", default=",".join(map(str, DEFAULT_RATES)), help="the ladder, ascending, req/s")
     ap.add_argument("--requests", type=int, default=24, help="measured requests per arm and rate (default 24)")
+    ap.add_argument(
+        "--seeds",
+        type=int,
+        default=1,
+        help="runs per arm and rate, seeds 0..N-1 (each a fresh cluster), their requests pooled into one "
+        "point: near the knee one trace's p90 moves by a second from seed to seed (default 1)",
+    )
     ap.add_argument("--arms", default=",".join(ARMS), help=f"comma-separated subset of {', '.join(ARMS)}")
     ap.add_argument("--workload-param", action="append", default=[], metavar="KEY=VALUE", help="shared-prefix shape")
     ap.add_argument("--kv-prefixes", type=int, default=None, help="system prompts one worker's KV holds")
@@ -434,6 +480,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.rates = check_rates([float(r) for r in args.rates.split(",")])
     except ValueError as exc:
         ap.error(f"--rates: {exc}")
+    if not 1 <= args.seeds <= 16:
+        ap.error(f"--seeds must be in [1, 16], got {args.seeds}")
     if args.requests < 10 or not 0 < args.slo < math.inf:
         ap.error("--requests must be >= 10 (a p90 needs them) and --slo a positive number of seconds")
     args.search_slo = args.slo if args.search_slo is None else args.search_slo
@@ -461,6 +509,7 @@ def make_setup(args) -> tuple[Setup, str]:
         -(-length // 256) * 256,
         args.requests,
         args.search_slo,
+        args.seeds,
     )
     holds = (
         f"{held} of the {p.groups} system prompts ({held * math.ceil(p.system_len / BLOCK_TOKENS)} blocks) beside "
@@ -482,6 +531,7 @@ def start_meta(args, setup: Setup, holds: str, argv: list[str] | None) -> dict:
         "shape": f"{p['groups']} groups × {p['system_len']}-token system prompt + {p['question_len']}-token "
         f"question → {p['output_len']} output tokens, group skew {p['group_skew']}",
         "requests": setup.requests,
+        "seeds": setup.seeds,
         "kv_blocks_asked": setup.kv_blocks,
         "kv_holds": holds,
         "slos": args.slos,

@@ -38,6 +38,26 @@ def _record(r: RequestResult) -> dict:
     }
 
 
+def from_record(d: dict) -> RequestResult:
+    """A request back from its record in a report (what metrics.compute reads of it)."""
+    return RequestResult(
+        d["index"],
+        d["category"],
+        d["tag"],
+        d["prompt_tokens"],
+        d["max_tokens"],
+        start_s=d["start_s"],
+        client_queue_s=d["client_queue_s"],
+        success=d["success"],
+        ttft_s=d["ttft_s"],
+        itl_s=list(d["itl_s"]),
+        e2e_s=d["e2e_s"],
+        num_output_tokens=d["output_tokens"],
+        num_cached_tokens=d["cached_tokens"],
+        error=d["error"],
+    )
+
+
 def build_report(cfg: RunConfig, wl: Workload, run: RunResult, slo: metrics.SLO | None) -> dict:
     categories = sorted({r.category for r in run.results if r.category}, key=_natural)
     warm = metrics.compute(run.warmup, 1.0, None) if run.warmup else None

@@ -3,6 +3,7 @@
 import pathlib
 import sys
 
+import numpy as np
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -177,3 +178,42 @@ def test_an_interrupted_run_is_reported_from_its_raw_folder(tmp_path):
     ]
     assert kv == [28]
     assert sweep.tag_arm("sweep-least-queue-r1.5") == "least-queue"
+
+
+def test_a_points_seeds_are_pooled_into_one_set_of_requests(tmp_path):
+    """--seeds N: the runs of one arm and rate count as one set of requests (the p90 over all of
+    them, throughput over their summed time), read back from the raw folder the same way."""
+    from splitserve.bench.loadgen.client import RequestResult
+    from splitserve.bench.loadgen.report import _record
+
+    def run_doc(rate, ttfts, duration_s, cached):
+        results = [
+            RequestResult(i, "", "g", 224, 16, success=True, ttft_s=t, itl_s=[0.02] * 15, e2e_s=t + 0.3)
+            for i, t in enumerate(ttfts)
+        ]
+        for r in results:
+            r.num_output_tokens, r.num_cached_tokens = 16, cached
+        return {"config": {"rate": rate}, "duration_s": duration_s, "requests": [_record(r) for r in results]}
+
+    quiet = run_doc(3.0, [0.2] * 10, 4.0, 192)  # seed 0: every request fast, every prompt a hit
+    burst = run_doc(3.0, [0.2] * 8 + [3.0] * 2, 6.0, 0)  # seed 1: a queue built, misses; its p90 3 s
+    assert sweep.pooled_summary([{"summary": {"one": 1}}]) == {"one": 1}  # one run: its own summary
+    pooled = sweep.Point.from_summary("epp", 3.0, sweep.pooled_summary([quiet, burst]))
+    assert pooled.completed == 20 and pooled.failed == 0
+    assert pooled.ttft_p90_ms == pytest.approx(float(np.percentile([0.2] * 18 + [3.0] * 2, 90)) * 1000)
+    assert 200 < pooled.ttft_p90_ms < 3000  # neither run's own p90 (200 ms, 3 s)
+    assert pooled.output_tps == pytest.approx(20 * 16 / 10.0)
+    assert pooled.prefix_hit == pytest.approx(192 / 448)
+    for name, doc in {"sweep-epp-r3.json": quiet, "sweep-epp-r3-s1.json": burst}.items():
+        (tmp_path / name).write_text(sweep.json.dumps(doc))
+    (tmp_path / "sweep-epp-r3-s1.kv.json").write_text("[72, 72]")
+    points, kv = sweep.points_from_raw(tmp_path)
+    assert points == [pooled] and kv == [72]
+    assert sweep.tag_arm("sweep-prefix-queue-r0.5-s2") == "prefix+queue"
+
+
+def test_seeds_are_checked(capsys):
+    with pytest.raises(SystemExit):
+        sweep.parse_args(["--seeds", "0"])
+    assert "--seeds must be in [1, 16], got 0" in capsys.readouterr().err
+    assert sweep.make_setup(sweep.parse_args(["--seeds", "3"]))[0].seeds == 3
