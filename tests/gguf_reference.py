@@ -41,13 +41,16 @@ def _one_parse_per_file():
 
 
 def hf_greedy(model, token_ids: list[int], max_new: int) -> list[int]:
-    """Greedy decoding with transformers' own KV cache, EOS not special (like ignore_eos)."""
+    """Greedy decoding with transformers' own KV cache, EOS not special (like ignore_eos). Only
+    the last position's logits are computed (`logits_to_keep=1`, as transformers' generate does):
+    the same numbers, where the prompt's other positions through the LM head were most of a long
+    prompt's step (Gemma's 262k-token vocabulary)."""
     import torch
 
     out, past, cur = [], None, torch.tensor([token_ids])
     with torch.inference_mode():
         for _ in range(max_new):
-            step = model(input_ids=cur, past_key_values=past, use_cache=True)
+            step = model(input_ids=cur, past_key_values=past, use_cache=True, logits_to_keep=1)
             past = step.past_key_values
             out.append(int(step.logits[0, -1].argmax()))
             cur = torch.tensor([[out[-1]]])
