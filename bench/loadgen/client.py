@@ -76,7 +76,7 @@ async def send(client: httpx.AsyncClient, url: str, body: bytes, out: RequestRes
                 text = (await resp.aread()).decode(errors="replace")
                 out.error = f"HTTP {resp.status_code}: {text[:300]}"
                 return out
-            async for line in resp.aiter_lines():
+            async for line in sse_lines(resp):
                 if not line.startswith("data:"):
                     continue  # blank separators and SSE comments (": ping")
                 data = line[5:].strip()
@@ -104,6 +104,23 @@ async def send(client: httpx.AsyncClient, url: str, body: bytes, out: RequestRes
         out.success, out.error = False, f"{type(exc).__name__}: {exc}"
     out.e2e_s = last - st
     return out
+
+
+async def sse_lines(resp: httpx.Response):
+    """The stream's lines as SSE ends them: at CR LF, LF or CR only. httpx's aiter_lines also
+    ends a line at U+0085, U+2028, U+2029 and others (str.splitlines), which JSON leaves raw in a
+    string: a server that writes model text as UTF-8 (not \\u escapes) would have its chunk cut
+    in two mid-JSON."""
+    pending = ""
+    async for text in resp.aiter_text():
+        pending += text
+        cut = len(pending) - pending.endswith("\r")  # a last CR may be half of a CR LF: wait for more
+        *lines, rest = pending[:cut].replace("\r\n", "\n").replace("\r", "\n").split("\n")
+        pending = rest + pending[cut:]
+        for line in lines:
+            yield line
+    if pending.rstrip("\r"):
+        yield pending.rstrip("\r")
 
 
 def _read_usage(usage: dict, out: RequestResult) -> None:

@@ -185,6 +185,19 @@ class Formatter:
         return out
 
 
+# Characters JSON leaves raw in a string that Python's str.splitlines() (and so httpx's
+# iter_lines/aiter_lines, which many clients read SSE with) takes for line ends. SSE ends a line at
+# CR or LF only, so the stream is correct either way; escaped, a client splitting more eagerly
+# still gets whole JSON. A model emits them (SmolLM2 did, in a benchmark run: the client's JSON
+# broke mid-string). JSON escapes every other such character (below U+0020) itself.
+_UNSPLITTABLE = str.maketrans({"\u0085": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
+
+
+def sse_json(data: dict) -> str:
+    """`data` as one line of JSON for an SSE `data:` field, safe for any line splitter."""
+    return json.dumps(data, ensure_ascii=False, separators=(",", ":")).translate(_UNSPLITTABLE)
+
+
 def sse(data: dict | str) -> bytes:
-    payload = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False, separators=(",", ":"))
+    payload = data if isinstance(data, str) else sse_json(data)
     return f"data: {payload}\n\n".encode()

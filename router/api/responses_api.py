@@ -9,14 +9,13 @@ usage is the pipeline's Usage record.
 
 from __future__ import annotations
 
-import json
 import time
 import uuid
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import Response
 
-from splitserve.router.api.formatting import Formatter
+from splitserve.router.api.formatting import Formatter, sse_json
 from splitserve.router.api.responses_request import ResponsesRequest, chat_request
 from splitserve.router.core.pipeline import ChoiceChunk, Run
 from splitserve.router.errors import APIError
@@ -128,7 +127,7 @@ class ResponseEvents:
     def event(self, kind: str, **fields) -> bytes:
         data = {"type": kind, "sequence_number": self.seq, **fields}
         self.seq += 1
-        return f"event: {kind}\ndata: {json.dumps(data, ensure_ascii=False, separators=(',', ':'))}\n\n".encode()
+        return f"event: {kind}\ndata: {sse_json(data)}\n\n".encode()
 
     def start(self, run: Run) -> list[bytes]:
         return [

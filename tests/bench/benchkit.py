@@ -29,6 +29,7 @@ class Script:
     status: int = 200
     usage_delay_s: float = 0.0  # between the last token and the usage event
     closing_chunk_s: float | None = None  # after the last token: a chunk with no text and a finish_reason
+    token_text: str = "t{i}"  # each token chunk's text ({i}: its number), written as raw UTF-8 JSON
 
 
 @dataclass
@@ -141,7 +142,8 @@ class ScriptedServer:
     async def _stream(self, script: Script, served: Served, writer: asyncio.StreamWriter) -> None:
         for i, delay in enumerate((script.ttft_s, *script.gaps_s)):
             await asyncio.sleep(delay)
-            await _event(writer, {"choices": [{"index": 0, "text": f"t{i}", "finish_reason": None}], "usage": None})
+            text = script.token_text.format(i=i)
+            await _event(writer, {"choices": [{"index": 0, "text": text, "finish_reason": None}], "usage": None})
             served.sent.append(time.perf_counter())
         if script.closing_chunk_s is not None:  # as llama-cpp-python's server ends a stream
             await asyncio.sleep(script.closing_chunk_s)
@@ -161,7 +163,7 @@ class ScriptedServer:
 
 
 async def _event(writer: asyncio.StreamWriter, data) -> None:
-    text = data if isinstance(data, str) else json.dumps(data)
+    text = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)
     frame = f"data: {text}\n\n".encode()
     writer.write(b"%x\r\n%s\r\n" % (len(frame), frame))
     await writer.drain()

@@ -201,3 +201,32 @@ def test_a_closing_chunk_without_text_is_not_a_token(server):
         return result
 
     retry_timing(scenario)
+
+
+def test_text_with_unicode_line_separators_stays_one_sse_line(server):
+    """SSE ends a line at CR or LF only. A server writing model text as raw UTF-8 JSON may put
+    U+2028, U+2029 or U+0085 inside a chunk (SmolLM2 did, in a sweep): read with
+    str.splitlines rules (httpx's aiter_lines) the chunk broke mid-string and the request failed."""
+    server.reset(lambda n, p: Script(0.01, (0.01, 0.01), token_text="a\u2028b\u2029c\x85d{i}"))
+    result = bench(server, hand_workload([3, 3]))
+    assert [(r.success, r.error, r.output_tokens) for r in result.results] == [(True, "", 3), (True, "", 3)]
+
+
+def test_sse_lines_end_only_at_cr_or_lf_across_any_chunking():
+    import httpx
+
+    from splitserve.bench.loadgen.client import sse_lines
+
+    stream = 'data: {"t":"x\u2028y"}\r\n\r\ndata: 2\rdata: 3\n\ndata: [DONE]'
+    want = ['data: {"t":"x\u2028y"}', "", "data: 2", "data: 3", "", "data: [DONE]"]
+    body = stream.encode()
+    for size in (1, 2, 3, 7, len(body)):  # every cut, a CR LF and a UTF-8 character split across reads
+
+        async def chunks(size=size):
+            for i in range(0, len(body), size):
+                yield body[i : i + size]
+
+        async def lines():
+            return [line async for line in sse_lines(httpx.Response(200, content=chunks()))]
+
+        assert asyncio.run(lines()) == want, size

@@ -143,3 +143,30 @@ def test_bad_echo_requests_get_a_clear_400(client, body, param):
         client.completions.create(model=MODEL, prompt="Hi", max_tokens=2, extra_body=body)
     assert err.value.body["param"] == param, err.value.body
     assert err.value.status_code == 400
+
+
+@pytest.mark.parametrize("path", ["/completions", "/responses"])
+def test_a_stream_with_unicode_line_separators_reads_whole_with_any_line_splitter(up, path):
+    """JSON may carry U+2028, U+2029 and U+0085 raw; httpx's iter_lines (str.splitlines rules) ends
+    a line at each. The gateway writes them as \\u escapes, so every data line is whole JSON even
+    read that way, and the text is the same. Echo streams the prompt back; the Responses API
+    streams its events the same way."""
+    import httpx
+
+    prompt = "Line one\u2028line two\u2029line three\x85end."
+    if path == "/completions":
+        body = {"model": MODEL, "prompt": prompt, "echo": True, "max_tokens": 1, "temperature": 0, "stream": True}
+    else:
+        body = {"model": MODEL, "input": prompt, "instructions": prompt, "max_output_tokens": 2, "stream": True}
+    events = []
+    with httpx.stream("POST", up.url + path, json=body, timeout=120) as resp:
+        assert resp.status_code == 200
+        for line in resp.iter_lines():
+            if line.startswith("data:") and line[5:].strip() != "[DONE]":
+                events.append(json.loads(line[5:]))  # a cut line would not parse
+    assert events
+    if path == "/completions":
+        assert "".join(e["choices"][0]["text"] for e in events if e.get("choices")).startswith(prompt)
+    else:
+        created = next(e for e in events if e["type"] == "response.created")
+        assert created["response"]["instructions"] == prompt
