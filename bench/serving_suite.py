@@ -99,11 +99,14 @@ class Arm:
     mode: str = "never"  # the router's disaggregation mode
     worker_args: tuple[str, ...] = ()
     prefill_args: tuple[str, ...] = ()  # extra, prefill role only
+    kv_pull: bool = True  # the router's pull-instead-of-recompute (placement.kv_pull)
 
     def router_config(self, port: int, workers: list[str], max_model_len: int = 2048) -> dict:
         placement = {"disaggregation": {"mode": self.mode, "min_prefill_tokens": COND_TOKENS}}
         if SCORERS[self.scorers] is not None:
             placement["decode"] = {"scorers": SCORERS[self.scorers]}
+        if not self.kv_pull:
+            placement["kv_pull"] = {"enabled": False}
         return {
             "model": MODEL,
             "max_model_len": max_model_len,

@@ -6,7 +6,12 @@
 
 Arms (all: two colocated workers, `--role both`, each pinned to one core with one torch thread
 and the same KV budget; bench/serving_suite.py starts them):
-    round-robin    the splitserve gateway, decode profile = round-robin alone
+    round-robin    the splitserve gateway, decode profile = round-robin alone, KV pull off: the
+                   field's cache-blind baseline (llm-d's and Dynamo's round robin is vLLM pods
+                   that each reuse only their own cache)
+    round-robin+pull  round robin with the router's KV pull on (its default): a worker given a
+                   prompt whose prefix the other holds copies it instead of computing it. The
+                   pull reads the prefix index, so this arm is not cache-blind
     least-queue    queue-depth (weight 3) + pending-assignments (1)
     prefix+queue   the default decode profile (prefix-overlap, queue-depth, kv-usage, ...)
     expected-latency  the expected-latency scorer alone (the prefix hit and the load as prompt
@@ -60,7 +65,8 @@ import urllib.request
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from report import markers, require, section_path, write_section  # noqa: E402
 
-ARMS = ("round-robin", "least-queue", "prefix+queue", "expected-latency", "epp")
+ARMS = ("round-robin", "round-robin+pull", "least-queue", "prefix+queue", "expected-latency", "epp")
+NO_PULL = ("round-robin",)  # arms whose router has placement.kv_pull off
 BLOCK_TOKENS = 16
 ROOM_REQUESTS = 4  # requests in flight per worker whose own blocks the budget leaves room for
 DEFAULT_RATES = (0.2, 0.35, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0)
@@ -186,11 +192,18 @@ class Setup:
 
 def start_cluster(arm: str, setup: Setup, workdir: pathlib.Path):
     from epp_w1 import GatewayCluster
-    from serving_suite import Arm, Cluster
+    from serving_suite import Cluster
 
     if arm == "epp":
         return GatewayCluster("epp", workdir, setup.kv_blocks, setup.max_model_len)
-    return Cluster(Arm(arm, scorers=arm), workdir, setup.kv_blocks, setup.max_model_len)
+    return Cluster(arm_of(arm), workdir, setup.kv_blocks, setup.max_model_len)
+
+
+def arm_of(arm: str):
+    """The serving suite's Arm for a gateway arm of the sweep."""
+    from serving_suite import Arm
+
+    return Arm(arm, scorers=arm.removesuffix("+pull"), kv_pull=arm not in NO_PULL)
 
 
 def run_point(arm: str, rate: float, setup: Setup, raw: pathlib.Path) -> tuple[Point, list[int]]:

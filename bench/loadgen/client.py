@@ -37,6 +37,7 @@ class RequestResult:
     e2e_s: float = 0.0
     num_output_tokens: int | None = None  # from usage; None if the server sent none
     num_cached_tokens: int | None = None  # usage.prompt_tokens_details.cached_tokens
+    decode_worker: str = ""  # the splitserve gateway's x-splitserve-decode-worker ("" from other servers)
     error: str = ""
 
     @property
@@ -76,6 +77,7 @@ async def send(client: httpx.AsyncClient, url: str, body: bytes, out: RequestRes
                 text = (await resp.aread()).decode(errors="replace")
                 out.error = f"HTTP {resp.status_code}: {text[:300]}"
                 return out
+            out.decode_worker = resp.headers.get("x-splitserve-decode-worker", "")
             async for line in sse_lines(resp):
                 if not line.startswith("data:"):
                     continue  # blank separators and SSE comments (": ping")

@@ -27,6 +27,7 @@ def _record(r: RequestResult) -> dict:
         "max_tokens": r.max_tokens,
         "output_tokens": r.output_tokens if r.success else 0,
         "cached_tokens": r.num_cached_tokens,
+        "decode_worker": r.decode_worker,
         "start_s": r.start_s,
         "client_queue_s": r.client_queue_s,
         "success": r.success,
@@ -54,6 +55,7 @@ def from_record(d: dict) -> RequestResult:
         e2e_s=d["e2e_s"],
         num_output_tokens=d["output_tokens"],
         num_cached_tokens=d["cached_tokens"],
+        decode_worker=d.get("decode_worker", ""),  # absent from reports before it was recorded
         error=d["error"],
     )
 

@@ -5,10 +5,22 @@ Every block is in exactly one of two states:
   * free: ref_cnt == 0 and in the free queue. A free block may still carry a hash: its KV is
     valid and a later request with the same prefix can revive it (a prefix-cache hit).
 
-Allocation pops from the head of the free queue (the least recently freed block) and, if that
-block still carries a hash, evicts it from the hash map first. Requests free their blocks
-tail-first, so within one chain the last block is evicted before the first: a chain keeps a
-usable prefix for as long as possible.
+The free blocks form two LRU queues, a segmented LRU (SLRU): "probation" holds blocks without a
+hash and cached blocks no request has hit since they were cached; "protected" holds cached blocks
+a later request reused (a prefix-cache hit). Allocation takes the head (least recently freed) of
+probation first and of protected only when probation is empty, and a block that still carries a
+hash is evicted from the hash map first. A block without a hash holds nothing anyone can reuse:
+it joins probation at its head, to be taken before any cached block. Protected holds at most
+PROTECTED_FRACTION of the blocks; past that, its head moves to probation's tail (and must be hit
+again to come back), so prefixes that stopped being used age out instead of pinning the cache.
+
+Why not one LRU queue (vLLM's free-block queue): a request leaves blocks nobody will ask for again
+(its unique question and answer), and under pure LRU they outlive an older shared prefix (a group's
+system prompt between two of its requests), which the next request of that group then recomputes.
+A prefix that has been hit once is the one likely to be hit again: 2Q's and SLRU's rule for
+database buffer pools, applied to KV blocks. Requests free their blocks tail-first, so within one
+chain, in either queue, the last block is evicted before the first: a chain keeps a usable prefix
+for as long as possible.
 
 Each change to the hash map is recorded as a KV event (BlockStored / BlockRemoved /
 AllCleared) for the router's prefix index; `take_events()` drains them. Nothing may drain them
@@ -48,6 +60,7 @@ class Block:
     ref_cnt: int = 0
     block_hash: BlockHash | None = None
     group: int = 0  # the KV group whose hash map holds block_hash
+    reused: bool = False  # hit by a request since it was cached: protected when free (SLRU)
 
 
 TIER_CACHE = 1  # the pool's own blocks (device memory)
@@ -103,6 +116,7 @@ class PoolStats:
 
 
 MAX_PENDING_EVENTS = 4096  # undrained events kept before the list is compacted into a snapshot
+PROTECTED_FRACTION = 0.8  # of the pool's blocks, at most this many free in the protected queue (SLRU)
 
 
 class BlockPool:
@@ -128,8 +142,10 @@ class BlockPool:
         if null_block:
             self.null_block = self.blocks[0]
             self.null_block.ref_cnt = 1
-        # block_id -> Block, head = next to allocate (LRU order).
+        # block_id -> Block, head = next to allocate (LRU order): probation, then protected.
         self._free: OrderedDict[int, Block] = OrderedDict((b.block_id, b) for b in self.blocks[null_block:])
+        self._protected: OrderedDict[int, Block] = OrderedDict()
+        self.max_protected = int(num_blocks * PROTECTED_FRACTION)
         self._cached: dict[BlockHash, Block] = {}  # group 0's hash map
         self._group_cached: dict[int, dict[BlockHash, Block]] = {}  # the other groups'
         self._window_blocks: dict[int, int] = {}  # group -> its events' window_blocks
@@ -139,12 +155,12 @@ class BlockPool:
     # -- queries ---------------------------------------------------------------------------
     @property
     def num_free_blocks(self) -> int:
-        return len(self._free)
+        return len(self._free) + len(self._protected)
 
     @property
     def usage(self) -> float:
         """Fraction of blocks in use (held by a request), 0..1."""
-        return 1.0 - len(self._free) / self.num_blocks
+        return 1.0 - self.num_free_blocks / self.num_blocks
 
     @property
     def num_cached_blocks(self) -> int:
@@ -172,13 +188,14 @@ class BlockPool:
 
     # -- mutations -------------------------------------------------------------------------
     def allocate(self, num_blocks: int) -> list[Block]:
-        """Take `num_blocks` blocks from the free queue head, evicting their cached KV."""
-        if num_blocks > len(self._free):
-            raise RuntimeError(f"asked for {num_blocks} blocks, {len(self._free)} free")
+        """Take `num_blocks` blocks from the free queues' heads (probation first), evicting their
+        cached KV."""
+        if num_blocks > self.num_free_blocks:
+            raise RuntimeError(f"asked for {num_blocks} blocks, {self.num_free_blocks} free")
         out = []
         evicted = []
         for _ in range(num_blocks):
-            _, block = self._free.popitem(last=False)
+            _, block = (self._free or self._protected).popitem(last=False)
             if block.block_hash is not None:
                 group = block.group
                 evicted.append((block.block_id, self._uncache(block), group))
@@ -192,22 +209,38 @@ class BlockPool:
             self._bound_events()
         return out
 
-    def touch(self, blocks: Iterable[Block]) -> None:
-        """Take one more reference on blocks (prefix-cache hits), reviving free ones."""
+    def touch(self, blocks: Iterable[Block], hit: bool = False) -> None:
+        """Take one more reference on blocks, reviving free ones. `hit`: they are a request's
+        prefix-cache hit, which makes each cached one protected when it is free again (SLRU)."""
         for block in blocks:
             if block.ref_cnt == 0:
-                del self._free[block.block_id]
+                (self._protected if block.block_id in self._protected else self._free).pop(block.block_id)
             block.ref_cnt += 1
+            if hit and block.block_hash is not None:
+                block.reused = True
 
     def free(self, blocks: Iterable[Block]) -> None:
-        """Drop one reference; blocks reaching zero join the free queue tail in the given order.
+        """Drop one reference. A block reaching zero joins a free queue in the given order: the
+        protected tail if it was reused, probation's head if it has no hash, probation's tail
+        otherwise (the module docstring).
 
         Callers pass a request's blocks tail-first (see the module docstring).
         """
         for block in blocks:
             assert block.ref_cnt > 0, f"double free of block {block.block_id}"
             block.ref_cnt -= 1
-            if block.ref_cnt == 0:
+            if block.ref_cnt > 0:
+                continue
+            if block.block_hash is None:
+                self._free[block.block_id] = block
+                self._free.move_to_end(block.block_id, last=False)
+            elif block.reused:
+                self._protected[block.block_id] = block
+                if len(self._protected) > self.max_protected:
+                    _, aged = self._protected.popitem(last=False)
+                    aged.reused = False  # back on probation: it must be hit again to return
+                    self._free[aged.block_id] = aged
+            else:
                 self._free[block.block_id] = block
 
     def cache_blocks(
@@ -242,10 +275,13 @@ class BlockPool:
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash; only possible when no block is in use."""
-        if len(self._free) != self.num_blocks:
+        if self.num_free_blocks != self.num_blocks:
             return False
+        self._free.update(self._protected)
+        self._protected.clear()
         for block in self.blocks:
             block.block_hash = None
+            block.reused = False
         self._cached.clear()
         self._group_cached.clear()
         self._events.append(AllCleared())
@@ -305,6 +341,7 @@ class BlockPool:
         del cached[block_hash]
         block.block_hash = None
         block.group = 0
+        block.reused = False
         return block_hash
 
     # -- invariants ------------------------------------------------------------------------
@@ -312,10 +349,13 @@ class BlockPool:
         """Raise AssertionError if the pool's bookkeeping is inconsistent."""
         for block in self.blocks:
             assert block.ref_cnt >= 0, f"block {block.block_id} has ref_cnt {block.ref_cnt}"
-            in_free = block.block_id in self._free
-            assert in_free == (block.ref_cnt == 0), (
-                f"block {block.block_id}: ref_cnt {block.ref_cnt} but in_free_queue={in_free}"
+            in_free, in_protected = block.block_id in self._free, block.block_id in self._protected
+            assert not (in_free and in_protected), f"block {block.block_id} is in both free queues"
+            assert (in_free or in_protected) == (block.ref_cnt == 0), (
+                f"block {block.block_id}: ref_cnt {block.ref_cnt} but in_free_queue={in_free or in_protected}"
             )
+            if in_protected:
+                assert block.reused and block.block_hash is not None, f"protected block {block.block_id} was never hit"
             if block.block_hash is not None:
                 assert self._map(block.group).get(block.block_hash) is block, f"block {block.block_id} hash not mapped"
         for group, cached in ((0, self._cached), *self._group_cached.items()):
@@ -324,3 +364,5 @@ class BlockPool:
                     f"group {group}'s hash map points to block {block.block_id} with another hash or group"
                 )
         assert all(self._free[i] is self.blocks[i] for i in self._free)
+        assert all(self._protected[i] is self.blocks[i] for i in self._protected)
+        assert len(self._protected) <= self.max_protected, f"{len(self._protected)} protected blocks"

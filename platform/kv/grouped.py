@@ -162,7 +162,7 @@ class GroupedKVCacheManager:
             for g, (table, hit) in enumerate(zip(tables, cached.tables, strict=True)):
                 blocks = [b for b in hit if b is not None]
                 self.num_blocks_in_use[g] += sum(b.ref_cnt == 0 for b in blocks)
-                self.pool.touch(blocks)
+                self.pool.touch(blocks, hit=True)
                 table.extend(hit)
             self._num_registered[req.req_id] += len(cached)
         start = req.num_computed_tokens + len(cached) * self.block_size

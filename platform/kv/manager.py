@@ -73,7 +73,7 @@ class KVCacheManager:
         if need > self.pool.num_free_blocks:
             return False
         blocks = self._req_blocks.setdefault(req.req_id, [])
-        self.pool.touch(cached)
+        self.pool.touch(cached, hit=True)
         blocks.extend(cached)
         self._num_registered.setdefault(req.req_id, 0)
         self._num_registered[req.req_id] += len(cached)

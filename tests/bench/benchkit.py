@@ -30,6 +30,7 @@ class Script:
     usage_delay_s: float = 0.0  # between the last token and the usage event
     closing_chunk_s: float | None = None  # after the last token: a chunk with no text and a finish_reason
     token_text: str = "t{i}"  # each token chunk's text ({i}: its number), written as raw UTF-8 JSON
+    decode_worker: str = ""  # sent as x-splitserve-decode-worker (as the splitserve gateway does) unless ""
 
 
 @dataclass
@@ -134,7 +135,12 @@ class ScriptedServer:
         self.in_flight += 1
         self.max_in_flight = max(self.max_in_flight, self.in_flight)
         try:
-            writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n")
+            worker = f"x-splitserve-decode-worker: {script.decode_worker}\r\n" if script.decode_worker else ""
+            writer.write(
+                b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n"
+                + worker.encode()
+                + b"\r\n"
+            )
             await self._stream(script, served, writer)
         finally:
             self.in_flight -= 1

@@ -16,6 +16,7 @@ from benchkit import Script, retry_timing
 
 from splitserve.bench.loadgen import metrics, workloads
 from splitserve.bench.loadgen.arrivals import arrival_offsets
+from splitserve.bench.loadgen.report import _record, from_record
 from splitserve.bench.loadgen.runner import RunConfig, run
 from splitserve.bench.loadgen.workloads import BenchRequest, Workload
 
@@ -172,7 +173,7 @@ def test_failures_missing_usage_and_cached_tokens(server):
             Script(),
             Script(status=500),
             Script(0.01, (0.01,), completion_tokens=-1),
-            Script(0.01, (0.01,), cached_tokens=6),
+            Script(0.01, (0.01,), cached_tokens=6, decode_worker="10.0.0.7:50051"),
             Script(0.01, (0.01,), cached_tokens=2),
         ][n]
 
@@ -185,6 +186,9 @@ def test_failures_missing_usage_and_cached_tokens(server):
     assert (s["completed"], s["failed"]) == (3, 1)
     assert s["request_goodput"] * result.duration_s == pytest.approx(3)  # a failed request is never good
     assert s["prefix_cache_hit_rate"] == pytest.approx((6 + 2) / (8 + 8))  # only requests that report it
+    # the worker the gateway names is kept with the request (and read back from its record)
+    assert (cached6.decode_worker, cached2.decode_worker) == ("10.0.0.7:50051", "")
+    assert from_record(_record(cached6)).decode_worker == "10.0.0.7:50051"
 
 
 def test_a_closing_chunk_without_text_is_not_a_token(server):

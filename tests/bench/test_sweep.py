@@ -217,3 +217,22 @@ def test_seeds_are_checked(capsys):
         sweep.parse_args(["--seeds", "0"])
     assert "--seeds must be in [1, 16], got 0" in capsys.readouterr().err
     assert sweep.make_setup(sweep.parse_args(["--seeds", "3"]))[0].seeds == 3
+
+
+def test_round_robin_is_cache_blind_and_the_pull_arm_is_round_robin_with_the_pull():
+    """The baseline places without the prefix index: its router has the KV pull off (a worker
+    without the prefix computes it, as a vLLM pod behind a round-robin balancer does); the
+    `round-robin+pull` arm is the same placement with the router's default pull."""
+    from splitserve.router.config.file import from_dict
+
+    configs = {
+        arm: from_dict(sweep.arm_of(arm).router_config(8000, ["127.0.0.1:1", "127.0.0.1:2"]))
+        for arm in ("round-robin", "round-robin+pull", "prefix+queue")
+    }
+    assert [s.name for s in configs["round-robin"].placement.decode.scorers] == ["round-robin"]
+    assert [s.name for s in configs["round-robin+pull"].placement.decode.scorers] == ["round-robin"]
+    assert not configs["round-robin"].placement.kv_pull.enabled
+    assert configs["round-robin+pull"].placement.kv_pull.enabled
+    assert configs["prefix+queue"].placement.kv_pull.enabled
+    assert sweep.tag_arm("sweep-round-robin-pull-r2.5-s1") == "round-robin+pull"
+    assert sweep.tag_arm("sweep-round-robin-r2.5") == "round-robin"

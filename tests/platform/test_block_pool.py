@@ -17,17 +17,73 @@ def make_req(req_id, tokens):
 
 
 def free_order(pool):
-    return list(pool._free)
+    """The free blocks in the order allocate takes them: probation, then protected."""
+    return list(pool._free) + list(pool._protected)
 
 
-def test_allocate_pops_lru_head_and_free_appends_tail():
+def test_blocks_without_a_hash_are_taken_before_cached_ones_and_cached_ones_in_lru_order():
     pool = BlockPool(6)
-    a = pool.allocate(2)
-    assert [b.block_id for b in a] == [0, 1]
-    assert free_order(pool) == [2, 3, 4, 5]
-    pool.free(reversed(a))
+    a = pool.allocate(3)
+    assert [b.block_id for b in a] == [0, 1, 2]
+    assert free_order(pool) == [3, 4, 5]
+    pool.cache_blocks(a[:2], [b"a" * 16, b"b" * 16], None)
+    pool.free(reversed(a))  # tail first: 2 (no hash) to the head, 1 and 0 (cached) to the tail
     assert free_order(pool) == [2, 3, 4, 5, 1, 0]
     assert all(b.ref_cnt == 0 for b in a)
+    assert [b.block_id for b in pool.allocate(5)] == [2, 3, 4, 5, 1]  # 1 is evicted before 0
+    assert pool.cached_hashes() == [b"a" * 16]
+    pool.check_invariants()
+
+
+def serve_once(kv, req):
+    """Allocate `req` after its cached prefix, compute it, register its blocks and free them:
+    the number of prompt tokens the cache gave it."""
+    hits = kv.find_cached_prefix(req)
+    assert kv.allocate(req, req.num_tokens - len(hits) * BS, hits)
+    req.num_computed_tokens = req.num_tokens
+    kv.register_computed_blocks(req)
+    kv.free(req)
+    kv.check_invariants()
+    return len(hits) * BS
+
+
+def test_a_prefix_that_was_hit_outlives_younger_blocks_nobody_reused():
+    """A group's system prompt (2 blocks), hit once, then unique requests that cycle the other
+    8 blocks of the pool several times over: the system prompt is still cached for the group's
+    next request. Without the hit it is evicted like any other block (the LRU order)."""
+    system = [7] * 8
+
+    def run(hit_first: bool) -> int:
+        kv = KVCacheManager(BlockPool(10), BS)
+        serve_once(kv, make_req("g1", system + [1, 2, 3, 4, 5]))
+        if hit_first:
+            assert serve_once(kv, make_req("g2", system + [6, 7, 8, 9, 10])) == 8
+        for i in range(8):  # 3 blocks each, 2 of them cached and never asked for again
+            serve_once(kv, make_req(f"u{i}", [100 + i] * 8 + [1]))
+        assert kv.pool.stats.num_evictions >= 8  # the pool was full and turned over
+        return serve_once(kv, make_req("g3", system + [11, 12, 13, 14, 15]))
+
+    assert run(hit_first=True) == 8
+    assert run(hit_first=False) == 0
+
+
+def test_protected_blocks_age_out_past_their_share():
+    """Five prefixes of 2 blocks, each hit once, in a pool of 10 whose protected queue holds 8:
+    the first one hit goes back on probation (still cached, evicted first, tail first)."""
+    pool = BlockPool(10)
+    assert pool.max_protected == 8
+    for i in range(5):
+        blocks = pool.allocate(2)
+        pool.cache_blocks(blocks, [bytes([i, 0]) * 8, bytes([i, 1]) * 8], None)
+        pool.free(reversed(blocks))
+        pool.touch(blocks, hit=True)
+        pool.free(reversed(blocks))
+        pool.check_invariants()
+    assert free_order(pool) == [1, 0, 3, 2, 5, 4, 7, 6, 9, 8]
+    assert list(pool._free) == [1, 0] and not pool.blocks[0].reused
+    assert pool.lookup(bytes([0, 0]) * 8) is pool.blocks[0]  # aged out, not evicted
+    pool.allocate(1)
+    assert pool.lookup(bytes([0, 1]) * 8) is None and pool.lookup(bytes([0, 0]) * 8) is pool.blocks[0]
     pool.check_invariants()
 
 
@@ -41,16 +97,16 @@ def test_prefix_hit_revives_free_block_and_eviction_emits_events():
     kv.register_computed_blocks(r1)
     assert pool.take_events() == [BlockStored(tuple(r1.block_hashes[:2]), None)]
     kv.free(r1)
-    assert free_order(pool) == [3, 2, 1, 0]  # tail of the chain first
+    assert free_order(pool) == [2, 3, 1, 0]  # 2 has no hash: first; the chain's tail before its head
     # Same prefix: both full blocks hit (the request has 12 tokens, at most 11 can be reused).
     r2 = make_req("r2", list(range(8)) + [99, 98, 97, 96])
     hits = kv.find_cached_prefix(r2)
     assert [b.block_id for b in hits] == [0, 1]
     assert kv.allocate(r2, 4, hits)
-    assert kv.block_ids("r2") == [0, 1, 3]
-    assert [pool.blocks[i].ref_cnt for i in range(4)] == [1, 1, 0, 1]
+    assert kv.block_ids("r2") == [0, 1, 2]
+    assert [pool.blocks[i].ref_cnt for i in range(4)] == [1, 1, 1, 0]
     kv.check_invariants()
-    # A request needing 2 new blocks evicts block 2 (uncached) then... only 1 is free: refused.
+    # A request needing 2 new blocks: only block 3 is free, so it is refused.
     r3 = make_req("r3", [7] * 8)
     assert not kv.allocate(r3, 8)
     kv.check_invariants()
