@@ -5,8 +5,9 @@ same sidecars (docs/bench.md, W1; docs/router.md, "Inference gateways").
 
 Each arm gets a fresh cluster, as in the serving suite (bench/serving_suite.py, whose worker
 sizing, W1 parameters and load generator this reuses): two colocated workers (`--role both`),
-each pinned to one core with KV_BLOCKS blocks, one `splitserve sidecar` per worker, one
-`splitserve epp` over both, one Envoy (one thread). Only Envoy's configuration differs:
+each pinned to one core with KV_BLOCKS blocks, one `splitserve sidecar` per worker (its pool:
+the other worker, which it may pull a prefix from), one `splitserve epp` over both, one Envoy
+(one thread). Only Envoy's configuration differs:
 
     epp           ext_proc to the EPP, ORIGINAL_DST on x-gateway-destination-endpoint
     round-robin   no ext_proc filter: round robin over the two sidecars
@@ -93,9 +94,21 @@ class GatewayCluster:
         sidecars = []
         for i, worker in enumerate(workers):
             port = free_port()
-            proc = Proc(
-                f"sidecar {i}", [*cli, "sidecar", "--config", str(config), "--decode", worker, "--port", str(port)]
-            )
+            # the pool: the other worker, which the sidecar may tell its own to pull a prefix from
+            pool = ",".join(w for w in workers if w != worker)
+            argv = [
+                *cli,
+                "sidecar",
+                "--config",
+                str(config),
+                "--decode",
+                worker,
+                "--workers",
+                pool,
+                "--port",
+                str(port),
+            ]
+            proc = Proc(f"sidecar {i}", argv)
             self.procs.append(proc)
             sidecars.append(f"127.0.0.1:{port}")
         grpc_port, health_port = free_port(), free_port()

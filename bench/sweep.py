@@ -159,9 +159,9 @@ class Verdict:
     epp_vs_gateway: float | None  # goodput epp ÷ prefix+queue
 
 
-def verdict(points: list[Point], slo_s: float, arm: str = "prefix+queue") -> Verdict:
-    """`arm` against round robin; the EPP always against prefix+queue (the profile it runs)."""
-    rr, pq, epp = (goodput(points, a, slo_s) for a in ("round-robin", arm, "epp"))
+def verdict(points: list[Point], slo_s: float, arm: str = "prefix+queue", base: str = "round-robin") -> Verdict:
+    """`arm` against `base` (round robin); the EPP always against prefix+queue (the profile it runs)."""
+    rr, pq, epp = (goodput(points, a, slo_s) for a in (base, arm, "epp"))
     gw = goodput(points, "prefix+queue", slo_s)
     same = at_rate(points, arm, rr.rate) if rr else None
     return Verdict(
@@ -364,6 +364,12 @@ def verdict_lines(points: list[Point], slo_s: float) -> list[str]:
         f"output tok/s at round robin's goodput rate {_x(v.tps_at_rr_rate_ratio)}; "
         f"goodput epp (Envoy) ÷ prefix+queue (splitserve gateway) **{_x(v.epp_vs_gateway)}** (target within 10 %)"
     ]
+    if any(p.arm == "round-robin+pull" for p in points):
+        b = verdict(points, slo_s, base="round-robin+pull")
+        lines.append(
+            f"- at {slo_s:g} s, against round robin with the KV pull: goodput prefix+queue ÷ round-robin+pull "
+            f"**{_x(b.goodput_ratio)}**; output tok/s, each at its goodput rate, **{_x(b.tps_at_goodput_ratio)}**"
+        )
     if any(p.arm == "expected-latency" for p in points):
         e = verdict(points, slo_s, "expected-latency")
         lines.append(

@@ -12,6 +12,13 @@ the pod; the sidecar only honours the choice.
                                   in splitserve_sidecar_refused_prefillers_total)
     no header                  -> the decode worker prefills itself
 
+Without a named prefill worker the sidecar may tell its worker to pull the prompt's prefix from
+another worker of the pool that holds more of it (placement step 4a, router/placement/placer.py),
+when its index says so and pulling is estimated cheaper than computing: the same decision the
+splitserve gateway makes for the worker it chose. The holder is always one of the pool this
+sidecar discovers (`--workers`), never an address a request names. A sidecar without a pool
+(no `--workers`) never pulls.
+
 The decode worker still applies its conditional threshold against its exact cache, as behind
 the splitserve gateway. A failed decode worker is not replaced (there is no other candidate):
 its requests fail with 503, and the gateway's health checks take the pod out.
@@ -33,6 +40,7 @@ from splitserve.router.epp.endpoints import check_address
 from splitserve.router.epp.extproc import PREFILLER
 from splitserve.router.errors import NoWorkerError, error_body
 from splitserve.router.placement.placer import Decision, PlacementRequest, Placer
+from splitserve.router.placement.scorers import ScoringContext
 from splitserve.router.router import Router, make_discovery
 
 log = logging.getLogger("splitserve.sidecar")
@@ -43,7 +51,8 @@ prefiller: contextvars.ContextVar[str] = contextvars.ContextVar("prefiller", def
 
 
 class LocalPlacer(Placer):
-    """Placement with one decode candidate; the prefill worker is the one the request names."""
+    """Placement with one decode candidate; the prefill worker is the one the request names, and
+    without one, a pull from a pool worker holding more of the prefix when it pays."""
 
     def __init__(self, placer: Placer, local: str):
         super().__init__(placer.config, placer.pool, placer.index, placer.rng)
@@ -55,11 +64,19 @@ class LocalPlacer(Placer):
             raise NoWorkerError(f"this pod's decode worker {self.local} is not healthy")
         if request.lora_workers is not None and self.local not in request.lora_workers:
             raise NoWorkerError(f"this pod's decode worker has no adapter {request.lora_name!r} loaded")
-        hashes = request.hashes
-        matched = (await self.index.match([self.local], hashes)).get(self.local, 0) if hashes else 0
+        hashes, named, now = request.hashes, prefiller.get(), self.pool.clock()
+        holders = []
+        if not named and request.lora_name is None:
+            holders = [w for w in self.pool.prefill_workers() if w.address not in (self.local, *request.exclude)]
+        addresses = [self.local, *(w.address for w in holders)]
+        matches = await self.index.match(addresses, hashes) if hashes else {}
+        matched = matches.get(self.local, 0)
         uncached = max(request.num_tokens - matched * self.pool.block_size, 0)
-        named = prefiller.get()
-        return Decision(self.local, (named,) if named else (), matched, uncached)
+        pull = None
+        if holders and hashes:
+            ctx = ScoringContext(request.num_tokens, len(hashes), matches, now, None, self.pool.block_size)
+            pull = self._pull_from(ctx, holders, self.local, matched, now)
+        return Decision(self.local, (named,) if named else (), matched, uncached, pull=pull)
 
 
 class UnionDiscovery:

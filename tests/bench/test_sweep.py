@@ -87,6 +87,11 @@ def test_the_verdict_reads_goodput_and_throughput_ratios():
     e = sweep.verdict(points + other, 2.0, "expected-latency")
     assert e.goodput_ratio == pytest.approx(2.0) and e.tps_at_goodput_ratio == pytest.approx(16.5 / 8.0)
     assert e.epp_vs_gateway == pytest.approx(0.5)
+    # prefix+queue against round robin with the KV pull, reported beside the cache-blind baseline
+    pull = [point("round-robin+pull", 0.5, 0.8, tps=8.0), point("round-robin+pull", 1.0, 1.9, tps=15.0)]
+    b = sweep.verdict(points + pull, 2.0, base="round-robin+pull")
+    assert b.goodput_ratio == pytest.approx(2.0) and b.tps_at_goodput_ratio == pytest.approx(31.0 / 15.0)
+    assert any("round-robin+pull **2.00×**" in line for line in sweep.verdict_lines(points + pull, 2.0))
 
 
 def test_the_kv_budget_holds_the_prefixes_asked_for_and_room_for_four_requests():

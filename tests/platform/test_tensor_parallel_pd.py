@@ -138,10 +138,11 @@ def test_head_shards_cut_and_reassemble_replicated_heads():
 
 
 def test_the_kv_tier_under_tp2_restores_every_ranks_heads(folders):  # noqa: F811
-    """8 blocks: B takes the 4 A did not use, C evicts A's 3 cached blocks to the tier, then A
-    again is restored from it (tier hits) and decodes TP 1's tokens."""
+    """8 blocks: B takes the 4 A did not use, C (one block longer) evicts A's 3 cached blocks to
+    the tier, then A again is restored from it (tier hits) and decodes TP 1's tokens. The pool
+    hands out blocks without a hash first (A's and B's last ones), so C needs 5 to reach all of A's."""
     model = folders("llama")
-    a, b, c = ([(13 * k + 7 * j) % 49000 + 100 for j in range(50)] for k in range(3))
+    a, b, c = ([(13 * k + 7 * j) % 49000 + 100 for j in range(n)] for k, n in ((0, 50), (1, 50), (2, 66)))
     reference = [o.output_token_ids for o in engine(model, 1).generate([a, b, c, a], GREEDY)]
 
     def job(eng):

@@ -133,3 +133,32 @@ def test_router_config_validates_kv_pull(section, message):
     with pytest.raises(ConfigError) as err:
         from_dict({"placement": {"kv_pull": section}})
     assert message in str(err.value)
+
+
+def test_a_sidecar_pulls_from_a_pool_worker_holding_the_prefix_unless_a_prefiller_is_named():
+    """The sidecar behind an inference gateway has one decode candidate, its own worker: it makes
+    the gateway's pull decision for it, from the pool it discovers, and only when the request
+    names no prefill worker (the EPP's P/D choice replaces the pull, as a remote prefill does)."""
+    from splitserve.router.epp.sidecar import LocalPlacer, prefiller
+
+    def sidecar(workers, stored=HELD):
+        return LocalPlacer(placer(workers, stored=stored), "w")
+
+    both = [worker("h", role="both", **BUSY), worker("w", role="both")]
+    assert decide(sidecar(both), IDS).pull == ("h", 30)
+    assert decide(sidecar(both), IDS).decode == "w"
+    assert decide(sidecar([worker("w", role="both")]), IDS).pull is None  # no pool: nothing to pull from
+    assert decide(sidecar(both), IDS, lora_name="a").pull is None
+    assert decide(sidecar([worker("h", role="both", connected=False), worker("w", role="both")]), IDS).pull is None
+    held_here = {**HELD, "w": HASHER.hash_blocks(IDS)[:30]}
+    assert decide(sidecar(both, held_here), IDS).pull is None
+    excluded = asyncio.run(
+        sidecar(both).place(PlacementRequest(len(IDS), HASHER.hash_blocks(IDS), exclude=frozenset({"h"})))
+    )
+    assert excluded.pull is None
+    token = prefiller.set("h")
+    try:
+        named = decide(sidecar(both), IDS)
+    finally:
+        prefiller.reset(token)
+    assert named.prefill == ("h",) and named.pull is None

@@ -116,8 +116,10 @@ def assert_clean(workers: dict) -> None:
 def test_a_tp2_holder_copies_a_pull_from_its_cache_and_its_tier():
     """The holder's side of a pull, in this process: a TP 2 engine with 8 blocks and a KV tier
     gives every head of B's blocks (still cached: gathered from the ranks) and of A's (evicted to
-    the tier by C), as a TP 1 engine that computed both has them."""
-    a, b, c = (prompt(50, salt=400 + k) for k in range(3))
+    the tier by C), as a TP 1 engine that computed both has them. C is one block longer than A and
+    B: the pool hands out blocks without a hash first (A's and B's last ones), so C needs 5 blocks
+    to reach all of A's."""
+    a, b, c = (prompt(n, salt=400 + k) for k, n in enumerate((50, 50, 66)))
     single = LLMEngine(
         EngineConfig(model=MODEL, cache=CacheConfig(num_blocks=128), device=DeviceConfig(quantization="none"))
     )
