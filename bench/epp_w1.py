@@ -128,7 +128,9 @@ class GatewayCluster:
             wait_http(f"http://{sidecar}/ready", 120, proc)
         wait_http(f"http://127.0.0.1:{health_port}/ready", 120, epp)
         port, admin = free_port(), free_port()
-        bootstrap = envoy_config(port, sidecars, f"127.0.0.1:{grpc_port}" if arm == "epp" else None, admin)
+        # debug_headers: the bench records which worker served each request (x-splitserve-decode-worker)
+        epp = f"127.0.0.1:{grpc_port}" if arm == "epp" else None
+        bootstrap = envoy_config(port, sidecars, epp, admin, debug_headers=True)
         path = str(workdir / f"envoy-{arm}.yaml")
         self.envoy = start_envoy(bootstrap, path)
         deadline = time.monotonic() + 60
