@@ -21,8 +21,8 @@ and the same KV budget; bench/serving_suite.py starts them):
 
 The search. The rates form a ladder (--rates, ascending). Step k runs rate k for every arm still
 in the search, one after another in an order that rotates with k (so no arm always runs first
-on a drifting host), each on a fresh cluster: the warm-up sends each group's system prompt once
-(the cache reaches steady state), then --requests measured requests arrive as a Poisson stream
+on a drifting host), each on a fresh cluster: the warm-up sends each group's system prompt twice
+(WARM_ROUNDS: the cache reaches steady state), then --requests measured requests arrive as a Poisson stream
 at the rate. An arm leaves the search at the first rate where its p90 TTFT exceeds the SLO or a
 request fails; the sweep ends when every arm has left or the ladder is done.
 
@@ -70,6 +70,11 @@ NO_PULL = ("round-robin",)  # arms whose router has placement.kv_pull off
 BLOCK_TOKENS = 16
 ROOM_REQUESTS = 4  # requests in flight per worker whose own blocks the budget leaves room for
 DEFAULT_RATES = (0.2, 0.35, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0)
+# Warm-up requests per group: the first caches its system prompt, the second hits it. A block
+# pool protects the blocks a request has hit (docs/engine.md, "Prefix-cache eviction"), which
+# every active group's prompt is after a long run; with one warm-up each, a short trace would
+# measure the start of the run instead of its steady state.
+WARM_ROUNDS = 2
 
 
 # ---- the search and its results (pure; tests/bench/test_sweep.py) ------------------------------------
@@ -218,7 +223,7 @@ def run_point(arm: str, rate: float, setup: Setup, raw: pathlib.Path) -> tuple[P
             None,
             setup.requests,
             rate=rate,
-            warmup=groups,
+            warmup=WARM_ROUNDS * groups,
             params=tuple(setup.params.items()),
             seed=seed,
         )
@@ -336,6 +341,11 @@ def _per_point(meta: dict) -> str:
     )
 
 
+def _warm(meta: dict) -> str:
+    rounds = meta.get("warm_rounds", 1)  # runs before WARM_ROUNDS warmed each group once
+    return {1: "once", 2: "twice"}.get(rounds, f"{rounds} times")
+
+
 def point_row(p: Point, slos: list[float]) -> str:
     hit = "–" if p.prefix_hit is None else f"{100 * p.prefix_hit:.0f} %"
     meets = " / ".join("yes" if p.meets(slo) else "**no**" for slo in slos)
@@ -393,7 +403,7 @@ def render(points: list[Point], arms: tuple[str, ...], meta: dict, plots: dict[s
             f"{meta['minutes']:.0f} minutes, command: `{meta['command']}`.",
             "",
             f"Workload `shared-prefix` ({meta['shape']}); {_per_point(meta)}, "
-            "Poisson arrivals, after a warm-up of each group's system prompt once. Every arm: two colocated "
+            f"Poisson arrivals, after a warm-up of each group's system prompt {_warm(meta)}. Every arm: two colocated "
             "workers pinned to one core each (one torch thread), "
             f"{meta['kv_blocks_asked']} KV blocks per worker (read back: {meta['kv_blocks']}): "
             f"{meta['kv_holds']}. A fresh cluster for every arm and rate; at each rate the arms run back "
@@ -551,6 +561,7 @@ def start_meta(args, setup: Setup, holds: str, argv: list[str] | None) -> dict:
         f"question → {p['output_len']} output tokens, group skew {p['group_skew']}",
         "requests": setup.requests,
         "seeds": setup.seeds,
+        "warm_rounds": WARM_ROUNDS,
         "kv_blocks_asked": setup.kv_blocks,
         "kv_holds": holds,
         "slos": args.slos,

@@ -149,6 +149,49 @@ def test_the_section_has_every_point_the_goodputs_and_the_ratios():
     assert "| round-robin | 0.5; 8.0 tok/s | 1 (the ladder's top: at least); 12.0 tok/s |" in text
     assert "- at 2 s: goodput prefix+queue ÷ round robin **2.00×**" in text
     assert "- at 8 s: goodput prefix+queue ÷ round robin **1.00×**" in text and "![TTFT vs load](t.png)" in text
+    assert "after a warm-up of each group's system prompt once." in text  # a raw run from before WARM_ROUNDS
+    twice = sweep.render(
+        points, ("round-robin", "prefix+queue"), {**meta, "warm_rounds": 2}, {"ttft": "t", "goodput": "g"}
+    )
+    assert "after a warm-up of each group's system prompt twice." in twice
+
+
+def test_each_point_warms_every_group_twice_before_measuring(monkeypatch, tmp_path):
+    """Each run's warm-up reuses every group's system prompt once after caching it (a pool that
+    protects hit blocks is then in its steady state), on a fresh cluster that is stopped after."""
+    import serving_suite
+
+    from splitserve.bench.loadgen import workloads
+
+    runs, stopped = [], []
+
+    class Cluster:
+        url, kv_blocks = "http://x", [72, 72]
+
+        def stop(self):
+            stopped.append(True)
+
+    def bench(run, url, raw, tag):
+        runs.append(run)
+        return {
+            "summary": {
+                "ttft_ms": None,
+                "itl_ms": None,
+                "e2e_ms": None,
+                "output_throughput": 1.0,
+                "prefix_cache_hit_rate": 0.8,
+                "completed": 48,
+                "failed": 0,
+            }
+        }
+
+    monkeypatch.setattr(sweep, "start_cluster", lambda arm, setup, raw: Cluster())
+    monkeypatch.setattr(serving_suite, "bench", bench)
+    setup = sweep.Setup({"groups": "8", "per_group": "6"}, 72, 256, 48, 2.0)
+    sweep.run_point("prefix+queue", 2.0, setup, tmp_path)
+    assert [r.seed for r in runs] == [0] and stopped == [True]
+    wl = workloads.build("shared-prefix", dict(runs[0].params), num_requests=48, num_warmup=runs[0].warmup)
+    assert sorted(r.tag for r in wl.warmup) == sorted([f"group-{g}" for g in range(8)] * 2)
 
 
 def test_search_slo_must_not_be_below_the_slo(capsys):
