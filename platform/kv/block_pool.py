@@ -1,9 +1,9 @@
-"""The block pool: ref-counted KV blocks, an LRU free queue, and the prefix-cache map.
+"""The block pool: ref-counted KV blocks, two LRU free queues, and the prefix-cache map.
 
 Every block is in exactly one of two states:
   * in use: ref_cnt > 0 (held by one or more requests; shared prefix blocks have ref_cnt > 1);
-  * free: ref_cnt == 0 and in the free queue. A free block may still carry a hash: its KV is
-    valid and a later request with the same prefix can revive it (a prefix-cache hit).
+  * free: ref_cnt == 0 and in one of the two free queues below. A free block may still carry a
+    hash: its KV is valid and a later request with the same prefix can revive it (a hit).
 
 The free blocks form two LRU queues, a segmented LRU (SLRU): "probation" holds blocks without a
 hash and cached blocks no request has hit since they were cached; "protected" holds cached blocks
@@ -222,9 +222,7 @@ class BlockPool:
     def free(self, blocks: Iterable[Block]) -> None:
         """Drop one reference. A block reaching zero joins a free queue in the given order: the
         protected tail if it was reused, probation's head if it has no hash, probation's tail
-        otherwise (the module docstring).
-
-        Callers pass a request's blocks tail-first (see the module docstring).
+        otherwise. Callers pass a request's blocks tail-first (see the module docstring).
         """
         for block in blocks:
             assert block.ref_cnt > 0, f"double free of block {block.block_id}"

@@ -59,15 +59,16 @@ class LocalPlacer(Placer):
         self.local = local
 
     async def place(self, request: PlacementRequest) -> Decision:
-        worker = self.pool.workers.get(self.local)
-        if self.local in request.exclude or worker is None or not worker.is_healthy(self.pool.clock()):
+        worker, now = self.pool.workers.get(self.local), self.pool.clock()
+        if self.local in request.exclude or worker is None or not worker.is_healthy(now):
             raise NoWorkerError(f"this pod's decode worker {self.local} is not healthy")
         if request.lora_workers is not None and self.local not in request.lora_workers:
             raise NoWorkerError(f"this pod's decode worker has no adapter {request.lora_name!r} loaded")
-        hashes, named, now = request.hashes, prefiller.get(), self.pool.clock()
+        hashes, named = request.hashes, prefiller.get()
         holders = []
         if not named and request.lora_name is None:
-            holders = [w for w in self.pool.prefill_workers() if w.address not in (self.local, *request.exclude)]
+            others = request.exclude | {self.local}
+            holders = [w for w in self.pool.prefill_workers() if w.address not in others]
         addresses = [self.local, *(w.address for w in holders)]
         matches = await self.index.match(addresses, hashes) if hashes else {}
         matched = matches.get(self.local, 0)
