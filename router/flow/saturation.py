@@ -28,13 +28,8 @@ depth, KV use or staleness add up to, one may go whatever the batch bands hold. 
 follows a measured, noisy step time; when it drops, the batch requests above it drain at their
 own pace, and an interactive request must not wait for that.
 
-With latency caps the bands at or above `reserved_min_band` also have slots of their own: while
-fewer of their requests are in flight than one per worker that is not full by queue depth, KV
-use or staleness, one may go whatever the batch bands hold. The cap of a worker follows a
-measured, noisy step time; when it drops, the batch requests above it drain at their own pace,
-and an interactive request must not wait for that. With no
-healthy decode worker at all (a pool scaled to zero, a restart) nothing is dispatched: requests
-wait in the gateway's queue, bounded, while the pool comes up.
+With no healthy decode worker at all (a pool scaled to zero, a restart) nothing is dispatched:
+requests wait in the gateway's queue, bounded, while the pool comes up.
 
 Prefill workers are not gated: a saturated prefill pool shows as waiting requests on the
 decode workers that wait for its KV.

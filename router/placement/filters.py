@@ -20,8 +20,9 @@ class Filter:
     empty_status = 503
     empty_reason = ""
 
-    def __init__(self, params: dict | None = None):
+    def __init__(self, params: dict | None = None, role: str = "decode"):
         self.params = parse_params(f"filter {self.name}", self.DEFAULTS, params or {})
+        self.role = role  # the profile's: "decode" or "prefill"
 
     def keep(self, worker: WorkerState, now: float) -> bool:
         raise NotImplementedError
@@ -51,18 +52,26 @@ class NotDraining(Filter):
 
 
 class NotSaturated(Filter):
-    """Fewer than `max_waiting` requests waiting and KV usage below `max_kv_usage`."""
+    """A worker with `max_waiting` requests waiting is saturated; when every candidate is, the
+    client gets 429. A full KV cache only steers: a worker whose KV use reaches `max_kv_usage` is
+    dropped while another candidate has room, and when every cache is full the request joins the
+    workers' own queues, as it would on one vLLM server, whose scheduler admits it when a running
+    request ends. Refusing it instead turned a burst that filled both caches of a two-worker
+    pool, with nothing waiting on either, into a 429 (docs/benchmarks/sweep.md).
+
+    The prefill profile keeps the strict rule: a prefill worker with a full cache is passed
+    over, and when every one is, the decode worker prefills the request itself, which refuses
+    nobody."""
 
     name = "not-saturated"
     DEFAULTS = {"max_waiting": 64, "max_kv_usage": 0.99}
     empty_status = 429
     empty_reason = "every worker is saturated"
 
-    def keep(self, worker, now):
-        load = worker.load
-        if load is None:
-            return True
-        return load.num_waiting < self.params["max_waiting"] and load.kv_usage < self.params["max_kv_usage"]
+    def select(self, workers, now):
+        queueing = [w for w in workers if w.load is None or w.load.num_waiting < self.params["max_waiting"]]
+        roomy = [w for w in queueing if w.load is None or w.load.kv_usage < self.params["max_kv_usage"]]
+        return roomy if self.role == "prefill" else roomy or queueing
 
 
 def load_of(worker: WorkerState) -> int:
@@ -78,14 +87,21 @@ class Balanced(Filter):
     among workers of comparable load: without it, a worker holding a popular prefix or adapter
     keeps winning after its queue has outgrown every other (the load scorers stop telling
     workers apart past their saturation point). SGLang's cache-aware router guards its prefix
-    tree with the same two thresholds (balance_abs_threshold, balance_rel_threshold). Never
-    leaves nobody: the least loaded worker always passes."""
+    tree with the same two thresholds (balance_abs_threshold 64, balance_rel_threshold 1.5).
+    Never leaves nobody: the least loaded worker always passes.
+
+    The slack (16) is twice queue-depth's saturation point: below it the scorers weigh a queue
+    against a prefix hit themselves, and the filter only stops a runaway. A slack of 4 moved a
+    group's request off its worker at every burst; the move costs a miss there (about six
+    hits' compute on a CPU host) and evicts another group's prefix, which turned a burst into a
+    cascade: on the shared-prefix sweep at 5 req/s it cut prefix hits from 84 to 57-74 %
+    (docs/router.md, "Why `balanced`")."""
 
     name = "balanced"
-    DEFAULTS = {"slack": 4, "ratio": 1.5}
+    DEFAULTS = {"slack": 16, "ratio": 1.5}
 
-    def __init__(self, params: dict | None = None):
-        super().__init__(params)
+    def __init__(self, params: dict | None = None, role: str = "decode"):
+        super().__init__(params, role)
         if self.params["ratio"] < 1:
             raise ConfigError(f"filter balanced: ratio={self.params['ratio']!r} is invalid; allowed: a number >= 1")
 
@@ -101,7 +117,7 @@ class Balanced(Filter):
 FILTERS: dict[str, type[Filter]] = {cls.name: cls for cls in (Healthy, NotDraining, NotSaturated, Balanced)}
 
 
-def make_filter(name: str, params: dict | None = None) -> Filter:
+def make_filter(name: str, params: dict | None = None, role: str = "decode") -> Filter:
     if name not in FILTERS:
         raise ConfigError(f"unknown filter {name!r}; allowed: {', '.join(FILTERS)}")
-    return FILTERS[name](params)
+    return FILTERS[name](params, role)

@@ -70,7 +70,7 @@ class Profile:
 
     def __init__(self, role: str, config: ProfileConfig):
         self.role = role
-        self.filters = [make_filter(name, config.filter_params.get(name)) for name in config.filters]
+        self.filters = [make_filter(name, config.filter_params.get(name), role) for name in config.filters]
         self.scorers = [(make_scorer(s.name, s.params), float(s.weight)) for s in config.scorers if s.weight > 0]
         self.scores_adapters = any(isinstance(scorer, LoraAffinity) for scorer, _ in self.scorers)
 

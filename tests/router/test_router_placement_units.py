@@ -161,7 +161,8 @@ FILTER_CASES = [
     ("not-saturated", {}, dict(waiting=63), True),
     ("not-saturated", {}, dict(waiting=64), False),
     ("not-saturated", {"max_waiting": 2}, dict(waiting=2), False),
-    ("not-saturated", {}, dict(kv=0.995), False),
+    ("not-saturated", {}, dict(kv=0.995), True),  # a full cache alone queues (below: it steers)
+    ("not-saturated", {}, dict(kv=0.995, waiting=64), False),
     ("not-saturated", {}, dict(load=False), True),
     ("balanced", {}, dict(waiting=100, pending=9), True),  # a worker alone is never out of balance
 ]
@@ -173,13 +174,41 @@ def test_filter_table(name, params, kw, kept):
     assert make_filter(name, params).select([w], now=0.0) == ([w] if kept else [])
 
 
+# ({address: worker kwargs}, addresses kept)
+SATURATION_CASES = [
+    (dict(a=dict(kv=0.995), b=dict(kv=0.5)), "b"),  # a full cache loses to one with room
+    (dict(a=dict(kv=0.995), b=dict(kv=1.0, waiting=3)), "ab"),  # every cache full: the workers queue it
+    (dict(a=dict(kv=0.995, waiting=64), b=dict(kv=1.0, waiting=3)), "b"),  # but not past max_waiting
+    (dict(a=dict(kv=0.2, waiting=64), b=dict(kv=1.0)), "b"),  # a queue at its bound is out, room or not
+    (dict(a=dict(load=False), b=dict(kv=1.0)), "a"),  # no report yet: counts as room
+    (dict(a=dict(waiting=64), b=dict(kv=1.0, waiting=70)), ""),  # 429
+]
+
+
+@pytest.mark.parametrize("loads,kept", SATURATION_CASES)
+def test_a_full_cache_steers_requests_and_only_a_full_queue_refuses_them(loads, kept):
+    """Two workers whose caches a burst filled, nothing waiting on either: the request queues
+    on them as on one vLLM server instead of a 429 (the sweep's run 2 ended on one)."""
+    ws = [worker(address, **kw) for address, kw in loads.items()]
+    assert "".join(w.address for w in make_filter("not-saturated", {}).select(ws, 0.0)) == kept
+
+
+def test_a_prefill_worker_with_a_full_cache_is_passed_over_even_when_every_one_is():
+    """As a prefill candidate a full worker is skipped (the decode worker then prefills itself,
+    refusing nobody), where a decode candidate would queue the request."""
+    ws = [worker("a", role="prefill", kv=0.995), worker("b", role="prefill", kv=1.0, waiting=3)]
+    assert make_filter("not-saturated", {}, role="prefill").select(ws, 0.0) == []
+    assert make_filter("not-saturated", {}).select(ws, 0.0) == ws
+
+
 # (params, {address: worker kwargs}, addresses kept): load = waiting + running + router-side pending
 BALANCE_CASES = [
-    ({}, dict(a=dict(), b=dict(running=4)), "ab"),  # 4 more: within the slack
-    ({}, dict(a=dict(), b=dict(running=3, waiting=2)), "a"),  # 5 more than an idle worker
-    ({}, dict(a=dict(running=10), b=dict(running=15)), "ab"),  # 15 <= 1.5 x 10
-    ({}, dict(a=dict(running=10), b=dict(running=16)), "a"),  # 6 more and over 1.5 x
-    ({}, dict(a=dict(load=False), b=dict(load=False, pending=5)), "a"),  # sent, not yet reported
+    ({}, dict(a=dict(), b=dict(running=16)), "ab"),  # 16 more: within the slack
+    ({}, dict(a=dict(), b=dict(running=9, waiting=8)), "a"),  # 17 more than an idle worker
+    ({}, dict(a=dict(running=40), b=dict(running=60)), "ab"),  # 60 <= 1.5 x 40
+    ({}, dict(a=dict(running=40), b=dict(running=61)), "a"),  # 21 more and over 1.5 x
+    ({}, dict(a=dict(load=False), b=dict(load=False, pending=17)), "a"),  # sent, not yet reported
+    ({"slack": 4}, dict(a=dict(), b=dict(running=3, waiting=2)), "a"),
     ({"slack": 8}, dict(a=dict(), b=dict(running=8), c=dict(waiting=9)), "ab"),
     ({"ratio": 3, "slack": 1}, dict(a=dict(running=4), b=dict(running=12), c=dict(running=13)), "ab"),
 ]
@@ -207,6 +236,19 @@ def test_a_prefix_and_adapter_holder_that_is_far_busier_loses_to_an_idle_worker(
     assert place(p, ids).decode == "d2"
     p, _ = placer([worker("d1", running=4), worker("d2", running=3)], mode="never", stored=stored)
     assert place(p, ids).decode == "d1"
+
+
+def test_a_burst_on_the_prefix_holder_keeps_its_group_until_the_queue_outweighs_the_hit():
+    """`balanced` guards against a runaway, not a burst: a holder 5 requests busier than an idle
+    worker keeps the request (its hit saves a miss that would also evict another group's
+    prefix there); 7 busier, the queue-depth scorer outweighs the hit and it moves. With the
+    first slack (4) the filter moved it at 5 already."""
+    ids = tokens(160, salt=6)
+    stored = {"d1": HASHER.hash_blocks(ids)}
+    p, _ = placer([worker("d1", running=5), worker("d2")], mode="never", stored=stored)
+    assert place(p, ids).decode == "d1"
+    p, _ = placer([worker("d1", running=7), worker("d2")], mode="never", stored=stored)
+    assert place(p, ids).decode == "d2"
 
 
 def test_every_filter_has_a_case():
