@@ -2,7 +2,7 @@
 
     python bench/sweep.py [--write docs/benchmarks.md] [--plots docs/benchmarks]
         [--slo 2] [--search-slo S] [--rates 0.5,1,...] [--requests 24] [--arms round-robin,...]
-        [--workload-param KEY=VALUE ...] [--kv-prefixes H] [--raw DIR [--report-only]]
+        [--workload-param KEY=VALUE ...] [--kv-prefixes H] [--raw DIR [--report-only | --resume]]
 
 Arms (all: two colocated workers, `--role both`, each pinned to one core with one torch thread
 and the same KV budget; bench/serving_suite.py starts them):
@@ -40,7 +40,8 @@ a router that keeps each group on one worker fits its half of the groups.
 
 Every point's bench JSON (and its workers' KV blocks) goes to --raw as it finishes, the run's
 facts to --raw/sweep-meta.json before the first: `--report-only --raw DIR` writes the report of
-a finished or interrupted run from them. Before any cluster starts it checks its imports
+a finished or interrupted run from them, and `--resume --raw DIR` (with the run's arguments) goes
+on with an interrupted run, reading back the points whose seeds all finished. Before any cluster starts it checks its imports
 (matplotlib for the plots). The lone prefills
 of one cold and one warm request (`probe`) on a fresh cluster are printed and reported: the
 cost of a miss against a hit on this host is what the ratio follows.
@@ -227,7 +228,7 @@ def run_point(arm: str, rate: float, setup: Setup, raw: pathlib.Path) -> tuple[P
             params=tuple(setup.params.items()),
             seed=seed,
         )
-        tag = f"sweep-{arm.replace('+', '-')}-r{rate:g}" + (f"-s{seed}" if seed else "")
+        tag = tag_of(arm, rate, seed)
         print(f"== {tag}", flush=True)
         cluster = start_cluster(arm, setup, raw)
         try:
@@ -236,6 +237,25 @@ def run_point(arm: str, rate: float, setup: Setup, raw: pathlib.Path) -> tuple[P
             cluster.stop()
         (raw / f"{tag}.kv.json").write_text(json.dumps(cluster.kv_blocks))
         kv.update(cluster.kv_blocks)
+    return Point.from_summary(arm, rate, pooled_summary(docs)), sorted(kv)
+
+
+def tag_of(arm: str, rate: float, seed: int) -> str:
+    """The raw files' name of one run: `sweep-prefix-queue-r0.5`, `...-r0.5-s1` for seed 1."""
+    return f"sweep-{arm.replace('+', '-')}-r{rate:g}" + (f"-s{seed}" if seed else "")
+
+
+def finished_point(arm: str, rate: float, setup: Setup, raw: pathlib.Path) -> tuple[Point, list[int]] | None:
+    """The point of an earlier run in `raw` when every seed of it finished there (--resume)."""
+    paths = [raw / f"{tag_of(arm, rate, seed)}.json" for seed in range(setup.seeds)]
+    if not all(path.is_file() for path in paths):
+        return None
+    docs = [json.loads(path.read_text()) for path in paths]
+    kv = set()
+    for path in paths:
+        kv_file = path.with_name(path.stem + ".kv.json")
+        if kv_file.is_file():
+            kv.update(json.loads(kv_file.read_text()))
     return Point.from_summary(arm, rate, pooled_summary(docs)), sorted(kv)
 
 
@@ -307,14 +327,19 @@ def probe(setup: Setup, workdir: pathlib.Path) -> dict:
     return {"miss_s": cold, "hit_s": warm}
 
 
-def sweep(arms: tuple[str, ...], rates: list[float], setup: Setup, raw: pathlib.Path) -> tuple[list[Point], list]:
+def sweep(
+    arms: tuple[str, ...], rates: list[float], setup: Setup, raw: pathlib.Path, resume: bool = False
+) -> tuple[list[Point], list]:
+    """Every arm at rising rates until it misses the SLO. `resume`: a point whose seeds all
+    finished in `raw` (a run that a crash or Ctrl-C ended) is read back instead of run again."""
     points, kv = [], set()
     for step, rate in enumerate(rates):
         active = [a for a in step_order(arms, step) if still_searching(a, points, setup.slo_s)]
         if not active:
             break
         for arm in active:
-            point, blocks = run_point(arm, rate, setup, raw)
+            done = finished_point(arm, rate, setup, raw) if resume else None
+            point, blocks = done or run_point(arm, rate, setup, raw)
             points.append(point)
             kv.update(blocks)
             verdict_text = "meets" if point.meets(setup.slo_s) else "MISSES"
@@ -497,6 +522,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--kv-prefixes", type=int, default=None, help="system prompts one worker's KV holds")
     ap.add_argument("--raw", default=None, help="folder for the raw JSON (default: a new temp folder)")
     ap.add_argument(
+        "--resume",
+        action="store_true",
+        help="go on with the run in --raw: the points whose seeds all finished there are read back, "
+        "the rest run (same arguments as that run)",
+    )
+    ap.add_argument(
         "--report-only",
         action="store_true",
         help="run nothing: write the report of the (finished or interrupted) run in --raw",
@@ -517,8 +548,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if not args.slo <= args.search_slo < math.inf:
         ap.error(f"--search-slo must be a number of seconds >= --slo ({args.slo:g}), got {args.search_slo:g}")
     args.slos = sorted({args.slo, args.search_slo})
-    if args.report_only and not (args.raw and pathlib.Path(args.raw, "sweep-meta.json").is_file()):
-        ap.error("--report-only needs --raw DIR holding a run's sweep-meta.json")
+    for flag in ("report_only", "resume"):
+        if getattr(args, flag) and not (args.raw and pathlib.Path(args.raw, "sweep-meta.json").is_file()):
+            ap.error(f"--{flag.replace('_', '-')} needs --raw DIR holding a run's sweep-meta.json")
     return args
 
 
@@ -600,10 +632,11 @@ def main(argv: list[str] | None = None) -> int:
     raw = pathlib.Path(args.raw) if args.raw else pathlib.Path(tempfile.mkdtemp(prefix="splitserve-sweep-"))
     raw.mkdir(parents=True, exist_ok=True)
     print(f"raw results in {raw}; KV per worker: {setup.kv_blocks} blocks = {holds}", flush=True)
-    meta = start_meta(args, setup, holds, argv)
-    meta.update(probe(setup, raw))
-    (raw / "sweep-meta.json").write_text(json.dumps(meta, indent=1) + "\n")
-    sweep(args.arms, args.rates, setup, raw)
+    if not args.resume:  # a resumed run keeps its first start's facts and probe
+        meta = start_meta(args, setup, holds, argv)
+        meta.update(probe(setup, raw))
+        (raw / "sweep-meta.json").write_text(json.dumps(meta, indent=1) + "\n")
+    sweep(args.arms, args.rates, setup, raw, resume=args.resume)
     report(raw, args.write, args.plots)
     return 0
 

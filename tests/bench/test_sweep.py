@@ -1,5 +1,6 @@
 """bench/sweep.py's search and goodput on synthetic results (the sweep itself is a benchmark)."""
 
+import json
 import pathlib
 import sys
 
@@ -63,6 +64,40 @@ def test_the_sweep_runs_each_rate_for_the_arms_still_in_and_stops_when_none_is(m
         ("prefix+queue", 2.0),  # round robin has left; prefix+queue leaves here and 4.0 never runs
     ]
     assert kv == [28] and len(points) == 5
+
+
+def test_a_resumed_sweep_reads_back_the_points_whose_seeds_all_finished(monkeypatch, tmp_path):
+    """--resume after a crash: a point with every seed's JSON in --raw is read back, not run; one
+    with a seed missing (the run the crash ended) runs again, as does everything after it."""
+    p90 = {"round-robin": {0.5: 1.5, 1.0: 3.0}, "prefix+queue": {0.5: 0.3, 1.0: 0.5, 2.0: 2.5}}
+    ran = []
+
+    def fake_run(arm, rate, setup, raw):
+        ran.append((arm, rate))
+        return point(arm, rate, p90[arm][rate]), [28, 28]
+
+    def seed_doc(arm, rate):
+        ms = {"p50": 100.0, "p90": p90[arm][rate] * 1000}
+        summary = {"ttft_ms": ms, "itl_ms": ms, "e2e_ms": ms, "output_throughput": 8.0}
+        summary.update(prefix_cache_hit_rate=0.8, completed=24, failed=0)
+        return json.dumps({"config": {"rate": rate}, "summary": summary})
+
+    for arm, rate, seeds in (("round-robin", 0.5, (0,)), ("prefix+queue", 0.5, (0,)), ("prefix+queue", 1.0, (0,))):
+        for seed in seeds:
+            (tmp_path / f"{sweep.tag_of(arm, rate, seed)}.json").write_text(seed_doc(arm, rate))
+    monkeypatch.setattr(sweep, "run_point", fake_run)
+    setup = sweep.Setup({}, 28, 256, 24, 2.0, seeds=1)
+    points, _ = sweep.sweep(("round-robin", "prefix+queue"), [0.5, 1.0, 2.0], setup, tmp_path, resume=True)
+    assert ran == [("round-robin", 1.0), ("prefix+queue", 2.0)]
+    assert [(p.arm, p.rate, p.ttft_p90_ms) for p in points][:3] == [
+        ("round-robin", 0.5, 1500.0),
+        ("prefix+queue", 0.5, 300.0),
+        ("prefix+queue", 1.0, 500.0),
+    ]
+    ran.clear()
+    two_seeds = sweep.Setup({}, 28, 256, 24, 2.0, seeds=2)  # seed 1 never finished: all run again
+    sweep.sweep(("round-robin", "prefix+queue"), [0.5], two_seeds, tmp_path, resume=True)
+    assert ran == [("round-robin", 0.5), ("prefix+queue", 0.5)]
 
 
 def test_the_verdict_reads_goodput_and_throughput_ratios():

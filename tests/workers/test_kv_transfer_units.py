@@ -265,3 +265,51 @@ def test_receiver_bookkeeping():
     assert (t.state, t.error) == (TransferState.FAILED, "receiver closed")
     assert message.startswith("connection to inproc://receiver-") and " lost: ChannelClosed(" in message
     assert num_transfers == 0
+
+
+# A real UCX listener holds a port while a receiver asks for it; in a child process, since UCXX
+# binds to the first event loop that uses it.
+BUSY_PORT_SCRIPT = """
+import asyncio, sys, time
+from splitserve.workers.transfer import ucx
+
+async def main(release_after_s):
+    ucxx = ucx._ucxx()
+
+    async def on_endpoint(endpoint):
+        pass
+
+    holder = ucxx.create_listener(on_endpoint, 0)
+    port = holder.port
+    receiver = ucx.UcxReceiver(port=port)
+    if release_after_s >= 0:
+        asyncio.get_running_loop().call_later(release_after_s, holder.close)
+    t0 = time.monotonic()
+    try:
+        address = await receiver._listen()
+        print("LISTENING", address == f"ucx://127.0.0.1:{port}", round(time.monotonic() - t0, 2))
+        await receiver._stop_listening()
+    except RuntimeError as exc:
+        print("FAILED", port, exc)
+
+asyncio.run(main(float(sys.argv[1])))
+"""
+
+
+@pytest.mark.parametrize("release_after_s", [0.5, -1.0])
+def test_a_busy_kv_port_is_retried_while_it_frees_and_named_when_it_stays_busy(release_after_s):
+    """A worker restarted on a node finds its KV port held for a moment by the process that just
+    exited: it waits for it (about 3 s) instead of dying; a port another process keeps is named."""
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-c", BUSY_PORT_SCRIPT, str(release_after_s)], capture_output=True, text=True, timeout=120
+    ).stdout
+    line = next(line for line in out.splitlines() if line.startswith(("LISTENING", "FAILED")))
+    if release_after_s >= 0:
+        _, same_address, waited_s = line.split()
+        assert same_address == "True" and float(waited_s) >= release_after_s
+    else:
+        port = line.split()[1]
+        assert f"the KV transfer port {port} stayed busy for 3.1 s" in line and "--kv-port" in line

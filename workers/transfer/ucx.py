@@ -58,6 +58,9 @@ def configure_ucx_env(environ=os.environ, has_gpu: bool | None = None) -> dict[s
     return applied
 
 
+LISTEN_RETRY_S = (0.1, 0.2, 0.4, 0.8, 1.6)  # waits between tries of a busy listening port
+
+
 def _ucxx():
     """UCXX, configured; it binds to the event loop that first uses it (one loop per process)."""
     global _is_configured
@@ -144,8 +147,21 @@ class UcxReceiver(ChannelReceiver):
         self._listener = None
 
     async def _listen(self) -> str:
-        # UCX listens on every interface; `host` is what the address advertises.
-        self._listener = _ucxx().create_listener(self._on_endpoint, self._port)
+        # UCX listens on every interface; `host` is what the address advertises. A port that a
+        # process which just exited still holds reads as busy for a moment (a restarted pod, a
+        # bench's next cluster on the same host): retry over about 3 s, then name the port.
+        ucxx = _ucxx()
+        for delay in (*LISTEN_RETRY_S, None):
+            try:
+                self._listener = ucxx.create_listener(self._on_endpoint, self._port)
+                break
+            except ucxx.exceptions.UCXBusyError as exc:
+                if delay is None:
+                    raise RuntimeError(
+                        f"the KV transfer port {self._port} stayed busy for {sum(LISTEN_RETRY_S):g} s "
+                        "(another process listens on it); choose a free --kv-port, or 0 for any"
+                    ) from exc
+                await asyncio.sleep(delay)
         return f"ucx://{self._host}:{self._listener.port}"
 
     async def _on_endpoint(self, endpoint) -> None:  # a coroutine function, as UCXX requires
