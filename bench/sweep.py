@@ -41,9 +41,9 @@ a router that keeps each group on one worker fits its half of the groups.
 Every point's bench JSON (and its workers' KV blocks) goes to --raw as it finishes, the run's
 facts to --raw/sweep-meta.json before the first: `--report-only --raw DIR` writes the report of
 a finished or interrupted run from them, and `--resume --raw DIR` (with the run's arguments) goes
-on with an interrupted run, reading back the points whose seeds all finished. Before any cluster starts it checks its imports
-(matplotlib for the plots). The lone prefills
-of one cold and one warm request (`probe`) on a fresh cluster are printed and reported: the
+on with an interrupted run, reading back the points whose seeds all finished. Before any
+cluster starts it checks its imports (matplotlib for the plots). The lone prefills of one cold
+and one warm request (`probe`) on a fresh cluster are printed and reported: the
 cost of a miss against a hit on this host is what the ratio follows.
 """
 
