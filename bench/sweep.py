@@ -22,9 +22,9 @@ and the same KV budget; bench/serving_suite.py starts them):
 The search. The rates form a ladder (--rates, ascending). Step k runs rate k for every arm still
 in the search, one after another in an order that rotates with k (so no arm always runs first
 on a drifting host), each on a fresh cluster: the warm-up sends each group's system prompt twice
-(WARM_ROUNDS: the cache reaches steady state), then --requests measured requests arrive as a Poisson stream
-at the rate. An arm leaves the search at the first rate where its p90 TTFT exceeds the SLO or a
-request fails; the sweep ends when every arm has left or the ladder is done.
+(WARM_ROUNDS: the cache reaches steady state), then --requests measured requests arrive as a
+Poisson stream at the rate. An arm leaves the search at the first rate where its p90 TTFT exceeds
+the SLO or a request fails; the sweep ends when every arm has left or the ladder is done.
 
 Goodput of an arm = the highest rate of the ladder at which it met the SLO, every lower rate
 met too (`goodput`); 0 when it met it at no rate. Output tokens/s "there" is that point's
@@ -251,12 +251,14 @@ def finished_point(arm: str, rate: float, setup: Setup, raw: pathlib.Path) -> tu
     if not all(path.is_file() for path in paths):
         return None
     docs = [json.loads(path.read_text()) for path in paths]
-    kv = set()
-    for path in paths:
-        kv_file = path.with_name(path.stem + ".kv.json")
-        if kv_file.is_file():
-            kv.update(json.loads(kv_file.read_text()))
+    kv = {blocks for path in paths for blocks in kv_blocks_of(path)}
     return Point.from_summary(arm, rate, pooled_summary(docs)), sorted(kv)
+
+
+def kv_blocks_of(path: pathlib.Path) -> list[int]:
+    """The KV blocks the workers of one raw run read back (its `.kv.json` beside it; none: [])."""
+    kv_file = path.with_name(path.stem + ".kv.json")
+    return json.loads(kv_file.read_text()) if kv_file.is_file() else []
 
 
 def pooled_summary(docs: list[dict]) -> dict:
@@ -289,9 +291,7 @@ def points_from_raw(raw: pathlib.Path) -> tuple[list[Point], list[int]]:
             continue
         doc = json.loads(path.read_text())
         docs.setdefault((tag_arm(path.stem), float(doc["config"]["rate"])), []).append(doc)
-        kv_file = path.with_name(path.stem + ".kv.json")
-        if kv_file.exists():
-            kv.update(json.loads(kv_file.read_text()))
+        kv.update(kv_blocks_of(path))
     points = [Point.from_summary(arm, rate, pooled_summary(d)) for (arm, rate), d in docs.items()]
     return points, sorted(kv)
 
