@@ -94,6 +94,7 @@ class Point:
     prefix_hit: float | None
     completed: int
     failed: int
+    prefix_pulled: float | None = None  # prompt tokens pulled from the other worker (None: not recorded)
 
     def meets(self, slo_s: float) -> bool:
         """Every request served and p90 TTFT within the SLO."""
@@ -116,6 +117,7 @@ class Point:
             s["prefix_cache_hit_rate"],
             s["completed"],
             s["failed"],
+            s.get("prefix_pull_rate"),  # absent from runs before it was recorded
         )
 
 
@@ -372,12 +374,12 @@ def _warm(meta: dict) -> str:
 
 
 def point_row(p: Point, slos: list[float]) -> str:
-    hit = "–" if p.prefix_hit is None else f"{100 * p.prefix_hit:.0f} %"
+    hit, pulled = ("–" if v is None else f"{100 * v:.0f} %" for v in (p.prefix_hit, p.prefix_pulled))
     meets = " / ".join("yes" if p.meets(slo) else "**no**" for slo in slos)
     return (
         f"| {p.arm} | {p.rate:g} | {p.completed}/{p.completed + p.failed} | {_ms(p.ttft_p50_ms)} | "
         f"{_ms(p.ttft_p90_ms)} | {_ms(p.itl_p50_ms)} | {_ms(p.e2e_p50_ms)} | {_ms(p.e2e_p90_ms)} | "
-        f"{p.output_tps:.1f} | {hit} | {meets} |"
+        f"{p.output_tps:.1f} | {hit} | {pulled} | {meets} |"
     )
 
 
@@ -438,11 +440,13 @@ def render(points: list[Point], arms: tuple[str, ...], meta: dict, plots: dict[s
             f"a hit (question only) {meta['hit_s']:.2f} s.",
             "",
             "| arm | rate (req/s) | done | TTFT p50 | TTFT p90 | ITL p50 | E2E p50 | E2E p90 | out tok/s | "
-            f"prefix hit | meets {named} |",
-            "|---|---|---|---|---|---|---|---|---|---|---|",
+            f"prefix hit | pulled | meets {named} |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|",
             *[point_row(p, slos) for p in sorted(points, key=lambda p: (arms.index(p.arm), p.rate))],
             "",
-            "Latencies in ms. Goodput = the highest rate meeting the SLO, every lower rate meeting it too, "
+            "Latencies in ms. *Prefix hit*: prompt tokens found in the serving worker's own cache; "
+            "*pulled*: prompt tokens whose KV it pulled from the other worker instead of computing "
+            "(x-splitserve-pulled-tokens); the rest were computed. Goodput = the highest rate meeting the SLO, every lower rate meeting it too, "
             "and the output tokens/s measured there:",
             "",
             "| arm | " + " | ".join(f"goodput at p90 TTFT ≤ {s:g} s" for s in slos) + " |",

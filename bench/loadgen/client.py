@@ -38,6 +38,7 @@ class RequestResult:
     num_output_tokens: int | None = None  # from usage; None if the server sent none
     num_cached_tokens: int | None = None  # usage.prompt_tokens_details.cached_tokens
     decode_worker: str = ""  # the splitserve gateway's x-splitserve-decode-worker ("" from other servers)
+    num_pulled_tokens: int = 0  # its x-splitserve-pulled-tokens: prompt tokens pulled, not computed
     error: str = ""
 
     @property
@@ -78,6 +79,7 @@ async def send(client: httpx.AsyncClient, url: str, body: bytes, out: RequestRes
                 out.error = f"HTTP {resp.status_code}: {text[:300]}"
                 return out
             out.decode_worker = resp.headers.get("x-splitserve-decode-worker", "")
+            out.num_pulled_tokens = int(resp.headers.get("x-splitserve-pulled-tokens", "0") or 0)
             async for line in sse_lines(resp):
                 if not line.startswith("data:"):
                     continue  # blank separators and SSE comments (": ping")

@@ -11,7 +11,8 @@ Over the successful requests of the measured phase (warm-ups excluded):
 Statistics: mean, std (population), p50 (the median), p90, p99 with numpy's linear
 interpolation; values in milliseconds. An empty set gives None, where vLLM prints 0.
 Beyond vLLM: the server-reported prefix-cache hit rate (Σ cached_tokens / Σ prompt tokens, of
-the requests whose usage has `prompt_tokens_details`), the peak number of requests in flight,
+the requests whose usage has `prompt_tokens_details`), the pull rate (Σ pulled tokens, from
+splitserve's x-splitserve-pulled-tokens header, / Σ prompt tokens, of the same), the peak number of requests in flight,
 and the number of requests whose output length differs from max_tokens (ignore_eos not honoured).
 """
 
@@ -120,6 +121,13 @@ def compute(results: list[RequestResult], duration_s: float, slo: SLO | None) ->
         "e2e_ms": stats_ms([r.e2e_s for r in ok]),
         "prefix_cache_hit_rate": (
             sum(r.num_cached_tokens for r in with_cache) / max(1, sum(r.num_prompt_tokens for r in with_cache))
+        )
+        if with_cache
+        else None,
+        # Prompt tokens whose KV the decode worker pulled from another worker (splitserve's
+        # x-splitserve-pulled-tokens): neither computed nor in its own cache, so apart from the hits.
+        "prefix_pull_rate": (
+            sum(r.num_pulled_tokens for r in with_cache) / max(1, sum(r.num_prompt_tokens for r in with_cache))
         )
         if with_cache
         else None,

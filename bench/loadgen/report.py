@@ -28,6 +28,7 @@ def _record(r: RequestResult) -> dict:
         "output_tokens": r.output_tokens if r.success else 0,
         "cached_tokens": r.num_cached_tokens,
         "decode_worker": r.decode_worker,
+        "pulled_tokens": r.num_pulled_tokens,
         "start_s": r.start_s,
         "client_queue_s": r.client_queue_s,
         "success": r.success,
@@ -56,6 +57,7 @@ def from_record(d: dict) -> RequestResult:
         num_output_tokens=d["output_tokens"],
         num_cached_tokens=d["cached_tokens"],
         decode_worker=d.get("decode_worker", ""),  # absent from reports before it was recorded
+        num_pulled_tokens=d.get("pulled_tokens", 0),  # likewise
         error=d["error"],
     )
 

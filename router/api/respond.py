@@ -132,4 +132,6 @@ def _worker_headers(chunk: Chunk | None) -> dict[str, str]:
     headers = {"x-splitserve-decode-worker": chunk.decode_worker}
     if chunk.prefill_worker:
         headers["x-splitserve-prefill-worker"] = chunk.prefill_worker
+    if chunk.num_pulled_tokens:
+        headers["x-splitserve-pulled-tokens"] = str(chunk.num_pulled_tokens)
     return headers

@@ -30,6 +30,7 @@ class Chunk:
     num_prompt_tokens: int = 0
     num_completion_tokens: int = 0
     num_cached_tokens: int = 0
+    num_pulled_tokens: int = 0  # prompt tokens whose KV the decode worker pulled from another (usage.pulled_tokens)
     decode_worker: str = ""
     prefill_worker: str = ""
     prompt_logprobs: list = field(default_factory=list)  # pb.TokenLogprob of prompt tokens 1..n-1 (first chunk)
@@ -47,6 +48,7 @@ class Progress:
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
     num_cached_tokens: int | None = None
+    num_pulled_tokens: int = 0
     is_resumed: bool = False  # the next text is the first after a resume
 
     def add(self, token_ids: list[int], text: str, tokenizer: Tokenizer | None, params: SamplingParams) -> str:

@@ -222,7 +222,10 @@ class Run:
         item = await anext(self._events, None)
         if item is not None:
             if self._cached_caps is not None:
-                item.chunk.num_cached_tokens = min(item.chunk.num_cached_tokens, self._cached_caps[item.index])
+                chunk, cap = item.chunk, self._cached_caps[item.index]
+                chunk.num_cached_tokens = min(chunk.num_cached_tokens, cap)
+                # a pulled prefix was cached too, on another worker: the same bound for both
+                chunk.num_pulled_tokens = min(chunk.num_pulled_tokens, cap - chunk.num_cached_tokens)
             self.choices[item.index].add(item.chunk)
         return item
 

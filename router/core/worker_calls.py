@@ -146,6 +146,7 @@ class WorkerCalls:
         is_first = progress.num_cached_tokens is None
         if is_first:
             progress.num_cached_tokens = msg.usage.cached_tokens
+            progress.num_pulled_tokens = msg.usage.pulled_tokens
             if not progress.token_ids:  # not a resume: the timings describe this prompt's prefill
                 self.placer.pull_cost.observe(len(job.prompt_token_ids), msg)
         if self.metrics is not None:
@@ -160,6 +161,7 @@ class WorkerCalls:
             num_prompt_tokens=len(job.prompt_token_ids),
             num_completion_tokens=len(progress.token_ids),
             num_cached_tokens=progress.num_cached_tokens,
+            num_pulled_tokens=progress.num_pulled_tokens,
             decode_worker=decision.decode,
             prefill_worker=msg.prefill_worker,
             prompt_logprobs=list(msg.prompt_logprobs),

@@ -47,7 +47,7 @@ ROUND_ROBIN = "envoy.extensions.load_balancing_policies.round_robin.v3.RoundRobi
 UPSTREAM_TLS = "envoy.extensions.transport_sockets.tls.v3.UpstreamTlsContext"
 PREVIOUS_HOSTS = "envoy.extensions.retry.host.previous_hosts.v3.PreviousHostsPredicate"
 CEL_FILTER = "envoy.extensions.access_loggers.filters.cel.v3.ExpressionFilter"
-WORKER_HEADERS = ("x-splitserve-decode-worker", "x-splitserve-prefill-worker")
+WORKER_HEADERS = ("x-splitserve-decode-worker", "x-splitserve-prefill-worker", "x-splitserve-pulled-tokens")
 EPP_DOWN_MESSAGE = "the endpoint picker did not answer; try again shortly"
 
 

@@ -31,6 +31,7 @@ class Script:
     closing_chunk_s: float | None = None  # after the last token: a chunk with no text and a finish_reason
     token_text: str = "t{i}"  # each token chunk's text ({i}: its number), written as raw UTF-8 JSON
     decode_worker: str = ""  # sent as x-splitserve-decode-worker (as the splitserve gateway does) unless ""
+    pulled_tokens: int = 0  # sent as x-splitserve-pulled-tokens unless 0
 
 
 @dataclass
@@ -136,6 +137,8 @@ class ScriptedServer:
         self.max_in_flight = max(self.max_in_flight, self.in_flight)
         try:
             worker = f"x-splitserve-decode-worker: {script.decode_worker}\r\n" if script.decode_worker else ""
+            if script.pulled_tokens:
+                worker += f"x-splitserve-pulled-tokens: {script.pulled_tokens}\r\n"
             writer.write(
                 b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n"
                 + worker.encode()

@@ -174,7 +174,7 @@ def test_failures_missing_usage_and_cached_tokens(server):
             Script(status=500),
             Script(0.01, (0.01,), completion_tokens=-1),
             Script(0.01, (0.01,), cached_tokens=6, decode_worker="10.0.0.7:50051"),
-            Script(0.01, (0.01,), cached_tokens=2),
+            Script(0.01, (0.01,), cached_tokens=2, pulled_tokens=4),
         ][n]
 
     server.reset(script)
@@ -189,6 +189,9 @@ def test_failures_missing_usage_and_cached_tokens(server):
     # the worker the gateway names is kept with the request (and read back from its record)
     assert (cached6.decode_worker, cached2.decode_worker) == ("10.0.0.7:50051", "")
     assert from_record(_record(cached6)).decode_worker == "10.0.0.7:50051"
+    # so are the prompt tokens it pulled from another worker: apart from the hits, out of the same prompts
+    assert (cached6.num_pulled_tokens, from_record(_record(cached2)).num_pulled_tokens) == (0, 4)
+    assert s["prefix_pull_rate"] == pytest.approx(4 / (8 + 8))
 
 
 def test_a_closing_chunk_without_text_is_not_a_token(server):

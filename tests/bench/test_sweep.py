@@ -1,5 +1,6 @@
 """bench/sweep.py's search and goodput on synthetic results (the sweep itself is a benchmark)."""
 
+import dataclasses
 import json
 import pathlib
 import sys
@@ -179,7 +180,9 @@ def test_the_section_has_every_point_the_goodputs_and_the_ratios():
     }
     text = sweep.render(points, ("round-robin", "prefix+queue"), meta, {"ttft": "t.png", "goodput": "g.png"})
     assert text.startswith("<!-- sweep:begin -->") and text.endswith("<!-- sweep:end -->")
-    assert "| round-robin | 1 | 24/24 | 1250 | 2500 | 50 | 900 | 1200 | 12.0 | 31 % | **no** / yes |" in text
+    assert "| round-robin | 1 | 24/24 | 1250 | 2500 | 50 | 900 | 1200 | 12.0 | 31 % | – | **no** / yes |" in text
+    pulled = dataclasses.replace(points[1], prefix_pulled=0.12)  # a run that recorded pulled tokens
+    assert "| 12.0 | 31 % | 12 % | **no** / yes |" in sweep.point_row(pulled, [2.0, 8.0])
     assert "| arm | goodput at p90 TTFT ≤ 2 s | goodput at p90 TTFT ≤ 8 s |" in text
     assert "| round-robin | 0.5; 8.0 tok/s | 1 (the ladder's top: at least); 12.0 tok/s |" in text
     assert "- at 2 s: goodput prefix+queue ÷ round robin **2.00×**" in text
@@ -269,24 +272,27 @@ def test_a_points_seeds_are_pooled_into_one_set_of_requests(tmp_path):
     from splitserve.bench.loadgen.client import RequestResult
     from splitserve.bench.loadgen.report import _record
 
-    def run_doc(rate, ttfts, duration_s, cached):
+    def run_doc(rate, ttfts, duration_s, cached, pulled=0):
         results = [
             RequestResult(i, "", "g", 224, 16, success=True, ttft_s=t, itl_s=[0.02] * 15, e2e_s=t + 0.3)
             for i, t in enumerate(ttfts)
         ]
         for r in results:
-            r.num_output_tokens, r.num_cached_tokens = 16, cached
+            r.num_output_tokens, r.num_cached_tokens, r.num_pulled_tokens = 16, cached, pulled
         return {"config": {"rate": rate}, "duration_s": duration_s, "requests": [_record(r) for r in results]}
 
     quiet = run_doc(3.0, [0.2] * 10, 4.0, 192)  # seed 0: every request fast, every prompt a hit
-    burst = run_doc(3.0, [0.2] * 8 + [3.0] * 2, 6.0, 0)  # seed 1: a queue built, misses; its p90 3 s
+    burst = run_doc(3.0, [0.2] * 8 + [3.0] * 2, 6.0, 0, 192)  # seed 1: a queue built, spills pulled; its p90 3 s
     assert sweep.pooled_summary([{"summary": {"one": 1}}]) == {"one": 1}  # one run: its own summary
     pooled = sweep.Point.from_summary("epp", 3.0, sweep.pooled_summary([quiet, burst]))
     assert pooled.completed == 20 and pooled.failed == 0
     assert pooled.ttft_p90_ms == pytest.approx(float(np.percentile([0.2] * 18 + [3.0] * 2, 90)) * 1000)
     assert 200 < pooled.ttft_p90_ms < 3000  # neither run's own p90 (200 ms, 3 s)
     assert pooled.output_tps == pytest.approx(20 * 16 / 10.0)
-    assert pooled.prefix_hit == pytest.approx(192 / 448)
+    assert pooled.prefix_hit == pytest.approx(192 / 448) and pooled.prefix_pulled == pytest.approx(192 / 448)
+    before = {"ttft_ms": None, "itl_ms": None, "e2e_ms": None, "output_throughput": 1.0, "completed": 1, "failed": 0}
+    before["prefix_cache_hit_rate"] = 0.8  # a raw run from before pulled tokens were recorded
+    assert sweep.Point.from_summary("epp", 3.0, before).prefix_pulled is None
     for name, doc in {"sweep-epp-r3.json": quiet, "sweep-epp-r3-s1.json": burst}.items():
         (tmp_path / name).write_text(sweep.json.dumps(doc))
     (tmp_path / "sweep-epp-r3-s1.kv.json").write_text("[72, 72]")

@@ -173,15 +173,17 @@ class FakeWorker(pb_grpc.WorkerServicer):
         prompt = list(request.prompt_token_ids) + list(request.resume_output_token_ids)
         hashes = self.hasher.hash_blocks(prompt)
         cached = next((i for i, h in enumerate(hashes) if h not in self.cached), len(hashes)) * self.block_size
+        # a pull the router asked for lands the holder's blocks, as the real worker's does
+        pulled = max(request.kv_pull.num_blocks * self.block_size - cached, 0) if request.HasField("kv_pull") else 0
         self._publish(pb.KVEvent(stored=pb.BlockStored(block_hashes=hashes)), hashes)
         try:
-            async for msg in self._stream(request, prompt, cached):
+            async for msg in self._stream(request, prompt, cached, pulled):
                 yield msg
         except asyncio.CancelledError:
             self.cancelled.append(request.request_id)
             raise
 
-    async def _stream(self, request, prompt, cached):
+    async def _stream(self, request, prompt, cached, pulled=0):
         max_tokens = request.params.max_tokens if request.params.HasField("max_tokens") else 16
         max_tokens -= len(request.resume_output_token_ids)
         out: list[int] = []
@@ -219,7 +221,9 @@ class FakeWorker(pb_grpc.WorkerServicer):
                 text=delta,
                 logprobs=lps,
                 finish_reason=finish,
-                usage=pb.Usage(prompt_tokens=len(prompt), completion_tokens=len(out), cached_tokens=cached),
+                usage=pb.Usage(
+                    prompt_tokens=len(prompt), completion_tokens=len(out), cached_tokens=cached, pulled_tokens=pulled
+                ),
                 prefill_worker=request.prefill_workers[0] if request.prefill_workers else "",
                 prompt_logprobs=prompt_lps,
                 embedding=embedding,

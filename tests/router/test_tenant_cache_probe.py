@@ -5,10 +5,13 @@ the prefix itself (router/tenancy/prefix_owners.py). A real router app on a sock
 
 from __future__ import annotations
 
+import time
+
 import openai
 import pytest
 from routerkit import FakeWorker, RouterServer, router_config
 
+from splitserve.platform.wire import worker_pb2 as pb
 from splitserve.router.config import ApiKey, GatewayConfig
 from splitserve.router.tenancy.prefix_owners import PrefixOwners
 
@@ -56,3 +59,64 @@ def test_prefix_owners_are_bounded_and_chain_by_prefix():
     assert owners.owned_tokens("b", [b"1", b"2"]) == 0
     owners.record("b", [b"4", b"5"])
     assert len(owners) == 4 and owners.owned_tokens("a", [b"1"]) == 0  # the least recently sent went first
+
+
+# ---- a pulled prefix: x-splitserve-pulled-tokens, within the same bound ----------------------------
+@pytest.fixture(scope="module")
+def pair(loop, tokenizer):
+    """Two colocated FakeWorkers: either may serve a request and be pulled from."""
+    workers = [loop.run(FakeWorker("both", tokenizer=tokenizer).start()) for _ in range(2)]
+    keys = (ApiKey("sk-a", "team-a"), ApiKey("sk-b", "team-b"))
+    server = RouterServer(
+        loop, router_config([w.address for w in workers], gateway=GatewayConfig(api_keys=keys)), tokenizer=tokenizer
+    )
+    server.start(num_decode=2)
+    yield server, workers
+    server.stop()
+    for w in workers:
+        loop.run(w.stop())
+
+
+def ask(server, key: str, prompt: list[int]):
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key=key, max_retries=0, timeout=30)
+    raw = client.completions.with_raw_response.create(model=MODEL, prompt=prompt, max_tokens=1)
+    return raw.headers, raw.parse().usage
+
+
+def fill_cache(server, loop, worker, kv_usage: float) -> None:
+    """The worker reports its KV cache this full, and the router has read it."""
+    worker.load = pb.LoadReport(kv_usage=kv_usage)
+    deadline = time.monotonic() + 10
+    while loop.call(lambda: server.router.pool.workers[worker.address].load.kv_usage) != kv_usage:
+        assert time.monotonic() < deadline, "the router did not read the load report"
+        time.sleep(0.05)
+
+
+def test_a_pulled_prefix_is_named_only_within_what_the_key_sent(pair, loop):
+    """A request placed away from the worker holding its prefix (that worker's cache is full) pulls
+    the prefix from it: the response says how many prompt tokens were pulled, beside cached_tokens,
+    which counts only the serving worker's own cache. A key is told of a pull only as far as it
+    sent the prefix itself, as for cached_tokens: team-b learns nothing of team-a's prompt."""
+    server, workers = pair
+    prefix = list(range(2000, 2048))  # three blocks of 16
+    headers, _ = ask(server, "sk-a", prefix + [1])
+    holder = next(w for w in workers if w.address == headers["x-splitserve-decode-worker"])
+    other = next(w for w in workers if w is not holder)
+    fill_cache(server, loop, holder, 1.0)
+    headers, usage = ask(server, "sk-a", prefix + [2])
+    assert headers["x-splitserve-decode-worker"] == other.address
+    assert other.requests[-1].kv_pull.holder == holder.address  # the router asked for the pull
+    assert headers["x-splitserve-pulled-tokens"] == "48" and usage.prompt_tokens_details.cached_tokens == 0
+
+    secret = list(range(3000, 3048))
+    fill_cache(server, loop, holder, 0.0)
+    fill_cache(server, loop, other, 1.0)
+    headers, _ = ask(server, "sk-a", secret + [1])  # team-a's prompt, cached on the holder only
+    assert headers["x-splitserve-decode-worker"] == holder.address
+    fill_cache(server, loop, holder, 1.0)
+    fill_cache(server, loop, other, 0.0)
+    headers, usage = ask(server, "sk-b", secret + [2])  # team-b's guess: pulled from the holder
+    assert other.requests[-1].kv_pull.num_blocks == 3
+    assert "x-splitserve-pulled-tokens" not in headers and usage.prompt_tokens_details.cached_tokens == 0
+    headers, usage = ask(server, "sk-a", secret + [3])  # team-a's own prefix, now on the other worker too
+    assert headers["x-splitserve-decode-worker"] == other.address and usage.prompt_tokens_details.cached_tokens == 48
