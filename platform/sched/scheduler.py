@@ -310,6 +310,10 @@ class Scheduler:
                 f"pulled up to {num_computed_tokens} of {req.num_tokens} tokens"
             )
             req.num_computed_tokens = num_computed_tokens
+            # The pulled blocks hold their KV now: into the prefix cache at once. Left to the
+            # step that computes the rest, they would be neither cached nor in flight (rule 3)
+            # until it ends, and a request waiting for them would compute them again beside it.
+            self.kv.register_computed_blocks(req)
         req.status = RequestStatus.RUNNING
         self.running.append(req)
         return True

@@ -263,3 +263,23 @@ def test_a_remote_follower_waits_for_the_leaders_kv_and_transfers_less():
     assert [r.req_id for r in sched.take_kv_ready()] == ["b"]
     assert follow.num_cached_tokens == 16  # only its last block must travel
     kv.check_invariants()
+
+
+def test_a_follower_reuses_a_pulled_prefix_as_soon_as_it_lands():
+    """A pull brings the shared prefix and the rest of the leader's prompt is computed here
+    (`fallback_to_local_prefill` with the pulled end). The follower, which waited while the pull
+    was in flight (rule 3), hits the pulled blocks in the very step that computes the leader's
+    rest, instead of computing the prefix a second time beside it."""
+    sched, pool, kv = make(budget=64)
+    lead = Request("a", SHARED + [50], SamplingParams(max_tokens=2, ignore_eos=True), HASHER, remote_prefill=True)
+    follow = req("b", SHARED + [60], max_tokens=1)
+    sched.add_request(lead)
+    sched.add_request(follow)
+    plan, _ = run_step(sched)
+    assert plan.seqs == () and [r.req_id for r in sched.take_kv_ready()] == ["a"]
+    assert sched.stats.num_prefix_waits == 1  # b waits for the blocks the pull brings
+    assert sched.fallback_to_local_prefill("a", 16)  # the pull landed all four shared blocks
+    plan, _ = run_step(sched)
+    assert [(s.req_id, s.start_pos, s.num_tokens) for s in plan.seqs] == [("a", 16, 1), ("b", 16, 1)]
+    assert follow.num_cached_tokens == 16
+    kv.check_invariants()
