@@ -94,7 +94,7 @@ bench: setup peer
 	$(PY) bench/serving_suite.py --write docs/benchmarks.md --plots docs/bench --peer-python $(PEER)/bin/python
 	$(PY) bench/w6_multiturn.py --write docs/benchmarks.md
 	$(PY) bench/epp_w1.py --write docs/benchmarks.md
-	$(PY) bench/sweep.py --write docs/benchmarks.md --plots docs/benchmarks --rates 2,2.5,3,3.5,4,4.5,5,5.5,6 --requests 48 --seeds 3 --arms round-robin,round-robin+pull,prefix+queue,epp
+	$(PY) bench/sweep.py --write docs/benchmarks.md --plots docs/benchmarks --rates 1.5,1.75,2,2.25,2.5,3,3.5,4,4.25,4.5,4.75,5,5.5,6 --requests 48 --seeds 3 --arms round-robin,round-robin+pull,prefix+queue,epp
 
 peer: $(PEER_STAMP)
 
