@@ -12,8 +12,9 @@ Statistics: mean, std (population), p50 (the median), p90, p99 with numpy's line
 interpolation; values in milliseconds. An empty set gives None, where vLLM prints 0.
 Beyond vLLM: the server-reported prefix-cache hit rate (Σ cached_tokens / Σ prompt tokens, of
 the requests whose usage has `prompt_tokens_details`), the pull rate (Σ pulled tokens, from
-splitserve's x-splitserve-pulled-tokens header, / Σ prompt tokens, of the same), the peak number of requests in flight,
-and the number of requests whose output length differs from max_tokens (ignore_eos not honoured).
+splitserve's x-splitserve-pulled-tokens header, / Σ prompt tokens, of the same), the peak
+number of requests in flight, and the number of requests whose output length differs from
+max_tokens (ignore_eos not honoured).
 """
 
 from __future__ import annotations
@@ -93,6 +94,13 @@ def peak_in_flight(results: list[RequestResult]) -> int:
     return peak
 
 
+def _share_of_prompts(results: list[RequestResult], tokens) -> float | None:
+    """Σ tokens(r) / Σ prompt tokens over `results`; None when there are none."""
+    if not results:
+        return None
+    return sum(map(tokens, results)) / max(1, sum(r.num_prompt_tokens for r in results))
+
+
 def compute(results: list[RequestResult], duration_s: float, slo: SLO | None) -> dict:
     """The summary of one set of requests (a whole run or one category) over `duration_s`."""
     ok = [r for r in results if r.success]
@@ -119,18 +127,10 @@ def compute(results: list[RequestResult], duration_s: float, slo: SLO | None) ->
         # of gaps sits below p99), this one counts it once per request that met it.
         "max_itl_ms": stats_ms([max(r.itl_s) for r in ok if r.itl_s]),
         "e2e_ms": stats_ms([r.e2e_s for r in ok]),
-        "prefix_cache_hit_rate": (
-            sum(r.num_cached_tokens for r in with_cache) / max(1, sum(r.num_prompt_tokens for r in with_cache))
-        )
-        if with_cache
-        else None,
+        "prefix_cache_hit_rate": _share_of_prompts(with_cache, lambda r: r.num_cached_tokens),
         # Prompt tokens whose KV the decode worker pulled from another worker (splitserve's
         # x-splitserve-pulled-tokens): neither computed nor in its own cache, so apart from the hits.
-        "prefix_pull_rate": (
-            sum(r.num_pulled_tokens for r in with_cache) / max(1, sum(r.num_prompt_tokens for r in with_cache))
-        )
-        if with_cache
-        else None,
+        "prefix_pull_rate": _share_of_prompts(with_cache, lambda r: r.num_pulled_tokens),
         "peak_in_flight": peak_in_flight(ok),
         "output_len_mismatch": sum(r.output_tokens != r.max_tokens for r in ok),
     }
